@@ -1,0 +1,28 @@
+"""Why an event could not be applied (fully); the index stays consistent in every case."""
+
+from __future__ import annotations
+
+from indexer.slots import WorkerRank
+
+__all__ = ["BlockNotFound", "InvalidBlockSequence", "KvIndexError", "ParentBlockNotFound"]
+
+
+class KvIndexError(Exception):
+    """An event that could not be applied (fully)."""
+
+
+class ParentBlockNotFound(KvIndexError):
+    """A store's parent is not held by the sending worker: nothing of the event was applied."""
+
+
+class BlockNotFound(KvIndexError):
+    """Some removed hashes were not held by the sender; all the others were removed."""
+
+    def __init__(self, worker: WorkerRank, missing: list[int]) -> None:
+        shown = ", ".join(str(h) for h in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        super().__init__(f"worker {worker[0]} dp_rank {worker[1]}: {len(missing)} unknown block(s): {shown}")
+        self.missing = missing
+
+
+class InvalidBlockSequence(KvIndexError):
+    """A store whose block list contains its own parent: rejected whole."""

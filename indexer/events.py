@@ -1,0 +1,219 @@
+"""KV-event wire types, JSON- and msgpack-compatible with NVIDIA Dynamo 1.6.1.
+
+A worker reports ``KvCacheEvent``s; on the wire they travel wrapped in a ``RouterEvent`` that names
+the worker and the storage tier::
+
+    {"worker_id": 7, "storage_tier": "device",
+     "event": {"event_id": 3, "dp_rank": 0,
+               "data": {"stored": {"parent_hash": null,
+                                   "blocks": [{"block_hash": 11, "tokens_hash": 12}]}}}}
+
+``data`` is Dynamo's externally tagged enum: ``{"stored": ...}``, ``{"removed": ...}`` or the bare
+string ``"cleared"`` (``{"cleared": null}`` is accepted too). Hashes are u64; engines that send
+signed i64 hashes are reinterpreted bitwise. Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import StrEnum
+from typing import Annotated, Literal
+
+import msgspec
+
+__all__ = [
+    "BlockMmInfo",
+    "EventDecodeError",
+    "KvCacheEvent",
+    "KvCacheEventData",
+    "KvRemovedData",
+    "KvStoredData",
+    "MmObject",
+    "RouterEvent",
+    "StorageTier",
+    "StoredBlock",
+    "cleared_event",
+    "decode_router_events",
+    "encode_router_events",
+    "removed_event",
+    "stored_event",
+]
+
+U64_MAX = (1 << 64) - 1
+U32_MAX = (1 << 32) - 1
+_I64_MIN = -(1 << 63)
+
+# msgspec cannot bound integers above i64, so the u64 ceiling is checked in `__post_init__`.
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
+# A hash as engines send it: u64, or i64 to be reinterpreted as u64 (see `_as_u64`).
+WireHash = Annotated[int, msgspec.Meta(ge=_I64_MIN)]
+
+
+def _as_u64(value: int, what: str) -> int:
+    """``value`` as u64: negative i64 values are reinterpreted bitwise, larger values rejected."""
+    if value > U64_MAX:
+        raise ValueError(f"{what} {value} does not fit in u64")
+    return value + (1 << 64) if value < 0 else value
+
+
+def _check_u64(value: int, what: str) -> None:
+    if value > U64_MAX:
+        raise ValueError(f"{what} {value} does not fit in u64")
+
+
+class StorageTier(StrEnum):
+    """Where a worker holds a block; lower tiers give partial credit when routing."""
+
+    DEVICE = "device"
+    HOST_PINNED = "host_pinned"
+    DISK = "disk"
+    EXTERNAL = "external"
+
+
+LOWER_TIERS: tuple[StorageTier, ...] = (StorageTier.HOST_PINNED, StorageTier.DISK, StorageTier.EXTERNAL)
+
+
+class MmObject(msgspec.Struct):
+    """One multimodal object of a block; only ``mm_hash`` enters the block hash."""
+
+    mm_hash: U64
+    offsets: list[tuple[int, int]] = []
+
+    def __post_init__(self) -> None:
+        _check_u64(self.mm_hash, "mm_hash")
+
+
+class BlockMmInfo(msgspec.Struct):
+    mm_objects: list[MmObject]
+
+
+class StoredBlock(msgspec.Struct):
+    """A stored block: the engine's opaque ``block_hash`` and Dynamo's local ``tokens_hash``."""
+
+    block_hash: WireHash
+    tokens_hash: WireHash
+    mm_extra_info: BlockMmInfo | None = None
+
+
+class KvStoredData(msgspec.Struct):
+    """Blocks stored as a chain under ``parent_hash`` (``None``: under the root)."""
+
+    blocks: list[StoredBlock]
+    parent_hash: WireHash | None = None
+    start_position: U32 | None = None
+
+    def __post_init__(self) -> None:
+        # `h >> 64` is non-zero exactly for negative and oversized values: one cheap test per hash.
+        if self.parent_hash is not None and self.parent_hash >> 64:
+            self.parent_hash = _as_u64(self.parent_hash, "parent_hash")
+        for block in self.blocks:
+            if block.block_hash >> 64 or block.tokens_hash >> 64:
+                block.block_hash = _as_u64(block.block_hash, "block_hash")
+                block.tokens_hash = _as_u64(block.tokens_hash, "tokens_hash")
+
+
+class KvRemovedData(msgspec.Struct):
+    block_hashes: list[WireHash]
+
+    def __post_init__(self) -> None:
+        if any(h >> 64 for h in self.block_hashes):
+            self.block_hashes = [_as_u64(h, "block_hash") for h in self.block_hashes]
+
+
+class KvCacheEventData(msgspec.Struct, omit_defaults=True):
+    """The tagged map form of an event's data: exactly one of the three keys is present."""
+
+    stored: KvStoredData | None = None
+    removed: KvRemovedData | None = None
+    cleared: msgspec.UnsetType | None = msgspec.UNSET
+
+    def __post_init__(self) -> None:
+        present = (self.stored is not None) + (self.removed is not None) + (self.cleared is not msgspec.UNSET)
+        if present != 1:
+            raise ValueError("event data must hold exactly one of 'stored', 'removed' or 'cleared'")
+
+
+class KvCacheEvent(msgspec.Struct):
+    """One event of one (worker, dp_rank) stream; ``event_id`` numbers that stream from 1."""
+
+    event_id: U64
+    data: Literal["cleared"] | KvCacheEventData
+    dp_rank: U32 = 0
+
+    def __post_init__(self) -> None:
+        _check_u64(self.event_id, "event_id")
+        # One canonical form for "cleared", so consumers test a single thing and re-encoding
+        # always produces Dynamo's bare string.
+        if not isinstance(self.data, str) and self.data.cleared is not msgspec.UNSET:
+            self.data = "cleared"
+
+    @property
+    def stored(self) -> KvStoredData | None:
+        return None if isinstance(self.data, str) else self.data.stored
+
+    @property
+    def removed(self) -> KvRemovedData | None:
+        return None if isinstance(self.data, str) else self.data.removed
+
+    @property
+    def is_cleared(self) -> bool:
+        return isinstance(self.data, str)
+
+
+class RouterEvent(msgspec.Struct):
+    """A worker's event as it travels to the router."""
+
+    worker_id: U64
+    event: KvCacheEvent
+    storage_tier: StorageTier = StorageTier.DEVICE
+
+    def __post_init__(self) -> None:
+        _check_u64(self.worker_id, "worker_id")
+
+
+def stored_event(
+    event_id: int,
+    blocks: Iterable[tuple[int, int]],
+    *,
+    parent_hash: int | None = None,
+    dp_rank: int = 0,
+) -> KvCacheEvent:
+    """A ``stored`` event from ``(block_hash, tokens_hash)`` pairs."""
+    stored = KvStoredData(blocks=[StoredBlock(b, t) for b, t in blocks], parent_hash=parent_hash)
+    return KvCacheEvent(event_id=event_id, data=KvCacheEventData(stored=stored), dp_rank=dp_rank)
+
+
+def removed_event(event_id: int, block_hashes: Iterable[int], *, dp_rank: int = 0) -> KvCacheEvent:
+    removed = KvRemovedData(block_hashes=list(block_hashes))
+    return KvCacheEvent(event_id=event_id, data=KvCacheEventData(removed=removed), dp_rank=dp_rank)
+
+
+def cleared_event(event_id: int, *, dp_rank: int = 0) -> KvCacheEvent:
+    return KvCacheEvent(event_id=event_id, data="cleared", dp_rank=dp_rank)
+
+
+class EventDecodeError(ValueError):
+    """A KV-event payload that is not a valid ``RouterEvent`` or list of them; says what and where."""
+
+
+_OneOrMany = RouterEvent | list[RouterEvent]
+_json_decoder = msgspec.json.Decoder(_OneOrMany)
+_msgpack_decoder = msgspec.msgpack.Decoder(_OneOrMany)
+_json_encoder = msgspec.json.Encoder()
+_msgpack_encoder = msgspec.msgpack.Encoder()
+
+
+def decode_router_events(payload: bytes | bytearray | memoryview, *, msgpack: bool = False) -> list[RouterEvent]:
+    """Decode one ``RouterEvent`` or a list of them from JSON (default) or msgpack bytes."""
+    decoder = _msgpack_decoder if msgpack else _json_decoder
+    try:
+        decoded = decoder.decode(payload)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError too
+        kind = "msgpack" if msgpack else "JSON"
+        raise EventDecodeError(f"invalid RouterEvent {kind}: {exc}") from None
+    return decoded if isinstance(decoded, list) else [decoded]
+
+
+def encode_router_events(events: RouterEvent | list[RouterEvent], *, msgpack: bool = False) -> bytes:
+    return (_msgpack_encoder if msgpack else _json_encoder).encode(events)

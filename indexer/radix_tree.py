@@ -1,0 +1,408 @@
+"""The KV-cache index: which (worker, dp_rank) holds which prompt prefix.
+
+A prefix tree over local block hashes (``tokens_hash``), one node per block, with per-block ownership:
+a node records, as a bitmask, every (worker, dp_rank) that currently holds that block. A worker's
+score for a query is the number of leading query blocks it holds along one root-anchored path, which
+is what NVIDIA Dynamo 1.6.1's compressed tree answers for every stream engines produce (leaf-first
+eviction; see shared/reference/oracle.md §2.4).
+
+Events reach nodes through each (worker, dp_rank)'s own map ``block_hash -> node``: a store's
+``parent_hash`` and a removal's hashes are resolved only in the sender's map, so a worker that uses a
+different engine hash for a shared node can still extend and remove it by its own hash.
+
+Memory matters at millions of blocks, so a node keeps a single child inline and only grows a dict
+when it branches, and ownership is an int bitmask over small slot numbers.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from indexer.errors import BlockNotFound, InvalidBlockSequence, KvIndexError, ParentBlockNotFound
+from indexer.events import (
+    LOWER_TIERS,
+    KvCacheEvent,
+    KvCacheEventData,
+    KvStoredData,
+    RouterEvent,
+    StorageTier,
+    StoredBlock,
+)
+from indexer.lower_tier import LowerTierIndex
+from indexer.slots import SlotTable, WorkerRank, iter_bits
+
+__all__ = [
+    "BlockNotFound",
+    "IndexStats",
+    "InvalidBlockSequence",
+    "KvIndexError",
+    "OverlapScores",
+    "ParentBlockNotFound",
+    "RadixTree",
+]
+
+
+@dataclass(slots=True)
+class OverlapScores:
+    """Device-tier matched blocks per (worker_id, dp_rank), zeros omitted, and per lower tier the
+    consecutive blocks found beyond the device match (extension blocks), zeros omitted."""
+
+    scores: dict[WorkerRank, int] = field(default_factory=dict)
+    tier_hits: dict[StorageTier, dict[WorkerRank, int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class IndexStats:
+    blocks: dict[WorkerRank, int]
+    nodes: int
+    lower_tier_blocks: dict[StorageTier, int]
+    estimated_bytes: int
+
+
+class _Node:
+    __slots__ = ("block_hash", "children", "local_hash", "owners", "parent")
+
+    def __init__(self, block_hash: int, local_hash: int, parent: _Node | None, owners: int) -> None:
+        self.block_hash = block_hash
+        self.local_hash = local_hash
+        self.parent = parent
+        self.owners = owners
+        # None (leaf), the only child itself, or a dict local_hash -> child once the node branches.
+        self.children: _Node | dict[int, _Node] | None = None
+
+
+def _child(node: _Node, local_hash: int) -> _Node | None:
+    kids = node.children
+    if kids is None:
+        return None
+    if isinstance(kids, dict):
+        return kids.get(local_hash)
+    return kids if kids.local_hash == local_hash else None
+
+
+def _children(node: _Node) -> Iterator[_Node]:
+    kids = node.children
+    if kids is None:
+        return iter(())
+    if isinstance(kids, dict):
+        return iter(kids.values())
+    return iter((kids,))
+
+
+def _add_child(node: _Node, child: _Node) -> None:
+    kids = node.children
+    if kids is None:
+        node.children = child
+    elif isinstance(kids, dict):
+        kids[child.local_hash] = child
+    else:
+        node.children = {kids.local_hash: kids, child.local_hash: child}
+
+
+def _remove_child(node: _Node, child: _Node) -> None:
+    kids = node.children
+    if kids is child:
+        node.children = None
+    elif isinstance(kids, dict):
+        del kids[child.local_hash]
+        if len(kids) == 1:
+            node.children = next(iter(kids.values()))
+
+
+class _SlotBlocks:
+    """One (worker, dp_rank)'s device-tier state."""
+
+    __slots__ = ("aliases", "lookup", "owned")
+
+    def __init__(self) -> None:
+        self.lookup: dict[int, _Node] = {}
+        # Nodes this worker knows under a different block hash than the node's own (first writer's).
+        self.aliases: dict[_Node, int] = {}
+        self.owned = 0
+
+
+# Rough per-object costs on 64-bit CPython, for `stats().estimated_bytes`.
+_NODE_BYTES = sys.getsizeof(_Node(0, 0, None, 0)) + 2 * sys.getsizeof(1 << 63)
+_LOOKUP_ENTRY_BYTES = 48
+_BRANCH_DICT_BYTES = sys.getsizeof({1: 1, 2: 2})
+
+
+class RadixTree:
+    """Per-block radix tree over local block hashes with per-(worker, dp_rank) ownership."""
+
+    def __init__(self) -> None:
+        self._root = _Node(0, 0, None, 0)
+        self._slots = SlotTable()
+        self._blocks: dict[int, _SlotBlocks] = {}  # slot -> state
+        self._lower = {tier: LowerTierIndex(self._slots) for tier in LOWER_TIERS}
+        self._nodes = 0
+        self._branch_nodes = 0
+
+    # ------------------------------------------------------------------ events
+    def apply_router_event(self, router_event: RouterEvent) -> None:
+        self.apply_event(router_event.worker_id, router_event.event, router_event.storage_tier)
+
+    def apply_event(self, worker_id: int, event: KvCacheEvent, storage_tier: StorageTier = StorageTier.DEVICE) -> None:
+        """Apply one event of ``worker_id``; raises a ``KvIndexError`` for a (partly) rejected one."""
+        if storage_tier is not StorageTier.DEVICE:
+            self._lower[storage_tier].apply_event(worker_id, event)
+            return
+        worker = (worker_id, event.dp_rank)
+        data = event.data
+        if isinstance(data, str):
+            slot = self._slots.find(worker)
+            if slot is not None:
+                self._clear_slot(slot)
+            return
+        if data.stored is not None:
+            slot = self._slots.acquire(worker)
+            state = self._blocks.get(slot)
+            if state is None:
+                state = self._blocks[slot] = _SlotBlocks()
+            self._store(worker, slot, state, data.stored)
+        elif data.removed is not None:
+            slot = self._slots.find(worker)
+            hashes = data.removed.block_hashes
+            missing = list(hashes) if slot is None else self._remove(slot, self._blocks[slot], hashes)
+            if missing:
+                raise BlockNotFound(worker, missing)
+
+    def _store(self, worker: WorkerRank, slot: int, state: _SlotBlocks, stored: KvStoredData) -> None:
+        bit = 1 << slot
+        lookup = state.lookup
+        parent_hash = stored.parent_hash
+        blocks = stored.blocks
+        if parent_hash is None:
+            node = self._root
+        else:
+            found = lookup.get(parent_hash)
+            if found is None or not found.owners & bit:
+                raise ParentBlockNotFound(f"worker {worker[0]} dp_rank {worker[1]}: parent block {parent_hash}")
+            if any(block.block_hash == parent_hash for block in blocks):
+                raise InvalidBlockSequence(f"worker {worker[0]}: stored blocks contain their parent {parent_hash}")
+            node = found
+        for block in blocks:
+            block_hash = block.block_hash
+            child = _child(node, block.tokens_hash)
+            if child is None:
+                child = _Node(block_hash, block.tokens_hash, node, bit)
+                if node.children is not None and not isinstance(node.children, dict):
+                    self._branch_nodes += 1
+                _add_child(node, child)
+                self._nodes += 1
+                state.owned += 1
+            else:
+                if not child.owners & bit:
+                    child.owners |= bit
+                    state.owned += 1
+                if child.block_hash != block_hash:
+                    state.aliases[child] = block_hash
+            previous = lookup.get(block_hash)
+            if previous is not None and previous is not child and previous.owners & bit:
+                # The worker reuses a hash for another position: it no longer holds the old one.
+                self._disown(slot, state, previous)
+            lookup[block_hash] = child
+            node = child
+
+    def _remove(self, slot: int, state: _SlotBlocks, hashes: Sequence[int]) -> list[int]:
+        bit = 1 << slot
+        lookup = state.lookup
+        missing = []
+        for block_hash in hashes:
+            node = lookup.pop(block_hash, None)
+            if node is None or not node.owners & bit:
+                missing.append(block_hash)
+            else:
+                self._disown(slot, state, node)
+        return missing
+
+    def _disown(self, slot: int, state: _SlotBlocks, node: _Node) -> None:
+        node.owners &= ~(1 << slot)
+        state.owned -= 1
+        if state.aliases:
+            state.aliases.pop(node, None)
+        self._prune(node)
+
+    def _prune(self, node: _Node) -> None:
+        """Detach ``node`` and its ancestors while they are ownerless leaves."""
+        root = self._root
+        while node is not root and not node.owners and node.children is None:
+            parent = node.parent
+            assert parent is not None
+            if isinstance(parent.children, dict) and len(parent.children) == 2:
+                self._branch_nodes -= 1
+            _remove_child(parent, node)
+            node.parent = None
+            self._nodes -= 1
+            node = parent
+
+    def _clear_slot(self, slot: int) -> None:
+        state = self._blocks.get(slot)
+        if state is None:
+            return
+        for node in list(state.lookup.values()):
+            if node.owners >> slot & 1:
+                self._disown(slot, state, node)
+        state.lookup = {}
+        state.aliases = {}
+
+    # ------------------------------------------------------------------ workers
+    def clear_all_blocks(self, worker_id: int) -> None:
+        """Forget every block of every dp rank of ``worker_id`` (all tiers); the worker stays known."""
+        for slot in self._slots.slots_of(worker_id):
+            self._clear_slot(slot)
+        for lower in self._lower.values():
+            lower.clear_worker(worker_id)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget ``worker_id`` entirely, returning its memory."""
+        for slot in self._slots.slots_of(worker_id):
+            self._drop_slot(slot)
+
+    def remove_worker_dp_rank(self, worker_id: int, dp_rank: int) -> None:
+        slot = self._slots.find((worker_id, dp_rank))
+        if slot is not None:
+            self._drop_slot(slot)
+
+    def _drop_slot(self, slot: int) -> None:
+        self._clear_slot(slot)
+        self._blocks.pop(slot, None)
+        for lower in self._lower.values():
+            lower.clear_slot(slot)
+        self._slots.release(slot)
+
+    def workers(self) -> list[WorkerRank]:
+        """Every (worker_id, dp_rank) the index has seen and not removed."""
+        return self._slots.keys()
+
+    # ------------------------------------------------------------------ queries
+    def find_matches(self, local_hashes: Sequence[int]) -> OverlapScores:
+        """Per (worker, dp_rank), how many leading blocks of ``local_hashes`` it holds."""
+        result = OverlapScores()
+        if not local_hashes:
+            return result
+        scores = result.scores
+        keys = self._slots.key_list
+        node = _child(self._root, local_hashes[0])
+        if node is None or not node.owners:
+            return self._lower_tier_matches(result, local_hashes, None)
+        active = node.owners
+        depth = 1
+        path = [node] if self._has_lower_tiers() else None
+        child: _Node | None
+        for local_hash in local_hashes[1:]:
+            kids = node.children
+            if kids is None:
+                break
+            if isinstance(kids, dict):
+                child = kids.get(local_hash)
+                if child is None:
+                    break
+            elif kids.local_hash == local_hash:
+                child = kids
+            else:
+                break
+            owners = child.owners
+            if owners != active:
+                remaining = active & owners
+                if remaining != active:
+                    for slot in iter_bits(active ^ remaining):
+                        scores[keys[slot]] = depth  # type: ignore[index]
+                    if not remaining:
+                        active = 0
+                        break
+                    active = remaining
+            node = child
+            depth += 1
+            if path is not None:
+                path.append(node)
+        for slot in iter_bits(active):
+            scores[keys[slot]] = depth  # type: ignore[index]
+        return self._lower_tier_matches(result, local_hashes, path)
+
+    def _has_lower_tiers(self) -> bool:
+        return any(lower.edge_count for lower in self._lower.values())
+
+    def _lower_tier_matches(
+        self, result: OverlapScores, local_hashes: Sequence[int], path: list[_Node] | None
+    ) -> OverlapScores:
+        if not self._has_lower_tiers():
+            return result
+        # Each worker continues from the end of its device match with its own hash for that block.
+        cursors: dict[int, tuple[int, int | None]] = {}
+        for worker, depth in result.scores.items():
+            slot = self._slots.find(worker)
+            assert slot is not None and path is not None
+            last = path[depth - 1]
+            state = self._blocks[slot]
+            cursors[slot] = (depth, state.aliases.get(last, last.block_hash))
+        for tier in LOWER_TIERS:
+            hits = self._lower[tier].extend(local_hashes, cursors)
+            if hits:
+                result.tier_hits[tier] = hits
+        return result
+
+    # ------------------------------------------------------------------ dumps and stats
+    def dump_events(self) -> list[RouterEvent]:
+        """The whole index as stored events; replaying them into an empty tree gives the same answers.
+
+        Device chains are merged into one multi-block event per linear run a worker holds; blocks a
+        worker holds below a block it does not hold cannot score and are left out.
+        """
+        events: list[RouterEvent] = []
+        for slot, (worker_id, dp_rank) in self._slots.items():
+            state = self._blocks.get(slot)
+            if state is not None and state.owned:
+                for parent_hash, blocks in self._owned_chains(slot, state):
+                    event = KvCacheEvent(
+                        event_id=len(events),
+                        data=_stored_data(blocks, parent_hash),
+                        dp_rank=dp_rank,
+                    )
+                    events.append(RouterEvent(worker_id=worker_id, event=event))
+        for tier, lower in self._lower.items():
+            for worker_id, event in lower.dump(first_event_id=len(events)):
+                events.append(RouterEvent(worker_id=worker_id, event=event, storage_tier=tier))
+        return events
+
+    def _owned_chains(self, slot: int, state: _SlotBlocks) -> Iterator[tuple[int | None, list[StoredBlock]]]:
+        bit = 1 << slot
+        aliases = state.aliases
+        pending: list[tuple[_Node, int | None]] = [
+            (child, None) for child in _children(self._root) if child.owners & bit
+        ]
+        while pending:
+            node, parent_hash = pending.pop()
+            chain = []
+            while True:
+                chain.append(StoredBlock(aliases.get(node, node.block_hash), node.local_hash))
+                owned = [child for child in _children(node) if child.owners & bit]
+                if len(owned) != 1:
+                    break
+                node = owned[0]
+            last_hash = chain[-1].block_hash
+            pending.extend((child, last_hash) for child in owned)
+            yield parent_hash, chain
+
+    def stats(self) -> IndexStats:
+        blocks = {}
+        lookup_entries = 0
+        for slot, worker in self._slots.items():
+            state = self._blocks.get(slot)
+            if state is not None:
+                blocks[worker] = state.owned
+                lookup_entries += len(state.lookup)
+        lower_blocks = {tier: lower.edge_count for tier, lower in self._lower.items() if lower.edge_count}
+        estimated = (
+            self._nodes * _NODE_BYTES
+            + lookup_entries * _LOOKUP_ENTRY_BYTES
+            + self._branch_nodes * _BRANCH_DICT_BYTES
+            + sum(lower.estimated_bytes() for lower in self._lower.values())
+        )
+        return IndexStats(blocks=blocks, nodes=self._nodes, lower_tier_blocks=lower_blocks, estimated_bytes=estimated)
+
+
+def _stored_data(blocks: list[StoredBlock], parent_hash: int | None) -> KvCacheEventData:
+    return KvCacheEventData(stored=KvStoredData(blocks=blocks, parent_hash=parent_hash))
