@@ -1,0 +1,102 @@
+"""Bodies in and out: JSON or msgpack, chosen by ``Content-Type`` and ``Accept``.
+
+A hot route sees a request as a `Call` (raw body plus the few headers it reads) and answers with a
+`Reply` (status and encoded bytes); both the ASGI fast path and the FastAPI routes translate to and
+from these, so a handler never touches a framework object. Decoders are typed and built once per
+body type (`BodyDecoder`), and decoding failures become the API's 400 / 422 errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from api.errors import InvalidRequest, MalformedBody
+
+__all__ = [
+    "JSON",
+    "MSGPACK",
+    "BodyDecoder",
+    "Call",
+    "Reply",
+    "encode",
+    "is_msgpack",
+    "query_flag",
+]
+
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+
+T = TypeVar("T")
+
+_json_encode = msgspec.json.Encoder().encode
+_msgpack_encode = msgspec.msgpack.Encoder().encode
+
+
+def is_msgpack(media_type: str | bytes | None) -> bool:
+    """True for application/msgpack and its older spellings (x-msgpack, vnd.msgpack)."""
+    if not media_type:
+        return False
+    text = media_type.decode("latin-1") if isinstance(media_type, bytes) else media_type
+    return "msgpack" in text.lower()
+
+
+def query_flag(query: bytes, name: bytes) -> bool:
+    """Whether ``name=true`` (or ``=1`` / ``=yes``, or a bare ``name``) is in a raw query string."""
+    for part in query.split(b"&"):
+        key, _, value = part.partition(b"=")
+        if key == name:
+            return value.lower() in (b"", b"1", b"true", b"yes")
+    return False
+
+
+@dataclass(slots=True)
+class Call:
+    """What a hot route reads from an HTTP request."""
+
+    body: bytes
+    msgpack: bool = False
+    reply_msgpack: bool = False
+    request_id: str | None = None  # the X-Request-Id header
+    explain: bool = False  # the ?explain=true query flag
+
+
+@dataclass(slots=True)
+class Reply:
+    """What a hot route answers: a status and a body already encoded for the client."""
+
+    status: int
+    body: bytes
+    msgpack: bool = False
+    request_id: str | None = None  # echoed as X-Request-Id
+
+    @property
+    def media_type(self) -> str:
+        return MSGPACK if self.msgpack else JSON
+
+
+def encode(value: Any, msgpack: bool) -> bytes:
+    return _msgpack_encode(value) if msgpack else _json_encode(value)
+
+
+class BodyDecoder(Generic[T]):
+    """A JSON and a msgpack decoder for one body type, built once."""
+
+    __slots__ = ("_json", "_msgpack")
+
+    def __init__(self, body_type: type[T] | Any) -> None:
+        self._json: msgspec.json.Decoder[T] = msgspec.json.Decoder(body_type)
+        self._msgpack: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(body_type)
+
+    def decode(self, call: Call) -> T:
+        """The typed body; `MalformedBody` (400) if it does not parse, `InvalidRequest` (422) if it
+        parses but does not fit the type."""
+        try:
+            return (self._msgpack if call.msgpack else self._json).decode(call.body)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(str(exc)) from None
+        except msgspec.DecodeError as exc:
+            kind = "msgpack" if call.msgpack else "JSON"
+            raise MalformedBody(f"body is not valid {kind}: {exc}") from None

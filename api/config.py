@@ -1,0 +1,158 @@
+"""The service's configuration: its own HTTP settings beside the router's `RouterConfig`.
+
+Every setting lives in one flat namespace of field names so that a flag (``--max-body-bytes``), an
+environment variable (``KV_ROUTER_MAX_BODY_BYTES``) and a key of a config file (``max_body_bytes``)
+name the same thing. Each *section* is a msgspec struct; `SECTIONS` lists them, so a later section
+(the NATS event plane, say) joins the CLI, the environment and the file by being added there.
+
+Precedence, lowest first: field defaults, the config file, ``KV_ROUTER_*`` variables, flags.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from router.config import RouterConfig
+
+__all__ = [
+    "ENV_PREFIX",
+    "SECTIONS",
+    "ConfigError",
+    "ServiceConfig",
+    "Settings",
+    "load_settings",
+]
+
+ENV_PREFIX = "KV_ROUTER_"
+
+
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the HTTP service listens, logs and limits its inputs."""
+
+    host: Annotated[str, _doc("address to listen on (use 0.0.0.0 inside a container)")] = "127.0.0.1"
+    port: Annotated[int, _doc("TCP port to listen on"), msgspec.Meta(ge=0, le=65535)] = 8000
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], _doc("lowest level of log records written")] = (
+        "info"
+    )
+    log_format: Annotated[Literal["text", "json"], _doc("plain text lines or one JSON object per line")] = "text"
+    access_log: Annotated[bool, _doc("log one line per HTTP request (costs throughput)")] = False
+    # 8 MiB is Dynamo select_service's body limit: a 16k-token prompt is about 115 KB of JSON, so this
+    # leaves room for event batches while refusing runaway uploads before they are buffered.
+    max_body_bytes: Annotated[int, _doc("largest request body accepted, in bytes"), msgspec.Meta(ge=1)] = (
+        8 * 1024 * 1024
+    )
+    max_prompt_tokens: Annotated[
+        int, _doc("longest prompt accepted by new / potential_loads / overlap"), msgspec.Meta(ge=1)
+    ] = 1_048_576
+    ready_min_workers: Annotated[
+        int, _doc("/readyz answers 503 until at least this many workers are registered"), msgspec.Meta(ge=0)
+    ] = 0
+    shutdown_timeout_secs: Annotated[
+        int, _doc("on SIGTERM, seconds in-flight requests may take to finish"), msgspec.Meta(ge=0)
+    ] = 30
+
+
+class Settings(msgspec.Struct, kw_only=True, frozen=True):
+    """Everything `kv-router serve` needs, one struct per section."""
+
+    service: ServiceConfig = msgspec.field(default_factory=ServiceConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+
+
+# Section name in `Settings` -> its struct type. Field names must be unique across sections.
+SECTIONS: dict[str, type[msgspec.Struct]] = {"service": ServiceConfig, "router": RouterConfig}
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the setting and where it came from."""
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data: Any = tomllib.loads(text.decode()) if path.suffix == ".toml" else json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold one table of settings")
+    return data
+
+
+def _field_section() -> dict[str, str]:
+    owner: dict[str, str] = {}
+    for section, struct in SECTIONS.items():
+        for name in struct.__struct_fields__:
+            if name in owner:  # pragma: no cover - guarded by a test over SECTIONS
+                raise AssertionError(f"setting {name!r} is defined by both {owner[name]} and {section}")
+            owner[name] = section
+    return owner
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> Settings:
+    """Resolve settings from defaults, a JSON or TOML file, ``KV_ROUTER_*`` variables and flags.
+
+    ``flags`` holds only the flags the user gave (field name -> value); strings are converted to
+    each field's type, and each section's own validation runs on the merged values.
+    """
+    owner = _field_section()
+    merged: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    origin: dict[str, str] = {}
+
+    def put(name: str, value: Any, where: str) -> None:
+        section = owner.get(name)
+        if section is None:
+            raise ConfigError(f"unknown setting {name!r} in {where}")
+        merged[section][name] = value
+        origin[name] = where
+
+    if config_file is not None:
+        for name, value in _read_file(config_file).items():
+            put(name, value, f"config file {config_file}")
+    for key, value in (env or {}).items():
+        name = key[len(ENV_PREFIX) :].lower()
+        # Other tools share the prefix (CI's KV_ROUTER_CI_VENV, say): only known names are settings.
+        if key.startswith(ENV_PREFIX) and name in owner:
+            put(name, _none_if_null(value), f"environment variable {key}")
+    for name, value in (flags or {}).items():
+        put(name, value, f"flag --{name.replace('_', '-')}")
+
+    sections: dict[str, msgspec.Struct] = {}
+    for section, struct in SECTIONS.items():
+        try:
+            sections[section] = msgspec.convert(merged[section], struct, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(str(exc), origin)) from None
+    return Settings(**sections)  # type: ignore[arg-type]
+
+
+def _none_if_null(value: str) -> str | None:
+    # An environment variable cannot hold null; "none" / "null" clear an optional setting.
+    return None if value.strip().lower() in ("none", "null") else value
+
+
+def _explain(message: str, origin: Mapping[str, str]) -> str:
+    # msgspec says "... - at `$.field`"; a section's own check says "field: ...". Either way, add
+    # where the offending value came from.
+    marker = "at `$."
+    if marker in message:
+        name = message.split(marker, 1)[1].split("`", 1)[0].split(".", 1)[0].split("[", 1)[0]
+    else:
+        name = message.split(":", 1)[0]
+    return f"{message} (from {origin[name]})" if name in origin else message

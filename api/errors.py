@@ -1,0 +1,131 @@
+"""Every error the API answers with, as ``{"error": {"type", "message"}}`` and a status code.
+
+Problems with the HTTP request itself are `ApiError`s raised in `api/`; the router's and the
+indexer's typed errors are mapped by one table, `ROUTER_ERRORS`, so the status for a router
+outcome is decided here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from indexer.events import EventDecodeError
+from router.types import (
+    AllWorkersOverloaded,
+    DuplicateRequestId,
+    KvRouterError,
+    NoEligibleWorker,
+    QueueRejected,
+    UnknownWorker,
+)
+
+__all__ = [
+    "ROUTER_ERRORS",
+    "ApiError",
+    "BodyTooLarge",
+    "InvalidRequest",
+    "MalformedBody",
+    "NotFound",
+    "PromptTooLong",
+    "UnknownRequestId",
+    "error_reply",
+]
+
+
+class ApiError(Exception):
+    """A request the API refuses: an HTTP status, a stable snake_case type and a message."""
+
+    status = 400
+    type = "bad_request"
+
+    def __init__(self, message: str, **detail: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+
+class MalformedBody(ApiError):
+    """The body is not JSON / msgpack at all, or packed token bytes have a ragged length."""
+
+    status = 400
+    type = "malformed_body"
+
+
+class InvalidRequest(ApiError):
+    """The body parses but does not fit the schema: wrong types, unknown fields or method, ids out of range."""
+
+    status = 422
+    type = "invalid_request"
+
+
+class BodyTooLarge(ApiError):
+    status = 413
+    type = "body_too_large"
+
+
+class PromptTooLong(ApiError):
+    status = 413
+    type = "prompt_too_long"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "not_found"
+
+
+class UnknownRequestId(ApiError):
+    """mark_prefill / mark_free on their own routes for an id the router is not tracking."""
+
+    status = 404
+    type = "unknown_request_id"
+
+
+# Router and indexer outcome -> (status, type). Looked up along the exception's MRO, so a new
+# subclass inherits its parent's row until it gets its own.
+ROUTER_ERRORS: dict[type[Exception], tuple[int, str]] = {
+    DuplicateRequestId: (409, "duplicate_request_id"),
+    QueueRejected: (429, "queue_rejected"),
+    NoEligibleWorker: (503, "no_eligible_worker"),
+    AllWorkersOverloaded: (503, "all_workers_overloaded"),
+    UnknownWorker: (404, "unknown_worker"),
+    EventDecodeError: (400, "invalid_events"),
+    KvRouterError: (500, "router_error"),
+}
+
+
+class _ErrorBody(msgspec.Struct, omit_defaults=True):
+    type: str
+    message: str
+    detail: dict[str, Any] = {}
+
+
+class _Error(msgspec.Struct):
+    error: _ErrorBody
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _detail(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, ApiError):
+        return exc.detail
+    if isinstance(exc, QueueRejected):
+        return {"rejection": exc.rejection}
+    return {}
+
+
+def error_reply(exc: Exception) -> tuple[int, str, bytes] | None:
+    """(status, type, JSON body) for an error the API knows; None for anything else (a bug: 500)."""
+    if isinstance(exc, ApiError):
+        status, kind = exc.status, exc.type
+    else:
+        for cls in type(exc).__mro__:
+            row = ROUTER_ERRORS.get(cls)
+            if row is not None:
+                status, kind = row
+                break
+        else:
+            return None
+    return status, kind, _encode(_Error(_ErrorBody(kind, str(exc), _detail(exc))))

@@ -1,0 +1,179 @@
+"""The HTTP API's request and response bodies, built on the router's own structs.
+
+``POST /v1/router`` speaks Dynamo 1.6.1's ``RouterRequest`` / ``RouterResponse``
+(`reference/dynamo-router.md` §5.1): both are tagged by ``"method"``, and the request variants are
+the router's `RouteRequest` and friends with a tag added, not copies of their fields. The separate
+routes (``/v1/new``, ...) take the same bodies without ``"method"``.
+
+Prompts: ``tokens`` is a list of u32 token ids or, in msgpack, one bin of packed little-endian u32
+(in JSON the same bytes may come base64-encoded). Token ids are range-checked while decoding, so an
+id outside u32 is a 422 before any router code runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from indexer.events import RouterEvent
+from router.types import (
+    BlockMmInfos,
+    PotentialLoad,
+    QueueRejection,
+    RankLoad,
+    RouteRequest,
+    WorkerConfig,
+)
+
+__all__ = [
+    "EventsReply",
+    "MarkReply",
+    "MarkRequest",
+    "NewRequest",
+    "OverlapReply",
+    "PotentialLoadsReply",
+    "PotentialLoadsRequest",
+    "RouterFreeMarked",
+    "RouterMarkFree",
+    "RouterMarkPrefill",
+    "RouterNew",
+    "RouterNewResponse",
+    "RouterPotentialLoads",
+    "RouterPotentialLoadsResponse",
+    "RouterPrefillMarked",
+    "RouterQueueRejected",
+    "RouterRequest",
+    "RouterResponse",
+    "Tokens",
+    "WorkerOverlap",
+    "WorkerStatus",
+    "WorkersReply",
+]
+
+U32_MAX = (1 << 32) - 1
+Tokens = list[Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]] | bytes
+
+
+# ---------------------------------------------------------------- requests
+class NewRequest(RouteRequest, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/new``: a `RouteRequest`; ``explain`` adds the per-candidate explanation."""
+
+    tokens: Tokens
+    explain: bool = False
+
+
+class PotentialLoadsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/potential_loads`` and ``POST /v1/overlap``: a prompt and its hash salts."""
+
+    tokens: Tokens
+    block_mm_infos: BlockMmInfos | None = None
+    lora_name: str | None = None
+    cache_namespace: str | None = None
+
+
+class MarkRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/mark_prefill`` and ``/v1/mark_free``; the id may come as ``X-Request-Id`` instead."""
+
+    request_id: str | None = None
+
+
+class RouterNew(RouteRequest, tag="new", tag_field="method", kw_only=True, forbid_unknown_fields=True):
+    tokens: Tokens
+
+
+class RouterPotentialLoads(PotentialLoadsRequest, tag="potential_loads", tag_field="method"):
+    pass
+
+
+class RouterMarkPrefill(MarkRequest, tag="mark_prefill", tag_field="method"):
+    pass
+
+
+class RouterMarkFree(MarkRequest, tag="mark_free", tag_field="method"):
+    pass
+
+
+RouterRequest = RouterNew | RouterPotentialLoads | RouterMarkPrefill | RouterMarkFree
+
+
+# ---------------------------------------------------------------- responses
+class RouterNewResponse(msgspec.Struct, kw_only=True, tag="new", tag_field="method"):
+    worker_id: int
+    dp_rank: int
+    overlap_blocks: int
+
+
+class RouterQueueRejected(msgspec.Struct, kw_only=True, tag="queue_rejected", tag_field="method"):
+    rejection: QueueRejection
+
+
+class RouterPrefillMarked(msgspec.Struct, kw_only=True, tag="prefill_marked", tag_field="method"):
+    success: bool
+
+
+class RouterFreeMarked(msgspec.Struct, kw_only=True, tag="free_marked", tag_field="method"):
+    success: bool
+
+
+class PotentialLoadsReply(msgspec.Struct, kw_only=True):
+    """Every (worker, dp_rank)'s load if the prompt went there, and the queue (§4.5, §4.7)."""
+
+    loads: list[PotentialLoad]
+    pending_count: int
+    pending_isl_tokens: int
+
+
+class RouterPotentialLoadsResponse(PotentialLoadsReply, tag="potential_loads", tag_field="method"):
+    pass
+
+
+RouterResponse = (
+    RouterNewResponse | RouterQueueRejected | RouterPrefillMarked | RouterFreeMarked | RouterPotentialLoadsResponse
+)
+
+
+class MarkReply(msgspec.Struct, kw_only=True):
+    request_id: str
+    success: bool
+
+
+class WorkerOverlap(msgspec.Struct, kw_only=True):
+    """Cached prefix of one (worker, dp_rank): device blocks and lower-tier blocks beyond them."""
+
+    worker_id: int
+    dp_rank: int
+    device_blocks: int
+    host_pinned_extension_blocks: int = 0
+    disk_extension_blocks: int = 0
+    external_extension_blocks: int = 0
+
+
+class OverlapReply(msgspec.Struct, kw_only=True):
+    """``POST /v1/overlap``: workers holding a prefix of the prompt; others are left out."""
+
+    block_size: int
+    num_blocks: int
+    workers: list[WorkerOverlap]
+
+
+class WorkerStatus(msgspec.Struct, kw_only=True):
+    config: WorkerConfig
+    ranks: list[RankLoad]
+
+
+class WorkersReply(msgspec.Struct, kw_only=True):
+    workers: list[WorkerStatus]
+
+
+class EventsReply(msgspec.Struct, kw_only=True):
+    """What became of a batch of events: the counts by outcome, and the first rejections' reasons."""
+
+    received: int
+    applied: int
+    rejected: int
+    errors: list[str] = []
+
+
+# Re-exported for the dump route's schema.
+DumpReply = list[RouterEvent]
