@@ -91,16 +91,6 @@ def _children(node: _Node) -> Iterator[_Node]:
     return iter((kids,))
 
 
-def _add_child(node: _Node, child: _Node) -> None:
-    kids = node.children
-    if kids is None:
-        node.children = child
-    elif isinstance(kids, dict):
-        kids[child.local_hash] = child
-    else:
-        node.children = {kids.local_hash: kids, child.local_hash: child}
-
-
 def _remove_child(node: _Node, child: _Node) -> None:
     kids = node.children
     if kids is child:
@@ -114,9 +104,10 @@ def _remove_child(node: _Node, child: _Node) -> None:
 class _SlotBlocks:
     """One (worker, dp_rank)'s device-tier state."""
 
-    __slots__ = ("aliases", "lookup", "owned")
+    __slots__ = ("aliases", "lookup", "owned", "slot")
 
-    def __init__(self) -> None:
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
         self.lookup: dict[int, _Node] = {}
         # Nodes this worker knows under a different block hash than the node's own (first writer's).
         self.aliases: dict[_Node, int] = {}
@@ -135,7 +126,7 @@ class RadixTree:
     def __init__(self) -> None:
         self._root = _Node(0, 0, None, 0)
         self._slots = SlotTable()
-        self._blocks: dict[int, _SlotBlocks] = {}  # slot -> state
+        self._states: dict[WorkerRank, _SlotBlocks] = {}
         self._lower = {tier: LowerTierIndex(self._slots) for tier in LOWER_TIERS}
         self._nodes = 0
         self._branch_nodes = 0
@@ -151,26 +142,23 @@ class RadixTree:
             return
         worker = (worker_id, event.dp_rank)
         data = event.data
+        state = self._states.get(worker)
         if isinstance(data, str):
-            slot = self._slots.find(worker)
-            if slot is not None:
-                self._clear_slot(slot)
+            if state is not None:
+                self._clear(state)
             return
         if data.stored is not None:
-            slot = self._slots.acquire(worker)
-            state = self._blocks.get(slot)
             if state is None:
-                state = self._blocks[slot] = _SlotBlocks()
-            self._store(worker, slot, state, data.stored)
+                state = self._states[worker] = _SlotBlocks(self._slots.acquire(worker))
+            self._store(worker, state, data.stored)
         elif data.removed is not None:
-            slot = self._slots.find(worker)
             hashes = data.removed.block_hashes
-            missing = list(hashes) if slot is None else self._remove(slot, self._blocks[slot], hashes)
+            missing = list(hashes) if state is None else self._remove(state, hashes)
             if missing:
                 raise BlockNotFound(worker, missing)
 
-    def _store(self, worker: WorkerRank, slot: int, state: _SlotBlocks, stored: KvStoredData) -> None:
-        bit = 1 << slot
+    def _store(self, worker: WorkerRank, state: _SlotBlocks, stored: KvStoredData) -> None:
+        bit = 1 << state.slot
         lookup = state.lookup
         parent_hash = stored.parent_hash
         blocks = stored.blocks
@@ -180,34 +168,51 @@ class RadixTree:
             found = lookup.get(parent_hash)
             if found is None or not found.owners & bit:
                 raise ParentBlockNotFound(f"worker {worker[0]} dp_rank {worker[1]}: parent block {parent_hash}")
-            if any(block.block_hash == parent_hash for block in blocks):
-                raise InvalidBlockSequence(f"worker {worker[0]}: stored blocks contain their parent {parent_hash}")
+            for block in blocks:
+                if block.block_hash == parent_hash:
+                    raise InvalidBlockSequence(f"worker {worker[0]}: stored blocks contain their parent {parent_hash}")
             node = found
+        # The hot loop of event ingestion: child lookup and insertion are inlined on purpose.
+        created = newly_owned = 0
+        child: _Node | None
         for block in blocks:
             block_hash = block.block_hash
-            child = _child(node, block.tokens_hash)
+            local_hash = block.tokens_hash
+            kids = node.children
+            if kids is None:
+                child = None
+            elif isinstance(kids, dict):
+                child = kids.get(local_hash)
+            else:
+                child = kids if kids.local_hash == local_hash else None
             if child is None:
-                child = _Node(block_hash, block.tokens_hash, node, bit)
-                if node.children is not None and not isinstance(node.children, dict):
+                child = _Node(block_hash, local_hash, node, bit)
+                if kids is None:
+                    node.children = child
+                elif isinstance(kids, dict):
+                    kids[local_hash] = child
+                else:
+                    node.children = {kids.local_hash: kids, local_hash: child}
                     self._branch_nodes += 1
-                _add_child(node, child)
-                self._nodes += 1
-                state.owned += 1
+                created += 1
             else:
                 if not child.owners & bit:
                     child.owners |= bit
-                    state.owned += 1
+                    newly_owned += 1
                 if child.block_hash != block_hash:
                     state.aliases[child] = block_hash
             previous = lookup.get(block_hash)
-            if previous is not None and previous is not child and previous.owners & bit:
-                # The worker reuses a hash for another position: it no longer holds the old one.
-                self._disown(slot, state, previous)
-            lookup[block_hash] = child
+            if previous is not child:
+                if previous is not None and previous.owners & bit:
+                    # The worker reuses a hash for another position: it no longer holds the old one.
+                    self._disown(state, previous)
+                lookup[block_hash] = child
             node = child
+        self._nodes += created
+        state.owned += created + newly_owned
 
-    def _remove(self, slot: int, state: _SlotBlocks, hashes: Sequence[int]) -> list[int]:
-        bit = 1 << slot
+    def _remove(self, state: _SlotBlocks, hashes: Sequence[int]) -> list[int]:
+        bit = 1 << state.slot
         lookup = state.lookup
         missing = []
         for block_hash in hashes:
@@ -215,11 +220,11 @@ class RadixTree:
             if node is None or not node.owners & bit:
                 missing.append(block_hash)
             else:
-                self._disown(slot, state, node)
+                self._disown(state, node)
         return missing
 
-    def _disown(self, slot: int, state: _SlotBlocks, node: _Node) -> None:
-        node.owners &= ~(1 << slot)
+    def _disown(self, state: _SlotBlocks, node: _Node) -> None:
+        node.owners &= ~(1 << state.slot)
         state.owned -= 1
         if state.aliases:
             state.aliases.pop(node, None)
@@ -238,13 +243,11 @@ class RadixTree:
             self._nodes -= 1
             node = parent
 
-    def _clear_slot(self, slot: int) -> None:
-        state = self._blocks.get(slot)
-        if state is None:
-            return
+    def _clear(self, state: _SlotBlocks) -> None:
+        slot = state.slot
         for node in list(state.lookup.values()):
             if node.owners >> slot & 1:
-                self._disown(slot, state, node)
+                self._disown(state, node)
         state.lookup = {}
         state.aliases = {}
 
@@ -252,7 +255,9 @@ class RadixTree:
     def clear_all_blocks(self, worker_id: int) -> None:
         """Forget every block of every dp rank of ``worker_id`` (all tiers); the worker stays known."""
         for slot in self._slots.slots_of(worker_id):
-            self._clear_slot(slot)
+            state = self._states.get(self._slot_key(slot))
+            if state is not None:
+                self._clear(state)
         for lower in self._lower.values():
             lower.clear_worker(worker_id)
 
@@ -267,11 +272,17 @@ class RadixTree:
             self._drop_slot(slot)
 
     def _drop_slot(self, slot: int) -> None:
-        self._clear_slot(slot)
-        self._blocks.pop(slot, None)
+        state = self._states.pop(self._slot_key(slot), None)
+        if state is not None:
+            self._clear(state)
         for lower in self._lower.values():
             lower.clear_slot(slot)
         self._slots.release(slot)
+
+    def _slot_key(self, slot: int) -> WorkerRank:
+        worker = self._slots.key_list[slot]
+        assert worker is not None
+        return worker
 
     def workers(self) -> list[WorkerRank]:
         """Every (worker_id, dp_rank) the index has seen and not removed."""
@@ -333,11 +344,10 @@ class RadixTree:
         # Each worker continues from the end of its device match with its own hash for that block.
         cursors: dict[int, tuple[int, int | None]] = {}
         for worker, depth in result.scores.items():
-            slot = self._slots.find(worker)
-            assert slot is not None and path is not None
+            assert path is not None
             last = path[depth - 1]
-            state = self._blocks[slot]
-            cursors[slot] = (depth, state.aliases.get(last, last.block_hash))
+            state = self._states[worker]
+            cursors[state.slot] = (depth, state.aliases.get(last, last.block_hash))
         for tier in LOWER_TIERS:
             hits = self._lower[tier].extend(local_hashes, cursors)
             if hits:
@@ -352,10 +362,10 @@ class RadixTree:
         worker holds below a block it does not hold cannot score and are left out.
         """
         events: list[RouterEvent] = []
-        for slot, (worker_id, dp_rank) in self._slots.items():
-            state = self._blocks.get(slot)
+        for _, (worker_id, dp_rank) in self._slots.items():
+            state = self._states.get((worker_id, dp_rank))
             if state is not None and state.owned:
-                for parent_hash, blocks in self._owned_chains(slot, state):
+                for parent_hash, blocks in self._owned_chains(state):
                     event = KvCacheEvent(
                         event_id=len(events),
                         data=_stored_data(blocks, parent_hash),
@@ -367,8 +377,8 @@ class RadixTree:
                 events.append(RouterEvent(worker_id=worker_id, event=event, storage_tier=tier))
         return events
 
-    def _owned_chains(self, slot: int, state: _SlotBlocks) -> Iterator[tuple[int | None, list[StoredBlock]]]:
-        bit = 1 << slot
+    def _owned_chains(self, state: _SlotBlocks) -> Iterator[tuple[int | None, list[StoredBlock]]]:
+        bit = 1 << state.slot
         aliases = state.aliases
         pending: list[tuple[_Node, int | None]] = [
             (child, None) for child in _children(self._root) if child.owners & bit
@@ -389,8 +399,8 @@ class RadixTree:
     def stats(self) -> IndexStats:
         blocks = {}
         lookup_entries = 0
-        for slot, worker in self._slots.items():
-            state = self._blocks.get(slot)
+        for _, worker in self._slots.items():
+            state = self._states.get(worker)
             if state is not None:
                 blocks[worker] = state.owned
                 lookup_entries += len(state.lookup)

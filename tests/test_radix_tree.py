@@ -132,6 +132,15 @@ def test_lower_tiers_extend_the_device_match() -> None:
     assert tree.find_matches([1, 2, 3]).tier_hits == {StorageTier.HOST_PINNED: {(A, 0): 1}}
 
 
+def test_worker_known_only_on_a_lower_tier_gets_clean_device_errors() -> None:
+    tree = RadixTree()
+    tree.apply_router_event(RouterEvent(A, stored_event(1, [(100, 1)]), storage_tier=StorageTier.DISK))
+    with pytest.raises(BlockNotFound):
+        tree.apply_event(A, removed_event(2, [100]))
+    tree.apply_event(A, cleared_event(3))
+    assert tree.find_matches([1]).tier_hits == {StorageTier.DISK: {(A, 0): 1}}
+
+
 def test_stats_count_blocks_nodes_and_bytes() -> None:
     tree = RadixTree()
     chain(tree, A, [(100, 1), (101, 2), (102, 3)])
