@@ -18,20 +18,29 @@ __all__ = [
     "DecisionExplanation",
     "DecisionTiming",
     "DuplicateRequestId",
+    "InvalidRequest",
     "KvRouterError",
     "LimitKind",
     "NoEligibleWorker",
+    "OverlapReport",
     "PotentialLoad",
     "QueueRejected",
     "QueueRejection",
     "QueueStats",
+    "RankKey",
     "RankLoad",
     "RouteDecision",
     "RouteRequest",
     "RoutingConstraints",
     "UnknownWorker",
     "WorkerConfig",
+    "WorkerOverlap",
 ]
+
+_U64_MAX = (1 << 64) - 1
+
+# A (worker_id, dp_rank) pair: every load and index structure is keyed by it.
+RankKey = tuple[int, int]
 
 # One entry per prompt block (or null): {"mm_objects": [{"mm_hash": u64, "offsets": [[s, e]]}]}.
 # Kept as plain mappings because `indexer.hashing.compute_block_hashes` reads exactly this shape.
@@ -75,6 +84,22 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_num_batched_tokens: int | None = None
     taints: frozenset[str] = frozenset()
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.worker_id <= _U64_MAX:
+            raise ValueError(f"worker_id must be a u64, got {self.worker_id}")
+        if self.dp_start_rank < 0 or self.dp_size < 1:
+            raise ValueError(
+                f"dp ranks must be dp_start_rank >= 0 and dp_size >= 1, got {self.dp_start_rank}, {self.dp_size}"
+            )
+        if self.total_kv_blocks is not None and self.total_kv_blocks < 0:
+            raise ValueError(f"total_kv_blocks must be >= 0, got {self.total_kv_blocks}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+    @property
+    def dp_ranks(self) -> range:
+        return range(self.dp_start_rank, self.dp_start_rank + self.dp_size)
+
 
 class CandidateExplanation(msgspec.Struct, kw_only=True, frozen=True):
     """One scored (worker, dp_rank): what the policy saw and what it made of it."""
@@ -86,7 +111,8 @@ class CandidateExplanation(msgspec.Struct, kw_only=True, frozen=True):
     potential_prefill_tokens: int
     potential_decode_blocks: int
     active_requests: int
-    cost: float
+    # None for policies that do not score (round_robin, random).
+    cost: float | None = None
     # Softmax pick probability when the policy samples (router_temperature > 0), else None.
     probability: float | None = None
 
@@ -130,6 +156,32 @@ class PotentialLoad(msgspec.Struct, kw_only=True, frozen=True):
     active_requests: int
 
 
+class WorkerOverlap(msgspec.Struct, kw_only=True, frozen=True):
+    """One (worker, dp_rank)'s cached prefix of a prompt per storage tier, as Dynamo's
+    `get_overlap_scores` reports it: ``*_blocks`` are cumulative (device, +host, +disk/external),
+    ``*_extension_blocks`` what each lower tier adds beyond the previous one."""
+
+    worker_id: int
+    dp_rank: int
+    device_blocks: int
+    host_pinned_blocks: int
+    disk_blocks: int
+    host_pinned_extension_blocks: int
+    disk_extension_blocks: int
+    # The overlap credit the cost function grants (§4.2 without decay) and the cached tokens it
+    # implies: round(effective_overlap_blocks * block_size) (§3.5).
+    router_credit_blocks: float
+    cached_tokens: int
+
+
+class OverlapReport(msgspec.Struct, kw_only=True, frozen=True):
+    """A prompt's overlap with every registered (worker, dp_rank), sorted by (worker_id, dp_rank)."""
+
+    block_size: int
+    num_blocks: int
+    workers: list[WorkerOverlap]
+
+
 class RankLoad(msgspec.Struct, kw_only=True, frozen=True):
     """The live load of one (worker, dp_rank), for listings and metrics."""
 
@@ -165,6 +217,10 @@ class KvRouterError(Exception):
     """Base of every error the router raises to its callers."""
 
 
+class InvalidRequest(KvRouterError, ValueError):
+    """A request the router cannot route as given (no tokens, malformed tokens or multimodal info)."""
+
+
 class NoEligibleWorker(KvRouterError):
     """No registered worker satisfies the request's required taints (Dynamo's `NoEndpoints`)."""
 
@@ -189,9 +245,7 @@ class DuplicateRequestId(KvRouterError):
         self.request_id = request_id
         self.worker_id = worker_id
         self.dp_rank = dp_rank
-        super().__init__(
-            f"request {request_id!r} already exists (assigned to worker {worker_id} dp_rank {dp_rank})"
-        )
+        super().__init__(f"request {request_id!r} already exists (assigned to worker {worker_id} dp_rank {dp_rank})")
 
 
 class QueueRejected(KvRouterError):

@@ -1,0 +1,408 @@
+"""`KvRouter`: the router as a library. It ties the KV index to the scheduler and the queue.
+
+One decision (§4.1): hash the prompt, match it against the index, expire stale requests, filter the
+workers, wait in the queue if every eligible rank is saturated, score and pick, book. The whole
+decision runs synchronously on the caller's event loop (no await between reading the load and booking
+it); only a queued request awaits, and it is dispatched by whichever call frees capacity
+(`mark_prefill`, `mark_free`, expiry, worker changes). `KvRouter` is the only place that books.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from indexer.events import RouterEvent
+from indexer.radix_tree import RadixTree
+from router.config import RouterConfig
+from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps
+from router.policies import create_policy
+from router.prompt import Prompt, prepare_prompt
+from router.queue import PendingQueue
+from router.scheduler import Choice, Scheduler
+from router.types import (
+    DecisionTiming,
+    DuplicateRequestId,
+    KvRouterError,
+    NoEligibleWorker,
+    OverlapReport,
+    PotentialLoad,
+    QueueRejected,
+    QueueStats,
+    RankKey,
+    RankLoad,
+    RouteDecision,
+    RouteRequest,
+    WorkerConfig,
+    WorkerOverlap,
+)
+
+__all__ = ["OVERLAP_REFRESH_AFTER_SECS", "KvRouter"]
+
+logger = logging.getLogger(__name__)
+
+# A request that waited this long in the queue is matched against the index again before it is
+# scheduled (Dynamo's DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS default, §4.7).
+OVERLAP_REFRESH_AFTER_SECS = 10.0
+
+TokenInput = Sequence[int] | bytes
+MmInfos = Sequence[Mapping[str, Any] | None] | None
+
+
+class _Waiter:
+    """A `new` call parked in the queue, with everything needed to schedule it later."""
+
+    __slots__ = (
+        "enqueued_at",
+        "explain",
+        "future",
+        "hashing_s",
+        "matching_s",
+        "overlaps",
+        "pinned",
+        "prompt",
+        "request",
+    )
+
+    def __init__(
+        self,
+        request: RouteRequest,
+        prompt: Prompt,
+        overlaps: dict[RankKey, RankOverlap],
+        pinned: RankKey | None,
+        explain: bool,
+        timing: tuple[float, float],
+        enqueued_at: float,
+        future: asyncio.Future[RouteDecision],
+    ) -> None:
+        self.request = request
+        self.prompt = prompt
+        self.overlaps = overlaps
+        self.pinned = pinned
+        self.explain = explain
+        self.hashing_s, self.matching_s = timing
+        self.enqueued_at = enqueued_at
+        self.future = future
+
+
+class KvRouter:
+    """KV-cache-aware routing over registered workers.
+
+    ``indexer`` defaults to a fresh `RadixTree`; ``rng`` (seed it for reproducible ties and sampling)
+    drives every random choice; ``clock`` (monotonic seconds) times request expiry and queue order.
+    """
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        indexer: RadixTree | None = None,
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.indexer = indexer if indexer is not None else RadixTree()
+        self._clock = clock
+        self._scheduler = Scheduler(config, create_policy(config, rng if rng is not None else random.Random()))
+        self._queue: PendingQueue[_Waiter] | None = None
+        if config.router_queue_threshold is not None:
+            self._queue = PendingQueue(
+                config.router_queue_policy,
+                started_at=clock(),
+                request_limit_per_worker=config.router_queue_request_limit_per_worker,
+                isl_token_limit_per_worker=config.router_queue_isl_token_limit_per_worker,
+            )
+
+    # ------------------------------------------------------------------ workers and events
+    def register_worker(self, worker: WorkerConfig) -> None:
+        """Add a worker, or update one (its KV index is kept; ranks it no longer has are dropped)."""
+        previous = self._scheduler.workers.get(worker.worker_id)
+        dropped = self._scheduler.register_worker(worker)
+        if previous is not None:
+            for dp_rank in set(previous.dp_ranks) - set(worker.dp_ranks):
+                self.indexer.remove_worker_dp_rank(worker.worker_id, dp_rank)
+        if dropped:
+            logger.warning("worker %d lost dp ranks; dropped %d active requests", worker.worker_id, len(dropped))
+        self._dispatch_waiting()
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Forget a worker: its index entries and its active requests. Raises `UnknownWorker`."""
+        dropped = self._scheduler.remove_worker(worker_id)
+        self.indexer.remove_worker(worker_id)
+        if dropped:
+            logger.info("worker %d removed with %d active requests", worker_id, len(dropped))
+        self._dispatch_waiting()
+
+    def workers(self) -> list[WorkerConfig]:
+        return list(self._scheduler.workers)
+
+    def update_kv_used_blocks(self, worker_id: int, dp_rank: int, kv_used_blocks: int) -> None:
+        """Record the KV blocks a worker reports in use on one rank (the decode busy check, §4.6)."""
+        self._scheduler.workers.set_kv_used_blocks(worker_id, dp_rank, kv_used_blocks)
+        self._dispatch_waiting()
+
+    def apply_event(self, event: RouterEvent) -> None:
+        """Apply one KV event to the index; raises the indexer's `KvIndexError` for a rejected one."""
+        self.indexer.apply_router_event(event)
+
+    # ------------------------------------------------------------------ routing
+    async def new(
+        self, request: RouteRequest, *, pinned_worker: RankKey | None = None, explain: bool = False
+    ) -> RouteDecision:
+        """Pick a (worker, dp_rank) for the request and, if it has a ``request_id``, book it there.
+
+        ``pinned_worker`` routes to that exact rank if it is eligible and not overloaded. Raises
+        `InvalidRequest`, `DuplicateRequestId`, `NoEligibleWorker`, `AllWorkersOverloaded` or
+        `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated).
+        """
+        started = time.perf_counter()
+        prompt = self._prompt(request.tokens, request.lora_name, request.cache_namespace, request.block_mm_infos)
+        hashed = time.perf_counter()
+        overlaps = self._match(prompt)
+        matched = time.perf_counter()
+        timing = (hashed - started, matched - hashed)
+        self.expire_stale()
+        request_id = request.request_id
+        if request_id is not None:
+            owner = self._scheduler.sequences.owner(request_id)
+            if owner is not None:
+                raise DuplicateRequestId(request_id, *owner)
+        workers = self._scheduler.eligible_workers(request.routing_constraints, pinned_worker)
+        queue = self._queue
+        # Once anything waits, newcomers wait behind it (Dynamo's backlog anti-bypass).
+        if queue is not None and (len(queue) or self._scheduler.queue_blocked(workers, pinned_worker)):
+            return await self._wait_in_queue(queue, request, prompt, overlaps, workers, pinned_worker, explain, timing)
+        return self._route(request, prompt, overlaps, workers, pinned_worker, explain, timing, queued_s=0.0)
+
+    def _route(
+        self,
+        request: RouteRequest,
+        prompt: Prompt,
+        overlaps: dict[RankKey, RankOverlap],
+        workers: list[WorkerConfig],
+        pinned: RankKey | None,
+        explain: bool,
+        timing: tuple[float, float],
+        *,
+        queued_s: float,
+    ) -> RouteDecision:
+        started = time.perf_counter()
+        choice = self._scheduler.select(
+            prompt, overlaps, workers, request.routing_constraints, pinned=pinned, explain=explain
+        )
+        if request.request_id is not None:
+            self._scheduler.book(request.request_id, choice, prompt, self._clock())
+        return self._decision(request, choice, timing, time.perf_counter() - started, queued_s)
+
+    def _decision(
+        self,
+        request: RouteRequest,
+        choice: Choice,
+        timing: tuple[float, float],
+        scheduling_s: float,
+        queued_s: float,
+    ) -> RouteDecision:
+        worker_id, dp_rank = choice.key
+        return RouteDecision(
+            worker_id=worker_id,
+            dp_rank=dp_rank,
+            overlap_blocks=choice.overlap_blocks,
+            cached_tokens=choice.overlap.cached_tokens,
+            request_id=request.request_id,
+            timing=DecisionTiming(
+                hashing_s=timing[0], matching_s=timing[1], scheduling_s=scheduling_s, queued_s=queued_s
+            ),
+            explanation=choice.explanation,
+        )
+
+    async def _wait_in_queue(
+        self,
+        queue: PendingQueue[_Waiter],
+        request: RouteRequest,
+        prompt: Prompt,
+        overlaps: dict[RankKey, RankOverlap],
+        workers: list[WorkerConfig],
+        pinned: RankKey | None,
+        explain: bool,
+        timing: tuple[float, float],
+    ) -> RouteDecision:
+        rejection = queue.rejection(len(self._scheduler.workers))
+        if rejection is not None:
+            raise QueueRejected(rejection)
+        future: asyncio.Future[RouteDecision] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(request, prompt, overlaps, pinned, explain, timing, self._clock(), future)
+        ticket = queue.push(
+            waiter,
+            strict_priority=request.strict_priority,
+            priority_jump=request.priority_jump,
+            isl_tokens=prompt.isl_tokens,
+            cached_tokens=self._best_cached_tokens(overlaps, workers, pinned),
+            now=waiter.enqueued_at,
+        )
+        # With strict priorities a newcomer can become the head while a rank is free.
+        self._dispatch_waiting()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancelled while waiting: leave the queue. Cancelled after being scheduled but before
+            # resuming: undo the booking, as Dynamo frees a cancelled queued request.
+            scheduled = not queue.cancel(ticket) and future.done() and not future.cancelled()
+            if scheduled and future.exception() is None and request.request_id is not None:
+                self.mark_free(request.request_id)
+            raise
+
+    def _best_cached_tokens(
+        self, overlaps: Mapping[RankKey, RankOverlap], workers: list[WorkerConfig], pinned: RankKey | None
+    ) -> int:
+        """The cached tokens `wspt` orders by: the pinned rank's, else the best eligible rank's."""
+        if pinned is not None:
+            return overlaps.get(pinned, NO_OVERLAP).cached_tokens
+        eligible = {worker.worker_id for worker in workers}
+        return max((overlap.cached_tokens for key, overlap in overlaps.items() if key[0] in eligible), default=0)
+
+    def _dispatch_waiting(self) -> None:
+        """Schedule queued requests in order while the head can go (head-of-line, as Dynamo)."""
+        queue = self._queue
+        if queue is None:
+            return
+        scheduler = self._scheduler
+        while (waiter := queue.head()) is not None:
+            if waiter.future.done():  # its caller gave up
+                queue.pop_head()
+                continue
+            request = waiter.request
+            try:
+                workers = scheduler.eligible_workers(request.routing_constraints, waiter.pinned)
+            except NoEligibleWorker as exc:
+                queue.pop_head()
+                waiter.future.set_exception(exc)
+                continue
+            if scheduler.queue_blocked(workers, waiter.pinned):
+                return
+            queue.pop_head()
+            now = self._clock()
+            overlaps = waiter.overlaps
+            if now - waiter.enqueued_at >= OVERLAP_REFRESH_AFTER_SECS:
+                overlaps = self._match(waiter.prompt)
+            try:
+                decision = self._route(
+                    request,
+                    waiter.prompt,
+                    overlaps,
+                    workers,
+                    waiter.pinned,
+                    waiter.explain,
+                    (waiter.hashing_s, waiter.matching_s),
+                    queued_s=now - waiter.enqueued_at,
+                )
+            except KvRouterError as exc:
+                waiter.future.set_exception(exc)
+            else:
+                waiter.future.set_result(decision)
+
+    def mark_prefill(self, request_id: str) -> bool:
+        """The request's first token is out: its prefill no longer loads its rank. False if unknown."""
+        marked = self._scheduler.sequences.mark_prefill(request_id)
+        if marked:
+            self._dispatch_waiting()
+        return marked
+
+    def mark_free(self, request_id: str) -> bool:
+        """The request finished or was cancelled: release its load. False if unknown (Dynamo 1.6.1)."""
+        freed = self._scheduler.sequences.free(request_id)
+        if freed:
+            self._dispatch_waiting()
+        return freed
+
+    def expire_stale(self) -> list[str]:
+        """Free requests active longer than ``request_expiry_secs`` (§4.5); returns their ids.
+
+        Runs on every `new`; O(1) when nothing is stale. Call it periodically to also expire while idle.
+        """
+        expired = self._scheduler.sequences.expire(self._clock() - self.config.request_expiry_secs)
+        if expired:
+            logger.warning("expiring %d stale requests, e.g. %s", len(expired), expired[0])
+            self._dispatch_waiting()
+        return expired
+
+    def cancel_waiting(self) -> int:
+        """Cancel every queued request (their `new` raises `CancelledError`); for shutdown."""
+        if self._queue is None:
+            return 0
+        waiters = self._queue.take_all()
+        for waiter in waiters:
+            waiter.future.cancel()
+        return len(waiters)
+
+    # ------------------------------------------------------------------ queries
+    def potential_loads(
+        self,
+        tokens: TokenInput,
+        lora_name: str | None = None,
+        cache_namespace: str | None = None,
+        block_mm_infos: MmInfos = None,
+    ) -> list[PotentialLoad]:
+        """Every rank's load if this prompt were routed there (§4.5); books nothing."""
+        prompt = self._prompt(tokens, lora_name, cache_namespace, block_mm_infos)
+        return self._scheduler.potential_loads(prompt, self._match(prompt))
+
+    def overlap(
+        self,
+        tokens: TokenInput,
+        lora_name: str | None = None,
+        cache_namespace: str | None = None,
+        block_mm_infos: MmInfos = None,
+    ) -> OverlapReport:
+        """The prompt's cached prefix on every registered rank and any rank the index matched."""
+        prompt = self._prompt(tokens, lora_name, cache_namespace, block_mm_infos)
+        overlaps = self._match(prompt)
+        keys = set(overlaps)
+        for worker in self._scheduler.workers:
+            keys.update((worker.worker_id, dp_rank) for dp_rank in worker.dp_ranks)
+        config = self.config
+        rows = []
+        for worker_id, dp_rank in sorted(keys):
+            overlap = overlaps.get((worker_id, dp_rank), NO_OVERLAP)
+            device, host, disk = overlap.device_blocks, overlap.host_blocks, overlap.disk_blocks
+            rows.append(
+                WorkerOverlap(
+                    worker_id=worker_id,
+                    dp_rank=dp_rank,
+                    device_blocks=device,
+                    host_pinned_blocks=device + host,
+                    disk_blocks=device + host + disk,
+                    host_pinned_extension_blocks=host,
+                    disk_extension_blocks=disk,
+                    router_credit_blocks=config.overlap_score_credit * device
+                    + config.host_cache_hit_weight * host
+                    + config.disk_cache_hit_weight * disk,
+                    cached_tokens=overlap.cached_tokens,
+                )
+            )
+        return OverlapReport(block_size=config.block_size, num_blocks=len(prompt.local_hashes), workers=rows)
+
+    def rank_loads(self) -> list[RankLoad]:
+        """Live load of every (worker, dp_rank), in registration order."""
+        return self._scheduler.rank_loads()
+
+    def queue_stats(self) -> QueueStats:
+        """Requests waiting in the queue and their prompt tokens (zeros when queueing is off)."""
+        return self._queue.stats() if self._queue is not None else QueueStats(pending_count=0, pending_isl_tokens=0)
+
+    def active_request_count(self) -> int:
+        return len(self._scheduler.sequences)
+
+    # ------------------------------------------------------------------ helpers
+    def _prompt(
+        self, tokens: TokenInput, lora_name: str | None, cache_namespace: str | None, block_mm_infos: MmInfos
+    ) -> Prompt:
+        return prepare_prompt(
+            tokens, self.config, lora_name=lora_name, cache_namespace=cache_namespace, block_mm_infos=block_mm_infos
+        )
+
+    def _match(self, prompt: Prompt) -> dict[RankKey, RankOverlap]:
+        return rank_overlaps(self.indexer.find_matches(prompt.local_hashes), self.config)

@@ -1,0 +1,133 @@
+"""The `dynamo` policy: NVIDIA Dynamo 1.6.1's default worker selector, exactly (§4.2, §4.3).
+
+For each candidate w (all quantities in blocks of ``block_size`` tokens)::
+
+    raw_prefill(w) = (A_p(w) + max(isl - cached(w), 0) + cached(w)) / bs     (0 without prefill tracking)
+    decay(w)       = 1 / (1 + d * ((A_p(w) - min_v A_p(v)) / bs) / ceil(isl / bs))   (1 when d = 0)
+    credit(w)      = c * decay(w) * device(w) + w_host * host(w) + w_disk * disk(w)
+    cost(w)        = s * max(0, raw_prefill(w) - credit(w)) + D(w) + r * R(w)
+    cost(w)       *= exp(-tanh(sum of matching preferred-taint weights))      (if the request prefers any)
+
+with c = overlap_score_credit, d = overlap_score_credit_decay, s = prefill_load_scale,
+r = decode_active_request_weight, D = potential decode blocks, R = active requests. At temperature 0
+the lowest cost wins, ties uniformly at random; above 0 a softmax over range-normalized costs draws the
+winner. Float operations follow `scheduling/selector/default.rs` in order, so costs are bit-identical.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from router.config import RouterConfig
+from router.policies.base import Selection, SelectionContext
+
+__all__ = ["DynamoPolicy", "lowest_cost_index", "softmax_probabilities", "softmax_sample_index"]
+
+
+class DynamoPolicy:
+    name = "dynamo"
+
+    def __init__(self, config: RouterConfig, rng: random.Random) -> None:
+        self._config = config
+        self._rng = rng
+
+    def costs(self, context: SelectionContext) -> list[float]:
+        """Every candidate's cost, in candidate order. O(candidates)."""
+        config = self._config
+        block_size = context.block_size
+        isl = context.isl_tokens
+        track_prefill = context.track_prefill_tokens
+        credit = config.overlap_score_credit
+        decay_rate = config.overlap_score_credit_decay
+        host_weight = config.host_cache_hit_weight
+        disk_weight = config.disk_cache_hit_weight
+        scale = config.prefill_load_scale
+        request_weight = config.decode_active_request_weight
+        candidates = context.candidates
+        decays = track_prefill and decay_rate > 0.0
+        if decays:
+            floor_tokens = min(candidate.active_prefill_tokens for candidate in candidates)
+            request_blocks = -(-isl // block_size)
+        costs = []
+        for candidate in candidates:
+            if track_prefill:
+                cached = candidate.cached_tokens
+                raw_prefill = (candidate.active_prefill_tokens + max(isl - cached, 0) + cached) / block_size
+            else:
+                raw_prefill = 0.0
+            device_credit = credit
+            if decays:
+                backlog = (candidate.active_prefill_tokens - floor_tokens) / block_size / request_blocks
+                device_credit = credit * (1.0 / (1.0 + decay_rate * backlog))
+            overlap_credit = (
+                device_credit * candidate.device_blocks
+                + host_weight * candidate.host_blocks
+                + disk_weight * candidate.disk_blocks
+            )
+            cost = (
+                scale * max(raw_prefill - overlap_credit, 0.0)
+                + float(candidate.active_decode_blocks + candidate.new_blocks)
+                + request_weight * candidate.active_requests
+            )
+            if candidate.taint_multiplier is not None:
+                cost *= candidate.taint_multiplier
+            costs.append(cost)
+        return costs
+
+    def select(self, context: SelectionContext) -> Selection:
+        costs = self.costs(context)
+        temperature = self._config.router_temperature
+        if temperature == 0.0:
+            index, ties = lowest_cost_index(costs, self._rng)
+            reason = f"lowest cost {costs[index]:.3f}"
+            if ties > 1:
+                reason += f", tied with {ties - 1} other(s); picked uniformly at random"
+            return Selection(index, reason, costs)
+        probabilities = softmax_probabilities(costs, temperature)
+        index = softmax_sample_index(probabilities, self._rng.random())
+        reason = f"softmax at temperature {temperature} drew cost {costs[index]:.3f} (p={probabilities[index]:.3f})"
+        return Selection(index, reason, costs, probabilities)
+
+
+def lowest_cost_index(costs: Sequence[float], rng: random.Random) -> tuple[int, int]:
+    """The lowest cost's index and how many candidates share it; ties by reservoir sampling, so each
+    tied candidate wins with probability 1/ties (Dynamo's `minimum_cost_index`)."""
+    best = 0
+    best_cost = math.inf
+    ties = 0
+    for index, cost in enumerate(costs):
+        if cost < best_cost:
+            best, best_cost, ties = index, cost, 1
+        elif cost == best_cost:
+            ties += 1
+            if rng.randrange(ties) == 0:
+                best = index
+    return best, ties
+
+
+def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:
+    """``p ∝ exp(-(cost - min) / ((max - min) * T))``, uniform when all costs are equal (§4.3)."""
+    low = min(costs)
+    high = max(costs)
+    if low == high:
+        return [1.0 / len(costs)] * len(costs)
+    # Dynamo rescales by the largest magnitude when the range overflows to infinity.
+    magnitude = 1.0 if math.isfinite(high - low) else max(abs(low), abs(high))
+    low_normalized = low / magnitude
+    scale = -1.0 / ((high / magnitude - low_normalized) * temperature)
+    offset = low_normalized * scale
+    weights = [math.exp(cost / magnitude * scale - offset) for cost in costs]
+    total = sum(weights)
+    return [weight / total for weight in weights]
+
+
+def softmax_sample_index(probabilities: Sequence[float], sample: float) -> int:
+    """The first index whose cumulative probability reaches ``sample`` in [0, 1)."""
+    cumulative = 0.0
+    for index, probability in enumerate(probabilities):
+        cumulative += probability
+        if sample <= cumulative:
+            return index
+    return len(probabilities) - 1

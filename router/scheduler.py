@@ -1,0 +1,265 @@
+"""The scheduler: from a hashed prompt and its overlap to one booked (worker, dp_rank) (§4.1 steps 3-5).
+
+It owns the load side of the router: the worker registry, the active sequences and the selection
+policy. It filters workers by required taints (§4.4) and busy thresholds (§4.6), projects each
+candidate's load for the prompt (§4.5), asks the policy to pick, and books the pick. It knows nothing
+of hashing, the index or the queue; `KvRouter` brings those.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Mapping
+
+from router.config import RouterConfig
+from router.overlap import NO_OVERLAP, RankOverlap, round_half_away
+from router.policies import Candidate, Selection, SelectionContext, SelectionPolicy
+from router.prompt import Prompt
+from router.sequences import ActiveSequences, RankState
+from router.thresholds import all_queue_busy, busy_thresholds_configured, rank_is_busy
+from router.types import (
+    AllWorkersOverloaded,
+    CandidateExplanation,
+    DecisionExplanation,
+    NoEligibleWorker,
+    PotentialLoad,
+    RankKey,
+    RankLoad,
+    RoutingConstraints,
+    WorkerConfig,
+)
+from router.workers import WorkerRegistry
+
+__all__ = ["Choice", "Scheduler"]
+
+logger = logging.getLogger(__name__)
+
+_NO_CONSTRAINTS = RoutingConstraints()
+
+
+class Choice:
+    """The selected rank, its overlap with the prompt, and optionally why it was chosen."""
+
+    __slots__ = ("explanation", "key", "overlap")
+
+    def __init__(self, key: RankKey, overlap: RankOverlap, explanation: DecisionExplanation | None) -> None:
+        self.key = key
+        self.overlap = overlap
+        self.explanation = explanation
+
+    @property
+    def overlap_blocks(self) -> int:
+        """Dynamo's reported overlap: the effective (tier-weighted) overlap, rounded."""
+        return round_half_away(self.overlap.effective_blocks)
+
+
+class Scheduler:
+    """Workers, their booked load and the policy that picks among them."""
+
+    def __init__(self, config: RouterConfig, policy: SelectionPolicy) -> None:
+        self._config = config
+        self._policy = policy
+        self.workers = WorkerRegistry()
+        self.sequences = ActiveSequences()
+        self._ranks_of: dict[int, tuple[RankState, ...]] = {}
+
+    # ------------------------------------------------------------------ topology
+    def register_worker(self, config: WorkerConfig) -> list[str]:
+        """Add or update a worker; returns the ids of requests dropped with ranks it no longer has."""
+        added, removed = self.workers.register(config)
+        dropped = [request_id for key in removed for request_id in self.sequences.remove_rank(key)]
+        for key in added:
+            self.sequences.add_rank(key)
+        ranks = (self.sequences.rank((config.worker_id, dp_rank)) for dp_rank in config.dp_ranks)
+        self._ranks_of[config.worker_id] = tuple(rank for rank in ranks if rank is not None)
+        return dropped
+
+    def remove_worker(self, worker_id: int) -> list[str]:
+        """Forget a worker and its booked requests (returned); raises `UnknownWorker` if unknown."""
+        keys = self.workers.remove(worker_id)
+        del self._ranks_of[worker_id]
+        return [request_id for key in keys for request_id in self.sequences.remove_rank(key)]
+
+    def ranks_of(self, worker_id: int) -> tuple[RankState, ...]:
+        return self._ranks_of.get(worker_id, ())
+
+    # ------------------------------------------------------------------ eligibility
+    def eligible_workers(
+        self, constraints: RoutingConstraints | None, pinned: RankKey | None = None
+    ) -> list[WorkerConfig]:
+        """Workers a request may use: registered, carrying its required taints, and holding the pinned
+        rank if one is given. Raises `NoEligibleWorker` when there is none."""
+        required = (constraints or _NO_CONSTRAINTS).required_taints
+        if pinned is None:
+            workers = self.workers.eligible(required)
+        else:
+            worker = self.workers.get(pinned[0])
+            has_rank = worker is not None and pinned[1] in worker.dp_ranks
+            workers = [worker] if worker is not None and has_rank and set(required) <= worker.taints else []
+        if not workers:
+            raise NoEligibleWorker(required)
+        return workers
+
+    def _rank_pairs(
+        self, workers: list[WorkerConfig], pinned: RankKey | None
+    ) -> Iterator[tuple[WorkerConfig, RankState]]:
+        for worker in workers:
+            for rank in self._ranks_of[worker.worker_id]:
+                if pinned is None or rank.key == pinned:
+                    yield worker, rank
+
+    def queue_blocked(self, workers: list[WorkerConfig], pinned: RankKey | None = None) -> bool:
+        """§4.7: every eligible rank (only the pinned one, if pinned) is over the queue threshold."""
+        return all_queue_busy(self._config, self._rank_pairs(workers, pinned))
+
+    def _is_overloaded(self, worker: WorkerConfig) -> bool:
+        kv_used = self.workers.kv_used_blocks
+        return all(
+            rank_is_busy(self._config, worker, rank, kv_used(rank.key)) for rank in self._ranks_of[worker.worker_id]
+        )
+
+    # ------------------------------------------------------------------ selection and booking
+    def select(
+        self,
+        prompt: Prompt,
+        overlaps: Mapping[RankKey, RankOverlap],
+        workers: list[WorkerConfig],
+        constraints: RoutingConstraints | None,
+        *,
+        pinned: RankKey | None = None,
+        explain: bool = False,
+    ) -> Choice:
+        """Pick a rank among ``workers`` (from `eligible_workers`). Books nothing.
+
+        Raises `AllWorkersOverloaded` when every one of them has all its ranks busy. O(ranks + prompt
+        blocks touched by `ActiveSequences.prefix_depths`).
+        """
+        if busy_thresholds_configured(self._config):
+            available = [worker for worker in workers if not self._is_overloaded(worker)]
+            if not available:
+                raise AllWorkersOverloaded(len(workers))
+            workers = available
+        preferred = (constraints or _NO_CONSTRAINTS).preferred_taints
+        depths = self.sequences.prefix_depths(prompt.shared_hashes) if prompt.shared_hashes else {}
+        booked_blocks = prompt.booked_blocks
+        candidates = []
+        for worker, rank in self._rank_pairs(workers, pinned):
+            overlap = overlaps.get(rank.key, NO_OVERLAP)
+            candidates.append(
+                Candidate(
+                    rank.worker_id,
+                    rank.dp_rank,
+                    device_blocks=overlap.device_blocks,
+                    host_blocks=overlap.host_blocks,
+                    disk_blocks=overlap.disk_blocks,
+                    effective_overlap_blocks=overlap.effective_blocks,
+                    cached_tokens=overlap.cached_tokens,
+                    active_prefill_tokens=rank.prefill_tokens,
+                    active_decode_blocks=rank.decode_blocks,
+                    new_blocks=booked_blocks - depths.get(rank, 0),
+                    active_requests=rank.requests,
+                    taint_multiplier=_taint_multiplier(preferred, worker.taints) if preferred else None,
+                )
+            )
+        context = SelectionContext(
+            prompt.isl_tokens, self._config.block_size, self._config.router_track_prefill_tokens, candidates
+        )
+        # A pinned rank is the caller's choice; it is still reported with its load.
+        selection = self._policy.select(context) if pinned is None else Selection(0, "pinned by the caller")
+        winner = candidates[selection.index]
+        key = (winner.worker_id, winner.dp_rank)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "%s picked worker %d dp_rank %d: %s (%d candidates)",
+                self._policy.name,
+                winner.worker_id,
+                winner.dp_rank,
+                selection.reason,
+                len(candidates),
+            )
+        explanation = _explain(self._policy.name, context, selection) if explain else None
+        return Choice(key, overlaps.get(key, NO_OVERLAP), explanation)
+
+    def book(self, request_id: str, choice: Choice, prompt: Prompt, now: float) -> None:
+        """Book the request on the chosen rank: its prompt blocks and its uncached prefill (§4.5)."""
+        prefill_tokens = 0
+        if self._config.router_track_prefill_tokens:
+            prefill_tokens = max(prompt.isl_tokens - choice.overlap.cached_tokens, 0)
+        self.sequences.add(
+            request_id,
+            choice.key,
+            hashes=prompt.shared_hashes,
+            private_blocks=prompt.private_blocks,
+            prefill_tokens=prefill_tokens,
+            now=now,
+        )
+
+    # ------------------------------------------------------------------ reads
+    def potential_loads(self, prompt: Prompt, overlaps: Mapping[RankKey, RankOverlap]) -> list[PotentialLoad]:
+        """Every rank's load if the prompt went there, in registration order (§4.5). Books nothing."""
+        depths = self.sequences.prefix_depths(prompt.shared_hashes) if prompt.shared_hashes else {}
+        booked_blocks = prompt.booked_blocks
+        isl = prompt.isl_tokens
+        track_prefill = self._config.router_track_prefill_tokens
+        loads = []
+        for ranks in self._ranks_of.values():
+            for rank in ranks:
+                added_tokens = max(isl - overlaps.get(rank.key, NO_OVERLAP).cached_tokens, 0) if track_prefill else 0
+                loads.append(
+                    PotentialLoad(
+                        worker_id=rank.worker_id,
+                        dp_rank=rank.dp_rank,
+                        potential_prefill_tokens=rank.prefill_tokens + added_tokens,
+                        potential_decode_blocks=rank.decode_blocks + booked_blocks - depths.get(rank, 0),
+                        active_requests=rank.requests,
+                    )
+                )
+        return loads
+
+    def rank_loads(self) -> list[RankLoad]:
+        """Every rank's live load and whether it is busy (§4.6), in registration order."""
+        loads = []
+        for worker in self.workers:
+            for rank in self._ranks_of[worker.worker_id]:
+                kv_used = self.workers.kv_used_blocks(rank.key)
+                loads.append(
+                    RankLoad(
+                        worker_id=rank.worker_id,
+                        dp_rank=rank.dp_rank,
+                        active_prefill_tokens=rank.prefill_tokens,
+                        active_decode_blocks=rank.decode_blocks,
+                        active_requests=rank.requests,
+                        kv_used_blocks=kv_used,
+                        busy=rank_is_busy(self._config, worker, rank, kv_used),
+                    )
+                )
+        return loads
+
+
+def _taint_multiplier(preferred: Mapping[str, float], taints: frozenset[str]) -> float:
+    """§4.4: exp(-tanh(sum of the weights of the preferred taints the worker has)), in [1/e, e]."""
+    return math.exp(-math.tanh(sum(weight for taint, weight in preferred.items() if taint in taints)))
+
+
+def _explain(policy: str, context: SelectionContext, selection: Selection) -> DecisionExplanation:
+    costs = selection.costs
+    probabilities = selection.probabilities
+    return DecisionExplanation(
+        policy=policy,
+        reason=selection.reason,
+        candidates=[
+            CandidateExplanation(
+                worker_id=candidate.worker_id,
+                dp_rank=candidate.dp_rank,
+                device_overlap_blocks=candidate.device_blocks,
+                effective_overlap_blocks=candidate.effective_overlap_blocks,
+                potential_prefill_tokens=context.potential_prefill_tokens(candidate),
+                potential_decode_blocks=candidate.potential_decode_blocks,
+                active_requests=candidate.active_requests,
+                cost=None if costs is None else costs[index],
+                probability=None if probabilities is None else probabilities[index],
+            )
+            for index, candidate in enumerate(context.candidates)
+        ],
+    )
