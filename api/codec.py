@@ -8,6 +8,7 @@ body type (`BodyDecoder`), and decoding failures become the API's 400 / 422 erro
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -61,6 +62,8 @@ class Call:
     reply_msgpack: bool = False
     request_id: str | None = None  # the X-Request-Id header
     explain: bool = False  # the ?explain=true query flag
+    # Returns once the client has disconnected; watched only while a request waits in the queue.
+    wait_disconnect: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)

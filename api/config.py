@@ -57,6 +57,13 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     ready_min_workers: Annotated[
         int, _doc("/readyz answers 503 until at least this many workers are registered"), msgspec.Meta(ge=0)
     ] = 0
+    fast_path: Annotated[
+        bool,
+        _doc(
+            "serve the hot routes straight from ASGI; turn off to pass every request through FastAPI "
+            "(and any middleware added to the app)"
+        ),
+    ] = True
     shutdown_timeout_secs: Annotated[
         int, _doc("on SIGTERM, seconds in-flight requests may take to finish"), msgspec.Meta(ge=0)
     ] = 30

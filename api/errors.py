@@ -25,6 +25,7 @@ __all__ = [
     "ROUTER_ERRORS",
     "ApiError",
     "BodyTooLarge",
+    "ClientDisconnected",
     "InvalidRequest",
     "MalformedBody",
     "NotFound",
@@ -73,6 +74,13 @@ class PromptTooLong(ApiError):
 class NotFound(ApiError):
     status = 404
     type = "not_found"
+
+
+class ClientDisconnected(ApiError):
+    """The client went away while its request waited in the queue (nginx's 499); nobody reads it."""
+
+    status = 499
+    type = "client_disconnected"
 
 
 class UnknownRequestId(ApiError):

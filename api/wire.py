@@ -31,9 +31,9 @@ __all__ = [
     "MarkReply",
     "MarkRequest",
     "NewRequest",
-    "OverlapReply",
     "PotentialLoadsReply",
     "PotentialLoadsRequest",
+    "RequestId",
     "RouterFreeMarked",
     "RouterMarkFree",
     "RouterMarkPrefill",
@@ -46,13 +46,15 @@ __all__ = [
     "RouterRequest",
     "RouterResponse",
     "Tokens",
-    "WorkerOverlap",
     "WorkerStatus",
     "WorkersReply",
 ]
 
 U32_MAX = (1 << 32) - 1
 Tokens = list[Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]] | bytes
+# Request ids travel back in the X-Request-Id header, so they must be valid header text: visible
+# ASCII, no spaces, bounded length.
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 
 
 # ---------------------------------------------------------------- requests
@@ -60,6 +62,7 @@ class NewRequest(RouteRequest, kw_only=True, forbid_unknown_fields=True):
     """``POST /v1/new``: a `RouteRequest`; ``explain`` adds the per-candidate explanation."""
 
     tokens: Tokens
+    request_id: RequestId | None = None
     explain: bool = False
 
 
@@ -75,11 +78,12 @@ class PotentialLoadsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
 class MarkRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``POST /v1/mark_prefill`` and ``/v1/mark_free``; the id may come as ``X-Request-Id`` instead."""
 
-    request_id: str | None = None
+    request_id: RequestId | None = None
 
 
 class RouterNew(RouteRequest, tag="new", tag_field="method", kw_only=True, forbid_unknown_fields=True):
     tokens: Tokens
+    request_id: RequestId | None = None
 
 
 class RouterPotentialLoads(PotentialLoadsRequest, tag="potential_loads", tag_field="method"):
@@ -136,25 +140,6 @@ RouterResponse = (
 class MarkReply(msgspec.Struct, kw_only=True):
     request_id: str
     success: bool
-
-
-class WorkerOverlap(msgspec.Struct, kw_only=True):
-    """Cached prefix of one (worker, dp_rank): device blocks and lower-tier blocks beyond them."""
-
-    worker_id: int
-    dp_rank: int
-    device_blocks: int
-    host_pinned_extension_blocks: int = 0
-    disk_extension_blocks: int = 0
-    external_extension_blocks: int = 0
-
-
-class OverlapReply(msgspec.Struct, kw_only=True):
-    """``POST /v1/overlap``: workers holding a prefix of the prompt; others are left out."""
-
-    block_size: int
-    num_blocks: int
-    workers: list[WorkerOverlap]
 
 
 class WorkerStatus(msgspec.Struct, kw_only=True):

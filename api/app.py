@@ -1,0 +1,134 @@
+"""`create_app(settings)`: the FastAPI application around one `KvRouter`.
+
+The app owns the router, the metrics registry and the one background task, the periodic sweep of
+stale requests. Its lifespan starts the sweep and marks the app as serving; at shutdown it stops
+answering ready, cancels requests still waiting in the queue and stops the sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException
+
+from api.config import Settings
+from api.errors import ApiError, InvalidRequest, NotFound, error_reply
+from api.fastpath import FastPath
+from api.handlers import Handlers
+from api.metrics import ApiMetrics, RouterStateCollector
+from api.openapi import Schemas
+from api.routes import add_admin_routes, add_hot_routes
+from router.kv_router import KvRouter
+from router.types import KvRouterError
+
+__all__ = ["EXPIRY_SWEEP_SECS", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+# Dynamo sweeps stale requests globally every 60 s besides the check on each `new` (§4.5); the sweep
+# is what frees the load of requests nobody marked free while no new request arrives.
+EXPIRY_SWEEP_SECS = 60.0
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    registry: CollectorRegistry | None = None,
+    rng: random.Random | None = None,
+) -> FastAPI:
+    """The service for ``settings``; ``registry`` receives its metrics (a fresh one by default),
+    ``rng`` seeds the router's random choices (ties, sampling)."""
+    from api.cli import package_version
+
+    settings = settings or Settings()
+    registry = registry if registry is not None else CollectorRegistry()
+    kv_router = KvRouter(settings.router, rng=rng)
+    metrics = ApiMetrics(registry)
+    registry.register(RouterStateCollector(kv_router))
+    handlers = Handlers(kv_router, metrics, settings.service)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with asyncio.TaskGroup() as tasks:
+            sweep = tasks.create_task(_sweep_stale_requests(kv_router), name="kv-router-expiry-sweep")
+            app.state.serving = True
+            try:
+                yield
+            finally:
+                # Shutdown, in order: stop answering ready; release requests still queued (their
+                # callers get an error instead of hanging); stop the sweep.
+                app.state.serving = False
+                cancelled = kv_router.cancel_waiting()
+                if cancelled:
+                    logger.warning("shutdown: cancelled %d queued requests", cancelled)
+                sweep.cancel()
+
+    app = FastAPI(
+        title="kv-router",
+        version=package_version(),
+        description="KV-cache-aware request router for LLM engine fleets, wire-compatible with NVIDIA "
+        "Dynamo's KV router. Bodies are JSON, or msgpack with Content-Type: application/msgpack "
+        "(replies in msgpack with Accept: application/msgpack).",
+        lifespan=lifespan,
+    )
+    app.state.router = kv_router
+    app.state.settings = settings
+    app.state.registry = registry
+    app.state.serving = False
+    app.state.ready_min_workers = settings.service.ready_min_workers
+
+    schemas = Schemas()
+    add_hot_routes(app, handlers, schemas)
+    add_admin_routes(app, kv_router, registry, schemas)
+    schemas.install(app)
+    _add_error_handlers(app)
+    hot = handlers.routes() if settings.service.fast_path else {}
+    app.add_middleware(FastPath, hot=hot, max_body_bytes=settings.service.max_body_bytes)
+    return app
+
+
+async def _sweep_stale_requests(kv_router: KvRouter) -> None:
+    while True:
+        await asyncio.sleep(EXPIRY_SWEEP_SECS)
+        kv_router.expire_stale()
+
+
+def _error_response(exc: Exception) -> Response:
+    mapped = error_reply(exc)
+    assert mapped is not None
+    status, _, body = mapped
+    return Response(body, status, media_type="application/json")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Errors of the non-hot routes, in the same ``{"error": {"type", "message"}}`` shape."""
+
+    async def known(_: Request, exc: Exception) -> Response:
+        return _error_response(exc)
+
+    async def validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return _error_response(InvalidRequest(problems))
+
+    async def http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        error = NotFound(message) if exc.status_code == 404 else ApiError(message)
+        error.status = exc.status_code
+        if exc.status_code == 405:
+            error.type = "method_not_allowed"
+        return _error_response(error)
+
+    app.add_exception_handler(ApiError, known)
+    app.add_exception_handler(KvRouterError, known)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(HTTPException, http)

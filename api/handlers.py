@@ -1,0 +1,290 @@
+"""The hot routes, bytes in and bytes out: decode with msgspec, call `KvRouter`, encode the reply.
+
+One method per route; each takes a `Call` and returns a `Reply`, so the ASGI fast path and the
+FastAPI routes share them. Every reply, error or not, is counted by method and outcome. All input
+checks (schema, token ids in u32, packed length, prompt size, request id) run before the router is
+called, and the router itself validates before it changes anything, so a refused request leaves
+the router's state as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import msgspec
+
+from api.codec import BodyDecoder, Call, Reply, encode
+from api.config import ServiceConfig
+from api.errors import (
+    ApiError,
+    ClientDisconnected,
+    InvalidRequest,
+    MalformedBody,
+    PromptTooLong,
+    UnknownRequestId,
+    error_reply,
+)
+from api.fastpath import HotHandler
+from api.metrics import ApiMetrics
+from api.wire import (
+    EventsReply,
+    MarkReply,
+    MarkRequest,
+    NewRequest,
+    PotentialLoadsReply,
+    PotentialLoadsRequest,
+    RouterFreeMarked,
+    RouterMarkFree,
+    RouterMarkPrefill,
+    RouterNew,
+    RouterNewResponse,
+    RouterPotentialLoads,
+    RouterPotentialLoadsResponse,
+    RouterPrefillMarked,
+    RouterQueueRejected,
+    RouterRequest,
+    Tokens,
+)
+from indexer.errors import BlockNotFound, InvalidBlockSequence, KvIndexError, ParentBlockNotFound
+from indexer.events import decode_router_events
+from router.kv_router import KvRouter
+from router.types import QueueRejected, RouteDecision, RouteRequest
+
+__all__ = ["HOT_PATHS", "Handlers"]
+
+logger = logging.getLogger(__name__)
+
+# Path -> handler method name; the fast path and the FastAPI routes both serve these.
+HOT_PATHS = {
+    "/v1/router": "router",
+    "/v1/new": "new",
+    "/v1/potential_loads": "potential_loads",
+    "/v1/mark_prefill": "mark_prefill",
+    "/v1/mark_free": "mark_free",
+    "/v1/events": "events",
+    "/v1/overlap": "overlap",
+}
+
+# Index rejections by class, named as Dynamo labels kv_cache_events_applied (§6).
+_EVENT_STATUS: dict[type[KvIndexError], str] = {
+    ParentBlockNotFound: "parent_block_not_found",
+    BlockNotFound: "block_not_found",
+    InvalidBlockSequence: "invalid_block",
+}
+_EVENT_ERRORS_SHOWN = 8
+
+
+class Handlers:
+    """The hot routes of one app, bound to its router, metrics and limits."""
+
+    def __init__(self, router: KvRouter, metrics: ApiMetrics, service: ServiceConfig) -> None:
+        self._router = router
+        self._metrics = metrics
+        self._max_prompt_tokens = service.max_prompt_tokens
+        # Only a router with a queue ever awaits in `new`; only then is a client's disconnect watched.
+        self._may_queue = router.config.router_queue_threshold is not None
+        self._new_body: BodyDecoder[NewRequest] = BodyDecoder(NewRequest)
+        self._router_body: BodyDecoder[RouterRequest] = BodyDecoder(RouterRequest)
+        self._loads_body: BodyDecoder[PotentialLoadsRequest] = BodyDecoder(PotentialLoadsRequest)
+        self._mark_body: BodyDecoder[MarkRequest] = BodyDecoder(MarkRequest)
+
+    def routes(self) -> dict[str, HotHandler]:
+        handlers: dict[str, HotHandler] = {path: getattr(self, name) for path, name in HOT_PATHS.items()}
+        return handlers
+
+    # ------------------------------------------------------------------ routes
+    async def router(self, call: Call) -> Reply:
+        """``POST /v1/router``: Dynamo's tagged ``RouterRequest`` -> ``RouterResponse``."""
+        try:
+            request = self._router_body.decode(call)
+        except Exception as exc:
+            return self._error("router", exc)
+        if isinstance(request, RouterNew):
+            return await self._guard("new", self._router_new(request, call))
+        if isinstance(request, RouterPotentialLoads):
+            return await self._guard("potential_loads", self._router_potential_loads(request, call))
+        if isinstance(request, RouterMarkPrefill):
+            return await self._guard("mark_prefill", self._router_mark(request, call))
+        return await self._guard("mark_free", self._router_mark(request, call))
+
+    async def new(self, call: Call) -> Reply:
+        """``POST /v1/new``: pick and book a worker; the reply names it, its overlap and cached tokens."""
+        return await self._guard("new", self._new(call))
+
+    async def potential_loads(self, call: Call) -> Reply:
+        return await self._guard("potential_loads", self._potential_loads(call))
+
+    async def mark_prefill(self, call: Call) -> Reply:
+        return await self._guard("mark_prefill", self._mark(call, self._router.mark_prefill))
+
+    async def mark_free(self, call: Call) -> Reply:
+        return await self._guard("mark_free", self._mark(call, self._router.mark_free))
+
+    async def events(self, call: Call) -> Reply:
+        return await self._guard("events", self._events(call))
+
+    async def overlap(self, call: Call) -> Reply:
+        return await self._guard("overlap", self._overlap(call))
+
+    # ------------------------------------------------------------------ implementations
+    async def _new(self, call: Call) -> Reply:
+        started = time.perf_counter()
+        request = self._new_body.decode(call)
+        tokens = self._check_prompt(request.tokens)
+        explain = request.explain or call.explain
+        if request.request_id is None:
+            request = msgspec.structs.replace(request, request_id=call.request_id or uuid.uuid4().hex)
+        decision = await self._decide(request, explain, call)
+        body = encode(decision, call.reply_msgpack)
+        self._metrics.decision(decision, tokens, time.perf_counter() - started)
+        return Reply(200, body, call.reply_msgpack, decision.request_id)
+
+    async def _router_new(self, request: RouterNew, call: Call) -> Reply:
+        started = time.perf_counter()
+        tokens = self._check_prompt(request.tokens)
+        # Dynamo takes the id of `new` from the request-plane context; over HTTP that is X-Request-Id.
+        if request.request_id is None:
+            request = msgspec.structs.replace(request, request_id=call.request_id or uuid.uuid4().hex)
+        try:
+            decision = await self._decide(request, False, call)
+        except QueueRejected as exc:
+            self._metrics.count("new", "queue_rejected")
+            return self._reply(RouterQueueRejected(rejection=exc.rejection), call, request.request_id)
+        response = RouterNewResponse(
+            worker_id=decision.worker_id, dp_rank=decision.dp_rank, overlap_blocks=decision.overlap_blocks
+        )
+        reply = self._reply(response, call, decision.request_id)
+        self._metrics.decision(decision, tokens, time.perf_counter() - started)
+        return reply
+
+    async def _decide(self, request: RouteRequest, explain: bool, call: Call) -> RouteDecision:
+        decision = self._router.new(request, explain=explain)
+        if self._may_queue and call.wait_disconnect is not None:
+            return await _unless_disconnected(decision, call.wait_disconnect)
+        return await decision
+
+    async def _potential_loads(self, call: Call) -> Reply:
+        request = self._loads_body.decode(call)
+        return self._reply(self._loads(request, PotentialLoadsReply), call)
+
+    async def _router_potential_loads(self, request: RouterPotentialLoads, call: Call) -> Reply:
+        return self._reply(self._loads(request, RouterPotentialLoadsResponse), call)
+
+    def _loads(self, request: PotentialLoadsRequest, reply_type: type[PotentialLoadsReply]) -> PotentialLoadsReply:
+        self._check_prompt(request.tokens)
+        loads = self._router.potential_loads(
+            request.tokens, request.lora_name, request.cache_namespace, request.block_mm_infos
+        )
+        queue = self._router.queue_stats()
+        return reply_type(loads=loads, pending_count=queue.pending_count, pending_isl_tokens=queue.pending_isl_tokens)
+
+    async def _mark(self, call: Call, mark: Callable[[str], bool]) -> Reply:
+        request_id = self._mark_body.decode(call).request_id or call.request_id
+        if request_id is None:
+            raise InvalidRequest("request_id is required (body field or X-Request-Id header)")
+        if not mark(request_id):
+            raise UnknownRequestId(f"request {request_id!r} is not active")
+        return self._reply(MarkReply(request_id=request_id, success=True), call, request_id)
+
+    async def _router_mark(self, request: RouterMarkPrefill | RouterMarkFree, call: Call) -> Reply:
+        # Dynamo: the payload's id if given, else the context id (here X-Request-Id).
+        request_id = request.request_id or call.request_id
+        if request_id is None:
+            raise InvalidRequest("request_id is required (body field or X-Request-Id header)")
+        if isinstance(request, RouterMarkPrefill):
+            return self._reply(RouterPrefillMarked(success=self._router.mark_prefill(request_id)), call, request_id)
+        return self._reply(RouterFreeMarked(success=self._router.mark_free(request_id)), call, request_id)
+
+    async def _events(self, call: Call) -> Reply:
+        events = decode_router_events(call.body, msgpack=call.msgpack)
+        apply = self._router.apply_event
+        count_event = self._metrics.event
+        applied = 0
+        errors: list[str] = []
+        for event in events:
+            data = event.event
+            kind = "cleared" if data.is_cleared else ("stored" if data.stored is not None else "removed")
+            try:
+                apply(event)
+            except KvIndexError as exc:
+                count_event(kind, _EVENT_STATUS.get(type(exc), "rejected"))
+                if len(errors) < _EVENT_ERRORS_SHOWN:
+                    errors.append(f"worker {event.worker_id} event {data.event_id}: {exc}")
+                continue
+            count_event(kind, "ok")
+            applied += 1
+        reply = EventsReply(received=len(events), applied=applied, rejected=len(events) - applied, errors=errors)
+        return self._reply(reply, call)
+
+    async def _overlap(self, call: Call) -> Reply:
+        request = self._loads_body.decode(call)
+        self._check_prompt(request.tokens)
+        report = self._router.overlap(
+            request.tokens, request.lora_name, request.cache_namespace, request.block_mm_infos
+        )
+        return self._reply(report, call)
+
+    # ------------------------------------------------------------------ helpers
+    def _check_prompt(self, tokens: Tokens) -> int:
+        """The prompt's token count, after the checks the router must never see fail."""
+        if isinstance(tokens, bytes):
+            if len(tokens) % 4:
+                raise MalformedBody(f"packed tokens must be little-endian u32, 4 bytes each; got {len(tokens)} bytes")
+            count = len(tokens) // 4
+        else:
+            count = len(tokens)
+        if count > self._max_prompt_tokens:
+            raise PromptTooLong(f"prompt has {count} tokens; the limit is {self._max_prompt_tokens}")
+        return count
+
+    def _reply(self, value: Any, call: Call, request_id: str | None = None) -> Reply:
+        return Reply(200, encode(value, call.reply_msgpack), call.reply_msgpack, request_id)
+
+    async def _guard(self, method: str, work: Coroutine[Any, Any, Reply]) -> Reply:
+        """Run one route's work; count its outcome; turn any error into its JSON error reply."""
+        try:
+            reply = await work
+        except Exception as exc:
+            return self._error(method, exc)
+        self._metrics.count(method)
+        return reply
+
+    def _error(self, method: str, exc: Exception) -> Reply:
+        mapped = error_reply(exc)
+        if mapped is None:
+            logger.exception("%s failed", method, exc_info=exc)
+            mapped = error_reply(_Internal(f"internal error in {method}: {type(exc).__name__}"))
+            assert mapped is not None
+        status, kind, body = mapped
+        self._metrics.count(method, kind)
+        return Reply(status, body)
+
+
+class _Internal(ApiError):
+    status = 500
+    type = "internal_error"
+
+
+async def _unless_disconnected(
+    decision: Awaitable[RouteDecision], disconnected: Callable[[], Awaitable[None]]
+) -> RouteDecision:
+    """Await a decision that may wait in the queue, but give up (and free its place) if the client
+    goes away first: a request nobody will mark free must not be booked."""
+    task = asyncio.ensure_future(decision)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()  # the router leaves the queue, or undoes a booking made in the meantime
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected("client disconnected while the request waited in the queue")
+    return task.result()

@@ -1,0 +1,157 @@
+"""Prometheus metrics of the service, named ``kv_router_*``, on a registry the app is given.
+
+Two kinds, by cost:
+
+* Counters and histograms that move with requests (`ApiMetrics`): label children are bound once,
+  so a decision pays one ``observe`` per histogram (about a microsecond each), nothing else.
+* Gauges of state (`RouterStateCollector`): per-(worker, dp_rank) load, indexed blocks, queue,
+  workers, index size. They are read from the router when ``/metrics`` is scraped, so keeping them
+  costs the request path nothing.
+
+Each app gets its own `CollectorRegistry` (tests build many apps in one process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.kv_router import KvRouter
+from router.types import RouteDecision
+
+__all__ = ["ApiMetrics", "RouterStateCollector"]
+
+PREFIX = "kv_router"
+
+# Decisions take tens of microseconds to a few milliseconds: sub-millisecond resolution where the
+# mass is, and a tail to a second for queued requests.
+LATENCY_BUCKETS = (
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
+    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0,
+)  # fmt: skip
+OVERLAP_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class ApiMetrics:
+    """Request-driven metrics: counts by method and outcome, decision latency, overlap, events."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._requests = Counter(
+            f"{PREFIX}_requests",
+            "Router API calls by method (new, potential_loads, mark_prefill, mark_free, events, overlap, "
+            "router for bodies whose method could not be read) and outcome (ok or the error type).",
+            ["method", "outcome"],
+            registry=registry,
+        )
+        self._decision = Histogram(
+            f"{PREFIX}_decision_duration_seconds",
+            "Time of one routing decision by phase: hashing the prompt, matching it in the index, "
+            "scheduling (load, cost, pick, booking), waiting in the queue, and the whole HTTP call "
+            "from body received to reply encoded (phase=request).",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._overlap = Histogram(
+            f"{PREFIX}_overlap_blocks",
+            "Prompt blocks predicted cached on the chosen worker (Dynamo's overlap_blocks).",
+            buckets=OVERLAP_BLOCK_BUCKETS,
+            registry=registry,
+        )
+        self._hit_ratio = Histogram(
+            f"{PREFIX}_predicted_cache_hit_ratio",
+            "Share of the prompt's tokens predicted cached on the chosen worker.",
+            buckets=RATIO_BUCKETS,
+            registry=registry,
+        )
+        self._events = Counter(
+            f"{PREFIX}_events_applied",
+            "KV events received, by event type (stored, removed, cleared) and status (ok, or why the index "
+            "rejected it).",
+            ["event_type", "status"],
+            registry=registry,
+        )
+        phases = ("hashing", "matching", "scheduling", "queued", "request")
+        self._phase = {phase: self._decision.labels(phase) for phase in phases}
+        self._ok = {
+            method: self._requests.labels(method, "ok")
+            for method in ("new", "potential_loads", "mark_prefill", "mark_free", "events", "overlap")
+        }
+
+    def count(self, method: str, outcome: str = "ok") -> None:
+        child = self._ok.get(method) if outcome == "ok" else None
+        (child or self._requests.labels(method, outcome)).inc()
+
+    def decision(self, decision: RouteDecision, prompt_tokens: int, request_s: float) -> None:
+        phase = self._phase
+        timing = decision.timing
+        phase["hashing"].observe(timing.hashing_s)
+        phase["matching"].observe(timing.matching_s)
+        phase["scheduling"].observe(timing.scheduling_s)
+        if timing.queued_s:
+            phase["queued"].observe(timing.queued_s)
+        phase["request"].observe(request_s)
+        self._overlap.observe(decision.overlap_blocks)
+        if prompt_tokens:
+            self._hit_ratio.observe(min(1.0, decision.cached_tokens / prompt_tokens))
+
+    def event(self, event_type: str, status: str, count: int = 1) -> None:
+        self._events.labels(event_type, status).inc(count)
+
+
+class RouterStateCollector(Collector):
+    """Gauges read from the router when ``/metrics`` is scraped."""
+
+    def __init__(self, router: KvRouter) -> None:
+        self._router = router
+
+    def describe(self) -> Iterator[Metric]:
+        # Returning the families without samples keeps registration from calling collect().
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        router = self._router
+        families = self._families()
+        prefill, decode, active, indexed, queue_req, queue_isl, workers, nodes, index_bytes = families
+        for load in router.rank_loads():
+            labels = [str(load.worker_id), str(load.dp_rank)]
+            prefill.add_metric(labels, load.active_prefill_tokens)
+            decode.add_metric(labels, load.active_decode_blocks)
+            active.add_metric(labels, load.active_requests)
+        stats = router.indexer.stats()
+        for (worker_id, dp_rank), blocks in stats.blocks.items():
+            indexed.add_metric([str(worker_id), str(dp_rank)], blocks)
+        queue = router.queue_stats()
+        queue_req.add_metric([], queue.pending_count)
+        queue_isl.add_metric([], queue.pending_isl_tokens)
+        workers.add_metric([], len(router.workers()))
+        nodes.add_metric([], stats.nodes)
+        index_bytes.add_metric([], stats.estimated_bytes)
+        yield from families
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        rank = ["worker_id", "dp_rank"]
+        return [
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_active_prefill_tokens", "Prefill tokens booked and not yet done.", labels=rank
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_active_decode_blocks",
+                "Distinct prompt blocks of the active requests (shared prefixes count once).",
+                labels=rank,
+            ),
+            GaugeMetricFamily(f"{PREFIX}_worker_active_requests", "Requests booked and not freed.", labels=rank),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_indexed_blocks", "Device-tier blocks the index holds for this rank.", labels=rank
+            ),
+            GaugeMetricFamily(f"{PREFIX}_queue_pending_requests", "Requests waiting in the queue for capacity."),
+            GaugeMetricFamily(f"{PREFIX}_queue_pending_isl_tokens", "Prompt tokens of the requests waiting."),
+            GaugeMetricFamily(f"{PREFIX}_workers_registered", "Workers registered with the router."),
+            GaugeMetricFamily(f"{PREFIX}_index_nodes", "Nodes of the KV index's radix tree."),
+            GaugeMetricFamily(f"{PREFIX}_index_estimated_bytes", "Estimated memory held by the KV index."),
+        ]

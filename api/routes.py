@@ -1,0 +1,202 @@
+"""The FastAPI routes: the hot routes as thin adapters onto `Handlers`, and the admin and
+operations routes (workers, dump, health, readiness, metrics).
+
+Bodies are decoded and encoded with msgspec here too; FastAPI contributes routing, path
+parameters and the OpenAPI document, whose schemas come from the same msgspec types (`Schemas`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from api.codec import JSON, MSGPACK, BodyDecoder, Call, encode, is_msgpack, query_flag
+from api.fastpath import HotHandler, wait_disconnect
+from api.handlers import HOT_PATHS, Handlers
+from api.openapi import Schemas
+from api.wire import (
+    EventsReply,
+    MarkReply,
+    MarkRequest,
+    NewRequest,
+    PotentialLoadsReply,
+    PotentialLoadsRequest,
+    RouterRequest,
+    RouterResponse,
+    WorkersReply,
+    WorkerStatus,
+)
+from indexer.events import RouterEvent
+from router.kv_router import KvRouter
+from router.types import OverlapReport, RouteDecision, UnknownWorker, WorkerConfig
+
+__all__ = ["add_admin_routes", "add_hot_routes"]
+
+
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}, "detail": {"type": "object"}},
+        }
+    },
+}
+
+# Route path -> (summary, request body type, reply type).
+_HOT_DOCS: dict[str, tuple[str, Any, Any]] = {
+    "/v1/router": (
+        "Dynamo's RouterRequest (tagged by method) answered with its RouterResponse",
+        RouterRequest,
+        RouterResponse,
+    ),
+    "/v1/new": (
+        "Pick a worker for a prompt and book it (request id from the body, X-Request-Id, or generated); "
+        "?explain=true adds the per-candidate explanation",
+        NewRequest,
+        RouteDecision,
+    ),
+    "/v1/potential_loads": ("Every worker's load if the prompt went there; books nothing", PotentialLoadsRequest,
+                            PotentialLoadsReply),
+    "/v1/mark_prefill": ("The request's prefill is done: its prefill tokens stop loading its worker", MarkRequest,
+                         MarkReply),
+    "/v1/mark_free": ("The request is finished or cancelled: release its load", MarkRequest, MarkReply),
+    "/v1/events": ("Apply one RouterEvent or a list of them to the index", RouterEvent | list[RouterEvent],
+                   EventsReply),
+    "/v1/overlap": ("Every worker's cached prefix of the prompt, per storage tier; books nothing",
+                    PotentialLoadsRequest, OverlapReport),
+}  # fmt: skip
+
+
+def _hot_endpoint(handler: HotHandler) -> Any:
+    async def endpoint(request: Request) -> Response:
+        headers = request.headers
+        call = Call(
+            await request.body(),
+            msgpack=is_msgpack(headers.get("content-type")),
+            reply_msgpack=is_msgpack(headers.get("accept")),
+            request_id=headers.get("x-request-id"),
+            explain=query_flag(request.scope["query_string"], b"explain"),
+            wait_disconnect=partial(wait_disconnect, request.receive),
+        )
+        reply = await handler(call)
+        extra = {"x-request-id": reply.request_id} if reply.request_id is not None else None
+        return Response(reply.body, reply.status, headers=extra, media_type=reply.media_type)
+
+    return endpoint
+
+
+def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
+    """The routes `FastPath` also serves; these answer when it does not (fast path off, or mounted)."""
+    router = APIRouter(tags=["routing"])
+    for path, handler in handlers.routes().items():
+        summary, body_type, reply_type = _HOT_DOCS[path]
+        extra = schemas.operation(body_type, {200: (reply_type, "OK")})
+        extra["responses"]["default"] = {
+            "description": "error",
+            "content": {"application/json": {"schema": _ERROR_SCHEMA}},
+        }
+        router.add_api_route(
+            path, _hot_endpoint(handler), methods=["POST"], summary=summary, name=HOT_PATHS[path], openapi_extra=extra
+        )
+    app.include_router(router)
+
+
+def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegistry, schemas: Schemas) -> None:
+    worker_body: BodyDecoder[WorkerConfig] = BodyDecoder(WorkerConfig)
+
+    def status_of(config: WorkerConfig) -> WorkerStatus:
+        ranks = [load for load in kv_router.rank_loads() if load.worker_id == config.worker_id]
+        return WorkerStatus(config=config, ranks=ranks)
+
+    def reply(value: Any, request: Request, status: int = 200) -> Response:
+        msgpack = is_msgpack(request.headers.get("accept"))
+        return Response(encode(value, msgpack), status, media_type=MSGPACK if msgpack else JSON)
+
+    @app.get(
+        "/v1/workers",
+        tags=["workers"],
+        summary="Registered workers with the live load of each dp rank",
+        openapi_extra=schemas.operation(responses={200: (WorkersReply, "OK")}),
+    )
+    async def list_workers(request: Request) -> Response:
+        loads = kv_router.rank_loads()
+        by_worker: dict[int, list[Any]] = {}
+        for load in loads:
+            by_worker.setdefault(load.worker_id, []).append(load)
+        statuses = [WorkerStatus(config=c, ranks=by_worker.get(c.worker_id, [])) for c in kv_router.workers()]
+        return reply(WorkersReply(workers=statuses), request)
+
+    @app.post(
+        "/v1/workers",
+        tags=["workers"],
+        summary="Register a worker, or reconfigure a registered one in place (its index is kept)",
+        openapi_extra=schemas.operation(
+            WorkerConfig, {201: (WorkerStatus, "registered"), 200: (WorkerStatus, "updated")}
+        ),
+    )
+    async def register_worker(request: Request) -> Response:
+        call = Call(await request.body(), msgpack=is_msgpack(request.headers.get("content-type")))
+        config = worker_body.decode(call)
+        known = any(w.worker_id == config.worker_id for w in kv_router.workers())
+        kv_router.register_worker(config)
+        return reply(status_of(config), request, 200 if known else 201)
+
+    @app.delete(
+        "/v1/workers/{worker_id}",
+        tags=["workers"],
+        summary="Deregister a worker: its index entries and active requests are dropped",
+        openapi_extra=schemas.operation(responses={200: (WorkerStatus, "the removed worker")}),
+    )
+    async def remove_worker(worker_id: int, request: Request) -> Response:
+        config = next((w for w in kv_router.workers() if w.worker_id == worker_id), None)
+        if config is None:
+            raise UnknownWorker(worker_id)
+        kv_router.remove_worker(worker_id)
+        return reply(WorkerStatus(config=config, ranks=[]), request)
+
+    @app.get(
+        "/v1/workers/{worker_id}",
+        tags=["workers"],
+        summary="One worker with the live load of each dp rank",
+        openapi_extra=schemas.operation(responses={200: (WorkerStatus, "OK")}),
+    )
+    async def get_worker(worker_id: int, request: Request) -> Response:
+        config = next((w for w in kv_router.workers() if w.worker_id == worker_id), None)
+        if config is None:
+            raise UnknownWorker(worker_id)
+        return reply(status_of(config), request)
+
+    @app.get(
+        "/v1/dump",
+        tags=["index"],
+        summary="The whole KV index as stored events (replayable into /v1/events)",
+        openapi_extra=schemas.operation(responses={200: (list[RouterEvent], "OK")}),
+    )
+    async def dump(request: Request) -> Response:
+        return reply(kv_router.indexer.dump_events(), request)
+
+    @app.get("/healthz", tags=["operations"], summary="Liveness: the process answers")
+    async def healthz() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get(
+        "/readyz",
+        tags=["operations"],
+        summary="Readiness: serving, and at least ready_min_workers workers registered (else 503)",
+    )
+    async def readyz(request: Request) -> Response:
+        workers = len(kv_router.workers())
+        ready = bool(request.app.state.serving) and workers >= request.app.state.ready_min_workers
+        body = encode({"ready": ready, "workers": workers}, False)
+        return Response(body, 200 if ready else 503, media_type="application/json")
+
+    @app.get("/metrics", tags=["operations"], summary="Prometheus metrics (kv_router_*)")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
