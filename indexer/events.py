@@ -38,6 +38,7 @@ __all__ = [
     "cleared_event",
     "decode_router_events",
     "encode_router_events",
+    "looks_like_msgpack",
     "removed_event",
     "stored_event",
 ]
@@ -207,8 +208,18 @@ _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
 
 
-def decode_router_events(payload: bytes | bytearray | memoryview, *, msgpack: bool = False) -> list[RouterEvent]:
-    """Decode one ``RouterEvent`` or a list of them from JSON (default) or msgpack bytes."""
+def looks_like_msgpack(payload: bytes | bytearray | memoryview) -> bool:
+    """Whether a payload of objects is msgpack rather than JSON (which starts with '{', '[' or a space)."""
+    for byte in bytes(payload[:16]):
+        if byte not in b" \t\r\n":
+            return byte not in b"{["
+    return False
+
+
+def decode_router_events(payload: bytes | bytearray | memoryview, *, msgpack: bool | None = False) -> list[RouterEvent]:
+    """Decode one ``RouterEvent`` or a list of them from JSON or msgpack bytes (``None``: detect)."""
+    if msgpack is None:
+        msgpack = looks_like_msgpack(payload)
     decoder = _msgpack_decoder if msgpack else _json_decoder
     try:
         decoded = decoder.decode(payload)

@@ -15,3 +15,9 @@ def shared_dir() -> Path:
     if not SHARED_DIR.is_dir():
         pytest.skip(f"reference material not found at {SHARED_DIR} (set KV_ROUTER_SHARED)")
     return SHARED_DIR
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (``@pytest.mark.anyio``) run on asyncio, the loop the service uses."""
+    return "asyncio"

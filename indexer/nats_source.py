@@ -1,0 +1,128 @@
+"""KV events from NATS into the index, through the sequencer, with resyncs run in the background.
+
+Subscribes to ``kv.{ns}.events.>`` (one ``RouterEvent`` or a list per message, JSON or msgpack).
+nats-py delivers one subscription's messages one at a time, so each stream's order is kept. When the
+sequencer asks for a resync, a task requests it on ``kv.{ns}.resync.{worker_id}`` with retries and
+exponential backoff, at most ``max_concurrent_resyncs`` at a time. Undecodable payloads are counted
+and logged (rate-limited); nothing stops the subscription.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+
+from indexer.events import EventDecodeError, decode_router_events, looks_like_msgpack
+from indexer.protocol import ResyncRequest, ResyncResponse
+from indexer.ratelimited_log import RateLimitedLog
+from indexer.sequencer import EventSequencer
+from indexer.subjects import Subjects
+
+__all__ = ["KvEventSubscriber"]
+
+log = logging.getLogger(__name__)
+
+_json_response = msgspec.json.Decoder(ResyncResponse)
+_msgpack_response = msgspec.msgpack.Decoder(ResyncResponse)
+
+
+class KvEventSubscriber:
+    def __init__(
+        self,
+        nc: Client,
+        sequencer: EventSequencer,
+        *,
+        namespace: str = "default",
+        resync_timeout_s: float = 2.0,
+        resync_attempts: int = 6,
+        resync_backoff_s: float = 0.2,
+        max_concurrent_resyncs: int = 16,
+    ) -> None:
+        self.nc = nc
+        self.sequencer = sequencer
+        self.subjects = Subjects(namespace)
+        self._timeout = resync_timeout_s
+        self._attempts = resync_attempts
+        self._backoff = resync_backoff_s
+        self._resync_slots = asyncio.Semaphore(max_concurrent_resyncs)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subscription: Subscription | None = None
+        self._bad_input = RateLimitedLog(log)
+        self.messages = 0
+
+    async def start(self) -> None:
+        self._subscription = await self.nc.subscribe(
+            self.subjects.all_events, cb=self._on_message, pending_msgs_limit=1_000_000
+        )
+
+    async def stop(self) -> None:
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            await subscription.unsubscribe()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _on_message(self, message: Msg) -> None:
+        self.messages += 1
+        try:
+            events = decode_router_events(message.data, msgpack=None)
+        except EventDecodeError as exc:
+            self.sequencer.outcomes["rejected_undecodable"] += 1
+            self._bad_input.warning("undecodable KV event", f"on {message.subject}: {exc}")
+            return
+        for event in events:
+            request = self.sequencer.receive(event)
+            if request is not None:
+                self.launch_resync(request)
+
+    def launch_resync(self, request: ResyncRequest) -> None:
+        task = asyncio.create_task(self._resync(request), name=f"resync-{request.worker_id}-{request.dp_rank}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def resync_all(self) -> None:
+        """After a reconnect events may have been lost: ask every worker for its full state."""
+        for request in self.sequencer.resync_all():
+            self.launch_resync(request)
+
+    @property
+    def resyncs_in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def _resync(self, request: ResyncRequest) -> None:
+        subject = self.subjects.resync(request.worker_id)
+        payload = msgspec.json.encode(request)
+        async with self._resync_slots:
+            for attempt in range(self._attempts):
+                try:
+                    reply = await self.nc.request(subject, payload, timeout=self._timeout)
+                    data = reply.data
+                    decoder = _msgpack_response if looks_like_msgpack(data) else _json_response
+                    response = decoder.decode(data)
+                except msgspec.DecodeError as exc:
+                    self.sequencer.outcomes["rejected_undecodable_resync"] += 1
+                    self._bad_input.warning("undecodable resync reply", f"from worker {request.worker_id}: {exc}")
+                    break
+                except (TimeoutError, NatsError) as exc:
+                    log.debug("resync of worker %s attempt %d failed: %r", request.worker_id, attempt + 1, exc)
+                    await asyncio.sleep(self._backoff * 2**attempt)
+                    continue
+                if response.error is not None:
+                    log.warning("worker %s refused a resync: %s", request.worker_id, response.error)
+                follow_up = self.sequencer.resync_done(request, response)
+                if follow_up is not None:
+                    self.launch_resync(follow_up)
+                return
+        log.warning("worker %s dp_rank %s did not answer a resync; continuing with live events",
+                    request.worker_id, request.dp_rank)  # fmt: skip
+        follow_up = self.sequencer.resync_failed(request)
+        if follow_up is not None:
+            self.launch_resync(follow_up)

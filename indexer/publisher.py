@@ -1,0 +1,251 @@
+"""The worker side of the event plane: what an engine (or a bridge, or a mock worker) runs.
+
+``KvEventPublisher`` numbers each dp rank's events from 1 and publishes them on
+``kv.{ns}.events.{worker_id}``, single or batched. It keeps a bounded ring of recent events and its
+own index of the blocks it holds, so it can answer a router's resync request on
+``kv.{ns}.resync.{worker_id}`` with the events since an id or, when those are gone, a full dump.
+It registers the worker in the ``kv_router_workers_{ns}`` bucket, heartbeats (each heartbeat carries
+the registration, so a worker that a router expired comes back as soon as it beats again), and
+publishes ``ActiveLoad``.
+
+Usage from an asyncio engine integration::
+
+    publisher = KvEventPublisher(nc, WorkerRegistration(worker_id=7, block_size=16))
+    await publisher.start()
+    await publisher.stored([(block_hash, tokens_hash), ...], parent_hash=None)
+    await publisher.removed([block_hash])
+    async with publisher.batch():      # one NATS message for everything inside
+        ...
+    await publisher.stop()
+
+Events are checked against the publisher's own index before they are numbered: a store under an
+unknown parent raises ``ParentBlockNotFound`` and is never sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
+
+from indexer.errors import BlockNotFound
+from indexer.events import (
+    KvCacheEvent,
+    RouterEvent,
+    StorageTier,
+    cleared_event,
+    encode_router_events,
+    removed_event,
+    stored_event,
+)
+from indexer.protocol import (
+    ActiveLoad,
+    Heartbeat,
+    ResyncBatch,
+    ResyncRequest,
+    ResyncResponse,
+    ResyncTooNew,
+    WorkerRegistration,
+)
+from indexer.radix_tree import RadixTree
+from indexer.subjects import Subjects
+
+__all__ = ["KvEventPublisher", "open_registry"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RING_SIZE = 1024
+
+_EventFactory = Callable[[int], KvCacheEvent]  # event id -> event
+
+
+async def open_registry(nc: Client, subjects: Subjects) -> KeyValue:
+    """The worker registry bucket, created on first use."""
+    js = nc.jetstream()
+    try:
+        return await js.key_value(subjects.registry_bucket)
+    except Exception:  # nats-py raises BucketNotFoundError or a JetStream API error here
+        return await js.create_key_value(bucket=subjects.registry_bucket, history=1)
+
+
+class _RankLog:
+    __slots__ = ("last_event_id", "ring")
+
+    def __init__(self, ring_size: int) -> None:
+        self.last_event_id = 0
+        self.ring: deque[RouterEvent] = deque(maxlen=ring_size)
+
+
+class KvEventPublisher:
+    def __init__(
+        self,
+        nc: Client,
+        registration: WorkerRegistration,
+        *,
+        namespace: str = "default",
+        ring_size: int = DEFAULT_RING_SIZE,
+        heartbeat_interval: float = 1.0,
+        msgpack: bool = True,
+    ) -> None:
+        self.nc = nc
+        self.registration = registration
+        self.worker_id = registration.worker_id
+        self.subjects = Subjects(namespace)
+        self._ring_size = ring_size
+        self._heartbeat_interval = heartbeat_interval
+        self._msgpack = msgpack
+        self._ranks: dict[int, _RankLog] = {}
+        self._blocks = RadixTree()  # what this worker holds, to answer full-dump resyncs
+        self._batch: list[RouterEvent] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._resync_subscription: Subscription | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, *, heartbeat: bool = True) -> None:
+        """Serve resyncs, register, and start heartbeating."""
+        self._resync_subscription = await self.nc.subscribe(self.subjects.resync(self.worker_id), cb=self._on_resync)
+        await self.register()
+        if heartbeat:
+            self.start_heartbeat()
+
+    async def stop(self, *, deregister: bool = False) -> None:
+        self.stop_heartbeat()
+        subscription, self._resync_subscription = self._resync_subscription, None
+        if subscription is not None:
+            await subscription.unsubscribe()
+        if deregister:
+            registry = await open_registry(self.nc, self.subjects)
+            await registry.delete(str(self.worker_id))
+        await self.nc.flush()
+
+    async def register(self) -> None:
+        registry = await open_registry(self.nc, self.subjects)
+        await registry.put(str(self.worker_id), msgspec.json.encode(self.registration))
+
+    def start_heartbeat(self) -> None:
+        if self._heartbeat_task is None or self._heartbeat_task.done():
+            self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.worker_id}")
+
+    def stop_heartbeat(self) -> None:
+        task, self._heartbeat_task = self._heartbeat_task, None
+        if task is not None:
+            task.cancel()
+
+    async def _heartbeat_loop(self) -> None:
+        subject = self.subjects.heartbeat(self.worker_id)
+        while True:
+            beat = Heartbeat(
+                worker_id=self.worker_id, sent_at_ms=int(time.time() * 1000), registration=self.registration
+            )
+            with contextlib.suppress(Exception):  # a disconnected client buffers or drops; keep beating
+                await self.nc.publish(subject, msgspec.json.encode(beat))
+            await asyncio.sleep(self._heartbeat_interval)
+
+    # ------------------------------------------------------------------ events
+    async def stored(
+        self,
+        blocks: Iterable[tuple[int, int]],
+        *,
+        parent_hash: int | None = None,
+        dp_rank: int = 0,
+        storage_tier: StorageTier = StorageTier.DEVICE,
+    ) -> int:
+        """Publish blocks stored under ``parent_hash`` as ``(block_hash, tokens_hash)``; returns the event id."""
+        return await self._emit(
+            lambda event_id: stored_event(event_id, blocks, parent_hash=parent_hash, dp_rank=dp_rank),
+            dp_rank,
+            storage_tier,
+        )
+
+    async def removed(
+        self, block_hashes: Iterable[int], *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE
+    ) -> int:
+        hashes = list(block_hashes)
+        return await self._emit(
+            lambda event_id: removed_event(event_id, hashes, dp_rank=dp_rank), dp_rank, storage_tier
+        )
+
+    async def cleared(self, *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE) -> int:
+        return await self._emit(lambda event_id: cleared_event(event_id, dp_rank=dp_rank), dp_rank, storage_tier)
+
+    async def _emit(self, make: _EventFactory, dp_rank: int, storage_tier: StorageTier) -> int:
+        rank = self._ranks.get(dp_rank)
+        if rank is None:
+            rank = self._ranks[dp_rank] = _RankLog(self._ring_size)
+        event = RouterEvent(self.worker_id, make(rank.last_event_id + 1), storage_tier)
+        # A removal of unknown hashes still applies the rest; routers report the unknown ones alike.
+        with contextlib.suppress(BlockNotFound):
+            self._blocks.apply_router_event(event)
+        rank.last_event_id += 1
+        rank.ring.append(event)
+        if self._batch is not None:
+            self._batch.append(event)
+        else:
+            await self._send([event])
+        return rank.last_event_id
+
+    @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[None]:
+        """Collect the events emitted inside into one message (one list), sent on exit."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            events, self._batch = self._batch, None
+            if events:
+                await self._send(events)
+
+    async def _send(self, events: list[RouterEvent]) -> None:
+        payload = encode_router_events(events if len(events) > 1 else events[0], msgpack=self._msgpack)
+        await self.nc.publish(self.subjects.events(self.worker_id), payload)
+
+    async def publish_load(self, load: ActiveLoad) -> None:
+        await self.nc.publish(self.subjects.load(self.worker_id), msgspec.json.encode(load))
+
+    # ------------------------------------------------------------------ resync
+    def answer_resync(self, request: ResyncRequest) -> ResyncResponse:
+        rank = self._ranks.get(request.dp_rank) or _RankLog(0)
+        last = rank.last_event_id
+        start = request.start_event_id
+        if start is not None and start > last + 1:
+            return ResyncResponse(
+                too_new=ResyncTooNew(requested_start=start, requested_end=request.end_event_id, newest_available=last)
+            )
+        oldest = rank.ring[0].event.event_id if rank.ring else last + 1
+        if start is not None and start >= oldest:
+            end = last if request.end_event_id is None else min(request.end_event_id, last)
+            wanted = [event for event in rank.ring if start <= event.event.event_id <= end]
+            return ResyncResponse(events=ResyncBatch(events=wanted, last_event_id=end))
+        dump = [event for event in self._blocks.dump_events() if event.event.dp_rank == request.dp_rank]
+        return ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=last))
+
+    async def _on_resync(self, message: Msg) -> None:
+        try:
+            request = msgspec.json.decode(message.data, type=ResyncRequest)
+        except msgspec.DecodeError as exc:
+            response = ResyncResponse(error=f"invalid resync request: {exc}")
+        else:
+            response = self.answer_resync(request)
+        payload = msgspec.msgpack.encode(response)
+        if len(payload) > self.nc.max_payload:
+            payload = msgspec.msgpack.encode(
+                ResyncResponse(error=f"reply of {len(payload)} bytes exceeds the server's max_payload")
+            )
+        if message.reply:
+            await self.nc.publish(message.reply, payload)
+
+    def held_blocks(self) -> RadixTree:
+        """The publisher's own index of what this worker holds (read-only use)."""
+        return self._blocks

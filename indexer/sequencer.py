@@ -1,0 +1,260 @@
+"""Exactly-once, in-order application of each (worker, dp_rank)'s event stream, with gap repair.
+
+Events are numbered per (worker, dp_rank) from 1 by the publisher. For each stream the sequencer
+keeps the id of the last applied event:
+
+- an id at or below it is a duplicate and dropped;
+- the next id is applied;
+- a larger id is a gap: the stream becomes untrusted and a resync is requested for the missing
+  range (or a full dump when the worker cannot serve it); live events are held meanwhile, so a
+  replayed store can never resurrect a block that a later live event removed;
+- the first event ever seen from a stream asks for a full dump, so a router that starts after its
+  workers learns what they cached before;
+- ``cleared`` is a barrier: it applies at once, cancels any resync in flight (its answer would be
+  stale) and restarts the stream from its id.
+
+The sequencer does no I/O: ``receive`` and ``resync_done`` return the ``ResyncRequest`` to send, and
+the transport (``indexer.nats_source``) answers with ``resync_done`` or ``resync_failed``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from indexer.errors import BlockNotFound, InvalidBlockSequence, KvIndexError, ParentBlockNotFound
+from indexer.events import RouterEvent
+from indexer.protocol import ResyncRequest, ResyncResponse
+from indexer.radix_tree import RadixTree
+from indexer.slots import WorkerRank
+
+__all__ = ["EventSequencer", "StreamStatus"]
+
+# Beyond this many held events a stream stops holding and asks for a full dump instead.
+MAX_HELD_EVENTS = 100_000
+
+_REJECTION_REASONS: dict[type[KvIndexError], str] = {
+    ParentBlockNotFound: "parent_not_found",
+    BlockNotFound: "block_not_found",
+    InvalidBlockSequence: "invalid_block_sequence",
+}
+
+
+@dataclass
+class _Stream:
+    last_applied: int | None = None  # None: never synchronised
+    resync: ResyncRequest | None = None  # the request in flight, if any
+    held: dict[int, RouterEvent] = field(default_factory=dict)  # event id -> event, while resyncing
+    trusted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatus:
+    worker_id: int
+    dp_rank: int
+    last_event_id: int | None
+    trusted: bool
+    resyncing: bool
+    held_events: int
+
+
+class EventSequencer:
+    def __init__(
+        self,
+        index: RadixTree,
+        *,
+        accept_worker: Callable[[int], bool] | None = None,
+        max_held_events: int = MAX_HELD_EVENTS,
+    ) -> None:
+        self.index = index
+        self._accept_worker = accept_worker
+        self._max_held = max_held_events
+        self._streams: dict[WorkerRank, _Stream] = {}
+        # Outcome -> count: applied, duplicate, held, gap, resync_*, rejected_<reason>.
+        self.outcomes: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ live events
+    def receive(self, event: RouterEvent) -> ResyncRequest | None:
+        """Take one live event; returns a resync to start, if this event calls for one."""
+        if self._accept_worker is not None and not self._accept_worker(event.worker_id):
+            self.outcomes["rejected_unknown_worker"] += 1
+            return None
+        key = (event.worker_id, event.event.dp_rank)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = _Stream()
+        event_id = event.event.event_id
+        last = stream.last_applied
+        if event.event.is_cleared and (last is None or event_id > last):
+            return self._barrier(key, stream, event)
+        if stream.resync is not None:
+            if last is not None and event_id <= last:
+                self.outcomes["duplicate"] += 1
+                return None
+            return self._hold(key, stream, event)
+        if last is None:
+            self._hold(key, stream, event)
+            return self._start_resync(key, stream, start=None)
+        if event_id <= last:
+            self.outcomes["duplicate"] += 1
+            return None
+        if event_id == last + 1:
+            self._apply(event)
+            stream.last_applied = event_id
+            return None
+        self.outcomes["gap"] += 1
+        stream.trusted = False
+        self._hold(key, stream, event)
+        return self._start_resync(key, stream, start=last + 1, end=event_id - 1)
+
+    def _barrier(self, key: WorkerRank, stream: _Stream, event: RouterEvent) -> ResyncRequest | None:
+        event_id = event.event.event_id
+        if stream.resync is not None:
+            self.outcomes["resync_cancelled"] += 1
+            stream.resync = None
+        self._apply(event)
+        stream.last_applied = event_id
+        stream.trusted = True
+        return self._drain_held(key, stream)
+
+    def _hold(self, key: WorkerRank, stream: _Stream, event: RouterEvent) -> ResyncRequest | None:
+        if len(stream.held) >= self._max_held:
+            # Whatever is held will be covered by a full dump taken after it.
+            self.outcomes["held_overflow"] += len(stream.held)
+            stream.held.clear()
+            stream.last_applied = None
+            return self._start_resync(key, stream, start=None)
+        stream.held[event.event.event_id] = event
+        self.outcomes["held"] += 1
+        return None
+
+    # ------------------------------------------------------------------ resync
+    def _start_resync(
+        self, key: WorkerRank, stream: _Stream, *, start: int | None, end: int | None = None
+    ) -> ResyncRequest:
+        request = ResyncRequest(worker_id=key[0], dp_rank=key[1], start_event_id=start, end_event_id=end)
+        stream.resync = request
+        self.outcomes["resync_full" if start is None else "resync_range"] += 1
+        return request
+
+    def resync_done(self, request: ResyncRequest, response: ResyncResponse) -> ResyncRequest | None:
+        """Apply a worker's answer to ``request``; returns a follow-up resync if one is needed."""
+        key = (request.worker_id, request.dp_rank)
+        stream = self._streams.get(key)
+        if stream is None or stream.resync is not request:
+            self.outcomes["resync_stale"] += 1  # cancelled by a barrier or a newer resync
+            return None
+        stream.resync = None
+        if response.tree_dump is not None:
+            self.index.remove_worker_dp_rank(*key)
+            for event in response.tree_dump.events:
+                self._apply(event, from_dump=True)
+            stream.last_applied = response.tree_dump.last_event_id
+            stream.trusted = True
+            self.outcomes["resync_dump_applied"] += 1
+        elif response.events is not None:
+            last = stream.last_applied or 0
+            for event in sorted(response.events.events, key=lambda e: e.event.event_id):
+                event_id = event.event.event_id
+                if event_id == last + 1:
+                    self._apply(event)
+                    last = event_id
+                elif event_id > last + 1:
+                    break  # the worker skipped some: the check below falls back to a dump
+            if request.end_event_id is not None and last < request.end_event_id:
+                self.outcomes["resync_incomplete"] += 1
+                return self._start_resync(key, stream, start=None)
+            stream.last_applied = last
+            stream.trusted = True
+            self.outcomes["resync_events_applied"] += 1
+        else:
+            # TooNew or Error: the worker no longer has those events; only a dump can help.
+            if request.start_event_id is not None:
+                return self._start_resync(key, stream, start=None)
+            self.outcomes["resync_refused"] += 1
+            return self._give_up(key, stream)
+        return self._drain_held(key, stream)
+
+    def resync_failed(self, request: ResyncRequest) -> ResyncRequest | None:
+        """The worker did not answer ``request`` (after retries): carry on with what is held."""
+        key = (request.worker_id, request.dp_rank)
+        stream = self._streams.get(key)
+        if stream is None or stream.resync is not request:
+            return None
+        stream.resync = None
+        self.outcomes["resync_failed"] += 1
+        return self._give_up(key, stream)
+
+    def _give_up(self, key: WorkerRank, stream: _Stream) -> ResyncRequest | None:
+        """Apply held events in order as best effort; the stream stays untrusted until a later sync."""
+        stream.trusted = False
+        held = sorted(stream.held.items())
+        stream.held.clear()
+        for event_id, event in held:
+            if stream.last_applied is None or event_id > stream.last_applied:
+                self._apply(event)
+                stream.last_applied = event_id
+        return None
+
+    def _drain_held(self, key: WorkerRank, stream: _Stream) -> ResyncRequest | None:
+        if not stream.held:
+            return None
+        held = stream.held
+        stream.held = {}
+        last = stream.last_applied
+        assert last is not None
+        pending = sorted(held.items())
+        for position, (event_id, event) in enumerate(pending):
+            if event_id <= last:
+                self.outcomes["duplicate"] += 1
+            elif event_id == last + 1:
+                self._apply(event)
+                last = event_id
+            else:
+                stream.last_applied = last
+                stream.held = dict(pending[position:])
+                self.outcomes["gap"] += 1
+                stream.trusted = False
+                return self._start_resync(key, stream, start=last + 1, end=event_id - 1)
+        stream.last_applied = last
+        return None
+
+    # ------------------------------------------------------------------ workers
+    def forget_worker(self, worker_id: int) -> None:
+        """Drop every stream of ``worker_id`` (its index state is the caller's to remove)."""
+        for key in [key for key in self._streams if key[0] == worker_id]:
+            del self._streams[key]
+
+    def resync_all(self) -> list[ResyncRequest]:
+        """Ask every known stream for a full dump, e.g. after a reconnect may have lost events."""
+        requests = []
+        for key, stream in self._streams.items():
+            stream.trusted = False
+            requests.append(self._start_resync(key, stream, start=None))
+        return requests
+
+    def status(self) -> list[StreamStatus]:
+        return [
+            StreamStatus(
+                worker_id=key[0],
+                dp_rank=key[1],
+                last_event_id=stream.last_applied,
+                trusted=stream.trusted,
+                resyncing=stream.resync is not None,
+                held_events=len(stream.held),
+            )
+            for key, stream in sorted(self._streams.items())
+        ]
+
+    def untrusted_workers(self) -> set[int]:
+        return {key[0] for key, stream in self._streams.items() if not stream.trusted}
+
+    # ------------------------------------------------------------------ applying
+    def _apply(self, event: RouterEvent, *, from_dump: bool = False) -> None:
+        try:
+            self.index.apply_router_event(event)
+        except KvIndexError as exc:
+            self.outcomes[f"rejected_{_REJECTION_REASONS.get(type(exc), 'index_error')}"] += 1
+        else:
+            self.outcomes["dump_applied" if from_dump else "applied"] += 1

@@ -1,0 +1,153 @@
+"""The per-stream sequencer: duplicates, gaps, holds, barriers and resync answers."""
+
+from __future__ import annotations
+
+from indexer.events import RouterEvent, cleared_event, removed_event, stored_event
+from indexer.protocol import ResyncBatch, ResyncRequest, ResyncResponse, ResyncTooNew
+from indexer.radix_tree import RadixTree
+from indexer.sequencer import EventSequencer
+
+W = 42
+
+
+def store(event_id: int, block: int, parent: int | None = None, rank: int = 0) -> RouterEvent:
+    return RouterEvent(W, stored_event(event_id, [(block, block)], parent_hash=parent, dp_rank=rank))
+
+
+def remove(event_id: int, block: int) -> RouterEvent:
+    return RouterEvent(W, removed_event(event_id, [block]))
+
+
+def synced(last: int = 0) -> tuple[EventSequencer, RadixTree]:
+    """A sequencer whose stream of W has been synchronised up to ``last`` by an empty dump."""
+    tree = RadixTree()
+    sequencer = EventSequencer(tree)
+    request = sequencer.receive(store(last + 1, 1))
+    assert request == ResyncRequest(worker_id=W, dp_rank=0, start_event_id=None)
+    sequencer.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=last)))
+    return sequencer, tree
+
+
+def held_blocks(tree: RadixTree) -> int:
+    return sum(tree.stats().blocks.values())
+
+
+def test_first_event_asks_for_a_full_dump_and_is_held_until_it_arrives() -> None:
+    tree = RadixTree()
+    sequencer = EventSequencer(tree)
+    request = sequencer.receive(store(5, 50, parent=40))
+    assert request is not None and request.start_event_id is None
+    assert held_blocks(tree) == 0
+    dump = [store(0, 40)]  # the worker held block 40 before the router came up
+    assert sequencer.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=4))) is None
+    assert tree.find_matches([40, 50]).scores == {(W, 0): 2}
+    [status] = sequencer.status()
+    assert (status.last_event_id, status.trusted, status.resyncing) == (5, True, False)
+
+
+def test_duplicates_are_dropped_and_the_next_id_applies() -> None:
+    sequencer, tree = synced(0)
+    assert tree.find_matches([1]).scores == {(W, 0): 1}
+    assert sequencer.receive(store(1, 1)) is None
+    assert sequencer.receive(store(2, 2, parent=1)) is None
+    assert sequencer.outcomes["duplicate"] == 1
+    assert tree.find_matches([1, 2]).scores == {(W, 0): 2}
+
+
+def test_gap_holds_live_events_until_the_missing_ones_arrive() -> None:
+    sequencer, tree = synced(0)
+    request = sequencer.receive(store(4, 4, parent=3))
+    assert request == ResyncRequest(worker_id=W, dp_rank=0, start_event_id=2, end_event_id=3)
+    assert sequencer.outcomes["gap"] == 1
+    assert not sequencer.status()[0].trusted
+    # A live removal of block 2 arrives while the resync is in flight: it must not be applied
+    # before the replayed store of block 2, or the replay would resurrect it.
+    assert sequencer.receive(remove(5, 4)) is None
+    missing = [store(2, 2, parent=1), store(3, 3, parent=2)]
+    follow_up = sequencer.resync_done(request, ResyncResponse(events=ResyncBatch(events=missing, last_event_id=3)))
+    assert follow_up is None
+    assert tree.find_matches([1, 2, 3, 4]).scores == {(W, 0): 3}
+    [status] = sequencer.status()
+    assert (status.last_event_id, status.trusted, status.held_events) == (5, True, 0)
+
+
+def test_worker_that_lost_the_events_is_asked_for_a_dump_which_replaces_the_rank() -> None:
+    sequencer, tree = synced(0)
+    request = sequencer.receive(store(9, 9))
+    assert request is not None
+    too_new = ResyncResponse(too_new=ResyncTooNew(requested_start=2, requested_end=8, newest_available=1))
+    follow_up = sequencer.resync_done(request, too_new)
+    assert follow_up is not None and follow_up.start_event_id is None
+    dump = [store(0, 7), store(1, 8, parent=7)]
+    assert sequencer.resync_done(follow_up, ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=8))) is None
+    # Block 1 (from before) is gone: the dump replaced the rank's state; event 9 applied after it.
+    assert tree.find_matches([1]).scores == {}
+    assert tree.find_matches([7, 8]).scores == {(W, 0): 2}
+    assert tree.find_matches([9]).scores == {(W, 0): 1}
+
+
+def test_cleared_is_a_barrier_that_cancels_a_resync_in_flight() -> None:
+    sequencer, tree = synced(0)
+    request = sequencer.receive(store(5, 5))
+    assert request is not None
+    assert sequencer.receive(RouterEvent(W, cleared_event(6))) is None
+    assert sequencer.receive(store(7, 70)) is None
+    stale = sequencer.resync_done(
+        request, ResyncResponse(tree_dump=ResyncBatch(events=[store(0, 99)], last_event_id=4))
+    )
+    assert stale is None
+    assert sequencer.outcomes["resync_stale"] == 1
+    assert tree.find_matches([99]).scores == {}
+    assert tree.find_matches([1]).scores == {}
+    assert tree.find_matches([70]).scores == {(W, 0): 1}
+    assert sequencer.status()[0].last_event_id == 7
+
+
+def test_unanswered_resync_applies_held_events_best_effort() -> None:
+    sequencer, tree = synced(0)
+    request = sequencer.receive(store(3, 3))
+    assert request is not None
+    sequencer.receive(store(4, 4, parent=3))
+    assert sequencer.resync_failed(request) is None
+    assert tree.find_matches([3, 4]).scores == {(W, 0): 2}
+    assert not sequencer.status()[0].trusted
+
+
+def test_ranks_are_independent_streams() -> None:
+    sequencer, tree = synced(0)
+    request = sequencer.receive(store(1, 10, rank=1))
+    assert request is not None and request.dp_rank == 1
+    assert sequencer.receive(store(2, 2, parent=1)) is None  # rank 0 keeps flowing
+    assert tree.find_matches([1, 2]).scores == {(W, 0): 2}
+
+
+def test_events_of_unknown_workers_are_counted_and_dropped() -> None:
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, accept_worker=lambda worker_id: worker_id != W)
+    assert sequencer.receive(store(1, 1)) is None
+    assert sequencer.outcomes["rejected_unknown_worker"] == 1
+    assert tree.stats().nodes == 0
+
+
+def test_index_rejections_are_counted_by_reason() -> None:
+    sequencer, tree = synced(0)
+    sequencer.receive(store(2, 5, parent=77))
+    sequencer.receive(remove(3, 55))
+    assert sequencer.outcomes["rejected_parent_not_found"] == 1
+    assert sequencer.outcomes["rejected_block_not_found"] == 1
+    assert sequencer.status()[0].last_event_id == 3
+
+
+def test_too_many_held_events_fall_back_to_a_dump() -> None:
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, max_held_events=3)
+    first = sequencer.receive(store(1, 1))
+    assert first is not None
+    for event_id in (2, 3):
+        assert sequencer.receive(store(event_id, event_id)) is None
+    overflow = sequencer.receive(store(4, 4))
+    assert overflow is not None and overflow.start_event_id is None
+    assert sequencer.resync_done(first, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=3))) is None
+    dump = [store(0, n) for n in (1, 2, 3, 4)]
+    sequencer.resync_done(overflow, ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=4)))
+    assert held_blocks(tree) == 4
