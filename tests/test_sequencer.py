@@ -130,7 +130,7 @@ def test_events_of_unknown_workers_are_counted_and_dropped() -> None:
 
 
 def test_index_rejections_are_counted_by_reason() -> None:
-    sequencer, tree = synced(0)
+    sequencer, _ = synced(0)
     sequencer.receive(store(2, 5, parent=77))
     sequencer.receive(remove(3, 55))
     assert sequencer.outcomes["rejected_parent_not_found"] == 1

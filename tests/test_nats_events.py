@@ -1,0 +1,194 @@
+"""Publisher -> real nats-server -> subscriber -> index: resyncs converge to the worker's state."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+
+from indexer.events import RouterEvent, StorageTier
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from indexer.nats_connection import NatsOptions, connect
+from indexer.nats_server import EmbeddedNats
+from indexer.nats_source import KvEventSubscriber
+from indexer.protocol import WorkerRegistration
+from indexer.publisher import KvEventPublisher
+from indexer.radix_tree import RadixTree
+from indexer.sequencer import EventSequencer
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def nats_server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+async def client(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
+    nc = await connect(NatsOptions(nats_server.url))
+    yield nc
+    await nc.close()
+
+
+def chain(prompt_seed: int, blocks: int) -> list[tuple[int, int]]:
+    tokens = [prompt_seed * 100_000 + i for i in range(blocks * 16)]
+    local = compute_block_hashes(tokens, 16)
+    return list(zip(compute_sequence_hashes(local), local, strict=True))
+
+
+def scores_of(tree: RadixTree, pairs: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    return tree.find_matches([local for _, local in pairs]).scores
+
+
+def same_state(router_tree: RadixTree, publisher: KvEventPublisher) -> bool:
+    """Compare the router's view of the worker with the worker's own, through their dumps."""
+
+    def normalised(tree: RadixTree) -> list[bytes]:
+        restored = RadixTree()
+        for event in tree.dump_events():
+            if event.worker_id == publisher.worker_id:
+                restored.apply_router_event(event)
+        return sorted(msgspec.json.encode(e.event.data) for e in restored.dump_events())
+
+    return normalised(router_tree) == normalised(publisher.held_blocks())
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def start_router(nc: Client) -> tuple[RadixTree, EventSequencer, KvEventSubscriber]:
+    tree = RadixTree()
+    sequencer = EventSequencer(tree)
+    subscriber = KvEventSubscriber(nc, sequencer, resync_timeout_s=0.5, resync_backoff_s=0.05)
+    await subscriber.start()
+    await nc.flush()
+    return tree, sequencer, subscriber
+
+
+async def test_router_started_late_learns_earlier_state_and_follows_live(client: Client) -> None:
+    publisher = KvEventPublisher(client, WorkerRegistration(worker_id=2**64 - 3, block_size=16))
+    await publisher.start(heartbeat=False)
+    early = chain(1, 6)
+    await publisher.stored(early[:4])
+    await publisher.stored(early[4:], parent_hash=early[3][0])
+    tree, sequencer, subscriber = await start_router(client)
+    late = chain(2, 3)
+    await publisher.stored(late)
+    await eventually(lambda: scores_of(tree, late) == {(publisher.worker_id, 0): 3})
+    assert scores_of(tree, early) == {(publisher.worker_id, 0): 6}
+    assert sequencer.outcomes["resync_dump_applied"] == 1
+    await publisher.removed([early[5][0]])
+    await eventually(lambda: scores_of(tree, early) == {(publisher.worker_id, 0): 5})
+    assert same_state(tree, publisher)
+    await subscriber.stop()
+    await publisher.stop()
+
+
+async def test_dropped_messages_are_detected_and_repaired(client: Client) -> None:
+    publisher = KvEventPublisher(client, WorkerRegistration(worker_id=7, block_size=16), msgpack=False)
+    await publisher.start(heartbeat=False)
+    tree, sequencer, subscriber = await start_router(client)
+    first = chain(3, 4)
+    await publisher.stored(first)
+    await eventually(lambda: scores_of(tree, first) == {(7, 0): 4})
+    # Lose three events on the way: the publisher numbers them, but they never reach NATS.
+    real_send = publisher._send
+    publisher._send = _drop  # type: ignore[method-assign]
+    lost = chain(4, 5)
+    await publisher.stored(lost[:2])
+    await publisher.stored(lost[2:], parent_hash=lost[1][0])
+    await publisher.removed([first[3][0]])
+    publisher._send = real_send  # type: ignore[method-assign]
+    after = chain(5, 2)
+    await publisher.stored(after, dp_rank=0)
+    await eventually(lambda: scores_of(tree, lost) == {(7, 0): 5})
+    assert scores_of(tree, first) == {(7, 0): 3}
+    assert scores_of(tree, after) == {(7, 0): 2}
+    assert sequencer.outcomes["gap"] == 1
+    assert sequencer.outcomes["resync_events_applied"] == 1
+    await eventually(lambda: all(status.trusted for status in sequencer.status()))
+    assert same_state(tree, publisher)
+    await subscriber.stop()
+    await publisher.stop()
+
+
+async def _drop(events: list[RouterEvent]) -> None:
+    return None
+
+
+async def test_gap_older_than_the_ring_is_repaired_with_a_full_dump(client: Client) -> None:
+    publisher = KvEventPublisher(client, WorkerRegistration(worker_id=8), ring_size=4)
+    await publisher.start(heartbeat=False)
+    tree, sequencer, subscriber = await start_router(client)
+    kept = chain(6, 2)
+    await publisher.stored(kept)
+    await eventually(lambda: scores_of(tree, kept) == {(8, 0): 2})
+    real_send = publisher._send
+    publisher._send = _drop  # type: ignore[method-assign]
+    for seed in range(10, 20):
+        await publisher.stored(chain(seed, 1), storage_tier=StorageTier.HOST_PINNED)
+    await publisher.removed([kept[1][0]])
+    publisher._send = real_send  # type: ignore[method-assign]
+    await publisher.stored(chain(30, 1))
+    await eventually(lambda: sequencer.outcomes["resync_dump_applied"] == 2)
+    await eventually(lambda: tree.find_matches([chain(30, 1)[0][1]]).scores == {(8, 0): 1})
+    assert scores_of(tree, kept) == {(8, 0): 1}
+    assert tree.find_matches([chain(15, 1)[0][1]]).tier_hits == {StorageTier.HOST_PINNED: {(8, 0): 1}}
+    assert same_state(tree, publisher)
+    await subscriber.stop()
+    await publisher.stop()
+
+
+async def test_garbage_on_the_events_subject_is_counted_and_ignored(client: Client) -> None:
+    tree, sequencer, subscriber = await start_router(client)
+    await client.publish("kv.default.events.1", b"{not json")
+    await client.publish("kv.default.events.1", b'{"worker_id": -4, "event": {}}')
+    await client.publish("kv.default.events.1", b"\x93\x01\x02")
+    publisher = KvEventPublisher(client, WorkerRegistration(worker_id=9))
+    await publisher.start(heartbeat=False)
+    good = chain(40, 2)
+    await publisher.stored(good)
+    await eventually(lambda: scores_of(tree, good) == {(9, 0): 2})
+    assert sequencer.outcomes["rejected_undecodable"] == 3
+    await subscriber.stop()
+    await publisher.stop()
+
+
+async def test_router_reconnects_after_a_nats_restart_and_converges(nats_server: EmbeddedNats) -> None:
+    router_nc = await connect(NatsOptions(nats_server.url))
+    worker_nc = await connect(NatsOptions(nats_server.url))
+    reconnected = asyncio.Event()
+    tree, _, subscriber = await start_router(router_nc)
+
+    async def on_reconnect() -> None:
+        subscriber.resync_all()
+        reconnected.set()
+
+    router_nc._reconnected_cb = on_reconnect
+    publisher = KvEventPublisher(worker_nc, WorkerRegistration(worker_id=11))
+    await publisher.start(heartbeat=False)
+    before = chain(50, 3)
+    await publisher.stored(before)
+    await eventually(lambda: scores_of(tree, before) == {(11, 0): 3})
+    nats_server.restart()
+    await asyncio.wait_for(reconnected.wait(), 15)
+    await eventually(lambda: worker_nc.is_connected)
+    after = chain(51, 2)
+    await publisher.removed([before[2][0]])
+    await publisher.stored(after)
+    await eventually(lambda: scores_of(tree, after) == {(11, 0): 2} and scores_of(tree, before) == {(11, 0): 2})
+    await eventually(lambda: same_state(tree, publisher))
+    await subscriber.stop()
+    await publisher.stop()
+    await router_nc.close()
+    await worker_nc.close()
