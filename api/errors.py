@@ -20,6 +20,7 @@ from router.types import (
     QueueRejected,
     UnknownWorker,
 )
+from router.types import InvalidRequest as RouterInvalidRequest
 
 __all__ = [
     "ROUTER_ERRORS",
@@ -99,6 +100,7 @@ ROUTER_ERRORS: dict[type[Exception], tuple[int, str]] = {
     AllWorkersOverloaded: (503, "all_workers_overloaded"),
     UnknownWorker: (404, "unknown_worker"),
     EventDecodeError: (400, "invalid_events"),
+    RouterInvalidRequest: (422, "invalid_request"),
     KvRouterError: (500, "router_error"),
 }
 

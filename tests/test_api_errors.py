@@ -1,0 +1,165 @@
+"""Bad input, route by route: each gets ``{"error": {"type", "message"}}`` with the right status, and
+the router's state (workers and their live loads, the index, potential loads) is unchanged after it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.test_api_support import MSGPACK, metric, msgpack, prompt, serve, state, stored_event
+
+TOKENS = prompt(0, 64)
+JSON_HEADERS = {"content-type": "application/json"}
+MSGPACK_IN = {"content-type": MSGPACK["content-type"]}
+
+# (route, body bytes, headers, expected status, expected error type)
+CASES: list[tuple[str, bytes, dict[str, str], int, str]] = [
+    # malformed bodies
+    ("/v1/new", b'{"tokens": [1, 2', JSON_HEADERS, 400, "malformed_body"),
+    ("/v1/router", b"not json", JSON_HEADERS, 400, "malformed_body"),
+    ("/v1/potential_loads", b"\xc1", MSGPACK_IN, 400, "malformed_body"),
+    ("/v1/events", b"[{", JSON_HEADERS, 400, "invalid_events"),
+    ("/v1/workers", b"{", JSON_HEADERS, 400, "malformed_body"),
+    # wrong types and shapes
+    ("/v1/new", b'{"tokens": "seven"}', JSON_HEADERS, 422, "invalid_request"),  # not base64 packed tokens
+    ("/v1/new", b'{"tokens": [1.5]}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/new", b'{"tokens": [1], "priority": 3}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/new", b'{"tokens": [1], "request_id": "has space"}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/new", b'{"tokens": []}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/router", b'{"tokens": [1]}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/router", b'{"method": "route", "tokens": [1]}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/router", b'{"method": "mark_free"}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/mark_prefill", b"{}", JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/mark_free", b'{"request_id": 7}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/overlap", b'{"token_ids": [1]}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/events", b'{"worker_id": 1}', JSON_HEADERS, 400, "invalid_events"),
+    ("/v1/events", b'{"worker_id": -1, "event": {"event_id": 1, "data": "cleared"}}', JSON_HEADERS, 400,
+     "invalid_events"),
+    ("/v1/workers", b'{"worker_id": 3, "dp_size": 0}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/workers", b'{"worker_id": "three"}', JSON_HEADERS, 422, "invalid_request"),
+    # token ids outside u32
+    ("/v1/new", b'{"tokens": [1, 4294967296]}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/potential_loads", b'{"tokens": [-1]}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/router", b'{"method": "new", "tokens": [99999999999]}', JSON_HEADERS, 422, "invalid_request"),
+    # packed tokens whose length is not a multiple of 4
+    ("/v1/new", msgpack({"tokens": b"\x01\x00\x00\x00\x02"}), MSGPACK_IN, 400, "malformed_body"),
+    ("/v1/overlap", msgpack({"tokens": b"\x01"}), MSGPACK_IN, 400, "malformed_body"),
+    ("/v1/router", msgpack({"method": "potential_loads", "tokens": b"abc"}), MSGPACK_IN, 400, "malformed_body"),
+    # a prompt over the token limit (100 in these tests)
+    ("/v1/new", b'{"tokens": [' + b",".join([b"1"] * 101) + b"]}", JSON_HEADERS, 413, "prompt_too_long"),
+    ("/v1/potential_loads", msgpack({"tokens": bytes(404)}), MSGPACK_IN, 413, "prompt_too_long"),
+    ("/v1/router", b'{"method": "new", "tokens": [' + b",".join([b"1"] * 101) + b"]}", JSON_HEADERS, 413,
+     "prompt_too_long"),
+    # unknown request ids on the separate routes
+    ("/v1/mark_prefill", b'{"request_id": "nope"}', JSON_HEADERS, 404, "unknown_request_id"),
+    ("/v1/mark_free", b'{"request_id": "nope"}', JSON_HEADERS, 404, "unknown_request_id"),
+]  # fmt: skip
+
+
+@pytest.fixture(params=[True, False], ids=["fast_path", "fastapi_routes"])
+def client(request: pytest.FixtureRequest) -> Iterator[TestClient]:
+    with serve(fast_path=request.param, max_prompt_tokens=100, max_body_bytes=4096) as client:
+        for worker_id in (1, 2):
+            client.post("/v1/workers", json={"worker_id": worker_id})
+        client.post("/v1/events", json=stored_event(1, TOKENS))
+        assert client.post("/v1/new", json={"tokens": TOKENS, "request_id": "live"}).status_code == 200
+        yield client
+
+
+def _assert_error(reply: Any, status: int, kind: str) -> None:
+    assert reply.status_code == status, reply.text
+    assert reply.headers["content-type"] == "application/json"
+    error = reply.json()["error"]
+    assert error["type"] == kind
+    assert isinstance(error["message"], str) and error["message"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "headers", "status", "kind"), CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
+def test_bad_request_is_refused_and_changes_nothing(
+    client: TestClient, route: str, body: bytes, headers: dict[str, str], status: int, kind: str
+) -> None:
+    before = state(client)
+    _assert_error(client.post(route, content=body, headers=headers), status, kind)
+    assert state(client) == before
+
+
+def test_duplicate_active_request_id_is_a_conflict(client: TestClient) -> None:
+    before = state(client)
+    for route, body in (
+        ("/v1/new", {"tokens": prompt(1, 32), "request_id": "live"}),
+        ("/v1/router", {"method": "new", "tokens": prompt(1, 32), "request_id": "live"}),
+    ):
+        _assert_error(client.post(route, json=body), 409, "duplicate_request_id")
+    _assert_error(client.post("/v1/new", json={"tokens": prompt(1, 32)}, headers={"x-request-id": "live"}), 409,
+                  "duplicate_request_id")  # fmt: skip
+    assert state(client) == before
+
+
+def test_body_over_the_limit(client: TestClient) -> None:
+    before = state(client)
+    big = b'{"tokens": [' + b",".join([b"1"] * 3000) + b"]}"
+    for route in ("/v1/new", "/v1/router", "/v1/events", "/v1/workers"):
+        _assert_error(client.post(route, content=big, headers=JSON_HEADERS), 413, "body_too_large")
+
+    # Without Content-Length (chunked upload), the limit is enforced while reading.
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(big), 1000):
+            yield big[start : start + 1000]
+
+    for route in ("/v1/new", "/v1/workers"):
+        _assert_error(client.post(route, content=chunks(), headers=JSON_HEADERS), 413, "body_too_large")
+    assert state(client) == before
+
+
+def test_no_worker_and_unknown_routes(client: TestClient) -> None:
+    constrained = {"tokens": TOKENS, "routing_constraints": {"required_taints": ["gpu=b200"]}}
+    before = state(client)
+    _assert_error(client.post("/v1/new", json=constrained), 503, "no_eligible_worker")
+    _assert_error(client.delete("/v1/workers/77"), 404, "unknown_worker")
+    _assert_error(client.get("/v1/workers/77"), 404, "unknown_worker")
+    _assert_error(client.delete("/v1/workers/seven"), 422, "invalid_request")
+    _assert_error(client.get("/v1/nothing"), 404, "not_found")
+    _assert_error(client.put("/v1/new", json={}), 405, "method_not_allowed")
+    assert state(client) == before
+
+
+def test_errors_are_counted_by_method_and_outcome(client: TestClient) -> None:
+    client.post("/v1/new", content=b"{", headers=JSON_HEADERS)
+    client.post("/v1/router", content=b'{"method": "x"}', headers=JSON_HEADERS)
+    client.post("/v1/router", json={"method": "new", "tokens": prompt(1, 32), "request_id": "live"})
+    assert metric(client, "kv_router_requests_total", method="new", outcome="malformed_body") == 1
+    assert metric(client, "kv_router_requests_total", method="router", outcome="invalid_request") == 1
+    assert metric(client, "kv_router_requests_total", method="new", outcome="duplicate_request_id") == 1
+
+
+def test_packed_tokens_reach_the_hasher_as_bytes(client: TestClient) -> None:
+    """The msgpack path hands packed tokens to the router as one bytes object: a 16k-token prompt
+    costs no per-token Python objects (the list path would allocate about 16k * 32 bytes of ints)."""
+    import tracemalloc
+
+    tokens = prompt(2, 100)
+    packed = struct.pack(f"<{len(tokens)}I", *tokens)
+    as_list = client.post("/v1/overlap", json={"tokens": tokens}).json()
+    assert client.post("/v1/overlap", content=msgpack({"tokens": packed}), headers=MSGPACK_IN).json() == as_list
+
+    big = bytes(range(256)) * 256  # 16,384 tokens, 64 KiB
+    with serve(max_body_bytes=1 << 20) as roomy:
+        roomy.post("/v1/workers", json={"worker_id": 1})
+        body = msgpack({"tokens": big})
+        roomy.post("/v1/overlap", content=body, headers=MSGPACK_IN)  # warm-up
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            assert roomy.post("/v1/overlap", content=body, headers=MSGPACK_IN).status_code == 200
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+    assert peak < 16_384 * 32 // 2, peak

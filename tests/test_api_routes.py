@@ -1,0 +1,297 @@
+"""End to end through the real app: workers, events, the four routing methods on their own routes and
+through Dynamo's tagged ``/v1/router``, overlap, dump, reconfiguration, OpenAPI.
+
+Every test runs twice: with the ASGI fast path serving the hot routes, and with FastAPI's routes
+serving them; both must answer the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from api.app import create_app
+from api.config import ServiceConfig, Settings
+from indexer.events import decode_router_events
+from router.config import RouterConfig
+from router.kv_router import KvRouter
+from router.types import RouteRequest, WorkerConfig
+from tests.test_api_support import BLOCK_SIZE, MSGPACK, msgpack, prompt, serve, stored_event
+
+
+@pytest.fixture(params=[True, False], ids=["fast_path", "fastapi_routes"])
+def client(request: pytest.FixtureRequest) -> Iterator[TestClient]:
+    with serve(fast_path=request.param) as client:
+        yield client
+
+
+def _register(client: TestClient, *worker_ids: int) -> None:
+    for worker_id in worker_ids:
+        assert client.post("/v1/workers", json={"worker_id": worker_id}).status_code == 201
+
+
+def test_new_picks_the_worker_holding_the_prefix(client: TestClient) -> None:
+    _register(client, 1, 2, 3)
+    tokens = prompt(1, 160)  # 10 full blocks
+    reply = client.post("/v1/events", json=[stored_event(2, tokens, blocks=6), stored_event(3, tokens, blocks=2)])
+    assert reply.json() == {"received": 2, "applied": 2, "rejected": 0, "errors": []}
+
+    decision = client.post("/v1/new", json={"tokens": tokens, "request_id": "r1"})
+    assert decision.status_code == 200
+    body = decision.json()
+    assert (body["worker_id"], body["dp_rank"], body["overlap_blocks"]) == (2, 0, 6)
+    assert body["cached_tokens"] == 6 * BLOCK_SIZE
+    assert body["request_id"] == "r1" == decision.headers["x-request-id"]
+    assert body["explanation"] is None
+    assert set(body["timing"]) == {"hashing_s", "matching_s", "scheduling_s", "queued_s"}
+
+
+def test_new_request_id_from_header_or_generated(client: TestClient) -> None:
+    _register(client, 1)
+    tokens = prompt(2, 40)
+    from_header = client.post("/v1/new", json={"tokens": tokens}, headers={"x-request-id": "hdr-7"})
+    assert from_header.json()["request_id"] == "hdr-7" == from_header.headers["x-request-id"]
+    generated = client.post("/v1/new", json={"tokens": tokens}).json()["request_id"]
+    assert generated and generated != "hdr-7"
+    # Both were booked under those ids: each can be freed once.
+    assert client.post("/v1/mark_free", json={"request_id": "hdr-7"}).json() == {
+        "request_id": "hdr-7",
+        "success": True,
+    }
+    assert client.post("/v1/mark_free", headers={"x-request-id": generated}, json={}).status_code == 200
+
+
+def test_explain_lists_every_candidate(client: TestClient) -> None:
+    _register(client, 1, 2)
+    tokens = prompt(3, 64)
+    client.post("/v1/events", json=stored_event(1, tokens))
+    by_query = client.post("/v1/new?explain=true", json={"tokens": tokens}).json()["explanation"]
+    by_body = client.post("/v1/new", json={"tokens": tokens, "explain": True}).json()["explanation"]
+    for explanation in (by_query, by_body):
+        assert explanation["policy"] == "dynamo"
+        assert {c["worker_id"] for c in explanation["candidates"]} == {1, 2}
+        winner = min(explanation["candidates"], key=lambda c: c["cost"])
+        assert winner["worker_id"] == 1 and winner["device_overlap_blocks"] == 4
+
+
+def test_potential_loads_match_the_library(client: TestClient) -> None:
+    _register(client, 1, 2)
+    tokens = prompt(4, 100)
+    events = [stored_event(1, tokens, blocks=3)]
+    client.post("/v1/events", json=events)
+    client.post("/v1/new", json={"tokens": prompt(5, 50), "request_id": "busy"})
+
+    # The same calls on the library, with the same seed for its random tie-breaks.
+    library = KvRouter(RouterConfig(block_size=BLOCK_SIZE), rng=random.Random(0))
+    for worker_id in (1, 2):
+        library.register_worker(WorkerConfig(worker_id=worker_id))
+    for event in decode_router_events(msgspec.json.encode(events)):
+        library.apply_event(event)
+    asyncio.run(library.new(RouteRequest(tokens=prompt(5, 50), request_id="busy")))
+    expected = [msgspec.structs.asdict(load) for load in library.potential_loads(tokens)]
+    assert any(load["active_requests"] for load in expected)
+
+    own = client.post("/v1/potential_loads", json={"tokens": tokens}).json()
+    assert own == {"loads": expected, "pending_count": 0, "pending_isl_tokens": 0}
+    tagged = client.post("/v1/router", json={"method": "potential_loads", "tokens": tokens}).json()
+    assert tagged == {"method": "potential_loads", **own}
+
+
+def test_mark_prefill_and_mark_free_change_the_loads(client: TestClient) -> None:
+    _register(client, 1)
+    tokens = prompt(6, 70)  # 4 full blocks and 6 tokens
+
+    def load() -> dict[str, int]:
+        rank = client.get("/v1/workers/1").json()["ranks"][0]
+        return {k: rank[k] for k in ("active_prefill_tokens", "active_decode_blocks", "active_requests")}
+
+    assert load() == {"active_prefill_tokens": 0, "active_decode_blocks": 0, "active_requests": 0}
+    client.post("/v1/new", json={"tokens": tokens, "request_id": "a"})
+    assert load() == {"active_prefill_tokens": 70, "active_decode_blocks": 4, "active_requests": 1}
+    assert client.post("/v1/mark_prefill", json={"request_id": "a"}).json() == {"request_id": "a", "success": True}
+    assert load() == {"active_prefill_tokens": 0, "active_decode_blocks": 4, "active_requests": 1}
+    assert client.post("/v1/mark_free", json={"request_id": "a"}).status_code == 200
+    assert load() == {"active_prefill_tokens": 0, "active_decode_blocks": 0, "active_requests": 0}
+    # A second free: the id is no longer active.
+    again = client.post("/v1/mark_free", json={"request_id": "a"})
+    assert again.status_code == 404
+    assert again.json()["error"]["type"] == "unknown_request_id"
+
+
+def test_dynamo_router_protocol_field_for_field(client: TestClient) -> None:
+    _register(client, 9)
+    tokens = prompt(7, 48)
+    client.post("/v1/events", json=stored_event(9, tokens))
+    new = client.post("/v1/router", json={"method": "new", "tokens": tokens}, headers={"x-request-id": "ctx-1"})
+    assert new.json() == {"method": "new", "worker_id": 9, "dp_rank": 0, "overlap_blocks": 3}
+    assert new.headers["x-request-id"] == "ctx-1"
+    # Dynamo's exact serialized request from its unit tests is accepted as is.
+    exact = b'{"method":"new","tokens":[1,2,3],"priority_jump":0.0,"cache_namespace":"tenant-a"}'
+    assert client.post("/v1/router", content=exact).json()["method"] == "new"
+
+    marked = client.post("/v1/router", json={"method": "mark_prefill", "request_id": "ctx-1"})
+    assert marked.json() == {"method": "prefill_marked", "success": True}
+    # Without a payload id, the context id (X-Request-Id) is used, as Dynamo does.
+    freed = client.post("/v1/router", json={"method": "mark_free"}, headers={"x-request-id": "ctx-1"})
+    assert freed.json() == {"method": "free_marked", "success": True}
+    # Dynamo 1.6.1: unknown ids are success=false, not an error.
+    assert client.post("/v1/router", json={"method": "mark_free", "request_id": "ctx-1"}).json() == {
+        "method": "free_marked",
+        "success": False,
+    }
+    assert client.post("/v1/router", json={"method": "mark_prefill", "request_id": "zz"}).json() == {
+        "method": "prefill_marked",
+        "success": False,
+    }
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "fastapi_routes"])
+def test_queue_waits_dispatches_and_rejects(fast_path: bool) -> None:
+    """A saturated worker parks `new` in the queue; a full queue answers Dynamo's `queue_rejected`
+    on /v1/router and 429 on /v1/new; freeing capacity dispatches the waiting request."""
+    settings = Settings(
+        service=ServiceConfig(fast_path=fast_path),
+        router=RouterConfig(block_size=BLOCK_SIZE, router_queue_threshold=0.0, router_queue_request_limit_per_worker=1),
+    )
+    app = create_app(settings, registry=CollectorRegistry())
+
+    async def scenario() -> None:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+                await client.post("/v1/workers", json={"worker_id": 1, "max_num_batched_tokens": 16})
+                first = await client.post("/v1/new", json={"tokens": prompt(8, 64), "request_id": "first"})
+                assert first.status_code == 200
+                waiting = asyncio.create_task(
+                    client.post("/v1/new", json={"tokens": prompt(9, 64), "request_id": "second"})
+                )
+                while not (await client.post("/v1/potential_loads", json={"tokens": [1]})).json()["pending_count"]:
+                    await asyncio.sleep(0.001)
+                rejected = await client.post("/v1/router", json={"method": "new", "tokens": prompt(10, 32)})
+                assert rejected.json() == {
+                    "method": "queue_rejected",
+                    "rejection": {"policy_class": "default", "limit_kind": "requests", "current": 1, "limit": 1},
+                }
+                too_many = await client.post("/v1/new", json={"tokens": prompt(10, 32)})
+                assert too_many.status_code == 429
+                assert too_many.json()["error"]["detail"]["rejection"]["limit_kind"] == "requests"
+                assert not waiting.done()
+                await client.post("/v1/mark_free", json={"request_id": "first"})
+                second = await waiting
+                assert second.status_code == 200 and second.json()["request_id"] == "second"
+                assert second.json()["timing"]["queued_s"] > 0
+
+    asyncio.run(scenario())
+
+
+def test_msgpack_with_packed_tokens_routes_like_json(client: TestClient) -> None:
+    _register(client, 1, 2)
+    tokens = prompt(10, 96)
+    client.post("/v1/events", json=stored_event(2, tokens, blocks=5))
+    packed = struct.pack(f"<{len(tokens)}I", *tokens)
+    reply = client.post("/v1/new", content=msgpack({"tokens": packed, "request_id": "m1"}), headers=MSGPACK)
+    assert reply.headers["content-type"] == "application/msgpack"
+    decision = msgspec.msgpack.decode(reply.content)
+    assert (decision["worker_id"], decision["overlap_blocks"], decision["cached_tokens"]) == (2, 5, 80)
+    as_list = client.post("/v1/overlap", json={"tokens": tokens}).json()
+    as_packed = client.post(
+        "/v1/overlap", content=msgpack({"tokens": packed}), headers={"content-type": MSGPACK["content-type"]}
+    )
+    assert as_packed.json() == as_list
+    tagged = client.post("/v1/router", content=msgpack({"method": "new", "tokens": packed}), headers=MSGPACK)
+    assert msgspec.msgpack.decode(tagged.content) == {
+        "method": "new",
+        "worker_id": 2,
+        "dp_rank": 0,
+        "overlap_blocks": 5,
+    }
+
+
+def test_events_in_msgpack(client: TestClient) -> None:
+    _register(client, 1)
+    tokens = prompt(11, 32)
+    reply = client.post("/v1/events", content=msgpack([stored_event(1, tokens)]), headers=MSGPACK)
+    assert msgspec.msgpack.decode(reply.content)["applied"] == 1
+    assert client.post("/v1/overlap", json={"tokens": tokens}).json()["workers"][0]["device_blocks"] == 2
+
+
+def test_rejected_events_are_reported_not_raised(client: TestClient) -> None:
+    _register(client, 1)
+    tokens = prompt(12, 32)
+    orphan = stored_event(1, tokens)
+    orphan["event"]["data"]["stored"]["parent_hash"] = 12345  # a parent worker 1 never stored
+    removal = {"worker_id": 1, "event": {"event_id": 2, "data": {"removed": {"block_hashes": [999]}}}}
+    reply = client.post("/v1/events", json=[orphan, removal, stored_event(1, tokens, event_id=3)]).json()
+    assert (reply["received"], reply["applied"], reply["rejected"]) == (3, 1, 2)
+    assert len(reply["errors"]) == 2
+
+
+def test_overlap_and_dump(client: TestClient) -> None:
+    _register(client, 1, 2)
+    tokens = prompt(13, 80)
+    client.post("/v1/events", json=[stored_event(1, tokens, blocks=5), stored_event(2, tokens, blocks=2)])
+    report = client.post("/v1/overlap", json={"tokens": tokens}).json()
+    assert report["block_size"] == BLOCK_SIZE and report["num_blocks"] == 5
+    assert [(w["worker_id"], w["device_blocks"], w["cached_tokens"]) for w in report["workers"]] == [
+        (1, 5, 80),
+        (2, 2, 32),
+    ]
+    dump = client.get("/v1/dump").json()
+    assert sorted(
+        sum(len(e["event"]["data"]["stored"]["blocks"]) for e in dump if e["worker_id"] == w) for w in (1, 2)
+    ) == [2, 5]
+    # The dump replays into an empty router to the same answers.
+    with serve() as fresh:
+        _register(fresh, 1, 2)
+        assert fresh.post("/v1/events", json=dump).json()["rejected"] == 0
+        assert fresh.post("/v1/overlap", json={"tokens": tokens}).json() == report
+
+
+def test_workers_reconfigure_without_restart(client: TestClient) -> None:
+    _register(client, 1, 2)
+    tokens = prompt(14, 64)
+    client.post("/v1/events", json=stored_event(1, tokens))
+    # Update worker 1 in place: two dp ranks and a taint. Its index is kept.
+    updated = client.post("/v1/workers", json={"worker_id": 1, "dp_size": 2, "taints": ["gpu=h200"]})
+    assert updated.status_code == 200
+    assert [r["dp_rank"] for r in updated.json()["ranks"]] == [0, 1]
+    constrained = {"tokens": tokens, "routing_constraints": {"required_taints": ["gpu=h200"]}}
+    assert client.post("/v1/new", json=constrained).json()["worker_id"] == 1
+    assert client.post("/v1/new", json={"tokens": tokens}).json()["overlap_blocks"] == 4
+    # Deregister: its index entries and requests go, and it is no longer chosen.
+    removed = client.delete("/v1/workers/1")
+    assert removed.status_code == 200 and removed.json()["config"]["worker_id"] == 1
+    assert [w["config"]["worker_id"] for w in client.get("/v1/workers").json()["workers"]] == [2]
+    assert client.post("/v1/new", json={"tokens": tokens}).json()["worker_id"] == 2
+    assert client.post("/v1/overlap", json={"tokens": tokens}).json()["workers"][0]["device_blocks"] == 0
+    missing = client.delete("/v1/workers/1")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "unknown_worker"
+    no_taint = client.post("/v1/new", json=constrained)
+    assert no_taint.status_code == 503 and no_taint.json()["error"]["type"] == "no_eligible_worker"
+
+
+def test_health_readiness_and_openapi(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"ready": True, "workers": 0}
+    with serve(ready_min_workers=1) as strict:
+        assert strict.get("/readyz").status_code == 503
+        strict.post("/v1/workers", json={"worker_id": 5})
+        assert strict.get("/readyz").status_code == 200
+    document = client.get("/openapi.json").json()
+    new = document["paths"]["/v1/new"]["post"]
+    assert new["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/NewRequest"}
+    assert "application/msgpack" in new["requestBody"]["content"]
+    schemas = document["components"]["schemas"]
+    assert "tokens" in schemas["NewRequest"]["properties"]
+    assert schemas["RouteDecision"]["required"][:2] == ["worker_id", "dp_rank"]
+    router = document["paths"]["/v1/router"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert set(router["discriminator"]["mapping"]) == {"new", "potential_loads", "mark_prefill", "mark_free"}
+    assert client.get("/docs").status_code == 200
