@@ -38,6 +38,8 @@ class WorkerRegistration(msgspec.Struct, kw_only=True, frozen=True):
     total_kv_blocks: NonNegative | None = None
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     taints: list[str] = []
+    # Leased workers must heartbeat to stay routable; static ones (e.g. registered over HTTP) need not.
+    leased: bool = True
 
 
 class Heartbeat(msgspec.Struct, kw_only=True, frozen=True):

@@ -226,6 +226,16 @@ class EventSequencer:
         for key in [key for key in self._streams if key[0] == worker_id]:
             del self._streams[key]
 
+    def request_full_resync(self, worker_id: int, dp_rank: int) -> ResyncRequest | None:
+        """Start a full resync of one stream now (e.g. when its worker registers), unless one runs."""
+        key = (worker_id, dp_rank)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = _Stream()
+        if stream.resync is not None:
+            return None
+        return self._start_resync(key, stream, start=None)
+
     def resync_all(self) -> list[ResyncRequest]:
         """Ask every known stream for a full dump, e.g. after a reconnect may have lost events."""
         requests = []

@@ -1,0 +1,241 @@
+"""The router's side of the NATS event plane: events, load, the worker registry and liveness.
+
+- KV events go through an `EventSequencer` into the router's index (exactly once, in order, with gap
+  repair by resync; see `indexer.sequencer`). Events of workers that are not registered are counted
+  and dropped.
+- ``ActiveLoad`` on ``kv.{ns}.load.*`` feeds each rank's reported ``kv_used_blocks`` (busy thresholds).
+- The registry bucket ``kv_router_workers_{ns}`` is watched: a put registers or updates a worker, a
+  delete removes it. HTTP registration writes into the same bucket (`register` / `deregister`).
+- Heartbeats on ``kv.{ns}.heartbeat.*``: a heartbeat-leased worker silent for ``lease_s`` is deleted
+  from the bucket, routing and the index; its next heartbeat (which carries its registration) brings
+  it back, and its first event then triggers a full resync.
+- After a reconnect every stream is resynced in full, since events may have been lost meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.kv import KeyValue
+
+from indexer.nats_source import KvEventSubscriber
+from indexer.protocol import ActiveLoad, Heartbeat, WorkerRegistration
+from indexer.publisher import open_registry
+from indexer.ratelimited_log import RateLimitedLog
+from indexer.sequencer import EventSequencer
+from indexer.subjects import Subjects
+from router.kv_router import KvRouter
+from router.types import UnknownWorker, WorkerConfig
+
+__all__ = ["RouterEventPlane", "registration_of", "worker_config_of"]
+
+log = logging.getLogger(__name__)
+
+
+def worker_config_of(registration: WorkerRegistration) -> WorkerConfig:
+    return WorkerConfig(
+        worker_id=registration.worker_id,
+        dp_start_rank=registration.dp_start_rank,
+        dp_size=registration.dp_size,
+        total_kv_blocks=registration.total_kv_blocks,
+        max_num_batched_tokens=registration.max_num_batched_tokens,
+        taints=frozenset(registration.taints),
+    )
+
+
+def registration_of(config: WorkerConfig, *, block_size: int | None, leased: bool) -> WorkerRegistration:
+    return WorkerRegistration(
+        worker_id=config.worker_id,
+        dp_start_rank=config.dp_start_rank,
+        dp_size=config.dp_size,
+        block_size=block_size,
+        total_kv_blocks=config.total_kv_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        taints=sorted(config.taints),
+        leased=leased,
+    )
+
+
+class RouterEventPlane:
+    def __init__(
+        self,
+        router: KvRouter,
+        nc: Client,
+        *,
+        namespace: str = "default",
+        lease_s: float = 10.0,
+        resync_timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router = router
+        self.nc = nc
+        self.subjects = Subjects(namespace)
+        self.lease_s = lease_s
+        self._clock = clock
+        self.sequencer = EventSequencer(router.indexer, accept_worker=router.has_worker)
+        self.events = KvEventSubscriber(nc, self.sequencer, namespace=namespace, resync_timeout_s=resync_timeout_s)
+        # Outcome -> count for load, heartbeat and registry messages (events count in the sequencer).
+        self.outcomes: Counter[str] = Counter()
+        self._leased: dict[int, float] = {}  # heartbeat-leased worker -> last sign of life
+        self._registry: KeyValue | None = None
+        self._subscriptions: list[Subscription] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._bad_input = RateLimitedLog(log)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._registry = await open_registry(self.nc, self.subjects)
+        await self.events.start()
+        self._subscriptions = [
+            await self.nc.subscribe(self.subjects.all_loads, cb=self._on_load),
+            await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat),
+        ]
+        watcher = await self._registry.watchall()
+        initial_done = asyncio.Event()
+        self._tasks = [
+            asyncio.create_task(self._watch_registry(watcher, initial_done), name="registry-watch"),
+            asyncio.create_task(self._expire_silent_workers(), name="lease-expiry"),
+        ]
+        await asyncio.wait_for(initial_done.wait(), timeout=10)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for subscription in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+        await self.events.stop()
+
+    async def on_reconnected(self) -> None:
+        log.warning("reconnected to NATS: resyncing every worker")
+        self.outcomes["reconnects"] += 1
+        self.events.resync_all()
+
+    # ------------------------------------------------------------------ registry
+    async def register(self, config: WorkerConfig, *, leased: bool = False) -> None:
+        """Write a worker into the shared registry; every router watching it registers the worker."""
+        registration = registration_of(config, block_size=self.router.config.block_size, leased=leased)
+        self._apply_registration(registration)  # at once here; the watch confirms it
+        assert self._registry is not None
+        await self._registry.put(str(config.worker_id), msgspec.json.encode(registration))
+
+    async def deregister(self, worker_id: int) -> None:
+        self._remove(worker_id)
+        assert self._registry is not None
+        await self._registry.delete(str(worker_id))
+
+    async def _watch_registry(self, watcher: KeyValue.KeyWatcher, initial_done: asyncio.Event) -> None:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=3600)  # type: ignore[no-untyped-call]
+            except NatsTimeoutError:
+                continue
+            if entry is None:  # the end of the bucket's initial contents
+                initial_done.set()
+                continue
+            try:
+                worker_id = int(entry.key)
+            except ValueError:
+                self._reject("bad_registry_key", f"registry key {entry.key!r} is not a worker id")
+                continue
+            if entry.operation in ("DEL", "PURGE"):
+                self._remove(worker_id)
+                continue
+            try:
+                registration = msgspec.json.decode(entry.value or b"", type=WorkerRegistration)
+            except msgspec.DecodeError as exc:
+                self._reject("bad_registration", f"worker {worker_id}: {exc}")
+                continue
+            self._apply_registration(registration)
+
+    def _apply_registration(self, registration: WorkerRegistration) -> None:
+        block_size = self.router.config.block_size
+        if registration.block_size is not None and registration.block_size != block_size:
+            self._reject(
+                "block_size_mismatch",
+                f"worker {registration.worker_id} uses block size {registration.block_size}, router {block_size}",
+            )
+            return
+        try:
+            config = worker_config_of(registration)
+        except ValueError as exc:
+            self._reject("bad_registration", f"worker {registration.worker_id}: {exc}")
+            return
+        is_new = not self.router.has_worker(config.worker_id)
+        self.router.register_worker(config)
+        if registration.leased:
+            self._leased.setdefault(registration.worker_id, self._clock())
+            if is_new:
+                # Its first events may have raced ahead of this registration and been dropped.
+                for dp_rank in config.dp_ranks:
+                    request = self.sequencer.request_full_resync(config.worker_id, dp_rank)
+                    if request is not None:
+                        self.events.launch_resync(request)
+        else:
+            self._leased.pop(registration.worker_id, None)
+        self.outcomes["registered"] += 1
+
+    def _remove(self, worker_id: int) -> None:
+        self._leased.pop(worker_id, None)
+        self.sequencer.forget_worker(worker_id)
+        with contextlib.suppress(UnknownWorker):
+            self.router.remove_worker(worker_id)
+            self.outcomes["removed"] += 1
+
+    # ------------------------------------------------------------------ liveness and load
+    async def _on_heartbeat(self, message: Msg) -> None:
+        try:
+            beat = msgspec.json.decode(message.data, type=Heartbeat)
+        except msgspec.DecodeError as exc:
+            self._reject("bad_heartbeat", f"on {message.subject}: {exc}")
+            return
+        self.outcomes["heartbeats"] += 1
+        if self.router.has_worker(beat.worker_id):
+            if beat.worker_id in self._leased:
+                self._leased[beat.worker_id] = self._clock()
+        elif beat.registration is not None and beat.registration.worker_id == beat.worker_id:
+            log.info("worker %d is back: registering it again", beat.worker_id)
+            registration = beat.registration
+            self._apply_registration(registration)
+            if self._registry is not None:
+                await self._registry.put(str(beat.worker_id), msgspec.json.encode(registration))
+
+    async def _expire_silent_workers(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.lease_s / 4))
+            now = self._clock()
+            for worker_id, seen in list(self._leased.items()):
+                if now - seen > self.lease_s:
+                    log.warning("worker %d silent for %.1f s: removing it", worker_id, now - seen)
+                    self.outcomes["expired"] += 1
+                    await self.deregister(worker_id)
+
+    async def _on_load(self, message: Msg) -> None:
+        try:
+            load = msgspec.json.decode(message.data, type=ActiveLoad)
+        except msgspec.DecodeError as exc:
+            self._reject("bad_load", f"on {message.subject}: {exc}")
+            return
+        if load.kv_used_blocks is None:
+            return
+        try:
+            self.router.update_kv_used_blocks(load.worker_id, load.dp_rank, load.kv_used_blocks)
+        except (UnknownWorker, KeyError, ValueError) as exc:
+            self._reject("load_for_unknown_worker", str(exc))
+            return
+        self.outcomes["loads"] += 1
+
+    def _reject(self, reason: str, message: str) -> None:
+        self.outcomes[f"rejected_{reason}"] += 1
+        self._bad_input.warning(reason, message)

@@ -1,0 +1,158 @@
+"""The router's NATS event plane end to end: real nats-server, real publishers, a real KvRouter."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+from nats.aio.client import Client
+
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from indexer.nats_connection import NatsOptions, connect
+from indexer.nats_server import EmbeddedNats
+from indexer.protocol import ActiveLoad, WorkerRegistration
+from indexer.publisher import KvEventPublisher
+from router.config import RouterConfig
+from router.event_plane import RouterEventPlane
+from router.kv_router import KvRouter
+from router.types import AllWorkersOverloaded, RouteRequest, WorkerConfig
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 16
+PROMPT = list(range(1000, 1000 + 8 * BLOCK))
+
+
+@pytest.fixture
+def nats_server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+async def client(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
+    nc = await connect(NatsOptions(nats_server.url))
+    yield nc
+    await nc.close()
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+def cached(router: KvRouter, tokens: list[int]) -> dict[tuple[int, int], int]:
+    """Device blocks of ``tokens`` each rank holds, as the router's overlap query reports them."""
+    return {(w.worker_id, w.dp_rank): w.device_blocks for w in router.overlap(tokens).workers if w.device_blocks}
+
+
+def prompt_blocks(tokens: list[int]) -> list[tuple[int, int]]:
+    local = compute_block_hashes(tokens, BLOCK)
+    return list(zip(compute_sequence_hashes(local), local, strict=True))
+
+
+async def worker(client: Client, worker_id: int, **registration: object) -> KvEventPublisher:
+    publisher = KvEventPublisher(
+        client, WorkerRegistration(worker_id=worker_id, block_size=BLOCK, **registration), heartbeat_interval=0.1
+    )
+    await publisher.start()
+    return publisher
+
+
+async def plane_for(client: Client, config: RouterConfig, lease_s: float = 10.0) -> RouterEventPlane:
+    plane = RouterEventPlane(KvRouter(config), client, lease_s=lease_s, resync_timeout_s=0.5)
+    await plane.start()
+    return plane
+
+
+async def test_published_prefix_attracts_the_request(client: Client) -> None:
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK))
+    holder, other = await worker(client, 2**64 - 1), await worker(client, 5)
+    await eventually(lambda: {w.worker_id for w in plane.router.workers()} == {2**64 - 1, 5})
+    blocks = prompt_blocks(PROMPT)
+    await holder.stored(blocks[:6])
+    await other.stored(prompt_blocks(list(range(9000, 9000 + 4 * BLOCK))))
+    await eventually(lambda: cached(plane.router, PROMPT).get((2**64 - 1, 0)) == 6)
+    decision = await plane.router.new(RouteRequest(tokens=PROMPT, request_id="r1"))
+    assert (decision.worker_id, decision.overlap_blocks, decision.cached_tokens) == (2**64 - 1, 6, 6 * BLOCK)
+    for publisher in (holder, other):
+        await publisher.stop()
+    await plane.stop()
+
+
+async def test_router_started_after_the_workers_learns_their_caches(client: Client) -> None:
+    holder = await worker(client, 21)
+    await holder.stored(prompt_blocks(PROMPT))
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK))
+    assert [w.worker_id for w in plane.router.workers()] == [21]  # from the registry bucket
+    await holder.stored(prompt_blocks(list(range(5000, 5000 + BLOCK))))
+    await eventually(lambda: cached(plane.router, PROMPT).get((21, 0)) == 8)
+    assert plane.sequencer.outcomes["resync_dump_applied"] == 1
+    await holder.stop()
+    await plane.stop()
+
+
+async def test_silent_worker_is_removed_within_the_lease_and_comes_back(client: Client) -> None:
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK), lease_s=1.0)
+    publisher = await worker(client, 31)
+    await publisher.stored(prompt_blocks(PROMPT))
+    await eventually(lambda: cached(plane.router, PROMPT).get((31, 0)) == 8)
+    publisher.stop_heartbeat()
+    loop = asyncio.get_running_loop()
+    silent_since = loop.time()
+    await eventually(lambda: not plane.router.workers(), timeout=5)
+    assert loop.time() - silent_since < 1.0 + 1.0 + 0.2  # lease + 1 s (+ heartbeat period)
+    assert cached(plane.router, PROMPT) == {}  # its index entries went with it
+    publisher.start_heartbeat()
+    await eventually(lambda: [w.worker_id for w in plane.router.workers()] == [31])
+    await publisher.stored(prompt_blocks(list(range(7000, 7000 + BLOCK))))
+    await eventually(lambda: cached(plane.router, PROMPT).get((31, 0)) == 8)  # relearned by resync
+    decision = await plane.router.new(RouteRequest(tokens=PROMPT))
+    assert decision.worker_id == 31
+    assert plane.outcomes["expired"] == 1
+    await publisher.stop()
+    await plane.stop()
+
+
+async def test_reported_load_feeds_the_busy_threshold(client: Client) -> None:
+    config = RouterConfig(block_size=BLOCK, active_decode_blocks_threshold=0.5)
+    plane = await plane_for(client, config)
+    publisher = await worker(client, 41, total_kv_blocks=100)
+    await eventually(lambda: bool(plane.router.workers()))
+    await publisher.publish_load(ActiveLoad(worker_id=41, kv_used_blocks=90))
+    await eventually(lambda: plane.outcomes["loads"] == 1)
+    with pytest.raises(AllWorkersOverloaded):
+        await plane.router.new(RouteRequest(tokens=PROMPT))
+    await publisher.publish_load(ActiveLoad(worker_id=41, kv_used_blocks=10))
+    await eventually(lambda: plane.outcomes["loads"] == 2)
+    assert (await plane.router.new(RouteRequest(tokens=PROMPT))).worker_id == 41
+    await publisher.stop()
+    await plane.stop()
+
+
+async def test_static_registration_through_the_registry_and_bad_input(client: Client) -> None:
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK), lease_s=0.5)
+    await plane.register(WorkerConfig(worker_id=51, total_kv_blocks=10))
+    other = await plane_for(client, RouterConfig(block_size=BLOCK))  # a second router sees it too
+    assert [w.worker_id for w in other.router.workers()] == [51]
+    await client.publish("kv.default.load.51", b"nonsense")
+    await client.publish("kv.default.heartbeat.51", b"[1,2]")
+    await client.publish("kv.default.events.99", b'{"worker_id":99,"event":{"event_id":1,"data":"cleared"}}')
+    await eventually(lambda: plane.outcomes["rejected_bad_load"] == 1 and plane.outcomes["rejected_bad_heartbeat"] == 1)
+    await eventually(lambda: plane.sequencer.outcomes["rejected_unknown_worker"] == 1)
+    await asyncio.sleep(0.8)  # static workers have no lease
+    assert [w.worker_id for w in plane.router.workers()] == [51]
+    mismatched = KvEventPublisher(client, WorkerRegistration(worker_id=52, block_size=64))
+    await mismatched.start(heartbeat=False)
+    await eventually(lambda: plane.outcomes["rejected_block_size_mismatch"] == 1)
+    assert [w.worker_id for w in plane.router.workers()] == [51]
+    await plane.deregister(51)
+    await eventually(lambda: not other.router.workers())
+    await mismatched.stop()
+    await other.stop()
+    await plane.stop()
