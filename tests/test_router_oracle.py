@@ -14,90 +14,20 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 
 from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, WorkerConfig
-from router.testing import prompt_stored_event
+from router.testing import DynamoFleet, prompt_stored_event
 
 os.environ.setdefault("DYN_LOG", "off")
-dynamo_core = pytest.importorskip("dynamo._core")
+pytest.importorskip("dynamo._core")
 
 pytestmark = pytest.mark.oracle
 
 BS = 16
-ENDPOINT = "oracle.worker.generate"
-
-
-async def _never_called(request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
-    yield {"token_ids": [0], "finish_reason": "stop"}
-
-
-class DynamoFleet:
-    """Dummy workers and a Dynamo `KvRouter` over them, all in this process."""
-
-    def __init__(self) -> None:
-        self.runtimes: list[Any] = []
-        self.serving: list[asyncio.Future[Any]] = []
-        self.router: Any = None
-
-    async def start(self, dp_sizes: list[int], config: dict[str, float]) -> dict[int, int]:
-        """Start one worker per dp size; returns Dynamo's worker ids with their dp sizes."""
-        loop = asyncio.get_running_loop()
-        for dp_size in dp_sizes:
-            runtime = dynamo_core.DistributedRuntime(loop, "file", "tcp")
-            self.runtimes.append(runtime)
-            endpoint = runtime.endpoint(ENDPOINT)
-            self.serving.append(asyncio.ensure_future(endpoint.serve_endpoint(_never_called)))
-            runtime_config = dynamo_core.ModelRuntimeConfig()
-            runtime_config.data_parallel_size = dp_size
-            await dynamo_core.register_model(
-                dynamo_core.ModelInput.Tokens,
-                dynamo_core.ModelType.Chat,
-                endpoint,
-                "dummy",
-                "dummy",
-                worker_type=dynamo_core.WorkerType.Aggregated,
-                kv_cache_block_size=BS,
-                skip_model_assets=True,
-                runtime_config=runtime_config,
-            )
-        runtime = dynamo_core.DistributedRuntime(loop, "file", "tcp")
-        self.runtimes.append(runtime)
-        router_config = dynamo_core.KvRouterConfig(use_kv_events=False, **config)
-        self.router = dynamo_core.KvRouter(runtime.endpoint(ENDPOINT), BS, router_config)
-        for _ in range(200):  # discovery is asynchronous
-            loads = await self.router.get_potential_loads([1])
-            if len(loads) == sum(dp_sizes):
-                break
-            await asyncio.sleep(0.01)
-        else:
-            pytest.fail("Dynamo's router did not discover every worker")
-        ranks: dict[int, int] = {}
-        for row in loads:
-            ranks[row["worker_id"]] = ranks.get(row["worker_id"], 0) + 1
-        return ranks
-
-    async def wait_indexed(self, tokens: list[int], worker: tuple[int, int]) -> None:
-        """Wait until Dynamo's approximate index holds every block of ``tokens`` on ``worker``."""
-        for _ in range(500):
-            report = await self.router.get_overlap_scores(tokens)
-            rows = {(row["worker_id"], row["dp_rank"]): row["device_blocks"] for row in report["workers"]}
-            if rows.get(worker, 0) >= len(tokens) // BS:
-                return
-            await asyncio.sleep(0.001)
-        pytest.fail(f"Dynamo never indexed the routed prompt on {worker}")
-
-    async def stop(self) -> None:
-        for runtime in self.runtimes:
-            runtime.shutdown()
-        for task in self.serving:
-            task.cancel()
-        await asyncio.gather(*self.serving, return_exceptions=True)
 
 
 def unique_minimum(decision: RouteDecision) -> tuple[int, int] | None:
@@ -121,12 +51,12 @@ def loads_by_rank(rows: list[dict[str, int]]) -> list[tuple[int, int, int, int, 
     )
 
 
-async def run_scenario(seed: int, config: dict[str, float], steps: int) -> tuple[int, int]:
+async def run_scenario(seed: int, config: dict[str, float], steps: int, discovery_dir: Path) -> tuple[int, int]:
     """Returns (decisions compared, decisions routed)."""
     rng = random.Random(seed)
-    fleet = DynamoFleet()
+    fleet = DynamoFleet(str(discovery_dir), BS)
     try:
-        ranks = await fleet.start([rng.choice([1, 1, 2]) for _ in range(rng.randint(2, 4))], config)
+        ranks = await fleet.start([rng.choice([1, 1, 2]) for _ in range(rng.randint(2, 4))], **config)
         ours = KvRouter(RouterConfig(block_size=BS, **config), rng=random.Random(seed))  # type: ignore[arg-type]
         for worker_id, dp_size in ranks.items():
             ours.register_worker(WorkerConfig(worker_id=worker_id, dp_size=dp_size))
@@ -183,11 +113,10 @@ CONFIGS = [
 def test_same_choices_and_loads_as_dynamo(
     config: dict[str, float], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("DYN_FILE_KV", "")  # restored afterwards; each fleet sets its own directory
     compared = routed = 0
     for seed in (1, 2):
-        # Each fleet discovers its workers through its own directory.
-        monkeypatch.setenv("DYN_FILE_KV", str(tmp_path / f"seed{seed}"))
-        scenario_compared, scenario_routed = asyncio.run(run_scenario(seed, config, steps=60))
+        scenario_compared, scenario_routed = asyncio.run(run_scenario(seed, config, 60, tmp_path / f"seed{seed}"))
         compared += scenario_compared
         routed += scenario_routed
     # Ties are frequent on an idle fleet; enough decisions must still have a unique answer.
