@@ -90,9 +90,10 @@ def _read_file(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     try:
-        data: Any = tomllib.loads(text.decode()) if path.suffix == ".toml" else json.loads(text)
+        is_toml = path.suffix == ".toml"
+        data: Any = tomllib.loads(text.decode()) if is_toml else json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from None
+        raise ConfigError(f"config file {path} is not valid {'TOML' if is_toml else 'JSON'}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold one table of settings")
     return data

@@ -175,6 +175,9 @@ def test_queue_waits_dispatches_and_rejects(fast_path: bool) -> None:
                 )
                 while not (await client.post("/v1/potential_loads", json={"tokens": [1]})).json()["pending_count"]:
                     await asyncio.sleep(0.001)
+                exported = (await client.get("/metrics")).text
+                assert "kv_router_queue_pending_requests 1.0" in exported
+                assert "kv_router_queue_pending_isl_tokens 64.0" in exported
                 rejected = await client.post("/v1/router", json={"method": "new", "tokens": prompt(10, 32)})
                 assert rejected.json() == {
                     "method": "queue_rejected",
