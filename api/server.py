@@ -30,6 +30,8 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
         access_log=service.access_log,
         log_config=log_config(service.log_level, service.log_format),
         timeout_graceful_shutdown=service.shutdown_timeout_secs,
+        # Clients are gateways calling for a decision; no address from X-Forwarded-For is used.
+        proxy_headers=False,
         # Routing decisions are small and answered in well under a millisecond; the server header
         # and date stamp are bytes on every reply that no client of this API reads.
         server_header=False,

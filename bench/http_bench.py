@@ -1,0 +1,661 @@
+#!/usr/bin/env python3
+"""HTTP routing decisions per second and latency: kv-router's service against NVIDIA Dynamo's
+runtime-free selection service (``python -m dynamo.select_service``, ai-dynamo-runtime 1.6.1), in
+the same run, on the same machine, fed the same workers, KV events and requests.
+
+What one decision is, on each side (closed loop, ``c`` coroutines back to back, one keep-alive
+connection each):
+
+* kv-router: ``POST /v1/new`` (JSON ``tokens``; with ``--forms json,msgpack`` also msgpack with packed
+  u32 tokens), then ``POST /v1/mark_free``;
+* Dynamo: ``POST /select_and_reserve`` (JSON ``token_ids``), then ``DELETE /reservations/{id}``.
+
+Workload (seeded): 8 workers, block size 16, 32 shared documents held in full or in part by some
+workers, filler chains up to ~50k cached blocks in all; each prompt's first half is a prefix of a
+document (Zipf popularity), the rest is unique. kv-router learns the index from ``POST /v1/events``;
+Dynamo only ingests KV events from engines over ZMQ, so fake engines publish the same blocks in
+vLLM's wire format. Both indexes are checked against ground truth before measuring.
+
+Measurement: each service runs alone on core 0 (``taskset``), this load generator on core 1. A cell
+(prompt size x concurrency) ends after ``--cycles`` decisions or ``--seconds``, after a warm-up.
+Each cell is run ``--repeat`` times alternating the services; the median is reported, with the
+service's CPU time per decision read from ``/proc``. Everything listens on loopback only: Dynamo's
+service binds 0.0.0.0, so the whole run happens inside a private network namespace (``unshare -n``)
+whose only interface is ``lo``.
+
+    python bench/http_bench.py                       # the full grid, ~3 minutes
+    python bench/http_bench.py --prompt-tokens 1024 --concurrency 8 --seconds 2
+
+Needs: ai-dynamo-runtime==1.6.1 and pyzmq in the same environment as kv-router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+
+NETNS_MARK = "KV_ROUTER_HTTP_BENCH_NETNS"
+BLOCK_SIZE = 16
+
+
+def log(*parts: object) -> None:
+    print(f"[http_bench {time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- workload
+@dataclass
+class Chain:
+    """A root-anchored run of full blocks: tokens, Dynamo local hashes, sequence (engine) hashes."""
+
+    tokens: list[int]
+    local: list[int]
+    seq: list[int]
+
+    @staticmethod
+    def random(rng: random.Random, blocks: int, prefix: Chain | None = None, keep: int = 0) -> Chain:
+        head = prefix.tokens[: keep * BLOCK_SIZE] if prefix else []
+        tokens = head + [rng.randrange(1, 150_000) for _ in range(blocks * BLOCK_SIZE - len(head))]
+        local = compute_block_hashes(tokens, BLOCK_SIZE)
+        return Chain(tokens, local, compute_sequence_hashes(local))
+
+
+@dataclass
+class Prompt:
+    tokens: list[int]
+    best_overlap: int  # the most blocks any worker holds of it (ground truth)
+    json_tokens: bytes = b""
+    packed: bytes = b""
+
+
+@dataclass
+class Workload:
+    workers: list[int]
+    holdings: dict[int, list[tuple[Chain, int]]]  # worker -> (chain, blocks of it held)
+    sentinels: dict[int, Chain]  # per worker, stored last: the index barrier
+    prompts: dict[int, list[Prompt]]
+    total_blocks: int = 0
+    doc_holders: list[dict[int, int]] = field(default_factory=list)
+    docs: list[Chain] = field(default_factory=list)
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    rng = random.Random(args.seed)
+    workers = [1000 + i for i in range(args.workers)]
+    doc_blocks = max(args.prompt_tokens) // BLOCK_SIZE // 2
+    holdings: dict[int, list[tuple[Chain, int]]] = {w: [] for w in workers}
+    docs, doc_holders = [], []
+    for _ in range(args.documents):
+        doc = Chain.random(rng, doc_blocks)
+        holders: dict[int, int] = {}
+        order = rng.sample(workers, len(workers))
+        full, partial = rng.choice((1, 2)), rng.choice((1, 2))
+        for w in order[:full]:
+            holders[w] = doc_blocks
+        for w in order[full : full + partial]:
+            holders[w] = rng.randint(max(1, doc_blocks // 32), max(1, doc_blocks // 2))
+        for w, blocks in holders.items():
+            holdings[w].append((doc, blocks))
+        docs.append(doc)
+        doc_holders.append(holders)
+    sentinels = {}
+    for w in workers:
+        held = sum(blocks for _, blocks in holdings[w])
+        while held < args.total_blocks // len(workers):
+            n = min(args.total_blocks // len(workers) - held, rng.randint(64, 256))
+            holdings[w].append((Chain.random(rng, n), n))
+            held += n
+        sentinels[w] = Chain.random(rng, 4)
+        holdings[w].append((sentinels[w], 4))
+    weights = [1.0 / (i + 1) for i in range(args.documents)]  # Zipf(1) popularity
+    prompts: dict[int, list[Prompt]] = {}
+    for size in args.prompt_tokens:
+        blocks = size // BLOCK_SIZE
+        keep = blocks // 2
+        pool = []
+        for _ in range(args.pool):
+            g = rng.choices(range(args.documents), weights)[0]
+            chain = Chain.random(rng, blocks, prefix=docs[g], keep=keep)
+            best = max((min(k, keep) for k in doc_holders[g].values()), default=0)
+            pool.append(
+                Prompt(
+                    chain.tokens,
+                    best,
+                    msgspec.json.encode(chain.tokens),
+                    struct.pack(f"<{len(chain.tokens)}I", *chain.tokens),
+                )
+            )
+        prompts[size] = pool
+    total = sum(blocks for w in workers for _, blocks in holdings[w])
+    return Workload(workers, holdings, sentinels, prompts, total, doc_holders, docs)
+
+
+def stored_runs(chain: Chain, blocks: int, chunk: int) -> Iterator[tuple[int | None, slice]]:
+    """The held blocks of a chain as parent-chained runs of ``chunk`` blocks."""
+    for start in range(0, blocks, chunk):
+        yield (chain.seq[start - 1] if start else None), slice(start, min(blocks, start + chunk))
+
+
+# ----------------------------------------------------------------------------- HTTP client
+class Connection:
+    """One keep-alive HTTP/1.1 connection; Content-Length replies only (both services send them)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: bytes) -> None:
+        self._reader, self._writer, self._host = reader, writer, host
+
+    @staticmethod
+    async def open(port: int) -> Connection:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return Connection(reader, writer, f"127.0.0.1:{port}".encode())
+
+    async def request(
+        self, method: bytes, path: bytes, body: bytes | None = None, content_type: bytes = b"application/json"
+    ) -> tuple[int, bytes]:
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method, path, self._host)
+        if body is None:
+            self._writer.write(head + b"\r\n")
+        else:
+            self._writer.write(head + b"Content-Type: %s\r\nContent-Length: %d\r\n\r\n" % (content_type, len(body)))
+            self._writer.write(body)
+        header = await self._reader.readuntil(b"\r\n\r\n")
+        status = int(header[9:12])
+        length = 0
+        for line in header.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        return status, await self._reader.readexactly(length) if length else b""
+
+    async def ok(
+        self, method: bytes, path: bytes, body: bytes | None = None, content_type: bytes = b"application/json"
+    ) -> bytes:
+        status, reply = await self.request(method, path, body, content_type)
+        if status >= 300:
+            raise RuntimeError(f"{method.decode()} {path.decode()}: HTTP {status} {reply[:300]!r}")
+        return reply
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+# ----------------------------------------------------------------------------- the two services
+class Service:
+    """A routing service under test: launch, feed, and one decision cycle."""
+
+    name = ""
+    form = "json"
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    async def health(self, conn: Connection) -> bool:
+        raise NotImplementedError
+
+    async def populate(self, conn: Connection, workload: Workload) -> None:
+        raise NotImplementedError
+
+    async def overlap(self, conn: Connection, tokens: list[int]) -> dict[int, int]:
+        raise NotImplementedError
+
+    async def select(self, conn: Connection, request_id: bytes, prompt: Prompt) -> tuple[int, int]:
+        """Book a decision; returns (worker_id, overlap blocks on it)."""
+        raise NotImplementedError
+
+    async def free(self, conn: Connection, request_id: bytes) -> None:
+        raise NotImplementedError
+
+
+class KvRouterService(Service):
+    name = "kv-router"
+
+    def __init__(self, port: int, form: str) -> None:
+        super().__init__(port)
+        self.form = form
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        argv = [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
+                "--log-level", "warning"]  # fmt: skip
+        return argv, {}
+
+    async def health(self, conn: Connection) -> bool:
+        return (await conn.request(b"GET", b"/healthz"))[0] == 200
+
+    async def populate(self, conn: Connection, workload: Workload) -> None:
+        for worker in workload.workers:
+            await conn.ok(b"POST", b"/v1/workers", msgspec.json.encode({"worker_id": worker}))
+        for worker in workload.workers:
+            events = []
+            for chain, held in workload.holdings[worker]:
+                for parent, run in stored_runs(chain, held, 64):
+                    blocks = [
+                        {"block_hash": s, "tokens_hash": t}
+                        for s, t in zip(chain.seq[run], chain.local[run], strict=True)
+                    ]
+                    data = {"stored": {"parent_hash": parent, "blocks": blocks}}
+                    events.append({"worker_id": worker, "event": {"event_id": len(events) + 1, "data": data}})
+            reply = msgspec.json.decode(await conn.ok(b"POST", b"/v1/events", msgspec.json.encode(events)))
+            if reply["rejected"]:
+                raise RuntimeError(f"kv-router rejected events of worker {worker}: {reply['errors']}")
+
+    async def overlap(self, conn: Connection, tokens: list[int]) -> dict[int, int]:
+        reply = msgspec.json.decode(
+            await conn.ok(b"POST", b"/v1/overlap", b'{"tokens":%s}' % msgspec.json.encode(tokens))
+        )
+        return {row["worker_id"]: row["device_blocks"] for row in reply["workers"] if row["device_blocks"]}
+
+    async def select(self, conn: Connection, request_id: bytes, prompt: Prompt) -> tuple[int, int]:
+        if self.form == "msgpack":
+            body = _MSGPACK.encode({"request_id": request_id.decode(), "tokens": prompt.packed})
+            reply = await conn.ok(b"POST", b"/v1/new", body, b"application/msgpack")
+        else:
+            body = b'{"request_id":"%s","tokens":%s}' % (request_id, prompt.json_tokens)
+            reply = await conn.ok(b"POST", b"/v1/new", body)
+        decision = _OUR_DECISION.decode(reply)
+        return decision.worker_id, decision.overlap_blocks
+
+    async def free(self, conn: Connection, request_id: bytes) -> None:
+        await conn.ok(b"POST", b"/v1/mark_free", b'{"request_id":"%s"}' % request_id)
+
+
+class _OurDecision(msgspec.Struct):
+    worker_id: int
+    overlap_blocks: int
+
+
+class _Overlap(msgspec.Struct):
+    gpu: int = 0
+
+
+class _DynamoSelection(msgspec.Struct):
+    worker_id: int
+    block_size: int
+    overlap: _Overlap
+
+
+_OUR_DECISION = msgspec.json.Decoder(_OurDecision)
+_DYNAMO_SELECTION = msgspec.json.Decoder(_DynamoSelection)
+_MSGPACK = msgspec.msgpack.Encoder()
+
+
+class DynamoSelectService(Service):
+    name = "dynamo-select"
+
+    def __init__(self, port: int) -> None:
+        super().__init__(port)
+        self._engines: dict[int, Any] = {}
+        self._zmq: Any = None
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        argv = [sys.executable, "-m", "dynamo.select_service", "--port", str(self.port), "--threads", "1"]
+        return argv, {"DYN_LOG": "warn"}
+
+    async def health(self, conn: Connection) -> bool:
+        return (await conn.request(b"GET", b"/health"))[0] == 200
+
+    async def populate(self, conn: Connection, workload: Workload) -> None:
+        import zmq
+
+        self._zmq = zmq.Context()
+        for worker in workload.workers:
+            # XPUB instead of PUB: the subscription is visible, so nothing is published before the
+            # service's SUB is connected (no slow-joiner loss).
+            engine = self._zmq.socket(zmq.XPUB)
+            engine.setsockopt(zmq.SNDHWM, 0)
+            engine.setsockopt(zmq.LINGER, 0)
+            engine.bind("tcp://127.0.0.1:*")
+            self._engines[worker] = engine
+            body = {"worker_id": worker, "endpoint": f"http://worker-{worker}:8000", "block_size": BLOCK_SIZE,
+                    "data_parallel_start_rank": 0, "data_parallel_size": 1,
+                    "kv_events_endpoint": engine.getsockopt(zmq.LAST_ENDPOINT).decode(),
+                    "total_kv_blocks": 1 << 20, "max_num_batched_tokens": 8192}  # fmt: skip
+            await conn.ok(b"POST", b"/workers", msgspec.json.encode(body))
+        deadline = time.monotonic() + 30
+        for engine in self._engines.values():
+            while not engine.poll(10, zmq.POLLIN):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("select_service never subscribed to the fake engines")
+                await asyncio.sleep(0.01)
+            engine.recv()
+        encoder = msgspec.msgpack.Encoder()
+        for worker in workload.workers:
+            events = []
+            for chain, held in workload.holdings[worker]:
+                for parent, run in stored_runs(chain, held, 64):
+                    tokens = chain.tokens[run.start * BLOCK_SIZE : run.stop * BLOCK_SIZE]
+                    events.append(
+                        {"type": "BlockStored", "block_hashes": chain.seq[run], "parent_block_hash": parent,
+                         "token_ids": tokens, "block_size": BLOCK_SIZE, "lora_id": None, "medium": "GPU",
+                         "lora_name": None}
+                    )  # fmt: skip
+            # vLLM's ZmqEventPublisher frames: [topic, seq (u64 big-endian), msgpack([ts, events, dp_rank])].
+            for seq, start in enumerate(range(0, len(events), 8)):
+                payload = encoder.encode([time.time(), events[start : start + 8], 0])
+                self._engines[worker].send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    async def overlap(self, conn: Connection, tokens: list[int]) -> dict[int, int]:
+        body = b'{"token_ids":%s}' % msgspec.json.encode(tokens)
+        reply = msgspec.json.decode(await conn.ok(b"POST", b"/overlap_scores", body))
+        return {row["worker_id"]: row["device_blocks"] for row in reply["workers"] if row["device_blocks"]}
+
+    async def select(self, conn: Connection, request_id: bytes, prompt: Prompt) -> tuple[int, int]:
+        body = b'{"selection_id":"%s","token_ids":%s}' % (request_id, prompt.json_tokens)
+        selection = _DYNAMO_SELECTION.decode(await conn.ok(b"POST", b"/select_and_reserve", body))
+        return selection.worker_id, selection.overlap.gpu // selection.block_size
+
+    async def free(self, conn: Connection, request_id: bytes) -> None:
+        await conn.ok(b"DELETE", b"/reservations/%s" % request_id)
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close(0)
+        if self._zmq is not None:
+            self._zmq.term()
+
+
+# ----------------------------------------------------------------------------- running a service
+def process_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def launched(service: Service, cpus: str | None) -> Iterator[subprocess.Popen[bytes]]:
+    argv, env = service.command()
+    if cpus is not None:
+        argv = ["taskset", "-c", cpus, *argv]
+    log_path = f"/tmp/http_bench_{service.name}_{service.port}.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log_file, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    service.process = process
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+
+async def wait_healthy(service: Service, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert service.process is not None
+        if service.process.poll() is not None:
+            raise RuntimeError(f"{service.name} exited during start-up (see /tmp/http_bench_{service.name}_*.log)")
+        try:
+            conn = await Connection.open(service.port)
+            try:
+                if await service.health(conn):
+                    return
+            finally:
+                conn.close()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"{service.name} not healthy after {timeout_s} s")
+
+
+async def populate_and_verify(service: Service, workload: Workload) -> float:
+    conn = await Connection.open(service.port)
+    try:
+        started = time.perf_counter()
+        await service.populate(conn, workload)
+        pending = dict(workload.sentinels)
+        while pending:
+            for worker, chain in list(pending.items()):
+                if (await service.overlap(conn, chain.tokens)).get(worker, 0) >= 4:
+                    del pending[worker]
+            if time.perf_counter() - started > 120:
+                raise RuntimeError(f"{service.name}: index never showed the sentinels of {sorted(pending)}")
+            await asyncio.sleep(0.01)
+        elapsed = time.perf_counter() - started
+        for g, doc in enumerate(workload.docs[:8]):
+            seen = await service.overlap(conn, doc.tokens)
+            if seen != workload.doc_holders[g]:
+                raise RuntimeError(f"{service.name}: document {g} held by {seen}, expected {workload.doc_holders[g]}")
+        return elapsed
+    finally:
+        conn.close()
+
+
+@dataclass
+class Cell:
+    service: str
+    form: str
+    prompt_tokens: int
+    concurrency: int
+    decisions: int
+    seconds: float
+    select_ms: list[float]
+    service_cpu_s: float
+    best_overlap: int
+    errors: int
+
+    @property
+    def per_s(self) -> float:
+        return self.decisions / self.seconds
+
+    def pct(self, q: float) -> float:
+        ordered = sorted(self.select_ms)
+        return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+async def run_cell(
+    service: Service, prompts: Sequence[Prompt], concurrency: int, cycles: int, seconds: float, tag: str
+) -> Cell:
+    conns = [await Connection.open(service.port) for _ in range(concurrency)]
+    issued = errors = best = 0
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def loop(conn: Connection) -> None:
+        nonlocal issued, errors, best
+        while issued < cycles and time.perf_counter() < deadline:
+            n = issued
+            issued += 1
+            prompt = prompts[n % len(prompts)]
+            request_id = b"%s-%d" % (tag.encode(), n)
+            started = time.perf_counter()
+            try:
+                _, overlap = await service.select(conn, request_id, prompt)
+            except RuntimeError:
+                errors += 1
+                continue
+            latencies.append((time.perf_counter() - started) * 1e3)
+            best += overlap >= prompt.best_overlap
+            await service.free(conn, request_id)
+
+    assert service.process is not None
+    cpu_before = process_cpu_s(service.process.pid)
+    started = time.perf_counter()
+    await asyncio.gather(*(loop(conn) for conn in conns))
+    elapsed = time.perf_counter() - started
+    cpu = process_cpu_s(service.process.pid) - cpu_before
+    for conn in conns:
+        conn.close()
+    return Cell(service.name, service.form, len(prompts[0].tokens), concurrency, len(latencies), elapsed, latencies,
+                cpu, best, errors)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- main
+def median_cell(cells: list[Cell]) -> dict[str, float]:
+    return {
+        "per_s": statistics.median(c.per_s for c in cells),
+        "p50": statistics.median(c.pct(50) for c in cells),
+        "p99": statistics.median(c.pct(99) for c in cells),
+        "cpu_us": statistics.median(c.service_cpu_s / max(1, c.decisions) * 1e6 for c in cells),
+        "best": statistics.median(c.best_overlap / max(1, c.decisions) for c in cells),
+        "errors": sum(c.errors for c in cells),
+    }
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    workload = build_workload(args)
+    log(f"workload: {len(workload.workers)} workers, {workload.total_blocks} cached blocks, "
+        f"{args.pool} prompts per size")  # fmt: skip
+    ports = iter(range(args.base_port, args.base_port + 100))
+    services: list[Service] = [DynamoSelectService(next(ports))]
+    services += [KvRouterService(next(ports), form) for form in args.forms]
+    results: dict[tuple[str, str, int, int], list[Cell]] = {}
+    with ExitStack() as stack:
+        for service in services:
+            stack.enter_context(launched(service, args.service_cpus))
+            await wait_healthy(service)
+            seconds = await populate_and_verify(service, workload)
+            log(f"{service.name}/{service.form}: index ready in {seconds:.2f} s, ground truth checked")
+            warm = await run_cell(service, workload.prompts[args.prompt_tokens[0]], 8, args.warmup, 30, "warm")
+            if warm.errors:
+                raise RuntimeError(f"{service.name}: {warm.errors} errors during warm-up")
+        for size in args.prompt_tokens:
+            for concurrency in args.concurrency:
+                for repeat in range(args.repeat):
+                    for service in services if repeat % 2 == 0 else services[::-1]:
+                        tag = f"{service.form}-{size}-{concurrency}-{repeat}"
+                        cell = await run_cell(
+                            service, workload.prompts[size], concurrency, args.cycles, args.seconds, tag
+                        )
+                        results.setdefault((service.name, service.form, size, concurrency), []).append(cell)
+                summary = {key: median_cell(cells) for key, cells in results.items() if key[2:] == (size, concurrency)}
+                line = "  ".join(f"{k[0]}/{k[1]} {v['per_s']:,.0f}/s p99 {v['p99']:.2f} ms" for k, v in summary.items())
+                log(f"{size:>6} tokens c={concurrency:<3} {line}")
+        for service in services:
+            if isinstance(service, DynamoSelectService):
+                service.close()
+    return {"results": {k: median_cell(v) for k, v in results.items()}, "workload_blocks": workload.total_blocks}
+
+
+def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
+    results = outcome["results"]
+    ours = " | ".join(f"kv-router {form} dec/s | p50 / p99 ms | x throughput | p99 ratio" for form in args.forms)
+    cpu_columns = "".join(f", {form}" for form in args.forms)
+    header = f"| prompt | conc | Dynamo dec/s | Dynamo p50 / p99 ms | {ours} | svc µs/dec (Dynamo{cpu_columns}) |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for size in args.prompt_tokens:
+        for concurrency in args.concurrency:
+            theirs = results[("dynamo-select", "json", size, concurrency)]
+            row = [
+                f"{size // 1024}k",
+                str(concurrency),
+                f"{theirs['per_s']:,.0f}",
+                f"{theirs['p50']:.2f} / {theirs['p99']:.2f}",
+            ]
+            cpu = [f"{theirs['cpu_us']:.0f}"]
+            for form in args.forms:
+                ours = results[("kv-router", form, size, concurrency)]
+                row += [f"{ours['per_s']:,.0f}", f"{ours['p50']:.2f} / {ours['p99']:.2f}",
+                        f"{ours['per_s'] / theirs['per_s']:.2f}", f"{ours['p99'] / theirs['p99']:.2f}"]  # fmt: skip
+                cpu.append(f"{ours['cpu_us']:.0f}")
+            row.append(" / ".join(cpu))
+            lines.append("| " + " | ".join(row) + " |")
+    best = {k: v["best"] for k, v in results.items() if k[3] == 1}
+    errors = sum(v["errors"] for v in results.values())
+    lines.append("")
+    lines.append("Chosen worker holds the best cached prefix at c=1: "
+                 + ", ".join(f"{k[0]}/{k[1]} {k[2] // 1024}k {v:.0%}" for k, v in sorted(best.items()))
+                 + f". Errors: {errors}.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def reexec_in_private_network(argv: list[str]) -> int | None:
+    """Run this script again inside a network namespace whose only interface is loopback."""
+    if os.environ.get(NETNS_MARK) == "1":
+        return None
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if not unshare or not ip or subprocess.run([unshare, "-n", "true"], capture_output=True).returncode != 0:
+        raise SystemExit("needs `unshare -n` (root): Dynamo's select_service binds 0.0.0.0 and must not be reachable")
+    command = [unshare, "-n", "sh", "-c", f'"{ip}" link set lo up && exec "$@"', "sh", sys.executable,
+               os.path.abspath(__file__), *argv]  # fmt: skip
+    return subprocess.run(command, env={**os.environ, NETNS_MARK: "1"}).returncode
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser.add_argument("--prompt-tokens", type=ints, default=[1024, 4096, 16384])
+    parser.add_argument("--concurrency", type=ints, default=[1, 8, 64])
+    parser.add_argument(
+        "--forms",
+        type=lambda s: s.split(","),
+        default=["json", "msgpack"],
+        help="kv-router request bodies: json (token list) and/or msgpack (packed u32 tokens)",
+    )
+    parser.add_argument("--cycles", type=int, default=20_000, help="most decisions per cell")
+    parser.add_argument("--seconds", type=float, default=3.0, help="longest time per cell")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per cell, alternating services; median reported")
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--documents", type=int, default=32)
+    parser.add_argument("--total-blocks", type=int, default=50_000)
+    parser.add_argument("--pool", type=int, default=64, help="distinct prompts per size")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--service-cpus", default="0", help="taskset CPU list for the services ('' = no pinning)")
+    parser.add_argument("--client-cpus", default="1", help="CPU list for this load generator ('' = no pinning)")
+    parser.add_argument("--base-port", type=int, default=18080)
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args(argv)
+    args.service_cpus = args.service_cpus or None
+    if any(size % BLOCK_SIZE for size in args.prompt_tokens):
+        parser.error(f"prompt sizes must be multiples of the block size {BLOCK_SIZE}")
+    return args
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    args = parse_args(argv)
+    code = reexec_in_private_network(argv)
+    if code is not None:
+        return code
+    if args.client_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    outcome = asyncio.run(bench(args))
+    table = report(args, outcome)
+    print(f"\nkv-router vs Dynamo select_service, {outcome['workload_blocks']} cached blocks, "
+          f"{args.repeat} runs per cell (median), python {sys.version.split()[0]}\n")  # fmt: skip
+    print(table)
+    if args.json_out:
+        rows = [{"service": k[0], "form": k[1], "prompt_tokens": k[2], "concurrency": k[3], **v}
+                for k, v in outcome["results"].items()]  # fmt: skip
+        with open(args.json_out, "w") as out:
+            json.dump({"argv": argv, "rows": rows}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
