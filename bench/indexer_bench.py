@@ -29,11 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DYN_LOG", "error")
 
-import msgspec  # noqa: E402
+import msgspec
 
-from indexer.events import RouterEvent, decode_router_events, removed_event, stored_event  # noqa: E402
-from indexer.hashing import compute_sequence_hashes  # noqa: E402
-from indexer.radix_tree import RadixTree  # noqa: E402
+from indexer.events import RouterEvent, decode_router_events, removed_event, stored_event
+from indexer.hashing import compute_sequence_hashes
+from indexer.radix_tree import RadixTree
 
 DOC_BLOCKS = 64
 CHUNK = 16
@@ -160,11 +160,15 @@ def run_cell(blocks: int, workers: int, queries: int, dynamo_tree_cls: type | No
     theirs_remove_s = apply_dynamo(theirs, work.dynamo_removes)
 
     ours_ev, theirs_ev = _rate(len(work.ours_stores), ours_store_s), _rate(len(work.dynamo_stores), theirs_store_s)
-    print(row.format("store events/s (from JSON)", f"{ours_ev:,.0f}", f"{theirs_ev:,.0f}", f"{ours_ev / theirs_ev:.2f}"))
+    print(
+        row.format("store events/s (from JSON)", f"{ours_ev:,.0f}", f"{theirs_ev:,.0f}", f"{ours_ev / theirs_ev:.2f}")
+    )
     ours_bl, theirs_bl = _rate(store_blocks, ours_store_s), _rate(store_blocks, theirs_store_s)
     print(row.format("stored blocks/s", f"{ours_bl:,.0f}", f"{theirs_bl:,.0f}", f"{ours_bl / theirs_bl:.2f}"))
     ours_rm, theirs_rm = _rate(remove_blocks, ours_remove_s), _rate(remove_blocks, theirs_remove_s)
-    print(row.format("removed blocks/s (8/event)", f"{ours_rm:,.0f}", f"{theirs_rm:,.0f}", f"{ours_rm / theirs_rm:.2f}"))
+    print(
+        row.format("removed blocks/s (8/event)", f"{ours_rm:,.0f}", f"{theirs_rm:,.0f}", f"{ours_rm / theirs_rm:.2f}")
+    )
     theirs_p50, theirs_p99 = _percentiles(theirs_find)
     print(
         row.format(
@@ -201,8 +205,10 @@ def memory_cell(blocks: int, workers: int, dynamo_tree_cls: type | None) -> None
     tracemalloc.stop()
     stats = ours.stats()
     held = sum(stats.blocks.values())
-    print(f"kv-router: {used / held:.0f} bytes per stored block, {used / stats.nodes:.0f} per node "
-          f"({stats.nodes:,} nodes; estimate {stats.estimated_bytes / held:.0f} B/block); target <= 200")
+    print(
+        f"kv-router: {used / held:.0f} bytes per stored block, {used / stats.nodes:.0f} per node "
+        f"({stats.nodes:,} nodes; estimate {stats.estimated_bytes / held:.0f} B/block); target <= 200"
+    )
     del ours
     gc.collect()
     if dynamo_tree_cls is not None:

@@ -52,6 +52,10 @@ class EmbeddedNats:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         if self._store_dir is None:
             self._owned_store = tempfile.TemporaryDirectory(prefix="kv-router-nats-")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgspec
 from nats.aio.client import Client
@@ -27,6 +28,10 @@ from indexer.subjects import Subjects
 __all__ = ["KvEventSubscriber"]
 
 log = logging.getLogger(__name__)
+
+# Applying a backlog of events must not starve routing decisions on the same loop: after this much
+# continuous work the subscriber yields once (nats-py hands queued messages over without yielding).
+YIELD_AFTER_S = 0.0005
 
 _json_response = msgspec.json.Decoder(ResyncResponse)
 _msgpack_response = msgspec.msgpack.Decoder(ResyncResponse)
@@ -54,6 +59,7 @@ class KvEventSubscriber:
         self._tasks: set[asyncio.Task[None]] = set()
         self._subscription: Subscription | None = None
         self._bad_input = RateLimitedLog(log)
+        self._busy_since = 0.0
         self.messages = 0
 
     async def start(self) -> None:
@@ -71,6 +77,10 @@ class KvEventSubscriber:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _on_message(self, message: Msg) -> None:
+        now = time.perf_counter()
+        if now - self._busy_since > YIELD_AFTER_S:
+            await asyncio.sleep(0)
+            self._busy_since = time.perf_counter()
         self.messages += 1
         try:
             events = decode_router_events(message.data, msgpack=None)

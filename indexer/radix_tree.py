@@ -17,8 +17,11 @@ when it branches, and ownership is an int bitmask over small slot numbers.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from indexer.errors import BlockNotFound, InvalidBlockSequence, KvIndexError, ParentBlockNotFound
 from indexer.events import (
@@ -61,16 +64,34 @@ class IndexStats:
     estimated_bytes: int
 
 
-class _Node:
-    __slots__ = ("block_hash", "children", "local_hash", "owners", "parent")
+class _Node(msgspec.Struct, gc=False, eq=False, repr_omit_defaults=True):
+    """One block under its parent. Untracked by the cyclic GC: millions of nodes would otherwise
+    make every full collection a pause of many milliseconds on the routing loop. The parent/child
+    links do form cycles, so a dropped tree is dismantled explicitly (see `_dismantle`)."""
 
-    def __init__(self, block_hash: int, local_hash: int, parent: _Node | None, owners: int) -> None:
-        self.block_hash = block_hash
-        self.local_hash = local_hash
-        self.parent = parent
-        self.owners = owners
-        # None (leaf), the only child itself, or a dict local_hash -> child once the node branches.
-        self.children: _Node | dict[int, _Node] | None = None
+    block_hash: int
+    local_hash: int
+    parent: _Node | None
+    owners: int
+    # None (leaf), the only child itself, or a dict local_hash -> child once the node branches.
+    children: _Node | dict[int, _Node] | None = None
+
+    def __repr__(self) -> str:  # the default would recurse through parent and children
+        return f"_Node(block_hash={self.block_hash}, local_hash={self.local_hash}, owners={self.owners:#x})"
+
+
+def _dismantle(root: _Node) -> None:
+    """Break every parent/child link below ``root`` so reference counting frees the nodes."""
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        kids = node.children
+        node.children = None
+        node.parent = None
+        if isinstance(kids, dict):
+            pending.extend(kids.values())
+        elif kids is not None:
+            pending.append(kids)
 
 
 def _child(node: _Node, local_hash: int) -> _Node | None:
@@ -125,6 +146,7 @@ class RadixTree:
 
     def __init__(self) -> None:
         self._root = _Node(0, 0, None, 0)
+        weakref.finalize(self, _dismantle, self._root)
         self._slots = SlotTable()
         self._states: dict[WorkerRank, _SlotBlocks] = {}
         self._lower = {tier: LowerTierIndex(self._slots) for tier in LOWER_TIERS}

@@ -73,6 +73,8 @@ class EventSequencer:
         self._streams: dict[WorkerRank, _Stream] = {}
         # Outcome -> count: applied, duplicate, held, gap, resync_*, rejected_<reason>.
         self.outcomes: Counter[str] = Counter()
+        # Blocks stored or removed by applied live events (dumps excluded): the ingest rate's numerator.
+        self.blocks_applied = 0
 
     # ------------------------------------------------------------------ live events
     def receive(self, event: RouterEvent) -> ResyncRequest | None:
@@ -267,4 +269,11 @@ class EventSequencer:
         except KvIndexError as exc:
             self.outcomes[f"rejected_{_REJECTION_REASONS.get(type(exc), 'index_error')}"] += 1
         else:
-            self.outcomes["dump_applied" if from_dump else "applied"] += 1
+            if from_dump:
+                self.outcomes["dump_applied"] += 1
+                return
+            self.outcomes["applied"] += 1
+            data = event.event.data
+            if not isinstance(data, str):
+                stored, removed = data.stored, data.removed
+                self.blocks_applied += len(stored.blocks) if stored is not None else len(removed.block_hashes)  # type: ignore[union-attr]

@@ -238,3 +238,20 @@ def test_removing_a_worker_is_as_if_it_never_sent_anything(seed: int, victim_ind
     for query in queries:
         assert tree.find_matches(query).scores == without.find_matches(query).scores
     assert tree.stats().nodes == without.stats().nodes
+
+
+def test_a_dropped_tree_frees_its_nodes() -> None:
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tree = RadixTree()
+        _build(tree, A, 100)
+        grown = tracemalloc.get_traced_memory()[0] - before
+        del tree
+        gc.collect()
+        left = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown > 500_000
+    assert left < grown * 0.02
