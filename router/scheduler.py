@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 
 from router.config import RouterConfig
 from router.overlap import NO_OVERLAP, RankOverlap, round_half_away
-from router.policies import Candidate, Selection, SelectionContext, SelectionPolicy
+from router.policies import Selection, SelectionContext, SelectionPolicy
 from router.prompt import Prompt
 from router.sequences import ActiveSequences, RankState
 from router.thresholds import all_queue_busy, busy_thresholds_configured, rank_is_busy
@@ -141,42 +141,37 @@ class Scheduler:
                 raise AllWorkersOverloaded(len(workers))
             workers = available
         preferred = (constraints or _NO_CONSTRAINTS).preferred_taints
-        depths = self.sequences.prefix_depths(prompt.shared_hashes) if prompt.shared_hashes else {}
-        booked_blocks = prompt.booked_blocks
-        candidates = []
-        for worker, rank in self._rank_pairs(workers, pinned):
-            overlap = overlaps.get(rank.key, NO_OVERLAP)
-            candidates.append(
-                Candidate(
-                    rank.worker_id,
-                    rank.dp_rank,
-                    device_blocks=overlap.device_blocks,
-                    host_blocks=overlap.host_blocks,
-                    disk_blocks=overlap.disk_blocks,
-                    effective_overlap_blocks=overlap.effective_blocks,
-                    cached_tokens=overlap.cached_tokens,
-                    active_prefill_tokens=rank.prefill_tokens,
-                    active_decode_blocks=rank.decode_blocks,
-                    new_blocks=booked_blocks - depths.get(rank, 0),
-                    active_requests=rank.requests,
-                    taint_multiplier=_taint_multiplier(preferred, worker.taints) if preferred else None,
-                )
-            )
+        ranks: list[RankState] = []
+        multipliers: list[float] | None = [] if preferred else None
+        ranks_of = self._ranks_of
+        for worker in workers:
+            worker_ranks = ranks_of[worker.worker_id]
+            if pinned is not None:
+                worker_ranks = tuple(rank for rank in worker_ranks if rank.key == pinned)
+            ranks.extend(worker_ranks)
+            if multipliers is not None:
+                multipliers.extend([_taint_multiplier(preferred, worker.taints)] * len(worker_ranks))
         context = SelectionContext(
-            prompt.isl_tokens, self._config.block_size, self._config.router_track_prefill_tokens, candidates
+            isl_tokens=prompt.isl_tokens,
+            block_size=self._config.block_size,
+            track_prefill_tokens=self._config.router_track_prefill_tokens,
+            ranks=ranks,
+            overlaps=overlaps,
+            depths=self.sequences.prefix_depths(prompt.shared_hashes) if prompt.shared_hashes else {},
+            booked_blocks=prompt.booked_blocks,
+            taint_multipliers=multipliers,
         )
         # A pinned rank is the caller's choice; it is still reported with its load.
         selection = self._policy.select(context) if pinned is None else Selection(0, "pinned by the caller")
-        winner = candidates[selection.index]
-        key = (winner.worker_id, winner.dp_rank)
+        key = ranks[selection.index].key
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s picked worker %d dp_rank %d: %s (%d candidates)",
                 self._policy.name,
-                winner.worker_id,
-                winner.dp_rank,
+                key[0],
+                key[1],
                 selection.reason,
-                len(candidates),
+                len(ranks),
             )
         explanation = _explain(self._policy.name, context, selection) if explain else None
         return Choice(key, overlaps.get(key, NO_OVERLAP), explanation)
@@ -245,6 +240,7 @@ def _taint_multiplier(preferred: Mapping[str, float], taints: frozenset[str]) ->
 def _explain(policy: str, context: SelectionContext, selection: Selection) -> DecisionExplanation:
     costs = selection.costs
     probabilities = selection.probabilities
+    candidates = [context.candidate(index) for index in range(len(context))]
     return DecisionExplanation(
         policy=policy,
         reason=selection.reason,
@@ -260,6 +256,6 @@ def _explain(policy: str, context: SelectionContext, selection: Selection) -> De
                 cost=None if costs is None else costs[index],
                 probability=None if probabilities is None else probabilities[index],
             )
-            for index, candidate in enumerate(context.candidates)
+            for index, candidate in enumerate(candidates)
         ],
     )

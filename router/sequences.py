@@ -5,9 +5,12 @@ Per rank: the prefill tokens still pending, the distinct prompt blocks of its ac
 model) and the number of active requests. A request is booked by `add`, loses its prefill entry on
 `mark_prefill`, and is released by `free` or, once stale, by `expire`.
 
-Shared blocks are tracked in one map for all ranks, ``sequence hash -> {rank: refcount}``, so the
-prefix of a new prompt that is already active on each rank is found in one pass over the prompt,
-whatever the number of ranks or of blocks they hold (see `prefix_depths`).
+Each rank refcounts the sequence hashes of its active prompts. A sequence hash fixes its whole prefix
+and every booked prompt holds all of its own prefixes, so along any prompt a rank's refcounts never
+increase: the blocks a rank holds of a prompt are exactly a prefix of it, found by bisection in
+O(log n), and the ranks holding any of it are those holding its first block, which an index of first
+blocks names. Per request, the work is proportional to the prompt and to the ranks sharing its first
+block, never to the blocks the ranks hold (see `prefix_depths`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ __all__ = ["ActiveSequences", "RankState"]
 class RankState:
     """The booked load of one (worker, dp_rank); read freely, written only by `ActiveSequences`."""
 
-    __slots__ = ("decode_blocks", "dp_rank", "key", "prefill_tokens", "requests", "worker_id")
+    __slots__ = ("decode_blocks", "dp_rank", "key", "prefill_tokens", "refs", "requests", "worker_id")
 
     def __init__(self, key: RankKey) -> None:
         self.key = key
@@ -32,6 +35,8 @@ class RankState:
         self.prefill_tokens = 0
         self.decode_blocks = 0
         self.requests = 0
+        # Sequence hash -> how many active requests on this rank hold that block.
+        self.refs: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return (
@@ -63,7 +68,8 @@ class ActiveSequences:
 
     def __init__(self) -> None:
         self._ranks: dict[RankKey, RankState] = {}
-        self._holders: dict[int, dict[RankState, int]] = {}
+        # A prompt's first sequence hash -> the ranks holding it.
+        self._first_holders: dict[int, set[RankState]] = {}
         # Insertion order is start order (the clock is monotonic), so expiry pops from the front.
         self._requests: OrderedDict[str, _Request] = OrderedDict()
 
@@ -118,20 +124,14 @@ class ActiveSequences:
         if rank is None:
             raise UnknownWorker(key[0])
         if hashes:
-            holders = self._holders
-            get = holders.get
-            added = 0
-            for block_hash in hashes:
-                counts = get(block_hash)
-                if counts is None:
-                    holders[block_hash] = {rank: 1}
-                    added += 1
-                else:
-                    count = counts.get(rank, 0)
-                    counts[rank] = count + 1
-                    if not count:
-                        added += 1
-            rank.decode_blocks += added
+            refs = rank.refs
+            held = _held_prefix(refs, hashes)
+            for block_hash in hashes[:held]:
+                refs[block_hash] += 1
+            refs.update(dict.fromkeys(hashes[held:], 1))
+            rank.decode_blocks += len(hashes) - held
+            if not held:
+                self._first_holders.setdefault(hashes[0], set()).add(rank)
         rank.decode_blocks += private_blocks
         rank.prefill_tokens += prefill_tokens
         rank.requests += 1
@@ -169,63 +169,44 @@ class ActiveSequences:
 
     def _release(self, request: _Request) -> None:
         rank = request.rank
-        if request.hashes:
-            holders = self._holders
-            removed = 0
-            for block_hash in request.hashes:
-                counts = holders[block_hash]
-                count = counts[rank]
-                if count == 1:
-                    del counts[rank]
-                    removed += 1
-                    if not counts:
-                        del holders[block_hash]
+        hashes = request.hashes
+        if hashes:
+            refs = rank.refs
+            # Refcounts never increase along the prompt, so the blocks only this request holds
+            # (refcount 1) are a suffix of it.
+            low, high = 0, len(hashes)
+            while low < high:
+                middle = (low + high) // 2
+                if refs[hashes[middle]] > 1:
+                    low = middle + 1
                 else:
-                    counts[rank] = count - 1
-            rank.decode_blocks -= removed
+                    high = middle
+            for block_hash in hashes[:low]:
+                refs[block_hash] -= 1
+            for block_hash in hashes[low:]:
+                del refs[block_hash]
+            rank.decode_blocks -= len(hashes) - low
+            if not low:
+                holders = self._first_holders[hashes[0]]
+                holders.discard(rank)
+                if not holders:
+                    del self._first_holders[hashes[0]]
         rank.decode_blocks -= request.private_blocks
         rank.prefill_tokens -= request.prefill_tokens
         rank.requests -= 1
 
     # ------------------------------------------------------------------ reads
     def prefix_depths(self, hashes: Sequence[int]) -> dict[RankState, int]:
-        """Per rank, the longest prefix of ``hashes`` (a prompt's sequence hashes) active on it.
-
-        Every booked prompt holds all of its own prefixes and a sequence hash fixes its whole prefix,
-        so the ranks holding block i+1 are a subset of those holding block i. A rank set therefore
-        stays the same over runs of the prompt, and only the positions where it shrinks are looked
-        for, by bisection: O(k log n) lookups for n blocks and k distinct depths, not O(n x ranks).
-        """
-        get = self._holders.get
-        n = len(hashes)
-        current = get(hashes[0]) if n else None
-        depths: dict[RankState, int] = {}
-        if not current:
-            return depths
-        start = 0
-        while True:
-            size = len(current)
-            low, high = start + 1, n
-            while low < high:
-                middle = (low + high) // 2
-                holders = get(hashes[middle])
-                if holders is not None and len(holders) == size:
-                    low = middle + 1
-                else:
-                    high = middle
-            following = get(hashes[low]) if low < n else None
-            if not following:
-                depths.update(dict.fromkeys(current, low))
-                return depths
-            for rank in current:
-                if rank not in following:
-                    depths[rank] = low
-            current = following
-            start = low
+        """Per rank holding any of it, the longest prefix of ``hashes`` (a prompt's sequence hashes)
+        active on it. O(k log n) for n blocks and k ranks holding the first one."""
+        holders = self._first_holders.get(hashes[0]) if hashes else None
+        if not holders:
+            return {}
+        return {rank: _held_prefix(rank.refs, hashes) for rank in holders}
 
     def _check(self) -> None:
         """Assert every invariant in O(total booked blocks); for tests only."""
-        expected_holders: dict[int, dict[RankState, int]] = {}
+        expected_refs: dict[RankState, dict[int, int]] = {rank: {} for rank in self._ranks.values()}
         prefill = dict.fromkeys(self._ranks.values(), 0)
         private = dict.fromkeys(self._ranks.values(), 0)
         requests = dict.fromkeys(self._ranks.values(), 0)
@@ -238,19 +219,33 @@ class ActiveSequences:
             prefill[rank] += request.prefill_tokens
             private[rank] += request.private_blocks
             requests[rank] += 1
+            refs = expected_refs[rank]
             for block_hash in request.hashes or ():
-                counts = expected_holders.setdefault(block_hash, {})
-                counts[rank] = counts.get(rank, 0) + 1
-        assert self._holders == expected_holders, "holder refcounts differ from the booked requests"
-        distinct = dict.fromkeys(self._ranks.values(), 0)
-        for counts in self._holders.values():
-            for rank in counts:
-                distinct[rank] += 1
+                refs[block_hash] = refs.get(block_hash, 0) + 1
         for rank in self._ranks.values():
+            assert rank.refs == expected_refs[rank], f"{rank}: refcounts differ from the booked requests"
             assert rank.prefill_tokens == prefill[rank], f"{rank}: prefill sum {prefill[rank]}"
-            assert rank.decode_blocks == distinct[rank] + private[rank], f"{rank}: decode blocks"
+            assert rank.decode_blocks == len(rank.refs) + private[rank], f"{rank}: decode blocks"
             assert rank.requests == requests[rank], f"{rank}: request count {requests[rank]}"
+        first_holders: dict[int, set[RankState]] = {}
         for request in self._requests.values():
             hashes = request.hashes or ()
+            refs = request.rank.refs
             for parent, child in pairwise(hashes):
-                assert self._holders[child].keys() <= self._holders[parent].keys(), "holder sets must nest"
+                assert refs[child] <= refs[parent], "refcounts must not increase along a prompt"
+            if hashes:
+                first_holders.setdefault(hashes[0], set()).add(request.rank)
+        assert self._first_holders == first_holders, "the first-block index differs from the requests"
+
+
+def _held_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
+    """How many leading ``hashes`` a rank holds: they are a prefix of the prompt (see the module
+    docstring), so bisect for its end. O(log n)."""
+    low, high = 0, len(hashes)
+    while low < high:
+        middle = (low + high) // 2
+        if hashes[middle] in refs:
+            low = middle + 1
+        else:
+            high = middle
+    return low

@@ -89,7 +89,7 @@ def test_a_registered_policy_becomes_selectable() -> None:
             pass
 
         def select(self, context: SelectionContext) -> Selection:
-            return Selection(len(context.candidates) - 1, "always the last")
+            return Selection(len(context) - 1, "always the last")
 
     register_policy("last_candidate", LastCandidate)
     assert "last_candidate" in policy_names()

@@ -1,7 +1,7 @@
 """What every selection policy sees and returns, and the contract it keeps.
 
-A policy is handed the eligible, not-overloaded (worker, dp_rank) candidates of one request, each with
-its cached prefix and its live and projected load, and returns the index of its pick with the reason.
+A policy is handed the eligible, not-overloaded (worker, dp_rank) candidates of one request, with
+their cached prefix and their live and projected load, and returns the index of its pick with the reason.
 Policies are pure with respect to router state: they never book, queue or touch the index; the only
 state they may keep is their own (a round-robin cursor, an RNG).
 """
@@ -9,11 +9,14 @@ state they may keep is their own (a round-robin cursor, an RNG).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from router.config import RouterConfig
+from router.overlap import NO_OVERLAP, RankOverlap
+from router.sequences import RankState
+from router.types import RankKey
 
 __all__ = ["Candidate", "PolicyFactory", "Selection", "SelectionContext", "SelectionPolicy"]
 
@@ -77,13 +80,67 @@ class Candidate:
         return f"Candidate({fields})"
 
 
-class SelectionContext(NamedTuple):
-    """One request's view: its length and its candidates, in registration order."""
+class SelectionContext:
+    """One request's candidates, column by column: scoring 64 ranks must not build 64 objects.
 
-    isl_tokens: int
-    block_size: int
-    track_prefill_tokens: bool
-    candidates: Sequence[Candidate]
+    ``ranks`` are the candidate ranks in registration order; ``overlaps`` and ``depths`` are sparse
+    (a rank absent from them has no cached prefix / no active prefix of the prompt);
+    ``taint_multipliers`` is per candidate when the request prefers taints, else None.
+    `candidate` gives one rank as a `Candidate` for policies and explanations that want the detail.
+    """
+
+    __slots__ = (
+        "block_size",
+        "booked_blocks",
+        "depths",
+        "isl_tokens",
+        "overlaps",
+        "ranks",
+        "taint_multipliers",
+        "track_prefill_tokens",
+    )
+
+    def __init__(
+        self,
+        *,
+        isl_tokens: int,
+        block_size: int,
+        track_prefill_tokens: bool,
+        ranks: Sequence[RankState],
+        overlaps: Mapping[RankKey, RankOverlap],
+        depths: Mapping[RankState, int],
+        booked_blocks: int,
+        taint_multipliers: Sequence[float] | None,
+    ) -> None:
+        self.isl_tokens = isl_tokens
+        self.block_size = block_size
+        self.track_prefill_tokens = track_prefill_tokens
+        self.ranks = ranks
+        self.overlaps = overlaps
+        self.depths = depths
+        self.booked_blocks = booked_blocks
+        self.taint_multipliers = taint_multipliers
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def candidate(self, index: int) -> Candidate:
+        rank = self.ranks[index]
+        overlap = self.overlaps.get(rank.key, NO_OVERLAP)
+        return Candidate(
+            rank.worker_id,
+            rank.dp_rank,
+            device_blocks=overlap.device_blocks,
+            host_blocks=overlap.host_blocks,
+            disk_blocks=overlap.disk_blocks,
+            effective_overlap_blocks=overlap.effective_blocks,
+            cached_tokens=overlap.cached_tokens,
+            active_prefill_tokens=rank.prefill_tokens,
+            active_decode_blocks=rank.decode_blocks,
+            new_blocks=self.booked_blocks - self.depths.get(rank, 0),
+            active_requests=rank.requests,
+            taint_multiplier=None if self.taint_multipliers is None else self.taint_multipliers[index],
+        )
 
     def potential_prefill_tokens(self, candidate: Candidate) -> int:
         """The candidate's prefill backlog if the request went there (§4.5)."""
@@ -103,7 +160,7 @@ class Selection:
 
 
 class SelectionPolicy(Protocol):
-    """Picks one candidate; `candidates` is never empty."""
+    """Picks one candidate; the context is never empty."""
 
     name: str
 

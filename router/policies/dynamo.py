@@ -21,7 +21,9 @@ import random
 from collections.abc import Sequence
 
 from router.config import RouterConfig
+from router.overlap import NO_OVERLAP
 from router.policies.base import Selection, SelectionContext
+from router.sequences import RankState
 
 __all__ = ["DynamoPolicy", "lowest_cost_index", "softmax_probabilities", "softmax_sample_index"]
 
@@ -39,41 +41,59 @@ class DynamoPolicy:
         block_size = context.block_size
         isl = context.isl_tokens
         track_prefill = context.track_prefill_tokens
+        ranks = context.ranks
+        overlaps = context.overlaps
+        depths = context.depths
+        booked = context.booked_blocks
+        multipliers = context.taint_multipliers
         credit = config.overlap_score_credit
         decay_rate = config.overlap_score_credit_decay
         host_weight = config.host_cache_hit_weight
         disk_weight = config.disk_cache_hit_weight
         scale = config.prefill_load_scale
         request_weight = config.decode_active_request_weight
-        candidates = context.candidates
         decays = track_prefill and decay_rate > 0.0
-        if decays:
-            floor_tokens = min(candidate.active_prefill_tokens for candidate in candidates)
-            request_blocks = -(-isl // block_size)
-        costs = []
-        for candidate in candidates:
+        floor_tokens = min(rank.prefill_tokens for rank in ranks) if decays else 0
+        request_blocks = -(-isl // block_size)
+
+        def cost(index: int, rank: RankState) -> float:
+            overlap = overlaps.get(rank.key, NO_OVERLAP)
             if track_prefill:
-                cached = candidate.cached_tokens
-                raw_prefill = (candidate.active_prefill_tokens + max(isl - cached, 0) + cached) / block_size
+                cached = overlap.cached_tokens
+                raw_prefill = (rank.prefill_tokens + max(isl - cached, 0) + cached) / block_size
             else:
                 raw_prefill = 0.0
             device_credit = credit
             if decays:
-                backlog = (candidate.active_prefill_tokens - floor_tokens) / block_size / request_blocks
+                backlog = (rank.prefill_tokens - floor_tokens) / block_size / request_blocks
                 device_credit = credit * (1.0 / (1.0 + decay_rate * backlog))
             overlap_credit = (
-                device_credit * candidate.device_blocks
-                + host_weight * candidate.host_blocks
-                + disk_weight * candidate.disk_blocks
+                device_credit * overlap.device_blocks
+                + host_weight * overlap.host_blocks
+                + disk_weight * overlap.disk_blocks
             )
-            cost = (
+            value = (
                 scale * max(raw_prefill - overlap_credit, 0.0)
-                + float(candidate.active_decode_blocks + candidate.new_blocks)
-                + request_weight * candidate.active_requests
+                + float(rank.decode_blocks + booked - depths.get(rank, 0))
+                + request_weight * rank.requests
             )
-            if candidate.taint_multiplier is not None:
-                cost *= candidate.taint_multiplier
-            costs.append(cost)
+            return value if multipliers is None else value * multipliers[index]
+
+        if not track_prefill or multipliers is not None:
+            return [cost(index, rank) for index, rank in enumerate(ranks)]
+        # Most ranks of a fleet hold no prefix of the prompt, cached or active. For them the formula is
+        # s * (A_p + isl) / bs + (D + booked) + r * R through the same float operations (the credit is
+        # 0.0), so they are scored in one comprehension and the others patched in.
+        costs = [
+            scale * ((rank.prefill_tokens + isl) / block_size)
+            + float(rank.decode_blocks + booked)
+            + request_weight * rank.requests
+            for rank in ranks
+        ]
+        if overlaps or depths:
+            for index, rank in enumerate(ranks):
+                if rank.key in overlaps or rank in depths:
+                    costs[index] = cost(index, rank)
         return costs
 
     def select(self, context: SelectionContext) -> Selection:

@@ -23,7 +23,7 @@ class RoundRobinPolicy:
         self._turn = 0
 
     def select(self, context: SelectionContext) -> Selection:
-        index = self._turn % len(context.candidates)
+        index = self._turn % len(context)
         self._turn += 1
         return Selection(index, "round robin")
 
@@ -37,7 +37,7 @@ class RandomPolicy:
         self._rng = rng
 
     def select(self, context: SelectionContext) -> Selection:
-        return Selection(self._rng.randrange(len(context.candidates)), "uniformly at random")
+        return Selection(self._rng.randrange(len(context)), "uniformly at random")
 
 
 class LeastLoadedPolicy:
@@ -53,8 +53,8 @@ class LeastLoadedPolicy:
         best = 0
         best_key: tuple[int, int, int] | None = None
         ties = 0
-        for index, candidate in enumerate(context.candidates):
-            key = (candidate.active_requests, candidate.active_prefill_tokens, candidate.active_decode_blocks)
+        for index, rank in enumerate(context.ranks):
+            key = (rank.requests, rank.prefill_tokens, rank.decode_blocks)
             if best_key is None or key < best_key:
                 best, best_key, ties = index, key, 1
             elif key == best_key:
@@ -62,7 +62,7 @@ class LeastLoadedPolicy:
                 if self._rng.randrange(ties) == 0:
                     best = index
         assert best_key is not None
-        costs = [float(candidate.active_requests) for candidate in context.candidates]
+        costs = [float(rank.requests) for rank in context.ranks]
         reason = f"least loaded: {best_key[0]} active requests, {best_key[1]} prefill tokens, {best_key[2]} blocks"
         if ties > 1:
             reason += f", tied with {ties - 1} other(s); picked uniformly at random"
