@@ -140,6 +140,10 @@ class KvRouter:
     def workers(self) -> list[WorkerConfig]:
         return list(self._scheduler.workers)
 
+    def has_worker(self, worker_id: int) -> bool:
+        """Whether the worker is registered (events of unregistered workers may be dropped upstream)."""
+        return self._scheduler.workers.get(worker_id) is not None
+
     def update_kv_used_blocks(self, worker_id: int, dp_rank: int, kv_used_blocks: int) -> None:
         """Record the KV blocks a worker reports in use on one rank (the decode busy check, §4.6)."""
         self._scheduler.workers.set_kv_used_blocks(worker_id, dp_rank, kv_used_blocks)
@@ -392,9 +396,6 @@ class KvRouter:
     def queue_stats(self) -> QueueStats:
         """Requests waiting in the queue and their prompt tokens (zeros when queueing is off)."""
         return self._queue.stats() if self._queue is not None else QueueStats(pending_count=0, pending_isl_tokens=0)
-
-    def active_request_count(self) -> int:
-        return len(self._scheduler.sequences)
 
     # ------------------------------------------------------------------ helpers
     def _prompt(

@@ -81,9 +81,6 @@ class Scheduler:
         del self._ranks_of[worker_id]
         return [request_id for key in keys for request_id in self.sequences.remove_rank(key)]
 
-    def ranks_of(self, worker_id: int) -> tuple[RankState, ...]:
-        return self._ranks_of.get(worker_id, ())
-
     # ------------------------------------------------------------------ eligibility
     def eligible_workers(
         self, constraints: RoutingConstraints | None, pinned: RankKey | None = None

@@ -16,7 +16,7 @@ block, never to the blocks the ranks hold (see `prefix_depths`).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from itertools import pairwise
 
 from router.types import DuplicateRequestId, RankKey, UnknownWorker
@@ -91,13 +91,7 @@ class ActiveSequences:
     def rank(self, key: RankKey) -> RankState | None:
         return self._ranks.get(key)
 
-    def ranks(self) -> Iterator[RankState]:
-        return iter(self._ranks.values())
-
     # ------------------------------------------------------------------ request lifecycle
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._requests
-
     def __len__(self) -> int:
         return len(self._requests)
 
