@@ -25,7 +25,7 @@ class Prompt:
     __slots__ = ("isl_tokens", "local_hashes", "private_blocks", "shared_hashes")
 
     def __init__(
-        self, isl_tokens: int, local_hashes: list[int], shared_hashes: list[int] | None, private_blocks: int
+        self, isl_tokens: int, local_hashes: list[int], shared_hashes: tuple[int, ...] | None, private_blocks: int
     ) -> None:
         self.isl_tokens = isl_tokens
         self.local_hashes = local_hashes
@@ -70,7 +70,9 @@ def prepare_prompt(
     private_blocks = 0
     if config.router_track_active_blocks:
         if config.router_assume_kv_reuse:
-            shared_hashes = compute_sequence_hashes(local_hashes)
+            # A tuple: booked requests keep it, and the collector stops tracking a tuple of ints after
+            # one look, where a list of a thousand hashes would be walked by every full collection.
+            shared_hashes = tuple(compute_sequence_hashes(local_hashes))
         else:
             private_blocks = len(local_hashes)
     return Prompt(isl_tokens, local_hashes, shared_hashes, private_blocks)
