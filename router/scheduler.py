@@ -63,6 +63,8 @@ class Scheduler:
         self.workers = WorkerRegistry()
         self.sequences = ActiveSequences()
         self._ranks_of: dict[int, tuple[RankState, ...]] = {}
+        # Every rank in registration order: the candidate list when no worker is filtered out.
+        self._all_ranks: list[RankState] = []
 
     # ------------------------------------------------------------------ topology
     def register_worker(self, config: WorkerConfig) -> list[str]:
@@ -73,13 +75,18 @@ class Scheduler:
             self.sequences.add_rank(key)
         ranks = (self.sequences.rank((config.worker_id, dp_rank)) for dp_rank in config.dp_ranks)
         self._ranks_of[config.worker_id] = tuple(rank for rank in ranks if rank is not None)
+        self._list_ranks()
         return dropped
 
     def remove_worker(self, worker_id: int) -> list[str]:
         """Forget a worker and its booked requests (returned); raises `UnknownWorker` if unknown."""
         keys = self.workers.remove(worker_id)
         del self._ranks_of[worker_id]
+        self._list_ranks()
         return [request_id for key in keys for request_id in self.sequences.remove_rank(key)]
+
+    def _list_ranks(self) -> None:
+        self._all_ranks = [rank for worker in self.workers for rank in self._ranks_of[worker.worker_id]]
 
     # ------------------------------------------------------------------ eligibility
     def eligible_workers(
@@ -140,14 +147,16 @@ class Scheduler:
         preferred = (constraints or _NO_CONSTRAINTS).preferred_taints
         ranks: list[RankState] = []
         multipliers: list[float] | None = [] if preferred else None
-        ranks_of = self._ranks_of
-        for worker in workers:
-            worker_ranks = ranks_of[worker.worker_id]
-            if pinned is not None:
-                worker_ranks = tuple(rank for rank in worker_ranks if rank.key == pinned)
-            ranks.extend(worker_ranks)
-            if multipliers is not None:
-                multipliers.extend([_taint_multiplier(preferred, worker.taints)] * len(worker_ranks))
+        if pinned is None and multipliers is None and len(workers) == len(self.workers):
+            ranks = self._all_ranks  # eligible workers are a subset of the registered ones: all of them
+        else:
+            for worker in workers:
+                worker_ranks = self._ranks_of[worker.worker_id]
+                if pinned is not None:
+                    worker_ranks = tuple(rank for rank in worker_ranks if rank.key == pinned)
+                ranks.extend(worker_ranks)
+                if multipliers is not None:
+                    multipliers.extend([_taint_multiplier(preferred, worker.taints)] * len(worker_ranks))
         context = SelectionContext(
             isl_tokens=prompt.isl_tokens,
             block_size=self._config.block_size,

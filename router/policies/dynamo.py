@@ -112,19 +112,11 @@ class DynamoPolicy:
 
 
 def lowest_cost_index(costs: Sequence[float], rng: random.Random) -> tuple[int, int]:
-    """The lowest cost's index and how many candidates share it; ties by reservoir sampling, so each
-    tied candidate wins with probability 1/ties (Dynamo's `minimum_cost_index`)."""
-    best = 0
-    best_cost = math.inf
-    ties = 0
-    for index, cost in enumerate(costs):
-        if cost < best_cost:
-            best, best_cost, ties = index, cost, 1
-        elif cost == best_cost:
-            ties += 1
-            if rng.randrange(ties) == 0:
-                best = index
-    return best, ties
+    """The lowest cost's index and how many candidates share it; each tied candidate wins with
+    probability 1/ties, as with Dynamo's reservoir sampling in `minimum_cost_index`."""
+    lowest = min(costs)
+    ties = [index for index, cost in enumerate(costs) if cost == lowest]
+    return (ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]), len(ties)
 
 
 def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:
