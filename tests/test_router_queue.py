@@ -22,6 +22,7 @@ from router import (
     RoutingConstraints,
     WorkerConfig,
 )
+from router.testing import prompt_stored_event
 
 BS = 16
 W = 5
@@ -290,3 +291,37 @@ def test_without_a_queue_saturation_does_not_wait() -> None:
     route(router, tokens(1000), "a")
     assert route(router, tokens(1000, 5000), "b").worker_id == W
     assert router.queue_stats() == QueueStats(pending_count=0, pending_isl_tokens=0)
+
+
+def test_wspt_counts_the_best_eligible_cached_prefix() -> None:
+    router = queued_router(router_queue_policy="wspt")
+    longer = queued("a", 400)  # 16 of its 25 blocks cached: 144 uncached tokens
+    assert isinstance(longer.tokens, list)
+    router.apply_event(prompt_stored_event(W, longer.tokens, BS, blocks=16))
+    # Scores 1/144 for a and 1/150 for b: the longer prompt has less left to compute.
+    assert run(lambda: dispatch_order(router, [queued("b", 150), longer])) == ["a", "b"]
+
+
+def test_cancel_waiting_releases_every_waiter_for_shutdown() -> None:
+    router = queued_router()
+
+    async def scenario() -> None:
+        await router.new(RouteRequest(tokens=tokens(101, 90_000), request_id="saturate"))
+        waiters = [asyncio.ensure_future(router.new(queued(name))) for name in "ab"]
+        await settle()
+        assert router.cancel_waiting() == 2
+        await settle()
+        assert all(task.cancelled() for task in waiters)
+        assert router.queue_stats() == QueueStats(pending_count=0, pending_isl_tokens=0)
+
+    run(scenario)
+
+
+def test_an_overloaded_pinned_rank_is_refused() -> None:
+    router = KvRouter(RouterConfig(block_size=BS, active_prefill_tokens_threshold=100), rng=random.Random(0))
+    router.register_worker(WorkerConfig(worker_id=W))
+    router.register_worker(WorkerConfig(worker_id=W + 1))
+    route(router, tokens(101), "big", pinned_worker=(W, 0))
+    with pytest.raises(AllWorkersOverloaded):
+        route(router, tokens(16, 500), pinned_worker=(W, 0))
+    assert route(router, tokens(16, 500)).worker_id == W + 1
