@@ -79,7 +79,7 @@ class ActiveSequences:
             self._ranks[key] = RankState(key)
 
     def remove_rank(self, key: RankKey) -> list[str]:
-        """Drop a rank and every request booked on it; returns their ids. O(their blocks)."""
+        """Drop a rank and every request booked on it; returns their ids. O(active requests)."""
         rank = self._ranks.pop(key, None)
         if rank is None:
             return []

@@ -85,8 +85,9 @@ class SelectionContext:
 
     ``ranks`` are the candidate ranks in registration order; ``overlaps`` and ``depths`` are sparse
     (a rank absent from them has no cached prefix / no active prefix of the prompt);
-    ``taint_multipliers`` is per candidate when the request prefers taints, else None.
-    `candidate` gives one rank as a `Candidate` for policies and explanations that want the detail.
+    ``taint_multipliers`` is per candidate when the request prefers taints, else None. All of them are
+    the scheduler's and read-only here. `candidate` gives one rank as a `Candidate` for policies and
+    explanations that want the detail.
     """
 
     __slots__ = (
