@@ -23,7 +23,7 @@ from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps
 from router.policies import create_policy
 from router.prompt import Prompt, prepare_prompt
 from router.queue import PendingQueue
-from router.scheduler import Choice, Scheduler
+from router.scheduler import Scheduler
 from router.types import (
     DecisionTiming,
     DuplicateRequestId,
@@ -53,20 +53,10 @@ TokenInput = Sequence[int] | bytes
 MmInfos = Sequence[Mapping[str, Any] | None] | None
 
 
-class _Waiter:
-    """A `new` call parked in the queue, with everything needed to schedule it later."""
+class _Routing:
+    """One `new` call between matching and booking: what its scheduling needs, now or once dequeued."""
 
-    __slots__ = (
-        "enqueued_at",
-        "explain",
-        "future",
-        "hashing_s",
-        "matching_s",
-        "overlaps",
-        "pinned",
-        "prompt",
-        "request",
-    )
+    __slots__ = ("explain", "hashing_s", "matching_s", "overlaps", "pinned", "prompt", "request")
 
     def __init__(
         self,
@@ -75,16 +65,25 @@ class _Waiter:
         overlaps: dict[RankKey, RankOverlap],
         pinned: RankKey | None,
         explain: bool,
-        timing: tuple[float, float],
-        enqueued_at: float,
-        future: asyncio.Future[RouteDecision],
+        hashing_s: float,
+        matching_s: float,
     ) -> None:
         self.request = request
         self.prompt = prompt
         self.overlaps = overlaps
         self.pinned = pinned
         self.explain = explain
-        self.hashing_s, self.matching_s = timing
+        self.hashing_s = hashing_s
+        self.matching_s = matching_s
+
+
+class _Waiter:
+    """A `new` call parked in the queue."""
+
+    __slots__ = ("enqueued_at", "future", "routing")
+
+    def __init__(self, routing: _Routing, enqueued_at: float, future: asyncio.Future[RouteDecision]) -> None:
+        self.routing = routing
         self.enqueued_at = enqueued_at
         self.future = future
 
@@ -167,8 +166,9 @@ class KvRouter:
         prompt = self._prompt(request.tokens, request.lora_name, request.cache_namespace, request.block_mm_infos)
         hashed = time.perf_counter()
         overlaps = self._match(prompt)
-        matched = time.perf_counter()
-        timing = (hashed - started, matched - hashed)
+        routing = _Routing(
+            request, prompt, overlaps, pinned_worker, explain, hashed - started, time.perf_counter() - hashed
+        )
         self.expire_stale()
         request_id = request.request_id
         if request_id is not None:
@@ -179,37 +179,23 @@ class KvRouter:
         queue = self._queue
         # Once anything waits, newcomers wait behind it (Dynamo's backlog anti-bypass).
         if queue is not None and (len(queue) or self._scheduler.queue_blocked(workers, pinned_worker)):
-            return await self._wait_in_queue(queue, request, prompt, overlaps, workers, pinned_worker, explain, timing)
-        return self._route(request, prompt, overlaps, workers, pinned_worker, explain, timing, queued_s=0.0)
+            return await self._wait_in_queue(queue, routing, workers)
+        return self._route(routing, workers, queued_s=0.0)
 
-    def _route(
-        self,
-        request: RouteRequest,
-        prompt: Prompt,
-        overlaps: dict[RankKey, RankOverlap],
-        workers: list[WorkerConfig],
-        pinned: RankKey | None,
-        explain: bool,
-        timing: tuple[float, float],
-        *,
-        queued_s: float,
-    ) -> RouteDecision:
+    def _route(self, routing: _Routing, workers: list[WorkerConfig], *, queued_s: float) -> RouteDecision:
+        """Select, book and report; raises the scheduler's errors."""
         started = time.perf_counter()
+        request = routing.request
         choice = self._scheduler.select(
-            prompt, overlaps, workers, request.routing_constraints, pinned=pinned, explain=explain
+            routing.prompt,
+            routing.overlaps,
+            workers,
+            request.routing_constraints,
+            pinned=routing.pinned,
+            explain=routing.explain,
         )
         if request.request_id is not None:
-            self._scheduler.book(request.request_id, choice, prompt, self._clock())
-        return self._decision(request, choice, timing, time.perf_counter() - started, queued_s)
-
-    def _decision(
-        self,
-        request: RouteRequest,
-        choice: Choice,
-        timing: tuple[float, float],
-        scheduling_s: float,
-        queued_s: float,
-    ) -> RouteDecision:
+            self._scheduler.book(request.request_id, choice, routing.prompt, self._clock())
         worker_id, dp_rank = choice.key
         return RouteDecision(
             worker_id=worker_id,
@@ -218,33 +204,29 @@ class KvRouter:
             cached_tokens=choice.overlap.cached_tokens,
             request_id=request.request_id,
             timing=DecisionTiming(
-                hashing_s=timing[0], matching_s=timing[1], scheduling_s=scheduling_s, queued_s=queued_s
+                hashing_s=routing.hashing_s,
+                matching_s=routing.matching_s,
+                scheduling_s=time.perf_counter() - started,
+                queued_s=queued_s,
             ),
             explanation=choice.explanation,
         )
 
     async def _wait_in_queue(
-        self,
-        queue: PendingQueue[_Waiter],
-        request: RouteRequest,
-        prompt: Prompt,
-        overlaps: dict[RankKey, RankOverlap],
-        workers: list[WorkerConfig],
-        pinned: RankKey | None,
-        explain: bool,
-        timing: tuple[float, float],
+        self, queue: PendingQueue[_Waiter], routing: _Routing, workers: list[WorkerConfig]
     ) -> RouteDecision:
         rejection = queue.rejection(len(self._scheduler.workers))
         if rejection is not None:
             raise QueueRejected(rejection)
+        request = routing.request
         future: asyncio.Future[RouteDecision] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(request, prompt, overlaps, pinned, explain, timing, self._clock(), future)
+        waiter = _Waiter(routing, self._clock(), future)
         ticket = queue.push(
             waiter,
             strict_priority=request.strict_priority,
             priority_jump=request.priority_jump,
-            isl_tokens=prompt.isl_tokens,
-            cached_tokens=self._best_cached_tokens(overlaps, workers, pinned),
+            isl_tokens=routing.prompt.isl_tokens,
+            cached_tokens=self._best_cached_tokens(routing.overlaps, workers, routing.pinned),
             now=waiter.enqueued_at,
         )
         # With strict priorities a newcomer can become the head while a rank is free.
@@ -278,31 +260,21 @@ class KvRouter:
             if waiter.future.done():  # its caller gave up
                 queue.pop_head()
                 continue
-            request = waiter.request
+            routing = waiter.routing
             try:
-                workers = scheduler.eligible_workers(request.routing_constraints, waiter.pinned)
+                workers = scheduler.eligible_workers(routing.request.routing_constraints, routing.pinned)
             except NoEligibleWorker as exc:
                 queue.pop_head()
                 waiter.future.set_exception(exc)
                 continue
-            if scheduler.queue_blocked(workers, waiter.pinned):
+            if scheduler.queue_blocked(workers, routing.pinned):
                 return
             queue.pop_head()
-            now = self._clock()
-            overlaps = waiter.overlaps
-            if now - waiter.enqueued_at >= OVERLAP_REFRESH_AFTER_SECS:
-                overlaps = self._match(waiter.prompt)
+            waited = self._clock() - waiter.enqueued_at
+            if waited >= OVERLAP_REFRESH_AFTER_SECS:
+                routing.overlaps = self._match(routing.prompt)
             try:
-                decision = self._route(
-                    request,
-                    waiter.prompt,
-                    overlaps,
-                    workers,
-                    waiter.pinned,
-                    waiter.explain,
-                    (waiter.hashing_s, waiter.matching_s),
-                    queued_s=now - waiter.enqueued_at,
-                )
+                decision = self._route(routing, workers, queued_s=waited)
             except KvRouterError as exc:
                 waiter.future.set_exception(exc)
             else:
