@@ -1,0 +1,92 @@
+"""PNG plots of a replay report, drawn with matplotlib when it is installed (it is optional).
+
+- ``ttft_cdf.png``: the TTFT distribution of every router, one curve each;
+- ``hit_rate.png``: the engine-side hit rate per window, one line per router;
+- ``worker_load.png``: per router, each worker's uncached prefill tokens per window.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mocker.report import RouterReport
+
+__all__ = ["MATPLOTLIB_MISSING", "write_plots"]
+
+MATPLOTLIB_MISSING = "matplotlib is not installed: no PNG plots (pip install 'kv-router[replay]' to get them)"
+
+
+def write_plots(reports: Sequence[RouterReport], out_dir: Path) -> list[Path] | None:
+    """Write the three plots into ``out_dir``; None (nothing written) when matplotlib is missing."""
+    try:
+        # Imported by name: matplotlib is an optional extra, and the rest of the package type-checks
+        # without it.
+        matplotlib = importlib.import_module("matplotlib")
+        matplotlib.use("Agg")
+        plt = importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [_ttft_cdf(plt, reports, out_dir), _hit_rate(plt, reports, out_dir), _worker_load(plt, reports, out_dir)]
+    plt.close("all")
+    return paths
+
+
+def _ttft_cdf(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Path:
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for report in reports:
+        values = report.ttft_sorted_ms
+        if values:
+            fractions = [(i + 1) / len(values) for i in range(len(values))]
+            axes.plot(values, fractions, label=report.router)
+    axes.set_xscale("log")
+    axes.set_xlabel("time to first token (ms, log scale)")
+    axes.set_ylabel("fraction of requests")
+    axes.set_title("TTFT distribution")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    path = out_dir / "ttft_cdf.png"
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
+def _hit_rate(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Path:
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for report in reports:
+        starts = [w["start_s"] / 60 for w in report.windows]
+        axes.plot(starts, [w["hit_rate"] for w in report.windows], label=report.router)
+    axes.set_xlabel("time (min)")
+    axes.set_ylabel("engine hit rate (tokens)")
+    axes.set_title(f"Cache hit rate per {reports[0].window_s:.0f} s window" if reports else "Cache hit rate")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    path = out_dir / "hit_rate.png"
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
+def _worker_load(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Path:
+    columns = min(3, len(reports)) or 1
+    rows = math.ceil(len(reports) / columns) or 1
+    figure, grid = plt.subplots(rows, columns, figsize=(5 * columns, 3.2 * rows), squeeze=False, sharey=True)
+    for index, report in enumerate(reports):
+        axes = grid[index // columns][index % columns]
+        starts = [w["start_s"] / 60 for w in report.windows]
+        workers = len(report.requests_per_worker)
+        for worker in range(workers):
+            axes.plot(starts, [w["prefill_tokens"][worker] / 1000 for w in report.windows], linewidth=0.8)
+        axes.set_title(f"{report.router}: imbalance {report.imbalance:.2f}")
+        axes.set_xlabel("time (min)")
+        axes.set_ylabel("prefill k tokens / window")
+        axes.grid(True, alpha=0.3)
+    for index in range(len(reports), rows * columns):
+        grid[index // columns][index % columns].axis("off")
+    figure.suptitle("Uncached prefill work per worker")
+    figure.tight_layout()
+    path = out_dir / "worker_load.png"
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    return path

@@ -1,0 +1,168 @@
+"""Trace replay, end to end: load a trace, run it through every router asked for, report.
+
+Offline (`replay_offline`): each router in turn drives its own fleet of simulated engines through the
+whole trace in simulated time (`mocker.simulation`); the same seed gives every router the same trace,
+jitter and generated tokens. Online (`replay_online_report`): the trace goes to a running router over
+HTTP and mock workers over NATS (`mocker.online`). Either way the runs are summarized per router
+(`mocker.report`) and `write_outputs` writes report.json, report.md, the plots and, on request, the
+per-request records.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from mocker.config import EngineConfig
+from mocker.plots import MATPLOTLIB_MISSING, write_plots
+from mocker.progress import ProgressBar
+from mocker.report import ReplayRecord, RouterReport, renumber_workers, rescale_times, summarize, write_reports
+from mocker.routers import make_router, router_names
+from mocker.simulation import simulate
+from mocker.trace import Trace
+from router.config import RouterConfig
+
+__all__ = ["ReplayRun", "ReplaySetup", "replay_offline", "replay_online_report", "write_outputs"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaySetup:
+    """Everything but the trace that decides a replay's outcome."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    workers: int = 8
+    routers: tuple[str, ...] = ()  # empty: every router `router_names` lists
+    router_config: RouterConfig | None = None  # block size defaults to the engine's
+    event_delay_ms: float = 0.0
+    seed: int = 0
+    window_s: float = 60.0
+
+    def routers_to_run(self) -> list[str]:
+        return list(self.routers) or router_names()
+
+    def effective_router_config(self) -> RouterConfig:
+        if self.router_config is None:
+            return RouterConfig(block_size=self.engine.block_size)
+        return self.router_config
+
+    def describe(self, trace: Trace) -> dict[str, Any]:
+        """The settings a report is reproducible from."""
+        options = trace.options
+        return {
+            "trace": trace.path,
+            "requests": len(trace),
+            "clipped": trace.clipped,
+            "dropped": trace.dropped,
+            "trace_options": msgspec.to_builtins(options),
+            "workers": self.workers,
+            "engine": msgspec.to_builtins(self.engine),
+            "router_config": msgspec.to_builtins(self.effective_router_config()),
+            "event_delay_ms": self.event_delay_ms,
+            "seed": self.seed,
+            "window_s": self.window_s,
+        }
+
+
+@dataclass(slots=True)
+class ReplayRun:
+    report: RouterReport
+    records: list[ReplayRecord]
+
+
+async def replay_offline(trace: Trace, setup: ReplaySetup, *, show_progress: bool = True) -> list[ReplayRun]:
+    """Simulate ``trace`` once per router of ``setup``; one `ReplayRun` each, in order."""
+    runs = []
+    config = setup.effective_router_config()
+    for spec in setup.routers_to_run():
+        router = make_router(spec, config, random.Random(setup.seed))
+        bar = ProgressBar(spec, enabled=show_progress)
+        result = await simulate(
+            trace,
+            router,
+            setup.engine,
+            setup.workers,
+            event_delay_ms=setup.event_delay_ms,
+            seed=setup.seed,
+            progress=bar,
+        )
+        bar.close()
+        report = summarize(router.name, result.records, setup.workers, wall_s=result.wall_s, window_s=setup.window_s)
+        runs.append(ReplayRun(report, result.records))
+    return runs
+
+
+async def replay_online_report(
+    trace: Trace,
+    *,
+    label: str,
+    router_url: str,
+    nats_url: str,
+    namespace: str = "default",
+    workers: int = 1,
+    time_scale: float = 1.0,
+    window_s: float = 60.0,
+    show_progress: bool = True,
+) -> ReplayRun:
+    """Replay ``trace`` against a running router and ``workers`` mock workers (`mocker.online`).
+
+    ``time_scale`` runs the replay that many times faster than the trace: arrivals come sooner and the
+    measured times are scaled back. The workers must run their engines that much faster too
+    (``speedup_ratio``), so the whole system is time-compressed rather than overloaded.
+    """
+    from indexer.nats_connection import NatsOptions, connect
+    from mocker.online import replay_online
+
+    nc = await connect(NatsOptions(nats_url, name="kv-router-replay"))
+    bar = ProgressBar(label, enabled=show_progress)
+    started = time.perf_counter()
+    try:
+        records = await replay_online(
+            trace.time_scaled(time_scale), router_url, nc, namespace=namespace, expect_workers=workers, progress=bar
+        )
+    finally:
+        bar.close()
+        await nc.close()
+    wall_s = time.perf_counter() - started
+    rescale_times(records, time_scale)
+    seen = renumber_workers(records)
+    report = summarize(label, records, max(workers, seen), wall_s=wall_s, window_s=window_s)
+    return ReplayRun(report, records)
+
+
+def write_outputs(
+    runs: Sequence[ReplayRun],
+    settings: dict[str, Any],
+    out_dir: Path,
+    *,
+    plots: bool = True,
+    per_request: bool = False,
+) -> tuple[list[Path], str | None]:
+    """Write the reports (and plots, and per-request JSONL); returns the paths and a note, if any."""
+    reports = [run.report for run in runs]
+    paths = write_reports(reports, settings, out_dir)
+    note = None
+    if plots:
+        drawn = write_plots(reports, out_dir)
+        if drawn is None:
+            note = MATPLOTLIB_MISSING
+        else:
+            paths += drawn
+    if per_request:
+        encoder = msgspec.json.Encoder()
+        for run in runs:
+            path = out_dir / f"requests-{_file_safe(run.report.router)}.jsonl"
+            with path.open("wb") as sink:
+                for record in run.records:
+                    sink.write(encoder.encode(record) + b"\n")
+            paths.append(path)
+    return paths, note
+
+
+def _file_safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

@@ -1,0 +1,171 @@
+"""The routers a replay can measure, behind one small interface (`FleetRouter`).
+
+A replay drives a router the way a gateway and an engine fleet would: it asks for a worker for each
+request (`route`), forwards every KV event the workers publish (`kv_event`), says when a request's
+first token came out (`first_token`) and when it finished (`finished`). Routers that scrape engine
+metrics, as llm-d does, also receive them every ``scrape_interval_ms`` (`scraped`). Every call carries
+the simulated time in ms, so a router needs no clock of its own.
+
+`make_router` builds one from a name:
+
+- a registered `router.policies` name (``dynamo``, ``round_robin``, ``random``, ``least_loaded``, ...):
+  our `KvRouter` with that selection policy (`KvRouterFleet`);
+- ``sglang`` or ``llmd``: the peer emulations of `mocker.baselines`;
+- ``module:factory``: anything importable. The factory is called with ``(RouterConfig, random.Random)``
+  like a registry `PolicyFactory`; if it returns a `SelectionPolicy` (it has ``select``), it runs inside
+  `KvRouter` like the built-in policies; if it returns a `FleetRouter` (it has ``route``), it is used
+  as it is, so any other router can be measured in the same simulator.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import msgspec
+
+from indexer.errors import KvIndexError
+from indexer.events import RouterEvent
+from mocker.config import EngineConfig
+from mocker.engine import EngineMetrics
+from router.config import RouterConfig
+from router.kv_router import KvRouter
+from router.policies import policy_names, register_policy
+from router.types import KvRouterError, RouteRequest, WorkerConfig
+
+__all__ = [
+    "FleetRouter",
+    "KvRouterFleet",
+    "RouteResult",
+    "RoutedRequest",
+    "RouterRejected",
+    "make_router",
+    "router_names",
+]
+
+
+class RoutedRequest(NamedTuple):
+    request_id: str
+    tokens: bytes  # packed little-endian u32
+    input_length: int
+    output_length: int
+
+
+class RouteResult(NamedTuple):
+    worker_id: int
+    # What the router expects the worker to have cached of this prompt (its own prediction).
+    predicted_cached_tokens: int
+    # Whether the request waited in the router's queue before being routed.
+    queued: bool = False
+
+
+class RouterRejected(Exception):
+    """The router refused the request (queue full, every worker overloaded, no eligible worker)."""
+
+
+@runtime_checkable
+class FleetRouter(Protocol):
+    name: str
+    # When set, `scraped` receives every worker's engine metrics at this period.
+    scrape_interval_ms: float | None
+
+    def add_worker(self, worker_id: int, engine: EngineConfig) -> None: ...
+
+    async def route(self, request: RoutedRequest, now_ms: float) -> RouteResult: ...
+
+    def kv_event(self, event: RouterEvent, now_ms: float) -> None: ...
+
+    def first_token(self, request_id: str, now_ms: float) -> None: ...
+
+    def finished(self, request_id: str, now_ms: float) -> None: ...
+
+    def scraped(self, metrics: dict[int, EngineMetrics], now_ms: float) -> None: ...
+
+
+class KvRouterFleet:
+    """Our `KvRouter` (any registered selection policy) in the replay's `FleetRouter` shape."""
+
+    scrape_interval_ms: float | None = None
+
+    def __init__(self, config: RouterConfig, rng: random.Random, *, name: str | None = None) -> None:
+        self.name = name or config.policy
+        self._now_s = 0.0
+        self.router = KvRouter(config, rng=rng, clock=lambda: self._now_s)
+        self.rejected_events = 0
+
+    def add_worker(self, worker_id: int, engine: EngineConfig) -> None:
+        self.router.register_worker(
+            WorkerConfig(
+                worker_id=worker_id,
+                total_kv_blocks=engine.num_gpu_blocks,
+                max_num_batched_tokens=engine.max_num_batched_tokens,
+            )
+        )
+
+    async def route(self, request: RoutedRequest, now_ms: float) -> RouteResult:
+        self._now_s = now_ms / 1000.0
+        route_request = RouteRequest(
+            tokens=request.tokens, request_id=request.request_id, expected_output_tokens=request.output_length
+        )
+        try:
+            decision = await self.router.new(route_request)
+        except KvRouterError as exc:
+            raise RouterRejected(str(exc)) from exc
+        return RouteResult(decision.worker_id, decision.cached_tokens, decision.timing.queued_s > 0)
+
+    def kv_event(self, event: RouterEvent, now_ms: float) -> None:
+        self._now_s = now_ms / 1000.0
+        try:
+            self.router.apply_event(event)
+        except KvIndexError:
+            self.rejected_events += 1
+
+    def first_token(self, request_id: str, now_ms: float) -> None:
+        self._now_s = now_ms / 1000.0
+        self.router.mark_prefill(request_id)
+
+    def finished(self, request_id: str, now_ms: float) -> None:
+        self._now_s = now_ms / 1000.0
+        self.router.mark_free(request_id)
+
+    def scraped(self, metrics: dict[int, EngineMetrics], now_ms: float) -> None:
+        return None
+
+
+RouterFactory = Callable[[RouterConfig, random.Random], FleetRouter]
+
+
+def router_names() -> list[str]:
+    """Every router `make_router` knows by name: our policies, then the peer baselines."""
+    from mocker.baselines import BASELINES
+
+    return policy_names() + sorted(BASELINES)
+
+
+def make_router(spec: str, config: RouterConfig, rng: random.Random) -> FleetRouter:
+    """The router ``spec`` names, configured by ``config`` (block size, cost knobs) and seeded by ``rng``."""
+    from mocker.baselines import BASELINES
+
+    if spec in BASELINES:
+        return BASELINES[spec](config, rng)
+    if ":" not in spec:
+        if spec not in policy_names():
+            raise ValueError(f"unknown router {spec!r}; known: {', '.join(router_names())}, or module:factory")
+        return KvRouterFleet(msgspec.structs.replace(config, policy=spec), rng)
+    module_name, _, attribute = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import router factory {spec!r}: {exc}") from None
+    made = factory(config, rng)
+    if hasattr(made, "route"):
+        if not isinstance(made, FleetRouter):
+            raise ValueError(f"{spec} returned {type(made).__name__}, which lacks part of the FleetRouter interface")
+        return made
+    if not hasattr(made, "select"):
+        raise ValueError(f"{spec} returned {type(made).__name__}: neither a SelectionPolicy nor a FleetRouter")
+    if spec not in policy_names():
+        register_policy(spec, factory)
+    return KvRouterFleet(msgspec.structs.replace(config, policy=spec), rng, name=spec)

@@ -1,0 +1,315 @@
+"""Offline replay: a router and simulated engines in one process, in simulated time (ms).
+
+A discrete-event simulation. Its events are request arrivals (from the trace) and the ends of the
+workers' forward passes. A worker runs a pass with `MockEngine.step` as soon as it has work: the pass
+is decided (admissions, allocations) when it starts, and what it produced (first tokens, completions,
+KV events) is delivered when it ends: KV events to the router's index, optionally ``event_delay_ms``
+later to model the event plane's latency, first tokens and completions as ``mark_prefill`` /
+``mark_free``. The router therefore knows at each decision exactly what a real one would: the events
+published so far and its own bookings. At equal times pass ends come before arrivals, and every
+arrival at one instant is routed before any worker starts a pass, as in Dynamo's replay harness.
+
+The simulation is deterministic for a given trace, router and seed (routers draw only from the
+`random.Random` they are given; generated tokens are seeded per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import time
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from indexer.events import RouterEvent, cleared_event, removed_event, stored_event
+from mocker.block_pool import KvOp, Removed, Stored
+from mocker.config import EngineConfig
+from mocker.engine import CacheStats, MockEngine, PassResult, SeqState, Sequence
+from mocker.report import ReplayRecord
+from mocker.routers import FleetRouter, RoutedRequest, RouteResult, RouterRejected
+from mocker.trace import Trace, TraceRequest
+
+__all__ = ["SimulationResult", "simulate"]
+
+ProgressCallback = Callable[[int, int], None]
+
+_PASS_END = 0
+_QUIET_RUN_END = 1
+_DELAYED_EVENTS = 2
+
+
+class _QuietRun:
+    """Consecutive passes of one worker in which it only generates tokens (`MockEngine.quiet_passes`),
+    simulated as one event; cut short at the pass in progress when a request reaches the worker."""
+
+    __slots__ = ("ends",)
+
+    def __init__(self, ends: list[float]) -> None:
+        self.ends = ends
+
+
+@dataclass(slots=True)
+class SimulationResult:
+    router: str
+    workers: int
+    engine: EngineConfig
+    records: list[ReplayRecord]
+    engine_stats: list[CacheStats]
+    duration_ms: float
+    wall_s: float
+    rejected_events: int = 0
+
+
+class _Simulation:
+    def __init__(
+        self,
+        trace: Trace,
+        router: FleetRouter,
+        engine: EngineConfig,
+        workers: int,
+        *,
+        event_delay_ms: float,
+        seed: int,
+        progress: ProgressCallback | None,
+    ) -> None:
+        self.trace = trace
+        self.router = router
+        self.engine_config = engine
+        self.engines = [MockEngine(engine, seed=seed * 1_000_003 + w) for w in range(workers)]
+        for w in range(workers):
+            router.add_worker(w, engine)
+        self.event_delay_ms = event_delay_ms
+        self.progress = progress
+        self.records = [ReplayRecord(r.index, r.arrival_ms, r.input_length, r.output_length) for r in trace.requests]
+        self._sequences: list[tuple[ReplayRecord, Sequence]] = []
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._counter = 0
+        self._in_flight: list[PassResult | _QuietRun | None] = [None] * workers
+        self._live_entry = [0] * workers  # the counter of each worker's current heap entry
+        self._delayed: dict[int, list[RouterEvent]] = {}
+        self._event_ids = [0] * workers
+        self._pending: list[tuple[asyncio.Task[RouteResult], TraceRequest, bytes]] = []
+        self._routed = 0
+        self._next_scrape = 0.0
+        self.now = 0.0
+
+    async def run(self) -> SimulationResult:
+        started = time.perf_counter()
+        requests = self.trace.requests
+        total = len(requests)
+        heap = self._heap
+        i = 0
+        while i < total or heap or self._pending:
+            next_arrival = requests[i].arrival_ms if i < total else math.inf
+            if heap and heap[0][0] <= next_arrival:
+                at, counter, kind, key = heapq.heappop(heap)
+                self.now = at
+                if kind == _DELAYED_EVENTS:
+                    self._deliver(self._delayed.pop(key), at)
+                elif counter != self._live_entry[key]:
+                    continue  # a quiet run that was cut short
+                elif kind == _PASS_END:
+                    self._end_pass(key, at)
+                else:
+                    self._end_quiet_run(key, at)
+                if self._pending:
+                    await self._collect_queued(at)
+                continue
+            if next_arrival == math.inf:  # only queued requests left, and nothing will free them
+                break
+            self.now = next_arrival
+            self._scrape(next_arrival)
+            touched: set[int] = set()
+            while i < total and requests[i].arrival_ms == next_arrival:
+                await self._route(requests[i], next_arrival, touched)
+                i += 1
+            self._start_idle(touched, next_arrival)
+        for task, _, _ in self._pending:
+            task.cancel()
+        return self._result(time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ routing
+    async def _route(self, request: TraceRequest, now: float, touched: set[int]) -> None:
+        prompt = self.trace.prompt(request)
+        routed = RoutedRequest(request.request_id, prompt, request.input_length, request.output_length)
+        task = asyncio.ensure_future(self.router.route(routed, now))
+        await asyncio.sleep(0)  # the routing runs now; it stays pending only if the router queues it
+        if task.done():
+            self._dispatch(task, request, prompt, now, touched)
+        else:
+            self._pending.append((task, request, prompt))
+
+    async def _collect_queued(self, now: float) -> None:
+        await asyncio.sleep(0)
+        touched: set[int] = set()
+        still = []
+        for task, request, prompt in self._pending:
+            if task.done():
+                self._dispatch(task, request, prompt, now, touched)
+            else:
+                still.append((task, request, prompt))
+        self._pending = still
+        self._start_idle(touched, now)
+
+    def _dispatch(
+        self, task: asyncio.Task[RouteResult], request: TraceRequest, prompt: bytes, now: float, touched: set[int]
+    ) -> None:
+        record = self.records[request.index]
+        self._routed += 1
+        if self.progress is not None:
+            self.progress(self._routed, len(self.records))
+        try:
+            result = task.result()
+        except RouterRejected:
+            record.status = "rejected_by_router"
+            return
+        worker = result.worker_id
+        record.worker_id = worker
+        record.routed_ms = now
+        record.queued_in_router = result.queued
+        record.predicted_cached_tokens = min(result.predicted_cached_tokens, request.input_length)
+        seq = self.engines[worker].submit(request.request_id, prompt, request.output_length, now)
+        if seq.state is SeqState.REJECTED:
+            record.status = "rejected_by_engine"
+            self.router.finished(request.request_id, now)
+            return
+        self._sequences.append((record, seq))
+        in_flight = self._in_flight[worker]
+        if isinstance(in_flight, _QuietRun):
+            self._cut_quiet_run(worker, in_flight, now)
+        touched.add(worker)
+
+    def _scrape(self, now: float) -> None:
+        interval = self.router.scrape_interval_ms
+        if interval is None or now < self._next_scrape:
+            return
+        self.router.scraped({w: engine.metrics() for w, engine in enumerate(self.engines)}, now)
+        self._next_scrape = (now // interval + 1) * interval
+
+    # ------------------------------------------------------------------ passes
+    def _start_idle(self, workers: set[int], now: float) -> None:
+        for worker in sorted(workers):
+            if self._in_flight[worker] is None and self.engines[worker].has_work():
+                self._start_pass(worker, now)
+
+    def _start_pass(self, worker: int, now: float) -> None:
+        engine = self.engines[worker]
+        quiet = engine.quiet_passes(now)
+        if quiet:
+            self._in_flight[worker] = _QuietRun(quiet)
+            self._push(worker, quiet[-1], _QUIET_RUN_END)
+            return
+        result = engine.step(now)
+        if result.end_ms <= now:
+            raise RuntimeError(f"worker {worker} made no progress at {now} ms")
+        self._in_flight[worker] = result
+        self._push(worker, result.end_ms, _PASS_END)
+
+    def _push(self, worker: int, at: float, kind: int) -> None:
+        self._counter += 1
+        self._live_entry[worker] = self._counter
+        heapq.heappush(self._heap, (at, self._counter, kind, worker))
+
+    def _cut_quiet_run(self, worker: int, run: _QuietRun, now: float) -> None:
+        """A request reached the worker: its quiet run stops after the pass in progress at ``now``."""
+        last = bisect_right(run.ends, now)  # passes ending exactly now are over before it arrives
+        if last < len(run.ends) - 1:
+            del run.ends[last + 1 :]
+            self._push(worker, run.ends[-1], _QUIET_RUN_END)
+
+    def _end_quiet_run(self, worker: int, now: float) -> None:
+        run = self._in_flight[worker]
+        assert isinstance(run, _QuietRun)
+        self._in_flight[worker] = None
+        engine = self.engines[worker]
+        engine.skip_quiet(len(run.ends))
+        if engine.has_work():
+            self._start_pass(worker, now)
+
+    def _end_pass(self, worker: int, now: float) -> None:
+        result = self._in_flight[worker]
+        assert isinstance(result, PassResult)
+        self._in_flight[worker] = None
+        if result.ops:
+            events = self._router_events(worker, result.ops)
+            if self.event_delay_ms > 0:
+                self._counter += 1
+                self._delayed[self._counter] = events
+                heapq.heappush(self._heap, (now + self.event_delay_ms, self._counter, _DELAYED_EVENTS, self._counter))
+            else:
+                self._deliver(events, now)
+        router = self.router
+        for seq in result.first_tokens:
+            router.first_token(seq.request_id, now)
+        for seq in result.finished:
+            router.finished(seq.request_id, now)
+        if self.engines[worker].has_work():
+            self._start_pass(worker, now)
+
+    def _router_events(self, worker: int, ops: list[KvOp]) -> list[RouterEvent]:
+        events = []
+        event_id = self._event_ids[worker]
+        for op in ops:
+            event_id += 1
+            if isinstance(op, Stored):
+                event = stored_event(event_id, op.blocks, parent_hash=op.parent_hash)
+            elif isinstance(op, Removed):
+                event = removed_event(event_id, op.block_hashes)
+            else:
+                event = cleared_event(event_id)
+            events.append(RouterEvent(worker, event))
+        self._event_ids[worker] = event_id
+        return events
+
+    def _deliver(self, events: list[RouterEvent], now: float) -> None:
+        kv_event = self.router.kv_event
+        for event in events:
+            kv_event(event, now)
+
+    # ------------------------------------------------------------------ results
+    def _result(self, wall_s: float) -> SimulationResult:
+        for record, seq in self._sequences:
+            record.cached_tokens = max(seq.cached_tokens, 0)
+            record.cached_blocks = seq.cached_blocks
+            record.prompt_blocks = seq.prompt_blocks
+            record.queued_in_engine = seq.queued
+            record.first_token_ms = seq.first_token_ms
+            record.finished_ms = seq.finished_ms
+            record.preemptions = seq.preemptions
+            if seq.state is SeqState.FINISHED:
+                record.status = "completed"
+        duration = max((r.finished_ms for r in self.records), default=0.0)
+        rejected_events = getattr(self.router, "rejected_events", 0)
+        return SimulationResult(
+            router=self.router.name,
+            workers=len(self.engines),
+            engine=self.engine_config,
+            records=self.records,
+            engine_stats=[engine.stats for engine in self.engines],
+            duration_ms=duration,
+            wall_s=wall_s,
+            rejected_events=int(rejected_events),
+        )
+
+
+async def simulate(
+    trace: Trace,
+    router: FleetRouter,
+    engine: EngineConfig,
+    workers: int,
+    *,
+    event_delay_ms: float = 0.0,
+    seed: int = 0,
+    progress: ProgressCallback | None = None,
+) -> SimulationResult:
+    """Replay ``trace`` through ``router`` onto ``workers`` simulated engines; see the module doc."""
+    if workers < 1:
+        raise ValueError(f"need at least one worker, got {workers}")
+    if event_delay_ms < 0:
+        raise ValueError(f"event delay must be >= 0 ms, got {event_delay_ms}")
+    simulation = _Simulation(
+        trace, router, engine, workers, event_delay_ms=event_delay_ms, seed=seed, progress=progress
+    )
+    return await simulation.run()
