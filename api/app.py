@@ -8,6 +8,7 @@ answering ready, cancels requests still waiting in the queue and stops the sweep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -23,9 +24,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.config import Settings
 from api.errors import ApiError, InvalidRequest, NotFound, error_reply
+from api.event_plane import running_event_plane
 from api.fastpath import FastPath
 from api.handlers import Handlers
-from api.metrics import ApiMetrics, RouterStateCollector
+from api.metrics import ApiMetrics, EventPlaneCollector, RouterStateCollector
 from api.openapi import Schemas
 from api.routes import add_admin_routes, add_hot_routes
 from router.kv_router import KvRouter
@@ -59,7 +61,13 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with asyncio.TaskGroup() as tasks:
+        async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tasks:
+            if settings.event_plane.nats_url is not None:
+                plane = await stack.enter_async_context(running_event_plane(kv_router, settings.event_plane))
+                app.state.event_plane = plane
+                collector = EventPlaneCollector(plane)
+                registry.register(collector)
+                stack.callback(registry.unregister, collector)
             sweep = tasks.create_task(_sweep_stale_requests(kv_router), name="kv-router-expiry-sweep")
             app.state.serving = True
             try:
@@ -85,6 +93,7 @@ def create_app(
     app.state.settings = settings
     app.state.registry = registry
     app.state.serving = False
+    app.state.event_plane = None
     app.state.ready_min_workers = settings.service.ready_min_workers
 
     schemas = Schemas()

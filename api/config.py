@@ -24,6 +24,7 @@ __all__ = [
     "ENV_PREFIX",
     "SECTIONS",
     "ConfigError",
+    "EventPlaneConfig",
     "ServiceConfig",
     "Settings",
     "load_settings",
@@ -69,15 +70,49 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     ] = 30
 
 
+class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Where worker KV events, load, heartbeats and registrations come from (NATS)."""
+
+    nats_url: Annotated[
+        str | None,
+        _doc("NATS server of the workers' event plane; unset: kv-router serve starts an embedded one"),
+    ] = None
+    embedded_nats: Annotated[
+        bool, _doc("without --nats-url, start a private nats-server on loopback (off: HTTP events only)")
+    ] = True
+    embedded_nats_port: Annotated[
+        int, _doc("port of the embedded nats-server (a free one if taken)"), msgspec.Meta(ge=1, le=65535)
+    ] = 4222
+    nats_namespace: Annotated[str, _doc("deployment namespace: subjects kv.<namespace>.*")] = "default"
+    nats_user: Annotated[str | None, _doc("NATS user name")] = None
+    nats_password: Annotated[str | None, _doc("NATS password")] = None
+    nats_token: Annotated[str | None, _doc("NATS authentication token")] = None
+    nats_creds_file: Annotated[str | None, _doc("NATS credentials file (JWT + nkey)")] = None
+    nats_tls_ca_file: Annotated[str | None, _doc("CA bundle to verify the NATS server")] = None
+    nats_tls_cert_file: Annotated[str | None, _doc("client certificate for NATS TLS")] = None
+    nats_tls_key_file: Annotated[str | None, _doc("client key for NATS TLS")] = None
+    worker_lease_secs: Annotated[
+        float, _doc("a heartbeating worker silent this long is removed"), msgspec.Meta(gt=0)
+    ] = 10.0
+    resync_timeout_secs: Annotated[
+        float, _doc("how long to wait for a worker's answer to one resync request"), msgspec.Meta(gt=0)
+    ] = 2.0
+
+
 class Settings(msgspec.Struct, kw_only=True, frozen=True):
     """Everything `kv-router serve` needs, one struct per section."""
 
     service: ServiceConfig = msgspec.field(default_factory=ServiceConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    event_plane: EventPlaneConfig = msgspec.field(default_factory=EventPlaneConfig)
 
 
 # Section name in `Settings` -> its struct type. Field names must be unique across sections.
-SECTIONS: dict[str, type[msgspec.Struct]] = {"service": ServiceConfig, "router": RouterConfig}
+SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "service": ServiceConfig,
+    "router": RouterConfig,
+    "event_plane": EventPlaneConfig,
+}
 
 
 class ConfigError(ValueError):

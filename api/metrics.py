@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.event_plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import RouteDecision
 
@@ -154,4 +155,55 @@ class RouterStateCollector(Collector):
             GaugeMetricFamily(f"{PREFIX}_workers_registered", "Workers registered with the router."),
             GaugeMetricFamily(f"{PREFIX}_index_nodes", "Nodes of the KV index's radix tree."),
             GaugeMetricFamily(f"{PREFIX}_index_estimated_bytes", "Estimated memory held by the KV index."),
+        ]
+
+
+class EventPlaneCollector(Collector):
+    """The NATS event plane's counters and stream states, read when ``/metrics`` is scraped."""
+
+    def __init__(self, plane: RouterEventPlane) -> None:
+        self._plane = plane
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        plane = self._plane
+        events, control, trusted, held, resyncs, connected = families = self._families()
+        for outcome, count in sorted(plane.sequencer.outcomes.items()):
+            events.add_metric([outcome], count)
+        for outcome, count in sorted(plane.outcomes.items()):
+            control.add_metric([outcome], count)
+        for stream in plane.sequencer.status():
+            labels = [str(stream.worker_id), str(stream.dp_rank)]
+            trusted.add_metric(labels, 1.0 if stream.trusted else 0.0)
+            held.add_metric(labels, stream.held_events)
+        resyncs.add_metric([], plane.events.resyncs_in_flight)
+        connected.add_metric([], 1.0 if plane.nc.is_connected else 0.0)
+        yield from families
+
+    @staticmethod
+    def _families() -> list[CounterMetricFamily | GaugeMetricFamily]:
+        rank = ["worker_id", "dp_rank"]
+        return [
+            CounterMetricFamily(
+                f"{PREFIX}_nats_events",
+                "KV events from NATS by outcome: applied, duplicate, held, gap, resync_*, rejected_<reason>.",
+                labels=["outcome"],
+            ),
+            CounterMetricFamily(
+                f"{PREFIX}_nats_control_messages",
+                "Registry, heartbeat and load messages by outcome (registered, expired, rejected_<reason>, ...).",
+                labels=["outcome"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_stream_trusted",
+                "1 while a rank's event stream is known complete; 0 after a gap until its resync lands.",
+                labels=rank,
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_stream_held_events", "Live events held while a resync is in flight.", labels=rank
+            ),
+            GaugeMetricFamily(f"{PREFIX}_nats_resyncs_in_flight", "Resync requests awaiting a worker's answer."),
+            GaugeMetricFamily(f"{PREFIX}_nats_connected", "1 while connected to the NATS server."),
         ]

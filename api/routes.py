@@ -31,6 +31,8 @@ from api.wire import (
     WorkerStatus,
 )
 from indexer.events import RouterEvent
+from indexer.sequencer import StreamStatus
+from router.event_plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import OverlapReport, RouteDecision, UnknownWorker, WorkerConfig
 
@@ -111,9 +113,17 @@ def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
 def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegistry, schemas: Schemas) -> None:
     worker_body: BodyDecoder[WorkerConfig] = BodyDecoder(WorkerConfig)
 
-    def status_of(config: WorkerConfig) -> WorkerStatus:
+    def streams_by_worker(request: Request) -> dict[int, list[StreamStatus]]:
+        plane: RouterEventPlane | None = request.app.state.event_plane
+        by_worker: dict[int, list[StreamStatus]] = {}
+        for stream in plane.sequencer.status() if plane is not None else ():
+            by_worker.setdefault(stream.worker_id, []).append(stream)
+        return by_worker
+
+    def status_of(config: WorkerConfig, request: Request) -> WorkerStatus:
         ranks = [load for load in kv_router.rank_loads() if load.worker_id == config.worker_id]
-        return WorkerStatus(config=config, ranks=ranks)
+        streams = streams_by_worker(request).get(config.worker_id, [])
+        return WorkerStatus(config=config, ranks=ranks, event_streams=streams)
 
     def reply(value: Any, request: Request, status: int = 200) -> Response:
         msgpack = is_msgpack(request.headers.get("accept"))
@@ -130,7 +140,11 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
         by_worker: dict[int, list[Any]] = {}
         for load in loads:
             by_worker.setdefault(load.worker_id, []).append(load)
-        statuses = [WorkerStatus(config=c, ranks=by_worker.get(c.worker_id, [])) for c in kv_router.workers()]
+        streams = streams_by_worker(request)
+        statuses = [
+            WorkerStatus(config=c, ranks=by_worker.get(c.worker_id, []), event_streams=streams.get(c.worker_id, []))
+            for c in kv_router.workers()
+        ]
         return reply(WorkersReply(workers=statuses), request)
 
     @app.post(
@@ -144,9 +158,13 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
     async def register_worker(request: Request) -> Response:
         call = Call(await request.body(), msgpack=is_msgpack(request.headers.get("content-type")))
         config = worker_body.decode(call)
-        known = any(w.worker_id == config.worker_id for w in kv_router.workers())
-        kv_router.register_worker(config)
-        return reply(status_of(config), request, 200 if known else 201)
+        known = kv_router.has_worker(config.worker_id)
+        plane: RouterEventPlane | None = request.app.state.event_plane
+        if plane is not None:
+            await plane.register(config)  # into the shared registry, so every router learns it
+        else:
+            kv_router.register_worker(config)
+        return reply(status_of(config, request), request, 200 if known else 201)
 
     @app.delete(
         "/v1/workers/{worker_id}",
@@ -158,7 +176,11 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
         config = next((w for w in kv_router.workers() if w.worker_id == worker_id), None)
         if config is None:
             raise UnknownWorker(worker_id)
-        kv_router.remove_worker(worker_id)
+        plane: RouterEventPlane | None = request.app.state.event_plane
+        if plane is not None:
+            await plane.deregister(worker_id)
+        else:
+            kv_router.remove_worker(worker_id)
         return reply(WorkerStatus(config=config, ranks=[]), request)
 
     @app.get(
@@ -171,7 +193,7 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
         config = next((w for w in kv_router.workers() if w.worker_id == worker_id), None)
         if config is None:
             raise UnknownWorker(worker_id)
-        return reply(status_of(config), request)
+        return reply(status_of(config, request), request)
 
     @app.get(
         "/v1/dump",

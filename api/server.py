@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging.config
 
+import msgspec
 import uvicorn
 
 from api.app import create_app
 from api.config import Settings
+from api.event_plane import embedded_nats
 from api.logs import log_config
 
 __all__ = ["serve", "uvicorn_config"]
@@ -40,6 +42,14 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
 
 
 def serve(settings: Settings) -> None:
-    """Serve until SIGTERM / SIGINT; returns once the last in-flight request has been answered."""
+    """Serve until SIGTERM / SIGINT; returns once the last in-flight request has been answered.
+
+    Without ``nats_url`` (and unless ``embedded_nats`` is off) a private nats-server runs beside the
+    service for its whole life and stops after it.
+    """
     logging.config.dictConfig(log_config(settings.service.log_level, settings.service.log_format))
-    uvicorn.Server(uvicorn_config(settings)).run()
+    with embedded_nats(settings.event_plane) as nats_url:
+        if nats_url != settings.event_plane.nats_url:
+            event_plane = msgspec.structs.replace(settings.event_plane, nats_url=nats_url)
+            settings = msgspec.structs.replace(settings, event_plane=event_plane)
+        uvicorn.Server(uvicorn_config(settings)).run()

@@ -18,6 +18,7 @@ from typing import Annotated
 import msgspec
 
 from indexer.events import RouterEvent
+from indexer.sequencer import StreamStatus
 from router.types import (
     BlockMmInfos,
     PotentialLoad,
@@ -143,6 +144,9 @@ class MarkReply(msgspec.Struct, kw_only=True):
 class WorkerStatus(msgspec.Struct, kw_only=True):
     config: WorkerConfig
     ranks: list[RankLoad]
+    # Per dp rank, the state of its NATS event stream (empty without an event plane): the last
+    # applied event id, and whether it is trusted (no gap since the last sync).
+    event_streams: list[StreamStatus] = []
 
 
 class WorkersReply(msgspec.Struct, kw_only=True):

@@ -12,7 +12,8 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
+import threading
+from collections import deque
 from pathlib import Path
 from types import TracebackType
 
@@ -20,6 +21,17 @@ __all__ = ["EmbeddedNats", "find_nats_server", "free_port"]
 
 # Large enough for a worker's full index dump in one resync reply (see indexer.publisher).
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the parent dies, even by SIGKILL, so a
+    crashed router never leaves its private server behind."""
+    if sys.platform == "linux":
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def find_nats_server() -> str:
@@ -38,6 +50,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
+class _ServerLog:
+    """Drains the server's log (a full pipe would stall it), keeps the last lines for error
+    messages, and signals readiness or exit."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.ready = threading.Event()
+        self._lines: deque[str] = deque(maxlen=3)
+        self._process = process
+        self.thread = threading.Thread(target=self._drain, name="nats-server-log", daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        assert self._process.stderr is not None
+        with self._process.stderr as stream:
+            for raw in stream:
+                line = raw.decode(errors="replace").rstrip()
+                self._lines.append(line)
+                if "Server is ready" in line:
+                    self.ready.set()
+        self.ready.set()  # exited: wake the waiter, which then sees the exit
+
+    def tail(self) -> str:
+        return " | ".join(self._lines)
+
+
 class EmbeddedNats:
     """Start with ``start()`` or as a context manager; ``url`` is where clients connect."""
 
@@ -47,6 +84,7 @@ class EmbeddedNats:
         self._store_dir = store_dir
         self._owned_store: tempfile.TemporaryDirectory[str] | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._log: _ServerLog | None = None
 
     @property
     def url(self) -> str:
@@ -57,6 +95,8 @@ class EmbeddedNats:
         return None if self._process is None else self._process.pid
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
+        """Start the server and wait until it says it is ready (so a port held by another process is
+        an error here, not a silent connection to someone else's server)."""
         if self._store_dir is None:
             self._owned_store = tempfile.TemporaryDirectory(prefix="kv-router-nats-")
             self._store_dir = self._owned_store.name
@@ -70,19 +110,18 @@ class EmbeddedNats:
             "-sd", self._store_dir,
             "-c", str(config),
         ]  # fmt: skip
-        self._process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                error = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
-                raise RuntimeError(f"nats-server exited with {self._process.returncode}: {error.strip()}")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout} s")
+        self._process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+        )
+        self._log = _ServerLog(self._process)
+        if not self._log.ready.wait(timeout):
+            self.stop()
+            raise TimeoutError(f"nats-server did not become ready on {self.url} within {timeout} s")
+        if self._process.poll() is not None:
+            message = self._log.tail()
+            self.stop()
+            raise RuntimeError(f"nats-server could not start on {self.url}: {message}")
+        return self
 
     def stop(self) -> None:
         process, self._process = self._process, None
@@ -93,8 +132,9 @@ class EmbeddedNats:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if process is not None and process.stderr is not None:
-            process.stderr.close()
+        if self._log is not None:
+            self._log.thread.join(timeout=5)
+            self._log = None
         if self._owned_store is not None:
             self._owned_store.cleanup()
             self._owned_store = None

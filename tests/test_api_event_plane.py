@@ -1,0 +1,212 @@
+"""The HTTP service with its NATS event plane: workers publish, the service routes by what they hold."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from api.app import create_app
+from api.config import EventPlaneConfig, ServiceConfig, Settings
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from indexer.nats_connection import NatsOptions, connect
+from indexer.nats_server import EmbeddedNats, free_port
+from indexer.protocol import WorkerRegistration
+from indexer.publisher import KvEventPublisher, open_registry
+from indexer.subjects import Subjects
+from router.config import RouterConfig
+
+T = TypeVar("T")
+BLOCK = 16
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def blocks_of(tokens: list[int]) -> list[tuple[int, int]]:
+    local = compute_block_hashes(tokens, BLOCK)
+    return list(zip(compute_sequence_hashes(local), local, strict=True))
+
+
+class Workers:
+    """Worker publishers living on their own event loop in a thread, as engine processes would,
+    so they answer the service's resync requests while the test talks HTTP."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.publishers: list[KvEventPublisher] = []
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
+
+    def start(self, worker_id: int, tokens: list[int], **registration: Any) -> None:
+        async def run() -> None:
+            nc = await connect(NatsOptions(self.url))
+            publisher = KvEventPublisher(nc, WorkerRegistration(worker_id=worker_id, block_size=BLOCK, **registration))
+            await publisher.start()
+            await publisher.stored(blocks_of(tokens))
+            self.publishers.append(publisher)
+
+        self.call(run())
+
+    def close(self) -> None:
+        async def run() -> None:
+            for publisher in self.publishers:
+                await publisher.stop()
+                await publisher.nc.close()
+
+        self.call(run())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def workers(nats_url: str) -> Iterator[Workers]:
+    pool = Workers(nats_url)
+    yield pool
+    pool.close()
+
+
+def registry_keys(url: str) -> set[str]:
+    async def run() -> set[str]:
+        nc = await connect(NatsOptions(url))
+        try:
+            registry = await open_registry(nc, Subjects())
+            try:
+                return set(await registry.keys())
+            except Exception:  # nats-py raises NoKeysError for an empty bucket
+                return set()
+        finally:
+            await nc.close()
+
+    return asyncio.run(run())
+
+
+def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def nats_url() -> Iterator[str]:
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@pytest.fixture
+def client(nats_url: str) -> Iterator[TestClient]:
+    settings = Settings(
+        service=ServiceConfig(),
+        router=RouterConfig(block_size=BLOCK),
+        event_plane=EventPlaneConfig(nats_url=nats_url, worker_lease_secs=30),
+    )
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as test_client:
+        yield test_client
+
+
+def test_published_prefix_routes_the_request_over_http(client: TestClient, workers: Workers) -> None:
+    rng = random.Random(3)
+    prompt = [rng.randrange(50_000) for _ in range(10 * BLOCK)]
+    workers.start(2**64 - 9, prompt[: 7 * BLOCK])
+    workers.start(12, [rng.randrange(50_000) for _ in range(4 * BLOCK)])
+
+    def streams_trusted() -> bool:
+        workers = client.get("/v1/workers").json()["workers"]
+        return len(workers) == 2 and all(s["trusted"] for w in workers for s in w["event_streams"])
+
+    until(streams_trusted)
+    reply = client.post("/v1/new", json={"tokens": prompt, "request_id": "r-1"})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert (body["worker_id"], body["overlap_blocks"], body["cached_tokens"]) == (2**64 - 9, 7, 7 * BLOCK)
+    worker = client.get(f"/v1/workers/{2**64 - 9}").json()
+    assert worker["event_streams"] == [
+        {"worker_id": 2**64 - 9, "dp_rank": 0, "last_event_id": 1, "trusted": True, "resyncing": False,
+         "held_events": 0}
+    ]  # fmt: skip
+    metrics = client.get("/metrics").text
+    assert f'kv_router_worker_stream_trusted{{dp_rank="0",worker_id="{2**64 - 9}"}} 1.0' in metrics
+    assert 'kv_router_nats_control_messages_total{outcome="registered"}' in metrics
+    assert "kv_router_nats_connected 1.0" in metrics
+
+
+def test_http_registration_goes_through_the_shared_registry(client: TestClient, nats_url: str) -> None:
+    assert client.post("/v1/workers", json={"worker_id": 77, "total_kv_blocks": 100}).status_code == 201
+    assert registry_keys(nats_url) == {"77"}
+    assert [w["config"]["worker_id"] for w in client.get("/v1/workers").json()["workers"]] == [77]
+    assert client.delete("/v1/workers/77").status_code == 200
+    assert registry_keys(nats_url) == set()
+    assert client.get("/v1/workers").json()["workers"] == []
+
+
+def test_garbage_events_are_counted_not_fatal(client: TestClient, nats_url: str) -> None:
+    async def garbage() -> None:
+        nc = await connect(NatsOptions(nats_url))
+        await nc.publish("kv.default.events.5", b"\x00\x01 not an event")
+        await nc.flush()
+        await nc.close()
+
+    asyncio.run(garbage())
+    until(lambda: 'kv_router_nats_events_total{outcome="rejected_undecodable"} 1.0' in client.get("/metrics").text)
+    assert client.get("/healthz").status_code == 200
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_serve_without_a_nats_url_brings_its_own_server() -> None:
+    http_port, nats_port = free_port(), free_port()
+    command = [sys.executable, "-m", "api.cli", "serve", "--port", str(http_port),
+               "--embedded-nats-port", str(nats_port), "--block-size", str(BLOCK)]  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        until(lambda: _port_open(http_port) and _port_open(nats_port), timeout=30)
+        rng = random.Random(5)
+        prompt = [rng.randrange(50_000) for _ in range(4 * BLOCK)]
+        pool = Workers(f"nats://127.0.0.1:{nats_port}")
+        pool.start(31, prompt)
+
+        def routed() -> bool:
+            request = json.dumps({"tokens": prompt}).encode()
+            reply = _http(http_port, "/v1/new", request)
+            return reply.get("overlap_blocks") == 4
+
+        until(routed, timeout=20)
+        assert _http(http_port, "/v1/new", json.dumps({"tokens": prompt}).encode())["worker_id"] == 31
+        pool.close()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    assert f"nats://127.0.0.1:{nats_port}".encode() in stderr  # the URL workers should use is printed
+    assert not _port_open(nats_port)  # and the private server is gone with the service
+
+
+def _http(port: int, path: str, body: bytes) -> dict[str, Any]:
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", body, {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return dict(msgspec.json.decode(reply.read()))
+    except urllib.error.HTTPError as error:
+        return dict(msgspec.json.decode(error.read()))
