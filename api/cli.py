@@ -20,6 +20,9 @@ from typing import Any
 import msgspec
 
 from api.config import ENV_PREFIX, SECTIONS, ConfigError, load_settings
+from mocker.cli import COMMANDS as MOCKER_COMMANDS
+from mocker.cli import add_commands as add_mocker_commands
+from mocker.cli import run_command as run_mocker_command
 
 __all__ = ["build_parser", "main", "package_version"]
 
@@ -122,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = serve.add_argument_group(f"{section} settings")
         for field in info.fields:
             _add_field_flag(group, section, field)
+    add_mocker_commands(commands)  # replay, mock-worker, demo
     return parser
 
 
@@ -129,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    if command in MOCKER_COMMANDS:
+        return run_mocker_command(command, args)
     if command == "serve":
         config_file = args.pop("config") or _env_config_file()
         try:

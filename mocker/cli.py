@@ -1,0 +1,327 @@
+"""The ``kv-router replay``, ``kv-router mock-worker`` and ``kv-router demo`` commands.
+
+`add_commands` adds them to the ``kv-router`` parser (`api.cli`) and `run_command` runs one; ``python
+-m mocker.cli`` offers the same three commands on their own. What a command needs is imported when it
+runs, so that ``kv-router --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from mocker.config import EngineConfig, TimingConfig
+from mocker.trace import TraceError, TraceOptions, load_trace
+from router.config import ConfigError, RouterConfig
+
+__all__ = ["COMMANDS", "add_commands", "main", "run_command"]
+
+COMMANDS = ("replay", "mock-worker", "demo")
+
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+def add_commands(commands: Any) -> None:
+    """Add the three commands to an ``add_subparsers()`` result."""
+    _add_replay(commands.add_parser("replay", help="replay a Mooncake trace through routers and simulated engines"))
+    _add_mock_worker(
+        commands.add_parser("mock-worker", help="run one simulated engine worker on NATS", description=_WORKER_HELP)
+    )
+    _add_demo(commands.add_parser("demo", help="NATS, the router and mock workers at work, in one command"))
+
+
+def run_command(command: str, args: dict[str, Any]) -> int:
+    """Run ``command`` with the parsed arguments of `add_commands`' parsers."""
+    namespace = argparse.Namespace(**args)
+    if command == "replay":
+        return _run_replay(namespace)
+    if command == "mock-worker":
+        return _run_mock_worker(namespace)
+    if command == "demo":
+        return _run_demo(namespace)
+    raise ValueError(f"not a mocker command: {command}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mocker.cli", description="Mock workers and trace replay.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_commands(commands)
+    args = vars(parser.parse_args(argv))
+    return run_command(args.pop("command"), args)
+
+
+# ---------------------------------------------------------------------- shared flags
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("simulated engine (defaults: Dynamo's mocker)")
+    d = _ENGINE_DEFAULTS
+    group.add_argument(
+        "--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help="KV blocks per worker [%(default)s]"
+    )
+    group.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block [%(default)s]")
+    group.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running sequences [%(default)s]")
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="tokens per pass [%(default)s]"
+    )
+    group.add_argument(
+        "--engine-speedup", type=float, default=d.speedup_ratio, help="passes run this much faster [%(default)s]"
+    )
+    group.add_argument(
+        "--prefill-form",
+        choices=["attention", "dynamo"],
+        default=d.timing.prefill_form,
+        help="prefill timing: ours (attends cached context) or Dynamo 1.6.1's [%(default)s]",
+    )
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return EngineConfig(
+            num_gpu_blocks=args.num_gpu_blocks,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            speedup_ratio=args.engine_speedup,
+            timing=TimingConfig(prefill_form=args.prefill_form),
+        )
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise SystemExit(f"invalid engine setting: {exc}") from None
+
+
+def _router_config(options: list[str], engine: EngineConfig) -> RouterConfig:
+    """``KEY=VALUE`` router settings (values parsed as JSON when they are JSON) over the defaults; the
+    block size follows the engines' unless set."""
+    fields: dict[str, Any] = {"block_size": engine.block_size}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise SystemExit(f"--router-option takes KEY=VALUE, got {option!r}")
+        try:
+            fields[key.strip().replace("-", "_")] = msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            fields[key.strip().replace("-", "_")] = value
+    try:
+        return msgspec.convert(fields, RouterConfig, strict=False)
+    except (msgspec.ValidationError, ConfigError) as exc:
+        raise SystemExit(f"invalid router setting: {exc}") from None
+
+
+# ---------------------------------------------------------------------- replay
+def _add_replay(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids). Offline "
+        "(default): every router drives its own simulated fleet in simulated time. Online (--online): the trace "
+        "goes to a running kv-router over HTTP and to kv-router mock-worker processes over NATS, in real time."
+    )
+    parser.add_argument("trace", type=Path, help="Mooncake JSONL trace")
+    parser.add_argument(
+        "--routers",
+        default="all",
+        help="comma-separated routers: our registered policies (dynamo, round_robin, random, least_loaded, ...), "
+        "the peer emulations sglang and llmd, or module:factory [all: every registered policy, sglang and llmd]",
+    )
+    parser.add_argument("--workers", type=int, default=8, help="simulated workers (online: workers to wait for)")
+    trace = parser.add_argument_group("trace")
+    trace.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this [%(default)s]")
+    trace.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    trace.add_argument("--max-input-length", type=int, default=None, help="longest prompt replayed")
+    trace.add_argument(
+        "--length-policy", choices=["clip", "drop"], default="clip", help="longer prompts: clip or drop [%(default)s]"
+    )
+    trace.add_argument(
+        "--jitter-ms", type=float, default=0.0, help="spread arrivals uniformly over this many ms [%(default)s]"
+    )
+    trace.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id [%(default)s]")
+    trace.add_argument("--seed", type=int, default=0, help="seeds jitter, routers and generated tokens [%(default)s]")
+    _add_engine_flags(parser)
+    sim = parser.add_argument_group("offline simulation and routers")
+    sim.add_argument(
+        "--event-delay-ms", type=float, default=0.0, help="KV events reach the router this late [%(default)s]"
+    )
+    sim.add_argument(
+        "--router-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a RouterConfig setting for our policies, e.g. prefill_load_scale=2 (repeatable)",
+    )
+    online = parser.add_argument_group("online replay")
+    online.add_argument("--online", action="store_true", help="replay against a running router and mock workers")
+    online.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL [%(default)s]")
+    online.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="where the mock workers are [%(default)s]")
+    online.add_argument("--namespace", default="default", help="NATS namespace of the workers [%(default)s]")
+    online.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="run this many times faster than the trace and scale times back; start the workers with "
+        "--engine-speedup equal to it [%(default)s]",
+    )
+    online.add_argument("--label", default="online", help="the router's name in the report [%(default)s]")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", type=Path, default=Path("replay-report"), help="report directory [%(default)s]")
+    output.add_argument("--window-s", type=float, default=60.0, help="window of the per-window figures [%(default)s]")
+    output.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    output.add_argument("--per-request", action="store_true", help="also write one JSONL record per request")
+    output.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from mocker.replay import ReplaySetup, replay_offline, replay_online_report, write_outputs
+    from mocker.report import render_table
+
+    engine = _engine_config(args)
+    try:
+        options = TraceOptions(
+            speedup=args.speedup,
+            limit=args.limit,
+            max_input_length=args.max_input_length,
+            length_policy=args.length_policy,
+            jitter_ms=args.jitter_ms,
+            seed=args.seed,
+            trace_block_size=args.trace_block_size,
+        )
+        trace = load_trace(args.trace, options)
+    except (OSError, TraceError, ValueError) as exc:
+        print(f"kv-router replay: {exc}", file=sys.stderr)
+        return 2
+    routers = tuple(name for name in args.routers.split(",") if name and name != "all")
+    setup = ReplaySetup(
+        engine=engine,
+        workers=args.workers,
+        routers=routers,
+        router_config=_router_config(args.router_option, engine),
+        event_delay_ms=args.event_delay_ms,
+        seed=args.seed,
+        window_s=args.window_s,
+    )
+    settings = setup.describe(trace)
+    print(
+        f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s"
+        + (f" ({trace.clipped} clipped, {trace.dropped} dropped)" if trace.clipped or trace.dropped else ""),
+        file=sys.stderr,
+    )
+    try:
+        if args.online:
+            settings.update(mode="online", url=args.url, time_scale=args.time_scale)
+            run = asyncio.run(
+                replay_online_report(
+                    trace,
+                    label=args.label,
+                    router_url=args.url,
+                    nats_url=args.nats_url,
+                    namespace=args.namespace,
+                    workers=args.workers,
+                    time_scale=args.time_scale,
+                    window_s=args.window_s,
+                    show_progress=not args.quiet,
+                )
+            )
+            runs = [run]
+        else:
+            settings["mode"] = "offline"
+            runs = asyncio.run(replay_offline(trace, setup, show_progress=not args.quiet))
+    except ValueError as exc:
+        print(f"kv-router replay: {exc}", file=sys.stderr)
+        return 2
+    print(render_table([run.report for run in runs]))
+    paths, note = write_outputs(runs, settings, args.out, plots=not args.no_plots, per_request=args.per_request)
+    if note:
+        print(note, file=sys.stderr)
+    print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------- mock-worker
+_WORKER_HELP = (
+    "Run one simulated vLLM-like engine: it registers with the routers on NATS, heartbeats, publishes its KV "
+    "events and load, and serves the requests an online replay sends it, in real time divided by --engine-speedup."
+)
+
+
+def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server [%(default)s]")
+    parser.add_argument("--namespace", default="default", help="deployment namespace [%(default)s]")
+    parser.add_argument("--worker-id", type=int, default=None, help="worker id [random]")
+    parser.add_argument("--seed", type=int, default=0, help="seeds generated tokens [%(default)s]")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_engine_flags(parser)
+
+
+def _run_mock_worker(args: argparse.Namespace) -> int:
+    import asyncio
+    import contextlib
+    import logging
+    import secrets
+    import signal
+
+    from indexer.nats_connection import NatsOptions, connect
+    from mocker.worker import MockWorker
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = _engine_config(args)
+    worker_id = args.worker_id if args.worker_id is not None else secrets.randbelow(1 << 53)
+
+    async def serve() -> None:
+        nc = await connect(NatsOptions(args.nats_url, name=f"mock-worker-{worker_id}"))
+        worker = MockWorker(
+            nc,
+            worker_id,
+            engine,
+            namespace=args.namespace,
+            seed=args.seed,
+            heartbeat_interval_s=args.heartbeat_interval,
+        )
+        task = asyncio.create_task(worker.run())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        print(f"mock worker {worker_id} on {args.nats_url} (namespace {args.namespace})", flush=True)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await nc.close()
+
+    asyncio.run(serve())
+    return 0
+
+
+# ---------------------------------------------------------------------- demo
+def _add_demo(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Start an embedded NATS, the router and mock workers in this process, replay a generated shared-prefix "
+        "workload through them over HTTP, then simulate the same workload with every router; print both tables."
+    )
+    parser.add_argument("--workers", type=int, default=4, help="mock workers [%(default)s]")
+    parser.add_argument("--requests", type=int, default=300, help="requests in the workload [%(default)s]")
+    parser.add_argument("--speedup", type=float, default=10.0, help="run this much faster than real [%(default)s]")
+    parser.add_argument("--num-gpu-blocks", type=int, default=1024, help="KV blocks per worker [%(default)s]")
+    parser.add_argument("--seed", type=int, default=0, help="[%(default)s]")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from mocker.demo import DemoOptions, run_demo
+
+    options = DemoOptions(
+        workers=args.workers,
+        requests=args.requests,
+        speedup=args.speedup,
+        num_gpu_blocks=args.num_gpu_blocks,
+        seed=args.seed,
+        show_progress=not args.quiet,
+    )
+    asyncio.run(run_demo(options))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""``kv-router demo``: the router at work, in one command and one process.
+
+It starts an embedded nats-server, the router service (HTTP + event plane, `dynamo` policy), and
+``workers`` mock workers on NATS, then replays a generated shared-prefix workload online: requests go
+through ``/v1/new``, the workers publish real KV events, the router learns where prefixes live. Then
+the same workload is simulated offline with every router for comparison, and both tables are printed.
+
+The online part runs ``speedup`` times faster than real time (arrivals and engines alike) and its
+times are scaled back, so both tables are in the same units. The workers get a small KV pool
+(``num_gpu_blocks``), so that where a prefix is cached matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import msgspec
+
+from indexer.nats_connection import NatsOptions, connect
+from indexer.nats_server import EmbeddedNats
+from mocker.config import EngineConfig
+from mocker.replay import ReplayRun, ReplaySetup, replay_offline, replay_online_report
+from mocker.report import render_table
+from mocker.service import serve_router
+from mocker.trace import Row, TraceOptions, build_trace
+from mocker.worker import MockWorker
+from mocker.workload import shared_prefix_rows
+from router.config import RouterConfig
+
+__all__ = ["DemoOptions", "run_demo"]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    workers: int = 4
+    requests: int = 300
+    speedup: float = 10.0
+    num_gpu_blocks: int = 1024
+    seed: int = 0
+    show_progress: bool = True
+
+
+async def run_demo(options: DemoOptions) -> tuple[ReplayRun, list[ReplayRun]]:
+    """Run the demo; returns the online run and the offline comparison (and prints both tables)."""
+    rows = shared_prefix_rows(requests=options.requests, seed=options.seed)
+    engine = EngineConfig(num_gpu_blocks=options.num_gpu_blocks)
+    print(
+        f"workload: {options.requests} requests, 24 shared 4k-token prefixes (popularity 1/rank), "
+        f"{options.workers} workers of {engine.num_gpu_blocks} x {engine.block_size}-token KV blocks"
+    )
+    online = await _online(rows, engine, options)
+    print("\nonline: NATS + router service (dynamo policy) + mock workers, over HTTP")
+    print(render_table([online.report]))
+    trace = build_trace(rows, TraceOptions(seed=options.seed), "<generated shared-prefix workload>")
+    setup = ReplaySetup(engine=engine, workers=options.workers, seed=options.seed)
+    offline = await replay_offline(trace, setup, show_progress=options.show_progress)
+    print("\noffline: the same workload simulated with every router")
+    print(render_table([run.report for run in offline]))
+    return online, offline
+
+
+async def _online(rows: list[Row], engine: EngineConfig, options: DemoOptions) -> ReplayRun:
+    trace = build_trace(rows, TraceOptions(seed=options.seed), "<generated shared-prefix workload>")
+    fast_engine = msgspec.structs.replace(engine, speedup_ratio=options.speedup)
+    rng = random.Random(options.seed)
+    with EmbeddedNats() as nats:
+        async with serve_router(nats.url, RouterConfig(block_size=engine.block_size)) as url:
+            print(f"router at {url}, NATS at {nats.url}")
+            connections = [
+                await connect(NatsOptions(nats.url, name=f"mock-worker-{i}")) for i in range(options.workers)
+            ]
+            workers = [
+                MockWorker(nc, rng.randrange(1, 1 << 53), fast_engine, seed=options.seed + i)
+                for i, nc in enumerate(connections)
+            ]
+            tasks = [asyncio.create_task(worker.run()) for worker in workers]
+            try:
+                return await replay_online_report(
+                    trace,
+                    label="dynamo (online)",
+                    router_url=url,
+                    nats_url=nats.url,
+                    workers=options.workers,
+                    time_scale=options.speedup,
+                    show_progress=options.show_progress,
+                )
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for nc in connections:
+                    await nc.close()

@@ -1,0 +1,43 @@
+"""How an online replay talks to mock workers over NATS (ours; engines proper are reached otherwise).
+
+The replayer, acting as the gateway, sends each routed request to the worker the router chose on
+``mocker.{ns}.generate.{worker_id}`` as a msgpack `GenerateRequest` naming a ``reply`` subject. The
+worker answers on it with `GenerateUpdate`s: ``first_token`` when the first token is out, then ``done``
+with the engine's own cache accounting (or ``rejected`` if the prompt can never fit its pool).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from indexer.subjects import Subjects
+
+__all__ = ["GenerateRequest", "GenerateUpdate", "generate_subject", "reply_prefix"]
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
+    request_id: str
+    tokens: bytes  # packed little-endian u32
+    max_tokens: int
+    reply: str
+
+
+class GenerateUpdate(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    request_id: str
+    kind: Literal["first_token", "done", "rejected"]
+    cached_tokens: int = 0
+    cached_blocks: int = 0
+    prompt_blocks: int = 0
+    queued: bool = False
+    preemptions: int = 0
+
+
+def generate_subject(namespace: str, worker_id: int) -> str:
+    Subjects(namespace)  # validates the namespace
+    return f"mocker.{namespace}.generate.{worker_id}"
+
+
+def reply_prefix(namespace: str, client_id: str) -> str:
+    return f"mocker.{namespace}.replies.{client_id}"

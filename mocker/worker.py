@@ -1,0 +1,166 @@
+"""`MockWorker`: one `MockEngine` serving requests over NATS in real time, like an engine would.
+
+It registers in the router's worker registry, heartbeats and answers resyncs through the worker-side
+`KvEventPublisher`; publishes the engine's KV events after every pass (one NATS message per pass) and
+its load (``ActiveLoad``) every ``load_interval_s``; and takes requests on its generate subject
+(`mocker.protocol`). Between passes it sleeps for the pass's simulated duration, so the engine's
+``speedup_ratio`` is how much faster than real time it runs.
+
+``kv-router mock-worker`` runs one in its own process (`mocker.cli`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from indexer.protocol import ActiveLoad, WorkerRegistration
+from indexer.publisher import KvEventPublisher
+from mocker.block_pool import Removed, Stored
+from mocker.config import EngineConfig
+from mocker.engine import MockEngine, PassResult, SeqState, Sequence
+from mocker.protocol import GenerateRequest, GenerateUpdate, generate_subject
+
+__all__ = ["MockWorker"]
+
+log = logging.getLogger(__name__)
+
+# How far behind the wall clock a busy engine's timeline may run before it stops catching up.
+_MAX_CATCH_UP_MS = 50.0
+
+_decode_request = msgspec.msgpack.Decoder(GenerateRequest).decode
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class MockWorker:
+    def __init__(
+        self,
+        nc: Client,
+        worker_id: int,
+        engine: EngineConfig,
+        *,
+        namespace: str = "default",
+        seed: int = 0,
+        heartbeat_interval_s: float = 1.0,
+        load_interval_s: float = 0.1,
+    ) -> None:
+        self.nc = nc
+        self.worker_id = worker_id
+        self.namespace = namespace
+        self.engine = MockEngine(engine, seed=seed)
+        registration = WorkerRegistration(
+            worker_id=worker_id,
+            block_size=engine.block_size,
+            total_kv_blocks=engine.num_gpu_blocks,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+        )
+        self.publisher = KvEventPublisher(
+            nc, registration, namespace=namespace, heartbeat_interval=heartbeat_interval_s
+        )
+        self._load_interval_s = load_interval_s
+        self._replies: dict[str, str] = {}
+        self._work = asyncio.Event()
+        self._subscription: Subscription | None = None
+        self._started = time.monotonic()
+        self._last_load = -1.0
+
+    def _now_ms(self) -> float:
+        return (time.monotonic() - self._started) * 1000.0
+
+    async def run(self) -> None:
+        """Serve until cancelled; deregisters on the way out so routers drop this worker at once."""
+        await self.publisher.start()
+        self._subscription = await self.nc.subscribe(
+            generate_subject(self.namespace, self.worker_id), cb=self._on_request
+        )
+        log.info("mock worker %d serving on %s", self.worker_id, self._subscription.subject)
+        try:
+            await self._serve()
+        finally:
+            await self._subscription.unsubscribe()
+            await self.publisher.stop(deregister=True)
+
+    async def _serve(self) -> None:
+        engine = self.engine
+        busy_until = 0.0
+        while True:
+            if not engine.has_work():
+                self._work.clear()
+                await self._work.wait()
+                busy_until = 0.0
+            # While busy, a pass starts when the previous one ended on the engine's own timeline, even
+            # if this loop woke up late, so publishing and scheduling overheads do not pile up into
+            # drift; but never before a request it may admit arrived.
+            newest = max((seq.arrival_ms for seq in engine.waiting), default=0.0)
+            result = engine.step(max(busy_until, newest, self._now_ms() - _MAX_CATCH_UP_MS))
+            busy_until = result.end_ms
+            remaining_s = (result.end_ms - self._now_ms()) / 1000.0
+            if remaining_s > 0:
+                await asyncio.sleep(remaining_s)
+            await self._publish(result)
+            if not engine.has_work():
+                await self._publish_load(force=True)  # the router sees it idle at once
+
+    async def _on_request(self, message: Msg) -> None:
+        try:
+            request = _decode_request(message.data)
+        except msgspec.DecodeError as exc:
+            log.warning("undecodable generate request on %s: %s", message.subject, exc)
+            return
+        seq = self.engine.submit(request.request_id, request.tokens, request.max_tokens, self._now_ms())
+        if seq.state is SeqState.REJECTED:
+            await self._reply(request.reply, seq, "rejected")
+            return
+        self._replies[request.request_id] = request.reply
+        self._work.set()
+
+    async def _publish(self, result: PassResult) -> None:
+        if result.ops:
+            publisher = self.publisher
+            async with publisher.batch():
+                for op in result.ops:
+                    if isinstance(op, Stored):
+                        await publisher.stored(op.blocks, parent_hash=op.parent_hash)
+                    elif isinstance(op, Removed):
+                        await publisher.removed(op.block_hashes)
+                    else:
+                        await publisher.cleared()
+        for seq in result.first_tokens:
+            await self._reply(self._replies.get(seq.request_id), seq, "first_token")
+        for seq in result.finished:
+            await self._reply(self._replies.pop(seq.request_id, None), seq, "done")
+        await self._publish_load()
+
+    async def _reply(self, subject: str | None, seq: Sequence, kind: str) -> None:
+        if subject is None:
+            return
+        update = GenerateUpdate(
+            request_id=seq.request_id,
+            kind=kind,  # type: ignore[arg-type]
+            cached_tokens=max(seq.cached_tokens, 0),
+            cached_blocks=seq.cached_blocks,
+            prompt_blocks=seq.prompt_blocks,
+            queued=seq.queued,
+            preemptions=seq.preemptions,
+        )
+        await self.nc.publish(subject, _encode(update))
+
+    async def _publish_load(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_load < self._load_interval_s:
+            return
+        self._last_load = now
+        metrics = self.engine.metrics()
+        await self.publisher.publish_load(
+            ActiveLoad(
+                worker_id=self.worker_id,
+                kv_used_blocks=metrics.active_blocks,
+                active_prefill_tokens=metrics.prefill_tokens_pending,
+            )
+        )

@@ -1,0 +1,102 @@
+"""Online replay with a real nats-server, the router service and `kv-router mock-worker` processes:
+its engine-side hit rate matches the offline simulation of the same trace."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import msgspec
+import pytest
+
+from indexer.nats_server import EmbeddedNats
+from mocker.config import EngineConfig
+from mocker.online import wait_for_workers
+from mocker.replay import ReplaySetup, replay_offline, replay_online_report
+from mocker.service import serve_router
+from mocker.trace import TraceOptions, build_trace
+from mocker.workload import shared_prefix_rows
+from router.config import RouterConfig
+
+pytestmark = pytest.mark.anyio
+
+WORKERS = 2
+TIME_SCALE = 8.0
+ENGINE = EngineConfig(num_gpu_blocks=512)
+
+
+@pytest.fixture
+def nats_server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+async def router_url(nats_server: EmbeddedNats) -> AsyncIterator[str]:
+    async with serve_router(nats_server.url, RouterConfig(block_size=ENGINE.block_size)) as url:
+        yield url
+
+
+def start_worker(nats_url: str, worker_id: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "api.cli", "mock-worker",  # `kv-router mock-worker`
+        "--nats-url", nats_url,
+        "--worker-id", str(worker_id),
+        "--num-gpu-blocks", str(ENGINE.num_gpu_blocks),
+        "--engine-speedup", str(TIME_SCALE),
+        "--heartbeat-interval", "0.5",
+        "--log-level", "warning",
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+
+
+async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predicts(
+    nats_server: EmbeddedNats, router_url: str
+) -> None:
+    rows = shared_prefix_rows(requests=120, groups=12, rate_per_s=8.0, seed=3)
+    trace = build_trace(rows, TraceOptions(seed=3), "generated")
+    workers = [start_worker(nats_server.url, 100 + i) for i in range(WORKERS)]
+    try:
+        online = await replay_online_report(
+            trace,
+            label="online",
+            router_url=router_url,
+            nats_url=nats_server.url,
+            workers=WORKERS,
+            time_scale=TIME_SCALE,
+            show_progress=False,
+        )
+    finally:
+        for process in workers:
+            process.terminate()
+        for process in workers:
+            assert process.wait(timeout=10) == 0
+    (offline,) = await replay_offline(
+        trace, ReplaySetup(engine=ENGINE, workers=WORKERS, routers=("dynamo",)), show_progress=False
+    )
+    report = online.report
+    assert report.completed == len(trace)
+    assert sorted(report.requests_per_worker) != [0, len(trace)]  # both workers served
+    assert report.hit_rate_tokens > 0.3
+    assert report.hit_rate_tokens == pytest.approx(offline.report.hit_rate_tokens, abs=0.06)
+    # The router learned the workers' caches from their KV events: its predictions held.
+    assert report.predicted_hit_rate == pytest.approx(report.hit_rate_tokens, abs=0.06)
+    # Stopped workers deregister, and the router drops them.
+    async with httpx.AsyncClient(base_url=router_url) as http:
+        for _ in range(50):
+            listed = msgspec.json.decode((await http.get("/v1/workers")).content)["workers"]
+            if not listed:
+                break
+            await asyncio.sleep(0.1)
+        assert listed == []
+
+
+async def test_waiting_for_workers_gives_up_with_a_clear_error(router_url: str) -> None:
+    from mocker.online import OnlineReplayError
+
+    async with httpx.AsyncClient(base_url=router_url) as http:
+        with pytest.raises(OnlineReplayError, match="lists 0 workers"):
+            await wait_for_workers(http, 1, timeout_s=0.3)
