@@ -37,15 +37,15 @@ _EDGE_BYTES = sys.getsizeof(_Edge(0, 0)) + sys.getsizeof((None, 1 << 63)) + 2 * 
 class LowerTierIndex:
     def __init__(self, slots: SlotTable) -> None:
         self._slots = slots
-        self._edges: dict[EdgeKey, _Edge] = {}
+        self.edges: dict[EdgeKey, _Edge] = {}
         self._by_slot: dict[int, dict[int, EdgeKey]] = {}  # slot -> child hash -> edge key
 
     @property
     def edge_count(self) -> int:
-        return len(self._edges)
+        return len(self.edges)
 
     def estimated_bytes(self) -> int:
-        return len(self._edges) * _EDGE_BYTES
+        return len(self.edges) * _EDGE_BYTES
 
     def apply_event(self, worker_id: int, event: KvCacheEvent) -> None:
         worker = (worker_id, event.dp_rank)
@@ -75,9 +75,9 @@ class LowerTierIndex:
         parent = stored.parent_hash
         for block in stored.blocks:
             key = (parent, block.tokens_hash)
-            edge = self._edges.get(key)
+            edge = self.edges.get(key)
             if edge is None:
-                self._edges[key] = _Edge(block.block_hash, bit)
+                self.edges[key] = _Edge(block.block_hash, bit)
             elif edge.child_hash != block.block_hash:
                 return
             else:
@@ -86,14 +86,14 @@ class LowerTierIndex:
             parent = block.block_hash
 
     def _disown(self, key: EdgeKey, slot: int) -> None:
-        edge = self._edges[key]
+        edge = self.edges[key]
         edge.owners &= ~(1 << slot)
         if not edge.owners:
-            del self._edges[key]
+            del self.edges[key]
 
     def clear_slot(self, slot: int) -> None:
         for key in self._by_slot.pop(slot, {}).values():
-            if key in self._edges and self._edges[key].owners >> slot & 1:
+            if key in self.edges and self.edges[key].owners >> slot & 1:
                 self._disown(key, slot)
 
     def clear_worker(self, worker_id: int) -> None:
@@ -105,14 +105,14 @@ class LowerTierIndex:
 
         Workers without a cursor that hold the query's first block on this tier start at the root.
         """
-        if not self._edges:
+        if not self.edges:
             return {}
-        root_edge = self._edges.get((None, local_hashes[0]))
+        root_edge = self.edges.get((None, local_hashes[0]))
         if root_edge is not None:
             for slot in iter_bits(root_edge.owners):
                 cursors.setdefault(slot, (0, None))
         hits: dict[WorkerRank, int] = {}
-        edges = self._edges
+        edges = self.edges
         keys = self._slots.key_list
         end = len(local_hashes)
         for slot, (start, last) in cursors.items():
@@ -133,7 +133,7 @@ class LowerTierIndex:
         """One single-block stored event per (edge, owner)."""
         event_id = first_event_id
         keys = self._slots.key_list
-        for (parent, local_hash), edge in self._edges.items():
+        for (parent, local_hash), edge in self.edges.items():
             for slot in iter_bits(edge.owners):
                 worker = keys[slot]
                 assert worker is not None

@@ -34,7 +34,7 @@ from indexer.events import (
     StoredBlock,
 )
 from indexer.lower_tier import LowerTierIndex
-from indexer.slots import SlotTable, WorkerRank, iter_bits
+from indexer.slots import SlotTable, WorkerRank
 
 __all__ = [
     "BlockNotFound",
@@ -150,6 +150,8 @@ class RadixTree:
         self._slots = SlotTable()
         self._states: dict[WorkerRank, _SlotBlocks] = {}
         self._lower = {tier: LowerTierIndex(self._slots) for tier in LOWER_TIERS}
+        # The tiers' edge maps themselves (never replaced), so "any lower-tier data?" is one C call.
+        self._lower_edges = tuple(lower.edges for lower in self._lower.values())
         self._nodes = 0
         self._branch_nodes = 0
 
@@ -341,8 +343,11 @@ class RadixTree:
             if owners != active:
                 remaining = active & owners
                 if remaining != active:
-                    for slot in iter_bits(active ^ remaining):
-                        scores[keys[slot]] = depth  # type: ignore[index]
+                    dropped = active ^ remaining
+                    while dropped:  # iter_bits, inlined: this is the query hot loop
+                        low = dropped & -dropped
+                        scores[keys[low.bit_length() - 1]] = depth  # type: ignore[index]
+                        dropped ^= low
                     if not remaining:
                         active = 0
                         break
@@ -351,12 +356,14 @@ class RadixTree:
             depth += 1
             if path is not None:
                 path.append(node)
-        for slot in iter_bits(active):
-            scores[keys[slot]] = depth  # type: ignore[index]
+        while active:
+            low = active & -active
+            scores[keys[low.bit_length() - 1]] = depth  # type: ignore[index]
+            active ^= low
         return self._lower_tier_matches(result, local_hashes, path)
 
     def _has_lower_tiers(self) -> bool:
-        return any(lower.edge_count for lower in self._lower.values())
+        return any(self._lower_edges)
 
     def _lower_tier_matches(
         self, result: OverlapScores, local_hashes: Sequence[int], path: list[_Node] | None
