@@ -53,6 +53,10 @@ async def run_demo(options: DemoOptions) -> tuple[ReplayRun, list[ReplayRun]]:
     online = await _online(rows, engine, options)
     print("\nonline: NATS + router service (dynamo policy) + mock workers, over HTTP")
     print(render_table([online.report]))
+    print(
+        f"(times scaled back from {options.speedup:g}x speed; the HTTP and NATS round trips are scaled with them, "
+        "hence the longer TTFT)"
+    )
     trace = build_trace(rows, TraceOptions(seed=options.seed), "<generated shared-prefix workload>")
     setup = ReplaySetup(engine=engine, workers=options.workers, seed=options.seed)
     offline = await replay_offline(trace, setup, show_progress=options.show_progress)

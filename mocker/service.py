@@ -1,6 +1,6 @@
-"""The router service inside this process: the HTTP app (`api.app`) plus its NATS event plane.
+"""The router service inside this process: the HTTP app (`api.app`) with its NATS event plane.
 
-What ``kv-router serve`` runs, started here on a free loopback port so the demo and the online tests
+What ``kv-router serve --nats-url`` runs, started here on a free loopback port so the demo and the online tests
 can stand up a whole fleet (NATS, router, mock workers) in one process, on one event loop.
 """
 
@@ -13,11 +13,9 @@ from collections.abc import AsyncIterator
 import uvicorn
 
 from api.app import create_app
-from api.config import ServiceConfig, Settings
-from indexer.nats_connection import NatsOptions, connect
+from api.config import EventPlaneConfig, ServiceConfig, Settings
 from indexer.nats_server import free_port
 from router.config import RouterConfig
-from router.event_plane import RouterEventPlane
 
 __all__ = ["serve_router"]
 
@@ -26,14 +24,17 @@ __all__ = ["serve_router"]
 async def serve_router(
     nats_url: str, config: RouterConfig, *, namespace: str = "default", startup_timeout_s: float = 10.0
 ) -> AsyncIterator[str]:
-    """Serve a router on loopback for the duration of the block; yields its base URL."""
+    """Serve a router on loopback, its event plane on ``nats_url``, for the duration of the block;
+    yields its base URL."""
     port = free_port()
-    settings = Settings(router=config, service=ServiceConfig(port=port, log_level="warning"))
-    app = create_app(settings)
-    nc = await connect(NatsOptions(nats_url, name="kv-router"))
-    plane = RouterEventPlane(app.state.router, nc, namespace=namespace)
-    await plane.start()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    settings = Settings(
+        router=config,
+        service=ServiceConfig(port=port, log_level="warning"),
+        event_plane=EventPlaneConfig(nats_url=nats_url, nats_namespace=namespace),
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
     serving = asyncio.create_task(server.serve(), name="kv-router-http")
     try:
         async with asyncio.timeout(startup_timeout_s):
@@ -46,5 +47,3 @@ async def serve_router(
     finally:
         server.should_exit = True
         await serving
-        await plane.stop()
-        await nc.close()

@@ -14,6 +14,7 @@ import pytest
 
 from indexer.nats_server import EmbeddedNats
 from mocker.config import EngineConfig
+from mocker.demo import DemoOptions, run_demo
 from mocker.online import wait_for_workers
 from mocker.replay import ReplaySetup, replay_offline, replay_online_report
 from mocker.service import serve_router
@@ -100,3 +101,13 @@ async def test_waiting_for_workers_gives_up_with_a_clear_error(router_url: str) 
     async with httpx.AsyncClient(base_url=router_url) as http:
         with pytest.raises(OnlineReplayError, match="lists 0 workers"):
             await wait_for_workers(http, 1, timeout_s=0.3)
+
+
+async def test_the_demo_runs_the_whole_fleet_in_one_process(capsys: pytest.CaptureFixture[str]) -> None:
+    online, offline = await run_demo(DemoOptions(workers=2, requests=60, show_progress=False))
+    printed = capsys.readouterr().out
+    assert "online: NATS + router service" in printed and "offline: the same workload" in printed
+    assert online.report.completed == 60
+    dynamo = next(run.report for run in offline if run.report.router == "dynamo")
+    assert online.report.hit_rate_tokens == pytest.approx(dynamo.hit_rate_tokens, abs=0.08)
+    assert {run.report.router for run in offline} >= {"dynamo", "round_robin", "sglang", "llmd"}
