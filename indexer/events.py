@@ -146,7 +146,8 @@ class KvCacheEvent(msgspec.Struct, gc=False):
     dp_rank: U32 = 0
 
     def __post_init__(self) -> None:
-        _check_u64(self.event_id, "event_id")
+        if self.event_id >> 64:  # ge=0 is checked by msgspec; this catches values past u64
+            _check_u64(self.event_id, "event_id")
         # One canonical form for "cleared", so consumers test a single thing and re-encoding
         # always produces Dynamo's bare string.
         if not isinstance(self.data, str) and self.data.cleared is not msgspec.UNSET:
@@ -173,7 +174,8 @@ class RouterEvent(msgspec.Struct, gc=False):
     storage_tier: StorageTier = StorageTier.DEVICE
 
     def __post_init__(self) -> None:
-        _check_u64(self.worker_id, "worker_id")
+        if self.worker_id >> 64:
+            _check_u64(self.worker_id, "worker_id")
 
 
 def stored_event(

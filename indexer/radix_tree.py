@@ -225,9 +225,9 @@ class RadixTree:
                     newly_owned += 1
                 if child.block_hash != block_hash:
                     state.aliases[child] = block_hash
-            previous = lookup.get(block_hash)
+            previous = lookup.setdefault(block_hash, child)
             if previous is not child:
-                if previous is not None and previous.owners & bit:
+                if previous.owners & bit:
                     # The worker reuses a hash for another position: it no longer holds the old one.
                     self._disown(state, previous)
                 lookup[block_hash] = child
