@@ -30,7 +30,6 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
-from collections.abc import Sequence as SequenceOf
 from enum import IntEnum
 
 from indexer.hashing import TokenInput, compute_block_hashes, compute_sequence_hashes, pack_tokens
@@ -57,7 +56,6 @@ class Sequence:
         "_rng",
         "_tail",
         "_tick0",
-        "admitted_ms",
         "arrival_ms",
         "cached_blocks",
         "cached_tokens",
@@ -112,7 +110,6 @@ class Sequence:
         self.queued = False  # a pass left it waiting (no seat, budget or blocks for it)
         self.cached_tokens = -1  # -1 until first admitted
         self.cached_blocks = 0
-        self.admitted_ms = -1.0
         self.first_token_ms = -1.0
         self.finished_ms = -1.0
 
@@ -123,14 +120,13 @@ class Sequence:
 class CacheStats:
     """Engine-side prefix-cache accounting, counted once per request at its first admission."""
 
-    __slots__ = ("cached_blocks", "cached_tokens", "preemptions", "prefill_tokens", "prompt_blocks", "prompt_tokens")
+    __slots__ = ("cached_blocks", "cached_tokens", "preemptions", "prompt_blocks", "prompt_tokens")
 
     def __init__(self) -> None:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.prompt_blocks = 0
         self.cached_blocks = 0
-        self.prefill_tokens = 0  # tokens actually computed by prefill, recomputation included
         self.preemptions = 0
 
 
@@ -153,13 +149,12 @@ class EngineMetrics:
 class PassResult:
     """One forward pass: when it ends, its prefill work, and the sequences and KV ops it produced."""
 
-    __slots__ = ("admitted", "end_ms", "finished", "first_tokens", "ops", "prefill_tokens", "start_ms")
+    __slots__ = ("end_ms", "finished", "first_tokens", "ops", "prefill_tokens", "start_ms")
 
     def __init__(self, start_ms: float, end_ms: float) -> None:
         self.start_ms = start_ms
         self.end_ms = end_ms
         self.prefill_tokens = 0
-        self.admitted: list[Sequence] = []
         self.first_tokens: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.ops: list[KvOp] = []
@@ -273,13 +268,12 @@ class MockEngine:
                             ready.append(seq)
         fresh: list[Sequence] = []
         if self.waiting and budget > 0 and not self._preempted_in_pass:
-            added, pairs = self._admit(budget, result, fresh)
+            added, pairs = self._admit(budget, fresh)
             new_tokens += added
             attended += pairs
         end = now_ms + self.timer.prefill_ms(new_tokens, attended) + self.timer.decode_ms(decoders, context)
         result.end_ms = end
         result.prefill_tokens = new_tokens
-        self.stats.prefill_tokens += new_tokens
         if fast:
             if self._decoding:
                 # Every sequence still generating got its token: advance them all at once.
@@ -340,7 +334,7 @@ class MockEngine:
         self._decode_tokens += passes * self._decoding
 
     # ------------------------------------------------------------------ scheduling
-    def _admit(self, budget: int, result: PassResult, fresh: list[Sequence]) -> tuple[int, int]:
+    def _admit(self, budget: int, fresh: list[Sequence]) -> tuple[int, int]:
         """Admit waiting sequences (head of line) while seats, budget and blocks allow, appending them
         to ``fresh``; returns the prefill tokens scheduled and their attended pairs."""
         pool = self.pool
@@ -370,12 +364,10 @@ class MockEngine:
             if seq.cached_tokens < 0:
                 seq.cached_tokens = before
                 seq.cached_blocks = cached
-                seq.admitted_ms = result.start_ms
                 stats.prompt_tokens += seq.prompt_len
                 stats.cached_tokens += before
                 stats.prompt_blocks += seq.prompt_blocks
                 stats.cached_blocks += cached
-                result.admitted.append(seq)
             fresh.append(seq)
             chunk = seq.computed - before
             attended += chunk * (chunk + 2 * before)
@@ -527,8 +519,3 @@ class MockEngine:
             self._after_token(seq, end_ms, result)
             if seq.state is SeqState.DECODE:
                 self._push_due(seq)
-
-
-def prompt_hashes(tokens: SequenceOf[int] | bytes, block_size: int) -> list[int]:
-    """Sequence hashes of a prompt's full blocks, as the engine names them (for tests and tools)."""
-    return compute_sequence_hashes(compute_block_hashes(tokens, block_size))

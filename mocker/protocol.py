@@ -14,7 +14,9 @@ import msgspec
 
 from indexer.subjects import Subjects
 
-__all__ = ["GenerateRequest", "GenerateUpdate", "generate_subject", "reply_prefix"]
+__all__ = ["GenerateRequest", "GenerateUpdate", "UpdateKind", "generate_subject", "reply_prefix"]
+
+UpdateKind = Literal["first_token", "done", "rejected"]
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
@@ -26,7 +28,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
 
 class GenerateUpdate(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     request_id: str
-    kind: Literal["first_token", "done", "rejected"]
+    kind: UpdateKind
     cached_tokens: int = 0
     cached_blocks: int = 0
     prompt_blocks: int = 0

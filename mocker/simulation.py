@@ -93,7 +93,6 @@ class _Simulation:
         self._pending: list[tuple[asyncio.Task[RouteResult], TraceRequest, bytes]] = []
         self._routed = 0
         self._next_scrape = 0.0
-        self.now = 0.0
 
     async def run(self) -> SimulationResult:
         started = time.perf_counter()
@@ -105,7 +104,6 @@ class _Simulation:
             next_arrival = requests[i].arrival_ms if i < total else math.inf
             if heap and heap[0][0] <= next_arrival:
                 at, counter, kind, key = heapq.heappop(heap)
-                self.now = at
                 if kind == _DELAYED_EVENTS:
                     self._deliver(self._delayed.pop(key), at)
                 elif counter != self._live_entry[key]:
@@ -119,7 +117,6 @@ class _Simulation:
                 continue
             if next_arrival == math.inf:  # only queued requests left, and nothing will free them
                 break
-            self.now = next_arrival
             self._scrape(next_arrival)
             touched: set[int] = set()
             while i < total and requests[i].arrival_ms == next_arrival:

@@ -25,7 +25,7 @@ from indexer.publisher import KvEventPublisher
 from mocker.block_pool import Removed, Stored
 from mocker.config import EngineConfig
 from mocker.engine import MockEngine, PassResult, SeqState, Sequence
-from mocker.protocol import GenerateRequest, GenerateUpdate, generate_subject
+from mocker.protocol import GenerateRequest, GenerateUpdate, UpdateKind, generate_subject
 
 __all__ = ["MockWorker"]
 
@@ -137,12 +137,12 @@ class MockWorker:
             await self._reply(self._replies.pop(seq.request_id, None), seq, "done")
         await self._publish_load()
 
-    async def _reply(self, subject: str | None, seq: Sequence, kind: str) -> None:
+    async def _reply(self, subject: str | None, seq: Sequence, kind: UpdateKind) -> None:
         if subject is None:
             return
         update = GenerateUpdate(
             request_id=seq.request_id,
-            kind=kind,  # type: ignore[arg-type]
+            kind=kind,
             cached_tokens=max(seq.cached_tokens, 0),
             cached_blocks=seq.cached_blocks,
             prompt_blocks=seq.prompt_blocks,
