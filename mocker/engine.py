@@ -225,9 +225,13 @@ class MockEngine:
             len(self.waiting), len(self.running), pool.active_blocks, pool.active_blocks / pool.num_blocks, pending
         )
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached block (a ``cleared`` event); refused while requests are in flight."""
-        return not self.has_work() and self.pool.clear_cached()
+    def reset_prefix_cache(self) -> list[KvOp] | None:
+        """Drop every cached block, as vLLM's prefix-cache reset does; returns the ops to publish (a
+        `Cleared`), or None when refused because requests are in flight."""
+        if self.has_work() or not self.pool.clear_cached():
+            return None
+        ops, self.pool.ops = self.pool.ops, []
+        return ops
 
     # ------------------------------------------------------------------ one pass
     def step(self, now_ms: float) -> PassResult:

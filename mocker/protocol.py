@@ -4,6 +4,9 @@ The replayer, acting as the gateway, sends each routed request to the worker the
 ``mocker.{ns}.generate.{worker_id}`` as a msgpack `GenerateRequest` naming a ``reply`` subject. The
 worker answers on it with `GenerateUpdate`s: ``first_token`` when the first token is out, then ``done``
 with the engine's own cache accounting (or ``rejected`` if the prompt can never fit its pool).
+
+A request on ``mocker.{ns}.reset.{worker_id}`` resets the worker's prefix cache (vLLM's
+``reset_prefix_cache``); the reply is ``ok``, or ``busy`` while requests are in flight.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import msgspec
 
 from indexer.subjects import Subjects
 
-__all__ = ["GenerateRequest", "GenerateUpdate", "UpdateKind", "generate_subject", "reply_prefix"]
+__all__ = ["GenerateRequest", "GenerateUpdate", "UpdateKind", "generate_subject", "reply_prefix", "reset_subject"]
 
 UpdateKind = Literal["first_token", "done", "rejected"]
 
@@ -39,6 +42,11 @@ class GenerateUpdate(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
 def generate_subject(namespace: str, worker_id: int) -> str:
     Subjects(namespace)  # validates the namespace
     return f"mocker.{namespace}.generate.{worker_id}"
+
+
+def reset_subject(namespace: str, worker_id: int) -> str:
+    Subjects(namespace)
+    return f"mocker.{namespace}.reset.{worker_id}"
 
 
 def reply_prefix(namespace: str, client_id: str) -> str:

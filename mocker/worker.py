@@ -2,9 +2,10 @@
 
 It registers in the router's worker registry, heartbeats and answers resyncs through the worker-side
 `KvEventPublisher`; publishes the engine's KV events after every pass (one NATS message per pass) and
-its load (``ActiveLoad``) every ``load_interval_s``; and takes requests on its generate subject
-(`mocker.protocol`). Between passes it sleeps for the pass's simulated duration, so the engine's
-``speedup_ratio`` is how much faster than real time it runs.
+its load (``ActiveLoad``) every ``load_interval_s``; takes requests on its generate subject and
+prefix-cache resets (published as a ``cleared`` event) on its reset subject (`mocker.protocol`).
+Between passes it sleeps for the pass's simulated duration, so the engine's ``speedup_ratio`` is how
+much faster than real time it runs.
 
 ``kv-router mock-worker`` runs one in its own process (`mocker.cli`).
 """
@@ -22,10 +23,10 @@ from nats.aio.subscription import Subscription
 
 from indexer.protocol import ActiveLoad, WorkerRegistration
 from indexer.publisher import KvEventPublisher
-from mocker.block_pool import Removed, Stored
+from mocker.block_pool import KvOp, Removed, Stored
 from mocker.config import EngineConfig
 from mocker.engine import MockEngine, PassResult, SeqState, Sequence
-from mocker.protocol import GenerateRequest, GenerateUpdate, UpdateKind, generate_subject
+from mocker.protocol import GenerateRequest, GenerateUpdate, UpdateKind, generate_subject, reset_subject
 
 __all__ = ["MockWorker"]
 
@@ -66,7 +67,7 @@ class MockWorker:
         self._load_interval_s = load_interval_s
         self._replies: dict[str, str] = {}
         self._work = asyncio.Event()
-        self._subscription: Subscription | None = None
+        self._subscriptions: list[Subscription] = []
         self._started = time.monotonic()
         self._last_load = -1.0
 
@@ -76,14 +77,17 @@ class MockWorker:
     async def run(self) -> None:
         """Serve until cancelled; deregisters on the way out so routers drop this worker at once."""
         await self.publisher.start()
-        self._subscription = await self.nc.subscribe(
-            generate_subject(self.namespace, self.worker_id), cb=self._on_request
-        )
-        log.info("mock worker %d serving on %s", self.worker_id, self._subscription.subject)
+        generate = generate_subject(self.namespace, self.worker_id)
+        self._subscriptions = [
+            await self.nc.subscribe(generate, cb=self._on_request),
+            await self.nc.subscribe(reset_subject(self.namespace, self.worker_id), cb=self._on_reset),
+        ]
+        log.info("mock worker %d serving on %s", self.worker_id, generate)
         try:
             await self._serve()
         finally:
-            await self._subscription.unsubscribe()
+            for subscription in self._subscriptions:
+                await subscription.unsubscribe()
             await self.publisher.stop(deregister=True)
 
     async def _serve(self) -> None:
@@ -120,17 +124,27 @@ class MockWorker:
         self._replies[request.request_id] = request.reply
         self._work.set()
 
+    async def _on_reset(self, message: Msg) -> None:
+        ops = self.engine.reset_prefix_cache()
+        if ops is not None:
+            await self._publish_ops(ops)
+        if message.reply:
+            await self.nc.publish(message.reply, b"ok" if ops is not None else b"busy")
+
+    async def _publish_ops(self, ops: list[KvOp]) -> None:
+        publisher = self.publisher
+        async with publisher.batch():
+            for op in ops:
+                if isinstance(op, Stored):
+                    await publisher.stored(op.blocks, parent_hash=op.parent_hash)
+                elif isinstance(op, Removed):
+                    await publisher.removed(op.block_hashes)
+                else:
+                    await publisher.cleared()
+
     async def _publish(self, result: PassResult) -> None:
         if result.ops:
-            publisher = self.publisher
-            async with publisher.batch():
-                for op in result.ops:
-                    if isinstance(op, Stored):
-                        await publisher.stored(op.blocks, parent_hash=op.parent_hash)
-                    elif isinstance(op, Removed):
-                        await publisher.removed(op.block_hashes)
-                    else:
-                        await publisher.cleared()
+            await self._publish_ops(result.ops)
         for seq in result.first_tokens:
             await self._reply(self._replies.get(seq.request_id), seq, "first_token")
         for seq in result.finished:

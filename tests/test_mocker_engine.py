@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from indexer.radix_tree import RadixTree
+from mocker.block_pool import Cleared
 from mocker.config import EngineConfig, TimingConfig
 from mocker.engine import MockEngine, PassResult, SeqState, Sequence
 from mocker.timing import PassTimer
@@ -204,3 +205,14 @@ def test_metrics_report_queue_and_kv_usage() -> None:
     assert msgspec.structs.asdict(EngineConfig()) == msgspec.structs.asdict(
         msgspec.json.decode(b"{}", type=EngineConfig)
     )
+
+
+def test_a_prefix_cache_reset_clears_everything_once_idle() -> None:
+    engine = MockEngine(EngineConfig(block_size=16))
+    engine.submit("a", prompt(1, 2, block=16), 3, 0.0)
+    engine.step(0.0)
+    assert engine.reset_prefix_cache() is None  # a request is in flight
+    run(engine, [])
+    assert engine.pool.full_blocks()
+    assert engine.reset_prefix_cache() == [Cleared()]
+    assert engine.pool.full_blocks() == set()

@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import httpx
 import msgspec
 import pytest
 
+from indexer.nats_connection import NatsOptions, connect
 from indexer.nats_server import EmbeddedNats
 from mocker.config import EngineConfig
 from mocker.demo import DemoOptions, run_demo
-from mocker.online import wait_for_workers
+from mocker.online import OnlineReplayError, wait_for_workers
+from mocker.protocol import reset_subject
 from mocker.replay import ReplaySetup, replay_offline, replay_online_report
 from mocker.service import serve_router
 from mocker.trace import TraceOptions, build_trace
@@ -70,6 +72,14 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
             time_scale=TIME_SCALE,
             show_progress=False,
         )
+        async with httpx.AsyncClient(base_url=router_url) as http:
+            assert msgspec.json.decode((await http.get("/v1/dump")).content)  # the router indexed their blocks
+            # A prefix-cache reset reaches the router as a `cleared` event: it forgets those blocks.
+            nc = await connect(NatsOptions(nats_server.url))
+            for i in range(WORKERS):
+                assert (await nc.request(reset_subject("default", 100 + i), b"", timeout=5)).data == b"ok"
+            await nc.close()
+            assert await eventually(lambda: dump_is_empty(http))
     finally:
         for process in workers:
             process.terminate()
@@ -87,17 +97,26 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
     assert report.predicted_hit_rate == pytest.approx(report.hit_rate_tokens, abs=0.06)
     # Stopped workers deregister, and the router drops them.
     async with httpx.AsyncClient(base_url=router_url) as http:
-        for _ in range(50):
-            listed = msgspec.json.decode((await http.get("/v1/workers")).content)["workers"]
-            if not listed:
-                break
-            await asyncio.sleep(0.1)
-        assert listed == []
+
+        async def no_workers() -> bool:
+            return not msgspec.json.decode((await http.get("/v1/workers")).content)["workers"]
+
+        assert await eventually(no_workers)
+
+
+async def dump_is_empty(http: httpx.AsyncClient) -> bool:
+    return msgspec.json.decode((await http.get("/v1/dump")).content) == []
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> bool:
+    for _ in range(int(timeout_s / 0.1)):
+        if await check():
+            return True
+        await asyncio.sleep(0.1)
+    return await check()
 
 
 async def test_waiting_for_workers_gives_up_with_a_clear_error(router_url: str) -> None:
-    from mocker.online import OnlineReplayError
-
     async with httpx.AsyncClient(base_url=router_url) as http:
         with pytest.raises(OnlineReplayError, match="lists 0 workers"):
             await wait_for_workers(http, 1, timeout_s=0.3)
