@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import httpx
 import msgspec
@@ -105,7 +106,7 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
 
 
 async def dump_is_empty(http: httpx.AsyncClient) -> bool:
-    return msgspec.json.decode((await http.get("/v1/dump")).content) == []
+    return msgspec.json.decode((await http.get("/v1/dump")).content, type=list[Any]) == []
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> bool:
