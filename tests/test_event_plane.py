@@ -156,3 +156,38 @@ async def test_static_registration_through_the_registry_and_bad_input(client: Cl
     await mismatched.stop()
     await other.stop()
     await plane.stop()
+
+
+async def test_nats_restart_keeps_registry_watch_heartbeats_and_events(nats_server: EmbeddedNats) -> None:
+    router_nc = await connect(NatsOptions(nats_server.url))
+    plane_holder: list[RouterEventPlane] = []
+
+    async def on_reconnect() -> None:
+        await plane_holder[0].on_reconnected()
+
+    router_nc._reconnected_cb = on_reconnect
+    plane = await plane_for(router_nc, RouterConfig(block_size=BLOCK), lease_s=3.0)
+    plane_holder.append(plane)
+    worker_nc = await connect(NatsOptions(nats_server.url))
+    first = await worker(worker_nc, 61)
+    await first.stored(prompt_blocks(PROMPT))
+    await eventually(lambda: cached(plane.router, PROMPT).get((61, 0)) == 8)
+    nats_server.restart()
+    await eventually(lambda: router_nc.is_connected and worker_nc.is_connected, timeout=15)
+    await eventually(lambda: plane.outcomes["reconnects"] == 1)
+    # Events lost in the outage are recovered by the full resync after the reconnect ...
+    await first.removed([prompt_blocks(PROMPT)[7][0]])
+    await eventually(lambda: cached(plane.router, PROMPT).get((61, 0)) == 7)
+    # ... a worker registering after the restart is seen through the registry watch ...
+    second = await worker(worker_nc, 62)
+    await eventually(lambda: plane.router.has_worker(62))
+    await second.stored(prompt_blocks(PROMPT[: 2 * BLOCK]))
+    await eventually(lambda: cached(plane.router, PROMPT).get((62, 0)) == 2)
+    # ... and heartbeats still keep workers alive past the lease.
+    await asyncio.sleep(3.5)
+    assert plane.router.has_worker(61) and plane.router.has_worker(62)
+    for publisher in (first, second):
+        await publisher.stop()
+    await plane.stop()
+    await router_nc.close()
+    await worker_nc.close()
