@@ -10,7 +10,7 @@ family, llm-d) and the defaults of the peers' own code.
   - if the loads are imbalanced, ``max - min > balance_abs_threshold`` (64) and
     ``max > min * balance_rel_threshold`` (1.5), the least-loaded worker;
   - else, if the longest prefix any worker's tree holds covers more than ``cache_threshold`` (0.3) of
-    the prompt, the worker that holds it;
+    the prompt, a worker that holds it (SGLang takes the first its concurrent map yields: any of them);
   - else the worker with the smallest tree;
 
   and the prompt is inserted into the chosen worker's tree. Every ``eviction_interval`` (120 s) each
@@ -28,6 +28,7 @@ family, llm-d) and the defaults of the peers' own code.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 
@@ -66,20 +67,21 @@ class SglangCacheAware:
         self.balance_rel_threshold = balance_rel_threshold
         self.eviction_interval_ms = eviction_interval_ms
         self.max_tree_size = max_tree_size
+        self._rng = rng
         self._workers: list[int] = []
-        self._in_flight: dict[int, int] = {}
-        self._owner_of: dict[str, int] = {}
-        # Prefix (sequence hash of its last block) -> {worker: last access ms}; a worker holding a
-        # prefix holds all of its ancestors, as in a radix tree.
-        self._tree: dict[int, dict[int, float]] = {}
-        self._depth: dict[int, int] = {}
-        self._tree_tokens: dict[int, int] = {}
+        self._in_flight: list[int] = []  # per worker slot
+        self._owner_of: dict[str, int] = {}  # request id -> worker slot
+        # The tree: prefix (sequence hash of its last block) -> bitmask of the worker slots holding it.
+        # A worker holding a prefix holds all its ancestors, as in a radix tree.
+        self._holders: dict[int, int] = {}
+        # Per worker slot, its prefixes least recently used first (a prefix's descendants before it).
+        self._recency: list[dict[int, None]] = []
         self._next_eviction = eviction_interval_ms
 
     def add_worker(self, worker_id: int, engine: EngineConfig) -> None:
         self._workers.append(worker_id)
-        self._in_flight[worker_id] = 0
-        self._tree_tokens[worker_id] = 0
+        self._in_flight.append(0)
+        self._recency.append({})
 
     async def route(self, request: RoutedRequest, now_ms: float) -> RouteResult:
         if now_ms >= self._next_eviction:
@@ -87,21 +89,22 @@ class SglangCacheAware:
             self._next_eviction = (now_ms // self.eviction_interval_ms + 1) * self.eviction_interval_ms
         prefixes = compute_sequence_hashes(compute_block_hashes(request.tokens, self.block_size))
         loads = self._in_flight
-        most = max(loads.values())
-        least = min(loads.values())
+        slots = range(len(self._workers))
+        most, least = max(loads), min(loads)
         if most - least > self.balance_abs_threshold and most > least * self.balance_rel_threshold:
-            worker = min(self._workers, key=loads.__getitem__)
+            slot = min(slots, key=loads.__getitem__)
         else:
             depth, holders = self._longest_match(prefixes)
             if holders and depth * self.block_size / request.input_length > self.cache_threshold:
-                worker = max(holders, key=holders.__getitem__)  # the most recent holder
+                # SGLang takes whichever holder its concurrent map yields first: in effect any of them.
+                slot = self._rng.choice([s for s in slots if holders >> s & 1])
             else:
-                worker = min(self._workers, key=self._tree_tokens.__getitem__)
-        predicted = self._held_by(prefixes, worker) * self.block_size
-        self._insert(prefixes, worker, now_ms)
-        loads[worker] += 1
-        self._owner_of[request.request_id] = worker
-        return RouteResult(worker, min(predicted, request.input_length))
+                slot = min(slots, key=lambda s: len(self._recency[s]))  # the smallest tree
+        predicted = self._held_by(prefixes, slot) * self.block_size
+        self._insert(prefixes, slot)
+        loads[slot] += 1
+        self._owner_of[request.request_id] = slot
+        return RouteResult(self._workers[slot], min(predicted, request.input_length))
 
     def kv_event(self, event: RouterEvent, now_ms: float) -> None:
         return None  # cache_aware in its approximate modes never sees engine events
@@ -110,64 +113,61 @@ class SglangCacheAware:
         return None
 
     def finished(self, request_id: str, now_ms: float) -> None:
-        worker = self._owner_of.pop(request_id, None)
-        if worker is not None:
-            self._in_flight[worker] -= 1
+        slot = self._owner_of.pop(request_id, None)
+        if slot is not None:
+            self._in_flight[slot] -= 1
 
     def scraped(self, metrics: dict[int, EngineMetrics], now_ms: float) -> None:
         return None
 
     # ------------------------------------------------------------------ the approximate tree
-    def _longest_match(self, prefixes: list[int]) -> tuple[int, dict[int, float]]:
-        tree = self._tree
-        depth = 0
-        holders: dict[int, float] = {}
+    def _longest_match(self, prefixes: list[int]) -> tuple[int, int]:
+        """The longest prefix any worker holds, in blocks, and the bitmask of its holders."""
+        tree = self._holders
+        depth = holders = 0
         for prefix in prefixes:
-            found = tree.get(prefix)
+            found = tree.get(prefix, 0)
             if not found:
                 break
             depth += 1
             holders = found
         return depth, holders
 
-    def _held_by(self, prefixes: list[int], worker: int) -> int:
+    def _held_by(self, prefixes: list[int], slot: int) -> int:
+        tree = self._holders
         held = 0
         for prefix in prefixes:
-            found = self._tree.get(prefix)
-            if not found or worker not in found:
+            if not tree.get(prefix, 0) >> slot & 1:
                 break
             held += 1
         return held
 
-    def _insert(self, prefixes: list[int], worker: int, now_ms: float) -> None:
-        tree = self._tree
-        added = 0
-        for depth, prefix in enumerate(prefixes, 1):
-            holders = tree.get(prefix)
-            if holders is None:
-                holders = tree[prefix] = {}
-                self._depth[prefix] = depth
-            if worker not in holders:
-                added += 1
-            holders[worker] = now_ms
-        self._tree_tokens[worker] += added * self.block_size
+    def _insert(self, prefixes: list[int], slot: int) -> None:
+        tree = self._holders
+        bit = 1 << slot
+        recency = self._recency[slot]
+        # Leaf first, so that within one prompt the root is the most recent and evicted last.
+        for prefix in reversed(prefixes):
+            tree[prefix] = tree.get(prefix, 0) | bit
+            recency.pop(prefix, None)
+            recency[prefix] = None
 
     def _evict(self) -> None:
-        """Trim each worker's tree to ``max_tree_size`` tokens, least recently used leaves first."""
-        for worker in self._workers:
-            excess = self._tree_tokens[worker] - self.max_tree_size
+        """Trim each worker's tree to ``max_tree_size`` tokens, least recently used first."""
+        limit = self.max_tree_size // self.block_size
+        tree = self._holders
+        for slot, recency in enumerate(self._recency):
+            excess = len(recency) - limit
             if excess <= 0:
                 continue
-            owned = [prefix for prefix, holders in self._tree.items() if worker in holders]
-            # Oldest first; among equally old, deepest first, so a prefix outlives its extensions.
-            owned.sort(key=lambda p: (self._tree[p][worker], -self._depth[p]))
-            for prefix in owned[: -(-excess // self.block_size)]:
-                holders = self._tree[prefix]
-                del holders[worker]
-                if not holders:
-                    del self._tree[prefix]
-                    del self._depth[prefix]
-                self._tree_tokens[worker] -= self.block_size
+            clear = ~(1 << slot)
+            for prefix in list(itertools.islice(recency, excess)):
+                del recency[prefix]
+                holders = tree[prefix] & clear
+                if holders:
+                    tree[prefix] = holders
+                else:
+                    del tree[prefix]
 
 
 class LlmdScorers:
