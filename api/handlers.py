@@ -21,6 +21,7 @@ import msgspec
 
 from api.codec import BodyDecoder, Call, Reply, encode
 from api.config import ServiceConfig
+from api.eager import Suspended, start
 from api.errors import (
     ApiError,
     ClientDisconnected,
@@ -87,8 +88,6 @@ class Handlers:
         self._router = router
         self._metrics = metrics
         self._max_prompt_tokens = service.max_prompt_tokens
-        # Only a router with a queue ever awaits in `new`; only then is a client's disconnect watched.
-        self._may_queue = router.config.router_queue_threshold is not None
         self._new_body: BodyDecoder[NewRequest] = BodyDecoder(NewRequest)
         self._router_body: BodyDecoder[RouterRequest] = BodyDecoder(RouterRequest)
         self._loads_body: BodyDecoder[PotentialLoadsRequest] = BodyDecoder(PotentialLoadsRequest)
@@ -164,8 +163,12 @@ class Handlers:
         return reply
 
     async def _decide(self, request: RouteRequest, explain: bool, call: Call) -> RouteDecision:
-        decision = self._router.new(request, explain=explain)
-        if self._may_queue and call.wait_disconnect is not None:
+        # The router decides synchronously unless the request has to wait in its queue: run it on
+        # this stack, and only a request that did park in the queue watches for the client leaving.
+        decision = start(self._router.new(request, explain=explain))
+        if not isinstance(decision, Suspended):
+            return decision
+        if call.wait_disconnect is not None:
             return await _unless_disconnected(decision, call.wait_disconnect)
         return await decision
 
@@ -272,11 +275,11 @@ class _Internal(ApiError):
 
 
 async def _unless_disconnected(
-    decision: Awaitable[RouteDecision], disconnected: Callable[[], Awaitable[None]]
+    decision: Suspended[RouteDecision], disconnected: Callable[[], Awaitable[None]]
 ) -> RouteDecision:
-    """Await a decision that may wait in the queue, but give up (and free its place) if the client
-    goes away first: a request nobody will mark free must not be booked."""
-    task = asyncio.ensure_future(decision)
+    """Await a decision waiting in the queue, but give up (and free its place) if the client goes
+    away first: a request nobody will mark free must not be booked."""
+    task = decision.task(asyncio.get_running_loop())
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)

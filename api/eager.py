@@ -1,0 +1,90 @@
+"""Run a coroutine on the caller's stack until it first has to wait (Python 3.12's eager tasks, by hand).
+
+A hot route almost never waits: a routing decision runs synchronously and only a request parked in
+the router's queue awaits. `start` runs the coroutine right away; if it finishes, the caller has the
+result with no task and no trip through the event loop. If it suspends, `start` returns a
+`Suspended`, an awaitable that continues it exactly where it stopped, with asyncio's usual
+semantics: the future it waits on wakes it, and a cancellation is delivered at that ``await``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Generator
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Suspended", "start"]
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+
+def start(coro: Coroutine[Any, Any, T]) -> T | Suspended[T]:
+    """Run ``coro`` until it returns (its value), raises (raised here), or first suspends (`Suspended`)."""
+    try:
+        waiting_on = coro.send(None)
+    except StopIteration as done:
+        result: T = done.value
+        return result
+    return Suspended(coro, waiting_on)
+
+
+class Suspended(Generic[T]):
+    """A coroutine `start` ran up to its first suspension; await it (once) to let it finish."""
+
+    __slots__ = ("_coro", "_resumed", "_waiting_on")
+
+    def __init__(self, coro: Coroutine[Any, Any, T], waiting_on: Any) -> None:
+        self._coro = coro
+        self._waiting_on = waiting_on  # what it yielded: the future it waits on (or None, a bare yield)
+        self._resumed = False
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        self._resumed = True
+        coro, waiting_on = self._coro, self._waiting_on
+        while True:
+            try:
+                # Hand the future up to the task that awaits us; it wakes us once the future is done,
+                # exactly as it would have woken the coroutine itself.
+                sent = yield waiting_on
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # thrown in by the task (its cancellation): deliver it
+                try:
+                    waiting_on = coro.throw(exc)
+                except StopIteration as done:
+                    thrown: T = done.value
+                    return thrown
+            else:
+                try:
+                    waiting_on = coro.send(sent)
+                except StopIteration as done:
+                    result: T = done.value
+                    return result
+
+    def task(self, loop: asyncio.AbstractEventLoop) -> asyncio.Task[T]:
+        """Finish in a task of its own. If that task is cancelled before its first step, the
+        cancellation is still delivered at the coroutine's ``await``, so its clean-up runs."""
+        task = loop.create_task(_finish(self))
+        task.add_done_callback(self._if_never_resumed)
+        return task
+
+    def _if_never_resumed(self, task: asyncio.Task[T]) -> None:
+        if self._resumed:
+            return
+        self._resumed = True
+        try:
+            self._coro.throw(asyncio.CancelledError())
+        except (asyncio.CancelledError, StopIteration):
+            pass
+        except BaseException:
+            logger.exception("coroutine failed while being cancelled")
+        else:  # it awaited again while being cancelled: nothing can run it any more
+            self._coro.close()
+
+
+async def _finish(suspended: Suspended[T]) -> T:
+    return await suspended
