@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.config import Settings
 from api.errors import ApiError, InvalidRequest, NotFound, error_reply
 from api.event_plane import running_event_plane
-from api.fastpath import FastPath
+from api.fastpath import FastPath, HotRoutes
 from api.handlers import Handlers
 from api.metrics import ApiMetrics, EventPlaneCollector, RouterStateCollector
 from api.openapi import Schemas
@@ -33,7 +33,7 @@ from api.routes import add_admin_routes, add_hot_routes
 from router.kv_router import KvRouter
 from router.types import KvRouterError
 
-__all__ = ["EXPIRY_SWEEP_SECS", "create_app"]
+__all__ = ["EXPIRY_SWEEP_SECS", "RouterApp", "create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     rng: random.Random | None = None,
-) -> FastAPI:
+) -> RouterApp:
     """The service for ``settings``; ``registry`` receives its metrics (a fresh one by default),
     ``rng`` seeds the router's random choices (ties, sampling)."""
     from api.cli import package_version
@@ -81,7 +81,7 @@ def create_app(
                     logger.warning("shutdown: cancelled %d queued requests", cancelled)
                 sweep.cancel()
 
-    app = _RouterApp(
+    app = RouterApp(
         title="kv-router",
         version=package_version(),
         description="KV-cache-aware request router for LLM engine fleets, wire-compatible with NVIDIA "
@@ -101,16 +101,22 @@ def create_app(
     add_admin_routes(app, kv_router, registry, schemas)
     schemas.install(app)
     _add_error_handlers(app)
-    hot = handlers.routes() if settings.service.fast_path else {}
-    app.front = FastPath(partial(FastAPI.__call__, app), hot, settings.service.max_body_bytes)
+    hot = HotRoutes(handlers.routes() if settings.service.fast_path else {}, settings.service.max_body_bytes)
+    app.hot = hot
+    app.front = FastPath(partial(FastAPI.__call__, app), hot)
     return app
 
 
-class _RouterApp(FastAPI):
+class RouterApp(FastAPI):
     """A FastAPI app entered through `FastPath`: the hot routes are answered before FastAPI's own
-    per-request layers (telemetry check, error middleware, routing), which cost more than a decision."""
+    per-request layers (telemetry check, error middleware, routing), which cost more than a decision.
+
+    ``hot`` is what `FastPath` serves (no routes with ``fast_path`` off); a server may answer the same
+    routes even earlier, as ``kv-router serve`` does inside uvicorn's HTTP protocol (`api.protocol`).
+    """
 
     front: ASGIApp
+    hot: HotRoutes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.front(scope, receive, send)

@@ -61,8 +61,15 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     fast_path: Annotated[
         bool,
         _doc(
-            "serve the hot routes straight from ASGI; turn off to pass every request through FastAPI "
-            "(and any middleware added to the app)"
+            "serve the hot routes from raw bytes, before FastAPI's per-request layers; turn off to pass "
+            "every request through FastAPI (and any middleware added to the app)"
+        ),
+    ] = True
+    fast_protocol: Annotated[
+        bool,
+        _doc(
+            "with fast_path, answer the hot routes inside uvicorn's HTTP protocol, before ASGI; turn off "
+            "to serve them from the ASGI fast path instead"
         ),
     ] = True
     shutdown_timeout_secs: Annotated[

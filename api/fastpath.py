@@ -11,7 +11,8 @@ mounted under a prefix, they serve the hot routes with identical results.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -20,13 +21,26 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.codec import Call, Reply, is_msgpack, query_flag
 from api.errors import BodyTooLarge, error_reply
 
-__all__ = ["FastPath", "HotHandler", "read_body", "wait_disconnect"]
+__all__ = ["FastPath", "HotHandler", "HotRoutes", "read_body", "too_large_reply", "wait_disconnect"]
 
-HotHandler = Callable[[Call], Awaitable[Reply]]
+HotHandler = Callable[[Call], Coroutine[Any, Any, Reply]]
+
+
+@dataclass(frozen=True, slots=True)
+class HotRoutes:
+    """What answers the hot routes before FastAPI: ``POST`` path -> handler, and the body limit."""
+
+    routes: Mapping[str, HotHandler]
+    max_body_bytes: int
 
 
 def _too_large(limit: int) -> BodyTooLarge:
     return BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+
+
+def too_large_reply(limit: int) -> Reply:
+    """The 413 for a body over ``limit`` bytes."""
+    return _error(_too_large(limit))
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
@@ -72,12 +86,12 @@ def _limited(receive: Receive, limit: int) -> Receive:
 
 
 class FastPath:
-    """ASGI middleware: enforces ``max_body_bytes`` and serves ``hot`` (path -> handler) for POST."""
+    """ASGI middleware: enforces ``max_body_bytes`` for every request and serves the hot routes."""
 
-    def __init__(self, app: ASGIApp, hot: Mapping[str, HotHandler], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, hot: HotRoutes) -> None:
         self._app = app
-        self._hot = dict(hot)
-        self._limit = max_body_bytes
+        self._hot = dict(hot.routes)
+        self._limit = hot.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,7 +110,7 @@ class FastPath:
                 request_id = value.decode("latin-1")
         if content_length > self._limit:
             # Refused before a byte of the body is read.
-            await _send_reply(send, _error(_too_large(self._limit)))
+            await _send_reply(send, too_large_reply(self._limit))
             return
         handler = self._hot.get(scope["path"]) if scope["method"] == "POST" else None
         if handler is None:

@@ -1,4 +1,5 @@
-"""Run the app under uvicorn: uvloop event loop, httptools parser, graceful shutdown on SIGTERM.
+"""Run the app under uvicorn: uvloop event loop, httptools parser (the hot routes answered inside
+the HTTP protocol, `api.protocol`), graceful shutdown on SIGTERM.
 
 uvicorn owns the signals: on SIGTERM (or SIGINT) it stops accepting connections, closes idle
 keep-alive connections, lets requests in flight finish for up to ``shutdown_timeout_secs``, then
@@ -7,7 +8,9 @@ runs the app's lifespan shutdown and exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import logging.config
+from typing import Literal
 
 import msgspec
 import uvicorn
@@ -16,18 +19,25 @@ from api.app import create_app
 from api.config import Settings
 from api.event_plane import embedded_nats
 from api.logs import log_config
+from api.protocol import fast_protocol
 
 __all__ = ["serve", "uvicorn_config"]
 
 
 def uvicorn_config(settings: Settings) -> uvicorn.Config:
     service = settings.service
+    app = create_app(settings)
+    # The hot routes are answered inside the HTTP protocol, before ASGI (`api.protocol`); with
+    # fast_protocol off, by the app's ASGI fast path; with fast_path off, by FastAPI's routes.
+    http: type[asyncio.Protocol] | Literal["httptools"] = "httptools"
+    if service.fast_path and service.fast_protocol:
+        http = fast_protocol(app.hot)
     return uvicorn.Config(
-        create_app(settings),
+        app,
         host=service.host,
         port=service.port,
         loop="uvloop",
-        http="httptools",
+        http=http,
         lifespan="on",
         access_log=service.access_log,
         log_config=log_config(service.log_level, service.log_format),

@@ -1,0 +1,370 @@
+"""The hot routes answered inside uvicorn's HTTP protocol, before ASGI.
+
+uvicorn's httptools protocol costs about 45 µs of CPU per request on this VM before the app sees it:
+an ASGI scope dict, an `asyncio.Event`, a task per request, and receive / send message dicts. A
+routing decision on a 1k-token prompt costs about as much, and a decision is two requests (``new``,
+then ``mark_free``). So `FastHttpProtocol`, a subclass of that protocol, answers ``POST`` to a hot
+path itself: httptools parses the request as before, the body is collected from the parser's
+callbacks, the route's `Handlers` method runs right there (`api.eager`: no task unless it has to
+wait, which only a ``new`` parked in the router's queue does), and one complete HTTP/1.1 response is
+written to the transport.
+
+Everything else is uvicorn's own code path, unchanged: other methods and paths reach the FastAPI
+app through ASGI; so do the hot paths with ``fast_path`` off, under a ``root_path``, with
+``limit_concurrency``, or on an upgrade request. Both kinds of request share uvicorn's per-connection
+machinery, so keep-alive, pipelining (one request at a time per connection, answers in order),
+reading paused while a pipelined request waits, graceful shutdown (a request in flight finishes, then
+the connection closes) and the 400 for an unparsable request are uvicorn's; the keep-alive timeout
+is too, with one lazily re-armed timer per connection instead of a new one per response. What the
+ASGI fast path (`api.fastpath.FastPath`) does per request is kept: the body limit (a 413 before
+reading a body whose ``Content-Length`` is over it, or as soon as a chunked body grows past it), the
+same replies, headers (``content-type``, ``content-length``, ``x-request-id``) and metrics, and
+``Expect: 100-continue``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+from typing import Any, ClassVar, cast
+
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+from uvicorn.server import ServerState
+
+from api.codec import Call, Reply, query_flag
+from api.eager import Suspended, start
+from api.fastpath import HotHandler, HotRoutes, too_large_reply
+
+__all__ = ["FastHttpProtocol", "fast_protocol"]
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_INTERNAL_ERROR = (
+    STATUS_LINE[500] + b"content-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\n"
+    b"connection: close\r\n\r\nInternal Server Error"
+)
+_MEDIA = {False: b"application/json", True: b"application/msgpack"}
+
+
+def fast_protocol(hot: HotRoutes) -> type[FastHttpProtocol]:
+    """The protocol class to give uvicorn (``Config(http=...)``) for an app's hot routes."""
+    routes = {path.encode("ascii"): handler for path, handler in hot.routes.items()}
+
+    class BoundFastHttpProtocol(FastHttpProtocol):
+        hot_routes = routes
+        max_body_bytes = hot.max_body_bytes
+
+    return BoundFastHttpProtocol
+
+
+class _NoEvent:
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+class _HotRequest:
+    """One hot request on a connection: what its handler reads, its body so far, where it stands.
+
+    It takes the place of uvicorn's `RequestResponseCycle` as the connection's current ``cycle`` and
+    in its pipeline, and has the attributes uvicorn's connection code reads there.
+    """
+
+    __slots__ = (
+        "accept",
+        "chunks",
+        "complete",
+        "content_type",
+        "disconnected",
+        "expect_continue",
+        "handler",
+        "http_version",
+        "keep_alive",
+        "path",
+        "query",
+        "refused",
+        "request_id",
+        "response_complete",
+        "size",
+        "started",
+    )
+    message_event = _NoEvent()  # uvicorn's connection_lost sets the current cycle's event
+
+    def __init__(self, handler: HotHandler, path: bytes, query: bytes, http_version: str, keep_alive: bool) -> None:
+        self.handler = handler
+        self.path = path
+        self.query = query
+        self.http_version = http_version
+        self.keep_alive = keep_alive
+        self.content_type: bytes | None = None
+        self.accept: bytes | None = None
+        self.request_id: str | None = None
+        self.expect_continue = False
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.started = False  # its turn on the connection has come
+        self.complete = False  # the whole body is in
+        self.refused = False  # over the body limit
+        self.response_complete = False
+        self.disconnected = False
+
+
+class FastHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, answering ``POST`` to ``hot_routes`` without ASGI (see the module)."""
+
+    hot_routes: ClassVar[dict[bytes, HotHandler]] = {}
+    max_body_bytes: ClassVar[int] = 0
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        # Under a root path or a concurrency limit uvicorn's own handling differs per request: leave
+        # every request to it.
+        served = not config.root_path and config.limit_concurrency is None
+        self._routes = self.hot_routes if served else {}
+        self._gone = False
+        self._lost: asyncio.Future[None] | None = None
+        self._wait_disconnect = self._disconnected
+        self._reading_paused_for_writes = False
+        self._idle_since = -1.0  # loop time of the last response while idle; -1 while busy
+
+    # ------------------------------------------------------------------ httptools callbacks
+    def on_message_begin(self) -> None:
+        # What a hot request needs; the ASGI scope is only built once the request is known not to be hot.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def on_headers_complete(self) -> None:
+        parser = self.parser
+        handler = None
+        if parser.get_method() == b"POST" and not parser.should_upgrade():
+            path, _, query = self.url.partition(b"?")
+            handler = self._routes.get(path)
+        if handler is None:
+            self._asgi_headers_complete()
+            return
+        http_version = parser.get_http_version()
+        request = _HotRequest(handler, path, query, http_version, http_version != "1.0" and parser.should_keep_alive())
+        content_length = -1
+        for name, value in self.headers:
+            if name == b"content-type":
+                request.content_type = value
+            elif name == b"content-length":
+                content_length = int(value) if value.isdigit() else -1
+            elif name == b"accept":
+                request.accept = value
+            elif name == b"x-request-id":
+                request.request_id = value.decode("latin-1")
+        request.expect_continue = self.expect_100_continue
+        request.refused = content_length > self.max_body_bytes  # answered before a byte of the body is read
+        previous = self.cycle
+        self.cycle = cast(RequestResponseCycle, request)
+        if previous is None or previous.response_complete:
+            self._begin(request)
+        else:  # pipelined behind a request still being answered: its turn comes in on_response_complete
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cast(RequestResponseCycle, request), self.app))
+
+    def on_body(self, body: bytes) -> None:
+        request: object = self.cycle
+        if not isinstance(request, _HotRequest):
+            super().on_body(body)
+            return
+        if request.refused or request.response_complete:
+            return  # the parser reads the rest of a refused body; nobody keeps it
+        request.size += len(body)
+        if request.size > self.max_body_bytes:
+            request.refused = True
+            request.chunks = []
+            if request.started:
+                self._respond(request, too_large_reply(self.max_body_bytes))
+            return
+        request.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        request: object = self.cycle
+        if not isinstance(request, _HotRequest):
+            super().on_message_complete()
+            return
+        request.complete = True
+        if request.started and not request.refused:
+            self._run(request)
+
+    # ------------------------------------------------------------------ uvicorn's connection hooks
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        """The next pipelined request's turn (called by uvicorn's on_response_complete)."""
+        request: object = cycle
+        if isinstance(request, _HotRequest):
+            self._begin(request)
+        else:
+            super()._start_asgi_task(cycle, app)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._gone = True
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
+
+    def _unset_keepalive_if_required(self) -> None:
+        # Called on every read: the connection is busy. Rather than cancelling the idle timer here and
+        # arming a new one after every response (2-3 µs a request), one timer per connection checks,
+        # when it fires, whether the connection has really been idle that long.
+        self._idle_since = -1.0
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with the lazily re-armed keep-alive timer: start the next pipelined request, or
+        close the connection ``timeout_keep_alive`` seconds after this response if nothing comes."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._check_idle)
+
+    def _check_idle(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self._idle_since < 0:
+            return  # busy: armed again when its response is complete
+        remaining = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        if remaining > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(remaining, self._check_idle)
+        else:
+            self.timeout_keep_alive_handler()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._reading_paused_for_writes:
+            self._reading_paused_for_writes = False
+            self.flow.resume_reading()
+
+    # ------------------------------------------------------------------ hot requests
+    def _asgi_headers_complete(self) -> None:
+        """Hand the request to uvicorn's ASGI path, with the scope its on_message_begin would have built."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect
+        self.scope["headers"] = headers
+        super().on_headers_complete()
+
+    def _begin(self, request: _HotRequest) -> None:
+        """Its turn has come: answer now if its body is in (or refused), else when it is."""
+        request.started = True
+        if request.refused:
+            self._respond(request, too_large_reply(self.max_body_bytes))
+        elif request.complete:
+            self._run(request)
+        elif request.expect_continue and not self.transport.is_closing():
+            self.transport.write(_CONTINUE)
+
+    def _run(self, request: _HotRequest) -> None:
+        chunks = request.chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        request.chunks = []
+        query = request.query
+        call = Call(
+            body,
+            msgpack=_is_msgpack(request.content_type),
+            reply_msgpack=_is_msgpack(request.accept),
+            request_id=request.request_id,
+            explain=query_flag(query, b"explain") if query else False,
+            wait_disconnect=self._wait_disconnect,
+        )
+        try:
+            outcome = start(request.handler(call))
+        except Exception as exc:  # a bug: the handlers answer every error they know
+            self._crashed(request, exc)
+            return
+        if isinstance(outcome, Suspended):  # a `new` waiting in the router's queue
+            task = outcome.task(self.loop)
+            self.tasks.add(cast("asyncio.Task[None]", task))
+            task.add_done_callback(partial(self._finished, request))
+        else:
+            self._respond(request, outcome)
+
+    def _finished(self, request: _HotRequest, task: asyncio.Task[Reply]) -> None:
+        self.tasks.discard(cast("asyncio.Task[None]", task))
+        if task.cancelled():  # uvicorn cancels what is left when the graceful shutdown times out
+            self._crashed(request, None)
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._crashed(request, exc)
+        else:
+            self._respond(request, task.result())
+
+    def _respond(self, request: _HotRequest, reply: Reply) -> None:
+        request.response_complete = True
+        transport = self.transport
+        if not transport.is_closing():
+            body = reply.body
+            head = [STATUS_LINE[reply.status], b"content-type: ", _MEDIA[reply.msgpack], b"\r\ncontent-length: ",
+                    str(len(body)).encode(), b"\r\n"]  # fmt: skip
+            if reply.request_id is not None:
+                # The id is schema-checked visible ASCII, a uuid, or X-Request-Id as httptools let it
+                # through (no control characters): this check is uvicorn's, kept as a guard.
+                value = reply.request_id.encode("latin-1")
+                if not HEADER_VALUE_RE.search(value):
+                    head += (b"x-request-id: ", value, b"\r\n")
+            for name, value in self.server_state.default_headers:
+                head += (name, b": ", value, b"\r\n")
+            if not request.keep_alive:
+                head.append(b"connection: close\r\n")
+            head += (b"\r\n", body)
+            transport.write(b"".join(head))
+            if self.access_log:
+                self._log_access(request, reply.status)
+            if not request.keep_alive:
+                transport.close()
+        self.on_response_complete()
+        if self.flow.write_paused and not self._gone:
+            # The client is not reading its answers: stop reading its requests until it catches up.
+            self._reading_paused_for_writes = True
+            self.flow.pause_reading()
+
+    def _crashed(self, request: _HotRequest, exc: BaseException | None) -> None:
+        """As uvicorn answers an app that raised: log it, send a 500, close the connection."""
+        self.logger.error("Exception in ASGI application\n", exc_info=exc or asyncio.CancelledError())
+        request.response_complete = True
+        if not self.transport.is_closing():
+            self.transport.write(_INTERNAL_ERROR)
+            self.transport.close()
+        self.on_response_complete()
+
+    def _log_access(self, request: _HotRequest, status: int) -> None:
+        target = request.path + (b"?" + request.query if request.query else b"")
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else ""
+        self.access_logger.info(
+            '%s - "%s %s HTTP/%s" %d', client, "POST", target.decode("latin-1"), request.http_version, status
+        )
+
+    async def _disconnected(self) -> None:
+        """Returns once the client has closed the connection (watched by a request in the queue)."""
+        if self._gone:
+            return
+        if self._lost is None or self._lost.done():
+            self._lost = self.loop.create_future()
+        await self._lost
+
+
+def _is_msgpack(media_type: bytes | None) -> bool:
+    return media_type is not None and b"msgpack" in media_type.lower()

@@ -1,0 +1,422 @@
+"""The hot routes answered inside uvicorn's HTTP protocol (`api.protocol`), through a real uvicorn on
+loopback and raw sockets: exact bytes on the wire, keep-alive, pipelining, bodies split across TCP
+segments and chunked, the body limit, malformed bodies, a queued ``new`` finished by a ``mark_free``
+on another connection, a client leaving the queue, the keep-alive timeout, and SIGTERM with requests
+in flight. Where a request is deterministic, the answer must be byte for byte what uvicorn's ASGI
+path gives (``fast_protocol`` off), which the in-process suites test in depth.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+import pytest
+import uvicorn
+
+from api.config import ServiceConfig, Settings
+from api.server import uvicorn_config
+from router.config import RouterConfig
+from tests.test_api_errors import CASES
+from tests.test_api_server import _CLEAN_EXIT, _kv_router, running
+from tests.test_api_support import BLOCK_SIZE, free_port, prompt, stored_event
+
+JSON = "application/json"
+
+
+@contextmanager
+def uvicorn_on_loopback(*, keep_alive_s: float | None = None, **overrides: Any) -> Iterator[int]:
+    """``kv-router serve``'s uvicorn (`uvicorn_config`) in a thread; yields its port. ``overrides`` go
+    to `ServiceConfig` or `RouterConfig` by name."""
+    service = {k: v for k, v in overrides.items() if k in ServiceConfig.__struct_fields__}
+    router = {k: v for k, v in overrides.items() if k not in service}
+    port = free_port()
+    settings = Settings(
+        service=ServiceConfig(port=port, log_level="warning", **service),
+        router=RouterConfig(**{"block_size": BLOCK_SIZE, **router}),
+    )
+    config = uvicorn_config(settings)
+    if keep_alive_s is not None:
+        config.timeout_keep_alive = keep_alive_s  # type: ignore[assignment]  # uvicorn takes whole seconds
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+def request(method: str, path: str, body: bytes | None = None, **headers: str) -> bytes:
+    """One HTTP/1.1 request; ``body`` gets a Content-Length and, unless given, a JSON content type."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+    if body is not None:
+        headers.setdefault("content_type", JSON)
+        headers.setdefault("content_length", str(len(body)))
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
+
+
+def post(path: str, value: Any, **headers: str) -> bytes:
+    return request("POST", path, json.dumps(value, separators=(",", ":")).encode(), **headers)
+
+
+class Client:
+    """A raw keep-alive connection that reads whole responses (Content-Length bodies) off the wire."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def response(self) -> bytes:
+        """The next whole response, head and body, exactly as sent."""
+        while b"\r\n\r\n" not in self.buffer:
+            self._recv()
+        head, _, _ = self.buffer.partition(b"\r\n\r\n")
+        match = re.search(rb"\r\ncontent-length: (\d+)", head)
+        assert match, head
+        size = len(head) + 4 + int(match.group(1))
+        while len(self.buffer) < size:
+            self._recv()
+        reply, self.buffer = self.buffer[:size], self.buffer[size:]
+        return reply
+
+    def ask(self, data: bytes) -> bytes:
+        self.send(data)
+        return self.response()
+
+    def nothing_within(self, seconds: float) -> bool:
+        self.sock.settimeout(seconds)
+        try:
+            data = self.sock.recv(65536)
+        except TimeoutError:
+            return not self.buffer
+        finally:
+            self.sock.settimeout(10)
+        self.buffer += data
+        return False
+
+    def closed_by_server(self, seconds: float = 5) -> bool:
+        self.sock.settimeout(seconds)
+        try:
+            return self.sock.recv(65536) == b""
+        except TimeoutError:
+            return False
+
+    def _recv(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed by the server; unread: {self.buffer!r}")
+        self.buffer += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def reply(status: str, body: bytes, *, media: str = JSON, request_id: str | None = None, close: bool = False) -> bytes:
+    """The exact bytes uvicorn's ASGI path sends for a hot route's reply."""
+    head = f"HTTP/1.1 {status}\r\ncontent-type: {media}\r\ncontent-length: {len(body)}\r\n"
+    if request_id is not None:
+        head += f"x-request-id: {request_id}\r\n"
+    if close:
+        head += "connection: close\r\n"
+    return (head + "\r\n").encode() + body
+
+
+def error(status: str, kind: str, message: str) -> bytes:
+    return reply(status, json.dumps({"error": {"type": kind, "message": message}}, separators=(",", ":")).encode())
+
+
+def body_of(response: bytes) -> Any:
+    return json.loads(response.partition(b"\r\n\r\n")[2])
+
+
+def without_timing(response: bytes) -> bytes:
+    """A `new` reply with its timing (which varies) taken out, Content-Length included."""
+    head, _, body = response.partition(b"\r\n\r\n")
+    body = re.sub(rb',"timing":\{[^}]*\}', b"", body)
+    return re.sub(rb"content-length: \d+", b"content-length: %d" % len(body), head) + b"\r\n\r\n" + body
+
+
+TOKENS = prompt(0, 64)  # 4 blocks
+# FastAPI's own responses (non-hot routes) put content-length first.
+HEALTHY = b'HTTP/1.1 200 OK\r\ncontent-length: 15\r\ncontent-type: application/json\r\n\r\n{"status":"ok"}'
+
+
+def _setup(client: Client, *workers: int) -> None:
+    for worker_id in workers:
+        assert client.ask(post("/v1/workers", {"worker_id": worker_id})).startswith(b"HTTP/1.1 201 ")
+    applied = client.ask(post("/v1/events", [stored_event(workers[0], TOKENS, blocks=3)]))
+    assert applied == reply("200 OK", b'{"received":1,"applied":1,"rejected":0,"errors":[]}')
+
+
+# One connection's script and the exact answers expected (a `new` without its timing).
+def _script() -> list[tuple[bytes, bytes]]:
+    decision = {"worker_id": 1, "dp_rank": 0, "overlap_blocks": 3, "cached_tokens": 48, "request_id": "a"}
+    decision_bytes = json.dumps({**decision, "explanation": None}, separators=(",", ":")).encode()
+    loads = b'{"loads":[{"worker_id":1,"dp_rank":0,"potential_prefill_tokens":32,"potential_decode_blocks":4,'
+    loads += b'"active_requests":1},{"worker_id":2,"dp_rank":0,"potential_prefill_tokens":64,'
+    loads += b'"potential_decode_blocks":4,"active_requests":0}],"pending_count":0,"pending_isl_tokens":0}'
+    return [
+        (post("/v1/new", {"tokens": TOKENS, "request_id": "a"}), reply("200 OK", decision_bytes, request_id="a")),
+        (post("/v1/potential_loads", {"tokens": TOKENS}), reply("200 OK", loads)),
+        (post("/v1/mark_prefill", {"request_id": "a"}),
+         reply("200 OK", b'{"request_id":"a","success":true}', request_id="a")),
+        (request("GET", "/healthz"), HEALTHY),  # through ASGI and FastAPI, between hot requests
+        (post("/v1/router", {"method": "mark_free"}, x_request_id="a"),
+         reply("200 OK", b'{"method":"free_marked","success":true}', request_id="a")),
+        (post("/v1/mark_free", {"request_id": "a"}),
+         error("404 Not Found", "unknown_request_id", "request 'a' is not active")),
+        (request("POST", "/v1/new", b'{"tokens": [1, 2', content_type=JSON),
+         error("400 Bad Request", "malformed_body", "body is not valid JSON: Input data was truncated")),
+        (request("GET", "/v1/new"),  # FastAPI's 405
+         b"HTTP/1.1 405 Method Not Allowed\r\ncontent-length: 83\r\ncontent-type: application/json\r\n\r\n"
+         b'{"error":{"type":"method_not_allowed","message":"GET /v1/new: Method Not Allowed"}}'),
+        (post("/v1/overlap", {"tokens": TOKENS[:32]}),
+         reply("200 OK", b'{"block_size":16,"num_blocks":2,"workers":[{"worker_id":1,"dp_rank":0,"device_blocks":2,'
+                         b'"host_pinned_blocks":2,"disk_blocks":2,"host_pinned_extension_blocks":0,'
+                         b'"disk_extension_blocks":0,"router_credit_blocks":2.0,"cached_tokens":32},{"worker_id":2,'
+                         b'"dp_rank":0,"device_blocks":0,"host_pinned_blocks":0,"disk_blocks":0,'
+                         b'"host_pinned_extension_blocks":0,"disk_extension_blocks":0,"router_credit_blocks":0.0,'
+                         b'"cached_tokens":0}]}')),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False], ids=["protocol", "asgi"])
+def test_keep_alive_one_connection_exact_bytes(fast_protocol: bool) -> None:
+    with uvicorn_on_loopback(fast_protocol=fast_protocol) as port:
+        client = Client(port)
+        _setup(client, 1, 2)
+        for sent, expected in _script():
+            assert without_timing(client.ask(sent)) == expected
+        client.close()
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False], ids=["protocol", "asgi"])
+def test_pipelined_requests_are_answered_in_order(fast_protocol: bool) -> None:
+    with uvicorn_on_loopback(fast_protocol=fast_protocol) as port:
+        client = Client(port)
+        _setup(client, 1, 2)
+        script = _script()
+        client.send(b"".join(sent for sent, _ in script))  # every request before any answer
+        assert [without_timing(client.response()) for _ in script] == [expected for _, expected in script]
+        client.close()
+
+
+def test_bad_requests_get_the_same_bytes_as_through_asgi() -> None:
+    """Every case of the error suite, on one keep-alive connection per server: identical answers."""
+    answers = []
+    for fast_protocol in (True, False):
+        with uvicorn_on_loopback(fast_protocol=fast_protocol, max_prompt_tokens=100, max_body_bytes=4096) as port:
+            client = Client(port)
+            _setup(client, 1, 2)
+            answers.append([client.ask(request("POST", route, body, **_headers(h))) for route, body, h, _, _ in CASES])
+            client.close()
+    assert answers[0] == answers[1]
+    assert [int(a[9:12]) for a in answers[0]] == [status for _, _, _, status, _ in CASES]
+
+
+def _headers(headers: dict[str, str]) -> dict[str, str]:
+    return {name.replace("-", "_"): value for name, value in headers.items()}
+
+
+def test_body_split_across_tcp_segments_and_chunked() -> None:
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        _setup(client, 1, 2)
+        sent = post("/v1/new", {"tokens": TOKENS, "request_id": "s"})
+        for piece in (sent[:7], sent[7:60], sent[60:-40], sent[-40:-1], sent[-1:]):
+            client.send(piece)
+            assert client.nothing_within(0.05) or piece is sent[-1:]
+        assert body_of(client.response())["overlap_blocks"] == 3
+
+        # Chunked transfer encoding, each chunk in its own segment.
+        body = json.dumps({"request_id": "s"}).encode()
+        client.send(b"POST /v1/mark_free HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+        for start in range(0, len(body), 5):
+            chunk = body[start : start + 5]
+            client.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            time.sleep(0.01)
+        client.send(b"0\r\n\r\n")
+        assert client.response() == reply("200 OK", b'{"request_id":"s","success":true}', request_id="s")
+        client.close()
+
+
+def test_body_over_the_limit_keeps_the_connection_usable() -> None:
+    too_large = error("413 Request Entity Too Large", "body_too_large", "request body exceeds the limit of 1000 bytes")
+    with uvicorn_on_loopback(max_body_bytes=1000) as port:
+        client = Client(port)
+        _setup(client, 1)
+        big = json.dumps({"tokens": list(range(400))}).encode()
+        head = request("POST", "/v1/new", big)[: -len(big)]
+        # Refused on its Content-Length, before a byte of the body is sent ...
+        assert client.ask(head) == too_large
+        # ... and the body that follows is read and dropped: the connection goes on.
+        client.send(big)
+        assert client.ask(post("/v1/mark_free", {"request_id": "x"})) == error(
+            "404 Not Found", "unknown_request_id", "request 'x' is not active"
+        )
+        # Chunked: refused as soon as it grows past the limit.
+        client.send(b"POST /v1/potential_loads HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        client.send(b"%x\r\n%s\r\n" % (600, big[:600]))
+        assert client.nothing_within(0.1)
+        client.send(b"%x\r\n%s\r\n" % (600, big[600:1200]))
+        assert client.response() == too_large
+        client.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(big) - 1200, big[1200:]))
+        assert client.ask(request("GET", "/healthz")) == HEALTHY
+        client.close()
+
+
+def test_msgpack_bytes_expect_continue_http10_and_explain() -> None:
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        _setup(client, 1, 2)
+        packed = msgspec.msgpack.encode({"tokens": b"".join(t.to_bytes(4, "little") for t in TOKENS)})
+        answer = client.ask(
+            request(
+                "POST",
+                "/v1/new?explain=true",
+                packed,
+                content_type="application/msgpack",
+                accept="application/msgpack",
+                x_request_id="m",
+            )
+        )
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\n")
+        assert head.endswith(b"\r\nx-request-id: m")
+        decision = msgspec.msgpack.decode(body)
+        assert (decision["worker_id"], decision["overlap_blocks"], decision["request_id"]) == (1, 3, "m")
+        assert {c["worker_id"] for c in decision["explanation"]["candidates"]} == {1, 2}
+
+        # Expect: 100-continue: the interim answer comes before the body is sent.
+        body = b'{"request_id":"m"}'
+        client.send(request("POST", "/v1/mark_free", body, expect="100-continue")[: -len(body)])
+        assert client.sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        assert client.ask(body) == reply("200 OK", b'{"request_id":"m","success":true}', request_id="m")
+        client.close()
+
+        # HTTP/1.0: answered, then closed.
+        old = Client(port)
+        sent = post("/v1/mark_free", {"request_id": "m"}).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+        gone = b'{"error":{"type":"unknown_request_id","message":"request \'m\' is not active"}}'
+        assert old.ask(sent) == reply("404 Not Found", gone, close=True)
+        assert old.closed_by_server()
+        old.close()
+
+
+def test_queued_new_completes_after_mark_free_on_another_connection() -> None:
+    queue = {"router_queue_threshold": 0.0, "router_queue_request_limit_per_worker": 2}
+    with uvicorn_on_loopback(**queue) as port:
+        first, second = Client(port), Client(port)
+        assert first.ask(post("/v1/workers", {"worker_id": 1, "max_num_batched_tokens": 16})).startswith(
+            b"HTTP/1.1 201 "
+        )
+        assert body_of(first.ask(post("/v1/new", {"tokens": prompt(8, 64), "request_id": "first"})))["worker_id"] == 1
+        # `second` waits in the queue; a request pipelined behind it waits for its turn.
+        second.send(post("/v1/new", {"tokens": prompt(9, 64), "request_id": "second"}))
+        second.send(post("/v1/mark_free", {"request_id": "nope"}))
+        assert second.nothing_within(0.3)
+        pending = body_of(first.ask(post("/v1/potential_loads", {"tokens": [1]})))
+        assert (pending["pending_count"], pending["pending_isl_tokens"]) == (1, 64)
+        assert first.ask(post("/v1/mark_free", {"request_id": "first"})) == reply(
+            "200 OK", b'{"request_id":"first","success":true}', request_id="first"
+        )
+        decision = body_of(second.response())
+        assert decision["request_id"] == "second" and decision["timing"]["queued_s"] > 0.2
+        assert second.response() == error("404 Not Found", "unknown_request_id", "request 'nope' is not active")
+
+        # A client that leaves while queued gives its place back; nothing stays booked under its id.
+        leaver = Client(port)
+        leaver.send(post("/v1/new", {"tokens": prompt(10, 64), "request_id": "leaver"}))
+        deadline = time.monotonic() + 5
+        while body_of(first.ask(post("/v1/potential_loads", {"tokens": [1]})))["pending_count"] != 1:
+            assert time.monotonic() < deadline
+        leaver.close()
+        while body_of(first.ask(post("/v1/potential_loads", {"tokens": [1]})))["pending_count"] != 0:
+            assert time.monotonic() < deadline
+        assert first.ask(post("/v1/mark_free", {"request_id": "second"})).startswith(b"HTTP/1.1 200 ")
+        assert first.ask(post("/v1/mark_free", {"request_id": "leaver"})).startswith(b"HTTP/1.1 404 ")
+        first.close()
+        second.close()
+
+
+def test_keep_alive_timeout_closes_only_idle_connections() -> None:
+    with uvicorn_on_loopback(keep_alive_s=0.5) as port:
+        busy, idle = Client(port), Client(port)
+        for client in (busy, idle):
+            assert client.ask(post("/v1/mark_free", {"request_id": "x"})).startswith(b"HTTP/1.1 404 ")
+        for _ in range(6):  # 0.9 s of traffic, never 0.5 s idle
+            time.sleep(0.15)
+            assert busy.ask(post("/v1/mark_free", {"request_id": "x"})).startswith(b"HTTP/1.1 404 ")
+        assert idle.closed_by_server(0.1)
+        assert busy.closed_by_server(2)
+        busy.close()
+        idle.close()
+
+
+def test_hot_routes_move_the_metrics() -> None:
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        _setup(client, 1)
+        client.ask(post("/v1/new", {"tokens": TOKENS, "request_id": "k"}))
+        client.ask(post("/v1/mark_free", {"request_id": "k"}))
+        client.ask(post("/v1/mark_free", {"request_id": "k"}))
+        text = client.ask(request("GET", "/metrics")).decode()
+        client.close()
+    assert 'kv_router_requests_total{method="new",outcome="ok"} 1.0' in text
+    assert 'kv_router_requests_total{method="mark_free",outcome="ok"} 1.0' in text
+    assert 'kv_router_requests_total{method="mark_free",outcome="unknown_request_id"} 1.0' in text
+    assert 'kv_router_decision_duration_seconds_count{phase="request"} 1.0' in text
+    assert "kv_router_overlap_blocks_sum 3.0" in text
+
+
+def test_sigterm_lets_requests_in_flight_finish() -> None:
+    """A queued `new` and the `mark_free` that will let it through are both in flight when SIGTERM
+    arrives (the free's body not yet complete): both are answered, with ``connection: close``, and
+    the process exits cleanly."""
+    port = free_port()
+    argv = [*_kv_router(), "serve", "--port", str(port), "--block-size", str(BLOCK_SIZE), "--log-level", "warning",
+            "--no-embedded-nats", "--router-queue-threshold", "0.0"]  # fmt: skip
+    with running(argv, port) as process:
+        first, second = Client(port), Client(port)
+        first.ask(post("/v1/workers", {"worker_id": 1, "max_num_batched_tokens": 16}))
+        first.ask(post("/v1/new", {"tokens": prompt(8, 64), "request_id": "first"}))
+        second.send(post("/v1/new", {"tokens": prompt(9, 64), "request_id": "second"}))
+        assert second.nothing_within(0.2)
+        free = post("/v1/mark_free", {"request_id": "first"})
+        first.send(free[:-5])
+        time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        first.send(free[-5:])
+        assert first.response() == reply(
+            "200 OK", b'{"request_id":"first","success":true}', request_id="first", close=True
+        )
+        answer = second.response()
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nconnection: close\r\n" in answer
+        assert body_of(answer)["request_id"] == "second"
+        assert first.closed_by_server() and second.closed_by_server()
+        assert process.wait(30) in _CLEAN_EXIT
+        first.close()
+        second.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1)
