@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import random
+import re
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from api.metrics import LATENCY_BUCKETS, OVERLAP_BLOCK_BUCKETS, PREFIX, RATIO_BUCKETS, ApiMetrics
+from router.types import DecisionTiming, RouteDecision
 from tests.test_api_support import BLOCK_SIZE, metric, prompt, serve, stored_event
 
 
@@ -87,3 +94,51 @@ def test_each_app_has_its_own_registry() -> None:
         first.post("/v1/new", json={"tokens": prompt(4, 16)})
         assert metric(first, "kv_router_requests_total", method="new", outcome="ok") == 1
         assert metric(second, "kv_router_requests_total", method="new", outcome="ok") == 0
+
+
+def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
+    """The lock-free histograms of `ApiMetrics` against prometheus-client's own `Histogram` fed the
+    same observations, bucket edges included: the same families, samples and values."""
+    ours = CollectorRegistry()
+    metrics = ApiMetrics(ours)
+    theirs = CollectorRegistry()
+    families = {family.name: family for family in ours.collect()}
+    requests = Counter(f"{PREFIX}_requests", families[f"{PREFIX}_requests"].documentation, ["method", "outcome"],
+                       registry=theirs)  # fmt: skip
+    for method in ("new", "potential_loads", "mark_prefill", "mark_free", "events", "overlap"):
+        requests.labels(method, "ok")
+    name = f"{PREFIX}_decision_duration_seconds"
+    decision = Histogram(name, families[name].documentation, ["phase"], buckets=LATENCY_BUCKETS, registry=theirs)
+    phases = {phase: decision.labels(phase) for phase in ("hashing", "matching", "scheduling", "queued", "request")}
+    name = f"{PREFIX}_overlap_blocks"
+    overlap = Histogram(name, families[name].documentation, buckets=OVERLAP_BLOCK_BUCKETS, registry=theirs)
+    name = f"{PREFIX}_predicted_cache_hit_ratio"
+    hit_ratio = Histogram(name, families[name].documentation, buckets=RATIO_BUCKETS, registry=theirs)
+    name = f"{PREFIX}_events_applied"
+    Counter(name, families[name].documentation, ["event_type", "status"], registry=theirs)
+
+    rng = random.Random(1)
+    edges = [*LATENCY_BUCKETS, 0.0, 2.0]
+    for i in range(3000):
+        times = [rng.choice(edges) if rng.random() < 0.3 else rng.random() ** 4 for _ in range(4)]
+        queued = times[3] if i % 3 == 0 else 0.0
+        blocks = rng.choice([*OVERLAP_BLOCK_BUCKETS, 3, 5000, 9000])
+        tokens = rng.randint(1, 20_000)
+        cached = min(tokens, rng.choice([0, tokens // 10, tokens // 2, tokens, rng.randint(0, tokens)]))
+        timing = DecisionTiming(hashing_s=times[0], matching_s=times[1], scheduling_s=times[2], queued_s=queued)
+        routed = RouteDecision(worker_id=1, dp_rank=0, overlap_blocks=blocks, cached_tokens=cached, request_id="r",
+                               timing=timing)  # fmt: skip
+        metrics.decision(routed, tokens, times[0] + times[2])
+        for phase, value in zip(("hashing", "matching", "scheduling"), times, strict=False):
+            phases[phase].observe(value)
+        if queued:
+            phases["queued"].observe(queued)
+        phases["request"].observe(times[0] + times[2])
+        overlap.observe(blocks)
+        hit_ratio.observe(min(1.0, cached / tokens))
+
+    def exposition(registry: CollectorRegistry) -> str:
+        return re.sub(r"(_created\{?[^ ]*) \S+", r"\1 T", generate_latest(registry).decode())
+
+    assert "_bucket" in exposition(ours)
+    assert exposition(ours) == exposition(theirs)
