@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging.config
+import signal
+from types import FrameType
 from typing import Literal
 
 import msgspec
@@ -56,10 +58,38 @@ def serve(settings: Settings) -> None:
 
     Without ``nats_url`` (and unless ``embedded_nats`` is off) a private nats-server runs beside the
     service for its whole life and stops after it.
+
+    After its graceful shutdown uvicorn raises the signal it caught again, with the handlers it found
+    in place, so that the process ends as one killed by that signal. Those handlers are `_stop`'s: the
+    signal comes back here as `_Stopped`, the embedded nats-server is stopped, and only then is it
+    raised with the default handlers (a signal before uvicorn took over stops start-up the same way).
     """
     logging.config.dictConfig(log_config(settings.service.log_level, settings.service.log_format))
-    with embedded_nats(settings.event_plane) as nats_url:
-        if nats_url != settings.event_plane.nats_url:
-            event_plane = msgspec.structs.replace(settings.event_plane, nats_url=nats_url)
-            settings = msgspec.structs.replace(settings, event_plane=event_plane)
-        uvicorn.Server(uvicorn_config(settings)).run()
+    previous = {sig: signal.signal(sig, _stop) for sig in _SIGNALS}
+    stopped_by: int | None = None
+    try:
+        with embedded_nats(settings.event_plane) as nats_url:
+            if nats_url != settings.event_plane.nats_url:
+                event_plane = msgspec.structs.replace(settings.event_plane, nats_url=nats_url)
+                settings = msgspec.structs.replace(settings, event_plane=event_plane)
+            uvicorn.Server(uvicorn_config(settings)).run()
+    except _Stopped as stopped:
+        stopped_by = stopped.signal
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stopped_by is not None:
+        signal.raise_signal(stopped_by)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Stopped(BaseException):
+    def __init__(self, sig: int) -> None:
+        super().__init__(sig)
+        self.signal = sig
+
+
+def _stop(sig: int, frame: FrameType | None) -> None:
+    raise _Stopped(sig)
