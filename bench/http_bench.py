@@ -234,10 +234,15 @@ class KvRouterService(Service):
     def __init__(self, port: int, form: str) -> None:
         super().__init__(port)
         self.form = form
+        # "json" / "msgpack": the request bodies; "-asgi": the hot routes served by the ASGI fast path
+        # (`--no-fast-protocol`) instead of inside uvicorn's HTTP protocol.
+        self.encoding, _, self.variant = form.partition("-")
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         argv = [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
-                "--log-level", "warning"]  # fmt: skip
+                "--log-level", "warning", "--no-embedded-nats"]  # fmt: skip
+        if self.variant == "asgi":
+            argv.append("--no-fast-protocol")
         return argv, {}
 
     async def health(self, conn: Connection) -> bool:
@@ -267,7 +272,7 @@ class KvRouterService(Service):
         return {row["worker_id"]: row["device_blocks"] for row in reply["workers"] if row["device_blocks"]}
 
     async def select(self, conn: Connection, request_id: bytes, prompt: Prompt) -> tuple[int, int]:
-        if self.form == "msgpack":
+        if self.encoding == "msgpack":
             body = _MSGPACK.encode({"request_id": request_id.decode(), "tokens": prompt.packed})
             reply = await conn.ok(b"POST", b"/v1/new", body, b"application/msgpack")
         else:
@@ -608,7 +613,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--forms",
         type=lambda s: s.split(","),
         default=["json", "msgpack"],
-        help="kv-router request bodies: json (token list) and/or msgpack (packed u32 tokens)",
+        help="kv-router variants: json (token list) and/or msgpack (packed u32 tokens) bodies; a -asgi suffix "
+        "(json-asgi, msgpack-asgi) serves the hot routes from the ASGI fast path instead of inside the protocol",
     )
     parser.add_argument("--cycles", type=int, default=20_000, help="most decisions per cell")
     parser.add_argument("--seconds", type=float, default=3.0, help="longest time per cell")
@@ -625,6 +631,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     args.service_cpus = args.service_cpus or None
+    if any(form not in ("json", "msgpack", "json-asgi", "msgpack-asgi") for form in args.forms):
+        parser.error("forms are json, msgpack, json-asgi, msgpack-asgi")
     if any(size % BLOCK_SIZE for size in args.prompt_tokens):
         parser.error(f"prompt sizes must be multiples of the block size {BLOCK_SIZE}")
     return args
