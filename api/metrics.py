@@ -89,14 +89,17 @@ class ApiMetrics:
             ["event_type", "status"],
             registry=registry,
         )
-        self._ok = {
-            method: self._requests.labels(method, "ok")
+        # (method, outcome) -> its bound counter; the ok ones exist (at 0) from the start.
+        self._counts = {
+            (method, "ok"): self._requests.labels(method, "ok")
             for method in ("new", "potential_loads", "mark_prefill", "mark_free", "events", "overlap")
         }
 
     def count(self, method: str, outcome: str = "ok") -> None:
-        child = self._ok.get(method) if outcome == "ok" else None
-        (child or self._requests.labels(method, outcome)).inc()
+        child = self._counts.get((method, outcome))
+        if child is None:
+            child = self._counts[method, outcome] = self._requests.labels(method, outcome)
+        child.inc()
 
     def decision(self, decision: RouteDecision, prompt_tokens: int, request_s: float) -> None:
         phase = self._phase
