@@ -22,7 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from mocker.protocol import GenerateRequest, GenerateUpdate, generate_subject, reply_prefix
-from mocker.report import ReplayRecord
+from mocker.report import ReplayRecord, blank_records
 from mocker.trace import Trace, TraceRequest
 
 __all__ = ["OnlineReplayError", "replay_online", "wait_for_workers"]
@@ -69,7 +69,7 @@ class _Replayer:
         self.nc = nc
         self.namespace = namespace
         self.timeout_s = timeout_s
-        self.records = [ReplayRecord(r.index, r.arrival_ms, r.input_length, r.output_length) for r in trace]
+        self.records = blank_records(trace.requests)
         self.prefix = reply_prefix(namespace, uuid.uuid4().hex[:12])
         self._updates: dict[str, asyncio.Queue[GenerateUpdate]] = {}
         self._started = 0.0

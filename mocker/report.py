@@ -18,17 +18,20 @@ report.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from mocker.trace import TraceRequest
+
 __all__ = [
     "Latency",
     "ReplayRecord",
     "RouterReport",
+    "blank_records",
     "render_markdown",
     "render_table",
     "renumber_workers",
@@ -119,6 +122,13 @@ class RouterReport:
     windows: list[dict[str, Any]] = field(default_factory=list)
     requests_per_worker: list[int] = field(default_factory=list)
     ttft_sorted_ms: list[float] = field(default_factory=list, repr=False)
+
+
+def blank_records(requests: Iterable[TraceRequest]) -> list[ReplayRecord]:
+    """One record per request, at the position of its index (its line in the trace, not its arrival
+    order, which jitter may change)."""
+    ordered = sorted(requests, key=lambda r: r.index)
+    return [ReplayRecord(r.index, r.arrival_ms, r.input_length, r.output_length) for r in ordered]
 
 
 def renumber_workers(records: Sequence[ReplayRecord]) -> int:

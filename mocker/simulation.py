@@ -27,7 +27,7 @@ from indexer.events import RouterEvent, cleared_event, removed_event, stored_eve
 from mocker.block_pool import KvOp, Removed, Stored
 from mocker.config import EngineConfig
 from mocker.engine import CacheStats, MockEngine, PassResult, SeqState, Sequence
-from mocker.report import ReplayRecord
+from mocker.report import ReplayRecord, blank_records
 from mocker.routers import FleetRouter, RoutedRequest, RouteResult, RouterRejected
 from mocker.trace import Trace, TraceRequest
 
@@ -82,7 +82,7 @@ class _Simulation:
             router.add_worker(w, engine)
         self.event_delay_ms = event_delay_ms
         self.progress = progress
-        self.records = [ReplayRecord(r.index, r.arrival_ms, r.input_length, r.output_length) for r in trace.requests]
+        self.records = blank_records(trace.requests)
         self._sequences: list[tuple[ReplayRecord, Sequence]] = []
         self._heap: list[tuple[float, int, int, int]] = []
         self._counter = 0

@@ -58,6 +58,18 @@ def test_an_offline_replay_is_deterministic_for_a_seed(router: str) -> None:
     assert all(0 <= r.cached_tokens < r.input_length for r in first)
 
 
+def test_records_follow_their_requests_when_jitter_reorders_arrivals() -> None:
+    rows = shared_prefix_rows(requests=80, groups=6, rate_per_s=20.0)
+    trace = build_trace(rows, TraceOptions(jitter_ms=2000.0, seed=1), "generated")
+    assert [r.index for r in trace] != sorted(r.index for r in trace)
+    records = replay(trace, "dynamo")
+    arrivals = {r.index: r.arrival_ms for r in trace}
+    for record in records:
+        assert record.arrival_ms == arrivals[record.index]
+        assert record.routed_ms == record.arrival_ms  # no router queue: routed on arrival
+        assert record.arrival_ms < record.first_token_ms <= record.finished_ms
+
+
 def test_seeds_change_random_choices() -> None:
     trace = workload()
     assert [r.worker_id for r in replay(trace, "random", seed=1)] != [
