@@ -19,9 +19,11 @@ vLLM's wire format. Both indexes are checked against ground truth before measuri
 Measurement: each service runs alone on core 0 (``taskset``), this load generator on core 1. A cell
 (prompt size x concurrency) ends after ``--cycles`` decisions or ``--seconds``, after a warm-up.
 Each cell is run ``--repeat`` times alternating the services; the median is reported, with the
-service's CPU time per decision read from ``/proc``. Everything listens on loopback only: Dynamo's
-service binds 0.0.0.0, so the whole run happens inside a private network namespace (``unshare -n``)
-whose only interface is ``lo``.
+service's CPU time per decision read from ``/proc``. On a shared machine, each run of a cell first waits
+(up to ``--quiet-wait`` s) until other processes use less than ``--quiet-cores``, and the CPU they used
+during each cell is reported (the table's last column, the worst run of the row). Everything listens
+on loopback only: Dynamo's service binds 0.0.0.0, so the whole run happens inside a private network
+namespace (``unshare -n``) whose only interface is ``lo``.
 
     python bench/http_bench.py                       # the full grid, ~3 minutes
     python bench/http_bench.py --prompt-tokens 1024 --concurrency 8 --seconds 2
@@ -387,6 +389,47 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy since boot (every core; /proc/stat)."""
+    with open("/proc/stat") as stat:
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in stat.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+class ForeignLoad:
+    """CPU used by processes that are not this run's (other people's work on a shared machine), in
+    cores: the machine's busy time less this load generator's and the services'."""
+
+    def __init__(self, services: Sequence[Service]) -> None:
+        self._services = services
+        self._start = self._snapshot()
+
+    def _snapshot(self) -> tuple[float, float, float]:
+        own = process_cpu_s(os.getpid())
+        for service in self._services:
+            if service.process is not None and service.process.poll() is None:
+                own += process_cpu_s(service.process.pid)
+        return machine_busy_s(), own, time.perf_counter()
+
+    def cores(self) -> float:
+        """Foreign cores since this was created."""
+        busy0, own0, t0 = self._start
+        busy1, own1, t1 = self._snapshot()
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9)
+
+
+async def wait_quiet(services: Sequence[Service], limit: float, timeout_s: float) -> float:
+    """Wait (up to ``timeout_s``) until other processes use less than ``limit`` cores; returns the last
+    reading."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        window = ForeignLoad(services)
+        await asyncio.sleep(0.5)
+        foreign = window.cores()
+        if foreign < limit or time.perf_counter() >= deadline:
+            return foreign
+
+
 @contextmanager
 def launched(service: Service, cpus: str | None) -> Iterator[subprocess.Popen[bytes]]:
     argv, env = service.command()
@@ -463,6 +506,7 @@ class Cell:
     service_cpu_s: float
     best_overlap: int
     errors: int
+    foreign_cores: float = 0.0
 
     @property
     def per_s(self) -> float:
@@ -519,6 +563,7 @@ def median_cell(cells: list[Cell]) -> dict[str, float]:
         "cpu_us": statistics.median(c.service_cpu_s / max(1, c.decisions) * 1e6 for c in cells),
         "best": statistics.median(c.best_overlap / max(1, c.decisions) for c in cells),
         "errors": sum(c.errors for c in cells),
+        "foreign_cores": max(c.foreign_cores for c in cells),
     }
 
 
@@ -544,9 +589,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for repeat in range(args.repeat):
                     for service in services if repeat % 2 == 0 else services[::-1]:
                         tag = f"{service.form}-{size}-{concurrency}-{repeat}"
+                        await wait_quiet(services, args.quiet_cores, args.quiet_wait)
+                        foreign = ForeignLoad(services)
                         cell = await run_cell(
                             service, workload.prompts[size], concurrency, args.cycles, args.seconds, tag
                         )
+                        cell.foreign_cores = foreign.cores()
                         results.setdefault((service.name, service.form, size, concurrency), []).append(cell)
                 summary = {key: median_cell(cells) for key, cells in results.items() if key[2:] == (size, concurrency)}
                 line = "  ".join(f"{k[0]}/{k[1]} {v['per_s']:,.0f}/s p99 {v['p99']:.2f} ms" for k, v in summary.items())
@@ -561,7 +609,10 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
     results = outcome["results"]
     ours = " | ".join(f"kv-router {form} dec/s | p50 / p99 ms | x throughput | p99 ratio" for form in args.forms)
     cpu_columns = "".join(f", {form}" for form in args.forms)
-    header = f"| prompt | conc | Dynamo dec/s | Dynamo p50 / p99 ms | {ours} | svc µs/dec (Dynamo{cpu_columns}) |"
+    header = (
+        f"| prompt | conc | Dynamo dec/s | Dynamo p50 / p99 ms | {ours} | svc µs/dec (Dynamo{cpu_columns}) "
+        "| foreign cores (max) |"
+    )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for size in args.prompt_tokens:
         for concurrency in args.concurrency:
@@ -579,6 +630,8 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
                         f"{ours['per_s'] / theirs['per_s']:.2f}", f"{ours['p99'] / theirs['p99']:.2f}"]  # fmt: skip
                 cpu.append(f"{ours['cpu_us']:.0f}")
             row.append(" / ".join(cpu))
+            foreign = max(v["foreign_cores"] for k, v in results.items() if k[2:] == (size, concurrency))
+            row.append(f"{foreign:.2f}")
             lines.append("| " + " | ".join(row) + " |")
     best = {k: v["best"] for k, v in results.items() if k[3] == 1}
     errors = sum(v["errors"] for v in results.values())
@@ -627,6 +680,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--service-cpus", default="0", help="taskset CPU list for the services ('' = no pinning)")
     parser.add_argument("--client-cpus", default="1", help="CPU list for this load generator ('' = no pinning)")
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=20.0,
+        help="before each cell, wait up to this many seconds for other processes to go quiet",
+    )
+    parser.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.1,
+        help="what counts as quiet: CPU used by processes not of this run, in cores",
+    )
     parser.add_argument("--base-port", type=int, default=18080)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
