@@ -70,6 +70,20 @@ def test_records_follow_their_requests_when_jitter_reorders_arrivals() -> None:
         assert record.arrival_ms < record.first_token_ms <= record.finished_ms
 
 
+def test_requests_wait_in_the_router_queue_and_are_rejected_when_it_is_full() -> None:
+    rows = shared_prefix_rows(requests=120, groups=6, rate_per_s=60.0, output_tokens=200)
+    trace = build_trace(rows, TraceOptions(), "burst")
+    config = RouterConfig(block_size=64, router_queue_threshold=0.2, router_queue_request_limit_per_worker=4)
+    router = KvRouterFleet(config, random.Random(0))
+    records = asyncio.run(simulate(trace, router, ENGINE, 2)).records
+    queued = [r for r in records if r.queued_in_router]
+    rejected = [r for r in records if r.status == "rejected_by_router"]
+    assert queued and rejected
+    assert all(r.status == "completed" for r in records if r not in rejected)
+    assert all(r.routed_ms > r.arrival_ms for r in queued)  # dispatched when a mark freed capacity
+    assert all(r.worker_id == -1 for r in rejected)
+
+
 def test_seeds_change_random_choices() -> None:
     trace = workload()
     assert [r.worker_id for r in replay(trace, "random", seed=1)] != [
