@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
-from api.app import create_app
 from api.config import EventPlaneConfig, ServiceConfig, Settings
+from api.server import uvicorn_config
 from indexer.nats_server import free_port
 from router.config import RouterConfig
 
@@ -32,9 +32,7 @@ async def serve_router(
         service=ServiceConfig(port=port, log_level="warning"),
         event_plane=EventPlaneConfig(nats_url=nats_url, nats_namespace=namespace),
     )
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn_config(settings))
     serving = asyncio.create_task(server.serve(), name="kv-router-http")
     try:
         async with asyncio.timeout(startup_timeout_s):
