@@ -55,6 +55,14 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     router_queue_isl_token_limit_per_worker: int | None = None
     # Ours: the selection policy by registry name (`router.policies`).
     policy: str = "dynamo"
+    # Ours, knobs of the `cache_affinity` policy (router/policies/cache_affinity.py), tuned on the shared
+    # traces (docs/routing-quality.md): how many queued prefill tokens one uncached prompt token is
+    # worth (> 1 trades some queueing for cache affinity, which also saves the fleet's cache space);
+    # the queued-token cost of one token of active decode context on the rank; and whether prompt
+    # prefixes booked on a rank but not yet reported stored count as cached there.
+    affinity_miss_weight: float = 3.0
+    affinity_decode_weight: float = 0.05
+    affinity_predict_inflight: bool = True
     # Dynamo reads this from the model card: EAGLE hashing windows span one extra token (§1.1).
     enable_eagle: bool = False
 
@@ -69,6 +77,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "host_cache_hit_weight",
             "disk_cache_hit_weight",
             "router_temperature",
+            "affinity_miss_weight",
+            "affinity_decode_weight",
         ):
             _require_non_negative(name, getattr(self, name))
         if not (math.isfinite(self.request_expiry_secs) and self.request_expiry_secs > 0):

@@ -7,6 +7,7 @@ import random
 
 from router.config import ConfigError, RouterConfig
 from router.policies.base import PolicyFactory, SelectionPolicy
+from router.policies.cache_affinity import CacheAffinityPolicy
 from router.policies.dynamo import DynamoPolicy
 from router.policies.simple import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 
@@ -17,6 +18,7 @@ _POLICIES: dict[str, PolicyFactory] = {
     RoundRobinPolicy.name: RoundRobinPolicy,
     RandomPolicy.name: RandomPolicy,
     LeastLoadedPolicy.name: LeastLoadedPolicy,
+    CacheAffinityPolicy.name: CacheAffinityPolicy,
 }
 
 
