@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client
+
+from indexer.nats_connection import NatsOptions, connect
+from indexer.nats_server import EmbeddedNats
 
 SHARED_DIR = Path(os.environ.get("KV_ROUTER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
@@ -21,3 +26,18 @@ def shared_dir() -> Path:
 def anyio_backend() -> str:
     """Async tests (``@pytest.mark.anyio``) run on asyncio, the loop the service uses."""
     return "asyncio"
+
+
+@pytest.fixture
+def nats_server() -> Iterator[EmbeddedNats]:
+    """A real nats-server with JetStream on a free loopback port, stopped after the test."""
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture
+async def client(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
+    """A NATS client connected to ``nats_server``."""
+    nc = await connect(NatsOptions(nats_server.url))
+    yield nc
+    await nc.close()

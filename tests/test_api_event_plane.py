@@ -10,8 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +28,7 @@ from indexer.protocol import WorkerRegistration
 from indexer.publisher import KvEventPublisher, open_registry
 from indexer.subjects import Subjects
 from router.config import RouterConfig
+from tests.waiting import until
 
 T = TypeVar("T")
 BLOCK = 16
@@ -97,17 +97,9 @@ def registry_keys(url: str) -> set[str]:
     return asyncio.run(run())
 
 
-def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 @pytest.fixture
-def nats_url() -> Iterator[str]:
-    with EmbeddedNats() as server:
-        yield server.url
+def nats_url(nats_server: EmbeddedNats) -> str:
+    return nats_server.url
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 from nats.aio.client import Client
@@ -17,33 +16,12 @@ from router.config import RouterConfig
 from router.event_plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import AllWorkersOverloaded, RouteRequest, WorkerConfig
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
 
 BLOCK = 16
 PROMPT = list(range(1000, 1000 + 8 * BLOCK))
-
-
-@pytest.fixture
-def nats_server() -> Iterator[EmbeddedNats]:
-    with EmbeddedNats() as server:
-        yield server
-
-
-@pytest.fixture
-async def client(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
-    nc = await connect(NatsOptions(nats_server.url))
-    yield nc
-    await nc.close()
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 def cached(router: KvRouter, tokens: list[int]) -> dict[tuple[int, int], int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
 
 import msgspec
 import pytest
@@ -18,21 +17,9 @@ from indexer.protocol import WorkerRegistration
 from indexer.publisher import KvEventPublisher
 from indexer.radix_tree import RadixTree
 from indexer.sequencer import EventSequencer
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def nats_server() -> Iterator[EmbeddedNats]:
-    with EmbeddedNats() as server:
-        yield server
-
-
-@pytest.fixture
-async def client(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
-    nc = await connect(NatsOptions(nats_server.url))
-    yield nc
-    await nc.close()
 
 
 def chain(prompt_seed: int, blocks: int) -> list[tuple[int, int]]:
@@ -56,14 +43,6 @@ def same_state(router_tree: RadixTree, publisher: KvEventPublisher) -> bool:
         return sorted(msgspec.json.encode(e.event.data) for e in restored.dump_events())
 
     return normalised(router_tree) == normalised(publisher.held_blocks())
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
 
 
 async def start_router(nc: Client) -> tuple[RadixTree, EventSequencer, KvEventSubscriber]:
