@@ -33,6 +33,9 @@ __all__ = ["EventSequencer", "StreamStatus"]
 
 # Beyond this many held events a stream stops holding and asks for a full dump instead.
 MAX_HELD_EVENTS = 100_000
+# No engine stores or removes this many blocks in one event (a 1M-token prompt at block size 16 is
+# 65,536 blocks); a bigger one is rejected before it can stall the loop that routes requests.
+MAX_EVENT_BLOCKS = 1 << 17
 
 _REJECTION_REASONS: dict[type[KvIndexError], str] = {
     ParentBlockNotFound: "parent_not_found",
@@ -66,10 +69,12 @@ class EventSequencer:
         *,
         accept_worker: Callable[[int], bool] | None = None,
         max_held_events: int = MAX_HELD_EVENTS,
+        max_event_blocks: int = MAX_EVENT_BLOCKS,
     ) -> None:
         self.index = index
         self._accept_worker = accept_worker
         self._max_held = max_held_events
+        self._max_blocks = max_event_blocks
         self._streams: dict[WorkerRank, _Stream] = {}
         # Outcome -> count: applied, duplicate, held, gap, resync_*, rejected_<reason>.
         self.outcomes: Counter[str] = Counter()
@@ -264,6 +269,13 @@ class EventSequencer:
 
     # ------------------------------------------------------------------ applying
     def _apply(self, event: RouterEvent, *, from_dump: bool = False) -> None:
+        if _block_count(event) > self._max_blocks:
+            # Counted and skipped; the worker's stream is no longer known complete.
+            self.outcomes["rejected_oversized_event"] += 1
+            stream = self._streams.get((event.worker_id, event.event.dp_rank))
+            if stream is not None:
+                stream.trusted = False
+            return
         try:
             self.index.apply_router_event(event)
         except KvIndexError as exc:
@@ -273,7 +285,13 @@ class EventSequencer:
                 self.outcomes["dump_applied"] += 1
                 return
             self.outcomes["applied"] += 1
-            data = event.event.data
-            if not isinstance(data, str):
-                stored, removed = data.stored, data.removed
-                self.blocks_applied += len(stored.blocks) if stored is not None else len(removed.block_hashes)  # type: ignore[union-attr]
+            self.blocks_applied += _block_count(event)
+
+
+def _block_count(event: RouterEvent) -> int:
+    data = event.event.data
+    if isinstance(data, str):
+        return 0
+    if data.stored is not None:
+        return len(data.stored.blocks)
+    return len(data.removed.block_hashes) if data.removed is not None else 0

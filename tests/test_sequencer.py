@@ -151,3 +151,19 @@ def test_too_many_held_events_fall_back_to_a_dump() -> None:
     dump = [store(0, n) for n in (1, 2, 3, 4)]
     sequencer.resync_done(overflow, ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=4)))
     assert held_blocks(tree) == 4
+
+
+def test_absurdly_large_events_are_rejected_and_the_stream_distrusted() -> None:
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, max_event_blocks=4)
+    request = sequencer.receive(store(1, 1))
+    assert request is not None
+    sequencer.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=0)))
+    huge = RouterEvent(W, stored_event(2, [(100 + i, 100 + i) for i in range(5)], parent_hash=1))
+    assert sequencer.receive(huge) is None
+    assert sequencer.outcomes["rejected_oversized_event"] == 1
+    assert tree.find_matches([1, 100]).scores == {(W, 0): 1}
+    [status] = sequencer.status()
+    assert (status.last_event_id, status.trusted) == (2, False)
+    assert sequencer.receive(store(3, 2, parent=1)) is None  # the stream goes on
+    assert tree.find_matches([1, 2]).scores == {(W, 0): 2}
