@@ -20,7 +20,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["BlockPool", "Cleared", "KvOp", "Removed", "Stored"]
+from indexer.events import KvCacheEvent, cleared_event, removed_event, stored_event
+
+__all__ = ["BlockPool", "Cleared", "KvOp", "Removed", "Stored", "kv_cache_event"]
 
 
 class Stored(NamedTuple):
@@ -39,6 +41,15 @@ class Cleared(NamedTuple):
 
 
 KvOp = Stored | Removed | Cleared
+
+
+def kv_cache_event(op: KvOp, event_id: int) -> KvCacheEvent:
+    """The KV event an engine publishes for ``op``."""
+    if isinstance(op, Stored):
+        return stored_event(event_id, op.blocks, parent_hash=op.parent_hash)
+    if isinstance(op, Removed):
+        return removed_event(event_id, op.block_hashes)
+    return cleared_event(event_id)
 
 
 class BlockPool:

@@ -23,8 +23,8 @@ from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from indexer.events import RouterEvent, cleared_event, removed_event, stored_event
-from mocker.block_pool import KvOp, Removed, Stored
+from indexer.events import RouterEvent
+from mocker.block_pool import KvOp, kv_cache_event
 from mocker.config import EngineConfig
 from mocker.engine import CacheStats, MockEngine, PassResult, SeqState, Sequence
 from mocker.report import ReplayRecord, blank_records
@@ -250,13 +250,7 @@ class _Simulation:
         event_id = self._event_ids[worker]
         for op in ops:
             event_id += 1
-            if isinstance(op, Stored):
-                event = stored_event(event_id, op.blocks, parent_hash=op.parent_hash)
-            elif isinstance(op, Removed):
-                event = removed_event(event_id, op.block_hashes)
-            else:
-                event = cleared_event(event_id)
-            events.append(RouterEvent(worker, event))
+            events.append(RouterEvent(worker, kv_cache_event(op, event_id)))
         self._event_ids[worker] = event_id
         return events
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.events import RouterEvent, cleared_event, removed_event, stored_event
+from indexer.events import RouterEvent
 from indexer.radix_tree import RadixTree
-from mocker.block_pool import BlockPool, Cleared, KvOp, Removed, Stored
+from mocker.block_pool import BlockPool, Cleared, KvOp, Removed, Stored, kv_cache_event
 
 WORKER = 3
 
@@ -23,13 +23,7 @@ def index_of(ops: list[KvOp], tree: RadixTree | None = None, first_id: int = 1) 
     """Replay pool ops into a router index, as a router would receive them (raises if one is rejected)."""
     tree = tree if tree is not None else RadixTree()
     for event_id, op in enumerate(ops, first_id):
-        if isinstance(op, Stored):
-            event = stored_event(event_id, op.blocks, parent_hash=op.parent_hash)
-        elif isinstance(op, Removed):
-            event = removed_event(event_id, op.block_hashes)
-        else:
-            event = cleared_event(event_id)
-        tree.apply_router_event(RouterEvent(WORKER, event))
+        tree.apply_router_event(RouterEvent(WORKER, kv_cache_event(op, event_id)))
     return tree
 
 
