@@ -72,11 +72,11 @@ class Workload:
         return document[:shared] + [self._rng.randrange(100_000, 150_000) for _ in range(self._length - shared)]
 
 
-async def run_cell(cell: Cell, decisions: int, repetitions: int, seed: int) -> None:
+async def run_cell(cell: Cell, decisions: int, repetitions: int, seed: int, policy: str) -> None:
     fleet = DynamoFleet(tempfile.mkdtemp(prefix="decision-bench-"), BLOCK_SIZE)
     try:
         ranks = await fleet.start([1] * cell.workers)
-        ours = KvRouter(RouterConfig(block_size=BLOCK_SIZE), rng=random.Random(seed))
+        ours = KvRouter(RouterConfig(block_size=BLOCK_SIZE, policy=policy), rng=random.Random(seed))
         for worker_id in ranks:
             ours.register_worker(WorkerConfig(worker_id=worker_id))
         workload = Workload(seed, cell.prompt_tokens)
@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--decisions", type=int, default=200, help="decisions per repetition (default 200)")
     parser.add_argument("--repetitions", type=int, default=5, help="repetitions per cell (default 5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="dynamo", help="our selection policy to time (default dynamo)")
     args = parser.parse_args()
     os.environ.setdefault("DYN_LOG", "off")
     prompts = [1024, 4096] if args.quick else [1024, 4096, 16384]
@@ -174,7 +175,7 @@ def main() -> None:
     cells = [Cell(prompt_tokens, workers) for workers in (8, 64) for prompt_tokens in prompts]
     for cell in cells:
         print(f"cell {cell.prompt_tokens} tokens x {cell.workers} workers ...", file=sys.stderr, flush=True)
-        asyncio.run(run_cell(cell, decisions, repetitions, args.seed))
+        asyncio.run(run_cell(cell, decisions, repetitions, args.seed, args.policy))
     affinity = sorted(os.sched_getaffinity(0))
     report(cells, ",".join(map(str, affinity)))
 
