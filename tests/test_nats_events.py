@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -80,14 +82,11 @@ async def test_dropped_messages_are_detected_and_repaired(client: Client) -> Non
     first = chain(3, 4)
     await publisher.stored(first)
     await eventually(lambda: scores_of(tree, first) == {(7, 0): 4})
-    # Lose three events on the way: the publisher numbers them, but they never reach NATS.
-    real_send = publisher._send
-    publisher._send = _drop  # type: ignore[method-assign]
     lost = chain(4, 5)
-    await publisher.stored(lost[:2])
-    await publisher.stored(lost[2:], parent_hash=lost[1][0])
-    await publisher.removed([first[3][0]])
-    publisher._send = real_send  # type: ignore[method-assign]
+    with messages_lost(publisher):  # three events numbered but never delivered
+        await publisher.stored(lost[:2])
+        await publisher.stored(lost[2:], parent_hash=lost[1][0])
+        await publisher.removed([first[3][0]])
     after = chain(5, 2)
     await publisher.stored(after, dp_rank=0)
     await eventually(lambda: scores_of(tree, lost) == {(7, 0): 5})
@@ -105,6 +104,17 @@ async def _drop(events: list[RouterEvent]) -> None:
     return None
 
 
+@contextlib.contextmanager
+def messages_lost(publisher: KvEventPublisher) -> Iterator[None]:
+    """Inside, the publisher numbers and records its events but none reaches NATS."""
+    real_send = publisher._send
+    publisher._send = _drop  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        publisher._send = real_send  # type: ignore[method-assign]
+
+
 async def test_gap_older_than_the_ring_is_repaired_with_a_full_dump(client: Client) -> None:
     publisher = KvEventPublisher(client, WorkerRegistration(worker_id=8), ring_size=4)
     await publisher.start(heartbeat=False)
@@ -112,12 +122,10 @@ async def test_gap_older_than_the_ring_is_repaired_with_a_full_dump(client: Clie
     kept = chain(6, 2)
     await publisher.stored(kept)
     await eventually(lambda: scores_of(tree, kept) == {(8, 0): 2})
-    real_send = publisher._send
-    publisher._send = _drop  # type: ignore[method-assign]
-    for seed in range(10, 20):
-        await publisher.stored(chain(seed, 1), storage_tier=StorageTier.HOST_PINNED)
-    await publisher.removed([kept[1][0]])
-    publisher._send = real_send  # type: ignore[method-assign]
+    with messages_lost(publisher):  # more than the ring of 4 holds
+        for seed in range(10, 20):
+            await publisher.stored(chain(seed, 1), storage_tier=StorageTier.HOST_PINNED)
+        await publisher.removed([kept[1][0]])
     await publisher.stored(chain(30, 1))
     await eventually(lambda: sequencer.outcomes["resync_dump_applied"] == 2)
     await eventually(lambda: tree.find_matches([chain(30, 1)[0][1]]).scores == {(8, 0): 1})
