@@ -12,6 +12,7 @@ COPY pyproject.toml README.md ./
 COPY indexer ./indexer
 COPY router ./router
 COPY api ./api
+COPY mocker ./mocker
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 # --- runtime stage: the wheels installed into a clean slim image, run as an unprivileged user ---

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -142,6 +143,15 @@ def test_dockerfile_is_multistage_slim_non_root_with_healthcheck() -> None:
     assert "/healthz" in docker["HEALTHCHECK"][-1]
     # The console script the entrypoint names is the one the package declares.
     assert 'kv-router = "api.cli:main"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_dockerfile_builds_every_package_the_wheel_ships() -> None:
+    """The image's wheel is built from the copied sources: a package left out would make the
+    entrypoint fail at import (the CLI imports every subcommand's package)."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = {pattern.rstrip("*") for pattern in setup["include"]}
+    copied = {line.split()[0] for line in _dockerfile()["COPY"] if not line.startswith("--from")}
+    assert packages <= copied, f"Dockerfile does not copy {sorted(packages - copied)}"
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="the kv-router console script is not installed in this environment")
