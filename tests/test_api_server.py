@@ -152,6 +152,9 @@ def test_dockerfile_builds_every_package_the_wheel_ships() -> None:
     packages = {pattern.rstrip("*") for pattern in setup["include"]}
     copied = {line.split()[0] for line in _dockerfile()["COPY"] if not line.startswith("--from")}
     assert packages <= copied, f"Dockerfile does not copy {sorted(packages - copied)}"
+    allowed = {line.strip()[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip().startswith("!")}  # fmt: skip
+    assert packages <= allowed, f".dockerignore keeps {sorted(packages - allowed)} out of the build context"
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="the kv-router console script is not installed in this environment")
