@@ -45,7 +45,7 @@ def embedded_nats(config: EventPlaneConfig) -> Iterator[str | None]:
         server = EmbeddedNats(port=config.embedded_nats_port).start()
     except RuntimeError:  # the port is taken (another kv-router, a system nats-server)
         server = EmbeddedNats(port=free_port()).start()
-    logger.warning("embedded NATS event plane at %s (point workers here; --nats-url to use your own)", server.url)
+    logger.info("embedded NATS event plane at %s (point workers here; --nats-url to use your own)", server.url)
     try:
         yield server.url
     finally:
