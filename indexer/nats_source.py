@@ -60,7 +60,6 @@ class KvEventSubscriber:
         self._subscription: Subscription | None = None
         self._bad_input = RateLimitedLog(log)
         self._busy_since = 0.0
-        self.messages = 0
 
     async def start(self) -> None:
         self._subscription = await self.nc.subscribe(
@@ -81,7 +80,6 @@ class KvEventSubscriber:
         if now - self._busy_since > YIELD_AFTER_S:
             await asyncio.sleep(0)
             self._busy_since = time.perf_counter()
-        self.messages += 1
         try:
             events = decode_router_events(message.data, msgpack=None)
         except EventDecodeError as exc:
@@ -133,6 +131,4 @@ class KvEventSubscriber:
                 return
         log.warning("worker %s dp_rank %s did not answer a resync; continuing with live events",
                     request.worker_id, request.dp_rank)  # fmt: skip
-        follow_up = self.sequencer.resync_failed(request)
-        if follow_up is not None:
-            self.launch_resync(follow_up)
+        self.sequencer.resync_failed(request)

@@ -322,7 +322,7 @@ class RadixTree:
         keys = self._slots.key_list
         node = _child(self._root, local_hashes[0])
         if node is None or not node.owners:
-            return self._lower_tier_matches(result, local_hashes, None)
+            return self._lower_tier_matches(result, local_hashes, []) if self._has_lower_tiers() else result
         active = node.owners
         depth = 1
         path = [node] if self._has_lower_tiers() else None
@@ -360,20 +360,18 @@ class RadixTree:
             low = active & -active
             scores[keys[low.bit_length() - 1]] = depth  # type: ignore[index]
             active ^= low
-        return self._lower_tier_matches(result, local_hashes, path)
+        return result if path is None else self._lower_tier_matches(result, local_hashes, path)
 
     def _has_lower_tiers(self) -> bool:
         return any(self._lower_edges)
 
     def _lower_tier_matches(
-        self, result: OverlapScores, local_hashes: Sequence[int], path: list[_Node] | None
+        self, result: OverlapScores, local_hashes: Sequence[int], path: list[_Node]
     ) -> OverlapScores:
-        if not self._has_lower_tiers():
-            return result
+        """Extend ``result`` with each lower tier's blocks; ``path`` holds the device nodes matched."""
         # Each worker continues from the end of its device match with its own hash for that block.
         cursors: dict[int, tuple[int, int | None]] = {}
         for worker, depth in result.scores.items():
-            assert path is not None
             last = path[depth - 1]
             state = self._states[worker]
             cursors[state.slot] = (depth, state.aliases.get(last, last.block_hash))

@@ -110,10 +110,8 @@ class EventSequencer:
             self._apply(event)
             stream.last_applied = event_id
             return None
-        self.outcomes["gap"] += 1
-        stream.trusted = False
         self._hold(key, stream, event)
-        return self._start_resync(key, stream, start=last + 1, end=event_id - 1)
+        return self._open_gap(key, stream, last + 1, event_id - 1)
 
     def _barrier(self, key: WorkerRank, stream: _Stream, event: RouterEvent) -> ResyncRequest | None:
         event_id = event.event.event_id
@@ -137,6 +135,12 @@ class EventSequencer:
         return None
 
     # ------------------------------------------------------------------ resync
+    def _open_gap(self, key: WorkerRank, stream: _Stream, start: int, end: int) -> ResyncRequest:
+        """Events ``start..end`` never arrived: distrust the stream and ask the worker for them."""
+        self.outcomes["gap"] += 1
+        stream.trusted = False
+        return self._start_resync(key, stream, start=start, end=end)
+
     def _start_resync(
         self, key: WorkerRank, stream: _Stream, *, start: int | None, end: int | None = None
     ) -> ResyncRequest:
@@ -180,20 +184,20 @@ class EventSequencer:
             if request.start_event_id is not None:
                 return self._start_resync(key, stream, start=None)
             self.outcomes["resync_refused"] += 1
-            return self._give_up(key, stream)
+            self._give_up(stream)
+            return None
         return self._drain_held(key, stream)
 
-    def resync_failed(self, request: ResyncRequest) -> ResyncRequest | None:
+    def resync_failed(self, request: ResyncRequest) -> None:
         """The worker did not answer ``request`` (after retries): carry on with what is held."""
-        key = (request.worker_id, request.dp_rank)
-        stream = self._streams.get(key)
+        stream = self._streams.get((request.worker_id, request.dp_rank))
         if stream is None or stream.resync is not request:
-            return None
+            return
         stream.resync = None
         self.outcomes["resync_failed"] += 1
-        return self._give_up(key, stream)
+        self._give_up(stream)
 
-    def _give_up(self, key: WorkerRank, stream: _Stream) -> ResyncRequest | None:
+    def _give_up(self, stream: _Stream) -> None:
         """Apply held events in order as best effort; the stream stays untrusted until a later sync."""
         stream.trusted = False
         held = sorted(stream.held.items())
@@ -202,7 +206,6 @@ class EventSequencer:
             if stream.last_applied is None or event_id > stream.last_applied:
                 self._apply(event)
                 stream.last_applied = event_id
-        return None
 
     def _drain_held(self, key: WorkerRank, stream: _Stream) -> ResyncRequest | None:
         if not stream.held:
@@ -221,9 +224,7 @@ class EventSequencer:
             else:
                 stream.last_applied = last
                 stream.held = dict(pending[position:])
-                self.outcomes["gap"] += 1
-                stream.trusted = False
-                return self._start_resync(key, stream, start=last + 1, end=event_id - 1)
+                return self._open_gap(key, stream, last + 1, event_id - 1)
         stream.last_applied = last
         return None
 
@@ -263,9 +264,6 @@ class EventSequencer:
             )
             for key, stream in sorted(self._streams.items())
         ]
-
-    def untrusted_workers(self) -> set[int]:
-        return {key[0] for key, stream in self._streams.items() if not stream.trusted}
 
     # ------------------------------------------------------------------ applying
     def _apply(self, event: RouterEvent, *, from_dump: bool = False) -> None:

@@ -42,7 +42,3 @@ class Subjects:
     @property
     def registry_bucket(self) -> str:
         return f"kv_router_workers_{self.namespace}"
-
-    @property
-    def events_stream(self) -> str:
-        return f"KV_EVENTS_{self.namespace}"

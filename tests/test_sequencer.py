@@ -108,7 +108,7 @@ def test_unanswered_resync_applies_held_events_best_effort() -> None:
     request = sequencer.receive(store(3, 3))
     assert request is not None
     sequencer.receive(store(4, 4, parent=3))
-    assert sequencer.resync_failed(request) is None
+    sequencer.resync_failed(request)
     assert tree.find_matches([3, 4]).scores == {(W, 0): 2}
     assert not sequencer.status()[0].trusted
 
