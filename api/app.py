@@ -24,14 +24,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.config import Settings
 from api.errors import ApiError, InvalidRequest, NotFound, error_reply
-from api.event_plane import running_event_plane
 from api.fastpath import FastPath, HotRoutes
 from api.handlers import Handlers
 from api.metrics import ApiMetrics, EventPlaneCollector, RouterStateCollector
 from api.openapi import Schemas
+from api.plane_lifecycle import running_event_plane
 from api.routes import add_admin_routes, add_hot_routes
+from router.errors import KvRouterError
 from router.kv_router import KvRouter
-from router.types import KvRouterError
 
 __all__ = ["EXPIRY_SWEEP_SECS", "RouterApp", "create_app"]
 
@@ -112,7 +112,7 @@ class RouterApp(FastAPI):
     per-request layers (telemetry check, error middleware, routing), which cost more than a decision.
 
     ``hot`` is what `FastPath` serves (no routes with ``fast_path`` off); a server may answer the same
-    routes even earlier, as ``kv-router serve`` does inside uvicorn's HTTP protocol (`api.protocol`).
+    routes even earlier, as ``kv-router serve`` does inside uvicorn's HTTP protocol (`api.http_protocol`).
     """
 
     front: ASGIApp

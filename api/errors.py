@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from indexer.events import EventDecodeError
-from router.types import (
+from router.errors import (
     AllWorkersOverloaded,
     DuplicateRequestId,
     KvRouterError,
@@ -20,7 +20,7 @@ from router.types import (
     QueueRejected,
     UnknownWorker,
 )
-from router.types import InvalidRequest as RouterInvalidRequest
+from router.errors import InvalidRequest as RouterInvalidRequest
 
 __all__ = [
     "ROUTER_ERRORS",

@@ -54,8 +54,9 @@ from api.wire import (
 )
 from indexer.errors import BlockNotFound, InvalidBlockSequence, KvIndexError, ParentBlockNotFound
 from indexer.events import decode_router_events
+from router.errors import QueueRejected
 from router.kv_router import KvRouter
-from router.types import QueueRejected, RouteDecision, RouteRequest
+from router.types import RouteDecision, RouteRequest
 
 __all__ = ["HOT_PATHS", "Handlers"]
 

@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from router.event_plane import RouterEventPlane
+from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import RouteDecision
 

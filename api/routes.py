@@ -32,9 +32,10 @@ from api.wire import (
 )
 from indexer.events import RouterEvent
 from indexer.sequencer import StreamStatus
-from router.event_plane import RouterEventPlane
+from router.errors import UnknownWorker
+from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
-from router.types import OverlapReport, RouteDecision, UnknownWorker, WorkerConfig
+from router.types import OverlapReport, RouteDecision, WorkerConfig
 
 __all__ = ["add_admin_routes", "add_hot_routes"]
 

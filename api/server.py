@@ -1,5 +1,5 @@
 """Run the app under uvicorn: uvloop event loop, httptools parser (the hot routes answered inside
-the HTTP protocol, `api.protocol`), graceful shutdown on SIGTERM.
+the HTTP protocol, `api.http_protocol`), graceful shutdown on SIGTERM.
 
 uvicorn owns the signals: on SIGTERM (or SIGINT) it stops accepting connections, closes idle
 keep-alive connections, lets requests in flight finish for up to ``shutdown_timeout_secs``, then
@@ -19,9 +19,9 @@ import uvicorn
 
 from api.app import create_app
 from api.config import Settings
-from api.event_plane import embedded_nats
+from api.http_protocol import fast_protocol
 from api.logs import log_config
-from api.protocol import fast_protocol
+from api.plane_lifecycle import embedded_nats
 
 __all__ = ["serve", "uvicorn_config"]
 
@@ -29,7 +29,7 @@ __all__ = ["serve", "uvicorn_config"]
 def uvicorn_config(settings: Settings) -> uvicorn.Config:
     service = settings.service
     app = create_app(settings)
-    # The hot routes are answered inside the HTTP protocol, before ASGI (`api.protocol`); with
+    # The hot routes are answered inside the HTTP protocol, before ASGI (`api.http_protocol`); with
     # fast_protocol off, by the app's ASGI fast path; with fast_path off, by FastAPI's routes.
     http: type[asyncio.Protocol] | Literal["httptools"] = "httptools"
     if service.fast_path and service.fast_protocol:

@@ -19,14 +19,7 @@ import msgspec
 
 from indexer.events import RouterEvent
 from indexer.sequencer import StreamStatus
-from router.types import (
-    BlockMmInfos,
-    PotentialLoad,
-    QueueRejection,
-    RankLoad,
-    RouteRequest,
-    WorkerConfig,
-)
+from router.types import BlockMmInfos, PotentialLoad, QueueRejection, RankLoad, RouteRequest, WorkerConfig
 
 __all__ = [
     "EventsReply",

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from router import KvRouter, RouterConfig, RouteRequest, WorkerConfig
-from router.testing import DynamoFleet, prompt_stored_event
+from tests.dynamo_fleet import DynamoFleet, prompt_stored_event
 
 BLOCK_SIZE = 16
 DOCUMENTS = 32

@@ -33,14 +33,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from indexer.hashing import compute_sequence_hashes
-from indexer.nats_connection import NatsOptions, connect
-from indexer.nats_server import EmbeddedNats
-from indexer.protocol import WorkerRegistration
-from indexer.publisher import KvEventPublisher
 from router.config import RouterConfig
-from router.event_plane import RouterEventPlane
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.plane import RouterEventPlane
+from router.event_plane.publisher import KvEventPublisher
 from router.kv_router import KvRouter
-from router.types import RouteRequest
+from router.types import RouteRequest, WorkerConfig
 
 BLOCK_SIZE = 16
 DOC_BLOCKS = 64
@@ -54,7 +53,7 @@ async def publish(
     rng = random.Random(7)
     publishers = []
     for index in range(workers):
-        publisher = KvEventPublisher(nc, WorkerRegistration(worker_id=1000 + index, block_size=BLOCK_SIZE))
+        publisher = KvEventPublisher(nc, WorkerConfig(worker_id=1000 + index, block_size=BLOCK_SIZE))
         await publisher.start()
         publishers.append(publisher)
     await asyncio.sleep(1.0)  # let the router register everyone and finish its first resyncs

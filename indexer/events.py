@@ -32,6 +32,10 @@ __all__ = [
     "KvRemovedData",
     "KvStoredData",
     "MmObject",
+    "ResyncBatch",
+    "ResyncRequest",
+    "ResyncResponse",
+    "ResyncTooNew",
     "RouterEvent",
     "StorageTier",
     "StoredBlock",
@@ -50,6 +54,7 @@ _I64_MIN = -(1 << 63)
 # msgspec cannot bound integers above i64, so the u64 ceiling is checked in `__post_init__`.
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 # A hash as engines send it: u64, or i64 to be reinterpreted as u64 (see `_as_u64`).
 WireHash = Annotated[int, msgspec.Meta(ge=_I64_MIN)]
 
@@ -233,3 +238,43 @@ def decode_router_events(payload: bytes | bytearray | memoryview, *, msgpack: bo
 
 def encode_router_events(events: RouterEvent | list[RouterEvent], *, msgpack: bool = False) -> bytes:
     return (_msgpack_encoder if msgpack else _json_encoder).encode(events)
+
+
+# ---------------------------------------------------------------------- resync (request/reply)
+# A router asks a worker for the events of one rank it missed, or a full dump: Dynamo's
+# ``WorkerKvQueryRequest`` / ``WorkerKvQueryResponse`` (externally tagged) plus the dp rank.
+
+
+class ResyncRequest(msgspec.Struct, kw_only=True, frozen=True):
+    """Ask a worker for events ``start_event_id..end_event_id`` of one rank; no start = full dump."""
+
+    worker_id: U64
+    dp_rank: U32 = 0
+    start_event_id: U64 | None = None
+    end_event_id: U64 | None = None
+
+
+class ResyncBatch(msgspec.Struct, kw_only=True, frozen=True):
+    events: list[RouterEvent]
+    last_event_id: NonNegative
+
+
+class ResyncTooNew(msgspec.Struct, kw_only=True, frozen=True):
+    requested_start: NonNegative
+    requested_end: NonNegative | None
+    newest_available: NonNegative
+
+
+class ResyncResponse(
+    msgspec.Struct,
+    kw_only=True,
+    frozen=True,
+    omit_defaults=True,
+    rename={"events": "Events", "tree_dump": "TreeDump", "too_new": "TooNew", "error": "Error"},
+):
+    """Exactly one of: the missing events, a full dump replacing the rank's state, or why not."""
+
+    events: ResyncBatch | None = None
+    tree_dump: ResyncBatch | None = None
+    too_new: ResyncTooNew | None = None
+    error: str | None = None

@@ -14,7 +14,7 @@ keeps the id of the last applied event:
   stale) and restarts the stream from its id.
 
 The sequencer does no I/O: ``receive`` and ``resync_done`` return the ``ResyncRequest`` to send, and
-the transport (``indexer.nats_source``) answers with ``resync_done`` or ``resync_failed``.
+the transport (``router.event_plane.subscriber``) answers with ``resync_done`` or ``resync_failed``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from indexer.errors import BlockNotFound, InvalidBlockSequence, KvIndexError, ParentBlockNotFound
-from indexer.events import RouterEvent
-from indexer.protocol import ResyncRequest, ResyncResponse
+from indexer.events import ResyncRequest, ResyncResponse, RouterEvent
 from indexer.radix_tree import RadixTree
 from indexer.slots import WorkerRank
 

@@ -17,7 +17,8 @@ import msgspec
 
 from mocker.config import EngineConfig, TimingConfig
 from mocker.trace import TraceError, TraceOptions, load_trace
-from router.config import ConfigError, RouterConfig
+from router.config import RouterConfig
+from router.errors import ConfigError
 
 __all__ = ["COMMANDS", "add_commands", "main", "run_command"]
 
@@ -262,8 +263,8 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     import secrets
     import signal
 
-    from indexer.nats_connection import NatsOptions, connect
     from mocker.worker import MockWorker
+    from router.event_plane.connection import NatsOptions, connect
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _engine_config(args)

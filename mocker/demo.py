@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 import msgspec
 
-from indexer.nats_connection import NatsOptions, connect
-from indexer.nats_server import EmbeddedNats
 from mocker.config import EngineConfig
 from mocker.replay import ReplayRun, ReplaySetup, replay_offline, replay_online_report
 from mocker.report import render_table
@@ -28,6 +26,8 @@ from mocker.trace import Row, TraceOptions, build_trace
 from mocker.worker import MockWorker
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
 
 __all__ = ["DemoOptions", "run_demo"]
 

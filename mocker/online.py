@@ -1,7 +1,7 @@
 """Online replay: the trace against a running router over HTTP and mock workers over NATS, in real time.
 
 The replayer plays the gateway. At each request's arrival it calls the router's ``POST /v1/new``
-(msgpack, packed tokens), sends the request to the chosen worker (`mocker.protocol`), calls
+(msgpack, packed tokens), sends the request to the chosen worker (`mocker.wire`), calls
 ``POST /v1/mark_prefill`` when the worker reports the first token and ``POST /v1/mark_free`` when it is
 done. Arrival times are the trace's (already divided by the trace speedup); to run a trace faster than
 real time, compress arrivals with the speedup and start the workers with the same engine
@@ -21,9 +21,9 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from mocker.protocol import GenerateRequest, GenerateUpdate, generate_subject, reply_prefix
 from mocker.report import ReplayRecord, blank_records
 from mocker.trace import Trace, TraceRequest
+from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject, reply_prefix
 
 __all__ = ["OnlineReplayError", "replay_online", "wait_for_workers"]
 

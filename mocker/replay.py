@@ -115,8 +115,8 @@ async def replay_online_report(
     measured times are scaled back. The workers must run their engines that much faster too
     (``speedup_ratio``), so the whole system is time-compressed rather than overloaded.
     """
-    from indexer.nats_connection import NatsOptions, connect
     from mocker.online import replay_online
+    from router.event_plane.connection import NatsOptions, connect
 
     nc = await connect(NatsOptions(nats_url, name="kv-router-replay"))
     bar = ProgressBar(label, enabled=show_progress)

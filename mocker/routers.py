@@ -31,9 +31,10 @@ from indexer.events import RouterEvent
 from mocker.config import EngineConfig
 from mocker.engine import EngineMetrics
 from router.config import RouterConfig
+from router.errors import KvRouterError
 from router.kv_router import KvRouter
 from router.policies import policy_names, register_policy
-from router.types import KvRouterError, RouteRequest, WorkerConfig
+from router.types import RouteRequest, WorkerConfig
 
 __all__ = [
     "FleetRouter",

@@ -14,8 +14,8 @@ import uvicorn
 
 from api.config import EventPlaneConfig, ServiceConfig, Settings
 from api.server import uvicorn_config
-from indexer.nats_server import free_port
 from router.config import RouterConfig
+from router.event_plane.embedded_server import free_port
 
 __all__ = ["serve_router"]
 

@@ -3,7 +3,7 @@
 It registers in the router's worker registry, heartbeats and answers resyncs through the worker-side
 `KvEventPublisher`; publishes the engine's KV events after every pass (one NATS message per pass) and
 its load (``ActiveLoad``) every ``load_interval_s``; takes requests on its generate subject and
-prefix-cache resets (published as a ``cleared`` event) on its reset subject (`mocker.protocol`).
+prefix-cache resets (published as a ``cleared`` event) on its reset subject (`mocker.wire`).
 Between passes it sleeps for the pass's simulated duration, so the engine's ``speedup_ratio`` is how
 much faster than real time it runs.
 
@@ -21,12 +21,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from indexer.protocol import ActiveLoad, WorkerRegistration
-from indexer.publisher import KvEventPublisher
 from mocker.block_pool import KvOp, Removed, Stored
 from mocker.config import EngineConfig
 from mocker.engine import MockEngine, PassResult, SeqState, Sequence
-from mocker.protocol import GenerateRequest, GenerateUpdate, UpdateKind, generate_subject, reset_subject
+from mocker.wire import GenerateRequest, GenerateUpdate, UpdateKind, generate_subject, reset_subject
+from router.event_plane.messages import ActiveLoad
+from router.event_plane.publisher import KvEventPublisher
+from router.types import WorkerConfig
 
 __all__ = ["MockWorker"]
 
@@ -55,7 +56,7 @@ class MockWorker:
         self.worker_id = worker_id
         self.namespace = namespace
         self.engine = MockEngine(engine, seed=seed)
-        registration = WorkerRegistration(
+        registration = WorkerConfig(
             worker_id=worker_id,
             block_size=engine.block_size,
             total_kv_blocks=engine.num_gpu_blocks,

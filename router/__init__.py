@@ -3,27 +3,30 @@
 Knows nothing of HTTP. `KvRouter` is the entry point; see README.md for the module map.
 """
 
-from router.config import ConfigError, RouterConfig
-from router.kv_router import KvRouter
-from router.types import (
+from router.config import RouterConfig
+from router.errors import (
     AllWorkersOverloaded,
-    CandidateExplanation,
-    DecisionExplanation,
-    DecisionTiming,
+    ConfigError,
     DuplicateRequestId,
     InvalidRequest,
     KvRouterError,
     NoEligibleWorker,
+    QueueRejected,
+    UnknownWorker,
+)
+from router.kv_router import KvRouter
+from router.types import (
+    CandidateExplanation,
+    DecisionExplanation,
+    DecisionTiming,
     OverlapReport,
     PotentialLoad,
-    QueueRejected,
     QueueRejection,
     QueueStats,
     RankLoad,
     RouteDecision,
     RouteRequest,
     RoutingConstraints,
-    UnknownWorker,
     WorkerConfig,
     WorkerOverlap,
 )

@@ -12,17 +12,11 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["ConfigError", "QueuePolicy", "RouterConfig"]
+from router.errors import ConfigError
+
+__all__ = ["QueuePolicy", "RouterConfig"]
 
 QueuePolicy = Literal["fcfs", "wspt", "lcfs"]
-
-
-class ConfigError(ValueError):
-    """An invalid `RouterConfig` value or combination; ``field`` names the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        super().__init__(f"{field}: {message}")
 
 
 class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -18,7 +18,9 @@ from typing import Any
 
 from indexer.events import RouterEvent
 from indexer.radix_tree import RadixTree
+from indexer.slots import WorkerRank
 from router.config import RouterConfig
+from router.errors import DuplicateRequestId, KvRouterError, NoEligibleWorker, QueueRejected
 from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps
 from router.policies import create_policy
 from router.prompt import Prompt, prepare_prompt
@@ -26,14 +28,9 @@ from router.queue import PendingQueue
 from router.scheduler import Scheduler
 from router.types import (
     DecisionTiming,
-    DuplicateRequestId,
-    KvRouterError,
-    NoEligibleWorker,
     OverlapReport,
     PotentialLoad,
-    QueueRejected,
     QueueStats,
-    RankKey,
     RankLoad,
     RouteDecision,
     RouteRequest,
@@ -62,8 +59,8 @@ class _Routing:
         self,
         request: RouteRequest,
         prompt: Prompt,
-        overlaps: dict[RankKey, RankOverlap],
-        pinned: RankKey | None,
+        overlaps: dict[WorkerRank, RankOverlap],
+        pinned: WorkerRank | None,
         explain: bool,
         hashing_s: float,
         matching_s: float,
@@ -139,6 +136,9 @@ class KvRouter:
     def workers(self) -> list[WorkerConfig]:
         return list(self._scheduler.workers)
 
+    def worker(self, worker_id: int) -> WorkerConfig | None:
+        return self._scheduler.workers.get(worker_id)
+
     def has_worker(self, worker_id: int) -> bool:
         """Whether the worker is registered (events of unregistered workers may be dropped upstream)."""
         return self._scheduler.workers.get(worker_id) is not None
@@ -154,7 +154,7 @@ class KvRouter:
 
     # ------------------------------------------------------------------ routing
     async def new(
-        self, request: RouteRequest, *, pinned_worker: RankKey | None = None, explain: bool = False
+        self, request: RouteRequest, *, pinned_worker: WorkerRank | None = None, explain: bool = False
     ) -> RouteDecision:
         """Pick a (worker, dp_rank) for the request and, if it has a ``request_id``, book it there.
 
@@ -242,7 +242,7 @@ class KvRouter:
             raise
 
     def _best_cached_tokens(
-        self, overlaps: Mapping[RankKey, RankOverlap], workers: list[WorkerConfig], pinned: RankKey | None
+        self, overlaps: Mapping[WorkerRank, RankOverlap], workers: list[WorkerConfig], pinned: WorkerRank | None
     ) -> int:
         """The cached tokens `wspt` orders by: the pinned rank's, else the best eligible rank's."""
         if pinned is not None:
@@ -377,5 +377,5 @@ class KvRouter:
             tokens, self.config, lora_name=lora_name, cache_namespace=cache_namespace, block_mm_infos=block_mm_infos
         )
 
-    def _match(self, prompt: Prompt) -> dict[RankKey, RankOverlap]:
+    def _match(self, prompt: Prompt) -> dict[WorkerRank, RankOverlap]:
         return rank_overlaps(self.indexer.find_matches(prompt.local_hashes), self.config)

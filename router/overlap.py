@@ -11,8 +11,8 @@ import math
 
 from indexer.events import StorageTier
 from indexer.radix_tree import OverlapScores
+from indexer.slots import WorkerRank
 from router.config import RouterConfig
-from router.types import RankKey
 
 __all__ = ["NO_OVERLAP", "RankOverlap", "rank_overlaps", "round_half_away"]
 
@@ -47,7 +47,7 @@ def round_half_away(value: float) -> int:
     return whole + (value - whole >= 0.5)
 
 
-def rank_overlaps(match: OverlapScores, config: RouterConfig) -> dict[RankKey, RankOverlap]:
+def rank_overlaps(match: OverlapScores, config: RouterConfig) -> dict[WorkerRank, RankOverlap]:
     """Every rank the match mentions (ranks absent from it have `NO_OVERLAP`). O(ranks in the match)."""
     tier_hits = match.tier_hits
     if not tier_hits:

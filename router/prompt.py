@@ -14,7 +14,7 @@ from typing import Any
 
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.config import RouterConfig
-from router.types import InvalidRequest
+from router.errors import InvalidRequest
 
 __all__ = ["Prompt", "prepare_prompt", "token_count"]
 

@@ -12,19 +12,18 @@ import logging
 import math
 from collections.abc import Iterator, Mapping
 
+from indexer.slots import WorkerRank
 from router.config import RouterConfig
+from router.errors import AllWorkersOverloaded, NoEligibleWorker
 from router.overlap import NO_OVERLAP, RankOverlap, round_half_away
 from router.policies import Selection, SelectionContext, SelectionPolicy
 from router.prompt import Prompt
 from router.sequences import ActiveSequences, RankState
 from router.thresholds import all_queue_busy, busy_thresholds_configured, rank_is_busy
 from router.types import (
-    AllWorkersOverloaded,
     CandidateExplanation,
     DecisionExplanation,
-    NoEligibleWorker,
     PotentialLoad,
-    RankKey,
     RankLoad,
     RoutingConstraints,
     WorkerConfig,
@@ -43,7 +42,7 @@ class Choice:
 
     __slots__ = ("explanation", "key", "overlap")
 
-    def __init__(self, key: RankKey, overlap: RankOverlap, explanation: DecisionExplanation | None) -> None:
+    def __init__(self, key: WorkerRank, overlap: RankOverlap, explanation: DecisionExplanation | None) -> None:
         self.key = key
         self.overlap = overlap
         self.explanation = explanation
@@ -90,7 +89,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ eligibility
     def eligible_workers(
-        self, constraints: RoutingConstraints | None, pinned: RankKey | None = None
+        self, constraints: RoutingConstraints | None, pinned: WorkerRank | None = None
     ) -> list[WorkerConfig]:
         """Workers a request may use: registered, carrying its required taints, and holding the pinned
         rank if one is given. Raises `NoEligibleWorker` when there is none."""
@@ -106,14 +105,14 @@ class Scheduler:
         return workers
 
     def _rank_pairs(
-        self, workers: list[WorkerConfig], pinned: RankKey | None
+        self, workers: list[WorkerConfig], pinned: WorkerRank | None
     ) -> Iterator[tuple[WorkerConfig, RankState]]:
         for worker in workers:
             for rank in self._ranks_of[worker.worker_id]:
                 if pinned is None or rank.key == pinned:
                     yield worker, rank
 
-    def queue_blocked(self, workers: list[WorkerConfig], pinned: RankKey | None = None) -> bool:
+    def queue_blocked(self, workers: list[WorkerConfig], pinned: WorkerRank | None = None) -> bool:
         """§4.7: every eligible rank (only the pinned one, if pinned) is over the queue threshold."""
         return all_queue_busy(self._config, self._rank_pairs(workers, pinned))
 
@@ -127,11 +126,11 @@ class Scheduler:
     def select(
         self,
         prompt: Prompt,
-        overlaps: Mapping[RankKey, RankOverlap],
+        overlaps: Mapping[WorkerRank, RankOverlap],
         workers: list[WorkerConfig],
         constraints: RoutingConstraints | None,
         *,
-        pinned: RankKey | None = None,
+        pinned: WorkerRank | None = None,
         explain: bool = False,
     ) -> Choice:
         """Pick a rank among ``workers`` (from `eligible_workers`). Books nothing.
@@ -197,7 +196,7 @@ class Scheduler:
         )
 
     # ------------------------------------------------------------------ reads
-    def potential_loads(self, prompt: Prompt, overlaps: Mapping[RankKey, RankOverlap]) -> list[PotentialLoad]:
+    def potential_loads(self, prompt: Prompt, overlaps: Mapping[WorkerRank, RankOverlap]) -> list[PotentialLoad]:
         """Every rank's load if the prompt went there, in registration order (§4.5). Books nothing."""
         depths = self.sequences.prefix_depths(prompt.shared_hashes) if prompt.shared_hashes else {}
         booked_blocks = prompt.booked_blocks

@@ -19,7 +19,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import pairwise
 
-from router.types import DuplicateRequestId, RankKey, UnknownWorker
+from indexer.slots import WorkerRank
+from router.errors import DuplicateRequestId, UnknownWorker
 
 __all__ = ["ActiveSequences", "RankState"]
 
@@ -29,7 +30,7 @@ class RankState:
 
     __slots__ = ("decode_blocks", "dp_rank", "key", "prefill_tokens", "refs", "requests", "worker_id")
 
-    def __init__(self, key: RankKey) -> None:
+    def __init__(self, key: WorkerRank) -> None:
         self.key = key
         self.worker_id, self.dp_rank = key
         self.prefill_tokens = 0
@@ -67,18 +68,18 @@ class ActiveSequences:
     """Booked requests and the per-rank load they add up to."""
 
     def __init__(self) -> None:
-        self._ranks: dict[RankKey, RankState] = {}
+        self._ranks: dict[WorkerRank, RankState] = {}
         # A prompt's first sequence hash -> the ranks holding it.
         self._first_holders: dict[int, set[RankState]] = {}
         # Insertion order is start order (the clock is monotonic), so expiry pops from the front.
         self._requests: OrderedDict[str, _Request] = OrderedDict()
 
     # ------------------------------------------------------------------ topology
-    def add_rank(self, key: RankKey) -> None:
+    def add_rank(self, key: WorkerRank) -> None:
         if key not in self._ranks:
             self._ranks[key] = RankState(key)
 
-    def remove_rank(self, key: RankKey) -> list[str]:
+    def remove_rank(self, key: WorkerRank) -> list[str]:
         """Drop a rank and every request booked on it; returns their ids. O(active requests)."""
         rank = self._ranks.pop(key, None)
         if rank is None:
@@ -88,21 +89,21 @@ class ActiveSequences:
             self._release(self._requests.pop(request_id))
         return dropped
 
-    def rank(self, key: RankKey) -> RankState | None:
+    def rank(self, key: WorkerRank) -> RankState | None:
         return self._ranks.get(key)
 
     # ------------------------------------------------------------------ request lifecycle
     def __len__(self) -> int:
         return len(self._requests)
 
-    def owner(self, request_id: str) -> RankKey | None:
+    def owner(self, request_id: str) -> WorkerRank | None:
         request = self._requests.get(request_id)
         return None if request is None else request.rank.key
 
     def add(
         self,
         request_id: str,
-        key: RankKey,
+        key: WorkerRank,
         *,
         hashes: Sequence[int] | None,
         private_blocks: int,

@@ -2,45 +2,35 @@
 
 Field names follow Dynamo 1.6.1's `RouterRequest::New` / `PotentialLoad` / `QueueRejection`
 (`reference/dynamo-router.md` §5.1, §4.7) so the HTTP layer can subclass or encode them as they are.
-Everything here is plain data: no behaviour beyond validation of its own fields.
+Everything here is plain data: no behaviour beyond validation of its own fields. The errors are in
+`router.errors`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from indexer.events import U32, U64, U64_MAX
+
 __all__ = [
-    "AllWorkersOverloaded",
     "BlockMmInfos",
     "CandidateExplanation",
     "DecisionExplanation",
     "DecisionTiming",
-    "DuplicateRequestId",
-    "InvalidRequest",
-    "KvRouterError",
     "LimitKind",
-    "NoEligibleWorker",
     "OverlapReport",
     "PotentialLoad",
-    "QueueRejected",
     "QueueRejection",
     "QueueStats",
-    "RankKey",
     "RankLoad",
     "RouteDecision",
     "RouteRequest",
     "RoutingConstraints",
-    "UnknownWorker",
     "WorkerConfig",
     "WorkerOverlap",
 ]
-
-_U64_MAX = (1 << 64) - 1
-
-# A (worker_id, dp_rank) pair: every load and index structure is keyed by it.
-RankKey = tuple[int, int]
 
 # One entry per prompt block (or null): {"mm_objects": [{"mm_hash": u64, "offsets": [[s, e]]}]}.
 # Kept as plain mappings because `indexer.hashing.compute_block_hashes` reads exactly this shape.
@@ -75,22 +65,33 @@ class RouteRequest(msgspec.Struct, kw_only=True):
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
-    """What the router knows about one worker: its dp ranks, capacity and taints (§4.3, §4.6)."""
+    """One worker as routers know it: dp ranks, cache geometry, capacity and taints (§4.3, §4.6).
 
-    worker_id: int
-    dp_start_rank: int = 0
-    dp_size: int = 1
-    total_kv_blocks: int | None = None
-    max_num_batched_tokens: int | None = None
+    The same struct is the worker's entry in the NATS registry bucket and the body of
+    ``POST /v1/workers``. ``block_size`` is the engine's (a router refuses a worker whose block
+    size differs from its own); ``leased`` workers must heartbeat to stay routable, static ones
+    (registered over HTTP or in the config file) need not.
+    """
+
+    worker_id: U64
+    dp_start_rank: U32 = 0
+    dp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    total_kv_blocks: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     taints: frozenset[str] = frozenset()
+    leased: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.worker_id <= _U64_MAX:
+        # Decoding checks the bounds above; direct construction (tests, config files) must too.
+        if not 0 <= self.worker_id <= U64_MAX:
             raise ValueError(f"worker_id must be a u64, got {self.worker_id}")
         if self.dp_start_rank < 0 or self.dp_size < 1:
             raise ValueError(
                 f"dp ranks must be dp_start_rank >= 0 and dp_size >= 1, got {self.dp_start_rank}, {self.dp_size}"
             )
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.total_kv_blocks is not None and self.total_kv_blocks < 0:
             raise ValueError(f"total_kv_blocks must be >= 0, got {self.total_kv_blocks}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -211,57 +212,3 @@ class QueueRejection(msgspec.Struct, kw_only=True, frozen=True):
     limit_kind: LimitKind
     current: int
     limit: int
-
-
-class KvRouterError(Exception):
-    """Base of every error the router raises to its callers."""
-
-
-class InvalidRequest(KvRouterError, ValueError):
-    """A request the router cannot route as given (no tokens, malformed tokens or multimodal info)."""
-
-
-class NoEligibleWorker(KvRouterError):
-    """No registered worker satisfies the request's required taints (Dynamo's `NoEndpoints`)."""
-
-    def __init__(self, required_taints: list[str] | None = None) -> None:
-        self.required_taints = list(required_taints or [])
-        detail = f" with taints {sorted(self.required_taints)}" if self.required_taints else ""
-        super().__init__(f"no worker available{detail} to route work")
-
-
-class AllWorkersOverloaded(KvRouterError):
-    """Eligible workers exist but every one has all its dp ranks over a busy threshold (§4.6)."""
-
-    def __init__(self, eligible_workers: int) -> None:
-        self.eligible_workers = eligible_workers
-        super().__init__(f"all {eligible_workers} eligible workers are overloaded")
-
-
-class DuplicateRequestId(KvRouterError):
-    """A request id is still active; Dynamo 1.6.1 refuses to book it twice (§4.5)."""
-
-    def __init__(self, request_id: str, worker_id: int, dp_rank: int) -> None:
-        self.request_id = request_id
-        self.worker_id = worker_id
-        self.dp_rank = dp_rank
-        super().__init__(f"request {request_id!r} already exists (assigned to worker {worker_id} dp_rank {dp_rank})")
-
-
-class QueueRejected(KvRouterError):
-    """The queue is full for this request; carries Dynamo's `QueueRejection` payload."""
-
-    def __init__(self, rejection: QueueRejection) -> None:
-        self.rejection = rejection
-        super().__init__(
-            f"queue full for class {rejection.policy_class!r}: "
-            f"{rejection.limit_kind} at {rejection.current} of limit {rejection.limit}"
-        )
-
-
-class UnknownWorker(KvRouterError):
-    """An operation named a worker id that is not registered."""
-
-    def __init__(self, worker_id: int) -> None:
-        self.worker_id = worker_id
-        super().__init__(f"worker {worker_id} is not registered")

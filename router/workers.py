@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from router.types import RankKey, UnknownWorker, WorkerConfig
+from indexer.slots import WorkerRank
+from router.errors import UnknownWorker
+from router.types import WorkerConfig
 
 __all__ = ["WorkerConfig", "WorkerRegistry"]
 
@@ -19,7 +21,7 @@ class WorkerRegistry:
 
     def __init__(self) -> None:
         self._workers: dict[int, WorkerConfig] = {}
-        self._kv_used_blocks: dict[RankKey, int] = {}
+        self._kv_used_blocks: dict[WorkerRank, int] = {}
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -30,7 +32,7 @@ class WorkerRegistry:
     def get(self, worker_id: int) -> WorkerConfig | None:
         return self._workers.get(worker_id)
 
-    def register(self, config: WorkerConfig) -> tuple[list[RankKey], list[RankKey]]:
+    def register(self, config: WorkerConfig) -> tuple[list[WorkerRank], list[WorkerRank]]:
         """Add or replace a worker; returns the dp ranks that appeared and those that went away."""
         previous = self._workers.get(config.worker_id)
         self._workers[config.worker_id] = config
@@ -41,7 +43,7 @@ class WorkerRegistry:
             self._kv_used_blocks.pop(key, None)
         return [(config.worker_id, rank) for rank in sorted(new - old)], removed
 
-    def remove(self, worker_id: int) -> list[RankKey]:
+    def remove(self, worker_id: int) -> list[WorkerRank]:
         """Forget a worker; returns its dp ranks. Raises `UnknownWorker` if it is not registered."""
         config = self._workers.pop(worker_id, None)
         if config is None:
@@ -62,7 +64,7 @@ class WorkerRegistry:
             raise ValueError(f"kv_used_blocks must be >= 0, got {kv_used_blocks}")
         self._kv_used_blocks[(worker_id, dp_rank)] = kv_used_blocks
 
-    def kv_used_blocks(self, key: RankKey) -> int | None:
+    def kv_used_blocks(self, key: WorkerRank) -> int | None:
         return self._kv_used_blocks.get(key)
 
     def eligible(self, required_taints: Iterable[str]) -> list[WorkerConfig]:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from indexer.nats_connection import NatsOptions, connect
-from indexer.nats_server import EmbeddedNats
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
 
 SHARED_DIR = Path(os.environ.get("KV_ROUTER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 

@@ -22,12 +22,12 @@ from prometheus_client import CollectorRegistry
 from api.app import create_app
 from api.config import EventPlaneConfig, ServiceConfig, Settings
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
-from indexer.nats_connection import NatsOptions, connect
-from indexer.nats_server import EmbeddedNats, free_port
-from indexer.protocol import WorkerRegistration
-from indexer.publisher import KvEventPublisher, open_registry
-from indexer.subjects import Subjects
 from router.config import RouterConfig
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.publisher import KvEventPublisher, open_registry
+from router.event_plane.subjects import Subjects
+from router.types import WorkerConfig
 from tests.waiting import until
 
 T = TypeVar("T")
@@ -57,7 +57,7 @@ class Workers:
     def start(self, worker_id: int, tokens: list[int], **registration: Any) -> None:
         async def run() -> None:
             nc = await connect(NatsOptions(self.url))
-            publisher = KvEventPublisher(nc, WorkerRegistration(worker_id=worker_id, block_size=BLOCK, **registration))
+            publisher = KvEventPublisher(nc, WorkerConfig(worker_id=worker_id, block_size=BLOCK, **registration))
             await publisher.start()
             await publisher.stored(blocks_of(tokens))
             self.publishers.append(publisher)

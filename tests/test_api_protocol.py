@@ -1,4 +1,4 @@
-"""The hot routes answered inside uvicorn's HTTP protocol (`api.protocol`), through a real uvicorn on
+"""The hot routes answered inside uvicorn's HTTP protocol (`api.http_protocol`), through a real uvicorn on
 loopback and raw sockets: exact bytes on the wire, keep-alive, pipelining, bodies split across TCP
 segments and chunked, the body limit, malformed bodies, a queued ``new`` finished by a ``mark_free``
 on another connection, a client leaving the queue, the keep-alive timeout, and SIGTERM with requests

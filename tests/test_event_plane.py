@@ -8,14 +8,15 @@ import pytest
 from nats.aio.client import Client
 
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
-from indexer.nats_connection import NatsOptions, connect
-from indexer.nats_server import EmbeddedNats
-from indexer.protocol import ActiveLoad, WorkerRegistration
-from indexer.publisher import KvEventPublisher
 from router.config import RouterConfig
-from router.event_plane import RouterEventPlane
+from router.errors import AllWorkersOverloaded
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.messages import ActiveLoad
+from router.event_plane.plane import RouterEventPlane
+from router.event_plane.publisher import KvEventPublisher
 from router.kv_router import KvRouter
-from router.types import AllWorkersOverloaded, RouteRequest, WorkerConfig
+from router.types import RouteRequest, WorkerConfig
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -36,7 +37,7 @@ def prompt_blocks(tokens: list[int]) -> list[tuple[int, int]]:
 
 async def worker(client: Client, worker_id: int, **registration: object) -> KvEventPublisher:
     publisher = KvEventPublisher(
-        client, WorkerRegistration(worker_id=worker_id, block_size=BLOCK, **registration), heartbeat_interval=0.1
+        client, WorkerConfig(worker_id=worker_id, block_size=BLOCK, **registration), heartbeat_interval=0.1
     )
     await publisher.start()
     return publisher
@@ -125,7 +126,7 @@ async def test_static_registration_through_the_registry_and_bad_input(client: Cl
     await eventually(lambda: plane.sequencer.outcomes["rejected_unknown_worker"] == 1)
     await asyncio.sleep(0.8)  # static workers have no lease
     assert [w.worker_id for w in plane.router.workers()] == [51]
-    mismatched = KvEventPublisher(client, WorkerRegistration(worker_id=52, block_size=64))
+    mismatched = KvEventPublisher(client, WorkerConfig(worker_id=52, block_size=64))
     await mismatched.start(heartbeat=False)
     await eventually(lambda: plane.outcomes["rejected_block_size_mismatch"] == 1)
     assert [w.worker_id for w in plane.router.workers()] == [51]

@@ -13,17 +13,17 @@ import httpx
 import msgspec
 import pytest
 
-from indexer.nats_connection import NatsOptions, connect
-from indexer.nats_server import EmbeddedNats
 from mocker.config import EngineConfig
 from mocker.demo import DemoOptions, run_demo
 from mocker.online import OnlineReplayError, wait_for_workers
-from mocker.protocol import reset_subject
 from mocker.replay import ReplaySetup, replay_offline, replay_online_report
 from mocker.service import serve_router
 from mocker.trace import TraceOptions, build_trace
+from mocker.wire import reset_subject
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
 
 pytestmark = pytest.mark.anyio
 

@@ -12,13 +12,13 @@ from nats.aio.client import Client
 
 from indexer.events import RouterEvent, StorageTier
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
-from indexer.nats_connection import NatsOptions, connect
-from indexer.nats_server import EmbeddedNats
-from indexer.nats_source import KvEventSubscriber
-from indexer.protocol import WorkerRegistration
-from indexer.publisher import KvEventPublisher
 from indexer.radix_tree import RadixTree
 from indexer.sequencer import EventSequencer
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.publisher import KvEventPublisher
+from router.event_plane.subscriber import KvEventSubscriber
+from router.types import WorkerConfig
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -57,7 +57,7 @@ async def start_router(nc: Client) -> tuple[RadixTree, EventSequencer, KvEventSu
 
 
 async def test_router_started_late_learns_earlier_state_and_follows_live(client: Client) -> None:
-    publisher = KvEventPublisher(client, WorkerRegistration(worker_id=2**64 - 3, block_size=16))
+    publisher = KvEventPublisher(client, WorkerConfig(worker_id=2**64 - 3, block_size=16))
     await publisher.start(heartbeat=False)
     early = chain(1, 6)
     await publisher.stored(early[:4])
@@ -76,7 +76,7 @@ async def test_router_started_late_learns_earlier_state_and_follows_live(client:
 
 
 async def test_dropped_messages_are_detected_and_repaired(client: Client) -> None:
-    publisher = KvEventPublisher(client, WorkerRegistration(worker_id=7, block_size=16), msgpack=False)
+    publisher = KvEventPublisher(client, WorkerConfig(worker_id=7, block_size=16), msgpack=False)
     await publisher.start(heartbeat=False)
     tree, sequencer, subscriber = await start_router(client)
     first = chain(3, 4)
@@ -116,7 +116,7 @@ def messages_lost(publisher: KvEventPublisher) -> Iterator[None]:
 
 
 async def test_gap_older_than_the_ring_is_repaired_with_a_full_dump(client: Client) -> None:
-    publisher = KvEventPublisher(client, WorkerRegistration(worker_id=8), ring_size=4)
+    publisher = KvEventPublisher(client, WorkerConfig(worker_id=8), ring_size=4)
     await publisher.start(heartbeat=False)
     tree, sequencer, subscriber = await start_router(client)
     kept = chain(6, 2)
@@ -141,7 +141,7 @@ async def test_garbage_on_the_events_subject_is_counted_and_ignored(client: Clie
     await client.publish("kv.default.events.1", b"{not json")
     await client.publish("kv.default.events.1", b'{"worker_id": -4, "event": {}}')
     await client.publish("kv.default.events.1", b"\x93\x01\x02")
-    publisher = KvEventPublisher(client, WorkerRegistration(worker_id=9))
+    publisher = KvEventPublisher(client, WorkerConfig(worker_id=9))
     await publisher.start(heartbeat=False)
     good = chain(40, 2)
     await publisher.stored(good)
@@ -162,7 +162,7 @@ async def test_router_reconnects_after_a_nats_restart_and_converges(nats_server:
         reconnected.set()
 
     router_nc._reconnected_cb = on_reconnect
-    publisher = KvEventPublisher(worker_nc, WorkerRegistration(worker_id=11))
+    publisher = KvEventPublisher(worker_nc, WorkerConfig(worker_id=11))
     await publisher.start(heartbeat=False)
     before = chain(50, 3)
     await publisher.stored(before)

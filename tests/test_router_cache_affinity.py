@@ -14,8 +14,8 @@ from mocker.routers import make_router
 from mocker.simulation import simulate
 from mocker.trace import load_trace
 from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, RoutingConstraints, WorkerConfig
-from router.config import ConfigError
-from router.testing import prompt_stored_event
+from router.errors import ConfigError
+from tests.dynamo_fleet import prompt_stored_event
 
 BS = 16
 X, Y = 11, 22

@@ -13,7 +13,7 @@ import pytest
 from indexer.events import StorageTier
 from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, RoutingConstraints, WorkerConfig
 from router.policies.dynamo import softmax_probabilities, softmax_sample_index
-from router.testing import prompt_stored_event
+from tests.dynamo_fleet import prompt_stored_event
 
 BS = 16
 X, Y = 11, 22

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, WorkerConfig
-from router.testing import DynamoFleet, prompt_stored_event
+from tests.dynamo_fleet import DynamoFleet, prompt_stored_event
 
 os.environ.setdefault("DYN_LOG", "off")
 pytest.importorskip("dynamo._core")

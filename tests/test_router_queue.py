@@ -22,7 +22,7 @@ from router import (
     RoutingConstraints,
     WorkerConfig,
 )
-from router.testing import prompt_stored_event
+from tests.dynamo_fleet import prompt_stored_event
 
 BS = 16
 W = 5

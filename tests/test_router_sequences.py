@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router import DuplicateRequestId, InvalidRequest, KvRouter, PotentialLoad, RouterConfig, RouteRequest, WorkerConfig
 from router.sequences import ActiveSequences
-from router.testing import prompt_stored_event
+from tests.dynamo_fleet import prompt_stored_event
 
 BS = 16
 W = 7

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from indexer.events import RouterEvent, cleared_event, removed_event, stored_event
-from indexer.protocol import ResyncBatch, ResyncRequest, ResyncResponse, ResyncTooNew
+from indexer.events import (
+    ResyncBatch,
+    ResyncRequest,
+    ResyncResponse,
+    ResyncTooNew,
+    RouterEvent,
+    cleared_event,
+    removed_event,
+    stored_event,
+)
 from indexer.radix_tree import RadixTree
 from indexer.sequencer import EventSequencer
 

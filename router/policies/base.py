@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from indexer.slots import WorkerRank
 from router.config import RouterConfig
 from router.overlap import NO_OVERLAP, RankOverlap
 from router.sequences import RankState
-from router.types import RankKey
 
 __all__ = ["Candidate", "PolicyFactory", "Selection", "SelectionContext", "SelectionPolicy"]
 
@@ -108,7 +108,7 @@ class SelectionContext:
         block_size: int,
         track_prefill_tokens: bool,
         ranks: Sequence[RankState],
-        overlaps: Mapping[RankKey, RankOverlap],
+        overlaps: Mapping[WorkerRank, RankOverlap],
         depths: Mapping[RankState, int],
         booked_blocks: int,
         taint_multipliers: Sequence[float] | None,

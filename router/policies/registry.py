@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from router.config import ConfigError, RouterConfig
+from router.config import RouterConfig
+from router.errors import ConfigError
 from router.policies.base import PolicyFactory, SelectionPolicy
 from router.policies.cache_affinity import CacheAffinityPolicy
 from router.policies.dynamo import DynamoPolicy

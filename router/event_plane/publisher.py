@@ -10,7 +10,7 @@ publishes ``ActiveLoad``.
 
 Usage from an asyncio engine integration::
 
-    publisher = KvEventPublisher(nc, WorkerRegistration(worker_id=7, block_size=16))
+    publisher = KvEventPublisher(nc, WorkerConfig(worker_id=7, block_size=16))
     await publisher.start()
     await publisher.stored([(block_hash, tokens_hash), ...], parent_hash=None)
     await publisher.removed([block_hash])
@@ -40,6 +40,10 @@ from nats.js.kv import KeyValue
 from indexer.errors import BlockNotFound
 from indexer.events import (
     KvCacheEvent,
+    ResyncBatch,
+    ResyncRequest,
+    ResyncResponse,
+    ResyncTooNew,
     RouterEvent,
     StorageTier,
     cleared_event,
@@ -47,17 +51,10 @@ from indexer.events import (
     removed_event,
     stored_event,
 )
-from indexer.protocol import (
-    ActiveLoad,
-    Heartbeat,
-    ResyncBatch,
-    ResyncRequest,
-    ResyncResponse,
-    ResyncTooNew,
-    WorkerRegistration,
-)
 from indexer.radix_tree import RadixTree
-from indexer.subjects import Subjects
+from router.event_plane.messages import ActiveLoad, Heartbeat
+from router.event_plane.subjects import Subjects
+from router.types import WorkerConfig
 
 __all__ = ["KvEventPublisher", "open_registry"]
 
@@ -89,7 +86,7 @@ class KvEventPublisher:
     def __init__(
         self,
         nc: Client,
-        registration: WorkerRegistration,
+        registration: WorkerConfig,
         *,
         namespace: str = "default",
         ring_size: int = DEFAULT_RING_SIZE,

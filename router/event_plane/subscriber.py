@@ -19,11 +19,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
-from indexer.events import EventDecodeError, decode_router_events, looks_like_msgpack
-from indexer.protocol import ResyncRequest, ResyncResponse
-from indexer.ratelimited_log import RateLimitedLog
+from indexer.events import EventDecodeError, ResyncRequest, ResyncResponse, decode_router_events, looks_like_msgpack
 from indexer.sequencer import EventSequencer
-from indexer.subjects import Subjects
+from router.event_plane.ratelimited_log import RateLimitedLog
+from router.event_plane.subjects import Subjects
 
 __all__ = ["KvEventSubscriber"]
 

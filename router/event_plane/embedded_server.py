@@ -19,7 +19,7 @@ from types import TracebackType
 
 __all__ = ["EmbeddedNats", "find_nats_server", "free_port"]
 
-# Large enough for a worker's full index dump in one resync reply (see indexer.publisher).
+# Large enough for a worker's full index dump in one resync reply (see router.event_plane.publisher).
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 

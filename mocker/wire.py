@@ -15,7 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from indexer.subjects import Subjects
+from router.event_plane.subjects import Subjects
 
 __all__ = ["GenerateRequest", "GenerateUpdate", "UpdateKind", "generate_subject", "reply_prefix", "reset_subject"]
 

@@ -28,42 +28,19 @@ from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
-from indexer.nats_source import KvEventSubscriber
-from indexer.protocol import ActiveLoad, Heartbeat, WorkerRegistration
-from indexer.publisher import open_registry
-from indexer.ratelimited_log import RateLimitedLog
 from indexer.sequencer import EventSequencer
-from indexer.subjects import Subjects
+from router.errors import UnknownWorker
+from router.event_plane.messages import ActiveLoad, Heartbeat
+from router.event_plane.publisher import open_registry
+from router.event_plane.ratelimited_log import RateLimitedLog
+from router.event_plane.subjects import Subjects
+from router.event_plane.subscriber import KvEventSubscriber
 from router.kv_router import KvRouter
-from router.types import UnknownWorker, WorkerConfig
+from router.types import WorkerConfig
 
-__all__ = ["RouterEventPlane", "registration_of", "worker_config_of"]
+__all__ = ["RouterEventPlane"]
 
 log = logging.getLogger(__name__)
-
-
-def worker_config_of(registration: WorkerRegistration) -> WorkerConfig:
-    return WorkerConfig(
-        worker_id=registration.worker_id,
-        dp_start_rank=registration.dp_start_rank,
-        dp_size=registration.dp_size,
-        total_kv_blocks=registration.total_kv_blocks,
-        max_num_batched_tokens=registration.max_num_batched_tokens,
-        taints=frozenset(registration.taints),
-    )
-
-
-def registration_of(config: WorkerConfig, *, block_size: int | None, leased: bool) -> WorkerRegistration:
-    return WorkerRegistration(
-        worker_id=config.worker_id,
-        dp_start_rank=config.dp_start_rank,
-        dp_size=config.dp_size,
-        block_size=block_size,
-        total_kv_blocks=config.total_kv_blocks,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        taints=sorted(config.taints),
-        leased=leased,
-    )
 
 
 class RouterEventPlane:
@@ -125,8 +102,10 @@ class RouterEventPlane:
     # ------------------------------------------------------------------ registry
     async def register(self, config: WorkerConfig, *, leased: bool = False) -> None:
         """Write a worker into the shared registry; every router watching it registers the worker."""
-        registration = registration_of(config, block_size=self.router.config.block_size, leased=leased)
-        self._apply_registration(registration)  # at once here; the watch confirms it
+        registration = msgspec.structs.replace(
+            config, block_size=config.block_size or self.router.config.block_size, leased=leased
+        )
+        self._apply_registration(registration)  # at once here; the watch's echo is then a no-op
         assert self._registry is not None
         await self._registry.put(str(config.worker_id), msgspec.json.encode(registration))
 
@@ -153,29 +132,27 @@ class RouterEventPlane:
                 self._remove(worker_id)
                 continue
             try:
-                registration = msgspec.json.decode(entry.value or b"", type=WorkerRegistration)
+                registration = msgspec.json.decode(entry.value or b"", type=WorkerConfig)
             except msgspec.DecodeError as exc:
                 self._reject("bad_registration", f"worker {worker_id}: {exc}")
                 continue
             self._apply_registration(registration)
 
-    def _apply_registration(self, registration: WorkerRegistration) -> None:
+    def _apply_registration(self, config: WorkerConfig) -> None:
         block_size = self.router.config.block_size
-        if registration.block_size is not None and registration.block_size != block_size:
+        if config.block_size is not None and config.block_size != block_size:
             self._reject(
                 "block_size_mismatch",
-                f"worker {registration.worker_id} uses block size {registration.block_size}, router {block_size}",
+                f"worker {config.worker_id} uses block size {config.block_size}, router {block_size}",
             )
             return
-        try:
-            config = worker_config_of(registration)
-        except ValueError as exc:
-            self._reject("bad_registration", f"worker {registration.worker_id}: {exc}")
-            return
-        is_new = not self.router.has_worker(config.worker_id)
+        previous = self.router.worker(config.worker_id)
+        if previous == config:
+            return  # the watch echoing a registration this router applied already
+        is_new = previous is None
         self.router.register_worker(config)
-        if registration.leased:
-            self._leased.setdefault(registration.worker_id, self._clock())
+        if config.leased:
+            self._leased.setdefault(config.worker_id, self._clock())
             if is_new:
                 # Its first events may have raced ahead of this registration and been dropped.
                 for dp_rank in config.dp_ranks:
@@ -183,7 +160,7 @@ class RouterEventPlane:
                     if request is not None:
                         self.events.launch_resync(request)
         else:
-            self._leased.pop(registration.worker_id, None)
+            self._leased.pop(config.worker_id, None)
         self.outcomes["registered"] += 1
 
     def _remove(self, worker_id: int) -> None:

@@ -11,9 +11,9 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 
 from api.config import EventPlaneConfig
-from indexer.nats_connection import NatsOptions, connect
-from indexer.nats_server import EmbeddedNats, free_port
-from router.event_plane import RouterEventPlane
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 
 __all__ = ["embedded_nats", "nats_options", "running_event_plane"]

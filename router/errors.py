@@ -1,0 +1,82 @@
+"""Every error the router package raises, in one place.
+
+``KvRouterError`` and its subclasses are what a caller of `KvRouter` handles (the HTTP layer maps
+each to a status code); ``ConfigError`` is an invalid setting, raised before anything runs.
+"""
+
+from __future__ import annotations
+
+from router.types import QueueRejection
+
+__all__ = [
+    "AllWorkersOverloaded",
+    "ConfigError",
+    "DuplicateRequestId",
+    "InvalidRequest",
+    "KvRouterError",
+    "NoEligibleWorker",
+    "QueueRejected",
+    "UnknownWorker",
+]
+
+
+class ConfigError(ValueError):
+    """An invalid `RouterConfig` value or combination; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class KvRouterError(Exception):
+    """Base of every error the router raises to its callers."""
+
+
+class InvalidRequest(KvRouterError, ValueError):
+    """A request the router cannot route as given (no tokens, malformed tokens or multimodal info)."""
+
+
+class NoEligibleWorker(KvRouterError):
+    """No registered worker satisfies the request's required taints (Dynamo's `NoEndpoints`)."""
+
+    def __init__(self, required_taints: list[str] | None = None) -> None:
+        self.required_taints = list(required_taints or [])
+        detail = f" with taints {sorted(self.required_taints)}" if self.required_taints else ""
+        super().__init__(f"no worker available{detail} to route work")
+
+
+class AllWorkersOverloaded(KvRouterError):
+    """Eligible workers exist but every one has all its dp ranks over a busy threshold (§4.6)."""
+
+    def __init__(self, eligible_workers: int) -> None:
+        self.eligible_workers = eligible_workers
+        super().__init__(f"all {eligible_workers} eligible workers are overloaded")
+
+
+class DuplicateRequestId(KvRouterError):
+    """A request id is still active; Dynamo 1.6.1 refuses to book it twice (§4.5)."""
+
+    def __init__(self, request_id: str, worker_id: int, dp_rank: int) -> None:
+        self.request_id = request_id
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        super().__init__(f"request {request_id!r} already exists (assigned to worker {worker_id} dp_rank {dp_rank})")
+
+
+class QueueRejected(KvRouterError):
+    """The queue is full for this request; carries Dynamo's `QueueRejection` payload."""
+
+    def __init__(self, rejection: QueueRejection) -> None:
+        self.rejection = rejection
+        super().__init__(
+            f"queue full for class {rejection.policy_class!r}: "
+            f"{rejection.limit_kind} at {rejection.current} of limit {rejection.limit}"
+        )
+
+
+class UnknownWorker(KvRouterError):
+    """An operation named a worker id that is not registered."""
+
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+        super().__init__(f"worker {worker_id} is not registered")
