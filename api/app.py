@@ -26,7 +26,7 @@ from api.config import Settings
 from api.errors import ApiError, InvalidRequest, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
 from api.handlers import Handlers
-from api.metrics import ApiMetrics, EventPlaneCollector, RouterStateCollector
+from api.metrics import ApiMetrics, EventPlaneCollector, EventStreamCollector, RouterStateCollector
 from api.openapi import Schemas
 from api.plane_lifecycle import running_event_plane
 from api.routes import add_admin_routes, add_hot_routes
@@ -57,6 +57,7 @@ def create_app(
     kv_router = KvRouter(settings.router, rng=rng)
     metrics = ApiMetrics(registry)
     registry.register(RouterStateCollector(kv_router))
+    registry.register(EventStreamCollector(kv_router.events))
     handlers = Handlers(kv_router, metrics, settings.service)
 
     @asynccontextmanager

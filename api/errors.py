@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.events import EventDecodeError
+from indexer.errors import EventDecodeError
 from router.errors import (
     AllWorkersOverloaded,
     DuplicateRequestId,

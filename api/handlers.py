@@ -52,7 +52,6 @@ from api.wire import (
     RouterRequest,
     Tokens,
 )
-from indexer.errors import BlockNotFound, InvalidBlockSequence, KvIndexError, ParentBlockNotFound
 from indexer.events import decode_router_events
 from router.errors import QueueRejected
 from router.kv_router import KvRouter
@@ -72,14 +71,6 @@ HOT_PATHS = {
     "/v1/events": "events",
     "/v1/overlap": "overlap",
 }
-
-# Index rejections by class, named as Dynamo labels kv_cache_events_applied (§6).
-_EVENT_STATUS: dict[type[KvIndexError], str] = {
-    ParentBlockNotFound: "parent_block_not_found",
-    BlockNotFound: "block_not_found",
-    InvalidBlockSequence: "invalid_block",
-}
-_EVENT_ERRORS_SHOWN = 8
 
 
 class Handlers:
@@ -207,23 +198,18 @@ class Handlers:
 
     async def _events(self, call: Call) -> Reply:
         events = decode_router_events(call.body, msgpack=call.msgpack)
-        apply = self._router.apply_event
-        count_event = self._metrics.event
-        applied = 0
-        errors: list[str] = []
-        for event in events:
-            data = event.event
-            kind = "cleared" if data.is_cleared else ("stored" if data.stored is not None else "removed")
-            try:
-                apply(event)
-            except KvIndexError as exc:
-                count_event(kind, _EVENT_STATUS.get(type(exc), "rejected"))
-                if len(errors) < _EVENT_ERRORS_SHOWN:
-                    errors.append(f"worker {event.worker_id} event {data.event_id}: {exc}")
-                continue
-            count_event(kind, "ok")
-            applied += 1
-        reply = EventsReply(received=len(events), applied=applied, rejected=len(events) - applied, errors=errors)
+        sequencer = self._router.events
+        outcomes = sequencer.outcomes
+        applied, rejected, duplicate = outcomes["applied"], sequencer.rejected, outcomes["duplicate"]
+        sequencer.ingest(events)
+        rejected = sequencer.rejected - rejected
+        reply = EventsReply(
+            received=len(events),
+            applied=outcomes["applied"] - applied,
+            rejected=rejected,
+            duplicate=outcomes["duplicate"] - duplicate,
+            errors=list(sequencer.recent_rejections)[-rejected:] if rejected else [],
+        )
         return self._reply(reply, call)
 
     async def _overlap(self, call: Call) -> Reply:

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from indexer.sequencer import EventSequencer
 from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import RouteDecision
@@ -82,13 +83,6 @@ class ApiMetrics:
         )
         for name, documentation, labels, series in histograms:
             registry.register(_HistogramCollector(name, documentation, labels, series))
-        self._events = Counter(
-            f"{PREFIX}_events_applied",
-            "KV events received, by event type (stored, removed, cleared) and status (ok, or why the index "
-            "rejected it).",
-            ["event_type", "status"],
-            registry=registry,
-        )
         # (method, outcome) -> its bound counter; the ok ones exist (at 0) from the start.
         self._counts = {
             (method, "ok"): self._requests.labels(method, "ok")
@@ -113,9 +107,6 @@ class ApiMetrics:
         self._overlap.observe(decision.overlap_blocks)
         if prompt_tokens:
             self._hit_ratio.observe(min(1.0, decision.cached_tokens / prompt_tokens))
-
-    def event(self, event_type: str, status: str, count: int = 1) -> None:
-        self._events.labels(event_type, status).inc(count)
 
 
 class _Histogram:
@@ -226,28 +217,26 @@ class RouterStateCollector(Collector):
         ]
 
 
-class EventPlaneCollector(Collector):
-    """The NATS event plane's counters and stream states, read when ``/metrics`` is scraped."""
+class EventStreamCollector(Collector):
+    """The one event door's counters and stream states (every transport), read at scrape time."""
 
-    def __init__(self, plane: RouterEventPlane) -> None:
-        self._plane = plane
+    def __init__(self, sequencer: EventSequencer) -> None:
+        self._sequencer = sequencer
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        plane = self._plane
-        events, control, trusted, held, resyncs, connected = families = self._families()
-        for outcome, count in sorted(plane.sequencer.outcomes.items()):
-            events.add_metric([outcome], count)
-        for outcome, count in sorted(plane.outcomes.items()):
-            control.add_metric([outcome], count)
-        for stream in plane.sequencer.status():
+        sequencer = self._sequencer
+        applied, outcomes, trusted, held = families = self._families()
+        for (event_type, status), count in sorted(sequencer.applied.items()):
+            applied.add_metric([event_type, status], count)
+        for outcome, count in sorted(sequencer.outcomes.items()):
+            outcomes.add_metric([outcome], count)
+        for stream in sequencer.status():
             labels = [str(stream.worker_id), str(stream.dp_rank)]
             trusted.add_metric(labels, 1.0 if stream.trusted else 0.0)
             held.add_metric(labels, stream.held_events)
-        resyncs.add_metric([], plane.events.resyncs_in_flight)
-        connected.add_metric([], 1.0 if plane.nc.is_connected else 0.0)
         yield from families
 
     @staticmethod
@@ -255,13 +244,15 @@ class EventPlaneCollector(Collector):
         rank = ["worker_id", "dp_rank"]
         return [
             CounterMetricFamily(
-                f"{PREFIX}_nats_events",
-                "KV events from NATS by outcome: applied, duplicate, held, gap, resync_*, rejected_<reason>.",
-                labels=["outcome"],
+                f"{PREFIX}_events_applied",
+                "KV events that reached the index, by event type (stored, removed, cleared) and status (ok, or "
+                "Dynamo's label for why the index rejected it).",
+                labels=["event_type", "status"],
             ),
             CounterMetricFamily(
-                f"{PREFIX}_nats_control_messages",
-                "Registry, heartbeat and load messages by outcome (registered, expired, rejected_<reason>, ...).",
+                f"{PREFIX}_stream_events",
+                "KV events by sequencing outcome, whatever carried them: applied, duplicate, held, gap, resync_*, "
+                "rejected_<reason>.",
                 labels=["outcome"],
             ),
             GaugeMetricFamily(
@@ -271,6 +262,35 @@ class EventPlaneCollector(Collector):
             ),
             GaugeMetricFamily(
                 f"{PREFIX}_worker_stream_held_events", "Live events held while a resync is in flight.", labels=rank
+            ),
+        ]
+
+
+class EventPlaneCollector(Collector):
+    """The NATS event plane's control counters and connection, read when ``/metrics`` is scraped."""
+
+    def __init__(self, plane: RouterEventPlane) -> None:
+        self._plane = plane
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        plane = self._plane
+        control, resyncs, connected = families = self._families()
+        for outcome, count in sorted(plane.outcomes.items()):
+            control.add_metric([outcome], count)
+        resyncs.add_metric([], plane.subscriber.resyncs_in_flight)
+        connected.add_metric([], 1.0 if plane.nc.is_connected else 0.0)
+        yield from families
+
+    @staticmethod
+    def _families() -> list[CounterMetricFamily | GaugeMetricFamily]:
+        return [
+            CounterMetricFamily(
+                f"{PREFIX}_nats_control_messages",
+                "Registry, heartbeat and load messages by outcome (registered, expired, rejected_<reason>, ...).",
+                labels=["outcome"],
             ),
             GaugeMetricFamily(f"{PREFIX}_nats_resyncs_in_flight", "Resync requests awaiting a worker's answer."),
             GaugeMetricFamily(f"{PREFIX}_nats_connected", "1 while connected to the NATS server."),

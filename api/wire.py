@@ -147,11 +147,17 @@ class WorkersReply(msgspec.Struct, kw_only=True):
 
 
 class EventsReply(msgspec.Struct, kw_only=True):
-    """What became of a batch of events: the counts by outcome, and the first rejections' reasons."""
+    """What became of a batch of events: the counts by outcome, and the last rejections' reasons.
+
+    Events pass the same sequencer as those from NATS: ``duplicate`` ones (an id already applied for
+    that worker and dp rank) are dropped; ``applied`` counts every event that reached the index during
+    the call, including events held earlier that this call released.
+    """
 
     received: int
     applied: int
     rejected: int
+    duplicate: int = 0
     errors: list[str] = []
 
 

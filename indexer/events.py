@@ -24,9 +24,10 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from indexer.errors import EventDecodeError
+
 __all__ = [
     "BlockMmInfo",
-    "EventDecodeError",
     "KvCacheEvent",
     "KvCacheEventData",
     "KvRemovedData",
@@ -202,10 +203,6 @@ def removed_event(event_id: int, block_hashes: Iterable[int], *, dp_rank: int = 
 
 def cleared_event(event_id: int, *, dp_rank: int = 0) -> KvCacheEvent:
     return KvCacheEvent(event_id=event_id, data="cleared", dp_rank=dp_rank)
-
-
-class EventDecodeError(ValueError):
-    """A KV-event payload that is not a valid ``RouterEvent`` or list of them; says what and where."""
 
 
 _OneOrMany = RouterEvent | list[RouterEvent]

@@ -19,6 +19,8 @@ from typing import Any
 
 import xxhash
 
+from indexer.events import U32_MAX, U64_MAX
+
 __all__ = [
     "SEED",
     "TokenInput",
@@ -29,8 +31,6 @@ __all__ = [
 ]
 
 SEED = 1337
-_U64_MASK = (1 << 64) - 1
-_U32_MAX = (1 << 32) - 1
 
 TokenInput = Sequence[int] | bytes | bytearray | memoryview
 
@@ -43,9 +43,9 @@ def salt_seed(lora_name: str | None = None, cache_namespace: str | None = None) 
     """The XXH3 seed for local block hashes; empty names count as absent."""
     seed = SEED
     if lora_name:
-        seed = (seed + _xxh3(lora_name.encode(), 0)) & _U64_MASK
+        seed = (seed + _xxh3(lora_name.encode(), 0)) & U64_MAX
     if cache_namespace:
-        seed = (seed + _xxh3(cache_namespace.encode(), 1)) & _U64_MASK
+        seed = (seed + _xxh3(cache_namespace.encode(), 1)) & U64_MAX
     return seed
 
 
@@ -62,8 +62,8 @@ def pack_tokens(tokens: TokenInput) -> memoryview:
     try:
         packed = array("I", tokens)
     except OverflowError:
-        bad = next(t for t in tokens if not 0 <= t <= _U32_MAX)
-        raise ValueError(f"token id {bad} is outside the u32 range [0, {_U32_MAX}]") from None
+        bad = next(t for t in tokens if not 0 <= t <= U32_MAX)
+        raise ValueError(f"token id {bad} is outside the u32 range [0, {U32_MAX}]") from None
     except TypeError as exc:
         raise ValueError(f"token ids must be integers: {exc}") from None
     if packed.itemsize != 4:  # pragma: no cover - every platform CPython supports has a 4-byte C int
@@ -86,7 +86,7 @@ def _mm_suffix(info: Any, block_index: int) -> bytes:
     hashes: list[int] = []
     for j, obj in enumerate(objects):
         mm_hash = obj.get("mm_hash") if isinstance(obj, Mapping) else None
-        if type(mm_hash) is not int or not 0 <= mm_hash <= _U64_MASK:
+        if type(mm_hash) is not int or not 0 <= mm_hash <= U64_MAX:
             raise ValueError(f"{where}.mm_objects[{j}].mm_hash must be a u64 integer, got {mm_hash!r}")
         hashes.append(mm_hash)
     hashes.sort()
@@ -143,6 +143,6 @@ def compute_sequence_hashes(block_hashes: Sequence[int]) -> list[int]:
             previous = _xxh3(_pack_pair(previous, local), SEED)
             out.append(previous)
     except struct.error:
-        bad = next(h for h in block_hashes if type(h) is not int or not 0 <= h <= _U64_MASK)
+        bad = next(h for h in block_hashes if type(h) is not int or not 0 <= h <= U64_MAX)
         raise ValueError(f"block hash {bad!r} is not a u64 integer") from None
     return out

@@ -8,7 +8,8 @@ keeps the id of the last applied event:
 - a larger id is a gap: the stream becomes untrusted and a resync is requested for the missing
   range (or a full dump when the worker cannot serve it); live events are held meanwhile, so a
   replayed store can never resurrect a block that a later live event removed;
-- the first event ever seen from a stream asks for a full dump, so a router that starts after its
+- the first event ever seen from a stream is applied at once and trusted when its id is 1 (nothing
+  can precede it); any other first id asks for a full dump, so a router that starts after its
   workers learns what they cached before;
 - ``cleared`` is a barrier: it applies at once, cancels any resync in flight (its answer would be
   stale) and restarts the stream from its id.
@@ -19,11 +20,11 @@ the transport (``router.event_plane.subscriber``) answers with ``resync_done`` o
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from indexer.errors import BlockNotFound, InvalidBlockSequence, KvIndexError, ParentBlockNotFound
+from indexer.errors import KvIndexError
 from indexer.events import ResyncRequest, ResyncResponse, RouterEvent
 from indexer.radix_tree import RadixTree
 from indexer.slots import WorkerRank
@@ -36,11 +37,8 @@ MAX_HELD_EVENTS = 100_000
 # 65,536 blocks); a bigger one is rejected before it can stall the loop that routes requests.
 MAX_EVENT_BLOCKS = 1 << 17
 
-_REJECTION_REASONS: dict[type[KvIndexError], str] = {
-    ParentBlockNotFound: "parent_not_found",
-    BlockNotFound: "block_not_found",
-    InvalidBlockSequence: "invalid_block_sequence",
-}
+# Reasons of the most recent rejections kept for callers that report them (the HTTP reply).
+RECENT_REJECTIONS = 8
 
 
 @dataclass
@@ -77,14 +75,33 @@ class EventSequencer:
         self._streams: dict[WorkerRank, _Stream] = {}
         # Outcome -> count: applied, duplicate, held, gap, resync_*, rejected_<reason>.
         self.outcomes: Counter[str] = Counter()
+        # (event type, status) -> count of events that reached the index: status ok or Dynamo's label.
+        self.applied: Counter[tuple[str, str]] = Counter()
+        self.recent_rejections: deque[str] = deque(maxlen=RECENT_REJECTIONS)
+        self.rejected = 0  # events refused whole or in part, whatever the reason
+        # Where resync requests go; None while no transport can reach workers (they fail at once).
+        self.resync_transport: Callable[[ResyncRequest], None] | None = None
         # Blocks stored or removed by applied live events (dumps excluded): the ingest rate's numerator.
         self.blocks_applied = 0
 
     # ------------------------------------------------------------------ live events
+    def ingest(self, events: Iterable[RouterEvent]) -> None:
+        """The door every transport uses: sequence each event, sending the resyncs it calls for."""
+        for event in events:
+            request = self.receive(event)
+            if request is not None:
+                self.send_resync(request)
+
+    def send_resync(self, request: ResyncRequest) -> None:
+        if self.resync_transport is None:
+            self.resync_failed(request)
+        else:
+            self.resync_transport(request)
+
     def receive(self, event: RouterEvent) -> ResyncRequest | None:
         """Take one live event; returns a resync to start, if this event calls for one."""
         if self._accept_worker is not None and not self._accept_worker(event.worker_id):
-            self.outcomes["rejected_unknown_worker"] += 1
+            self._reject(event, "unknown_worker", "worker not registered")
             return None
         key = (event.worker_id, event.event.dp_rank)
         stream = self._streams.get(key)
@@ -100,6 +117,11 @@ class EventSequencer:
                 return None
             return self._hold(key, stream, event)
         if last is None:
+            if event_id == 1:  # a stream's very first event: nothing can precede it
+                self._apply(event)
+                stream.last_applied = 1
+                stream.trusted = True
+                return None
             self._hold(key, stream, event)
             return self._start_resync(key, stream, start=None)
         if event_id <= last:
@@ -268,21 +290,30 @@ class EventSequencer:
     def _apply(self, event: RouterEvent, *, from_dump: bool = False) -> None:
         if _block_count(event) > self._max_blocks:
             # Counted and skipped; the worker's stream is no longer known complete.
-            self.outcomes["rejected_oversized_event"] += 1
+            self._reject(event, "oversized_event", f"more than {self._max_blocks} blocks")
             stream = self._streams.get((event.worker_id, event.event.dp_rank))
             if stream is not None:
                 stream.trusted = False
             return
+        data = event.event
+        kind = "cleared" if data.is_cleared else ("stored" if data.stored is not None else "removed")
         try:
             self.index.apply_router_event(event)
         except KvIndexError as exc:
-            self.outcomes[f"rejected_{_REJECTION_REASONS.get(type(exc), 'index_error')}"] += 1
+            self.applied[kind, exc.label] += 1
+            self._reject(event, exc.label, str(exc))
         else:
+            self.applied[kind, "ok"] += 1
             if from_dump:
                 self.outcomes["dump_applied"] += 1
                 return
             self.outcomes["applied"] += 1
             self.blocks_applied += _block_count(event)
+
+    def _reject(self, event: RouterEvent, label: str, detail: str) -> None:
+        self.outcomes[f"rejected_{label}"] += 1
+        self.rejected += 1
+        self.recent_rejections.append(f"worker {event.worker_id} event {event.event.event_id}: {detail}")
 
 
 def _block_count(event: RouterEvent) -> int:

@@ -17,7 +17,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from indexer.events import RouterEvent
+from indexer.hashing import TokenInput
 from indexer.radix_tree import RadixTree
+from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
 from router.config import RouterConfig
 from router.errors import DuplicateRequestId, KvRouterError, NoEligibleWorker, QueueRejected
@@ -46,7 +48,6 @@ logger = logging.getLogger(__name__)
 # scheduled (Dynamo's DYN_ROUTER_OVERLAP_REFRESH_AFTER_SECS default, §4.7).
 OVERLAP_REFRESH_AFTER_SECS = 10.0
 
-TokenInput = Sequence[int] | bytes
 MmInfos = Sequence[Mapping[str, Any] | None] | None
 
 
@@ -102,6 +103,8 @@ class KvRouter:
     ) -> None:
         self.config = config
         self.indexer = indexer if indexer is not None else RadixTree()
+        # The one door into the index for live events, whatever carries them.
+        self.events = EventSequencer(self.indexer, accept_worker=self.has_worker)
         self._clock = clock
         self._scheduler = Scheduler(config, create_policy(config, rng if rng is not None else random.Random()))
         self._queue: PendingQueue[_Waiter] | None = None

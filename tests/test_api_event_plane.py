@@ -157,7 +157,7 @@ def test_garbage_events_are_counted_not_fatal(client: TestClient, nats_url: str)
         await nc.close()
 
     asyncio.run(garbage())
-    until(lambda: 'kv_router_nats_events_total{outcome="rejected_undecodable"} 1.0' in client.get("/metrics").text)
+    until(lambda: 'kv_router_stream_events_total{outcome="rejected_undecodable"} 1.0' in client.get("/metrics").text)
     assert client.get("/healthz").status_code == 200
 
 

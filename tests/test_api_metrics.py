@@ -114,8 +114,6 @@ def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
     overlap = Histogram(name, families[name].documentation, buckets=OVERLAP_BLOCK_BUCKETS, registry=theirs)
     name = f"{PREFIX}_predicted_cache_hit_ratio"
     hit_ratio = Histogram(name, families[name].documentation, buckets=RATIO_BUCKETS, registry=theirs)
-    name = f"{PREFIX}_events_applied"
-    Counter(name, families[name].documentation, ["event_type", "status"], registry=theirs)
 
     rng = random.Random(1)
     edges = [*LATENCY_BUCKETS, 0.0, 2.0]

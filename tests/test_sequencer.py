@@ -27,12 +27,16 @@ def remove(event_id: int, block: int) -> RouterEvent:
 
 
 def synced(last: int = 0) -> tuple[EventSequencer, RadixTree]:
-    """A sequencer whose stream of W has been synchronised up to ``last`` by an empty dump."""
+    """A sequencer whose stream of W has applied event ``last + 1`` (block 1): event 1 opens a stream
+    at once; a later first event is synchronised by an empty dump up to ``last``."""
     tree = RadixTree()
     sequencer = EventSequencer(tree)
     request = sequencer.receive(store(last + 1, 1))
-    assert request == ResyncRequest(worker_id=W, dp_rank=0, start_event_id=None)
-    sequencer.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=last)))
+    if last == 0:
+        assert request is None
+    else:
+        assert request == ResyncRequest(worker_id=W, dp_rank=0, start_event_id=None)
+        sequencer.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=last)))
     return sequencer, tree
 
 
@@ -51,6 +55,25 @@ def test_first_event_asks_for_a_full_dump_and_is_held_until_it_arrives() -> None
     assert tree.find_matches([40, 50]).scores == {(W, 0): 2}
     [status] = sequencer.status()
     assert (status.last_event_id, status.trusted, status.resyncing) == (5, True, False)
+
+
+def test_a_stream_that_starts_at_id_1_is_applied_at_once_and_trusted() -> None:
+    tree = RadixTree()
+    sequencer = EventSequencer(tree)
+    assert sequencer.receive(store(1, 10)) is None  # nothing can precede event 1: no resync
+    assert tree.find_matches([10]).scores == {(W, 0): 1}
+    [status] = sequencer.status()
+    assert (status.last_event_id, status.trusted, status.resyncing) == (1, True, False)
+
+
+def test_without_a_transport_a_resync_fails_at_once_and_the_events_apply() -> None:
+    tree = RadixTree()
+    sequencer = EventSequencer(tree)
+    sequencer.ingest([store(4, 40), store(5, 50, parent=40)])  # joined mid-stream, nobody to ask
+    assert tree.find_matches([40, 50]).scores == {(W, 0): 2}
+    assert sequencer.outcomes["resync_failed"] == 1
+    [status] = sequencer.status()
+    assert (status.last_event_id, status.trusted, status.resyncing) == (5, False, False)
 
 
 def test_duplicates_are_dropped_and_the_next_id_applies() -> None:
@@ -123,7 +146,7 @@ def test_unanswered_resync_applies_held_events_best_effort() -> None:
 
 def test_ranks_are_independent_streams() -> None:
     sequencer, tree = synced(0)
-    request = sequencer.receive(store(1, 10, rank=1))
+    request = sequencer.receive(store(3, 10, rank=1))  # rank 1 joins mid-stream: it asks for a dump
     assert request is not None and request.dp_rank == 1
     assert sequencer.receive(store(2, 2, parent=1)) is None  # rank 0 keeps flowing
     assert tree.find_matches([1, 2]).scores == {(W, 0): 2}
@@ -141,7 +164,7 @@ def test_index_rejections_are_counted_by_reason() -> None:
     sequencer, _ = synced(0)
     sequencer.receive(store(2, 5, parent=77))
     sequencer.receive(remove(3, 55))
-    assert sequencer.outcomes["rejected_parent_not_found"] == 1
+    assert sequencer.outcomes["rejected_parent_block_not_found"] == 1
     assert sequencer.outcomes["rejected_block_not_found"] == 1
     assert sequencer.status()[0].last_event_id == 3
 
@@ -149,24 +172,22 @@ def test_index_rejections_are_counted_by_reason() -> None:
 def test_too_many_held_events_fall_back_to_a_dump() -> None:
     tree = RadixTree()
     sequencer = EventSequencer(tree, max_held_events=3)
-    first = sequencer.receive(store(1, 1))
+    first = sequencer.receive(store(2, 1))
     assert first is not None
-    for event_id in (2, 3):
+    for event_id in (3, 4):
         assert sequencer.receive(store(event_id, event_id)) is None
-    overflow = sequencer.receive(store(4, 4))
+    overflow = sequencer.receive(store(5, 5))
     assert overflow is not None and overflow.start_event_id is None
-    assert sequencer.resync_done(first, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=3))) is None
-    dump = [store(0, n) for n in (1, 2, 3, 4)]
-    sequencer.resync_done(overflow, ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=4)))
+    assert sequencer.resync_done(first, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=4))) is None
+    dump = [store(0, n) for n in (1, 3, 4, 5)]
+    sequencer.resync_done(overflow, ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=5)))
     assert held_blocks(tree) == 4
 
 
 def test_absurdly_large_events_are_rejected_and_the_stream_distrusted() -> None:
     tree = RadixTree()
     sequencer = EventSequencer(tree, max_event_blocks=4)
-    request = sequencer.receive(store(1, 1))
-    assert request is not None
-    sequencer.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=0)))
+    assert sequencer.receive(store(1, 1)) is None
     huge = RouterEvent(W, stored_event(2, [(100 + i, 100 + i) for i in range(5)], parent_hash=1))
     assert sequencer.receive(huge) is None
     assert sequencer.outcomes["rejected_oversized_event"] == 1

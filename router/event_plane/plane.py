@@ -28,7 +28,6 @@ from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
-from indexer.sequencer import EventSequencer
 from router.errors import UnknownWorker
 from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.publisher import open_registry
@@ -59,8 +58,8 @@ class RouterEventPlane:
         self.subjects = Subjects(namespace)
         self.lease_s = lease_s
         self._clock = clock
-        self.sequencer = EventSequencer(router.indexer, accept_worker=router.has_worker)
-        self.events = KvEventSubscriber(nc, self.sequencer, namespace=namespace, resync_timeout_s=resync_timeout_s)
+        self.sequencer = router.events
+        self.subscriber = KvEventSubscriber(nc, self.sequencer, namespace=namespace, resync_timeout_s=resync_timeout_s)
         # Outcome -> count for load, heartbeat and registry messages (events count in the sequencer).
         self.outcomes: Counter[str] = Counter()
         self._leased: dict[int, float] = {}  # heartbeat-leased worker -> last sign of life
@@ -72,7 +71,7 @@ class RouterEventPlane:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._registry = await open_registry(self.nc, self.subjects)
-        await self.events.start()
+        await self.subscriber.start()
         self._subscriptions = [
             await self.nc.subscribe(self.subjects.all_loads, cb=self._on_load),
             await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat),
@@ -92,12 +91,12 @@ class RouterEventPlane:
         for subscription in self._subscriptions:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
-        await self.events.stop()
+        await self.subscriber.stop()
 
     async def on_reconnected(self) -> None:
         log.warning("reconnected to NATS: resyncing every worker")
         self.outcomes["reconnects"] += 1
-        self.events.resync_all()
+        self.subscriber.resync_all()
 
     # ------------------------------------------------------------------ registry
     async def register(self, config: WorkerConfig, *, leased: bool = False) -> None:
@@ -158,7 +157,7 @@ class RouterEventPlane:
                 for dp_rank in config.dp_ranks:
                     request = self.sequencer.request_full_resync(config.worker_id, dp_rank)
                     if request is not None:
-                        self.events.launch_resync(request)
+                        self.subscriber.launch_resync(request)
         else:
             self._leased.pop(config.worker_id, None)
         self.outcomes["registered"] += 1

@@ -18,8 +18,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 
-from indexer.events import EventDecodeError, ResyncRequest, ResyncResponse, decode_router_events, looks_like_msgpack
+from indexer.errors import EventDecodeError
+from indexer.events import ResyncRequest, ResyncResponse, decode_router_events, looks_like_msgpack
 from indexer.sequencer import EventSequencer
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
@@ -61,11 +63,14 @@ class KvEventSubscriber:
         self._busy_since = 0.0
 
     async def start(self) -> None:
+        # Resyncs that events from any door call for now go out over NATS.
+        self.sequencer.resync_transport = self.launch_resync
         self._subscription = await self.nc.subscribe(
             self.subjects.all_events, cb=self._on_message, pending_msgs_limit=1_000_000
         )
 
     async def stop(self) -> None:
+        self.sequencer.resync_transport = None
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
             await subscription.unsubscribe()
@@ -85,10 +90,7 @@ class KvEventSubscriber:
             self.sequencer.outcomes["rejected_undecodable"] += 1
             self._bad_input.warning("undecodable KV event", f"on {message.subject}: {exc}")
             return
-        for event in events:
-            request = self.sequencer.receive(event)
-            if request is not None:
-                self.launch_resync(request)
+        self.sequencer.ingest(events)
 
     def launch_resync(self, request: ResyncRequest) -> None:
         task = asyncio.create_task(self._resync(request), name=f"resync-{request.worker_id}-{request.dp_rank}")
@@ -114,6 +116,11 @@ class KvEventSubscriber:
                     data = reply.data
                     decoder = _msgpack_response if looks_like_msgpack(data) else _json_response
                     response = decoder.decode(data)
+                except NoRespondersError:
+                    # An answer, not a timeout: nobody serves resyncs for this worker (yet).
+                    log.info("no responder for resyncs of worker %s dp_rank %s", request.worker_id, request.dp_rank)
+                    self.sequencer.resync_failed(request)
+                    return
                 except msgspec.DecodeError as exc:
                     self.sequencer.outcomes["rejected_undecodable_resync"] += 1
                     self._bad_input.warning("undecodable resync reply", f"from worker {request.worker_id}: {exc}")
