@@ -32,6 +32,7 @@ from api.plane_lifecycle import running_event_plane
 from api.routes import add_admin_routes, add_hot_routes
 from router.errors import KvRouterError
 from router.kv_router import KvRouter
+from router.supervision import Supervisor
 
 __all__ = ["EXPIRY_SWEEP_SECS", "RouterApp", "create_app"]
 
@@ -62,25 +63,26 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with contextlib.AsyncExitStack() as stack, asyncio.TaskGroup() as tasks:
+        background = Supervisor("service")
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(background.stop)
             if settings.event_plane.nats_url is not None:
                 plane = await stack.enter_async_context(running_event_plane(kv_router, settings.event_plane))
                 app.state.event_plane = plane
                 collector = EventPlaneCollector(plane)
                 registry.register(collector)
                 stack.callback(registry.unregister, collector)
-            sweep = tasks.create_task(_sweep_stale_requests(kv_router), name="kv-router-expiry-sweep")
+            background.keep_running("expiry-sweep", partial(_sweep_stale_requests, kv_router))
             app.state.serving = True
             try:
                 yield
             finally:
                 # Shutdown, in order: stop answering ready; release requests still queued (their
-                # callers get an error instead of hanging); stop the sweep.
+                # callers get an error instead of hanging); then the sweep stops with the stack.
                 app.state.serving = False
                 cancelled = kv_router.cancel_waiting()
                 if cancelled:
                     logger.warning("shutdown: cancelled %d queued requests", cancelled)
-                sweep.cancel()
 
     app = RouterApp(
         title="kv-router",

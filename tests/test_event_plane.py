@@ -170,3 +170,25 @@ async def test_nats_restart_keeps_registry_watch_heartbeats_and_events(nats_serv
     await plane.stop()
     await router_nc.close()
     await worker_nc.close()
+
+
+async def test_lease_expiry_survives_a_crash_and_still_removes_the_silent_worker(client: Client) -> None:
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK), lease_s=0.5)
+    publisher = await worker(client, 41)
+    await eventually(lambda: [w.worker_id for w in plane.router.workers()] == [41])
+    real_deregister = plane.deregister
+    calls = 0
+
+    async def deregister_failing_once(worker_id: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("registry bucket unavailable")
+        await real_deregister(worker_id)
+
+    plane.deregister = deregister_failing_once  # type: ignore[method-assign]
+    publisher.stop_heartbeat()
+    await eventually(lambda: not plane.router.workers(), timeout=5)
+    assert plane._background.restarts["lease-expiry"] == 1
+    await publisher.stop()
+    await plane.stop()

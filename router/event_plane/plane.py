@@ -20,6 +20,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 from nats.aio.client import Client
@@ -35,6 +36,7 @@ from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
 from router.event_plane.subscriber import KvEventSubscriber
 from router.kv_router import KvRouter
+from router.supervision import Supervisor
 from router.types import WorkerConfig
 
 __all__ = ["RouterEventPlane"]
@@ -65,7 +67,7 @@ class RouterEventPlane:
         self._leased: dict[int, float] = {}  # heartbeat-leased worker -> last sign of life
         self._registry: KeyValue | None = None
         self._subscriptions: list[Subscription] = []
-        self._tasks: list[asyncio.Task[None]] = []
+        self._background = Supervisor("event-plane")
         self._bad_input = RateLimitedLog(log)
 
     # ------------------------------------------------------------------ lifecycle
@@ -76,18 +78,13 @@ class RouterEventPlane:
             await self.nc.subscribe(self.subjects.all_loads, cb=self._on_load),
             await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat),
         ]
-        watcher = await self._registry.watchall()
         initial_done = asyncio.Event()
-        self._tasks = [
-            asyncio.create_task(self._watch_registry(watcher, initial_done), name="registry-watch"),
-            asyncio.create_task(self._expire_silent_workers(), name="lease-expiry"),
-        ]
+        self._background.keep_running("registry-watch", partial(self._watch_registry, initial_done))
+        self._background.keep_running("lease-expiry", self._expire_silent_workers)
         await asyncio.wait_for(initial_done.wait(), timeout=10)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._background.stop()
         for subscription in self._subscriptions:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
@@ -113,7 +110,9 @@ class RouterEventPlane:
         assert self._registry is not None
         await self._registry.delete(str(worker_id))
 
-    async def _watch_registry(self, watcher: KeyValue.KeyWatcher, initial_done: asyncio.Event) -> None:
+    async def _watch_registry(self, initial_done: asyncio.Event) -> None:
+        assert self._registry is not None
+        watcher = await self._registry.watchall()
         while True:
             try:
                 entry = await watcher.updates(timeout=3600)  # type: ignore[no-untyped-call]

@@ -54,6 +54,7 @@ from indexer.events import (
 from indexer.radix_tree import RadixTree
 from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.subjects import Subjects
+from router.supervision import Supervisor
 from router.types import WorkerConfig
 
 __all__ = ["KvEventPublisher", "open_registry"]
@@ -104,6 +105,7 @@ class KvEventPublisher:
         self._blocks = RadixTree()  # what this worker holds, to answer full-dump resyncs
         self._batch: list[RouterEvent] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._background = Supervisor(f"publisher-{registration.worker_id}")
         self._resync_subscription: Subscription | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -130,7 +132,7 @@ class KvEventPublisher:
 
     def start_heartbeat(self) -> None:
         if self._heartbeat_task is None or self._heartbeat_task.done():
-            self._heartbeat_task = asyncio.create_task(self._heartbeat_loop(), name=f"heartbeat-{self.worker_id}")
+            self._heartbeat_task = self._background.keep_running("heartbeat", self._heartbeat_loop)
 
     def stop_heartbeat(self) -> None:
         task, self._heartbeat_task = self._heartbeat_task, None

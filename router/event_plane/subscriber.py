@@ -25,6 +25,7 @@ from indexer.events import ResyncRequest, ResyncResponse, decode_router_events, 
 from indexer.sequencer import EventSequencer
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
+from router.supervision import Supervisor
 
 __all__ = ["KvEventSubscriber"]
 
@@ -57,7 +58,7 @@ class KvEventSubscriber:
         self._attempts = resync_attempts
         self._backoff = resync_backoff_s
         self._resync_slots = asyncio.Semaphore(max_concurrent_resyncs)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._resyncs = Supervisor("event-subscriber")
         self._subscription: Subscription | None = None
         self._bad_input = RateLimitedLog(log)
         self._busy_since = 0.0
@@ -74,10 +75,7 @@ class KvEventSubscriber:
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
             await subscription.unsubscribe()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._resyncs.stop()
 
     async def _on_message(self, message: Msg) -> None:
         now = time.perf_counter()
@@ -93,9 +91,7 @@ class KvEventSubscriber:
         self.sequencer.ingest(events)
 
     def launch_resync(self, request: ResyncRequest) -> None:
-        task = asyncio.create_task(self._resync(request), name=f"resync-{request.worker_id}-{request.dp_rank}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._resyncs.spawn(f"resync-{request.worker_id}-{request.dp_rank}", self._resync(request))
 
     def resync_all(self) -> None:
         """After a reconnect events may have been lost: ask every worker for its full state."""
@@ -104,7 +100,7 @@ class KvEventSubscriber:
 
     @property
     def resyncs_in_flight(self) -> int:
-        return len(self._tasks)
+        return self._resyncs.running
 
     async def _resync(self, request: ResyncRequest) -> None:
         subject = self.subjects.resync(request.worker_id)

@@ -1,0 +1,87 @@
+"""Background work that is never silently dead.
+
+A `Supervisor` owns the tasks one component runs beside its callers:
+
+- ``keep_running(name, loop)``: a loop meant to run until stopped. If it raises, the exception is
+  logged with its traceback, counted in ``restarts``, and the loop is started again after a backoff
+  that doubles up to ``max_backoff_s`` (reset once a run lasted longer than the backoff).
+- ``spawn(name, coroutine)``: one-shot work (a resync, a request). If it raises, the exception is
+  logged with its traceback and counted in ``failures``; nothing is restarted.
+- ``stop()``: cancels everything and waits for it; whatever ended with an exception meanwhile has
+  already been logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+__all__ = ["Supervisor"]
+
+_log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    def __init__(self, owner: str, *, max_backoff_s: float = 5.0, first_backoff_s: float = 0.1) -> None:
+        self.owner = owner
+        self._max_backoff = max_backoff_s
+        self._first_backoff = first_backoff_s
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.restarts: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+
+    def keep_running(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        return self._track(asyncio.create_task(self._supervise(name, loop), name=f"{self.owner}:{name}"))
+
+    def spawn(self, name: str, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = self._track(asyncio.create_task(work, name=f"{self.owner}:{name}"))
+        task.add_done_callback(lambda done: self._report(name, done))
+        return task
+
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ internals
+    def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _report(self, name: str, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self.failures[name] += 1
+            _log.error("%s: %s failed", self.owner, name, exc_info=exc)
+
+    async def _supervise(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        backoff = self._first_backoff
+        while True:
+            started = time.monotonic()
+            try:
+                await loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.restarts[name] += 1
+                _log.exception("%s: %s crashed; restarting in %.1f s", self.owner, name, backoff)
+            else:
+                self.restarts[name] += 1
+                _log.error("%s: %s returned, though it should run until stopped; restarting", self.owner, name)
+            if time.monotonic() - started > backoff:
+                backoff = self._first_backoff
+            await asyncio.sleep(backoff)
+            backoff = min(self._max_backoff, backoff * 2)

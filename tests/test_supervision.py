@@ -1,0 +1,67 @@
+"""Background work is never silently dead: crashes are logged and loops restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from router.supervision import Supervisor
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_crashing_loop_is_logged_and_restarted(caplog: pytest.LogCaptureFixture) -> None:
+    runs = 0
+    healthy = asyncio.Event()
+
+    async def flaky() -> None:
+        nonlocal runs
+        runs += 1
+        if runs < 3:
+            raise RuntimeError(f"boom {runs}")
+        healthy.set()
+        await asyncio.Event().wait()
+
+    supervisor = Supervisor("test", first_backoff_s=0.01)
+    with caplog.at_level(logging.ERROR, logger="router.supervision"):
+        supervisor.keep_running("flaky", flaky)
+        await asyncio.wait_for(healthy.wait(), timeout=5)
+    assert supervisor.restarts["flaky"] == 2
+    crashes = [r for r in caplog.records if "flaky crashed" in r.getMessage()]
+    assert len(crashes) == 2 and all(r.exc_info for r in crashes)
+    assert supervisor.running == 1
+    await supervisor.stop()
+    assert supervisor.running == 0
+
+
+async def test_a_failed_one_shot_task_is_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    async def fails() -> None:
+        raise ValueError("bad answer")
+
+    supervisor = Supervisor("test")
+    with caplog.at_level(logging.ERROR, logger="router.supervision"):
+        task = supervisor.spawn("resync-1-0", fails())
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)
+    assert supervisor.failures["resync-1-0"] == 1
+    assert any("resync-1-0 failed" in r.getMessage() and r.exc_info for r in caplog.records)
+    await supervisor.stop()
+
+
+async def test_a_loop_that_returns_is_restarted_too() -> None:
+    runs = 0
+    again = asyncio.Event()
+
+    async def returns() -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 2:
+            again.set()
+
+    supervisor = Supervisor("test", first_backoff_s=0.01)
+    supervisor.keep_running("returns", returns)
+    await asyncio.wait_for(again.wait(), timeout=5)
+    assert supervisor.restarts["returns"] >= 1
+    await supervisor.stop()
