@@ -30,6 +30,7 @@ from api.metrics import ApiMetrics, EventPlaneCollector, EventStreamCollector, R
 from api.openapi import Schemas
 from api.plane_lifecycle import running_event_plane
 from api.routes import add_admin_routes, add_hot_routes
+from api.version import package_version
 from router.errors import KvRouterError
 from router.kv_router import KvRouter
 from router.supervision import Supervisor
@@ -51,8 +52,6 @@ def create_app(
 ) -> RouterApp:
     """The service for ``settings``; ``registry`` receives its metrics (a fresh one by default),
     ``rng`` seeds the router's random choices (ties, sampling)."""
-    from api.cli import package_version
-
     settings = settings or Settings()
     registry = registry if registry is not None else CollectorRegistry()
     kv_router = KvRouter(settings.router, rng=rng)

@@ -1,4 +1,5 @@
-"""The ``kv-router`` command: ``kv-router serve`` and ``kv-router --version``.
+"""The ``kv-router`` command: ``kv-router serve``, ``kv-router --version``, and the subcommands other
+packages register as ``kv_router.commands`` entry points (replay, mock-worker, demo from the simulator).
 
 Flags are generated from the fields of every settings section (`api.config.SECTIONS`), so each
 `RouterConfig` field has its flag without a hand-written list: ``block_size`` becomes
@@ -13,25 +14,58 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 from api.config import ENV_PREFIX, SECTIONS, ConfigError, load_settings
-from mocker.cli import COMMANDS as MOCKER_COMMANDS
-from mocker.cli import add_commands as add_mocker_commands
-from mocker.cli import run_command as run_mocker_command
+from api.version import package_version
 
-__all__ = ["build_parser", "main", "package_version"]
+__all__ = ["COMMAND_ENTRY_POINTS", "Command", "build_parser", "main"]
+
+# Other packages (the simulator, the engine bridge) add subcommands here, so this one imports none
+# of them: an installation without one simply lacks its commands.
+COMMAND_ENTRY_POINTS = "kv_router.commands"
 
 
-def package_version() -> str:
-    try:
-        return version("kv-router")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "0+unknown"
+class Command(Protocol):
+    """What a ``kv_router.commands`` entry point names: a subcommand's help, flags and body."""
+
+    @property
+    def help(self) -> str: ...
+    @property
+    def description(self) -> str | None: ...
+    def configure(self, parser: argparse.ArgumentParser) -> None: ...
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+class _Missing:
+    """A subcommand whose package is not installed: it says so instead of failing at import."""
+
+    description = None
+
+    def __init__(self, name: str, error: ImportError) -> None:
+        self.help = f"(not available in this installation: {error})"
+        self._message = f"kv-router {name} is not available in this installation ({error})"
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    def run(self, args: argparse.Namespace) -> int:
+        print(self._message, file=sys.stderr)
+        return 2
+
+
+def plugin_commands() -> dict[str, Command]:
+    commands: dict[str, Command] = {}
+    for entry in sorted(entry_points(group=COMMAND_ENTRY_POINTS), key=lambda e: e.name):
+        try:
+            commands[entry.name] = entry.load()
+        except ImportError as exc:
+            commands[entry.name] = _Missing(entry.name, exc)
+    return commands
 
 
 def _unwrap(t: msgspec.inspect.Type) -> tuple[msgspec.inspect.Type, str | None]:
@@ -100,7 +134,7 @@ def _json_value(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugins: dict[str, Command] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kv-router", description="KV-cache-aware request router for LLM engine fleets."
     )
@@ -125,16 +159,19 @@ def build_parser() -> argparse.ArgumentParser:
         group = serve.add_argument_group(f"{section} settings")
         for field in info.fields:
             _add_field_flag(group, section, field)
-    add_mocker_commands(commands)  # replay, mock-worker, demo
+    for name, command in (plugin_commands() if plugins is None else plugins).items():
+        command.configure(commands.add_parser(name, help=command.help, description=command.description))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = vars(parser.parse_args(argv))
+    plugins = plugin_commands()
+    parser = build_parser(plugins)
+    namespace = parser.parse_args(argv)
+    if namespace.command in plugins:
+        return plugins[namespace.command].run(namespace)
+    args = vars(namespace)
     command = args.pop("command")
-    if command in MOCKER_COMMANDS:
-        return run_mocker_command(command, args)
     if command == "serve":
         config_file = args.pop("config") or _env_config_file()
         try:

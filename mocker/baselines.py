@@ -38,7 +38,7 @@ from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from indexer.radix_tree import RadixTree
 from mocker.config import EngineConfig
 from mocker.engine import EngineMetrics
-from mocker.routers import FleetRouter, RoutedRequest, RouteResult
+from mocker.fleet import FleetRouter, RoutedRequest, RouteResult
 from router.config import RouterConfig
 
 __all__ = ["BASELINES", "LlmdScorers", "SglangCacheAware"]

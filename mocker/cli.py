@@ -1,15 +1,16 @@
 """The ``kv-router replay``, ``kv-router mock-worker`` and ``kv-router demo`` commands.
 
-`add_commands` adds them to the ``kv-router`` parser (`api.cli`) and `run_command` runs one; ``python
--m mocker.cli`` offers the same three commands on their own. What a command needs is imported when it
-runs, so that ``kv-router --help`` stays fast.
+The ``kv-router`` CLI finds them through the ``kv_router.commands`` entry points (pyproject.toml), so
+the service never imports the simulator; ``python -m mocker.cli`` offers the same three commands on
+their own. What a command needs is imported when it runs, so that ``kv-router --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,40 +21,35 @@ from mocker.trace import TraceError, TraceOptions, load_trace
 from router.config import RouterConfig
 from router.errors import ConfigError
 
-__all__ = ["COMMANDS", "add_commands", "main", "run_command"]
-
-COMMANDS = ("replay", "mock-worker", "demo")
+__all__ = ["DEMO", "MOCK_WORKER", "REPLAY", "SimulatorCommand", "main"]
 
 _ENGINE_DEFAULTS = EngineConfig()
 
 
-def add_commands(commands: Any) -> None:
-    """Add the three commands to an ``add_subparsers()`` result."""
-    _add_replay(commands.add_parser("replay", help="replay a Mooncake trace through routers and simulated engines"))
-    _add_mock_worker(
-        commands.add_parser("mock-worker", help="run one simulated engine worker on NATS", description=_WORKER_HELP)
-    )
-    _add_demo(commands.add_parser("demo", help="NATS, the router and mock workers at work, in one command"))
+@dataclass(frozen=True, slots=True)
+class SimulatorCommand:
+    """One ``kv-router`` subcommand, found by the CLI through the ``kv_router.commands`` entry points."""
 
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    body: Callable[[argparse.Namespace], int]
+    description: str | None = None
 
-def run_command(command: str, args: dict[str, Any]) -> int:
-    """Run ``command`` with the parsed arguments of `add_commands`' parsers."""
-    namespace = argparse.Namespace(**args)
-    if command == "replay":
-        return _run_replay(namespace)
-    if command == "mock-worker":
-        return _run_mock_worker(namespace)
-    if command == "demo":
-        return _run_demo(namespace)
-    raise ValueError(f"not a mocker command: {command}")
+    def run(self, args: argparse.Namespace) -> int:
+        try:
+            return self.body(args)
+        except ModuleNotFoundError as exc:  # an optional dependency (httpx, matplotlib) is absent
+            print(f"kv-router {args.command}: needs {exc.name}: pip install 'kv-router[replay]'", file=sys.stderr)
+            return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mocker.cli", description="Mock workers and trace replay.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_commands(commands)
-    args = vars(parser.parse_args(argv))
-    return run_command(args.pop("command"), args)
+    for name, command in _COMMANDS.items():
+        command.configure(commands.add_parser(name, help=command.help, description=command.description))
+    args = parser.parse_args(argv)
+    return _COMMANDS[args.command].run(args)
 
 
 # ---------------------------------------------------------------------- shared flags
@@ -322,6 +318,21 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
     asyncio.run(run_demo(options))
     return 0
+
+
+REPLAY = SimulatorCommand(
+    help="replay a Mooncake trace through routers and simulated engines", configure=_add_replay, body=_run_replay
+)
+MOCK_WORKER = SimulatorCommand(
+    help="run one simulated engine worker on NATS",
+    configure=_add_mock_worker,
+    body=_run_mock_worker,
+    description=_WORKER_HELP,
+)
+DEMO = SimulatorCommand(
+    help="NATS, the router and mock workers at work, in one command", configure=_add_demo, body=_run_demo
+)
+_COMMANDS = {"replay": REPLAY, "mock-worker": MOCK_WORKER, "demo": DEMO}
 
 
 if __name__ == "__main__":

@@ -1,10 +1,4 @@
-"""The routers a replay can measure, behind one small interface (`FleetRouter`).
-
-A replay drives a router the way a gateway and an engine fleet would: it asks for a worker for each
-request (`route`), forwards every KV event the workers publish (`kv_event`), says when a request's
-first token came out (`first_token`) and when it finished (`finished`). Routers that scrape engine
-metrics, as llm-d does, also receive them every ``scrape_interval_ms`` (`scraped`). Every call carries
-the simulated time in ms, so a router needs no clock of its own.
+"""The routers a replay can measure, each behind the `mocker.fleet.FleetRouter` interface.
 
 `make_router` builds one from a name:
 
@@ -22,7 +16,6 @@ from __future__ import annotations
 import importlib
 import random
 from collections.abc import Callable
-from typing import NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
@@ -30,59 +23,14 @@ from indexer.errors import KvIndexError
 from indexer.events import RouterEvent
 from mocker.config import EngineConfig
 from mocker.engine import EngineMetrics
+from mocker.fleet import FleetRouter, RoutedRequest, RouteResult, RouterRejected
 from router.config import RouterConfig
 from router.errors import KvRouterError
 from router.kv_router import KvRouter
 from router.policies import policy_names, register_policy
 from router.types import RouteRequest, WorkerConfig
 
-__all__ = [
-    "FleetRouter",
-    "KvRouterFleet",
-    "RouteResult",
-    "RoutedRequest",
-    "RouterRejected",
-    "make_router",
-    "router_names",
-]
-
-
-class RoutedRequest(NamedTuple):
-    request_id: str
-    tokens: bytes  # packed little-endian u32
-    input_length: int
-    output_length: int
-
-
-class RouteResult(NamedTuple):
-    worker_id: int
-    # What the router expects the worker to have cached of this prompt (its own prediction).
-    predicted_cached_tokens: int
-    # Whether the request waited in the router's queue before being routed.
-    queued: bool = False
-
-
-class RouterRejected(Exception):
-    """The router refused the request (queue full, every worker overloaded, no eligible worker)."""
-
-
-@runtime_checkable
-class FleetRouter(Protocol):
-    name: str
-    # When set, `scraped` receives every worker's engine metrics at this period.
-    scrape_interval_ms: float | None
-
-    def add_worker(self, worker_id: int, engine: EngineConfig) -> None: ...
-
-    async def route(self, request: RoutedRequest, now_ms: float) -> RouteResult: ...
-
-    def kv_event(self, event: RouterEvent, now_ms: float) -> None: ...
-
-    def first_token(self, request_id: str, now_ms: float) -> None: ...
-
-    def finished(self, request_id: str, now_ms: float) -> None: ...
-
-    def scraped(self, metrics: dict[int, EngineMetrics], now_ms: float) -> None: ...
+__all__ = ["KvRouterFleet", "make_router", "router_names"]
 
 
 class KvRouterFleet:

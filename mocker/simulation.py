@@ -27,8 +27,8 @@ from indexer.events import RouterEvent
 from mocker.block_pool import KvOp, kv_cache_event
 from mocker.config import EngineConfig
 from mocker.engine import CacheStats, MockEngine, PassResult, SeqState, Sequence
+from mocker.fleet import FleetRouter, RoutedRequest, RouteResult, RouterRejected
 from mocker.report import ReplayRecord, blank_records
-from mocker.routers import FleetRouter, RoutedRequest, RouteResult, RouterRejected
 from mocker.trace import Trace, TraceRequest
 
 __all__ = ["SimulationResult", "simulate"]

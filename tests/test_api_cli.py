@@ -10,8 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from api.cli import build_parser, main, package_version
+from api.cli import build_parser, main
 from api.config import SECTIONS, ConfigError, ServiceConfig, load_settings
+from api.version import package_version
 from router.config import RouterConfig
 
 

@@ -73,6 +73,7 @@ class Workers:
         self.call(run())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        self.loop.close()
 
 
 @pytest.fixture
@@ -170,7 +171,13 @@ def test_serve_without_a_nats_url_brings_its_own_server() -> None:
     http_port, nats_port = free_port(), free_port()
     command = [sys.executable, "-m", "api.cli", "serve", "--port", str(http_port),
                "--embedded-nats-port", str(nats_port), "--block-size", str(BLOCK)]  # fmt: skip
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        stderr = _serve_and_route(process, http_port, nats_port)
+    assert f"nats://127.0.0.1:{nats_port}".encode() in stderr  # the URL workers should use is printed
+    assert not _port_open(nats_port)  # and the private server is gone with the service
+
+
+def _serve_and_route(process: subprocess.Popen[bytes], http_port: int, nats_port: int) -> bytes:
     try:
         until(lambda: _port_open(http_port) and _port_open(nats_port), timeout=30)
         rng = random.Random(5)
@@ -189,8 +196,7 @@ def test_serve_without_a_nats_url_brings_its_own_server() -> None:
     finally:
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=30)
-    assert f"nats://127.0.0.1:{nats_port}".encode() in stderr  # the URL workers should use is printed
-    assert not _port_open(nats_port)  # and the private server is gone with the service
+    return stderr
 
 
 def _http(port: int, path: str, body: bytes) -> dict[str, Any]:

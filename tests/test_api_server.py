@@ -53,9 +53,13 @@ def _post(port: int, path: str, body: object) -> tuple[int, bytes]:
 @contextmanager
 def running(argv: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """Start the service, wait until /healthz answers, and make sure it is gone afterwards."""
-    process = subprocess.Popen(
+    with subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT
-    )
+    ) as process:
+        yield from _until_healthy(process, port)
+
+
+def _until_healthy(process: subprocess.Popen[bytes], port: int) -> Iterator[subprocess.Popen[bytes]]:
     try:
         deadline = time.monotonic() + 30
         while True:

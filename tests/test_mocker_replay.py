@@ -20,9 +20,10 @@ from mocker import plots
 from mocker.baselines import LlmdScorers, SglangCacheAware
 from mocker.config import EngineConfig
 from mocker.engine import EngineMetrics
+from mocker.fleet import FleetRouter, RoutedRequest, RouteResult
 from mocker.replay import ReplaySetup, replay_offline, write_outputs
 from mocker.report import Latency, ReplayRecord, render_table, summarize
-from mocker.routers import FleetRouter, KvRouterFleet, RoutedRequest, RouteResult, make_router, router_names
+from mocker.routers import KvRouterFleet, make_router, router_names
 from mocker.simulation import simulate
 from mocker.tokens import BlockTokens
 from mocker.trace import Trace, TraceOptions, build_trace

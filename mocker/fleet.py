@@ -1,0 +1,56 @@
+"""The one small interface a replay drives every router through (`FleetRouter`).
+
+A replay drives a router the way a gateway and an engine fleet would: it asks for a worker for each
+request (`route`), forwards every KV event the workers publish (`kv_event`), says when a request's
+first token came out (`first_token`) and when it finished (`finished`). Routers that scrape engine
+metrics, as llm-d does, also receive them every ``scrape_interval_ms`` (`scraped`). Every call carries
+the simulated time in ms, so a router needs no clock of its own.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from indexer.events import RouterEvent
+from mocker.config import EngineConfig
+from mocker.engine import EngineMetrics
+
+__all__ = ["FleetRouter", "RouteResult", "RoutedRequest", "RouterRejected"]
+
+
+class RoutedRequest(NamedTuple):
+    request_id: str
+    tokens: bytes  # packed little-endian u32
+    input_length: int
+    output_length: int
+
+
+class RouteResult(NamedTuple):
+    worker_id: int
+    # What the router expects the worker to have cached of this prompt (its own prediction).
+    predicted_cached_tokens: int
+    # Whether the request waited in the router's queue before being routed.
+    queued: bool = False
+
+
+class RouterRejected(Exception):
+    """The router refused the request (queue full, every worker overloaded, no eligible worker)."""
+
+
+@runtime_checkable
+class FleetRouter(Protocol):
+    name: str
+    # When set, `scraped` receives every worker's engine metrics at this period.
+    scrape_interval_ms: float | None
+
+    def add_worker(self, worker_id: int, engine: EngineConfig) -> None: ...
+
+    async def route(self, request: RoutedRequest, now_ms: float) -> RouteResult: ...
+
+    def kv_event(self, event: RouterEvent, now_ms: float) -> None: ...
+
+    def first_token(self, request_id: str, now_ms: float) -> None: ...
+
+    def finished(self, request_id: str, now_ms: float) -> None: ...
+
+    def scraped(self, metrics: dict[int, EngineMetrics], now_ms: float) -> None: ...
