@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.config import Settings
-from api.errors import ApiError, InvalidRequest, NotFound, error_reply
+from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
 from api.handlers import Handlers
 from api.metrics import ApiMetrics, EventPlaneCollector, EventStreamCollector, RouterStateCollector
@@ -146,7 +146,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return _error_response(InvalidRequest(problems))
+        return _error_response(InvalidBody(problems))
 
     async def http(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

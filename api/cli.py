@@ -20,8 +20,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from api.config import ENV_PREFIX, SECTIONS, ConfigError, load_settings
+from api.config import ENV_PREFIX, SECTIONS, load_settings
 from api.version import package_version
+from router.errors import ConfigError
 
 __all__ = ["COMMAND_ENTRY_POINTS", "Command", "build_parser", "main"]
 

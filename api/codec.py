@@ -14,7 +14,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from api.errors import InvalidRequest, MalformedBody
+from api.errors import InvalidBody, MalformedBody
 
 __all__ = [
     "JSON",
@@ -94,12 +94,12 @@ class BodyDecoder(Generic[T]):
         self._msgpack: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(body_type)
 
     def decode(self, call: Call) -> T:
-        """The typed body; `MalformedBody` (400) if it does not parse, `InvalidRequest` (422) if it
+        """The typed body; `MalformedBody` (400) if it does not parse, `InvalidBody` (422) if it
         parses but does not fit the type."""
         try:
             return (self._msgpack if call.msgpack else self._json).decode(call.body)
         except msgspec.ValidationError as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise InvalidBody(str(exc)) from None
         except msgspec.DecodeError as exc:
             kind = "msgpack" if call.msgpack else "JSON"
             raise MalformedBody(f"body is not valid {kind}: {exc}") from None

@@ -19,11 +19,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from router.config import RouterConfig
+from router.errors import ConfigError
 
 __all__ = [
     "ENV_PREFIX",
     "SECTIONS",
-    "ConfigError",
     "EventPlaneConfig",
     "ServiceConfig",
     "Settings",
@@ -122,22 +122,18 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
 }
 
 
-class ConfigError(ValueError):
-    """A setting that cannot be used; the message names the setting and where it came from."""
-
-
 def _read_file(path: Path) -> dict[str, Any]:
     try:
         text = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        raise ConfigError("config", f"cannot read config file {path}: {exc.strerror}") from None
     try:
         is_toml = path.suffix == ".toml"
         data: Any = tomllib.loads(text.decode()) if is_toml else json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid {'TOML' if is_toml else 'JSON'}: {exc}") from None
+        raise ConfigError("config", f"config file {path} is not valid {'TOML' if is_toml else 'JSON'}: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold one table of settings")
+        raise ConfigError("config", f"config file {path} must hold one table of settings")
     return data
 
 
@@ -168,7 +164,7 @@ def load_settings(
     def put(name: str, value: Any, where: str) -> None:
         section = owner.get(name)
         if section is None:
-            raise ConfigError(f"unknown setting {name!r} in {where}")
+            raise ConfigError(name, f"unknown setting in {where}")
         merged[section][name] = value
         origin[name] = where
 
@@ -188,7 +184,7 @@ def load_settings(
         try:
             sections[section] = msgspec.convert(merged[section], struct, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(_explain(str(exc), origin)) from None
+            raise ConfigError(section, _explain(str(exc), origin)) from None
     return Settings(**sections)  # type: ignore[arg-type]
 
 

@@ -15,19 +15,19 @@ from indexer.errors import EventDecodeError
 from router.errors import (
     AllWorkersOverloaded,
     DuplicateRequestId,
+    InvalidRequest,
     KvRouterError,
     NoEligibleWorker,
     QueueRejected,
     UnknownWorker,
 )
-from router.errors import InvalidRequest as RouterInvalidRequest
 
 __all__ = [
     "ROUTER_ERRORS",
     "ApiError",
     "BodyTooLarge",
     "ClientDisconnected",
-    "InvalidRequest",
+    "InvalidBody",
     "MalformedBody",
     "NotFound",
     "PromptTooLong",
@@ -55,7 +55,7 @@ class MalformedBody(ApiError):
     type = "malformed_body"
 
 
-class InvalidRequest(ApiError):
+class InvalidBody(ApiError):
     """The body parses but does not fit the schema: wrong types, unknown fields or method, ids out of range."""
 
     status = 422
@@ -100,7 +100,7 @@ ROUTER_ERRORS: dict[type[Exception], tuple[int, str]] = {
     AllWorkersOverloaded: (503, "all_workers_overloaded"),
     UnknownWorker: (404, "unknown_worker"),
     EventDecodeError: (400, "invalid_events"),
-    RouterInvalidRequest: (422, "invalid_request"),
+    InvalidRequest: (422, "invalid_request"),
     KvRouterError: (500, "router_error"),
 }
 

@@ -25,7 +25,7 @@ from api.eager import Suspended, start
 from api.errors import (
     ApiError,
     ClientDisconnected,
-    InvalidRequest,
+    InvalidBody,
     MalformedBody,
     PromptTooLong,
     UnknownRequestId,
@@ -182,7 +182,7 @@ class Handlers:
     async def _mark(self, call: Call, mark: Callable[[str], bool]) -> Reply:
         request_id = self._mark_body.decode(call).request_id or call.request_id
         if request_id is None:
-            raise InvalidRequest("request_id is required (body field or X-Request-Id header)")
+            raise InvalidBody("request_id is required (body field or X-Request-Id header)")
         if not mark(request_id):
             raise UnknownRequestId(f"request {request_id!r} is not active")
         return self._reply(MarkReply(request_id=request_id, success=True), call, request_id)
@@ -191,7 +191,7 @@ class Handlers:
         # Dynamo: the payload's id if given, else the context id (here X-Request-Id).
         request_id = request.request_id or call.request_id
         if request_id is None:
-            raise InvalidRequest("request_id is required (body field or X-Request-Id header)")
+            raise InvalidBody("request_id is required (body field or X-Request-Id header)")
         if isinstance(request, RouterMarkPrefill):
             return self._reply(RouterPrefillMarked(success=self._router.mark_prefill(request_id)), call, request_id)
         return self._reply(RouterFreeMarked(success=self._router.mark_free(request_id)), call, request_id)

@@ -11,9 +11,10 @@ import msgspec
 import pytest
 
 from api.cli import build_parser, main
-from api.config import SECTIONS, ConfigError, ServiceConfig, load_settings
+from api.config import SECTIONS, ServiceConfig, load_settings
 from api.version import package_version
 from router.config import RouterConfig
+from router.errors import ConfigError
 
 
 def _serve_flags() -> set[str]:
@@ -76,7 +77,7 @@ def test_unrelated_prefixed_environment_is_ignored() -> None:
     [
         ({"block_size": "0"}, {}, None, "block_size: must be a positive integer, got 0 (from flag --block-size)"),
         ({}, {"KV_ROUTER_PORT": "eighty"}, None, "$.port` (from environment variable KV_ROUTER_PORT)"),
-        ({}, {}, '{"blok_size": 3}', "unknown setting 'blok_size' in config file"),
+        ({}, {}, '{"blok_size": 3}', "blok_size: unknown setting in config file"),
         ({}, {}, "[1, 2]", "must hold one table of settings"),
         ({}, {}, "{", "is not valid JSON"),
         ({"router_queue_request_limit_per_worker": "2"}, {}, None, "needs router_queue_threshold"),
