@@ -50,12 +50,11 @@ from api.wire import (
     RouterPrefillMarked,
     RouterQueueRejected,
     RouterRequest,
-    Tokens,
 )
 from indexer.events import decode_router_events
 from router.errors import QueueRejected
 from router.kv_router import KvRouter
-from router.types import RouteDecision, RouteRequest
+from router.types import RouteDecision, RouteRequest, Tokens
 
 __all__ = ["HOT_PATHS", "Handlers"]
 

@@ -19,7 +19,7 @@ import msgspec
 
 from indexer.events import RouterEvent
 from indexer.sequencer import StreamStatus
-from router.types import BlockMmInfos, PotentialLoad, QueueRejection, RankLoad, RouteRequest, WorkerConfig
+from router.types import BlockMmInfos, PotentialLoad, QueueRejection, RankLoad, RouteRequest, Tokens, WorkerConfig
 
 __all__ = [
     "EventsReply",
@@ -40,12 +40,10 @@ __all__ = [
     "RouterQueueRejected",
     "RouterRequest",
     "RouterResponse",
-    "Tokens",
     "WorkerStatus",
     "WorkersReply",
 ]
 
-Tokens = list[int] | bytes
 # Request ids travel back in the X-Request-Id header, so they must be valid header text: visible
 # ASCII, no spaces, bounded length.
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]

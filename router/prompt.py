@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from indexer.hashing import TokenInput, compute_block_hashes, compute_sequence_hashes
 from router.config import RouterConfig
 from router.errors import InvalidRequest
 
@@ -38,13 +38,13 @@ class Prompt:
         return len(self.shared_hashes) if self.shared_hashes is not None else self.private_blocks
 
 
-def token_count(tokens: Sequence[int] | bytes) -> int:
+def token_count(tokens: TokenInput) -> int:
     """The prompt length; packed tokens are little-endian u32, 4 bytes each."""
     return len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
 
 
 def prepare_prompt(
-    tokens: Sequence[int] | bytes,
+    tokens: TokenInput,
     config: RouterConfig,
     *,
     lora_name: str | None = None,

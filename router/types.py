@@ -28,9 +28,13 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RoutingConstraints",
+    "Tokens",
     "WorkerConfig",
     "WorkerOverlap",
 ]
+
+# A prompt as it travels: token ids, or the same ids packed as little-endian u32 bytes.
+Tokens = list[int] | bytes
 
 # One entry per prompt block (or null): {"mm_objects": [{"mm_hash": u64, "offsets": [[s, e]]}]}.
 # Kept as plain mappings because `indexer.hashing.compute_block_hashes` reads exactly this shape.
@@ -51,7 +55,7 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     which is what a fast HTTP decoder can hand over without building one Python int per token.
     """
 
-    tokens: list[int] | bytes
+    tokens: Tokens
     block_mm_infos: BlockMmInfos | None = None
     routing_constraints: RoutingConstraints | None = None
     priority_jump: float = 0.0
