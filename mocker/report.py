@@ -5,12 +5,15 @@ From the per-request records of one run (offline or online) `summarize` computes
 - engine-side cache hit rate, from the engines' own accounting at admission: block-weighted (cached
   blocks / prompt blocks) and token-weighted (cached tokens / prompt tokens);
 - router-predicted hit rate: the cached tokens the router expected on the worker it chose;
-- TTFT and end-to-end latency (p50 / p90 / p99 / mean), throughput;
+- TTFT, inter-token latency (a request's mean gap between its output tokens, ``(finished - first
+  token) / (output tokens - 1)``, for requests of two tokens or more) and end-to-end latency
+  (p50 / p90 / p99 / mean), throughput;
 - prefill-work imbalance: max / mean over workers of the uncached prompt tokens they had to compute,
   over the whole run and per ``window_s`` window (work-weighted mean and worst window);
 - requests queued (in the router's queue, or left waiting by an engine pass) and rejected;
 
-plus per-window series (hit rate, per-worker prefill work) for plots. `render_table` and
+plus the same latencies per worker (`WorkerReport`) and per-window series (hit rate, per-worker
+prefill work) for plots. `render_table` and
 `render_markdown` format several routers side by side; `write_reports` writes report.json and
 report.md.
 """
@@ -31,9 +34,11 @@ __all__ = [
     "Latency",
     "ReplayRecord",
     "RouterReport",
+    "WorkerReport",
     "blank_records",
     "render_markdown",
     "render_table",
+    "render_worker_table",
     "renumber_workers",
     "rescale_times",
     "summarize",
@@ -71,6 +76,13 @@ class ReplayRecord:
     def e2e_ms(self) -> float:
         return self.finished_ms - self.arrival_ms
 
+    @property
+    def itl_ms(self) -> float | None:
+        """The mean gap between output tokens; None with fewer than two tokens."""
+        if self.output_length < 2:
+            return None
+        return (self.finished_ms - self.first_token_ms) / (self.output_length - 1)
+
 
 @dataclass(slots=True)
 class Latency:
@@ -93,6 +105,18 @@ def _rank(ordered: Sequence[float], percent: float) -> float:
 
 
 @dataclass(slots=True)
+class WorkerReport:
+    """One worker's share of a run: its completed requests and the latencies they saw."""
+
+    worker: int
+    requests: int
+    hit_rate_tokens: float
+    ttft_ms: Latency
+    itl_ms: Latency
+    e2e_ms: Latency
+
+
+@dataclass(slots=True)
 class RouterReport:
     router: str
     requests: int
@@ -101,6 +125,7 @@ class RouterReport:
     hit_rate_tokens: float
     predicted_hit_rate: float
     ttft_ms: Latency
+    itl_ms: Latency
     e2e_ms: Latency
     requests_per_s: float
     input_tokens_per_s: float
@@ -121,6 +146,7 @@ class RouterReport:
     # worker's uncached prefill tokens.
     windows: list[dict[str, Any]] = field(default_factory=list)
     requests_per_worker: list[int] = field(default_factory=list)
+    per_worker: list[WorkerReport] = field(default_factory=list)
     ttft_sorted_ms: list[float] = field(default_factory=list, repr=False)
 
 
@@ -200,6 +226,7 @@ def summarize(
         hit_rate_tokens=sum(r.cached_tokens for r in done) / prompt_tokens,
         predicted_hit_rate=sum(r.predicted_cached_tokens for r in done) / prompt_tokens,
         ttft_ms=Latency.of(ttfts),
+        itl_ms=Latency.of(_itls(done)),
         e2e_ms=Latency.of([r.e2e_ms for r in done]),
         requests_per_s=len(done) / duration_s,
         input_tokens_per_s=sum(r.input_length for r in done) / duration_s,
@@ -218,8 +245,30 @@ def summarize(
         window_s=window_s,
         windows=series,
         requests_per_worker=per_worker,
+        per_worker=_per_worker(done, workers),
         ttft_sorted_ms=ttfts,
     )
+
+
+def _itls(records: Iterable[ReplayRecord]) -> list[float]:
+    return [itl for r in records if (itl := r.itl_ms) is not None]
+
+
+def _per_worker(done: Sequence[ReplayRecord], workers: int) -> list[WorkerReport]:
+    served: list[list[ReplayRecord]] = [[] for _ in range(workers)]
+    for r in done:
+        served[r.worker_id].append(r)
+    return [
+        WorkerReport(
+            worker=worker,
+            requests=len(records),
+            hit_rate_tokens=sum(r.cached_tokens for r in records) / (sum(r.input_length for r in records) or 1),
+            ttft_ms=Latency.of([r.ttft_ms for r in records]),
+            itl_ms=Latency.of(_itls(records)),
+            e2e_ms=Latency.of([r.e2e_ms for r in records]),
+        )
+        for worker, records in enumerate(served)
+    ]
 
 
 def _max_over_mean(values: Sequence[int]) -> float:
@@ -234,6 +283,7 @@ _COLUMNS = (
     ("hit tok", "engine hit rate, token-weighted"),
     ("pred", "router-predicted hit rate"),
     ("TTFT p50/p90/p99 ms", "time to first token"),
+    ("ITL p50/p90 ms", "inter-token latency, per request mean"),
     ("E2E p50/p90/p99 ms", "end-to-end latency"),
     ("req/s", "completed requests per second"),
     ("imbal", "prefill-work max/mean over workers, whole run"),
@@ -244,13 +294,14 @@ _COLUMNS = (
 
 
 def _row(report: RouterReport) -> list[str]:
-    t, e = report.ttft_ms, report.e2e_ms
+    t, i, e = report.ttft_ms, report.itl_ms, report.e2e_ms
     return [
         report.router,
         f"{report.hit_rate_blocks:.3f}",
         f"{report.hit_rate_tokens:.3f}",
         f"{report.predicted_hit_rate:.3f}",
         f"{t.p50:.0f}/{t.p90:.0f}/{t.p99:.0f}",
+        f"{i.p50:.1f}/{i.p90:.1f}",
         f"{e.p50:.0f}/{e.p90:.0f}/{e.p99:.0f}",
         f"{report.requests_per_s:.2f}",
         f"{report.imbalance:.2f}",
@@ -269,6 +320,28 @@ def render_table(reports: Sequence[RouterReport]) -> str:
     return "\n".join(lines)
 
 
+def render_worker_table(reports: Sequence[RouterReport]) -> str:
+    """Per router, one line per worker: its requests, hit rate and latencies."""
+    rows = [["router", "worker", "requests", "hit tok", "TTFT p50/p90 ms", "ITL p50/p90 ms", "E2E p50/p90 ms"]]
+    rows += [_worker_row(r.router, w) for r in reports for w in r.per_worker]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def _worker_row(router: str, w: WorkerReport) -> list[str]:
+    return [
+        router,
+        str(w.worker),
+        str(w.requests),
+        f"{w.hit_rate_tokens:.3f}",
+        f"{w.ttft_ms.p50:.0f}/{w.ttft_ms.p90:.0f}",
+        f"{w.itl_ms.p50:.1f}/{w.itl_ms.p90:.1f}",
+        f"{w.e2e_ms.p50:.0f}/{w.e2e_ms.p90:.0f}",
+    ]
+
+
 def render_markdown(reports: Sequence[RouterReport], settings: dict[str, Any]) -> str:
     lines = ["# Replay report", ""]
     lines += [f"- {key}: `{value}`" for key, value in settings.items()]
@@ -283,6 +356,10 @@ def render_markdown(reports: Sequence[RouterReport], settings: dict[str, Any]) -
             f"| {r.router} | {r.completed}/{r.requests} | {r.unfinished} | {r.preemptions} | "
             f"{r.input_tokens_per_s:.0f} / {r.output_tokens_per_s:.0f} | {r.wall_s:.1f} |"
         )
+    lines += ["", "## Per worker", ""]
+    lines += ["| router | worker | requests | hit tok | TTFT p50/p90 ms | ITL p50/p90 ms | E2E p50/p90 ms |"]
+    lines.append("|---|---:|---:|---:|---:|---:|---:|")
+    lines += ["| " + " | ".join(_worker_row(r.router, w)) + " |" for r in reports for w in r.per_worker]
     return "\n".join(lines) + "\n"
 
 
