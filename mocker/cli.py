@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 
 from mocker.config import EngineConfig, TimingConfig
-from mocker.trace import TraceError, TraceOptions, load_trace
+from mocker.trace import Trace, TraceError, TraceOptions, build_trace, load_trace
+from mocker.workload import WORKLOADS
 from router.config import RouterConfig
 from router.errors import ConfigError
 
@@ -114,7 +115,13 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
         "(default): every router drives its own simulated fleet in simulated time. Online (--online): the trace "
         "goes to a running kv-router over HTTP and to kv-router mock-worker processes over NATS, in real time."
     )
-    parser.add_argument("trace", type=Path, help="Mooncake JSONL trace")
+    parser.add_argument("trace", type=Path, nargs="?", help="Mooncake JSONL trace (or --workload)")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default=None,
+        help="replay a generated workload instead of a trace, seeded by --seed (see mocker/workload.py)",
+    )
     parser.add_argument(
         "--routers",
         default="all",
@@ -164,6 +171,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--window-s", type=float, default=60.0, help="window of the per-window figures [%(default)s]")
     output.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     output.add_argument("--per-request", action="store_true", help="also write one JSONL record per request")
+    output.add_argument("--per-worker", action="store_true", help="also print every worker's latencies")
     output.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -171,7 +179,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     import asyncio
 
     from mocker.replay import ReplaySetup, replay_offline, replay_online_report, write_outputs
-    from mocker.report import render_table
+    from mocker.report import render_table, render_worker_table
 
     engine = _engine_config(args)
     try:
@@ -184,7 +192,7 @@ def _run_replay(args: argparse.Namespace) -> int:
             seed=args.seed,
             trace_block_size=args.trace_block_size,
         )
-        trace = load_trace(args.trace, options)
+        trace = _load_replay_trace(args, options)
     except (OSError, TraceError, ValueError) as exc:
         print(f"kv-router replay: {exc}", file=sys.stderr)
         return 2
@@ -228,11 +236,23 @@ def _run_replay(args: argparse.Namespace) -> int:
         print(f"kv-router replay: {exc}", file=sys.stderr)
         return 2
     print(render_table([run.report for run in runs]))
+    if args.per_worker:
+        print(render_worker_table([run.report for run in runs]))
     paths, note = write_outputs(runs, settings, args.out, plots=not args.no_plots, per_request=args.per_request)
     if note:
         print(note, file=sys.stderr)
     print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
     return 0
+
+
+def _load_replay_trace(args: argparse.Namespace, options: TraceOptions) -> Trace:
+    """The trace file, or the generated workload ``--workload`` names (seeded by ``--seed``)."""
+    if (args.trace is None) == (args.workload is None):
+        raise ValueError("give a trace file or --workload, not both")
+    if args.trace is not None:
+        return load_trace(args.trace, options)
+    rows = WORKLOADS[args.workload](seed=args.seed, trace_block_size=options.trace_block_size)
+    return build_trace(rows[: options.limit], options, f"workload:{args.workload}")
 
 
 # ---------------------------------------------------------------------- mock-worker
