@@ -13,10 +13,15 @@ from typing import Literal
 import msgspec
 
 from router.errors import ConfigError
+from router.types import RouterConfigOverride
 
-__all__ = ["QueuePolicy", "RouterConfig"]
+__all__ = ["PrefillLoadModel", "QueuePolicy", "RouterConfig"]
 
 QueuePolicy = Literal["fcfs", "wspt", "lcfs"]
+# "none": a booked prefill counts in full until marked done; "linear": the oldest pending prefill of a
+# rank decays as it runs, at `router_prefill_tokens_per_s` (Dynamo's "ais" predicts the duration with
+# its AISimulate model instead).
+PrefillLoadModel = Literal["none", "linear"]
 
 
 class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -33,8 +38,14 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     router_temperature: float = 0.0
     # Load tracking (§4.5).
     router_track_active_blocks: bool = True
+    # Count a request's output blocks as it generates (`KvRouter.record_output`), decayed by its
+    # expected output length when it gives one (§4.5).
+    router_track_output_blocks: bool = False
     router_assume_kv_reuse: bool = True
     router_track_prefill_tokens: bool = True
+    router_prefill_load_model: PrefillLoadModel = "none"
+    # Ours: the prefill rate of one rank (tokens/s) the "linear" load model expects.
+    router_prefill_tokens_per_s: float = 50_000.0
     request_expiry_secs: float = 300.0
     # Busy thresholds (§4.6); None skips the check.
     active_decode_blocks_threshold: float | None = None
@@ -47,6 +58,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     # `raw_isl_token_queue_limit_per_worker`: bounds scaled by the number of registered workers.
     router_queue_request_limit_per_worker: int | None = None
     router_queue_isl_token_limit_per_worker: int | None = None
+    # Routing waits until this many workers have registered (Dynamo's DYN_ROUTER_MIN_INITIAL_WORKERS).
+    router_min_initial_workers: int = 0
     # Ours: the selection policy by registry name (`router.policies`).
     policy: str = "dynamo"
     # Ours, knobs of the `cache_affinity` policy (router/policies/cache_affinity.py), tuned on the shared
@@ -57,6 +70,14 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     affinity_miss_weight: float = 3.0
     affinity_decode_weight: float = 0.05
     affinity_predict_inflight: bool = True
+    # Ours, knobs of the `latency` policy (router/policies/latency.py): the weight of this prompt's
+    # uncached tokens; the cost of one prefill token to each request decoding on the rank; the cost,
+    # in prefill tokens, of one output token per token of context in flight on the rank; and the output
+    # length assumed for a request that does not say how long it will be.
+    latency_miss_weight: float = 3.0
+    latency_stall_weight: float = 1.0
+    latency_decode_weight: float = 0.0034
+    latency_default_output_tokens: int = 256
     # Dynamo reads this from the model card: EAGLE hashing windows span one extra token (§1.1).
     enable_eagle: bool = False
 
@@ -73,6 +94,9 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "router_temperature",
             "affinity_miss_weight",
             "affinity_decode_weight",
+            "latency_miss_weight",
+            "latency_stall_weight",
+            "latency_decode_weight",
         ):
             _require_non_negative(name, getattr(self, name))
         if not (math.isfinite(self.request_expiry_secs) and self.request_expiry_secs > 0):
@@ -96,8 +120,46 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
                 raise ConfigError(name, f"must be >= 1, got {limit}")
             if self.router_queue_threshold is None:
                 raise ConfigError(name, "bounds the queue, which needs router_queue_threshold to be set")
+        if not (math.isfinite(self.router_prefill_tokens_per_s) and self.router_prefill_tokens_per_s > 0):
+            raise ConfigError(
+                "router_prefill_tokens_per_s", f"must be a positive number, got {self.router_prefill_tokens_per_s}"
+            )
+        if self.router_prefill_load_model != "none":
+            if not self.router_track_prefill_tokens:
+                raise ConfigError("router_prefill_load_model", "requires router_track_prefill_tokens")
+            if self.router_queue_policy != "fcfs":
+                raise ConfigError("router_prefill_load_model", "requires router_queue_policy fcfs")
+        if self.router_min_initial_workers < 0:
+            raise ConfigError("router_min_initial_workers", f"must be >= 0, got {self.router_min_initial_workers}")
+        if self.router_track_output_blocks and not self.router_track_active_blocks:
+            raise ConfigError("router_track_output_blocks", "requires router_track_active_blocks")
+        if self.latency_default_output_tokens < 0:
+            raise ConfigError(
+                "latency_default_output_tokens", f"must be >= 0, got {self.latency_default_output_tokens}"
+            )
         if not self.policy:
             raise ConfigError("policy", "must name a registered selection policy")
+
+    def with_override(self, override: RouterConfigOverride) -> RouterConfig:
+        """This config with a request's override applied (Dynamo's `RouterConfigOverride`); raises
+        `ConfigError` naming the field for a bad value."""
+        fields: dict[str, object] = {}
+        if override.overlap_score_weight is not None:
+            # Deprecated alias, as Dynamo maps it: the scale, and 0 switches the credit off too.
+            fields["prefill_load_scale"] = override.overlap_score_weight
+            if override.overlap_score_weight == 0.0:
+                fields["overlap_score_credit"] = 0.0
+        if override.overlap_score_credit is not None:
+            fields["overlap_score_credit"] = override.overlap_score_credit
+        if override.prefill_load_scale is not None and override.overlap_score_weight is None:
+            fields["prefill_load_scale"] = override.prefill_load_scale
+        if override.router_temperature is not None:
+            fields["router_temperature"] = override.router_temperature
+        if override.assume_kv_reuse is not None:
+            fields["router_assume_kv_reuse"] = override.assume_kv_reuse
+        if override.track_prefill_tokens is not None:
+            fields["router_track_prefill_tokens"] = override.track_prefill_tokens
+        return msgspec.structs.replace(self, **fields) if fields else self
 
 
 def _require_non_negative(name: str, value: float) -> None:

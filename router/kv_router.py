@@ -22,7 +22,7 @@ from indexer.radix_tree import RadixTree
 from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
 from router.config import RouterConfig
-from router.errors import DuplicateRequestId, KvRouterError, NoEligibleWorker, QueueRejected
+from router.errors import ConfigError, DuplicateRequestId, InvalidRequest, KvRouterError, NoEligibleWorker, QueueRejected
 from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps
 from router.policies import create_policy
 from router.prompt import Prompt, prepare_prompt
@@ -54,11 +54,12 @@ MmInfos = Sequence[Mapping[str, Any] | None] | None
 class _Routing:
     """One `new` call between matching and booking: what its scheduling needs, now or once dequeued."""
 
-    __slots__ = ("explain", "hashing_s", "matching_s", "overlaps", "pinned", "prompt", "request")
+    __slots__ = ("config", "explain", "hashing_s", "matching_s", "overlaps", "pinned", "prompt", "request")
 
     def __init__(
         self,
         request: RouteRequest,
+        config: RouterConfig,
         prompt: Prompt,
         overlaps: dict[WorkerRank, RankOverlap],
         pinned: WorkerRank | None,
@@ -67,6 +68,8 @@ class _Routing:
         matching_s: float,
     ) -> None:
         self.request = request
+        # The router's config with the request's override applied.
+        self.config = config
         self.prompt = prompt
         self.overlaps = overlaps
         self.pinned = pinned
@@ -107,6 +110,9 @@ class KvRouter:
         self.events = EventSequencer(self.indexer, accept_worker=self.has_worker)
         self._clock = clock
         self._scheduler = Scheduler(config, create_policy(config, rng if rng is not None else random.Random()))
+        # Until router_min_initial_workers have registered once, `new` waits (Dynamo's startup wait).
+        self._started = config.router_min_initial_workers <= len(self._scheduler.workers)
+        self._workers_ready: asyncio.Event | None = None
         self._queue: PendingQueue[_Waiter] | None = None
         if config.router_queue_threshold is not None:
             self._queue = PendingQueue(
@@ -126,6 +132,11 @@ class KvRouter:
                 self.indexer.remove_worker_dp_rank(worker.worker_id, dp_rank)
         if dropped:
             logger.warning("worker %d lost dp ranks; dropped %d active requests", worker.worker_id, len(dropped))
+        if not self._started and len(self._scheduler.workers) >= self.config.router_min_initial_workers:
+            self._started = True
+            logger.info("%d workers registered: routing starts", len(self._scheduler.workers))
+            if self._workers_ready is not None:
+                self._workers_ready.set()
         self._dispatch_waiting()
 
     def remove_worker(self, worker_id: int) -> None:
@@ -155,6 +166,15 @@ class KvRouter:
         """Apply one KV event to the index; raises the indexer's `KvIndexError` for a rejected one."""
         self.indexer.apply_router_event(event)
 
+    async def wait_for_workers(self) -> None:
+        """Return once ``router_min_initial_workers`` workers have registered; at once ever after
+        (workers leaving later do not stop routing again)."""
+        if self._started:
+            return
+        if self._workers_ready is None:
+            self._workers_ready = asyncio.Event()
+        await self._workers_ready.wait()
+
     # ------------------------------------------------------------------ routing
     async def new(
         self, request: RouteRequest, *, pinned_worker: WorkerRank | None = None, explain: bool = False
@@ -163,16 +183,23 @@ class KvRouter:
 
         ``pinned_worker`` routes to that exact rank if it is eligible and not overloaded. Raises
         `InvalidRequest`, `DuplicateRequestId`, `NoEligibleWorker`, `AllWorkersOverloaded` or
-        `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated).
+        `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated) and, at
+        start, until ``router_min_initial_workers`` workers have registered.
         """
+        if not self._started:
+            await self.wait_for_workers()
         started = time.perf_counter()
-        prompt = self._prompt(request.tokens, request.lora_name, request.cache_namespace, request.block_mm_infos)
+        config = self._request_config(request)
+        prompt = self._prompt(
+            request.tokens, request.lora_name, request.cache_namespace, request.block_mm_infos, config
+        )
         hashed = time.perf_counter()
         overlaps = self._match(prompt)
         routing = _Routing(
-            request, prompt, overlaps, pinned_worker, explain, hashed - started, time.perf_counter() - hashed
+            request, config, prompt, overlaps, pinned_worker, explain, hashed - started, time.perf_counter() - hashed
         )
         self.expire_stale()
+        self._scheduler.sequences.decay(self._clock())
         request_id = request.request_id
         if request_id is not None:
             owner = self._scheduler.sequences.owner(request_id)
@@ -196,9 +223,18 @@ class KvRouter:
             request.routing_constraints,
             pinned=routing.pinned,
             explain=routing.explain,
+            config=routing.config,
+            expected_output_tokens=request.expected_output_tokens,
         )
         if request.request_id is not None:
-            self._scheduler.book(request.request_id, choice, routing.prompt, self._clock())
+            self._scheduler.book(
+                request.request_id,
+                choice,
+                routing.prompt,
+                self._clock(),
+                routing.config,
+                request.expected_output_tokens,
+            )
         worker_id, dp_rank = choice.key
         return RouteDecision(
             worker_id=worker_id,
@@ -259,6 +295,7 @@ class KvRouter:
         if queue is None:
             return
         scheduler = self._scheduler
+        scheduler.sequences.decay(self._clock())
         while (waiter := queue.head()) is not None:
             if waiter.future.done():  # its caller gave up
                 queue.pop_head()
@@ -289,6 +326,15 @@ class KvRouter:
         if marked:
             self._dispatch_waiting()
         return marked
+
+    def record_output(self, request_id: str, generated_tokens: int) -> bool:
+        """The request has generated ``generated_tokens`` tokens so far. With
+        ``router_track_output_blocks`` its output blocks count on its rank (decayed by its expected
+        output length when it gave one); otherwise nothing changes. False if the id is unknown."""
+        sequences = self._scheduler.sequences
+        if not self.config.router_track_output_blocks:
+            return sequences.owner(request_id) is not None
+        return sequences.record_output(request_id, generated_tokens, self.config.block_size)
 
     def mark_free(self, request_id: str) -> bool:
         """The request finished or was cancelled: release its load. False if unknown (Dynamo 1.6.1)."""
@@ -327,6 +373,7 @@ class KvRouter:
     ) -> list[PotentialLoad]:
         """Every rank's load if this prompt were routed there (§4.5); books nothing."""
         prompt = self._prompt(tokens, lora_name, cache_namespace, block_mm_infos)
+        self._scheduler.sequences.decay(self._clock())
         return self._scheduler.potential_loads(prompt, self._match(prompt))
 
     def overlap(
@@ -366,6 +413,7 @@ class KvRouter:
 
     def rank_loads(self) -> list[RankLoad]:
         """Live load of every (worker, dp_rank), in registration order."""
+        self._scheduler.sequences.decay(self._clock())
         return self._scheduler.rank_loads()
 
     def queue_stats(self) -> QueueStats:
@@ -373,11 +421,31 @@ class KvRouter:
         return self._queue.stats() if self._queue is not None else QueueStats(pending_count=0, pending_isl_tokens=0)
 
     # ------------------------------------------------------------------ helpers
+    def _request_config(self, request: RouteRequest) -> RouterConfig:
+        """The router's config with the request's `RouterConfigOverride` applied; raises
+        `InvalidRequest` for an override value the config refuses."""
+        override = request.router_config_override
+        if override is None:
+            return self.config
+        try:
+            return self.config.with_override(override)
+        except ConfigError as exc:
+            raise InvalidRequest(f"router_config_override: {exc}") from None
+
     def _prompt(
-        self, tokens: TokenInput, lora_name: str | None, cache_namespace: str | None, block_mm_infos: MmInfos
+        self,
+        tokens: TokenInput,
+        lora_name: str | None,
+        cache_namespace: str | None,
+        block_mm_infos: MmInfos,
+        config: RouterConfig | None = None,
     ) -> Prompt:
         return prepare_prompt(
-            tokens, self.config, lora_name=lora_name, cache_namespace=cache_namespace, block_mm_infos=block_mm_infos
+            tokens,
+            config or self.config,
+            lora_name=lora_name,
+            cache_namespace=cache_namespace,
+            block_mm_infos=block_mm_infos,
         )
 
     def _match(self, prompt: Prompt) -> dict[WorkerRank, RankOverlap]:

@@ -60,7 +60,8 @@ class Scheduler:
         self._config = config
         self._policy = policy
         self.workers = WorkerRegistry()
-        self.sequences = ActiveSequences()
+        linear = config.router_prefill_load_model == "linear"
+        self.sequences = ActiveSequences(config.router_prefill_tokens_per_s if linear else None)
         self._ranks_of: dict[int, tuple[RankState, ...]] = {}
         # Every rank in registration order: the candidate list when no worker is filtered out.
         self._all_ranks: list[RankState] = []
@@ -132,8 +133,11 @@ class Scheduler:
         *,
         pinned: WorkerRank | None = None,
         explain: bool = False,
+        config: RouterConfig | None = None,
+        expected_output_tokens: int | None = None,
     ) -> Choice:
-        """Pick a rank among ``workers`` (from `eligible_workers`). Books nothing.
+        """Pick a rank among ``workers`` (from `eligible_workers`). Books nothing. ``config`` is the
+        request's own (the router's with its override applied), the router's by default.
 
         Raises `AllWorkersOverloaded` when every one of them has all its ranks busy. O(ranks + prompt
         blocks touched by `ActiveSequences.prefix_depths`).
@@ -158,13 +162,13 @@ class Scheduler:
                     multipliers.extend([_taint_multiplier(preferred, worker.taints)] * len(worker_ranks))
         context = SelectionContext(
             isl_tokens=prompt.isl_tokens,
-            block_size=self._config.block_size,
-            track_prefill_tokens=self._config.router_track_prefill_tokens,
+            config=config or self._config,
             ranks=ranks,
             overlaps=overlaps,
             depths=self.sequences.prefix_depths(prompt.shared_hashes) if prompt.shared_hashes else {},
             booked_blocks=prompt.booked_blocks,
             taint_multipliers=multipliers,
+            expected_output_tokens=expected_output_tokens,
         )
         # A pinned rank is the caller's choice; it is still reported with its load.
         selection = self._policy.select(context) if pinned is None else Selection(0, "pinned by the caller")
@@ -181,10 +185,19 @@ class Scheduler:
         explanation = _explain(self._policy.name, context, selection) if explain else None
         return Choice(key, overlaps.get(key, NO_OVERLAP), explanation)
 
-    def book(self, request_id: str, choice: Choice, prompt: Prompt, now: float) -> None:
-        """Book the request on the chosen rank: its prompt blocks and its uncached prefill (§4.5)."""
+    def book(
+        self,
+        request_id: str,
+        choice: Choice,
+        prompt: Prompt,
+        now: float,
+        config: RouterConfig | None = None,
+        expected_output_tokens: int | None = None,
+    ) -> None:
+        """Book the request on the chosen rank: its prompt blocks and its uncached prefill (§4.5).
+        ``config`` is the request's own, as for `select`."""
         prefill_tokens = 0
-        if self._config.router_track_prefill_tokens:
+        if (config or self._config).router_track_prefill_tokens:
             prefill_tokens = max(prompt.isl_tokens - choice.overlap.cached_tokens, 0)
         self.sequences.add(
             request_id,
@@ -193,6 +206,8 @@ class Scheduler:
             private_blocks=prompt.private_blocks,
             prefill_tokens=prefill_tokens,
             now=now,
+            context_tokens=prompt.isl_tokens,
+            expected_output_tokens=expected_output_tokens,
         )
 
     # ------------------------------------------------------------------ reads

@@ -5,6 +5,20 @@ Per rank: the prefill tokens still pending, the distinct prompt blocks of its ac
 model) and the number of active requests. A request is booked by `add`, loses its prefill entry on
 `mark_prefill`, and is released by `free` or, once stale, by `expire`.
 
+Output blocks (Dynamo's ``router_track_output_blocks``): `record_output` tells how many tokens a
+request has generated; each time its prompt plus output crosses a block boundary one more block is
+counted on its rank. When the request says how long it expects to be (``expected_output_tokens``),
+its exclusive blocks (the prompt suffix no other active request on the rank holds, and its output
+blocks) are weighted ``max(0, 1 - generated / expected)`` from then on, as Dynamo does at each block
+boundary; ``decode_blocks`` is the rank's weighted total, rounded.
+
+Prefill load model (Dynamo's ``router_prefill_load_model``, here ``"linear"``): a rank's prefills run
+oldest first, so only the oldest pending one (the anchor) is under way. Given the rate at which a rank
+prefills, it is expected to take ``tokens / rate`` seconds, and `decay` counts what is left of it:
+``prefill_tokens = booked - anchor + ceil(anchor * clamp(1 - elapsed / expected, 0, 1))``. When the
+anchor is marked prefilled the next oldest becomes the anchor, its clock starting at the next `decay`
+(every decision reads the load through it).
+
 Each rank refcounts the sequence hashes of its active prompts. A sequence hash fixes its whole prefix
 and every booked prompt holds all of its own prefixes, so along any prompt a rank's refcounts never
 increase: the blocks a rank holds of a prompt are exactly a prefix of it, found by bisection in
@@ -15,12 +29,14 @@ block, never to the blocks the ranks hold (see `prefix_depths`).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import pairwise
 
 from indexer.slots import WorkerRank
 from router.errors import DuplicateRequestId, UnknownWorker
+from router.overlap import round_half_away
 
 __all__ = ["ActiveSequences", "RankState"]
 
@@ -28,16 +44,47 @@ __all__ = ["ActiveSequences", "RankState"]
 class RankState:
     """The booked load of one (worker, dp_rank); read freely, written only by `ActiveSequences`."""
 
-    __slots__ = ("decode_blocks", "dp_rank", "key", "prefill_tokens", "refs", "requests", "worker_id")
+    __slots__ = (
+        "context_tokens",
+        "decayed_blocks",
+        "decode_blocks",
+        "dp_rank",
+        "key",
+        "anchor_since",
+        "booked_prefill_tokens",
+        "output_blocks",
+        "prefill_tokens",
+        "prefilling",
+        "prompt_blocks",
+        "refs",
+        "requests",
+        "worker_id",
+    )
 
     def __init__(self, key: WorkerRank) -> None:
         self.key = key
         self.worker_id, self.dp_rank = key
+        # Pending prefill as booked, and as scheduling reads it (the same without a prefill load model).
+        self.booked_prefill_tokens = 0
         self.prefill_tokens = 0
+        # Requests whose prefill is pending, oldest first, and when the oldest started (load model only).
+        self.prefilling: dict[_Request, None] = {}
+        self.anchor_since: float | None = None
+        # Distinct prompt blocks plus private ones; output blocks; the weight decayed blocks lost.
+        self.prompt_blocks = 0
+        self.output_blocks = 0
+        self.decayed_blocks = 0.0
+        # What scheduling reads: round(prompt + output - decayed) (all prompt blocks without output tracking).
         self.decode_blocks = 0
         self.requests = 0
+        # The prompt tokens of the active requests, each counted in full: what every decode step of
+        # the rank reads, shared prefixes included (ours; Dynamo has no such figure).
+        self.context_tokens = 0
         # Sequence hash -> how many active requests on this rank hold that block.
         self.refs: dict[int, int] = {}
+
+    def _refresh(self) -> None:
+        self.decode_blocks = round_half_away(max(self.prompt_blocks + self.output_blocks - self.decayed_blocks, 0.0))
 
     def __repr__(self) -> str:
         return (
@@ -47,7 +94,17 @@ class RankState:
 
 
 class _Request:
-    __slots__ = ("hashes", "prefill_tokens", "private_blocks", "rank", "started_at")
+    __slots__ = (
+        "context_tokens",
+        "decayed_blocks",
+        "expected_output_tokens",
+        "hashes",
+        "output_blocks",
+        "prefill_tokens",
+        "private_blocks",
+        "rank",
+        "started_at",
+    )
 
     def __init__(
         self,
@@ -55,19 +112,27 @@ class _Request:
         hashes: Sequence[int] | None,
         private_blocks: int,
         prefill_tokens: int,
+        context_tokens: int,
+        expected_output_tokens: int | None,
         started_at: float,
     ) -> None:
         self.rank = rank
         self.hashes = hashes
         self.private_blocks = private_blocks
         self.prefill_tokens = prefill_tokens
+        self.context_tokens = context_tokens
+        self.expected_output_tokens = expected_output_tokens
+        self.output_blocks = 0
+        self.decayed_blocks = 0.0
         self.started_at = started_at
 
 
 class ActiveSequences:
-    """Booked requests and the per-rank load they add up to."""
+    """Booked requests and the per-rank load they add up to; ``prefill_tokens_per_s`` turns on the
+    prefill load model (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_tokens_per_s: float | None = None) -> None:
+        self._prefill_rate = prefill_tokens_per_s
         self._ranks: dict[WorkerRank, RankState] = {}
         # A prompt's first sequence hash -> the ranks holding it.
         self._first_holders: dict[int, set[RankState]] = {}
@@ -109,9 +174,12 @@ class ActiveSequences:
         private_blocks: int,
         prefill_tokens: int,
         now: float,
+        context_tokens: int = 0,
+        expected_output_tokens: int | None = None,
     ) -> None:
         """Book a request: ``hashes`` are shared prompt blocks, ``private_blocks`` blocks nobody
-        shares, ``prefill_tokens`` the prefill still to do. O(len(hashes))."""
+        shares, ``prefill_tokens`` the prefill still to do, ``context_tokens`` its prompt length.
+        O(len(hashes))."""
         existing = self._requests.get(request_id)
         if existing is not None:
             raise DuplicateRequestId(request_id, *existing.rank.key)
@@ -124,22 +192,99 @@ class ActiveSequences:
             for block_hash in hashes[:held]:
                 refs[block_hash] += 1
             refs.update(dict.fromkeys(hashes[held:], 1))
-            rank.decode_blocks += len(hashes) - held
+            rank.prompt_blocks += len(hashes) - held
             if not held:
                 self._first_holders.setdefault(hashes[0], set()).add(rank)
-        rank.decode_blocks += private_blocks
-        rank.prefill_tokens += prefill_tokens
+        rank.prompt_blocks += private_blocks
+        rank._refresh()
+        rank.context_tokens += context_tokens
         rank.requests += 1
-        self._requests[request_id] = _Request(rank, hashes, private_blocks, prefill_tokens, now)
+        request = _Request(rank, hashes, private_blocks, prefill_tokens, context_tokens, expected_output_tokens, now)
+        self._requests[request_id] = request
+        if prefill_tokens:
+            rank.booked_prefill_tokens += prefill_tokens
+            rank.prefill_tokens += prefill_tokens
+            if self._prefill_rate is not None:
+                if not rank.prefilling:
+                    rank.anchor_since = now
+                rank.prefilling[request] = None
 
     def mark_prefill(self, request_id: str) -> bool:
         """The request's prefill is done: its tokens stop counting, its blocks stay. Idempotent."""
         request = self._requests.get(request_id)
         if request is None:
             return False
-        request.rank.prefill_tokens -= request.prefill_tokens
-        request.prefill_tokens = 0
+        self._end_prefill(request)
         return True
+
+    def _end_prefill(self, request: _Request) -> None:
+        rank = request.rank
+        if not request.prefill_tokens:
+            return
+        rank.booked_prefill_tokens -= request.prefill_tokens
+        if self._prefill_rate is None:
+            rank.prefill_tokens = rank.booked_prefill_tokens
+        else:
+            if next(iter(rank.prefilling)) is request:
+                rank.anchor_since = None  # the next oldest starts now; its clock starts at the next read
+            del rank.prefilling[request]
+            self._decay_rank(rank, None)
+        request.prefill_tokens = 0
+
+    def decay(self, now: float) -> None:
+        """Bring every rank's ``prefill_tokens`` to ``now`` under the prefill load model (a no-op
+        without it). O(ranks)."""
+        if self._prefill_rate is None:
+            return
+        for rank in self._ranks.values():
+            if rank.prefilling:
+                self._decay_rank(rank, now)
+
+    def _decay_rank(self, rank: RankState, now: float | None) -> None:
+        assert self._prefill_rate is not None
+        if not rank.prefilling:
+            rank.prefill_tokens = rank.booked_prefill_tokens
+            return
+        if rank.anchor_since is None:
+            if now is None:
+                rank.prefill_tokens = rank.booked_prefill_tokens
+                return
+            rank.anchor_since = now
+        anchor = next(iter(rank.prefilling)).prefill_tokens
+        elapsed = (now if now is not None else rank.anchor_since) - rank.anchor_since
+        left = min(max(1.0 - elapsed * self._prefill_rate / anchor, 0.0), 1.0)
+        rank.prefill_tokens = rank.booked_prefill_tokens - anchor + math.ceil(anchor * left)
+
+    def record_output(self, request_id: str, generated_tokens: int, block_size: int) -> bool:
+        """The request has generated ``generated_tokens`` so far: count its output blocks and, if it
+        said how long it would be, decay its exclusive blocks (see the module doc). False when the id
+        is not active. O(log prompt blocks) at a block boundary, O(1) otherwise."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        isl = request.context_tokens
+        # A block opens with the first token beyond the prompt's last block (full or partial).
+        blocks = -(-(isl + generated_tokens) // block_size) - -(-isl // block_size)
+        if blocks <= request.output_blocks:
+            return True  # Dynamo updates the load only when a block boundary is crossed
+        rank = request.rank
+        rank.output_blocks += blocks - request.output_blocks
+        request.output_blocks = blocks
+        expected = request.expected_output_tokens
+        if expected:
+            remaining = max(0.0, 1.0 - generated_tokens / expected)
+            decayed = (self._exclusive_prompt_blocks(request) + blocks) * (1.0 - remaining)
+            rank.decayed_blocks += decayed - request.decayed_blocks
+            request.decayed_blocks = decayed
+        rank._refresh()
+        return True
+
+    def _exclusive_prompt_blocks(self, request: _Request) -> int:
+        """The request's prompt blocks no other active request on its rank holds."""
+        hashes = request.hashes
+        if not hashes:
+            return request.private_blocks
+        return len(hashes) - _shared_prefix(request.rank.refs, hashes) + request.private_blocks
 
     def free(self, request_id: str) -> bool:
         """Release a request entirely; False when the id is not active."""
@@ -167,28 +312,25 @@ class ActiveSequences:
         hashes = request.hashes
         if hashes:
             refs = rank.refs
-            # Refcounts never increase along the prompt, so the blocks only this request holds
-            # (refcount 1) are a suffix of it.
-            low, high = 0, len(hashes)
-            while low < high:
-                middle = (low + high) // 2
-                if refs[hashes[middle]] > 1:
-                    low = middle + 1
-                else:
-                    high = middle
+            low = _shared_prefix(refs, hashes)
             for block_hash in hashes[:low]:
                 refs[block_hash] -= 1
             for block_hash in hashes[low:]:
                 del refs[block_hash]
-            rank.decode_blocks -= len(hashes) - low
+            rank.prompt_blocks -= len(hashes) - low
             if not low:
                 holders = self._first_holders[hashes[0]]
                 holders.discard(rank)
                 if not holders:
                     del self._first_holders[hashes[0]]
-        rank.decode_blocks -= request.private_blocks
-        rank.prefill_tokens -= request.prefill_tokens
+        rank.prompt_blocks -= request.private_blocks
+        rank.output_blocks -= request.output_blocks
+        self._end_prefill(request)
+        rank.context_tokens -= request.context_tokens
         rank.requests -= 1
+        # No float residue on an idle rank.
+        rank.decayed_blocks = rank.decayed_blocks - request.decayed_blocks if rank.requests else 0.0
+        rank._refresh()
 
     # ------------------------------------------------------------------ reads
     def prefix_depths(self, hashes: Sequence[int]) -> dict[RankState, int]:
@@ -204,7 +346,10 @@ class ActiveSequences:
         expected_refs: dict[RankState, dict[int, int]] = {rank: {} for rank in self._ranks.values()}
         prefill = dict.fromkeys(self._ranks.values(), 0)
         private = dict.fromkeys(self._ranks.values(), 0)
+        output = dict.fromkeys(self._ranks.values(), 0)
+        decayed = dict.fromkeys(self._ranks.values(), 0.0)
         requests = dict.fromkeys(self._ranks.values(), 0)
+        context = dict.fromkeys(self._ranks.values(), 0)
         previous_start = float("-inf")
         for request in self._requests.values():
             rank = request.rank
@@ -214,14 +359,28 @@ class ActiveSequences:
             prefill[rank] += request.prefill_tokens
             private[rank] += request.private_blocks
             requests[rank] += 1
+            context[rank] += request.context_tokens
+            output[rank] += request.output_blocks
+            decayed[rank] += request.decayed_blocks
             refs = expected_refs[rank]
             for block_hash in request.hashes or ():
                 refs[block_hash] = refs.get(block_hash, 0) + 1
         for rank in self._ranks.values():
             assert rank.refs == expected_refs[rank], f"{rank}: refcounts differ from the booked requests"
-            assert rank.prefill_tokens == prefill[rank], f"{rank}: prefill sum {prefill[rank]}"
-            assert rank.decode_blocks == len(rank.refs) + private[rank], f"{rank}: decode blocks"
+            assert rank.booked_prefill_tokens == prefill[rank], f"{rank}: prefill sum {prefill[rank]}"
+            assert rank.prefill_tokens <= rank.booked_prefill_tokens, f"{rank}: decayed above booked"
+            if self._prefill_rate is None:
+                assert rank.prefill_tokens == rank.booked_prefill_tokens, f"{rank}: prefill without a model"
+            else:
+                pending = [request for request in self._requests.values() if request.rank is rank and request.prefill_tokens]
+                assert list(rank.prefilling) == pending, f"{rank}: prefilling requests out of order"
+            assert rank.prompt_blocks == len(rank.refs) + private[rank], f"{rank}: prompt blocks"
+            assert rank.output_blocks == output[rank], f"{rank}: output blocks"
+            assert abs(rank.decayed_blocks - decayed[rank]) < 1e-6, f"{rank}: decayed blocks"
+            weighted = max(rank.prompt_blocks + rank.output_blocks - rank.decayed_blocks, 0.0)
+            assert rank.decode_blocks == round_half_away(weighted), f"{rank}: decode blocks"
             assert rank.requests == requests[rank], f"{rank}: request count {requests[rank]}"
+            assert rank.context_tokens == context[rank], f"{rank}: context tokens {context[rank]}"
         first_holders: dict[int, set[RankState]] = {}
         for request in self._requests.values():
             hashes = request.hashes or ()
@@ -231,6 +390,19 @@ class ActiveSequences:
             if hashes:
                 first_holders.setdefault(hashes[0], set()).add(request.rank)
         assert self._first_holders == first_holders, "the first-block index differs from the requests"
+
+
+def _shared_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
+    """How many leading ``hashes`` of a booked prompt other requests on its rank hold too: refcounts
+    never increase along a prompt, so the blocks only this request holds (refcount 1) are a suffix."""
+    low, high = 0, len(hashes)
+    while low < high:
+        middle = (low + high) // 2
+        if refs[hashes[middle]] > 1:
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 def _held_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:

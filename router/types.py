@@ -27,6 +27,7 @@ __all__ = [
     "RankLoad",
     "RouteDecision",
     "RouteRequest",
+    "RouterConfigOverride",
     "RoutingConstraints",
     "Tokens",
     "WorkerConfig",
@@ -48,6 +49,24 @@ class RoutingConstraints(msgspec.Struct, kw_only=True, omit_defaults=True):
     preferred_taints: dict[str, float] = {}
 
 
+class RouterConfigOverride(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Per-request changes to the router's cost and load tracking: Dynamo's `RouterConfigOverride`
+    (§4.8), same field names; an absent field keeps the router's value.
+
+    ``overlap_score_weight`` is Dynamo's deprecated alias of ``prefill_load_scale`` (0 also zeroes the
+    credit); ``shared_cache_multiplier`` weighs shared-cache hits, which need a shared cache this
+    router does not have, so it is accepted and changes nothing (as in Dynamo without one).
+    """
+
+    overlap_score_credit: float | None = None
+    prefill_load_scale: float | None = None
+    overlap_score_weight: float | None = None
+    router_temperature: float | None = None
+    assume_kv_reuse: bool | None = None
+    track_prefill_tokens: bool | None = None
+    shared_cache_multiplier: float | None = None
+
+
 class RouteRequest(msgspec.Struct, kw_only=True):
     """A request to route: the fields of Dynamo's `RouterRequest::New`, plus our request id.
 
@@ -65,7 +84,9 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     # Not in Dynamo's payload (Dynamo takes it from the request-plane context): the id that
     # mark_prefill / mark_free refer to. None routes without booking any load.
     request_id: str | None = None
+    # Dynamo's `agent_hints.osl`: how many tokens the request is expected to generate.
     expected_output_tokens: int | None = None
+    router_config_override: RouterConfigOverride | None = None
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from indexer.events import RouterEvent, StorageTier, stored_event
@@ -44,6 +44,10 @@ def prompt_stored_event(
     return RouterEvent(worker_id=worker_id, event=event, storage_tier=storage_tier)
 
 
+# A worker's generate handler: the request dict, Dynamo's context, and a stream of response dicts.
+WorkerHandler = Callable[..., AsyncIterator[dict[str, Any]]]
+
+
 async def _never_called(request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
     yield {"token_ids": [0], "finish_reason": "stop"}
 
@@ -58,9 +62,11 @@ class DynamoFleet:
 
     ENDPOINT = "oracle.worker.generate"
 
-    def __init__(self, discovery_dir: str, block_size: int) -> None:
+    def __init__(self, discovery_dir: str, block_size: int, handler: WorkerHandler | None = None) -> None:
         self._discovery_dir = discovery_dir
         self._block_size = block_size
+        # What the dummy workers answer the requests Dynamo's `KvRouter.generate` sends them.
+        self._handler = handler or _never_called
         self._runtimes: list[Any] = []
         self._serving: list[asyncio.Future[Any]] = []
         self.router: Any = None
@@ -77,7 +83,7 @@ class DynamoFleet:
             runtime = dynamo.DistributedRuntime(loop, "file", "tcp")
             self._runtimes.append(runtime)
             endpoint = runtime.endpoint(self.ENDPOINT)
-            self._serving.append(asyncio.ensure_future(endpoint.serve_endpoint(_never_called)))
+            self._serving.append(asyncio.ensure_future(endpoint.serve_endpoint(self._handler)))
             runtime_config = dynamo.ModelRuntimeConfig()
             runtime_config.data_parallel_size = dp_size
             await dynamo.register_model(

@@ -85,7 +85,8 @@ class SelectionContext:
 
     ``ranks`` are the candidate ranks in registration order; ``overlaps`` and ``depths`` are sparse
     (a rank absent from them has no cached prefix / no active prefix of the prompt);
-    ``taint_multipliers`` is per candidate when the request prefers taints, else None. All of them are
+    ``taint_multipliers`` is per candidate when the request prefers taints, else None; ``config`` is the
+router's config with the request's `RouterConfigOverride` applied. All of them are
     the scheduler's and read-only here. `candidate` gives one rank as a `Candidate` for policies and
     explanations that want the detail.
     """
@@ -93,7 +94,9 @@ class SelectionContext:
     __slots__ = (
         "block_size",
         "booked_blocks",
+        "config",
         "depths",
+        "expected_output_tokens",
         "isl_tokens",
         "overlaps",
         "ranks",
@@ -105,17 +108,20 @@ class SelectionContext:
         self,
         *,
         isl_tokens: int,
-        block_size: int,
-        track_prefill_tokens: bool,
+        config: RouterConfig,
         ranks: Sequence[RankState],
         overlaps: Mapping[WorkerRank, RankOverlap],
         depths: Mapping[RankState, int],
         booked_blocks: int,
         taint_multipliers: Sequence[float] | None,
+        expected_output_tokens: int | None = None,
     ) -> None:
         self.isl_tokens = isl_tokens
-        self.block_size = block_size
-        self.track_prefill_tokens = track_prefill_tokens
+        # The config in force for this request: the router's, with the request's override applied.
+        self.config = config
+        self.block_size = config.block_size
+        self.track_prefill_tokens = config.router_track_prefill_tokens
+        self.expected_output_tokens = expected_output_tokens
         self.ranks = ranks
         self.overlaps = overlaps
         self.depths = depths

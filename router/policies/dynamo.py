@@ -32,12 +32,11 @@ class DynamoPolicy:
     name = "dynamo"
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
-        self._config = config
         self._rng = rng
 
     def costs(self, context: SelectionContext) -> list[float]:
         """Every candidate's cost, in candidate order. O(candidates)."""
-        config = self._config
+        config = context.config
         block_size = context.block_size
         isl = context.isl_tokens
         track_prefill = context.track_prefill_tokens
@@ -98,7 +97,7 @@ class DynamoPolicy:
 
     def select(self, context: SelectionContext) -> Selection:
         costs = self.costs(context)
-        temperature = self._config.router_temperature
+        temperature = context.config.router_temperature
         if temperature == 0.0:
             index, ties = lowest_cost_index(costs, self._rng)
             reason = f"lowest cost {costs[index]:.3f}"

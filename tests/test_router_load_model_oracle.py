@@ -1,0 +1,198 @@
+"""Dynamo 1.6.1's load-model features against its own in-process `KvRouter`: output blocks counted as a
+response streams (with and without the expected output length), and the per-request
+`RouterConfigOverride` of load tracking.
+
+The requests go through Dynamo's `KvRouter.generate` to dummy workers whose tokens the test releases
+one at a time, so Dynamo's router sees the request start, its first token and every output token as
+in production. Our router books the same request on the same rank, is told the same first token
+(`mark_prefill`) and output progress (`record_output`), and both must report the same potential loads.
+Dynamo updates its load tracker asynchronously, so its figure is polled until it matches (or time runs
+out and the test fails showing both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from router import KvRouter, RouterConfig, RouteRequest, WorkerConfig
+from router.testing import DynamoFleet, prompt_stored_event
+from router.types import RouterConfigOverride
+
+os.environ.setdefault("DYN_LOG", "off")
+pytest.importorskip("dynamo._core")
+
+pytestmark = pytest.mark.oracle
+
+BS = 16
+
+
+class StreamingWorkers:
+    """The dummy workers' handler: a request's tokens come out only when the test releases them."""
+
+    def __init__(self) -> None:
+        self.releases: dict[tuple[int, ...], asyncio.Queue[int | None]] = {}
+
+    async def __call__(self, request: Any, context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        release = self.releases[tuple(request["token_ids"])]
+        while (count := await release.get()) is not None:
+            for _ in range(count):
+                yield {"token_ids": [7]}
+        yield {"token_ids": [7], "finish_reason": "stop"}
+
+
+class Fleet:
+    """Dynamo's router over one streaming worker, and ours over the same worker id."""
+
+    def __init__(self, discovery_dir: Path, **config: Any) -> None:
+        self.workers = StreamingWorkers()
+        self.dynamo = DynamoFleet(str(discovery_dir), BS, handler=self.workers)
+        self.config = config
+        self.ours: KvRouter | None = None
+        self._streams: list[AsyncIterator[Any]] = []
+        self._events = 0
+
+    async def __aenter__(self) -> Fleet:
+        ranks = await self.dynamo.start([1], **self.config)
+        self.ours = KvRouter(RouterConfig(block_size=BS, **self.config))
+        for worker_id in ranks:
+            self.ours.register_worker(WorkerConfig(worker_id=worker_id))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for release in self.workers.releases.values():
+            release.put_nowait(None)
+        for stream in self._streams:
+            async for _ in stream:
+                pass
+        await self.dynamo.stop()
+
+    async def start(self, request_id: str, tokens: list[int], **routing: Any) -> AsyncIterator[Any]:
+        """Route ``tokens`` through both routers; Dynamo's with `generate` (``routing`` goes into the
+        request's ``routing`` field, ``router_config_override`` to the request)."""
+        assert self.ours is not None
+        self.workers.releases[tuple(tokens)] = asyncio.Queue()
+        override = routing.pop("router_config_override", None)
+        request = {
+            "token_ids": tokens,
+            "model": "dummy",
+            "stop_conditions": {},
+            "sampling_options": {},
+            "output_options": {},
+            "eos_token_ids": [],
+            "annotations": [],
+            "routing": routing,
+            "router_config_override": override,
+        }
+        stream = (await self.dynamo.router.generate_from_request(request)).__aiter__()
+        self._streams.append(stream)
+        decision = await self.ours.new(
+            RouteRequest(
+                tokens=tokens,
+                request_id=request_id,
+                expected_output_tokens=routing.get("expected_output_tokens"),
+                router_config_override=None if override is None else msgspec.convert(override, RouterConfigOverride),
+            )
+        )
+        # Dynamo's approximate index records the routed prompt on its worker; ours hears it as an event.
+        rank = (decision.worker_id, decision.dp_rank)
+        self._events += 1
+        self.ours.apply_event(prompt_stored_event(rank[0], tokens, BS, event_id=self._events))
+        await self.dynamo.wait_indexed(tokens, rank)
+        return stream
+
+    async def emit(self, tokens: list[int], stream: AsyncIterator[Any], count: int) -> None:
+        """Release ``count`` more tokens of the request and wait until Dynamo's router has passed them on."""
+        await self.workers.releases[tuple(tokens)].put(count)
+        for _ in range(count):
+            await stream.__anext__()
+
+    async def same_loads(self, query: list[int], what: str) -> None:
+        """Both routers report the same potential loads for ``query`` (Dynamo's polled for a while)."""
+        assert self.ours is not None
+        ours = [msgspec.structs.asdict(load) for load in self.ours.potential_loads(query)]
+        expected = [{key: row[key] for key in row if key != "worker_id"} for row in ours]
+        theirs: list[dict[str, int]] = []
+        for _ in range(200):
+            theirs = [{key: row[key] for key in row if key != "worker_id"} for row in await self.dynamo.router.get_potential_loads(query)]
+            if theirs == expected:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{what}: Dynamo reports {theirs}, we report {expected}")
+
+
+PROMPT = list(range(1000, 1040))  # 40 tokens: 2 full blocks and a partial one
+IDLE_QUERY = [1]  # no full block: its potential load is the rank's active load
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "expected_output_tokens"),
+    [(40, None), (40, 20), (40, 45), (48, None), (48, 30)],
+    ids=["no-osl", "osl20", "osl45", "whole-blocks", "whole-blocks-osl30"],
+)
+def test_output_blocks_grow_and_decay_as_dynamos(
+    prompt_tokens: int, expected_output_tokens: int | None, tmp_path: Path
+) -> None:
+    prompt = list(range(1000, 1000 + prompt_tokens))
+
+    async def scenario() -> None:
+        async with Fleet(tmp_path, router_track_output_blocks=True) as fleet:
+            assert fleet.ours is not None
+            routing = {} if expected_output_tokens is None else {"expected_output_tokens": expected_output_tokens}
+            stream = await fleet.start("r1", prompt, **routing)
+            await fleet.same_loads(IDLE_QUERY, "booked")
+            for generated in range(1, 41):
+                await fleet.emit(prompt, stream, 1)
+                if generated == 1:
+                    fleet.ours.mark_prefill("r1")
+                assert fleet.ours.record_output("r1", generated)
+                await fleet.same_loads(IDLE_QUERY, f"after {generated} tokens")
+
+    asyncio.run(scenario())
+
+
+def test_only_exclusive_blocks_decay(tmp_path: Path) -> None:
+    """Two requests share their first two blocks: the streaming one's decay spares them."""
+
+    async def scenario() -> None:
+        async with Fleet(tmp_path, router_track_output_blocks=True) as fleet:
+            assert fleet.ours is not None
+            other = PROMPT[:32] + list(range(5000, 5040))
+            await fleet.start("holder", other)
+            long_prompt = PROMPT + list(range(2000, 2040))  # 5 full blocks, the first 2 shared
+            stream = await fleet.start("r1", long_prompt, expected_output_tokens=24)
+            await fleet.same_loads(IDLE_QUERY, "booked")
+            for generated in range(1, 30):
+                await fleet.emit(long_prompt, stream, 1)
+                if generated == 1:
+                    fleet.ours.mark_prefill("r1")
+                fleet.ours.record_output("r1", generated)
+                await fleet.same_loads(IDLE_QUERY, f"after {generated} tokens")
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "override",
+    [{}, {"track_prefill_tokens": False}, {"assume_kv_reuse": False}],
+    ids=["none", "no-prefill-tracking", "no-kv-reuse"],
+)
+def test_load_tracking_overrides_book_as_dynamos(override: dict[str, bool], tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with Fleet(tmp_path) as fleet:
+            assert fleet.ours is not None
+            stream = await fleet.start("r1", PROMPT, router_config_override=override)
+            # Before the first token: the prefill is booked (or not), the blocks shared (or not).
+            await fleet.same_loads(PROMPT, "booked")
+            await fleet.same_loads(IDLE_QUERY, "booked, idle query")
+            await fleet.emit(PROMPT, stream, 1)
+            fleet.ours.mark_prefill("r1")
+            await fleet.same_loads(PROMPT, "after the first token")
+
+    asyncio.run(scenario())
