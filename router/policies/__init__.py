@@ -3,6 +3,7 @@
 from router.policies.base import Candidate, PolicyFactory, Selection, SelectionContext, SelectionPolicy
 from router.policies.cache_affinity import CacheAffinityPolicy
 from router.policies.dynamo import DynamoPolicy
+from router.policies.latency import LatencyPolicy
 from router.policies.registry import create_policy, policy_names, register_policy
 from router.policies.simple import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 
@@ -10,6 +11,7 @@ __all__ = [
     "CacheAffinityPolicy",
     "Candidate",
     "DynamoPolicy",
+    "LatencyPolicy",
     "LeastLoadedPolicy",
     "PolicyFactory",
     "RandomPolicy",

@@ -10,6 +10,7 @@ from router.errors import ConfigError
 from router.policies.base import PolicyFactory, SelectionPolicy
 from router.policies.cache_affinity import CacheAffinityPolicy
 from router.policies.dynamo import DynamoPolicy
+from router.policies.latency import LatencyPolicy
 from router.policies.simple import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
 
 __all__ = ["create_policy", "policy_names", "register_policy"]
@@ -20,6 +21,7 @@ _POLICIES: dict[str, PolicyFactory] = {
     RandomPolicy.name: RandomPolicy,
     LeastLoadedPolicy.name: LeastLoadedPolicy,
     CacheAffinityPolicy.name: CacheAffinityPolicy,
+    LatencyPolicy.name: LatencyPolicy,
 }
 
 

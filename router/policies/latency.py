@@ -1,0 +1,81 @@
+"""The `latency` policy: the rank where the request's whole response, first token to last, costs the
+fleet least time, counting what it does to the requests already there.
+
+Every term is in prefill tokens, a proxy for time on a homogeneous fleet::
+
+    cost(w) = A_p(w) + m * miss(w)                         its time to first token: queued prefill, then its own
+            + s * miss(w) * R(w)                           its prefill stalls the R(w) requests decoding on w
+            + d * osl * (K(w) + isl * R(w))                its tokens slowed by w's context in flight, and the
+                                                           slowdown its own context brings to the others
+
+``miss(w) = max(isl - cached(w), 0)`` with ``cached(w)`` the effective cached prefix, at least what
+requests already booked on w hold of the prompt (they will be in w's cache before this prefill runs);
+``K(w)`` the prompt tokens of w's active requests, each counted in full (a decode step reads every
+sequence's context); ``osl`` the request's expected output tokens, or ``latency_default_output_tokens``
+when it carries none. Lowest cost wins, ties uniformly at random.
+
+Why these terms: an engine pass runs the scheduled prefill chunks and one decode step for every
+running sequence, so each prefill token placed on w delays each of w's running requests by about one
+prefill token's time (``s`` = 1 is that cost); and a decode step's duration grows with the KV it reads,
+so each output token of a request on w costs in proportion to w's context (``d`` is the ratio of the
+per-context-token decode cost to the per-token prefill cost: about 0.0034 for an engine whose step grows
+by 54 ms over a 1 M-token pool and which prefills a token in 0.015 ms, Dynamo's mocker fit). A miss
+costs ``m`` > 1 times its tokens because it also spends cache space a repeat of the prompt would reuse.
+`cache_affinity` has the first line only, with a small decode term: it piles hot prefixes onto few
+ranks, whose decoding then slows every token of every request there. Measured in docs/routing-quality.md.
+"""
+
+from __future__ import annotations
+
+import random
+
+from router.config import RouterConfig
+from router.overlap import NO_OVERLAP
+from router.policies.base import Selection, SelectionContext
+from router.policies.dynamo import lowest_cost_index
+
+__all__ = ["LatencyPolicy"]
+
+
+class LatencyPolicy:
+    name = "latency"
+
+    def __init__(self, config: RouterConfig, rng: random.Random) -> None:
+        self._miss_weight = config.latency_miss_weight
+        self._stall_weight = config.latency_stall_weight
+        self._decode_weight = config.latency_decode_weight
+        self._default_output = config.latency_default_output_tokens
+        self._rng = rng
+
+    def costs(self, context: SelectionContext) -> list[float]:
+        """Every candidate's cost in prefill tokens, in candidate order. O(candidates)."""
+        isl = context.isl_tokens
+        block_size = context.block_size
+        overlaps = context.overlaps
+        depths = context.depths
+        miss_weight = self._miss_weight
+        stall_weight = self._stall_weight
+        expected = context.expected_output_tokens
+        decode_weight = self._decode_weight * (expected if expected is not None else self._default_output)
+        costs = []
+        for rank in context.ranks:
+            cached = overlaps.get(rank.key, NO_OVERLAP).cached_tokens
+            inflight = depths.get(rank, 0) * block_size
+            miss = max(isl - max(cached, inflight), 0)
+            requests = rank.requests
+            costs.append(
+                rank.prefill_tokens
+                + (miss_weight + stall_weight * requests) * miss
+                + decode_weight * (rank.context_tokens + isl * requests)
+            )
+        if context.taint_multipliers is not None:
+            costs = [cost * multiplier for cost, multiplier in zip(costs, context.taint_multipliers, strict=True)]
+        return costs
+
+    def select(self, context: SelectionContext) -> Selection:
+        costs = self.costs(context)
+        index, ties = lowest_cost_index(costs, self._rng)
+        reason = f"least latency: cost {costs[index]:.0f} prefill tokens"
+        if ties > 1:
+            reason += f", tied with {ties - 1} other(s); picked uniformly at random"
+        return Selection(index, reason, costs)
