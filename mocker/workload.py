@@ -119,7 +119,9 @@ def _sorted(rows: list[Row]) -> list[Row]:
     return rows
 
 
-def agentic_rows(*, sessions: int = 420, rate_per_s: float = 1.6, trace_block_size: int = 512, seed: int = 0) -> list[Row]:
+def agentic_rows(
+    *, sessions: int = 420, rate_per_s: float = 1.6, trace_block_size: int = 512, seed: int = 0
+) -> list[Row]:
     """Multi-tenant agentic sessions (see the module doc); about 6 turns per session on average."""
     rng = random.Random(seed)
     blocks = _Blocks(trace_block_size)

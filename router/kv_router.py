@@ -22,7 +22,14 @@ from indexer.radix_tree import RadixTree
 from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
 from router.config import RouterConfig
-from router.errors import ConfigError, DuplicateRequestId, InvalidRequest, KvRouterError, NoEligibleWorker, QueueRejected
+from router.errors import (
+    ConfigError,
+    DuplicateRequestId,
+    InvalidRequest,
+    KvRouterError,
+    NoEligibleWorker,
+    QueueRejected,
+)
 from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps
 from router.policies import create_policy
 from router.prompt import Prompt, prepare_prompt

@@ -45,13 +45,13 @@ class RankState:
     """The booked load of one (worker, dp_rank); read freely, written only by `ActiveSequences`."""
 
     __slots__ = (
+        "anchor_since",
+        "booked_prefill_tokens",
         "context_tokens",
         "decayed_blocks",
         "decode_blocks",
         "dp_rank",
         "key",
-        "anchor_since",
-        "booked_prefill_tokens",
         "output_blocks",
         "prefill_tokens",
         "prefilling",
@@ -372,7 +372,9 @@ class ActiveSequences:
             if self._prefill_rate is None:
                 assert rank.prefill_tokens == rank.booked_prefill_tokens, f"{rank}: prefill without a model"
             else:
-                pending = [request for request in self._requests.values() if request.rank is rank and request.prefill_tokens]
+                pending = [
+                    request for request in self._requests.values() if request.rank is rank and request.prefill_tokens
+                ]
                 assert list(rank.prefilling) == pending, f"{rank}: prefilling requests out of order"
             assert rank.prompt_blocks == len(rank.refs) + private[rank], f"{rank}: prompt blocks"
             assert rank.output_blocks == output[rank], f"{rank}: output blocks"

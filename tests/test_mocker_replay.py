@@ -271,7 +271,10 @@ def test_summary_figures() -> None:
     assert report.ttft_ms == Latency(20.0, 30.0, 30.0, 20.0)
     # Ten output tokens 100 ms after the first: nine gaps of 100 / 9 ms.
     assert report.itl_ms.p90 == pytest.approx(100 / 9)
-    assert [(w.requests, w.ttft_ms.p90, w.e2e_ms.p50) for w in report.per_worker] == [(2, 20.0, 110.0), (1, 30.0, 130.0)]
+    assert [(w.requests, w.ttft_ms.p90, w.e2e_ms.p50) for w in report.per_worker] == [
+        (2, 20.0, 110.0),
+        (1, 30.0, 130.0),
+    ]
     assert [w.hit_rate_tokens for w in report.per_worker] == [pytest.approx(1300 / 2000), 0.0]
     # Uncached work: worker 0 did 200 + 500, worker 1 did 1000 -> max/mean = 1000 / 850.
     assert report.imbalance == pytest.approx(1000 / 850)
@@ -280,7 +283,15 @@ def test_summary_figures() -> None:
     assert report.imbalance_window_mean == pytest.approx((1000 / 600 * 1200 + 2 * 500) / 1700)
     assert [w["prefill_tokens"] for w in report.windows] == [[200, 1000], [500, 0]]
     assert "x" in render_table([report])
-    assert render_worker_table([report]).splitlines()[2].split() == ["x", "0", "2", "0.650", "10/20", "11.1/11.1", "110/120"]
+    assert render_worker_table([report]).splitlines()[2].split() == [
+        "x",
+        "0",
+        "2",
+        "0.650",
+        "10/20",
+        "11.1/11.1",
+        "110/120",
+    ]
 
 
 # ---------------------------------------------------------------------- the command

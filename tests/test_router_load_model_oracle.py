@@ -22,8 +22,8 @@ import msgspec
 import pytest
 
 from router import KvRouter, RouterConfig, RouteRequest, WorkerConfig
-from router.testing import DynamoFleet, prompt_stored_event
 from router.types import RouterConfigOverride
+from tests.dynamo_fleet import DynamoFleet, prompt_stored_event
 
 os.environ.setdefault("DYN_LOG", "off")
 pytest.importorskip("dynamo._core")
@@ -120,7 +120,10 @@ class Fleet:
         expected = [{key: row[key] for key in row if key != "worker_id"} for row in ours]
         theirs: list[dict[str, int]] = []
         for _ in range(200):
-            theirs = [{key: row[key] for key in row if key != "worker_id"} for row in await self.dynamo.router.get_potential_loads(query)]
+            theirs = [
+                {key: row[key] for key in row if key != "worker_id"}
+                for row in await self.dynamo.router.get_potential_loads(query)
+            ]
             if theirs == expected:
                 return
             await asyncio.sleep(0.01)

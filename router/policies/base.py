@@ -83,12 +83,12 @@ class Candidate:
 class SelectionContext:
     """One request's candidates, column by column: scoring 64 ranks must not build 64 objects.
 
-    ``ranks`` are the candidate ranks in registration order; ``overlaps`` and ``depths`` are sparse
-    (a rank absent from them has no cached prefix / no active prefix of the prompt);
-    ``taint_multipliers`` is per candidate when the request prefers taints, else None; ``config`` is the
-router's config with the request's `RouterConfigOverride` applied. All of them are
-    the scheduler's and read-only here. `candidate` gives one rank as a `Candidate` for policies and
-    explanations that want the detail.
+        ``ranks`` are the candidate ranks in registration order; ``overlaps`` and ``depths`` are sparse
+        (a rank absent from them has no cached prefix / no active prefix of the prompt);
+        ``taint_multipliers`` is per candidate when the request prefers taints, else None; ``config`` is the
+    router's config with the request's `RouterConfigOverride` applied. All of them are
+        the scheduler's and read-only here. `candidate` gives one rank as a `Candidate` for policies and
+        explanations that want the detail.
     """
 
     __slots__ = (
