@@ -1,7 +1,7 @@
-"""The ``kv-router replay``, ``kv-router mock-worker`` and ``kv-router demo`` commands.
+"""The ``kv-router replay``, ``kv-router tune``, ``kv-router mock-worker`` and ``kv-router demo`` commands.
 
 The ``kv-router`` CLI finds them through the ``kv_router.commands`` entry points (pyproject.toml), so
-the service never imports the simulator; ``python -m mocker.cli`` offers the same three commands on
+the service never imports the simulator; ``python -m mocker.cli`` offers the same commands on
 their own. What a command needs is imported when it runs, so that ``kv-router --help`` stays fast.
 """
 
@@ -22,7 +22,7 @@ from mocker.workload import WORKLOADS
 from router.config import RouterConfig
 from router.errors import ConfigError
 
-__all__ = ["DEMO", "MOCK_WORKER", "REPLAY", "SimulatorCommand", "main"]
+__all__ = ["DEMO", "MOCK_WORKER", "REPLAY", "TUNE", "SimulatorCommand", "main"]
 
 _ENGINE_DEFAULTS = EngineConfig()
 
@@ -108,25 +108,14 @@ def _router_config(options: list[str], engine: EngineConfig) -> RouterConfig:
         raise SystemExit(f"invalid router setting: {exc}") from None
 
 
-# ---------------------------------------------------------------------- replay
-def _add_replay(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids). Offline "
-        "(default): every router drives its own simulated fleet in simulated time. Online (--online): the trace "
-        "goes to a running kv-router over HTTP and to kv-router mock-worker processes over NATS, in real time."
-    )
+def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
+    """The trace (or generated workload) and the options it is loaded with."""
     parser.add_argument("trace", type=Path, nargs="?", help="Mooncake JSONL trace (or --workload)")
     parser.add_argument(
         "--workload",
         choices=sorted(WORKLOADS),
         default=None,
         help="replay a generated workload instead of a trace, seeded by --seed (see mocker/workload.py)",
-    )
-    parser.add_argument(
-        "--routers",
-        default="all",
-        help="comma-separated routers: our registered policies (dynamo, round_robin, random, least_loaded, ...), "
-        "the peer emulations sglang and llmd, or module:factory [all: every registered policy, sglang and llmd]",
     )
     parser.add_argument("--workers", type=int, default=8, help="simulated workers (online: workers to wait for)")
     trace = parser.add_argument_group("trace")
@@ -141,6 +130,34 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     )
     trace.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id [%(default)s]")
     trace.add_argument("--seed", type=int, default=0, help="seeds jitter, routers and generated tokens [%(default)s]")
+
+
+def _trace_options(args: argparse.Namespace) -> TraceOptions:
+    return TraceOptions(
+        speedup=args.speedup,
+        limit=args.limit,
+        max_input_length=args.max_input_length,
+        length_policy=args.length_policy,
+        jitter_ms=args.jitter_ms,
+        seed=args.seed,
+        trace_block_size=args.trace_block_size,
+    )
+
+
+# ---------------------------------------------------------------------- replay
+def _add_replay(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, hash_ids). Offline "
+        "(default): every router drives its own simulated fleet in simulated time. Online (--online): the trace "
+        "goes to a running kv-router over HTTP and to kv-router mock-worker processes over NATS, in real time."
+    )
+    _add_trace_flags(parser)
+    parser.add_argument(
+        "--routers",
+        default="all",
+        help="comma-separated routers: our registered policies (dynamo, round_robin, random, least_loaded, ...), "
+        "the peer emulations sglang and llmd, or module:factory [all: every registered policy, sglang and llmd]",
+    )
     _add_engine_flags(parser)
     sim = parser.add_argument_group("offline simulation and routers")
     sim.add_argument(
@@ -183,16 +200,7 @@ def _run_replay(args: argparse.Namespace) -> int:
 
     engine = _engine_config(args)
     try:
-        options = TraceOptions(
-            speedup=args.speedup,
-            limit=args.limit,
-            max_input_length=args.max_input_length,
-            length_policy=args.length_policy,
-            jitter_ms=args.jitter_ms,
-            seed=args.seed,
-            trace_block_size=args.trace_block_size,
-        )
-        trace = _load_replay_trace(args, options)
+        trace = _load_replay_trace(args, _trace_options(args))
     except (OSError, TraceError, ValueError) as exc:
         print(f"kv-router replay: {exc}", file=sys.stderr)
         return 2
@@ -253,6 +261,72 @@ def _load_replay_trace(args: argparse.Namespace, options: TraceOptions) -> Trace
         return load_trace(args.trace, options)
     rows = WORKLOADS[args.workload](seed=args.seed, trace_block_size=options.trace_block_size)
     return build_trace(rows[: options.limit], options, f"workload:{args.workload}")
+
+
+# ---------------------------------------------------------------------- tune
+def _add_tune(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Search the latency policy's knobs on a trace of your own, in simulated time and in parallel over the "
+        "cores; print the Pareto front (TTFT p90, E2E p90, hit rate) and write the config file to start "
+        "kv-router serve --config with. Results are cached in the output directory: a rerun continues."
+    )
+    _add_trace_flags(parser)
+    _add_engine_flags(parser)
+    search = parser.add_argument_group("search")
+    search.add_argument("--budget", type=int, default=24, help="settings tried besides the defaults [%(default)s]")
+    search.add_argument("--jobs", type=int, default=0, help="parallel replays [one per core]")
+    search.add_argument(
+        "--objective",
+        choices=["balanced", "ttft", "e2e", "hit"],
+        default="balanced",
+        help="which point of the front the config is written for [%(default)s]",
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", type=Path, default=Path("tune-report"), help="output directory [%(default)s]")
+    output.add_argument("--no-plots", action="store_true", help="skip pareto.png")
+    output.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from mocker.plots import MATPLOTLIB_MISSING, write_pareto_plot
+    from mocker.progress import ProgressBar
+    from mocker.tune import TuneSetup, axes, pareto_front, pick, render_front, run_tune, trace_digest, write_config
+
+    engine = _engine_config(args)
+    try:
+        trace = _load_replay_trace(args, _trace_options(args))
+        setup = TuneSetup(engine=engine, workers=args.workers, seed=args.seed, budget=args.budget, jobs=args.jobs)
+        digest = trace_digest(args.trace, trace.path)
+    except (OSError, TraceError, ValueError) as exc:
+        print(f"kv-router tune: {exc}", file=sys.stderr)
+        return 2
+    print(f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s", file=sys.stderr)
+    bar = ProgressBar("tune", enabled=not args.quiet)
+    results, reference = run_tune(trace, digest, setup, args.out / "tune-results.jsonl", progress=bar)
+    bar.close()
+    front = pareto_front(results)
+    chosen = pick(front, args.objective)
+    print(render_front(front, chosen, reference))
+    config_path = args.out / "kv-router.toml"
+    note = (
+        f"kv-router serve --config {config_path}\n"
+        f"tuned by kv-router tune on {trace.path} ({len(trace)} requests, {args.workers} workers, "
+        f"objective {args.objective}):\n"
+        f"hit {chosen.hit_rate:.3f}, TTFT p90 {chosen.ttft_p90_ms:.0f} ms, E2E p90 {chosen.e2e_p90_ms:.0f} ms "
+        f"(dynamo: {reference.hit_rate:.3f}, {reference.ttft_p90_ms:.0f} ms, {reference.e2e_p90_ms:.0f} ms)"
+    )
+    write_config(config_path, chosen, engine, note)
+    written = [config_path]
+    if not args.no_plots:
+        plot = write_pareto_plot(
+            [axes(r) for r in results], [axes(r) for r in front], axes(chosen), axes(reference), args.out
+        )
+        if plot is None:
+            print(MATPLOTLIB_MISSING, file=sys.stderr)
+        else:
+            written.append(plot)
+    print("wrote " + ", ".join(str(path) for path in written), file=sys.stderr)
+    return 0
 
 
 # ---------------------------------------------------------------------- mock-worker
@@ -349,10 +423,13 @@ MOCK_WORKER = SimulatorCommand(
     body=_run_mock_worker,
     description=_WORKER_HELP,
 )
+TUNE = SimulatorCommand(
+    help="search the latency policy's knobs on your trace; write the config", configure=_add_tune, body=_run_tune
+)
 DEMO = SimulatorCommand(
     help="NATS, the router and mock workers at work, in one command", configure=_add_demo, body=_run_demo
 )
-_COMMANDS = {"replay": REPLAY, "mock-worker": MOCK_WORKER, "demo": DEMO}
+_COMMANDS = {"replay": REPLAY, "tune": TUNE, "mock-worker": MOCK_WORKER, "demo": DEMO}
 
 
 if __name__ == "__main__":

@@ -15,20 +15,26 @@ from typing import Any
 
 from mocker.report import RouterReport
 
-__all__ = ["MATPLOTLIB_MISSING", "write_plots"]
+__all__ = ["MATPLOTLIB_MISSING", "write_pareto_plot", "write_plots"]
 
 MATPLOTLIB_MISSING = "matplotlib is not installed: no PNG plots (pip install 'kv-router[replay]' to get them)"
 
 
-def write_plots(reports: Sequence[RouterReport], out_dir: Path) -> list[Path] | None:
-    """Write the three plots into ``out_dir``; None (nothing written) when matplotlib is missing."""
+def _pyplot() -> Any | None:
     try:
         # Imported by name: matplotlib is an optional extra, and the rest of the package type-checks
         # without it.
         matplotlib = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
-        plt = importlib.import_module("matplotlib.pyplot")
+        return importlib.import_module("matplotlib.pyplot")
     except ImportError:
+        return None
+
+
+def write_plots(reports: Sequence[RouterReport], out_dir: Path) -> list[Path] | None:
+    """Write the three plots into ``out_dir``; None (nothing written) when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
         return None
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [_ttft_cdf(plt, reports, out_dir), _hit_rate(plt, reports, out_dir), _worker_load(plt, reports, out_dir)]
@@ -89,4 +95,35 @@ def _worker_load(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Pa
     figure.tight_layout()
     path = out_dir / "worker_load.png"
     figure.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def write_pareto_plot(
+    points: Sequence[tuple[float, float, float]],
+    front: Sequence[tuple[float, float, float]],
+    chosen: tuple[float, float, float],
+    reference: tuple[float, float, float],
+    out_dir: Path,
+) -> Path | None:
+    """``pareto.png``: every tuned setting as (TTFT p90, E2E p90) coloured by hit rate, the Pareto front
+    joined, the written config starred, the reference router crossed. None without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(8, 5))
+    drawn = axes.scatter([p[0] for p in points], [p[1] for p in points], c=[p[2] for p in points], cmap="viridis")
+    figure.colorbar(drawn, label="engine hit rate (tokens)")
+    ordered = sorted(front)
+    axes.plot([p[0] for p in ordered], [p[1] for p in ordered], color="tab:red", linewidth=1, label="Pareto front")
+    axes.scatter([chosen[0]], [chosen[1]], marker="*", s=250, color="tab:red", label="written config")
+    axes.scatter([reference[0]], [reference[1]], marker="x", s=80, color="black", label="dynamo")
+    axes.set_xlabel("TTFT p90 (ms)")
+    axes.set_ylabel("E2E p90 (ms)")
+    axes.set_title("latency policy settings on this trace")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    path = out_dir / "pareto.png"
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close("all")
     return path

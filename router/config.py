@@ -75,8 +75,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     # in prefill tokens, of one output token per token of context in flight on the rank; and the output
     # length assumed for a request that does not say how long it will be.
     latency_miss_weight: float = 3.0
-    latency_stall_weight: float = 1.0
-    latency_decode_weight: float = 0.0034
+    latency_stall_weight: float = 0.05
+    latency_decode_weight: float = 0.0005
     latency_default_output_tokens: int = 256
     # Dynamo reads this from the model card: EAGLE hashing windows span one extra token (§1.1).
     enable_eagle: bool = False

@@ -17,12 +17,18 @@ when it carries none. Lowest cost wins, ties uniformly at random.
 Why these terms: an engine pass runs the scheduled prefill chunks and one decode step for every
 running sequence, so each prefill token placed on w delays each of w's running requests by about one
 prefill token's time (``s`` = 1 is that cost); and a decode step's duration grows with the KV it reads,
-so each output token of a request on w costs in proportion to w's context (``d`` is the ratio of the
-per-context-token decode cost to the per-token prefill cost: about 0.0034 for an engine whose step grows
-by 54 ms over a 1 M-token pool and which prefills a token in 0.015 ms, Dynamo's mocker fit). A miss
-costs ``m`` > 1 times its tokens because it also spends cache space a repeat of the prompt would reuse.
-`cache_affinity` has the first line only, with a small decode term: it piles hot prefixes onto few
-ranks, whose decoding then slows every token of every request there. Measured in docs/routing-quality.md.
+so each output token of a request on w costs in proportion to w's context (``d`` = 0.0034 is the ratio
+of the per-context-token decode cost to the per-token prefill cost for an engine whose step grows by
+54 ms over a 1 M-token pool and which prefills a token in 0.015 ms, Dynamo's mocker fit). A miss costs
+``m`` > 1 times its tokens because it also spends cache space a repeat of the prompt would reuse.
+
+The defaults (m = 3, s = 0.05, d = 0.0005) are well below those physical ratios: the physical weights
+minimize the total latency of the requests in flight now, but a request sent away from its cached
+prefix also stores that prefix a second time and evicts what later requests would have reused, which
+the p90s of a whole run pay for. They were searched on the shared traces and the generated workloads
+(docs/routing-quality.md; `kv-router tune` does the same search on a trace of your own).
+`cache_affinity` is the first line alone with a small decode term: it piles hot prefixes onto few ranks,
+whose decoding then slows every token of every request there.
 """
 
 from __future__ import annotations

@@ -1,0 +1,270 @@
+"""`kv-router tune TRACE`: search the `latency` policy's knobs on a user's own trace, in simulated time.
+
+Every candidate setting (a seeded sample of `SEARCH_SPACE`, the defaults always among them) replays the
+trace offline exactly as `kv-router replay` does, one candidate per process over the cores. Each
+result is appended to a JSONL cache as soon as it is known, keyed by everything that decides it (the
+trace's bytes, the trace options, the engine, the fleet, the seed, the knobs), so an interrupted or
+repeated run continues where it stopped and a wider search reuses what was measured. ``dynamo`` is
+replayed too, as the yardstick.
+
+What it reports: the Pareto front over (TTFT p90, E2E p90, engine hit rate), lower latencies and
+higher hit rate being better, and one point of the front, the one a config is written for (`pick`):
+``balanced`` minimizes ``TTFT p90 / best TTFT p90 + E2E p90 / best E2E p90 - hit / best hit`` over the
+front; ``ttft``, ``e2e`` and ``hit`` take the front's best on that axis. The config is a TOML file that
+``kv-router serve --config`` reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import os
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from mocker.config import EngineConfig
+from mocker.replay import ReplaySetup, replay_offline
+from mocker.trace import Trace
+from router.config import RouterConfig
+
+__all__ = [
+    "SEARCH_SPACE",
+    "Objective",
+    "TuneResult",
+    "TuneSetup",
+    "axes",
+    "candidates",
+    "pareto_front",
+    "pick",
+    "render_front",
+    "result_key",
+    "run_tune",
+    "trace_digest",
+    "write_config",
+]
+
+# The knobs searched and the values tried for each (RouterConfig fields of the `latency` policy).
+SEARCH_SPACE: dict[str, tuple[float, ...]] = {
+    "latency_miss_weight": (1.5, 2.0, 3.0, 4.0),
+    "latency_stall_weight": (0.0, 0.05, 0.2),
+    "latency_decode_weight": (0.0, 0.0002, 0.0005, 0.001),
+}
+
+POLICY = "latency"
+REFERENCE = "dynamo"
+Objective = Literal["balanced", "ttft", "e2e", "hit"]
+
+
+@dataclass(frozen=True, slots=True)
+class TuneSetup:
+    """What the search replays: the engine and fleet, the seed, the sample size and the parallelism."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    workers: int = 8
+    seed: int = 0
+    budget: int = 24  # candidate settings besides the defaults
+    jobs: int = 0  # processes; 0: one per core
+
+
+@dataclass(frozen=True, slots=True)
+class TuneResult:
+    """One replayed setting: the router (``latency`` or the reference), its knobs, what it measured."""
+
+    router: str
+    knobs: dict[str, float]
+    hit_rate: float
+    ttft_p90_ms: float
+    e2e_p90_ms: float
+    itl_p90_ms: float
+
+
+def candidates(budget: int, seed: int) -> list[dict[str, float]]:
+    """The defaults, then ``budget`` other grid points drawn without replacement (seeded)."""
+    defaults = RouterConfig()
+    default = {name: float(getattr(defaults, name)) for name in SEARCH_SPACE}
+    grid = [dict(zip(SEARCH_SPACE, values, strict=True)) for values in itertools.product(*SEARCH_SPACE.values())]
+    others = [point for point in grid if point != default]
+    random.Random(seed).shuffle(others)
+    return [default, *others[:budget]]
+
+
+def pareto_front(results: Iterable[TuneResult]) -> list[TuneResult]:
+    """The results no other one beats on every axis (TTFT p90 and E2E p90 lower, hit rate higher),
+    by E2E p90."""
+    pool = list(results)
+
+    def dominated(a: TuneResult) -> bool:
+        return any(
+            b.ttft_p90_ms <= a.ttft_p90_ms
+            and b.e2e_p90_ms <= a.e2e_p90_ms
+            and b.hit_rate >= a.hit_rate
+            and (b.ttft_p90_ms, b.e2e_p90_ms, -b.hit_rate) != (a.ttft_p90_ms, a.e2e_p90_ms, -a.hit_rate)
+            for b in pool
+        )
+
+    return sorted((a for a in pool if not dominated(a)), key=lambda r: (r.e2e_p90_ms, r.ttft_p90_ms))
+
+
+def pick(front: Sequence[TuneResult], objective: Objective = "balanced") -> TuneResult:
+    """The point of the front a config is written for (see the module doc)."""
+    if not front:
+        raise ValueError("an empty front has no pick")
+    if objective == "ttft":
+        return min(front, key=lambda r: (r.ttft_p90_ms, r.e2e_p90_ms))
+    if objective == "e2e":
+        return min(front, key=lambda r: (r.e2e_p90_ms, r.ttft_p90_ms))
+    if objective == "hit":
+        return max(front, key=lambda r: (r.hit_rate, -r.e2e_p90_ms))
+    best_ttft = min(r.ttft_p90_ms for r in front) or 1.0
+    best_e2e = min(r.e2e_p90_ms for r in front) or 1.0
+    best_hit = max(r.hit_rate for r in front) or 1.0
+    return min(front, key=lambda r: r.ttft_p90_ms / best_ttft + r.e2e_p90_ms / best_e2e - r.hit_rate / best_hit)
+
+
+# ---------------------------------------------------------------------- running
+_trace: Trace | None = None
+
+
+def _load_in_worker(trace: Trace) -> None:
+    global _trace
+    _trace = trace
+
+
+def _replay_one(router: str, knobs: dict[str, float], setup: TuneSetup) -> TuneResult:
+    assert _trace is not None, "the pool initializer loads the trace"
+    config = msgspec.structs.replace(RouterConfig(block_size=setup.engine.block_size), **knobs)
+    replay = ReplaySetup(
+        engine=setup.engine, workers=setup.workers, routers=(router,), router_config=config, seed=setup.seed
+    )
+    [run] = asyncio.run(replay_offline(_trace, replay, show_progress=False))
+    report = run.report
+    return TuneResult(router, knobs, report.hit_rate_tokens, report.ttft_ms.p90, report.e2e_ms.p90, report.itl_ms.p90)
+
+
+def result_key(trace_digest: str, trace: Trace, setup: TuneSetup, router: str, knobs: Mapping[str, float]) -> str:
+    """Everything that decides a result, hashed: the cache key."""
+    identity = {
+        "trace": trace_digest,
+        "options": msgspec.to_builtins(trace.options),
+        "requests": len(trace),
+        "engine": msgspec.to_builtins(setup.engine),
+        "workers": setup.workers,
+        "seed": setup.seed,
+        "router": router,
+        "knobs": dict(sorted(knobs.items())),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def _read_cache(path: Path) -> dict[str, TuneResult]:
+    cached: dict[str, TuneResult] = {}
+    if not path.exists():
+        return cached
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+            cached[entry["key"]] = msgspec.convert(entry["result"], TuneResult)
+        except (ValueError, KeyError, msgspec.ValidationError):
+            continue  # a line cut short by an interrupted run: that point is replayed again
+    return cached
+
+
+def run_tune(
+    trace: Trace,
+    trace_digest: str,
+    setup: TuneSetup,
+    cache: Path,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[TuneResult], TuneResult]:
+    """Replay every candidate not already in ``cache`` (in parallel) and append each result to it as
+    it comes. Returns the `latency` results and the reference's."""
+    points: list[tuple[str, dict[str, float]]] = [(REFERENCE, {})]
+    points += [(POLICY, knobs) for knobs in candidates(setup.budget, setup.seed)]
+    keys = [result_key(trace_digest, trace, setup, router, knobs) for router, knobs in points]
+    cached = _read_cache(cache)
+    todo = [(key, router, knobs) for key, (router, knobs) in zip(keys, points, strict=True) if key not in cached]
+    done = len(points) - len(todo)
+    if progress is not None:
+        progress(done, len(points))
+    if todo:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        jobs = min(setup.jobs or os.cpu_count() or 1, len(todo))
+        with (
+            cache.open("a+") as sink,
+            ProcessPoolExecutor(jobs, initializer=_load_in_worker, initargs=(trace,)) as pool,
+        ):
+            sink.seek(0, os.SEEK_END)
+            if sink.tell():
+                sink.seek(sink.tell() - 1)
+                if sink.read(1) != "\n":
+                    sink.write("\n")  # after a line an interrupted run cut short
+            futures = {pool.submit(_replay_one, router, knobs, setup): key for key, router, knobs in todo}
+            for future in as_completed(futures):
+                result = future.result()
+                cached[futures[future]] = result
+                sink.write(json.dumps({"key": futures[future], "result": msgspec.to_builtins(result)}) + "\n")
+                sink.flush()
+                done += 1
+                if progress is not None:
+                    progress(done, len(points))
+    results = [cached[key] for key in keys]
+    return results[1:], results[0]
+
+
+# ---------------------------------------------------------------------- output
+def axes(result: TuneResult) -> tuple[float, float, float]:
+    """(TTFT p90, E2E p90, hit rate): a result as a point of the plot."""
+    return result.ttft_p90_ms, result.e2e_p90_ms, result.hit_rate
+
+
+def render_front(front: Sequence[TuneResult], chosen: TuneResult, reference: TuneResult) -> str:
+    """The front as a table, the pick marked, the reference last."""
+    names = [name.removeprefix("latency_") for name in SEARCH_SPACE]
+    header = ["", *names, "hit", "TTFT p90 ms", "E2E p90 ms", "ITL p90 ms"]
+    rows = [header]
+    for result in [*front, reference]:
+        mark = "*" if result is chosen else ("ref" if result is reference else "")
+        knobs = [f"{result.knobs[name]:g}" if name in result.knobs else result.router for name in SEARCH_SPACE]
+        rows.append(
+            [
+                mark,
+                *knobs,
+                f"{result.hit_rate:.3f}",
+                f"{result.ttft_p90_ms:.0f}",
+                f"{result.e2e_p90_ms:.0f}",
+                f"{result.itl_p90_ms:.1f}",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def write_config(path: Path, chosen: TuneResult, engine: EngineConfig, note: str) -> None:
+    """The TOML file `kv-router serve --config` reads: the policy, its knobs, the engines' block size."""
+    lines = [f"# {line}" for line in note.splitlines()]
+    lines += [f'policy = "{POLICY}"', f"block_size = {engine.block_size}"]
+    lines += [f"{name} = {value!r}" for name, value in chosen.knobs.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def trace_digest(path: Path | None, description: str) -> str:
+    """The trace's identity for the cache: its bytes' hash, or the generated workload's description."""
+    if path is None:
+        return hashlib.sha256(description.encode()).hexdigest()
+    digest = hashlib.sha256()
+    with path.open("rb") as source:
+        for chunk in iter(lambda: source.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,136 @@
+"""`kv-router tune` and the generated workloads it and `kv-router replay --workload` run on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from api.cli import main as kv_router_main
+from api.config import load_settings
+from mocker.tune import TuneResult, candidates, pareto_front, pick
+from mocker.workload import WORKLOADS, agentic_rows, bursty_rows, rag_rows
+
+
+# ---------------------------------------------------------------------- workloads
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_a_workload_is_the_same_for_a_seed_and_another_for_another(name: str) -> None:
+    generate = WORKLOADS[name]
+    first = generate(seed=3)
+    assert first == generate(seed=3)
+    assert first != generate(seed=4)
+    assert [row[0] for row in first] == sorted(row[0] for row in first)
+    # Mooncake's format: one id per 512-token block, the last possibly partial.
+    assert all(len(ids) == -(-length // 512) and output >= 1 for _, length, output, ids in first)
+
+
+def test_agentic_sessions_resend_their_growing_context_after_a_shared_system_prompt() -> None:
+    rows = agentic_rows(seed=0)
+    by_first_block: dict[int, int] = {}
+    for _, _, _, ids in rows:
+        by_first_block[ids[0]] = by_first_block.get(ids[0], 0) + 1
+    assert len(by_first_block) <= 24  # every prompt starts with one of the tenants' system prompts
+    assert max(by_first_block.values()) > 4 * min(by_first_block.values())  # popular tenants
+    # Some prompt extends an earlier one: the next turn of its session.
+    seen = {tuple(ids) for _, _, _, ids in rows}
+    assert any(tuple(ids[:-3]) in seen for _, _, _, ids in rows if len(ids) > 30)
+    assert max(length for _, length, _, _ in rows) > 30_000
+
+
+def test_rag_prompts_share_hot_documents_in_retrieval_order() -> None:
+    rows = rag_rows(seed=0)
+    instructions = rows[0][3][:2]
+    assert all(ids[:2] == instructions for _, _, _, ids in rows)
+    third = [ids[2] for _, _, _, ids in rows]  # the first block of the most relevant document
+    hottest = max(set(third), key=third.count)
+    assert third.count(hottest) > len(rows) / 20
+
+
+def test_bursty_has_batch_bursts_over_a_steady_background() -> None:
+    rows = bursty_rows(seed=0)
+    arrivals = [row[0] for row in rows]
+    densest = max(sum(1 for t in arrivals if start <= t < start + 5000) for start in arrivals)
+    assert densest >= 60  # a batch job: dozens of requests within seconds
+    short = [row for row in rows if row[1] < 512 and row[2] < 200]
+    assert len(short) > len(rows) / 5
+
+
+def test_replay_runs_a_generated_workload_and_reports_inter_token_latency(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["replay", "--workload", "rag", "--limit", "60", "--workers", "2", "--routers", "latency,dynamo"]
+    assert kv_router_main([*argv, "--out", str(out), "--quiet", "--no-plots", "--per-worker"]) == 0
+    report = msgspec.json.decode((out / "report.json").read_bytes())
+    assert report["settings"]["trace"] == "workload:rag"
+    for result in report["results"]:
+        assert result["completed"] == 60
+        assert 0 < result["itl_ms"]["p50"] <= result["itl_ms"]["p90"]
+        assert [worker["worker"] for worker in result["per_worker"]] == [0, 1]
+        assert sum(worker["requests"] for worker in result["per_worker"]) == 60
+    assert "## Per worker" in (out / "report.md").read_text()
+
+
+def test_replay_wants_a_trace_or_a_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kv_router_main(["replay", "--quiet"]) == 2
+    assert "--workload" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the search
+def result(ttft: float, e2e: float, hit: float, **knobs: float) -> TuneResult:
+    return TuneResult("latency", knobs, hit, ttft, e2e, 10.0)
+
+
+def test_the_front_keeps_what_nothing_beats_on_every_axis() -> None:
+    a, b, c = result(100, 1000, 0.5), result(90, 1100, 0.5), result(80, 900, 0.6)
+    dominated = result(100, 1000, 0.4)
+    twin = result(80, 900, 0.6)
+    front = pareto_front([a, b, c, dominated, twin])
+    assert front == [c, twin]
+    assert pareto_front([a, b]) == [a, b]
+    assert pick([a, b], "ttft") is b and pick([a, b], "e2e") is a
+    assert pick([result(100, 1000, 0.5), result(101, 1001, 0.9)], "hit").hit_rate == 0.9
+
+
+def test_candidates_are_seeded_and_start_with_the_defaults() -> None:
+    first = candidates(5, seed=1)
+    assert first == candidates(5, seed=1)
+    assert first[0] == {"latency_miss_weight": 3.0, "latency_stall_weight": 0.05, "latency_decode_weight": 0.0005}
+    assert len({json.dumps(point, sort_keys=True) for point in first}) == 6
+
+
+def test_tune_writes_the_front_and_a_config_serve_reads_and_resumes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "tune"
+    argv = ["tune", "--workload", "agentic", "--limit", "80", "--workers", "2", "--budget", "2", "--jobs", "2"]
+    argv += ["--out", str(out), "--quiet", "--no-plots"]
+    assert kv_router_main(argv) == 0
+    table = capsys.readouterr().out
+    assert "ref" in table and "dynamo" in table and "*" in table
+    cache = out / "tune-results.jsonl"
+    lines = cache.read_text().splitlines()
+    assert len(lines) == 4  # dynamo, the defaults and two more settings
+
+    settings = load_settings(config_file=out / "kv-router.toml")
+    assert settings.router.policy == "latency"
+    assert settings.router.block_size == 64
+    chosen = [json.loads(line)["result"] for line in lines]
+    assert {
+        "latency_miss_weight": settings.router.latency_miss_weight,
+        "latency_stall_weight": settings.router.latency_stall_weight,
+        "latency_decode_weight": settings.router.latency_decode_weight,
+    } in [entry["knobs"] for entry in chosen]
+
+    # Interrupted after three results, with a line cut short: the rerun replays only what is missing.
+    cache.write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])
+    assert kv_router_main(argv) == 0
+    assert capsys.readouterr().out == table
+    assert sorted(cache.read_text().splitlines()[:3]) == sorted(lines[:3])
+    valid = []
+    for line in cache.read_text().splitlines():
+        try:
+            valid.append(json.loads(line)["key"])
+        except ValueError:
+            pass
+    assert sorted(valid) == sorted(json.loads(line)["key"] for line in lines)

@@ -1,0 +1,220 @@
+"""The `latency` policy (exact costs, the decode side, its knobs) and the load-model features it reads
+or sits beside: per-request overrides, the prefill load model, the minimum workers at start."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, WorkerConfig
+from router.errors import ConfigError, InvalidRequest
+from router.types import RouterConfigOverride
+from tests.dynamo_fleet import prompt_stored_event
+
+BS = 16
+X, Y = 11, 22
+QUERY = list(range(1000, 1128))  # 8 blocks
+
+
+def router_with(policy: str = "latency", clock: list[float] | None = None, **overrides: object) -> KvRouter:
+    config = RouterConfig(block_size=BS, policy=policy, **overrides)  # type: ignore[arg-type]
+    now = clock if clock is not None else [0.0]
+    router = KvRouter(config, rng=random.Random(0), clock=lambda: now[0])
+    router.register_worker(WorkerConfig(worker_id=X))
+    router.register_worker(WorkerConfig(worker_id=Y))
+    return router
+
+
+def route(router: KvRouter, tokens: list[int], **fields: object) -> RouteDecision:
+    return asyncio.run(router.new(RouteRequest(tokens=tokens, **fields), explain=True))  # type: ignore[arg-type]
+
+
+def book_on(router: KvRouter, worker: int, request_id: str, tokens: list[int], **fields: object) -> None:
+    request = RouteRequest(tokens=tokens, request_id=request_id, **fields)  # type: ignore[arg-type]
+    asyncio.run(router.new(request, pinned_worker=(worker, 0)))
+
+
+def costs(decision: RouteDecision) -> dict[int, float | None]:
+    assert decision.explanation is not None
+    return {candidate.worker_id: candidate.cost for candidate in decision.explanation.candidates}
+
+
+KNOBS = {"latency_miss_weight": 2.0, "latency_stall_weight": 0.5, "latency_decode_weight": 0.01}
+
+
+def test_costs_price_the_prefill_its_stall_and_the_decode_side() -> None:
+    router = router_with(**KNOBS)
+    router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))
+    book_on(router, X, "busy", list(range(5000, 5064)))  # 64 queued prefill tokens, 64 context, 1 request
+    decision = route(router, QUERY, expected_output_tokens=10)
+    # X: queued 64 + (2 + 0.5 * 1 request) * 64 missed + 0.01 * 10 * (64 context + 128 * 1 request).
+    # Y: 2 * 128 missed, nothing in flight.
+    assert costs(decision) == {X: pytest.approx(64 + 2.5 * 64 + 0.1 * 192), Y: 2.0 * 128}
+    assert decision.worker_id == X
+
+
+def test_long_outputs_leave_a_rank_full_of_context_short_ones_stay() -> None:
+    router = router_with()
+    router.apply_event(prompt_stored_event(X, QUERY, BS))
+    for i in range(4):  # 4 requests, 32k tokens of context in flight on X, their prefill done
+        book_on(router, X, f"ctx{i}", list(range(10_000 * (i + 1), 10_000 * (i + 1) + 8192)))
+        assert router.mark_prefill(f"ctx{i}")
+    assert route(router, QUERY, expected_output_tokens=16).worker_id == X
+    assert route(router, QUERY, expected_output_tokens=4000).worker_id == Y
+
+
+def test_a_request_without_expected_output_uses_the_default_length() -> None:
+    router = router_with(latency_default_output_tokens=500, **KNOBS)
+    book_on(router, X, "busy", list(range(5000, 5064)))
+    assert router.mark_prefill("busy")
+    assert costs(route(router, QUERY)) == costs(route(router, QUERY, expected_output_tokens=500))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    miss=st.sampled_from([1.0, 2.0, 3.0]),
+    bookings=st.lists(st.tuples(st.sampled_from([X, Y]), st.integers(1, 12), st.booleans()), max_size=6),
+)
+def test_without_the_decode_side_it_is_cache_affinity_without_its_decode_term(
+    miss: float, bookings: list[tuple[int, int, bool]]
+) -> None:
+    ours = router_with(latency_miss_weight=miss, latency_stall_weight=0.0, latency_decode_weight=0.0)
+    theirs = router_with("cache_affinity", affinity_miss_weight=miss, affinity_decode_weight=0.0)
+    for router in (ours, theirs):
+        router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=3))
+        for i, (worker, blocks, prefilled) in enumerate(bookings):
+            book_on(router, worker, f"b{i}", QUERY[: blocks * BS])
+            if prefilled:
+                router.mark_prefill(f"b{i}")
+    assert costs(route(ours, QUERY)) == costs(route(theirs, QUERY))
+
+
+@pytest.mark.parametrize(
+    "field", ["latency_miss_weight", "latency_stall_weight", "latency_decode_weight", "latency_default_output_tokens"]
+)
+def test_knobs_are_validated_by_name(field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        RouterConfig(**{field: -1})  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- RouterConfigOverride
+@settings(max_examples=25, deadline=None)
+@given(
+    credit=st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]),
+    scale=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    track_prefill=st.booleans(),
+    cached_blocks=st.integers(0, 8),
+)
+def test_an_override_scores_as_a_router_configured_with_it(
+    credit: float, scale: float, track_prefill: bool, cached_blocks: int
+) -> None:
+    """Dynamo's cost with these settings is checked against Dynamo itself (test_router_oracle.py); a
+    request overriding them must be scored exactly as that router scores it."""
+    configured = router_with(
+        "dynamo", overlap_score_credit=credit, prefill_load_scale=scale, router_track_prefill_tokens=track_prefill
+    )
+    overridden, plain = router_with("dynamo"), router_with("dynamo")
+    override = RouterConfigOverride(
+        overlap_score_credit=credit, prefill_load_scale=scale, track_prefill_tokens=track_prefill
+    )
+    for router in (configured, overridden, plain):
+        if cached_blocks:
+            router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=cached_blocks))
+        book_on(router, X, "busy", list(range(5000, 5064)))
+    assert costs(route(overridden, QUERY, router_config_override=override)) == costs(route(configured, QUERY))
+    # The router's own config is untouched for the next request.
+    assert costs(route(overridden, QUERY)) == costs(route(plain, QUERY))
+
+
+def test_overlap_score_weight_is_the_deprecated_scale_and_zero_drops_the_credit() -> None:
+    config = RouterConfig()
+    assert config.with_override(RouterConfigOverride(overlap_score_weight=2.0)).prefill_load_scale == 2.0
+    zero = config.with_override(RouterConfigOverride(overlap_score_weight=0.0))
+    assert (zero.prefill_load_scale, zero.overlap_score_credit) == (0.0, 0.0)
+    assert config.with_override(RouterConfigOverride()) is config
+
+
+def test_an_override_with_a_bad_value_is_an_invalid_request() -> None:
+    router = router_with("dynamo")
+    with pytest.raises(InvalidRequest, match="router_temperature"):
+        route(router, QUERY, router_config_override=RouterConfigOverride(router_temperature=-1.0))
+
+
+def test_a_temperature_override_samples() -> None:
+    router = router_with("dynamo")
+    decision = route(router, QUERY, router_config_override=RouterConfigOverride(router_temperature=1.0))
+    assert decision.explanation is not None
+    assert all(candidate.probability is not None for candidate in decision.explanation.candidates)
+    assert "softmax" in decision.explanation.reason
+
+
+# ---------------------------------------------------------------------- prefill load model
+def test_the_oldest_prefill_decays_as_it_runs_then_the_next_one() -> None:
+    clock = [0.0]
+    router = router_with("dynamo", clock, router_prefill_load_model="linear", router_prefill_tokens_per_s=1000.0)
+    book_on(router, X, "a", list(range(5000, 6000)))  # 1,000 tokens: expected to take 1 s
+    clock[0] = 0.25
+    book_on(router, X, "b", list(range(7000, 7500)))  # 500 tokens, waiting behind a
+
+    def prefill() -> int:
+        return next(load.active_prefill_tokens for load in router.rank_loads() if load.worker_id == X)
+
+    assert prefill() == 750 + 500
+    clock[0] = 0.6
+    assert prefill() == 400 + 500
+    clock[0] = 5.0
+    assert prefill() == 0 + 500  # a overran its expected time: it counts for nothing, b in full
+    assert router.mark_prefill("a")
+    assert prefill() == 500  # b's clock starts at this read
+    clock[0] = 5.25
+    assert prefill() == 250
+    assert router.mark_free("b")
+    assert prefill() == 0
+
+
+def test_without_the_model_a_booked_prefill_counts_in_full() -> None:
+    clock = [0.0]
+    router = router_with("dynamo", clock)
+    book_on(router, X, "a", list(range(5000, 6000)))
+    clock[0] = 100.0
+    assert next(load.active_prefill_tokens for load in router.rank_loads() if load.worker_id == X) == 1000
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"router_track_prefill_tokens": False}, {"router_queue_threshold": 1.0, "router_queue_policy": "wspt"}],
+)
+def test_the_prefill_load_model_needs_prompt_tracking_and_fcfs(fields: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="router_prefill_load_model"):
+        RouterConfig(router_prefill_load_model="linear", **fields)  # type: ignore[arg-type]
+
+
+def test_output_blocks_need_active_blocks() -> None:
+    with pytest.raises(ConfigError, match="router_track_output_blocks"):
+        RouterConfig(router_track_output_blocks=True, router_track_active_blocks=False)
+
+
+# ---------------------------------------------------------------------- minimum workers at start
+def test_routing_waits_for_the_minimum_workers_then_never_again() -> None:
+    async def scenario() -> None:
+        router = KvRouter(RouterConfig(block_size=BS, router_min_initial_workers=2))
+        router.register_worker(WorkerConfig(worker_id=X))
+        waiting = asyncio.ensure_future(router.new(RouteRequest(tokens=QUERY, request_id="early")))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        router.register_worker(WorkerConfig(worker_id=Y))
+        decision = await asyncio.wait_for(waiting, 1.0)
+        assert decision.worker_id in (X, Y)
+        router.remove_worker(Y)  # fewer than the minimum later: routing goes on
+        assert (await router.new(RouteRequest(tokens=QUERY))).worker_id == X
+
+    asyncio.run(scenario())
+
+
+def test_a_negative_minimum_is_refused() -> None:
+    with pytest.raises(ConfigError, match="router_min_initial_workers"):
+        RouterConfig(router_min_initial_workers=-1)
