@@ -232,6 +232,7 @@ class KvRouter:
             explain=routing.explain,
             config=routing.config,
             expected_output_tokens=request.expected_output_tokens,
+            cached_blocks=self.indexer.stats().blocks if self._scheduler.uses_cache_fill else None,
         )
         if request.request_id is not None:
             self._scheduler.book(

@@ -135,9 +135,11 @@ class Scheduler:
         explain: bool = False,
         config: RouterConfig | None = None,
         expected_output_tokens: int | None = None,
+        cached_blocks: Mapping[WorkerRank, int] | None = None,
     ) -> Choice:
         """Pick a rank among ``workers`` (from `eligible_workers`). Books nothing. ``config`` is the
-        request's own (the router's with its override applied), the router's by default.
+        request's own (the router's with its override applied), the router's by default;
+        ``cached_blocks`` the index's blocks per rank, for a policy that `uses_cache_fill`.
 
         Raises `AllWorkersOverloaded` when every one of them has all its ranks busy. O(ranks + prompt
         blocks touched by `ActiveSequences.prefix_depths`).
@@ -169,6 +171,7 @@ class Scheduler:
             booked_blocks=prompt.booked_blocks,
             taint_multipliers=multipliers,
             expected_output_tokens=expected_output_tokens,
+            cache_fill=None if cached_blocks is None else self._cache_fill(ranks, cached_blocks),
         )
         # A pinned rank is the caller's choice; it is still reported with its load.
         selection = self._policy.select(context) if pinned is None else Selection(0, "pinned by the caller")
@@ -184,6 +187,20 @@ class Scheduler:
             )
         explanation = _explain(self._policy.name, context, selection) if explain else None
         return Choice(key, overlaps.get(key, NO_OVERLAP), explanation)
+
+    @property
+    def uses_cache_fill(self) -> bool:
+        """Whether the policy scores with each rank's cache fill (`select`'s ``cached_blocks``)."""
+        return bool(getattr(self._policy, "uses_cache_fill", False))
+
+    def _cache_fill(self, ranks: list[RankState], cached_blocks: Mapping[WorkerRank, int]) -> dict[WorkerRank, float]:
+        """The fraction of each rank's KV blocks its cache holds; 1 for a worker of unknown capacity."""
+        fills = {}
+        for rank in ranks:
+            worker = self.workers.get(rank.worker_id)
+            total = worker.total_kv_blocks if worker is not None else None
+            fills[rank.key] = min(cached_blocks.get(rank.key, 0) / total, 1.0) if total else 1.0
+        return fills
 
     def book(
         self,

@@ -51,10 +51,21 @@ def test_costs_price_the_prefill_its_stall_and_the_decode_side() -> None:
     router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))
     book_on(router, X, "busy", list(range(5000, 5064)))  # 64 queued prefill tokens, 64 context, 1 request
     decision = route(router, QUERY, expected_output_tokens=10)
-    # X: queued 64 + (2 + 0.5 * 1 request) * 64 missed + 0.01 * 10 * (64 context + 128 * 1 request).
-    # Y: 2 * 128 missed, nothing in flight.
-    assert costs(decision) == {X: pytest.approx(64 + 2.5 * 64 + 0.1 * 192), Y: 2.0 * 128}
+    # X: queued 64 + (2 + 0.5 * 1 request) * 64 missed + 0.01 * 10 * 64 context in flight.
+    # Y: 2 * 128 missed, nothing in flight. The workers did not say their capacity: caches count as full.
+    assert costs(decision) == {X: pytest.approx(64 + 2.5 * 64 + 0.1 * 64), Y: 2.0 * 128}
     assert decision.worker_id == X
+
+
+def test_a_miss_costs_its_time_on_an_empty_cache_and_more_as_the_cache_fills() -> None:
+    router = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
+    router.register_worker(WorkerConfig(worker_id=X, total_kv_blocks=16))
+    router.register_worker(WorkerConfig(worker_id=Y, total_kv_blocks=16))
+    router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))  # X's cache is a quarter full
+    decision = route(router, QUERY, expected_output_tokens=10)
+    assert costs(decision) == {X: (1 + 1.0 * 0.25) * 64, Y: 1.0 * 128}
+    router.apply_event(prompt_stored_event(Y, list(range(9000, 9256)), BS, event_id=2))  # Y's is full
+    assert costs(route(router, QUERY, expected_output_tokens=10)) == {X: (1 + 1.0 * 0.25) * 64, Y: 2.0 * 128}
 
 
 def test_long_outputs_leave_a_rank_full_of_context_short_ones_stay() -> None:

@@ -94,6 +94,7 @@ class SelectionContext:
     __slots__ = (
         "block_size",
         "booked_blocks",
+        "cache_fill",
         "config",
         "depths",
         "expected_output_tokens",
@@ -115,6 +116,7 @@ class SelectionContext:
         booked_blocks: int,
         taint_multipliers: Sequence[float] | None,
         expected_output_tokens: int | None = None,
+        cache_fill: Mapping[WorkerRank, float] | None = None,
     ) -> None:
         self.isl_tokens = isl_tokens
         # The config in force for this request: the router's, with the request's override applied.
@@ -122,6 +124,8 @@ class SelectionContext:
         self.block_size = config.block_size
         self.track_prefill_tokens = config.router_track_prefill_tokens
         self.expected_output_tokens = expected_output_tokens
+        # Per rank, the fraction of its KV blocks its cache holds (policies with ``uses_cache_fill``).
+        self.cache_fill = cache_fill
         self.ranks = ranks
         self.overlaps = overlaps
         self.depths = depths

@@ -3,26 +3,30 @@ fleet least time, counting what it does to the requests already there.
 
 Every term is in prefill tokens, a proxy for time on a homogeneous fleet::
 
-    cost(w) = A_p(w) + m * miss(w)                         its time to first token: queued prefill, then its own
-            + s * miss(w) * R(w)                           its prefill stalls the R(w) requests decoding on w
-            + d * osl * (K(w) + isl * R(w))                its tokens slowed by w's context in flight, and the
-                                                           slowdown its own context brings to the others
+    cost(w) = A_p(w) + m(w) * miss(w)          its time to first token: queued prefill, then its own
+            + s * miss(w) * R(w)               its prefill stalls the R(w) requests decoding on w
+            + d * osl * K(w)                   each of its output tokens slowed by w's context in flight
+
+    m(w)    = 1 + (m - 1) * fill(w)            a miss costs more than its time only when storing it evicts
 
 ``miss(w) = max(isl - cached(w), 0)`` with ``cached(w)`` the effective cached prefix, at least what
 requests already booked on w hold of the prompt (they will be in w's cache before this prefill runs);
 ``K(w)`` the prompt tokens of w's active requests, each counted in full (a decode step reads every
 sequence's context); ``osl`` the request's expected output tokens, or ``latency_default_output_tokens``
-when it carries none. Lowest cost wins, ties uniformly at random.
+when it carries none; ``fill(w)`` the fraction of w's KV blocks (``total_kv_blocks``) its cache holds
+by the index (1 when the worker did not say how many it has). Lowest cost wins, ties uniformly at random.
 
 Why these terms: an engine pass runs the scheduled prefill chunks and one decode step for every
 running sequence, so each prefill token placed on w delays each of w's running requests by about one
 prefill token's time (``s`` = 1 is that cost); and a decode step's duration grows with the KV it reads,
 so each output token of a request on w costs in proportion to w's context (``d`` = 0.0034 is the ratio
 of the per-context-token decode cost to the per-token prefill cost for an engine whose step grows by
-54 ms over a 1 M-token pool and which prefills a token in 0.015 ms, Dynamo's mocker fit). A miss costs
-``m`` > 1 times its tokens because it also spends cache space a repeat of the prompt would reuse.
+54 ms over a 1 M-token pool and which prefills a token in 0.015 ms, Dynamo's mocker fit). On a full
+cache a miss costs ``m`` > 1 times its tokens because storing it evicts blocks a repeat of some prompt
+would have reused; on a cache with room it costs only its time, so a hot prefix is copied to another
+rank rather than queued behind its holder.
 
-The defaults (m = 3, s = 0.05, d = 0.0005) are well below those physical ratios: the physical weights
+The defaults (m = 4, s = 0.05, d = 0.0005) are well below those physical ratios: the physical weights
 minimize the total latency of the requests in flight now, but a request sent away from its cached
 prefix also stores that prefix a second time and evicts what later requests would have reused, which
 the p90s of a whole run pay for. They were searched on the shared traces and the generated workloads
@@ -45,6 +49,8 @@ __all__ = ["LatencyPolicy"]
 
 class LatencyPolicy:
     name = "latency"
+    # The scheduler hands it each rank's cache fill (it costs a pass over the index's ranks).
+    uses_cache_fill = True
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
         self._miss_weight = config.latency_miss_weight
@@ -63,16 +69,18 @@ class LatencyPolicy:
         stall_weight = self._stall_weight
         expected = context.expected_output_tokens
         decode_weight = self._decode_weight * (expected if expected is not None else self._default_output)
+        fills = context.cache_fill
+        extra_miss_weight = miss_weight - 1.0
         costs = []
         for rank in context.ranks:
             cached = overlaps.get(rank.key, NO_OVERLAP).cached_tokens
             inflight = depths.get(rank, 0) * block_size
             miss = max(isl - max(cached, inflight), 0)
-            requests = rank.requests
+            fill = 1.0 if fills is None else fills.get(rank.key, 0.0)
             costs.append(
                 rank.prefill_tokens
-                + (miss_weight + stall_weight * requests) * miss
-                + decode_weight * (rank.context_tokens + isl * requests)
+                + (1.0 + extra_miss_weight * fill + stall_weight * rank.requests) * miss
+                + decode_weight * rank.context_tokens
             )
         if context.taint_multipliers is not None:
             costs = [cost * multiplier for cost, multiplier in zip(costs, context.taint_multipliers, strict=True)]
