@@ -74,9 +74,9 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     # uncached tokens on a full cache (1 on an empty one); the cost of one prefill token to each request
     # decoding on the rank; the cost, in prefill tokens, of one output token per token of context in
     # flight on the rank; and the output length assumed for a request that does not say how long it is.
-    latency_miss_weight: float = 4.0
+    latency_miss_weight: float = 6.0
     latency_stall_weight: float = 0.05
-    latency_decode_weight: float = 0.0005
+    latency_decode_weight: float = 0.0004
     latency_default_output_tokens: int = 256
     # Dynamo reads this from the model card: EAGLE hashing windows span one extra token (§1.1).
     enable_eagle: bool = False

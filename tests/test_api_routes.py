@@ -298,3 +298,26 @@ def test_health_readiness_and_openapi(client: TestClient) -> None:
     router = document["paths"]["/v1/router"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert set(router["discriminator"]["mapping"]) == {"new", "potential_loads", "mark_prefill", "mark_free"}
     assert client.get("/docs").status_code == 200
+
+
+def test_router_config_override_on_new_and_on_the_router_protocol(client: TestClient) -> None:
+    _register(client, 1)
+    idle = prompt(99, 1)
+
+    def booked_prefill() -> int:
+        loads = client.post("/v1/potential_loads", json={"tokens": idle}).json()["loads"]
+        return int(loads[0]["potential_prefill_tokens"]) - 1
+
+    override = {"track_prefill_tokens": False}
+    new = client.post("/v1/new", json={"tokens": prompt(1, 64), "request_id": "a", "router_config_override": override})
+    assert new.status_code == 200
+    assert booked_prefill() == 0  # booked without its prefill, as the override asked
+    client.post("/v1/router", json={"method": "new", "tokens": prompt(2, 64), "router_config_override": override})
+    assert booked_prefill() == 0
+    client.post("/v1/new", json={"tokens": prompt(3, 64), "request_id": "c"})
+    assert booked_prefill() == 64  # the router's own config again
+
+    bad = client.post("/v1/new", json={"tokens": prompt(4, 64), "router_config_override": {"router_temperature": -1}})
+    assert bad.status_code == 422
+    assert bad.json()["error"]["type"] == "invalid_request"
+    assert "router_temperature" in bad.json()["error"]["message"]
