@@ -106,7 +106,8 @@ def write_pareto_plot(
     out_dir: Path,
 ) -> Path | None:
     """``pareto.png``: every tuned setting as (TTFT p90, E2E p90) coloured by hit rate, the Pareto front
-    joined, the written config starred, the reference router crossed. None without matplotlib."""
+    ringed (it is a front in three dimensions, so its points are not joined), the written config
+    starred, the reference router crossed. None without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -114,8 +115,14 @@ def write_pareto_plot(
     figure, axes = plt.subplots(figsize=(8, 5))
     drawn = axes.scatter([p[0] for p in points], [p[1] for p in points], c=[p[2] for p in points], cmap="viridis")
     figure.colorbar(drawn, label="engine hit rate (tokens)")
-    ordered = sorted(front)
-    axes.plot([p[0] for p in ordered], [p[1] for p in ordered], color="tab:red", linewidth=1, label="Pareto front")
+    axes.scatter(
+        [p[0] for p in front],
+        [p[1] for p in front],
+        s=160,
+        facecolors="none",
+        edgecolors="tab:red",
+        label="Pareto front",
+    )
     axes.scatter([chosen[0]], [chosen[1]], marker="*", s=250, color="tab:red", label="written config")
     axes.scatter([reference[0]], [reference[1]], marker="x", s=80, color="black", label="dynamo")
     axes.set_xlabel("TTFT p90 (ms)")
