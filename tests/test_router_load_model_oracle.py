@@ -1,6 +1,6 @@
 """Dynamo 1.6.1's load-model features against its own in-process `KvRouter`: output blocks counted as a
 response streams (with and without the expected output length), and the per-request
-`RouterConfigOverride` of load tracking.
+`RouterConfigOverride` of load tracking, and the minimum number of workers routing waits for.
 
 The requests go through Dynamo's `KvRouter.generate` to dummy workers whose tokens the test releases
 one at a time, so Dynamo's router sees the request start, its first token and every output token as
@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -199,3 +203,60 @@ def test_load_tracking_overrides_book_as_dynamos(override: dict[str, bool], tmp_
             await fleet.same_loads(PROMPT, "after the first token")
 
     asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------- minimum workers at start
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _start(role: str, directory: Path, **env: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "tests.dynamo_process", role, str(directory)]
+    environment = {**os.environ, "DYN_LOG": "off", **env}
+    return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, text=True)
+
+
+def _said(process: subprocess.Popen[str], line: str, within_s: float) -> bool:
+    """Whether the process prints ``line`` within ``within_s`` seconds."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + within_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([process.stdout], [], [], left)
+        if ready:
+            said = process.stdout.readline()
+            if not said:
+                return False  # it exited
+            if said.strip() == line:
+                return True
+    return False
+
+
+def test_routing_waits_for_the_minimum_workers_as_dynamos(tmp_path: Path) -> None:
+    """With a minimum of two, Dynamo's router (``DYN_ROUTER_MIN_INITIAL_WORKERS``, in its own process:
+    its constructor blocks) and ours (`router_min_initial_workers`: `new` waits) both hold routing while
+    one worker is registered and start when the second registers."""
+    processes: list[subprocess.Popen[str]] = []
+
+    async def scenario() -> None:
+        ours = KvRouter(RouterConfig(block_size=BS, router_min_initial_workers=2))
+        processes.append(_start("worker", tmp_path))
+        assert await asyncio.to_thread(_said, processes[0], "worker ready", 60.0)
+        ours.register_worker(WorkerConfig(worker_id=1))
+        processes.append(_start("router", tmp_path, DYN_ROUTER_MIN_INITIAL_WORKERS="2"))
+        waiting = asyncio.ensure_future(ours.new(RouteRequest(tokens=PROMPT)))
+        # One worker: neither routes (Dynamo's constructor takes well under this when it does not wait).
+        assert not await asyncio.to_thread(_said, processes[1], "router ready", 5.0)
+        assert not waiting.done()
+        processes.append(_start("worker", tmp_path))
+        assert await asyncio.to_thread(_said, processes[2], "worker ready", 60.0)
+        ours.register_worker(WorkerConfig(worker_id=2))
+        assert await asyncio.to_thread(_said, processes[1], "router ready", 60.0)
+        assert (await asyncio.wait_for(waiting, 5.0)).worker_id in (1, 2)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
