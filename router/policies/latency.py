@@ -26,7 +26,7 @@ cache a miss costs ``m`` > 1 times its tokens because storing it evicts blocks a
 would have reused; on a cache with room it costs only its time, so a hot prefix is copied to another
 rank rather than queued behind its holder.
 
-The defaults (m = 6, s = 0.05, d = 0.0004) are well below those physical ratios: the physical weights
+The defaults are m = 6, s = 0.05 and d = 0.0004, s and d well below those physical ratios: the physical weights
 minimize the total latency of the requests in flight now, but a request sent away from its cached
 prefix also stores that prefix a second time and evicts what later requests would have reused, which
 the p90s of a whole run pay for. They were searched on the shared traces and the generated workloads
