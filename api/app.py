@@ -26,7 +26,7 @@ from api.config import Settings
 from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
 from api.handlers import Handlers
-from api.metrics import ApiMetrics, EventPlaneCollector, EventStreamCollector, RouterStateCollector
+from api.metrics import ApiMetrics, EventPlaneCollector, EventStreamCollector, RouterStateCollector, register_build_info
 from api.openapi import Schemas
 from api.plane_lifecycle import running_event_plane
 from api.routes import add_admin_routes, add_hot_routes
@@ -58,6 +58,7 @@ def create_app(
     metrics = ApiMetrics(registry)
     registry.register(RouterStateCollector(kv_router))
     registry.register(EventStreamCollector(kv_router.events))
+    register_build_info(registry, version=package_version(), policy=settings.router.policy)
     handlers = Handlers(kv_router, metrics, settings.service)
 
     @asynccontextmanager

@@ -14,13 +14,22 @@ import msgspec
 
 __all__ = ["JsonFormatter", "log_config"]
 
-# Attributes every LogRecord has; anything else on a record came from ``extra=`` and is emitted.
-_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+# Attributes every LogRecord has; anything else on a record came from ``extra=`` and is emitted, but
+# for uvicorn's ``color_message`` (the message again, with ANSI colour codes for its own formatter).
+_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "color_message",
+}
+# uvicorn's access line (and `api.protocol`'s, in the same shape) is '%s - "%s %s HTTP/%s" %d' over
+# these arguments: in JSON they are fields of their own.
+_ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
 _encode = msgspec.json.Encoder(enc_hook=str).encode
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, the ``extra`` fields, any traceback."""
+    """One JSON object per record: time, level, logger, message, the ``extra`` fields, any traceback;
+    access lines also as ``client``, ``method``, ``path``, ``http_version`` and ``status``."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -29,6 +38,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
+            entry.update(zip(_ACCESS_FIELDS, record.args, strict=True))
         for key, value in vars(record).items():
             if key not in _STANDARD_ATTRS and not key.startswith("_"):
                 entry[key] = value

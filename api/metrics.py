@@ -6,9 +6,12 @@ Two kinds, by cost:
   The histograms are `_Histogram`s, not prometheus-client's (a lock and a bucket loop, about 1.3 µs
   an observation, six per decision): a bisect and two additions, read into the same families at
   scrape time. They have one writer, the event loop, which also serves the scrapes.
-* Gauges of state (`RouterStateCollector`): per-(worker, dp_rank) load, indexed blocks, queue,
-  workers, index size. They are read from the router when ``/metrics`` is scraped, so keeping them
-  costs the request path nothing.
+  Decisions per (worker, dp_rank) are a plain dict increment, exposed as a counter at scrape time.
+* State and counts kept elsewhere, read when ``/metrics`` is scraped, so keeping them costs the
+  request path nothing: per-(worker, dp_rank) load, KV usage, indexed blocks, queue, workers, index
+  size (`RouterStateCollector`); the event door's counts and stream states (`EventStreamCollector`);
+  the NATS plane's control messages and connection (`EventPlaneCollector`).
+* ``kv_router_build_info{version,policy}``: constant 1, for joining version and policy onto panels.
 
 Each app gets its own `CollectorRegistry` (tests build many apps in one process).
 """
@@ -20,7 +23,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -30,7 +33,7 @@ from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import RouteDecision
 
-__all__ = ["ApiMetrics", "RouterStateCollector"]
+__all__ = ["ApiMetrics", "EventPlaneCollector", "RouterStateCollector", "register_build_info"]
 
 PREFIX = "kv_router"
 
@@ -83,6 +86,10 @@ class ApiMetrics:
         )
         for name, documentation, labels, series in histograms:
             registry.register(_HistogramCollector(name, documentation, labels, series))
+        # (worker_id, dp_rank) -> decisions routed there, and when its series appeared.
+        self._decisions: dict[tuple[int, int], int] = {}
+        self._decisions_created: dict[tuple[int, int], float] = {}
+        registry.register(_DecisionCollector(self._decisions, self._decisions_created))
         # (method, outcome) -> its bound counter; the ok ones exist (at 0) from the start.
         self._counts = {
             (method, "ok"): self._requests.labels(method, "ok")
@@ -104,9 +111,42 @@ class ApiMetrics:
         if timing.queued_s:
             phase["queued"].observe(timing.queued_s)
         phase["request"].observe(request_s)
+        rank = (decision.worker_id, decision.dp_rank)
+        count = self._decisions.get(rank)
+        if count is None:
+            self._decisions_created[rank] = time.time()
+            count = 0
+        self._decisions[rank] = count + 1
         self._overlap.observe(decision.overlap_blocks)
         if prompt_tokens:
             self._hit_ratio.observe(min(1.0, decision.cached_tokens / prompt_tokens))
+
+
+def register_build_info(registry: CollectorRegistry, *, version: str, policy: str) -> None:
+    Info(f"{PREFIX}_build", "The running kv-router: package version and selection policy.", registry=registry).info(
+        {"version": version, "policy": policy}
+    )
+
+
+class _DecisionCollector(Collector):
+    """``kv_router_decisions_total{worker_id,dp_rank}`` from `ApiMetrics`' per-rank tallies."""
+
+    _NAME = f"{PREFIX}_decisions"
+    _DOC = "Routing decisions by the (worker, dp_rank) chosen."
+
+    def __init__(self, counts: dict[tuple[int, int], int], created: dict[tuple[int, int], float]) -> None:
+        self._counts = counts
+        self._created = created
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._NAME, self._DOC, labels=["worker_id", "dp_rank"])
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._NAME, self._DOC, labels=["worker_id", "dp_rank"])
+        for (worker_id, dp_rank), count in self._counts.items():
+            created = self._created[worker_id, dp_rank] if _CREATED else None
+            family.add_metric([str(worker_id), str(dp_rank)], count, created=created)
+        yield family
 
 
 class _Histogram:
@@ -176,12 +216,21 @@ class RouterStateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         router = self._router
         families = self._families()
-        prefill, decode, active, indexed, queue_req, queue_isl, workers, nodes, index_bytes = families
+        prefill, decode, active, busy, kv_used, kv_total, indexed, queue_req, queue_isl, workers, nodes, index_bytes = (
+            families
+        )
+        capacity = {worker.worker_id: worker.total_kv_blocks for worker in router.workers()}
         for load in router.rank_loads():
             labels = [str(load.worker_id), str(load.dp_rank)]
             prefill.add_metric(labels, load.active_prefill_tokens)
             decode.add_metric(labels, load.active_decode_blocks)
             active.add_metric(labels, load.active_requests)
+            busy.add_metric(labels, 1.0 if load.busy else 0.0)
+            if load.kv_used_blocks is not None:
+                kv_used.add_metric(labels, load.kv_used_blocks)
+            total = capacity.get(load.worker_id)
+            if total is not None:
+                kv_total.add_metric(labels, total)
         stats = router.indexer.stats()
         for (worker_id, dp_rank), blocks in stats.blocks.items():
             indexed.add_metric([str(worker_id), str(dp_rank)], blocks)
@@ -206,6 +255,21 @@ class RouterStateCollector(Collector):
                 labels=rank,
             ),
             GaugeMetricFamily(f"{PREFIX}_worker_active_requests", "Requests booked and not freed.", labels=rank),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_busy",
+                "1 while the rank is over a busy threshold (a worker whose ranks all are is skipped).",
+                labels=rank,
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_kv_used_blocks",
+                "KV blocks in use as the worker last reported them (ranks that report load over NATS).",
+                labels=rank,
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_kv_total_blocks",
+                "KV blocks of the rank's cache, from the worker's registration (ranks that declared it).",
+                labels=rank,
+            ),
             GaugeMetricFamily(
                 f"{PREFIX}_worker_indexed_blocks", "Device-tier blocks the index holds for this rank.", labels=rank
             ),
@@ -289,7 +353,8 @@ class EventPlaneCollector(Collector):
         return [
             CounterMetricFamily(
                 f"{PREFIX}_nats_control_messages",
-                "Registry, heartbeat and load messages by outcome (registered, expired, rejected_<reason>, ...).",
+                "Registry, heartbeat and load messages by outcome (registered, updated, removed, expired, "
+                "reconnects, rejected_<reason>, ...).",
                 labels=["outcome"],
             ),
             GaugeMetricFamily(f"{PREFIX}_nats_resyncs_in_flight", "Resync requests awaiting a worker's answer."),

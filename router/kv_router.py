@@ -134,7 +134,18 @@ class KvRouter:
         """Add a worker, or update one (its KV index is kept; ranks it no longer has are dropped)."""
         previous = self._scheduler.workers.get(worker.worker_id)
         dropped = self._scheduler.register_worker(worker)
-        if previous is not None:
+        if previous is None:
+            logger.info(
+                "worker %d joined: dp ranks %d..%d, %s KV blocks per rank",
+                worker.worker_id,
+                worker.dp_start_rank,
+                worker.dp_start_rank + worker.dp_size - 1,
+                worker.total_kv_blocks if worker.total_kv_blocks is not None else "unknown",
+                extra={"worker_id": worker.worker_id, "dp_size": worker.dp_size},
+            )
+        else:
+            if previous != worker:
+                logger.info("worker %d reconfigured", worker.worker_id, extra={"worker_id": worker.worker_id})
             for dp_rank in set(previous.dp_ranks) - set(worker.dp_ranks):
                 self.indexer.remove_worker_dp_rank(worker.worker_id, dp_rank)
         if dropped:
@@ -150,14 +161,19 @@ class KvRouter:
         """Forget a worker: its index entries and its active requests. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
         self.indexer.remove_worker(worker_id)
-        if dropped:
-            logger.info("worker %d removed with %d active requests", worker_id, len(dropped))
+        logger.info(
+            "worker %d left: %d active requests dropped",
+            worker_id,
+            len(dropped),
+            extra={"worker_id": worker_id, "dropped_requests": len(dropped)},
+        )
         self._dispatch_waiting()
 
     def workers(self) -> list[WorkerConfig]:
         return list(self._scheduler.workers)
 
     def worker(self, worker_id: int) -> WorkerConfig | None:
+        """The worker's registered configuration, or None."""
         return self._scheduler.workers.get(worker_id)
 
     def has_worker(self, worker_id: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import signal
 import socket
@@ -28,6 +29,7 @@ from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.event_plane.publisher import KvEventPublisher, open_registry
 from router.event_plane.subjects import Subjects
 from router.types import WorkerConfig
+from tests.test_api_support import metric
 from tests.waiting import until
 
 T = TypeVar("T")
@@ -141,13 +143,30 @@ def test_published_prefix_routes_the_request_over_http(client: TestClient, worke
     assert "kv_router_nats_connected 1.0" in metrics
 
 
-def test_http_registration_goes_through_the_shared_registry(client: TestClient, nats_url: str) -> None:
+def test_http_registration_goes_through_the_shared_registry(
+    client: TestClient, nats_url: str, workers: Workers, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="router.kv_router")
     assert client.post("/v1/workers", json={"worker_id": 77, "total_kv_blocks": 100}).status_code == 201
     assert registry_keys(nats_url) == {"77"}
-    assert [w["config"]["worker_id"] for w in client.get("/v1/workers").json()["workers"]] == [77]
+    # A worker registering over NATS after it: the registry watch is ordered, so once 78 is known the
+    # bucket's echo of 77's HTTP registration has been seen too, and must not count a second time.
+    workers.start(78, [])
+    until(lambda: len(client.get("/v1/workers").json()["workers"]) == 2)
+    assert metric(client, "kv_router_nats_control_messages_total", outcome="registered") == 2
+    assert client.post("/v1/workers", json={"worker_id": 77, "total_kv_blocks": 200}).status_code == 200
+    until(lambda: metric(client, "kv_router_nats_control_messages_total", outcome="updated") == 1)
+    assert [w["config"]["worker_id"] for w in client.get("/v1/workers").json()["workers"]] == [77, 78]
     assert client.delete("/v1/workers/77").status_code == 200
-    assert registry_keys(nats_url) == set()
-    assert client.get("/v1/workers").json()["workers"] == []
+    assert registry_keys(nats_url) == {"78"}
+    assert [w["config"]["worker_id"] for w in client.get("/v1/workers").json()["workers"]] == [78]
+    assert metric(client, "kv_router_nats_control_messages_total", outcome="registered") == 2
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.kv_router"]
+    assert ("INFO", "worker 77 joined: dp ranks 0..0, 100 KV blocks per rank") in lines
+    assert ("INFO", "worker 78 joined: dp ranks 0..0, unknown KV blocks per rank") in lines
+    assert ("INFO", "worker 77 reconfigured") in lines
+    assert ("INFO", "worker 77 left: 0 active requests dropped") in lines
+    assert sum(message.startswith("worker 77 joined") for _, message in lines) == 1
 
 
 def test_garbage_events_are_counted_not_fatal(client: TestClient, nats_url: str) -> None:

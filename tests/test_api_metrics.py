@@ -114,6 +114,8 @@ def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
     overlap = Histogram(name, families[name].documentation, buckets=OVERLAP_BLOCK_BUCKETS, registry=theirs)
     name = f"{PREFIX}_predicted_cache_hit_ratio"
     hit_ratio = Histogram(name, families[name].documentation, buckets=RATIO_BUCKETS, registry=theirs)
+    name = f"{PREFIX}_decisions"
+    decisions = Counter(name, families[name].documentation, ["worker_id", "dp_rank"], registry=theirs)
 
     rng = random.Random(1)
     edges = [*LATENCY_BUCKETS, 0.0, 2.0]
@@ -124,9 +126,11 @@ def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
         tokens = rng.randint(1, 20_000)
         cached = min(tokens, rng.choice([0, tokens // 10, tokens // 2, tokens, rng.randint(0, tokens)]))
         timing = DecisionTiming(hashing_s=times[0], matching_s=times[1], scheduling_s=times[2], queued_s=queued)
-        routed = RouteDecision(worker_id=1, dp_rank=0, overlap_blocks=blocks, cached_tokens=cached, request_id="r",
-                               timing=timing)  # fmt: skip
+        worker_id, dp_rank = rng.choice([(1, 0), (1, 1), (2**64 - 1, 0)])
+        routed = RouteDecision(worker_id=worker_id, dp_rank=dp_rank, overlap_blocks=blocks, cached_tokens=cached,
+                               request_id="r", timing=timing)  # fmt: skip
         metrics.decision(routed, tokens, times[0] + times[2])
+        decisions.labels(str(worker_id), str(dp_rank)).inc()
         for phase, value in zip(("hashing", "matching", "scheduling"), times, strict=False):
             phases[phase].observe(value)
         if queued:
@@ -140,3 +144,29 @@ def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
 
     assert "_bucket" in exposition(ours)
     assert exposition(ours) == exposition(theirs)
+
+
+def test_decisions_per_rank_kv_usage_and_build_info() -> None:
+    with serve(policy="least_loaded", active_decode_blocks_threshold=0.5) as client:
+        client.post("/v1/workers", json={"worker_id": 3, "dp_size": 2, "total_kv_blocks": 8})
+        client.post("/v1/workers", json={"worker_id": 5})
+        for i in range(6):
+            client.post("/v1/new", json={"tokens": prompt(10 + i, 32), "request_id": f"r{i}"})
+        per_rank = {
+            (worker, rank): metric(client, "kv_router_decisions_total", worker_id=worker, dp_rank=rank)
+            for worker, rank in (("3", "0"), ("3", "1"), ("5", "0"))
+        }
+        # least_loaded spreads the six bookings over the three ranks, two each.
+        assert per_rank == {("3", "0"): 2, ("3", "1"): 2, ("5", "0"): 2}
+        assert metric(client, "kv_router_worker_kv_total_blocks", worker_id="3", dp_rank="1") == 8
+        # Worker 5 declared no capacity and reports no usage (it has no NATS load stream): no series.
+        text = client.get("/metrics").text
+        assert 'kv_router_worker_kv_total_blocks{dp_rank="0",worker_id="5"}' not in text
+        assert "kv_router_worker_kv_used_blocks{" not in text
+        # Two prompts of 2 blocks each on a rank of 8 blocks: over the 0.5 decode threshold, busy.
+        assert metric(client, "kv_router_worker_busy", worker_id="3", dp_rank="0") == 0
+        client.post("/v1/new", json={"tokens": prompt(20, 64), "request_id": "big"})
+        busy = [metric(client, "kv_router_worker_busy", worker_id="3", dp_rank=r) for r in ("0", "1")]
+        assert busy.count(1.0) == 1
+        version = client.get("/openapi.json").json()["info"]["version"]
+        assert metric(client, "kv_router_build_info", version=version, policy="least_loaded") == 1

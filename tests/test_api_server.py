@@ -80,9 +80,10 @@ def _until_healthy(process: subprocess.Popen[bytes], port: int) -> Iterator[subp
 
 def test_serve_logs_json_and_finishes_in_flight_requests_on_sigterm() -> None:
     port = free_port()
-    argv = [*_kv_router(), "serve", "--port", str(port), "--log-format", "json", "--block-size", "16"]
+    argv = [*_kv_router(), "serve", "--port", str(port), "--log-format", "json", "--block-size", "16", "--access-log"]
     with running(argv, port) as process:
         assert _post(port, "/v1/workers", {"worker_id": 1})[0] == 201
+        assert _post(port, "/v1/new", {"tokens": prompt(0, 32)})[0] == 200  # answered inside the protocol
         tokens = prompt(0, 64)
         body = json.dumps(stored_event(1, tokens)).encode()
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
@@ -111,6 +112,17 @@ def test_serve_logs_json_and_finishes_in_flight_requests_on_sigterm() -> None:
     messages = [record["message"] for record in records]
     assert any("Shutting down" in message for message in messages)
     assert any("Finished server process" in message for message in messages)
+    # uvicorn's ANSI-coloured copy of its messages stays out of the JSON.
+    assert not any("color_message" in record or "\x1b" in record["message"] for record in records)
+    joined = next(record for record in records if record["message"].startswith("worker 1 joined"))
+    assert (joined["level"], joined["logger"], joined["worker_id"]) == ("info", "router.kv_router", 1)
+    # Access lines, from uvicorn and from the in-protocol fast path alike, carry their parts as fields.
+    access = {record["path"]: record for record in records if record["logger"] == "uvicorn.access"}
+    for path in ("/v1/workers", "/v1/new", "/healthz"):
+        assert {"client", "method", "http_version", "status"} <= set(access[path]), access.get(path)
+    assert (access["/v1/workers"]["method"], access["/v1/workers"]["status"]) == ("POST", 201)
+    assert (access["/v1/new"]["method"], access["/v1/new"]["status"]) == ("POST", 200)
+    assert access["/healthz"]["client"].startswith("127.0.0.1:")
 
 
 def _dockerfile() -> dict[str, list[str]]:

@@ -159,7 +159,7 @@ class RouterEventPlane:
                         self.subscriber.launch_resync(request)
         else:
             self._leased.pop(config.worker_id, None)
-        self.outcomes["registered"] += 1
+        self.outcomes["registered" if is_new else "updated"] += 1
 
     def _remove(self, worker_id: int) -> None:
         self._leased.pop(worker_id, None)
