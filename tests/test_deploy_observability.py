@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
 from api.config import EventPlaneConfig, ServiceConfig, Settings
-from indexer.nats_server import EmbeddedNats
-from indexer.protocol import ActiveLoad
 from router.config import RouterConfig
+from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.messages import ActiveLoad
 from tests.test_api_event_plane import BLOCK, Workers
 from tests.test_api_support import prompt, stored_event
 from tests.waiting import until
