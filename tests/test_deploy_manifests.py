@@ -1,0 +1,255 @@
+"""``deploy/``: the compose file against the compose specification, and every Kubernetes manifest the
+Kustomize overlays render against the Kubernetes schemas (strict: unknown fields fail), with the
+properties issue 15 asks of them; the router's config file in the ConfigMap is one the service loads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import check_jsonschema
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from api.config import load_settings
+from mocker.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+KUBERNETES = DEPLOY / "kubernetes"
+OVERLAYS = sorted(path.name for path in (KUBERNETES / "overlays").iterdir() if path.is_dir())
+KUBERNETES_VERSION = "1.30.0"
+# Kinds outside the core schemas: (apiVersion, kind) -> the vendored schema (tests/schemas/README.md).
+CUSTOM_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): Path(__file__).with_name("schemas")
+    / "servicemonitor-monitoring.coreos.com-v1.json",
+}
+KUBECTL = shutil.which("kubectl")
+
+
+# ---------------------------------------------------------------------------------------- compose
+def compose() -> dict[str, Any]:
+    document: dict[str, Any] = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    return document
+
+
+def test_compose_file_follows_the_compose_spec() -> None:
+    spec_path = Path(check_jsonschema.__file__).parent / "builtin_schemas" / "vendor" / "compose-spec.json"
+    spec = json.loads(spec_path.read_text())
+    errors = sorted(jsonschema.Draft7Validator(spec).iter_errors(compose()), key=str)
+    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors)
+
+
+def test_compose_starts_nats_router_and_workers_in_health_order() -> None:
+    services = compose()["services"]
+    assert "--jetstream" in services["nats"]["command"]
+    for name, service in services.items():
+        depends_on = service.get("depends_on", {})
+        conditions = depends_on if isinstance(depends_on, dict) else {key: {} for key in depends_on}
+        for dependency, condition in conditions.items():
+            if "healthcheck" in services[dependency]:  # a dependency that reports health is waited for
+                assert condition.get("condition") == "service_healthy", (name, dependency)
+    router = services["kv-router"]
+    assert router["depends_on"]["nats"]["condition"] == "service_healthy"
+    assert router["build"]["target"] == "runtime"
+    assert router["environment"]["KV_ROUTER_NATS_URL"] == "nats://nats:4222"
+    workers = [service for service in services.values() if service.get("entrypoint") == ["kv-router", "mock-worker"]]
+    assert len(workers) >= 2
+    for worker in workers:
+        assert worker["build"]["target"] == "simulator"
+        assert worker["depends_on"]["kv-router"]["condition"] == "service_healthy"
+        assert worker["command"][worker["command"].index("--nats-url") + 1] == "nats://nats:4222"
+    # The mock workers keep Dynamo's mocker geometry; the router is set to the same block size.
+    assert int(router["environment"]["KV_ROUTER_BLOCK_SIZE"]) == EngineConfig().block_size
+    ids = [worker["command"][worker["command"].index("--worker-id") + 1] for worker in workers]
+    assert len(set(ids)) == len(ids)
+
+
+def test_compose_observability_profile_provisions_the_dashboard_and_rules() -> None:
+    services = compose()["services"]
+    assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["observability"]
+    assert all("profiles" not in services[name] for name in ("nats", "kv-router"))
+
+    def mounted(service: str) -> dict[str, str]:
+        pairs = (volume.removesuffix(":ro").split(":", 1) for volume in services[service]["volumes"])
+        return {target: source for source, target in pairs}
+
+    prometheus = mounted("prometheus")
+    config = yaml.safe_load((DEPLOY / prometheus["/etc/prometheus/prometheus.yml"]).read_text())
+    assert (DEPLOY / prometheus[config["rule_files"][0]]).resolve() == (DEPLOY / "prometheus" / "alerts.yaml")
+    assert config["scrape_configs"][0]["static_configs"][0]["targets"] == ["kv-router:8000"]
+    grafana = mounted("grafana")
+    provisioning = DEPLOY / grafana["/etc/grafana/provisioning"]
+    provider = yaml.safe_load((provisioning / "dashboards" / "kv-router.yaml").read_text())["providers"][0]
+    dashboards = provider["options"]["path"]
+    assert (DEPLOY / grafana[f"{dashboards}/kv-router.json"]).resolve() == DEPLOY / "grafana" / "kv-router.json"
+    datasource = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"][0]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+
+
+# ------------------------------------------------------------------------------------- kubernetes
+@cache
+def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    assert KUBECTL is not None
+    output = subprocess.run(
+        [KUBECTL, "kustomize", str(KUBERNETES / "overlays" / overlay)], check=True, capture_output=True, text=True
+    ).stdout
+    return tuple(document for document in yaml.safe_load_all(output) if document)
+
+
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (for `kubectl kustomize`) is not installed")
+
+
+def _strict(schema: Any) -> Any:
+    """Unknown fields rejected, as the API server's strict field validation does."""
+    if isinstance(schema, dict):
+        strict = {key: _strict(value) for key, value in schema.items()}
+        if "properties" in strict and "additionalProperties" not in strict:
+            strict["additionalProperties"] = False
+        return strict
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    return schema
+
+
+@cache
+def _custom_validator(api_version: str, kind: str) -> jsonschema.Draft7Validator:
+    schema = json.loads(CUSTOM_SCHEMAS[api_version, kind].read_text())
+    schema["properties"]["metadata"] = {"type": "object"}  # checked against ObjectMeta by the API server
+    return jsonschema.Draft7Validator(_strict(schema))
+
+
+def validate(document: dict[str, Any]) -> None:
+    key = (document["apiVersion"], document["kind"])
+    if key in CUSTOM_SCHEMAS:
+        errors = list(_custom_validator(*key).iter_errors(document))
+        assert not errors, [f"{list(e.absolute_path)}: {e.message}" for e in errors]
+        return
+    kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+def by_kind(documents: tuple[dict[str, Any], ...], kind: str) -> Iterator[dict[str, Any]]:
+    return (document for document in documents if document["kind"] == kind)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rendered_manifest_matches_the_kubernetes_schemas(overlay: str) -> None:
+    documents = rendered(overlay)
+    kinds = {document["kind"] for document in documents}
+    expected = {"Deployment", "StatefulSet", "Service", "ConfigMap", "ServiceMonitor", "PodDisruptionBudget"}
+    assert expected | {"NetworkPolicy"} <= kinds
+    for document in documents:
+        validate(document)
+
+
+def test_a_misspelt_field_fails_validation() -> None:
+    """The validation is strict: a field Kubernetes does not know is an error, not ignored."""
+    deployment = next(yaml.safe_load_all((KUBERNETES / "base" / "router.yaml").read_text()))
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "IfNotPresent"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(deployment)
+    monitor = yaml.safe_load((KUBERNETES / "base" / "servicemonitor.yaml").read_text())
+    validate(monitor)
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(AssertionError):
+        validate(monitor)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_are_hardened_and_probed(overlay: str) -> None:
+    documents = rendered(overlay)
+    workloads = [*by_kind(documents, "Deployment"), *by_kind(documents, "StatefulSet")]
+    assert {workload["metadata"]["name"] for workload in workloads} == {"kv-router", "nats"}
+    for workload in workloads:
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        for container in pod["containers"]:
+            assert container["imagePullPolicy"] == "IfNotPresent"
+            assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container)
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+            assert container["securityContext"]["readOnlyRootFilesystem"] is True
+            assert container["resources"]["limits"]["memory"]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_config_comes_from_a_configmap_the_service_loads(overlay: str, tmp_path: Path) -> None:
+    documents = rendered(overlay)
+    router = next(d for d in by_kind(documents, "Deployment") if d["metadata"]["name"] == "kv-router")
+    pod = router["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    config_path = Path(container["args"][container["args"].index("--config") + 1])
+    mount = next(m for m in container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    config_map = next(
+        c for c in by_kind(documents, "ConfigMap") if c["metadata"]["name"] == volume["configMap"]["name"]
+    )
+    (tmp_path / config_path.name).write_text(config_map["data"][config_path.name])
+    env = {variable["name"]: variable["value"] for variable in container["env"]}
+    settings = load_settings(env=env, config_file=tmp_path / config_path.name)
+    assert settings.event_plane.nats_url == "nats://nats:4222"
+    assert (settings.service.host, settings.service.port) == ("0.0.0.0", 8000)
+    port = next(p for p in container["ports"] if p["name"] == "http")["containerPort"]
+    assert port == settings.service.port
+    service = next(s for s in by_kind(documents, "Service") if s["metadata"]["name"] == "kv-router")
+    assert service["spec"]["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+    # More grace than the service's own shutdown timeout, so in-flight requests finish.
+    assert pod["terminationGracePeriodSeconds"] > settings.service.shutdown_timeout_secs
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_disruption_budgets_network_policies_and_monitoring_select_the_pods(overlay: str) -> None:
+    documents = rendered(overlay)
+    pods = {
+        workload["metadata"]["name"]: workload["spec"]["template"]["metadata"]["labels"]
+        for workload in [*by_kind(documents, "Deployment"), *by_kind(documents, "StatefulSet")]
+    }
+
+    def selects(selector: dict[str, Any], name: str) -> bool:
+        return bool(selector.get("matchLabels")) and selector["matchLabels"].items() <= pods[name].items()
+
+    budgets = list(by_kind(documents, "PodDisruptionBudget"))
+    assert all(any(selects(b["spec"]["selector"], name) for b in budgets) for name in pods)
+    router_budget = next(b for b in budgets if selects(b["spec"]["selector"], "kv-router"))
+    replicas = next(d for d in by_kind(documents, "Deployment"))["spec"]["replicas"]
+    assert router_budget["spec"]["minAvailable"] < replicas or replicas == router_budget["spec"]["minAvailable"] == 0
+    policies = list(by_kind(documents, "NetworkPolicy"))
+    assert all(any(selects(p["spec"]["podSelector"], name) for p in policies) for name in pods)
+    monitor = next(by_kind(documents, "ServiceMonitor"))
+    service = next(s for s in by_kind(documents, "Service") if s["metadata"]["name"] == "kv-router")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+
+
+@needs_kubectl
+def test_nats_runs_jetstream_and_the_ha_overlay_prepares_replicas() -> None:
+    for overlay in OVERLAYS:
+        documents = rendered(overlay)
+        nats_config = next(c for c in by_kind(documents, "ConfigMap") if c["metadata"]["name"].startswith("nats-"))
+        assert "jetstream {" in nats_config["data"]["nats.conf"]
+    ha = rendered("ha")
+    router = next(d for d in by_kind(ha, "Deployment") if d["metadata"]["name"] == "kv-router")
+    assert router["spec"]["replicas"] >= 2
+    env = {
+        variable["name"]: variable["value"] for variable in router["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["KV_ROUTER_REPLICA_SYNC"] == env["KV_ROUTER_DURABLE_EVENTS"] == "true"
+    nats = next(by_kind(ha, "StatefulSet"))
+    assert nats["spec"]["replicas"] == 3
+    config = next(c for c in by_kind(ha, "ConfigMap") if c["metadata"]["name"].startswith("nats-"))["data"]["nats.conf"]
+    routes = [f"nats://nats-{i}.{nats['spec']['serviceName']}:6222" for i in range(3)]
+    assert all(route in config for route in routes)
+    single = rendered("single")
+    assert next(by_kind(single, "Deployment"))["spec"]["replicas"] == 1
