@@ -1,12 +1,14 @@
 """The service as a real process on loopback: ``kv-router serve`` under uvicorn, JSON logs, graceful
-SIGTERM with a request in flight, and the Dockerfile's entrypoint and health check run outside Docker
-(there is no Docker engine on these machines).
+SIGTERM with a request in flight; the Dockerfile's structure (stages, layers, labels), and its
+entrypoint and health check run outside a container. The image itself is built and run with podman
+by `.ci/image_test.py` in CI.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from router.event_plane.embedded_server import EmbeddedNats
 from tests.test_api_support import free_port, prompt, stored_event
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +129,18 @@ def test_serve_logs_json_and_finishes_in_flight_requests_on_sigterm() -> None:
 
 
 def _dockerfile() -> dict[str, list[str]]:
+    """Instruction keyword -> its arguments, in order, over the whole file."""
     instructions: dict[str, list[str]] = {}
+    for stage in _stages().values():
+        for keyword, lines in stage.items():
+            instructions.setdefault(keyword, []).extend(lines)
+    return instructions
+
+
+def _stages() -> dict[str, dict[str, list[str]]]:
+    """Build stage name ("" before the first FROM) -> instruction keyword -> arguments, in order."""
+    stages: dict[str, dict[str, list[str]]] = {"": {}}
+    current = stages[""]
     logical = ""
     for line in (ROOT / "Dockerfile").read_text().splitlines():
         if line.lstrip().startswith("#") or not line.strip():
@@ -134,9 +148,15 @@ def _dockerfile() -> dict[str, list[str]]:
         logical += line.rstrip("\\").strip() + " "
         if not line.rstrip().endswith("\\"):
             keyword, _, rest = logical.strip().partition(" ")
-            instructions.setdefault(keyword.upper(), []).append(rest.strip())
+            if keyword.upper() == "FROM":
+                current = stages.setdefault(rest.split()[-1], {})
+            current.setdefault(keyword.upper(), []).append(rest.strip())
             logical = ""
-    return instructions
+    return stages
+
+
+def _args(lines: list[str]) -> dict[str, str]:
+    return dict(line.partition("=")[::2] for line in lines)
 
 
 def _env_of(instructions: dict[str, list[str]]) -> dict[str, str]:
@@ -148,46 +168,73 @@ def _env_of(instructions: dict[str, list[str]]) -> dict[str, str]:
     return env
 
 
-def test_dockerfile_is_multistage_slim_non_root_with_healthcheck() -> None:
-    docker = _dockerfile()
-    bases = docker["FROM"]
-    assert len(bases) >= 2 and all("-slim" in base for base in bases)
-    assert docker["USER"][-1] not in ("root", "0")
-    port = _env_of(docker)["KV_ROUTER_PORT"]
-    assert docker["EXPOSE"] == [port]
-    assert json.loads(docker["ENTRYPOINT"][-1]) == ["kv-router", "serve"]
-    assert "/healthz" in docker["HEALTHCHECK"][-1]
+def test_dockerfile_is_multistage_pinned_non_root_with_healthcheck() -> None:
+    stages = _stages()
+    # The base images are build arguments whose defaults are pinned slim images.
+    bases = _args(stages[""]["ARG"])
+    assert {"BASE_IMAGE", "BUILD_IMAGE"} <= set(bases)
+    assert all("-slim" in bases[name] and re.search(r":\d+\.\d+\.\d+-", bases[name]) for name in bases)
+    # The default target (the last stage) is the service alone, an unprivileged user, on the base.
+    runtime = stages[list(stages)[-1]]
+    assert list(stages)[-1] == "runtime" and runtime["FROM"] == ["base AS runtime"]
+    assert runtime["USER"][-1] not in ("root", "0")
+    assert stages["base"]["FROM"] == ["${BASE_IMAGE} AS base"] and stages["build"]["FROM"] == [
+        "${BUILD_IMAGE} AS build"
+    ]
+    base = stages["base"]
+    env = _env_of(base)
+    assert base["EXPOSE"] == [env["KV_ROUTER_PORT"]]
+    # Inside a container the embedded NATS would be on the container's loopback: an external one is the default.
+    assert env["KV_ROUTER_NATS_URL"] == "nats://nats:4222"
+    assert json.loads(base["ENTRYPOINT"][-1]) == ["kv-router", "serve"]
+    assert "/healthz" in base["HEALTHCHECK"][-1]
     # The console script the entrypoint names is the one the package declares.
-    assert 'kv-router = "api.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["kv-router"] == "api.cli:main"
+    labels = " ".join(base["LABEL"])
+    for key in ("title", "description", "version", "revision", "licenses", "base.name"):
+        assert f"org.opencontainers.image.{key}=" in labels
+    assert _args(base["ARG"])["VERSION"] == pyproject["project"]["version"]
 
 
-def test_dockerfile_builds_every_package_the_wheel_ships() -> None:
-    """The image's wheel is built from the copied sources: a package left out would make the
-    entrypoint fail at import (the CLI imports every subcommand's package)."""
+def test_dockerfile_installs_dependencies_before_the_code_and_the_simulator_apart() -> None:
+    """The dependency layer depends on pyproject.toml alone; the runtime image has the service's
+    packages and not the simulator, which only the `simulator` target adds."""
+    stages = _stages()
+    build = stages["build"]
+    copies = [line.split()[0] for line in build["COPY"]]
+    assert copies[0] == "pyproject.toml"
+    dependency_step = next(i for i, run in enumerate(build["RUN"]) if "--requirement" in run)
+    assert dependency_step == 0 and "['project']['dependencies']" in build["RUN"][0]
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     packages = {pattern.rstrip("*") for pattern in setup["include"]}
-    copied = {line.split()[0] for line in _dockerfile()["COPY"] if not line.startswith("--from")}
-    assert packages <= copied, f"Dockerfile does not copy {sorted(packages - copied)}"
+    assert set(copies[2:]) == packages - {"mocker"}
+    assert [line.split()[0] for line in stages["build-simulator"]["COPY"]] == ["mocker"]
+    assert stages["runtime"]["COPY"] == ["--from=build /opt/kv-router /opt/kv-router"]
+    assert stages["simulator"]["COPY"] == ["--from=build-simulator /opt/kv-router /opt/kv-router"]
     allowed = {line.strip()[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip().startswith("!")}  # fmt: skip
     assert packages <= allowed, f".dockerignore keeps {sorted(packages - allowed)} out of the build context"
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="the kv-router console script is not installed in this environment")
-def test_dockerfile_entrypoint_and_healthcheck_work_outside_docker() -> None:
-    """What CI can check without a Docker engine: the image's entrypoint, run with the image's
-    environment (on loopback instead of 0.0.0.0), serves, and the image's HEALTHCHECK command passes."""
-    docker = _dockerfile()
+def test_dockerfile_entrypoint_and_healthcheck_work_outside_docker(nats_server: EmbeddedNats) -> None:
+    """Without a container engine: the image's entrypoint, run with the image's environment (on
+    loopback instead of 0.0.0.0, with the test's NATS for the image's external one), serves, and the
+    image's HEALTHCHECK command passes. `.ci/image_test.py` runs the real image in CI."""
+    docker = _stages()["base"]
     port = free_port()
-    env = {**os.environ, **_env_of(docker), "KV_ROUTER_HOST": "127.0.0.1", "KV_ROUTER_PORT": str(port)}
+    env = {**os.environ, **_env_of(docker), "KV_ROUTER_HOST": "127.0.0.1", "KV_ROUTER_PORT": str(port),
+           "KV_ROUTER_NATS_URL": nats_server.url}  # fmt: skip
     entrypoint = json.loads(docker["ENTRYPOINT"][-1])
     healthcheck = docker["HEALTHCHECK"][-1]
     check = json.loads(healthcheck[healthcheck.index("CMD") + 3 :].strip())
-    assert check[0] == "python"
+    assert check[0] == "/opt/kv-router/bin/python"  # the image's virtualenv; here, this interpreter
     executable = str(SCRIPT.with_name(entrypoint[0]))
     with running([executable, *entrypoint[1:]], port, env) as process:
         assert subprocess.run([sys.executable, *check[1:]], env=env, timeout=30).returncode == 0
         assert _get(port, "/readyz")[0] == 200
+        assert b"kv_router_nats_connected 1.0" in _get(port, "/metrics")[1]
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) in _CLEAN_EXIT
     # With nothing listening, the same health check fails.
