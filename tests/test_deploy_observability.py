@@ -121,7 +121,7 @@ def test_every_metric_the_dashboard_and_the_alerts_query_is_exposed(exposition: 
         "kv_router_worker_kv_used_blocks",  # KV usage
         "kv_router_predicted_cache_hit_ratio_sum",
         "kv_router_events_applied_total",
-        "kv_router_nats_events_total",  # applied and rejected by reason
+        "kv_router_stream_events_total",  # applied and rejected by reason
         "kv_router_worker_stream_trusted",
         "kv_router_queue_pending_requests",
         "kv_router_nats_connected",
