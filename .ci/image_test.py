@@ -142,9 +142,12 @@ def in_image(*command: str, user: str | None = None) -> subprocess.CompletedProc
 def check_image_contents() -> None:
     wheels = in_image("find", "/", "-xdev", "-name", "*.whl", user="0")
     assert wheels.returncode == 0 and wheels.stdout == "", f"wheels in the image: {wheels.stdout} {wheels.stderr}"
-    probe = "import importlib.util as u; print([m for m in ('mocker', 'pip', 'setuptools') if u.find_spec(m)])"
+    probe = (
+        "import importlib.util as u, shutil; "
+        "print([m for m in ('mocker', 'pip', 'setuptools') if u.find_spec(m)] + [shutil.which('nats-server')])"
+    )
     found = in_image("python", "-c", probe)
-    assert found.stdout.strip() == "[]", f"the image ships {found.stdout.strip()} {found.stderr}"
+    assert found.stdout.strip() == "[None]", f"the image ships {found.stdout.strip()} {found.stderr}"
     user = in_image("id", "-u")
     assert user.stdout.strip() == "10001", user
     labels = json.loads(podman("image", "inspect", IMAGE, capture=True))[0]["Labels"]
@@ -198,7 +201,7 @@ def run_against_external_nats(work: Path) -> None:
     worker = f"kv-router-image-test-worker-{os.getpid()}"
     try:
         podman(
-            "--runtime", "runc", "run", "--detach", "--name", name, "--network", "host",
+            "--runtime", "runc", "run", "--detach", "--name", name, "--network", "host", "--read-only",
             "--env", "KV_ROUTER_HOST=127.0.0.1", "--env", f"KV_ROUTER_PORT={http_port}",
             "--env", f"KV_ROUTER_NATS_URL=nats://127.0.0.1:{nats_port}", "--env", f"KV_ROUTER_BLOCK_SIZE={BLOCK_SIZE}",
             # podman runs health checks from systemd timers, absent here: the check is run below instead.
@@ -244,6 +247,7 @@ def run_against_external_nats(work: Path) -> None:
             assert time.monotonic() < deadline, f"the mock worker did not join: {logs(worker)}"
             time.sleep(0.2)
         podman("kill", "--signal", "TERM", worker, capture=True)
+        check_http_only()
         podman("kill", "--signal", "TERM", name, capture=True)
         code = int(podman("wait", name, capture=True).strip())
         # As PID 1 the re-raised SIGTERM finds no handler and the process exits 0; elsewhere 128 + 15.
@@ -257,6 +261,32 @@ def run_against_external_nats(work: Path) -> None:
         podman("rm", "--force", "--ignore", name, worker, capture=True, check=False)
         nats.terminate()
         nats.wait(10)
+
+
+def check_http_only() -> None:
+    """Without NATS (events over HTTP only), as deploy/README.md documents for a one-container trial."""
+    port = free_port()
+    name = f"kv-router-image-test-http-{os.getpid()}"
+    try:
+        podman(
+            "--runtime", "runc", "run", "--detach", "--name", name, "--network", "host", "--read-only",
+            "--no-healthcheck", "--env", "KV_ROUTER_HOST=127.0.0.1", "--env", f"KV_ROUTER_PORT={port}",
+            "--env", "KV_ROUTER_NATS_URL=none", "--env", "KV_ROUTER_EMBEDDED_NATS=false", IMAGE,
+            capture=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if http(port, "/healthz")[0] == 200:
+                    break
+            except OSError:
+                pass
+            state = podman("inspect", "--format", "{{.State.Status}}", name, capture=True).strip()
+            assert state == "running" and time.monotonic() < deadline, f"container {state}: {logs(name)}"
+            time.sleep(0.2)
+        assert "kv_router_nats_connected" not in http(port, "/metrics")[1].decode()
+    finally:
+        podman("rm", "--force", "--ignore", name, capture=True, check=False)
 
 
 def logs(name: str) -> str:
