@@ -33,7 +33,7 @@ from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import RouteDecision
 
-__all__ = ["ApiMetrics", "EventPlaneCollector", "RouterStateCollector", "register_build_info"]
+__all__ = ["ApiMetrics", "EventPlaneCollector", "EventStreamCollector", "RouterStateCollector", "register_build_info"]
 
 PREFIX = "kv_router"
 
