@@ -19,6 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from api.cli import build_parser
 from api.config import load_settings
 from mocker.config import EngineConfig
 
@@ -71,6 +72,9 @@ def test_compose_starts_nats_router_and_workers_in_health_order() -> None:
     assert int(router["environment"]["KV_ROUTER_BLOCK_SIZE"]) == EngineConfig().block_size
     ids = [worker["command"][worker["command"].index("--worker-id") + 1] for worker in workers]
     assert len(set(ids)) == len(ids)
+    # The commands are ones the CLI takes (argparse exits on an unknown flag).
+    for worker in workers:
+        build_parser().parse_args([*worker["entrypoint"][1:], *worker["command"]])
 
 
 def test_compose_observability_profile_provisions_the_dashboard_and_rules() -> None:
@@ -198,6 +202,7 @@ def test_router_config_comes_from_a_configmap_the_service_loads(overlay: str, tm
     (tmp_path / config_path.name).write_text(config_map["data"][config_path.name])
     env = {variable["name"]: variable["value"] for variable in container["env"]}
     settings = load_settings(env=env, config_file=tmp_path / config_path.name)
+    assert Path(build_parser().parse_args(["serve", *container["args"]]).config) == config_path
     assert settings.event_plane.nats_url == "nats://nats:4222"
     assert (settings.service.host, settings.service.port) == ("0.0.0.0", 8000)
     port = next(p for p in container["ports"] if p["name"] == "http")["containerPort"]
