@@ -255,6 +255,15 @@ class EventSequencer:
         for key in [key for key in self._streams if key[0] == worker_id]:
             del self._streams[key]
 
+    def mark_untrusted(self, worker_id: int, dp_rank: int) -> None:
+        """A transport lost events of this stream for good (an engine gap nobody can replay): it stays
+        untrusted until a ``cleared`` barrier or a full dump."""
+        stream = self._streams.get((worker_id, dp_rank))
+        if stream is None:
+            stream = self._streams[(worker_id, dp_rank)] = _Stream()
+        stream.trusted = False
+        self.outcomes["marked_untrusted"] += 1
+
     def request_full_resync(self, worker_id: int, dp_rank: int) -> ResyncRequest | None:
         """Start a full resync of one stream now (e.g. when its worker registers), unless one runs."""
         key = (worker_id, dp_rank)

@@ -343,6 +343,17 @@ def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds generated tokens [%(default)s]")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--zmq-endpoint",
+        default=None,
+        help="publish KV events in vLLM's ZMQ format on this PUB address (e.g. tcp://127.0.0.1:5557) instead "
+        "of NATS, for kv-router bridge; requests still come over NATS",
+    )
+    parser.add_argument(
+        "--replay-endpoint",
+        default=None,
+        help="with --zmq-endpoint: vLLM's replay ROUTER address (e.g. tcp://127.0.0.1:5558)",
+    )
     _add_engine_flags(parser)
 
 
@@ -354,6 +365,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     import signal
 
     from mocker.worker import MockWorker
+    from mocker.zmq_engine import VllmZmqPublisher
     from router.event_plane.connection import NatsOptions, connect
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -369,6 +381,9 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             namespace=args.namespace,
             seed=args.seed,
             heartbeat_interval_s=args.heartbeat_interval,
+            zmq=None
+            if args.zmq_endpoint is None
+            else VllmZmqPublisher(args.zmq_endpoint, replay_endpoint=args.replay_endpoint),
         )
         task = asyncio.create_task(worker.run())
         loop = asyncio.get_running_loop()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from enum import IntEnum
 
 from indexer.hashing import TokenInput, compute_block_hashes, compute_sequence_hashes, pack_tokens
@@ -180,6 +180,24 @@ class MockEngine:
         self._orders = 0
         self._pass = PassResult(0.0, 0.0)  # the pass being run (preemption may finish a sequence)
         self._preempted_in_pass = False
+        # Packed tokens of recent full blocks by block hash, for engines whose events carry token ids
+        # (vLLM's ZMQ format); None: not recorded. Bounded by `_block_tokens_limit`, oldest first out.
+        self.block_tokens: OrderedDict[int, bytes] | None = None
+        self._block_tokens_limit = 0
+
+    def record_block_tokens(self, limit: int) -> None:
+        """Keep the tokens of the last ``limit`` full blocks seen (see ``block_tokens``)."""
+        self.block_tokens = OrderedDict()
+        self._block_tokens_limit = limit
+
+    def _remember_tokens(self, block_hash: int, tokens: bytes) -> None:
+        recorded = self.block_tokens
+        if recorded is None:
+            return
+        recorded[block_hash] = tokens
+        recorded.move_to_end(block_hash)
+        if len(recorded) > self._block_tokens_limit:
+            recorded.popitem(last=False)
 
     # ------------------------------------------------------------------ requests
     def submit(self, request_id: str, tokens: TokenInput, max_tokens: int, arrival_ms: float) -> Sequence:
@@ -204,6 +222,10 @@ class MockEngine:
         if prompt_len == 0 or seq.prompt_blocks > self.pool.num_blocks:
             seq.state = SeqState.REJECTED
             return seq
+        if self.block_tokens is not None:
+            stride = block_size * 4
+            for i, block_hash in enumerate(seq.hashes):
+                self._remember_tokens(block_hash, bytes(packed[i * stride : (i + 1) * stride]))
         self.waiting.append(seq)
         return seq
 
@@ -469,6 +491,7 @@ class MockEngine:
         block_hash = local if parent is None else compute_sequence_hashes([parent, local])[1]
         seq.hashes.append(block_hash)
         seq.locals.append(local)
+        self._remember_tokens(block_hash, tokens)
         self.pool.promote(block_hash, local, parent)
         seq.partial = False
         seq.held = index + 1

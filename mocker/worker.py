@@ -7,6 +7,10 @@ prefix-cache resets (published as a ``cleared`` event) on its reset subject (`mo
 Between passes it sleeps for the pass's simulated duration, so the engine's ``speedup_ratio`` is how
 much faster than real time it runs.
 
+With ``zmq`` (a `VllmZmqPublisher`) the KV events go out over ZMQ in vLLM's format instead, token ids
+included, for ``kv-router bridge`` to carry to NATS: the bridge then registers, heartbeats and answers
+resyncs, and this worker only serves requests.
+
 ``kv-router mock-worker`` runs one in its own process (`mocker.cli`).
 """
 
@@ -25,6 +29,7 @@ from mocker.block_pool import KvOp, Removed, Stored
 from mocker.config import EngineConfig
 from mocker.engine import MockEngine, PassResult, SeqState, Sequence
 from mocker.wire import GenerateRequest, GenerateUpdate, UpdateKind, generate_subject, reset_subject
+from mocker.zmq_engine import VllmZmqPublisher, vllm_batch
 from router.event_plane.messages import ActiveLoad
 from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
@@ -51,6 +56,7 @@ class MockWorker:
         seed: int = 0,
         heartbeat_interval_s: float = 1.0,
         load_interval_s: float = 0.1,
+        zmq: VllmZmqPublisher | None = None,
     ) -> None:
         self.nc = nc
         self.worker_id = worker_id
@@ -71,13 +77,20 @@ class MockWorker:
         self._subscriptions: list[Subscription] = []
         self._started = time.monotonic()
         self._last_load = -1.0
+        self.zmq = zmq
+        if zmq is not None:
+            # Enough to cover every block the pool can hold plus those in flight.
+            self.engine.record_block_tokens(4 * engine.num_gpu_blocks)
 
     def _now_ms(self) -> float:
         return (time.monotonic() - self._started) * 1000.0
 
     async def run(self) -> None:
         """Serve until cancelled; deregisters on the way out so routers drop this worker at once."""
-        await self.publisher.start()
+        if self.zmq is not None:
+            await self.zmq.start()
+        else:
+            await self.publisher.start()
         generate = generate_subject(self.namespace, self.worker_id)
         self._subscriptions = [
             await self.nc.subscribe(generate, cb=self._on_request),
@@ -89,7 +102,10 @@ class MockWorker:
         finally:
             for subscription in self._subscriptions:
                 await subscription.unsubscribe()
-            await self.publisher.stop(deregister=True)
+            if self.zmq is not None:
+                await self.zmq.stop()
+            else:
+                await self.publisher.stop(deregister=True)
 
     async def _serve(self) -> None:
         engine = self.engine
@@ -133,6 +149,11 @@ class MockWorker:
             await self.nc.publish(message.reply, b"ok" if ops is not None else b"busy")
 
     async def _publish_ops(self, ops: list[KvOp]) -> None:
+        if self.zmq is not None:
+            tokens = self.engine.block_tokens
+            assert tokens is not None
+            await self.zmq.send(vllm_batch(ops, tokens.__getitem__, self.engine.block_size))
+            return
         publisher = self.publisher
         async with publisher.batch():
             for op in ops:
@@ -167,6 +188,8 @@ class MockWorker:
         await self.nc.publish(subject, _encode(update))
 
     async def _publish_load(self, *, force: bool = False) -> None:
+        if self.zmq is not None:
+            return  # an engine on ZMQ reports load through its own metrics, not the event plane
         now = time.monotonic()
         if not force and now - self._last_load < self._load_interval_s:
             return

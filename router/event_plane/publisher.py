@@ -107,6 +107,8 @@ class KvEventPublisher:
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._background = Supervisor(f"publisher-{registration.worker_id}")
         self._resync_subscription: Subscription | None = None
+        # Ranks whose source lost events for good (an engine gap a bridge could not replay).
+        self._unverified: set[int] = set()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, *, heartbeat: bool = True) -> None:
@@ -176,11 +178,23 @@ class KvEventPublisher:
     async def cleared(self, *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE) -> int:
         return await self._emit(lambda event_id: cleared_event(event_id, dp_rank=dp_rank), dp_rank, storage_tier)
 
+    def mark_unverified(self, dp_rank: int = 0) -> None:
+        """What this rank holds is no longer known: the next event id is skipped, so routers see a gap,
+        and their resyncs of the rank are refused until it clears; they keep it untrusted meanwhile."""
+        if dp_rank not in self._unverified:
+            self._unverified.add(dp_rank)
+            rank = self._ranks.get(dp_rank)
+            if rank is None:
+                rank = self._ranks[dp_rank] = _RankLog(self._ring_size)
+            rank.last_event_id += 1
+
     async def _emit(self, make: _EventFactory, dp_rank: int, storage_tier: StorageTier) -> int:
         rank = self._ranks.get(dp_rank)
         if rank is None:
             rank = self._ranks[dp_rank] = _RankLog(self._ring_size)
         event = RouterEvent(self.worker_id, make(rank.last_event_id + 1), storage_tier)
+        if event.event.is_cleared:
+            self._unverified.discard(dp_rank)
         # A removal of unknown hashes still applies the rest; routers report the unknown ones alike.
         with contextlib.suppress(BlockNotFound):
             self._blocks.apply_router_event(event)
@@ -215,6 +229,8 @@ class KvEventPublisher:
 
     # ------------------------------------------------------------------ resync
     def answer_resync(self, request: ResyncRequest) -> ResyncResponse:
+        if request.dp_rank in self._unverified:
+            return ResyncResponse(error=f"dp rank {request.dp_rank} is unverified: its engine lost events")
         rank = self._ranks.get(request.dp_rank) or _RankLog(0)
         last = rank.last_event_id
         start = request.start_event_id

@@ -1,0 +1,144 @@
+"""``kv-router bridge``: run `router.engines.bridge.Bridge` beside one engine until SIGTERM.
+
+Each `BridgeConfig` field is a flag (``--zmq-endpoint``), a ``KV_ROUTER_BRIDGE_*`` variable
+(``KV_ROUTER_BRIDGE_ZMQ_ENDPOINT``) and a key of the ``--config`` file (``zmq_endpoint``); precedence,
+lowest first: defaults, the file, the environment, flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from api.config import ConfigError, _none_if_null, _read_file
+from router.engines.bridge import BridgeConfig
+
+__all__ = ["BRIDGE", "BRIDGE_ENV_PREFIX", "BridgeCommand", "load_bridge_config"]
+
+BRIDGE_ENV_PREFIX = "KV_ROUTER_BRIDGE_"
+
+
+def load_bridge_config(
+    flags: Mapping[str, Any], env: Mapping[str, str], config_file: Path | None = None
+) -> BridgeConfig:
+    fields = set(BridgeConfig.__struct_fields__)
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if config_file is not None:
+        for name, value in _read_file(config_file).items():
+            if name not in fields:
+                raise ConfigError(f"unknown setting {name!r} in config file {config_file}")
+            merged[name], origin[name] = value, f"config file {config_file}"
+    for key, value in env.items():
+        name = key[len(BRIDGE_ENV_PREFIX) :].lower()
+        if key.startswith(BRIDGE_ENV_PREFIX) and name in fields:
+            parsed: Any = _none_if_null(value)
+            if name == "taints" and parsed is not None:
+                parsed = msgspec.json.decode(parsed) if parsed.lstrip().startswith("[") else parsed.split(",")
+            merged[name], origin[name] = parsed, f"environment variable {key}"
+    for name, value in flags.items():
+        merged[name], origin[name] = value, f"flag --{name.replace('_', '-')}"
+    try:
+        return msgspec.convert(merged, BridgeConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        where = next((o for n, o in origin.items() if f"$.{n}`" in message), None)
+        raise ConfigError(f"{message} (from {where})" if where else message) from None
+
+
+def _flag_type(info: msgspec.inspect.Type) -> dict[str, Any]:
+    if isinstance(info, msgspec.inspect.UnionType):
+        info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return {"choices": [str(v) for v in info.values]}
+    if isinstance(info, msgspec.inspect.ListType):
+        return {"action": "append", "metavar": "TAINT"}
+    if isinstance(info, msgspec.inspect.IntType):
+        return {"type": int}
+    if isinstance(info, msgspec.inspect.FloatType):
+        return {"type": float}
+    return {}
+
+
+class BridgeCommand:
+    help = "relay one vLLM / SGLang / TRT-LLM engine's ZMQ KV events to the routers over NATS"
+    description = (
+        "A sidecar next to one engine: subscribes to its KV-event PUB socket (and its replay socket), decodes "
+        "every vLLM / SGLang / TensorRT-LLM event form, and publishes the events, the worker's registration, "
+        f"heartbeats and load on the NATS event plane. Every flag is also {BRIDGE_ENV_PREFIX}<NAME> and a key "
+        "of the --config file."
+    )
+
+    def configure(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--config", type=Path, default=None, metavar="FILE", help="JSON or TOML settings file")
+        info = msgspec.inspect.type_info(BridgeConfig)
+        assert isinstance(info, msgspec.inspect.StructType)
+        for field in info.fields:
+            description = ""
+            t = field.type
+            while isinstance(t, msgspec.inspect.Metadata):
+                description = description or (t.extra_json_schema or {}).get("description", "")
+                t = t.type
+            default = None if field.default is msgspec.NODEFAULT else field.default
+            env = BRIDGE_ENV_PREFIX + field.name.upper()
+            parser.add_argument(
+                "--" + field.name.replace("_", "-"),
+                dest=field.name,
+                default=argparse.SUPPRESS,
+                help=f"{description} [env {env}; default: {default}]",
+                **_flag_type(t),
+            )
+
+    def run(self, args: argparse.Namespace) -> int:
+        import asyncio
+        import contextlib
+        import logging
+        import signal
+
+        from router.engines.bridge import Bridge
+        from router.event_plane.connection import NatsOptions, connect
+
+        flags = vars(args).copy()
+        flags.pop("command", None)
+        config_file = flags.pop("config", None) or (
+            Path(os.environ[BRIDGE_ENV_PREFIX + "CONFIG"]) if os.environ.get(BRIDGE_ENV_PREFIX + "CONFIG") else None
+        )
+        try:
+            config = load_bridge_config(flags, os.environ, config_file)
+        except ConfigError as exc:
+            raise SystemExit(f"kv-router bridge: {exc}") from None
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+        async def serve() -> None:
+            nc = await connect(
+                NatsOptions(
+                    config.nats_url,
+                    user=config.nats_user,
+                    password=config.nats_password,
+                    token=config.nats_token,
+                    creds_file=config.nats_creds_file,
+                    tls_ca_file=config.nats_tls_ca_file,
+                    tls_cert_file=config.nats_tls_cert_file,
+                    tls_key_file=config.nats_tls_key_file,
+                    name=f"kv-router-bridge-{config.worker_id}",
+                )
+            )
+            task = asyncio.create_task(Bridge(config, nc).run_forever())
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, task.cancel)
+            print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {config.nats_url}", flush=True)
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await nc.close()
+
+        asyncio.run(serve())
+        return 0
+
+
+BRIDGE = BridgeCommand()

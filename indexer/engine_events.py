@@ -1,0 +1,318 @@
+"""Engine KV events (vLLM, SGLang, TensorRT-LLM over ZMQ) decoded into our events' terms.
+
+An engine publishes one msgpack batch per scheduler step (``shared/reference/engine-events.md``):
+``[ts, events, data_parallel_rank]`` (vLLM 0.9: ``[ts, events]``; a map envelope is accepted too).
+Each event is a *tagged map* (current vLLM, SGLang after #37482, TRT-LLM) or a *tagged array* (vLLM
+<= 0.23, older SGLang); the two cannot share one msgspec union, so every event is kept raw and
+dispatched on its first byte.
+
+What comes out, per event, is what our ``RouterEvent``s carry:
+
+- block hashes folded to u64: ints modulo 2^64 (SGLang's signed i64 and vLLM 0.9's negative
+  ``hash()`` reinterpreted bitwise), byte digests by their last 8 bytes big-endian (vLLM's own
+  ``maybe_convert_block_hash``);
+- ``tokens_hash`` recomputed from ``token_ids`` with our block hashing (`indexer.hashing`): the
+  LoRA name and the cache salt (SGLang) salt it, Dynamo's ``block_mm_infos`` add multimodal hashes;
+- ``medium`` mapped to a `StorageTier` as Dynamo maps it, except that an unknown medium counts as the
+  lowest tier rather than as GPU memory;
+- ``AllBlocksCleared`` as `EngineCleared`.
+
+Bad input never raises out of `decode_engine_batch`: an envelope that does not decode is one
+`EngineDecodeError`, an event that does not is skipped and reported beside the others, each with a
+``reason`` that callers count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+
+from indexer.errors import EventDecodeError
+from indexer.events import U64_MAX, KvCacheEvent, StorageTier, cleared_event, removed_event, stored_event
+from indexer.hashing import compute_block_hashes
+
+__all__ = [
+    "DecodedBatch",
+    "EngineCleared",
+    "EngineDecodeError",
+    "EngineEvent",
+    "EngineRemoved",
+    "EngineStored",
+    "decode_engine_batch",
+    "event_tier",
+    "fold_hash",
+    "storage_tier",
+    "to_kv_event",
+]
+
+
+class EngineDecodeError(EventDecodeError):
+    """An engine payload or one of its events that could not be used; ``reason`` labels it in metrics."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class EngineStored(NamedTuple):
+    """Blocks stored under ``parent_hash``: ``(block_hash, tokens_hash)`` pairs, as `stored_event` takes."""
+
+    parent_hash: int | None
+    blocks: list[tuple[int, int]]
+    tier: StorageTier
+    block_size: int
+
+
+class EngineRemoved(NamedTuple):
+    block_hashes: list[int]
+    tier: StorageTier
+
+
+class EngineCleared(NamedTuple):
+    pass
+
+
+EngineEvent = EngineStored | EngineRemoved | EngineCleared
+
+
+class DecodedBatch(NamedTuple):
+    ts: float
+    dp_rank: int | None  # None: the engine did not say (vLLM 0.9); the transport's rank applies
+    events: list[EngineEvent]
+    errors: list[EngineDecodeError]  # events skipped, in order
+    ignored: int  # events of non-attention KV groups (hybrid models), dropped as Dynamo drops them
+
+
+def to_kv_event(event: EngineEvent, event_id: int, dp_rank: int) -> KvCacheEvent:
+    """The numbered event of one rank's stream that ``event`` becomes."""
+    if isinstance(event, EngineStored):
+        return stored_event(event_id, event.blocks, parent_hash=event.parent_hash, dp_rank=dp_rank)
+    if isinstance(event, EngineRemoved):
+        return removed_event(event_id, event.block_hashes, dp_rank=dp_rank)
+    return cleared_event(event_id, dp_rank=dp_rank)
+
+
+def event_tier(event: EngineEvent) -> StorageTier:
+    return StorageTier.DEVICE if isinstance(event, EngineCleared) else event.tier
+
+
+# ---------------------------------------------------------------------- wire shapes
+Hash = int | bytes
+TokenIds = list[int | list[int]]
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _MapBatch(msgspec.Struct):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None = None
+    token_ids: TokenIds = []
+    block_size: int | None = None
+    lora_id: Any = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    cache_salt: str | None = None  # SGLang (map era)
+    block_mm_infos: list[Any] | None = None  # Dynamo's ZMQ extension
+
+
+class _RemovedMap(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None = None
+    token_ids: TokenIds = []
+    block_size: int | None = None
+    lora_id: Any = None
+    medium: str | None = None
+    lora_name: Any = None  # SGLang 0.5.18 puts a {"cache_salt": ...} map in this slot
+    extra_keys: Any = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+
+
+class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ClearedArray(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+_array_batch = msgspec.msgpack.Decoder(_ArrayBatch)
+_map_batch = msgspec.msgpack.Decoder(_MapBatch)
+_map_event = msgspec.msgpack.Decoder(_StoredMap | _RemovedMap | _ClearedMap)
+_array_event = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
+
+# Dynamo's StorageTier::from_kv_medium, upper-cased medium -> tier.
+_TIERS: dict[str, StorageTier] = {
+    "GPU": StorageTier.DEVICE,
+    "DEVICE": StorageTier.DEVICE,
+    "CPU": StorageTier.HOST_PINNED,
+    "CPU_PINNED": StorageTier.HOST_PINNED,
+    "CPU_TIER1": StorageTier.HOST_PINNED,
+    "CPU_TIER2": StorageTier.DISK,
+    "DISK": StorageTier.DISK,
+    "NVME": StorageTier.DISK,
+    "STORAGE": StorageTier.DISK,
+    "FS": StorageTier.DISK,
+    "OBJ": StorageTier.DISK,
+    "EXTERNAL": StorageTier.EXTERNAL,
+    "NETWORK": StorageTier.EXTERNAL,
+    "REMOTE": StorageTier.EXTERNAL,
+    "SHARED": StorageTier.EXTERNAL,
+}
+# Groups that hold full attention KV; others (sliding window, mamba, ...) do not answer prefix queries.
+_MAIN_ATTENTION = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+def storage_tier(medium: str | None) -> StorageTier:
+    """The tier of an engine ``medium``; absent is GPU memory, unknown the lowest tier (never GPU)."""
+    if medium is None:
+        return StorageTier.DEVICE
+    return _TIERS.get(medium.upper(), StorageTier.EXTERNAL)
+
+
+def fold_hash(value: Hash) -> int:
+    """An engine block hash as u64: ints modulo 2^64 (bitwise for negatives), bytes by their last 8 bytes BE."""
+    if isinstance(value, int):
+        return value & U64_MAX
+    return int.from_bytes(value[-8:], "big")
+
+
+# ---------------------------------------------------------------------- decoding
+def decode_engine_batch(
+    payload: bytes | memoryview, block_size: int, *, cache_namespace: str | None = None
+) -> DecodedBatch:
+    """Decode one engine batch for a router of ``block_size``; raises `EngineDecodeError` only for the envelope.
+
+    ``cache_namespace`` salts every block's hash the way requests naming that namespace are hashed.
+    """
+    data = bytes(payload)
+    if not data:
+        raise EngineDecodeError("empty_payload", "the payload frame is empty")
+    head = data[0]
+    try:
+        batch: _ArrayBatch | _MapBatch = _map_batch.decode(data) if _is_map(head) else _array_batch.decode(data)
+    except msgspec.DecodeError as exc:
+        raise EngineDecodeError("bad_envelope", str(exc)) from None
+    events: list[EngineEvent] = []
+    errors: list[EngineDecodeError] = []
+    ignored = 0
+    for position, raw in enumerate(batch.events):
+        try:
+            event = _decode_event(raw, block_size, cache_namespace)
+        except EngineDecodeError as exc:
+            errors.append(EngineDecodeError(exc.reason, f"event {position}: {exc.detail}"))
+            continue
+        if event is None:
+            ignored += 1
+        else:
+            events.append(event)
+    return DecodedBatch(batch.ts, batch.data_parallel_rank, events, errors, ignored)
+
+
+def _is_map(head: int) -> bool:
+    return 0x80 <= head <= 0x8F or head in (0xDE, 0xDF)
+
+
+def _is_array(head: int) -> bool:
+    return 0x90 <= head <= 0x9F or head in (0xDC, 0xDD)
+
+
+def _decode_event(raw: msgspec.Raw, block_size: int, cache_namespace: str | None) -> EngineEvent | None:
+    view = memoryview(raw)
+    if not view:
+        raise EngineDecodeError("bad_event", "empty event")
+    head = view[0]
+    try:
+        if _is_map(head):
+            event: Any = _map_event.decode(view)
+        elif _is_array(head):
+            event = _array_event.decode(view)
+        else:
+            raise EngineDecodeError("bad_event", f"an event must be a map or an array, got msgpack byte {head:#04x}")
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        # msgspec names the tag's location when the tag itself is not one of ours.
+        unknown_tag = text.startswith("Invalid value") and text.endswith(("`$.type`", "`$[0]`"))
+        raise EngineDecodeError("unknown_event_type" if unknown_tag else "bad_event", text) from None
+    except msgspec.DecodeError as exc:
+        raise EngineDecodeError("bad_event", str(exc)) from None
+    if isinstance(event, _ClearedMap | _ClearedArray):
+        return EngineCleared()
+    if isinstance(event, _RemovedMap | _RemovedArray):
+        return EngineRemoved([fold_hash(h) for h in event.block_hashes], storage_tier(event.medium))
+    kind = event.kv_cache_spec_kind
+    if kind is not None and kind not in _MAIN_ATTENTION:
+        return None
+    return _stored(event, block_size, cache_namespace)
+
+
+def _stored(event: _StoredMap | _StoredArray, block_size: int, cache_namespace: str | None) -> EngineStored:
+    hashes = [fold_hash(h) for h in event.block_hashes]
+    engine_block_size = event.block_size if event.block_size is not None else block_size
+    if engine_block_size != block_size:
+        raise EngineDecodeError(
+            "block_size_mismatch", f"the engine's block size is {engine_block_size}, the router's {block_size}"
+        )
+    tokens = event.token_ids
+    if any(type(t) is not int for t in tokens):
+        # EAGLE bigram pairs: not hashed here (Dynamo widens the hashing window for them).
+        raise EngineDecodeError("unsupported_token_ids", "token_ids must be a flat list of integers")
+    if len(tokens) < len(hashes) * block_size:
+        raise EngineDecodeError(
+            "short_token_ids", f"{len(hashes)} blocks of {block_size} tokens need {len(hashes) * block_size} token ids"
+        )
+    lora_name, salt = _lora_and_salt(event)
+    namespace = salt if salt is not None else cache_namespace
+    mm_infos = event.block_mm_infos if isinstance(event, _StoredMap) else None
+    try:
+        locals_ = compute_block_hashes(
+            tokens[: len(hashes) * block_size],  # type: ignore[arg-type]
+            block_size,
+            lora_name=lora_name,
+            cache_namespace=namespace,
+            block_mm_infos=mm_infos,
+        )
+    except ValueError as exc:
+        raise EngineDecodeError("bad_token_ids", str(exc)) from None
+    parent = None if event.parent_block_hash is None else fold_hash(event.parent_block_hash)
+    if parent in hashes or len(set(hashes)) != len(hashes):
+        raise EngineDecodeError("repeated_hash", "a store repeats a block hash (or its parent's)")
+    return EngineStored(parent, list(zip(hashes, locals_, strict=True)), storage_tier(event.medium), block_size)
+
+
+def _lora_and_salt(event: _StoredMap | _StoredArray) -> tuple[str | None, str | None]:
+    if isinstance(event, _StoredMap):
+        return event.lora_name, event.cache_salt
+    slot: Sequence[Any] | Any = event.lora_name
+    if isinstance(slot, dict):
+        salt = slot.get("cache_salt")
+        return None, salt if isinstance(salt, str) else None
+    return (slot if isinstance(slot, str) else None), None

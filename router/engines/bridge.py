@@ -1,0 +1,205 @@
+"""`kv-router bridge`: a sidecar that hears one engine over ZMQ and speaks our NATS event plane.
+
+Per dp rank one `ZmqEngineStream` (vLLM lays ranks out on consecutive ports: PUB ``port + rank``,
+replay ``port + rank``) decodes the engine's batches; `PublisherSink` publishes them through one
+`KvEventPublisher`, which numbers each rank's events, registers the worker, heartbeats and answers
+the routers' resyncs from its own index. One NATS message per engine batch.
+
+Rules carried over from the stream: an engine restart clears the rank (a ``cleared`` per storage tier
+it used) and rebuilds it from what follows; a gap nobody can replay marks the rank unverified (the
+publisher skips an event id, so routers see a gap, and refuses their resyncs of that rank until it
+clears: the rank stays untrusted in every router's ``/v1/workers`` and metrics).
+
+A bridge that starts drops the worker's registry entry before registering it again: routers forget
+the worker's streams and resync it in full from this bridge, whose event ids start from 1 again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from typing import Annotated, Literal
+
+import msgspec
+from nats.aio.client import Client
+
+from indexer.engine_events import EngineCleared, EngineEvent, EngineRemoved
+from indexer.errors import KvIndexError
+from indexer.events import StorageTier
+from router.engines.engine_metrics import EngineMetricsScraper
+from router.engines.zmq_stream import ZmqEngineStream
+from router.event_plane.publisher import KvEventPublisher, open_registry
+from router.types import WorkerConfig
+
+__all__ = ["Bridge", "BridgeConfig", "PublisherSink", "rank_endpoint"]
+
+log = logging.getLogger(__name__)
+
+
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Every setting of ``kv-router bridge`` (flag ``--x-y``, variable ``KV_ROUTER_BRIDGE_X_Y``, file key ``x_y``)."""
+
+    worker_id: Annotated[int, _doc("the worker's id in the router's registry"), msgspec.Meta(ge=0)]
+    zmq_endpoint: Annotated[str, _doc("the engine's KV-event PUB socket, tcp://HOST:PORT (dp rank 0)")]
+    zmq_topic: Annotated[str, _doc("topic prefix to subscribe to (empty: every topic)")] = ""
+    replay_endpoint: Annotated[
+        str | None, _doc("the engine's replay ROUTER socket, tcp://HOST:PORT (dp rank 0); unset: gaps stay gaps")
+    ] = None
+    engine: Annotated[Literal["vllm", "sglang", "trtllm"], _doc("engine kind (names of its Prometheus metrics)")] = (
+        "vllm"
+    )
+    block_size: Annotated[int, _doc("the engine's KV block size in tokens"), msgspec.Meta(ge=1)] = 16
+    dp_size: Annotated[
+        int, _doc("data-parallel ranks, on consecutive ports from --zmq-endpoint and --replay-endpoint"),
+        msgspec.Meta(ge=1),
+    ] = 1  # fmt: skip
+    total_kv_blocks: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _doc("KV blocks per rank (capacity)")] = None
+    max_num_batched_tokens: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _doc("tokens per engine step")] = None
+    taints: Annotated[list[str], _doc("the worker's taints (JSON list)")] = []
+    engine_metrics_url: Annotated[
+        str | None, _doc("the engine's Prometheus endpoint, scraped for KV usage and published as load")
+    ] = None
+    engine_metrics_interval_secs: Annotated[float, _doc("seconds between scrapes"), msgspec.Meta(gt=0)] = 1.0
+    heartbeat_interval_secs: Annotated[float, _doc("seconds between heartbeats"), msgspec.Meta(gt=0)] = 1.0
+    queue_size: Annotated[int, _doc("engine batches buffered per rank before drops"), msgspec.Meta(ge=1)] = 10_000
+    nats_url: Annotated[str, _doc("NATS server of the routers' event plane")] = "nats://127.0.0.1:4222"
+    namespace: Annotated[str, _doc("deployment namespace: subjects kv.<namespace>.*")] = "default"
+    nats_user: Annotated[str | None, _doc("NATS user name")] = None
+    nats_password: Annotated[str | None, _doc("NATS password")] = None
+    nats_token: Annotated[str | None, _doc("NATS authentication token")] = None
+    nats_creds_file: Annotated[str | None, _doc("NATS credentials file (JWT + nkey)")] = None
+    nats_tls_ca_file: Annotated[str | None, _doc("CA bundle to verify the NATS server")] = None
+    nats_tls_cert_file: Annotated[str | None, _doc("client certificate for NATS TLS")] = None
+    nats_tls_key_file: Annotated[str | None, _doc("client key for NATS TLS")] = None
+
+    def registration(self) -> WorkerConfig:
+        return WorkerConfig(
+            worker_id=self.worker_id,
+            dp_size=self.dp_size,
+            block_size=self.block_size,
+            total_kv_blocks=self.total_kv_blocks,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            taints=frozenset(self.taints),
+        )
+
+
+def rank_endpoint(endpoint: str, dp_rank: int) -> str:
+    """vLLM's layout: rank ``r`` of ``tcp://HOST:PORT`` listens on ``PORT + r``."""
+    if dp_rank == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{endpoint!r} has no port to offset for dp rank {dp_rank}")
+    return f"{head}:{int(port) + dp_rank}"
+
+
+class PublisherSink:
+    """Engine events of one worker into its `KvEventPublisher`, one NATS message per engine batch."""
+
+    def __init__(self, publisher: KvEventPublisher) -> None:
+        self.publisher = publisher
+        self.stats: Counter[str] = Counter()
+        self._tiers: dict[int, set[StorageTier]] = {}
+
+    async def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
+        publisher = self.publisher
+        tiers = self._tiers.setdefault(dp_rank, set())
+        async with publisher.batch():
+            for event in events:
+                try:
+                    if isinstance(event, EngineCleared):
+                        await publisher.cleared(dp_rank=dp_rank)
+                    elif isinstance(event, EngineRemoved):
+                        await publisher.removed(event.block_hashes, dp_rank=dp_rank, storage_tier=event.tier)
+                        self.stats["blocks"] += len(event.block_hashes)
+                    else:
+                        tiers.add(event.tier)
+                        await publisher.stored(
+                            event.blocks, parent_hash=event.parent_hash, dp_rank=dp_rank, storage_tier=event.tier
+                        )
+                        self.stats["blocks"] += len(event.blocks)
+                except KvIndexError as exc:  # a store under a parent the engine never stored: never sent
+                    self.stats[f"rejected_{exc.label}"] += 1
+        self.stats["batches"] += 1
+
+    async def restarted(self, dp_rank: int) -> None:
+        async with self.publisher.batch():
+            for tier in sorted(self._tiers.pop(dp_rank, set()) | {StorageTier.DEVICE}):
+                await self.publisher.cleared(dp_rank=dp_rank, storage_tier=tier)
+
+    def unverified(self, dp_rank: int, reason: str) -> None:
+        self.publisher.mark_unverified(dp_rank)
+
+
+class Bridge:
+    def __init__(self, config: BridgeConfig, nc: Client) -> None:
+        self.config = config
+        self.nc = nc
+        self.publisher = KvEventPublisher(
+            nc,
+            config.registration(),
+            namespace=config.namespace,
+            heartbeat_interval=config.heartbeat_interval_secs,
+        )
+        self.sink = PublisherSink(self.publisher)
+        self.streams = [
+            ZmqEngineStream(
+                self.sink,
+                rank_endpoint(config.zmq_endpoint, rank),
+                block_size=config.block_size,
+                dp_rank=rank,
+                topic=config.zmq_topic,
+                replay_endpoint=None if config.replay_endpoint is None else rank_endpoint(config.replay_endpoint, rank),
+                queue_size=config.queue_size,
+            )
+            for rank in range(config.dp_size)
+        ]
+        self.scraper = (
+            None
+            if config.engine_metrics_url is None
+            else EngineMetricsScraper(
+                config.engine_metrics_url,
+                self.publisher,
+                engine=config.engine,
+                total_kv_blocks=config.total_kv_blocks,
+                interval_s=config.engine_metrics_interval_secs,
+            )
+        )
+
+    async def start(self) -> None:
+        # Routers forget what an earlier bridge of this worker numbered; they resync from this one.
+        registry = await open_registry(self.nc, self.publisher.subjects)
+        with contextlib.suppress(Exception):  # nothing to delete on a first start
+            await registry.delete(str(self.config.worker_id))
+        await self.publisher.start()
+        for stream in self.streams:
+            await stream.start()
+        if self.scraper is not None:
+            self.scraper.start()
+        log.info(
+            "bridge for worker %d: %s -> NATS %s (namespace %s)",
+            self.config.worker_id,
+            self.config.zmq_endpoint,
+            self.config.nats_url,
+            self.config.namespace,
+        )
+
+    async def stop(self, *, deregister: bool = True) -> None:
+        if self.scraper is not None:
+            await self.scraper.stop()
+        for stream in self.streams:
+            await stream.stop()
+        await self.publisher.stop(deregister=deregister)
+
+    async def run_forever(self) -> None:
+        await self.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self.stop()

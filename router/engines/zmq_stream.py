@@ -1,0 +1,251 @@
+"""One engine PUB socket heard over ZMQ: ordering by the engine's seq, gap repair by replay, restarts.
+
+The engine sends ``[topic, seq (u64 BE), payload]`` per batch, ``seq`` counting from 0 per process
+and rank. `ZmqEngineStream` keeps two watermarks (as llm-d-router does): the last seq *applied* and
+the last seq seen *live* on the SUB socket.
+
+- A live seq at or below the last live one: the engine restarted (a live stream never repeats). Its
+  ranks are cleared through the sink and rebuilt from what follows.
+- A seq at or below the last applied one (after a replay covered it): a duplicate, dropped.
+- A seq beyond the next expected one (including the first message of a stream joined late, whose
+  expected seq is 0): a gap. With a replay endpoint the missing batches are asked for over a DEALER
+  socket (REQ would keep only the first reply) while live messages wait in the queue, then applied
+  in seq order; replayed batches the engine no longer holds, or no replay endpoint at all, leave the
+  stream's ranks unverified through the sink.
+
+The SUB reader never blocks the engine: messages go into a bounded queue and those that do not fit
+are dropped and counted (the seq gap they leave is then repaired like any other). Undecodable
+payloads are counted by reason and logged rate-limited; nothing stops the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from indexer.engine_events import EngineDecodeError, EngineEvent, decode_engine_batch
+from router.event_plane.ratelimited_log import RateLimitedLog
+from router.supervision import Supervisor
+
+__all__ = ["END_SEQ", "EngineSink", "ZmqEngineStream", "replay_batches"]
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (1 << 64) - 1  # the replay end marker: -1 as a signed 8-byte big-endian integer
+DEFAULT_QUEUE_SIZE = 10_000
+# Applying a backlog must not starve the loop it shares (the router's decisions in direct mode).
+YIELD_AFTER_S = 0.0005
+
+
+class EngineSink(Protocol):
+    """Where a stream's decoded events go: the bridge's publisher or the router's own sequencer."""
+
+    def apply(self, dp_rank: int, events: list[EngineEvent]) -> Awaitable[None]: ...
+
+    def restarted(self, dp_rank: int) -> Awaitable[None]:
+        """The engine restarted: everything it held on ``dp_rank`` is gone."""
+        ...
+
+    def unverified(self, dp_rank: int, reason: str) -> None:
+        """Events of ``dp_rank`` were lost for good: its state is not known complete until a clear."""
+        ...
+
+
+class ReplayError(Exception):
+    pass
+
+
+async def replay_batches(
+    context: zmq.asyncio.Context, endpoint: str, start: int, *, timeout_s: float = 2.0
+) -> list[tuple[int, bytes]]:
+    """Ask an engine's replay ROUTER for every buffered batch from ``start``: ``(seq, payload)`` in order.
+
+    Replies are ``[b"", seq, payload]`` (vLLM < 0.26, SGLang) or ``[b"", topic, seq, payload]``
+    (vLLM >= 0.26, TRT-LLM): the seq is the second-to-last frame either way. Ends at the
+    ``END_SEQ`` marker; raises `ReplayError` on a timeout or a malformed reply.
+    """
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        await socket.send_multipart([b"", start.to_bytes(8, "big")])
+        batches: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await socket.poll(int(remaining * 1000) + 1):
+                raise ReplayError(f"no end marker from {endpoint} within {timeout_s} s")
+            frames = await socket.recv_multipart()
+            if len(frames) < 3 or frames[0] != b"" or len(frames[-2]) != 8:
+                raise ReplayError(f"malformed replay reply of {len(frames)} frames from {endpoint}")
+            seq = int.from_bytes(frames[-2], "big")
+            if seq == END_SEQ:
+                return batches
+            batches.append((seq, frames[-1]))
+            # Each reply extends the deadline: a long replay is slow, not stuck.
+            deadline = time.monotonic() + timeout_s
+    finally:
+        socket.close()
+
+
+class ZmqEngineStream:
+    """One engine endpoint into one sink; ``dp_rank`` is used when batches do not name their rank."""
+
+    def __init__(
+        self,
+        sink: EngineSink,
+        endpoint: str,
+        *,
+        block_size: int,
+        dp_rank: int = 0,
+        topic: str = "",
+        replay_endpoint: str | None = None,
+        cache_namespace: str | None = None,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        replay_timeout_s: float = 2.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.sink = sink
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.block_size = block_size
+        self.dp_rank = dp_rank
+        self.topic = topic.encode()
+        self.cache_namespace = cache_namespace
+        self._replay_timeout_s = replay_timeout_s
+        self._context = context or zmq.asyncio.Context.instance()
+        self._queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue(maxsize=queue_size)
+        self._background = Supervisor(f"zmq-{endpoint}")
+        self._bad_input = RateLimitedLog(log)
+        self._last_applied: int | None = None
+        self._last_live: int | None = None
+        self._ranks: set[int] = {dp_rank}
+        # messages, applied, duplicate, dropped_queue_full, gap, replayed, replay_failed,
+        # missing_history, restarts, unverified, rejected_<reason>, events, blocks, ignored_events.
+        self.stats: Counter[str] = Counter()
+        self._subscribed = asyncio.Event()
+        self._busy_since = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._background.keep_running("sub", self._read)
+        self._background.keep_running("apply", self._apply_loop)
+        await self._subscribed.wait()
+
+    async def stop(self) -> None:
+        await self._background.stop()
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    # ------------------------------------------------------------------ reading
+    async def _read(self) -> None:
+        socket = self._context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, self.topic)
+        try:
+            socket.connect(self.endpoint)
+            self._subscribed.set()
+            while True:
+                frames = await socket.recv_multipart(copy=True)
+                self.stats["messages"] += 1
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self._reject("bad_frames", f"expected [topic, seq(8 bytes), payload], got {len(frames)} frames")
+                    continue
+                try:
+                    self._queue.put_nowait((int.from_bytes(frames[1], "big"), frames[2]))
+                except asyncio.QueueFull:
+                    self.stats["dropped_queue_full"] += 1
+        finally:
+            socket.close()
+
+    async def _apply_loop(self) -> None:
+        while True:
+            seq, payload = await self._queue.get()
+            await self.take_live(seq, payload)
+            now = time.perf_counter()
+            if now - self._busy_since > YIELD_AFTER_S:
+                await asyncio.sleep(0)
+                self._busy_since = time.perf_counter()
+
+    # ------------------------------------------------------------------ ordering
+    async def take_live(self, seq: int, payload: bytes) -> None:
+        """One message as it came off the SUB socket (public for tests that drive the order)."""
+        last_live = self._last_live
+        self._last_live = seq
+        if last_live is not None and seq <= last_live:
+            self.stats["restarts"] += 1
+            log.warning("engine at %s restarted (seq %d after %d): clearing its ranks", self.endpoint, seq, last_live)
+            for rank in sorted(self._ranks):
+                await self.sink.restarted(rank)
+            self._last_applied = None
+        last = self._last_applied
+        if last is not None and seq <= last:
+            self.stats["duplicate"] += 1
+            return
+        expected = 0 if last is None else last + 1
+        if seq > expected:
+            self.stats["gap"] += 1
+            await self._repair(expected)
+            last = self._last_applied
+            if last is not None and seq <= last:
+                self.stats["duplicate"] += 1  # the replay brought it already
+                return
+        await self._deliver(seq, payload)
+
+    async def _repair(self, start: int) -> None:
+        if self.replay_endpoint is None:
+            self._unverified(f"batches from seq {start} were lost and no replay endpoint is configured")
+            return
+        try:
+            batches = await replay_batches(self._context, self.replay_endpoint, start, timeout_s=self._replay_timeout_s)
+        except ReplayError as exc:
+            self.stats["replay_failed"] += 1
+            self._unverified(f"replay from seq {start} failed: {exc}")
+            return
+        if not batches or batches[0][0] > start:
+            self.stats["missing_history"] += 1
+            first = batches[0][0] if batches else None
+            self._unverified(f"the engine's replay buffer starts at seq {first}, {start} was needed")
+        for seq, payload in batches:
+            last = self._last_applied
+            if seq >= start and (last is None or seq > last):
+                self.stats["replayed"] += 1
+                await self._deliver(seq, payload)
+
+    def _unverified(self, reason: str) -> None:
+        self.stats["unverified"] += 1
+        log.warning("engine stream %s: %s; its ranks are unverified", self.endpoint, reason)
+        for rank in sorted(self._ranks):
+            self.sink.unverified(rank, reason)
+
+    async def _deliver(self, seq: int, payload: bytes) -> None:
+        self._last_applied = seq
+        try:
+            batch = decode_engine_batch(payload, self.block_size, cache_namespace=self.cache_namespace)
+        except EngineDecodeError as exc:
+            self._reject(exc.reason, f"seq {seq}: {exc.detail}")
+            return
+        for error in batch.errors:
+            self._reject(error.reason, f"seq {seq}: {error.detail}")
+        self.stats["ignored_events"] += batch.ignored
+        self.stats["applied"] += 1
+        if not batch.events:
+            return
+        rank = self.dp_rank if batch.dp_rank is None else batch.dp_rank
+        self._ranks.add(rank)
+        self.stats["events"] += len(batch.events)
+        await self.sink.apply(rank, batch.events)
+
+    def _reject(self, reason: str, message: str) -> None:
+        self.stats[f"rejected_{reason}"] += 1
+        self._bad_input.warning(f"engine event {reason}", f"from {self.endpoint}, {message}")

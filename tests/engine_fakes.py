@@ -1,0 +1,144 @@
+"""A fake vLLM engine for the ZMQ tests: random KV activity as vLLM encodes it, and the truth it implies.
+
+`FakeEngine` publishes through the real `VllmZmqPublisher` (PUB + replay ROUTER on loopback) and
+keeps, beside it, the index that the events it produced since its last start imply: what a router
+that heard every one of them must hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any
+
+import msgspec
+
+from indexer.engine_events import decode_engine_batch, event_tier, to_kv_event
+from indexer.errors import KvIndexError
+from indexer.events import RouterEvent
+from indexer.radix_tree import RadixTree
+from mocker.zmq_engine import VllmZmqPublisher
+
+BLOCK = 4
+
+encode = msgspec.msgpack.encode
+
+
+def canonical(events: list[RouterEvent]) -> list[tuple[int, int, str, int | None, int, int]]:
+    """Dump events as a sorted list of (worker, dp_rank, tier, parent, block_hash, tokens_hash) edges."""
+    edges = []
+    for routed in events:
+        stored = routed.event.stored
+        assert stored is not None
+        parent = stored.parent_hash
+        for block in stored.blocks:
+            edges.append(
+                (routed.worker_id, routed.event.dp_rank, str(routed.storage_tier), parent, block.block_hash,
+                 block.tokens_hash)
+            )  # fmt: skip
+            parent = block.block_hash
+    return sorted(edges, key=repr)
+
+
+class FakeEngine:
+    def __init__(self, worker_id: int, endpoint: str, replay_endpoint: str | None, *, seed: int = 0,
+                 dp_rank: int = 0, topic_in_replay: bool = True, array_form: bool = False) -> None:  # fmt: skip
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.array_form = array_form
+        self.publisher = VllmZmqPublisher(endpoint, replay_endpoint=replay_endpoint, topic="kv@fake@model",
+                                          topic_in_replay=topic_in_replay)  # fmt: skip
+        self.rng = random.Random(seed)
+        self.truth = RadixTree()
+        self._event_id = 0
+        self._held: list[int] = []  # block hashes, leaves last
+        self._children: dict[int, int] = {}
+
+    async def start(self) -> None:
+        await self.publisher.start()
+
+    async def stop(self) -> None:
+        await self.publisher.stop()
+
+    def restart(self) -> None:
+        """A new engine process: empty cache; the next batch is seq 0 again."""
+        self.truth = RadixTree()
+        self._held.clear()
+        self._children.clear()
+        self.publisher.next_seq = 0
+        self.publisher.forget_before(1 << 64)
+
+    def _apply_truth(self, payload: bytes) -> None:
+        batch = decode_engine_batch(payload, BLOCK)
+        rank = self.dp_rank if batch.dp_rank is None else batch.dp_rank
+        for event in batch.events:
+            self._event_id += 1
+            with contextlib.suppress(KvIndexError):  # the router refuses the same event the same way
+                self.truth.apply_router_event(
+                    RouterEvent(self.worker_id, to_kv_event(event, self._event_id, rank), event_tier(event))
+                )
+
+    def _hash(self) -> int | bytes:
+        if self.rng.random() < 0.2:
+            return self.rng.randbytes(32)  # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0
+        return self.rng.getrandbits(64)
+
+    def random_events(self) -> list[Any]:
+        events: list[Any] = []
+        for _ in range(self.rng.randint(1, 3)):
+            leaves = [h for h in self._held if self._children.get(h, 0) == 0]
+            if leaves and self.rng.random() < 0.3:
+                victim = self.rng.choice(leaves)
+                self._held.remove(victim)
+                events.append(self._removed([victim]))
+                continue
+            parent = self.rng.choice(self._held) if self._held and self.rng.random() < 0.7 else None
+            wire = [self._hash() for _ in range(self.rng.randint(1, 4))]
+            events.append(self._stored(parent, wire))
+        return events
+
+    def _fold(self, value: int | bytes) -> int:
+        return value if isinstance(value, int) else int.from_bytes(value[-8:], "big")
+
+    def _stored(self, parent: int | None, wire: list[int | bytes]) -> Any:
+        folded = [self._fold(h) for h in wire]
+        if parent is not None:
+            self._children[parent] = self._children.get(parent, 0) + 1
+        for upper in folded[:-1]:
+            self._children[upper] = self._children.get(upper, 0) + 1
+        self._held.extend(folded)
+        tokens = [self.rng.randrange(1 << 32) for _ in range(BLOCK * len(wire))]
+        if self.array_form:
+            return ["BlockStored", wire, parent, tokens, BLOCK, None, "GPU", None, None, 0, "full_attention", None]
+        return {"type": "BlockStored", "block_hashes": wire, "parent_block_hash": parent, "token_ids": tokens,
+                "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip
+
+    def _removed(self, hashes: list[int]) -> Any:
+        for block_hash in hashes:
+            self._children.pop(block_hash, None)
+        # A parent keeps its child count: it is never picked as a leaf again, which only narrows the choice.
+        if self.array_form:
+            return ["BlockRemoved", hashes, "GPU", 0]
+        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+
+    def cleared(self) -> Any:
+        self._held.clear()
+        self._children.clear()
+        return ["AllBlocksCleared"] if self.array_form else {"type": "AllBlocksCleared"}
+
+    async def send(self, events: list[Any], *, publish: bool = True) -> int:
+        payload = encode([1700000000.5, events, self.dp_rank])
+        self._apply_truth(payload)
+        return await self.publisher.send(payload, publish=publish)
+
+    async def send_raw(self, payload: bytes, *, publish: bool = True) -> int:
+        """Exact bytes (a vector, or garbage); the truth follows whatever of it decodes."""
+        with contextlib.suppress(ValueError):
+            self._apply_truth(payload)
+        return await self.publisher.send(payload, publish=publish)
+
+    async def step(self, *, publish: bool = True) -> int:
+        return await self.send(self.random_events(), publish=publish)
+
+    def dump(self) -> list[tuple[int, int, str, int | None, int, int]]:
+        return canonical(self.truth.dump_events())

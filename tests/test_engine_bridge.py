@@ -1,0 +1,262 @@
+"""The whole chain over real sockets: fake vLLM engine (ZMQ PUB + replay ROUTER) -> `kv-router bridge`
+-> real nats-server -> the router service; and mock engine -> bridge -> NATS -> router as processes.
+
+After gaps, engine restarts, clears, garbage and a bridge restart, the router's ``/v1/dump`` equals
+what the engine holds; a gap nobody can replay leaves the rank untrusted in ``/v1/workers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from api.app import create_app
+from api.bridge_command import load_bridge_config
+from api.config import ConfigError, EventPlaneConfig, Settings
+from indexer.events import RouterEvent
+from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject
+from router.config import RouterConfig
+from router.engines.bridge import Bridge, BridgeConfig, rank_endpoint
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.engine_fakes import BLOCK, FakeEngine, canonical
+from tests.waiting import until
+
+T = TypeVar("T")
+WORKER = 41
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Loop:
+    """An event loop in a thread, where the engine and the bridge live, as separate processes would."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def side() -> Iterator[Loop]:
+    loop = Loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def router(nats_server: EmbeddedNats) -> Iterator[TestClient]:
+    settings = Settings(
+        router=RouterConfig(block_size=BLOCK),
+        event_plane=EventPlaneConfig(nats_url=nats_server.url, worker_lease_secs=30, resync_timeout_secs=0.5),
+    )
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        yield client
+
+
+def _dump(client: TestClient) -> list[Any]:
+    events = msgspec.json.decode(client.get("/v1/dump").content, type=list[RouterEvent])
+    return canonical(events)
+
+
+def _streams(client: TestClient) -> list[dict[str, Any]]:
+    reply = client.get(f"/v1/workers/{WORKER}")
+    return reply.json()["event_streams"] if reply.status_code == 200 else []
+
+
+class Chain:
+    def __init__(self, side: Loop, nats_url: str, *, replay: bool = True) -> None:
+        self.side = side
+        self.nats_url = nats_url
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.replay = f"tcp://127.0.0.1:{free_port()}" if replay else None
+        self.engine = FakeEngine(WORKER, self.endpoint, self.replay, seed=21)
+        self.bridge: Bridge | None = None
+        side.call(self.engine.start())
+
+    def start_bridge(self) -> None:
+        async def run() -> Bridge:
+            nc = await connect(NatsOptions(self.nats_url))
+            config = BridgeConfig(worker_id=WORKER, zmq_endpoint=self.endpoint, replay_endpoint=self.replay,
+                                  block_size=BLOCK, total_kv_blocks=1000, heartbeat_interval_secs=0.2)  # fmt: skip
+            bridge = Bridge(config, nc)
+            await bridge.start()
+            return bridge
+
+        self.bridge = self.side.call(run())
+
+    def stop_bridge(self, *, deregister: bool = True) -> None:
+        bridge, self.bridge = self.bridge, None
+        if bridge is not None:
+
+            async def run() -> None:
+                await bridge.stop(deregister=deregister)
+                await bridge.nc.close()
+
+            self.side.call(run())
+
+    def steps(self, count: int, *, drop_every: int = 0) -> None:
+        for i in range(count):
+            self.side.call(self.engine.step(publish=not drop_every or i % drop_every != drop_every - 1))
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        self.stop_bridge()
+        self.side.call(self.engine.stop())
+
+
+def _converged(client: TestClient, chain: Chain) -> None:
+    until(lambda: _dump(client) == chain.engine.dump() and all(s["trusted"] for s in _streams(client)), timeout=20)
+
+
+def test_gaps_restarts_clears_and_a_bridge_restart_leave_the_router_holding_what_the_engine_holds(
+    router: TestClient, side: Loop, nats_server: EmbeddedNats
+) -> None:
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge()
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        config = router.get(f"/v1/workers/{WORKER}").json()["config"]
+        assert (config["block_size"], config["total_kv_blocks"]) == (BLOCK, 1000)
+        chain.steps(40, drop_every=6)  # batches lost on the PUB socket: replayed
+        side.call(chain.engine.send_raw(b"\x93garbage"))
+        chain.steps(5)
+        _converged(router, chain)
+        assert chain.engine.dump()
+        stats = chain.bridge.streams[0].stats if chain.bridge else None
+        assert stats is not None and stats["replayed"] >= 6 and stats["rejected_bad_envelope"] == 1
+
+        chain.engine.restart()  # a new engine process: seq 0 again, empty cache
+        chain.steps(20)
+        _converged(router, chain)
+        assert chain.bridge is not None and chain.bridge.streams[0].stats["restarts"] == 1
+
+        side.call(chain.engine.send([chain.engine.cleared()]))
+        chain.steps(10)
+        _converged(router, chain)
+
+        # The bridge dies without deregistering (as on kill -9) while the engine goes on; a new one
+        # replays the engine's buffer and routers resync from it.
+        chain.stop_bridge(deregister=False)
+        chain.steps(10)
+        chain.start_bridge()
+        chain.steps(5)
+        _converged(router, chain)
+    finally:
+        chain.close()
+
+
+def test_a_gap_without_replay_leaves_the_rank_untrusted_until_the_engine_clears(
+    router: TestClient, side: Loop, nats_server: EmbeddedNats
+) -> None:
+    chain = Chain(side, nats_server.url, replay=False)
+    try:
+        chain.start_bridge()
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        time.sleep(0.2)  # past the slow-joiner window
+        chain.steps(5)
+        _converged(router, chain)
+        side.call(chain.engine.step(publish=False))
+        chain.steps(3)
+        until(lambda: _streams(router) and not _streams(router)[0]["trusted"], timeout=20)
+        metrics = router.get("/metrics").text
+        assert f'kv_router_worker_stream_trusted{{dp_rank="0",worker_id="{WORKER}"}} 0.0' in metrics
+        side.call(chain.engine.send([chain.engine.cleared()]))
+        chain.steps(3)
+        _converged(router, chain)
+    finally:
+        chain.close()
+
+
+def test_bridge_settings_come_from_flags_environment_and_file(tmp_path: Path) -> None:
+    file = tmp_path / "bridge.toml"
+    file.write_text('worker_id = 3\nzmq_endpoint = "tcp://127.0.0.1:5557"\nblock_size = 32\ndp_size = 2\n')
+    env = {"KV_ROUTER_BRIDGE_BLOCK_SIZE": "64", "KV_ROUTER_BRIDGE_TAINTS": "gpu-a100,spot", "OTHER": "x"}
+    config = load_bridge_config({"namespace": "prod"}, env, file)
+    assert (config.worker_id, config.block_size, config.dp_size, config.namespace) == (3, 64, 2, "prod")
+    assert config.registration().taints == frozenset({"gpu-a100", "spot"})
+    assert config.registration().dp_ranks == range(2)
+    assert rank_endpoint("tcp://127.0.0.1:5557", 1) == "tcp://127.0.0.1:5558"
+    with pytest.raises(ConfigError, match="block_size"):
+        load_bridge_config({"block_size": 0}, {}, file)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        (tmp_path / "bad.json").write_text('{"worker": 1}')
+        load_bridge_config({}, {}, tmp_path / "bad.json")
+
+
+def _kv_router(*args: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "api.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_mock_engine_to_bridge_to_nats_to_router_as_processes(router: TestClient, nats_server: EmbeddedNats) -> None:
+    zmq, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    worker = _kv_router("mock-worker", "--nats-url", nats_server.url, "--worker-id", str(WORKER),
+                        "--zmq-endpoint", zmq, "--replay-endpoint", replay, "--block-size", str(BLOCK),
+                        "--engine-speedup", "100")  # fmt: skip
+    bridge = _kv_router("bridge", "--worker-id", str(WORKER), "--zmq-endpoint", zmq, "--replay-endpoint", replay,
+                        "--block-size", str(BLOCK), "--nats-url", nats_server.url)  # fmt: skip
+    try:
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200, timeout=30)
+        prompt = [random.Random(1).randrange(50_000) for _ in range(12 * BLOCK)]
+
+        async def generate() -> GenerateUpdate:
+            nc = await connect(NatsOptions(nats_server.url))
+            try:
+                inbox = nc.new_inbox()
+                done: asyncio.Future[GenerateUpdate] = asyncio.get_running_loop().create_future()
+
+                async def on_update(message: Any) -> None:
+                    update = msgspec.msgpack.decode(message.data, type=GenerateUpdate)
+                    if update.kind == "done" and not done.done():
+                        done.set_result(update)
+
+                await nc.subscribe(inbox, cb=on_update)
+                request = GenerateRequest(
+                    request_id="r-1", tokens=array("I", prompt).tobytes(), max_tokens=4, reply=inbox
+                )
+                await nc.publish(generate_subject("default", WORKER), msgspec.msgpack.encode(request))
+                return await asyncio.wait_for(done, timeout=20)
+            finally:
+                await nc.close()
+
+        asyncio.run(generate())
+
+        def prompt_cached() -> bool:
+            rows = router.post("/v1/overlap", json={"tokens": prompt}).json()["workers"]
+            return any(row["worker_id"] == WORKER and row["device_blocks"] == 12 for row in rows)
+
+        until(prompt_cached, timeout=20)
+        assert all(s["trusted"] for s in _streams(router))
+    finally:
+        for process in (bridge, worker):
+            process.terminate()
+        for process in (bridge, worker):
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -1,0 +1,199 @@
+"""Direct mode over real ZMQ sockets: a fake vLLM engine (PUB + replay ROUTER) feeds the router's sequencer.
+
+After gaps (repaired by replay, in both of vLLM's reply layouts), engine restarts, clears, garbage and
+a router that joins late, the router's index equals what the engine holds; without a replay socket a
+gap leaves the rank untrusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from indexer.sequencer import StreamStatus
+from router.config import RouterConfig
+from router.engines.direct import DirectEngine, parse_engine_zmq
+from router.event_plane.embedded_server import free_port
+from router.kv_router import KvRouter
+from router.types import WorkerConfig
+from tests.engine_fakes import BLOCK, FakeEngine, canonical
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+WORKER = 7
+
+
+def _endpoints(replay: bool) -> tuple[str, str | None]:
+    return f"tcp://127.0.0.1:{free_port()}", (f"tcp://127.0.0.1:{free_port()}" if replay else None)
+
+
+def _router() -> KvRouter:
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    router.register_worker(WorkerConfig(worker_id=WORKER, block_size=BLOCK, leased=False))
+    return router
+
+
+def _spec(endpoint: str, replay: str | None) -> str:
+    return f"{WORKER}={endpoint}" + (f",replay={replay}" if replay else "")
+
+
+def _stream(router: KvRouter, dp_rank: int = 0) -> StreamStatus:
+    (status,) = [s for s in router.events.status() if (s.worker_id, s.dp_rank) == (WORKER, dp_rank)]
+    return status
+
+
+async def _converged(router: KvRouter, engine: FakeEngine, direct: DirectEngine) -> None:
+    await eventually(lambda: direct.stream.backlog == 0 and canonical(router.indexer.dump_events()) == engine.dump())
+
+
+def test_engine_zmq_specs_parse() -> None:
+    assert parse_engine_zmq("7=tcp://h:1") == (7, "tcp://h:1", None)
+    assert parse_engine_zmq("7=tcp://h:1,replay=tcp://h:2") == (7, "tcp://h:1", "tcp://h:2")
+    for bad in ("x=tcp://h:1", "7", "7=", "7=tcp://h:1,other=1"):
+        with pytest.raises(ValueError):
+            parse_engine_zmq(bad)
+
+
+async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(shared_dir: Path) -> None:
+    endpoint, replay = _endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay)
+    await engine.start()
+    router = _router()
+    direct = DirectEngine(router, _spec(endpoint, replay))
+    await direct.start()
+    try:
+        await engine.step()  # the slow joiner may miss it: replay brings it
+        vectors = json.loads((shared_dir / "vectors" / "vllm_kv_events.json").read_text())["vectors"]
+        for vector in vectors:
+            await engine.send_raw(bytes.fromhex(vector["payload_hex"]))
+            await engine.step()
+        await engine.send_raw(b"\xc1garbage")
+        await engine.send_raw(b"")
+        for _ in range(20):
+            await engine.step()
+        await _converged(router, engine, direct)
+        stats = direct.stream.stats
+        assert stats["rejected_bad_envelope"] == 1 and stats["rejected_empty_payload"] == 1
+        assert engine.dump()  # the scenario leaves something cached
+        assert _stream(router).trusted and _stream(router, dp_rank=1).trusted  # one vector is dp rank 1
+    finally:
+        await direct.stop()
+        await engine.stop()
+
+
+@pytest.mark.parametrize("topic_in_replay", [True, False], ids=["vllm>=0.26", "vllm<0.26"])
+@pytest.mark.parametrize("array_form", [False, True], ids=["map", "array"])
+async def test_gaps_are_repaired_by_replay_in_both_reply_layouts(topic_in_replay: bool, array_form: bool) -> None:
+    endpoint, replay = _endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, topic_in_replay=topic_in_replay, array_form=array_form, seed=3)
+    await engine.start()
+    router = _router()
+    direct = DirectEngine(router, _spec(endpoint, replay))
+    await direct.start()
+    try:
+        for i in range(60):
+            await engine.step(publish=i % 7 != 3)  # every 7th batch never reaches the SUB socket
+            await asyncio.sleep(0.005)  # let the router keep up, so each loss is a gap of its own
+        await engine.step()
+        await _converged(router, engine, direct)
+        assert direct.stream.stats["gap"] >= 8 and direct.stream.stats["replayed"] >= 8
+        assert direct.stream.stats["unverified"] == 0
+        assert _stream(router).trusted
+    finally:
+        await direct.stop()
+        await engine.stop()
+
+
+async def test_an_engine_restart_clears_the_rank_and_rebuilds_it() -> None:
+    endpoint, replay = _endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=5)
+    await engine.start()
+    router = _router()
+    direct = DirectEngine(router, _spec(endpoint, replay))
+    await direct.start()
+    try:
+        for _ in range(30):
+            await engine.step()
+        await _converged(router, engine, direct)
+        engine.restart()
+        await engine.step(publish=False)  # the new process's seq 0 is missed: replay from 0 finds it
+        for _ in range(10):
+            await engine.step()
+        await _converged(router, engine, direct)
+        assert direct.stream.stats["restarts"] == 1
+        await engine.send([engine.cleared()])
+        for _ in range(5):
+            await engine.step()
+        await _converged(router, engine, direct)
+        assert _stream(router).trusted
+    finally:
+        await direct.stop()
+        await engine.stop()
+
+
+async def test_a_router_that_joins_late_replays_the_engine_history() -> None:
+    endpoint, replay = _endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=9)
+    await engine.start()
+    try:
+        for _ in range(40):
+            await engine.step()
+        router = _router()
+        direct = DirectEngine(router, _spec(endpoint, replay))
+        await direct.start()
+        try:
+            await engine.step()
+            await _converged(router, engine, direct)
+            assert _stream(router).trusted
+        finally:
+            await direct.stop()
+    finally:
+        await engine.stop()
+
+
+async def test_without_replay_a_gap_leaves_the_rank_untrusted_until_it_clears() -> None:
+    endpoint, _ = _endpoints(replay=False)
+    engine = FakeEngine(WORKER, endpoint, None, seed=11)
+    await engine.start()
+    router = _router()
+    direct = DirectEngine(router, _spec(endpoint, None))
+    await direct.start()
+    try:
+        await asyncio.sleep(0.2)  # past the slow-joiner window
+        for _ in range(5):
+            await engine.step()
+        await eventually(lambda: direct.stream.stats["applied"] == 5)
+        assert _stream(router).trusted
+        await engine.step(publish=False)
+        await engine.step()
+        await eventually(lambda: direct.stream.stats["unverified"] == 1)
+        assert not _stream(router).trusted
+        await engine.send([engine.cleared()])
+        await eventually(lambda: _stream(router).trusted)
+    finally:
+        await direct.stop()
+        await engine.stop()
+
+
+async def test_a_replay_buffer_that_lost_the_gap_leaves_the_rank_untrusted() -> None:
+    endpoint, replay = _endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=13)
+    await engine.start()
+    router = _router()
+    direct = DirectEngine(router, _spec(endpoint, replay))
+    await direct.start()
+    try:
+        await engine.step()
+        await eventually(lambda: direct.stream.stats["applied"] == 1)
+        for _ in range(5):
+            await engine.step(publish=False)
+        engine.publisher.forget_before(engine.publisher.next_seq - 2)
+        await engine.step()
+        await eventually(lambda: direct.stream.stats["missing_history"] == 1)
+        assert not _stream(router).trusted
+    finally:
+        await direct.stop()
+        await engine.stop()

@@ -1,0 +1,170 @@
+"""The engine decoder on the exact payloads of shared/vectors/vllm_kv_events.json, and on garbage."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from indexer.engine_events import (
+    EngineCleared,
+    EngineDecodeError,
+    EngineRemoved,
+    EngineStored,
+    decode_engine_batch,
+    fold_hash,
+    storage_tier,
+)
+from indexer.events import StorageTier
+from indexer.hashing import compute_block_hashes
+
+encode = msgspec.msgpack.encode
+
+
+def _vectors(shared_dir: Path) -> list[dict[str, Any]]:
+    vectors: list[dict[str, Any]] = json.loads((shared_dir / "vectors" / "vllm_kv_events.json").read_text())["vectors"]
+    return vectors
+
+
+def _expected(vector: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for routed in vector["dynamo_router_events_derived"]:
+        data = routed["event"]["data"]
+        if data == "cleared":
+            out.append(EngineCleared())
+        elif "removed" in data:
+            out.append(EngineRemoved(data["removed"]["block_hashes"], StorageTier.DEVICE))
+        else:
+            stored = data["stored"]
+            blocks = [(b["block_hash"], b["tokens_hash"]) for b in stored["blocks"]]
+            out.append(EngineStored(stored["parent_hash"], blocks, StorageTier.DEVICE, 4))
+    return out
+
+
+def test_every_vector_form_decodes_to_dynamos_router_events(shared_dir: Path) -> None:
+    vectors = {v["name"]: v for v in _vectors(shared_dir)}
+    assert len(vectors) == 4
+    for name in ("vllm_current_map_events_int_hashes", "vllm_legacy_array_events_int_hashes", "vllm_v0_9_0_minimal"):
+        vector = vectors[name]
+        batch = decode_engine_batch(bytes.fromhex(vector["payload_hex"]), 4)
+        assert batch.errors == [] and batch.ignored == 0
+        assert batch.events == _expected(vector), name
+        assert batch.ts == 1700000000.5
+    assert decode_engine_batch(bytes.fromhex(vectors["vllm_v0_9_0_minimal"]["payload_hex"]), 4).dp_rank is None
+    assert (
+        decode_engine_batch(bytes.fromhex(vectors["vllm_current_map_events_int_hashes"]["payload_hex"]), 4).dp_rank == 0
+    )
+
+
+def test_byte_hashes_fold_to_their_last_8_bytes_and_lora_salts_the_tokens_hash(shared_dir: Path) -> None:
+    vector = next(v for v in _vectors(shared_dir) if v["name"] == "vllm_current_map_events_bytes_hashes")
+    batch = decode_engine_batch(bytes.fromhex(vector["payload_hex"]), 4)
+    assert batch.dp_rank == 1
+    stored, removed, cleared = batch.events
+    assert isinstance(stored, EngineStored) and isinstance(removed, EngineRemoved)
+    assert [h for h, _ in stored.blocks] == vector["u64_block_hashes"][0]
+    assert stored.parent_hash == vector["dynamo_router_events_derived"][0]["event"]["data"]["stored"]["parent_hash"]
+    assert removed.block_hashes == vector["u64_block_hashes"][1]
+    assert cleared == EngineCleared()
+    # The event names lora_name "my-adapter": its blocks hash as a request naming that adapter does
+    # (the vector's derived tokens_hash leaves the LoRA salt out; Dynamo's convert.rs salts it).
+    tokens = vector["decoded_msgpack_tree"][1][0]["token_ids"]
+    assert [t for _, t in stored.blocks] == compute_block_hashes(tokens, 4, lora_name="my-adapter")
+    assert [t for _, t in stored.blocks] != compute_block_hashes(tokens, 4)
+
+
+@given(st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1))
+def test_int_hashes_fold_bitwise(value: int) -> None:
+    folded = fold_hash(value)
+    assert 0 <= folded < 1 << 64
+    assert folded.to_bytes(8, "big") == (value % (1 << 64)).to_bytes(8, "big")
+
+
+@given(st.binary(min_size=1, max_size=40))
+def test_byte_hashes_fold_as_vllm_converts_them(digest: bytes) -> None:
+    assert fold_hash(digest) == int.from_bytes(digest, "big") & ((1 << 64) - 1)
+
+
+def test_media_map_to_tiers_and_unknown_media_are_never_gpu() -> None:
+    assert storage_tier(None) is StorageTier.DEVICE
+    assert storage_tier("GPU") is StorageTier.DEVICE
+    assert storage_tier("cpu") is StorageTier.HOST_PINNED
+    assert storage_tier("DISK") is StorageTier.DISK
+    assert storage_tier("STORAGE") is StorageTier.DISK
+    assert storage_tier("REMOTE") is StorageTier.EXTERNAL
+    assert storage_tier("LMCACHE_SOMETHING") is StorageTier.EXTERNAL
+
+
+def _stored(**fields: Any) -> dict[str, Any]:
+    event: dict[str, Any] = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                             "token_ids": list(range(8)), "block_size": 4}  # fmt: skip
+    event.update(fields)
+    return event
+
+
+def test_sglang_salt_namespace_and_mm_infos_enter_the_tokens_hash() -> None:
+    tokens = list(range(8))
+    # SGLang 0.5.18: a {"cache_salt"} map in the array's lora_name slot.
+    array = ["BlockStored", [1, 2], None, tokens, 4, None, "GPU", {"cache_salt": "tenant-a"}]
+    (salted,) = decode_engine_batch(encode([0.0, [array], 0]), 4).events
+    assert isinstance(salted, EngineStored)
+    assert [t for _, t in salted.blocks] == compute_block_hashes(tokens, 4, cache_namespace="tenant-a")
+    (mapped,) = decode_engine_batch(encode([0.0, [_stored(cache_salt="tenant-a")], 0]), 4).events
+    assert mapped == salted
+    (spaced,) = decode_engine_batch(encode([0.0, [_stored()], 0]), 4, cache_namespace="tenant-a").events
+    assert spaced == salted
+    infos = [{"mm_objects": [{"mm_hash": 99, "offsets": [[0, 2]]}]}, None]
+    (mm,) = decode_engine_batch(encode([0.0, [_stored(block_mm_infos=infos)], 0]), 4).events
+    assert isinstance(mm, EngineStored)
+    assert [t for _, t in mm.blocks] == compute_block_hashes(tokens, 4, block_mm_infos=infos)
+
+
+def test_non_attention_groups_are_ignored_and_a_map_envelope_is_accepted() -> None:
+    payload = encode({"ts": 1.0, "events": [_stored(kv_cache_spec_kind="sliding_window"), _stored()],
+                      "data_parallel_rank": 3})  # fmt: skip
+    batch = decode_engine_batch(payload, 4)
+    assert batch.ignored == 1 and len(batch.events) == 1 and batch.dp_rank == 3
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        ({"type": "BlockUpdated", "block_hashes": [1]}, "unknown_event_type"),
+        (["Mystery", 1], "unknown_event_type"),
+        (_stored(block_size=16), "block_size_mismatch"),
+        (_stored(token_ids=[1, 2, 3]), "short_token_ids"),
+        (_stored(token_ids=[[1, 2]] * 8), "unsupported_token_ids"),
+        (_stored(token_ids=[-1] * 8), "bad_token_ids"),
+        (_stored(block_hashes=[1, 1]), "repeated_hash"),
+        (_stored(parent_block_hash=2), "repeated_hash"),
+        (_stored(block_hashes="nope"), "bad_event"),
+        (7, "bad_event"),
+    ],
+)
+def test_a_bad_event_is_skipped_with_its_reason_and_the_others_kept(event: Any, reason: str) -> None:
+    batch = decode_engine_batch(encode([0.0, [event, {"type": "AllBlocksCleared"}], 0]), 4)
+    assert [error.reason for error in batch.errors] == [reason]
+    assert batch.events == [EngineCleared()]
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [(b"", "empty_payload"), (b"\xc1", "bad_envelope"), (encode([1.0]), "bad_envelope"),
+     (encode("hello"), "bad_envelope"), (encode({"events": []}), "bad_envelope")],
+)  # fmt: skip
+def test_a_bad_envelope_raises_one_typed_error(payload: bytes, reason: str) -> None:
+    with pytest.raises(EngineDecodeError) as caught:
+        decode_engine_batch(payload, 4)
+    assert caught.value.reason == reason
+
+
+@given(st.binary(max_size=200))
+def test_garbage_never_escapes_as_anything_but_a_decode_error(payload: bytes) -> None:
+    with contextlib.suppress(EngineDecodeError):
+        decode_engine_batch(payload, 4)
