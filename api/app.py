@@ -23,10 +23,18 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.config import Settings
+from api.engine_lifecycle import running_engines
 from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
 from api.handlers import Handlers
-from api.metrics import ApiMetrics, EventPlaneCollector, EventStreamCollector, RouterStateCollector, register_build_info
+from api.metrics import (
+    ApiMetrics,
+    EngineStreamCollector,
+    EventPlaneCollector,
+    EventStreamCollector,
+    RouterStateCollector,
+    register_build_info,
+)
 from api.openapi import Schemas
 from api.plane_lifecycle import running_event_plane
 from api.routes import add_admin_routes, add_hot_routes
@@ -72,6 +80,11 @@ def create_app(
                 collector = EventPlaneCollector(plane)
                 registry.register(collector)
                 stack.callback(registry.unregister, collector)
+            if settings.engines.engine_zmq:
+                engines = await stack.enter_async_context(running_engines(kv_router, settings.engines))
+                engine_collector = EngineStreamCollector([engine.stream for engine in engines])
+                registry.register(engine_collector)
+                stack.callback(registry.unregister, engine_collector)
             background.keep_running("expiry-sweep", partial(_sweep_stale_requests, kv_router))
             app.state.serving = True
             try:

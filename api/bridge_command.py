@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from api.config import ConfigError, _none_if_null, _read_file
+from api.config import _none_if_null, _read_file
 from router.engines.bridge import BridgeConfig
 
 __all__ = ["BRIDGE", "BRIDGE_ENV_PREFIX", "BridgeCommand", "load_bridge_config"]
@@ -32,7 +32,7 @@ def load_bridge_config(
     if config_file is not None:
         for name, value in _read_file(config_file).items():
             if name not in fields:
-                raise ConfigError(f"unknown setting {name!r} in config file {config_file}")
+                raise ConfigError(name, f"unknown setting in config file {config_file}")
             merged[name], origin[name] = value, f"config file {config_file}"
     for key, value in env.items():
         name = key[len(BRIDGE_ENV_PREFIX) :].lower()
@@ -47,8 +47,9 @@ def load_bridge_config(
         return msgspec.convert(merged, BridgeConfig, strict=False)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        where = next((o for n, o in origin.items() if f"$.{n}`" in message), None)
-        raise ConfigError(f"{message} (from {where})" if where else message) from None
+        field = next((n for n in origin if f"$.{n}`" in message), "bridge")
+        where = origin.get(field)
+        raise ConfigError(field, f"{message} (from {where})" if where else message) from None
 
 
 def _flag_type(info: msgspec.inspect.Type) -> dict[str, Any]:

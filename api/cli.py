@@ -110,6 +110,9 @@ def _add_field_flag(group: argparse._ArgumentGroup, section: str, field: msgspec
     if isinstance(t, msgspec.inspect.BoolType):
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         return
+    if isinstance(t, msgspec.inspect.ListType) and isinstance(t.item_type, msgspec.inspect.StrType):
+        group.add_argument(flag, action="append", metavar=field.name.upper(), **kwargs)
+        return
     if isinstance(t, msgspec.inspect.LiteralType):
         kwargs["choices"] = [str(v) for v in t.values] + (["none"] if optional else [])
     elif isinstance(t, msgspec.inspect.EnumType):

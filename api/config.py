@@ -24,6 +24,7 @@ from router.errors import ConfigError
 __all__ = [
     "ENV_PREFIX",
     "SECTIONS",
+    "EngineSourcesConfig",
     "EventPlaneConfig",
     "ServiceConfig",
     "Settings",
@@ -106,12 +107,26 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     ] = 2.0
 
 
+class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Engines the router hears itself, without a bridge (direct mode), and Dynamo workers on NATS."""
+
+    engine_zmq: Annotated[
+        list[str],
+        _doc(
+            "an engine's KV-event PUB socket heard directly: WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT] "
+            "(repeatable; environment: a JSON list)"
+        ),
+    ] = []
+    engine_zmq_topic: Annotated[str, _doc("topic prefix of the engines' KV events (empty: every topic)")] = ""
+
+
 class Settings(msgspec.Struct, kw_only=True, frozen=True):
     """Everything `kv-router serve` needs, one struct per section."""
 
     service: ServiceConfig = msgspec.field(default_factory=ServiceConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     event_plane: EventPlaneConfig = msgspec.field(default_factory=EventPlaneConfig)
+    engines: EngineSourcesConfig = msgspec.field(default_factory=EngineSourcesConfig)
 
 
 # Section name in `Settings` -> its struct type. Field names must be unique across sections.
@@ -119,6 +134,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     "service": ServiceConfig,
     "router": RouterConfig,
     "event_plane": EventPlaneConfig,
+    "engines": EngineSourcesConfig,
 }
 
 
@@ -188,9 +204,18 @@ def load_settings(
     return Settings(**sections)  # type: ignore[arg-type]
 
 
-def _none_if_null(value: str) -> str | None:
-    # An environment variable cannot hold null; "none" / "null" clear an optional setting.
-    return None if value.strip().lower() in ("none", "null") else value
+def _none_if_null(value: str) -> Any:
+    # An environment variable cannot hold null; "none" / "null" clear an optional setting, and a
+    # JSON list is a list setting's value.
+    text = value.strip()
+    if text.lower() in ("none", "null"):
+        return None
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    return value
 
 
 def _explain(message: str, origin: Mapping[str, str]) -> str:

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from indexer.sequencer import EventSequencer
+from router.engines.zmq_stream import ZmqEngineStream
 from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import RouteDecision
@@ -359,4 +360,36 @@ class EventPlaneCollector(Collector):
             ),
             GaugeMetricFamily(f"{PREFIX}_nats_resyncs_in_flight", "Resync requests awaiting a worker's answer."),
             GaugeMetricFamily(f"{PREFIX}_nats_connected", "1 while connected to the NATS server."),
+        ]
+
+
+class EngineStreamCollector(Collector):
+    """Engine ZMQ streams heard directly (``--engine-zmq``): messages by outcome, backlog."""
+
+    def __init__(self, streams: Sequence[ZmqEngineStream]) -> None:
+        self._streams = streams
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        outcomes, backlog = families = self._families()
+        for stream in self._streams:
+            for outcome, count in sorted(stream.stats.items()):
+                outcomes.add_metric([stream.endpoint, outcome], count)
+            backlog.add_metric([stream.endpoint], stream.backlog)
+        yield from families
+
+    @staticmethod
+    def _families() -> list[CounterMetricFamily | GaugeMetricFamily]:
+        return [
+            CounterMetricFamily(
+                f"{PREFIX}_engine_stream_messages",
+                "Engine ZMQ batches by outcome: messages, applied, duplicate, dropped_queue_full, gap, replayed, "
+                "replay_failed, missing_history, restarts, unverified, rejected_<reason>; events, ignored_events.",
+                labels=["endpoint", "outcome"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_engine_stream_backlog", "Engine batches waiting to be applied.", labels=["endpoint"]
+            ),
         ]

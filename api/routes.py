@@ -115,9 +115,9 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
     worker_body: BodyDecoder[WorkerConfig] = BodyDecoder(WorkerConfig)
 
     def streams_by_worker(request: Request) -> dict[int, list[StreamStatus]]:
-        plane: RouterEventPlane | None = request.app.state.event_plane
+        # Every door feeds the one sequencer: NATS, HTTP and engines heard directly alike.
         by_worker: dict[int, list[StreamStatus]] = {}
-        for stream in plane.sequencer.status() if plane is not None else ():
+        for stream in kv_router.events.status():
             by_worker.setdefault(stream.worker_id, []).append(stream)
         return by_worker
 

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from api.app import create_app
 from api.bridge_command import load_bridge_config
-from api.config import ConfigError, EventPlaneConfig, Settings
+from api.config import EventPlaneConfig, Settings
 from indexer.events import RouterEvent
 from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject
 from router.config import RouterConfig

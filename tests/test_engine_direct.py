@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,3 +198,61 @@ async def test_a_replay_buffer_that_lost_the_gap_leaves_the_rank_untrusted() -> 
     finally:
         await direct.stop()
         await engine.stop()
+
+
+def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Path) -> None:
+    import random
+    import threading
+    import time
+
+    import msgspec
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from api.app import create_app
+    from api.cli import build_parser
+    from api.config import load_settings
+    from indexer.events import RouterEvent
+    from tests.waiting import until
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=30)
+
+    endpoint, replay = _endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=17)
+    call(engine.start())
+    try:
+        for _ in range(10):
+            call(engine.step())  # before the router starts: it replays them
+        args = vars(build_parser().parse_args(
+            ["serve", "--no-embedded-nats", "--block-size", str(BLOCK), "--engine-zmq", _spec(endpoint, replay),
+             "--engine-zmq", "8=tcp://127.0.0.1:1"]
+        ))  # fmt: skip
+        args.pop("command"), args.pop("config")
+        settings = load_settings(flags=args, env={})
+        assert settings.engines.engine_zmq == [_spec(endpoint, replay), "8=tcp://127.0.0.1:1"]
+        app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+        with TestClient(app, base_url="http://127.0.0.1") as client:
+
+            def dump() -> list[Any]:
+                return canonical(msgspec.json.decode(client.get("/v1/dump").content, type=list[RouterEvent]))
+
+            for i in range(30):
+                call(engine.step(publish=i % 5 != 2))
+                time.sleep(0.002)
+            engine.restart()
+            for _ in range(10):
+                call(engine.step())
+            until(lambda: dump() == engine.dump())
+            worker = client.get(f"/v1/workers/{WORKER}").json()
+            assert [s["trusted"] for s in worker["event_streams"]] == [True]
+            metrics = client.get("/metrics").text
+            assert f'kv_router_engine_stream_messages_total{{endpoint="{endpoint}",outcome="restarts"}} 1.0' in metrics
+    finally:
+        call(engine.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)

@@ -7,6 +7,7 @@ the last seq seen *live* on the SUB socket.
 - A live seq at or below the last live one: the engine restarted (a live stream never repeats). Its
   ranks are cleared through the sink and rebuilt from what follows.
 - A seq at or below the last applied one (after a replay covered it): a duplicate, dropped.
+- At start, with a replay endpoint, the engine's whole buffer is replayed before any live message.
 - A seq beyond the next expected one (including the first message of a stream joined late, whose
   expected seq is 0): a gap. With a replay endpoint the missing batches are asked for over a DEALER
   socket (REQ would keep only the first reply) while live messages wait in the queue, then applied
@@ -169,6 +170,8 @@ class ZmqEngineStream:
             socket.close()
 
     async def _apply_loop(self) -> None:
+        if self.replay_endpoint is not None and self._last_applied is None:
+            await self._bootstrap()
         while True:
             seq, payload = await self._queue.get()
             await self.take_live(seq, payload)
@@ -201,6 +204,23 @@ class ZmqEngineStream:
                 self.stats["duplicate"] += 1  # the replay brought it already
                 return
         await self._deliver(seq, payload)
+
+    async def _bootstrap(self) -> None:
+        """Before the first live message: replay the engine's buffer, so a router (or bridge) that starts
+        after its engine learns what the engine cached before, even if the engine is idle now."""
+        try:
+            batches = await replay_batches(
+                self._context, self.replay_endpoint or "", 0, timeout_s=self._replay_timeout_s
+            )
+        except ReplayError as exc:
+            log.info("engine at %s did not answer a replay at start (%s); live messages will", self.endpoint, exc)
+            return
+        if batches and batches[0][0] > 0:
+            self.stats["missing_history"] += 1
+            self._unverified(f"the engine's replay buffer starts at seq {batches[0][0]}, not 0")
+        for seq, payload in batches:
+            self.stats["replayed"] += 1
+            await self._deliver(seq, payload)
 
     async def _repair(self, start: int) -> None:
         if self.replay_endpoint is None:
