@@ -29,6 +29,7 @@ from api.fastpath import FastPath, HotRoutes
 from api.handlers import Handlers
 from api.metrics import (
     ApiMetrics,
+    DoctorCollector,
     EngineStreamCollector,
     EventPlaneCollector,
     EventStreamCollector,
@@ -39,6 +40,7 @@ from api.openapi import Schemas
 from api.plane_lifecycle import running_event_plane
 from api.routes import add_admin_routes, add_hot_routes
 from api.version import package_version
+from router.doctor import ConfigDoctor
 from router.errors import KvRouterError
 from router.kv_router import KvRouter
 from router.supervision import Supervisor
@@ -50,6 +52,8 @@ logger = logging.getLogger(__name__)
 # Dynamo sweeps stale requests globally every 60 s besides the check on each `new` (§4.5); the sweep
 # is what frees the load of requests nobody marked free while no new request arrives.
 EXPIRY_SWEEP_SECS = 60.0
+# How often the configuration doctor looks (its checks read state; each costs well under a millisecond).
+DOCTOR_INTERVAL_SECS = 5.0
 
 
 def create_app(
@@ -80,11 +84,19 @@ def create_app(
                 collector = EventPlaneCollector(plane)
                 registry.register(collector)
                 stack.callback(registry.unregister, collector)
-            if settings.engines.engine_zmq:
-                engines = await stack.enter_async_context(running_engines(kv_router, settings.engines))
+            engines = await stack.enter_async_context(running_engines(kv_router, settings.engines))
+            if engines:
                 engine_collector = EngineStreamCollector([engine.stream for engine in engines])
                 registry.register(engine_collector)
                 stack.callback(registry.unregister, engine_collector)
+            doctor = ConfigDoctor(
+                kv_router, plane=app.state.event_plane, engines=[(e.worker_id, e.stream) for e in engines]
+            )
+            app.state.doctor = doctor
+            doctor_collector = DoctorCollector(doctor)
+            registry.register(doctor_collector)
+            stack.callback(registry.unregister, doctor_collector)
+            background.keep_running("doctor", partial(_run_doctor, doctor))
             background.keep_running("expiry-sweep", partial(_sweep_stale_requests, kv_router))
             app.state.serving = True
             try:
@@ -110,6 +122,7 @@ def create_app(
     app.state.registry = registry
     app.state.serving = False
     app.state.event_plane = None
+    app.state.doctor = None
     app.state.ready_min_workers = settings.service.ready_min_workers
 
     schemas = Schemas()
@@ -136,6 +149,12 @@ class RouterApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.front(scope, receive, send)
+
+
+async def _run_doctor(doctor: ConfigDoctor) -> None:
+    while True:
+        doctor.check()
+        await asyncio.sleep(DOCTOR_INTERVAL_SECS)
 
 
 async def _sweep_stale_requests(kv_router: KvRouter) -> None:

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from indexer.sequencer import EventSequencer
+from router.doctor import ConfigDoctor
 from router.engines.zmq_stream import ZmqEngineStream
 from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
@@ -393,3 +394,27 @@ class EngineStreamCollector(Collector):
                 f"{PREFIX}_engine_stream_backlog", "Engine batches waiting to be applied.", labels=["endpoint"]
             ),
         ]
+
+
+class DoctorCollector(Collector):
+    """``kv_router_config_problems{kind}``: the configuration doctor's current problems, every kind listed."""
+
+    def __init__(self, doctor: ConfigDoctor) -> None:
+        self._doctor = doctor
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for kind, count in self._doctor.counts().items():
+            family.add_metric([kind], count)
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            f"{PREFIX}_config_problems",
+            "Configuration problems the doctor sees now, by kind (details: GET /v1/doctor).",
+            labels=["kind"],
+        )

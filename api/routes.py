@@ -32,6 +32,7 @@ from api.wire import (
 )
 from indexer.events import RouterEvent
 from indexer.sequencer import StreamStatus
+from router.doctor import ConfigDoctor, Problem
 from router.errors import UnknownWorker
 from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
@@ -204,6 +205,16 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
     )
     async def dump(request: Request) -> Response:
         return reply(kv_router.indexer.dump_events(), request)
+
+    @app.get(
+        "/v1/doctor",
+        tags=["operations"],
+        summary="Configuration problems seen now (block size, hashing salt, events not wired, gaps, unknown workers)",
+        openapi_extra=schemas.operation(responses={200: (list[Problem], "OK")}),
+    )
+    async def doctor(request: Request) -> Response:
+        checker: ConfigDoctor | None = request.app.state.doctor
+        return reply(checker.check() if checker is not None else [], request)
 
     @app.get("/healthz", tags=["operations"], summary="Liveness: the process answers")
     async def healthz() -> Response:

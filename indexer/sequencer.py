@@ -83,6 +83,9 @@ class EventSequencer:
         self.resync_transport: Callable[[ResyncRequest], None] | None = None
         # Blocks stored or removed by applied live events (dumps excluded): the ingest rate's numerator.
         self.blocks_applied = 0
+        # Per stream and per worker, for diagnosis: gaps opened, events refused for an unknown worker.
+        self.gaps_by_stream: Counter[WorkerRank] = Counter()
+        self.unknown_worker_events: Counter[int] = Counter()
 
     # ------------------------------------------------------------------ live events
     def ingest(self, events: Iterable[RouterEvent]) -> None:
@@ -101,6 +104,7 @@ class EventSequencer:
     def receive(self, event: RouterEvent) -> ResyncRequest | None:
         """Take one live event; returns a resync to start, if this event calls for one."""
         if self._accept_worker is not None and not self._accept_worker(event.worker_id):
+            self.unknown_worker_events[event.worker_id] += 1
             self._reject(event, "unknown_worker", "worker not registered")
             return None
         key = (event.worker_id, event.event.dp_rank)
@@ -159,6 +163,7 @@ class EventSequencer:
     def _open_gap(self, key: WorkerRank, stream: _Stream, start: int, end: int) -> ResyncRequest:
         """Events ``start..end`` never arrived: distrust the stream and ask the worker for them."""
         self.outcomes["gap"] += 1
+        self.gaps_by_stream[key] += 1
         stream.trusted = False
         return self._start_resync(key, stream, start=start, end=end)
 
@@ -263,6 +268,10 @@ class EventSequencer:
             stream = self._streams[(worker_id, dp_rank)] = _Stream()
         stream.trusted = False
         self.outcomes["marked_untrusted"] += 1
+
+    def has_stream(self, worker_id: int, dp_rank: int) -> bool:
+        """Whether events of this (worker, dp_rank) ever reached the sequencer."""
+        return (worker_id, dp_rank) in self._streams
 
     def request_full_resync(self, worker_id: int, dp_rank: int) -> ResyncRequest | None:
         """Start a full resync of one stream now (e.g. when its worker registers), unless one runs."""

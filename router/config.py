@@ -80,6 +80,11 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     latency_default_output_tokens: int = 256
     # Dynamo reads this from the model card: EAGLE hashing windows span one extra token (§1.1).
     enable_eagle: bool = False
+    # Approximate mode (Dynamo's use_kv_events=false, §3.7): off for every worker, or per worker with
+    # WorkerConfig.kv_events, the router records each routed prompt's blocks on the chosen rank for
+    # router_ttl_secs, at most the worker's total_kv_blocks per rank (least recently routed out first).
+    kv_events: bool = True
+    router_ttl_secs: float = 120.0
 
     def __post_init__(self) -> None:
         if type(self.block_size) is not int or self.block_size < 1:
@@ -97,6 +102,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "latency_miss_weight",
             "latency_stall_weight",
             "latency_decode_weight",
+            "router_ttl_secs",
         ):
             _require_non_negative(name, getattr(self, name))
         if not (math.isfinite(self.request_expiry_secs) and self.request_expiry_secs > 0):

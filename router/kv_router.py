@@ -116,6 +116,9 @@ class KvRouter:
         # The one door into the index for live events, whatever carries them.
         self.events = EventSequencer(self.indexer, accept_worker=self.has_worker)
         self._clock = clock
+        # Called after each decision with the chosen rank and the prompt's local hashes (the doctor
+        # samples them, approximate mode records them).
+        self.routed_observers: list[Callable[[WorkerRank, list[int]], None]] = []
         self._scheduler = Scheduler(config, create_policy(config, rng if rng is not None else random.Random()))
         # Until router_min_initial_workers have registered once, `new` waits (Dynamo's startup wait).
         self._started = config.router_min_initial_workers <= len(self._scheduler.workers)
@@ -179,6 +182,10 @@ class KvRouter:
     def has_worker(self, worker_id: int) -> bool:
         """Whether the worker is registered (events of unregistered workers may be dropped upstream)."""
         return self._scheduler.workers.get(worker_id) is not None
+
+    def expects_events(self, worker: WorkerConfig) -> bool:
+        """Whether the worker's cache is known from its KV events (not predicted: approximate mode)."""
+        return self.config.kv_events and worker.kv_events
 
     def update_kv_used_blocks(self, worker_id: int, dp_rank: int, kv_used_blocks: int) -> None:
         """Record the KV blocks a worker reports in use on one rank (the decode busy check, §4.6)."""
@@ -259,6 +266,8 @@ class KvRouter:
                 routing.config,
                 request.expected_output_tokens,
             )
+        for observer in self.routed_observers:
+            observer(choice.key, routing.prompt.local_hashes)
         worker_id, dp_rank = choice.key
         return RouteDecision(
             worker_id=worker_id,

@@ -106,6 +106,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     taints: frozenset[str] = frozenset()
     leased: bool = True
+    # False: the worker publishes no KV events; the router predicts its cache from what it routes there
+    # (approximate mode, Dynamo's use_kv_events=false).
+    kv_events: bool = True
 
     def __post_init__(self) -> None:
         # Decoding checks the bounds above; direct construction (tests, config files) must too.

@@ -131,6 +131,7 @@ class ZmqEngineStream:
         # messages, applied, duplicate, dropped_queue_full, gap, replayed, replay_failed,
         # missing_history, restarts, unverified, rejected_<reason>, events, blocks, ignored_events.
         self.stats: Counter[str] = Counter()
+        self.last_rejection: dict[str, str] = {}  # reason -> the latest such rejection, for diagnosis
         self._subscribed = asyncio.Event()
         self._busy_since = 0.0
 
@@ -268,4 +269,5 @@ class ZmqEngineStream:
 
     def _reject(self, reason: str, message: str) -> None:
         self.stats[f"rejected_{reason}"] += 1
+        self.last_rejection[reason] = message
         self._bad_input.warning(f"engine event {reason}", f"from {self.endpoint}, {message}")

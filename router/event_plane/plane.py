@@ -69,6 +69,8 @@ class RouterEventPlane:
         self._subscriptions: list[Subscription] = []
         self._background = Supervisor("event-plane")
         self._bad_input = RateLimitedLog(log)
+        # Worker -> why its latest registration was refused (for diagnosis).
+        self.refused_registrations: dict[int, str] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -139,11 +141,11 @@ class RouterEventPlane:
     def _apply_registration(self, config: WorkerConfig) -> None:
         block_size = self.router.config.block_size
         if config.block_size is not None and config.block_size != block_size:
-            self._reject(
-                "block_size_mismatch",
-                f"worker {config.worker_id} uses block size {config.block_size}, router {block_size}",
-            )
+            reason = f"worker {config.worker_id} uses block size {config.block_size}, router {block_size}"
+            self.refused_registrations[config.worker_id] = reason
+            self._reject("block_size_mismatch", reason)
             return
+        self.refused_registrations.pop(config.worker_id, None)
         previous = self.router.worker(config.worker_id)
         if previous == config:
             return  # the watch echoing a registration this router applied already

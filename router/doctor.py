@@ -1,0 +1,209 @@
+"""The configuration doctor: misconfigurations that make a router silently route at zero hit rate.
+
+`ConfigDoctor.check` looks at the router's state (it is cheap, and runs every few seconds) and returns
+the problems that hold now, each with the evidence and the time it was first seen; a problem seen for
+the first time is logged once as a WARNING. The kinds:
+
+- ``block_size_mismatch``: a worker registered, or an engine heard directly sent events, with a block
+  size other than the router's (its blocks can never match a request's).
+- ``tokens_hash_mismatch``: prompts routed to a worker whose events fill the index, yet none of those
+  prompts' first blocks ever shows up among its blocks: the engine hashes the same tokens differently
+  (a cache salt, LoRA name or namespace the requests do not carry, or another tokenizer).
+- ``events_not_wired``: a worker has been routed requests for ``routed_for_s`` (a minute) and never
+  sent one event (its engine's KV events are not enabled or reach no router); workers in approximate
+  mode send none on purpose and are skipped.
+- ``stream_gapping``: one of a worker's streams lost events ``gap_threshold`` times within
+  ``gap_window_s`` (a lossy network, a full queue, a publisher restarting in a loop).
+- ``unregistered_worker``: events arrive from a worker the router does not know (they are dropped).
+
+Routed prompts are sampled (one in ``sample_every``, at most ``max_samples`` kept) and looked up
+``sample_delay_s`` later, once the engine has had time to prefill them; the decision path pays one
+modulo per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from indexer.slots import WorkerRank
+from router.engines.zmq_stream import ZmqEngineStream
+from router.event_plane.plane import RouterEventPlane
+from router.kv_router import KvRouter
+
+__all__ = ["KINDS", "ConfigDoctor", "Problem"]
+
+log = logging.getLogger(__name__)
+
+KINDS = ("block_size_mismatch", "tokens_hash_mismatch", "events_not_wired", "stream_gapping", "unregistered_worker")
+
+
+class Problem(msgspec.Struct, kw_only=True, frozen=True):
+    kind: str
+    worker_id: int | None
+    evidence: str
+    since: float  # unix seconds when first seen
+
+
+class _Tally:
+    __slots__ = ("checked", "first", "found")
+
+    def __init__(self, first: float) -> None:
+        self.checked = 0
+        self.found = 0
+        self.first = first
+
+
+class ConfigDoctor:
+    def __init__(
+        self,
+        router: KvRouter,
+        *,
+        plane: RouterEventPlane | None = None,
+        engines: Sequence[tuple[int, ZmqEngineStream]] = (),
+        clock: Callable[[], float] = time.time,
+        routed_for_s: float = 60.0,
+        gap_window_s: float = 600.0,
+        gap_threshold: int = 3,
+        sample_every: int = 16,
+        max_samples: int = 1024,
+        sample_delay_s: float = 30.0,
+        hash_mismatch_after: int = 20,
+    ) -> None:
+        self.router = router
+        self.plane = plane
+        self.engines = list(engines)
+        self._clock = clock
+        self._routed_for_s = routed_for_s
+        self._gap_window_s = gap_window_s
+        self._gap_threshold = gap_threshold
+        self._sample_every = sample_every
+        self._sample_delay_s = sample_delay_s
+        self._hash_mismatch_after = hash_mismatch_after
+        self._routed = 0
+        self._samples: deque[tuple[float, WorkerRank, int]] = deque(maxlen=max_samples)
+        self._first_routed: dict[int, float] = {}
+        self._tallies: dict[int, _Tally] = {}
+        self._gap_history: dict[WorkerRank, deque[tuple[float, int]]] = {}
+        self._since: dict[tuple[str, int | None], float] = {}
+        self.problems: list[Problem] = []
+        router.routed_observers.append(self._on_routed)
+
+    def _on_routed(self, rank: WorkerRank, local_hashes: list[int]) -> None:
+        self._first_routed.setdefault(rank[0], self._clock())
+        self._routed += 1
+        # Only prompts routed to a rank that already sends events can show whether its hashes match.
+        sampled = self._routed % self._sample_every == 1 % self._sample_every
+        if sampled and local_hashes and self.router.events.has_stream(*rank):
+            self._samples.append((self._clock(), rank, local_hashes[0]))
+
+    # ------------------------------------------------------------------ the checks
+    def check(self) -> list[Problem]:
+        now = self._clock()
+        found: dict[tuple[str, int | None], str] = {}
+        self._block_sizes(found)
+        self._hashes(now, found)
+        self._silent_workers(now, found)
+        self._gaps(now, found)
+        for worker_id, count in self.router.events.unknown_worker_events.items():
+            if count and not self.router.has_worker(worker_id):
+                found["unregistered_worker", worker_id] = (
+                    f"{count} events from worker {worker_id}, which is not registered (POST /v1/workers, the config "
+                    "file or a publisher's registration); they were dropped"
+                )
+        problems = []
+        for key, evidence in found.items():
+            since = self._since.get(key)
+            if since is None:
+                since = self._since[key] = now
+                log.warning("configuration problem %s (worker %s): %s", key[0], key[1], evidence)
+            problems.append(Problem(kind=key[0], worker_id=key[1], evidence=evidence, since=since))
+        for key in [key for key in self._since if key not in found]:
+            del self._since[key]
+        self.problems = sorted(problems, key=lambda p: (p.kind, p.worker_id or 0))
+        return self.problems
+
+    def counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(KINDS, 0)
+        for problem in self.problems:
+            counts[problem.kind] += 1
+        return counts
+
+    def _block_sizes(self, found: dict[tuple[str, int | None], str]) -> None:
+        if self.plane is not None:
+            for worker_id, reason in self.plane.refused_registrations.items():
+                found["block_size_mismatch", worker_id] = f"registration refused: {reason}"
+        for worker_id, stream in self.engines:
+            count = stream.stats["rejected_block_size_mismatch"]
+            if count:
+                detail = stream.last_rejection.get("block_size_mismatch", "")
+                found["block_size_mismatch", worker_id] = (
+                    f"{count} stored events from {stream.endpoint} refused: {detail} (set the router's --block-size "
+                    "to the engine's)"
+                )
+
+    def _hashes(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
+        indexer = self.router.indexer
+        samples = self._samples
+        while samples and now - samples[0][0] >= self._sample_delay_s:
+            _, rank, first_block = samples.popleft()
+            tally = self._tallies.get(rank[0])
+            if tally is None:
+                tally = self._tallies[rank[0]] = _Tally(now)
+            tally.checked += 1
+            if indexer.find_matches([first_block]).scores.get(rank):
+                tally.found += 1
+        if not any(t.checked >= self._hash_mismatch_after and not t.found for t in self._tallies.values()):
+            return
+        held: dict[int, int] = {}
+        for (worker_id, _), blocks in indexer.stats().blocks.items():
+            held[worker_id] = held.get(worker_id, 0) + blocks
+        for worker_id, tally in self._tallies.items():
+            if tally.found:
+                tally.checked = tally.found = 0  # matches seen: start counting afresh
+            elif tally.checked >= self._hash_mismatch_after and held.get(worker_id, 0):
+                found["tokens_hash_mismatch", worker_id] = (
+                    f"{tally.checked} prompts routed to worker {worker_id}; none of their first blocks appears among "
+                    f"the {held[worker_id]} blocks its events stored: the engine hashes tokens with another cache "
+                    "salt, LoRA name or namespace than the requests carry (or another tokenizer)"
+                )
+
+    def _silent_workers(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
+        sequencer = self.router.events
+        for worker_id, first in list(self._first_routed.items()):
+            worker = self.router.worker(worker_id)
+            if worker is None:
+                del self._first_routed[worker_id]
+                continue
+            if not self.router.expects_events(worker):
+                continue
+            if any(sequencer.has_stream(worker_id, rank) for rank in worker.dp_ranks):
+                continue
+            if now - first >= self._routed_for_s:
+                found["events_not_wired", worker_id] = (
+                    f"routed requests since {now - first:.0f} s ago but never sent a KV event: enable the engine's KV "
+                    "events (vLLM --kv-events-config, then kv-router bridge or --engine-zmq), or register it with "
+                    "kv_events: false for approximate mode"
+                )
+
+    def _gaps(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
+        counts: dict[WorkerRank, int] = dict(self.router.events.gaps_by_stream)
+        for worker_id, stream in self.engines:
+            key = (worker_id, stream.dp_rank)
+            counts[key] = counts.get(key, 0) + stream.stats["gap"]
+        for key, count in counts.items():
+            # Gaps counted before the doctor first looked are taken as recent.
+            history = self._gap_history.setdefault(key, deque([(now, 0)]))
+            history.append((now, count))
+            while len(history) > 1 and now - history[1][0] >= self._gap_window_s:
+                history.popleft()
+            recent = count - history[0][1]
+            if recent >= self._gap_threshold:
+                found["stream_gapping", key[0]] = (
+                    f"dp rank {key[1]} lost events {recent} times in the last {self._gap_window_s:.0f} s "
+                    "(a lossy link, full queues or a publisher restarting in a loop)"
+                )

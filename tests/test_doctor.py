@@ -1,0 +1,163 @@
+"""The configuration doctor: each misconfiguration it names, made to happen, seen, and gone once fixed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from api.app import create_app
+from api.config import EventPlaneConfig, Settings
+from indexer.events import RouterEvent, stored_event
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from router.config import RouterConfig
+from router.doctor import ConfigDoctor, Problem
+from router.engines.direct import DirectEngine
+from router.event_plane.embedded_server import free_port
+from router.kv_router import KvRouter
+from router.types import RouteRequest, WorkerConfig
+from tests.engine_fakes import FakeEngine
+
+BLOCK = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def _router(*workers: WorkerConfig) -> KvRouter:
+    router = KvRouter(RouterConfig(block_size=BLOCK), rng=random.Random(0))
+    for worker in workers:
+        router.register_worker(worker)
+    return router
+
+
+def _doctor(router: KvRouter, clock: Clock, **options: float) -> ConfigDoctor:
+    settings = {"sample_every": 1, "sample_delay_s": 0.0, "hash_mismatch_after": 5, **options}
+    return ConfigDoctor(router, clock=clock, **settings)  # type: ignore[arg-type]
+
+
+def _kinds(problems: list[Problem]) -> list[tuple[str, int | None]]:
+    return [(p.kind, p.worker_id) for p in problems]
+
+
+def _stored(worker_id: int, event_id: int, tokens: list[int], **salt: str) -> RouterEvent:
+    local = compute_block_hashes(tokens, BLOCK, **salt)
+    return RouterEvent(worker_id, stored_event(event_id, zip(compute_sequence_hashes(local), local, strict=True)))
+
+
+async def _route(router: KvRouter, prompts: list[list[int]]) -> None:
+    for i, tokens in enumerate(prompts):
+        await router.new(RouteRequest(tokens=tokens, request_id=f"r-{i}"))
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(50_000) for _ in range(3 * BLOCK)] for _ in range(count)]
+
+
+@pytest.mark.anyio
+async def test_a_worker_routed_for_a_minute_without_events_is_not_wired(
+    clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    router = _router(WorkerConfig(worker_id=1, leased=False), WorkerConfig(worker_id=2, leased=False, kv_events=False))
+    doctor = _doctor(router, clock)
+    await _route(router, _prompts(10))
+    assert doctor.check() == []
+    clock.now += 61
+    with caplog.at_level(logging.WARNING, logger="router.doctor"):
+        assert _kinds(doctor.check()) == [("events_not_wired", 1)]  # worker 2 is in approximate mode
+        assert _kinds(doctor.check()) == [("events_not_wired", 1)]
+    assert len([r for r in caplog.records if "events_not_wired" in r.getMessage()]) == 1  # one WARNING
+    assert doctor.problems[0].since == clock.now
+    assert doctor.counts()["events_not_wired"] == 1
+    router.events.ingest([_stored(1, 1, _prompts(1)[0])])
+    assert doctor.check() == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("salted", [True, False])
+async def test_blocks_hashed_with_another_salt_than_the_requests_are_a_hash_mismatch(
+    clock: Clock, salted: bool
+) -> None:
+    router = _router(WorkerConfig(worker_id=1, leased=False))
+    doctor = _doctor(router, clock)
+    prompts = _prompts(8)
+    salt = {"lora_name": "adapter-the-requests-do-not-name"} if salted else {}
+    router.events.ingest(_stored(1, i + 1, tokens, **salt) for i, tokens in enumerate(prompts))
+    await _route(router, prompts)
+    clock.now += 1
+    assert _kinds(doctor.check()) == ([("tokens_hash_mismatch", 1)] if salted else [])
+
+
+def test_a_stream_that_keeps_gapping_and_events_from_an_unknown_worker(clock: Clock) -> None:
+    router = _router(WorkerConfig(worker_id=1, leased=False))
+    doctor = _doctor(router, clock, gap_window_s=600, gap_threshold=3)
+    tokens = _prompts(1)[0]
+    router.events.ingest([_stored(1, 1, tokens)])
+    for event_id in (3, 5, 7):  # each skips one id; without a transport the resync fails at once
+        router.events.ingest([_stored(1, event_id, tokens)])
+    router.events.ingest([_stored(99, 1, tokens)])
+    assert _kinds(doctor.check()) == [("stream_gapping", 1), ("unregistered_worker", 99)]
+    clock.now += 601  # the gaps age out of the window
+    router.register_worker(WorkerConfig(worker_id=99, leased=False))
+    assert doctor.check() == []
+
+
+@pytest.mark.anyio
+async def test_an_engine_with_another_block_size_is_reported_over_http(caplog: pytest.LogCaptureFixture) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    engine = FakeEngine(5, endpoint, None)  # block size 4, router 16
+    await engine.start()
+    router = KvRouter(RouterConfig(block_size=16))
+    direct = DirectEngine(router, f"5={endpoint}")
+    await direct.start()
+    try:
+        doctor = ConfigDoctor(router, engines=[(5, direct.stream)])
+        for _ in range(200):  # the first batches may go before the SUB socket is joined
+            await engine.step()
+            await asyncio.sleep(0.01)
+            if direct.stream.stats["rejected_block_size_mismatch"]:
+                break
+        (problem,) = doctor.check()
+        assert (problem.kind, problem.worker_id) == ("block_size_mismatch", 5)
+        assert "the engine's block size is 4, the router's 16" in problem.evidence
+    finally:
+        await direct.stop()
+        await engine.stop()
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    settings = Settings(router=RouterConfig(block_size=BLOCK), event_plane=EventPlaneConfig(embedded_nats=False))
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as test_client:
+        yield test_client
+
+
+def test_get_doctor_lists_problems_and_the_gauge_counts_them(client: TestClient) -> None:
+    assert client.get("/v1/doctor").json() == []
+    metrics = client.get("/metrics").text
+    assert 'kv_router_config_problems{kind="unregistered_worker"} 0.0' in metrics
+    event = msgspec.json.encode(_stored(77, 1, _prompts(1)[0]))
+    client.post("/v1/events", content=event, headers={"content-type": "application/json"})
+    (problem,) = client.get("/v1/doctor").json()
+    assert set(problem) == {"kind", "worker_id", "evidence", "since"}
+    assert (problem["kind"], problem["worker_id"]) == ("unregistered_worker", 77)
+    assert "1 events from worker 77" in problem["evidence"]
+    assert 'kv_router_config_problems{kind="unregistered_worker"} 1.0' in client.get("/metrics").text
