@@ -16,7 +16,8 @@ from typing import Any
 import msgspec
 
 from api.config import _none_if_null, _read_file
-from router.engines.bridge import BridgeConfig
+from router.engines.bridge_config import BridgeConfig
+from router.errors import ConfigError
 
 __all__ = ["BRIDGE", "BRIDGE_ENV_PREFIX", "BridgeCommand", "load_bridge_config"]
 

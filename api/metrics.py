@@ -218,9 +218,8 @@ class RouterStateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         router = self._router
         families = self._families()
-        prefill, decode, active, busy, kv_used, kv_total, indexed, queue_req, queue_isl, workers, nodes, index_bytes = (
-            families
-        )
+        (prefill, decode, active, busy, kv_used, kv_total, indexed, queue_req, queue_isl, workers, nodes, index_bytes,
+         predicted) = families  # fmt: skip
         capacity = {worker.worker_id: worker.total_kv_blocks for worker in router.workers()}
         for load in router.rank_loads():
             labels = [str(load.worker_id), str(load.dp_rank)]
@@ -242,6 +241,9 @@ class RouterStateCollector(Collector):
         workers.add_metric([], len(router.workers()))
         nodes.add_metric([], stats.nodes)
         index_bytes.add_metric([], stats.estimated_bytes)
+        if router.predictions is not None:
+            for (worker_id, dp_rank), blocks in router.predictions.blocks().items():
+                predicted.add_metric([str(worker_id), str(dp_rank)], blocks)
         yield from families
 
     @staticmethod
@@ -280,6 +282,11 @@ class RouterStateCollector(Collector):
             GaugeMetricFamily(f"{PREFIX}_workers_registered", "Workers registered with the router."),
             GaugeMetricFamily(f"{PREFIX}_index_nodes", "Nodes of the KV index's radix tree."),
             GaugeMetricFamily(f"{PREFIX}_index_estimated_bytes", "Estimated memory held by the KV index."),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_predicted_blocks",
+                "Blocks approximate mode predicts on this rank from routing (the worker sends no KV events).",
+                labels=rank,
+            ),
         ]
 
 

@@ -25,6 +25,7 @@ from api.wire import (
     NewRequest,
     PotentialLoadsReply,
     PotentialLoadsRequest,
+    PredictedRouterEvent,
     RouterRequest,
     RouterResponse,
     WorkersReply,
@@ -200,11 +201,19 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
     @app.get(
         "/v1/dump",
         tags=["index"],
-        summary="The whole KV index as stored events (replayable into /v1/events)",
+        summary="The whole KV index as stored events (replayable into /v1/events); blocks approximate mode "
+        'predicted carry "predicted": true',
         openapi_extra=schemas.operation(responses={200: (list[RouterEvent], "OK")}),
     )
     async def dump(request: Request) -> Response:
-        return reply(kv_router.indexer.dump_events(), request)
+        events: list[RouterEvent] = kv_router.indexer.dump_events()
+        if kv_router.predictions is not None:
+            # Approximate mode's blocks, marked: predicted from routing, not reported by the worker.
+            events += [
+                PredictedRouterEvent(e.worker_id, e.event, e.storage_tier, predicted=True)
+                for e in kv_router.predictions.dump_events()
+            ]
+        return reply(events, request)
 
     @app.get(
         "/v1/doctor",

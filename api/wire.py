@@ -161,3 +161,9 @@ class EventsReply(msgspec.Struct, kw_only=True):
 
 # Re-exported for the dump route's schema.
 DumpReply = list[RouterEvent]
+
+
+class PredictedRouterEvent(RouterEvent, kw_only=True):
+    """A block in ``/v1/dump`` that approximate mode predicted from routing (the worker sends no events)."""
+
+    predicted: bool = True

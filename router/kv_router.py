@@ -21,6 +21,7 @@ from indexer.hashing import TokenInput
 from indexer.radix_tree import RadixTree
 from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
+from router.approximate import PredictedCache
 from router.config import RouterConfig
 from router.errors import (
     ConfigError,
@@ -119,6 +120,8 @@ class KvRouter:
         # Called after each decision with the chosen rank and the prompt's local hashes (the doctor
         # samples them, approximate mode records them).
         self.routed_observers: list[Callable[[WorkerRank, list[int]], None]] = []
+        # Approximate mode: the predicted cache of workers without KV events, made when the first is seen.
+        self.predictions: PredictedCache | None = None
         self._scheduler = Scheduler(config, create_policy(config, rng if rng is not None else random.Random()))
         # Until router_min_initial_workers have registered once, `new` waits (Dynamo's startup wait).
         self._started = config.router_min_initial_workers <= len(self._scheduler.workers)
@@ -131,10 +134,21 @@ class KvRouter:
                 request_limit_per_worker=config.router_queue_request_limit_per_worker,
                 isl_token_limit_per_worker=config.router_queue_isl_token_limit_per_worker,
             )
+        if not config.kv_events:
+            self._predict()
 
     # ------------------------------------------------------------------ workers and events
+    def _predict(self) -> PredictedCache:
+        if self.predictions is None:
+            self.predictions = PredictedCache(
+                self.config.router_ttl_secs, self.events, self._scheduler.workers.get, clock=self._clock
+            )
+        return self.predictions
+
     def register_worker(self, worker: WorkerConfig) -> None:
         """Add a worker, or update one (its KV index is kept; ranks it no longer has are dropped)."""
+        if not self.expects_events(worker):
+            self._predict()
         previous = self._scheduler.workers.get(worker.worker_id)
         dropped = self._scheduler.register_worker(worker)
         if previous is None:
@@ -164,6 +178,8 @@ class KvRouter:
         """Forget a worker: its index entries and its active requests. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
         self.indexer.remove_worker(worker_id)
+        if self.predictions is not None:
+            self.predictions.forget_worker(worker_id)
         logger.info(
             "worker %d left: %d active requests dropped",
             worker_id,
@@ -266,6 +282,11 @@ class KvRouter:
                 routing.config,
                 request.expected_output_tokens,
             )
+        predictions = self.predictions
+        if predictions is not None:
+            worker = self._scheduler.workers.get(choice.key[0])
+            if worker is not None and not self.expects_events(worker):
+                predictions.record(choice.key, routing.prompt.local_hashes)
         for observer in self.routed_observers:
             observer(choice.key, routing.prompt.local_hashes)
         worker_id, dp_rank = choice.key
@@ -482,4 +503,11 @@ class KvRouter:
         )
 
     def _match(self, prompt: Prompt) -> dict[WorkerRank, RankOverlap]:
-        return rank_overlaps(self.indexer.find_matches(prompt.local_hashes), self.config)
+        matches = self.indexer.find_matches(prompt.local_hashes)
+        if self.predictions is not None:
+            # Per rank the larger of what its events say and what was predicted from routing.
+            scores = matches.scores
+            for rank, blocks in self.predictions.tree.find_matches(prompt.local_hashes).scores.items():
+                if blocks > scores.get(rank, 0):
+                    scores[rank] = blocks
+        return rank_overlaps(matches, self.config)

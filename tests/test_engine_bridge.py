@@ -30,7 +30,8 @@ from api.config import EventPlaneConfig, Settings
 from indexer.events import RouterEvent
 from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject
 from router.config import RouterConfig
-from router.engines.bridge import Bridge, BridgeConfig, rank_endpoint
+from router.engines.bridge import Bridge, rank_endpoint
+from router.engines.bridge_config import BridgeConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.engine_fakes import BLOCK, FakeEngine, canonical

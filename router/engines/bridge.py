@@ -20,73 +20,20 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from typing import Annotated, Literal
 
-import msgspec
 from nats.aio.client import Client
 
 from indexer.engine_events import EngineCleared, EngineEvent, EngineRemoved
 from indexer.errors import KvIndexError
 from indexer.events import StorageTier
+from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.zmq_stream import ZmqEngineStream
 from router.event_plane.publisher import KvEventPublisher, open_registry
-from router.types import WorkerConfig
 
-__all__ = ["Bridge", "BridgeConfig", "PublisherSink", "rank_endpoint"]
+__all__ = ["Bridge", "PublisherSink", "rank_endpoint"]
 
 log = logging.getLogger(__name__)
-
-
-def _doc(text: str) -> msgspec.Meta:
-    return msgspec.Meta(description=text)
-
-
-class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Every setting of ``kv-router bridge`` (flag ``--x-y``, variable ``KV_ROUTER_BRIDGE_X_Y``, file key ``x_y``)."""
-
-    worker_id: Annotated[int, _doc("the worker's id in the router's registry"), msgspec.Meta(ge=0)]
-    zmq_endpoint: Annotated[str, _doc("the engine's KV-event PUB socket, tcp://HOST:PORT (dp rank 0)")]
-    zmq_topic: Annotated[str, _doc("topic prefix to subscribe to (empty: every topic)")] = ""
-    replay_endpoint: Annotated[
-        str | None, _doc("the engine's replay ROUTER socket, tcp://HOST:PORT (dp rank 0); unset: gaps stay gaps")
-    ] = None
-    engine: Annotated[Literal["vllm", "sglang", "trtllm"], _doc("engine kind (names of its Prometheus metrics)")] = (
-        "vllm"
-    )
-    block_size: Annotated[int, _doc("the engine's KV block size in tokens"), msgspec.Meta(ge=1)] = 16
-    dp_size: Annotated[
-        int, _doc("data-parallel ranks, on consecutive ports from --zmq-endpoint and --replay-endpoint"),
-        msgspec.Meta(ge=1),
-    ] = 1  # fmt: skip
-    total_kv_blocks: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _doc("KV blocks per rank (capacity)")] = None
-    max_num_batched_tokens: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _doc("tokens per engine step")] = None
-    taints: Annotated[list[str], _doc("the worker's taints (JSON list)")] = []
-    engine_metrics_url: Annotated[
-        str | None, _doc("the engine's Prometheus endpoint, scraped for KV usage and published as load")
-    ] = None
-    engine_metrics_interval_secs: Annotated[float, _doc("seconds between scrapes"), msgspec.Meta(gt=0)] = 1.0
-    heartbeat_interval_secs: Annotated[float, _doc("seconds between heartbeats"), msgspec.Meta(gt=0)] = 1.0
-    queue_size: Annotated[int, _doc("engine batches buffered per rank before drops"), msgspec.Meta(ge=1)] = 10_000
-    nats_url: Annotated[str, _doc("NATS server of the routers' event plane")] = "nats://127.0.0.1:4222"
-    namespace: Annotated[str, _doc("deployment namespace: subjects kv.<namespace>.*")] = "default"
-    nats_user: Annotated[str | None, _doc("NATS user name")] = None
-    nats_password: Annotated[str | None, _doc("NATS password")] = None
-    nats_token: Annotated[str | None, _doc("NATS authentication token")] = None
-    nats_creds_file: Annotated[str | None, _doc("NATS credentials file (JWT + nkey)")] = None
-    nats_tls_ca_file: Annotated[str | None, _doc("CA bundle to verify the NATS server")] = None
-    nats_tls_cert_file: Annotated[str | None, _doc("client certificate for NATS TLS")] = None
-    nats_tls_key_file: Annotated[str | None, _doc("client key for NATS TLS")] = None
-
-    def registration(self) -> WorkerConfig:
-        return WorkerConfig(
-            worker_id=self.worker_id,
-            dp_size=self.dp_size,
-            block_size=self.block_size,
-            total_kv_blocks=self.total_kv_blocks,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            taints=frozenset(self.taints),
-        )
 
 
 def rank_endpoint(endpoint: str, dp_rank: int) -> str:

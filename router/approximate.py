@@ -1,0 +1,134 @@
+"""Approximate mode: the cache of workers that send no KV events, predicted from what is routed to them.
+
+For a worker registered with ``kv_events: false`` (or every worker, with the router's ``kv_events``
+off) each routed prompt's blocks are recorded on the chosen rank, in an index of their own, as
+Dynamo's approximate indexer does (``use_kv_events=false``): keyed by the router's sequence hashes,
+kept ``router_ttl_secs`` after the last prompt that used them, and at most the worker's
+``total_kv_blocks`` per rank (the least recently routed go first, a chain's tail before its head).
+The router's overlap is the larger of the real index's and this one's, rank by rank.
+
+Predictions are replaced by the real thing: once events of a rank reach the sequencer, its predicted
+blocks are dropped and no more are recorded for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from indexer.errors import KvIndexError
+from indexer.events import RouterEvent, removed_event, stored_event
+from indexer.hashing import compute_sequence_hashes
+from indexer.radix_tree import RadixTree
+from indexer.sequencer import EventSequencer
+from indexer.slots import WorkerRank
+from router.types import WorkerConfig
+
+__all__ = ["DEFAULT_PREDICTED_BLOCKS", "PredictedCache"]
+
+log = logging.getLogger(__name__)
+
+# A worker that did not say how many KV blocks it has keeps at most this many predicted per rank.
+DEFAULT_PREDICTED_BLOCKS = 1 << 16
+# Expired predictions of ranks nobody routes to are swept at most this often.
+SWEEP_EVERY_S = 1.0
+
+
+class PredictedCache:
+    def __init__(
+        self,
+        ttl_s: float,
+        sequencer: EventSequencer,
+        worker: Callable[[int], WorkerConfig | None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tree = RadixTree()
+        self._ttl_s = ttl_s
+        self._sequencer = sequencer
+        self._worker = worker
+        self._clock = clock
+        self._ranks: dict[WorkerRank, OrderedDict[int, float]] = {}  # seq hash -> expiry, least recent first
+        self._replaced: set[WorkerRank] = set()
+        self._swept = clock()
+
+    def record(self, rank: WorkerRank, local_hashes: list[int]) -> None:
+        """The prompt with these local hashes was routed to ``rank`` (a worker without events)."""
+        if rank in self._replaced:
+            return
+        if self._sequencer.has_stream(*rank):
+            log.info("worker %d dp_rank %d sends KV events now: its predicted blocks are dropped", *rank)
+            self.forget(rank)
+            self._replaced.add(rank)
+            return
+        worker = self._worker(rank[0])
+        capacity = (
+            DEFAULT_PREDICTED_BLOCKS if worker is None or worker.total_kv_blocks is None else worker.total_kv_blocks
+        )
+        now = self._clock()
+        held = self._ranks.setdefault(rank, OrderedDict())
+        self._expire(rank, held, now)
+        sequence = compute_sequence_hashes(local_hashes)
+        run: list[tuple[int, int]] = []
+        parent: int | None = None
+        for position, (block_hash, local_hash) in enumerate(zip(sequence, local_hashes, strict=True)):
+            if block_hash in held:
+                self._store(rank, parent, run)
+                run = []
+                continue
+            if not run:
+                parent = sequence[position - 1] if position else None
+            run.append((block_hash, local_hash))
+        self._store(rank, parent, run)
+        expiry = now + self._ttl_s
+        for block_hash in reversed(sequence):  # the head most recent: a chain's tail is evicted first
+            held[block_hash] = expiry
+            held.move_to_end(block_hash)
+        while len(held) > capacity:
+            self._remove(rank, held.popitem(last=False)[0])
+        if now - self._swept >= SWEEP_EVERY_S:
+            self.sweep(now)
+
+    def sweep(self, now: float | None = None) -> None:
+        """Drop every expired prediction."""
+        now = self._clock() if now is None else now
+        self._swept = now
+        for rank, held in list(self._ranks.items()):
+            self._expire(rank, held, now)
+
+    def forget(self, rank: WorkerRank) -> None:
+        self._ranks.pop(rank, None)
+        self.tree.remove_worker_dp_rank(*rank)
+
+    def forget_worker(self, worker_id: int) -> None:
+        for rank in [rank for rank in self._ranks if rank[0] == worker_id]:
+            del self._ranks[rank]
+        self._replaced = {rank for rank in self._replaced if rank[0] != worker_id}
+        self.tree.remove_worker(worker_id)
+
+    def blocks(self) -> dict[WorkerRank, int]:
+        return {rank: len(held) for rank, held in self._ranks.items() if held}
+
+    def dump_events(self) -> list[RouterEvent]:
+        return self.tree.dump_events()
+
+    # ------------------------------------------------------------------ internals
+    def _expire(self, rank: WorkerRank, held: OrderedDict[int, float], now: float) -> None:
+        while held:
+            block_hash, expiry = next(iter(held.items()))
+            if expiry > now:
+                return
+            del held[block_hash]
+            self._remove(rank, block_hash)
+
+    def _store(self, rank: WorkerRank, parent: int | None, run: list[tuple[int, int]]) -> None:
+        if run:
+            with contextlib.suppress(KvIndexError):  # a parent evicted meanwhile: the run is left out
+                self.tree.apply_event(rank[0], stored_event(0, run, parent_hash=parent, dp_rank=rank[1]))
+
+    def _remove(self, rank: WorkerRank, block_hash: int) -> None:
+        with contextlib.suppress(KvIndexError):
+            self.tree.apply_event(rank[0], removed_event(0, [block_hash], dp_rank=rank[1]))

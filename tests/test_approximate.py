@@ -1,0 +1,106 @@
+"""Approximate mode: workers without KV events are routed by the cache their routed prompts predict."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from api.app import create_app
+from api.config import EventPlaneConfig, Settings
+from indexer.events import RouterEvent, stored_event
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from router.config import RouterConfig
+from router.kv_router import KvRouter
+from router.types import RouteRequest, WorkerConfig
+
+pytestmark = pytest.mark.anyio
+BLOCK = 4
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _prompt(seed: int, blocks: int = 3) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(blocks * BLOCK)]
+
+
+def _router(clock: Clock, *workers: WorkerConfig, **config: object) -> KvRouter:
+    router = KvRouter(RouterConfig(block_size=BLOCK, **config), rng=random.Random(0), clock=clock)  # type: ignore[arg-type]
+    for worker in workers:
+        router.register_worker(worker)
+    return router
+
+
+def _worker(worker_id: int, **fields: object) -> WorkerConfig:
+    return WorkerConfig(worker_id=worker_id, leased=False, kv_events=False, **fields)  # type: ignore[arg-type]
+
+
+async def test_a_routed_prompt_is_predicted_cached_on_its_worker_until_its_ttl() -> None:
+    clock = Clock()
+    router = _router(clock, _worker(1), _worker(2))
+    first = await router.new(RouteRequest(tokens=_prompt(1), request_id="a"))
+    router.mark_free("a")
+    again = await router.new(RouteRequest(tokens=_prompt(1), request_id="b"))
+    assert (again.worker_id, again.overlap_blocks) == (first.worker_id, 3)
+    router.mark_free("b")
+    clock.now += 119
+    assert router.overlap(_prompt(1)).workers[first.worker_id - 1].device_blocks == 3  # refreshed at "b"
+    clock.now += 121
+    await router.new(RouteRequest(tokens=_prompt(2)))  # any decision sweeps what expired
+    assert router.overlap(_prompt(1)).workers[first.worker_id - 1].device_blocks == 0
+
+
+async def test_predictions_are_bounded_by_the_workers_kv_blocks_tail_first() -> None:
+    router = _router(Clock(), _worker(1, total_kv_blocks=4))
+    await router.new(RouteRequest(tokens=_prompt(1)))
+    await router.new(RouteRequest(tokens=_prompt(2)))
+    assert router.predictions is not None and router.predictions.blocks() == {(1, 0): 4}
+    # The newer prompt is whole; the older kept its head block only (its tail went first).
+    assert router.overlap(_prompt(2)).workers[0].device_blocks == 3
+    assert router.overlap(_prompt(1)).workers[0].device_blocks == 1
+
+
+async def test_real_events_replace_the_predictions() -> None:
+    router = _router(Clock(), _worker(1))
+    await router.new(RouteRequest(tokens=_prompt(1)))
+    local = compute_block_hashes(_prompt(2), BLOCK)
+    router.events.ingest([RouterEvent(1, stored_event(1, zip(compute_sequence_hashes(local), local, strict=True)))])
+    await router.new(RouteRequest(tokens=_prompt(3)))  # the first decision after the event sees it
+    assert router.predictions is not None and router.predictions.blocks() == {}
+    assert router.overlap(_prompt(1)).workers[0].device_blocks == 0
+    assert router.overlap(_prompt(2)).workers[0].device_blocks == 3
+
+
+async def test_workers_with_events_are_not_predicted_unless_the_router_has_kv_events_off() -> None:
+    router = _router(Clock(), WorkerConfig(worker_id=1, leased=False))
+    await router.new(RouteRequest(tokens=_prompt(1)))
+    assert router.predictions is None
+    everyone = _router(Clock(), WorkerConfig(worker_id=1, leased=False), kv_events=False)
+    await everyone.new(RouteRequest(tokens=_prompt(1)))
+    assert everyone.predictions is not None and everyone.predictions.blocks() == {(1, 0): 3}
+
+
+@pytest.fixture
+def client() -> Iterator[TestClient]:
+    settings = Settings(router=RouterConfig(block_size=BLOCK), event_plane=EventPlaneConfig(embedded_nats=False))
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as test_client:
+        yield test_client
+
+
+def test_predicted_blocks_are_marked_in_the_dump_and_the_metrics(client: TestClient) -> None:
+    assert client.post("/v1/workers", json={"worker_id": 9, "kv_events": False}).status_code == 201
+    assert client.post("/v1/new", json={"tokens": _prompt(1)}).status_code == 200
+    (event,) = client.get("/v1/dump").json()
+    assert event["predicted"] is True and event["worker_id"] == 9
+    assert len(event["event"]["data"]["stored"]["blocks"]) == 3
+    assert 'kv_router_worker_predicted_blocks{dp_rank="0",worker_id="9"} 3.0' in client.get("/metrics").text
