@@ -1,0 +1,189 @@
+"""The engine path: a vLLM-format ZMQ publisher -> `kv-router bridge` -> NATS -> a router's index.
+
+    python bench/bridge_bench.py throughput [--batches 20000] [--blocks 32]
+    python bench/bridge_bench.py lag [--seconds 10] [--blocks-per-s 100000]
+
+``throughput``: an engine process publishes ``--batches`` pre-encoded batches flat out (each stores
+``--blocks`` new blocks with their token ids under the root, as two BlockStored events, and removes
+the previous batch's blocks, so every index stays small); the bridge runs in this process on one
+core and its CPU time is measured from its first batch to its last, flushed to NATS. Reported: blocks
+per CPU-second of the bridge (the figure that matters on one core) and per wall second.
+
+``lag``: engine, bridge (a ``kv-router bridge`` process) and router (this process: NATS subscriber ->
+sequencer -> index) apart; the engine paces ``--blocks-per-s`` in 1 ms batches and encodes its send
+time (µs) in each batch's first block hash, the router measures publish-to-applied for every batch.
+Reported: p50 / p99 / max lag. All three share the machine (and one clock).
+Targets (issue 12): throughput >= 500k blocks/s on one core; lag p99 < 20 ms at 100k blocks/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from indexer.events import RouterEvent  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.engines.bridge import Bridge  # noqa: E402
+from router.engines.bridge_config import BridgeConfig  # noqa: E402
+from router.event_plane.connection import NatsOptions, connect  # noqa: E402
+from router.event_plane.embedded_server import EmbeddedNats, free_port  # noqa: E402
+from router.event_plane.subscriber import KvEventSubscriber  # noqa: E402
+from router.kv_router import KvRouter  # noqa: E402
+from router.types import WorkerConfig  # noqa: E402
+
+BLOCK = 16
+WORKER = 1
+
+# The engine: its own process, so its CPU is not the bridge's. Reads argv: endpoint mode batches blocks rate.
+ENGINE = r"""
+import sys, time, random, msgspec, zmq
+endpoint, mode, batches, blocks, rate = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+BLOCK = 16
+enc = msgspec.msgpack.Encoder().encode
+rng = random.Random(0)
+tokens = [rng.randrange(1 << 17) for _ in range(blocks * BLOCK)]
+ctx = zmq.Context()
+pub = ctx.socket(zmq.PUB); pub.setsockopt(zmq.SNDHWM, 0); pub.bind(endpoint)
+time.sleep(1.5)  # let the bridge join
+def batch(i, first):
+    half = blocks // 2
+    hashes = [first] + [(i << 20) + j + 1 for j in range(1, blocks)]
+    events = [
+        {"type": "BlockStored", "block_hashes": hashes[:half], "parent_block_hash": None,
+         "token_ids": tokens[: half * BLOCK], "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None},
+        {"type": "BlockStored", "block_hashes": hashes[half:], "parent_block_hash": hashes[half - 1],
+         "token_ids": tokens[half * BLOCK :], "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None},
+    ]
+    if i:
+        events.append({"type": "BlockRemoved", "block_hashes": previous[i % 2], "medium": "GPU"})
+    previous[(i + 1) % 2] = hashes
+    return enc([time.time(), events, 0])
+previous = {0: [], 1: []}
+if mode == "throughput":
+    payloads = [batch(i, (i << 20)) for i in range(batches)]
+    for seq, payload in enumerate(payloads):
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+else:
+    interval = blocks / rate
+    start = time.perf_counter()
+    for seq in range(batches):
+        due = start + seq * interval
+        while time.perf_counter() < due:
+            pass
+        first = (time.time_ns() // 1000) << 8  # the send time, in the first block hash
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), batch(seq, first)])
+time.sleep(2)
+"""
+
+
+def _engine(endpoint: str, mode: str, batches: int, blocks: int, rate: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", ENGINE, endpoint, mode, str(batches), str(blocks), str(rate)])
+
+
+async def throughput(batches: int, blocks: int) -> None:
+    with EmbeddedNats() as server:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        nc = await connect(NatsOptions(server.url))
+        config = BridgeConfig(worker_id=WORKER, zmq_endpoint=endpoint, block_size=BLOCK, queue_size=batches + 1)
+        bridge = Bridge(config, nc)
+        engine = _engine(endpoint, "throughput", batches, blocks, 0)
+        await bridge.start()
+        stream = bridge.streams[0]
+        try:
+            while stream.stats["applied"] == 0:
+                await asyncio.sleep(0.0005)
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            applied0 = stream.stats["applied"]
+            deadline = time.monotonic() + 120
+            while stream.stats["applied"] < batches and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
+            await nc.flush()
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+            done = stream.stats["applied"] - applied0
+        finally:
+            engine.wait(timeout=60)
+            await bridge.stop()
+            await nc.close()
+    stored = done * blocks
+    print(f"bridge throughput: {done} batches x {blocks} stored blocks (+ as many removed)")
+    print(f"  stored blocks per bridge CPU-second: {stored / cpu:,.0f}   per wall second: {stored / wall:,.0f}")
+    dropped = stream.stats["dropped_queue_full"]
+    print(f"  stored+removed blocks per CPU-second: {2 * stored / cpu:,.0f}   dropped: {dropped}")
+
+
+async def lag(seconds: float, rate: float, blocks: int) -> None:
+    batches = int(seconds * rate / blocks)
+    with EmbeddedNats() as server:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        router = KvRouter(RouterConfig(block_size=BLOCK))
+        router.register_worker(WorkerConfig(worker_id=WORKER, block_size=BLOCK, leased=False))
+        nc = await connect(NatsOptions(server.url))
+        subscriber = KvEventSubscriber(nc, router.events)
+        lags: list[float] = []
+        ingest = router.events.ingest
+
+        def timed(events: list[RouterEvent]) -> None:
+            ingest(events)
+            now_us = time.time_ns() // 1000
+            for event in events:
+                stored = event.event.stored
+                if stored is not None and stored.parent_hash is None:
+                    lags.append((now_us - (stored.blocks[0].block_hash >> 8)) / 1000.0)
+
+        router.events.ingest = timed  # type: ignore[method-assign]
+        await subscriber.start()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        bridge = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "bridge", "--worker-id", str(WORKER), "--zmq-endpoint", endpoint,
+             "--block-size", str(BLOCK), "--nats-url", server.url],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        time.sleep(1.0)
+        engine = _engine(endpoint, "lag", batches, blocks, rate)
+        try:
+            deadline = time.monotonic() + seconds + 30
+            while len(lags) < batches and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            engine.wait(timeout=60)
+            bridge.terminate()
+            bridge.wait(timeout=10)
+            await subscriber.stop()
+            await nc.close()
+    lags.sort()
+    if not lags:
+        print("no batch reached the router")
+        return
+
+    def pct(q: float) -> float:
+        return lags[min(len(lags) - 1, int(q * len(lags)))]
+
+    print(f"engine-to-routable lag at {rate:,.0f} blocks/s ({blocks} blocks per batch), {len(lags)}/{batches} batches:")
+    print(f"  p50 {pct(0.5):.2f} ms   p99 {pct(0.99):.2f} ms   max {lags[-1]:.2f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["throughput", "lag"])
+    parser.add_argument("--batches", type=int, default=20_000)
+    parser.add_argument("--blocks", type=int, default=32, help="stored blocks per batch (throughput)")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--blocks-per-s", type=float, default=100_000)
+    parser.add_argument("--lag-blocks", type=int, default=100, help="stored blocks per 1 ms batch (lag)")
+    args = parser.parse_args()
+    if args.mode == "throughput":
+        asyncio.run(throughput(args.batches, args.blocks))
+    else:
+        asyncio.run(lag(args.seconds, args.blocks_per_s, args.lag_blocks))
+
+
+if __name__ == "__main__":
+    main()
