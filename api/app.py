@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.config import Settings
-from api.engine_lifecycle import running_engines
+from api.engine_lifecycle import running_dynamo_sources, running_engines
 from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
 from api.handlers import Handlers
@@ -85,6 +85,7 @@ def create_app(
                 registry.register(collector)
                 stack.callback(registry.unregister, collector)
             engines = await stack.enter_async_context(running_engines(kv_router, settings.engines))
+            await stack.enter_async_context(running_dynamo_sources(kv_router, settings.engines, app.state.event_plane))
             if engines:
                 engine_collector = EngineStreamCollector([engine.stream for engine in engines])
                 registry.register(engine_collector)

@@ -118,6 +118,13 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
         ),
     ] = []
     engine_zmq_topic: Annotated[str, _doc("topic prefix of the engines' KV events (empty: every topic)")] = ""
+    dynamo_endpoint: Annotated[
+        list[str],
+        _doc(
+            "NVIDIA Dynamo workers' endpoint NAMESPACE.COMPONENT.ENDPOINT whose kv-events and kv_metrics "
+            "(DYN_EVENT_PLANE=nats) feed this router over its NATS (repeatable; environment: a JSON list)"
+        ),
+    ] = []
 
 
 class Settings(msgspec.Struct, kw_only=True, frozen=True):

@@ -1,4 +1,5 @@
-"""Direct mode for the service: the ``--engine-zmq`` engines heard for the app's lifetime."""
+"""Engines the service hears itself, for the app's lifetime: ``--engine-zmq`` (direct mode) and
+``--dynamo-endpoint`` (Dynamo workers on the event plane's NATS)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from collections.abc import AsyncIterator
 
 from api.config import EngineSourcesConfig
 from router.engines.direct import DirectEngine
+from router.engines.dynamo_source import DynamoNatsSource
+from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 
-__all__ = ["running_engines"]
+__all__ = ["running_dynamo_sources", "running_engines"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,3 +31,20 @@ async def running_engines(router: KvRouter, config: EngineSourcesConfig) -> Asyn
     finally:
         for engine in started:
             await engine.stop()
+
+
+@contextlib.asynccontextmanager
+async def running_dynamo_sources(
+    router: KvRouter, config: EngineSourcesConfig, plane: RouterEventPlane | None
+) -> AsyncIterator[list[DynamoNatsSource]]:
+    if config.dynamo_endpoint and plane is None:
+        raise RuntimeError("--dynamo-endpoint needs the NATS event plane (--nats-url, or the embedded server)")
+    sources = [] if plane is None else [DynamoNatsSource(plane.nc, router, spec) for spec in config.dynamo_endpoint]
+    try:
+        for source in sources:
+            await source.start()
+            logger.info("Dynamo workers of %s on NATS", source.endpoint.subject("*"))
+        yield sources
+    finally:
+        for source in sources:
+            await source.stop()

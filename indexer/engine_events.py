@@ -101,7 +101,8 @@ def event_tier(event: EngineEvent) -> StorageTier:
 
 # ---------------------------------------------------------------------- wire shapes
 Hash = int | bytes
-TokenIds = list[int | list[int]]
+# Flat ids only (validated in C); EAGLE bigram pairs fail here and are reported as unsupported.
+TokenIds = list[int]
 
 
 class _ArrayBatch(msgspec.Struct, array_like=True):
@@ -198,6 +199,16 @@ def storage_tier(medium: str | None) -> StorageTier:
     return _TIERS.get(medium.upper(), StorageTier.EXTERNAL)
 
 
+def _fold_all(values: list[Hash]) -> list[int]:
+    if values:
+        try:
+            if min(values) >= 0:  # type: ignore[operator]
+                return values  # type: ignore[return-value]  # u64 ints already: msgspec bounds them
+        except TypeError:  # byte digests among them
+            pass
+    return [fold_hash(value) for value in values]
+
+
 def fold_hash(value: Hash) -> int:
     """An engine block hash as u64: ints modulo 2^64 (bitwise for negatives), bytes by their last 8 bytes BE."""
     if isinstance(value, int):
@@ -260,14 +271,18 @@ def _decode_event(raw: msgspec.Raw, block_size: int, cache_namespace: str | None
     except msgspec.ValidationError as exc:
         text = str(exc)
         # msgspec names the tag's location when the tag itself is not one of ours.
-        unknown_tag = text.startswith("Invalid value") and text.endswith(("`$.type`", "`$[0]`"))
-        raise EngineDecodeError("unknown_event_type" if unknown_tag else "bad_event", text) from None
+        if text.startswith("Invalid value") and text.endswith(("`$.type`", "`$[0]`")):
+            raise EngineDecodeError("unknown_event_type", text) from None
+        if "`$.token_ids[" in text or "`$[3][" in text:
+            # EAGLE bigram pairs: not hashed here (Dynamo widens the hashing window for them).
+            raise EngineDecodeError("unsupported_token_ids", text) from None
+        raise EngineDecodeError("bad_event", text) from None
     except msgspec.DecodeError as exc:
         raise EngineDecodeError("bad_event", str(exc)) from None
     if isinstance(event, _ClearedMap | _ClearedArray):
         return EngineCleared()
     if isinstance(event, _RemovedMap | _RemovedArray):
-        return EngineRemoved([fold_hash(h) for h in event.block_hashes], storage_tier(event.medium))
+        return EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium))
     kind = event.kv_cache_spec_kind
     if kind is not None and kind not in _MAIN_ATTENTION:
         return None
@@ -275,17 +290,15 @@ def _decode_event(raw: msgspec.Raw, block_size: int, cache_namespace: str | None
 
 
 def _stored(event: _StoredMap | _StoredArray, block_size: int, cache_namespace: str | None) -> EngineStored:
-    hashes = [fold_hash(h) for h in event.block_hashes]
+    hashes = _fold_all(event.block_hashes)
     engine_block_size = event.block_size if event.block_size is not None else block_size
     if engine_block_size != block_size:
         raise EngineDecodeError(
             "block_size_mismatch", f"the engine's block size is {engine_block_size}, the router's {block_size}"
         )
     tokens = event.token_ids
-    if any(type(t) is not int for t in tokens):
-        # EAGLE bigram pairs: not hashed here (Dynamo widens the hashing window for them).
-        raise EngineDecodeError("unsupported_token_ids", "token_ids must be a flat list of integers")
-    if len(tokens) < len(hashes) * block_size:
+    needed = len(hashes) * block_size
+    if len(tokens) < needed:
         raise EngineDecodeError(
             "short_token_ids", f"{len(hashes)} blocks of {block_size} tokens need {len(hashes) * block_size} token ids"
         )
@@ -294,7 +307,7 @@ def _stored(event: _StoredMap | _StoredArray, block_size: int, cache_namespace: 
     mm_infos = event.block_mm_infos if isinstance(event, _StoredMap) else None
     try:
         locals_ = compute_block_hashes(
-            tokens[: len(hashes) * block_size],  # type: ignore[arg-type]
+            tokens if len(tokens) == needed else tokens[:needed],
             block_size,
             lora_name=lora_name,
             cache_namespace=namespace,

@@ -19,9 +19,21 @@ from router.engines.zmq_stream import ZmqEngineStream
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 
-__all__ = ["DirectEngine", "SequencerSink", "parse_engine_zmq"]
+__all__ = ["DirectEngine", "SequencerSink", "ensure_registered", "parse_engine_zmq"]
 
 log = logging.getLogger(__name__)
+
+
+def ensure_registered(router: KvRouter, worker_id: int, source: str) -> None:
+    """Register a worker first heard from its events, with default capacity and a WARNING."""
+    if not router.has_worker(worker_id):
+        log.warning(
+            "%s events from worker %d, which is not registered: registering it with default capacity "
+            "(POST /v1/workers or the config file to set its capacity and taints)",
+            source,
+            worker_id,
+        )
+        router.register_worker(WorkerConfig(worker_id=worker_id, block_size=router.config.block_size, leased=False))
 
 
 class SequencerSink:
@@ -32,15 +44,7 @@ class SequencerSink:
         self._tiers: dict[int, set[StorageTier]] = {}
 
     def _ensure_registered(self) -> None:
-        if not self.router.has_worker(self.worker_id):
-            log.warning(
-                "engine events from worker %d, which is not registered: registering it with default capacity "
-                "(POST /v1/workers to set its capacity and taints)",
-                self.worker_id,
-            )
-            self.router.register_worker(
-                WorkerConfig(worker_id=self.worker_id, block_size=self.router.config.block_size, leased=False)
-            )
+        ensure_registered(self.router, self.worker_id, "engine")
 
     def _next_id(self, dp_rank: int) -> int:
         event_id = self._last_id.get(dp_rank, 0) + 1

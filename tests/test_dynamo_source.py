@@ -1,0 +1,184 @@
+"""Dynamo 1.6.1 workers on NATS feed kv-router unchanged (``serve --dynamo-endpoint NS.COMPONENT.ENDPOINT``).
+
+Dynamo's own Python `KvEventPublisher` and `WorkerMetricsPublisher` (the oracle extra; DistributedRuntime
+with in-memory discovery and ``DYN_EVENT_PLANE=nats``) publish on a real nats-server; the router's index
+then answers as Dynamo's `RadixTree` fed the very messages those publishers sent. Gaps in the envelope's
+sequence distrust the rank, a new publisher clears it, an unknown worker is learned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from api.app import create_app
+from api.config import EngineSourcesConfig, EventPlaneConfig, Settings
+from indexer.hashing import compute_block_hashes
+from router.config import RouterConfig
+from router.engines.dynamo_source import DynamoEndpoint
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
+from tests.waiting import until
+
+T = TypeVar("T")
+BLOCK = 4
+ENDPOINT = "dyn.backend.generate"
+SUBJECT = DynamoEndpoint.parse(ENDPOINT).subject("kv-events")
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def router(nats_server: EmbeddedNats) -> Iterator[TestClient]:
+    settings = Settings(
+        router=RouterConfig(block_size=BLOCK),
+        event_plane=EventPlaneConfig(nats_url=nats_server.url),
+        engines=EngineSourcesConfig(dynamo_endpoint=[ENDPOINT]),
+    )
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        yield client
+
+
+def _envelope(publisher_id: int, sequence: int, events: list[dict[str, Any]]) -> bytes:
+    # The observed 1.6.1 shape (reference/dynamo-router.md §5.3): named msgpack map, payload as bin.
+    return msgspec.msgpack.encode({"publisher_id": publisher_id, "sequence": sequence, "published_at": 1796026726001,
+                                   "topic": "kv-events", "payload": msgspec.msgpack.encode(events)})  # fmt: skip
+
+
+def _stored(worker_id: int, event_id: int, blocks: list[tuple[int, int]], parent: int | None = None) -> dict[str, Any]:
+    wire_blocks = [{"block_hash": b, "tokens_hash": t, "mm_extra_info": None} for b, t in blocks]
+    stored = {"parent_hash": parent, "start_position": None, "blocks": wire_blocks}
+    return {"worker_id": worker_id, "storage_tier": "device", "residency_domain": "worker",
+            "event": {"event_id": event_id, "dp_rank": 0, "data": {"stored": stored}}}  # fmt: skip
+
+
+def _streams(client: TestClient, worker_id: int) -> list[dict[str, Any]]:
+    reply = client.get(f"/v1/workers/{worker_id}")
+    return reply.json()["event_streams"] if reply.status_code == 200 else []
+
+
+def test_observed_envelopes_gaps_and_a_new_publisher(router: TestClient, nats_server: EmbeddedNats) -> None:
+    async def publish(*messages: bytes) -> None:
+        nc = await connect(NatsOptions(nats_server.url))
+        for message in messages:
+            await nc.publish(SUBJECT, message)
+        await nc.flush()
+        await nc.close()
+
+    worker = 2243053257420644916
+    asyncio.run(publish(_envelope(81, 0, [_stored(worker, 1, [(111, 9143094415614847814)])]),
+                        _envelope(81, 1, [_stored(worker, 2, [(222, 12124091508212882195)], parent=111)])))  # fmt: skip
+    until(lambda: len(router.get("/v1/dump").json()) == 1)
+    (dumped,) = router.get("/v1/dump").json()
+    assert [b["block_hash"] for b in dumped["event"]["data"]["stored"]["blocks"]] == [111, 222]
+    config = router.get(f"/v1/workers/{worker}").json()["config"]
+    assert (config["worker_id"], config["block_size"], config["total_kv_blocks"]) == (worker, BLOCK, None)
+    assert [s["trusted"] for s in _streams(router, worker)] == [True]
+
+    asyncio.run(publish(_envelope(81, 5, [_stored(worker, 6, [(333, 5)], parent=222)]), b"\x93garbage"))
+    until(lambda: [s["trusted"] for s in _streams(router, worker)] == [False])
+
+    # A new publisher on the rank: the worker restarted; what the old one stored is gone.
+    asyncio.run(publish(_envelope(82, 0, [_stored(worker, 0, [(444, 6)])])))
+    until(lambda: [[b["block_hash"] for b in e["event"]["data"]["stored"]["blocks"]]
+                   for e in router.get("/v1/dump").json()] == [[444]])  # fmt: skip
+    assert [s["trusted"] for s in _streams(router, worker)] == [True]
+
+
+@pytest.mark.oracle
+def test_dynamos_own_publishers_feed_the_router_as_dynamos_radix_tree_says(
+    router: TestClient, nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dynamo_core = pytest.importorskip("dynamo._core", reason="needs ai-dynamo-runtime==1.6.1 (the oracle extra)")
+    monkeypatch.setenv("DYN_EVENT_PLANE", "nats")
+    monkeypatch.setenv("NATS_SERVER", nats_server.url)
+    monkeypatch.setenv("DYN_LOG", "error")
+    side = Loop()
+    theirs = dynamo_core.RadixTree()
+    captured: list[bytes] = []
+    rng = random.Random(4)
+    prompts = [[rng.randrange(50_000) for _ in range(rng.randint(1, 5) * BLOCK)] for _ in range(12)]
+    try:
+
+        async def capture() -> Any:
+            nc = await connect(NatsOptions(nats_server.url))
+
+            async def on_message(message: Any) -> None:
+                captured.append(message.data)
+
+            await nc.subscribe(SUBJECT, cb=on_message)
+            await nc.flush()
+            return nc
+
+        listener = side.call(capture())
+
+        async def run_dynamo() -> Any:
+            runtime = dynamo_core.DistributedRuntime(asyncio.get_running_loop(), "mem", "tcp")
+            endpoint = runtime.endpoint(ENDPOINT)
+            publisher = dynamo_core.KvEventPublisher(endpoint, kv_block_size=BLOCK)
+            hashes: list[list[int]] = []
+            for i, tokens in enumerate(prompts):
+                blocks = [(i << 8) + j + 1 for j in range(len(tokens) // BLOCK)]
+                hashes.append(blocks)
+                publisher.publish_stored(tokens, [BLOCK] * len(blocks), blocks, None)
+            for blocks in hashes[::3]:
+                publisher.publish_removed(blocks[-1:])
+            metrics = dynamo_core.WorkerMetricsPublisher()
+            await metrics.create_endpoint(endpoint)
+            metrics.publish(0, 5, 7)
+            return runtime, publisher, metrics  # alive until the test ends: dropped, they stop publishing
+
+        runtime, *_publishers = side.call(run_dynamo())
+
+        def events_sent() -> int:  # the publisher may put several events in one message
+            return sum(len(msgspec.msgpack.decode(msgspec.msgpack.decode(m)["payload"])) for m in list(captured))
+
+        until(lambda: events_sent() == len(prompts) + 4, timeout=20)
+        worker_ids = set()
+        for message in captured:
+            envelope = msgspec.msgpack.decode(message)
+            for event in msgspec.msgpack.decode(envelope["payload"]):
+                worker_ids.add(event["worker_id"])
+                theirs.apply_event(event["worker_id"], msgspec.json.encode(event["event"]))
+        (worker_id,) = worker_ids
+
+        def agrees() -> bool:
+            for tokens in prompts:
+                expected = theirs.find_matches(compute_block_hashes(tokens, BLOCK), False).scores
+                rows = router.post("/v1/overlap", json={"tokens": tokens}).json()["workers"]
+                got = {(r["worker_id"], r["dp_rank"]): r["device_blocks"] for r in rows if r["device_blocks"]}
+                if got != dict(expected):
+                    return False
+            return True
+
+        until(agrees, timeout=20)
+        worker = router.get(f"/v1/workers/{worker_id}").json()
+        assert [s["trusted"] for s in worker["event_streams"]] == [True]
+        until(lambda: router.get(f"/v1/workers/{worker_id}").json()["ranks"][0]["kv_used_blocks"] == 7)
+        side.call(listener.close())
+        runtime.shutdown()
+    finally:
+        time.sleep(0.1)
+        side.close()
