@@ -47,6 +47,7 @@ class Loop:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        self.loop.close()
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject
 from router.config import RouterConfig
 from router.engines.bridge import Bridge, rank_endpoint
 from router.engines.bridge_config import BridgeConfig
+from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.engine_fakes import BLOCK, FakeEngine, canonical
@@ -56,6 +57,7 @@ class Loop:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        self.loop.close()
 
 
 @pytest.fixture
@@ -209,7 +211,7 @@ def test_bridge_settings_come_from_flags_environment_and_file(tmp_path: Path) ->
 def _kv_router(*args: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "api.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
 @pytest.mark.slow

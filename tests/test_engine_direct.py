@@ -256,3 +256,4 @@ def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Pat
         call(engine.stop())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+        loop.close()
