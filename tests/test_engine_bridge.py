@@ -8,6 +8,7 @@ what the engine holds; a gap nobody can replay leaves the rank untrusted in ``/v
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import subprocess
@@ -238,11 +239,15 @@ def test_mock_engine_to_bridge_to_nats_to_router_as_processes(router: TestClient
                         done.set_result(update)
 
                 await nc.subscribe(inbox, cb=on_update)
-                request = GenerateRequest(
-                    request_id="r-1", tokens=array("I", prompt).tobytes(), max_tokens=4, reply=inbox
-                )
-                await nc.publish(generate_subject("default", WORKER), msgspec.msgpack.encode(request))
-                return await asyncio.wait_for(done, timeout=20)
+                # The bridge may register the worker before the mock engine listens: ask until it answers.
+                for attempt in range(20):
+                    request = GenerateRequest(
+                        request_id=f"r-{attempt}", tokens=array("I", prompt).tobytes(), max_tokens=4, reply=inbox
+                    )
+                    await nc.publish(generate_subject("default", WORKER), msgspec.msgpack.encode(request))
+                    with contextlib.suppress(TimeoutError):
+                        return await asyncio.wait_for(asyncio.shield(done), timeout=1.5)
+                raise AssertionError("the mock engine never answered")
             finally:
                 await nc.close()
 
