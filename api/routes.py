@@ -116,7 +116,7 @@ def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
 def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegistry, schemas: Schemas) -> None:
     worker_body: BodyDecoder[WorkerConfig] = BodyDecoder(WorkerConfig)
 
-    def streams_by_worker(request: Request) -> dict[int, list[StreamStatus]]:
+    def streams_by_worker() -> dict[int, list[StreamStatus]]:
         # Every door feeds the one sequencer: NATS, HTTP and engines heard directly alike.
         by_worker: dict[int, list[StreamStatus]] = {}
         for stream in kv_router.events.status():
@@ -125,7 +125,7 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
 
     def status_of(config: WorkerConfig, request: Request) -> WorkerStatus:
         ranks = [load for load in kv_router.rank_loads() if load.worker_id == config.worker_id]
-        streams = streams_by_worker(request).get(config.worker_id, [])
+        streams = streams_by_worker().get(config.worker_id, [])
         return WorkerStatus(config=config, ranks=ranks, event_streams=streams)
 
     def reply(value: Any, request: Request, status: int = 200) -> Response:
@@ -143,7 +143,7 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
         by_worker: dict[int, list[Any]] = {}
         for load in loads:
             by_worker.setdefault(load.worker_id, []).append(load)
-        streams = streams_by_worker(request)
+        streams = streams_by_worker()
         statuses = [
             WorkerStatus(config=c, ranks=by_worker.get(c.worker_id, []), event_streams=streams.get(c.worker_id, []))
             for c in kv_router.workers()
