@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from indexer.events import RouterEvent
@@ -62,7 +63,7 @@ MmInfos = Sequence[Mapping[str, Any] | None] | None
 class _Routing:
     """One `new` call between matching and booking: what its scheduling needs, now or once dequeued."""
 
-    __slots__ = ("config", "explain", "hashing_s", "matching_s", "overlaps", "pinned", "prompt", "request")
+    __slots__ = ("among", "config", "explain", "hashing_s", "matching_s", "overlaps", "pinned", "prompt", "request")
 
     def __init__(
         self,
@@ -71,6 +72,7 @@ class _Routing:
         prompt: Prompt,
         overlaps: dict[WorkerRank, RankOverlap],
         pinned: WorkerRank | None,
+        among: AbstractSet[int] | None,
         explain: bool,
         hashing_s: float,
         matching_s: float,
@@ -81,6 +83,7 @@ class _Routing:
         self.prompt = prompt
         self.overlaps = overlaps
         self.pinned = pinned
+        self.among = among
         self.explain = explain
         self.hashing_s = hashing_s
         self.matching_s = matching_s
@@ -223,11 +226,17 @@ class KvRouter:
 
     # ------------------------------------------------------------------ routing
     async def new(
-        self, request: RouteRequest, *, pinned_worker: WorkerRank | None = None, explain: bool = False
+        self,
+        request: RouteRequest,
+        *,
+        pinned_worker: WorkerRank | None = None,
+        among: AbstractSet[int] | None = None,
+        explain: bool = False,
     ) -> RouteDecision:
         """Pick a (worker, dp_rank) for the request and, if it has a ``request_id``, book it there.
 
-        ``pinned_worker`` routes to that exact rank if it is eligible and not overloaded. Raises
+        ``pinned_worker`` routes to that exact rank if it is eligible and not overloaded; ``among``
+        limits the candidates to those worker ids (a proxy's workers serving the model). Raises
         `InvalidRequest`, `DuplicateRequestId`, `NoEligibleWorker`, `AllWorkersOverloaded` or
         `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated) and, at
         start, until ``router_min_initial_workers`` workers have registered.
@@ -242,7 +251,15 @@ class KvRouter:
         hashed = time.perf_counter()
         overlaps = self._match(prompt)
         routing = _Routing(
-            request, config, prompt, overlaps, pinned_worker, explain, hashed - started, time.perf_counter() - hashed
+            request,
+            config,
+            prompt,
+            overlaps,
+            pinned_worker,
+            among,
+            explain,
+            hashed - started,
+            time.perf_counter() - hashed,
         )
         self.expire_stale()
         self._scheduler.sequences.decay(self._clock())
@@ -251,12 +268,22 @@ class KvRouter:
             owner = self._scheduler.sequences.owner(request_id)
             if owner is not None:
                 raise DuplicateRequestId(request_id, *owner)
-        workers = self._scheduler.eligible_workers(request.routing_constraints, pinned_worker)
+        workers = self._eligible(routing)
         queue = self._queue
         # Once anything waits, newcomers wait behind it (Dynamo's backlog anti-bypass).
         if queue is not None and (len(queue) or self._scheduler.queue_blocked(workers, pinned_worker)):
             return await self._wait_in_queue(queue, routing, workers)
         return self._route(routing, workers, queued_s=0.0)
+
+    def _eligible(self, routing: _Routing) -> list[WorkerConfig]:
+        constraints = routing.request.routing_constraints
+        workers = self._scheduler.eligible_workers(constraints, routing.pinned)
+        among = routing.among
+        if among is not None:
+            workers = [worker for worker in workers if worker.worker_id in among]
+            if not workers:
+                raise NoEligibleWorker(constraints.required_taints if constraints is not None else None)
+        return workers
 
     def _route(self, routing: _Routing, workers: list[WorkerConfig], *, queued_s: float) -> RouteDecision:
         """Select, book and report; raises the scheduler's errors."""
@@ -356,7 +383,7 @@ class KvRouter:
                 continue
             routing = waiter.routing
             try:
-                workers = scheduler.eligible_workers(routing.request.routing_constraints, routing.pinned)
+                workers = self._eligible(routing)
             except NoEligibleWorker as exc:
                 queue.pop_head()
                 waiter.future.set_exception(exc)

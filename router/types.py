@@ -95,7 +95,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     The same struct is the worker's entry in the NATS registry bucket and the body of
     ``POST /v1/workers``. ``block_size`` is the engine's (a router refuses a worker whose block
     size differs from its own); ``leased`` workers must heartbeat to stay routable, static ones
-    (registered over HTTP or in the config file) need not.
+    (registered over HTTP or in the config file) need not. ``url`` is the base URL of the worker's
+    OpenAI-compatible HTTP API (the proxy forwards only to workers that have one) and ``models`` the
+    model names it serves there (none: any model).
     """
 
     worker_id: U64
@@ -109,6 +111,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # False: the worker publishes no KV events; the router predicts its cache from what it routes there
     # (approximate mode, Dynamo's use_kv_events=false).
     kv_events: bool = True
+    url: str | None = None
+    models: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         # Decoding checks the bounds above; direct construction (tests, config files) must too.
