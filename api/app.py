@@ -72,6 +72,11 @@ def create_app(
     registry.register(EventStreamCollector(kv_router.events))
     register_build_info(registry, version=package_version(), policy=settings.router.policy)
     handlers = Handlers(kv_router, metrics, settings.service)
+    proxy = None
+    if settings.proxy.proxy:
+        from api.proxy.service import Proxy  # imported only when enabled: aiohttp, tokenizers
+
+        proxy = Proxy(kv_router, settings.proxy, settings.service, registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -99,6 +104,9 @@ def create_app(
             stack.callback(registry.unregister, doctor_collector)
             background.keep_running("doctor", partial(_run_doctor, doctor))
             background.keep_running("expiry-sweep", partial(_sweep_stale_requests, kv_router))
+            if proxy is not None:
+                await proxy.start()
+                stack.push_async_callback(proxy.stop)
             app.state.serving = True
             try:
                 yield
@@ -124,6 +132,7 @@ def create_app(
     app.state.serving = False
     app.state.event_plane = None
     app.state.doctor = None
+    app.state.proxy = proxy
     app.state.ready_min_workers = settings.service.ready_min_workers
 
     schemas = Schemas()
@@ -134,6 +143,8 @@ def create_app(
     hot = HotRoutes(handlers.routes() if settings.service.fast_path else {}, settings.service.max_body_bytes)
     app.hot = hot
     app.front = FastPath(partial(FastAPI.__call__, app), hot)
+    if proxy is not None:  # the OpenAI routes, in front of everything else
+        app.front = proxy.front(app.front)
     return app
 
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from api.proxy.config import ProxyConfig
 from router.config import RouterConfig
 from router.errors import ConfigError
 
@@ -134,6 +135,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     event_plane: EventPlaneConfig = msgspec.field(default_factory=EventPlaneConfig)
     engines: EngineSourcesConfig = msgspec.field(default_factory=EngineSourcesConfig)
+    proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
 
 
 # Section name in `Settings` -> its struct type. Field names must be unique across sections.
@@ -142,6 +144,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     "router": RouterConfig,
     "event_plane": EventPlaneConfig,
     "engines": EngineSourcesConfig,
+    "proxy": ProxyConfig,
 }
 
 

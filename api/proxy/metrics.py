@@ -1,0 +1,137 @@
+"""The proxy's metrics, ``kv_router_proxy_*``: outcomes, retries, and how far the index can be trusted.
+
+When the engine reports ``usage.prompt_tokens_details.cached_tokens``, the router's prediction for
+the request (the cached tokens of the chosen worker at the decision) is compared with it:
+
+* ``kv_router_proxy_cached_tokens_error``: histogram of actual minus predicted, in tokens (negative:
+  the index promised more than the engine had);
+* ``kv_router_proxy_cache_calibration{worker_id}``: over each worker's last ``window`` reports, the
+  engine's cached tokens over the predicted ones (1: the index is right about this worker; below 1:
+  it over-promises, e.g. lost events; above 1: the worker has cache the index does not know of).
+
+Per request this costs a few additions; the gauges are computed at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from api.metrics import PREFIX, _Histogram, _HistogramCollector
+
+__all__ = ["ProxyMetrics"]
+
+ERROR_BUCKETS = (
+    -16384, -4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096, 16384,
+)  # fmt: skip
+OUTCOMES = (
+    "ok", "bad_request", "no_worker", "queue_rejected", "upstream_error", "upstream_status",
+    "client_disconnected", "tokenize_failed",
+)  # fmt: skip
+
+
+class _Window:
+    """A worker's last ``size`` (predicted, actual) pairs with their running sums."""
+
+    __slots__ = ("actual", "pairs", "predicted")
+
+    def __init__(self, size: int) -> None:
+        self.pairs: deque[tuple[int, int]] = deque(maxlen=size)
+        self.predicted = 0
+        self.actual = 0
+
+    def add(self, predicted: int, actual: int) -> None:
+        pairs = self.pairs
+        if len(pairs) == pairs.maxlen:
+            old_predicted, old_actual = pairs[0]
+            self.predicted -= old_predicted
+            self.actual -= old_actual
+        pairs.append((predicted, actual))
+        self.predicted += predicted
+        self.actual += actual
+
+
+class ProxyMetrics(Collector):
+    def __init__(self, registry: CollectorRegistry, window: int) -> None:
+        self._requests = Counter(
+            f"{PREFIX}_proxy_requests",
+            "Proxied OpenAI requests by route (completions, chat_completions) and outcome (ok, bad_request, "
+            "no_worker, queue_rejected, upstream_error: no worker answered or a stream broke, upstream_status: "
+            "the worker's own 4xx, client_disconnected, tokenize_failed).",
+            ["route", "outcome"],
+            registry=registry,
+        )
+        self._counts = {
+            (route, outcome): self._requests.labels(route, outcome)
+            for route in ("completions", "chat_completions")
+            for outcome in OUTCOMES
+        }
+        self._retries = Counter(
+            f"{PREFIX}_proxy_upstream_failures",
+            "Workers that refused a connection, timed out or answered 5xx before their first byte (each one then "
+            "cooled down and the request sent to the next best worker, within the retry bound).",
+            registry=registry,
+        )
+        self.error = _Histogram(ERROR_BUCKETS)
+        registry.register(
+            _HistogramCollector(
+                f"{PREFIX}_proxy_cached_tokens_error",
+                "Engine-reported cached prompt tokens minus the router's prediction, per request that reported them.",
+                (),
+                {(): self.error},
+            )
+        )
+        self._window = window
+        self._windows: dict[int, _Window] = {}
+        registry.register(self)
+
+    def count(self, route: str, outcome: str) -> None:
+        self._counts[route, outcome].inc()
+
+    def upstream_failure(self) -> None:
+        self._retries.inc()
+
+    def cached_tokens(self, worker_id: int, predicted: int, actual: int) -> None:
+        self.error.observe(actual - predicted)
+        window = self._windows.get(worker_id)
+        if window is None:
+            window = self._windows[worker_id] = _Window(self._window)
+        window.add(predicted, actual)
+
+    def calibration(self, worker_id: int) -> float | None:
+        """The worker's actual over predicted cached tokens in its window; None before any prediction."""
+        window = self._windows.get(worker_id)
+        if window is None or window.predicted == 0:
+            return None
+        return window.actual / window.predicted
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        calibration, samples = families = self._families()
+        for worker_id, window in sorted(self._windows.items()):
+            ratio = self.calibration(worker_id)
+            if ratio is not None:
+                calibration.add_metric([str(worker_id)], ratio)
+            samples.add_metric([str(worker_id)], len(window.pairs))
+        yield from families
+
+    def _families(self) -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(
+                f"{PREFIX}_proxy_cache_calibration",
+                f"Engine-reported over predicted cached tokens across the worker's last {self._window} reports "
+                "(1: the index is right about it; absent until something was predicted cached).",
+                labels=["worker_id"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_proxy_calibration_samples",
+                "Reports in the worker's calibration window.",
+                labels=["worker_id"],
+            ),
+        ]

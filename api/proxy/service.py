@@ -1,0 +1,407 @@
+"""`Proxy`: one OpenAI request from the client to a worker and back, booked in the router throughout.
+
+Per request: read and check the body (a malformed one is a 400, nothing booked); find the workers that
+serve its model and have a URL (none: 503); get its token ids (`api.proxy.tokens`); book it with
+`KvRouter.new` among those workers (the queue may hold it; a queue rejection is a 429 with
+Retry-After); forward the body unchanged to the chosen worker; hand the answer back.
+
+Booking follows the request: ``mark_prefill`` at the first streamed chunk (at the response when not
+streaming), ``mark_free`` when it ends however it ends: done, the worker failing, the client leaving
+(which also closes the upstream connection, so the engine stops the request). Every booking is made
+and released through `KvRouter`, so replicas and metrics see the proxy's requests like any other.
+
+A worker that refuses the connection, times out or answers 5xx before its first byte is cooled down
+for ``proxy_cooldown_secs`` and the request is booked again on the next best worker, at most
+``proxy_retries`` times; after the first byte has gone to the client, a failure ends the stream with
+an SSE error event. The reply carries ``x-kv-router-worker``, ``x-kv-router-dp-rank`` and
+``x-kv-router-cached-tokens`` (the router's prediction); the engine's reported cached tokens, when it
+reports them, are compared with that prediction (`api.proxy.metrics`).
+
+CPU per request is a body decode, a routing decision and aiohttp's request; per streamed chunk, one
+ASGI send: the stream is not parsed, only its last chunks are searched for the usage report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import aiohttp
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from api.config import ServiceConfig
+from api.proxy.config import ProxyConfig
+from api.proxy.metrics import ProxyMetrics
+from api.proxy.tokens import PromptTokenizer, TokenizeFailed, load_tokenizers
+from api.proxy.upstream import UPSTREAM_ERRORS, Upstream
+from api.proxy.wire import (
+    ChatBody,
+    CompletionBody,
+    ModelCard,
+    ModelList,
+    error_body,
+    prompt_token_ids,
+    reported_cached_tokens,
+)
+from router.errors import AllWorkersOverloaded, NoEligibleWorker, QueueRejected
+from router.kv_router import KvRouter
+from router.types import RouteDecision, RouteRequest, WorkerConfig
+
+__all__ = ["ROUTES", "Proxy"]
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# Path -> route label.
+ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+
+_JSON = b"application/json"
+_encode = msgspec.json.Encoder().encode
+# Chunks kept to find the usage report at the end of a stream (it is one small event before [DONE]).
+_TAIL_CHUNKS = 3
+
+
+class _Refused(Exception):
+    """A reply the proxy gives itself, before anything reached the client: status, OpenAI error body."""
+
+    def __init__(self, status: int, kind: str, message: str, outcome: str, headers: list[tuple[bytes, bytes]]) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = error_body(status, kind, message)
+        self.outcome = outcome
+        self.headers = headers
+
+
+def _refused(status: int, kind: str, message: str, outcome: str, **headers: str) -> _Refused:
+    pairs = [(name.replace("_", "-").encode(), value.encode()) for name, value in headers.items()]
+    return _Refused(status, kind, message, outcome, pairs)
+
+
+class _WorkerFailed(Exception):
+    """The worker failed before its first byte reached the client: try the next one."""
+
+
+class Proxy:
+    """The proxy of one app: its router, settings, upstream session, tokenizers and metrics."""
+
+    def __init__(
+        self, router: KvRouter, config: ProxyConfig, service: ServiceConfig, registry: CollectorRegistry
+    ) -> None:
+        self.router = router
+        self.config = config
+        self.metrics = ProxyMetrics(registry, config.proxy_calibration_window)
+        self.upstream = Upstream(config)
+        self.tokenizer = PromptTokenizer(load_tokenizers(config.tokenizer_paths()), self.upstream)
+        self._max_body_bytes = service.max_body_bytes
+        self._max_prompt_tokens = service.max_prompt_tokens
+        self._cooling: dict[int, float] = {}  # worker id -> monotonic time its cooldown ends
+        self._decoders: dict[str, Callable[[bytes], CompletionBody | ChatBody]] = {
+            "completions": msgspec.json.Decoder(CompletionBody).decode,
+            "chat_completions": msgspec.json.Decoder(ChatBody).decode,
+        }
+
+    async def start(self) -> None:
+        await self.upstream.start()
+
+    async def stop(self) -> None:
+        await self.upstream.stop()
+
+    def front(self, inner: ASGIApp) -> ASGIApp:
+        """An ASGI app answering the proxy's paths and handing every other request to ``inner``."""
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                path = scope["path"]
+                route = ROUTES.get(path)
+                if route is not None and scope["method"] == "POST":
+                    await self.serve(route, scope, receive, send)
+                    return
+                if path == "/v1/models" and scope["method"] == "GET":
+                    await _send_whole(send, 200, self.models())
+                    return
+            await inner(scope, receive, send)
+
+        return app
+
+    # ------------------------------------------------------------------ workers
+    def models(self) -> bytes:
+        """``GET /v1/models``: the union of the models the proxied workers declare."""
+        names = sorted({model for worker in self.router.workers() if worker.url for model in worker.models})
+        return _encode(ModelList(data=[ModelCard(id=name) for name in names]))
+
+    def workers_for(self, model: str) -> list[WorkerConfig]:
+        """Workers with a URL serving ``model`` (declaring no models: any), those cooling down left out
+        unless every one is cooling (a cooldown is a preference, not a verdict)."""
+        serving = [w for w in self.router.workers() if w.url is not None and (not w.models or model in w.models)]
+        cooling = self._cooling
+        if not cooling:
+            return serving
+        now = time.monotonic()
+        for worker_id, until in list(cooling.items()):
+            if until <= now:
+                del cooling[worker_id]
+        warm = [worker for worker in serving if worker.worker_id not in cooling]
+        return warm or serving
+
+    def cool_down(self, worker_id: int) -> None:
+        self._cooling[worker_id] = time.monotonic() + self.config.proxy_cooldown_secs
+
+    # ------------------------------------------------------------------ one request
+    async def serve(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        state = _Watch(task)
+        outcome = "ok"
+        try:
+            body = await _read_body(receive, self._max_body_bytes)
+            if body is None:
+                raise _refused(413, "invalid_request_error", "request body too large", "bad_request")
+            # From here on the client leaving cancels this task (uvicorn's send drops writes silently).
+            watcher = asyncio.ensure_future(receive())
+            watcher.add_done_callback(state.gone)
+            try:
+                outcome = await self._proxy(route, scope, body, send, state)
+            finally:
+                state.finished = True
+                watcher.cancel()
+        except _Refused as refused:
+            outcome = refused.outcome
+            await _send_whole(send, refused.status, refused.body, refused.headers)
+        except asyncio.CancelledError:
+            if not state.disconnected:
+                raise
+            task.uncancel()
+            outcome = "client_disconnected"
+        except _Gone:
+            outcome = "client_disconnected"
+        self.metrics.count(route, outcome)
+
+    async def _proxy(self, route: str, scope: Scope, body: bytes, send: Send, state: _Watch) -> str:
+        try:
+            request = self._decoders[route](body)
+            model = request.model
+            if isinstance(request, CompletionBody):
+                prompt: list[int] | str = prompt_token_ids(request.prompt)
+            elif not request.messages:
+                raise ValueError("messages is empty")
+            else:
+                prompt = ""
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
+        workers = self.workers_for(model)
+        if not workers:
+            raise _refused(503, "service_unavailable", f"no worker serves model {model!r}", "no_worker")
+        try:
+            if isinstance(request, ChatBody):
+                tokens = await self.tokenizer.chat(model, request.messages, workers)
+            elif isinstance(prompt, str):
+                tokens = await self.tokenizer.text(model, prompt, workers)
+            else:
+                tokens = prompt
+        except TokenizeFailed as exc:
+            raise _refused(503, "service_unavailable", str(exc), "tokenize_failed") from None
+        if not tokens:
+            raise _refused(400, "invalid_request_error", "the prompt has no tokens", "bad_request")
+        if len(tokens) > self._max_prompt_tokens:
+            raise _refused(
+                400, "invalid_request_error",
+                f"prompt has {len(tokens)} tokens; the limit is {self._max_prompt_tokens}", "bad_request",
+            )  # fmt: skip
+        headers = _forwarded_headers(scope)
+        request_id = uuid.uuid4().hex
+        by_id = {worker.worker_id: worker for worker in workers}
+        among = set(by_id)
+        failures: list[str] = []
+        for _attempt in range(self.config.proxy_retries + 1):
+            decision = await self._book(tokens, request_id, among)
+            worker = by_id[decision.worker_id]
+            try:
+                return await self._forward(worker, decision, scope["path"], body, headers, request.stream, send)
+            except _WorkerFailed as failed:
+                failures.append(f"worker {worker.worker_id}: {failed}")
+                self.metrics.upstream_failure()
+                self.cool_down(worker.worker_id)
+                among.discard(worker.worker_id)
+                if not among:
+                    break
+            finally:
+                self.router.mark_free(request_id)
+        raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
+
+    async def _book(self, tokens: list[int], request_id: str, among: set[int]) -> RouteDecision:
+        try:
+            return await self.router.new(RouteRequest(tokens=tokens, request_id=request_id), among=among)
+        except QueueRejected as exc:
+            retry_after = str(self.config.proxy_retry_after_secs)
+            raise _refused(429, "rate_limit_exceeded", str(exc), "queue_rejected", retry_after=retry_after) from None
+        except (NoEligibleWorker, AllWorkersOverloaded) as exc:
+            raise _refused(503, "service_unavailable", str(exc), "no_worker") from None
+
+    async def _forward(
+        self,
+        worker: WorkerConfig,
+        decision: RouteDecision,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        send: Send,
+    ) -> str:
+        """One attempt on one worker; raises `_WorkerFailed` while the client has received nothing."""
+        request_id = decision.request_id
+        assert request_id is not None
+        if worker.dp_size > 1:
+            headers = {**headers, "x-data-parallel-rank": str(decision.dp_rank)}
+        try:
+            response = await self.upstream.session.post(f"{worker.url}{path}", data=body, headers=headers)
+        except UPSTREAM_ERRORS as exc:
+            raise _WorkerFailed(_describe(exc)) from None
+        try:
+            if response.status >= 500:
+                raise _WorkerFailed(f"HTTP {response.status}")
+            ours = [
+                (b"content-type", response.headers.get("content-type", "application/json").encode("latin-1")),
+                (b"x-kv-router-worker", str(decision.worker_id).encode()),
+                (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
+                (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
+                (b"x-request-id", request_id.encode()),
+            ]
+            if not stream or response.status != 200:
+                try:
+                    content = await response.read()
+                except UPSTREAM_ERRORS as exc:
+                    raise _WorkerFailed(_describe(exc)) from None
+                self.router.mark_prefill(request_id)
+                if response.status == 200:
+                    self._calibrate(decision, reported_cached_tokens(content))
+                ours.append((b"content-length", str(len(content)).encode()))
+                await send({"type": "http.response.start", "status": response.status, "headers": ours})
+                await send({"type": "http.response.body", "body": content})
+                return "ok" if response.status == 200 else "upstream_status"
+            return await self._stream(response, decision, ours, send)
+        finally:
+            response.close()
+
+    async def _stream(
+        self, response: aiohttp.ClientResponse, decision: RouteDecision, headers: list[tuple[bytes, bytes]], send: Send
+    ) -> str:
+        chunks = response.content.iter_any()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            raise _WorkerFailed("the stream ended before its first byte") from None
+        except UPSTREAM_ERRORS as exc:
+            raise _WorkerFailed(_describe(exc)) from None
+        assert decision.request_id is not None
+        self.router.mark_prefill(decision.request_id)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        tail = [first]
+        problem = None
+        try:
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                tail.append(chunk)
+                if len(tail) > _TAIL_CHUNKS:
+                    del tail[0]
+        except UPSTREAM_ERRORS as exc:
+            problem = _describe(exc)
+        else:
+            ending = b"".join(tail)
+            # An OpenAI stream ends with [DONE]; a worker killed mid-stream may just close the connection.
+            if ending.rstrip().endswith(b"data: [DONE]"):
+                self._calibrate(decision, _usage_in_stream(ending))
+            else:
+                problem = "the stream ended before data: [DONE]"
+        if problem is not None:
+            # The client has its headers and part of the stream: say what happened as an SSE event.
+            self.metrics.upstream_failure()
+            self.cool_down(decision.worker_id)
+            message = f"worker {decision.worker_id} failed mid-stream: {problem}"
+            event = b"data: " + error_body(502, "upstream_error", message) + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return "ok" if problem is None else "upstream_error"
+
+    def _calibrate(self, decision: RouteDecision, actual: int | None) -> None:
+        if actual is not None:
+            self.metrics.cached_tokens(decision.worker_id, decision.cached_tokens, actual)
+
+
+class _Gone(Exception):
+    """The client disconnected before its body was read."""
+
+
+class _Watch:
+    """Cancels the request's task when the client disconnects, unless the request has finished."""
+
+    __slots__ = ("disconnected", "finished", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.finished = False
+        self.disconnected = False
+
+    def gone(self, watcher: asyncio.Future[Any]) -> None:
+        if self.finished or watcher.cancelled():
+            return
+        self.disconnected = True
+        self.task.cancel()
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, or None once it grows past ``limit`` bytes."""
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _Gone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _forwarded_headers(scope: Scope) -> dict[str, str]:
+    """What the worker gets of the client's headers: the content type and its credentials."""
+    headers = {"content-type": "application/json"}
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            headers["authorization"] = value.decode("latin-1")
+    return headers
+
+
+async def _send_whole(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] = []) -> None:  # noqa: B006
+    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _usage_in_stream(tail: bytes) -> int | None:
+    """The cached tokens of the last usage report among a stream's last events."""
+    if b"cached_tokens" not in tail:
+        return None
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b"cached_tokens" in line:
+            cached = reported_cached_tokens(line[6:])
+            if cached is not None:
+                return cached
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,144 @@
+"""The OpenAI bodies the proxy reads, and the ones it writes itself.
+
+The proxy forwards a request's body to the worker byte for byte; it decodes only what routing needs
+(model, prompt or messages, stream) and checks it, so a malformed body is refused before anything is
+booked. Unknown fields are the engine's business and pass through. Errors are OpenAI's shape,
+``{"error": {"message", "type", "param", "code"}}``, which carries the service's ``type`` and
+``message`` too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from indexer.events import U32_MAX
+
+__all__ = [
+    "ChatBody",
+    "CompletionBody",
+    "ModelCard",
+    "ModelList",
+    "OpenAIError",
+    "TokenizeReply",
+    "error_body",
+    "prompt_token_ids",
+    "reported_cached_tokens",
+]
+
+
+class CompletionBody(msgspec.Struct, kw_only=True):
+    """``POST /v1/completions``: a prompt as text, token ids, or a batch of either."""
+
+    model: str
+    prompt: str | list[str | int | list[int]]
+    stream: bool = False
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(msgspec.Struct, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    model: str
+    messages: list[ChatMessage]
+    stream: bool = False
+
+
+class OpenAIError(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class _ErrorReply(msgspec.Struct):
+    error: OpenAIError
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def error_body(status: int, kind: str, message: str, param: str | None = None) -> bytes:
+    return _encode(_ErrorReply(OpenAIError(message=message, type=kind, param=param, code=status)))
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "kv-router"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeReply(msgspec.Struct):
+    """A worker's ``/tokenize`` answer (vLLM's shape; only the ids are read)."""
+
+    tokens: list[int]
+
+
+def prompt_token_ids(prompt: str | list[str | int | list[int]]) -> list[int] | str:
+    """The ids of the prompt the request is routed by, or its text to tokenize.
+
+    A batch is routed as one request, by its first prompt. Raises ``ValueError`` with what is wrong.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return prompt
+    if not prompt:
+        raise ValueError("prompt is empty")
+    first = prompt[0]
+    if isinstance(first, int):
+        if not all(type(token) is int for token in prompt):
+            raise ValueError("prompt mixes token ids with other values")
+        ids: list[int] = prompt  # type: ignore[assignment]
+    elif isinstance(first, str):
+        if not all(isinstance(text, str) for text in prompt):
+            raise ValueError("prompt mixes texts with other values")
+        return prompt_token_ids(first)
+    else:
+        if not all(isinstance(row, list) for row in prompt):
+            raise ValueError("prompt mixes lists of token ids with other values")
+        ids = first
+        if not ids:
+            raise ValueError("prompt is empty")
+    if min(ids) < 0 or max(ids) > U32_MAX:
+        raise ValueError("token ids must be in 0 .. 2^32 - 1")
+    return ids
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens_details: _Details | None = None
+
+
+class _WithUsage(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_decode_usage = msgspec.json.Decoder(_WithUsage).decode
+
+
+def reported_cached_tokens(body: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a response or chunk, if the engine reported it."""
+    if b"cached_tokens" not in body:
+        return None
+    try:
+        usage = _decode_usage(body).usage
+    except msgspec.DecodeError:
+        return None
+    if usage is None or usage.prompt_tokens_details is None:
+        return None
+    return usage.prompt_tokens_details.cached_tokens
