@@ -332,7 +332,8 @@ def _run_tune(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- mock-worker
 _WORKER_HELP = (
     "Run one simulated vLLM-like engine: it registers with the routers on NATS, heartbeats, publishes its KV "
-    "events and load, and serves the requests an online replay sends it, in real time divided by --engine-speedup."
+    "events and load, and serves the requests an online replay sends it, in real time divided by --engine-speedup; "
+    "with --http-port, also the OpenAI HTTP API (its URL registered, for kv-router serve --proxy)."
 )
 
 
@@ -354,6 +355,11 @@ def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --zmq-endpoint: vLLM's replay ROUTER address (e.g. tcp://127.0.0.1:5558)",
     )
+    parser.add_argument(
+        "--http-port", type=int, default=None, help="also serve the OpenAI HTTP API on this port (0: a free one)"
+    )
+    parser.add_argument("--http-host", default="127.0.0.1", help="address of the HTTP API [%(default)s]")
+    parser.add_argument("--model", default="mock-model", help="model name the HTTP API serves [%(default)s]")
     _add_engine_flags(parser)
 
 
@@ -364,13 +370,20 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     import secrets
     import signal
 
+    from mocker.openai_api import serve_openai
     from mocker.worker import MockWorker
     from mocker.zmq_engine import VllmZmqPublisher
     from router.event_plane.connection import NatsOptions, connect
+    from router.event_plane.embedded_server import free_port
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _engine_config(args)
     worker_id = args.worker_id if args.worker_id is not None else secrets.randbelow(1 << 53)
+
+    port = args.http_port
+    if port == 0:
+        port = free_port()
+    url = f"http://{args.http_host}:{port}" if port is not None else None
 
     async def serve() -> None:
         nc = await connect(NatsOptions(args.nats_url, name=f"mock-worker-{worker_id}"))
@@ -384,14 +397,20 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             zmq=None
             if args.zmq_endpoint is None
             else VllmZmqPublisher(args.zmq_endpoint, replay_endpoint=args.replay_endpoint),
+            url=url,
+            models=frozenset({args.model}) if url else frozenset(),
         )
-        task = asyncio.create_task(worker.run())
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        print(f"mock worker {worker_id} on {args.nats_url} (namespace {args.namespace})", flush=True)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        async with contextlib.AsyncExitStack() as stack:
+            if port is not None:
+                await stack.enter_async_context(serve_openai(worker, args.model, args.http_host, port))
+            task = asyncio.create_task(worker.run())
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, task.cancel)
+            http = f", OpenAI API at {url} (model {args.model})" if url else ""
+            print(f"mock worker {worker_id} on {args.nats_url} (namespace {args.namespace}){http}", flush=True)
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await nc.close()
 
     asyncio.run(serve())

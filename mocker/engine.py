@@ -229,6 +229,17 @@ class MockEngine:
         self.waiting.append(seq)
         return seq
 
+    def abort(self, seq: Sequence, now_ms: float) -> None:
+        """Stop a request whose client went away (vLLM's abort): its blocks are released at once."""
+        if seq.state is SeqState.WAITING:
+            self.waiting.remove(seq)
+            seq.state = SeqState.FINISHED
+            seq.finished_ms = now_ms
+        elif seq.state in (SeqState.PREFILL, SeqState.DECODE):
+            if seq.state is SeqState.DECODE:
+                self._materialize(seq)
+            self._finish(seq, now_ms, PassResult(now_ms, now_ms))
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 

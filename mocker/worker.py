@@ -10,6 +10,9 @@ much faster than real time it runs.
 With ``zmq`` (a `VllmZmqPublisher`) the KV events go out over ZMQ in vLLM's format instead, token ids
 included, for ``kv-router bridge`` to carry to NATS: the bridge then registers, heartbeats and answers
 resyncs, and this worker only serves requests.
+Requests may also come over HTTP (`mocker.openai_api`, ``--http-port``): `open_stream` submits one
+and, after every pass, its `TokenStream` receives the tokens the pass generated for it; the worker's
+URL and model are then part of its registration, so a proxying router can forward to it.
 
 ``kv-router mock-worker`` runs one in its own process (`mocker.cli`).
 """
@@ -34,7 +37,7 @@ from router.event_plane.messages import ActiveLoad
 from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
 
-__all__ = ["MockWorker"]
+__all__ = ["MockWorker", "TokenStream"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,19 @@ _MAX_CATCH_UP_MS = 50.0
 
 _decode_request = msgspec.msgpack.Decoder(GenerateRequest).decode
 _encode = msgspec.msgpack.Encoder().encode
+
+
+class TokenStream:
+    """One HTTP request inside the engine: how many tokens it has, and a wake-up when that changes."""
+
+    __slots__ = ("changed", "done", "seq", "tokens")
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        # As of the last pass whose end has come: the engine runs a pass ahead of the wall clock.
+        self.tokens = 0
+        self.done = False
+        self.changed = asyncio.Event()
 
 
 class MockWorker:
@@ -57,6 +73,8 @@ class MockWorker:
         heartbeat_interval_s: float = 1.0,
         load_interval_s: float = 0.1,
         zmq: VllmZmqPublisher | None = None,
+        url: str | None = None,
+        models: frozenset[str] = frozenset(),
     ) -> None:
         self.nc = nc
         self.worker_id = worker_id
@@ -67,12 +85,15 @@ class MockWorker:
             block_size=engine.block_size,
             total_kv_blocks=engine.num_gpu_blocks,
             max_num_batched_tokens=engine.max_num_batched_tokens,
+            url=url,
+            models=models,
         )
         self.publisher = KvEventPublisher(
             nc, registration, namespace=namespace, heartbeat_interval=heartbeat_interval_s
         )
         self._load_interval_s = load_interval_s
         self._replies: dict[str, str] = {}
+        self._streams: dict[str, TokenStream] = {}
         self._work = asyncio.Event()
         self._subscriptions: list[Subscription] = []
         self._started = time.monotonic()
@@ -141,6 +162,33 @@ class MockWorker:
         self._replies[request.request_id] = request.reply
         self._work.set()
 
+    def open_stream(self, request_id: str, tokens: list[int], max_tokens: int) -> TokenStream | None:
+        """Submit an HTTP request; None if its prompt can never fit the pool."""
+        seq = self.engine.submit(request_id, tokens, max_tokens, self._now_ms())
+        if seq.state is SeqState.REJECTED:
+            return None
+        stream = self._streams[request_id] = TokenStream(seq)
+        self._work.set()
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        """The HTTP request is over; if its client left early, the engine aborts it."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.done:
+            self.engine.abort(stream.seq, self._now_ms())
+
+    def _feed_streams(self) -> None:
+        generated = self.engine.generated
+        for request_id, stream in list(self._streams.items()):
+            tokens = generated(stream.seq)
+            done = stream.seq.state is SeqState.FINISHED
+            if tokens != stream.tokens or done:
+                stream.tokens = tokens
+                stream.done = done
+                stream.changed.set()
+            if done:
+                del self._streams[request_id]
+
     async def _on_reset(self, message: Msg) -> None:
         ops = self.engine.reset_prefix_cache()
         if ops is not None:
@@ -171,6 +219,8 @@ class MockWorker:
             await self._reply(self._replies.get(seq.request_id), seq, "first_token")
         for seq in result.finished:
             await self._reply(self._replies.pop(seq.request_id, None), seq, "done")
+        if self._streams:
+            self._feed_streams()
         await self._publish_load()
 
     async def _reply(self, subject: str | None, seq: Sequence, kind: UpdateKind) -> None:

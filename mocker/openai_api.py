@@ -1,0 +1,318 @@
+"""The OpenAI HTTP API of a mock worker, served from its simulated engine (``mock-worker --http-port``).
+
+``/v1/completions`` and ``/v1/chat/completions`` (streamed as SSE or not), ``/tokenize`` (vLLM's
+shape), ``/v1/models`` and ``/health``. A request is submitted to the worker's `MockEngine`; its
+tokens come out when the passes that generate them end (the engine's timing model), and its usage
+reports the cached tokens its block pool really had (``prompt_tokens_details.cached_tokens``).
+A client that disconnects mid-stream aborts its request in the engine, as vLLM does.
+
+Text is tokenized one token per UTF-8 byte; chat messages are rendered ``<|role|>\\ncontent\\n`` then
+``<|assistant|>\\n``. The proxy gets the same ids from ``/tokenize``, so routing and the engine's cache
+agree. Generated tokens read `` w1 w2 ...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from typing import Any
+
+import msgspec
+import uvicorn
+
+from mocker.worker import MockWorker, TokenStream
+
+__all__ = ["MockOpenAI", "render_chat", "serve_openai", "text_tokens"]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class _Message(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Body(msgspec.Struct):
+    model: str | None = None
+    prompt: str | list[str | int | list[int]] | None = None
+    messages: list[_Message] | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+_decode_body = msgspec.json.Decoder(_Body).decode
+_encode = msgspec.json.Encoder().encode
+
+
+def text_tokens(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def render_chat(messages: list[_Message]) -> str:
+    parts = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(str(part.get("text", "")) for part in content)
+        parts.append(f"<|{message.role}|>\n{content or ''}\n")
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def _prompt_ids(body: _Body) -> list[int]:
+    if body.messages is not None:
+        return text_tokens(render_chat(body.messages))
+    prompt = body.prompt
+    if prompt is None:
+        raise ValueError("prompt or messages is required")
+    if isinstance(prompt, str):
+        return text_tokens(prompt)
+    if not prompt:
+        raise ValueError("prompt is empty")
+    first = prompt[0]
+    if isinstance(first, int):
+        return [int(token) for token in prompt]  # type: ignore[arg-type]
+    if isinstance(first, str):
+        return text_tokens(first)
+    return list(first)
+
+
+def _word(index: int) -> str:
+    return f" w{index}"
+
+
+class MockOpenAI:
+    """The ASGI app of one mock worker's HTTP API."""
+
+    def __init__(self, worker: MockWorker, model: str) -> None:
+        self.worker = worker
+        self.model = model
+        self.aborted = 0  # requests whose client left before their end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path == "/v1/models":
+            card = {"id": self.model, "object": "model", "created": 0, "owned_by": "kv-router-mocker"}
+            await _reply(send, 200, _encode({"object": "list", "data": [card]}))
+        elif method == "GET" and path == "/health":
+            await _reply(send, 200, b"{}")
+        elif method == "POST" and path in ("/tokenize", "/v1/completions", "/v1/chat/completions"):
+            body = await _read(receive)
+            try:
+                request = _decode_body(body)
+                tokens = _prompt_ids(request)
+            except (msgspec.DecodeError, ValueError) as exc:
+                await _reply(send, 400, _error(400, str(exc)))
+                return
+            if path == "/tokenize":
+                await _reply(send, 200, _encode({"tokens": tokens, "count": len(tokens)}))
+            else:
+                await self._generate(path == "/v1/chat/completions", request, tokens, receive, send)
+        else:
+            await _reply(send, 404, _error(404, f"{method} {path}: not found"))
+
+    async def _generate(self, chat: bool, request: _Body, tokens: list[int], receive: Receive, send: Send) -> None:
+        if not tokens:
+            await _reply(send, 400, _error(400, "the prompt has no tokens"))
+            return
+        max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_TOKENS
+        request_id = uuid.uuid4().hex
+        stream = self.worker.open_stream(request_id, tokens, max_tokens)
+        if stream is None:
+            await _reply(send, 400, _error(400, f"prompt of {len(tokens)} tokens does not fit the KV pool"))
+            return
+        chunks = _Chunks(chat, request_id, self.model)
+        left = asyncio.ensure_future(_disconnected(receive))
+        try:
+            if request.stream:
+                include_usage = request.stream_options is not None and request.stream_options.include_usage
+                await self._stream(stream, chunks, len(tokens), include_usage, left, send)
+            else:
+                await _wait_done(stream, left)
+                if not left.done():
+                    await _reply(send, 200, chunks.whole(stream, len(tokens)))
+        finally:
+            if left.done() and not stream.done:
+                self.aborted += 1
+            left.cancel()
+            self.worker.close_stream(request_id)
+
+    async def _stream(
+        self,
+        stream: TokenStream,
+        chunks: _Chunks,
+        prompt_tokens: int,
+        include_usage: bool,
+        left: asyncio.Future[None],
+        send: Send,
+    ) -> None:
+        sent = 0
+        started = False
+        while True:
+            await _wait_change(stream, left)
+            if left.done():
+                return
+            count = stream.tokens
+            if count > sent:
+                events = b"".join(chunks.token(index, index == count and stream.done) for index in
+                                  range(sent + 1, count + 1))  # fmt: skip
+                sent = count
+                if not started:
+                    started = True
+                    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send({"type": "http.response.body", "body": events, "more_body": True})
+            if stream.done:
+                tail = chunks.usage(stream, prompt_tokens) if include_usage else b""
+                await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+                return
+
+
+class _Chunks:
+    """The bytes of one request's answers; token texts are plain ASCII, so templates need no escaping."""
+
+    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+        self.chat = chat
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        object_ = "chat.completion.chunk" if chat else "text_completion"
+        fields = f'"id":"{self.id}","object":"{object_}","created":{self.created},"model":{_encode(model).decode()},'
+        self._head = b"data: {" + fields.encode()
+
+    def token(self, index: int, last: bool) -> bytes:
+        finish = b'"length"' if last else b"null"
+        text = _word(index).encode()
+        if self.chat:
+            role = b'"role":"assistant",' if index == 1 else b""
+            choice = b'{"index":0,"delta":{' + role + b'"content":"' + text + b'"},"finish_reason":' + finish + b"}"
+        else:
+            choice = b'{"index":0,"text":"' + text + b'","logprobs":null,"finish_reason":' + finish + b"}"
+        return self._head + b'"choices":[' + choice + b"]}\n\n"
+
+    def _usage(self, stream: TokenStream, prompt_tokens: int) -> dict[str, Any]:
+        completion = stream.tokens
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": max(stream.seq.cached_tokens, 0)},
+        }
+
+    def usage(self, stream: TokenStream, prompt_tokens: int) -> bytes:
+        return self._head + b'"choices":[],"usage":' + _encode(self._usage(stream, prompt_tokens)) + b"}\n\n"
+
+    def whole(self, stream: TokenStream, prompt_tokens: int) -> bytes:
+        text = "".join(_word(index) for index in range(1, stream.tokens + 1))
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+            object_ = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+            object_ = "text_completion"
+        choice["finish_reason"] = "length"
+        return _encode(
+            {
+                "id": self.id,
+                "object": object_,
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+                "usage": self._usage(stream, prompt_tokens),
+            }
+        )
+
+
+async def _wait_change(stream: TokenStream, left: asyncio.Future[None]) -> None:
+    changed = stream.changed
+    if not changed.is_set():
+        waiter = asyncio.ensure_future(changed.wait())
+        await asyncio.wait((waiter, left), return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+    changed.clear()
+
+
+async def _wait_done(stream: TokenStream, left: asyncio.Future[None]) -> None:
+    while not stream.done and not left.done():
+        await _wait_change(stream, left)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _error(status: int, message: str) -> bytes:
+    return _encode({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}})
+
+
+async def _reply(send: Send, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    with contextlib.suppress(asyncio.CancelledError):
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # signals are the worker's: it stops the server with itself
+
+
+@contextlib.asynccontextmanager
+async def serve_openai(
+    worker: MockWorker, model: str, host: str, port: int, *, startup_timeout_s: float = 10.0
+) -> AsyncIterator[MockOpenAI]:
+    """Serve the worker's OpenAI API on ``host:port`` on this loop for the duration of the block."""
+    api = MockOpenAI(worker, model)
+    config = uvicorn.Config(
+        api, host=host, port=port, loop="none", http="httptools", lifespan="off", log_level="warning",
+        access_log=False, server_header=False, date_header=False,
+    )  # fmt: skip
+    server = _Server(config)
+    serving = asyncio.create_task(server.serve(), name=f"mock-worker-{worker.worker_id}-http")
+    try:
+        async with asyncio.timeout(startup_timeout_s):
+            while not server.started:
+                if serving.done():
+                    serving.result()
+                    raise RuntimeError("the mock worker's HTTP server stopped while starting")
+                await asyncio.sleep(0.01)
+        yield api
+    finally:
+        server.should_exit = True
+        await serving
