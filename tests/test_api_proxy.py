@@ -1,0 +1,204 @@
+"""The OpenAI-compatible proxy with the real `openai` client, a real nats-server and mock workers that
+serve the OpenAI API from their simulated engines (in-process uvicorn servers on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.types import RouteRequest, WorkerConfig
+from tests.proxy_fleet import MODEL, fleet, idle, metric
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 64
+
+
+async def scrape(url: str) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{url}/metrics")).text
+
+
+async def test_streamed_completion_and_chat_reach_the_client_and_free_their_bookings(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with fleet(nats_server.url) as f:
+        api = f.client
+        stream = await api.completions.create(model=MODEL, prompt="tell me " * 40, max_tokens=5, stream=True)
+        texts = [chunk.choices[0].text async for chunk in stream]
+        assert "".join(texts) == " w1 w2 w3 w4 w5"
+        chat = await api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": "be brief " * 30}, {"role": "user", "content": "hi"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in chat]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " w1 w2 w3 w4"
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 4
+        # The proxy tokenized the chat through the worker's /tokenize: the same ids the engine saw.
+        assert usage.prompt_tokens == len(b"<|system|>\n" + b"be brief " * 30 + b"\n<|user|>\nhi\n<|assistant|>\n")
+        assert idle(f.router)
+        models = await api.models.list()
+        assert [model.id for model in models.data] == [MODEL]
+
+
+async def test_same_prefix_lands_on_the_holder_and_calibration_is_recorded(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url) as f:
+        api = f.client
+        prefix = list(range(1000, 1000 + 8 * BLOCK))
+        first = await api.completions.with_raw_response.create(model=MODEL, prompt=[*prefix, 1], max_tokens=2)
+        holder = int(first.headers["x-kv-router-worker"])
+        assert first.headers["x-kv-router-dp-rank"] == "0"
+        assert first.headers["x-kv-router-cached-tokens"] == "0"
+        hashes = compute_sequence_hashes(compute_block_hashes(prefix, BLOCK))
+
+        def holder_indexed() -> bool:
+            rows = f.router.overlap(prefix).workers
+            return any(row.worker_id == holder and row.device_blocks == len(hashes) for row in rows)
+
+        await eventually(holder_indexed)
+        for suffix in range(2, 6):
+            raw = await api.completions.with_raw_response.create(model=MODEL, prompt=[*prefix, suffix], max_tokens=2)
+            assert int(raw.headers["x-kv-router-worker"]) == holder
+            assert int(raw.headers["x-kv-router-cached-tokens"]) == 8 * BLOCK
+            completion = raw.parse()
+            assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+            assert completion.usage.prompt_tokens_details.cached_tokens == 8 * BLOCK  # what the pool really had
+        assert idle(f.router)
+        text = await scrape(f.url)
+        assert metric(text, "kv_router_proxy_cache_calibration", worker_id=str(holder)) == 1.0
+        assert metric(text, "kv_router_proxy_cached_tokens_error_bucket", le="0.0") == 5
+        assert metric(text, "kv_router_proxy_cached_tokens_error_bucket", le="-1.0") == 0
+        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="ok") == 5
+
+
+async def test_a_client_leaving_mid_stream_frees_its_booking_and_cancels_the_engine_request(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with fleet(nats_server.url, (1,)) as f:
+        api = f.client
+        stream = await api.completions.create(model=MODEL, prompt=list(range(1, 300)), max_tokens=5000, stream=True)
+        received = 0
+        async for _chunk in stream:
+            received += 1
+            if received == 3:
+                break
+        assert not idle(f.router)  # still booked while it streams
+        await stream.close()
+        await eventually(lambda: idle(f.router))
+        await eventually(lambda: f.apis[1].aborted == 1)  # the upstream request was cancelled too
+        assert not f.workers[1].engine.has_work()
+        text = await scrape(f.url)
+        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected") == 1
+
+
+async def test_a_refused_connection_goes_to_the_next_best_worker_and_cools_the_failed_one(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with fleet(nats_server.url, (1,)) as f:
+        # Worker 9 claims the prompt's blocks but nothing listens at its URL.
+        url = f"http://127.0.0.1:{free_port()}"
+        dead = WorkerConfig(worker_id=9, block_size=BLOCK, url=url, models=frozenset({MODEL}))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(dead))).status_code == 201
+            prompt = list(range(5000, 5000 + 4 * BLOCK))
+            hashes = compute_block_hashes(prompt, BLOCK)
+            sequence = compute_sequence_hashes(hashes)
+            blocks = [{"block_hash": s, "tokens_hash": t} for s, t in zip(sequence, hashes, strict=True)]
+            stored = {"stored": {"parent_hash": None, "blocks": blocks}}
+            event = {"worker_id": 9, "event": {"event_id": 1, "dp_rank": 0, "data": stored}}
+            assert (await http.post("/v1/events", json=event)).json()["applied"] == 1
+        assert f.router.overlap(prompt).workers[-1].device_blocks == 4
+        api = f.client
+        raw = await api.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert raw.headers["x-kv-router-worker"] == "1"
+        assert raw.parse().choices[0].text == " w1 w2"
+        assert 9 in f.app.state.proxy._cooling
+        # While it cools down it is not tried again.
+        raw = await api.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert raw.headers["x-kv-router-worker"] == "1"
+        text = await scrape(f.url)
+        assert metric(text, "kv_router_proxy_upstream_failures_total") == 1
+        assert idle(f.router)
+
+
+async def test_queue_rejection_is_a_429_with_retry_after(nats_server: EmbeddedNats) -> None:
+    router = {"router_queue_threshold": 0.0, "router_queue_request_limit_per_worker": 1}
+    async with fleet(nats_server.url, (1,), router=router, proxy={"proxy_retry_after_secs": 3}) as f:
+        # Another gateway's requests hold the only worker's prefill and the one place in the queue.
+        await f.router.new(RouteRequest(tokens=list(range(1, 200)), request_id="elsewhere"))
+        queued = asyncio.ensure_future(f.router.new(RouteRequest(tokens=list(range(1, 50)), request_id="queued")))
+        await eventually(lambda: f.router.queue_stats().pending_count == 1)
+        api = f.client
+        with pytest.raises(openai.RateLimitError) as caught:
+            await api.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=2)
+        assert caught.value.response.headers["retry-after"] == "3"
+        assert caught.value.response.json()["error"]["type"] == "rate_limit_exceeded"
+        assert f.router.mark_free("elsewhere")
+        await queued
+        assert f.router.mark_free("queued")
+        completion = await api.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=2)
+        assert completion.choices[0].text == " w1 w2"
+        assert idle(f.router)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "problem"),
+    [
+        ("/v1/completions", b"{not json", "malformed"),
+        ("/v1/completions", b'{"prompt": "hi"}', "model"),
+        ("/v1/completions", b'{"model": "mock-model", "prompt": 7}', "prompt"),
+        ("/v1/completions", b'{"model": "mock-model", "prompt": []}', "empty"),
+        ("/v1/completions", b'{"model": "mock-model", "prompt": [1, -2]}', "token ids"),
+        ("/v1/completions", b'{"model": "mock-model", "prompt": [1, "a"]}', "mixes"),
+        ("/v1/chat/completions", b'{"model": "mock-model", "messages": []}', "empty"),
+        ("/v1/chat/completions", b'{"model": "mock-model", "messages": [{"content": "x"}]}', "role"),
+    ],
+)
+async def test_a_malformed_body_is_a_400_and_books_nothing(
+    nats_server: EmbeddedNats, path: str, body: bytes, problem: str
+) -> None:
+    async with fleet(nats_server.url, (1,)) as f:
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            reply = await http.post(path, content=body, headers={"content-type": "application/json"})
+        assert reply.status_code == 400
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request_error" and problem in error["message"].lower()
+        assert idle(f.router)
+        assert f.workers[1].engine.stats.prompt_tokens == 0  # nothing reached the worker either
+        route = path.removeprefix("/v1/").replace("/", "_")
+        assert metric(await scrape(f.url), "kv_router_proxy_requests_total", outcome="bad_request", route=route) == 1
+
+
+async def test_an_unknown_model_is_a_503(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url, (1,)) as f:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await f.client.completions.create(model="other", prompt="hi", max_tokens=2)
+        assert caught.value.status_code == 503
+        assert "no worker serves model 'other'" in caught.value.response.json()["error"]["message"]
+        assert idle(f.router)
+
+
+async def test_many_concurrent_streams_leave_no_load_behind(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url) as f:
+        api = f.client
+
+        async def one(i: int) -> str:
+            stream = await api.completions.create(
+                model=MODEL, prompt=list(range(i % 4 * 1000, i % 4 * 1000 + 200)), max_tokens=3, stream=True
+            )
+            return "".join([chunk.choices[0].text async for chunk in stream])
+
+        texts = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(40))), 60)
+        assert texts == [" w1 w2 w3"] * 40
+        assert idle(f.router)

@@ -1,0 +1,79 @@
+"""The proxy in front of real `kv-router mock-worker --http-port` processes: one is killed with
+SIGKILL (by its PID) while streams run; every stream ends (completed, or with an SSE error event),
+new requests keep being served by the survivor, and no booking is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.proxy_fleet import MODEL, fleet, idle, metric
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+
+def start_worker(nats_url: str, worker_id: int, http_port: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "api.cli", "mock-worker",  # `kv-router mock-worker`
+        "--nats-url", nats_url, "--worker-id", str(worker_id), "--http-port", str(http_port),
+        "--model", MODEL, "--num-gpu-blocks", "512", "--engine-speedup", "2",
+        "--heartbeat-interval", "0.3", "--log-level", "warning",
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+
+
+async def test_a_worker_killed_mid_run_loses_no_booking_and_the_proxy_keeps_serving(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with fleet(nats_server.url, ()) as f:
+        processes = {worker_id: start_worker(nats_server.url, worker_id, free_port()) for worker_id in (11, 12)}
+        try:
+            await eventually(lambda: len(f.router.workers()) == 2, timeout=30)
+            api = f.client
+            outcomes: list[str] = []
+            placed: list[int] = []
+
+            async def one(i: int) -> None:
+                try:
+                    raw = await api.completions.with_raw_response.create(
+                        model=MODEL, prompt=list(range(i * 300, i * 300 + 256)), max_tokens=300, stream=True
+                    )
+                    placed.append(int(raw.headers["x-kv-router-worker"]))
+                    text = "".join([chunk.choices[0].text async for chunk in raw.parse()])
+                    outcomes.append("ok" if text.endswith(" w300") else "short")
+                except openai.APIError as exc:  # the SSE error event of a stream whose worker died
+                    outcomes.append("error" if "mid-stream" in str(exc) else f"other: {exc}")
+
+            streams = [asyncio.ensure_future(one(i)) for i in range(12)]
+            # Kill worker 11 once some of its streams have started (those not started yet are retried).
+            await eventually(lambda: placed.count(11) >= 2, timeout=30)
+            os.kill(processes[11].pid, signal.SIGKILL)
+            processes[11].wait(timeout=10)
+            await asyncio.wait_for(asyncio.gather(*streams), 120)
+            assert len(outcomes) == 12 and set(outcomes) <= {"ok", "error"}, outcomes
+            # The streams on the killed worker end with the SSE error event, the others complete.
+            assert outcomes.count("error") == placed.count(11) > 0, (outcomes, placed)
+            await eventually(lambda: idle(f.router))
+            # New requests go to the survivor: worker 11 is cooled down, then its lease expires.
+            for i in range(4):
+                raw = await api.completions.with_raw_response.create(model=MODEL, prompt=[i + 1] * 100, max_tokens=2)
+                assert raw.headers["x-kv-router-worker"] == "12"
+            async with httpx.AsyncClient() as http:
+                text = (await http.get(f"{f.url}/metrics")).text
+            assert (metric(text, "kv_router_proxy_upstream_failures_total") or 0) >= 1
+            await eventually(lambda: [w.worker_id for w in f.router.workers()] == [12], timeout=15)
+            assert idle(f.router)
+        finally:
+            for process in processes.values():
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+                    process.wait(timeout=10)
