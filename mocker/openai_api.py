@@ -100,6 +100,7 @@ class MockOpenAI:
         self.worker = worker
         self.model = model
         self.aborted = 0  # requests whose client left before their end
+        self.tokenized = 0  # /tokenize calls answered
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -120,6 +121,7 @@ class MockOpenAI:
                 await _reply(send, 400, _error(400, str(exc)))
                 return
             if path == "/tokenize":
+                self.tokenized += 1
                 await _reply(send, 200, _encode({"tokens": tokens, "count": len(tokens)}))
             else:
                 await self._generate(path == "/v1/chat/completions", request, tokens, receive, send)

@@ -4,11 +4,13 @@ serve the OpenAI API from their simulated engines (in-process uvicorn servers on
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import msgspec
 import openai
 import pytest
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.event_plane.embedded_server import EmbeddedNats, free_port
@@ -201,4 +203,32 @@ async def test_many_concurrent_streams_leave_no_load_behind(nats_server: Embedde
 
         texts = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(40))), 60)
         assert texts == [" w1 w2 w3"] * 40
+        assert idle(f.router)
+
+
+async def test_text_prompts_of_a_model_with_a_local_tokenizer_are_tokenized_by_the_proxy(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    # A tokenizer.json giving each ASCII character its code: the mock engine's own ids for ASCII text.
+    tokenizer = Tokenizer(models.WordLevel(vocab={chr(i): i for i in range(1, 128)}, unk_token="\x01"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    async with fleet(nats_server.url, proxy={"tokenizer": f"{MODEL}={path}"}) as f:
+        prefix = "the same long system prompt. " * 20  # 580 characters: 9 blocks of 64
+        first = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prefix + "one", max_tokens=2)
+        holder = first.headers["x-kv-router-worker"]
+        ids = list(prefix.encode())
+
+        def indexed() -> bool:
+            return any(row.device_blocks == len(ids) // BLOCK for row in f.router.overlap(ids).workers)
+
+        await eventually(indexed)
+        second = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prefix + "two", max_tokens=2)
+        assert second.headers["x-kv-router-worker"] == holder
+        assert int(second.headers["x-kv-router-cached-tokens"]) == len(ids) // BLOCK * BLOCK
+        assert all(api.tokenized == 0 for api in f.apis.values())  # no worker was asked to tokenize
+        # Chat still goes to the worker's /tokenize: only the engine knows its chat template.
+        await f.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        assert sum(api.tokenized for api in f.apis.values()) == 1
         assert idle(f.router)
