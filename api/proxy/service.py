@@ -43,6 +43,7 @@ from api.proxy.wire import (
     ChatBody,
     CompletionBody,
     ModelCard,
+    TokenIdsBody,
     ModelList,
     error_body,
     prompt_token_ids,
@@ -104,8 +105,8 @@ class Proxy:
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
         self._cooling: dict[int, float] = {}  # worker id -> monotonic time its cooldown ends
-        self._decoders: dict[str, Callable[[bytes], CompletionBody | ChatBody]] = {
-            "completions": msgspec.json.Decoder(CompletionBody).decode,
+        self._decoders: dict[str, Callable[[bytes], TokenIdsBody | CompletionBody | ChatBody]] = {
+            "completions": _completion_decoder(),
             "chat_completions": msgspec.json.Decoder(ChatBody).decode,
         }
 
@@ -189,8 +190,12 @@ class Proxy:
         try:
             request = self._decoders[route](body)
             model = request.model
-            if isinstance(request, CompletionBody):
-                prompt: list[int] | str = prompt_token_ids(request.prompt)
+            if isinstance(request, TokenIdsBody):
+                if not request.prompt:
+                    raise ValueError("prompt is empty")
+                prompt: list[int] | str = request.prompt
+            elif isinstance(request, CompletionBody):
+                prompt = prompt_token_ids(request.prompt)
             elif not request.messages:
                 raise ValueError("messages is empty")
             else:
@@ -265,6 +270,7 @@ class Proxy:
             response = await self.upstream.session.post(f"{worker.url}{path}", data=body, headers=headers)
         except UPSTREAM_ERRORS as exc:
             raise _WorkerFailed(_describe(exc)) from None
+        complete = False  # read to its end: the connection goes back to the pool
         try:
             if response.status >= 500:
                 raise _WorkerFailed(f"HTTP {response.status}")
@@ -284,12 +290,18 @@ class Proxy:
                 if response.status == 200:
                     self._calibrate(decision, reported_cached_tokens(content))
                 ours.append((b"content-length", str(len(content)).encode()))
+                complete = True
                 await send({"type": "http.response.start", "status": response.status, "headers": ours})
                 await send({"type": "http.response.body", "body": content})
                 return "ok" if response.status == 200 else "upstream_status"
-            return await self._stream(response, decision, ours, send)
+            outcome = await self._stream(response, decision, ours, send)
+            complete = outcome == "ok"
+            return outcome
         finally:
-            response.close()
+            if complete:
+                response.release()
+            else:  # cancelled or broken: closing the connection tells the engine to stop
+                response.close()
 
     async def _stream(
         self, response: aiohttp.ClientResponse, decision: RouteDecision, headers: list[tuple[bytes, bytes]], send: Send
@@ -373,6 +385,20 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _completion_decoder() -> Callable[[bytes], TokenIdsBody | CompletionBody]:
+    """Token ids are checked by msgspec in one pass; any other prompt is decoded again, generally."""
+    ids = msgspec.json.Decoder(TokenIdsBody).decode
+    general = msgspec.json.Decoder(CompletionBody).decode
+
+    def decode(body: bytes) -> TokenIdsBody | CompletionBody:
+        try:
+            return ids(body)
+        except msgspec.ValidationError:
+            return general(body)
+
+    return decode
 
 
 def _forwarded_headers(scope: Scope) -> dict[str, str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from indexer.events import U32_MAX
+from indexer.events import U32, U32_MAX
 
 __all__ = [
     "ChatBody",
@@ -21,6 +21,7 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "OpenAIError",
+    "TokenIdsBody",
     "TokenizeReply",
     "error_body",
     "prompt_token_ids",
@@ -33,6 +34,14 @@ class CompletionBody(msgspec.Struct, kw_only=True):
 
     model: str
     prompt: str | list[str | int | list[int]]
+    stream: bool = False
+
+
+class TokenIdsBody(msgspec.Struct, kw_only=True):
+    """The common case of `CompletionBody`, decoded and range-checked by msgspec alone: token ids."""
+
+    model: str
+    prompt: list[U32]
     stream: bool = False
 
 

@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""What the OpenAI proxy (``kv-router serve --proxy``) adds: latency per request against calling the
+mock worker directly, and streamed tokens per second of the proxy's own CPU, in the same run.
+
+Processes: a nats-server, one ``kv-router mock-worker --http-port`` (the OpenAI API of a simulated
+engine), ``kv-router serve --proxy`` in front of it, and this load generator (aiohttp client). A phase
+sends ``--requests`` streamed completions (token-id prompts, ``--max-tokens`` each), ``--concurrency``
+in flight at all times, either straight to the worker (``direct``) or through the proxy (``proxy``);
+the phases alternate ``--repeat`` times and the medians are reported.
+
+Figures: time to first token and to the end of the stream, p50 / p99, per phase, and their
+difference (the latency the proxy adds); the proxy's CPU time from ``/proc`` per request and per
+streamed token, and tokens per proxy CPU-second (what one core sustains). The proxy runs one event
+loop, so it never uses more than one core. The machine is shared with other work: the load
+average is printed with the figures.
+
+    python bench/proxy_bench.py                                   # 100 concurrent streams
+    python bench/proxy_bench.py --clients aiohttp,httpx           # CPU of the two HTTP clients, direct
+
+Loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import msgspec
+
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+
+MODEL = "bench-model"
+
+
+def process_cpu_s(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of a process."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def own_cpu_s() -> float:
+    usage = os.times()
+    return usage.user + usage.system
+
+
+@dataclass
+class Phase:
+    name: str
+    ttft_s: list[float]
+    total_s: list[float]
+    tokens: int
+    wall_s: float
+    client_cpu_s: float
+    proxy_cpu_s: float | None = None
+    proxy_sys_s: float | None = None
+
+    def pct(self, values: list[float], q: float) -> float:
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+async def run_phase(
+    name: str, base_url: str, args: argparse.Namespace, client: str, proxy_pid: int | None, seed: int
+) -> Phase:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 50_000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
+    bodies = [
+        msgspec.json.encode({"model": MODEL, "prompt": p, "max_tokens": args.max_tokens, "stream": True})
+        for p in prompts
+    ]
+    ttft: list[float] = []
+    total: list[float] = []
+    tokens = 0
+    url = f"{base_url}/v1/completions"
+    headers = {"content-type": "application/json"}
+    next_index = 0
+
+    if client == "aiohttp":
+        import aiohttp
+
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+
+        async def one(body: bytes) -> int:
+            started = time.perf_counter()
+            first = 0.0
+            count = 0
+            async with session.post(url, data=body, headers=headers) as response:
+                assert response.status == 200, response.status
+                async for chunk in response.content.iter_any():
+                    if not first:
+                        first = time.perf_counter()
+                    count += chunk.count(b'"text"')
+            ttft.append(first - started)
+            total.append(time.perf_counter() - started)
+            return count
+
+        close = session.close
+    else:
+        import httpx
+
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+        async def one(body: bytes) -> int:
+            started = time.perf_counter()
+            first = 0.0
+            count = 0
+            async with http.stream("POST", url, content=body, headers=headers) as response:
+                assert response.status_code == 200, response.status_code
+                async for chunk in response.aiter_raw():
+                    if not first:
+                        first = time.perf_counter()
+                    count += chunk.count(b'"text"')
+            ttft.append(first - started)
+            total.append(time.perf_counter() - started)
+            return count
+
+        close = http.aclose
+
+    async def loop() -> None:
+        nonlocal next_index, tokens
+        while next_index < len(bodies):
+            body = bodies[next_index]
+            next_index += 1
+            count = await one(body)
+            tokens += count
+
+    # Warm the connections up before measuring.
+    await asyncio.gather(*(one(bodies[i % len(bodies)]) for i in range(min(args.concurrency, len(bodies)))))
+    ttft.clear()
+    total.clear()
+    cpu0 = own_cpu_s()
+    proxy0 = process_cpu_s(proxy_pid) if proxy_pid else (0.0, 0.0)
+    started = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*(loop() for _ in range(args.concurrency))), args.timeout)
+    wall = time.perf_counter() - started
+    phase = Phase(name, ttft, total, tokens, wall, own_cpu_s() - cpu0)
+    if proxy_pid:
+        user, system = process_cpu_s(proxy_pid)
+        phase.proxy_cpu_s = user + system - sum(proxy0)
+        phase.proxy_sys_s = system - proxy0[1]
+    await close()
+    assert tokens == args.requests * args.max_tokens, (tokens, args.requests * args.max_tokens)
+    return phase
+
+
+@contextmanager
+def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
+    """NATS, one mock worker with its OpenAI API, the proxy; yields (worker URL, proxy URL, proxy pid)."""
+    with ExitStack() as stack:
+        nats = stack.enter_context(EmbeddedNats())
+        worker_port, proxy_port = free_port(), free_port()
+        cli = [sys.executable, "-m", "api.cli"]
+        worker = subprocess.Popen(
+            [*cli, "mock-worker", "--nats-url", nats.url, "--worker-id", "1", "--http-port", str(worker_port),
+             "--model", MODEL, "--engine-speedup", str(args.engine_speedup), "--max-num-seqs", "1024",
+             "--log-level", "warning"],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        stack.callback(_stop, worker)
+        proxy = subprocess.Popen(
+            [*cli, "serve", "--proxy", "--block-size", "64", "--nats-url", nats.url, "--port", str(proxy_port),
+             "--log-level", "warning"],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        stack.callback(_stop, proxy)
+        proxy_url = f"http://127.0.0.1:{proxy_port}"
+        _wait_models(proxy_url)
+        yield f"http://127.0.0.1:{worker_port}", proxy_url, proxy.pid
+
+
+def _wait_models(url: str, timeout_s: float = 30.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if MODEL in httpx.get(f"{url}/v1/models").text:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("the proxy did not list the mock worker's model in time")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument("--requests", type=int, default=1000, help="per phase")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--engine-speedup", type=float, default=20.0, help="the mock engine's speedup_ratio")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--clients", default="", help="instead: compare these HTTP clients' CPU, direct")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    with fleet(args) as (worker_url, proxy_url, proxy_pid):
+        if args.clients:
+            return asyncio.run(compare_clients(args, worker_url))
+        phases: dict[str, list[Phase]] = {"direct": [], "proxy": []}
+
+        async def run() -> None:
+            for round_ in range(args.repeat):
+                phases["direct"].append(await run_phase("direct", worker_url, args, "aiohttp", None, round_))
+                phases["proxy"].append(await run_phase("proxy", proxy_url, args, "aiohttp", proxy_pid, round_))
+
+        asyncio.run(run())
+    report(phases, args)
+    return 0
+
+
+def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
+    def med(name: str, fn: object) -> float:
+        return statistics.median(fn(p) for p in phases[name])  # type: ignore[operator]
+
+    print(
+        f"{args.concurrency} concurrent streams, {args.requests} requests x {args.max_tokens} tokens per phase, "
+        f"prompts of {args.prompt_tokens} tokens, medians of {args.repeat} alternating runs; "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+    )
+    print(f"{'':10} {'ttft p50':>10} {'ttft p99':>10} {'end p50':>10} {'end p99':>10} {'tokens/s':>10}")
+    rows = {}
+    for name in ("direct", "proxy"):
+        row = [
+            med(name, lambda p: p.pct(p.ttft_s, 50)),
+            med(name, lambda p: p.pct(p.ttft_s, 99)),
+            med(name, lambda p: p.pct(p.total_s, 50)),
+            med(name, lambda p: p.pct(p.total_s, 99)),
+        ]
+        rows[name] = row
+        rate = med(name, lambda p: p.tokens / p.wall_s)
+        print(f"{name:10} " + " ".join(f"{v * 1e3:8.2f}ms" for v in row) + f" {rate:10.0f}")
+    added = [p - d for p, d in zip(rows["proxy"], rows["direct"], strict=True)]
+    print(f"{'added':10} " + " ".join(f"{v * 1e3:8.2f}ms" for v in added))
+    cpu = med("proxy", lambda p: p.proxy_cpu_s)
+    system = med("proxy", lambda p: p.proxy_sys_s)
+    tokens = med("proxy", lambda p: p.tokens)
+    print(
+        f"proxy CPU: {cpu / args.requests * 1e6:.0f} us per request ({system / cpu:.0%} in the kernel), "
+        f"{cpu / tokens * 1e6:.2f} us per streamed token (request share included), "
+        f"{tokens / cpu:.0f} tokens per CPU-second"
+    )
+
+
+async def compare_clients(args: argparse.Namespace, worker_url: str) -> int:
+    print(f"client CPU, direct to the mock worker, {args.requests} streamed requests x {args.max_tokens} tokens")
+    for round_ in range(args.repeat):
+        for client in args.clients.split(","):
+            phase = await run_phase(client, worker_url, args, client, None, round_)
+            print(
+                f"{client:8} {phase.client_cpu_s / args.requests * 1e6:8.0f} us per request, "
+                f"{phase.client_cpu_s / phase.tokens * 1e6:6.2f} us per token"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
