@@ -2,9 +2,9 @@
 
 aiohttp's client rather than httpx's: streaming 300 completions of 64 tokens straight from a mock
 worker, aiohttp's used 370-470 µs of CPU per request on this VM and httpx's 6.8-8.2 ms, about 18
-times more (``bench/proxy_bench.py --clients aiohttp,httpx``, docs/performance.md). Responses are not decompressed and chunks are
-handed on as they arrive (`aiohttp.StreamReader.iter_any`), so the proxy never parses a stream it
-only forwards.
+times more (``bench/proxy_bench.py --clients aiohttp,httpx``, docs/performance.md). Responses are
+not decompressed and chunks are handed on as they arrive (`aiohttp.StreamReader.iter_any`), so the
+proxy never parses a stream it only forwards.
 """
 
 from __future__ import annotations
