@@ -1,9 +1,11 @@
 """``kv-router demo``: the router at work, in one command and one process.
 
-It starts an embedded nats-server, the router service (HTTP + event plane, `dynamo` policy), and
-``workers`` mock workers on NATS, then replays a generated shared-prefix workload online: requests go
-through ``/v1/new``, the workers publish real KV events, the router learns where prefixes live. Then
-the same workload is simulated offline with every router for comparison, and both tables are printed.
+It starts an embedded nats-server, the router service (HTTP + event plane, `dynamo` policy, its OpenAI
+proxy on), and ``workers`` mock workers on NATS that also serve the OpenAI API, then replays a
+generated shared-prefix workload online: requests go through ``/v1/new``, the workers publish real KV
+events, the router learns where prefixes live. Then the whole chain runs with an HTTP client speaking
+the OpenAI API to the proxy (`mocker.demo_proxy`). Last, the same workload is simulated offline with
+every router for comparison; the tables are printed.
 
 The online part runs ``speedup`` times faster than real time (arrivals and engines alike) and its
 times are scaled back, so both tables are in the same units. The workers get a small KV pool
@@ -13,12 +15,15 @@ times are scaled back, so both tables are in the same units. The workers get a s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from dataclasses import dataclass
 
 import msgspec
 
 from mocker.config import EngineConfig
+from mocker.demo_proxy import run_through_proxy
+from mocker.openai_api import serve_openai
 from mocker.replay import ReplayRun, ReplaySetup, replay_offline, replay_online_report
 from mocker.report import render_table
 from mocker.service import serve_router
@@ -27,9 +32,11 @@ from mocker.worker import MockWorker
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
-from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.embedded_server import EmbeddedNats, free_port
 
 __all__ = ["DemoOptions", "run_demo"]
+
+MODEL = "mock-model"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,18 +77,31 @@ async def _online(rows: list[Row], engine: EngineConfig, options: DemoOptions) -
     fast_engine = msgspec.structs.replace(engine, speedup_ratio=options.speedup)
     rng = random.Random(options.seed)
     with EmbeddedNats() as nats:
-        async with serve_router(nats.url, RouterConfig(block_size=engine.block_size)) as url:
+        async with (
+            serve_router(nats.url, RouterConfig(block_size=engine.block_size), proxy=True) as url,
+            contextlib.AsyncExitStack() as stack,
+        ):
             print(f"router at {url}, NATS at {nats.url}")
             connections = [
                 await connect(NatsOptions(nats.url, name=f"mock-worker-{i}")) for i in range(options.workers)
             ]
+            ports = [free_port() for _ in connections]
             workers = [
-                MockWorker(nc, rng.randrange(1, 1 << 53), fast_engine, seed=options.seed + i)
-                for i, nc in enumerate(connections)
+                MockWorker(
+                    nc,
+                    rng.randrange(1, 1 << 53),
+                    fast_engine,
+                    seed=options.seed + i,
+                    url=f"http://127.0.0.1:{port}",
+                    models=frozenset({MODEL}),
+                )
+                for i, (nc, port) in enumerate(zip(connections, ports, strict=True))
             ]
+            for worker, port in zip(workers, ports, strict=True):
+                await stack.enter_async_context(serve_openai(worker, MODEL, "127.0.0.1", port))
             tasks = [asyncio.create_task(worker.run()) for worker in workers]
             try:
-                return await replay_online_report(
+                online = await replay_online_report(
                     trace,
                     label="dynamo (online)",
                     router_url=url,
@@ -90,6 +110,14 @@ async def _online(rows: list[Row], engine: EngineConfig, options: DemoOptions) -
                     time_scale=options.speedup,
                     show_progress=options.show_progress,
                 )
+                proxied = await run_through_proxy(url, MODEL, seed=options.seed)
+                print(
+                    f"\nthrough the OpenAI proxy ({url}/v1/completions, streamed): {proxied.requests} requests, "
+                    f"{len(proxied.workers_used)} workers used; cached prompt tokens predicted by the router "
+                    f"{proxied.predicted_cached}, reported by the engines {proxied.engine_cached} of "
+                    f"{proxied.prompt_tokens}; bookings left: {'none' if proxied.idle_after else 'SOME'}"
+                )
+                return online
             finally:
                 for task in tasks:
                     task.cancel()

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 
 from api.config import EventPlaneConfig, ServiceConfig, Settings
+from api.proxy.config import ProxyConfig
 from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.event_plane.embedded_server import free_port
@@ -22,15 +23,21 @@ __all__ = ["serve_router"]
 
 @contextlib.asynccontextmanager
 async def serve_router(
-    nats_url: str, config: RouterConfig, *, namespace: str = "default", startup_timeout_s: float = 10.0
+    nats_url: str,
+    config: RouterConfig,
+    *,
+    namespace: str = "default",
+    proxy: bool = False,
+    startup_timeout_s: float = 10.0,
 ) -> AsyncIterator[str]:
-    """Serve a router on loopback, its event plane on ``nats_url``, for the duration of the block;
-    yields its base URL."""
+    """Serve a router on loopback, its event plane on ``nats_url`` (and, with ``proxy``, its OpenAI
+    proxy), for the duration of the block; yields its base URL."""
     port = free_port()
     settings = Settings(
         router=config,
         service=ServiceConfig(port=port, log_level="warning"),
         event_plane=EventPlaneConfig(nats_url=nats_url, nats_namespace=namespace),
+        proxy=ProxyConfig(proxy=proxy),
     )
     server = uvicorn.Server(uvicorn_config(settings))
     serving = asyncio.create_task(server.serve(), name="kv-router-http")

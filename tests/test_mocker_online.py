@@ -127,6 +127,10 @@ async def test_the_demo_runs_the_whole_fleet_in_one_process(capsys: pytest.Captu
     online, offline = await run_demo(DemoOptions(workers=2, requests=60, show_progress=False))
     printed = capsys.readouterr().out
     assert "online: NATS + router service" in printed and "offline: the same workload" in printed
+    # The whole chain with an OpenAI-speaking client through the proxy: cache hits, nothing left booked.
+    proxied = next(line for line in printed.splitlines() if line.startswith("through the OpenAI proxy"))
+    assert "48 requests, 2 workers used" in proxied and proxied.endswith("bookings left: none")
+    assert "reported by the engines 0 " not in proxied
     assert online.report.completed == 60
     dynamo = next(run.report for run in offline if run.report.router == "dynamo")
     assert online.report.hit_rate_tokens == pytest.approx(dynamo.hit_rate_tokens, abs=0.08)
