@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
-from api.config import EventPlaneConfig, ServiceConfig, Settings
-from api.proxy.config import ProxyConfig
+from api.config import EventPlaneConfig, ProxyConfig, ServiceConfig, Settings
 from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.event_plane.embedded_server import free_port

@@ -12,8 +12,7 @@ import openai
 import uvicorn
 
 from api.app import RouterApp
-from api.config import EventPlaneConfig, ServiceConfig, Settings
-from api.proxy.config import ProxyConfig
+from api.config import EventPlaneConfig, ProxyConfig, ServiceConfig, Settings
 from api.server import uvicorn_config
 from mocker.config import EngineConfig
 from mocker.openai_api import MockOpenAI, serve_openai

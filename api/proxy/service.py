@@ -34,8 +34,7 @@ import aiohttp
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from api.config import ServiceConfig
-from api.proxy.config import ProxyConfig
+from api.config import ProxyConfig, ServiceConfig
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TokenizeFailed, load_tokenizers
 from api.proxy.upstream import UPSTREAM_ERRORS, Upstream

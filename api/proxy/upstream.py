@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from api.proxy.config import ProxyConfig
+from api.config import ProxyConfig
 
 __all__ = ["UPSTREAM_ERRORS", "Upstream"]
 
