@@ -128,6 +128,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"total_kv_blocks must be >= 0, got {self.total_kv_blocks}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be an http:// or https:// base URL, got {self.url!r}")
 
     @property
     def dp_ranks(self) -> range:

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from api.config import ProxyConfig, ServiceConfig
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TokenizeFailed, load_tokenizers
-from api.proxy.upstream import UPSTREAM_ERRORS, Upstream
+from api.proxy.upstream import UPSTREAM_ERRORS, Upstream, endpoint
 from api.proxy.wire import (
     ChatBody,
     CompletionBody,
@@ -266,7 +266,7 @@ class Proxy:
         if worker.dp_size > 1:
             headers = {**headers, "x-data-parallel-rank": str(decision.dp_rank)}
         try:
-            response = await self.upstream.session.post(f"{worker.url}{path}", data=body, headers=headers)
+            response = await self.upstream.session.post(endpoint(worker, path), data=body, headers=headers)
         except UPSTREAM_ERRORS as exc:
             raise _WorkerFailed(_describe(exc)) from None
         complete = False  # read to its end: the connection goes back to the pool

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from tokenizers import Tokenizer
 
-from api.proxy.upstream import UPSTREAM_ERRORS, Upstream
+from api.proxy.upstream import UPSTREAM_ERRORS, Upstream, endpoint
 from api.proxy.wire import ChatMessage, TokenizeReply
 from router.types import WorkerConfig
 
@@ -70,7 +70,9 @@ class PromptTokenizer:
         for worker in workers:
             try:
                 async with session.post(
-                    f"{worker.url}/tokenize", data=payload, headers={"content-type": "application/json"}
+                    endpoint(worker, "/tokenize"),
+                    data=payload,
+                    headers={"content-type": "application/json"},
                 ) as response:
                     content = await response.read()
                     if response.status == 200:

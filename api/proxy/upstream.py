@@ -12,8 +12,9 @@ from __future__ import annotations
 import aiohttp
 
 from api.config import ProxyConfig
+from router.types import WorkerConfig
 
-__all__ = ["UPSTREAM_ERRORS", "Upstream"]
+__all__ = ["UPSTREAM_ERRORS", "Upstream", "endpoint"]
 
 # Failures of a worker, as opposed to the proxy's own bugs: refused or reset connections, timeouts,
 # broken or malformed responses.
@@ -56,3 +57,9 @@ class Upstream:
         if self._session is None:
             raise RuntimeError("the proxy's upstream session is not started")
         return self._session
+
+
+def endpoint(worker: WorkerConfig, path: str) -> str:
+    """The URL of ``path`` on a worker (only workers with a URL are proxied to)."""
+    assert worker.url is not None
+    return worker.url.rstrip("/") + path
