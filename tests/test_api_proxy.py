@@ -4,12 +4,16 @@ serve the OpenAI API from their simulated engines (in-process uvicorn servers on
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
 import openai
 import pytest
+import uvicorn
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
@@ -104,12 +108,38 @@ async def test_a_client_leaving_mid_stream_frees_its_booking_and_cancels_the_eng
         assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected") == 1
 
 
-async def test_a_refused_connection_goes_to_the_next_best_worker_and_cools_the_failed_one(
-    nats_server: EmbeddedNats,
+async def _failing_server(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A worker whose engine is broken: every request is a 503."""
+    assert scope["type"] == "http"
+    body = b'{"error": {"message": "engine dead", "type": "internal", "code": 503}}'
+    await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.asynccontextmanager
+async def failing_worker(how: str) -> AsyncIterator[str]:
+    """The URL of a worker that refuses connections (nothing listens) or answers 5xx."""
+    port = free_port()
+    if how == "refused":
+        yield f"http://127.0.0.1:{port}"
+        return
+    config = uvicorn.Config(_failing_server, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    await eventually(lambda: server.started)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
+@pytest.mark.parametrize("how", ["refused", "5xx"])
+async def test_a_failing_worker_sends_the_request_to_the_next_best_and_is_cooled_down(
+    nats_server: EmbeddedNats, how: str
 ) -> None:
-    async with fleet(nats_server.url, (1,)) as f:
-        # Worker 9 claims the prompt's blocks but nothing listens at its URL.
-        url = f"http://127.0.0.1:{free_port()}"
+    async with fleet(nats_server.url, (1,)) as f, failing_worker(how) as url:
+        # Worker 9 claims the prompt's blocks, so it is the router's first choice, but it fails.
         dead = WorkerConfig(worker_id=9, block_size=BLOCK, url=url, models=frozenset({MODEL}))
         async with httpx.AsyncClient(base_url=f.url) as http:
             assert (await http.post("/v1/workers", content=msgspec.json.encode(dead))).status_code == 201
@@ -232,3 +262,22 @@ async def test_text_prompts_of_a_model_with_a_local_tokenizer_are_tokenized_by_t
         await f.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
         assert sum(api.tokenized for api in f.apis.values()) == 1
         assert idle(f.router)
+
+
+async def test_a_client_leaving_while_queued_leaves_the_queue_and_books_nothing(nats_server: EmbeddedNats) -> None:
+    router = {"router_queue_threshold": 0.0, "router_queue_request_limit_per_worker": 4}
+    async with fleet(nats_server.url, (1,), router=router) as f:
+        await f.router.new(RouteRequest(tokens=list(range(1, 200)), request_id="elsewhere"))
+        waiting = asyncio.ensure_future(
+            f.client.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=2)
+        )
+        await eventually(lambda: f.router.queue_stats().pending_count == 1)
+        waiting.cancel()  # the client goes away: its connection closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await eventually(lambda: f.router.queue_stats().pending_count == 0)
+        assert f.router.mark_free("elsewhere")
+        assert idle(f.router)
+        assert f.workers[1].engine.stats.prompt_tokens == 0  # it never reached the worker
+        text = await scrape(f.url)
+        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected") == 1
