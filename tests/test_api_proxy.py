@@ -27,6 +27,14 @@ pytestmark = pytest.mark.anyio
 BLOCK = 64
 
 
+def stored_event(worker_id: int, prompt: list[int]) -> dict[str, Any]:
+    """The KV event of a worker storing every full block of ``prompt``."""
+    hashes = compute_block_hashes(prompt, BLOCK)
+    blocks = [{"block_hash": s, "tokens_hash": t} for s, t in zip(compute_sequence_hashes(hashes), hashes, strict=True)]
+    stored = {"stored": {"parent_hash": None, "blocks": blocks}}
+    return {"worker_id": worker_id, "event": {"event_id": 1, "dp_rank": 0, "data": stored}}
+
+
 async def scrape(url: str) -> str:
     async with httpx.AsyncClient() as http:
         return (await http.get(f"{url}/metrics")).text
@@ -144,12 +152,7 @@ async def test_a_failing_worker_sends_the_request_to_the_next_best_and_is_cooled
         async with httpx.AsyncClient(base_url=f.url) as http:
             assert (await http.post("/v1/workers", content=msgspec.json.encode(dead))).status_code == 201
             prompt = list(range(5000, 5000 + 4 * BLOCK))
-            hashes = compute_block_hashes(prompt, BLOCK)
-            sequence = compute_sequence_hashes(hashes)
-            blocks = [{"block_hash": s, "tokens_hash": t} for s, t in zip(sequence, hashes, strict=True)]
-            stored = {"stored": {"parent_hash": None, "blocks": blocks}}
-            event = {"worker_id": 9, "event": {"event_id": 1, "dp_rank": 0, "data": stored}}
-            assert (await http.post("/v1/events", json=event)).json()["applied"] == 1
+            assert (await http.post("/v1/events", json=stored_event(9, prompt))).json()["applied"] == 1
         assert f.router.overlap(prompt).workers[-1].device_blocks == 4
         api = f.client
         raw = await api.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
@@ -281,3 +284,21 @@ async def test_a_client_leaving_while_queued_leaves_the_queue_and_books_nothing(
         assert f.workers[1].engine.stats.prompt_tokens == 0  # it never reached the worker
         text = await scrape(f.url)
         assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected") == 1
+
+
+async def test_a_worker_without_a_url_is_never_proxied_to(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url, (1,)) as f:
+        prompt = list(range(7000, 7000 + 4 * BLOCK))
+        event = stored_event(7, prompt)
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            # Routed by /v1/new only (another gateway's worker): it holds the whole prompt.
+            registered = await http.post("/v1/workers", json={"worker_id": 7, "block_size": BLOCK, "models": ["other"]})
+            assert registered.status_code == 201
+            assert (await http.post("/v1/events", json=event)).json()["applied"] == 1
+            decision = (await http.post("/v1/new", json={"tokens": prompt, "request_id": "direct"})).json()
+            assert decision["worker_id"] == 7  # the decision API still sees it
+            assert (await http.post("/v1/mark_free", json={"request_id": "direct"})).status_code == 200
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert raw.headers["x-kv-router-worker"] == "1"
+        assert [model.id for model in (await f.client.models.list()).data] == [MODEL]
+        assert idle(f.router)
