@@ -34,7 +34,7 @@ def start_worker(nats_url: str, worker_id: int, http_port: int) -> subprocess.Po
 async def test_a_worker_killed_mid_run_loses_no_booking_and_the_proxy_keeps_serving(
     nats_server: EmbeddedNats,
 ) -> None:
-    async with fleet(nats_server.url, ()) as f:
+    async with fleet(nats_server.url, (), lease_secs=3.0) as f:
         processes = {worker_id: start_worker(nats_server.url, worker_id, free_port()) for worker_id in (11, 12)}
         try:
             await eventually(lambda: len(f.router.workers()) == 2, timeout=30)
@@ -70,7 +70,7 @@ async def test_a_worker_killed_mid_run_loses_no_booking_and_the_proxy_keeps_serv
             async with httpx.AsyncClient() as http:
                 text = (await http.get(f"{f.url}/metrics")).text
             assert (metric(text, "kv_router_proxy_upstream_failures_total") or 0) >= 1
-            await eventually(lambda: [w.worker_id for w in f.router.workers()] == [12], timeout=15)
+            await eventually(lambda: [w.worker_id for w in f.router.workers()] == [12], timeout=30)
             assert idle(f.router)
         finally:
             for process in processes.values():
