@@ -10,7 +10,7 @@ chat template: routing tokens that differ from the engine's give silent cache mi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,9 @@ class PromptTokenizer:
     def __init__(self, local: dict[str, Tokenizer], upstream: Upstream) -> None:
         self._local = local
         self._upstream = upstream
+        self._turn = 0  # the workers take turns at tokenizing
 
-    async def text(self, model: str, text: str, workers: Iterable[WorkerConfig]) -> list[int]:
+    async def text(self, model: str, text: str, workers: Sequence[WorkerConfig]) -> list[int]:
         tokenizer = self._local.get(model)
         if tokenizer is None:
             return await self._remote({"model": model, "prompt": text}, workers)
@@ -59,15 +60,17 @@ class PromptTokenizer:
         encoding = await asyncio.to_thread(tokenizer.encode, text)
         return list(encoding.ids)
 
-    async def chat(self, model: str, messages: list[ChatMessage], workers: Iterable[WorkerConfig]) -> list[int]:
+    async def chat(self, model: str, messages: list[ChatMessage], workers: Sequence[WorkerConfig]) -> list[int]:
         return await self._remote({"model": model, "messages": messages, "add_generation_prompt": True}, workers)
 
-    async def _remote(self, body: dict[str, Any], workers: Iterable[WorkerConfig]) -> list[int]:
-        """Ask the workers in turn until one answers."""
+    async def _remote(self, body: dict[str, Any], workers: Sequence[WorkerConfig]) -> list[int]:
+        """Ask the workers, starting with the next one's turn, until one answers."""
         payload = _encode(body)
         session = self._upstream.session
         problems = []
-        for worker in workers:
+        self._turn += 1
+        start = self._turn % len(workers) if workers else 0
+        for worker in (*workers[start:], *workers[:start]):
             try:
                 async with session.post(
                     endpoint(worker, "/tokenize"),
