@@ -152,8 +152,13 @@ class Proxy:
         warm = [worker for worker in serving if worker.worker_id not in cooling]
         return warm or serving
 
-    def cool_down(self, worker_id: int) -> None:
-        self._cooling[worker_id] = time.monotonic() + self.config.proxy_cooldown_secs
+    def cool_down(self, worker_id: int, problem: str) -> None:
+        """A worker failed: count it, say why, and leave it out for ``proxy_cooldown_secs``."""
+        self.metrics.upstream_failure()
+        cooldown = self.config.proxy_cooldown_secs
+        if worker_id not in self._cooling:  # one line per failing spell, not per request
+            logger.warning("worker %d failed (%s): cooled down for %g s", worker_id, problem, cooldown)
+        self._cooling[worker_id] = time.monotonic() + cooldown
 
     # ------------------------------------------------------------------ one request
     async def serve(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -169,7 +174,7 @@ class Proxy:
             watcher = asyncio.ensure_future(receive())
             watcher.add_done_callback(state.gone)
             try:
-                outcome = await self._proxy(route, scope, body, send, state)
+                outcome = await self._proxy(route, scope, body, send)
             finally:
                 state.finished = True
                 watcher.cancel()
@@ -185,7 +190,7 @@ class Proxy:
             outcome = "client_disconnected"
         self.metrics.count(route, outcome)
 
-    async def _proxy(self, route: str, scope: Scope, body: bytes, send: Send, state: _Watch) -> str:
+    async def _proxy(self, route: str, scope: Scope, body: bytes, send: Send) -> str:
         try:
             request = self._decoders[route](body)
             model = request.model
@@ -232,8 +237,7 @@ class Proxy:
                 return await self._forward(worker, decision, scope["path"], body, headers, request.stream, send)
             except _WorkerFailed as failed:
                 failures.append(f"worker {worker.worker_id}: {failed}")
-                self.metrics.upstream_failure()
-                self.cool_down(worker.worker_id)
+                self.cool_down(worker.worker_id, str(failed))
                 among.discard(worker.worker_id)
                 if not among:
                     break
@@ -335,9 +339,8 @@ class Proxy:
                 problem = "the stream ended before data: [DONE]"
         if problem is not None:
             # The client has its headers and part of the stream: say what happened as an SSE event.
-            self.metrics.upstream_failure()
-            self.cool_down(decision.worker_id)
             message = f"worker {decision.worker_id} failed mid-stream: {problem}"
+            self.cool_down(decision.worker_id, message)
             event = b"data: " + error_body(502, "upstream_error", message) + b"\n\n"
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
