@@ -15,6 +15,7 @@ loop, so it never uses more than one core. The machine is shared with other work
 average is printed with the figures.
 
     python bench/proxy_bench.py                                   # 100 concurrent streams
+    python bench/proxy_bench.py --no-events                       # the router process does nothing but proxy
     python bench/proxy_bench.py --clients aiohttp,httpx           # CPU of the two HTTP clients, direct
 
 Loopback only.
@@ -158,10 +159,13 @@ def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
     """NATS, one mock worker with its OpenAI API, the proxy; yields (worker URL, proxy URL, proxy pid)."""
     with ExitStack() as stack:
         nats = stack.enter_context(EmbeddedNats())
+        # --no-events: the worker publishes to a NATS of its own and is registered over HTTP, so the
+        # router's process does nothing but proxy (no KV events, load reports or heartbeats to ingest).
+        worker_nats = stack.enter_context(EmbeddedNats()) if args.no_events else nats
         worker_port, proxy_port = free_port(), free_port()
         cli = [sys.executable, "-m", "api.cli"]
         worker = subprocess.Popen(
-            [*cli, "mock-worker", "--nats-url", nats.url, "--worker-id", "1", "--http-port", str(worker_port),
+            [*cli, "mock-worker", "--nats-url", worker_nats.url, "--worker-id", "1", "--http-port", str(worker_port),
              "--model", MODEL, "--engine-speedup", str(args.engine_speedup), "--max-num-seqs", "1024",
              "--log-level", "warning"],
             stdout=subprocess.DEVNULL,
@@ -174,6 +178,8 @@ def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
         )  # fmt: skip
         stack.callback(_stop, proxy)
         proxy_url = f"http://127.0.0.1:{proxy_port}"
+        if args.no_events:
+            _register(proxy_url, f"http://127.0.0.1:{worker_port}")
         _wait_models(proxy_url)
         yield f"http://127.0.0.1:{worker_port}", proxy_url, proxy.pid
 
@@ -190,6 +196,21 @@ def _wait_models(url: str, timeout_s: float = 30.0) -> None:
             pass
         time.sleep(0.1)
     raise SystemExit("the proxy did not list the mock worker's model in time")
+
+
+def _register(url: str, worker_url: str, timeout_s: float = 30.0) -> None:
+    import httpx
+
+    worker = {"worker_id": 1, "block_size": 64, "leased": False, "url": worker_url, "models": [MODEL]}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.post(f"{url}/v1/workers", json=worker).status_code in (200, 201):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("could not register the mock worker with the proxy")
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -211,6 +232,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--clients", default="", help="instead: compare these HTTP clients' CPU, direct")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--no-events", action="store_true", help="register the worker over HTTP, keep its events off the router"
+    )
     args = parser.parse_args()
     with fleet(args) as (worker_url, proxy_url, proxy_pid):
         if args.clients:
