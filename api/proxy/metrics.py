@@ -4,7 +4,8 @@ When the engine reports ``usage.prompt_tokens_details.cached_tokens``, the route
 the request (the cached tokens of the chosen worker at the decision) is compared with it:
 
 * ``kv_router_proxy_cached_tokens_error``: histogram of actual minus predicted, in tokens (negative:
-  the index promised more than the engine had);
+  the index promised more than the engine had; with negative buckets Prometheus exposes no ``_sum``
+  or ``_count``, the ``+Inf`` bucket is the count);
 * ``kv_router_proxy_cache_calibration{worker_id}``: over each worker's last ``window`` reports, the
   engine's cached tokens over the predicted ones (1: the index is right about this worker; below 1:
   it over-promises, e.g. lost events; above 1: the worker has cache the index does not know of).
