@@ -126,6 +126,8 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
             "(DYN_EVENT_PLANE=nats) feed this router over its NATS (repeatable; environment: a JSON list)"
         ),
     ] = []
+
+
 PositiveSecs = Annotated[float, msgspec.Meta(gt=0)]
 
 
@@ -157,12 +159,13 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         int, _doc("requests per worker in the predicted-vs-actual cached tokens gauge"), msgspec.Meta(ge=1)
     ] = 256
     tokenizer: Annotated[
-        str | None,
+        list[str],
         _doc(
-            "local tokenizers for text prompts, MODEL=PATH[,MODEL=PATH...] to tokenizer.json files (never "
-            "downloaded); other models and chat messages are tokenized by a worker's /tokenize"
+            "a local tokenizer for a model's text prompts: MODEL=PATH to a tokenizer.json (never downloaded; "
+            "repeatable; environment: a JSON list); other models and chat messages are tokenized by a worker's "
+            "/tokenize"
         ),
-    ] = None
+    ] = []
 
     def __post_init__(self) -> None:
         self.tokenizer_paths()  # a malformed value fails at start-up, naming the setting
@@ -170,12 +173,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     def tokenizer_paths(self) -> dict[str, Path]:
         """Model name -> tokenizer.json, from ``tokenizer``."""
         paths: dict[str, Path] = {}
-        for item in (self.tokenizer or "").split(","):
-            if not item.strip():
-                continue
+        for item in self.tokenizer:
             model, sep, path = item.partition("=")
             if not sep or not model.strip() or not path.strip():
-                raise ValueError(f"tokenizer: expected MODEL=PATH, got {item.strip()!r}")
+                raise ValueError(f"tokenizer: expected MODEL=PATH, got {item!r}")
             paths[model.strip()] = Path(path.strip())
         return paths
 

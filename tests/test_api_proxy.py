@@ -247,7 +247,7 @@ async def test_text_prompts_of_a_model_with_a_local_tokenizer_are_tokenized_by_t
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     path = tmp_path / "tokenizer.json"
     tokenizer.save(str(path))
-    async with fleet(nats_server.url, proxy={"tokenizer": f"{MODEL}={path}"}) as f:
+    async with fleet(nats_server.url, proxy={"tokenizer": [f"{MODEL}={path}"]}) as f:
         prefix = "the same long system prompt. " * 20  # 580 characters: 9 blocks of 64
         first = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prefix + "one", max_tokens=2)
         holder = first.headers["x-kv-router-worker"]
