@@ -22,7 +22,9 @@ from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.auth import ApiAuth
 from api.config import Settings
+from api.docs import add_docs_routes
 from api.engine_lifecycle import running_dynamo_sources, running_engines
 from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
@@ -71,12 +73,19 @@ def create_app(
     registry.register(RouterStateCollector(kv_router))
     registry.register(EventStreamCollector(kv_router.events))
     register_build_info(registry, version=package_version(), policy=settings.router.policy)
-    handlers = Handlers(kv_router, metrics, settings.service)
     proxy = None
     if settings.proxy.proxy:
         from api.proxy.service import Proxy  # imported only when enabled: aiohttp, tokenizers
 
         proxy = Proxy(kv_router, settings.proxy, settings.service, registry)
+    security = settings.security
+    auth = ApiAuth(
+        security.token(),
+        protect_decisions=security.protect_decisions,
+        protect_reads=security.protect_reads,
+        protect_probes=security.protect_probes,
+    )
+    handlers = Handlers(kv_router, metrics, settings.service, auth)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -125,10 +134,14 @@ def create_app(
         "Dynamo's KV router. Bodies are JSON, or msgpack with Content-Type: application/msgpack "
         "(replies in msgpack with Accept: application/msgpack).",
         lifespan=lifespan,
+        docs_url=None,  # served by api.docs, without a CDN
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.router = kv_router
     app.state.settings = settings
     app.state.registry = registry
+    app.state.auth = auth  # the one access check, for routes added elsewhere (the OpenAI proxy)
     app.state.serving = False
     app.state.event_plane = None
     app.state.doctor = None
@@ -137,14 +150,15 @@ def create_app(
 
     schemas = Schemas()
     add_hot_routes(app, handlers, schemas)
-    add_admin_routes(app, kv_router, registry, schemas)
+    add_admin_routes(app, kv_router, registry, schemas, auth)
     schemas.install(app)
+    add_docs_routes(app, auth)
     _add_error_handlers(app)
     hot = HotRoutes(handlers.routes() if settings.service.fast_path else {}, settings.service.max_body_bytes)
     app.hot = hot
     app.front = FastPath(partial(FastAPI.__call__, app), hot)
     if proxy is not None:  # the OpenAI routes, in front of everything else
-        app.front = proxy.front(app.front)
+        app.front = proxy.front(app.front, auth)
     return app
 
 
@@ -179,7 +193,8 @@ def _error_response(exc: Exception) -> Response:
     mapped = error_reply(exc)
     assert mapped is not None
     status, _, body = mapped
-    return Response(body, status, media_type="application/json")
+    headers = dict(exc.headers) if isinstance(exc, ApiError) else None
+    return Response(body, status, headers=headers, media_type="application/json")
 
 
 def _add_error_handlers(app: FastAPI) -> None:

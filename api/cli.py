@@ -16,13 +16,14 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import msgspec
 
-from api.config import ENV_PREFIX, SECTIONS, load_settings
+from api.config import ENV_PREFIX, SECTIONS, Settings, masked, resolve_settings
 from api.version import package_version
 from router.errors import ConfigError
+from router.policies.registry import policy_names
 
 __all__ = ["COMMAND_ENTRY_POINTS", "Command", "build_parser", "main"]
 
@@ -95,6 +96,14 @@ _SCALARS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad command line is one line on stderr and exit code 2: the usage of ``serve`` (a flag per
+    setting) would bury the one line that says what is wrong; ``--help`` shows it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _add_field_flag(group: argparse._ArgumentGroup, section: str, field: msgspec.inspect.Field) -> None:
     t, description = _unwrap(field.type)
     optional = isinstance(t, msgspec.inspect.UnionType) and any(
@@ -104,8 +113,9 @@ def _add_field_flag(group: argparse._ArgumentGroup, section: str, field: msgspec
     default = field.default if field.default is not msgspec.NODEFAULT else None
     flag = "--" + field.name.replace("_", "-")
     env = ENV_PREFIX + field.name.upper()
-    text = description or f"{section} setting {field.name}"
-    text = f"{text} [env {env}; default: {default}]"
+    description = description or f"{section} setting {field.name}"  # tests/test_api_cli.py wants one for each
+    shown = "unset" if default is None else default
+    text = f"{description} [env {env}; default: {shown}]".replace("%", "%%")
     kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": text}
     if isinstance(t, msgspec.inspect.BoolType):
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
@@ -113,7 +123,9 @@ def _add_field_flag(group: argparse._ArgumentGroup, section: str, field: msgspec
     if isinstance(t, msgspec.inspect.ListType) and isinstance(t.item_type, msgspec.inspect.StrType):
         group.add_argument(flag, action="append", metavar=field.name.upper(), **kwargs)
         return
-    if isinstance(t, msgspec.inspect.LiteralType):
+    if field.name == "policy":  # a name in the policy registry
+        kwargs["choices"] = policy_names()
+    elif isinstance(t, msgspec.inspect.LiteralType):
         kwargs["choices"] = [str(v) for v in t.values] + (["none"] if optional else [])
     elif isinstance(t, msgspec.inspect.EnumType):
         kwargs["choices"] = [str(m.value) for m in t.cls] + (["none"] if optional else [])
@@ -138,31 +150,46 @@ def _json_value(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
 
 
-def build_parser(plugins: dict[str, Command] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kv-router", description="KV-cache-aware request router for LLM engine fleets."
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """``--config`` and a flag per setting (see the module)."""
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="JSON or TOML file of settings, keyed by field name (example: docs/kv-router.example.toml) "
+        f"[env {ENV_PREFIX}CONFIG]",
     )
+    for section, struct in SECTIONS.items():
+        info = msgspec.inspect.type_info(struct)
+        assert isinstance(info, msgspec.inspect.StructType)
+        group = parser.add_argument_group(f"{section} settings", struct.__doc__)
+        for field in info.fields:
+            _add_field_flag(group, section, field)
+
+
+def build_parser(plugins: dict[str, Command] | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(prog="kv-router", description="KV-cache-aware request router for LLM engine fleets.")
     parser.add_argument("--version", action="version", version=f"kv-router {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
         help="serve routing decisions over HTTP",
         description="Serve routing decisions, KV events and metrics over HTTP. Every flag can also be "
-        f"set as an environment variable {ENV_PREFIX}<NAME> or as a key of the --config file.",
+        f"set as an environment variable {ENV_PREFIX}<NAME> or as a key of the --config file "
+        "(precedence, lowest first: default, file, environment, flag).",
     )
-    serve.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help=f"JSON or TOML file of settings, keyed by field name [env {ENV_PREFIX}CONFIG]",
+    _add_settings_flags(serve)
+    config = commands.add_parser("config", help="inspect settings", description="Inspect settings.")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_commands.add_parser(
+        "show",
+        help="print the effective settings of `kv-router serve` with these flags, and where each came from",
+        description="Print the settings `kv-router serve` would run with, given the same flags, environment "
+        "and config file: one `name = value  # source` line each (source: default, config file, environment "
+        "variable or flag), secrets masked. Without secrets the output is itself a valid TOML config file.",
     )
-    for section, struct in SECTIONS.items():
-        info = msgspec.inspect.type_info(struct)
-        assert isinstance(info, msgspec.inspect.StructType)
-        group = serve.add_argument_group(f"{section} settings")
-        for field in info.fields:
-            _add_field_flag(group, section, field)
+    _add_settings_flags(show)
     for name, command in (plugin_commands() if plugins is None else plugins).items():
         command.configure(commands.add_parser(name, help=command.help, description=command.description))
     return parser
@@ -176,16 +203,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plugins[namespace.command].run(namespace)
     args = vars(namespace)
     command = args.pop("command")
-    if command == "serve":
-        config_file = args.pop("config") or _env_config_file()
-        try:
-            settings = load_settings(flags=args, env=os.environ, config_file=config_file)
-        except ConfigError as exc:
-            parser.error(str(exc))
-        from api.server import serve  # imported late: --help and --version stay fast
+    config_command = args.pop("config_command", None)
+    config_file = args.pop("config") or _env_config_file()
+    try:
+        settings, origin = resolve_settings(flags=args, env=os.environ, config_file=config_file)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if command == "config" and config_command == "show":
+        print(show_settings(settings, origin), end="")
+        return 0
+    from api.server import serve  # imported late: --help and --version stay fast
 
-        serve(settings)
+    serve(settings)
     return 0
+
+
+def show_settings(settings: Settings, origin: dict[str, str]) -> str:
+    """The effective settings as TOML lines, each with where it came from; secrets masked."""
+    lines = ["# kv-router settings: value, then where it came from (default, file, environment, flag)\n"]
+    for section in SECTIONS:
+        values = getattr(settings, section)
+        lines.append(f"\n# [{section}]\n")
+        for name in values.__struct_fields__:
+            source = origin.get(name, "default")
+            value = masked(name, getattr(values, name))
+            if value is None:
+                lines.append(f"# {name} = (unset)  # {source}\n")
+            else:
+                lines.append(f"{name} = {_toml_value(value)}  # {source}\n")
+    return "".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float | str):
+        return msgspec.json.encode(value).decode()  # a JSON string or number is a TOML one
+    return _toml_inline(msgspec.to_builtins(value))
+
+
+def _toml_inline(value: Any) -> str:
+    if isinstance(value, dict):
+        return (
+            "{"
+            + ", ".join(f"{msgspec.json.encode(str(k)).decode()} = {_toml_inline(v)}" for k, v in value.items())
+            + "}"
+        )
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_inline(v) for v in value) + "]"
+    return _toml_value(value)
 
 
 def _env_config_file() -> Path | None:

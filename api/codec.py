@@ -62,6 +62,7 @@ class Call:
     reply_msgpack: bool = False
     request_id: str | None = None  # the X-Request-Id header
     explain: bool = False  # the ?explain=true query flag
+    authorization: bytes | str | None = None  # the Authorization header, checked by `api.auth`
     # Returns once the client has disconnected; watched only while a request waits in the queue.
     wait_disconnect: Callable[[], Awaitable[None]] | None = None
 
@@ -74,6 +75,7 @@ class Reply:
     body: bytes
     msgpack: bool = False
     request_id: str | None = None  # echoed as X-Request-Id
+    headers: tuple[tuple[str, str], ...] = ()  # any other header to send (a 401's WWW-Authenticate)
 
     @property
     def media_type(self) -> str:

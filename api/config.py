@@ -11,6 +11,7 @@ Precedence, lowest first: field defaults, the config file, ``KV_ROUTER_*`` varia
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,16 +21,21 @@ import msgspec
 
 from router.config import RouterConfig
 from router.errors import ConfigError
+from router.policies.registry import policy_names
 
 __all__ = [
     "ENV_PREFIX",
+    "SECRETS",
     "SECTIONS",
     "EngineSourcesConfig",
     "EventPlaneConfig",
     "ProxyConfig",
+    "SecurityConfig",
     "ServiceConfig",
     "Settings",
     "load_settings",
+    "masked",
+    "resolve_settings",
 ]
 
 ENV_PREFIX = "KV_ROUTER_"
@@ -37,6 +43,20 @@ ENV_PREFIX = "KV_ROUTER_"
 
 def _doc(text: str) -> msgspec.Meta:
     return msgspec.Meta(description=text)
+
+
+# Settings whose values are secrets: masked wherever settings are shown (`kv-router config show`, reprs).
+SECRETS = frozenset({"api_token", "nats_password", "nats_token"})
+
+
+def masked(name: str, value: Any) -> Any:
+    """``value``, or ``"***"`` if setting ``name`` is a secret that is set."""
+    return "***" if name in SECRETS and value is not None else value
+
+
+def _masked_repr(self: msgspec.Struct) -> str:
+    shown = ", ".join(f"{name}={masked(name, getattr(self, name))!r}" for name in self.__struct_fields__)
+    return f"{type(self).__name__}({shown})"
 
 
 class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -106,6 +126,67 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     resync_timeout_secs: Annotated[
         float, _doc("how long to wait for a worker's answer to one resync request"), msgspec.Meta(gt=0)
     ] = 2.0
+
+    __repr__ = _masked_repr  # never the NATS password or token
+
+
+class SecurityConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Who may call which routes (a bearer token, `api.auth`), and TLS for HTTP."""
+
+    api_token: Annotated[
+        str | None,
+        _doc(
+            "bearer token required by the routes that change state other than bookings (/v1/events, worker "
+            "registration and removal); clients send Authorization: Bearer <token>. A flag is visible to "
+            "other users in the process list: prefer --api-token-file or the environment variable"
+        ),
+    ] = None
+    api_token_file: Annotated[
+        str | None, _doc("file holding the API token (surrounding whitespace is ignored); instead of --api-token")
+    ] = None
+    protect_decisions: Annotated[
+        bool,
+        _doc(
+            "with an API token, also require it on the decision routes: /v1/new, /v1/router, /v1/mark_prefill, "
+            "/v1/mark_free, /v1/potential_loads, /v1/overlap and the OpenAI proxy"
+        ),
+    ] = False
+    protect_reads: Annotated[
+        bool, _doc("with an API token, also require it to read state: GET /v1/workers, /v1/dump, /metrics, /docs")
+    ] = False
+    protect_probes: Annotated[bool, _doc("with an API token, also require it on /healthz and /readyz")] = False
+    ssl_certfile: Annotated[str | None, _doc("serve HTTPS with this PEM certificate (chain); needs --ssl-keyfile")] = (
+        None
+    )
+    ssl_keyfile: Annotated[str | None, _doc("PEM private key of --ssl-certfile")] = None
+
+    def __post_init__(self) -> None:
+        if self.api_token is not None and self.api_token_file is not None:
+            raise ConfigError("api_token", "give the token or a file holding it, not both (api_token_file is set)")
+        if self.api_token is not None:
+            _check_token("api_token", self.api_token)
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ConfigError("ssl_certfile", "HTTPS needs both ssl_certfile and ssl_keyfile")
+
+    __repr__ = _masked_repr
+
+    def token(self) -> str | None:
+        """The API token: the setting, or the file's content (`ConfigError` if it cannot be read)."""
+        if self.api_token_file is None:
+            return self.api_token
+        try:
+            text = Path(self.api_token_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or "not text"
+            raise ConfigError("api_token_file", f"cannot read {self.api_token_file}: {reason}") from None
+        _check_token("api_token_file", text)
+        return text
+
+
+def _check_token(name: str, token: str) -> None:
+    # RFC 6750's b64token is visible ASCII without spaces; the message never echoes the token.
+    if not token or not all("!" <= c <= "~" for c in token):
+        raise ConfigError(name, "the API token must be non-empty visible ASCII without spaces")
 
 
 class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -189,6 +270,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     event_plane: EventPlaneConfig = msgspec.field(default_factory=EventPlaneConfig)
     engines: EngineSourcesConfig = msgspec.field(default_factory=EngineSourcesConfig)
     proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
+    security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
 
 
 # Section name in `Settings` -> its struct type. Field names must be unique across sections.
@@ -198,6 +280,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     "event_plane": EventPlaneConfig,
     "engines": EngineSourcesConfig,
     "proxy": ProxyConfig,
+    "security": SecurityConfig,
 }
 
 
@@ -236,6 +319,16 @@ def load_settings(
     ``flags`` holds only the flags the user gave (field name -> value); strings are converted to
     each field's type, and each section's own validation runs on the merged values.
     """
+    return resolve_settings(flags, env, config_file)[0]
+
+
+def resolve_settings(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> tuple[Settings, dict[str, str]]:
+    """`load_settings`, and where each setting not left at its default came from (name -> "flag
+    --port", "environment variable KV_ROUTER_PORT", "config file x.toml")."""
     owner = _field_section()
     merged: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     origin: dict[str, str] = {}
@@ -264,7 +357,24 @@ def load_settings(
             sections[section] = msgspec.convert(merged[section], struct, strict=False)
         except msgspec.ValidationError as exc:
             raise ConfigError(section, _explain(str(exc), origin)) from None
-    return Settings(**sections)  # type: ignore[arg-type]
+    settings = Settings(**sections)  # type: ignore[arg-type]
+    try:
+        _check_references(settings)
+    except ConfigError as exc:
+        raise ConfigError(exc.field, _explain(str(exc), origin).removeprefix(f"{exc.field}: ")) from None
+    return settings, origin
+
+
+def _check_references(settings: Settings) -> None:
+    """What the structs cannot check alone: names of registered policies, files that must be readable."""
+    policy = settings.router.policy
+    if policy not in policy_names():
+        raise ConfigError("policy", f"unknown policy {policy!r}; choose from {', '.join(policy_names())}")
+    settings.security.token()
+    for name in ("ssl_certfile", "ssl_keyfile"):
+        path = getattr(settings.security, name)
+        if path is not None and not os.access(path, os.R_OK):
+            raise ConfigError(name, f"cannot read {path}")
 
 
 def _none_if_null(value: str) -> Any:

@@ -41,6 +41,7 @@ class ApiError(Exception):
 
     status = 400
     type = "bad_request"
+    headers: tuple[tuple[str, str], ...] = ()  # sent with the error reply
 
     def __init__(self, message: str, **detail: Any) -> None:
         super().__init__(message)

@@ -97,7 +97,7 @@ class FastPath:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
-        content_type = accept = request_id = None
+        content_type = accept = request_id = authorization = None
         content_length = -1
         for name, value in scope["headers"]:
             if name == b"content-length":
@@ -108,6 +108,8 @@ class FastPath:
                 accept = value
             elif name == b"x-request-id":
                 request_id = value.decode("latin-1")
+            elif name == b"authorization":
+                authorization = value
         if content_length > self._limit:
             # Refused before a byte of the body is read.
             await _send_reply(send, too_large_reply(self._limit))
@@ -128,6 +130,7 @@ class FastPath:
             request_id=request_id,
             explain=query_flag(scope["query_string"], b"explain"),
             wait_disconnect=partial(wait_disconnect, receive),
+            authorization=authorization,
         )
         await _send_reply(send, await handler(call))
 
@@ -145,5 +148,7 @@ async def _send_reply(send: Send, reply: Reply) -> None:
     ]
     if reply.request_id is not None:
         headers.append((b"x-request-id", reply.request_id.encode("latin-1")))
+    for name, value in reply.headers:
+        headers.append((name.encode("latin-1"), value.encode("latin-1")))
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     await send({"type": "http.response.body", "body": reply.body})

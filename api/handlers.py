@@ -15,10 +15,12 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any
 
 import msgspec
 
+from api.auth import Access, ApiAuth
 from api.codec import BodyDecoder, Call, Reply, encode
 from api.config import ServiceConfig
 from api.eager import Suspended, start
@@ -56,7 +58,7 @@ from router.errors import QueueRejected
 from router.kv_router import KvRouter
 from router.types import RouteDecision, RouteRequest, Tokens
 
-__all__ = ["HOT_PATHS", "Handlers"]
+__all__ = ["HOT_ACCESS", "HOT_PATHS", "Handlers"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +72,18 @@ HOT_PATHS = {
     "/v1/events": "events",
     "/v1/overlap": "overlap",
 }
+# Path -> when it needs the API token (`api.auth`): events change the index; the rest decide or book.
+HOT_ACCESS = {path: Access.ADMIN if path == "/v1/events" else Access.DECISION for path in HOT_PATHS}
 
 
 class Handlers:
     """The hot routes of one app, bound to its router, metrics and limits."""
 
-    def __init__(self, router: KvRouter, metrics: ApiMetrics, service: ServiceConfig) -> None:
+    def __init__(
+        self, router: KvRouter, metrics: ApiMetrics, service: ServiceConfig, auth: ApiAuth | None = None
+    ) -> None:
         self._router = router
+        self._auth = auth or ApiAuth(None)
         self._metrics = metrics
         self._max_prompt_tokens = service.max_prompt_tokens
         self._new_body: BodyDecoder[NewRequest] = BodyDecoder(NewRequest)
@@ -85,8 +92,12 @@ class Handlers:
         self._mark_body: BodyDecoder[MarkRequest] = BodyDecoder(MarkRequest)
 
     def routes(self) -> dict[str, HotHandler]:
-        handlers: dict[str, HotHandler] = {path: getattr(self, name) for path, name in HOT_PATHS.items()}
-        return handlers
+        """Path -> handler, each behind the API token where its access class needs it."""
+        count = self._metrics.count
+        return {
+            path: self._auth.guard(HOT_ACCESS[path], getattr(self, name), partial(count, name, "unauthorized"))
+            for path, name in HOT_PATHS.items()
+        }
 
     # ------------------------------------------------------------------ routes
     async def router(self, call: Call) -> Reply:

@@ -78,6 +78,7 @@ class _HotRequest:
 
     __slots__ = (
         "accept",
+        "authorization",
         "chunks",
         "complete",
         "content_type",
@@ -104,6 +105,7 @@ class _HotRequest:
         self.keep_alive = keep_alive
         self.content_type: bytes | None = None
         self.accept: bytes | None = None
+        self.authorization: bytes | None = None
         self.request_id: str | None = None
         self.expect_continue = False
         self.chunks: list[bytes] = []
@@ -167,6 +169,8 @@ class FastHttpProtocol(HttpToolsProtocol):
                 request.accept = value
             elif name == b"x-request-id":
                 request.request_id = value.decode("latin-1")
+            elif name == b"authorization":
+                request.authorization = value
         request.expect_continue = self.expect_100_continue
         request.refused = content_length > self.max_body_bytes  # answered before a byte of the body is read
         previous = self.cycle
@@ -288,6 +292,7 @@ class FastHttpProtocol(HttpToolsProtocol):
             request_id=request.request_id,
             explain=query_flag(query, b"explain") if query else False,
             wait_disconnect=self._wait_disconnect,
+            authorization=request.authorization,
         )
         try:
             outcome = start(request.handler(call))
@@ -325,6 +330,8 @@ class FastHttpProtocol(HttpToolsProtocol):
                 value = reply.request_id.encode("latin-1")
                 if not HEADER_VALUE_RE.search(value):
                     head += (b"x-request-id: ", value, b"\r\n")
+            for extra_name, extra_value in reply.headers:
+                head += (extra_name.encode("latin-1"), b": ", extra_value.encode("latin-1"), b"\r\n")
             for name, value in self.server_state.default_headers:
                 head += (name, b": ", value, b"\r\n")
             if not request.keep_alive:

@@ -14,6 +14,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from api.auth import Access, ApiAuth
 from api.codec import JSON, MSGPACK, BodyDecoder, Call, encode, is_msgpack, query_flag
 from api.fastpath import HotHandler, wait_disconnect
 from api.handlers import HOT_PATHS, Handlers
@@ -89,9 +90,12 @@ def _hot_endpoint(handler: HotHandler) -> Any:
             request_id=headers.get("x-request-id"),
             explain=query_flag(request.scope["query_string"], b"explain"),
             wait_disconnect=partial(wait_disconnect, request.receive),
+            authorization=headers.get("authorization"),
         )
         reply = await handler(call)
-        extra = {"x-request-id": reply.request_id} if reply.request_id is not None else None
+        extra = dict(reply.headers)
+        if reply.request_id is not None:
+            extra["x-request-id"] = reply.request_id
         return Response(reply.body, reply.status, headers=extra, media_type=reply.media_type)
 
     return endpoint
@@ -113,7 +117,11 @@ def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
     app.include_router(router)
 
 
-def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegistry, schemas: Schemas) -> None:
+def add_admin_routes(
+    app: FastAPI, kv_router: KvRouter, registry: CollectorRegistry, schemas: Schemas, auth: ApiAuth | None = None
+) -> None:
+    auth = auth or ApiAuth(None)
+    admin, read, probe = (auth.dependency(access) for access in (Access.ADMIN, Access.READ, Access.PROBE))
     worker_body: BodyDecoder[WorkerConfig] = BodyDecoder(WorkerConfig)
 
     def streams_by_worker() -> dict[int, list[StreamStatus]]:
@@ -134,6 +142,7 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
 
     @app.get(
         "/v1/workers",
+        dependencies=[read],
         tags=["workers"],
         summary="Registered workers with the live load of each dp rank",
         openapi_extra=schemas.operation(responses={200: (WorkersReply, "OK")}),
@@ -152,6 +161,7 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
 
     @app.post(
         "/v1/workers",
+        dependencies=[admin],
         tags=["workers"],
         summary="Register a worker, or reconfigure a registered one in place (its index is kept)",
         openapi_extra=schemas.operation(
@@ -171,6 +181,7 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
 
     @app.delete(
         "/v1/workers/{worker_id}",
+        dependencies=[admin],
         tags=["workers"],
         summary="Deregister a worker: its index entries and active requests are dropped",
         openapi_extra=schemas.operation(responses={200: (WorkerStatus, "the removed worker")}),
@@ -188,6 +199,7 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
 
     @app.get(
         "/v1/workers/{worker_id}",
+        dependencies=[read],
         tags=["workers"],
         summary="One worker with the live load of each dp rank",
         openapi_extra=schemas.operation(responses={200: (WorkerStatus, "OK")}),
@@ -200,6 +212,7 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
 
     @app.get(
         "/v1/dump",
+        dependencies=[read],
         tags=["index"],
         summary="The whole KV index as stored events (replayable into /v1/events); blocks approximate mode "
         'predicted carry "predicted": true',
@@ -225,12 +238,13 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
         checker: ConfigDoctor | None = request.app.state.doctor
         return reply(checker.check() if checker is not None else [], request)
 
-    @app.get("/healthz", tags=["operations"], summary="Liveness: the process answers")
+    @app.get("/healthz", dependencies=[probe], tags=["operations"], summary="Liveness: the process answers")
     async def healthz() -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.get(
         "/readyz",
+        dependencies=[probe],
         tags=["operations"],
         summary="Readiness: serving, and at least ready_min_workers workers registered (else 503)",
     )
@@ -240,6 +254,6 @@ def add_admin_routes(app: FastAPI, kv_router: KvRouter, registry: CollectorRegis
         body = encode({"ready": ready, "workers": workers}, False)
         return Response(body, 200 if ready else 503, media_type="application/json")
 
-    @app.get("/metrics", tags=["operations"], summary="Prometheus metrics (kv_router_*)")
+    @app.get("/metrics", dependencies=[read], tags=["operations"], summary="Prometheus metrics (kv_router_*)")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -50,6 +50,9 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
         # and date stamp are bytes on every reply that no client of this API reads.
         server_header=False,
         date_header=False,
+        # HTTPS when configured: the TLS layer sits under the protocol, so the fast path serves it too.
+        ssl_certfile=settings.security.ssl_certfile,
+        ssl_keyfile=settings.security.ssl_keyfile,
     )
 
 

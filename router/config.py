@@ -8,7 +8,7 @@ A config is validated when built, and a bad value raises `ConfigError` naming th
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -24,67 +24,210 @@ QueuePolicy = Literal["fcfs", "wspt", "lcfs"]
 PrefillLoadModel = Literal["none", "linear"]
 
 
-class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Configuration of one `KvRouter`; immutable once built (§4.8)."""
+def _doc(text: str) -> msgspec.Meta:
+    # Read by the CLI (`kv-router serve --help`) and the config docs.
+    return msgspec.Meta(description=text)
 
-    block_size: int = 16
+
+class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the router scores workers, tracks their load and queues requests: Dynamo 1.6.1's settings and
+    defaults (reference §4.8), and a few of ours; immutable once built."""
+
+    block_size: Annotated[
+        int, _doc("tokens per KV block; must equal every worker's block size (workers that differ are refused)")
+    ] = 16
     # Cost function (§4.2).
-    overlap_score_credit: float = 1.0
-    overlap_score_credit_decay: float = 0.0
-    prefill_load_scale: float = 1.0
-    decode_active_request_weight: float = 0.0
-    host_cache_hit_weight: float = 0.75
-    disk_cache_hit_weight: float = 0.25
-    router_temperature: float = 0.0
+    overlap_score_credit: Annotated[
+        float,
+        _doc(
+            "prefill blocks credited per cached prompt block in the cost (cost = prefill_load_scale x max(0, "
+            "prefill blocks - credit) + decode blocks); 0 ignores the cache, > 1 favours it over load"
+        ),
+    ] = 1.0
+    overlap_score_credit_decay: Annotated[
+        float,
+        _doc(
+            "shrinks the cache credit of ranks with more queued prefill tokens than the least-loaded one "
+            "(credit / (1 + decay x extra queued blocks / prompt blocks)); 0: no decay"
+        ),
+    ] = 0.0
+    prefill_load_scale: Annotated[
+        float, _doc("weight of a rank's uncached prefill blocks (queued + this prompt's) against its decode blocks")
+    ] = 1.0
+    decode_active_request_weight: Annotated[
+        float, _doc("cost, in blocks, added per request already active on the rank; 0: the count is ignored")
+    ] = 0.0
+    host_cache_hit_weight: Annotated[
+        float, _doc("credit per prompt block found in a rank's host (CPU) cache tier, as a fraction of a device hit")
+    ] = 0.75
+    disk_cache_hit_weight: Annotated[
+        float, _doc("credit per prompt block found in a rank's disk or external tier, as a fraction of a device hit")
+    ] = 0.25
+    router_temperature: Annotated[
+        float,
+        _doc("0: always the cheapest rank; > 0: sample ranks by softmax of -cost / temperature (spreads ties)"),
+    ] = 0.0
     # Load tracking (§4.5).
-    router_track_active_blocks: bool = True
+    router_track_active_blocks: Annotated[
+        bool, _doc("count each rank's active decode blocks from the prompts routed there (off: prefill-only cost)")
+    ] = True
     # Count a request's output blocks as it generates (`KvRouter.record_output`), decayed by its
     # expected output length when it gives one (§4.5).
-    router_track_output_blocks: bool = False
-    router_assume_kv_reuse: bool = True
-    router_track_prefill_tokens: bool = True
-    router_prefill_load_model: PrefillLoadModel = "none"
+    router_track_output_blocks: Annotated[
+        bool,
+        _doc(
+            "count a request's output blocks on its rank as it generates (record_output), decayed by its "
+            "expected output length when it gives one"
+        ),
+    ] = False
+    router_assume_kv_reuse: Annotated[
+        bool, _doc("prompt blocks shared by concurrent requests on one rank count once (as the engine reuses them)")
+    ] = True
+    router_track_prefill_tokens: Annotated[
+        bool, _doc("count each rank's queued prefill tokens until mark_prefill (off: prefill load is ignored)")
+    ] = True
+    router_prefill_load_model: Annotated[
+        PrefillLoadModel,
+        _doc(
+            "none: a booked prefill counts in full until mark_prefill; linear: the oldest pending prefill "
+            "of a rank decays as it runs, at router_prefill_tokens_per_s"
+        ),
+    ] = "none"
     # Ours: the prefill rate of one rank (tokens/s) the "linear" load model expects.
-    router_prefill_tokens_per_s: float = 50_000.0
-    request_expiry_secs: float = 300.0
+    router_prefill_tokens_per_s: Annotated[
+        float,
+        _doc("ours: prefill rate of one rank, in tokens per second, that the linear prefill load model expects"),
+    ] = 50_000.0
+    request_expiry_secs: Annotated[
+        float, _doc("a booked request never marked free is released after this many seconds")
+    ] = 300.0
     # Busy thresholds (§4.6); None skips the check.
-    active_decode_blocks_threshold: float | None = None
-    active_prefill_tokens_threshold: int | None = None
-    active_prefill_tokens_threshold_frac: float | None = None
+    active_decode_blocks_threshold: Annotated[
+        float | None,
+        _doc(
+            "a rank is busy while its used (or active decode) KV blocks exceed this fraction (0.0-1.0) of its "
+            "total_kv_blocks; a worker with every rank busy gets no new requests; unset: no check"
+        ),
+    ] = None
+    active_prefill_tokens_threshold: Annotated[
+        int | None, _doc("a rank is busy while its queued prefill tokens exceed this many; unset: no check")
+    ] = None
+    active_prefill_tokens_threshold_frac: Annotated[
+        float | None,
+        _doc(
+            "a rank is busy while its queued prefill tokens exceed this multiple of its max_num_batched_tokens; "
+            "unset: no check"
+        ),
+    ] = None
     # Queue (§4.7); no threshold means no queue.
-    router_queue_threshold: float | None = None
-    router_queue_policy: QueuePolicy = "fcfs"
+    router_queue_threshold: Annotated[
+        float | None,
+        _doc(
+            "park a request in the router's queue while every eligible rank has more queued prefill tokens than "
+            "this multiple of its max_num_batched_tokens; unset: no queue"
+        ),
+    ] = None
+    router_queue_policy: Annotated[
+        QueuePolicy,
+        _doc(
+            "order of the queue: fcfs (arrival, with priority), wspt (shortest uncached prompt first, weighted by "
+            "priority), lcfs (newest first, for experiments)"
+        ),
+    ] = "fcfs"
     # Ours, after Dynamo's per-class `request_queue_limit_per_worker` /
     # `raw_isl_token_queue_limit_per_worker`: bounds scaled by the number of registered workers.
-    router_queue_request_limit_per_worker: int | None = None
-    router_queue_isl_token_limit_per_worker: int | None = None
+    router_queue_request_limit_per_worker: Annotated[
+        int | None,
+        _doc(
+            "ours: the queue holds at most this many requests per registered worker, then answers queue_rejected "
+            "(429); needs router_queue_threshold; unset: unbounded"
+        ),
+    ] = None
+    router_queue_isl_token_limit_per_worker: Annotated[
+        int | None,
+        _doc(
+            "ours: the queue holds at most this many prompt tokens per registered worker, then answers "
+            "queue_rejected (429); needs router_queue_threshold; unset: unbounded"
+        ),
+    ] = None
     # Routing waits until this many workers have registered (Dynamo's DYN_ROUTER_MIN_INITIAL_WORKERS).
-    router_min_initial_workers: int = 0
+    router_min_initial_workers: Annotated[
+        int,
+        _doc(
+            "routing decisions wait until this many workers have registered (Dynamo's "
+            "DYN_ROUTER_MIN_INITIAL_WORKERS); 0: no wait"
+        ),
+    ] = 0
     # Ours: the selection policy by registry name (`router.policies`).
-    policy: str = "dynamo"
+    policy: Annotated[
+        str,
+        _doc(
+            "ours: the selection policy, by its name in the policy registry: dynamo is Dynamo 1.6.1's cost "
+            "function; the others are described in the README (Policies)"
+        ),
+    ] = "dynamo"
     # Ours, knobs of the `cache_affinity` policy (router/policies/cache_affinity.py), tuned on the shared
     # traces (docs/routing-quality.md): how many queued prefill tokens one uncached prompt token is
     # worth (> 1 trades some queueing for cache affinity, which also saves the fleet's cache space);
     # the queued-token cost of one token of active decode context on the rank; and whether prompt
     # prefixes booked on a rank but not yet reported stored count as cached there.
-    affinity_miss_weight: float = 3.0
-    affinity_decode_weight: float = 0.05
-    affinity_predict_inflight: bool = True
+    affinity_miss_weight: Annotated[
+        float,
+        _doc(
+            "cache_affinity: queued prefill tokens one uncached prompt token is worth (> 1 trades some queueing "
+            "for cache hits, which also saves the fleet's cache space)"
+        ),
+    ] = 3.0
+    affinity_decode_weight: Annotated[
+        float, _doc("cache_affinity: queued-token cost of one token of active decode context on the rank")
+    ] = 0.05
+    affinity_predict_inflight: Annotated[
+        bool,
+        _doc("cache_affinity: prompt prefixes booked on a rank but not yet reported stored count as cached there"),
+    ] = True
     # Ours, knobs of the `latency` policy (router/policies/latency.py): the weight of this prompt's
     # uncached tokens on a full cache (1 on an empty one); the cost of one prefill token to each request
     # decoding on the rank; the cost, in prefill tokens, of one output token per token of context in
     # flight on the rank; and the output length assumed for a request that does not say how long it is.
-    latency_miss_weight: float = 6.0
-    latency_stall_weight: float = 0.05
-    latency_decode_weight: float = 0.0004
-    latency_default_output_tokens: int = 256
+    latency_miss_weight: Annotated[
+        float,
+        _doc(
+            "latency policy: weight of this prompt's uncached tokens when the rank's cache is full (1 when it is empty)"
+        ),
+    ] = 6.0
+    latency_stall_weight: Annotated[
+        float,
+        _doc("latency policy: cost of one prefill token to each request decoding on the rank"),
+    ] = 0.05
+    latency_decode_weight: Annotated[
+        float,
+        _doc("latency policy: cost, in prefill tokens, of one output token per token of context in flight on the rank"),
+    ] = 0.0004
+    latency_default_output_tokens: Annotated[
+        int,
+        _doc("latency policy: output length, in tokens, assumed for a request that does not give one"),
+    ] = 256
     # Dynamo reads this from the model card: EAGLE hashing windows span one extra token (§1.1).
-    enable_eagle: bool = False
+    enable_eagle: Annotated[
+        bool, _doc("EAGLE speculative decoding: each block's hash window spans one extra token (as the engines')")
+    ] = False
     # Approximate mode (Dynamo's use_kv_events=false, §3.7): off for every worker, or per worker with
     # WorkerConfig.kv_events, the router records each routed prompt's blocks on the chosen rank for
     # router_ttl_secs, at most the worker's total_kv_blocks per rank (least recently routed out first).
-    kv_events: bool = True
-    router_ttl_secs: float = 120.0
+    kv_events: Annotated[
+        bool,
+        _doc(
+            "off: approximate mode for every worker (no KV events; each routed prompt counts as cached on "
+            "its rank for router_ttl_secs); per worker with its kv_events"
+        ),
+    ] = True
+    router_ttl_secs: Annotated[
+        float,
+        _doc(
+            "approximate mode: seconds a routed prompt's blocks count as cached on its rank (at most "
+            "total_kv_blocks per rank, least recently routed out first)"
+        ),
+    ] = 120.0
 
     def __post_init__(self) -> None:
         if type(self.block_size) is not int or self.block_size < 1:

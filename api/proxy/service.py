@@ -34,6 +34,8 @@ import aiohttp
 import msgspec
 from prometheus_client import CollectorRegistry
 
+from api.auth import Access, ApiAuth
+from api.codec import Reply
 from api.config import ProxyConfig, ServiceConfig
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TokenizeFailed, load_tokenizers
@@ -115,17 +117,27 @@ class Proxy:
     async def stop(self) -> None:
         await self.upstream.stop()
 
-    def front(self, inner: ASGIApp) -> ASGIApp:
-        """An ASGI app answering the proxy's paths and handing every other request to ``inner``."""
+    def front(self, inner: ASGIApp, auth: ApiAuth | None = None) -> ASGIApp:
+        """An ASGI app answering the proxy's paths and handing every other request to ``inner``; its
+        routes are decisions and ``/v1/models`` a read for the API token (`api.auth`)."""
+        auth = auth or ApiAuth(None)
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] == "http":
                 path = scope["path"]
                 route = ROUTES.get(path)
                 if route is not None and scope["method"] == "POST":
+                    refused = auth.refuse(Access.DECISION, scope["headers"])
+                    if refused is not None:
+                        await _send_reply(send, refused)
+                        return
                     await self.serve(route, scope, receive, send)
                     return
                 if path == "/v1/models" and scope["method"] == "GET":
+                    refused = auth.refuse(Access.READ, scope["headers"])
+                    if refused is not None:
+                        await _send_reply(send, refused)
+                        return
                     await _send_whole(send, 200, self.models())
                     return
             await inner(scope, receive, send)
@@ -410,6 +422,11 @@ def _forwarded_headers(scope: Scope) -> dict[str, str]:
         if name == b"authorization":
             headers["authorization"] = value.decode("latin-1")
     return headers
+
+
+async def _send_reply(send: Send, reply: Reply) -> None:
+    extra = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in reply.headers]
+    await _send_whole(send, reply.status, reply.body, extra)
 
 
 async def _send_whole(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] = []) -> None:  # noqa: B006
