@@ -1,0 +1,128 @@
+"""HTTPS (``--ssl-certfile`` / ``--ssl-keyfile``) on a real ``kv-router serve`` process, with a
+self-signed certificate made here: the hot routes (answered inside the HTTP protocol, under TLS),
+FastAPI's routes, the API token over TLS, and refusals of clients that do not trust it or speak
+plain HTTP.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from tests.test_api_server import ROOT, _kv_router
+from tests.test_api_support import free_port, prompt, stored_event
+
+
+def self_signed(directory: Path, name: str = "kv-router-test") -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, valid for a day, and its key (PEM files)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / f"{name}.crt", directory / f"{name}.key"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_file, key_file
+
+
+def _https(
+    context: ssl.SSLContext, port: int, path: str, body: object | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"https://127.0.0.1:{port}{path}", data, headers or {})
+    if data is not None:
+        request.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=5, context=context) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+@contextmanager
+def _serving_tls(argv: list[str], port: int, context: ssl.SSLContext) -> Iterator[subprocess.Popen[bytes]]:
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                          cwd=ROOT) as process:  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if _https(context, port, "/healthz")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"no HTTPS service: {process.communicate(timeout=5)[1].decode()[-2000:]}")
+                time.sleep(0.05)
+            yield process
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                process.wait(20)
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False], ids=["protocol", "asgi"])
+def test_https_serves_every_path_and_refuses_untrusting_clients(tmp_path: Path, fast_protocol: bool) -> None:
+    cert, key = self_signed(tmp_path)
+    port = free_port()
+    trusting = ssl.create_default_context(cafile=str(cert))
+    argv = [*_kv_router(), "serve", "--port", str(port), "--no-embedded-nats", "--log-level", "warning",
+            "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--api-token", "tls-token",
+            "--fast-protocol" if fast_protocol else "--no-fast-protocol"]  # fmt: skip
+    with _serving_tls(argv, port, trusting):
+        auth = {"authorization": "Bearer tls-token"}
+        tokens = prompt(7, 64)
+        assert _https(trusting, port, "/v1/workers", {"worker_id": 3})[0] == 401
+        assert _https(trusting, port, "/v1/workers", {"worker_id": 3}, auth)[0] == 201
+        assert json.loads(_https(trusting, port, "/v1/events", stored_event(3, tokens), auth)[1])["applied"] == 1
+        status, body = _https(trusting, port, "/v1/new", {"tokens": tokens, "request_id": "t1"})
+        assert status == 200 and json.loads(body)["overlap_blocks"] == 4
+        assert _https(trusting, port, "/v1/mark_free", {"request_id": "t1"})[0] == 200
+        # A client that does not trust the certificate, and one that speaks plain HTTP, get nothing.
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            _https(ssl.create_default_context(), port, "/healthz")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as plain:
+            plain.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = plain.recv(65536)
+        assert b'{"status":"ok"}' not in answer
+
+
+def test_tls_settings_are_checked_before_serving(tmp_path: Path) -> None:
+    cert, _ = self_signed(tmp_path)
+    for extra in (["--ssl-certfile", str(cert)], ["--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "no")]):
+        done = subprocess.run([*_kv_router(), "serve", "--no-embedded-nats", *extra], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and "ssl_" in done.stderr
