@@ -113,13 +113,23 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
         int, _doc("port of the embedded nats-server (a free one if taken)"), msgspec.Meta(ge=1, le=65535)
     ] = 4222
     nats_namespace: Annotated[str, _doc("deployment namespace: subjects kv.<namespace>.*")] = "default"
-    nats_user: Annotated[str | None, _doc("NATS user name")] = None
-    nats_password: Annotated[str | None, _doc("NATS password")] = None
-    nats_token: Annotated[str | None, _doc("NATS authentication token")] = None
-    nats_creds_file: Annotated[str | None, _doc("NATS credentials file (JWT + nkey)")] = None
-    nats_tls_ca_file: Annotated[str | None, _doc("CA bundle to verify the NATS server")] = None
-    nats_tls_cert_file: Annotated[str | None, _doc("client certificate for NATS TLS")] = None
-    nats_tls_key_file: Annotated[str | None, _doc("client key for NATS TLS")] = None
+    nats_user: Annotated[
+        str | None, _doc("user name for a NATS server with user / password authentication (with --nats-password)")
+    ] = None
+    nats_password: Annotated[
+        str | None, _doc("password of --nats-user (prefer the environment variable: a flag shows in the process list)")
+    ] = None
+    nats_token: Annotated[str | None, _doc("token for a NATS server with token authentication")] = None
+    nats_creds_file: Annotated[
+        str | None, _doc("NATS credentials file (.creds: user JWT and nkey seed) for decentralised auth")
+    ] = None
+    nats_tls_ca_file: Annotated[
+        str | None, _doc("PEM CA bundle to verify the NATS server's TLS certificate (turns TLS on)")
+    ] = None
+    nats_tls_cert_file: Annotated[
+        str | None, _doc("PEM client certificate for NATS servers that verify clients (with --nats-tls-key-file)")
+    ] = None
+    nats_tls_key_file: Annotated[str | None, _doc("PEM private key of --nats-tls-cert-file")] = None
     worker_lease_secs: Annotated[
         float, _doc("a heartbeating worker silent this long is removed"), msgspec.Meta(gt=0)
     ] = 10.0

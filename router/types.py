@@ -12,9 +12,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from indexer.events import U32, U64, U64_MAX
+from indexer.events import U32, U32_MAX, U64, U64_MAX
 
 __all__ = [
+    "MAX_DP_SIZE",
     "BlockMmInfos",
     "CandidateExplanation",
     "DecisionExplanation",
@@ -89,6 +90,11 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     router_config_override: RouterConfigOverride | None = None
 
 
+# Data-parallel ranks one worker may have: far above any engine's (tens), low enough that registering
+# the largest costs milliseconds.
+MAX_DP_SIZE = 1024
+
+
 class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     """One worker as routers know it: dp ranks, cache geometry, capacity and taints (§4.3, §4.6).
 
@@ -102,7 +108,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     worker_id: U64
     dp_start_rank: U32 = 0
-    dp_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # Each rank gets its own load and index state when the worker registers: an unbounded size let
+    # one registration stall the router for minutes (found by tests/test_fuzz.py).
+    dp_size: Annotated[int, msgspec.Meta(ge=1, le=MAX_DP_SIZE)] = 1
     block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
     total_kv_blocks: Annotated[int, msgspec.Meta(ge=0)] | None = None
     max_num_batched_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -118,10 +126,13 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
         # Decoding checks the bounds above; direct construction (tests, config files) must too.
         if not 0 <= self.worker_id <= U64_MAX:
             raise ValueError(f"worker_id must be a u64, got {self.worker_id}")
-        if self.dp_start_rank < 0 or self.dp_size < 1:
+        if self.dp_start_rank < 0 or not 1 <= self.dp_size <= MAX_DP_SIZE:
             raise ValueError(
-                f"dp ranks must be dp_start_rank >= 0 and dp_size >= 1, got {self.dp_start_rank}, {self.dp_size}"
+                f"dp ranks must be dp_start_rank >= 0 and 1 <= dp_size <= {MAX_DP_SIZE}, "
+                f"got {self.dp_start_rank}, {self.dp_size}"
             )
+        if self.dp_start_rank + self.dp_size - 1 > U32_MAX:  # every rank a u32, as on the wire
+            raise ValueError(f"dp ranks {self.dp_start_rank}..{self.dp_start_rank + self.dp_size - 1} exceed u32")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.total_kv_blocks is not None and self.total_kv_blocks < 0:

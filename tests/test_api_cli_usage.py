@@ -1,0 +1,153 @@
+"""The CLI explains itself: help text for every setting, ``--policy`` choices from the registry, one
+line and exit code 2 for every bad value (run as the real console script, never a traceback),
+``kv-router config show`` with each setting's source, the example config file, and ``/docs`` with
+no external host."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from api.cli import show_settings
+from api.config import SECTIONS, load_settings, resolve_settings
+from router.policies.registry import policy_names
+from tests.test_api_server import ROOT, _kv_router
+from tests.test_api_support import serve
+
+EXAMPLE = ROOT / "docs" / "kv-router.example.toml"
+
+
+def _kv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*_kv_router(), *args], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+
+
+def test_every_setting_has_a_description_where_it_is_defined() -> None:
+    for section, struct in SECTIONS.items():
+        info = msgspec.inspect.type_info(struct)
+        assert isinstance(info, msgspec.inspect.StructType)
+        for field in info.fields:
+            t, description = field.type, None
+            while isinstance(t, msgspec.inspect.Metadata):
+                description = description or (t.extra_json_schema or {}).get("description")
+                t = t.type
+            assert description and len(description) > 15, f"{section}.{field.name} has no real description"
+
+
+def test_help_explains_router_settings_with_defaults_and_lists_policies() -> None:
+    done = _kv("serve", "--help", env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0
+    text = done.stdout
+    assert "router setting " not in text  # the old placeholder
+    assert "tokens per KV block" in text and "default: 16]" in text
+    assert "seconds" in text and "KV_ROUTER_REQUEST_EXPIRY_SECS; default: 300.0" in text
+    assert "{" + ",".join(policy_names()) + "}" in text  # --policy's choices, from the registry
+
+
+BAD = [
+    (["serve", "--policy", "foo"], "invalid choice: 'foo'"),
+    (["serve", "--port", "eighty"], "Expected `int`, got `str` - at `$.port` (from flag --port)"),
+    (["serve", "--port", "70000"], "<= 65535"),
+    (["serve", "--block-size", "0"], "block_size: must be a positive integer"),
+    (["serve", "--router-temperature", "-1"], "router_temperature: must be a finite number >= 0"),
+    (["serve", "--router-temperature", "nan"], "router_temperature"),
+    (["serve", "--config", "/nonexistent/kv-router.toml"], "cannot read config file"),
+    (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["config", "show", "--max-body-bytes", "1.5"], "max_body_bytes"),
+    (["nope"], "invalid choice: 'nope'"),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_value_is_one_line_and_exit_code_2(argv: list[str], says: str) -> None:
+    done = _kv(*argv)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_bad_config_files_and_environment(tmp_path: Path) -> None:
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"block_size": ')
+    unreadable = tmp_path / "secret.toml"
+    unreadable.write_text("port = 1\n")
+    unreadable.chmod(0)
+    json_flag = tmp_path / "flag.json"
+    json_flag.write_text("{}")
+    cases = [
+        (["serve", "--config", str(bad_json)], None, "is not valid JSON"),
+        (["serve", "--config", str(tmp_path)], None, "cannot read config file"),
+        (["serve"], {"KV_ROUTER_POLICY": "foo"}, "unknown policy 'foo'; choose from"),
+        (["serve"], {"KV_ROUTER_BLOCK_SIZE": "x"}, "environment variable KV_ROUTER_BLOCK_SIZE"),
+    ]
+    readable = unreadable.open().close() is None if _is_root() else False
+    if not readable:
+        cases.append((["serve", "--config", str(unreadable)], None, "cannot read config file"))
+    for argv, env, says in cases:
+        done = _kv(*argv, env={"PATH": "/usr/bin:/bin", **(env or {})})
+        assert done.returncode == 2 and says in done.stderr, (argv, done.stderr)
+        assert len(done.stderr.splitlines()) == 1
+
+
+def _is_root() -> bool:
+    import os
+
+    return os.geteuid() == 0
+
+
+def test_config_show_prints_values_and_their_sources(tmp_path: Path) -> None:
+    config = tmp_path / "kv.toml"
+    config.write_text('block_size = 64\npolicy = "round_robin"\nport = 9001\n')
+    env = {"PATH": "/usr/bin:/bin", "KV_ROUTER_PORT": "9002", "KV_ROUTER_NATS_TOKEN": "nats-secret"}
+    done = _kv("config", "show", "--config", str(config), "--block-size", "32", env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "block_size = 32  # flag --block-size" in lines
+    assert f'policy = "round_robin"  # config file {config}' in lines
+    assert "port = 9002  # environment variable KV_ROUTER_PORT" in lines
+    assert "router_temperature = 0.0  # default" in lines
+    assert "# nats_url = (unset)  # default" in lines
+    assert 'nats_token = "***"  # environment variable KV_ROUTER_NATS_TOKEN' in lines
+    assert "nats-secret" not in done.stdout
+
+
+def test_config_show_output_is_a_config_file_giving_the_same_settings(tmp_path: Path) -> None:
+    settings, origin = resolve_settings(flags={"block_size": "8", "router_queue_threshold": "1.5", "port": "1"})
+    shown = tmp_path / "shown.toml"
+    shown.write_text(show_settings(settings, origin))
+    assert load_settings(config_file=shown) == settings
+
+
+def test_the_example_config_file_loads(tmp_path: Path) -> None:
+    # Its file paths point at a deployment's mounts: make them exist here.
+    text = EXAMPLE.read_text().replace("/etc/kv-router/", f"{tmp_path}/")
+    for relative in re.findall(re.escape(str(tmp_path)) + r"/([\w/.-]+)", text):
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("example-token\n")
+    example = tmp_path / "example.toml"
+    example.write_text(text)
+    settings = load_settings(config_file=example)
+    assert tomllib.loads(EXAMPLE.read_text())["block_size"] == settings.router.block_size == 64
+    assert settings.router.router_queue_threshold == 2.0
+    assert settings.event_plane.nats_url == "tls://nats.example.internal:4222"
+    assert settings.security.token() == "example-token"
+    assert settings.security.ssl_certfile is not None
+
+
+def test_docs_work_offline() -> None:
+    with serve() as client:
+        for page in ("/docs", "/redoc"):
+            html = client.get(page)
+            assert html.status_code == 200
+            # No external host anywhere in the page: every asset comes from this service.
+            assert not re.findall(r"(?:https?:)?//[a-z0-9.-]+\.[a-z]{2,}", html.text), html.text
+            for asset in re.findall(r'(?:src|href)="(/[^"]+)"', html.text):
+                reply = client.get(asset)
+                assert reply.status_code == 200 and len(reply.content) > 1000, asset
+        assert "validatorUrl" in client.get("/docs").text
+        assert client.get("/openapi.json").json()["paths"]["/v1/new"]
