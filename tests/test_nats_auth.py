@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import json
 import os
 import socket
 import subprocess
@@ -16,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -114,12 +114,16 @@ async def _plane_round_trip(config: EventPlaneConfig) -> None:
         await asyncio.sleep(0.5)
 
 
-async def _refused(url: str, **options: Any) -> None:
-    with pytest.raises(nats.errors.Error, match="Authorization Violation") as caught:
-        connecting = nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **options)
-        nc = await asyncio.wait_for(connecting, timeout=10)
-        await nc.close()
-    assert caught.value is not None
+def _refused(url: str, **credentials: str) -> None:
+    """The server refuses a client with these credentials (none, or wrong ones): spoken in NATS's
+    text protocol, since a refused nats-py client leaves its socket to the garbage collector."""
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        assert raw.recv(4096).startswith(b"INFO ")
+        options = {"verbose": False, "pedantic": False, "protocol": 1, **credentials}
+        raw.sendall(b"CONNECT " + json.dumps(options).encode() + b"\r\nPING\r\n")
+        answer = raw.recv(4096)
+    assert answer.startswith(b"-ERR 'Authorization Violation'"), answer
 
 
 def _run(coroutine: Any) -> None:
@@ -129,14 +133,15 @@ def _run(coroutine: Any) -> None:
 def test_user_and_password(tmp_path: Path) -> None:
     with nats_with(tmp_path, 'authorization { user: "router", password: "pw-123" }') as url:
         _run(_plane_round_trip(EventPlaneConfig(nats_url=url, nats_user="router", nats_password="pw-123")))
-        _run(_refused(url))
-        _run(_refused(url, user="router", password="wrong"))
+        _refused(url)
+        _refused(url, user="router", **{"pass": "wrong"})
 
 
 def test_token(tmp_path: Path) -> None:
     with nats_with(tmp_path, 'authorization { token: "nats-token-9" }') as url:
         _run(_plane_round_trip(EventPlaneConfig(nats_url=url, nats_token="nats-token-9")))
-        _run(_refused(url, token="other"))
+        _refused(url)
+        _refused(url, auth_token="other")
 
 
 # nats-py upgrades a plain connection to TLS and leaves the plain transport for the garbage collector,
