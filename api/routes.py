@@ -230,6 +230,7 @@ def add_admin_routes(
 
     @app.get(
         "/v1/doctor",
+        dependencies=[read],
         tags=["operations"],
         summary="Configuration problems seen now (block size, hashing salt, events not wired, gaps, unknown workers)",
         openapi_extra=schemas.operation(responses={200: (list[Problem], "OK")}),

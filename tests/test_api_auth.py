@@ -94,7 +94,7 @@ DECISION_CALLS = [
     ("POST", "/v1/potential_loads", {"tokens": TOKENS}),
     ("POST", "/v1/overlap", {"tokens": TOKENS}),
 ]
-READ_CALLS = [("GET", path, None) for path in ("/v1/workers", "/v1/workers/1", "/v1/dump", "/metrics", "/docs",
+READ_CALLS = [("GET", path, None) for path in ("/v1/workers", "/v1/workers/1", "/v1/dump", "/v1/doctor", "/metrics", "/docs",
                                                "/redoc", "/openapi.json")]  # fmt: skip
 PROBE_CALLS = [("GET", "/healthz", None), ("GET", "/readyz", None)]
 
