@@ -94,8 +94,8 @@ DECISION_CALLS = [
     ("POST", "/v1/potential_loads", {"tokens": TOKENS}),
     ("POST", "/v1/overlap", {"tokens": TOKENS}),
 ]
-READ_CALLS = [("GET", path, None) for path in ("/v1/workers", "/v1/workers/1", "/v1/dump", "/v1/doctor", "/metrics", "/docs",
-                                               "/redoc", "/openapi.json")]  # fmt: skip
+READ_PATHS = ["/v1/workers", "/v1/workers/1", "/v1/dump", "/v1/doctor", "/metrics", "/docs", "/redoc", "/openapi.json"]
+READ_CALLS = [("GET", path, None) for path in READ_PATHS]
 PROBE_CALLS = [("GET", "/healthz", None), ("GET", "/readyz", None)]
 
 
