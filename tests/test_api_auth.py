@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from api.app import create_app
 from api.auth import Access, ApiAuth, Unauthorized
-from api.config import SecurityConfig, ServiceConfig, Settings, load_settings
+from api.config import ProxyConfig, SecurityConfig, ServiceConfig, Settings, load_settings
 from api.handlers import HOT_ACCESS
 from api.server import uvicorn_config
 from router.config import RouterConfig
@@ -296,3 +296,22 @@ def test_token_never_logged_by_a_real_process(tmp_path: Path) -> None:
     bad = subprocess.run([*_kv_router(), "serve", "--api-token", TOKEN + " x"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and TOKEN not in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_the_openai_proxy_honours_protect_decisions() -> None:
+    settings = Settings(
+        router=RouterConfig(block_size=BLOCK_SIZE),
+        proxy=ProxyConfig(proxy=True),
+        security=SecurityConfig(api_token=TOKEN, protect_decisions=True, protect_reads=True),
+    )
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for headers in WRONG:
+                _assert_unauthorized(client.post(path, json=body, headers=headers))
+            # With the token the request reaches the proxy, which answers it itself (a completion body
+            # is not a chat body: 400; no worker serves "m": 503).
+            assert client.post(path, json=body, headers=GOOD).status_code in (400, 503)
+        _assert_unauthorized(client.get("/v1/models"))
+        assert client.get("/v1/models", headers=GOOD).status_code == 200
