@@ -4,10 +4,18 @@ A hot route sees a request as a `Call` (raw body plus the few headers it reads) 
 `Reply` (status and encoded bytes); both the ASGI fast path and the FastAPI routes translate to and
 from these, so a handler never touches a framework object. Decoders are typed and built once per
 body type (`BodyDecoder`), and decoding failures become the API's 400 / 422 errors.
+
+A JSON prompt (``"tokens": [1, 2, ...]``) is the costliest part of a body: msgspec builds one Python
+int per token, then the router packs them into u32 for hashing. With the C accelerator
+(`indexer.native`) the top-level ``tokens`` array is parsed straight into packed little-endian u32,
+the form the router takes as it is, and the rest of the body (the array replaced by ``[]``) is
+decoded as usual. Anything that parser does not take as it is (another form, a float, an id out of
+range, any decoding error) is decoded again the ordinary way, so replies and errors are the same.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -15,6 +23,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from api.errors import InvalidBody, MalformedBody
+from indexer.native import ENABLED as NATIVE
+from indexer.native import accel
 
 __all__ = [
     "JSON",
@@ -86,18 +96,32 @@ def encode(value: Any, msgpack: bool) -> bytes:
     return _msgpack_encode(value) if msgpack else _json_encode(value)
 
 
+def _has_tokens_field(body_type: Any) -> bool:
+    """Whether a struct type, or a member of a union of them, has a ``tokens`` field."""
+    members = typing.get_args(body_type) or (body_type,)
+    return any("tokens" in getattr(member, "__struct_fields__", ()) for member in members)
+
+
 class BodyDecoder(Generic[T]):
     """A JSON and a msgpack decoder for one body type, built once."""
 
-    __slots__ = ("_json", "_msgpack")
+    __slots__ = ("_json", "_msgpack", "_packed_tokens")
 
-    def __init__(self, body_type: type[T] | Any) -> None:
+    def __init__(self, body_type: type[T] | Any, *, packed_tokens: bool = NATIVE) -> None:
+        """``packed_tokens``: parse a JSON ``tokens`` array with the C accelerator (see the module)."""
+        if packed_tokens and accel is None:
+            raise ValueError("the C accelerator indexer._native is not built")
         self._json: msgspec.json.Decoder[T] = msgspec.json.Decoder(body_type)
         self._msgpack: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(body_type)
+        self._packed_tokens = packed_tokens and _has_tokens_field(body_type)
 
     def decode(self, call: Call) -> T:
         """The typed body; `MalformedBody` (400) if it does not parse, `InvalidBody` (422) if it
         parses but does not fit the type."""
+        if self._packed_tokens and not call.msgpack:
+            request = self._with_packed_tokens(call.body)
+            if request is not None:
+                return request
         try:
             return (self._msgpack if call.msgpack else self._json).decode(call.body)
         except msgspec.ValidationError as exc:
@@ -105,3 +129,18 @@ class BodyDecoder(Generic[T]):
         except msgspec.DecodeError as exc:
             kind = "msgpack" if call.msgpack else "JSON"
             raise MalformedBody(f"body is not valid {kind}: {exc}") from None
+
+    def _with_packed_tokens(self, body: bytes) -> T | None:
+        """The body with its JSON token array as packed u32, or None to decode it the ordinary way."""
+        split = accel.split_json_tokens(body)
+        if split is None:
+            return None
+        packed, start, end = split
+        try:
+            request = self._json.decode(body[:start] + b"[]" + body[end:])
+        except msgspec.DecodeError:
+            return None  # the ordinary decoder says what is wrong, in its own words and positions
+        if not hasattr(request, "tokens"):
+            return None  # a body type (or union member) without a prompt: its own error
+        request.tokens = packed
+        return request

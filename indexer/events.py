@@ -25,6 +25,8 @@ from typing import Annotated, Literal
 import msgspec
 
 from indexer.errors import EventDecodeError
+from indexer.native import ENABLED as NATIVE
+from indexer.native import accel
 
 __all__ = [
     "BlockMmInfo",
@@ -117,6 +119,8 @@ class KvStoredData(msgspec.Struct, gc=False):
         # `h >> 64` is non-zero exactly for negative and oversized values: one cheap test per hash.
         if self.parent_hash is not None and self.parent_hash >> 64:
             self.parent_hash = _as_u64(self.parent_hash, "parent_hash")
+        if NATIVE and not accel.has_wide_hash(self.blocks):
+            return  # the common case, tested in one C call
         for block in self.blocks:
             if block.block_hash >> 64 or block.tokens_hash >> 64:
                 block.block_hash = _as_u64(block.block_hash, "block_hash")

@@ -6,7 +6,9 @@ namespace. The *sequence* hash chains local hashes: ``seq[0] = local[0]`` and
 ``seq[i] = XXH3-64(le64(seq[i-1]) || le64(local[i]), seed=1337)``; the chain seed is never salted.
 
 Tokens may be given as a sequence of ints or, on hot paths, as packed little-endian u32 bytes, which
-are hashed without creating one Python int per token.
+are hashed without creating one Python int per token. With the C accelerator (`indexer.native`) the
+per-block loops run in one C call each; the Python loops below are the fallback and give the same
+values.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any
 import xxhash
 
 from indexer.events import U32_MAX, U64_MAX
+from indexer.native import ENABLED as NATIVE
+from indexer.native import accel
 
 __all__ = [
     "SEED",
@@ -27,7 +31,10 @@ __all__ = [
     "compute_block_hashes",
     "compute_sequence_hashes",
     "pack_tokens",
+    "python_block_hashes",
+    "python_sequence_hashes",
     "salt_seed",
+    "sequence_hash_tuple",
 ]
 
 SEED = 1337
@@ -59,6 +66,11 @@ def pack_tokens(tokens: TokenInput) -> memoryview:
         if len(view) % 4:
             raise ValueError(f"packed tokens must be a multiple of 4 bytes long, got {len(view)} bytes")
         return view
+    if NATIVE:
+        fast = accel.pack_u32(tokens)
+        if fast is not None:
+            return memoryview(fast)
+        # not all u32 ints: the Python code below names the bad id
     try:
         packed = array("I", tokens)
     except OverflowError:
@@ -117,11 +129,12 @@ def compute_block_hashes(
     seed = salt_seed(lora_name, cache_namespace)
     stride = block_size * 4
     window = stride + 4 if is_eagle else stride
-    end = len(data) - window
     if not block_mm_infos:
-        return [_xxh3(data[start : start + window], seed) for start in range(0, end + 1, stride)]
+        if NATIVE:
+            return accel.block_hashes(data, seed, stride, window)
+        return python_block_hashes(data, seed, stride, window)
     hashes = []
-    for index, start in enumerate(range(0, end + 1, stride)):
+    for index, start in enumerate(range(0, len(data) - window + 1, stride)):
         chunk = data[start : start + window]
         if index < len(block_mm_infos):
             suffix = _mm_suffix(block_mm_infos[index], index)
@@ -131,8 +144,29 @@ def compute_block_hashes(
     return hashes
 
 
+def python_block_hashes(data: memoryview, seed: int, stride: int, window: int) -> list[int]:
+    """XXH3-64 of every full ``window`` bytes of ``data``, one per ``stride``: the pure-Python twin of
+    `indexer._native.block_hashes`."""
+    return [_xxh3(data[start : start + window], seed) for start in range(0, len(data) - window + 1, stride)]
+
+
 def compute_sequence_hashes(block_hashes: Sequence[int]) -> list[int]:
     """Dynamo's rolling sequence hashes of a list of local block hashes."""
+    return list(sequence_hash_tuple(block_hashes))
+
+
+def sequence_hash_tuple(block_hashes: Sequence[int]) -> tuple[int, ...]:
+    """`compute_sequence_hashes` as a tuple: what the router books, built without a copy in C."""
+    if NATIVE:
+        try:
+            return accel.sequence_hashes(block_hashes, SEED)
+        except (OverflowError, TypeError):
+            pass  # the Python loop names the bad value
+    return tuple(python_sequence_hashes(block_hashes))
+
+
+def python_sequence_hashes(block_hashes: Sequence[int]) -> list[int]:
+    """The pure-Python twin of `indexer._native.sequence_hashes`."""
     out: list[int] = []
     if not block_hashes:
         return out

@@ -12,14 +12,19 @@ different engine hash for a shared node can still extend and remove it by its ow
 
 Memory matters at millions of blocks, so a node keeps a single child inline and only grows a dict
 when it branches, and ownership is an int bitmask over small slot numbers.
+
+With the C accelerator (`indexer.native`) nodes are its `Node` (the hashes held as machine words,
+not int objects) and the store and match walks run in C for trees of up to 64 slots; the Python
+walks below are the fallback and give the same answers (tests/test_native.py).
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import msgspec
 
@@ -34,6 +39,8 @@ from indexer.events import (
     StoredBlock,
 )
 from indexer.lower_tier import LowerTierIndex
+from indexer.native import ENABLED as NATIVE
+from indexer.native import accel
 from indexer.slots import SlotTable, WorkerRank
 
 __all__ = [
@@ -78,6 +85,11 @@ class _Node(msgspec.Struct, gc=False, eq=False, repr_omit_defaults=True):
 
     def __repr__(self) -> str:  # the default would recurse through parent and children
         return f"_Node(block_hash={self.block_hash}, local_hash={self.local_hash}, owners={self.owners:#x})"
+
+
+# The C walks keep owner masks in a machine word.
+_NATIVE_MAX_SLOTS = 64
+_NodeFactory = Callable[[int, int, "_Node | None", int], "_Node"]
 
 
 def _dismantle(root: _Node) -> None:
@@ -135,17 +147,27 @@ class _SlotBlocks:
         self.owned = 0
 
 
-# Rough per-object costs on 64-bit CPython, for `stats().estimated_bytes`.
-_NODE_BYTES = sys.getsizeof(_Node(0, 0, None, 0)) + 2 * sys.getsizeof(1 << 63)
+# Rough per-object costs on 64-bit CPython, for `stats().estimated_bytes`; the C node holds its
+# hashes as machine words, the Python node as two int objects.
+_PY_NODE_BYTES = sys.getsizeof(_Node(0, 0, None, 0)) + 2 * sys.getsizeof(1 << 63)
 _LOOKUP_ENTRY_BYTES = 48
 _BRANCH_DICT_BYTES = sys.getsizeof({1: 1, 2: 2})
 
 
 class RadixTree:
-    """Per-block radix tree over local block hashes with per-(worker, dp_rank) ownership."""
+    """Per-block radix tree over local block hashes with per-(worker, dp_rank) ownership.
 
-    def __init__(self) -> None:
-        self._root = _Node(0, 0, None, 0)
+    ``native`` picks the C accelerator's nodes and walks (the default when it is built and not
+    disabled, see `indexer.native`) or the pure-Python ones; both give the same answers.
+    """
+
+    def __init__(self, *, native: bool = NATIVE) -> None:
+        if native and accel is None:
+            raise ValueError("the C accelerator indexer._native is not built")
+        self._native = native
+        self._new_node: _NodeFactory = cast(_NodeFactory, accel.Node) if native else _Node
+        self._node_bytes = sys.getsizeof(accel.Node(0, 0, None, 0)) if native else _PY_NODE_BYTES
+        self._root = self._new_node(0, 0, None, 0)
         weakref.finalize(self, _dismantle, self._root)
         self._slots = SlotTable()
         self._states: dict[WorkerRank, _SlotBlocks] = {}
@@ -196,8 +218,23 @@ class RadixTree:
                 if block.block_hash == parent_hash:
                     raise InvalidBlockSequence(f"worker {worker[0]}: stored blocks contain their parent {parent_hash}")
             node = found
+        if self._native and state.slot < _NATIVE_MAX_SLOTS:
+            created, newly_owned, branched = accel.store_chain(
+                node,
+                blocks,
+                bit,
+                lookup,
+                state.aliases,
+                self._disown,
+                state,
+            )
+            self._branch_nodes += branched
+            self._nodes += created
+            state.owned += created + newly_owned
+            return
         # The hot loop of event ingestion: child lookup and insertion are inlined on purpose.
         created = newly_owned = 0
+        new_node = self._new_node
         child: _Node | None
         for block in blocks:
             block_hash = block.block_hash
@@ -210,7 +247,7 @@ class RadixTree:
             else:
                 child = kids if kids.local_hash == local_hash else None
             if child is None:
-                child = _Node(block_hash, local_hash, node, bit)
+                child = new_node(block_hash, local_hash, node, bit)
                 if kids is None:
                     node.children = child
                 elif isinstance(kids, dict):
@@ -320,6 +357,10 @@ class RadixTree:
             return result
         scores = result.scores
         keys = self._slots.key_list
+        if self._native and len(keys) <= _NATIVE_MAX_SLOTS:
+            matched: list[_Node] | None = [] if self._has_lower_tiers() else None
+            accel.match_prefix(self._root, local_hashes, keys, scores, matched)
+            return result if matched is None else self._lower_tier_matches(result, local_hashes, matched)
         node = _child(self._root, local_hashes[0])
         if node is None or not node.owners:
             return self._lower_tier_matches(result, local_hashes, []) if self._has_lower_tiers() else result
@@ -433,7 +474,7 @@ class RadixTree:
                 lookup_entries += len(state.lookup)
         lower_blocks = {tier: lower.edge_count for tier, lower in self._lower.items() if lower.edge_count}
         estimated = (
-            self._nodes * _NODE_BYTES
+            self._nodes * self._node_bytes
             + lookup_entries * _LOOKUP_ENTRY_BYTES
             + self._branch_nodes * _BRANCH_DICT_BYTES
             + sum(lower.estimated_bytes() for lower in self._lower.values())

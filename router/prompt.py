@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from indexer.hashing import TokenInput, compute_block_hashes, compute_sequence_hashes
+from indexer.hashing import TokenInput, compute_block_hashes, sequence_hash_tuple
 from router.config import RouterConfig
 from router.errors import InvalidRequest
 
@@ -72,7 +72,7 @@ def prepare_prompt(
         if config.router_assume_kv_reuse:
             # A tuple: booked requests keep it, and the collector stops tracking a tuple of ints after
             # one look, where a list of a thousand hashes would be walked by every full collection.
-            shared_hashes = tuple(compute_sequence_hashes(local_hashes))
+            shared_hashes = sequence_hash_tuple(local_hashes)
         else:
             private_blocks = len(local_hashes)
     return Prompt(isl_tokens, local_hashes, shared_hashes, private_blocks)

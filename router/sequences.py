@@ -34,6 +34,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import pairwise
 
+from indexer.native import ENABLED as NATIVE
+from indexer.native import accel
 from indexer.slots import WorkerRank
 from router.errors import DuplicateRequestId, UnknownWorker
 from router.overlap import round_half_away
@@ -189,9 +191,12 @@ class ActiveSequences:
         if hashes:
             refs = rank.refs
             held = _held_prefix(refs, hashes)
-            for block_hash in hashes[:held]:
-                refs[block_hash] += 1
-            refs.update(dict.fromkeys(hashes[held:], 1))
+            if NATIVE:
+                accel.book_blocks(refs, hashes, held)
+            else:
+                for block_hash in hashes[:held]:
+                    refs[block_hash] += 1
+                refs.update(dict.fromkeys(hashes[held:], 1))
             rank.prompt_blocks += len(hashes) - held
             if not held:
                 self._first_holders.setdefault(hashes[0], set()).add(rank)
@@ -313,10 +318,13 @@ class ActiveSequences:
         if hashes:
             refs = rank.refs
             low = _shared_prefix(refs, hashes)
-            for block_hash in hashes[:low]:
-                refs[block_hash] -= 1
-            for block_hash in hashes[low:]:
-                del refs[block_hash]
+            if NATIVE:
+                accel.release_blocks(refs, hashes, low)
+            else:
+                for block_hash in hashes[:low]:
+                    refs[block_hash] -= 1
+                for block_hash in hashes[low:]:
+                    del refs[block_hash]
             rank.prompt_blocks -= len(hashes) - low
             if not low:
                 holders = self._first_holders[hashes[0]]

@@ -9,10 +9,17 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
+from indexer.native import ENABLED as NATIVE
+from indexer.native import NATIVE_DISABLED_ENV
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 
 SHARED_DIR = Path(os.environ.get("KV_ROUTER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+
+
+def pytest_report_header() -> str:
+    state = "on" if NATIVE else f"off (pure Python; {NATIVE_DISABLED_ENV}={os.environ.get(NATIVE_DISABLED_ENV, '')!r})"
+    return f"kv-router C accelerator: {state}"
 
 
 @pytest.fixture(scope="session")
