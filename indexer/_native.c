@@ -2,8 +2,9 @@
  *
  * Everything here has a pure-Python twin that gives the same answers bit for bit (`indexer/native.py`
  * chooses; the tests compare both): XXH3-64 written from its public specification, Dynamo's block and
- * sequence hashes over packed little-endian u32 tokens, a JSON array of token ids parsed straight into
- * packed u32, and the radix tree's node type with its store and match loops.
+ * sequence hashes over packed little-endian u32 tokens, token lists and JSON token arrays to packed
+ * u32, the radix tree's node type with its store and match loops, the u64 check of decoded stored
+ * blocks, and the refcount loops of booking and release (router/sequences.py).
  *
  * Guardrail: a function that meets input it was not written for returns None (or raises the same
  * exception class as the Python path), so the caller can fall back to Python for the exact error.
@@ -316,21 +317,6 @@ static int block_hashes_of(PyObject *block, PyObject **block_hash, PyObject **to
         return -1;
     }
     return 0;
-}
-
-static PyObject *list_of_u64(const uint64_t *values, Py_ssize_t n) {
-    PyObject *list = PyList_New(n);
-    if (list == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyLong_FromUnsignedLongLong(values[i]);
-        if (item == NULL) {
-            Py_DECREF(list);
-            return NULL;
-        }
-        PyList_SET_ITEM(list, i, item);
-    }
-    return list;
 }
 
 /* ------------------------------------------------------------------ hashing entry points */
