@@ -1,8 +1,9 @@
 """`create_app(settings)`: the FastAPI application around one `KvRouter`.
 
-The app owns the router, the metrics registry and the one background task, the periodic sweep of
-stale requests. Its lifespan starts the sweep and marks the app as serving; at shutdown it stops
-answering ready, cancels requests still waiting in the queue and stops the sweep.
+The app owns the router, the metrics registry and its background tasks: the periodic sweep of stale
+requests and, with a NATS URL, the event plane (`PlaneLifecycle`, connected in the background so
+that HTTP serves at once). Its lifespan starts them and marks the app as serving; at shutdown it stops
+answering ready, cancels requests still waiting in the queue and stops them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from api.metrics import (
     register_build_info,
 )
 from api.openapi import Schemas
-from api.plane_lifecycle import running_event_plane
+from api.plane_lifecycle import PlaneLifecycle
 from api.routes import add_admin_routes, add_hot_routes
 from api.version import package_version
 from router.doctor import ConfigDoctor
@@ -86,27 +87,29 @@ def create_app(
         protect_probes=security.protect_probes,
     )
     handlers = Handlers(kv_router, metrics, settings.service, auth)
+    lifecycle = PlaneLifecycle(kv_router, settings.event_plane) if settings.event_plane.nats_url else None
+    if lifecycle is not None:
+        registry.register(EventPlaneCollector(lifecycle))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         background = Supervisor("service")
         async with contextlib.AsyncExitStack() as stack:
+            if lifecycle is not None:
+                stack.push_async_callback(lifecycle.stop)  # after its task is cancelled (LIFO)
             stack.push_async_callback(background.stop)
-            if settings.event_plane.nats_url is not None:
-                plane = await stack.enter_async_context(running_event_plane(kv_router, settings.event_plane))
-                app.state.event_plane = plane
-                collector = EventPlaneCollector(plane)
-                registry.register(collector)
-                stack.callback(registry.unregister, collector)
+            if lifecycle is not None:
+                background.keep_running("event-plane", lifecycle.run)
+            plane = await lifecycle.started() if lifecycle is not None and settings.engines.dynamo_endpoint else None
             engines = await stack.enter_async_context(running_engines(kv_router, settings.engines))
-            await stack.enter_async_context(running_dynamo_sources(kv_router, settings.engines, app.state.event_plane))
+            await stack.enter_async_context(running_dynamo_sources(kv_router, settings.engines, plane))
             if engines:
                 engine_collector = EngineStreamCollector([engine.stream for engine in engines])
                 registry.register(engine_collector)
                 stack.callback(registry.unregister, engine_collector)
-            doctor = ConfigDoctor(
-                kv_router, plane=app.state.event_plane, engines=[(e.worker_id, e.stream) for e in engines]
-            )
+            doctor = ConfigDoctor(kv_router, plane=plane, engines=[(e.worker_id, e.stream) for e in engines])
+            if lifecycle is not None:
+                lifecycle.when_started(partial(setattr, doctor, "plane"))
             app.state.doctor = doctor
             doctor_collector = DoctorCollector(doctor)
             registry.register(doctor_collector)
@@ -143,7 +146,7 @@ def create_app(
     app.state.registry = registry
     app.state.auth = auth  # the one access check, for routes added elsewhere (the OpenAI proxy)
     app.state.serving = False
-    app.state.event_plane = None
+    app.state.event_plane = lifecycle
     app.state.doctor = None
     app.state.proxy = proxy
     app.state.ready_min_workers = settings.service.ready_min_workers

@@ -28,10 +28,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from api.plane_lifecycle import PlaneLifecycle
 from indexer.sequencer import EventSequencer
 from router.doctor import ConfigDoctor
 from router.engines.zmq_stream import ZmqEngineStream
-from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import RouteDecision
 
@@ -309,7 +309,7 @@ class EventStreamCollector(Collector):
         for stream in sequencer.status():
             labels = [str(stream.worker_id), str(stream.dp_rank)]
             trusted.add_metric(labels, 1.0 if stream.trusted else 0.0)
-            held.add_metric(labels, stream.held_events)
+            held.add_metric(labels, stream.unreconciled_events)
         yield from families
 
     @staticmethod
@@ -330,31 +330,40 @@ class EventStreamCollector(Collector):
             ),
             GaugeMetricFamily(
                 f"{PREFIX}_worker_stream_trusted",
-                "1 while a rank's event stream is known complete; 0 after a gap until its resync lands.",
+                "1 while a rank's event stream is known complete; 0 after a gap, an unanswered resync or a NATS "
+                "reconnect, until a resync verifies it (its live events are routed on meanwhile).",
                 labels=rank,
             ),
             GaugeMetricFamily(
-                f"{PREFIX}_worker_stream_held_events", "Live events held while a resync is in flight.", labels=rank
+                f"{PREFIX}_worker_stream_unreconciled_events",
+                "Live events applied while a resync is in flight (or ahead of a hole), kept to apply again when "
+                "the answer comes.",
+                labels=rank,
             ),
         ]
 
 
 class EventPlaneCollector(Collector):
-    """The NATS event plane's control counters and connection, read when ``/metrics`` is scraped."""
+    """The NATS event plane's connection state and control counters, read when ``/metrics`` is scraped."""
 
-    def __init__(self, plane: RouterEventPlane) -> None:
-        self._plane = plane
+    def __init__(self, lifecycle: PlaneLifecycle) -> None:
+        self._lifecycle = lifecycle
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        plane = self._plane
-        control, resyncs, connected = families = self._families()
-        for outcome, count in sorted(plane.outcomes.items()):
-            control.add_metric([outcome], count)
-        resyncs.add_metric([], plane.subscriber.resyncs_in_flight)
-        connected.add_metric([], 1.0 if plane.nc.is_connected else 0.0)
+        lifecycle = self._lifecycle
+        plane = lifecycle.plane
+        control, resyncs, connected, state, disconnects = families = self._families()
+        if plane is not None:
+            for outcome, count in sorted(plane.outcomes.items()):
+                control.add_metric([outcome], count)
+        resyncs.add_metric([], plane.subscriber.resyncs_in_flight if plane is not None else 0)
+        connected.add_metric([], 1.0 if lifecycle.state == "connected" else 0.0)
+        for name in ("connecting", "connected", "disconnected"):
+            state.add_metric([name], 1.0 if lifecycle.state == name else 0.0)
+        disconnects.add_metric([], lifecycle.disconnects)
         yield from families
 
     @staticmethod
@@ -368,6 +377,13 @@ class EventPlaneCollector(Collector):
             ),
             GaugeMetricFamily(f"{PREFIX}_nats_resyncs_in_flight", "Resync requests awaiting a worker's answer."),
             GaugeMetricFamily(f"{PREFIX}_nats_connected", "1 while connected to the NATS server."),
+            GaugeMetricFamily(
+                f"{PREFIX}_event_plane_state",
+                "1 for the event plane's current state: connecting (never started yet; /readyz 503), connected, "
+                "disconnected (routing on the index it has).",
+                labels=["state"],
+            ),
+            CounterMetricFamily(f"{PREFIX}_nats_disconnects", "Times the NATS connection was lost after it started."),
         ]
 
 

@@ -1,24 +1,43 @@
-"""The service's NATS event plane: connect with the configured options and run `RouterEventPlane`.
+"""The service's NATS event plane over its lifetime, never in the way of HTTP.
 
-`embedded_nats` starts the private nats-server that ``kv-router serve`` uses when no URL is given;
-`running_event_plane` connects the app's router to a server for the app's lifetime.
+`embedded_nats` starts the private nats-server that ``kv-router serve`` uses when no URL is given
+(on another port, with a WARNING, when the configured one is taken). `PlaneLifecycle` connects the
+app's router to NATS in the background: HTTP serves from the first moment, each failed attempt is one
+log line (backoff doubling to 5 s, no traceback), and the `RouterEventPlane` starts once NATS
+answers. It then tracks the connection: one WARNING when it is lost, one INFO when it is back.
+
+Readiness (``/readyz``) follows `ready`: not ready until the event plane has started once (the index
+and the worker registry come from it); afterwards a NATS outage does *not* make the replica unready.
+The router keeps routing on the index it has and its own load bookkeeping, which beats taking every
+replica out of a Service because NATS blinked; the outage shows in the ``/readyz`` and ``/healthz``
+bodies (`health`) and in ``kv_router_nats_connected`` / ``kv_router_event_plane_state``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+from nats.aio.client import Client
 
 from api.config import EventPlaneConfig
-from router.event_plane.connection import NatsOptions, connect
+from api.wire import EventPlaneHealth
+from router.event_plane.connection import NatsOptions, connect_when_available
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.event_plane.plane import RouterEventPlane
+from router.event_plane.ratelimited_log import RateLimitedLog
 from router.kv_router import KvRouter
+from router.types import WorkerConfig
 
-__all__ = ["embedded_nats", "nats_options", "running_event_plane"]
+__all__ = ["PlaneLifecycle", "PlaneState", "embedded_nats", "nats_options"]
 
 logger = logging.getLogger(__name__)
+
+PlaneState = Literal["connecting", "connected", "disconnected"]
 
 
 def nats_options(config: EventPlaneConfig) -> NatsOptions:
@@ -41,38 +60,177 @@ def embedded_nats(config: EventPlaneConfig) -> Iterator[str | None]:
     if config.nats_url is not None or not config.embedded_nats:
         yield config.nats_url
         return
+    wanted = config.embedded_nats_port
     try:
-        server = EmbeddedNats(port=config.embedded_nats_port).start()
+        server = EmbeddedNats(port=wanted).start()
     except RuntimeError:  # the port is taken (another kv-router, a system nats-server)
         server = EmbeddedNats(port=free_port()).start()
-    logger.info("embedded NATS event plane at %s (point workers here; --nats-url to use your own)", server.url)
+        logger.warning(
+            "port %d is taken: the embedded nats-server listens on port %d instead (workers need --nats-url %s)",
+            wanted,
+            server.port,
+            server.url,
+        )
+    logger.info("embedded nats-server started on port %d (--nats-url to use your own)", server.port)
     try:
         yield server.url
     finally:
         server.stop()
 
 
-@contextlib.asynccontextmanager
-async def running_event_plane(router: KvRouter, config: EventPlaneConfig) -> AsyncIterator[RouterEventPlane]:
-    holder: list[RouterEventPlane] = []
+class PlaneLifecycle:
+    """Connect, start and watch the event plane of one app; `run` is its supervised background loop."""
 
-    async def on_reconnect() -> None:
-        if holder:
-            await holder[0].on_reconnected()
+    def __init__(self, router: KvRouter, config: EventPlaneConfig) -> None:
+        assert config.nats_url is not None
+        self.router = router
+        self.config = config
+        self.url = config.nats_url
+        self.plane: RouterEventPlane | None = None
+        self.state: PlaneState = "connecting"
+        self.disconnects = 0
+        self.last_error: str | None = None
+        self._since = time.monotonic()
+        self._nc: Client | None = None
+        self._closing = False
+        # Registered over HTTP before the plane started: written to the shared registry once it does.
+        self._unshared: dict[int, WorkerConfig] = {}
+        self._started = asyncio.Event()
+        self._on_started: list[Callable[[RouterEventPlane], None]] = []
+        self._async_errors = RateLimitedLog(logger)
 
-    nc = await connect(nats_options(config), on_reconnect=on_reconnect)
-    plane = RouterEventPlane(
-        router,
-        nc,
-        namespace=config.nats_namespace,
-        lease_s=config.worker_lease_secs,
-        resync_timeout_s=config.resync_timeout_secs,
-    )
-    holder.append(plane)
-    await plane.start()
-    logger.info("event plane: subscribed to kv.%s.* on %s", config.nats_namespace, config.nats_url)
-    try:
-        yield plane
-    finally:
-        await plane.stop()
-        await nc.close()
+    # ------------------------------------------------------------------ state
+    @property
+    def ready(self) -> bool:
+        return self.plane is not None
+
+    def health(self) -> EventPlaneHealth:
+        return EventPlaneHealth(
+            state=self.state,
+            nats_url=self.url,
+            state_for_s=round(time.monotonic() - self._since, 3),
+            disconnects=self.disconnects,
+            last_error=self.last_error,
+        )
+
+    def _enter(self, state: PlaneState) -> None:
+        self.state = state
+        self._since = time.monotonic()
+
+    # ------------------------------------------------------------------ running
+    async def run(self) -> None:
+        """Connect (retrying), start the plane, then idle until cancelled; a failure to start raises
+        (the supervisor logs it and runs this again)."""
+        if self.plane is None:
+            nc = self._nc or await connect_when_available(
+                nats_options(self.config),
+                on_attempt_failed=self._attempt_failed,
+                on_reconnect=self._reconnected,
+                on_disconnect=self._disconnected,
+                on_error=self._async_error,
+            )
+            self._nc = nc
+            plane = RouterEventPlane(
+                self.router,
+                nc,
+                namespace=self.config.nats_namespace,
+                lease_s=self.config.worker_lease_secs,
+                resync_timeout_s=self.config.resync_timeout_secs,
+            )
+            await plane.start()
+            for config in self._unshared.values():
+                await plane.register(config)
+            self._unshared.clear()
+            self.plane = plane
+            self.last_error = None
+            self._enter("connected")
+            for callback in self._on_started:
+                callback(plane)
+            self._started.set()
+            logger.info(
+                "event plane: NATS at %s (point workers here; GET /v1/info says so too), subjects kv.%s.*, "
+                "%d workers registered",
+                self.url,
+                self.config.nats_namespace,
+                len(self.router.workers()),
+            )
+        await asyncio.Event().wait()
+
+    def when_started(self, callback: Callable[[RouterEventPlane], None]) -> None:
+        """Call ``callback(plane)`` once the plane has started (at once if it has)."""
+        if self.plane is not None:
+            callback(self.plane)
+        else:
+            self._on_started.append(callback)
+
+    async def started(self) -> RouterEventPlane:
+        """Wait until the plane has started (for parts that cannot run without it)."""
+        await self._started.wait()
+        assert self.plane is not None
+        return self.plane
+
+    async def register(self, config: WorkerConfig) -> None:
+        """Register a worker in the shared registry (every router learns it); before the plane has
+        started, in this router now and in the registry once it starts."""
+        if self.plane is not None:
+            await self.plane.register(config)
+            return
+        self.router.register_worker(config)
+        self._unshared[config.worker_id] = config
+
+    async def deregister(self, worker_id: int) -> None:
+        """Raises `UnknownWorker` for a worker this router does not know."""
+        if self.plane is not None:
+            await self.plane.deregister(worker_id)
+            return
+        self._unshared.pop(worker_id, None)
+        self.router.remove_worker(worker_id)
+
+    async def stop(self) -> None:
+        self._closing = True
+        plane, self.plane = self.plane, None
+        if plane is not None:
+            await plane.stop()
+        nc, self._nc = self._nc, None
+        if nc is not None:
+            await nc.close()
+
+    # ------------------------------------------------------------------ connection events
+    def _attempt_failed(self, attempt: int, backoff_s: float, error: Exception) -> None:
+        self.last_error = f"{type(error).__name__}: {error}"
+        logger.warning(
+            "NATS at %s unreachable (%s); retry %d in %.1f s. HTTP is serving; /readyz answers 503 until "
+            "the event plane starts",
+            self.url,
+            self.last_error,
+            attempt,
+            backoff_s,
+        )
+
+    async def _disconnected(self) -> None:
+        if self._closing or self.state != "connected":
+            return
+        self.disconnects += 1
+        self._enter("disconnected")
+        logger.warning(
+            "lost the NATS connection to %s: routing continues on the current index; live events resume and "
+            "every stream is resynced when it is back",
+            self.url,
+        )
+
+    async def _reconnected(self) -> None:
+        outage = time.monotonic() - self._since
+        self._enter("connected")
+        plane = self.plane
+        streams = len(plane.sequencer.status()) if plane is not None else 0
+        logger.info("reconnected to NATS at %s after %.1f s: resyncing %d streams in the background",
+                    self.url, outage, streams)  # fmt: skip
+        if plane is not None:
+            await plane.on_reconnected()
+
+    async def _async_error(self, error: Exception) -> None:
+        self.last_error = f"{type(error).__name__}: {error}"
+        if self.state == "connected":
+            self._async_errors.warning("NATS error", self.last_error)
+        else:
+            logger.debug("NATS: %s", self.last_error)

@@ -1,5 +1,5 @@
 """The FastAPI routes: the hot routes as thin adapters onto `Handlers`, and the admin and
-operations routes (workers, dump, health, readiness, metrics).
+operations routes (workers, dump, info, health, readiness, metrics).
 
 Bodies are decoded and encoded with msgspec here too; FastAPI contributes routing, path
 parameters and the OpenAPI document, whose schemas come from the same msgspec types (`Schemas`).
@@ -19,7 +19,9 @@ from api.codec import JSON, MSGPACK, BodyDecoder, Call, encode, is_msgpack, quer
 from api.fastpath import HotHandler, wait_disconnect
 from api.handlers import HOT_PATHS, Handlers
 from api.openapi import Schemas
+from api.plane_lifecycle import PlaneLifecycle
 from api.wire import (
+    EventPlaneHealth,
     EventsReply,
     MarkReply,
     MarkRequest,
@@ -29,6 +31,7 @@ from api.wire import (
     PredictedRouterEvent,
     RouterRequest,
     RouterResponse,
+    ServiceInfo,
     WorkersReply,
     WorkerStatus,
 )
@@ -36,7 +39,6 @@ from indexer.events import RouterEvent
 from indexer.sequencer import StreamStatus
 from router.doctor import ConfigDoctor, Problem
 from router.errors import UnknownWorker
-from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import OverlapReport, RouteDecision, WorkerConfig
 
@@ -172,9 +174,9 @@ def add_admin_routes(
         call = Call(await request.body(), msgpack=is_msgpack(request.headers.get("content-type")))
         config = worker_body.decode(call)
         known = kv_router.has_worker(config.worker_id)
-        plane: RouterEventPlane | None = request.app.state.event_plane
-        if plane is not None:
-            await plane.register(config)  # into the shared registry, so every router learns it
+        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
+        if lifecycle is not None:
+            await lifecycle.register(config)  # into the shared registry, so every router learns it
         else:
             kv_router.register_worker(config)
         return reply(status_of(config, request), request, 200 if known else 201)
@@ -190,9 +192,9 @@ def add_admin_routes(
         config = next((w for w in kv_router.workers() if w.worker_id == worker_id), None)
         if config is None:
             raise UnknownWorker(worker_id)
-        plane: RouterEventPlane | None = request.app.state.event_plane
-        if plane is not None:
-            await plane.deregister(worker_id)
+        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
+        if lifecycle is not None:
+            await lifecycle.deregister(worker_id)
         else:
             kv_router.remove_worker(worker_id)
         return reply(WorkerStatus(config=config, ranks=[]), request)
@@ -239,21 +241,68 @@ def add_admin_routes(
         checker: ConfigDoctor | None = request.app.state.doctor
         return reply(checker.check() if checker is not None else [], request)
 
-    @app.get("/healthz", dependencies=[probe], tags=["operations"], summary="Liveness: the process answers")
-    async def healthz() -> Response:
-        return Response(b'{"status":"ok"}', media_type="application/json")
+    @app.get(
+        "/v1/info",
+        dependencies=[read],
+        tags=["operations"],
+        summary="Where workers publish (the NATS URL in use, embedded or not) and the router's geometry",
+        openapi_extra=schemas.operation(responses={200: (ServiceInfo, "OK")}),
+    )
+    async def info(request: Request) -> Response:
+        from api.cli import package_version
+
+        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
+        settings = request.app.state.settings
+        body = ServiceInfo(
+            version=package_version(),
+            nats_url=lifecycle.url if lifecycle is not None else None,
+            nats_namespace=settings.event_plane.nats_namespace,
+            block_size=kv_router.config.block_size,
+            policy=kv_router.config.policy,
+        )
+        return reply(body, request)
+
+    @app.get(
+        "/healthz",
+        dependencies=[probe],
+        tags=["operations"],
+        summary="Liveness: the process answers (the event plane's state in the body)",
+    )
+    async def healthz(request: Request) -> Response:
+        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
+        if lifecycle is None:
+            return Response(b'{"status":"ok"}', media_type="application/json")
+        body = {"status": "ok", "event_plane": lifecycle.health()}
+        return Response(encode(body, False), media_type="application/json")
 
     @app.get(
         "/readyz",
         dependencies=[probe],
         tags=["operations"],
-        summary="Readiness: serving, and at least ready_min_workers workers registered (else 503)",
+        summary="Readiness: serving, at least ready_min_workers workers registered, and the event plane started "
+        "once (a NATS outage after that keeps the replica ready: it routes on the index it has); else 503 with "
+        "the reason",
     )
     async def readyz(request: Request) -> Response:
         workers = len(kv_router.workers())
-        ready = bool(request.app.state.serving) and workers >= request.app.state.ready_min_workers
-        body = encode({"ready": ready, "workers": workers}, False)
-        return Response(body, 200 if ready else 503, media_type="application/json")
+        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
+        health: EventPlaneHealth | None = lifecycle.health() if lifecycle is not None else None
+        reason = None
+        if not request.app.state.serving:
+            reason = "not serving (starting or shutting down)"
+        elif lifecycle is not None and not lifecycle.ready:
+            reason = f"event plane not started: NATS at {lifecycle.url} " + (
+                f"unreachable ({lifecycle.last_error})" if lifecycle.last_error else "not connected yet"
+            )
+        elif workers < request.app.state.ready_min_workers:
+            reason = f"{workers} workers registered, {request.app.state.ready_min_workers} required"
+        state: dict[str, Any] = {"ready": reason is None, "workers": workers}
+        if reason is not None:
+            state["reason"] = reason
+        if health is not None:
+            state["event_plane"] = health
+        body = encode(state, False)
+        return Response(body, 200 if reason is None else 503, media_type="application/json")
 
     @app.get("/metrics", dependencies=[read], tags=["operations"], summary="Prometheus metrics (kv_router_*)")
     async def metrics() -> Response:

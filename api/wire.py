@@ -22,6 +22,7 @@ from indexer.sequencer import StreamStatus
 from router.types import BlockMmInfos, PotentialLoad, QueueRejection, RankLoad, RouteRequest, Tokens, WorkerConfig
 
 __all__ = [
+    "EventPlaneHealth",
     "EventsReply",
     "MarkReply",
     "MarkRequest",
@@ -40,6 +41,7 @@ __all__ = [
     "RouterQueueRejected",
     "RouterRequest",
     "RouterResponse",
+    "ServiceInfo",
     "WorkerStatus",
     "WorkersReply",
 ]
@@ -167,3 +169,25 @@ class PredictedRouterEvent(RouterEvent, kw_only=True):
     """A block in ``/v1/dump`` that approximate mode predicted from routing (the worker sends no events)."""
 
     predicted: bool = True
+
+
+# ---------------------------------------------------------------- operations
+class EventPlaneHealth(msgspec.Struct, kw_only=True, frozen=True):
+    """The NATS event plane in ``/healthz`` and ``/readyz``: ``connecting`` until it first starts, then
+    ``connected`` or ``disconnected`` (routing goes on with the index it has), for ``state_for_s``."""
+
+    state: str
+    nats_url: str
+    state_for_s: float
+    disconnects: int
+    last_error: str | None = None
+
+
+class ServiceInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """``GET /v1/info``: what a worker or an operator needs to join this router."""
+
+    version: str
+    nats_url: str | None
+    nats_namespace: str
+    block_size: int
+    policy: str

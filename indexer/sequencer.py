@@ -1,18 +1,32 @@
-"""Exactly-once, in-order application of each (worker, dp_rank)'s event stream, with gap repair.
+"""Exactly-once, in-order application of each (worker, dp_rank)'s event stream, never blind.
 
 Events are numbered per (worker, dp_rank) from 1 by the publisher. For each stream the sequencer
-keeps the id of the last applied event:
+keeps ``synced_through``, the id up to which the index reflects the stream without a hole, and the
+live events applied beyond it that still await reconciliation:
 
-- an id at or below it is a duplicate and dropped;
-- the next id is applied;
-- a larger id is a gap: the stream becomes untrusted and a resync is requested for the missing
-  range (or a full dump when the worker cannot serve it); live events are held meanwhile, so a
-  replayed store can never resurrect a block that a later live event removed;
+- an id at or below the newest one seen is a duplicate and dropped;
+- the next id, on a stream with nothing to reconcile, is applied (the common path);
 - the first event ever seen from a stream is applied at once and trusted when its id is 1 (nothing
-  can precede it); any other first id asks for a full dump, so a router that starts after its
-  workers learns what they cached before;
+  can precede it); any other first id is applied at once too, and a full dump is requested so a
+  router that starts after its workers learns what they cached before;
+- a larger id is a gap: the event is applied at once (routable now), the stream becomes untrusted
+  and the missing range is requested;
+- while a resync is in flight every new live event is applied at once and kept. When the answer
+  comes the stream is reconciled: a dump replaces the rank's state, missing events are applied, and
+  then the kept live events newer than the answer are applied again, in order. Re-applying them last
+  is what keeps a replayed store from resurrecting a block that a later live event removed;
+- "no answer" (no responder, timeouts, no transport) gives up at once: what was applied stays, the
+  stream is untrusted, and `due_retries` offers it a full resync again every ``retry_interval_s``
+  until one succeeds;
 - ``cleared`` is a barrier: it applies at once, cancels any resync in flight (its answer would be
-  stale) and restarts the stream from its id.
+  stale) and restarts the stream from its id, trusted;
+- a publisher epoch (a start nonce, from an event header or a registration) that differs from the
+  one seen before means the publisher restarted: its streams and index state are dropped and its
+  ids start afresh (`observe_epoch`). Events whose ids went back to 1 before the registration said
+  so are kept aside (bounded) and replayed into the fresh streams.
+
+Index rejections of events applied ahead of a hole are deferred: the hole may hold their parent.
+They count when the stream gives up; after a reconciliation the re-application decides.
 
 The sequencer does no I/O: ``receive`` and ``resync_done`` return the ``ResyncRequest`` to send, and
 the transport (``router.event_plane.subscriber``) answers with ``resync_done`` or ``resync_failed``.
@@ -20,6 +34,7 @@ the transport (``router.event_plane.subscriber``) answers with ``resync_done`` o
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,11 +46,15 @@ from indexer.slots import WorkerRank
 
 __all__ = ["EventSequencer", "StreamStatus"]
 
-# Beyond this many held events a stream stops holding and asks for a full dump instead.
+# Beyond this many unreconciled events a stream drops them and asks for a fresh full dump instead.
 MAX_HELD_EVENTS = 100_000
 # No engine stores or removes this many blocks in one event (a 1M-token prompt at block size 16 is
 # 65,536 blocks); a bigger one is rejected before it can stall the loop that routes requests.
 MAX_EVENT_BLOCKS = 1 << 17
+# An unverified stream asks for a full dump again this often (outside the event path).
+RETRY_INTERVAL_S = 15.0
+# Events of a stream whose ids went back to 1, kept until a registration says the worker restarted.
+MAX_REGRESSED_EVENTS = 1024
 
 # Reasons of the most recent rejections kept for callers that report them (the HTTP reply).
 RECENT_REJECTIONS = 8
@@ -43,10 +62,18 @@ RECENT_REJECTIONS = 8
 
 @dataclass
 class _Stream:
-    last_applied: int | None = None  # None: never synchronised
+    synced_through: int | None = None  # the index reflects every event up to here; None: base unknown
+    last_id: int | None = None  # the newest id applied
+    unreconciled: dict[int, RouterEvent] = field(default_factory=dict)  # applied beyond synced_through
+    deferred: list[tuple[RouterEvent, str, str]] = field(default_factory=list)  # rejections ahead of a hole
     resync: ResyncRequest | None = None  # the request in flight, if any
-    held: dict[int, RouterEvent] = field(default_factory=dict)  # event id -> event, while resyncing
     trusted: bool = False
+    # Whether what synced_through covers came from a verified start (id 1, a dump, a barrier), not
+    # from giving up; only a dump can verify a stream again.
+    verified_base: bool = False
+    last_applied_at: float | None = None  # clock time of the newest event applied
+    retry_at: float | None = None  # when an unverified stream asks for a dump again
+    regressed: list[RouterEvent] = field(default_factory=list)  # ids back from 1: a restart not yet announced
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +83,8 @@ class StreamStatus:
     last_event_id: int | None
     trusted: bool
     resyncing: bool
-    held_events: int
+    unreconciled_events: int
+    last_event_age_s: float | None
 
 
 class EventSequencer:
@@ -67,13 +95,20 @@ class EventSequencer:
         accept_worker: Callable[[int], bool] | None = None,
         max_held_events: int = MAX_HELD_EVENTS,
         max_event_blocks: int = MAX_EVENT_BLOCKS,
+        retry_interval_s: float = RETRY_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
         self._accept_worker = accept_worker
         self._max_held = max_held_events
         self._max_blocks = max_event_blocks
+        self.retry_interval_s = retry_interval_s
+        self._clock = clock
         self._streams: dict[WorkerRank, _Stream] = {}
-        # Outcome -> count: applied, duplicate, held, gap, resync_*, rejected_<reason>.
+        self._epochs: dict[int, str] = {}  # worker -> the publisher epoch its streams belong to
+        # Streams not known complete; read on every decision when untrusted overlap is discounted.
+        self.untrusted: set[WorkerRank] = set()
+        # Outcome -> count: applied, duplicate, gap, reapplied, resync_*, rejected_<reason>, ...
         self.outcomes: Counter[str] = Counter()
         # (event type, status) -> count of events that reached the index: status ok or Dynamo's label.
         self.applied: Counter[tuple[str, str]] = Counter()
@@ -88,9 +123,12 @@ class EventSequencer:
         self.unknown_worker_events: Counter[int] = Counter()
 
     # ------------------------------------------------------------------ live events
-    def ingest(self, events: Iterable[RouterEvent]) -> None:
-        """The door every transport uses: sequence each event, sending the resyncs it calls for."""
+    def ingest(self, events: Iterable[RouterEvent], *, epoch: str | None = None) -> None:
+        """The door every transport uses: sequence each event, sending the resyncs it calls for.
+        ``epoch`` is the publisher epoch the transport carried beside the events, if any."""
         for event in events:
+            if epoch is not None and self._epochs.get(event.worker_id) != epoch:
+                self.observe_epoch(event.worker_id, epoch)
             request = self.receive(event)
             if request is not None:
                 self.send_resync(request)
@@ -111,67 +149,88 @@ class EventSequencer:
         stream = self._streams.get(key)
         if stream is None:
             stream = self._streams[key] = _Stream()
+            self.untrusted.add(key)
         event_id = event.event.event_id
-        last = stream.last_applied
+        last = stream.last_id
         if event.event.is_cleared and (last is None or event_id > last):
-            return self._barrier(key, stream, event)
-        if stream.resync is not None:
-            if last is not None and event_id <= last:
-                self.outcomes["duplicate"] += 1
-                return None
-            return self._hold(key, stream, event)
-        if last is None:
-            if event_id == 1:  # a stream's very first event: nothing can precede it
-                self._apply(event)
-                stream.last_applied = 1
-                stream.trusted = True
-                return None
-            self._hold(key, stream, event)
-            return self._start_resync(key, stream, start=None)
-        if event_id <= last:
-            self.outcomes["duplicate"] += 1
+            self._barrier(key, stream, event)
             return None
-        if event_id == last + 1:
-            self._apply(event)
-            stream.last_applied = event_id
+        if last is not None and event_id <= last:
+            self._duplicate(stream, event)
             return None
-        self._hold(key, stream, event)
-        return self._open_gap(key, stream, last + 1, event_id - 1)
+        if stream.resync is None and not stream.unreconciled:
+            synced = stream.synced_through
+            if (synced is not None and event_id == synced + 1) or (synced is None and event_id == 1):
+                self._apply(event, stream)
+                stream.synced_through = stream.last_id = event_id
+                if synced is None:  # a stream's very first event: nothing can precede it
+                    stream.verified_base = True
+                    self._trust(key, stream)
+                return None
+        return self._apply_ahead(key, stream, event)
 
-    def _barrier(self, key: WorkerRank, stream: _Stream, event: RouterEvent) -> ResyncRequest | None:
+    def _duplicate(self, stream: _Stream, event: RouterEvent) -> None:
+        self.outcomes["duplicate"] += 1
+        # Ids back at 1 (and the run after them) look like a restarted publisher: keep them, in case
+        # its registration says so (`observe_epoch`).
+        regressed = stream.regressed
+        event_id = event.event.event_id
+        follows = regressed and regressed[-1].event.event_id + 1 == event_id
+        if (event_id == 1 or follows) and len(regressed) < MAX_REGRESSED_EVENTS:
+            regressed.append(event)
+
+    def _apply_ahead(self, key: WorkerRank, stream: _Stream, event: RouterEvent) -> ResyncRequest | None:
+        """Apply an event beyond what is known contiguous, keep it for reconciliation, and ask for
+        whatever can make the stream whole again."""
+        if len(stream.unreconciled) >= self._max_held:
+            # Too much to re-apply: drop the record and let a fresh dump (taken after now) cover it.
+            self.outcomes["unreconciled_overflow"] += len(stream.unreconciled)
+            stream.unreconciled.clear()
+            stream.deferred.clear()
+            stream.synced_through = None
+            stream.resync = None
+        self._apply(event, stream, deferred=True)
+        event_id = event.event.event_id
+        stream.unreconciled[event_id] = event
+        stream.last_id = event_id
+        if stream.resync is not None:
+            return None
+        if stream.synced_through is None:
+            self._distrust(key, stream)
+            return self._start_resync(key, stream, start=None)
+        return self._open_gap(key, stream)
+
+    def _barrier(self, key: WorkerRank, stream: _Stream, event: RouterEvent) -> None:
         event_id = event.event.event_id
         if stream.resync is not None:
             self.outcomes["resync_cancelled"] += 1
             stream.resync = None
-        self._apply(event)
-        stream.last_applied = event_id
-        stream.trusted = True
-        return self._drain_held(key, stream)
-
-    def _hold(self, key: WorkerRank, stream: _Stream, event: RouterEvent) -> ResyncRequest | None:
-        if len(stream.held) >= self._max_held:
-            # Whatever is held will be covered by a full dump taken after it.
-            self.outcomes["held_overflow"] += len(stream.held)
-            stream.held.clear()
-            stream.last_applied = None
-            return self._start_resync(key, stream, start=None)
-        stream.held[event.event.event_id] = event
-        self.outcomes["held"] += 1
-        return None
+        stream.unreconciled.clear()
+        stream.deferred.clear()
+        self._apply(event, stream)
+        stream.synced_through = stream.last_id = event_id
+        stream.verified_base = True
+        self._trust(key, stream)
 
     # ------------------------------------------------------------------ resync
-    def _open_gap(self, key: WorkerRank, stream: _Stream, start: int, end: int) -> ResyncRequest:
-        """Events ``start..end`` never arrived: distrust the stream and ask the worker for them."""
+    def _open_gap(self, key: WorkerRank, stream: _Stream) -> ResyncRequest:
+        """Events after ``synced_through`` and before the first one kept never arrived: ask for them
+        (or for a dump, when what precedes the hole was never verified)."""
+        assert stream.synced_through is not None and stream.unreconciled
         self.outcomes["gap"] += 1
         self.gaps_by_stream[key] += 1
-        stream.trusted = False
-        return self._start_resync(key, stream, start=start, end=end)
+        self._distrust(key, stream)
+        if not stream.verified_base:
+            return self._start_resync(key, stream, start=None)
+        start = stream.synced_through + 1
+        return self._start_resync(key, stream, start=start, end=min(stream.unreconciled) - 1)
 
     def _start_resync(
         self, key: WorkerRank, stream: _Stream, *, start: int | None, end: int | None = None
     ) -> ResyncRequest:
         request = ResyncRequest(worker_id=key[0], dp_rank=key[1], start_event_id=start, end_event_id=end)
         stream.resync = request
+        stream.retry_at = None
         self.outcomes["resync_full" if start is None else "resync_range"] += 1
         return request
 
@@ -186,92 +245,144 @@ class EventSequencer:
         if response.tree_dump is not None:
             self.index.remove_worker_dp_rank(*key)
             for event in response.tree_dump.events:
-                self._apply(event, from_dump=True)
-            stream.last_applied = response.tree_dump.last_event_id
-            stream.trusted = True
+                self._apply(event, stream, from_dump=True)
+            stream.synced_through = response.tree_dump.last_event_id
+            stream.verified_base = True
             self.outcomes["resync_dump_applied"] += 1
         elif response.events is not None:
-            last = stream.last_applied or 0
+            last = stream.synced_through or 0
             for event in sorted(response.events.events, key=lambda e: e.event.event_id):
                 event_id = event.event.event_id
                 if event_id == last + 1:
-                    self._apply(event)
+                    self._apply(event, stream, replayed=True)
                     last = event_id
                 elif event_id > last + 1:
                     break  # the worker skipped some: the check below falls back to a dump
+            stream.synced_through = last
             if request.end_event_id is not None and last < request.end_event_id:
                 self.outcomes["resync_incomplete"] += 1
                 return self._start_resync(key, stream, start=None)
-            stream.last_applied = last
-            stream.trusted = True
             self.outcomes["resync_events_applied"] += 1
         else:
             # TooNew or Error: the worker no longer has those events; only a dump can help.
             if request.start_event_id is not None:
                 return self._start_resync(key, stream, start=None)
             self.outcomes["resync_refused"] += 1
-            self._give_up(stream)
+            self._give_up(key, stream)
             return None
-        return self._drain_held(key, stream)
+        return self._reconcile(key, stream)
+
+    def _reconcile(self, key: WorkerRank, stream: _Stream) -> ResyncRequest | None:
+        """After an answer: apply the kept live events newer than it again, in order, so they win over
+        whatever the answer replayed; then the stream is whole, or the next hole is requested."""
+        synced = stream.synced_through
+        assert synced is not None
+        kept = sorted(item for item in stream.unreconciled.items() if item[0] > synced)
+        stream.unreconciled = {}
+        stream.deferred.clear()
+        for event_id, event in kept:
+            self._apply(event, stream, replayed=True)
+            if event_id == synced + 1:
+                synced = event_id
+            else:
+                stream.unreconciled[event_id] = event
+        stream.synced_through = synced
+        if stream.last_id is None or synced > stream.last_id:
+            stream.last_id = synced
+        if stream.unreconciled:
+            return self._open_gap(key, stream)
+        if stream.verified_base:
+            self._trust(key, stream)
+        else:
+            stream.retry_at = self._clock() + self.retry_interval_s
+        return None
 
     def resync_failed(self, request: ResyncRequest) -> None:
-        """The worker did not answer ``request`` (after retries): carry on with what is held."""
-        stream = self._streams.get((request.worker_id, request.dp_rank))
+        """Nobody answered ``request`` (no responder, timeouts, no transport): carry on with what is
+        applied; the stream stays untrusted and is offered a retry later."""
+        key = (request.worker_id, request.dp_rank)
+        stream = self._streams.get(key)
         if stream is None or stream.resync is not request:
             return
         stream.resync = None
         self.outcomes["resync_failed"] += 1
-        self._give_up(stream)
+        self._give_up(key, stream)
 
-    def _give_up(self, stream: _Stream) -> None:
-        """Apply held events in order as best effort; the stream stays untrusted until a later sync."""
+    def _give_up(self, key: WorkerRank, stream: _Stream) -> None:
+        """Accept what is applied as the stream's state, best effort, until a later sync verifies it."""
+        self._distrust(key, stream)
+        stream.verified_base = False
+        for event, label, detail in stream.deferred:
+            self._reject(event, label, detail)
+        stream.deferred.clear()
+        stream.unreconciled.clear()
+        stream.synced_through = stream.last_id
+        stream.retry_at = self._clock() + self.retry_interval_s
+
+    def due_retries(self) -> list[ResyncRequest]:
+        """Full resyncs for the unverified streams whose retry time has come (the slow schedule)."""
+        now = self._clock()
+        requests = []
+        for key in list(self.untrusted):
+            stream = self._streams.get(key)
+            if stream is not None and stream.resync is None and stream.retry_at is not None and stream.retry_at <= now:
+                self.outcomes["resync_retries"] += 1
+                requests.append(self._start_resync(key, stream, start=None))
+        return requests
+
+    def _trust(self, key: WorkerRank, stream: _Stream) -> None:
+        stream.trusted = True
+        stream.retry_at = None
+        self.untrusted.discard(key)
+
+    def _distrust(self, key: WorkerRank, stream: _Stream) -> None:
         stream.trusted = False
-        held = sorted(stream.held.items())
-        stream.held.clear()
-        for event_id, event in held:
-            if stream.last_applied is None or event_id > stream.last_applied:
-                self._apply(event)
-                stream.last_applied = event_id
-
-    def _drain_held(self, key: WorkerRank, stream: _Stream) -> ResyncRequest | None:
-        if not stream.held:
-            return None
-        held = stream.held
-        stream.held = {}
-        last = stream.last_applied
-        assert last is not None
-        pending = sorted(held.items())
-        for position, (event_id, event) in enumerate(pending):
-            if event_id <= last:
-                self.outcomes["duplicate"] += 1
-            elif event_id == last + 1:
-                self._apply(event)
-                last = event_id
-            else:
-                stream.last_applied = last
-                stream.held = dict(pending[position:])
-                return self._open_gap(key, stream, last + 1, event_id - 1)
-        stream.last_applied = last
-        return None
+        self.untrusted.add(key)
 
     # ------------------------------------------------------------------ workers
     def forget_worker(self, worker_id: int) -> None:
         """Drop every stream of ``worker_id`` (its index state is the caller's to remove)."""
         for key in [key for key in self._streams if key[0] == worker_id]:
             del self._streams[key]
+            self.untrusted.discard(key)
+        self._epochs.pop(worker_id, None)
 
     def mark_untrusted(self, worker_id: int, dp_rank: int) -> None:
         """A transport lost events of this stream for good (an engine gap nobody can replay): it stays
         untrusted until a ``cleared`` barrier or a full dump."""
-        stream = self._streams.get((worker_id, dp_rank))
+        key = (worker_id, dp_rank)
+        stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[(worker_id, dp_rank)] = _Stream()
-        stream.trusted = False
+            stream = self._streams[key] = _Stream()
+        self._distrust(key, stream)
+        stream.verified_base = False
         self.outcomes["marked_untrusted"] += 1
 
     def has_stream(self, worker_id: int, dp_rank: int) -> bool:
         """Whether events of this (worker, dp_rank) ever reached the sequencer."""
         return (worker_id, dp_rank) in self._streams
+
+    def observe_epoch(self, worker_id: int, epoch: str) -> None:
+        """The publisher of ``worker_id`` runs as ``epoch`` (from its registration or an event header).
+        A different epoch than before means it restarted: its streams and index state are dropped,
+        its ids start afresh, and events that came back from id 1 meanwhile are replayed."""
+        if self._accept_worker is not None and not self._accept_worker(worker_id):
+            return
+        known = self._epochs.get(worker_id)
+        if known == epoch:
+            return
+        self._epochs[worker_id] = epoch
+        if known is None:
+            return
+        regressed = [
+            event for key, stream in self._streams.items() if key[0] == worker_id for event in stream.regressed
+        ]
+        for key in [key for key in self._streams if key[0] == worker_id]:
+            del self._streams[key]
+            self.untrusted.discard(key)
+        self.index.remove_worker(worker_id)
+        self.outcomes["publisher_restarts"] += 1
+        self.ingest(regressed)
 
     def request_full_resync(self, worker_id: int, dp_rank: int) -> ResyncRequest | None:
         """Start a full resync of one stream now (e.g. when its worker registers), unless one runs."""
@@ -279,54 +390,88 @@ class EventSequencer:
         stream = self._streams.get(key)
         if stream is None:
             stream = self._streams[key] = _Stream()
+            self.untrusted.add(key)
         if stream.resync is not None:
             return None
         return self._start_resync(key, stream, start=None)
 
     def resync_all(self) -> list[ResyncRequest]:
-        """Ask every known stream for a full dump, e.g. after a reconnect may have lost events."""
+        """Ask every known stream for a full dump, e.g. after a reconnect may have lost events. The
+        index is kept and live events keep applying meanwhile: stale but useful beats empty."""
         requests = []
         for key, stream in self._streams.items():
-            stream.trusted = False
+            self._distrust(key, stream)
             requests.append(self._start_resync(key, stream, start=None))
         return requests
 
+    # ------------------------------------------------------------------ reads
     def status(self) -> list[StreamStatus]:
+        now = self._clock()
         return [
             StreamStatus(
                 worker_id=key[0],
                 dp_rank=key[1],
-                last_event_id=stream.last_applied,
+                last_event_id=stream.last_id,
                 trusted=stream.trusted,
                 resyncing=stream.resync is not None,
-                held_events=len(stream.held),
+                unreconciled_events=len(stream.unreconciled),
+                last_event_age_s=None if stream.last_applied_at is None else now - stream.last_applied_at,
             )
             for key, stream in sorted(self._streams.items())
         ]
 
+    def freshness(self, key: WorkerRank) -> tuple[bool, float | None]:
+        """Whether the rank's stream is trusted, and the age of the newest event applied for it."""
+        stream = self._streams.get(key)
+        if stream is None or stream.last_applied_at is None:
+            return False, None
+        return stream.trusted, self._clock() - stream.last_applied_at
+
     # ------------------------------------------------------------------ applying
-    def _apply(self, event: RouterEvent, *, from_dump: bool = False) -> None:
+    def _apply(
+        self,
+        event: RouterEvent,
+        stream: _Stream,
+        *,
+        from_dump: bool = False,
+        replayed: bool = False,
+        deferred: bool = False,
+    ) -> None:
+        """Apply one event to the index. ``deferred``: ahead of a hole, so a rejection may be the hole's
+        fault and is kept until the stream is reconciled or gives up."""
         if _block_count(event) > self._max_blocks:
             # Counted and skipped; the worker's stream is no longer known complete.
             self._reject(event, "oversized_event", f"more than {self._max_blocks} blocks")
-            stream = self._streams.get((event.worker_id, event.event.dp_rank))
-            if stream is not None:
-                stream.trusted = False
+            key = (event.worker_id, event.event.dp_rank)
+            self._distrust(key, stream)
+            stream.verified_base = False
+            stream.retry_at = self._clock() + self.retry_interval_s
             return
         data = event.event
         kind = "cleared" if data.is_cleared else ("stored" if data.stored is not None else "removed")
         try:
             self.index.apply_router_event(event)
         except KvIndexError as exc:
-            self.applied[kind, exc.label] += 1
-            self._reject(event, exc.label, str(exc))
-        else:
-            self.applied[kind, "ok"] += 1
-            if from_dump:
-                self.outcomes["dump_applied"] += 1
+            if replayed:
+                self._reject(event, exc.label, str(exc))
                 return
+            self.applied[kind, exc.label] += 1
+            if deferred:
+                self.outcomes["deferred_rejections"] += 1
+                stream.deferred.append((event, exc.label, str(exc)))
+            else:
+                self._reject(event, exc.label, str(exc))
+            return
+        if replayed:
+            self.outcomes["reapplied"] += 1
+            return
+        self.applied[kind, "ok"] += 1
+        if from_dump:
+            self.outcomes["dump_applied"] += 1
+        else:
             self.outcomes["applied"] += 1
             self.blocks_applied += _block_count(event)
+        stream.last_applied_at = self._clock()
 
     def _reject(self, event: RouterEvent, label: str, detail: str) -> None:
         self.outcomes[f"rejected_{label}"] += 1

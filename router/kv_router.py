@@ -163,7 +163,10 @@ class KvRouter:
                 worker.total_kv_blocks if worker.total_kv_blocks is not None else "unknown",
                 extra={"worker_id": worker.worker_id, "dp_size": worker.dp_size},
             )
-        else:
+        if worker.epoch is not None:
+            # A new epoch is a restarted publisher: its old index state goes, its ids start afresh.
+            self.events.observe_epoch(worker.worker_id, worker.epoch)
+        if previous is not None:
             if previous != worker:
                 logger.info("worker %d reconfigured", worker.worker_id, extra={"worker_id": worker.worker_id})
             for dp_rank in set(previous.dp_ranks) - set(worker.dp_ranks):

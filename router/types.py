@@ -121,6 +121,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     kv_events: bool = True
     url: str | None = None
     models: frozenset[str] = frozenset()
+    # Ours: the publisher's start nonce. A registration (or heartbeat) with another epoch than the
+    # router knows means the worker restarted: its index state is dropped and its ids start afresh.
+    epoch: str | None = None
 
     def __post_init__(self) -> None:
         # Decoding checks the bounds above; direct construction (tests, config files) must too.

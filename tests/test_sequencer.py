@@ -44,15 +44,17 @@ def held_blocks(tree: RadixTree) -> int:
     return sum(tree.stats().blocks.values())
 
 
-def test_first_event_asks_for_a_full_dump_and_is_held_until_it_arrives() -> None:
+def test_a_later_first_event_is_routable_at_once_and_a_dump_completes_the_rank() -> None:
     tree = RadixTree()
     sequencer = EventSequencer(tree)
-    request = sequencer.receive(store(5, 50, parent=40))
+    request = sequencer.receive(store(5, 50))
     assert request is not None and request.start_event_id is None
-    assert held_blocks(tree) == 0
+    assert tree.find_matches([50]).scores == {(W, 0): 1}  # routable while the dump is on its way
+    assert not sequencer.status()[0].trusted
     dump = [store(0, 40)]  # the worker held block 40 before the router came up
     assert sequencer.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=4))) is None
-    assert tree.find_matches([40, 50]).scores == {(W, 0): 2}
+    assert tree.find_matches([40]).scores == {(W, 0): 1}
+    assert tree.find_matches([50]).scores == {(W, 0): 1}  # event 5 applied again after the dump
     [status] = sequencer.status()
     assert (status.last_event_id, status.trusted, status.resyncing) == (5, True, False)
 
@@ -85,21 +87,99 @@ def test_duplicates_are_dropped_and_the_next_id_applies() -> None:
     assert tree.find_matches([1, 2]).scores == {(W, 0): 2}
 
 
-def test_gap_holds_live_events_until_the_missing_ones_arrive() -> None:
+def test_gap_applies_live_events_at_once_and_the_answer_cannot_resurrect_a_removed_block() -> None:
     sequencer, tree = synced(0)
-    request = sequencer.receive(store(4, 4, parent=3))
+    request = sequencer.receive(store(4, 4))
     assert request == ResyncRequest(worker_id=W, dp_rank=0, start_event_id=2, end_event_id=3)
     assert sequencer.outcomes["gap"] == 1
+    assert tree.find_matches([4]).scores == {(W, 0): 1}  # routable now, not after the resync
     assert not sequencer.status()[0].trusted
-    # A live removal of block 2 arrives while the resync is in flight: it must not be applied
-    # before the replayed store of block 2, or the replay would resurrect it.
-    assert sequencer.receive(remove(5, 4)) is None
-    missing = [store(2, 2, parent=1), store(3, 3, parent=2)]
+    # A live removal of block 2 arrives while the resync is in flight; the replayed store of block 2
+    # (event 2, older) must not bring it back.
+    assert sequencer.receive(remove(5, 2)) is None
+    missing = [store(2, 2, parent=1), store(3, 3, parent=1)]
     follow_up = sequencer.resync_done(request, ResyncResponse(events=ResyncBatch(events=missing, last_event_id=3)))
     assert follow_up is None
-    assert tree.find_matches([1, 2, 3, 4]).scores == {(W, 0): 3}
+    assert tree.find_matches([1, 2]).scores == {(W, 0): 1}
+    assert tree.find_matches([1, 3]).scores == {(W, 0): 2}
     [status] = sequencer.status()
-    assert (status.last_event_id, status.trusted, status.held_events) == (5, True, 0)
+    assert (status.last_event_id, status.trusted, status.unreconciled_events) == (5, True, 0)
+
+
+def test_live_events_ahead_of_a_hole_whose_parent_is_in_it_apply_once_the_hole_is_filled() -> None:
+    sequencer, tree = synced(0)
+    request = sequencer.receive(store(3, 3, parent=2))  # block 2 is in the hole (event 2)
+    assert request is not None
+    assert sequencer.rejected == 0  # deferred, not rejected: the hole may hold the parent
+    missing = [store(2, 2, parent=1)]
+    sequencer.resync_done(request, ResyncResponse(events=ResyncBatch(events=missing, last_event_id=2)))
+    assert tree.find_matches([1, 2, 3]).scores == {(W, 0): 3}
+    assert sequencer.rejected == 0 and sequencer.status()[0].trusted
+
+
+def test_a_second_hole_found_while_reconciling_is_requested_next() -> None:
+    sequencer, tree = synced(0)
+    first = sequencer.receive(store(3, 3, parent=1))
+    assert first is not None
+    assert sequencer.receive(store(6, 6, parent=1)) is None  # another loss, while the first resync runs
+    follow_up = sequencer.resync_done(first, ResyncResponse(events=ResyncBatch(events=[store(2, 2, parent=1)],
+                                                                                last_event_id=2)))  # fmt: skip
+    assert follow_up == ResyncRequest(worker_id=W, dp_rank=0, start_event_id=4, end_event_id=5)
+    assert tree.find_matches([1, 6]).scores == {(W, 0): 2}
+    missing = [store(4, 4, parent=1), store(5, 5, parent=1)]
+    assert sequencer.resync_done(follow_up, ResyncResponse(events=ResyncBatch(events=missing, last_event_id=5))) is None
+    assert sequencer.status()[0].trusted
+
+
+def test_an_unanswered_resync_is_retried_on_the_slow_schedule_until_verified() -> None:
+    now = [100.0]
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, retry_interval_s=30.0, clock=lambda: now[0])
+    request = sequencer.receive(store(7, 7))
+    assert request is not None
+    sequencer.resync_failed(request)  # e.g. "no responders"
+    assert tree.find_matches([7]).scores == {(W, 0): 1}
+    assert sequencer.due_retries() == []
+    now[0] += 29.0
+    assert sequencer.due_retries() == []
+    now[0] += 1.0
+    [retry] = sequencer.due_retries()
+    assert retry.start_event_id is None
+    assert sequencer.due_retries() == []  # one in flight at a time
+    sequencer.resync_failed(retry)
+    now[0] += 30.0
+    [again] = sequencer.due_retries()
+    sequencer.resync_done(again, ResyncResponse(tree_dump=ResyncBatch(events=[store(0, 7)], last_event_id=7)))
+    assert sequencer.status()[0].trusted
+    now[0] += 300.0
+    assert sequencer.due_retries() == []  # verified: no more retries
+    assert sequencer.outcomes["resync_retries"] == 2
+
+
+def test_a_new_publisher_epoch_clears_the_worker_and_restarts_its_ids() -> None:
+    sequencer, tree = synced(0)
+    sequencer.observe_epoch(W, "first")
+    sequencer.ingest([store(2, 2, parent=1)], epoch="first")
+    sequencer.ingest([store(1, 5)], epoch="second")  # restarted: ids from 1 again
+    assert tree.find_matches([1]).scores == {}  # the old process's blocks are gone
+    assert tree.find_matches([5]).scores == {(W, 0): 1}
+    [status] = sequencer.status()
+    assert (status.last_event_id, status.trusted) == (1, True)
+    assert sequencer.outcomes["publisher_restarts"] == 1
+
+
+def test_ids_that_went_down_are_replayed_once_the_registration_says_the_worker_restarted() -> None:
+    sequencer, tree = synced(0)
+    sequencer.observe_epoch(W, "first")
+    sequencer.ingest([store(2, 2, parent=1), store(3, 3, parent=2)])
+    sequencer.ingest([store(1, 8), store(2, 9, parent=8)])  # no epoch on the events: duplicates for now
+    assert tree.find_matches([8]).scores == {}
+    sequencer.observe_epoch(W, "second")  # the registration of the restarted process
+    assert tree.find_matches([1]).scores == {}
+    assert tree.find_matches([8, 9]).scores == {(W, 0): 2}
+    sequencer.ingest([store(3, 10, parent=9)])
+    assert tree.find_matches([8, 9, 10]).scores == {(W, 0): 3}
+    assert sequencer.status()[0].trusted
 
 
 def test_worker_that_lost_the_events_is_asked_for_a_dump_which_replaces_the_rank() -> None:
@@ -134,7 +214,7 @@ def test_cleared_is_a_barrier_that_cancels_a_resync_in_flight() -> None:
     assert sequencer.status()[0].last_event_id == 7
 
 
-def test_unanswered_resync_applies_held_events_best_effort() -> None:
+def test_unanswered_resync_keeps_what_was_applied_best_effort() -> None:
     sequencer, tree = synced(0)
     request = sequencer.receive(store(3, 3))
     assert request is not None
@@ -169,7 +249,7 @@ def test_index_rejections_are_counted_by_reason() -> None:
     assert sequencer.status()[0].last_event_id == 3
 
 
-def test_too_many_held_events_fall_back_to_a_dump() -> None:
+def test_too_many_unreconciled_events_fall_back_to_a_fresh_dump() -> None:
     tree = RadixTree()
     sequencer = EventSequencer(tree, max_held_events=3)
     first = sequencer.receive(store(2, 1))
@@ -178,10 +258,13 @@ def test_too_many_held_events_fall_back_to_a_dump() -> None:
         assert sequencer.receive(store(event_id, event_id)) is None
     overflow = sequencer.receive(store(5, 5))
     assert overflow is not None and overflow.start_event_id is None
+    assert held_blocks(tree) == 4  # all routable meanwhile
     assert sequencer.resync_done(first, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=4))) is None
+    assert sequencer.outcomes["resync_stale"] == 1
     dump = [store(0, n) for n in (1, 3, 4, 5)]
     sequencer.resync_done(overflow, ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=5)))
     assert held_blocks(tree) == 4
+    assert sequencer.status()[0].trusted
 
 
 def test_absurdly_large_events_are_rejected_and_the_stream_distrusted() -> None:

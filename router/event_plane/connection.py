@@ -1,7 +1,9 @@
-"""Connecting to NATS with credentials and TLS, reconnecting forever."""
+"""Connecting to NATS with credentials and TLS: fail fast (or retry with capped backoff) on the first
+connection, reconnect forever after it."""
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -9,8 +11,10 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.errors import NoServersError
 
-__all__ = ["NatsOptions", "connect"]
+__all__ = ["NatsOptions", "connect", "connect_when_available"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,15 +43,28 @@ async def connect(
     *,
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    on_error: Callable[[Exception], Awaitable[None]] | None = None,
 ) -> Client:
-    """A client that retries its first connection and every later one without limit."""
+    """Connect now or raise (``OSError``, ``TimeoutError`` or a nats error naming why); once connected,
+    the client reconnects without limit. ``on_error`` receives the client's asynchronous errors (failed
+    reconnection attempts among them) instead of nats-py's default, which logs each with a traceback."""
+    failures: list[Exception] = []
+
+    async def error_cb(exc: Exception) -> None:
+        failures.append(exc)
+        del failures[:-1]
+        if on_error is not None:
+            await on_error(exc)
+
     kwargs: dict[str, Any] = {
         "servers": [options.url],
         "name": options.name,
-        "max_reconnect_attempts": -1,
+        # Two tries, then the first connection fails; raised to unlimited once connected (below).
+        "max_reconnect_attempts": 1,
         "reconnect_time_wait": 0.5,
         "allow_reconnect": True,
         "connect_timeout": 2,
+        "error_cb": error_cb,
     }
     if options.user is not None:
         kwargs["user"] = options.user
@@ -63,4 +80,38 @@ async def connect(
         kwargs["reconnected_cb"] = on_reconnect
     if on_disconnect is not None:
         kwargs["disconnected_cb"] = on_disconnect
-    return await nats.connect(**kwargs)
+    try:
+        nc = await nats.connect(**kwargs)
+    except NoServersError:
+        # nats-py reports only that no server is left; the reason is the last attempt's error.
+        if failures:
+            raise failures[-1] from None
+        raise
+    # nats-py has one limit for the first connection and for reconnections; after the first
+    # connection the client must never give up (the options dict is what its reconnect loop reads).
+    nc.options["max_reconnect_attempts"] = -1
+    return nc
+
+
+async def connect_when_available(
+    options: NatsOptions,
+    *,
+    on_attempt_failed: Callable[[int, float, Exception], None],
+    first_backoff_s: float = 0.5,
+    max_backoff_s: float = 5.0,
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    on_error: Callable[[Exception], Awaitable[None]] | None = None,
+) -> Client:
+    """`connect`, retried until the server answers: ``on_attempt_failed(attempt, backoff_s, error)``
+    after each failure, then a wait that doubles up to ``max_backoff_s``. Cancel it to give up."""
+    backoff = first_backoff_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await connect(options, on_reconnect=on_reconnect, on_disconnect=on_disconnect, on_error=on_error)
+        except (OSError, TimeoutError, NatsError) as exc:
+            on_attempt_failed(attempt, backoff, exc)
+        await asyncio.sleep(backoff)
+        backoff = min(max_backoff_s, backoff * 2)

@@ -9,7 +9,10 @@
 - Heartbeats on ``kv.{ns}.heartbeat.*``: a heartbeat-leased worker silent for ``lease_s`` is deleted
   from the bucket, routing and the index; its next heartbeat (which carries its registration) brings
   it back, and its first event then triggers a full resync.
-- After a reconnect every stream is resynced in full, since events may have been lost meanwhile.
+- A registration or heartbeat whose publisher epoch differs from the known one is a restarted
+  worker: its index state is dropped and its event ids start afresh (`EventSequencer.observe_epoch`).
+- After a reconnect every stream is resynced in full, since events may have been lost meanwhile; the
+  index is kept and live events keep applying while the dumps come (stale but useful beats empty).
 """
 
 from __future__ import annotations
@@ -93,7 +96,6 @@ class RouterEventPlane:
         await self.subscriber.stop()
 
     async def on_reconnected(self) -> None:
-        log.warning("reconnected to NATS: resyncing every worker")
         self.outcomes["reconnects"] += 1
         self.subscriber.resync_all()
 
@@ -178,9 +180,15 @@ class RouterEventPlane:
             self._reject("bad_heartbeat", f"on {message.subject}: {exc}")
             return
         self.outcomes["heartbeats"] += 1
-        if self.router.has_worker(beat.worker_id):
+        known = self.router.worker(beat.worker_id)
+        if known is not None:
             if beat.worker_id in self._leased:
                 self._leased[beat.worker_id] = self._clock()
+            registration = beat.registration
+            if registration is not None and registration.epoch is not None and registration.epoch != known.epoch:
+                log.info("worker %d restarted (publisher epoch %s): starting its streams afresh",
+                         beat.worker_id, registration.epoch)  # fmt: skip
+                self._apply_registration(registration)
         elif beat.registration is not None and beat.registration.worker_id == beat.worker_id:
             log.info("worker %d is back: registering it again", beat.worker_id)
             registration = beat.registration

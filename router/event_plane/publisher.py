@@ -6,7 +6,9 @@ own index of the blocks it holds, so it can answer a router's resync request on
 ``kv.{ns}.resync.{worker_id}`` with the events since an id or, when those are gone, a full dump.
 It registers the worker in the ``kv_router_workers_{ns}`` bucket, heartbeats (each heartbeat carries
 the registration, so a worker that a router expired comes back as soon as it beats again), and
-publishes ``ActiveLoad``.
+publishes ``ActiveLoad``. Each publisher is one epoch (a start nonce in its registration and in the
+``Kv-Publisher-Epoch`` header of its event messages): a restarted process numbering from 1 again is
+seen by routers as a new publisher, not as duplicates of the old one.
 
 Usage from an asyncio engine integration::
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -53,7 +56,7 @@ from indexer.events import (
 )
 from indexer.radix_tree import RadixTree
 from router.event_plane.messages import ActiveLoad, Heartbeat
-from router.event_plane.subjects import Subjects
+from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
 from router.types import WorkerConfig
 
@@ -95,7 +98,10 @@ class KvEventPublisher:
         msgpack: bool = True,
     ) -> None:
         self.nc = nc
-        self.registration = registration
+        # Each publisher process is one epoch: routers seeing a new one drop what the last one sent.
+        epoch = registration.epoch or secrets.token_hex(8)
+        self.registration = msgspec.structs.replace(registration, epoch=epoch)
+        self._headers = {EPOCH_HEADER: epoch}
         self.worker_id = registration.worker_id
         self.subjects = Subjects(namespace)
         self._ring_size = ring_size
@@ -222,7 +228,7 @@ class KvEventPublisher:
 
     async def _send(self, events: list[RouterEvent]) -> None:
         payload = encode_router_events(events if len(events) > 1 else events[0], msgpack=self._msgpack)
-        await self.nc.publish(self.subjects.events(self.worker_id), payload)
+        await self.nc.publish(self.subjects.events(self.worker_id), payload, headers=self._headers)
 
     async def publish_load(self, load: ActiveLoad) -> None:
         await self.nc.publish(self.subjects.load(self.worker_id), msgspec.json.encode(load))

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Subjects"]
+__all__ = ["EPOCH_HEADER", "Subjects"]
+
+# Header of event messages naming the publisher epoch (its start nonce), so a restarted publisher is
+# seen as one; the RouterEvent payload itself stays Dynamo's shape.
+EPOCH_HEADER = "Kv-Publisher-Epoch"
 
 
 @dataclass(frozen=True, slots=True)

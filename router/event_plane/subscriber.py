@@ -1,10 +1,12 @@
 """KV events from NATS into the index, through the sequencer, with resyncs run in the background.
 
-Subscribes to ``kv.{ns}.events.>`` (one ``RouterEvent`` or a list per message, JSON or msgpack).
-nats-py delivers one subscription's messages one at a time, so each stream's order is kept. When the
-sequencer asks for a resync, a task requests it on ``kv.{ns}.resync.{worker_id}`` with retries and
-exponential backoff, at most ``max_concurrent_resyncs`` at a time. Undecodable payloads are counted
-and logged (rate-limited); nothing stops the subscription.
+Subscribes to ``kv.{ns}.events.>`` (one ``RouterEvent`` or a list per message, JSON or msgpack; the
+publisher epoch, if any, in the ``Kv-Publisher-Epoch`` header). nats-py delivers one subscription's
+messages one at a time, so each stream's order is kept. When the sequencer asks for a resync, a task
+requests it on ``kv.{ns}.resync.{worker_id}``, at most ``max_concurrent_resyncs`` at a time: "no
+responders" fails it at once, timeouts are retried a few times with backoff. Streams left unverified
+are offered a full resync again by a slow loop (``EventSequencer.due_retries``), never from the event
+path. Undecodable payloads are counted and logged (rate-limited); nothing stops the subscription.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from indexer.errors import EventDecodeError
 from indexer.events import ResyncRequest, ResyncResponse, decode_router_events, looks_like_msgpack
 from indexer.sequencer import EventSequencer
 from router.event_plane.ratelimited_log import RateLimitedLog
-from router.event_plane.subjects import Subjects
+from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
 
 __all__ = ["KvEventSubscriber"]
+
+# How often the slow loop looks for unverified streams whose retry time has come.
+RETRY_CHECK_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +52,7 @@ class KvEventSubscriber:
         *,
         namespace: str = "default",
         resync_timeout_s: float = 2.0,
-        resync_attempts: int = 6,
+        resync_attempts: int = 3,
         resync_backoff_s: float = 0.2,
         max_concurrent_resyncs: int = 16,
     ) -> None:
@@ -59,6 +64,7 @@ class KvEventSubscriber:
         self._backoff = resync_backoff_s
         self._resync_slots = asyncio.Semaphore(max_concurrent_resyncs)
         self._resyncs = Supervisor("event-subscriber")
+        self._retries = Supervisor("event-subscriber")
         self._subscription: Subscription | None = None
         self._bad_input = RateLimitedLog(log)
         self._busy_since = 0.0
@@ -69,12 +75,14 @@ class KvEventSubscriber:
         self._subscription = await self.nc.subscribe(
             self.subjects.all_events, cb=self._on_message, pending_msgs_limit=1_000_000
         )
+        self._retries.keep_running("resync-retries", self._retry_unverified)
 
     async def stop(self) -> None:
         self.sequencer.resync_transport = None
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
             await subscription.unsubscribe()
+        await self._retries.stop()
         await self._resyncs.stop()
 
     async def _on_message(self, message: Msg) -> None:
@@ -88,7 +96,15 @@ class KvEventSubscriber:
             self.sequencer.outcomes["rejected_undecodable"] += 1
             self._bad_input.warning("undecodable KV event", f"on {message.subject}: {exc}")
             return
-        self.sequencer.ingest(events)
+        headers = message.headers
+        self.sequencer.ingest(events, epoch=headers.get(EPOCH_HEADER) if headers else None)
+
+    async def _retry_unverified(self) -> None:
+        while True:
+            await asyncio.sleep(RETRY_CHECK_S)
+            if self.nc.is_connected:
+                for request in self.sequencer.due_retries():
+                    self.launch_resync(request)
 
     def launch_resync(self, request: ResyncRequest) -> None:
         self._resyncs.spawn(f"resync-{request.worker_id}-{request.dp_rank}", self._resync(request))
@@ -114,7 +130,8 @@ class KvEventSubscriber:
                     response = decoder.decode(data)
                 except NoRespondersError:
                     # An answer, not a timeout: nobody serves resyncs for this worker (yet).
-                    log.info("no responder for resyncs of worker %s dp_rank %s", request.worker_id, request.dp_rank)
+                    log.debug("no responder for resyncs of worker %s dp_rank %s", request.worker_id, request.dp_rank)
+                    self.sequencer.outcomes["resync_no_responders"] += 1
                     self.sequencer.resync_failed(request)
                     return
                 except msgspec.DecodeError as exc:
@@ -131,6 +148,9 @@ class KvEventSubscriber:
                 if follow_up is not None:
                     self.launch_resync(follow_up)
                 return
-        log.warning("worker %s dp_rank %s did not answer a resync; continuing with live events",
-                    request.worker_id, request.dp_rank)  # fmt: skip
+        self._bad_input.warning(
+            "unanswered resync",
+            f"worker {request.worker_id} dp_rank {request.dp_rank}: routing on its live events, unverified; "
+            f"a full resync is tried again in {self.sequencer.retry_interval_s:.0f} s",
+        )
         self.sequencer.resync_failed(request)
