@@ -338,7 +338,11 @@ _WORKER_HELP = (
 
 
 def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS server [%(default)s]")
+    parser.add_argument(
+        "--nats-url",
+        default="nats://127.0.0.1:4222",
+        help="the router's NATS server, as kv-router serve logs it and GET /v1/info returns it [%(default)s]",
+    )
     parser.add_argument("--namespace", default="default", help="deployment namespace [%(default)s]")
     parser.add_argument("--worker-id", type=int, default=None, help="worker id [random]")
     parser.add_argument("--seed", type=int, default=0, help="seeds generated tokens [%(default)s]")
@@ -370,6 +374,8 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     import secrets
     import signal
 
+    from nats.errors import Error as NatsError
+
     from mocker.openai_api import serve_openai
     from mocker.worker import MockWorker
     from mocker.zmq_engine import VllmZmqPublisher
@@ -385,8 +391,17 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
         port = free_port()
     url = f"http://{args.http_host}:{port}" if port is not None else None
 
-    async def serve() -> None:
-        nc = await connect(NatsOptions(args.nats_url, name=f"mock-worker-{worker_id}"))
+    async def serve() -> int:
+        try:
+            nc = await connect(NatsOptions(args.nats_url, name=f"mock-worker-{worker_id}"))
+        except (OSError, TimeoutError, NatsError) as exc:
+            print(
+                f"kv-router mock-worker: cannot connect to NATS at {args.nats_url} ({type(exc).__name__}: {exc}). "
+                "Pass the URL the router uses with --nats-url: kv-router serve logs it at start-up and "
+                "GET /v1/info on the router returns it.",
+                file=sys.stderr,
+            )
+            return 2
         worker = MockWorker(
             nc,
             worker_id,
@@ -412,9 +427,9 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await nc.close()
+        return 0
 
-    asyncio.run(serve())
-    return 0
+    return asyncio.run(serve())
 
 
 # ---------------------------------------------------------------------- demo

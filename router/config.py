@@ -207,6 +207,13 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         int,
         _doc("latency policy: output length, in tokens, assumed for a request that does not give one"),
     ] = 256
+    untrusted_overlap_weight: Annotated[
+        float,
+        _doc(
+            "share of its overlap a rank whose event stream is untrusted (a gap, an unanswered resync, a reconnect "
+            "not yet resynced) is credited with; 1.0 trusts it fully; the dynamo policy ignores it (parity)"
+        ),
+    ] = 0.5
     # Dynamo reads this from the model card: EAGLE hashing windows span one extra token (§1.1).
     enable_eagle: Annotated[
         bool, _doc("EAGLE speculative decoding: each block's hash window spans one extra token (as the engines')")
@@ -248,6 +255,10 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "router_ttl_secs",
         ):
             _require_non_negative(name, getattr(self, name))
+        if not 0.0 <= self.untrusted_overlap_weight <= 1.0:
+            raise ConfigError(
+                "untrusted_overlap_weight", f"must be between 0.0 and 1.0, got {self.untrusted_overlap_weight}"
+            )
         if not (math.isfinite(self.request_expiry_secs) and self.request_expiry_secs > 0):
             raise ConfigError("request_expiry_secs", f"must be a positive number, got {self.request_expiry_secs}")
         threshold = self.active_decode_blocks_threshold

@@ -32,12 +32,13 @@ from router.errors import (
     NoEligibleWorker,
     QueueRejected,
 )
-from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps
+from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps, round_half_away
 from router.policies import create_policy
 from router.prompt import Prompt, prepare_prompt
 from router.queue import PendingQueue
 from router.scheduler import Scheduler
 from router.types import (
+    DecisionReceipt,
     DecisionTiming,
     OverlapReport,
     PotentialLoad,
@@ -252,7 +253,7 @@ class KvRouter:
             request.tokens, request.lora_name, request.cache_namespace, request.block_mm_infos, config
         )
         hashed = time.perf_counter()
-        overlaps = self._match(prompt)
+        overlaps = self._routing_overlaps(prompt)
         routing = _Routing(
             request,
             config,
@@ -320,6 +321,18 @@ class KvRouter:
         for observer in self.routed_observers:
             observer(choice.key, routing.prompt.local_hashes)
         worker_id, dp_rank = choice.key
+        trusted, age = self.events.freshness(choice.key)
+        overlap = choice.overlap
+        receipt = DecisionReceipt(
+            device_blocks=overlap.device_blocks,
+            host_pinned_blocks=overlap.host_blocks,
+            disk_blocks=overlap.disk_blocks,
+            credited_blocks=overlap.effective_blocks,
+            newest_event_age_s=age,
+            stream_trusted=trusted,
+            reason=choice.reason,
+            candidates=choice.candidates,
+        )
         return RouteDecision(
             worker_id=worker_id,
             dp_rank=dp_rank,
@@ -333,6 +346,7 @@ class KvRouter:
                 queued_s=queued_s,
             ),
             explanation=choice.explanation,
+            receipt=receipt,
         )
 
     async def _wait_in_queue(
@@ -396,7 +410,7 @@ class KvRouter:
             queue.pop_head()
             waited = self._clock() - waiter.enqueued_at
             if waited >= OVERLAP_REFRESH_AFTER_SECS:
-                routing.overlaps = self._match(routing.prompt)
+                routing.overlaps = self._routing_overlaps(routing.prompt)
             try:
                 decision = self._route(routing, workers, queued_s=waited)
             except KvRouterError as exc:
@@ -541,3 +555,18 @@ class KvRouter:
                 if blocks > scores.get(rank, 0):
                     scores[rank] = blocks
         return rank_overlaps(matches, self.config)
+
+    def _routing_overlaps(self, prompt: Prompt) -> dict[WorkerRank, RankOverlap]:
+        """The match as routing credits it: the overlap of ranks whose stream is untrusted discounted
+        by ``untrusted_overlap_weight`` (never under the dynamo policy, whose decisions are Dynamo's)."""
+        overlaps = self._match(prompt)
+        weight = self.config.untrusted_overlap_weight
+        untrusted = self.events.untrusted
+        if weight == 1.0 or not untrusted or self.config.policy == "dynamo":
+            return overlaps
+        for key in untrusted & overlaps.keys():
+            o = overlaps[key]
+            effective = o.effective_blocks * weight
+            cached = round_half_away(o.cached_tokens * weight)
+            overlaps[key] = RankOverlap(o.device_blocks, o.host_blocks, o.disk_blocks, effective, cached)
+        return overlaps

@@ -23,6 +23,7 @@ from router.thresholds import all_queue_busy, busy_thresholds_configured, rank_i
 from router.types import (
     CandidateExplanation,
     DecisionExplanation,
+    PickReason,
     PotentialLoad,
     RankLoad,
     RoutingConstraints,
@@ -38,14 +39,24 @@ _NO_CONSTRAINTS = RoutingConstraints()
 
 
 class Choice:
-    """The selected rank, its overlap with the prompt, and optionally why it was chosen."""
+    """The selected rank, its overlap with the prompt, why it won (in one word, and optionally in full)
+    and among how many candidates."""
 
-    __slots__ = ("explanation", "key", "overlap")
+    __slots__ = ("candidates", "explanation", "key", "overlap", "reason")
 
-    def __init__(self, key: WorkerRank, overlap: RankOverlap, explanation: DecisionExplanation | None) -> None:
+    def __init__(
+        self,
+        key: WorkerRank,
+        overlap: RankOverlap,
+        explanation: DecisionExplanation | None,
+        reason: PickReason,
+        candidates: int,
+    ) -> None:
         self.key = key
         self.overlap = overlap
         self.explanation = explanation
+        self.reason: PickReason = reason
+        self.candidates = candidates
 
     @property
     def overlap_blocks(self) -> int:
@@ -144,10 +155,12 @@ class Scheduler:
         Raises `AllWorkersOverloaded` when every one of them has all its ranks busy. O(ranks + prompt
         blocks touched by `ActiveSequences.prefix_depths`).
         """
+        thresholded = False
         if busy_thresholds_configured(self._config):
             available = [worker for worker in workers if not self._is_overloaded(worker)]
             if not available:
                 raise AllWorkersOverloaded(len(workers))
+            thresholded = len(available) < len(workers)
             workers = available
         preferred = (constraints or _NO_CONSTRAINTS).preferred_taints
         ranks: list[RankState] = []
@@ -186,7 +199,19 @@ class Scheduler:
                 len(ranks),
             )
         explanation = _explain(self._policy.name, context, selection) if explain else None
-        return Choice(key, overlaps.get(key, NO_OVERLAP), explanation)
+        reason: PickReason
+        if pinned is not None:
+            reason = "pinned"
+        elif thresholded:
+            reason = "threshold"
+        elif selection.probabilities is not None:
+            reason = "sampled"
+        elif selection.costs is not None:
+            costs = selection.costs
+            reason = "tie" if costs.count(min(costs)) > 1 else "lowest_cost"
+        else:
+            reason = "policy"
+        return Choice(key, overlaps.get(key, NO_OVERLAP), explanation, reason, len(ranks))
 
     @property
     def uses_cache_fill(self) -> bool:

@@ -19,9 +19,11 @@ __all__ = [
     "BlockMmInfos",
     "CandidateExplanation",
     "DecisionExplanation",
+    "DecisionReceipt",
     "DecisionTiming",
     "LimitKind",
     "OverlapReport",
+    "PickReason",
     "PotentialLoad",
     "QueueRejection",
     "QueueStats",
@@ -183,6 +185,30 @@ class DecisionTiming(msgspec.Struct, kw_only=True, frozen=True):
     queued_s: float = 0.0
 
 
+PickReason = Literal["lowest_cost", "tie", "pinned", "threshold", "sampled", "policy"]
+
+
+class DecisionReceipt(msgspec.Struct, kw_only=True, frozen=True):
+    """Ours, on every ``/v1/new`` reply (not in Dynamo's ``/v1/router`` one): what the decision rested on.
+
+    The chosen rank's cached prefix per storage tier (device blocks, then the host and disk/external
+    blocks beyond it) and the overlap credit the cost used (after any untrusted-stream discount); how
+    old the newest event applied for that rank was and whether its stream was trusted (known complete);
+    and why it won: ``lowest_cost``, ``tie`` (lowest cost shared, drawn at random), ``pinned`` (the
+    caller's choice), ``threshold`` (busy thresholds left it among fewer workers), ``sampled``
+    (softmax at a temperature above 0) or ``policy`` (a policy that does not score).
+    """
+
+    device_blocks: int
+    host_pinned_blocks: int
+    disk_blocks: int
+    credited_blocks: float
+    newest_event_age_s: float | None
+    stream_trusted: bool
+    reason: PickReason
+    candidates: int
+
+
 class RouteDecision(msgspec.Struct, kw_only=True, frozen=True):
     """The chosen (worker, dp_rank); ``overlap_blocks`` is Dynamo's rounded effective overlap."""
 
@@ -193,6 +219,7 @@ class RouteDecision(msgspec.Struct, kw_only=True, frozen=True):
     request_id: str | None
     timing: DecisionTiming
     explanation: DecisionExplanation | None = None
+    receipt: DecisionReceipt | None = None
 
 
 class PotentialLoad(msgspec.Struct, kw_only=True, frozen=True):
