@@ -66,10 +66,9 @@ def embedded_nats(config: EventPlaneConfig) -> Iterator[str | None]:
     except RuntimeError:  # the port is taken (another kv-router, a system nats-server)
         server = EmbeddedNats(port=free_port()).start()
         logger.warning(
-            "port %d is taken: the embedded nats-server listens on port %d instead (workers need --nats-url %s)",
+            "port %d is taken: the embedded nats-server listens on port %d instead (workers need that port)",
             wanted,
             server.port,
-            server.url,
         )
     logger.info("embedded nats-server started on port %d (--nats-url to use your own)", server.port)
     try:

@@ -82,6 +82,8 @@ def serve(settings: Settings) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if stopped_by is not None:
+        # The default action, not Python's SIGINT handler (a KeyboardInterrupt traceback on exit).
+        signal.signal(stopped_by, signal.SIG_DFL)
         signal.raise_signal(stopped_by)
 
 

@@ -1,0 +1,221 @@
+"""Issue 11 with a real nats-server: events are routable at once, whatever the resync path does.
+
+Dynamo-style publishers (plain RouterEvent JSON on kv.<ns>.events.<id>, no resync responder), gaps
+with and without a responder, a kill -9 and restart of nats-server under a running event plane, and
+restarted publishers (new epoch in the header or only in the registration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from api.config import EventPlaneConfig
+from api.plane_lifecycle import PlaneLifecycle
+from indexer.events import ResyncRequest, RouterEvent, encode_router_events, stored_event
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from router.config import RouterConfig
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.plane import RouterEventPlane
+from router.event_plane.publisher import KvEventPublisher, open_registry
+from router.event_plane.subjects import Subjects
+from router.kv_router import KvRouter
+from router.types import RouteRequest, WorkerConfig
+from tests.test_nats_events import messages_lost, same_state
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+BLOCK = 16
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    return [seed * 100_000 + i for i in range(blocks * BLOCK)]
+
+
+def pairs(seed: int, blocks: int) -> list[tuple[int, int]]:
+    local = compute_block_hashes(tokens(seed, blocks), BLOCK)
+    return list(zip(compute_sequence_hashes(local), local, strict=True))
+
+
+def cached(router: KvRouter, seed: int, blocks: int) -> dict[int, int]:
+    return {w.worker_id: w.device_blocks for w in router.overlap(tokens(seed, blocks)).workers if w.device_blocks}
+
+
+def dynamo_event(worker_id: int, event_id: int, seed: int, blocks: int) -> bytes:
+    """A Dynamo-shaped RouterEvent as JSON, as a custom engine or a Dynamo publisher sends it."""
+    return encode_router_events(RouterEvent(worker_id, stored_event(event_id, pairs(seed, blocks))))
+
+
+async def router_plane(nc: Client) -> RouterEventPlane:
+    plane = RouterEventPlane(KvRouter(RouterConfig(block_size=BLOCK)), nc, resync_timeout_s=0.5)
+    await plane.start()
+    return plane
+
+
+async def test_a_publisher_without_a_responder_is_routable_at_once_from_id_1_and_after_a_gap(client: Client) -> None:
+    plane = await router_plane(client)
+    await plane.register(WorkerConfig(worker_id=70, block_size=BLOCK))
+    await client.publish("kv.default.events.70", dynamo_event(70, 1, seed=1, blocks=4))
+    await eventually(lambda: cached(plane.router, 1, 4) == {70: 4})
+    [stream] = plane.sequencer.status()
+    assert stream.trusted and plane.sequencer.outcomes["resync_full"] == 0  # id 1: nothing to ask for
+    # Events 2-4 are lost; nobody answers kv.default.resync.70.
+    await client.publish("kv.default.events.70", dynamo_event(70, 5, seed=2, blocks=3))
+    await eventually(lambda: cached(plane.router, 2, 3) == {70: 3})  # routable, not held
+    await eventually(lambda: plane.sequencer.outcomes["resync_failed"] == 1)
+    assert plane.sequencer.outcomes["resync_no_responders"] == 1  # an answer, not six timeouts
+    [stream] = plane.sequencer.status()
+    assert (stream.trusted, stream.resyncing, stream.last_event_id) == (False, False, 5)
+    decision = await plane.router.new(RouteRequest(tokens=tokens(2, 3)))
+    assert decision.worker_id == 70 and decision.receipt is not None
+    assert (decision.receipt.device_blocks, decision.receipt.stream_trusted) == (3, False)
+    await client.publish("kv.default.events.70", dynamo_event(70, 6, seed=3, blocks=2))
+    await eventually(lambda: cached(plane.router, 3, 2) == {70: 2})
+    await plane.stop()
+
+
+async def test_a_gap_with_a_slow_responder_keeps_live_events_routable_and_converges(client: Client) -> None:
+    plane = await router_plane(client)
+    publisher = KvEventPublisher(client, WorkerConfig(worker_id=71, block_size=BLOCK))
+    await publisher.register()
+    await eventually(lambda: plane.router.has_worker(71))
+    answer_now = asyncio.Event()
+
+    async def slow_responder(message: Msg) -> None:
+        await answer_now.wait()  # the resync is in flight until the test says so
+        request = msgspec.json.decode(message.data, type=ResyncRequest)
+        await client.publish(message.reply, msgspec.msgpack.encode(publisher.answer_resync(request)))
+
+    await client.subscribe(Subjects().resync(71), cb=slow_responder)
+    before = pairs(10, 4)
+    await publisher.stored(before)
+    await eventually(lambda: cached(plane.router, 10, 4) == {71: 4})
+    lost = pairs(11, 3)
+    with messages_lost(publisher):
+        await publisher.stored(lost)
+    await publisher.removed([before[3][0]])  # the gap shows here: applied at once
+    after = pairs(12, 2)
+    await publisher.stored(after)
+    await eventually(lambda: cached(plane.router, 12, 2) == {71: 2} and cached(plane.router, 10, 4) == {71: 3})
+    [stream] = plane.sequencer.status()
+    assert stream.resyncing and not stream.trusted and stream.unreconciled_events == 2
+    assert cached(plane.router, 11, 3) == {}
+    answer_now.set()
+    await eventually(lambda: plane.sequencer.status()[0].trusted)
+    assert cached(plane.router, 11, 3) == {71: 3}
+    assert cached(plane.router, 10, 4) == {71: 3}  # the removal still wins over the replay
+    assert same_state(plane.router.indexer, publisher)
+    await plane.stop()
+
+
+async def test_kill_9_and_restart_of_nats_keeps_routing_and_converges(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="api.plane_lifecycle")
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_server.url, resync_timeout_secs=0.5))
+    task = asyncio.create_task(lifecycle.run())
+    await eventually(lambda: lifecycle.ready)
+    worker_nc = await connect(NatsOptions(nats_server.url))
+    publisher = KvEventPublisher(worker_nc, WorkerConfig(worker_id=72, block_size=BLOCK), heartbeat_interval=0.2)
+    await publisher.start()
+    await eventually(lambda: router.has_worker(72))
+    await publisher.stored(pairs(20, 5))
+    await eventually(lambda: cached(router, 20, 5) == {72: 5})
+    assert nats_server.pid is not None
+    os.kill(nats_server.pid, signal.SIGKILL)
+    await eventually(lambda: lifecycle.state == "disconnected")
+    # NATS is gone: the router still routes on the index it has.
+    decision = await router.new(RouteRequest(tokens=tokens(20, 5)))
+    assert (decision.worker_id, decision.overlap_blocks) == (72, 5)
+    assert lifecycle.health().state == "disconnected"
+    nats_server.restart()
+    await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=15)
+    await publisher.stored(pairs(21, 2))  # published after the restart: routable without waiting for resyncs
+    await eventually(lambda: cached(router, 21, 2) == {72: 2})
+    await eventually(lambda: all(stream.trusted for stream in router.events.status()))
+    assert same_state(router.indexer, publisher)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "lost the NATS connection" in r.message]
+    infos = [r for r in caplog.records if r.levelno == logging.INFO and "reconnected to NATS" in r.message]
+    assert (len(warnings), len(infos), lifecycle.disconnects) == (1, 1, 1)
+    await publisher.stop()
+    await worker_nc.close()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await lifecycle.stop()
+
+
+async def test_a_restarted_publisher_is_a_new_epoch_and_its_old_blocks_go(client: Client) -> None:
+    plane = await router_plane(client)
+    first = KvEventPublisher(client, WorkerConfig(worker_id=73, block_size=BLOCK))
+    await first.start(heartbeat=False)
+    await eventually(lambda: plane.router.has_worker(73))
+    for seed in range(30, 35):  # ids 1-5
+        await first.stored(pairs(seed, 2))
+    await eventually(lambda: cached(plane.router, 34, 2) == {73: 2})
+    await first.stop()
+    restarted = KvEventPublisher(client, WorkerConfig(worker_id=73, block_size=BLOCK))  # a new process
+    await restarted.start(heartbeat=False)
+    await restarted.stored(pairs(40, 3))  # id 1 again
+    await eventually(lambda: cached(plane.router, 40, 3) == {73: 3})
+    assert cached(plane.router, 30, 2) == {}  # the old process's blocks are gone, not left stale
+    assert plane.sequencer.outcomes["publisher_restarts"] == 1
+    assert plane.sequencer.status()[0].trusted
+    await restarted.stop()
+    await plane.stop()
+
+
+async def test_ids_that_go_down_without_an_epoch_restart_the_stream_once_the_registration_says_so(
+    client: Client,
+) -> None:
+    plane = await router_plane(client)
+    registry = await open_registry(client, Subjects())
+    await registry.put("74", msgspec.json.encode(WorkerConfig(worker_id=74, block_size=BLOCK, epoch="boot-1")))
+    await eventually(lambda: plane.router.has_worker(74))
+    for event_id in (1, 2, 3):
+        await client.publish("kv.default.events.74", dynamo_event(74, event_id, seed=50 + event_id, blocks=2))
+    await eventually(lambda: cached(plane.router, 53, 2) == {74: 2})
+    # The engine restarts: its events count from 1 again, without any epoch on them ...
+    await client.publish("kv.default.events.74", dynamo_event(74, 1, seed=60, blocks=2))
+    await client.flush()
+    await eventually(lambda: plane.sequencer.outcomes["duplicate"] == 1)
+    assert cached(plane.router, 60, 2) == {}
+    # ... and its registration says it restarted.
+    await registry.put("74", msgspec.json.encode(WorkerConfig(worker_id=74, block_size=BLOCK, epoch="boot-2")))
+    await eventually(lambda: cached(plane.router, 60, 2) == {74: 2})
+    assert cached(plane.router, 53, 2) == {}
+    await client.publish("kv.default.events.74", dynamo_event(74, 2, seed=61, blocks=1))
+    await eventually(lambda: cached(plane.router, 61, 1) == {74: 1})
+    assert plane.sequencer.status()[0].trusted
+    await plane.stop()
+
+
+async def test_connecting_retries_with_a_doubling_backoff_up_to_its_cap() -> None:
+    from router.event_plane.connection import connect_when_available
+    from router.event_plane.embedded_server import free_port
+
+    waits: list[float] = []
+    errors: list[Exception] = []
+
+    def failed(attempt: int, backoff_s: float, error: Exception) -> None:
+        waits.append(backoff_s)
+        errors.append(error)
+        if attempt == 5:
+            raise asyncio.CancelledError  # enough: stop trying
+
+    with pytest.raises(asyncio.CancelledError):
+        await connect_when_available(
+            NatsOptions(f"nats://127.0.0.1:{free_port()}"), on_attempt_failed=failed, first_backoff_s=0.01,
+            max_backoff_s=0.04,
+        )  # fmt: skip
+    assert waits == [0.01, 0.02, 0.04, 0.04, 0.04]
+    assert all(isinstance(error, ConnectionRefusedError) for error in errors)

@@ -1,0 +1,122 @@
+"""Real ``kv-router serve`` and ``kv-router mock-worker`` processes against NATS that is not there yet,
+a busy embedded-NATS port, and signals while waiting. Every process is stopped by its PID."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.test_api_event_plane import Workers
+from tests.test_api_server import ROOT, _get, _kv_router
+from tests.waiting import until
+
+BLOCK = 16
+
+
+@contextmanager
+def serve(*flags: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    port = free_port()
+    argv = [*_kv_router(), "serve", "--port", str(port), "--block-size", str(BLOCK), *flags]
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield process, port
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def answering(port: int) -> bool:
+    try:
+        return _get(port, "/healthz")[0] == 200
+    except OSError:
+        return False
+
+
+def stderr_of(process: subprocess.Popen[bytes]) -> str:
+    assert process.stderr is not None
+    return process.stderr.read().decode()
+
+
+def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_nats_arrives() -> None:
+    nats_port = free_port()
+    url = f"nats://127.0.0.1:{nats_port}"
+    with serve("--nats-url", url) as (process, port):
+        until(lambda: answering(port), timeout=30)  # HTTP is up although NATS is not
+        status, body = _get(port, "/readyz")
+        readiness = json.loads(body)
+        assert status == 503 and readiness["ready"] is False
+        assert url in readiness["reason"] and "unreachable" in readiness["reason"]
+        assert readiness["event_plane"]["state"] == "connecting"
+        health = json.loads(_get(port, "/healthz")[1])
+        assert health["status"] == "ok" and health["event_plane"]["state"] == "connecting"
+        metrics = _get(port, "/metrics")[1].decode()
+        assert 'kv_router_event_plane_state{state="connecting"} 1.0' in metrics
+        time.sleep(6)  # a few retries
+        with EmbeddedNats(port=nats_port) as nats:
+            until(lambda: _get(port, "/readyz")[0] == 200, timeout=15)
+            assert json.loads(_get(port, "/v1/info")[1])["nats_url"] == url
+            pool = Workers(nats.url)
+            tokens = list(range(7000, 7000 + 4 * BLOCK))
+            pool.start(41, tokens)
+
+            def routed() -> bool:
+                from tests.test_api_event_plane import _http
+
+                return _http(port, "/v1/new", json.dumps({"tokens": tokens}).encode()).get("overlap_blocks") == 4
+
+            until(routed, timeout=20)
+            pool.close()
+            process.send_signal(signal.SIGTERM)
+            process.wait(10)
+    log = stderr_of(process)
+    retries = [line for line in log.splitlines() if "unreachable" in line]
+    assert len(retries) >= 4, log
+    assert "Traceback" not in log
+    waits = [float(m) for m in re.findall(r"retry \d+ in ([0-9.]+) s", log)]
+    assert waits[:4] == [0.5, 1.0, 2.0, 4.0] and max(waits) <= 5.0  # doubling, capped at 5 s
+    assert log.count(url) >= 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_waiting_for_nats_ends_the_process(sig: signal.Signals) -> None:
+    with serve("--nats-url", f"nats://127.0.0.1:{free_port()}") as (process, port):
+        until(lambda: answering(port), timeout=30)
+        until(lambda: _get(port, "/readyz")[0] == 503)
+        process.send_signal(sig)
+        assert process.wait(10) in (0, -sig)  # within 10 s, or wait() raises
+    assert "Traceback" not in stderr_of(process)
+
+
+def test_a_busy_embedded_port_is_named_with_the_port_chosen_and_info_returns_the_url() -> None:
+    with EmbeddedNats() as squatter, serve("--embedded-nats-port", str(squatter.port)) as (process, port):
+        until(lambda: answering(port), timeout=30)
+        until(lambda: _get(port, "/readyz")[0] == 200, timeout=15)
+        info = json.loads(_get(port, "/v1/info")[1])
+        chosen = info["nats_url"]
+        assert chosen.startswith("nats://127.0.0.1:") and chosen != squatter.url
+        process.send_signal(signal.SIGTERM)
+        process.wait(10)
+    log = stderr_of(process)
+    [warning] = [line for line in log.splitlines() if "is taken" in line]
+    assert "WARNING" in warning and f"port {squatter.port}" in warning
+    assert f"port {chosen.rsplit(':', 1)[1]}" in warning
+    assert log.count(chosen) == 1  # the URL in use, printed once
+
+
+def test_mock_worker_says_clearly_when_it_cannot_connect() -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    argv = [*_kv_router(), "mock-worker", "--nats-url", url]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=30)
+    assert done.returncode == 2
+    message = done.stderr.decode()
+    assert f"cannot connect to NATS at {url}" in message and "--nats-url" in message
+    assert "Traceback" not in message
