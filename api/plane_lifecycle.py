@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Literal
 
 from nats.aio.client import Client
+from nats.errors import SlowConsumerError
 
 from api.config import EventPlaneConfig
 from api.wire import EventPlaneHealth
@@ -229,7 +230,7 @@ class PlaneLifecycle:
 
     async def _async_error(self, error: Exception) -> None:
         self.last_error = f"{type(error).__name__}: {error}"
-        if self.state == "connected":
+        if isinstance(error, SlowConsumerError) or "violation" in str(error).lower():
             self._async_errors.warning("NATS error", self.last_error)
-        else:
+        else:  # the connection's own trouble: the disconnect WARNING and the reconnect INFO say it
             logger.debug("NATS: %s", self.last_error)

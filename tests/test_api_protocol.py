@@ -149,9 +149,10 @@ def body_of(response: bytes) -> Any:
 
 
 def without_timing(response: bytes) -> bytes:
-    """A `new` reply with its timing (which varies) taken out, Content-Length included."""
+    """A `new` reply with its timing and event age (which vary) taken out, Content-Length included."""
     head, _, body = response.partition(b"\r\n\r\n")
     body = re.sub(rb',"timing":\{[^}]*\}', b"", body)
+    body = re.sub(rb'"newest_event_age_s":[-+.e0-9]+,', b"", body)
     return re.sub(rb"content-length: \d+", b"content-length: %d" % len(body), head) + b"\r\n\r\n" + body
 
 
@@ -170,7 +171,9 @@ def _setup(client: Client, *workers: int) -> None:
 # One connection's script and the exact answers expected (a `new` without its timing).
 def _script() -> list[tuple[bytes, bytes]]:
     decision = {"worker_id": 1, "dp_rank": 0, "overlap_blocks": 3, "cached_tokens": 48, "request_id": "a"}
-    decision_bytes = json.dumps({**decision, "explanation": None}, separators=(",", ":")).encode()
+    receipt = {"device_blocks": 3, "host_pinned_blocks": 0, "disk_blocks": 0, "credited_blocks": 3.0,
+               "stream_trusted": True, "reason": "lowest_cost", "candidates": 2}  # fmt: skip
+    decision_bytes = json.dumps({**decision, "explanation": None, "receipt": receipt}, separators=(",", ":")).encode()
     loads = b'{"loads":[{"worker_id":1,"dp_rank":0,"potential_prefill_tokens":32,"potential_decode_blocks":4,'
     loads += b'"active_requests":1},{"worker_id":2,"dp_rank":0,"potential_prefill_tokens":64,'
     loads += b'"potential_decode_blocks":4,"active_requests":0}],"pending_count":0,"pending_isl_tokens":0}'
