@@ -20,6 +20,7 @@ from api.fastpath import HotHandler, wait_disconnect
 from api.handlers import HOT_PATHS, Handlers
 from api.openapi import Schemas
 from api.plane_lifecycle import PlaneLifecycle
+from api.version import package_version
 from api.wire import (
     EventPlaneHealth,
     EventsReply,
@@ -249,8 +250,6 @@ def add_admin_routes(
         openapi_extra=schemas.operation(responses={200: (ServiceInfo, "OK")}),
     )
     async def info(request: Request) -> Response:
-        from api.cli import package_version
-
         lifecycle: PlaneLifecycle | None = request.app.state.event_plane
         settings = request.app.state.settings
         body = ServiceInfo(

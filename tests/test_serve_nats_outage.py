@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,17 +22,30 @@ from tests.waiting import until
 BLOCK = 16
 
 
+class Served:
+    """A running ``kv-router serve``; ``log`` is its stderr, read once it has ended."""
+
+    def __init__(self, process: subprocess.Popen[bytes], port: int) -> None:
+        self.process = process
+        self.port = port
+        self.log = ""
+
+
 @contextmanager
-def serve(*flags: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def serve(*flags: str) -> Iterator[Served]:
     port = free_port()
     argv = [*_kv_router(), "serve", "--port", str(port), "--block-size", str(BLOCK), *flags]
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        yield process, port
-    finally:
-        if process.poll() is None:
-            process.kill()
+    with tempfile.TemporaryFile() as stderr:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+        served = Served(process, port)
+        try:
+            yield served
+        finally:
+            if process.poll() is None:
+                process.kill()
             process.wait(10)
+            stderr.seek(0)
+            served.log = stderr.read().decode()
 
 
 def answering(port: int) -> bool:
@@ -41,15 +55,11 @@ def answering(port: int) -> bool:
         return False
 
 
-def stderr_of(process: subprocess.Popen[bytes]) -> str:
-    assert process.stderr is not None
-    return process.stderr.read().decode()
-
-
 def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_nats_arrives() -> None:
     nats_port = free_port()
     url = f"nats://127.0.0.1:{nats_port}"
-    with serve("--nats-url", url) as (process, port):
+    with serve("--nats-url", url) as served:
+        process, port = served.process, served.port
         until(lambda: answering(port), timeout=30)  # HTTP is up although NATS is not
         status, body = _get(port, "/readyz")
         readiness = json.loads(body)
@@ -77,7 +87,7 @@ def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_
             pool.close()
             process.send_signal(signal.SIGTERM)
             process.wait(10)
-    log = stderr_of(process)
+    log = served.log
     retries = [line for line in log.splitlines() if "unreachable" in line]
     assert len(retries) >= 4, log
     assert "Traceback" not in log
@@ -88,24 +98,29 @@ def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_waiting_for_nats_ends_the_process(sig: signal.Signals) -> None:
-    with serve("--nats-url", f"nats://127.0.0.1:{free_port()}") as (process, port):
+    with serve("--nats-url", f"nats://127.0.0.1:{free_port()}") as served:
+        process, port = served.process, served.port
         until(lambda: answering(port), timeout=30)
         until(lambda: _get(port, "/readyz")[0] == 503)
         process.send_signal(sig)
         assert process.wait(10) in (0, -sig)  # within 10 s, or wait() raises
-    assert "Traceback" not in stderr_of(process)
+    assert "Traceback" not in served.log
 
 
 def test_a_busy_embedded_port_is_named_with_the_port_chosen_and_info_returns_the_url() -> None:
-    with EmbeddedNats() as squatter, serve("--embedded-nats-port", str(squatter.port)) as (process, port):
+    with EmbeddedNats() as squatter, serve("--embedded-nats-port", str(squatter.port)) as served:
+        process, port = served.process, served.port
         until(lambda: answering(port), timeout=30)
         until(lambda: _get(port, "/readyz")[0] == 200, timeout=15)
         info = json.loads(_get(port, "/v1/info")[1])
         chosen = info["nats_url"]
-        assert chosen.startswith("nats://127.0.0.1:") and chosen != squatter.url
+        assert chosen.startswith("nats://127.0.0.1:") and chosen != squatter.url, (
+            squatter.pid,
+            squatter._process.poll() if squatter._process else None,
+        )
         process.send_signal(signal.SIGTERM)
         process.wait(10)
-    log = stderr_of(process)
+    log = served.log
     [warning] = [line for line in log.splitlines() if "is taken" in line]
     assert "WARNING" in warning and f"port {squatter.port}" in warning
     assert f"port {chosen.rsplit(':', 1)[1]}" in warning
