@@ -136,6 +136,11 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     resync_timeout_secs: Annotated[
         float, _doc("how long to wait for a worker's answer to one resync request"), msgspec.Meta(gt=0)
     ] = 2.0
+    resync_retry_secs: Annotated[
+        float,
+        _doc("an unverified event stream (its resync went unanswered) is offered a full resync this often"),
+        msgspec.Meta(gt=0),
+    ] = 15.0
 
     __repr__ = _masked_repr  # never the NATS password or token
 

@@ -86,6 +86,7 @@ class PlaneLifecycle:
         self.router = router
         self.config = config
         self.url = config.nats_url
+        router.events.retry_interval_s = config.resync_retry_secs
         self.plane: RouterEventPlane | None = None
         self.state: PlaneState = "connecting"
         self.disconnects = 0
