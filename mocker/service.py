@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
+from api.app import RouterApp
 from api.config import EventPlaneConfig, ProxyConfig, ServiceConfig, Settings
 from api.server import uvicorn_config
 from router.config import RouterConfig
@@ -30,7 +31,8 @@ async def serve_router(
     startup_timeout_s: float = 10.0,
 ) -> AsyncIterator[str]:
     """Serve a router on loopback, its event plane on ``nats_url`` (and, with ``proxy``, its OpenAI
-    proxy), for the duration of the block; yields its base URL."""
+    proxy), for the duration of the block; yields its base URL once the
+    event plane has started too."""
     port = free_port()
     settings = Settings(
         router=config,
@@ -38,11 +40,15 @@ async def serve_router(
         event_plane=EventPlaneConfig(nats_url=nats_url, nats_namespace=namespace),
         proxy=ProxyConfig(proxy=proxy),
     )
-    server = uvicorn.Server(uvicorn_config(settings))
+    served = uvicorn_config(settings)
+    server = uvicorn.Server(served)
     serving = asyncio.create_task(server.serve(), name="kv-router-http")
+    app = served.app
+    assert isinstance(app, RouterApp)
+    lifecycle = app.state.event_plane  # the event plane connects in the background: wait for it
     try:
         async with asyncio.timeout(startup_timeout_s):
-            while not server.started:
+            while not (server.started and lifecycle.ready):
                 if serving.done():
                     serving.result()  # raises what stopped it
                     raise RuntimeError("the router's HTTP server stopped while starting")
