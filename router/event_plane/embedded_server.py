@@ -56,6 +56,7 @@ class _ServerLog:
 
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.ready = threading.Event()
+        self.serving = False  # it said "Server is ready" (ready is also set when it exits)
         self._lines: deque[str] = deque(maxlen=3)
         self._process = process
         self.thread = threading.Thread(target=self._drain, name="nats-server-log", daemon=True)
@@ -68,6 +69,7 @@ class _ServerLog:
                 line = raw.decode(errors="replace").rstrip()
                 self._lines.append(line)
                 if "Server is ready" in line:
+                    self.serving = True
                     self.ready.set()
         self.ready.set()  # exited: wake the waiter, which then sees the exit
 
@@ -117,7 +119,9 @@ class EmbeddedNats:
         if not self._log.ready.wait(timeout):
             self.stop()
             raise TimeoutError(f"nats-server did not become ready on {self.url} within {timeout} s")
-        if self._process.poll() is not None:
+        # Its log ending without "ready" means it exited, even if it is not reaped yet (poll() would
+        # still say running, and a taken port would pass for a started server).
+        if not self._log.serving or self._process.poll() is not None:
             message = self._log.tail()
             self.stop()
             raise RuntimeError(f"nats-server could not start on {self.url}: {message}")
