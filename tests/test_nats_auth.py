@@ -1,6 +1,6 @@
 """The event plane's NATS credentials (user / password, token, TLS with a client certificate) against
 a real nats-server started with that authentication, through the service's own connection path
-(`api.plane_lifecycle.running_event_plane`); and the embedded nats-server listening on loopback only.
+(`api.plane_lifecycle.PlaneLifecycle`); and the embedded nats-server listening on loopback only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from api.config import EventPlaneConfig
-from api.plane_lifecycle import embedded_nats, running_event_plane
+from api.plane_lifecycle import PlaneLifecycle, embedded_nats
 from router.config import RouterConfig
 from router.event_plane.embedded_server import find_nats_server, free_port
 from router.kv_router import KvRouter
@@ -104,7 +104,10 @@ def _accepting(port: int) -> bool:
 async def _plane_round_trip(config: EventPlaneConfig) -> None:
     """The service's event plane connects with ``config``, opens the registry and registers a worker."""
     router = KvRouter(RouterConfig())
-    async with running_event_plane(router, config) as plane:
+    lifecycle = PlaneLifecycle(router, config)
+    running = asyncio.create_task(lifecycle.run())
+    try:
+        plane = await asyncio.wait_for(lifecycle.started(), 20)
         await plane.register(WorkerConfig(worker_id=41))
         assert router.has_worker(41)
         assert plane.nc.is_connected
@@ -112,6 +115,10 @@ async def _plane_round_trip(config: EventPlaneConfig) -> None:
         # echo is being delivered can hang (nats-py's watcher under asyncio.wait_for loses the
         # cancellation; left to the event plane's owners).
         await asyncio.sleep(0.5)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await lifecycle.stop()
 
 
 def _refused(url: str, **credentials: str) -> None:
