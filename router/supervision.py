@@ -7,8 +7,9 @@ A `Supervisor` owns the tasks one component runs beside its callers:
   that doubles up to ``max_backoff_s`` (reset once a run lasted longer than the backoff).
 - ``spawn(name, coroutine)``: one-shot work (a resync, a request). If it raises, the exception is
   logged with its traceback and counted in ``failures``; nothing is restarted.
-- ``stop()``: cancels everything and waits for it; whatever ended with an exception meanwhile has
-  already been logged.
+- ``stop()``: cancels everything and waits for it, at most ``stop_timeout_s``: a task that ignores
+  its cancellation is named in an ERROR log and left behind rather than hanging the shutdown;
+  whatever ended with an exception meanwhile has already been logged.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ _log = logging.getLogger(__name__)
 
 
 class Supervisor:
-    def __init__(self, owner: str, *, max_backoff_s: float = 5.0, first_backoff_s: float = 0.1) -> None:
+    def __init__(
+        self, owner: str, *, max_backoff_s: float = 5.0, first_backoff_s: float = 0.1, stop_timeout_s: float = 5.0
+    ) -> None:
         self.owner = owner
+        self._stop_timeout = stop_timeout_s
         self._max_backoff = max_backoff_s
         self._first_backoff = first_backoff_s
         self._tasks: set[asyncio.Task[None]] = set()
@@ -50,8 +54,16 @@ class Supervisor:
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if not tasks:
+            return
+        # A task that swallows its cancellation (nats-py's key-value watcher has been seen to) must not
+        # hang the shutdown: after the timeout it is named in the log and left behind.
+        _, stuck = await asyncio.wait(tasks, timeout=self._stop_timeout)
+        if stuck:
+            names = ", ".join(sorted(task.get_name() for task in stuck))
+            _log.error(
+                "%s: %d task(s) ignored cancellation for %.0f s: %s", self.owner, len(stuck), self._stop_timeout, names
+            )
 
     # ------------------------------------------------------------------ internals
     def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:

@@ -65,3 +65,26 @@ async def test_a_loop_that_returns_is_restarted_too() -> None:
     await asyncio.wait_for(again.wait(), timeout=5)
     assert supervisor.restarts["returns"] >= 1
     await supervisor.stop()
+
+
+async def test_stop_does_not_hang_on_a_task_that_ignores_cancellation(caplog: pytest.LogCaptureFixture) -> None:
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue  # swallowed, as a buggy library might
+
+    supervisor = Supervisor("test", stop_timeout_s=0.2)
+    supervisor.spawn("stubborn", stubborn())
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.ERROR, logger="router.supervision"):
+        await asyncio.wait_for(supervisor.stop(), timeout=5)
+    assert any("ignored cancellation" in r.getMessage() and "test:stubborn" in r.getMessage() for r in caplog.records)
+    release.set()
+    for task in asyncio.all_tasks():
+        if task.get_name() == "test:stubborn":
+            task.cancel()
+            await asyncio.wait([task], timeout=1)
