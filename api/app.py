@@ -84,7 +84,9 @@ def create_app(
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(background.stop)
             if settings.event_plane.nats_url is not None:
-                plane = await stack.enter_async_context(running_event_plane(kv_router, settings.event_plane))
+                plane = await stack.enter_async_context(
+                    running_event_plane(kv_router, settings.event_plane, settings.ha, http_port=settings.service.port)
+                )
                 app.state.event_plane = plane
                 collector = EventPlaneCollector(plane)
                 registry.register(collector)

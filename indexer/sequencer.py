@@ -283,6 +283,10 @@ class EventSequencer:
             return None
         return self._start_resync(key, stream, start=None)
 
+    def restore_stream(self, worker_id: int, dp_rank: int, last_event_id: int | None, trusted: bool) -> None:
+        """Resume a stream where an index snapshot left it (the index holds its state up to there)."""
+        self._streams[worker_id, dp_rank] = _Stream(last_applied=last_event_id, trusted=trusted)
+
     def resync_all(self) -> list[ResyncRequest]:
         """Ask every known stream for a full dump, e.g. after a reconnect may have lost events."""
         requests = []
