@@ -109,19 +109,14 @@ def test_both_modes_work_with_nats_credentials(secured_nats: SecuredNats, tmp_pa
         asyncio.run(_publish(secured_nats.options))
         within(5, lambda: len(canonical(b.get("/v1/dump"))) == 4, "b indexes the worker's blocks from the stream")
         assert a.post("/v1/new", {"tokens": PROMPT, "request_id": "shared"})[0] == 200
-        booked = lambda: [
-            load["active_requests"] for load in b.post("/v1/potential_loads", {"tokens": PROMPT})[1]["loads"]
-        ]  # noqa: E731
-        within(5, lambda: booked() == [1], "b sees a's booking")
+        within(5, lambda: active_requests(b) == [1], "b sees a's booking")
         assert b.post("/v1/mark_free", {"request_id": "shared"})[0] == 200
 
         time.sleep(1.5)  # a snapshot is written
         a.kill9()
         a = RouterProcess(tmp_path, *a.args[5:], port=a.port).start()
         assert canonical(a.get("/v1/dump")) == canonical(b.get("/v1/dump"))
-        assert [load["active_requests"] for load in a.post("/v1/potential_loads", {"tokens": PROMPT})[1]["loads"]] == [
-            0
-        ]
+        assert active_requests(a) == [0]
     finally:
         a.stop()
         b.stop()
