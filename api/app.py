@@ -26,6 +26,7 @@ from api.config import Settings
 from api.engine_lifecycle import running_dynamo_sources, running_engines
 from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
+from api.ha_metrics import HaCollector
 from api.handlers import Handlers
 from api.metrics import (
     ApiMetrics,
@@ -88,9 +89,9 @@ def create_app(
                     running_event_plane(kv_router, settings.event_plane, settings.ha, http_port=settings.service.port)
                 )
                 app.state.event_plane = plane
-                collector = EventPlaneCollector(plane)
-                registry.register(collector)
-                stack.callback(registry.unregister, collector)
+                for collector in (EventPlaneCollector(plane), HaCollector(plane)):
+                    registry.register(collector)
+                    stack.callback(registry.unregister, collector)
             engines = await stack.enter_async_context(running_engines(kv_router, settings.engines))
             await stack.enter_async_context(running_dynamo_sources(kv_router, settings.engines, app.state.event_plane))
             if engines:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,7 @@ def test_replicas_agree_survive_kill_9_and_restart_and_repair_lost_sync(
             for _ in range(15):
                 fleet.step()
             assert proxy.dropped > 0
-            assert "repaired from" in lossy.log()
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{lossy.port}/metrics", timeout=10).read().decode()
+            assert 'kv_router_replica_sync_changes_total{outcome="repaired"}' in metrics
         finally:
             lossy.stop()

@@ -79,6 +79,10 @@ class _Peer:
     last_seen: float
     cursor: int = 0  # its last batch applied here
     repairing: bool = False
+    # Another gap showed while a repair was in flight: its answer may predate it, so ask again.
+    repair_again: bool = False
+    # A gap no successful repair has covered yet (the last ask failed): ask at its next beat.
+    unrepaired: bool = False
 
 
 class ReplicaSync:
@@ -234,8 +238,8 @@ class ReplicaSync:
         if isinstance(sync, SyncBeat):
             if sync.leaving:
                 self._drop_peer(sender, "left")
-            elif sync.seq > peer.cursor:
-                self._repair(sender, peer)  # its last batches never arrived
+            elif sync.seq > peer.cursor or peer.unrepaired:
+                self._repair(sender, peer)  # its last batches never arrived, or a repair failed
             return
         if sync.seq <= peer.cursor:
             self.outcomes["duplicate"] += 1
@@ -295,17 +299,25 @@ class ReplicaSync:
 
     # ------------------------------------------------------------------ repair and joining
     def _repair(self, sender: str, peer: _Peer) -> None:
+        self.outcomes["gap"] += 1
+        peer.unrepaired = True
         if peer.repairing:
+            peer.repair_again = True
             return
         peer.repairing = True
-        self.outcomes["gap"] += 1
         self._background.spawn(f"repair-{sender}", self._ask_state(sender, peer))
 
     async def _ask_state(self, sender: str, peer: _Peer) -> None:
+        request = _encode(StateRequest(replica_id=self.replica_id))
         try:
-            request = _encode(StateRequest(replica_id=self.replica_id))
-            reply = await self.nc.request(self.subjects.router_sync_state(sender), request, timeout=self._state_timeout)
-            self._merge_reply(reply.data, "repaired")
+            while True:
+                peer.repair_again = False
+                subject = self.subjects.router_sync_state(sender)
+                reply = await self.nc.request(subject, request, timeout=self._state_timeout)
+                self._merge_reply(reply.data, "repaired")
+                if not peer.repair_again:
+                    peer.unrepaired = False
+                    return
         except (TimeoutError, NatsError) as exc:
             log.warning("replica sync: peer %s did not send its bookings (%r); asking again at its next beat",
                         sender, exc)  # fmt: skip
