@@ -73,13 +73,11 @@ def secured_nats(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Sec
         url = f"tls://127.0.0.1:{port}"
         options = NatsOptions(url, tls_ca_file=str(ca))
         flags = ["--nats-tls-ca-file", str(ca)]
-    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    log_path = tmp_path / "nats-server.log"
+    with log_path.open("wb") as log:  # a file, not a pipe nobody drains
+        server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        assert server.stderr is not None
-        deadline = time.monotonic() + 10
-        for line in server.stderr:
-            if b"Server is ready" in line or time.monotonic() > deadline:
-                break
+        within(10, lambda: b"Server is ready" in log_path.read_bytes(), "nats-server is ready")
         yield SecuredNats(url, options, ["--nats-url", url, *flags])
     finally:
         server.terminate()
