@@ -214,6 +214,11 @@ class HaConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=
     snapshot_every_secs: Annotated[
         float, _doc("durable events: snapshot at least this often while events arrive"), msgspec.Meta(gt=0)
     ] = 30.0
+    processes: Annotated[
+        int,
+        _doc("serve from this many processes sharing the port (SO_REUSEPORT), each a replica (replica sync on)"),
+        msgspec.Meta(ge=1),
+    ] = 1
 
 
 class Settings(msgspec.Struct, kw_only=True, frozen=True):

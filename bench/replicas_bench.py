@@ -9,12 +9,14 @@
 2. ``lag``: 2 replicas, a paced open loop of ``--lag-rate`` decisions/s (each then freed) on replica 0;
    the sync lag is what replica 1 reports in ``kv_router_replica_sync_lag_seconds`` (publish to applied,
    last 4,096 batches).
-3. ``restart``: one ``--durable-events`` router indexes ``--blocks`` blocks published on NATS, snapshots,
+3. ``processes``: ``kv-router serve --processes 1`` against ``--processes 2`` (one port, the kernel
+   spreads the same number of connections over the children), same load generator.
+4. ``restart``: one ``--durable-events`` router indexes ``--blocks`` blocks published on NATS, snapshots,
    indexes some more (left in the stream only), is killed with SIGKILL and restarted; the figure is
    the time from the restart to ``/healthz`` answering, which comes only after snapshot load and stream
    replay, and the index is checked to hold every block again.
 
-    python bench/replicas_bench.py                               # all three, ~2 minutes
+    python bench/replicas_bench.py                               # all four, ~3 minutes
     python bench/replicas_bench.py --parts throughput --seconds 5
 
 Loopback only. The machine is shared: the foreign CPU column says how much others used meanwhile.
@@ -28,6 +30,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,13 +106,19 @@ def snapshot_cpu(pids: list[int]) -> tuple[float, float, float]:
     return machine_busy_s(), own, time.perf_counter()
 
 
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
+    children = [int(line) for line in out.stdout.split()]
+    return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
 async def throughput_cell(
     replicas: list[RouterProcess], server_pid: int, args: argparse.Namespace, bodies: list[bytes]
 ) -> dict[str, float]:
     # Warm up, then measure.
     for seconds, measured in ((1.0, False), (args.seconds, True)):
         counts: list[int] = []
-        pids = [r.pid for r in replicas] + [server_pid]
+        pids = [pid for r in replicas for pid in (r.pid, *descendants(r.pid))] + [server_pid]
         cpu = snapshot_cpu(pids)
         started = time.perf_counter()
         until = started + seconds
@@ -149,6 +158,29 @@ async def part_throughput(server: EmbeddedNats, work: Path, args: argparse.Names
         "ratio": best["2"]["decisions_per_s"] / best["1"]["decisions_per_s"],
         "runs": results,
     }
+
+
+async def part_processes(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``kv-router serve --processes N`` (one port, SO_REUSEPORT): 1 against 2 processes."""
+    bodies = prompts(256, args.prompt_tokens)
+    results: dict[str, list[dict[str, float]]] = {"1": [], "2": []}
+    for repeat in range(args.repeat):
+        for n in (1, 2) if repeat % 2 == 0 else (2, 1):
+            router = RouterProcess(work, "--nats-url", server.url, "--processes", str(n)).start()
+            try:
+                time.sleep(2.0)  # every child up
+                register_workers(router)
+                time.sleep(0.5)
+                # As many connections as two replicas get in the replica cells, spread by the kernel.
+                cell = await throughput_cell([router, router], server.pid or 0, args, bodies)
+                results[str(n)].append(cell)
+                log(f"processes: {n}, run {repeat + 1}: {cell['decisions_per_s']:.0f} decisions/s, "
+                    f"foreign CPU {cell['foreign_cores']:.2f} cores")  # fmt: skip
+            finally:
+                router.stop()
+    best = {n: max(cells, key=lambda c: c["decisions_per_s"]) for n, cells in results.items()}
+    return {"one": best["1"], "two": best["2"], "ratio": best["2"]["decisions_per_s"] / best["1"]["decisions_per_s"],
+            "runs": results}  # fmt: skip
 
 
 async def part_lag(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -264,6 +296,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         work = Path(tmp)
         if "throughput" in args.parts:
             outcome["throughput"] = await part_throughput(server, work, args)
+        if "processes" in args.parts:
+            outcome["processes"] = await part_processes(server, work, args)
         if "lag" in args.parts:
             outcome["lag"] = await part_lag(server, work, args)
         if "restart" in args.parts:
@@ -279,6 +313,12 @@ def report(outcome: dict[str, Any]) -> str:
         lines.append(f"| 1 | {t['one']['decisions_per_s']:.0f} | {t['one']['foreign_cores']:.2f} |")
         lines.append(f"| 2 | {t['two']['decisions_per_s']:.0f} | {t['two']['foreign_cores']:.2f} |")
         lines.append(f"\n2 replicas / 1 replica: **{t['ratio']:.2f}x** (best run of each)\n")
+    if "processes" in outcome:
+        p = outcome["processes"]
+        lines.append("| --processes | decisions/s | foreign CPU (cores) |\n|---|---|---|")
+        lines.append(f"| 1 | {p['one']['decisions_per_s']:.0f} | {p['one']['foreign_cores']:.2f} |")
+        lines.append(f"| 2 | {p['two']['decisions_per_s']:.0f} | {p['two']['foreign_cores']:.2f} |")
+        lines.append(f"\n--processes 2 / --processes 1: **{p['ratio']:.2f}x** (best run of each)\n")
     if "lag" in outcome:
         lag = outcome["lag"]
         lines.append(f"sync lag at {lag['rate']:.0f} decisions/s: p50 {lag['lag_s']['0.5'] * 1e3:.2f} ms, "
@@ -294,7 +334,7 @@ def report(outcome: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="throughput,lag,restart")
+    parser.add_argument("--parts", default="throughput,processes,lag,restart")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8, help="connections per replica")

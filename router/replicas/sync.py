@@ -290,12 +290,13 @@ class ReplicaSync:
         if self._early_prefill.pop(request_id, None) is not None:
             self.router.mark_prefill(request_id, replicated=True)
 
-    def _free(self, request_id: str) -> None:
+    def _free(self, request_id: str, *, tombstone: bool = True) -> None:
         self.router.mark_free(request_id, replicated=True)
         self._origin.pop(request_id, None)
         self._early_prefill.pop(request_id, None)
-        self._freed[request_id] = self._clock()
-        self._freed.move_to_end(request_id)
+        if tombstone:
+            self._freed[request_id] = self._clock()
+            self._freed.move_to_end(request_id)
 
     # ------------------------------------------------------------------ repair and joining
     def _repair(self, sender: str, peer: _Peer) -> None:
@@ -411,8 +412,9 @@ class ReplicaSync:
     def _drop_peer(self, peer_id: str, why: str) -> None:
         self._peers.pop(peer_id, None)
         dropped = [request_id for request_id, origin in self._origin.items() if origin == peer_id]
+        # No tombstones: if the peer was only cut off, its view brings back what it still has booked.
         for request_id in dropped:
-            self._free(request_id)
+            self._free(request_id, tombstone=False)
         self.outcomes["peer_expired" if why != "left" else "peer_left"] += 1
         log.warning("replica sync: peer %s %s: dropped its %d bookings", peer_id, why, len(dropped))
 
