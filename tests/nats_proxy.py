@@ -1,8 +1,10 @@
 """A NATS-protocol TCP proxy on loopback that loses messages on purpose (for fault tests).
 
 Clients connect to ``url``; everything is relayed to the real server, except that every
-``drop_every``-th message the server delivers on ``drop_subject`` is silently left out, as a network
-or a slow consumer would lose it. Runs its own event loop in a thread, so blocking tests can use it.
+``drop_every``-th message the server delivers on ``drop_subject`` whose payload contains ``marker``
+is silently left out, as a network or a slow consumer would lose it. (Counting only marked messages
+keeps the loss from locking onto one sender when the traffic is periodic.) Runs its own event loop
+in a thread, so blocking tests can use it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from router.event_plane.embedded_server import free_port
 
 
 class LossyNatsProxy:
-    def __init__(self, upstream_port: int, drop_subject: str, drop_every: int) -> None:
+    def __init__(self, upstream_port: int, drop_subject: str, drop_every: int, marker: bytes = b"") -> None:
         self.upstream_port = upstream_port
         self.drop_subject = drop_subject.encode()
         self.drop_every = drop_every
+        self.marker = marker
         self.port = free_port()
         self.seen = 0
         self.dropped = 0
@@ -74,7 +77,7 @@ class LossyNatsProxy:
             if keyword in (b"MSG", b"HMSG"):
                 parts = line.split()
                 frame += await reader.readexactly(int(parts[-1]) + 2)
-                if parts[1] == self.drop_subject:
+                if parts[1] == self.drop_subject and self.marker in frame:
                     self.seen += 1
                     if self.seen % self.drop_every == 0:
                         self.dropped += 1

@@ -114,6 +114,9 @@ class ReplicaSync:
         self._origin: dict[str, str] = {}  # active request id -> the replica that booked it
         self._freed: OrderedDict[str, float] = OrderedDict()  # request id -> when it was freed
         self._early_prefill: dict[str, float] = {}  # marked before its booking arrived
+        # Replicas dropped here (left or silent) -> when: other views naming them do not bring them
+        # back; only their own next message does (they were cut off, not dead).
+        self._gone: dict[str, float] = {}
         self._decode = sync_decoder()
         self._subscriptions: list[Subscription] = []
         self._background = Supervisor("replica-sync")
@@ -230,6 +233,8 @@ class ReplicaSync:
         if sender == self.replica_id:
             return  # our own echo
         now = self._clock()
+        if self._gone.pop(sender, None) is not None and not (isinstance(sync, SyncBeat) and sync.leaving):
+            log.warning("replica sync: peer %s dropped here is alive after all", sender)
         peer = self._peers.get(sender)
         if peer is None:
             peer = self._peers[sender] = _Peer(last_seen=now)
@@ -247,8 +252,15 @@ class ReplicaSync:
         if sync.seq > peer.cursor + 1:
             self._repair(sender, peer)
         peer.cursor = sync.seq
-        for change in sync.changes:
-            self._apply(change, sender)
+        try:
+            for change in sync.changes:
+                self._apply(change, sender)
+        except Exception:
+            # Never leave a batch half applied in silence: log it and repair from the sender's view.
+            log.exception("replica sync: applying batch %d of %s failed; asking for its view", sync.seq, sender)
+            self.outcomes["rejected_apply_error"] += 1
+            self._repair(sender, peer)
+            return
         self.lag_s.append(max(0.0, time.time() - sync.sent_at_ms / 1000))
 
     def _apply(self, change: Change, origin: str) -> None:
@@ -376,8 +388,10 @@ class ReplicaSync:
         now = self._clock()
         me = self.replica_id
         # Learn every replica the responder knows, with its silence, so dead ones expire here too.
+        self._gone.pop(reply.replica_id, None)  # it answered: alive
+        gone = self._gone
         for peer_id, silent_s in reply.silent_s.items():
-            if peer_id != me and peer_id not in self._peers:
+            if peer_id != me and peer_id not in self._peers and peer_id not in gone:
                 self._peers[peer_id] = _Peer(last_seen=now - silent_s)
         if reply.replica_id != me:
             responder = self._peers.setdefault(reply.replica_id, _Peer(last_seen=now))
@@ -391,6 +405,8 @@ class ReplicaSync:
                 self._free(request_id)
         for entry in reply.bookings:
             request_id = entry.request_id
+            if entry.origin in gone:
+                continue  # the responder has not dropped it yet; this replica has
             if entry.origin not in self._peers and entry.origin != me:
                 self._peers[entry.origin] = _Peer(last_seen=now)
             local = self.router.booking(request_id)
@@ -411,6 +427,7 @@ class ReplicaSync:
 
     def _drop_peer(self, peer_id: str, why: str) -> None:
         self._peers.pop(peer_id, None)
+        self._gone[peer_id] = self._clock()
         dropped = [request_id for request_id, origin in self._origin.items() if origin == peer_id]
         # No tombstones: if the peer was only cut off, its view brings back what it still has booked.
         for request_id in dropped:
@@ -429,6 +446,9 @@ class ReplicaSync:
         for request_id, at in list(self._early_prefill.items()):
             if at < cutoff:
                 del self._early_prefill[request_id]
+        for peer_id, at in list(self._gone.items()):
+            if at < cutoff:
+                del self._gone[peer_id]
         # Requests dropped with a removed worker never pass through a free.
         for request_id in [r for r in self._origin if self.router.booking(r) is None]:
             del self._origin[request_id]
