@@ -29,6 +29,7 @@ from api.docs import add_docs_routes
 from api.engine_lifecycle import running_dynamo_sources, running_engines
 from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
+from api.ha_metrics import HaCollector
 from api.handlers import Handlers
 from api.metrics import (
     ApiMetrics,
@@ -87,9 +88,14 @@ def create_app(
         protect_probes=security.protect_probes,
     )
     handlers = Handlers(kv_router, metrics, settings.service, auth)
-    lifecycle = PlaneLifecycle(kv_router, settings.event_plane) if settings.event_plane.nats_url else None
+    lifecycle = (
+        PlaneLifecycle(kv_router, settings.event_plane, settings.ha, http_port=settings.service.port)
+        if settings.event_plane.nats_url
+        else None
+    )
     if lifecycle is not None:
         registry.register(EventPlaneCollector(lifecycle))
+        registry.register(HaCollector(lifecycle))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

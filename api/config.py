@@ -29,6 +29,7 @@ __all__ = [
     "SECTIONS",
     "EngineSourcesConfig",
     "EventPlaneConfig",
+    "HaConfig",
     "ProxyConfig",
     "SecurityConfig",
     "ServiceConfig",
@@ -277,6 +278,45 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         return paths
 
 
+class HaConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """High availability on the NATS event plane (`router.replicas`): replicas, durable events."""
+
+    replica_sync: Annotated[
+        bool, _doc("share bookings with the other routers on kv.<namespace>.router.sync (one load view)")
+    ] = False
+    replica_lease_secs: Annotated[
+        float, _doc("a replica silent this long has its bookings dropped by the others"), msgspec.Meta(gt=0)
+    ] = 10.0
+    durable_events: Annotated[
+        bool,
+        _doc(
+            "keep KV events in the JetStream stream KV_EVENTS_<namespace> and snapshot the index to the "
+            "object store kv_router_snapshots_<namespace>; a restart loads the snapshot and replays the stream"
+        ),
+    ] = False
+    router_name: Annotated[
+        str | None,
+        _doc("this router's stable name for its snapshot (default: host name and HTTP port; a pod name in Kubernetes)"),
+    ] = None
+    events_stream_max_age_secs: Annotated[
+        float, _doc("durable events: the stream keeps events at most this long"), msgspec.Meta(gt=0)
+    ] = 3600.0
+    events_stream_max_bytes: Annotated[
+        int, _doc("durable events: the stream keeps at most this many bytes (-1: no limit)"), msgspec.Meta(ge=-1)
+    ] = 1 << 30
+    snapshot_every_events: Annotated[
+        int, _doc("durable events: snapshot the index after this many stream messages"), msgspec.Meta(ge=1)
+    ] = 100_000
+    snapshot_every_secs: Annotated[
+        float, _doc("durable events: snapshot at least this often while events arrive"), msgspec.Meta(gt=0)
+    ] = 30.0
+    processes: Annotated[
+        int,
+        _doc("serve from this many processes sharing the port (SO_REUSEPORT), each a replica (replica sync on)"),
+        msgspec.Meta(ge=1),
+    ] = 1
+
+
 class Settings(msgspec.Struct, kw_only=True, frozen=True):
     """Everything `kv-router serve` needs, one struct per section."""
 
@@ -286,6 +326,7 @@ class Settings(msgspec.Struct, kw_only=True, frozen=True):
     engines: EngineSourcesConfig = msgspec.field(default_factory=EngineSourcesConfig)
     proxy: ProxyConfig = msgspec.field(default_factory=ProxyConfig)
     security: SecurityConfig = msgspec.field(default_factory=SecurityConfig)
+    ha: HaConfig = msgspec.field(default_factory=HaConfig)
 
 
 # Section name in `Settings` -> its struct type. Field names must be unique across sections.
@@ -296,6 +337,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     "engines": EngineSourcesConfig,
     "proxy": ProxyConfig,
     "security": SecurityConfig,
+    "ha": HaConfig,
 }
 
 

@@ -6,6 +6,10 @@ app's router to NATS in the background: HTTP serves from the first moment, each 
 log line (backoff doubling to 5 s, no traceback), and the `RouterEventPlane` starts once NATS
 answers. It then tracks the connection: one WARNING when it is lost, one INFO when it is back.
 
+With ``--durable-events`` the newest index snapshot is restored and the JetStream stream replayed
+before the plane counts as started; with ``--replica-sync`` the replica joins its peers' bookings as it
+starts (`router.replicas`).
+
 Readiness (``/readyz``) follows `ready`: not ready until the event plane has started once (the index
 and the worker registry come from it); afterwards a NATS outage does *not* make the replica unready.
 The router keeps routing on the index it has and its own load bookkeeping, which beats taking every
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Literal
@@ -25,13 +30,15 @@ from typing import Literal
 from nats.aio.client import Client
 from nats.errors import SlowConsumerError
 
-from api.config import EventPlaneConfig
+from api.config import EventPlaneConfig, HaConfig
 from api.wire import EventPlaneHealth
 from router.event_plane.connection import NatsOptions, connect_when_available
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.kv_router import KvRouter
+from router.replicas.durable import DurableEvents
+from router.replicas.sync import ReplicaSync
 from router.types import WorkerConfig
 
 __all__ = ["PlaneLifecycle", "PlaneState", "embedded_nats", "nats_options"]
@@ -81,10 +88,14 @@ def embedded_nats(config: EventPlaneConfig) -> Iterator[str | None]:
 class PlaneLifecycle:
     """Connect, start and watch the event plane of one app; `run` is its supervised background loop."""
 
-    def __init__(self, router: KvRouter, config: EventPlaneConfig) -> None:
+    def __init__(
+        self, router: KvRouter, config: EventPlaneConfig, ha: HaConfig | None = None, *, http_port: int = 0
+    ) -> None:
         assert config.nats_url is not None
         self.router = router
         self.config = config
+        self.ha = ha or HaConfig()
+        self._http_port = http_port
         self.url = config.nats_url
         router.events.retry_interval_s = config.resync_retry_secs
         self.plane: RouterEventPlane | None = None
@@ -131,14 +142,26 @@ class PlaneLifecycle:
                 on_error=self._async_error,
             )
             self._nc = nc
+            durable = self._durable_events(nc)
+            if durable is not None:
+                await durable.restore()
             plane = RouterEventPlane(
                 self.router,
                 nc,
                 namespace=self.config.nats_namespace,
                 lease_s=self.config.worker_lease_secs,
                 resync_timeout_s=self.config.resync_timeout_secs,
+                subscribe_events=durable is None,
             )
             await plane.start()
+            if durable is not None:
+                await durable.start()
+            plane.durable = durable
+            if self.ha.replica_sync:
+                plane.replicas = ReplicaSync(
+                    self.router, nc, namespace=self.config.nats_namespace, lease_s=self.ha.replica_lease_secs
+                )
+                await plane.replicas.start()
             for config in self._unshared.values():
                 await plane.register(config)
             self._unshared.clear()
@@ -187,10 +210,29 @@ class PlaneLifecycle:
         self._unshared.pop(worker_id, None)
         self.router.remove_worker(worker_id)
 
+    def _durable_events(self, nc: Client) -> DurableEvents | None:
+        ha = self.ha
+        if not ha.durable_events:
+            return None
+        return DurableEvents(
+            self.router,
+            nc,
+            namespace=self.config.nats_namespace,
+            router_name=ha.router_name or f"{socket.gethostname()}-{self._http_port}",
+            max_age_s=ha.events_stream_max_age_secs,
+            max_bytes=ha.events_stream_max_bytes,
+            snapshot_every_events=ha.snapshot_every_events,
+            snapshot_every_s=ha.snapshot_every_secs,
+        )
+
     async def stop(self) -> None:
         self._closing = True
         plane, self.plane = self.plane, None
         if plane is not None:
+            if plane.replicas is not None:
+                await plane.replicas.stop()
+            if plane.durable is not None:
+                await plane.durable.stop()
             await plane.stop()
         nc, self._nc = self._nc, None
         if nc is not None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging.config
+import os
 import signal
+import socket
 from types import FrameType
 from typing import Literal
 
@@ -22,8 +24,9 @@ from api.config import Settings
 from api.http_protocol import fast_protocol
 from api.logs import log_config
 from api.plane_lifecycle import embedded_nats
+from api.processes import CHILD_SETTINGS_ENV, run_children
 
-__all__ = ["serve", "uvicorn_config"]
+__all__ = ["serve", "serve_child", "uvicorn_config"]
 
 
 def uvicorn_config(settings: Settings) -> uvicorn.Config:
@@ -56,7 +59,7 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
     )
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, sock: socket.socket | None = None) -> None:
     """Serve until SIGTERM / SIGINT; returns once the last in-flight request has been answered.
 
     Without ``nats_url`` (and unless ``embedded_nats`` is off) a private nats-server runs beside the
@@ -75,7 +78,10 @@ def serve(settings: Settings) -> None:
             if nats_url != settings.event_plane.nats_url:
                 event_plane = msgspec.structs.replace(settings.event_plane, nats_url=nats_url)
                 settings = msgspec.structs.replace(settings, event_plane=event_plane)
-            uvicorn.Server(uvicorn_config(settings)).run()
+            if settings.ha.processes > 1:
+                run_children(settings)  # each child comes back here with one process and its socket
+            else:
+                uvicorn.Server(uvicorn_config(settings)).run(sockets=None if sock is None else [sock])
     except _Stopped as stopped:
         stopped_by = stopped.signal
     finally:
@@ -98,3 +104,19 @@ class _Stopped(BaseException):
 
 def _stop(sig: int, frame: FrameType | None) -> None:
     raise _Stopped(sig)
+
+
+def serve_child() -> None:
+    """One process of ``--processes N``: settings from the parent, its own socket on the shared port."""
+    settings = msgspec.json.decode(os.environ[CHILD_SETTINGS_ENV], type=Settings)
+    serve(settings, sock=_reuse_port_socket(settings.service.host, settings.service.port))
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Every process binds its own socket to the address; the kernel spreads connections over them.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock

@@ -395,6 +395,17 @@ class EventSequencer:
             return None
         return self._start_resync(key, stream, start=None)
 
+    def restore_stream(self, worker_id: int, dp_rank: int, last_event_id: int | None, trusted: bool) -> None:
+        """Resume a stream where an index snapshot left it (the index holds its state up to there)."""
+        key = (worker_id, dp_rank)
+        self._streams[key] = _Stream(
+            synced_through=last_event_id, last_id=last_event_id, trusted=trusted, verified_base=trusted
+        )
+        if trusted:
+            self.untrusted.discard(key)
+        else:
+            self.untrusted.add(key)
+
     def resync_all(self) -> list[ResyncRequest]:
         """Ask every known stream for a full dump, e.g. after a reconnect may have lost events. The
         index is kept and live events keep applying meanwhile: stale but useful beats empty."""

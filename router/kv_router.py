@@ -13,9 +13,9 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, Protocol
 
 from indexer.events import RouterEvent
 from indexer.hashing import TokenInput
@@ -37,6 +37,7 @@ from router.policies import create_policy
 from router.prompt import Prompt, prepare_prompt
 from router.queue import PendingQueue
 from router.scheduler import Scheduler
+from router.sequences import Booking
 from router.types import (
     DecisionReceipt,
     DecisionTiming,
@@ -50,7 +51,7 @@ from router.types import (
     WorkerOverlap,
 )
 
-__all__ = ["OVERLAP_REFRESH_AFTER_SECS", "KvRouter"]
+__all__ = ["OVERLAP_REFRESH_AFTER_SECS", "BookingListener", "KvRouter"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,16 @@ logger = logging.getLogger(__name__)
 OVERLAP_REFRESH_AFTER_SECS = 10.0
 
 MmInfos = Sequence[Mapping[str, Any] | None] | None
+
+
+class BookingListener(Protocol):
+    """Told synchronously of every booking change made through this router (not of replicated ones)."""
+
+    def booked(self, request_id: str, booking: Booking) -> None: ...
+
+    def prefill_marked(self, request_id: str) -> None: ...
+
+    def freed(self, request_id: str) -> None: ...
 
 
 class _Routing:
@@ -140,6 +151,8 @@ class KvRouter:
             )
         if not config.kv_events:
             self._predict()
+        # Replica sync (`router.replicas`) publishes what this router books; None: a lone router.
+        self.booking_listener: BookingListener | None = None
 
     # ------------------------------------------------------------------ workers and events
     def _predict(self) -> PredictedCache:
@@ -313,6 +326,10 @@ class KvRouter:
                 routing.config,
                 request.expected_output_tokens,
             )
+            if self.booking_listener is not None:
+                booking = self._scheduler.sequences.booking(request.request_id)
+                assert booking is not None
+                self.booking_listener.booked(request.request_id, booking)
         predictions = self.predictions
         if predictions is not None:
             worker = self._scheduler.workers.get(choice.key[0])
@@ -418,10 +435,14 @@ class KvRouter:
             else:
                 waiter.future.set_result(decision)
 
-    def mark_prefill(self, request_id: str) -> bool:
-        """The request's first token is out: its prefill no longer loads its rank. False if unknown."""
+    def mark_prefill(self, request_id: str, *, replicated: bool = False) -> bool:
+        """The request's first token is out: its prefill no longer loads its rank. False if unknown.
+
+        ``replicated``: a peer router's change, not told to the booking listener."""
         marked = self._scheduler.sequences.mark_prefill(request_id)
         if marked:
+            if not replicated and self.booking_listener is not None:
+                self.booking_listener.prefill_marked(request_id)
             self._dispatch_waiting()
         return marked
 
@@ -434,12 +455,34 @@ class KvRouter:
             return sequences.owner(request_id) is not None
         return sequences.record_output(request_id, generated_tokens, self.config.block_size)
 
-    def mark_free(self, request_id: str) -> bool:
-        """The request finished or was cancelled: release its load. False if unknown (Dynamo 1.6.1)."""
+    def mark_free(self, request_id: str, *, replicated: bool = False) -> bool:
+        """The request finished or was cancelled: release its load. False if unknown (Dynamo 1.6.1).
+
+        ``replicated``: a peer router's change, not told to the booking listener."""
         freed = self._scheduler.sequences.free(request_id)
         if freed:
+            if not replicated and self.booking_listener is not None:
+                self.booking_listener.freed(request_id)
             self._dispatch_waiting()
         return freed
+
+    def book_replicated(self, request_id: str, booking: Booking) -> None:
+        """Book what a peer router booked (replica sync); raises `DuplicateRequestId`, `UnknownWorker`."""
+        self._scheduler.sequences.add(
+            request_id,
+            booking.key,
+            hashes=booking.hashes,
+            private_blocks=booking.private_blocks,
+            prefill_tokens=booking.prefill_tokens,
+            now=self._clock(),
+        )
+
+    def booking(self, request_id: str) -> Booking | None:
+        return self._scheduler.sequences.booking(request_id)
+
+    def bookings(self) -> Iterator[tuple[str, Booking]]:
+        """Every active request and what it books, in start order."""
+        return self._scheduler.sequences.bookings()
 
     def expire_stale(self) -> list[str]:
         """Free requests active longer than ``request_expiry_secs`` (§4.5); returns their ids.
@@ -449,6 +492,9 @@ class KvRouter:
         expired = self._scheduler.sequences.expire(self._clock() - self.config.request_expiry_secs)
         if expired:
             logger.warning("expiring %d stale requests, e.g. %s", len(expired), expired[0])
+            if self.booking_listener is not None:
+                for request_id in expired:
+                    self.booking_listener.freed(request_id)
             self._dispatch_waiting()
         return expired
 

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import pairwise
+from typing import NamedTuple
 
 from indexer.native import ENABLED as NATIVE
 from indexer.native import accel
@@ -40,7 +41,7 @@ from indexer.slots import WorkerRank
 from router.errors import DuplicateRequestId, UnknownWorker
 from router.overlap import round_half_away
 
-__all__ = ["ActiveSequences", "RankState"]
+__all__ = ["ActiveSequences", "Booking", "RankState"]
 
 
 class RankState:
@@ -93,6 +94,15 @@ class RankState:
             f"RankState({self.key}, prefill_tokens={self.prefill_tokens}, "
             f"decode_blocks={self.decode_blocks}, requests={self.requests})"
         )
+
+
+class Booking(NamedTuple):
+    """What one active request books, as replicas exchange it (`router.replicas`)."""
+
+    key: WorkerRank
+    hashes: Sequence[int] | None
+    private_blocks: int
+    prefill_tokens: int
 
 
 class _Request:
@@ -166,6 +176,17 @@ class ActiveSequences:
     def owner(self, request_id: str) -> WorkerRank | None:
         request = self._requests.get(request_id)
         return None if request is None else request.rank.key
+
+    def booking(self, request_id: str) -> Booking | None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        return Booking(request.rank.key, request.hashes, request.private_blocks, request.prefill_tokens)
+
+    def bookings(self) -> Iterator[tuple[str, Booking]]:
+        """Every active request in start order. O(active requests)."""
+        for request_id, request in self._requests.items():
+            yield request_id, Booking(request.rank.key, request.hashes, request.private_blocks, request.prefill_tokens)
 
     def add(
         self,

@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.client import Client
@@ -42,6 +43,10 @@ from router.kv_router import KvRouter
 from router.supervision import Supervisor
 from router.types import WorkerConfig
 
+if TYPE_CHECKING:
+    from router.replicas.durable import DurableEvents
+    from router.replicas.sync import ReplicaSync
+
 __all__ = ["RouterEventPlane"]
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,7 @@ class RouterEventPlane:
         lease_s: float = 10.0,
         resync_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        subscribe_events: bool = True,
     ) -> None:
         self.router = router
         self.nc = nc
@@ -64,7 +70,9 @@ class RouterEventPlane:
         self.lease_s = lease_s
         self._clock = clock
         self.sequencer = router.events
-        self.subscriber = KvEventSubscriber(nc, self.sequencer, namespace=namespace, resync_timeout_s=resync_timeout_s)
+        self.subscriber = KvEventSubscriber(
+            nc, self.sequencer, namespace=namespace, resync_timeout_s=resync_timeout_s, subscribe=subscribe_events
+        )
         # Outcome -> count for load, heartbeat and registry messages (events count in the sequencer).
         self.outcomes: Counter[str] = Counter()
         self._leased: dict[int, float] = {}  # heartbeat-leased worker -> last sign of life
@@ -74,6 +82,9 @@ class RouterEventPlane:
         self._bad_input = RateLimitedLog(log)
         # Worker -> why its latest registration was refused (for diagnosis).
         self.refused_registrations: dict[int, str] = {}
+        # Run beside the plane by its owner (api.plane_lifecycle) when configured; read for metrics.
+        self.replicas: ReplicaSync | None = None
+        self.durable: DurableEvents | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

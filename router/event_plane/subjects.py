@@ -44,5 +44,29 @@ class Subjects:
         return f"kv.{self.namespace}.resync.{worker_id}"
 
     @property
+    def router_sync(self) -> str:
+        """Replica sync: every router's booking changes and heartbeats (`router.replicas`)."""
+        return f"kv.{self.namespace}.router.sync"
+
+    def router_sync_state(self, replica_id: str | None = None) -> str:
+        """Request/reply for a replica's current bookings: one named replica, or any (a queue group)."""
+        suffix = "" if replica_id is None else f".{replica_id}"
+        return f"kv.{self.namespace}.router.sync.state{suffix}"
+
+    @property
+    def events_stream(self) -> str:
+        """The JetStream stream over `all_events` (``--durable-events``)."""
+        return f"KV_EVENTS_{self.namespace}"
+
+    @property
+    def snapshot_bucket(self) -> str:
+        return f"kv_router_snapshots_{self.namespace}"
+
+    @property
+    def router_cursor_bucket(self) -> str:
+        """Live routers' applied and snapshot stream sequences, expiring with them (``--durable-events``)."""
+        return f"kv_router_cursors_{self.namespace}"
+
+    @property
     def registry_bucket(self) -> str:
         return f"kv_router_workers_{self.namespace}"

@@ -55,6 +55,7 @@ class KvEventSubscriber:
         resync_attempts: int = 3,
         resync_backoff_s: float = 0.2,
         max_concurrent_resyncs: int = 16,
+        subscribe: bool = True,
     ) -> None:
         self.nc = nc
         self.sequencer = sequencer
@@ -68,10 +69,14 @@ class KvEventSubscriber:
         self._subscription: Subscription | None = None
         self._bad_input = RateLimitedLog(log)
         self._busy_since = 0.0
+        # False: events come from elsewhere (the JetStream stream); resyncs still go out from here.
+        self._subscribe = subscribe
 
     async def start(self) -> None:
         # Resyncs that events from any door call for now go out over NATS.
         self.sequencer.resync_transport = self.launch_resync
+        if not self._subscribe:
+            return
         self._subscription = await self.nc.subscribe(
             self.subjects.all_events, cb=self._on_message, pending_msgs_limit=1_000_000
         )

@@ -1,0 +1,85 @@
+"""``kv-router serve --processes N``: N router processes on one host sharing one port, each a replica.
+
+The parent starts the embedded nats-server when no URL is given, then N children. Each child binds
+its own listening socket to the same address with ``SO_REUSEPORT`` (the kernel spreads connections
+over them) and runs the whole service with replica sync on, so a request booked through one child's
+connection can be marked through any other's and every child routes on the load of all of them.
+
+The parent supervises: a child that dies is started again after a second (it rejoins through replica
+sync; its bookings leave the others after the lease). SIGTERM / SIGINT to the parent is passed on to
+every child, which shuts down gracefully; the parent exits when they have.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import FrameType
+
+import msgspec
+
+from api.config import Settings
+
+__all__ = ["CHILD_SETTINGS_ENV", "child_settings", "run_children"]
+
+log = logging.getLogger(__name__)
+
+CHILD_SETTINGS_ENV = "KV_ROUTER__CHILD_SETTINGS"
+CHILD_INDEX_ENV = "KV_ROUTER__CHILD_INDEX"
+RESTART_AFTER_S = 1.0
+
+
+def child_settings(settings: Settings, index: int) -> Settings:
+    """A child's settings: replica sync on, one process, its own snapshot name."""
+    base = settings.ha.router_name or f"{socket.gethostname()}-{settings.service.port}"
+    ha = msgspec.structs.replace(settings.ha, replica_sync=True, processes=1, router_name=f"{base}-{index}")
+    return msgspec.structs.replace(settings, ha=ha)
+
+
+def run_children(settings: Settings) -> int:
+    """Start and supervise ``settings.ha.processes`` children until SIGTERM / SIGINT; returns 0."""
+    count = settings.ha.processes
+    children: dict[int, subprocess.Popen[bytes]] = {}
+    stopping = False
+
+    def start(index: int) -> None:
+        env = {
+            **os.environ,
+            CHILD_SETTINGS_ENV: msgspec.json.encode(child_settings(settings, index)).decode(),
+            CHILD_INDEX_ENV: str(index),
+        }
+        command = [sys.executable, "-c", "from api.server import serve_child; serve_child()"]
+        children[index] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        log.info("router process %d started (pid %d)", index, children[index].pid)
+
+    def stop(sig: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for index in range(count):
+            start(index)
+        while not stopping:
+            time.sleep(0.2)
+            for index, child in list(children.items()):
+                if child.poll() is not None and not stopping:
+                    log.warning("router process %d (pid %d) ended with %s; starting it again in %.0f s",
+                                index, child.pid, child.returncode, RESTART_AFTER_S)  # fmt: skip
+                    time.sleep(RESTART_AFTER_S)
+                    if not stopping:
+                        start(index)
+        for child in children.values():
+            child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0

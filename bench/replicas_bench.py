@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""High availability figures (issue 14), with real ``kv-router serve`` processes on a real nats-server.
+
+1. ``throughput``: decisions/s of 1 and of 2 ``--replica-sync`` replicas, driven by one load generator
+   (this process: ``--concurrency`` keep-alive connections per replica, each a closed loop of
+   ``POST /v1/new`` then ``POST /v1/mark_free``, connections spread round robin over the replicas).
+   Reported as the ratio 2 replicas / 1 replica, measured in the same run, with the CPU used by
+   other processes on the machine during each cell.
+2. ``lag``: 2 replicas, a paced open loop of ``--lag-rate`` decisions/s (each then freed) on replica 0;
+   the sync lag is what replica 1 reports in ``kv_router_replica_sync_lag_seconds`` (publish to applied,
+   last 4,096 batches).
+3. ``processes``: ``kv-router serve --processes 1`` against ``--processes 2`` (one port, the kernel
+   spreads the same number of connections over the children), same load generator.
+4. ``restart``: one ``--durable-events`` router indexes ``--blocks`` blocks published on NATS, snapshots,
+   indexes some more (left in the stream only), is killed with SIGKILL and restarted; the figure is
+   the time from the restart to ``/healthz`` answering, which comes only after snapshot load and stream
+   replay, and the index is checked to hold every block again.
+
+    python bench/replicas_bench.py                               # all four, ~3 minutes
+    python bench/replicas_bench.py --parts throughput --seconds 5
+
+Loopback only. The machine is shared: the foreign CPU column says how much others used meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.http_bench import Connection, machine_busy_s, process_cpu_s
+from indexer.events import RouterEvent, encode_router_events, stored_event
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.subjects import Subjects
+from tests.router_processes import RouterProcess
+
+WORKERS = 8
+BLOCK_SIZE = 16
+
+
+def log(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    for line in text.splitlines():
+        if line.startswith(name + want + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def register_workers(router: RouterProcess) -> None:
+    for worker_id in range(1, WORKERS + 1):
+        router.post("/v1/workers", {"worker_id": worker_id, "total_kv_blocks": 1 << 20})
+
+
+def prompts(count: int, tokens: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    shared = [[rng.randrange(1 << 31) for _ in range(tokens // 2)] for _ in range(16)]
+    bodies = []
+    for _ in range(count):
+        body = rng.choice(shared) + [rng.randrange(1 << 31) for _ in range(tokens - tokens // 2)]
+        bodies.append(body)
+    return [json.dumps(b).encode() for b in bodies]
+
+
+async def decision_loop(port: int, bodies: list[bytes], until: float, tag: str, counts: list[int]) -> None:
+    connection = await Connection.open(port)
+    done = 0
+    try:
+        while time.perf_counter() < until:
+            request_id = f"{tag}-{done}"
+            tokens = bodies[done % len(bodies)]
+            await connection.ok(b"POST", b"/v1/new", b'{"request_id":"%s","tokens":%s}' % (request_id.encode(), tokens))
+            await connection.ok(b"POST", b"/v1/mark_free", b'{"request_id":"%s"}' % request_id.encode())
+            done += 1
+    finally:
+        connection.close()
+        counts.append(done)
+
+
+def foreign_cores(pids: list[int], started: tuple[float, float, float]) -> float:
+    busy0, own0, t0 = started
+    busy1, own1, t1 = snapshot_cpu(pids)
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9)
+
+
+def snapshot_cpu(pids: list[int]) -> tuple[float, float, float]:
+    own = process_cpu_s(os.getpid()) + sum(process_cpu_s(pid) for pid in pids)
+    return machine_busy_s(), own, time.perf_counter()
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
+    children = [int(line) for line in out.stdout.split()]
+    return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
+async def throughput_cell(
+    replicas: list[RouterProcess], server_pid: int, args: argparse.Namespace, bodies: list[bytes]
+) -> dict[str, float]:
+    # Warm up, then measure.
+    for seconds, measured in ((1.0, False), (args.seconds, True)):
+        counts: list[int] = []
+        pids = [pid for r in replicas for pid in (r.pid, *descendants(r.pid))] + [server_pid]
+        cpu = snapshot_cpu(pids)
+        started = time.perf_counter()
+        until = started + seconds
+        tag = f"{measured}-{time.time_ns()}"
+        await asyncio.gather(
+            *(
+                decision_loop(replicas[i % len(replicas)].port, bodies, until, f"c{i}-{tag}", counts)
+                for i in range(args.concurrency * len(replicas))
+            )
+        )
+        elapsed = time.perf_counter() - started
+        if measured:
+            return {"decisions_per_s": sum(counts) / elapsed, "foreign_cores": foreign_cores(pids, cpu)}
+    raise AssertionError("unreachable")
+
+
+async def part_throughput(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    bodies = prompts(256, args.prompt_tokens)
+    results: dict[str, list[dict[str, float]]] = {"1": [], "2": []}
+    for repeat in range(args.repeat):
+        for n in (1, 2) if repeat % 2 == 0 else (2, 1):
+            replicas = [RouterProcess(work, "--nats-url", server.url, "--replica-sync").start() for _ in range(n)]
+            try:
+                register_workers(replicas[0])
+                time.sleep(0.5)
+                cell = await throughput_cell(replicas, server.pid or 0, args, bodies)
+                results[str(n)].append(cell)
+                log(f"throughput: {n} replica(s), run {repeat + 1}: {cell['decisions_per_s']:.0f} decisions/s, "
+                    f"foreign CPU {cell['foreign_cores']:.2f} cores")  # fmt: skip
+            finally:
+                for replica in replicas:
+                    replica.stop()
+    best = {n: max(cells, key=lambda c: c["decisions_per_s"]) for n, cells in results.items()}
+    return {
+        "one": best["1"],
+        "two": best["2"],
+        "ratio": best["2"]["decisions_per_s"] / best["1"]["decisions_per_s"],
+        "runs": results,
+    }
+
+
+async def part_processes(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``kv-router serve --processes N`` (one port, SO_REUSEPORT): 1 against 2 processes."""
+    bodies = prompts(256, args.prompt_tokens)
+    results: dict[str, list[dict[str, float]]] = {"1": [], "2": []}
+    for repeat in range(args.repeat):
+        for n in (1, 2) if repeat % 2 == 0 else (2, 1):
+            router = RouterProcess(work, "--nats-url", server.url, "--processes", str(n)).start()
+            try:
+                time.sleep(2.0)  # every child up
+                register_workers(router)
+                time.sleep(0.5)
+                # As many connections as two replicas get in the replica cells, spread by the kernel.
+                cell = await throughput_cell([router, router], server.pid or 0, args, bodies)
+                results[str(n)].append(cell)
+                log(f"processes: {n}, run {repeat + 1}: {cell['decisions_per_s']:.0f} decisions/s, "
+                    f"foreign CPU {cell['foreign_cores']:.2f} cores")  # fmt: skip
+            finally:
+                router.stop()
+    best = {n: max(cells, key=lambda c: c["decisions_per_s"]) for n, cells in results.items()}
+    return {"one": best["1"], "two": best["2"], "ratio": best["2"]["decisions_per_s"] / best["1"]["decisions_per_s"],
+            "runs": results}  # fmt: skip
+
+
+async def part_lag(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    bodies = prompts(256, args.prompt_tokens, seed=1)
+    replicas = [RouterProcess(work, "--nats-url", server.url, "--replica-sync").start() for _ in range(2)]
+    try:
+        register_workers(replicas[0])
+        time.sleep(0.5)
+        connections = [await Connection.open(replicas[0].port) for _ in range(8)]
+        interval = 1.0 / args.lag_rate
+        sent = 0
+        started = time.perf_counter()
+
+        async def one(index: int) -> None:
+            connection = connections[index % len(connections)]
+            request_id = f"lag-{index}"
+            body = b'{"request_id":"%s","tokens":%s}' % (request_id.encode(), bodies[index % len(bodies)])
+            await connection.ok(b"POST", b"/v1/new", body)
+            await connection.ok(b"POST", b"/v1/mark_free", b'{"request_id":"%s"}' % request_id.encode())
+
+        locks = [asyncio.Lock() for _ in connections]
+
+        async def paced(index: int) -> None:
+            async with locks[index % len(locks)]:
+                await one(index)
+
+        tasks = []
+        while (now := time.perf_counter()) - started < args.seconds:
+            due = started + sent * interval
+            if due > now:
+                await asyncio.sleep(due - now)
+            tasks.append(asyncio.create_task(paced(sent)))
+            sent += 1
+        await asyncio.gather(*tasks)
+        elapsed = time.perf_counter() - started
+        await asyncio.sleep(0.2)
+        peer = replicas[1].port
+        lag = {q: metric(peer, "kv_router_replica_sync_lag_seconds", quantile=q) for q in ("0.5", "0.9", "0.99")}
+        applied = metric(peer, "kv_router_replica_sync_changes_total", outcome="applied")
+        for connection in connections:
+            connection.close()
+        return {"rate": sent / elapsed, "lag_s": lag, "changes_applied": applied}
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+async def publish_blocks(url: str, blocks: int, first_event: int, per_event: int = 64, seed: int = 0) -> int:
+    """Store ``blocks`` blocks spread over the workers as root chains of ``per_event`` blocks;
+    returns the next event id (each worker's stream numbered alike)."""
+    nc = await connect(NatsOptions(url))
+    rng = random.Random(seed)
+    subjects = Subjects()
+    event_id = first_event
+    remaining = blocks
+    while remaining > 0:
+        for worker_id in range(1, WORKERS + 1):
+            count = min(per_event, remaining)
+            if count <= 0:
+                break
+            pairs = [(rng.getrandbits(63), rng.getrandbits(63)) for _ in range(count)]
+            event = RouterEvent(worker_id=worker_id, event=stored_event(event_id, pairs))
+            await nc.publish(subjects.events(worker_id), encode_router_events(event, msgpack=True))
+            remaining -= count
+        event_id += 1
+    await nc.flush()
+    await nc.close()
+    return event_id
+
+
+def indexed_blocks(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kv_router_worker_indexed_blocks{"))  # fmt: skip
+
+
+async def part_restart(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    flags = ["--nats-url", server.url, "--durable-events", "--router-name", "bench",
+             "--snapshot-every-events", "1000000", "--snapshot-every-secs", "2"]  # fmt: skip
+    router = RouterProcess(work, *flags).start()
+    try:
+        register_workers(router)
+        started = time.perf_counter()
+        next_event = await publish_blocks(server.url, args.blocks, 1)
+        while indexed_blocks(router.port) < args.blocks:
+            await asyncio.sleep(0.5)
+        ingest_s = time.perf_counter() - started
+        while metric(router.port, "kv_router_durable_events_total", outcome="snapshots") < 1:
+            await asyncio.sleep(0.5)
+        snapshot_bytes = metric(router.port, "kv_router_durable_events_total", outcome="last_snapshot_bytes")
+        # More events after the snapshot: replayed from the stream on restart.
+        tail = args.blocks // 20
+        await publish_blocks(server.url, tail, next_event, seed=1)
+        total = args.blocks + tail
+        while indexed_blocks(router.port) < total:
+            await asyncio.sleep(0.2)
+        os.kill(router.pid, signal.SIGKILL)
+        router.process.wait(10)  # type: ignore[union-attr]
+        restart_started = time.perf_counter()
+        router = RouterProcess(work, *flags, port=router.port).start(timeout=300)
+        ready_s = time.perf_counter() - restart_started
+        restored = indexed_blocks(router.port)
+        return {"blocks": total, "ingest_s": ingest_s, "snapshot_mb": snapshot_bytes / 1e6, "ready_s": ready_s,
+                "restored_blocks": restored}  # fmt: skip
+    finally:
+        router.stop()
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    outcome: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="replicas-bench-") as tmp, EmbeddedNats(store_dir=tmp) as server:
+        work = Path(tmp)
+        if "throughput" in args.parts:
+            outcome["throughput"] = await part_throughput(server, work, args)
+        if "processes" in args.parts:
+            outcome["processes"] = await part_processes(server, work, args)
+        if "lag" in args.parts:
+            outcome["lag"] = await part_lag(server, work, args)
+        if "restart" in args.parts:
+            outcome["restart"] = await part_restart(server, work, args)
+    return outcome
+
+
+def report(outcome: dict[str, Any]) -> str:
+    lines = []
+    if "throughput" in outcome:
+        t = outcome["throughput"]
+        lines.append("| replicas | decisions/s | foreign CPU (cores) |\n|---|---|---|")
+        lines.append(f"| 1 | {t['one']['decisions_per_s']:.0f} | {t['one']['foreign_cores']:.2f} |")
+        lines.append(f"| 2 | {t['two']['decisions_per_s']:.0f} | {t['two']['foreign_cores']:.2f} |")
+        lines.append(f"\n2 replicas / 1 replica: **{t['ratio']:.2f}x** (best run of each)\n")
+    if "processes" in outcome:
+        p = outcome["processes"]
+        lines.append("| --processes | decisions/s | foreign CPU (cores) |\n|---|---|---|")
+        lines.append(f"| 1 | {p['one']['decisions_per_s']:.0f} | {p['one']['foreign_cores']:.2f} |")
+        lines.append(f"| 2 | {p['two']['decisions_per_s']:.0f} | {p['two']['foreign_cores']:.2f} |")
+        lines.append(f"\n--processes 2 / --processes 1: **{p['ratio']:.2f}x** (best run of each)\n")
+    if "lag" in outcome:
+        lag = outcome["lag"]
+        lines.append(f"sync lag at {lag['rate']:.0f} decisions/s: p50 {lag['lag_s']['0.5'] * 1e3:.2f} ms, "
+                     f"p90 {lag['lag_s']['0.9'] * 1e3:.2f} ms, p99 {lag['lag_s']['0.99'] * 1e3:.2f} ms "
+                     f"({lag['changes_applied']:.0f} changes applied by the peer)\n")  # fmt: skip
+    if "restart" in outcome:
+        r = outcome["restart"]
+        lines.append(f"restart to ready with {r['blocks']:,} indexed blocks (snapshot {r['snapshot_mb']:.1f} MB + "
+                     f"stream tail): **{r['ready_s']:.2f} s**; restored {r['restored_blocks']:,.0f} blocks; "
+                     f"first ingest took {r['ingest_s']:.1f} s")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="throughput,processes,lag,restart")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=8, help="connections per replica")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--lag-rate", type=float, default=1000.0)
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    outcome = asyncio.run(bench(args))
+    print(json.dumps(outcome, indent=2) if args.json else report(outcome))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,382 @@
+"""`DurableEvents`: KV events kept in JetStream and the index snapshotted to the Object Store
+(``--durable-events``), so a router killed at any moment comes back with exactly the index it had.
+
+- Stream ``KV_EVENTS_{ns}`` over ``kv.{ns}.events.>`` (file storage), created if absent with the
+  configured max age and max bytes. Workers publish as before; the stream keeps what they publish.
+- Consumer: an *ordered, ephemeral* push consumer per router, started at the sequence after the
+  router's snapshot. Why not a durable consumer: the router's position must be the one its snapshot
+  covers, not an ack floor kept by the server, and an ephemeral consumer leaves nothing behind when a
+  router dies. The ordered consumer re-creates itself from the last sequence it delivered after a
+  reconnect or a missed heartbeat, so a restarted nats-server costs nothing. The events go through the
+  router's `EventSequencer` as ever (per-(worker, dp_rank) numbering and gap repair are unchanged);
+  the core-NATS event subscription is off in this mode, the stream is the one source.
+- Snapshots: every ``snapshot_every_events`` events or ``snapshot_every_s`` seconds (whichever comes
+  first, and only when something changed and no resync is in flight, since a resync's held events are
+  in neither the dump nor the stream's remainder) the index dump, the sequencer's stream positions and
+  the stream sequence they cover go to the Object Store bucket ``kv_router_snapshots_{ns}`` as one
+  msgpack object named after the router (the store chunks it).
+- Restart: load the router's own snapshot (or, when it has none or the stream no longer reaches back
+  to it, the newest usable one), restore index and positions, replay the stream from the next sequence,
+  and only then serve. No worker needs to answer anything.
+- Purge: each router records its applied and snapshot sequences in the KV bucket
+  ``kv_router_cursors_{ns}`` (entries expire when a router stops refreshing them); after a snapshot,
+  stream data below the lowest snapshot sequence of the live routers is purged. A live router never
+  needs anything older than its own snapshot, so nothing a live router needs is ever purged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import time
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.api import (
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    ObjectMeta,
+    ObjectMetaOptions,
+    ObjectStoreConfig,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from indexer.errors import EventDecodeError
+from indexer.events import NonNegative, RouterEvent, decode_router_events
+from router.event_plane.ratelimited_log import RateLimitedLog
+from router.event_plane.subjects import Subjects
+from router.kv_router import KvRouter
+from router.supervision import Supervisor
+
+__all__ = ["DurableEvents", "IndexSnapshot", "StreamPosition"]
+
+log = logging.getLogger(__name__)
+
+# Applying a replayed backlog must not starve routing decisions: yield after this much work.
+YIELD_AFTER_S = 0.0005
+# Object Store chunks: fewer, larger messages than nats-py's 128 KiB default, and still well under
+# a stock nats-server's 1 MiB max_payload.
+SNAPSHOT_CHUNK_BYTES = 512 * 1024
+
+
+class StreamPosition(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """Where one (worker, dp_rank)'s event numbering stood when the snapshot was taken."""
+
+    worker_id: NonNegative
+    dp_rank: NonNegative
+    last_event_id: NonNegative | None
+    trusted: bool
+
+
+class IndexSnapshot(msgspec.Struct, kw_only=True):
+    """The index as stored events, with the stream sequence and the event positions it covers."""
+
+    router_name: str
+    stream_seq: NonNegative
+    created_at_ms: NonNegative
+    positions: list[StreamPosition]
+    events: list[RouterEvent]
+
+
+class _Cursor(msgspec.Struct, kw_only=True):
+    snapshot_seq: NonNegative
+    applied_seq: NonNegative
+
+
+_snapshot_decoder = msgspec.msgpack.Decoder(IndexSnapshot)
+
+
+class DurableEvents:
+    def __init__(
+        self,
+        router: KvRouter,
+        nc: Client,
+        *,
+        namespace: str = "default",
+        router_name: str,
+        max_age_s: float = 3600.0,
+        max_bytes: int = -1,
+        snapshot_every_events: int = 100_000,
+        snapshot_every_s: float = 30.0,
+        catch_up_timeout_s: float = 120.0,
+    ) -> None:
+        self.router = router
+        self.nc = nc
+        self.subjects = Subjects(namespace)
+        self.router_name = router_name
+        self._max_age = max_age_s
+        self._max_bytes = max_bytes
+        self.snapshot_every_events = snapshot_every_events
+        self.snapshot_every_s = snapshot_every_s
+        self._catch_up_timeout = catch_up_timeout_s
+        self._js: JetStreamContext = nc.jetstream()
+        self._store: ObjectStore | None = None
+        self._cursors: KeyValue | None = None
+        self._subscription: JetStreamContext.PushSubscription | None = None
+        self.applied_seq = 0  # the last stream sequence applied to the index
+        self.snapshot_seq = 0  # the stream sequence the newest snapshot of this router covers
+        self._events_since_snapshot = 0
+        self._caught_up = asyncio.Event()
+        self._catch_up_target = 0
+        self._busy_since = 0.0
+        self._background = Supervisor("durable-events")
+        self._bad_input = RateLimitedLog(log)
+        # Outcome -> count: stream_messages, snapshots, snapshot_bytes, purged, restored_events, ...
+        self.outcomes: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def restore(self) -> None:
+        """Before the event plane starts: make sure stream and buckets exist, load the snapshot."""
+        await self._ensure_stream()
+        self._store = await self._open_store()
+        self._cursors = await self._open_cursors()
+        started = time.perf_counter()
+        snapshot = await self._load_snapshot()
+        loaded = time.perf_counter()
+        if snapshot is not None:
+            self._apply_snapshot(snapshot)
+            log.info("index snapshot: fetched and decoded in %.2f s, applied in %.2f s",
+                     loaded - started, time.perf_counter() - loaded)  # fmt: skip
+        await self._record_cursor()
+
+    async def start(self) -> None:
+        """After the event plane started (workers registered): replay the stream, then follow it."""
+        info = await self._js.stream_info(self.subjects.events_stream)
+        self._catch_up_target = info.state.last_seq
+        if self.applied_seq and info.state.first_seq > self.applied_seq + 1:
+            log.error("stream %s starts at %d but this index covers only up to %d: events are missing; "
+                      "asking every worker for its state", self.subjects.events_stream, info.state.first_seq,
+                      self.applied_seq)  # fmt: skip
+            self._count("stream_behind_snapshot")
+            for request in self.router.events.resync_all():
+                self.router.events.send_resync(request)
+        if self.applied_seq >= self._catch_up_target:
+            self._caught_up.set()
+        start = self.applied_seq + 1
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start > 1 else DeliverPolicy.ALL,
+            opt_start_seq=start if start > 1 else None,
+        )
+        self._subscription = await self._js.subscribe(
+            self.subjects.all_events,
+            stream=self.subjects.events_stream,
+            cb=self._on_message,
+            ordered_consumer=True,
+            config=config,
+            pending_msgs_limit=1_000_000,
+        )
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._caught_up.wait(), self._catch_up_timeout)
+        except TimeoutError:
+            log.error("stream replay did not catch up to %d within %.0f s (at %d); serving anyway",
+                      self._catch_up_target, self._catch_up_timeout, self.applied_seq)  # fmt: skip
+        log.info("durable events: replayed up to stream sequence %d in %.2f s", self.applied_seq,
+                 time.monotonic() - started)  # fmt: skip
+        self._background.keep_running("snapshots", self._snapshot_loop)
+
+    async def stop(self) -> None:
+        await self._background.stop()
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+    # ------------------------------------------------------------------ stream and buckets
+    async def _ensure_stream(self) -> None:
+        name = self.subjects.events_stream
+        try:
+            info = await self._js.stream_info(name)
+        except NotFoundError:
+            await self._js.add_stream(
+                StreamConfig(
+                    name=name,
+                    subjects=[self.subjects.all_events],
+                    storage=StorageType.FILE,
+                    max_age=self._max_age,
+                    max_bytes=self._max_bytes,
+                )
+            )
+            log.info("created JetStream stream %s over %s", name, self.subjects.all_events)
+            return
+        config = info.config
+        if config.max_age != self._max_age or config.max_bytes != self._max_bytes:
+            config.max_age = self._max_age
+            config.max_bytes = self._max_bytes
+            await self._js.update_stream(config)
+            log.info("stream %s: max age %.0f s, max bytes %d", name, self._max_age, self._max_bytes)
+
+    async def _open_store(self) -> ObjectStore:
+        bucket = self.subjects.snapshot_bucket
+        try:
+            return await self._js.object_store(bucket)
+        except (BucketNotFoundError, NotFoundError):
+            return await self._js.create_object_store(bucket, ObjectStoreConfig(storage=StorageType.FILE))
+
+    async def _open_cursors(self) -> KeyValue:
+        bucket = self.subjects.router_cursor_bucket
+        try:
+            return await self._js.key_value(bucket)
+        except (BucketNotFoundError, NotFoundError):
+            ttl = max(60.0, 3 * self.snapshot_every_s)
+            return await self._js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl, storage=StorageType.FILE))
+
+    # ------------------------------------------------------------------ snapshots
+    async def _load_snapshot(self) -> IndexSnapshot | None:
+        """This router's snapshot if the stream still reaches back to it, else the newest usable one."""
+        assert self._store is not None
+        info = await self._js.stream_info(self.subjects.events_stream)
+        first_seq = info.state.first_seq
+        candidates: list[tuple[int, str]] = []
+        with contextlib.suppress(NotFoundError):
+            for entry in await self._store.list():
+                if entry.deleted:
+                    continue
+                try:
+                    seq = int(entry.description or "")
+                except ValueError:
+                    continue
+                candidates.append((seq, entry.name))
+        usable = [(seq, name) for seq, name in candidates if seq + 1 >= first_seq or info.state.messages == 0]
+        own = [candidate for candidate in usable if candidate[1] == self.router_name]
+        for seq, name in own or sorted(usable, reverse=True):
+            try:
+                # Into a buffer: without one, nats-py concatenates the chunks (quadratic in the size).
+                buffer = io.BytesIO()
+                await self._store.get(name, writeinto=buffer)
+                snapshot = _snapshot_decoder.decode(buffer.getbuffer())
+            except (ObjectNotFoundError, msgspec.DecodeError) as exc:
+                log.warning("snapshot %s (stream sequence %d) unreadable: %s", name, seq, exc)
+                continue
+            log.info("loading index snapshot %s at stream sequence %d (%d events)", name, seq, len(snapshot.events))
+            return snapshot
+        if candidates:
+            log.warning("no usable index snapshot (stream starts at %d); replaying the stream", first_seq)
+        return None
+
+    def _apply_snapshot(self, snapshot: IndexSnapshot) -> None:
+        index = self.router.indexer
+        for event in snapshot.events:
+            index.apply_router_event(event)
+        sequencer = self.router.events
+        for position in snapshot.positions:
+            sequencer.restore_stream(position.worker_id, position.dp_rank, position.last_event_id, position.trusted)
+        self.applied_seq = self.snapshot_seq = snapshot.stream_seq
+        self._count("restored_events", len(snapshot.events))
+
+    def take_snapshot(self) -> IndexSnapshot | None:
+        """The index and positions at `applied_seq`, read in one synchronous step; None while a
+        resync is in flight (its held events would be in neither the dump nor the stream's rest)."""
+        status = self.router.events.status()
+        if any(stream.resyncing for stream in status):
+            return None
+        return IndexSnapshot(
+            router_name=self.router_name,
+            stream_seq=self.applied_seq,
+            created_at_ms=int(time.time() * 1000),
+            positions=[
+                StreamPosition(
+                    worker_id=stream.worker_id,
+                    dp_rank=stream.dp_rank,
+                    last_event_id=stream.last_event_id,
+                    trusted=stream.trusted,
+                )
+                for stream in status
+            ],
+            events=self.router.indexer.dump_events(),
+        )
+
+    async def write_snapshot(self) -> bool:
+        snapshot = self.take_snapshot()
+        if snapshot is None:
+            self._count("snapshot_deferred")
+            return False
+        events_covered = self._events_since_snapshot
+        payload = msgspec.msgpack.encode(snapshot)
+        assert self._store is not None
+        meta = ObjectMeta(
+            description=str(snapshot.stream_seq), options=ObjectMetaOptions(max_chunk_size=SNAPSHOT_CHUNK_BYTES)
+        )
+        await self._store.put(self.router_name, payload, meta=meta)
+        self.snapshot_seq = snapshot.stream_seq
+        self._events_since_snapshot -= events_covered
+        self._count("snapshots")
+        self.outcomes["last_snapshot_bytes"] = len(payload)
+        await self._record_cursor()
+        await self._purge()
+        return True
+
+    async def _snapshot_loop(self) -> None:
+        last = time.monotonic()
+        refresh_every = max(1.0, min(self.snapshot_every_s, 20.0))
+        last_refresh = last
+        while True:
+            await asyncio.sleep(min(1.0, self.snapshot_every_s))
+            now = time.monotonic()
+            due = self._events_since_snapshot >= self.snapshot_every_events or (
+                self._events_since_snapshot > 0 and now - last >= self.snapshot_every_s
+            )
+            if due and self.applied_seq > self.snapshot_seq and await self.write_snapshot():
+                last = last_refresh = now
+            elif now - last_refresh >= refresh_every:
+                await self._record_cursor()  # stay among the live routers
+                last_refresh = now
+
+    # ------------------------------------------------------------------ purge
+    async def _record_cursor(self) -> None:
+        assert self._cursors is not None
+        cursor = _Cursor(snapshot_seq=self.snapshot_seq, applied_seq=self.applied_seq)
+        await self._cursors.put(self.router_name, msgspec.json.encode(cursor))
+
+    async def _purge(self) -> None:
+        """Drop stream data every live router's snapshot covers."""
+        assert self._cursors is not None
+        floor = self.snapshot_seq
+        try:
+            keys = await self._cursors.keys()
+        except NatsError:  # nats-py raises NoKeysError (a NatsError) for an empty bucket
+            keys = []
+        for key in keys:
+            try:
+                entry = await self._cursors.get(key)
+                cursor = msgspec.json.decode(entry.value or b"", type=_Cursor)
+            except (NatsError, msgspec.DecodeError):
+                continue
+            floor = min(floor, cursor.snapshot_seq)
+        if floor > 0:
+            await self._js.purge_stream(self.subjects.events_stream, seq=floor + 1)
+            self._count("purges")
+            self.outcomes["purged_below"] = floor + 1
+
+    # ------------------------------------------------------------------ events
+    async def _on_message(self, message: Msg) -> None:
+        now = time.perf_counter()
+        if now - self._busy_since > YIELD_AFTER_S:
+            await asyncio.sleep(0)
+            self._busy_since = time.perf_counter()
+        seq = message.metadata.sequence.stream
+        try:
+            events = decode_router_events(message.data, msgpack=None)
+        except EventDecodeError as exc:
+            self.router.events.outcomes["rejected_undecodable"] += 1
+            self._bad_input.warning("undecodable KV event", f"stream sequence {seq}: {exc}")
+        else:
+            self.router.events.ingest(events)
+        self.applied_seq = seq
+        self._events_since_snapshot += 1
+        self._count("stream_messages")
+        if seq >= self._catch_up_target:
+            self._caught_up.set()
+
+    def _count(self, outcome: str, by: int = 1) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + by

@@ -1,0 +1,106 @@
+"""Replica-sync wire types (msgpack), on ``kv.{ns}.router.sync`` and its state request/reply.
+
+A router publishes `SyncBatch`es of booking changes, numbered per replica from 1, and a `SyncBeat`
+every heartbeat interval carrying the number of its last batch (so a lost last batch shows as a gap
+too). `StateRequest` / `StateReply` carry a replica's whole view: active bookings, recently freed ids
+and the batch numbers it has applied from every peer.
+
+Extensible on purpose: every struct ignores fields it does not know and new fields take defaults, so a
+booking that carries more (output blocks, a policy override) can be added without breaking older peers.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from indexer.events import U32, U64, NonNegative
+
+__all__ = [
+    "Booked",
+    "BookingEntry",
+    "Change",
+    "Freed",
+    "PrefillMarked",
+    "StateReply",
+    "StateRequest",
+    "SyncBatch",
+    "SyncBeat",
+    "SyncMessage",
+    "sync_decoder",
+]
+
+
+class Booked(msgspec.Struct, tag="booked", kw_only=True, gc=False):
+    """A request booked on (worker_id, dp_rank): its shared sequence hashes, private blocks, prefill."""
+
+    request_id: str
+    worker_id: U64
+    dp_rank: U32
+    hashes: list[int] | None
+    private_blocks: NonNegative = 0
+    prefill_tokens: NonNegative = 0
+
+
+class PrefillMarked(msgspec.Struct, tag="prefill_marked", kw_only=True, gc=False):
+    request_id: str
+
+
+class Freed(msgspec.Struct, tag="freed", kw_only=True, gc=False):
+    """Freed by a caller, or (``expired``) by the sender's stale-request expiry."""
+
+    request_id: str
+    expired: bool = False
+
+
+Change = Booked | PrefillMarked | Freed
+
+
+class SyncBatch(msgspec.Struct, tag="batch", kw_only=True, gc=False):
+    replica_id: str
+    seq: NonNegative
+    sent_at_ms: NonNegative
+    changes: list[Change]
+
+
+class SyncBeat(msgspec.Struct, tag="beat", kw_only=True, gc=False):
+    """Liveness; ``seq`` is the sender's last batch. ``leaving``: it stops now, drop its bookings."""
+
+    replica_id: str
+    seq: NonNegative
+    sent_at_ms: NonNegative = 0
+    leaving: bool = False
+
+
+SyncMessage = SyncBatch | SyncBeat
+
+
+class StateRequest(msgspec.Struct, kw_only=True):
+    replica_id: str
+
+
+class BookingEntry(msgspec.Struct, kw_only=True, gc=False):
+    """One active booking in a `StateReply`; ``origin`` is the replica that booked it."""
+
+    request_id: str
+    origin: str
+    worker_id: U64
+    dp_rank: U32
+    hashes: list[int] | None
+    private_blocks: NonNegative = 0
+    prefill_tokens: NonNegative = 0
+
+
+class StateReply(msgspec.Struct, kw_only=True):
+    """A replica's view: what is booked, what was freed lately, how far it has read each peer
+    (``cursors``, its own last batch included) and how long ago it heard from each (``silent_s``)."""
+
+    replica_id: str
+    bookings: list[BookingEntry] = []
+    freed: list[str] = []
+    cursors: dict[str, int] = {}
+    silent_s: dict[str, float] = {}
+    error: str | None = None
+
+
+def sync_decoder() -> msgspec.msgpack.Decoder[SyncBatch | SyncBeat]:
+    return msgspec.msgpack.Decoder(SyncMessage)

@@ -1,0 +1,467 @@
+"""`ReplicaSync`: routers that share one load view over NATS (``--replica-sync``).
+
+Every booking change a router makes (a booking with its blocks and prefill tokens, ``mark_prefill``,
+``mark_free``, expiry) reaches it synchronously through `KvRouter.booking_listener`, is queued, and is
+published within the same loop iteration on ``kv.{ns}.router.sync`` as a `SyncBatch` numbered per
+replica. Peers apply it with the ``replicated`` entry points of `KvRouter`, which never publish again.
+
+Why the views converge whatever the order or loss: a request only moves forward, booked -> prefill
+done -> freed, and every replica keeps the ids it saw freed for ``tombstone_s``. Applying a change is
+idempotent and commutative (a booking arriving after its free is ignored, a mark_prefill arriving before
+its booking is kept for it), so each replica's view is the join of everything it has heard, and merging
+another replica's whole view (`StateReply`) can only move it forward.
+
+- Lost messages: batches are numbered; a number skipped, or a heartbeat naming a batch never seen,
+  is a gap and the sender's whole view is requested (``kv.{ns}.router.sync.state.{id}``) and merged.
+- Late joiners: on start a replica asks any peer (queue group) for its view; a peer heard from first
+  with a batch number above 1 is asked directly, so it is consistent even if that first ask failed.
+- Dead replicas: one silent for ``lease_s`` (no heartbeat) has the bookings it made dropped; one that
+  stops cleanly says so (``leaving``) and its bookings go at once. Its queued requests were never booked.
+- Request ids are global: a request booked on one replica can be marked on any.
+
+Remote bookings start their expiry clock when received (as Dynamo does); the booking replica's own
+expiry is published too, so a request expires everywhere when it expires where it was booked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
+
+from router.errors import DuplicateRequestId, UnknownWorker
+from router.event_plane.ratelimited_log import RateLimitedLog
+from router.event_plane.subjects import Subjects
+from router.kv_router import KvRouter
+from router.replicas.messages import (
+    Booked,
+    BookingEntry,
+    Change,
+    Freed,
+    PrefillMarked,
+    StateReply,
+    StateRequest,
+    SyncBatch,
+    SyncBeat,
+    sync_decoder,
+)
+from router.sequences import Booking
+from router.supervision import Supervisor
+
+__all__ = ["ReplicaSync"]
+
+log = logging.getLogger(__name__)
+
+# At most this many changes per published batch (a burst is split, each part numbered).
+MAX_BATCH_CHANGES = 512
+# Sync lag samples kept (seconds from publish to apply, by the wall clock of one host or NTP).
+LAG_SAMPLES = 4096
+
+_encode = msgspec.msgpack.Encoder().encode
+_state_reply = msgspec.msgpack.Decoder(StateReply)
+_state_request = msgspec.msgpack.Decoder(StateRequest)
+
+
+@dataclass(slots=True)
+class _Peer:
+    last_seen: float
+    cursor: int = 0  # its last batch applied here
+    repairing: bool = False
+    # Another gap showed while a repair was in flight: its answer may predate it, so ask again.
+    repair_again: bool = False
+    # A gap no successful repair has covered yet (the last ask failed): ask at its next beat.
+    unrepaired: bool = False
+
+
+class ReplicaSync:
+    def __init__(
+        self,
+        router: KvRouter,
+        nc: Client,
+        *,
+        namespace: str = "default",
+        lease_s: float = 10.0,
+        heartbeat_s: float | None = None,
+        state_timeout_s: float = 2.0,
+        replica_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router = router
+        self.nc = nc
+        self.subjects = Subjects(namespace)
+        self.replica_id = replica_id or uuid.uuid4().hex[:16]
+        self.lease_s = lease_s
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(1.0, lease_s / 5)
+        self.tombstone_s = max(2 * lease_s, 30.0)
+        self._state_timeout = state_timeout_s
+        self._clock = clock
+        self._seq = 0
+        self._outbox: list[Change] = []
+        self._wake = asyncio.Event()
+        self._peers: dict[str, _Peer] = {}
+        self._origin: dict[str, str] = {}  # active request id -> the replica that booked it
+        self._freed: OrderedDict[str, float] = OrderedDict()  # request id -> when it was freed
+        self._early_prefill: dict[str, float] = {}  # marked before its booking arrived
+        # Replicas dropped here (left or silent) -> when: other views naming them do not bring them
+        # back; only their own next message does (they were cut off, not dead).
+        self._gone: dict[str, float] = {}
+        self._decode = sync_decoder()
+        self._subscriptions: list[Subscription] = []
+        self._background = Supervisor("replica-sync")
+        self._bad_input = RateLimitedLog(log)
+        # Outcome -> count: published, applied, duplicate, gap, repaired, peer_expired, rejected_<reason>, ...
+        self.outcomes: Counter[str] = Counter()
+        self.lag_s: deque[float] = deque(maxlen=LAG_SAMPLES)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Subscribe, learn the current bookings from a peer (if there is one), start publishing."""
+        nc = self.nc
+        self._subscriptions = [
+            await nc.subscribe(self.subjects.router_sync, cb=self._on_sync, pending_msgs_limit=1_000_000),
+            await nc.subscribe(self.subjects.router_sync_state(self.replica_id), cb=self._on_state_request),
+        ]
+        self.router.booking_listener = self
+        self._background.keep_running("publish", self._publish_loop)
+        self._background.keep_running("heartbeat", self._heartbeat_loop)
+        await self._join()
+        # Only now may peers ask "anyone" for the bookings: this replica has them.
+        self._subscriptions.append(
+            await nc.subscribe(self.subjects.router_sync_state(), queue="state", cb=self._on_state_request)
+        )
+        log.info("replica sync: replica %s on %s", self.replica_id, self.subjects.router_sync)
+
+    async def stop(self) -> None:
+        """Flush, tell peers this replica is leaving (they drop its bookings), unsubscribe."""
+        if self.router.booking_listener is self:
+            self.router.booking_listener = None
+        await self._background.stop()
+        with contextlib.suppress(Exception):
+            await self._flush()
+            beat = SyncBeat(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms(), leaving=True)
+            await self.nc.publish(self.subjects.router_sync, _encode(beat))
+            await self.nc.flush(timeout=2)
+        for subscription in self._subscriptions:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+        self._subscriptions = []
+
+    async def _join(self) -> None:
+        request = _encode(StateRequest(replica_id=self.replica_id))
+        try:
+            reply = await self.nc.request(self.subjects.router_sync_state(), request, timeout=self._state_timeout)
+        except NoRespondersError:
+            log.info("replica sync: no peer yet, starting with no bookings")
+            return
+        except (TimeoutError, NatsError) as exc:
+            log.warning("replica sync: no peer answered the join (%r); peers are asked as they are heard", exc)
+            return
+        self._merge_reply(reply.data, "joined")
+
+    # ------------------------------------------------------------------ local changes (BookingListener)
+    def booked(self, request_id: str, booking: Booking) -> None:
+        self._origin[request_id] = self.replica_id
+        worker_id, dp_rank = booking.key
+        hashes = None if booking.hashes is None else list(booking.hashes)
+        self._queue(
+            Booked(
+                request_id=request_id,
+                worker_id=worker_id,
+                dp_rank=dp_rank,
+                hashes=hashes,
+                private_blocks=booking.private_blocks,
+                prefill_tokens=booking.prefill_tokens,
+            )
+        )
+
+    def prefill_marked(self, request_id: str) -> None:
+        self._queue(PrefillMarked(request_id=request_id))
+
+    def freed(self, request_id: str) -> None:
+        self._origin.pop(request_id, None)
+        self._freed[request_id] = self._clock()
+        self._queue(Freed(request_id=request_id))
+
+    def _queue(self, change: Change) -> None:
+        self._outbox.append(change)
+        self._wake.set()
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        while self._outbox:
+            changes = self._outbox[:MAX_BATCH_CHANGES]
+            del self._outbox[:MAX_BATCH_CHANGES]
+            self._seq += 1
+            batch = SyncBatch(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms(), changes=changes)
+            await self.nc.publish(self.subjects.router_sync, _encode(batch))
+            self.outcomes["published"] += len(changes)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            beat = SyncBeat(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms())
+            with contextlib.suppress(Exception):  # a disconnected client buffers or drops; keep beating
+                await self.nc.publish(self.subjects.router_sync, _encode(beat))
+            self._expire_peers()
+            self._prune()
+
+    # ------------------------------------------------------------------ peers' changes
+    async def _on_sync(self, message: Msg) -> None:
+        try:
+            sync = self._decode.decode(message.data)
+        except msgspec.DecodeError as exc:
+            self._reject("undecodable", f"sync message: {exc}")
+            return
+        sender = sync.replica_id
+        if sender == self.replica_id:
+            return  # our own echo
+        now = self._clock()
+        if self._gone.pop(sender, None) is not None and not (isinstance(sync, SyncBeat) and sync.leaving):
+            log.warning("replica sync: peer %s dropped here is alive after all", sender)
+        peer = self._peers.get(sender)
+        if peer is None:
+            peer = self._peers[sender] = _Peer(last_seen=now)
+            log.info("replica sync: peer %s", sender)
+        peer.last_seen = now
+        if isinstance(sync, SyncBeat):
+            if sync.leaving:
+                self._drop_peer(sender, "left")
+            elif sync.seq > peer.cursor or peer.unrepaired:
+                self._repair(sender, peer)  # its last batches never arrived, or a repair failed
+            return
+        if sync.seq <= peer.cursor:
+            self.outcomes["duplicate"] += 1
+            return
+        if sync.seq > peer.cursor + 1:
+            self._repair(sender, peer)
+        peer.cursor = sync.seq
+        try:
+            for change in sync.changes:
+                self._apply(change, sender)
+        except Exception:
+            # Never leave a batch half applied in silence: log it and repair from the sender's view.
+            log.exception("replica sync: applying batch %d of %s failed; asking for its view", sync.seq, sender)
+            self.outcomes["rejected_apply_error"] += 1
+            self._repair(sender, peer)
+            return
+        self.lag_s.append(max(0.0, time.time() - sync.sent_at_ms / 1000))
+
+    def _apply(self, change: Change, origin: str) -> None:
+        router = self.router
+        request_id = change.request_id
+        if isinstance(change, Booked):
+            self._book(request_id, origin, (change.worker_id, change.dp_rank), change.hashes,
+                       change.private_blocks, change.prefill_tokens)  # fmt: skip
+        elif isinstance(change, PrefillMarked):
+            if not router.mark_prefill(request_id, replicated=True) and request_id not in self._freed:
+                self._early_prefill[request_id] = self._clock()
+            self.outcomes["applied"] += 1
+        else:
+            self._free(request_id)
+            self.outcomes["applied"] += 1
+
+    def _book(
+        self,
+        request_id: str,
+        origin: str,
+        key: tuple[int, int],
+        hashes: list[int] | None,
+        private_blocks: int,
+        prefill_tokens: int,
+    ) -> None:
+        if request_id in self._freed:
+            self.outcomes["booked_after_free"] += 1
+            return
+        if self._origin.get(request_id) is not None or self.router.booking(request_id) is not None:
+            self.outcomes["duplicate_booking"] += 1
+            return
+        try:
+            self.router.book_replicated(request_id, Booking(key, hashes, private_blocks, prefill_tokens))
+        except (DuplicateRequestId, UnknownWorker) as exc:
+            self._reject("booking", str(exc))
+            return
+        self._origin[request_id] = origin
+        self.outcomes["applied"] += 1
+        if self._early_prefill.pop(request_id, None) is not None:
+            self.router.mark_prefill(request_id, replicated=True)
+
+    def _free(self, request_id: str, *, tombstone: bool = True) -> None:
+        self.router.mark_free(request_id, replicated=True)
+        self._origin.pop(request_id, None)
+        self._early_prefill.pop(request_id, None)
+        if tombstone:
+            self._freed[request_id] = self._clock()
+            self._freed.move_to_end(request_id)
+
+    # ------------------------------------------------------------------ repair and joining
+    def _repair(self, sender: str, peer: _Peer) -> None:
+        self.outcomes["gap"] += 1
+        peer.unrepaired = True
+        if peer.repairing:
+            peer.repair_again = True
+            return
+        peer.repairing = True
+        self._background.spawn(f"repair-{sender}", self._ask_state(sender, peer))
+
+    async def _ask_state(self, sender: str, peer: _Peer) -> None:
+        request = _encode(StateRequest(replica_id=self.replica_id))
+        try:
+            while True:
+                peer.repair_again = False
+                subject = self.subjects.router_sync_state(sender)
+                reply = await self.nc.request(subject, request, timeout=self._state_timeout)
+                self._merge_reply(reply.data, "repaired")
+                if not peer.repair_again:
+                    peer.unrepaired = False
+                    return
+        except (TimeoutError, NatsError) as exc:
+            log.warning("replica sync: peer %s did not send its bookings (%r); asking again at its next beat",
+                        sender, exc)  # fmt: skip
+            self.outcomes["repair_failed"] += 1
+        finally:
+            peer.repairing = False
+
+    async def _on_state_request(self, message: Msg) -> None:
+        try:
+            _state_request.decode(message.data)
+        except msgspec.DecodeError as exc:
+            self._reject("undecodable", f"state request: {exc}")
+            return
+        if not message.reply:
+            return
+        payload = _encode(self.state())
+        if len(payload) > self.nc.max_payload:
+            error = f"state of {len(payload)} bytes exceeds the server's max_payload"
+            payload = _encode(StateReply(replica_id=self.replica_id, error=error))
+            log.error("replica sync: %s", error)
+        await self.nc.publish(message.reply, payload)
+        self.outcomes["state_served"] += 1
+
+    def state(self) -> StateReply:
+        """This replica's whole view, as a peer merges it."""
+        now = self._clock()
+        me = self.replica_id
+        origin = self._origin
+        bookings = [
+            BookingEntry(
+                request_id=request_id,
+                origin=origin.get(request_id, me),
+                worker_id=booking.key[0],
+                dp_rank=booking.key[1],
+                hashes=None if booking.hashes is None else list(booking.hashes),
+                private_blocks=booking.private_blocks,
+                prefill_tokens=booking.prefill_tokens,
+            )
+            for request_id, booking in self.router.bookings()
+        ]
+        cursors = {peer_id: peer.cursor for peer_id, peer in self._peers.items()}
+        cursors[me] = self._seq
+        silent = {peer_id: now - peer.last_seen for peer_id, peer in self._peers.items()}
+        return StateReply(replica_id=me, bookings=bookings, freed=list(self._freed), cursors=cursors, silent_s=silent)
+
+    def _merge_reply(self, data: bytes, outcome: str) -> None:
+        try:
+            reply = _state_reply.decode(data)
+        except msgspec.DecodeError as exc:
+            self._reject("undecodable", f"state reply: {exc}")
+            return
+        if reply.error is not None:
+            self._reject("state_refused", f"peer {reply.replica_id}: {reply.error}")
+            return
+        now = self._clock()
+        me = self.replica_id
+        # Learn every replica the responder knows, with its silence, so dead ones expire here too.
+        self._gone.pop(reply.replica_id, None)  # it answered: alive
+        gone = self._gone
+        for peer_id, silent_s in reply.silent_s.items():
+            if peer_id != me and peer_id not in self._peers and peer_id not in gone:
+                self._peers[peer_id] = _Peer(last_seen=now - silent_s)
+        if reply.replica_id != me:
+            responder = self._peers.setdefault(reply.replica_id, _Peer(last_seen=now))
+            responder.last_seen = now
+        for peer_id, cursor in reply.cursors.items():
+            peer = self._peers.get(peer_id)
+            if peer is not None and cursor > peer.cursor:
+                peer.cursor = cursor
+        for request_id in reply.freed:
+            if request_id not in self._freed:
+                self._free(request_id)
+        for entry in reply.bookings:
+            request_id = entry.request_id
+            if entry.origin in gone:
+                continue  # the responder has not dropped it yet; this replica has
+            if entry.origin not in self._peers and entry.origin != me:
+                self._peers[entry.origin] = _Peer(last_seen=now)
+            local = self.router.booking(request_id)
+            if local is None:
+                self._book(request_id, entry.origin, (entry.worker_id, entry.dp_rank), entry.hashes,
+                           entry.private_blocks, entry.prefill_tokens)  # fmt: skip
+            elif entry.prefill_tokens == 0 and local.prefill_tokens > 0:
+                self.router.mark_prefill(request_id, replicated=True)
+        self.outcomes[outcome] += 1
+        log.info("replica sync: %s from %s (%d bookings)", outcome, reply.replica_id, len(reply.bookings))
+
+    # ------------------------------------------------------------------ liveness
+    def _expire_peers(self) -> None:
+        now = self._clock()
+        for peer_id, peer in list(self._peers.items()):
+            if now - peer.last_seen > self.lease_s:
+                self._drop_peer(peer_id, f"silent for {now - peer.last_seen:.1f} s")
+
+    def _drop_peer(self, peer_id: str, why: str) -> None:
+        self._peers.pop(peer_id, None)
+        self._gone[peer_id] = self._clock()
+        dropped = [request_id for request_id, origin in self._origin.items() if origin == peer_id]
+        # No tombstones: if the peer was only cut off, its view brings back what it still has booked.
+        for request_id in dropped:
+            self._free(request_id, tombstone=False)
+        self.outcomes["peer_expired" if why != "left" else "peer_left"] += 1
+        log.warning("replica sync: peer %s %s: dropped its %d bookings", peer_id, why, len(dropped))
+
+    def _prune(self) -> None:
+        cutoff = self._clock() - self.tombstone_s
+        freed = self._freed
+        while freed:
+            request_id, at = next(iter(freed.items()))
+            if at >= cutoff:
+                break
+            del freed[request_id]
+        for request_id, at in list(self._early_prefill.items()):
+            if at < cutoff:
+                del self._early_prefill[request_id]
+        for peer_id, at in list(self._gone.items()):
+            if at < cutoff:
+                del self._gone[peer_id]
+        # Requests dropped with a removed worker never pass through a free.
+        for request_id in [r for r in self._origin if self.router.booking(r) is None]:
+            del self._origin[request_id]
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def peers(self) -> list[str]:
+        return sorted(self._peers)
+
+    def _reject(self, reason: str, message: str) -> None:
+        self.outcomes[f"rejected_{reason}"] += 1
+        self._bad_input.warning(reason, message)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

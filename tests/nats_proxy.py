@@ -1,0 +1,92 @@
+"""A NATS-protocol TCP proxy on loopback that loses messages on purpose (for fault tests).
+
+Clients connect to ``url``; everything is relayed to the real server, except that every
+``drop_every``-th message the server delivers on ``drop_subject`` whose payload contains ``marker``
+is silently left out, as a network or a slow consumer would lose it. (Counting only marked messages
+keeps the loss from locking onto one sender when the traffic is periodic.) Runs its own event loop
+in a thread, so blocking tests can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from types import TracebackType
+
+from router.event_plane.embedded_server import free_port
+
+
+class LossyNatsProxy:
+    def __init__(self, upstream_port: int, drop_subject: str, drop_every: int, marker: bytes = b"") -> None:
+        self.upstream_port = upstream_port
+        self.drop_subject = drop_subject.encode()
+        self.drop_every = drop_every
+        self.marker = marker
+        self.port = free_port()
+        self.seen = 0
+        self.dropped = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="nats-proxy", daemon=True)
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LossyNatsProxy:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(5)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def _stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in asyncio.all_tasks(self._loop):
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        upstream = asyncio.create_task(_pipe(client_reader, server_writer))
+        try:
+            await self._deliver(server_reader, client_writer)
+        finally:
+            upstream.cancel()
+            for writer in (client_writer, server_writer):
+                with contextlib.suppress(Exception):
+                    writer.close()
+
+    async def _deliver(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Server -> client, frame by frame: ``MSG subject sid [reply] size`` and ``HMSG subject sid
+        [reply] header-size total-size`` carry a payload; every other line is a control line."""
+        while line := await reader.readline():
+            frame = line
+            keyword = line.split(b" ", 1)[0]
+            if keyword in (b"MSG", b"HMSG"):
+                parts = line.split()
+                frame += await reader.readexactly(int(parts[-1]) + 2)
+                if parts[1] == self.drop_subject and self.marker in frame:
+                    self.seen += 1
+                    if self.seen % self.drop_every == 0:
+                        self.dropped += 1
+                        continue
+            writer.write(frame)
+            await writer.drain()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while chunk := await reader.read(65536):
+        writer.write(chunk)
+        await writer.drain()

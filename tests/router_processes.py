@@ -1,0 +1,106 @@
+"""Real ``kv-router serve`` processes for multi-process tests and benches: started with their logs in
+a file (a long test would fill a pipe), waited for on /healthz, stopped by their PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from router.event_plane.embedded_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(sys.executable).with_name("kv-router")
+
+
+def kv_router_command() -> list[str]:
+    return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "api.cli"]
+
+
+def get(port: int, path: str) -> Any:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def post(port: int, path: str, body: object) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+class RouterProcess:
+    """One ``kv-router serve`` on a loopback port (a free one unless given)."""
+
+    def __init__(self, log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        self.args = ["serve", "--port", str(self.port), "--block-size", "16", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_dir / f"router-{self.port}-{time.monotonic_ns()}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> RouterProcess:
+        """Start the process and wait until it is ready: its event plane (and, with durable events, the
+        snapshot and stream replay) has started, not merely its HTTP listener."""
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [*kv_router_command(), *self.args],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as reply:
+                    if reply.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"router did not start: {self.log()[-3000:]}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def kill9(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+    def get(self, path: str) -> Any:
+        return get(self.port, path)
+
+    def post(self, path: str, body: object) -> tuple[int, Any]:
+        return post(self.port, path, body)

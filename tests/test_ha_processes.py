@@ -1,0 +1,75 @@
+"""``kv-router serve --processes 2``: two router processes share one port (SO_REUSEPORT), each a
+replica; every connection, whichever process answers it, sees the same load, and a child killed with
+SIGKILL is started again by the parent and catches up."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.router_processes import RouterProcess
+from tests.test_api_support import prompt
+from tests.test_ha_replicas import within
+
+pytestmark = pytest.mark.slow
+
+PROMPT = prompt(1, 64)
+
+
+def on_new_connection(port: int, path: str, body: object) -> tuple[int, Any]:
+    """A fresh TCP connection per call, so the kernel may hand it to either process."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+        reply = connection.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        connection.close()
+
+
+def children_of(pid: int) -> list[int]:
+    """Router processes started by ``pid`` (its embedded nats-server left out)."""
+    out = subprocess.run(["ps", "-o", "pid=,comm=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
+    rows = [line.split(None, 1) for line in out.stdout.splitlines() if line.strip()]
+    return [int(child) for child, command in rows if "nats-server" not in command]
+
+
+def active_everywhere(port: int, connections: int = 12) -> set[int]:
+    """The active-request totals seen over several fresh connections (one value when all agree)."""
+    totals = set()
+    for _ in range(connections):
+        loads = on_new_connection(port, "/v1/potential_loads", {"tokens": PROMPT})[1]["loads"]
+        totals.add(sum(load["active_requests"] for load in loads))
+    return totals
+
+
+def test_processes_share_the_port_and_one_load_view(tmp_path: Path) -> None:
+    router = RouterProcess(tmp_path, "--processes", "2", "--replica-lease-secs", "2")
+    router.start()
+    try:
+        within(20, lambda: len(children_of(router.pid)) == 2, "two router processes")
+        assert on_new_connection(router.port, "/v1/workers", {"worker_id": 1, "dp_size": 2})[0] in (200, 201)
+        for index in range(10):
+            status, _ = on_new_connection(router.port, "/v1/new", {"tokens": PROMPT, "request_id": f"r{index}"})
+            assert status == 200
+        within(5, lambda: active_everywhere(router.port) == {10}, "every process sees the 10 bookings")
+        for index in range(0, 10, 2):  # marks land on whichever process takes the connection
+            status, _ = on_new_connection(router.port, "/v1/mark_free", {"request_id": f"r{index}"})
+            assert status == 200
+        within(5, lambda: active_everywhere(router.port) == {5}, "every process sees the frees")
+
+        victim = children_of(router.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        within(20, lambda: len(children_of(router.pid)) == 2 and victim not in children_of(router.pid),
+               "the parent starts the killed process again")  # fmt: skip
+        within(20, lambda: len(active_everywhere(router.port)) == 1, "the processes agree again")
+    finally:
+        router.stop()
+    assert router.process is not None and router.process.returncode == 0

@@ -1,0 +1,165 @@
+"""Replica sync on a real nats-server: routers in one process, each with its own NATS connection.
+
+The differential check: after every step and a moment of quiet, every replica's ``potential_loads``
+for a set of prompts equal those of one reference router that received every call itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+
+from router.config import RouterConfig
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
+from router.kv_router import KvRouter
+from router.replicas.sync import ReplicaSync
+from router.types import PotentialLoad, RouteRequest, WorkerConfig
+from tests.test_api_support import prompt
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+CONFIG = RouterConfig(block_size=16)
+WORKERS = [WorkerConfig(worker_id=w, dp_size=2) for w in (1, 2, 3)]
+# A few families of prompts sharing prefixes, so bookings share blocks.
+PROMPTS = [prompt(seed % 4, 32) + prompt(seed, 16 * (1 + seed % 5)) for seed in range(12)]
+
+
+def new_router() -> KvRouter:
+    router = KvRouter(CONFIG, rng=random.Random(0))
+    for worker in WORKERS:
+        router.register_worker(worker)
+    return router
+
+
+class Replica:
+    def __init__(self, router: KvRouter, nc: Client, sync: ReplicaSync) -> None:
+        self.router, self.nc, self.sync = router, nc, sync
+
+
+@contextlib.asynccontextmanager
+async def replica(url: str, *, lease_s: float = 10.0) -> AsyncIterator[Replica]:
+    nc = await connect(NatsOptions(url))
+    router = new_router()
+    sync = ReplicaSync(router, nc, lease_s=lease_s, heartbeat_s=0.1)
+    await sync.start()
+    try:
+        yield Replica(router, nc, sync)
+    finally:
+        await sync.stop()
+        await nc.close()
+
+
+def loads(router: KvRouter) -> list[list[PotentialLoad]]:
+    return [router.potential_loads(tokens) for tokens in PROMPTS]
+
+
+async def agree(replicas: list[Replica], reference: KvRouter) -> None:
+    expected = loads(reference)
+    await eventually(lambda: all(loads(r.router) == expected for r in replicas), timeout=5)
+
+
+@contextlib.asynccontextmanager
+async def sync_lost(target: Replica) -> AsyncIterator[None]:
+    """Inside, ``target`` publishes nothing: its batches are numbered and then lost on the way."""
+    real = target.nc.publish
+
+    async def lose(subject: str, payload: bytes = b"", reply: str = "", headers: dict[str, str] | None = None) -> None:
+        if subject == target.sync.subjects.router_sync and msgspec.msgpack.decode(payload)["type"] == "batch":
+            return
+        await real(subject, payload, reply, headers)
+
+    target.nc.publish = lose  # type: ignore[method-assign,assignment]
+    try:
+        yield
+        await asyncio.sleep(0.05)  # what was queued inside is published (and lost) inside
+    finally:
+        target.nc.publish = real  # type: ignore[method-assign]
+
+
+async def random_steps(replicas: list[Replica], reference: KvRouter, rng: random.Random, steps: int) -> None:
+    active: list[str] = []
+    for step in range(steps):
+        action = rng.random()
+        if action < 0.5 or not active:
+            request_id = f"r{step}-{rng.randrange(1 << 30)}"
+            tokens = rng.choice(PROMPTS)
+            decision = await rng.choice(replicas).router.new(RouteRequest(tokens=tokens, request_id=request_id))
+            pin = (decision.worker_id, decision.dp_rank)
+            await reference.new(RouteRequest(tokens=tokens, request_id=request_id), pinned_worker=pin)
+            active.append(request_id)
+        else:
+            # Marks go to any replica, not the one that booked (request ids are global).
+            request_id = rng.choice(active)
+            target = rng.choice(replicas).router
+            if action < 0.75:
+                await eventually(lambda: target.booking(request_id) is not None, timeout=5)  # noqa: B023
+                assert target.mark_prefill(request_id)
+                reference.mark_prefill(request_id)
+            else:
+                await eventually(lambda: target.booking(request_id) is not None, timeout=5)  # noqa: B023
+                assert target.mark_free(request_id)
+                reference.mark_free(request_id)
+                active.remove(request_id)
+        await agree(replicas, reference)
+
+
+async def test_three_replicas_agree_with_one_router_that_saw_every_call(nats_server: EmbeddedNats) -> None:
+    reference = new_router()
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b, replica(nats_server.url) as c:
+        await random_steps([a, b, c], reference, random.Random(7), 120)
+        assert sum(r.sync.outcomes["gap"] for r in (a, b, c)) == 0
+
+
+async def test_a_late_joiner_learns_the_bookings_and_lost_batches_are_repaired(nats_server: EmbeddedNats) -> None:
+    reference = new_router()
+    rng = random.Random(11)
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b:
+        await random_steps([a, b], reference, rng, 40)
+        async with replica(nats_server.url) as late:
+            assert late.sync.outcomes["joined"] == 1
+            await agree([a, b, late], reference)
+            async with sync_lost(a):  # a's changes reach nobody ...
+                await random_steps([a], reference, rng, 15)
+            # ... until the gap its next batch or heartbeat shows makes each peer ask a for its view.
+            await agree([a, b, late], reference)
+            assert b.sync.outcomes["repaired"] >= 1 and late.sync.outcomes["repaired"] >= 1
+            await random_steps([a, b, late], reference, rng, 30)
+
+
+async def test_a_silent_replica_loses_its_bookings_after_its_lease(nats_server: EmbeddedNats) -> None:
+    async with replica(nats_server.url, lease_s=0.5) as a, replica(nats_server.url, lease_s=0.5) as b:
+        await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="on-b"))
+        await a.router.new(RouteRequest(tokens=PROMPTS[1], request_id="on-a"))
+        await eventually(lambda: a.router.booking("on-b") is not None and b.router.booking("on-a") is not None)
+        await b.sync._background.stop()  # b hangs: no heartbeats, no batches
+        async with sync_lost(b):
+            await eventually(lambda: a.router.booking("on-b") is None, timeout=5)
+        assert a.sync.outcomes["peer_expired"] == 1
+        assert [request_id for request_id, _ in a.router.bookings()] == ["on-a"]  # its own stay
+        assert sum(load.active_requests for load in a.router.potential_loads(PROMPTS[0])) == 1
+
+
+async def test_a_replica_that_stops_cleanly_takes_its_bookings_at_once(nats_server: EmbeddedNats) -> None:
+    async with replica(nats_server.url) as a:
+        async with replica(nats_server.url) as b:
+            await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="x"))
+            await eventually(lambda: a.router.booking("x") is not None)
+        await eventually(lambda: a.router.booking("x") is None, timeout=2)
+        assert a.sync.outcomes["peer_left"] == 1
+
+
+async def test_undecodable_sync_messages_are_counted_and_ignored(nats_server: EmbeddedNats, client: Client) -> None:
+    reference = new_router()
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b:
+        await client.publish(a.sync.subjects.router_sync, b"\xc1 not msgpack")
+        await client.publish(a.sync.subjects.router_sync, msgspec.msgpack.encode({"type": "batch", "seq": "x"}))
+        await random_steps([a, b], reference, random.Random(3), 10)
+        assert a.sync.outcomes["rejected_undecodable"] == 2
