@@ -117,19 +117,7 @@ class BridgeCommand:
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
         async def serve() -> None:
-            nc = await connect(
-                NatsOptions(
-                    config.nats_url,
-                    user=config.nats_user,
-                    password=config.nats_password,
-                    token=config.nats_token,
-                    creds_file=config.nats_creds_file,
-                    tls_ca_file=config.nats_tls_ca_file,
-                    tls_cert_file=config.nats_tls_cert_file,
-                    tls_key_file=config.nats_tls_key_file,
-                    name=f"kv-router-bridge-{config.worker_id}",
-                )
-            )
+            nc = await connect(NatsOptions.from_settings(config, name=f"kv-router-bridge-{config.worker_id}"))
             task = asyncio.create_task(Bridge(config, nc).run_forever())
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -41,25 +41,11 @@ from router.replicas.durable import DurableEvents
 from router.replicas.sync import ReplicaSync
 from router.types import WorkerConfig
 
-__all__ = ["PlaneLifecycle", "PlaneState", "embedded_nats", "nats_options"]
+__all__ = ["PlaneLifecycle", "PlaneState", "embedded_nats"]
 
 logger = logging.getLogger(__name__)
 
 PlaneState = Literal["connecting", "connected", "disconnected"]
-
-
-def nats_options(config: EventPlaneConfig) -> NatsOptions:
-    assert config.nats_url is not None
-    return NatsOptions(
-        url=config.nats_url,
-        user=config.nats_user,
-        password=config.nats_password,
-        token=config.nats_token,
-        creds_file=config.nats_creds_file,
-        tls_ca_file=config.nats_tls_ca_file,
-        tls_cert_file=config.nats_tls_cert_file,
-        tls_key_file=config.nats_tls_key_file,
-    )
 
 
 @contextlib.contextmanager
@@ -135,7 +121,7 @@ class PlaneLifecycle:
         (the supervisor logs it and runs this again)."""
         if self.plane is None:
             nc = self._nc or await connect_when_available(
-                nats_options(self.config),
+                NatsOptions.from_settings(self.config),
                 on_attempt_failed=self._attempt_failed,
                 on_reconnect=self._reconnected,
                 on_disconnect=self._disconnected,

@@ -7,14 +7,35 @@ import asyncio
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import NoServersError
 
-__all__ = ["NatsOptions", "connect", "connect_when_available"]
+__all__ = ["NatsOptions", "NatsSettings", "connect", "connect_when_available"]
+
+
+class NatsSettings(Protocol):
+    """The NATS fields every settings section that connects shares (the service's, the bridge's)."""
+
+    @property
+    def nats_url(self) -> str | None: ...
+    @property
+    def nats_user(self) -> str | None: ...
+    @property
+    def nats_password(self) -> str | None: ...
+    @property
+    def nats_token(self) -> str | None: ...
+    @property
+    def nats_creds_file(self) -> str | None: ...
+    @property
+    def nats_tls_ca_file(self) -> str | None: ...
+    @property
+    def nats_tls_cert_file(self) -> str | None: ...
+    @property
+    def nats_tls_key_file(self) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +49,22 @@ class NatsOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     name: str = "kv-router"
+
+    @classmethod
+    def from_settings(cls, settings: NatsSettings, *, name: str = "kv-router") -> NatsOptions:
+        if settings.nats_url is None:
+            raise ValueError("no NATS URL is configured")
+        return cls(
+            url=settings.nats_url,
+            user=settings.nats_user,
+            password=settings.nats_password,
+            token=settings.nats_token,
+            creds_file=settings.nats_creds_file,
+            tls_ca_file=settings.nats_tls_ca_file,
+            tls_cert_file=settings.nats_tls_cert_file,
+            tls_key_file=settings.nats_tls_key_file,
+            name=name,
+        )
 
     def tls_context(self) -> ssl.SSLContext | None:
         if not (self.tls_ca_file or self.tls_cert_file):

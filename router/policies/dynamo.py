@@ -25,7 +25,14 @@ from router.overlap import NO_OVERLAP
 from router.policies.base import Selection, SelectionContext
 from router.sequences import RankState
 
-__all__ = ["DynamoPolicy", "lowest_cost_index", "softmax_probabilities", "softmax_sample_index"]
+__all__ = [
+    "DynamoPolicy",
+    "lowest_cost_index",
+    "lowest_cost_selection",
+    "softmax_probabilities",
+    "softmax_sample_index",
+    "with_taint_multipliers",
+]
 
 
 class DynamoPolicy:
@@ -116,6 +123,22 @@ def lowest_cost_index(costs: Sequence[float], rng: random.Random) -> tuple[int, 
     lowest = min(costs)
     ties = [index for index, cost in enumerate(costs) if cost == lowest]
     return (ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]), len(ties)
+
+
+def with_taint_multipliers(costs: list[float], context: SelectionContext) -> list[float]:
+    """The costs scaled by the request's preferred-taint multipliers, when it has any (§4.4)."""
+    if context.taint_multipliers is None:
+        return costs
+    return [cost * multiplier for cost, multiplier in zip(costs, context.taint_multipliers, strict=True)]
+
+
+def lowest_cost_selection(costs: list[float], rng: random.Random, what: str, unit: str) -> Selection:
+    """Pick the lowest cost (ties uniformly at random), explained as ``"<what>: cost N <unit>"``."""
+    index, ties = lowest_cost_index(costs, rng)
+    reason = f"{what}: cost {costs[index]:.0f} {unit}"
+    if ties > 1:
+        reason += f", tied with {ties - 1} other(s); picked uniformly at random"
+    return Selection(index, reason, costs)
 
 
 def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:

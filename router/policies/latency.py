@@ -42,7 +42,7 @@ import random
 from router.config import RouterConfig
 from router.overlap import NO_OVERLAP
 from router.policies.base import Selection, SelectionContext
-from router.policies.dynamo import lowest_cost_index
+from router.policies.dynamo import lowest_cost_selection, with_taint_multipliers
 
 __all__ = ["LatencyPolicy"]
 
@@ -82,14 +82,7 @@ class LatencyPolicy:
                 + (1.0 + extra_miss_weight * fill + stall_weight * rank.requests) * miss
                 + decode_weight * rank.context_tokens
             )
-        if context.taint_multipliers is not None:
-            costs = [cost * multiplier for cost, multiplier in zip(costs, context.taint_multipliers, strict=True)]
-        return costs
+        return with_taint_multipliers(costs, context)
 
     def select(self, context: SelectionContext) -> Selection:
-        costs = self.costs(context)
-        index, ties = lowest_cost_index(costs, self._rng)
-        reason = f"least latency: cost {costs[index]:.0f} prefill tokens"
-        if ties > 1:
-            reason += f", tied with {ties - 1} other(s); picked uniformly at random"
-        return Selection(index, reason, costs)
+        return lowest_cost_selection(self.costs(context), self._rng, "least latency", "prefill tokens")
