@@ -200,7 +200,8 @@ def test_router_config_comes_from_a_configmap_the_service_loads(overlay: str, tm
         c for c in by_kind(documents, "ConfigMap") if c["metadata"]["name"] == volume["configMap"]["name"]
     )
     (tmp_path / config_path.name).write_text(config_map["data"][config_path.name])
-    env = {variable["name"]: variable["value"] for variable in container["env"]}
+    # Variables from the pod's own fields (the router's name) are filled in as Kubernetes would.
+    env = {variable["name"]: variable.get("value", "kv-router-0") for variable in container["env"]}
     settings = load_settings(env=env, config_file=tmp_path / config_path.name)
     assert Path(build_parser().parse_args(["serve", *container["args"]]).config) == config_path
     assert settings.event_plane.nats_url == "nats://nats:4222"
@@ -247,10 +248,11 @@ def test_nats_runs_jetstream_and_the_ha_overlay_prepares_replicas() -> None:
     ha = rendered("ha")
     router = next(d for d in by_kind(ha, "Deployment") if d["metadata"]["name"] == "kv-router")
     assert router["spec"]["replicas"] >= 2
-    env = {
-        variable["name"]: variable["value"] for variable in router["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
+    variables = router["spec"]["template"]["spec"]["containers"][0]["env"]
+    env = {variable["name"]: variable.get("value") for variable in variables}
     assert env["KV_ROUTER_REPLICA_SYNC"] == env["KV_ROUTER_DURABLE_EVENTS"] == "true"
+    [name] = [v for v in variables if v["name"] == "KV_ROUTER_ROUTER_NAME"]
+    assert name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # each replica its own name
     nats = next(by_kind(ha, "StatefulSet"))
     assert nats["spec"]["replicas"] == 3
     config = next(c for c in by_kind(ha, "ConfigMap") if c["metadata"]["name"].startswith("nats-"))["data"]["nats.conf"]
