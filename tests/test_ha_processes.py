@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.router_processes import RouterProcess
+from tests.router_processes import RouterProcess, get
 from tests.test_api_support import prompt
 from tests.test_ha_replicas import within
 
@@ -50,12 +50,22 @@ def active_everywhere(port: int, connections: int = 12) -> set[int]:
     return totals
 
 
+def registered_everywhere(port: int, worker_id: int, connections: int = 12) -> bool:
+    """Whether every one of several fresh connections (either process) knows the worker: a
+    registration reaches the other process through the shared registry, a few ms later."""
+    return all(
+        any(status["config"]["worker_id"] == worker_id for status in get(port, "/v1/workers")["workers"])
+        for _ in range(connections)
+    )
+
+
 def test_processes_share_the_port_and_one_load_view(tmp_path: Path) -> None:
     router = RouterProcess(tmp_path, "--processes", "2", "--replica-lease-secs", "2")
     router.start()
     try:
         within(20, lambda: len(children_of(router.pid)) == 2, "two router processes")
         assert on_new_connection(router.port, "/v1/workers", {"worker_id": 1, "dp_size": 2})[0] in (200, 201)
+        within(5, lambda: registered_everywhere(router.port, 1), "every process knows the worker")
         for index in range(10):
             status, _ = on_new_connection(router.port, "/v1/new", {"tokens": PROMPT, "request_id": f"r{index}"})
             assert status == 200
