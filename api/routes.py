@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -173,7 +174,8 @@ def add_admin_routes(
     )
     async def register_worker(request: Request) -> Response:
         call = Call(await request.body(), msgpack=is_msgpack(request.headers.get("content-type")))
-        config = worker_body.decode(call)
+        # Registered over HTTP means static: no heartbeat lease, with or without an event plane.
+        config = msgspec.structs.replace(worker_body.decode(call), leased=False)
         known = kv_router.has_worker(config.worker_id)
         lifecycle: PlaneLifecycle | None = request.app.state.event_plane
         if lifecycle is not None:

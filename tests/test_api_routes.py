@@ -266,6 +266,7 @@ def test_workers_reconfigure_without_restart(client: TestClient) -> None:
     updated = client.post("/v1/workers", json={"worker_id": 1, "dp_size": 2, "taints": ["gpu=h200"]})
     assert updated.status_code == 200
     assert [r["dp_rank"] for r in updated.json()["ranks"]] == [0, 1]
+    assert updated.json()["config"]["leased"] is False  # static: it need not heartbeat
     constrained = {"tokens": tokens, "routing_constraints": {"required_taints": ["gpu=h200"]}}
     assert client.post("/v1/new", json=constrained).json()["worker_id"] == 1
     assert client.post("/v1/new", json={"tokens": tokens}).json()["overlap_blocks"] == 4
