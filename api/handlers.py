@@ -40,6 +40,7 @@ from api.wire import (
     MarkReply,
     MarkRequest,
     NewRequest,
+    OutputProgress,
     PotentialLoadsReply,
     PotentialLoadsRequest,
     RouterFreeMarked,
@@ -69,6 +70,7 @@ HOT_PATHS = {
     "/v1/potential_loads": "potential_loads",
     "/v1/mark_prefill": "mark_prefill",
     "/v1/mark_free": "mark_free",
+    "/v1/record_output": "record_output",
     "/v1/events": "events",
     "/v1/overlap": "overlap",
 }
@@ -90,6 +92,7 @@ class Handlers:
         self._router_body: BodyDecoder[RouterRequest] = BodyDecoder(RouterRequest)
         self._loads_body: BodyDecoder[PotentialLoadsRequest] = BodyDecoder(PotentialLoadsRequest)
         self._mark_body: BodyDecoder[MarkRequest] = BodyDecoder(MarkRequest)
+        self._output_body: BodyDecoder[OutputProgress] = BodyDecoder(OutputProgress)
 
     def routes(self) -> dict[str, HotHandler]:
         """Path -> handler, each behind the API token where its access class needs it."""
@@ -126,6 +129,10 @@ class Handlers:
 
     async def mark_free(self, call: Call) -> Reply:
         return await self._guard("mark_free", self._mark(call, self._router.mark_free))
+
+    async def record_output(self, call: Call) -> Reply:
+        """``POST /v1/record_output``: the request's generated tokens so far (``router_track_output_blocks``)."""
+        return await self._guard("record_output", self._record_output(call))
 
     async def events(self, call: Call) -> Reply:
         return await self._guard("events", self._events(call))
@@ -190,18 +197,20 @@ class Handlers:
         return reply_type(loads=loads, pending_count=queue.pending_count, pending_isl_tokens=queue.pending_isl_tokens)
 
     async def _mark(self, call: Call, mark: Callable[[str], bool]) -> Reply:
-        request_id = self._mark_body.decode(call).request_id or call.request_id
-        if request_id is None:
-            raise InvalidBody("request_id is required (body field or X-Request-Id header)")
+        request_id = _request_id(self._mark_body.decode(call).request_id, call)
         if not mark(request_id):
             raise UnknownRequestId(f"request {request_id!r} is not active")
         return self._reply(MarkReply(request_id=request_id, success=True), call, request_id)
 
+    async def _record_output(self, call: Call) -> Reply:
+        progress = self._output_body.decode(call)
+        request_id = _request_id(progress.request_id, call)
+        if not self._router.record_output(request_id, progress.generated_tokens):
+            raise UnknownRequestId(f"request {request_id!r} is not active")
+        return self._reply(MarkReply(request_id=request_id, success=True), call, request_id)
+
     async def _router_mark(self, request: RouterMarkPrefill | RouterMarkFree, call: Call) -> Reply:
-        # Dynamo: the payload's id if given, else the context id (here X-Request-Id).
-        request_id = request.request_id or call.request_id
-        if request_id is None:
-            raise InvalidBody("request_id is required (body field or X-Request-Id header)")
+        request_id = _request_id(request.request_id, call)
         if isinstance(request, RouterMarkPrefill):
             return self._reply(RouterPrefillMarked(success=self._router.mark_prefill(request_id)), call, request_id)
         return self._reply(RouterFreeMarked(success=self._router.mark_free(request_id)), call, request_id)
@@ -264,6 +273,14 @@ class Handlers:
         status, kind, body = mapped
         self._metrics.count(method, kind)
         return Reply(status, body)
+
+
+def _request_id(body_id: str | None, call: Call) -> str:
+    """The body's request id if given, else ``X-Request-Id`` (Dynamo: the payload's, else the context's)."""
+    request_id = body_id or call.request_id
+    if request_id is None:
+        raise InvalidBody("request_id is required (body field or X-Request-Id header)")
+    return request_id
 
 
 class _Internal(ApiError):

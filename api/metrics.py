@@ -46,6 +46,8 @@ LATENCY_BUCKETS = (
     1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0,
 )  # fmt: skip
 OVERLAP_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# The hot routes' methods, counted from the start (their "ok" series exist at 0).
+METHODS = ("new", "potential_loads", "mark_prefill", "mark_free", "record_output", "events", "overlap")
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -55,8 +57,8 @@ class ApiMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self._requests = Counter(
             f"{PREFIX}_requests",
-            "Router API calls by method (new, potential_loads, mark_prefill, mark_free, events, overlap, "
-            "router for bodies whose method could not be read) and outcome (ok or the error type).",
+            "Router API calls by method (new, potential_loads, mark_prefill, mark_free, record_output, events, "
+            "overlap, router for bodies whose method could not be read) and outcome (ok or the error type).",
             ["method", "outcome"],
             registry=registry,
         )
@@ -93,10 +95,7 @@ class ApiMetrics:
         self._decisions_created: dict[tuple[int, int], float] = {}
         registry.register(_DecisionCollector(self._decisions, self._decisions_created))
         # (method, outcome) -> its bound counter; the ok ones exist (at 0) from the start.
-        self._counts = {
-            (method, "ok"): self._requests.labels(method, "ok")
-            for method in ("new", "potential_loads", "mark_prefill", "mark_free", "events", "overlap")
-        }
+        self._counts = {(method, "ok"): self._requests.labels(method, "ok") for method in METHODS}
 
     def count(self, method: str, outcome: str = "ok") -> None:
         child = self._counts.get((method, outcome))

@@ -28,6 +28,7 @@ from api.wire import (
     MarkReply,
     MarkRequest,
     NewRequest,
+    OutputProgress,
     PotentialLoadsReply,
     PotentialLoadsRequest,
     PredictedRouterEvent,
@@ -77,6 +78,9 @@ _HOT_DOCS: dict[str, tuple[str, Any, Any]] = {
     "/v1/mark_prefill": ("The request's prefill is done: its prefill tokens stop loading its worker", MarkRequest,
                          MarkReply),
     "/v1/mark_free": ("The request is finished or cancelled: release its load", MarkRequest, MarkReply),
+    "/v1/record_output": ("The request's generated tokens so far: with router_track_output_blocks its output "
+                          "blocks count on its worker, decayed by its expected_output_tokens", OutputProgress,
+                          MarkReply),
     "/v1/events": ("Apply one RouterEvent or a list of them to the index", RouterEvent | list[RouterEvent],
                    EventsReply),
     "/v1/overlap": ("Every worker's cached prefix of the prompt, per storage tier; books nothing",

@@ -27,6 +27,7 @@ __all__ = [
     "MarkReply",
     "MarkRequest",
     "NewRequest",
+    "OutputProgress",
     "PotentialLoadsReply",
     "PotentialLoadsRequest",
     "RequestId",
@@ -72,6 +73,14 @@ class MarkRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``POST /v1/mark_prefill`` and ``/v1/mark_free``; the id may come as ``X-Request-Id`` instead."""
 
     request_id: RequestId | None = None
+
+
+class OutputProgress(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/record_output``: how many tokens the request has generated so far (its total, not an
+    increment); the id may come as ``X-Request-Id`` instead."""
+
+    request_id: RequestId | None = None
+    generated_tokens: Annotated[int, msgspec.Meta(ge=0)]
 
 
 class RouterNew(RouteRequest, tag="new", tag_field="method", kw_only=True, forbid_unknown_fields=True):

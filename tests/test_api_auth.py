@@ -94,6 +94,7 @@ DECISION_CALLS = [
     ("POST", "/v1/router", {"method": "mark_free", "request_id": "booked"}),
     ("POST", "/v1/mark_prefill", {"request_id": "booked"}),
     ("POST", "/v1/mark_free", {"request_id": "booked"}),
+    ("POST", "/v1/record_output", {"request_id": "booked", "generated_tokens": 1}),
     ("POST", "/v1/potential_loads", {"tokens": TOKENS}),
     ("POST", "/v1/overlap", {"tokens": TOKENS}),
 ]

@@ -7,7 +7,7 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from api.metrics import LATENCY_BUCKETS, OVERLAP_BLOCK_BUCKETS, PREFIX, RATIO_BUCKETS, ApiMetrics
+from api.metrics import LATENCY_BUCKETS, METHODS, OVERLAP_BLOCK_BUCKETS, PREFIX, RATIO_BUCKETS, ApiMetrics
 from router.types import DecisionTiming, RouteDecision
 from tests.test_api_support import BLOCK_SIZE, metric, prompt, serve, stored_event
 
@@ -105,7 +105,7 @@ def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
     families = {family.name: family for family in ours.collect()}
     requests = Counter(f"{PREFIX}_requests", families[f"{PREFIX}_requests"].documentation, ["method", "outcome"],
                        registry=theirs)  # fmt: skip
-    for method in ("new", "potential_loads", "mark_prefill", "mark_free", "events", "overlap"):
+    for method in METHODS:
         requests.labels(method, "ok")
     name = f"{PREFIX}_decision_duration_seconds"
     decision = Histogram(name, families[name].documentation, ["phase"], buckets=LATENCY_BUCKETS, registry=theirs)

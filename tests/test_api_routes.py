@@ -126,6 +126,49 @@ def test_mark_prefill_and_mark_free_change_the_loads(client: TestClient) -> None
     assert again.json()["error"]["type"] == "unknown_request_id"
 
 
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "fastapi_routes"])
+def test_record_output_counts_output_blocks_on_the_worker(fast_path: bool) -> None:
+    with serve(fast_path=fast_path, router_track_output_blocks=True) as client:
+        _register(client, 1)
+        tokens = prompt(6, 70)  # 4 full blocks and 6 tokens: the 11th generated token opens a block
+
+        def decode_blocks() -> int:
+            return int(client.get("/v1/workers/1").json()["ranks"][0]["active_decode_blocks"])
+
+        client.post("/v1/new", json={"tokens": tokens, "request_id": "a"})
+        client.post("/v1/new", json={"tokens": prompt(7, 70), "request_id": "b", "expected_output_tokens": 20})
+        assert decode_blocks() == 8
+        progress = client.post("/v1/record_output", json={"request_id": "a", "generated_tokens": 10})
+        assert progress.json() == {"request_id": "a", "success": True}
+        assert decode_blocks() == 8
+        client.post("/v1/record_output", json={"generated_tokens": 11}, headers={"x-request-id": "a"})
+        assert decode_blocks() == 9
+        # b said it would generate 20 tokens: after 11, 45 % of its 4 + 1 blocks still count.
+        client.post("/v1/record_output", json={"request_id": "b", "generated_tokens": 11})
+        assert decode_blocks() == 5 + round(5 * 0.45)
+        for body, status, kind in (
+            ({"request_id": "zz", "generated_tokens": 1}, 404, "unknown_request_id"),
+            ({"request_id": "a", "generated_tokens": -1}, 422, "invalid_request"),
+            ({"generated_tokens": 1}, 422, "invalid_request"),
+        ):
+            refused = client.post("/v1/record_output", json=body)
+            assert (refused.status_code, refused.json()["error"]["type"]) == (status, kind)
+        assert decode_blocks() == 5 + round(5 * 0.45)
+        client.post("/v1/mark_free", json={"request_id": "a"})
+        client.post("/v1/mark_free", json={"request_id": "b"})
+        assert decode_blocks() == 0
+        metrics = client.get("/metrics").text
+        assert 'kv_router_requests_total{method="record_output",outcome="ok"} 3.0' in metrics
+
+
+def test_record_output_without_output_tracking_changes_no_load(client: TestClient) -> None:
+    _register(client, 1)
+    client.post("/v1/new", json={"tokens": prompt(6, 70), "request_id": "a"})
+    before = client.get("/v1/workers/1").json()["ranks"]
+    assert client.post("/v1/record_output", json={"request_id": "a", "generated_tokens": 500}).status_code == 200
+    assert client.get("/v1/workers/1").json()["ranks"] == before
+
+
 def test_dynamo_router_protocol_field_for_field(client: TestClient) -> None:
     _register(client, 9)
     tokens = prompt(7, 48)
