@@ -150,7 +150,8 @@ class Scheduler:
     ) -> Choice:
         """Pick a rank among ``workers`` (from `eligible_workers`). Books nothing. ``config`` is the
         request's own (the router's with its override applied), the router's by default;
-        ``cached_blocks`` the index's blocks per rank, for a policy that `uses_cache_fill`.
+        ``cached_blocks`` the index's blocks per rank, for a policy that `uses_cache_fill` (it is then
+        also given each rank's pass budget).
 
         Raises `AllWorkersOverloaded` when every one of them has all its ranks busy. O(ranks + prompt
         blocks touched by `ActiveSequences.prefix_depths`).
@@ -175,6 +176,7 @@ class Scheduler:
                 ranks.extend(worker_ranks)
                 if multipliers is not None:
                     multipliers.extend([_taint_multiplier(preferred, worker.taints)] * len(worker_ranks))
+        fills, pass_tokens = (None, None) if cached_blocks is None else self._capacities(ranks, cached_blocks)
         context = SelectionContext(
             isl_tokens=prompt.isl_tokens,
             config=config or self._config,
@@ -184,7 +186,8 @@ class Scheduler:
             booked_blocks=prompt.booked_blocks,
             taint_multipliers=multipliers,
             expected_output_tokens=expected_output_tokens,
-            cache_fill=None if cached_blocks is None else self._cache_fill(ranks, cached_blocks),
+            cache_fill=fills,
+            pass_tokens=pass_tokens,
         )
         # A pinned rank is the caller's choice; it is still reported with its load.
         selection = self._policy.select(context) if pinned is None else Selection(0, "pinned by the caller")
@@ -218,14 +221,20 @@ class Scheduler:
         """Whether the policy scores with each rank's cache fill (`select`'s ``cached_blocks``)."""
         return bool(getattr(self._policy, "uses_cache_fill", False))
 
-    def _cache_fill(self, ranks: list[RankState], cached_blocks: Mapping[WorkerRank, int]) -> dict[WorkerRank, float]:
-        """The fraction of each rank's KV blocks its cache holds; 1 for a worker of unknown capacity."""
+    def _capacities(
+        self, ranks: list[RankState], cached_blocks: Mapping[WorkerRank, int]
+    ) -> tuple[dict[WorkerRank, float], dict[WorkerRank, int]]:
+        """Per rank, the fraction of its KV blocks its cache holds (1 for a worker of unknown capacity),
+        and its worker's ``max_num_batched_tokens`` (absent when the worker did not say)."""
         fills = {}
+        pass_tokens = {}
         for rank in ranks:
             worker = self.workers.get(rank.worker_id)
             total = worker.total_kv_blocks if worker is not None else None
             fills[rank.key] = min(cached_blocks.get(rank.key, 0) / total, 1.0) if total else 1.0
-        return fills
+            if worker is not None and worker.max_num_batched_tokens:
+                pass_tokens[rank.key] = worker.max_num_batched_tokens
+        return fills, pass_tokens
 
     def book(
         self,

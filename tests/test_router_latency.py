@@ -74,6 +74,36 @@ def test_a_miss_costs_its_time_on_an_empty_cache_and_more_as_the_cache_fills() -
     assert costs(route(router, QUERY, expected_output_tokens=10)) == {X: (1 + 1.0 * 0.25) * 64, Y: 2.0 * 128}
 
 
+def fleet_with_pass_budget(tokens: int) -> KvRouter:
+    router = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
+    for worker in (X, Y):
+        router.register_worker(WorkerConfig(worker_id=worker, max_num_batched_tokens=tokens))
+    return router
+
+
+def test_a_prefix_in_flight_counts_only_behind_a_pass_of_queued_prefill() -> None:
+    # The holder's 64 tokens are all X has queued: less than a pass (128), so this request would be
+    # scheduled in the same pass as the holder and compute the prefix again.
+    router = fleet_with_pass_budget(128)
+    book_on(router, X, "holder", QUERY[:64])
+    assert costs(route(router, QUERY, expected_output_tokens=10)) == {
+        X: pytest.approx(64 + 2.5 * 128 + 0.1 * 64),
+        Y: 2.0 * 128,
+    }
+    # A full pass queued on X: the request is admitted after the holder's prefix is computed.
+    router = fleet_with_pass_budget(128)
+    book_on(router, X, "holder", QUERY[:64])
+    book_on(router, X, "other", list(range(7000, 7064)))
+    assert costs(route(router, QUERY, expected_output_tokens=10)) == {
+        X: pytest.approx(128 + (2 + 0.5 * 2) * 64 + 0.1 * 128),
+        Y: 2.0 * 128,
+    }
+    # A worker that does not say its pass budget: the prefix in flight counts as cached.
+    router = router_with(**KNOBS)
+    book_on(router, X, "holder", QUERY[:64])
+    assert costs(route(router, QUERY, expected_output_tokens=10))[X] == pytest.approx(64 + 2.5 * 64 + 0.1 * 64)
+
+
 def test_long_outputs_leave_a_rank_full_of_context_short_ones_stay() -> None:
     router = router_with()
     router.apply_event(prompt_stored_event(X, QUERY, BS))

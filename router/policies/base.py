@@ -100,6 +100,7 @@ class SelectionContext:
         "expected_output_tokens",
         "isl_tokens",
         "overlaps",
+        "pass_tokens",
         "ranks",
         "taint_multipliers",
         "track_prefill_tokens",
@@ -117,6 +118,7 @@ class SelectionContext:
         taint_multipliers: Sequence[float] | None,
         expected_output_tokens: int | None = None,
         cache_fill: Mapping[WorkerRank, float] | None = None,
+        pass_tokens: Mapping[WorkerRank, int] | None = None,
     ) -> None:
         self.isl_tokens = isl_tokens
         # The config in force for this request: the router's, with the request's override applied.
@@ -124,8 +126,10 @@ class SelectionContext:
         self.block_size = config.block_size
         self.track_prefill_tokens = config.router_track_prefill_tokens
         self.expected_output_tokens = expected_output_tokens
-        # Per rank, the fraction of its KV blocks its cache holds (policies with ``uses_cache_fill``).
+        # Per rank, the fraction of its KV blocks its cache holds, and its worker's max_num_batched_tokens
+        # where known (both for policies with ``uses_cache_fill``).
         self.cache_fill = cache_fill
+        self.pass_tokens = pass_tokens
         self.ranks = ranks
         self.overlaps = overlaps
         self.depths = depths
