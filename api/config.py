@@ -131,6 +131,13 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
         str | None, _doc("PEM client certificate for NATS servers that verify clients (with --nats-tls-key-file)")
     ] = None
     nats_tls_key_file: Annotated[str | None, _doc("PEM private key of --nats-tls-cert-file")] = None
+    nats_connection_file: Annotated[
+        str | None,
+        _doc(
+            "where the embedded nats-server's URL and token are written (0600) for local tools, which read "
+            "the same setting; unset: $XDG_RUNTIME_DIR/kv-router/nats-<port>.json, else ~/.cache/kv-router/"
+        ),
+    ] = None
     worker_lease_secs: Annotated[
         float, _doc("a heartbeating worker silent this long is removed"), msgspec.Meta(gt=0)
     ] = 10.0
@@ -432,6 +439,17 @@ def _check_references(settings: Settings) -> None:
         path = getattr(settings.security, name)
         if path is not None and not os.access(path, os.R_OK):
             raise ConfigError(name, f"cannot read {path}")
+    for name in ("nats_tls_ca_file", "nats_tls_cert_file", "nats_tls_key_file"):
+        path = getattr(settings.event_plane, name)
+        if path is not None and not os.access(path, os.R_OK):
+            raise ConfigError(name, f"cannot read {path}")
+    if settings.event_plane.nats_creds_file is not None:
+        from router.event_plane.connection import check_creds_file  # nats-py: only when it is needed
+
+        try:
+            check_creds_file(settings.event_plane.nats_creds_file)
+        except ValueError as exc:
+            raise ConfigError("nats_creds_file", str(exc)) from None
 
 
 def _none_if_null(value: str) -> Any:

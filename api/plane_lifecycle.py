@@ -1,7 +1,8 @@
 """The service's NATS event plane over its lifetime, never in the way of HTTP.
 
 `embedded_nats` starts the private nats-server that ``kv-router serve`` uses when no URL is given
-(on another port, with a WARNING, when the configured one is taken). `PlaneLifecycle` connects the
+(on another port, with a WARNING, when the configured one is taken), with a token made for it and
+handed to local tools in a connection file (`router.event_plane.connection_file`). `PlaneLifecycle` connects the
 app's router to NATS in the background: HTTP serves from the first moment, each failed attempt is one
 log line (backoff doubling to 5 s, no traceback), and the `RouterEventPlane` starts once NATS
 answers. It then tracks the connection: one WARNING when it is lost, one INFO when it is back.
@@ -22,17 +23,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Literal
 
+import msgspec
 from nats.aio.client import Client
 from nats.errors import SlowConsumerError
 
 from api.config import EventPlaneConfig, HaConfig
 from api.wire import EventPlaneHealth
-from router.event_plane.connection import NatsOptions, connect_when_available
+from router.event_plane.connection import NatsOptions, connect_when_available, is_authorization_error
+from router.event_plane.connection_file import (
+    LocalServer,
+    connection_file_path,
+    remove_connection_file,
+    write_connection_file,
+)
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -49,25 +58,46 @@ PlaneState = Literal["connecting", "connected", "disconnected"]
 
 
 @contextlib.contextmanager
-def embedded_nats(config: EventPlaneConfig) -> Iterator[str | None]:
-    """The NATS URL to use: the configured one, an embedded server's, or None (HTTP events only)."""
+def embedded_nats(config: EventPlaneConfig) -> Iterator[EventPlaneConfig]:
+    """The event plane settings to use: ``config`` itself when it names a NATS URL (or has no
+    embedded server), else the URL and token of an embedded server started here, which only clients
+    with that token may join; the token is written to a connection file (0600) for local tools."""
     if config.nats_url is not None or not config.embedded_nats:
-        yield config.nats_url
+        yield config
         return
     wanted = config.embedded_nats_port
     try:
-        server = EmbeddedNats(port=wanted).start()
+        server = EmbeddedNats(port=wanted, require_token=True).start()
     except RuntimeError:  # the port is taken (another kv-router, a system nats-server)
-        server = EmbeddedNats(port=free_port()).start()
+        server = EmbeddedNats(port=free_port(), require_token=True).start()
         logger.warning(
             "port %d is taken: the embedded nats-server listens on port %d instead (workers need that port)",
             wanted,
             server.port,
         )
-    logger.info("embedded nats-server started on port %d (--nats-url to use your own)", server.port)
+    assert server.token is not None
+    local = LocalServer(url=server.url, token=server.token, pid=os.getpid())
+    path = connection_file_path(server.port, config.nats_connection_file)
     try:
-        yield server.url
+        write_connection_file(path, local)
+        where = f"local tools (kv-router mock-worker, bridge, replay) read it from {path}"
+    except OSError as exc:
+        logger.warning("cannot write the NATS connection file %s (%s): local tools cannot find the token",
+                       path, exc.strerror or exc)  # fmt: skip
+        where = "no connection file"
+    logger.info(
+        "embedded nats-server started on port %d, loopback only; clients need its token: %s (--nats-url to use "
+        "your own NATS)",
+        server.port,
+        where,
+    )
+    try:
+        yield msgspec.structs.replace(
+            config, nats_url=server.url, nats_token=server.token, nats_user=None, nats_password=None,
+            nats_creds_file=None,
+        )  # fmt: skip
     finally:
+        remove_connection_file(path, local)
         server.stop()
 
 
@@ -227,10 +257,13 @@ class PlaneLifecycle:
     # ------------------------------------------------------------------ connection events
     def _attempt_failed(self, attempt: int, backoff_s: float, error: Exception) -> None:
         self.last_error = f"{type(error).__name__}: {error}"
+        problem = "unreachable"
+        if is_authorization_error(error):
+            problem = "refused the credentials (check --nats-user/--nats-password, --nats-token or --nats-creds-file)"
         logger.warning(
-            "NATS at %s unreachable (%s); retry %d in %.1f s. HTTP is serving; /readyz answers 503 until "
-            "the event plane starts",
+            "NATS at %s %s (%s); retry %d in %.1f s. HTTP is serving; /readyz answers 503 until the event plane starts",
             self.url,
+            problem,
             self.last_error,
             attempt,
             backoff_s,

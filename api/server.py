@@ -74,10 +74,8 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> None:
     previous = {sig: signal.signal(sig, _stop) for sig in _SIGNALS}
     stopped_by: int | None = None
     try:
-        with embedded_nats(settings.event_plane) as nats_url:
-            if nats_url != settings.event_plane.nats_url:
-                event_plane = msgspec.structs.replace(settings.event_plane, nats_url=nats_url)
-                settings = msgspec.structs.replace(settings, event_plane=event_plane)
+        with embedded_nats(settings.event_plane) as event_plane:
+            settings = msgspec.structs.replace(settings, event_plane=event_plane)
             if settings.ha.processes > 1:
                 run_children(settings)  # each child comes back here with one process and its socket
             else:

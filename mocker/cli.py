@@ -173,7 +173,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     online = parser.add_argument_group("online replay")
     online.add_argument("--online", action="store_true", help="replay against a running router and mock workers")
     online.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL [%(default)s]")
-    online.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="where the mock workers are [%(default)s]")
+    _add_nats_flags(online, "where the mock workers are")
     online.add_argument("--namespace", default="default", help="NATS namespace of the workers [%(default)s]")
     online.add_argument(
         "--time-scale",
@@ -197,6 +197,7 @@ def _run_replay(args: argparse.Namespace) -> int:
 
     from mocker.replay import ReplaySetup, replay_offline, replay_online_report, write_outputs
     from mocker.report import render_table, render_worker_table
+    from router.event_plane.connection_file import ConnectionFileError
 
     engine = _engine_config(args)
     try:
@@ -228,7 +229,7 @@ def _run_replay(args: argparse.Namespace) -> int:
                     trace,
                     label=args.label,
                     router_url=args.url,
-                    nats_url=args.nats_url,
+                    nats=_nats_options(args, "kv-router-replay"),
                     namespace=args.namespace,
                     workers=args.workers,
                     time_scale=args.time_scale,
@@ -240,7 +241,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         else:
             settings["mode"] = "offline"
             runs = asyncio.run(replay_offline(trace, setup, show_progress=not args.quiet))
-    except ValueError as exc:
+    except (ValueError, ConnectionFileError) as exc:
         print(f"kv-router replay: {exc}", file=sys.stderr)
         return 2
     print(render_table([run.report for run in runs]))
@@ -337,12 +338,38 @@ _WORKER_HELP = (
 )
 
 
-def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+def _add_nats_flags(group: argparse._ActionsContainer, what: str) -> None:
+    group.add_argument(
         "--nats-url",
-        default="nats://127.0.0.1:4222",
-        help="the router's NATS server, as kv-router serve logs it and GET /v1/info returns it [%(default)s]",
+        default=None,
+        help=f"{what}, as kv-router serve logs it and GET /v1/info returns it [the embedded NATS of a kv-router "
+        "serve on this host, found with its token in its connection file; else nats://127.0.0.1:4222]",
     )
+    group.add_argument(
+        "--nats-creds-file", default=None, help="NATS credentials file (.creds: user JWT and nkey seed) [none]"
+    )
+    group.add_argument(
+        "--nats-connection-file",
+        default=None,
+        help="the connection file kv-router serve wrote for its embedded NATS [env KV_ROUTER_NATS_CONNECTION_FILE; "
+        "default: $XDG_RUNTIME_DIR/kv-router/ or ~/.cache/kv-router/]",
+    )
+
+
+def _nats_options(args: argparse.Namespace, name: str) -> Any:
+    """The NATS options of ``args``, completed by a local router's connection file (`ValueError` or
+    `ConnectionFileError` when a file given cannot be used)."""
+    from router.event_plane.connection import NatsOptions, check_creds_file
+    from router.event_plane.connection_file import DEFAULT_URL, with_local_credentials
+
+    if args.nats_creds_file is not None:
+        check_creds_file(args.nats_creds_file)
+    options = NatsOptions(args.nats_url or DEFAULT_URL, creds_file=args.nats_creds_file, name=name)
+    return with_local_credentials(args.nats_url, options, args.nats_connection_file)
+
+
+def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
+    _add_nats_flags(parser, "the router's NATS server")
     parser.add_argument("--namespace", default="default", help="deployment namespace [%(default)s]")
     parser.add_argument("--worker-id", type=int, default=None, help="worker id [random]")
     parser.add_argument("--seed", type=int, default=0, help="seeds generated tokens [%(default)s]")
@@ -379,7 +406,8 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     from mocker.openai_api import serve_openai
     from mocker.worker import MockWorker
     from mocker.zmq_engine import VllmZmqPublisher
-    from router.event_plane.connection import NatsOptions, connect
+    from router.event_plane.connection import connect, is_authorization_error
+    from router.event_plane.connection_file import ConnectionFileError
     from router.event_plane.embedded_server import free_port
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -391,14 +419,26 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
         port = free_port()
     url = f"http://{args.http_host}:{port}" if port is not None else None
 
+    try:
+        options = _nats_options(args, f"mock-worker-{worker_id}")
+    except (ValueError, ConnectionFileError) as exc:
+        print(f"kv-router mock-worker: {exc}", file=sys.stderr)
+        return 2
+
     async def serve() -> int:
         try:
-            nc = await connect(NatsOptions(args.nats_url, name=f"mock-worker-{worker_id}"))
+            nc = await connect(options)
         except (OSError, TimeoutError, NatsError) as exc:
+            hint = (
+                "The server refused the credentials: an embedded NATS needs the token in the connection file of "
+                "its kv-router serve (--nats-connection-file), an external one --nats-creds-file."
+                if is_authorization_error(exc)
+                else "Pass the URL the router uses with --nats-url: kv-router serve logs it at start-up and "
+                "GET /v1/info on the router returns it."
+            )
             print(
-                f"kv-router mock-worker: cannot connect to NATS at {args.nats_url} ({type(exc).__name__}: {exc}). "
-                "Pass the URL the router uses with --nats-url: kv-router serve logs it at start-up and "
-                "GET /v1/info on the router returns it.",
+                f"kv-router mock-worker: cannot connect to NATS at {options.url} ({type(exc).__name__}: {exc}). "
+                + hint,
                 file=sys.stderr,
             )
             return 2
@@ -423,7 +463,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, task.cancel)
             http = f", OpenAI API at {url} (model {args.model})" if url else ""
-            print(f"mock worker {worker_id} on {args.nats_url} (namespace {args.namespace}){http}", flush=True)
+            print(f"mock worker {worker_id} on {options.url} (namespace {args.namespace}){http}", flush=True)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await nc.close()

@@ -1,11 +1,11 @@
 """``kv-router demo``: the router at work, in one command and one process.
 
-It starts an embedded nats-server, the router service (HTTP + event plane, `dynamo` policy, its OpenAI
-proxy on), and ``workers`` mock workers on NATS that also serve the OpenAI API, then replays a
-generated shared-prefix workload online: requests go through ``/v1/new``, the workers publish real KV
-events, the router learns where prefixes live. Then the whole chain runs with an HTTP client speaking
-the OpenAI API to the proxy (`mocker.demo_proxy`). Last, the same workload is simulated offline with
-every router for comparison; the tables are printed.
+It starts an embedded nats-server (only clients with its token may join), the router service (HTTP +
+event plane, `dynamo` policy, its OpenAI proxy on), and ``workers`` mock workers on NATS that also
+serve the OpenAI API, then replays a generated shared-prefix workload online: requests go through
+``/v1/new``, the workers publish real KV events, the router learns where prefixes live. Then the
+whole chain runs with an HTTP client speaking the OpenAI API to the proxy (`mocker.demo_proxy`).
+Last, the same workload is simulated offline with every router for comparison; the tables are printed.
 
 The online part runs ``speedup`` times faster than real time (arrivals and engines alike) and its
 times are scaled back, so both tables are in the same units. The workers get a small KV pool
@@ -31,7 +31,7 @@ from mocker.trace import Row, TraceOptions, build_trace
 from mocker.worker import MockWorker
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
-from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.connection import connect
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 
 __all__ = ["DemoOptions", "run_demo"]
@@ -76,15 +76,15 @@ async def _online(rows: list[Row], engine: EngineConfig, options: DemoOptions) -
     trace = build_trace(rows, TraceOptions(seed=options.seed), "<generated shared-prefix workload>")
     fast_engine = msgspec.structs.replace(engine, speedup_ratio=options.speedup)
     rng = random.Random(options.seed)
-    with EmbeddedNats() as nats:
+    with EmbeddedNats(require_token=True) as nats:
         async with (
-            serve_router(nats.url, RouterConfig(block_size=engine.block_size), proxy=True) as url,
+            serve_router(
+                nats.url, RouterConfig(block_size=engine.block_size), nats_token=nats.token, proxy=True
+            ) as url,
             contextlib.AsyncExitStack() as stack,
         ):
             print(f"router at {url}, NATS at {nats.url}")
-            connections = [
-                await connect(NatsOptions(nats.url, name=f"mock-worker-{i}")) for i in range(options.workers)
-            ]
+            connections = [await connect(nats.client_options(name=f"mock-worker-{i}")) for i in range(options.workers)]
             ports = [free_port() for _ in connections]
             workers = [
                 MockWorker(
@@ -105,7 +105,7 @@ async def _online(rows: list[Row], engine: EngineConfig, options: DemoOptions) -
                     trace,
                     label="dynamo (online)",
                     router_url=url,
-                    nats_url=nats.url,
+                    nats=nats.client_options(name="kv-router-replay"),
                     workers=options.workers,
                     time_scale=options.speedup,
                     show_progress=options.show_progress,

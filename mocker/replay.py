@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -27,6 +27,9 @@ from mocker.routers import make_router, router_names
 from mocker.simulation import simulate
 from mocker.trace import Trace
 from router.config import RouterConfig
+
+if TYPE_CHECKING:
+    from router.event_plane.connection import NatsOptions
 
 __all__ = ["ReplayRun", "ReplaySetup", "replay_offline", "replay_online_report", "write_outputs"]
 
@@ -102,7 +105,7 @@ async def replay_online_report(
     *,
     label: str,
     router_url: str,
-    nats_url: str,
+    nats: NatsOptions,
     namespace: str = "default",
     workers: int = 1,
     time_scale: float = 1.0,
@@ -116,9 +119,9 @@ async def replay_online_report(
     (``speedup_ratio``), so the whole system is time-compressed rather than overloaded.
     """
     from mocker.online import replay_online
-    from router.event_plane.connection import NatsOptions, connect
+    from router.event_plane.connection import connect
 
-    nc = await connect(NatsOptions(nats_url, name="kv-router-replay"))
+    nc = await connect(nats)
     bar = ProgressBar(label, enabled=show_progress)
     started = time.perf_counter()
     try:

@@ -26,18 +26,19 @@ async def serve_router(
     nats_url: str,
     config: RouterConfig,
     *,
+    nats_token: str | None = None,
     namespace: str = "default",
     proxy: bool = False,
     startup_timeout_s: float = 10.0,
 ) -> AsyncIterator[str]:
-    """Serve a router on loopback, its event plane on ``nats_url`` (and, with ``proxy``, its OpenAI
-    proxy), for the duration of the block; yields its base URL once the
+    """Serve a router on loopback, its event plane on ``nats_url`` (with ``nats_token`` if that server
+    requires one; and, with ``proxy``, its OpenAI proxy), for the duration of the block; yields its base URL once the
     event plane has started too."""
     port = free_port()
     settings = Settings(
         router=config,
         service=ServiceConfig(port=port, log_level="warning"),
-        event_plane=EventPlaneConfig(nats_url=nats_url, nats_namespace=namespace),
+        event_plane=EventPlaneConfig(nats_url=nats_url, nats_token=nats_token, nats_namespace=namespace),
         proxy=ProxyConfig(proxy=proxy),
     )
     served = uvicorn_config(settings)

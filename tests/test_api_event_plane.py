@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import signal
 import socket
@@ -46,8 +47,9 @@ class Workers:
     """Worker publishers living on their own event loop in a thread, as engine processes would,
     so they answer the service's resync requests while the test talks HTTP."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str | None = None) -> None:
         self.url = url
+        self.token = token
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -58,7 +60,7 @@ class Workers:
 
     def start(self, worker_id: int, tokens: list[int], **registration: Any) -> None:
         async def run() -> None:
-            nc = await connect(NatsOptions(self.url))
+            nc = await connect(NatsOptions(self.url, token=self.token))
             publisher = KvEventPublisher(nc, WorkerConfig(worker_id=worker_id, block_size=BLOCK, **registration))
             await publisher.start()
             await publisher.stored(blocks_of(tokens))
@@ -187,22 +189,23 @@ def _port_open(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_serve_without_a_nats_url_brings_its_own_server() -> None:
+def test_serve_without_a_nats_url_brings_its_own_server(tmp_path: Path) -> None:
     http_port, nats_port = free_port(), free_port()
     command = [sys.executable, "-m", "api.cli", "serve", "--port", str(http_port),
                "--embedded-nats-port", str(nats_port), "--block-size", str(BLOCK)]  # fmt: skip
-    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
-        stderr = _serve_and_route(process, http_port, nats_port)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}  # where it leaves the token for local workers
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        stderr = _serve_and_route(process, http_port, nats_port, tmp_path / "kv-router" / f"nats-{nats_port}.json")
     assert f"nats://127.0.0.1:{nats_port}".encode() in stderr  # the URL workers should use is printed
     assert not _port_open(nats_port)  # and the private server is gone with the service
 
 
-def _serve_and_route(process: subprocess.Popen[bytes], http_port: int, nats_port: int) -> bytes:
+def _serve_and_route(process: subprocess.Popen[bytes], http_port: int, nats_port: int, connection: Path) -> bytes:
     try:
-        until(lambda: _port_open(http_port) and _port_open(nats_port), timeout=30)
+        until(lambda: _port_open(http_port) and _port_open(nats_port) and connection.exists(), timeout=30)
         rng = random.Random(5)
         prompt = [rng.randrange(50_000) for _ in range(4 * BLOCK)]
-        pool = Workers(f"nats://127.0.0.1:{nats_port}")
+        pool = Workers(f"nats://127.0.0.1:{nats_port}", json.loads(connection.read_text())["token"])
         pool.start(31, prompt)
 
         def routed() -> bool:

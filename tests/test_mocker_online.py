@@ -68,7 +68,7 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
             trace,
             label="online",
             router_url=router_url,
-            nats_url=nats_server.url,
+            nats=NatsOptions(nats_server.url),
             workers=WORKERS,
             time_scale=TIME_SCALE,
             show_progress=False,

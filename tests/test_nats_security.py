@@ -1,0 +1,263 @@
+"""The embedded nats-server demands a token made per start; the service and the local tools find it in
+a 0600 connection file, so ``kv-router serve`` and ``kv-router mock-worker`` still need no flags, while a
+client without the token is refused. The token is never on a command line nor in a log.
+
+Real nats-server, real ``kv-router serve`` and ``kv-router mock-worker`` processes, each stopped by
+its PID; every process started here gets its own ``XDG_RUNTIME_DIR`` so no test touches the user's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+from nats.errors import Error as NatsError
+
+from api.config import EventPlaneConfig
+from api.plane_lifecycle import embedded_nats
+from router.event_plane.connection import NatsOptions, connect, is_authorization_error
+from router.event_plane.connection_file import (
+    DEFAULT_URL,
+    ConnectionFileError,
+    LocalServer,
+    find_local_server,
+    with_local_credentials,
+    write_connection_file,
+)
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.router_processes import ROOT, RouterProcess, kv_router_command
+from tests.waiting import until
+
+pytestmark = pytest.mark.slow
+
+MOCK_BLOCK = 64  # the mock workers' block size
+
+
+def _refusal(options: NatsOptions) -> BaseException:
+    async def attempt() -> BaseException:
+        try:
+            nc = await connect(options)
+        except (OSError, TimeoutError, NatsError) as exc:
+            return exc
+        await nc.close()
+        raise AssertionError(f"{options.url} admitted a client with token={options.token is not None}")
+
+    return asyncio.run(attempt())
+
+
+async def _round_trip(options: NatsOptions) -> bytes:
+    nc = await connect(options)
+    try:
+        sub = await nc.subscribe("kv.test.echo")
+        await nc.publish("kv.test.echo", b"hello")
+        return (await sub.next_msg(timeout=5)).data
+    finally:
+        await nc.close()
+
+
+# nats-py leaves a refused connection's socket to the garbage collector: the library's warning, not ours.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_the_embedded_server_refuses_clients_without_its_token() -> None:
+    with EmbeddedNats(require_token=True) as server:
+        assert server.token is not None and len(server.token) >= 40
+        without = _refusal(NatsOptions(server.url))
+        assert is_authorization_error(without), without
+        assert "Authorization Violation" in str(without)
+        wrong = _refusal(NatsOptions(server.url, token="not-" + server.token))
+        assert is_authorization_error(wrong), wrong
+        assert asyncio.run(_round_trip(server.client_options())) == b"hello"
+        # The config that held the token is gone once the server has read it; the command line names it only.
+        command = Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0")
+        config = Path(command[command.index(b"-c") + 1].decode())
+        assert not config.exists() and not config.parent.exists()
+        assert server.token.encode() not in b" ".join(command)
+    with EmbeddedNats(require_token=True) as other:
+        assert other.token != server.token  # a new secret per server
+
+
+def test_serve_writes_a_private_connection_file_and_removes_it(tmp_path: Path) -> None:
+    connection_file = tmp_path / "runtime" / "kv-router" / "nats.json"
+    config = EventPlaneConfig(embedded_nats_port=free_port(), nats_connection_file=str(connection_file))
+    with embedded_nats(config) as used:
+        assert used.nats_url == f"nats://127.0.0.1:{config.embedded_nats_port}" and used.nats_token is not None
+        assert stat.S_IMODE(connection_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(connection_file.parent.stat().st_mode) == 0o700
+        local = msgspec.json.decode(connection_file.read_bytes(), type=LocalServer)
+        assert (local.url, local.token, local.pid) == (used.nats_url, used.nats_token, os.getpid())
+        assert repr(local).count(local.token) == 0 and local.token not in repr(used)
+        assert asyncio.run(_round_trip(NatsOptions(local.url, token=local.token))) == b"hello"
+    assert not connection_file.exists()
+
+
+def _write(directory: Path, port: int, pid: int) -> LocalServer:
+    server = LocalServer(url=f"nats://127.0.0.1:{port}", token=f"token-{port}", pid=pid)
+    write_connection_file(directory / "kv-router" / f"nats-{port}.json", server)
+    return server
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_local_tools_find_the_server_a_url_means(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("KV_ROUTER_NATS_CONNECTION_FILE", raising=False)
+    assert find_local_server(None) is None
+    assert with_local_credentials(None, NatsOptions(DEFAULT_URL)) == NatsOptions(DEFAULT_URL)
+
+    dead = _write(tmp_path, 4300, _dead_pid())  # a service killed with SIGKILL left its file
+    assert find_local_server(None) is None and find_local_server(dead.url) is None
+    moved = _write(tmp_path, 4301, os.getpid())  # 4222 was taken: the only server running is chosen
+    assert find_local_server(None) == moved
+    options = with_local_credentials(None, NatsOptions(DEFAULT_URL, name="w"))
+    assert (options.url, options.token, options.name) == (moved.url, moved.token, "w")
+    _write(tmp_path, 4302, os.getpid())
+    assert find_local_server(None) is None  # two and neither on 4222: the user must say which
+    default = _write(tmp_path, 4222, os.getpid())
+    assert find_local_server(None) == default  # the default port wins
+    assert find_local_server("nats://localhost:4301") == moved  # a URL means the server on its port
+    assert find_local_server("127.0.0.1:4301") == moved
+    assert find_local_server("nats://10.1.2.3:4301") is None  # not this host's
+    # Credentials of one's own are never replaced.
+    mine = NatsOptions("nats://127.0.0.1:4301", token="mine")
+    assert with_local_credentials("nats://127.0.0.1:4301", mine) == mine
+    creds = NatsOptions("nats://127.0.0.1:4301", creds_file="/x.creds")
+    assert with_local_credentials("nats://127.0.0.1:4301", creds) == creds
+    # A file another user owns could point the tools at that user's server: ignored.
+    planted = tmp_path / "kv-router" / "nats-4222.json"
+    os.chown(planted, 12345, 12345)
+    assert find_local_server(None) is None
+    # An explicit file is read as given, or is an error.
+    assert find_local_server(None, str(tmp_path / "kv-router" / "nats-4301.json")) == moved
+    with pytest.raises(ConnectionFileError, match="not a readable kv-router connection file"):
+        find_local_server(None, str(tmp_path / "missing.json"))
+    monkeypatch.setenv("KV_ROUTER_NATS_CONNECTION_FILE", str(tmp_path / "kv-router" / "nats-4302.json"))
+    assert with_local_credentials(None, NatsOptions(DEFAULT_URL)).token == "token-4302"
+
+
+class MockWorker:
+    """A ``kv-router mock-worker`` process, its output in a file."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], *flags: str) -> None:
+        self.log_path = log_dir / f"mock-worker-{time.monotonic_ns()}.log"
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [*kv_router_command(), "mock-worker", *flags],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=ROOT,
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def _command_lines() -> Iterator[tuple[int, bytes]]:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                yield int(entry), Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+
+
+def _nats_server_pid(port: int) -> int:
+    for pid, command in _command_lines():
+        parts = command.split(b"\0")
+        if parts[0].endswith(b"nats-server") and str(port).encode() in parts:
+            return pid
+    raise AssertionError(f"no nats-server on port {port}")
+
+
+def _routed_to(router: RouterProcess, worker_id: int) -> bool:
+    status, body = router.post("/v1/new", {"tokens": list(range(1, 2 * MOCK_BLOCK + 1))})
+    if status != 200:
+        return False
+    router.post("/v1/mark_free", {"request_id": body["request_id"]})
+    return bool(body["worker_id"] == worker_id)
+
+
+@pytest.fixture
+def runtime_env(tmp_path: Path) -> dict[str, str]:
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    env.pop("KV_ROUTER_NATS_CONNECTION_FILE", None)
+    return env
+
+
+# nats-py leaves a refused connection's socket to the garbage collector: the library's warning, not ours.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_serve_and_a_mock_worker_without_flags_share_the_token_nobody_else_has(
+    tmp_path: Path, runtime_env: dict[str, str]
+) -> None:
+    nats_port = free_port()  # not 4222: other tests and services on this host may hold it
+    router = RouterProcess(tmp_path, "--block-size", str(MOCK_BLOCK), "--embedded-nats-port", str(nats_port),
+                           env=runtime_env)  # fmt: skip
+    router.start()
+    worker: MockWorker | None = None
+    try:
+        connection_file = Path(runtime_env["XDG_RUNTIME_DIR"]) / "kv-router" / f"nats-{nats_port}.json"
+        local = msgspec.json.decode(connection_file.read_bytes(), type=LocalServer)
+        assert stat.S_IMODE(connection_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(connection_file.parent.stat().st_mode) == 0o700
+        assert local.pid == router.pid and local.url == f"nats://127.0.0.1:{nats_port}"
+        assert router.get("/v1/info")["nats_url"] == local.url
+
+        # No NATS flag at all: the worker finds the only router running and its token.
+        worker = MockWorker(tmp_path, runtime_env, "--worker-id", "77")
+        until(lambda: _routed_to(router, 77), timeout=30)
+        assert f"mock worker 77 on {local.url}" in worker.log()
+
+        # A foreign process on the host, without the connection file: refused.
+        refused = _refusal(NatsOptions(local.url, name="intruder"))
+        assert is_authorization_error(refused), refused
+        assert [w["config"]["worker_id"] for w in router.get("/v1/workers")["workers"]] == [77]
+
+        token = local.token.encode()
+        nats_pid = _nats_server_pid(nats_port)
+        watched = {router.pid, worker.process.pid, nats_pid}
+        for pid, command in _command_lines():
+            assert token not in command, f"the token is on the command line of process {pid}"
+        assert watched <= {pid for pid, _ in _command_lines()}
+    finally:
+        if worker is not None:
+            worker.stop()
+        router.stop()
+    assert not connection_file.exists()  # removed with the service
+    for log in (router.log(), worker.log() if worker else ""):
+        assert local.token not in log and "Traceback" not in log
+    assert str(connection_file) in router.log()  # says where the tools find it
+
+
+def test_a_mock_worker_refused_by_the_embedded_server_says_why(tmp_path: Path, runtime_env: dict[str, str]) -> None:
+    with EmbeddedNats(require_token=True) as server:
+        worker = MockWorker(tmp_path, runtime_env, "--nats-url", server.url, "--worker-id", "5")
+        try:
+            assert worker.process.wait(30) == 2
+        finally:
+            worker.stop()
+    log = worker.log()
+    assert "refused the credentials" in log and "--nats-connection-file" in log and "Traceback" not in log
