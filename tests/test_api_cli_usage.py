@@ -128,7 +128,10 @@ def test_the_example_config_file_loads(tmp_path: Path) -> None:
     for relative in re.findall(re.escape(str(tmp_path)) + r"/([\w/.-]+)", text):
         path = tmp_path / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("example-token\n")
+        if path.suffix == ".creds":  # checked to hold a user JWT and seed
+            path.write_text("-----BEGIN NATS USER JWT-----\neyJ\n-----BEGIN USER NKEY SEED-----\nSU\n")
+        else:
+            path.write_text("example-token\n")
     example = tmp_path / "example.toml"
     example.write_text(text)
     settings = load_settings(config_file=example)
