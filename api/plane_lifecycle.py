@@ -2,10 +2,10 @@
 
 `embedded_nats` starts the private nats-server that ``kv-router serve`` uses when no URL is given
 (on another port, with a WARNING, when the configured one is taken), with a token made for it and
-handed to local tools in a connection file (`router.event_plane.connection_file`). `PlaneLifecycle` connects the
-app's router to NATS in the background: HTTP serves from the first moment, each failed attempt is one
-log line (backoff doubling to 5 s, no traceback), and the `RouterEventPlane` starts once NATS
-answers. It then tracks the connection: one WARNING when it is lost, one INFO when it is back.
+handed to local tools in a connection file (`router.event_plane.connection_file`). `PlaneLifecycle`
+connects the app's router to NATS in the background: HTTP serves from the first moment, each failed
+attempt is one log line (backoff doubling to 5 s, no traceback), and the `RouterEventPlane` starts
+once NATS answers. It then tracks the connection: one WARNING when it is lost, one INFO when it is back.
 
 With ``--durable-events`` the newest index snapshot is restored and the JetStream stream replayed
 before the plane counts as started; with ``--replica-sync`` the replica joins its peers' bookings as it
@@ -78,13 +78,15 @@ def embedded_nats(config: EventPlaneConfig) -> Iterator[EventPlaneConfig]:
     assert server.token is not None
     local = LocalServer(url=server.url, token=server.token, pid=os.getpid())
     path = connection_file_path(server.port, config.nats_connection_file)
-    try:
-        write_connection_file(path, local)
-        where = f"local tools (kv-router mock-worker, bridge, replay) read it from {path}"
-    except OSError as exc:
-        logger.warning("cannot write the NATS connection file %s (%s): local tools cannot find the token",
-                       path, exc.strerror or exc)  # fmt: skip
-        where = "no connection file"
+    where = "no connection file (this user has no home directory; set --nats-connection-file)"
+    if path is not None:
+        try:
+            write_connection_file(path, local)
+            where = f"local tools (kv-router mock-worker, bridge, replay) read it from {path}"
+        except OSError as exc:
+            logger.warning("cannot write the NATS connection file %s (%s): local tools cannot find the token",
+                           path, exc.strerror or exc)  # fmt: skip
+            where = "no connection file"
     logger.info(
         "embedded nats-server started on port %d, loopback only; clients need its token: %s (--nats-url to use "
         "your own NATS)",
@@ -92,12 +94,18 @@ def embedded_nats(config: EventPlaneConfig) -> Iterator[EventPlaneConfig]:
         where,
     )
     try:
+        # The server's token replaces any credentials configured for an external NATS.
         yield msgspec.structs.replace(
-            config, nats_url=server.url, nats_token=server.token, nats_user=None, nats_password=None,
+            config,
+            nats_url=server.url,
+            nats_token=server.token,
+            nats_user=None,
+            nats_password=None,
             nats_creds_file=None,
-        )  # fmt: skip
+        )
     finally:
-        remove_connection_file(path, local)
+        if path is not None:
+            remove_connection_file(path, local)
         server.stop()
 
 

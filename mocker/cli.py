@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -21,6 +21,9 @@ from mocker.trace import Trace, TraceError, TraceOptions, build_trace, load_trac
 from mocker.workload import WORKLOADS
 from router.config import RouterConfig
 from router.errors import ConfigError
+
+if TYPE_CHECKING:
+    from router.event_plane.connection import NatsOptions
 
 __all__ = ["DEMO", "MOCK_WORKER", "REPLAY", "TUNE", "SimulatorCommand", "main"]
 
@@ -356,7 +359,7 @@ def _add_nats_flags(group: argparse._ActionsContainer, what: str) -> None:
     )
 
 
-def _nats_options(args: argparse.Namespace, name: str) -> Any:
+def _nats_options(args: argparse.Namespace, name: str) -> NatsOptions:
     """The NATS options of ``args``, completed by a local router's connection file (`ValueError` or
     `ConnectionFileError` when a file given cannot be used)."""
     from router.event_plane.connection import NatsOptions, check_creds_file

@@ -29,6 +29,7 @@ from router.event_plane.connection_file import (
     DEFAULT_URL,
     ConnectionFileError,
     LocalServer,
+    connection_file_path,
     find_local_server,
     with_local_credentials,
     write_connection_file,
@@ -119,6 +120,7 @@ def test_local_tools_find_the_server_a_url_means(tmp_path: Path, monkeypatch: py
     dead = _write(tmp_path, 4300, _dead_pid())  # a service killed with SIGKILL left its file
     assert find_local_server(None) is None and find_local_server(dead.url) is None
     moved = _write(tmp_path, 4301, os.getpid())  # 4222 was taken: the only server running is chosen
+    assert not (tmp_path / "kv-router" / "nats-4300.json").exists()  # the next service drops the dead one's
     assert find_local_server(None) == moved
     options = with_local_credentials(None, NatsOptions(DEFAULT_URL, name="w"))
     assert (options.url, options.token, options.name) == (moved.url, moved.token, "w")
@@ -144,6 +146,11 @@ def test_local_tools_find_the_server_a_url_means(tmp_path: Path, monkeypatch: py
         find_local_server(None, str(tmp_path / "missing.json"))
     monkeypatch.setenv("KV_ROUTER_NATS_CONNECTION_FILE", str(tmp_path / "kv-router" / "nats-4302.json"))
     assert with_local_credentials(None, NatsOptions(DEFAULT_URL)).token == "token-4302"
+    # A user without a home (in a container) and no runtime directory: no file anywhere, no /tmp fallback.
+    monkeypatch.delenv("KV_ROUTER_NATS_CONNECTION_FILE")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setenv("HOME", "/")
+    assert connection_file_path(4222) is None and find_local_server(None) is None
 
 
 class MockWorker:

@@ -56,23 +56,33 @@ class LocalServer(msgspec.Struct, frozen=True):
         return f"LocalServer(url={self.url!r}, pid={self.pid})"
 
 
-def runtime_directory() -> Path:
+def runtime_directory() -> Path | None:
+    """This user's directory for connection files; None for a user without a home (a container's)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and Path(runtime).is_dir():
         return Path(runtime) / "kv-router"
-    return Path.home() / ".cache" / "kv-router"
+    home = Path(os.path.expanduser("~"))
+    # Never a shared directory such as /tmp: another user could own the directory there.
+    return home / ".cache" / "kv-router" if home.is_absolute() and home != Path("/") else None
 
 
-def connection_file_path(port: int, configured: str | None = None) -> Path:
-    """Where the service writes the file for its embedded server on ``port``."""
+def connection_file_path(port: int, configured: str | None = None) -> Path | None:
+    """Where the service writes the file for its embedded server on ``port`` (None: nowhere)."""
     if configured:
         return Path(configured)
-    return runtime_directory() / f"nats-{port}.json"
+    directory = runtime_directory()
+    return None if directory is None else directory / f"nats-{port}.json"
 
 
 def write_connection_file(path: Path, server: LocalServer) -> None:
-    """Write ``server`` to ``path`` (0600, atomically; its directory made 0700 if it is new)."""
+    """Write ``server`` to ``path`` (0600, atomically; its directory made 0700 if it is new), and
+    drop the files that services killed without cleaning up left beside it."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for other in path.parent.glob("nats-*.json"):
+        left = _read(other)
+        if left is not None and not _alive(left):
+            with contextlib.suppress(OSError):
+                other.unlink()
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".nats-", suffix=".tmp")  # mode 0600
     try:
         with os.fdopen(descriptor, "wb") as file:
@@ -138,6 +148,8 @@ def find_local_server(url: str | None, connection_file: str | None = None) -> Lo
             raise ConnectionFileError(f"{connection_file} is not a readable kv-router connection file of this user")
         return server
     directory = runtime_directory()
+    if directory is None:
+        return None
     if url is not None:
         port = _loopback_port(url)
         if port is None:
