@@ -102,8 +102,10 @@ class BridgeCommand:
         import logging
         import signal
 
+        from nats.errors import Error as NatsError
+
         from router.engines.bridge import Bridge
-        from router.event_plane.connection import NatsOptions, check_creds_file, connect
+        from router.event_plane.connection import NatsOptions, check_creds_file, connect, is_authorization_error
         from router.event_plane.connection_file import ConnectionFileError, with_local_credentials
 
         flags = vars(args).copy()
@@ -117,19 +119,23 @@ class BridgeCommand:
             raise SystemExit(f"kv-router bridge: {exc}") from None
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-        if config.nats_creds_file is not None:
-            try:
-                check_creds_file(config.nats_creds_file)
-            except ValueError as exc:
-                raise SystemExit(f"kv-router bridge: {exc}") from None
         configured = NatsOptions.from_settings(config, name=f"kv-router-bridge-{config.worker_id}")
-        try:  # a router's embedded NATS on this host: its token from the router's connection file
+        try:
+            if config.nats_creds_file is not None:
+                check_creds_file(config.nats_creds_file)
+            # A router's embedded NATS on this host: its token from the router's connection file.
             options = with_local_credentials(configured.url, configured)
-        except ConnectionFileError as exc:
+        except (ValueError, ConnectionFileError) as exc:
             raise SystemExit(f"kv-router bridge: {exc}") from None
 
         async def serve() -> None:
-            nc = await connect(options)
+            try:
+                nc = await connect(options)
+            except (OSError, TimeoutError, NatsError) as exc:
+                refused = " (refused the credentials)" if is_authorization_error(exc) else ""
+                raise SystemExit(
+                    f"kv-router bridge: cannot connect to NATS at {options.url}{refused}: {type(exc).__name__}: {exc}"
+                ) from None
             task = asyncio.create_task(Bridge(config, nc).run_forever())
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -28,7 +28,7 @@ from tests.nats_jwt import NatsOperator
 from tests.router_processes import ROOT, RouterProcess, kv_router_command
 from tests.test_ha_durable import canonical
 from tests.test_ha_replicas import within
-from tests.test_nats_security import MockWorker
+from tests.test_nats_security import ToolProcess
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def test_replicas_and_durable_events_with_creds(operator_nats: OperatorNats, tmp
     a = RouterProcess(tmp_path, *flags, "--router-name", "a").start()
     b = RouterProcess(tmp_path, *flags, "--router-name", "b").start()
     http_port = free_port()
-    worker = MockWorker(tmp_path, dict(os.environ), "--nats-url", operator_nats.url, "--nats-creds-file",
+    worker = ToolProcess(tmp_path, dict(os.environ), "--nats-url", operator_nats.url, "--nats-creds-file",
                         str(operator_nats.worker_creds), "--worker-id", "7", "--http-port", str(http_port))  # fmt: skip
     try:
         for router in (a, b):

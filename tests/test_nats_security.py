@@ -153,14 +153,14 @@ def test_local_tools_find_the_server_a_url_means(tmp_path: Path, monkeypatch: py
     assert connection_file_path(4222) is None and find_local_server(None) is None
 
 
-class MockWorker:
-    """A ``kv-router mock-worker`` process, its output in a file."""
+class ToolProcess:
+    """A local tool's process (``kv-router mock-worker`` unless told), its output in a file."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str], *flags: str) -> None:
-        self.log_path = log_dir / f"mock-worker-{time.monotonic_ns()}.log"
+    def __init__(self, log_dir: Path, env: dict[str, str], *flags: str, command: str = "mock-worker") -> None:
+        self.log_path = log_dir / f"{command}-{time.monotonic_ns()}.log"
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [*kv_router_command(), "mock-worker", *flags],
+                [*kv_router_command(), command, *flags],
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -198,6 +198,10 @@ def _nats_server_pid(port: int) -> int:
     raise AssertionError(f"no nats-server on port {port}")
 
 
+def _known(router: RouterProcess, worker_id: int) -> bool:
+    return any(w["config"]["worker_id"] == worker_id for w in router.get("/v1/workers")["workers"])
+
+
 def _routed_to(router: RouterProcess, worker_id: int) -> bool:
     status, body = router.post("/v1/new", {"tokens": list(range(1, 2 * MOCK_BLOCK + 1))})
     if status != 200:
@@ -224,7 +228,8 @@ def test_serve_and_a_mock_worker_without_flags_share_the_token_nobody_else_has(
     router = RouterProcess(tmp_path, "--block-size", str(MOCK_BLOCK), "--embedded-nats-port", str(nats_port),
                            env=runtime_env)  # fmt: skip
     router.start()
-    worker: MockWorker | None = None
+    worker: ToolProcess | None = None
+    bridge: ToolProcess | None = None
     try:
         connection_file = Path(runtime_env["XDG_RUNTIME_DIR"]) / "kv-router" / f"nats-{nats_port}.json"
         local = msgspec.json.decode(connection_file.read_bytes(), type=LocalServer)
@@ -234,34 +239,41 @@ def test_serve_and_a_mock_worker_without_flags_share_the_token_nobody_else_has(
         assert router.get("/v1/info")["nats_url"] == local.url
 
         # No NATS flag at all: the worker finds the only router running and its token.
-        worker = MockWorker(tmp_path, runtime_env, "--worker-id", "77")
+        worker = ToolProcess(tmp_path, runtime_env, "--worker-id", "77")
         until(lambda: _routed_to(router, 77), timeout=30)
         assert f"mock worker 77 on {local.url}" in worker.log()
+
+        # The bridge, given the router's (loopback) URL, finds the token of the server on that port.
+        bridge = ToolProcess(tmp_path, runtime_env, "--worker-id", "78", "--zmq-endpoint",
+                            f"tcp://127.0.0.1:{free_port()}", "--block-size", str(MOCK_BLOCK), "--nats-url", local.url,
+                            command="bridge")  # fmt: skip
+        until(lambda: _known(router, 78), timeout=30)
 
         # A foreign process on the host, without the connection file: refused.
         refused = _refusal(NatsOptions(local.url, name="intruder"))
         assert is_authorization_error(refused), refused
-        assert [w["config"]["worker_id"] for w in router.get("/v1/workers")["workers"]] == [77]
+        assert sorted(w["config"]["worker_id"] for w in router.get("/v1/workers")["workers"]) == [77, 78]
 
         token = local.token.encode()
         nats_pid = _nats_server_pid(nats_port)
-        watched = {router.pid, worker.process.pid, nats_pid}
+        watched = {router.pid, worker.process.pid, bridge.process.pid, nats_pid}
         for pid, command in _command_lines():
             assert token not in command, f"the token is on the command line of process {pid}"
         assert watched <= {pid for pid, _ in _command_lines()}
     finally:
-        if worker is not None:
-            worker.stop()
+        for tool in (worker, bridge):
+            if tool is not None:
+                tool.stop()
         router.stop()
     assert not connection_file.exists()  # removed with the service
-    for log in (router.log(), worker.log() if worker else ""):
+    for log in (router.log(), worker.log() if worker else "", bridge.log() if bridge else ""):
         assert local.token not in log and "Traceback" not in log
     assert str(connection_file) in router.log()  # says where the tools find it
 
 
 def test_a_mock_worker_refused_by_the_embedded_server_says_why(tmp_path: Path, runtime_env: dict[str, str]) -> None:
     with EmbeddedNats(require_token=True) as server:
-        worker = MockWorker(tmp_path, runtime_env, "--nats-url", server.url, "--worker-id", "5")
+        worker = ToolProcess(tmp_path, runtime_env, "--nats-url", server.url, "--worker-id", "5")
         try:
             assert worker.process.wait(30) == 2
         finally:
