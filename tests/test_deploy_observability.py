@@ -85,12 +85,16 @@ def exposition(nats_server: EmbeddedNats) -> Iterator[dict[str, set[str]]]:
         with TestClient(app, base_url="http://127.0.0.1") as client:
             tokens = prompt(5, 4 * BLOCK)
             workers.start(2, tokens, total_kv_blocks=64)
-            workers.call(workers.publishers[0].publish_load(ActiveLoad(worker_id=2, kv_used_blocks=12)))
             assert client.post("/v1/workers", json={"worker_id": 1, "total_kv_blocks": 100}).status_code == 201
             client.post("/v1/events", json=[stored_event(1, prompt(6, 2 * BLOCK)), stored_event(9, tokens)])
-            until(
-                lambda: 'kv_router_worker_kv_used_blocks{dp_rank="0",worker_id="2"} 12.0' in client.get("/metrics").text
-            )
+
+            def load_reported() -> bool:
+                # Load reports are not replayed: one sent before the router subscribed is lost, as a
+                # worker's periodic report would be, so report until it is seen.
+                workers.call(workers.publishers[0].publish_load(ActiveLoad(worker_id=2, kv_used_blocks=12)))
+                return 'kv_router_worker_kv_used_blocks{dp_rank="0",worker_id="2"} 12.0' in client.get("/metrics").text
+
+            until(load_reported, timeout=30)
             assert client.post("/v1/new", json={"tokens": tokens, "request_id": "a"}).json()["worker_id"] == 2
             text = client.get("/metrics").text
     finally:
