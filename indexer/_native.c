@@ -1079,6 +1079,456 @@ static PyObject *py_release_blocks(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* How many leading `hashes` are keys of `refs` (they are a prefix: router/sequences.py), by bisection. */
+static PyObject *py_held_prefix(PyObject *self, PyObject *args) {
+    PyObject *refs, *hashes;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &refs, &hashes))
+        return NULL;
+    PyObject *fast = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t low = 0, high = PySequence_Fast_GET_SIZE(fast);
+    while (low < high) {
+        Py_ssize_t middle = (low + high) / 2;
+        int found = PyDict_Contains(refs, items[middle]);
+        if (found < 0) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (found)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(low);
+}
+
+/* How many leading `hashes` (a booked prompt) have a refcount above 1, by bisection; KeyError for a
+ * hash that is not booked, as `refs[hash]` raises. */
+static PyObject *py_shared_prefix(PyObject *self, PyObject *args) {
+    PyObject *refs, *hashes;
+    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &refs, &hashes))
+        return NULL;
+    PyObject *fast = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_ssize_t low = 0, high = PySequence_Fast_GET_SIZE(fast);
+    while (low < high) {
+        Py_ssize_t middle = (low + high) / 2;
+        PyObject *count = PyDict_GetItemWithError(refs, items[middle]);
+        if (count == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, items[middle]);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        int above = PyObject_RichCompareBool(count, one, Py_GT);
+        if (above < 0) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (above)
+            low = middle + 1;
+        else
+            high = middle;
+    }
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(low);
+}
+
+/* ------------------------------------------------------------------ the dynamo policy's costs (router/policies/dynamo.py)
+ *
+ * `python_costs` in C: the same float operations in the same order, so every cost is bit-identical.
+ * Integers are read as int64 and must stay within +-2^50 (every sum of a few of them then converts to
+ * a double exactly, as Python's int arithmetic followed by true division or float() does); config
+ * weights and taint multipliers must be exact floats. Anything else returns None: the Python code
+ * runs instead. */
+static PyObject *str_key, *str_prefill_tokens, *str_decode_blocks, *str_requests;
+static PyObject *str_cached_tokens, *str_device_blocks, *str_host_blocks, *str_disk_blocks;
+
+#define COST_INT_LIMIT (1LL << 50)
+
+/* 1: read, 0: not a small exact int (fall back), -1: error. */
+static int small_int(PyObject *value, long long *out) {
+    if (!PyLong_CheckExact(value))
+        return 0;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v > COST_INT_LIMIT || v < -COST_INT_LIMIT)
+        return 0;
+    *out = v;
+    return 1;
+}
+
+/* An int attribute of `object`: 1 read, 0 fall back, -1 error. */
+static int int_attr(PyObject *object, PyObject *name, long long *out) {
+    PyObject *value = PyObject_GetAttr(object, name);
+    if (value == NULL)
+        return -1;
+    int status = small_int(value, out);
+    Py_DECREF(value);
+    return status;
+}
+
+typedef struct {
+    long long prefill, decode, requests, cached, device, host, disk, depth;
+    int has_overlap, has_depth;
+} RankInputs;
+
+/* One rank's inputs: 1 read, 0 fall back, -1 error. */
+static int rank_inputs(PyObject *rank, PyObject *overlaps, PyObject *depths, RankInputs *in) {
+    int status;
+    if ((status = int_attr(rank, str_prefill_tokens, &in->prefill)) != 1 ||
+        (status = int_attr(rank, str_decode_blocks, &in->decode)) != 1 ||
+        (status = int_attr(rank, str_requests, &in->requests)) != 1)
+        return status;
+    in->cached = in->device = in->host = in->disk = in->depth = 0;
+    in->has_overlap = in->has_depth = 0;
+    if (PyDict_GET_SIZE(overlaps)) {
+        PyObject *key = PyObject_GetAttr(rank, str_key);
+        if (key == NULL)
+            return -1;
+        PyObject *overlap = PyDict_GetItemWithError(overlaps, key);
+        Py_DECREF(key);
+        if (overlap == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+        } else {
+            in->has_overlap = 1;
+            if ((status = int_attr(overlap, str_cached_tokens, &in->cached)) != 1 ||
+                (status = int_attr(overlap, str_device_blocks, &in->device)) != 1 ||
+                (status = int_attr(overlap, str_host_blocks, &in->host)) != 1 ||
+                (status = int_attr(overlap, str_disk_blocks, &in->disk)) != 1)
+                return status;
+        }
+    }
+    if (PyDict_GET_SIZE(depths)) {
+        PyObject *depth = PyDict_GetItemWithError(depths, rank);
+        if (depth == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+        } else {
+            in->has_depth = 1;
+            if ((status = small_int(depth, &in->depth)) != 1)
+                return status;
+        }
+    }
+    return 1;
+}
+
+static inline double py_max0(double value) { return 0.0 > value ? 0.0 : value; } /* Python's max(value, 0.0) */
+
+static int exact_float(PyObject *value, double *out) {
+    if (!PyFloat_CheckExact(value))
+        return 0;
+    *out = PyFloat_AS_DOUBLE(value);
+    return 1;
+}
+
+static PyObject *py_dynamo_costs(PyObject *self, PyObject *args) {
+    PyObject *ranks, *overlaps, *depths, *multipliers, *weights[6];
+    long long isl, block_size, booked;
+    int track_prefill;
+    if (!PyArg_ParseTuple(args, "OO!O!LLLpOOOOOOO", &ranks, &PyDict_Type, &overlaps, &PyDict_Type, &depths, &isl,
+                          &block_size, &booked, &track_prefill, &weights[0], &weights[1], &weights[2], &weights[3],
+                          &weights[4], &weights[5], &multipliers))
+        return NULL;
+    double credit, decay_rate, host_weight, disk_weight, scale, request_weight;
+    if (!exact_float(weights[0], &credit) || !exact_float(weights[1], &decay_rate) ||
+        !exact_float(weights[2], &host_weight) || !exact_float(weights[3], &disk_weight) ||
+        !exact_float(weights[4], &scale) || !exact_float(weights[5], &request_weight) || block_size <= 0 ||
+        isl > COST_INT_LIMIT || isl < -COST_INT_LIMIT || booked > COST_INT_LIMIT || booked < -COST_INT_LIMIT)
+        Py_RETURN_NONE;
+    PyObject *fast = PySequence_Fast(ranks, "ranks must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *factors = NULL;
+    if (multipliers != Py_None) {
+        factors = PySequence_Fast(multipliers, "taint multipliers must be a sequence");
+        if (factors == NULL) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (PySequence_Fast_GET_SIZE(factors) < n)
+            goto fall_back; /* Python raises its IndexError */
+    }
+    RankInputs stack_inputs[64];
+    RankInputs *in = n <= 64 ? stack_inputs : PyMem_Malloc(sizeof(RankInputs) * (size_t)(n ? n : 1));
+    if (in == NULL) {
+        Py_DECREF(fast);
+        Py_XDECREF(factors);
+        return PyErr_NoMemory();
+    }
+    PyObject *costs = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int status = rank_inputs(items[i], overlaps, depths, &in[i]);
+        if (status < 0)
+            goto done;
+        if (status == 0)
+            goto fall_back_freeing;
+        if (factors != NULL && !PyFloat_CheckExact(PySequence_Fast_GET_ITEM(factors, i)))
+            goto fall_back_freeing;
+    }
+    int decays = track_prefill && decay_rate > 0.0;
+    long long floor_tokens = 0;
+    if (decays) {
+        if (n == 0)
+            goto fall_back_freeing; /* Python's min() of nothing raises */
+        floor_tokens = in[0].prefill;
+        for (Py_ssize_t i = 1; i < n; i++)
+            if (in[i].prefill < floor_tokens)
+                floor_tokens = in[i].prefill;
+    }
+    /* -(-isl // block_size): Python's floor division, then negated */
+    long long negated = -isl, quotient = negated / block_size;
+    if ((negated % block_size != 0) && ((negated < 0) != (block_size < 0)))
+        quotient -= 1;
+    double request_blocks = (double)(-quotient);
+    double bs = (double)block_size;
+    int every_rank_in_full = !track_prefill || factors != NULL;
+    costs = PyList_New(n);
+    if (costs == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const RankInputs *r = &in[i];
+        double value;
+        if (!every_rank_in_full && !r->has_overlap && !r->has_depth) {
+            value = scale * ((double)(r->prefill + isl) / bs) + (double)(r->decode + booked) +
+                    request_weight * (double)r->requests;
+        } else {
+            double raw_prefill = 0.0;
+            if (track_prefill) {
+                long long uncached = isl - r->cached > 0 ? isl - r->cached : 0;
+                raw_prefill = (double)(r->prefill + uncached + r->cached) / bs;
+            }
+            double device_credit = credit;
+            if (decays) {
+                double backlog = (double)(r->prefill - floor_tokens) / bs / request_blocks;
+                device_credit = credit * (1.0 / (1.0 + decay_rate * backlog));
+            }
+            double overlap_credit =
+                device_credit * (double)r->device + host_weight * (double)r->host + disk_weight * (double)r->disk;
+            value = scale * py_max0(raw_prefill - overlap_credit) + (double)(r->decode + booked - r->depth) +
+                    request_weight * (double)r->requests;
+            if (factors != NULL)
+                value = value * PyFloat_AS_DOUBLE(PySequence_Fast_GET_ITEM(factors, i));
+        }
+        PyObject *cost = PyFloat_FromDouble(value);
+        if (cost == NULL) {
+            Py_CLEAR(costs);
+            goto done;
+        }
+        PyList_SET_ITEM(costs, i, cost);
+    }
+done:
+    if (in != stack_inputs)
+        PyMem_Free(in);
+    Py_DECREF(fast);
+    Py_XDECREF(factors);
+    return costs;
+fall_back_freeing:
+    if (in != stack_inputs)
+        PyMem_Free(in);
+fall_back:
+    Py_DECREF(fast);
+    Py_XDECREF(factors);
+    Py_RETURN_NONE;
+}
+
+/* (index of the first lowest cost, how many share it) as `min` and `==` on floats give them, or None
+ * when a cost is not a float or none equals the minimum (NaN): the Python code answers then. */
+static PyObject *py_lowest_cost(PyObject *self, PyObject *costs) {
+    if (!PyList_CheckExact(costs) || PyList_GET_SIZE(costs) == 0)
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(costs);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyFloat_CheckExact(PyList_GET_ITEM(costs, i)))
+            Py_RETURN_NONE;
+    double lowest = PyFloat_AS_DOUBLE(PyList_GET_ITEM(costs, 0));
+    for (Py_ssize_t i = 1; i < n; i++) {
+        double cost = PyFloat_AS_DOUBLE(PyList_GET_ITEM(costs, i));
+        if (cost < lowest)
+            lowest = cost;
+    }
+    Py_ssize_t first = -1, ties = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyFloat_AS_DOUBLE(PyList_GET_ITEM(costs, i)) == lowest) {
+            if (first < 0)
+                first = i;
+            ties++;
+        }
+    }
+    if (ties == 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("nn", first, ties);
+}
+
+/* ------------------------------------------------------------------ one whole hot HTTP request (api/http_protocol.py)
+ *
+ * `parse_post(data)`: the request in `data` when it is exactly one complete `POST` of the plainest
+ * form, else None and httptools parses it as usual. Plainest form: `POST <target> HTTP/1.1`, the
+ * target of URL-safe characters only, header names of token characters, values of visible ASCII and
+ * inner spaces (not empty, no leading or trailing whitespace: nothing for a parser to trim or reject), one
+ * Content-Length of digits with exactly that many body bytes after the head, and none of the headers
+ * that change how a request is framed or answered (Connection, Transfer-Encoding, Upgrade, Expect,
+ * Keep-Alive, Proxy-Connection) nor a repeated one of those it reads. Returns (path, query,
+ * content_type, accept, x_request_id, authorization, body), absent headers as None. */
+static inline int url_char(uint8_t c) {
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'))
+        return 1;
+    switch (c) {
+    case '-': case '.': case '_': case '~': case '!': case '$': case '&': case '\'': case '(': case ')':
+    case '*': case '+': case ',': case ';': case '=': case ':': case '@': case '/': case '%': case '?':
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static inline int token_char(uint8_t c) {
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'))
+        return 1;
+    switch (c) {
+    case '!': case '#': case '$': case '%': case '&': case '\'': case '*': case '+': case '-': case '.':
+    case '^': case '_': case '`': case '|': case '~':
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static int name_is(const uint8_t *name, size_t length, const char *lower) {
+    size_t n = strlen(lower);
+    if (length != n)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        uint8_t c = name[i];
+        if (c >= 'A' && c <= 'Z')
+            c = (uint8_t)(c + 32);
+        if (c != (uint8_t)lower[i])
+            return 0;
+    }
+    return 1;
+}
+
+enum { H_CONTENT_TYPE, H_ACCEPT, H_REQUEST_ID, H_AUTHORIZATION, H_READ };
+
+static PyObject *py_parse_post(PyObject *self, PyObject *data) {
+    if (!PyBytes_CheckExact(data))
+        Py_RETURN_NONE;
+    const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(data);
+    const uint8_t *end = p + PyBytes_GET_SIZE(data);
+    if (end - p < 6 || memcmp(p, "POST /", 6) != 0)
+        Py_RETURN_NONE;
+    p += 5;
+    const uint8_t *target = p, *question = NULL;
+    while (p < end && *p != ' ') {
+        if (!url_char(*p))
+            Py_RETURN_NONE;
+        if (*p == '?' && question == NULL)
+            question = p;
+        p++;
+    }
+    const uint8_t *target_end = p;
+    if (end - p < 11 || memcmp(p, " HTTP/1.1\r\n", 11) != 0)
+        Py_RETURN_NONE;
+    p += 11;
+    const uint8_t *values[H_READ] = {NULL, NULL, NULL, NULL};
+    size_t lengths[H_READ] = {0, 0, 0, 0};
+    long long content_length = -1;
+    for (;;) {
+        if (end - p < 2)
+            Py_RETURN_NONE;
+        if (p[0] == '\r' && p[1] == '\n') {
+            p += 2;
+            break;
+        }
+        const uint8_t *name = p;
+        while (p < end && token_char(*p))
+            p++;
+        size_t name_length = (size_t)(p - name);
+        if (name_length == 0 || p >= end || *p != ':')
+            Py_RETURN_NONE;
+        p++;
+        if (p < end && *p == ' ')
+            p++;
+        const uint8_t *value = p;
+        while (p < end && *p >= 0x20 && *p <= 0x7e)
+            p++;
+        size_t value_length = (size_t)(p - value);
+        if (end - p < 2 || p[0] != '\r' || p[1] != '\n')
+            Py_RETURN_NONE;
+        p += 2;
+        if (value_length == 0 || value[0] == ' ' || value[value_length - 1] == ' ')
+            Py_RETURN_NONE;
+        int slot = -1;
+        if (name_is(name, name_length, "content-length")) {
+            if (content_length >= 0 || value_length == 0 || value_length > 15)
+                Py_RETURN_NONE;
+            content_length = 0;
+            for (size_t i = 0; i < value_length; i++) {
+                if (value[i] < '0' || value[i] > '9')
+                    Py_RETURN_NONE;
+                content_length = content_length * 10 + (value[i] - '0');
+            }
+            continue;
+        }
+        if (name_is(name, name_length, "content-type"))
+            slot = H_CONTENT_TYPE;
+        else if (name_is(name, name_length, "accept"))
+            slot = H_ACCEPT;
+        else if (name_is(name, name_length, "x-request-id"))
+            slot = H_REQUEST_ID;
+        else if (name_is(name, name_length, "authorization"))
+            slot = H_AUTHORIZATION;
+        else if (name_is(name, name_length, "connection") || name_is(name, name_length, "transfer-encoding") ||
+                 name_is(name, name_length, "upgrade") || name_is(name, name_length, "expect") ||
+                 name_is(name, name_length, "keep-alive") || name_is(name, name_length, "proxy-connection"))
+            Py_RETURN_NONE;
+        if (slot >= 0) {
+            if (values[slot] != NULL)
+                Py_RETURN_NONE;
+            values[slot] = value;
+            lengths[slot] = value_length;
+        }
+    }
+    if (content_length < 0 || content_length != end - p)
+        Py_RETURN_NONE;
+    const uint8_t *path_end = question != NULL ? question : target_end;
+    PyObject *items[7] = {NULL};
+    items[0] = PyBytes_FromStringAndSize((const char *)target, path_end - target);
+    items[1] = question != NULL ? PyBytes_FromStringAndSize((const char *)question + 1, target_end - question - 1)
+                                : PyBytes_FromStringAndSize("", 0);
+    for (int i = 0; i < H_READ; i++) {
+        if (values[i] == NULL)
+            items[2 + i] = Py_NewRef(Py_None);
+        else if (i == H_REQUEST_ID)
+            items[2 + i] = PyUnicode_DecodeLatin1((const char *)values[i], (Py_ssize_t)lengths[i], NULL);
+        else
+            items[2 + i] = PyBytes_FromStringAndSize((const char *)values[i], (Py_ssize_t)lengths[i]);
+    }
+    items[6] = PyBytes_FromStringAndSize((const char *)p, end - p);
+    PyObject *result = PyTuple_New(7);
+    for (int i = 0; i < 7; i++) {
+        if (items[i] == NULL || result == NULL) {
+            for (int j = 0; j < 7; j++)
+                Py_XDECREF(items[j]);
+            Py_XDECREF(result);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < 7; i++)
+        PyTuple_SET_ITEM(result, i, items[i]);
+    return result;
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
@@ -1096,6 +1546,18 @@ static PyMethodDef native_methods[] = {
      "book_blocks(refs, hashes, held) -> None: +1 on the first held hashes' refcounts, the rest set to 1."},
     {"release_blocks", py_release_blocks, METH_VARARGS,
      "release_blocks(refs, hashes, shared) -> None: -1 on the first shared hashes' refcounts, the rest deleted."},
+    {"held_prefix", py_held_prefix, METH_VARARGS,
+     "held_prefix(refs, hashes) -> int: how many leading hashes are keys of refs (a prefix), by bisection."},
+    {"shared_prefix", py_shared_prefix, METH_VARARGS,
+     "shared_prefix(refs, hashes) -> int: how many leading hashes have a refcount above 1, by bisection."},
+    {"dynamo_costs", py_dynamo_costs, METH_VARARGS,
+     "dynamo_costs(ranks, overlaps, depths, isl, block_size, booked, track_prefill, credit, decay, host_weight, "
+     "disk_weight, scale, request_weight, multipliers) -> list[float] | None: the dynamo policy's costs."},
+    {"lowest_cost", py_lowest_cost, METH_O,
+     "lowest_cost(costs) -> (index, ties) | None: the first lowest cost's index and how many share it."},
+    {"parse_post", py_parse_post, METH_O,
+     "parse_post(data) -> (path, query, content_type, accept, x_request_id, authorization, body) | None: one "
+     "whole plain POST request."},
     {"store_chain", py_store_chain, METH_VARARGS,
      "store_chain(node, blocks, bit, lookup, aliases, disown, state) -> (created, newly_owned, branched)."},
     {"match_prefix", py_match_prefix, METH_VARARGS,
@@ -1116,6 +1578,15 @@ PyMODINIT_FUNC PyInit__native(void) {
     str_tokens_hash = PyUnicode_InternFromString("tokens_hash");
     if (one == NULL || str_block_hash == NULL || str_tokens_hash == NULL)
         return NULL;
+    PyObject **names[] = {&str_key, &str_prefill_tokens, &str_decode_blocks, &str_requests,
+                          &str_cached_tokens, &str_device_blocks, &str_host_blocks, &str_disk_blocks};
+    const char *spellings[] = {"key", "prefill_tokens", "decode_blocks", "requests",
+                               "cached_tokens", "device_blocks", "host_blocks", "disk_blocks"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        *names[i] = PyUnicode_InternFromString(spellings[i]);
+        if (*names[i] == NULL)
+            return NULL;
+    }
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;

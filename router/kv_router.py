@@ -261,9 +261,13 @@ class KvRouter:
         if not self._started:
             await self.wait_for_workers()
         started = time.perf_counter()
-        config = self._request_config(request)
-        prompt = self._prompt(
-            request.tokens, request.lora_name, request.cache_namespace, request.block_mm_infos, config
+        config = self.config if request.router_config_override is None else self._request_config(request)
+        prompt = prepare_prompt(
+            request.tokens,
+            config,
+            lora_name=request.lora_name,
+            cache_namespace=request.cache_namespace,
+            block_mm_infos=request.block_mm_infos,
         )
         hashed = time.perf_counter()
         overlaps = self._routing_overlaps(prompt)
@@ -278,11 +282,14 @@ class KvRouter:
             hashed - started,
             time.perf_counter() - hashed,
         )
-        self.expire_stale()
-        self._scheduler.sequences.decay(self._clock())
+        sequences = self._scheduler.sequences
+        now = self._clock()
+        if sequences.started_before(now - self.config.request_expiry_secs):
+            self.expire_stale()
+        sequences.decay(now)
         request_id = request.request_id
         if request_id is not None:
-            owner = self._scheduler.sequences.owner(request_id)
+            owner = sequences.owner(request_id)
             if owner is not None:
                 raise DuplicateRequestId(request_id, *owner)
         workers = self._eligible(routing)

@@ -70,6 +70,9 @@ class Scheduler:
     def __init__(self, config: RouterConfig, policy: SelectionPolicy) -> None:
         self._config = config
         self._policy = policy
+        # Fixed for the scheduler's life (the config and policy are): read once, not per decision.
+        self._thresholds = busy_thresholds_configured(config)
+        self.uses_cache_fill: bool = bool(getattr(policy, "uses_cache_fill", False))
         self.workers = WorkerRegistry()
         linear = config.router_prefill_load_model == "linear"
         self.sequences = ActiveSequences(config.router_prefill_tokens_per_s if linear else None)
@@ -157,7 +160,7 @@ class Scheduler:
         blocks touched by `ActiveSequences.prefix_depths`).
         """
         thresholded = False
-        if busy_thresholds_configured(self._config):
+        if self._thresholds:
             available = [worker for worker in workers if not self._is_overloaded(worker)]
             if not available:
                 raise AllWorkersOverloaded(len(workers))
@@ -215,11 +218,6 @@ class Scheduler:
         else:
             reason = "policy"
         return Choice(key, overlaps.get(key, NO_OVERLAP), explanation, reason, len(ranks))
-
-    @property
-    def uses_cache_fill(self) -> bool:
-        """Whether the policy scores with each rank's cache fill (`select`'s ``cached_blocks``)."""
-        return bool(getattr(self._policy, "uses_cache_fill", False))
 
     def _capacities(
         self, ranks: list[RankState], cached_blocks: Mapping[WorkerRank, int]

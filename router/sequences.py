@@ -87,7 +87,11 @@ class RankState:
         self.refs: dict[int, int] = {}
 
     def _refresh(self) -> None:
-        self.decode_blocks = round_half_away(max(self.prompt_blocks + self.output_blocks - self.decayed_blocks, 0.0))
+        if self.output_blocks or self.decayed_blocks:
+            weighted = self.prompt_blocks + self.output_blocks - self.decayed_blocks
+            self.decode_blocks = round_half_away(max(weighted, 0.0))
+        else:  # the same, without output tracking: no float to round
+            self.decode_blocks = max(self.prompt_blocks, 0)
 
     def __repr__(self) -> str:
         return (
@@ -172,6 +176,11 @@ class ActiveSequences:
     # ------------------------------------------------------------------ request lifecycle
     def __len__(self) -> int:
         return len(self._requests)
+
+    def started_before(self, cutoff: float) -> bool:
+        """Whether the oldest active request started before ``cutoff`` (`expire` would free it). O(1)."""
+        requests = self._requests
+        return bool(requests) and next(iter(requests.values())).started_at < cutoff
 
     def owner(self, request_id: str) -> WorkerRank | None:
         request = self._requests.get(request_id)
@@ -423,9 +432,10 @@ class ActiveSequences:
         assert self._first_holders == first_holders, "the first-block index differs from the requests"
 
 
-def _shared_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
+def python_shared_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
     """How many leading ``hashes`` of a booked prompt other requests on its rank hold too: refcounts
-    never increase along a prompt, so the blocks only this request holds (refcount 1) are a suffix."""
+    never increase along a prompt, so the blocks only this request holds (refcount 1) are a suffix.
+    The pure-Python twin of `indexer._native.shared_prefix`."""
     low, high = 0, len(hashes)
     while low < high:
         middle = (low + high) // 2
@@ -436,9 +446,9 @@ def _shared_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
     return low
 
 
-def _held_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
+def python_held_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
     """How many leading ``hashes`` a rank holds: they are a prefix of the prompt (see the module
-    docstring), so bisect for its end. O(log n)."""
+    docstring), so bisect for its end. O(log n). The pure-Python twin of `indexer._native.held_prefix`."""
     low, high = 0, len(hashes)
     while low < high:
         middle = (low + high) // 2
@@ -447,3 +457,8 @@ def _held_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
         else:
             high = middle
     return low
+
+
+# One C call each with the accelerator (no Python frame between).
+_shared_prefix = accel.shared_prefix if NATIVE else python_shared_prefix
+_held_prefix = accel.held_prefix if NATIVE else python_held_prefix

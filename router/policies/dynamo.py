@@ -20,6 +20,8 @@ import math
 import random
 from collections.abc import Sequence
 
+from indexer.native import ENABLED as NATIVE
+from indexer.native import accel
 from router.config import RouterConfig
 from router.overlap import NO_OVERLAP
 from router.policies.base import Selection, SelectionContext
@@ -29,6 +31,7 @@ __all__ = [
     "DynamoPolicy",
     "lowest_cost_index",
     "lowest_cost_selection",
+    "python_costs",
     "softmax_probabilities",
     "softmax_sample_index",
     "with_taint_multipliers",
@@ -42,65 +45,28 @@ class DynamoPolicy:
         self._rng = rng
 
     def costs(self, context: SelectionContext) -> list[float]:
-        """Every candidate's cost, in candidate order. O(candidates)."""
-        config = context.config
-        block_size = context.block_size
-        isl = context.isl_tokens
-        track_prefill = context.track_prefill_tokens
-        ranks = context.ranks
-        overlaps = context.overlaps
-        depths = context.depths
-        booked = context.booked_blocks
-        multipliers = context.taint_multipliers
-        credit = config.overlap_score_credit
-        decay_rate = config.overlap_score_credit_decay
-        host_weight = config.host_cache_hit_weight
-        disk_weight = config.disk_cache_hit_weight
-        scale = config.prefill_load_scale
-        request_weight = config.decode_active_request_weight
-        decays = track_prefill and decay_rate > 0.0
-        floor_tokens = min(rank.prefill_tokens for rank in ranks) if decays else 0
-        request_blocks = -(-isl // block_size)
-
-        def cost(index: int, rank: RankState) -> float:
-            overlap = overlaps.get(rank.key, NO_OVERLAP)
-            if track_prefill:
-                cached = overlap.cached_tokens
-                raw_prefill = (rank.prefill_tokens + max(isl - cached, 0) + cached) / block_size
-            else:
-                raw_prefill = 0.0
-            device_credit = credit
-            if decays:
-                backlog = (rank.prefill_tokens - floor_tokens) / block_size / request_blocks
-                device_credit = credit * (1.0 / (1.0 + decay_rate * backlog))
-            overlap_credit = (
-                device_credit * overlap.device_blocks
-                + host_weight * overlap.host_blocks
-                + disk_weight * overlap.disk_blocks
+        """Every candidate's cost, in candidate order. O(candidates); one C call with the accelerator."""
+        if NATIVE and isinstance(context.overlaps, dict) and isinstance(context.depths, dict):
+            config = context.config
+            costs = accel.dynamo_costs(
+                context.ranks,
+                context.overlaps,
+                context.depths,
+                context.isl_tokens,
+                context.block_size,
+                context.booked_blocks,
+                context.track_prefill_tokens,
+                config.overlap_score_credit,
+                config.overlap_score_credit_decay,
+                config.host_cache_hit_weight,
+                config.disk_cache_hit_weight,
+                config.prefill_load_scale,
+                config.decode_active_request_weight,
+                context.taint_multipliers,
             )
-            value = (
-                scale * max(raw_prefill - overlap_credit, 0.0)
-                + float(rank.decode_blocks + booked - depths.get(rank, 0))
-                + request_weight * rank.requests
-            )
-            return value if multipliers is None else value * multipliers[index]
-
-        if not track_prefill or multipliers is not None:
-            return [cost(index, rank) for index, rank in enumerate(ranks)]
-        # Most ranks of a fleet hold no prefix of the prompt, cached or active. For them the formula is
-        # s * (A_p + isl) / bs + (D + booked) + r * R through the same float operations (the credit is
-        # 0.0), so they are scored in one comprehension and the others patched in.
-        costs = [
-            scale * ((rank.prefill_tokens + isl) / block_size)
-            + float(rank.decode_blocks + booked)
-            + request_weight * rank.requests
-            for rank in ranks
-        ]
-        if overlaps or depths:
-            for index, rank in enumerate(ranks):
-                if rank.key in overlaps or rank in depths:
-                    costs[index] = cost(index, rank)
-        return costs
+            if costs is not None:
+                return costs
+        return python_costs(context)
 
     def select(self, context: SelectionContext) -> Selection:
         costs = self.costs(context)
@@ -117,9 +83,75 @@ class DynamoPolicy:
         return Selection(index, reason, costs, probabilities)
 
 
+def python_costs(context: SelectionContext) -> list[float]:
+    """The dynamo policy's costs in Python: the twin of `indexer._native.dynamo_costs`."""
+    config = context.config
+    block_size = context.block_size
+    isl = context.isl_tokens
+    track_prefill = context.track_prefill_tokens
+    ranks = context.ranks
+    overlaps = context.overlaps
+    depths = context.depths
+    booked = context.booked_blocks
+    multipliers = context.taint_multipliers
+    credit = config.overlap_score_credit
+    decay_rate = config.overlap_score_credit_decay
+    host_weight = config.host_cache_hit_weight
+    disk_weight = config.disk_cache_hit_weight
+    scale = config.prefill_load_scale
+    request_weight = config.decode_active_request_weight
+    decays = track_prefill and decay_rate > 0.0
+    floor_tokens = min(rank.prefill_tokens for rank in ranks) if decays else 0
+    request_blocks = -(-isl // block_size)
+
+    def cost(index: int, rank: RankState) -> float:
+        overlap = overlaps.get(rank.key, NO_OVERLAP)
+        if track_prefill:
+            cached = overlap.cached_tokens
+            raw_prefill = (rank.prefill_tokens + max(isl - cached, 0) + cached) / block_size
+        else:
+            raw_prefill = 0.0
+        device_credit = credit
+        if decays:
+            backlog = (rank.prefill_tokens - floor_tokens) / block_size / request_blocks
+            device_credit = credit * (1.0 / (1.0 + decay_rate * backlog))
+        overlap_credit = (
+            device_credit * overlap.device_blocks
+            + host_weight * overlap.host_blocks
+            + disk_weight * overlap.disk_blocks
+        )
+        value = (
+            scale * max(raw_prefill - overlap_credit, 0.0)
+            + float(rank.decode_blocks + booked - depths.get(rank, 0))
+            + request_weight * rank.requests
+        )
+        return value if multipliers is None else value * multipliers[index]
+
+    if not track_prefill or multipliers is not None:
+        return [cost(index, rank) for index, rank in enumerate(ranks)]
+    # Most ranks of a fleet hold no prefix of the prompt, cached or active. For them the formula is
+    # s * (A_p + isl) / bs + (D + booked) + r * R through the same float operations (the credit is
+    # 0.0), so they are scored in one comprehension and the others patched in.
+    costs = [
+        scale * ((rank.prefill_tokens + isl) / block_size)
+        + float(rank.decode_blocks + booked)
+        + request_weight * rank.requests
+        for rank in ranks
+    ]
+    if overlaps or depths:
+        for index, rank in enumerate(ranks):
+            if rank.key in overlaps or rank in depths:
+                costs[index] = cost(index, rank)
+    return costs
+
+
 def lowest_cost_index(costs: Sequence[float], rng: random.Random) -> tuple[int, int]:
     """The lowest cost's index and how many candidates share it; each tied candidate wins with
     probability 1/ties, as with Dynamo's reservoir sampling in `minimum_cost_index`."""
+    if NATIVE and type(costs) is list:
+        found = accel.lowest_cost(costs)
+        if found is not None and found[1] == 1:
+            return found
     lowest = min(costs)
     ties = [index for index, cost in enumerate(costs) if cost == lowest]
     return (ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]), len(ties)
