@@ -57,7 +57,7 @@ from api.wire import (
 from indexer.events import decode_router_events
 from router.errors import QueueRejected
 from router.kv_router import KvRouter
-from router.types import RouteDecision, RouteRequest, Tokens
+from router.types import RouteDecision, Tokens
 
 __all__ = ["HOT_ACCESS", "HOT_PATHS", "Handlers"]
 
@@ -148,7 +148,11 @@ class Handlers:
         explain = request.explain or call.explain
         if request.request_id is None:
             request = msgspec.structs.replace(request, request_id=call.request_id or uuid.uuid4().hex)
-        decision = await self._decide(request, explain, call)
+        # The router decides synchronously unless the request has to wait in its queue: run it on
+        # this stack (no coroutine between), and only a request that parked there is awaited.
+        decision = start(self._router.new(request, explain=explain))
+        if isinstance(decision, Suspended):
+            decision = await self._queued(decision, call)
         body = encode(decision, call.reply_msgpack)
         self._metrics.decision(decision, tokens, time.perf_counter() - started)
         return Reply(200, body, call.reply_msgpack, decision.request_id)
@@ -160,7 +164,9 @@ class Handlers:
         if request.request_id is None:
             request = msgspec.structs.replace(request, request_id=call.request_id or uuid.uuid4().hex)
         try:
-            decision = await self._decide(request, False, call)
+            decision = start(self._router.new(request))
+            if isinstance(decision, Suspended):
+                decision = await self._queued(decision, call)
         except QueueRejected as exc:
             self._metrics.count("new", "queue_rejected")
             return self._reply(RouterQueueRejected(rejection=exc.rejection), call, request.request_id)
@@ -171,12 +177,8 @@ class Handlers:
         self._metrics.decision(decision, tokens, time.perf_counter() - started)
         return reply
 
-    async def _decide(self, request: RouteRequest, explain: bool, call: Call) -> RouteDecision:
-        # The router decides synchronously unless the request has to wait in its queue: run it on
-        # this stack, and only a request that did park in the queue watches for the client leaving.
-        decision = start(self._router.new(request, explain=explain))
-        if not isinstance(decision, Suspended):
-            return decision
+    async def _queued(self, decision: Suspended[RouteDecision], call: Call) -> RouteDecision:
+        """A decision waiting in the router's queue; it watches for the client leaving."""
         if call.wait_disconnect is not None:
             return await _unless_disconnected(decision, call.wait_disconnect)
         return await decision

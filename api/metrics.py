@@ -2,11 +2,11 @@
 
 Two kinds, by cost:
 
-* Counters and histograms that move with requests (`ApiMetrics`): label children are bound once.
+* Counters and histograms that move with requests (`ApiMetrics`): counts by method and outcome and
+  decisions per (worker, dp_rank) are plain dict increments, exposed as counters at scrape time.
   The histograms are `_Histogram`s, not prometheus-client's (a lock and a bucket loop, about 1.3 µs
   an observation, six per decision): a bisect and two additions, read into the same families at
   scrape time. They have one writer, the event loop, which also serves the scrapes.
-  Decisions per (worker, dp_rank) are a plain dict increment, exposed as a counter at scrape time.
 * State and counts kept elsewhere, read when ``/metrics`` is scraped, so keeping them costs the
   request path nothing: per-(worker, dp_rank) load, KV usage, indexed blocks, queue, workers, index
   size (`RouterStateCollector`); the event door's counts and stream states (`EventStreamCollector`);
@@ -22,8 +22,9 @@ import os
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Info
+from prometheus_client import CollectorRegistry, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -55,12 +56,21 @@ class ApiMetrics:
     """Request-driven metrics: counts by method and outcome, decision latency, overlap, events."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._requests = Counter(
-            f"{PREFIX}_requests",
-            "Router API calls by method (new, potential_loads, mark_prefill, mark_free, record_output, events, "
-            "overlap, router for bodies whose method could not be read) and outcome (ok or the error type).",
-            ["method", "outcome"],
-            registry=registry,
+        # (method, outcome) -> calls, a plain dict increment per request (prometheus-client's Counter
+        # takes a lock and three calls); the ok ones exist (at 0) from the start.
+        self._counts: dict[tuple[str, str], int] = {}
+        self._counts_created: dict[tuple[str, str], float] = {}
+        for method in METHODS:
+            self.count(method, "ok", 0)
+        registry.register(
+            _TallyCollector(
+                f"{PREFIX}_requests",
+                "Router API calls by method (new, potential_loads, mark_prefill, mark_free, record_output, events, "
+                "overlap, router for bodies whose method could not be read) and outcome (ok or the error type).",
+                ("method", "outcome"),
+                self._counts,
+                self._counts_created,
+            )
         )
         phases = ("hashing", "matching", "scheduling", "queued", "request")
         self._phase = {phase: _Histogram(LATENCY_BUCKETS) for phase in phases}
@@ -93,15 +103,24 @@ class ApiMetrics:
         # (worker_id, dp_rank) -> decisions routed there, and when its series appeared.
         self._decisions: dict[tuple[int, int], int] = {}
         self._decisions_created: dict[tuple[int, int], float] = {}
-        registry.register(_DecisionCollector(self._decisions, self._decisions_created))
-        # (method, outcome) -> its bound counter; the ok ones exist (at 0) from the start.
-        self._counts = {(method, "ok"): self._requests.labels(method, "ok") for method in METHODS}
+        registry.register(
+            _TallyCollector(
+                f"{PREFIX}_decisions",
+                "Routing decisions by the (worker, dp_rank) chosen.",
+                ("worker_id", "dp_rank"),
+                self._decisions,
+                self._decisions_created,
+            )
+        )
 
-    def count(self, method: str, outcome: str = "ok") -> None:
-        child = self._counts.get((method, outcome))
-        if child is None:
-            child = self._counts[method, outcome] = self._requests.labels(method, outcome)
-        child.inc()
+    def count(self, method: str, outcome: str = "ok", calls: int = 1) -> None:
+        key = (method, outcome)
+        counts = self._counts
+        count = counts.get(key)
+        if count is None:
+            self._counts_created[key] = time.time()
+            count = 0
+        counts[key] = count + calls
 
     def decision(self, decision: RouteDecision, prompt_tokens: int, request_s: float) -> None:
         phase = self._phase
@@ -129,24 +148,33 @@ def register_build_info(registry: CollectorRegistry, *, version: str, policy: st
     )
 
 
-class _DecisionCollector(Collector):
-    """``kv_router_decisions_total{worker_id,dp_rank}`` from `ApiMetrics`' per-rank tallies."""
+class _TallyCollector(Collector):
+    """A counter family from a dict of label values -> count kept by `ApiMetrics` (a plain dict
+    increment per event), each series with the time it appeared, as prometheus-client exposes a
+    labelled ``Counter``."""
 
-    _NAME = f"{PREFIX}_decisions"
-    _DOC = "Routing decisions by the (worker, dp_rank) chosen."
-
-    def __init__(self, counts: dict[tuple[int, int], int], created: dict[tuple[int, int], float]) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labels: Sequence[str],
+        counts: dict[tuple[Any, ...], int],
+        created: dict[tuple[Any, ...], float],
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labels = list(labels)
         self._counts = counts
         self._created = created
 
     def describe(self) -> Iterator[Metric]:
-        yield CounterMetricFamily(self._NAME, self._DOC, labels=["worker_id", "dp_rank"])
+        yield CounterMetricFamily(self._name, self._documentation, labels=self._labels)
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self._NAME, self._DOC, labels=["worker_id", "dp_rank"])
-        for (worker_id, dp_rank), count in self._counts.items():
-            created = self._created[worker_id, dp_rank] if _CREATED else None
-            family.add_metric([str(worker_id), str(dp_rank)], count, created=created)
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
+        for label_values, count in self._counts.items():
+            created = self._created[label_values] if _CREATED else None
+            family.add_metric([str(value) for value in label_values], count, created=created)
         yield family
 
 

@@ -97,8 +97,9 @@ def test_each_app_has_its_own_registry() -> None:
 
 
 def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
-    """The lock-free histograms of `ApiMetrics` against prometheus-client's own `Histogram` fed the
-    same observations, bucket edges included: the same families, samples and values."""
+    """The lock-free histograms and dict-tally counters of `ApiMetrics` against prometheus-client's
+    own `Histogram` and `Counter` fed the same observations, bucket edges included: the same
+    families, samples and values."""
     ours = CollectorRegistry()
     metrics = ApiMetrics(ours)
     theirs = CollectorRegistry()
@@ -138,6 +139,9 @@ def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
         phases["request"].observe(times[0] + times[2])
         overlap.observe(blocks)
         hit_ratio.observe(min(1.0, cached / tokens))
+        method, outcome = rng.choice([("new", "ok"), ("mark_free", "ok"), ("mark_free", "unknown_request_id")])
+        metrics.count(method, outcome)
+        requests.labels(method, outcome).inc()
 
     def exposition(registry: CollectorRegistry) -> str:
         return re.sub(r"(_created\{?[^ ]*) \S+", r"\1 T", generate_latest(registry).decode())
