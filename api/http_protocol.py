@@ -54,7 +54,7 @@ _INTERNAL_ERROR = (
 _MEDIA = {False: b"application/json", True: b"application/msgpack"}
 # (path, query, content_type, accept, x_request_id, authorization, body) of one whole request.
 ParsedPost = tuple[bytes, bytes, bytes | None, bytes | None, str | None, bytes | None, bytes]
-ParsePost = Callable[[bytes], ParsedPost | None]
+ParsePost = Callable[[bytes], ParsedPost | int | None]
 
 
 def fast_protocol(hot: HotRoutes) -> type[FastHttpProtocol]:
@@ -128,8 +128,9 @@ class FastHttpProtocol(HttpToolsProtocol):
 
     hot_routes: ClassVar[dict[bytes, HotHandler]] = {}
     max_body_bytes: ClassVar[int] = 0
-    # A read holding exactly one plain hot POST is parsed in one C call instead of httptools' six or
-    # more callbacks (`indexer._native.parse_post`; None: httptools parses every request).
+    # A read holding exactly one plain hot POST (its head possibly read before its body) is parsed in
+    # one C call instead of httptools' six or more callbacks (`indexer._native.parse_post`; None:
+    # httptools parses every request).
     parse_whole: ClassVar[ParsePost | None] = accel.parse_post if NATIVE else None
 
     def __init__(
@@ -150,14 +151,26 @@ class FastHttpProtocol(HttpToolsProtocol):
         self._reading_paused_for_writes = False
         self._idle_since = -1.0  # loop time of the last response while idle; -1 while busy
         self._between_messages = True  # httptools has no partial request
+        self._head_read: bytes | None = None  # a plain hot request's head, its body still coming
 
     def data_received(self, data: bytes) -> None:
+        waiting = self._head_read
+        if waiting is not None:
+            self._head_read = None
+            data = waiting + data
         parse = type(self).parse_whole
         if parse is not None and self._between_messages and not self.pipeline:
             cycle: object = self.cycle
             if cycle is None or cycle.response_complete:  # type: ignore[attr-defined]
                 parsed = parse(data)
-                if parsed is not None and self._whole_request(parsed):
+                if isinstance(parsed, int):
+                    # A plain head whose body is still coming (clients often write the two apart):
+                    # keep the bytes and parse them whole with the rest; httptools never saw them.
+                    if parsed <= self.max_body_bytes:
+                        self._unset_keepalive_if_required()
+                        self._head_read = data
+                        return
+                elif parsed is not None and self._whole_request(parsed):
                     return
         super().data_received(data)
 

@@ -205,6 +205,7 @@ class Service:
 
     name = ""
     form = "json"
+    cwd: str | None = None  # the directory it is started in (another tree's code, for a baseline)
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -233,12 +234,14 @@ class Service:
 class KvRouterService(Service):
     name = "kv-router"
 
-    def __init__(self, port: int, form: str) -> None:
+    def __init__(self, port: int, form: str, cwd: str | None = None) -> None:
         super().__init__(port)
         self.form = form
+        self.cwd = cwd
         # "json" / "msgpack": the request bodies; "-asgi": the hot routes served by the ASGI fast path
-        # (`--no-fast-protocol`) instead of inside uvicorn's HTTP protocol.
-        self.encoding, _, self.variant = form.partition("-")
+        # (`--no-fast-protocol`) instead of inside uvicorn's HTTP protocol; a "base:" prefix: the
+        # service of the --baseline tree.
+        self.encoding, _, self.variant = form.rpartition(":")[2].partition("-")
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         argv = [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
@@ -438,7 +441,7 @@ def launched(service: Service, cpus: str | None) -> Iterator[subprocess.Popen[by
     log_path = f"/tmp/http_bench_{service.name}_{service.port}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log_file, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                                   stdin=subprocess.DEVNULL, start_new_session=True, cwd=service.cwd)  # fmt: skip
     service.process = process
     try:
         yield process
@@ -506,6 +509,7 @@ class Cell:
     service_cpu_s: float
     best_overlap: int
     errors: int
+    client_cpu_s: float = 0.0  # this load generator's CPU time during the cell
     foreign_cores: float = 0.0
 
     @property
@@ -544,14 +548,16 @@ async def run_cell(
 
     assert service.process is not None
     cpu_before = process_cpu_s(service.process.pid)
+    client_before = process_cpu_s(os.getpid())
     started = time.perf_counter()
     await asyncio.gather(*(loop(conn) for conn in conns))
     elapsed = time.perf_counter() - started
     cpu = process_cpu_s(service.process.pid) - cpu_before
+    client = process_cpu_s(os.getpid()) - client_before
     for conn in conns:
         conn.close()
     return Cell(service.name, service.form, len(prompts[0].tokens), concurrency, len(latencies), elapsed, latencies,
-                cpu, best, errors)  # fmt: skip
+                cpu, best, errors, client)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- main
@@ -561,6 +567,7 @@ def median_cell(cells: list[Cell]) -> dict[str, float]:
         "p50": statistics.median(c.pct(50) for c in cells),
         "p99": statistics.median(c.pct(99) for c in cells),
         "cpu_us": statistics.median(c.service_cpu_s / max(1, c.decisions) * 1e6 for c in cells),
+        "client_cores": statistics.median(c.client_cpu_s / c.seconds for c in cells),
         "best": statistics.median(c.best_overlap / max(1, c.decisions) for c in cells),
         "errors": sum(c.errors for c in cells),
         "foreign_cores": max(c.foreign_cores for c in cells),
@@ -573,7 +580,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.pool} prompts per size")  # fmt: skip
     ports = iter(range(args.base_port, args.base_port + 100))
     services: list[Service] = [DynamoSelectService(next(ports))]
-    services += [KvRouterService(next(ports), form) for form in args.forms]
+    services += [
+        KvRouterService(next(ports), form, args.baseline if form.startswith("base:") else None) for form in args.forms
+    ]
     results: dict[tuple[str, str, int, int], list[Cell]] = {}
     with ExitStack() as stack:
         for service in services:
@@ -611,7 +620,7 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
     cpu_columns = "".join(f", {form}" for form in args.forms)
     header = (
         f"| prompt | conc | Dynamo dec/s | Dynamo p50 / p99 ms | {ours} | svc µs/dec (Dynamo{cpu_columns}) "
-        "| foreign cores (max) |"
+        "| load generator cores (max) | foreign cores (max) |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for size in args.prompt_tokens:
@@ -630,6 +639,8 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
                         f"{ours['per_s'] / theirs['per_s']:.2f}", f"{ours['p99'] / theirs['p99']:.2f}"]  # fmt: skip
                 cpu.append(f"{ours['cpu_us']:.0f}")
             row.append(" / ".join(cpu))
+            client = max(v["client_cores"] for k, v in results.items() if k[2:] == (size, concurrency))
+            row.append(f"{client:.2f}")
             foreign = max(v["foreign_cores"] for k, v in results.items() if k[2:] == (size, concurrency))
             row.append(f"{foreign:.2f}")
             lines.append("| " + " | ".join(row) + " |")
@@ -667,8 +678,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=lambda s: s.split(","),
         default=["json", "msgpack"],
         help="kv-router variants: json (token list) and/or msgpack (packed u32 tokens) bodies; a -asgi suffix "
-        "(json-asgi, msgpack-asgi) serves the hot routes from the ASGI fast path instead of inside the protocol",
+        "(json-asgi, msgpack-asgi) serves the hot routes from the ASGI fast path instead of inside the protocol; "
+        "a base: prefix (base:json) runs the --baseline tree's service in the same run",
     )
+    parser.add_argument("--baseline", default=None, help="a tree (e.g. an export of main) for the base: forms")
     parser.add_argument("--cycles", type=int, default=20_000, help="most decisions per cell")
     parser.add_argument("--seconds", type=float, default=3.0, help="longest time per cell")
     parser.add_argument("--repeat", type=int, default=3, help="runs per cell, alternating services; median reported")
@@ -696,8 +709,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     args.service_cpus = args.service_cpus or None
-    if any(form not in ("json", "msgpack", "json-asgi", "msgpack-asgi") for form in args.forms):
-        parser.error("forms are json, msgpack, json-asgi, msgpack-asgi")
+    if any(form.removeprefix("base:") not in ("json", "msgpack", "json-asgi", "msgpack-asgi") for form in args.forms):
+        parser.error("forms are json, msgpack, json-asgi, msgpack-asgi, each optionally prefixed with base:")
+    if any(form.startswith("base:") for form in args.forms) and not args.baseline:
+        parser.error("base: forms need --baseline DIR")
     if any(size % BLOCK_SIZE for size in args.prompt_tokens):
         parser.error(f"prompt sizes must be multiples of the block size {BLOCK_SIZE}")
     return args

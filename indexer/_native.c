@@ -1379,7 +1379,8 @@ static PyObject *py_lowest_cost(PyObject *self, PyObject *costs) {
  * Content-Length of digits with exactly that many body bytes after the head, and none of the headers
  * that change how a request is framed or answered (Connection, Transfer-Encoding, Upgrade, Expect,
  * Keep-Alive, Proxy-Connection) nor a repeated one of those it reads. Returns (path, query,
- * content_type, accept, x_request_id, authorization, body), absent headers as None. */
+ * content_type, accept, x_request_id, authorization, body), absent headers as None; or, when such a
+ * head is complete but not all of its body is in `data` yet, the Content-Length. */
 static inline int url_char(uint8_t c) {
     if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'))
         return 1;
@@ -1499,8 +1500,10 @@ static PyObject *py_parse_post(PyObject *self, PyObject *data) {
             lengths[slot] = value_length;
         }
     }
-    if (content_length < 0 || content_length != end - p)
+    if (content_length < 0 || content_length < end - p)
         Py_RETURN_NONE;
+    if (content_length > end - p) /* the rest of the body is still to come: the caller may wait for it */
+        return PyLong_FromLongLong(content_length);
     const uint8_t *path_end = question != NULL ? question : target_end;
     PyObject *items[7] = {NULL};
     items[0] = PyBytes_FromStringAndSize((const char *)target, path_end - target);
@@ -1556,8 +1559,8 @@ static PyMethodDef native_methods[] = {
     {"lowest_cost", py_lowest_cost, METH_O,
      "lowest_cost(costs) -> (index, ties) | None: the first lowest cost's index and how many share it."},
     {"parse_post", py_parse_post, METH_O,
-     "parse_post(data) -> (path, query, content_type, accept, x_request_id, authorization, body) | None: one "
-     "whole plain POST request."},
+     "parse_post(data) -> (path, query, content_type, accept, x_request_id, authorization, body) | int | None: "
+     "one whole plain POST request, or its Content-Length while its body is incomplete."},
     {"store_chain", py_store_chain, METH_VARARGS,
      "store_chain(node, blocks, bit, lookup, aliases, disown, state) -> (created, newly_owned, branched)."},
     {"match_prefix", py_match_prefix, METH_VARARGS,

@@ -223,6 +223,33 @@ def test_pipelined_requests_are_answered_in_order(fast_protocol: bool) -> None:
         client.close()
 
 
+def test_a_head_read_before_its_body_is_answered_once_the_body_is_in() -> None:
+    """What a client writing the head and the body apart sends: the protocol keeps the head (parsed
+    whole in C once the body is in), answers nothing before, and the same bytes as in one read; a
+    body arriving with a pipelined request behind it goes to httptools, both answered in order."""
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        _setup(client, 1, 2)
+        for sent, expected in _script():
+            head, _, body = sent.partition(b"\r\n\r\n")
+            if not body:
+                continue
+            client.send(head + b"\r\n\r\n")
+            assert client.nothing_within(0.05)
+            client.send(body[:1])
+            if len(body) > 1:
+                assert client.nothing_within(0.05)
+                client.send(body[1:])
+            assert without_timing(client.response()) == expected
+        first, then = _script()[0], _script()[-1]
+        head, _, body = first[0].partition(b"\r\n\r\n")
+        client.send(head + b"\r\n\r\n")
+        assert client.nothing_within(0.05)
+        client.send(body + then[0])
+        assert [without_timing(client.response()) for _ in range(2)] == [first[1], then[1]]
+        client.close()
+
+
 def test_bad_requests_get_the_same_bytes_as_through_asgi() -> None:
     """Every case of the error suite, on one keep-alive connection per server: identical answers."""
     answers = []
