@@ -310,6 +310,15 @@ class FastHttpProtocol(HttpToolsProtocol):
         else:
             self.timeout_keep_alive_handler()
 
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown; a head kept for its body is a request in flight: httptools
+        takes it over (as if it had read it), so the request is answered before the connection closes."""
+        held = self._head_read
+        if held is not None:
+            self._head_read = None
+            super().data_received(held)
+        super().shutdown()
+
     def resume_writing(self) -> None:
         super().resume_writing()
         if self._reading_paused_for_writes:

@@ -31,6 +31,7 @@ OVERRIDDEN = {
     "on_response_complete": ["self"],
     "connection_lost": ["self", "exc"],
     "resume_writing": ["self"],
+    "shutdown": ["self"],
     "_unset_keepalive_if_required": ["self"],
     "timeout_keep_alive_handler": ["self"],
 }
