@@ -27,6 +27,11 @@ namespace (``unshare -n``) whose only interface is ``lo``.
 
     python bench/http_bench.py                       # the full grid, ~3 minutes
     python bench/http_bench.py --prompt-tokens 1024 --concurrency 8 --seconds 2
+    git archive main | tar -x -C /tmp/base           # before / after in one run: main's service beside this one
+    python bench/http_bench.py --forms json,msgpack,base:json,base:msgpack --baseline /tmp/base
+
+The table also gives the load generator's own CPU per cell (in cores): near 1.0 it, not the service,
+would be the bottleneck.
 
 Needs: ai-dynamo-runtime==1.6.1 and pyzmq in the same environment as kv-router.
 """
