@@ -52,7 +52,7 @@ rng = random.Random(0)
 tokens = [rng.randrange(1 << 17) for _ in range(blocks * BLOCK)]
 ctx = zmq.Context()
 pub = ctx.socket(zmq.PUB); pub.setsockopt(zmq.SNDHWM, 0); pub.bind(endpoint)
-time.sleep(1.5)  # let the bridge join
+time.sleep(1.5)  # let the bridge join (the bench waits as long)
 def batch(i, first):
     half = blocks // 2
     hashes = [first] + [(i << 20) + j + 1 for j in range(1, blocks)]
@@ -130,9 +130,12 @@ async def lag(seconds: float, rate: float, blocks: int) -> None:
         subscriber = KvEventSubscriber(nc, router.events)
         lags: list[float] = []
         ingest = router.events.ingest
+        apply_cpu = [0.0]
 
-        def timed(events: list[RouterEvent]) -> None:
-            ingest(events)
+        def timed(events: list[RouterEvent], *, epoch: str | None = None) -> None:
+            started = time.thread_time()
+            ingest(events, epoch=epoch)
+            apply_cpu[0] += time.thread_time() - started
             now_us = time.time_ns() // 1000
             for event in events:
                 stored = event.event.stored
@@ -141,24 +144,36 @@ async def lag(seconds: float, rate: float, blocks: int) -> None:
 
         router.events.ingest = timed  # type: ignore[method-assign]
         await subscriber.start()
+        beat = asyncio.Event()
+
+        async def on_beat(_: object) -> None:
+            beat.set()
+
+        heartbeats = await nc.subscribe(f"kv.default.heartbeat.{WORKER}", cb=on_beat)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         bridge = subprocess.Popen(
             [sys.executable, "-m", "api.cli", "bridge", "--worker-id", str(WORKER), "--zmq-endpoint", endpoint,
              "--block-size", str(BLOCK), "--nats-url", server.url],
             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        time.sleep(1.0)
+        await asyncio.wait_for(beat.wait(), timeout=60)  # the bridge is up (it beats once started)
+        await heartbeats.unsubscribe()
         engine = _engine(endpoint, "lag", batches, blocks, rate)
         try:
+            await asyncio.sleep(1.5)  # the engine lets the bridge join before it sends
+            bridge_cpu0, router_cpu0, wall0 = _cpu_seconds(bridge.pid), time.process_time(), time.perf_counter()
             deadline = time.monotonic() + seconds + 30
             while len(lags) < batches and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
+            wall = time.perf_counter() - wall0
+            bridge_cpu, router_cpu = _cpu_seconds(bridge.pid) - bridge_cpu0, time.process_time() - router_cpu0
         finally:
             engine.wait(timeout=60)
             bridge.terminate()
             bridge.wait(timeout=10)
             await subscriber.stop()
             await nc.close()
+    in_order = list(lags)
     lags.sort()
     if not lags:
         print("no batch reached the router")
@@ -168,7 +183,21 @@ async def lag(seconds: float, rate: float, blocks: int) -> None:
         return lags[min(len(lags) - 1, int(q * len(lags)))]
 
     print(f"engine-to-routable lag at {rate:,.0f} blocks/s ({blocks} blocks per batch), {len(lags)}/{batches} batches:")
-    print(f"  p50 {pct(0.5):.2f} ms   p99 {pct(0.99):.2f} ms   max {lags[-1]:.2f} ms")
+    print(f"  p50 {pct(0.5):.2f} ms   p90 {pct(0.9):.2f} ms   p99 {pct(0.99):.2f} ms   max {lags[-1]:.2f} ms")
+    tenth = max(1, len(in_order) // 10)
+    worst = [max(in_order[start : start + tenth]) for start in range(0, len(in_order), tenth)]
+    print("  worst lag per tenth of the run (ms): " + " ".join(f"{value:.0f}" for value in worst))
+    per_batch = apply_cpu[0] / len(lags) * 1e6
+    print(
+        f"  share of one core: bridge {bridge_cpu / wall:.0%}, router process {router_cpu / wall:.0%} "
+        f"(of which applying events {apply_cpu[0] / wall:.0%}: {per_batch:.0f} µs per engine batch)"
+    )
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of another process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:

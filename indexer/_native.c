@@ -1532,6 +1532,313 @@ static PyObject *py_parse_post(PyObject *self, PyObject *data) {
     return result;
 }
 
+/* ------------------------------------------------------------------ removals (RadixTree._remove)
+ *
+ * remove_blocks(root, lookup, aliases, hashes, bit) -> (missing, disowned, pruned, unbranched)
+ *
+ * `RadixTree._remove` with `_disown` and `_prune` inlined, step for step: pop each hash from the
+ * rank's `lookup`; a node the rank holds loses `bit` (and its alias), then it and its ancestors are
+ * detached while they are ownerless leaves. Returns the hashes not held, how many nodes were
+ * disowned, how many detached, and how many branch dicts went back to a single child. */
+static int owners_without(NodeObject *node, PyObject *bit, uint64_t bit_value, int *held) {
+    uint64_t owners;
+    if (owners_u64(node->owners, &owners) == 0) {
+        *held = (owners & bit_value) != 0;
+        if (*held) {
+            PyObject *narrowed = PyLong_FromUnsignedLongLong(owners & ~bit_value);
+            if (narrowed == NULL)
+                return -1;
+            Py_SETREF(node->owners, narrowed);
+        }
+        return 0;
+    }
+    PyErr_Clear(); /* a mask wider than 64 bits: Python int arithmetic */
+    PyObject *shared = PyNumber_And(node->owners, bit);
+    if (shared == NULL)
+        return -1;
+    *held = PyObject_IsTrue(shared);
+    Py_DECREF(shared);
+    if (*held < 0)
+        return -1;
+    if (*held) {
+        PyObject *narrowed = PyNumber_Xor(node->owners, bit);
+        if (narrowed == NULL)
+            return -1;
+        Py_SETREF(node->owners, narrowed);
+    }
+    return 0;
+}
+
+/* Detach `child` from `parent`'s children; *unbranched is set when a branch dict went back to one. */
+static int detach_child(NodeObject *parent, NodeObject *child, int *unbranched) {
+    PyObject *kids = parent->children;
+    *unbranched = 0;
+    if (kids == (PyObject *)child) {
+        Py_SETREF(parent->children, Py_NewRef(Py_None));
+        return 0;
+    }
+    if (!PyDict_Check(kids))
+        return 0;
+    PyObject *key = PyLong_FromUnsignedLongLong(child->local_hash);
+    if (key == NULL)
+        return -1;
+    int status = PyDict_DelItem(kids, key);
+    Py_DECREF(key);
+    if (status < 0)
+        return -1;
+    if (PyDict_GET_SIZE(kids) == 1) {
+        Py_ssize_t position = 0;
+        PyObject *only_key, *only;
+        PyDict_Next(kids, &position, &only_key, &only);
+        Py_SETREF(parent->children, Py_NewRef(only));
+        *unbranched = 1;
+    }
+    return 0;
+}
+
+static PyObject *py_remove_blocks(PyObject *self, PyObject *args) {
+    PyObject *root, *lookup, *aliases, *hashes, *bit;
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!", &NodeType, &root, &PyDict_Type, &lookup, &PyDict_Type, &aliases, &hashes,
+                          &PyLong_Type, &bit))
+        return NULL;
+    uint64_t bit_value;
+    if (owners_u64(bit, &bit_value) < 0)
+        return NULL;
+    PyObject *fast = PySequence_Fast(hashes, "hashes must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    PyObject *missing = PyList_New(0);
+    if (missing == NULL) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    Py_ssize_t disowned = 0, pruned = 0, unbranched = 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *found = PyDict_GetItemWithError(lookup, items[i]);
+        if (found == NULL) {
+            if (PyErr_Occurred() || PyList_Append(missing, items[i]) < 0)
+                goto error;
+            continue;
+        }
+        NodeObject *node = (NodeObject *)Py_NewRef(found);
+        if (PyDict_DelItem(lookup, items[i]) < 0) {
+            Py_DECREF(node);
+            goto error;
+        }
+        int held = 0;
+        if (!Node_Check(node) || owners_without(node, bit, bit_value, &held) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "lookup values must be nodes");
+            Py_DECREF(node);
+            goto error;
+        }
+        if (!held) {
+            Py_DECREF(node);
+            if (PyList_Append(missing, items[i]) < 0)
+                goto error;
+            continue;
+        }
+        disowned++;
+        if (PyDict_GET_SIZE(aliases)) {
+            int aliased = PyDict_Contains(aliases, (PyObject *)node);
+            if (aliased < 0 || (aliased && PyDict_DelItem(aliases, (PyObject *)node) < 0)) {
+                Py_DECREF(node);
+                goto error;
+            }
+        }
+        /* Detach while an ownerless leaf below the root; `node` holds a reference throughout. */
+        while ((PyObject *)node != root && node->children == Py_None) {
+            uint64_t owners;
+            int ownerless;
+            if (owners_u64(node->owners, &owners) == 0) {
+                ownerless = owners == 0;
+            } else {
+                PyErr_Clear();
+                ownerless = PyObject_Not(node->owners);
+                if (ownerless < 0) {
+                    Py_DECREF(node);
+                    goto error;
+                }
+            }
+            if (!ownerless || !Node_Check(node->parent))
+                break;
+            NodeObject *parent = (NodeObject *)Py_NewRef(node->parent);
+            int collapsed;
+            if (detach_child(parent, node, &collapsed) < 0) {
+                Py_DECREF(parent);
+                Py_DECREF(node);
+                goto error;
+            }
+            unbranched += collapsed;
+            Py_SETREF(node->parent, Py_NewRef(Py_None));
+            pruned++;
+            Py_SETREF(node, parent);
+        }
+        Py_DECREF(node);
+    }
+    Py_DECREF(fast);
+    return Py_BuildValue("Nnnn", missing, disowned, pruned, unbranched);
+error:
+    Py_DECREF(fast);
+    Py_DECREF(missing);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ event encoding (indexer/events.py)
+ *
+ * msgpack_rows(first, second, before, between, after) -> bytes | None
+ *
+ * A msgpack array with one row per pair (first[i], second[i]): `before`, the first int, `between`,
+ * the second int, `after`, each int in msgspec's smallest unsigned form. With the pieces of an
+ * encoded `StoredBlock` it is the `blocks` array of a stored event, byte for byte as msgspec writes
+ * it, without one Python object per block. None when a value is not a u64 (msgspec then encodes). */
+static inline uint8_t *put_uint(uint8_t *out, uint64_t v) {
+    if (v < 128) {
+        *out++ = (uint8_t)v;
+    } else if (v <= 0xFF) {
+        *out++ = 0xcc;
+        *out++ = (uint8_t)v;
+    } else if (v <= 0xFFFF) {
+        *out++ = 0xcd;
+        *out++ = (uint8_t)(v >> 8);
+        *out++ = (uint8_t)v;
+    } else if (v <= 0xFFFFFFFFull) {
+        *out++ = 0xce;
+        for (int shift = 24; shift >= 0; shift -= 8)
+            *out++ = (uint8_t)(v >> shift);
+    } else {
+        *out++ = 0xcf;
+        for (int shift = 56; shift >= 0; shift -= 8)
+            *out++ = (uint8_t)(v >> shift);
+    }
+    return out;
+}
+
+static PyObject *py_msgpack_rows(PyObject *self, PyObject *args) {
+    PyObject *first, *second;
+    Py_buffer before, between, after;
+    if (!PyArg_ParseTuple(args, "O!O!y*y*y*", &PyList_Type, &first, &PyList_Type, &second, &before, &between, &after))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(first);
+    if (PyList_GET_SIZE(second) != n) {
+        PyErr_SetString(PyExc_ValueError, "the two columns differ in length");
+        goto done;
+    }
+    Py_ssize_t row = before.len + between.len + after.len + 18;
+    if (n > (PY_SSIZE_T_MAX - 5) / row) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, 5 + n * row);
+    if (result == NULL)
+        goto done;
+    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(result), *out = start;
+    if (n < 16) {
+        *out++ = (uint8_t)(0x90 | n);
+    } else if (n <= 0xFFFF) {
+        *out++ = 0xdc;
+        *out++ = (uint8_t)(n >> 8);
+        *out++ = (uint8_t)n;
+    } else {
+        *out++ = 0xdd;
+        for (int shift = 24; shift >= 0; shift -= 8)
+            *out++ = (uint8_t)((uint64_t)n >> shift);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t a, b;
+        if (as_u64(PyList_GET_ITEM(first, i), &a) < 0 || as_u64(PyList_GET_ITEM(second, i), &b) < 0) {
+            PyErr_Clear();
+            Py_CLEAR(result);
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        memcpy(out, before.buf, before.len);
+        out = put_uint(out + before.len, a);
+        memcpy(out, between.buf, between.len);
+        out = put_uint(out + between.len, b);
+        memcpy(out, after.buf, after.len);
+        out += after.len;
+    }
+    _PyBytes_Resize(&result, out - start);
+done:
+    PyBuffer_Release(&before);
+    PyBuffer_Release(&between);
+    PyBuffer_Release(&after);
+    return result;
+}
+
+/* msgpack_u32s(data) -> bytes | None
+ *
+ * A msgpack array of ints in [0, 2^32) (an engine's token_ids) as packed little-endian u32, without
+ * an int object per token. None for anything else, trailing bytes included: msgspec then decodes
+ * the array and names what is wrong. */
+static PyObject *py_msgpack_u32s(PyObject *self, PyObject *arg) {
+    Py_buffer data;
+    if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const uint8_t *p = (const uint8_t *)data.buf, *end = p + data.len;
+    PyObject *result = NULL;
+    size_t count;
+    if (p >= end)
+        goto unsupported;
+    if ((*p & 0xF0) == 0x90) {
+        count = *p & 0x0F;
+        p += 1;
+    } else if (*p == 0xdc && end - p >= 3) {
+        count = ((size_t)p[1] << 8) | p[2];
+        p += 3;
+    } else if (*p == 0xdd && end - p >= 5) {
+        count = ((size_t)p[1] << 24) | ((size_t)p[2] << 16) | ((size_t)p[3] << 8) | p[4];
+        p += 5;
+    } else {
+        goto unsupported;
+    }
+    if (count > (size_t)(end - p)) /* every element takes at least one byte */
+        goto unsupported;
+    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(count * 4));
+    if (result == NULL)
+        goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    for (size_t i = 0; i < count; i++) {
+        uint64_t v;
+        if (p >= end)
+            goto unsupported;
+        uint8_t tag = *p;
+        if (tag < 0x80) {
+            v = tag;
+            p += 1;
+        } else if (tag == 0xcc && end - p >= 2) {
+            v = p[1];
+            p += 2;
+        } else if (tag == 0xcd && end - p >= 3) {
+            v = ((uint64_t)p[1] << 8) | p[2];
+            p += 3;
+        } else if (tag == 0xce && end - p >= 5) {
+            v = ((uint64_t)p[1] << 24) | ((uint64_t)p[2] << 16) | ((uint64_t)p[3] << 8) | p[4];
+            p += 5;
+        } else {
+            goto unsupported; /* signed or wider forms, or not an int: msgspec decides */
+        }
+        out[0] = (uint8_t)v;
+        out[1] = (uint8_t)(v >> 8);
+        out[2] = (uint8_t)(v >> 16);
+        out[3] = (uint8_t)(v >> 24);
+        out += 4;
+    }
+    if (p != end)
+        goto unsupported;
+    goto done;
+unsupported:
+    Py_XDECREF(result);
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&data);
+    return result;
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
@@ -1563,6 +1870,12 @@ static PyMethodDef native_methods[] = {
      "one whole plain POST request, or its Content-Length while its body is incomplete."},
     {"store_chain", py_store_chain, METH_VARARGS,
      "store_chain(node, blocks, bit, lookup, aliases, disown, state) -> (created, newly_owned, branched)."},
+    {"remove_blocks", py_remove_blocks, METH_VARARGS,
+     "remove_blocks(root, lookup, aliases, hashes, bit) -> (missing, disowned, pruned, unbranched)."},
+    {"msgpack_u32s", py_msgpack_u32s, METH_O,
+     "msgpack_u32s(data) -> bytes | None: a msgpack array of u32 ints as packed little-endian u32."},
+    {"msgpack_rows", py_msgpack_rows, METH_VARARGS,
+     "msgpack_rows(first, second, before, between, after) -> bytes | None: an array of rows of two u64."},
     {"match_prefix", py_match_prefix, METH_VARARGS,
      "match_prefix(root, local_hashes, keys, scores, path) -> None: the find_matches walk."},
     {NULL, NULL, 0, NULL},

@@ -32,6 +32,8 @@ import msgspec
 from indexer.errors import EventDecodeError
 from indexer.events import U64_MAX, KvCacheEvent, StorageTier, cleared_event, removed_event, stored_event
 from indexer.hashing import compute_block_hashes
+from indexer.native import ENABLED as NATIVE
+from indexer.native import accel
 
 __all__ = [
     "DecodedBatch",
@@ -58,10 +60,12 @@ class EngineDecodeError(EventDecodeError):
 
 
 class EngineStored(NamedTuple):
-    """Blocks stored under ``parent_hash``: ``(block_hash, tokens_hash)`` pairs, as `stored_event` takes."""
+    """Blocks stored under ``parent_hash``: the engine's block hashes and our tokens hashes, one each
+    per block in two lists (no object per block on the bridge's path)."""
 
     parent_hash: int | None
-    blocks: list[tuple[int, int]]
+    block_hashes: list[int]
+    tokens_hashes: list[int]
     tier: StorageTier
     block_size: int
 
@@ -89,7 +93,8 @@ class DecodedBatch(NamedTuple):
 def to_kv_event(event: EngineEvent, event_id: int, dp_rank: int) -> KvCacheEvent:
     """The numbered event of one rank's stream that ``event`` becomes."""
     if isinstance(event, EngineStored):
-        return stored_event(event_id, event.blocks, parent_hash=event.parent_hash, dp_rank=dp_rank)
+        blocks = zip(event.block_hashes, event.tokens_hashes, strict=True)
+        return stored_event(event_id, blocks, parent_hash=event.parent_hash, dp_rank=dp_rank)
     if isinstance(event, EngineRemoved):
         return removed_event(event_id, event.block_hashes, dp_rank=dp_rank)
     return cleared_event(event_id, dp_rank=dp_rank)
@@ -101,8 +106,12 @@ def event_tier(event: EngineEvent) -> StorageTier:
 
 # ---------------------------------------------------------------------- wire shapes
 Hash = int | bytes
-# Flat ids only (validated in C); EAGLE bigram pairs fail here and are reported as unsupported.
-TokenIds = list[int]
+# Kept raw: the C accelerator packs a plain array of u32 ids straight to bytes for hashing, without
+# an int object per token (they were most of the decoding); otherwise `_token_ids` decodes them.
+TokenIds = msgspec.Raw
+_NO_TOKENS = msgspec.Raw(b"\x90")  # []
+# Flat ids only; EAGLE bigram pairs fail here and are reported as unsupported.
+_token_ids = msgspec.msgpack.Decoder(list[int])
 
 
 class _ArrayBatch(msgspec.Struct, array_like=True):
@@ -120,7 +129,7 @@ class _MapBatch(msgspec.Struct):
 class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type"):
     block_hashes: list[Hash]
     parent_block_hash: Hash | None = None
-    token_ids: TokenIds = []
+    token_ids: TokenIds = _NO_TOKENS
     block_size: int | None = None
     lora_id: Any = None
     medium: str | None = None
@@ -145,7 +154,7 @@ class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
 class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored"):
     block_hashes: list[Hash]
     parent_block_hash: Hash | None = None
-    token_ids: TokenIds = []
+    token_ids: TokenIds = _NO_TOKENS
     block_size: int | None = None
     lora_id: Any = None
     medium: str | None = None
@@ -165,7 +174,16 @@ class _ClearedArray(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
     pass
 
 
+class _TypedArrayBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_StoredMap | _RemovedMap | _ClearedMap]
+    data_parallel_rank: int | None = None
+
+
+_CLEARED = (_ClearedMap, _ClearedArray)
+_REMOVED = (_RemovedMap, _RemovedArray)
 _array_batch = msgspec.msgpack.Decoder(_ArrayBatch)
+_typed_array_batch = msgspec.msgpack.Decoder(_TypedArrayBatch)
 _map_batch = msgspec.msgpack.Decoder(_MapBatch)
 _map_event = msgspec.msgpack.Decoder(_StoredMap | _RemovedMap | _ClearedMap)
 _array_event = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
@@ -228,16 +246,33 @@ def decode_engine_batch(
     if not data:
         raise EngineDecodeError("empty_payload", "the payload frame is empty")
     head = data[0]
+    if not _is_map(head):
+        # The common shape (an array envelope of map events) in one typed decode; anything else,
+        # a bad event included, is decoded event by event below so each error is named.
+        try:
+            typed = _typed_array_batch.decode(data)
+        except msgspec.DecodeError:
+            pass
+        else:
+            return _converted(typed.ts, typed.data_parallel_rank, typed.events, block_size, cache_namespace)
     try:
         batch: _ArrayBatch | _MapBatch = _map_batch.decode(data) if _is_map(head) else _array_batch.decode(data)
     except msgspec.DecodeError as exc:
         raise EngineDecodeError("bad_envelope", str(exc)) from None
+    return _converted(batch.ts, batch.data_parallel_rank, batch.events, block_size, cache_namespace)
+
+
+def _converted(
+    ts: float, dp_rank: int | None, raw_events: Sequence[Any], block_size: int, cache_namespace: str | None
+) -> DecodedBatch:
     events: list[EngineEvent] = []
     errors: list[EngineDecodeError] = []
     ignored = 0
-    for position, raw in enumerate(batch.events):
+    for position, raw in enumerate(raw_events):
         try:
-            event = _decode_event(raw, block_size, cache_namespace)
+            event = _engine_event(
+                _decode_event(raw) if isinstance(raw, msgspec.Raw) else raw, block_size, cache_namespace
+            )
         except EngineDecodeError as exc:
             errors.append(EngineDecodeError(exc.reason, f"event {position}: {exc.detail}"))
             continue
@@ -245,7 +280,7 @@ def decode_engine_batch(
             ignored += 1
         else:
             events.append(event)
-    return DecodedBatch(batch.ts, batch.data_parallel_rank, events, errors, ignored)
+    return DecodedBatch(ts, dp_rank, events, errors, ignored)
 
 
 def _is_map(head: int) -> bool:
@@ -256,7 +291,7 @@ def _is_array(head: int) -> bool:
     return 0x90 <= head <= 0x9F or head in (0xDC, 0xDD)
 
 
-def _decode_event(raw: msgspec.Raw, block_size: int, cache_namespace: str | None) -> EngineEvent | None:
+def _decode_event(raw: msgspec.Raw) -> Any:
     view = memoryview(raw)
     if not view:
         raise EngineDecodeError("bad_event", "empty event")
@@ -273,15 +308,16 @@ def _decode_event(raw: msgspec.Raw, block_size: int, cache_namespace: str | None
         # msgspec names the tag's location when the tag itself is not one of ours.
         if text.startswith("Invalid value") and text.endswith(("`$.type`", "`$[0]`")):
             raise EngineDecodeError("unknown_event_type", text) from None
-        if "`$.token_ids[" in text or "`$[3][" in text:
-            # EAGLE bigram pairs: not hashed here (Dynamo widens the hashing window for them).
-            raise EngineDecodeError("unsupported_token_ids", text) from None
         raise EngineDecodeError("bad_event", text) from None
     except msgspec.DecodeError as exc:
         raise EngineDecodeError("bad_event", str(exc)) from None
-    if isinstance(event, _ClearedMap | _ClearedArray):
+    return event
+
+
+def _engine_event(event: Any, block_size: int, cache_namespace: str | None) -> EngineEvent | None:
+    if isinstance(event, _CLEARED):
         return EngineCleared()
-    if isinstance(event, _RemovedMap | _RemovedArray):
+    if isinstance(event, _REMOVED):
         return EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium))
     kind = event.kv_cache_spec_kind
     if kind is not None and kind not in _MAIN_ATTENTION:
@@ -296,18 +332,21 @@ def _stored(event: _StoredMap | _StoredArray, block_size: int, cache_namespace: 
         raise EngineDecodeError(
             "block_size_mismatch", f"the engine's block size is {engine_block_size}, the router's {block_size}"
         )
-    tokens = event.token_ids
+    tokens = _token_list(event.token_ids)
+    count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
     needed = len(hashes) * block_size
-    if len(tokens) < needed:
+    if count < needed:
         raise EngineDecodeError(
             "short_token_ids", f"{len(hashes)} blocks of {block_size} tokens need {len(hashes) * block_size} token ids"
         )
+    if count > needed:
+        tokens = tokens[: needed * 4] if isinstance(tokens, bytes) else tokens[:needed]
     lora_name, salt = _lora_and_salt(event)
     namespace = salt if salt is not None else cache_namespace
     mm_infos = event.block_mm_infos if isinstance(event, _StoredMap) else None
     try:
         locals_ = compute_block_hashes(
-            tokens if len(tokens) == needed else tokens[:needed],
+            tokens,
             block_size,
             lora_name=lora_name,
             cache_namespace=namespace,
@@ -318,7 +357,25 @@ def _stored(event: _StoredMap | _StoredArray, block_size: int, cache_namespace: 
     parent = None if event.parent_block_hash is None else fold_hash(event.parent_block_hash)
     if parent in hashes or len(set(hashes)) != len(hashes):
         raise EngineDecodeError("repeated_hash", "a store repeats a block hash (or its parent's)")
-    return EngineStored(parent, list(zip(hashes, locals_, strict=True)), storage_tier(event.medium), block_size)
+    return EngineStored(parent, hashes, locals_, storage_tier(event.medium), block_size)
+
+
+def _token_list(raw: msgspec.Raw) -> bytes | list[int]:
+    """An event's token ids: packed u32 bytes (C) or ints; raises `EngineDecodeError` for others."""
+    if NATIVE:
+        packed = accel.msgpack_u32s(raw)
+        if packed is not None:
+            return packed
+    try:
+        return _token_ids.decode(raw)
+    except msgspec.ValidationError as exc:
+        text = f"token_ids: {exc}"
+        if "got `array`" in text:
+            # EAGLE bigram pairs: not hashed here (Dynamo widens the hashing window for them).
+            raise EngineDecodeError("unsupported_token_ids", text) from None
+        raise EngineDecodeError("bad_event", text) from None
+    except msgspec.DecodeError as exc:
+        raise EngineDecodeError("bad_event", f"token_ids: {exc}") from None
 
 
 def _lora_and_salt(event: _StoredMap | _StoredArray) -> tuple[str | None, str | None]:

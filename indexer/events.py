@@ -42,9 +42,12 @@ __all__ = [
     "RouterEvent",
     "StorageTier",
     "StoredBlock",
+    "StoredEventEncoder",
+    "as_u64",
     "cleared_event",
     "decode_router_events",
     "encode_router_events",
+    "join_encoded_events",
     "looks_like_msgpack",
     "removed_event",
     "stored_event",
@@ -58,13 +61,13 @@ _I64_MIN = -(1 << 63)
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-# A hash as engines send it: u64, or i64 to be reinterpreted as u64 (see `_as_u64`).
+# A hash as engines send it: u64, or i64 to be reinterpreted as u64 (see `as_u64`).
 WireHash = Annotated[int, msgspec.Meta(ge=_I64_MIN)]
 
 
-def _as_u64(value: int, what: str) -> int:
-    """``value`` as u64: negative i64 values are reinterpreted bitwise, larger values rejected."""
-    if value > U64_MAX:
+def as_u64(value: int, what: str) -> int:
+    """``value`` as u64: negative i64 values are reinterpreted bitwise, others outside u64 rejected."""
+    if value > U64_MAX or value < _I64_MIN:
         raise ValueError(f"{what} {value} does not fit in u64")
     return value + (1 << 64) if value < 0 else value
 
@@ -118,21 +121,23 @@ class KvStoredData(msgspec.Struct, gc=False):
     def __post_init__(self) -> None:
         # `h >> 64` is non-zero exactly for negative and oversized values: one cheap test per hash.
         if self.parent_hash is not None and self.parent_hash >> 64:
-            self.parent_hash = _as_u64(self.parent_hash, "parent_hash")
+            self.parent_hash = as_u64(self.parent_hash, "parent_hash")
         if NATIVE and not accel.has_wide_hash(self.blocks):
             return  # the common case, tested in one C call
         for block in self.blocks:
             if block.block_hash >> 64 or block.tokens_hash >> 64:
-                block.block_hash = _as_u64(block.block_hash, "block_hash")
-                block.tokens_hash = _as_u64(block.tokens_hash, "tokens_hash")
+                block.block_hash = as_u64(block.block_hash, "block_hash")
+                block.tokens_hash = as_u64(block.tokens_hash, "tokens_hash")
 
 
 class KvRemovedData(msgspec.Struct, gc=False):
     block_hashes: list[WireHash]
 
     def __post_init__(self) -> None:
-        if any(h >> 64 for h in self.block_hashes):
-            self.block_hashes = [_as_u64(h, "block_hash") for h in self.block_hashes]
+        hashes = self.block_hashes
+        # Two C-level scans instead of one Python test per hash: removals are half of all blocks.
+        if hashes and (min(hashes) < 0 or max(hashes) > U64_MAX):
+            self.block_hashes = [as_u64(h, "block_hash") for h in hashes]
 
 
 class KvCacheEventData(msgspec.Struct, omit_defaults=True, gc=False):
@@ -239,6 +244,94 @@ def decode_router_events(payload: bytes | bytearray | memoryview, *, msgpack: bo
 
 def encode_router_events(events: RouterEvent | list[RouterEvent], *, msgpack: bool = False) -> bytes:
     return (_msgpack_encoder if msgpack else _json_encoder).encode(events)
+
+
+def join_encoded_events(encoded: list[bytes], *, msgpack: bool = False) -> bytes:
+    """One payload from events encoded one by one: the event itself, or the list of them."""
+    if len(encoded) == 1:
+        return encoded[0]
+    if not msgpack:
+        return b"[" + b",".join(encoded) + b"]"
+    count = len(encoded)
+    if count < 16:
+        head = bytes((0x90 | count,))
+    elif count <= 0xFFFF:
+        head = b"\xdc" + count.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + count.to_bytes(4, "big")
+    return head + b"".join(encoded)
+
+
+_BLOCKS_SLOT = "blocks"
+# Literal bytes and the names of the three slots between them.
+_Template = tuple[bytes, str, bytes, str, bytes, str, bytes]
+
+
+class StoredEventEncoder:
+    """Stored events of one worker as msgpack bytes, byte for byte what msgspec writes for the
+    ``RouterEvent``, without one ``StoredBlock`` object per block: the C accelerator writes the blocks
+    array into a template taken from msgspec's own encoding of a probe event, per (dp rank, tier).
+    Without the accelerator (or with a hash outside u64) the ``RouterEvent`` is built and encoded."""
+
+    def __init__(self, worker_id: int, *, native: bool = NATIVE) -> None:
+        self.worker_id = worker_id
+        self._native = native
+        self._templates: dict[tuple[int, StorageTier], _Template] = {}
+        # Probe values msgspec writes in 9 bytes, none of them the worker id: each is found once.
+        self._event_mark, self._parent_mark, block_mark, tokens_mark = [
+            value for value in range(U64_MAX, U64_MAX - 5, -1) if value != worker_id
+        ][:4]
+        row = _msgpack_encoder.encode(StoredBlock(block_mark, tokens_mark))
+        before, rest = row.split(_msgpack_encoder.encode(block_mark))
+        between, after = rest.split(_msgpack_encoder.encode(tokens_mark))
+        self._row = (before, between, after)
+        self._probe_blocks = [(block_mark, tokens_mark)]
+        self._one_block = b"\x91" + row
+
+    def encode(
+        self,
+        event_id: int,
+        dp_rank: int,
+        tier: StorageTier,
+        parent_hash: int | None,
+        block_hashes: list[int],
+        tokens_hashes: list[int],
+    ) -> bytes:
+        rows = None
+        if self._native and (parent_hash is None or not parent_hash >> 64) and not event_id >> 64:
+            rows = accel.msgpack_rows(block_hashes, tokens_hashes, *self._row)
+        if rows is None:
+            blocks = zip(block_hashes, tokens_hashes, strict=True)
+            event = stored_event(event_id, blocks, parent_hash=parent_hash, dp_rank=dp_rank)
+            return _msgpack_encoder.encode(RouterEvent(self.worker_id, event, tier))
+        template = self._templates.get((dp_rank, tier))
+        if template is None:
+            template = self._templates[dp_rank, tier] = self._template(dp_rank, tier)
+        encode = _msgpack_encoder.encode
+        slots = {"event_id": encode(event_id), "parent_hash": encode(parent_hash), _BLOCKS_SLOT: rows}
+        head, first, middle, second, rest, third, tail = template
+        return b"".join((head, slots[first], middle, slots[second], rest, slots[third], tail))
+
+    def _template(self, dp_rank: int, tier: StorageTier) -> _Template:
+        """Literal bytes and named slots (four and three), in the order msgspec writes the probe event."""
+        probe = RouterEvent(
+            self.worker_id,
+            stored_event(self._event_mark, self._probe_blocks, parent_hash=self._parent_mark, dp_rank=dp_rank),
+            tier,
+        )
+        data = _msgpack_encoder.encode(probe)
+        marks = {
+            "event_id": _msgpack_encoder.encode(self._event_mark),
+            "parent_hash": _msgpack_encoder.encode(self._parent_mark),
+            _BLOCKS_SLOT: self._one_block,
+        }
+        assert all(data.count(mark) == 1 for mark in marks.values()), "a probe value is not unique in the event"
+        (first, a, a_len), (second, b, b_len), (third, c, c_len) = sorted(
+            (data.index(mark), name, len(mark)) for name, mark in marks.items()
+        )
+        return (
+            data[:first], a, data[first + a_len : second], b, data[second + b_len : third], c, data[third + c_len :]
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------- resync (request/reply)

@@ -275,6 +275,12 @@ class RadixTree:
     def _remove(self, state: _SlotBlocks, hashes: Sequence[int]) -> list[int]:
         bit = 1 << state.slot
         lookup = state.lookup
+        if self._native and state.slot < _NATIVE_MAX_SLOTS:
+            missing, disowned, pruned, unbranched = accel.remove_blocks(self._root, lookup, state.aliases, hashes, bit)
+            state.owned -= disowned
+            self._nodes -= pruned
+            self._branch_nodes -= unbranched
+            return missing
         missing = []
         for block_hash in hashes:
             node = lookup.pop(block_hash, None)

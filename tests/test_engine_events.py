@@ -42,8 +42,9 @@ def _expected(vector: dict[str, Any]) -> list[Any]:
             out.append(EngineRemoved(data["removed"]["block_hashes"], StorageTier.DEVICE))
         else:
             stored = data["stored"]
-            blocks = [(b["block_hash"], b["tokens_hash"]) for b in stored["blocks"]]
-            out.append(EngineStored(stored["parent_hash"], blocks, StorageTier.DEVICE, 4))
+            hashes = [b["block_hash"] for b in stored["blocks"]]
+            tokens_hashes = [b["tokens_hash"] for b in stored["blocks"]]
+            out.append(EngineStored(stored["parent_hash"], hashes, tokens_hashes, StorageTier.DEVICE, 4))
     return out
 
 
@@ -68,15 +69,15 @@ def test_byte_hashes_fold_to_their_last_8_bytes_and_lora_salts_the_tokens_hash(s
     assert batch.dp_rank == 1
     stored, removed, cleared = batch.events
     assert isinstance(stored, EngineStored) and isinstance(removed, EngineRemoved)
-    assert [h for h, _ in stored.blocks] == vector["u64_block_hashes"][0]
+    assert stored.block_hashes == vector["u64_block_hashes"][0]
     assert stored.parent_hash == vector["dynamo_router_events_derived"][0]["event"]["data"]["stored"]["parent_hash"]
     assert removed.block_hashes == vector["u64_block_hashes"][1]
     assert cleared == EngineCleared()
     # The event names lora_name "my-adapter": its blocks hash as a request naming that adapter does
     # (the vector's derived tokens_hash leaves the LoRA salt out; Dynamo's convert.rs salts it).
     tokens = vector["decoded_msgpack_tree"][1][0]["token_ids"]
-    assert [t for _, t in stored.blocks] == compute_block_hashes(tokens, 4, lora_name="my-adapter")
-    assert [t for _, t in stored.blocks] != compute_block_hashes(tokens, 4)
+    assert stored.tokens_hashes == compute_block_hashes(tokens, 4, lora_name="my-adapter")
+    assert stored.tokens_hashes != compute_block_hashes(tokens, 4)
 
 
 @given(st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1))
@@ -114,7 +115,7 @@ def test_sglang_salt_namespace_and_mm_infos_enter_the_tokens_hash() -> None:
     array = ["BlockStored", [1, 2], None, tokens, 4, None, "GPU", {"cache_salt": "tenant-a"}]
     (salted,) = decode_engine_batch(encode([0.0, [array], 0]), 4).events
     assert isinstance(salted, EngineStored)
-    assert [t for _, t in salted.blocks] == compute_block_hashes(tokens, 4, cache_namespace="tenant-a")
+    assert salted.tokens_hashes == compute_block_hashes(tokens, 4, cache_namespace="tenant-a")
     (mapped,) = decode_engine_batch(encode([0.0, [_stored(cache_salt="tenant-a")], 0]), 4).events
     assert mapped == salted
     (spaced,) = decode_engine_batch(encode([0.0, [_stored()], 0]), 4, cache_namespace="tenant-a").events
@@ -122,7 +123,7 @@ def test_sglang_salt_namespace_and_mm_infos_enter_the_tokens_hash() -> None:
     infos = [{"mm_objects": [{"mm_hash": 99, "offsets": [[0, 2]]}]}, None]
     (mm,) = decode_engine_batch(encode([0.0, [_stored(block_mm_infos=infos)], 0]), 4).events
     assert isinstance(mm, EngineStored)
-    assert [t for _, t in mm.blocks] == compute_block_hashes(tokens, 4, block_mm_infos=infos)
+    assert mm.tokens_hashes == compute_block_hashes(tokens, 4, block_mm_infos=infos)
 
 
 def test_non_attention_groups_are_ignored_and_a_map_envelope_is_accepted() -> None:

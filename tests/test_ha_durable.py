@@ -55,7 +55,7 @@ def dump_of(router: RouterProcess) -> set[tuple[Any, ...]]:
 
 
 def truth(publishers: list[KvEventPublisher]) -> set[tuple[Any, ...]]:
-    events = [msgspec.to_builtins(e) for p in publishers for e in p.held_blocks().dump_events()]
+    events = [msgspec.to_builtins(e) for p in publishers for e in p.dump_events()]
     return canonical(events)
 
 

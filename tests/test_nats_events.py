@@ -37,14 +37,14 @@ def scores_of(tree: RadixTree, pairs: list[tuple[int, int]]) -> dict[tuple[int, 
 def same_state(router_tree: RadixTree, publisher: KvEventPublisher) -> bool:
     """Compare the router's view of the worker with the worker's own, through their dumps."""
 
-    def normalised(tree: RadixTree) -> list[bytes]:
+    def normalised(events: list[RouterEvent]) -> list[bytes]:
         restored = RadixTree()
-        for event in tree.dump_events():
+        for event in events:
             if event.worker_id == publisher.worker_id:
                 restored.apply_router_event(event)
         return sorted(msgspec.json.encode(e.event.data) for e in restored.dump_events())
 
-    return normalised(router_tree) == normalised(publisher.held_blocks())
+    return normalised(router_tree.dump_events()) == normalised(publisher.dump_events())
 
 
 async def start_router(nc: Client) -> tuple[RadixTree, EventSequencer, KvEventSubscriber]:

@@ -54,6 +54,9 @@ class PublisherSink:
         self.stats: Counter[str] = Counter()
         self._tiers: dict[int, set[StorageTier]] = {}
 
+    def batch(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.publisher.batch()
+
     async def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
         publisher = self.publisher
         tiers = self._tiers.setdefault(dp_rank, set())
@@ -67,10 +70,14 @@ class PublisherSink:
                         self.stats["blocks"] += len(event.block_hashes)
                     else:
                         tiers.add(event.tier)
-                        await publisher.stored(
-                            event.blocks, parent_hash=event.parent_hash, dp_rank=dp_rank, storage_tier=event.tier
+                        await publisher.stored_hashes(
+                            event.block_hashes,
+                            event.tokens_hashes,
+                            parent_hash=event.parent_hash,
+                            dp_rank=dp_rank,
+                            storage_tier=event.tier,
                         )
-                        self.stats["blocks"] += len(event.blocks)
+                        self.stats["blocks"] += len(event.block_hashes)
                 except KvIndexError as exc:  # a store under a parent the engine never stored: never sent
                     self.stats[f"rejected_{exc.label}"] += 1
         self.stats["batches"] += 1

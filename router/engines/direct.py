@@ -11,6 +11,7 @@ first events are not refused; ``POST /v1/workers`` can then give its real settin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from indexer.engine_events import EngineEvent, event_tier, to_kv_event
@@ -50,6 +51,9 @@ class SequencerSink:
         event_id = self._last_id.get(dp_rank, 0) + 1
         self._last_id[dp_rank] = event_id
         return event_id
+
+    def batch(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()  # each batch reaches the sequencer as it is applied
 
     async def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
         self._ensure_registered()

@@ -26,6 +26,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 import zmq
@@ -43,12 +44,18 @@ END_SEQ = (1 << 64) - 1  # the replay end marker: -1 as a signed 8-byte big-endi
 DEFAULT_QUEUE_SIZE = 10_000
 # Applying a backlog must not starve the loop it shares (the router's decisions in direct mode).
 YIELD_AFTER_S = 0.0005
+# Messages the SUB reader takes off the socket per wake-up before it lets the loop run.
+READ_BURST = 256
 
 
 class EngineSink(Protocol):
     """Where a stream's decoded events go: the bridge's publisher or the router's own sequencer."""
 
     def apply(self, dp_rank: int, events: list[EngineEvent]) -> Awaitable[None]: ...
+
+    def batch(self) -> AbstractAsyncContextManager[object]:
+        """Everything applied inside goes out together (the bridge: one NATS message)."""
+        ...
 
     def restarted(self, dp_rank: int) -> Awaitable[None]:
         """The engine restarted: everything it held on ``dp_rank`` is gone."""
@@ -133,7 +140,6 @@ class ZmqEngineStream:
         self.stats: Counter[str] = Counter()
         self.last_rejection: dict[str, str] = {}  # reason -> the latest such rejection, for diagnosis
         self._subscribed = asyncio.Event()
-        self._busy_since = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -156,30 +162,47 @@ class ZmqEngineStream:
         socket.setsockopt(zmq.SUBSCRIBE, self.topic)
         try:
             socket.connect(self.endpoint)
+            # The same socket without futures: what is already queued is read without a wake-up each.
+            ready: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
             self._subscribed.set()
             while True:
-                frames = await socket.recv_multipart(copy=True)
-                self.stats["messages"] += 1
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self._reject("bad_frames", f"expected [topic, seq(8 bytes), payload], got {len(frames)} frames")
-                    continue
-                try:
-                    self._queue.put_nowait((int.from_bytes(frames[1], "big"), frames[2]))
-                except asyncio.QueueFull:
-                    self.stats["dropped_queue_full"] += 1
+                self._take(await socket.recv_multipart(copy=True))
+                for _ in range(READ_BURST):
+                    try:
+                        frames = ready.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._take(frames)
+                else:
+                    await asyncio.sleep(0)
         finally:
             socket.close()
+
+    def _take(self, frames: list[bytes]) -> None:
+        self.stats["messages"] += 1
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._reject("bad_frames", f"expected [topic, seq(8 bytes), payload], got {len(frames)} frames")
+            return
+        try:
+            self._queue.put_nowait((int.from_bytes(frames[1], "big"), frames[2]))
+        except asyncio.QueueFull:
+            self.stats["dropped_queue_full"] += 1
 
     async def _apply_loop(self) -> None:
         if self.replay_endpoint is not None and self._last_applied is None:
             await self._bootstrap()
+        queue = self._queue
         while True:
-            seq, payload = await self._queue.get()
-            await self.take_live(seq, payload)
-            now = time.perf_counter()
-            if now - self._busy_since > YIELD_AFTER_S:
+            seq, payload = await queue.get()
+            started = time.perf_counter()
+            # What is queued already goes out together, within the loop's fairness budget.
+            async with self.sink.batch():
+                await self.take_live(seq, payload)
+                while not queue.empty() and time.perf_counter() - started < YIELD_AFTER_S:
+                    seq, payload = queue.get_nowait()
+                    await self.take_live(seq, payload)
+            if not queue.empty():
                 await asyncio.sleep(0)
-                self._busy_since = time.perf_counter()
 
     # ------------------------------------------------------------------ ordering
     async def take_live(self, seq: int, payload: bytes) -> None:

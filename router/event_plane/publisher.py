@@ -20,8 +20,11 @@ Usage from an asyncio engine integration::
         ...
     await publisher.stop()
 
-Events are checked against the publisher's own index before they are numbered: a store under an
-unknown parent raises ``ParentBlockNotFound`` and is never sent.
+Events are checked against what the publisher holds before they are numbered: a store under an
+unknown parent raises ``ParentBlockNotFound`` and is never sent. What it holds is a flat
+`indexer.held_blocks.HeldBlocks` (a dict per rank and tier, walked only to answer a dump), and each
+event is encoded once, when it is emitted: the ring keeps those bytes, a batch joins them, and
+stored events are written without a Python object per block (`StoredEventEncoder`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 
 import msgspec
 from nats.aio.client import Client
@@ -40,21 +43,23 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from indexer.errors import BlockNotFound
 from indexer.events import (
-    KvCacheEvent,
+    U64_MAX,
     ResyncBatch,
     ResyncRequest,
     ResyncResponse,
     ResyncTooNew,
     RouterEvent,
     StorageTier,
+    StoredEventEncoder,
+    as_u64,
     cleared_event,
     encode_router_events,
+    join_encoded_events,
     removed_event,
     stored_event,
 )
-from indexer.radix_tree import RadixTree
+from indexer.held_blocks import HeldBlocks
 from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
@@ -65,8 +70,6 @@ __all__ = ["KvEventPublisher", "open_registry"]
 log = logging.getLogger(__name__)
 
 DEFAULT_RING_SIZE = 1024
-
-_EventFactory = Callable[[int], KvCacheEvent]  # event id -> event
 
 
 async def open_registry(nc: Client, subjects: Subjects) -> KeyValue:
@@ -83,7 +86,7 @@ class _RankLog:
 
     def __init__(self, ring_size: int) -> None:
         self.last_event_id = 0
-        self.ring: deque[RouterEvent] = deque(maxlen=ring_size)
+        self.ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)  # (event id, the event encoded)
 
 
 class KvEventPublisher:
@@ -108,8 +111,10 @@ class KvEventPublisher:
         self._heartbeat_interval = heartbeat_interval
         self._msgpack = msgpack
         self._ranks: dict[int, _RankLog] = {}
-        self._blocks = RadixTree()  # what this worker holds, to answer full-dump resyncs
-        self._batch: list[RouterEvent] | None = None
+        self._held = HeldBlocks(self.worker_id)  # what this worker holds, to answer full-dump resyncs
+        self._encoder = StoredEventEncoder(self.worker_id)
+        self._decoder = msgspec.msgpack.Decoder(RouterEvent) if msgpack else msgspec.json.Decoder(RouterEvent)
+        self._batch: list[bytes] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._background = Supervisor(f"publisher-{registration.worker_id}")
         self._resync_subscription: Subscription | None = None
@@ -167,50 +172,84 @@ class KvEventPublisher:
         storage_tier: StorageTier = StorageTier.DEVICE,
     ) -> int:
         """Publish blocks stored under ``parent_hash`` as ``(block_hash, tokens_hash)``; returns the event id."""
-        return await self._emit(
-            lambda event_id: stored_event(event_id, blocks, parent_hash=parent_hash, dp_rank=dp_rank),
-            dp_rank,
-            storage_tier,
+        pairs = list(blocks)
+        return await self.stored_hashes(
+            [block for block, _ in pairs],
+            [tokens for _, tokens in pairs],
+            parent_hash=parent_hash,
+            dp_rank=dp_rank,
+            storage_tier=storage_tier,
         )
+
+    async def stored_hashes(
+        self,
+        block_hashes: list[int],
+        tokens_hashes: list[int],
+        *,
+        parent_hash: int | None = None,
+        dp_rank: int = 0,
+        storage_tier: StorageTier = StorageTier.DEVICE,
+    ) -> int:
+        """`stored` with the two hashes of each block in two lists (no pair per block): the bridge's path."""
+        # Hashes as u64 (i64 reinterpreted), checked before anything is held or numbered.
+        if block_hashes and (min(block_hashes) < 0 or max(block_hashes) > U64_MAX):
+            block_hashes = [as_u64(value, "block_hash") for value in block_hashes]
+        if tokens_hashes and (min(tokens_hashes) < 0 or max(tokens_hashes) > U64_MAX):
+            tokens_hashes = [as_u64(value, "tokens_hash") for value in tokens_hashes]
+        if parent_hash is not None and parent_hash >> 64:
+            parent_hash = as_u64(parent_hash, "parent_hash")
+        self._held.store(dp_rank, storage_tier, parent_hash, block_hashes, tokens_hashes)
+        rank, event_id = self._next_event_id(dp_rank)
+        if self._msgpack:
+            payload = self._encoder.encode(event_id, dp_rank, storage_tier, parent_hash, block_hashes, tokens_hashes)
+        else:
+            blocks = zip(block_hashes, tokens_hashes, strict=True)
+            event = stored_event(event_id, blocks, parent_hash=parent_hash, dp_rank=dp_rank)
+            payload = encode_router_events(RouterEvent(self.worker_id, event, storage_tier))
+        return await self._emit(rank, event_id, payload)
 
     async def removed(
         self, block_hashes: Iterable[int], *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE
     ) -> int:
-        hashes = list(block_hashes)
-        return await self._emit(
-            lambda event_id: removed_event(event_id, hashes, dp_rank=dp_rank), dp_rank, storage_tier
-        )
+        rank, event_id = self._next_event_id(dp_rank)
+        event = removed_event(event_id, block_hashes, dp_rank=dp_rank)
+        removed = event.removed
+        assert removed is not None
+        # A removal of unknown hashes still applies the rest; routers report the unknown ones alike.
+        self._held.remove(dp_rank, storage_tier, removed.block_hashes)
+        return await self._emit(rank, event_id, self._encode(RouterEvent(self.worker_id, event, storage_tier)))
 
     async def cleared(self, *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE) -> int:
-        return await self._emit(lambda event_id: cleared_event(event_id, dp_rank=dp_rank), dp_rank, storage_tier)
+        rank, event_id = self._next_event_id(dp_rank)
+        self._unverified.discard(dp_rank)
+        self._held.clear(dp_rank, storage_tier)
+        event = RouterEvent(self.worker_id, cleared_event(event_id, dp_rank=dp_rank), storage_tier)
+        return await self._emit(rank, event_id, self._encode(event))
 
     def mark_unverified(self, dp_rank: int = 0) -> None:
         """What this rank holds is no longer known: the next event id is skipped, so routers see a gap,
         and their resyncs of the rank are refused until it clears; they keep it untrusted meanwhile."""
         if dp_rank not in self._unverified:
             self._unverified.add(dp_rank)
-            rank = self._ranks.get(dp_rank)
-            if rank is None:
-                rank = self._ranks[dp_rank] = _RankLog(self._ring_size)
-            rank.last_event_id += 1
+            self._next_event_id(dp_rank)
 
-    async def _emit(self, make: _EventFactory, dp_rank: int, storage_tier: StorageTier) -> int:
+    def _next_event_id(self, dp_rank: int) -> tuple[_RankLog, int]:
         rank = self._ranks.get(dp_rank)
         if rank is None:
             rank = self._ranks[dp_rank] = _RankLog(self._ring_size)
-        event = RouterEvent(self.worker_id, make(rank.last_event_id + 1), storage_tier)
-        if event.event.is_cleared:
-            self._unverified.discard(dp_rank)
-        # A removal of unknown hashes still applies the rest; routers report the unknown ones alike.
-        with contextlib.suppress(BlockNotFound):
-            self._blocks.apply_router_event(event)
         rank.last_event_id += 1
-        rank.ring.append(event)
+        return rank, rank.last_event_id
+
+    def _encode(self, event: RouterEvent) -> bytes:
+        return encode_router_events(event, msgpack=self._msgpack)
+
+    async def _emit(self, rank: _RankLog, event_id: int, payload: bytes) -> int:
+        rank.ring.append((event_id, payload))
         if self._batch is not None:
-            self._batch.append(event)
+            self._batch.append(payload)
         else:
-            await self._send([event])
-        return rank.last_event_id
+            await self._send([payload])
+        return event_id
 
     @contextlib.asynccontextmanager
     async def batch(self) -> AsyncIterator[None]:
@@ -226,8 +265,14 @@ class KvEventPublisher:
             if events:
                 await self._send(events)
 
-    async def _send(self, events: list[RouterEvent]) -> None:
-        payload = encode_router_events(events if len(events) > 1 else events[0], msgpack=self._msgpack)
+    async def _send(self, events: list[bytes]) -> None:
+        payload = join_encoded_events(events, msgpack=self._msgpack)
+        if len(payload) > self.nc.max_payload and len(events) > 1:
+            # A batch that outgrew the server's limit goes out in halves, still in order.
+            half = len(events) // 2
+            await self._send(events[:half])
+            await self._send(events[half:])
+            return
         await self.nc.publish(self.subjects.events(self.worker_id), payload, headers=self._headers)
 
     async def publish_load(self, load: ActiveLoad) -> None:
@@ -244,12 +289,12 @@ class KvEventPublisher:
             return ResyncResponse(
                 too_new=ResyncTooNew(requested_start=start, requested_end=request.end_event_id, newest_available=last)
             )
-        oldest = rank.ring[0].event.event_id if rank.ring else last + 1
+        oldest = rank.ring[0][0] if rank.ring else last + 1
         if start is not None and start >= oldest:
             end = last if request.end_event_id is None else min(request.end_event_id, last)
-            wanted = [event for event in rank.ring if start <= event.event.event_id <= end]
+            wanted = [self._decoder.decode(payload) for event_id, payload in rank.ring if start <= event_id <= end]
             return ResyncResponse(events=ResyncBatch(events=wanted, last_event_id=end))
-        dump = [event for event in self._blocks.dump_events() if event.event.dp_rank == request.dp_rank]
+        dump = self._held.dump_events(request.dp_rank)
         return ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=last))
 
     async def _on_resync(self, message: Msg) -> None:
@@ -267,6 +312,6 @@ class KvEventPublisher:
         if message.reply:
             await self.nc.publish(message.reply, payload)
 
-    def held_blocks(self) -> RadixTree:
-        """The publisher's own index of what this worker holds (read-only use)."""
-        return self._blocks
+    def dump_events(self) -> list[RouterEvent]:
+        """What this worker holds on every rank and tier, as the stored events a full dump answers."""
+        return self._held.dump_events()

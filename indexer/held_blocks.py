@@ -1,0 +1,115 @@
+"""What one worker holds, kept by its own publisher to answer a router's full-dump resync.
+
+Nothing here is queried by prefix, so it is not a tree: per (dp_rank, storage tier) one dict
+``block_hash -> (parent_hash, tokens_hash)``, exactly what the engine holds. A store is one C-level
+dict update for the whole chain, a removal one pop per hash, a clear one dict; the chains are walked
+only when a dump is asked for (rare, and bounded by what the worker holds).
+
+A dump replayed into a router's `RadixTree` gives what the live events gave it, for engines whose
+block hashes are content-addressed (a hash names one parent and one token block, as vLLM, SGLang
+and TensorRT-LLM hash): device blocks are emitted along their chains from the root, one event per
+linear run, and a block whose parent is no longer held is left out (it cannot score); lower-tier
+blocks are emitted one edge each, as `LowerTierIndex` keeps them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from indexer.errors import InvalidBlockSequence, ParentBlockNotFound
+from indexer.events import (
+    KvCacheEvent,
+    KvCacheEventData,
+    KvStoredData,
+    RouterEvent,
+    StorageTier,
+    StoredBlock,
+)
+
+__all__ = ["HeldBlocks"]
+
+_Held = dict[int, tuple[int | None, int]]  # block_hash -> (parent_hash, tokens_hash)
+
+
+class HeldBlocks:
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+        self._held: dict[tuple[int, StorageTier], _Held] = {}
+
+    def store(
+        self,
+        dp_rank: int,
+        tier: StorageTier,
+        parent_hash: int | None,
+        block_hashes: Sequence[int],
+        tokens_hashes: Sequence[int],
+    ) -> None:
+        """Record a chain stored under ``parent_hash``; raises (and records nothing) for a device store
+        under a parent this rank does not hold, or a chain that repeats a hash or holds its parent."""
+        key = (dp_rank, tier)
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = {}
+        if parent_hash is not None:
+            if tier is StorageTier.DEVICE and parent_hash not in held:
+                raise ParentBlockNotFound(f"worker {self.worker_id} dp_rank {dp_rank}: parent block {parent_hash}")
+            if parent_hash in block_hashes:
+                raise InvalidBlockSequence(f"worker {self.worker_id}: stored blocks contain their parent {parent_hash}")
+        if len(tokens_hashes) != len(block_hashes):
+            raise ValueError(f"{len(block_hashes)} block hashes but {len(tokens_hashes)} tokens hashes")
+        if len(set(block_hashes)) != len(block_hashes):
+            raise InvalidBlockSequence(f"worker {self.worker_id}: a store repeats a block hash")
+        parents = [parent_hash, *block_hashes[:-1]]
+        held.update(zip(block_hashes, zip(parents, tokens_hashes, strict=True), strict=True))
+
+    def remove(self, dp_rank: int, tier: StorageTier, block_hashes: Sequence[int]) -> None:
+        """Forget the blocks; hashes not held are ignored (routers report them as the engine sent them)."""
+        held = self._held.get((dp_rank, tier))
+        if held:
+            pop = held.pop
+            for block_hash in block_hashes:
+                pop(block_hash, None)
+
+    def clear(self, dp_rank: int, tier: StorageTier) -> None:
+        self._held.pop((dp_rank, tier), None)
+
+    def block_count(self, dp_rank: int, tier: StorageTier = StorageTier.DEVICE) -> int:
+        return len(self._held.get((dp_rank, tier), ()))
+
+    def dump_events(self, dp_rank: int | None = None) -> list[RouterEvent]:
+        """Stored events that rebuild what ``dp_rank`` (every rank: None) holds; ids number the list."""
+        events: list[RouterEvent] = []
+        keys = sorted(key for key in self._held if dp_rank is None or key[0] == dp_rank)
+        for rank, tier in keys:
+            held = self._held[rank, tier]
+            chains = _device_chains(held) if tier is StorageTier.DEVICE else _edges(held)
+            for parent_hash, blocks in chains:
+                stored = KvStoredData(blocks=blocks, parent_hash=parent_hash)
+                event = KvCacheEvent(event_id=len(events), data=KvCacheEventData(stored=stored), dp_rank=rank)
+                events.append(RouterEvent(worker_id=self.worker_id, event=event, storage_tier=tier))
+        return events
+
+
+def _device_chains(held: _Held) -> list[tuple[int | None, list[StoredBlock]]]:
+    """Every block reachable from the root, parents first, merged into linear runs."""
+    children: dict[int | None, list[int]] = {}
+    for block_hash, (parent_hash, _) in held.items():
+        children.setdefault(parent_hash, []).append(block_hash)
+    chains = []
+    pending: list[tuple[int, int | None]] = [(child, None) for child in children.get(None, ())]
+    while pending:
+        block_hash, parent_hash = pending.pop()
+        chain = []
+        while True:
+            chain.append(StoredBlock(block_hash, held[block_hash][1]))
+            below = children.get(block_hash, ())
+            if len(below) != 1:
+                break
+            block_hash = below[0]
+        pending.extend((child, block_hash) for child in below)
+        chains.append((parent_hash, chain))
+    return chains
+
+
+def _edges(held: _Held) -> list[tuple[int | None, list[StoredBlock]]]:
+    return [(parent, [StoredBlock(block_hash, tokens_hash)]) for block_hash, (parent, tokens_hash) in held.items()]
