@@ -169,3 +169,34 @@ def test_a_bad_envelope_raises_one_typed_error(payload: bytes, reason: str) -> N
 def test_garbage_never_escapes_as_anything_but_a_decode_error(payload: bytes) -> None:
     with contextlib.suppress(EngineDecodeError):
         decode_engine_batch(payload, 4)
+
+
+_TOKEN = st.integers(0, 2**32 - 1)
+_EVENTS = st.one_of(
+    st.builds(
+        lambda hashes, tokens, medium, salt: _stored(
+            block_hashes=hashes, token_ids=tokens, medium=medium, **({"cache_salt": salt} if salt else {})
+        ),
+        st.lists(st.integers(0, 2**64 - 1) | st.integers(-(2**63), -1), min_size=1, max_size=3, unique=True),
+        st.lists(_TOKEN, min_size=8, max_size=13) | st.lists(st.lists(_TOKEN, max_size=2), max_size=8),
+        st.sampled_from([None, "GPU", "cpu", "disk"]),
+        st.sampled_from([None, "tenant-a"]),
+    ),
+    st.builds(lambda hashes: {"type": "BlockRemoved", "block_hashes": hashes}, st.lists(st.integers(0, 2**64 - 1))),
+    st.just({"type": "AllBlocksCleared"}),
+    st.just({"type": "Nonsense"}),
+    st.builds(lambda tokens: _stored(token_ids=tokens), st.lists(st.integers(-5, 2**33), min_size=8, max_size=8)),
+)
+
+
+@given(st.lists(_EVENTS, max_size=6), st.none() | st.integers(0, 3))
+def test_the_one_decode_of_a_whole_batch_reads_what_the_event_by_event_decode_reads(
+    events: list[dict[str, Any]], dp_rank: int | None
+) -> None:
+    # An array envelope of map events is decoded in one go when it can be, a map envelope event by
+    # event: the answers, errors included, are the same.
+    whole = decode_engine_batch(encode([1.5, events, dp_rank]), 4)
+    one_by_one = decode_engine_batch(encode({"ts": 1.5, "events": events, "data_parallel_rank": dp_rank}), 4)
+    assert whole.events == one_by_one.events
+    assert [(e.reason, e.detail) for e in whole.errors] == [(e.reason, e.detail) for e in one_by_one.errors]
+    assert (whole.ts, whole.dp_rank, whole.ignored) == (one_by_one.ts, one_by_one.dp_rank, one_by_one.ignored)

@@ -22,7 +22,15 @@ from hypothesis import strategies as st
 from api.codec import BodyDecoder, Call
 from api.errors import ApiError
 from api.wire import NewRequest, PotentialLoadsRequest
-from indexer.events import KvStoredData, StorageTier, StoredBlock, stored_event
+from indexer.events import (
+    KvStoredData,
+    RouterEvent,
+    StorageTier,
+    StoredBlock,
+    StoredEventEncoder,
+    encode_router_events,
+    stored_event,
+)
 from indexer.hashing import SEED, python_block_hashes, python_sequence_hashes, sequence_hash_tuple
 from indexer.radix_tree import KvIndexError, RadixTree
 from router.config import RouterConfig
@@ -533,3 +541,66 @@ def test_the_whole_request_parser_reads_a_plain_post() -> None:
         data.replace(b"POST", b"GET"),
     ):
         assert native.parse_post(refused) is None
+
+
+# ------------------------------------------------------------------ the bridge's wire paths
+EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
+EDGY_U64 = st.sampled_from(EDGES) | U64
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(EDGY_U64, EDGY_U64), max_size=70))
+def test_stored_block_rows_are_the_bytes_msgspec_writes(pairs: list[tuple[int, int]]) -> None:
+    row = msgspec.msgpack.encode(StoredBlock(2**64 - 1, 2**64 - 2))
+    before, rest = row.split(msgspec.msgpack.encode(2**64 - 1))
+    between, after = rest.split(msgspec.msgpack.encode(2**64 - 2))
+    rows = native.msgpack_rows([b for b, _ in pairs], [t for _, t in pairs], before, between, after)
+    assert rows == msgspec.msgpack.encode([StoredBlock(b, t) for b, t in pairs])
+
+
+def test_stored_block_rows_refuse_what_is_not_u64() -> None:
+    for bad in (-1, 2**64, "1"):
+        assert native.msgpack_rows([1, bad], [2, 3], b"", b"", b"") is None
+    with pytest.raises(ValueError, match="differ in length"):
+        native.msgpack_rows([1, 2], [3], b"", b"", b"")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1]) | st.integers(0, 2**32 - 1)))
+def test_msgpack_token_ids_pack_as_array_packs_them(tokens: list[int]) -> None:
+    assert native.msgpack_u32s(msgspec.msgpack.encode(tokens)) == array("I", tokens).tobytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40) | st.builds(msgspec.msgpack.encode, st.lists(st.integers(-(2**63), 2**64 - 1))))
+def test_msgpack_token_ids_are_packed_only_when_msgspec_reads_the_same_u32s(data: bytes) -> None:
+    packed = native.msgpack_u32s(data)
+    try:
+        tokens: list[int] | None = msgspec.msgpack.decode(data, type=list[int])
+    except msgspec.DecodeError:
+        tokens = None
+    if packed is not None:  # never an answer of its own: exactly msgspec's ints
+        assert tokens is not None and array("I", packed).tolist() == tokens
+    elif tokens is not None and all(0 <= token < 2**32 for token in tokens):
+        # u32 ids in a form msgspec never writes for them (signed or 64-bit) are left to msgspec.
+        assert any(byte in data for byte in b"\xcf\xd0\xd1\xd2\xd3")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    worker=st.sampled_from([0, 7, 2**64 - 1, 2**64 - 3]) | U64,
+    event_id=st.integers(1, 2**64 - 1),
+    dp_rank=st.integers(0, 2**32 - 1),
+    tier=st.sampled_from(list(StorageTier)),
+    parent=st.none() | EDGY_U64,
+    pairs=st.lists(st.tuples(EDGY_U64, EDGY_U64), min_size=1, max_size=40),
+)
+def test_the_stored_event_encoder_writes_what_msgspec_writes(
+    worker: int, event_id: int, dp_rank: int, tier: StorageTier, parent: int | None, pairs: list[tuple[int, int]]
+) -> None:
+    expected = encode_router_events(
+        RouterEvent(worker, stored_event(event_id, pairs, parent_hash=parent, dp_rank=dp_rank), tier), msgpack=True
+    )
+    hashes, tokens = [b for b, _ in pairs], [t for _, t in pairs]
+    for encoder in (StoredEventEncoder(worker, native=True), StoredEventEncoder(worker, native=False)):
+        assert encoder.encode(event_id, dp_rank, tier, parent, hashes, tokens) == expected
