@@ -6,9 +6,12 @@ the first time is logged once as a WARNING. The kinds:
 
 - ``block_size_mismatch``: a worker registered, or an engine heard directly sent events, with a block
   size other than the router's (its blocks can never match a request's).
-- ``tokens_hash_mismatch``: prompts routed to a worker whose events fill the index, yet none of those
-  prompts' first blocks ever shows up among its blocks: the engine hashes the same tokens differently
-  (a cache salt, LoRA name or namespace the requests do not carry, or another tokenizer).
+- ``tokens_hash_mismatch``: directly, for an engine heard over ZMQ (direct mode; the bridge logs it):
+  the engine's own block hashes contradict the tokens hashes we compute from the same events'
+  ``token_ids`` (`router.engines.hash_check`: it salts with something its events do not carry, or
+  our salt varies where its does not). Indirectly, for any worker: prompts routed to it while its
+  events fill the index, yet none of those prompts' first blocks ever shows up among its blocks (a
+  cache salt, LoRA name or namespace the requests do not carry, or another tokenizer).
 - ``events_not_wired``: a worker has been routed requests for ``routed_for_s`` (a minute) and never
   sent one event (its engine's KV events are not enabled or reach no router); workers in approximate
   mode send none on purpose and are skipped.
@@ -147,6 +150,13 @@ class ConfigDoctor:
                 )
 
     def _hashes(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
+        for worker_id, stream in self.engines:
+            count = stream.stats["tokens_hash_mismatch"]
+            if count:
+                found["tokens_hash_mismatch", worker_id] = (
+                    f"{count} stored events from {stream.endpoint} contradict our hashing of their token ids; "
+                    f"the latest: {stream.last_hash_mismatch}"
+                )
         indexer = self.router.indexer
         samples = self._samples
         while samples and now - samples[0][0] >= self._sample_delay_s:
@@ -166,10 +176,11 @@ class ConfigDoctor:
             if tally.found:
                 tally.checked = tally.found = 0  # matches seen: start counting afresh
             elif tally.checked >= self._hash_mismatch_after and held.get(worker_id, 0):
-                found["tokens_hash_mismatch", worker_id] = (
+                found.setdefault(
+                    ("tokens_hash_mismatch", worker_id),
                     f"{tally.checked} prompts routed to worker {worker_id}; none of their first blocks appears among "
                     f"the {held[worker_id]} blocks its events stored: the engine hashes tokens with another cache "
-                    "salt, LoRA name or namespace than the requests carry (or another tokenizer)"
+                    "salt, LoRA name or namespace than the requests carry (or another tokenizer)",
                 )
 
     def _silent_workers(self, now: float, found: dict[tuple[str, int | None], str]) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -22,6 +23,7 @@ from router.engines.direct import DirectEngine
 from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
+from mocker.zmq_engine import VllmZmqPublisher
 from tests.engine_fakes import FakeEngine
 
 BLOCK = 4
@@ -137,6 +139,65 @@ async def test_an_engine_with_another_block_size_is_reported_over_http(caplog: p
         (problem,) = doctor.check()
         assert (problem.kind, problem.worker_id) == ("block_size_mismatch", 5)
         assert "the engine's block size is 4, the router's 16" in problem.evidence
+    finally:
+        await direct.stop()
+        await engine.stop()
+
+
+def _vllm_stored(block_hash: int, tokens: list[int], **fields: Any) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": [block_hash], "parent_block_hash": None, "token_ids": tokens,
+            "block_size": BLOCK, "lora_id": None, "medium": "GPU", **fields}  # fmt: skip
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("second", "expected"),
+    [
+        # vLLM salting by a request's cache_salt (not in its events): same tokens, another engine hash.
+        (_vllm_stored(2, [1, 2, 3, 4]), "the engine salts its cache with something its events do not carry"),
+        # One engine block, sent once with a LoRA name and once without: our salt varies, the engine's not.
+        (_vllm_stored(1, [1, 2, 3, 4], lora_name="adapter"), "varies where the engine's does not"),
+        (_vllm_stored(1, [1, 2, 3, 4]), None),  # the same block stored again (after an eviction): fine
+    ],
+)
+async def test_engine_block_hashes_that_contradict_our_hashing_of_their_token_ids_are_a_hash_mismatch(
+    second: dict[str, Any], expected: str | None
+) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    engine = VllmZmqPublisher(endpoint)
+    await engine.start()
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    direct = DirectEngine(router, f"5={endpoint}")
+    await direct.start()
+    try:
+        doctor = ConfigDoctor(router, engines=[(5, direct.stream)])
+        first = msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0])
+        for _ in range(200):  # the first batches may go before the SUB socket is joined
+            await engine.send(first, seq=0)
+            await asyncio.sleep(0.01)
+            if direct.stream.stats["applied"]:
+                break
+        removal = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+        await engine.send(msgspec.msgpack.encode([0.0, [removal, second], 0]), seq=1)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if direct.stream.stats["applied"] >= 2:
+                break
+        problems = doctor.check()
+        if expected is None:
+            assert problems == []
+        else:
+            (problem,) = problems
+            assert (problem.kind, problem.worker_id) == ("tokens_hash_mismatch", 5)
+            assert expected in problem.evidence
+        # The engine restarts (its seq goes back to 0) fixed: the problem goes with its old process.
+        restarts = direct.stream.stats["restarts"]
+        await engine.send(msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0]), seq=0)
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if direct.stream.stats["restarts"] > restarts:
+                break
+        assert doctor.check() == []
     finally:
         await direct.stop()
         await engine.stop()

@@ -32,7 +32,8 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from indexer.engine_events import EngineDecodeError, EngineEvent, decode_engine_batch
+from indexer.engine_events import EngineDecodeError, EngineEvent, EngineStored, decode_engine_batch
+from router.engines.hash_check import TokensHashCheck
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.supervision import Supervisor
 
@@ -136,9 +137,13 @@ class ZmqEngineStream:
         self._last_live: int | None = None
         self._ranks: set[int] = {dp_rank}
         # messages, applied, duplicate, dropped_queue_full, gap, replayed, replay_failed,
-        # missing_history, restarts, unverified, rejected_<reason>, events, blocks, ignored_events.
+        # missing_history, restarts, unverified, rejected_<reason>, events, blocks, ignored_events,
+        # tokens_hash_mismatch.
         self.stats: Counter[str] = Counter()
         self.last_rejection: dict[str, str] = {}  # reason -> the latest such rejection, for diagnosis
+        # The engine's block hashes against our tokens hashes (the doctor's tokens_hash_mismatch).
+        self.hash_check = TokensHashCheck()
+        self.last_hash_mismatch: str | None = None
         self._subscribed = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -215,6 +220,10 @@ class ZmqEngineStream:
             for rank in sorted(self._ranks):
                 await self.sink.restarted(rank)
             self._last_applied = None
+            # A new process: what its predecessor's hashes contradicted is history (fixed, perhaps).
+            self.hash_check.reset()
+            self.stats["tokens_hash_mismatch"] = 0
+            self.last_hash_mismatch = None
         last = self._last_applied
         if last is not None and seq <= last:
             self.stats["duplicate"] += 1
@@ -288,6 +297,13 @@ class ZmqEngineStream:
         rank = self.dp_rank if batch.dp_rank is None else batch.dp_rank
         self._ranks.add(rank)
         self.stats["events"] += len(batch.events)
+        for event in batch.events:
+            if isinstance(event, EngineStored):
+                evidence = self.hash_check.observe(event)
+                if evidence is not None:
+                    self.stats["tokens_hash_mismatch"] += 1
+                    self.last_hash_mismatch = evidence
+                    self._bad_input.warning("tokens_hash_mismatch", f"from {self.endpoint}, seq {seq}: {evidence}")
         await self.sink.apply(rank, batch.events)
 
     def _reject(self, reason: str, message: str) -> None:
