@@ -246,7 +246,7 @@ class RouterStateCollector(Collector):
         router = self._router
         families = self._families()
         (prefill, decode, active, busy, kv_used, kv_total, indexed, queue_req, queue_isl, workers, nodes, index_bytes,
-         predicted) = families  # fmt: skip
+         predicted, engine_waiting, engine_running) = families  # fmt: skip
         capacity = {worker.worker_id: worker.total_kv_blocks for worker in router.workers()}
         for load in router.rank_loads():
             labels = [str(load.worker_id), str(load.dp_rank)]
@@ -256,6 +256,10 @@ class RouterStateCollector(Collector):
             busy.add_metric(labels, 1.0 if load.busy else 0.0)
             if load.kv_used_blocks is not None:
                 kv_used.add_metric(labels, load.kv_used_blocks)
+            if load.engine_requests_waiting is not None:
+                engine_waiting.add_metric(labels, load.engine_requests_waiting)
+            if load.engine_requests_running is not None:
+                engine_running.add_metric(labels, load.engine_requests_running)
             total = capacity.get(load.worker_id)
             if total is not None:
                 kv_total.add_metric(labels, total)
@@ -312,6 +316,16 @@ class RouterStateCollector(Collector):
             GaugeMetricFamily(
                 f"{PREFIX}_worker_predicted_blocks",
                 "Blocks approximate mode predicts on this rank from routing (the worker sends no KV events).",
+                labels=rank,
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_engine_requests_waiting",
+                "Requests the engine reports queued (ranks whose bridge scrapes the engine's metrics).",
+                labels=rank,
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_engine_requests_running",
+                "Requests the engine reports running (ranks whose bridge scrapes the engine's metrics).",
                 labels=rank,
             ),
         ]

@@ -228,6 +228,10 @@ class KvRouter:
         self._scheduler.workers.set_kv_used_blocks(worker_id, dp_rank, kv_used_blocks)
         self._dispatch_waiting()
 
+    def update_engine_requests(self, worker_id: int, dp_rank: int, waiting: int | None, running: int | None) -> None:
+        """Record the requests a worker's engine reports waiting and running on one rank (the load view)."""
+        self._scheduler.workers.set_engine_requests(worker_id, dp_rank, waiting, running)
+
     def apply_event(self, event: RouterEvent) -> None:
         """Apply one KV event to the index; raises the indexer's `KvIndexError` for a rejected one."""
         self.indexer.apply_router_event(event)

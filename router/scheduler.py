@@ -287,6 +287,7 @@ class Scheduler:
         for worker in self.workers:
             for rank in self._ranks_of[worker.worker_id]:
                 kv_used = self.workers.kv_used_blocks(rank.key)
+                waiting, running = self.workers.engine_requests(rank.key)
                 loads.append(
                     RankLoad(
                         worker_id=rank.worker_id,
@@ -296,6 +297,8 @@ class Scheduler:
                         active_requests=rank.requests,
                         kv_used_blocks=kv_used,
                         busy=rank_is_busy(self._config, worker, rank, kv_used),
+                        engine_requests_waiting=waiting,
+                        engine_requests_running=running,
                     )
                 )
         return loads

@@ -268,6 +268,9 @@ class RankLoad(msgspec.Struct, kw_only=True, frozen=True):
     active_requests: int
     kv_used_blocks: int | None
     busy: bool
+    # What the engine itself reports (kv-router bridge --engine-metrics-url); None: not reported.
+    engine_requests_waiting: int | None = None
+    engine_requests_running: int | None = None
 
 
 class QueueStats(msgspec.Struct, kw_only=True, frozen=True):

@@ -1,8 +1,9 @@
 """The worker registry: which workers the router may pick, their dp ranks, taints and capacities.
 
 Workers keep their registration order, which is also the order candidates are scored in. Besides the
-static `WorkerConfig`, the registry keeps the one signal workers report about themselves: the KV blocks
-each dp rank currently uses (`kv_used_blocks`, an input of the decode busy check of §4.6).
+static `WorkerConfig`, the registry keeps what workers report about themselves: the KV blocks each dp
+rank currently uses (`kv_used_blocks`, an input of the decode busy check of §4.6) and, when an engine's
+metrics are scraped (`kv-router bridge --engine-metrics-url`), its waiting and running requests.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class WorkerRegistry:
     def __init__(self) -> None:
         self._workers: dict[int, WorkerConfig] = {}
         self._kv_used_blocks: dict[WorkerRank, int] = {}
+        self._engine_requests: dict[WorkerRank, tuple[int | None, int | None]] = {}  # (waiting, running)
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -40,7 +42,7 @@ class WorkerRegistry:
         new = set(config.dp_ranks)
         removed = [(config.worker_id, rank) for rank in sorted(old - new)]
         for key in removed:
-            self._kv_used_blocks.pop(key, None)
+            self._forget_reports(key)
         return [(config.worker_id, rank) for rank in sorted(new - old)], removed
 
     def remove(self, worker_id: int) -> list[WorkerRank]:
@@ -50,22 +52,40 @@ class WorkerRegistry:
             raise UnknownWorker(worker_id)
         ranks = [(worker_id, rank) for rank in config.dp_ranks]
         for key in ranks:
-            self._kv_used_blocks.pop(key, None)
+            self._forget_reports(key)
         return ranks
+
+    def _forget_reports(self, key: WorkerRank) -> None:
+        self._kv_used_blocks.pop(key, None)
+        self._engine_requests.pop(key, None)
 
     def set_kv_used_blocks(self, worker_id: int, dp_rank: int, kv_used_blocks: int) -> None:
         """Record a worker-reported KV usage for one of its dp ranks."""
+        self._check_rank(worker_id, dp_rank)
+        if kv_used_blocks < 0:
+            raise ValueError(f"kv_used_blocks must be >= 0, got {kv_used_blocks}")
+        self._kv_used_blocks[(worker_id, dp_rank)] = kv_used_blocks
+
+    def set_engine_requests(self, worker_id: int, dp_rank: int, waiting: int | None, running: int | None) -> None:
+        """Record the requests an engine reports waiting and running on one of its dp ranks (None: unknown)."""
+        self._check_rank(worker_id, dp_rank)
+        if (waiting is not None and waiting < 0) or (running is not None and running < 0):
+            raise ValueError(f"request counts must be >= 0, got waiting {waiting}, running {running}")
+        self._engine_requests[(worker_id, dp_rank)] = (waiting, running)
+
+    def _check_rank(self, worker_id: int, dp_rank: int) -> None:
         config = self._workers.get(worker_id)
         if config is None:
             raise UnknownWorker(worker_id)
         if dp_rank not in config.dp_ranks:
             raise ValueError(f"worker {worker_id} has no dp_rank {dp_rank} (ranks {config.dp_ranks})")
-        if kv_used_blocks < 0:
-            raise ValueError(f"kv_used_blocks must be >= 0, got {kv_used_blocks}")
-        self._kv_used_blocks[(worker_id, dp_rank)] = kv_used_blocks
 
     def kv_used_blocks(self, key: WorkerRank) -> int | None:
         return self._kv_used_blocks.get(key)
+
+    def engine_requests(self, key: WorkerRank) -> tuple[int | None, int | None]:
+        """(waiting, running) as the engine last reported them; (None, None) before any report."""
+        return self._engine_requests.get(key, (None, None))
 
     def eligible(self, required_taints: Iterable[str]) -> list[WorkerConfig]:
         """Workers carrying every required taint (§4.4), in registration order."""

@@ -17,13 +17,13 @@ from api.app import create_app
 from api.config import EventPlaneConfig, Settings
 from indexer.events import RouterEvent, stored_event
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from mocker.zmq_engine import VllmZmqPublisher
 from router.config import RouterConfig
 from router.doctor import ConfigDoctor, Problem
 from router.engines.direct import DirectEngine
 from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
-from mocker.zmq_engine import VllmZmqPublisher
 from tests.engine_fakes import FakeEngine
 
 BLOCK = 4

@@ -29,10 +29,17 @@ class Heartbeat(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class ActiveLoad(msgspec.Struct, kw_only=True, frozen=True):
-    """A (worker, dp_rank)'s load as the worker sees it; unset fields are unknown."""
+    """A (worker, dp_rank)'s load as the worker sees it; unset fields are unknown.
+
+    The first five fields are Dynamo 1.6.1's ``ActiveLoad``. The engine's own request counts
+    (``num_requests_waiting`` / ``num_requests_running``, scraped from its Prometheus endpoint by
+    `kv-router bridge`) are ours: Dynamo's decoder ignores keys it does not know, and ours read
+    Dynamo's messages without them."""
 
     worker_id: U64
     dp_rank: U32 = 0
     kv_used_blocks: NonNegative | None = None
     active_decode_blocks: NonNegative | None = None
     active_prefill_tokens: NonNegative | None = None
+    num_requests_waiting: NonNegative | None = None
+    num_requests_running: NonNegative | None = None

@@ -3,7 +3,8 @@
 - KV events go through an `EventSequencer` into the router's index (exactly once, in order, with gap
   repair by resync; see `indexer.sequencer`). Events of workers that are not registered are counted
   and dropped.
-- ``ActiveLoad`` on ``kv.{ns}.load.*`` feeds each rank's reported ``kv_used_blocks`` (busy thresholds).
+- ``ActiveLoad`` on ``kv.{ns}.load.*`` feeds each rank's reported ``kv_used_blocks`` (busy thresholds)
+  and the engine's waiting / running requests (the load view: ``/v1/workers``, metrics).
 - The registry bucket ``kv_router_workers_{ns}`` is watched: a put registers or updates a worker, a
   delete removes it. HTTP registration writes into the same bucket (`register` / `deregister`).
 - Heartbeats on ``kv.{ns}.heartbeat.*``: a heartbeat-leased worker silent for ``lease_s`` is deleted
@@ -223,10 +224,16 @@ class RouterEventPlane:
         except msgspec.DecodeError as exc:
             self._reject("bad_load", f"on {message.subject}: {exc}")
             return
-        if load.kv_used_blocks is None:
+        engine_requests = load.num_requests_waiting is not None or load.num_requests_running is not None
+        if load.kv_used_blocks is None and not engine_requests:
             return
         try:
-            self.router.update_kv_used_blocks(load.worker_id, load.dp_rank, load.kv_used_blocks)
+            if engine_requests:
+                self.router.update_engine_requests(
+                    load.worker_id, load.dp_rank, load.num_requests_waiting, load.num_requests_running
+                )
+            if load.kv_used_blocks is not None:
+                self.router.update_kv_used_blocks(load.worker_id, load.dp_rank, load.kv_used_blocks)
         except (UnknownWorker, KeyError, ValueError) as exc:
             self._reject("load_for_unknown_worker", str(exc))
             return
