@@ -55,6 +55,7 @@ pub = ctx.socket(zmq.PUB); pub.setsockopt(zmq.SNDHWM, 0); pub.bind(endpoint)
 time.sleep(1.5)  # let the bridge join (the bench waits as long)
 def batch(i, first):
     half = blocks // 2
+    tokens[0] = i & 0xFFFF  # each batch's prompt is another one, as its block hashes say
     hashes = [first] + [(i << 20) + j + 1 for j in range(1, blocks)]
     events = [
         {"type": "BlockStored", "block_hashes": hashes[:half], "parent_block_hash": None,

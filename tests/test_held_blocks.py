@@ -160,6 +160,7 @@ def test_a_store_under_a_parent_not_held_or_repeating_a_hash_is_refused_and_noth
     with pytest.raises(ParentBlockNotFound):
         held.store(0, StorageTier.DEVICE, 99, [1, 2], [10, 11])
     held.store(0, StorageTier.DEVICE, None, [1, 2], [10, 11])
+    held.store(0, StorageTier.DEVICE, 2, [], [])  # an empty store holds nothing more, as in the tree
     with pytest.raises(InvalidBlockSequence):
         held.store(0, StorageTier.DEVICE, 1, [3, 1], [12, 13])
     with pytest.raises(InvalidBlockSequence):
