@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -165,22 +165,32 @@ class ZmqEngineStream:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # Read without futures: the socket's file descriptor wakes the loop, then everything queued is
+        # taken with non-blocking reads (pyzmq's awaitable recv cost a future and a poll per message).
+        sync: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        fd = cast(int, sync.getsockopt(zmq.FD))
+        loop.add_reader(fd, readable.set)
         try:
             socket.connect(self.endpoint)
-            # The same socket without futures: what is already queued is read without a wake-up each.
-            ready: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
             self._subscribed.set()
             while True:
-                self._take(await socket.recv_multipart(copy=True))
                 for _ in range(READ_BURST):
                     try:
-                        frames = ready.recv_multipart(zmq.NOBLOCK, copy=True)
+                        frames = sync.recv_multipart(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
                     self._take(frames)
                 else:
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(0)  # more is queued: let the loop run first
+                    continue
+                readable.clear()
+                # The descriptor is edge-triggered: look again before waiting for the next edge.
+                if not cast(int, sync.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    await readable.wait()
         finally:
+            loop.remove_reader(fd)
             socket.close()
 
     def _take(self, frames: list[bytes]) -> None:
