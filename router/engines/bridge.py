@@ -3,7 +3,8 @@
 Per dp rank one `ZmqEngineStream` (vLLM lays ranks out on consecutive ports: PUB ``port + rank``,
 replay ``port + rank``) decodes the engine's batches; `PublisherSink` publishes them through one
 `KvEventPublisher`, which numbers each rank's events, registers the worker, heartbeats and answers
-the routers' resyncs from its own index. One NATS message per engine batch.
+the routers' resyncs from what it holds. One NATS message per engine batch, or per run of batches
+that were already queued when the stream got to them.
 
 Rules carried over from the stream: an engine restart clears the rank (a ``cleared`` per storage tier
 it used) and rebuilds it from what follows; a gap nobody can replay marks the rank unverified (the
