@@ -31,6 +31,7 @@ from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
 from api.ha_metrics import HaCollector
 from api.handlers import Handlers
+from api.http_stream import StreamHandler
 from api.metrics import (
     ApiMetrics,
     DoctorCollector,
@@ -166,8 +167,10 @@ def create_app(
     hot = HotRoutes(handlers.routes() if settings.service.fast_path else {}, settings.service.max_body_bytes)
     app.hot = hot
     app.front = FastPath(partial(FastAPI.__call__, app), hot)
-    if proxy is not None:  # the OpenAI routes, in front of everything else
+    app.streams = {}
+    if proxy is not None:  # the OpenAI routes, in front of everything else (and in the HTTP protocol)
         app.front = proxy.front(app.front, auth)
+        app.streams = proxy.stream_routes(auth)
     return app
 
 
@@ -181,6 +184,7 @@ class RouterApp(FastAPI):
 
     front: ASGIApp
     hot: HotRoutes
+    streams: dict[str, StreamHandler]  # the stream routes a server may answer itself (`api.http_stream`)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.front(scope, receive, send)

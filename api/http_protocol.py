@@ -41,6 +41,7 @@ from uvicorn.server import ServerState
 from api.codec import Call, Reply, query_flag
 from api.eager import Suspended, start
 from api.fastpath import HotHandler, HotRoutes, too_large_reply
+from api.http_stream import StreamedRequest, StreamHandler
 from indexer.native import ENABLED as NATIVE
 from indexer.native import accel
 
@@ -57,12 +58,15 @@ ParsedPost = tuple[bytes, bytes, bytes | None, bytes | None, str | None, bytes |
 ParsePost = Callable[[bytes], ParsedPost | int | None]
 
 
-def fast_protocol(hot: HotRoutes) -> type[FastHttpProtocol]:
-    """The protocol class to give uvicorn (``Config(http=...)``) for an app's hot routes."""
+def fast_protocol(hot: HotRoutes, streams: dict[str, StreamHandler] | None = None) -> type[FastHttpProtocol]:
+    """The protocol class to give uvicorn (``Config(http=...)``) for an app's hot routes (and its
+    stream routes, `api.http_stream`)."""
     routes = {path.encode("ascii"): handler for path, handler in hot.routes.items()}
+    streamed = {path.encode("ascii"): handler for path, handler in (streams or {}).items()}
 
     class BoundFastHttpProtocol(FastHttpProtocol):
         hot_routes = routes
+        stream_routes = streamed
         max_body_bytes = hot.max_body_bytes
 
     return BoundFastHttpProtocol
@@ -127,6 +131,7 @@ class FastHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, answering ``POST`` to ``hot_routes`` without ASGI (see the module)."""
 
     hot_routes: ClassVar[dict[bytes, HotHandler]] = {}
+    stream_routes: ClassVar[dict[bytes, StreamHandler]] = {}
     max_body_bytes: ClassVar[int] = 0
     # A read holding exactly one plain hot POST (its head possibly read before its body) is parsed in
     # one C call instead of httptools' six or more callbacks (`indexer._native.parse_post`; None:
@@ -145,6 +150,8 @@ class FastHttpProtocol(HttpToolsProtocol):
         # every request to it.
         served = not config.root_path and config.limit_concurrency is None
         self._routes = self.hot_routes if served else {}
+        self._streams = self.stream_routes if served else {}
+        self._streamed: tuple[StreamedRequest, _HotRequest] | None = None  # the stream route being answered
         self._gone = False
         self._lost: asyncio.Future[None] | None = None
         self._wait_disconnect = self._disconnected
@@ -178,7 +185,7 @@ class FastHttpProtocol(HttpToolsProtocol):
         """Answer one whole hot request parsed in C, as the httptools callbacks would; False for a
         path that is not hot or a body over the limit (httptools then parses it, as any request)."""
         path, query, content_type, accept, request_id, authorization, body = parsed
-        handler = self._routes.get(path)
+        handler = self._routes.get(path) or cast(HotHandler | None, self._streams.get(path))
         if handler is None or len(body) > self.max_body_bytes:
             return False
         self._unset_keepalive_if_required()
@@ -207,7 +214,7 @@ class FastHttpProtocol(HttpToolsProtocol):
         handler = None
         if parser.get_method() == b"POST" and not parser.should_upgrade():
             path, _, query = self.url.partition(b"?")
-            handler = self._routes.get(path)
+            handler = self._routes.get(path) or cast(HotHandler | None, self._streams.get(path))
         if handler is None:
             self._asgi_headers_complete()
             return
@@ -278,6 +285,8 @@ class FastHttpProtocol(HttpToolsProtocol):
             self.timeout_keep_alive_task = None
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(None)
+        if self._streamed is not None:
+            self._streamed[0].lost()
 
     def _unset_keepalive_if_required(self) -> None:
         # Called on every read: the connection is busy. Rather than cancelling the idle timer here and
@@ -348,6 +357,12 @@ class FastHttpProtocol(HttpToolsProtocol):
         chunks = request.chunks
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         request.chunks = []
+        stream = self._streams.get(request.path)
+        if stream is not None:
+            streamed = StreamedRequest(self, request, body, request.authorization)
+            self._streamed = (streamed, request)
+            streamed.run(stream)
+            return
         query = request.query
         call = Call(
             body,
@@ -420,6 +435,41 @@ class FastHttpProtocol(HttpToolsProtocol):
             self.transport.write(_INTERNAL_ERROR)
             self.transport.close()
         self.on_response_complete()
+
+    # ------------------------------------------------------------------ for stream routes (api.http_stream)
+    def stream_complete(self, status: int) -> None:
+        """The stream route's answer has been written to its end."""
+        assert self._streamed is not None
+        request = self._streamed[1]
+        self._streamed = None
+        request.response_complete = True
+        if self.access_log:
+            self._log_access(request, status)
+        if not request.keep_alive and not self.transport.is_closing():
+            self.transport.close()
+        self.on_response_complete()
+
+    def stream_crashed(self, exc: BaseException | None, started: bool) -> None:
+        """The stream route's handler raised: a 500 if nothing was written yet, else the connection closes."""
+        assert self._streamed is not None
+        request = self._streamed[1]
+        self._streamed = None
+        if not started:
+            self._crashed(request, exc)
+            return
+        self.logger.error("Exception in a streamed answer\n", exc_info=exc or asyncio.CancelledError())
+        request.response_complete = True
+        self.transport.close()
+        self.on_response_complete()
+
+    def default_header_lines(self) -> bytes:
+        return b"".join(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
+
+    def write_paused(self) -> bool:
+        return self.flow.write_paused
+
+    async def drain(self) -> None:
+        await self.flow.drain()
 
     def _log_access(self, request: _HotRequest, status: int) -> None:
         target = request.path + (b"?" + request.query if request.query else b"")

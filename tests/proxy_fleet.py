@@ -63,12 +63,13 @@ async def fleet(
     engine: EngineConfig = ENGINE,
     router: dict[str, Any] | None = None,
     proxy: dict[str, Any] | None = None,
+    service: dict[str, Any] | None = None,
     lease_secs: float = 10.0,
 ) -> AsyncIterator[Fleet]:
     port = free_port()
     settings = Settings(
         router=RouterConfig(block_size=engine.block_size, **(router or {})),
-        service=ServiceConfig(port=port, log_level="warning"),
+        service=ServiceConfig(port=port, log_level="warning", **(service or {})),
         event_plane=EventPlaneConfig(nats_url=nats_url, worker_lease_secs=lease_secs),
         proxy=ProxyConfig(proxy=True, **(proxy or {})),
     )

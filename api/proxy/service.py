@@ -17,8 +17,11 @@ an SSE error event. The reply carries ``x-kv-router-worker``, ``x-kv-router-dp-r
 ``x-kv-router-cached-tokens`` (the router's prediction); the engine's reported cached tokens, when it
 reports them, are compared with that prediction (`api.proxy.metrics`).
 
-CPU per request is a body decode, a routing decision and aiohttp's request; per streamed chunk, one
-ASGI send: the stream is not parsed, only its last chunks are searched for the usage report.
+The proxy's routes are answered inside the HTTP protocol (`answer` with the protocol's `Downstream`, see
+`api.http_stream`) or, when the protocol does not serve them, as an ASGI layer (`front`). CPU per
+request is a body decode, a routing decision and one exchange on a pooled connection
+(`api.proxy.upstream`); per streamed read, one write to the client: the stream is not parsed, only
+its last pieces are searched for the usage report.
 """
 
 from __future__ import annotations
@@ -30,16 +33,17 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import aiohttp
 import msgspec
 from prometheus_client import CollectorRegistry
 
 from api.auth import Access, ApiAuth
 from api.codec import Reply
 from api.config import ProxyConfig, ServiceConfig
+from api.http_stream import StreamedRequest, StreamHandler
+from api.proxy.downstream import AsgiDownstream, Downstream, Headers
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TokenizeFailed, load_tokenizers
-from api.proxy.upstream import UPSTREAM_ERRORS, Upstream, endpoint
+from api.proxy.upstream import Exchange, Upstream, UpstreamError
 from api.proxy.wire import (
     ChatBody,
     CompletionBody,
@@ -65,11 +69,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Path -> route label.
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+_PATHS = {route: path.encode() for path, route in ROUTES.items()}
 
 _JSON = b"application/json"
 _encode = msgspec.json.Encoder().encode
-# Chunks kept to find the usage report at the end of a stream (it is one small event before [DONE]).
-_TAIL_CHUNKS = 3
 
 
 class _Refused(Exception):
@@ -138,11 +141,29 @@ class Proxy:
                     if refused is not None:
                         await _send_reply(send, refused)
                         return
-                    await _send_whole(send, 200, self.models())
+                    await AsgiDownstream(send).whole(200, [], self.models())
                     return
             await inner(scope, receive, send)
 
         return app
+
+    def stream_routes(self, auth: ApiAuth | None = None) -> dict[str, StreamHandler]:
+        """The proxy's routes for the HTTP protocol to answer itself (`api.http_stream`), decisions for
+        the API token like the ASGI front's."""
+        auth = auth or ApiAuth(None)
+
+        def handler(route: str) -> StreamHandler:
+            async def handle(request: StreamedRequest) -> None:
+                authorization = request.authorization
+                refused = auth.refuse(Access.DECISION, [(b"authorization", authorization)] if authorization else [])
+                if refused is not None:
+                    await request.whole(refused.status, _header_bytes(refused), refused.body)
+                    return
+                await self.answer(route, request.body, authorization, request, request.is_disconnected)
+
+            return handle
+
+        return {path: handler(route) for path, route in ROUTES.items()}
 
     # ------------------------------------------------------------------ workers
     def models(self) -> bytes:
@@ -174,35 +195,58 @@ class Proxy:
 
     # ------------------------------------------------------------------ one request
     async def serve(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """One request as an ASGI layer: the body read, the client watched, the answer as messages."""
         task = asyncio.current_task()
         assert task is not None
         state = _Watch(task)
-        outcome = "ok"
         try:
             body = await _read_body(receive, self._max_body_bytes)
-            if body is None:
+        except _Gone:
+            self.metrics.count(route, "client_disconnected")
+            return
+        reply = AsgiDownstream(send)
+        if body is None:
+            await self.answer(route, b"", None, reply, lambda: False, too_large=True)
+            return
+        authorization = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        # From here on the client leaving cancels this task (uvicorn's send drops writes silently).
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(state.gone)
+        try:
+            await self.answer(route, body, authorization, reply, lambda: state.disconnected)
+        finally:
+            state.finished = True
+            watcher.cancel()
+
+    async def answer(
+        self,
+        route: str,
+        body: bytes,
+        authorization: bytes | None,
+        reply: Downstream,
+        disconnected: Callable[[], bool],
+        too_large: bool = False,
+    ) -> None:
+        """Answer one request whose body is in; a cancellation while ``disconnected()`` says the client
+        has gone is the end of the request, counted as such."""
+        outcome = "ok"
+        try:
+            if too_large:
                 raise _refused(413, "invalid_request_error", "request body too large", "bad_request")
-            # From here on the client leaving cancels this task (uvicorn's send drops writes silently).
-            watcher = asyncio.ensure_future(receive())
-            watcher.add_done_callback(state.gone)
-            try:
-                outcome = await self._proxy(route, scope, body, send)
-            finally:
-                state.finished = True
-                watcher.cancel()
+            outcome = await self._proxy(route, body, authorization, reply)
         except _Refused as refused:
             outcome = refused.outcome
-            await _send_whole(send, refused.status, refused.body, refused.headers)
+            await reply.whole(refused.status, refused.headers, refused.body)
         except asyncio.CancelledError:
-            if not state.disconnected:
+            if not disconnected():
                 raise
-            task.uncancel()
-            outcome = "client_disconnected"
-        except _Gone:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
             outcome = "client_disconnected"
         self.metrics.count(route, outcome)
 
-    async def _proxy(self, route: str, scope: Scope, body: bytes, send: Send) -> str:
+    async def _proxy(self, route: str, body: bytes, authorization: bytes | None, reply: Downstream) -> str:
         try:
             request = self._decoders[route](body)
             model = request.model
@@ -237,7 +281,9 @@ class Proxy:
                 400, "invalid_request_error",
                 f"prompt has {len(tokens)} tokens; the limit is {self._max_prompt_tokens}", "bad_request",
             )  # fmt: skip
-        headers = _forwarded_headers(scope)
+        # What the worker gets of the client's headers besides the content type: its credentials.
+        headers = b"authorization: " + authorization + b"\r\n" if authorization is not None else b""
+        path = _PATHS[route]
         request_id = uuid.uuid4().hex
         by_id = {worker.worker_id: worker for worker in workers}
         among = set(by_id)
@@ -246,7 +292,7 @@ class Proxy:
             decision = await self._book(tokens, request_id, among)
             worker = by_id[decision.worker_id]
             try:
-                return await self._forward(worker, decision, scope["path"], body, headers, request.stream, send)
+                return await self._forward(worker, decision, path, body, headers, request.stream, reply)
             except _WorkerFailed as failed:
                 failures.append(f"worker {worker.worker_id}: {failed}")
                 self.cool_down(worker.worker_id, str(failed))
@@ -270,80 +316,64 @@ class Proxy:
         self,
         worker: WorkerConfig,
         decision: RouteDecision,
-        path: str,
+        path: bytes,
         body: bytes,
-        headers: dict[str, str],
+        headers: bytes,
         stream: bool,
-        send: Send,
+        reply: Downstream,
     ) -> str:
         """One attempt on one worker; raises `_WorkerFailed` while the client has received nothing."""
         request_id = decision.request_id
-        assert request_id is not None
+        assert request_id is not None and worker.url is not None
         if worker.dp_size > 1:
-            headers = {**headers, "x-data-parallel-rank": str(decision.dp_rank)}
+            headers += b"x-data-parallel-rank: " + str(decision.dp_rank).encode() + b"\r\n"
         try:
-            response = await self.upstream.session.post(endpoint(worker, path), data=body, headers=headers)
-        except UPSTREAM_ERRORS as exc:
-            raise _WorkerFailed(_describe(exc)) from None
-        complete = False  # read to its end: the connection goes back to the pool
+            exchange = await self.upstream.open(worker.url, path, body, headers)
+        except UpstreamError as exc:
+            raise _WorkerFailed(str(exc)) from None
         try:
-            if response.status >= 500:
-                raise _WorkerFailed(f"HTTP {response.status}")
+            status = exchange.status
+            if status >= 500:
+                raise _WorkerFailed(f"HTTP {status}")
             ours = [
-                (b"content-type", response.headers.get("content-type", "application/json").encode("latin-1")),
+                (b"content-type", exchange.content_type or _JSON),
                 (b"x-kv-router-worker", str(decision.worker_id).encode()),
                 (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
                 (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
                 (b"x-request-id", request_id.encode()),
             ]
-            if not stream or response.status != 200:
+            if not stream or status != 200:
                 try:
-                    content = await response.read()
-                except UPSTREAM_ERRORS as exc:
-                    raise _WorkerFailed(_describe(exc)) from None
+                    content = await exchange.read()
+                except UpstreamError as exc:
+                    raise _WorkerFailed(str(exc)) from None
                 self.router.mark_prefill(request_id)
-                if response.status == 200:
+                if status == 200:
                     self._calibrate(decision, reported_cached_tokens(content))
-                ours.append((b"content-length", str(len(content)).encode()))
-                complete = True
-                await send({"type": "http.response.start", "status": response.status, "headers": ours})
-                await send({"type": "http.response.body", "body": content})
-                return "ok" if response.status == 200 else "upstream_status"
-            outcome = await self._stream(response, decision, ours, send)
-            complete = outcome == "ok"
-            return outcome
+                await reply.whole(status, ours, content)
+                return "ok" if status == 200 else "upstream_status"
+            return await self._stream(exchange, decision, ours, reply)
         finally:
-            if complete:
-                response.release()
-            else:  # cancelled or broken: closing the connection tells the engine to stop
-                response.close()
+            exchange.release()  # back to the pool if read to its end; else closed, so the engine stops
 
-    async def _stream(
-        self, response: aiohttp.ClientResponse, decision: RouteDecision, headers: list[tuple[bytes, bytes]], send: Send
-    ) -> str:
-        chunks = response.content.iter_any()
+    async def _stream(self, exchange: Exchange, decision: RouteDecision, headers: Headers, reply: Downstream) -> str:
         try:
-            first = await chunks.__anext__()
-        except StopAsyncIteration:
-            raise _WorkerFailed("the stream ended before its first byte") from None
-        except UPSTREAM_ERRORS as exc:
-            raise _WorkerFailed(_describe(exc)) from None
+            first = await exchange.first()
+        except UpstreamError as exc:
+            raise _WorkerFailed(str(exc)) from None
+        if not first:
+            raise _WorkerFailed("the stream ended before its first byte")
         assert decision.request_id is not None
         self.router.mark_prefill(decision.request_id)
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": first, "more_body": True})
-        tail = [first]
+        await reply.start(200, headers)
+        await reply.write(first)
         problem = None
         try:
-            async for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                tail.append(chunk)
-                if len(tail) > _TAIL_CHUNKS:
-                    del tail[0]
-        except UPSTREAM_ERRORS as exc:
-            problem = _describe(exc)
+            await reply.stream(exchange)
+        except UpstreamError as exc:
+            problem = str(exc)
         else:
-            ending = b"".join(tail)
+            ending = exchange.tail
             # An OpenAI stream ends with [DONE]; a worker killed mid-stream may just close the connection.
             if ending.rstrip().endswith(b"data: [DONE]"):
                 self._calibrate(decision, _usage_in_stream(ending))
@@ -353,9 +383,8 @@ class Proxy:
             # The client has its headers and part of the stream: say what happened as an SSE event.
             message = f"worker {decision.worker_id} failed mid-stream: {problem}"
             self.cool_down(decision.worker_id, message)
-            event = b"data: " + error_body(502, "upstream_error", message) + b"\n\n"
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
+            await reply.write(b"data: " + error_body(502, "upstream_error", message) + b"\n\n")
+        await reply.end()
         return "ok" if problem is None else "upstream_error"
 
     def _calibrate(self, decision: RouteDecision, actual: int | None) -> None:
@@ -415,24 +444,12 @@ def _completion_decoder() -> Callable[[bytes], TokenIdsBody | CompletionBody]:
     return decode
 
 
-def _forwarded_headers(scope: Scope) -> dict[str, str]:
-    """What the worker gets of the client's headers: the content type and its credentials."""
-    headers = {"content-type": "application/json"}
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            headers["authorization"] = value.decode("latin-1")
-    return headers
+def _header_bytes(reply: Reply) -> Headers:
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in reply.headers]
 
 
 async def _send_reply(send: Send, reply: Reply) -> None:
-    extra = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in reply.headers]
-    await _send_whole(send, reply.status, reply.body, extra)
-
-
-async def _send_whole(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] = []) -> None:  # noqa: B006
-    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode()), *extra]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await AsgiDownstream(send).whole(reply.status, _header_bytes(reply), reply.body)
 
 
 def _usage_in_stream(tail: bytes) -> int | None:
@@ -445,8 +462,3 @@ def _usage_in_stream(tail: bytes) -> int | None:
             if cached is not None:
                 return cached
     return None
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

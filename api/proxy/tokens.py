@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from tokenizers import Tokenizer
 
-from api.proxy.upstream import UPSTREAM_ERRORS, Upstream, endpoint
+from api.proxy.upstream import Upstream, UpstreamError
 from api.proxy.wire import ChatMessage, TokenizeReply
 from router.types import WorkerConfig
 
@@ -66,21 +66,18 @@ class PromptTokenizer:
     async def _remote(self, body: dict[str, Any], workers: Sequence[WorkerConfig]) -> list[int]:
         """Ask the workers, starting with the next one's turn, until one answers."""
         payload = _encode(body)
-        session = self._upstream.session
         problems = []
         self._turn += 1
         start = self._turn % len(workers) if workers else 0
         for worker in (*workers[start:], *workers[:start]):
+            assert worker.url is not None
             try:
-                async with session.post(
-                    endpoint(worker, "/tokenize"),
-                    data=payload,
-                    headers={"content-type": "application/json"},
-                ) as response:
-                    content = await response.read()
-                    if response.status == 200:
-                        return _decode_tokens(content).tokens
-                    problems.append(f"worker {worker.worker_id}: HTTP {response.status}")
-            except (*UPSTREAM_ERRORS, msgspec.DecodeError) as exc:
+                status, content = await self._upstream.post(worker.url, b"/tokenize", payload)
+                if status == 200:
+                    return _decode_tokens(content).tokens
+                problems.append(f"worker {worker.worker_id}: HTTP {status}")
+            except UpstreamError as exc:
+                problems.append(f"worker {worker.worker_id}: {exc}")
+            except msgspec.DecodeError as exc:
                 problems.append(f"worker {worker.worker_id}: {type(exc).__name__}")
         raise TokenizeFailed("no worker could tokenize the prompt (" + "; ".join(problems or ["none serves it"]) + ")")

@@ -1,65 +1,509 @@
-"""The HTTP client to the workers: one aiohttp session, pooled keep-alive connections, timeouts.
+"""The HTTP/1.1 client to the workers: an asyncio protocol per connection, httptools' response parser,
+a keep-alive pool per worker, timeouts, and body pieces handed on straight from the socket's callback.
 
-aiohttp's client rather than httpx's: streaming 300 completions of 64 tokens straight from a mock
-worker, aiohttp's used 370-470 µs of CPU per request on this VM and httpx's 6.8-8.2 ms, about 18
-times more (``bench/proxy_bench.py --clients aiohttp,httpx``, docs/performance.md). Responses are
-not decompressed and chunks are handed on as they arrive (`aiohttp.StreamReader.iter_any`), so the
-proxy never parses a stream it only forwards.
+Why not aiohttp's client (used before): per request it builds a request object, a response object,
+a stream reader, header multidicts and a timer, and every chunk it reads wakes the coroutine that
+forwards it; that was about a third of the proxy's CPU per request (docs/performance.md). Here a
+request is one ``transport.write`` of a head built from the worker's pooled prefix, the response is
+parsed by httptools (C) on the loop's read callback, and once a stream is being forwarded every
+piece the parser decodes goes to the client's `api.http_stream.Sink` in that same callback: no coroutine wakes up
+per chunk, and the pieces of one read are joined into one write.
+
+A connection carries one exchange at a time (no pipelining). It goes back to its pool when its
+answer was read to its end and the worker keeps it alive; a request cancelled or cut short closes it,
+which tells the engine to stop. An idle connection is dropped after `IDLE_SECS` (below the 5 s
+keep-alive of uvicorn, which vLLM and SGLang serve with), and a reused connection the worker had
+closed before it answered is replaced once by a fresh one, which is not a failure of the worker.
 """
 
 from __future__ import annotations
 
-import aiohttp
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
 
 from api.config import ProxyConfig
-from router.types import WorkerConfig
+from api.http_stream import Sink
 
-__all__ = ["UPSTREAM_ERRORS", "Upstream", "endpoint"]
+__all__ = ["IDLE_SECS", "Exchange", "Upstream", "UpstreamError"]
 
-# Failures of a worker, as opposed to the proxy's own bugs: refused or reset connections, timeouts,
-# broken or malformed responses.
-UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
+# An idle pooled connection older than this is closed rather than reused.
+IDLE_SECS = 4.0
+# Bytes kept of the end of a forwarded stream: its usage report is one event before [DONE], and the
+# pieces it arrives in can be as small as the worker's writes and the network make them.
+TAIL_BYTES = 4096
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+# Body pieces buffered for a reader that is behind before the worker's connection is paused.
+_MAX_PIECES = 64
+
+
+class UpstreamError(Exception):
+    """A failure of the worker or of the way to it: refused, reset, timed out, a malformed answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Endpoint:
+    host: str
+    port: int
+    tls: bool
+    prefix: bytes  # the request line up to the path: b"POST /base"
+    host_header: bytes
+
+
+def _endpoint(url: str) -> _Endpoint:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    base = parts.path.rstrip("/")
+    return _Endpoint(parts.hostname, port, tls, b"POST " + base.encode("latin-1"), parts.netloc.encode("idna"))
 
 
 class Upstream:
-    """The session, created on the running loop (`start`) and closed with the app (`stop`)."""
+    """The pools, one per worker URL; created on the running loop (`start`), closed with the app."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self._config = config
-        self._session: aiohttp.ClientSession | None = None
+        self._pools: dict[str, _Pool] = {}
+        self._tls: ssl.SSLContext | None = None
+        self._running = False
 
     async def start(self) -> None:
-        config = self._config
-        connector = aiohttp.TCPConnector(
-            limit=0,
-            limit_per_host=config.proxy_connections_per_worker,
-            ttl_dns_cache=None,
-            keepalive_timeout=30.0,
-        )
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.proxy_connect_timeout_secs, sock_read=config.proxy_read_timeout_secs
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            raise_for_status=False,
-        )
+        self._running = True
 
     async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._running = False
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+    async def open(self, url: str, path: bytes, body: bytes, headers: bytes = b"") -> Exchange:
+        """Send ``POST path`` with ``body`` (JSON) and the raw header lines ``headers`` to the worker
+        at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`."""
+        pool = self._pools.get(url)
+        if pool is None:
+            if not self._running:
+                raise RuntimeError("the proxy's upstream client is not started")
+            pool = self._pools[url] = _Pool(_endpoint(url), self._config, self._tls_context)
+        return await pool.exchange(path, body, headers)
+
+    async def post(self, url: str, path: bytes, body: bytes) -> tuple[int, bytes]:
+        """A whole exchange: the status and body of ``POST path`` (used for ``/tokenize``)."""
+        exchange = await self.open(url, path, body)
+        try:
+            return exchange.status, await exchange.read()
+        finally:
+            exchange.release()
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
+
+
+class _Pool:
+    """The connections to one worker: idle ones (most recently used last) and a bound on how many."""
+
+    def __init__(self, endpoint: _Endpoint, config: ProxyConfig, tls: Callable[[], ssl.SSLContext]) -> None:
+        self.endpoint = endpoint
+        self._limit = config.proxy_connections_per_worker
+        self._connect_timeout = config.proxy_connect_timeout_secs
+        self.read_timeout = config.proxy_read_timeout_secs
+        self._tls = tls
+        self.idle: list[Exchange] = []
+        self.opened = 0  # connections open or being opened
+        self._waiting: deque[asyncio.Future[Exchange | None]] = deque()
+        self.closed = False
+
+    async def exchange(self, path: bytes, body: bytes, headers: bytes) -> Exchange:
+        endpoint = self.endpoint
+        request = b"".join(
+            (endpoint.prefix, path, b" HTTP/1.1\r\nhost: ", endpoint.host_header,
+             b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode(), b"\r\n",
+             headers, b"\r\n", body)
+        )  # fmt: skip
+        connection = await self._acquire()
+        reused = connection.used
+        try:
+            await connection.send(request)
+        except _ClosedBeforeAnswer:
+            if not reused:
+                raise UpstreamError("the worker closed the connection before answering") from None
+            # The worker closed an idle connection as this request went out: once more, afresh.
+            connection = await self._acquire(fresh=True)
+            await connection.send(request)
+        return connection
+
+    async def _acquire(self, fresh: bool = False) -> Exchange:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not fresh:
+                now = loop.time()
+                while self.idle:
+                    connection = self.idle.pop()
+                    if connection.reusable(now):
+                        return connection
+                    connection.close()
+            if self._limit == 0 or self.opened < self._limit:
+                return await self._connect(loop)
+            waiter: asyncio.Future[Exchange | None] = loop.create_future()
+            self._waiting.append(waiter)
+            try:
+                handed = await waiter
+            finally:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+            if handed is not None:
+                return handed
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> Exchange:
+        endpoint = self.endpoint
+        self.opened += 1
+        try:
+            # wait_for, not asyncio.timeout: the proxy's request may run eagerly, outside any task.
+            _, connection = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: Exchange(self), endpoint.host, endpoint.port, ssl=self._tls() if endpoint.tls else None
+                ),
+                self._connect_timeout,
+            )
+        except TimeoutError:
+            self._gone()
+            raise UpstreamError(f"connect timeout after {self._connect_timeout:g} s") from None
+        except OSError as exc:
+            self._gone()
+            raise UpstreamError(_describe(exc)) from None
+        except BaseException:
+            self._gone()
+            raise
+        return connection
+
+    def put_back(self, connection: Exchange) -> None:
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(connection)
+                return
+        self.idle.append(connection)
+
+    def _gone(self) -> None:
+        """A connection closed (or never opened): its place may go to a waiting request."""
+        self.opened -= 1
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def forget(self, connection: Exchange) -> None:
+        if connection in self.idle:
+            self.idle.remove(connection)
+        self._gone()
+
+    def close(self) -> None:
+        self.closed = True
+        for connection in self.idle:
+            connection.close()
+        self.idle.clear()
+
+
+class _ClosedBeforeAnswer(UpstreamError):
+    """The connection closed before a byte of the answer came back."""
+
+
+class Exchange(asyncio.Protocol):
+    """One connection to a worker and the exchange it carries (the parser's callbacks are its methods).
+
+    After `Upstream.open`: `status` and `content_type` are known; then either `read` the whole body,
+    or await `first` and `forward` the rest to a `Sink`; finally `release` (back to the pool if the
+    answer is complete and the worker keeps the connection alive) or `close`.
+    """
+
+    def __init__(self, pool: _Pool) -> None:
+        self._pool = pool
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self.used = False  # has carried an exchange before
+        self.status = 0
+        self.content_type: bytes | None = None
+        self._delimited = False  # the body's end is marked (content-length or chunked), not the close
+        self._keep_alive = False  # the worker keeps the connection open after this answer
+        self._pieces: list[bytes] = []  # decoded body not yet taken
+        self._tail: list[bytes] = []  # the last pieces handed on, at least TAIL_BYTES of them
+        self._tail_size = 0
+        self._sink: Sink | None = None
+        self._head_in = False
+        self.complete = False  # the whole answer is in
+        self._problem: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
+        self._paused = False  # reading paused: the client is behind
+        self._iterated = False  # the body is being taken by `pieces`
+        self._idle_since = 0.0
+        self._heard = 0.0  # loop time of the last byte from the worker
+        self._silence: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------ asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass, but is one
+
+    def data_received(self, data: bytes) -> None:
+        if self.complete or not self.used:
+            self.close()  # bytes nobody asked for: the connection cannot be trusted with another request
+            return
+        self._heard = self._loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamError("the worker switched protocols"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed answer: {exc}"))
+        pieces = self._pieces
+        sink = self._sink
+        if sink is None:
+            if self._iterated and len(pieces) > _MAX_PIECES:
+                self._pause_reading()  # the reader of `pieces` is behind: resumed as it takes them
+            self._wake()
+        elif pieces:  # forwarded in this callback; the coroutine forwarding is woken only at the end
+            data = self._take_events()
+            if data and sink.write(data) and not self.complete:
+                self._pause_reading()
+                sink.when_drained(self._resume_reading)
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        was_closed = self._closed
+        self._closed = True
+        self._cancel_silence()
+        self._pool.forget(self)
+        if was_closed or self.complete:
+            return
+        if self._head_in and not self._delimited:
+            self.on_message_complete()  # an answer whose end is the connection's
+            return
+        if not self._head_in and not self._pieces and self.status == 0:
+            self._fail(_ClosedBeforeAnswer(_describe(exc) if exc else "the worker closed the connection"))
+        else:
+            why = f" ({_describe(exc)})" if exc else ""
+            self._fail(UpstreamError("the worker closed the connection mid-answer" + why))
+
+    # ------------------------------------------------------------------ httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-type":
+            self.content_type = value
+        elif name in (b"content-length", b"transfer-encoding"):
+            self._delimited = True
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        self.status = parser.get_status_code()
+        self._keep_alive = parser.should_keep_alive()  # read here: the parser forgets it at the message's end
+        if self.status < 200:  # an interim answer (100 Continue): the real one follows
+            self.status = 0
+            self._delimited = False
+            return
+        if self.status in (204, 304):
+            self._delimited = True
+        self._head_in = True
+
+    def on_body(self, body: bytes) -> None:
+        self._pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        if not self._head_in:
+            return  # the end of an interim answer
+        self.complete = True
+        self._cancel_silence()
+        self._resume_reading()
+        self._wake()
+
+    # ------------------------------------------------------------------ the exchange
+    async def send(self, request: bytes) -> None:
+        """Write the request; returns once the answer's head is in."""
+        self.used = True
+        self._reset()
+        transport = self._transport
+        if self._closed or transport is None or transport.is_closing():
+            raise _ClosedBeforeAnswer("the connection was closed")
+        transport.write(request)
+        self._heard = self._loop.time()
+        self._silence = self._loop.call_later(self._pool.read_timeout, self._check_silence)
+        while not self._head_in:
+            await self._wait()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self.complete:
+            await self._wait()
+        pieces = self._pieces
+        body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        return body
+
+    # A stream is handed on in whole SSE events: an event cut short by a broken connection never
+    # reaches the client (its error event follows the last whole one), and one cut by the network is
+    # sent once its end has come.
+
+    async def first(self) -> bytes:
+        """The stream's first events; empty if the answer ended without any."""
+        while True:
+            data = self._take_events()
+            if data or self.complete:
+                return data
+            await self._wait()
+
+    async def forward(self, sink: Sink) -> None:
+        """Hand the rest of the stream to ``sink`` as it arrives; returns at its end."""
+        data = self._take_events()
+        if data:
+            sink.write(data)
+        self._sink = sink
+        try:
+            while not self.complete:
+                await self._wait()
+        finally:
+            self._sink = None
+        data = self._take_events()  # what followed the last event boundary, once the answer is whole
+        if data:
+            sink.write(data)
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        """The rest of the stream as it arrives, each read's events joined (for a client that is
+        written to by awaiting, as ASGI's ``send``)."""
+        self._iterated = True
+        while True:
+            data = self._take_events()
+            if data:
+                self._resume_reading()
+                yield data
+            elif self.complete:
+                return
+            else:
+                await self._wait()
+
+    def _take_events(self) -> bytes:
+        """The body received so far up to its last event boundary (all of it once complete)."""
+        pieces = self._pieces
+        if not pieces:
+            return b""
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        if not self.complete and not data.endswith(_EVENT_ENDS):
+            lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+            cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+            if cut < len(data):
+                pieces.append(data[cut:])  # held back until its event is whole
+                data = data[:cut]
+        if data:
+            self._keep(data)
+        return data
+
+    def release(self) -> None:
+        """Done with the answer: back to the pool if it was read to its end, else closed."""
+        self._cancel_silence()
+        if not self.complete or self._closed or not self._keep_alive or self._pool.closed:
+            self.close()
+            return
+        self._idle_since = self._loop.time()
+        self._pool.put_back(self)
+
+    def close(self) -> None:
+        self._cancel_silence()
+        if self._transport is not None and not self._closed:
+            self._closed = True
+            self._transport.close()  # connection_lost gives the pool its place back
+
+    def reusable(self, now: float) -> bool:
+        return not self._closed and now - self._idle_since < IDLE_SECS
+
+    # ------------------------------------------------------------------ internals
+    def _reset(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.content_type = None
+        self._delimited = False
+        self._keep_alive = False
+        self._pieces = []
+        self._tail = []
+        self._tail_size = 0
+        self._iterated = False
+        self._head_in = False
+        self.complete = False
+        self._problem = None
+
+    async def _wait(self) -> None:
+        if self._problem is not None:
+            raise self._problem
+        waiter = self._waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+        if self._problem is not None:
+            raise self._problem
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, problem: UpstreamError) -> None:
+        if self._problem is None and not self.complete:
+            self._problem = problem
+        self.close()
+        self._wake()
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("the proxy's upstream session is not started")
-        return self._session
+    def tail(self) -> bytes:
+        """The last `TAIL_BYTES` (or more) of the body handed on."""
+        return b"".join(self._tail)
+
+    def _keep(self, data: bytes) -> None:
+        tail = self._tail
+        tail.append(data)
+        self._tail_size += len(data)
+        while self._tail_size - len(tail[0]) >= TAIL_BYTES:
+            self._tail_size -= len(tail[0])
+            del tail[0]
+
+    def _pause_reading(self) -> None:
+        if not self._paused and self._transport is not None and not self._closed:
+            self._paused = True
+            self._transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._paused and self._transport is not None and not self._closed:
+            self._paused = False
+            self._transport.resume_reading()
+
+    def _check_silence(self) -> None:
+        self._silence = None
+        if self.complete or self._closed:
+            return
+        timeout = self._pool.read_timeout
+        remaining = self._heard + timeout - self._loop.time()
+        if remaining > 0:
+            self._silence = self._loop.call_later(remaining, self._check_silence)
+        else:
+            self._fail(UpstreamError(f"read timeout: nothing from the worker for {timeout:g} s"))
+
+    def _cancel_silence(self) -> None:
+        if self._silence is not None:
+            self._silence.cancel()
+            self._silence = None
 
 
-def endpoint(worker: WorkerConfig, path: str) -> str:
-    """The URL of ``path`` on a worker (only workers with a URL are proxied to)."""
-    assert worker.url is not None
-    return worker.url.rstrip("/") + path
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,198 @@
+"""Streamed answers written by the HTTP protocol itself: the OpenAI proxy's routes without ASGI.
+
+`api.http_protocol.FastHttpProtocol` answers the hot routes from bytes; a route registered as a
+*stream route* is collected the same way (body limit, ``Expect: 100-continue``, keep-alive and
+pipelining are the protocol's), then its handler gets a `StreamedRequest`: the body and the
+client's ``Authorization``, and the `api.proxy.downstream.Downstream` methods writing the answer
+straight to the client's transport. A streamed body goes out as HTTP/1.1 chunks, one per piece
+handed on (the head with the first); the handler's coroutine runs at once on the protocol's
+callback and gets a task only if it has to wait (it does, for the worker). When the client's
+connection is lost, that task is cancelled.
+
+Per request this saves uvicorn's ASGI cycle (scope, task, receive / send dicts) and a task watching
+for the disconnect; per piece, an ASGI message and its checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Protocol
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+from api.eager import Suspended, start
+
+__all__ = ["Forwarding", "Sink", "StreamHandler", "StreamedRequest"]
+
+Headers = list[tuple[bytes, bytes]]
+StreamHandler = Callable[["StreamedRequest"], Coroutine[object, object, None]]
+
+
+class Sink(Protocol):
+    """Where a forwarded body goes, piece by piece, as it arrives (the client's connection)."""
+
+    def write(self, data: bytes) -> bool:
+        """Hand ``data`` on; True when the client is behind (the source then pauses until the sink
+        calls the callback given to `when_drained`)."""
+        ...
+
+    def when_drained(self, resume: Callable[[], None]) -> None: ...
+
+
+class Forwarding(Protocol):
+    """A body to hand on (`api.proxy.upstream.Exchange`)."""
+
+    async def forward(self, sink: Sink) -> None:
+        """Give every piece to ``sink`` as it arrives; returns at the body's end."""
+        ...
+
+
+class _Request(Protocol):
+    """The protocol's record of the request (`api.http_protocol`'s hot request)."""
+
+    keep_alive: bool
+    response_complete: bool
+
+
+class _Connection(Protocol):
+    """What a streamed request uses of the protocol (`api.http_protocol.FastHttpProtocol`)."""
+
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    tasks: set[asyncio.Task[None]]
+
+    def stream_complete(self, status: int) -> None: ...
+
+    def stream_crashed(self, exc: BaseException | None, started: bool) -> None: ...
+
+    def default_header_lines(self) -> bytes: ...
+
+    def write_paused(self) -> bool: ...
+
+    async def drain(self) -> None: ...
+
+
+class StreamedRequest:
+    """One request on a stream route and its answer, written to the connection's transport."""
+
+    __slots__ = ("_connection", "_head", "_request", "_status", "_task", "authorization", "body", "disconnected")
+
+    def __init__(self, connection: _Connection, request: _Request, body: bytes, authorization: bytes | None) -> None:
+        self._connection = connection
+        self._request = request  # the protocol's record of it: keep_alive, response_complete
+        self.body = body
+        self.authorization = authorization
+        self.disconnected = False
+        self._head: bytes | None = None  # a streamed answer's head, written with its first piece
+        self._status = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def run(self, handler: StreamHandler) -> None:
+        """Start ``handler`` on this request (eagerly: a task only once it waits)."""
+        try:
+            outcome = start(handler(self))
+        except Exception as exc:
+            self._crashed(exc)
+            return
+        if isinstance(outcome, Suspended):
+            connection = self._connection
+            task = self._task = outcome.task(connection.loop)
+            connection.tasks.add(task)  # uvicorn's graceful shutdown waits for it
+            task.add_done_callback(self._finished)
+        else:
+            self._done()
+
+    def is_disconnected(self) -> bool:
+        return self.disconnected
+
+    def lost(self) -> None:
+        """The client's connection is gone: the handler's wait ends in a cancellation."""
+        self.disconnected = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    # ------------------------------------------------------------------ Downstream
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        head = self._head_lines(status, headers, b"content-length: " + str(len(body)).encode() + b"\r\n")
+        self._write(head + body)
+
+    async def start(self, status: int, headers: Headers) -> None:
+        self._head = self._head_lines(status, headers, b"transfer-encoding: chunked\r\n")
+
+    async def write(self, data: bytes) -> None:
+        self.write_piece(data)
+
+    def write_piece(self, data: bytes) -> bool:
+        """One chunk of the streamed body; True while the client is not keeping up (`Sink.write`)."""
+        chunk = b"%x\r\n%b\r\n" % (len(data), data)
+        head = self._head
+        if head is not None:
+            self._head = None
+            chunk = head + chunk
+        self._write(chunk)
+        return self._connection.write_paused()
+
+    def when_drained(self, resume: Callable[[], None]) -> None:
+        """Call ``resume`` once the client has caught up (`Sink.when_drained`)."""
+        task = asyncio.ensure_future(self._drained(resume))
+        self._connection.tasks.add(task)
+        task.add_done_callback(self._connection.tasks.discard)
+
+    async def stream(self, source: Forwarding) -> None:
+        await source.forward(_PieceSink(self))
+
+    async def end(self) -> None:
+        head, self._head = self._head, None
+        self._write((head or b"") + b"0\r\n\r\n")
+
+    # ------------------------------------------------------------------ internals
+    def _head_lines(self, status: int, headers: Headers, framing: bytes) -> bytes:
+        self._status = status
+        lines = [STATUS_LINE[status]]
+        for name, value in headers:
+            lines += (name, b": ", value, b"\r\n")
+        lines.append(framing)
+        lines.append(self._connection.default_header_lines())
+        if not self._request.keep_alive:
+            lines.append(b"connection: close\r\n")
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
+    def _write(self, data: bytes) -> None:
+        transport = self._connection.transport
+        if not transport.is_closing():
+            transport.write(data)
+
+    async def _drained(self, resume: Callable[[], None]) -> None:
+        await self._connection.drain()
+        resume()
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._connection.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._crashed(task.exception())
+            return
+        self._done()
+
+    def _done(self) -> None:
+        if self._request.response_complete:
+            return
+        if self._status == 0 and not self.disconnected:
+            self._crashed(None)  # the handler ended without an answer: a bug
+            return
+        self._connection.stream_complete(self._status)
+
+    def _crashed(self, exc: BaseException | None) -> None:
+        if not self._request.response_complete:
+            self._connection.stream_crashed(exc, started=self._status != 0)
+
+
+class _PieceSink:
+    """`api.proxy.upstream.Sink` over a streamed request."""
+
+    __slots__ = ("when_drained", "write")
+
+    def __init__(self, request: StreamedRequest) -> None:
+        self.write = request.write_piece
+        self.when_drained = request.when_drained

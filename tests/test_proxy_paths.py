@@ -1,0 +1,93 @@
+"""The proxy's two ways in, with the real `openai` client: its routes answered inside the HTTP
+protocol (the default) and as an ASGI layer (``fast_protocol`` off); and a worker whose stream breaks
+in the middle of a chunk, whose client gets the SSE error event while nothing stays booked."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.types import WorkerConfig
+from tests.proxy_fleet import MODEL, fleet, idle, metric
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_streams_whole_answers_and_disconnects_on_either_path(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    async with fleet(nats_server.url, (1,), service={"fast_protocol": fast_protocol}) as f:
+        api = f.client
+        raw = await api.completions.with_raw_response.create(
+            model=MODEL, prompt=list(range(1, 200)), max_tokens=4, stream=True
+        )
+        assert raw.headers["x-kv-router-worker"] == "1" and raw.headers["content-type"] == "text/event-stream"
+        assert "".join([chunk.choices[0].text async for chunk in raw.parse()]) == " w1 w2 w3 w4"
+        whole = await api.completions.create(model=MODEL, prompt=list(range(1, 200)), max_tokens=3)
+        assert whole.choices[0].text == " w1 w2 w3"
+        chat = await api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+        )
+        assert "".join([c.choices[0].delta.content or "" async for c in chat if c.choices]) == " w1 w2"
+        # A client leaving mid-stream frees its booking and stops the engine's request.
+        stream = await api.completions.create(model=MODEL, prompt=list(range(1, 300)), max_tokens=5000, stream=True)
+        async for _chunk in stream:
+            break
+        await stream.close()
+        await eventually(lambda: idle(f.router))
+        await eventually(lambda: f.apis[1].aborted == 1)
+        # Sequential requests reuse the worker connection the first one opened.
+        pool = next(iter(f.app.state.proxy.upstream._pools.values()))
+        assert pool.opened <= 2  # the aborted stream's connection was closed, one is kept alive
+
+
+@contextlib.asynccontextmanager
+async def breaking_worker() -> AsyncIterator[str]:
+    """A worker that starts an SSE stream, sends one event and half a chunk, then closes."""
+    port = free_port()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        event = b'data: {"choices": [{"index": 0, "text": " w1"}], "object": "text_completion"}\n\n'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            + b"%x\r\n%b\r\n" % (len(event), event)
+            + b"40\r\ndata: {"
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+async def test_a_stream_broken_mid_chunk_ends_with_the_sse_error_event_and_frees_the_booking(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with fleet(nats_server.url, ()) as f, breaking_worker() as url:
+        broken = WorkerConfig(worker_id=5, block_size=64, url=url, models=frozenset({MODEL}))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(broken))).status_code == 201
+        stream = await f.client.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=8, stream=True)
+        texts = []
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            async for chunk in stream:
+                texts.append(chunk.choices[0].text)
+        assert texts == [" w1"]
+        assert idle(f.router)
+        assert 5 in f.app.state.proxy._cooling
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{f.url}/metrics")).text
+        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="upstream_error") == 1

@@ -1,0 +1,314 @@
+"""The proxy's HTTP/1.1 client to the workers (`api.proxy.upstream`) against a scripted HTTP peer on
+loopback: answers framed as chunks, by content-length or by the close, split into any TCP writes;
+keep-alive reuse; a worker closing mid-chunk, an idle connection the worker closed, silence,
+refusal, cancellation; the pool's bound; a client that is behind pausing the worker's connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from api.config import ProxyConfig
+from api.proxy.upstream import Upstream, UpstreamError
+from router.event_plane.embedded_server import free_port
+
+pytestmark = pytest.mark.anyio
+
+# One answer: a list of TCP writes (bytes), with a pause after each so that they arrive as separate reads.
+Script = list[bytes]
+
+
+@dataclass
+class Peer:
+    """A loopback HTTP server that answers each request with the next script, byte for byte."""
+
+    url: str
+    scripts: list[Script | Callable[[asyncio.StreamWriter], None]] = field(default_factory=list)
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    closed_by_client: int = 0
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes | None:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    length = next(
+        (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+    )
+    return head + await reader.readexactly(length)
+
+
+@contextlib.asynccontextmanager
+async def peer() -> AsyncIterator[Peer]:
+    port = free_port()
+    state = Peer(f"http://127.0.0.1:{port}")
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        state.connections += 1
+        try:
+            while True:
+                request = await _read_request(reader)
+                if request is None:
+                    state.closed_by_client += 1
+                    return
+                state.requests.append(request)
+                script = state.scripts.pop(0)
+                if callable(script):
+                    script(writer)
+                    return
+                for piece in script:
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0.002)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    try:
+        yield state
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def client(**config: object) -> AsyncIterator[Upstream]:
+    upstream = Upstream(ProxyConfig(**config))  # type: ignore[arg-type]
+    await upstream.start()
+    try:
+        yield upstream
+    finally:
+        await upstream.stop()
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    """``data`` cut at the given offsets (modulo its length), in order."""
+    points = sorted({cut % len(data) for cut in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(points) if b > a]
+
+
+def chunked(events: list[bytes], sizes: list[int]) -> bytes:
+    """``events`` framed as HTTP/1.1 chunks, each event cut into chunks of the given sizes."""
+    framed = []
+    for index, event in enumerate(events):
+        size = max(1, sizes[index % len(sizes)]) if sizes else len(event)
+        for start in range(0, len(event), size):
+            piece = event[start : start + size]
+            framed.append(b"%x\r\n%b\r\n" % (len(piece), piece))
+    return b"".join(framed) + b"0\r\n\r\n"
+
+
+class Collect:
+    """A `Sink` that keeps what it is given; ``behind`` says the client is behind until resumed."""
+
+    def __init__(self, behind: int = 0) -> None:
+        self.data: list[bytes] = []
+        self.behind = behind  # how many writes answer "behind"
+        self.resume: Callable[[], None] | None = None
+
+    def write(self, data: bytes) -> bool:
+        self.data.append(data)
+        if self.behind:
+            self.behind -= 1
+            return True
+        return False
+
+    def when_drained(self, resume: Callable[[], None]) -> None:
+        self.resume = resume
+
+
+events_strategy = st.lists(st.binary(min_size=1, max_size=200).map(lambda b: b"data: " + b.hex().encode() + b"\n\n"),
+                           min_size=1, max_size=12)  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    events=events_strategy,
+    sizes=st.lists(st.integers(1, 300), max_size=5),
+    cuts=st.lists(st.integers(0, 10_000), max_size=12),
+    framing=st.sampled_from(["chunked", "length", "close"]),
+    taken=st.sampled_from(["read", "forward", "pieces"]),
+)
+def test_any_framing_split_anywhere_gives_the_body_back_and_keeps_the_connection(
+    events: list[bytes], sizes: list[int], cuts: list[int], framing: str, taken: str
+) -> None:
+    body = b"".join(events)
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    if framing == "chunked":
+        answer = head + b"transfer-encoding: chunked\r\n\r\n" + chunked(events, sizes)
+    elif framing == "length":
+        answer = head + b"content-length: %d\r\n\r\n" % len(body) + body
+    else:  # HTTP/1.0 style: the body ends with the connection
+        answer = head + b"connection: close\r\n\r\n" + body
+
+    async def scenario() -> None:
+        async with peer() as worker, client() as upstream:
+            for _ in range(2):
+                script: Script = split(answer, cuts)
+                if framing == "close":
+                    pieces = script
+
+                    def then_close(writer: asyncio.StreamWriter, pieces: list[bytes] = pieces) -> None:
+                        writer.write(b"".join(pieces))
+
+                    worker.scripts.append(then_close)
+                else:
+                    worker.scripts.append(script)
+                exchange = await upstream.open(worker.url, b"/v1/completions", b'{"model": "m"}')
+                assert exchange.status == 200 and exchange.content_type == b"text/event-stream"
+                if taken == "read":  # a whole answer
+                    got = await exchange.read()
+                else:  # a stream: the first piece, then the rest from the socket's callback or by awaiting
+                    first = await exchange.first()
+                    if taken == "forward":
+                        sink = Collect()
+                        await exchange.forward(sink)
+                        got = first + b"".join(sink.data)
+                    else:
+                        got = first + b"".join([piece async for piece in exchange.pieces()])
+                    assert exchange.tail.endswith(events[-1])  # the stream's end is kept for usage
+                assert got == body
+                exchange.release()
+            # Delimited answers are read to their end: the second exchange reused the connection.
+            assert worker.connections == (2 if framing == "close" else 1)
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+async def test_the_request_goes_out_as_one_http11_post_with_the_given_headers() -> None:
+    async with peer() as worker, client() as upstream:
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"])
+        status, body = await upstream.post(worker.url + "/base/", b"/tokenize", b'{"a": 1}')
+        assert (status, body) == (200, b"{}")
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"])
+        exchange = await upstream.open(worker.url, b"/v1/completions", b"{}", b"authorization: Bearer t\r\n")
+        assert await exchange.read() == b""
+        exchange.release()
+    port = worker.url.rsplit(":", 1)[1]
+    assert worker.requests[0] == (
+        b"POST /base/tokenize HTTP/1.1\r\nhost: 127.0.0.1:" + port.encode() + b"\r\n"
+        b"content-type: application/json\r\ncontent-length: 8\r\n\r\n" + b'{"a": 1}'
+    )
+    assert b"\r\nauthorization: Bearer t\r\n" in worker.requests[1]
+
+
+async def test_a_worker_closing_mid_chunk_is_an_upstream_error_and_the_connection_is_dropped() -> None:
+    async with peer() as worker, client() as upstream:
+        cut_short = b'HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nf\r\ndata: {"a":1}\n\n\r\n20\r\ndata: {'
+
+        def close_mid_chunk(writer: asyncio.StreamWriter) -> None:
+            writer.write(cut_short)
+
+        worker.scripts.append(close_mid_chunk)
+        exchange = await upstream.open(worker.url, b"/v1/completions", b"{}")
+        first = await exchange.first()
+        sink = Collect()
+        with pytest.raises(UpstreamError, match="mid-answer"):
+            await exchange.forward(sink)
+        # The whole event before the close went on; the one cut short did not.
+        assert first + b"".join(sink.data) == b'data: {"a":1}\n\n'
+        exchange.release()
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"])
+        assert await upstream.post(worker.url, b"/x", b"{}") == (200, b"ok")
+        assert worker.connections == 2  # the broken connection was not reused
+
+
+async def test_an_idle_connection_the_worker_closed_is_replaced_without_a_failure() -> None:
+    async with peer() as worker, client() as upstream:
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"])
+        assert await upstream.post(worker.url, b"/x", b"{}") == (200, b"ok")
+
+        def close_unanswered(writer: asyncio.StreamWriter) -> None:
+            writer.transport.abort()  # the worker's keep-alive ran out just as the request came
+
+        worker.scripts.append(close_unanswered)
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nagain"])
+        assert await upstream.post(worker.url, b"/x", b"{}") == (200, b"again")
+        assert worker.connections == 2
+
+
+async def test_a_fresh_connection_closed_unanswered_is_a_failure() -> None:
+    async with peer() as worker, client() as upstream:
+        worker.scripts.append(lambda writer: writer.transport.abort())
+        with pytest.raises(UpstreamError, match="closed the connection"):
+            await upstream.open(worker.url, b"/x", b"{}")
+
+
+async def test_silence_is_a_read_timeout_and_refusal_a_connect_failure() -> None:
+    async with peer() as worker, client(proxy_read_timeout_secs=0.2) as upstream:
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"])
+        exchange = await upstream.open(worker.url, b"/x", b"{}")
+        assert await exchange.first() == b"data: 1\n\n"
+        with pytest.raises(UpstreamError, match="read timeout"):
+            await exchange.forward(Collect())
+        exchange.release()
+        await asyncio.sleep(0.05)
+        assert worker.closed_by_client == 1
+        with pytest.raises(UpstreamError, match="ConnectionRefused"):
+            await upstream.open(f"http://127.0.0.1:{free_port()}", b"/x", b"{}")
+
+
+async def test_a_cancelled_exchange_closes_its_connection_so_the_worker_stops() -> None:
+    async with peer() as worker, client() as upstream:
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"])
+        exchange = await upstream.open(worker.url, b"/x", b"{}")
+
+        async def forward() -> None:
+            try:
+                await exchange.forward(Collect())
+            finally:
+                exchange.release()
+
+        task = asyncio.ensure_future(forward())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if worker.closed_by_client:
+                break
+            await asyncio.sleep(0.01)
+        assert worker.closed_by_client == 1
+
+
+async def test_the_pool_bound_makes_a_request_wait_for_a_released_connection() -> None:
+    async with peer() as worker, client(proxy_connections_per_worker=1) as upstream:
+        worker.scripts += [
+            [b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\na"],
+            [b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nb"],
+        ]
+        first = await upstream.open(worker.url, b"/x", b"{}")
+        second = asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}"))
+        await asyncio.sleep(0.05)
+        assert not second.done() and len(worker.requests) == 1
+        assert await first.read() == b"a"
+        first.release()
+        assert await second == (200, b"b")
+        assert worker.connections == 1
+
+
+async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_drains() -> None:
+    events = [b"data: %d\n\n" % i for i in range(6)]
+    async with peer() as worker, client() as upstream:
+        frames = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"]
+        frames += [b"%x\r\n%b\r\n" % (len(event), event) for event in events] + [b"0\r\n\r\n"]
+        worker.scripts.append(frames)
+        exchange = await upstream.open(worker.url, b"/x", b"{}")
+        first = await exchange.first()
+        sink = Collect(behind=1)
+        forwarding = asyncio.ensure_future(exchange.forward(sink))
+        await asyncio.sleep(0.1)  # the worker has sent everything by now; nothing more is read
+        assert len(sink.data) == 1 and sink.resume is not None and not forwarding.done()
+        sink.resume()
+        await forwarding
+        assert first + b"".join(sink.data) == b"".join(events)
+        exchange.release()
