@@ -78,7 +78,7 @@ def create_app(
     register_build_info(registry, version=package_version(), policy=settings.router.policy)
     proxy = None
     if settings.proxy.proxy:
-        from api.proxy.service import Proxy  # imported only when enabled: aiohttp, tokenizers
+        from api.proxy.service import Proxy  # imported only when enabled: tokenizers
 
         proxy = Proxy(kv_router, settings.proxy, settings.service, registry)
     security = settings.security

@@ -10,12 +10,15 @@ the phases alternate ``--repeat`` times and the medians are reported.
 
 Figures: time to first token and to the end of the stream, p50 / p99, per phase, and their
 difference (the latency the proxy adds); the proxy's CPU time from ``/proc`` per request and per
-streamed token, and tokens per proxy CPU-second (what one core sustains). The proxy runs one event
-loop, so it never uses more than one core. The machine is shared with other work: the load
+streamed token, and tokens per proxy CPU-second (what one core sustains); how busy the proxy was
+over the phase (its CPU seconds over the wall-clock seconds: a loop busy a fraction u of the time
+makes a request arriving at random wait about u / (1 - u) of a service time). The proxy runs one
+event loop per process (``--processes``). The machine is shared with other work: the load
 average is printed with the figures.
 
     python bench/proxy_bench.py                                   # 100 concurrent streams
     python bench/proxy_bench.py --no-events                       # the router process does nothing but proxy
+    python bench/proxy_bench.py --processes 2                     # the proxy on two event loops
     python bench/proxy_bench.py --clients aiohttp,httpx           # CPU of the two HTTP clients, direct
 
 Loopback only.
@@ -43,11 +46,16 @@ MODEL = "bench-model"
 
 
 def process_cpu_s(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of a process."""
+    """User and system CPU seconds of a process and its children (``serve --processes N``)."""
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
+    user, system = int(fields[11]) / tick, int(fields[12]) / tick
+    with open(f"/proc/{pid}/task/{pid}/children") as children:
+        for child in children.read().split():
+            child_user, child_system = process_cpu_s(int(child))
+            user, system = user + child_user, system + child_system
+    return user, system
 
 
 def own_cpu_s() -> float:
@@ -173,7 +181,7 @@ def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
         stack.callback(_stop, worker)
         proxy = subprocess.Popen(
             [*cli, "serve", "--proxy", "--block-size", "64", "--nats-url", nats.url, "--port", str(proxy_port),
-             "--log-level", "warning"],
+             "--processes", str(args.processes), "--log-level", "warning"],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         stack.callback(_stop, proxy)
@@ -232,6 +240,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--clients", default="", help="instead: compare these HTTP clients' CPU, direct")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--processes", type=int, default=1, help="the proxy's processes (serve --processes)")
     parser.add_argument(
         "--no-events", action="store_true", help="register the worker over HTTP, keep its events off the router"
     )
@@ -243,8 +252,10 @@ def main() -> int:
 
         async def run() -> None:
             for round_ in range(args.repeat):
-                phases["direct"].append(await run_phase("direct", worker_url, args, "aiohttp", None, round_))
-                phases["proxy"].append(await run_phase("proxy", proxy_url, args, "aiohttp", proxy_pid, round_))
+                # Prompts of their own per phase: the worker's cache keeps every prompt it has seen, so a
+                # phase repeating the one before it would find its prefills cached.
+                phases["direct"].append(await run_phase("direct", worker_url, args, "aiohttp", None, 2 * round_))
+                phases["proxy"].append(await run_phase("proxy", proxy_url, args, "aiohttp", proxy_pid, 2 * round_ + 1))
 
         asyncio.run(run())
     report(phases, args)
@@ -277,10 +288,12 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
     cpu = med("proxy", lambda p: p.proxy_cpu_s)
     system = med("proxy", lambda p: p.proxy_sys_s)
     tokens = med("proxy", lambda p: p.tokens)
+    busy = med("proxy", lambda p: p.proxy_cpu_s / p.wall_s)
     print(
         f"proxy CPU: {cpu / args.requests * 1e6:.0f} us per request ({system / cpu:.0%} in the kernel), "
         f"{cpu / tokens * 1e6:.2f} us per streamed token (request share included), "
-        f"{tokens / cpu:.0f} tokens per CPU-second"
+        f"{tokens / cpu:.0f} tokens per CPU-second; busy {busy:.0%} of one core over the phase "
+        f"({args.processes} process{'es' if args.processes > 1 else ''})"
     )
 
 
