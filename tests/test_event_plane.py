@@ -188,7 +188,7 @@ async def test_lease_expiry_survives_a_crash_and_still_removes_the_silent_worker
 
     plane.deregister = deregister_failing_once  # type: ignore[method-assign]
     publisher.stop_heartbeat()
-    await eventually(lambda: not plane.router.workers(), timeout=5)
+    await eventually(lambda: not plane.router.workers(), timeout=15)  # lease, failed pass, backoff, pass
     assert plane._background.restarts["lease-expiry"] == 1
     await publisher.stop()
     await plane.stop()
