@@ -176,6 +176,9 @@ class RadixTree:
         self._lower_edges = tuple(lower.edges for lower in self._lower.values())
         self._nodes = 0
         self._branch_nodes = 0
+        # Changes begun so far (events, clears, removals): a dump read in slices between other work
+        # (`iter_dump_events`) is consistent only while this stays the same.
+        self.changes = 0
 
     # ------------------------------------------------------------------ events
     def apply_router_event(self, router_event: RouterEvent) -> None:
@@ -183,6 +186,7 @@ class RadixTree:
 
     def apply_event(self, worker_id: int, event: KvCacheEvent, storage_tier: StorageTier = StorageTier.DEVICE) -> None:
         """Apply one event of ``worker_id``; raises a ``KvIndexError`` for a (partly) rejected one."""
+        self.changes += 1
         if storage_tier is not StorageTier.DEVICE:
             self._lower[storage_tier].apply_event(worker_id, event)
             return
@@ -321,6 +325,7 @@ class RadixTree:
     # ------------------------------------------------------------------ workers
     def clear_all_blocks(self, worker_id: int) -> None:
         """Forget every block of every dp rank of ``worker_id`` (all tiers); the worker stays known."""
+        self.changes += 1
         for slot in self._slots.slots_of(worker_id):
             state = self._states.get(self._slot_key(slot))
             if state is not None:
@@ -330,10 +335,12 @@ class RadixTree:
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget ``worker_id`` entirely, returning its memory."""
+        self.changes += 1
         for slot in self._slots.slots_of(worker_id):
             self._drop_slot(slot)
 
     def remove_worker_dp_rank(self, worker_id: int, dp_rank: int) -> None:
+        self.changes += 1
         slot = self._slots.find((worker_id, dp_rank))
         if slot is not None:
             self._drop_slot(slot)
@@ -435,23 +442,28 @@ class RadixTree:
         Device chains are merged into one multi-block event per linear run a worker holds; blocks a
         worker holds below a block it does not hold cannot score and are left out.
         """
-        events: list[RouterEvent] = []
+        return list(self.iter_dump_events())
+
+    def iter_dump_events(self, max_event_blocks: int | None = None) -> Iterator[RouterEvent]:
+        """`dump_events` one event at a time, each of at most ``max_event_blocks`` blocks (a longer
+        run is cut into chained events), so a caller can bound the work between two events. The tree
+        must not change while the iterator is in use (`changes` tells)."""
+        event_id = 0
         for _, (worker_id, dp_rank) in self._slots.items():
             state = self._states.get((worker_id, dp_rank))
             if state is not None and state.owned:
-                for parent_hash, blocks in self._owned_chains(state):
-                    event = KvCacheEvent(
-                        event_id=len(events),
-                        data=_stored_data(blocks, parent_hash),
-                        dp_rank=dp_rank,
-                    )
-                    events.append(RouterEvent(worker_id=worker_id, event=event))
+                for parent_hash, blocks in self._owned_chains(state, max_event_blocks):
+                    event = KvCacheEvent(event_id=event_id, data=_stored_data(blocks, parent_hash), dp_rank=dp_rank)
+                    yield RouterEvent(worker_id=worker_id, event=event)
+                    event_id += 1
         for tier, lower in self._lower.items():
-            for worker_id, event in lower.dump(first_event_id=len(events)):
-                events.append(RouterEvent(worker_id=worker_id, event=event, storage_tier=tier))
-        return events
+            for worker_id, lower_event in lower.dump(first_event_id=event_id):
+                yield RouterEvent(worker_id=worker_id, event=lower_event, storage_tier=tier)
+                event_id += 1
 
-    def _owned_chains(self, state: _SlotBlocks) -> Iterator[tuple[int | None, list[StoredBlock]]]:
+    def _owned_chains(
+        self, state: _SlotBlocks, max_blocks: int | None
+    ) -> Iterator[tuple[int | None, list[StoredBlock]]]:
         bit = 1 << state.slot
         aliases = state.aliases
         pending: list[tuple[_Node, int | None]] = [
@@ -466,6 +478,9 @@ class RadixTree:
                 if len(owned) != 1:
                     break
                 node = owned[0]
+                if len(chain) == max_blocks:
+                    yield parent_hash, chain
+                    parent_hash, chain = chain[-1].block_hash, []
             last_hash = chain[-1].block_hash
             pending.extend((child, last_hash) for child in owned)
             yield parent_hash, chain
