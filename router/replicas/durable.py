@@ -15,6 +15,12 @@
   in neither the dump nor the stream's remainder) the index dump, the sequencer's stream positions and
   the stream sequence they cover go to the Object Store bucket ``kv_router_snapshots_{ns}`` as one
   msgpack object named after the router (the store chunks it).
+- The dump never holds the event loop for long: it is read and encoded in slices of about
+  ``SNAPSHOT_SLICE_S`` of work, yielding to the loop between them, so decisions keep answering.
+  Stream events wait meanwhile (the dump must cover exactly ``applied_seq``); any other change of the
+  index during the dump (an event over HTTP, a resync's answer, a worker removed) moves
+  `RadixTree.changes`, and that attempt is dropped and tried again (after ``MAX_INTERRUPTED`` in a
+  row, the dump is read in one step).
 - Restart: load the router's own snapshot (or, when it has none or the stream no longer reaches back
   to it, the newest usable one), restore index and positions, replay the stream from the next sequence,
   and only then serve. No worker needs to answer anything.
@@ -67,6 +73,14 @@ YIELD_AFTER_S = 0.0005
 # Object Store chunks: fewer, larger messages than nats-py's 128 KiB default, and still well under
 # a stock nats-server's 1 MiB max_payload.
 SNAPSHOT_CHUNK_BYTES = 512 * 1024
+# A snapshot's dump is read and encoded in slices of about this much work, the loop free between them.
+SNAPSHOT_SLICE_S = 0.002
+# Dumped events hold at most this many blocks (a longer chain is cut), so a slice overruns by little.
+SNAPSHOT_EVENT_BLOCKS = 256
+# Sliced dumps interrupted in a row by index changes that do not wait for them; the next is one step.
+MAX_INTERRUPTED = 3
+# msgpack's array header with a 32-bit length (patched once the dump has been counted).
+_ARRAY32 = 0xDD
 
 
 class StreamPosition(msgspec.Struct, kw_only=True, frozen=True, gc=False):
@@ -88,12 +102,23 @@ class IndexSnapshot(msgspec.Struct, kw_only=True):
     events: list[RouterEvent]
 
 
+class _EncodedSnapshot(msgspec.Struct, kw_only=True):
+    """`IndexSnapshot` as it is written: ``events`` already encoded (a msgpack array), slice by slice."""
+
+    router_name: str
+    stream_seq: NonNegative
+    created_at_ms: NonNegative
+    positions: list[StreamPosition]
+    events: msgspec.Raw
+
+
 class _Cursor(msgspec.Struct, kw_only=True):
     snapshot_seq: NonNegative
     applied_seq: NonNegative
 
 
 _snapshot_decoder = msgspec.msgpack.Decoder(IndexSnapshot)
+_encoder = msgspec.msgpack.Encoder()
 
 
 class DurableEvents:
@@ -128,6 +153,10 @@ class DurableEvents:
         self._events_since_snapshot = 0
         self._caught_up = asyncio.Event()
         self._catch_up_target = 0
+        # Cleared while a snapshot's dump is read in slices: stream events wait for it.
+        self._ingest_open = asyncio.Event()
+        self._ingest_open.set()
+        self._interrupted_in_row = 0
         self._busy_since = 0.0
         self._background = Supervisor("durable-events")
         self._bad_input = RateLimitedLog(log)
@@ -274,41 +303,73 @@ class DurableEvents:
         self.applied_seq = self.snapshot_seq = snapshot.stream_seq
         self._count("restored_events", len(snapshot.events))
 
-    def take_snapshot(self) -> IndexSnapshot | None:
-        """The index and positions at `applied_seq`, read in one synchronous step; None while a
-        resync is in flight (its held events would be in neither the dump nor the stream's rest)."""
+    def _positions(self) -> list[StreamPosition] | None:
+        """The sequencer's stream positions; None while a resync is in flight (its held events
+        would be in neither the dump nor the stream's rest)."""
         status = self.router.events.status()
         if any(stream.resyncing for stream in status):
             return None
-        return IndexSnapshot(
-            router_name=self.router_name,
-            stream_seq=self.applied_seq,
-            created_at_ms=int(time.time() * 1000),
-            positions=[
-                StreamPosition(
-                    worker_id=stream.worker_id,
-                    dp_rank=stream.dp_rank,
-                    last_event_id=stream.last_event_id,
-                    trusted=stream.trusted,
-                )
-                for stream in status
-            ],
-            events=self.router.indexer.dump_events(),
-        )
+        return [
+            StreamPosition(
+                worker_id=stream.worker_id,
+                dp_rank=stream.dp_rank,
+                last_event_id=stream.last_event_id,
+                trusted=stream.trusted,
+            )
+            for stream in status
+        ]
+
+    async def encode_snapshot(self) -> tuple[int, bytes] | None:
+        """The snapshot at `applied_seq` as msgpack (an `IndexSnapshot`) with the sequence it covers,
+        read in slices of ``SNAPSHOT_SLICE_S`` while stream events wait; None while a resync is in
+        flight or when another change of the index interrupted it."""
+        positions = self._positions()
+        if positions is None:
+            self._count("snapshot_deferred")
+            return None
+        stream_seq = self.applied_seq
+        created_at_ms = int(time.time() * 1000)
+        index = self.router.indexer
+        changes = index.changes
+        one_step = self._interrupted_in_row >= MAX_INTERRUPTED
+        encode_into = _encoder.encode_into
+        events = bytearray((_ARRAY32, 0, 0, 0, 0))
+        count = 0
+        self._ingest_open.clear()
+        try:
+            slice_ends = time.perf_counter() + SNAPSHOT_SLICE_S
+            for event in index.iter_dump_events(SNAPSHOT_EVENT_BLOCKS):
+                encode_into(event, events, -1)
+                count += 1
+                if not one_step and time.perf_counter() >= slice_ends:
+                    await asyncio.sleep(0)
+                    if index.changes != changes:
+                        break
+                    slice_ends = time.perf_counter() + SNAPSHOT_SLICE_S
+        finally:
+            self._ingest_open.set()
+        if index.changes != changes or self.applied_seq != stream_seq or self._positions() != positions:
+            self._interrupted_in_row += 1
+            self._count("snapshot_interrupted")
+            log.info("index snapshot: the index changed while it was read (%d in a row); trying again",
+                     self._interrupted_in_row)  # fmt: skip
+            return None
+        self._interrupted_in_row = 0
+        events[1:5] = count.to_bytes(4, "big")
+        snapshot = _EncodedSnapshot(router_name=self.router_name, stream_seq=stream_seq, created_at_ms=created_at_ms,
+                                    positions=positions, events=msgspec.Raw(events))  # fmt: skip
+        return stream_seq, _encoder.encode(snapshot)
 
     async def write_snapshot(self) -> bool:
-        snapshot = self.take_snapshot()
-        if snapshot is None:
-            self._count("snapshot_deferred")
-            return False
         events_covered = self._events_since_snapshot
-        payload = msgspec.msgpack.encode(snapshot)
+        encoded = await self.encode_snapshot()
+        if encoded is None:
+            return False
+        stream_seq, payload = encoded
         assert self._store is not None
-        meta = ObjectMeta(
-            description=str(snapshot.stream_seq), options=ObjectMetaOptions(max_chunk_size=SNAPSHOT_CHUNK_BYTES)
-        )
+        meta = ObjectMeta(description=str(stream_seq), options=ObjectMetaOptions(max_chunk_size=SNAPSHOT_CHUNK_BYTES))
         await self._store.put(self.router_name, payload, meta=meta)
-        self.snapshot_seq = snapshot.stream_seq
+        self.snapshot_seq = stream_seq
         self._events_since_snapshot -= events_covered
         self._count("snapshots")
         self.outcomes["last_snapshot_bytes"] = len(payload)
@@ -364,6 +425,8 @@ class DurableEvents:
         if now - self._busy_since > YIELD_AFTER_S:
             await asyncio.sleep(0)
             self._busy_since = time.perf_counter()
+        if not self._ingest_open.is_set():
+            await self._ingest_open.wait()  # a snapshot's dump is being read
         seq = message.metadata.sequence.stream
         try:
             events = decode_router_events(message.data, msgpack=None)
