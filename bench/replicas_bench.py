@@ -2,18 +2,22 @@
 """High availability figures (issue 14), with real ``kv-router serve`` processes on a real nats-server.
 
 1. ``throughput``: decisions/s of 1 and of 2 ``--replica-sync`` replicas, driven by one load generator
-   (this process: ``--concurrency`` keep-alive connections per replica, each a closed loop of
-   ``POST /v1/new`` then ``POST /v1/mark_free``, connections spread round robin over the replicas).
-   Reported as the ratio 2 replicas / 1 replica, measured in the same run, with the CPU used by
-   other processes on the machine during each cell.
+   (``--concurrency`` keep-alive connections per replica, each a closed loop of ``POST /v1/new`` then
+   ``POST /v1/mark_free`` with a request id unique per request). The generator is ``wrk`` with
+   bench/replicas_wrk.lua (one thread per replica) when it is installed, else this process
+   (``--generator`` chooses; the report says which). Reported as the ratio 2 replicas / 1 replica,
+   measured in the same run, with the CPU the services, the generator and other processes on the
+   machine used during each cell.
 2. ``lag``: 2 replicas, a paced open loop of ``--lag-rate`` decisions/s (each then freed) on replica 0;
    the sync lag is what replica 1 reports in ``kv_router_replica_sync_lag_seconds`` (publish to applied,
    last 4,096 batches).
 3. ``processes``: ``kv-router serve --processes 1`` against ``--processes 2`` (one port, the kernel
    spreads the same number of connections over the children), same load generator.
-4. ``restart``: one ``--durable-events`` router indexes ``--blocks`` blocks published on NATS, snapshots,
-   indexes some more (left in the stream only), is killed with SIGKILL and restarted; the figure is
-   the time from the restart to ``/healthz`` answering, which comes only after snapshot load and stream
+4. ``restart``: one ``--durable-events`` router indexes ``--blocks`` blocks published on NATS and
+   snapshots them; while it writes the next snapshot (after 1% more blocks), one connection sends
+   decisions back to back and their latency says how long the write holds the event loop; then it
+   indexes 5% more (left in the stream only), is killed with SIGKILL and restarted; the figure is the
+   time from the restart to ``/healthz`` answering, which comes only after snapshot load and stream
    replay, and the index is checked to hold every block again.
 
     python bench/replicas_bench.py                               # all four, ~3 minutes
@@ -29,6 +33,8 @@ import asyncio
 import json
 import os
 import random
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +55,7 @@ from tests.router_processes import RouterProcess
 
 WORKERS = 8
 BLOCK_SIZE = 16
+WRK_SCRIPT = Path(__file__).resolve().parent / "replicas_wrk.lua"
 
 
 def log(*parts: object) -> None:
@@ -65,9 +72,24 @@ def metric(port: int, name: str, **labels: str) -> float:
     return 0.0
 
 
-def register_workers(router: RouterProcess) -> None:
+def register_workers(router: RouterProcess, *others: RouterProcess, connections: int = 16,
+                     timeout_s: float = 30.0) -> None:  # fmt: skip
+    """Register the workers on ``router``, then wait until, on every port, ``connections`` fresh
+    connections in a row (whichever ``--processes`` child takes each) are ready and know them all:
+    registrations reach the other routers through the registry."""
     for worker_id in range(1, WORKERS + 1):
         router.post("/v1/workers", {"worker_id": worker_id, "total_kv_blocks": 1 << 20})
+    deadline = time.monotonic() + timeout_s
+    for replica in (router, *others):
+        seen = 0
+        while seen < connections:
+            try:
+                ready = urllib.request.urlopen(f"http://127.0.0.1:{replica.port}/readyz", timeout=10).status == 200
+            except OSError:
+                ready = False
+            seen = seen + 1 if ready and len(replica.get("/v1/workers")["workers"]) == WORKERS else 0
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"port {replica.port}: not every process knew the workers within {timeout_s} s")
 
 
 def prompts(count: int, tokens: int, seed: int = 0) -> list[bytes]:
@@ -95,14 +117,46 @@ async def decision_loop(port: int, bodies: list[bytes], until: float, tag: str, 
         counts.append(done)
 
 
-def foreign_cores(pids: list[int], started: tuple[float, float, float]) -> float:
+async def python_load(ports: list[int], bodies: list[bytes], seconds: float, concurrency: int) -> tuple[float, float]:
+    """This process as the generator: ``concurrency`` closed loops per port; (decisions/s, its CPU s)."""
+    counts: list[int] = []
+    cpu = process_cpu_s(os.getpid())
+    started = time.perf_counter()
+    tag = f"py-{time.time_ns()}"
+    loops = [decision_loop(ports[i % len(ports)], bodies, started + seconds, f"c{i}-{tag}", counts)
+             for i in range(concurrency * len(ports))]  # fmt: skip
+    await asyncio.gather(*loops)
+    return sum(counts) / (time.perf_counter() - started), process_cpu_s(os.getpid()) - cpu
+
+
+def wrk_load(ports: list[int], bodies_file: Path, seconds: float, concurrency: int) -> tuple[float, float]:
+    """``wrk`` as the generator (bench/replicas_wrk.lua): one thread and ``concurrency`` connections
+    per port, the same closed loop; (decisions/s, wrk's CPU s)."""
+    env = {**os.environ, "WRK_PORTS": ",".join(map(str, ports)), "WRK_BODIES": str(bodies_file),
+           "WRK_TAG": f"wrk-{time.time_ns()}"}  # fmt: skip
+    command = ["wrk", "-t", str(len(ports)), "-c", str(concurrency * len(ports)), "-d", f"{max(1, round(seconds))}s",
+               "--timeout", "10s", "-s", str(WRK_SCRIPT), f"http://127.0.0.1:{ports[0]}/"]  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"wrk failed ({out.returncode}): {out.stdout[-2000:]} {out.stderr[-2000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if result["failures"] or result["socket_errors"]:
+        raise RuntimeError(f"wrk: {result} {out.stdout[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return result["decisions"] / result["duration_s"], cpu
+
+
+def foreign_cores(pids: list[int], started: tuple[float, float, float], generator_cpu_s: float) -> float:
     busy0, own0, t0 = started
     busy1, own1, t1 = snapshot_cpu(pids)
-    return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(t1 - t0, 1e-9)
+    return max(0.0, (busy1 - busy0) - (own1 - own0) - generator_cpu_s) / max(t1 - t0, 1e-9)
 
 
 def snapshot_cpu(pids: list[int]) -> tuple[float, float, float]:
-    own = process_cpu_s(os.getpid()) + sum(process_cpu_s(pid) for pid in pids)
+    """The machine's busy CPU s, the services' CPU s (not the generator's), the time."""
+    own = sum(process_cpu_s(pid) for pid in pids)
     return machine_busy_s(), own, time.perf_counter()
 
 
@@ -115,24 +169,27 @@ def descendants(pid: int) -> list[int]:
 async def throughput_cell(
     replicas: list[RouterProcess], server_pid: int, args: argparse.Namespace, bodies: list[bytes]
 ) -> dict[str, float]:
-    # Warm up, then measure.
+    """Warm up for a second, then measure; the generator drives ``args.concurrency`` connections per
+    entry of ``replicas`` (an entry may repeat: one port shared by ``--processes`` children)."""
+    ports = [replica.port for replica in replicas]
     for seconds, measured in ((1.0, False), (args.seconds, True)):
-        counts: list[int] = []
-        pids = [pid for r in replicas for pid in (r.pid, *descendants(r.pid))] + [server_pid]
+        pids = [*dict.fromkeys(pid for r in replicas for pid in (r.pid, *descendants(r.pid))), server_pid]
         cpu = snapshot_cpu(pids)
-        started = time.perf_counter()
-        until = started + seconds
-        tag = f"{measured}-{time.time_ns()}"
-        await asyncio.gather(
-            *(
-                decision_loop(replicas[i % len(replicas)].port, bodies, until, f"c{i}-{tag}", counts)
-                for i in range(args.concurrency * len(replicas))
-            )
-        )
-        elapsed = time.perf_counter() - started
+        if args.generator == "wrk":
+            rate, generator_cpu = await asyncio.to_thread(wrk_load, ports, args.bodies_file, seconds, args.concurrency)
+        else:
+            rate, generator_cpu = await python_load(ports, bodies, seconds, args.concurrency)
         if measured:
-            return {"decisions_per_s": sum(counts) / elapsed, "foreign_cores": foreign_cores(pids, cpu)}
+            elapsed = time.perf_counter() - cpu[2]
+            return {"decisions_per_s": rate, "foreign_cores": foreign_cores(pids, cpu, generator_cpu),
+                    "generator_cores": generator_cpu / elapsed,
+                    "service_cores": (snapshot_cpu(pids)[1] - cpu[1]) / elapsed}  # fmt: skip
     raise AssertionError("unreachable")
+
+
+def cell_line(what: str, cell: dict[str, float]) -> str:
+    return (f"{what}: {cell['decisions_per_s']:.0f} decisions/s; CPU in cores: services {cell['service_cores']:.2f}, "
+            f"generator {cell['generator_cores']:.2f}, foreign {cell['foreign_cores']:.2f}")  # fmt: skip
 
 
 async def part_throughput(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -142,12 +199,10 @@ async def part_throughput(server: EmbeddedNats, work: Path, args: argparse.Names
         for n in (1, 2) if repeat % 2 == 0 else (2, 1):
             replicas = [RouterProcess(work, "--nats-url", server.url, "--replica-sync").start() for _ in range(n)]
             try:
-                register_workers(replicas[0])
-                time.sleep(0.5)
+                register_workers(*replicas)
                 cell = await throughput_cell(replicas, server.pid or 0, args, bodies)
                 results[str(n)].append(cell)
-                log(f"throughput: {n} replica(s), run {repeat + 1}: {cell['decisions_per_s']:.0f} decisions/s, "
-                    f"foreign CPU {cell['foreign_cores']:.2f} cores")  # fmt: skip
+                log(cell_line(f"throughput: {n} replica(s), run {repeat + 1}", cell))
             finally:
                 for replica in replicas:
                     replica.stop()
@@ -168,14 +223,13 @@ async def part_processes(server: EmbeddedNats, work: Path, args: argparse.Namesp
         for n in (1, 2) if repeat % 2 == 0 else (2, 1):
             router = RouterProcess(work, "--nats-url", server.url, "--processes", str(n)).start()
             try:
-                time.sleep(2.0)  # every child up
+                while len([pid for pid in descendants(router.pid) if pid != server.pid]) < n:
+                    time.sleep(0.1)  # every child started (the port answers as soon as one is up)
                 register_workers(router)
-                time.sleep(0.5)
                 # As many connections as two replicas get in the replica cells, spread by the kernel.
                 cell = await throughput_cell([router, router], server.pid or 0, args, bodies)
                 results[str(n)].append(cell)
-                log(f"processes: {n}, run {repeat + 1}: {cell['decisions_per_s']:.0f} decisions/s, "
-                    f"foreign CPU {cell['foreign_cores']:.2f} cores")  # fmt: skip
+                log(cell_line(f"processes: {n}, run {repeat + 1}", cell))
             finally:
                 router.stop()
     best = {n: max(cells, key=lambda c: c["decisions_per_s"]) for n, cells in results.items()}
@@ -187,8 +241,7 @@ async def part_lag(server: EmbeddedNats, work: Path, args: argparse.Namespace) -
     bodies = prompts(256, args.prompt_tokens, seed=1)
     replicas = [RouterProcess(work, "--nats-url", server.url, "--replica-sync").start() for _ in range(2)]
     try:
-        register_workers(replicas[0])
-        time.sleep(0.5)
+        register_workers(*replicas)
         connections = [await Connection.open(replicas[0].port) for _ in range(8)]
         interval = 1.0 / args.lag_rate
         sent = 0
@@ -258,6 +311,30 @@ def indexed_blocks(port: int) -> float:
                if line.startswith("kv_router_worker_indexed_blocks{"))  # fmt: skip
 
 
+def stream_sequence(port: int, kind: str) -> float:
+    return metric(port, "kv_router_durable_stream_sequence", kind=kind)
+
+
+async def snapshot_caught_up(port: int) -> None:
+    """Until the newest snapshot covers every stream message applied."""
+    while stream_sequence(port, "snapshot") < stream_sequence(port, "applied"):
+        await asyncio.sleep(0.2)
+
+
+async def latency_probe(port: int, bodies: list[bytes], stop: asyncio.Event) -> list[float]:
+    """Decisions back to back on one connection until ``stop``; their latencies in seconds."""
+    connection = await Connection.open(port)
+    latencies = []
+    try:
+        while not stop.is_set():
+            started = time.perf_counter()
+            await connection.ok(b"POST", b"/v1/new", b'{"tokens":%s}' % bodies[len(latencies) % len(bodies)])
+            latencies.append(time.perf_counter() - started)
+    finally:
+        connection.close()
+    return latencies
+
+
 async def part_restart(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     flags = ["--nats-url", server.url, "--durable-events", "--router-name", "bench",
              "--snapshot-every-events", "1000000", "--snapshot-every-secs", "2"]  # fmt: skip
@@ -269,13 +346,23 @@ async def part_restart(server: EmbeddedNats, work: Path, args: argparse.Namespac
         while indexed_blocks(router.port) < args.blocks:
             await asyncio.sleep(0.5)
         ingest_s = time.perf_counter() - started
-        while metric(router.port, "kv_router_durable_events_total", outcome="snapshots") < 1:
-            await asyncio.sleep(0.5)
+        await snapshot_caught_up(router.port)
+        # A few more blocks, then decisions back to back while the next snapshot of the whole index is
+        # written: their latency shows how long the snapshot holds the loop.
+        snapshots = metric(router.port, "kv_router_durable_events_total", outcome="snapshots")
+        stop = asyncio.Event()
+        probe = asyncio.create_task(latency_probe(router.port, prompts(64, args.prompt_tokens, seed=2), stop))
+        next_event = await publish_blocks(server.url, args.blocks // 100, next_event, seed=1)
+        await asyncio.sleep(0.5)
+        await snapshot_caught_up(router.port)
+        stop.set()
+        latencies = sorted(await probe)
+        during = metric(router.port, "kv_router_durable_events_total", outcome="snapshots") - snapshots
         snapshot_bytes = metric(router.port, "kv_router_durable_events_total", outcome="last_snapshot_bytes")
         # More events after the snapshot: replayed from the stream on restart.
         tail = args.blocks // 20
-        await publish_blocks(server.url, tail, next_event, seed=1)
-        total = args.blocks + tail
+        await publish_blocks(server.url, tail, next_event, seed=3)
+        total = args.blocks + args.blocks // 100 + tail
         while indexed_blocks(router.port) < total:
             await asyncio.sleep(0.2)
         os.kill(router.pid, signal.SIGKILL)
@@ -285,7 +372,10 @@ async def part_restart(server: EmbeddedNats, work: Path, args: argparse.Namespac
         ready_s = time.perf_counter() - restart_started
         restored = indexed_blocks(router.port)
         return {"blocks": total, "ingest_s": ingest_s, "snapshot_mb": snapshot_bytes / 1e6, "ready_s": ready_s,
-                "restored_blocks": restored}  # fmt: skip
+                "restored_blocks": restored, "tail_blocks": tail, "snapshots_during_probe": during,
+                "probe_decisions": len(latencies), "probe_p50_ms": latencies[len(latencies) // 2] * 1e3,
+                "probe_p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3,
+                "probe_max_ms": latencies[-1] * 1e3}  # fmt: skip
     finally:
         router.stop()
 
@@ -294,6 +384,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     outcome: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="replicas-bench-") as tmp, EmbeddedNats(store_dir=tmp) as server:
         work = Path(tmp)
+        args.bodies_file = work / "prompts.jsonl"
+        args.bodies_file.write_bytes(b"\n".join(prompts(256, args.prompt_tokens)) + b"\n")
+        outcome["generator"] = args.generator
         if "throughput" in args.parts:
             outcome["throughput"] = await part_throughput(server, work, args)
         if "processes" in args.parts:
@@ -305,19 +398,25 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return outcome
 
 
+def throughput_table(what: str, part: dict[str, Any]) -> list[str]:
+    lines = [f"| {what} | run | decisions/s | services (cores) | generator (cores) | foreign (cores) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for n, cells in part["runs"].items():
+        for run, c in enumerate(cells, 1):
+            lines.append(f"| {n} | {run} | {c['decisions_per_s']:.0f} | {c['service_cores']:.2f} | "
+                         f"{c['generator_cores']:.2f} | {c['foreign_cores']:.2f} |")  # fmt: skip
+    return lines
+
+
 def report(outcome: dict[str, Any]) -> str:
-    lines = []
+    lines = [f"load generator: {outcome['generator']}\n"]
     if "throughput" in outcome:
         t = outcome["throughput"]
-        lines.append("| replicas | decisions/s | foreign CPU (cores) |\n|---|---|---|")
-        lines.append(f"| 1 | {t['one']['decisions_per_s']:.0f} | {t['one']['foreign_cores']:.2f} |")
-        lines.append(f"| 2 | {t['two']['decisions_per_s']:.0f} | {t['two']['foreign_cores']:.2f} |")
+        lines.extend(throughput_table("replicas", t))
         lines.append(f"\n2 replicas / 1 replica: **{t['ratio']:.2f}x** (best run of each)\n")
     if "processes" in outcome:
         p = outcome["processes"]
-        lines.append("| --processes | decisions/s | foreign CPU (cores) |\n|---|---|---|")
-        lines.append(f"| 1 | {p['one']['decisions_per_s']:.0f} | {p['one']['foreign_cores']:.2f} |")
-        lines.append(f"| 2 | {p['two']['decisions_per_s']:.0f} | {p['two']['foreign_cores']:.2f} |")
+        lines.extend(throughput_table("--processes", p))
         lines.append(f"\n--processes 2 / --processes 1: **{p['ratio']:.2f}x** (best run of each)\n")
     if "lag" in outcome:
         lag = outcome["lag"]
@@ -326,9 +425,14 @@ def report(outcome: dict[str, Any]) -> str:
                      f"({lag['changes_applied']:.0f} changes applied by the peer)\n")  # fmt: skip
     if "restart" in outcome:
         r = outcome["restart"]
+        lines.append(
+            f"decisions while {r['snapshots_during_probe']:.0f} snapshot(s) of the index were written "
+            f"({r['snapshot_mb']:.1f} MB): {r['probe_decisions']} back to back, latency p50 "
+            f"{r['probe_p50_ms']:.1f} ms, p99 {r['probe_p99_ms']:.1f} ms, max **{r['probe_max_ms']:.1f} ms**"
+        )
         lines.append(f"restart to ready with {r['blocks']:,} indexed blocks (snapshot {r['snapshot_mb']:.1f} MB + "
-                     f"stream tail): **{r['ready_s']:.2f} s**; restored {r['restored_blocks']:,.0f} blocks; "
-                     f"first ingest took {r['ingest_s']:.1f} s")  # fmt: skip
+                     f"{r['tail_blocks']:,} blocks only in the stream): **{r['ready_s']:.2f} s**; restored "
+                     f"{r['restored_blocks']:,.0f} blocks; first ingest took {r['ingest_s']:.1f} s")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -338,11 +442,16 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8, help="connections per replica")
+    parser.add_argument("--generator", choices=("auto", "wrk", "python"), default="auto",
+                        help="load generator of the throughput parts (auto: wrk when installed)")  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--lag-rate", type=float, default=1000.0)
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.generator == "auto":
+        args.generator = "wrk" if shutil.which("wrk") else "python"
+    log(f"load generator: {args.generator}")
     outcome = asyncio.run(bench(args))
     print(json.dumps(outcome, indent=2) if args.json else report(outcome))
     return 0
