@@ -4,7 +4,7 @@
 1. ``throughput``: decisions/s of 1 and of 2 ``--replica-sync`` replicas, driven by one load generator
    (``--concurrency`` keep-alive connections per replica, each a closed loop of ``POST /v1/new`` then
    ``POST /v1/mark_free`` with a request id unique per request). The generator is ``wrk`` with
-   bench/replicas_wrk.lua (one thread per replica) when it is installed, else this process
+   bench/replicas_wrk.lua (one thread per connection) when it is installed, else this process
    (``--generator`` chooses; the report says which). Reported as the ratio 2 replicas / 1 replica,
    measured in the same run, with the CPU the services, the generator and other processes on the
    machine used during each cell.
@@ -130,11 +130,13 @@ async def python_load(ports: list[int], bodies: list[bytes], seconds: float, con
 
 
 def wrk_load(ports: list[int], bodies_file: Path, seconds: float, concurrency: int) -> tuple[float, float]:
-    """``wrk`` as the generator (bench/replicas_wrk.lua): one thread and ``concurrency`` connections
-    per port, the same closed loop; (decisions/s, wrk's CPU s)."""
+    """``wrk`` as the generator (bench/replicas_wrk.lua): ``concurrency`` connections per port, one
+    thread each (so each free follows its own booking on its connection, whichever ``--processes``
+    child took it), the same closed loop; (decisions/s, wrk's CPU s)."""
     env = {**os.environ, "WRK_PORTS": ",".join(map(str, ports)), "WRK_BODIES": str(bodies_file),
            "WRK_TAG": f"wrk-{time.time_ns()}"}  # fmt: skip
-    command = ["wrk", "-t", str(len(ports)), "-c", str(concurrency * len(ports)), "-d", f"{max(1, round(seconds))}s",
+    connections = str(concurrency * len(ports))
+    command = ["wrk", "-t", connections, "-c", connections, "-d", f"{max(1, round(seconds))}s",
                "--timeout", "10s", "-s", str(WRK_SCRIPT), f"http://127.0.0.1:{ports[0]}/"]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -223,7 +225,7 @@ async def part_processes(server: EmbeddedNats, work: Path, args: argparse.Namesp
         for n in (1, 2) if repeat % 2 == 0 else (2, 1):
             router = RouterProcess(work, "--nats-url", server.url, "--processes", str(n)).start()
             try:
-                while len([pid for pid in descendants(router.pid) if pid != server.pid]) < n:
+                while n > 1 and len(descendants(router.pid)) < n:
                     time.sleep(0.1)  # every child started (the port answers as soon as one is up)
                 register_workers(router)
                 # As many connections as two replicas get in the replica cells, spread by the kernel.

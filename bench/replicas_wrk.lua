@@ -1,11 +1,15 @@
--- wrk load for bench/replicas_bench.py: every connection runs a closed loop of POST /v1/new, then
--- POST /v1/mark_free of the id that decision booked. Request ids are unique per request.
+-- wrk load for bench/replicas_bench.py: closed loops of POST /v1/new, then POST /v1/mark_free of an
+-- id whose decision has come back. Request ids are unique per request.
+--
+-- wrk's request() does not say which connection it is for, so a free goes out on whichever of the
+-- thread's connections asks next: run one connection per thread (-t N -c N), so that each free
+-- follows its own booking on the same connection, whichever --processes child the kernel gave it.
 --
 -- Configured through the environment (wrk's setup() sees no script arguments):
---   WRK_PORTS   comma-separated loopback ports; thread i drives port i mod N (one thread per replica)
+--   WRK_PORTS   comma-separated loopback ports; thread i drives port i mod N
 --   WRK_BODIES  a file with one JSON token array per line (the prompts, used round robin)
 --   WRK_TAG     a prefix that makes this run's request ids unique
--- done() prints one JSON line: decisions answered, frees answered, other replies.
+-- done() prints one JSON line: decisions answered, frees answered, failed replies, socket errors.
 
 local threads = {}
 
@@ -22,8 +26,8 @@ end
 
 local headers = { ["Content-Type"] = "application/json" }
 local bodies = {}
-local to_free = {}  -- ids whose decision came back, each freed by the next request of this thread
 local booked = 0
+local to_free = {}  -- ids whose decision came back; each is freed by one of this thread's next requests
 decisions = 0
 frees = 0
 failures = 0
@@ -44,9 +48,11 @@ function request()
   return wrk.format("POST", "/v1/new", headers, body)
 end
 
+-- A decision names its request id and worker; a free's reply names no worker.
 function response(status, _, body)
   if status ~= 200 then
     failures = failures + 1
+    failure = status .. " " .. string.sub(body, 1, 200)
   elseif string.find(body, '"worker_id"', 1, true) then
     decisions = decisions + 1
     to_free[#to_free + 1] = string.match(body, '"request_id":"([^"]+)"')
@@ -57,13 +63,15 @@ end
 
 function done(summary)
   local totals = { decisions = 0, frees = 0, failures = 0 }
+  local failure = ""
   for _, thread in ipairs(threads) do
     for name in pairs(totals) do
       totals[name] = totals[name] + thread:get(name)
     end
+    failure = thread:get("failure") or failure
   end
-  io.write(string.format('{"decisions": %d, "frees": %d, "failures": %d, "socket_errors": %d, "duration_s": %f}\n',
-    totals.decisions, totals.frees, totals.failures,
+  io.write(string.format('{"decisions": %d, "frees": %d, "failures": %d, "socket_errors": %d, "duration_s": %f, '
+    .. '"a_failure": "%s"}\n', totals.decisions, totals.frees, totals.failures,
     summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout,
-    summary.duration / 1e6))
+    summary.duration / 1e6, string.gsub(failure, '["\\]', "'")))
 end
