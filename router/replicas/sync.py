@@ -3,7 +3,8 @@
 Every booking change a router makes (a booking with its blocks and prefill tokens, ``mark_prefill``,
 ``mark_free``, expiry) reaches it synchronously through `KvRouter.booking_listener`, is queued, and is
 published on ``kv.{ns}.router.sync`` in a `SyncBatch` numbered per replica: at once after a quiet
-spell, else with the changes of a ``batch_window_s`` window (2 ms). Peers apply it with the ``replicated`` entry points of `KvRouter`, which never publish again.
+spell, else with the changes of a ``batch_window_s`` window (2 ms). Peers apply it with the
+``replicated`` entry points of `KvRouter`, which never publish again.
 
 Why the views converge whatever the order or loss: a request only moves forward, booked -> prefill
 done -> freed, and every replica keeps the ids it saw freed for ``tombstone_s``. Applying a change is
