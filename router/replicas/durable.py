@@ -37,6 +37,7 @@ import contextlib
 import io
 import logging
 import time
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -102,14 +103,32 @@ class IndexSnapshot(msgspec.Struct, kw_only=True):
     events: list[RouterEvent]
 
 
-class _EncodedSnapshot(msgspec.Struct, kw_only=True):
-    """`IndexSnapshot` as it is written: ``events`` already encoded (a msgpack array), slice by slice."""
+class _SnapshotHead(msgspec.Struct, kw_only=True):
+    """`IndexSnapshot` without its events: written first, the events appended one by one after it."""
 
     router_name: str
     stream_seq: NonNegative
     created_at_ms: NonNegative
     positions: list[StreamPosition]
-    events: msgspec.Raw
+
+
+class _BufferReader(io.BufferedIOBase):
+    """A file over a buffer, so that `ObjectStore.put` takes it chunk by chunk (in its executor)
+    instead of the whole snapshot being copied into bytes on the loop first."""
+
+    def __init__(self, buffer: bytearray) -> None:
+        super().__init__()
+        self._view = memoryview(buffer)
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, into: Any) -> int:
+        count = min(len(into), len(self._view) - self._at)
+        into[:count] = self._view[self._at : self._at + count]
+        self._at += count
+        return count
 
 
 class _Cursor(msgspec.Struct, kw_only=True):
@@ -319,7 +338,7 @@ class DurableEvents:
             for stream in status
         ]
 
-    async def encode_snapshot(self) -> tuple[int, bytes] | None:
+    async def encode_snapshot(self) -> tuple[int, bytearray] | None:
         """The snapshot at `applied_seq` as msgpack (an `IndexSnapshot`) with the sequence it covers,
         read in slices of ``SNAPSHOT_SLICE_S`` while stream events wait; None while a resync is in
         flight or when another change of the index interrupted it."""
@@ -328,18 +347,25 @@ class DurableEvents:
             self._count("snapshot_deferred")
             return None
         stream_seq = self.applied_seq
-        created_at_ms = int(time.time() * 1000)
+        head = _encoder.encode(_SnapshotHead(router_name=self.router_name, stream_seq=stream_seq,
+                                             created_at_ms=int(time.time() * 1000), positions=positions))  # fmt: skip
+        # The head's map gains the events (a struct of a few fields is a fixmap: 0x80 | fields).
+        assert head[0] == 0x84, "IndexSnapshot's head is a fixmap of 4 fields"
+        payload = bytearray((0x85,))
+        payload += memoryview(head)[1:]
+        _encoder.encode_into("events", payload, -1)
+        count_at = len(payload) + 1
+        payload += bytes((_ARRAY32, 0, 0, 0, 0))
         index = self.router.indexer
         changes = index.changes
         one_step = self._interrupted_in_row >= MAX_INTERRUPTED
         encode_into = _encoder.encode_into
-        events = bytearray((_ARRAY32, 0, 0, 0, 0))
         count = 0
         self._ingest_open.clear()
         try:
             slice_ends = time.perf_counter() + SNAPSHOT_SLICE_S
             for event in index.iter_dump_events(SNAPSHOT_EVENT_BLOCKS):
-                encode_into(event, events, -1)
+                encode_into(event, payload, -1)
                 count += 1
                 if not one_step and time.perf_counter() >= slice_ends:
                     await asyncio.sleep(0)
@@ -355,10 +381,8 @@ class DurableEvents:
                      self._interrupted_in_row)  # fmt: skip
             return None
         self._interrupted_in_row = 0
-        events[1:5] = count.to_bytes(4, "big")
-        snapshot = _EncodedSnapshot(router_name=self.router_name, stream_seq=stream_seq, created_at_ms=created_at_ms,
-                                    positions=positions, events=msgspec.Raw(events))  # fmt: skip
-        return stream_seq, _encoder.encode(snapshot)
+        payload[count_at : count_at + 4] = count.to_bytes(4, "big")
+        return stream_seq, payload
 
     async def write_snapshot(self) -> bool:
         events_covered = self._events_since_snapshot
@@ -368,7 +392,7 @@ class DurableEvents:
         stream_seq, payload = encoded
         assert self._store is not None
         meta = ObjectMeta(description=str(stream_seq), options=ObjectMetaOptions(max_chunk_size=SNAPSHOT_CHUNK_BYTES))
-        await self._store.put(self.router_name, payload, meta=meta)
+        await self._store.put(self.router_name, _BufferReader(payload), meta=meta)
         self.snapshot_seq = stream_seq
         self._events_since_snapshot -= events_covered
         self._count("snapshots")
