@@ -211,16 +211,7 @@ def run_against_external_nats(work: Path) -> None:
             IMAGE,
             capture=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if http(http_port, "/healthz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            state = podman("inspect", "--format", "{{.State.Status}}", name, capture=True).strip()
-            assert state == "running" and time.monotonic() < deadline, f"container {state}: {logs(name)}"
-            time.sleep(0.2)
+        wait_healthy(name, http_port)
         # The image's HEALTHCHECK command, run in the container as the engine would.
         health = json.loads(podman("image", "inspect", IMAGE, capture=True))[0]["Healthcheck"]["Test"]
         assert health[0] == "CMD", health
@@ -276,19 +267,24 @@ def check_http_only() -> None:
             "--env", "KV_ROUTER_NATS_URL=none", "--env", "KV_ROUTER_EMBEDDED_NATS=false", IMAGE,
             capture=True,
         )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if http(port, "/healthz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            state = podman("inspect", "--format", "{{.State.Status}}", name, capture=True).strip()
-            assert state == "running" and time.monotonic() < deadline, f"container {state}: {logs(name)}"
-            time.sleep(0.2)
+        wait_healthy(name, port)
         assert "kv_router_nats_connected" not in http(port, "/metrics")[1].decode()
     finally:
         podman("rm", "--force", "--ignore", name, capture=True, check=False)
+
+
+def wait_healthy(name: str, port: int) -> None:
+    """Until the container's /healthz answers 200; fails at once when the container stops."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if http(port, "/healthz")[0] == 200:
+                return
+        except OSError:
+            pass
+        state = podman("inspect", "--format", "{{.State.Status}}", name, capture=True).strip()
+        assert state == "running" and time.monotonic() < deadline, f"container {state}: {logs(name)}"
+        time.sleep(0.2)
 
 
 def logs(name: str) -> str:
