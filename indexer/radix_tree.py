@@ -124,6 +124,15 @@ def _children(node: _Node) -> Iterator[_Node]:
     return iter((kids,))
 
 
+def _children_last_first(node: _Node) -> Iterator[_Node]:
+    kids = node.children
+    if kids is None:
+        return iter(())
+    if isinstance(kids, dict):
+        return reversed(kids.values())
+    return iter((kids,))
+
+
 def _remove_child(node: _Node, child: _Node) -> None:
     kids = node.children
     if kids is child:
@@ -466,10 +475,16 @@ class RadixTree:
     ) -> Iterator[tuple[int | None, list[StoredBlock]]]:
         bit = 1 << state.slot
         aliases = state.aliases
-        pending: list[tuple[_Node, int | None]] = [
-            (child, None) for child in _children(self._root) if child.owners & bit
-        ]
-        while pending:
+        # The root's children are taken one at a time (last first, as a stack of them all would be):
+        # a list of them all at once is one step of the whole root's width (~16k children per 1M blocks).
+        tops = _children_last_first(self._root)
+        pending: list[tuple[_Node, int | None]] = []
+        while True:
+            if not pending:
+                top = next((child for child in tops if child.owners & bit), None)
+                if top is None:
+                    return
+                pending.append((top, None))
             node, parent_hash = pending.pop()
             chain = []
             while True:
