@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from nats.aio.client import Client
 
 from indexer.events import RouterEvent, encode_router_events, stored_event
@@ -211,3 +213,18 @@ async def test_a_change_that_does_not_wait_interrupts_the_dump_and_it_is_taken_a
             await again.stop()
     finally:
         await live.stop()
+
+
+@given(
+    pieces=st.lists(st.binary(min_size=0, max_size=300), max_size=12),
+    read_size=st.integers(min_value=1, max_value=700),
+)
+def test_the_snapshot_pieces_read_back_in_order_whatever_the_chunk_size(pieces: list[bytes], read_size: int) -> None:
+    # As ObjectStore.put reads it: readinto a chunk buffer until it returns 0.
+    reader = durable._PiecesReader([bytearray(piece) for piece in pieces])
+    chunk = bytearray(read_size)
+    read = bytearray()
+    while count := reader.readinto(chunk):
+        assert count == read_size or not reader.readinto(bytearray(1)), "only the last chunk is short"
+        read += chunk[:count]
+    assert read == b"".join(pieces)
