@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -39,7 +40,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -48,9 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.http_bench import Connection, machine_busy_s, process_cpu_s
 from indexer.events import RouterEvent, encode_router_events, stored_event
+from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.subjects import Subjects
+from router.kv_router import KvRouter
+from router.replicas.durable import DurableEvents
+from router.types import RouteRequest, WorkerConfig
 from tests.router_processes import RouterProcess
 
 WORKERS = 8
@@ -318,8 +325,14 @@ def stream_sequence(port: int, kind: str) -> float:
 
 
 async def snapshot_caught_up(port: int) -> None:
-    """Until the newest snapshot covers every stream message applied."""
-    while stream_sequence(port, "snapshot") < stream_sequence(port, "applied"):
+    """Until the newest snapshot covers every stream message applied. The metrics are read in a
+    thread: a blocking read here would hold this loop, and the latency probe on it would count that
+    wait (each read waits for the router's loop, busy with the snapshot) as the router's."""
+
+    def behind() -> bool:
+        return stream_sequence(port, "snapshot") < stream_sequence(port, "applied")
+
+    while await asyncio.to_thread(behind):
         await asyncio.sleep(0.2)
 
 
@@ -382,6 +395,158 @@ async def part_restart(server: EmbeddedNats, work: Path, args: argparse.Namespac
         router.stop()
 
 
+class LoopWatch:
+    """The loop's turns, the cyclic GC's passes and named phases, each with its time, in this process:
+    the longest gaps between two turns and what ran meanwhile. A thread samples the loop thread's
+    stack once a turn is ``SAMPLE_AFTER_S`` late, so a stall names the code that held the loop."""
+
+    SAMPLE_AFTER_S = 0.004
+
+    def __init__(self) -> None:
+        self.turns: list[tuple[float, float, float]] = []  # (at, wall gap, CPU gap)
+        self.collections: list[tuple[float, float, int]] = []  # (start, end, generation)
+        self.phases: list[tuple[float, float, str]] = []
+        self.samples: list[tuple[float, str]] = []  # (at, innermost frames of the loop thread)
+        self._collecting = 0.0
+        self._running = False
+        self._last_turn = time.perf_counter()
+        self._loop_thread = threading.get_ident()
+
+    def _sample(self) -> None:
+        while self._running:
+            time.sleep(0.001)
+            if time.perf_counter() - self._last_turn > self.SAMPLE_AFTER_S:
+                frame = sys._current_frames().get(self._loop_thread)
+                if frame is not None:
+                    stack = traceback.extract_stack(frame)[-3:]
+                    where = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack))
+                    self.samples.append((time.perf_counter(), where))
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._collecting = now
+        else:
+            self.collections.append((self._collecting, now, info["generation"]))
+
+    async def _tick(self) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        while self._running:
+            await asyncio.sleep(0)
+            now_wall, now_cpu = time.perf_counter(), time.process_time()
+            self.turns.append((now_wall, now_wall - wall, now_cpu - cpu))
+            wall, cpu = now_wall, now_cpu
+            self._last_turn = now_wall
+
+    def phase(self, owner: Any, method: str) -> None:
+        """Time every call of the coroutine method ``owner.method`` as a phase of that name (until
+        ``del owner.method``)."""
+        wrapped = getattr(owner, method)
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await wrapped(*args, **kwargs)
+            finally:
+                self.phases.append((started, time.perf_counter(), method))
+
+        setattr(owner, method, timed)
+
+    def __enter__(self) -> LoopWatch:
+        self._running = True
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._running = False
+        self._sampler.join()
+        gc.callbacks.remove(self._on_gc)
+
+    def longest(self, count: int = 5) -> list[dict[str, Any]]:
+        """The ``count`` longest gaps (wall), each with its CPU share, the phase and the GC passes in it."""
+        out = []
+        for at, wall, cpu in sorted(self.turns, key=lambda turn: -turn[1])[:count]:
+            since = at - wall
+            gcs = [(end - start, gen) for start, end, gen in self.collections if start < at and end > since]
+            phase = next((name for start, end, name in self.phases if start <= at <= end), "between")
+            held_by = list(dict.fromkeys(where for sampled, where in self.samples if since < sampled <= at))
+            out.append({"wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3, "phase": phase,
+                        "gc_ms": [f"gen{gen} {d * 1e3:.1f}" for d, gen in gcs], "held_by": held_by[:3]})  # fmt: skip
+        return out
+
+
+async def part_stall(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """In this process: a router of ``--blocks`` blocks on the real nats-server writes its snapshot
+    (encode, then the Object Store put, twice: the second also deletes the first's chunks) while a
+    task decides back to back; the longest loop stalls, with the snapshot phase and the GC passes
+    they overlap."""
+    router = KvRouter(RouterConfig(block_size=BLOCK_SIZE))
+    for worker_id in range(1, WORKERS + 1):
+        router.register_worker(WorkerConfig(worker_id=worker_id, total_kv_blocks=1 << 20))
+    rng = random.Random(4)
+    per_event = 64
+    for n in range(args.blocks // per_event):
+        pairs = [(rng.getrandbits(63), rng.getrandbits(63)) for _ in range(per_event)]
+        router.events.ingest([RouterEvent(worker_id=1 + n % WORKERS, event=stored_event(1 + n // WORKERS, pairs))])
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    nc = await connect(NatsOptions(server.url))
+    # Its own namespace: the restart part's stream and snapshots (same server) stay out of this index.
+    durable = DurableEvents(router, nc, namespace="stall", router_name="stall", snapshot_every_events=1 << 40,
+                            snapshot_every_s=1e9)  # fmt: skip
+    results: dict[str, Any] = {"gc_frozen": args.gc_freeze, "gc_tracked": len(gc.get_objects())}
+    try:
+        await durable.restore()
+        await durable.start()
+        bodies = [json.loads(body) for body in prompts(64, args.prompt_tokens, seed=5)]
+        running = True
+
+        async def decide() -> int:
+            done = 0
+            while running:
+                await router.new(RouteRequest(tokens=bodies[done % len(bodies)], request_id=f"stall-{done}"))
+                router.mark_free(f"stall-{done}")
+                done += 1
+                await asyncio.sleep(0)
+            return done
+
+        store = durable._store
+        assert store is not None
+        for attempt in ("first", "replacing"):
+            watch = LoopWatch()
+            for owner, method in ((store, "put"), (durable, "encode_snapshot"), (durable, "_record_cursor"),
+                                  (durable, "_purge")):  # fmt: skip
+                watch.phase(owner, method)
+            running = True
+            with watch:
+                deciding = asyncio.create_task(decide())
+                started = time.perf_counter()
+                assert await durable.write_snapshot()
+                elapsed = time.perf_counter() - started
+                running = False
+                decisions = await deciding
+            del store.put, durable.encode_snapshot, durable._record_cursor, durable._purge
+            phases = {name: end - start for start, end, name in watch.phases}
+            results[attempt] = {
+                "write_s": elapsed, "encode_s": phases["encode_snapshot"], "put_s": phases["put"],
+                "decisions": decisions,
+                "max_wall_ms": max(t[1] for t in watch.turns) * 1e3, "max_cpu_ms": max(t[2] for t in watch.turns) * 1e3,
+                "gc_passes": {f"gen{g}": sum(1 for c in watch.collections if c[2] == g) for g in (0, 1, 2)},
+                "gc_max_ms": max((end - start for start, end, _ in watch.collections), default=0.0) * 1e3,
+                "longest": watch.longest(),
+            }  # fmt: skip
+            log(f"stall ({attempt} snapshot): {json.dumps(results[attempt])}")
+        results["snapshot_mb"] = durable.outcomes["last_snapshot_bytes"] / 1e6
+    finally:
+        await durable.stop()
+        await nc.close()
+    return results
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     outcome: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="replicas-bench-") as tmp, EmbeddedNats(store_dir=tmp) as server:
@@ -397,6 +562,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             outcome["lag"] = await part_lag(server, work, args)
         if "restart" in args.parts:
             outcome["restart"] = await part_restart(server, work, args)
+        if "stall" in args.parts:
+            outcome["stall"] = await part_stall(server, work, args)
     return outcome
 
 
@@ -449,6 +616,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--lag-rate", type=float, default=1000.0)
     parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=False,
+                        help="stall part: gc.freeze() once the index is built, as the service does")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.generator == "auto":
