@@ -127,7 +127,8 @@ class ReplicaSync:
         # back; only their own next message does (they were cut off, not dead).
         self._gone: dict[str, float] = {}
         self._decode = sync_decoder()
-        # Every message starts with its tag, then its sender: this replica's own echoes are recognised
+        # The service gives this a connection without echo; on a shared one (tests, embedders) every
+        # message starts with its tag, then its sender, so this replica's own echoes are recognised
         # in their first bytes and never decoded.
         self._own_sender = _encode("replica_id") + _encode(self.replica_id)
         self._subscriptions: list[Subscription] = []
@@ -270,29 +271,32 @@ class ReplicaSync:
             self._repair(sender, peer)
         peer.cursor = sync.seq
         try:
+            applied = 0
             for change in sync.changes:
-                self._apply(change, sender)
+                applied += self._apply(change, sender, now)
         except Exception:
             # Never leave a batch half applied in silence: log it and repair from the sender's view.
             log.exception("replica sync: applying batch %d of %s failed; asking for its view", sync.seq, sender)
             self.outcomes["rejected_apply_error"] += 1
             self._repair(sender, peer)
             return
+        self.outcomes["applied"] += applied
         self.lag_s.append(max(0.0, time.time() - sync.sent_at_ms / 1000))
 
-    def _apply(self, change: Change, origin: str) -> None:
-        router = self.router
+    def _apply(self, change: Change, origin: str, now: float) -> bool:
+        """Apply one peer change; whether it was applied (not a duplicate, late or rejected booking)."""
+        kind = type(change)
+        if kind is Freed:
+            self._free(change.request_id, now)
+            return True
+        if kind is Booked:
+            assert isinstance(change, Booked)
+            return self._book(change.request_id, origin, (change.worker_id, change.dp_rank), change.hashes,
+                              change.private_blocks, change.prefill_tokens)  # fmt: skip
         request_id = change.request_id
-        if isinstance(change, Booked):
-            self._book(request_id, origin, (change.worker_id, change.dp_rank), change.hashes,
-                       change.private_blocks, change.prefill_tokens)  # fmt: skip
-        elif isinstance(change, PrefillMarked):
-            if not router.mark_prefill(request_id, replicated=True) and request_id not in self._freed:
-                self._early_prefill[request_id] = self._clock()
-            self.outcomes["applied"] += 1
-        else:
-            self._free(request_id)
-            self.outcomes["applied"] += 1
+        if not self.router.mark_prefill(request_id, replicated=True) and request_id not in self._freed:
+            self._early_prefill[request_id] = now
+        return True
 
     def _book(
         self,
@@ -302,30 +306,35 @@ class ReplicaSync:
         hashes: list[int] | None,
         private_blocks: int,
         prefill_tokens: int,
-    ) -> None:
+    ) -> bool:
         if request_id in self._freed:
             self.outcomes["booked_after_free"] += 1
-            return
-        if self._origin.get(request_id) is not None or self.router.booking(request_id) is not None:
+            return False
+        if request_id in self._origin:  # booked here already (an active booking raises below)
             self.outcomes["duplicate_booking"] += 1
-            return
+            return False
         try:
             self.router.book_replicated(request_id, Booking(key, hashes, private_blocks, prefill_tokens))
-        except (DuplicateRequestId, UnknownWorker) as exc:
+        except DuplicateRequestId:
+            self.outcomes["duplicate_booking"] += 1
+            return False
+        except UnknownWorker as exc:
             self._reject("booking", str(exc))
-            return
+            return False
         self._origin[request_id] = origin
-        self.outcomes["applied"] += 1
-        if self._early_prefill.pop(request_id, None) is not None:
+        if self._early_prefill and self._early_prefill.pop(request_id, None) is not None:
             self.router.mark_prefill(request_id, replicated=True)
+        return True
 
-    def _free(self, request_id: str, *, tombstone: bool = True) -> None:
+    def _free(self, request_id: str, now: float, *, tombstone: bool = True) -> None:
         self.router.mark_free(request_id, replicated=True)
         self._origin.pop(request_id, None)
-        self._early_prefill.pop(request_id, None)
+        if self._early_prefill:
+            self._early_prefill.pop(request_id, None)
         if tombstone:
-            self._freed[request_id] = self._clock()
-            self._freed.move_to_end(request_id)
+            freed = self._freed
+            freed[request_id] = now
+            freed.move_to_end(request_id)
 
     # ------------------------------------------------------------------ repair and joining
     def _repair(self, sender: str, peer: _Peer) -> None:
@@ -419,7 +428,7 @@ class ReplicaSync:
                 peer.cursor = cursor
         for request_id in reply.freed:
             if request_id not in self._freed:
-                self._free(request_id)
+                self._free(request_id, now)
         for entry in reply.bookings:
             request_id = entry.request_id
             if entry.origin in gone:
@@ -428,8 +437,9 @@ class ReplicaSync:
                 self._peers[entry.origin] = _Peer(last_seen=now)
             local = self.router.booking(request_id)
             if local is None:
-                self._book(request_id, entry.origin, (entry.worker_id, entry.dp_rank), entry.hashes,
-                           entry.private_blocks, entry.prefill_tokens)  # fmt: skip
+                booked = self._book(request_id, entry.origin, (entry.worker_id, entry.dp_rank), entry.hashes,
+                                    entry.private_blocks, entry.prefill_tokens)  # fmt: skip
+                self.outcomes["applied"] += booked
             elif entry.prefill_tokens == 0 and local.prefill_tokens > 0:
                 self.router.mark_prefill(request_id, replicated=True)
         self.outcomes[outcome] += 1
@@ -444,11 +454,11 @@ class ReplicaSync:
 
     def _drop_peer(self, peer_id: str, why: str) -> None:
         self._peers.pop(peer_id, None)
-        self._gone[peer_id] = self._clock()
+        now = self._gone[peer_id] = self._clock()
         dropped = [request_id for request_id, origin in self._origin.items() if origin == peer_id]
         # No tombstones: if the peer was only cut off, its view brings back what it still has booked.
         for request_id in dropped:
-            self._free(request_id, tombstone=False)
+            self._free(request_id, now, tombstone=False)
         self.outcomes["peer_expired" if why != "left" else "peer_left"] += 1
         log.warning("replica sync: peer %s %s: dropped its %d bookings", peer_id, why, len(dropped))
 
