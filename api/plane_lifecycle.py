@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -35,7 +36,7 @@ from nats.errors import SlowConsumerError
 
 from api.config import EventPlaneConfig, HaConfig
 from api.wire import EventPlaneHealth
-from router.event_plane.connection import NatsOptions, connect_when_available, is_authorization_error
+from router.event_plane.connection import NatsOptions, connect, connect_when_available, is_authorization_error
 from router.event_plane.connection_file import (
     LocalServer,
     connection_file_path,
@@ -128,6 +129,7 @@ class PlaneLifecycle:
         self.last_error: str | None = None
         self._since = time.monotonic()
         self._nc: Client | None = None
+        self._sync_nc: Client | None = None  # replica sync's own connection
         self._closing = False
         # Registered over HTTP before the plane started: written to the shared registry once it does.
         self._unshared: dict[int, WorkerConfig] = {}
@@ -182,8 +184,12 @@ class PlaneLifecycle:
                 await durable.start()
             plane.durable = durable
             if self.ha.replica_sync:
+                # Its own connection, without echo: every batch would otherwise come back to its
+                # sender, costing a parse, a message and a task switch to be recognised and dropped.
+                options = NatsOptions.from_settings(self.config, name="kv-router-sync")
+                self._sync_nc = await connect(dataclasses.replace(options, no_echo=True))
                 plane.replicas = ReplicaSync(
-                    self.router, nc, namespace=self.config.nats_namespace, lease_s=self.ha.replica_lease_secs
+                    self.router, self._sync_nc, namespace=self.config.nats_namespace, lease_s=self.ha.replica_lease_secs
                 )
                 await plane.replicas.start()
             for config in self._unshared.values():
@@ -258,9 +264,10 @@ class PlaneLifecycle:
             if plane.durable is not None:
                 await plane.durable.stop()
             await plane.stop()
-        nc, self._nc = self._nc, None
-        if nc is not None:
-            await nc.close()
+        for nc in (self._sync_nc, self._nc):
+            if nc is not None:
+                await nc.close()
+        self._sync_nc = self._nc = None
 
     # ------------------------------------------------------------------ connection events
     def _attempt_failed(self, attempt: int, backoff_s: float, error: Exception) -> None:

@@ -57,6 +57,8 @@ class NatsOptions:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     name: str = "kv-router"
+    # The server does not deliver this connection's own messages back to its subscriptions.
+    no_echo: bool = False
 
     @classmethod
     def from_settings(cls, settings: NatsSettings, *, name: str = "kv-router") -> NatsOptions:
@@ -131,6 +133,7 @@ async def connect(
         "allow_reconnect": True,
         "connect_timeout": 2,
         "error_cb": error_cb,
+        "no_echo": options.no_echo,
     }
     if options.user is not None:
         kwargs["user"] = options.user
