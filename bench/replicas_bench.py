@@ -19,9 +19,16 @@
    indexes 5% more (left in the stream only), is killed with SIGKILL and restarted; the figure is the
    time from the restart to ``/healthz`` answering, which comes only after snapshot load and stream
    replay, and the index is checked to hold every block again.
+5. ``stall`` (in this process): a router of ``--blocks`` blocks writes its snapshot to the real
+   nats-server while a task decides back to back; the longest loop stalls with the snapshot phase, the
+   GC passes and the code (stack samples) they overlap (``--gc-freeze`` as the service does).
+6. ``sync-cost``: the CPU (replicas + nats-server) per decision at a paced ``--lag-rate`` on 1 and on 2
+   replicas; the difference is what replica sync costs per decision.
 
     python bench/replicas_bench.py                               # all four, ~3 minutes
     python bench/replicas_bench.py --parts throughput --seconds 5
+    python bench/replicas_bench.py --parts sync-cost --lag-rate 1000   # what sync costs per decision
+    python bench/replicas_bench.py --parts stall --gc-freeze           # loop stalls of a snapshot, in process
 
 Loopback only. The machine is shared: the foreign CPU column says how much others used meanwhile.
 """
@@ -246,48 +253,81 @@ async def part_processes(server: EmbeddedNats, work: Path, args: argparse.Namesp
             "runs": results}  # fmt: skip
 
 
-async def part_lag(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    bodies = prompts(256, args.prompt_tokens, seed=1)
-    replicas = [RouterProcess(work, "--nats-url", server.url, "--replica-sync").start() for _ in range(2)]
-    try:
-        register_workers(*replicas)
-        connections = [await Connection.open(replicas[0].port) for _ in range(8)]
-        interval = 1.0 / args.lag_rate
-        sent = 0
-        started = time.perf_counter()
+async def paced_load(port: int, bodies: list[bytes], rate: float, seconds: float, tag: str) -> float:
+    """An open loop of ``rate`` decisions/s (each then freed) over 8 connections to ``port`` for
+    ``seconds``; the rate reached."""
+    connections = [await Connection.open(port) for _ in range(8)]
+    locks = [asyncio.Lock() for _ in connections]
+    interval = 1.0 / rate
 
-        async def one(index: int) -> None:
+    async def paced(index: int) -> None:
+        async with locks[index % len(locks)]:
             connection = connections[index % len(connections)]
-            request_id = f"lag-{index}"
-            body = b'{"request_id":"%s","tokens":%s}' % (request_id.encode(), bodies[index % len(bodies)])
+            request_id = f"{tag}-{index}".encode()
+            body = b'{"request_id":"%s","tokens":%s}' % (request_id, bodies[index % len(bodies)])
             await connection.ok(b"POST", b"/v1/new", body)
-            await connection.ok(b"POST", b"/v1/mark_free", b'{"request_id":"%s"}' % request_id.encode())
+            await connection.ok(b"POST", b"/v1/mark_free", b'{"request_id":"%s"}' % request_id)
 
-        locks = [asyncio.Lock() for _ in connections]
-
-        async def paced(index: int) -> None:
-            async with locks[index % len(locks)]:
-                await one(index)
-
-        tasks = []
-        while (now := time.perf_counter()) - started < args.seconds:
+    sent = 0
+    tasks = []
+    started = time.perf_counter()
+    try:
+        while (now := time.perf_counter()) - started < seconds:
             due = started + sent * interval
             if due > now:
                 await asyncio.sleep(due - now)
             tasks.append(asyncio.create_task(paced(sent)))
             sent += 1
         await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - started
+        return sent / (time.perf_counter() - started)
+    finally:
+        for connection in connections:
+            connection.close()
+
+
+async def part_lag(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    bodies = prompts(256, args.prompt_tokens, seed=1)
+    replicas = [RouterProcess(work, "--nats-url", server.url, "--replica-sync").start() for _ in range(2)]
+    try:
+        register_workers(*replicas)
+        rate = await paced_load(replicas[0].port, bodies, args.lag_rate, args.seconds, "lag")
         await asyncio.sleep(0.2)
         peer = replicas[1].port
         lag = {q: metric(peer, "kv_router_replica_sync_lag_seconds", quantile=q) for q in ("0.5", "0.9", "0.99")}
         applied = metric(peer, "kv_router_replica_sync_changes_total", outcome="applied")
-        for connection in connections:
-            connection.close()
-        return {"rate": sent / elapsed, "lag_s": lag, "changes_applied": applied}
+        return {"rate": rate, "lag_s": lag, "changes_applied": applied}
     finally:
         for replica in replicas:
             replica.stop()
+
+
+async def part_sync_cost(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """What replica sync costs per decision, at a pace that saturates nothing: ``--lag-rate``
+    decisions/s on replica 0 of 1 and of 2 ``--replica-sync`` replicas; the CPU of every replica and
+    the nats-server per decision (CPU time: what other processes take does not count, unlike in the
+    saturated cells). The difference is what the second replica's view costs: replica 0 publishing,
+    replica 1 receiving and applying, the server passing it on."""
+    bodies = prompts(256, args.prompt_tokens, seed=6)
+    runs: dict[str, list[float]] = {"1": [], "2": []}
+    for repeat in range(args.repeat):
+        for n in (1, 2) if repeat % 2 == 0 else (2, 1):
+            replicas = [RouterProcess(work, "--nats-url", server.url, "--replica-sync").start() for _ in range(n)]
+            try:
+                register_workers(*replicas)
+                tag = f"cost-{n}-{repeat}"
+                await paced_load(replicas[0].port, bodies, args.lag_rate, 1.0, f"{tag}-warm")
+                pids = [*(replica.pid for replica in replicas), server.pid or 0]
+                cpu = sum(process_cpu_s(pid) for pid in pids)
+                rate = await paced_load(replicas[0].port, bodies, args.lag_rate, args.seconds, tag)
+                decisions = rate * args.seconds
+                runs[str(n)].append((sum(process_cpu_s(pid) for pid in pids) - cpu) / decisions)
+                log(f"sync cost: {n} replica(s), run {repeat + 1}: {runs[str(n)][-1] * 1e6:.0f} us of CPU per decision "
+                    f"at {rate:.0f} decisions/s")  # fmt: skip
+            finally:
+                for replica in replicas:
+                    replica.stop()
+    best = {n: min(costs) for n, costs in runs.items()}
+    return {"rate": args.lag_rate, "cpu_per_decision_s": best, "sync_s": best["2"] - best["1"], "runs": runs}
 
 
 async def publish_blocks(url: str, blocks: int, first_event: int, per_event: int = 64, seed: int = 0) -> int:
@@ -560,6 +600,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             outcome["processes"] = await part_processes(server, work, args)
         if "lag" in args.parts:
             outcome["lag"] = await part_lag(server, work, args)
+        if "sync-cost" in args.parts:
+            outcome["sync_cost"] = await part_sync_cost(server, work, args)
         if "restart" in args.parts:
             outcome["restart"] = await part_restart(server, work, args)
         if "stall" in args.parts:
@@ -592,6 +634,12 @@ def report(outcome: dict[str, Any]) -> str:
         lines.append(f"sync lag at {lag['rate']:.0f} decisions/s: p50 {lag['lag_s']['0.5'] * 1e3:.2f} ms, "
                      f"p90 {lag['lag_s']['0.9'] * 1e3:.2f} ms, p99 {lag['lag_s']['0.99'] * 1e3:.2f} ms "
                      f"({lag['changes_applied']:.0f} changes applied by the peer)\n")  # fmt: skip
+    if "sync_cost" in outcome:
+        c = outcome["sync_cost"]
+        one, two = (c["cpu_per_decision_s"][n] * 1e6 for n in ("1", "2"))
+        lines.append(f"CPU per decision at {c['rate']:.0f} decisions/s (replicas + nats-server, best run): "
+                     f"1 replica {one:.0f} us, 2 replicas {two:.0f} us: replica sync costs **{two - one:.0f} us** "
+                     "per decision\n")  # fmt: skip
     if "restart" in outcome:
         r = outcome["restart"]
         lines.append(
