@@ -101,6 +101,16 @@ def test_requests_admitted_in_one_pass_share_blocks_allocated_in_it() -> None:
     assert seqs[0].first_token_ms == seqs[1].first_token_ms
 
 
+@pytest.mark.parametrize("gap_ms", [0.0, 5.0, 30.0, 200.0])
+def test_a_prefix_in_flight_is_reused_however_soon_the_next_request_comes(gap_ms: float) -> None:
+    # Same pass (0 ms), during the holder's pass (5, 30 ms) or after it: the prefix's blocks are the
+    # holder's from the pass that allocates them, so the second request never computes them again.
+    engine = MockEngine(EngineConfig())
+    arrivals = [(0.0, prompt(*range(6), 100, length=3500), 4), (gap_ms, prompt(*range(6), 200, length=3500), 4)]
+    seqs, _ = run(engine, arrivals)
+    assert [s.cached_tokens for s in seqs] == [0, 6 * 512]
+
+
 def test_a_request_arriving_during_decode_pays_prefill_plus_the_decode_step() -> None:
     engine = MockEngine(EngineConfig(timing=DYNAMO_TIMING))
     seqs, _ = run(engine, [(0.0, prompt(1, 2, length=1000), 100), (100.0, prompt(5, 6, 7, 8, length=2000), 3)])

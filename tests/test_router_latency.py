@@ -82,8 +82,8 @@ def fleet_with_pass_budget(tokens: int) -> KvRouter:
 
 
 def test_a_prefix_in_flight_counts_only_behind_a_pass_of_queued_prefill() -> None:
-    # The holder's 64 tokens are all X has queued: less than a pass (128), so this request would be
-    # scheduled in the same pass as the holder and compute the prefix again.
+    # The holder's 64 tokens are all X has queued, less than a pass (128): the prefix in flight is
+    # priced as a miss, so that a burst spreads in its first pass.
     router = fleet_with_pass_budget(128)
     book_on(router, X, "holder", QUERY[:64])
     assert costs(route(router, QUERY, expected_output_tokens=10)) == {
