@@ -31,7 +31,9 @@ import msgspec
 
 from indexer.errors import EventDecodeError
 from indexer.events import U64_MAX, KvCacheEvent, StorageTier, cleared_event, removed_event, stored_event
-from indexer.hashing import compute_block_hashes
+from indexer.events_native import ENABLED as EVENTS_NATIVE
+from indexer.events_native import accel as events_accel
+from indexer.hashing import compute_block_hashes, salt_seed
 from indexer.native import ENABLED as NATIVE
 from indexer.native import accel
 
@@ -210,6 +212,19 @@ _TIERS: dict[str, StorageTier] = {
 _MAIN_ATTENTION = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 
 
+if EVENTS_NATIVE:
+    events_accel.configure(
+        EngineStored,
+        EngineRemoved,
+        EngineCleared(),
+        {medium.encode(): tier for medium, tier in _TIERS.items()},
+        StorageTier.DEVICE,
+        accel.msgpack_u32s,
+        accel.block_hashes,
+    )
+_seeds: dict[str | None, int] = {}  # cache namespace -> the seed of its tokens hashes (few namespaces)
+
+
 def storage_tier(medium: str | None) -> StorageTier:
     """The tier of an engine ``medium``; absent is GPU memory, unknown the lowest tier (never GPU)."""
     if medium is None:
@@ -242,6 +257,15 @@ def decode_engine_batch(
 
     ``cache_namespace`` salts every block's hash the way requests naming that namespace are hashed.
     """
+    if EVENTS_NATIVE:
+        # The plain shapes in one C call; anything else (and every error) is left to the code below.
+        seed = _seeds.get(cache_namespace)
+        if seed is None:
+            seed = _seeds[cache_namespace] = salt_seed(None, cache_namespace)
+        fast = events_accel.decode_batch(payload, block_size, seed)
+        if fast is not None:
+            ts, dp_rank, events, ignored = fast
+            return DecodedBatch(ts, dp_rank, events, [], ignored)
     data = bytes(payload)
     if not data:
         raise EngineDecodeError("empty_payload", "the payload frame is empty")

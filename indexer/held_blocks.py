@@ -27,10 +27,14 @@ from indexer.events import (
     StorageTier,
     StoredBlock,
 )
+from indexer.events_native import ENABLED as NATIVE
+from indexer.events_native import accel
 
 __all__ = ["HeldBlocks"]
 
 _Held = dict[int, tuple[int | None, int]]  # block_hash -> (parent_hash, tokens_hash)
+# Why a store is refused (the codes `indexer._events_native.hold_chain` returns).
+_PARENT_NOT_HELD, _HOLDS_PARENT, _REPEATS_HASH = 1, 2, 3
 
 
 class HeldBlocks:
@@ -52,25 +56,40 @@ class HeldBlocks:
         held = self._held.get(key)
         if held is None:
             held = self._held[key] = {}
+        if NATIVE and type(block_hashes) is list and type(tokens_hashes) is list:
+            refused = accel.hold_chain(held, parent_hash, block_hashes, tokens_hashes, tier is StorageTier.DEVICE)
+            if refused:
+                self._refuse(refused, dp_rank, parent_hash)
+            return
         if parent_hash is not None:
             if tier is StorageTier.DEVICE and parent_hash not in held:
-                raise ParentBlockNotFound(f"worker {self.worker_id} dp_rank {dp_rank}: parent block {parent_hash}")
+                self._refuse(_PARENT_NOT_HELD, dp_rank, parent_hash)
             if parent_hash in block_hashes:
-                raise InvalidBlockSequence(f"worker {self.worker_id}: stored blocks contain their parent {parent_hash}")
+                self._refuse(_HOLDS_PARENT, dp_rank, parent_hash)
         if len(tokens_hashes) != len(block_hashes):
             raise ValueError(f"{len(block_hashes)} block hashes but {len(tokens_hashes)} tokens hashes")
         if len(set(block_hashes)) != len(block_hashes):
-            raise InvalidBlockSequence(f"worker {self.worker_id}: a store repeats a block hash")
+            self._refuse(_REPEATS_HASH, dp_rank, parent_hash)
         if block_hashes:
             parents = [parent_hash, *block_hashes[:-1]]
             held.update(zip(block_hashes, zip(parents, tokens_hashes, strict=True), strict=True))
+
+    def _refuse(self, reason: int, dp_rank: int, parent_hash: int | None) -> None:
+        if reason == _PARENT_NOT_HELD:
+            raise ParentBlockNotFound(f"worker {self.worker_id} dp_rank {dp_rank}: parent block {parent_hash}")
+        if reason == _HOLDS_PARENT:
+            raise InvalidBlockSequence(f"worker {self.worker_id}: stored blocks contain their parent {parent_hash}")
+        raise InvalidBlockSequence(f"worker {self.worker_id}: a store repeats a block hash")
 
     def remove(self, dp_rank: int, tier: StorageTier, block_hashes: Sequence[int]) -> None:
         """Forget the blocks; hashes not held are ignored (routers report them as the engine sent them)."""
         held = self._held.get((dp_rank, tier))
         if held:
             # The pops run from C (a Python loop over the hashes was the bridge's largest cost).
-            deque(map(held.pop, block_hashes, repeat(None, len(block_hashes))), maxlen=0)
+            if NATIVE:
+                accel.drop_blocks(held, block_hashes)
+            else:
+                deque(map(held.pop, block_hashes, repeat(None, len(block_hashes))), maxlen=0)
 
     def clear(self, dp_rank: int, tier: StorageTier) -> None:
         self._held.pop((dp_rank, tier), None)

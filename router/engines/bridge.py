@@ -24,8 +24,7 @@ from collections import Counter
 
 from nats.aio.client import Client
 
-from indexer.engine_events import EngineCleared, EngineEvent, EngineRemoved
-from indexer.errors import KvIndexError
+from indexer.engine_events import EngineCleared, EngineEvent, EngineStored
 from indexer.events import StorageTier
 from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineMetricsScraper
@@ -59,28 +58,19 @@ class PublisherSink:
         return self.publisher.batch()
 
     async def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
-        publisher = self.publisher
         tiers = self._tiers.setdefault(dp_rank, set())
-        async with publisher.batch():
-            for event in events:
-                try:
-                    if isinstance(event, EngineCleared):
-                        await publisher.cleared(dp_rank=dp_rank)
-                    elif isinstance(event, EngineRemoved):
-                        await publisher.removed(event.block_hashes, dp_rank=dp_rank, storage_tier=event.tier)
-                        self.stats["blocks"] += len(event.block_hashes)
-                    else:
-                        tiers.add(event.tier)
-                        await publisher.stored_hashes(
-                            event.block_hashes,
-                            event.tokens_hashes,
-                            parent_hash=event.parent_hash,
-                            dp_rank=dp_rank,
-                            storage_tier=event.tier,
-                        )
-                        self.stats["blocks"] += len(event.block_hashes)
-                except KvIndexError as exc:  # a store under a parent the engine never stored: never sent
-                    self.stats[f"rejected_{exc.label}"] += 1
+        blocks = 0
+        for event in events:
+            if not isinstance(event, EngineCleared):
+                blocks += len(event.block_hashes)
+                if isinstance(event, EngineStored):
+                    tiers.add(event.tier)
+        async with self.publisher.batch():
+            # A store under a parent the engine never stored is refused and never sent.
+            for store, refusal in self.publisher.emit_engine_events(dp_rank, events):
+                self.stats[f"rejected_{refusal.label}"] += 1
+                blocks -= len(store.block_hashes)
+        self.stats["blocks"] += blocks
         self.stats["batches"] += 1
 
     async def restarted(self, dp_rank: int) -> None:
@@ -112,6 +102,7 @@ class Bridge:
                 topic=config.zmq_topic,
                 replay_endpoint=None if config.replay_endpoint is None else rank_endpoint(config.replay_endpoint, rank),
                 queue_size=config.queue_size,
+                batch_window_s=config.batch_window_secs,
             )
             for rank in range(config.dp_size)
         ]

@@ -14,6 +14,10 @@ the last seq seen *live* on the SUB socket.
   in seq order; replayed batches the engine no longer holds, or no replay endpoint at all, leave the
   stream's ranks unverified through the sink.
 
+With a ``batch_window_s`` (the bridge's), a stream that has caught up within a window of its last
+batch lets what arrives until the window ends join the next: a busy engine costs one sink batch (one
+NATS message) per window instead of one per engine step, and a stream behind never waits.
+
 The SUB reader never blocks the engine: messages go into a bounded queue and those that do not fit
 are dropped and counted (the seq gap they leave is then repaired like any other). Undecodable
 payloads are counted by reason and logged rate-limited; nothing stops the stream.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, cast
@@ -119,6 +123,7 @@ class ZmqEngineStream:
         cache_namespace: str | None = None,
         queue_size: int = DEFAULT_QUEUE_SIZE,
         replay_timeout_s: float = 2.0,
+        batch_window_s: float = 0.0,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.sink = sink
@@ -129,8 +134,13 @@ class ZmqEngineStream:
         self.topic = topic.encode()
         self.cache_namespace = cache_namespace
         self._replay_timeout_s = replay_timeout_s
+        self._batch_window_s = batch_window_s
         self._context = context or zmq.asyncio.Context.instance()
-        self._queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue(maxsize=queue_size)
+        # (seq, payload) as read, at most queue_size; `_queued` wakes the apply loop (a deque and an
+        # event: an asyncio.Queue cost a future and its bookkeeping per message).
+        self._queue: deque[tuple[int, bytes]] = deque()
+        self._queue_size = queue_size
+        self._queued = asyncio.Event()
         self._background = Supervisor(f"zmq-{endpoint}")
         self._bad_input = RateLimitedLog(log)
         self._last_applied: int | None = None
@@ -157,7 +167,7 @@ class ZmqEngineStream:
 
     @property
     def backlog(self) -> int:
-        return self._queue.qsize()
+        return len(self._queue)
 
     # ------------------------------------------------------------------ reading
     async def _read(self) -> None:
@@ -198,26 +208,45 @@ class ZmqEngineStream:
         if len(frames) != 3 or len(frames[1]) != 8:
             self._reject("bad_frames", f"expected [topic, seq(8 bytes), payload], got {len(frames)} frames")
             return
-        try:
-            self._queue.put_nowait((int.from_bytes(frames[1], "big"), frames[2]))
-        except asyncio.QueueFull:
+        queue = self._queue
+        if len(queue) >= self._queue_size:
             self.stats["dropped_queue_full"] += 1
+            return
+        queue.append((int.from_bytes(frames[1], "big"), frames[2]))
+        if not self._queued.is_set():
+            self._queued.set()
 
     async def _apply_loop(self) -> None:
         if self.replay_endpoint is not None and self._last_applied is None:
             await self._bootstrap()
-        queue = self._queue
+        queue, queued = self._queue, self._queued
+        sent_at = 0.0
         while True:
-            seq, payload = await queue.get()
+            while not queue:
+                queued.clear()
+                await queued.wait()
+            seq, payload = queue.popleft()
             started = time.perf_counter()
             # What is queued already goes out together, within the loop's fairness budget.
             async with self.sink.batch():
                 await self.take_live(seq, payload)
-                while not queue.empty() and time.perf_counter() - started < YIELD_AFTER_S:
-                    seq, payload = queue.get_nowait()
-                    await self.take_live(seq, payload)
-            if not queue.empty():
+                await self._drain(started)
+                # Caught up, but the last message went out less than a window ago: what arrives
+                # until the window ends goes out with this one (one message per window when busy;
+                # never a wait while a backlog is queued, nor after a quiet spell).
+                hold = sent_at + self._batch_window_s - time.perf_counter()
+                if hold > 0 and not queue:
+                    await asyncio.sleep(hold)
+                    await self._drain(time.perf_counter())
+            sent_at = time.perf_counter()
+            if queue:
                 await asyncio.sleep(0)
+
+    async def _drain(self, started: float) -> None:
+        queue = self._queue
+        while queue and time.perf_counter() - started < YIELD_AFTER_S:
+            seq, payload = queue.popleft()
+            await self.take_live(seq, payload)
 
     # ------------------------------------------------------------------ ordering
     async def take_live(self, seq: int, payload: bytes) -> None:

@@ -43,6 +43,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
+from indexer.engine_events import EngineEvent, EngineRemoved, EngineStored
+from indexer.errors import KvIndexError
 from indexer.events import (
     U64_MAX,
     ResyncBatch,
@@ -198,6 +200,51 @@ class KvEventPublisher:
             tokens_hashes = [as_u64(value, "tokens_hash") for value in tokens_hashes]
         if parent_hash is not None and parent_hash >> 64:
             parent_hash = as_u64(parent_hash, "parent_hash")
+        return await self._emit(*self._stored(dp_rank, storage_tier, parent_hash, block_hashes, tokens_hashes))
+
+    async def removed(
+        self, block_hashes: Iterable[int], *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE
+    ) -> int:
+        return await self._emit(*self._removed(dp_rank, storage_tier, block_hashes))
+
+    async def cleared(self, *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE) -> int:
+        return await self._emit(*self._cleared(dp_rank, storage_tier))
+
+    def emit_engine_events(
+        self, dp_rank: int, events: Iterable[EngineEvent]
+    ) -> list[tuple[EngineStored, KvIndexError]]:
+        """Decoded engine events (their hashes u64 already) into the open `batch` in one pass, the
+        bridge's path: what `stored_hashes`, `removed` and `cleared` do, without a coroutine per event.
+        Stores refused by what the rank holds are returned with the reason and never sent."""
+        batch = self._batch
+        assert batch is not None, "emit_engine_events runs inside batch()"
+        refused: list[tuple[EngineStored, KvIndexError]] = []
+        for event in events:
+            if isinstance(event, EngineStored):
+                try:
+                    numbered = self._stored(
+                        dp_rank, event.tier, event.parent_hash, event.block_hashes, event.tokens_hashes
+                    )
+                except KvIndexError as exc:
+                    refused.append((event, exc))
+                    continue
+            elif isinstance(event, EngineRemoved):
+                numbered = self._removed(dp_rank, event.tier, event.block_hashes)
+            else:
+                numbered = self._cleared(dp_rank, StorageTier.DEVICE)
+            rank, event_id, payload = numbered
+            rank.ring.append((event_id, payload))
+            batch.append(payload)
+        return refused
+
+    def _stored(
+        self,
+        dp_rank: int,
+        storage_tier: StorageTier,
+        parent_hash: int | None,
+        block_hashes: list[int],
+        tokens_hashes: list[int],
+    ) -> tuple[_RankLog, int, bytes]:
         self._held.store(dp_rank, storage_tier, parent_hash, block_hashes, tokens_hashes)
         rank, event_id = self._next_event_id(dp_rank)
         if self._msgpack:
@@ -206,25 +253,25 @@ class KvEventPublisher:
             blocks = zip(block_hashes, tokens_hashes, strict=True)
             event = stored_event(event_id, blocks, parent_hash=parent_hash, dp_rank=dp_rank)
             payload = encode_router_events(RouterEvent(self.worker_id, event, storage_tier))
-        return await self._emit(rank, event_id, payload)
+        return rank, event_id, payload
 
-    async def removed(
-        self, block_hashes: Iterable[int], *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE
-    ) -> int:
+    def _removed(
+        self, dp_rank: int, storage_tier: StorageTier, block_hashes: Iterable[int]
+    ) -> tuple[_RankLog, int, bytes]:
         rank, event_id = self._next_event_id(dp_rank)
         event = removed_event(event_id, block_hashes, dp_rank=dp_rank)
         removed = event.removed
         assert removed is not None
         # A removal of unknown hashes still applies the rest; routers report the unknown ones alike.
         self._held.remove(dp_rank, storage_tier, removed.block_hashes)
-        return await self._emit(rank, event_id, self._encode(RouterEvent(self.worker_id, event, storage_tier)))
+        return rank, event_id, self._encode(RouterEvent(self.worker_id, event, storage_tier))
 
-    async def cleared(self, *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE) -> int:
+    def _cleared(self, dp_rank: int, storage_tier: StorageTier) -> tuple[_RankLog, int, bytes]:
         rank, event_id = self._next_event_id(dp_rank)
         self._unverified.discard(dp_rank)
         self._held.clear(dp_rank, storage_tier)
         event = RouterEvent(self.worker_id, cleared_event(event_id, dp_rank=dp_rank), storage_tier)
-        return await self._emit(rank, event_id, self._encode(event))
+        return rank, event_id, self._encode(event)
 
     def mark_unverified(self, dp_rank: int = 0) -> None:
         """What this rank holds is no longer known: the next event id is skipped, so routers see a gap,
