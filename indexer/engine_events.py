@@ -47,6 +47,7 @@ __all__ = [
     "decode_engine_batch",
     "event_tier",
     "fold_hash",
+    "python_decode_engine_batch",
     "storage_tier",
     "to_kv_event",
 ]
@@ -266,6 +267,13 @@ def decode_engine_batch(
         if fast is not None:
             ts, dp_rank, events, ignored = fast
             return DecodedBatch(ts, dp_rank, events, [], ignored)
+    return python_decode_engine_batch(payload, block_size, cache_namespace=cache_namespace)
+
+
+def python_decode_engine_batch(
+    payload: bytes | memoryview, block_size: int, *, cache_namespace: str | None = None
+) -> DecodedBatch:
+    """`decode_engine_batch` in msgspec and Python: every shape, every error named (the C step's twin)."""
     data = bytes(payload)
     if not data:
         raise EngineDecodeError("empty_payload", "the payload frame is empty")

@@ -1,0 +1,275 @@
+"""The bridge's C step (`indexer._events_native`) gives the pure-Python decoder's and HeldBlocks' answers.
+
+Every batch is decoded both ways: `decode_batch` in C and `python_decode_engine_batch` (msgspec and
+Python). Where C takes a batch, the two must agree exactly (events, tokens hashes, tiers, rank, ts to
+the bit, ignored groups) and Python must have found no error; where C declines (None), Python alone
+decides, so no rule can be lost by the C path. Held blocks are stored and dropped through both paths
+from the same random streams. Batches are drawn over every form of shared/reference/engine-events.md
+and the vectors: tagged maps and arrays, both envelopes, int (signed, unsigned, wide) and bytes hashes,
+token ids short, long, wide or absent, media, LoRA names, salts, groups, unknown and trailing fields.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import indexer.held_blocks as held_blocks
+from indexer.engine_events import (
+    DecodedBatch,
+    EngineDecodeError,
+    EngineStored,
+    decode_engine_batch,
+    python_decode_engine_batch,
+)
+from indexer.errors import KvIndexError
+from indexer.events import StorageTier
+from indexer.hashing import salt_seed
+
+events_native = pytest.importorskip("indexer._events_native", reason="the bridge's C step is not built")
+pytestmark = pytest.mark.skipif(
+    not held_blocks.NATIVE, reason="the bridge's C step is switched off (KV_ROUTER_NO_NATIVE or no indexer._native)"
+)
+
+BLOCK = 4
+encode = msgspec.msgpack.encode
+
+
+def _comparable(batch: DecodedBatch) -> tuple[Any, ...]:
+    ts = struct.pack("<d", batch.ts)  # to the bit (NaN included)
+    errors = [(error.reason, error.detail) for error in batch.errors]
+    return ts, batch.dp_rank, batch.events, errors, batch.ignored
+
+
+def _check(payload: bytes, block_size: int = BLOCK, namespace: str | None = None) -> bool:
+    """Both decoders on one payload; whether C took it."""
+    fast = events_native.decode_batch(payload, block_size, salt_seed(None, namespace))
+    try:
+        python = python_decode_engine_batch(payload, block_size, cache_namespace=namespace)
+    except EngineDecodeError:  # the envelope: C must not have taken it
+        assert fast is None
+        return False
+    if fast is None:
+        return False
+    ts, dp_rank, events, ignored = fast
+    assert python.errors == [], [error.reason for error in python.errors]
+    assert _comparable(DecodedBatch(ts, dp_rank, events, [], ignored)) == _comparable(python)
+    assert all(type(event) is type(want) for event, want in zip(events, python.events, strict=True))
+    assert _comparable(decode_engine_batch(payload, block_size, cache_namespace=namespace)) == _comparable(python)
+    return True
+
+
+# ---------------------------------------------------------------------- strategies
+U64 = st.integers(0, 2**64 - 1)
+I64 = st.integers(-(2**63), 2**63 - 1)
+HASHES = st.one_of(U64, I64, st.binary(min_size=0, max_size=33))
+# Mostly plain ids; sometimes wide ones, negatives, floats or nested pairs (EAGLE), which C declines.
+TOKEN = st.integers(0, 2**32 - 1)
+ODD_TOKEN = st.one_of(st.integers(2**32, 2**40), st.integers(-5, -1), st.floats(allow_nan=False), st.just([1, 2]))
+MEDIA = st.sampled_from([None, "GPU", "CPU", "DISK", "gpu", "Cpu_Pinned", "NVME", "STORAGE", "FS", "OBJ", "NEW"])
+KINDS = st.sampled_from([None, "full_attention", "mla_attention", "sliding_window", "mamba", "sink_full_attention"])
+ANY = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=4), st.binary(max_size=4)),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=2),
+    max_leaves=5,
+)
+
+
+@st.composite
+def stored_fields(draw: st.DrawFn) -> dict[str, Any]:
+    count = draw(st.integers(0, 5))
+    distinct = draw(st.booleans())
+    hashes = draw(st.lists(HASHES, min_size=count, max_size=count, unique=distinct))
+    size = draw(st.sampled_from([BLOCK, BLOCK, BLOCK, None, 8]))
+    per_block = size or BLOCK
+    extra = draw(st.sampled_from([0, 0, 0, -1, 3]))
+    length = max(0, count * per_block + extra)
+    tokens: list[Any] = draw(st.lists(TOKEN, min_size=length, max_size=length))
+    if tokens and draw(st.integers(0, 9)) == 0:
+        tokens[draw(st.integers(0, len(tokens) - 1))] = draw(ODD_TOKEN)
+    fields: dict[str, Any] = {
+        "block_hashes": hashes,
+        "parent_block_hash": draw(st.one_of(st.none(), HASHES, st.sampled_from(hashes) if hashes else st.none())),
+        "token_ids": tokens,
+        "block_size": size,
+        "lora_id": draw(st.one_of(st.none(), st.integers(0, 9))),
+        "medium": draw(MEDIA),
+        "lora_name": draw(st.sampled_from([None, None, None, "my-adapter", ""])),
+        "extra_keys": draw(st.one_of(st.none(), ANY)),
+        "group_idx": draw(st.one_of(st.none(), st.integers(0, 3))),
+        "kv_cache_spec_kind": draw(KINDS),
+    }
+    return fields
+
+
+@st.composite
+def engine_event(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared"]))
+    as_map = draw(st.booleans())
+    if kind == "BlockStored":
+        fields = draw(stored_fields())
+        order = list(fields)
+    elif kind == "BlockRemoved":
+        fields = {
+            "block_hashes": draw(st.lists(HASHES, max_size=5)),
+            "medium": draw(MEDIA),
+            "group_idx": draw(st.one_of(st.none(), st.integers(0, 3))),
+        }
+        order = list(fields)
+    else:
+        fields, order = {}, []
+    if as_map:
+        event: dict[str, Any] = {"type": kind}
+        for name in order:
+            # Maps drop defaults (omit_defaults) and may carry SGLang's and Dynamo's extensions.
+            if fields[name] is None and name not in ("parent_block_hash", "medium", "lora_id", "lora_name"):
+                continue
+            event[name] = fields[name]
+        if kind == "BlockStored" and draw(st.integers(0, 5)) == 0:
+            event["cache_salt"] = draw(st.sampled_from([None, "salt"]))
+        if kind == "BlockStored" and draw(st.integers(0, 5)) == 0:
+            event["block_mm_infos"] = draw(st.sampled_from([None, [], [None]]))
+        if draw(st.integers(0, 4)) == 0:
+            event[draw(st.sampled_from(["locality", "kv_cache_spec_sliding_window", "zzz"]))] = draw(ANY)
+        return event
+    # Arrays carry every declared field (or fewer: an older engine), sometimes more (a newer one).
+    values = [fields[name] for name in order]
+    keep = draw(st.integers(0, len(values))) if draw(st.integers(0, 3)) == 0 else len(values)
+    values = values[:keep]
+    if draw(st.integers(0, 4)) == 0:
+        values += draw(st.lists(ANY, min_size=1, max_size=2))
+    return [kind, *values]
+
+
+@st.composite
+def engine_batch(draw: st.DrawFn) -> bytes:
+    events = draw(st.lists(engine_event(), max_size=4))
+    ts = draw(st.one_of(st.floats(), st.integers(0, 2**31)))
+    shape = draw(st.sampled_from(["three", "three", "two", "map"]))
+    rank = draw(st.one_of(st.none(), st.integers(-2, 3), st.just(2**40)))
+    if shape == "two":
+        return encode([ts, events])
+    if shape == "map":
+        return encode({"ts": ts, "events": events, "data_parallel_rank": rank})
+    return encode([ts, events, rank])
+
+
+# ---------------------------------------------------------------------- decoding
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payload=engine_batch(), namespace=st.sampled_from([None, "tenant-a"]))
+def test_c_and_python_decode_every_form_alike(payload: bytes, namespace: str | None) -> None:
+    _check(payload, namespace=namespace)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payload=engine_batch(), cut=st.integers(0, 64), flip=st.integers(0, 255))
+def test_truncated_and_corrupted_batches_decode_alike(payload: bytes, cut: int, flip: int) -> None:
+    if payload:
+        _check(payload[: max(0, len(payload) - cut)])
+        index = flip % len(payload)
+        _check(payload[:index] + bytes([payload[index] ^ 0xFF]) + payload[index + 1 :])
+    _check(payload + b"\x00")
+
+
+def test_every_vector_is_taken_by_c_or_named_by_python(shared_dir: Path) -> None:
+    vectors = json.loads((shared_dir / "vectors" / "vllm_kv_events.json").read_text())["vectors"]
+    taken = {vector["name"]: _check(bytes.fromhex(vector["payload_hex"])) for vector in vectors}
+    # The plain shapes run in C; the bytes-hash vector names a LoRA adapter, whose salt Python computes.
+    assert taken == {
+        "vllm_current_map_events_int_hashes": True,
+        "vllm_legacy_array_events_int_hashes": True,
+        "vllm_v0_9_0_minimal": True,
+        "vllm_current_map_events_bytes_hashes": False,
+    }
+
+
+def _plain_stored(hashes: list[Any], parent: Any = None, **extra: Any) -> dict[str, Any]:
+    tokens = list(range(len(hashes) * BLOCK))
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None, **extra}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        [_plain_stored([1, 2**64 - 1, 3])],
+        [_plain_stored([-1, -(2**63)], parent=b"\x01" * 32)],
+        [_plain_stored([b"\xff" * 32, b"\x02"], kv_cache_spec_kind="full_attention")],
+        [_plain_stored([5], kv_cache_spec_kind="sliding_window"), {"type": "AllBlocksCleared"}],
+        [{"type": "BlockRemoved", "block_hashes": [7, -7, b"\x07"], "medium": "CPU"}],
+        [["BlockStored", [1, 2], None, list(range(2 * BLOCK)), BLOCK, None, "DISK", None, None, None, None, None]],
+        [["BlockRemoved", [1]], ["AllBlocksCleared"]],
+    ],
+)
+def test_the_plain_shapes_run_in_c(events: list[Any]) -> None:
+    assert _check(encode([1.5, events, 0]))
+
+
+@pytest.mark.parametrize(
+    ("events", "reason"),
+    [
+        ([_plain_stored([1, 1])], "repeated_hash"),
+        ([_plain_stored([1, 2], parent=2)], "repeated_hash"),
+        ([{**_plain_stored([1, 2]), "block_size": 8}], "block_size_mismatch"),
+        ([{**_plain_stored([1, 2]), "token_ids": [0, 1, 2]}], "short_token_ids"),
+        ([{**_plain_stored([1]), "token_ids": [[1, 2]] * BLOCK}], "unsupported_token_ids"),
+        ([{**_plain_stored([1]), "block_hashes": [1.5]}], "bad_event"),
+        ([{"type": "Nope"}], "unknown_event_type"),
+    ],
+)
+def test_c_leaves_every_error_to_python_which_names_it(events: list[Any], reason: str) -> None:
+    payload = encode([1.5, events, 0])
+    assert not _check(payload)
+    assert [error.reason for error in decode_engine_batch(payload, BLOCK).errors] == [reason]
+
+
+# ---------------------------------------------------------------------- held blocks
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "store", "remove", "clear"]),
+        st.integers(0, 1),  # dp rank
+        st.sampled_from([StorageTier.DEVICE, StorageTier.HOST_PINNED]),
+        st.one_of(st.none(), st.integers(0, 12)),  # parent
+        st.lists(st.integers(0, 12), max_size=4),  # block hashes
+    ),
+    max_size=40,
+)
+
+
+def _run(ops: list[Any], native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    monkeypatch.setattr(held_blocks, "NATIVE", native)
+    held = held_blocks.HeldBlocks(7)
+    outcomes: list[str | None] = []
+    for op, rank, tier, parent, hashes in ops:
+        if op == "store":
+            try:
+                held.store(rank, tier, parent, hashes, [h * 31 + 1 for h in hashes])
+                outcomes.append(None)
+            except KvIndexError as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+        elif op == "remove":
+            held.remove(rank, tier, hashes)
+        else:
+            held.clear(rank, tier)
+    dump = [(e.event.dp_rank, e.storage_tier, e.event.stored) for e in held.dump_events()]
+    return outcomes, dict(held._held), dump
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_held_blocks_store_and_drop_alike_in_c_and_python(ops: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _run(ops, True, monkeypatch) == _run(ops, False, monkeypatch)
+
+
+def test_hold_chain_refuses_mismatched_columns_as_python_does() -> None:
+    with pytest.raises(ValueError, match="2 block hashes but 1 tokens hashes"):
+        held_blocks.HeldBlocks(1).store(0, StorageTier.DEVICE, None, [1, 2], [3])
+    stored = decode_engine_batch(encode([1.5, [_plain_stored([9])], 0]), BLOCK).events[0]
+    assert isinstance(stored, EngineStored) and stored.tier is StorageTier.DEVICE
