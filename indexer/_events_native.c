@@ -39,40 +39,23 @@ static int read_be(Reader *r, size_t n, uint64_t *out) {
     return 0;
 }
 
-/* An array header: its length, or -1 if the next value is not an array. */
-static int64_t read_array(Reader *r) {
+/* A container header: its length, or -1 if the next value is not of the family whose fix form is
+ * `fix` (0x90 arrays, 0x80 maps) and whose 16-bit form is `wide` (0xdc, 0xde; 32-bit: one more). */
+static int64_t read_header(Reader *r, uint8_t fix, uint8_t wide) {
     if (r->p >= r->end)
         return -1;
-    uint8_t tag = *r->p;
+    uint8_t tag = *r->p++;
     uint64_t n;
-    if ((tag & 0xF0) == 0x90) {
-        r->p++;
+    if ((tag & 0xF0) == fix)
         return tag & 0x0F;
-    }
-    r->p++;
-    if (tag == 0xdc && read_be(r, 2, &n) == 0)
-        return (int64_t)n;
-    if (tag == 0xdd && read_be(r, 4, &n) == 0)
+    if ((tag == wide && read_be(r, 2, &n) == 0) || (tag == wide + 1 && read_be(r, 4, &n) == 0))
         return (int64_t)n;
     return -1;
 }
 
-static int64_t read_map(Reader *r) {
-    if (r->p >= r->end)
-        return -1;
-    uint8_t tag = *r->p;
-    uint64_t n;
-    if ((tag & 0xF0) == 0x80) {
-        r->p++;
-        return tag & 0x0F;
-    }
-    r->p++;
-    if (tag == 0xde && read_be(r, 2, &n) == 0)
-        return (int64_t)n;
-    if (tag == 0xdf && read_be(r, 4, &n) == 0)
-        return (int64_t)n;
-    return -1;
-}
+static int64_t read_array(Reader *r) { return read_header(r, 0x90, 0xdc); }
+
+static int64_t read_map(Reader *r) { return read_header(r, 0x80, 0xde); }
 
 /* Non-ASCII text is left to msgspec, which checks that it is UTF-8. */
 static int ascii(const uint8_t *data, size_t len) {

@@ -2,14 +2,19 @@
 
 `FakeEngine` publishes through the real `VllmZmqPublisher` (PUB + replay ROUTER on loopback) and
 keeps, beside it, the index that the events it produced since its last start imply: what a router
-that heard every one of them must hold.
+that heard every one of them must hold. The set-ups the engine tests share live here too: loopback
+endpoints, `direct_mode` (a fake engine heard by a router's `DirectEngine`), and `SideLoop` (an
+event loop in a thread, where engines and bridges live as separate processes would).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
-from typing import Any
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -18,8 +23,12 @@ from indexer.errors import KvIndexError
 from indexer.events import RouterEvent
 from indexer.radix_tree import RadixTree
 from mocker.zmq_engine import VllmZmqPublisher
+from router.engines.direct import DirectEngine
+from router.event_plane.embedded_server import free_port
+from router.kv_router import KvRouter
 
 BLOCK = 4
+T = TypeVar("T")
 
 encode = msgspec.msgpack.encode
 
@@ -142,3 +151,49 @@ class FakeEngine:
 
     def dump(self) -> list[tuple[int, int, str, int | None, int, int]]:
         return canonical(self.truth.dump_events())
+
+
+def loopback_endpoints(replay: bool) -> tuple[str, str | None]:
+    """A PUB endpoint and, with ``replay``, a replay endpoint, on free loopback ports."""
+    return f"tcp://127.0.0.1:{free_port()}", (f"tcp://127.0.0.1:{free_port()}" if replay else None)
+
+
+def engine_spec(worker_id: int, endpoint: str, replay: str | None) -> str:
+    """The ``--engine-zmq`` value of one engine."""
+    return f"{worker_id}={endpoint}" + (f",replay={replay}" if replay else "")
+
+
+@contextlib.asynccontextmanager
+async def direct_mode(
+    router: KvRouter, worker_id: int, *, replay: bool = True, seed: int = 0, **engine: Any
+) -> AsyncIterator[tuple[FakeEngine, DirectEngine]]:
+    """A fake engine on loopback and ``router`` hearing it in direct mode; both stopped on the way out."""
+    endpoint, replay_endpoint = loopback_endpoints(replay)
+    fake = FakeEngine(worker_id, endpoint, replay_endpoint, seed=seed, **engine)
+    await fake.start()
+    try:
+        direct = DirectEngine(router, engine_spec(worker_id, endpoint, replay_endpoint))
+        await direct.start()
+        try:
+            yield fake, direct
+        finally:
+            await direct.stop()
+    finally:
+        await fake.stop()
+
+
+class SideLoop:
+    """An event loop in a thread, where the engine and the bridge live, as separate processes would."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()

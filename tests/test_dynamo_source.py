@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -27,27 +26,12 @@ from router.config import RouterConfig
 from router.engines.dynamo_source import DynamoEndpoint
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
+from tests.engine_fakes import SideLoop
 from tests.waiting import until
 
-T = TypeVar("T")
 BLOCK = 4
 ENDPOINT = "dyn.backend.generate"
 SUBJECT = DynamoEndpoint.parse(ENDPOINT).subject("kv-events")
-
-
-class Loop:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
 
 
 @pytest.fixture
@@ -116,7 +100,7 @@ def test_dynamos_own_publishers_feed_the_router_as_dynamos_radix_tree_says(
     monkeypatch.setenv("DYN_EVENT_PLANE", "nats")
     monkeypatch.setenv("NATS_SERVER", nats_server.url)
     monkeypatch.setenv("DYN_LOG", "error")
-    side = Loop()
+    side = SideLoop()
     theirs = dynamo_core.RadixTree()
     captured: list[bytes] = []
     rng = random.Random(4)

@@ -13,12 +13,11 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from array import array
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import pytest
@@ -36,34 +35,16 @@ from router.engines.bridge_config import BridgeConfig
 from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats, free_port
-from tests.engine_fakes import BLOCK, FakeEngine, canonical
+from tests.engine_fakes import BLOCK, FakeEngine, SideLoop, canonical, loopback_endpoints
 from tests.waiting import until
 
-T = TypeVar("T")
 WORKER = 41
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Loop:
-    """An event loop in a thread, where the engine and the bridge live, as separate processes would."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
-        self.loop.close()
-
-
 @pytest.fixture
-def side() -> Iterator[Loop]:
-    loop = Loop()
+def side() -> Iterator[SideLoop]:
+    loop = SideLoop()
     yield loop
     loop.close()
 
@@ -90,11 +71,10 @@ def _streams(client: TestClient) -> list[dict[str, Any]]:
 
 
 class Chain:
-    def __init__(self, side: Loop, nats_url: str, *, replay: bool = True) -> None:
+    def __init__(self, side: SideLoop, nats_url: str, *, replay: bool = True) -> None:
         self.side = side
         self.nats_url = nats_url
-        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.replay = f"tcp://127.0.0.1:{free_port()}" if replay else None
+        self.endpoint, self.replay = loopback_endpoints(replay)
         self.engine = FakeEngine(WORKER, self.endpoint, self.replay, seed=21)
         self.bridge: Bridge | None = None
         side.call(self.engine.start())
@@ -135,7 +115,7 @@ def _converged(client: TestClient, chain: Chain) -> None:
 
 
 def test_gaps_restarts_clears_and_a_bridge_restart_leave_the_router_holding_what_the_engine_holds(
-    router: TestClient, side: Loop, nats_server: EmbeddedNats
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
 ) -> None:
     chain = Chain(side, nats_server.url)
     try:
@@ -172,7 +152,7 @@ def test_gaps_restarts_clears_and_a_bridge_restart_leave_the_router_holding_what
 
 
 def test_a_gap_without_replay_leaves_the_rank_untrusted_until_the_engine_clears(
-    router: TestClient, side: Loop, nats_server: EmbeddedNats
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
 ) -> None:
     chain = Chain(side, nats_server.url, replay=False)
     try:

@@ -17,28 +17,19 @@ import pytest
 from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
 from router.engines.direct import DirectEngine, parse_engine_zmq
-from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
-from tests.engine_fakes import BLOCK, FakeEngine, canonical
+from tests.engine_fakes import BLOCK, FakeEngine, SideLoop, canonical, direct_mode, engine_spec, loopback_endpoints
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
 WORKER = 7
 
 
-def _endpoints(replay: bool) -> tuple[str, str | None]:
-    return f"tcp://127.0.0.1:{free_port()}", (f"tcp://127.0.0.1:{free_port()}" if replay else None)
-
-
 def _router() -> KvRouter:
     router = KvRouter(RouterConfig(block_size=BLOCK))
     router.register_worker(WorkerConfig(worker_id=WORKER, block_size=BLOCK, leased=False))
     return router
-
-
-def _spec(endpoint: str, replay: str | None) -> str:
-    return f"{WORKER}={endpoint}" + (f",replay={replay}" if replay else "")
 
 
 def _stream(router: KvRouter, dp_rank: int = 0) -> StreamStatus:
@@ -59,13 +50,8 @@ def test_engine_zmq_specs_parse() -> None:
 
 
 async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(shared_dir: Path) -> None:
-    endpoint, replay = _endpoints(replay=True)
-    engine = FakeEngine(WORKER, endpoint, replay)
-    await engine.start()
     router = _router()
-    direct = DirectEngine(router, _spec(endpoint, replay))
-    await direct.start()
-    try:
+    async with direct_mode(router, WORKER, replay=True) as (engine, direct):
         await engine.step()  # the slow joiner may miss it: replay brings it
         vectors = json.loads((shared_dir / "vectors" / "vllm_kv_events.json").read_text())["vectors"]
         for vector in vectors:
@@ -80,21 +66,15 @@ async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(s
         assert stats["rejected_bad_envelope"] == 1 and stats["rejected_empty_payload"] == 1
         assert engine.dump()  # the scenario leaves something cached
         assert _stream(router).trusted and _stream(router, dp_rank=1).trusted  # one vector is dp rank 1
-    finally:
-        await direct.stop()
-        await engine.stop()
 
 
 @pytest.mark.parametrize("topic_in_replay", [True, False], ids=["vllm>=0.26", "vllm<0.26"])
 @pytest.mark.parametrize("array_form", [False, True], ids=["map", "array"])
 async def test_gaps_are_repaired_by_replay_in_both_reply_layouts(topic_in_replay: bool, array_form: bool) -> None:
-    endpoint, replay = _endpoints(replay=True)
-    engine = FakeEngine(WORKER, endpoint, replay, topic_in_replay=topic_in_replay, array_form=array_form, seed=3)
-    await engine.start()
     router = _router()
-    direct = DirectEngine(router, _spec(endpoint, replay))
-    await direct.start()
-    try:
+    async with direct_mode(
+        router, WORKER, replay=True, topic_in_replay=topic_in_replay, array_form=array_form, seed=3
+    ) as (engine, direct):
         for i in range(60):
             await engine.step(publish=i % 7 != 3)  # every 7th batch never reaches the SUB socket
             await asyncio.sleep(0.005)  # let the router keep up, so each loss is a gap of its own
@@ -103,19 +83,11 @@ async def test_gaps_are_repaired_by_replay_in_both_reply_layouts(topic_in_replay
         assert direct.stream.stats["gap"] >= 8 and direct.stream.stats["replayed"] >= 8
         assert direct.stream.stats["unverified"] == 0
         assert _stream(router).trusted
-    finally:
-        await direct.stop()
-        await engine.stop()
 
 
 async def test_an_engine_restart_clears_the_rank_and_rebuilds_it() -> None:
-    endpoint, replay = _endpoints(replay=True)
-    engine = FakeEngine(WORKER, endpoint, replay, seed=5)
-    await engine.start()
     router = _router()
-    direct = DirectEngine(router, _spec(endpoint, replay))
-    await direct.start()
-    try:
+    async with direct_mode(router, WORKER, replay=True, seed=5) as (engine, direct):
         for _ in range(30):
             await engine.step()
         await _converged(router, engine, direct)
@@ -135,20 +107,17 @@ async def test_an_engine_restart_clears_the_rank_and_rebuilds_it() -> None:
             await engine.step()
         await _converged(router, engine, direct)
         assert _stream(router).trusted
-    finally:
-        await direct.stop()
-        await engine.stop()
 
 
 async def test_a_router_that_joins_late_replays_the_engine_history() -> None:
-    endpoint, replay = _endpoints(replay=True)
+    endpoint, replay = loopback_endpoints(replay=True)
     engine = FakeEngine(WORKER, endpoint, replay, seed=9)
     await engine.start()
     try:
         for _ in range(40):
             await engine.step()
         router = _router()
-        direct = DirectEngine(router, _spec(endpoint, replay))
+        direct = DirectEngine(router, engine_spec(WORKER, endpoint, replay))
         await direct.start()
         try:
             await engine.step()
@@ -161,13 +130,8 @@ async def test_a_router_that_joins_late_replays_the_engine_history() -> None:
 
 
 async def test_without_replay_a_gap_leaves_the_rank_untrusted_until_it_clears() -> None:
-    endpoint, _ = _endpoints(replay=False)
-    engine = FakeEngine(WORKER, endpoint, None, seed=11)
-    await engine.start()
     router = _router()
-    direct = DirectEngine(router, _spec(endpoint, None))
-    await direct.start()
-    try:
+    async with direct_mode(router, WORKER, replay=False, seed=11) as (engine, direct):
         await asyncio.sleep(0.2)  # past the slow-joiner window
         for _ in range(5):
             await engine.step()
@@ -179,19 +143,11 @@ async def test_without_replay_a_gap_leaves_the_rank_untrusted_until_it_clears() 
         assert not _stream(router).trusted
         await engine.send([engine.cleared()])
         await eventually(lambda: _stream(router).trusted)
-    finally:
-        await direct.stop()
-        await engine.stop()
 
 
 async def test_a_replay_buffer_that_lost_the_gap_leaves_the_rank_untrusted() -> None:
-    endpoint, replay = _endpoints(replay=True)
-    engine = FakeEngine(WORKER, endpoint, replay, seed=13)
-    await engine.start()
     router = _router()
-    direct = DirectEngine(router, _spec(endpoint, replay))
-    await direct.start()
-    try:
+    async with direct_mode(router, WORKER, replay=True, seed=13) as (engine, direct):
         await engine.step()
         await eventually(lambda: direct.stream.stats["applied"] == 1)
         for _ in range(5):
@@ -200,14 +156,10 @@ async def test_a_replay_buffer_that_lost_the_gap_leaves_the_rank_untrusted() -> 
         await engine.step()
         await eventually(lambda: direct.stream.stats["missing_history"] == 1)
         assert not _stream(router).trusted
-    finally:
-        await direct.stop()
-        await engine.stop()
 
 
 def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Path) -> None:
     import random
-    import threading
     import time
 
     import msgspec
@@ -220,26 +172,23 @@ def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Pat
     from indexer.events import RouterEvent
     from tests.waiting import until
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    side = SideLoop()
+    call = side.call
 
-    def call(coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=30)
-
-    endpoint, replay = _endpoints(replay=True)
+    endpoint, replay = loopback_endpoints(replay=True)
     engine = FakeEngine(WORKER, endpoint, replay, seed=17)
+    spec = engine_spec(WORKER, endpoint, replay)
     call(engine.start())
     try:
         for _ in range(10):
             call(engine.step())  # before the router starts: it replays them
         args = vars(build_parser().parse_args(
-            ["serve", "--no-embedded-nats", "--block-size", str(BLOCK), "--engine-zmq", _spec(endpoint, replay),
+            ["serve", "--no-embedded-nats", "--block-size", str(BLOCK), "--engine-zmq", spec,
              "--engine-zmq", "8=tcp://127.0.0.1:1"]
         ))  # fmt: skip
         args.pop("command"), args.pop("config")
         settings = load_settings(flags=args, env={})
-        assert settings.engines.engine_zmq == [_spec(endpoint, replay), "8=tcp://127.0.0.1:1"]
+        assert settings.engines.engine_zmq == [spec, "8=tcp://127.0.0.1:1"]
         app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
         with TestClient(app, base_url="http://127.0.0.1") as client:
 
@@ -259,6 +208,4 @@ def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Pat
             assert f'kv_router_engine_stream_messages_total{{endpoint="{endpoint}",outcome="restarts"}} 1.0' in metrics
     finally:
         call(engine.stop())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+        side.close()
