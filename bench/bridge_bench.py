@@ -13,6 +13,9 @@ per CPU-second of the bridge (the figure that matters on one core) and per wall 
 sequencer -> index) apart; the engine paces ``--blocks-per-s`` in 1 ms batches and encodes its send
 time (µs) in each batch's first block hash, the router measures publish-to-applied for every batch.
 Reported: p50 / p99 / max lag. All three share the machine (and one clock).
+
+``KV_ROUTER_BENCH_TREE=/path/to/checkout`` measures that checkout's bridge with this same bench (the
+peer of a before / after comparison).
 Targets (issue 12): throughput >= 500k blocks/s on one core; lag p99 < 20 ms at 100k blocks/s.
 """
 
@@ -26,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# The tree whose bridge is measured: this one, or a peer's (KV_ROUTER_BENCH_TREE) run by this same bench.
+ROOT = Path(os.environ.get("KV_ROUTER_BENCH_TREE") or Path(__file__).resolve().parents[1]).resolve()
 sys.path.insert(0, str(ROOT))
 
 from indexer.events import RouterEvent  # noqa: E402
