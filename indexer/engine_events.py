@@ -213,7 +213,7 @@ _TIERS: dict[str, StorageTier] = {
 _MAIN_ATTENTION = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 
 
-if EVENTS_NATIVE:
+if events_accel is not None and accel is not None:  # built: configured even when switched off, for the tests
     events_accel.configure(
         EngineStored,
         EngineRemoved,
