@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -262,32 +263,35 @@ static enum Kind kind_of(const uint8_t *name, size_t len) {
     return NONE;
 }
 
-/* A field whose value must be nil for the fast path (LoRA names, salts, multimodal infos). */
-static int nil_only(Reader *r) { return is_nil(r) ? 0 : -1; }
+/* The fields the decoder reads, where `Fields` keeps them; `stored` ones belong to BlockStored only. */
+static const struct {
+    const char *name;
+    size_t offset;
+    int stored;
+} FIELD_SLOTS[] = {
+    {"block_hashes", offsetof(Fields, block_hashes), 0},
+    {"medium", offsetof(Fields, medium), 0},
+    {"group_idx", offsetof(Fields, group_idx), 0},
+    {"parent_block_hash", offsetof(Fields, parent), 1},
+    {"token_ids", offsetof(Fields, token_ids), 1},
+    {"block_size", offsetof(Fields, block_size), 1},
+    {"kv_cache_spec_kind", offsetof(Fields, spec_kind), 1},
+};
+/* BlockStored fields that must be nil for the fast path: they salt the hashes (Python computes those). */
+static const char *const NIL_ONLY[] = {"lora_name", "cache_salt", "block_mm_infos"};
 
 /* Record where a field of `kind` starts and step past it; -1: not a plain shape. Keys of other
  * kinds' fields, or unknown keys, are skipped as msgspec skips them. */
 static int take_field(Reader *r, Fields *f, const uint8_t *key, size_t len, int stored_field) {
     const uint8_t *start = r->p;
     const uint8_t **slot = NULL;
-    if (NAMED(key, len, "block_hashes"))
-        slot = &f->block_hashes;
-    else if (NAMED(key, len, "medium"))
-        slot = &f->medium;
-    else if (NAMED(key, len, "group_idx"))
-        slot = &f->group_idx;
-    else if (stored_field) {
-        if (NAMED(key, len, "parent_block_hash"))
-            slot = &f->parent;
-        else if (NAMED(key, len, "token_ids"))
-            slot = &f->token_ids;
-        else if (NAMED(key, len, "block_size"))
-            slot = &f->block_size;
-        else if (NAMED(key, len, "kv_cache_spec_kind"))
-            slot = &f->spec_kind;
-        else if (NAMED(key, len, "lora_name") || NAMED(key, len, "cache_salt") || NAMED(key, len, "block_mm_infos"))
-            return nil_only(r);
-    }
+    for (size_t i = 0; i < sizeof(FIELD_SLOTS) / sizeof(*FIELD_SLOTS) && slot == NULL; i++)
+        if ((stored_field || !FIELD_SLOTS[i].stored) && len == strlen(FIELD_SLOTS[i].name) &&
+            memcmp(key, FIELD_SLOTS[i].name, len) == 0)
+            slot = (const uint8_t **)((char *)f + FIELD_SLOTS[i].offset);
+    for (size_t i = 0; i < sizeof(NIL_ONLY) / sizeof(*NIL_ONLY) && slot == NULL && stored_field; i++)
+        if (len == strlen(NIL_ONLY[i]) && memcmp(key, NIL_ONLY[i], len) == 0)
+            return is_nil(r) ? 0 : -1;
     if (NAMED(key, len, "type"))
         return -1; /* a second tag: msgspec decides */
     if (slot == NULL)
