@@ -31,7 +31,7 @@ from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
 from api.ha_metrics import HaCollector
 from api.handlers import Handlers
-from api.http_stream import StreamHandler
+from api.http_stream import StreamRoute
 from api.metrics import (
     ApiMetrics,
     DoctorCollector,
@@ -184,7 +184,7 @@ class RouterApp(FastAPI):
 
     front: ASGIApp
     hot: HotRoutes
-    streams: dict[str, StreamHandler]  # the stream routes a server may answer itself (`api.http_stream`)
+    streams: dict[str, StreamRoute]  # the stream routes a server may answer itself (`api.http_stream`)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.front(scope, receive, send)

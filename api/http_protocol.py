@@ -41,7 +41,7 @@ from uvicorn.server import ServerState
 from api.codec import Call, Reply, query_flag
 from api.eager import Suspended, start
 from api.fastpath import HotHandler, HotRoutes, too_large_reply
-from api.http_stream import StreamedRequest, StreamHandler
+from api.http_stream import StreamedRequest, StreamRoute
 from indexer.native import ENABLED as NATIVE
 from indexer.native import accel
 
@@ -58,7 +58,7 @@ ParsedPost = tuple[bytes, bytes, bytes | None, bytes | None, str | None, bytes |
 ParsePost = Callable[[bytes], ParsedPost | int | None]
 
 
-def fast_protocol(hot: HotRoutes, streams: dict[str, StreamHandler] | None = None) -> type[FastHttpProtocol]:
+def fast_protocol(hot: HotRoutes, streams: dict[str, StreamRoute] | None = None) -> type[FastHttpProtocol]:
     """The protocol class to give uvicorn (``Config(http=...)``) for an app's hot routes (and its
     stream routes, `api.http_stream`)."""
     routes = {path.encode("ascii"): handler for path, handler in hot.routes.items()}
@@ -131,7 +131,7 @@ class FastHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, answering ``POST`` to ``hot_routes`` without ASGI (see the module)."""
 
     hot_routes: ClassVar[dict[bytes, HotHandler]] = {}
-    stream_routes: ClassVar[dict[bytes, StreamHandler]] = {}
+    stream_routes: ClassVar[dict[bytes, StreamRoute]] = {}
     max_body_bytes: ClassVar[int] = 0
     # A read holding exactly one plain hot POST (its head possibly read before its body) is parsed in
     # one C call instead of httptools' six or more callbacks (`indexer._native.parse_post`; None:
@@ -254,7 +254,7 @@ class FastHttpProtocol(HttpToolsProtocol):
             request.refused = True
             request.chunks = []
             if request.started:
-                self._respond(request, too_large_reply(self.max_body_bytes))
+                self._respond(request, self._too_large(request))
             return
         request.chunks.append(body)
 
@@ -347,11 +347,16 @@ class FastHttpProtocol(HttpToolsProtocol):
         """Its turn has come: answer now if its body is in (or refused), else when it is."""
         request.started = True
         if request.refused:
-            self._respond(request, too_large_reply(self.max_body_bytes))
+            self._respond(request, self._too_large(request))
         elif request.complete:
             self._run(request)
         elif request.expect_continue and not self.transport.is_closing():
             self.transport.write(_CONTINUE)
+
+    def _too_large(self, request: _HotRequest) -> Reply:
+        """The 413 of a body over the limit: a stream route's own, or the service's."""
+        stream = self._streams.get(request.path)
+        return stream.too_large if stream is not None else too_large_reply(self.max_body_bytes)
 
     def _run(self, request: _HotRequest) -> None:
         chunks = request.chunks
@@ -361,7 +366,7 @@ class FastHttpProtocol(HttpToolsProtocol):
         if stream is not None:
             streamed = StreamedRequest(self, request, body, request.authorization)
             self._streamed = (streamed, request)
-            streamed.run(stream)
+            streamed.run(stream.handle)
             return
         query = request.query
         call = Call(

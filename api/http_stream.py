@@ -7,7 +7,8 @@ client's ``Authorization``, and the `api.proxy.downstream.Downstream` methods wr
 straight to the client's transport. A streamed body goes out as HTTP/1.1 chunks, one per piece
 handed on (the head with the first); the handler's coroutine runs at once on the protocol's
 callback and gets a task only if it has to wait (it does, for the worker). When the client's
-connection is lost, that task is cancelled.
+connection is lost, that task is cancelled. A body over the limit never reaches the handler: the
+protocol answers the route's own `StreamRoute.too_large` (the proxy's is OpenAI's error shape).
 
 Per request this saves uvicorn's ASGI cycle (scope, task, receive / send dicts) and a task watching
 for the disconnect; per piece, an ASGI message and its checks.
@@ -17,16 +18,25 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
+from api.codec import Reply
 from api.eager import Suspended, start
 
-__all__ = ["Forwarding", "Sink", "StreamHandler", "StreamedRequest"]
+__all__ = ["Forwarding", "Sink", "StreamHandler", "StreamRoute", "StreamedRequest"]
 
 Headers = list[tuple[bytes, bytes]]
 StreamHandler = Callable[["StreamedRequest"], Coroutine[object, object, None]]
+
+
+class StreamRoute(NamedTuple):
+    """A route the protocol answers with a `StreamedRequest`: its handler, and its answer to a body
+    over the limit (a 413 in the route's own error shape, given by the protocol before the handler)."""
+
+    handle: StreamHandler
+    too_large: Reply
 
 
 class Sink(Protocol):

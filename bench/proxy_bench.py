@@ -16,10 +16,17 @@ makes a request arriving at random wait about u / (1 - u) of a service time). Th
 event loop per process (``--processes``). The machine is shared with other work: the load
 average is printed with the figures.
 
+Placement (as ``bench/http_bench.py`` does it): the proxy alone on ``--proxy-cpus`` (``taskset``),
+everything else (this generator, the mock worker, nats-server) on ``--shared-cpus``, the same in both
+phases, so the direct phase's worker and generator get the same CPU as the proxy phase's and the
+difference between the phases is what the proxy itself adds: its CPU per request and the extra
+hop, not the scheduler sharing two cores among four processes. ``--proxy-cpus ''`` turns it off.
+
     python bench/proxy_bench.py                                   # 100 concurrent streams
     python bench/proxy_bench.py --no-events                       # the router process does nothing but proxy
     python bench/proxy_bench.py --processes 2                     # the proxy on two event loops
     python bench/proxy_bench.py --clients aiohttp,httpx           # CPU of the two HTTP clients, direct
+    python bench/proxy_bench.py --proxy-cpus ''                   # no pinning (the scheduler decides)
 
 Loopback only.
 """
@@ -179,8 +186,9 @@ def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         stack.callback(_stop, worker)
+        pin = ["taskset", "-c", args.proxy_cpus] if args.proxy_cpus else []
         proxy = subprocess.Popen(
-            [*cli, "serve", "--proxy", "--block-size", "64", "--nats-url", nats.url, "--port", str(proxy_port),
+            [*pin, *cli, "serve", "--proxy", "--block-size", "64", "--nats-url", nats.url, "--port", str(proxy_port),
              "--processes", str(args.processes), "--log-level", "warning"],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
@@ -244,7 +252,12 @@ def main() -> int:
     parser.add_argument(
         "--no-events", action="store_true", help="register the worker over HTTP, keep its events off the router"
     )
+    parser.add_argument("--proxy-cpus", default="1", help="taskset CPU list of the proxy ('' = no pinning)")
+    parser.add_argument("--shared-cpus", default="0", help="CPUs of this generator, the worker and nats-server")
     args = parser.parse_args()
+    if args.proxy_cpus:
+        # Inherited by every process started from here but the proxy (its taskset sets its own).
+        os.sched_setaffinity(0, {int(cpu) for cpu in args.shared_cpus.split(",")})
     with fleet(args) as (worker_url, proxy_url, proxy_pid):
         if args.clients:
             return asyncio.run(compare_clients(args, worker_url))
@@ -269,7 +282,8 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
     print(
         f"{args.concurrency} concurrent streams, {args.requests} requests x {args.max_tokens} tokens per phase, "
         f"prompts of {args.prompt_tokens} tokens, medians of {args.repeat} alternating runs; "
-        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores"
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; "
+        + (f"proxy on CPU {args.proxy_cpus}, the rest on {args.shared_cpus}" if args.proxy_cpus else "no pinning")
     )
     print(f"{'':10} {'ttft p50':>10} {'ttft p99':>10} {'end p50':>10} {'end p99':>10} {'tokens/s':>10}")
     rows = {}
@@ -285,6 +299,15 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
         print(f"{name:10} " + " ".join(f"{v * 1e3:8.2f}ms" for v in row) + f" {rate:10.0f}")
     added = [p - d for p, d in zip(rows["proxy"], rows["direct"], strict=True)]
     print(f"{'added':10} " + " ".join(f"{v * 1e3:8.2f}ms" for v in added))
+    if args.repeat > 1:  # each round's proxy phase against the direct phase just before it
+        for round_, (direct, proxy) in enumerate(zip(phases["direct"], phases["proxy"], strict=True)):
+            cells = [
+                proxy.pct(proxy.ttft_s, 50) - direct.pct(direct.ttft_s, 50),
+                proxy.pct(proxy.ttft_s, 99) - direct.pct(direct.ttft_s, 99),
+                proxy.pct(proxy.total_s, 50) - direct.pct(direct.total_s, 50),
+                proxy.pct(proxy.total_s, 99) - direct.pct(direct.total_s, 99),
+            ]
+            print(f"{f'  round {round_ + 1}':10} " + " ".join(f"{v * 1e3:8.2f}ms" for v in cells))
     cpu = med("proxy", lambda p: p.proxy_cpu_s)
     system = med("proxy", lambda p: p.proxy_sys_s)
     tokens = med("proxy", lambda p: p.tokens)

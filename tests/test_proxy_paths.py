@@ -91,3 +91,37 @@ async def test_a_stream_broken_mid_chunk_ends_with_the_sse_error_event_and_frees
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"{f.url}/metrics")).text
         assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="upstream_error") == 1
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_a_body_over_the_limit_is_an_openai_shaped_413_and_books_nothing(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    limit = 4096
+    service = {"fast_protocol": fast_protocol, "max_body_bytes": limit}
+    async with fleet(nats_server.url, (1,), service=service) as f:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await f.client.completions.create(model=MODEL, prompt=list(range(1, 2000)), max_tokens=2)
+        assert caught.value.status_code == 413
+        assert caught.value.body == {
+            "message": f"request body exceeds the limit of {limit} bytes",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": 413,
+        }
+
+        async def pieces() -> AsyncIterator[bytes]:  # no content-length: the body grows past the limit
+            yield b'{"model": "mock-model", "messages": [{"role": "user", "content": "'
+            for _ in range(8):
+                yield b"x" * 1024
+            yield b'"}]}'
+
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            chunked = await http.post("/v1/chat/completions", content=pieces())
+            # The decision API keeps the service's own error shape.
+            service_reply = await http.post("/v1/new", content=b"[" + b"1," * limit + b"1]")
+        assert chunked.status_code == 413
+        assert set(chunked.json()["error"]) == {"message", "type", "param", "code"}
+        assert service_reply.status_code == 413 and "param" not in service_reply.json()["error"]
+        assert idle(f.router)
+        assert f.workers[1].engine.stats.prompt_tokens == 0  # nothing reached the worker

@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry
 from api.auth import Access, ApiAuth
 from api.codec import Reply
 from api.config import ProxyConfig, ServiceConfig
-from api.http_stream import StreamedRequest, StreamHandler
+from api.http_stream import StreamedRequest, StreamRoute
 from api.proxy.downstream import AsgiDownstream, Downstream, Headers
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TokenizeFailed, load_tokenizers
@@ -147,12 +147,13 @@ class Proxy:
 
         return app
 
-    def stream_routes(self, auth: ApiAuth | None = None) -> dict[str, StreamHandler]:
+    def stream_routes(self, auth: ApiAuth | None = None) -> dict[str, StreamRoute]:
         """The proxy's routes for the HTTP protocol to answer itself (`api.http_stream`), decisions for
-        the API token like the ASGI front's."""
+        the API token like the ASGI front's; a body over the limit is refused in OpenAI's shape."""
         auth = auth or ApiAuth(None)
+        too_large = Reply(413, self._too_large().body)
 
-        def handler(route: str) -> StreamHandler:
+        def route_for(route: str) -> StreamRoute:
             async def handle(request: StreamedRequest) -> None:
                 authorization = request.authorization
                 refused = auth.refuse(Access.DECISION, [(b"authorization", authorization)] if authorization else [])
@@ -161,9 +162,9 @@ class Proxy:
                     return
                 await self.answer(route, request.body, authorization, request, request.is_disconnected)
 
-            return handle
+            return StreamRoute(handle, too_large)
 
-        return {path: handler(route) for path, route in ROUTES.items()}
+        return {path: route_for(route) for path, route in ROUTES.items()}
 
     # ------------------------------------------------------------------ workers
     def models(self) -> bytes:
@@ -232,7 +233,7 @@ class Proxy:
         outcome = "ok"
         try:
             if too_large:
-                raise _refused(413, "invalid_request_error", "request body too large", "bad_request")
+                raise self._too_large()
             outcome = await self._proxy(route, body, authorization, reply)
         except _Refused as refused:
             outcome = refused.outcome
@@ -245,6 +246,10 @@ class Proxy:
                 task.uncancel()
             outcome = "client_disconnected"
         self.metrics.count(route, outcome)
+
+    def _too_large(self) -> _Refused:
+        message = f"request body exceeds the limit of {self._max_body_bytes} bytes"
+        return _refused(413, "invalid_request_error", message, "bad_request")
 
     async def _proxy(self, route: str, body: bytes, authorization: bytes | None, reply: Downstream) -> str:
         try:
