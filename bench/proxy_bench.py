@@ -78,6 +78,7 @@ class Phase:
     tokens: int
     wall_s: float
     client_cpu_s: float
+    worker_cpu_s: float
     proxy_cpu_s: float | None = None
     proxy_sys_s: float | None = None
 
@@ -86,7 +87,13 @@ class Phase:
 
 
 async def run_phase(
-    name: str, base_url: str, args: argparse.Namespace, client: str, proxy_pid: int | None, seed: int
+    name: str,
+    base_url: str,
+    args: argparse.Namespace,
+    client: str,
+    proxy_pid: int | None,
+    seed: int,
+    worker_pid: int,
 ) -> Phase:
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 50_000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
@@ -156,10 +163,11 @@ async def run_phase(
     total.clear()
     cpu0 = own_cpu_s()
     proxy0 = process_cpu_s(proxy_pid) if proxy_pid else (0.0, 0.0)
+    worker0 = sum(process_cpu_s(worker_pid))
     started = time.perf_counter()
     await asyncio.wait_for(asyncio.gather(*(loop() for _ in range(args.concurrency))), args.timeout)
     wall = time.perf_counter() - started
-    phase = Phase(name, ttft, total, tokens, wall, own_cpu_s() - cpu0)
+    phase = Phase(name, ttft, total, tokens, wall, own_cpu_s() - cpu0, sum(process_cpu_s(worker_pid)) - worker0)
     if proxy_pid:
         user, system = process_cpu_s(proxy_pid)
         phase.proxy_cpu_s = user + system - sum(proxy0)
@@ -170,8 +178,9 @@ async def run_phase(
 
 
 @contextmanager
-def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
-    """NATS, one mock worker with its OpenAI API, the proxy; yields (worker URL, proxy URL, proxy pid)."""
+def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int, int]]:
+    """NATS, one mock worker with its OpenAI API, the proxy; yields the worker's URL, the proxy's, and
+    the proxy's and the worker's pids."""
     with ExitStack() as stack:
         nats = stack.enter_context(EmbeddedNats())
         # --no-events: the worker publishes to a NATS of its own and is registered over HTTP, so the
@@ -197,7 +206,7 @@ def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
         if args.no_events:
             _register(proxy_url, f"http://127.0.0.1:{worker_port}")
         _wait_models(proxy_url)
-        yield f"http://127.0.0.1:{worker_port}", proxy_url, proxy.pid
+        yield f"http://127.0.0.1:{worker_port}", proxy_url, proxy.pid, worker.pid
 
 
 def _wait_models(url: str, timeout_s: float = 30.0) -> None:
@@ -258,17 +267,21 @@ def main() -> int:
     if args.proxy_cpus:
         # Inherited by every process started from here but the proxy (its taskset sets its own).
         os.sched_setaffinity(0, {int(cpu) for cpu in args.shared_cpus.split(",")})
-    with fleet(args) as (worker_url, proxy_url, proxy_pid):
+    with fleet(args) as (worker_url, proxy_url, proxy_pid, worker_pid):
         if args.clients:
-            return asyncio.run(compare_clients(args, worker_url))
+            return asyncio.run(compare_clients(args, worker_url, worker_pid))
         phases: dict[str, list[Phase]] = {"direct": [], "proxy": []}
 
         async def run() -> None:
             for round_ in range(args.repeat):
                 # Prompts of their own per phase: the worker's cache keeps every prompt it has seen, so a
                 # phase repeating the one before it would find its prefills cached.
-                phases["direct"].append(await run_phase("direct", worker_url, args, "aiohttp", None, 2 * round_))
-                phases["proxy"].append(await run_phase("proxy", proxy_url, args, "aiohttp", proxy_pid, 2 * round_ + 1))
+                phases["direct"].append(
+                    await run_phase("direct", worker_url, args, "aiohttp", None, 2 * round_, worker_pid)
+                )
+                phases["proxy"].append(
+                    await run_phase("proxy", proxy_url, args, "aiohttp", proxy_pid, 2 * round_ + 1, worker_pid)
+                )
 
         asyncio.run(run())
     report(phases, args)
@@ -285,7 +298,10 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
         f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; "
         + (f"proxy on CPU {args.proxy_cpus}, the rest on {args.shared_cpus}" if args.proxy_cpus else "no pinning")
     )
-    print(f"{'':10} {'ttft p50':>10} {'ttft p99':>10} {'end p50':>10} {'end p99':>10} {'tokens/s':>10}")
+    print(
+        f"{'':10} {'ttft p50':>10} {'ttft p99':>10} {'end p50':>10} {'end p99':>10} {'tokens/s':>10}"
+        f" {'worker+generator CPU':>22}"
+    )
     rows = {}
     for name in ("direct", "proxy"):
         row = [
@@ -296,7 +312,13 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
         ]
         rows[name] = row
         rate = med(name, lambda p: p.tokens / p.wall_s)
-        print(f"{name:10} " + " ".join(f"{v * 1e3:8.2f}ms" for v in row) + f" {rate:10.0f}")
+        # The shared CPU's two main users: busy near 100% means the phase was bound by that CPU.
+        shared_busy = med(name, lambda p: (p.worker_cpu_s + p.client_cpu_s) / p.wall_s)
+        shared_per_token = med(name, lambda p: (p.worker_cpu_s + p.client_cpu_s) / p.tokens)
+        print(
+            f"{name:10} " + " ".join(f"{v * 1e3:8.2f}ms" for v in row) + f" {rate:10.0f}"
+            f" {shared_busy:7.0%} {shared_per_token * 1e6:6.1f} us/token"
+        )
     added = [p - d for p, d in zip(rows["proxy"], rows["direct"], strict=True)]
     print(f"{'added':10} " + " ".join(f"{v * 1e3:8.2f}ms" for v in added))
     if args.repeat > 1:  # each round's proxy phase against the direct phase just before it
@@ -320,11 +342,11 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
     )
 
 
-async def compare_clients(args: argparse.Namespace, worker_url: str) -> int:
+async def compare_clients(args: argparse.Namespace, worker_url: str, worker_pid: int) -> int:
     print(f"client CPU, direct to the mock worker, {args.requests} streamed requests x {args.max_tokens} tokens")
     for round_ in range(args.repeat):
         for client in args.clients.split(","):
-            phase = await run_phase(client, worker_url, args, client, None, round_)
+            phase = await run_phase(client, worker_url, args, client, None, round_, worker_pid)
             print(
                 f"{client:8} {phase.client_cpu_s / args.requests * 1e6:8.0f} us per request, "
                 f"{phase.client_cpu_s / phase.tokens * 1e6:6.2f} us per token"

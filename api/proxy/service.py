@@ -50,9 +50,10 @@ from api.proxy.wire import (
     ModelCard,
     ModelList,
     TokenIdsBody,
+    Usage,
     error_body,
     prompt_token_ids,
-    reported_cached_tokens,
+    reported_usage,
 )
 from router.errors import AllWorkersOverloaded, NoEligibleWorker, QueueRejected
 from router.kv_router import KvRouter
@@ -108,6 +109,8 @@ class Proxy:
         self.tokenizer = PromptTokenizer(load_tokenizers(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
+        # Output progress changes a booking only with output blocks tracked (`KvRouter.record_output`).
+        self._track_output = router.config.router_track_output_blocks
         self._cooling: dict[int, float] = {}  # worker id -> monotonic time its cooldown ends
         self._decoders: dict[str, Callable[[bytes], TokenIdsBody | CompletionBody | ChatBody]] = {
             "completions": _completion_decoder(),
@@ -294,7 +297,7 @@ class Proxy:
         among = set(by_id)
         failures: list[str] = []
         for _attempt in range(self.config.proxy_retries + 1):
-            decision = await self._book(tokens, request_id, among)
+            decision = await self._book(tokens, request_id, among, request.expected_output_tokens)
             worker = by_id[decision.worker_id]
             try:
                 return await self._forward(worker, decision, path, body, headers, request.stream, reply)
@@ -308,9 +311,12 @@ class Proxy:
                 self.router.mark_free(request_id)
         raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
-    async def _book(self, tokens: list[int], request_id: str, among: set[int]) -> RouteDecision:
+    async def _book(
+        self, tokens: list[int], request_id: str, among: set[int], expected_output_tokens: int | None
+    ) -> RouteDecision:
+        routed = RouteRequest(tokens=tokens, request_id=request_id, expected_output_tokens=expected_output_tokens)
         try:
-            return await self.router.new(RouteRequest(tokens=tokens, request_id=request_id), among=among)
+            return await self.router.new(routed, among=among)
         except QueueRejected as exc:
             retry_after = str(self.config.proxy_retry_after_secs)
             raise _refused(429, "rate_limit_exceeded", str(exc), "queue_rejected", retry_after=retry_after) from None
@@ -354,7 +360,10 @@ class Proxy:
                     raise _WorkerFailed(str(exc)) from None
                 self.router.mark_prefill(request_id)
                 if status == 200:
-                    self._calibrate(decision, reported_cached_tokens(content))
+                    usage = reported_usage(content)
+                    self._calibrate(decision, usage)
+                    if usage is not None and usage.completion_tokens and self._track_output:
+                        self.router.record_output(request_id, usage.completion_tokens)
                 await reply.whole(status, ours, content)
                 return "ok" if status == 200 else "upstream_status"
             return await self._stream(exchange, decision, ours, reply)
@@ -362,13 +371,15 @@ class Proxy:
             exchange.release()  # back to the pool if read to its end; else closed, so the engine stops
 
     async def _stream(self, exchange: Exchange, decision: RouteDecision, headers: Headers, reply: Downstream) -> str:
+        assert decision.request_id is not None
+        if self._track_output:
+            exchange.on_events = _OutputProgress(self.router.record_output, decision.request_id)
         try:
             first = await exchange.first()
         except UpstreamError as exc:
             raise _WorkerFailed(str(exc)) from None
         if not first:
             raise _WorkerFailed("the stream ended before its first byte")
-        assert decision.request_id is not None
         self.router.mark_prefill(decision.request_id)
         await reply.start(200, headers)
         await reply.write(first)
@@ -392,9 +403,28 @@ class Proxy:
         await reply.end()
         return "ok" if problem is None else "upstream_error"
 
-    def _calibrate(self, decision: RouteDecision, actual: int | None) -> None:
+    def _calibrate(self, decision: RouteDecision, usage: Usage | None) -> None:
+        actual = usage.cached_tokens if usage is not None else None
         if actual is not None:
             self.metrics.cached_tokens(decision.worker_id, decision.cached_tokens, actual)
+
+
+class _OutputProgress:
+    """Tells the router how many tokens a stream has generated, once per piece handed on (a read of
+    the worker's connection), counting its SSE events: an OpenAI stream sends one per token, besides
+    a role-only first chunk of a chat, a usage report and ``[DONE]``, so the count is at most three
+    over, and only at the stream's end. A count of ``\n\n`` is all it reads of the stream."""
+
+    __slots__ = ("events", "record", "request_id")
+
+    def __init__(self, record: Callable[[str, int], bool], request_id: str) -> None:
+        self.record = record
+        self.request_id = request_id
+        self.events = 0
+
+    def __call__(self, data: bytes) -> None:
+        self.events += data.count(b"\n\n") or data.count(b"\r\n\r\n")
+        self.record(self.request_id, self.events)
 
 
 class _Gone(Exception):
@@ -457,13 +487,13 @@ async def _send_reply(send: Send, reply: Reply) -> None:
     await AsgiDownstream(send).whole(reply.status, _header_bytes(reply), reply.body)
 
 
-def _usage_in_stream(tail: bytes) -> int | None:
-    """The cached tokens of the last usage report among a stream's last events."""
-    if b"cached_tokens" not in tail:
+def _usage_in_stream(tail: bytes) -> Usage | None:
+    """The last usage report among a stream's last events."""
+    if b'"usage"' not in tail:
         return None
     for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data: {") and b"cached_tokens" in line:
-            cached = reported_cached_tokens(line[6:])
-            if cached is not None:
-                return cached
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            usage = reported_usage(line[6:])
+            if usage is not None:
+                return usage
     return None

@@ -240,6 +240,8 @@ class Exchange(asyncio.Protocol):
         self._tail: list[bytes] = []  # the last pieces handed on, at least TAIL_BYTES of them
         self._tail_size = 0
         self._sink: Sink | None = None
+        # Told of every piece of the stream handed on (`first`, `forward`, `pieces`), in the read callback.
+        self.on_events: Callable[[bytes], None] | None = None
         self._head_in = False
         self.complete = False  # the whole answer is in
         self._problem: UpstreamError | None = None
@@ -407,6 +409,8 @@ class Exchange(asyncio.Protocol):
                 data = data[:cut]
         if data:
             self._keep(data)
+            if self.on_events is not None:
+                self.on_events(data)
         return data
 
     def release(self) -> None:
@@ -438,6 +442,7 @@ class Exchange(asyncio.Protocol):
         self._tail = []
         self._tail_size = 0
         self._iterated = False
+        self.on_events = None
         self._head_in = False
         self.complete = False
         self._problem = None

@@ -1,15 +1,15 @@
 """The OpenAI bodies the proxy reads, and the ones it writes itself.
 
 The proxy forwards a request's body to the worker byte for byte; it decodes only what routing needs
-(model, prompt or messages, stream) and checks it, so a malformed body is refused before anything is
-booked. Unknown fields are the engine's business and pass through. Errors are OpenAI's shape,
-``{"error": {"message", "type", "param", "code"}}``, which carries the service's ``type`` and
-``message`` too.
+(model, prompt or messages, stream, and Dynamo's ``nvext.agent_hints.osl``, the expected output length)
+and checks it, so a malformed body is refused before anything is booked. Unknown fields are the
+engine's business and pass through. Errors are OpenAI's shape, ``{"error": {"message", "type",
+"param", "code"}}``, which carries the service's ``type`` and ``message`` too.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -23,26 +23,46 @@ __all__ = [
     "OpenAIError",
     "TokenIdsBody",
     "TokenizeReply",
+    "Usage",
     "error_body",
     "prompt_token_ids",
-    "reported_cached_tokens",
+    "reported_usage",
 ]
 
 
-class CompletionBody(msgspec.Struct, kw_only=True):
+class AgentHints(msgspec.Struct, kw_only=True):
+    """Dynamo's ``nvext.agent_hints``: ``osl``, the output tokens the request expects to generate."""
+
+    osl: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+class NvExt(msgspec.Struct, kw_only=True):
+    """Dynamo's request extension; only its agent hints are read."""
+
+    agent_hints: AgentHints | None = None
+
+
+class _Body(msgspec.Struct, kw_only=True):
+    model: str
+    stream: bool = False
+    nvext: NvExt | None = None
+
+    @property
+    def expected_output_tokens(self) -> int | None:
+        hints = self.nvext.agent_hints if self.nvext is not None else None
+        return hints.osl if hints is not None else None
+
+
+class CompletionBody(_Body, kw_only=True):
     """``POST /v1/completions``: a prompt as text, token ids, or a batch of either."""
 
-    model: str
     prompt: str | list[str | int | list[int]]
-    stream: bool = False
 
 
-class TokenIdsBody(msgspec.Struct, kw_only=True):
+class TokenIdsBody(_Body, kw_only=True):
     """The common case of `CompletionBody`, decoded and range-checked by msgspec alone: token ids."""
 
-    model: str
     prompt: list[U32]
-    stream: bool = False
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -50,12 +70,10 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatBody(msgspec.Struct, kw_only=True):
+class ChatBody(_Body, kw_only=True):
     """``POST /v1/chat/completions``."""
 
-    model: str
     messages: list[ChatMessage]
-    stream: bool = False
 
 
 class OpenAIError(msgspec.Struct, kw_only=True):
@@ -129,25 +147,30 @@ class _Details(msgspec.Struct):
     cached_tokens: int | None = None
 
 
-class _Usage(msgspec.Struct):
+class Usage(msgspec.Struct):
+    """An answer's ``usage``: the tokens it generated, and those of its prompt the engine had cached."""
+
+    completion_tokens: int | None = None
     prompt_tokens_details: _Details | None = None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        details = self.prompt_tokens_details
+        return details.cached_tokens if details is not None else None
 
 
 class _WithUsage(msgspec.Struct):
-    usage: _Usage | None = None
+    usage: Usage | None = None
 
 
 _decode_usage = msgspec.json.Decoder(_WithUsage).decode
 
 
-def reported_cached_tokens(body: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of a response or chunk, if the engine reported it."""
-    if b"cached_tokens" not in body:
+def reported_usage(body: bytes) -> Usage | None:
+    """The ``usage`` of a response or chunk, if the engine reported one."""
+    if b'"usage"' not in body:
         return None
     try:
-        usage = _decode_usage(body).usage
+        return _decode_usage(body).usage
     except msgspec.DecodeError:
         return None
-    if usage is None or usage.prompt_tokens_details is None:
-        return None
-    return usage.prompt_tokens_details.cached_tokens
