@@ -135,13 +135,17 @@ class StreamedRequest:
 
     def write_piece(self, data: bytes) -> bool:
         """One chunk of the streamed body; True while the client is not keeping up (`Sink.write`)."""
-        chunk = b"%x\r\n%b\r\n" % (len(data), data)
         head = self._head
-        if head is not None:
+        if head is None:
+            chunk = b"%x\r\n%b\r\n" % (len(data), data)
+        else:
             self._head = None
-            chunk = head + chunk
-        self._write(chunk)
-        return self._connection.write_paused()
+            chunk = b"%b%x\r\n%b\r\n" % (head, len(data), data)
+        connection = self._connection
+        transport = connection.transport
+        if not transport.is_closing():
+            transport.write(chunk)
+        return connection.write_paused()
 
     def when_drained(self, resume: Callable[[], None]) -> None:
         """Call ``resume`` once the client has caught up (`Sink.when_drained`)."""

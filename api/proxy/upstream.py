@@ -35,9 +35,6 @@ __all__ = ["IDLE_SECS", "Exchange", "Upstream", "UpstreamError"]
 
 # An idle pooled connection older than this is closed rather than reused.
 IDLE_SECS = 4.0
-# Bytes kept of the end of a forwarded stream: its usage report is one event before [DONE], and the
-# pieces it arrives in can be as small as the worker's writes and the network make them.
-TAIL_BYTES = 4096
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 # Body pieces buffered for a reader that is behind before the worker's connection is paused.
 _MAX_PIECES = 64
@@ -237,8 +234,9 @@ class Exchange(asyncio.Protocol):
         self._delimited = False  # the body's end is marked (content-length or chunked), not the close
         self._keep_alive = False  # the worker keeps the connection open after this answer
         self._pieces: list[bytes] = []  # decoded body not yet taken
-        self._tail: list[bytes] = []  # the last pieces handed on, at least TAIL_BYTES of them
-        self._tail_size = 0
+        # The last two pieces handed on: pieces hold whole events, and the usage report is the event
+        # before [DONE], so it is in one of them.
+        self._last = self._before_last = b""
         self._sink: Sink | None = None
         # Told of every piece of the stream handed on (`first`, `forward`, `pieces`), in the read callback.
         self.on_events: Callable[[bytes], None] | None = None
@@ -408,7 +406,8 @@ class Exchange(asyncio.Protocol):
                 pieces.append(data[cut:])  # held back until its event is whole
                 data = data[:cut]
         if data:
-            self._keep(data)
+            self._before_last = self._last
+            self._last = data
             if self.on_events is not None:
                 self.on_events(data)
         return data
@@ -439,8 +438,7 @@ class Exchange(asyncio.Protocol):
         self._delimited = False
         self._keep_alive = False
         self._pieces = []
-        self._tail = []
-        self._tail_size = 0
+        self._last = self._before_last = b""
         self._iterated = False
         self.on_events = None
         self._head_in = False
@@ -471,16 +469,8 @@ class Exchange(asyncio.Protocol):
 
     @property
     def tail(self) -> bytes:
-        """The last `TAIL_BYTES` (or more) of the body handed on."""
-        return b"".join(self._tail)
-
-    def _keep(self, data: bytes) -> None:
-        tail = self._tail
-        tail.append(data)
-        self._tail_size += len(data)
-        while self._tail_size - len(tail[0]) >= TAIL_BYTES:
-            self._tail_size -= len(tail[0])
-            del tail[0]
+        """The last two pieces of the body handed on: at least its last two events."""
+        return self._before_last + self._last
 
     def _pause_reading(self) -> None:
         if not self._paused and self._transport is not None and not self._closed:
