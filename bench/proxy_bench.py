@@ -80,6 +80,28 @@ def waited_s(pid: int) -> float:
         return int(stat.read().split()[1]) / 1e9
 
 
+def added_buckets(proxy_url: str) -> list[tuple[float, float]]:
+    """The proxy's ``kv_router_proxy_added_seconds`` buckets (upper bound, cumulative count); empty when
+    the proxy has no such metric."""
+    import httpx
+
+    buckets = []
+    prefix = 'kv_router_proxy_added_seconds_bucket{le="'
+    for line in httpx.get(f"{proxy_url}/metrics").text.splitlines():
+        if line.startswith(prefix):
+            bound, _, count = line[len(prefix) :].partition('"} ')
+            buckets.append((float(bound), float(count)))
+    return buckets
+
+
+def bucket_quantile(before: list[tuple[float, float]], after: list[tuple[float, float]], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` of what was observed between two scrapes."""
+    counts = [(bound, count - old) for (bound, count), (_, old) in zip(after, before, strict=True)]
+    if not counts or counts[-1][1] == 0:
+        return None
+    return next(bound for bound, count in counts if count >= q * counts[-1][1])
+
+
 def own_cpu_s() -> float:
     usage = os.times()
     return usage.user + usage.system
@@ -98,6 +120,8 @@ class Phase:
     proxy_cpu_s: float | None = None
     proxy_wait_s: float | None = None
     proxy_sys_s: float | None = None
+    # The proxy's own share of the time to first token, from its histogram: p50 and p99 bucket bounds.
+    proxy_added: tuple[float | None, float | None] = (None, None)
     # --mixed: the direct streams that ran beside the proxy's in the same phase (TTFT, end).
     control: tuple[list[float], list[float]] | None = None
 
@@ -203,6 +227,7 @@ async def run_phase(
     worker0 = sum(process_cpu_s(worker_pid))
     worker_wait0 = waited_s(worker_pid)
     proxy_wait0 = waited_s(proxy_pid) if proxy_pid else 0.0
+    added0 = added_buckets(base_url) if proxy_pid else []
     started = time.perf_counter()
     control = [control_loop(f"{control_url}/v1/completions") for _ in range(args.concurrency)] if control_url else []
     await asyncio.wait_for(asyncio.gather(*(loop() for _ in range(args.concurrency)), *control), args.timeout)
@@ -214,6 +239,9 @@ async def run_phase(
         phase.proxy_cpu_s = user + system - sum(proxy0)
         phase.proxy_sys_s = system - proxy0[1]
         phase.proxy_wait_s = waited_s(proxy_pid) - proxy_wait0
+        added = added_buckets(base_url)
+        if added0 and added:
+            phase.proxy_added = (bucket_quantile(added0, added, 0.5), bucket_quantile(added0, added, 0.99))
     if control_url:
         phase.control = (control_ttft, control_total)
     await close()
@@ -423,6 +451,12 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
         f"({args.processes} process{'es' if args.processes > 1 else ''}); its loop waited for a CPU "
         f"{waiting:.0%} of the phase"
     )
+    shares = [p.proxy_added for p in phases["proxy"] if p.proxy_added[1] is not None]
+    if shares:
+        print(
+            "the proxy's own share of the time to first token (kv_router_proxy_added_seconds), bucket bounds "
+            "per run, p50 / p99: " + ", ".join(f"<= {p50 * 1e3:g} / <= {p99 * 1e3:g} ms" for p50, p99 in shares)  # type: ignore[operator]
+        )
 
 
 async def compare_clients(args: argparse.Namespace, worker_url: str, worker_pid: int) -> int:

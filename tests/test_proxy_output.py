@@ -16,7 +16,7 @@ import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.types import WorkerConfig
-from tests.proxy_fleet import MODEL, fleet, idle
+from tests.proxy_fleet import MODEL, fleet, idle, metric
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -90,7 +90,9 @@ async def test_an_expected_output_length_decays_the_booking_as_the_stream_reache
         await eventually(lambda: idle(f.router))
 
 
-async def test_a_whole_answers_usage_and_many_streams_leave_no_load_behind(nats_server: EmbeddedNats) -> None:
+async def test_a_whole_answers_usage_and_many_streams_leave_no_load_behind_and_are_timed(
+    nats_server: EmbeddedNats,
+) -> None:
     async with fleet(nats_server.url, router=TRACKED) as f:
         whole = await f.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=70)
         assert whole.usage is not None and whole.usage.completion_tokens == 70
@@ -110,6 +112,12 @@ async def test_a_whole_answers_usage_and_many_streams_leave_no_load_behind(nats_
         assert all(text.endswith(" w150") for text in texts)
         assert idle(f.router)
         assert await potential_decode_blocks(f.url) == 0
+        # The proxy's own share of each streamed request's time to first token (the whole answer has none).
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            text = (await http.get("/metrics")).text
+        assert metric(text, "kv_router_proxy_added_seconds_count") == 12
+        added = metric(text, "kv_router_proxy_added_seconds_sum")
+        assert added is not None and added > 0
 
 
 @contextlib.asynccontextmanager

@@ -10,6 +10,11 @@ the request (the cached tokens of the chosen worker at the decision) is compared
   engine's cached tokens over the predicted ones (1: the index is right about this worker; below 1:
   it over-promises, e.g. lost events; above 1: the worker has cache the index does not know of).
 
+And ``kv_router_proxy_added_seconds``, the proxy's own share of a streamed request's time to first
+token: from its body in to its request written to the worker (body decode, tokens, the decision, a
+pooled connection), plus from the read of the worker's first events to their write to the client.
+What it leaves out is the network hop and the wait for the loop before a read is handled.
+
 Per request this costs a few additions; the gauges are computed at scrape time.
 """
 
@@ -28,6 +33,9 @@ __all__ = ["ProxyMetrics"]
 
 ERROR_BUCKETS = (
     -16384, -4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096, 16384,
+)  # fmt: skip
+ADDED_BUCKETS = (
+    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,
 )  # fmt: skip
 OUTCOMES = (
     "ok", "bad_request", "no_worker", "queue_rejected", "upstream_error", "upstream_status",
@@ -84,6 +92,16 @@ class ProxyMetrics(Collector):
                 "Engine-reported cached prompt tokens minus the router's prediction, per request that reported them.",
                 (),
                 {(): self.error},
+            )
+        )
+        self.added = _Histogram(ADDED_BUCKETS)
+        registry.register(
+            _HistogramCollector(
+                f"{PREFIX}_proxy_added_seconds",
+                "The proxy's own share of a streamed request's time to first token: body in to request written "
+                "to the worker, plus the worker's first events read to their write to the client (seconds).",
+                (),
+                {(): self.added},
             )
         )
         self._window = window

@@ -234,10 +234,11 @@ class Proxy:
         """Answer one request whose body is in; a cancellation while ``disconnected()`` says the client
         has gone is the end of the request, counted as such."""
         outcome = "ok"
+        received = time.perf_counter()
         try:
             if too_large:
                 raise self._too_large()
-            outcome = await self._proxy(route, body, authorization, reply)
+            outcome = await self._proxy(route, body, authorization, reply, received)
         except _Refused as refused:
             outcome = refused.outcome
             await reply.whole(refused.status, refused.headers, refused.body)
@@ -254,7 +255,9 @@ class Proxy:
         message = f"request body exceeds the limit of {self._max_body_bytes} bytes"
         return _refused(413, "invalid_request_error", message, "bad_request")
 
-    async def _proxy(self, route: str, body: bytes, authorization: bytes | None, reply: Downstream) -> str:
+    async def _proxy(
+        self, route: str, body: bytes, authorization: bytes | None, reply: Downstream, received: float
+    ) -> str:
         try:
             request = self._decoders[route](body)
             model = request.model
@@ -300,7 +303,7 @@ class Proxy:
             decision = await self._book(tokens, request_id, among, request.expected_output_tokens)
             worker = by_id[decision.worker_id]
             try:
-                return await self._forward(worker, decision, path, body, headers, request.stream, reply)
+                return await self._forward(worker, decision, path, body, headers, request.stream, reply, received)
             except _WorkerFailed as failed:
                 failures.append(f"worker {worker.worker_id}: {failed}")
                 self.cool_down(worker.worker_id, str(failed))
@@ -332,12 +335,15 @@ class Proxy:
         headers: bytes,
         stream: bool,
         reply: Downstream,
+        received: float,
     ) -> str:
-        """One attempt on one worker; raises `_WorkerFailed` while the client has received nothing."""
+        """One attempt on one worker; raises `_WorkerFailed` while the client has received nothing.
+        ``received``: when the request's body was in (perf_counter), for the proxy's added latency."""
         request_id = decision.request_id
         assert request_id is not None and worker.url is not None
         if worker.dp_size > 1:
             headers += b"x-data-parallel-rank: " + str(decision.dp_rank).encode() + b"\r\n"
+        sending = time.perf_counter()
         try:
             exchange = await self.upstream.open(worker.url, path, body, headers)
         except UpstreamError as exc:
@@ -366,11 +372,14 @@ class Proxy:
                         self.router.record_output(request_id, usage.completion_tokens)
                 await reply.whole(status, ours, content)
                 return "ok" if status == 200 else "upstream_status"
-            return await self._stream(exchange, decision, ours, reply)
+            return await self._stream(exchange, decision, ours, reply, sending - received)
         finally:
             exchange.release()  # back to the pool if read to its end; else closed, so the engine stops
 
-    async def _stream(self, exchange: Exchange, decision: RouteDecision, headers: Headers, reply: Downstream) -> str:
+    async def _stream(
+        self, exchange: Exchange, decision: RouteDecision, headers: Headers, reply: Downstream, before_sent: float
+    ) -> str:
+        """Hand the stream on; ``before_sent``: the seconds the proxy held the request before sending it."""
         assert decision.request_id is not None
         if self._track_output:
             exchange.on_events = _OutputProgress(self.router.record_output, decision.request_id)
@@ -383,6 +392,7 @@ class Proxy:
         self.router.mark_prefill(decision.request_id)
         await reply.start(200, headers)
         await reply.write(first)
+        self.metrics.added.observe(before_sent + time.perf_counter() - exchange.read_at)
         problem = None
         try:
             await reply.stream(exchange)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -249,6 +250,7 @@ class Exchange(asyncio.Protocol):
         self._iterated = False  # the body is being taken by `pieces`
         self._idle_since = 0.0
         self._heard = 0.0  # loop time of the last byte from the worker
+        self.read_at = 0.0  # perf_counter time of the last read a waiting coroutine was woken for
         self._silence: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ asyncio callbacks
@@ -269,6 +271,7 @@ class Exchange(asyncio.Protocol):
         pieces = self._pieces
         sink = self._sink
         if sink is None:
+            self.read_at = time.perf_counter()
             if self._iterated and len(pieces) > _MAX_PIECES:
                 self._pause_reading()  # the reader of `pieces` is behind: resumed as it takes them
             self._wake()
