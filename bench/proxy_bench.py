@@ -36,6 +36,7 @@ the nice N for the run (root) restores what nice 19 means elsewhere; the old val
     python bench/proxy_bench.py --clients aiohttp,httpx           # CPU of the two HTTP clients, direct
     python bench/proxy_bench.py --proxy-cpus ''                   # no pinning (the scheduler decides)
     python bench/proxy_bench.py --mixed                           # direct and proxied streams side by side
+    python bench/proxy_bench.py --track-output                    # with output progress on the bookings
 
 Loopback only.
 """
@@ -270,7 +271,8 @@ def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int, int]]:
         pin = ["taskset", "-c", args.proxy_cpus] if args.proxy_cpus else []
         proxy = subprocess.Popen(
             [*pin, *cli, "serve", "--proxy", "--block-size", "64", "--nats-url", nats.url, "--port", str(proxy_port),
-             "--processes", str(args.processes), "--log-level", "warning"],
+             "--processes", str(args.processes), "--log-level", "warning",
+             *(["--router-track-output-blocks"] if args.track_output else [])],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         stack.callback(_stop, proxy)
@@ -355,6 +357,9 @@ def main() -> int:
         "--autogroup-nice", type=int, default=None, help="this session's autogroup nice for the run (root)"
     )
     parser.add_argument(
+        "--track-output", action="store_true", help="the proxy records each stream's output on its booking"
+    )
+    parser.add_argument(
         "--mixed",
         action="store_true",
         help="one phase a round: --concurrency streams through the proxy and as many straight to the worker at once",
@@ -405,6 +410,7 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
         + f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; "
         + (f"proxy on CPU {args.proxy_cpus}, the rest on {args.shared_cpus}" if args.proxy_cpus else "no pinning")
         + (f"; autogroup nice {args.autogroup_nice}" if args.autogroup_nice is not None else "")
+        + ("; output tracked" if args.track_output else "")
     )
     print(
         f"{'':10} {'ttft p50':>10} {'ttft p99':>10} {'end p50':>10} {'end p99':>10} {'tokens/s':>10}"

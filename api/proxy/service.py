@@ -382,7 +382,8 @@ class Proxy:
         """Hand the stream on; ``before_sent``: the seconds the proxy held the request before sending it."""
         assert decision.request_id is not None
         if self._track_output:
-            exchange.on_events = _OutputProgress(self.router.record_output, decision.request_id)
+            block_size = self.router.config.block_size
+            exchange.on_events = _OutputProgress(self.router.record_output, decision.request_id, block_size)
         try:
             first = await exchange.first()
         except UpstreamError as exc:
@@ -420,21 +421,26 @@ class Proxy:
 
 
 class _OutputProgress:
-    """Tells the router how many tokens a stream has generated, once per piece handed on (a read of
-    the worker's connection), counting its SSE events: an OpenAI stream sends one per token, besides
-    a role-only first chunk of a chat, a usage report and ``[DONE]``, so the count is at most three
-    over, and only at the stream's end. A count of ``\n\n`` is all it reads of the stream."""
+    """Tells the router how many tokens a stream has generated, counting the SSE events handed on: an
+    OpenAI stream sends one per token, besides a role-only first chunk of a chat, a usage report and
+    ``[DONE]`` (at most three over, at the stream's end). Told at the first event, then once ``every``
+    more have passed, so that the router is at most a quarter of a block behind (a new output block is
+    what changes the booking) at a few calls per block; per piece, a count of ``\\n\\n`` and a compare."""
 
-    __slots__ = ("events", "record", "request_id")
+    __slots__ = ("events", "every", "next_at", "record", "request_id")
 
-    def __init__(self, record: Callable[[str, int], bool], request_id: str) -> None:
+    def __init__(self, record: Callable[[str, int], bool], request_id: str, block_size: int) -> None:
         self.record = record
         self.request_id = request_id
+        self.every = max(1, block_size // 4)
         self.events = 0
+        self.next_at = 1
 
     def __call__(self, data: bytes) -> None:
-        self.events += data.count(b"\n\n") or data.count(b"\r\n\r\n")
-        self.record(self.request_id, self.events)
+        events = self.events = self.events + (data.count(b"\n\n") or data.count(b"\r\n\r\n"))
+        if events >= self.next_at:
+            self.next_at = events + self.every
+            self.record(self.request_id, events)
 
 
 class _Gone(Exception):
