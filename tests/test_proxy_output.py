@@ -62,7 +62,7 @@ async def test_a_streams_output_moves_its_booking_and_a_disconnect_leaves_nothin
         assert f.router.booking(request_id) is not None
         recorded = load.active_decode_blocks - 2  # less the prompt's two blocks
         assert output_blocks(received - BLOCK // 4) <= recorded <= output_blocks(engine_stream.tokens)
-        assert recorded >= 4
+        assert recorded >= 3  # 181 tokens and more: three output blocks at least
         # The same seen through the decision API, as an operator would.
         assert await potential_decode_blocks(f.url) >= 2 + output_blocks(received - BLOCK // 4)
         await raw.parse().close()
