@@ -7,7 +7,7 @@ body type (`BodyDecoder`), and decoding failures become the API's 400 / 422 erro
 
 A JSON prompt (``"tokens": [1, 2, ...]``) is the costliest part of a body: msgspec builds one Python
 int per token, then the router packs them into u32 for hashing. With the C accelerator
-(`indexer.native`) the top-level ``tokens`` array is parsed straight into packed little-endian u32,
+(`api.native`) the top-level ``tokens`` array is parsed straight into packed little-endian u32,
 the form the router takes as it is, and the rest of the body (the array replaced by ``[]``) is
 decoded as usual. Anything that parser does not take as it is (another form, a float, an id out of
 range, any decoding error) is decoded again the ordinary way, so replies and errors are the same.
@@ -23,8 +23,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from api.errors import InvalidBody, MalformedBody
-from indexer.native import ENABLED as NATIVE
-from indexer.native import accel
+from api.native import ENABLED as NATIVE
+from api.native import accel
 
 __all__ = [
     "JSON",
@@ -110,7 +110,7 @@ class BodyDecoder(Generic[T]):
     def __init__(self, body_type: type[T] | Any, *, packed_tokens: bool = NATIVE) -> None:
         """``packed_tokens``: parse a JSON ``tokens`` array with the C accelerator (see the module)."""
         if packed_tokens and accel is None:
-            raise ValueError("the C accelerator indexer._native is not built")
+            raise ValueError("the C accelerator api._native is not built")
         self._json: msgspec.json.Decoder[T] = msgspec.json.Decoder(body_type)
         self._msgpack: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(body_type)
         self._packed_tokens = packed_tokens and _has_tokens_field(body_type)

@@ -42,8 +42,8 @@ from api.codec import Call, Reply, query_flag
 from api.eager import Suspended, start
 from api.fastpath import HotHandler, HotRoutes, too_large_reply
 from api.http_stream import StreamedRequest, StreamRoute
-from indexer.native import ENABLED as NATIVE
-from indexer.native import accel
+from api.native import ENABLED as NATIVE
+from api.native import accel
 
 __all__ = ["FastHttpProtocol", "fast_protocol"]
 
@@ -134,7 +134,7 @@ class FastHttpProtocol(HttpToolsProtocol):
     stream_routes: ClassVar[dict[bytes, StreamRoute]] = {}
     max_body_bytes: ClassVar[int] = 0
     # A read holding exactly one plain hot POST (its head possibly read before its body) is parsed in
-    # one C call instead of httptools' six or more callbacks (`indexer._native.parse_post`; None:
+    # one C call instead of httptools' six or more callbacks (`api._native.parse_post`; None:
     # httptools parses every request).
     parse_whole: ClassVar[ParsePost | None] = accel.parse_post if NATIVE else None
 

@@ -1,24 +1,26 @@
-"""The optional C accelerator: one switch for every caller.
+"""The optional C accelerators: the one switch, and the indexer's extension.
 
-`indexer._native` (built from `indexer/_native.c` at install when a compiler is there) runs the
-per-block inner loops: XXH3-64, block and sequence hashes, JSON token arrays to packed u32, and the
-radix tree's store and match walks. Each caller keeps its pure-Python code beside it and tests
-``ENABLED`` first; the two give the same answers bit for bit (tests/test_native.py).
-``KV_ROUTER_NO_NATIVE=1`` forces the Python code, as does a failed build; both are read once, at
-import.
+Each layer has its own extension, built at install when a compiler is there: `indexer._native`
+(this module: XXH3-64, block and sequence hashes, token lists to packed u32, the radix tree's store,
+match and removal walks, the msgpack encodings of the event paths), `router._native`
+(router/native.py) and `api._native` (api/native.py). Each caller keeps its pure-Python code beside
+it and tests its layer's ``ENABLED`` first; the two give the same answers bit for bit
+(tests/test_native*.py). ``KV_ROUTER_NO_NATIVE=1`` (``SWITCHED_OFF``, read once at import) forces
+the Python code in every layer, as does a failed build of that layer's extension.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["ENABLED", "NATIVE_DISABLED_ENV", "accel"]
+__all__ = ["ENABLED", "NATIVE_DISABLED_ENV", "SWITCHED_OFF", "accel"]
 
 NATIVE_DISABLED_ENV = "KV_ROUTER_NO_NATIVE"
+SWITCHED_OFF = os.environ.get(NATIVE_DISABLED_ENV, "") not in ("", "0")
 
 try:
     from indexer import _native as accel
 except ImportError:  # not built: the pure-Python code runs; `accel` is never touched then
     accel = None  # type: ignore[assignment]
 
-ENABLED = accel is not None and os.environ.get(NATIVE_DISABLED_ENV, "") in ("", "0")
+ENABLED = accel is not None and not SWITCHED_OFF

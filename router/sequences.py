@@ -35,10 +35,10 @@ from collections.abc import Iterator, Sequence
 from itertools import pairwise
 from typing import NamedTuple
 
-from indexer.native import ENABLED as NATIVE
-from indexer.native import accel
 from indexer.slots import WorkerRank
 from router.errors import DuplicateRequestId, UnknownWorker
+from router.native import ENABLED as NATIVE
+from router.native import accel
 from router.overlap import round_half_away
 
 __all__ = ["ActiveSequences", "Booking", "RankState"]
@@ -435,7 +435,7 @@ class ActiveSequences:
 def python_shared_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
     """How many leading ``hashes`` of a booked prompt other requests on its rank hold too: refcounts
     never increase along a prompt, so the blocks only this request holds (refcount 1) are a suffix.
-    The pure-Python twin of `indexer._native.shared_prefix`."""
+    The pure-Python twin of `router._native.shared_prefix`."""
     low, high = 0, len(hashes)
     while low < high:
         middle = (low + high) // 2
@@ -448,7 +448,7 @@ def python_shared_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
 
 def python_held_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
     """How many leading ``hashes`` a rank holds: they are a prefix of the prompt (see the module
-    docstring), so bisect for its end. O(log n). The pure-Python twin of `indexer._native.held_prefix`."""
+    docstring), so bisect for its end. O(log n). The pure-Python twin of `router._native.held_prefix`."""
     low, high = 0, len(hashes)
     while low < high:
         middle = (low + high) // 2

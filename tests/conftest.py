@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from indexer.native import ENABLED as NATIVE
-from indexer.native import NATIVE_DISABLED_ENV
+import api.native
+import indexer.native
+import router.native
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 
@@ -18,8 +19,10 @@ SHARED_DIR = Path(os.environ.get("KV_ROUTER_SHARED", Path(__file__).resolve().pa
 
 
 def pytest_report_header() -> str:
-    state = "on" if NATIVE else f"off (pure Python; {NATIVE_DISABLED_ENV}={os.environ.get(NATIVE_DISABLED_ENV, '')!r})"
-    return f"kv-router C accelerator: {state}"
+    layers = {"indexer": indexer.native.ENABLED, "router": router.native.ENABLED, "api": api.native.ENABLED}
+    state = ", ".join(f"{layer} {'on' if on else 'off'}" for layer, on in layers.items())
+    switch = indexer.native.NATIVE_DISABLED_ENV
+    return f"kv-router C accelerators: {state} ({switch}={os.environ.get(switch, '')!r})"
 
 
 @pytest.fixture(scope="session")

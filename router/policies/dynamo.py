@@ -20,9 +20,9 @@ import math
 import random
 from collections.abc import Sequence
 
-from indexer.native import ENABLED as NATIVE
-from indexer.native import accel
 from router.config import RouterConfig
+from router.native import ENABLED as NATIVE
+from router.native import accel
 from router.overlap import NO_OVERLAP
 from router.policies.base import Selection, SelectionContext
 from router.sequences import RankState
@@ -84,7 +84,7 @@ class DynamoPolicy:
 
 
 def python_costs(context: SelectionContext) -> list[float]:
-    """The dynamo policy's costs in Python: the twin of `indexer._native.dynamo_costs`."""
+    """The dynamo policy's costs in Python: the twin of `router._native.dynamo_costs`."""
     config = context.config
     block_size = context.block_size
     isl = context.isl_tokens

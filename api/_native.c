@@ -1,0 +1,385 @@
+/* api._native: the HTTP front's per-request parsing in C (optional accelerator, api/native.py).
+ *
+ * Each function has a pure-Python path that gives the same answers (tests/test_native_api.py): the
+ * tokens array of a JSON body to packed u32 (api/codec.py) and one whole plain POST request
+ * (api/http_protocol.py).
+ *
+ * Guardrail: a function that meets input it was not written for returns None, so the caller's
+ * ordinary parser runs and gives the exact error or meaning.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ JSON token arrays (codec.py)
+ *
+ * split_json_tokens(body) -> (packed, start, end) | None: for a JSON object body whose top-level
+ * "tokens" member is an array of integers in [0, 2^32), the ids as packed little-endian u32 and the
+ * byte span of that array in the body. None for anything else (no such member, or a value this
+ * parser does not take as it is: another JSON value, a float, an exponent, a leading zero, a value
+ * out of range, an escaped key, a repeated "tokens" key, bad syntax): the caller then decodes the
+ * body the ordinary way, which gives the exact error or meaning. Only the tokens array is parsed;
+ * the other members are skipped (strings, nesting) for the caller's decoder to check. */
+static inline int json_space(uint8_t c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+static const uint8_t *skip_space(const uint8_t *p, const uint8_t *end) {
+    while (p < end && json_space(*p))
+        p++;
+    return p;
+}
+
+/* Past a string starting at its opening quote; NULL when unterminated. */
+static const uint8_t *skip_string(const uint8_t *p, const uint8_t *end) {
+    for (p++; p < end; p++) {
+        if (*p == '\\')
+            p++;
+        else if (*p == '"')
+            return p + 1;
+    }
+    return NULL;
+}
+
+/* Past one value (not checked: the caller's decoder checks it); NULL at the end of the input. */
+static const uint8_t *skip_value(const uint8_t *p, const uint8_t *end) {
+    Py_ssize_t depth = 0;
+    while (p < end) {
+        uint8_t c = *p;
+        if (c == '"') {
+            p = skip_string(p, end);
+            if (p == NULL)
+                return NULL;
+            if (depth == 0)
+                return p;
+            continue;
+        }
+        if (c == '{' || c == '[') {
+            depth++;
+        } else if (c == '}' || c == ']') {
+            if (depth == 0)
+                return p; /* the end of the enclosing object: a scalar ended here */
+            if (--depth == 0)
+                return p + 1;
+        } else if (c == ',' && depth == 0) {
+            return p;
+        }
+        p++;
+    }
+    return NULL;
+}
+
+/* Parse a token array at `p` into `dst`; returns past the array, or NULL if it is not one.
+ * The caller guarantees that a non-digit byte ends the input (the body's closing brace), so digit
+ * runs need no bounds check. */
+static const uint8_t *parse_token_array(const uint8_t *p, const uint8_t *end, uint8_t *dst, Py_ssize_t *count) {
+    uint8_t *const first = dst;
+    if (p == end || *p != '[')
+        return NULL;
+    p = skip_space(p + 1, end);
+    if (p < end && *p == ']') {
+        *count = 0;
+        return p + 1;
+    }
+    for (;;) {
+        if ((uint8_t)(*p - '0') > 9) {
+            p = skip_space(p, end);
+            if (p == end || (uint8_t)(*p - '0') > 9)
+                return NULL;
+        }
+        const uint8_t *digits = p;
+        uint64_t value = (uint64_t)(*p++ - '0');
+        while ((uint8_t)(*p - '0') <= 9) {
+            value = value * 10 + (uint64_t)(*p++ - '0');
+            if (p - digits > 10)
+                return NULL;
+        }
+        if (value > 0xFFFFFFFFULL || (*digits == '0' && p - digits > 1))
+            return NULL; /* out of range, or a leading zero (not JSON) */
+        uint8_t c = *p;
+        if (c == '.' || c == 'e' || c == 'E')
+            return NULL;
+        dst[0] = (uint8_t)value;
+        dst[1] = (uint8_t)(value >> 8);
+        dst[2] = (uint8_t)(value >> 16);
+        dst[3] = (uint8_t)(value >> 24);
+        dst += 4;
+        if (c == ',') {
+            p++;
+            continue;
+        }
+        p = skip_space(p, end);
+        if (p == end)
+            return NULL;
+        if (*p == ',') {
+            p++;
+            continue;
+        }
+        if (*p == ']') {
+            *count = (dst - first) / 4;
+            return p + 1;
+        }
+        return NULL;
+    }
+}
+
+/* Scratch space for parsed tokens, kept between calls (the GIL is held): a fresh buffer as large as
+ * the worst case would be a new mapping, and its page faults, for every long prompt. */
+static uint8_t *token_scratch;
+static size_t token_scratch_size;
+
+static PyObject *py_split_json_tokens(PyObject *self, PyObject *arg) {
+    Py_buffer data;
+    if (PyObject_GetBuffer(arg, &data, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const uint8_t *begin = (const uint8_t *)data.buf, *end = begin + data.len;
+    const uint8_t *p = skip_space(begin, end), *array_start = NULL, *array_end = NULL;
+    PyObject *packed;
+    Py_ssize_t count = 0;
+    if (p == end || *p != '{')
+        goto unsupported;
+    p = skip_space(p + 1, end);
+    if (p < end && *p == '}')
+        goto unsupported;
+    for (;;) {
+        if (p == end || *p != '"')
+            goto unsupported;
+        const uint8_t *key = p + 1;
+        p = skip_string(p, end);
+        if (p == NULL || memchr(key, '\\', (size_t)(p - 1 - key)) != NULL)
+            goto unsupported;
+        int is_tokens = p - 1 - key == 6 && memcmp(key, "tokens", 6) == 0;
+        p = skip_space(p, end);
+        if (p == end || *p != ':')
+            goto unsupported;
+        p = skip_space(p + 1, end);
+        if (is_tokens) {
+            if (array_start != NULL)
+                goto unsupported; /* a repeated key: the ordinary decoder decides */
+            const uint8_t *last = end - 1;
+            while (last > p && json_space(*last))
+                last--;
+            if (*last != '}')
+                goto unsupported; /* also what lets the digit loop run without bounds checks */
+            /* A token is at least one digit plus a separator: this bounds the output. */
+            size_t needed = (size_t)(end - p) / 2 * 4 + 4;
+            if (needed > token_scratch_size) {
+                uint8_t *grown = PyMem_Realloc(token_scratch, needed);
+                if (grown == NULL) {
+                    PyBuffer_Release(&data);
+                    return PyErr_NoMemory();
+                }
+                token_scratch = grown;
+                token_scratch_size = needed;
+            }
+            array_start = p;
+            p = parse_token_array(p, end, token_scratch, &count);
+            if (p == NULL)
+                goto unsupported;
+            array_end = p;
+        } else {
+            p = skip_value(p, end);
+            if (p == NULL)
+                goto unsupported;
+        }
+        p = skip_space(p, end);
+        if (p == end)
+            goto unsupported;
+        if (*p == ',') {
+            p = skip_space(p + 1, end);
+            continue;
+        }
+        if (*p == '}')
+            break;
+        goto unsupported;
+    }
+    if (array_start == NULL || skip_space(p + 1, end) != end)
+        goto unsupported;
+    PyBuffer_Release(&data);
+    packed = PyBytes_FromStringAndSize((const char *)token_scratch, count * 4);
+    if (packed == NULL)
+        return NULL;
+    return Py_BuildValue("Nnn", packed, (Py_ssize_t)(array_start - begin), (Py_ssize_t)(array_end - begin));
+unsupported:
+    PyBuffer_Release(&data);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ one whole hot HTTP request (http_protocol.py)
+ *
+ * `parse_post(data)`: the request in `data` when it is exactly one complete `POST` of the plainest
+ * form, else None and httptools parses it as usual. Plainest form: `POST <target> HTTP/1.1`, the
+ * target of URL-safe characters only, header names of token characters, values of visible ASCII and
+ * inner spaces (not empty, no leading or trailing whitespace: nothing for a parser to trim or reject), one
+ * Content-Length of digits with exactly that many body bytes after the head, and none of the headers
+ * that change how a request is framed or answered (Connection, Transfer-Encoding, Upgrade, Expect,
+ * Keep-Alive, Proxy-Connection) nor a repeated one of those it reads. Returns (path, query,
+ * content_type, accept, x_request_id, authorization, body), absent headers as None; or, when such a
+ * head is complete but not all of its body is in `data` yet, the Content-Length. */
+static inline int url_char(uint8_t c) {
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'))
+        return 1;
+    switch (c) {
+    case '-': case '.': case '_': case '~': case '!': case '$': case '&': case '\'': case '(': case ')':
+    case '*': case '+': case ',': case ';': case '=': case ':': case '@': case '/': case '%': case '?':
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static inline int token_char(uint8_t c) {
+    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9'))
+        return 1;
+    switch (c) {
+    case '!': case '#': case '$': case '%': case '&': case '\'': case '*': case '+': case '-': case '.':
+    case '^': case '_': case '`': case '|': case '~':
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static int name_is(const uint8_t *name, size_t length, const char *lower) {
+    size_t n = strlen(lower);
+    if (length != n)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        uint8_t c = name[i];
+        if (c >= 'A' && c <= 'Z')
+            c = (uint8_t)(c + 32);
+        if (c != (uint8_t)lower[i])
+            return 0;
+    }
+    return 1;
+}
+
+enum { H_CONTENT_TYPE, H_ACCEPT, H_REQUEST_ID, H_AUTHORIZATION, H_READ };
+
+static PyObject *py_parse_post(PyObject *self, PyObject *data) {
+    if (!PyBytes_CheckExact(data))
+        Py_RETURN_NONE;
+    const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(data);
+    const uint8_t *end = p + PyBytes_GET_SIZE(data);
+    if (end - p < 6 || memcmp(p, "POST /", 6) != 0)
+        Py_RETURN_NONE;
+    p += 5;
+    const uint8_t *target = p, *question = NULL;
+    while (p < end && *p != ' ') {
+        if (!url_char(*p))
+            Py_RETURN_NONE;
+        if (*p == '?' && question == NULL)
+            question = p;
+        p++;
+    }
+    const uint8_t *target_end = p;
+    if (end - p < 11 || memcmp(p, " HTTP/1.1\r\n", 11) != 0)
+        Py_RETURN_NONE;
+    p += 11;
+    const uint8_t *values[H_READ] = {NULL, NULL, NULL, NULL};
+    size_t lengths[H_READ] = {0, 0, 0, 0};
+    long long content_length = -1;
+    for (;;) {
+        if (end - p < 2)
+            Py_RETURN_NONE;
+        if (p[0] == '\r' && p[1] == '\n') {
+            p += 2;
+            break;
+        }
+        const uint8_t *name = p;
+        while (p < end && token_char(*p))
+            p++;
+        size_t name_length = (size_t)(p - name);
+        if (name_length == 0 || p >= end || *p != ':')
+            Py_RETURN_NONE;
+        p++;
+        if (p < end && *p == ' ')
+            p++;
+        const uint8_t *value = p;
+        while (p < end && *p >= 0x20 && *p <= 0x7e)
+            p++;
+        size_t value_length = (size_t)(p - value);
+        if (end - p < 2 || p[0] != '\r' || p[1] != '\n')
+            Py_RETURN_NONE;
+        p += 2;
+        if (value_length == 0 || value[0] == ' ' || value[value_length - 1] == ' ')
+            Py_RETURN_NONE;
+        int slot = -1;
+        if (name_is(name, name_length, "content-length")) {
+            if (content_length >= 0 || value_length == 0 || value_length > 15)
+                Py_RETURN_NONE;
+            content_length = 0;
+            for (size_t i = 0; i < value_length; i++) {
+                if (value[i] < '0' || value[i] > '9')
+                    Py_RETURN_NONE;
+                content_length = content_length * 10 + (value[i] - '0');
+            }
+            continue;
+        }
+        if (name_is(name, name_length, "content-type"))
+            slot = H_CONTENT_TYPE;
+        else if (name_is(name, name_length, "accept"))
+            slot = H_ACCEPT;
+        else if (name_is(name, name_length, "x-request-id"))
+            slot = H_REQUEST_ID;
+        else if (name_is(name, name_length, "authorization"))
+            slot = H_AUTHORIZATION;
+        else if (name_is(name, name_length, "connection") || name_is(name, name_length, "transfer-encoding") ||
+                 name_is(name, name_length, "upgrade") || name_is(name, name_length, "expect") ||
+                 name_is(name, name_length, "keep-alive") || name_is(name, name_length, "proxy-connection"))
+            Py_RETURN_NONE;
+        if (slot >= 0) {
+            if (values[slot] != NULL)
+                Py_RETURN_NONE;
+            values[slot] = value;
+            lengths[slot] = value_length;
+        }
+    }
+    if (content_length < 0 || content_length < end - p)
+        Py_RETURN_NONE;
+    if (content_length > end - p) /* the rest of the body is still to come: the caller may wait for it */
+        return PyLong_FromLongLong(content_length);
+    const uint8_t *path_end = question != NULL ? question : target_end;
+    PyObject *items[7] = {NULL};
+    items[0] = PyBytes_FromStringAndSize((const char *)target, path_end - target);
+    items[1] = question != NULL ? PyBytes_FromStringAndSize((const char *)question + 1, target_end - question - 1)
+                                : PyBytes_FromStringAndSize("", 0);
+    for (int i = 0; i < H_READ; i++) {
+        if (values[i] == NULL)
+            items[2 + i] = Py_NewRef(Py_None);
+        else if (i == H_REQUEST_ID)
+            items[2 + i] = PyUnicode_DecodeLatin1((const char *)values[i], (Py_ssize_t)lengths[i], NULL);
+        else
+            items[2 + i] = PyBytes_FromStringAndSize((const char *)values[i], (Py_ssize_t)lengths[i]);
+    }
+    items[6] = PyBytes_FromStringAndSize((const char *)p, end - p);
+    PyObject *result = PyTuple_New(7);
+    for (int i = 0; i < 7; i++) {
+        if (items[i] == NULL || result == NULL) {
+            for (int j = 0; j < 7; j++)
+                Py_XDECREF(items[j]);
+            Py_XDECREF(result);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < 7; i++)
+        PyTuple_SET_ITEM(result, i, items[i]);
+    return result;
+}
+
+/* ------------------------------------------------------------------ module */
+
+static PyMethodDef native_methods[] = {
+    {"split_json_tokens", py_split_json_tokens, METH_O,
+     "split_json_tokens(body) -> (packed, start, end) | None: a JSON body's tokens array as packed u32."},
+    {"parse_post", py_parse_post, METH_O,
+     "parse_post(data) -> (path, query, content_type, accept, x_request_id, authorization, body) | int | None: "
+     "one whole plain POST request, or its Content-Length while its body is incomplete."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "api._native", "kv-router's optional C accelerator of the HTTP front (see api/native.py).",
+    -1, native_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

@@ -1,0 +1,28 @@
+# Types of the router's C accelerator built from router/_native.c (see router/native.py).
+from collections.abc import Sequence
+from typing import Any
+
+def book_blocks(refs: dict[int, int], hashes: Sequence[int], held: int, /) -> None: ...
+def release_blocks(refs: dict[int, int], hashes: Sequence[int], shared: int, /) -> None: ...
+def held_prefix(refs: dict[int, int], hashes: Sequence[int], /) -> int: ...
+def shared_prefix(refs: dict[int, int], hashes: Sequence[int], /) -> int: ...
+
+# The dynamo policy's costs (router/policies/dynamo.py's `python_costs`); None: run the Python code.
+def dynamo_costs(
+    ranks: Sequence[Any],
+    overlaps: dict[Any, Any],
+    depths: dict[Any, int],
+    isl_tokens: int,
+    block_size: int,
+    booked_blocks: int,
+    track_prefill_tokens: bool,
+    overlap_score_credit: float,
+    overlap_score_credit_decay: float,
+    host_cache_hit_weight: float,
+    disk_cache_hit_weight: float,
+    prefill_load_scale: float,
+    decode_active_request_weight: float,
+    taint_multipliers: Sequence[float] | None,
+    /,
+) -> list[float] | None: ...
+def lowest_cost(costs: list[float], /) -> tuple[int, int] | None: ...

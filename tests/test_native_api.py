@@ -1,0 +1,223 @@
+"""The HTTP front's C accelerator (`api._native`) reads requests as the Python path does.
+
+The JSON token parser never takes what msgspec rejects or reads differently, bodies decode alike with and
+without it, and the whole-request parser takes only what httptools reads alike. The C functions are called
+directly whatever ``KV_ROUTER_NO_NATIVE`` says.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from api.codec import BodyDecoder, Call
+from api.errors import ApiError
+from api.wire import NewRequest, PotentialLoadsRequest
+
+native = pytest.importorskip("api._native", reason="the C accelerator is not built")
+
+
+# ------------------------------------------------------------------ JSON token arrays
+def _packed(body: bytes) -> bytes | None:
+    split = native.split_json_tokens(body)
+    if split is None:
+        return None
+    packed, start, end = split
+    assert body[start] == ord("[") and body[end - 1] == ord("]")
+    return packed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300), st.sampled_from(["", " ", "\n", "\t ", "\r\n"]))
+def test_a_json_token_array_packs_to_the_u32_bytes_of_its_ids(tokens: list[int], space: str) -> None:
+    array_text = "[" + space + ("," + space).join(map(str, tokens)) + space + "]"
+    escaped = r'"b": "a \\ \" ] }"'  # a string member with escapes and brackets inside
+    body = f'{space}{{"a": {{"tokens": [1, "]"]}},{space}"tokens"{space}:{space}{array_text}, {escaped}}}{space}'
+    assert msgspec.json.decode(body)["tokens"] == tokens
+    assert _packed(body.encode()) == array("I", tokens).tobytes()
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.text(alphabet='[]{}0123456789,-.eE+ \t\n"x:\\', max_size=40))
+def test_the_json_token_parser_never_accepts_what_msgspec_rejects_or_reads_differently(text: str) -> None:
+    body = ('{"tokens":' + text + "}").encode()
+    packed = _packed(body)
+    if packed is None:
+        return
+    tokens = msgspec.json.decode(body, type=dict[str, Any])["tokens"]
+    assert all(type(token) is int and 0 <= token < 2**32 for token in tokens)
+    assert packed == array("I", tokens).tobytes()
+
+
+def _decode(decoder: BodyDecoder[Any], body: bytes) -> tuple[str, Any]:
+    try:
+        request = decoder.decode(Call(body))
+    except ApiError as exc:
+        return type(exc).__name__, str(exc)
+    fields = msgspec.structs.asdict(request)
+    tokens = fields.pop("tokens")
+    if isinstance(tokens, list) and all(type(t) is int and 0 <= t < 2**32 for t in tokens):
+        tokens = array("I", tokens).tobytes()  # the form the packed path hands over
+    return "decoded", (tokens, fields)
+
+
+token_values = st.integers(0, 2**32 - 1) | st.integers(-5, 2**40) | st.floats(allow_nan=False, allow_infinity=False)
+token_fields = (  # ids in and out of u32, floats, base64 strings, near-JSON
+    st.lists(token_values, max_size=40).map(lambda tokens: msgspec.json.encode(tokens))
+    | st.binary(max_size=12).map(lambda packed: msgspec.json.encode(packed))
+    | st.sampled_from([b"[01]", b"[1,]", b"[-0]", b"[1e3]", b"null", b"{}", b'"not base64!"', b"[1, 2 ]"])
+)
+other_fields = st.sampled_from(
+    [b"", b',"request_id":"r-1"', b',"request_id":""', b',"unknown":1', b',"lora_name":"a","explain":true',
+     b',"lora_name":"x\\"y"', b',"tokens":[1]', b',"block_mm_infos":[{"mm_objects":[]}]', b',"lora_name":1']
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("body_type", [NewRequest, PotentialLoadsRequest])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=token_fields, rest=other_fields, truncate=st.booleans(), first=st.booleans())
+def test_bodies_decode_alike_with_and_without_the_packed_token_path(
+    body_type: type, tokens: bytes, rest: bytes, truncate: bool, first: bool
+) -> None:
+    body = (
+        (b'{"tokens":' + tokens + rest + b"}")
+        if first
+        else (b'{"priority_jump":1' + rest + b',"tokens":' + tokens + b"}")
+    )
+    if truncate:
+        body = body[:-1]
+    packed = BodyDecoder(body_type, packed_tokens=True)
+    ordinary = BodyDecoder(body_type, packed_tokens=False)
+    assert _decode(packed, body) == _decode(ordinary, body)
+    decoded = packed.decode(Call(body)) if _decode(ordinary, body)[0] == "decoded" else None
+    assert decoded is None or isinstance(decoded, body_type)
+
+
+# ------------------------------------------------------------------ the radix tree
+def test_packed_tokens_are_little_endian_u32() -> None:
+    assert native.split_json_tokens(b'{"tokens":[1,258]}') == (struct.pack("<2I", 1, 258), 10, 17)
+    for unsupported in (b'{"tokens":[1],"tokens":[2]}', b'{"tok\\u0065ns":[1]}', b"[1]", b'{"tokens":"AAAA"}'):
+        assert native.split_json_tokens(unsupported) is None
+
+
+class _Recorder:
+    """httptools' view of a request: what uvicorn's callbacks collect."""
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body = b""
+        self.messages = 0
+        self.began = 0
+
+    def on_message_begin(self) -> None:
+        self.began += 1
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.messages += 1
+
+
+header_names = st.sampled_from(
+    ["Content-Type", "content-length", "Accept", "X-Request-Id", "authorization", "Host", "Connection",
+     "Transfer-Encoding", "Expect", "Upgrade", "X-Other", "Bad Name", "Keep-Alive", ""]
+)  # fmt: skip
+header_values = st.sampled_from(
+    ["application/json", "application/msgpack", "close", "chunked", "100-continue", "req-1", "a b"]
+) | st.text(alphabet="ab1/;=-, \t\x7f\xe9\x00", max_size=8)
+targets = st.sampled_from(["/v1/new", "/v1/mark_free?explain=true"]) | st.text(
+    alphabet='/v1newrk?=&%#"<> ~', max_size=14
+).map(lambda t: "/" + t)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    method=st.sampled_from(["POST", "POST", "POST", "GET", "post"]),
+    target=targets,
+    version=st.sampled_from(["HTTP/1.1", "HTTP/1.1", "HTTP/1.1", "HTTP/1.0", "HTTP/1.1 "]),
+    headers=st.lists(st.tuples(header_names, st.sampled_from([": ", ": ", ":", ":  "]), header_values), max_size=5),
+    body=st.binary(max_size=12),
+    length=st.sampled_from(["exact", "exact", "exact", "none", "short", "long"]),
+    trailing=st.sampled_from([b"", b"", b"", b"POST / HTTP/1.1\r\n"]),
+)
+def test_the_whole_request_parser_accepts_only_what_httptools_reads_alike(
+    method: str,
+    target: str,
+    version: str,
+    headers: list[tuple[str, str, str]],
+    body: bytes,
+    length: str,
+    trailing: bytes,
+) -> None:
+    httptools = pytest.importorskip("httptools")
+    lines = [f"{method} {target} {version}"] + [f"{name}{colon}{value}" for name, colon, value in headers]
+    declared = {"exact": len(body), "short": max(len(body) - 1, 0), "long": len(body) + 1}.get(length)
+    if declared is not None:
+        lines.append(f"Content-Length: {declared}")
+    data = "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + body + trailing
+    parsed = native.parse_post(data)
+    head, _, body = data.partition(b"\r\n\r\n")
+    if isinstance(parsed, int):  # a plain head with its body still to come: it parses once that is in
+        assert len(body) < parsed
+        body += b"z" * (parsed - len(body))
+        data = head + b"\r\n\r\n" + body
+        parsed = native.parse_post(data)
+        assert isinstance(parsed, tuple)
+    if parsed is None:
+        return
+    recorder = _Recorder()
+    parser = httptools.HttpRequestParser(recorder)
+    parser.feed_data(data)  # raises for anything httptools refuses: the C parser must not take it
+    assert (recorder.began, recorder.messages) == (1, 1)
+    assert parser.get_method() == b"POST" and parser.get_http_version() == "1.1" and parser.should_keep_alive()
+    assert not parser.should_upgrade()
+    path, query, content_type, accept, request_id, authorization, parsed_body = parsed
+    assert (path, query) == recorder.url.partition(b"?")[::2]
+    seen = dict(recorder.headers)
+    assert len(seen) == len(recorder.headers) or all(
+        n not in (b"content-type", b"accept", b"x-request-id", b"authorization", b"content-length")
+        for n, _ in recorder.headers
+        if [m for m, _ in recorder.headers].count(n) > 1
+    )
+    assert content_type == seen.get(b"content-type")
+    assert accept == seen.get(b"accept")
+    assert request_id == (seen[b"x-request-id"].decode("latin-1") if b"x-request-id" in seen else None)
+    assert authorization == seen.get(b"authorization")
+    assert parsed_body == recorder.body == body
+    assert int(seen[b"content-length"]) == len(body)
+
+
+def test_the_whole_request_parser_reads_a_plain_post() -> None:
+    data = (
+        b"POST /v1/new?explain=true HTTP/1.1\r\nHost: h\r\ncontent-type: application/json\r\n"
+        b"Content-Length: 2\r\nX-Request-Id: r-1\r\nAuthorization: Bearer t\r\n\r\n{}"
+    )
+    expected = (b"/v1/new", b"explain=true", b"application/json", None, "r-1", b"Bearer t", b"{}")
+    assert native.parse_post(data) == expected
+    assert native.parse_post(data[:-1]) == 2  # the body not all here yet: its Content-Length
+    for refused in (
+        data + b"POST",  # a pipelined second request
+        data[:-3],  # the head not all here yet
+        data.replace(b"Host: h", b"Connection: close"),
+        data.replace(b"Host: h", b"Expect: 100-continue"),
+        data.replace(b"HTTP/1.1", b"HTTP/1.0"),
+        data.replace(b"POST", b"GET"),
+    ):
+        assert native.parse_post(refused) is None
+
+
+# ------------------------------------------------------------------ the bridge's wire paths
