@@ -1,8 +1,8 @@
 /* router._native: the router's per-request loops in C (optional accelerator, router/native.py).
  *
  * Each function has a pure-Python twin that gives the same answers bit for bit (tests/test_native_router.py):
- * the refcount loops of booking and release and the prefix bisections (router/sequences.py), the dynamo
- * policy's costs and the choice of the lowest (router/policies/dynamo.py).
+ * a rank's booked blocks as a trie of prompts (router/booked_blocks.py), the dynamo policy's costs and
+ * the choice of the lowest (router/policies/dynamo.py).
  *
  * Guardrail: a function that meets input it was not written for returns None (or raises the same
  * exception class as the Python path), so the caller can fall back to Python for the exact error.
@@ -11,100 +11,369 @@
 #include <Python.h>
 #include <stdint.h>
 
-/* ------------------------------------------------------------------ booked blocks (sequences.py)
+/* ------------------------------------------------------------------ booked blocks (booked_blocks.py)
  *
- * A rank's booked blocks are a dict sequence hash -> refcount. Booking a prompt increments the
- * refcounts of the first `held` hashes (those the rank already holds) and sets the rest to 1;
- * releasing decrements the first `shared` and deletes the rest (held by this request alone). */
-static PyObject *one, *minus_one;
+ * `BookedBlocks`: one rank's booked prompt blocks, the C twin of router/booked_blocks.py. Requests
+ * on a rank share blocks only as a common prefix of their sequence hashes (each hash names its whole
+ * prefix), so the booked blocks are a trie of prompts, kept here with compressed edges: a `Run` is a
+ * slice of one booked prompt's hashes with the number of active requests whose prompt covers all of
+ * it, and its children are keyed by their first hash. Booking, release and the prefix reads walk one
+ * run per divergence and compare slices, instead of one dict operation per block. Hashes are
+ * compared as the dict of the Python twin compares its keys (`==`), and a run keeps its prompt's
+ * tuple alive. */
+typedef struct Run {
+    PyObject_HEAD
+    PyObject *hashes;   /* a tuple: the run is hashes[start:end] */
+    Py_ssize_t start, end;
+    Py_ssize_t count;   /* active requests whose prompt covers the whole run */
+    PyObject *children; /* NULL or a dict: first hash -> Run */
+} Run;
 
-/* The refcount of a booked `hash` (borrowed); NULL with KeyError, as `refs[hash]` raises, when it is
- * not booked. */
-static PyObject *booked_count(PyObject *refs, PyObject *hash) {
-    PyObject *count = PyDict_GetItemWithError(refs, hash);
-    if (count == NULL && !PyErr_Occurred())
-        PyErr_SetObject(PyExc_KeyError, hash);
-    return count;
+static void Run_dealloc(Run *self) {
+    Py_XDECREF(self->hashes);
+    Py_XDECREF(self->children);
+    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* The one loop of book_blocks (step +1) and release_blocks (step -1): `args` is (refs, hashes, split);
- * the first `split` refcounts move by `step`, the rest are set to 1 (booking) or deleted (release). */
-static PyObject *rebook(PyObject *args, PyObject *step) {
-    PyObject *refs, *hashes;
-    Py_ssize_t split;
-    if (!PyArg_ParseTuple(args, "O!On", &PyDict_Type, &refs, &hashes, &split))
+static PyTypeObject RunType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router._native._Run",
+    .tp_basicsize = sizeof(Run),
+    .tp_dealloc = (destructor)Run_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+};
+
+static Run *run_new(PyObject *hashes, Py_ssize_t start, Py_ssize_t end, Py_ssize_t count) {
+    Run *run = PyObject_New(Run, &RunType);
+    if (run == NULL)
         return NULL;
+    run->hashes = Py_NewRef(hashes);
+    run->start = start;
+    run->end = end;
+    run->count = count;
+    run->children = NULL;
+    return run;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *roots; /* dict: first hash -> Run */
+    Py_ssize_t blocks; /* distinct booked blocks */
+} BookedObject;
+
+/* Where a prompt's walk down the trie ends. */
+typedef struct {
+    Run **path;          /* the runs covered in full, root first */
+    Py_ssize_t depth;    /* how many */
+    Run *partial;        /* the run the prompt leaves (or ends) inside, NULL if none */
+    PyObject *partial_in; /* the dict holding `partial` */
+    Py_ssize_t inside;   /* how many of partial's hashes the prompt shares */
+    Py_ssize_t held;     /* leading hashes of the prompt booked */
+    PyObject *last_children; /* the dict the next run of the prompt would go in (may be NULL) */
+    Run *last;           /* the last run covered in full (NULL: none, the roots) */
+} Walk;
+
+/* 0 with *walk filled, -1 with an exception. `path` has room for `n` runs (each covers a hash). */
+static int walk_prompt(BookedObject *self, PyObject **items, Py_ssize_t n, Walk *walk, Run **path) {
+    walk->path = path;
+    walk->depth = 0;
+    walk->partial = NULL;
+    walk->partial_in = NULL;
+    walk->inside = 0;
+    walk->last = NULL;
+    PyObject *children = self->roots;
+    Py_ssize_t i = 0;
+    while (i < n && children != NULL) {
+        Run *run = (Run *)PyDict_GetItemWithError(children, items[i]);
+        if (run == NULL) {
+            if (PyErr_Occurred())
+                return -1;
+            break;
+        }
+        PyObject **mine = &PySequence_Fast_ITEMS(run->hashes)[run->start];
+        Py_ssize_t length = run->end - run->start, shared = 1;
+        while (shared < length && i + shared < n) {
+            PyObject *a = mine[shared], *b = items[i + shared];
+            if (a != b) {
+                int equal = PyObject_RichCompareBool(a, b, Py_EQ);
+                if (equal < 0)
+                    return -1;
+                if (!equal)
+                    break;
+            }
+            shared++;
+        }
+        i += shared;
+        if (shared < length) {
+            walk->partial = run;
+            walk->partial_in = children;
+            walk->inside = shared;
+            break;
+        }
+        path[walk->depth++] = run;
+        walk->last = run;
+        children = run->children;
+    }
+    walk->held = i;
+    walk->last_children = children;
+    return 0;
+}
+
+/* Room for the runs of an n-hash prompt's path: on the stack when it fits, else allocated (NULL with
+ * MemoryError), freed by the caller when it is not `on_stack`. */
+#define PATH_ON_STACK 64
+static Run **path_for(Py_ssize_t n, Run **on_stack) {
+    if (n <= PATH_ON_STACK)
+        return on_stack;
+    Run **path = PyMem_Malloc(sizeof(Run *) * (size_t)n);
+    if (path == NULL)
+        PyErr_NoMemory();
+    return path;
+}
+
+static PyObject *as_tuple(PyObject *hashes) {
+    if (PyTuple_CheckExact(hashes))
+        return Py_NewRef(hashes);
+    return PySequence_Tuple(hashes);
+}
+
+/* Split `run` after its first `keep` hashes: the head takes its place in `holder`, the rest becomes
+ * the head's only child. Returns the head (borrowed from `holder`). */
+static Run *split_run(PyObject *holder, Run *run, Py_ssize_t keep) {
+    PyObject *first = PyTuple_GET_ITEM(run->hashes, run->start);
+    Run *head = run_new(run->hashes, run->start, run->start + keep, run->count);
+    if (head == NULL)
+        return NULL;
+    head->children = PyDict_New();
+    if (head->children == NULL) {
+        Py_DECREF(head);
+        return NULL;
+    }
+    Py_INCREF(run);
+    Py_INCREF(first);
+    run->start += keep;
+    int status = PyDict_SetItem(head->children, PyTuple_GET_ITEM(run->hashes, run->start), (PyObject *)run);
+    if (status == 0)
+        status = PyDict_SetItem(holder, first, (PyObject *)head); /* replaces `run` there */
+    Py_DECREF(first);
+    Py_DECREF(run);
+    Py_DECREF(head);
+    return status < 0 ? NULL : head;
+}
+
+/* book(hashes) -> held: book a prompt; returns how many of its leading blocks were booked before. */
+static PyObject *Booked_book(BookedObject *self, PyObject *hashes) {
+    PyObject *tuple = as_tuple(hashes);
+    if (tuple == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    PyObject **items = PySequence_Fast_ITEMS(tuple);
+    Run *stack_path[PATH_ON_STACK], **path = path_for(n, stack_path);
+    if (path == NULL) {
+        Py_DECREF(tuple);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Walk walk;
+    if (walk_prompt(self, items, n, &walk, path) < 0)
+        goto done;
+    PyObject *holder = walk.last_children;
+    if (walk.partial != NULL) {
+        Run *head = split_run(walk.partial_in, walk.partial, walk.inside);
+        if (head == NULL)
+            goto done;
+        head->count++;
+        holder = head->children;
+    }
+    if (walk.held < n) {
+        if (holder == NULL) { /* the last run covered in full had no children yet */
+            holder = walk.last->children = PyDict_New();
+            if (holder == NULL)
+                goto done;
+        }
+        Run *leaf = run_new(tuple, walk.held, n, 1);
+        if (leaf == NULL)
+            goto done;
+        int status = PyDict_SetItem(holder, items[walk.held], (PyObject *)leaf);
+        Py_DECREF(leaf);
+        if (status < 0)
+            goto done;
+    }
+    for (Py_ssize_t d = 0; d < walk.depth; d++)
+        path[d]->count++;
+    self->blocks += n - walk.held;
+    result = PyLong_FromSsize_t(walk.held);
+done:
+    if (path != stack_path)
+        PyMem_Free(path);
+    Py_DECREF(tuple);
+    return result;
+}
+
+/* The runs of a booked prompt, in `walk`; KeyError when it is not booked in full. */
+static int walk_booked(BookedObject *self, PyObject *tuple, Walk *walk, Run **path) {
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    if (walk_prompt(self, PySequence_Fast_ITEMS(tuple), n, walk, path) < 0)
+        return -1;
+    if (walk->held < n || walk->partial != NULL) {
+        PyErr_SetObject(PyExc_KeyError, PyTuple_GET_ITEM(tuple, walk->held < n ? walk->held : n - 1));
+        return -1;
+    }
+    return 0;
+}
+
+/* The leading blocks of a booked prompt that other active requests hold too. */
+static Py_ssize_t shared_of(const Walk *walk) {
+    Py_ssize_t shared = 0;
+    for (Py_ssize_t d = 0; d < walk->depth && walk->path[d]->count > 1; d++)
+        shared += walk->path[d]->end - walk->path[d]->start;
+    return shared;
+}
+
+/* shared(hashes) / release(hashes) -> shared: how many leading blocks of a booked prompt other
+ * active requests hold; release also frees it. */
+static PyObject *shared_or_release(BookedObject *self, PyObject *hashes, int release) {
+    PyObject *tuple = as_tuple(hashes);
+    if (tuple == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
+    Run *stack_path[PATH_ON_STACK], **path = path_for(n, stack_path);
+    if (path == NULL) {
+        Py_DECREF(tuple);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Walk walk;
+    if (n == 0) {
+        result = PyLong_FromLong(0);
+        goto done;
+    }
+    if (walk_booked(self, tuple, &walk, path) < 0)
+        goto done;
+    Py_ssize_t shared = shared_of(&walk);
+    if (release) {
+        /* Counts never increase down a path: the runs left with none are its tail. */
+        Py_ssize_t first_empty = walk.depth;
+        for (Py_ssize_t d = 0; d < walk.depth; d++)
+            if (--path[d]->count == 0 && first_empty == walk.depth)
+                first_empty = d;
+        if (first_empty < walk.depth) {
+            Run *gone = path[first_empty];
+            PyObject *holder = first_empty == 0 ? self->roots : path[first_empty - 1]->children;
+            if (PyDict_DelItem(holder, PyTuple_GET_ITEM(gone->hashes, gone->start)) < 0)
+                goto done;
+        }
+        self->blocks -= n - shared;
+    }
+    result = PyLong_FromSsize_t(shared);
+done:
+    if (path != stack_path)
+        PyMem_Free(path);
+    Py_DECREF(tuple);
+    return result;
+}
+
+static PyObject *Booked_shared(BookedObject *self, PyObject *hashes) { return shared_or_release(self, hashes, 0); }
+
+static PyObject *Booked_release(BookedObject *self, PyObject *hashes) { return shared_or_release(self, hashes, 1); }
+
+/* held(hashes) -> int: how many leading hashes of a prompt are booked. */
+static PyObject *Booked_held(BookedObject *self, PyObject *hashes) {
     PyObject *fast = PySequence_Fast(hashes, "hashes must be a sequence");
     if (fast == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    int status = 0;
-    for (Py_ssize_t i = 0; i < n && status == 0; i++) {
-        if (i < split) {
-            PyObject *current = booked_count(refs, items[i]);
-            PyObject *count = current == NULL ? NULL : PyNumber_Add(current, step);
-            status = count == NULL ? -1 : PyDict_SetItem(refs, items[i], count);
-            Py_XDECREF(count);
-        } else if (step == one) {
-            status = PyDict_SetItem(refs, items[i], one);
-        } else {
-            status = PyDict_DelItem(refs, items[i]);
-        }
+    Run *stack_path[PATH_ON_STACK], **path = path_for(n, stack_path);
+    if (path == NULL) {
+        Py_DECREF(fast);
+        return NULL;
     }
+    Walk walk;
+    PyObject *result = NULL;
+    if (walk_prompt(self, PySequence_Fast_ITEMS(fast), n, &walk, path) == 0)
+        result = PyLong_FromSsize_t(walk.held);
+    if (path != stack_path)
+        PyMem_Free(path);
     Py_DECREF(fast);
-    if (status < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    return result;
 }
 
-static PyObject *py_book_blocks(PyObject *self, PyObject *args) { return rebook(args, one); }
-
-static PyObject *py_release_blocks(PyObject *self, PyObject *args) { return rebook(args, minus_one); }
-
-/* Whether `hash` counts towards the prefix: 1 yes, 0 no, -1 error. */
-typedef int (*PrefixTest)(PyObject *refs, PyObject *hash);
-
-static int is_held(PyObject *refs, PyObject *hash) { return PyDict_Contains(refs, hash); }
-
-static int is_shared(PyObject *refs, PyObject *hash) {
-    PyObject *count = booked_count(refs, hash);
-    return count == NULL ? -1 : PyObject_RichCompareBool(count, one, Py_GT);
-}
-
-/* How many leading hashes of `args` = (refs, hashes) pass `test`, by bisection: the callers' hashes
- * pass as a prefix (router/sequences.py). */
-static PyObject *bisect_prefix(PyObject *args, PrefixTest test) {
-    PyObject *refs, *hashes;
-    if (!PyArg_ParseTuple(args, "O!O", &PyDict_Type, &refs, &hashes))
-        return NULL;
-    PyObject *fast = PySequence_Fast(hashes, "hashes must be a sequence");
-    if (fast == NULL)
-        return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    Py_ssize_t low = 0, high = PySequence_Fast_GET_SIZE(fast);
-    while (low < high) {
-        Py_ssize_t middle = (low + high) / 2;
-        int passes = test(refs, items[middle]);
-        if (passes < 0) {
-            Py_DECREF(fast);
-            return NULL;
+static int add_refcounts(PyObject *children, PyObject *out) {
+    if (children == NULL)
+        return 0;
+    PyObject *key, *value;
+    Py_ssize_t position = 0;
+    while (PyDict_Next(children, &position, &key, &value)) {
+        Run *run = (Run *)value;
+        PyObject *count = PyLong_FromSsize_t(run->count);
+        if (count == NULL)
+            return -1;
+        for (Py_ssize_t i = run->start; i < run->end; i++) {
+            if (PyDict_SetItem(out, PyTuple_GET_ITEM(run->hashes, i), count) < 0) {
+                Py_DECREF(count);
+                return -1;
+            }
         }
-        if (passes)
-            low = middle + 1;
-        else
-            high = middle;
+        Py_DECREF(count);
+        if (add_refcounts(run->children, out) < 0)
+            return -1;
     }
-    Py_DECREF(fast);
-    return PyLong_FromSsize_t(low);
+    return 0;
 }
 
-/* How many leading `hashes` are keys of `refs`. */
-static PyObject *py_held_prefix(PyObject *self, PyObject *args) { return bisect_prefix(args, is_held); }
+/* refcounts() -> dict: sequence hash -> how many active requests hold it (for checks). */
+static PyObject *Booked_refcounts(BookedObject *self, PyObject *unused) {
+    PyObject *out = PyDict_New();
+    if (out != NULL && add_refcounts(self->roots, out) < 0)
+        Py_CLEAR(out);
+    return out;
+}
 
-/* How many leading `hashes` (a booked prompt) have a refcount above 1; KeyError for a hash that is
- * not booked. */
-static PyObject *py_shared_prefix(PyObject *self, PyObject *args) { return bisect_prefix(args, is_shared); }
+static Py_ssize_t Booked_len(BookedObject *self) { return self->blocks; }
+
+static PyObject *Booked_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (!_PyArg_NoPositional("BookedBlocks", args) || !_PyArg_NoKeywords("BookedBlocks", kwds))
+        return NULL;
+    BookedObject *self = (BookedObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->roots = PyDict_New();
+    if (self->roots == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->blocks = 0;
+    return (PyObject *)self;
+}
+
+static void Booked_dealloc(BookedObject *self) {
+    Py_XDECREF(self->roots);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Booked_methods[] = {
+    {"book", (PyCFunction)Booked_book, METH_O, "book(hashes) -> int: book a prompt; how many leading blocks were booked before."},
+    {"release", (PyCFunction)Booked_release, METH_O,
+     "release(hashes) -> int: free a booked prompt; how many leading blocks other requests still hold."},
+    {"shared", (PyCFunction)Booked_shared, METH_O,
+     "shared(hashes) -> int: how many leading blocks of a booked prompt other requests hold too."},
+    {"held", (PyCFunction)Booked_held, METH_O, "held(hashes) -> int: how many leading hashes of a prompt are booked."},
+    {"refcounts", (PyCFunction)Booked_refcounts, METH_NOARGS,
+     "refcounts() -> dict[int, int]: each booked hash and how many active requests hold it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods Booked_as_sequence = {.sq_length = (lenfunc)Booked_len};
+
+static PyTypeObject BookedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router._native.BookedBlocks",
+    .tp_doc = "One rank's booked prompt blocks: a trie of prompts with compressed edges (router/booked_blocks.py).",
+    .tp_basicsize = sizeof(BookedObject),
+    .tp_dealloc = (destructor)Booked_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Booked_new,
+    .tp_methods = Booked_methods,
+    .tp_as_sequence = &Booked_as_sequence,
+};
 
 /* ------------------------------------------------------------------ the dynamo policy's costs (policies/dynamo.py)
  *
@@ -340,14 +609,6 @@ static PyObject *py_lowest_cost(PyObject *self, PyObject *costs) {
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
-    {"book_blocks", py_book_blocks, METH_VARARGS,
-     "book_blocks(refs, hashes, held) -> None: +1 on the first held hashes' refcounts, the rest set to 1."},
-    {"release_blocks", py_release_blocks, METH_VARARGS,
-     "release_blocks(refs, hashes, shared) -> None: -1 on the first shared hashes' refcounts, the rest deleted."},
-    {"held_prefix", py_held_prefix, METH_VARARGS,
-     "held_prefix(refs, hashes) -> int: how many leading hashes are keys of refs (a prefix), by bisection."},
-    {"shared_prefix", py_shared_prefix, METH_VARARGS,
-     "shared_prefix(refs, hashes) -> int: how many leading hashes have a refcount above 1, by bisection."},
     {"dynamo_costs", py_dynamo_costs, METH_VARARGS,
      "dynamo_costs(ranks, overlaps, depths, isl, block_size, booked, track_prefill, credit, decay, host_weight, "
      "disk_weight, scale, request_weight, multipliers) -> list[float] | None: the dynamo policy's costs."},
@@ -362,9 +623,7 @@ static struct PyModuleDef native_module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    one = PyLong_FromLong(1);
-    minus_one = PyLong_FromLong(-1);
-    if (one == NULL || minus_one == NULL)
+    if (PyType_Ready(&RunType) < 0 || PyType_Ready(&BookedType) < 0)
         return NULL;
     PyObject **names[] = {&str_key, &str_prefill_tokens, &str_decode_blocks, &str_requests,
                           &str_cached_tokens, &str_device_blocks, &str_host_blocks, &str_disk_blocks};
@@ -375,5 +634,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         if (*names[i] == NULL)
             return NULL;
     }
-    return PyModule_Create(&native_module);
+    PyObject *module = PyModule_Create(&native_module);
+    if (module != NULL && PyModule_AddObjectRef(module, "BookedBlocks", (PyObject *)&BookedType) < 0)
+        Py_CLEAR(module);
+    return module;
 }

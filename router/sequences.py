@@ -21,10 +21,11 @@ anchor is marked prefilled the next oldest becomes the anchor, its clock startin
 
 Each rank refcounts the sequence hashes of its active prompts. A sequence hash fixes its whole prefix
 and every booked prompt holds all of its own prefixes, so along any prompt a rank's refcounts never
-increase: the blocks a rank holds of a prompt are exactly a prefix of it, found by bisection in
-O(log n), and the ranks holding any of it are those holding its first block, which an index of first
-blocks names. Per request, the work is proportional to the prompt and to the ranks sharing its first
-block, never to the blocks the ranks hold (see `prefix_depths`).
+increase: the blocks a rank holds of a prompt are exactly a prefix of it (`router.booked_blocks`:
+bisection in O(log n), or with the accelerator a walk of a trie of prompts), and the ranks holding
+any of it are those holding its first block, which an index of first blocks names. Per request, the
+work is proportional to the prompt and to the ranks sharing its first block, never to the blocks the
+ranks hold (see `prefix_depths`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ from itertools import pairwise
 from typing import NamedTuple
 
 from indexer.slots import WorkerRank
+from router.booked_blocks import new_booked_blocks
 from router.errors import DuplicateRequestId, UnknownWorker
-from router.native import ENABLED as NATIVE
-from router.native import accel
 from router.overlap import round_half_away
 
 __all__ = ["ActiveSequences", "Booking", "RankState"]
@@ -49,6 +49,7 @@ class RankState:
 
     __slots__ = (
         "anchor_since",
+        "booked",
         "booked_prefill_tokens",
         "context_tokens",
         "decayed_blocks",
@@ -59,7 +60,6 @@ class RankState:
         "prefill_tokens",
         "prefilling",
         "prompt_blocks",
-        "refs",
         "requests",
         "worker_id",
     )
@@ -83,8 +83,8 @@ class RankState:
         # The prompt tokens of the active requests, each counted in full: what every decode step of
         # the rank reads, shared prefixes included (ours; Dynamo has no such figure).
         self.context_tokens = 0
-        # Sequence hash -> how many active requests on this rank hold that block.
-        self.refs: dict[int, int] = {}
+        # Which sequence hashes the active requests on this rank hold, and how many each.
+        self.booked = new_booked_blocks()
 
     def _refresh(self) -> None:
         if self.output_blocks or self.decayed_blocks:
@@ -219,14 +219,7 @@ class ActiveSequences:
         if rank is None:
             raise UnknownWorker(key[0])
         if hashes:
-            refs = rank.refs
-            held = _held_prefix(refs, hashes)
-            if NATIVE:
-                accel.book_blocks(refs, hashes, held)
-            else:
-                for block_hash in hashes[:held]:
-                    refs[block_hash] += 1
-                refs.update(dict.fromkeys(hashes[held:], 1))
+            held = rank.booked.book(hashes)
             rank.prompt_blocks += len(hashes) - held
             if not held:
                 self._first_holders.setdefault(hashes[0], set()).add(rank)
@@ -319,7 +312,7 @@ class ActiveSequences:
         hashes = request.hashes
         if not hashes:
             return request.private_blocks
-        return len(hashes) - _shared_prefix(request.rank.refs, hashes) + request.private_blocks
+        return len(hashes) - request.rank.booked.shared(hashes) + request.private_blocks
 
     def free(self, request_id: str) -> bool:
         """Release a request entirely; False when the id is not active."""
@@ -346,15 +339,7 @@ class ActiveSequences:
         rank = request.rank
         hashes = request.hashes
         if hashes:
-            refs = rank.refs
-            low = _shared_prefix(refs, hashes)
-            if NATIVE:
-                accel.release_blocks(refs, hashes, low)
-            else:
-                for block_hash in hashes[:low]:
-                    refs[block_hash] -= 1
-                for block_hash in hashes[low:]:
-                    del refs[block_hash]
+            low = rank.booked.release(hashes)
             rank.prompt_blocks -= len(hashes) - low
             if not low:
                 holders = self._first_holders[hashes[0]]
@@ -377,7 +362,7 @@ class ActiveSequences:
         holders = self._first_holders.get(hashes[0]) if hashes else None
         if not holders:
             return {}
-        return {rank: _held_prefix(rank.refs, hashes) for rank in holders}
+        return {rank: rank.booked.held(hashes) for rank in holders}
 
     def _check(self) -> None:
         """Assert every invariant in O(total booked blocks); for tests only."""
@@ -404,7 +389,7 @@ class ActiveSequences:
             for block_hash in request.hashes or ():
                 refs[block_hash] = refs.get(block_hash, 0) + 1
         for rank in self._ranks.values():
-            assert rank.refs == expected_refs[rank], f"{rank}: refcounts differ from the booked requests"
+            assert rank.booked.refcounts() == expected_refs[rank], f"{rank}: refcounts differ from the requests'"
             assert rank.booked_prefill_tokens == prefill[rank], f"{rank}: prefill sum {prefill[rank]}"
             assert rank.prefill_tokens <= rank.booked_prefill_tokens, f"{rank}: decayed above booked"
             if self._prefill_rate is None:
@@ -414,7 +399,8 @@ class ActiveSequences:
                     request for request in self._requests.values() if request.rank is rank and request.prefill_tokens
                 ]
                 assert list(rank.prefilling) == pending, f"{rank}: prefilling requests out of order"
-            assert rank.prompt_blocks == len(rank.refs) + private[rank], f"{rank}: prompt blocks"
+            assert len(rank.booked) == len(expected_refs[rank]), f"{rank}: distinct booked blocks"
+            assert rank.prompt_blocks == len(rank.booked) + private[rank], f"{rank}: prompt blocks"
             assert rank.output_blocks == output[rank], f"{rank}: output blocks"
             assert abs(rank.decayed_blocks - decayed[rank]) < 1e-6, f"{rank}: decayed blocks"
             weighted = max(rank.prompt_blocks + rank.output_blocks - rank.decayed_blocks, 0.0)
@@ -424,41 +410,9 @@ class ActiveSequences:
         first_holders: dict[int, set[RankState]] = {}
         for request in self._requests.values():
             hashes = request.hashes or ()
-            refs = request.rank.refs
+            refs = expected_refs[request.rank]
             for parent, child in pairwise(hashes):
                 assert refs[child] <= refs[parent], "refcounts must not increase along a prompt"
             if hashes:
                 first_holders.setdefault(hashes[0], set()).add(request.rank)
         assert self._first_holders == first_holders, "the first-block index differs from the requests"
-
-
-def python_shared_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
-    """How many leading ``hashes`` of a booked prompt other requests on its rank hold too: refcounts
-    never increase along a prompt, so the blocks only this request holds (refcount 1) are a suffix.
-    The pure-Python twin of `router._native.shared_prefix`."""
-    low, high = 0, len(hashes)
-    while low < high:
-        middle = (low + high) // 2
-        if refs[hashes[middle]] > 1:
-            low = middle + 1
-        else:
-            high = middle
-    return low
-
-
-def python_held_prefix(refs: dict[int, int], hashes: Sequence[int]) -> int:
-    """How many leading ``hashes`` a rank holds: they are a prefix of the prompt (see the module
-    docstring), so bisect for its end. O(log n). The pure-Python twin of `router._native.held_prefix`."""
-    low, high = 0, len(hashes)
-    while low < high:
-        middle = (low + high) // 2
-        if hashes[middle] in refs:
-            low = middle + 1
-        else:
-            high = middle
-    return low
-
-
-# One C call each with the accelerator (no Python frame between).
-_shared_prefix = accel.shared_prefix if NATIVE else python_shared_prefix
-_held_prefix = accel.held_prefix if NATIVE else python_held_prefix

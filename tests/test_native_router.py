@@ -1,7 +1,8 @@
 """The router's C accelerator (`router._native`) gives the pure-Python code's answers bit for bit.
 
-Booking and release refcounts, the prefix bisections, the dynamo policy's costs and the lowest cost. The C
-functions are called directly whatever ``KV_ROUTER_NO_NATIVE`` says.
+A rank's booked blocks (the C trie against the Python dict: held and shared prefixes, refcounts), the
+dynamo policy's costs and the lowest cost. The C code is called directly whatever ``KV_ROUTER_NO_NATIVE``
+says.
 """
 
 from __future__ import annotations
@@ -9,61 +10,92 @@ from __future__ import annotations
 import math
 import random
 import struct
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from router.booked_blocks import BookedBlocks
 from router.config import RouterConfig
 from router.overlap import RankOverlap
 from router.policies.base import SelectionContext
 from router.policies.dynamo import DynamoPolicy, python_costs
-from router.sequences import RankState, python_held_prefix, python_shared_prefix
+from router.sequences import RankState
 
 native = pytest.importorskip("router._native", reason="the C accelerator is not built")
 
-
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 40), max_size=60, unique=True), st.data())
-def test_booking_and_release_count_blocks_as_python(hashes: list[int], data: st.DataObject) -> None:
-    held = data.draw(st.integers(0, len(hashes)))
-    existing = {block: data.draw(st.integers(1, 3)) for block in hashes[:held]}
-    extra = {100 + i: 1 for i in range(data.draw(st.integers(0, 3)))}
-    fast, slow = {**existing, **extra}, {**existing, **extra}
-    native.book_blocks(fast, tuple(hashes), held)
-    for block in hashes[:held]:
-        slow[block] += 1
-    slow.update(dict.fromkeys(hashes[held:], 1))
-    assert fast == slow
-    shared = data.draw(st.integers(0, len(hashes)))
-    native.release_blocks(fast, hashes, shared)
-    for block in hashes[:shared]:
-        slow[block] -= 1
-    for block in hashes[shared:]:
-        del slow[block]
-    assert fast == slow
+BS = 4
 
 
-def test_booking_a_missing_shared_block_raises_as_python() -> None:
+# Prompts as the router books them: sequence hashes of a few shared document prefixes, then a tail.
+DOCUMENTS = [[document * 1000 + i for i in range(12 * BS)] for document in range(3)]
+prompts = st.builds(
+    lambda document, shared, tail, as_tuple: (tuple if as_tuple else list)(
+        compute_sequence_hashes(compute_block_hashes(DOCUMENTS[document][: shared * BS] + tail, BS))
+    ),
+    st.integers(0, 2),
+    st.integers(0, 12),
+    st.lists(st.integers(50_000, 50_003), max_size=4 * BS),
+    st.booleans(),
+).filter(bool)
+
+
+class BookedBlocksMachine(RuleBasedStateMachine):
+    """Random bookings and releases on one rank: the C trie and the Python dict answer alike."""
+
+    @initialize()
+    def setup(self) -> None:
+        self.fast = native.BookedBlocks()
+        self.slow = BookedBlocks()
+        self.booked: list[Sequence[int]] = []
+
+    @rule(hashes=prompts)
+    def book(self, hashes: Sequence[int]) -> None:
+        assert self.fast.held(hashes) == self.slow.held(hashes)
+        assert self.fast.book(hashes) == self.slow.book(hashes)
+        self.booked.append(hashes)
+
+    @precondition(lambda self: self.booked)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        hashes = self.booked.pop(data.draw(st.integers(0, len(self.booked) - 1)))
+        assert self.fast.shared(hashes) == self.slow.shared(hashes)
+        assert self.fast.release(hashes) == self.slow.release(hashes)
+
+    @rule(hashes=prompts)
+    def held(self, hashes: Sequence[int]) -> None:
+        assert self.fast.held(hashes) == self.slow.held(hashes)
+
+    @invariant()
+    def same_refcounts(self) -> None:
+        assert self.fast.refcounts() == self.slow.refcounts()
+        assert len(self.fast) == len(self.slow) == len(self.slow.refcounts())
+
+
+TestBookedBlocksMachine = BookedBlocksMachine.TestCase
+TestBookedBlocksMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_the_booked_trie_splits_and_joins_runs_as_prompts_come_and_go() -> None:
+    long = tuple(range(100, 110))  # stands in for sequence hashes: equal exactly when the prefix is
+    fork = (*long[:4], 7, 8)
+    booked = native.BookedBlocks()
+    assert booked.book(long) == 0
+    assert booked.book(fork) == 4  # splits the run of `long` after its 4th block
+    assert booked.book(long[:2]) == 2  # ends inside a run: split again
+    assert len(booked) == 12
+    assert booked.shared(long) == 4 and booked.shared(long[:2]) == 2 and booked.shared(fork) == 4
+    assert booked.refcounts() == {**dict.fromkeys(long[:2], 3), **dict.fromkeys(long[2:4], 2),
+                                  **dict.fromkeys(long[4:], 1), 7: 1, 8: 1}  # fmt: skip
+    assert booked.release(long) == 4
+    assert len(booked) == 6 and booked.held(long) == 4
+    assert booked.release(fork) == 2 and booked.release(long[:2]) == 0
+    assert len(booked) == 0 and booked.refcounts() == {} and booked.held(long) == 0
     with pytest.raises(KeyError):
-        native.book_blocks({}, (1, 2), 1)
-    with pytest.raises(KeyError):
-        native.release_blocks({1: 1}, (1, 2), 0)
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.integers(0, 30), st.integers(1, 3), max_size=20), st.lists(st.integers(0, 30), max_size=25))
-def test_held_and_shared_prefixes_bisect_as_python(refs: dict[int, int], hashes: list[int]) -> None:
-    assert native.held_prefix(refs, hashes) == python_held_prefix(refs, hashes)
-    try:
-        expected: int | type[KeyError] = python_shared_prefix(refs, hashes)
-    except KeyError:
-        expected = KeyError
-    if expected is KeyError:
-        with pytest.raises(KeyError):
-            native.shared_prefix(refs, tuple(hashes))
-    else:
-        assert native.shared_prefix(refs, tuple(hashes)) == expected
+        booked.release(long)  # not booked
 
 
 def _bits(values: list[float]) -> list[bytes]:
