@@ -1,8 +1,9 @@
 """The indexer's C accelerator (`indexer._native`) gives the pure-Python code's answers bit for bit.
 
 Both paths run in this process whatever ``KV_ROUTER_NO_NATIVE`` says: the C functions are called
-directly, trees and body decoders are built with ``native`` / ``packed_tokens`` on and off. XXH3 is
-checked against the `xxhash` package on every length class of the specification.
+directly, trees are built with ``native`` on and off. XXH3 is checked against the `xxhash` package on
+every length class of the specification. The router's and the HTTP front's extensions have their own
+tests (tests/test_native_router.py, tests/test_native_api.py).
 """
 
 from __future__ import annotations
