@@ -41,6 +41,12 @@ def children_of(pid: int) -> list[int]:
     return [int(child) for child, command in rows if "nats-server" not in command]
 
 
+def listening_sockets(port: int) -> int:
+    """How many sockets listen on the loopback ``port`` (from /proc/net/tcp: state 0A is LISTEN)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[1].endswith(f":{port:04X}") and row.split()[3] == "0A")
+
+
 def active_everywhere(port: int, connections: int = 12) -> set[int]:
     """The active-request totals seen over several fresh connections (one value when all agree)."""
     totals = set()
@@ -60,10 +66,15 @@ def registered_everywhere(port: int, worker_id: int, connections: int = 12) -> b
 
 
 def test_processes_share_the_port_and_one_load_view(tmp_path: Path) -> None:
-    router = RouterProcess(tmp_path, "--processes", "2", "--replica-lease-secs", "2")
+    # A lease of a few seconds: short enough for the kill below, long enough that a loaded machine's
+    # late heartbeat does not drop a live peer's bookings (a later mark_free would then be a 404).
+    router = RouterProcess(tmp_path, "--processes", "2", "--replica-lease-secs", "5")
     router.start()
     try:
-        within(40, lambda: len(children_of(router.pid)) == 2, "two router processes")
+        # Both children listening, not merely started: a child still in its start-up takes no
+        # connection, and killing the only listener would refuse the next ones.
+        within(40, lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+               "two router processes listening")  # fmt: skip
         assert on_new_connection(router.port, "/v1/workers", {"worker_id": 1, "dp_size": 2})[0] in (200, 201)
         within(15, lambda: registered_everywhere(router.port, 1), "every process knows the worker")
         for index in range(10):
@@ -77,7 +88,7 @@ def test_processes_share_the_port_and_one_load_view(tmp_path: Path) -> None:
 
         victim = children_of(router.pid)[0]
         os.kill(victim, signal.SIGKILL)
-        within(40, lambda: len(children_of(router.pid)) == 2 and victim not in children_of(router.pid),
+        within(40, lambda: victim not in children_of(router.pid) and listening_sockets(router.port) == 2,
                "the parent starts the killed process again")  # fmt: skip
         within(40, lambda: len(active_everywhere(router.port)) == 1, "the processes agree again")
     finally:
