@@ -4,13 +4,14 @@ a busy embedded-NATS port, and signals while waiting. Every process is stopped b
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO
 
 import pytest
 
@@ -25,10 +26,15 @@ BLOCK = 16
 class Served:
     """A running ``kv-router serve``; ``log`` is its stderr, read once it has ended."""
 
-    def __init__(self, process: subprocess.Popen[bytes], port: int) -> None:
+    def __init__(self, process: subprocess.Popen[bytes], port: int, stderr: IO[bytes]) -> None:
         self.process = process
         self.port = port
         self.log = ""
+        self._stderr = stderr
+
+    def log_so_far(self) -> str:
+        """Its stderr while it runs (read at an offset: the process's own writes are not disturbed)."""
+        return os.pread(self._stderr.fileno(), 1 << 24, 0).decode(errors="replace")
 
 
 @contextmanager
@@ -37,7 +43,7 @@ def serve(*flags: str) -> Iterator[Served]:
     argv = [*_kv_router(), "serve", "--port", str(port), "--block-size", str(BLOCK), *flags]
     with tempfile.TemporaryFile() as stderr:
         process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
-        served = Served(process, port)
+        served = Served(process, port, stderr)
         try:
             yield served
         finally:
@@ -70,7 +76,8 @@ def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_
         assert health["status"] == "ok" and health["event_plane"]["state"] == "connecting"
         metrics = _get(port, "/metrics")[1].decode()
         assert 'kv_router_event_plane_state{state="connecting"} 1.0' in metrics
-        time.sleep(6)  # a few retries
+        # A few retries (four attempts take 3.5 s of back-off), however slowly a loaded machine runs them.
+        until(lambda: served.log_so_far().count("unreachable") >= 4, timeout=30)
         with EmbeddedNats(port=nats_port) as nats:
             until(lambda: _get(port, "/readyz")[0] == 200, timeout=15)
             assert json.loads(_get(port, "/v1/info")[1])["nats_url"] == url
