@@ -130,10 +130,38 @@ static Run **path_for(Py_ssize_t n, Run **on_stack) {
     return path;
 }
 
-static PyObject *as_tuple(PyObject *hashes) {
+/* A call's prompt: its hashes (a tuple when the caller keeps them, else any fast sequence: a list is
+ * not copied) and room for its path; opened and closed by every method. */
+typedef struct {
+    PyObject *tuple; /* or the list itself, when opened without `as_tuple` */
+    PyObject **items;
+    Py_ssize_t n;
+    Run **path;
+    Run *on_stack[PATH_ON_STACK];
+} Prompt;
+
+/* 0, or -1 with an exception set (and nothing left to close). */
+static int prompt_open(Prompt *prompt, PyObject *hashes, int as_tuple) {
     if (PyTuple_CheckExact(hashes))
-        return Py_NewRef(hashes);
-    return PySequence_Tuple(hashes);
+        prompt->tuple = Py_NewRef(hashes);
+    else
+        prompt->tuple = as_tuple ? PySequence_Tuple(hashes) : PySequence_Fast(hashes, "hashes must be a sequence");
+    if (prompt->tuple == NULL)
+        return -1;
+    prompt->n = PySequence_Fast_GET_SIZE(prompt->tuple);
+    prompt->items = PySequence_Fast_ITEMS(prompt->tuple);
+    prompt->path = path_for(prompt->n, prompt->on_stack);
+    if (prompt->path == NULL) {
+        Py_DECREF(prompt->tuple);
+        return -1;
+    }
+    return 0;
+}
+
+static void prompt_close(Prompt *prompt) {
+    if (prompt->path != prompt->on_stack)
+        PyMem_Free(prompt->path);
+    Py_DECREF(prompt->tuple);
 }
 
 /* Split `run` after its first `keep` hashes: the head takes its place in `holder`, the rest becomes
@@ -162,16 +190,12 @@ static Run *split_run(PyObject *holder, Run *run, Py_ssize_t keep) {
 
 /* book(hashes) -> held: book a prompt; returns how many of its leading blocks were booked before. */
 static PyObject *Booked_book(BookedObject *self, PyObject *hashes) {
-    PyObject *tuple = as_tuple(hashes);
-    if (tuple == NULL)
+    Prompt prompt;
+    if (prompt_open(&prompt, hashes, 1) < 0)
         return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
-    PyObject **items = PySequence_Fast_ITEMS(tuple);
-    Run *stack_path[PATH_ON_STACK], **path = path_for(n, stack_path);
-    if (path == NULL) {
-        Py_DECREF(tuple);
-        return NULL;
-    }
+    PyObject *tuple = prompt.tuple, **items = prompt.items;
+    Py_ssize_t n = prompt.n;
+    Run **path = prompt.path;
     PyObject *result = NULL;
     Walk walk;
     if (walk_prompt(self, items, n, &walk, path) < 0)
@@ -203,9 +227,7 @@ static PyObject *Booked_book(BookedObject *self, PyObject *hashes) {
     self->blocks += n - walk.held;
     result = PyLong_FromSsize_t(walk.held);
 done:
-    if (path != stack_path)
-        PyMem_Free(path);
-    Py_DECREF(tuple);
+    prompt_close(&prompt);
     return result;
 }
 
@@ -232,15 +254,12 @@ static Py_ssize_t shared_of(const Walk *walk) {
 /* shared(hashes) / release(hashes) -> shared: how many leading blocks of a booked prompt other
  * active requests hold; release also frees it. */
 static PyObject *shared_or_release(BookedObject *self, PyObject *hashes, int release) {
-    PyObject *tuple = as_tuple(hashes);
-    if (tuple == NULL)
+    Prompt prompt;
+    if (prompt_open(&prompt, hashes, 1) < 0)
         return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(tuple);
-    Run *stack_path[PATH_ON_STACK], **path = path_for(n, stack_path);
-    if (path == NULL) {
-        Py_DECREF(tuple);
-        return NULL;
-    }
+    PyObject *tuple = prompt.tuple;
+    Py_ssize_t n = prompt.n;
+    Run **path = prompt.path;
     PyObject *result = NULL;
     Walk walk;
     if (n == 0) {
@@ -266,9 +285,7 @@ static PyObject *shared_or_release(BookedObject *self, PyObject *hashes, int rel
     }
     result = PyLong_FromSsize_t(shared);
 done:
-    if (path != stack_path)
-        PyMem_Free(path);
-    Py_DECREF(tuple);
+    prompt_close(&prompt);
     return result;
 }
 
@@ -278,22 +295,14 @@ static PyObject *Booked_release(BookedObject *self, PyObject *hashes) { return s
 
 /* held(hashes) -> int: how many leading hashes of a prompt are booked. */
 static PyObject *Booked_held(BookedObject *self, PyObject *hashes) {
-    PyObject *fast = PySequence_Fast(hashes, "hashes must be a sequence");
-    if (fast == NULL)
+    Prompt prompt;
+    if (prompt_open(&prompt, hashes, 0) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    Run *stack_path[PATH_ON_STACK], **path = path_for(n, stack_path);
-    if (path == NULL) {
-        Py_DECREF(fast);
-        return NULL;
-    }
     Walk walk;
     PyObject *result = NULL;
-    if (walk_prompt(self, PySequence_Fast_ITEMS(fast), n, &walk, path) == 0)
+    if (walk_prompt(self, prompt.items, prompt.n, &walk, prompt.path) == 0)
         result = PyLong_FromSsize_t(walk.held);
-    if (path != stack_path)
-        PyMem_Free(path);
-    Py_DECREF(fast);
+    prompt_close(&prompt);
     return result;
 }
 
