@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +23,11 @@ from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
 from tests.waiting import eventually
 
-__all__ = ["MODEL", "Fleet", "fleet", "idle", "metric"]
+__all__ = ["MODEL", "SSE_HEAD", "Fleet", "fleet", "idle", "metric", "raw_worker", "sse_chunk"]
 
 MODEL = "mock-model"
+# What a misbehaving worker written by hand sends: the head of a chunked SSE answer, then chunks.
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 ENGINE = EngineConfig(num_gpu_blocks=512, speedup_ratio=20.0)
 
 
@@ -116,3 +118,22 @@ def metric(text: str, name: str, **labels: str) -> float | None:
         if base == name and all(pair in rest for pair in pairs):
             return float(value)
     return None
+
+
+def sse_chunk(text: str) -> bytes:
+    """One completion token event as one HTTP chunk."""
+    event = b'data: {"choices": [{"index": 0, "text": "%b"}], "object": "text_completion"}\n\n' % text.encode()
+    return b"%x\r\n%b\r\n" % (len(event), event)
+
+
+@contextlib.asynccontextmanager
+async def raw_worker(
+    serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """A worker whose every connection is ``serve``d by hand, on a free loopback port; yields its URL."""
+    port = free_port()
+    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()

@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator
 
 import httpx
 import msgspec
 import openai
 import pytest
 
-from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.embedded_server import EmbeddedNats
 from router.types import WorkerConfig
-from tests.proxy_fleet import MODEL, fleet, idle, metric
+from tests.proxy_fleet import MODEL, SSE_HEAD, fleet, idle, metric, raw_worker, sse_chunk
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -122,26 +121,17 @@ async def test_a_whole_answers_usage_and_many_streams_leave_no_load_behind_and_a
         assert added is not None and added > 0
 
 
-@contextlib.asynccontextmanager
-async def dying_worker(events: int, die: asyncio.Event) -> AsyncIterator[str]:
+def dying_worker(events: int, die: asyncio.Event) -> contextlib.AbstractAsyncContextManager[str]:
     """A worker that streams ``events`` token events, then drops the connection once ``die`` is set."""
-    port = free_port()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-        for index in range(events):
-            event = b'data: {"choices": [{"index": 0, "text": " w%d"}], "object": "text_completion"}\n\n' % index
-            writer.write(b"%x\r\n%b\r\n" % (len(event), event))
+        writer.write(SSE_HEAD + b"".join(sse_chunk(f" w{index}") for index in range(events)))
         await writer.drain()
         await die.wait()
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
+    return raw_worker(serve)
 
 
 async def test_a_stream_failing_after_its_output_was_recorded_frees_the_booking(nats_server: EmbeddedNats) -> None:

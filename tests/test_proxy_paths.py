@@ -13,9 +13,9 @@ import msgspec
 import openai
 import pytest
 
-from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.embedded_server import EmbeddedNats
 from router.types import WorkerConfig
-from tests.proxy_fleet import MODEL, fleet, idle, metric
+from tests.proxy_fleet import MODEL, SSE_HEAD, fleet, idle, metric, raw_worker, sse_chunk
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -50,27 +50,16 @@ async def test_streams_whole_answers_and_disconnects_on_either_path(
         assert pool.opened <= 2  # the aborted stream's connection was closed, one is kept alive
 
 
-@contextlib.asynccontextmanager
-async def breaking_worker() -> AsyncIterator[str]:
+def breaking_worker() -> contextlib.AbstractAsyncContextManager[str]:
     """A worker that starts an SSE stream, sends one event and half a chunk, then closes."""
-    port = free_port()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        event = b'data: {"choices": [{"index": 0, "text": " w1"}], "object": "text_completion"}\n\n'
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-            + b"%x\r\n%b\r\n" % (len(event), event)
-            + b"40\r\ndata: {"
-        )
+        writer.write(SSE_HEAD + sse_chunk(" w1") + b"40\r\ndata: {")
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
+    return raw_worker(serve)
 
 
 async def test_a_stream_broken_mid_chunk_ends_with_the_sse_error_event_and_frees_the_booking(
