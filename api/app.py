@@ -41,6 +41,7 @@ from api.metrics import (
     RouterStateCollector,
     register_build_info,
 )
+from api.native import active_accelerators
 from api.openapi import Schemas
 from api.plane_lifecycle import PlaneLifecycle
 from api.routes import add_admin_routes, add_hot_routes
@@ -75,7 +76,9 @@ def create_app(
     metrics = ApiMetrics(registry)
     registry.register(RouterStateCollector(kv_router))
     registry.register(EventStreamCollector(kv_router.events))
-    register_build_info(registry, version=package_version(), policy=settings.router.policy)
+    register_build_info(
+        registry, version=package_version(), policy=settings.router.policy, native=active_accelerators()
+    )
     proxy = None
     if settings.proxy.proxy:
         from api.proxy.service import Proxy  # imported only when enabled: tokenizers

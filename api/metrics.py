@@ -11,7 +11,8 @@ Two kinds, by cost:
   request path nothing: per-(worker, dp_rank) load, KV usage, indexed blocks, queue, workers, index
   size (`RouterStateCollector`); the event door's counts and stream states (`EventStreamCollector`);
   the NATS plane's control messages and connection (`EventPlaneCollector`).
-* ``kv_router_build_info{version,policy}``: constant 1, for joining version and policy onto panels.
+* ``kv_router_build_info{version,policy,native}``: constant 1, for joining version and policy onto panels;
+  ``native`` lists the C accelerators running (``indexer,events,router,api``, or ``none``).
 
 Each app gets its own `CollectorRegistry` (tests build many apps in one process).
 """
@@ -142,10 +143,12 @@ class ApiMetrics:
             self._hit_ratio.observe(min(1.0, decision.cached_tokens / prompt_tokens))
 
 
-def register_build_info(registry: CollectorRegistry, *, version: str, policy: str) -> None:
-    Info(f"{PREFIX}_build", "The running kv-router: package version and selection policy.", registry=registry).info(
-        {"version": version, "policy": policy}
-    )
+def register_build_info(registry: CollectorRegistry, *, version: str, policy: str, native: list[str]) -> None:
+    Info(
+        f"{PREFIX}_build",
+        "The running kv-router: package version, selection policy and the C accelerators it runs.",
+        registry=registry,
+    ).info({"version": version, "policy": policy, "native": ",".join(native) or "none"})
 
 
 class _TallyCollector(Collector):

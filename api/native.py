@@ -7,9 +7,12 @@ A JSON body's tokens array as packed u32 (api/codec.py) and one whole plain POST
 
 from __future__ import annotations
 
+from indexer import events_native
+from indexer import native as indexer_native
 from indexer.native import SWITCHED_OFF
+from router import native as router_native
 
-__all__ = ["ENABLED", "accel"]
+__all__ = ["ENABLED", "accel", "active_accelerators"]
 
 try:
     from api import _native as accel
@@ -17,3 +20,15 @@ except ImportError:  # not built: the Python path runs; `accel` is never touched
     accel = None  # type: ignore[assignment]
 
 ENABLED = accel is not None and not SWITCHED_OFF
+
+
+def active_accelerators() -> list[str]:
+    """The C accelerators this process runs, by layer (for ``/v1/info`` and ``kv_router_build_info``):
+    an image or a machine without a compiler shows none, and runs the pure-Python code."""
+    layers = {
+        "indexer": indexer_native.ENABLED,
+        "events": events_native.ENABLED,
+        "router": router_native.ENABLED,
+        "api": ENABLED,
+    }
+    return [name for name, enabled in layers.items() if enabled]

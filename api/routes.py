@@ -19,6 +19,7 @@ from api.auth import Access, ApiAuth
 from api.codec import JSON, MSGPACK, BodyDecoder, Call, encode, is_msgpack, query_flag
 from api.fastpath import HotHandler, wait_disconnect
 from api.handlers import HOT_PATHS, Handlers
+from api.native import active_accelerators
 from api.openapi import Schemas
 from api.plane_lifecycle import PlaneLifecycle
 from api.version import package_version
@@ -264,6 +265,7 @@ def add_admin_routes(
             nats_namespace=settings.event_plane.nats_namespace,
             block_size=kv_router.config.block_size,
             policy=kv_router.config.policy,
+            native=active_accelerators(),
         )
         return reply(body, request)
 

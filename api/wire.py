@@ -200,3 +200,4 @@ class ServiceInfo(msgspec.Struct, kw_only=True, frozen=True):
     nats_namespace: str
     block_size: int
     policy: str
+    native: list[str]  # the C accelerators running, by layer; empty: the pure-Python code runs

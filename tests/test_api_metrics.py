@@ -8,6 +8,8 @@ import re
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from api.metrics import LATENCY_BUCKETS, METHODS, OVERLAP_BLOCK_BUCKETS, PREFIX, RATIO_BUCKETS, ApiMetrics
+from indexer import native as indexer_native
+from indexer.native import SWITCHED_OFF
 from router.types import DecisionTiming, RouteDecision
 from tests.test_api_support import BLOCK_SIZE, metric, prompt, serve, stored_event
 
@@ -173,4 +175,9 @@ def test_decisions_per_rank_kv_usage_and_build_info() -> None:
         busy = [metric(client, "kv_router_worker_busy", worker_id="3", dp_rank=r) for r in ("0", "1")]
         assert busy.count(1.0) == 1
         version = client.get("/openapi.json").json()["info"]["version"]
-        assert metric(client, "kv_router_build_info", version=version, policy="least_loaded") == 1
+        # Which C accelerators run is visible, in /v1/info and the metric: all four where they were
+        # built (CI's first pass), none under KV_ROUTER_NO_NATIVE=1 (its second pass).
+        native = [] if SWITCHED_OFF or indexer_native.accel is None else ["indexer", "events", "router", "api"]
+        assert client.get("/v1/info").json()["native"] == native
+        labels = {"version": version, "policy": "least_loaded", "native": ",".join(native) or "none"}
+        assert metric(client, "kv_router_build_info", **labels) == 1

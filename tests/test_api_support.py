@@ -7,6 +7,7 @@ lifespan included); events are real Dynamo-shaped ``RouterEvent`` JSON built fro
 from __future__ import annotations
 
 import random
+import re
 import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.config import RouterConfig
 
 BLOCK_SIZE = 16
+# One label of an exposition line: name="value" (values may hold commas and escaped quotes).
+LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
 
 
@@ -69,14 +72,12 @@ def stored_event(
 def metric(client: TestClient, name: str, **labels: str) -> float:
     """One sample of ``/metrics`` (0.0 when absent, as Prometheus treats a missing series)."""
     text = client.get("/metrics").text
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in text.splitlines():
         if line.startswith("#"):
             continue
         series, _, value = line.rpartition(" ")
         sample, _, label_text = series.partition("{")
-        got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
-        if sample == name and got == want:
+        if sample == name and dict(LABEL.findall(label_text)) == labels:
             return float(value)
     return 0.0
 
