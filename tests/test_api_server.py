@@ -204,8 +204,11 @@ def test_dockerfile_installs_dependencies_before_the_code_and_the_simulator_apar
     build = stages["build"]
     copies = [line.split()[0] for line in build["COPY"]]
     assert copies[0] == "pyproject.toml"
-    dependency_step = next(i for i, run in enumerate(build["RUN"]) if "--requirement" in run)
-    assert dependency_step == 0 and "['project']['dependencies']" in build["RUN"][0]
+    # First the compiler for the C accelerators (this stage only), then the dependencies.
+    compiler, dependencies = build["RUN"][:2]
+    assert "apt-get install" in compiler and " gcc " in compiler
+    assert "--requirement" in dependencies and "['project']['dependencies']" in dependencies
+    assert not any("gcc" in run for stage in ("base", "runtime", "simulator") for run in stages[stage].get("RUN", []))
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     packages = {pattern.rstrip("*") for pattern in setup["include"]}
     assert set(copies[2:]) == packages - {"mocker"}
