@@ -6,7 +6,11 @@ the last seq seen *live* on the SUB socket.
 
 - A live seq at or below the last live one: the engine restarted (a live stream never repeats). Its
   ranks are cleared through the sink and rebuilt from what follows.
-- A seq at or below the last applied one (after a replay covered it): a duplicate, dropped.
+- A live seq above the last live one that a replay brought already: a duplicate if its payload is the
+  one replayed (an engine replays the bytes it published), else a new process that counts from 0
+  again: a restart. This is what catches the restart of an engine whose whole history this stream
+  heard by replay (a stream that joined late, and has seen nothing live since).
+- Any other seq at or below the last applied one: a duplicate, dropped.
 - At start, with a replay endpoint, the engine's whole buffer is replayed before any live message.
 - A seq beyond the next expected one (including the first message of a stream joined late, whose
   expected seq is 0): a gap. With a replay endpoint the missing batches are asked for over a DEALER
@@ -145,6 +149,9 @@ class ZmqEngineStream:
         self._bad_input = RateLimitedLog(log)
         self._last_applied: int | None = None
         self._last_live: int | None = None
+        # (seq, hash of the payload) of the batches a replay applied, in seq order, above the last live
+        # seq: the SUB may still bring them, and only their payloads tell a duplicate from a new process.
+        self._replayed: deque[tuple[int, int]] = deque()
         self._ranks: set[int] = {dp_rank}
         # messages, applied, duplicate, dropped_queue_full, gap, replayed, replay_failed,
         # missing_history, restarts, unverified, rejected_<reason>, events, blocks, ignored_events,
@@ -253,12 +260,16 @@ class ZmqEngineStream:
         """One message as it came off the SUB socket (public for tests that drive the order)."""
         last_live = self._last_live
         self._last_live = seq
-        if last_live is not None and seq <= last_live:
+        if (last_live is not None and seq <= last_live) or self._replayed_otherwise(seq, payload):
             self.stats["restarts"] += 1
-            log.warning("engine at %s restarted (seq %d after %d): clearing its ranks", self.endpoint, seq, last_live)
+            log.warning(
+                "engine at %s restarted (seq %d after %s live, %s applied): clearing its ranks",
+                self.endpoint, seq, last_live, self._last_applied,
+            )  # fmt: skip
             for rank in sorted(self._ranks):
                 await self.sink.restarted(rank)
             self._last_applied = None
+            self._replayed.clear()
             # A new process: what its predecessor's hashes contradicted is history (fixed, perhaps).
             self.hash_check.reset()
             self.stats["tokens_hash_mismatch"] = 0
@@ -277,6 +288,23 @@ class ZmqEngineStream:
                 return
         await self._deliver(seq, payload)
 
+    def _replayed_otherwise(self, seq: int, payload: bytes) -> bool:
+        """Whether a replay applied another payload under this live ``seq`` (forgetting what the live
+        stream has passed)."""
+        replayed = self._replayed
+        if not replayed:
+            return False
+        while replayed and replayed[0][0] < seq:
+            replayed.popleft()
+        if not replayed or replayed[0][0] != seq:
+            return False
+        return replayed.popleft()[1] != hash(payload)
+
+    async def _deliver_replayed(self, seq: int, payload: bytes) -> None:
+        self.stats["replayed"] += 1
+        self._replayed.append((seq, hash(payload)))
+        await self._deliver(seq, payload)
+
     async def _bootstrap(self) -> None:
         """Before the first live message: replay the engine's buffer, so a router (or bridge) that starts
         after its engine learns what the engine cached before, even if the engine is idle now."""
@@ -291,8 +319,7 @@ class ZmqEngineStream:
             self.stats["missing_history"] += 1
             self._unverified(f"the engine's replay buffer starts at seq {batches[0][0]}, not 0")
         for seq, payload in batches:
-            self.stats["replayed"] += 1
-            await self._deliver(seq, payload)
+            await self._deliver_replayed(seq, payload)
 
     async def _repair(self, start: int) -> None:
         if self.replay_endpoint is None:
@@ -311,8 +338,7 @@ class ZmqEngineStream:
         for seq, payload in batches:
             last = self._last_applied
             if seq >= start and (last is None or seq > last):
-                self.stats["replayed"] += 1
-                await self._deliver(seq, payload)
+                await self._deliver_replayed(seq, payload)
 
     def _unverified(self, reason: str) -> None:
         self.stats["unverified"] += 1
