@@ -34,7 +34,7 @@ from router.engines.bridge import Bridge, rank_endpoint
 from router.engines.bridge_config import BridgeConfig
 from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
-from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.embedded_server import EmbeddedNats
 from tests.engine_fakes import BLOCK, FakeEngine, SideLoop, canonical, loopback_endpoints
 from tests.waiting import until
 
@@ -197,7 +197,8 @@ def _kv_router(*args: str) -> subprocess.Popen[bytes]:
 
 @pytest.mark.slow
 def test_mock_engine_to_bridge_to_nats_to_router_as_processes(router: TestClient, nats_server: EmbeddedNats) -> None:
-    zmq, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    zmq, replay = loopback_endpoints(replay=True)
+    assert replay is not None
     worker = _kv_router("mock-worker", "--nats-url", nats_server.url, "--worker-id", str(WORKER),
                         "--zmq-endpoint", zmq, "--replay-endpoint", replay, "--block-size", str(BLOCK),
                         "--engine-speedup", "100")  # fmt: skip
