@@ -112,6 +112,9 @@ class SglangCacheAware:
     def first_token(self, request_id: str, now_ms: float) -> None:
         return None
 
+    def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None:
+        return None  # the gateway counts requests in flight, not their tokens
+
     def finished(self, request_id: str, now_ms: float) -> None:
         slot = self._owner_of.pop(request_id, None)
         if slot is not None:
@@ -228,6 +231,9 @@ class LlmdScorers:
 
     def first_token(self, request_id: str, now_ms: float) -> None:
         return None
+
+    def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None:
+        return None  # its load comes from the scraped engine metrics
 
     def finished(self, request_id: str, now_ms: float) -> None:
         return None

@@ -147,15 +147,18 @@ class EngineMetrics:
 
 
 class PassResult:
-    """One forward pass: when it ends, its prefill work, and the sequences and KV ops it produced."""
+    """One forward pass: when it ends, its prefill work, and the sequences and KV ops it produced.
+    ``opened_blocks``: the sequences whose output opened a new block in it (a gateway streaming their
+    tokens would tell the router their progress; `MockEngine.generated` says how far)."""
 
-    __slots__ = ("end_ms", "finished", "first_tokens", "ops", "prefill_tokens", "start_ms")
+    __slots__ = ("end_ms", "finished", "first_tokens", "opened_blocks", "ops", "prefill_tokens", "start_ms")
 
     def __init__(self, start_ms: float, end_ms: float) -> None:
         self.start_ms = start_ms
         self.end_ms = end_ms
         self.prefill_tokens = 0
         self.first_tokens: list[Sequence] = []
+        self.opened_blocks: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.ops: list[KvOp] = []
 
@@ -487,6 +490,7 @@ class MockEngine:
                     if self._preempt_last() is seq:
                         return
                 seq.partial = True
+                result.opened_blocks.append(seq)
         if done:
             self._finish(seq, end_ms, result)
 

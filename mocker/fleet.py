@@ -2,9 +2,11 @@
 
 A replay drives a router the way a gateway and an engine fleet would: it asks for a worker for each
 request (`route`), forwards every KV event the workers publish (`kv_event`), says when a request's
-first token came out (`first_token`) and when it finished (`finished`). Routers that scrape engine
-metrics, as llm-d does, also receive them every ``scrape_interval_ms`` (`scraped`). Every call carries
-the simulated time in ms, so a router needs no clock of its own.
+first token came out (`first_token`), how many tokens it has generated each time its output opens a
+new block (`output`, as a gateway streaming the tokens would tell it) and when it finished
+(`finished`). Routers that scrape engine metrics, as llm-d does, also receive them every
+``scrape_interval_ms`` (`scraped`). Every call carries the simulated time in ms, so a router needs no
+clock of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class FleetRouter(Protocol):
     def kv_event(self, event: RouterEvent, now_ms: float) -> None: ...
 
     def first_token(self, request_id: str, now_ms: float) -> None: ...
+
+    def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None: ...
 
     def finished(self, request_id: str, now_ms: float) -> None: ...
 

@@ -75,6 +75,10 @@ class KvRouterFleet:
         self._now_s = now_ms / 1000.0
         self.router.mark_prefill(request_id)
 
+    def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None:
+        self._now_s = now_ms / 1000.0
+        self.router.record_output(request_id, generated_tokens)
+
     def finished(self, request_id: str, now_ms: float) -> None:
         self._now_s = now_ms / 1000.0
         self.router.mark_free(request_id)

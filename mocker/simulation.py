@@ -5,8 +5,10 @@ workers' forward passes. A worker runs a pass with `MockEngine.step` as soon as 
 is decided (admissions, allocations) when it starts, and what it produced (first tokens, completions,
 KV events) is delivered when it ends: KV events to the router's index, optionally ``event_delay_ms``
 later to model the event plane's latency, first tokens and completions as ``mark_prefill`` /
-``mark_free``. The router therefore knows at each decision exactly what a real one would: the events
-published so far and its own bookings. At equal times pass ends come before arrivals, and every
+``mark_free``, and a request's output progress (``record_output``) each time its output opens a new
+block (a gateway streaming the tokens could tell it more often; the router is at most a block behind).
+The router therefore knows at each decision what a real one would: the events published so far, its
+own bookings and the output progress. At equal times pass ends come before arrivals, and every
 arrival at one instant is routed before any worker starts a pass, as in Dynamo's replay harness.
 
 The simulation is deterministic for a given trace, router and seed (routers draw only from the
@@ -240,9 +242,12 @@ class _Simulation:
         router = self.router
         for seq in result.first_tokens:
             router.first_token(seq.request_id, now)
+        engine = self.engines[worker]
+        for seq in result.opened_blocks:
+            router.output(seq.request_id, engine.generated(seq), now)
         for seq in result.finished:
             router.finished(seq.request_id, now)
-        if self.engines[worker].has_work():
+        if engine.has_work():
             self._start_pass(worker, now)
 
     def _router_events(self, worker: int, ops: list[KvOp]) -> list[RouterEvent]:

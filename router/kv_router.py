@@ -458,13 +458,19 @@ class KvRouter:
         return marked
 
     def record_output(self, request_id: str, generated_tokens: int) -> bool:
-        """The request has generated ``generated_tokens`` tokens so far. With
-        ``router_track_output_blocks`` its output blocks count on its rank (decayed by its expected
-        output length when it gave one); otherwise nothing changes. False if the id is unknown."""
-        sequences = self._scheduler.sequences
-        if not self.config.router_track_output_blocks:
-            return sequences.owner(request_id) is not None
-        return sequences.record_output(request_id, generated_tokens, self.config.block_size)
+        """The request has generated ``generated_tokens`` tokens so far: they join its rank's context
+        in flight (what the decode term of `latency` prices). With ``router_track_output_blocks`` its
+        output blocks also count on its rank (decayed by its expected output length when it gave one),
+        as in Dynamo. False if the id is unknown."""
+        return self._scheduler.sequences.record_output(
+            request_id, generated_tokens, self.config.block_size, count_blocks=self.config.router_track_output_blocks
+        )
+
+    @property
+    def tracks_output(self) -> bool:
+        """Whether output progress (`record_output`) changes what routing reads: output blocks are
+        tracked, or the policy prices the context in flight."""
+        return self.config.router_track_output_blocks or self._scheduler.uses_context_in_flight
 
     def mark_free(self, request_id: str, *, replicated: bool = False) -> bool:
         """The request finished or was cancelled: release its load. False if unknown (Dynamo 1.6.1).

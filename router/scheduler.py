@@ -73,6 +73,7 @@ class Scheduler:
         # Fixed for the scheduler's life (the config and policy are): read once, not per decision.
         self._thresholds = busy_thresholds_configured(config)
         self.uses_cache_fill: bool = bool(getattr(policy, "uses_cache_fill", False))
+        self.uses_context_in_flight: bool = bool(getattr(policy, "uses_context_in_flight", False))
         self.workers = WorkerRegistry()
         linear = config.router_prefill_load_model == "linear"
         self.sequences = ActiveSequences(config.router_prefill_tokens_per_s if linear else None)

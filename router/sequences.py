@@ -5,9 +5,10 @@ Per rank: the prefill tokens still pending, the distinct prompt blocks of its ac
 model) and the number of active requests. A request is booked by `add`, loses its prefill entry on
 `mark_prefill`, and is released by `free` or, once stale, by `expire`.
 
-Output blocks (Dynamo's ``router_track_output_blocks``): `record_output` tells how many tokens a
-request has generated; each time its prompt plus output crosses a block boundary one more block is
-counted on its rank. When the request says how long it expects to be (``expected_output_tokens``),
+Output progress: `record_output` tells how many tokens a request has generated; they join its rank's
+``context_tokens`` (the context every decode step there reads) at once. Output blocks (Dynamo's
+``router_track_output_blocks``, when asked): each time its prompt plus output crosses a block boundary
+one more block is counted on its rank. When the request says how long it expects to be (``expected_output_tokens``),
 its exclusive blocks (the prompt suffix no other active request on the rank holds, and its output
 blocks) are weighted ``max(0, 1 - generated / expected)`` from then on, as Dynamo does at each block
 boundary; ``decode_blocks`` is the rank's weighted total, rounded.
@@ -80,8 +81,8 @@ class RankState:
         # What scheduling reads: round(prompt + output - decayed) (all prompt blocks without output tracking).
         self.decode_blocks = 0
         self.requests = 0
-        # The prompt tokens of the active requests, each counted in full: what every decode step of
-        # the rank reads, shared prefixes included (ours; Dynamo has no such figure).
+        # The context of the active requests, prompt and tokens generated so far, each counted in full:
+        # what every decode step of the rank reads, shared prefixes included (ours; Dynamo has none).
         self.context_tokens = 0
         # Which sequence hashes the active requests on this rank hold, and how many each.
         self.booked = new_booked_blocks()
@@ -114,6 +115,7 @@ class _Request:
         "context_tokens",
         "decayed_blocks",
         "expected_output_tokens",
+        "generated_tokens",
         "hashes",
         "output_blocks",
         "prefill_tokens",
@@ -138,6 +140,7 @@ class _Request:
         self.prefill_tokens = prefill_tokens
         self.context_tokens = context_tokens
         self.expected_output_tokens = expected_output_tokens
+        self.generated_tokens = 0
         self.output_blocks = 0
         self.decayed_blocks = 0.0
         self.started_at = started_at
@@ -283,19 +286,26 @@ class ActiveSequences:
         left = min(max(1.0 - elapsed * self._prefill_rate / anchor, 0.0), 1.0)
         rank.prefill_tokens = rank.booked_prefill_tokens - anchor + math.ceil(anchor * left)
 
-    def record_output(self, request_id: str, generated_tokens: int, block_size: int) -> bool:
-        """The request has generated ``generated_tokens`` so far: count its output blocks and, if it
-        said how long it would be, decay its exclusive blocks (see the module doc). False when the id
-        is not active. O(log prompt blocks) at a block boundary, O(1) otherwise."""
+    def record_output(self, request_id: str, generated_tokens: int, block_size: int, *, count_blocks: bool) -> bool:
+        """The request has generated ``generated_tokens`` so far: they join its rank's context in
+        flight and, with ``count_blocks``, its output blocks count there, its exclusive blocks decayed
+        when it said how long it would be (see the module doc). A count below one already told changes
+        nothing. False when the id is not active. O(log prompt blocks) at a block boundary, O(1)
+        otherwise."""
         request = self._requests.get(request_id)
         if request is None:
             return False
+        rank = request.rank
+        if generated_tokens > request.generated_tokens:
+            rank.context_tokens += generated_tokens - request.generated_tokens
+            request.generated_tokens = generated_tokens
+        if not count_blocks:
+            return True
         isl = request.context_tokens
         # A block opens with the first token beyond the prompt's last block (full or partial).
         blocks = -(-(isl + generated_tokens) // block_size) - -(-isl // block_size)
         if blocks <= request.output_blocks:
             return True  # Dynamo updates the load only when a block boundary is crossed
-        rank = request.rank
         rank.output_blocks += blocks - request.output_blocks
         request.output_blocks = blocks
         expected = request.expected_output_tokens
@@ -349,7 +359,7 @@ class ActiveSequences:
         rank.prompt_blocks -= request.private_blocks
         rank.output_blocks -= request.output_blocks
         self._end_prefill(request)
-        rank.context_tokens -= request.context_tokens
+        rank.context_tokens -= request.context_tokens + request.generated_tokens
         rank.requests -= 1
         # No float residue on an idle rank.
         rank.decayed_blocks = rank.decayed_blocks - request.decayed_blocks if rank.requests else 0.0
@@ -382,7 +392,7 @@ class ActiveSequences:
             prefill[rank] += request.prefill_tokens
             private[rank] += request.private_blocks
             requests[rank] += 1
-            context[rank] += request.context_tokens
+            context[rank] += request.context_tokens + request.generated_tokens
             output[rank] += request.output_blocks
             decayed[rank] += request.decayed_blocks
             refs = expected_refs[rank]

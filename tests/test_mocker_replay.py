@@ -216,6 +216,9 @@ class AlwaysWorker:
     def first_token(self, request_id: str, now_ms: float) -> None:
         pass
 
+    def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None:
+        pass
+
     def finished(self, request_id: str, now_ms: float) -> None:
         pass
 
@@ -235,6 +238,38 @@ def test_external_policies_and_routers_plug_in_by_import_path() -> None:
         make_router("no_such_module:factory", RouterConfig(), random.Random(0))
     with pytest.raises(ValueError, match="unknown router"):
         make_router("nonsense", RouterConfig(), random.Random(0))
+
+
+class ProgressRecorder(KvRouterFleet):
+    """Our router, with every output progress the replay tells it kept."""
+
+    def __init__(self, config: RouterConfig, rng: random.Random) -> None:
+        super().__init__(config, rng)
+        self.told: dict[str, list[int]] = {}
+
+    def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None:
+        assert self.router.booking(request_id) is not None, "progress told after the request ended"
+        self.told.setdefault(request_id, []).append(generated_tokens)
+        super().output(request_id, generated_tokens, now_ms)
+
+
+def test_the_replay_tells_output_progress_each_time_an_output_opens_a_block() -> None:
+    engine = EngineConfig()  # room for everything: no preemption recomputes a block
+    trace = build_trace(
+        shared_prefix_rows(requests=60, groups=4, rate_per_s=20.0, seed=1, output_tokens=300),
+        TraceOptions(seed=1),
+        "generated",
+    )
+    fleet = ProgressRecorder(RouterConfig(block_size=engine.block_size, policy="latency"), random.Random(0))
+    records = asyncio.run(simulate(trace, fleet, engine, 2)).records
+    assert all(r.status == "completed" and not r.preemptions for r in records)
+    block = engine.block_size
+    for request, r in zip(trace.requests, records, strict=True):
+        # The token making the context one longer than a whole number of blocks opens a block; the
+        # last token opens none (the request ends with it).
+        opened = [g for g in range(1, r.output_length) if (r.input_length + g) % block == 1]
+        assert fleet.told.get(request.request_id, []) == opened
+    assert sum(map(len, fleet.told.values())) > 100
 
 
 # ---------------------------------------------------------------------- report

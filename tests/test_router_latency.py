@@ -114,6 +114,39 @@ def test_long_outputs_leave_a_rank_full_of_context_short_ones_stay() -> None:
     assert route(router, QUERY, expected_output_tokens=4000).worker_id == Y
 
 
+def test_generated_tokens_join_the_context_in_flight_the_decode_term_prices() -> None:
+    router = router_with(**KNOBS)  # output blocks not tracked: Dynamo's load stays as it was
+    book_on(router, X, "long", list(range(5000, 5064)))  # 64 tokens of context in flight on X
+    book_on(router, Y, "short", list(range(6000, 6128)))  # 128 on Y
+    assert router.mark_prefill("long") and router.mark_prefill("short")
+    assert router.tracks_output
+    loads = router.rank_loads()
+    # Each: (2 + 0.5 * 1 request) * 128 missed + 0.01 * 10 * context in flight.
+    assert costs(route(router, QUERY, expected_output_tokens=10)) == {
+        X: pytest.approx(2.5 * 128 + 0.1 * 64),
+        Y: pytest.approx(2.5 * 128 + 0.1 * 128),
+    }
+    assert router.record_output("long", 200)
+    assert router.record_output("long", 150)  # an older count changes nothing
+    decision = route(router, QUERY, expected_output_tokens=10)
+    assert costs(decision) == {X: pytest.approx(2.5 * 128 + 0.1 * 264), Y: pytest.approx(2.5 * 128 + 0.1 * 128)}
+    assert decision.worker_id == Y
+    assert router.rank_loads() == loads  # no output blocks, the same decode blocks: dynamo is unchanged
+    assert router.mark_free("long")
+    assert costs(route(router, QUERY, expected_output_tokens=10))[X] == 2.0 * 128  # nothing left in flight
+    assert not router.record_output("long", 300)
+
+
+@pytest.mark.parametrize(
+    ("policy", "track_output_blocks", "tracks"),
+    [("latency", False, True), ("dynamo", False, False), ("dynamo", True, True), ("cache_affinity", False, False)],
+)
+def test_output_progress_is_wanted_when_a_policy_or_the_load_reads_it(
+    policy: str, track_output_blocks: bool, tracks: bool
+) -> None:
+    assert router_with(policy, router_track_output_blocks=track_output_blocks).tracks_output is tracks
+
+
 def test_a_request_without_expected_output_uses_the_default_length() -> None:
     router = router_with(latency_default_output_tokens=500, **KNOBS)
     book_on(router, X, "busy", list(range(5000, 5064)))

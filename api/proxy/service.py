@@ -109,8 +109,9 @@ class Proxy:
         self.tokenizer = PromptTokenizer(load_tokenizers(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
-        # Output progress changes a booking only with output blocks tracked (`KvRouter.record_output`).
-        self._track_output = router.config.router_track_output_blocks
+        # Output progress changes what routing reads only with output blocks tracked or a policy pricing
+        # the context in flight (`KvRouter.tracks_output`).
+        self._track_output = router.tracks_output
         self._cooling: dict[int, float] = {}  # worker id -> monotonic time its cooldown ends
         self._decoders: dict[str, Callable[[bytes], TokenIdsBody | CompletionBody | ChatBody]] = {
             "completions": _completion_decoder(),

@@ -15,10 +15,11 @@ already booked on w hold of the prompt when that is longer and w has at least a 
 a prefix in flight even sooner (it shares the blocks a pass allocates with requests admitted in that pass
 or later); pricing it as a miss while its holder has less than a pass queued is a choice of when a
 burst is spread, see below;
-``K(w)`` the prompt tokens of w's active requests, each counted in full (a decode step reads every
-sequence's context); ``osl`` the request's expected output tokens, or ``latency_default_output_tokens``
-when it carries none; ``fill(w)`` the fraction of w's KV blocks (``total_kv_blocks``) its cache holds
-by the index (1 when the worker did not say how many it has). Lowest cost wins, ties uniformly at random.
+``K(w)`` the context of w's active requests, prompt and the tokens generated so far (told by
+`KvRouter.record_output`), each counted in full (a decode step reads every sequence's context);
+``osl`` the request's expected output tokens, or ``latency_default_output_tokens`` when it carries none;
+``fill(w)`` the fraction of w's KV blocks (``total_kv_blocks``) its cache holds by the index (1 when
+the worker did not say how many it has). Lowest cost wins, ties uniformly at random.
 
 Why these terms: an engine pass runs the scheduled prefill chunks and one decode step for every
 running sequence, so each prefill token placed on w delays each of w's running requests by about one
@@ -60,6 +61,8 @@ class LatencyPolicy:
     name = "latency"
     # The scheduler hands it each rank's cache fill (it costs a pass over the index's ranks).
     uses_cache_fill = True
+    # It reads each rank's context in flight, which output progress (`KvRouter.record_output`) grows.
+    uses_context_in_flight = True
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
         self._miss_weight = config.latency_miss_weight
