@@ -56,6 +56,7 @@ SEARCH_SPACE: dict[str, tuple[float, ...]] = {
     "latency_miss_weight": (2.0, 3.0, 4.0, 5.0, 6.0, 8.0),
     "latency_stall_weight": (0.0, 0.05, 0.2),
     "latency_decode_weight": (0.0, 0.0002, 0.0004, 0.0005, 0.001),
+    "latency_hit_margin": (0.0, 0.05, 0.1),
 }
 
 POLICY = "latency"

@@ -207,6 +207,15 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         int,
         _doc("latency policy: output length, in tokens, assumed for a request that does not give one"),
     ] = 256
+    # Ours: a rank costing at most this fraction more than the cheapest wins when it holds more of the
+    # prompt (computed or in flight): the hit rate breaks near-ties of the `latency` cost.
+    latency_hit_margin: Annotated[
+        float,
+        _doc(
+            "latency policy: a rank within this fraction of the least cost wins when it holds more of the prompt "
+            "(0: the least cost always)"
+        ),
+    ] = 0.05
     untrusted_overlap_weight: Annotated[
         float,
         _doc(
@@ -252,6 +261,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "latency_miss_weight",
             "latency_stall_weight",
             "latency_decode_weight",
+            "latency_hit_margin",
             "router_ttl_secs",
         ):
             _require_non_negative(name, getattr(self, name))

@@ -126,6 +126,7 @@ def test_tune_writes_the_front_and_a_config_serve_reads_and_resumes(
         "latency_miss_weight": settings.router.latency_miss_weight,
         "latency_stall_weight": settings.router.latency_stall_weight,
         "latency_decode_weight": settings.router.latency_decode_weight,
+        "latency_hit_margin": settings.router.latency_hit_margin,
     } in [entry["knobs"] for entry in chosen]
 
     # Interrupted after three results, with a line cut short: the rerun replays only what is missing.

@@ -104,6 +104,17 @@ def test_a_prefix_in_flight_counts_only_behind_a_pass_of_queued_prefill() -> Non
     assert costs(route(router, QUERY, expected_output_tokens=10))[X] == pytest.approx(64 + 2.5 * 64 + 0.1 * 64)
 
 
+@pytest.mark.parametrize(("busy_tokens", "margin", "chosen"), [(96, 0.05, X), (96, 0.0, Y), (112, 0.05, Y)])
+def test_a_near_tie_goes_to_the_rank_holding_more_of_the_prompt(busy_tokens: int, margin: float, chosen: int) -> None:
+    router = router_with(latency_hit_margin=margin, **KNOBS)
+    router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))
+    book_on(router, X, "busy", list(range(5000, 5000 + busy_tokens)))
+    decision = route(router, QUERY, expected_output_tokens=10)
+    # X: queued + 2.5 * 64 missed + 0.1 * context; Y: 2 * 128 missed. X is 3.75 % (96) or 10.6 % (112) dearer.
+    assert costs(decision) == {X: pytest.approx(1.1 * busy_tokens + 160), Y: 256.0}
+    assert decision.worker_id == chosen
+
+
 def test_long_outputs_leave_a_rank_full_of_context_short_ones_stay() -> None:
     router = router_with()
     router.apply_event(prompt_stored_event(X, QUERY, BS))
@@ -174,7 +185,14 @@ def test_without_the_decode_side_it_is_cache_affinity_without_its_decode_term(
 
 
 @pytest.mark.parametrize(
-    "field", ["latency_miss_weight", "latency_stall_weight", "latency_decode_weight", "latency_default_output_tokens"]
+    "field",
+    [
+        "latency_miss_weight",
+        "latency_stall_weight",
+        "latency_decode_weight",
+        "latency_default_output_tokens",
+        "latency_hit_margin",
+    ],
 )
 def test_knobs_are_validated_by_name(field: str) -> None:
     with pytest.raises(ConfigError, match=field):

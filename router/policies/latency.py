@@ -41,6 +41,10 @@ the fleet in the burst's first pass, while a copy of the template costs no waiti
 the burst's first requests queue behind the template's holder and the copies are made later anyway, as
 its queue grows. Counting it only behind a pass: the same hit rate and a TTFT p90 15 %, 15 % and 10 %
 lower (bursty workload, seeds 0, 1 and 3), an E2E p90 3 % lower on mooncake_trace_1000.
+Near-ties go to the hit rate: a rank within ``latency_hit_margin`` (5 %) of the least cost wins when it
+holds more of the prompt (computed or in flight), since two costs that close are the same latency for
+this request but a copy of the prefix is cache space later requests pay for (SGLang GSP's TTFT and E2E
+p90, RAG's E2E p90 and mooncake_trace_1000's hit rate on the tuning runs).
 `cache_affinity` is the first line alone with a small decode term: it piles hot prefixes onto few ranks,
 whose decoding then slows every token of every request there.
 """
@@ -69,10 +73,15 @@ class LatencyPolicy:
         self._stall_weight = config.latency_stall_weight
         self._decode_weight = config.latency_decode_weight
         self._default_output = config.latency_default_output_tokens
+        self._hit_margin = config.latency_hit_margin
         self._rng = rng
 
     def costs(self, context: SelectionContext) -> list[float]:
         """Every candidate's cost in prefill tokens, in candidate order. O(candidates)."""
+        return self._costs_and_held(context)[0]
+
+    def _costs_and_held(self, context: SelectionContext) -> tuple[list[float], list[int]]:
+        """The costs, and per candidate the tokens of the prompt it holds, computed or in flight."""
         isl = context.isl_tokens
         block_size = context.block_size
         overlaps = context.overlaps
@@ -85,9 +94,11 @@ class LatencyPolicy:
         pass_tokens = context.pass_tokens or {}
         extra_miss_weight = miss_weight - 1.0
         costs = []
+        held = []
         for rank in context.ranks:
             cached = overlaps.get(rank.key, NO_OVERLAP).cached_tokens
             inflight = depths.get(rank, 0) * block_size
+            held.append(max(cached, inflight))
             if inflight > cached and rank.prefill_tokens >= pass_tokens.get(rank.key, 0):
                 # The prefix is booked there but not computed yet. Behind a pass of queued prefill the
                 # request waits anyway and reuses it; with less, a copy elsewhere costs no waiting, and
@@ -100,7 +111,21 @@ class LatencyPolicy:
                 + (1.0 + extra_miss_weight * fill + stall_weight * rank.requests) * miss
                 + decode_weight * rank.context_tokens
             )
-        return with_taint_multipliers(costs, context)
+        return with_taint_multipliers(costs, context), held
 
     def select(self, context: SelectionContext) -> Selection:
-        return lowest_cost_selection(self.costs(context), self._rng, "least latency", "prefill tokens")
+        costs, held = self._costs_and_held(context)
+        low = min(costs)
+        within = low * (1.0 + self._hit_margin)
+        deepest = -1
+        for index, cost in enumerate(costs):
+            if cost <= within and (deepest < 0 or (held[index], -cost) > (held[deepest], -costs[deepest])):
+                deepest = index
+        least_held = max(held[index] for index, cost in enumerate(costs) if cost == low)
+        if held[deepest] > least_held:
+            reason = (
+                f"deepest holder within {self._hit_margin:.0%} of the least latency: cost {costs[deepest]:.0f} "
+                f"prefill tokens (least {low:.0f})"
+            )
+            return Selection(deepest, reason, costs)
+        return lowest_cost_selection(costs, self._rng, "least latency", "prefill tokens")
