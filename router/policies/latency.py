@@ -19,7 +19,8 @@ burst is spread, see below;
 `KvRouter.record_output`), each counted in full (a decode step reads every sequence's context);
 ``osl`` the request's expected output tokens, or ``latency_default_output_tokens`` when it carries none;
 ``fill(w)`` the fraction of w's KV blocks (``total_kv_blocks``) its cache holds by the index (1 when
-the worker did not say how many it has). Lowest cost wins, ties uniformly at random.
+the worker did not say how many it has). Lowest cost wins (a near-tie to the rank holding more of the
+prompt, below), exact ties uniformly at random.
 
 Why these terms: an engine pass runs the scheduled prefill chunks and one decode step for every
 running sequence, so each prefill token placed on w delays each of w's running requests by about one
