@@ -25,7 +25,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from api.codec import Reply
 from api.eager import Suspended, start
 
-__all__ = ["Forwarding", "Sink", "StreamHandler", "StreamRoute", "StreamedRequest"]
+__all__ = ["Sink", "StreamHandler", "StreamRoute", "StreamedRequest"]
 
 Headers = list[tuple[bytes, bytes]]
 StreamHandler = Callable[["StreamedRequest"], Coroutine[object, object, None]]
@@ -48,14 +48,6 @@ class Sink(Protocol):
         ...
 
     def when_drained(self, resume: Callable[[], None]) -> None: ...
-
-
-class Forwarding(Protocol):
-    """A body to hand on (`api.proxy.upstream.Exchange`)."""
-
-    async def forward(self, sink: Sink) -> None:
-        """Give every piece to ``sink`` as it arrives; returns at the body's end."""
-        ...
 
 
 class _Request(Protocol):
@@ -130,6 +122,11 @@ class StreamedRequest:
     async def start(self, status: int, headers: Headers) -> None:
         self._head = self._head_lines(status, headers, b"transfer-encoding: chunked\r\n")
 
+    def begin(self, status: int, headers: Headers) -> Sink:
+        """`start` without a wait, for a body handed on from a read callback: the sink it goes to."""
+        self._head = self._head_lines(status, headers, b"transfer-encoding: chunked\r\n")
+        return _PieceSink(self)
+
     async def write(self, data: bytes) -> None:
         self.write_piece(data)
 
@@ -152,9 +149,6 @@ class StreamedRequest:
         task = asyncio.ensure_future(self._drained(resume))
         self._connection.tasks.add(task)
         task.add_done_callback(self._connection.tasks.discard)
-
-    async def stream(self, source: Forwarding) -> None:
-        await source.forward(_PieceSink(self))
 
     async def end(self) -> None:
         head, self._head = self._head, None

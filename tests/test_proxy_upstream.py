@@ -114,6 +114,12 @@ class Collect:
         self.data: list[bytes] = []
         self.behind = behind  # how many writes answer "behind"
         self.resume: Callable[[], None] | None = None
+        self.began: list[bytes | None] = []  # the content types `begin` was called with
+
+    def begin(self, content_type: bytes | None) -> Collect:
+        """`api.proxy.upstream.Begin`: the stream starts here."""
+        self.began.append(content_type)
+        return self
 
     def write(self, data: bytes) -> bool:
         self.data.append(data)
@@ -136,7 +142,7 @@ events_strategy = st.lists(st.binary(min_size=1, max_size=200).map(lambda b: b"d
     sizes=st.lists(st.integers(1, 300), max_size=5),
     cuts=st.lists(st.integers(0, 10_000), max_size=12),
     framing=st.sampled_from(["chunked", "length", "close"]),
-    taken=st.sampled_from(["read", "forward", "pieces"]),
+    taken=st.sampled_from(["read", "handed on", "pieces"]),
 )
 def test_any_framing_split_anywhere_gives_the_body_back_and_keeps_the_connection(
     events: list[bytes], sizes: list[int], cuts: list[int], framing: str, taken: str
@@ -163,18 +169,20 @@ def test_any_framing_split_anywhere_gives_the_body_back_and_keeps_the_connection
                     worker.scripts.append(then_close)
                 else:
                     worker.scripts.append(script)
-                exchange = await upstream.open(worker.url, b"/v1/completions", b'{"model": "m"}')
+                sink = Collect()
+                begin = sink.begin if taken == "handed on" else None
+                exchange = await upstream.open(worker.url, b"/v1/completions", b'{"model": "m"}', begin=begin)
                 assert exchange.status == 200 and exchange.content_type == b"text/event-stream"
                 if taken == "read":  # a whole answer
                     got = await exchange.read()
-                else:  # a stream: the first piece, then the rest from the socket's callback or by awaiting
+                elif taken == "handed on":  # a stream handed on from the socket's callback, from its start
+                    assert await exchange.handed_on()
+                    assert sink.began == [b"text/event-stream"]
+                    got = b"".join(sink.data)
+                else:  # a stream taken by awaiting: the first piece, then the rest
                     first = await exchange.first()
-                    if taken == "forward":
-                        sink = Collect()
-                        await exchange.forward(sink)
-                        got = first + b"".join(sink.data)
-                    else:
-                        got = first + b"".join([piece async for piece in exchange.pieces()])
+                    got = first + b"".join([piece async for piece in exchange.pieces()])
+                if taken != "read":
                     assert exchange.tail.endswith(events[-1])  # the stream's end is kept for usage
                 assert got == body
                 exchange.release()
@@ -209,13 +217,12 @@ async def test_a_worker_closing_mid_chunk_is_an_upstream_error_and_the_connectio
             writer.write(cut_short)
 
         worker.scripts.append(close_mid_chunk)
-        exchange = await upstream.open(worker.url, b"/v1/completions", b"{}")
-        first = await exchange.first()
         sink = Collect()
+        exchange = await upstream.open(worker.url, b"/v1/completions", b"{}", begin=sink.begin)
         with pytest.raises(UpstreamError, match="mid-answer"):
-            await exchange.forward(sink)
+            await exchange.handed_on()
         # The whole event before the close went on; the one cut short did not.
-        assert first + b"".join(sink.data) == b'data: {"a":1}\n\n'
+        assert exchange.begun and b"".join(sink.data) == b'data: {"a":1}\n\n'
         exchange.release()
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"])
         assert await upstream.post(worker.url, b"/x", b"{}") == (200, b"ok")
@@ -246,10 +253,11 @@ async def test_a_fresh_connection_closed_unanswered_is_a_failure() -> None:
 async def test_silence_is_a_read_timeout_and_refusal_a_connect_failure() -> None:
     async with peer() as worker, client(proxy_read_timeout_secs=0.2) as upstream:
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"])
-        exchange = await upstream.open(worker.url, b"/x", b"{}")
-        assert await exchange.first() == b"data: 1\n\n"
+        sink = Collect()
+        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
         with pytest.raises(UpstreamError, match="read timeout"):
-            await exchange.forward(Collect())
+            await exchange.handed_on()
+        assert sink.data == [b"data: 1\n\n"]
         exchange.release()
         await asyncio.sleep(0.05)
         assert worker.closed_by_client == 1
@@ -260,11 +268,11 @@ async def test_silence_is_a_read_timeout_and_refusal_a_connect_failure() -> None
 async def test_a_cancelled_exchange_closes_its_connection_so_the_worker_stops() -> None:
     async with peer() as worker, client() as upstream:
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"])
-        exchange = await upstream.open(worker.url, b"/x", b"{}")
+        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=Collect().begin)
 
         async def forward() -> None:
             try:
-                await exchange.forward(Collect())
+                await exchange.handed_on()
             finally:
                 exchange.release()
 
@@ -302,13 +310,27 @@ async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_dra
         frames = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"]
         frames += [b"%x\r\n%b\r\n" % (len(event), event) for event in events] + [b"0\r\n\r\n"]
         worker.scripts.append(frames)
-        exchange = await upstream.open(worker.url, b"/x", b"{}")
-        first = await exchange.first()
         sink = Collect(behind=1)
-        forwarding = asyncio.ensure_future(exchange.forward(sink))
+        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        forwarding = asyncio.ensure_future(exchange.handed_on())
         await asyncio.sleep(0.1)  # the worker has sent everything by now; nothing more is read
         assert len(sink.data) == 1 and sink.resume is not None and not forwarding.done()
         sink.resume()
-        await forwarding
-        assert first + b"".join(sink.data) == b"".join(events)
+        assert await forwarding
+        assert b"".join(sink.data) == b"".join(events)
+        exchange.release()
+
+
+async def test_a_stream_opened_to_be_handed_on_is_read_whole_when_the_worker_refuses_it() -> None:
+    async with peer() as worker, client() as upstream:
+        worker.scripts.append([b'HTTP/1.1 400 Bad Request\r\ncontent-length: 13\r\n\r\n{"error": {}}'])
+        sink = Collect()
+        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        assert exchange.status == 400 and await exchange.read() == b'{"error": {}}'
+        assert sink.began == [] and sink.data == [] and not exchange.begun
+        exchange.release()
+        # A stream ending without an event never begins: the proxy tries the next worker.
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"])
+        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        assert not await exchange.handed_on() and sink.began == []
         exchange.release()

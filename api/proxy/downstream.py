@@ -3,16 +3,15 @@
 Two kinds: `AsgiDownstream` sends ASGI messages (the proxy as an ASGI layer, `Proxy.front`); the HTTP
 protocol writes to the client's transport itself (`api.http_stream.StreamReply`, the proxy's
 routes answered inside uvicorn's protocol like the hot routes). The flow (`api.proxy.service`) is
-the same for both; only a streamed body differs: the protocol's reply takes every piece in the
-worker connection's read callback (`Exchange.forward`), the ASGI reply awaits ``send`` for each.
+the same for both; only a streamed body differs: the protocol's reply is started and takes every
+piece in the worker connection's read callback (`StreamedRequest.begin`, `Exchange.handed_on`), the
+ASGI reply awaits ``send`` for each (`write`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
-
-from api.proxy.upstream import Exchange
 
 __all__ = ["AsgiDownstream", "Downstream", "Headers", "whole_headers"]
 
@@ -23,7 +22,7 @@ _JSON = b"application/json"
 
 
 class Downstream(Protocol):
-    """One answer to the client: whole, or streamed (`start`, `write`, `stream`, `end`)."""
+    """One answer to the client: whole, or streamed (`start`, `write`, `end`)."""
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         """A complete answer; ``headers`` without content-length (added here) nor content-type
@@ -35,10 +34,6 @@ class Downstream(Protocol):
         ...
 
     async def write(self, data: bytes) -> None: ...
-
-    async def stream(self, exchange: Exchange) -> None:
-        """Hand on the rest of ``exchange``'s body until it ends (raises its `UpstreamError`)."""
-        ...
 
     async def end(self) -> None: ...
 
@@ -67,11 +62,6 @@ class AsgiDownstream:
 
     async def write(self, data: bytes) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def stream(self, exchange: Exchange) -> None:
-        send = self._send
-        async for data in exchange.pieces():
-            await send({"type": "http.response.body", "body": data, "more_body": True})
 
     async def end(self) -> None:
         await self._send({"type": "http.response.body", "body": b""})

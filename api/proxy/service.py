@@ -39,11 +39,11 @@ from prometheus_client import CollectorRegistry
 from api.auth import Access, ApiAuth
 from api.codec import Reply
 from api.config import ProxyConfig, ServiceConfig
-from api.http_stream import StreamedRequest, StreamRoute
+from api.http_stream import Sink, StreamedRequest, StreamRoute
 from api.proxy.downstream import AsgiDownstream, Downstream, Headers
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TokenizeFailed, load_tokenizers
-from api.proxy.upstream import Exchange, Upstream, UpstreamError
+from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
 from api.proxy.wire import (
     ChatBody,
     CompletionBody,
@@ -344,22 +344,28 @@ class Proxy:
         assert request_id is not None and worker.url is not None
         if worker.dp_size > 1:
             headers += b"x-data-parallel-rank: " + str(decision.dp_rank).encode() + b"\r\n"
+        ours = [
+            (b"x-kv-router-worker", str(decision.worker_id).encode()),
+            (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
+            (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
+            (b"x-request-id", request_id.encode()),
+        ]
+        begin = on_events = None
+        if stream:
+            if self._track_output:
+                on_events = _OutputProgress(self.router.record_output, request_id, self.router.config.block_size)
+            if isinstance(reply, StreamedRequest):
+                begin = self._beginning(reply, request_id, ours)
         sending = time.perf_counter()
         try:
-            exchange = await self.upstream.open(worker.url, path, body, headers)
+            exchange = await self.upstream.open(worker.url, path, body, headers, begin, on_events)
         except UpstreamError as exc:
             raise _WorkerFailed(str(exc)) from None
         try:
             status = exchange.status
             if status >= 500:
                 raise _WorkerFailed(f"HTTP {status}")
-            ours = [
-                (b"content-type", exchange.content_type or _JSON),
-                (b"x-kv-router-worker", str(decision.worker_id).encode()),
-                (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
-                (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
-                (b"x-request-id", request_id.encode()),
-            ]
+            ours.insert(0, (b"content-type", exchange.content_type or _JSON))
             if not stream or status != 200:
                 try:
                     content = await exchange.read()
@@ -373,18 +379,46 @@ class Proxy:
                         self.router.record_output(request_id, usage.completion_tokens)
                 await reply.whole(status, ours, content)
                 return "ok" if status == 200 else "upstream_status"
-            return await self._stream(exchange, decision, ours, reply, sending - received)
+            if begin is not None:
+                problem = await self._handed_on(exchange, sending - received)
+            else:
+                problem = await self._stream(exchange, decision, ours, reply, sending - received)
+            return await self._stream_end(exchange, decision, reply, problem)
         finally:
             exchange.release()  # back to the pool if read to its end; else closed, so the engine stops
 
+    def _beginning(self, reply: StreamedRequest, request_id: str, headers: Headers) -> Begin:
+        """What starts a stream handed on from the worker connection's read callback (`Begin`): the
+        booking's prefill is done, the client's head goes out with the first events."""
+
+        def begin(content_type: bytes | None) -> Sink:
+            self.router.mark_prefill(request_id)
+            return reply.begin(200, [(b"content-type", content_type or _JSON), *headers])
+
+        return begin
+
+    async def _handed_on(self, exchange: Exchange, before_sent: float) -> str | None:
+        """The stream handed on from the read callback: returns at its end, what went wrong after its
+        first byte (None: nothing); raises `_WorkerFailed` while the client has had nothing."""
+        try:
+            begun = await exchange.handed_on()
+        except UpstreamError as exc:
+            if not exchange.begun:
+                raise _WorkerFailed(str(exc)) from None
+            problem: str | None = str(exc)
+        else:
+            if not begun:
+                raise _WorkerFailed("the stream ended before its first byte")
+            problem = None
+        self.metrics.added.observe(before_sent + exchange.first_sent_at - exchange.begun_at)
+        return problem
+
     async def _stream(
         self, exchange: Exchange, decision: RouteDecision, headers: Headers, reply: Downstream, before_sent: float
-    ) -> str:
-        """Hand the stream on; ``before_sent``: the seconds the proxy held the request before sending it."""
+    ) -> str | None:
+        """Hand the stream on by awaiting each write (ASGI); ``before_sent``: the seconds the proxy
+        held the request before sending it. Returns what went wrong after the first byte, if anything."""
         assert decision.request_id is not None
-        if self._track_output:
-            block_size = self.router.config.block_size
-            exchange.on_events = _OutputProgress(self.router.record_output, decision.request_id, block_size)
         try:
             first = await exchange.first()
         except UpstreamError as exc:
@@ -395,12 +429,18 @@ class Proxy:
         await reply.start(200, headers)
         await reply.write(first)
         self.metrics.added.observe(before_sent + time.perf_counter() - exchange.read_at)
-        problem = None
         try:
-            await reply.stream(exchange)
+            async for piece in exchange.pieces():
+                await reply.write(piece)
         except UpstreamError as exc:
-            problem = str(exc)
-        else:
+            return str(exc)
+        return None
+
+    async def _stream_end(
+        self, exchange: Exchange, decision: RouteDecision, reply: Downstream, problem: str | None
+    ) -> str:
+        """A stream's end: its usage compared with the prediction, or the failure told as an SSE event."""
+        if problem is None:
             ending = exchange.tail
             # An OpenAI stream ends with [DONE]; a worker killed mid-stream may just close the connection.
             if ending.rstrip().endswith(b"data: [DONE]"):

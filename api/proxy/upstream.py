@@ -5,9 +5,11 @@ Why not aiohttp's client (used before): per request it builds a request object, 
 a stream reader, header multidicts and a timer, and every chunk it reads wakes the coroutine that
 forwards it; that was about a third of the proxy's CPU per request (docs/performance.md). Here a
 request is one ``transport.write`` of a head built from the worker's pooled prefix, the response is
-parsed by httptools (C) on the loop's read callback, and once a stream is being forwarded every
-piece the parser decodes goes to the client's `api.http_stream.Sink` in that same callback: no coroutine wakes up
-per chunk, and the pieces of one read are joined into one write.
+parsed by httptools (C) on the loop's read callback, and a stream is handed on from that callback:
+its first events start the client's answer there (``begin``, given with the request) and every
+later read goes to the client's `api.http_stream.Sink` the same way. No coroutine wakes up per chunk,
+not even for the first (a wake-up waits behind every callback the loop has ready: under load, most of
+the proxy's share of the time to first token), and the pieces of one read are joined into one write.
 
 A connection carries one exchange at a time (no pipelining). It goes back to its pool when its
 answer was read to its end and the worker keeps it alive; a request cancelled or cut short closes it,
@@ -32,13 +34,17 @@ import httptools
 from api.config import ProxyConfig
 from api.http_stream import Sink
 
-__all__ = ["IDLE_SECS", "Exchange", "Upstream", "UpstreamError"]
+__all__ = ["IDLE_SECS", "Begin", "Exchange", "Upstream", "UpstreamError"]
 
 # An idle pooled connection older than this is closed rather than reused.
 IDLE_SECS = 4.0
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 # Body pieces buffered for a reader that is behind before the worker's connection is paused.
 _MAX_PIECES = 64
+
+# Called in the read callback with the answer's content type when the first whole events of a 200
+# answer are in: starts the client's answer and gives the sink they and the rest of the stream go to.
+Begin = Callable[[bytes | None], Sink]
 
 
 class UpstreamError(Exception):
@@ -82,15 +88,25 @@ class Upstream:
             pool.close()
         self._pools.clear()
 
-    async def open(self, url: str, path: bytes, body: bytes, headers: bytes = b"") -> Exchange:
+    async def open(
+        self,
+        url: str,
+        path: bytes,
+        body: bytes,
+        headers: bytes = b"",
+        begin: Begin | None = None,
+        on_events: Callable[[bytes], None] | None = None,
+    ) -> Exchange:
         """Send ``POST path`` with ``body`` (JSON) and the raw header lines ``headers`` to the worker
-        at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`."""
+        at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`.
+        ``begin``: a 200 answer is a stream handed on from the read callback (`Exchange.handed_on`);
+        ``on_events``: told of every piece of a stream handed on (both set before the answer comes)."""
         pool = self._pools.get(url)
         if pool is None:
             if not self._running:
                 raise RuntimeError("the proxy's upstream client is not started")
             pool = self._pools[url] = _Pool(_endpoint(url), self._config, self._tls_context)
-        return await pool.exchange(path, body, headers)
+        return await pool.exchange(path, body, headers, begin, on_events)
 
     async def post(self, url: str, path: bytes, body: bytes) -> tuple[int, bytes]:
         """A whole exchange: the status and body of ``POST path`` (used for ``/tokenize``)."""
@@ -120,7 +136,14 @@ class _Pool:
         self._waiting: deque[asyncio.Future[Exchange | None]] = deque()
         self.closed = False
 
-    async def exchange(self, path: bytes, body: bytes, headers: bytes) -> Exchange:
+    async def exchange(
+        self,
+        path: bytes,
+        body: bytes,
+        headers: bytes,
+        begin: Begin | None,
+        on_events: Callable[[bytes], None] | None,
+    ) -> Exchange:
         endpoint = self.endpoint
         request = b"".join(
             (endpoint.prefix, path, b" HTTP/1.1\r\nhost: ", endpoint.host_header,
@@ -130,13 +153,13 @@ class _Pool:
         connection = await self._acquire()
         reused = connection.used
         try:
-            await connection.send(request)
+            await connection.send(request, begin, on_events)
         except _ClosedBeforeAnswer:
             if not reused:
                 raise UpstreamError("the worker closed the connection before answering") from None
             # The worker closed an idle connection as this request went out: once more, afresh.
             connection = await self._acquire(fresh=True)
-            await connection.send(request)
+            await connection.send(request, begin, on_events)
         return connection
 
     async def _acquire(self, fresh: bool = False) -> Exchange:
@@ -220,7 +243,8 @@ class Exchange(asyncio.Protocol):
     """One connection to a worker and the exchange it carries (the parser's callbacks are its methods).
 
     After `Upstream.open`: `status` and `content_type` are known; then either `read` the whole body,
-    or await `first` and `forward` the rest to a `Sink`; finally `release` (back to the pool if the
+    or await `first` and take the rest as `pieces`, or (opened with ``begin``) await `handed_on`, the
+    stream going to the client from the read callback; finally `release` (back to the pool if the
     answer is complete and the worker keeps the connection alive) or `close`.
     """
 
@@ -239,7 +263,8 @@ class Exchange(asyncio.Protocol):
         # before [DONE], so it is in one of them.
         self._last = self._before_last = b""
         self._sink: Sink | None = None
-        # Told of every piece of the stream handed on (`first`, `forward`, `pieces`), in the read callback.
+        self._begin: Begin | None = None
+        # Told of every piece of the stream handed on (`first`, `pieces`, `handed_on`), in the read callback.
         self.on_events: Callable[[bytes], None] | None = None
         self._head_in = False
         self.complete = False  # the whole answer is in
@@ -251,6 +276,8 @@ class Exchange(asyncio.Protocol):
         self._idle_since = 0.0
         self._heard = 0.0  # loop time of the last byte from the worker
         self.read_at = 0.0  # perf_counter time of the last read a waiting coroutine was woken for
+        self.begun_at = 0.0  # with ``begin``: perf_counter time of the read that brought the first events
+        self.first_sent_at = 0.0  # and of their write to the client (0: not begun)
         self._silence: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ asyncio callbacks
@@ -272,14 +299,13 @@ class Exchange(asyncio.Protocol):
         sink = self._sink
         if sink is None:
             self.read_at = time.perf_counter()
-            if self._iterated and len(pieces) > _MAX_PIECES:
+            if self._begin is not None and pieces and self.status == 200:
+                self._start_handing_on()
+            elif self._iterated and len(pieces) > _MAX_PIECES:
                 self._pause_reading()  # the reader of `pieces` is behind: resumed as it takes them
             self._wake()
-        elif pieces:  # forwarded in this callback; the coroutine forwarding is woken only at the end
-            data = self._take_events()
-            if data and sink.write(data) and not self.complete:
-                self._pause_reading()
-                sink.when_drained(self._resume_reading)
+        elif pieces:  # handed on in this callback; the coroutine waiting is woken only at the end
+            self._hand_on(sink, self._take_events())
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -332,10 +358,14 @@ class Exchange(asyncio.Protocol):
         self._wake()
 
     # ------------------------------------------------------------------ the exchange
-    async def send(self, request: bytes) -> None:
-        """Write the request; returns once the answer's head is in."""
+    async def send(
+        self, request: bytes, begin: Begin | None = None, on_events: Callable[[bytes], None] | None = None
+    ) -> None:
+        """Write the request; returns once the answer's head is in (see `Upstream.open`)."""
         self.used = True
         self._reset()
+        self._begin = begin
+        self.on_events = on_events
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
             raise _ClosedBeforeAnswer("the connection was closed")
@@ -366,20 +396,39 @@ class Exchange(asyncio.Protocol):
                 return data
             await self._wait()
 
-    async def forward(self, sink: Sink) -> None:
-        """Hand the rest of the stream to ``sink`` as it arrives; returns at its end."""
+    async def handed_on(self) -> bool:
+        """Opened with ``begin``: returns at the end of the stream handed on from the read callback,
+        True if it began (its first events went to the client). Raises the answer's `UpstreamError`
+        (`begun` tells whether the client has had part of the stream)."""
+        while not self.complete:
+            await self._wait()
+        if self._pieces:  # what followed the last event boundary, once the answer is whole
+            if self._sink is None:
+                self._start_handing_on()
+            else:
+                self._hand_on(self._sink, self._take_events())
+        self._sink = None
+        return self.begun
+
+    @property
+    def begun(self) -> bool:
+        return self.first_sent_at != 0.0
+
+    def _start_handing_on(self) -> None:
         data = self._take_events()
-        if data:
-            sink.write(data)
-        self._sink = sink
-        try:
-            while not self.complete:
-                await self._wait()
-        finally:
-            self._sink = None
-        data = self._take_events()  # what followed the last event boundary, once the answer is whole
-        if data:
-            sink.write(data)
+        begin = self._begin
+        if not data or begin is None:
+            return
+        self._begin = None
+        self.begun_at = self.read_at
+        sink = self._sink = begin(self.content_type)
+        self._hand_on(sink, data)
+        self.first_sent_at = time.perf_counter()
+
+    def _hand_on(self, sink: Sink, data: bytes) -> None:
+        if data and sink.write(data) and not self.complete:
+            self._pause_reading()
+            sink.when_drained(self._resume_reading)
 
     async def pieces(self) -> AsyncIterator[bytes]:
         """The rest of the stream as it arrives, each read's events joined (for a client that is
@@ -443,7 +492,8 @@ class Exchange(asyncio.Protocol):
         self._pieces = []
         self._last = self._before_last = b""
         self._iterated = False
-        self.on_events = None
+        self._sink = None
+        self.first_sent_at = 0.0
         self._head_in = False
         self.complete = False
         self._problem = None
