@@ -55,6 +55,7 @@ from api.proxy.wire import (
     prompt_token_ids,
     reported_usage,
 )
+from indexer.hashing import pack_tokens
 from router.errors import AllWorkersOverloaded, NoEligibleWorker, QueueRejected
 from router.kv_router import KvRouter
 from router.types import RouteDecision, RouteRequest, WorkerConfig
@@ -293,6 +294,12 @@ class Proxy:
                 400, "invalid_request_error",
                 f"prompt has {len(tokens)} tokens; the limit is {self._max_prompt_tokens}", "bad_request",
             )  # fmt: skip
+        # The ids as packed u32 from here on, the list let go: bytes are not tracked by the cyclic GC,
+        # while a list of ints held for the stream's life is walked by every young collection (at 100
+        # streams of 256 tokens, 25k visits each, most of its pause).
+        packed = bytes(pack_tokens(tokens))
+        stream, expected_output_tokens = request.stream, request.expected_output_tokens
+        del request, prompt, tokens
         # What the worker gets of the client's headers besides the content type: its credentials.
         headers = b"authorization: " + authorization + b"\r\n" if authorization is not None else b""
         path = _PATHS[route]
@@ -301,10 +308,10 @@ class Proxy:
         among = set(by_id)
         failures: list[str] = []
         for _attempt in range(self.config.proxy_retries + 1):
-            decision = await self._book(tokens, request_id, among, request.expected_output_tokens)
+            decision = await self._book(packed, request_id, among, expected_output_tokens)
             worker = by_id[decision.worker_id]
             try:
-                return await self._forward(worker, decision, path, body, headers, request.stream, reply, received)
+                return await self._forward(worker, decision, path, body, headers, stream, reply, received)
             except _WorkerFailed as failed:
                 failures.append(f"worker {worker.worker_id}: {failed}")
                 self.cool_down(worker.worker_id, str(failed))
@@ -316,7 +323,7 @@ class Proxy:
         raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
     async def _book(
-        self, tokens: list[int], request_id: str, among: set[int], expected_output_tokens: int | None
+        self, tokens: bytes, request_id: str, among: set[int], expected_output_tokens: int | None
     ) -> RouteDecision:
         routed = RouteRequest(tokens=tokens, request_id=request_id, expected_output_tokens=expected_output_tokens)
         try:

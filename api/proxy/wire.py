@@ -107,9 +107,9 @@ class ModelList(msgspec.Struct, kw_only=True):
 
 
 class TokenizeReply(msgspec.Struct):
-    """A worker's ``/tokenize`` answer (vLLM's shape; only the ids are read)."""
+    """A worker's ``/tokenize`` answer (vLLM's shape; only the ids are read, range-checked)."""
 
-    tokens: list[int]
+    tokens: list[U32]
 
 
 def prompt_token_ids(prompt: str | list[str | int | list[int]]) -> list[int] | str:
