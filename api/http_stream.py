@@ -8,7 +8,8 @@ straight to the client's transport. A streamed body goes out as HTTP/1.1 chunks,
 handed on (the head with the first); the handler's coroutine runs at once on the protocol's
 callback and gets a task only if it has to wait (it does, for the worker). When the client's
 connection is lost, that task is cancelled. A body over the limit never reaches the handler: the
-protocol answers the route's own `StreamRoute.too_large` (the proxy's is OpenAI's error shape).
+protocol answers what the route's own `StreamRoute.too_large` gives (the proxy's: OpenAI's error
+shape, counted in its metrics).
 
 Per request this saves uvicorn's ASGI cycle (scope, task, receive / send dicts) and a task watching
 for the disconnect; per piece, an ASGI message and its checks.
@@ -32,11 +33,12 @@ StreamHandler = Callable[["StreamedRequest"], Coroutine[object, object, None]]
 
 
 class StreamRoute(NamedTuple):
-    """A route the protocol answers with a `StreamedRequest`: its handler, and its answer to a body
-    over the limit (a 413 in the route's own error shape, given by the protocol before the handler)."""
+    """A route the protocol answers with a `StreamedRequest`: its handler, and what gives its answer
+    to a body over the limit (a 413 in the route's own error shape, sent by the protocol instead of
+    calling the handler; called once per such request, so that the route may count it)."""
 
     handle: StreamHandler
-    too_large: Reply
+    too_large: Callable[[], Reply]
 
 
 class Sink(Protocol):

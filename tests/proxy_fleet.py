@@ -12,7 +12,7 @@ import openai
 import uvicorn
 
 from api.app import RouterApp
-from api.config import EventPlaneConfig, ProxyConfig, ServiceConfig, Settings
+from api.config import EventPlaneConfig, ProxyConfig, SecurityConfig, ServiceConfig, Settings
 from api.server import uvicorn_config
 from mocker.config import EngineConfig
 from mocker.openai_api import MockOpenAI, serve_openai
@@ -66,6 +66,7 @@ async def fleet(
     router: dict[str, Any] | None = None,
     proxy: dict[str, Any] | None = None,
     service: dict[str, Any] | None = None,
+    security: dict[str, Any] | None = None,
     lease_secs: float = 10.0,
 ) -> AsyncIterator[Fleet]:
     port = free_port()
@@ -74,6 +75,7 @@ async def fleet(
         service=ServiceConfig(port=port, log_level="warning", **(service or {})),
         event_plane=EventPlaneConfig(nats_url=nats_url, worker_lease_secs=lease_secs),
         proxy=ProxyConfig(proxy=True, **(proxy or {})),
+        security=SecurityConfig(**(security or {})),
     )
     config = uvicorn_config(settings)
     server = uvicorn.Server(config)

@@ -1,6 +1,7 @@
 """The proxy's two ways in, with the real `openai` client: its routes answered inside the HTTP
-protocol (the default) and as an ASGI layer (``fast_protocol`` off); and a worker whose stream breaks
-in the middle of a chunk, whose client gets the SSE error event while nothing stays booked."""
+protocol (the default) and as an ASGI layer (``fast_protocol`` off), their refusals (413, 401) in
+OpenAI's shape and counted alike; and a worker whose stream breaks in the middle of a chunk, whose
+client gets the SSE error event while nothing stays booked."""
 
 from __future__ import annotations
 
@@ -109,8 +110,48 @@ async def test_a_body_over_the_limit_is_an_openai_shaped_413_and_books_nothing(
             chunked = await http.post("/v1/chat/completions", content=pieces())
             # The decision API keeps the service's own error shape.
             service_reply = await http.post("/v1/new", content=b"[" + b"1," * limit + b"1]")
+            text = (await http.get("/metrics")).text
         assert chunked.status_code == 413
         assert set(chunked.json()["error"]) == {"message", "type", "param", "code"}
         assert service_reply.status_code == 413 and "param" not in service_reply.json()["error"]
+        # Counted as the bad requests they are, whichever path refused them.
+        for route in ("completions", "chat_completions"):
+            assert metric(text, "kv_router_proxy_requests_total", route=route, outcome="bad_request") == 1
         assert idle(f.router)
         assert f.workers[1].engine.stats.prompt_tokens == 0  # nothing reached the worker
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_a_request_without_the_api_token_is_an_openai_shaped_401_and_books_nothing(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    token = "proxy-token-0123456789abcdef"
+    service = {"fast_protocol": fast_protocol}
+    security = {"api_token": token, "protect_decisions": True, "protect_reads": True}
+    async with fleet(nats_server.url, (1,), service=service, security=security) as f:
+        refused = {
+            "message": "this route needs the API token: Authorization: Bearer <token>",
+            "type": "unauthorized",
+            "param": None,
+            "code": 401,
+        }
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await f.client.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=2, stream=True)
+        assert caught.value.body == refused
+        assert caught.value.response.headers["www-authenticate"] == 'Bearer realm="kv-router"'
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await f.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert caught.value.body == refused
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await f.client.models.list()
+        assert caught.value.body == refused
+        assert idle(f.router) and f.workers[1].engine.stats.prompt_tokens == 0
+        # The decision API keeps the service's own shape for the same refusal.
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            service_reply = await http.post("/v1/new", content=b'{"tokens": [1, 2, 3]}')
+        assert service_reply.status_code == 401 and set(service_reply.json()["error"]) == {"type", "message"}
+        # With the token, the same client is served.
+        async with openai.AsyncOpenAI(base_url=f"{f.url}/v1", api_key=token, max_retries=0) as allowed:
+            whole = await allowed.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=2)
+            assert whole.choices[0].text == " w1 w2"
+            assert [model.id async for model in allowed.models.list()] == [MODEL]

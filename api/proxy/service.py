@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from api.auth import Access, ApiAuth
+from api.auth import Access, ApiAuth, unauthorized_reply
 from api.codec import Reply
 from api.config import ProxyConfig, ServiceConfig
 from api.http_stream import Sink, StreamedRequest, StreamRoute
@@ -129,22 +129,21 @@ class Proxy:
         """An ASGI app answering the proxy's paths and handing every other request to ``inner``; its
         routes are decisions and ``/v1/models`` a read for the API token (`api.auth`)."""
         auth = auth or ApiAuth(None)
+        unauthorized = _in_openai_shape(unauthorized_reply())
 
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] == "http":
                 path = scope["path"]
                 route = ROUTES.get(path)
                 if route is not None and scope["method"] == "POST":
-                    refused = auth.refuse(Access.DECISION, scope["headers"])
-                    if refused is not None:
-                        await _send_reply(send, refused)
+                    if auth.refuse(Access.DECISION, scope["headers"]) is not None:
+                        await _send_reply(send, unauthorized)
                         return
                     await self.serve(route, scope, receive, send)
                     return
                 if path == "/v1/models" and scope["method"] == "GET":
-                    refused = auth.refuse(Access.READ, scope["headers"])
-                    if refused is not None:
-                        await _send_reply(send, refused)
+                    if auth.refuse(Access.READ, scope["headers"]) is not None:
+                        await _send_reply(send, unauthorized)
                         return
                     await AsgiDownstream(send).whole(200, [], self.models())
                     return
@@ -154,18 +153,24 @@ class Proxy:
 
     def stream_routes(self, auth: ApiAuth | None = None) -> dict[str, StreamRoute]:
         """The proxy's routes for the HTTP protocol to answer itself (`api.http_stream`), decisions for
-        the API token like the ASGI front's; a body over the limit is refused in OpenAI's shape."""
+        the API token like the ASGI front's; a body over the limit is refused in OpenAI's shape (and
+        counted, as on the ASGI path)."""
         auth = auth or ApiAuth(None)
-        too_large = Reply(413, self._too_large().body)
+        unauthorized = _in_openai_shape(unauthorized_reply())
+        too_large_reply = Reply(413, self._too_large().body)
 
         def route_for(route: str) -> StreamRoute:
             async def handle(request: StreamedRequest) -> None:
                 authorization = request.authorization
-                refused = auth.refuse(Access.DECISION, [(b"authorization", authorization)] if authorization else [])
-                if refused is not None:
-                    await request.whole(refused.status, _header_bytes(refused), refused.body)
+                presented = [(b"authorization", authorization)] if authorization else []
+                if auth.refuse(Access.DECISION, presented) is not None:
+                    await request.whole(unauthorized.status, _header_bytes(unauthorized), unauthorized.body)
                     return
                 await self.answer(route, request.body, authorization, request, request.is_disconnected)
+
+            def too_large() -> Reply:
+                self.metrics.count(route, "bad_request")
+                return too_large_reply
 
             return StreamRoute(handle, too_large)
 
@@ -541,6 +546,13 @@ def _completion_decoder() -> Callable[[bytes], TokenIdsBody | CompletionBody]:
             return general(body)
 
     return decode
+
+
+def _in_openai_shape(reply: Reply) -> Reply:
+    """A refusal of the service's (the API token's 401) with its message and type in OpenAI's error
+    shape, as the proxy's own refusals, its headers kept."""
+    error = msgspec.json.decode(reply.body)["error"]
+    return Reply(reply.status, error_body(reply.status, error["type"], error["message"]), headers=reply.headers)
 
 
 def _header_bytes(reply: Reply) -> Headers:
