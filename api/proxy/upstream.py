@@ -402,11 +402,12 @@ class Exchange(asyncio.Protocol):
         (`begun` tells whether the client has had part of the stream)."""
         while not self.complete:
             await self._wait()
-        if self._pieces:  # what followed the last event boundary, once the answer is whole
-            if self._sink is None:
-                self._start_handing_on()
-            else:
-                self._hand_on(self._sink, self._take_events())
+        # What followed the last event boundary, once the answer is whole (an answer the close ends).
+        sink = self._sink
+        if sink is not None:
+            self._hand_on(sink, self._take_events())
+        elif self.status == 200:
+            self._start_handing_on()
         self._sink = None
         return self.begun
 
