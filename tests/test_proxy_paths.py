@@ -83,6 +83,41 @@ async def test_a_stream_broken_mid_chunk_ends_with_the_sse_error_event_and_frees
         assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="upstream_error") == 1
 
 
+def slow_first_token_worker() -> contextlib.AbstractAsyncContextManager[str]:
+    """A worker that sends its answer's head at once and its first event only later (its prefill)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(SSE_HEAD)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(sse_chunk(" w1") + sse_chunk(" w2") + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    return raw_worker(serve)
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_a_first_event_after_the_head_gives_the_client_one_head_with_the_router_s_headers(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    async with (
+        fleet(nats_server.url, (), service={"fast_protocol": fast_protocol}) as f,
+        slow_first_token_worker() as url,
+    ):
+        slow = WorkerConfig(worker_id=7, block_size=64, url=url, models=frozenset({MODEL}))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(slow))).status_code == 201
+        raw = await f.client.completions.with_raw_response.create(
+            model=MODEL, prompt=list(range(1, 100)), max_tokens=2, stream=True
+        )
+        assert raw.headers.get_list("content-type") == ["text/event-stream"]
+        assert raw.headers.get_list("x-kv-router-worker") == ["7"]
+        assert "".join([chunk.choices[0].text async for chunk in raw.parse()]) == " w1 w2"
+        assert idle(f.router)
+
+
 @pytest.mark.parametrize("fast_protocol", [True, False])
 async def test_a_body_over_the_limit_is_an_openai_shaped_413_and_books_nothing(
     nats_server: EmbeddedNats, fast_protocol: bool

@@ -377,7 +377,8 @@ class Proxy:
             status = exchange.status
             if status >= 500:
                 raise _WorkerFailed(f"HTTP {status}")
-            ours.insert(0, (b"content-type", exchange.content_type or _JSON))
+            # A new list: ``begin`` may yet read ``ours`` (it adds the content type itself).
+            with_type = [(b"content-type", exchange.content_type or _JSON), *ours]
             if not stream or status != 200:
                 try:
                     content = await exchange.read()
@@ -389,12 +390,12 @@ class Proxy:
                     self._calibrate(decision, usage)
                     if usage is not None and usage.completion_tokens and self._track_output:
                         self.router.record_output(request_id, usage.completion_tokens)
-                await reply.whole(status, ours, content)
+                await reply.whole(status, with_type, content)
                 return "ok" if status == 200 else "upstream_status"
             if begin is not None:
                 problem = await self._handed_on(exchange, sending - received)
             else:
-                problem = await self._stream(exchange, decision, ours, reply, sending - received)
+                problem = await self._stream(exchange, decision, with_type, reply, sending - received)
             return await self._stream_end(exchange, decision, reply, problem)
         finally:
             exchange.release()  # back to the pool if read to its end; else closed, so the engine stops
