@@ -680,6 +680,59 @@ static PyObject *py_configure(PyObject *self, PyObject *args) {
  * `HeldBlocks.store`'s checks and update: 1 a device store under a parent not held, 2 a chain that
  * holds its parent, 3 a chain that repeats a hash (nothing recorded then); 0 recorded, each block
  * under the one before it. ValueError when the two lists differ in length. */
+static int compare_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* hold_chain's two chain tests on the hashes as u64 values (what every hash on the bridge's path is):
+ * 2 if the chain holds its parent, 3 if it repeats a hash, 0 if neither; -1 (no error set) when a
+ * value is not a u64 int, for the generic tests. A sorted copy instead of a set of the ints. */
+static int chain_conflict_u64(PyObject *parent, PyObject *hashes, Py_ssize_t n) {
+    uint64_t small[64];
+    uint64_t *values = n <= 64 ? small : PyMem_Malloc((size_t)n * sizeof(uint64_t));
+    if (values == NULL)
+        return -1;
+    int verdict = 0;
+    uint64_t parent_value = 0;
+    if (parent != Py_None) {
+        parent_value = PyLong_CheckExact(parent) ? PyLong_AsUnsignedLongLong(parent) : (uint64_t)-1;
+        if (parent_value == (uint64_t)-1 && (!PyLong_CheckExact(parent) || PyErr_Occurred()))
+            verdict = -1;
+    }
+    for (Py_ssize_t i = 0; i < n && verdict == 0; i++) {
+        PyObject *item = PyList_GET_ITEM(hashes, i);
+        uint64_t value = PyLong_CheckExact(item) ? PyLong_AsUnsignedLongLong(item) : (uint64_t)-1;
+        if (value == (uint64_t)-1 && (!PyLong_CheckExact(item) || PyErr_Occurred()))
+            verdict = -1;
+        else if (parent != Py_None && value == parent_value)
+            verdict = 2;
+        values[i] = value;
+    }
+    if (verdict == 0 && n <= 64) {
+        for (Py_ssize_t i = 1; i < n; i++) { /* insertion sort: the short chains engines send */
+            uint64_t value = values[i];
+            Py_ssize_t j = i;
+            for (; j > 0 && values[j - 1] > value; j--)
+                values[j] = values[j - 1];
+            values[j] = value;
+        }
+    } else if (verdict == 0)
+        qsort(values, (size_t)n, sizeof(uint64_t), compare_u64);
+    if (verdict == 0) {
+        for (Py_ssize_t i = 1; i < n; i++)
+            if (values[i] == values[i - 1]) {
+                verdict = 3;
+                break;
+            }
+    }
+    if (values != small)
+        PyMem_Free(values);
+    if (verdict < 0)
+        PyErr_Clear();
+    return verdict;
+}
+
 static PyObject *py_hold_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyDict_Check(args[0]) || !PyList_Check(args[2]) || !PyList_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "hold_chain(held: dict, parent, block_hashes: list, tokens_hashes: list, device)");
@@ -690,26 +743,35 @@ static PyObject *py_hold_chain(PyObject *self, PyObject *const *args, Py_ssize_t
     if (device < 0)
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(hashes);
-    if (parent != Py_None) {
-        if (device) {
-            int found = PyDict_Contains(held, parent);
-            if (found <= 0)
-                return found < 0 ? NULL : PyLong_FromLong(1);
-        }
-        int inside = PySequence_Contains(hashes, parent);
-        if (inside != 0)
-            return inside < 0 ? NULL : PyLong_FromLong(2);
+    if (parent != Py_None && device) {
+        int found = PyDict_Contains(held, parent);
+        if (found <= 0)
+            return found < 0 ? NULL : PyLong_FromLong(1);
     }
+    int conflict = chain_conflict_u64(parent, hashes, n);
+    if (conflict < 0) {
+        conflict = 0;
+        if (parent != Py_None) {
+            int inside = PySequence_Contains(hashes, parent);
+            if (inside < 0)
+                return NULL;
+            conflict = inside ? 2 : 0;
+        }
+        if (conflict == 0) {
+            PyObject *unique = PySet_New(hashes);
+            if (unique == NULL)
+                return NULL;
+            conflict = PySet_GET_SIZE(unique) != n ? 3 : 0;
+            Py_DECREF(unique);
+        }
+    }
+    if (conflict == 2)
+        return PyLong_FromLong(2);
     if (PyList_GET_SIZE(locals) != n) {
         PyErr_Format(PyExc_ValueError, "%zd block hashes but %zd tokens hashes", n, PyList_GET_SIZE(locals));
         return NULL;
     }
-    PyObject *unique = PySet_New(hashes);
-    if (unique == NULL)
-        return NULL;
-    Py_ssize_t distinct = PySet_GET_SIZE(unique);
-    Py_DECREF(unique);
-    if (distinct != n)
+    if (conflict == 3)
         return PyLong_FromLong(3);
     PyObject *previous = parent;
     for (Py_ssize_t i = 0; i < n; i++) {

@@ -230,13 +230,18 @@ def test_c_leaves_every_error_to_python_which_names_it(events: list[Any], reason
 
 
 # ---------------------------------------------------------------------- held blocks
+WIDE_HASHES = st.sampled_from([2**63, 2**64 - 1, -1, True])  # the last two: not u64 ints
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["store", "store", "remove", "clear"]),
         st.integers(0, 1),  # dp rank
         st.sampled_from([StorageTier.DEVICE, StorageTier.HOST_PINNED]),
-        st.one_of(st.none(), st.integers(0, 12)),  # parent
-        st.lists(st.integers(0, 12), max_size=4),  # block hashes
+        st.one_of(st.none(), st.integers(0, 12), WIDE_HASHES),  # parent
+        # Block hashes: short chains of a few values (parents found, repeats), and long ones past the
+        # C step's 64 on its stack, with hashes outside u64 (left to the generic tests) among them.
+        st.lists(st.integers(0, 12), max_size=4)
+        | st.lists(st.integers(0, 12) | WIDE_HASHES, min_size=60, max_size=70)
+        | st.lists(st.integers(0, 2**64 - 1), min_size=60, max_size=70, unique=True),
     ),
     max_size=40,
 )
@@ -249,7 +254,7 @@ def _run(ops: list[Any], native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple
     for op, rank, tier, parent, hashes in ops:
         if op == "store":
             try:
-                held.store(rank, tier, parent, hashes, [h * 31 + 1 for h in hashes])
+                held.store(rank, tier, parent, hashes, [(h * 31 + 1) % 2**64 for h in hashes])
                 outcomes.append(None)
             except KvIndexError as exc:
                 outcomes.append(f"{type(exc).__name__}: {exc}")
