@@ -35,6 +35,7 @@ __all__ = [
     "KvRemovedData",
     "KvStoredData",
     "MmObject",
+    "RemovedEventEncoder",
     "ResyncBatch",
     "ResyncRequest",
     "ResyncResponse",
@@ -262,9 +263,10 @@ def join_encoded_events(encoded: list[bytes], *, msgpack: bool = False) -> bytes
     return head + b"".join(encoded)
 
 
-_BLOCKS_SLOT = "blocks"
-# Literal bytes and the names of the three slots between them.
-_Template = tuple[bytes, str, bytes, str, bytes, str, bytes]
+# The literal bytes around a stored event's three slots, and which of (event id, parent hash, blocks)
+# fills each slot in turn.
+_Template = tuple[bytes, bytes, bytes, bytes, int, int, int]
+_SLOTS = ("event_id", "parent_hash", "blocks")
 
 
 class StoredEventEncoder:
@@ -308,8 +310,8 @@ class StoredEventEncoder:
         if template is None:
             template = self._templates[dp_rank, tier] = self._template(dp_rank, tier)
         encode = _msgpack_encoder.encode
-        slots = {"event_id": encode(event_id), "parent_hash": encode(parent_hash), _BLOCKS_SLOT: rows}
-        head, first, middle, second, rest, third, tail = template
+        slots = (encode(event_id), encode(parent_hash), rows)
+        head, middle, rest, tail, first, second, third = template
         return b"".join((head, slots[first], middle, slots[second], rest, slots[third], tail))
 
     def _template(self, dp_rank: int, tier: StorageTier) -> _Template:
@@ -323,15 +325,59 @@ class StoredEventEncoder:
         marks = {
             "event_id": _msgpack_encoder.encode(self._event_mark),
             "parent_hash": _msgpack_encoder.encode(self._parent_mark),
-            _BLOCKS_SLOT: self._one_block,
+            "blocks": self._one_block,
         }
-        assert all(data.count(mark) == 1 for mark in marks.values()), "a probe value is not unique in the event"
-        (first, a, a_len), (second, b, b_len), (third, c, c_len) = sorted(
-            (data.index(mark), name, len(mark)) for name, mark in marks.items()
-        )
-        return (
-            data[:first], a, data[first + a_len : second], b, data[second + b_len : third], c, data[third + c_len :]
-        )  # fmt: skip
+        (head, middle, rest, tail), (first, second, third) = _split_at_marks(data, marks)
+        return head, middle, rest, tail, _SLOTS.index(first), _SLOTS.index(second), _SLOTS.index(third)
+
+
+class RemovedEventEncoder:
+    """Removed events of one worker as msgpack bytes, byte for byte what msgspec writes for the
+    ``RouterEvent``, without its four structs: the event id and the hashes (msgspec encodes a list of
+    ints in one C call) go into a template taken from a probe event, per (dp rank, tier). The hashes
+    must be u64 already (the publisher reinterprets i64 ones first); an event id past u64 takes the
+    struct path, which refuses it."""
+
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+        self._templates: dict[tuple[int, StorageTier], list[bytes]] = {}
+        marks = [value for value in range(U64_MAX, U64_MAX - 3, -1) if value != worker_id]
+        self._event_mark, self._hash_mark = marks[0], marks[1]
+
+    def encode(self, event_id: int, dp_rank: int, tier: StorageTier, block_hashes: list[int]) -> bytes:
+        if event_id >> 64:
+            event = removed_event(event_id, block_hashes, dp_rank=dp_rank)
+            return _msgpack_encoder.encode(RouterEvent(self.worker_id, event, tier))
+        template = self._templates.get((dp_rank, tier))
+        if template is None:
+            template = self._templates[dp_rank, tier] = self._template(dp_rank, tier)
+        head, middle, tail = template
+        encode = _msgpack_encoder.encode
+        return b"".join((head, encode(event_id), middle, encode(block_hashes), tail))
+
+    def _template(self, dp_rank: int, tier: StorageTier) -> list[bytes]:
+        event = removed_event(self._event_mark, [self._hash_mark], dp_rank=dp_rank)
+        marks = {
+            "event_id": _msgpack_encoder.encode(self._event_mark),
+            "block_hashes": _msgpack_encoder.encode([self._hash_mark]),
+        }
+        literals, names = _split_at_marks(_msgpack_encoder.encode(RouterEvent(self.worker_id, event, tier)), marks)
+        assert names == ["event_id", "block_hashes"], "msgspec writes the event id before the event's data"
+        return literals
+
+
+def _split_at_marks(data: bytes, marks: dict[str, bytes]) -> tuple[list[bytes], list[str]]:
+    """``data`` cut at each mark (each found exactly once): the literal bytes around them, and the marks'
+    names in the order they appear."""
+    assert all(data.count(mark) == 1 for mark in marks.values()), "a probe value is not unique in the event"
+    literals, names = [], []
+    end = 0
+    for start, name, length in sorted((data.index(mark), name, len(mark)) for name, mark in marks.items()):
+        literals.append(data[end:start])
+        names.append(name)
+        end = start + length
+    literals.append(data[end:])
+    return literals, names
 
 
 # ---------------------------------------------------------------------- resync (request/reply)

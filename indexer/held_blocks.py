@@ -94,6 +94,10 @@ class HeldBlocks:
     def clear(self, dp_rank: int, tier: StorageTier) -> None:
         self._held.pop((dp_rank, tier), None)
 
+    def tiers(self, dp_rank: int) -> set[StorageTier]:
+        """The tiers ``dp_rank`` stored blocks in since each was last cleared."""
+        return {tier for rank, tier in self._held if rank == dp_rank}
+
     def block_count(self, dp_rank: int, tier: StorageTier = StorageTier.DEVICE) -> int:
         return len(self._held.get((dp_rank, tier), ()))
 

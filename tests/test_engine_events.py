@@ -1,4 +1,5 @@
-"""The engine decoder on the exact payloads of shared/vectors/vllm_kv_events.json, and on garbage."""
+"""The engine decoder on the exact payloads of shared/vectors/vllm_kv_events.json, and on garbage; the
+bridge's template encoding of the removals it publishes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from indexer.engine_events import (
@@ -21,7 +22,7 @@ from indexer.engine_events import (
     fold_hash,
     storage_tier,
 )
-from indexer.events import StorageTier
+from indexer.events import RemovedEventEncoder, RouterEvent, StorageTier, encode_router_events, removed_event
 from indexer.hashing import compute_block_hashes
 
 encode = msgspec.msgpack.encode
@@ -200,3 +201,30 @@ def test_the_one_decode_of_a_whole_batch_reads_what_the_event_by_event_decode_re
     assert whole.events == one_by_one.events
     assert [(e.reason, e.detail) for e in whole.errors] == [(e.reason, e.detail) for e in one_by_one.errors]
     assert (whole.ts, whole.dp_rank, whole.ignored) == (one_by_one.ts, one_by_one.dp_rank, one_by_one.ignored)
+
+
+U64_EDGES = st.sampled_from([0, 1, 127, 128, 255, 256, 2**16 - 1, 2**16, 2**32 - 1, 2**32, 2**63, 2**64 - 1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    worker=st.sampled_from([0, 7, 2**64 - 1, 2**64 - 2, 2**64 - 3]) | st.integers(0, 2**64 - 1),
+    event_id=U64_EDGES | st.integers(1, 2**64 - 1) | st.integers(2**64, 2**65),
+    dp_rank=st.sampled_from([0, 1, 2**32 - 1]) | st.integers(0, 2**32 - 1),
+    tier=st.sampled_from(list(StorageTier)),
+    hashes=st.lists(U64_EDGES | st.integers(0, 2**64 - 1), max_size=40),
+)
+def test_the_removed_event_encoder_writes_what_msgspec_writes(
+    worker: int, event_id: int, dp_rank: int, tier: StorageTier, hashes: list[int]
+) -> None:
+    encoder = RemovedEventEncoder(worker)
+    try:
+        expected = encode_router_events(
+            RouterEvent(worker, removed_event(event_id, hashes, dp_rank=dp_rank), tier), msgpack=True
+        )
+    except ValueError:
+        with pytest.raises(ValueError):
+            encoder.encode(event_id, dp_rank, tier, hashes)
+        return
+    assert encoder.encode(event_id, dp_rank, tier, hashes) == expected
+    assert encoder.encode(event_id, dp_rank, tier, hashes) == expected  # from the template kept

@@ -24,7 +24,7 @@ from collections import Counter
 
 from nats.aio.client import Client
 
-from indexer.engine_events import EngineCleared, EngineEvent, EngineStored
+from indexer.engine_events import EngineEvent
 from indexer.events import StorageTier
 from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineMetricsScraper
@@ -47,35 +47,23 @@ def rank_endpoint(endpoint: str, dp_rank: int) -> str:
 
 
 class PublisherSink:
-    """Engine events of one worker into its `KvEventPublisher`, one NATS message per engine batch."""
+    """Engine events of one worker into its `KvEventPublisher`, one NATS message per stream batch."""
 
     def __init__(self, publisher: KvEventPublisher) -> None:
         self.publisher = publisher
         self.stats: Counter[str] = Counter()
-        self._tiers: dict[int, set[StorageTier]] = {}
 
     def batch(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self.publisher.batch()
 
-    async def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
-        tiers = self._tiers.setdefault(dp_rank, set())
-        blocks = 0
-        for event in events:
-            if not isinstance(event, EngineCleared):
-                blocks += len(event.block_hashes)
-                if isinstance(event, EngineStored):
-                    tiers.add(event.tier)
-        async with self.publisher.batch():
-            # A store under a parent the engine never stored is refused and never sent.
-            for store, refusal in self.publisher.emit_engine_events(dp_rank, events):
-                self.stats[f"rejected_{refusal.label}"] += 1
-                blocks -= len(store.block_hashes)
-        self.stats["blocks"] += blocks
-        self.stats["batches"] += 1
+    def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
+        # A store under a parent the engine never stored is refused and never sent.
+        for _, refusal in self.publisher.emit_engine_events(dp_rank, events):
+            self.stats[f"rejected_{refusal.label}"] += 1
 
     async def restarted(self, dp_rank: int) -> None:
         async with self.publisher.batch():
-            for tier in sorted(self._tiers.pop(dp_rank, set()) | {StorageTier.DEVICE}):
+            for tier in sorted(self.publisher.held_tiers(dp_rank) | {StorageTier.DEVICE}):
                 await self.publisher.cleared(dp_rank=dp_rank, storage_tier=tier)
 
     def unverified(self, dp_rank: int, reason: str) -> None:

@@ -55,7 +55,7 @@ class SequencerSink:
     def batch(self) -> contextlib.AbstractAsyncContextManager[None]:
         return contextlib.nullcontext()  # each batch reaches the sequencer as it is applied
 
-    async def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
+    def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
         self._ensure_registered()
         tiers = self._tiers.setdefault(dp_rank, set())
         batch = []

@@ -42,8 +42,8 @@ class TokensHashCheck:
             self.reset()
         known_hash = self._by_content.setdefault((parent, tokens_hash), block_hash)
         known_tokens = self._by_hash.setdefault(block_hash, tokens_hash)
-        under = "the root" if parent is None else f"parent {parent}"
         if known_hash != block_hash:
+            under = "the root" if parent is None else f"parent {parent}"
             return (
                 f"the engine hashes blocks {known_hash} and {block_hash} under {under} apart, but their token ids "
                 f"hash alike here (tokens_hash {tokens_hash}): the engine salts its cache with something its events "

@@ -60,7 +60,9 @@ READ_BURST = 256
 class EngineSink(Protocol):
     """Where a stream's decoded events go: the bridge's publisher or the router's own sequencer."""
 
-    def apply(self, dp_rank: int, events: list[EngineEvent]) -> Awaitable[None]: ...
+    def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
+        """Called inside `batch` only."""
+        ...
 
     def batch(self) -> AbstractAsyncContextManager[object]:
         """Everything applied inside goes out together (the bridge: one NATS message)."""
@@ -236,7 +238,8 @@ class ZmqEngineStream:
             started = time.perf_counter()
             # What is queued already goes out together, within the loop's fairness budget.
             async with self.sink.batch():
-                await self.take_live(seq, payload)
+                if not self._take_next(seq, payload):
+                    await self.take_live(seq, payload)
                 await self._drain(started)
                 # Caught up, but the last message went out less than a window ago: what arrives
                 # until the window ends goes out with this one (one message per window when busy;
@@ -253,9 +256,22 @@ class ZmqEngineStream:
         queue = self._queue
         while queue and time.perf_counter() - started < YIELD_AFTER_S:
             seq, payload = queue.popleft()
-            await self.take_live(seq, payload)
+            if not self._take_next(seq, payload):
+                await self.take_live(seq, payload)
 
     # ------------------------------------------------------------------ ordering
+    def _take_next(self, seq: int, payload: bytes) -> bool:
+        """`take_live` of the common case, without a coroutine: the batch right after the last one
+        applied (so above every live and replayed seq: neither a restart nor a duplicate)."""
+        last = self._last_applied
+        if last is None or seq != last + 1:
+            return False
+        self._last_live = seq
+        if self._replayed:
+            self._replayed.clear()
+        self._deliver(seq, payload)
+        return True
+
     async def take_live(self, seq: int, payload: bytes) -> None:
         """One message as it came off the SUB socket (public for tests that drive the order)."""
         last_live = self._last_live
@@ -286,7 +302,7 @@ class ZmqEngineStream:
             if last is not None and seq <= last:
                 self.stats["duplicate"] += 1  # the replay brought it already
                 return
-        await self._deliver(seq, payload)
+        self._deliver(seq, payload)
 
     def _replayed_otherwise(self, seq: int, payload: bytes) -> bool:
         """Whether a replay applied another payload under this live ``seq`` (forgetting what the live
@@ -300,10 +316,10 @@ class ZmqEngineStream:
             return False
         return replayed.popleft()[1] != hash(payload)
 
-    async def _deliver_replayed(self, seq: int, payload: bytes) -> None:
+    def _deliver_replayed(self, seq: int, payload: bytes) -> None:
         self.stats["replayed"] += 1
         self._replayed.append((seq, hash(payload)))
-        await self._deliver(seq, payload)
+        self._deliver(seq, payload)
 
     async def _bootstrap(self) -> None:
         """Before the first live message: replay the engine's buffer, so a router (or bridge) that starts
@@ -319,7 +335,8 @@ class ZmqEngineStream:
             self.stats["missing_history"] += 1
             self._unverified(f"the engine's replay buffer starts at seq {batches[0][0]}, not 0")
         for seq, payload in batches:
-            await self._deliver_replayed(seq, payload)
+            async with self.sink.batch():
+                self._deliver_replayed(seq, payload)
 
     async def _repair(self, start: int) -> None:
         if self.replay_endpoint is None:
@@ -338,7 +355,7 @@ class ZmqEngineStream:
         for seq, payload in batches:
             last = self._last_applied
             if seq >= start and (last is None or seq > last):
-                await self._deliver_replayed(seq, payload)
+                self._deliver_replayed(seq, payload)
 
     def _unverified(self, reason: str) -> None:
         self.stats["unverified"] += 1
@@ -346,7 +363,7 @@ class ZmqEngineStream:
         for rank in sorted(self._ranks):
             self.sink.unverified(rank, reason)
 
-    async def _deliver(self, seq: int, payload: bytes) -> None:
+    def _deliver(self, seq: int, payload: bytes) -> None:
         self._last_applied = seq
         try:
             batch = decode_engine_batch(payload, self.block_size, cache_namespace=self.cache_namespace)
@@ -369,7 +386,7 @@ class ZmqEngineStream:
                     self.stats["tokens_hash_mismatch"] += 1
                     self.last_hash_mismatch = evidence
                     self._bad_input.warning("tokens_hash_mismatch", f"from {self.endpoint}, seq {seq}: {evidence}")
-        await self.sink.apply(rank, batch.events)
+        self.sink.apply(rank, batch.events)
 
     def _reject(self, reason: str, message: str) -> None:
         self.stats[f"rejected_{reason}"] += 1

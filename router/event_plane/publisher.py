@@ -24,7 +24,8 @@ Events are checked against what the publisher holds before they are numbered: a 
 unknown parent raises ``ParentBlockNotFound`` and is never sent. What it holds is a flat
 `indexer.held_blocks.HeldBlocks` (a dict per rank and tier, walked only to answer a dump), and each
 event is encoded once, when it is emitted: the ring keeps those bytes, a batch joins them, and
-stored events are written without a Python object per block (`StoredEventEncoder`).
+stored events are written without a Python object per block (`StoredEventEncoder`), removed ones
+without their structs (`RemovedEventEncoder`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from indexer.engine_events import EngineEvent, EngineRemoved, EngineStored
 from indexer.errors import KvIndexError
 from indexer.events import (
     U64_MAX,
+    RemovedEventEncoder,
     ResyncBatch,
     ResyncRequest,
     ResyncResponse,
@@ -115,6 +117,7 @@ class KvEventPublisher:
         self._ranks: dict[int, _RankLog] = {}
         self._held = HeldBlocks(self.worker_id)  # what this worker holds, to answer full-dump resyncs
         self._encoder = StoredEventEncoder(self.worker_id)
+        self._removed_encoder = RemovedEventEncoder(self.worker_id)
         self._decoder = msgspec.msgpack.Decoder(RouterEvent) if msgpack else msgspec.json.Decoder(RouterEvent)
         self._batch: list[bytes] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -200,15 +203,20 @@ class KvEventPublisher:
             tokens_hashes = [as_u64(value, "tokens_hash") for value in tokens_hashes]
         if parent_hash is not None and parent_hash >> 64:
             parent_hash = as_u64(parent_hash, "parent_hash")
-        return await self._emit(*self._stored(dp_rank, storage_tier, parent_hash, block_hashes, tokens_hashes))
+        rank = self._rank_log(dp_rank)
+        return await self._emit(
+            rank, *self._stored(rank, dp_rank, storage_tier, parent_hash, block_hashes, tokens_hashes)
+        )
 
     async def removed(
         self, block_hashes: Iterable[int], *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE
     ) -> int:
-        return await self._emit(*self._removed(dp_rank, storage_tier, block_hashes))
+        rank = self._rank_log(dp_rank)
+        return await self._emit(rank, *self._removed(rank, dp_rank, storage_tier, list(block_hashes)))
 
     async def cleared(self, *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE) -> int:
-        return await self._emit(*self._cleared(dp_rank, storage_tier))
+        rank = self._rank_log(dp_rank)
+        return await self._emit(rank, *self._cleared(rank, dp_rank, storage_tier))
 
     def emit_engine_events(
         self, dp_rank: int, events: Iterable[EngineEvent]
@@ -218,74 +226,82 @@ class KvEventPublisher:
         Stores refused by what the rank holds are returned with the reason and never sent."""
         batch = self._batch
         assert batch is not None, "emit_engine_events runs inside batch()"
+        rank = self._rank_log(dp_rank)
+        keep, send = rank.ring.append, batch.append
         refused: list[tuple[EngineStored, KvIndexError]] = []
         for event in events:
-            if isinstance(event, EngineStored):
+            if type(event) is EngineStored:
                 try:
                     numbered = self._stored(
-                        dp_rank, event.tier, event.parent_hash, event.block_hashes, event.tokens_hashes
+                        rank, dp_rank, event.tier, event.parent_hash, event.block_hashes, event.tokens_hashes
                     )
                 except KvIndexError as exc:
                     refused.append((event, exc))
                     continue
-            elif isinstance(event, EngineRemoved):
-                numbered = self._removed(dp_rank, event.tier, event.block_hashes)
+            elif type(event) is EngineRemoved:
+                numbered = self._removed(rank, dp_rank, event.tier, event.block_hashes)
             else:
-                numbered = self._cleared(dp_rank, StorageTier.DEVICE)
-            rank, event_id, payload = numbered
-            rank.ring.append((event_id, payload))
-            batch.append(payload)
+                numbered = self._cleared(rank, dp_rank, StorageTier.DEVICE)
+            keep(numbered)
+            send(numbered[1])
         return refused
 
+    # Each of the three holds the event, numbers it in ``rank`` and returns (event id, its bytes).
     def _stored(
         self,
+        rank: _RankLog,
         dp_rank: int,
         storage_tier: StorageTier,
         parent_hash: int | None,
         block_hashes: list[int],
         tokens_hashes: list[int],
-    ) -> tuple[_RankLog, int, bytes]:
+    ) -> tuple[int, bytes]:
         self._held.store(dp_rank, storage_tier, parent_hash, block_hashes, tokens_hashes)
-        rank, event_id = self._next_event_id(dp_rank)
+        rank.last_event_id = event_id = rank.last_event_id + 1
         if self._msgpack:
             payload = self._encoder.encode(event_id, dp_rank, storage_tier, parent_hash, block_hashes, tokens_hashes)
         else:
             blocks = zip(block_hashes, tokens_hashes, strict=True)
             event = stored_event(event_id, blocks, parent_hash=parent_hash, dp_rank=dp_rank)
             payload = encode_router_events(RouterEvent(self.worker_id, event, storage_tier))
-        return rank, event_id, payload
+        return event_id, payload
 
     def _removed(
-        self, dp_rank: int, storage_tier: StorageTier, block_hashes: Iterable[int]
-    ) -> tuple[_RankLog, int, bytes]:
-        rank, event_id = self._next_event_id(dp_rank)
-        event = removed_event(event_id, block_hashes, dp_rank=dp_rank)
-        removed = event.removed
-        assert removed is not None
+        self, rank: _RankLog, dp_rank: int, storage_tier: StorageTier, block_hashes: list[int]
+    ) -> tuple[int, bytes]:
+        if block_hashes and (min(block_hashes) < 0 or max(block_hashes) > U64_MAX):
+            block_hashes = [as_u64(value, "block_hash") for value in block_hashes]
         # A removal of unknown hashes still applies the rest; routers report the unknown ones alike.
-        self._held.remove(dp_rank, storage_tier, removed.block_hashes)
-        return rank, event_id, self._encode(RouterEvent(self.worker_id, event, storage_tier))
+        self._held.remove(dp_rank, storage_tier, block_hashes)
+        rank.last_event_id = event_id = rank.last_event_id + 1
+        if self._msgpack:
+            return event_id, self._removed_encoder.encode(event_id, dp_rank, storage_tier, block_hashes)
+        event = removed_event(event_id, block_hashes, dp_rank=dp_rank)
+        return event_id, self._encode(RouterEvent(self.worker_id, event, storage_tier))
 
-    def _cleared(self, dp_rank: int, storage_tier: StorageTier) -> tuple[_RankLog, int, bytes]:
-        rank, event_id = self._next_event_id(dp_rank)
+    def _cleared(self, rank: _RankLog, dp_rank: int, storage_tier: StorageTier) -> tuple[int, bytes]:
         self._unverified.discard(dp_rank)
         self._held.clear(dp_rank, storage_tier)
+        rank.last_event_id = event_id = rank.last_event_id + 1
         event = RouterEvent(self.worker_id, cleared_event(event_id, dp_rank=dp_rank), storage_tier)
-        return rank, event_id, self._encode(event)
+        return event_id, self._encode(event)
 
     def mark_unverified(self, dp_rank: int = 0) -> None:
         """What this rank holds is no longer known: the next event id is skipped, so routers see a gap,
         and their resyncs of the rank are refused until it clears; they keep it untrusted meanwhile."""
         if dp_rank not in self._unverified:
             self._unverified.add(dp_rank)
-            self._next_event_id(dp_rank)
+            self._rank_log(dp_rank).last_event_id += 1
 
-    def _next_event_id(self, dp_rank: int) -> tuple[_RankLog, int]:
+    def held_tiers(self, dp_rank: int) -> set[StorageTier]:
+        """The storage tiers this rank has held blocks in since they were last cleared."""
+        return self._held.tiers(dp_rank)
+
+    def _rank_log(self, dp_rank: int) -> _RankLog:
         rank = self._ranks.get(dp_rank)
         if rank is None:
             rank = self._ranks[dp_rank] = _RankLog(self._ring_size)
-        rank.last_event_id += 1
-        return rank, rank.last_event_id
+        return rank
 
     def _encode(self, event: RouterEvent) -> bytes:
         return encode_router_events(event, msgpack=self._msgpack)
