@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from router.event_plane.embedded_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "localhost/kv-router:ci"
@@ -174,13 +175,6 @@ def check_dependency_layer_cached(work: Path) -> None:
     service_step = next(step for step in steps if "install --no-deps ." in step)
     assert "Using cache" in dependency_step, "the dependency layer was rebuilt after a code edit"
     assert "Using cache" not in service_step, "the service layer was not rebuilt after a code edit"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def http(port: int, path: str, body: object | None = None) -> tuple[int, bytes]:

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from api.auth import ApiAuth
+from router.event_plane.embedded_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token-0123456789abcdef"
@@ -33,12 +34,6 @@ CONFIGS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _request(authorized: bool) -> bytes:
     body = b'{"request_id":"nobody"}'
     auth = f"authorization: Bearer {TOKEN}\r\n".encode() if authorized else b""
@@ -47,7 +42,7 @@ def _request(authorized: bool) -> bytes:
 
 
 def _measure(flags: list[str], requests: int) -> float:
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--no-embedded-nats",
                "--log-level", "warning", *flags]  # fmt: skip
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import socket
 import threading
 from collections.abc import AsyncIterator, Coroutine
-from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -26,6 +24,7 @@ from indexer.events import RouterEvent
 from indexer.radix_tree import RadixTree
 from mocker.zmq_engine import VllmZmqPublisher
 from router.engines.direct import DirectEngine
+from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
 
 BLOCK = 4
@@ -154,28 +153,10 @@ class FakeEngine:
         return canonical(self.truth.dump_events())
 
 
-def _unused_ports(count: int) -> list[int]:
-    """Distinct free loopback ports below the kernel's ephemeral range. A port-0 pick comes from that
-    range, where every connect() also takes its source port (and two picks can repeat): a connection
-    of another test process could take it before the engine binds it (EADDRINUSE)."""
-    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports: list[int] = []
-    while len(ports) < count:
-        port = random.randrange(1024, ephemeral_low)
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 def loopback_endpoints(replay: bool) -> tuple[str, str | None]:
     """A PUB endpoint and, with ``replay``, a replay endpoint, on free loopback ports."""
-    endpoint, replay_endpoint = [f"tcp://127.0.0.1:{port}" for port in _unused_ports(2)]
-    return endpoint, (replay_endpoint if replay else None)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    return endpoint, (f"tcp://127.0.0.1:{free_port()}" if replay else None)
 
 
 def engine_spec(worker_id: int, endpoint: str, replay: str | None) -> str:

@@ -29,9 +29,10 @@ from api.handlers import HOT_ACCESS
 from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.errors import ConfigError
+from router.event_plane.embedded_server import free_port
 from tests.test_api_protocol import Client, post
 from tests.test_api_server import _kv_router, running
-from tests.test_api_support import BLOCK_SIZE, free_port, prompt, stored_event
+from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
 
 TOKEN = "s3cret-token_with.chars~"
 GOOD = {"authorization": f"Bearer {TOKEN}"}

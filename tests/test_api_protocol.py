@@ -25,9 +25,10 @@ import uvicorn
 from api.config import ServiceConfig, Settings
 from api.server import uvicorn_config
 from router.config import RouterConfig
+from router.event_plane.embedded_server import free_port
 from tests.test_api_errors import CASES
 from tests.test_api_server import _CLEAN_EXIT, _kv_router, running
-from tests.test_api_support import BLOCK_SIZE, free_port, prompt, stored_event
+from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
 
 JSON = "application/json"
 

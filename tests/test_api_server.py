@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from router.event_plane.embedded_server import EmbeddedNats
-from tests.test_api_support import free_port, prompt, stored_event
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.test_api_support import prompt, stored_event
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).with_name("kv-router")

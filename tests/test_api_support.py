@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import re
-import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -91,13 +90,6 @@ def state(client: TestClient) -> tuple[Any, Any, Any]:
     dump = client.get("/v1/dump").json()
     loads = client.post("/v1/potential_loads", json={"tokens": list(range(64))}).json()
     return workers, dump, loads
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def msgpack(value: Any) -> bytes:

@@ -25,8 +25,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from router.event_plane.embedded_server import free_port
 from tests.test_api_server import ROOT, _kv_router
-from tests.test_api_support import free_port, prompt, stored_event
+from tests.test_api_support import prompt, stored_event
 
 
 def self_signed(directory: Path, name: str = "kv-router-test") -> tuple[Path, Path]:

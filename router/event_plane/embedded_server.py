@@ -13,6 +13,7 @@ command line, which every user of the host can read.
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -54,9 +55,33 @@ def find_nats_server() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """A port free on ``host`` now, below the kernel's ephemeral range, and never the same twice in
+    this process. A port-0 pick would come from that range, where every outgoing connection also takes
+    its source port: another process's connect() could take it before our server binds it
+    (EADDRINUSE), and two picks can repeat."""
+    ephemeral_low = _ephemeral_low()
+    while True:
+        port = random.randrange(1024, ephemeral_low) if ephemeral_low > 1024 else 0
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            port = int(probe.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux); 0 where it cannot be read: port 0 then."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class _ServerLog:
