@@ -153,6 +153,24 @@ async def test_a_restart_is_seen_when_the_old_process_was_heard_only_by_replay()
         await engine.stop()
 
 
+async def test_a_restart_heard_first_as_a_gap_is_a_restart() -> None:
+    """The new process published past the last applied seq before the stream heard it: by seq a gap,
+    but the replay's batch under the last applied seq is another one, so the rank is rebuilt from 0."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=23) as (engine, direct):
+        for _ in range(5):
+            await engine.step()
+        await _converged(router, engine, direct)
+        engine.restart()
+        for _ in range(8):
+            await engine.step(publish=False)  # seqs 0-7 of the new process, never heard live
+        await engine.step()  # seq 8: past the last applied seq 4
+        await _converged(router, engine, direct)
+        stats = direct.stream.stats
+        assert (stats["restarts"], stats["gap"], stats["unverified"]) == (1, 1, 0)
+        assert _stream(router).trusted
+
+
 async def test_without_replay_a_gap_leaves_the_rank_untrusted_until_it_clears() -> None:
     router = _router()
     async with direct_mode(router, WORKER, replay=False, seed=11) as (engine, direct):

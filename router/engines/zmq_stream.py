@@ -16,7 +16,9 @@ the last seq seen *live* on the SUB socket.
   expected seq is 0): a gap. With a replay endpoint the missing batches are asked for over a DEALER
   socket (REQ would keep only the first reply) while live messages wait in the queue, then applied
   in seq order; replayed batches the engine no longer holds, or no replay endpoint at all, leave the
-  stream's ranks unverified through the sink.
+  stream's ranks unverified through the sink. The replay is asked from the last applied seq, not the
+  first missing one: if the engine's batch under that seq is not the one applied, a new process has
+  published past it unheard, and this is a restart (its whole history is then replayed from 0).
 
 With a ``batch_window_s`` (the bridge's), a stream that has caught up within a window of its last
 batch lets what arrives until the window ends join the next: a busy engine costs one sink batch (one
@@ -151,6 +153,9 @@ class ZmqEngineStream:
         self._bad_input = RateLimitedLog(log)
         self._last_applied: int | None = None
         self._last_live: int | None = None
+        # The bytes applied under `_last_applied` (a reference, no copy): a gap's replay starts there,
+        # and an engine that replays other bytes under that seq is a new process.
+        self._last_payload: bytes | None = None
         # (seq, hash of the payload) of the batches a replay applied, in seq order, above the last live
         # seq: the SUB may still bring them, and only their payloads tell a duplicate from a new process.
         self._replayed: deque[tuple[int, int]] = deque()
@@ -276,20 +281,10 @@ class ZmqEngineStream:
         """One message as it came off the SUB socket (public for tests that drive the order)."""
         last_live = self._last_live
         self._last_live = seq
-        if (last_live is not None and seq <= last_live) or self._replayed_otherwise(seq, payload):
-            self.stats["restarts"] += 1
-            log.warning(
-                "engine at %s restarted (seq %d after %s live, %s applied): clearing its ranks",
-                self.endpoint, seq, last_live, self._last_applied,
-            )  # fmt: skip
-            for rank in sorted(self._ranks):
-                await self.sink.restarted(rank)
-            self._last_applied = None
-            self._replayed.clear()
-            # A new process: what its predecessor's hashes contradicted is history (fixed, perhaps).
-            self.hash_check.reset()
-            self.stats["tokens_hash_mismatch"] = 0
-            self.last_hash_mismatch = None
+        if last_live is not None and seq <= last_live:
+            await self._restarted(f"seq {seq} after {last_live} live")
+        elif self._replayed_otherwise(seq, payload):
+            await self._restarted(f"live seq {seq} is not the batch a replay applied under it")
         last = self._last_applied
         if last is not None and seq <= last:
             self.stats["duplicate"] += 1
@@ -303,6 +298,19 @@ class ZmqEngineStream:
                 self.stats["duplicate"] += 1  # the replay brought it already
                 return
         self._deliver(seq, payload)
+
+    async def _restarted(self, evidence: str) -> None:
+        self.stats["restarts"] += 1
+        log.warning("engine at %s restarted (%s): clearing its ranks", self.endpoint, evidence)
+        for rank in sorted(self._ranks):
+            await self.sink.restarted(rank)
+        self._last_applied = None
+        self._last_payload = None
+        self._replayed.clear()
+        # A new process: what its predecessor's hashes contradicted is history (fixed, perhaps).
+        self.hash_check.reset()
+        self.stats["tokens_hash_mismatch"] = 0
+        self.last_hash_mismatch = None
 
     def _replayed_otherwise(self, seq: int, payload: bytes) -> bool:
         """Whether a replay applied another payload under this live ``seq`` (forgetting what the live
@@ -342,12 +350,22 @@ class ZmqEngineStream:
         if self.replay_endpoint is None:
             self._unverified(f"batches from seq {start} were lost and no replay endpoint is configured")
             return
+        applied = self._last_payload
+        ask_from = start - 1 if applied is not None and start > 0 else start
         try:
-            batches = await replay_batches(self._context, self.replay_endpoint, start, timeout_s=self._replay_timeout_s)
+            batches = await replay_batches(
+                self._context, self.replay_endpoint, ask_from, timeout_s=self._replay_timeout_s
+            )
         except ReplayError as exc:
             self.stats["replay_failed"] += 1
-            self._unverified(f"replay from seq {start} failed: {exc}")
+            self._unverified(f"replay from seq {ask_from} failed: {exc}")
             return
+        if batches and batches[0][0] == ask_from < start:
+            if batches[0][1] != applied:
+                await self._restarted(f"its replay of seq {ask_from} is not the batch applied under it")
+                await self._repair(0)
+                return
+            del batches[0]
         if not batches or batches[0][0] > start:
             self.stats["missing_history"] += 1
             first = batches[0][0] if batches else None
@@ -365,6 +383,7 @@ class ZmqEngineStream:
 
     def _deliver(self, seq: int, payload: bytes) -> None:
         self._last_applied = seq
+        self._last_payload = payload
         try:
             batch = decode_engine_batch(payload, self.block_size, cache_namespace=self.cache_namespace)
         except EngineDecodeError as exc:
