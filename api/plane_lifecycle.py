@@ -192,9 +192,13 @@ class PlaneLifecycle:
                     self.router, self._sync_nc, namespace=self.config.nats_namespace, lease_s=self.ha.replica_lease_secs
                 )
                 await plane.replicas.start()
-            for config in self._unshared.values():
+            # Workers registered over HTTP meanwhile; more can come while one is written (each write
+            # awaits NATS), and they join this loop rather than the plane's.
+            while self._unshared:
+                worker_id, config = next(iter(self._unshared.items()))
                 await plane.register(config)
-            self._unshared.clear()
+                if self._unshared.get(worker_id) is config:
+                    del self._unshared[worker_id]
             self.plane = plane
             self.last_error = None
             self._enter("connected")

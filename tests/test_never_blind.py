@@ -219,3 +219,31 @@ async def test_connecting_retries_with_a_doubling_backoff_up_to_its_cap() -> Non
         )  # fmt: skip
     assert waits == [0.01, 0.02, 0.04, 0.04, 0.04]
     assert all(isinstance(error, ConnectionRefusedError) for error in errors)
+
+
+async def test_a_worker_registered_while_the_plane_shares_the_earlier_ones_is_shared_too(
+    nats_server: EmbeddedNats, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers registered over HTTP before the plane started are written to the registry when it
+    starts; one registered while that is under way (each write awaits NATS) is written too, and the
+    plane starts (it used to crash: the dict changed size while it was walked)."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_server.url))
+    await lifecycle.register(WorkerConfig(worker_id=81, block_size=BLOCK))
+    write = RouterEventPlane.register
+
+    async def write_then_another_arrives(plane: RouterEventPlane, config: WorkerConfig) -> None:
+        await write(plane, config)
+        if config.worker_id == 81:  # an HTTP registration landing while the plane writes the first
+            await lifecycle.register(WorkerConfig(worker_id=82, block_size=BLOCK))
+
+    monkeypatch.setattr(RouterEventPlane, "register", write_then_another_arrives)
+    task = asyncio.create_task(lifecycle.run())
+    await eventually(lambda: lifecycle.ready)
+    other = await router_plane(client)  # another router learns both from the registry
+    await eventually(lambda: other.router.has_worker(81) and other.router.has_worker(82))
+    assert lifecycle.plane is not None and lifecycle.last_error is None
+    await other.stop()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await lifecycle.stop()
