@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -59,9 +61,15 @@ from typing import Any
 import msgspec
 
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from router.event_plane.connection import connect as nats_connect
+from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.subjects import Subjects
 
 NETNS_MARK = "KV_ROUTER_HTTP_BENCH_NETNS"
 BLOCK_SIZE = 16
+# Fresh connections a service of several processes is checked on (the kernel spreads them: 16 in a
+# row all on one of two children happens once in 32k starts).
+VERIFY_CONNECTIONS = 16
 
 
 def log(*parts: object) -> None:
@@ -211,10 +219,28 @@ class Service:
     name = ""
     form = "json"
     cwd: str | None = None  # the directory it is started in (another tree's code, for a baseline)
+    cores = 1  # the processes (kv-router) or threads (Dynamo) it serves from
+    peer_pids: tuple[int, ...] = ()  # other processes whose CPU is the service's (its nats-server)
 
     def __init__(self, port: int) -> None:
         self.port = port
         self.process: subprocess.Popen[bytes] | None = None
+
+    def pids(self) -> list[int]:
+        """Its processes: the one started, every descendant (``--processes`` children), its peers."""
+        if self.process is None or self.process.poll() is not None:
+            return list(self.peer_pids)
+        pids = [self.process.pid]
+        if self.cores > 1:
+            pids += descendants(self.process.pid)
+        return pids + list(self.peer_pids)
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                total += process_cpu_s(pid)
+        return total
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         raise NotImplementedError
@@ -239,18 +265,28 @@ class Service:
 class KvRouterService(Service):
     name = "kv-router"
 
-    def __init__(self, port: int, form: str, cwd: str | None = None) -> None:
+    def __init__(self, port: int, form: str, cwd: str | None = None, nats: EmbeddedNats | None = None) -> None:
         super().__init__(port)
         self.form = form
         self.cwd = cwd
         # "json" / "msgpack": the request bodies; "-asgi": the hot routes served by the ASGI fast path
-        # (`--no-fast-protocol`) instead of inside uvicorn's HTTP protocol; a "base:" prefix: the
-        # service of the --baseline tree.
+        # (`--no-fast-protocol`) instead of inside uvicorn's HTTP protocol; "-pN": `--processes N`,
+        # replicas synced over ``nats``; a "base:" prefix: the service of the --baseline tree.
         self.encoding, _, self.variant = form.rpartition(":")[2].partition("-")
+        self.cores = processes_of(form)
+        self.nats = nats
+        if self.cores > 1:
+            assert nats is not None and nats.pid is not None
+            self.peer_pids = (nats.pid,)
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         argv = [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
-                "--log-level", "warning", "--no-embedded-nats"]  # fmt: skip
+                "--log-level", "warning"]  # fmt: skip
+        if self.cores > 1:
+            assert self.nats is not None
+            argv += ["--processes", str(self.cores), "--nats-url", self.nats.url]
+        else:
+            argv.append("--no-embedded-nats")
         if self.variant == "asgi":
             argv.append("--no-fast-protocol")
         return argv, {}
@@ -259,21 +295,58 @@ class KvRouterService(Service):
         return (await conn.request(b"GET", b"/healthz"))[0] == 200
 
     async def populate(self, conn: Connection, workload: Workload) -> None:
+        if self.cores > 1:
+            await self._every_child_ready(0)  # each child's event plane has started
         for worker in workload.workers:
             await conn.ok(b"POST", b"/v1/workers", msgspec.json.encode({"worker_id": worker}))
+        if self.cores > 1:
+            # Each child has its own index: the events go over NATS, as engines publish them, once
+            # every child knows the workers (registrations reach the others through the registry).
+            await self._every_child_ready(len(workload.workers))
+            assert self.nats is not None
+            nc = await nats_connect(self.nats.client_options("http-bench"))
+            try:
+                for worker in workload.workers:
+                    await nc.publish(Subjects().events(worker), msgspec.json.encode(self._events(workload, worker)))
+                await nc.flush()
+            finally:
+                await nc.close()
+            return
         for worker in workload.workers:
-            events = []
-            for chain, held in workload.holdings[worker]:
-                for parent, run in stored_runs(chain, held, 64):
-                    blocks = [
-                        {"block_hash": s, "tokens_hash": t}
-                        for s, t in zip(chain.seq[run], chain.local[run], strict=True)
-                    ]
-                    data = {"stored": {"parent_hash": parent, "blocks": blocks}}
-                    events.append({"worker_id": worker, "event": {"event_id": len(events) + 1, "data": data}})
-            reply = msgspec.json.decode(await conn.ok(b"POST", b"/v1/events", msgspec.json.encode(events)))
+            body = msgspec.json.encode(self._events(workload, worker))
+            reply = msgspec.json.decode(await conn.ok(b"POST", b"/v1/events", body))
             if reply["rejected"]:
                 raise RuntimeError(f"kv-router rejected events of worker {worker}: {reply['errors']}")
+
+    @staticmethod
+    def _events(workload: Workload, worker: int) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for chain, held in workload.holdings[worker]:
+            for parent, run in stored_runs(chain, held, 64):
+                blocks = [
+                    {"block_hash": s, "tokens_hash": t} for s, t in zip(chain.seq[run], chain.local[run], strict=True)
+                ]
+                data = {"stored": {"parent_hash": parent, "blocks": blocks}}
+                events.append({"worker_id": worker, "event": {"event_id": len(events) + 1, "data": data}})
+        return events
+
+    async def _every_child_ready(self, workers: int, timeout_s: float = 60.0) -> None:
+        """Until ``VERIFY_CONNECTIONS`` fresh connections in a row (whichever child takes each) are
+        ready and list ``workers`` workers."""
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        while seen < VERIFY_CONNECTIONS:
+            conn = await Connection.open(self.port)
+            try:
+                ready = (await conn.request(b"GET", b"/readyz"))[0] == 200
+                listed = msgspec.json.decode(await conn.ok(b"GET", b"/v1/workers"))["workers"]
+            finally:
+                conn.close()
+            seen = seen + 1 if ready and len(listed) == workers else 0
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kv-router/{self.form}: not every process ready with {workers} workers")
+            if not seen:
+                await asyncio.sleep(0.05)
 
     async def overlap(self, conn: Connection, tokens: list[int]) -> dict[int, int]:
         reply = msgspec.json.decode(
@@ -318,13 +391,15 @@ _MSGPACK = msgspec.msgpack.Encoder()
 class DynamoSelectService(Service):
     name = "dynamo-select"
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, threads: int = 1) -> None:
         super().__init__(port)
+        self.cores = threads
+        self.form = dynamo_form(threads)
         self._engines: dict[int, Any] = {}
         self._zmq: Any = None
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        argv = [sys.executable, "-m", "dynamo.select_service", "--port", str(self.port), "--threads", "1"]
+        argv = [sys.executable, "-m", "dynamo.select_service", "--port", str(self.port), "--threads", str(self.cores)]
         return argv, {"DYN_LOG": "warn"}
 
     async def health(self, conn: Connection) -> bool:
@@ -391,6 +466,23 @@ class DynamoSelectService(Service):
 
 
 # ----------------------------------------------------------------------------- running a service
+def processes_of(form: str) -> int:
+    """The processes a kv-router form serves from: N for a ``-pN`` form, else 1."""
+    variant = form.rpartition(":")[2].partition("-")[2]
+    return int(variant[1:]) if variant.startswith("p") else 1
+
+
+def dynamo_form(threads: int) -> str:
+    """Dynamo's row in the results: ``json`` with one thread (the usual peer), ``json-tN`` with N."""
+    return "json" if threads == 1 else f"json-t{threads}"
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
+    children = [int(line) for line in out.stdout.split()]
+    return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
 def process_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
@@ -413,10 +505,7 @@ class ForeignLoad:
         self._start = self._snapshot()
 
     def _snapshot(self) -> tuple[float, float, float]:
-        own = process_cpu_s(os.getpid())
-        for service in self._services:
-            if service.process is not None and service.process.poll() is None:
-                own += process_cpu_s(service.process.pid)
+        own = process_cpu_s(os.getpid()) + sum(service.cpu_s() for service in self._services)
         return machine_busy_s(), own, time.perf_counter()
 
     def cores(self) -> float:
@@ -480,26 +569,34 @@ async def wait_healthy(service: Service, timeout_s: float = 60.0) -> None:
 
 
 async def populate_and_verify(service: Service, workload: Workload) -> float:
+    """Feed the index and check it against ground truth; a service of several processes is checked
+    on ``VERIFY_CONNECTIONS`` fresh connections (the kernel hands each to one of them)."""
     conn = await Connection.open(service.port)
+    started = time.perf_counter()
     try:
-        started = time.perf_counter()
         await service.populate(conn, workload)
-        pending = dict(workload.sentinels)
-        while pending:
-            for worker, chain in list(pending.items()):
-                if (await service.overlap(conn, chain.tokens)).get(worker, 0) >= 4:
-                    del pending[worker]
-            if time.perf_counter() - started > 120:
-                raise RuntimeError(f"{service.name}: index never showed the sentinels of {sorted(pending)}")
-            await asyncio.sleep(0.01)
-        elapsed = time.perf_counter() - started
-        for g, doc in enumerate(workload.docs[:8]):
-            seen = await service.overlap(conn, doc.tokens)
-            if seen != workload.doc_holders[g]:
-                raise RuntimeError(f"{service.name}: document {g} held by {seen}, expected {workload.doc_holders[g]}")
-        return elapsed
     finally:
         conn.close()
+    for _ in range(VERIFY_CONNECTIONS if service.cores > 1 and service.name == "kv-router" else 1):
+        conn = await Connection.open(service.port)
+        try:
+            pending = dict(workload.sentinels)
+            while pending:
+                for worker, chain in list(pending.items()):
+                    if (await service.overlap(conn, chain.tokens)).get(worker, 0) >= 4:
+                        del pending[worker]
+                if time.perf_counter() - started > 120:
+                    raise RuntimeError(f"{service.name}: index never showed the sentinels of {sorted(pending)}")
+                await asyncio.sleep(0.01)
+            for g, doc in enumerate(workload.docs[:8]):
+                seen = await service.overlap(conn, doc.tokens)
+                if seen != workload.doc_holders[g]:
+                    raise RuntimeError(
+                        f"{service.name}: document {g} held by {seen}, expected {workload.doc_holders[g]}"
+                    )
+        finally:
+            conn.close()
+    return time.perf_counter() - started
 
 
 @dataclass
@@ -551,13 +648,12 @@ async def run_cell(
             best += overlap >= prompt.best_overlap
             await service.free(conn, request_id)
 
-    assert service.process is not None
-    cpu_before = process_cpu_s(service.process.pid)
+    cpu_before = service.cpu_s()
     client_before = process_cpu_s(os.getpid())
     started = time.perf_counter()
     await asyncio.gather(*(loop(conn) for conn in conns))
     elapsed = time.perf_counter() - started
-    cpu = process_cpu_s(service.process.pid) - cpu_before
+    cpu = service.cpu_s() - cpu_before
     client = process_cpu_s(os.getpid()) - client_before
     for conn in conns:
         conn.close()
@@ -584,14 +680,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     log(f"workload: {len(workload.workers)} workers, {workload.total_blocks} cached blocks, "
         f"{args.pool} prompts per size")  # fmt: skip
     ports = iter(range(args.base_port, args.base_port + 100))
-    services: list[Service] = [DynamoSelectService(next(ports))]
-    services += [
-        KvRouterService(next(ports), form, args.baseline if form.startswith("base:") else None) for form in args.forms
-    ]
+    counts = sorted({processes_of(form) for form in args.forms})
+    services: list[Service] = [DynamoSelectService(next(ports), threads) for threads in counts]
     results: dict[tuple[str, str, int, int], list[Cell]] = {}
     with ExitStack() as stack:
+        # Replicas of a --processes service sync over NATS: one server of this run's own.
+        nats = stack.enter_context(EmbeddedNats()) if counts[-1] > 1 else None
+        services += [
+            KvRouterService(next(ports), form, args.baseline if form.startswith("base:") else None, nats)
+            for form in args.forms
+        ]
         for service in services:
-            stack.enter_context(launched(service, args.service_cpus))
+            stack.enter_context(launched(service, args.service_cpus if service.cores == 1 else args.multi_cpus))
             await wait_healthy(service)
             seconds = await populate_and_verify(service, workload)
             log(f"{service.name}/{service.form}: index ready in {seconds:.2f} s, ground truth checked")
@@ -620,9 +720,29 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
-    results = outcome["results"]
-    ours = " | ".join(f"kv-router {form} dec/s | p50 / p99 ms | x throughput | p99 ratio" for form in args.forms)
-    cpu_columns = "".join(f", {form}" for form in args.forms)
+    """One table per core count: kv-router's forms of N processes against Dynamo with N threads."""
+    lines: list[str] = []
+    for count in sorted({processes_of(form) for form in args.forms}):
+        forms = [form for form in args.forms if processes_of(form) == count]
+        if lines:
+            lines.append("")
+        against = "" if count == 1 else f" against kv-router --processes {count}"
+        lines.append(f"Dynamo with --threads {count}{against}:")
+        lines += report_table(args, outcome["results"], forms, dynamo_form(count))
+    best = {k: v["best"] for k, v in outcome["results"].items() if k[3] == 1}
+    errors = sum(v["errors"] for v in outcome["results"].values())
+    lines.append("")
+    lines.append("Chosen worker holds the best cached prefix at c=1: "
+                 + ", ".join(f"{k[0]}/{k[1]} {k[2] // 1024}k {v:.0%}" for k, v in sorted(best.items()))
+                 + f". Errors: {errors}.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def report_table(
+    args: argparse.Namespace, results: dict[tuple[str, str, int, int], dict[str, float]], forms: list[str], peer: str
+) -> list[str]:
+    ours = " | ".join(f"kv-router {form} dec/s | p50 / p99 ms | x throughput | p99 ratio" for form in forms)
+    cpu_columns = "".join(f", {form}" for form in forms)
     header = (
         f"| prompt | conc | Dynamo dec/s | Dynamo p50 / p99 ms | {ours} | svc µs/dec (Dynamo{cpu_columns}) "
         "| load generator cores (max) | foreign cores (max) |"
@@ -630,7 +750,7 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for size in args.prompt_tokens:
         for concurrency in args.concurrency:
-            theirs = results[("dynamo-select", "json", size, concurrency)]
+            theirs = results[("dynamo-select", peer, size, concurrency)]
             row = [
                 f"{size // 1024}k",
                 str(concurrency),
@@ -638,7 +758,7 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
                 f"{theirs['p50']:.2f} / {theirs['p99']:.2f}",
             ]
             cpu = [f"{theirs['cpu_us']:.0f}"]
-            for form in args.forms:
+            for form in forms:
                 ours = results[("kv-router", form, size, concurrency)]
                 row += [f"{ours['per_s']:,.0f}", f"{ours['p50']:.2f} / {ours['p99']:.2f}",
                         f"{ours['per_s'] / theirs['per_s']:.2f}", f"{ours['p99'] / theirs['p99']:.2f}"]  # fmt: skip
@@ -649,13 +769,7 @@ def report(args: argparse.Namespace, outcome: dict[str, Any]) -> str:
             foreign = max(v["foreign_cores"] for k, v in results.items() if k[2:] == (size, concurrency))
             row.append(f"{foreign:.2f}")
             lines.append("| " + " | ".join(row) + " |")
-    best = {k: v["best"] for k, v in results.items() if k[3] == 1}
-    errors = sum(v["errors"] for v in results.values())
-    lines.append("")
-    lines.append("Chosen worker holds the best cached prefix at c=1: "
-                 + ", ".join(f"{k[0]}/{k[1]} {k[2] // 1024}k {v:.0%}" for k, v in sorted(best.items()))
-                 + f". Errors: {errors}.")  # fmt: skip
-    return "\n".join(lines)
+    return lines
 
 
 def reexec_in_private_network(argv: list[str]) -> int | None:
@@ -684,6 +798,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=["json", "msgpack"],
         help="kv-router variants: json (token list) and/or msgpack (packed u32 tokens) bodies; a -asgi suffix "
         "(json-asgi, msgpack-asgi) serves the hot routes from the ASGI fast path instead of inside the protocol; "
+        "a -pN suffix (json-p2) serves from `--processes N` (replica sync over a nats-server of this run, its "
+        "CPU counted as the service's) against Dynamo with `--threads N`, both on --multi-cpus; "
         "a base: prefix (base:json) runs the --baseline tree's service in the same run",
     )
     parser.add_argument("--baseline", default=None, help="a tree (e.g. an export of main) for the base: forms")
@@ -698,6 +814,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--service-cpus", default="0", help="taskset CPU list for the services ('' = no pinning)")
     parser.add_argument("--client-cpus", default="1", help="CPU list for this load generator ('' = no pinning)")
+    parser.add_argument(
+        "--multi-cpus",
+        default="0,1",
+        help="taskset CPU list for the services of several processes or threads (-pN forms, Dynamo's --threads N)",
+    )
     parser.add_argument(
         "--quiet-wait",
         type=float,
@@ -714,8 +835,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
     args.service_cpus = args.service_cpus or None
-    if any(form.removeprefix("base:") not in ("json", "msgpack", "json-asgi", "msgpack-asgi") for form in args.forms):
-        parser.error("forms are json, msgpack, json-asgi, msgpack-asgi, each optionally prefixed with base:")
+    args.multi_cpus = args.multi_cpus or None
+    if not all(re.fullmatch(r"(base:)?(json|msgpack)(-asgi|-p[1-9])?", form) for form in args.forms):
+        parser.error("forms are json, msgpack, json-asgi, msgpack-asgi, json-pN, msgpack-pN, each optionally "
+                     "prefixed with base:")  # fmt: skip
     if any(form.startswith("base:") for form in args.forms) and not args.baseline:
         parser.error("base: forms need --baseline DIR")
     if any(size % BLOCK_SIZE for size in args.prompt_tokens):
