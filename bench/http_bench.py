@@ -275,6 +275,7 @@ class KvRouterService(Service):
         self.encoding, _, self.variant = form.rpartition(":")[2].partition("-")
         self.cores = processes_of(form)
         self.nats = nats
+        self.namespace = f"http-bench-{port}"  # its own subjects and registry on the shared nats-server
         if self.cores > 1:
             assert nats is not None and nats.pid is not None
             self.peer_pids = (nats.pid,)
@@ -284,7 +285,7 @@ class KvRouterService(Service):
                 "--log-level", "warning"]  # fmt: skip
         if self.cores > 1:
             assert self.nats is not None
-            argv += ["--processes", str(self.cores), "--nats-url", self.nats.url]
+            argv += ["--processes", str(self.cores), "--nats-url", self.nats.url, "--nats-namespace", self.namespace]
         else:
             argv.append("--no-embedded-nats")
         if self.variant == "asgi":
@@ -307,7 +308,9 @@ class KvRouterService(Service):
             nc = await nats_connect(self.nats.client_options("http-bench"))
             try:
                 for worker in workload.workers:
-                    await nc.publish(Subjects().events(worker), msgspec.json.encode(self._events(workload, worker)))
+                    await nc.publish(
+                        Subjects(self.namespace).events(worker), msgspec.json.encode(self._events(workload, worker))
+                    )
                 await nc.flush()
             finally:
                 await nc.close()
