@@ -53,6 +53,14 @@ _INTERNAL_ERROR = (
     b"connection: close\r\n\r\nInternal Server Error"
 )
 _MEDIA = {False: b"application/json", True: b"application/msgpack"}
+# (status, msgpack) -> a response's bytes up to its content-length value, made once each.
+_HEADS: dict[tuple[int, bool], bytes] = {}
+
+
+def _head(status: int, msgpack: bool) -> bytes:
+    return STATUS_LINE[status] + b"content-type: " + _MEDIA[msgpack] + b"\r\ncontent-length: "
+
+
 # (path, query, content_type, accept, x_request_id, authorization, body) of one whole request.
 ParsedPost = tuple[bytes, bytes, bytes | None, bytes | None, str | None, bytes | None, bytes]
 ParsePost = Callable[[bytes], ParsedPost | int | None]
@@ -406,22 +414,22 @@ class FastHttpProtocol(HttpToolsProtocol):
         transport = self.transport
         if not transport.is_closing():
             body = reply.body
-            head = [STATUS_LINE[reply.status], b"content-type: ", _MEDIA[reply.msgpack], b"\r\ncontent-length: ",
-                    str(len(body)).encode(), b"\r\n"]  # fmt: skip
+            key = (reply.status, reply.msgpack)
+            head = _HEADS.get(key) or _HEADS.setdefault(key, _head(*key))
+            lines = b"%d\r\n" % len(body)
             if reply.request_id is not None:
                 # The id is schema-checked visible ASCII, a uuid, or X-Request-Id as httptools let it
                 # through (no control characters): this check is uvicorn's, kept as a guard.
                 value = reply.request_id.encode("latin-1")
                 if not HEADER_VALUE_RE.search(value):
-                    head += (b"x-request-id: ", value, b"\r\n")
+                    lines += b"x-request-id: %s\r\n" % value
             for extra_name, extra_value in reply.headers:
-                head += (extra_name.encode("latin-1"), b": ", extra_value.encode("latin-1"), b"\r\n")
+                lines += b"%s: %s\r\n" % (extra_name.encode("latin-1"), extra_value.encode("latin-1"))
             for name, value in self.server_state.default_headers:
-                head += (name, b": ", value, b"\r\n")
+                lines += b"%s: %s\r\n" % (name, value)
             if not request.keep_alive:
-                head.append(b"connection: close\r\n")
-            head += (b"\r\n", body)
-            transport.write(b"".join(head))
+                lines += b"connection: close\r\n"
+            transport.write(b"%s%s\r\n%s" % (head, lines, body))
             if self.access_log:
                 self._log_access(request, reply.status)
             if not request.keep_alive:
