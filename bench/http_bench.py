@@ -29,6 +29,13 @@ namespace (``unshare -n``) whose only interface is ``lo``.
     python bench/http_bench.py --prompt-tokens 1024 --concurrency 8 --seconds 2
     git archive main | tar -x -C /tmp/base           # before / after in one run: main's service beside this one
     python bench/http_bench.py --forms json,msgpack,base:json,base:msgpack --baseline /tmp/base
+    python bench/http_bench.py --forms json,json-p2 --concurrency 64   # also --processes 2 against --threads 2
+
+Several cores: a ``-pN`` form is ``kv-router serve --processes N`` (N replicas on one port, synced over
+a nats-server this run starts; each service its own NATS namespace; the KV events published on NATS so
+every replica indexes them, each checked on fresh connections), measured against Dynamo's service with
+``--threads N``; both on ``--multi-cpus`` (all of a 2-core machine, shared with this load generator),
+the nats-server's CPU counted as kv-router's.
 
 The table also gives the load generator's own CPU per cell (in cores): near 1.0 it, not the service,
 would be the bottleneck.
