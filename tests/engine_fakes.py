@@ -166,13 +166,16 @@ def engine_spec(worker_id: int, endpoint: str, replay: str | None) -> str:
 
 @contextlib.asynccontextmanager
 async def direct_mode(
-    router: KvRouter, worker_id: int, *, replay: bool = True, seed: int = 0, **engine: Any
+    router: KvRouter, worker_id: int, *, replay: bool = True, seed: int = 0, history: int = 0, **engine: Any
 ) -> AsyncIterator[tuple[FakeEngine, DirectEngine]]:
-    """A fake engine on loopback and ``router`` hearing it in direct mode; both stopped on the way out."""
+    """A fake engine on loopback and ``router`` hearing it in direct mode; both stopped on the way out.
+    The engine publishes ``history`` batches before the router subscribes (a router that joins late)."""
     endpoint, replay_endpoint = loopback_endpoints(replay)
     fake = FakeEngine(worker_id, endpoint, replay_endpoint, seed=seed, **engine)
     await fake.start()
     try:
+        for _ in range(history):
+            await fake.step()
         direct = DirectEngine(router, engine_spec(worker_id, endpoint, replay_endpoint))
         await direct.start()
         try:

@@ -108,49 +108,26 @@ async def test_an_engine_restart_clears_the_rank_and_rebuilds_it() -> None:
 
 
 async def test_a_router_that_joins_late_replays_the_engine_history() -> None:
-    endpoint, replay = loopback_endpoints(replay=True)
-    engine = FakeEngine(WORKER, endpoint, replay, seed=9)
-    await engine.start()
-    try:
-        for _ in range(40):
-            await engine.step()
-        router = _router()
-        direct = DirectEngine(router, engine_spec(WORKER, endpoint, replay))
-        await direct.start()
-        try:
-            await engine.step()
-            await _converged(router, engine, direct)
-            assert _stream(router).trusted
-        finally:
-            await direct.stop()
-    finally:
-        await engine.stop()
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=9, history=40) as (engine, direct):
+        await engine.step()
+        await _converged(router, engine, direct)
+        assert _stream(router).trusted
 
 
 async def test_a_restart_is_seen_when_the_old_process_was_heard_only_by_replay() -> None:
-    endpoint, replay = loopback_endpoints(replay=True)
-    engine = FakeEngine(WORKER, endpoint, replay, seed=19)
-    await engine.start()
-    try:
-        for _ in range(30):
-            await engine.step()  # before the router starts: it hears them only by replay
-        router = _router()
-        direct = DirectEngine(router, engine_spec(WORKER, endpoint, replay))
-        await direct.start()
-        try:
-            await _converged(router, engine, direct)
-            assert direct.stream.stats["messages"] == 0  # nothing live: no live seq to compare with
-            engine.restart()  # seq 1.. of the new process are seqs the replay applied, other payloads
-            await engine.step(publish=False)
-            for _ in range(10):
-                await engine.step()
-            await _converged(router, engine, direct)
-            assert direct.stream.stats["restarts"] == 1
-            assert _stream(router).trusted
-        finally:
-            await direct.stop()
-    finally:
-        await engine.stop()
+    router = _router()
+    # The first 30 batches are published before the router starts: it hears them only by replay.
+    async with direct_mode(router, WORKER, replay=True, seed=19, history=30) as (engine, direct):
+        await _converged(router, engine, direct)
+        assert direct.stream.stats["messages"] == 0  # nothing live: no live seq to compare with
+        engine.restart()  # seq 1.. of the new process are seqs the replay applied, other payloads
+        await engine.step(publish=False)
+        for _ in range(10):
+            await engine.step()
+        await _converged(router, engine, direct)
+        assert direct.stream.stats["restarts"] == 1
+        assert _stream(router).trusted
 
 
 async def test_a_restart_heard_first_as_a_gap_is_a_restart() -> None:
