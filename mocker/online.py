@@ -1,12 +1,15 @@
 """Online replay: the trace against a running router over HTTP and mock workers over NATS, in real time.
 
 The replayer plays the gateway. At each request's arrival it calls the router's ``POST /v1/new``
-(msgpack, packed tokens), sends the request to the chosen worker (`mocker.wire`), calls
-``POST /v1/mark_prefill`` when the worker reports the first token and ``POST /v1/mark_free`` when it is
-done. Arrival times are the trace's (already divided by the trace speedup); to run a trace faster than
-real time, compress arrivals with the speedup and start the workers with the same engine
-``speedup_ratio``: the replay then behaves like the original at that many times the speed, and its
-latencies are that many times shorter. Records come out in the same shape as the offline simulation's.
+(msgpack, packed tokens, and the trace's output length as ``expected_output_tokens``, the hint the proxy
+passes on from ``nvext.agent_hints.osl``), sends the request to the chosen worker (`mocker.wire`), calls
+``POST /v1/mark_prefill`` when the worker reports the first token, ``POST /v1/record_output`` each time
+it reports that the output opened a new KV block (as the offline replay tells the simulated router) and
+``POST /v1/mark_free`` when it is done. Arrival times are the trace's (already divided by the trace
+speedup); to run a trace faster than real time, compress arrivals with the speedup and start the workers
+with the same engine ``speedup_ratio``: the replay then behaves like the original at that many times the
+speed, and its latencies are that many times shorter. Records come out in the same shape as the offline
+simulation's.
 """
 
 from __future__ import annotations
@@ -108,7 +111,9 @@ class _Replayer:
         prompt = self.trace.prompt(request)
         reply = await self.http.post(
             "/v1/new",
-            content=_encode({"tokens": prompt, "request_id": request_id}),
+            content=_encode(
+                {"tokens": prompt, "request_id": request_id, "expected_output_tokens": request.output_length}
+            ),
             headers={"content-type": _MSGPACK, "accept": _MSGPACK},
         )
         if reply.status_code in (429, 503):
@@ -137,6 +142,9 @@ class _Replayer:
                     record.first_token_ms = self.now_ms()
                     await self._mark("/v1/mark_prefill", request_id)
                     continue
+                if update.kind == "output":
+                    await self._mark("/v1/record_output", request_id, generated_tokens=update.generated_tokens)
+                    continue
                 record.cached_tokens = update.cached_tokens
                 record.cached_blocks = update.cached_blocks
                 record.prompt_blocks = update.prompt_blocks
@@ -155,8 +163,9 @@ class _Replayer:
         finally:
             del self._updates[request_id]
 
-    async def _mark(self, path: str, request_id: str) -> None:
-        await self.http.post(path, content=_encode({"request_id": request_id}), headers={"content-type": _MSGPACK})
+    async def _mark(self, path: str, request_id: str, **fields: int) -> None:
+        body = {"request_id": request_id, **fields}
+        await self.http.post(path, content=_encode(body), headers={"content-type": _MSGPACK})
 
 
 async def replay_online(

@@ -2,8 +2,10 @@
 
 The replayer, acting as the gateway, sends each routed request to the worker the router chose on
 ``mocker.{ns}.generate.{worker_id}`` as a msgpack `GenerateRequest` naming a ``reply`` subject. The
-worker answers on it with `GenerateUpdate`s: ``first_token`` when the first token is out, then ``done``
-with the engine's own cache accounting (or ``rejected`` if the prompt can never fit its pool).
+worker answers on it with `GenerateUpdate`s: ``first_token`` when the first token is out, ``output``
+each time the output opens a new KV block (``generated_tokens`` so far: what a gateway streaming the
+tokens would tell the router), then ``done`` with the engine's own cache accounting (or ``rejected`` if
+the prompt can never fit its pool).
 
 A request on ``mocker.{ns}.reset.{worker_id}`` resets the worker's prefix cache (vLLM's
 ``reset_prefix_cache``); the reply is ``ok``, or ``busy`` while requests are in flight.
@@ -19,7 +21,7 @@ from router.event_plane.subjects import Subjects
 
 __all__ = ["GenerateRequest", "GenerateUpdate", "UpdateKind", "generate_subject", "reply_prefix", "reset_subject"]
 
-UpdateKind = Literal["first_token", "done", "rejected"]
+UpdateKind = Literal["first_token", "output", "done", "rejected"]
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True, frozen=True):
@@ -37,6 +39,7 @@ class GenerateUpdate(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     prompt_blocks: int = 0
     queued: bool = False
     preemptions: int = 0
+    generated_tokens: int = 0
 
 
 def generate_subject(namespace: str, worker_id: int) -> str:

@@ -217,6 +217,8 @@ class MockWorker:
             await self._publish_ops(result.ops)
         for seq in result.first_tokens:
             await self._reply(self._replies.get(seq.request_id), seq, "first_token")
+        for seq in result.opened_blocks:
+            await self._reply(self._replies.get(seq.request_id), seq, "output")
         for seq in result.finished:
             await self._reply(self._replies.pop(seq.request_id, None), seq, "done")
         if self._streams:
@@ -234,6 +236,7 @@ class MockWorker:
             prompt_blocks=seq.prompt_blocks,
             queued=seq.queued,
             preemptions=seq.preemptions,
+            generated_tokens=self.engine.generated(seq),
         )
         await self.nc.publish(subject, _encode(update))
 

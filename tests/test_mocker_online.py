@@ -75,6 +75,16 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
         )
         async with httpx.AsyncClient(base_url=router_url) as http:
             assert msgspec.json.decode((await http.get("/v1/dump")).content)  # the router indexed their blocks
+            # The replayer told the router every output block opened, as the proxy would, each for an
+            # active request: a block opens at the token after a whole block, the last token opens none.
+            metrics = (await http.get("/metrics")).text
+            opened = sum(
+                sum(1 for g in range(1, r.output_length) if (r.input_length + g) % ENGINE.block_size == 1)
+                for r in trace.requests
+            )
+            assert opened >= len(trace)
+            assert f'kv_router_requests_total{{method="record_output",outcome="ok"}} {opened}.0' in metrics
+            assert 'method="record_output",outcome="unknown' not in metrics
             # A prefix-cache reset reaches the router as a `cleared` event: it forgets those blocks.
             nc = await connect(NatsOptions(nats_server.url))
             for i in range(WORKERS):
