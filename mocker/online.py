@@ -74,7 +74,8 @@ class _Replayer:
         self.timeout_s = timeout_s
         self.records = blank_records(trace.requests)
         self.prefix = reply_prefix(namespace, uuid.uuid4().hex[:12])
-        self._updates: dict[str, asyncio.Queue[GenerateUpdate]] = {}
+        # Each update with when it arrived: the router calls made for earlier ones must not delay its time.
+        self._updates: dict[str, asyncio.Queue[tuple[GenerateUpdate, float]]] = {}
         self._started = 0.0
 
     def now_ms(self) -> float:
@@ -84,7 +85,7 @@ class _Replayer:
         update = _decode_update(message.data)
         queue = self._updates.get(update.request_id)
         if queue is not None:
-            queue.put_nowait(update)
+            queue.put_nowait((update, self.now_ms()))
 
     async def run(self, progress: Callable[[int, int], None] | None) -> list[ReplayRecord]:
         subscription = await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_update)
@@ -125,7 +126,7 @@ class _Replayer:
         record.worker_id = decision.worker_id
         record.routed_ms = self.now_ms()
         record.predicted_cached_tokens = min(decision.cached_tokens, request.input_length)
-        updates: asyncio.Queue[GenerateUpdate] = asyncio.Queue()
+        updates: asyncio.Queue[tuple[GenerateUpdate, float]] = asyncio.Queue()
         self._updates[request_id] = updates
         subject = generate_subject(self.namespace, decision.worker_id)
         message = GenerateRequest(
@@ -137,9 +138,9 @@ class _Replayer:
         try:
             await self.nc.publish(subject, _encode(message))
             while True:
-                update = await asyncio.wait_for(updates.get(), self.timeout_s)
+                update, received_ms = await asyncio.wait_for(updates.get(), self.timeout_s)
                 if update.kind == "first_token":
-                    record.first_token_ms = self.now_ms()
+                    record.first_token_ms = received_ms
                     await self._mark("/v1/mark_prefill", request_id)
                     continue
                 if update.kind == "output":
@@ -153,7 +154,7 @@ class _Replayer:
                 if update.kind == "rejected":
                     record.status = "rejected_by_engine"
                 else:
-                    record.finished_ms = self.now_ms()
+                    record.finished_ms = received_ms
                     record.status = "completed"
                 await self._mark("/v1/mark_free", request_id)
                 return
