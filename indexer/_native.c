@@ -441,7 +441,8 @@ typedef struct {
     uint64_t block_hash;
     uint64_t local_hash;
     PyObject *parent;   /* Node or None */
-    PyObject *owners;   /* int bitmask over slots */
+    uint64_t mask;      /* the owners bitmask over slots while it fits in 64 bits (wide is NULL) */
+    PyObject *wide;     /* the owners as an int when a slot of 64 or more owns the node, else NULL */
     PyObject *children; /* None, the only child (a Node), or a dict local_hash -> Node */
 } NodeObject;
 
@@ -452,12 +453,12 @@ static PyTypeObject NodeType;
 /* Not tracked by the cyclic GC, as the Python node is not: the tree dismantles its links itself. */
 static void Node_dealloc(NodeObject *self) {
     Py_XDECREF(self->parent);
-    Py_XDECREF(self->owners);
+    Py_XDECREF(self->wide);
     Py_XDECREF(self->children);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static NodeObject *node_new(uint64_t block_hash, uint64_t local_hash, PyObject *parent, PyObject *owners) {
+static NodeObject *node_new(uint64_t block_hash, uint64_t local_hash, PyObject *parent, uint64_t mask) {
     NodeObject *node = PyObject_New(NodeObject, &NodeType);
     if (node == NULL)
         return NULL;
@@ -465,11 +466,64 @@ static NodeObject *node_new(uint64_t block_hash, uint64_t local_hash, PyObject *
     node->local_hash = local_hash;
     Py_INCREF(parent);
     node->parent = parent;
-    Py_INCREF(owners);
-    node->owners = owners;
+    node->mask = mask;
+    node->wide = NULL;
     Py_INCREF(Py_None);
     node->children = Py_None;
     return node;
+}
+
+/* The owners as an int (a new reference). */
+static PyObject *node_owners(NodeObject *node) {
+    return node->wide != NULL ? Py_NewRef(node->wide) : PyLong_FromUnsignedLongLong(node->mask);
+}
+
+/* Set the owners from an int: kept as a machine word whenever it fits in one. */
+static int node_set_owners(NodeObject *node, PyObject *owners) {
+    if (!PyLong_Check(owners)) {
+        PyErr_SetString(PyExc_TypeError, "owners must be an int");
+        return -1;
+    }
+    uint64_t mask;
+    if (as_u64(owners, &mask) == 0) {
+        node->mask = mask;
+        Py_CLEAR(node->wide);
+        return 0;
+    }
+    PyErr_Clear();
+    node->mask = 0;
+    Py_XSETREF(node->wide, Py_NewRef(owners));
+    return 0;
+}
+
+/* Whether `bit` (an int, `bit_value` when below 64) is among the owners: 1, 0, or -1 on error. */
+static int node_owned_by(NodeObject *node, PyObject *bit, uint64_t bit_value) {
+    if (node->wide == NULL)
+        return (node->mask & bit_value) != 0;
+    PyObject *shared = PyNumber_And(node->wide, bit);
+    if (shared == NULL)
+        return -1;
+    int owned = PyObject_IsTrue(shared);
+    Py_DECREF(shared);
+    return owned;
+}
+
+/* owners | bit, or owners ^ bit to drop a bit the node has. */
+static int node_combine_owners(NodeObject *node, PyObject *bit, uint64_t bit_value, int add) {
+    if (node->wide == NULL && bit_value) {
+        node->mask = add ? node->mask | bit_value : node->mask & ~bit_value;
+        return 0;
+    }
+    PyObject *owners = node_owners(node);
+    if (owners == NULL)
+        return -1;
+    PyObject *combined = add ? PyNumber_Or(owners, bit) : PyNumber_Xor(owners, bit);
+    Py_DECREF(owners);
+    if (combined == NULL)
+        return -1;
+    int status = node_set_owners(node, combined);
+    Py_DECREF(combined);
+    return status;
 }
 
 static PyObject *Node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -480,11 +534,15 @@ static PyObject *Node_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         return NULL;
     if (as_u64(block, &block_hash) < 0 || as_u64(local, &local_hash) < 0)
         return NULL;
-    NodeObject *node = node_new(block_hash, local_hash, parent, owners);
-    if (node != NULL) {
-        Py_INCREF(children);
-        Py_SETREF(node->children, children);
+    NodeObject *node = node_new(block_hash, local_hash, parent, 0);
+    if (node == NULL)
+        return NULL;
+    if (node_set_owners(node, owners) < 0) {
+        Py_DECREF(node);
+        return NULL;
     }
+    Py_INCREF(children);
+    Py_SETREF(node->children, children);
     return (PyObject *)node;
 }
 
@@ -507,22 +565,26 @@ static int Node_set_object(NodeObject *self, PyObject *value, PyObject **slot, c
 }
 
 static PyObject *Node_get_parent(NodeObject *self, void *closure) { return Py_NewRef(self->parent); }
-static PyObject *Node_get_owners(NodeObject *self, void *closure) { return Py_NewRef(self->owners); }
+static PyObject *Node_get_owners(NodeObject *self, void *closure) { return node_owners(self); }
 static PyObject *Node_get_children(NodeObject *self, void *closure) { return Py_NewRef(self->children); }
 static int Node_set_parent(NodeObject *self, PyObject *v, void *c) { return Node_set_object(self, v, &self->parent, "parent"); }
 static int Node_set_owners(NodeObject *self, PyObject *v, void *c) {
-    if (v != NULL && !PyLong_Check(v)) {
-        PyErr_SetString(PyExc_TypeError, "owners must be an int");
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete owners");
         return -1;
     }
-    return Node_set_object(self, v, &self->owners, "owners");
+    return node_set_owners(self, v);
 }
 static int Node_set_children(NodeObject *self, PyObject *v, void *c) {
     return Node_set_object(self, v, &self->children, "children");
 }
 
 static PyObject *Node_repr(NodeObject *self) {
-    PyObject *owners = PyNumber_ToBase(self->owners, 16);
+    PyObject *mask = node_owners(self);
+    if (mask == NULL)
+        return NULL;
+    PyObject *owners = PyNumber_ToBase(mask, 16);
+    Py_DECREF(mask);
     if (owners == NULL)
         return NULL;
     PyObject *text = PyUnicode_FromFormat("_Node(block_hash=%llu, local_hash=%llu, owners=%U)",
@@ -565,19 +627,65 @@ static PyObject *child_of(NodeObject *node, uint64_t local_hash, PyObject *local
 /* Owners masks of trees with at most 64 slots fit in a u64 (the callers check the slot count). */
 static inline int owners_u64(PyObject *owners, uint64_t *out) { return as_u64(owners, out); }
 
-/* store_chain(node, blocks, bit, lookup, aliases, disown, state) -> (created, newly_owned, branched)
- *
- * The hot loop of `RadixTree._store`, step for step: walk or extend the chain below `node`, mark
- * `bit` (a slot below 64) on every block, record aliases, map each block hash to its node in
- * `lookup`, and call `disown(state, node)` for a node the worker's hash moved away from. */
-static PyObject *py_store_chain(PyObject *self, PyObject *args) {
-    PyObject *start, *blocks, *bit, *lookup, *aliases, *disown, *state;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!OO", &NodeType, &start, &PyList_Type, &blocks, &PyLong_Type, &bit,
-                          &PyDict_Type, &lookup, &PyDict_Type, &aliases, &disown, &state))
+/* The rank's node for `parent_hash` when the rank holds it and no block of the chain names it
+ * (borrowed); NULL without an error otherwise, NULL with one on failure. */
+static NodeObject *held_parent(PyObject *parent_hash, PyObject *blocks, PyObject *bit, uint64_t bit_value,
+                               PyObject *lookup) {
+    PyObject *found = PyDict_GetItemWithError(lookup, parent_hash);
+    if (found == NULL)
         return NULL;
+    if (!Node_Check(found)) {
+        PyErr_SetString(PyExc_TypeError, "lookup values must be nodes");
+        return NULL;
+    }
+    int owned = node_owned_by((NodeObject *)found, bit, bit_value);
+    if (owned <= 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
+        PyObject *block_obj, *local_obj;
+        if (block_hashes_of(PyList_GET_ITEM(blocks, i), &block_obj, &local_obj) < 0)
+            return NULL;
+        int same = PyObject_RichCompareBool(block_obj, parent_hash, Py_EQ);
+        Py_DECREF(block_obj);
+        Py_DECREF(local_obj);
+        if (same != 0)
+            return NULL;
+    }
+    return (NodeObject *)found;
+}
+
+/* store_chain(root, parent_hash, blocks, bit, lookup, aliases, disown, state)
+ *     -> (created, newly_owned, branched) | None
+ *
+ * `RadixTree._store`, step for step: from the root (`parent_hash` None) or the rank's node for
+ * `parent_hash`, walk or extend the chain, mark `bit` (a slot below 64) on every block, record
+ * aliases, map each block hash to its node in `lookup`, and call `disown(state, node)` for a node
+ * the worker's hash moved away from. None, with nothing changed, when the rank does not hold the
+ * parent or a block names it: the Python code then names the error. */
+static PyObject *py_store_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "store_chain takes 8 arguments");
+        return NULL;
+    }
+    PyObject *root = args[0], *parent_hash = args[1], *blocks = args[2], *bit = args[3], *lookup = args[4],
+             *aliases = args[5], *disown = args[6], *state = args[7];
+    if (!Node_Check(root) || !PyList_Check(blocks) || !PyLong_Check(bit) || !PyDict_Check(lookup) ||
+        !PyDict_Check(aliases)) {
+        PyErr_SetString(PyExc_TypeError, "store_chain(Node, parent, list, int, dict, dict, disown, state)");
+        return NULL;
+    }
     uint64_t bit_value;
     if (owners_u64(bit, &bit_value) < 0)
         return NULL;
+    NodeObject *start = (NodeObject *)root;
+    if (parent_hash != Py_None) {
+        start = held_parent(parent_hash, blocks, bit, bit_value, lookup);
+        if (start == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_NONE;
+        }
+    }
     Py_ssize_t created = 0, newly_owned = 0, branched = 0;
     NodeObject *node = (NodeObject *)Py_NewRef(start);
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
@@ -593,7 +701,7 @@ static PyObject *py_store_chain(PyObject *self, PyObject *args) {
         if (found == NULL && PyErr_Occurred())
             goto error_block;
         if (found == NULL) {
-            child = node_new(block_hash, local_hash, (PyObject *)node, bit);
+            child = node_new(block_hash, local_hash, (PyObject *)node, bit_value);
             if (child == NULL)
                 goto error_block;
             if (kids == Py_None) {
@@ -620,22 +728,12 @@ static PyObject *py_store_chain(PyObject *self, PyObject *args) {
                 goto error_block;
             }
             child = (NodeObject *)Py_NewRef(found);
-            uint64_t owners;
-            if (owners_u64(child->owners, &owners) < 0) {
-                /* Wider masks (a slot of 64 or more owns this node): test and set in Python ints. */
-                PyErr_Clear();
-                PyObject *shared = PyNumber_And(child->owners, bit);
-                if (shared == NULL)
+            int owned = node_owned_by(child, bit, bit_value);
+            if (owned < 0)
+                goto error_block;
+            if (!owned) {
+                if (node_combine_owners(child, bit, bit_value, 1) < 0)
                     goto error_block;
-                int owned = PyObject_IsTrue(shared);
-                Py_DECREF(shared);
-                owners = owned ? bit_value : 0;
-            }
-            if (!(owners & bit_value)) {
-                PyObject *widened = PyNumber_Or(child->owners, bit);
-                if (widened == NULL)
-                    goto error_block;
-                Py_SETREF(child->owners, widened);
                 newly_owned++;
             }
             if (child->block_hash != block_hash && PyDict_SetItem(aliases, (PyObject *)child, block_obj) < 0)
@@ -646,12 +744,7 @@ static PyObject *py_store_chain(PyObject *self, PyObject *args) {
             goto error_block;
         if (previous != (PyObject *)child) {
             Py_INCREF(previous);
-            int owned = 0;
-            if (Node_Check(previous)) {
-                PyObject *shared = PyNumber_And(((NodeObject *)previous)->owners, bit);
-                owned = shared == NULL ? -1 : PyObject_IsTrue(shared);
-                Py_XDECREF(shared);
-            }
+            int owned = Node_Check(previous) ? node_owned_by((NodeObject *)previous, bit, bit_value) : 0;
             if (owned < 0) {
                 Py_DECREF(previous);
                 goto error_block;
@@ -752,9 +845,11 @@ static PyObject *py_match_prefix(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_TypeError, "tree children must be nodes");
             goto error;
         }
-        uint64_t owners;
-        if (owners_u64(((NodeObject *)found)->owners, &owners) < 0)
+        if (((NodeObject *)found)->wide != NULL) {
+            PyErr_SetString(PyExc_OverflowError, "an owners mask past 64 slots");
             goto error;
+        }
+        uint64_t owners = ((NodeObject *)found)->mask;
         if (i == 0) {
             if (!owners)
                 break;
@@ -820,32 +915,10 @@ static PyObject *py_has_wide_hash(PyObject *self, PyObject *blocks) {
  * detached while they are ownerless leaves. Returns the hashes not held, how many nodes were
  * disowned, how many detached, and how many branch dicts went back to a single child. */
 static int owners_without(NodeObject *node, PyObject *bit, uint64_t bit_value, int *held) {
-    uint64_t owners;
-    if (owners_u64(node->owners, &owners) == 0) {
-        *held = (owners & bit_value) != 0;
-        if (*held) {
-            PyObject *narrowed = PyLong_FromUnsignedLongLong(owners & ~bit_value);
-            if (narrowed == NULL)
-                return -1;
-            Py_SETREF(node->owners, narrowed);
-        }
-        return 0;
-    }
-    PyErr_Clear(); /* a mask wider than 64 bits: Python int arithmetic */
-    PyObject *shared = PyNumber_And(node->owners, bit);
-    if (shared == NULL)
-        return -1;
-    *held = PyObject_IsTrue(shared);
-    Py_DECREF(shared);
+    *held = node_owned_by(node, bit, bit_value);
     if (*held < 0)
         return -1;
-    if (*held) {
-        PyObject *narrowed = PyNumber_Xor(node->owners, bit);
-        if (narrowed == NULL)
-            return -1;
-        Py_SETREF(node->owners, narrowed);
-    }
-    return 0;
+    return *held ? node_combine_owners(node, bit, bit_value, 0) : 0;
 }
 
 /* Detach `child` from `parent`'s children; *unbranched is set when a branch dict went back to one. */
@@ -929,18 +1002,8 @@ static PyObject *py_remove_blocks(PyObject *self, PyObject *args) {
         }
         /* Detach while an ownerless leaf below the root; `node` holds a reference throughout. */
         while ((PyObject *)node != root && node->children == Py_None) {
-            uint64_t owners;
-            int ownerless;
-            if (owners_u64(node->owners, &owners) == 0) {
-                ownerless = owners == 0;
-            } else {
-                PyErr_Clear();
-                ownerless = PyObject_Not(node->owners);
-                if (ownerless < 0) {
-                    Py_DECREF(node);
-                    goto error;
-                }
-            }
+            /* A wide mask is never zero: it is kept as a word whenever it fits. */
+            int ownerless = node->wide == NULL && node->mask == 0;
             if (!ownerless || !Node_Check(node->parent))
                 break;
             NodeObject *parent = (NodeObject *)Py_NewRef(node->parent);
@@ -1118,6 +1181,517 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ RouterEvent JSON (decode_router_events)
+ *
+ * router_events_json(payload) -> list[RouterEvent] | None
+ *
+ * msgspec's decoding of a RouterEvent payload (one event or a list of them), for the form publishers
+ * write: stored, removed and bare "cleared" events of the device tier, every hash a u64, no escaped
+ * key, no unknown or repeated key. The objects are the wire structs themselves (`bind_event_types`
+ * names them), built without their `__post_init__`: on this form each of those checks passes and
+ * changes nothing (hashes and ids in u64, ranks and positions in u32, exactly one kind of data), which
+ * is what keeps a decode at a few allocations per block. Anything else (an i64 hash, a float, another
+ * tier, `{"cleared": null}`, invalid JSON) returns None and msgspec decodes it, for the exact value or
+ * error. */
+
+#define FIELDS_MAX 3
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t nfields;
+    Py_ssize_t offsets[FIELDS_MAX];
+} WireStruct;
+
+enum { WIRE_ROUTER, WIRE_EVENT, WIRE_DATA, WIRE_STORED, WIRE_REMOVED, WIRE_BLOCK, WIRE_COUNT };
+static WireStruct wire[WIRE_COUNT];
+static const char *const wire_fields[WIRE_COUNT][FIELDS_MAX] = {
+    {"worker_id", "event", "storage_tier"}, {"event_id", "data", "dp_rank"},
+    {"stored", "removed", "cleared"},       {"blocks", "parent_hash", "start_position"},
+    {"block_hashes", NULL, NULL},           {"block_hash", "tokens_hash", "mm_extra_info"},
+};
+static PyObject *wire_device, *wire_unset, *wire_cleared;
+static int wire_bound;
+
+/* bind_event_types(router, event, data, stored, removed, block, device, unset, cleared) -> None */
+static PyObject *py_bind_event_types(PyObject *self, PyObject *args) {
+    PyObject *types[WIRE_COUNT], *device, *unset, *cleared;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOU", &PyType_Type, &types[0], &PyType_Type, &types[1], &PyType_Type,
+                          &types[2], &PyType_Type, &types[3], &PyType_Type, &types[4], &PyType_Type, &types[5],
+                          &device, &unset, &cleared))
+        return NULL;
+    for (int t = 0; t < WIRE_COUNT; t++) {
+        PyTypeObject *type = (PyTypeObject *)types[t];
+        Py_ssize_t nfields = 0;
+        while (nfields < FIELDS_MAX && wire_fields[t][nfields] != NULL)
+            nfields++;
+        /* Exactly these slots and no others, no GC: every field is set when an object is built. */
+        if (PyType_IS_GC(type) || type->tp_itemsize != 0 ||
+            type->tp_basicsize != (Py_ssize_t)(sizeof(PyObject) + nfields * sizeof(PyObject *))) {
+            PyErr_Format(PyExc_TypeError, "%s is not a struct of %zd slots without GC", type->tp_name, nfields);
+            return NULL;
+        }
+        for (Py_ssize_t f = 0; f < nfields; f++) {
+            PyObject *name = PyUnicode_FromString(wire_fields[t][f]);
+            if (name == NULL)
+                return NULL;
+            Py_ssize_t offset = slot_offset(type, name);
+            Py_DECREF(name);
+            if (offset < 0) {
+                PyErr_Format(PyExc_TypeError, "%s has no slot %s", type->tp_name, wire_fields[t][f]);
+                return NULL;
+            }
+            wire[t].offsets[f] = offset;
+        }
+        Py_XSETREF(wire[t].type, (PyTypeObject *)Py_NewRef(type));
+        wire[t].nfields = nfields;
+    }
+    Py_XSETREF(wire_device, Py_NewRef(device));
+    Py_XSETREF(wire_unset, Py_NewRef(unset));
+    Py_XSETREF(wire_cleared, Py_NewRef(cleared));
+    wire_bound = 1;
+    Py_RETURN_NONE;
+}
+
+/* A struct of kind `t` holding `values` (references stolen, all of them, even on failure). */
+static PyObject *wire_new(int t, PyObject **values) {
+    const WireStruct *ws = &wire[t];
+    PyObject *obj = NULL;
+    for (Py_ssize_t f = 0; f < ws->nfields; f++)
+        if (values[f] == NULL)
+            goto fail;
+    /* As msgspec allocates a struct without GC; every slot is set below, so no zeroing. */
+    obj = PyObject_Malloc((size_t)ws->type->tp_basicsize);
+    if (obj == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    PyObject_Init(obj, ws->type);
+    for (Py_ssize_t f = 0; f < ws->nfields; f++)
+        *(PyObject **)((char *)obj + ws->offsets[f]) = values[f];
+    return obj;
+fail:
+    for (Py_ssize_t f = 0; f < ws->nfields; f++)
+        Py_XDECREF(values[f]);
+    return NULL;
+}
+
+/* Parse status: JSON_OK, JSON_OTHER (not the fast form: msgspec decides) or JSON_ERROR (exception set). */
+enum { JSON_OK = 0, JSON_OTHER = 1, JSON_ERROR = -1 };
+
+typedef struct {
+    const char *p;
+    const char *end;
+} JsonCursor;
+
+static inline void json_ws(JsonCursor *c) {
+    while (c->p < c->end && (*c->p == ' ' || *c->p == '\n' || *c->p == '\r' || *c->p == '\t'))
+        c->p++;
+}
+
+static inline int json_eat(JsonCursor *c, char ch) {
+    json_ws(c);
+    if (c->p < c->end && *c->p == ch) {
+        c->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* A string's bytes up to the next quote, borrowed from the payload. Only compared with literals
+ * (keys, "device", "cleared"), none of which holds a backslash or a control character: an escaped
+ * string never equals one, so it ends the fast form without a scan for escapes. */
+static int json_plain_string(JsonCursor *c, const char **text, Py_ssize_t *len) {
+    if (!json_eat(c, '"'))
+        return 0;
+    const char *close = memchr(c->p, '"', (size_t)(c->end - c->p));
+    if (close == NULL)
+        return 0;
+    *text = c->p;
+    *len = close - c->p;
+    c->p = close + 1;
+    return 1;
+}
+
+/* The next key and its colon. */
+static int json_key(JsonCursor *c, const char **key, Py_ssize_t *len) {
+    return json_plain_string(c, key, len) && json_eat(c, ':');
+}
+
+#define KEY_IS(key, len, literal) ((len) == (Py_ssize_t)sizeof(literal) - 1 && memcmp((key), (literal), (len)) == 0)
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+/* Eight ASCII digits at p, tested and converted eight at a time (SWAR, little-endian loads). */
+static inline int eight_digits(const char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return ((v & 0xF0F0F0F0F0F0F0F0ULL) | (((v + 0x0606060606060606ULL) & 0xF0F0F0F0F0F0F0F0ULL) >> 4)) ==
+           0x3333333333333333ULL;
+}
+
+static inline uint64_t eight_digits_value(const char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    v -= 0x3030303030303030ULL;
+    v = v * 10 + (v >> 8);
+    return (((v & 0x000000FF000000FFULL) * (100 + (1000000ULL << 32))) +
+            (((v >> 16) & 0x000000FF000000FFULL) * (1 + (10000ULL << 32)))) >>
+           32;
+}
+#endif
+
+/* A non-negative JSON integer up to `max` (no sign, fraction or exponent: those end the fast form). */
+static int json_uint(JsonCursor *c, uint64_t max, uint64_t *out) {
+    json_ws(c);
+    const char *p = c->p, *end = c->end;
+    if (p == end || *p < '0' || *p > '9')
+        return 0;
+    uint64_t value = 0;
+    int digits = 0;
+    if (*p == '0') {
+        p++;
+    } else {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        /* Sixteen digits at most this way: below 10^16, no overflow is possible. */
+        while (digits < 16 && end - p >= 8 && eight_digits(p)) {
+            value = value * 100000000ULL + eight_digits_value(p);
+            p += 8;
+            digits += 8;
+        }
+#endif
+        while (p < end && *p >= '0' && *p <= '9') {
+            uint64_t digit = (uint64_t)(*p - '0');
+            if (digits >= 19 && (digits >= 20 || value > (UINT64_MAX - digit) / 10))
+                return 0;
+            value = value * 10 + digit;
+            p++;
+            digits++;
+        }
+    }
+    if (p < end && (*p == '.' || *p == 'e' || *p == 'E' || (*p >= '0' && *p <= '9')))
+        return 0;
+    if (value > max)
+        return 0;
+    c->p = p;
+    *out = value;
+    return 1;
+}
+
+static int json_null(JsonCursor *c) {
+    json_ws(c);
+    if (c->end - c->p >= 4 && memcmp(c->p, "null", 4) == 0) {
+        c->p += 4;
+        return 1;
+    }
+    return 0;
+}
+
+static inline int json_peek(JsonCursor *c, char ch) {
+    json_ws(c);
+    return c->p < c->end && *c->p == ch;
+}
+
+/* After a member: 1 if another follows (a comma), 0 at the closing brace, -1 otherwise. */
+static int json_next_member(JsonCursor *c) {
+    if (json_eat(c, ','))
+        return 1;
+    return json_eat(c, '}') ? 0 : -1;
+}
+
+/* The members of an object, one `member` call per key; `member` returns a JSON_* status. */
+#define JSON_MEMBERS(c, key, len, ...)                                                                           \
+    do {                                                                                                         \
+        if (!json_eat(c, '{'))                                                                                   \
+            return JSON_OTHER;                                                                                   \
+        if (!json_eat(c, '}')) {                                                                                 \
+            for (;;) {                                                                                           \
+                if (!json_key(c, &key, &len))                                                                    \
+                    goto other;                                                                                  \
+                __VA_ARGS__;                                                                                     \
+                int more = json_next_member(c);                                                                  \
+                if (more < 0)                                                                                    \
+                    goto other;                                                                                  \
+                if (!more)                                                                                       \
+                    break;                                                                                       \
+            }                                                                                                    \
+        }                                                                                                        \
+    } while (0)
+
+static int json_block(JsonCursor *c, PyObject **out) {
+    const char *key;
+    Py_ssize_t len;
+    uint64_t block_hash = 0, tokens_hash = 0;
+    int seen = 0;
+    JSON_MEMBERS(c, key, len, {
+        if (KEY_IS(key, len, "block_hash") && !(seen & 1) && json_uint(c, UINT64_MAX, &block_hash))
+            seen |= 1;
+        else if (KEY_IS(key, len, "tokens_hash") && !(seen & 2) && json_uint(c, UINT64_MAX, &tokens_hash))
+            seen |= 2;
+        else if (KEY_IS(key, len, "mm_extra_info") && !(seen & 4) && json_null(c))
+            seen |= 4;
+        else
+            goto other;
+    });
+    if ((seen & 3) != 3)
+        return JSON_OTHER;
+    PyObject *values[3] = {PyLong_FromUnsignedLongLong(block_hash), PyLong_FromUnsignedLongLong(tokens_hash),
+                           Py_NewRef(Py_None)};
+    *out = wire_new(WIRE_BLOCK, values);
+    return *out == NULL ? JSON_ERROR : JSON_OK;
+other:
+    return JSON_OTHER;
+}
+
+/* A JSON array into a new list, one `item` call per element. */
+static int json_list(JsonCursor *c, int (*item)(JsonCursor *, PyObject **), PyObject **out) {
+    if (!json_eat(c, '['))
+        return JSON_OTHER;
+    PyObject *list = PyList_New(0);
+    if (list == NULL)
+        return JSON_ERROR;
+    if (!json_eat(c, ']')) {
+        for (;;) {
+            PyObject *value;
+            int status = item(c, &value);
+            if (status != JSON_OK) {
+                Py_DECREF(list);
+                return status;
+            }
+            int appended = PyList_Append(list, value);
+            Py_DECREF(value);
+            if (appended < 0) {
+                Py_DECREF(list);
+                return JSON_ERROR;
+            }
+            if (json_eat(c, ','))
+                continue;
+            if (json_eat(c, ']'))
+                break;
+            Py_DECREF(list);
+            return JSON_OTHER;
+        }
+    }
+    *out = list;
+    return JSON_OK;
+}
+
+static int json_hash(JsonCursor *c, PyObject **out) {
+    uint64_t value;
+    if (!json_uint(c, UINT64_MAX, &value))
+        return JSON_OTHER;
+    *out = PyLong_FromUnsignedLongLong(value);
+    return *out == NULL ? JSON_ERROR : JSON_OK;
+}
+
+/* null or an integer up to `max`, as None or an int. */
+static int json_optional_uint(JsonCursor *c, uint64_t max, PyObject **out) {
+    if (json_null(c)) {
+        *out = Py_NewRef(Py_None);
+        return JSON_OK;
+    }
+    uint64_t value;
+    if (!json_uint(c, max, &value))
+        return JSON_OTHER;
+    *out = PyLong_FromUnsignedLongLong(value);
+    return *out == NULL ? JSON_ERROR : JSON_OK;
+}
+
+/* A member's value into `*slot` once: a repeated key or a value not of the fast form ends it. */
+#define JSON_FIELD(c, slot, parse)                                                                               \
+    do {                                                                                                         \
+        if (slot != NULL)                                                                                        \
+            goto other;                                                                                          \
+        int status_ = (parse);                                                                                   \
+        if (status_ == JSON_ERROR)                                                                               \
+            goto error;                                                                                          \
+        if (status_ != JSON_OK)                                                                                  \
+            goto other;                                                                                          \
+    } while (0)
+
+/* {"stored": {...}} or {"removed": {...}}: the KvCacheEventData. */
+static int json_data(JsonCursor *c, PyObject **out) {
+    const char *key;
+    Py_ssize_t len;
+    PyObject *blocks = NULL, *parent = NULL, *position = NULL, *hashes = NULL, *inner = NULL;
+    int stored = 0;
+    if (!json_eat(c, '{') || !json_key(c, &key, &len))
+        return JSON_OTHER;
+    if (KEY_IS(key, len, "stored")) {
+        stored = 1;
+        JSON_MEMBERS(c, key, len, {
+            if (KEY_IS(key, len, "blocks"))
+                JSON_FIELD(c, blocks, json_list(c, json_block, &blocks));
+            else if (KEY_IS(key, len, "parent_hash"))
+                JSON_FIELD(c, parent, json_optional_uint(c, UINT64_MAX, &parent));
+            else if (KEY_IS(key, len, "start_position"))
+                JSON_FIELD(c, position, json_optional_uint(c, UINT32_MAX, &position));
+            else
+                goto other;
+        });
+        if (blocks == NULL)
+            goto other;
+        PyObject *values[3] = {blocks, parent ? parent : Py_NewRef(Py_None), position ? position : Py_NewRef(Py_None)};
+        blocks = parent = position = NULL;
+        inner = wire_new(WIRE_STORED, values);
+    } else if (KEY_IS(key, len, "removed")) {
+        JSON_MEMBERS(c, key, len, {
+            if (KEY_IS(key, len, "block_hashes"))
+                JSON_FIELD(c, hashes, json_list(c, json_hash, &hashes));
+            else
+                goto other;
+        });
+        if (hashes == NULL)
+            goto other;
+        PyObject *values[1] = {hashes};
+        hashes = NULL;
+        inner = wire_new(WIRE_REMOVED, values);
+    } else {
+        return JSON_OTHER;
+    }
+    if (inner == NULL)
+        return JSON_ERROR;
+    if (!json_eat(c, '}')) { /* a second kind of data, or anything else: msgspec decides */
+        Py_DECREF(inner);
+        return JSON_OTHER;
+    }
+    PyObject *values[3] = {stored ? inner : Py_NewRef(Py_None), stored ? Py_NewRef(Py_None) : inner,
+                           Py_NewRef(wire_unset)};
+    *out = wire_new(WIRE_DATA, values);
+    return *out == NULL ? JSON_ERROR : JSON_OK;
+other:
+    Py_XDECREF(blocks);
+    Py_XDECREF(parent);
+    Py_XDECREF(position);
+    Py_XDECREF(hashes);
+    return JSON_OTHER;
+error:
+    Py_XDECREF(blocks);
+    Py_XDECREF(parent);
+    Py_XDECREF(position);
+    Py_XDECREF(hashes);
+    return JSON_ERROR;
+}
+
+/* The event's data: the bare string "cleared" or one of the two objects. */
+static int json_event_data(JsonCursor *c, PyObject **out) {
+    if (json_peek(c, '"')) {
+        const char *text;
+        Py_ssize_t len;
+        if (!json_plain_string(c, &text, &len) || !KEY_IS(text, len, "cleared"))
+            return JSON_OTHER;
+        *out = Py_NewRef(wire_cleared);
+        return JSON_OK;
+    }
+    return json_data(c, out);
+}
+
+static int json_event(JsonCursor *c, PyObject **out) {
+    const char *key;
+    Py_ssize_t len;
+    PyObject *event_id = NULL, *data = NULL, *dp_rank = NULL;
+    JSON_MEMBERS(c, key, len, {
+        if (KEY_IS(key, len, "event_id"))
+            JSON_FIELD(c, event_id, json_hash(c, &event_id));
+        else if (KEY_IS(key, len, "data"))
+            JSON_FIELD(c, data, json_event_data(c, &data));
+        else if (KEY_IS(key, len, "dp_rank"))
+            JSON_FIELD(c, dp_rank, json_optional_uint(c, UINT32_MAX, &dp_rank));
+        else
+            goto other;
+    });
+    if (event_id == NULL || data == NULL || dp_rank == Py_None)
+        goto other;
+    PyObject *values[3] = {event_id, data, dp_rank ? dp_rank : PyLong_FromLong(0)};
+    *out = wire_new(WIRE_EVENT, values);
+    return *out == NULL ? JSON_ERROR : JSON_OK;
+other:
+    Py_XDECREF(event_id);
+    Py_XDECREF(data);
+    Py_XDECREF(dp_rank);
+    return JSON_OTHER;
+error:
+    Py_XDECREF(event_id);
+    Py_XDECREF(data);
+    Py_XDECREF(dp_rank);
+    return JSON_ERROR;
+}
+
+static int json_router_event(JsonCursor *c, PyObject **out) {
+    const char *key;
+    Py_ssize_t len;
+    PyObject *worker_id = NULL, *event = NULL;
+    int tier_seen = 0;
+    JSON_MEMBERS(c, key, len, {
+        if (KEY_IS(key, len, "worker_id")) {
+            JSON_FIELD(c, worker_id, json_hash(c, &worker_id));
+        } else if (KEY_IS(key, len, "event")) {
+            JSON_FIELD(c, event, json_event(c, &event));
+        } else if (KEY_IS(key, len, "storage_tier") && !tier_seen) {
+            const char *tier;
+            Py_ssize_t tier_len;
+            if (!json_plain_string(c, &tier, &tier_len) || !KEY_IS(tier, tier_len, "device"))
+                goto other;
+            tier_seen = 1;
+        } else {
+            goto other;
+        }
+    });
+    if (worker_id == NULL || event == NULL)
+        goto other;
+    PyObject *values[3] = {worker_id, event, Py_NewRef(wire_device)};
+    *out = wire_new(WIRE_ROUTER, values);
+    return *out == NULL ? JSON_ERROR : JSON_OK;
+other:
+    Py_XDECREF(worker_id);
+    Py_XDECREF(event);
+    return JSON_OTHER;
+error:
+    Py_XDECREF(worker_id);
+    Py_XDECREF(event);
+    return JSON_ERROR;
+}
+
+static PyObject *py_router_events_json(PyObject *self, PyObject *payload) {
+    if (!wire_bound) {
+        PyErr_SetString(PyExc_RuntimeError, "bind_event_types was not called");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    JsonCursor c = {(const char *)view.buf, (const char *)view.buf + view.len};
+    PyObject *events = NULL;
+    int status;
+    if (json_peek(&c, '[')) {
+        status = json_list(&c, json_router_event, &events);
+    } else {
+        PyObject *event = NULL;
+        status = json_router_event(&c, &event);
+        if (status == JSON_OK) {
+            events = PyList_New(1);
+            if (events == NULL) {
+                Py_DECREF(event);
+                status = JSON_ERROR;
+            } else {
+                PyList_SET_ITEM(events, 0, event);
+            }
+        }
+    }
+    if (status == JSON_OK) {
+        json_ws(&c);
+        if (c.p != c.end) { /* trailing bytes: msgspec names the error */
+            Py_CLEAR(events);
+            status = JSON_OTHER;
+        }
+    }
+    PyBuffer_Release(&view);
+    if (status == JSON_ERROR)
+        return NULL;
+    if (status == JSON_OTHER)
+        Py_RETURN_NONE;
+    return events;
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
@@ -1129,8 +1703,9 @@ static PyMethodDef native_methods[] = {
      "sequence_hashes(local_hashes, seed) -> tuple[int, ...]: Dynamo's rolling sequence hashes."},
     {"has_wide_hash", py_has_wide_hash, METH_O,
      "has_wide_hash(blocks) -> bool: whether any block hash is outside [0, 2^64)."},
-    {"store_chain", py_store_chain, METH_VARARGS,
-     "store_chain(node, blocks, bit, lookup, aliases, disown, state) -> (created, newly_owned, branched)."},
+    {"store_chain", (PyCFunction)(void (*)(void))py_store_chain, METH_FASTCALL,
+     "store_chain(root, parent_hash, blocks, bit, lookup, aliases, disown, state) -> (created, newly_owned, "
+     "branched) | None."},
     {"remove_blocks", py_remove_blocks, METH_VARARGS,
      "remove_blocks(root, lookup, aliases, hashes, bit) -> (missing, disowned, pruned, unbranched)."},
     {"msgpack_u32s", py_msgpack_u32s, METH_O,
@@ -1139,6 +1714,10 @@ static PyMethodDef native_methods[] = {
      "msgpack_rows(first, second, before, between, after) -> bytes | None: an array of rows of two u64."},
     {"match_prefix", py_match_prefix, METH_VARARGS,
      "match_prefix(root, local_hashes, keys, scores, path) -> None: the find_matches walk."},
+    {"bind_event_types", py_bind_event_types, METH_VARARGS,
+     "bind_event_types(router, event, data, stored, removed, block, device, unset, cleared) -> None."},
+    {"router_events_json", py_router_events_json, METH_O,
+     "router_events_json(payload) -> list[RouterEvent] | None: msgspec's decode of the common JSON form."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,7 +26,8 @@ def has_wide_hash(blocks: list[Any], /) -> bool: ...
 
 # The tree walks take the tree's nodes (this `Node`, typed as radix_tree's `_Node` there).
 def store_chain(
-    node: object,
+    root: object,
+    parent_hash: int | None,
     blocks: list[Any],
     bit: int,
     lookup: dict[int, Any],
@@ -34,7 +35,7 @@ def store_chain(
     disown: Callable[[Any, Any], None],
     state: object,
     /,
-) -> tuple[int, int, int]: ...
+) -> tuple[int, int, int] | None: ...
 def remove_blocks(
     root: object, lookup: dict[int, Any], aliases: dict[Any, int], hashes: Sequence[int], bit: int, /
 ) -> tuple[list[int], int, int, int]: ...
@@ -45,3 +46,16 @@ def msgpack_rows(
 def match_prefix(
     root: object, local_hashes: Sequence[int], keys: list[Any], scores: dict[Any, int], path: list[Any] | None, /
 ) -> None: ...
+def bind_event_types(
+    router: type,
+    event: type,
+    data: type,
+    stored: type,
+    removed: type,
+    block: type,
+    device: object,
+    unset: object,
+    cleared: str,
+    /,
+) -> None: ...
+def router_events_json(payload: Buffer, /) -> list[Any] | None: ...

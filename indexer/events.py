@@ -217,6 +217,19 @@ def cleared_event(event_id: int, *, dp_rank: int = 0) -> KvCacheEvent:
 
 _OneOrMany = RouterEvent | list[RouterEvent]
 _json_decoder = msgspec.json.Decoder(_OneOrMany)
+if NATIVE:
+    # The C decoder of the common JSON form builds these structs (it returns None for anything else).
+    accel.bind_event_types(
+        RouterEvent,
+        KvCacheEvent,
+        KvCacheEventData,
+        KvStoredData,
+        KvRemovedData,
+        StoredBlock,
+        StorageTier.DEVICE,
+        msgspec.UNSET,
+        "cleared",
+    )
 _msgpack_decoder = msgspec.msgpack.Decoder(_OneOrMany)
 _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
@@ -234,6 +247,10 @@ def decode_router_events(payload: bytes | bytearray | memoryview, *, msgpack: bo
     """Decode one ``RouterEvent`` or a list of them from JSON or msgpack bytes (``None``: detect)."""
     if msgpack is None:
         msgpack = looks_like_msgpack(payload)
+    if NATIVE and not msgpack:
+        events = accel.router_events_json(payload)
+        if events is not None:
+            return events
     decoder = _msgpack_decoder if msgpack else _json_decoder
     try:
         decoded = decoder.decode(payload)

@@ -221,6 +221,16 @@ class RadixTree:
         lookup = state.lookup
         parent_hash = stored.parent_hash
         blocks = stored.blocks
+        if self._native and state.slot < _NATIVE_MAX_SLOTS:
+            counts = accel.store_chain(self._root, parent_hash, blocks, bit, lookup, state.aliases, self._disown, state)
+            if counts is not None:
+                created, newly_owned, branched = counts
+                self._branch_nodes += branched
+                self._nodes += created
+                state.owned += created + newly_owned
+                return
+            # Refused with nothing changed (parent not held, or named by a block): the checks below
+            # raise the error.
         if parent_hash is None:
             node = self._root
         else:
@@ -231,20 +241,6 @@ class RadixTree:
                 if block.block_hash == parent_hash:
                     raise InvalidBlockSequence(f"worker {worker[0]}: stored blocks contain their parent {parent_hash}")
             node = found
-        if self._native and state.slot < _NATIVE_MAX_SLOTS:
-            created, newly_owned, branched = accel.store_chain(
-                node,
-                blocks,
-                bit,
-                lookup,
-                state.aliases,
-                self._disown,
-                state,
-            )
-            self._branch_nodes += branched
-            self._nodes += created
-            state.owned += created + newly_owned
-            return
         # The hot loop of event ingestion: child lookup and insertion are inlined on purpose.
         created = newly_owned = 0
         new_node = self._new_node
