@@ -614,6 +614,261 @@ static PyTypeObject NodeType = {
     .tp_new = Node_new,
 };
 
+/* ------------------------------------------------------------------ a rank's block map (RadixTree lookup)
+ *
+ * BlockMap: block_hash (u64) -> node, the C twin of the dict a rank keeps in the Python tree. Open
+ * addressing with linear probing over 16-byte entries (the key as a machine word, the node), at most
+ * three quarters full, deletions by backward shift (no tombstones): no int object per key and no
+ * hashing of one, about a third of a dict entry plus its key's int. Iteration follows the table,
+ * not insertion order: the tree's only walk of it (`_clear`) gives the same tree in any order. */
+
+typedef struct {
+    uint64_t key;
+    PyObject *value; /* NULL: an empty entry */
+} MapEntry;
+
+typedef struct {
+    PyObject_HEAD
+    MapEntry *entries;
+    Py_ssize_t capacity; /* 0 or a power of two */
+    Py_ssize_t used;
+} BlockMapObject;
+
+static PyTypeObject BlockMapType;
+#define BlockMap_Check(op) Py_IS_TYPE(op, &BlockMapType)
+
+static inline size_t map_home(const BlockMapObject *map, uint64_t key) {
+    /* Fibonacci hashing: engine hashes are random already, but tests and counters are not. */
+    return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> 32) & (size_t)(map->capacity - 1);
+}
+
+/* The entry holding `key`, or NULL. */
+static MapEntry *map_find(const BlockMapObject *map, uint64_t key) {
+    if (map->capacity == 0)
+        return NULL;
+    size_t mask = (size_t)map->capacity - 1;
+    for (size_t i = map_home(map, key);; i = (i + 1) & mask) {
+        MapEntry *entry = &map->entries[i];
+        if (entry->value == NULL)
+            return NULL;
+        if (entry->key == key)
+            return entry;
+    }
+}
+
+static int map_resize(BlockMapObject *map, Py_ssize_t capacity) {
+    MapEntry *entries = PyMem_Calloc((size_t)capacity, sizeof(MapEntry));
+    if (entries == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    MapEntry *old = map->entries;
+    Py_ssize_t old_capacity = map->capacity;
+    map->entries = entries;
+    map->capacity = capacity;
+    size_t mask = (size_t)capacity - 1;
+    for (Py_ssize_t j = 0; j < old_capacity; j++) {
+        if (old[j].value == NULL)
+            continue;
+        size_t i = map_home(map, old[j].key);
+        while (entries[i].value != NULL)
+            i = (i + 1) & mask;
+        entries[i] = old[j];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+/* The value for `key` if present (borrowed), else `value` inserted (a new reference taken) and
+ * returned; NULL on failure. */
+static PyObject *map_setdefault(BlockMapObject *map, uint64_t key, PyObject *value) {
+    if ((map->used + 1) * 4 > map->capacity * 3 && map_resize(map, map->capacity ? map->capacity * 2 : 8) < 0)
+        return NULL;
+    size_t mask = (size_t)map->capacity - 1;
+    size_t i = map_home(map, key);
+    for (;; i = (i + 1) & mask) {
+        MapEntry *entry = &map->entries[i];
+        if (entry->value == NULL)
+            break;
+        if (entry->key == key)
+            return entry->value;
+    }
+    map->entries[i].key = key;
+    map->entries[i].value = Py_NewRef(value);
+    map->used++;
+    return value;
+}
+
+static int map_set(BlockMapObject *map, uint64_t key, PyObject *value) {
+    PyObject *present = map_setdefault(map, key, value);
+    if (present == NULL)
+        return -1;
+    if (present != value) {
+        MapEntry *entry = map_find(map, key);
+        Py_SETREF(entry->value, Py_NewRef(value));
+    }
+    return 0;
+}
+
+/* Remove `entry` and return its value (the map's reference, now the caller's). */
+static PyObject *map_take(BlockMapObject *map, MapEntry *entry) {
+    PyObject *value = entry->value;
+    size_t mask = (size_t)map->capacity - 1;
+    size_t hole = (size_t)(entry - map->entries);
+    /* Backward shift: move up every later entry of the run whose home is not between hole and it. */
+    for (size_t i = (hole + 1) & mask; map->entries[i].value != NULL; i = (i + 1) & mask) {
+        size_t home = map_home(map, map->entries[i].key);
+        if (((i - home) & mask) >= ((i - hole) & mask)) {
+            map->entries[hole] = map->entries[i];
+            hole = i;
+        }
+    }
+    map->entries[hole].value = NULL;
+    map->used--;
+    return value;
+}
+
+/* A key as a u64: 1, or 0 when it is no u64 (no block has it: a lookup misses, as in a dict). */
+static int map_key(PyObject *key, uint64_t *out) {
+    if (PyLong_Check(key) && as_u64(key, out) == 0)
+        return 1;
+    PyErr_Clear();
+    return 0;
+}
+
+static void BlockMap_dealloc(BlockMapObject *self) {
+    for (Py_ssize_t i = 0; i < self->capacity; i++)
+        Py_XDECREF(self->entries[i].value);
+    PyMem_Free(self->entries);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *BlockMap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (!_PyArg_NoPositional("BlockMap", args) || !_PyArg_NoKeywords("BlockMap", kwds))
+        return NULL;
+    BlockMapObject *map = (BlockMapObject *)type->tp_alloc(type, 0);
+    if (map != NULL) {
+        map->entries = NULL;
+        map->capacity = map->used = 0;
+    }
+    return (PyObject *)map;
+}
+
+static Py_ssize_t BlockMap_len(BlockMapObject *self) { return self->used; }
+
+static PyObject *BlockMap_subscript(BlockMapObject *self, PyObject *key) {
+    uint64_t k;
+    int valid = map_key(key, &k);
+    MapEntry *entry = valid ? map_find(self, k) : NULL;
+    if (entry == NULL) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return Py_NewRef(entry->value);
+}
+
+static int BlockMap_ass_subscript(BlockMapObject *self, PyObject *key, PyObject *value) {
+    uint64_t k;
+    int valid = map_key(key, &k);
+    if (value != NULL) {
+        if (!valid) {
+            PyErr_SetString(PyExc_OverflowError, "block map keys are u64 ints");
+            return -1;
+        }
+        return map_set(self, k, value);
+    }
+    MapEntry *entry = valid ? map_find(self, k) : NULL;
+    if (entry == NULL) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    Py_DECREF(map_take(self, entry));
+    return 0;
+}
+
+static PyObject *BlockMap_get(BlockMapObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    uint64_t k;
+    int valid = map_key(args[0], &k);
+    MapEntry *entry = valid ? map_find(self, k) : NULL;
+    return Py_NewRef(entry != NULL ? entry->value : nargs == 2 ? args[1] : Py_None);
+}
+
+static PyObject *BlockMap_pop(BlockMapObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    uint64_t k;
+    int valid = map_key(args[0], &k);
+    MapEntry *entry = valid ? map_find(self, k) : NULL;
+    if (entry != NULL)
+        return map_take(self, entry);
+    if (nargs == 2)
+        return Py_NewRef(args[1]);
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static PyObject *BlockMap_setdefault(BlockMapObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "setdefault(key, value)");
+        return NULL;
+    }
+    uint64_t k;
+    if (!map_key(args[0], &k)) {
+        PyErr_SetString(PyExc_OverflowError, "block map keys are u64 ints");
+        return NULL;
+    }
+    PyObject *value = map_setdefault(self, k, args[1]);
+    return value == NULL ? NULL : Py_NewRef(value);
+}
+
+static PyObject *BlockMap_values(BlockMapObject *self, PyObject *unused) {
+    PyObject *values = PyList_New(self->used);
+    if (values == NULL)
+        return NULL;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < self->capacity; i++)
+        if (self->entries[i].value != NULL)
+            PyList_SET_ITEM(values, n++, Py_NewRef(self->entries[i].value));
+    return values;
+}
+
+static PyObject *BlockMap_sizeof(BlockMapObject *self, PyObject *unused) {
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(BlockMapObject) + self->capacity * (Py_ssize_t)sizeof(MapEntry));
+}
+
+static PyMethodDef BlockMap_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))BlockMap_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))BlockMap_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"setdefault", (PyCFunction)(void (*)(void))BlockMap_setdefault, METH_FASTCALL, "setdefault(key, value)"},
+    {"values", (PyCFunction)BlockMap_values, METH_NOARGS, "values() -> list: the nodes, in table order."},
+    {"__sizeof__", (PyCFunction)BlockMap_sizeof, METH_NOARGS, NULL},
+    {NULL},
+};
+
+static PyMappingMethods BlockMap_mapping = {
+    .mp_length = (lenfunc)BlockMap_len,
+    .mp_subscript = (binaryfunc)BlockMap_subscript,
+    .mp_ass_subscript = (objobjargproc)BlockMap_ass_subscript,
+};
+
+/* Not tracked by the cyclic GC: it holds nodes, which hold no map. */
+static PyTypeObject BlockMapType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "indexer._native.BlockMap",
+    .tp_basicsize = sizeof(BlockMapObject),
+    .tp_dealloc = (destructor)BlockMap_dealloc,
+    .tp_as_mapping = &BlockMap_mapping,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A rank's block_hash (u64) -> node map (the C twin of the Python tree's dict).",
+    .tp_methods = BlockMap_methods,
+    .tp_new = BlockMap_new,
+};
+
 /* The child of `node` for a local hash, borrowed; NULL with no error when absent. */
 static PyObject *child_of(NodeObject *node, uint64_t local_hash, PyObject *local_obj) {
     PyObject *kids = node->children;
@@ -630,10 +885,14 @@ static inline int owners_u64(PyObject *owners, uint64_t *out) { return as_u64(ow
 /* The rank's node for `parent_hash` when the rank holds it and no block of the chain names it
  * (borrowed); NULL without an error otherwise, NULL with one on failure. */
 static NodeObject *held_parent(PyObject *parent_hash, PyObject *blocks, PyObject *bit, uint64_t bit_value,
-                               PyObject *lookup) {
-    PyObject *found = PyDict_GetItemWithError(lookup, parent_hash);
-    if (found == NULL)
+                               BlockMapObject *lookup) {
+    uint64_t parent;
+    if (!map_key(parent_hash, &parent))
         return NULL;
+    MapEntry *entry = map_find(lookup, parent);
+    if (entry == NULL)
+        return NULL;
+    PyObject *found = entry->value;
     if (!Node_Check(found)) {
         PyErr_SetString(PyExc_TypeError, "lookup values must be nodes");
         return NULL;
@@ -645,7 +904,8 @@ static NodeObject *held_parent(PyObject *parent_hash, PyObject *blocks, PyObject
         PyObject *block_obj, *local_obj;
         if (block_hashes_of(PyList_GET_ITEM(blocks, i), &block_obj, &local_obj) < 0)
             return NULL;
-        int same = PyObject_RichCompareBool(block_obj, parent_hash, Py_EQ);
+        uint64_t block_hash;
+        int same = as_u64(block_obj, &block_hash) < 0 ? -1 : block_hash == parent;
         Py_DECREF(block_obj);
         Py_DECREF(local_obj);
         if (same != 0)
@@ -669,9 +929,9 @@ static PyObject *py_store_chain(PyObject *self, PyObject *const *args, Py_ssize_
     }
     PyObject *root = args[0], *parent_hash = args[1], *blocks = args[2], *bit = args[3], *lookup = args[4],
              *aliases = args[5], *disown = args[6], *state = args[7];
-    if (!Node_Check(root) || !PyList_Check(blocks) || !PyLong_Check(bit) || !PyDict_Check(lookup) ||
+    if (!Node_Check(root) || !PyList_Check(blocks) || !PyLong_Check(bit) || !BlockMap_Check(lookup) ||
         !PyDict_Check(aliases)) {
-        PyErr_SetString(PyExc_TypeError, "store_chain(Node, parent, list, int, dict, dict, disown, state)");
+        PyErr_SetString(PyExc_TypeError, "store_chain(Node, parent, list, int, BlockMap, dict, disown, state)");
         return NULL;
     }
     uint64_t bit_value;
@@ -679,7 +939,7 @@ static PyObject *py_store_chain(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     NodeObject *start = (NodeObject *)root;
     if (parent_hash != Py_None) {
-        start = held_parent(parent_hash, blocks, bit, bit_value, lookup);
+        start = held_parent(parent_hash, blocks, bit, bit_value, (BlockMapObject *)lookup);
         if (start == NULL) {
             if (PyErr_Occurred())
                 return NULL;
@@ -739,7 +999,7 @@ static PyObject *py_store_chain(PyObject *self, PyObject *const *args, Py_ssize_
             if (child->block_hash != block_hash && PyDict_SetItem(aliases, (PyObject *)child, block_obj) < 0)
                 goto error_block;
         }
-        PyObject *previous = PyDict_SetDefault(lookup, block_obj, (PyObject *)child);
+        PyObject *previous = map_setdefault((BlockMapObject *)lookup, block_hash, (PyObject *)child);
         if (previous == NULL)
             goto error_block;
         if (previous != (PyObject *)child) {
@@ -759,7 +1019,7 @@ static PyObject *py_store_chain(PyObject *self, PyObject *const *args, Py_ssize_
                 Py_DECREF(result);
             }
             Py_DECREF(previous);
-            if (PyDict_SetItem(lookup, block_obj, (PyObject *)child) < 0)
+            if (map_set((BlockMapObject *)lookup, block_hash, (PyObject *)child) < 0)
                 goto error_block;
         }
         Py_DECREF(block_obj);
@@ -950,7 +1210,7 @@ static int detach_child(NodeObject *parent, NodeObject *child, int *unbranched) 
 
 static PyObject *py_remove_blocks(PyObject *self, PyObject *args) {
     PyObject *root, *lookup, *aliases, *hashes, *bit;
-    if (!PyArg_ParseTuple(args, "O!O!O!OO!", &NodeType, &root, &PyDict_Type, &lookup, &PyDict_Type, &aliases, &hashes,
+    if (!PyArg_ParseTuple(args, "O!O!O!OO!", &NodeType, &root, &BlockMapType, &lookup, &PyDict_Type, &aliases, &hashes,
                           &PyLong_Type, &bit))
         return NULL;
     uint64_t bit_value;
@@ -968,17 +1228,15 @@ static PyObject *py_remove_blocks(PyObject *self, PyObject *args) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *found = PyDict_GetItemWithError(lookup, items[i]);
-        if (found == NULL) {
-            if (PyErr_Occurred() || PyList_Append(missing, items[i]) < 0)
+        uint64_t key;
+        int valid = map_key(items[i], &key);
+        MapEntry *entry = valid ? map_find((BlockMapObject *)lookup, key) : NULL;
+        if (entry == NULL) {
+            if (PyList_Append(missing, items[i]) < 0)
                 goto error;
             continue;
         }
-        NodeObject *node = (NodeObject *)Py_NewRef(found);
-        if (PyDict_DelItem(lookup, items[i]) < 0) {
-            Py_DECREF(node);
-            goto error;
-        }
+        NodeObject *node = (NodeObject *)map_take((BlockMapObject *)lookup, entry);
         int held = 0;
         if (!Node_Check(node) || owners_without(node, bit, bit_value, &held) < 0) {
             if (!PyErr_Occurred())
@@ -1727,7 +1985,7 @@ static struct PyModuleDef native_module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&NodeType) < 0)
+    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&BlockMapType) < 0)
         return NULL;
     str_block_hash = PyUnicode_InternFromString("block_hash");
     str_tokens_hash = PyUnicode_InternFromString("tokens_hash");
@@ -1736,7 +1994,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(module, "Node", (PyObject *)&NodeType) < 0) {
+    if (PyModule_AddObjectRef(module, "Node", (PyObject *)&NodeType) < 0 ||
+        PyModule_AddObjectRef(module, "BlockMap", (PyObject *)&BlockMapType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

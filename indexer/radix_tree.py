@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 
 import msgspec
 
@@ -143,14 +143,26 @@ def _remove_child(node: _Node, child: _Node) -> None:
             node.children = next(iter(kids.values()))
 
 
+class _Lookup(Protocol):
+    """A rank's ``block_hash -> node`` map: a dict in the Python tree, the C ``BlockMap`` (u64 keys as
+    machine words) in the native one."""
+
+    def get(self, key: int, /) -> _Node | None: ...
+    def setdefault(self, key: int, value: _Node, /) -> _Node: ...
+    def pop(self, key: int, default: None, /) -> _Node | None: ...
+    def values(self) -> Iterable[_Node]: ...
+    def __setitem__(self, key: int, value: _Node, /) -> None: ...
+    def __len__(self) -> int: ...
+
+
 class _SlotBlocks:
     """One (worker, dp_rank)'s device-tier state."""
 
     __slots__ = ("aliases", "lookup", "owned", "slot")
 
-    def __init__(self, slot: int) -> None:
+    def __init__(self, slot: int, lookup: _Lookup) -> None:
         self.slot = slot
-        self.lookup: dict[int, _Node] = {}
+        self.lookup = lookup
         # Nodes this worker knows under a different block hash than the node's own (first writer's).
         self.aliases: dict[_Node, int] = {}
         self.owned = 0
@@ -160,6 +172,8 @@ class _SlotBlocks:
 # hashes as machine words, the Python node as two int objects.
 _PY_NODE_BYTES = sys.getsizeof(_Node(0, 0, None, 0)) + 2 * sys.getsizeof(1 << 63)
 _LOOKUP_ENTRY_BYTES = 48
+# A BlockMap entry is 16 bytes, in a table kept between three eighths and three quarters full.
+_NATIVE_LOOKUP_ENTRY_BYTES = 28
 _BRANCH_DICT_BYTES = sys.getsizeof({1: 1, 2: 2})
 
 
@@ -176,6 +190,8 @@ class RadixTree:
         self._native = native
         self._new_node: _NodeFactory = cast(_NodeFactory, accel.Node) if native else _Node
         self._node_bytes = sys.getsizeof(accel.Node(0, 0, None, 0)) if native else _PY_NODE_BYTES
+        self._new_lookup: Callable[[], _Lookup] = accel.BlockMap if native else dict
+        self._lookup_entry_bytes = _NATIVE_LOOKUP_ENTRY_BYTES if native else _LOOKUP_ENTRY_BYTES
         self._root = self._new_node(0, 0, None, 0)
         weakref.finalize(self, _dismantle, self._root)
         self._slots = SlotTable()
@@ -208,7 +224,7 @@ class RadixTree:
             return
         if data.stored is not None:
             if state is None:
-                state = self._states[worker] = _SlotBlocks(self._slots.acquire(worker))
+                state = self._states[worker] = _SlotBlocks(self._slots.acquire(worker), self._new_lookup())
             self._store(worker, state, data.stored)
         elif data.removed is not None:
             hashes = data.removed.block_hashes
@@ -324,7 +340,7 @@ class RadixTree:
         for node in list(state.lookup.values()):
             if node.owners >> slot & 1:
                 self._disown(state, node)
-        state.lookup = {}
+        state.lookup = self._new_lookup()
         state.aliases = {}
 
     # ------------------------------------------------------------------ workers
@@ -507,7 +523,7 @@ class RadixTree:
         lower_blocks = {tier: lower.edge_count for tier, lower in self._lower.items() if lower.edge_count}
         estimated = (
             self._nodes * self._node_bytes
-            + lookup_entries * _LOOKUP_ENTRY_BYTES
+            + lookup_entries * self._lookup_entry_bytes
             + self._branch_nodes * _BRANCH_DICT_BYTES
             + sum(lower.estimated_bytes() for lower in self._lower.values())
         )

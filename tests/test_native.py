@@ -126,9 +126,11 @@ def _same_answers(workers: int, dp_size: int, seed: int, requests: int) -> None:
     fast_stats, slow_stats = (tree.stats() for tree in trees)
     assert (fast_stats.blocks, fast_stats.nodes) == (slow_stats.blocks, slow_stats.nodes)
     # Branch dicts are counted alike too (the C removal collapses them as `_prune` does).
+    entries = [sum(len(state.lookup) for state in tree._states.values()) for tree in trees]
+    assert entries[0] == entries[1]
     assert fast_stats.estimated_bytes - slow_stats.estimated_bytes == fast_stats.nodes * (
         trees[0]._node_bytes - trees[1]._node_bytes
-    )
+    ) + entries[0] * (trees[0]._lookup_entry_bytes - trees[1]._lookup_entry_bytes)
     assert trees[0].dump_events() == trees[1].dump_events()
 
 
