@@ -37,20 +37,21 @@ def pack_u32(tokens: Sequence[int], /) -> bytes | None: ...
 def sequence_hashes(local_hashes: Sequence[int], seed: int, /) -> tuple[int, ...]: ...
 def has_wide_hash(blocks: list[Any], /) -> bool: ...
 
-# The tree walks take the tree's nodes (this `Node`, typed as radix_tree's `_Node` there).
+# The tree walks take the tree's nodes (this `Node`, typed as radix_tree's `_Node` there) and a
+# rank's `BlockMap` (typed as radix_tree's `_Lookup`); both are checked at the call.
 def store_chain(
     root: object,
     parent_hash: int | None,
     blocks: list[Any],
     bit: int,
-    lookup: BlockMap,
+    lookup: object,
     aliases: dict[Any, int],
     disown: Callable[[Any, Any], None],
     state: object,
     /,
 ) -> tuple[int, int, int] | None: ...
 def remove_blocks(
-    root: object, lookup: BlockMap, aliases: dict[Any, int], hashes: Sequence[int], bit: int, /
+    root: object, lookup: object, aliases: dict[Any, int], hashes: Sequence[int], bit: int, /
 ) -> tuple[list[int], int, int, int]: ...
 def msgpack_u32s(data: Buffer, /) -> bytes | None: ...
 def msgpack_rows(

@@ -190,7 +190,7 @@ class RadixTree:
         self._native = native
         self._new_node: _NodeFactory = cast(_NodeFactory, accel.Node) if native else _Node
         self._node_bytes = sys.getsizeof(accel.Node(0, 0, None, 0)) if native else _PY_NODE_BYTES
-        self._new_lookup: Callable[[], _Lookup] = accel.BlockMap if native else dict
+        self._new_lookup = cast(Callable[[], _Lookup], accel.BlockMap if native else dict)
         self._lookup_entry_bytes = _NATIVE_LOOKUP_ENTRY_BYTES if native else _LOOKUP_ENTRY_BYTES
         self._root = self._new_node(0, 0, None, 0)
         weakref.finalize(self, _dismantle, self._root)
