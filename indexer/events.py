@@ -217,19 +217,20 @@ def cleared_event(event_id: int, *, dp_rank: int = 0) -> KvCacheEvent:
 
 _OneOrMany = RouterEvent | list[RouterEvent]
 _json_decoder = msgspec.json.Decoder(_OneOrMany)
+# What the C decoder of the common JSON form builds (it returns None for anything else).
+_NATIVE_WIRE_TYPES = (
+    RouterEvent,
+    KvCacheEvent,
+    KvCacheEventData,
+    KvStoredData,
+    KvRemovedData,
+    StoredBlock,
+    StorageTier.DEVICE,
+    msgspec.UNSET,
+    "cleared",
+)
 if NATIVE:
-    # The C decoder of the common JSON form builds these structs (it returns None for anything else).
-    accel.bind_event_types(
-        RouterEvent,
-        KvCacheEvent,
-        KvCacheEventData,
-        KvStoredData,
-        KvRemovedData,
-        StoredBlock,
-        StorageTier.DEVICE,
-        msgspec.UNSET,
-        "cleared",
-    )
+    accel.bind_event_types(*_NATIVE_WIRE_TYPES)
 _msgpack_decoder = msgspec.msgpack.Decoder(_OneOrMany)
 _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()

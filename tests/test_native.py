@@ -18,13 +18,18 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from indexer import events as events_module
+from indexer.errors import EventDecodeError
 from indexer.events import (
     KvStoredData,
     RouterEvent,
     StorageTier,
     StoredBlock,
     StoredEventEncoder,
+    cleared_event,
+    decode_router_events,
     encode_router_events,
+    removed_event,
     stored_event,
 )
 from indexer.hashing import SEED, python_block_hashes, python_sequence_hashes, sequence_hash_tuple
@@ -252,3 +257,170 @@ def test_the_stored_event_encoder_writes_what_msgspec_writes(
     hashes, tokens = [b for b, _ in pairs], [t for _, t in pairs]
     for encoder in (StoredEventEncoder(worker, native=True), StoredEventEncoder(worker, native=False)):
         assert encoder.encode(event_id, dp_rank, tier, parent, hashes, tokens) == expected
+
+
+# ---------------------------------------------------------------------- RouterEvent JSON in C
+
+native.bind_event_types(*events_module._NATIVE_WIRE_TYPES)  # as indexer.events does when the accelerator is on
+
+WIRE_HASH = EDGY_U64 | st.integers(-(2**63), -1)
+U32_EDGES = st.sampled_from([0, 1, 2**32 - 1]) | st.integers(0, 2**32 - 1)
+
+
+def _msgspec_decode(payload: bytes) -> list[RouterEvent] | str:
+    try:
+        decoded = events_module._json_decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        return f"error: {exc}"
+    return decoded if isinstance(decoded, list) else [decoded]
+
+
+def _assert_c_decode_agrees(payload: bytes) -> list[RouterEvent] | None:
+    """The C decoder gives msgspec's events exactly, types included, or None (msgspec then decides)."""
+    fast = native.router_events_json(payload)
+    if fast is not None:
+        slow = _msgspec_decode(payload)
+        assert fast == slow
+        assert msgspec.json.encode(fast) == msgspec.json.encode(slow)
+        for ours, theirs in zip(fast, slow, strict=True):
+            assert type(ours.event.data) is type(theirs.event.data)
+            assert ours.storage_tier is theirs.storage_tier
+    return fast
+
+
+@st.composite
+def router_events(draw: st.DrawFn) -> RouterEvent:
+    kind = draw(st.sampled_from(["stored", "removed", "cleared"]))
+    event_id, dp_rank = draw(st.integers(0, 2**64 - 1)), draw(U32_EDGES)
+    if kind == "stored":
+        blocks = draw(st.lists(st.tuples(WIRE_HASH, WIRE_HASH), max_size=20))
+        parent = draw(st.none() | WIRE_HASH)
+        event = stored_event(event_id, [], parent_hash=None, dp_rank=dp_rank)
+        assert event.stored is not None
+        event.stored.blocks = [StoredBlock(b, t) for b, t in blocks]
+        event.stored.parent_hash = parent
+        event.stored.start_position = draw(st.none() | U32_EDGES)
+    elif kind == "removed":
+        event = removed_event(event_id, [], dp_rank=dp_rank)
+        assert event.removed is not None
+        event.removed.block_hashes = draw(st.lists(WIRE_HASH, max_size=20))
+    else:
+        event = cleared_event(event_id, dp_rank=dp_rank)
+    tier = draw(st.sampled_from(list(StorageTier)))
+    return RouterEvent(draw(st.integers(0, 2**64 - 1)), event, tier)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_router_event_json_decodes_in_c_as_msgspec_decodes_it(data: st.DataObject) -> None:
+    batch = data.draw(st.lists(router_events(), max_size=4))
+    single = data.draw(st.booleans()) and len(batch) == 1
+    payload = msgspec.json.encode(batch[0] if single else batch)
+    if data.draw(st.booleans()):  # whitespace where JSON allows it
+        payload = payload.replace(b",", b" ,\n").replace(b":", b"\t: ").replace(b"{", b"{ ") + b"\r\n"
+    fast = _assert_c_decode_agrees(payload)
+    # The form publishers write (device tier, every hash a u64) never needs msgspec.
+    common = all(
+        event.storage_tier is StorageTier.DEVICE
+        and b"-" not in msgspec.json.encode(event)  # no i64 hash to reinterpret
+        for event in batch
+    )
+    assert (fast is not None) == common
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"worker_id":1,"event":{"event_id":2,"data":"cleared"}}',
+        b'[{"worker_id":1,"event":{"event_id":2,"data":"cleared"}}]',
+        b"[]",
+        b" [ ] ",
+        b'{"event":{"dp_rank":3,"data":{"removed":{"block_hashes":[]}},"event_id":0},"storage_tier":"device",'
+        b'"worker_id":18446744073709551615}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":{"stored":{"start_position":4294967295,"blocks":'
+        b'[{"tokens_hash":5,"block_hash":6}],"parent_hash":null}}}}',
+    ],
+)
+def test_the_c_json_decoder_takes_every_key_order_and_optional_member(payload: bytes) -> None:
+    assert _assert_c_decode_agrees(payload) is not None
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"worker_id":1,"event":{"event_id":2,"data":{"cleared":null}}}',  # canonicalised by __post_init__
+        b'{"worker_id":-1,"event":{"event_id":2,"data":"cleared"}}',
+        b'{"worker_id":18446744073709551616,"event":{"event_id":2,"data":"cleared"}}',
+        b'{"worker_id":1.0,"event":{"event_id":2,"data":"cleared"}}',
+        b'{"worker_id":1e3,"event":{"event_id":2,"data":"cleared"}}',
+        b'{"worker_id":01,"event":{"event_id":2,"data":"cleared"}}',
+        b'{"worker_id":1,"worker_id":2,"event":{"event_id":2,"data":"cleared"}}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":"cleared"},"extra":0}',
+        b'{"worker\\u005fid":1,"event":{"event_id":2,"data":"cleared"}}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":"cleared"},"storage_tier":"disk"}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":"cleared","dp_rank":4294967296}}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":"cleared","dp_rank":null}}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":{"stored":{"blocks":[],"start_position":4294967296}}}}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":{"stored":{"blocks":[]},"removed":null}}}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":{"stored":{"blocks":[{"block_hash":1,"tokens_hash":2,'
+        b'"mm_extra_info":{"mm_objects":[]}}]}}}}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":{"removed":{"block_hashes":[1,-2]}}}}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":{"removed":{"block_hashes":[1,]}}}}',
+        b'{"worker_id":1,"event":{"event_id":2,"data":"cleared"}} x',
+        b'{"worker_id":1,"event":{"event_id":2,"data":"cleared"}',
+        b'{"worker_id":1}',
+        b"",
+        b"[{}]",
+    ],
+)
+def test_the_c_json_decoder_leaves_every_other_form_to_msgspec(payload: bytes) -> None:
+    assert native.router_events_json(payload) is None
+    assert _msgspec_decode(payload) == _python_decode(payload)
+
+
+def _python_decode(payload: bytes) -> list[RouterEvent] | str:
+    try:
+        return decode_router_events(payload)
+    except EventDecodeError as exc:
+        return f"error: {str(exc).removeprefix('invalid RouterEvent JSON: ')}"
+
+
+@pytest.mark.parametrize("value", [0, 9, 10**15, 10**16 - 1, 10**16, 10**19 - 1, 10**19, 2**64 - 1, 2**64, 10**20])
+def test_the_c_json_decoder_reads_every_digit_count(value: int) -> None:
+    payload = b'{"worker_id":%d,"event":{"event_id":7,"data":"cleared"}}' % value
+    fast = _assert_c_decode_agrees(payload)
+    assert (fast is not None) == (value < 2**64)
+
+
+# ---------------------------------------------------------------------- a rank's block map in C
+
+MAP_OPERATIONS = st.sampled_from(["set", "setdefault", "pop", "get", "del"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(MAP_OPERATIONS, st.integers(0, 40)), max_size=400))
+def test_the_block_map_answers_as_a_dict(operations: list[tuple[str, int]]) -> None:
+    keys = [0, 1, 2**63, 2**64 - 1, *range(8, 40)]  # neighbours, so probe runs wrap and shift back
+    fast, slow = native.BlockMap(), {}
+    for step, (operation, index) in enumerate(operations):
+        key = keys[index % len(keys)] if index < 40 else index
+        if operation == "set":
+            fast[key] = slow[key] = step
+        elif operation == "setdefault":
+            assert fast.setdefault(key, step) == slow.setdefault(key, step)
+        elif operation == "pop":
+            assert fast.pop(key, None) == slow.pop(key, None)
+        elif operation == "get":
+            assert fast.get(key) == slow.get(key)
+        elif key in slow:
+            del fast[key], slow[key]
+        else:
+            with pytest.raises(KeyError):
+                del fast[key]
+        assert len(fast) == len(slow)
+        assert sorted(fast.values()) == sorted(slow.values())
+    for absent in (-1, 2**64, "7"):
+        assert fast.get(absent) is None
+        assert fast.pop(absent, None) is None
+    with pytest.raises(OverflowError):
+        fast[2**64] = 1
