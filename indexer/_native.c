@@ -1469,9 +1469,13 @@ static const char *const wire_fields[WIRE_COUNT][FIELDS_MAX] = {
 static PyObject *wire_device, *wire_unset, *wire_cleared;
 static int wire_bound;
 
-/* bind_event_types(router, event, data, stored, removed, block, device, unset, cleared) -> None */
+/* bind_event_types(router, event, data, stored, removed, block, device, unset, cleared) -> bool
+ *
+ * False (and the decoder stays unbound) when a type is not laid out as the decoder builds it: exactly
+ * its fields as slots, no GC, freed with PyObject_Free (so PyObject_Malloc is its allocator). */
 static PyObject *py_bind_event_types(PyObject *self, PyObject *args) {
     PyObject *types[WIRE_COUNT], *device, *unset, *cleared;
+    Py_ssize_t offsets[WIRE_COUNT][FIELDS_MAX];
     if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOU", &PyType_Type, &types[0], &PyType_Type, &types[1], &PyType_Type,
                           &types[2], &PyType_Type, &types[3], &PyType_Type, &types[4], &PyType_Type, &types[5],
                           &device, &unset, &cleared))
@@ -1482,31 +1486,33 @@ static PyObject *py_bind_event_types(PyObject *self, PyObject *args) {
         while (nfields < FIELDS_MAX && wire_fields[t][nfields] != NULL)
             nfields++;
         /* Exactly these slots and no others, no GC: every field is set when an object is built. */
-        if (PyType_IS_GC(type) || type->tp_itemsize != 0 ||
-            type->tp_basicsize != (Py_ssize_t)(sizeof(PyObject) + nfields * sizeof(PyObject *))) {
-            PyErr_Format(PyExc_TypeError, "%s is not a struct of %zd slots without GC", type->tp_name, nfields);
-            return NULL;
-        }
+        if (PyType_IS_GC(type) || type->tp_itemsize != 0 || type->tp_free != PyObject_Free ||
+            type->tp_basicsize != (Py_ssize_t)(sizeof(PyObject) + nfields * sizeof(PyObject *)))
+            Py_RETURN_FALSE;
         for (Py_ssize_t f = 0; f < nfields; f++) {
             PyObject *name = PyUnicode_FromString(wire_fields[t][f]);
             if (name == NULL)
                 return NULL;
             Py_ssize_t offset = slot_offset(type, name);
             Py_DECREF(name);
-            if (offset < 0) {
-                PyErr_Format(PyExc_TypeError, "%s has no slot %s", type->tp_name, wire_fields[t][f]);
-                return NULL;
-            }
-            wire[t].offsets[f] = offset;
+            if (offset < 0)
+                Py_RETURN_FALSE;
+            offsets[t][f] = offset;
         }
-        Py_XSETREF(wire[t].type, (PyTypeObject *)Py_NewRef(type));
-        wire[t].nfields = nfields;
+    }
+    for (int t = 0; t < WIRE_COUNT; t++) {
+        Py_XSETREF(wire[t].type, (PyTypeObject *)Py_NewRef(types[t]));
+        wire[t].nfields = 0;
+        while (wire[t].nfields < FIELDS_MAX && wire_fields[t][wire[t].nfields] != NULL) {
+            wire[t].offsets[wire[t].nfields] = offsets[t][wire[t].nfields];
+            wire[t].nfields++;
+        }
     }
     Py_XSETREF(wire_device, Py_NewRef(device));
     Py_XSETREF(wire_unset, Py_NewRef(unset));
     Py_XSETREF(wire_cleared, Py_NewRef(cleared));
     wire_bound = 1;
-    Py_RETURN_NONE;
+    Py_RETURN_TRUE;
 }
 
 /* A struct of kind `t` holding `values` (references stolen, all of them, even on failure). */
@@ -1541,7 +1547,9 @@ typedef struct {
 } JsonCursor;
 
 static inline void json_ws(JsonCursor *c) {
-    while (c->p < c->end && (*c->p == ' ' || *c->p == '\n' || *c->p == '\r' || *c->p == '\t'))
+    /* Publishers write compact JSON: one test passes the common case. */
+    while (c->p < c->end && (unsigned char)*c->p <= ' ' &&
+           (*c->p == ' ' || *c->p == '\n' || *c->p == '\r' || *c->p == '\t'))
         c->p++;
 }
 
@@ -1973,7 +1981,7 @@ static PyMethodDef native_methods[] = {
     {"match_prefix", py_match_prefix, METH_VARARGS,
      "match_prefix(root, local_hashes, keys, scores, path) -> None: the find_matches walk."},
     {"bind_event_types", py_bind_event_types, METH_VARARGS,
-     "bind_event_types(router, event, data, stored, removed, block, device, unset, cleared) -> None."},
+     "bind_event_types(router, event, data, stored, removed, block, device, unset, cleared) -> bool."},
     {"router_events_json", py_router_events_json, METH_O,
      "router_events_json(payload) -> list[RouterEvent] | None: msgspec's decode of the common JSON form."},
     {NULL, NULL, 0, NULL},

@@ -229,8 +229,8 @@ _NATIVE_WIRE_TYPES = (
     msgspec.UNSET,
     "cleared",
 )
-if NATIVE:
-    accel.bind_event_types(*_NATIVE_WIRE_TYPES)
+# False too when msgspec lays its structs out otherwise than the decoder builds them.
+_NATIVE_JSON = NATIVE and accel.bind_event_types(*_NATIVE_WIRE_TYPES)
 _msgpack_decoder = msgspec.msgpack.Decoder(_OneOrMany)
 _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
@@ -248,7 +248,7 @@ def decode_router_events(payload: bytes | bytearray | memoryview, *, msgpack: bo
     """Decode one ``RouterEvent`` or a list of them from JSON or msgpack bytes (``None``: detect)."""
     if msgpack is None:
         msgpack = looks_like_msgpack(payload)
-    if NATIVE and not msgpack:
+    if _NATIVE_JSON and not msgpack:
         events = accel.router_events_json(payload)
         if events is not None:
             return events
