@@ -13,9 +13,10 @@ different engine hash for a shared node can still extend and remove it by its ow
 Memory matters at millions of blocks, so a node keeps a single child inline and only grows a dict
 when it branches, and ownership is an int bitmask over small slot numbers.
 
-With the C accelerator (`indexer.native`) nodes are its `Node` (the hashes held as machine words,
-not int objects) and the store and match walks run in C for trees of up to 64 slots; the Python
-walks below are the fallback and give the same answers (tests/test_native.py).
+With the C accelerator (`indexer.native`) nodes are its `Node` (the hashes, and the owners while they
+fit, held as machine words, not int objects), each rank's map is its `BlockMap` (u64 keys as machine
+words) and the store and match walks run in C for trees of up to 64 slots; the Python walks below are
+the fallback and give the same answers (tests/test_native.py).
 """
 
 from __future__ import annotations
