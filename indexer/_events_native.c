@@ -394,16 +394,23 @@ static int cmp_u64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Whether `parent` (if any) or any hash appears twice (the decoder's repeated_hash). */
-static int repeats(uint64_t *values, Py_ssize_t n, int has_parent, uint64_t parent) {
+/* Whether `parent` (if any) or any hash appears twice (the decoder's repeated_hash); -1: no memory. */
+static int repeats(const uint64_t *values, Py_ssize_t n, int has_parent, uint64_t parent) {
     for (Py_ssize_t i = 0; has_parent && i < n; i++)
         if (values[i] == parent)
             return 1;
-    qsort(values, (size_t)n, sizeof(uint64_t), cmp_u64);
-    for (Py_ssize_t i = 1; i < n; i++)
-        if (values[i] == values[i - 1])
-            return 1;
-    return 0;
+    uint64_t small[64];
+    uint64_t *sorted = n <= 64 ? small : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    if (sorted == NULL)
+        return -1;
+    memcpy(sorted, values, sizeof(uint64_t) * (size_t)n);
+    qsort(sorted, (size_t)n, sizeof(uint64_t), cmp_u64);
+    int found = 0;
+    for (Py_ssize_t i = 1; i < n && !found; i++)
+        found = sorted[i] == sorted[i - 1];
+    if (sorted != small)
+        PyMem_Free(sorted);
+    return found;
 }
 
 /* The tier of a `medium` field (NULL: absent); NULL: a spelling the Python mapping must decide. */
@@ -494,167 +501,236 @@ static PyObject *named_tuple(PyObject *type, PyObject *const *items, Py_ssize_t 
     return result;
 }
 
-/* The decoded event (new reference), Py_None for an ignored one (new reference), or NULL: not taken. */
-static PyObject *event_of(Fields *f, const uint8_t *end, long block_size, PyObject *block_size_obj, PyObject *seed) {
+/* One event as read, before any Python object of its own: what `decode_batch` turns into a decoded
+ * event and `bridge_batch` applies. The lists and the parent are new references. */
+typedef struct {
+    enum Kind kind;
+    PyObject *tier; /* borrowed */
+    PyObject *hashes, *locals, *parent; /* block hashes, tokens hashes (stored), parent (NULL: none) */
+    uint64_t *values;                   /* the block hashes as u64, in order */
+    uint64_t parent_value;
+} Decoded;
+
+static void decoded_clear(Decoded *d) {
+    Py_CLEAR(d->hashes);
+    Py_CLEAR(d->locals);
+    Py_CLEAR(d->parent);
+    PyMem_Free(d->values);
+    d->values = NULL;
+}
+
+/* 1: `d` filled, 0: an ignored event, -1: not taken (an exception set, or none: Python decides). */
+static int decode_event(Fields *f, const uint8_t *end, long block_size, PyObject *seed, Decoded *d) {
+    d->kind = f->kind;
     if (f->kind == CLEARED)
-        return Py_NewRef(cleared_event);
+        return 1;
     uint64_t group;
     int negative;
     if (optional_int(f->group_idx, end, &group, &negative) < 0)
-        return NULL;
-    PyObject *tier = tier_of(f->medium, end);
-    if (tier == NULL)
-        return NULL;
-    uint64_t *values = NULL;
-    PyObject *hashes = hash_list(f->block_hashes, end, &values), *result = NULL;
-    PyObject *parent = NULL, *locals = NULL;
-    if (hashes == NULL)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(hashes);
+        return -1;
+    d->tier = tier_of(f->medium, end);
+    if (d->tier == NULL)
+        return -1;
+    d->hashes = hash_list(f->block_hashes, end, &d->values);
+    if (d->hashes == NULL)
+        return -1;
+    int verdict = -1;
+    Py_ssize_t n = PyList_GET_SIZE(d->hashes);
     if (f->kind == REMOVED) {
-        PyObject *args[] = {hashes, tier};
-        result = named_tuple(removed_type, args, 2);
+        verdict = 1;
         goto done;
     }
     uint64_t engine_block_size;
     int has_size = optional_int(f->block_size, end, &engine_block_size, &negative);
     if (has_size < 0)
         goto done;
-    uint64_t parent_value = 0;
-    int has_parent = 0;
     if (f->parent != NULL) {
         Reader r = {f->parent, end};
         if (!is_nil(&r)) {
-            if (read_hash(&r, &parent_value) < 0 || (parent = PyLong_FromUnsignedLongLong(parent_value)) == NULL)
+            if (read_hash(&r, &d->parent_value) < 0 ||
+                (d->parent = PyLong_FromUnsignedLongLong(d->parent_value)) == NULL)
                 goto done;
-            has_parent = 1;
         }
     }
     /* Every field's type is checked before a group is ignored, as msgspec checks them first. */
     int ignored = ignored_group(f->spec_kind, end);
     if (ignored != 0) {
-        result = ignored > 0 ? Py_NewRef(Py_None) : NULL;
+        verdict = ignored > 0 ? 0 : -1;
         goto done;
     }
     if (has_size && (negative || engine_block_size != (uint64_t)block_size))
         goto done; /* block_size_mismatch: named by Python */
-    if (repeats(values, n, has_parent, parent_value))
+    int repeated = repeats(d->values, n, d->parent != NULL, d->parent_value);
+    if (repeated != 0) {
+        if (repeated < 0)
+            PyErr_NoMemory();
         goto done;
-    locals = tokens_hashes(f->token_ids, f->token_ids_end, n, block_size, seed);
-    if (locals == NULL)
-        goto done;
-    PyObject *args[] = {has_parent ? parent : Py_None, hashes, locals, tier, block_size_obj};
-    result = named_tuple(stored_type, args, 5);
+    }
+    d->locals = tokens_hashes(f->token_ids, f->token_ids_end, n, block_size, seed);
+    if (d->locals != NULL)
+        verdict = 1;
 done:
-    PyMem_Free(values);
-    Py_DECREF(hashes);
-    Py_XDECREF(parent);
-    Py_XDECREF(locals);
-    return result;
+    if (verdict != 1)
+        decoded_clear(d);
+    return verdict;
 }
 
-/* decode_batch(payload, block_size, seed) -> (ts, dp_rank, events, ignored) | None */
-static PyObject *py_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyLong_Check(args[1]) || !PyLong_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "decode_batch(payload, block_size, seed)");
-        return NULL;
-    }
-    if (stored_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "configure() was not called");
-        return NULL;
-    }
-    long block_size = PyLong_AsLong(args[1]);
-    if (block_size <= 0 || block_size > (1L << 24)) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "block_size must be positive");
-        return NULL;
-    }
-    Py_buffer data;
-    if (PyObject_GetBuffer(args[0], &data, PyBUF_SIMPLE) < 0)
-        return NULL;
-    Reader r = {(const uint8_t *)data.buf, (const uint8_t *)data.buf + data.len};
-    PyObject *events = NULL, *ts = NULL, *rank = NULL, *result = NULL;
-    Py_ssize_t ignored = 0;
-    int64_t parts = read_array(&r);
+/* A whole batch read into `Decoded` entries (the ignored ones left out). */
+typedef struct {
+    PyObject *ts, *rank; /* rank: Py_None when the batch does not name one */
+    Decoded *events;
+    Py_ssize_t count, ignored;
+} Batch;
+
+static void batch_clear(Batch *b) {
+    for (Py_ssize_t i = 0; i < b->count; i++)
+        decoded_clear(&b->events[i]);
+    PyMem_Free(b->events);
+    b->events = NULL;
+    b->count = 0;
+    Py_CLEAR(b->ts);
+    Py_CLEAR(b->rank);
+}
+
+/* 1: `b` filled (clear it after), 0: not a plain batch (Python decides), -1: an exception set. */
+static int read_batch(Reader *r, long block_size, PyObject *seed, Batch *b) {
+    memset(b, 0, sizeof(*b));
+    int64_t parts = read_array(r);
     if (parts != 2 && parts != 3)
-        goto unsupported;
+        return 0;
     /* ts: a float (msgspec's `float` takes ints too, which Python decodes) */
     uint64_t bits;
-    if (r.p < r.end && *r.p == 0xcb) {
-        r.p++;
-        if (read_be(&r, 8, &bits) < 0)
-            goto unsupported;
+    if (r->p < r->end && *r->p == 0xcb) {
+        r->p++;
+        if (read_be(r, 8, &bits) < 0)
+            return 0;
         double value;
         memcpy(&value, &bits, 8);
-        ts = PyFloat_FromDouble(value);
-    } else if (r.p < r.end && *r.p == 0xca) {
-        r.p++;
-        if (read_be(&r, 4, &bits) < 0)
-            goto unsupported;
+        b->ts = PyFloat_FromDouble(value);
+    } else if (r->p < r->end && *r->p == 0xca) {
+        r->p++;
+        if (read_be(r, 4, &bits) < 0)
+            return 0;
         uint32_t narrow = (uint32_t)bits;
         float value;
         memcpy(&value, &narrow, 4);
-        ts = PyFloat_FromDouble((double)value);
+        b->ts = PyFloat_FromDouble((double)value);
     } else
+        return 0;
+    if (b->ts == NULL)
+        return -1;
+    int64_t count = read_array(r);
+    if (count < 0 || count > r->end - r->p)
         goto unsupported;
-    if (ts == NULL)
-        goto done;
-    int64_t count = read_array(&r);
-    if (count < 0 || count > r.end - r.p)
-        goto unsupported;
-    events = PyList_New(0);
-    if (events == NULL)
-        goto done;
+    b->events = PyMem_Calloc((size_t)(count ? count : 1), sizeof(Decoded));
+    if (b->events == NULL) {
+        PyErr_NoMemory();
+        goto failed;
+    }
     for (int64_t i = 0; i < count; i++) {
         Fields f = {0};
-        if (r.p >= r.end)
+        if (r->p >= r->end)
             goto unsupported;
-        uint8_t head = *r.p;
-        int shape = ((head & 0xF0) == 0x80 || head == 0xde || head == 0xdf) ? read_map_event(&r, &f)
-                    : ((head & 0xF0) == 0x90 || head == 0xdc || head == 0xdd) ? read_array_event(&r, &f)
+        uint8_t head = *r->p;
+        int shape = ((head & 0xF0) == 0x80 || head == 0xde || head == 0xdf) ? read_map_event(r, &f)
+                    : ((head & 0xF0) == 0x90 || head == 0xdc || head == 0xdd) ? read_array_event(r, &f)
                                                                                : -1;
         if (shape < 0)
             goto unsupported;
-        PyObject *event = event_of(&f, r.end, block_size, args[1], args[2]);
-        if (event == NULL) {
-            if (PyErr_Occurred())
-                goto done;
+        int taken = decode_event(&f, r->end, block_size, seed, &b->events[b->count]);
+        if (taken < 0)
             goto unsupported;
-        }
-        if (event == Py_None) {
-            ignored++;
-            Py_DECREF(event);
-            continue;
-        }
-        int failed = PyList_Append(events, event);
-        Py_DECREF(event);
-        if (failed < 0)
-            goto done;
+        if (taken == 0)
+            b->ignored++;
+        else
+            b->count++;
     }
     if (parts == 3) {
         uint64_t value;
         int negative;
-        if (is_nil(&r))
-            rank = Py_NewRef(Py_None);
-        else if (read_int(&r, &value, &negative) == 0)
-            rank = negative ? PyLong_FromLongLong((long long)value) : PyLong_FromUnsignedLongLong(value);
+        if (is_nil(r))
+            b->rank = Py_NewRef(Py_None);
+        else if (read_int(r, &value, &negative) == 0)
+            b->rank = negative ? PyLong_FromLongLong((long long)value) : PyLong_FromUnsignedLongLong(value);
         else
             goto unsupported;
     } else
-        rank = Py_NewRef(Py_None);
-    if (rank == NULL)
-        goto done;
-    if (r.p != r.end)
+        b->rank = Py_NewRef(Py_None);
+    if (b->rank == NULL)
+        goto failed;
+    if (r->p != r->end)
         goto unsupported; /* trailing bytes: msgspec names them */
-    result = Py_BuildValue("(OOOn)", ts, rank, events, ignored);
-    goto done;
+    return 1;
 unsupported:
-    result = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(ts);
-    Py_XDECREF(rank);
-    Py_XDECREF(events);
+    if (PyErr_Occurred())
+        goto failed;
+    batch_clear(b);
+    return 0;
+failed:
+    batch_clear(b);
+    return -1;
+}
+
+/* The arguments both entry points start with: (payload, block_size, seed). */
+static int batch_arguments(PyObject *const *args, long *block_size, Py_buffer *data) {
+    if (!PyLong_Check(args[1]) || !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "block_size and seed must be ints");
+        return -1;
+    }
+    if (stored_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "configure() was not called");
+        return -1;
+    }
+    *block_size = PyLong_AsLong(args[1]);
+    if (*block_size <= 0 || *block_size > (1L << 24)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return -1;
+    }
+    return PyObject_GetBuffer(args[0], data, PyBUF_SIMPLE);
+}
+
+/* The decoded event of `d` (a new reference). */
+static PyObject *event_object(Decoded *d, PyObject *block_size_obj) {
+    if (d->kind == CLEARED)
+        return Py_NewRef(cleared_event);
+    if (d->kind == REMOVED) {
+        PyObject *items[] = {d->hashes, d->tier};
+        return named_tuple(removed_type, items, 2);
+    }
+    PyObject *items[] = {d->parent != NULL ? d->parent : Py_None, d->hashes, d->locals, d->tier, block_size_obj};
+    return named_tuple(stored_type, items, 5);
+}
+
+/* decode_batch(payload, block_size, seed) -> (ts, dp_rank, events, ignored) | None */
+static PyObject *py_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "decode_batch(payload, block_size, seed)");
+        return NULL;
+    }
+    long block_size;
+    Py_buffer data;
+    if (batch_arguments(args, &block_size, &data) < 0)
+        return NULL;
+    Reader r = {(const uint8_t *)data.buf, (const uint8_t *)data.buf + data.len};
+    Batch b;
+    int read = read_batch(&r, block_size, args[2], &b);
     PyBuffer_Release(&data);
+    if (read <= 0)
+        return read < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *events = PyList_New(b.count), *result = NULL;
+    if (events == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < b.count; i++) {
+        PyObject *event = event_object(&b.events[i], args[1]);
+        if (event == NULL)
+            goto done;
+        PyList_SET_ITEM(events, i, event);
+    }
+    result = Py_BuildValue("(OOOn)", b.ts, b.rank, events, b.ignored);
+done:
+    Py_XDECREF(events);
+    batch_clear(&b);
     return result;
 }
 
@@ -733,20 +809,15 @@ static int chain_conflict_u64(PyObject *parent, PyObject *hashes, Py_ssize_t n) 
     return verdict;
 }
 
-static PyObject *py_hold_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyDict_Check(args[0]) || !PyList_Check(args[2]) || !PyList_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "hold_chain(held: dict, parent, block_hashes: list, tokens_hashes: list, device)");
-        return NULL;
-    }
-    PyObject *held = args[0], *parent = args[1], *hashes = args[2], *locals = args[3];
-    int device = PyObject_IsTrue(args[4]);
-    if (device < 0)
-        return NULL;
+static int record_chain(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *locals);
+
+/* `hold_chain` on its checked arguments: the code it returns, or -1 with an exception set. */
+static int hold(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *locals, int device) {
     Py_ssize_t n = PyList_GET_SIZE(hashes);
     if (parent != Py_None && device) {
         int found = PyDict_Contains(held, parent);
         if (found <= 0)
-            return found < 0 ? NULL : PyLong_FromLong(1);
+            return found < 0 ? -1 : 1;
     }
     int conflict = chain_conflict_u64(parent, hashes, n);
     if (conflict < 0) {
@@ -754,31 +825,37 @@ static PyObject *py_hold_chain(PyObject *self, PyObject *const *args, Py_ssize_t
         if (parent != Py_None) {
             int inside = PySequence_Contains(hashes, parent);
             if (inside < 0)
-                return NULL;
+                return -1;
             conflict = inside ? 2 : 0;
         }
         if (conflict == 0) {
             PyObject *unique = PySet_New(hashes);
             if (unique == NULL)
-                return NULL;
+                return -1;
             conflict = PySet_GET_SIZE(unique) != n ? 3 : 0;
             Py_DECREF(unique);
         }
     }
     if (conflict == 2)
-        return PyLong_FromLong(2);
+        return 2;
     if (PyList_GET_SIZE(locals) != n) {
         PyErr_Format(PyExc_ValueError, "%zd block hashes but %zd tokens hashes", n, PyList_GET_SIZE(locals));
-        return NULL;
+        return -1;
     }
     if (conflict == 3)
-        return PyLong_FromLong(3);
+        return 3;
+    return record_chain(held, parent, hashes, locals);
+}
+
+/* Each block of the chain held under the one before it (the first under `parent`); -1: an error. */
+static int record_chain(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *locals) {
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
     PyObject *previous = parent;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *block = PyList_GET_ITEM(hashes, i);
         PyObject *entry = PyTuple_Pack(2, previous, PyList_GET_ITEM(locals, i));
         if (entry == NULL)
-            return NULL;
+            return -1;
         /* Two ints (or None and an int) can hold no cycle: untracked now, as the collector would
          * untrack them at its first pass, so what a worker holds never weighs on collections. */
         if (PyLong_CheckExact(PyTuple_GET_ITEM(entry, 1)) && (previous == Py_None || PyLong_CheckExact(previous)))
@@ -786,10 +863,34 @@ static PyObject *py_hold_chain(PyObject *self, PyObject *const *args, Py_ssize_t
         int failed = PyDict_SetItem(held, block, entry);
         Py_DECREF(entry);
         if (failed < 0)
-            return NULL;
+            return -1;
         previous = block;
     }
-    return PyLong_FromLong(0);
+    return 0;
+}
+
+static PyObject *py_hold_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyDict_Check(args[0]) || !PyList_Check(args[2]) || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "hold_chain(held: dict, parent, block_hashes: list, tokens_hashes: list, device)");
+        return NULL;
+    }
+    int device = PyObject_IsTrue(args[4]);
+    if (device < 0)
+        return NULL;
+    int code = hold(args[0], args[1], args[2], args[3], device);
+    return code < 0 ? NULL : PyLong_FromLong(code);
+}
+
+/* `drop_blocks` on a list: hashes not held are ignored. */
+static int drop(PyObject *held, PyObject *const *items, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyDict_DelItem(held, items[i]) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_KeyError))
+                return -1;
+            PyErr_Clear();
+        }
+    }
+    return 0;
 }
 
 /* drop_blocks(held, block_hashes) -> None: `HeldBlocks.remove`'s pops; hashes not held are ignored. */
@@ -801,19 +902,340 @@ static PyObject *py_drop_blocks(PyObject *self, PyObject *const *args, Py_ssize_
     PyObject *hashes = PySequence_Fast(args[1], "block_hashes must be a sequence");
     if (hashes == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyDict_DelItem(args[0], items[i]) < 0) {
-            if (!PyErr_ExceptionMatches(PyExc_KeyError)) {
-                Py_DECREF(hashes);
-                return NULL;
+    int failed = drop(args[0], PySequence_Fast_ITEMS(hashes), PySequence_Fast_GET_SIZE(hashes));
+    Py_DECREF(hashes);
+    if (failed < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ one batch, decode to payload bytes */
+
+/* msgpack's shortest form of an unsigned int, as msgspec writes it (indexer/_native.c writes the same
+ * for `msgpack_rows`; the two extensions share no C, so each has its own). */
+static inline uint8_t *put_uint(uint8_t *out, uint64_t v) {
+    if (v < 128) {
+        *out++ = (uint8_t)v;
+    } else if (v <= 0xFF) {
+        *out++ = 0xcc;
+        *out++ = (uint8_t)v;
+    } else if (v <= 0xFFFF) {
+        *out++ = 0xcd;
+        *out++ = (uint8_t)(v >> 8);
+        *out++ = (uint8_t)v;
+    } else if (v <= 0xFFFFFFFFull) {
+        *out++ = 0xce;
+        for (int shift = 24; shift >= 0; shift -= 8)
+            *out++ = (uint8_t)(v >> shift);
+    } else {
+        *out++ = 0xcf;
+        for (int shift = 56; shift >= 0; shift -= 8)
+            *out++ = (uint8_t)(v >> shift);
+    }
+    return out;
+}
+
+static inline uint8_t *put_array_header(uint8_t *out, Py_ssize_t n) {
+    if (n < 16) {
+        *out++ = (uint8_t)(0x90 | n);
+    } else if (n <= 0xFFFF) {
+        *out++ = 0xdc;
+        *out++ = (uint8_t)(n >> 8);
+        *out++ = (uint8_t)n;
+    } else {
+        *out++ = 0xdd;
+        for (int shift = 24; shift >= 0; shift -= 8)
+            *out++ = (uint8_t)((uint64_t)n >> shift);
+    }
+    return out;
+}
+
+static inline uint8_t *put_bytes(uint8_t *out, PyObject *bytes) {
+    memcpy(out, PyBytes_AS_STRING(bytes), (size_t)PyBytes_GET_SIZE(bytes));
+    return out + PyBytes_GET_SIZE(bytes);
+}
+
+/* The u64 of an int: -1 with OverflowError set if it is not one. */
+static int u64_of(PyObject *value, uint64_t *out) {
+    *out = PyLong_AsUnsignedLongLong(value);
+    return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* A tokens hash as u64: `block_hashes` makes them with XXH3-64, so the masked read (digit by digit,
+ * where the checked one goes through a byte array) is exact. */
+static inline uint64_t tokens_u64(PyObject *value) { return PyLong_AsUnsignedLongLongMask(value); }
+
+/* The stored event's bytes: `StoredEventEncoder.encode`'s template (four literals, then which of
+ * event id, parent, blocks fills each slot) filled with the rows `row` (three literals) frames. */
+static PyObject *encode_stored(PyObject *template, PyObject *row, uint64_t event_id, Decoded *d) {
+    Py_ssize_t n = PyList_GET_SIZE(d->hashes), literals = 0, row_size = 18;
+    for (int i = 0; i < 4; i++)
+        literals += PyBytes_GET_SIZE(PyTuple_GET_ITEM(template, i));
+    for (int i = 0; i < 3; i++)
+        row_size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, i));
+    if (n > (PY_SSIZE_T_MAX - literals - 23) / row_size)
+        return PyErr_NoMemory();
+    PyObject *result = PyBytes_FromStringAndSize(NULL, literals + 23 + n * row_size);
+    if (result == NULL)
+        return NULL;
+    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(result), *out = start;
+    for (int slot = 0; slot < 4; slot++) {
+        out = put_bytes(out, PyTuple_GET_ITEM(template, slot));
+        if (slot == 3)
+            break;
+        long which = PyLong_AsLong(PyTuple_GET_ITEM(template, 4 + slot));
+        if (which == 0)
+            out = put_uint(out, event_id);
+        else if (which == 1 && d->parent == NULL)
+            *out++ = 0xc0;
+        else if (which == 1)
+            out = put_uint(out, d->parent_value);
+        else {
+            out = put_array_header(out, n);
+            for (Py_ssize_t i = 0; i < n; i++) {
+                out = put_uint(put_bytes(out, PyTuple_GET_ITEM(row, 0)), d->values[i]);
+                out = put_uint(put_bytes(out, PyTuple_GET_ITEM(row, 1)), tokens_u64(PyList_GET_ITEM(d->locals, i)));
+                out = put_bytes(out, PyTuple_GET_ITEM(row, 2));
             }
-            PyErr_Clear();
         }
     }
-    Py_DECREF(hashes);
-    Py_RETURN_NONE;
+    if (_PyBytes_Resize(&result, out - start) < 0)
+        return NULL;
+    return result;
+}
+
+/* The removed event's bytes: `RemovedEventEncoder.encode`'s three literals around the event id and
+ * the hashes. */
+static PyObject *encode_removed(PyObject *template, uint64_t event_id, Decoded *d) {
+    Py_ssize_t n = PyList_GET_SIZE(d->hashes), literals = 0;
+    for (int i = 0; i < 3; i++)
+        literals += PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(template, i));
+    if (n > (PY_SSIZE_T_MAX - literals - 14) / 9)
+        return PyErr_NoMemory();
+    PyObject *result = PyBytes_FromStringAndSize(NULL, literals + 14 + n * 9);
+    if (result == NULL)
+        return NULL;
+    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(result), *out = start;
+    out = put_uint(put_bytes(out, PySequence_Fast_GET_ITEM(template, 0)), event_id);
+    out = put_array_header(put_bytes(out, PySequence_Fast_GET_ITEM(template, 1)), n);
+    for (Py_ssize_t i = 0; i < n; i++)
+        out = put_uint(out, d->values[i]);
+    out = put_bytes(out, PySequence_Fast_GET_ITEM(template, 2));
+    if (_PyBytes_Resize(&result, out - start) < 0)
+        return NULL;
+    return result;
+}
+
+/* Whether the first `count` items of a tuple or list are bytes. */
+static int bytes_items(PyObject *sequence, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (!PyBytes_Check(PySequence_Fast_GET_ITEM(sequence, i)))
+            return 0;
+    return 1;
+}
+
+/* `TokensHashCheck.observe` of the store `d`: appends (known_hash, block_hash, tokens_hash, parent,
+ * known_tokens) to `found` when the store contradicts an earlier one. 0, or -1 with an exception. */
+static int observe(PyObject *by_content, PyObject *by_hash, Py_ssize_t max_recorded, Decoded *d, PyObject *found) {
+    if (PyList_GET_SIZE(d->hashes) == 0)
+        return 0;
+    PyObject *block = PyList_GET_ITEM(d->hashes, 0), *tokens = PyList_GET_ITEM(d->locals, 0);
+    PyObject *parent = d->parent != NULL ? d->parent : Py_None;
+    if (PyDict_GET_SIZE(by_hash) >= max_recorded) {
+        PyDict_Clear(by_content);
+        PyDict_Clear(by_hash);
+    }
+    PyObject *key = PyTuple_Pack(2, parent, tokens);
+    if (key == NULL)
+        return -1;
+    PyObject *known_hash = PyDict_SetDefault(by_content, key, block); /* borrowed */
+    Py_DECREF(key);
+    if (known_hash == NULL)
+        return -1;
+    Py_INCREF(known_hash);
+    PyObject *known_tokens = PyDict_SetDefault(by_hash, block, tokens);
+    int verdict = known_tokens == NULL ? -1 : 0;
+    if (verdict == 0) {
+        int same_hash = PyObject_RichCompareBool(known_hash, block, Py_EQ);
+        int same_tokens = same_hash < 0 ? -1 : PyObject_RichCompareBool(known_tokens, tokens, Py_EQ);
+        if (same_hash < 0 || same_tokens < 0)
+            verdict = -1;
+        else if (!same_hash || !same_tokens) {
+            PyObject *evidence = PyTuple_Pack(5, known_hash, block, tokens, parent, known_tokens);
+            verdict = evidence == NULL || PyList_Append(found, evidence) < 0 ? -1 : 0;
+            Py_XDECREF(evidence);
+        }
+    }
+    Py_DECREF(known_hash);
+    return verdict;
+}
+
+/* bridge_batch(payload, block_size, seed, default_rank, rank_logs, held, stored_templates,
+ *              removed_templates, row, out, by_content, by_hash, max_recorded)
+ *   -> (dp_rank, applied, events, ignored, contradictions) | None
+ *
+ * One engine batch from its bytes to the publisher's encoded events, what `decode_batch`, the
+ * stream's hash check and `KvEventPublisher.emit_engine_events` do in Python: decoded, each store's
+ * first block checked against the engine's hashes (`by_content`, `by_hash`: `TokensHashCheck`),
+ * held (`held`: `HeldBlocks`' dicts by (rank, tier)), numbered from the rank's `last_event_id`
+ * (`rank_logs[rank]`), encoded into the encoders' templates by (rank, tier), each (id, bytes) appended
+ * to the rank's `ring` and the bytes to `out`. None, with nothing changed, for what the Python code
+ * must do: a batch `decode_batch` would not take, a clear, a rank or a template not made yet. A store
+ * refused by what the rank holds stops the batch: `applied` < `events` says from which decoded event
+ * on Python carries on (that store refused again, nothing of it recorded). */
+static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 13 || !PyDict_Check(args[4]) || !PyDict_Check(args[5]) || !PyDict_Check(args[6]) ||
+        !PyDict_Check(args[7]) || !PyTuple_Check(args[8]) || PyTuple_GET_SIZE(args[8]) != 3 ||
+        !bytes_items(args[8], 3) || !PyList_Check(args[9]) || !PyDict_Check(args[10]) || !PyDict_Check(args[11])) {
+        PyErr_SetString(PyExc_TypeError, "bridge_batch(payload, block_size, seed, default_rank, rank_logs: dict, "
+                                         "held: dict, stored_templates: dict, removed_templates: dict, row: tuple, "
+                                         "out: list, by_content: dict, by_hash: dict, max_recorded)");
+        return NULL;
+    }
+    Py_ssize_t max_recorded = PyLong_AsSsize_t(args[12]);
+    if (max_recorded == -1 && PyErr_Occurred())
+        return NULL;
+    long block_size;
+    Py_buffer data;
+    if (batch_arguments(args, &block_size, &data) < 0)
+        return NULL;
+    Reader r = {(const uint8_t *)data.buf, (const uint8_t *)data.buf + data.len};
+    Batch b;
+    int read = read_batch(&r, block_size, args[2], &b);
+    PyBuffer_Release(&data);
+    if (read <= 0)
+        return read < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *rank = b.rank == Py_None ? args[3] : b.rank; /* borrowed from either */
+    PyObject **templates = NULL, **keys = NULL, *found = NULL, *result = NULL, *ring_append = NULL;
+    PyObject *rank_log = NULL, *last_obj = NULL;
+    Py_ssize_t applied = 0;
+    if (b.count == 0) {
+        result = Py_BuildValue("(OnnnN)", rank, (Py_ssize_t)0, (Py_ssize_t)0, b.ignored, PyList_New(0));
+        goto done;
+    }
+    templates = PyMem_Calloc((size_t)b.count, sizeof(PyObject *));
+    keys = PyMem_Calloc((size_t)b.count, sizeof(PyObject *));
+    if (templates == NULL || keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Everything the Python code must do first is found before anything changes. */
+    for (Py_ssize_t i = 0; i < b.count; i++) {
+        Decoded *d = &b.events[i];
+        if (d->kind == CLEARED)
+            goto not_taken;
+        if ((keys[i] = PyTuple_Pack(2, rank, d->tier)) == NULL)
+            goto done;
+        PyObject *template = PyDict_GetItemWithError(d->kind == STORED ? args[6] : args[7], keys[i]);
+        if (template == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            goto not_taken;
+        }
+        /* A stored template: a tuple of four literals and three slots; a removed one: three literals. */
+        int shaped = d->kind == STORED ? PyTuple_Check(template) && PyTuple_GET_SIZE(template) == 7 &&
+                                             bytes_items(template, 4)
+                                       : (PyTuple_Check(template) || PyList_Check(template)) &&
+                                             PySequence_Fast_GET_SIZE(template) == 3 && bytes_items(template, 3);
+        if (!shaped) {
+            PyErr_SetString(PyExc_TypeError, "an encoder template is not its literals and slots");
+            goto done;
+        }
+        templates[i] = Py_NewRef(template);
+    }
+    rank_log = PyDict_GetItemWithError(args[4], rank);
+    if (rank_log == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        goto not_taken;
+    }
+    Py_INCREF(rank_log);
+    uint64_t last;
+    if ((last_obj = PyObject_GetAttrString(rank_log, "last_event_id")) == NULL || u64_of(last_obj, &last) < 0)
+        goto done;
+    if ((ring_append = PyObject_GetAttrString(rank_log, "ring")) == NULL)
+        goto done;
+    Py_SETREF(ring_append, PyObject_GetAttrString(ring_append, "append"));
+    if (ring_append == NULL || (found = PyList_New(0)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < b.count; i++)
+        if (b.events[i].kind == STORED && observe(args[10], args[11], max_recorded, &b.events[i], found) < 0)
+            goto done;
+    for (; applied < b.count; applied++) {
+        Decoded *d = &b.events[applied];
+        PyObject *held = PyDict_GetItemWithError(args[5], keys[applied]), *encoded; /* borrowed */
+        if (held == NULL && PyErr_Occurred())
+            goto numbered;
+        if (d->kind == STORED) {
+            if (held == NULL) {
+                held = PyDict_New();
+                if (held == NULL || PyDict_SetItem(args[5], keys[applied], held) < 0) {
+                    Py_XDECREF(held);
+                    goto numbered;
+                }
+                Py_DECREF(held); /* the dict of `held` keeps it */
+            }
+            /* The decoder refused chains that repeat a hash or hold their parent: a parent not held
+             * is the one refusal left. */
+            if (d->parent != NULL && d->tier == device_tier) {
+                int found = PyDict_Contains(held, d->parent);
+                if (found < 0)
+                    goto numbered;
+                if (!found)
+                    break; /* refused: Python names it */
+            }
+            if (record_chain(held, d->parent != NULL ? d->parent : Py_None, d->hashes, d->locals) < 0)
+                goto numbered;
+            encoded = encode_stored(templates[applied], args[8], last + 1, d);
+        } else {
+            if (held != NULL && PyDict_GET_SIZE(held) > 0 &&
+                drop(held, &PyList_GET_ITEM(d->hashes, 0), PyList_GET_SIZE(d->hashes)) < 0)
+                goto numbered;
+            encoded = encode_removed(templates[applied], last + 1, d);
+        }
+        if (encoded == NULL)
+            goto numbered;
+        last++;
+        PyObject *entry = Py_BuildValue("(KO)", (unsigned long long)last, encoded);
+        if (entry != NULL)
+            PyObject_GC_UnTrack(entry); /* an int and bytes: no cycle, no weight on collections */
+        PyObject *appended = entry == NULL ? NULL : PyObject_CallOneArg(ring_append, entry);
+        int failed = appended == NULL || PyList_Append(args[9], encoded) < 0;
+        Py_XDECREF(appended);
+        Py_XDECREF(entry);
+        Py_DECREF(encoded);
+        if (failed)
+            goto numbered;
+    }
+numbered:;
+    /* The ids used are kept, whatever happened after them. */
+    PyObject *error_type, *error_value, *error_trace;
+    PyErr_Fetch(&error_type, &error_value, &error_trace);
+    PyObject *last_id = PyLong_FromUnsignedLongLong(last);
+    int kept = last_id != NULL && PyObject_SetAttrString(rank_log, "last_event_id", last_id) == 0;
+    Py_XDECREF(last_id);
+    if (error_type != NULL) {
+        PyErr_Restore(error_type, error_value, error_trace);
+        goto done;
+    }
+    if (kept)
+        result = Py_BuildValue("(OnnnO)", rank, applied, b.count, b.ignored, found);
+    goto done;
+not_taken:
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; templates != NULL && i < b.count; i++) {
+        Py_XDECREF(templates[i]);
+        Py_XDECREF(keys[i]);
+    }
+    PyMem_Free(templates);
+    PyMem_Free(keys);
+    Py_XDECREF(found);
+    Py_XDECREF(ring_append);
+    Py_XDECREF(last_obj);
+    Py_XDECREF(rank_log);
+    batch_clear(&b);
+    return result;
 }
 
 /* ------------------------------------------------------------------ module */
@@ -827,6 +1249,9 @@ static PyMethodDef methods[] = {
      "hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3: HeldBlocks.store."},
     {"drop_blocks", (PyCFunction)(void (*)(void))py_drop_blocks, METH_FASTCALL,
      "drop_blocks(held, block_hashes) -> None: HeldBlocks.remove (hashes not held are ignored)."},
+    {"bridge_batch", (PyCFunction)(void (*)(void))py_bridge_batch, METH_FASTCALL,
+     "bridge_batch(payload, block_size, seed, default_rank, rank_logs, held, stored_templates, removed_templates, "
+     "row, out, by_content, by_hash, max_recorded) -> (dp_rank, applied, events, ignored, contradictions) | None."},
     {NULL, NULL, 0, NULL},
 };
 

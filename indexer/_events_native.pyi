@@ -24,3 +24,19 @@ def hold_chain(
     /,
 ) -> int: ...
 def drop_blocks(held: dict[int, tuple[int | None, int]], block_hashes: Sequence[int], /) -> None: ...
+def bridge_batch(
+    payload: Buffer,
+    block_size: int,
+    seed: int,
+    default_rank: int,
+    rank_logs: dict[int, Any],
+    held: dict[tuple[int, Any], dict[int, tuple[int | None, int]]],
+    stored_templates: dict[tuple[int, Any], tuple[bytes, bytes, bytes, bytes, int, int, int]],
+    removed_templates: dict[tuple[int, Any], list[bytes]],
+    row: tuple[bytes, bytes, bytes],
+    out: list[bytes],
+    by_content: dict[tuple[int | None, int], int],
+    by_hash: dict[int, int],
+    max_recorded: int,
+    /,
+) -> tuple[int, int, int, int, list[tuple[int, int, int, int | None, int]]] | None: ...

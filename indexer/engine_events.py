@@ -226,6 +226,14 @@ if events_accel is not None and accel is not None:  # built: configured even whe
 _seeds: dict[str | None, int] = {}  # cache namespace -> the seed of its tokens hashes (few namespaces)
 
 
+def namespace_seed(cache_namespace: str | None) -> int:
+    """The seed the C step hashes a namespace's token blocks with (`salt_seed` of no LoRA)."""
+    seed = _seeds.get(cache_namespace)
+    if seed is None:
+        seed = _seeds[cache_namespace] = salt_seed(None, cache_namespace)
+    return seed
+
+
 def storage_tier(medium: str | None) -> StorageTier:
     """The tier of an engine ``medium``; absent is GPU memory, unknown the lowest tier (never GPU)."""
     if medium is None:
@@ -260,10 +268,7 @@ def decode_engine_batch(
     """
     if EVENTS_NATIVE:
         # The plain shapes in one C call; anything else (and every error) is left to the code below.
-        seed = _seeds.get(cache_namespace)
-        if seed is None:
-            seed = _seeds[cache_namespace] = salt_seed(None, cache_namespace)
-        fast = events_accel.decode_batch(payload, block_size, seed)
+        fast = events_accel.decode_batch(payload, block_size, namespace_seed(cache_namespace))
         if fast is not None:
             ts, dp_rank, events, ignored = fast
             return DecodedBatch(ts, dp_rank, events, [], ignored)

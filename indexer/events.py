@@ -295,8 +295,9 @@ class StoredEventEncoder:
 
     def __init__(self, worker_id: int, *, native: bool = NATIVE) -> None:
         self.worker_id = worker_id
-        self._native = native
-        self._templates: dict[tuple[int, StorageTier], _Template] = {}
+        self.native = native
+        # Read by `indexer._events_native.bridge_batch` too, which writes the same bytes in C.
+        self.templates: dict[tuple[int, StorageTier], _Template] = {}
         # Probe values msgspec writes in 9 bytes, none of them the worker id: each is found once.
         self._event_mark, self._parent_mark, block_mark, tokens_mark = [
             value for value in range(U64_MAX, U64_MAX - 5, -1) if value != worker_id
@@ -304,7 +305,7 @@ class StoredEventEncoder:
         row = _msgpack_encoder.encode(StoredBlock(block_mark, tokens_mark))
         before, rest = row.split(_msgpack_encoder.encode(block_mark))
         between, after = rest.split(_msgpack_encoder.encode(tokens_mark))
-        self._row = (before, between, after)
+        self.row = (before, between, after)
         self._probe_blocks = [(block_mark, tokens_mark)]
         self._one_block = b"\x91" + row
 
@@ -318,15 +319,15 @@ class StoredEventEncoder:
         tokens_hashes: list[int],
     ) -> bytes:
         rows = None
-        if self._native and (parent_hash is None or not parent_hash >> 64) and not event_id >> 64:
-            rows = accel.msgpack_rows(block_hashes, tokens_hashes, *self._row)
+        if self.native and (parent_hash is None or not parent_hash >> 64) and not event_id >> 64:
+            rows = accel.msgpack_rows(block_hashes, tokens_hashes, *self.row)
         if rows is None:
             blocks = zip(block_hashes, tokens_hashes, strict=True)
             event = stored_event(event_id, blocks, parent_hash=parent_hash, dp_rank=dp_rank)
             return _msgpack_encoder.encode(RouterEvent(self.worker_id, event, tier))
-        template = self._templates.get((dp_rank, tier))
+        template = self.templates.get((dp_rank, tier))
         if template is None:
-            template = self._templates[dp_rank, tier] = self._template(dp_rank, tier)
+            template = self.templates[dp_rank, tier] = self._template(dp_rank, tier)
         encode = _msgpack_encoder.encode
         slots = (encode(event_id), encode(parent_hash), rows)
         head, middle, rest, tail, first, second, third = template
@@ -358,7 +359,8 @@ class RemovedEventEncoder:
 
     def __init__(self, worker_id: int) -> None:
         self.worker_id = worker_id
-        self._templates: dict[tuple[int, StorageTier], list[bytes]] = {}
+        # Read by `indexer._events_native.bridge_batch` too, which writes the same bytes in C.
+        self.templates: dict[tuple[int, StorageTier], list[bytes]] = {}
         marks = [value for value in range(U64_MAX, U64_MAX - 3, -1) if value != worker_id]
         self._event_mark, self._hash_mark = marks[0], marks[1]
 
@@ -366,9 +368,9 @@ class RemovedEventEncoder:
         if event_id >> 64:
             event = removed_event(event_id, block_hashes, dp_rank=dp_rank)
             return _msgpack_encoder.encode(RouterEvent(self.worker_id, event, tier))
-        template = self._templates.get((dp_rank, tier))
+        template = self.templates.get((dp_rank, tier))
         if template is None:
-            template = self._templates[dp_rank, tier] = self._template(dp_rank, tier)
+            template = self.templates[dp_rank, tier] = self._template(dp_rank, tier)
         head, middle, tail = template
         encode = _msgpack_encoder.encode
         return b"".join((head, encode(event_id), middle, encode(block_hashes), tail))

@@ -42,6 +42,12 @@ class HeldBlocks:
         self.worker_id = worker_id
         self._held: dict[tuple[int, StorageTier], _Held] = {}
 
+    @property
+    def tables(self) -> dict[tuple[int, StorageTier], _Held]:
+        """The dicts by (dp_rank, tier), for `indexer._events_native.bridge_batch`, which stores and
+        removes in them as `store` and `remove` do."""
+        return self._held
+
     def store(
         self,
         dp_rank: int,

@@ -24,11 +24,12 @@ from collections import Counter
 
 from nats.aio.client import Client
 
-from indexer.engine_events import EngineEvent
+from indexer.engine_events import EngineEvent, decode_engine_batch, namespace_seed
 from indexer.events import StorageTier
 from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineMetricsScraper
-from router.engines.zmq_stream import ZmqEngineStream
+from router.engines.hash_check import TokensHashCheck
+from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.event_plane.publisher import KvEventPublisher, open_registry
 
 __all__ = ["Bridge", "PublisherSink", "rank_endpoint"]
@@ -60,6 +61,22 @@ class PublisherSink:
         # A store under a parent the engine never stored is refused and never sent.
         for _, refusal in self.publisher.emit_engine_events(dp_rank, events):
             self.stats[f"rejected_{refusal.label}"] += 1
+
+    def apply_payload(
+        self, payload: bytes, block_size: int, cache_namespace: str | None, default_rank: int, check: TokensHashCheck
+    ) -> PayloadApplied | None:
+        """The stream's decode, hash check and `apply` of one engine payload, in one C call when it
+        takes the batch (None: the stream runs its Python path)."""
+        records = (check.by_content, check.by_hash, check.max_recorded)
+        seed = namespace_seed(cache_namespace)
+        taken = self.publisher.emit_engine_payload(payload, block_size, seed, default_rank, records)
+        if taken is None:
+            return None
+        dp_rank, applied, count, ignored, contradictions = taken
+        if applied < count:  # a refused store: the rest as `apply` does it (the C step took this batch)
+            rest = decode_engine_batch(payload, block_size, cache_namespace=cache_namespace).events[applied:]
+            self.apply(dp_rank, rest)
+        return PayloadApplied(dp_rank, count, ignored, contradictions)
 
     async def restarted(self, dp_rank: int) -> None:
         async with self.publisher.batch():

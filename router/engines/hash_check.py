@@ -29,35 +29,41 @@ MAX_RECORDED = 65_536
 
 class TokensHashCheck:
     def __init__(self, max_recorded: int = MAX_RECORDED) -> None:
-        self._max = max_recorded
-        self._by_content: dict[tuple[int | None, int], int] = {}  # (parent, tokens_hash) -> engine hash
-        self._by_hash: dict[int, int] = {}  # engine hash -> tokens_hash
+        self.max_recorded = max_recorded
+        # Also kept by `indexer._events_native.bridge_batch`, which observes as `observe` does.
+        self.by_content: dict[tuple[int | None, int], int] = {}  # (parent, tokens_hash) -> engine hash
+        self.by_hash: dict[int, int] = {}  # engine hash -> tokens_hash
 
     def observe(self, stored: EngineStored) -> str | None:
         """Record the store's first block; the evidence of a contradiction with an earlier one, if any."""
         if not stored.block_hashes:
             return None
         block_hash, tokens_hash, parent = stored.block_hashes[0], stored.tokens_hashes[0], stored.parent_hash
-        if len(self._by_hash) >= self._max:
+        if len(self.by_hash) >= self.max_recorded:
             self.reset()
-        known_hash = self._by_content.setdefault((parent, tokens_hash), block_hash)
-        known_tokens = self._by_hash.setdefault(block_hash, tokens_hash)
-        if known_hash != block_hash:
-            under = "the root" if parent is None else f"parent {parent}"
-            return (
-                f"the engine hashes blocks {known_hash} and {block_hash} under {under} apart, but their token ids "
-                f"hash alike here (tokens_hash {tokens_hash}): the engine salts its cache with something its events "
-                "do not carry (a cache_salt, a LoRA adapter named only by lora_id, multimodal ids), so requests that "
-                "differ only in it look cached when they are not"
-            )
-        if known_tokens != tokens_hash:
-            return (
-                f"the engine sends block {block_hash} with token ids that hash to {known_tokens} once and "
-                f"{tokens_hash} another time: the LoRA name, cache salt or namespace that salts our hashes varies "
-                "where the engine's does not, so one cache is split in two"
-            )
-        return None
+        known_hash = self.by_content.setdefault((parent, tokens_hash), block_hash)
+        known_tokens = self.by_hash.setdefault(block_hash, tokens_hash)
+        return evidence(known_hash, block_hash, tokens_hash, parent, known_tokens)
 
     def reset(self) -> None:
-        self._by_content.clear()
-        self._by_hash.clear()
+        self.by_content.clear()
+        self.by_hash.clear()
+
+
+def evidence(known_hash: int, block_hash: int, tokens_hash: int, parent: int | None, known_tokens: int) -> str | None:
+    """What a store's first block and the record say together: a contradiction's evidence, or None."""
+    if known_hash != block_hash:
+        under = "the root" if parent is None else f"parent {parent}"
+        return (
+            f"the engine hashes blocks {known_hash} and {block_hash} under {under} apart, but their token ids "
+            f"hash alike here (tokens_hash {tokens_hash}): the engine salts its cache with something its events "
+            "do not carry (a cache_salt, a LoRA adapter named only by lora_id, multimodal ids), so requests that "
+            "differ only in it look cached when they are not"
+        )
+    if known_tokens != tokens_hash:
+        return (
+            f"the engine sends block {block_hash} with token ids that hash to {known_tokens} once and "
+            f"{tokens_hash} another time: the LoRA name, cache salt or namespace that salts our hashes varies "
+            "where the engine's does not, so one cache is split in two"
+        )
+    return None

@@ -35,19 +35,19 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import zmq
 import zmq.asyncio
 
 from indexer.engine_events import EngineDecodeError, EngineEvent, EngineStored, decode_engine_batch
-from router.engines.hash_check import TokensHashCheck
+from router.engines.hash_check import TokensHashCheck, evidence
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.supervision import Supervisor
 
-__all__ = ["END_SEQ", "EngineSink", "ZmqEngineStream", "replay_batches"]
+__all__ = ["END_SEQ", "EngineSink", "PayloadApplied", "ZmqEngineStream", "replay_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,21 @@ class EngineSink(Protocol):
     def unverified(self, dp_rank: int, reason: str) -> None:
         """Events of ``dp_rank`` were lost for good: its state is not known complete until a clear."""
         ...
+
+
+class PayloadApplied(NamedTuple):
+    """What a sink that takes a payload whole (the bridge's `PublisherSink.apply_payload`) did with it."""
+
+    dp_rank: int
+    events: int  # decoded events, every one applied (a store refused is the sink's to count)
+    ignored: int
+    # (known_hash, block_hash, tokens_hash, parent, known_tokens) of each store the hash check contradicts
+    contradictions: list[tuple[int, int, int, int | None, int]]
+
+
+# A sink's optional whole-payload step: (payload, block_size, cache_namespace, default rank, hash check)
+# -> what it did, or None when the stream must decode and apply the batch itself.
+ApplyPayload = Callable[[bytes, int, "str | None", int, TokensHashCheck], PayloadApplied | None]
 
 
 class ReplayError(Exception):
@@ -135,6 +150,7 @@ class ZmqEngineStream:
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.sink = sink
+        self._apply_payload: ApplyPayload | None = getattr(sink, "apply_payload", None)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.block_size = block_size
@@ -384,6 +400,17 @@ class ZmqEngineStream:
     def _deliver(self, seq: int, payload: bytes) -> None:
         self._last_applied = seq
         self._last_payload = payload
+        if self._apply_payload is not None:
+            taken = self._apply_payload(payload, self.block_size, self.cache_namespace, self.dp_rank, self.hash_check)
+            if taken is not None:
+                self.stats["ignored_events"] += taken.ignored
+                self.stats["applied"] += 1
+                if taken.events:
+                    self._ranks.add(taken.dp_rank)
+                    self.stats["events"] += taken.events
+                for contradiction in taken.contradictions:
+                    self._hash_mismatch(seq, evidence(*contradiction))
+                return
         try:
             batch = decode_engine_batch(payload, self.block_size, cache_namespace=self.cache_namespace)
         except EngineDecodeError as exc:
@@ -400,12 +427,14 @@ class ZmqEngineStream:
         self.stats["events"] += len(batch.events)
         for event in batch.events:
             if isinstance(event, EngineStored):
-                evidence = self.hash_check.observe(event)
-                if evidence is not None:
-                    self.stats["tokens_hash_mismatch"] += 1
-                    self.last_hash_mismatch = evidence
-                    self._bad_input.warning("tokens_hash_mismatch", f"from {self.endpoint}, seq {seq}: {evidence}")
+                self._hash_mismatch(seq, self.hash_check.observe(event))
         self.sink.apply(rank, batch.events)
+
+    def _hash_mismatch(self, seq: int, found: str | None) -> None:
+        if found is not None:
+            self.stats["tokens_hash_mismatch"] += 1
+            self.last_hash_mismatch = found
+            self._bad_input.warning("tokens_hash_mismatch", f"from {self.endpoint}, seq {seq}: {found}")
 
     def _reject(self, reason: str, message: str) -> None:
         self.stats[f"rejected_{reason}"] += 1

@@ -63,6 +63,8 @@ from indexer.events import (
     removed_event,
     stored_event,
 )
+from indexer.events_native import ENABLED as EVENTS_NATIVE
+from indexer.events_native import accel as events_accel
 from indexer.held_blocks import HeldBlocks
 from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
@@ -245,6 +247,35 @@ class KvEventPublisher:
             keep(numbered)
             send(numbered[1])
         return refused
+
+    def emit_engine_payload(
+        self,
+        payload: bytes,
+        block_size: int,
+        seed: int,
+        default_rank: int,
+        hash_records: tuple[dict[tuple[int | None, int], int], dict[int, int], int],
+    ) -> tuple[int, int, int, int, list[tuple[int, int, int, int | None, int]]] | None:
+        """`decode_engine_batch` and `emit_engine_events` of one engine payload in one C call (and the
+        first-block hash check whose records are ``hash_records``: by content, by hash, the bound).
+        Returns ``(dp_rank, applied, events, ignored, contradictions)``: the first ``applied`` of the
+        batch's ``events`` decoded events are in the open `batch` (fewer: the next store was refused and
+        the rest is the caller's); None, with nothing changed, for what the Python path must do."""
+        if not (EVENTS_NATIVE and self._msgpack and self._encoder.native) or self._batch is None:
+            return None
+        return events_accel.bridge_batch(
+            payload,
+            block_size,
+            seed,
+            default_rank,
+            self._ranks,
+            self._held.tables,
+            self._encoder.templates,
+            self._removed_encoder.templates,
+            self._encoder.row,
+            self._batch,
+            *hash_records,
+        )
 
     # Each of the three holds the event, numbers it in ``rank`` and returns (event id, its bytes).
     def _stored(
