@@ -43,7 +43,9 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     queue_size: Annotated[int, _doc("engine batches buffered per rank before drops"), msgspec.Meta(ge=1)] = 10_000
     batch_window_secs: Annotated[
         float,
-        _doc("engine batches within this long of the last NATS message wait for the window's end to go out together"),
+        _doc(
+            "engine batches within half this long of the last NATS message wait for the window's end to go out together"
+        ),
         msgspec.Meta(ge=0),
     ] = 0.001
     nats_url: Annotated[str, _doc("NATS server of the routers' event plane")] = "nats://127.0.0.1:4222"

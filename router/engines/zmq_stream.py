@@ -20,9 +20,10 @@ the last seq seen *live* on the SUB socket.
   first missing one: if the engine's batch under that seq is not the one applied, a new process has
   published past it unheard, and this is a restart (its whole history is then replayed from 0).
 
-With a ``batch_window_s`` (the bridge's), a stream that has caught up within a window of its last
-batch lets what arrives until the window ends join the next: a busy engine costs one sink batch (one
-NATS message) per window instead of one per engine step, and a stream behind never waits.
+With a ``batch_window_s`` (the bridge's), a stream that has caught up within half a window of its
+last batch lets what arrives until the window ends join the next: a busy engine costs one sink batch
+(one NATS message) per window instead of one per engine step, an engine stepping about once a window
+sends each step at once, and a stream behind never waits.
 
 The SUB reader never blocks the engine: messages go into a bounded queue and those that do not fit
 are dropped and counted (the seq gap they leave is then repaired like any other). Undecodable
@@ -262,11 +263,13 @@ class ZmqEngineStream:
                 if not self._take_next(seq, payload):
                     await self.take_live(seq, payload)
                 await self._drain(started)
-                # Caught up, but the last message went out less than a window ago: what arrives
+                # Caught up, but the last message went out less than half a window ago: what arrives
                 # until the window ends goes out with this one (one message per window when busy;
-                # never a wait while a backlog is queued, nor after a quiet spell).
+                # never a wait while a backlog is queued, nor after a quiet spell). A batch later in
+                # the window would wait for little company: an engine stepping about once a window
+                # would pay a timer's wake-up and its delay on every batch and batch nothing.
                 hold = sent_at + self._batch_window_s - time.perf_counter()
-                if hold > 0 and not queue:
+                if hold > self._batch_window_s / 2 and not queue:
                     await asyncio.sleep(hold)
                     await self._drain(time.perf_counter())
             sent_at = time.perf_counter()
