@@ -14,6 +14,10 @@ sequencer -> index) apart; the engine paces ``--blocks-per-s`` in 1 ms batches a
 time (µs) in each batch's first block hash, the router measures publish-to-applied for every batch.
 Reported: p50 / p99 / max lag. All three share the machine (and one clock).
 
+``path`` (``--batches 2000``, ``--generate-only`` for the count to subtract): the same payloads through
+the stream and the sink in this process, without sockets, into a NATS client that drops them: the
+path to count instructions of (``valgrind --tool=callgrind``), which timing noise cannot move.
+
 ``KV_ROUTER_BENCH_TREE=/path/to/checkout`` measures that checkout's bridge with this same bench (the
 peer of a before / after comparison).
 Targets (issue 12): throughput >= 500k blocks/s on one core; lag p99 < 20 ms at 100k blocks/s.
@@ -28,6 +32,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
+
+from nats.aio.client import Client
 
 # The tree whose bridge is measured: this one, or a peer's (KV_ROUTER_BENCH_TREE) run by this same bench.
 ROOT = Path(os.environ.get("KV_ROUTER_BENCH_TREE") or Path(__file__).resolve().parents[1]).resolve()
@@ -35,10 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 from indexer.events import RouterEvent  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.engines.bridge import Bridge  # noqa: E402
+from router.engines.bridge import Bridge, PublisherSink  # noqa: E402
 from router.engines.bridge_config import BridgeConfig  # noqa: E402
+from router.engines.zmq_stream import ZmqEngineStream  # noqa: E402
 from router.event_plane.connection import NatsOptions, connect  # noqa: E402
 from router.event_plane.embedded_server import EmbeddedNats, free_port  # noqa: E402
+from router.event_plane.publisher import KvEventPublisher  # noqa: E402
 from router.event_plane.subscriber import KvEventSubscriber  # noqa: E402
 from router.kv_router import KvRouter  # noqa: E402
 from router.types import WorkerConfig  # noqa: E402
@@ -46,17 +55,20 @@ from router.types import WorkerConfig  # noqa: E402
 BLOCK = 16
 WORKER = 1
 
-# The engine: its own process, so its CPU is not the bridge's. Reads argv: endpoint mode batches blocks rate.
+# The engine: its own process, so its CPU is not the bridge's. Reads argv (or ARGS, when `path` runs it in
+# this process for its payloads only): endpoint mode batches blocks rate.
 ENGINE = r"""
 import sys, time, random, msgspec, zmq
-endpoint, mode, batches, blocks, rate = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+args = globals().get("ARGS") or sys.argv
+endpoint, mode, batches, blocks, rate = args[1], args[2], int(args[3]), int(args[4]), float(args[5])
 BLOCK = 16
 enc = msgspec.msgpack.Encoder().encode
 rng = random.Random(0)
 tokens = [rng.randrange(1 << 17) for _ in range(blocks * BLOCK)]
-ctx = zmq.Context()
-pub = ctx.socket(zmq.PUB); pub.setsockopt(zmq.SNDHWM, 0); pub.bind(endpoint)
-time.sleep(1.5)  # let the bridge join (the bench waits as long)
+if mode != "path":
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB); pub.setsockopt(zmq.SNDHWM, 0); pub.bind(endpoint)
+    time.sleep(1.5)  # let the bridge join (the bench waits as long)
 def batch(i, first):
     half = blocks // 2
     tokens[0] = i & 0xFFFF  # each batch's prompt is another one, as its block hashes say
@@ -72,7 +84,9 @@ def batch(i, first):
     previous[(i + 1) % 2] = hashes
     return enc([time.time(), events, 0])
 previous = {0: [], 1: []}
-if mode == "throughput":
+if mode == "path":
+    payloads = [batch(i, (i << 20)) for i in range(batches)]
+elif mode == "throughput":
     payloads = [batch(i, (i << 20)) for i in range(batches)]
     for seq, payload in enumerate(payloads):
         pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
@@ -126,6 +140,32 @@ async def throughput(batches: int, blocks: int) -> None:
     print(f"  stored blocks per bridge CPU-second: {stored / cpu:,.0f}   per wall second: {stored / wall:,.0f}")
     dropped = stream.stats["dropped_queue_full"]
     print(f"  stored+removed blocks per CPU-second: {2 * stored / cpu:,.0f}   dropped: {dropped}")
+
+
+class _DroppingNats:
+    """A NATS client that takes what it is given and sends nothing: the `path` mode's sink end."""
+
+    max_payload = 1 << 20
+
+    async def publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> None:
+        pass
+
+
+async def path(batches: int, blocks: int, *, generate_only: bool) -> None:
+    """The bridge's per-batch path without sockets, for instruction counts (callgrind): the engine's
+    payloads through `ZmqEngineStream.take_live` and `PublisherSink`, one NATS message per batch."""
+    scope: dict[str, object] = {"ARGS": ["", "", "path", str(batches), str(blocks), "0"]}
+    exec(ENGINE, scope)
+    payloads = cast(list[bytes], scope["payloads"])
+    if generate_only:  # the count to subtract: the interpreter's start and the payloads' generation
+        return
+    publisher = KvEventPublisher(cast(Client, _DroppingNats()), WorkerConfig(worker_id=WORKER, block_size=BLOCK))
+    sink = PublisherSink(publisher)
+    stream = ZmqEngineStream(sink, "tcp://127.0.0.1:1", block_size=BLOCK)
+    for seq, payload in enumerate(payloads):
+        async with sink.batch():
+            await stream.take_live(seq, payload)
+    print(f"bridge path: {stream.stats['applied']} batches x {blocks} stored blocks applied")
 
 
 async def lag(seconds: float, rate: float, blocks: int, *, own_sessions: bool = False) -> None:
@@ -210,7 +250,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["throughput", "lag"])
+    parser.add_argument("mode", choices=["throughput", "lag", "path"])
     parser.add_argument("--batches", type=int, default=20_000)
     parser.add_argument("--blocks", type=int, default=32, help="stored blocks per batch (throughput)")
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -222,9 +262,12 @@ def main() -> None:
         help="lag: the engine and the bridge each in a session of its own, as separate services are (the "
         "kernel's autogroups give each session an equal share; in the bench's they split one)",
     )
+    parser.add_argument("--generate-only", action="store_true", help="path: only make the payloads")
     args = parser.parse_args()
     if args.mode == "throughput":
         asyncio.run(throughput(args.batches, args.blocks))
+    elif args.mode == "path":
+        asyncio.run(path(args.batches, args.blocks, generate_only=args.generate_only))
     else:
         asyncio.run(lag(args.seconds, args.blocks_per_s, args.lag_blocks, own_sessions=args.own_sessions))
 

@@ -1048,6 +1048,10 @@ static int observe(PyObject *by_content, PyObject *by_hash, Py_ssize_t max_recor
     PyObject *key = PyTuple_Pack(2, parent, tokens);
     if (key == NULL)
         return -1;
+    /* None or an int and an int: no cycle. Untracked, the record's keys (up to `max_recorded`) never
+     * count towards a full collection, which would stop the bridge for tens of ms once they added up
+     * (the Python path's keys are untracked only by a collection that looks at them). */
+    PyObject_GC_UnTrack(key);
     PyObject *known_hash = PyDict_SetDefault(by_content, key, block); /* borrowed */
     Py_DECREF(key);
     if (known_hash == NULL)
