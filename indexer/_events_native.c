@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "_msgpack_write.h"
 
 /* Set by `configure`: the decoded event types, the tiers by medium, and indexer._native's helpers. */
 static PyObject *stored_type, *removed_type, *cleared_event, *tiers, *device_tier;
@@ -910,45 +911,6 @@ static PyObject *py_drop_blocks(PyObject *self, PyObject *const *args, Py_ssize_
 }
 
 /* ------------------------------------------------------------------ one batch, decode to payload bytes */
-
-/* msgpack's shortest form of an unsigned int, as msgspec writes it (indexer/_native.c writes the same
- * for `msgpack_rows`; the two extensions share no C, so each has its own). */
-static inline uint8_t *put_uint(uint8_t *out, uint64_t v) {
-    if (v < 128) {
-        *out++ = (uint8_t)v;
-    } else if (v <= 0xFF) {
-        *out++ = 0xcc;
-        *out++ = (uint8_t)v;
-    } else if (v <= 0xFFFF) {
-        *out++ = 0xcd;
-        *out++ = (uint8_t)(v >> 8);
-        *out++ = (uint8_t)v;
-    } else if (v <= 0xFFFFFFFFull) {
-        *out++ = 0xce;
-        for (int shift = 24; shift >= 0; shift -= 8)
-            *out++ = (uint8_t)(v >> shift);
-    } else {
-        *out++ = 0xcf;
-        for (int shift = 56; shift >= 0; shift -= 8)
-            *out++ = (uint8_t)(v >> shift);
-    }
-    return out;
-}
-
-static inline uint8_t *put_array_header(uint8_t *out, Py_ssize_t n) {
-    if (n < 16) {
-        *out++ = (uint8_t)(0x90 | n);
-    } else if (n <= 0xFFFF) {
-        *out++ = 0xdc;
-        *out++ = (uint8_t)(n >> 8);
-        *out++ = (uint8_t)n;
-    } else {
-        *out++ = 0xdd;
-        for (int shift = 24; shift >= 0; shift -= 8)
-            *out++ = (uint8_t)((uint64_t)n >> shift);
-    }
-    return out;
-}
 
 static inline uint8_t *put_bytes(uint8_t *out, PyObject *bytes) {
     memcpy(out, PyBytes_AS_STRING(bytes), (size_t)PyBytes_GET_SIZE(bytes));

@@ -15,6 +15,7 @@
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+#include "_msgpack_write.h"
 
 /* ------------------------------------------------------------------ XXH3-64 (public specification) */
 
@@ -1294,28 +1295,6 @@ error:
  * the second int, `after`, each int in msgspec's smallest unsigned form. With the pieces of an
  * encoded `StoredBlock` it is the `blocks` array of a stored event, byte for byte as msgspec writes
  * it, without one Python object per block. None when a value is not a u64 (msgspec then encodes). */
-static inline uint8_t *put_uint(uint8_t *out, uint64_t v) {
-    if (v < 128) {
-        *out++ = (uint8_t)v;
-    } else if (v <= 0xFF) {
-        *out++ = 0xcc;
-        *out++ = (uint8_t)v;
-    } else if (v <= 0xFFFF) {
-        *out++ = 0xcd;
-        *out++ = (uint8_t)(v >> 8);
-        *out++ = (uint8_t)v;
-    } else if (v <= 0xFFFFFFFFull) {
-        *out++ = 0xce;
-        for (int shift = 24; shift >= 0; shift -= 8)
-            *out++ = (uint8_t)(v >> shift);
-    } else {
-        *out++ = 0xcf;
-        for (int shift = 56; shift >= 0; shift -= 8)
-            *out++ = (uint8_t)(v >> shift);
-    }
-    return out;
-}
-
 static PyObject *py_msgpack_rows(PyObject *self, PyObject *args) {
     PyObject *first, *second;
     Py_buffer before, between, after;
@@ -1336,17 +1315,7 @@ static PyObject *py_msgpack_rows(PyObject *self, PyObject *args) {
     if (result == NULL)
         goto done;
     uint8_t *start = (uint8_t *)PyBytes_AS_STRING(result), *out = start;
-    if (n < 16) {
-        *out++ = (uint8_t)(0x90 | n);
-    } else if (n <= 0xFFFF) {
-        *out++ = 0xdc;
-        *out++ = (uint8_t)(n >> 8);
-        *out++ = (uint8_t)n;
-    } else {
-        *out++ = 0xdd;
-        for (int shift = 24; shift >= 0; shift -= 8)
-            *out++ = (uint8_t)((uint64_t)n >> shift);
-    }
+    out = put_array_header(out, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t a, b;
         if (as_u64(PyList_GET_ITEM(first, i), &a) < 0 || as_u64(PyList_GET_ITEM(second, i), &b) < 0) {
