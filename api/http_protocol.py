@@ -193,10 +193,37 @@ class FastHttpProtocol(HttpToolsProtocol):
         """Answer one whole hot request parsed in C, as the httptools callbacks would; False for a
         path that is not hot or a body over the limit (httptools then parses it, as any request)."""
         path, query, content_type, accept, request_id, authorization, body = parsed
-        handler = self._routes.get(path) or cast(HotHandler | None, self._streams.get(path))
+        handler = self._routes.get(path)
+        if handler is not None and not self.access_log and len(body) <= self.max_body_bytes:
+            # The usual request: its handler runs at once and its answer is written, with no request
+            # record; one is made only if the handler has to wait (a `new` parked in the queue).
+            self._unset_keepalive_if_required()
+            call = self._call(body, query, content_type, accept, request_id, authorization)
+            try:
+                outcome = start(handler(call))
+            except Exception as exc:  # a bug: the handlers answer every error they know
+                self._crashed(None, exc)
+                return True
+            if isinstance(outcome, Suspended):
+                request = self._whole_hot_request(handler, parsed)
+                self.cycle = request  # type: ignore[assignment]
+                request.started = True
+                self._wait_for(request, outcome)
+            else:
+                self._respond(None, outcome)
+            return True
+        handler = handler or cast(HotHandler | None, self._streams.get(path))
         if handler is None or len(body) > self.max_body_bytes:
             return False
         self._unset_keepalive_if_required()
+        request = self._whole_hot_request(handler, parsed)
+        self.cycle = request  # type: ignore[assignment]
+        self._begin(request)
+        return True
+
+    @staticmethod
+    def _whole_hot_request(handler: HotHandler, parsed: ParsedPost) -> _HotRequest:
+        path, query, content_type, accept, request_id, authorization, body = parsed
         request = _HotRequest(handler, path, query, "1.1", True)
         request.content_type = content_type
         request.accept = accept
@@ -205,9 +232,7 @@ class FastHttpProtocol(HttpToolsProtocol):
         request.chunks.append(body)
         request.size = len(body)
         request.complete = True
-        self.cycle = request  # type: ignore[assignment]
-        self._begin(request)
-        return True
+        return request
 
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
@@ -376,27 +401,43 @@ class FastHttpProtocol(HttpToolsProtocol):
             self._streamed = (streamed, request)
             streamed.run(stream.handle)
             return
-        query = request.query
-        call = Call(
-            body,
-            msgpack=_is_msgpack(request.content_type),
-            reply_msgpack=_is_msgpack(request.accept),
-            request_id=request.request_id,
-            explain=query_flag(query, b"explain") if query else False,
-            wait_disconnect=self._wait_disconnect,
-            authorization=request.authorization,
+        call = self._call(
+            body, request.query, request.content_type, request.accept, request.request_id, request.authorization
         )
         try:
             outcome = start(request.handler(call))
         except Exception as exc:  # a bug: the handlers answer every error they know
             self._crashed(request, exc)
             return
-        if isinstance(outcome, Suspended):  # a `new` waiting in the router's queue
-            task = outcome.task(self.loop)
-            self.tasks.add(cast("asyncio.Task[None]", task))
-            task.add_done_callback(partial(self._finished, request))
+        if isinstance(outcome, Suspended):
+            self._wait_for(request, outcome)
         else:
             self._respond(request, outcome)
+
+    def _call(
+        self,
+        body: bytes,
+        query: bytes,
+        content_type: bytes | None,
+        accept: bytes | None,
+        request_id: str | None,
+        authorization: bytes | None,
+    ) -> Call:
+        return Call(
+            body,
+            msgpack=_is_msgpack(content_type),
+            reply_msgpack=_is_msgpack(accept),
+            request_id=request_id,
+            explain=query_flag(query, b"explain") if query else False,
+            wait_disconnect=self._wait_disconnect,
+            authorization=authorization,
+        )
+
+    def _wait_for(self, request: _HotRequest, outcome: Suspended[Reply]) -> None:
+        """A `new` waiting in the router's queue: it finishes in a task, answered when it is done."""
+        task = outcome.task(self.loop)
+        self.tasks.add(cast("asyncio.Task[None]", task))
+        task.add_done_callback(partial(self._finished, request))
 
     def _finished(self, request: _HotRequest, task: asyncio.Task[Reply]) -> None:
         self.tasks.discard(cast("asyncio.Task[None]", task))
@@ -409,8 +450,13 @@ class FastHttpProtocol(HttpToolsProtocol):
         else:
             self._respond(request, task.result())
 
-    def _respond(self, request: _HotRequest, reply: Reply) -> None:
-        request.response_complete = True
+    def _respond(self, request: _HotRequest | None, reply: Reply) -> None:
+        """Write ``reply`` (``request``: its record; None for a whole request answered at once, which
+        is HTTP/1.1, keep-alive, with the access log off)."""
+        keep_alive = True
+        if request is not None:
+            request.response_complete = True
+            keep_alive = request.keep_alive
         transport = self.transport
         if not transport.is_closing():
             body = reply.body
@@ -427,12 +473,12 @@ class FastHttpProtocol(HttpToolsProtocol):
                 lines += b"%s: %s\r\n" % (extra_name.encode("latin-1"), extra_value.encode("latin-1"))
             for name, value in self.server_state.default_headers:
                 lines += b"%s: %s\r\n" % (name, value)
-            if not request.keep_alive:
+            if not keep_alive:
                 lines += b"connection: close\r\n"
             transport.write(b"%s%s\r\n%s" % (head, lines, body))
-            if self.access_log:
+            if request is not None and self.access_log:
                 self._log_access(request, reply.status)
-            if not request.keep_alive:
+            if not keep_alive:
                 transport.close()
         self.on_response_complete()
         if self.flow.write_paused and not self._gone:
@@ -440,10 +486,11 @@ class FastHttpProtocol(HttpToolsProtocol):
             self._reading_paused_for_writes = True
             self.flow.pause_reading()
 
-    def _crashed(self, request: _HotRequest, exc: BaseException | None) -> None:
+    def _crashed(self, request: _HotRequest | None, exc: BaseException | None) -> None:
         """As uvicorn answers an app that raised: log it, send a 500, close the connection."""
         self.logger.error("Exception in ASGI application\n", exc_info=exc or asyncio.CancelledError())
-        request.response_complete = True
+        if request is not None:
+            request.response_complete = True
         if not self.transport.is_closing():
             self.transport.write(_INTERNAL_ERROR)
             self.transport.close()
