@@ -632,6 +632,11 @@ class Cell:
         ordered = sorted(self.select_ms)
         return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))] if ordered else float("nan")
 
+    def slow_share(self, over_p50: float) -> float:
+        """The share of decisions that took more than ``over_p50`` times this cell's median."""
+        limit = self.pct(50) * over_p50
+        return sum(ms > limit for ms in self.select_ms) / len(self.select_ms) if self.select_ms else float("nan")
+
 
 async def run_cell(
     service: Service, prompts: Sequence[Prompt], concurrency: int, cycles: int, seconds: float, tag: str
@@ -673,10 +678,18 @@ async def run_cell(
 
 # ----------------------------------------------------------------------------- main
 def median_cell(cells: list[Cell]) -> dict[str, float]:
+    p99s = [c.pct(99) for c in cells]
     return {
         "per_s": statistics.median(c.per_s for c in cells),
         "p50": statistics.median(c.pct(50) for c in cells),
-        "p99": statistics.median(c.pct(99) for c in cells),
+        "p90": statistics.median(c.pct(90) for c in cells),
+        "p99": statistics.median(p99s),
+        # The spread of p99 over the runs, and how many decisions took over 5x the run's p50: a
+        # decision that slow on an idle service was descheduled, so a p99 inside that share is the
+        # scheduler's time slice, not the service's work.
+        "p99_min": min(p99s),
+        "p99_max": max(p99s),
+        "slow_share": statistics.median(c.slow_share(5.0) for c in cells),
         "cpu_us": statistics.median(c.service_cpu_s / max(1, c.decisions) * 1e6 for c in cells),
         "client_cores": statistics.median(c.client_cpu_s / c.seconds for c in cells),
         "best": statistics.median(c.best_overlap / max(1, c.decisions) for c in cells),
@@ -721,7 +734,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                         cell.foreign_cores = foreign.cores()
                         results.setdefault((service.name, service.form, size, concurrency), []).append(cell)
                 summary = {key: median_cell(cells) for key, cells in results.items() if key[2:] == (size, concurrency)}
-                line = "  ".join(f"{k[0]}/{k[1]} {v['per_s']:,.0f}/s p99 {v['p99']:.2f} ms" for k, v in summary.items())
+                line = "  ".join(
+                    f"{k[0]}/{k[1]} {v['per_s']:,.0f}/s p50 {v['p50']:.2f} p90 {v['p90']:.2f} p99 {v['p99']:.2f} "
+                    f"({v['p99_min']:.2f}-{v['p99_max']:.2f}) ms, {v['slow_share']:.1%} over 5x p50"
+                    for k, v in summary.items()
+                )
                 log(f"{size:>6} tokens c={concurrency:<3} {line}")
         for service in services:
             if isinstance(service, DynamoSelectService):
