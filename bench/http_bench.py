@@ -243,11 +243,17 @@ class Service:
         return pids + list(self.peer_pids)
 
     def cpu_s(self) -> float:
-        total = 0.0
+        return sum(self.cpu_times())
+
+    def cpu_times(self) -> tuple[float, float]:
+        """User and system CPU seconds of its processes."""
+        user = system = 0.0
         for pid in self.pids():
             with contextlib.suppress(OSError):
-                total += process_cpu_s(pid)
-        return total
+                pid_user, pid_system = process_times(pid)
+                user += pid_user
+                system += pid_system
+        return user, system
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         raise NotImplementedError
@@ -494,9 +500,15 @@ def descendants(pid: int) -> list[int]:
 
 
 def process_cpu_s(pid: int) -> float:
+    return sum(process_times(pid))
+
+
+def process_times(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU seconds (/proc/PID/stat)."""
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def machine_busy_s() -> float:
@@ -622,6 +634,7 @@ class Cell:
     best_overlap: int
     errors: int
     client_cpu_s: float = 0.0  # this load generator's CPU time during the cell
+    service_system_s: float = 0.0  # the part of service_cpu_s spent in the kernel
     foreign_cores: float = 0.0
 
     @property
@@ -663,17 +676,18 @@ async def run_cell(
             best += overlap >= prompt.best_overlap
             await service.free(conn, request_id)
 
-    cpu_before = service.cpu_s()
+    user_before, system_before = service.cpu_times()
     client_before = process_cpu_s(os.getpid())
     started = time.perf_counter()
     await asyncio.gather(*(loop(conn) for conn in conns))
     elapsed = time.perf_counter() - started
-    cpu = service.cpu_s() - cpu_before
+    user_after, system_after = service.cpu_times()
+    cpu = user_after - user_before + system_after - system_before
     client = process_cpu_s(os.getpid()) - client_before
     for conn in conns:
         conn.close()
     return Cell(service.name, service.form, len(prompts[0].tokens), concurrency, len(latencies), elapsed, latencies,
-                cpu, best, errors, client)  # fmt: skip
+                cpu, best, errors, client, system_after - system_before)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- main
@@ -691,6 +705,7 @@ def median_cell(cells: list[Cell]) -> dict[str, float]:
         "p99_max": max(p99s),
         "slow_share": statistics.median(c.slow_share(5.0) for c in cells),
         "cpu_us": statistics.median(c.service_cpu_s / max(1, c.decisions) * 1e6 for c in cells),
+        "system_us": statistics.median(c.service_system_s / max(1, c.decisions) * 1e6 for c in cells),
         "client_cores": statistics.median(c.client_cpu_s / c.seconds for c in cells),
         "best": statistics.median(c.best_overlap / max(1, c.decisions) for c in cells),
         "errors": sum(c.errors for c in cells),
@@ -736,7 +751,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 summary = {key: median_cell(cells) for key, cells in results.items() if key[2:] == (size, concurrency)}
                 line = "  ".join(
                     f"{k[0]}/{k[1]} {v['per_s']:,.0f}/s p50 {v['p50']:.2f} p90 {v['p90']:.2f} p99 {v['p99']:.2f} "
-                    f"({v['p99_min']:.2f}-{v['p99_max']:.2f}) ms, {v['slow_share']:.1%} over 5x p50"
+                    f"({v['p99_min']:.2f}-{v['p99_max']:.2f}) ms, {v['slow_share']:.1%} over 5x p50, "
+                    f"{v['cpu_us']:.0f} µs/dec of which kernel {v['system_us']:.0f}"
                     for k, v in summary.items()
                 )
                 log(f"{size:>6} tokens c={concurrency:<3} {line}")
