@@ -55,6 +55,31 @@ def test_the_json_token_parser_never_accepts_what_msgspec_rejects_or_reads_diffe
     assert packed == array("I", tokens).tobytes()
 
 
+@settings(max_examples=1000, deadline=None)
+@given(st.text(alphabet="[]0123456789,-.eE+ \t\n", max_size=40), st.integers(0, 12))
+def test_digit_runs_read_eight_bytes_at_once_are_read_as_msgspec_reads_them(text: str, pad: int) -> None:
+    # Padding after the array: digit runs far enough from the end of the body to be read 8 bytes at
+    # once (the parser reads the last 7 bytes one at a time).
+    body = ('{"tokens":' + text + ', "p": "' + "x" * pad + '"}').encode()
+    packed = _packed(body)
+    if packed is None:
+        return
+    tokens = msgspec.json.decode(body, type=dict[str, Any])["tokens"]
+    assert all(type(token) is int and 0 <= token < 2**32 for token in tokens)
+    assert packed == array("I", tokens).tobytes()
+
+
+@pytest.mark.parametrize("digits", range(1, 12))
+def test_every_digit_count_packs_or_is_refused_as_json_says(digits: int) -> None:
+    for value in (10 ** (digits - 1), 10**digits - 1, 2**32 - 1, 2**32):
+        if len(str(value)) != digits:
+            continue
+        body = b'{"tokens":[%d,%d,%d],"pad":"xxxxxxxxxxxxxxxx"}' % (value, value, value)
+        assert _packed(body) == (array("I", [value] * 3).tobytes() if value < 2**32 else None)
+    leading_zero = b'{"tokens":[1,0%s],"pad":"xxxxxxxxxxxxxxxx"}' % (b"1" * (digits - 1) or b"0")
+    assert _packed(leading_zero) is None  # not JSON: msgspec's own error
+
+
 def _decode(decoder: BodyDecoder[Any], body: bytes) -> tuple[str, Any]:
     try:
         request = decoder.decode(Call(body))
