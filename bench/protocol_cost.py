@@ -24,6 +24,7 @@ import collections
 import cProfile
 import os
 import pstats
+import random
 import re
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def run_pairs(args: argparse.Namespace) -> None:
             prompt_tokens=[args.prompt_tokens], seed=0, workers=8, documents=32, total_blocks=args.total_blocks, pool=64
         )
     )
-    app = create_app(Settings())
+    app = create_app(Settings(), rng=random.Random(0))  # the same ties, so the same bookings, in every run
     for worker in workload.workers:
         app.state.router.register_worker(WorkerConfig(worker_id=worker))
     protocol_type = fast_protocol(app.hot, app.streams)
