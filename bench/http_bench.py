@@ -177,6 +177,18 @@ def stored_runs(chain: Chain, blocks: int, chunk: int) -> Iterator[tuple[int | N
 
 
 # ----------------------------------------------------------------------------- HTTP client
+def worker_events(workload: Workload, worker: int) -> list[dict[str, Any]]:
+    """The RouterEvents (JSON-ready) that store what `worker` holds in `workload`, 64 blocks an event."""
+    events: list[dict[str, Any]] = []
+    for chain, held in workload.holdings[worker]:
+        for parent, run in stored_runs(chain, held, 64):
+            pairs = zip(chain.seq[run], chain.local[run], strict=True)
+            blocks = [{"block_hash": s, "tokens_hash": t} for s, t in pairs]
+            data = {"stored": {"parent_hash": parent, "blocks": blocks}}
+            events.append({"worker_id": worker, "event": {"event_id": len(events) + 1, "data": data}})
+    return events
+
+
 class Connection:
     """One keep-alive HTTP/1.1 connection; Content-Length replies only (both services send them)."""
 
@@ -322,29 +334,17 @@ class KvRouterService(Service):
             try:
                 for worker in workload.workers:
                     await nc.publish(
-                        Subjects(self.namespace).events(worker), msgspec.json.encode(self._events(workload, worker))
+                        Subjects(self.namespace).events(worker), msgspec.json.encode(worker_events(workload, worker))
                     )
                 await nc.flush()
             finally:
                 await nc.close()
             return
         for worker in workload.workers:
-            body = msgspec.json.encode(self._events(workload, worker))
+            body = msgspec.json.encode(worker_events(workload, worker))
             reply = msgspec.json.decode(await conn.ok(b"POST", b"/v1/events", body))
             if reply["rejected"]:
                 raise RuntimeError(f"kv-router rejected events of worker {worker}: {reply['errors']}")
-
-    @staticmethod
-    def _events(workload: Workload, worker: int) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        for chain, held in workload.holdings[worker]:
-            for parent, run in stored_runs(chain, held, 64):
-                blocks = [
-                    {"block_hash": s, "tokens_hash": t} for s, t in zip(chain.seq[run], chain.local[run], strict=True)
-                ]
-                data = {"stored": {"parent_hash": parent, "blocks": blocks}}
-                events.append({"worker_id": worker, "event": {"event_id": len(events) + 1, "data": data}})
-        return events
 
     async def _every_child_ready(self, workers: int, timeout_s: float = 60.0) -> None:
         """Until ``VERIFY_CONNECTIONS`` fresh connections in a row (whichever child takes each) are

@@ -77,7 +77,7 @@ def run_pairs(args: argparse.Namespace) -> None:
     from api.app import create_app
     from api.config import Settings
     from api.http_protocol import fast_protocol
-    from bench.http_bench import build_workload, stored_runs
+    from bench.http_bench import build_workload, worker_events
     from router.types import WorkerConfig
 
     workload = build_workload(
@@ -96,15 +96,7 @@ def run_pairs(args: argparse.Namespace) -> None:
     transport = MemoryTransport()
     protocol.connection_made(transport)
     for worker in workload.workers:
-        events = []
-        for chain, held in workload.holdings[worker]:
-            for parent, run in stored_runs(chain, held, 64):
-                blocks = [
-                    {"block_hash": s, "tokens_hash": t} for s, t in zip(chain.seq[run], chain.local[run], strict=True)
-                ]
-                data = {"stored": {"parent_hash": parent, "blocks": blocks}}
-                events.append({"worker_id": worker, "event": {"event_id": len(events) + 1, "data": data}})
-        protocol.data_received(post(b"/v1/events", msgspec.json.encode(events)))
+        protocol.data_received(post(b"/v1/events", msgspec.json.encode(worker_events(workload, worker))))
     msgpack = msgspec.msgpack.Encoder()
     prompts = workload.prompts[args.prompt_tokens]
     requests = []

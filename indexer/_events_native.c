@@ -691,6 +691,19 @@ static int batch_arguments(PyObject *const *args, long *block_size, Py_buffer *d
     return PyObject_GetBuffer(args[0], data, PyBUF_SIMPLE);
 }
 
+/* Both entry points' first step: the batch of (payload, block_size, seed) into `b`. As read_batch:
+ * -1 with an exception set, 0 when the payload is not a plain batch (Python decides), 1 when read. */
+static int read_batch_arguments(PyObject *const *args, Batch *b) {
+    long block_size;
+    Py_buffer data;
+    if (batch_arguments(args, &block_size, &data) < 0)
+        return -1;
+    Reader r = {(const uint8_t *)data.buf, (const uint8_t *)data.buf + data.len};
+    int read = read_batch(&r, block_size, args[2], b);
+    PyBuffer_Release(&data);
+    return read;
+}
+
 /* The decoded event of `d` (a new reference). */
 static PyObject *event_object(Decoded *d, PyObject *block_size_obj) {
     if (d->kind == CLEARED)
@@ -709,14 +722,8 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "decode_batch(payload, block_size, seed)");
         return NULL;
     }
-    long block_size;
-    Py_buffer data;
-    if (batch_arguments(args, &block_size, &data) < 0)
-        return NULL;
-    Reader r = {(const uint8_t *)data.buf, (const uint8_t *)data.buf + data.len};
     Batch b;
-    int read = read_batch(&r, block_size, args[2], &b);
-    PyBuffer_Release(&data);
+    int read = read_batch_arguments(args, &b);
     if (read <= 0)
         return read < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *events = PyList_New(b.count), *result = NULL;
@@ -1061,14 +1068,8 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
     Py_ssize_t max_recorded = PyLong_AsSsize_t(args[12]);
     if (max_recorded == -1 && PyErr_Occurred())
         return NULL;
-    long block_size;
-    Py_buffer data;
-    if (batch_arguments(args, &block_size, &data) < 0)
-        return NULL;
-    Reader r = {(const uint8_t *)data.buf, (const uint8_t *)data.buf + data.len};
     Batch b;
-    int read = read_batch(&r, block_size, args[2], &b);
-    PyBuffer_Release(&data);
+    int read = read_batch_arguments(args, &b);
     if (read <= 0)
         return read < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *rank = b.rank == Py_None ? args[3] : b.rank; /* borrowed from either */
