@@ -19,6 +19,7 @@ from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.kv_router import KvRouter
+from router.replicas.messages import Booked, Freed, SyncBatch, sync_decoder
 from router.replicas.sync import ReplicaSync
 from router.types import PotentialLoad, RouteRequest, WorkerConfig
 from tests.test_api_support import prompt
@@ -163,3 +164,64 @@ async def test_undecodable_sync_messages_are_counted_and_ignored(nats_server: Em
         await client.publish(a.sync.subjects.router_sync, msgspec.msgpack.encode({"type": "batch", "seq": "x"}))
         await random_steps([a, b], reference, random.Random(3), 10)
         assert a.sync.outcomes["rejected_undecodable"] == 2
+
+
+async def test_a_request_freed_before_its_booking_went_out_reaches_no_peer(nats_server: EmbeddedNats) -> None:
+    reference = new_router()
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b:
+        # Booked, marked and freed in one loop turn: the publish loop has not run, nothing is sent.
+        await a.router.new(RouteRequest(tokens=PROMPTS[0], request_id="short"))
+        assert a.router.mark_prefill("short") and a.router.mark_free("short")
+        decision = await a.router.new(RouteRequest(tokens=PROMPTS[1], request_id="kept"))
+        await reference.new(RouteRequest(tokens=PROMPTS[1], request_id="kept"),
+                            pinned_worker=(decision.worker_id, decision.dp_rank))  # fmt: skip
+        await agree([a, b], reference)
+        assert a.sync.outcomes["elided"] == 3  # booking, prefill mark, free
+        assert a.sync.outcomes["published"] == 1 and b.sync.outcomes["applied"] == 1
+        assert [request_id for request_id, _ in b.router.bookings()] == ["kept"]
+        # a remembers it freed (its view says so to a late joiner); b never knew it: a mark there is unknown.
+        assert "short" in a.sync.state().freed and not b.router.mark_free("short")
+        # A request whose booking went out is freed on the peer by the free that follows it.
+        assert a.router.mark_free("kept")
+        reference.mark_free("kept")
+        await agree([a, b], reference)
+        assert b.sync.outcomes["applied"] == 2 and a.sync.outcomes["elided"] == 3
+
+
+# The sync wire types as peers before tuple-typed hashes declared them.
+class OldBooked(msgspec.Struct, tag="booked", kw_only=True):
+    request_id: str
+    worker_id: int
+    dp_rank: int
+    hashes: list[int] | None
+    private_blocks: int = 0
+    prefill_tokens: int = 0
+
+
+class OldFreed(msgspec.Struct, tag="freed", kw_only=True):
+    request_id: str
+    expired: bool = False
+
+
+class OldBatch(msgspec.Struct, tag="batch", kw_only=True):
+    replica_id: str
+    seq: int
+    sent_at_ms: int
+    changes: list[OldBooked | OldFreed]
+
+
+def test_sync_batches_keep_the_wire_shape_older_peers_decode() -> None:
+    """Booking hashes are sent from the router's tuple; on the wire they stay the msgpack array an
+    older peer (``hashes: list[int]``) decodes, and what it sends decodes here."""
+
+    hashes = (2**64 - 1, 7, 2**63)
+    new = SyncBatch(replica_id="r", seq=3, sent_at_ms=5, changes=[
+        Booked(request_id="x", worker_id=1, dp_rank=2, hashes=hashes, private_blocks=1, prefill_tokens=9),
+        Freed(request_id="y"),
+    ])  # fmt: skip
+    old = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldBatch)
+    assert old.changes == [
+        OldBooked(request_id="x", worker_id=1, dp_rank=2, hashes=list(hashes), private_blocks=1, prefill_tokens=9),
+        OldFreed(request_id="y"),
+    ]
+    assert sync_decoder().decode(msgspec.msgpack.encode(old)) == new

@@ -36,7 +36,7 @@ class Booked(msgspec.Struct, tag="booked", kw_only=True, gc=False):
     request_id: str
     worker_id: U64
     dp_rank: U32
-    hashes: list[int] | None
+    hashes: tuple[int, ...] | None  # a msgpack array (older peers decode it as a list)
     private_blocks: NonNegative = 0
     prefill_tokens: NonNegative = 0
 
@@ -85,7 +85,7 @@ class BookingEntry(msgspec.Struct, kw_only=True, gc=False):
     origin: str
     worker_id: U64
     dp_rank: U32
-    hashes: list[int] | None
+    hashes: tuple[int, ...] | None  # a msgpack array (older peers decode it as a list)
     private_blocks: NonNegative = 0
     prefill_tokens: NonNegative = 0
 

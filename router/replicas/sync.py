@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -117,7 +117,10 @@ class ReplicaSync:
         self.batch_window_s = batch_window_s
         self._clock = clock
         self._seq = 0
-        self._outbox: list[Change] = []
+        self._outbox: list[Change | None] = []
+        # Request id -> where its changes wait in the outbox: a request freed before its booking went
+        # out is dropped from the batch whole (peers would book and free it in one step).
+        self._unsent: dict[str, list[int]] = {}
         self._wake = asyncio.Event()
         self._peers: dict[str, _Peer] = {}
         self._origin: dict[str, str] = {}  # active request id -> the replica that booked it
@@ -187,29 +190,34 @@ class ReplicaSync:
     def booked(self, request_id: str, booking: Booking) -> None:
         self._origin[request_id] = self.replica_id
         worker_id, dp_rank = booking.key
-        hashes = None if booking.hashes is None else list(booking.hashes)
-        self._queue(
-            Booked(
-                request_id=request_id,
-                worker_id=worker_id,
-                dp_rank=dp_rank,
-                hashes=hashes,
-                private_blocks=booking.private_blocks,
-                prefill_tokens=booking.prefill_tokens,
-            )
-        )
+        self._unsent[request_id] = [len(self._outbox)]
+        hashes = _wire_hashes(booking.hashes)
+        self._queue(Booked(request_id=request_id, worker_id=worker_id, dp_rank=dp_rank, hashes=hashes,
+                           private_blocks=booking.private_blocks, prefill_tokens=booking.prefill_tokens))  # fmt: skip
 
     def prefill_marked(self, request_id: str) -> None:
+        unsent = self._unsent.get(request_id)
+        if unsent is not None:
+            unsent.append(len(self._outbox))
         self._queue(PrefillMarked(request_id=request_id))
 
     def freed(self, request_id: str) -> None:
         self._origin.pop(request_id, None)
         self._freed[request_id] = self._clock()
-        self._queue(Freed(request_id=request_id))
+        unsent = self._unsent.pop(request_id, None)
+        if unsent is None:
+            self._queue(Freed(request_id=request_id))
+            return
+        outbox = self._outbox
+        for index in unsent:
+            outbox[index] = None
+        self.outcomes["elided"] += len(unsent) + 1
 
     def _queue(self, change: Change) -> None:
-        self._outbox.append(change)
-        self._wake.set()
+        outbox = self._outbox
+        if not outbox:
+            self._wake.set()  # set stays set until the publish loop takes the whole outbox
+        outbox.append(change)
 
     async def _publish_loop(self) -> None:
         while True:
@@ -220,8 +228,13 @@ class ReplicaSync:
 
     async def _flush(self) -> None:
         while self._outbox:
-            changes = self._outbox[:MAX_BATCH_CHANGES]
-            del self._outbox[:MAX_BATCH_CHANGES]
+            taken, self._outbox = self._outbox, []
+            self._unsent.clear()
+            await self._publish([change for change in taken if change is not None])
+
+    async def _publish(self, pending: list[Change]) -> None:
+        for start in range(0, len(pending), MAX_BATCH_CHANGES):
+            changes = pending[start : start + MAX_BATCH_CHANGES]
             self._seq += 1
             batch = SyncBatch(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms(), changes=changes)
             await self.nc.publish(self.subjects.router_sync, _encode(batch))
@@ -303,7 +316,7 @@ class ReplicaSync:
         request_id: str,
         origin: str,
         key: tuple[int, int],
-        hashes: list[int] | None,
+        hashes: tuple[int, ...] | None,
         private_blocks: int,
         prefill_tokens: int,
     ) -> bool:
@@ -391,7 +404,7 @@ class ReplicaSync:
                 origin=origin.get(request_id, me),
                 worker_id=booking.key[0],
                 dp_rank=booking.key[1],
-                hashes=None if booking.hashes is None else list(booking.hashes),
+                hashes=_wire_hashes(booking.hashes),
                 private_blocks=booking.private_blocks,
                 prefill_tokens=booking.prefill_tokens,
             )
@@ -488,6 +501,11 @@ class ReplicaSync:
     def _reject(self, reason: str, message: str) -> None:
         self.outcomes[f"rejected_{reason}"] += 1
         self._bad_input.warning(reason, message)
+
+
+def _wire_hashes(hashes: Sequence[int] | None) -> tuple[int, ...] | None:
+    """A booking's hashes as sent: the router's own tuple as it is (no copy), anything else as one."""
+    return hashes if hashes is None or isinstance(hashes, tuple) else tuple(hashes)
 
 
 def _now_ms() -> int:
