@@ -190,3 +190,9 @@ async def test_a_request_without_the_api_token_is_an_openai_shaped_401_and_books
             whole = await allowed.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=2)
             assert whole.choices[0].text == " w1 w2"
             assert [model.id async for model in allowed.models.list()] == [MODEL]
+        # Each refusal is counted on its route (the models list is a read, not a proxied request).
+        async with httpx.AsyncClient(base_url=f.url, headers={"authorization": f"Bearer {token}"}) as http:
+            text = (await http.get("/metrics")).text
+        for route in ("completions", "chat_completions"):
+            assert metric(text, "kv_router_proxy_requests_total", route=route, outcome="unauthorized") == 1
+        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="ok") == 1

@@ -39,7 +39,7 @@ ADDED_BUCKETS = (
 )  # fmt: skip
 OUTCOMES = (
     "ok", "bad_request", "no_worker", "queue_rejected", "upstream_error", "upstream_status",
-    "client_disconnected", "tokenize_failed",
+    "client_disconnected", "tokenize_failed", "unauthorized",
 )  # fmt: skip
 
 
@@ -70,7 +70,7 @@ class ProxyMetrics(Collector):
             f"{PREFIX}_proxy_requests",
             "Proxied OpenAI requests by route (completions, chat_completions) and outcome (ok, bad_request, "
             "no_worker, queue_rejected, upstream_error: no worker answered or a stream broke, upstream_status: "
-            "the worker's own 4xx, client_disconnected, tokenize_failed).",
+            "the worker's own 4xx, client_disconnected, tokenize_failed, unauthorized: no or a wrong API token).",
             ["route", "outcome"],
             registry=registry,
         )

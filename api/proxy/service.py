@@ -137,6 +137,7 @@ class Proxy:
                 route = ROUTES.get(path)
                 if route is not None and scope["method"] == "POST":
                     if auth.refuse(Access.DECISION, scope["headers"]) is not None:
+                        self.metrics.count(route, "unauthorized")
                         await _send_reply(send, unauthorized)
                         return
                     await self.serve(route, scope, receive, send)
@@ -164,6 +165,7 @@ class Proxy:
                 authorization = request.authorization
                 presented = [(b"authorization", authorization)] if authorization else []
                 if auth.refuse(Access.DECISION, presented) is not None:
+                    self.metrics.count(route, "unauthorized")
                     await request.whole(unauthorized.status, _header_bytes(unauthorized), unauthorized.body)
                     return
                 await self.answer(route, request.body, authorization, request, request.is_disconnected)
