@@ -787,25 +787,30 @@ static int BlockMap_ass_subscript(BlockMapObject *self, PyObject *key, PyObject 
     return 0;
 }
 
-static PyObject *BlockMap_get(BlockMapObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* The (key[, default]) calls: checks the arity against `usage` and finds the key's entry (NULL when absent,
+ * or when the key is no u64 int and so cannot be held). Returns -1 with TypeError on a wrong arity. */
+static int map_lookup_args(BlockMapObject *self, PyObject *const *args, Py_ssize_t nargs, const char *usage,
+                           MapEntry **entry) {
     if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
     }
     uint64_t k;
-    int valid = map_key(args[0], &k);
-    MapEntry *entry = valid ? map_find(self, k) : NULL;
+    *entry = map_key(args[0], &k) ? map_find(self, k) : NULL;
+    return 0;
+}
+
+static PyObject *BlockMap_get(BlockMapObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    MapEntry *entry;
+    if (map_lookup_args(self, args, nargs, "get(key, default=None)", &entry) < 0)
+        return NULL;
     return Py_NewRef(entry != NULL ? entry->value : nargs == 2 ? args[1] : Py_None);
 }
 
 static PyObject *BlockMap_pop(BlockMapObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+    MapEntry *entry;
+    if (map_lookup_args(self, args, nargs, "pop(key[, default])", &entry) < 0)
         return NULL;
-    }
-    uint64_t k;
-    int valid = map_key(args[0], &k);
-    MapEntry *entry = valid ? map_find(self, k) : NULL;
     if (entry != NULL)
         return map_take(self, entry);
     if (nargs == 2)
