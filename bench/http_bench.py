@@ -347,9 +347,19 @@ class KvRouterService(Service):
                 raise RuntimeError(f"kv-router rejected events of worker {worker}: {reply['errors']}")
 
     async def _every_child_ready(self, workers: int, timeout_s: float = 60.0) -> None:
-        """Until ``VERIFY_CONNECTIONS`` fresh connections in a row (whichever child takes each) are
-        ready and list ``workers`` workers."""
+        """Until every child listens on the port and ``VERIFY_CONNECTIONS`` fresh connections in a
+        row (whichever child takes each) are ready and list ``workers`` workers.
+
+        A child still starting (its event plane connecting, before uvicorn listens) takes no
+        connection: the kernel hands every one to the children already listening, so without the
+        count of listening sockets the check passes on one child alone and events published next
+        miss the other."""
         deadline = time.monotonic() + timeout_s
+        while listening_sockets(self.port) < self.cores:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kv-router/{self.form}: {listening_sockets(self.port)} of {self.cores} "
+                                   "processes listening")  # fmt: skip
+            await asyncio.sleep(0.05)
         seen = 0
         while seen < VERIFY_CONNECTIONS:
             conn = await Connection.open(self.port)
@@ -497,6 +507,13 @@ def descendants(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
     children = [int(line) for line in out.stdout.split()]
     return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
+def listening_sockets(port: int) -> int:
+    """Sockets listening on IPv4 ``port`` in this network namespace (/proc/net/tcp, state 0A)."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(1 for row in rows if row[1].endswith(f":{port:04X}") and row[3] == "0A")
 
 
 def process_cpu_s(pid: int) -> float:
