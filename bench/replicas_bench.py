@@ -44,6 +44,7 @@ import random
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,7 @@ from tests.router_processes import RouterProcess
 WORKERS = 8
 BLOCK_SIZE = 16
 WRK_SCRIPT = Path(__file__).resolve().parent / "replicas_wrk.lua"
+LOADGEN_SOURCE = Path(__file__).resolve().parent / "loadgen.c"
 
 
 def log(*parts: object) -> None:
@@ -164,6 +166,30 @@ def wrk_load(ports: list[int], bodies_file: Path, seconds: float, concurrency: i
     return result["decisions"] / result["duration_s"], cpu
 
 
+def build_loadgen(directory: Path) -> Path:
+    """bench/loadgen.c compiled with the machine's C compiler into ``directory``."""
+    binary = directory / "loadgen"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("--generator c needs a C compiler (cc)")
+    subprocess.run([compiler, "-O2", "-o", str(binary), str(LOADGEN_SOURCE)], check=True)
+    return binary
+
+
+def c_load(binary: Path, ports: list[int], bodies_file: Path, seconds: float, concurrency: int) -> dict[str, float]:
+    """bench/loadgen.c as the generator: ``concurrency`` connections per port, one thread, the same
+    closed loop; its JSON line (decisions, latency percentiles, its CPU s)."""
+    command = [str(binary), ",".join(map(str, ports)), str(concurrency * len(ports)), str(seconds),
+               str(bodies_file), f"c-{time.time_ns()}"]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"loadgen failed ({out.returncode}): {out.stdout[-2000:]} {out.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    if result["failures"] or result["unfinished"]:
+        raise RuntimeError(f"loadgen: {result}")
+    return result
+
+
 def foreign_cores(pids: list[int], started: tuple[float, float, float], generator_cpu_s: float) -> float:
     busy0, own0, t0 = started
     busy1, own1, t1 = snapshot_cpu(pids)
@@ -191,15 +217,22 @@ async def throughput_cell(
     for seconds, measured in ((1.0, False), (args.seconds, True)):
         pids = [*dict.fromkeys(pid for r in replicas for pid in (r.pid, *descendants(r.pid))), server_pid]
         cpu = snapshot_cpu(pids)
-        if args.generator == "wrk":
+        latency: dict[str, float] = {}
+        if args.generator == "c":
+            result = await asyncio.to_thread(c_load, args.loadgen, ports, args.bodies_file, seconds, args.concurrency)
+            rate, generator_cpu = result["decisions"] / result["duration_s"], result["cpu_s"]
+            latency = {"p50_ms": result["p50_ms"], "p99_ms": result["p99_ms"]}
+        elif args.generator == "wrk":
             rate, generator_cpu = await asyncio.to_thread(wrk_load, ports, args.bodies_file, seconds, args.concurrency)
         else:
             rate, generator_cpu = await python_load(ports, bodies, seconds, args.concurrency)
         if measured:
             elapsed = time.perf_counter() - cpu[2]
+            service_cores = (snapshot_cpu(pids)[1] - cpu[1]) / elapsed
             return {"decisions_per_s": rate, "foreign_cores": foreign_cores(pids, cpu, generator_cpu),
-                    "generator_cores": generator_cpu / elapsed,
-                    "service_cores": (snapshot_cpu(pids)[1] - cpu[1]) / elapsed}  # fmt: skip
+                    "generator_cores": generator_cpu / elapsed, "service_cores": service_cores,
+                    "service_us_per_decision": service_cores / rate * 1e6,
+                    "generator_us_per_decision": generator_cpu / elapsed / rate * 1e6, **latency}  # fmt: skip
     raise AssertionError("unreachable")
 
 
@@ -251,8 +284,9 @@ async def part_processes(server: EmbeddedNats, work: Path, args: argparse.Namesp
             finally:
                 router.stop()
     best = {n: max(cells, key=lambda c: c["decisions_per_s"]) for n, cells in results.items()}
+    median = {n: statistics.median(c["decisions_per_s"] for c in cells) for n, cells in results.items()}
     return {"one": best["1"], "two": best["2"], "ratio": best["2"]["decisions_per_s"] / best["1"]["decisions_per_s"],
-            "runs": results}  # fmt: skip
+            "median_ratio": median["2"] / median["1"], "runs": results}  # fmt: skip
 
 
 async def paced_load(port: int, bodies: list[bytes], rate: float, seconds: float, tag: str) -> float:
@@ -596,6 +630,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         args.bodies_file = work / "prompts.jsonl"
         args.bodies_file.write_bytes(b"\n".join(prompts(256, args.prompt_tokens)) + b"\n")
         outcome["generator"] = args.generator
+        if args.generator == "c":
+            args.loadgen = build_loadgen(work)
         if "throughput" in args.parts:
             outcome["throughput"] = await part_throughput(server, work, args)
         if "processes" in args.parts:
@@ -612,12 +648,20 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def throughput_table(what: str, part: dict[str, Any]) -> list[str]:
-    lines = [f"| {what} | run | decisions/s | services (cores) | generator (cores) | foreign (cores) |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [f"| {what} | run | decisions/s | services (cores) | generator (cores) | foreign (cores) | "
+             "services µs / decision | generator µs / decision |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for n, cells in part["runs"].items():
         for run, c in enumerate(cells, 1):
             lines.append(f"| {n} | {run} | {c['decisions_per_s']:.0f} | {c['service_cores']:.2f} | "
-                         f"{c['generator_cores']:.2f} | {c['foreign_cores']:.2f} |")  # fmt: skip
+                         f"{c['generator_cores']:.2f} | {c['foreign_cores']:.2f} | "
+                         f"{c['service_us_per_decision']:.0f} | {c['generator_us_per_decision']:.1f} |")  # fmt: skip
+    for n, cells in part["runs"].items():
+        rates = sorted(c["decisions_per_s"] for c in cells)
+        costs = sorted(c["service_us_per_decision"] for c in cells)
+        lines.append(f"\n{what} {n}: decisions/s min {rates[0]:.0f} / median {statistics.median(rates):.0f} / max "
+                     f"{rates[-1]:.0f}; services µs per decision min {costs[0]:.0f} / median "
+                     f"{statistics.median(costs):.0f} / max {costs[-1]:.0f} ({len(cells)} runs)")  # fmt: skip
     return lines
 
 
@@ -630,7 +674,8 @@ def report(outcome: dict[str, Any]) -> str:
     if "processes" in outcome:
         p = outcome["processes"]
         lines.extend(throughput_table("--processes", p))
-        lines.append(f"\n--processes 2 / --processes 1: **{p['ratio']:.2f}x** (best run of each)\n")
+        lines.append(f"\n--processes 2 / --processes 1: **{p['ratio']:.2f}x** (best run of each), "
+                     f"**{p['median_ratio']:.2f}x** (median of each)\n")  # fmt: skip
     if "lag" in outcome:
         lag = outcome["lag"]
         lines.append(f"sync lag at {lag['rate']:.0f} decisions/s: p50 {lag['lag_s']['0.5'] * 1e3:.2f} ms, "
@@ -661,8 +706,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=8, help="connections per replica")
-    parser.add_argument("--generator", choices=("auto", "wrk", "python"), default="auto",
-                        help="load generator of the throughput parts (auto: wrk when installed)")  # fmt: skip
+    parser.add_argument("--generator", choices=("auto", "c", "wrk", "python"), default="auto",
+                        help="load generator of the throughput parts: c (bench/loadgen.c, a few µs per "
+                        "decision), wrk (~110 µs), python (~150 µs); auto: c with a C compiler, else wrk")  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--lag-rate", type=float, default=1000.0)
     parser.add_argument("--blocks", type=int, default=1_000_000)
@@ -671,7 +717,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.generator == "auto":
-        args.generator = "wrk" if shutil.which("wrk") else "python"
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        args.generator = "c" if compiler else "wrk" if shutil.which("wrk") else "python"
     log(f"load generator: {args.generator}")
     outcome = asyncio.run(bench(args))
     print(json.dumps(outcome, indent=2) if args.json else report(outcome))
