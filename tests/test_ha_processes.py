@@ -1,9 +1,10 @@
 """``kv-router serve --processes 2``: two router processes share one port (SO_REUSEPORT), each a
 replica; every connection, whichever process answers it, sees the same load, and a child killed with
-SIGKILL is started again by the parent and catches up."""
+SIGKILL is started again by the parent and catches up, its index included (from the workers)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -13,10 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.client import Client
 
+from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.publisher import KvEventPublisher
+from router.types import WorkerConfig
 from tests.router_processes import RouterProcess, get
 from tests.test_api_support import prompt
 from tests.test_ha_replicas import within
+from tests.test_never_blind import pairs, tokens
 
 pytestmark = pytest.mark.slow
 
@@ -93,4 +99,51 @@ def test_processes_share_the_port_and_one_load_view(tmp_path: Path) -> None:
         within(40, lambda: len(active_everywhere(router.port)) == 1, "the processes agree again")
     finally:
         router.stop()
+    assert router.process is not None and router.process.returncode == 0
+
+
+async def until(seconds: float, check: Any, what: str) -> None:
+    """``check()`` (blocking HTTP) off the event loop, which answers the publisher's resyncs meanwhile."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not await asyncio.to_thread(check):
+        assert asyncio.get_running_loop().time() < deadline, f"not within {seconds} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+def cached_everywhere(port: int, worker_id: int, seed: int, blocks: int, connections: int = 16) -> bool:
+    """Whether every one of several fresh connections (either process) sees the worker's blocks."""
+    for _ in range(connections):
+        workers = on_new_connection(port, "/v1/overlap", {"tokens": tokens(seed, blocks)})[1]["workers"]
+        if {row["worker_id"]: row["device_blocks"] for row in workers}.get(worker_id) != blocks:
+            return False
+    return True
+
+
+@pytest.mark.anyio
+async def test_a_process_started_after_the_events_learns_them_from_the_worker(
+    nats_server: EmbeddedNats, client: Client, tmp_path: Path
+) -> None:
+    # Core NATS keeps nothing: a process that starts after a worker published (here: started again
+    # after SIGKILL) must ask the worker for what it holds, or it routes blind to that cache.
+    router = RouterProcess(tmp_path, "--processes", "2", "--nats-url", nats_server.url, "--replica-lease-secs", "5")
+    await asyncio.to_thread(router.start)
+    publisher = KvEventPublisher(client, WorkerConfig(worker_id=5, block_size=16))
+    try:
+        await until(40, lambda: listening_sockets(router.port) == 2, "two router processes listening")
+        await publisher.start()
+        await until(15, lambda: registered_everywhere(router.port, 5), "every process knows the worker")
+        last_event = await publisher.stored(pairs(3, 6))
+        await until(15, lambda: cached_everywhere(router.port, 5, 3, 6), "every process indexed the blocks")
+
+        victim = children_of(router.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        await until(40, lambda: victim not in children_of(router.pid) and listening_sockets(router.port) == 2,
+                    "the parent starts the killed process again")  # fmt: skip
+        # Nothing was published since: the new process has the blocks from the worker's full dump.
+        await until(15, lambda: cached_everywhere(router.port, 5, 3, 6), "the new process indexed the blocks")
+        assert await publisher.stored(pairs(4, 2)) == last_event + 1
+        await until(15, lambda: cached_everywhere(router.port, 5, 4, 2), "both follow the live stream")
+    finally:
+        await publisher.stop()
+        await asyncio.to_thread(router.stop)
     assert router.process is not None and router.process.returncode == 0
