@@ -3,8 +3,9 @@
 
 1. ``throughput``: decisions/s of 1 and of 2 ``--replica-sync`` replicas, driven by one load generator
    (``--concurrency`` keep-alive connections per replica, each a closed loop of ``POST /v1/new`` then
-   ``POST /v1/mark_free`` with a request id unique per request). The generator is ``wrk`` with
-   bench/replicas_wrk.lua (one thread per connection) when it is installed, else this process
+   ``POST /v1/mark_free`` with a request id unique per request). The generator is bench/loadgen.c
+   (one thread, epoll; built with the machine's C compiler at the start of the run) when a compiler
+   is found, else ``wrk`` with bench/replicas_wrk.lua (one thread per connection), else this process
    (``--generator`` chooses; the report says which). Reported as the ratio 2 replicas / 1 replica,
    measured in the same run, with the CPU the services, the generator and other processes on the
    machine used during each cell.
@@ -27,6 +28,7 @@
 
     python bench/replicas_bench.py                               # all four, ~3 minutes
     python bench/replicas_bench.py --parts throughput --seconds 5
+    python bench/replicas_bench.py --parts processes --prompt-tokens 1024 --concurrency 32 --repeat 8   # c=64
     python bench/replicas_bench.py --parts sync-cost --lag-rate 1000   # what sync costs per decision
     python bench/replicas_bench.py --parts stall --gc-freeze           # loop stalls of a snapshot, in process
 
