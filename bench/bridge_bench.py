@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -118,7 +119,14 @@ async def throughput(batches: int, blocks: int) -> None:
         config = BridgeConfig(worker_id=WORKER, zmq_endpoint=endpoint, block_size=BLOCK, queue_size=batches + 1)
         bridge = Bridge(config, nc)
         engine = _engine(endpoint, "throughput", batches, blocks, 0)
-        await bridge.start()
+        # Started as `kv-router bridge` starts it (gc.freeze() after start); a peer tree from before
+        # `start_service` froze at the same point in its `run_forever`.
+        start_service = getattr(bridge, "start_service", None)
+        if start_service is None:
+            await bridge.start()
+            gc.freeze()
+        else:
+            await start_service()
         stream = bridge.streams[0]
         try:
             while stream.stats["applied"] == 0:

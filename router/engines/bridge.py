@@ -149,13 +149,18 @@ class Bridge:
             await stream.stop()
         await self.publisher.stop(deregister=deregister)
 
-    async def run_forever(self) -> None:
-        """The bridge as its process's one job (`kv-router bridge`)."""
+    async def start_service(self) -> None:
+        """`start` as the bridge's process runs it (`run_forever`, and the throughput bench, which
+        measures what the service runs)."""
         await self.start()
         # What the process holds once started (its modules, the clients) lives as long as it does:
         # frozen, the collector never walks it again. A full collection of it stopped the bridge for
         # 45-55 ms every few seconds at 100k blocks/s, the lag's tail (docs/performance.md).
         gc.freeze()
+
+    async def run_forever(self) -> None:
+        """The bridge as its process's one job (`kv-router bridge`)."""
+        await self.start_service()
         try:
             await asyncio.Event().wait()
         finally:

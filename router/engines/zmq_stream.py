@@ -45,6 +45,7 @@ import zmq.asyncio
 
 from indexer.engine_events import EngineDecodeError, EngineEvent, EngineStored, decode_engine_batch
 from router.engines.hash_check import TokensHashCheck, evidence
+from router.engines.zmq_drain import drain_sub
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.supervision import Supervisor
 
@@ -56,7 +57,8 @@ END_SEQ = (1 << 64) - 1  # the replay end marker: -1 as a signed 8-byte big-endi
 DEFAULT_QUEUE_SIZE = 10_000
 # Applying a backlog must not starve the loop it shares (the router's decisions in direct mode).
 YIELD_AFTER_S = 0.0005
-# Messages the SUB reader takes off the socket per wake-up before it lets the loop run.
+# Messages the SUB reader takes off the socket per wake-up (one `drain_sub` call) before it lets the
+# loop run.
 READ_BURST = 256
 
 
@@ -216,14 +218,22 @@ class ZmqEngineStream:
         try:
             socket.connect(self.endpoint)
             self._subscribed.set()
+            queue, queued, stats = self._queue, self._queued, self.stats
+            read: list[tuple[int, bytes]] = []
             while True:
-                for _ in range(READ_BURST):
-                    try:
-                        frames = sync.recv_multipart(zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    self._take(frames)
-                else:
+                messages, dropped, misshapen = drain_sub(sync, READ_BURST, self._queue_size - len(queue), read)
+                if messages:
+                    stats["messages"] += messages
+                if read:
+                    queue.extend(read)
+                    read.clear()
+                    if not queued.is_set():
+                        queued.set()
+                if dropped:
+                    stats["dropped_queue_full"] += dropped
+                for frames in misshapen:
+                    self._reject("bad_frames", f"expected [topic, seq(8 bytes), payload], got {frames} frames")
+                if messages == READ_BURST:
                     await asyncio.sleep(0)  # more is queued: let the loop run first
                     continue
                 readable.clear()
@@ -233,19 +243,6 @@ class ZmqEngineStream:
         finally:
             loop.remove_reader(fd)
             socket.close()
-
-    def _take(self, frames: list[bytes]) -> None:
-        self.stats["messages"] += 1
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self._reject("bad_frames", f"expected [topic, seq(8 bytes), payload], got {len(frames)} frames")
-            return
-        queue = self._queue
-        if len(queue) >= self._queue_size:
-            self.stats["dropped_queue_full"] += 1
-            return
-        queue.append((int.from_bytes(frames[1], "big"), frames[2]))
-        if not self._queued.is_set():
-            self._queued.set()
 
     async def _apply_loop(self) -> None:
         if self.replay_endpoint is not None and self._last_applied is None:
