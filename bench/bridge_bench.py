@@ -132,13 +132,13 @@ async def throughput(batches: int, blocks: int) -> None:
             while stream.stats["applied"] == 0:
                 await asyncio.sleep(0.0005)
             cpu0, wall0 = time.process_time(), time.perf_counter()
-            applied0 = stream.stats["applied"]
+            applied0, sent0 = stream.stats["applied"], nc.stats["out_msgs"]
             deadline = time.monotonic() + 120
             while stream.stats["applied"] < batches and time.monotonic() < deadline:
                 await asyncio.sleep(0.001)
             await nc.flush()
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-            done = stream.stats["applied"] - applied0
+            done, sent = stream.stats["applied"] - applied0, nc.stats["out_msgs"] - sent0
         finally:
             engine.wait(timeout=60)
             await bridge.stop()
@@ -148,6 +148,7 @@ async def throughput(batches: int, blocks: int) -> None:
     print(f"  stored blocks per bridge CPU-second: {stored / cpu:,.0f}   per wall second: {stored / wall:,.0f}")
     dropped = stream.stats["dropped_queue_full"]
     print(f"  stored+removed blocks per CPU-second: {2 * stored / cpu:,.0f}   dropped: {dropped}")
+    print(f"  NATS messages sent: {sent:,} ({done / max(sent, 1):.1f} engine batches each, heartbeats included)")
 
 
 class _DroppingNats:

@@ -148,6 +148,35 @@ async def test_a_restart_heard_first_as_a_gap_is_a_restart() -> None:
         assert _stream(router).trusted
 
 
+async def test_a_new_process_first_heard_at_the_next_seq_reads_as_the_old_one_going_on() -> None:
+    """The one restart the seq rules cannot see (router/engines/README.md, "Invariants"): the new
+    process's seqs 0-4 are lost and its seq 5 comes right after the old process's last applied seq 4.
+    By seq that is the next batch, and vLLM's payload names no process, so it is applied as one: no
+    restart, no gap, no replay asked, and the router keeps the old process's blocks beside the new
+    ones (the rank stays trusted) until the engine clears."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=29) as (engine, direct):
+        for _ in range(5):
+            await engine.step()
+        await _converged(router, engine, direct)
+        old_process = engine.dump()
+        assert old_process
+        before = dict(direct.stream.stats)  # the slow joiner's first batches may have come by replay
+        engine.restart()
+        for _ in range(5):
+            await engine.step(publish=False)  # the new process's seqs 0-4, never heard
+        await engine.step()  # its seq 5
+        await eventually(lambda: direct.stream.stats["applied"] == 6 and direct.stream.backlog == 0)
+        changed = {key: direct.stream.stats[key] - before.get(key, 0) for key in ("restarts", "gap", "replayed")}
+        assert changed == {"restarts": 0, "gap": 0, "replayed": 0} and direct.stream.stats["unverified"] == 0
+        held = canonical(router.indexer.dump_events())
+        assert set(old_process) <= set(held) and held != engine.dump()
+        assert _stream(router).trusted
+        await engine.send([engine.cleared()])
+        await engine.step()
+        await _converged(router, engine, direct)
+
+
 async def test_without_replay_a_gap_leaves_the_rank_untrusted_until_it_clears() -> None:
     router = _router()
     async with direct_mode(router, WORKER, replay=False, seed=11) as (engine, direct):
