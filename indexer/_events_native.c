@@ -5,7 +5,8 @@
  * events in one call: hashes folded to u64, token ids packed and hashed into tokens hashes (through
  * `indexer._native`'s `msgpack_u32s` and `block_hashes`, so XXH3 lives in one place), `medium` mapped
  * to a tier. `hold_chain` and `drop_blocks` are `indexer.held_blocks.HeldBlocks.store`'s dict update
- * with its checks and `remove`'s pops.
+ * with its checks and `remove`'s pops. `drain_sub` reads what a ZMQ SUB socket holds in one call,
+ * on libzmq's message calls that `router/engines/zmq_drain.py` hands over (no libzmq link here).
  *
  * Guardrail: only the plain shapes are taken here. Anything else (a map envelope, a LoRA name, a
  * cache salt, multimodal infos, an unknown medium spelling, any value of a wrong type, any error
@@ -1322,6 +1323,8 @@ static PyObject *py_drain_sub(PyObject *self, PyObject *const *args, Py_ssize_t 
             PyObject *bytes =
                 PyBytes_FromStringAndSize(zmq_msg_data_fn(&payload), (Py_ssize_t)zmq_msg_size_fn(&payload));
             PyObject *entry = bytes == NULL ? NULL : Py_BuildValue("(KN)", (unsigned long long)seq, bytes);
+            if (entry != NULL)
+                PyObject_GC_UnTrack(entry); /* an int and bytes: a backlog adds no weight to collections */
             failed = entry == NULL || PyList_Append(out, entry) < 0;
             Py_XDECREF(entry);
             room--;

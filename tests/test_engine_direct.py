@@ -149,7 +149,7 @@ async def test_a_restart_heard_first_as_a_gap_is_a_restart() -> None:
 
 
 async def test_a_new_process_first_heard_at_the_next_seq_reads_as_the_old_one_going_on() -> None:
-    """The one restart the seq rules cannot see (router/engines/README.md, "Invariants"): the new
+    """The one restart the seq rules cannot see (router/engines/README.md, "Not covered"): the new
     process's seqs 0-4 are lost and its seq 5 comes right after the old process's last applied seq 4.
     By seq that is the next batch, and vLLM's payload names no process, so it is applied as one: no
     restart, no gap, no replay asked, and the router keeps the old process's blocks beside the new
