@@ -6,8 +6,9 @@
 ``throughput``: an engine process publishes ``--batches`` pre-encoded batches flat out (each stores
 ``--blocks`` new blocks with their token ids under the root, as two BlockStored events, and removes
 the previous batch's blocks, so every index stays small); the bridge runs in this process on one
-core and its CPU time is measured from its first batch to its last, flushed to NATS. Reported: blocks
-per CPU-second of the bridge (the figure that matters on one core) and per wall second.
+core, started as ``kv-router bridge`` starts it (`Bridge.start_service`), and its CPU time is measured
+from its first batch to its last, flushed to NATS. Reported: blocks per CPU-second of the bridge (the
+figure that matters on one core), per wall second, and the NATS messages it sent.
 
 ``lag``: engine, bridge (a ``kv-router bridge`` process) and router (this process: NATS subscriber ->
 sequencer -> index) apart; the engine paces ``--blocks-per-s`` in 1 ms batches and encodes its send

@@ -4,18 +4,28 @@ One PUB socket sends a script of messages to two SUB sockets (real ZMQ sockets o
 message is queued on both before the first read); each is drained with the same (limit, room)
 calls, one in C and one through pyzmq, and both must give the exact answers written out here: the
 well-formed messages as (seq, payload) while there is room, drops after that, the frame count of
-every other shape.
+every other shape. Then a `ZmqEngineStream` with a small queue counts what its reader took, dropped
+and refused (the suite runs with and without KV_ROUTER_NO_NATIVE, so through both readers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 
+from router.config import RouterConfig
 from router.engines import zmq_drain
+from router.engines.direct import SequencerSink
+from router.engines.zmq_stream import ZmqEngineStream
+from router.kv_router import KvRouter
+from router.types import WorkerConfig
+from tests.waiting import eventually
 
 Drain = Callable[[zmq.Socket[bytes], int, int, list[tuple[int, bytes]]], tuple[int, int, list[int]]]
 
@@ -108,3 +118,40 @@ def test_a_closed_socket_raises_instead_of_reading(
     subscriber.close(linger=0)
     with pytest.raises((zmq.ZMQError, OSError)):
         zmq_drain.drain_sub(subscriber, 10, 10, [])
+
+
+@pytest.mark.anyio
+async def test_a_stream_counts_what_its_reader_took_dropped_and_refused() -> None:
+    context = zmq.asyncio.Context()
+    publisher = context.socket(zmq.PUB)
+    engine: zmq.Socket[bytes] = zmq.Socket.shadow(publisher.underlying)  # sends at once, no future
+    engine.setsockopt(zmq.SNDHWM, 0)
+    engine.bind("inproc://stream-engine")
+    router = KvRouter(RouterConfig(block_size=16))
+    router.register_worker(WorkerConfig(worker_id=3, block_size=16, leased=False))
+    stream = ZmqEngineStream(
+        SequencerSink(router, 3), "inproc://stream-engine", block_size=16, queue_size=3, context=context
+    )
+    await stream.start()
+    try:
+        stats = stream.stats
+        for _ in range(500):  # until the subscription has reached the PUB socket
+            engine.send_multipart([b"probe"])
+            await asyncio.sleep(0.01)
+            if stats["rejected_bad_frames"]:
+                break
+        await eventually(lambda: stats["messages"] == stats["rejected_bad_frames"] > 0)
+        probes = stats["messages"]
+        empty_batch = msgspec.msgpack.encode([1700000000.5, [], 0])
+        # All queued before the reader runs again: one read takes the queue's 3, drops the other 47.
+        for seq in range(50):
+            engine.send_multipart([b"kv", seq.to_bytes(8, "big"), empty_batch])
+        engine.send_multipart([b"kv", b"seq"])
+        await eventually(lambda: stats["messages"] == probes + 51 and stats["applied"] == 3)
+        assert (stats["dropped_queue_full"], stats["rejected_bad_frames"]) == (47, probes + 1)
+        assert stream.last_rejection["bad_frames"] == "expected [topic, seq(8 bytes), payload], got 2 frames"
+        assert stream.backlog == 0
+    finally:
+        await stream.stop()
+        publisher.close(linger=0)
+        context.term()
