@@ -1210,7 +1210,7 @@ done:
 /* ------------------------------------------------------------------ the engine's SUB socket */
 
 /* libzmq's message calls, taken by `configure_zmq` from the library pyzmq loaded (this module does
- * not link libzmq; without them the stream reads through pyzmq). A zmq_msg_t is 64 opaque bytes. */
+ * not link libzmq; without them the stream reads through pyzmq). 64 opaque bytes hold libzmq 4's zmq_msg_t. */
 typedef struct {
     _Alignas(8) unsigned char bytes[64];
 } ZmqMsg;

@@ -38,7 +38,8 @@ _ZMQ_CALLS = (
 
 def _configure_native() -> bool:
     """Hand libzmq's message calls to the C reader; False when they cannot be found."""
-    if not EVENTS_NATIVE or zmq.zmq_version_info()[0] < 4:  # zmq_msg_t is 64 bytes since 4.0
+    # The C side's 64-byte message holds libzmq 4's zmq_msg_t (64 bytes, or fewer in its first releases).
+    if not EVENTS_NATIVE or zmq.zmq_version_info()[0] < 4:
         return False
     try:
         from zmq.backend.cython import _zmq
