@@ -119,18 +119,20 @@ async def throughput(batches: int, blocks: int) -> None:
         nc = await connect(NatsOptions(server.url))
         config = BridgeConfig(worker_id=WORKER, zmq_endpoint=endpoint, block_size=BLOCK, queue_size=batches + 1)
         bridge = Bridge(config, nc)
-        engine = _engine(endpoint, "throughput", batches, blocks, 0)
         # Started as `kv-router bridge` starts it (gc.freeze() after start); a peer tree from before
-        # `start_service` froze at the same point in its `run_forever`.
+        # `start_service` froze at the same point in its `run_forever`. Before the engine: a start
+        # slower than the engine's 1.5 s wait (under valgrind) would miss its batches.
         start_service = getattr(bridge, "start_service", None)
         if start_service is None:
             await bridge.start()
             gc.freeze()
         else:
             await start_service()
+        engine = _engine(endpoint, "throughput", batches, blocks, 0)
         stream = bridge.streams[0]
         try:
-            while stream.stats["applied"] == 0:
+            deadline = time.monotonic() + 120
+            while stream.stats["applied"] == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.0005)
             cpu0, wall0 = time.process_time(), time.perf_counter()
             applied0, sent0 = stream.stats["applied"], nc.stats["out_msgs"]
@@ -144,6 +146,9 @@ async def throughput(batches: int, blocks: int) -> None:
             engine.wait(timeout=60)
             await bridge.stop()
             await nc.close()
+    if not done:
+        print("no batch reached the bridge")
+        return
     stored = done * blocks
     print(f"bridge throughput: {done} batches x {blocks} stored blocks (+ as many removed)")
     print(f"  stored blocks per bridge CPU-second: {stored / cpu:,.0f}   per wall second: {stored / wall:,.0f}")
