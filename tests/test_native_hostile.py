@@ -85,11 +85,12 @@ def _outcome(payload: bytes) -> list[RouterEvent] | str:
 
 def _fallback_outcome(payload: bytes) -> list[RouterEvent] | str:
     """The same as `KV_ROUTER_NO_NATIVE=1` decodes it (msgspec alone)."""
+    switch = events_module._NATIVE_JSON
     events_module._NATIVE_JSON = False
     try:
         return _outcome(payload)
     finally:
-        events_module._NATIVE_JSON = True
+        events_module._NATIVE_JSON = switch
 
 
 def _check(payload: bytes, place: Callable[[bytes], memoryview]) -> None:
@@ -358,6 +359,6 @@ def test_the_json_decoder_is_only_bound_to_the_wire_types() -> None:
     types = list(events_module._NATIVE_WIRE_TYPES)
     for wrong in (Wider, Tracked):
         assert not native.bind_event_types(wrong, *types[1:])
-    assert native.bind_event_types(*types)  # bound again as the module binds it
-    assert events_module._NATIVE_JSON
-    assert decode_router_events(SEED_PAYLOADS[0])[0].storage_tier is StorageTier.DEVICE
+    # The binding in force is still the wire types'.
+    assert native.router_events_json(SEED_PAYLOADS[0])[0].storage_tier is StorageTier.DEVICE
+    assert native.bind_event_types(*types)
