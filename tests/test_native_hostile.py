@@ -15,6 +15,7 @@ import gc
 import mmap
 import random
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -369,3 +370,42 @@ def test_the_json_decoder_is_only_bound_to_the_wire_types() -> None:
     # The binding in force is still the wire types'.
     assert native.router_events_json(SEED_PAYLOADS[0])[0].storage_tier is StorageTier.DEVICE
     assert native.bind_event_types(*types)
+
+
+# ---------------------------------------------------------------------- hash flooding a rank's block map
+
+_FIBONACCI = 0x9E3779B97F4A7C15
+
+
+def _flooding_hashes(count: int) -> list[int]:
+    """Block hashes a sender can pick so that an unkeyed multiplicative hash sends them all to one home
+    (every table size): the product's bits from 32 up are the same. Plus the other classic floods,
+    multiples of a power of two and high bits only."""
+    inverse = pow(_FIBONACCI, -1, 1 << 64)
+    third = count // 3
+    crafted = [((7 << 32 | i) * inverse) % (1 << 64) for i in range(third)]
+    return crafted + [i << 40 for i in range(1, third + 1)] + [i << 20 for i in range(1, count - 2 * third + 1)]
+
+
+def _store_seconds(hashes: list[int]) -> float:
+    tree = RadixTree(native=True)
+    event = stored_event(1, [(block_hash, i) for i, block_hash in enumerate(hashes)])
+    started = time.process_time()
+    tree.apply_event(1, event)
+    for block_hash in hashes[::50]:  # the rank's later lookups walk the same map
+        tree.apply_event(1, stored_event(2, [(block_hash ^ 1 << 63, len(hashes))], parent_hash=block_hash))
+    elapsed = time.process_time() - started
+    assert tree.stats().blocks == {(1, 0): len(hashes) + len(hashes[::50])}
+    return elapsed
+
+
+def test_block_hashes_picked_to_collide_cost_what_random_ones_cost() -> None:
+    """A sender chooses its block hashes: hashes picked against the map's hash function must not turn
+    each insert and lookup into a walk of everything the rank holds (the Python tree's dict does not)."""
+    count = 30_000
+    rng = random.Random(11)
+    random_hashes = [rng.getrandbits(64) for _ in range(count)]
+    _store_seconds(random_hashes[:1000])  # warmed
+    baseline = min(_store_seconds(random_hashes) for _ in range(2))
+    flooded = _store_seconds(_flooding_hashes(count))
+    assert flooded < 5 * baseline + 0.05, f"{flooded:.3f} s against {baseline:.3f} s for random hashes"
