@@ -620,8 +620,9 @@ static PyTypeObject NodeType = {
  * BlockMap: block_hash (u64) -> node, the C twin of the dict a rank keeps in the Python tree. Open
  * addressing with linear probing over 16-byte entries (the key as a machine word, the node), at most
  * three quarters full, deletions by backward shift (no tombstones): no int object per key and no
- * hashing of one, about a third of a dict entry plus its key's int. Iteration follows the table,
- * not insertion order: the tree's only walk of it (`_clear`) gives the same tree in any order. */
+ * int object's hashing, about a third of a dict entry plus its key's int; the home of a key is keyed
+ * by a secret (`map_home`). Iteration follows the table, not insertion order: the tree's only walk
+ * of it (`_clear`) gives the same tree in any order. */
 
 typedef struct {
     uint64_t key;
@@ -638,9 +639,15 @@ typedef struct {
 static PyTypeObject BlockMapType;
 #define BlockMap_Check(op) Py_IS_TYPE(op, &BlockMapType)
 
+/* Keys are mixed with a per-process secret (Python's hash secret, so PYTHONHASHSEED pins it as it
+ * pins str hashes). A sender picks its block hashes: under a fixed hash it can pick keys that share
+ * one home at every table size, and each insert and lookup of that rank then walks one probe run of
+ * everything it holds (tests/test_native_hostile.py). Set once at import. */
+static uint64_t map_secret;
+
 static inline size_t map_home(const BlockMapObject *map, uint64_t key) {
-    /* Fibonacci hashing: engine hashes are random already, but tests and counters are not. */
-    return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> 32) & (size_t)(map->capacity - 1);
+    /* XXH3's 8-byte finaliser: a bijection, so distinct keys stay distinct before the mask. */
+    return (size_t)rrmxmx(key ^ map_secret, 8) & (size_t)(map->capacity - 1);
 }
 
 /* The entry holding `key`, or NULL. */
@@ -1967,6 +1974,7 @@ static struct PyModuleDef native_module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+    map_secret = _Py_HashSecret.siphash.k0 ^ rotl64(_Py_HashSecret.siphash.k1, 32);
     if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&BlockMapType) < 0)
         return NULL;
     str_block_hash = PyUnicode_InternFromString("block_hash");
