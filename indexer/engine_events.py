@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from indexer.errors import EventDecodeError
+from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.events import U64_MAX, KvCacheEvent, StorageTier, cleared_event, removed_event, stored_event
 from indexer.events_native import ENABLED as EVENTS_NATIVE
 from indexer.events_native import accel as events_accel
@@ -288,13 +288,13 @@ def python_decode_engine_batch(
         # a bad event included, is decoded event by event below so each error is named.
         try:
             typed = _typed_array_batch.decode(data)
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             pass
         else:
             return _converted(typed.ts, typed.data_parallel_rank, typed.events, block_size, cache_namespace)
     try:
         batch: _ArrayBatch | _MapBatch = _map_batch.decode(data) if _is_map(head) else _array_batch.decode(data)
-    except msgspec.DecodeError as exc:
+    except UNDECODABLE as exc:
         raise EngineDecodeError("bad_envelope", str(exc)) from None
     return _converted(batch.ts, batch.data_parallel_rank, batch.events, block_size, cache_namespace)
 
@@ -346,7 +346,7 @@ def _decode_event(raw: msgspec.Raw) -> Any:
         if text.startswith("Invalid value") and text.endswith(("`$.type`", "`$[0]`")):
             raise EngineDecodeError("unknown_event_type", text) from None
         raise EngineDecodeError("bad_event", text) from None
-    except msgspec.DecodeError as exc:
+    except UNDECODABLE as exc:
         raise EngineDecodeError("bad_event", str(exc)) from None
     return event
 
@@ -411,7 +411,7 @@ def _token_list(raw: msgspec.Raw) -> bytes | list[int]:
             # EAGLE bigram pairs: not hashed here (Dynamo widens the hashing window for them).
             raise EngineDecodeError("unsupported_token_ids", text) from None
         raise EngineDecodeError("bad_event", text) from None
-    except msgspec.DecodeError as exc:
+    except UNDECODABLE as exc:
         raise EngineDecodeError("bad_event", f"token_ids: {exc}") from None
 
 

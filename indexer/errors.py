@@ -3,9 +3,23 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from indexer.slots import WorkerRank
 
-__all__ = ["BlockNotFound", "EventDecodeError", "InvalidBlockSequence", "KvIndexError", "ParentBlockNotFound"]
+__all__ = [
+    "UNDECODABLE",
+    "BlockNotFound",
+    "EventDecodeError",
+    "InvalidBlockSequence",
+    "KvIndexError",
+    "ParentBlockNotFound",
+]
+
+# What msgspec raises for bytes it cannot decode. Besides DecodeError (ValidationError is one), it gives up
+# on nesting too deep with a RecursionError (unknown members and Raw values are skipped recursively): a
+# sender must not turn either into a crash of the handler that reads its message.
+UNDECODABLE: tuple[type[Exception], ...] = (msgspec.DecodeError, RecursionError)
 
 
 class KvIndexError(Exception):

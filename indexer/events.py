@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from indexer.errors import EventDecodeError
+from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.native import ENABLED as NATIVE
 from indexer.native import accel
 
@@ -255,9 +255,7 @@ def decode_router_events(payload: bytes | bytearray | memoryview, *, msgpack: bo
     decoder = _msgpack_decoder if msgpack else _json_decoder
     try:
         decoded = decoder.decode(payload)
-    # ValidationError is a DecodeError too; msgspec gives up on nesting too deep (unknown members are
-    # skipped recursively) with a RecursionError, which a sender must not turn into a crash of its handler.
-    except (msgspec.DecodeError, RecursionError) as exc:
+    except UNDECODABLE as exc:
         kind = "msgpack" if msgpack else "JSON"
         raise EventDecodeError(f"invalid RouterEvent {kind}: {exc}") from None
     return decoded if isinstance(decoded, list) else [decoded]

@@ -20,6 +20,7 @@ from indexer.engine_events import (
     EngineStored,
     decode_engine_batch,
     fold_hash,
+    python_decode_engine_batch,
     storage_tier,
 )
 from indexer.events import RemovedEventEncoder, RouterEvent, StorageTier, encode_router_events, removed_event
@@ -164,6 +165,32 @@ def test_a_bad_envelope_raises_one_typed_error(payload: bytes, reason: str) -> N
     with pytest.raises(EngineDecodeError) as caught:
         decode_engine_batch(payload, 4)
     assert caught.value.reason == reason
+
+
+# Nesting past msgspec's depth, where the envelope is read, inside an event and inside its token ids.
+_TS = b"\xcb" + bytes(8)
+_DEEP = b"\x91" * 100_000
+_STORED_HEAD = b"\x83\xa4type\xabBlockStored\xacblock_hashes\x91\x01\xa9token_ids"
+
+
+@pytest.mark.parametrize(
+    ("payload", "reasons"),
+    [
+        (b"\x93" + _TS + _DEEP, {"bad_envelope"}),
+        (b"\x81\xa1x" * 50_000, {"bad_envelope"}),
+        (b"\x93" + _TS + b"\x91" + _DEEP, {"bad_envelope", "bad_event"}),
+        (b"\x92" + _TS + b"\x91" + _STORED_HEAD + _DEEP, {"bad_envelope", "bad_event"}),
+    ],
+    ids=["envelope", "map-envelope", "event", "token-ids"],
+)
+def test_nesting_past_msgspecs_depth_is_a_decode_error_not_a_recursion_error(payload: bytes, reasons: set[str]) -> None:
+    for decode in (decode_engine_batch, python_decode_engine_batch):
+        try:
+            batch = decode(payload, 4)
+        except EngineDecodeError as exc:
+            assert exc.reason in reasons and "recursion" in exc.detail
+        else:
+            assert [error.reason for error in batch.errors] == ["bad_event"] and not batch.events
 
 
 @given(st.binary(max_size=200))
