@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import msgspec
 
 from indexer.slots import WorkerRank
@@ -19,7 +21,7 @@ __all__ = [
 # What msgspec raises for bytes it cannot decode. Besides DecodeError (ValidationError is one), it gives up
 # on nesting too deep with a RecursionError (unknown members and Raw values are skipped recursively): a
 # sender must not turn either into a crash of the handler that reads its message.
-UNDECODABLE: tuple[type[Exception], ...] = (msgspec.DecodeError, RecursionError)
+UNDECODABLE: Final = (msgspec.DecodeError, RecursionError)
 
 
 class KvIndexError(Exception):

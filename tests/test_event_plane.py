@@ -121,8 +121,11 @@ async def test_static_registration_through_the_registry_and_bad_input(client: Cl
     assert [w.worker_id for w in other.router.workers()] == [51]
     await client.publish("kv.default.load.51", b"nonsense")
     await client.publish("kv.default.heartbeat.51", b"[1,2]")
+    deep = b'{"x":' * 50_000  # nested past msgspec's depth: a RecursionError inside msgspec
+    await client.publish("kv.default.load.51", deep)
+    await client.publish("kv.default.heartbeat.51", deep)
     await client.publish("kv.default.events.99", b'{"worker_id":99,"event":{"event_id":1,"data":"cleared"}}')
-    await eventually(lambda: plane.outcomes["rejected_bad_load"] == 1 and plane.outcomes["rejected_bad_heartbeat"] == 1)
+    await eventually(lambda: plane.outcomes["rejected_bad_load"] == 2 and plane.outcomes["rejected_bad_heartbeat"] == 2)
     await eventually(lambda: plane.sequencer.outcomes["rejected_unknown_worker"] == 1)
     await asyncio.sleep(0.8)  # static workers have no lease
     assert [w.worker_id for w in plane.router.workers()] == [51]

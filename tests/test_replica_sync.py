@@ -162,8 +162,9 @@ async def test_undecodable_sync_messages_are_counted_and_ignored(nats_server: Em
     async with replica(nats_server.url) as a, replica(nats_server.url) as b:
         await client.publish(a.sync.subjects.router_sync, b"\xc1 not msgpack")
         await client.publish(a.sync.subjects.router_sync, msgspec.msgpack.encode({"type": "batch", "seq": "x"}))
+        await client.publish(a.sync.subjects.router_sync, b"\x81\xa1x" * 50_000)  # nested past msgspec's depth
         await random_steps([a, b], reference, random.Random(3), 10)
-        assert a.sync.outcomes["rejected_undecodable"] == 2
+        assert a.sync.outcomes["rejected_undecodable"] == 3
 
 
 async def test_a_request_freed_before_its_booking_went_out_reaches_no_peer(nats_server: EmbeddedNats) -> None:

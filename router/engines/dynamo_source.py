@@ -25,7 +25,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from indexer.errors import EventDecodeError
+from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.events import RouterEvent, cleared_event, decode_router_events
 from indexer.slots import WorkerRank
 from router.engines.direct import ensure_registered
@@ -98,7 +98,7 @@ class DynamoNatsSource:
         try:
             envelope = _envelope.decode(message.data)
             events = decode_router_events(envelope.payload, msgpack=None)
-        except (msgspec.DecodeError, EventDecodeError) as exc:
+        except (*UNDECODABLE, EventDecodeError) as exc:
             self._reject("undecodable", f"on {message.subject}: {exc}")
             return
         self.take(envelope, events)
@@ -140,7 +140,7 @@ class DynamoNatsSource:
     async def _on_load(self, message: Msg) -> None:
         try:
             load = _load.decode(_envelope.decode(message.data).payload)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             self._reject("undecodable_load", f"on {message.subject}: {exc}")
             return
         if load.kv_used_blocks is None:

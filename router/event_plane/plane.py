@@ -34,6 +34,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
+from indexer.errors import UNDECODABLE
 from router.errors import UnknownWorker
 from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.publisher import open_registry
@@ -147,7 +148,7 @@ class RouterEventPlane:
                 continue
             try:
                 registration = msgspec.json.decode(entry.value or b"", type=WorkerConfig)
-            except msgspec.DecodeError as exc:
+            except UNDECODABLE as exc:
                 self._reject("bad_registration", f"worker {worker_id}: {exc}")
                 continue
             self._apply_registration(registration)
@@ -188,7 +189,7 @@ class RouterEventPlane:
     async def _on_heartbeat(self, message: Msg) -> None:
         try:
             beat = msgspec.json.decode(message.data, type=Heartbeat)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             self._reject("bad_heartbeat", f"on {message.subject}: {exc}")
             return
         self.outcomes["heartbeats"] += 1
@@ -221,7 +222,7 @@ class RouterEventPlane:
     async def _on_load(self, message: Msg) -> None:
         try:
             load = msgspec.json.decode(message.data, type=ActiveLoad)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             self._reject("bad_load", f"on {message.subject}: {exc}")
             return
         engine_requests = load.num_requests_waiting is not None or load.num_requests_running is not None

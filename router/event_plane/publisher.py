@@ -45,7 +45,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from indexer.engine_events import EngineEvent, EngineRemoved, EngineStored
-from indexer.errors import KvIndexError
+from indexer.errors import UNDECODABLE, KvIndexError
 from indexer.events import (
     U64_MAX,
     RemovedEventEncoder,
@@ -394,7 +394,7 @@ class KvEventPublisher:
     async def _on_resync(self, message: Msg) -> None:
         try:
             request = msgspec.json.decode(message.data, type=ResyncRequest)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             response = ResyncResponse(error=f"invalid resync request: {exc}")
         else:
             response = self.answer_resync(request)

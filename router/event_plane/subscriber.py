@@ -22,7 +22,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
-from indexer.errors import EventDecodeError
+from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.events import ResyncRequest, ResyncResponse, decode_router_events, looks_like_msgpack
 from indexer.sequencer import EventSequencer
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -139,7 +139,7 @@ class KvEventSubscriber:
                     self.sequencer.outcomes["resync_no_responders"] += 1
                     self.sequencer.resync_failed(request)
                     return
-                except msgspec.DecodeError as exc:
+                except UNDECODABLE as exc:
                     self.sequencer.outcomes["rejected_undecodable_resync"] += 1
                     self._bad_input.warning("undecodable resync reply", f"from worker {request.worker_id}: {exc}")
                     break

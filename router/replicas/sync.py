@@ -42,6 +42,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
+from indexer.errors import UNDECODABLE
 from router.errors import DuplicateRequestId, UnknownWorker
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
@@ -257,7 +258,7 @@ class ReplicaSync:
             return  # our own echo
         try:
             sync = self._decode.decode(data)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             self._reject("undecodable", f"sync message: {exc}")
             return
         sender = sync.replica_id
@@ -380,7 +381,7 @@ class ReplicaSync:
     async def _on_state_request(self, message: Msg) -> None:
         try:
             _state_request.decode(message.data)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             self._reject("undecodable", f"state request: {exc}")
             return
         if not message.reply:
@@ -418,7 +419,7 @@ class ReplicaSync:
     def _merge_reply(self, data: bytes, outcome: str) -> None:
         try:
             reply = _state_reply.decode(data)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             self._reject("undecodable", f"state reply: {exc}")
             return
         if reply.error is not None:
