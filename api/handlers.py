@@ -128,10 +128,10 @@ class Handlers:
             explain = request.explain or call.explain
             if request.request_id is None:
                 request = msgspec.structs.replace(request, request_id=call.request_id or uuid.uuid4().hex)
-            # The router decides synchronously unless the request has to wait in its queue: run it on
-            # this stack (no coroutine between), and only a request that parked there is awaited.
-            decision = start(self._router.new(request, explain=explain))
-            if isinstance(decision, Suspended):
+            # The router decides synchronously unless the request has to wait in its queue: no
+            # coroutine at all then, and only a request that parked there is awaited.
+            decision = self._router.decide(request, explain=explain)
+            if not isinstance(decision, RouteDecision):
                 decision = await self._queued(decision, call)
             body = encode(decision, call.reply_msgpack)
         except Exception as exc:
@@ -167,8 +167,8 @@ class Handlers:
         if request.request_id is None:
             request = msgspec.structs.replace(request, request_id=call.request_id or uuid.uuid4().hex)
         try:
-            decision = start(self._router.new(request))
-            if isinstance(decision, Suspended):
+            decision = self._router.decide(request)
+            if not isinstance(decision, RouteDecision):
                 decision = await self._queued(decision, call)
         except QueueRejected as exc:
             self._metrics.count("new", "queue_rejected")
@@ -180,8 +180,12 @@ class Handlers:
         self._metrics.decision(decision, tokens, time.perf_counter() - started)
         return reply
 
-    async def _queued(self, decision: Suspended[RouteDecision], call: Call) -> RouteDecision:
-        """A decision waiting in the router's queue; it watches for the client leaving."""
+    async def _queued(self, waiting: Coroutine[Any, Any, RouteDecision], call: Call) -> RouteDecision:
+        """A decision that has to wait (in the router's queue, or for its first workers); it watches
+        for the client leaving."""
+        decision = start(waiting)
+        if not isinstance(decision, Suspended):
+            return decision
         if call.wait_disconnect is not None:
             return await _unless_disconnected(decision, call.wait_disconnect)
         return await decision

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
@@ -264,6 +264,22 @@ class KvRouter:
         """
         if not self._started:
             await self.wait_for_workers()
+        decision = self.decide(request, pinned_worker=pinned_worker, among=among, explain=explain)
+        return decision if isinstance(decision, RouteDecision) else await decision
+
+    def decide(
+        self,
+        request: RouteRequest,
+        *,
+        pinned_worker: WorkerRank | None = None,
+        among: AbstractSet[int] | None = None,
+        explain: bool = False,
+    ) -> RouteDecision | Coroutine[Any, Any, RouteDecision]:
+        """`new` on the caller's stack: the decision itself when it need not wait (the usual case: no
+        coroutine made, none run), else the coroutine to await for it (the start-up wait or the
+        queue). Raises what `new` raises, before changing anything."""
+        if not self._started:
+            return self.new(request, pinned_worker=pinned_worker, among=among, explain=explain)
         started = time.perf_counter()
         config = self.config if request.router_config_override is None else self._request_config(request)
         prompt = prepare_prompt(
@@ -300,7 +316,7 @@ class KvRouter:
         queue = self._queue
         # Once anything waits, newcomers wait behind it (Dynamo's backlog anti-bypass).
         if queue is not None and (len(queue) or self._scheduler.queue_blocked(workers, pinned_worker)):
-            return await self._wait_in_queue(queue, routing, workers)
+            return self._wait_in_queue(queue, routing, workers)
         return self._route(routing, workers, queued_s=0.0)
 
     def _eligible(self, routing: _Routing) -> list[WorkerConfig]:
