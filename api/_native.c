@@ -2,7 +2,7 @@
  *
  * Each function has a pure-Python path that gives the same answers (tests/test_native_api.py): the
  * tokens array of a JSON body to packed u32 (api/codec.py) and one whole plain POST request
- * (api/http_protocol.py).
+ * (api/http_protocol.py), and the bytes of one response (api/http_protocol.py).
  *
  * Guardrail: a function that meets input it was not written for returns None, so the caller's
  * ordinary parser runs and gives the exact error or meaning.
@@ -399,6 +399,72 @@ static PyObject *py_parse_post(PyObject *self, PyObject *data) {
     return result;
 }
 
+/* ------------------------------------------------------------------ one response (http_protocol.py)
+ *
+ * response(head, body, request_id, lines) -> bytes: `head` (the status line and headers up to the
+ * content-length value), the body's length, an x-request-id line when `request_id` is given and
+ * holds no control character (uvicorn's HEADER_VALUE_RE, as the Python path checks it), the
+ * already formatted header `lines`, the blank line and the body: the bytes `_respond` writes, in one
+ * allocation. None when `request_id` is not latin-1 (the Python path then raises as it would). */
+static int header_value_ok(const uint8_t *value, Py_ssize_t length) {
+    for (Py_ssize_t i = 0; i < length; i++) {
+        uint8_t c = value[i];
+        if ((c <= 0x08) || (c >= 0x0A && c <= 0x1F) || c == 0x7F)
+            return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_response(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyBytes_CheckExact(args[0]) || !PyBytes_CheckExact(args[1]) || !PyBytes_CheckExact(args[3]) ||
+        (args[2] != Py_None && !PyUnicode_Check(args[2]))) {
+        PyErr_SetString(PyExc_TypeError, "response(head: bytes, body: bytes, request_id: str | None, lines: bytes)");
+        return NULL;
+    }
+    Py_ssize_t head_length = PyBytes_GET_SIZE(args[0]), body_length = PyBytes_GET_SIZE(args[1]);
+    Py_ssize_t lines_length = PyBytes_GET_SIZE(args[3]);
+    const uint8_t *id = NULL;
+    Py_ssize_t id_length = 0;
+    if (args[2] != Py_None) {
+        if (PyUnicode_READY(args[2]) < 0)
+            return NULL;
+        if (PyUnicode_KIND(args[2]) != PyUnicode_1BYTE_KIND)
+            Py_RETURN_NONE;
+        id = PyUnicode_1BYTE_DATA(args[2]);
+        id_length = PyUnicode_GET_LENGTH(args[2]);
+        if (!header_value_ok(id, id_length))
+            id = NULL;
+    }
+    char digits[24];
+    int digits_length = snprintf(digits, sizeof digits, "%zd\r\n", body_length);
+    static const char id_name[] = "x-request-id: ";
+    Py_ssize_t total = head_length + digits_length + lines_length + 2 + body_length;
+    if (id != NULL)
+        total += (Py_ssize_t)(sizeof id_name - 1) + id_length + 2;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL)
+        return NULL;
+    char *w = PyBytes_AS_STRING(out);
+    memcpy(w, PyBytes_AS_STRING(args[0]), head_length);
+    w += head_length;
+    memcpy(w, digits, digits_length);
+    w += digits_length;
+    if (id != NULL) {
+        memcpy(w, id_name, sizeof id_name - 1);
+        w += sizeof id_name - 1;
+        memcpy(w, id, id_length);
+        w += id_length;
+        *w++ = '\r';
+        *w++ = '\n';
+    }
+    memcpy(w, PyBytes_AS_STRING(args[3]), lines_length);
+    w += lines_length;
+    *w++ = '\r';
+    *w++ = '\n';
+    memcpy(w, PyBytes_AS_STRING(args[1]), body_length);
+    return out;
+}
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
@@ -407,6 +473,8 @@ static PyMethodDef native_methods[] = {
     {"parse_post", py_parse_post, METH_O,
      "parse_post(data) -> (path, query, content_type, accept, x_request_id, authorization, body) | int | None: "
      "one whole plain POST request, or its Content-Length while its body is incomplete."},
+    {"response", (PyCFunction)(void (*)(void))py_response, METH_FASTCALL,
+     "response(head, body, request_id, lines) -> bytes | None: one whole HTTP/1.1 response."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -45,7 +45,7 @@ from api.http_stream import StreamedRequest, StreamRoute
 from api.native import ENABLED as NATIVE
 from api.native import accel
 
-__all__ = ["FastHttpProtocol", "fast_protocol"]
+__all__ = ["FastHttpProtocol", "fast_protocol", "response_bytes"]
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _INTERNAL_ERROR = (
@@ -459,23 +459,15 @@ class FastHttpProtocol(HttpToolsProtocol):
             keep_alive = request.keep_alive
         transport = self.transport
         if not transport.is_closing():
-            body = reply.body
             key = (reply.status, reply.msgpack)
             head = _HEADS.get(key) or _HEADS.setdefault(key, _head(*key))
-            lines = b"%d\r\n" % len(body)
-            if reply.request_id is not None:
-                # The id is schema-checked visible ASCII, a uuid, or X-Request-Id as httptools let it
-                # through (no control characters): this check is uvicorn's, kept as a guard.
-                value = reply.request_id.encode("latin-1")
-                if not HEADER_VALUE_RE.search(value):
-                    lines += b"x-request-id: %s\r\n" % value
-            for extra_name, extra_value in reply.headers:
-                lines += b"%s: %s\r\n" % (extra_name.encode("latin-1"), extra_value.encode("latin-1"))
-            for name, value in self.server_state.default_headers:
-                lines += b"%s: %s\r\n" % (name, value)
-            if not keep_alive:
-                lines += b"connection: close\r\n"
-            transport.write(b"%s%s\r\n%s" % (head, lines, body))
+            lines = b""
+            if reply.headers or self.server_state.default_headers or not keep_alive:
+                lines = self._header_lines(reply, keep_alive)
+            transport.write(
+                _response(head, reply.body, reply.request_id, lines)
+                or response_bytes(head, reply.body, reply.request_id, lines)
+            )
             if request is not None and self.access_log:
                 self._log_access(request, reply.status)
             if not keep_alive:
@@ -485,6 +477,18 @@ class FastHttpProtocol(HttpToolsProtocol):
             # The client is not reading its answers: stop reading its requests until it catches up.
             self._reading_paused_for_writes = True
             self.flow.pause_reading()
+
+    def _header_lines(self, reply: Reply, keep_alive: bool) -> bytes:
+        """The header lines after content-length and x-request-id: the reply's own, uvicorn's
+        defaults (none in the service: no date or server header), ``connection: close``."""
+        lines = b""
+        for extra_name, extra_value in reply.headers:
+            lines += b"%s: %s\r\n" % (extra_name.encode("latin-1"), extra_value.encode("latin-1"))
+        for name, value in self.server_state.default_headers:
+            lines += b"%s: %s\r\n" % (name, value)
+        if not keep_alive:
+            lines += b"connection: close\r\n"
+        return lines
 
     def _crashed(self, request: _HotRequest | None, exc: BaseException | None) -> None:
         """As uvicorn answers an app that raised: log it, send a 500, close the connection."""
@@ -545,6 +549,23 @@ class FastHttpProtocol(HttpToolsProtocol):
         if self._lost is None or self._lost.done():
             self._lost = self.loop.create_future()
         await self._lost
+
+
+def response_bytes(head: bytes, body: bytes, request_id: str | None, lines: bytes) -> bytes:
+    """One whole response: ``head`` (up to the content-length value), the length, ``x-request-id``,
+    the other header ``lines``, the body (the twin of `api._native.response`)."""
+    length = b"%d\r\n" % len(body)
+    if request_id is not None:
+        # The id is schema-checked visible ASCII, a uuid, or X-Request-Id as httptools let it
+        # through (no control characters): this check is uvicorn's, kept as a guard.
+        value = request_id.encode("latin-1")
+        if not HEADER_VALUE_RE.search(value):
+            length += b"x-request-id: %s\r\n" % value
+    return b"%s%s%s\r\n%s" % (head, length, lines, body)
+
+
+# The response in one C call (None: a request id that is not latin-1, left to `response_bytes`).
+_response: Callable[[bytes, bytes, str | None, bytes], bytes | None] = accel.response if NATIVE else response_bytes
 
 
 def _is_msgpack(media_type: bytes | None) -> bool:
