@@ -128,9 +128,9 @@ class ApiAuth:
     def guard(
         self,
         access: Access,
-        handler: Callable[[Call], Coroutine[Any, Any, Reply]],
+        handler: Callable[[Call], Reply | Coroutine[Any, Any, Reply]],
         refused: Callable[[], None] | None = None,
-    ) -> Callable[[Call], Coroutine[Any, Any, Reply]]:
+    ) -> Callable[[Call], Reply | Coroutine[Any, Any, Reply]]:
         """``handler`` itself if ``access`` is open (the hot path pays nothing), else a handler that
         answers 401 (and calls ``refused``, to count it) before ``handler`` runs unless the call
         carries the token."""
@@ -138,12 +138,12 @@ class ApiAuth:
             return handler
         allows = self.allows
 
-        async def checked(call: Call) -> Reply:
+        def checked(call: Call) -> Reply | Coroutine[Any, Any, Reply]:
             if not allows(call.authorization):
                 if refused is not None:
                     refused()
                 return _UNAUTHORIZED
-            return await handler(call)
+            return handler(call)
 
         return checked
 

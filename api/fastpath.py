@@ -21,9 +21,26 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.codec import Call, Reply, is_msgpack, query_flag
 from api.errors import BodyTooLarge, error_reply
 
-__all__ = ["FastPath", "HotHandler", "HotRoutes", "read_body", "too_large_reply", "wait_disconnect"]
+__all__ = [
+    "FastPath",
+    "HotHandler",
+    "HotOutcome",
+    "HotRoutes",
+    "answered",
+    "read_body",
+    "too_large_reply",
+    "wait_disconnect",
+]
 
-HotHandler = Callable[[Call], Coroutine[Any, Any, Reply]]
+# A hot route's answer: the reply itself when it never had to wait (the usual case: no coroutine is
+# made), else a coroutine for it (a `new` waiting in the router's queue).
+HotOutcome = Reply | Coroutine[Any, Any, Reply]
+HotHandler = Callable[[Call], HotOutcome]
+
+
+async def answered(outcome: HotOutcome) -> Reply:
+    """The reply of a hot route's `HotOutcome`, awaited if it has to be."""
+    return outcome if isinstance(outcome, Reply) else await outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +149,7 @@ class FastPath:
             wait_disconnect=partial(wait_disconnect, receive),
             authorization=authorization,
         )
-        await _send_reply(send, await handler(call))
+        await _send_reply(send, await answered(handler(call)))
 
 
 def _error(exc: Exception) -> Reply:

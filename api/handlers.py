@@ -33,7 +33,7 @@ from api.errors import (
     UnknownRequestId,
     error_reply,
 )
-from api.fastpath import HotHandler
+from api.fastpath import HotHandler, HotOutcome
 from api.metrics import ApiMetrics
 from api.wire import (
     EventsReply,
@@ -118,9 +118,11 @@ class Handlers:
             return self._guarded("mark_prefill", self._router_mark, request, call)
         return self._guarded("mark_free", self._router_mark, request, call)
 
-    async def new(self, call: Call) -> Reply:
-        """``POST /v1/new``: pick and book a worker; the reply names it, its overlap and cached tokens."""
-        # `_guard` and the decision written out in one coroutine: no other layer on the hottest route.
+    def new(self, call: Call) -> HotOutcome:
+        """``POST /v1/new``: pick and book a worker; the reply names it, its overlap and cached tokens.
+
+        Answered on the caller's stack, no coroutine made, unless the request has to wait in the
+        router's queue (then the coroutine that waits, `_new_waiting`)."""
         started = time.perf_counter()
         try:
             request = self._new_body.decode(call)
@@ -128,11 +130,24 @@ class Handlers:
             explain = request.explain or call.explain
             if request.request_id is None:
                 request = msgspec.structs.replace(request, request_id=call.request_id or uuid.uuid4().hex)
-            # The router decides synchronously unless the request has to wait in its queue: no
-            # coroutine at all then, and only a request that parked there is awaited.
             decision = self._router.decide(request, explain=explain)
-            if not isinstance(decision, RouteDecision):
-                decision = await self._queued(decision, call)
+        except Exception as exc:
+            return self._error("new", exc)
+        if not isinstance(decision, RouteDecision):
+            return self._new_waiting(decision, call, tokens, started)
+        return self._new_reply(decision, call, tokens, started)
+
+    async def _new_waiting(
+        self, waiting: Coroutine[Any, Any, RouteDecision], call: Call, tokens: int, started: float
+    ) -> Reply:
+        try:
+            decision = await self._queued(waiting, call)
+        except Exception as exc:
+            return self._error("new", exc)
+        return self._new_reply(decision, call, tokens, started)
+
+    def _new_reply(self, decision: RouteDecision, call: Call, tokens: int, started: float) -> Reply:
+        try:
             body = encode(decision, call.reply_msgpack)
         except Exception as exc:
             return self._error("new", exc)
@@ -140,23 +155,23 @@ class Handlers:
         self._metrics.count("new")
         return Reply(200, body, call.reply_msgpack, decision.request_id)
 
-    async def potential_loads(self, call: Call) -> Reply:
+    def potential_loads(self, call: Call) -> Reply:
         return self._guarded("potential_loads", self._potential_loads, call)
 
-    async def mark_prefill(self, call: Call) -> Reply:
+    def mark_prefill(self, call: Call) -> Reply:
         return self._guarded("mark_prefill", self._mark, call, self._router.mark_prefill)
 
-    async def mark_free(self, call: Call) -> Reply:
+    def mark_free(self, call: Call) -> Reply:
         return self._guarded("mark_free", self._mark, call, self._router.mark_free)
 
-    async def record_output(self, call: Call) -> Reply:
+    def record_output(self, call: Call) -> Reply:
         """``POST /v1/record_output``: the request's generated tokens so far (``router_track_output_blocks``)."""
         return self._guarded("record_output", self._record_output, call)
 
-    async def events(self, call: Call) -> Reply:
+    def events(self, call: Call) -> Reply:
         return self._guarded("events", self._events, call)
 
-    async def overlap(self, call: Call) -> Reply:
+    def overlap(self, call: Call) -> Reply:
         return self._guarded("overlap", self._overlap, call)
 
     # ------------------------------------------------------------------ implementations

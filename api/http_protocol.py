@@ -5,8 +5,9 @@ an ASGI scope dict, an `asyncio.Event`, a task per request, and receive / send m
 routing decision on a 1k-token prompt costs about as much, and a decision is two requests (``new``,
 then ``mark_free``). So `FastHttpProtocol`, a subclass of that protocol, answers ``POST`` to a hot
 path itself: httptools parses the request as before, the body is collected from the parser's
-callbacks, the route's `Handlers` method runs right there (`api.eager`: no task unless it has to
-wait, which only a ``new`` parked in the router's queue does), and one complete HTTP/1.1 response is
+callbacks, the route's `Handlers` method runs right there (its reply, with no coroutine, unless it
+has to wait, which only a ``new`` parked in the router's queue does: that coroutine is started
+eagerly, `api.eager`, and finished in a task only once it suspends), and one complete HTTP/1.1 response is
 written to the transport.
 
 Everything else is uvicorn's own code path, unchanged: other methods and paths reach the FastAPI
@@ -200,7 +201,8 @@ class FastHttpProtocol(HttpToolsProtocol):
             self._unset_keepalive_if_required()
             call = self._call(body, query, content_type, accept, request_id, authorization)
             try:
-                outcome = start(handler(call))
+                answer = handler(call)
+                outcome = answer if isinstance(answer, Reply) else start(answer)
             except Exception as exc:  # a bug: the handlers answer every error they know
                 self._crashed(None, exc)
                 return True
@@ -405,7 +407,8 @@ class FastHttpProtocol(HttpToolsProtocol):
             body, request.query, request.content_type, request.accept, request.request_id, request.authorization
         )
         try:
-            outcome = start(request.handler(call))
+            answer = request.handler(call)
+            outcome = answer if isinstance(answer, Reply) else start(answer)
         except Exception as exc:  # a bug: the handlers answer every error they know
             self._crashed(request, exc)
             return

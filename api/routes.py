@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from api.auth import Access, ApiAuth
 from api.codec import JSON, MSGPACK, BodyDecoder, Call, encode, is_msgpack, query_flag
-from api.fastpath import HotHandler, wait_disconnect
+from api.fastpath import HotHandler, answered, wait_disconnect
 from api.handlers import HOT_PATHS, Handlers
 from api.native import active_accelerators
 from api.openapi import Schemas
@@ -101,7 +101,7 @@ def _hot_endpoint(handler: HotHandler) -> Any:
             wait_disconnect=partial(wait_disconnect, request.receive),
             authorization=headers.get("authorization"),
         )
-        reply = await handler(call)
+        reply = await answered(handler(call))
         extra = dict(reply.headers)
         if reply.request_id is not None:
             extra["x-request-id"] = reply.request_id

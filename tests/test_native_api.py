@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from api.codec import BodyDecoder, Call
 from api.errors import ApiError
+from api.http_protocol import response_bytes
 from api.wire import NewRequest, PotentialLoadsRequest
 
 native = pytest.importorskip("api._native", reason="the C accelerator is not built")
@@ -246,3 +247,26 @@ def test_the_whole_request_parser_reads_a_plain_post() -> None:
 
 
 # ------------------------------------------------------------------ the bridge's wire paths
+
+
+# ------------------------------------------------------------------ one response's bytes
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: ", b""]),
+    st.binary(max_size=300),
+    st.none() | st.text(alphabet=st.characters(max_codepoint=255), max_size=40),
+    st.sampled_from([b"", b"connection: close\r\n", b"www-authenticate: Bearer\r\nconnection: close\r\n"]),
+)
+def test_a_response_is_written_byte_for_byte_as_the_python_path_writes_it(
+    head: bytes, body: bytes, request_id: str | None, lines: bytes
+) -> None:
+    written = native.response(head, body, request_id, lines)
+    assert written == response_bytes(head, body, request_id, lines)
+
+
+def test_a_response_carries_its_request_id_unless_it_holds_a_control_character() -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: "
+    assert native.response(head, b"{}", "req-1", b"") == head + b"2\r\nx-request-id: req-1\r\n\r\n{}"
+    assert native.response(head, b"{}", "req\x01", b"") == head + b"2\r\n\r\n{}"
+    assert native.response(head, b"{}", "tab\there", b"") == head + b"2\r\nx-request-id: tab\there\r\n\r\n{}"
+    assert native.response(head, b"{}", "\u20ac", b"") is None  # not latin-1: the Python path's error
