@@ -2,13 +2,16 @@
  *
  * Each function has a pure-Python path that gives the same answers (tests/test_native_api.py): the
  * tokens array of a JSON body to packed u32 (api/codec.py) and one whole plain POST request
- * (api/http_protocol.py), and the bytes of one response (api/http_protocol.py).
+ * (api/http_protocol.py), the bytes of one response (api/http_protocol.py) and a histogram series
+ * (api/metrics.py).
  *
  * Guardrail: a function that meets input it was not written for returns None, so the caller's
  * ordinary parser runs and gives the exact error or meaning.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -465,6 +468,160 @@ static PyObject *py_response(PyObject *self, PyObject *const *args, Py_ssize_t n
     return out;
 }
 
+/* ------------------------------------------------------------------ histogram series (metrics.py)
+ *
+ * Histogram(bounds): one series of a histogram, the twin of api/metrics.py's `_Histogram`: per-bucket
+ * counts (not cumulative; the last is +Inf) and the sum. observe(value) adds one value to the first
+ * bucket whose bound is not below it, exactly as `bisect_left` over the float bounds finds it (a NaN
+ * lands in the first bucket, as there), and adds it to the sum as a float; an int value is taken as
+ * the float Python's `float + int` makes of it. `counts` is read as a new list, `bounds` as the tuple
+ * of floats given, `created` is the caller's to set. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *bounds; /* tuple of float */
+    double *limits;
+    unsigned long long *counts;
+    Py_ssize_t buckets; /* len(bounds) + 1 */
+    double total;
+    double created;
+} Histogram;
+
+static void histogram_dealloc(Histogram *self) {
+    Py_XDECREF(self->bounds);
+    PyMem_Free(self->limits);
+    PyMem_Free(self->counts);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int histogram_init(Histogram *self, PyObject *args, PyObject *kwargs) {
+    PyObject *given;
+    if (!PyArg_ParseTuple(args, "O:Histogram", &given))
+        return -1;
+    PyObject *seq = PySequence_Fast(given, "Histogram(bounds): bounds must be a sequence of numbers");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *bounds = PyTuple_New(n);
+    double *limits = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(double));
+    unsigned long long *counts = PyMem_Calloc((size_t)n + 1, sizeof(unsigned long long));
+    if (bounds == NULL || limits == NULL || counts == NULL) {
+        Py_DECREF(seq);
+        Py_XDECREF(bounds);
+        PyMem_Free(limits);
+        PyMem_Free(counts);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double limit = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *value = limit == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(limit);
+        if (value == NULL) {
+            Py_DECREF(seq);
+            Py_DECREF(bounds);
+            PyMem_Free(limits);
+            PyMem_Free(counts);
+            return -1;
+        }
+        limits[i] = limit;
+        PyTuple_SET_ITEM(bounds, i, value);
+    }
+    Py_DECREF(seq);
+    Py_XSETREF(self->bounds, bounds);
+    PyMem_Free(self->limits);
+    PyMem_Free(self->counts);
+    self->limits = limits;
+    self->counts = counts;
+    self->buckets = n + 1;
+    self->total = 0.0;
+    return 0;
+}
+
+static PyObject *histogram_observe(Histogram *self, PyObject *arg) {
+    if (self->counts == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Histogram not initialised");
+        return NULL;
+    }
+    double value;
+    int exact = 0; /* compare as Python does: an int beyond 2^53 is not its float */
+    if (PyFloat_CheckExact(arg)) {
+        value = PyFloat_AS_DOUBLE(arg);
+    } else if (PyLong_CheckExact(arg)) {
+        value = PyLong_AsDouble(arg);
+        if (value == -1.0 && PyErr_Occurred())
+            return NULL;
+        exact = fabs(value) >= 9007199254740992.0;
+    } else {
+        PyErr_SetString(PyExc_TypeError, "Histogram.observe(value): value must be a float or an int");
+        return NULL;
+    }
+    Py_ssize_t low = 0, high = self->buckets - 1; /* bisect_left over the bounds */
+    while (low < high) {
+        Py_ssize_t mid = (low + high) / 2;
+        int below = exact ? PyObject_RichCompareBool(PyTuple_GET_ITEM(self->bounds, mid), arg, Py_LT)
+                          : self->limits[mid] < value;
+        if (below < 0)
+            return NULL;
+        if (below)
+            low = mid + 1;
+        else
+            high = mid;
+    }
+    self->counts[low]++;
+    self->total += value;
+    Py_RETURN_NONE;
+}
+
+static PyObject *histogram_counts(Histogram *self, void *closure) {
+    PyObject *list = PyList_New(self->counts == NULL ? 0 : self->buckets);
+    if (list == NULL || self->counts == NULL)
+        return list;
+    for (Py_ssize_t i = 0; i < self->buckets; i++) {
+        PyObject *count = PyLong_FromUnsignedLongLong(self->counts[i]);
+        if (count == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, count);
+    }
+    return list;
+}
+
+static PyObject *histogram_bounds(Histogram *self, void *closure) {
+    if (self->bounds == NULL)
+        return PyTuple_New(0);
+    return Py_NewRef(self->bounds);
+}
+
+static PyMethodDef histogram_methods[] = {
+    {"observe", (PyCFunction)histogram_observe, METH_O, "observe(value): count one value and add it to the sum."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef histogram_getset[] = {
+    {"counts", (getter)histogram_counts, NULL, "per-bucket counts (not cumulative; the last is +Inf)", NULL},
+    {"bounds", (getter)histogram_bounds, NULL, "the buckets' upper bounds, as floats", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef histogram_members[] = {
+    {"total", T_DOUBLE, offsetof(Histogram, total), READONLY, "the sum of the values observed"},
+    {"created", T_DOUBLE, offsetof(Histogram, created), 0, "when the series appeared (set by the caller)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject HistogramType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "api._native.Histogram",
+    .tp_basicsize = sizeof(Histogram),
+    .tp_dealloc = (destructor)histogram_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Histogram(bounds): one histogram series (the twin of api/metrics.py's _Histogram).",
+    .tp_methods = histogram_methods,
+    .tp_members = histogram_members,
+    .tp_getset = histogram_getset,
+    .tp_init = (initproc)histogram_init,
+    .tp_new = PyType_GenericNew,
+};
+
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef native_methods[] = {
@@ -483,4 +640,15 @@ static struct PyModuleDef native_module = {
     -1, native_methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&HistogramType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&native_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Histogram", (PyObject *)&HistogramType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

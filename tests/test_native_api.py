@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from api.codec import BodyDecoder, Call
 from api.errors import ApiError
 from api.http_protocol import response_bytes
+from api.metrics import LATENCY_BUCKETS, OVERLAP_BLOCK_BUCKETS, RATIO_BUCKETS, _Histogram
 from api.wire import NewRequest, PotentialLoadsRequest
 
 native = pytest.importorskip("api._native", reason="the C accelerator is not built")
@@ -270,3 +271,26 @@ def test_a_response_carries_its_request_id_unless_it_holds_a_control_character()
     assert native.response(head, b"{}", "req\x01", b"") == head + b"2\r\n\r\n{}"
     assert native.response(head, b"{}", "tab\there", b"") == head + b"2\r\nx-request-id: tab\there\r\n\r\n{}"
     assert native.response(head, b"{}", "\u20ac", b"") is None  # not latin-1: the Python path's error
+
+
+# ------------------------------------------------------------------ histogram series
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([LATENCY_BUCKETS, OVERLAP_BLOCK_BUCKETS, RATIO_BUCKETS, (), (1.0,)]),
+    st.lists(st.floats(allow_nan=True) | st.integers(-(2**70), 2**70) | st.sampled_from(RATIO_BUCKETS), max_size=60),
+)
+def test_a_histogram_series_counts_and_sums_as_the_python_one(bounds: tuple[float, ...], values: list[Any]) -> None:
+    ours, python = native.Histogram(bounds), _Histogram(bounds)
+    for value in values:
+        try:
+            python.observe(value)
+        except OverflowError:  # an int too large for a float: refused alike, nothing counted
+            with pytest.raises(OverflowError):
+                ours.observe(value)
+            continue
+        ours.observe(value)
+    assert ours.bounds == python.bounds
+    assert ours.counts == python.counts
+    assert struct.pack("<d", ours.total) == struct.pack("<d", python.total) or (ours.total != ours.total) == (
+        python.total != python.total
+    )
