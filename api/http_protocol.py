@@ -198,7 +198,7 @@ class FastHttpProtocol(HttpToolsProtocol):
         if handler is not None and not self.access_log and len(body) <= self.max_body_bytes:
             # The usual request: its handler runs at once and its answer is written, with no request
             # record; one is made only if the handler has to wait (a `new` parked in the queue).
-            self._unset_keepalive_if_required()
+            self._idle_since = -1.0  # busy (`_unset_keepalive_if_required`, without the call)
             call = self._call(body, query, content_type, accept, request_id, authorization)
             try:
                 answer = handler(call)
@@ -335,7 +335,9 @@ class FastHttpProtocol(HttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self.flow.resume_reading()
+        flow = self.flow
+        if flow.read_paused:  # as its resume_reading checks: no call on a connection never paused
+            flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
