@@ -25,6 +25,7 @@ import msgspec
 from api.errors import InvalidBody, MalformedBody
 from api.native import ENABLED as NATIVE
 from api.native import accel
+from indexer.errors import UNDECODABLE
 
 __all__ = [
     "JSON",
@@ -126,7 +127,7 @@ class BodyDecoder(Generic[T]):
             return (self._msgpack if call.msgpack else self._json).decode(call.body)
         except msgspec.ValidationError as exc:
             raise InvalidBody(str(exc)) from None
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             kind = "msgpack" if call.msgpack else "JSON"
             raise MalformedBody(f"body is not valid {kind}: {exc}") from None
 
@@ -138,7 +139,7 @@ class BodyDecoder(Generic[T]):
         packed, start, end = split
         try:
             request = self._json.decode(body[:start] + b"[]" + body[end:])
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             return None  # the ordinary decoder says what is wrong, in its own words and positions
         if not hasattr(request, "tokens"):
             return None  # a body type (or union member) without a prompt: its own error

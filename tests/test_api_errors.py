@@ -90,6 +90,31 @@ def test_bad_request_is_refused_and_changes_nothing(
     assert state(client) == before
 
 
+# Unknown members nested past msgspec's depth: it gives up with a RecursionError while skipping them.
+DEEP_JSON = b'{"x": ' + b"[" * 3000
+DEEP_MSGPACK = b"\x81\xa1x" + b"\x91" * 3000
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "headers"),
+    [("/v1/new", DEEP_JSON, JSON_HEADERS), ("/v1/router", DEEP_MSGPACK, MSGPACK_IN),
+     ("/v1/potential_loads", DEEP_MSGPACK, MSGPACK_IN), ("/v1/events", DEEP_JSON, JSON_HEADERS)],
+)  # fmt: skip
+def test_nesting_past_msgspecs_depth_is_a_client_error(
+    client: TestClient, route: str, body: bytes, headers: dict[str, str]
+) -> None:
+    before = state(client)
+    reply = client.post(route, content=body, headers=headers)
+    # The fast path skips unknown members (400, msgspec's recursion message); FastAPI's routes refuse
+    # them as unknown fields first (422) on the request bodies.
+    if reply.status_code == 400:
+        _assert_error(reply, 400, "invalid_events" if route == "/v1/events" else "malformed_body")
+        assert "recursion" in reply.json()["error"]["message"]
+    else:
+        _assert_error(reply, 422, "invalid_request")
+    assert state(client) == before
+
+
 def test_duplicate_active_request_id_is_a_conflict(client: TestClient) -> None:
     before = state(client)
     for route, body in (

@@ -198,6 +198,7 @@ async def test_queue_rejection_is_a_429_with_retry_after(nats_server: EmbeddedNa
         ("/v1/completions", b'{"model": "mock-model", "prompt": [1, "a"]}', "mixes"),
         ("/v1/chat/completions", b'{"model": "mock-model", "messages": []}', "empty"),
         ("/v1/chat/completions", b'{"model": "mock-model", "messages": [{"content": "x"}]}', "role"),
+        ("/v1/chat/completions", b'{"model": "mock-model", "x": ' + b"[" * 3000, "recursion"),  # past msgspec's depth
     ],
 )
 async def test_a_malformed_body_is_a_400_and_books_nothing(

@@ -55,6 +55,7 @@ from api.proxy.wire import (
     prompt_token_ids,
     reported_usage,
 )
+from indexer.errors import UNDECODABLE
 from indexer.hashing import pack_tokens
 from router.errors import AllWorkersOverloaded, NoEligibleWorker, QueueRejected
 from router.kv_router import KvRouter
@@ -280,7 +281,7 @@ class Proxy:
                 raise ValueError("messages is empty")
             else:
                 prompt = ""
-        except (msgspec.DecodeError, ValueError) as exc:
+        except (*UNDECODABLE, ValueError) as exc:
             raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
         workers = self.workers_for(model)
         if not workers:

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from api.proxy.upstream import Upstream, UpstreamError
 from api.proxy.wire import ChatMessage, TokenizeReply
+from indexer.errors import UNDECODABLE
 from router.types import WorkerConfig
 
 __all__ = ["PromptTokenizer", "TokenizeFailed", "load_tokenizers"]
@@ -78,6 +79,6 @@ class PromptTokenizer:
                 problems.append(f"worker {worker.worker_id}: HTTP {status}")
             except UpstreamError as exc:
                 problems.append(f"worker {worker.worker_id}: {exc}")
-            except msgspec.DecodeError as exc:
+            except UNDECODABLE as exc:
                 problems.append(f"worker {worker.worker_id}: {type(exc).__name__}")
         raise TokenizeFailed("no worker could tokenize the prompt (" + "; ".join(problems or ["none serves it"]) + ")")

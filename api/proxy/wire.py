@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from indexer.errors import UNDECODABLE
 from indexer.events import U32, U32_MAX
 
 __all__ = [
@@ -172,5 +173,5 @@ def reported_usage(body: bytes) -> Usage | None:
         return None
     try:
         return _decode_usage(body).usage
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         return None
