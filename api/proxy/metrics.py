@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from api.metrics import PREFIX, _Histogram, _HistogramCollector
+from api.metrics import PREFIX, _HistogramCollector, histogram_series
 
 __all__ = ["ProxyMetrics"]
 
@@ -85,7 +85,7 @@ class ProxyMetrics(Collector):
             "cooled down and the request sent to the next best worker, within the retry bound).",
             registry=registry,
         )
-        self.error = _Histogram(ERROR_BUCKETS)
+        self.error = histogram_series(ERROR_BUCKETS)
         registry.register(
             _HistogramCollector(
                 f"{PREFIX}_proxy_cached_tokens_error",
@@ -94,7 +94,7 @@ class ProxyMetrics(Collector):
                 {(): self.error},
             )
         )
-        self.added = _Histogram(ADDED_BUCKETS)
+        self.added = histogram_series(ADDED_BUCKETS)
         registry.register(
             _HistogramCollector(
                 f"{PREFIX}_proxy_added_seconds",
