@@ -355,11 +355,7 @@ class KvRouterService(Service):
         count of listening sockets the check passes on one child alone and events published next
         miss the other."""
         deadline = time.monotonic() + timeout_s
-        while listening_sockets(self.port) < self.cores:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kv-router/{self.form}: {listening_sockets(self.port)} of {self.cores} "
-                                   "processes listening")  # fmt: skip
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(wait_listening, self.port, self.cores, timeout_s)
         seen = 0
         while seen < VERIFY_CONNECTIONS:
             conn = await Connection.open(self.port)
@@ -507,6 +503,15 @@ def descendants(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, check=False)
     children = [int(line) for line in out.stdout.split()]
     return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
+def wait_listening(port: int, processes: int, timeout_s: float) -> None:
+    """Until ``processes`` sockets listen on ``port`` (every child of a ``--processes`` service up)."""
+    deadline = time.monotonic() + timeout_s
+    while (listening := listening_sockets(port)) < processes:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"port {port}: {listening} of {processes} processes listening after {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def listening_sockets(port: int) -> int:

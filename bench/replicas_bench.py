@@ -59,7 +59,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.http_bench import Connection, listening_sockets, machine_busy_s, process_cpu_s
+from bench.http_bench import Connection, machine_busy_s, process_cpu_s, wait_listening
 from indexer.events import RouterEvent, encode_router_events, stored_event
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
@@ -276,8 +276,7 @@ async def part_processes(server: EmbeddedNats, work: Path, args: argparse.Namesp
             try:
                 # Every child listening: the port answers as soon as one is, and until the other
                 # listens the kernel hands it no connection (a readiness check would see one child).
-                while listening_sockets(router.port) < n:
-                    time.sleep(0.1)
+                wait_listening(router.port, n, timeout_s=60.0)
                 register_workers(router)
                 # As many connections as two replicas get in the replica cells, spread by the kernel.
                 cell = await throughput_cell([router, router], server.pid or 0, args, bodies)
