@@ -9,7 +9,7 @@ prompt is computed once per worker (a fleet whose chats avoid some workers saves
 0.0003 of hit rate in all on eight workers). What is left is the price of the copies: the hit rate falls by one
 template per job for each worker past the first. `--target` prints how many workers a job may use, on
 average, for the hit rate to reach it; compare with the copies a policy makes (`kv-router replay
---per-request`, docs/routing-quality.md, fifth and sixth rounds).
+--per-request`, docs/history/routing-quality-rounds.md, fifth and sixth rounds).
 
 A batch job is a group of requests sharing their first trace block whose common prefix is two trace
 blocks or more (templates are 1,024-6,144 tokens; the chat system prompt, the chats' only shared
