@@ -205,12 +205,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.pop("command")
     config_command = args.pop("config_command", None)
     config_file = args.pop("config") or _env_config_file()
+    showing = command == "config" and config_command == "show"
+    problems: list[ConfigError] = []
     try:
-        settings, origin = resolve_settings(flags=args, env=os.environ, config_file=config_file)
+        settings, origin = resolve_settings(
+            flags=args, env=os.environ, config_file=config_file, problems=problems if showing else None
+        )
     except ConfigError as exc:
         parser.error(str(exc))
-    if command == "config" and config_command == "show":
-        print(show_settings(settings, origin), end="")
+    if showing:
+        print(show_settings(settings, origin, problems), end="")
         return 0
     from api.server import serve  # imported late: --help and --version stay fast
 
@@ -218,8 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def show_settings(settings: Settings, origin: dict[str, str]) -> str:
-    """The effective settings as TOML lines, each with where it came from; secrets masked."""
+def show_settings(settings: Settings, origin: dict[str, str], problems: Sequence[ConfigError] = ()) -> str:
+    """The effective settings as TOML lines, each with where it came from; secrets masked; then, as
+    comments, what `kv-router serve` would refuse on this host (``problems``: a file it cannot read)."""
     lines = ["# kv-router settings: value, then where it came from (default, file, environment, flag)\n"]
     for section in SECTIONS:
         values = getattr(settings, section)
@@ -231,6 +236,9 @@ def show_settings(settings: Settings, origin: dict[str, str]) -> str:
                 lines.append(f"# {name} = (unset)  # {source}\n")
             else:
                 lines.append(f"{name} = {_toml_value(value)}  # {source}\n")
+    if problems:
+        lines.append("\n# kv-router serve would refuse these settings on this host:\n")
+        lines.extend(f"#   {problem}\n" for problem in problems)
     return "".join(lines)
 
 

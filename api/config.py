@@ -390,9 +390,13 @@ def resolve_settings(
     flags: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
     config_file: Path | None = None,
+    *,
+    problems: list[ConfigError] | None = None,
 ) -> tuple[Settings, dict[str, str]]:
     """`load_settings`, and where each setting not left at its default came from (name -> "flag
-    --port", "environment variable KV_ROUTER_PORT", "config file x.toml")."""
+    --port", "environment variable KV_ROUTER_PORT", "config file x.toml"). With ``problems``, what
+    only this host can check (files to read, engine specs) is appended there instead of raised:
+    ``kv-router config show`` prints a deployment's file on any machine."""
     owner = _field_section()
     merged: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     origin: dict[str, str] = {}
@@ -422,19 +426,51 @@ def resolve_settings(
         except msgspec.ValidationError as exc:
             raise ConfigError(section, _explain(str(exc), origin)) from None
     settings = Settings(**sections)  # type: ignore[arg-type]
-    try:
-        _check_references(settings)
-    except ConfigError as exc:
-        raise ConfigError(exc.field, _explain(str(exc), origin).removeprefix(f"{exc.field}: ")) from None
+    checks = [_check_policy, _check_engine_specs, _check_files]
+    for check in checks:
+        try:
+            check(settings)
+        except ConfigError as exc:
+            explained = ConfigError(exc.field, _explain(str(exc), origin).removeprefix(f"{exc.field}: "))
+            if problems is None or check is _check_policy:
+                raise explained from None
+            problems.append(explained)
     return settings, origin
 
 
-def _check_references(settings: Settings) -> None:
-    """What the structs cannot check alone: names of registered policies, files that must be readable."""
+def _check_policy(settings: Settings) -> None:
     policy = settings.router.policy
     if policy not in policy_names():
         raise ConfigError("policy", f"unknown policy {policy!r}; choose from {', '.join(policy_names())}")
+
+
+def _check_engine_specs(settings: Settings) -> None:
+    """Engine specs parse (at start-up they would fail inside the app's lifespan, as a traceback)."""
+    engines = settings.engines
+    if engines.engine_zmq:
+        from router.engines.direct import parse_engine_zmq  # pyzmq: only when it is needed
+
+        for spec in engines.engine_zmq:
+            try:
+                parse_engine_zmq(spec)
+            except ValueError as exc:
+                raise ConfigError("engine_zmq", str(exc).removeprefix("engine_zmq ")) from None
+    if engines.dynamo_endpoint:
+        from router.engines.dynamo_source import DynamoEndpoint
+
+        for spec in engines.dynamo_endpoint:
+            try:
+                DynamoEndpoint.parse(spec)
+            except ValueError as exc:
+                raise ConfigError("dynamo_endpoint", str(exc).removeprefix("dynamo_endpoint ")) from None
+
+
+def _check_files(settings: Settings) -> None:
+    """Files that must be readable on this host."""
     settings.security.token()
+    for model, path in settings.proxy.tokenizer_paths().items():
+        if not os.access(path, os.R_OK) or not path.is_file():
+            raise ConfigError("tokenizer", f"model {model!r}: cannot read {path}")
     for name in ("ssl_certfile", "ssl_keyfile"):
         path = getattr(settings.security, name)
         if path is not None and not os.access(path, os.R_OK):

@@ -59,6 +59,10 @@ BAD = [
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["config", "show", "--max-body-bytes", "1.5"], "max_body_bytes"),
     (["nope"], "invalid choice: 'nope'"),
+    (["serve", "--engine-zmq", "garbage"], "engine_zmq: 'garbage': expected WORKER_ID=tcp://HOST:PORT"),
+    (["serve", "--dynamo-endpoint", "garbage"], "dynamo_endpoint: 'garbage': expected NAMESPACE.COMPONENT.ENDPOINT"),
+    (["serve", "--proxy", "--tokenizer", "mock-model=/nope.json"], "model 'mock-model': cannot read /nope.json"),
+    (["bridge"], "--worker-id is required (or KV_ROUTER_BRIDGE_WORKER_ID, or worker_id in --config)"),
 ]
 
 
@@ -140,6 +144,17 @@ def test_the_example_config_file_loads(tmp_path: Path) -> None:
     assert settings.event_plane.nats_url == "tls://nats.example.internal:4222"
     assert settings.security.token() == "example-token"
     assert settings.security.ssl_certfile is not None
+
+
+def test_config_show_reads_the_example_on_any_machine() -> None:
+    # The file says to run this; its paths are a deployment's mounts, absent here: shown, not refused.
+    done = _kv("config", "show", "--config", str(EXAMPLE.relative_to(ROOT)))
+    assert done.returncode == 0, done.stderr
+    assert "block_size = 64  # config file docs/kv-router.example.toml" in done.stdout
+    assert "# kv-router serve would refuse these settings on this host:" in done.stdout
+    assert "#   api_token_file: cannot read /etc/kv-router/api-token" in done.stdout
+    comment = next(line for line in EXAMPLE.read_text().splitlines() if line.startswith("policy ="))
+    assert all(name in comment for name in policy_names()), comment
 
 
 def test_docs_work_offline() -> None:
