@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,10 @@ def load_bridge_config(
         return msgspec.convert(merged, BridgeConfig, strict=False)
     except msgspec.ValidationError as exc:
         message = str(exc)
+        missing = message.removeprefix("Object missing required field `").removesuffix("`")
+        if missing in fields and missing not in merged:
+            flag, env_name = "--" + missing.replace("_", "-"), BRIDGE_ENV_PREFIX + missing.upper()
+            raise ConfigError(missing, f"{flag} is required (or {env_name}, or {missing} in --config)") from None
         field = next((n for n in origin if f"$.{n}`" in message), "bridge")
         where = origin.get(field)
         raise ConfigError(field, f"{message} (from {where})" if where else message) from None
@@ -102,11 +107,10 @@ class BridgeCommand:
         import logging
         import signal
 
-        from nats.errors import Error as NatsError
-
         from router.engines.bridge import Bridge
-        from router.event_plane.connection import NatsOptions, check_creds_file, connect, is_authorization_error
-        from router.event_plane.connection_file import ConnectionFileError, with_local_credentials
+        from router.event_plane.connection import NatsOptions, check_creds_file
+        from router.event_plane.connection_file import DEFAULT_URL, ConnectionFileError
+        from router.event_plane.first_connection import FirstConnectionError, LocalToolConnection
 
         flags = vars(args).copy()
         flags.pop("command", None)
@@ -115,38 +119,40 @@ class BridgeCommand:
         )
         try:
             config = load_bridge_config(flags, os.environ, config_file)
-        except ConfigError as exc:
-            raise SystemExit(f"kv-router bridge: {exc}") from None
-        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-        configured = NatsOptions.from_settings(config, name=f"kv-router-bridge-{config.worker_id}")
-        try:
             if config.nats_creds_file is not None:
                 check_creds_file(config.nats_creds_file)
-            # A router's embedded NATS on this host: its token from the router's connection file.
-            options = with_local_credentials(configured.url, configured)
-        except (ValueError, ConnectionFileError) as exc:
-            raise SystemExit(f"kv-router bridge: {exc}") from None
+        except (ConfigError, ValueError) as exc:
+            print(f"kv-router bridge: {exc}", file=sys.stderr)
+            return 2
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # httpx logs every request at INFO: one line per engine-metrics scrape, every second.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
-        async def serve() -> None:
+        # Without a URL: a router's embedded NATS on this host, its URL and token from the router's
+        # connection file (read again at each attempt: the router may still be starting).
+        options = NatsOptions.from_settings(
+            msgspec.structs.replace(config, nats_url=config.nats_url or DEFAULT_URL),
+            name=f"kv-router-bridge-{config.worker_id}",
+        )
+        connection = LocalToolConnection("kv-router bridge", config.nats_url, options, wait_s=config.nats_wait_secs)
+
+        async def serve() -> int:
             try:
-                nc = await connect(options)
-            except (OSError, TimeoutError, NatsError) as exc:
-                refused = " (refused the credentials)" if is_authorization_error(exc) else ""
-                raise SystemExit(
-                    f"kv-router bridge: cannot connect to NATS at {options.url}{refused}: {type(exc).__name__}: {exc}"
-                ) from None
+                nc, resolved = await connection.connect()
+            except (ConnectionFileError, FirstConnectionError) as exc:
+                print(f"kv-router bridge: {exc}", file=sys.stderr)
+                return 2
             task = asyncio.create_task(Bridge(config, nc).run_forever())
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, task.cancel)
-            print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {config.nats_url}", flush=True)
+            print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {resolved.url}", flush=True)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             await nc.close()
+            return 0
 
-        asyncio.run(serve())
-        return 0
+        return asyncio.run(serve())
 
 
 BRIDGE = BridgeCommand()

@@ -23,7 +23,7 @@ from router.config import RouterConfig
 from router.errors import ConfigError
 
 if TYPE_CHECKING:
-    from router.event_plane.connection import NatsOptions
+    from router.event_plane.first_connection import LocalToolConnection
 
 __all__ = ["DEMO", "MOCK_WORKER", "REPLAY", "TUNE", "SimulatorCommand", "main"]
 
@@ -201,6 +201,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     from mocker.replay import ReplaySetup, replay_offline, replay_online_report, write_outputs
     from mocker.report import render_table, render_worker_table
     from router.event_plane.connection_file import ConnectionFileError
+    from router.event_plane.first_connection import FirstConnectionError
 
     engine = _engine_config(args)
     try:
@@ -232,7 +233,7 @@ def _run_replay(args: argparse.Namespace) -> int:
                     trace,
                     label=args.label,
                     router_url=args.url,
-                    nats=_nats_options(args, "kv-router-replay"),
+                    nats=_nats_connection(args, "kv-router replay", "kv-router-replay"),
                     namespace=args.namespace,
                     workers=args.workers,
                     time_scale=args.time_scale,
@@ -244,7 +245,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         else:
             settings["mode"] = "offline"
             runs = asyncio.run(replay_offline(trace, setup, show_progress=not args.quiet))
-    except (ValueError, ConnectionFileError) as exc:
+    except (ValueError, ConnectionFileError, FirstConnectionError) as exc:
         print(f"kv-router replay: {exc}", file=sys.stderr)
         return 2
     print(render_table([run.report for run in runs]))
@@ -357,18 +358,28 @@ def _add_nats_flags(group: argparse._ActionsContainer, what: str) -> None:
         help="the connection file kv-router serve wrote for its embedded NATS [env KV_ROUTER_NATS_CONNECTION_FILE; "
         "default: $XDG_RUNTIME_DIR/kv-router/ or ~/.cache/kv-router/]",
     )
+    group.add_argument(
+        "--nats-wait-secs",
+        type=float,
+        default=30.0,
+        help="how long the first connection is retried (a kv-router serve started just before is still "
+        "starting its NATS) [%(default)s]",
+    )
 
 
-def _nats_options(args: argparse.Namespace, name: str) -> NatsOptions:
-    """The NATS options of ``args``, completed by a local router's connection file (`ValueError` or
-    `ConnectionFileError` when a file given cannot be used)."""
+def _nats_connection(args: argparse.Namespace, tool: str, name: str) -> LocalToolConnection:
+    """How ``tool`` reaches NATS from ``args``: completed by a local router's connection file at
+    each attempt (`ValueError` when a credentials file given cannot be used)."""
     from router.event_plane.connection import NatsOptions, check_creds_file
-    from router.event_plane.connection_file import DEFAULT_URL, with_local_credentials
+    from router.event_plane.connection_file import DEFAULT_URL
+    from router.event_plane.first_connection import LocalToolConnection
 
     if args.nats_creds_file is not None:
         check_creds_file(args.nats_creds_file)
     options = NatsOptions(args.nats_url or DEFAULT_URL, creds_file=args.nats_creds_file, name=name)
-    return with_local_credentials(args.nats_url, options, args.nats_connection_file)
+    return LocalToolConnection(
+        tool, args.nats_url, options, connection_file=args.nats_connection_file, wait_s=args.nats_wait_secs
+    )
 
 
 def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
@@ -404,14 +415,12 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     import secrets
     import signal
 
-    from nats.errors import Error as NatsError
-
     from mocker.openai_api import serve_openai
     from mocker.worker import MockWorker
     from mocker.zmq_engine import VllmZmqPublisher
-    from router.event_plane.connection import connect, is_authorization_error
     from router.event_plane.connection_file import ConnectionFileError
     from router.event_plane.embedded_server import free_port
+    from router.event_plane.first_connection import FirstConnectionError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _engine_config(args)
@@ -423,27 +432,16 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     url = f"http://{args.http_host}:{port}" if port is not None else None
 
     try:
-        options = _nats_options(args, f"mock-worker-{worker_id}")
-    except (ValueError, ConnectionFileError) as exc:
+        connection = _nats_connection(args, "kv-router mock-worker", f"mock-worker-{worker_id}")
+    except ValueError as exc:
         print(f"kv-router mock-worker: {exc}", file=sys.stderr)
         return 2
 
     async def serve() -> int:
         try:
-            nc = await connect(options)
-        except (OSError, TimeoutError, NatsError) as exc:
-            hint = (
-                "The server refused the credentials: an embedded NATS needs the token in the connection file of "
-                "its kv-router serve (--nats-connection-file), an external one --nats-creds-file."
-                if is_authorization_error(exc)
-                else "Pass the URL the router uses with --nats-url: kv-router serve logs it at start-up and "
-                "GET /v1/info on the router returns it."
-            )
-            print(
-                f"kv-router mock-worker: cannot connect to NATS at {options.url} ({type(exc).__name__}: {exc}). "
-                + hint,
-                file=sys.stderr,
-            )
+            nc, options = await connection.connect()
+        except (ConnectionFileError, FirstConnectionError) as exc:
+            print(f"kv-router mock-worker: {exc}", file=sys.stderr)
             return 2
         worker = MockWorker(
             nc,

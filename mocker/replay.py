@@ -30,6 +30,7 @@ from router.config import RouterConfig
 
 if TYPE_CHECKING:
     from router.event_plane.connection import NatsOptions
+    from router.event_plane.first_connection import LocalToolConnection
 
 __all__ = ["ReplayRun", "ReplaySetup", "replay_offline", "replay_online_report", "write_outputs"]
 
@@ -105,7 +106,7 @@ async def replay_online_report(
     *,
     label: str,
     router_url: str,
-    nats: NatsOptions,
+    nats: NatsOptions | LocalToolConnection,
     namespace: str = "default",
     workers: int = 1,
     time_scale: float = 1.0,
@@ -120,8 +121,10 @@ async def replay_online_report(
     """
     from mocker.online import replay_online
     from router.event_plane.connection import connect
+    from router.event_plane.first_connection import LocalToolConnection
 
-    nc = await connect(nats)
+    # A local tool's connection waits for a router started just before; plain options connect now.
+    nc = (await nats.connect())[0] if isinstance(nats, LocalToolConnection) else await connect(nats)
     bar = ProgressBar(label, enabled=show_progress)
     started = time.perf_counter()
     try:

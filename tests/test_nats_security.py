@@ -273,10 +273,64 @@ def test_serve_and_a_mock_worker_without_flags_share_the_token_nobody_else_has(
 
 def test_a_mock_worker_refused_by_the_embedded_server_says_why(tmp_path: Path, runtime_env: dict[str, str]) -> None:
     with EmbeddedNats(require_token=True) as server:
-        worker = ToolProcess(tmp_path, runtime_env, "--nats-url", server.url, "--worker-id", "5")
+        worker = ToolProcess(tmp_path, runtime_env, "--nats-url", server.url, "--worker-id", "5",
+                             "--nats-wait-secs", "1")  # fmt: skip
         try:
             assert worker.process.wait(30) == 2
         finally:
             worker.stop()
     log = worker.log()
-    assert "refused the credentials" in log and "--nats-connection-file" in log and "Traceback" not in log
+    assert "Authorization Violation" in log and "no running kv-router serve of this user" in log, log
+    assert "--nats-connection-file" in log and "Traceback" not in log
+
+
+def test_a_tool_with_nothing_to_connect_to_waits_then_names_the_cause(
+    tmp_path: Path, runtime_env: dict[str, str]
+) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    for command, flags in (("mock-worker", ["--nats-wait-secs", "1.5"]),
+                           ("bridge", ["--worker-id", "3", "--zmq-endpoint", "tcp://127.0.0.1:1", "--nats-wait-secs",
+                                       "1.5"])):  # fmt: skip
+        tool = ToolProcess(tmp_path, runtime_env, "--nats-url", url, *flags, command=command)
+        try:
+            assert tool.process.wait(30) == 2
+        finally:
+            tool.stop()
+        lines = tool.log().splitlines()
+        assert f"kv-router {command}: waiting for NATS at {url} (connection refused)" in lines[0], lines
+        assert f"cannot connect to NATS at {url} after 2 s (connection refused): nothing answers there" in lines[-1]
+        assert "Traceback" not in tool.log()
+
+
+# nats-py leaves a refused connection's socket to the garbage collector: the library's warning, not ours.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_tools_started_before_the_service_wait_and_find_its_moved_nats_without_flags(
+    tmp_path: Path, runtime_env: dict[str, str]
+) -> None:
+    """README: `kv-router serve --proxy ... &` then at once `kv-router mock-worker ... &` (issue 30, fault 1);
+    the service's NATS on another port than 4222 and the bridge given no --nats-url (issue 24, fault 9)."""
+    nats_port = free_port()
+    worker = ToolProcess(tmp_path, runtime_env, "--worker-id", "91")
+    router = RouterProcess(tmp_path, "--block-size", str(MOCK_BLOCK), "--embedded-nats-port", str(nats_port),
+                           "--access-log", env=runtime_env)  # fmt: skip
+    bridge: ToolProcess | None = None
+    try:
+        bridge = ToolProcess(tmp_path, runtime_env, "--worker-id", "92", "--zmq-endpoint",
+                             f"tcp://127.0.0.1:{free_port()}", "--block-size", str(MOCK_BLOCK),
+                             "--engine-metrics-url", f"http://127.0.0.1:{router.port}/metrics", command="bridge")  # fmt: skip
+        until(lambda: "waiting for NATS" in worker.log() and "waiting for NATS" in bridge.log(), timeout=30)
+        router.start()
+        until(lambda: _routed_to(router, 91), timeout=60)
+        until(lambda: _known(router, 92), timeout=60)
+        assert f"mock worker 91 on nats://127.0.0.1:{nats_port}" in worker.log()
+        assert f"-> nats://127.0.0.1:{nats_port}" in bridge.log()
+        # Quiet by default (issue 24, fault 10): no line per engine-metrics scrape.
+        until(lambda: router.log().count("GET /metrics") >= 3, timeout=30)
+        assert "HTTP Request" not in bridge.log() and "/metrics" not in bridge.log()
+    finally:
+        for tool in (worker, bridge):
+            if tool is not None:
+                tool.stop()
+        router.stop()
+    for log in (worker.log(), bridge.log() if bridge else ""):
+        assert "Authorization Violation" not in log and "Traceback" not in log

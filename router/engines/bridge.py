@@ -48,6 +48,12 @@ def rank_endpoint(endpoint: str, dp_rank: int) -> str:
     return f"{head}:{int(port) + dp_rank}"
 
 
+def _netloc(nc: Client) -> str:
+    """The server the client is connected to (its URL without credentials)."""
+    url = nc.connected_url
+    return "?" if url is None else f"{url.hostname}:{url.port}"
+
+
 class PublisherSink:
     """Engine events of one worker into its `KvEventPublisher`, one NATS message per stream batch."""
 
@@ -138,7 +144,7 @@ class Bridge:
             "bridge for worker %d: %s -> NATS %s (namespace %s)",
             self.config.worker_id,
             self.config.zmq_endpoint,
-            self.config.nats_url,
+            _netloc(self.nc),
             self.config.namespace,
         )
 

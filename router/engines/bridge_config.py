@@ -48,7 +48,18 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         ),
         msgspec.Meta(ge=0),
     ] = 0.001
-    nats_url: Annotated[str, _doc("NATS server of the routers' event plane")] = "nats://127.0.0.1:4222"
+    nats_url: Annotated[
+        str | None,
+        _doc(
+            "NATS server of the routers' event plane (unset: the embedded NATS of a kv-router serve on this host, "
+            "found with its token in its connection file, whatever its port; else nats://127.0.0.1:4222)"
+        ),
+    ] = None
+    nats_wait_secs: Annotated[
+        float,
+        _doc("how long the first NATS connection is retried (a router started just before is still starting)"),
+        msgspec.Meta(ge=0),
+    ] = 30.0
     namespace: Annotated[str, _doc("deployment namespace: subjects kv.<namespace>.*")] = "default"
     nats_user: Annotated[str | None, _doc("NATS user name")] = None
     nats_password: Annotated[str | None, _doc("NATS password")] = None

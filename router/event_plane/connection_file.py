@@ -32,6 +32,7 @@ __all__ = [
     "connection_file_path",
     "find_local_server",
     "remove_connection_file",
+    "runtime_directory",
     "with_local_credentials",
     "write_connection_file",
 ]

@@ -1,0 +1,122 @@
+"""A local tool's first connection to the routers' NATS (``kv-router mock-worker``, ``bridge``,
+``replay --online``): retried for a while, with one progress line, and a final error naming the cause.
+
+Tools are often started right after ``kv-router serve`` (``serve ... & mock-worker ... &``), before
+its embedded nats-server is up and before it has written its connection file: each attempt reads the
+connection file again (`with_local_credentials`), so the tool finds the server, its port and its
+token as soon as the service has written them. Once connected the client reconnects forever
+(`connect`); only the first connection has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+
+from router.event_plane.connection import NatsOptions, connect, is_authorization_error
+from router.event_plane.connection_file import runtime_directory, with_local_credentials
+
+__all__ = ["DEFAULT_WAIT_SECS", "FirstConnectionError", "LocalToolConnection"]
+
+DEFAULT_WAIT_SECS = 30.0
+_PROGRESS_EVERY_SECS = 10.0
+
+
+class FirstConnectionError(Exception):
+    """No connection within the wait; the message names the cause and what to do (one line)."""
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalToolConnection:
+    """How one local tool reaches the routers' NATS.
+
+    ``url`` is the URL the user gave (None: none, so the local service's embedded server, wherever
+    it listens); ``options`` carry it (or the default URL) and any credentials the user gave.
+    """
+
+    tool: str
+    url: str | None
+    options: NatsOptions
+    connection_file: str | None = None
+    wait_s: float = DEFAULT_WAIT_SECS
+
+    def resolved(self) -> NatsOptions:
+        """The options for the next attempt: completed by a running service's connection file."""
+        return with_local_credentials(self.url, self.options, self.connection_file)
+
+    async def connect(self, progress: Callable[[str], None] = _stderr) -> tuple[Client, NatsOptions]:
+        """Connect, retrying until ``wait_s`` has passed; `FirstConnectionError` after it. Raises
+        `ConnectionFileError` at once when a connection file given explicitly cannot be read."""
+        started = time.monotonic()
+        deadline = started + self.wait_s
+        backoff = 0.25
+        next_progress = 0.0
+        while True:
+            options = self.resolved()
+            try:
+                return await connect(options), options
+            except (OSError, TimeoutError, NatsError) as exc:
+                error: BaseException = exc
+            now = time.monotonic()
+            if now >= deadline:
+                raise FirstConnectionError(self._explain(options, error))
+            if now >= next_progress:
+                waited = now - started
+                progress(
+                    f"{self.tool}: waiting for NATS at {options.url} ({_reason(error)}); "
+                    f"{waited:.0f} s of {self.wait_s:.0f} s, retrying"
+                )
+                next_progress = now + _PROGRESS_EVERY_SECS
+            await asyncio.sleep(min(backoff, max(0.0, deadline - now)))
+            backoff = min(2.0, backoff * 2)
+
+    def _explain(self, options: NatsOptions, error: BaseException) -> str:
+        where = f"cannot connect to NATS at {options.url} after {self.wait_s:.0f} s ({_reason(error)})"
+        found = options.token is not None and self.options.token is None
+        directory = runtime_directory()
+        files = f"in {directory}" if directory is not None else "(this user has no connection-file directory)"
+        if is_authorization_error(error):
+            if found:
+                cause = (
+                    "the server refused the token of the kv-router serve's connection file: that service has "
+                    "restarted or stopped; start the tool again"
+                )
+            elif self.options.token or self.options.user or self.options.creds_file:
+                cause = "the server refused the credentials given"
+            else:
+                cause = (
+                    f"that server needs credentials and no running kv-router serve of this user has a connection "
+                    f"file for it {files}: it is another program's NATS; pass your router's --nats-url "
+                    "(GET /v1/info on the router returns it), or its --nats-connection-file"
+                )
+        elif isinstance(error, OSError | TimeoutError):
+            if self.url is None and not found:
+                cause = (
+                    f"no kv-router serve of this user is running (no connection file {files}) and nothing "
+                    "listens there: start kv-router serve first, or pass --nats-url with the URL it uses "
+                    "(it logs it at start-up; GET /v1/info returns it)"
+                )
+            else:
+                cause = "nothing answers there: is the NATS server (or kv-router serve) running, and is the URL right?"
+        else:
+            cause = "check the URL and the server's log"
+        return f"{where}: {cause}"
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused"
+    if is_authorization_error(error):
+        return "Authorization Violation"
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
