@@ -216,9 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if showing:
         print(show_settings(settings, origin, problems), end="")
         return 0
-    from api.server import serve  # imported late: --help and --version stay fast
+    from api.server import ListenError, serve  # imported late: --help and --version stay fast
 
-    serve(settings)
+    try:
+        serve(settings)
+    except ListenError as exc:
+        print(f"kv-router serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

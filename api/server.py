@@ -9,6 +9,7 @@ runs the app's lifespan shutdown and exits 0.
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging.config
 import os
@@ -27,7 +28,7 @@ from api.logs import log_config
 from api.plane_lifecycle import embedded_nats
 from api.processes import CHILD_SETTINGS_ENV, run_children
 
-__all__ = ["serve", "serve_child", "uvicorn_config"]
+__all__ = ["ListenError", "listening_socket", "serve", "serve_child", "uvicorn_config"]
 
 
 def uvicorn_config(settings: Settings) -> uvicorn.Config:
@@ -72,6 +73,14 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> None:
     raised with the default handlers (a signal before uvicorn took over stops start-up the same way).
     """
     logging.config.dictConfig(log_config(settings.service.log_level, settings.service.log_format))
+    service = settings.service
+    if sock is None:
+        # The address first: a port in use or a host that does not resolve stops the command before
+        # anything starts (no embedded NATS left behind, no app started only to fail on the bind).
+        sock = listening_socket(service.host, service.port, reuse_port=settings.ha.processes > 1)
+        if settings.ha.processes > 1:
+            sock.close()  # each child binds its own (SO_REUSEPORT); this one only proved the address free
+            sock = None
     previous = {sig: signal.signal(sig, _stop) for sig in _SIGNALS}
     stopped_by: int | None = None
     try:
@@ -134,10 +143,37 @@ def serve_child() -> None:
 
 
 def _reuse_port_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return listening_socket(host, port, reuse_port=True)
+
+
+class ListenError(OSError):
+    """The service cannot listen on its address; the message is one line naming it and why."""
+
+
+_BIND_REASONS = {
+    errno.EADDRINUSE: "the port is in use (another kv-router serve? --port picks another)",
+    errno.EADDRNOTAVAIL: "no interface of this host has that address (--host)",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+}
+
+
+def listening_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv4 preferred for a name), or `ListenError`."""
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        candidates = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {shown}: the host does not resolve ({exc.strerror})") from None
+    family, _, _, _, address = min(candidates, key=lambda c: c[0] != socket.AF_INET)
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    # Every process binds its own socket to the address; the kernel spreads connections over them.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            # Every process binds its own socket to the address; the kernel spreads connections over them.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        reason = _BIND_REASONS.get(exc.errno or 0, exc.strerror or str(exc))
+        raise ListenError(f"cannot listen on {shown}: {reason}") from None
     return sock

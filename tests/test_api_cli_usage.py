@@ -6,7 +6,9 @@ no external host."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
+import time
 import tomllib
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 
 from api.cli import show_settings
 from api.config import SECTIONS, load_settings, resolve_settings
+from router.event_plane.embedded_server import free_port
 from router.policies.registry import policy_names
 from tests.test_api_server import ROOT, _kv_router
 from tests.test_api_support import serve
@@ -169,3 +172,27 @@ def test_docs_work_offline() -> None:
                 assert reply.status_code == 200 and len(reply.content) > 1000, asset
         assert "validatorUrl" in client.get("/docs").text
         assert client.get("/openapi.json").json()["paths"]["/v1/new"]
+
+
+@pytest.mark.parametrize(
+    ("host", "says"),
+    [("127.0.0.1", "the port is in use"), ("nope.invalid", "the host does not resolve")],
+    ids=["port-in-use", "unresolvable-host"],
+)
+def test_an_address_it_cannot_listen_on_is_one_line_and_nothing_left_running(host: str, says: str) -> None:
+    nats_port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        done = _kv("serve", "--host", host, "--port", str(port), "--embedded-nats-port", str(nats_port))
+        elapsed = time.monotonic() - started
+    shown = f"{host}:{port}"
+    assert done.returncode == 1, done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"kv-router serve: cannot listen on {shown}: {says}")
+    # Refused before anything started: no embedded nats-server was ever on its port.
+    assert "nats-server" not in done.stderr and elapsed < 30
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", nats_port))

@@ -315,9 +315,10 @@ def test_tools_started_before_the_service_wait_and_find_its_moved_nats_without_f
                            "--access-log", env=runtime_env)  # fmt: skip
     bridge: ToolProcess | None = None
     try:
+        scraped = f"http://127.0.0.1:{router.port}/metrics"
         bridge = ToolProcess(tmp_path, runtime_env, "--worker-id", "92", "--zmq-endpoint",
                              f"tcp://127.0.0.1:{free_port()}", "--block-size", str(MOCK_BLOCK),
-                             "--engine-metrics-url", f"http://127.0.0.1:{router.port}/metrics", command="bridge")  # fmt: skip
+                             "--engine-metrics-url", scraped, command="bridge")  # fmt: skip
         until(lambda: "waiting for NATS" in worker.log() and "waiting for NATS" in bridge.log(), timeout=30)
         router.start()
         until(lambda: _routed_to(router, 91), timeout=60)
