@@ -465,9 +465,22 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, task.cancel)
             http = f", OpenAI API at {url} (model {args.model})" if url else ""
             print(f"mock worker {worker_id} on {options.url} (namespace {args.namespace}){http}", flush=True)
+            # A router that refuses this worker (another block size) says so: serving on would be a lie.
+            refused = asyncio.create_task(worker.publisher.refused.wait())
+            await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)
+            refused.cancel()
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await nc.close()
+        refusal = worker.publisher.refusal
+        if refusal is not None:
+            print(
+                f"kv-router mock-worker: the router refused this worker: {refusal.reason}. Start it with --block-size "
+                f"{refusal.router_block_size} (or the router with --block-size {engine.block_size})",
+                file=sys.stderr,
+            )
+            return 2
         return 0
 
     return asyncio.run(serve())

@@ -159,7 +159,7 @@ async def test_control_messages_are_applied_or_counted(plane: RouterEventPlane, 
                 registration = msgspec.json.decode(data, type=WorkerConfig)
             except msgspec.DecodeError:
                 continue
-            plane._apply_registration(registration)
+            await plane._apply_registration(registration)
             continue
         message = Msg(_client=plane.nc, subject=f"kv.default.{kind}.1", data=data)
         await (plane._on_heartbeat if kind == "heartbeat" else plane._on_load)(message)

@@ -15,6 +15,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -335,3 +336,42 @@ def test_tools_started_before_the_service_wait_and_find_its_moved_nats_without_f
         router.stop()
     for log in (worker.log(), bridge.log() if bridge else ""):
         assert "Authorization Violation" not in log and "Traceback" not in log
+
+
+def _control_count(router: RouterProcess, outcome: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{router.port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    line = f'kv_router_nats_control_messages_total{{outcome="{outcome}"}} '
+    return sum(float(row[len(line) :]) for row in text.splitlines() if row.startswith(line))
+
+
+def test_a_block_size_mismatch_is_said_once_by_the_router_and_loudly_by_the_worker(
+    tmp_path: Path, runtime_env: dict[str, str]
+) -> None:
+    router = RouterProcess(tmp_path, "--embedded-nats-port", str(free_port()), env=runtime_env)  # block size 16
+    router.start()
+    worker: ToolProcess | None = None
+    bridge: ToolProcess | None = None
+    try:
+        # The mock worker (64-token blocks) is refused: it exits, naming the router's block size.
+        worker = ToolProcess(tmp_path, runtime_env, "--worker-id", "61")
+        assert worker.process.wait(60) == 2, worker.log()
+        assert (
+            "the router refused this worker: worker 61 uses block size 64, router 16. Start it with --block-size 16"
+        ) in worker.log()
+        # A bridge keeps heartbeating its engine's registration: refused at every beat, said once on each side.
+        bridge = ToolProcess(tmp_path, runtime_env, "--worker-id", "62", "--zmq-endpoint",
+                             f"tcp://127.0.0.1:{free_port()}", "--block-size", "32", command="bridge")  # fmt: skip
+        until(lambda: _control_count(router, "rejected_block_size_mismatch") >= 6, timeout=60)
+        assert "a router refused worker 62: worker 62 uses block size 32, router 16" in bridge.log()
+        assert bridge.log().count("a router refused worker 62") == 1
+        assert router.get("/v1/workers")["workers"] == []
+    finally:
+        for tool in (worker, bridge):
+            if tool is not None:
+                tool.stop()
+        router.stop()
+    log = router.log()
+    assert log.count("worker 61 uses block size 64, router 16: registration refused") == 1, log
+    assert log.count("worker 62 uses block size 32, router 16: registration refused") == 1, log
+    assert "is back" not in log

@@ -3,6 +3,8 @@
 - ``WorkerConfig`` (from `router.types`): a worker's entry in the registry bucket ``kv_router_workers_{ns}``.
 - ``Heartbeat``: liveness on ``kv.{ns}.heartbeat.{worker_id}``.
 - ``ActiveLoad``: load on ``kv.{ns}.load.{worker_id}``, Dynamo's ``kv_metrics`` shape.
+- ``Refusal``: a router telling a worker on ``kv.{ns}.refused.{worker_id}`` that it refused its
+  registration (a block size that is not the router's), so the worker can say so itself.
 - ``ResyncRequest`` / ``ResyncResponse`` (from `indexer.events`, since the sequencer speaks them):
   request/reply on ``kv.{ns}.resync.{worker_id}``.
 """
@@ -17,6 +19,7 @@ from router.types import WorkerConfig
 __all__ = [
     "ActiveLoad",
     "Heartbeat",
+    "Refusal",
 ]
 
 
@@ -43,3 +46,11 @@ class ActiveLoad(msgspec.Struct, kw_only=True, frozen=True):
     active_prefill_tokens: NonNegative | None = None
     num_requests_waiting: NonNegative | None = None
     num_requests_running: NonNegative | None = None
+
+
+class Refusal(msgspec.Struct, kw_only=True, frozen=True):
+    """A router refused this worker's registration; it is not routed until it registers again."""
+
+    worker_id: U64
+    reason: str
+    router_block_size: int

@@ -36,7 +36,7 @@ from nats.js.kv import KeyValue
 
 from indexer.errors import UNDECODABLE
 from router.errors import UnknownWorker
-from router.event_plane.messages import ActiveLoad, Heartbeat
+from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
 from router.event_plane.publisher import open_registry
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
@@ -118,7 +118,7 @@ class RouterEventPlane:
         registration = msgspec.structs.replace(
             config, block_size=config.block_size or self.router.config.block_size, leased=leased
         )
-        self._apply_registration(registration)  # at once here; the watch's echo is then a no-op
+        await self._apply_registration(registration)  # at once here; the watch's echo is then a no-op
         assert self._registry is not None
         await self._registry.put(str(config.worker_id), msgspec.json.encode(registration))
 
@@ -151,19 +151,19 @@ class RouterEventPlane:
             except UNDECODABLE as exc:
                 self._reject("bad_registration", f"worker {worker_id}: {exc}")
                 continue
-            self._apply_registration(registration)
+            await self._apply_registration(registration)
 
-    def _apply_registration(self, config: WorkerConfig) -> None:
+    async def _apply_registration(self, config: WorkerConfig) -> bool:
+        """Register ``config`` with the router; False when it is refused (its block size differs)."""
         block_size = self.router.config.block_size
         if config.block_size is not None and config.block_size != block_size:
             reason = f"worker {config.worker_id} uses block size {config.block_size}, router {block_size}"
-            self.refused_registrations[config.worker_id] = reason
-            self._reject("block_size_mismatch", reason)
-            return
+            await self._refuse(config, reason)
+            return False
         self.refused_registrations.pop(config.worker_id, None)
         previous = self.router.worker(config.worker_id)
         if previous == config:
-            return  # the watch echoing a registration this router applied already
+            return True  # the watch echoing a registration this router applied already
         is_new = previous is None
         self.router.register_worker(config)
         if config.leased:
@@ -177,6 +177,18 @@ class RouterEventPlane:
         else:
             self._leased.pop(config.worker_id, None)
         self.outcomes["registered" if is_new else "updated"] += 1
+        return True
+
+    async def _refuse(self, config: WorkerConfig, reason: str) -> None:
+        """Count a refused registration (each heartbeat repeats it), log it once per worker and reason,
+        and tell the worker, which says so itself (the mock worker exits)."""
+        self.outcomes["rejected_block_size_mismatch"] += 1
+        if self.refused_registrations.get(config.worker_id) != reason:
+            log.warning("block_size_mismatch: %s: registration refused (logged once per worker)", reason)
+        self.refused_registrations[config.worker_id] = reason
+        refusal = Refusal(worker_id=config.worker_id, reason=reason, router_block_size=self.router.config.block_size)
+        with contextlib.suppress(Exception):  # the worker hears the next one if this is lost
+            await self.nc.publish(self.subjects.refused(config.worker_id), msgspec.json.encode(refusal))
 
     def _remove(self, worker_id: int) -> None:
         self._leased.pop(worker_id, None)
@@ -201,11 +213,12 @@ class RouterEventPlane:
             if registration is not None and registration.epoch is not None and registration.epoch != known.epoch:
                 log.info("worker %d restarted (publisher epoch %s): starting its streams afresh",
                          beat.worker_id, registration.epoch)  # fmt: skip
-                self._apply_registration(registration)
+                await self._apply_registration(registration)
         elif beat.registration is not None and beat.registration.worker_id == beat.worker_id:
-            log.info("worker %d is back: registering it again", beat.worker_id)
             registration = beat.registration
-            self._apply_registration(registration)
+            if not await self._apply_registration(registration):
+                return  # refused again: said once already
+            log.info("worker %d is back: registering it again", beat.worker_id)
             if self._registry is not None:
                 await self._registry.put(str(beat.worker_id), msgspec.json.encode(registration))
 

@@ -66,7 +66,7 @@ from indexer.events import (
 from indexer.events_native import ENABLED as EVENTS_NATIVE
 from indexer.events_native import accel as events_accel
 from indexer.held_blocks import HeldBlocks
-from router.event_plane.messages import ActiveLoad, Heartbeat
+from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
 from router.types import WorkerConfig
@@ -127,20 +127,27 @@ class KvEventPublisher:
         self._resync_subscription: Subscription | None = None
         # Ranks whose source lost events for good (an engine gap a bridge could not replay).
         self._unverified: set[int] = set()
+        # A router's refusal of this registration (its block size differs): logged once, and set
+        # for the worker's process to act on (the mock worker exits).
+        self.refusal: Refusal | None = None
+        self.refused = asyncio.Event()
+        self._refused_subscription: Subscription | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, *, heartbeat: bool = True) -> None:
         """Serve resyncs, register, and start heartbeating."""
         self._resync_subscription = await self.nc.subscribe(self.subjects.resync(self.worker_id), cb=self._on_resync)
+        self._refused_subscription = await self.nc.subscribe(self.subjects.refused(self.worker_id), cb=self._on_refused)
         await self.register()
         if heartbeat:
             self.start_heartbeat()
 
     async def stop(self, *, deregister: bool = False) -> None:
         self.stop_heartbeat()
-        subscription, self._resync_subscription = self._resync_subscription, None
-        if subscription is not None:
-            await subscription.unsubscribe()
+        for subscription in (self._resync_subscription, self._refused_subscription):
+            if subscription is not None:
+                await subscription.unsubscribe()
+        self._resync_subscription = self._refused_subscription = None
         if deregister:
             registry = await open_registry(self.nc, self.subjects)
             await registry.delete(str(self.worker_id))
@@ -390,6 +397,23 @@ class KvEventPublisher:
             return ResyncResponse(events=ResyncBatch(events=wanted, last_event_id=end))
         dump = self._held.dump_events(request.dp_rank)
         return ResyncResponse(tree_dump=ResyncBatch(events=dump, last_event_id=last))
+
+    async def _on_refused(self, message: Msg) -> None:
+        try:
+            refusal = msgspec.json.decode(message.data, type=Refusal)
+        except UNDECODABLE:
+            return
+        if self.refusal is None or refusal.reason != self.refusal.reason:
+            log.error(
+                "a router refused worker %d: %s. Start the worker with block size %d (or the router with --block-size "
+                "%s); until then it is not routed",
+                self.worker_id,
+                refusal.reason,
+                refusal.router_block_size,
+                self.registration.block_size,
+            )
+        self.refusal = refusal
+        self.refused.set()
 
     async def _on_resync(self, message: Msg) -> None:
         try:

@@ -43,6 +43,10 @@ class Subjects:
     def resync(self, worker_id: int) -> str:
         return f"kv.{self.namespace}.resync.{worker_id}"
 
+    def refused(self, worker_id: int) -> str:
+        """A router telling a worker it refused its registration (`messages.Refusal`)."""
+        return f"kv.{self.namespace}.refused.{worker_id}"
+
     @property
     def router_sync(self) -> str:
         """Replica sync: every router's booking changes and heartbeats (`router.replicas`)."""
