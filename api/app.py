@@ -164,6 +164,8 @@ def create_app(
     schemas = Schemas()
     add_hot_routes(app, handlers, schemas)
     add_admin_routes(app, kv_router, registry, schemas, auth)
+    if proxy is not None:
+        proxy.document(schemas)
     schemas.install(app)
     add_docs_routes(app, auth)
     _add_error_handlers(app)

@@ -26,6 +26,11 @@ class Schemas:
 
     def __init__(self) -> None:
         self._components: dict[str, Any] = {}
+        self._paths: dict[str, dict[str, Any]] = {}
+
+    def add_path(self, path: str, method: str, operation: dict[str, Any]) -> None:
+        """A route FastAPI does not know (answered by an ASGI layer in front: the OpenAI proxy)."""
+        self._paths.setdefault(path, {})[method] = operation
 
     def schema(self, body_type: Any) -> dict[str, Any]:
         (schema,), components = msgspec.json.schema_components([body_type], ref_template=_REF)
@@ -62,6 +67,8 @@ class Schemas:
                     title=app.title, version=app.version, description=app.description, routes=app.routes
                 )
                 document.setdefault("components", {}).setdefault("schemas", {}).update(self._components)
+                for path, operations in self._paths.items():
+                    document.setdefault("paths", {}).setdefault(path, {}).update(operations)
                 app.openapi_schema = document
             return app.openapi_schema
 

@@ -14,9 +14,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 
+from api.app import create_app
 from api.cli import show_settings
-from api.config import SECTIONS, load_settings, resolve_settings
+from api.config import SECTIONS, ProxyConfig, Settings, load_settings, resolve_settings
 from router.event_plane.embedded_server import free_port
 from router.policies.registry import policy_names
 from tests.test_api_server import ROOT, _kv_router
@@ -196,3 +199,22 @@ def test_an_address_it_cannot_listen_on_is_one_line_and_nothing_left_running(hos
     assert "nats-server" not in done.stderr and elapsed < 30
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", nats_port))
+
+
+PROXY_PATHS = {"/v1/completions": "post", "/v1/chat/completions": "post", "/v1/models": "get"}
+
+
+def test_docs_list_the_proxy_routes_when_the_proxy_is_on() -> None:
+    with serve() as client:
+        assert not PROXY_PATHS.keys() & client.get("/openapi.json").json()["paths"].keys()
+    settings = Settings(proxy=ProxyConfig(proxy=True))
+    with TestClient(create_app(settings, registry=CollectorRegistry()), base_url="http://127.0.0.1") as client:
+        document = client.get("/openapi.json").json()
+        for path, method in PROXY_PATHS.items():
+            assert method in document["paths"][path], path
+        completions = document["paths"]["/v1/completions"]["post"]
+        body = completions["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+        assert {"model", "prompt", "stream"} <= document["components"]["schemas"][body]["properties"].keys()
+        assert "text/event-stream" in completions["responses"]["200"]["content"]
+        assert "/v1/new" in document["paths"]  # the router's own routes stay
+        assert client.get("/docs").status_code == 200

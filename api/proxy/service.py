@@ -40,6 +40,7 @@ from api.auth import Access, ApiAuth, unauthorized_reply
 from api.codec import Reply
 from api.config import ProxyConfig, ServiceConfig
 from api.http_stream import Sink, StreamedRequest, StreamRoute
+from api.openapi import Schemas
 from api.proxy.downstream import AsgiDownstream, Downstream, Headers
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TokenizeFailed, load_tokenizers
@@ -47,6 +48,7 @@ from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
 from api.proxy.wire import (
     ChatBody,
     CompletionBody,
+    ErrorReply,
     ModelCard,
     ModelList,
     TokenIdsBody,
@@ -184,6 +186,35 @@ class Proxy:
         """``GET /v1/models``: the union of the models the proxied workers declare."""
         names = sorted({model for worker in self.router.workers() if worker.url for model in worker.models})
         return _encode(ModelList(data=[ModelCard(id=name) for name in names]))
+
+    def document(self, schemas: Schemas) -> None:
+        """Add the proxy's routes to the OpenAPI document (``/docs``): they are answered in front of
+        FastAPI, which would not list them."""
+        errors = {
+            status: (ErrorReply, text)
+            for status, text in (
+                (400, "malformed body"),
+                (401, "the API token is needed (--protect-decisions)"),
+                (413, "body or prompt too long"),
+                (429, "the router's queue is full (Retry-After)"),
+                (502, "the worker failed"),
+                (503, "no worker serves the model"),
+            )
+        }
+        tags = ["OpenAI proxy"]
+        for path, body, summary in (
+            ("/v1/completions", CompletionBody, "a completion, routed to the worker holding most of the prompt"),
+            ("/v1/chat/completions", ChatBody, "a chat completion, routed to the worker holding most of the prompt"),
+        ):
+            operation = schemas.operation(request=body, responses=errors, msgpack=False)
+            operation["responses"]["200"] = {
+                "description": "the worker's answer as it sent it (text/event-stream when stream is true); headers "
+                "x-kv-router-worker and x-kv-router-cached-tokens name the choice",
+                "content": {"application/json": {}, "text/event-stream": {}},
+            }
+            schemas.add_path(path, "post", {"summary": summary, "tags": tags, **operation})
+        models = schemas.operation(responses={200: (ModelList, "the models the proxied workers serve")})
+        schemas.add_path("/v1/models", "get", {"summary": "the models of the proxied workers", "tags": tags, **models})
 
     def workers_for(self, model: str) -> list[WorkerConfig]:
         """Workers with a URL serving ``model`` (declaring no models: any), those cooling down left out

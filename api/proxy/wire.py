@@ -19,6 +19,7 @@ from indexer.events import U32, U32_MAX
 __all__ = [
     "ChatBody",
     "CompletionBody",
+    "ErrorReply",
     "ModelCard",
     "ModelList",
     "OpenAIError",
@@ -84,7 +85,9 @@ class OpenAIError(msgspec.Struct, kw_only=True):
     code: int | None = None
 
 
-class _ErrorReply(msgspec.Struct):
+class ErrorReply(msgspec.Struct):
+    """OpenAI's error reply."""
+
     error: OpenAIError
 
 
@@ -92,7 +95,7 @@ _encode = msgspec.json.Encoder().encode
 
 
 def error_body(status: int, kind: str, message: str, param: str | None = None) -> bytes:
-    return _encode(_ErrorReply(OpenAIError(message=message, type=kind, param=param, code=status)))
+    return _encode(ErrorReply(OpenAIError(message=message, type=kind, param=param, code=status)))
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
