@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from api.config import _none_if_null, _read_file
+from api.config import _none_if_null, _plain, _read_file, did_you_mean
 from router.engines.bridge_config import BridgeConfig
 from router.errors import ConfigError
 
@@ -34,7 +34,7 @@ def load_bridge_config(
     if config_file is not None:
         for name, value in _read_file(config_file).items():
             if name not in fields:
-                raise ConfigError(name, f"unknown setting in config file {config_file}")
+                raise ConfigError(name, f"unknown setting in config file {config_file}{did_you_mean(name, fields)}")
             merged[name], origin[name] = value, f"config file {config_file}"
     for key, value in env.items():
         name = key[len(BRIDGE_ENV_PREFIX) :].lower()
@@ -54,6 +54,7 @@ def load_bridge_config(
             flag, env_name = "--" + missing.replace("_", "-"), BRIDGE_ENV_PREFIX + missing.upper()
             raise ConfigError(missing, f"{flag} is required (or {env_name}, or {missing} in --config)") from None
         field = next((n for n in origin if f"$.{n}`" in message), "bridge")
+        message = _plain(message, merged).removeprefix(f"{field}: ")
         where = origin.get(field)
         raise ConfigError(field, f"{message} (from {where})" if where else message) from None
 
@@ -108,7 +109,7 @@ class BridgeCommand:
         import signal
 
         from router.engines.bridge import Bridge
-        from router.event_plane.connection import NatsOptions, check_creds_file
+        from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url
         from router.event_plane.connection_file import DEFAULT_URL, ConnectionFileError
         from router.event_plane.first_connection import FirstConnectionError, LocalToolConnection
 
@@ -119,6 +120,8 @@ class BridgeCommand:
         )
         try:
             config = load_bridge_config(flags, os.environ, config_file)
+            if config.nats_url is not None:
+                check_nats_url(config.nats_url)
             if config.nats_creds_file is not None:
                 check_creds_file(config.nats_creds_file)
         except (ConfigError, ValueError) as exc:

@@ -10,10 +10,12 @@ Precedence, lowest first: field defaults, the config file, ``KV_ROUTER_*`` varia
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -353,6 +355,8 @@ def _read_file(path: Path) -> dict[str, Any]:
         text = path.read_bytes()
     except OSError as exc:
         raise ConfigError("config", f"cannot read config file {path}: {exc.strerror}") from None
+    if path.suffix in (".yaml", ".yml"):
+        raise ConfigError("config", f"config file {path}: YAML is not read; write it as TOML (.toml) or JSON")
     try:
         is_toml = path.suffix == ".toml"
         data: Any = tomllib.loads(text.decode()) if is_toml else json.loads(text)
@@ -404,7 +408,7 @@ def resolve_settings(
     def put(name: str, value: Any, where: str) -> None:
         section = owner.get(name)
         if section is None:
-            raise ConfigError(name, f"unknown setting in {where}")
+            raise ConfigError(name, f"unknown setting in {where}{did_you_mean(name, owner)}")
         merged[section][name] = value
         origin[name] = where
 
@@ -424,24 +428,32 @@ def resolve_settings(
         try:
             sections[section] = msgspec.convert(merged[section], struct, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(section, _explain(str(exc), origin)) from None
+            raise ConfigError(section, _explain(_plain(str(exc), merged[section]), origin)) from None
     settings = Settings(**sections)  # type: ignore[arg-type]
-    checks = [_check_policy, _check_engine_specs, _check_files]
+    checks = [_check_names, _check_engine_specs, _check_files]
     for check in checks:
         try:
             check(settings)
         except ConfigError as exc:
             explained = ConfigError(exc.field, _explain(str(exc), origin).removeprefix(f"{exc.field}: "))
-            if problems is None or check is _check_policy:
+            if problems is None or check is _check_names:
                 raise explained from None
             problems.append(explained)
     return settings, origin
 
 
-def _check_policy(settings: Settings) -> None:
+def _check_names(settings: Settings) -> None:
+    """A registered policy; a NATS URL that is one."""
     policy = settings.router.policy
     if policy not in policy_names():
         raise ConfigError("policy", f"unknown policy {policy!r}; choose from {', '.join(policy_names())}")
+    if settings.event_plane.nats_url is not None:
+        from router.event_plane.connection import check_nats_url  # nats-py: only when it is needed
+
+        try:
+            check_nats_url(settings.event_plane.nats_url)
+        except ValueError as exc:
+            raise ConfigError("nats_url", str(exc)) from None
 
 
 def _check_engine_specs(settings: Settings) -> None:
@@ -486,6 +498,25 @@ def _check_files(settings: Settings) -> None:
             check_creds_file(settings.event_plane.nats_creds_file)
         except ValueError as exc:
             raise ConfigError("nats_creds_file", str(exc)) from None
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for a misspelt setting name, else nothing."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "array": "a list"}
+
+
+def _plain(message: str, values: Mapping[str, Any]) -> str:
+    """msgspec's ``Expected `int`, got `str` - at `$.block_size``` as ``block_size: expected an integer,
+    got 'x'``; other messages unchanged."""
+    match = re.fullmatch(r"Expected `(\w+)`, got `\w+` - at `\$\.(\w+)`", message)
+    if match is None:
+        return message
+    kind, name = match.groups()
+    return f"{name}: expected {_KINDS.get(kind, kind)}, got {values.get(name)!r}"
 
 
 def _none_if_null(value: str) -> Any:

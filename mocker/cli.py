@@ -370,10 +370,12 @@ def _add_nats_flags(group: argparse._ActionsContainer, what: str) -> None:
 def _nats_connection(args: argparse.Namespace, tool: str, name: str) -> LocalToolConnection:
     """How ``tool`` reaches NATS from ``args``: completed by a local router's connection file at
     each attempt (`ValueError` when a credentials file given cannot be used)."""
-    from router.event_plane.connection import NatsOptions, check_creds_file
+    from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url
     from router.event_plane.connection_file import DEFAULT_URL
     from router.event_plane.first_connection import LocalToolConnection
 
+    if args.nats_url is not None:
+        check_nats_url(args.nats_url)
     if args.nats_creds_file is not None:
         check_creds_file(args.nats_creds_file)
     options = NatsOptions(args.nats_url or DEFAULT_URL, creds_file=args.nats_creds_file, name=name)

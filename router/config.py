@@ -31,7 +31,7 @@ def _doc(text: str) -> msgspec.Meta:
 
 class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """How the router scores workers, tracks their load and queues requests: Dynamo 1.6.1's settings and
-    defaults (reference §4.8), and a few of ours; immutable once built."""
+    defaults, and a few of ours; immutable once built."""
 
     block_size: Annotated[
         int, _doc("tokens per KV block; must equal every worker's block size (workers that differ are refused)")

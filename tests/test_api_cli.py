@@ -76,7 +76,12 @@ def test_unrelated_prefixed_environment_is_ignored() -> None:
     ("flags", "env", "file_text", "says"),
     [
         ({"block_size": "0"}, {}, None, "block_size: must be a positive integer, got 0 (from flag --block-size)"),
-        ({}, {"KV_ROUTER_PORT": "eighty"}, None, "$.port` (from environment variable KV_ROUTER_PORT)"),
+        (
+            {},
+            {"KV_ROUTER_PORT": "eighty"},
+            None,
+            "port: expected an integer, got 'eighty' (from environment variable KV_ROUTER_PORT)",
+        ),
         ({}, {}, '{"blok_size": 3}', "blok_size: unknown setting in config file"),
         ({}, {}, "[1, 2]", "must hold one table of settings"),
         ({}, {}, "{", "is not valid JSON"),

@@ -51,12 +51,15 @@ def test_help_explains_router_settings_with_defaults_and_lists_policies() -> Non
     assert "router setting " not in text  # the old placeholder
     assert "tokens per KV block" in text and "default: 16]" in text
     assert "seconds" in text and "KV_ROUTER_REQUEST_EXPIRY_SECS; default: 300.0" in text
+    assert "§" not in text and "reference" not in text  # the team's notes are not the user's
     assert "{" + ",".join(policy_names()) + "}" in text  # --policy's choices, from the registry
 
 
 BAD = [
     (["serve", "--policy", "foo"], "invalid choice: 'foo'"),
-    (["serve", "--port", "eighty"], "Expected `int`, got `str` - at `$.port` (from flag --port)"),
+    (["serve", "--port", "eighty"], "port: expected an integer, got 'eighty' (from flag --port)"),
+    (["serve", "--nats-url", "http://127.0.0.1:8000"], "'http://127.0.0.1:8000' is not a NATS URL: use nats://"),
+    (["mock-worker", "--nats-url", "http://127.0.0.1:8000"], "is not a NATS URL"),
     (["serve", "--port", "70000"], "<= 65535"),
     (["serve", "--block-size", "0"], "block_size: must be a positive integer"),
     (["serve", "--router-temperature", "-1"], "router_temperature: must be a finite number >= 0"),
@@ -88,8 +91,15 @@ def test_bad_config_files_and_environment(tmp_path: Path) -> None:
     unreadable.chmod(0)
     json_flag = tmp_path / "flag.json"
     json_flag.write_text("{}")
+    typo = tmp_path / "typo.toml"
+    typo.write_text("blok_size = 32\n")
+    yaml = tmp_path / "kv.yaml"
+    yaml.write_text("block_size: 32\n")
     cases = [
         (["serve", "--config", str(bad_json)], None, "is not valid JSON"),
+        (["serve", "--config", str(typo)], None, "blok_size: unknown setting in config file"),
+        (["serve", "--config", str(typo)], None, "did you mean 'block_size'?"),
+        (["serve", "--config", str(yaml)], None, "YAML is not read; write it as TOML (.toml) or JSON"),
         (["serve", "--config", str(tmp_path)], None, "cannot read config file"),
         (["serve"], {"KV_ROUTER_POLICY": "foo"}, "unknown policy 'foo'; choose from"),
         (["serve"], {"KV_ROUTER_BLOCK_SIZE": "x"}, "environment variable KV_ROUTER_BLOCK_SIZE"),

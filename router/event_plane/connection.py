@@ -19,6 +19,7 @@ __all__ = [
     "NatsOptions",
     "NatsSettings",
     "check_creds_file",
+    "check_nats_url",
     "connect",
     "connect_when_available",
     "is_authorization_error",
@@ -96,6 +97,22 @@ def check_creds_file(path: str) -> None:
     for section in ("NATS USER JWT", "USER NKEY SEED"):
         if f"BEGIN {section}" not in text:
             raise ValueError(f"{path} is not a NATS credentials file: it has no {section} section (nsc writes them)")
+
+
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def check_nats_url(url: str) -> None:
+    """Raise `ValueError` naming the problem unless ``url`` is a NATS URL (``nats://``, ``tls://``,
+    ``ws://``, ``wss://``, or a bare ``HOST:PORT``): nats-py would try to resolve ``http`` as a host."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme.lower() not in NATS_SCHEMES:
+        hint = (
+            " (http:// is the router's HTTP API; its NATS URL is in GET /v1/info)" if scheme.startswith("http") else ""
+        )
+        raise ValueError(f"{url!r} is not a NATS URL: use nats://HOST:PORT (or tls://, ws://, wss://){hint}")
+    if sep and not rest.strip("/"):
+        raise ValueError(f"{url!r} is not a NATS URL: it names no host")
 
 
 def is_authorization_error(error: BaseException) -> bool:
