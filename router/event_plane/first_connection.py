@@ -20,9 +20,9 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
 from router.event_plane.connection import NatsOptions, connect, is_authorization_error
-from router.event_plane.connection_file import runtime_directory, with_local_credentials
+from router.event_plane.connection_file import DEFAULT_URL, runtime_directory, with_local_credentials
 
-__all__ = ["DEFAULT_WAIT_SECS", "FirstConnectionError", "LocalToolConnection"]
+__all__ = ["DEFAULT_WAIT_SECS", "FirstConnectionError", "LocalToolConnection", "connect_local"]
 
 DEFAULT_WAIT_SECS = 30.0
 _PROGRESS_EVERY_SECS = 10.0
@@ -71,10 +71,12 @@ class LocalToolConnection:
             if now >= deadline:
                 raise FirstConnectionError(self._explain(options, error))
             if now >= next_progress:
-                waited = now - started
                 progress(
-                    f"{self.tool}: waiting for NATS at {options.url} ({_reason(error)}); "
-                    f"{waited:.0f} s of {self.wait_s:.0f} s, retrying"
+                    f"{self.tool}: waiting for NATS at {options.url} ({_reason(error)}); retrying for up to "
+                    f"{self.wait_s:.0f} s"
+                    if next_progress == 0.0
+                    else f"{self.tool}: still waiting for NATS at {options.url} ({_reason(error)}) after "
+                    f"{now - started:.0f} s"
                 )
                 next_progress = now + _PROGRESS_EVERY_SECS
             await asyncio.sleep(min(backoff, max(0.0, deadline - now)))
@@ -120,3 +122,14 @@ def _reason(error: BaseException) -> str:
         return "Authorization Violation"
     text = str(error).strip()
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+async def connect_local(
+    url: str | None = None, *, name: str = "kv-router-client", wait_s: float = DEFAULT_WAIT_SECS
+) -> Client:
+    """A client of the routers' NATS found the way ``kv-router mock-worker`` finds it: ``url``, or
+    without one the embedded NATS of the ``kv-router serve`` running on this host (its URL and token
+    from its connection file), else ``nats://127.0.0.1:4222``; retried for ``wait_s``."""
+    connection = LocalToolConnection(name, url, NatsOptions(url or DEFAULT_URL, name=name), wait_s=wait_s)
+    nc, _ = await connection.connect()
+    return nc

@@ -1,0 +1,331 @@
+"""The README is tested: its shell and Python blocks run in order, as a new user would paste them, against
+real processes (``kv-router serve``, ``kv-router mock-worker``, the real ``openai`` client), and the
+outputs it quotes after ``->`` are checked.
+
+Only ports and paths change: 8000, 4222, 9001 and 9002 become free loopback ports (the service's
+defaults through ``KV_ROUTER_PORT`` / ``KV_ROUTER_EMBEDDED_NATS_PORT``, the same substitution for the
+commands that leave them out), ``/tmp`` a temporary directory, ``XDG_RUNTIME_DIR`` a private one.
+What the test's own installed checkout has already done is left out: creating the venv, activating
+it, ``pip install`` and running this very suite. Blocks that need what CI's ordinary lane lacks are
+marked in the README's source, ``<!-- readme-test: skip (why) -->`` before a block or
+``<!-- readme-test: skip section (why) -->`` under a heading; the test prints them with their reasons.
+
+A quoted output (``#   -> LINE`` and ``#      LINE`` after it) must match lines of the command's
+output in order; in a quoted line ``...`` stands for anything and ``<id>`` for a number, and a line of
+only ``...`` for any number of lines. A server started in the background is waited for as a reader
+would wait for it: the service until ``/readyz`` answers, a mock worker until the service lists it.
+Every process is stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from router.event_plane.embedded_server import free_port
+from tests.waiting import until
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+pytestmark = pytest.mark.slow
+
+_SKIP = re.compile(r"<!--\s*readme-test:\s*skip(?P<section>\s+section)?\s*\((?P<why>[^)]*)\)\s*-->")
+_FENCE = re.compile(r"^```(\w*)\s*$")
+# What the installed checkout running this test has done already (and the suite itself).
+_SETUP = re.compile(r"^(python3? -m venv \S+|\. \S+/bin/activate|pip install .*|python -m pytest.*)$")
+
+
+@dataclass
+class Block:
+    language: str
+    code: str
+    line: int  # 1-based line of the fence in README.md
+    heading: str
+    skip: str | None = None
+
+
+@dataclass
+class Command:
+    text: str
+    expected: list[str] = field(default_factory=list)
+
+
+def readme_blocks(text: str) -> list[Block]:
+    """The fenced shell and Python blocks of ``text`` in order, with their skip reasons."""
+    blocks: list[Block] = []
+    lines = text.splitlines()
+    heading, section_skip, block_skip = "", None, None
+    level = 0
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        if line.startswith("#") and not line.startswith("#!"):
+            hashes = len(line) - len(line.lstrip("#"))
+            if section_skip is None or hashes <= level:
+                heading, level, section_skip = line.lstrip("# ").strip(), hashes, None
+        elif marker := _SKIP.search(line):
+            if marker.group("section"):
+                section_skip = marker.group("why")
+            else:
+                block_skip = marker.group("why")
+        elif fence := _FENCE.match(line.strip()):
+            indent = len(line) - len(line.lstrip())
+            start = index
+            body: list[str] = []
+            index += 1
+            while index < len(lines) and lines[index].strip() != "```":
+                body.append(lines[index][indent:])
+                index += 1
+            language = fence.group(1)
+            if language in ("bash", "sh", "shell", "python"):
+                skip = section_skip or block_skip
+                blocks.append(Block("python" if language == "python" else "bash", "\n".join(body), start + 1,
+                                    heading, skip))  # fmt: skip
+            block_skip = None
+        index += 1
+    return blocks
+
+
+def shell_commands(code: str) -> list[Command]:
+    """A shell block's commands (continuation lines joined), each with the output quoted after it."""
+    commands: list[Command] = []
+    pending = ""
+    quoting = False
+    for raw in code.splitlines():
+        stripped = raw.strip()
+        if stripped.startswith("#"):
+            quoted = re.match(r"#\s*->\s?(.*)$", stripped)
+            if quoted and commands:
+                commands[-1].expected.append(quoted.group(1).strip())
+                quoting = True
+            elif quoting and commands and re.match(r"#\s{4,}\S", stripped):
+                commands[-1].expected.append(stripped[1:].strip())
+            else:
+                quoting = False
+            continue
+        quoting = False
+        if not stripped:
+            continue
+        pending += raw.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        commands.append(Command(pending.strip()))
+        pending = ""
+    return commands
+
+
+def python_expected(code: str) -> list[str]:
+    """The output a Python block quotes (``#   -> ...`` lines at its end)."""
+    return [m.group(1).strip() for m in re.finditer(r"^#\s*->\s?(.*)$", code, re.MULTILINE)]
+
+
+def output_matches(expected: list[str], output: str) -> bool:
+    """Every quoted line matches an output line, in order (see the module)."""
+    lines = [line.rstrip("\r") for line in output.splitlines()]
+    position = 0
+    for pattern in expected:
+        if pattern == "...":
+            continue
+        regex = re.compile(
+            "".join(
+                r".*?" if part == "..." else r"\w+" if part == "<id>" else re.escape(part)
+                for part in re.split(r"(\.\.\.|<id>)", pattern)
+            ),
+            re.IGNORECASE,
+        )
+        while position < len(lines) and not regex.fullmatch(lines[position].strip()):
+            position += 1
+        if position == len(lines):
+            return False
+        position += 1
+    return True
+
+
+def _strip_comment(command: str) -> str:
+    """The command without a trailing ``# comment`` (a ``#`` after a space, outside quotes)."""
+    quote = ""
+    for index, char in enumerate(command):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and index > 0 and command[index - 1].isspace():
+            return command[:index].rstrip()
+    return command
+
+
+class Walkthrough:
+    """The processes and substitutions of one run of the README."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.ports = {port: free_port() for port in (8000, 4222, 9001, 9002)}
+        self.tmp = tmp_path
+        runtime = tmp_path / "xdg"
+        runtime.mkdir(mode=0o700)
+        bin_dir = str(Path(sys.executable).parent)
+        self.env = {
+            **os.environ,
+            "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            "XDG_RUNTIME_DIR": str(runtime),
+            "KV_ROUTER_PORT": str(self.ports[8000]),
+            "KV_ROUTER_EMBEDDED_NATS_PORT": str(self.ports[4222]),
+        }
+        for name in ("KV_ROUTER_NATS_CONNECTION_FILE", "KV_ROUTER_CONFIG", "KV_ROUTER_NATS_URL"):
+            self.env.pop(name, None)
+        self.processes: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+        self.service: subprocess.Popen[bytes] | None = None
+        self.variables: list[str] = []  # shell assignments made by earlier lines of the block
+        self.ran: list[str] = []
+        self.skipped: list[str] = []
+
+    def substitute(self, text: str) -> str:
+        for port, free in self.ports.items():
+            text = re.sub(rf"(?<![\d.]){port}(?!\d)", str(free), text)
+        return re.sub(r"(?<![\w/])/tmp(?=/|\b)", str(self.tmp), text)
+
+    # ------------------------------------------------------------------ processes
+    def start(self, command: str) -> None:
+        log = self.tmp / f"process-{len(self.processes)}.log"
+        if command.startswith("kv-router serve") and self.service is not None:
+            self.stop(self.service)  # the README: "instead of the plain `kv-router serve` above"
+        with log.open("wb") as out:
+            process = subprocess.Popen(["bash", "-c", "exec " + command], env=self.env, cwd=ROOT, stdout=out,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        self.processes.append((command, process, log))
+        if command.startswith("kv-router serve"):
+            self.service = process
+            until(lambda: self._ready(process, log), timeout=90)
+        elif command.startswith("kv-router mock-worker"):
+            until(lambda: self._worker_listed(process, log), timeout=90)
+
+    def _ready(self, process: subprocess.Popen[bytes], log: Path) -> bool:
+        assert process.poll() is None, f"the service exited: {log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[8000]}/readyz", timeout=2) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
+
+    def _worker_listed(self, process: subprocess.Popen[bytes], log: Path) -> bool:
+        text = log.read_text(errors="replace")
+        assert process.poll() is None, f"the mock worker exited: {text[-3000:]}"
+        started = re.search(r"mock worker (\d+) on ", text)
+        if started is None:
+            return False
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[8000]}/v1/workers", timeout=5) as reply:
+            workers = json.loads(reply.read())["workers"]
+        return any(worker["config"]["worker_id"] == int(started.group(1)) for worker in workers)
+
+    def stop(self, process: subprocess.Popen[bytes]) -> None:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+
+    def stop_all(self) -> None:
+        for _, process, _ in reversed(self.processes):
+            self.stop(process)
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {command}\n{log.read_text(errors='replace')[-2000:]}" for command, _, log in self.processes
+        )
+
+    # ------------------------------------------------------------------ blocks
+    def run_shell(self, block: Block) -> None:
+        self.variables = []
+        for command in shell_commands(block.code):
+            text = self.substitute(command.text)
+            parts = [part.strip() for part in _strip_comment(text).split("&&")]
+            kept = [part for part in parts if not _SETUP.match(part)]
+            if not kept:
+                self.skipped.append(f"README.md:{block.line} `{command.text}`: set-up this checkout has done")
+                continue
+            line = " && ".join(kept)
+            background = line.endswith("&") or line == "kv-router serve"
+            if background:
+                self.start(line.rstrip("&").strip())
+                self.ran.append(command.text)
+                continue
+            if re.fullmatch(r"\w+=.*", line):
+                self.variables.append(line)
+                continue
+            script = "set -o pipefail\n" + "\n".join(self.variables) + "\n" + line
+            done = subprocess.run(["bash", "-c", script], env=self.env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=60)  # fmt: skip
+            assert done.returncode == 0, (
+                f"README.md:{block.line} `{command.text}` exited {done.returncode}:\n{done.stdout}{done.stderr}\n"
+                + self.logs()
+            )
+            if command.expected:
+                assert output_matches(command.expected, done.stdout), (
+                    f"README.md:{block.line} `{command.text}` printed:\n{done.stdout}\nnot what the README quotes:\n"
+                    + "\n".join(command.expected)
+                )
+            self.ran.append(command.text)
+
+    def run_python(self, block: Block) -> None:
+        done = subprocess.run([sys.executable, "-"], input=self.substitute(block.code), env=self.env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, f"README.md:{block.line}'s Python exited {done.returncode}:\n{done.stderr}"
+        expected = python_expected(block.code)
+        if expected:
+            assert output_matches(expected, done.stdout), (
+                f"README.md:{block.line}'s Python printed:\n{done.stdout}\nnot:\n" + "\n".join(expected)
+            )
+        self.ran.append(f"README.md:{block.line} (Python)")
+
+
+def test_the_readme_walkthroughs_work_as_written(tmp_path: Path) -> None:
+    walk = Walkthrough(tmp_path)
+    blocks = readme_blocks(README.read_text())
+    try:
+        for block in blocks:
+            if block.skip is not None:
+                walk.skipped.append(f"README.md:{block.line} ({block.heading}): {block.skip}")
+                continue
+            if block.language == "python":
+                walk.run_python(block)
+            else:
+                walk.run_shell(block)
+    finally:
+        walk.stop_all()
+    print("README blocks skipped, and why:\n  " + "\n  ".join(walk.skipped))
+    for _, _, log in walk.processes:
+        text = log.read_text(errors="replace")
+        assert "Traceback" not in text, text[-3000:]
+    # What must have run: the walkthroughs a newcomer starts with.
+    ran = "\n".join(walk.ran)
+    for needed in ("kv-router config show", "/v1/new", "kv-router serve --proxy", "mock-worker --http-port 9002",
+                   "/v1/completions", "(Python)", "/v1/overlap"):  # fmt: skip
+        assert needed in ran, needed
+    assert all(reason.split(": ", 1)[1].strip() for reason in walk.skipped)
+
+
+def test_skip_markers_need_a_reason_and_cover_only_what_ci_cannot_run() -> None:
+    blocks = readme_blocks(README.read_text())
+    skipped = [block for block in blocks if block.skip is not None]
+    assert skipped and all(block.skip for block in skipped)
+    assert {block.heading for block in skipped} <= {"Put kv-router in front of vLLM / SGLang", "Docker"}
+    assert any(block.language == "python" and block.skip is None for block in blocks)
+
+
+def test_quoted_output_matching() -> None:
+    output = 'HTTP/1.1 200 OK\r\nx-kv-router-worker: 42\r\n\r\n{"a":1,"choices":[{"text":" w1"}]}\n'
+    assert output_matches(["HTTP/1.1 200 OK", "...", "x-kv-router-worker: <id>", '{"a":1,...:" w1"}]}'], output)
+    assert not output_matches(["x-kv-router-worker: <id>", "HTTP/1.1 200 OK"], output)  # order counts
+    assert not output_matches(['{"a":2,...}'], output)
