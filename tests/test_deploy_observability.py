@@ -1,16 +1,20 @@
 """The observability pack in ``deploy/``: every metric the Grafana dashboard and the Prometheus alert
-rules query exists in ``/metrics`` of a real service after traffic (HTTP and a NATS worker), with the
-labels the queries match on; every query parses as PromQL; the rule file has the shape Prometheus loads.
+rules query exists in ``/metrics`` of a real service after traffic (HTTP and a NATS worker; and, for
+the proxy's panels, a ``--proxy`` service under uvicorn with mock workers, called with the real
+``openai`` client), with the labels the queries match on; every query parses as PromQL; the rule file
+has the shape Prometheus loads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import promql_parser
 import pytest
 import yaml
@@ -23,6 +27,7 @@ from api.config import EventPlaneConfig, ServiceConfig, Settings
 from router.config import RouterConfig
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.messages import ActiveLoad
+from tests.proxy_fleet import MODEL, fleet
 from tests.test_api_event_plane import BLOCK, Workers
 from tests.test_api_support import prompt, stored_event
 from tests.waiting import until
@@ -99,11 +104,35 @@ def exposition(nats_server: EmbeddedNats) -> Iterator[dict[str, set[str]]]:
             text = client.get("/metrics").text
     finally:
         workers.close()
+    names = _sample_labels(text)
+    for name, labels in _sample_labels(asyncio.run(_proxied_traffic(nats_server.url))).items():
+        names.setdefault(name, set()).update(labels)
+    yield names
+
+
+def _sample_labels(text: str) -> dict[str, set[str]]:
     names: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             names.setdefault(sample.name, set()).update(sample.labels)
-    yield names
+    return names
+
+
+async def _proxied_traffic(nats_url: str) -> str:
+    """``/metrics`` of a proxy after completions, streamed and not, until a prediction was calibrated."""
+    async with fleet(nats_url) as proxied:
+        tokens = list(range(1, 4 * 64 + 1))
+        stream = await proxied.client.completions.create(model=MODEL, prompt=tokens, max_tokens=2, stream=True)
+        async for _ in stream:
+            pass
+        for _ in range(50):  # the same prompt again, until its blocks' events are in and it is predicted cached
+            await proxied.client.completions.create(model=MODEL, prompt=tokens, max_tokens=2)
+            async with httpx.AsyncClient() as http:
+                metrics = (await http.get(f"{proxied.url}/metrics")).text
+            if "kv_router_proxy_cache_calibration{" in metrics:
+                return metrics
+            await asyncio.sleep(0.1)
+        raise AssertionError("no request through the proxy was ever predicted cached")
 
 
 def test_every_metric_the_dashboard_and_the_alerts_query_is_exposed(exposition: dict[str, set[str]]) -> None:
@@ -130,6 +159,11 @@ def test_every_metric_the_dashboard_and_the_alerts_query_is_exposed(exposition: 
         "kv_router_queue_pending_requests",
         "kv_router_nats_connected",
         "kv_router_build_info",
+        "kv_router_proxy_requests_total",  # the proxy: requests, added latency, retries, calibration
+        "kv_router_proxy_added_seconds_bucket",
+        "kv_router_proxy_upstream_failures_total",
+        "kv_router_proxy_cache_calibration",
+        "kv_router_config_problems",  # the doctor
     ):
         assert name in used, f"the pack does not show {name}"
 
