@@ -3,19 +3,22 @@
 - ``ttft_cdf.png``: the TTFT distribution of every router, one curve each;
 - ``hit_rate.png``: the engine-side hit rate per window, one line per router;
 - ``worker_load.png``: per router, each worker's uncached prefill tokens per window.
+
+Each plot names the workload it shows (``caption``). Routers whose curves are identical share one
+line labelled ``a = b``: drawn one over the other, the last would hide the others.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mocker.report import RouterReport
 
-__all__ = ["MATPLOTLIB_MISSING", "write_pareto_plot", "write_plots"]
+__all__ = ["MATPLOTLIB_MISSING", "coinciding", "workload_caption", "write_pareto_plot", "write_plots"]
 
 MATPLOTLIB_MISSING = "matplotlib is not installed: no PNG plots (pip install 'kv-router[replay]' to get them)"
 
@@ -31,28 +34,52 @@ def _pyplot() -> Any | None:
         return None
 
 
-def write_plots(reports: Sequence[RouterReport], out_dir: Path) -> list[Path] | None:
+def workload_caption(settings: Mapping[str, Any]) -> str:
+    """What a replay ran, for the plots' titles: the trace's file name (or the generated workload and
+    its seed), its requests and the workers."""
+    trace = str(settings.get("trace", ""))
+    generated = trace.startswith("workload:")
+    name = f"{trace.removeprefix('workload:')} workload, seed {settings.get('seed')}" if generated else Path(trace).name
+    return f"{name}: {settings.get('requests')} requests, {settings.get('workers')} workers"
+
+
+def coinciding(series: Sequence[tuple[str, Sequence[float]]]) -> list[tuple[str, Sequence[float]]]:
+    """``(label, values)`` with identical values merged into one, labelled ``a = b``, in first-seen order."""
+    merged: dict[tuple[float, ...], list[str]] = {}
+    for label, values in series:
+        merged.setdefault(tuple(values), []).append(label)
+    return [(" = ".join(labels), list(values)) for values, labels in merged.items()]
+
+
+def write_plots(reports: Sequence[RouterReport], out_dir: Path, caption: str = "") -> list[Path] | None:
     """Write the three plots into ``out_dir``; None (nothing written) when matplotlib is missing."""
     plt = _pyplot()
     if plt is None:
         return None
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [_ttft_cdf(plt, reports, out_dir), _hit_rate(plt, reports, out_dir), _worker_load(plt, reports, out_dir)]
+    paths = [
+        _ttft_cdf(plt, reports, out_dir, caption),
+        _hit_rate(plt, reports, out_dir, caption),
+        _worker_load(plt, reports, out_dir, caption),
+    ]
     plt.close("all")
     return paths
 
 
-def _ttft_cdf(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Path:
+def _titled(title: str, caption: str) -> str:
+    return f"{title}\n{caption}" if caption else title
+
+
+def _ttft_cdf(plt: Any, reports: Sequence[RouterReport], out_dir: Path, caption: str) -> Path:
     figure, axes = plt.subplots(figsize=(8, 5))
-    for report in reports:
-        values = report.ttft_sorted_ms
+    for label, values in coinciding([(report.router, report.ttft_sorted_ms) for report in reports]):
         if values:
             fractions = [(i + 1) / len(values) for i in range(len(values))]
-            axes.plot(values, fractions, label=report.router)
+            axes.plot(values, fractions, label=label)
     axes.set_xscale("log")
     axes.set_xlabel("time to first token (ms, log scale)")
     axes.set_ylabel("fraction of requests")
-    axes.set_title("TTFT distribution")
+    axes.set_title(_titled("TTFT distribution", caption))
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     path = out_dir / "ttft_cdf.png"
@@ -60,14 +87,16 @@ def _ttft_cdf(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Path:
     return path
 
 
-def _hit_rate(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Path:
+def _hit_rate(plt: Any, reports: Sequence[RouterReport], out_dir: Path, caption: str) -> Path:
     figure, axes = plt.subplots(figsize=(8, 5))
-    for report in reports:
-        starts = [w["start_s"] / 60 for w in report.windows]
-        axes.plot(starts, [w["hit_rate"] for w in report.windows], label=report.router)
+    starts = {report.router: [w["start_s"] / 60 for w in report.windows] for report in reports}
+    rates = [(report.router, [w["hit_rate"] for w in report.windows]) for report in reports]
+    for label, values in coinciding(rates):
+        axes.plot(starts[label.split(" = ")[0]], values, label=label)
     axes.set_xlabel("time (min)")
     axes.set_ylabel("engine hit rate (tokens)")
-    axes.set_title(f"Cache hit rate per {reports[0].window_s:.0f} s window" if reports else "Cache hit rate")
+    title = f"Cache hit rate per {reports[0].window_s:.0f} s window" if reports else "Cache hit rate"
+    axes.set_title(_titled(title, caption))
     axes.grid(True, alpha=0.3)
     axes.legend()
     path = out_dir / "hit_rate.png"
@@ -75,7 +104,7 @@ def _hit_rate(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Path:
     return path
 
 
-def _worker_load(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Path:
+def _worker_load(plt: Any, reports: Sequence[RouterReport], out_dir: Path, caption: str) -> Path:
     columns = min(3, len(reports)) or 1
     rows = math.ceil(len(reports) / columns) or 1
     figure, grid = plt.subplots(rows, columns, figsize=(5 * columns, 3.2 * rows), squeeze=False, sharey=True)
@@ -91,7 +120,7 @@ def _worker_load(plt: Any, reports: Sequence[RouterReport], out_dir: Path) -> Pa
         axes.grid(True, alpha=0.3)
     for index in range(len(reports), rows * columns):
         grid[index // columns][index % columns].axis("off")
-    figure.suptitle("Uncached prefill work per worker")
+    figure.suptitle(_titled("Uncached prefill work per worker", caption))
     figure.tight_layout()
     path = out_dir / "worker_load.png"
     figure.savefig(path, dpi=110, bbox_inches="tight")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from mocker.config import EngineConfig
-from mocker.plots import MATPLOTLIB_MISSING, write_plots
+from mocker.plots import MATPLOTLIB_MISSING, workload_caption, write_plots
 from mocker.progress import ProgressBar
 from mocker.report import ReplayRecord, RouterReport, renumber_workers, rescale_times, summarize, write_reports
 from mocker.routers import make_router, router_names
@@ -154,7 +154,7 @@ def write_outputs(
     paths = write_reports(reports, settings, out_dir)
     note = None
     if plots:
-        drawn = write_plots(reports, out_dir)
+        drawn = write_plots(reports, out_dir, workload_caption(settings))
         if drawn is None:
             note = MATPLOTLIB_MISSING
         else:

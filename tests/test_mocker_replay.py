@@ -372,3 +372,13 @@ def test_plots_are_skipped_with_a_message_without_matplotlib(
     paths, note = write_outputs(runs, {}, tmp_path)
     assert note == plots.MATPLOTLIB_MISSING
     assert sorted(p.name for p in paths) == ["report.json", "report.md"]
+
+
+def test_plots_name_the_workload_and_show_routers_with_identical_curves() -> None:
+    generated = {"trace": "workload:agentic", "seed": 3, "requests": 200, "workers": 4}
+    assert plots.workload_caption(generated) == "agentic workload, seed 3: 200 requests, 4 workers"
+    traced = {"trace": "/data/traces/conversation.jsonl", "seed": 0, "requests": 12031, "workers": 8}
+    assert plots.workload_caption(traced) == "conversation.jsonl: 12031 requests, 8 workers"
+    # Identical curves (a policy that made the same choices) would hide one another: one line, both names.
+    merged = plots.coinciding([("dynamo", [1.0, 2.0]), ("latency", [1.0, 3.0]), ("cache_affinity", [1.0, 2.0])])
+    assert merged == [("dynamo = cache_affinity", [1.0, 2.0]), ("latency", [1.0, 3.0])]
