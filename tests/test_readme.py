@@ -15,6 +15,10 @@ output in order; in a quoted line ``...`` stands for anything and ``<id>`` for a
 only ``...`` for any number of lines. A server started in the background is waited for as a reader
 would wait for it: the service until ``/readyz`` answers, a mock worker until the service lists it.
 Every process is stopped by its PID.
+
+The commands quoted in ``docs/`` that take under a minute (``DOCS_RUN``: the online replay walkthrough)
+run the same way, from a temporary directory, with ``$TRACES`` the reference traces; the others are
+listed with why they are not run (``DOCS_SKIP``).
 """
 
 from __future__ import annotations
@@ -87,10 +91,10 @@ def readme_blocks(text: str) -> list[Block]:
                 body.append(lines[index][indent:])
                 index += 1
             language = fence.group(1)
-            if language in ("bash", "sh", "shell", "python"):
+            if language in ("bash", "sh", "shell", "python", ""):
                 skip = section_skip or block_skip
-                blocks.append(Block("python" if language == "python" else "bash", "\n".join(body), start + 1,
-                                    heading, skip))  # fmt: skip
+                kind = "python" if language == "python" else "bash" if language else "text"
+                blocks.append(Block(kind, "\n".join(body), start + 1, heading, skip))
             block_skip = None
         index += 1
     return blocks
@@ -168,7 +172,8 @@ def _strip_comment(command: str) -> str:
 class Walkthrough:
     """The processes and substitutions of one run of the README."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, cwd: Path = ROOT) -> None:
+        self.cwd = cwd
         self.ports = {port: free_port() for port in (8000, 4222, 9001, 9002)}
         self.tmp = tmp_path
         runtime = tmp_path / "xdg"
@@ -200,7 +205,7 @@ class Walkthrough:
         if command.startswith("kv-router serve") and self.service is not None:
             self.stop(self.service)  # the README: "instead of the plain `kv-router serve` above"
         with log.open("wb") as out:
-            process = subprocess.Popen(["bash", "-c", "exec " + command], env=self.env, cwd=ROOT, stdout=out,
+            process = subprocess.Popen(["bash", "-c", "exec " + command], env=self.env, cwd=self.cwd, stdout=out,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
         self.processes.append((command, process, log))
         if command.startswith("kv-router serve"):
@@ -265,7 +270,7 @@ class Walkthrough:
                 self.variables.append(line)
                 continue
             script = "set -o pipefail\n" + "\n".join(self.variables) + "\n" + line
-            done = subprocess.run(["bash", "-c", script], env=self.env, cwd=ROOT, capture_output=True, text=True,
+            done = subprocess.run(["bash", "-c", script], env=self.env, cwd=self.cwd, capture_output=True, text=True,
                                   timeout=60)  # fmt: skip
             assert done.returncode == 0, (
                 f"README.md:{block.line} `{command.text}` exited {done.returncode}:\n{done.stdout}{done.stderr}\n"
@@ -279,7 +284,7 @@ class Walkthrough:
             self.ran.append(command.text)
 
     def run_python(self, block: Block) -> None:
-        done = subprocess.run([sys.executable, "-"], input=self.substitute(block.code), env=self.env, cwd=ROOT,
+        done = subprocess.run([sys.executable, "-"], input=self.substitute(block.code), env=self.env, cwd=self.cwd,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert done.returncode == 0, f"README.md:{block.line}'s Python exited {done.returncode}:\n{done.stderr}"
         expected = python_expected(block.code)
@@ -300,7 +305,7 @@ def test_the_readme_walkthroughs_work_as_written(tmp_path: Path) -> None:
                 continue
             if block.language == "python":
                 walk.run_python(block)
-            else:
+            elif block.language == "bash":
                 walk.run_shell(block)
     finally:
         walk.stop_all()
@@ -329,3 +334,42 @@ def test_quoted_output_matching() -> None:
     assert output_matches(["HTTP/1.1 200 OK", "...", "x-kv-router-worker: <id>", '{"a":1,...:" w1"}]}'], output)
     assert not output_matches(["x-kv-router-worker: <id>", "HTTP/1.1 200 OK"], output)  # order counts
     assert not output_matches(['{"a":2,...}'], output)
+
+
+# Commands quoted in docs/ that take under a minute here, by the first line of their block; run as the
+# README's are. The other blocks are configuration, formulas, or need what CI lacks (listed when skipped).
+DOCS_RUN = {"kv-router serve --block-size 64 --port 8000 &          # with its embedded NATS"}
+DOCS_SKIP = {  # the first key found in a block gives its reason
+    "nsc ": "needs nsc and your NATS operator",
+    "nats.conf": "a nats-server configuration, not a command",
+    "--nats-url tls://nats.internal": "needs your NATS cluster with TLS and accounts",
+    "kv-router replay": "replays whole traces with every router: minutes (the figures' own command)",
+    "kv-router tune my_trace": "needs your trace",
+    "cost(w)": "a formula",
+    "prefill_ms": "a formula",
+    "bench/replay_calibration.py": "a benchmark: minutes",
+    "docker ": "needs Docker or podman and root: covered by .ci/image_test.py",
+}
+
+
+def test_docs_commands_under_a_minute_work_as_written(tmp_path: Path, shared_dir: Path) -> None:
+    walk = Walkthrough(tmp_path, cwd=tmp_path)
+    walk.env["TRACES"] = str(shared_dir / "traces")
+    ran: list[str] = []
+    try:
+        for page in sorted((ROOT / "docs").glob("*.md")):
+            for block in readme_blocks(page.read_text()):
+                first = next((line for line in block.code.splitlines() if line.strip()), "")
+                where = f"{page.relative_to(ROOT)}:{block.line}"
+                if first.strip() in DOCS_RUN:
+                    walk.run_shell(block)
+                    ran.append(where)
+                    continue
+                why = next((why for key, why in DOCS_SKIP.items() if key in block.code), "not classified here")
+                walk.skipped.append(f"{where} ({block.heading}): {why}")
+    finally:
+        walk.stop_all()
+    print("docs blocks skipped, and why:\n  " + "\n  ".join(walk.skipped))
+    assert ran, "no docs command ran"
+    for report in ("reports/online", "reports/offline"):  # the online replay walkthrough's two reports
+        assert any((tmp_path / report).iterdir()), report
