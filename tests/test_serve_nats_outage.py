@@ -133,9 +133,10 @@ def test_a_busy_embedded_port_is_named_with_the_port_chosen_and_info_returns_the
 
 def test_mock_worker_says_clearly_when_it_cannot_connect() -> None:
     url = f"nats://127.0.0.1:{free_port()}"
-    argv = [*_kv_router(), "mock-worker", "--nats-url", url]
+    argv = [*_kv_router(), "mock-worker", "--nats-url", url, "--nats-wait-secs", "1"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=30)
     assert done.returncode == 2
     message = done.stderr.decode()
-    assert f"cannot connect to NATS at {url}" in message and "--nats-url" in message
+    assert message.startswith(f"kv-router mock-worker: waiting for NATS at {url} (connection refused)")
+    assert f"cannot connect to NATS at {url} after 1 s (connection refused)" in message and "--nats-url" in message
     assert "Traceback" not in message

@@ -109,7 +109,10 @@ class LocalToolConnection:
                     "(it logs it at start-up; GET /v1/info returns it)"
                 )
             else:
-                cause = "nothing answers there: is the NATS server (or kv-router serve) running, and is the URL right?"
+                cause = (
+                    "nothing answers there: is the NATS server (or kv-router serve) running, and is --nats-url the "
+                    "router's (GET /v1/info on the router returns it)?"
+                )
         else:
             cause = "check the URL and the server's log"
         return f"{where}: {cause}"
