@@ -190,6 +190,7 @@ class Walkthrough:
             self.env.pop(name, None)
         self.processes: list[tuple[str, subprocess.Popen[bytes], Path]] = []
         self.service: subprocess.Popen[bytes] | None = None
+        self.starting: list[tuple[str, subprocess.Popen[bytes], Path]] = []  # not waited for yet
         self.variables: list[str] = []  # shell assignments made by earlier lines of the block
         self.ran: list[str] = []
         self.skipped: list[str] = []
@@ -208,11 +209,19 @@ class Walkthrough:
             process = subprocess.Popen(["bash", "-c", "exec " + command], env=self.env, cwd=self.cwd, stdout=out,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
         self.processes.append((command, process, log))
+        self.starting.append((command, process, log))
         if command.startswith("kv-router serve"):
             self.service = process
-            until(lambda: self._ready(process, log), timeout=90)
-        elif command.startswith("kv-router mock-worker"):
-            until(lambda: self._worker_listed(process, log), timeout=90)
+
+    def settle(self) -> None:
+        """Wait for what was started in the background, as a reader does before the next command: the
+        processes of a pasted block start back to back (a worker's NATS may not be up yet)."""
+        for command, process, log in self.starting:
+            if command.startswith("kv-router serve"):
+                until(lambda: self._ready(process, log), timeout=90)  # noqa: B023 - called at once
+            elif command.startswith("kv-router mock-worker"):
+                until(lambda: self._worker_listed(process, log), timeout=90)  # noqa: B023 - called at once
+        self.starting = []
 
     def _ready(self, process: subprocess.Popen[bytes], log: Path) -> bool:
         assert process.poll() is None, f"the service exited: {log.read_text()[-3000:]}"
@@ -269,6 +278,7 @@ class Walkthrough:
             if re.fullmatch(r"\w+=.*", line):
                 self.variables.append(line)
                 continue
+            self.settle()
             script = "set -o pipefail\n" + "\n".join(self.variables) + "\n" + line
             done = subprocess.run(["bash", "-c", script], env=self.env, cwd=self.cwd, capture_output=True, text=True,
                                   timeout=60)  # fmt: skip
@@ -282,6 +292,7 @@ class Walkthrough:
                     + "\n".join(command.expected)
                 )
             self.ran.append(command.text)
+        self.settle()
 
     def run_python(self, block: Block) -> None:
         done = subprocess.run([sys.executable, "-"], input=self.substitute(block.code), env=self.env, cwd=self.cwd,
