@@ -117,7 +117,7 @@ def create_app(
                 engine_collector = EngineStreamCollector([engine.stream for engine in engines])
                 registry.register(engine_collector)
                 stack.callback(registry.unregister, engine_collector)
-            doctor = ConfigDoctor(kv_router, plane=plane, engines=[(e.worker_id, e.stream) for e in engines])
+            doctor = ConfigDoctor(kv_router, plane=plane, engines=engines)
             if lifecycle is not None:
                 lifecycle.when_started(partial(setattr, doctor, "plane"))
             app.state.doctor = doctor

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from router.config import RouterConfig
+from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.errors import ConfigError
 from router.policies.registry import policy_names
 
@@ -217,14 +218,21 @@ def _check_token(name: str, token: str) -> None:
 class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Engines the router hears itself, without a bridge (direct mode), and Dynamo workers on NATS."""
 
-    engine_zmq: Annotated[
+    engine: Annotated[
         list[str],
         _doc(
-            "an engine's KV-event PUB socket heard directly: WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT] "
-            "(repeatable; environment: a JSON list)"
+            "an engine heard directly: WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,url=http://HOST:PORT]"
+            "[,models=NAME+NAME]: its KV-event PUB socket, its replay socket, its OpenAI server (with or without "
+            "/v1: the worker is then registered for the proxy with the models its /v1/models lists, and leaves "
+            "routing while its /health does not answer) (repeatable; environment: a JSON list)"
         ),
     ] = []
+    engine_zmq: Annotated[list[str], _doc("the same as --engine (its older name)")] = []
     engine_zmq_topic: Annotated[str, _doc("topic prefix of the engines' KV events (empty: every topic)")] = ""
+    engine_health_interval_secs: Annotated[
+        float, _doc("seconds between probes of a directly heard engine's /health (engines given a url)"),
+        msgspec.Meta(gt=0),
+    ] = 1.0  # fmt: skip
     dynamo_endpoint: Annotated[
         list[str],
         _doc(
@@ -232,6 +240,22 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
             "(DYN_EVENT_PLANE=nats) feed this router over its NATS (repeatable; environment: a JSON list)"
         ),
     ] = []
+
+    def __post_init__(self) -> None:
+        self.engine_specs()
+
+    def engine_specs(self) -> list[EngineSpec]:
+        """Every ``--engine`` and ``--engine-zmq``, parsed; raises `ConfigError` for a bad or repeated one."""
+        specs: dict[int, EngineSpec] = {}
+        for text in (*self.engine, *self.engine_zmq):
+            try:
+                spec = parse_engine_spec(text)
+            except ValueError as exc:
+                raise ConfigError("engine", str(exc)) from None
+            if spec.worker_id in specs:
+                raise ConfigError("engine", f"worker {spec.worker_id} is given twice")
+            specs[spec.worker_id] = spec
+        return list(specs.values())
 
 
 PositiveSecs = Annotated[float, msgspec.Meta(gt=0)]

@@ -1,4 +1,4 @@
-"""Engines the service hears itself, for the app's lifetime: ``--engine-zmq`` (direct mode) and
+"""Engines the service hears itself, for the app's lifetime: ``--engine`` (direct mode) and
 ``--dynamo-endpoint`` (Dynamo workers on the event plane's NATS)."""
 
 from __future__ import annotations
@@ -20,13 +20,21 @@ logger = logging.getLogger(__name__)
 
 @contextlib.asynccontextmanager
 async def running_engines(router: KvRouter, config: EngineSourcesConfig) -> AsyncIterator[list[DirectEngine]]:
-    engines = [DirectEngine(router, spec, topic=config.engine_zmq_topic) for spec in config.engine_zmq]
+    engines = [
+        DirectEngine(router, spec, topic=config.engine_zmq_topic, health_interval_s=config.engine_health_interval_secs)
+        for spec in config.engine_specs()
+    ]
     started: list[DirectEngine] = []
     try:
         for engine in engines:
             await engine.start()
             started.append(engine)
-            logger.info("direct mode: worker %d's KV events from %s", engine.worker_id, engine.stream.endpoint)
+            logger.info(
+                "direct mode: worker %d's KV events from %s%s",
+                engine.worker_id,
+                engine.stream.endpoint,
+                f", its OpenAI server at {engine.url}" if engine.url else "",
+            )
         yield engines
     finally:
         for engine in started:

@@ -18,6 +18,10 @@ the first time is logged once as a WARNING. The kinds:
 - ``stream_gapping``: one of a worker's streams lost events ``gap_threshold`` times within
   ``gap_window_s`` (a lossy network, a full queue, a publisher restarting in a loop).
 - ``unregistered_worker``: events arrive from a worker the router does not know (they are dropped).
+- ``engine_events_silent``: an engine heard directly with its OpenAI URL answers its health probe and
+  has been routed requests for ``engine_silent_after_s`` (30 s), yet its event socket delivered
+  nothing: vLLM binds its PUB socket only for ``tcp://*:PORT`` (given a host address it connects, and
+  nothing flows, with no error on either side).
 
 Routed prompts are sampled (one in ``sample_every``, at most ``max_samples`` kept) and looked up
 ``sample_delay_s`` later, once the engine has had time to prefill them; the decision path pays one
@@ -34,7 +38,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from indexer.slots import WorkerRank
-from router.engines.zmq_stream import ZmqEngineStream
+from router.engines.direct import DirectEngine
 from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 
@@ -42,7 +46,14 @@ __all__ = ["KINDS", "ConfigDoctor", "Problem"]
 
 log = logging.getLogger(__name__)
 
-KINDS = ("block_size_mismatch", "tokens_hash_mismatch", "events_not_wired", "stream_gapping", "unregistered_worker")
+KINDS = (
+    "block_size_mismatch",
+    "tokens_hash_mismatch",
+    "events_not_wired",
+    "stream_gapping",
+    "unregistered_worker",
+    "engine_events_silent",
+)
 
 
 class Problem(msgspec.Struct, kw_only=True, frozen=True):
@@ -67,7 +78,7 @@ class ConfigDoctor:
         router: KvRouter,
         *,
         plane: RouterEventPlane | None = None,
-        engines: Sequence[tuple[int, ZmqEngineStream]] = (),
+        engines: Sequence[DirectEngine] = (),
         clock: Callable[[], float] = time.time,
         routed_for_s: float = 60.0,
         gap_window_s: float = 600.0,
@@ -76,6 +87,7 @@ class ConfigDoctor:
         max_samples: int = 1024,
         sample_delay_s: float = 30.0,
         hash_mismatch_after: int = 20,
+        engine_silent_after_s: float = 30.0,
     ) -> None:
         self.router = router
         self.plane = plane
@@ -87,6 +99,7 @@ class ConfigDoctor:
         self._sample_every = sample_every
         self._sample_delay_s = sample_delay_s
         self._hash_mismatch_after = hash_mismatch_after
+        self._engine_silent_after_s = engine_silent_after_s
         self._routed = 0
         self._samples: deque[tuple[float, WorkerRank, int]] = deque(maxlen=max_samples)
         self._first_routed: dict[int, float] = {}
@@ -112,6 +125,7 @@ class ConfigDoctor:
         self._hashes(now, found)
         self._silent_workers(now, found)
         self._gaps(now, found)
+        self._silent_engines(now, found)
         for worker_id, count in self.router.events.unknown_worker_events.items():
             if count and not self.router.has_worker(worker_id):
                 found["unregistered_worker", worker_id] = (
@@ -140,7 +154,8 @@ class ConfigDoctor:
         if self.plane is not None:
             for worker_id, reason in self.plane.refused_registrations.items():
                 found["block_size_mismatch", worker_id] = f"registration refused: {reason}"
-        for worker_id, stream in self.engines:
+        for engine in self.engines:
+            worker_id, stream = engine.worker_id, engine.stream
             count = stream.stats["rejected_block_size_mismatch"]
             if count:
                 detail = stream.last_rejection.get("block_size_mismatch", "")
@@ -150,7 +165,8 @@ class ConfigDoctor:
                 )
 
     def _hashes(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
-        for worker_id, stream in self.engines:
+        for engine in self.engines:
+            worker_id, stream = engine.worker_id, engine.stream
             count = stream.stats["tokens_hash_mismatch"]
             if count:
                 found["tokens_hash_mismatch", worker_id] = (
@@ -203,7 +219,8 @@ class ConfigDoctor:
 
     def _gaps(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
         counts: dict[WorkerRank, int] = dict(self.router.events.gaps_by_stream)
-        for worker_id, stream in self.engines:
+        for engine in self.engines:
+            worker_id, stream = engine.worker_id, engine.stream
             key = (worker_id, stream.dp_rank)
             counts[key] = counts.get(key, 0) + stream.stats["gap"]
         for key, count in counts.items():
@@ -217,4 +234,20 @@ class ConfigDoctor:
                 found["stream_gapping", key[0]] = (
                     f"dp rank {key[1]} lost events {recent} times in the last {self._gap_window_s:.0f} s "
                     "(a lossy link, full queues or a publisher restarting in a loop)"
+                )
+
+    def _silent_engines(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
+        for engine in self.engines:
+            up_at = engine.up_at
+            first = self._first_routed.get(engine.worker_id)
+            if up_at is None or first is None or engine.stream.stats["messages"] > engine.messages_at_up:
+                continue
+            silent = now - max(up_at, first)
+            if silent >= self._engine_silent_after_s:
+                port = engine.stream.endpoint.rpartition(":")[2]
+                found["engine_events_silent", engine.worker_id] = (
+                    f"its engine answers at {engine.url} and was routed requests {silent:.0f} s ago, but its event "
+                    f"socket {engine.stream.endpoint} delivered nothing: vLLM binds its KV-event PUB socket only "
+                    f"for an endpoint tcp://*:{port} (given a host address it connects, and nothing flows, with no "
+                    f'error): start it with --kv-events-config \'{{"endpoint": "tcp://*:{port}", ...}}\''
                 )

@@ -195,9 +195,10 @@ class KvRouter:
         self._dispatch_waiting()
 
     def remove_worker(self, worker_id: int) -> None:
-        """Forget a worker: its index entries and its active requests. Raises `UnknownWorker`."""
+        """Forget a worker: its index entries, event streams and active requests. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
         self.indexer.remove_worker(worker_id)
+        self.events.forget_worker(worker_id)  # a worker registered again starts its streams afresh
         if self.predictions is not None:
             self.predictions.forget_worker(worker_id)
         logger.info(

@@ -130,7 +130,7 @@ async def test_an_engine_with_another_block_size_is_reported_over_http(caplog: p
     direct = DirectEngine(router, f"5={endpoint}")
     await direct.start()
     try:
-        doctor = ConfigDoctor(router, engines=[(5, direct.stream)])
+        doctor = ConfigDoctor(router, engines=[direct])
         for _ in range(200):  # the first batches may go before the SUB socket is joined
             await engine.step()
             await asyncio.sleep(0.01)
@@ -170,7 +170,7 @@ async def test_engine_block_hashes_that_contradict_our_hashing_of_their_token_id
     direct = DirectEngine(router, f"5={endpoint}")
     await direct.start()
     try:
-        doctor = ConfigDoctor(router, engines=[(5, direct.stream)])
+        doctor = ConfigDoctor(router, engines=[direct])
         first = msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0])
         for _ in range(200):  # the first batches may go before the SUB socket is joined
             await engine.send(first, seq=0)

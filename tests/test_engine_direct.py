@@ -16,7 +16,8 @@ import pytest
 
 from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
-from router.engines.direct import DirectEngine, parse_engine_zmq
+from router.engines.direct import DirectEngine
+from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 from tests.engine_fakes import BLOCK, FakeEngine, SideLoop, canonical, direct_mode, engine_spec, loopback_endpoints
@@ -41,12 +42,19 @@ async def _converged(router: KvRouter, engine: FakeEngine, direct: DirectEngine)
     await eventually(lambda: direct.stream.backlog == 0 and canonical(router.indexer.dump_events()) == engine.dump())
 
 
-def test_engine_zmq_specs_parse() -> None:
-    assert parse_engine_zmq("7=tcp://h:1") == (7, "tcp://h:1", None)
-    assert parse_engine_zmq("7=tcp://h:1,replay=tcp://h:2") == (7, "tcp://h:1", "tcp://h:2")
-    for bad in ("x=tcp://h:1", "7", "7=", "7=tcp://h:1,other=1"):
+def test_engine_specs_parse() -> None:
+    assert parse_engine_spec("7=tcp://h:1") == EngineSpec(7, "tcp://h:1")
+    assert parse_engine_spec("7=tcp://h:1,replay=tcp://h:2") == EngineSpec(7, "tcp://h:1", "tcp://h:2")
+    # The OpenAI URL with or without /v1 (and a trailing slash) is the server's root.
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        spec = parse_engine_spec(f"7=tcp://h:1,url={url},replay=tcp://h:2")
+        assert spec == EngineSpec(7, "tcp://h:1", "tcp://h:2", "http://h:8000")
+    spec = parse_engine_spec("7=tcp://h:1,url=http://h:8000/v1,models=a+b")
+    assert spec.models == ("a", "b") and str(spec) == "7=tcp://h:1,url=http://h:8000,models=a+b"
+    for bad in ("x=tcp://h:1", "7", "7=", "7=tcp://h:1,other=1", "7=http://h:1", "7=tcp://h:1,url=ftp://h",
+                "7=tcp://h:1,models=a", "7=tcp://h:1,replay=tcp://h:2,replay=tcp://h:3", "-1=tcp://h:1"):  # fmt: skip
         with pytest.raises(ValueError):
-            parse_engine_zmq(bad)
+            parse_engine_spec(bad)
 
 
 async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(shared_dir: Path) -> None:

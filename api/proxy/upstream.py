@@ -33,6 +33,7 @@ import httptools
 
 from api.config import ProxyConfig
 from api.http_stream import Sink
+from router.engines.openai_server import openai_base
 
 __all__ = ["IDLE_SECS", "Begin", "Exchange", "Upstream", "UpstreamError"]
 
@@ -61,9 +62,8 @@ class _Endpoint:
 
 
 def _endpoint(url: str) -> _Endpoint:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
+    parts = urlsplit(openai_base(url))  # a worker's URL may end in /v1: the paths are the server root's
+    assert parts.hostname is not None
     tls = parts.scheme == "https"
     port = parts.port or (443 if tls else 80)
     base = parts.path.rstrip("/")

@@ -7,20 +7,28 @@ in ``/v1/workers`` and ``kv_router_worker_stream_trusted``) until the engine cle
 
 A worker the router does not know yet is registered with default capacity and a WARNING, so its
 first events are not refused; ``POST /v1/workers`` can then give its real settings (the index is kept).
+An engine given with its OpenAI URL (``url=``) is registered with it instead, for the proxy, and
+follows its engine's health (`DirectEngine`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
+
+import msgspec
 
 from indexer.engine_events import EngineEvent, event_tier, to_kv_event
 from indexer.events import RouterEvent, StorageTier, cleared_event
+from router.engines.engine_spec import EngineSpec, parse_engine_spec
+from router.engines.openai_server import HealthProbe, wait_for_models
 from router.engines.zmq_stream import ZmqEngineStream
+from router.errors import UnknownWorker
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 
-__all__ = ["DirectEngine", "SequencerSink", "ensure_registered", "parse_engine_zmq"]
+__all__ = ["DirectEngine", "SequencerSink", "ensure_registered"]
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +46,19 @@ def ensure_registered(router: KvRouter, worker_id: int, source: str) -> None:
 
 
 class SequencerSink:
-    def __init__(self, router: KvRouter, worker_id: int) -> None:
+    def __init__(self, router: KvRouter, worker_id: int, *, accepting: bool = True) -> None:
         self.router = router
         self.worker_id = worker_id
+        # False while the engine is known down (direct mode with a URL): its events are dropped.
+        self.accepting = accepting
+        self.dropped_events = 0
         self._last_id: dict[int, int] = {}
         self._tiers: dict[int, set[StorageTier]] = {}
+
+    def reset(self) -> None:
+        """The worker was removed: its streams start again from id 1."""
+        self._last_id.clear()
+        self._tiers.clear()
 
     def _ensure_registered(self) -> None:
         ensure_registered(self.router, self.worker_id, "engine")
@@ -56,6 +72,9 @@ class SequencerSink:
         return contextlib.nullcontext()  # each batch reaches the sequencer as it is applied
 
     def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
+        if not self.accepting:
+            self.dropped_events += len(events)
+            return
         self._ensure_registered()
         tiers = self._tiers.setdefault(dp_rank, set())
         batch = []
@@ -66,6 +85,8 @@ class SequencerSink:
         self.router.events.ingest(batch)
 
     async def restarted(self, dp_rank: int) -> None:
+        if not self.accepting:
+            return
         self._ensure_registered()
         tiers = self._tiers.get(dp_rank) or {StorageTier.DEVICE}
         self.router.events.ingest(
@@ -74,44 +95,90 @@ class SequencerSink:
         )
 
     def unverified(self, dp_rank: int, reason: str) -> None:
+        if not self.accepting:
+            return
         self.router.events.mark_untrusted(self.worker_id, dp_rank)
 
 
-def parse_engine_zmq(spec: str) -> tuple[int, str, str | None]:
-    """``WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]`` -> (worker id, endpoint, replay endpoint)."""
-    worker, sep, rest = spec.partition("=")
-    try:
-        worker_id = int(worker.strip())
-    except ValueError:
-        raise ValueError(f"engine_zmq {spec!r}: expected WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]") from None
-    parts = [part.strip() for part in rest.split(",")]
-    if not sep or not parts[0]:
-        raise ValueError(f"engine_zmq {spec!r}: no endpoint after {worker!r}=")
-    replay = None
-    for option in parts[1:]:
-        key, _, value = option.partition("=")
-        if key != "replay" or not value:
-            raise ValueError(f"engine_zmq {spec!r}: unknown option {option!r} (only replay=tcp://HOST:PORT)")
-        replay = value
-    return worker_id, parts[0], replay
-
-
 class DirectEngine:
-    """One ``--engine-zmq`` source feeding the router's sequencer."""
+    """One ``--engine`` source feeding the router's sequencer.
 
-    def __init__(self, router: KvRouter, spec: str, *, topic: str = "") -> None:
-        worker_id, endpoint, replay = parse_engine_zmq(spec)
-        self.worker_id = worker_id
+    With a ``url`` the engine's OpenAI server is probed (``/health`` every ``health_interval_s``): the
+    worker is registered (with its URL and the models its ``/v1/models`` lists) when the server first
+    answers, removed (its blocks, streams and requests) when it stops answering, and registered again,
+    empty, when it answers again; its events are then taken afresh (replayed from the engine's buffer
+    when it has a replay socket). Events heard while the engine is down are dropped and counted.
+    """
+
+    def __init__(
+        self, router: KvRouter, spec: EngineSpec | str, *, topic: str = "", health_interval_s: float = 1.0
+    ) -> None:
+        self.spec = parse_engine_spec(spec) if isinstance(spec, str) else spec
+        self.router = router
+        self.worker_id = self.spec.worker_id
+        self.url = self.spec.url
+        self.sink = SequencerSink(router, self.worker_id, accepting=self.url is None)
         self.stream = ZmqEngineStream(
-            SequencerSink(router, worker_id),
-            endpoint,
+            self.sink,
+            self.spec.endpoint,
             block_size=router.config.block_size,
-            replay_endpoint=replay,
+            replay_endpoint=self.spec.replay,
             topic=topic,
         )
+        self.health = (
+            None
+            if self.url is None
+            else HealthProbe(self.url, on_up=self._up, on_down=self._down, interval_s=health_interval_s)
+        )
+        self.models: tuple[str, ...] | None = self.spec.models
+        # Unix time of the health answer that made it routable (None: down, or no URL), and how many
+        # messages its event socket had delivered then (the doctor's engine_events_silent).
+        self.up_at: float | None = None
+        self.messages_at_up = 0
+        self._registration: WorkerConfig | None = None  # the worker's last registration
 
     async def start(self) -> None:
         await self.stream.start()
+        if self.health is not None:
+            self.health.start()
 
     async def stop(self) -> None:
+        if self.health is not None:
+            await self.health.stop()
         await self.stream.stop()
+
+    async def _up(self) -> None:
+        assert self.url is not None
+        models = self.spec.models
+        if models is None:
+            models = tuple(await wait_for_models(self.url))
+        self.models = models
+        # Settings given over HTTP before the engine went down (capacity, taints) are kept.
+        base = self.router.worker(self.worker_id) or self._registration
+        if base is None:
+            base = WorkerConfig(worker_id=self.worker_id, block_size=self.router.config.block_size)
+        registration = msgspec.structs.replace(base, leased=False, url=self.url, models=frozenset(models))
+        self.sink.reset()
+        self.router.register_worker(registration)
+        self.sink.accepting = True
+        self.up_at = time.time()
+        self.messages_at_up = self.stream.stats["messages"]
+        log.info("engine of worker %d answers at %s: routable", self.worker_id, self.url)
+        self.stream.rebuild()  # what the engine holds now, from its replay buffer (or what comes next)
+
+    async def _down(self, problem: str) -> None:
+        self.sink.accepting = False
+        self.up_at = None
+        known = self.router.worker(self.worker_id)
+        if known is None:
+            log.info("engine of worker %d at %s does not answer yet (%s)", self.worker_id, self.url, problem)
+            return
+        self._registration = known
+        log.warning(
+            "engine of worker %d at %s stopped answering (%s): out of routing, its blocks dropped",
+            self.worker_id,
+            self.url,
+            problem,
+        )
+        with contextlib.suppress(UnknownWorker):
+            self.router.remove_worker(self.worker_id)

@@ -183,14 +183,15 @@ class ZmqEngineStream:
         self._replayed: deque[tuple[int, int]] = deque()
         self._ranks: set[int] = {dp_rank}
         # messages, applied, duplicate, dropped_queue_full, gap, replayed, replay_failed,
-        # missing_history, restarts, unverified, rejected_<reason>, events, blocks, ignored_events,
-        # tokens_hash_mismatch.
+        # missing_history, restarts, unverified, rebuilds, rejected_<reason>, events, blocks,
+        # ignored_events, tokens_hash_mismatch.
         self.stats: Counter[str] = Counter()
         self.last_rejection: dict[str, str] = {}  # reason -> the latest such rejection, for diagnosis
         # The engine's block hashes against our tokens hashes (the doctor's tokens_hash_mismatch).
         self.hash_check = TokensHashCheck()
         self.last_hash_mismatch: str | None = None
         self._subscribed = asyncio.Event()
+        self._rebuild = False
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -204,6 +205,23 @@ class ZmqEngineStream:
     @property
     def backlog(self) -> int:
         return len(self._queue)
+
+    def rebuild(self) -> None:
+        """Take the engine's state afresh, as a stream that just joined would: from its replay buffer
+        (from seq 0) when it has a replay socket, else from what comes next (a gap leaves the ranks
+        unverified). For a sink that dropped what it heard (direct mode while the engine was down)."""
+        self._rebuild = True
+        self._queued.set()
+
+    async def _rebuilt(self) -> None:
+        self._rebuild = False
+        self.stats["rebuilds"] += 1
+        self._last_applied = self._last_live = None
+        self._last_payload = None
+        self._replayed.clear()
+        self.hash_check.reset()
+        if self.replay_endpoint is not None:
+            await self._bootstrap()
 
     # ------------------------------------------------------------------ reading
     async def _read(self) -> None:
@@ -253,9 +271,12 @@ class ZmqEngineStream:
         queue, queued = self._queue, self._queued
         sent_at = 0.0
         while True:
-            while not queue:
+            while not queue and not self._rebuild:
                 queued.clear()
                 await queued.wait()
+            if self._rebuild:
+                await self._rebuilt()
+                continue
             seq, payload = queue.popleft()
             started = time.perf_counter()
             # What is queued already goes out together, within the loop's fairness budget.

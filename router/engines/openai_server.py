@@ -1,0 +1,146 @@
+"""An engine's OpenAI-compatible HTTP server as the router talks to it: its base URL, models and health.
+
+vLLM and SGLang serve ``/v1/completions``, ``/v1/models`` and ``/v1/chat/completions`` under ``/v1``
+and ``/health`` and ``/tokenize`` at the root. Users give either form of the URL; `openai_base` takes
+it back to the root once (``http://h:8000/v1/`` -> ``http://h:8000``), and every path is added to the
+root from there (the proxy's ``/v1/completions`` and ``/tokenize``, the probes below).
+
+Used by direct mode (`router.engines.direct`) and by the bridge (`router.engines.bridge`) alike:
+`served_models` asks ``GET /v1/models`` (`wait_for_models` until the engine answers: it may take a
+minute to start), `HealthProbe` asks ``GET /health`` every interval and tells its owner when the
+engine stops answering and when it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import msgspec
+
+from router.supervision import Supervisor
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["HealthProbe", "openai_base", "served_models", "wait_for_models"]
+
+log = logging.getLogger(__name__)
+
+
+def openai_base(url: str) -> str:
+    """The server root of an engine's OpenAI URL, with or without ``/v1``; raises ``ValueError``."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"an engine URL has no query or fragment: {url!r}")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+class _Model(msgspec.Struct):
+    id: str
+
+
+class _Models(msgspec.Struct):
+    data: list[_Model]
+
+
+_decode_models = msgspec.json.Decoder(_Models).decode
+
+
+async def served_models(client: httpx.AsyncClient, base: str) -> list[str]:
+    """The model names the engine at ``base`` serves (``GET /v1/models``); raises ``httpx.HTTPError``
+    or ``ValueError`` for an engine that does not answer or answers something else."""
+    reply = await client.get(base + "/v1/models")
+    reply.raise_for_status()
+    try:
+        return sorted({model.id for model in _decode_models(reply.content).data})
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"GET {base}/v1/models: {exc}") from None
+
+
+async def wait_for_models(base: str, *, retry_s: float = 1.0, timeout_s: float = 5.0) -> list[str]:
+    """`served_models`, asked again every ``retry_s`` until the engine answers (it may still be loading
+    its model); the first failure is logged, then every minute."""
+    import httpx
+
+    attempts = 0
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        while True:
+            try:
+                models = await served_models(client, base)
+            except (httpx.HTTPError, ValueError) as exc:
+                if attempts % max(1, round(60 / retry_s)) == 0:
+                    log.info("engine at %s does not list its models yet (%s); asking again", base, exc)
+                attempts += 1
+                await asyncio.sleep(retry_s)
+                continue
+            log.info("engine at %s serves %s", base, ", ".join(models) or "no model")
+            return models
+
+
+class HealthProbe:
+    """``GET {base}/health`` every ``interval_s``: ``on_down`` when it stops answering 200 (refused, an
+    error status, or no answer within the timeout), ``on_up`` when it answers again (and at the first
+    answer). Only transitions are told; the probe's own task is supervised."""
+
+    def __init__(
+        self,
+        base: str,
+        *,
+        on_up: Callable[[], Awaitable[None]],
+        on_down: Callable[[str], Awaitable[None]],
+        interval_s: float = 1.0,
+        timeout_s: float | None = None,
+    ) -> None:
+        self.base = base
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s if timeout_s is not None else max(1.0, interval_s)
+        self.healthy: bool | None = None  # None: not probed yet
+        self.probes = 0
+        self.failures = 0
+        self._on_up = on_up
+        self._on_down = on_down
+        self._background = Supervisor(f"health-{base}")
+
+    def start(self) -> None:
+        self._background.keep_running("probe", self._loop)
+
+    async def stop(self) -> None:
+        await self._background.stop()
+
+    async def _loop(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            while True:
+                await self.probe_once(client)
+                await asyncio.sleep(self.interval_s)
+
+    async def probe_once(self, client: httpx.AsyncClient) -> None:
+        import httpx
+
+        self.probes += 1
+        problem = None
+        try:
+            reply = await client.get(self.base + "/health")
+            if reply.status_code != 200:
+                problem = f"HTTP {reply.status_code}"
+        except httpx.HTTPError as exc:
+            problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if problem is None:
+            if self.healthy is not True:
+                self.healthy = True
+                await self._on_up()
+            return
+        self.failures += 1
+        if self.healthy is not False:
+            self.healthy = False
+            await self._on_down(problem)

@@ -1,0 +1,168 @@
+"""Engines with their OpenAI servers, as real processes: direct mode (``--engine ...,url=``) and the
+bridge (``--openai-url``) register the worker's URL and models for the proxy, and follow the engine's
+health: killed, the worker leaves routing within 3 s with its blocks; restarted, it is routed again.
+
+The engines are ``kv-router mock-worker`` processes (vLLM's ZMQ events on a bound PUB socket and a
+replay socket, and an OpenAI HTTP server with ``/health``, ``/v1/models`` and ``/tokenize``); the
+routers are ``kv-router serve`` processes; the OpenAI client is the real one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.router_processes import ROOT, RouterProcess, kv_router_command
+from tests.waiting import until
+
+MODEL = "tiny-model"
+
+
+class EngineProcess:
+    """A mock vLLM engine: ZMQ events (PUB + replay) and an OpenAI server, on fixed loopback ports so that
+    a restart comes back where it was."""
+
+    def __init__(self, log_dir: Path, nats_url: str, worker_id: int) -> None:
+        self.log_dir = log_dir
+        self.nats_url = nats_url
+        self.worker_id = worker_id
+        self.pub, self.replay, self.http = free_port(), free_port(), free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def zmq_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.pub}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def start(self) -> EngineProcess:
+        # Its own NATS worker id: the routers under test hear this engine over ZMQ only.
+        with (self.log_dir / f"engine-{self.worker_id}-{time.monotonic_ns()}.log").open("wb") as log:
+            self.process = subprocess.Popen(
+                [*kv_router_command(), "mock-worker", "--nats-url", self.nats_url,
+                 "--worker-id", str(900 + self.worker_id), "--zmq-endpoint", f"tcp://*:{self.pub}",
+                 "--replay-endpoint", f"tcp://*:{self.replay}", "--http-port", str(self.http), "--model", MODEL,
+                 "--block-size", "16", "--engine-speedup", "50"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+            )  # fmt: skip
+        until(self.healthy, timeout=60)
+        return self
+
+    def healthy(self) -> bool:
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def kill9(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def _blocks_of(router: RouterProcess, worker_id: int) -> int:
+    return sum(
+        len(event["event"]["data"]["stored"]["blocks"])
+        for event in router.get("/v1/dump")
+        if event["worker_id"] == worker_id
+    )
+
+
+def _worker(router: RouterProcess, worker_id: int) -> dict[str, Any] | None:
+    workers = router.get("/v1/workers")["workers"]
+    return next((w for w in workers if w["config"]["worker_id"] == worker_id), None)
+
+
+def _complete(router: RouterProcess, prompt: str) -> tuple[str, int]:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", max_retries=0)
+    try:
+        reply = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=4)
+        return reply.headers["x-kv-router-worker"], int(reply.headers["x-kv-router-cached-tokens"])
+    finally:
+        client.close()
+
+
+PROMPT = "a shared system prompt that is long enough to fill a few blocks of sixteen tokens " * 3
+
+
+def test_direct_mode_registers_the_engine_url_and_follows_its_health(tmp_path: Path) -> None:
+    with EmbeddedNats() as nats:
+        engine = EngineProcess(tmp_path, nats.url, 1).start()
+        spec = f"1={engine.zmq_endpoint},replay={engine.replay_endpoint},url={engine.url}/v1"
+        router = RouterProcess(tmp_path, "--no-embedded-nats", "--proxy", "--engine", spec,
+                               "--engine-health-interval-secs", "0.5")  # fmt: skip
+        try:
+            router.start()
+            until(lambda: _worker(router, 1) is not None, timeout=30)
+            worker = _worker(router, 1)
+            assert worker is not None
+            # Its URL (without the /v1 it was given) and the models its /v1/models lists.
+            assert (worker["config"]["url"], worker["config"]["models"]) == (engine.url, [MODEL])
+            # A text prompt is tokenized by the engine (/tokenize at its root, not /v1/v1/tokenize).
+            assert _complete(router, PROMPT) == ("1", 0)
+            until(lambda: _blocks_of(router, 1) > 0)
+            assert _complete(router, PROMPT)[1] > 0  # its blocks are in the index and predicted
+
+            engine.kill9()
+            killed = time.monotonic()
+            until(lambda: _worker(router, 1) is None, timeout=10)
+            assert time.monotonic() - killed < 3.0
+            assert _blocks_of(router, 1) == 0
+
+            engine.start()
+            until(lambda: _worker(router, 1) is not None, timeout=30)
+            assert _blocks_of(router, 1) == 0  # back, empty
+            assert _complete(router, PROMPT) == ("1", 0)
+            until(lambda: _blocks_of(router, 1) > 0)
+            assert _complete(router, PROMPT)[1] > 0
+            assert "stopped answering" in router.log()
+        finally:
+            router.stop()
+            engine.stop()
+
+
+def test_a_bad_engine_spec_is_one_line_and_exit_code_2() -> None:
+    for spec in ("x=tcp://127.0.0.1:1", "1=tcp://127.0.0.1:1,url=ftp://h", "1=tcp://127.0.0.1:1,colour=blue"):
+        for flag in ("--engine", "--engine-zmq"):
+            done = subprocess.run(
+                [*kv_router_command(), "serve", flag, spec], capture_output=True, text=True, timeout=60, cwd=ROOT
+            )
+            assert done.returncode == 2, done
+            assert len(done.stderr.strip().splitlines()) == 1 and "engine" in done.stderr, done.stderr
+    env = {**os.environ, "KV_ROUTER_ENGINE": '["1=tcp://127.0.0.1:1,models=a"]'}
+    done = subprocess.run(
+        [*kv_router_command(), "config", "show"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
+    )
+    assert done.returncode == 2 and "models= needs url=" in done.stderr, done.stderr
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_local_nats(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Local tools look for a running service's connection file: keep this test's processes apart.
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
