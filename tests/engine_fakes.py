@@ -13,10 +13,12 @@ import asyncio
 import contextlib
 import random
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 import msgspec
+import uvicorn
 
 from indexer.engine_events import decode_engine_batch, event_tier, to_kv_event
 from indexer.errors import KvIndexError
@@ -201,3 +203,51 @@ class SideLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
         self.loop.close()
+
+
+class EngineHttp:
+    """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``), served by a real
+    uvicorn on a loopback port; ``healthy`` switches its health answer, ``stop`` kills it (refused)."""
+
+    def __init__(self, models: tuple[str, ...] = ("tiny-model",), port: int | None = None) -> None:
+        self.models = models
+        self.port = port or free_port()
+        self.healthy = True
+        self.asked: Counter[str] = Counter()
+        self._server: uvicorn.Server | None = None
+        self._serving: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        self.asked[path] += 1
+        status, body = 404, b"{}"
+        if path == "/health":
+            status, body = (200, b"") if self.healthy else (503, b"")
+        elif path == "/v1/models":
+            status, body = 200, msgspec.json.encode({"object": "list", "data": [{"id": m} for m in self.models]})
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def start(self) -> EngineHttp:
+        config = uvicorn.Config(
+            self._app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off", interface="asgi3"
+        )
+        self._server = uvicorn.Server(config)
+        self._serving = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            assert not self._serving.done(), "the engine's HTTP server did not start"
+            await asyncio.sleep(0.01)
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None and self._serving is not None:
+            self._server.should_exit = True
+            await self._serving
+            self._server = self._serving = None

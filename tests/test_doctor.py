@@ -24,7 +24,8 @@ from router.engines.direct import DirectEngine
 from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
-from tests.engine_fakes import FakeEngine
+from tests.engine_fakes import EngineHttp, FakeEngine
+from tests.waiting import eventually
 
 BLOCK = 4
 
@@ -222,3 +223,42 @@ def test_get_doctor_lists_problems_and_the_gauge_counts_them(client: TestClient)
     assert (problem["kind"], problem["worker_id"]) == ("unregistered_worker", 77)
     assert "1 events from worker 77" in problem["evidence"]
     assert 'kv_router_config_problems{kind="unregistered_worker"} 1.0' in client.get("/metrics").text
+
+
+@pytest.mark.anyio
+async def test_an_engine_that_answers_but_whose_event_socket_never_delivers_names_the_bind_address() -> None:
+    # vLLM given tcp://127.0.0.1:PORT connects its PUB socket instead of binding it: nobody listens on
+    # the port the router subscribes to, the engine serves requests, and nothing flows.
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    http = await EngineHttp().start()
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    direct = DirectEngine(router, f"5={endpoint},url={http.url}/v1", health_interval_s=0.1)
+    await direct.start()
+    publisher = VllmZmqPublisher(f"tcp://*:{port}")
+    try:
+        doctor = ConfigDoctor(router, engines=[direct], engine_silent_after_s=0.3)
+        await eventually(lambda: router.has_worker(5))
+        await router.new(RouteRequest(tokens=list(range(16)), request_id="r1"))
+        await asyncio.sleep(0.1)
+        assert [p.kind for p in doctor.check()] == []  # routed only just now
+        await eventually(lambda: [p.kind for p in doctor.check()] == ["engine_events_silent"])
+        (problem,) = doctor.problems
+        assert problem.worker_id == 5 and f"tcp://*:{port}" in problem.evidence and http.url in problem.evidence
+
+        # Bound as vLLM binds tcp://*:PORT: the events flow and the problem goes.
+        await publisher.start()
+
+        async def delivered() -> bool:
+            await publisher.send(msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0]))
+            await asyncio.sleep(0.02)
+            return bool(direct.stream.stats["messages"])
+
+        for _ in range(200):
+            if await delivered():
+                break
+        assert doctor.check() == []
+    finally:
+        await publisher.stop()
+        await direct.stop()
+        await http.stop()
