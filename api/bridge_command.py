@@ -40,7 +40,7 @@ def load_bridge_config(
         name = key[len(BRIDGE_ENV_PREFIX) :].lower()
         if key.startswith(BRIDGE_ENV_PREFIX) and name in fields:
             parsed: Any = _none_if_null(value)
-            if name == "taints" and parsed is not None:
+            if name in ("taints", "served_model") and parsed is not None:
                 parsed = msgspec.json.decode(parsed) if parsed.lstrip().startswith("[") else parsed.split(",")
             merged[name], origin[name] = parsed, f"environment variable {key}"
     for name, value in flags.items():
@@ -59,13 +59,13 @@ def load_bridge_config(
         raise ConfigError(field, f"{message} (from {where})" if where else message) from None
 
 
-def _flag_type(info: msgspec.inspect.Type) -> dict[str, Any]:
+def _flag_type(name: str, info: msgspec.inspect.Type) -> dict[str, Any]:
     if isinstance(info, msgspec.inspect.UnionType):
         info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
     if isinstance(info, msgspec.inspect.LiteralType):
         return {"choices": [str(v) for v in info.values]}
     if isinstance(info, msgspec.inspect.ListType):
-        return {"action": "append", "metavar": "TAINT"}
+        return {"action": "append", "metavar": name.upper().removesuffix("S")}
     if isinstance(info, msgspec.inspect.IntType):
         return {"type": int}
     if isinstance(info, msgspec.inspect.FloatType):
@@ -99,7 +99,7 @@ class BridgeCommand:
                 dest=field.name,
                 default=argparse.SUPPRESS,
                 help=f"{description} [env {env}; default: {default}]",
-                **_flag_type(t),
+                **_flag_type(field.name, t),
             )
 
     def run(self, args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ class EngineProcess:
         # Its own NATS worker id: the routers under test hear this engine over ZMQ only.
         with (self.log_dir / f"engine-{self.worker_id}-{time.monotonic_ns()}.log").open("wb") as log:
             self.process = subprocess.Popen(
-                [*kv_router_command(), "mock-worker", "--nats-url", self.nats_url,
+                [*kv_router_command(), "mock-worker", "--nats-url", self.nats_url, "--namespace", "engine-side",
                  "--worker-id", str(900 + self.worker_id), "--zmq-endpoint", f"tcp://*:{self.pub}",
                  "--replay-endpoint", f"tcp://*:{self.replay}", "--http-port", str(self.http), "--model", MODEL,
                  "--block-size", "16", "--engine-speedup", "50"],
@@ -143,6 +143,97 @@ def test_direct_mode_registers_the_engine_url_and_follows_its_health(tmp_path: P
             assert _complete(router, PROMPT)[1] > 0
             assert "stopped answering" in router.log()
         finally:
+            router.stop()
+            engine.stop()
+
+
+class BridgeProcess:
+    """``kv-router bridge`` beside one engine."""
+
+    def __init__(self, log_dir: Path, engine: EngineProcess, nats_url: str, *args: str) -> None:
+        self.log_path = log_dir / f"bridge-{engine.worker_id}-{time.monotonic_ns()}.log"
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [*kv_router_command(), "bridge", "--worker-id", str(engine.worker_id),
+                 "--zmq-endpoint", engine.zmq_endpoint, "--replay-endpoint", engine.replay_endpoint,
+                 "--block-size", "16", "--nats-url", nats_url, "--heartbeat-interval-secs", "0.3", *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+            )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_engine_is_down(
+    tmp_path: Path,
+) -> None:
+    with EmbeddedNats() as nats:
+        engine = EngineProcess(tmp_path, nats.url, 1).start()
+        router = RouterProcess(tmp_path, "--no-embedded-nats", "--nats-url", nats.url, "--proxy")
+        bridge = BridgeProcess(tmp_path, engine, nats.url, "--openai-url", engine.url + "/v1/",
+                               "--engine-health-interval-secs", "0.5")  # fmt: skip
+        try:
+            router.start()
+            until(lambda: _worker(router, 1) is not None, timeout=30)
+            worker = _worker(router, 1)
+            assert worker is not None
+            assert (worker["config"]["url"], worker["config"]["models"]) == (engine.url, [MODEL])
+            assert _complete(router, PROMPT) == ("1", 0)
+            until(lambda: _blocks_of(router, 1) > 0)
+            assert _complete(router, PROMPT)[1] > 0
+
+            engine.kill9()
+            killed = time.monotonic()
+            until(lambda: _worker(router, 1) is None, timeout=10)
+            assert time.monotonic() - killed < 3.0
+            assert _blocks_of(router, 1) == 0
+            time.sleep(1.0)  # no heartbeat brings it back while its engine is down
+            assert _worker(router, 1) is None
+
+            engine.start()
+            until(lambda: _worker(router, 1) is not None, timeout=30)
+            assert _blocks_of(router, 1) == 0  # back, empty
+            assert _complete(router, PROMPT) == ("1", 0)
+            until(lambda: _blocks_of(router, 1) > 0)
+            assert _complete(router, PROMPT)[1] > 0
+            assert "withdrawn from the routers" in bridge.log()
+        finally:
+            bridge.stop()
+            router.stop()
+            engine.stop()
+
+
+def test_an_http_registration_keeps_its_url_and_models_through_the_bridge_heartbeats(tmp_path: Path) -> None:
+    with EmbeddedNats() as nats:
+        engine = EngineProcess(tmp_path, nats.url, 2).start()
+        router = RouterProcess(tmp_path, "--no-embedded-nats", "--nats-url", nats.url, "--proxy")
+        bridge = BridgeProcess(tmp_path, engine, nats.url)  # no --openai-url: the URL comes over HTTP
+        try:
+            router.start()
+            until(lambda: _worker(router, 2) is not None, timeout=30)
+            status, _ = router.post("/v1/workers", {"worker_id": 2, "url": engine.url + "/v1", "models": [MODEL],
+                                                    "total_kv_blocks": 512})  # fmt: skip
+            assert status == 200
+            time.sleep(1.5)  # five heartbeats of the bridge, each carrying its registration
+            worker = _worker(router, 2)
+            assert worker is not None
+            config = worker["config"]
+            assert (config["url"], config["models"], config["total_kv_blocks"]) == (engine.url + "/v1", [MODEL], 512)
+            assert config["leased"] and config["epoch"]  # still the bridge's: it expires if the bridge dies
+            assert "restarted" not in router.log()
+            # The /v1 URL works for the proxy: it tokenizes at the root.
+            assert _complete(router, PROMPT) == ("2", 0)
+        finally:
+            bridge.stop()
             router.stop()
             engine.stop()
 

@@ -13,6 +13,12 @@ clears: the rank stays untrusted in every router's ``/v1/workers`` and metrics).
 
 A bridge that starts drops the worker's registry entry before registering it again: routers forget
 the worker's streams and resync it in full from this bridge, whose event ids start from 1 again.
+
+With the engine's OpenAI URL (``--openai-url``) the registration carries it and the models the engine
+serves (``--served-model``, or its ``/v1/models``), so ``kv-router serve --proxy`` can forward to the
+worker. The engine's ``/health`` (of that server, or of its metrics server) is probed: while it does
+not answer the bridge stops heartbeating and deletes the worker's registry entry (every router drops
+it and its blocks at once); when it answers again its ranks are cleared and replayed, and it registers.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import gc
 import logging
 from collections import Counter
 
+import msgspec
 from nats.aio.client import Client
 
 from indexer.engine_events import EngineEvent, decode_engine_batch, namespace_seed
@@ -30,6 +37,7 @@ from indexer.events import StorageTier
 from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.hash_check import TokensHashCheck
+from router.engines.openai_server import HealthProbe, wait_for_models
 from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.event_plane.publisher import KvEventPublisher, open_registry
 
@@ -118,6 +126,14 @@ class Bridge:
             )
             for rank in range(config.dp_size)
         ]
+        self.health = (
+            None
+            if config.health_url is None
+            else HealthProbe(
+                config.health_url, on_up=self._up, on_down=self._down, interval_s=config.engine_health_interval_secs
+            )
+        )
+        self.withdrawn = False  # the engine stopped answering: the worker is out of the routers' registry
         self.scraper = (
             None
             if config.engine_metrics_url is None
@@ -131,6 +147,12 @@ class Bridge:
         )
 
     async def start(self) -> None:
+        base = self.config.openai_base
+        if base is not None:
+            models = self.config.served_model or await wait_for_models(base)
+            self.publisher.registration = msgspec.structs.replace(
+                self.publisher.registration, url=base, models=frozenset(models)
+            )
         # Routers forget what an earlier bridge of this worker numbered; they resync from this one.
         registry = await open_registry(self.nc, self.publisher.subjects)
         with contextlib.suppress(Exception):  # nothing to delete on a first start
@@ -140,6 +162,8 @@ class Bridge:
             await stream.start()
         if self.scraper is not None:
             self.scraper.start()
+        if self.health is not None:
+            self.health.start()
         log.info(
             "bridge for worker %d: %s -> NATS %s (namespace %s)",
             self.config.worker_id,
@@ -149,11 +173,39 @@ class Bridge:
         )
 
     async def stop(self, *, deregister: bool = True) -> None:
+        if self.health is not None:
+            await self.health.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         for stream in self.streams:
             await stream.stop()
         await self.publisher.stop(deregister=deregister)
+
+    async def _down(self, problem: str) -> None:
+        """The engine stopped answering: no more heartbeats, and the worker's registry entry deleted, so
+        every router drops it (its blocks, streams and requests) at once rather than after its lease."""
+        if self.withdrawn:
+            return
+        self.withdrawn = True
+        log.warning(
+            "engine of worker %d stopped answering %s (%s): withdrawn from the routers until it answers again",
+            self.config.worker_id,
+            self.config.health_url,
+            problem,
+        )
+        await self.publisher.withdraw()
+
+    async def _up(self) -> None:
+        """The engine answers again: what it holds now is taken afresh (its ranks cleared, its replay
+        buffer replayed), then the worker registers and heartbeats again; routers resync it from here."""
+        if not self.withdrawn:
+            return
+        for stream in self.streams:
+            await stream.rebuild()
+        await self.publisher.register()
+        self.publisher.start_heartbeat()
+        self.withdrawn = False
+        log.info("engine of worker %d answers again: registered", self.config.worker_id)
 
     async def start_service(self) -> None:
         """`start` as the bridge's process runs it (`run_forever`, and the throughput bench, which

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
+from router.engines.openai_server import health_url, openai_base
 from router.types import WorkerConfig
 
 __all__ = ["BridgeConfig"]
@@ -39,6 +42,24 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         str | None, _doc("the engine's Prometheus endpoint, scraped for KV usage and published as load")
     ] = None
     engine_metrics_interval_secs: Annotated[float, _doc("seconds between scrapes"), msgspec.Meta(gt=0)] = 1.0
+    openai_url: Annotated[
+        str | None,
+        _doc(
+            "the engine's OpenAI server, http://HOST:PORT with or without /v1: registered as the worker's URL "
+            "for kv-router serve --proxy, with the models it lists on /v1/models (unless --served-model)"
+        ),
+    ] = None
+    served_model: Annotated[
+        list[str], _doc("a model the engine serves (repeatable; default: what its /v1/models lists)")
+    ] = []
+    engine_health_interval_secs: Annotated[
+        float,
+        _doc(
+            "seconds between probes of the engine's /health (on --openai-url, else the --engine-metrics-url "
+            "server): while it does not answer the worker is withdrawn from the routers"
+        ),
+        msgspec.Meta(gt=0),
+    ] = 1.0
     heartbeat_interval_secs: Annotated[float, _doc("seconds between heartbeats"), msgspec.Meta(gt=0)] = 1.0
     queue_size: Annotated[int, _doc("engine batches buffered per rank before drops"), msgspec.Meta(ge=1)] = 10_000
     batch_window_secs: Annotated[
@@ -69,7 +90,31 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     nats_tls_cert_file: Annotated[str | None, _doc("client certificate for NATS TLS")] = None
     nats_tls_key_file: Annotated[str | None, _doc("client key for NATS TLS")] = None
 
-    def registration(self) -> WorkerConfig:
+    def __post_init__(self) -> None:
+        if self.openai_url is not None:
+            try:
+                openai_base(self.openai_url)
+            except ValueError as exc:
+                raise ValueError(f"openai_url: {exc}") from None
+        if self.served_model and self.openai_url is None:
+            raise ValueError("served_model needs openai_url (the models served there)")
+
+    @property
+    def openai_base(self) -> str | None:
+        """The engine's OpenAI server root (`openai_base`), if given."""
+        return None if self.openai_url is None else openai_base(self.openai_url)
+
+    @property
+    def health_url(self) -> str | None:
+        """What the bridge probes: ``/health`` of the engine's OpenAI server or of its metrics server."""
+        if self.openai_url is not None:
+            return health_url(openai_base(self.openai_url))
+        if self.engine_metrics_url is not None:
+            parts = urlsplit(self.engine_metrics_url)
+            return f"{parts.scheme}://{parts.netloc}/health"
+        return None
+
+    def registration(self, models: Iterable[str] = ()) -> WorkerConfig:
         return WorkerConfig(
             worker_id=self.worker_id,
             dp_size=self.dp_size,
@@ -77,4 +122,6 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             total_kv_blocks=self.total_kv_blocks,
             max_num_batched_tokens=self.max_num_batched_tokens,
             taints=frozenset(self.taints),
+            url=self.openai_base,
+            models=frozenset(models),
         )

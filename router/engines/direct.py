@@ -22,7 +22,7 @@ import msgspec
 from indexer.engine_events import EngineEvent, event_tier, to_kv_event
 from indexer.events import RouterEvent, StorageTier, cleared_event
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
-from router.engines.openai_server import HealthProbe, wait_for_models
+from router.engines.openai_server import HealthProbe, health_url, wait_for_models
 from router.engines.zmq_stream import ZmqEngineStream
 from router.errors import UnknownWorker
 from router.kv_router import KvRouter
@@ -128,7 +128,7 @@ class DirectEngine:
         self.health = (
             None
             if self.url is None
-            else HealthProbe(self.url, on_up=self._up, on_down=self._down, interval_s=health_interval_s)
+            else HealthProbe(health_url(self.url), on_up=self._up, on_down=self._down, interval_s=health_interval_s)
         )
         self.models: tuple[str, ...] | None = self.spec.models
         # Unix time of the health answer that made it routable (None: down, or no URL), and how many
@@ -164,7 +164,7 @@ class DirectEngine:
         self.up_at = time.time()
         self.messages_at_up = self.stream.stats["messages"]
         log.info("engine of worker %d answers at %s: routable", self.worker_id, self.url)
-        self.stream.rebuild()  # what the engine holds now, from its replay buffer (or what comes next)
+        await self.stream.rebuild()  # what the engine holds now, from its replay buffer (or what comes next)
 
     async def _down(self, problem: str) -> None:
         self.sink.accepting = False

@@ -26,7 +26,7 @@ from router.supervision import Supervisor
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["HealthProbe", "openai_base", "served_models", "wait_for_models"]
+__all__ = ["HealthProbe", "health_url", "openai_base", "served_models", "wait_for_models"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,11 @@ def openai_base(url: str) -> str:
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
     return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def health_url(base: str) -> str:
+    """The health probe's URL of the engine whose OpenAI server root is ``base``."""
+    return base + "/health"
 
 
 class _Model(msgspec.Struct):
@@ -87,20 +92,20 @@ async def wait_for_models(base: str, *, retry_s: float = 1.0, timeout_s: float =
 
 
 class HealthProbe:
-    """``GET {base}/health`` every ``interval_s``: ``on_down`` when it stops answering 200 (refused, an
+    """``GET url`` (an engine's ``/health``) every ``interval_s``: ``on_down`` when it stops answering 200 (refused, an
     error status, or no answer within the timeout), ``on_up`` when it answers again (and at the first
     answer). Only transitions are told; the probe's own task is supervised."""
 
     def __init__(
         self,
-        base: str,
+        url: str,
         *,
         on_up: Callable[[], Awaitable[None]],
         on_down: Callable[[str], Awaitable[None]],
         interval_s: float = 1.0,
         timeout_s: float | None = None,
     ) -> None:
-        self.base = base
+        self.url = url
         self.interval_s = interval_s
         self.timeout_s = timeout_s if timeout_s is not None else max(1.0, interval_s)
         self.healthy: bool | None = None  # None: not probed yet
@@ -108,7 +113,7 @@ class HealthProbe:
         self.failures = 0
         self._on_up = on_up
         self._on_down = on_down
-        self._background = Supervisor(f"health-{base}")
+        self._background = Supervisor(f"health-{url}")
 
     def start(self) -> None:
         self._background.keep_running("probe", self._loop)
@@ -130,7 +135,7 @@ class HealthProbe:
         self.probes += 1
         problem = None
         try:
-            reply = await client.get(self.base + "/health")
+            reply = await client.get(self.url)
             if reply.status_code != 200:
                 problem = f"HTTP {reply.status_code}"
         except httpx.HTTPError as exc:

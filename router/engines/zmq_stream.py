@@ -191,7 +191,7 @@ class ZmqEngineStream:
         self.hash_check = TokensHashCheck()
         self.last_hash_mismatch: str | None = None
         self._subscribed = asyncio.Event()
-        self._rebuild = False
+        self._rebuild_waiters: list[asyncio.Event] = []
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -206,22 +206,29 @@ class ZmqEngineStream:
     def backlog(self) -> int:
         return len(self._queue)
 
-    def rebuild(self) -> None:
-        """Take the engine's state afresh, as a stream that just joined would: from its replay buffer
-        (from seq 0) when it has a replay socket, else from what comes next (a gap leaves the ranks
-        unverified). For a sink that dropped what it heard (direct mode while the engine was down)."""
-        self._rebuild = True
+    async def rebuild(self) -> None:
+        """Take the engine's state afresh, as a stream that just joined would: its ranks cleared through
+        the sink, then rebuilt from its replay buffer (from seq 0) when it has a replay socket, else from
+        what comes next (a gap leaves the ranks unverified). Returns once done, in the stream's order.
+        For an engine that was out of routing (down) while the stream heard or missed its events."""
+        done = asyncio.Event()
+        self._rebuild_waiters.append(done)
         self._queued.set()
+        await done.wait()
 
     async def _rebuilt(self) -> None:
-        self._rebuild = False
+        waiters, self._rebuild_waiters = self._rebuild_waiters, []
         self.stats["rebuilds"] += 1
+        for rank in sorted(self._ranks):
+            await self.sink.restarted(rank)
         self._last_applied = self._last_live = None
         self._last_payload = None
         self._replayed.clear()
         self.hash_check.reset()
         if self.replay_endpoint is not None:
             await self._bootstrap()
+        for waiter in waiters:
+            waiter.set()
 
     # ------------------------------------------------------------------ reading
     async def _read(self) -> None:
@@ -271,10 +278,10 @@ class ZmqEngineStream:
         queue, queued = self._queue, self._queued
         sent_at = 0.0
         while True:
-            while not queue and not self._rebuild:
+            while not queue and not self._rebuild_waiters:
                 queued.clear()
                 await queued.wait()
-            if self._rebuild:
+            if self._rebuild_waiters:
                 await self._rebuilt()
                 continue
             seq, payload = queue.popleft()

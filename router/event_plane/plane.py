@@ -115,9 +115,8 @@ class RouterEventPlane:
     # ------------------------------------------------------------------ registry
     async def register(self, config: WorkerConfig, *, leased: bool = False) -> None:
         """Write a worker into the shared registry; every router watching it registers the worker."""
-        registration = msgspec.structs.replace(
-            config, block_size=config.block_size or self.router.config.block_size, leased=leased
-        )
+        block_size = config.block_size or self.router.config.block_size
+        registration = self._kept_fields(msgspec.structs.replace(config, block_size=block_size, leased=leased))
         await self._apply_registration(registration)  # at once here; the watch's echo is then a no-op
         assert self._registry is not None
         await self._registry.put(str(config.worker_id), msgspec.json.encode(registration))
@@ -153,8 +152,26 @@ class RouterEventPlane:
                 continue
             await self._apply_registration(registration)
 
+    def _kept_fields(self, config: WorkerConfig) -> WorkerConfig:
+        """A registration of a known worker, with what it does not say taken from the known one: an
+        HTTP registration (no publisher epoch) keeps the publisher's epoch and lease, a publisher's
+        registration or heartbeat without a URL or models keeps those given over HTTP."""
+        known = self.router.worker(config.worker_id)
+        if known is None:
+            return config
+        kept: dict[str, object] = {}
+        if config.url is None and known.url is not None:
+            kept["url"] = known.url
+        if not config.models and known.models:
+            kept["models"] = known.models
+        if config.epoch is None and known.epoch is not None:
+            kept["epoch"] = known.epoch
+            kept["leased"] = known.leased
+        return msgspec.structs.replace(config, **kept) if kept else config
+
     async def _apply_registration(self, config: WorkerConfig) -> bool:
         """Register ``config`` with the router; False when it is refused (its block size differs)."""
+        config = self._kept_fields(config)
         block_size = self.router.config.block_size
         if config.block_size is not None and config.block_size != block_size:
             reason = f"worker {config.worker_id} uses block size {config.block_size}, router {block_size}"
@@ -211,8 +228,9 @@ class RouterEventPlane:
                 self._leased[beat.worker_id] = self._clock()
             registration = beat.registration
             if registration is not None and registration.epoch is not None and registration.epoch != known.epoch:
-                log.info("worker %d restarted (publisher epoch %s): starting its streams afresh",
-                         beat.worker_id, registration.epoch)  # fmt: skip
+                if known.epoch is not None:
+                    log.info("worker %d restarted (publisher epoch %s): starting its streams afresh",
+                             beat.worker_id, registration.epoch)  # fmt: skip
                 await self._apply_registration(registration)
         elif beat.registration is not None and beat.registration.worker_id == beat.worker_id:
             registration = beat.registration

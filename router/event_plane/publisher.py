@@ -157,6 +157,13 @@ class KvEventPublisher:
         registry = await open_registry(self.nc, self.subjects)
         await registry.put(str(self.worker_id), msgspec.json.encode(self.registration))
 
+    async def withdraw(self) -> None:
+        """Out of routing while the worker cannot serve: heartbeats stop and the registry entry goes
+        (every router drops the worker at once); `register` and `start_heartbeat` bring it back."""
+        self.stop_heartbeat()
+        registry = await open_registry(self.nc, self.subjects)
+        await registry.delete(str(self.worker_id))
+
     def start_heartbeat(self) -> None:
         if self._heartbeat_task is None or self._heartbeat_task.done():
             self._heartbeat_task = self._background.keep_running("heartbeat", self._heartbeat_loop)
