@@ -283,6 +283,20 @@ static const struct {
 /* BlockStored fields that must be nil for the fast path: they salt the hashes (Python computes those). */
 static const char *const NIL_ONLY[] = {"lora_name", "cache_salt", "block_mm_infos"};
 
+/* vLLM's `extra_keys`: nil, or one nil per block, for the fast path; a block's keys (a request's cache
+ * salt, multimodal ids) are Python's to read. 1: stepped past a plain one, 0: not plain. */
+static int plain_extra_keys(Reader *r) {
+    if (is_nil(r))
+        return 1;
+    int64_t n = read_array(r);
+    if (n < 0 || n > r->end - r->p)
+        return 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!is_nil(r))
+            return 0;
+    return 1;
+}
+
 /* Record where a field of `kind` starts and step past it; -1: not a plain shape. Keys of other
  * kinds' fields, or unknown keys, are skipped as msgspec skips them. */
 static int take_field(Reader *r, Fields *f, const uint8_t *key, size_t len, int stored_field) {
@@ -295,6 +309,8 @@ static int take_field(Reader *r, Fields *f, const uint8_t *key, size_t len, int 
     for (size_t i = 0; i < sizeof(NIL_ONLY) / sizeof(*NIL_ONLY) && slot == NULL && stored_field; i++)
         if (len == strlen(NIL_ONLY[i]) && memcmp(key, NIL_ONLY[i], len) == 0)
             return is_nil(r) ? 0 : -1;
+    if (stored_field && NAMED(key, len, "extra_keys"))
+        return plain_extra_keys(r) ? 0 : -1;
     if (NAMED(key, len, "type"))
         return -1; /* a second tag: msgspec decides */
     if (slot == NULL)
@@ -357,8 +373,11 @@ static int read_array_event(Reader *r, Fields *f) {
             continue;
         }
         const char *slot = slots[i - 1];
-        if (strcmp(slot, "lora_id") == 0 || strcmp(slot, "extra_keys") == 0) {
+        if (strcmp(slot, "lora_id") == 0) {
             if (skip(r, 0) < 0)
+                return -1;
+        } else if (strcmp(slot, "extra_keys") == 0) {
+            if (!plain_extra_keys(r))
                 return -1;
         } else if (take_field(r, f, (const uint8_t *)slot, strlen(slot), f->kind == STORED) < 0)
             return -1;

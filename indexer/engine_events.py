@@ -12,7 +12,11 @@ What comes out, per event, is what our ``RouterEvent``s carry:
   ``hash()`` reinterpreted bitwise), byte digests by their last 8 bytes big-endian (vLLM's own
   ``maybe_convert_block_hash``);
 - ``tokens_hash`` recomputed from ``token_ids`` with our block hashing (`indexer.hashing`): the
-  LoRA name and the cache salt (SGLang) salt it, Dynamo's ``block_mm_infos`` add multimodal hashes;
+  LoRA name and the cache salt salt it (the salt is our cache namespace, as a request's
+  ``cache_salt`` is), Dynamo's ``block_mm_infos`` add multimodal hashes. SGLang names the salt in
+  every event; vLLM (0.32) only in ``extra_keys`` of a request's first block, so the blocks stored
+  later under a salted block are salted alike: the caller passes, per engine stream, a ``salts`` dict
+  (block hash -> salt of the salted blocks the engine holds) that decoding keeps up to date;
 - ``medium`` mapped to a `StorageTier` as Dynamo maps it, except that an unknown medium counts as the
   lowest tier rather than as GPU memory;
 - ``AllBlocksCleared`` as `EngineCleared`.
@@ -260,23 +264,34 @@ def fold_hash(value: Hash) -> int:
 
 # ---------------------------------------------------------------------- decoding
 def decode_engine_batch(
-    payload: bytes | memoryview, block_size: int, *, cache_namespace: str | None = None
+    payload: bytes | memoryview,
+    block_size: int,
+    *,
+    cache_namespace: str | None = None,
+    salts: dict[int, str] | None = None,
 ) -> DecodedBatch:
     """Decode one engine batch for a router of ``block_size``; raises `EngineDecodeError` only for the envelope.
 
     ``cache_namespace`` salts every block's hash the way requests naming that namespace are hashed.
+    ``salts``: the cache salt of each salted block the engine holds (block hash -> salt), one dict per
+    engine stream, read and kept up to date here (None: salts are not followed past their first block).
     """
-    if EVENTS_NATIVE:
+    if EVENTS_NATIVE and not salts:
+        # The C step declines any salted store; with salted blocks held, a child's salt is looked up here.
         # The plain shapes in one C call; anything else (and every error) is left to the code below.
         fast = events_accel.decode_batch(payload, block_size, namespace_seed(cache_namespace))
         if fast is not None:
             ts, dp_rank, events, ignored = fast
             return DecodedBatch(ts, dp_rank, events, [], ignored)
-    return python_decode_engine_batch(payload, block_size, cache_namespace=cache_namespace)
+    return python_decode_engine_batch(payload, block_size, cache_namespace=cache_namespace, salts=salts)
 
 
 def python_decode_engine_batch(
-    payload: bytes | memoryview, block_size: int, *, cache_namespace: str | None = None
+    payload: bytes | memoryview,
+    block_size: int,
+    *,
+    cache_namespace: str | None = None,
+    salts: dict[int, str] | None = None,
 ) -> DecodedBatch:
     """`decode_engine_batch` in msgspec and Python: every shape, every error named (the C step's twin)."""
     data = bytes(payload)
@@ -291,16 +306,21 @@ def python_decode_engine_batch(
         except UNDECODABLE:
             pass
         else:
-            return _converted(typed.ts, typed.data_parallel_rank, typed.events, block_size, cache_namespace)
+            return _converted(typed.ts, typed.data_parallel_rank, typed.events, block_size, cache_namespace, salts)
     try:
         batch: _ArrayBatch | _MapBatch = _map_batch.decode(data) if _is_map(head) else _array_batch.decode(data)
     except UNDECODABLE as exc:
         raise EngineDecodeError("bad_envelope", str(exc)) from None
-    return _converted(batch.ts, batch.data_parallel_rank, batch.events, block_size, cache_namespace)
+    return _converted(batch.ts, batch.data_parallel_rank, batch.events, block_size, cache_namespace, salts)
 
 
 def _converted(
-    ts: float, dp_rank: int | None, raw_events: Sequence[Any], block_size: int, cache_namespace: str | None
+    ts: float,
+    dp_rank: int | None,
+    raw_events: Sequence[Any],
+    block_size: int,
+    cache_namespace: str | None,
+    salts: dict[int, str] | None,
 ) -> DecodedBatch:
     events: list[EngineEvent] = []
     errors: list[EngineDecodeError] = []
@@ -308,7 +328,7 @@ def _converted(
     for position, raw in enumerate(raw_events):
         try:
             event = _engine_event(
-                _decode_event(raw) if isinstance(raw, msgspec.Raw) else raw, block_size, cache_namespace
+                _decode_event(raw) if isinstance(raw, msgspec.Raw) else raw, block_size, cache_namespace, salts
             )
         except EngineDecodeError as exc:
             errors.append(EngineDecodeError(exc.reason, f"event {position}: {exc.detail}"))
@@ -351,18 +371,28 @@ def _decode_event(raw: msgspec.Raw) -> Any:
     return event
 
 
-def _engine_event(event: Any, block_size: int, cache_namespace: str | None) -> EngineEvent | None:
+def _engine_event(
+    event: Any, block_size: int, cache_namespace: str | None, salts: dict[int, str] | None
+) -> EngineEvent | None:
     if isinstance(event, _CLEARED):
+        if salts:
+            salts.clear()
         return EngineCleared()
     if isinstance(event, _REMOVED):
-        return EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium))
+        removed = EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium))
+        if salts:
+            for block_hash in removed.block_hashes:
+                salts.pop(block_hash, None)
+        return removed
     kind = event.kv_cache_spec_kind
     if kind is not None and kind not in _MAIN_ATTENTION:
         return None
-    return _stored(event, block_size, cache_namespace)
+    return _stored(event, block_size, cache_namespace, salts)
 
 
-def _stored(event: _StoredMap | _StoredArray, block_size: int, cache_namespace: str | None) -> EngineStored:
+def _stored(
+    event: _StoredMap | _StoredArray, block_size: int, cache_namespace: str | None, salts: dict[int, str] | None
+) -> EngineStored:
     hashes = _fold_all(event.block_hashes)
     engine_block_size = event.block_size if event.block_size is not None else block_size
     if engine_block_size != block_size:
@@ -379,6 +409,9 @@ def _stored(event: _StoredMap | _StoredArray, block_size: int, cache_namespace: 
     if count > needed:
         tokens = tokens[: needed * 4] if isinstance(tokens, bytes) else tokens[:needed]
     lora_name, salt = _lora_and_salt(event)
+    parent = None if event.parent_block_hash is None else fold_hash(event.parent_block_hash)
+    if salt is None and parent is not None and salts:
+        salt = salts.get(parent)  # vLLM: a salted request's later blocks, under its salted first one
     namespace = salt if salt is not None else cache_namespace
     mm_infos = event.block_mm_infos if isinstance(event, _StoredMap) else None
     try:
@@ -391,9 +424,10 @@ def _stored(event: _StoredMap | _StoredArray, block_size: int, cache_namespace: 
         )
     except ValueError as exc:
         raise EngineDecodeError("bad_token_ids", str(exc)) from None
-    parent = None if event.parent_block_hash is None else fold_hash(event.parent_block_hash)
     if parent in hashes or len(set(hashes)) != len(hashes):
         raise EngineDecodeError("repeated_hash", "a store repeats a block hash (or its parent's)")
+    if salt is not None and salts is not None:
+        salts.update(dict.fromkeys(hashes, salt))
     return EngineStored(parent, hashes, locals_, storage_tier(event.medium), block_size)
 
 
@@ -417,9 +451,32 @@ def _token_list(raw: msgspec.Raw) -> bytes | list[int]:
 
 def _lora_and_salt(event: _StoredMap | _StoredArray) -> tuple[str | None, str | None]:
     if isinstance(event, _StoredMap):
-        return event.lora_name, event.cache_salt
-    slot: Sequence[Any] | Any = event.lora_name
-    if isinstance(slot, dict):
-        salt = slot.get("cache_salt")
-        return None, salt if isinstance(salt, str) else None
-    return (slot if isinstance(slot, str) else None), None
+        lora_name, salt = event.lora_name, event.cache_salt
+    else:
+        slot: Sequence[Any] | Any = event.lora_name
+        if isinstance(slot, dict):
+            found = slot.get("cache_salt")
+            lora_name, salt = None, found if isinstance(found, str) else None
+        else:
+            lora_name, salt = (slot if isinstance(slot, str) else None), None
+    if salt is None:
+        salt = vllm_cache_salt(event.extra_keys, lora_name)
+    return lora_name, salt or None  # an empty salt is no salt (vLLM: ``if request.cache_salt``)
+
+
+def vllm_cache_salt(extra_keys: Any, lora_name: str | None) -> str | None:
+    """The ``cache_salt`` vLLM (0.32) hashed a store's first block with, from its ``extra_keys``.
+
+    ``extra_keys`` has one entry per block: None, or the keys vLLM added to that block's hash, in its
+    order: the LoRA name, multimodal identifiers, then the request's cache salt on the request's first
+    block only (``[["tenant-X"], None, ...]``). A first block whose keys, past the LoRA name, are one
+    string carries a salt; multimodal keys (not covered) leave it undecided: None.
+    """
+    if not isinstance(extra_keys, list) or not extra_keys or not isinstance(extra_keys[0], list):
+        return None
+    keys = extra_keys[0]
+    if lora_name is not None and keys and keys[0] == lora_name:
+        keys = keys[1:]
+    if len(keys) == 1 and isinstance(keys[0], str):
+        return keys[0]
+    return None

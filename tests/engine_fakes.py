@@ -206,8 +206,9 @@ class SideLoop:
 
 
 class EngineHttp:
-    """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``), served by a real
-    uvicorn on a loopback port; ``healthy`` switches its health answer, ``stop`` kills it (refused)."""
+    """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``) and the proxy
+    uses it (``/v1/completions``: a short answer, whatever the prompt), served by a real uvicorn on a
+    loopback port; ``healthy`` switches its health answer, ``stop`` stops it (refused)."""
 
     def __init__(self, models: tuple[str, ...] = ("tiny-model",), port: int | None = None) -> None:
         self.models = models
@@ -231,6 +232,15 @@ class EngineHttp:
             status, body = (200, b"") if self.healthy else (503, b"")
         elif path == "/v1/models":
             status, body = 200, msgspec.json.encode({"object": "list", "data": [{"id": m} for m in self.models]})
+        elif path == "/v1/completions":
+            while (await receive()).get("more_body"):
+                pass
+            choice = {"index": 0, "text": " w1", "finish_reason": "length", "logprobs": None}
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            status, body = 200, msgspec.json.encode(
+                {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": self.models[0],
+                 "choices": [choice], "usage": usage}
+            )  # fmt: skip
         headers = [(b"content-type", b"application/json")]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

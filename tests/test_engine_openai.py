@@ -257,3 +257,53 @@ def test_a_bad_engine_spec_is_one_line_and_exit_code_2() -> None:
 def _no_stray_local_nats(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # Local tools look for a running service's connection file: keep this test's processes apart.
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+
+
+def test_a_salted_prefix_is_predicted_only_for_requests_with_the_same_cache_salt(
+    tmp_path: Path, shared_dir: Path
+) -> None:
+    import json
+
+    import zmq
+
+    from tests.engine_fakes import EngineHttp, SideLoop
+
+    # What a real vLLM 0.32 published for a request with cache_salt "tenant-X": 3 blocks of 32 tokens.
+    capture = json.loads((shared_dir / "vectors" / "real-engines" / "5557_BlockStored_cache_salt.json").read_text())
+    topic, _, payload = (bytes.fromhex(frame) for frame in capture["frames_hex"])
+    tokens = capture["decoded"][1][1]["token_ids"]
+    side = SideLoop()
+    http = side.call(EngineHttp(models=(MODEL,)).start())
+    port = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    router = RouterProcess(tmp_path, "--no-embedded-nats", "--proxy", "--block-size", "32",
+                           "--engine", f"1=tcp://127.0.0.1:{port},url={http.url}")  # fmt: skip
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", max_retries=0)
+
+    def predicted(**body: Any) -> int:
+        reply = client.completions.with_raw_response.create(
+            model=MODEL, prompt=tokens, max_tokens=1, extra_body=body or None
+        )
+        return int(reply.headers["x-kv-router-cached-tokens"])
+
+    try:
+        router.start()
+        until(lambda: _worker(router, 1) is not None, timeout=30)
+
+        def stored() -> bool:
+            pub.send_multipart([topic, (0).to_bytes(8, "big"), payload])  # the slow joiner may miss it
+            return _blocks_of(router, 1) == 3
+
+        until(stored)
+        assert predicted(cache_salt="tenant-X") == 96
+        assert predicted() == 0  # the same tokens unsalted: the engine hashed them apart
+        assert predicted(cache_salt="tenant-Y") == 0
+        assert [p["kind"] for p in router.get("/v1/doctor")] == []  # no tokens_hash_mismatch
+    finally:
+        client.close()
+        router.stop()
+        pub.close()
+        side.call(http.stop())
+        side.close()

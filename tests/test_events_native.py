@@ -31,7 +31,7 @@ from indexer.engine_events import (
 )
 from indexer.errors import KvIndexError
 from indexer.events import StorageTier
-from indexer.hashing import salt_seed
+from indexer.hashing import compute_block_hashes, salt_seed
 
 # Both paths run whatever KV_ROUTER_NO_NATIVE says: the C functions are called directly.
 events_native = pytest.importorskip("indexer._events_native", reason="the bridge's C step is not built")
@@ -101,7 +101,17 @@ def stored_fields(draw: st.DrawFn) -> dict[str, Any]:
         "lora_id": draw(st.one_of(st.none(), st.integers(0, 9))),
         "medium": draw(MEDIA),
         "lora_name": draw(st.sampled_from([None, None, None, "my-adapter", ""])),
-        "extra_keys": draw(st.one_of(st.none(), ANY)),
+        # vLLM 0.32: one entry per block, a request's cache salt in its first block's keys.
+        "extra_keys": draw(
+            st.one_of(
+                st.none(),
+                ANY,
+                st.just([None] * count),
+                st.sampled_from([["tenant-X"], ["my-adapter", "tenant-X"], ["", None], [""]]).map(
+                    lambda keys: [keys] + [None] * max(0, count - 1)
+                ),
+            )
+        ),
         "group_idx": draw(st.one_of(st.none(), st.integers(0, 3))),
         "kv_cache_spec_kind": draw(KINDS),
     }
@@ -205,6 +215,8 @@ def _plain_stored(hashes: list[Any], parent: Any = None, **extra: Any) -> dict[s
         [{"type": "BlockRemoved", "block_hashes": [7, -7, b"\x07"], "medium": "CPU"}],
         [["BlockStored", [1, 2], None, list(range(2 * BLOCK)), BLOCK, None, "DISK", None, None, None, None, None]],
         [["BlockRemoved", [1]], ["AllBlocksCleared"]],
+        # vLLM 0.32's unsalted store: an extra_keys entry per block, all nil.
+        [_plain_stored([1, 2], extra_keys=[None, None], group_idx=0, kv_cache_spec_kind="full_attention")],
     ],
 )
 def test_the_plain_shapes_run_in_c(events: list[Any]) -> None:
@@ -277,3 +289,35 @@ def test_hold_chain_refuses_mismatched_columns_as_python_does() -> None:
         held_blocks.HeldBlocks(1).store(0, StorageTier.DEVICE, None, [1, 2], [3])
     stored = decode_engine_batch(encode([1.5, [_plain_stored([9])], 0]), BLOCK).events[0]
     assert isinstance(stored, EngineStored) and stored.tier is StorageTier.DEVICE
+
+
+def _capture(shared_dir: Path, name: str) -> bytes:
+    frames = json.loads((shared_dir / "vectors" / "real-engines" / name).read_text())["frames_hex"]
+    return bytes.fromhex(frames[-1])
+
+
+def test_real_vllm_captures_run_in_c_and_a_salted_one_is_salted_by_python(shared_dir: Path) -> None:
+    for name in ("5557_BlockStored.json", "5567_BlockStored.json", "5557_BlockRemoved.json"):
+        assert _check(_capture(shared_dir, name), block_size=32)
+    # vLLM 0.32 carries a request's cache_salt in extra_keys of its first block: C declines it, and
+    # Python hashes the blocks in the salt's namespace, as a request with that cache_salt is hashed.
+    salted = _capture(shared_dir, "5557_BlockStored_cache_salt.json")
+    assert not _check(salted, block_size=32)
+    salts: dict[int, str] = {}
+    (_, stored) = python_decode_engine_batch(salted, 32, salts=salts).events
+    assert isinstance(stored, EngineStored)
+    tokens = msgspec.msgpack.decode(salted)[1][1]["token_ids"]
+    assert stored.tokens_hashes == compute_block_hashes(tokens, 32, cache_namespace="tenant-X")
+    assert stored.tokens_hashes != compute_block_hashes(tokens, 32)
+    assert salts == dict.fromkeys(stored.block_hashes, "tenant-X")
+    # A later store under a salted block (its keys nil: vLLM names the salt on the first block only)
+    # is salted alike, by the salts the stream keeps; both decoders leave it to Python while any are.
+    child = {**_plain_stored([77], parent=stored.block_hashes[-1]), "extra_keys": [None]}
+    payload = encode([1.5, [child], 0])
+    (continued,) = decode_engine_batch(payload, BLOCK, salts=salts).events
+    assert isinstance(continued, EngineStored)
+    assert continued.tokens_hashes == compute_block_hashes(list(range(BLOCK)), BLOCK, cache_namespace="tenant-X")
+    assert salts[77] == "tenant-X"
+    removal = {"type": "BlockRemoved", "block_hashes": [77, *stored.block_hashes], "medium": "GPU"}
+    decode_engine_batch(encode([1.5, [removal], 0]), BLOCK, salts=salts)
+    assert salts == {}

@@ -338,6 +338,7 @@ class Proxy:
         # streams of 256 tokens, 25k visits each, most of its pause).
         packed = bytes(pack_tokens(tokens))
         stream, expected_output_tokens = request.stream, request.expected_output_tokens
+        cache_namespace = request.cache_namespace
         del request, prompt, tokens
         # What the worker gets of the client's headers besides the content type: its credentials.
         headers = b"authorization: " + authorization + b"\r\n" if authorization is not None else b""
@@ -347,7 +348,7 @@ class Proxy:
         among = set(by_id)
         failures: list[str] = []
         for _attempt in range(self.config.proxy_retries + 1):
-            decision = await self._book(packed, request_id, among, expected_output_tokens)
+            decision = await self._book(packed, request_id, among, expected_output_tokens, cache_namespace)
             worker = by_id[decision.worker_id]
             try:
                 return await self._forward(worker, decision, path, body, headers, stream, reply, received)
@@ -362,9 +363,19 @@ class Proxy:
         raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
     async def _book(
-        self, tokens: bytes, request_id: str, among: set[int], expected_output_tokens: int | None
+        self,
+        tokens: bytes,
+        request_id: str,
+        among: set[int],
+        expected_output_tokens: int | None,
+        cache_namespace: str | None,
     ) -> RouteDecision:
-        routed = RouteRequest(tokens=tokens, request_id=request_id, expected_output_tokens=expected_output_tokens)
+        routed = RouteRequest(
+            tokens=tokens,
+            request_id=request_id,
+            expected_output_tokens=expected_output_tokens,
+            cache_namespace=cache_namespace,
+        )
         try:
             return await self.router.new(routed, among=among)
         except QueueRejected as exc:

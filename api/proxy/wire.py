@@ -1,8 +1,9 @@
 """The OpenAI bodies the proxy reads, and the ones it writes itself.
 
 The proxy forwards a request's body to the worker byte for byte; it decodes only what routing needs
-(model, prompt or messages, stream, and Dynamo's ``nvext.agent_hints.osl``, the expected output length)
-and checks it, so a malformed body is refused before anything is booked. Unknown fields are the
+(model, prompt or messages, stream, ``cache_salt`` (vLLM's: the prompt is hashed in that cache
+namespace, as the engine salts its blocks), and Dynamo's ``nvext.agent_hints.osl``, the expected
+output length) and checks it, so a malformed body is refused before anything is booked. Unknown fields are the
 engine's business and pass through. Errors are OpenAI's shape, ``{"error": {"message", "type",
 "param", "code"}}``, which carries the service's ``type`` and ``message`` too.
 """
@@ -48,6 +49,14 @@ class _Body(msgspec.Struct, kw_only=True):
     model: str
     stream: bool = False
     nvext: NvExt | None = None
+    # vLLM's per-request cache salt: the engine hashes the prompt's blocks apart from other salts'.
+    cache_salt: str | None = None
+
+    @property
+    def cache_namespace(self) -> str | None:
+        """The cache namespace the prompt is hashed in (None: the shared one); the one place a body's
+        salt is read, whatever field carries it."""
+        return self.cache_salt or None
 
     @property
     def expected_output_tokens(self) -> int | None:

@@ -190,6 +190,9 @@ class ZmqEngineStream:
         # The engine's block hashes against our tokens hashes (the doctor's tokens_hash_mismatch).
         self.hash_check = TokensHashCheck()
         self.last_hash_mismatch: str | None = None
+        # The cache salt of each salted block the engine holds (vLLM names it on a request's first
+        # block only; the blocks stored under it share it): kept by the decoder.
+        self.salts: dict[int, str] = {}
         self._subscribed = asyncio.Event()
         self._rebuild_waiters: list[asyncio.Event] = []
 
@@ -225,6 +228,7 @@ class ZmqEngineStream:
         self._last_payload = None
         self._replayed.clear()
         self.hash_check.reset()
+        self.salts.clear()
         if self.replay_endpoint is not None:
             await self._bootstrap()
         for waiter in waiters:
@@ -356,6 +360,7 @@ class ZmqEngineStream:
         self._replayed.clear()
         # A new process: what its predecessor's hashes contradicted is history (fixed, perhaps).
         self.hash_check.reset()
+        self.salts.clear()
         self.stats["tokens_hash_mismatch"] = 0
         self.last_hash_mismatch = None
 
@@ -431,7 +436,7 @@ class ZmqEngineStream:
     def _deliver(self, seq: int, payload: bytes) -> None:
         self._last_applied = seq
         self._last_payload = payload
-        if self._apply_payload is not None:
+        if self._apply_payload is not None and not self.salts:  # the C step follows no salt
             taken = self._apply_payload(payload, self.block_size, self.cache_namespace, self.dp_rank, self.hash_check)
             if taken is not None:
                 self.stats["ignored_events"] += taken.ignored
@@ -443,7 +448,9 @@ class ZmqEngineStream:
                     self._hash_mismatch(seq, evidence(*contradiction))
                 return
         try:
-            batch = decode_engine_batch(payload, self.block_size, cache_namespace=self.cache_namespace)
+            batch = decode_engine_batch(
+                payload, self.block_size, cache_namespace=self.cache_namespace, salts=self.salts
+            )
         except EngineDecodeError as exc:
             self._reject(exc.reason, f"seq {seq}: {exc.detail}")
             return
