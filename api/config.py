@@ -228,6 +228,13 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
         ),
     ] = []
     engine_zmq: Annotated[list[str], _doc("the same as --engine (its older name)")] = []
+    block_size_auto: Annotated[
+        bool,
+        _doc(
+            "adopt the block size the engines heard directly name in their stored events (the first engine's "
+            "decides; an engine naming another is refused); what --block-size auto sets"
+        ),
+    ] = False
     engine_zmq_topic: Annotated[str, _doc("topic prefix of the engines' KV events (empty: every topic)")] = ""
     engine_health_interval_secs: Annotated[
         float, _doc("seconds between probes of a directly heard engine's /health (engines given a url)"),
@@ -242,6 +249,8 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
     ] = []
 
     def __post_init__(self) -> None:
+        if self.block_size_auto and not (self.engine or self.engine_zmq):
+            raise ConfigError("block_size", "auto needs an engine heard directly (--engine): its stored events decide")
         self.engine_specs()
 
     def engine_specs(self) -> list[EngineSpec]:
@@ -430,6 +439,8 @@ def resolve_settings(
     origin: dict[str, str] = {}
 
     def put(name: str, value: Any, where: str) -> None:
+        if name == "block_size" and isinstance(value, str) and value.strip().lower() == "auto":
+            name, value = "block_size_auto", True  # the engines' block size, adopted (EngineSourcesConfig)
         section = owner.get(name)
         if section is None:
             raise ConfigError(name, f"unknown setting in {where}{did_you_mean(name, owner)}")

@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from api.config import EngineSourcesConfig
-from router.engines.direct import DirectEngine
+from router.engines.direct import AdoptedBlockSize, DirectEngine
 from router.engines.dynamo_source import DynamoNatsSource
 from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
@@ -20,8 +20,15 @@ logger = logging.getLogger(__name__)
 
 @contextlib.asynccontextmanager
 async def running_engines(router: KvRouter, config: EngineSourcesConfig) -> AsyncIterator[list[DirectEngine]]:
+    block_sizes = AdoptedBlockSize(router) if config.block_size_auto else None
     engines = [
-        DirectEngine(router, spec, topic=config.engine_zmq_topic, health_interval_s=config.engine_health_interval_secs)
+        DirectEngine(
+            router,
+            spec,
+            topic=config.engine_zmq_topic,
+            health_interval_s=config.engine_health_interval_secs,
+            block_sizes=block_sizes,
+        )
         for spec in config.engine_specs()
     ]
     started: list[DirectEngine] = []

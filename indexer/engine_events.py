@@ -53,6 +53,7 @@ __all__ = [
     "fold_hash",
     "python_decode_engine_batch",
     "storage_tier",
+    "stored_block_size",
     "to_kv_event",
 ]
 
@@ -429,6 +430,28 @@ def _stored(
     if salt is not None and salts is not None:
         salts.update(dict.fromkeys(hashes, salt))
     return EngineStored(parent, hashes, locals_, storage_tier(event.medium), block_size)
+
+
+def stored_block_size(payload: bytes | memoryview) -> int | None:
+    """The block size a batch's first stored event of attention KV names (vLLM names it in every one);
+    None when no store names one or the batch does not decode. For a router that adopts its engines'."""
+    data = bytes(payload)
+    try:
+        batch: _ArrayBatch | _MapBatch = (
+            _map_batch.decode(data) if data and _is_map(data[0]) else _array_batch.decode(data)
+        )
+    except UNDECODABLE:
+        return None
+    for raw in batch.events:
+        try:
+            event = _decode_event(raw)
+        except EngineDecodeError:
+            continue
+        if isinstance(event, _StoredMap | _StoredArray) and isinstance(event.block_size, int) and event.block_size > 0:
+            kind = event.kv_cache_spec_kind
+            if kind is None or kind in _MAIN_ATTENTION:
+                return event.block_size
+    return None
 
 
 def _token_list(raw: msgspec.Raw) -> bytes | list[int]:

@@ -34,7 +34,11 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     defaults, and a few of ours; immutable once built."""
 
     block_size: Annotated[
-        int, _doc("tokens per KV block; must equal every worker's block size (workers that differ are refused)")
+        int,
+        _doc(
+            "tokens per KV block; must equal every worker's block size (workers that differ are refused); auto: "
+            "the block size the engines heard directly (--engine) name in their events"
+        ),
     ] = 16
     # Cost function (§4.2).
     overlap_score_credit: Annotated[

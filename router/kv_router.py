@@ -17,6 +17,8 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
+import msgspec
+
 from indexer.events import RouterEvent
 from indexer.hashing import TokenInput
 from indexer.radix_tree import RadixTree
@@ -137,7 +139,8 @@ class KvRouter:
         self.routed_observers: list[Callable[[WorkerRank, list[int]], None]] = []
         # Approximate mode: the predicted cache of workers without KV events, made when the first is seen.
         self.predictions: PredictedCache | None = None
-        self._scheduler = Scheduler(config, create_policy(config, rng if rng is not None else random.Random()))
+        self._rng = rng if rng is not None else random.Random()
+        self._scheduler = Scheduler(config, create_policy(config, self._rng))
         # Until router_min_initial_workers have registered once, `new` waits (Dynamo's startup wait).
         self._started = config.router_min_initial_workers <= len(self._scheduler.workers)
         self._workers_ready: asyncio.Event | None = None
@@ -193,6 +196,21 @@ class KvRouter:
             if self._workers_ready is not None:
                 self._workers_ready.set()
         self._dispatch_waiting()
+
+    def adopt_block_size(self, block_size: int) -> None:
+        """``--block-size auto``: take the engines' block size, told by the first engine's stored event,
+        before any block is indexed. Workers registered meanwhile (with the placeholder) take it too;
+        the policy is made afresh for it. Raises `ConfigError` once blocks or requests depend on the old one."""
+        if block_size == self.config.block_size:
+            return
+        if any(self.indexer.stats().blocks.values()) or len(self._scheduler.sequences):
+            raise ConfigError("block_size", "cannot change once blocks are indexed or requests are active")
+        self.config = msgspec.structs.replace(self.config, block_size=block_size)
+        self._scheduler.adopt_config(self.config, create_policy(self.config, self._rng))
+        for worker in self.workers():
+            if worker.block_size is not None and worker.block_size != block_size:
+                self._scheduler.register_worker(msgspec.structs.replace(worker, block_size=block_size))
+        logger.info("block size %d adopted from the engines", block_size)
 
     def remove_worker(self, worker_id: int) -> None:
         """Forget a worker: its index entries, event streams and active requests. Raises `UnknownWorker`."""

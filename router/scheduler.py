@@ -81,6 +81,12 @@ class Scheduler:
         # Every rank in registration order: the candidate list when no worker is filtered out.
         self._all_ranks: list[RankState] = []
 
+    def adopt_config(self, config: RouterConfig, policy: SelectionPolicy) -> None:
+        """Another config of the same thresholds and policy kind (the block size adopted from the
+        engines, `KvRouter.adopt_block_size`), before any request depends on the old one."""
+        self._config = config
+        self._policy = policy
+
     # ------------------------------------------------------------------ topology
     def register_worker(self, config: WorkerConfig) -> list[str]:
         """Add or update a worker; returns the ids of requests dropped with ranks it no longer has."""

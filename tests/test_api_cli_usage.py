@@ -157,6 +157,8 @@ def test_the_example_config_file_loads(tmp_path: Path) -> None:
     settings = load_settings(config_file=example)
     assert tomllib.loads(EXAMPLE.read_text())["block_size"] == settings.router.block_size == 64
     assert settings.router.router_queue_threshold == 2.0
+    (engine,) = settings.engines.engine_specs()
+    assert (engine.worker_id, engine.replay, engine.url) == (7, "tcp://10.0.0.7:5558", "http://10.0.0.7:8100")
     assert settings.event_plane.nats_url == "tls://nats.example.internal:4222"
     assert settings.security.token() == "example-token"
     assert settings.security.ssl_certfile is not None

@@ -307,3 +307,51 @@ def test_a_salted_prefix_is_predicted_only_for_requests_with_the_same_cache_salt
         pub.close()
         side.call(http.stop())
         side.close()
+
+
+def test_block_size_auto_adopts_the_first_engines_and_refuses_an_engine_that_differs(
+    tmp_path: Path, shared_dir: Path
+) -> None:
+    import json
+
+    import msgspec
+    import zmq
+
+    # A real vLLM 0.32 store of 4 blocks of 32 tokens; a second engine started with --block-size 64.
+    capture = json.loads((shared_dir / "vectors" / "real-engines" / "5557_BlockStored.json").read_text())
+    topic, _, payload = (bytes.fromhex(frame) for frame in capture["frames_hex"])
+    ts, (event,), rank = msgspec.msgpack.decode(payload)
+    other = msgspec.msgpack.encode([ts, [{**event, "block_size": 64, "block_hashes": event["block_hashes"][:2]}], rank])
+    ports = free_port(), free_port()
+    pubs = []
+    for port in ports:
+        pub = zmq.Context.instance().socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        pubs.append(pub)
+    engines = ["--engine", f"1=tcp://127.0.0.1:{ports[0]}", "--engine-zmq", f"2=tcp://127.0.0.1:{ports[1]}"]
+    router = RouterProcess(tmp_path, "--no-embedded-nats", "--block-size", "auto", *engines)
+    try:
+        router.start()
+        assert router.get("/v1/info")["block_size"] == 16  # the placeholder until an engine tells
+
+        def first_stored() -> bool:
+            pubs[0].send_multipart([topic, (0).to_bytes(8, "big"), payload])  # the slow joiner may miss it
+            return _blocks_of(router, 1) == 4
+
+        until(first_stored)
+        assert router.get("/v1/info")["block_size"] == 32
+
+        def refused() -> bool:
+            pubs[1].send_multipart([topic, (0).to_bytes(8, "big"), other])
+            return any(p["kind"] == "block_size_mismatch" for p in router.get("/v1/doctor"))
+
+        until(refused)
+        (problem,) = router.get("/v1/doctor")
+        assert problem["worker_id"] == 2 and "the engine's block size is 64, the router's 32" in problem["evidence"]
+        assert _blocks_of(router, 2) == 0
+        assert "uses 64 tokens per block" in router.log()
+    finally:
+        router.stop()
+        for pub in pubs:
+            pub.close()

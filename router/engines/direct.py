@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -24,11 +25,11 @@ from indexer.events import RouterEvent, StorageTier, cleared_event
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.engines.openai_server import HealthProbe, health_url, wait_for_models
 from router.engines.zmq_stream import ZmqEngineStream
-from router.errors import UnknownWorker
+from router.errors import ConfigError, UnknownWorker
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 
-__all__ = ["DirectEngine", "SequencerSink", "ensure_registered"]
+__all__ = ["AdoptedBlockSize", "DirectEngine", "SequencerSink", "ensure_registered"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,39 @@ class SequencerSink:
         self.router.events.mark_untrusted(self.worker_id, dp_rank)
 
 
+class AdoptedBlockSize:
+    """``--block-size auto``: the first engine's stored event decides the router's block size; an
+    engine that names another is refused loudly (an ERROR, then its stores counted and reported as
+    ``block_size_mismatch``)."""
+
+    def __init__(self, router: KvRouter) -> None:
+        self.router = router
+        self.decided_by: str | None = None
+
+    def for_engine(self, endpoint: str) -> Callable[[int], int]:
+        def adopt(engine_block_size: int) -> int:
+            if self.decided_by is None:
+                self.decided_by = endpoint
+                try:
+                    self.router.adopt_block_size(engine_block_size)
+                except ConfigError as exc:
+                    log.error("--block-size auto: the engine at %s uses %d: %s", endpoint, engine_block_size, exc)
+                else:
+                    log.info("--block-size auto: the engine at %s decided %d", endpoint, engine_block_size)
+            elif engine_block_size != self.router.config.block_size:
+                log.error(
+                    "--block-size auto: the engine at %s uses %d tokens per block, the engine at %s %d: its blocks are "
+                    "refused (start every engine with one --block-size)",
+                    endpoint,
+                    engine_block_size,
+                    self.decided_by,
+                    self.router.config.block_size,
+                )
+            return self.router.config.block_size
+
+        return adopt
+
+
 class DirectEngine:
     """One ``--engine`` source feeding the router's sequencer.
 
@@ -111,7 +145,13 @@ class DirectEngine:
     """
 
     def __init__(
-        self, router: KvRouter, spec: EngineSpec | str, *, topic: str = "", health_interval_s: float = 1.0
+        self,
+        router: KvRouter,
+        spec: EngineSpec | str,
+        *,
+        topic: str = "",
+        health_interval_s: float = 1.0,
+        block_sizes: AdoptedBlockSize | None = None,
     ) -> None:
         self.spec = parse_engine_spec(spec) if isinstance(spec, str) else spec
         self.router = router
@@ -124,6 +164,7 @@ class DirectEngine:
             block_size=router.config.block_size,
             replay_endpoint=self.spec.replay,
             topic=topic,
+            adopt_block_size=None if block_sizes is None else block_sizes.for_engine(self.spec.endpoint),
         )
         self.health = (
             None

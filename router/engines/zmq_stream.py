@@ -44,7 +44,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from indexer.engine_events import EngineDecodeError, EngineEvent, EngineStored, decode_engine_batch
+from indexer.engine_events import (
+    EngineDecodeError,
+    EngineEvent,
+    EngineStored,
+    decode_engine_batch,
+    stored_block_size,
+)
 from router.engines.hash_check import TokensHashCheck, evidence
 from router.engines.zmq_drain import drain_sub
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -154,8 +160,12 @@ class ZmqEngineStream:
         replay_timeout_s: float = 2.0,
         batch_window_s: float = 0.0,
         context: zmq.asyncio.Context | None = None,
+        adopt_block_size: Callable[[int], int] | None = None,
     ) -> None:
         self.sink = sink
+        # ``--block-size auto``: told the engine's block size at its first stored event, it answers the
+        # block size in force (the engine's, when it decided; another: the engine's stores are refused).
+        self._adopt_block_size = adopt_block_size
         self._apply_payload: ApplyPayload | None = getattr(sink, "apply_payload", None)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
@@ -436,6 +446,11 @@ class ZmqEngineStream:
     def _deliver(self, seq: int, payload: bytes) -> None:
         self._last_applied = seq
         self._last_payload = payload
+        if self._adopt_block_size is not None:
+            engine_block_size = stored_block_size(payload)
+            if engine_block_size is not None:
+                self.block_size = self._adopt_block_size(engine_block_size)
+                self._adopt_block_size = None
         if self._apply_payload is not None and not self.salts:  # the C step follows no salt
             taken = self._apply_payload(payload, self.block_size, self.cache_namespace, self.dp_rank, self.hash_check)
             if taken is not None:
