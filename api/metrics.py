@@ -463,7 +463,7 @@ class EventPlaneCollector(Collector):
 
 
 class EngineStreamCollector(Collector):
-    """Engine ZMQ streams heard directly (``--engine-zmq``): messages by outcome, backlog."""
+    """Engine ZMQ streams heard directly (``--engine``): messages by outcome, backlog."""
 
     def __init__(self, streams: Sequence[ZmqEngineStream]) -> None:
         self._streams = streams
@@ -485,7 +485,8 @@ class EngineStreamCollector(Collector):
             CounterMetricFamily(
                 f"{PREFIX}_engine_stream_messages",
                 "Engine ZMQ batches by outcome: messages, applied, duplicate, dropped_queue_full, gap, replayed, "
-                "replay_failed, missing_history, restarts, unverified, rejected_<reason>; events, ignored_events.",
+                "replay_failed, missing_history, restarts, rebuilds, unverified, rejected_<reason>; events, "
+                "ignored_events.",
                 labels=["endpoint", "outcome"],
             ),
             GaugeMetricFamily(

@@ -186,7 +186,7 @@ def add_admin_routes(
         if lifecycle is not None:
             await lifecycle.register(config)  # into the shared registry, so every router learns it
         else:
-            kv_router.register_worker(config)
+            kv_router.register_worker(config.keeping(kv_router.worker(config.worker_id)))
         return reply(status_of(config, request), request, 200 if known else 201)
 
     @app.delete(

@@ -127,6 +127,23 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # router knows means the worker restarted: its index state is dropped and its ids start afresh.
     epoch: str | None = None
 
+    def keeping(self, known: WorkerConfig | None) -> WorkerConfig:
+        """This registration of a worker registered as ``known``, with what it does not say kept from
+        there: one without an epoch (over HTTP) keeps the publisher's epoch and lease, one without a
+        ``url`` or ``models`` (a publisher's, a heartbeat's) keeps those given before. A worker's URL
+        and models thus go only with the worker (deregistered, or its publisher restarted afresh)."""
+        if known is None:
+            return self
+        kept: dict[str, object] = {}
+        if self.url is None and known.url is not None:
+            kept["url"] = known.url
+        if not self.models and known.models:
+            kept["models"] = known.models
+        if self.epoch is None and known.epoch is not None:
+            kept["epoch"] = known.epoch
+            kept["leased"] = known.leased
+        return msgspec.structs.replace(self, **kept) if kept else self
+
     def __post_init__(self) -> None:
         # Decoding checks the bounds above; direct construction (tests, config files) must too.
         if not 0 <= self.worker_id <= U64_MAX:

@@ -128,6 +128,10 @@ def test_direct_mode_registers_the_engine_url_and_follows_its_health(tmp_path: P
             assert _complete(router, PROMPT) == ("1", 0)
             until(lambda: _blocks_of(router, 1) > 0)
             assert _complete(router, PROMPT)[1] > 0  # its blocks are in the index and predicted
+            # Its capacity given over HTTP: the URL and models stay.
+            assert router.post("/v1/workers", {"worker_id": 1, "total_kv_blocks": 512})[0] == 200
+            config = router.get("/v1/workers/1")["config"]
+            assert (config["url"], config["models"], config["total_kv_blocks"]) == (engine.url, [MODEL], 512)
 
             engine.kill9()
             killed = time.monotonic()

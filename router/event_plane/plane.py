@@ -116,7 +116,8 @@ class RouterEventPlane:
     async def register(self, config: WorkerConfig, *, leased: bool = False) -> None:
         """Write a worker into the shared registry; every router watching it registers the worker."""
         block_size = config.block_size or self.router.config.block_size
-        registration = self._kept_fields(msgspec.structs.replace(config, block_size=block_size, leased=leased))
+        registration = msgspec.structs.replace(config, block_size=block_size, leased=leased)
+        registration = registration.keeping(self.router.worker(config.worker_id))  # the registry holds it whole
         await self._apply_registration(registration)  # at once here; the watch's echo is then a no-op
         assert self._registry is not None
         await self._registry.put(str(config.worker_id), msgspec.json.encode(registration))
@@ -152,26 +153,9 @@ class RouterEventPlane:
                 continue
             await self._apply_registration(registration)
 
-    def _kept_fields(self, config: WorkerConfig) -> WorkerConfig:
-        """A registration of a known worker, with what it does not say taken from the known one: an
-        HTTP registration (no publisher epoch) keeps the publisher's epoch and lease, a publisher's
-        registration or heartbeat without a URL or models keeps those given over HTTP."""
-        known = self.router.worker(config.worker_id)
-        if known is None:
-            return config
-        kept: dict[str, object] = {}
-        if config.url is None and known.url is not None:
-            kept["url"] = known.url
-        if not config.models and known.models:
-            kept["models"] = known.models
-        if config.epoch is None and known.epoch is not None:
-            kept["epoch"] = known.epoch
-            kept["leased"] = known.leased
-        return msgspec.structs.replace(config, **kept) if kept else config
-
     async def _apply_registration(self, config: WorkerConfig) -> bool:
         """Register ``config`` with the router; False when it is refused (its block size differs)."""
-        config = self._kept_fields(config)
+        config = config.keeping(self.router.worker(config.worker_id))
         block_size = self.router.config.block_size
         if config.block_size is not None and config.block_size != block_size:
             reason = f"worker {config.worker_id} uses block size {config.block_size}, router {block_size}"
