@@ -20,7 +20,16 @@ from router.engines.direct import DirectEngine
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
-from tests.engine_fakes import BLOCK, FakeEngine, SideLoop, canonical, direct_mode, engine_spec, loopback_endpoints
+from tests.engine_fakes import (
+    BLOCK,
+    EngineHttp,
+    FakeEngine,
+    SideLoop,
+    canonical,
+    direct_mode,
+    engine_spec,
+    loopback_endpoints,
+)
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -266,3 +275,37 @@ def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Pat
     finally:
         call(engine.stop())
         side.close()
+
+
+async def test_an_engine_whose_health_fails_leaves_routing_and_comes_back_rebuilt_from_its_replay() -> None:
+    router = KvRouter(RouterConfig(block_size=BLOCK))  # the worker is registered by its engine's health
+    http = await EngineHttp(models=("m1", "m2")).start()
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=3)
+    await engine.start()
+    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}/v1/", health_interval_s=0.05)
+    await direct.start()
+    try:
+        await eventually(lambda: router.has_worker(WORKER))
+        worker = router.worker(WORKER)
+        assert worker is not None and (worker.url, worker.models) == (http.url, frozenset({"m1", "m2"}))
+        for _ in range(10):
+            await engine.step()
+        await _converged(router, engine, direct)
+        assert router.indexer.dump_events()
+
+        http.healthy = False  # 503: alive but not serving
+        await eventually(lambda: not router.has_worker(WORKER))
+        assert router.indexer.dump_events() == []
+        for _ in range(5):
+            await engine.step()  # heard while out of routing: dropped
+        await eventually(lambda: direct.sink.dropped_events > 0)
+
+        http.healthy = True  # the same process answers again: what it holds comes back by replay
+        await eventually(lambda: router.has_worker(WORKER))
+        await _converged(router, engine, direct)
+        assert _stream(router).trusted and direct.stream.stats["rebuilds"] == 2  # at its first answer, and now
+    finally:
+        await direct.stop()
+        await engine.stop()
+        await http.stop()
