@@ -195,10 +195,10 @@ class DirectEngine:
             models = tuple(await wait_for_models(self.url))
         self.models = models
         # Settings given over HTTP before the engine went down (capacity, taints) are kept.
-        base = self.router.worker(self.worker_id) or self._registration
-        if base is None:
-            base = WorkerConfig(worker_id=self.worker_id, block_size=self.router.config.block_size)
-        registration = msgspec.structs.replace(base, leased=False, url=self.url, models=frozenset(models))
+        base = self.router.worker(self.worker_id) or self._registration or WorkerConfig(worker_id=self.worker_id)
+        registration = msgspec.structs.replace(
+            base, block_size=self.router.config.block_size, leased=False, url=self.url, models=frozenset(models)
+        )
         self.sink.reset()
         self.router.register_worker(registration)
         self.sink.accepting = True
