@@ -206,7 +206,7 @@ class SideLoop:
 
 
 class EngineHttp:
-    """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``) and the proxy
+    """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``, ``/metrics``) and the proxy
     uses it (``/v1/completions``: a short answer, whatever the prompt), served by a real uvicorn on a
     loopback port; ``healthy`` switches its health answer, ``stop`` stops it (refused)."""
 
@@ -228,8 +228,8 @@ class EngineHttp:
         path = scope["path"]
         self.asked[path] += 1
         status, body = 404, b"{}"
-        if path == "/health":
-            status, body = (200, b"") if self.healthy else (503, b"")
+        if path in ("/health", "/metrics"):
+            status, body = (200, b"vllm:num_requests_running 0\n") if self.healthy else (503, b"")
         elif path == "/v1/models":
             status, body = 200, msgspec.json.encode({"object": "list", "data": [{"id": m} for m in self.models]})
         elif path == "/v1/completions":

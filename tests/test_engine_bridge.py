@@ -35,7 +35,7 @@ from router.engines.bridge_config import BridgeConfig
 from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
-from tests.engine_fakes import BLOCK, FakeEngine, SideLoop, canonical, loopback_endpoints
+from tests.engine_fakes import BLOCK, EngineHttp, FakeEngine, SideLoop, canonical, loopback_endpoints
 from tests.waiting import until
 
 WORKER = 41
@@ -79,11 +79,12 @@ class Chain:
         self.bridge: Bridge | None = None
         side.call(self.engine.start())
 
-    def start_bridge(self) -> None:
+    def start_bridge(self, **settings: Any) -> None:
         async def run() -> Bridge:
             nc = await connect(NatsOptions(self.nats_url))
             config = BridgeConfig(worker_id=WORKER, zmq_endpoint=self.endpoint, replay_endpoint=self.replay,
-                                  block_size=BLOCK, total_kv_blocks=1000, heartbeat_interval_secs=0.2)  # fmt: skip
+                                  block_size=BLOCK, total_kv_blocks=1000, heartbeat_interval_secs=0.2,
+                                  **settings)  # fmt: skip
             bridge = Bridge(config, nc)
             await bridge.start()
             return bridge
@@ -249,3 +250,31 @@ def test_mock_engine_to_bridge_to_nats_to_router_as_processes(router: TestClient
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_and_rebuilds_it_after(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    http = side.call(EngineHttp().start())
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge(engine_metrics_url=f"{http.url}/metrics", engine_health_interval_secs=0.1)
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        chain.steps(20)
+        _converged(router, chain)
+        assert chain.engine.dump()
+
+        http.healthy = False  # its metrics endpoint answers 503: the bridge takes the worker out
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 404, timeout=3)
+        assert _dump(router) == []
+        chain.steps(5)  # published meanwhile, to no router
+        time.sleep(0.5)  # no heartbeat brings it back
+        assert router.get(f"/v1/workers/{WORKER}").status_code == 404
+
+        http.healthy = True  # the same engine process: what it holds comes back, from its replay buffer
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        _converged(router, chain)
+        assert chain.bridge is not None and chain.bridge.streams[0].stats["rebuilds"] == 1
+    finally:
+        chain.close()
+        side.call(http.stop())

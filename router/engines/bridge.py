@@ -16,7 +16,7 @@ the worker's streams and resync it in full from this bridge, whose event ids sta
 
 With the engine's OpenAI URL (``--openai-url``) the registration carries it and the models the engine
 serves (``--served-model``, or its ``/v1/models``), so ``kv-router serve --proxy`` can forward to the
-worker. The engine's ``/health`` (of that server, or of its metrics server) is probed: while it does
+worker. The engine's ``/health`` on that server (else its metrics endpoint) is probed: while it does
 not answer the bridge stops heartbeating and deletes the worker's registry entry (every router drops
 it and its blocks at once); when it answers again its ranks are cleared and replayed, and it registers.
 """

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
 
 import msgspec
 
@@ -55,8 +54,8 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     engine_health_interval_secs: Annotated[
         float,
         _doc(
-            "seconds between probes of the engine's /health (on --openai-url, else the --engine-metrics-url "
-            "server): while it does not answer the worker is withdrawn from the routers"
+            "seconds between probes of the engine's /health on --openai-url (else of its --engine-metrics-url): "
+            "while it does not answer the worker is withdrawn from the routers"
         ),
         msgspec.Meta(gt=0),
     ] = 1.0
@@ -106,13 +105,11 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
 
     @property
     def health_url(self) -> str | None:
-        """What the bridge probes: ``/health`` of the engine's OpenAI server or of its metrics server."""
+        """What the bridge probes: ``/health`` of the engine's OpenAI server, else its metrics endpoint
+        (whatever serves it, a 200 is a live engine)."""
         if self.openai_url is not None:
             return health_url(openai_base(self.openai_url))
-        if self.engine_metrics_url is not None:
-            parts = urlsplit(self.engine_metrics_url)
-            return f"{parts.scheme}://{parts.netloc}/health"
-        return None
+        return self.engine_metrics_url
 
     def registration(self, models: Iterable[str] = ()) -> WorkerConfig:
         return WorkerConfig(
