@@ -3,7 +3,8 @@
 An engine's block hash names one block: its parent, its tokens and whatever else the engine salts
 its cache with (vLLM's ``cache_salt`` and LoRA adapter, multimodal ``extra_keys``). Our
 ``tokens_hash`` is what requests will be matched with: the same tokens, salted only by what the
-event says (``lora_name``, SGLang's ``cache_salt``) and the router's cache namespace. The two must
+event says (``lora_name``, SGLang's ``cache_salt``, vLLM 0.32's salt in ``extra_keys``) and the
+router's cache namespace. The two must
 tell blocks apart alike; two contradictions show they do not:
 
 - the engine gives two different hashes to blocks under one parent that our hashing makes equal:
