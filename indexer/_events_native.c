@@ -24,7 +24,7 @@
 
 /* Set by `configure`: the decoded event types, the tiers by medium, and indexer._native's helpers. */
 static PyObject *stored_type, *removed_type, *cleared_event, *tiers, *device_tier;
-static PyObject *pack_tokens_fn, *block_hashes_fn;
+static PyObject *pack_tokens_fn, *block_hashes_fn, *namespace_seed_fn;
 
 typedef struct {
     const uint8_t *p, *end;
@@ -252,6 +252,7 @@ typedef struct {
     enum Kind kind;
     const uint8_t *block_hashes, *parent, *token_ids, *block_size, *medium, *group_idx, *spec_kind;
     const uint8_t *token_ids_end;
+    const uint8_t *extra_keys; /* vLLM's per-block keys (a request's cache salt on its first block) */
 } Fields;
 
 #define NAMED(data, len, literal) ((len) == sizeof(literal) - 1 && memcmp((data), (literal), (len)) == 0)
@@ -283,20 +284,6 @@ static const struct {
 /* BlockStored fields that must be nil for the fast path: they salt the hashes (Python computes those). */
 static const char *const NIL_ONLY[] = {"lora_name", "cache_salt", "block_mm_infos"};
 
-/* vLLM's `extra_keys`: nil, or one nil per block, for the fast path; a block's keys (a request's cache
- * salt, multimodal ids) are Python's to read. 1: stepped past a plain one, 0: not plain. */
-static int plain_extra_keys(Reader *r) {
-    if (is_nil(r))
-        return 1;
-    int64_t n = read_array(r);
-    if (n < 0 || n > r->end - r->p)
-        return 0;
-    for (int64_t i = 0; i < n; i++)
-        if (!is_nil(r))
-            return 0;
-    return 1;
-}
-
 /* Record where a field of `kind` starts and step past it; -1: not a plain shape. Keys of other
  * kinds' fields, or unknown keys, are skipped as msgspec skips them. */
 static int take_field(Reader *r, Fields *f, const uint8_t *key, size_t len, int stored_field) {
@@ -309,8 +296,12 @@ static int take_field(Reader *r, Fields *f, const uint8_t *key, size_t len, int 
     for (size_t i = 0; i < sizeof(NIL_ONLY) / sizeof(*NIL_ONLY) && slot == NULL && stored_field; i++)
         if (len == strlen(NIL_ONLY[i]) && memcmp(key, NIL_ONLY[i], len) == 0)
             return is_nil(r) ? 0 : -1;
-    if (stored_field && NAMED(key, len, "extra_keys"))
-        return plain_extra_keys(r) ? 0 : -1;
+    if (stored_field && NAMED(key, len, "extra_keys")) {
+        if (f->extra_keys != NULL)
+            return -1; /* a repeated key: msgspec decides */
+        f->extra_keys = start;
+        return skip(r, 0);
+    }
     if (NAMED(key, len, "type"))
         return -1; /* a second tag: msgspec decides */
     if (slot == NULL)
@@ -377,7 +368,8 @@ static int read_array_event(Reader *r, Fields *f) {
             if (skip(r, 0) < 0)
                 return -1;
         } else if (strcmp(slot, "extra_keys") == 0) {
-            if (!plain_extra_keys(r))
+            f->extra_keys = r->p;
+            if (skip(r, 0) < 0)
                 return -1;
         } else if (take_field(r, f, (const uint8_t *)slot, strlen(slot), f->kind == STORED) < 0)
             return -1;
@@ -541,8 +533,114 @@ static void decoded_clear(Decoded *d) {
     d->values = NULL;
 }
 
+/* The cache salts a batch reads and changes, as `engine_events._engine_event` does with its `salts`
+ * dict, for `decode_batch`: the caller's dict (NULL: salts are not followed past their store) and this
+ * batch's changes, applied to it only when the whole batch is taken (a declined batch must leave it as
+ * it was, for Python to decide from). `bridge_batch` passes no context: it declines any salted store. */
+typedef struct {
+    PyObject *salts;   /* borrowed: block hash -> salt, or NULL */
+    PyObject *added;   /* a new dict of this batch's stores (hash -> salt), or NULL */
+    PyObject *dropped; /* a new dict of the keys of `salts` this batch removed (to None), or NULL */
+    int cleared;       /* `salts` cleared by this batch (before `added`) */
+} Salts;
+
+/* Whether the salts, as this batch has changed them so far, hold anything (Python's `if salts`). */
+static int salts_any(Salts *s) {
+    if (s->salts == NULL)
+        return 0;
+    if (s->added != NULL && PyDict_GET_SIZE(s->added) > 0)
+        return 1;
+    return !s->cleared && PyDict_GET_SIZE(s->salts) > (s->dropped != NULL ? PyDict_GET_SIZE(s->dropped) : 0);
+}
+
+/* The salt of `key` as this batch has changed the salts (borrowed), NULL when none (or an error). */
+static PyObject *salts_get(Salts *s, PyObject *key) {
+    if (s->added != NULL) {
+        PyObject *found = PyDict_GetItemWithError(s->added, key);
+        if (found != NULL || PyErr_Occurred())
+            return found;
+    }
+    if (s->cleared)
+        return NULL;
+    if (s->dropped != NULL) {
+        int gone = PyDict_Contains(s->dropped, key);
+        if (gone != 0)
+            return NULL;
+    }
+    return PyDict_GetItemWithError(s->salts, key);
+}
+
+static int salts_drop(Salts *s, PyObject *key) {
+    if (s->added != NULL && PyDict_Contains(s->added, key) == 1 && PyDict_DelItem(s->added, key) < 0)
+        return -1;
+    if (s->cleared || PyDict_Contains(s->salts, key) != 1)
+        return PyErr_Occurred() ? -1 : 0;
+    if (s->dropped == NULL && (s->dropped = PyDict_New()) == NULL)
+        return -1;
+    return PyDict_SetItem(s->dropped, key, Py_None);
+}
+
+static int salts_add(Salts *s, PyObject *key, PyObject *salt) {
+    if (s->added == NULL && (s->added = PyDict_New()) == NULL)
+        return -1;
+    return PyDict_SetItem(s->added, key, salt);
+}
+
+static void salts_clear(Salts *s) {
+    s->cleared = 1;
+    Py_CLEAR(s->added);
+    Py_CLEAR(s->dropped);
+}
+
+/* This batch's changes into the caller's dict (the batch was taken). */
+static int salts_commit(Salts *s) {
+    if (s->salts == NULL)
+        return 0;
+    if (s->cleared)
+        PyDict_Clear(s->salts);
+    else if (s->dropped != NULL) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *unused;
+        while (PyDict_Next(s->dropped, &pos, &key, &unused))
+            if (PyDict_DelItem(s->salts, key) < 0)
+                return -1;
+    }
+    return s->added != NULL ? PyDict_Update(s->salts, s->added) : 0;
+}
+
+/* The cache salt vLLM (0.32) names in a store's `extra_keys`: one entry per block, a request's salt in
+ * its first block's keys (`[["tenant-X"], nil, ...]`). 0: none (nil, or nils), 1: `*salt` set (a new
+ * reference), -1: not plain, or not allowed (`allow` 0): Python decides (any other key, a non-ASCII or
+ * empty salt), or an exception set. */
+static int extra_keys_salt(const uint8_t *at, const uint8_t *end, int allow, PyObject **salt) {
+    Reader r = {at, end};
+    *salt = NULL;
+    if (is_nil(&r))
+        return 0;
+    int64_t n = read_array(&r);
+    if (n < 0 || n > r.end - r.p)
+        return -1;
+    for (int64_t i = 0; i < n; i++) {
+        if (is_nil(&r))
+            continue;
+        const uint8_t *text;
+        size_t len;
+        if (i > 0 || !allow || read_array(&r) != 1 || read_str(&r, &text, &len) < 0 || len == 0 ||
+            !ascii(text, len))
+            goto declined;
+        *salt = PyUnicode_FromStringAndSize((const char *)text, (Py_ssize_t)len);
+        if (*salt == NULL)
+            return -1;
+    }
+    return *salt != NULL;
+declined:
+    Py_CLEAR(*salt);
+    return -1;
+}
+
 /* 1: `d` filled, 0: an ignored event, -1: not taken (an exception set, or none: Python decides). */
-static int decode_event(Fields *f, const uint8_t *end, long block_size, PyObject *seed, Decoded *d) {
+static int decode_event(Fields *f, const uint8_t *end, long block_size, PyObject *seed, Salts *salts, Decoded *d) {
+    PyObject *salt = NULL, *salted_seed = NULL; /* new references, released at `done` */
     d->kind = f->kind;
     if (f->kind == CLEARED)
         return 1;
@@ -588,10 +686,29 @@ static int decode_event(Fields *f, const uint8_t *end, long block_size, PyObject
             PyErr_NoMemory();
         goto done;
     }
-    d->locals = tokens_hashes(f->token_ids, f->token_ids_end, n, block_size, seed);
-    if (d->locals != NULL)
-        verdict = 1;
+    /* The salt: the store's own (vLLM's extra_keys), else its parent's (a salted request's later
+     * blocks); hashed in that namespace instead of the caller's. */
+    if (f->extra_keys != NULL && extra_keys_salt(f->extra_keys, end, salts != NULL, &salt) < 0)
+        goto done;
+    if (salt == NULL && d->parent != NULL && salts != NULL && salts_any(salts)) {
+        salt = Py_XNewRef(salts_get(salts, d->parent));
+        if (salt == NULL && PyErr_Occurred())
+            goto done;
+    }
+    if (salt != NULL && (salted_seed = PyObject_CallOneArg(namespace_seed_fn, salt)) == NULL)
+        goto done;
+    d->locals = tokens_hashes(f->token_ids, f->token_ids_end, n, block_size, salted_seed ? salted_seed : seed);
+    if (d->locals == NULL)
+        goto done;
+    verdict = 1;
+    for (Py_ssize_t i = 0; salt != NULL && salts->salts != NULL && i < n; i++)
+        if (salts_add(salts, PyList_GET_ITEM(d->hashes, i), salt) < 0) {
+            verdict = -1;
+            break;
+        }
 done:
+    Py_XDECREF(salt);
+    Py_XDECREF(salted_seed);
     if (verdict != 1)
         decoded_clear(d);
     return verdict;
@@ -615,7 +732,7 @@ static void batch_clear(Batch *b) {
 }
 
 /* 1: `b` filled (clear it after), 0: not a plain batch (Python decides), -1: an exception set. */
-static int read_batch(Reader *r, long block_size, PyObject *seed, Batch *b) {
+static int read_batch(Reader *r, long block_size, PyObject *seed, Salts *salts, Batch *b) {
     memset(b, 0, sizeof(*b));
     int64_t parts = read_array(r);
     if (parts != 2 && parts != 3)
@@ -659,9 +776,20 @@ static int read_batch(Reader *r, long block_size, PyObject *seed, Batch *b) {
                                                                                : -1;
         if (shape < 0)
             goto unsupported;
-        int taken = decode_event(&f, r->end, block_size, seed, &b->events[b->count]);
+        Decoded *d = &b->events[b->count];
+        int taken = decode_event(&f, r->end, block_size, seed, salts, d);
         if (taken < 0)
             goto unsupported;
+        if (taken > 0 && salts != NULL && d->kind != STORED && salts_any(salts)) {
+            if (d->kind == CLEARED)
+                salts_clear(salts);
+            else
+                for (Py_ssize_t j = 0; j < PyList_GET_SIZE(d->hashes); j++)
+                    if (salts_drop(salts, PyList_GET_ITEM(d->hashes, j)) < 0) {
+                        b->count++; /* cleared with the batch */
+                        goto failed;
+                    }
+        }
         if (taken == 0)
             b->ignored++;
         else
@@ -714,13 +842,13 @@ static int batch_arguments(PyObject *const *args, long *block_size, Py_buffer *d
 
 /* Both entry points' first step: the batch of (payload, block_size, seed) into `b`. As read_batch:
  * -1 with an exception set, 0 when the payload is not a plain batch (Python decides), 1 when read. */
-static int read_batch_arguments(PyObject *const *args, Batch *b) {
+static int read_batch_arguments(PyObject *const *args, Salts *salts, Batch *b) {
     long block_size;
     Py_buffer data;
     if (batch_arguments(args, &block_size, &data) < 0)
         return -1;
     Reader r = {(const uint8_t *)data.buf, (const uint8_t *)data.buf + data.len};
-    int read = read_batch(&r, block_size, args[2], b);
+    int read = read_batch(&r, block_size, args[2], salts, b);
     PyBuffer_Release(&data);
     return read;
 }
@@ -737,14 +865,29 @@ static PyObject *event_object(Decoded *d, PyObject *block_size_obj) {
     return named_tuple(stored_type, items, 5);
 }
 
-/* decode_batch(payload, block_size, seed) -> (ts, dp_rank, events, ignored) | None */
+/* decode_batch(payload, block_size, seed, salts=None) -> (ts, dp_rank, events, ignored) | None; `salts`
+ * (block hash -> cache salt) is read and, when the batch is taken, changed as Python changes it. */
 static PyObject *py_decode_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "decode_batch(payload, block_size, seed)");
+    if (nargs != 3 && nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "decode_batch(payload, block_size, seed, salts=None)");
         return NULL;
     }
+    Salts salts = {NULL, NULL, NULL, 0};
+    if (nargs == 4 && args[3] != Py_None) {
+        if (!PyDict_CheckExact(args[3])) {
+            PyErr_SetString(PyExc_TypeError, "salts must be a dict or None");
+            return NULL;
+        }
+        salts.salts = args[3];
+    }
     Batch b;
-    int read = read_batch_arguments(args, &b);
+    int read = read_batch_arguments(args, &salts, &b);
+    if (read > 0 && salts_commit(&salts) < 0) {
+        batch_clear(&b);
+        read = -1;
+    }
+    Py_CLEAR(salts.added);
+    Py_CLEAR(salts.dropped);
     if (read <= 0)
         return read < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *events = PyList_New(b.count), *result = NULL;
@@ -763,11 +906,13 @@ done:
     return result;
 }
 
-/* configure(stored_type, removed_type, cleared_event, tiers_by_medium, device_tier, pack_tokens, block_hashes) */
+/* configure(stored_type, removed_type, cleared_event, tiers_by_medium, device_tier, pack_tokens, block_hashes,
+ *           namespace_seed) */
 static PyObject *py_configure(PyObject *self, PyObject *args) {
-    PyObject *s, *rm, *c, *t, *d, *pack, *hashes;
-    if (!PyArg_ParseTuple(args, "OOOO!OOO", &s, &rm, &c, &PyDict_Type, &t, &d, &pack, &hashes))
+    PyObject *s, *rm, *c, *t, *d, *pack, *hashes, *seeds;
+    if (!PyArg_ParseTuple(args, "OOOO!OOOO", &s, &rm, &c, &PyDict_Type, &t, &d, &pack, &hashes, &seeds))
         return NULL;
+    Py_XSETREF(namespace_seed_fn, Py_NewRef(seeds));
     Py_XSETREF(stored_type, Py_NewRef(s));
     Py_XSETREF(removed_type, Py_NewRef(rm));
     Py_XSETREF(cleared_event, Py_NewRef(c));
@@ -1090,7 +1235,7 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
     if (max_recorded == -1 && PyErr_Occurred())
         return NULL;
     Batch b;
-    int read = read_batch_arguments(args, &b);
+    int read = read_batch_arguments(args, NULL, &b);
     if (read <= 0)
         return read < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *rank = b.rank == Py_None ? args[3] : b.rank; /* borrowed from either */
@@ -1371,9 +1516,11 @@ failed:
 
 static PyMethodDef methods[] = {
     {"configure", py_configure, METH_VARARGS,
-     "configure(stored_type, removed_type, cleared_event, tiers_by_medium, device_tier, pack_tokens, block_hashes)."},
+     "configure(stored_type, removed_type, cleared_event, tiers_by_medium, device_tier, pack_tokens, block_hashes, "
+     "namespace_seed)."},
     {"decode_batch", (PyCFunction)(void (*)(void))py_decode_batch, METH_FASTCALL,
-     "decode_batch(payload, block_size, seed) -> (ts, dp_rank, events, ignored) | None: a plain engine batch."},
+     "decode_batch(payload, block_size, seed, salts=None) -> (ts, dp_rank, events, ignored) | None: a plain engine "
+     "batch."},
     {"hold_chain", (PyCFunction)(void (*)(void))py_hold_chain, METH_FASTCALL,
      "hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3: HeldBlocks.store."},
     {"drop_blocks", (PyCFunction)(void (*)(void))py_drop_blocks, METH_FASTCALL,

@@ -12,9 +12,12 @@ def configure(
     device_tier: object,
     pack_tokens: Callable[[Buffer], bytes | None],
     block_hashes: Callable[[Buffer, int, int, int], list[int]],
+    namespace_seed: Callable[[str], int],
     /,
 ) -> None: ...
-def decode_batch(payload: Buffer, block_size: int, seed: int, /) -> tuple[float, int | None, list[Any], int] | None: ...
+def decode_batch(
+    payload: Buffer, block_size: int, seed: int, salts: dict[int, str] | None = None, /
+) -> tuple[float, int | None, list[Any], int] | None: ...
 def hold_chain(
     held: dict[int, tuple[int | None, int]],
     parent: int | None,

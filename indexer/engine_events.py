@@ -227,6 +227,7 @@ if events_accel is not None and accel is not None:  # built: configured even whe
         StorageTier.DEVICE,
         accel.msgpack_u32s,
         accel.block_hashes,
+        lambda salt: namespace_seed(salt),  # a salted store's seed: its salt is its namespace (defined below)
     )
 _seeds: dict[str | None, int] = {}  # cache namespace -> the seed of its tokens hashes (few namespaces)
 
@@ -277,10 +278,10 @@ def decode_engine_batch(
     ``salts``: the cache salt of each salted block the engine holds (block hash -> salt), one dict per
     engine stream, read and kept up to date here (None: salts are not followed past their first block).
     """
-    if EVENTS_NATIVE and not salts:
-        # The C step declines any salted store; with salted blocks held, a child's salt is looked up here.
-        # The plain shapes in one C call; anything else (and every error) is left to the code below.
-        fast = events_accel.decode_batch(payload, block_size, namespace_seed(cache_namespace))
+    if EVENTS_NATIVE:
+        # The plain shapes in one C call, vLLM's salts included (read, followed and kept as below);
+        # anything else (and every error) is left to the code below.
+        fast = events_accel.decode_batch(payload, block_size, namespace_seed(cache_namespace), salts)
         if fast is not None:
             ts, dp_rank, events, ignored = fast
             return DecodedBatch(ts, dp_rank, events, [], ignored)

@@ -27,6 +27,7 @@ from indexer.engine_events import (
     EngineDecodeError,
     EngineStored,
     decode_engine_batch,
+    fold_hash,
     python_decode_engine_batch,
 )
 from indexer.errors import KvIndexError
@@ -47,21 +48,30 @@ def _comparable(batch: DecodedBatch) -> tuple[Any, ...]:
     return ts, batch.dp_rank, batch.events, errors, batch.ignored
 
 
-def _check(payload: bytes, block_size: int = BLOCK, namespace: str | None = None) -> bool:
-    """Both decoders on one payload; whether C took it."""
-    fast = events_native.decode_batch(payload, block_size, salt_seed(None, namespace))
+def _check(
+    payload: bytes, block_size: int = BLOCK, namespace: str | None = None, salts: dict[int, str] | None = None
+) -> bool:
+    """Both decoders on one payload (each with its own copy of ``salts``); whether C took it. Where C
+    declines, it must leave its salts as they were; where it takes the batch, as Python leaves them."""
+    c_salts, python_salts = (None, None) if salts is None else (dict(salts), dict(salts))
+    fast = events_native.decode_batch(payload, block_size, salt_seed(None, namespace), c_salts)
     try:
-        python = python_decode_engine_batch(payload, block_size, cache_namespace=namespace)
+        python = python_decode_engine_batch(payload, block_size, cache_namespace=namespace, salts=python_salts)
     except EngineDecodeError:  # the envelope: C must not have taken it
-        assert fast is None
+        assert fast is None and c_salts == salts
         return False
     if fast is None:
+        assert c_salts == salts
         return False
     ts, dp_rank, events, ignored = fast
     assert python.errors == [], [error.reason for error in python.errors]
     assert _comparable(DecodedBatch(ts, dp_rank, events, [], ignored)) == _comparable(python)
     assert all(type(event) is type(want) for event, want in zip(events, python.events, strict=True))
-    assert _comparable(decode_engine_batch(payload, block_size, cache_namespace=namespace)) == _comparable(python)
+    assert c_salts == python_salts
+    again = None if salts is None else dict(salts)
+    assert _comparable(decode_engine_batch(payload, block_size, cache_namespace=namespace, salts=again)) == _comparable(
+        python
+    )
     return True
 
 
@@ -107,9 +117,10 @@ def stored_fields(draw: st.DrawFn) -> dict[str, Any]:
                 st.none(),
                 ANY,
                 st.just([None] * count),
-                st.sampled_from([["tenant-X"], ["my-adapter", "tenant-X"], ["", None], [""]]).map(
+                st.sampled_from([["tenant-X"], ["tenant-Y"], ["tenant-X"], ["my-adapter", "tenant-X"], [""]]).map(
                     lambda keys: [keys] + [None] * max(0, count - 1)
                 ),
+                st.just([["tenant-X"]] + [None] * max(0, count - 1)),
             )
         ),
         "group_idx": draw(st.one_of(st.none(), st.integers(0, 3))),
@@ -175,6 +186,31 @@ def engine_batch(draw: st.DrawFn) -> bytes:
 @given(payload=engine_batch(), namespace=st.sampled_from([None, "tenant-a"]))
 def test_c_and_python_decode_every_form_alike(payload: bytes, namespace: str | None) -> None:
     _check(payload, namespace=namespace)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payload=engine_batch(), data=st.data())
+def test_c_and_python_follow_the_salts_of_salted_blocks_alike(payload: bytes, data: st.DataObject) -> None:
+    # Salts held for some of the hashes the batch names (parents, stored and removed blocks), or none.
+    named = []
+    for event in _events_of(payload):
+        for key in ("block_hashes", "parent_block_hash"):
+            value = event.get(key) if isinstance(event, dict) else None
+            values = value if isinstance(value, list) else [value]
+            named += [fold_hash(v) for v in values if isinstance(v, int | bytes) and not isinstance(v, bool)]
+    held = data.draw(st.lists(st.sampled_from(named), max_size=4) if named else st.just([]))
+    salts = {block_hash: data.draw(st.sampled_from(["tenant-X", "tenant-Y"])) for block_hash in held}
+    _check(payload, salts=salts)
+    _check(payload, salts={})
+
+
+def _events_of(payload: bytes) -> list[Any]:
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return []
+    events = batch.get("events") if isinstance(batch, dict) else batch[1] if isinstance(batch, list) else None
+    return events if isinstance(events, list) else []
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -299,10 +335,10 @@ def _capture(shared_dir: Path, name: str) -> bytes:
 def test_real_vllm_captures_run_in_c_and_a_salted_one_is_salted_by_python(shared_dir: Path) -> None:
     for name in ("5557_BlockStored.json", "5567_BlockStored.json", "5557_BlockRemoved.json"):
         assert _check(_capture(shared_dir, name), block_size=32)
-    # vLLM 0.32 carries a request's cache_salt in extra_keys of its first block: C declines it, and
-    # Python hashes the blocks in the salt's namespace, as a request with that cache_salt is hashed.
+    # vLLM 0.32 carries a request's cache_salt in extra_keys of its first block: both decoders hash the
+    # blocks in the salt's namespace, as a request with that cache_salt is hashed.
     salted = _capture(shared_dir, "5557_BlockStored_cache_salt.json")
-    assert not _check(salted, block_size=32)
+    assert _check(salted, block_size=32) and _check(salted, block_size=32, salts={})
     salts: dict[int, str] = {}
     (_, stored) = python_decode_engine_batch(salted, 32, salts=salts).events
     assert isinstance(stored, EngineStored)
@@ -311,13 +347,73 @@ def test_real_vllm_captures_run_in_c_and_a_salted_one_is_salted_by_python(shared
     assert stored.tokens_hashes != compute_block_hashes(tokens, 32)
     assert salts == dict.fromkeys(stored.block_hashes, "tenant-X")
     # A later store under a salted block (its keys nil: vLLM names the salt on the first block only)
-    # is salted alike, by the salts the stream keeps; both decoders leave it to Python while any are.
+    # is salted alike, by the salts the stream keeps.
     child = {**_plain_stored([77], parent=stored.block_hashes[-1]), "extra_keys": [None]}
     payload = encode([1.5, [child], 0])
+    assert _check(payload, salts=salts)
     (continued,) = decode_engine_batch(payload, BLOCK, salts=salts).events
     assert isinstance(continued, EngineStored)
     assert continued.tokens_hashes == compute_block_hashes(list(range(BLOCK)), BLOCK, cache_namespace="tenant-X")
     assert salts[77] == "tenant-X"
     removal = {"type": "BlockRemoved", "block_hashes": [77, *stored.block_hashes], "medium": "GPU"}
+    assert _check(encode([1.5, [removal], 0]), salts=salts)
     decode_engine_batch(encode([1.5, [removal], 0]), BLOCK, salts=salts)
     assert salts == {}
+
+
+def _salted(hashes: list[int], parent: int | None = None, salt: str | None = "tenant-X") -> dict[str, Any]:
+    keys: list[Any] = [None] * len(hashes)
+    if salt is not None:
+        keys[0] = [salt]
+    return _plain_stored(hashes, parent=parent, extra_keys=keys)
+
+
+_REMOVE_P = {"type": "BlockRemoved", "block_hashes": [500], "medium": "GPU"}
+
+
+@pytest.mark.parametrize(
+    ("events", "taken_by_c"),
+    [
+        ([_salted([1], parent=500, salt=None), _REMOVE_P, _salted([2], parent=500, salt=None)], True),
+        ([_REMOVE_P, _salted([1], parent=500, salt=None)], True),
+        ([{"type": "AllBlocksCleared"}, _salted([1], parent=500, salt=None)], True),
+        ([_salted([1, 2], salt="tenant-Y"), _salted([3], parent=2, salt=None)], True),
+        ([_salted([3], parent=1, salt=None), _salted([1], salt="tenant-Y")], True),
+        ([_salted([1], salt="tenant-Y"), _REMOVE_P, _plain_stored([9], lora_name="adapter")], False),
+        ([_salted([1], salt="")], False),
+        ([_plain_stored([1], extra_keys=[["adapter", "tenant-X"]])], False),
+    ],
+)
+def test_salts_change_in_batch_order_and_only_when_c_takes_the_batch(events: list[Any], taken_by_c: bool) -> None:
+    # Block 500 is held salted before the batch; what each event sees is what the ones before it left.
+    assert _check(encode([1.5, events, 0]), salts={500: "tenant-X", 7: "tenant-Y"}) is taken_by_c
+
+
+POOL = st.integers(1, 12)  # few hashes: parents, removals and salts meet
+
+
+@st.composite
+def vllm_032_batch(draw: st.DrawFn) -> bytes:
+    """vLLM 0.32's plain batches with salted requests: stores (salted or not) under blocks of the pool,
+    removals and clears, in any order."""
+    events: list[Any] = []
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["store", "store", "store", "remove", "clear"]))
+        if kind == "store":
+            hashes = draw(st.lists(POOL, min_size=1, max_size=3, unique=True))
+            parent = draw(st.one_of(st.none(), st.sampled_from([h for h in range(1, 13) if h not in hashes])))
+            events.append(_salted(hashes, parent=parent, salt=draw(st.sampled_from([None, None, "tenant-X", "b"]))))
+        elif kind == "remove":
+            events.append({"type": "BlockRemoved", "block_hashes": draw(st.lists(POOL, max_size=3)), "medium": "GPU"})
+        else:
+            events.append({"type": "AllBlocksCleared"})
+    return encode([1.5, events, 0])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payload=vllm_032_batch(), held=st.dictionaries(POOL, st.sampled_from(["tenant-X", "b"]), max_size=6))
+def test_c_takes_vllm_salted_batches_and_follows_their_salts_as_python_does(
+    payload: bytes, held: dict[int, str]
+) -> None:
+    assert _check(payload, salts=held)
+    assert _check(payload)

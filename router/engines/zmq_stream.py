@@ -451,7 +451,7 @@ class ZmqEngineStream:
             if engine_block_size is not None:
                 self.block_size = self._adopt_block_size(engine_block_size)
                 self._adopt_block_size = None
-        if self._apply_payload is not None and not self.salts:  # the C step follows no salt
+        if self._apply_payload is not None and not self.salts:  # `bridge_batch` follows no salt
             taken = self._apply_payload(payload, self.block_size, self.cache_namespace, self.dp_rank, self.hash_check)
             if taken is not None:
                 self.stats["ignored_events"] += taken.ignored
