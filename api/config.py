@@ -248,22 +248,19 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
         ),
     ] = []
 
-    def __post_init__(self) -> None:
-        if self.block_size_auto and not (self.engine or self.engine_zmq):
-            raise ConfigError("block_size", "auto needs an engine heard directly (--engine): its stored events decide")
-        self.engine_specs()
-
     def engine_specs(self) -> list[EngineSpec]:
-        """Every ``--engine`` and ``--engine-zmq``, parsed; raises `ConfigError` for a bad or repeated one."""
+        """Every ``--engine`` and ``--engine-zmq``, parsed; raises `ConfigError` naming the setting of a
+        bad or repeated one."""
         specs: dict[int, EngineSpec] = {}
-        for text in (*self.engine, *self.engine_zmq):
-            try:
-                spec = parse_engine_spec(text)
-            except ValueError as exc:
-                raise ConfigError("engine", str(exc)) from None
-            if spec.worker_id in specs:
-                raise ConfigError("engine", f"worker {spec.worker_id} is given twice")
-            specs[spec.worker_id] = spec
+        for field, texts in (("engine", self.engine), ("engine_zmq", self.engine_zmq)):
+            for text in texts:
+                try:
+                    spec = parse_engine_spec(text)
+                except ValueError as exc:
+                    raise ConfigError(field, str(exc).removeprefix("engine ")) from None
+                if spec.worker_id in specs:
+                    raise ConfigError(field, f"{text!r}: worker {spec.worker_id} is given twice")
+                specs[spec.worker_id] = spec
         return list(specs.values())
 
 
@@ -494,14 +491,8 @@ def _check_names(settings: Settings) -> None:
 def _check_engine_specs(settings: Settings) -> None:
     """Engine specs parse (at start-up they would fail inside the app's lifespan, as a traceback)."""
     engines = settings.engines
-    if engines.engine_zmq:
-        from router.engines.direct import parse_engine_zmq  # pyzmq: only when it is needed
-
-        for spec in engines.engine_zmq:
-            try:
-                parse_engine_zmq(spec)
-            except ValueError as exc:
-                raise ConfigError("engine_zmq", str(exc).removeprefix("engine_zmq ")) from None
+    if not engines.engine_specs() and engines.block_size_auto:
+        raise ConfigError("block_size", "auto needs an engine heard directly (--engine): its stored events decide")
     if engines.dynamo_endpoint:
         from router.engines.dynamo_source import DynamoEndpoint
 

@@ -252,9 +252,10 @@ def test_a_bad_engine_spec_is_one_line_and_exit_code_2() -> None:
             assert len(done.stderr.strip().splitlines()) == 1 and "engine" in done.stderr, done.stderr
     env = {**os.environ, "KV_ROUTER_ENGINE": '["1=tcp://127.0.0.1:1,models=a"]'}
     done = subprocess.run(
-        [*kv_router_command(), "config", "show"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
+        [*kv_router_command(), "serve"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
     )
     assert done.returncode == 2 and "models= needs url=" in done.stderr, done.stderr
+    assert "KV_ROUTER_ENGINE" in done.stderr  # where it came from
 
 
 @pytest.fixture(autouse=True)
