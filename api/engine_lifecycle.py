@@ -31,6 +31,9 @@ async def running_engines(router: KvRouter, config: EngineSourcesConfig) -> Asyn
         )
         for spec in config.engine_specs()
     ]
+    if any(engine.url is not None for engine in engines):
+        # httpx logs every request at INFO: one line per health probe, every second, per engine.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     started: list[DirectEngine] = []
     try:
         for engine in engines:
