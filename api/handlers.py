@@ -223,9 +223,11 @@ class Handlers:
 
     async def _route(self, body: RouteBody, call: Call, reply_type: type[RouteReply]) -> Reply:
         started = time.perf_counter()
-        tokens = self._check_prompt(body.token_ids)
+        tokens = self._check_prompt(body.token_ids, "token_ids")
+        if not tokens:
+            raise InvalidBody("token_ids: a request needs at least one token")
         if body.mm_routing_info is not None:
-            self._check_prompt(body.mm_routing_info.routing_token_ids)
+            self._check_prompt(body.mm_routing_info.routing_token_ids, "mm_routing_info.routing_token_ids")
         query = QUERY_INSTANCE_ID in body.annotations  # answer the choice, book nothing
         request_id = None if query else body.request_id or call.request_id or uuid.uuid4().hex
         routing = routing_call(
@@ -326,16 +328,19 @@ class Handlers:
         return self._reply(report, call)
 
     # ------------------------------------------------------------------ helpers
-    def _check_prompt(self, tokens: Tokens) -> int:
-        """The prompt's token count, after the checks the router must never see fail."""
+    def _check_prompt(self, tokens: Tokens, field: str = "tokens") -> int:
+        """The prompt's token count, after the checks the router must never see fail; errors name
+        ``field``."""
         if isinstance(tokens, bytes):
             if len(tokens) % 4:
-                raise MalformedBody(f"packed tokens must be little-endian u32, 4 bytes each; got {len(tokens)} bytes")
+                raise MalformedBody(
+                    f"{field}: packed tokens must be little-endian u32, 4 bytes each; got {len(tokens)} bytes"
+                )
             count = len(tokens) // 4
         else:
             count = len(tokens)
         if count > self._max_prompt_tokens:
-            raise PromptTooLong(f"prompt has {count} tokens; the limit is {self._max_prompt_tokens}")
+            raise PromptTooLong(f"{field}: prompt has {count} tokens; the limit is {self._max_prompt_tokens}")
         return count
 
     def _reply(self, value: Any, call: Call, request_id: str | None = None) -> Reply:
