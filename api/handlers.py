@@ -240,7 +240,11 @@ class Handlers:
             router_config_override=body.router_config_override,
         )
         decision = self._router.decide(
-            routing.request, pinned_worker=routing.pinned, among=routing.among, isl_tokens=routing.isl_tokens
+            routing.request,
+            pinned_worker=routing.pinned,
+            among=routing.among,
+            explain=call.explain,
+            isl_tokens=routing.isl_tokens,
         )
         if not isinstance(decision, RouteDecision):
             decision = await self._queued(decision, call)
@@ -251,6 +255,7 @@ class Handlers:
             cached_tokens=decision.cached_tokens,
             request_id=decision.request_id,
             receipt=decision.receipt,
+            explanation=decision.explanation,
             worker_instance_id=decision.worker_id if query else None,
             token_data=_token_list(body.token_ids) if query else None,
             unused_hints=routing.unused_hints,

@@ -4,8 +4,10 @@
 Every hint is checked against the registered workers before the router is called, so a refused
 request changes nothing, and every refusal names its field:
 
-- ``backend_instance_id`` (with ``dp_rank``: that rank; without: the worker's best rank) pins the
-  request; an unregistered worker or rank is a 404 ``unknown_worker``;
+- ``backend_instance_id`` with ``dp_rank`` pins the request to that rank, booked like any other;
+  without ``dp_rank`` it needs a worker with one rank (Dynamo 1.6.1 refuses to guess among several,
+  and so does this: 422); an unregistered worker or rank is a 404 ``unknown_worker``; ``dp_rank``
+  without ``backend_instance_id`` is ignored (reported unused), as Dynamo 1.6.1 ignores it;
 - ``allowed_worker_ids`` limits the candidates (ids the router does not know are left out, as
   Dynamo scores only discovered workers); a pinned worker outside it is a 422;
 - ``prefill_worker_id`` / ``prefill_dp_rank`` / ``decode_worker_id`` are checked like a pin and
@@ -113,10 +115,15 @@ def routing_call(
         if hints.dp_rank is not None:
             _rank(worker, hints.dp_rank, field_prefix + "dp_rank")
             call.pinned = (pinned_id, hints.dp_rank)
-        else:
-            among = frozenset((pinned_id,))
+        elif worker.dp_size == 1:
+            call.pinned = (pinned_id, worker.dp_start_rank)
+        else:  # as Dynamo refuses it: which rank is the caller's to say
+            raise InvalidBody(
+                f"{field_prefix}dp_rank: worker {pinned_id} has dp ranks {worker.dp_start_rank}.."
+                f"{worker.dp_ranks[-1]}; pinning it needs one of them"
+            )
     elif hints.dp_rank is not None:
-        raise InvalidBody(f"{field_prefix}dp_rank: a dp rank needs {field_prefix}backend_instance_id")
+        call.unused_hints.append("dp_rank")  # Dynamo 1.6.1 ignores a rank without a worker too
     call.among = among
     if hints.prefill_worker_id is not None:
         prefill = _worker(router, hints.prefill_worker_id, field_prefix + "prefill_worker_id")

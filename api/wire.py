@@ -21,6 +21,7 @@ from indexer.events import U32, U64, RouterEvent
 from indexer.sequencer import StreamStatus
 from router.types import (
     BlockMmInfos,
+    DecisionExplanation,
     DecisionReceipt,
     PotentialLoad,
     QueueRejection,
@@ -290,6 +291,7 @@ class RouteReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int
     request_id: str | None = None
     receipt: DecisionReceipt | None = None
+    explanation: DecisionExplanation | None = None  # with ?explain=true
     worker_instance_id: int | None = None
     token_data: list[int] | None = None
     unused_hints: list[str] = []

@@ -67,7 +67,7 @@ def _route(**fields: Any) -> bytes:
 
 
 # Dynamo's PreprocessedRequest on /v1/route (and /v1/router's route method): (route, body, headers,
-# status, type, what the message must name). Workers 1 and 2 have one dp rank each.
+# status, type, what the message must name). Workers 1 and 2 have one dp rank each, worker 3 two.
 ROUTE_CASES: list[tuple[str, bytes, dict[str, str], int, str, str]] = [
     ("/v1/route", b'{"token_ids": [1, 2', JSON_HEADERS, 400, "malformed_body", "JSON"),
     ("/v1/route", b'{"model": "m"}', JSON_HEADERS, 422, "invalid_request", "token_ids"),
@@ -87,7 +87,8 @@ ROUTE_CASES: list[tuple[str, bytes, dict[str, str], int, str, str]] = [
      404, "unknown_worker", "routing.backend_instance_id"),
     ("/v1/route", _route(routing={"backend_instance_id": 1, "dp_rank": 1}), JSON_HEADERS, 404, "unknown_worker",
      "routing.dp_rank"),
-    ("/v1/route", _route(routing={"dp_rank": 0}), JSON_HEADERS, 422, "invalid_request", "routing.dp_rank"),
+    ("/v1/route", _route(routing={"backend_instance_id": 3}), JSON_HEADERS, 422, "invalid_request",
+     "routing.dp_rank: worker 3 has dp ranks 0..1"),
     ("/v1/route", _route(routing={"dp_rank": -1}), JSON_HEADERS, 422, "invalid_request", "$.routing.dp_rank"),
     ("/v1/route", _route(routing={"backend_instance_id": 1, "allowed_worker_ids": [2]}), JSON_HEADERS, 422,
      "invalid_request", "routing.allowed_worker_ids"),
@@ -127,6 +128,7 @@ def client(request: pytest.FixtureRequest) -> Iterator[TestClient]:
     with serve(fast_path=request.param, max_prompt_tokens=100, max_body_bytes=4096) as client:
         for worker_id in (1, 2):
             client.post("/v1/workers", json={"worker_id": worker_id})
+        client.post("/v1/workers", json={"worker_id": 3, "dp_size": 2})
         client.post("/v1/events", json=stored_event(1, TOKENS))
         assert client.post("/v1/new", json={"tokens": TOKENS, "request_id": "live"}).status_code == 200
         yield client
