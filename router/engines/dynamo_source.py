@@ -30,7 +30,7 @@ from nats.aio.subscription import Subscription
 from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.events import RouterEvent, cleared_event, decode_router_events
 from indexer.slots import WorkerRank
-from router.engines.direct import LearnedWorkers
+from router.engines.learned_workers import LearnedWorkers
 from router.errors import UnknownWorker
 from router.event_plane.messages import ActiveLoad
 from router.event_plane.ratelimited_log import RateLimitedLog
