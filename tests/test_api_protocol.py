@@ -258,6 +258,7 @@ def test_bad_requests_get_the_same_bytes_as_through_asgi() -> None:
         with uvicorn_on_loopback(fast_protocol=fast_protocol, max_prompt_tokens=100, max_body_bytes=4096) as port:
             client = Client(port)
             _setup(client, 1, 2)
+            assert client.ask(post("/v1/workers", {"worker_id": 3, "dp_size": 2})).startswith(b"HTTP/1.1 201 ")
             answers.append([client.ask(request("POST", route, body, **_headers(h))) for route, body, h, _, _ in CASES])
             client.close()
     assert answers[0] == answers[1]
