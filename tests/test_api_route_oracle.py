@@ -3,10 +3,10 @@ the same `PreprocessedRequest` (the oracle extra).
 
 Dynamo's router runs in this process over dummy workers (`tests.dynamo_fleet.DynamoFleet`: file
 discovery, TCP request plane, ``use_kv_events=False`` so its approximate index records each routed
-request). Both routers get the same seeded requests with routing hints: none, ``allowed_worker_ids``, a pinned
-``backend_instance_id`` with its ``dp_rank``. Ours is asked
-with ``query_instance_id`` (nothing booked); Dynamo routes the request to a worker, which answers at
-once, and its answer names the worker and rank Dynamo picked. Whenever our costs have a unique
+request). Both routers get the same seeded requests with routing hints: none, ``allowed_worker_ids``,
+a pinned ``backend_instance_id`` with its ``dp_rank``. Ours is asked with ``query_instance_id``
+(nothing booked); Dynamo routes the request to a worker, which answers at once, and its answer names
+the worker and rank Dynamo picked. Whenever our costs have a unique
 minimum, Dynamo must have picked that rank. The prompt is then stored on Dynamo's pick on both sides,
 so the two indexes stay equal. Some requests are held (booked on Dynamo's pick on both sides, freed
 later), so the loads weigh too; they are equal on both sides before every request.
