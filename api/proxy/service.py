@@ -350,7 +350,10 @@ class Proxy:
         except ApiError as exc:
             raise _refused(exc.status, "invalid_request_error", exc.message, exc.type) from None
         if routing.pinned is not None and routing.pinned[0] not in by_id:
-            message = f"nvext.backend_instance_id: worker {routing.pinned[0]} does not serve model {model!r} over HTTP"
+            message = (
+                f"nvext.backend_instance_id: worker {routing.pinned[0]} does not serve model {model!r} over HTTP "
+                "(or is cooling down after a failure)"
+            )
             raise _refused(400, "invalid_request_error", message, "bad_request")
         del request, prompt, tokens
         # What the worker gets of the client's headers besides the content type: its credentials.
