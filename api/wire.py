@@ -13,6 +13,7 @@ check the 16k ids of a long prompt a second time (about 15% of decoding them).
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any
 
 import msgspec
@@ -87,6 +88,9 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"
 # the router would choose, and the token data, without routing anything there.
 QUERY_INSTANCE_ID = "query_instance_id"
 
+# A finite float (NaN and infinities refused): a queue priority of NaN would order nothing.
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+
 
 class BlockMmObjectInfo(msgspec.Struct, kw_only=True):
     """One multimodal object in a block: its hash and its placeholder ranges within the block."""
@@ -125,7 +129,7 @@ class RoutingHints(msgspec.Struct, kw_only=True, omit_defaults=True):
     expected_output_tokens: U32 | None = None
     lora_name: str | None = None
     cache_namespace: str | None = msgspec.field(default=None, name="cache_salt")
-    priority_jump: float | None = None
+    priority_jump: Finite | None = None
     strict_priority: U32 | None = None
     priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] | None = None
     allowed_worker_ids: frozenset[U64] | None = None
@@ -159,8 +163,8 @@ class AgentHints(msgspec.Struct, kw_only=True):
     ``latency_sensitivity``) the queue's priority jump in seconds, ``strict_priority`` its tier."""
 
     osl: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    priority: float | None = None
-    latency_sensitivity: float | None = None
+    priority: Finite | None = None
+    latency_sensitivity: Finite | None = None
     strict_priority: U32 | None = None
 
 

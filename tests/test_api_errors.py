@@ -107,6 +107,8 @@ ROUTE_CASES: list[tuple[str, bytes, dict[str, str], int, str, str]] = [
     ("/v1/route", _route(routing={"strict_priority": -1}), JSON_HEADERS, 422, "invalid_request",
      "$.routing.strict_priority"),
     ("/v1/route", _route(routing={"priority": 2**31}), JSON_HEADERS, 422, "invalid_request", "$.routing.priority"),
+    ("/v1/route", msgpack({"token_ids": [1], "routing": {"priority_jump": float("nan")}}), MSGPACK_IN, 422,
+     "invalid_request", "$.routing.priority_jump"),
     ("/v1/route", _route(routing={"routing_constraints": {"required_taints": ["gpu=h100"]}}), JSON_HEADERS, 503,
      "no_eligible_worker", "gpu=h100"),
     ("/v1/route", _route(router_config_override={"router_temperature": -1.0}), JSON_HEADERS, 422,
