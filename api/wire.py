@@ -13,7 +13,6 @@ check the 16k ids of a long prompt a second time (about 15% of decoding them).
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated, Any
 
 import msgspec
@@ -24,6 +23,7 @@ from router.types import (
     BlockMmInfos,
     DecisionExplanation,
     DecisionReceipt,
+    Finite,
     PotentialLoad,
     QueueRejection,
     RankLoad,
@@ -87,9 +87,6 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"
 # `annotations` entry with which a caller (Dynamo's Gateway API endpoint picker) asks which worker
 # the router would choose, and the token data, without routing anything there.
 QUERY_INSTANCE_ID = "query_instance_id"
-
-# A finite float (NaN and infinities refused): a queue priority of NaN would order nothing.
-Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 
 
 class BlockMmObjectInfo(msgspec.Struct, kw_only=True):

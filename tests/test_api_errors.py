@@ -30,6 +30,7 @@ CASES: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("/v1/new", b'{"tokens": "seven"}', JSON_HEADERS, 422, "invalid_request"),  # not base64 packed tokens
     ("/v1/new", b'{"tokens": [1.5]}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/new", b'{"tokens": [1], "priority": 3}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/new", msgpack({"tokens": [1], "priority_jump": float("nan")}), MSGPACK_IN, 422, "invalid_request"),
     ("/v1/new", b'{"tokens": [1], "request_id": "has space"}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/new", b'{"tokens": []}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/router", b'{"tokens": [1]}', JSON_HEADERS, 422, "invalid_request"),
