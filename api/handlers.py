@@ -229,6 +229,8 @@ class Handlers:
         if body.mm_routing_info is not None:
             self._check_prompt(body.mm_routing_info.routing_token_ids, "mm_routing_info.routing_token_ids")
         query = QUERY_INSTANCE_ID in body.annotations  # answer the choice, book nothing
+        # Checked before anything is booked: what cannot be handed back is refused first.
+        forward = _forwardable(call) if body.return_request else None
         request_id = None if query else body.request_id or call.request_id or uuid.uuid4().hex
         routing = routing_call(
             self._router,
@@ -259,7 +261,7 @@ class Handlers:
             worker_instance_id=decision.worker_id if query else None,
             token_data=_token_list(body.token_ids) if query else None,
             unused_hints=routing.unused_hints,
-            request=_routed_request(call, decision) if body.return_request else None,
+            request=_with_routing(forward, decision) if forward is not None else None,
         )
         self._metrics.decision(decision, tokens, time.perf_counter() - started)
         return self._reply(reply, call, decision.request_id)
@@ -394,21 +396,30 @@ def _token_list(tokens: Tokens) -> list[int]:
     return list(struct.unpack(f"<{len(tokens) // 4}I", tokens)) if isinstance(tokens, bytes) else tokens
 
 
-def _routed_request(call: Call, decision: RouteDecision) -> dict[str, Any]:
-    """The request as it came, every field kept (engine-only ones too), with the decision in
-    ``routing.backend_instance_id`` / ``dp_rank``, ready to forward; our own fields dropped. Packed
-    token ids stay packed in msgpack and become a sequence in JSON, as Dynamo writes them."""
+def _forwardable(call: Call) -> dict[str, Any]:
+    """The request as it came, every field kept (engine-only ones too), our own fields dropped, to be
+    handed back; packed token ids stay packed in msgpack and become a sequence in JSON, as Dynamo
+    writes them. `InvalidBody` if it cannot be written back in the reply's encoding (a msgpack
+    extension type in JSON)."""
     raw: dict[str, Any] = msgspec.msgpack.decode(call.body) if call.msgpack else msgspec.json.decode(call.body)
     for ours in ("method", "request_id", "return_request"):
         raw.pop(ours, None)
-    routing = raw.get("routing") or {}
-    routing["backend_instance_id"] = decision.worker_id
-    routing["dp_rank"] = decision.dp_rank
-    raw["routing"] = routing
     token_ids = raw.get("token_ids")
     if isinstance(token_ids, bytes) and not call.reply_msgpack:
         raw["token_ids"] = _token_list(token_ids)
+    if not isinstance(raw.get("routing"), dict):
+        raw["routing"] = {}
+    try:
+        encode(raw, call.reply_msgpack)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidBody(f"return_request: the request cannot be handed back in this encoding: {exc}") from None
     return raw
+
+
+def _with_routing(request: dict[str, Any], decision: RouteDecision) -> dict[str, Any]:
+    """The request with the decision in ``routing.backend_instance_id`` / ``dp_rank``, ready to forward."""
+    request["routing"].update(backend_instance_id=decision.worker_id, dp_rank=decision.dp_rank)
+    return request
 
 
 class _Internal(ApiError):

@@ -9,6 +9,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
@@ -82,6 +83,8 @@ ROUTE_CASES: list[tuple[str, bytes, dict[str, str], int, str, str]] = [
     ("/v1/route", _route(model=7), JSON_HEADERS, 422, "invalid_request", "$.model"),
     ("/v1/route", _route(annotations="query_instance_id"), JSON_HEADERS, 422, "invalid_request", "$.annotations"),
     ("/v1/route", _route(request_id="has space"), JSON_HEADERS, 422, "invalid_request", "$.request_id"),
+    ("/v1/route", msgpack({"token_ids": [1], "return_request": True, "engine": msgspec.msgpack.Ext(1, b"x")}),
+     MSGPACK_IN, 422, "invalid_request", "return_request"),
     ("/v1/route", _route(routing={"backend_instance_id": 9}), JSON_HEADERS, 404, "unknown_worker",
      "routing.backend_instance_id: worker 9"),
     ("/v1/router", b'{"method": "route", "token_ids": [1], "routing": {"backend_instance_id": 9}}', JSON_HEADERS,
