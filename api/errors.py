@@ -32,6 +32,7 @@ __all__ = [
     "NotFound",
     "PromptTooLong",
     "UnknownRequestId",
+    "UnknownRoutingTarget",
     "error_reply",
 ]
 
@@ -90,6 +91,13 @@ class UnknownRequestId(ApiError):
 
     status = 404
     type = "unknown_request_id"
+
+
+class UnknownRoutingTarget(ApiError):
+    """A routing hint names a worker or dp rank that is not registered (the field in ``detail``)."""
+
+    status = 404
+    type = "unknown_worker"
 
 
 # Router and indexer outcome -> (status, type). Looked up along the exception's MRO, so a new

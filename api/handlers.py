@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -34,8 +35,10 @@ from api.errors import (
     error_reply,
 )
 from api.fastpath import HotHandler, HotOutcome
+from api.hints import routing_call
 from api.metrics import ApiMetrics
 from api.wire import (
+    QUERY_INSTANCE_ID,
     EventsReply,
     MarkReply,
     MarkRequest,
@@ -43,6 +46,8 @@ from api.wire import (
     OutputProgress,
     PotentialLoadsReply,
     PotentialLoadsRequest,
+    RouteBody,
+    RouteReply,
     RouterFreeMarked,
     RouterMarkFree,
     RouterMarkPrefill,
@@ -53,6 +58,8 @@ from api.wire import (
     RouterPrefillMarked,
     RouterQueueRejected,
     RouterRequest,
+    RouterRoute,
+    RouterRouteResponse,
 )
 from indexer.events import decode_router_events
 from router.errors import QueueRejected
@@ -94,6 +101,7 @@ class Handlers:
         self._loads_body: BodyDecoder[PotentialLoadsRequest] = BodyDecoder(PotentialLoadsRequest)
         self._mark_body: BodyDecoder[MarkRequest] = BodyDecoder(MarkRequest)
         self._output_body: BodyDecoder[OutputProgress] = BodyDecoder(OutputProgress)
+        self._route_body: BodyDecoder[RouteBody] = BodyDecoder(RouteBody)
 
     def routes(self) -> dict[str, HotHandler]:
         """Path -> handler, each behind the API token where its access class needs it."""
@@ -102,6 +110,12 @@ class Handlers:
             path: self._auth.guard(HOT_ACCESS[path], getattr(self, name), partial(count, name, "unauthorized"))
             for path, name in HOT_PATHS.items()
         }
+
+    def app_routes(self) -> dict[str, HotHandler]:
+        """Path -> handler of the routes served by the FastAPI app only (not the hot protocol), each
+        behind the API token where its access class needs it."""
+        refused = partial(self._metrics.count, "route", "unauthorized")
+        return {"/v1/route": self._auth.guard(Access.DECISION, self.route, refused)}
 
     # ------------------------------------------------------------------ routes
     async def router(self, call: Call) -> Reply:
@@ -112,6 +126,8 @@ class Handlers:
             return self._error("router", exc)
         if isinstance(request, RouterNew):
             return await self._guard("new", self._router_new(request, call))
+        if isinstance(request, RouterRoute):
+            return await self._guard("route", self._route(request, call, RouterRouteResponse))
         if isinstance(request, RouterPotentialLoads):
             return self._guarded("potential_loads", self._router_potential_loads, request, call)
         if isinstance(request, RouterMarkPrefill):
@@ -155,6 +171,16 @@ class Handlers:
         self._metrics.count("new")
         return Reply(200, body, call.reply_msgpack, decision.request_id)
 
+    async def route(self, call: Call) -> Reply:
+        """``POST /v1/route`` (a FastAPI route, not a hot one): Dynamo's `PreprocessedRequest` with its
+        routing hints -> the decision (`RouteReply`); ``{"method": "route"}`` on ``/v1/router`` is the
+        same call."""
+        try:
+            body = self._route_body.decode(call)
+        except Exception as exc:
+            return self._error("route", exc)
+        return await self._guard("route", self._route(body, call, RouteReply))
+
     def potential_loads(self, call: Call) -> Reply:
         return self._guarded("potential_loads", self._potential_loads, call)
 
@@ -194,6 +220,51 @@ class Handlers:
         reply = self._reply(response, call, decision.request_id)
         self._metrics.decision(decision, tokens, time.perf_counter() - started)
         return reply
+
+    async def _route(self, body: RouteBody, call: Call, reply_type: type[RouteReply]) -> Reply:
+        started = time.perf_counter()
+        tokens = self._check_prompt(body.token_ids, "token_ids")
+        if not tokens:
+            raise InvalidBody("token_ids: a request needs at least one token")
+        if body.mm_routing_info is not None:
+            self._check_prompt(body.mm_routing_info.routing_token_ids, "mm_routing_info.routing_token_ids")
+        query = QUERY_INSTANCE_ID in body.annotations  # answer the choice, book nothing
+        # Checked before anything is booked: what cannot be handed back is refused first.
+        forward = _forwardable(call) if body.return_request else None
+        request_id = None if query else body.request_id or call.request_id or uuid.uuid4().hex
+        routing = routing_call(
+            self._router,
+            body.token_ids,
+            body.routing,
+            request_id=request_id,
+            model=body.model,
+            mm_routing_info=body.mm_routing_info,
+            router_config_override=body.router_config_override,
+        )
+        decision = self._router.decide(
+            routing.request,
+            pinned_worker=routing.pinned,
+            among=routing.among,
+            explain=call.explain,
+            isl_tokens=routing.isl_tokens,
+        )
+        if not isinstance(decision, RouteDecision):
+            decision = await self._queued(decision, call)
+        reply = reply_type(
+            worker_id=decision.worker_id,
+            dp_rank=decision.dp_rank,
+            overlap_blocks=decision.overlap_blocks,
+            cached_tokens=decision.cached_tokens,
+            request_id=decision.request_id,
+            receipt=decision.receipt,
+            explanation=decision.explanation,
+            worker_instance_id=decision.worker_id if query else None,
+            token_data=_token_list(body.token_ids) if query else None,
+            unused_hints=routing.unused_hints,
+            request=_with_routing(forward, decision) if forward is not None else None,
+        )
+        self._metrics.decision(decision, tokens, time.perf_counter() - started)
+        return self._reply(reply, call, decision.request_id)
 
     async def _queued(self, waiting: Coroutine[Any, Any, RouteDecision], call: Call) -> RouteDecision:
         """A decision that has to wait (in the router's queue, or for its first workers); it watches
@@ -264,16 +335,19 @@ class Handlers:
         return self._reply(report, call)
 
     # ------------------------------------------------------------------ helpers
-    def _check_prompt(self, tokens: Tokens) -> int:
-        """The prompt's token count, after the checks the router must never see fail."""
+    def _check_prompt(self, tokens: Tokens, field: str = "tokens") -> int:
+        """The prompt's token count, after the checks the router must never see fail; errors name
+        ``field``."""
         if isinstance(tokens, bytes):
             if len(tokens) % 4:
-                raise MalformedBody(f"packed tokens must be little-endian u32, 4 bytes each; got {len(tokens)} bytes")
+                raise MalformedBody(
+                    f"{field}: packed tokens must be little-endian u32, 4 bytes each; got {len(tokens)} bytes"
+                )
             count = len(tokens) // 4
         else:
             count = len(tokens)
         if count > self._max_prompt_tokens:
-            raise PromptTooLong(f"prompt has {count} tokens; the limit is {self._max_prompt_tokens}")
+            raise PromptTooLong(f"{field}: prompt has {count} tokens; the limit is {self._max_prompt_tokens}")
         return count
 
     def _reply(self, value: Any, call: Call, request_id: str | None = None) -> Reply:
@@ -315,6 +389,37 @@ def _request_id(body_id: str | None, call: Call) -> str:
     if request_id is None:
         raise InvalidBody("request_id is required (body field or X-Request-Id header)")
     return request_id
+
+
+def _token_list(tokens: Tokens) -> list[int]:
+    """Token ids as a list; packed ones are little-endian (Dynamo's int32 blob, ids below 2^31)."""
+    return list(struct.unpack(f"<{len(tokens) // 4}I", tokens)) if isinstance(tokens, bytes) else tokens
+
+
+def _forwardable(call: Call) -> dict[str, Any]:
+    """The request as it came, every field kept (engine-only ones too), our own fields dropped, to be
+    handed back; packed token ids stay packed in msgpack and become a sequence in JSON, as Dynamo
+    writes them. `InvalidBody` if it cannot be written back in the reply's encoding (a msgpack
+    extension type in JSON)."""
+    raw: dict[str, Any] = msgspec.msgpack.decode(call.body) if call.msgpack else msgspec.json.decode(call.body)
+    for ours in ("method", "request_id", "return_request"):
+        raw.pop(ours, None)
+    token_ids = raw.get("token_ids")
+    if isinstance(token_ids, bytes) and not call.reply_msgpack:
+        raw["token_ids"] = _token_list(token_ids)
+    if not isinstance(raw.get("routing"), dict):
+        raw["routing"] = {}
+    try:
+        encode(raw, call.reply_msgpack)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidBody(f"return_request: the request cannot be handed back in this encoding: {exc}") from None
+    return raw
+
+
+def _with_routing(request: dict[str, Any], decision: RouteDecision) -> dict[str, Any]:
+    """The request with the decision in ``routing.backend_instance_id`` / ``dp_rank``, ready to forward."""
+    request["routing"].update(backend_instance_id=decision.worker_id, dp_rank=decision.dp_rank)
+    return request
 
 
 class _Internal(ApiError):

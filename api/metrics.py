@@ -52,7 +52,7 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 OVERLAP_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # The hot routes' methods, counted from the start (their "ok" series exist at 0).
-METHODS = ("new", "potential_loads", "mark_prefill", "mark_free", "record_output", "events", "overlap")
+METHODS = ("new", "potential_loads", "mark_prefill", "mark_free", "record_output", "events", "overlap", "route")
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -70,7 +70,7 @@ class ApiMetrics:
             _TallyCollector(
                 f"{PREFIX}_requests",
                 "Router API calls by method (new, potential_loads, mark_prefill, mark_free, record_output, events, "
-                "overlap, router for bodies whose method could not be read) and outcome (ok or the error type).",
+                "overlap, route, router for bodies whose method could not be read) and outcome (ok or the error type).",
                 ("method", "outcome"),
                 self._counts,
                 self._counts_created,

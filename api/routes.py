@@ -33,6 +33,8 @@ from api.wire import (
     PotentialLoadsReply,
     PotentialLoadsRequest,
     PredictedRouterEvent,
+    RouteBody,
+    RouteReply,
     RouterRequest,
     RouterResponse,
     ServiceInfo,
@@ -86,6 +88,10 @@ _HOT_DOCS: dict[str, tuple[str, Any, Any]] = {
                    EventsReply),
     "/v1/overlap": ("Every worker's cached prefix of the prompt, per storage tier; books nothing",
                     PotentialLoadsRequest, OverlapReport),
+    "/v1/route": ("Route Dynamo's PreprocessedRequest (JSON, or msgpack with token_ids as a sequence or packed "
+                  "int32) by all its routing hints; books it unless annotated query_instance_id; "
+                  "return_request hands it back with routing.backend_instance_id / dp_rank set",
+                  RouteBody, RouteReply),
 }  # fmt: skip
 
 
@@ -111,9 +117,15 @@ def _hot_endpoint(handler: HotHandler) -> Any:
 
 
 def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
-    """The routes `FastPath` also serves; these answer when it does not (fast path off, or mounted)."""
+    """The routes `FastPath` also serves, which these answer when it does not (fast path off, or
+    mounted), and the decision routes only FastAPI serves (``/v1/route``)."""
     router = APIRouter(tags=["routing"])
-    for path, handler in handlers.routes().items():
+    routes = handlers.routes()
+    names = dict(HOT_PATHS)
+    for path, handler in handlers.app_routes().items():
+        routes[path] = handler
+        names[path] = path.rsplit("/", 1)[-1]
+    for path, handler in routes.items():
         summary, body_type, reply_type = _HOT_DOCS[path]
         extra = schemas.operation(body_type, {200: (reply_type, "OK")})
         extra["responses"]["default"] = {
@@ -121,7 +133,7 @@ def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
             "content": {"application/json": {"schema": _ERROR_SCHEMA}},
         }
         router.add_api_route(
-            path, _hot_endpoint(handler), methods=["POST"], summary=summary, name=HOT_PATHS[path], openapi_extra=extra
+            path, _hot_endpoint(handler), methods=["POST"], summary=summary, name=names[path], openapi_extra=extra
         )
     app.include_router(router)
 

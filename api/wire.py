@@ -13,24 +13,46 @@ check the 16k ids of a long prompt a second time (about 15% of decoding them).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
-from indexer.events import RouterEvent
+from indexer.events import U32, U64, RouterEvent
 from indexer.sequencer import StreamStatus
-from router.types import BlockMmInfos, PotentialLoad, QueueRejection, RankLoad, RouteRequest, Tokens, WorkerConfig
+from router.types import (
+    BlockMmInfos,
+    DecisionExplanation,
+    DecisionReceipt,
+    Finite,
+    PotentialLoad,
+    QueueRejection,
+    RankLoad,
+    RouterConfigOverride,
+    RouteRequest,
+    RoutingConstraints,
+    Tokens,
+    WorkerConfig,
+)
 
 __all__ = [
+    "QUERY_INSTANCE_ID",
+    "AgentHints",
+    "BlockExtraInfo",
+    "BlockMmObjectInfo",
     "EventPlaneHealth",
     "EventsReply",
     "MarkReply",
     "MarkRequest",
+    "MmRoutingInfo",
     "NewRequest",
+    "NvExt",
     "OutputProgress",
     "PotentialLoadsReply",
     "PotentialLoadsRequest",
+    "PreprocessedRequest",
     "RequestId",
+    "RouteBody",
+    "RouteReply",
     "RouterFreeMarked",
     "RouterMarkFree",
     "RouterMarkPrefill",
@@ -42,6 +64,9 @@ __all__ = [
     "RouterQueueRejected",
     "RouterRequest",
     "RouterResponse",
+    "RouterRoute",
+    "RouterRouteResponse",
+    "RoutingHints",
     "ServiceInfo",
     "WorkerStatus",
     "WorkersReply",
@@ -50,6 +75,122 @@ __all__ = [
 # Request ids travel back in the X-Request-Id header, so they must be valid header text: visible
 # ASCII, no spaces, bounded length.
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+
+
+# ---------------------------------------------------------------- Dynamo's PreprocessedRequest
+# dynamo-llm 1.6's request to its router and engines (shared/reference/seeds/
+# dynamo-llm-preprocessed-request.rs.txt), with the seed's names and serde attributes: renames as
+# msgspec field names, skip-if-none as omit_defaults. Only what routing reads is declared: every other
+# field (sampling, stop conditions, bootstrap info, engine-only extras) is ignored, as serde ignores
+# fields a struct does not name, and travels on untouched when the request is handed back.
+
+# `annotations` entry with which a caller (Dynamo's Gateway API endpoint picker) asks which worker
+# the router would choose, and the token data, without routing anything there.
+QUERY_INSTANCE_ID = "query_instance_id"
+
+
+class BlockMmObjectInfo(msgspec.Struct, kw_only=True):
+    """One multimodal object in a block: its hash and its placeholder ranges within the block."""
+
+    mm_hash: U64
+    offsets: list[tuple[int, int]]
+
+
+class BlockExtraInfo(msgspec.Struct, kw_only=True):
+    """A block's multimodal objects (Dynamo's `BlockExtraInfo`)."""
+
+    mm_objects: list[BlockMmObjectInfo]
+
+
+class MmRoutingInfo(msgspec.Struct, kw_only=True):
+    """Routing-only multimodal data: overlap is computed on ``routing_token_ids`` with
+    ``block_mm_infos`` (one entry per block, null for a block without objects); the prompt length
+    for load is ``expanded_prompt_len`` when set (the seed's `block_mm_routing_info` and
+    `expanded_prompt_token_count`)."""
+
+    routing_token_ids: list[U32]
+    block_mm_infos: list[BlockExtraInfo | None]
+    expanded_prompt_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class RoutingHints(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Dynamo's `RoutingHints`: every field optional and skipped when absent; ``cache_namespace`` is
+    ``cache_salt`` on the wire. ``priority`` is the engine's scheduling priority, forwarded to it and
+    not read by the router."""
+
+    backend_instance_id: U64 | None = None
+    prefill_worker_id: U64 | None = None
+    decode_worker_id: U64 | None = None
+    dp_rank: U32 | None = None
+    prefill_dp_rank: U32 | None = None
+    expected_output_tokens: U32 | None = None
+    lora_name: str | None = None
+    cache_namespace: str | None = msgspec.field(default=None, name="cache_salt")
+    priority_jump: Finite | None = None
+    strict_priority: U32 | None = None
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] | None = None
+    allowed_worker_ids: frozenset[U64] | None = None
+    routing_constraints: RoutingConstraints | None = None
+
+
+class PreprocessedRequest(msgspec.Struct, kw_only=True):
+    """The routing side of Dynamo's `PreprocessedRequest`. ``token_ids`` is a sequence of u32 or, in
+    msgpack, one bin of packed little-endian int32 (``DYN_TOKEN_IDS_AS_BYTES``); ``model`` may be
+    absent (Dynamo's health-check canaries); ``is_probe`` is ``_HEALTH_CHECK`` on the wire."""
+
+    model: str = ""
+    token_ids: list[U32] | bytes
+    mm_routing_info: MmRoutingInfo | None = None
+    annotations: list[str] = []
+    routing: RoutingHints | None = None
+    router_config_override: RouterConfigOverride | None = None
+    is_probe: bool = msgspec.field(default=False, name="_HEALTH_CHECK")
+
+
+class RouteBody(PreprocessedRequest, kw_only=True):
+    """``POST /v1/route``: a `PreprocessedRequest`, plus ours: the id to book it under (else
+    ``X-Request-Id``, else generated) and whether to hand the request back with its routing filled in."""
+
+    request_id: RequestId | None = None
+    return_request: bool = False
+
+
+class AgentHints(msgspec.Struct, kw_only=True):
+    """Dynamo's ``nvext.agent_hints``: ``osl`` the expected output tokens, ``priority`` (else
+    ``latency_sensitivity``) the queue's priority jump in seconds, ``strict_priority`` its tier."""
+
+    osl: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    priority: Finite | None = None
+    latency_sensitivity: Finite | None = None
+    strict_priority: U32 | None = None
+
+
+class NvExt(msgspec.Struct, kw_only=True):
+    """Dynamo's OpenAI request extension, the fields that become `RoutingHints` and annotations."""
+
+    backend_instance_id: U64 | None = None
+    dp_rank: U32 | None = None
+    prefill_worker_id: U64 | None = None
+    decode_worker_id: U64 | None = None
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] | None = None
+    annotations: list[str] = []
+    agent_hints: AgentHints | None = None
+
+    def routing_hints(self, cache_salt: str | None = None) -> RoutingHints:
+        """The hints Dynamo's frontend puts on the `PreprocessedRequest` it makes of this request."""
+        hints = self.agent_hints or AgentHints()
+        jump = hints.priority if hints.priority is not None else hints.latency_sensitivity
+        return RoutingHints(
+            backend_instance_id=self.backend_instance_id,
+            prefill_worker_id=self.prefill_worker_id,
+            decode_worker_id=self.decode_worker_id,
+            dp_rank=self.dp_rank,
+            expected_output_tokens=hints.osl,
+            cache_namespace=cache_salt,
+            priority_jump=max(jump, 0.0) if jump is not None else None,
+            strict_priority=hints.strict_priority,
+            priority=self.priority,
+        )
 
 
 # ---------------------------------------------------------------- requests
@@ -99,7 +240,11 @@ class RouterMarkFree(MarkRequest, tag="mark_free", tag_field="method"):
     pass
 
 
-RouterRequest = RouterNew | RouterPotentialLoads | RouterMarkPrefill | RouterMarkFree
+class RouterRoute(RouteBody, tag="route", tag_field="method", kw_only=True):
+    """``{"method": "route", ...}`` on ``/v1/router``: a `RouteBody`, answered as ``/v1/route`` does."""
+
+
+RouterRequest = RouterNew | RouterPotentialLoads | RouterMarkPrefill | RouterMarkFree | RouterRoute
 
 
 # ---------------------------------------------------------------- responses
@@ -133,8 +278,38 @@ class RouterPotentialLoadsResponse(PotentialLoadsReply, tag="potential_loads", t
     pass
 
 
+class RouteReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``POST /v1/route``: the decision. ``request_id`` is the id it is booked under, absent when
+    nothing was booked (``query_instance_id``: then ``worker_instance_id`` and ``token_data``, as
+    Dynamo's router answers that annotation). ``unused_hints`` names hints accepted and validated
+    but not acted on (prefill / decode worker ids: disaggregated roles are not modelled yet).
+    ``request``: the request as received with ``routing.backend_instance_id`` / ``dp_rank`` set, when
+    ``return_request`` asked for it."""
+
+    worker_id: int
+    dp_rank: int
+    overlap_blocks: int
+    cached_tokens: int
+    request_id: str | None = None
+    receipt: DecisionReceipt | None = None
+    explanation: DecisionExplanation | None = None  # with ?explain=true
+    worker_instance_id: int | None = None
+    token_data: list[int] | None = None
+    unused_hints: list[str] = []
+    request: dict[str, Any] | None = None
+
+
+class RouterRouteResponse(RouteReply, tag="route", tag_field="method", kw_only=True):
+    pass
+
+
 RouterResponse = (
-    RouterNewResponse | RouterQueueRejected | RouterPrefillMarked | RouterFreeMarked | RouterPotentialLoadsResponse
+    RouterNewResponse
+    | RouterQueueRejected
+    | RouterPrefillMarked
+    | RouterFreeMarked
+    | RouterPotentialLoadsResponse
+    | RouterRouteResponse
 )
 
 

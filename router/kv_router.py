@@ -272,18 +272,23 @@ class KvRouter:
         pinned_worker: WorkerRank | None = None,
         among: AbstractSet[int] | None = None,
         explain: bool = False,
+        isl_tokens: int | None = None,
     ) -> RouteDecision:
         """Pick a (worker, dp_rank) for the request and, if it has a ``request_id``, book it there.
 
         ``pinned_worker`` routes to that exact rank if it is eligible and not overloaded; ``among``
-        limits the candidates to those worker ids (a proxy's workers serving the model). Raises
+        limits the candidates to those worker ids (a proxy's workers serving the model);
+        ``isl_tokens`` is the prompt length for load when the tokens are not the prompt itself
+        (Dynamo's multimodal routing tokens and their ``expanded_prompt_len``). Raises
         `InvalidRequest`, `DuplicateRequestId`, `NoEligibleWorker`, `AllWorkersOverloaded` or
         `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated) and, at
         start, until ``router_min_initial_workers`` workers have registered.
         """
         if not self._started:
             await self.wait_for_workers()
-        decision = self.decide(request, pinned_worker=pinned_worker, among=among, explain=explain)
+        decision = self.decide(
+            request, pinned_worker=pinned_worker, among=among, explain=explain, isl_tokens=isl_tokens
+        )
         return decision if isinstance(decision, RouteDecision) else await decision
 
     def decide(
@@ -293,12 +298,13 @@ class KvRouter:
         pinned_worker: WorkerRank | None = None,
         among: AbstractSet[int] | None = None,
         explain: bool = False,
+        isl_tokens: int | None = None,
     ) -> RouteDecision | Coroutine[Any, Any, RouteDecision]:
         """`new` on the caller's stack: the decision itself when it need not wait (the usual case: no
         coroutine made, none run), else the coroutine to await for it (the start-up wait or the
         queue). Raises what `new` raises, before changing anything."""
         if not self._started:
-            return self.new(request, pinned_worker=pinned_worker, among=among, explain=explain)
+            return self.new(request, pinned_worker=pinned_worker, among=among, explain=explain, isl_tokens=isl_tokens)
         started = time.perf_counter()
         config = self.config if request.router_config_override is None else self._request_config(request)
         prompt = prepare_prompt(
@@ -307,6 +313,7 @@ class KvRouter:
             lora_name=request.lora_name,
             cache_namespace=request.cache_namespace,
             block_mm_infos=request.block_mm_infos,
+            isl_tokens=isl_tokens,
         )
         hashed = time.perf_counter()
         overlaps = self._routing_overlaps(prompt)

@@ -50,11 +50,17 @@ def prepare_prompt(
     lora_name: str | None = None,
     cache_namespace: str | None = None,
     block_mm_infos: Sequence[Mapping[str, Any] | None] | None = None,
+    isl_tokens: int | None = None,
 ) -> Prompt:
-    """Hash a prompt. Raises `InvalidRequest` for an empty or malformed one. O(tokens)."""
-    isl_tokens = token_count(tokens)
-    if isl_tokens == 0:
+    """Hash a prompt. ``isl_tokens``: the prompt length for load when the tokens hashed are not the
+    prompt itself (Dynamo's ``expanded_prompt_len`` of multimodal routing tokens); their count by
+    default. Raises `InvalidRequest` for an empty or malformed one. O(tokens)."""
+    if token_count(tokens) == 0:
         raise InvalidRequest("a request needs at least one token")
+    if isl_tokens is None:
+        isl_tokens = token_count(tokens)
+    elif isl_tokens < 1:
+        raise InvalidRequest(f"the prompt length must be at least 1 token, got {isl_tokens}")
     try:
         local_hashes = compute_block_hashes(
             tokens,

@@ -8,6 +8,7 @@ Everything here is plain data: no behaviour beyond validation of its own fields.
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -21,6 +22,7 @@ __all__ = [
     "DecisionExplanation",
     "DecisionReceipt",
     "DecisionTiming",
+    "Finite",
     "LimitKind",
     "OverlapReport",
     "PickReason",
@@ -36,6 +38,9 @@ __all__ = [
     "WorkerConfig",
     "WorkerOverlap",
 ]
+
+# A finite float: NaN and the infinities refused (msgpack carries them; a NaN queue priority orders nothing).
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 
 # A prompt as it travels: token ids, or the same ids packed as little-endian u32 bytes.
 Tokens = list[int] | bytes
@@ -80,7 +85,7 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     tokens: Tokens
     block_mm_infos: BlockMmInfos | None = None
     routing_constraints: RoutingConstraints | None = None
-    priority_jump: float = 0.0
+    priority_jump: Finite = 0.0
     strict_priority: int = 0
     lora_name: str | None = None
     cache_namespace: str | None = None

@@ -35,12 +35,19 @@ FIELDS: dict[str, list[str]] = {
                    "parent_hash", "blocks", "block_hash", "tokens_hash", "block_hashes", "start_position"],
     "/v1/workers": ["worker_id", "dp_start_rank", "dp_size", "block_size", "total_kv_blocks",
                     "max_num_batched_tokens", "taints", "leased"],
+    "/v1/route": ["token_ids", "model", "request_id", "routing", "mm_routing_info", "annotations",
+                  "router_config_override", "_HEALTH_CHECK", "return_request", "sampling_options"],
 }  # fmt: skip
+# Dynamo's RoutingHints and MmRoutingInfo fields, for the nested hints of /v1/route.
+ROUTING_FIELDS = ["backend_instance_id", "dp_rank", "prefill_worker_id", "prefill_dp_rank", "decode_worker_id",
+                  "expected_output_tokens", "lora_name", "cache_salt", "priority_jump", "strict_priority",
+                  "priority", "allowed_worker_ids", "routing_constraints"]  # fmt: skip
+MM_FIELDS = ["routing_token_ids", "block_mm_infos", "expanded_prompt_len"]
 PATHS = [*FIELDS, "/v1/workers/1", "/v1/workers/18446744073709551616", "/v1/workers/-1", "/v1/workers/x",
          "/v1/dump", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", "/", "/v1/", "/v1/new/x",
          "/v1//new", "/v1/NEW", "/%00", "/v1/workers/1/2"]  # fmt: skip
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
-_METHOD_NAMES = ["new", "potential_loads", "mark_prefill", "mark_free", "other", ""]
+_METHOD_NAMES = ["new", "potential_loads", "mark_prefill", "mark_free", "route", "other", ""]
 
 _scalars = st.one_of(
     st.none(),
@@ -79,6 +86,13 @@ def _body_value(draw: st.DrawFn, path: str) -> Any:
         target = base["event"]
     else:
         base = {"tokens": draw(_token_lists)} if "tokens" in FIELDS[path] else {"worker_id": 1}
+        if path == "/v1/route":
+            hint_values = st.sampled_from([1, 2, 0, 3]) | st.sampled_from(EDGE_INTS) | json_values
+            base = {"token_ids": draw(_token_lists),
+                    "routing": draw(st.dictionaries(st.sampled_from(ROUTING_FIELDS), hint_values, max_size=4)),
+                    "annotations": draw(st.sampled_from([[], ["query_instance_id"], ["other"]]))}  # fmt: skip
+            if draw(st.booleans()):
+                base["mm_routing_info"] = draw(st.dictionaries(st.sampled_from(MM_FIELDS), hint_values | _token_lists))
         if path == "/v1/router":
             base["method"] = draw(st.sampled_from(_METHOD_NAMES))
         if "request_id" in FIELDS[path]:

@@ -4,10 +4,12 @@ the router's state (workers and their live loads, the index, potential loads) is
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
@@ -29,10 +31,11 @@ CASES: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("/v1/new", b'{"tokens": "seven"}', JSON_HEADERS, 422, "invalid_request"),  # not base64 packed tokens
     ("/v1/new", b'{"tokens": [1.5]}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/new", b'{"tokens": [1], "priority": 3}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/new", msgpack({"tokens": [1], "priority_jump": float("nan")}), MSGPACK_IN, 422, "invalid_request"),
     ("/v1/new", b'{"tokens": [1], "request_id": "has space"}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/new", b'{"tokens": []}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/router", b'{"tokens": [1]}', JSON_HEADERS, 422, "invalid_request"),
-    ("/v1/router", b'{"method": "route", "tokens": [1]}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/router", b'{"method": "rout", "tokens": [1]}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/router", b'{"method": "mark_free"}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/mark_prefill", b"{}", JSON_HEADERS, 422, "invalid_request"),
     ("/v1/mark_free", b'{"request_id": 7}', JSON_HEADERS, 422, "invalid_request"),
@@ -61,11 +64,77 @@ CASES: list[tuple[str, bytes, dict[str, str], int, str]] = [
 ]  # fmt: skip
 
 
+def _route(**fields: Any) -> bytes:
+    return json.dumps({"token_ids": TOKENS, **fields}).encode()
+
+
+# Dynamo's PreprocessedRequest on /v1/route (and /v1/router's route method): (route, body, headers,
+# status, type, what the message must name). Workers 1 and 2 have one dp rank each, worker 3 two.
+ROUTE_CASES: list[tuple[str, bytes, dict[str, str], int, str, str]] = [
+    ("/v1/route", b'{"token_ids": [1, 2', JSON_HEADERS, 400, "malformed_body", "JSON"),
+    ("/v1/route", b'{"model": "m"}', JSON_HEADERS, 422, "invalid_request", "token_ids"),
+    ("/v1/route", b'{"token_ids": "seven"}', JSON_HEADERS, 422, "invalid_request", "token_ids"),
+    ("/v1/route", b'{"token_ids": []}', JSON_HEADERS, 422, "invalid_request", "token_ids"),
+    ("/v1/route", b'{"token_ids": [1, 4294967296]}', JSON_HEADERS, 422, "invalid_request", "$.token_ids[1]"),
+    ("/v1/route", msgpack({"token_ids": b"\x01\x00\x00\x00\x02"}), MSGPACK_IN, 400, "malformed_body", "token_ids"),
+    ("/v1/router", msgpack({"method": "route", "token_ids": b"abc"}), MSGPACK_IN, 400, "malformed_body",
+     "token_ids"),
+    ("/v1/route", msgpack({"token_ids": bytes(404)}), MSGPACK_IN, 413, "prompt_too_long", "token_ids"),
+    ("/v1/route", _route(model=7), JSON_HEADERS, 422, "invalid_request", "$.model"),
+    ("/v1/route", _route(annotations="query_instance_id"), JSON_HEADERS, 422, "invalid_request", "$.annotations"),
+    ("/v1/route", _route(request_id="has space"), JSON_HEADERS, 422, "invalid_request", "$.request_id"),
+    ("/v1/route", msgpack({"token_ids": [1], "return_request": True, "engine": msgspec.msgpack.Ext(1, b"x")}),
+     MSGPACK_IN, 422, "invalid_request", "return_request"),
+    ("/v1/route", _route(routing={"backend_instance_id": 9}), JSON_HEADERS, 404, "unknown_worker",
+     "routing.backend_instance_id: worker 9"),
+    ("/v1/router", b'{"method": "route", "token_ids": [1], "routing": {"backend_instance_id": 9}}', JSON_HEADERS,
+     404, "unknown_worker", "routing.backend_instance_id"),
+    ("/v1/route", _route(routing={"backend_instance_id": 1, "dp_rank": 1}), JSON_HEADERS, 404, "unknown_worker",
+     "routing.dp_rank"),
+    ("/v1/route", _route(routing={"backend_instance_id": 3}), JSON_HEADERS, 422, "invalid_request",
+     "routing.dp_rank: worker 3 has dp ranks 0..1"),
+    ("/v1/route", _route(routing={"dp_rank": -1}), JSON_HEADERS, 422, "invalid_request", "$.routing.dp_rank"),
+    ("/v1/route", _route(routing={"backend_instance_id": 1, "allowed_worker_ids": [2]}), JSON_HEADERS, 422,
+     "invalid_request", "routing.allowed_worker_ids"),
+    ("/v1/route", _route(routing={"allowed_worker_ids": [-2]}), JSON_HEADERS, 422, "invalid_request",
+     "$.routing.allowed_worker_ids"),
+    ("/v1/route", _route(routing={"allowed_worker_ids": [9]}), JSON_HEADERS, 503, "no_eligible_worker", "worker"),
+    ("/v1/route", _route(routing={"prefill_worker_id": 9}), JSON_HEADERS, 404, "unknown_worker",
+     "routing.prefill_worker_id"),
+    ("/v1/route", _route(routing={"prefill_worker_id": 1, "prefill_dp_rank": 3}), JSON_HEADERS, 404,
+     "unknown_worker", "routing.prefill_dp_rank"),
+    ("/v1/route", _route(routing={"prefill_dp_rank": 0}), JSON_HEADERS, 422, "invalid_request",
+     "routing.prefill_dp_rank"),
+    ("/v1/route", _route(routing={"decode_worker_id": 9}), JSON_HEADERS, 404, "unknown_worker",
+     "routing.decode_worker_id"),
+    ("/v1/route", _route(routing={"cache_salt": 5}), JSON_HEADERS, 422, "invalid_request", "$.routing.cache_salt"),
+    ("/v1/route", _route(routing={"strict_priority": -1}), JSON_HEADERS, 422, "invalid_request",
+     "$.routing.strict_priority"),
+    ("/v1/route", _route(routing={"priority": 2**31}), JSON_HEADERS, 422, "invalid_request", "$.routing.priority"),
+    ("/v1/route", msgpack({"token_ids": [1], "routing": {"priority_jump": float("nan")}}), MSGPACK_IN, 422,
+     "invalid_request", "$.routing.priority_jump"),
+    ("/v1/route", _route(routing={"routing_constraints": {"required_taints": ["gpu=h100"]}}), JSON_HEADERS, 503,
+     "no_eligible_worker", "gpu=h100"),
+    ("/v1/route", _route(router_config_override={"router_temperature": -1.0}), JSON_HEADERS, 422,
+     "invalid_request", "router_config_override"),
+    ("/v1/route", _route(router_config_override={"router_temperature": "hot"}), JSON_HEADERS, 422,
+     "invalid_request", "$.router_config_override.router_temperature"),
+    ("/v1/route", _route(mm_routing_info={"routing_token_ids": [1]}), JSON_HEADERS, 422, "invalid_request",
+     "block_mm_infos"),
+    ("/v1/route", _route(mm_routing_info={"routing_token_ids": [1], "block_mm_infos": [{"mm_objects": [{
+     "mm_hash": -1, "offsets": [[0, 1]]}]}]}), JSON_HEADERS, 422, "invalid_request", "mm_hash"),
+    ("/v1/route", _route(mm_routing_info={"routing_token_ids": [1] * 101, "block_mm_infos": []}), JSON_HEADERS, 413,
+     "prompt_too_long", "mm_routing_info.routing_token_ids"),
+]  # fmt: skip
+CASES += [case[:5] for case in ROUTE_CASES]
+
+
 @pytest.fixture(params=[True, False], ids=["fast_path", "fastapi_routes"])
 def client(request: pytest.FixtureRequest) -> Iterator[TestClient]:
     with serve(fast_path=request.param, max_prompt_tokens=100, max_body_bytes=4096) as client:
         for worker_id in (1, 2):
             client.post("/v1/workers", json={"worker_id": worker_id})
+        client.post("/v1/workers", json={"worker_id": 3, "dp_size": 2})
         client.post("/v1/events", json=stored_event(1, TOKENS))
         assert client.post("/v1/new", json={"tokens": TOKENS, "request_id": "live"}).status_code == 200
         yield client
@@ -88,6 +157,19 @@ def test_bad_request_is_refused_and_changes_nothing(
     before = state(client)
     _assert_error(client.post(route, content=body, headers=headers), status, kind)
     assert state(client) == before
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "headers", "status", "kind", "names"),
+    ROUTE_CASES,
+    ids=[f"{c[0]}-{i}" for i, c in enumerate(ROUTE_CASES)],
+)
+def test_a_refused_preprocessed_request_names_its_field(
+    client: TestClient, route: str, body: bytes, headers: dict[str, str], status: int, kind: str, names: str
+) -> None:
+    reply = client.post(route, content=body, headers=headers)
+    _assert_error(reply, status, kind)
+    assert names in reply.json()["error"]["message"]
 
 
 # Unknown members nested past msgspec's depth: it gives up with a RecursionError while skipping them.

@@ -175,6 +175,7 @@ def _script() -> list[tuple[bytes, bytes]]:
     receipt = {"device_blocks": 3, "host_pinned_blocks": 0, "disk_blocks": 0, "credited_blocks": 3.0,
                "stream_trusted": True, "reason": "lowest_cost", "candidates": 2}  # fmt: skip
     decision_bytes = json.dumps({**decision, "explanation": None, "receipt": receipt}, separators=(",", ":")).encode()
+    query_answer = {key: value for key, value in decision.items() if key != "request_id"}
     loads = b'{"loads":[{"worker_id":1,"dp_rank":0,"potential_prefill_tokens":32,"potential_decode_blocks":4,'
     loads += b'"active_requests":1},{"worker_id":2,"dp_rank":0,"potential_prefill_tokens":64,'
     loads += b'"potential_decode_blocks":4,"active_requests":0}],"pending_count":0,"pending_isl_tokens":0}'
@@ -184,6 +185,12 @@ def _script() -> list[tuple[bytes, bytes]]:
         (post("/v1/mark_prefill", {"request_id": "a"}),
          reply("200 OK", b'{"request_id":"a","success":true}', request_id="a")),
         (request("GET", "/healthz"), HEALTHY),  # through ASGI and FastAPI, between hot requests
+        # Dynamo's PreprocessedRequest on the tagged route, asked without booking (query_instance_id).
+        (post("/v1/router", {"method": "route", "token_ids": TOKENS, "annotations": ["query_instance_id"],
+                             "sampling_options": {"temperature": 0.5}}),
+         reply("200 OK", json.dumps({"method": "route", **query_answer, "receipt": {**receipt, "candidates": 2},
+                                     "worker_instance_id": 1, "token_data": TOKENS},
+                                    separators=(",", ":")).encode())),
         (post("/v1/router", {"method": "mark_free"}, x_request_id="a"),
          reply("200 OK", b'{"method":"free_marked","success":true}', request_id="a")),
         (post("/v1/mark_free", {"request_id": "a"}),
@@ -258,6 +265,7 @@ def test_bad_requests_get_the_same_bytes_as_through_asgi() -> None:
         with uvicorn_on_loopback(fast_protocol=fast_protocol, max_prompt_tokens=100, max_body_bytes=4096) as port:
             client = Client(port)
             _setup(client, 1, 2)
+            assert client.ask(post("/v1/workers", {"worker_id": 3, "dp_size": 2})).startswith(b"HTTP/1.1 201 ")
             answers.append([client.ask(request("POST", route, body, **_headers(h))) for route, body, h, _, _ in CASES])
             client.close()
     assert answers[0] == answers[1]

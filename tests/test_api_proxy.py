@@ -216,6 +216,37 @@ async def test_a_malformed_body_is_a_400_and_books_nothing(
         assert metric(await scrape(f.url), "kv_router_proxy_requests_total", outcome="bad_request", route=route) == 1
 
 
+async def test_nvext_pins_a_worker_as_route_does_and_names_what_it_refuses(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url) as f:
+        prompt = list(range(5000, 5000 + 4 * BLOCK))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/events", json=stored_event(1, prompt))).json()["applied"] == 1
+        api = f.client
+        raw = await api.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert raw.headers["x-kv-router-worker"] == "1"  # the holder, left to itself
+        # Dynamo's extension, read by the same struct as /v1/route's hints: the pin wins over the cache.
+        nvext = {"backend_instance_id": 2, "dp_rank": 0, "priority": 5, "annotations": [],
+                 "agent_hints": {"osl": 8, "priority": 2.5, "strict_priority": 1}}  # fmt: skip
+        raw = await api.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=2, extra_body={"nvext": nvext}
+        )
+        assert raw.headers["x-kv-router-worker"] == "2" and raw.parse().choices[0].text == " w1 w2"
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await api.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=2, extra_body={"nvext": {"backend_instance_id": 99}}
+            )
+        assert (
+            "nvext.backend_instance_id: worker 99 is not registered"
+            in unknown.value.response.json()["error"]["message"]
+        )
+        with pytest.raises(openai.BadRequestError) as bad:
+            await api.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=2, extra_body={"nvext": {"dp_rank": -1}}
+            )
+        assert "nvext.dp_rank" in bad.value.response.json()["error"]["message"]
+        assert idle(f.router)
+
+
 async def test_an_unknown_model_is_a_503(nats_server: EmbeddedNats) -> None:
     async with fleet(nats_server.url, (1,)) as f:
         with pytest.raises(openai.InternalServerError) as caught:

@@ -340,7 +340,11 @@ def test_health_readiness_and_openapi(client: TestClient) -> None:
     assert "tokens" in schemas["NewRequest"]["properties"]
     assert schemas["RouteDecision"]["required"][:2] == ["worker_id", "dp_rank"]
     router = document["paths"]["/v1/router"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert set(router["discriminator"]["mapping"]) == {"new", "potential_loads", "mark_prefill", "mark_free"}
+    assert set(router["discriminator"]["mapping"]) == {"new", "potential_loads", "mark_prefill", "mark_free", "route"}
+    # Dynamo's names on the wire: cache_namespace is cache_salt, is_probe _HEALTH_CHECK.
+    assert {"cache_salt", "backend_instance_id", "dp_rank"} <= set(schemas["RoutingHints"]["properties"])
+    assert {"token_ids", "routing", "mm_routing_info", "_HEALTH_CHECK"} <= set(schemas["RouteBody"]["properties"])
+    assert "/v1/route" in document["paths"]
     assert client.get("/docs").status_code == 200
 
 

@@ -167,3 +167,105 @@ def test_dynamos_own_publishers_feed_the_router_as_dynamos_radix_tree_says(
     finally:
         time.sleep(0.1)
         side.close()
+
+
+@pytest.mark.oracle
+def test_a_dynamo_worker_with_two_dp_ranks_is_routed_and_loaded_per_rank_through_a_restart_of_another(
+    router: TestClient, nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo's own publishers for dp ranks 0 and 1 of one worker and its metrics publisher: rank 1 is
+    learned, routed to, shown with its own load, and stays routable when another worker restarts."""
+    dynamo_core = pytest.importorskip("dynamo._core", reason="needs ai-dynamo-runtime==1.6.1 (the oracle extra)")
+    monkeypatch.setenv("DYN_EVENT_PLANE", "nats")
+    monkeypatch.setenv("NATS_SERVER", nats_server.url)
+    monkeypatch.setenv("DYN_LOG", "error")
+    side = SideLoop()
+    rng = random.Random(26)
+    on_rank = {rank: [rng.randrange(50_000) for _ in range(4 * BLOCK)] for rank in (0, 1)}
+    other_before, other_after = ([rng.randrange(50_000) for _ in range(3 * BLOCK)] for _ in range(2))
+    other_id = 77
+    kept: list[Any] = []
+    try:
+
+        async def start_worker() -> Any:
+            runtime = dynamo_core.DistributedRuntime(asyncio.get_running_loop(), "mem", "tcp")
+            endpoint = runtime.endpoint(ENDPOINT)
+            for rank, tokens in on_rank.items():
+                publisher = dynamo_core.KvEventPublisher(endpoint, kv_block_size=BLOCK, dp_rank=rank)
+                publisher.publish_stored(tokens, [BLOCK] * 4, [(rank + 1) * 100 + j for j in range(4)], None)
+                kept.append(publisher)
+            other = dynamo_core.KvEventPublisher(endpoint, worker_id=other_id, kv_block_size=BLOCK)
+            other.publish_stored(other_before, [BLOCK] * 3, [901, 902, 903], None)
+            metrics = dynamo_core.WorkerMetricsPublisher()
+            await metrics.create_endpoint(endpoint)
+            metrics.publish(0, 5, 7)
+            metrics.publish(1, 6, 9)
+            kept.extend([metrics, other, endpoint])
+            return runtime
+
+        runtime = side.call(start_worker())
+
+        def learned() -> set[int]:
+            return {w["config"]["worker_id"] for w in router.get("/v1/workers").json()["workers"]} - {other_id}
+
+        until(lambda: len(learned()) == 1, timeout=20)
+        (worker_id,) = learned()
+
+        def route(tokens: list[int]) -> tuple[int, int]:
+            decision = router.post("/v1/new", json={"tokens": tokens}).json()
+            return decision["worker_id"], decision["dp_rank"]
+
+        def ranks() -> dict[int, int | None]:
+            reply = router.get(f"/v1/workers/{worker_id}")
+            rows = reply.json()["ranks"] if reply.status_code == 200 else []
+            return {row["dp_rank"]: row["kv_used_blocks"] for row in rows}
+
+        until(lambda: ranks() == {0: 7, 1: 9}, timeout=20)
+        until(lambda: route(on_rank[1]) == (worker_id, 1) and route(on_rank[0]) == (worker_id, 0), timeout=20)
+        overlap = router.post("/v1/overlap", json={"tokens": on_rank[1]}).json()["workers"]
+        assert {(r["worker_id"], r["dp_rank"]): r["device_blocks"] for r in overlap}[(worker_id, 1)] == 4
+        until(lambda: route(other_before) == (other_id, 0), timeout=20)
+
+        async def restart_other() -> None:  # a new process of worker 77: a new publisher for its rank
+            endpoint = kept.pop()
+            kept.pop()
+            restarted = dynamo_core.KvEventPublisher(endpoint, worker_id=other_id, kv_block_size=BLOCK)
+            restarted.publish_stored(other_after, [BLOCK] * 3, [904, 905, 906], None)
+            kept.append(restarted)
+
+        side.call(restart_other())
+        until(lambda: route(other_after) == (other_id, 0), timeout=20)
+        dumped = {(e["worker_id"], e["event"]["dp_rank"]) for e in router.get("/v1/dump").json()}
+        assert dumped == {(worker_id, 0), (worker_id, 1), (other_id, 0)}
+        assert route(on_rank[1]) == (worker_id, 1)
+        assert ranks() == {0: 7, 1: 9}
+        runtime.shutdown()
+    finally:
+        kept.clear()
+        time.sleep(0.1)
+        side.close()
+
+
+def test_ranks_are_learned_only_for_learned_workers_and_only_as_far_as_a_registration_goes() -> None:
+    from typing import cast
+
+    from nats.aio.client import Client
+
+    from router.engines.dynamo_source import DynamoNatsSource, EventEnvelope
+    from router.kv_router import KvRouter
+    from router.types import WorkerConfig
+    from tests.dynamo_fleet import prompt_stored_event
+
+    router = KvRouter(RouterConfig(block_size=BLOCK), rng=random.Random(0))
+    router.register_worker(WorkerConfig(worker_id=5, block_size=BLOCK))  # the operator's: rank 0 only
+    source = DynamoNatsSource(cast(Client, None), router, ENDPOINT)
+    tokens = list(range(2 * BLOCK))
+    ranks = [(9, 3), (9, 1), (9, 5000), (5, 1)]
+    events = [prompt_stored_event(worker, tokens, BLOCK, dp_rank=rank) for worker, rank in ranks]
+    for sequence, event in enumerate(events):
+        source.take(EventEnvelope(publisher_id=sequence, sequence=0, payload=b""), [event])
+    learned, configured = router.worker(9), router.worker(5)
+    assert learned is not None and list(learned.dp_ranks) == [1, 2, 3]
+    assert configured is not None and list(configured.dp_ranks) == [0]
+    assert source.stats["rejected_bad_dp_rank"] == 1
+    assert {(row.worker_id, row.dp_rank) for row in router.rank_loads()} == {(5, 0), (9, 1), (9, 2), (9, 3)}

@@ -39,6 +39,8 @@ from prometheus_client import CollectorRegistry
 from api.auth import Access, ApiAuth, unauthorized_reply
 from api.codec import Reply
 from api.config import ProxyConfig, ServiceConfig
+from api.errors import ApiError
+from api.hints import routing_call
 from api.http_stream import Sink, StreamedRequest, StreamRoute
 from api.openapi import Schemas
 from api.proxy.downstream import AsgiDownstream, Downstream, Headers
@@ -57,8 +59,10 @@ from api.proxy.wire import (
     prompt_token_ids,
     reported_usage,
 )
+from api.wire import NvExt
 from indexer.errors import UNDECODABLE
 from indexer.hashing import pack_tokens
+from indexer.slots import WorkerRank
 from router.errors import AllWorkersOverloaded, NoEligibleWorker, QueueRejected
 from router.kv_router import KvRouter
 from router.types import RouteDecision, RouteRequest, WorkerConfig
@@ -337,18 +341,31 @@ class Proxy:
         # while a list of ints held for the stream's life is walked by every young collection (at 100
         # streams of 256 tokens, 25k visits each, most of its pause).
         packed = bytes(pack_tokens(tokens))
-        stream, expected_output_tokens = request.stream, request.expected_output_tokens
-        cache_namespace = request.cache_namespace
+        stream = request.stream
+        request_id = uuid.uuid4().hex
+        by_id = {worker.worker_id: worker for worker in workers}
+        # Dynamo's nvext hints, read as /v1/route reads a PreprocessedRequest's routing, and vLLM's
+        # cache_salt as the cache namespace.
+        nvext = request.nvext if request.nvext is not None else NvExt()
+        hints = nvext.routing_hints(cache_salt=request.cache_namespace)
+        try:
+            routing = routing_call(self.router, packed, hints, request_id=request_id, field_prefix="nvext.")
+        except ApiError as exc:
+            raise _refused(exc.status, "invalid_request_error", exc.message, exc.type) from None
+        if routing.pinned is not None and routing.pinned[0] not in by_id:
+            message = (
+                f"nvext.backend_instance_id: worker {routing.pinned[0]} does not serve model {model!r} over HTTP "
+                "(or is cooling down after a failure)"
+            )
+            raise _refused(400, "invalid_request_error", message, "bad_request")
         del request, prompt, tokens
         # What the worker gets of the client's headers besides the content type: its credentials.
         headers = b"authorization: " + authorization + b"\r\n" if authorization is not None else b""
         path = _PATHS[route]
-        request_id = uuid.uuid4().hex
-        by_id = {worker.worker_id: worker for worker in workers}
-        among = set(by_id)
+        among = set(by_id) if routing.among is None else set(by_id) & routing.among
         failures: list[str] = []
         for _attempt in range(self.config.proxy_retries + 1):
-            decision = await self._book(packed, request_id, among, expected_output_tokens, cache_namespace)
+            decision = await self._book(routing.request, among, routing.pinned)
             worker = by_id[decision.worker_id]
             try:
                 return await self._forward(worker, decision, path, body, headers, stream, reply, received)
@@ -356,28 +373,15 @@ class Proxy:
                 failures.append(f"worker {worker.worker_id}: {failed}")
                 self.cool_down(worker.worker_id, str(failed))
                 among.discard(worker.worker_id)
-                if not among:
+                if not among or routing.pinned is not None:  # a pinned request has no other worker
                     break
             finally:
                 self.router.mark_free(request_id)
         raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
-    async def _book(
-        self,
-        tokens: bytes,
-        request_id: str,
-        among: set[int],
-        expected_output_tokens: int | None,
-        cache_namespace: str | None,
-    ) -> RouteDecision:
-        routed = RouteRequest(
-            tokens=tokens,
-            request_id=request_id,
-            expected_output_tokens=expected_output_tokens,
-            cache_namespace=cache_namespace,
-        )
+    async def _book(self, routed: RouteRequest, among: set[int], pinned: WorkerRank | None) -> RouteDecision:
         try:
-            return await self.router.new(routed, among=among)
+            return await self.router.new(routed, among=among, pinned_worker=pinned)
         except QueueRejected as exc:
             retry_after = str(self.config.proxy_retry_after_secs)
             raise _refused(429, "rate_limit_exceeded", str(exc), "queue_rejected", retry_after=retry_after) from None

@@ -1,19 +1,21 @@
 """The OpenAI bodies the proxy reads, and the ones it writes itself.
 
 The proxy forwards a request's body to the worker byte for byte; it decodes only what routing needs
-(model, prompt or messages, stream, ``cache_salt`` (vLLM's: the prompt is hashed in that cache
-namespace, as the engine salts its blocks), and Dynamo's ``nvext.agent_hints.osl``, the expected
-output length) and checks it, so a malformed body is refused before anything is booked. Unknown fields are the
+(model, prompt or messages, stream, Dynamo's ``nvext``: its routing hints, decoded by the same
+struct as ``/v1/route``'s, `api.wire.NvExt`, and vLLM's ``cache_salt``: the prompt is hashed in that
+cache namespace, as the engine salts its blocks) and checks it, so a malformed body is refused before
+anything is booked. Unknown fields are the
 engine's business and pass through. Errors are OpenAI's shape, ``{"error": {"message", "type",
 "param", "code"}}``, which carries the service's ``type`` and ``message`` too.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
+from api.wire import NvExt
 from indexer.errors import UNDECODABLE
 from indexer.events import U32, U32_MAX
 
@@ -33,18 +35,6 @@ __all__ = [
 ]
 
 
-class AgentHints(msgspec.Struct, kw_only=True):
-    """Dynamo's ``nvext.agent_hints``: ``osl``, the output tokens the request expects to generate."""
-
-    osl: Annotated[int, msgspec.Meta(ge=1)] | None = None
-
-
-class NvExt(msgspec.Struct, kw_only=True):
-    """Dynamo's request extension; only its agent hints are read."""
-
-    agent_hints: AgentHints | None = None
-
-
 class _Body(msgspec.Struct, kw_only=True):
     model: str
     stream: bool = False
@@ -57,11 +47,6 @@ class _Body(msgspec.Struct, kw_only=True):
         """The cache namespace the prompt is hashed in (None: the shared one); the one place a body's
         salt is read, whatever field carries it."""
         return self.cache_salt or None
-
-    @property
-    def expected_output_tokens(self) -> int | None:
-        hints = self.nvext.agent_hints if self.nvext is not None else None
-        return hints.osl if hints is not None else None
 
 
 class CompletionBody(_Body, kw_only=True):

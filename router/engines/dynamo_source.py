@@ -12,7 +12,9 @@ to both for one ``NS.COMPONENT.ENDPOINT``:
   and the rank is cleared before the new publisher's events apply;
 - events are renumbered per rank from 1 (Dynamo's own ids start at 0) and enter through the router's
   one door, ``router.events.ingest``;
-- a worker that is not registered is learned from its events with a WARNING and default capacity.
+- a worker that is not registered is learned from its events with a WARNING and default capacity,
+  with every dp rank its events or load reports show (`LearnedWorkers`: each rank routable with its
+  own load; Dynamo runs one publisher per rank and one metrics publisher for all of them).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from nats.aio.subscription import Subscription
 from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.events import RouterEvent, cleared_event, decode_router_events
 from indexer.slots import WorkerRank
-from router.engines.direct import ensure_registered
+from router.engines.learned_workers import LearnedWorkers
 from router.errors import UnknownWorker
 from router.event_plane.messages import ActiveLoad
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -81,6 +83,7 @@ class DynamoNatsSource:
         self._last_id: dict[WorkerRank, int] = {}
         self._subscriptions: list[Subscription] = []
         self._bad_input = RateLimitedLog(log)
+        self._learned = LearnedWorkers(router, "Dynamo")
 
     async def start(self) -> None:
         self._subscriptions = [
@@ -116,7 +119,11 @@ class DynamoNatsSource:
         batch: list[RouterEvent] = []
         for event in events:
             rank = (event.worker_id, event.event.dp_rank)
-            ensure_registered(self.router, event.worker_id, "Dynamo")
+            try:
+                self._learned.ensure(*rank)
+            except ValueError as exc:
+                self._reject("bad_dp_rank", f"worker {rank[0]} dp_rank {rank[1]}: {exc}")
+                continue
             previous = self._rank_publisher.get(rank)
             if previous != publisher:
                 self._rank_publisher[rank] = publisher
@@ -145,8 +152,8 @@ class DynamoNatsSource:
             return
         if load.kv_used_blocks is None:
             return
-        ensure_registered(self.router, load.worker_id, "Dynamo")
         try:
+            self._learned.ensure(load.worker_id, load.dp_rank)
             self.router.update_kv_used_blocks(load.worker_id, load.dp_rank, load.kv_used_blocks)
         except (UnknownWorker, KeyError, ValueError) as exc:
             self._reject("load_for_unknown_rank", str(exc))
