@@ -27,6 +27,7 @@ from router.errors import ConfigError
 from router.policies.registry import policy_names
 
 __all__ = [
+    "ANY_MODEL",
     "ENV_PREFIX",
     "SECRETS",
     "SECTIONS",
@@ -43,6 +44,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KV_ROUTER_"
+# `ProxyConfig.tokenizer_paths`' key of the files for every model without its own.
+ANY_MODEL = "*"
 
 
 def _doc(text: str) -> msgspec.Meta:
@@ -297,9 +300,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     tokenizer: Annotated[
         list[str],
         _doc(
-            "a local tokenizer for a model's text prompts: MODEL=PATH to a tokenizer.json (never downloaded; "
-            "repeatable; environment: a JSON list); other models and chat messages are tokenized by a worker's "
-            "/tokenize"
+            "a model's own tokenizer files, so the proxy tokenizes its text and chat prompts itself: "
+            "MODEL=PATH, or PATH for every model without its own; PATH a model directory (tokenizer.json, and "
+            "the chat template of chat_template.jinja or tokenizer_config.json) or a tokenizer.json (its "
+            "directory read the same way); never downloaded; repeatable; environment: a JSON list. Other "
+            "models are tokenized by a worker's /tokenize"
         ),
     ] = []
 
@@ -307,12 +312,12 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         self.tokenizer_paths()  # a malformed value fails at start-up, naming the setting
 
     def tokenizer_paths(self) -> dict[str, Path]:
-        """Model name -> tokenizer.json, from ``tokenizer``."""
+        """Model name (`ANY_MODEL`: every model without its own) -> its directory or tokenizer.json."""
         paths: dict[str, Path] = {}
         for item in self.tokenizer:
-            model, sep, path = item.partition("=")
+            model, sep, path = item.partition("=") if "=" in item else (ANY_MODEL, "=", item)
             if not sep or not model.strip() or not path.strip():
-                raise ValueError(f"tokenizer: expected MODEL=PATH, got {item!r}")
+                raise ValueError(f"tokenizer: expected MODEL=PATH or PATH, got {item!r}")
             paths[model.strip()] = Path(path.strip())
         return paths
 
@@ -507,8 +512,10 @@ def _check_files(settings: Settings) -> None:
     """Files that must be readable on this host."""
     settings.security.token()
     for model, path in settings.proxy.tokenizer_paths().items():
-        if not os.access(path, os.R_OK) or not path.is_file():
-            raise ConfigError("tokenizer", f"model {model!r}: cannot read {path}")
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not os.access(file, os.R_OK) or not file.is_file():
+            whose = "every model" if model == ANY_MODEL else f"model {model!r}"
+            raise ConfigError("tokenizer", f"{whose}: cannot read {file}")
     for name in ("ssl_certfile", "ssl_keyfile"):
         path = getattr(settings.security, name)
         if path is not None and not os.access(path, os.R_OK):

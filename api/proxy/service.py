@@ -45,7 +45,7 @@ from api.http_stream import Sink, StreamedRequest, StreamRoute
 from api.openapi import Schemas
 from api.proxy.downstream import AsgiDownstream, Downstream, Headers
 from api.proxy.metrics import ProxyMetrics
-from api.proxy.tokens import PromptTokenizer, TokenizeFailed, load_tokenizers
+from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
 from api.proxy.wire import (
     ChatBody,
@@ -114,7 +114,7 @@ class Proxy:
         self.config = config
         self.metrics = ProxyMetrics(registry, config.proxy_calibration_window)
         self.upstream = Upstream(config)
-        self.tokenizer = PromptTokenizer(load_tokenizers(config.tokenizer_paths()), self.upstream)
+        self.tokenizer = PromptTokenizer(load_model_files(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
         # Output progress changes what routing reads only with output blocks tracked or a policy pricing
@@ -323,13 +323,15 @@ class Proxy:
             raise _refused(503, "service_unavailable", f"no worker serves model {model!r}", "no_worker")
         try:
             if isinstance(request, ChatBody):
-                tokens = await self.tokenizer.chat(model, request.messages, workers)
+                tokens = await self.tokenizer.chat(request, workers)
             elif isinstance(prompt, str):
                 tokens = await self.tokenizer.text(model, prompt, workers)
             else:
                 tokens = prompt
         except TokenizeFailed as exc:
             raise _refused(503, "service_unavailable", str(exc), "tokenize_failed") from None
+        except TemplateRefused as exc:
+            raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
         if not tokens:
             raise _refused(400, "invalid_request_error", "the prompt has no tokens", "bad_request")
         if len(tokens) > self._max_prompt_tokens:

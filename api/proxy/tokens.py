@@ -1,31 +1,44 @@
 """The token ids a request is routed by.
 
-A prompt of token ids is used as it is. Text prompts of a model with a local tokenizer (``--tokenizer
-MODEL=PATH``, a ``tokenizer.json`` read with the ``tokenizers`` package, nothing downloaded) are
-encoded here; every other text prompt, and every chat request, is tokenized by a worker serving the
-model through its ``/tokenize`` endpoint (vLLM's and SGLang's shape), which applies the engine's own
-chat template: routing tokens that differ from the engine's give silent cache misses.
+A prompt of token ids is used as it is. A model with local files (``--tokenizer``: a model directory
+or a ``tokenizer.json``, per model or for every model; nothing downloaded) is tokenized here: text with
+its ``tokenizer.json`` (special tokens added by its post-processor, as vLLM's completions do), chat
+rendered by its chat template (`api.proxy.chat_template`, from ``chat_template.jinja`` or
+``tokenizer_config.json`` beside it) and encoded without special tokens (vLLM's default for chat: the
+template writes them). Everything else goes to a worker serving the model through its ``/tokenize``
+(vLLM's and SGLang's shape), which applies the engine's own template: routing tokens that differ from
+the engine's are silent cache misses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import msgspec
 from tokenizers import Tokenizer
 
+from api.config import ANY_MODEL
+from api.proxy.chat_template import ChatTemplate, NotLocal
 from api.proxy.upstream import Upstream, UpstreamError
-from api.proxy.wire import ChatMessage, TokenizeReply
+from api.proxy.wire import ChatBody, TokenizeReply
 from indexer.errors import UNDECODABLE
 from router.types import WorkerConfig
 
-__all__ = ["PromptTokenizer", "TokenizeFailed", "load_tokenizers"]
+__all__ = ["ModelFiles", "PromptTokenizer", "TemplateRefused", "TokenizeFailed", "load_model_files"]
 
-# Longer texts are encoded off the event loop.
+log = logging.getLogger(__name__)
+
+# Longer texts are encoded off the event loop (tokenizers lets go of the GIL while it encodes).
 _INLINE_CHARS = 16_384
+# Hugging Face's named special tokens, handed to the chat template.
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 _decode_tokens = msgspec.json.Decoder(TokenizeReply).decode
 _encode = msgspec.json.Encoder().encode
@@ -35,34 +48,116 @@ class TokenizeFailed(Exception):
     """No worker could tokenize the prompt."""
 
 
-def load_tokenizers(paths: dict[str, Path]) -> dict[str, Tokenizer]:
-    """The local tokenizers; raises ``ValueError`` naming a file that cannot be read."""
-    loaded = {}
-    for model, path in paths.items():
+class TemplateRefused(ValueError):
+    """The chat template refused the conversation (``raise_exception``), as the engine would."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model's tokenizer and chat template (none: chat goes to the engine), loaded once."""
+
+    tokenizer: Tokenizer
+    template: ChatTemplate | None
+
+
+def load_model_files(paths: dict[str, Path]) -> dict[str, ModelFiles]:
+    """Each model's files (`ANY_MODEL`: the others'); raises ``ValueError`` naming the file that
+    cannot be used."""
+    return {model: _load(model, path) for model, path in paths.items()}
+
+
+def _load(model: str, path: Path) -> ModelFiles:
+    where = "every model" if model == ANY_MODEL else f"model {model!r}"
+    directory, tokenizer_file = (path, path / "tokenizer.json") if path.is_dir() else (path.parent, path)
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:
+        raise ValueError(f"tokenizer of {where}: cannot load {tokenizer_file}: {exc}") from None
+    config = _json_object(directory / "tokenizer_config.json", where)
+    special_map = _json_object(directory / "special_tokens_map.json", where)
+    special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name, special_map.get(name))))}
+    templates, source = _templates(directory, config)
+    if not templates:
+        log.info("%s: no chat template beside %s; chat is tokenized by the workers", where, tokenizer_file)
+        return ModelFiles(tokenizer, None)
+    try:
+        template = ChatTemplate(templates, special)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template of {where}: {source}: line {exc.lineno}: {exc.message}") from None
+    return ModelFiles(tokenizer, template)
+
+
+def _json_object(path: Path, where: str) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"tokenizer of {where}: cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"tokenizer of {where}: {path}: expected a JSON object")
+    return value
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as the files give it: a string, or an added token's ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _templates(directory: Path, config: dict[str, Any]) -> tuple[dict[str, str], Path]:
+    """The chat templates by name, and the file they come from: ``chat_template.jinja`` wins over
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name", "template"}``),
+    as in ``transformers``."""
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.exists():
         try:
-            loaded[model] = Tokenizer.from_file(str(path))
-        except Exception as exc:
-            raise ValueError(f"tokenizer for model {model!r}: cannot load {path}: {exc}") from None
-    return loaded
+            return {"default": jinja_file.read_text(encoding="utf-8")}, jinja_file
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"chat template: cannot read {jinja_file}: {exc}") from None
+    config_file = directory / "tokenizer_config.json"
+    given = config.get("chat_template")
+    if given is None:
+        return {}, config_file
+    if isinstance(given, str):
+        return {"default": given}, config_file
+    if isinstance(given, list) and all(
+        isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("template"), str)
+        for item in given
+    ):
+        return {item["name"]: item["template"] for item in given}, config_file
+    raise ValueError(f"chat template: {config_file}: chat_template is neither a string nor a list of templates")
 
 
 class PromptTokenizer:
-    def __init__(self, local: dict[str, Tokenizer], upstream: Upstream) -> None:
+    def __init__(self, local: dict[str, ModelFiles], upstream: Upstream) -> None:
         self._local = local
         self._upstream = upstream
         self._turn = 0  # the workers take turns at tokenizing
 
-    async def text(self, model: str, text: str, workers: Sequence[WorkerConfig]) -> list[int]:
-        tokenizer = self._local.get(model)
-        if tokenizer is None:
-            return await self._remote({"model": model, "prompt": text}, workers)
-        if len(text) <= _INLINE_CHARS:
-            return list(tokenizer.encode(text).ids)
-        encoding = await asyncio.to_thread(tokenizer.encode, text)
-        return list(encoding.ids)
+    def _files(self, model: str) -> ModelFiles | None:
+        return self._local.get(model) or self._local.get(ANY_MODEL)
 
-    async def chat(self, model: str, messages: list[ChatMessage], workers: Sequence[WorkerConfig]) -> list[int]:
-        return await self._remote({"model": model, "messages": messages, "add_generation_prompt": True}, workers)
+    async def text(self, model: str, text: str, workers: Sequence[WorkerConfig]) -> list[int]:
+        files = self._files(model)
+        if files is None:
+            return await self._remote({"model": model, "prompt": text}, workers)
+        return await _encoded(files.tokenizer, text, add_special_tokens=True)
+
+    async def chat(self, request: ChatBody, workers: Sequence[WorkerConfig]) -> list[int]:
+        """Raises `TemplateRefused` when the model's template refuses the conversation."""
+        files = self._files(request.model)
+        if files is not None and files.template is not None:
+            try:
+                text = files.template.render(request)
+            except NotLocal:
+                pass
+            except jinja2.TemplateError as exc:
+                raise TemplateRefused(f"the chat template refused the messages: {exc.message}") from None
+            else:
+                return await _encoded(files.tokenizer, text, add_special_tokens=request.add_special_tokens)
+        return await self._remote(request.tokenize_body(), workers)
 
     async def _remote(self, body: dict[str, Any], workers: Sequence[WorkerConfig]) -> list[int]:
         """Ask the workers, starting with the next one's turn, until one answers."""
@@ -82,3 +177,10 @@ class PromptTokenizer:
             except UNDECODABLE as exc:
                 problems.append(f"worker {worker.worker_id}: {type(exc).__name__}")
         raise TokenizeFailed("no worker could tokenize the prompt (" + "; ".join(problems or ["none serves it"]) + ")")
+
+
+async def _encoded(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    if len(text) <= _INLINE_CHARS:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    encoding = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    return list(encoding.ids)

@@ -61,15 +61,34 @@ class TokenIdsBody(_Body, kw_only=True):
     prompt: list[U32]
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A chat message's fields that the chat template sees (vLLM's choice); the others are dropped."""
+
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
 
 
 class ChatBody(_Body, kw_only=True):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``: what its prompt is rendered from (vLLM's fields and defaults)."""
 
     messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def tokenize_body(self) -> dict[str, Any]:
+        """The same chat for a worker's ``/tokenize`` (vLLM's shape)."""
+        fields = ("messages", "tools", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+                  "chat_template", "chat_template_kwargs")  # fmt: skip
+        given = {name: getattr(self, name) for name in fields}
+        return {"model": self.model, **{name: value for name, value in given.items() if value is not None}}
 
 
 class OpenAIError(msgspec.Struct, kw_only=True):
