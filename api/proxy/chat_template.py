@@ -86,10 +86,11 @@ def _iterates_over_content(ast: jinja2.nodes.Template) -> bool:
     variable ``content``): vLLM then hands the template content as a list of parts, not a string."""
     for loop in ast.find_all(jinja2.nodes.For):
         for node in (loop.iter, *loop.iter.find_all(jinja2.nodes.Node)):
+            key = node.arg if isinstance(node, jinja2.nodes.Getitem) else None
             named = (
                 (isinstance(node, jinja2.nodes.Name) and node.name)
                 or (isinstance(node, jinja2.nodes.Getattr) and node.attr)
-                or (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) and node.arg.value)
+                or (isinstance(key, jinja2.nodes.Const) and key.value)
             )
             if named == "content":
                 return True
