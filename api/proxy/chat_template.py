@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any, ClassVar, NoReturn
+from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
@@ -45,7 +45,7 @@ class NotLocal(Exception):
 class _Generation(jinja2.ext.Extension):
     """Hugging Face's ``{% generation %}...{% endgeneration %}``: marks assistant text, renders as is."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it so)
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
