@@ -6,7 +6,8 @@ HTML escaping, ``raise_exception`` and ``strftime_now``; the template gets ``mes
 ``documents``, ``add_generation_prompt``, the tokenizer's named special tokens (``bos_token``,
 ``eos_token``, ...) and the request's ``chat_template_kwargs``. vLLM's preparation of the request is
 followed too: a message keeps ``role``, ``content`` (none: ``""``), ``name``, an assistant's
-``tool_calls`` (``arguments`` parsed from JSON into an object) and ``reasoning``, a tool's
+``tool_calls`` (``id``, ``function`` with ``arguments`` parsed from JSON into an object, then
+``name``, and ``type``) and ``reasoning``, a tool's
 ``tool_call_id``; a tool keeps ``type`` and its function's ``name``, ``description``, ``parameters``
 (``null`` when absent) and ``strict``.
 
@@ -157,20 +158,20 @@ def _message(message: ChatMessage) -> dict[str, Any]:
 
 
 def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
-    """An assistant's tool call, its ``arguments`` an object as templates expect (vLLM: a string that
-    is not a JSON object becomes ``{}``)."""
+    """An assistant's tool call as vLLM rebuilds it (OpenAI's fields in their declared order, others
+    dropped), its ``arguments`` an object as templates expect (a string that is not a JSON object: ``{}``)."""
     function = call.get("function")
-    if call.get("type", "function") != "function" or not isinstance(function, dict):
-        raise NotLocal("a tool call that is not a function")
-    arguments = function.get("arguments")
-    if isinstance(arguments, str) and arguments:
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            arguments = {}
-    if not isinstance(arguments, dict):
-        arguments = {}
-    return {**call, "function": {**function, "arguments": arguments}}
+    if call.get("type") != "function" or not isinstance(call.get("id"), str) or not isinstance(function, dict):
+        raise NotLocal("a tool call that is not a function call")
+    arguments, name = function.get("arguments"), function.get("name")
+    if not isinstance(arguments, str) or not isinstance(name, str):
+        raise NotLocal("a function call without a name or arguments")
+    try:
+        parsed = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        parsed = {}
+    return {"id": call["id"], "function": {"arguments": parsed if isinstance(parsed, dict) else {}, "name": name},
+            "type": "function"}  # fmt: skip
 
 
 def _tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
