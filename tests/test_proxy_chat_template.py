@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import msgspec
 import pytest
 
@@ -87,8 +88,11 @@ def test_strftime_now_gives_todays_date_when_the_request_names_none(model_dirs: 
         {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]},
     ],
 )
-async def test_what_is_not_rendered_here_goes_to_the_engine(model_dirs: dict[str, Path], change: dict[str, Any]) -> None:
-    body = msgspec.convert({"model": "chatml-tools", "messages": [{"role": "user", "content": "hi"}], **change}, ChatBody)
+async def test_what_is_not_rendered_here_goes_to_the_engine(
+    model_dirs: dict[str, Path], change: dict[str, Any]
+) -> None:
+    given = {"model": "chatml-tools", "messages": [{"role": "user", "content": "hi"}], **change}
+    body = msgspec.convert(given, ChatBody)
     tokenizer = local_only(model_dirs, "chatml-tools")
     with pytest.raises(TokenizeFailed, match="none serves it"):  # it asked the (absent) workers
         await tokenizer.chat(body, [])
@@ -109,7 +113,7 @@ def test_the_template_cannot_reach_python_internals(tmp_path: Path) -> None:
     directory = assemble("chatml-tools", tmp_path / "evil")
     (directory / "chat_template.jinja").write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
     files = load_model_files({"m": directory})["m"]
-    with pytest.raises(Exception, match="unsafe|not safely|access"):
+    with pytest.raises(jinja2.exceptions.SecurityError):
         render(files, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
 
 

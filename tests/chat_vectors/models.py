@@ -28,6 +28,8 @@ def _template(name: str) -> str:
     return (HERE / f"{name}.jinja").read_text(encoding="utf-8")
 
 
+_PLAIN_TOKEN = {"lstrip": False, "normalized": False, "rstrip": False, "special": True}
+
 # name -> the token its post-processor puts in front of a text (None: none), and its files
 MODELS: dict[str, dict[str, Any]] = {
     # Llama-3-like: BOS from the post-processor for text, from the template for chat; tools in the system turn.
@@ -45,8 +47,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "inst-no-generation-prompt": {
         "prefix": "<s>",
         "config": {
-            "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "special": True},
-            "eos_token": {"__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": False, "rstrip": False, "special": True},
+            "bos_token": {"__type": "AddedToken", "content": "<s>", **_PLAIN_TOKEN},
+            "eos_token": {"__type": "AddedToken", "content": "</s>", **_PLAIN_TOKEN},
             "unk_token": "<unk>",
         },
         "jinja_file": "inst_no_generation_prompt",

@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models import CASES, HERE, MODELS, SPECIAL_TOKENS, VECTORS, assemble  # noqa: E402
+from models import CASES, HERE, MODELS, SPECIAL_TOKENS, VECTORS, assemble
 
 _LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
@@ -34,7 +34,7 @@ def train() -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     words = "the a dragon story weather city time tool call answer hello there how are you today tell me about"
-    corpus = [" ".join(words.split()[i:] + words.split()[:i]) + " Zürich 12:00 {\"temp\": 21}" for i in range(19)]
+    corpus = [" ".join(words.split()[i:] + words.split()[:i]) + ' Zürich 12:00 {"temp": 21}' for i in range(19)]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
