@@ -271,31 +271,62 @@ async def test_many_concurrent_streams_leave_no_load_behind(nats_server: Embedde
         assert idle(f.router)
 
 
-async def test_text_prompts_of_a_model_with_a_local_tokenizer_are_tokenized_by_the_proxy(
-    nats_server: EmbeddedNats, tmp_path: Path
-) -> None:
-    # A tokenizer.json giving each ASCII character its code: the mock engine's own ids for ASCII text.
+def mock_engine_files(directory: Path) -> Path:
+    """The mock engine's tokenizer files: each ASCII character its code, chat rendered as it renders it."""
     tokenizer = Tokenizer(models.WordLevel(vocab={chr(i): i for i in range(1, 128)}, unk_token="\x01"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    path = tmp_path / "tokenizer.json"
-    tokenizer.save(str(path))
-    async with fleet(nats_server.url, proxy={"tokenizer": [f"{MODEL}={path}"]}) as f:
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    )
+    (directory / "tokenizer_config.json").write_text(msgspec.json.encode({"chat_template": template}).decode())
+    return directory
+
+
+async def test_a_model_with_local_files_is_tokenized_by_the_proxy_for_text_and_chat(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    files = mock_engine_files(tmp_path / "model")
+    async with fleet(nats_server.url, proxy={"tokenizer": [f"{MODEL}={files}"]}) as f:
         prefix = "the same long system prompt. " * 20  # 580 characters: 9 blocks of 64
         first = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prefix + "one", max_tokens=2)
         holder = first.headers["x-kv-router-worker"]
         ids = list(prefix.encode())
 
-        def indexed() -> bool:
+        def indexed(ids: list[int]) -> bool:
             return any(row.device_blocks == len(ids) // BLOCK for row in f.router.overlap(ids).workers)
 
-        await eventually(indexed)
+        await eventually(lambda: indexed(ids))
         second = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prefix + "two", max_tokens=2)
         assert second.headers["x-kv-router-worker"] == holder
         assert int(second.headers["x-kv-router-cached-tokens"]) == len(ids) // BLOCK * BLOCK
+        assert second.parse().usage.prompt_tokens_details.cached_tokens == len(ids) // BLOCK * BLOCK
+
+        # Chat: rendered here by the model's template, the engine's tokens; the prediction is what it reports.
+        system = {"role": "system", "content": "You answer questions about routing. " * 12}
+        chat = [system, {"role": "user", "content": "first?"}]
+        await f.client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1)  # type: ignore[arg-type]
+        rendered = list(f"<|system|>\n{system['content']}\n<|user|>\n".encode())
+        await eventually(lambda: indexed(rendered))
+        again = await f.client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[system, {"role": "user", "content": "second?"}],
+            max_tokens=1,  # type: ignore[list-item]
+        )
+        predicted = int(again.headers["x-kv-router-cached-tokens"])
+        assert predicted == len(rendered) // BLOCK * BLOCK > 0
+        assert again.parse().usage.prompt_tokens_details.cached_tokens == predicted
         assert all(api.tokenized == 0 for api in f.apis.values())  # no worker was asked to tokenize
-        # Chat still goes to the worker's /tokenize: only the engine knows its chat template.
+        assert idle(f.router)
+
+
+async def test_without_local_files_text_and_chat_are_tokenized_by_a_worker(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url) as f:
+        await f.client.completions.create(model=MODEL, prompt="some text", max_tokens=1)
         await f.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
-        assert sum(api.tokenized for api in f.apis.values()) == 1
+        assert sum(api.tokenized for api in f.apis.values()) == 2
         assert idle(f.router)
 
 
