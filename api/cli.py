@@ -216,6 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if showing:
         print(show_settings(settings, origin, problems), end="")
         return 0
+    if settings.proxy.proxy and settings.proxy.tokenizer:
+        from api.proxy.tokens import load_model_files  # the model files first: a bad one stops the command
+
+        try:
+            load_model_files(settings.proxy.tokenizer_paths())
+        except ConfigError as exc:
+            parser.error(str(exc))
     from api.server import ListenError, serve  # imported late: --help and --version stay fast
 
     try:

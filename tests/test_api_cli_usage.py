@@ -83,6 +83,25 @@ def test_a_bad_value_is_one_line_and_exit_code_2(argv: list[str], says: str) -> 
     assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
 
 
+def test_a_bad_model_file_stops_serve_in_one_line_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tmp_path / "chat_template.jinja").write_text("{% if add_generation_prompt %}")
+    for flag, says in (
+        (str(tmp_path), f"tokenizer: every model: cannot load {tmp_path / 'tokenizer.json'}"),
+        (f"m={tmp_path}", "tokenizer: model 'm': cannot load"),
+    ):
+        done = _kv("serve", "--proxy", "--tokenizer", flag, "--port", "1")
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 1
+    from tests.chat_vectors.models import assemble  # a good tokenizer.json, then a template that does not compile
+
+    assemble("chatml-tools", tmp_path / "model")
+    (tmp_path / "model" / "chat_template.jinja").write_text("{% if add_generation_prompt %}")
+    done = _kv("serve", "--proxy", "--tokenizer", str(tmp_path / "model"), "--port", "1")
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert f"chat template {tmp_path / 'model' / 'chat_template.jinja'}: line 1: " in done.stderr
+
+
 def test_bad_config_files_and_environment(tmp_path: Path) -> None:
     bad_json = tmp_path / "bad.json"
     bad_json.write_text('{"block_size": ')

@@ -22,6 +22,7 @@ from api.proxy.chat_template import NotLocal
 from api.proxy.tokens import ModelFiles, PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.upstream import Upstream
 from api.proxy.wire import ChatBody
+from router.errors import ConfigError
 from tests.chat_vectors.models import CASES, MODELS, VECTORS, assemble
 
 pytestmark = pytest.mark.anyio
@@ -130,6 +131,6 @@ def test_the_template_cannot_reach_python_internals(tmp_path: Path) -> None:
 def test_a_bad_file_is_named_in_one_line(tmp_path: Path, file: str, content: str, message: str) -> None:
     directory = assemble("chatml-tools", tmp_path / "bad")
     (directory / file).write_text(content)
-    with pytest.raises(ValueError, match=message) as raised:
+    with pytest.raises(ConfigError, match=message) as raised:
         load_model_files({"m": directory})
     assert "\n" not in str(raised.value) and str(directory / file) in str(raised.value)

@@ -13,6 +13,7 @@ the engine's are silent cache misses.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from api.proxy.chat_template import ChatTemplate, NotLocal
 from api.proxy.upstream import Upstream, UpstreamError
 from api.proxy.wire import ChatBody, TokenizeReply
 from indexer.errors import UNDECODABLE
+from router.errors import ConfigError
 from router.types import WorkerConfig
 
 __all__ = ["ModelFiles", "PromptTokenizer", "TemplateRefused", "TokenizeFailed", "load_model_files"]
@@ -61,30 +63,36 @@ class ModelFiles:
 
 
 def load_model_files(paths: dict[str, Path]) -> dict[str, ModelFiles]:
-    """Each model's files (`ANY_MODEL`: the others'); raises ``ValueError`` naming the file that
-    cannot be used."""
-    return {model: _load(model, path) for model, path in paths.items()}
+    """Each model's files (`ANY_MODEL`: the others'); raises `ConfigError` (setting ``tokenizer``)
+    naming the file that cannot be used, in one line. Loaded once a process: the command's check
+    before it starts serving and the app share them."""
+    return {model: _load(model, path.resolve()) for model, path in paths.items()}
 
 
+@functools.lru_cache(maxsize=64)
 def _load(model: str, path: Path) -> ModelFiles:
     where = "every model" if model == ANY_MODEL else f"model {model!r}"
     directory, tokenizer_file = (path, path / "tokenizer.json") if path.is_dir() else (path.parent, path)
     try:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     except Exception as exc:
-        raise ValueError(f"tokenizer of {where}: cannot load {tokenizer_file}: {exc}") from None
+        raise ConfigError("tokenizer", f"{where}: cannot load {tokenizer_file}: {_one_line(exc)}") from None
     config = _json_object(directory / "tokenizer_config.json", where)
     special_map = _json_object(directory / "special_tokens_map.json", where)
     special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name, special_map.get(name))))}
-    templates, source = _templates(directory, config)
+    templates, source = _templates(directory, config, where)
     if not templates:
         log.info("%s: no chat template beside %s; chat is tokenized by the workers", where, tokenizer_file)
         return ModelFiles(tokenizer, None)
     try:
         template = ChatTemplate(templates, special)
     except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"chat template of {where}: {source}: line {exc.lineno}: {exc.message}") from None
+        raise ConfigError("tokenizer", f"{where}: chat template {source}: line {exc.lineno}: {exc.message}") from None
     return ModelFiles(tokenizer, template)
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 def _json_object(path: Path, where: str) -> dict[str, Any]:
@@ -93,9 +101,9 @@ def _json_object(path: Path, where: str) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"tokenizer of {where}: cannot read {path}: {exc}") from None
+        raise ConfigError("tokenizer", f"{where}: cannot read {path}: {_one_line(exc)}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"tokenizer of {where}: {path}: expected a JSON object")
+        raise ConfigError("tokenizer", f"{where}: {path}: expected a JSON object")
     return value
 
 
@@ -106,7 +114,7 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _templates(directory: Path, config: dict[str, Any]) -> tuple[dict[str, str], Path]:
+def _templates(directory: Path, config: dict[str, Any], where: str) -> tuple[dict[str, str], Path]:
     """The chat templates by name, and the file they come from: ``chat_template.jinja`` wins over
     ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name", "template"}``),
     as in ``transformers``."""
@@ -115,7 +123,7 @@ def _templates(directory: Path, config: dict[str, Any]) -> tuple[dict[str, str],
         try:
             return {"default": jinja_file.read_text(encoding="utf-8")}, jinja_file
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"chat template: cannot read {jinja_file}: {exc}") from None
+            raise ConfigError("tokenizer", f"{where}: cannot read {jinja_file}: {_one_line(exc)}") from None
     config_file = directory / "tokenizer_config.json"
     given = config.get("chat_template")
     if given is None:
@@ -127,7 +135,7 @@ def _templates(directory: Path, config: dict[str, Any]) -> tuple[dict[str, str],
         for item in given
     ):
         return {item["name"]: item["template"] for item in given}, config_file
-    raise ValueError(f"chat template: {config_file}: chat_template is neither a string nor a list of templates")
+    raise ConfigError("tokenizer", f"{where}: {config_file}: chat_template is neither a string nor a list of templates")
 
 
 class PromptTokenizer:
