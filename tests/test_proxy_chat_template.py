@@ -8,6 +8,7 @@ templates; templates from ``tokenizer_config.json`` and from ``chat_template.jin
 
 from __future__ import annotations
 
+import asyncio
 import json
 from datetime import datetime
 from pathlib import Path
@@ -134,3 +135,16 @@ def test_a_bad_file_is_named_in_one_line(tmp_path: Path, file: str, content: str
     with pytest.raises(ConfigError, match=message) as raised:
         load_model_files({"m": directory})
     assert "\n" not in str(raised.value) and str(directory / file) in str(raised.value)
+
+
+async def test_long_texts_encoded_together_off_the_loop_equal_inline_ones(model_dirs: dict[str, Path]) -> None:
+    encoder = load_model_files({"m": model_dirs["llama3-like"]})["m"].encoder
+    texts = [f"text number {i}: " + "the dragon tells a story about the weather " * (30 + i) for i in range(12)]
+    specials = [i % 2 == 0 for i in range(12)]
+    gone = asyncio.ensure_future(encoder.encode(texts[0], add_special_tokens=True))
+    await asyncio.sleep(0)
+    gone.cancel()  # a request that left while queued: the others still get their ids
+    got = await asyncio.gather(*(encoder.encode(t, add_special_tokens=s) for t, s in zip(texts, specials, strict=True)))
+    for text, special, ids in zip(texts, specials, got, strict=True):
+        assert ids == encoder.tokenizer.encode(text, add_special_tokens=special).ids
+        assert (ids[0] == encoder.tokenizer.token_to_id("<|begin_of_text|>")) is special
