@@ -7,8 +7,8 @@ reports the cached tokens its block pool really had (``prompt_tokens_details.cac
 A client that disconnects mid-stream aborts its request in the engine, as vLLM does.
 
 Text is tokenized one token per UTF-8 byte; chat messages are rendered ``<|role|>\\ncontent\\n`` then
-``<|assistant|>\\n``. The proxy gets the same ids from ``/tokenize``, so routing and the engine's cache
-agree. Generated tokens read `` w1 w2 ...``.
+``<|assistant|>\\n``. The proxy gets the same ids from ``/tokenize``, or from the files `write_model_files`
+writes (for ASCII text), so routing and the engine's cache agree. Generated tokens read `` w1 w2 ...``.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import uvicorn
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from mocker.worker import MockWorker, TokenStream
 
-__all__ = ["MockOpenAI", "render_chat", "serve_openai", "text_tokens"]
+__all__ = ["MockOpenAI", "render_chat", "serve_openai", "text_tokens", "write_model_files"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -59,6 +61,26 @@ _encode = msgspec.json.Encoder().encode
 
 def text_tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+
+# render_chat as a Hugging Face chat template, for `write_model_files`.
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def write_model_files(directory: Path) -> Path:
+    """Writes the mock engine's tokenizer files into ``directory`` (made if needed), for the proxy's
+    ``--tokenizer``: a ``tokenizer.json`` giving each ASCII character its code (the engine's ids for
+    ASCII text) and a ``tokenizer_config.json`` whose chat template renders as `render_chat` does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.WordLevel(vocab={chr(i): i for i in range(1, 128)}, unk_token="\x01"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"chat_template": _CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_bytes(msgspec.json.encode(config))
+    return directory
 
 
 def render_chat(messages: list[_Message]) -> str:

@@ -14,9 +14,9 @@ import msgspec
 import openai
 import pytest
 import uvicorn
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from mocker.openai_api import write_model_files
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.types import RouteRequest, WorkerConfig
 from tests.proxy_fleet import MODEL, fleet, idle, metric
@@ -271,20 +271,6 @@ async def test_many_concurrent_streams_leave_no_load_behind(nats_server: Embedde
         assert idle(f.router)
 
 
-def mock_engine_files(directory: Path) -> Path:
-    """The mock engine's tokenizer files: each ASCII character its code, chat rendered as it renders it."""
-    tokenizer = Tokenizer(models.WordLevel(vocab={chr(i): i for i in range(1, 128)}, unk_token="\x01"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    directory.mkdir()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    template = (
-        "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-    )
-    (directory / "tokenizer_config.json").write_text(msgspec.json.encode({"chat_template": template}).decode())
-    return directory
-
-
 def reported_cached(usage: Any) -> int:
     return int(usage.prompt_tokens_details.cached_tokens)
 
@@ -292,7 +278,7 @@ def reported_cached(usage: Any) -> int:
 async def test_a_model_with_local_files_is_tokenized_by_the_proxy_for_text_and_chat(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
-    files = mock_engine_files(tmp_path / "model")
+    files = write_model_files(tmp_path / "model")
     async with fleet(nats_server.url, proxy={"tokenizer": [f"{MODEL}={files}"]}) as f:
         prefix = "the same long system prompt. " * 20  # 580 characters: 9 blocks of 64
         first = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prefix + "one", max_tokens=2)
