@@ -48,15 +48,19 @@ import asyncio
 import os
 import random
 import statistics
+import string
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
+from mocker.openai_api import write_model_files
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 
 MODEL = "bench-model"
@@ -152,22 +156,16 @@ async def run_phase(
     """One phase against ``base_url``; with ``control_url``, as many streams again go there at the same
     time, with requests of their own (``--mixed``)."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, 50_000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
-    bodies = [
-        msgspec.json.encode({"model": MODEL, "prompt": p, "max_tokens": args.max_tokens, "stream": True})
-        for p in prompts
-    ]
+    bodies = [request_body(args, rng) for _ in range(args.requests)]
     ttft: list[float] = []
     total: list[float] = []
     control_ttft: list[float] = []
     control_total: list[float] = []
-    control_bodies = [
-        msgspec.json.encode({"model": MODEL, "prompt": [token + 1 for token in p], "max_tokens": args.max_tokens,
-                             "stream": True})
-        for p in prompts
-    ] if control_url else []  # fmt: skip
+    control_rng = random.Random(-seed - 1)
+    control_bodies = [request_body(args, control_rng) for _ in range(args.requests)] if control_url else []
     tokens = 0
-    url = f"{base_url}/v1/completions"
+    path = "/v1/chat/completions" if args.prompt == "chat" else "/v1/completions"
+    url = f"{base_url}{path}"
     headers = {"content-type": "application/json"}
     next_index = 0
     next_control = 0
@@ -186,7 +184,7 @@ async def run_phase(
                 async for chunk in response.content.iter_any():
                     if not first:
                         first = time.perf_counter()
-                    count += chunk.count(b'"text"')
+                    count += chunk.count(b'"text"') + chunk.count(b'"content"')
             ttft.append(first - started)
             total.append(time.perf_counter() - started)
             return count
@@ -206,7 +204,7 @@ async def run_phase(
                 async for chunk in response.aiter_raw():
                     if not first:
                         first = time.perf_counter()
-                    count += chunk.count(b'"text"')
+                    count += chunk.count(b'"text"') + chunk.count(b'"content"')
             ttft.append(first - started)
             total.append(time.perf_counter() - started)
             return count
@@ -239,7 +237,7 @@ async def run_phase(
     proxy_wait0 = waited_s(proxy_pid) if proxy_pid else 0.0
     added0 = added_buckets(base_url) if proxy_pid else []
     started = time.perf_counter()
-    control = [control_loop(f"{control_url}/v1/completions") for _ in range(args.concurrency)] if control_url else []
+    control = [control_loop(f"{control_url}{path}") for _ in range(args.concurrency)] if control_url else []
     await asyncio.wait_for(asyncio.gather(*(loop() for _ in range(args.concurrency)), *control), args.timeout)
     wall = time.perf_counter() - started
     worker_cpu = sum(process_cpu_s(worker_pid)) - worker0
@@ -258,6 +256,26 @@ async def run_phase(
     await close()
     assert tokens == args.requests * args.max_tokens, (tokens, args.requests * args.max_tokens)
     return phase
+
+
+def request_body(args: argparse.Namespace, rng: random.Random) -> bytes:
+    """One streamed request of ``--prompt-tokens`` tokens: ids, ASCII text (the mock engine's tokens are
+    its bytes), or a chat of a system prompt and a user message sharing them."""
+    if args.prompt == "ids":
+        prompt: object = [rng.randrange(1, 50_000) for _ in range(args.prompt_tokens)]
+    else:
+        words = []
+        while sum(map(len, words)) < args.prompt_tokens:
+            words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randrange(2, 9))) + " ")
+        prompt = "".join(words)[: args.prompt_tokens]
+    fields: dict[str, object] = {"model": MODEL, "max_tokens": args.max_tokens, "stream": True}
+    if args.prompt == "chat":
+        text = str(prompt)
+        half = len(text) // 2
+        fields["messages"] = [{"role": "system", "content": text[:half]}, {"role": "user", "content": text[half:]}]
+    else:
+        fields["prompt"] = prompt
+    return msgspec.json.encode(fields)
 
 
 @contextmanager
@@ -279,10 +297,14 @@ def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int, int]]:
         )  # fmt: skip
         stack.callback(_stop, worker)
         pin = ["taskset", "-c", args.proxy_cpus] if args.proxy_cpus else []
+        tokenizer = []
+        if args.local_tokenizer:
+            files = write_model_files(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "mock-model")
+            tokenizer = ["--tokenizer", f"{MODEL}={files}"]
         proxy = subprocess.Popen(
             [*pin, *cli, "serve", "--proxy", "--block-size", "64", "--nats-url", nats.url, "--port", str(proxy_port),
              "--processes", str(args.processes), "--log-level", "warning",
-             *(["--router-track-output-blocks"] if args.track_output else [])],
+             *(["--router-track-output-blocks"] if args.track_output else []), *tokenizer],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         stack.callback(_stop, proxy)
@@ -374,6 +396,14 @@ def main() -> int:
         action="store_true",
         help="one phase a round: --concurrency streams through the proxy and as many straight to the worker at once",
     )
+    parser.add_argument(
+        "--prompt", choices=("ids", "text", "chat"), default="ids",
+        help="token ids, a text prompt or a chat (the proxy tokenizes the last two)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--local-tokenizer", action="store_true",
+        help="the proxy tokenizes text and chat from the mock engine's files (--tokenizer), not its /tokenize",
+    )  # fmt: skip
     parser.add_argument("--proxy-cpus", default="1", help="taskset CPU list of the proxy ('' = no pinning)")
     parser.add_argument("--shared-cpus", default="0", help="CPUs of this generator, the worker and nats-server")
     args = parser.parse_args()
@@ -415,7 +445,9 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
 
     print(
         f"{args.concurrency} concurrent streams, {args.requests} requests x {args.max_tokens} tokens per phase, "
-        f"prompts of {args.prompt_tokens} tokens, medians of {args.repeat} "
+        f"{args.prompt} prompts of {args.prompt_tokens} tokens"
+        + (" (tokenized by the proxy from the model's files)" if args.local_tokenizer else "")
+        + f", medians of {args.repeat} "
         + ("mixed runs (as many direct streams at once); " if args.mixed else "alternating runs; ")
         + f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; "
         + (f"proxy on CPU {args.proxy_cpus}, the rest on {args.shared_cpus}" if args.proxy_cpus else "no pinning")
@@ -467,6 +499,12 @@ def report(phases: dict[str, list[Phase]], args: argparse.Namespace) -> None:
         f"({args.processes} process{'es' if args.processes > 1 else ''}); its loop waited for a CPU "
         f"{waiting:.0%} of the phase"
     )
+    if not args.mixed:  # what the worker spends per request, /tokenize calls included
+        direct_worker, proxy_worker = (med(name, lambda p: p.worker_cpu_s) / args.requests for name in phases)
+        print(
+            f"worker CPU: {proxy_worker * 1e6:.0f} us per proxied request, {direct_worker * 1e6:.0f} us direct: "
+            f"{(proxy_worker - direct_worker) * 1e6:+.0f} us caused by the proxy"
+        )
     runs = [p for p in phases["proxy"] if p.proxy_added[1] is not None]
     if runs:
         # Issue 13's latency target: this p99 under 1 ms at 100 concurrent streams.
