@@ -51,7 +51,8 @@ async def test_local_tokens_equal_vllms(case: str, model_dirs: dict[str, Path]) 
     body, expected = CASES[case], EXPECTED[case]
     tokenizer = local_only(model_dirs, body["model"])
     if "prompt" in body:
-        assert await tokenizer.text(body["model"], body["prompt"], []) == expected["tokens"]
+        special = body.get("add_special_tokens", True)
+        assert await tokenizer.text(body["model"], body["prompt"], [], special) == expected["tokens"]
     elif "error" in expected:
         with pytest.raises(TemplateRefused, match="Conversation roles must alternate"):
             await tokenizer.chat(msgspec.convert(body, ChatBody), [])

@@ -325,7 +325,8 @@ class Proxy:
             if isinstance(request, ChatBody):
                 tokens = await self.tokenizer.chat(request, workers)
             elif isinstance(prompt, str):
-                tokens = await self.tokenizer.text(model, prompt, workers)
+                assert isinstance(request, CompletionBody)
+                tokens = await self.tokenizer.text(model, prompt, workers, request.add_special_tokens)
             else:
                 tokens = prompt
         except TokenizeFailed as exc:

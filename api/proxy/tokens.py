@@ -204,11 +204,14 @@ class PromptTokenizer:
     def _files(self, model: str) -> ModelFiles | None:
         return self._local.get(model) or self._local.get(ANY_MODEL)
 
-    async def text(self, model: str, text: str, workers: Sequence[WorkerConfig]) -> list[int]:
+    async def text(
+        self, model: str, text: str, workers: Sequence[WorkerConfig], add_special_tokens: bool = True
+    ) -> list[int]:
         files = self._files(model)
         if files is None:
-            return await self._remote({"model": model, "prompt": text}, workers)
-        return await files.encoder.encode(text, add_special_tokens=True)
+            body = {"model": model, "prompt": text, "add_special_tokens": add_special_tokens}
+            return await self._remote(body, workers)
+        return await files.encoder.encode(text, add_special_tokens=add_special_tokens)
 
     async def chat(self, request: ChatBody, workers: Sequence[WorkerConfig]) -> list[int]:
         """Raises `TemplateRefused` when the model's template refuses the conversation."""

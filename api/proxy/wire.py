@@ -53,6 +53,7 @@ class CompletionBody(_Body, kw_only=True):
     """``POST /v1/completions``: a prompt as text, token ids, or a batch of either."""
 
     prompt: str | list[str | int | list[int]]
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (a BOS)
 
 
 class TokenIdsBody(_Body, kw_only=True):

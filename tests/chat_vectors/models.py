@@ -123,6 +123,7 @@ CASES: dict[str, dict[str, Any]] = {
     "llama3-special-tokens-added": {"model": "llama3-like", "messages": _PLAIN[1:2], "add_special_tokens": True,
                                     "chat_template_kwargs": _DATE},
     "llama3-text": {"model": "llama3-like", "prompt": "Once upon a time, in a land far away"},
+    "llama3-text-no-special-tokens": {"model": "llama3-like", "prompt": "Once upon", "add_special_tokens": False},
     "chatml-plain": {"model": "chatml-tools", "messages": _PLAIN},
     "chatml-tools": {"model": "chatml-tools", "messages": _TOOL_TURNS, "tools": [_WEATHER, _TIME]},
     "chatml-tools-no-system": {"model": "chatml-tools", "messages": _TOOL_TURNS[1:], "tools": [_WEATHER]},
