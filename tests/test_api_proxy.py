@@ -313,6 +313,23 @@ async def test_a_model_with_local_files_is_tokenized_by_the_proxy_for_text_and_c
         assert idle(f.router)
 
 
+async def test_a_chat_the_models_template_refuses_is_a_400_naming_its_reason(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    files = write_model_files(tmp_path / "model")
+    refusing = "{{ raise_exception('only one message, please') if messages | length > 1 }}"
+    (files / "chat_template.jinja").write_text(refusing)
+    async with fleet(nats_server.url, proxy={"tokenizer": [f"{MODEL}={files}"]}) as f:
+        two = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        async with httpx.AsyncClient() as http:
+            refused = await http.post(f"{f.url}/v1/chat/completions", json={"model": MODEL, "messages": two})
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["message"] == "the chat template refused the messages: only one message, please"
+        assert all(api.tokenized == 0 for api in f.apis.values()) and idle(f.router)
+
+
 async def test_without_local_files_text_and_chat_are_tokenized_by_a_worker(nats_server: EmbeddedNats) -> None:
     async with fleet(nats_server.url) as f:
         await f.client.completions.create(model=MODEL, prompt="some text", max_tokens=1)
