@@ -5,11 +5,11 @@ Hugging Face's conventions (what vLLM calls through ``transformers``): a Jinja2 
 HTML escaping, ``raise_exception`` and ``strftime_now``; the template gets ``messages``, ``tools``,
 ``documents``, ``add_generation_prompt``, the tokenizer's named special tokens (``bos_token``,
 ``eos_token``, ...) and the request's ``chat_template_kwargs``. vLLM's preparation of the request is
-followed too: a message keeps ``role``, ``content`` (none: ``""``), ``name``, an assistant's
-``tool_calls`` (``id``, ``function`` with ``arguments`` parsed from JSON into an object, then
-``name``, and ``type``) and ``reasoning``, a tool's
-``tool_call_id``; a tool keeps ``type`` and its function's ``name``, ``description``, ``parameters``
-(``null`` when absent) and ``strict``.
+followed too: a system message loses a first line of Claude Code's billing header; a message keeps
+``role``, ``content`` (none: ``""``), ``name``, an assistant's ``tool_calls`` (``id``, ``function``
+with ``arguments`` parsed from JSON into an object, then ``name``, and ``type``) and ``reasoning``, a
+tool's ``tool_call_id``; a tool keeps ``type`` and its function's ``name``, ``description``,
+``parameters`` (``null`` when absent) and ``strict``.
 
 What is not rendered here raises `NotLocal`, and the engine's ``/tokenize`` answers instead: content
 given as a list of parts, templates that iterate over a message's content (vLLM hands them parts),
@@ -37,6 +37,10 @@ _RESERVED_KWARGS = frozenset(
     {"messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
      "chat_template", "tokenize", "return_dict"}
 )  # fmt: skip
+
+
+# Claude Code's first system line (its value changes per request), which vLLM strips.
+_BILLING_HEADER = "x-anthropic-billing-header"
 
 
 class NotLocal(Exception):
@@ -144,6 +148,8 @@ def _message(message: ChatMessage) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         raise NotLocal("content given as parts")
+    if message.role == "system" and content and content.startswith(_BILLING_HEADER):
+        content = content.partition("\n")[2]  # a line that changes on every request: vLLM drops it
     prepared: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.role == "assistant":
         if message.tool_calls:  # vLLM drops an empty list

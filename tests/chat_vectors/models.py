@@ -127,6 +127,8 @@ CASES: dict[str, dict[str, Any]] = {
     "chatml-plain": {"model": "chatml-tools", "messages": _PLAIN},
     "chatml-tools": {"model": "chatml-tools", "messages": _TOOL_TURNS, "tools": [_WEATHER, _TIME]},
     "chatml-tools-no-system": {"model": "chatml-tools", "messages": _TOOL_TURNS[1:], "tools": [_WEATHER]},
+    "chatml-billing-header": {"model": "chatml-tools", "messages": [
+        {"role": "system", "content": "x-anthropic-billing-header: cch=7f3a; v=1\nYou are terse."}, _PLAIN[1]]},
     "chatml-named-user": {"model": "chatml-tools", "messages": [{"role": "user", "name": "ann", "content": "hi"}]},
     "chatml-text": {"model": "chatml-tools", "prompt": "<|im_start|>user\nraw text with specials<|im_end|>"},
     "inst-plain": {"model": "inst-no-generation-prompt", "messages": _PLAIN},
