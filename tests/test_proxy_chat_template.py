@@ -112,6 +112,20 @@ def test_a_template_iterating_over_content_is_left_to_the_engine(tmp_path: Path,
         render(files, {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
 
 
+@pytest.mark.parametrize("file", ["processor_config.json", "preprocessor_config.json", "chat_template.json"])
+async def test_a_multimodal_models_chat_is_left_to_the_engine(tmp_path: Path, file: str) -> None:
+    # vLLM renders with the processor's template first: text stays local, chat goes to /tokenize.
+    directory = assemble("chatml-tools", tmp_path / "vlm")
+    (directory / file).write_text("{}")
+    files = load_model_files({"m": directory})["m"]
+    assert files.template is None
+    tokenizer = PromptTokenizer({"m": files}, Upstream(ProxyConfig()))
+    assert await tokenizer.text("m", "hello", []) == files.encoder.tokenizer.encode("hello").ids
+    chat = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, ChatBody)
+    with pytest.raises(TokenizeFailed):
+        await tokenizer.chat(chat, [])
+
+
 def test_the_template_cannot_reach_python_internals(tmp_path: Path) -> None:
     directory = assemble("chatml-tools", tmp_path / "evil")
     (directory / "chat_template.jinja").write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 # 1k-token prompt), more than a hop to a thread (~0.05 ms).
 _INLINE_CHARS = 1024
 # Hugging Face's named special tokens, handed to the chat template.
+# A multimodal model's processor files: vLLM renders chat with the processor's template, not read here.
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.json")
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 _decode_tokens = msgspec.json.Decoder(TokenizeReply).decode
@@ -137,6 +139,10 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
     config = _json_object(directory / "tokenizer_config.json", where)
     special_map = _json_object(directory / "special_tokens_map.json", where)
     special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name, special_map.get(name))))}
+    processor = [name for name in _PROCESSOR_FILES if (directory / name).exists()]
+    if processor:  # vLLM then prefers the processor's template (when a request has no tools)
+        log.info("%s: %s beside %s; chat is tokenized by the workers", where, processor[0], tokenizer_file)
+        return tokenizer, None
     templates, source = _templates(directory, config, where)
     if not templates:
         log.info("%s: no chat template beside %s; chat is tokenized by the workers", where, tokenizer_file)
