@@ -1110,10 +1110,9 @@ static PyObject *encode_stored(PyObject *template, PyObject *row, uint64_t event
         row_size += PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, i));
     if (n > (PY_SSIZE_T_MAX - literals - 23) / row_size)
         return PyErr_NoMemory();
-    PyObject *result = PyBytes_FromStringAndSize(NULL, literals + 23 + n * row_size);
-    if (result == NULL)
+    uint8_t *start = scratch_new(literals + 23 + n * row_size), *out = start;
+    if (start == NULL)
         return NULL;
-    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(result), *out = start;
     for (int slot = 0; slot < 4; slot++) {
         out = put_bytes(out, PyTuple_GET_ITEM(template, slot));
         if (slot == 3)
@@ -1134,9 +1133,7 @@ static PyObject *encode_stored(PyObject *template, PyObject *row, uint64_t event
             }
         }
     }
-    if (_PyBytes_Resize(&result, out - start) < 0)
-        return NULL;
-    return result;
+    return scratch_bytes(start, out);
 }
 
 /* The removed event's bytes: `RemovedEventEncoder.encode`'s three literals around the event id and
@@ -1147,18 +1144,15 @@ static PyObject *encode_removed(PyObject *template, uint64_t event_id, Decoded *
         literals += PyBytes_GET_SIZE(PySequence_Fast_GET_ITEM(template, i));
     if (n > (PY_SSIZE_T_MAX - literals - 14) / 9)
         return PyErr_NoMemory();
-    PyObject *result = PyBytes_FromStringAndSize(NULL, literals + 14 + n * 9);
-    if (result == NULL)
+    uint8_t *start = scratch_new(literals + 14 + n * 9), *out = start;
+    if (start == NULL)
         return NULL;
-    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(result), *out = start;
     out = put_uint(put_bytes(out, PySequence_Fast_GET_ITEM(template, 0)), event_id);
     out = put_array_header(put_bytes(out, PySequence_Fast_GET_ITEM(template, 1)), n);
     for (Py_ssize_t i = 0; i < n; i++)
         out = put_uint(out, d->values[i]);
     out = put_bytes(out, PySequence_Fast_GET_ITEM(template, 2));
-    if (_PyBytes_Resize(&result, out - start) < 0)
-        return NULL;
-    return result;
+    return scratch_bytes(start, out);
 }
 
 /* Whether the first `count` items of a tuple or list are bytes. */

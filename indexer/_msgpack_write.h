@@ -7,6 +7,22 @@
 #include <Python.h>
 #include <stdint.h>
 
+/* A writer's buffer of at most `size` bytes (NULL with MemoryError set), and the bytes of what was
+ * written into it, which frees it: the public API cannot shrink a bytes object, so the exact length
+ * is copied out (a memcpy of the event, small beside writing it). */
+static inline uint8_t *scratch_new(Py_ssize_t size) {
+    uint8_t *buffer = PyMem_Malloc((size_t)(size > 0 ? size : 1));
+    if (buffer == NULL)
+        PyErr_NoMemory();
+    return buffer;
+}
+
+static inline PyObject *scratch_bytes(uint8_t *start, const uint8_t *end) {
+    PyObject *bytes = PyBytes_FromStringAndSize((const char *)start, end - start);
+    PyMem_Free(start);
+    return bytes;
+}
+
 static inline uint8_t *put_uint(uint8_t *out, uint64_t v) {
     if (v < 128) {
         *out++ = (uint8_t)v;

@@ -1,7 +1,7 @@
 /* indexer._native: the per-block inner loops of kv-router in C (optional accelerator).
  *
  * Everything here has a pure-Python twin that gives the same answers bit for bit (`indexer/native.py`
- * chooses; the tests compare both): XXH3-64 written from its public specification, Dynamo's block and
+ * chooses; the tests compare both): XXH3-64 from xxHash's official header, Dynamo's block and
  * sequence hashes over packed little-endian u32 tokens, token lists to packed u32, the radix tree's
  * node type with its store, match and removal loops, the u64 check of decoded stored blocks, and the
  * msgpack encodings of the event paths. The router's and the HTTP front's loops are router/_native.c
@@ -17,55 +17,16 @@
 #include <string.h>
 #include "_msgpack_write.h"
 
-/* ------------------------------------------------------------------ XXH3-64 (public specification) */
+/* ------------------------------------------------------------------ XXH3-64 (the official xxhash.h)
+ *
+ * xxHash's single header (BSD-2-Clause, vendor/xxhash/LICENSE), as shipped in the `xxhash` package's
+ * sdist, every function inlined into this module (no symbol exported, no library linked). */
 
-#define PRIME32_1 0x9E3779B1U
-#define PRIME32_2 0x85EBCA77U
-#define PRIME32_3 0xC2B2AE3DU
-#define PRIME64_1 0x9E3779B185EBCA87ULL
-#define PRIME64_2 0xC2B2AE3D27D4EB4FULL
-#define PRIME64_3 0x165667B19E3779F9ULL
-#define PRIME64_4 0x85EBCA77C2B2AE63ULL
-#define PRIME64_5 0x27D4EB2F165667C5ULL
-#define PRIME_MX1 0x165667919E3779F9ULL
-#define PRIME_MX2 0x9FB21C651E98DF25ULL
+#define XXH_INLINE_ALL
+#include "vendor/xxhash/xxhash.h"
 
-#define SECRET_SIZE 192
-#define STRIPE_LEN 64
-#define SECRET_CONSUME_RATE 8
-#define ACC_NB 8
-
-static const uint8_t kSecret[SECRET_SIZE] = {
-    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
-    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
-    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
-    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
-    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
-    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
-    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
-    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
-    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
-    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
-    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
-    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
-};
-
-static inline uint32_t read32(const uint8_t *p) {
-    uint32_t v;
-    memcpy(&v, p, 4);
-#if PY_BIG_ENDIAN
-    v = __builtin_bswap32(v);
-#endif
-    return v;
-}
-
-static inline uint64_t read64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-#if PY_BIG_ENDIAN
-    v = __builtin_bswap64(v);
-#endif
-    return v;
+static inline uint64_t xxh3_64(const uint8_t *in, size_t len, uint64_t seed) {
+    return (uint64_t)XXH3_64bits_withSeed(in, len, (XXH64_hash_t)seed);
 }
 
 static inline void write64(uint8_t *p, uint64_t v) {
@@ -75,165 +36,12 @@ static inline void write64(uint8_t *p, uint64_t v) {
     memcpy(p, &v, 8);
 }
 
-static inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-static inline uint64_t mul128_fold64(uint64_t a, uint64_t b) {
-    __uint128_t product = (__uint128_t)a * b;
-    return (uint64_t)product ^ (uint64_t)(product >> 64);
-}
-
-static inline uint64_t xxh64_avalanche(uint64_t h) {
-    h ^= h >> 33;
-    h *= PRIME64_2;
-    h ^= h >> 29;
-    h *= PRIME64_3;
-    h ^= h >> 32;
-    return h;
-}
-
-static inline uint64_t xxh3_avalanche(uint64_t h) {
-    h ^= h >> 37;
-    h *= PRIME_MX1;
-    h ^= h >> 32;
-    return h;
-}
-
-static inline uint64_t rrmxmx(uint64_t h, uint64_t len) {
-    h ^= rotl64(h, 49) ^ rotl64(h, 24);
-    h *= PRIME_MX2;
-    h ^= (h >> 35) + len;
-    h *= PRIME_MX2;
-    h ^= h >> 28;
-    return h;
-}
-
-static inline uint64_t len_1to3(const uint8_t *in, size_t len, uint64_t seed) {
-    uint32_t combined = ((uint32_t)in[0] << 16) | ((uint32_t)in[len >> 1] << 24) | (uint32_t)in[len - 1] |
-                        ((uint32_t)len << 8);
-    uint64_t bitflip = (uint64_t)(read32(kSecret) ^ read32(kSecret + 4)) + seed;
-    return xxh64_avalanche((uint64_t)combined ^ bitflip);
-}
-
-static inline uint64_t len_4to8(const uint8_t *in, size_t len, uint64_t seed) {
-    seed ^= (uint64_t)__builtin_bswap32((uint32_t)seed) << 32;
-    uint32_t lo = read32(in), hi = read32(in + len - 4);
-    uint64_t bitflip = (read64(kSecret + 8) ^ read64(kSecret + 16)) - seed;
-    uint64_t keyed = ((uint64_t)hi + ((uint64_t)lo << 32)) ^ bitflip;
-    return rrmxmx(keyed, len);
-}
-
-static inline uint64_t len_9to16(const uint8_t *in, size_t len, uint64_t seed) {
-    uint64_t bitflip1 = (read64(kSecret + 24) ^ read64(kSecret + 32)) + seed;
-    uint64_t bitflip2 = (read64(kSecret + 40) ^ read64(kSecret + 48)) - seed;
-    uint64_t lo = read64(in) ^ bitflip1;
-    uint64_t hi = read64(in + len - 8) ^ bitflip2;
-    uint64_t acc = len + __builtin_bswap64(lo) + hi + mul128_fold64(lo, hi);
-    return xxh3_avalanche(acc);
-}
-
-static inline uint64_t mix16(const uint8_t *in, const uint8_t *secret, uint64_t seed) {
-    return mul128_fold64(read64(in) ^ (read64(secret) + seed), read64(in + 8) ^ (read64(secret + 8) - seed));
-}
-
-static inline uint64_t len_17to128(const uint8_t *in, size_t len, uint64_t seed) {
-    uint64_t acc = len * PRIME64_1;
-    if (len > 32) {
-        if (len > 64) {
-            if (len > 96) {
-                acc += mix16(in + 48, kSecret + 96, seed);
-                acc += mix16(in + len - 64, kSecret + 112, seed);
-            }
-            acc += mix16(in + 32, kSecret + 64, seed);
-            acc += mix16(in + len - 48, kSecret + 80, seed);
-        }
-        acc += mix16(in + 16, kSecret + 32, seed);
-        acc += mix16(in + len - 32, kSecret + 48, seed);
-    }
-    acc += mix16(in, kSecret, seed);
-    acc += mix16(in + len - 16, kSecret + 16, seed);
-    return xxh3_avalanche(acc);
-}
-
-static uint64_t len_129to240(const uint8_t *in, size_t len, uint64_t seed) {
-    uint64_t acc = len * PRIME64_1;
-    size_t rounds = len / 16, i;
-    for (i = 0; i < 8; i++)
-        acc += mix16(in + 16 * i, kSecret + 16 * i, seed);
-    acc = xxh3_avalanche(acc);
-    for (i = 8; i < rounds; i++)
-        acc += mix16(in + 16 * i, kSecret + 16 * (i - 8) + 3, seed);
-    acc += mix16(in + len - 16, kSecret + 136 - 17, seed);
-    return xxh3_avalanche(acc);
-}
-
-static inline void accumulate_512(uint64_t *acc, const uint8_t *in, const uint8_t *secret) {
-    for (int i = 0; i < ACC_NB; i++) {
-        uint64_t value = read64(in + 8 * i);
-        uint64_t key = value ^ read64(secret + 8 * i);
-        acc[i ^ 1] += value;
-        acc[i] += (uint64_t)(uint32_t)key * (key >> 32);
-    }
-}
-
-static inline void scramble(uint64_t *acc, const uint8_t *secret) {
-    for (int i = 0; i < ACC_NB; i++) {
-        uint64_t a = acc[i];
-        a ^= a >> 47;
-        a ^= read64(secret + 8 * i);
-        a *= PRIME32_1;
-        acc[i] = a;
-    }
-}
-
-static uint64_t len_long(const uint8_t *in, size_t len, uint64_t seed) {
-    uint8_t secret[SECRET_SIZE];
-    for (int i = 0; i < SECRET_SIZE / 16; i++) {
-        write64(secret + 16 * i, read64(kSecret + 16 * i) + seed);
-        write64(secret + 16 * i + 8, read64(kSecret + 16 * i + 8) - seed);
-    }
-    uint64_t acc[ACC_NB] = {PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1};
-    const size_t stripes_per_block = (SECRET_SIZE - STRIPE_LEN) / SECRET_CONSUME_RATE;
-    const size_t block_len = STRIPE_LEN * stripes_per_block;
-    const size_t blocks = (len - 1) / block_len;
-    size_t n, s;
-    for (n = 0; n < blocks; n++) {
-        for (s = 0; s < stripes_per_block; s++)
-            accumulate_512(acc, in + n * block_len + s * STRIPE_LEN, secret + s * SECRET_CONSUME_RATE);
-        scramble(acc, secret + SECRET_SIZE - STRIPE_LEN);
-    }
-    const size_t stripes = ((len - 1) - block_len * blocks) / STRIPE_LEN;
-    for (s = 0; s < stripes; s++)
-        accumulate_512(acc, in + blocks * block_len + s * STRIPE_LEN, secret + s * SECRET_CONSUME_RATE);
-    accumulate_512(acc, in + len - STRIPE_LEN, secret + SECRET_SIZE - STRIPE_LEN - 7);
-    uint64_t result = len * PRIME64_1;
-    for (int i = 0; i < 4; i++)
-        result += mul128_fold64(acc[2 * i] ^ read64(secret + 11 + 16 * i), acc[2 * i + 1] ^ read64(secret + 11 + 16 * i + 8));
-    return xxh3_avalanche(result);
-}
-
-static uint64_t xxh3_64(const uint8_t *in, size_t len, uint64_t seed) {
-    if (len <= 16) {
-        if (len > 8)
-            return len_9to16(in, len, seed);
-        if (len >= 4)
-            return len_4to8(in, len, seed);
-        if (len)
-            return len_1to3(in, len, seed);
-        return xxh64_avalanche(seed ^ (read64(kSecret + 56) ^ read64(kSecret + 64)));
-    }
-    if (len <= 128)
-        return len_17to128(in, len, seed);
-    if (len <= 240)
-        return len_129to240(in, len, seed);
-    return len_long(in, len, seed);
-}
-
 /* The sequence-hash step: XXH3-64(le64(previous) || le64(local), seed). */
 static inline uint64_t chain_step(uint64_t previous, uint64_t local, uint64_t seed) {
     uint8_t pair[16];
     write64(pair, previous);
     write64(pair + 8, local);
-    return len_9to16(pair, 16, seed);
+    return xxh3_64(pair, 16, seed);
 }
 
 /* ------------------------------------------------------------------ helpers */
@@ -277,38 +85,53 @@ static int as_u64(PyObject *value, uint64_t *out) {
     return 0;
 }
 
-/* The two hash fields of a stored block (msgspec structs keep fields in slots): read at the slot
- * offsets of the block's type, resolved once, else by attribute. New references. */
+/* The two hash fields of a stored block (msgspec structs keep fields in slots): read through the
+ * slots' member descriptors of the block's type (`PyMember_GetOne`), resolved once per type, else by
+ * attribute. New references. */
 static PyObject *str_block_hash, *str_tokens_hash;
 static PyTypeObject *block_type;
-static Py_ssize_t block_hash_offset, tokens_hash_offset;
+static PyObject *block_hash_descr, *tokens_hash_descr; /* keep the members below alive */
+static PyMemberDef *block_hash_member, *tokens_hash_member;
 
-static Py_ssize_t slot_offset(PyTypeObject *type, PyObject *name) {
-    PyObject *descr = _PyType_Lookup(type, name);
-    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type))
-        return -1;
-    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-    return member->type == T_OBJECT_EX ? member->offset : -1;
+/* The slot member `name` of `type` (a new reference to its descriptor), or NULL: no error set. */
+static PyObject *slot_member(PyTypeObject *type, PyObject *name) {
+    PyObject *descr = PyObject_GetAttr((PyObject *)type, name);
+    if (descr == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (!Py_IS_TYPE(descr, &PyMemberDescr_Type) || ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) {
+        Py_DECREF(descr);
+        return NULL;
+    }
+    return descr;
 }
 
 static int block_hashes_of(PyObject *block, PyObject **block_hash, PyObject **tokens_hash) {
     PyTypeObject *type = Py_TYPE(block);
     if (type != block_type) {
-        Py_ssize_t block_offset = slot_offset(type, str_block_hash), tokens_offset = slot_offset(type, str_tokens_hash);
-        if (block_offset >= 0 && tokens_offset >= 0) {
+        PyObject *b = slot_member(type, str_block_hash), *t = slot_member(type, str_tokens_hash);
+        if (b != NULL && t != NULL) {
             Py_XSETREF(block_type, (PyTypeObject *)Py_NewRef(type));
-            block_hash_offset = block_offset;
-            tokens_hash_offset = tokens_offset;
+            Py_XSETREF(block_hash_descr, b);
+            Py_XSETREF(tokens_hash_descr, t);
+            block_hash_member = ((PyMemberDescrObject *)b)->d_member;
+            tokens_hash_member = ((PyMemberDescrObject *)t)->d_member;
+        } else {
+            Py_XDECREF(b);
+            Py_XDECREF(t);
         }
     }
     if (type == block_type) {
-        PyObject *b = *(PyObject **)((char *)block + block_hash_offset);
-        PyObject *t = *(PyObject **)((char *)block + tokens_hash_offset);
-        if (b != NULL && t != NULL) {
-            *block_hash = Py_NewRef(b);
-            *tokens_hash = Py_NewRef(t);
-            return 0;
+        *block_hash = PyMember_GetOne((const char *)block, block_hash_member);
+        if (*block_hash == NULL)
+            return -1;
+        *tokens_hash = PyMember_GetOne((const char *)block, tokens_hash_member);
+        if (*tokens_hash == NULL) {
+            Py_CLEAR(*block_hash);
+            return -1;
         }
+        return 0;
     }
     *block_hash = PyObject_GetAttr(block, str_block_hash);
     if (*block_hash == NULL)
@@ -634,20 +457,26 @@ typedef struct {
     MapEntry *entries;
     Py_ssize_t capacity; /* 0 or a power of two */
     Py_ssize_t used;
+    uint64_t secret; /* the process's map key when this map was made */
 } BlockMapObject;
 
 static PyTypeObject BlockMapType;
 #define BlockMap_Check(op) Py_IS_TYPE(op, &BlockMapType)
 
-/* Keys are mixed with a per-process secret (Python's hash secret, so PYTHONHASHSEED pins it as it
- * pins str hashes). A sender picks its block hashes: under a fixed hash it can pick keys that share
+/* Keys are mixed with a per-process random key (`set_map_key`, from os.urandom at import by
+ * indexer/native.py). A sender picks its block hashes: under a fixed hash it can pick keys that share
  * one home at every table size, and each insert and lookup of that rank then walks one probe run of
- * everything it holds (tests/test_native_hostile.py). Set once at import. */
-static uint64_t map_secret;
+ * everything it holds (tests/test_native_hostile.py). Each map keeps the key it was made with, so a
+ * new key never moves the entries of a live map. */
+static uint64_t map_key_for_new;
+static int map_key_set;
 
 static inline size_t map_home(const BlockMapObject *map, uint64_t key) {
-    /* XXH3's 8-byte finaliser: a bijection, so distinct keys stay distinct before the mask. */
-    return (size_t)rrmxmx(key ^ map_secret, 8) & (size_t)(map->capacity - 1);
+    /* XXH3 of the 8 bytes, seeded with the map's key: a bijection of the key for a given seed, so
+     * distinct keys stay distinct before the mask. */
+    uint8_t bytes[8];
+    memcpy(bytes, &key, 8);
+    return (size_t)XXH3_64bits_withSeed(bytes, 8, map->secret) & (size_t)(map->capacity - 1);
 }
 
 /* The entry holding `key`, or NULL. */
@@ -752,12 +581,19 @@ static void BlockMap_dealloc(BlockMapObject *self) {
 }
 
 static PyObject *BlockMap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    if (!_PyArg_NoPositional("BlockMap", args) || !_PyArg_NoKeywords("BlockMap", kwds))
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "BlockMap() takes no arguments");
         return NULL;
+    }
+    if (!map_key_set) {
+        PyErr_SetString(PyExc_RuntimeError, "set_map_key was not called");
+        return NULL;
+    }
     BlockMapObject *map = (BlockMapObject *)type->tp_alloc(type, 0);
     if (map != NULL) {
         map->entries = NULL;
         map->capacity = map->used = 0;
+        map->secret = map_key_for_new;
     }
     return (PyObject *)map;
 }
@@ -1323,16 +1159,15 @@ static PyObject *py_msgpack_rows(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    result = PyBytes_FromStringAndSize(NULL, 5 + n * row);
-    if (result == NULL)
+    uint8_t *start = scratch_new(5 + n * row), *out = start;
+    if (start == NULL)
         goto done;
-    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(result), *out = start;
     out = put_array_header(out, n);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t a, b;
         if (as_u64(PyList_GET_ITEM(first, i), &a) < 0 || as_u64(PyList_GET_ITEM(second, i), &b) < 0) {
             PyErr_Clear();
-            Py_CLEAR(result);
+            PyMem_Free(start);
             result = Py_NewRef(Py_None);
             goto done;
         }
@@ -1343,7 +1178,7 @@ static PyObject *py_msgpack_rows(PyObject *self, PyObject *args) {
         memcpy(out, after.buf, after.len);
         out += after.len;
     }
-    _PyBytes_Resize(&result, out - start);
+    result = scratch_bytes(start, out);
 done:
     PyBuffer_Release(&before);
     PyBuffer_Release(&between);
@@ -1427,17 +1262,15 @@ done:
  * msgspec's decoding of a RouterEvent payload (one event or a list of them), for the form publishers
  * write: stored, removed and bare "cleared" events of the device tier, every hash a u64, no escaped
  * key, no unknown or repeated key. The objects are the wire structs themselves (`bind_event_types`
- * names them), built without their `__post_init__`: on this form each of those checks passes and
- * changes nothing (hashes and ids in u64, ranks and positions in u32, exactly one kind of data), which
- * is what keeps a decode at a few allocations per block. Anything else (an i64 hash, a float, another
+ * names them), made by calling their types (msgspec's public constructor, `__post_init__` included;
+ * on this form each of those checks passes). Anything else (an i64 hash, a float, another
  * tier, `{"cleared": null}`, invalid JSON) returns None and msgspec decodes it, for the exact value or
  * error. */
 
 #define FIELDS_MAX 3
 typedef struct {
-    PyTypeObject *type;
+    PyObject *type;
     Py_ssize_t nfields;
-    Py_ssize_t offsets[FIELDS_MAX];
 } WireStruct;
 
 enum { WIRE_ROUTER, WIRE_EVENT, WIRE_DATA, WIRE_STORED, WIRE_REMOVED, WIRE_BLOCK, WIRE_COUNT };
@@ -1452,42 +1285,37 @@ static int wire_bound;
 
 /* bind_event_types(router, event, data, stored, removed, block, device, unset, cleared) -> bool
  *
- * False (and the decoder stays unbound) when a type is not laid out as the decoder builds it: exactly
- * its fields as slots, no GC, freed with PyObject_Free (so PyObject_Malloc is its allocator). */
+ * False (and the decoder stays unbound) when a type's `__struct_fields__` are not the fields the
+ * decoder passes, in that order. */
 static PyObject *py_bind_event_types(PyObject *self, PyObject *args) {
     PyObject *types[WIRE_COUNT], *device, *unset, *cleared;
-    Py_ssize_t offsets[WIRE_COUNT][FIELDS_MAX];
     if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOU", &PyType_Type, &types[0], &PyType_Type, &types[1], &PyType_Type,
                           &types[2], &PyType_Type, &types[3], &PyType_Type, &types[4], &PyType_Type, &types[5],
                           &device, &unset, &cleared))
         return NULL;
     for (int t = 0; t < WIRE_COUNT; t++) {
-        PyTypeObject *type = (PyTypeObject *)types[t];
         Py_ssize_t nfields = 0;
         while (nfields < FIELDS_MAX && wire_fields[t][nfields] != NULL)
             nfields++;
-        /* Exactly these slots and no others, no GC: every field is set when an object is built. */
-        if (PyType_IS_GC(type) || type->tp_itemsize != 0 || type->tp_free != PyObject_Free ||
-            type->tp_basicsize != (Py_ssize_t)(sizeof(PyObject) + nfields * sizeof(PyObject *)))
+        PyObject *fields = PyObject_GetAttrString(types[t], "__struct_fields__");
+        if (fields == NULL) {
+            PyErr_Clear();
             Py_RETURN_FALSE;
-        for (Py_ssize_t f = 0; f < nfields; f++) {
-            PyObject *name = PyUnicode_FromString(wire_fields[t][f]);
-            if (name == NULL)
-                return NULL;
-            Py_ssize_t offset = slot_offset(type, name);
-            Py_DECREF(name);
-            if (offset < 0)
-                Py_RETURN_FALSE;
-            offsets[t][f] = offset;
         }
+        int same = PyTuple_Check(fields) && PyTuple_GET_SIZE(fields) == nfields;
+        for (Py_ssize_t f = 0; same && f < nfields; f++) {
+            PyObject *field = PyTuple_GET_ITEM(fields, f);
+            same = PyUnicode_Check(field) && PyUnicode_CompareWithASCIIString(field, wire_fields[t][f]) == 0;
+        }
+        Py_DECREF(fields);
+        if (!same)
+            Py_RETURN_FALSE;
     }
     for (int t = 0; t < WIRE_COUNT; t++) {
-        Py_XSETREF(wire[t].type, (PyTypeObject *)Py_NewRef(types[t]));
+        Py_XSETREF(wire[t].type, Py_NewRef(types[t]));
         wire[t].nfields = 0;
-        while (wire[t].nfields < FIELDS_MAX && wire_fields[t][wire[t].nfields] != NULL) {
-            wire[t].offsets[wire[t].nfields] = offsets[t][wire[t].nfields];
+        while (wire[t].nfields < FIELDS_MAX && wire_fields[t][wire[t].nfields] != NULL)
             wire[t].nfields++;
-        }
     }
     Py_XSETREF(wire_device, Py_NewRef(device));
     Py_XSETREF(wire_unset, Py_NewRef(unset));
@@ -1496,27 +1324,19 @@ static PyObject *py_bind_event_types(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* A struct of kind `t` holding `values` (references stolen, all of them, even on failure). */
+/* A struct of kind `t` holding `values` (references stolen, all of them, even on failure), made by
+ * calling its type, as msgspec's own decoder would be called on: its checks (`__post_init__`) run. */
 static PyObject *wire_new(int t, PyObject **values) {
     const WireStruct *ws = &wire[t];
     PyObject *obj = NULL;
     for (Py_ssize_t f = 0; f < ws->nfields; f++)
         if (values[f] == NULL)
-            goto fail;
-    /* As msgspec allocates a struct without GC; every slot is set below, so no zeroing. */
-    obj = PyObject_Malloc((size_t)ws->type->tp_basicsize);
-    if (obj == NULL) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    PyObject_Init(obj, ws->type);
-    for (Py_ssize_t f = 0; f < ws->nfields; f++)
-        *(PyObject **)((char *)obj + ws->offsets[f]) = values[f];
-    return obj;
-fail:
+            goto done;
+    obj = PyObject_Vectorcall(ws->type, values, (size_t)ws->nfields, NULL);
+done:
     for (Py_ssize_t f = 0; f < ws->nfields; f++)
         Py_XDECREF(values[f]);
-    return NULL;
+    return obj;
 }
 
 /* Parse status: JSON_OK, JSON_OTHER (not the fast form: msgspec decides) or JSON_ERROR (exception set). */
@@ -1941,6 +1761,16 @@ static PyObject *py_router_events_json(PyObject *self, PyObject *payload) {
 
 /* ------------------------------------------------------------------ module */
 
+/* set_map_key(key) -> None: the key of every BlockMap made from now on (a u64). */
+static PyObject *py_set_map_key(PyObject *self, PyObject *key) {
+    uint64_t value;
+    if (as_u64(key, &value) < 0)
+        return NULL;
+    map_key_for_new = value;
+    map_key_set = 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef native_methods[] = {
     {"xxh3_64", py_xxh3_64, METH_VARARGS, "xxh3_64(data, seed=0) -> int: XXH3-64 of a bytes-like object."},
     {"block_hashes", py_block_hashes, METH_VARARGS,
@@ -1961,6 +1791,7 @@ static PyMethodDef native_methods[] = {
      "msgpack_rows(first, second, before, between, after) -> bytes | None: an array of rows of two u64."},
     {"match_prefix", py_match_prefix, METH_VARARGS,
      "match_prefix(root, local_hashes, keys, scores, path) -> None: the find_matches walk."},
+    {"set_map_key", py_set_map_key, METH_O, "set_map_key(key) -> None: the hash key of the BlockMaps made from now on."},
     {"bind_event_types", py_bind_event_types, METH_VARARGS,
      "bind_event_types(router, event, data, stored, removed, block, device, unset, cleared) -> bool."},
     {"router_events_json", py_router_events_json, METH_O,
@@ -1974,7 +1805,6 @@ static struct PyModuleDef native_module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    map_secret = _Py_HashSecret.siphash.k0 ^ rotl64(_Py_HashSecret.siphash.k1, 32);
     if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&BlockMapType) < 0)
         return NULL;
     str_block_hash = PyUnicode_InternFromString("block_hash");

@@ -24,3 +24,8 @@ except ImportError:  # not built: the pure-Python code runs; `accel` is never to
     accel = None  # type: ignore[assignment]
 
 ENABLED = accel is not None and not SWITCHED_OFF
+
+if accel is not None:
+    # The key of the C BlockMaps' hashing, random per process: block hashes a sender picks cannot be
+    # chosen to share one home (see `BlockMap` in indexer/README.md).
+    accel.set_map_key(int.from_bytes(os.urandom(8), "little"))

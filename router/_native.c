@@ -340,8 +340,10 @@ static PyObject *Booked_refcounts(BookedObject *self, PyObject *unused) {
 static Py_ssize_t Booked_len(BookedObject *self) { return self->blocks; }
 
 static PyObject *Booked_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    if (!_PyArg_NoPositional("BookedBlocks", args) || !_PyArg_NoKeywords("BookedBlocks", kwds))
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "BookedBlocks() takes no arguments");
         return NULL;
+    }
     BookedObject *self = (BookedObject *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;

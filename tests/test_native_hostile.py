@@ -351,7 +351,8 @@ def test_declines_refusals_and_misses_leak_nothing() -> None:
 
 
 def test_the_json_decoder_is_only_bound_to_the_wire_types() -> None:
-    """A struct laid out otherwise than the decoder builds it is refused, so it stays on msgspec."""
+    """A struct whose fields are not the ones the decoder passes, in its order, is refused, so it stays on
+    msgspec."""
 
     class Wider(msgspec.Struct, gc=False):
         worker_id: int
@@ -359,13 +360,13 @@ def test_the_json_decoder_is_only_bound_to_the_wire_types() -> None:
         storage_tier: int
         extra: int = 0
 
-    class Tracked(msgspec.Struct):
-        worker_id: int
+    class Reordered(msgspec.Struct, gc=False):
         event: int
+        worker_id: int
         storage_tier: int
 
     types = list(events_module._NATIVE_WIRE_TYPES)
-    for wrong in (Wider, Tracked):
+    for wrong in (Wider, Reordered):
         assert not native.bind_event_types(wrong, *types[1:])
     # The binding in force is still the wire types'.
     assert native.router_events_json(SEED_PAYLOADS[0])[0].storage_tier is StorageTier.DEVICE
