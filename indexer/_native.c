@@ -1262,15 +1262,18 @@ done:
  * msgspec's decoding of a RouterEvent payload (one event or a list of them), for the form publishers
  * write: stored, removed and bare "cleared" events of the device tier, every hash a u64, no escaped
  * key, no unknown or repeated key. The objects are the wire structs themselves (`bind_event_types`
- * names them), made by calling their types (msgspec's public constructor, `__post_init__` included;
- * on this form each of those checks passes). Anything else (an i64 hash, a float, another
+ * names them), each a copy of a template with its fields set (`wire_new`). Anything else (an i64 hash, a float, another
  * tier, `{"cleared": null}`, invalid JSON) returns None and msgspec decodes it, for the exact value or
  * error. */
 
 #define FIELDS_MAX 3
 typedef struct {
-    PyObject *type;
+    PyObject *template; /* an instance, copied by its type's `__copy__` for each new struct */
+    PyObject *copy;     /* the type's `__copy__` */
+    PyObject *descrs[FIELDS_MAX];
+    PyMemberDef *members[FIELDS_MAX]; /* each field's slot, written with PyMember_SetOne */
     Py_ssize_t nfields;
+    int construct; /* no `__post_init__`: made by calling the type */
 } WireStruct;
 
 enum { WIRE_ROUTER, WIRE_EVENT, WIRE_DATA, WIRE_STORED, WIRE_REMOVED, WIRE_BLOCK, WIRE_COUNT };
@@ -1283,39 +1286,75 @@ static const char *const wire_fields[WIRE_COUNT][FIELDS_MAX] = {
 static PyObject *wire_device, *wire_unset, *wire_cleared;
 static int wire_bound;
 
+static void wire_struct_clear(WireStruct *ws) {
+    Py_CLEAR(ws->template);
+    Py_CLEAR(ws->copy);
+    for (int f = 0; f < FIELDS_MAX; f++) {
+        Py_CLEAR(ws->descrs[f]);
+        ws->members[f] = NULL;
+    }
+    ws->nfields = 0;
+    ws->construct = 0;
+}
+
+/* `ws` for kind `t` from `template`: 1, or 0 when its type's `__struct_fields__` are not the fields
+ * the decoder sets, in that order, each a plain slot, or it has no `__copy__`. */
+static int wire_struct_bind(WireStruct *ws, int t, PyObject *template) {
+    PyObject *type = (PyObject *)Py_TYPE(template);
+    Py_ssize_t nfields = 0;
+    while (nfields < FIELDS_MAX && wire_fields[t][nfields] != NULL)
+        nfields++;
+    PyObject *fields = PyObject_GetAttrString(type, "__struct_fields__");
+    if (fields == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int same = PyTuple_Check(fields) && PyTuple_GET_SIZE(fields) == nfields;
+    for (Py_ssize_t f = 0; same && f < nfields; f++) {
+        PyObject *field = PyTuple_GET_ITEM(fields, f);
+        same = PyUnicode_Check(field) && PyUnicode_CompareWithASCIIString(field, wire_fields[t][f]) == 0;
+        if (same && (ws->descrs[f] = slot_member((PyTypeObject *)type, field)) == NULL)
+            same = 0;
+        if (same)
+            ws->members[f] = ((PyMemberDescrObject *)ws->descrs[f])->d_member;
+    }
+    Py_DECREF(fields);
+    if (same && (ws->copy = PyObject_GetAttrString(type, "__copy__")) == NULL) {
+        PyErr_Clear();
+        same = 0;
+    }
+    if (!same) {
+        wire_struct_clear(ws);
+        return 0;
+    }
+    int post_init = PyObject_HasAttrString(type, "__post_init__");
+    ws->template = Py_NewRef(template);
+    ws->nfields = nfields;
+    ws->construct = !post_init;
+    return 1;
+}
+
 /* bind_event_types(router, event, data, stored, removed, block, device, unset, cleared) -> bool
  *
- * False (and the decoder stays unbound) when a type's `__struct_fields__` are not the fields the
- * decoder passes, in that order. */
+ * The first six are an instance of each wire type (their values do not matter: every field is set).
+ * False (and the decoder stays bound as it was) when one does not fit `wire_struct_bind`. */
 static PyObject *py_bind_event_types(PyObject *self, PyObject *args) {
-    PyObject *types[WIRE_COUNT], *device, *unset, *cleared;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!OOU", &PyType_Type, &types[0], &PyType_Type, &types[1], &PyType_Type,
-                          &types[2], &PyType_Type, &types[3], &PyType_Type, &types[4], &PyType_Type, &types[5],
-                          &device, &unset, &cleared))
+    PyObject *templates[WIRE_COUNT], *device, *unset, *cleared;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOU", &templates[0], &templates[1], &templates[2], &templates[3],
+                          &templates[4], &templates[5], &device, &unset, &cleared))
         return NULL;
+    WireStruct bound[WIRE_COUNT];
+    memset(bound, 0, sizeof(bound));
     for (int t = 0; t < WIRE_COUNT; t++) {
-        Py_ssize_t nfields = 0;
-        while (nfields < FIELDS_MAX && wire_fields[t][nfields] != NULL)
-            nfields++;
-        PyObject *fields = PyObject_GetAttrString(types[t], "__struct_fields__");
-        if (fields == NULL) {
-            PyErr_Clear();
+        if (!wire_struct_bind(&bound[t], t, templates[t])) {
+            for (int u = 0; u < t; u++)
+                wire_struct_clear(&bound[u]);
             Py_RETURN_FALSE;
         }
-        int same = PyTuple_Check(fields) && PyTuple_GET_SIZE(fields) == nfields;
-        for (Py_ssize_t f = 0; same && f < nfields; f++) {
-            PyObject *field = PyTuple_GET_ITEM(fields, f);
-            same = PyUnicode_Check(field) && PyUnicode_CompareWithASCIIString(field, wire_fields[t][f]) == 0;
-        }
-        Py_DECREF(fields);
-        if (!same)
-            Py_RETURN_FALSE;
     }
     for (int t = 0; t < WIRE_COUNT; t++) {
-        Py_XSETREF(wire[t].type, Py_NewRef(types[t]));
-        wire[t].nfields = 0;
-        while (wire[t].nfields < FIELDS_MAX && wire_fields[t][wire[t].nfields] != NULL)
-            wire[t].nfields++;
+        wire_struct_clear(&wire[t]);
+        wire[t] = bound[t];
     }
     Py_XSETREF(wire_device, Py_NewRef(device));
     Py_XSETREF(wire_unset, Py_NewRef(unset));
@@ -1324,15 +1363,25 @@ static PyObject *py_bind_event_types(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* A struct of kind `t` holding `values` (references stolen, all of them, even on failure), made by
- * calling its type, as msgspec's own decoder would be called on: its checks (`__post_init__`) run. */
+/* A struct of kind `t` holding `values` (references stolen, all of them, even on failure). A type
+ * without `__post_init__` is called (msgspec's constructor, its cheapest public way in); one with it
+ * is a copy of the template (msgspec's `__copy__`, which runs no `__post_init__`: on this form each of
+ * those checks passes and changes nothing, and a Python call per struct would be a fifth of a decode)
+ * with every field set through its slot (PyMember_SetOne). */
 static PyObject *wire_new(int t, PyObject **values) {
     const WireStruct *ws = &wire[t];
     PyObject *obj = NULL;
     for (Py_ssize_t f = 0; f < ws->nfields; f++)
         if (values[f] == NULL)
             goto done;
-    obj = PyObject_Vectorcall(ws->type, values, (size_t)ws->nfields, NULL);
+    if (ws->construct) {
+        obj = PyObject_Vectorcall((PyObject *)Py_TYPE(ws->template), values, (size_t)ws->nfields, NULL);
+        goto done;
+    }
+    obj = PyObject_Vectorcall(ws->copy, (PyObject *const *)&ws->template, 1, NULL);
+    for (Py_ssize_t f = 0; obj != NULL && f < ws->nfields; f++)
+        if (PyMember_SetOne((char *)obj, ws->members[f], values[f]) < 0)
+            Py_CLEAR(obj);
 done:
     for (Py_ssize_t f = 0; f < ws->nfields; f++)
         Py_XDECREF(values[f]);

@@ -62,12 +62,12 @@ def match_prefix(
     root: object, local_hashes: Sequence[int], keys: list[Any], scores: dict[Any, int], path: list[Any] | None, /
 ) -> None: ...
 def bind_event_types(
-    router: type,
-    event: type,
-    data: type,
-    stored: type,
-    removed: type,
-    block: type,
+    router: object,
+    event: object,
+    data: object,
+    stored: object,
+    removed: object,
+    block: object,
     device: object,
     unset: object,
     cleared: str,

@@ -217,20 +217,22 @@ def cleared_event(event_id: int, *, dp_rank: int = 0) -> KvCacheEvent:
 
 _OneOrMany = RouterEvent | list[RouterEvent]
 _json_decoder = msgspec.json.Decoder(_OneOrMany)
-# What the C decoder of the common JSON form builds (it returns None for anything else).
-_NATIVE_WIRE_TYPES = (
-    RouterEvent,
-    KvCacheEvent,
-    KvCacheEventData,
-    KvStoredData,
-    KvRemovedData,
-    StoredBlock,
+# What the C decoder of the common JSON form builds: an instance of each wire struct (it copies them
+# and sets every field), then the values it shares.
+_TEMPLATE_STORED = KvStoredData(blocks=[])
+_NATIVE_WIRE_TEMPLATES = (
+    RouterEvent(0, KvCacheEvent(0, "cleared")),
+    KvCacheEvent(0, "cleared"),
+    KvCacheEventData(stored=_TEMPLATE_STORED),
+    _TEMPLATE_STORED,
+    KvRemovedData(block_hashes=[]),
+    StoredBlock(0, 0),
     StorageTier.DEVICE,
     msgspec.UNSET,
     "cleared",
 )
-# False too when msgspec lays its structs out otherwise than the decoder builds them.
-_NATIVE_JSON = NATIVE and accel.bind_event_types(*_NATIVE_WIRE_TYPES)
+# False too when a struct's fields are not the ones the C decoder sets.
+_NATIVE_JSON = NATIVE and accel.bind_event_types(*_NATIVE_WIRE_TEMPLATES)
 _msgpack_decoder = msgspec.msgpack.Decoder(_OneOrMany)
 _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()

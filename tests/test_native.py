@@ -261,8 +261,8 @@ def test_the_stored_event_encoder_writes_what_msgspec_writes(
 
 # ---------------------------------------------------------------------- RouterEvent JSON in C
 
-# As indexer.events does when the accelerator is on; the wire structs are laid out as it builds them.
-assert native.bind_event_types(*events_module._NATIVE_WIRE_TYPES)
+# As indexer.events does when the accelerator is on.
+assert native.bind_event_types(*events_module._NATIVE_WIRE_TEMPLATES)
 
 WIRE_HASH = EDGY_U64 | st.integers(-(2**63), -1)
 U32_EDGES = st.sampled_from([0, 1, 2**32 - 1]) | st.integers(0, 2**32 - 1)

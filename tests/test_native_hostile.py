@@ -344,14 +344,15 @@ def test_declines_refusals_and_misses_leak_nothing() -> None:
             lookup[5]
 
     # Shared objects the decoder and the walks hand out take and give back a reference each time.
-    shared = [None, StorageTier.DEVICE, msgspec.UNSET, "cleared", *events_module._NATIVE_WIRE_TYPES[:6]]
+    wire_types = [type(template) for template in events_module._NATIVE_WIRE_TEMPLATES[:6]]
+    shared = [None, StorageTier.DEVICE, msgspec.UNSET, "cleared", *wire_types]
     blocks, moved = _left_after(2000, step, shared)
     assert blocks < 50
     assert moved == [0] * len(shared)
 
 
 def test_the_json_decoder_is_only_bound_to_the_wire_types() -> None:
-    """A struct whose fields are not the ones the decoder passes, in its order, is refused, so it stays on
+    """A struct whose fields are not the ones the decoder sets, in its order, is refused, so it stays on
     msgspec."""
 
     class Wider(msgspec.Struct, gc=False):
@@ -365,12 +366,12 @@ def test_the_json_decoder_is_only_bound_to_the_wire_types() -> None:
         worker_id: int
         storage_tier: int
 
-    types = list(events_module._NATIVE_WIRE_TYPES)
-    for wrong in (Wider, Reordered):
-        assert not native.bind_event_types(wrong, *types[1:])
+    templates = list(events_module._NATIVE_WIRE_TEMPLATES)
+    for wrong in (Wider(0, 0, 0), Reordered(0, 0, 0), object()):
+        assert not native.bind_event_types(wrong, *templates[1:])
     # The binding in force is still the wire types'.
     assert native.router_events_json(SEED_PAYLOADS[0])[0].storage_tier is StorageTier.DEVICE
-    assert native.bind_event_types(*types)
+    assert native.bind_event_types(*templates)
 
 
 # ---------------------------------------------------------------------- hash flooding a rank's block map
