@@ -1203,29 +1203,31 @@ static int observe(PyObject *by_content, PyObject *by_hash, Py_ssize_t max_recor
     return verdict;
 }
 
-/* bridge_batch(payload, block_size, seed, default_rank, rank_logs, held, stored_templates,
- *              removed_templates, row, out, by_content, by_hash, max_recorded)
- *   -> (dp_rank, applied, events, ignored, contradictions) | None
+/* bridge_batch(payload, block_size, seed, default_rank, next_event_id, held, stored_templates,
+ *              removed_templates, row, by_content, by_hash, max_recorded)
+ *   -> (dp_rank, applied, events, ignored, contradictions, numbered) | None
  *
  * One engine batch from its bytes to the publisher's encoded events, what `decode_batch`, the
  * stream's hash check and `KvEventPublisher.emit_engine_events` do in Python: decoded, each store's
  * first block checked against the engine's hashes (`by_content`, `by_hash`: `TokensHashCheck`),
- * held (`held`: `HeldBlocks`' dicts by (rank, tier)), numbered from the rank's `last_event_id`
- * (`rank_logs[rank]`), encoded into the encoders' templates by (rank, tier), each (id, bytes) appended
- * to the rank's `ring` and the bytes to `out`. None, with nothing changed, for what the Python code
- * must do: a batch `decode_batch` would not take, a clear, a rank or a template not made yet. A store
- * refused by what the rank holds stops the batch: `applied` < `events` says from which decoded event
- * on Python carries on (that store refused again, nothing of it recorded). */
+ * held (`held`: `HeldBlocks`' dicts by (rank, tier)), numbered from the id `next_event_id(rank)`
+ * gives (the publisher's public method; None: the rank has no log yet) and encoded into the
+ * encoders' templates by (rank, tier). `numbered` is each event's (id, bytes): the publisher keeps
+ * them (its ring, its last id, its open message), so its state stays its own. None, with nothing
+ * changed, for what the Python code must do: a batch `decode_batch` would not take, a clear, a rank
+ * or a template not made yet. A store refused by what the rank holds stops the batch: `applied` <
+ * `events` says from which decoded event on Python carries on (that store refused again, nothing of
+ * it recorded). */
 static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13 || !PyDict_Check(args[4]) || !PyDict_Check(args[5]) || !PyDict_Check(args[6]) ||
+    if (nargs != 12 || !PyCallable_Check(args[4]) || !PyDict_Check(args[5]) || !PyDict_Check(args[6]) ||
         !PyDict_Check(args[7]) || !PyTuple_Check(args[8]) || PyTuple_GET_SIZE(args[8]) != 3 ||
-        !bytes_items(args[8], 3) || !PyList_Check(args[9]) || !PyDict_Check(args[10]) || !PyDict_Check(args[11])) {
-        PyErr_SetString(PyExc_TypeError, "bridge_batch(payload, block_size, seed, default_rank, rank_logs: dict, "
+        !bytes_items(args[8], 3) || !PyDict_Check(args[9]) || !PyDict_Check(args[10])) {
+        PyErr_SetString(PyExc_TypeError, "bridge_batch(payload, block_size, seed, default_rank, next_event_id, "
                                          "held: dict, stored_templates: dict, removed_templates: dict, row: tuple, "
-                                         "out: list, by_content: dict, by_hash: dict, max_recorded)");
+                                         "by_content: dict, by_hash: dict, max_recorded)");
         return NULL;
     }
-    Py_ssize_t max_recorded = PyLong_AsSsize_t(args[12]);
+    Py_ssize_t max_recorded = PyLong_AsSsize_t(args[11]);
     if (max_recorded == -1 && PyErr_Occurred())
         return NULL;
     Batch b;
@@ -1233,11 +1235,11 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
     if (read <= 0)
         return read < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *rank = b.rank == Py_None ? args[3] : b.rank; /* borrowed from either */
-    PyObject **templates = NULL, **keys = NULL, *found = NULL, *result = NULL, *ring_append = NULL;
-    PyObject *rank_log = NULL, *last_obj = NULL;
+    PyObject **templates = NULL, **keys = NULL, *found = NULL, *result = NULL, *numbered = NULL;
+    PyObject *next_obj = NULL;
     Py_ssize_t applied = 0;
     if (b.count == 0) {
-        result = Py_BuildValue("(OnnnN)", rank, (Py_ssize_t)0, (Py_ssize_t)0, b.ignored, PyList_New(0));
+        result = Py_BuildValue("(OnnnNN)", rank, (Py_ssize_t)0, (Py_ssize_t)0, b.ignored, PyList_New(0), PyList_New(0));
         goto done;
     }
     templates = PyMem_Calloc((size_t)b.count, sizeof(PyObject *));
@@ -1270,35 +1272,28 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
         }
         templates[i] = Py_NewRef(template);
     }
-    rank_log = PyDict_GetItemWithError(args[4], rank);
-    if (rank_log == NULL) {
-        if (PyErr_Occurred())
-            goto done;
+    if ((next_obj = PyObject_CallOneArg(args[4], rank)) == NULL)
+        goto done;
+    if (next_obj == Py_None)
         goto not_taken;
-    }
-    Py_INCREF(rank_log);
-    uint64_t last;
-    if ((last_obj = PyObject_GetAttrString(rank_log, "last_event_id")) == NULL || u64_of(last_obj, &last) < 0)
+    uint64_t next;
+    if (u64_of(next_obj, &next) < 0 || (numbered = PyList_New(0)) == NULL || (found = PyList_New(0)) == NULL)
         goto done;
-    if ((ring_append = PyObject_GetAttrString(rank_log, "ring")) == NULL)
-        goto done;
-    Py_SETREF(ring_append, PyObject_GetAttrString(ring_append, "append"));
-    if (ring_append == NULL || (found = PyList_New(0)) == NULL)
-        goto done;
+    uint64_t last = next - 1;
     for (Py_ssize_t i = 0; i < b.count; i++)
-        if (b.events[i].kind == STORED && observe(args[10], args[11], max_recorded, &b.events[i], found) < 0)
+        if (b.events[i].kind == STORED && observe(args[9], args[10], max_recorded, &b.events[i], found) < 0)
             goto done;
     for (; applied < b.count; applied++) {
         Decoded *d = &b.events[applied];
         PyObject *held = PyDict_GetItemWithError(args[5], keys[applied]), *encoded; /* borrowed */
         if (held == NULL && PyErr_Occurred())
-            goto numbered;
+            goto done;
         if (d->kind == STORED) {
             if (held == NULL) {
                 held = PyDict_New();
                 if (held == NULL || PyDict_SetItem(args[5], keys[applied], held) < 0) {
                     Py_XDECREF(held);
-                    goto numbered;
+                    goto done;
                 }
                 Py_DECREF(held); /* the dict of `held` keeps it */
             }
@@ -1307,46 +1302,31 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
             if (d->parent != NULL && d->tier == device_tier) {
                 int found = PyDict_Contains(held, d->parent);
                 if (found < 0)
-                    goto numbered;
+                    goto done;
                 if (!found)
                     break; /* refused: Python names it */
             }
             if (record_chain(held, d->parent != NULL ? d->parent : Py_None, d->hashes, d->locals) < 0)
-                goto numbered;
+                goto done;
             encoded = encode_stored(templates[applied], args[8], last + 1, d);
         } else {
             if (held != NULL && PyDict_GET_SIZE(held) > 0 &&
                 drop(held, &PyList_GET_ITEM(d->hashes, 0), PyList_GET_SIZE(d->hashes)) < 0)
-                goto numbered;
+                goto done;
             encoded = encode_removed(templates[applied], last + 1, d);
         }
         if (encoded == NULL)
-            goto numbered;
+            goto done;
         last++;
-        PyObject *entry = Py_BuildValue("(KO)", (unsigned long long)last, encoded);
+        PyObject *entry = Py_BuildValue("(KN)", (unsigned long long)last, encoded);
         if (entry != NULL)
             PyObject_GC_UnTrack(entry); /* an int and bytes: no cycle, no weight on collections */
-        PyObject *appended = entry == NULL ? NULL : PyObject_CallOneArg(ring_append, entry);
-        int failed = appended == NULL || PyList_Append(args[9], encoded) < 0;
-        Py_XDECREF(appended);
+        int failed = entry == NULL || PyList_Append(numbered, entry) < 0;
         Py_XDECREF(entry);
-        Py_DECREF(encoded);
         if (failed)
-            goto numbered;
+            goto done;
     }
-numbered:;
-    /* The ids used are kept, whatever happened after them. */
-    PyObject *error_type, *error_value, *error_trace;
-    PyErr_Fetch(&error_type, &error_value, &error_trace);
-    PyObject *last_id = PyLong_FromUnsignedLongLong(last);
-    int kept = last_id != NULL && PyObject_SetAttrString(rank_log, "last_event_id", last_id) == 0;
-    Py_XDECREF(last_id);
-    if (error_type != NULL) {
-        PyErr_Restore(error_type, error_value, error_trace);
-        goto done;
-    }
-    if (kept)
-        result = Py_BuildValue("(OnnnO)", rank, applied, b.count, b.ignored, found);
+    result = Py_BuildValue("(OnnnOO)", rank, applied, b.count, b.ignored, found, numbered);
     goto done;
 not_taken:
     result = Py_NewRef(Py_None);
@@ -1358,9 +1338,8 @@ done:
     PyMem_Free(templates);
     PyMem_Free(keys);
     Py_XDECREF(found);
-    Py_XDECREF(ring_append);
-    Py_XDECREF(last_obj);
-    Py_XDECREF(rank_log);
+    Py_XDECREF(numbered);
+    Py_XDECREF(next_obj);
     batch_clear(&b);
     return result;
 }
@@ -1520,8 +1499,8 @@ static PyMethodDef methods[] = {
     {"drop_blocks", (PyCFunction)(void (*)(void))py_drop_blocks, METH_FASTCALL,
      "drop_blocks(held, block_hashes) -> None: HeldBlocks.remove (hashes not held are ignored)."},
     {"bridge_batch", (PyCFunction)(void (*)(void))py_bridge_batch, METH_FASTCALL,
-     "bridge_batch(payload, block_size, seed, default_rank, rank_logs, held, stored_templates, removed_templates, "
-     "row, out, by_content, by_hash, max_recorded) -> (dp_rank, applied, events, ignored, contradictions) | None."},
+     "bridge_batch(payload, block_size, seed, default_rank, next_event_id, held, stored_templates, removed_templates, "
+     "row, by_content, by_hash, max_recorded) -> (dp_rank, applied, events, ignored, contradictions, numbered) | None."},
     {"configure_zmq", py_configure_zmq, METH_VARARGS,
      "configure_zmq(msg_init, msg_recv, msg_close, msg_data, msg_size, msg_more, errno): libzmq's addresses."},
     {"drain_sub", (PyCFunction)(void (*)(void))py_drain_sub, METH_FASTCALL,

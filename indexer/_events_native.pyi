@@ -32,17 +32,16 @@ def bridge_batch(
     block_size: int,
     seed: int,
     default_rank: int,
-    rank_logs: dict[int, Any],
+    next_event_id: Callable[[int], int | None],
     held: dict[tuple[int, Any], dict[int, tuple[int | None, int]]],
     stored_templates: dict[tuple[int, Any], tuple[bytes, bytes, bytes, bytes, int, int, int]],
     removed_templates: dict[tuple[int, Any], list[bytes]],
     row: tuple[bytes, bytes, bytes],
-    out: list[bytes],
     by_content: dict[tuple[int | None, int], int],
     by_hash: dict[int, int],
     max_recorded: int,
     /,
-) -> tuple[int, int, int, int, list[tuple[int, int, int, int | None, int]]] | None: ...
+) -> tuple[int, int, int, int, list[tuple[int, int, int, int | None, int]], list[tuple[int, bytes]]] | None: ...
 def configure_zmq(
     msg_init: int, msg_recv: int, msg_close: int, msg_data: int, msg_size: int, msg_more: int, errno: int
 ) -> None: ...

@@ -275,21 +275,36 @@ class KvEventPublisher:
         Returns ``(dp_rank, applied, events, ignored, contradictions)``: the first ``applied`` of the
         batch's ``events`` decoded events are in the open `batch` (fewer: the next store was refused and
         the rest is the caller's); None, with nothing changed, for what the Python path must do."""
-        if not (EVENTS_NATIVE and self._msgpack and self._encoder.native) or self._batch is None:
+        batch = self._batch
+        if not (EVENTS_NATIVE and self._msgpack and self._encoder.native) or batch is None:
             return None
-        return events_accel.bridge_batch(
+        taken = events_accel.bridge_batch(
             payload,
             block_size,
             seed,
             default_rank,
-            self._ranks,
+            self.next_event_id,
             self._held.tables,
             self._encoder.templates,
             self._removed_encoder.templates,
             self._encoder.row,
-            self._batch,
             *hash_records,
         )
+        if taken is None:
+            return None
+        dp_rank, applied, events, ignored, contradictions, numbered = taken
+        if numbered:
+            rank = self._ranks[dp_rank]
+            rank.last_event_id = numbered[-1][0]
+            rank.ring.extend(numbered)
+            batch.extend([encoded for _, encoded in numbered])
+        return dp_rank, applied, events, ignored, contradictions
+
+    def next_event_id(self, dp_rank: int) -> int | None:
+        """The id the rank's next event takes, for the C step to number a batch with (it hands the
+        numbered events back to `emit_engine_payload`); None for a rank that has published nothing yet."""
+        rank = self._ranks.get(dp_rank)
+        return None if rank is None else rank.last_event_id + 1
 
     # Each of the three holds the event, numbers it in ``rank`` and returns (event id, its bytes).
     def _stored(
