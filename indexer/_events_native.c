@@ -5,8 +5,8 @@
  * events in one call: hashes folded to u64, token ids packed and hashed into tokens hashes (through
  * `indexer._native`'s `msgpack_u32s` and `block_hashes`, so XXH3 lives in one place), `medium` mapped
  * to a tier. `hold_chain` and `drop_blocks` are `indexer.held_blocks.HeldBlocks.store`'s dict update
- * with its checks and `remove`'s pops. `drain_sub` reads what a ZMQ SUB socket holds in one call,
- * on libzmq's message calls that `router/engines/zmq_drain.py` hands over (no libzmq link here).
+ * with its checks and `remove`'s pops. `bridge_batch` is the bridge's whole step, from a batch's
+ * bytes to the publisher's encoded events (handed back: the publisher keeps its own numbering).
  *
  * Guardrail: only the plain shapes are taken here. Anything else (a map envelope, a LoRA name, a
  * cache salt, multimodal infos, an unknown medium spelling, any value of a wrong type, any error
@@ -15,7 +15,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1344,147 +1343,6 @@ done:
     return result;
 }
 
-/* ------------------------------------------------------------------ the engine's SUB socket */
-
-/* libzmq's message calls, taken by `configure_zmq` from the library pyzmq loaded (this module does
- * not link libzmq; without them the stream reads through pyzmq). 64 opaque bytes hold libzmq 4's zmq_msg_t. */
-typedef struct {
-    _Alignas(8) unsigned char bytes[64];
-} ZmqMsg;
-static int (*zmq_msg_init_fn)(ZmqMsg *);
-static int (*zmq_msg_recv_fn)(ZmqMsg *, void *, int);
-static int (*zmq_msg_close_fn)(ZmqMsg *);
-static void *(*zmq_msg_data_fn)(ZmqMsg *);
-static size_t (*zmq_msg_size_fn)(ZmqMsg *);
-static int (*zmq_msg_more_fn)(const ZmqMsg *);
-static int (*zmq_errno_fn)(void);
-#define ZMQ_DONTWAIT 1
-
-/* configure_zmq(msg_init, msg_recv, msg_close, msg_data, msg_size, msg_more, errno): their addresses. */
-static PyObject *py_configure_zmq(PyObject *self, PyObject *args) {
-    unsigned long long a[7];
-    if (!PyArg_ParseTuple(args, "KKKKKKK", &a[0], &a[1], &a[2], &a[3], &a[4], &a[5], &a[6]))
-        return NULL;
-    for (int i = 0; i < 7; i++)
-        if (a[i] == 0) {
-            PyErr_SetString(PyExc_ValueError, "configure_zmq: a null function address");
-            return NULL;
-        }
-    zmq_msg_init_fn = (int (*)(ZmqMsg *))(uintptr_t)a[0];
-    zmq_msg_recv_fn = (int (*)(ZmqMsg *, void *, int))(uintptr_t)a[1];
-    zmq_msg_close_fn = (int (*)(ZmqMsg *))(uintptr_t)a[2];
-    zmq_msg_data_fn = (void *(*)(ZmqMsg *))(uintptr_t)a[3];
-    zmq_msg_size_fn = (size_t (*)(ZmqMsg *))(uintptr_t)a[4];
-    zmq_msg_more_fn = (int (*)(const ZmqMsg *))(uintptr_t)a[5];
-    zmq_errno_fn = (int (*)(void))(uintptr_t)a[6];
-    Py_RETURN_NONE;
-}
-
-/* One frame into `msg`, without blocking (left open when read). Returns 1 read, 0 nothing queued
- * (or a signal: the caller looks again later), -1 an error (raised). */
-static int recv_frame(void *socket, ZmqMsg *msg) {
-    zmq_msg_init_fn(msg);
-    if (zmq_msg_recv_fn(msg, socket, ZMQ_DONTWAIT) >= 0)
-        return 1;
-    int error = zmq_errno_fn();
-    zmq_msg_close_fn(msg);
-    if (error == EAGAIN || error == EINTR)
-        return 0;
-    errno = error;
-    PyErr_SetFromErrno(PyExc_OSError);
-    return -1;
-}
-
-/* drain_sub(socket_address, limit, room, out: list) -> (messages, dropped, bad_frame_counts)
- *
- * `router.engines.zmq_drain.drain_sub` in one call: up to `limit` messages read without blocking;
- * each `[topic, seq (8 bytes), payload]` appended to `out` as (seq, payload) while `room` lasts, then
- * counted as dropped; the frame count of each message of another shape listed. */
-static PyObject *py_drain_sub(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyList_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "drain_sub(socket_address, limit, room, out: list)");
-        return NULL;
-    }
-    if (zmq_msg_recv_fn == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "drain_sub before configure_zmq");
-        return NULL;
-    }
-    void *socket = PyLong_AsVoidPtr(args[0]);
-    Py_ssize_t limit = PyLong_AsSsize_t(args[1]), room = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred())
-        return NULL;
-    PyObject *out = args[3], *bad = PyList_New(0);
-    if (bad == NULL)
-        return NULL;
-    Py_ssize_t messages = 0, dropped = 0;
-    ZmqMsg frame, seq_frame, payload;
-    for (; messages < limit; messages++) {
-        int got = recv_frame(socket, &frame);
-        if (got <= 0) {
-            if (got < 0)
-                goto failed;
-            break;
-        }
-        /* The topic is not looked at (the socket's subscription filtered it); the rest of a
-         * multipart message is there once its first frame is. */
-        Py_ssize_t frames = 1;
-        int more = zmq_msg_more_fn(&frame), seq_open = 0, payload_open = 0;
-        zmq_msg_close_fn(&frame);
-        while (more) {
-            ZmqMsg *into = frames == 1 ? &seq_frame : frames == 2 ? &payload : &frame;
-            got = recv_frame(socket, into);
-            if (got <= 0) {
-                if (seq_open)
-                    zmq_msg_close_fn(&seq_frame);
-                if (payload_open)
-                    zmq_msg_close_fn(&payload);
-                if (got == 0)
-                    PyErr_SetString(PyExc_OSError, "a multipart message ended before its last frame");
-                goto failed;
-            }
-            more = zmq_msg_more_fn(into);
-            if (frames == 1)
-                seq_open = 1;
-            else if (frames == 2)
-                payload_open = 1;
-            else
-                zmq_msg_close_fn(&frame);
-            frames++;
-        }
-        int shaped = frames == 3 && zmq_msg_size_fn(&seq_frame) == 8, failed = 0;
-        if (shaped && room > 0) {
-            const uint8_t *be = zmq_msg_data_fn(&seq_frame);
-            uint64_t seq = 0;
-            for (int i = 0; i < 8; i++)
-                seq = seq << 8 | be[i];
-            PyObject *bytes =
-                PyBytes_FromStringAndSize(zmq_msg_data_fn(&payload), (Py_ssize_t)zmq_msg_size_fn(&payload));
-            PyObject *entry = bytes == NULL ? NULL : Py_BuildValue("(KN)", (unsigned long long)seq, bytes);
-            if (entry != NULL)
-                PyObject_GC_UnTrack(entry); /* an int and bytes: a backlog adds no weight to collections */
-            failed = entry == NULL || PyList_Append(out, entry) < 0;
-            Py_XDECREF(entry);
-            room--;
-        } else if (shaped) {
-            dropped++;
-        } else {
-            PyObject *count = PyLong_FromSsize_t(frames);
-            failed = count == NULL || PyList_Append(bad, count) < 0;
-            Py_XDECREF(count);
-        }
-        if (seq_open)
-            zmq_msg_close_fn(&seq_frame);
-        if (payload_open)
-            zmq_msg_close_fn(&payload);
-        if (failed)
-            goto failed;
-    }
-    return Py_BuildValue("(nnN)", messages, dropped, bad);
-failed:
-    Py_DECREF(bad);
-    return NULL;
-}
-
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef methods[] = {
@@ -1501,10 +1359,6 @@ static PyMethodDef methods[] = {
     {"bridge_batch", (PyCFunction)(void (*)(void))py_bridge_batch, METH_FASTCALL,
      "bridge_batch(payload, block_size, seed, default_rank, next_event_id, held, stored_templates, removed_templates, "
      "row, by_content, by_hash, max_recorded) -> (dp_rank, applied, events, ignored, contradictions, numbered) | None."},
-    {"configure_zmq", py_configure_zmq, METH_VARARGS,
-     "configure_zmq(msg_init, msg_recv, msg_close, msg_data, msg_size, msg_more, errno): libzmq's addresses."},
-    {"drain_sub", (PyCFunction)(void (*)(void))py_drain_sub, METH_FASTCALL,
-     "drain_sub(socket_address, limit, room, out) -> (messages, dropped, bad_frame_counts): a SUB socket's queue."},
     {NULL, NULL, 0, NULL},
 };
 

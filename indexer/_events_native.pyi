@@ -42,9 +42,3 @@ def bridge_batch(
     max_recorded: int,
     /,
 ) -> tuple[int, int, int, int, list[tuple[int, int, int, int | None, int]], list[tuple[int, bytes]]] | None: ...
-def configure_zmq(
-    msg_init: int, msg_recv: int, msg_close: int, msg_data: int, msg_size: int, msg_more: int, errno: int
-) -> None: ...
-def drain_sub(
-    socket_address: int, limit: int, room: int, out: list[tuple[int, bytes]]
-) -> tuple[int, int, list[int]]: ...
