@@ -38,6 +38,7 @@ from api.metrics import (
     EngineStreamCollector,
     EventPlaneCollector,
     EventStreamCollector,
+    NativeDeclinesCollector,
     RouterStateCollector,
     register_build_info,
 )
@@ -76,6 +77,7 @@ def create_app(
     metrics = ApiMetrics(registry)
     registry.register(RouterStateCollector(kv_router))
     registry.register(EventStreamCollector(kv_router.events))
+    registry.register(NativeDeclinesCollector())
     register_build_info(
         registry, version=package_version(), policy=settings.router.policy, native=active_accelerators()
     )

@@ -26,6 +26,7 @@ from api.errors import InvalidBody, MalformedBody
 from api.native import ENABLED as NATIVE
 from api.native import accel
 from indexer.errors import UNDECODABLE
+from indexer.native import declined
 
 __all__ = [
     "JSON",
@@ -135,6 +136,7 @@ class BodyDecoder(Generic[T]):
         """The body with its JSON token array as packed u32, or None to decode it the ordinary way."""
         split = accel.split_json_tokens(body)
         if split is None:
+            declined("api._native", "json_tokens")
             return None
         packed, start, end = split
         try:

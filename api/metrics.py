@@ -11,7 +11,8 @@ Two kinds, by cost:
 * State and counts kept elsewhere, read when ``/metrics`` is scraped, so keeping them costs the
   request path nothing: per-(worker, dp_rank) load, KV usage, indexed blocks, queue, workers, index
   size (`RouterStateCollector`); the event door's counts and stream states (`EventStreamCollector`);
-  the NATS plane's control messages and connection (`EventPlaneCollector`).
+  the NATS plane's control messages and connection (`EventPlaneCollector`); how often each C path
+  handed its input to the Python twin (`NativeDeclinesCollector`).
 * ``kv_router_build_info{version,policy,native}``: constant 1, for joining version and policy onto panels;
   ``native`` lists the C accelerators running (``indexer,events,router,api``, or ``none``).
 
@@ -34,13 +35,21 @@ from prometheus_client.utils import floatToGoString
 from api.native import ENABLED as NATIVE
 from api.native import accel
 from api.plane_lifecycle import PlaneLifecycle
+from indexer.native import DECLINES
 from indexer.sequencer import EventSequencer
 from router.doctor import ConfigDoctor
 from router.engines.zmq_stream import ZmqEngineStream
 from router.kv_router import KvRouter
 from router.types import RouteDecision
 
-__all__ = ["ApiMetrics", "EventPlaneCollector", "EventStreamCollector", "RouterStateCollector", "register_build_info"]
+__all__ = [
+    "ApiMetrics",
+    "EventPlaneCollector",
+    "EventStreamCollector",
+    "NativeDeclinesCollector",
+    "RouterStateCollector",
+    "register_build_info",
+]
 
 PREFIX = "kv_router"
 
@@ -363,6 +372,30 @@ class RouterStateCollector(Collector):
                 labels=rank,
             ),
         ]
+
+
+class NativeDeclinesCollector(Collector):
+    """How often each C path handed its input to the Python twin (`indexer.native.DECLINES`, every
+    layer's count in this process), read at scrape time: a path that starts declining what it used to
+    take shows here before it shows as lost speed."""
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for (module, reason), count in sorted(DECLINES.items()):
+            family.add_metric([module, reason], count)
+        yield family
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            f"{PREFIX}_native_declines",
+            "Inputs a C accelerator handed to its Python twin, by extension module and reason (a form it "
+            "does not take, a refusal the Python code names, a tree past 64 ranks).",
+            labels=["module", "reason"],
+        )
 
 
 class EventStreamCollector(Collector):

@@ -39,7 +39,7 @@ from indexer.events_native import ENABLED as EVENTS_NATIVE
 from indexer.events_native import accel as events_accel
 from indexer.hashing import compute_block_hashes, salt_seed
 from indexer.native import ENABLED as NATIVE
-from indexer.native import accel
+from indexer.native import accel, declined
 
 __all__ = [
     "DecodedBatch",
@@ -285,6 +285,7 @@ def decode_engine_batch(
         if fast is not None:
             ts, dp_rank, events, ignored = fast
             return DecodedBatch(ts, dp_rank, events, [], ignored)
+        declined("indexer._events_native", "engine_batch_form")
     return python_decode_engine_batch(payload, block_size, cache_namespace=cache_namespace, salts=salts)
 
 
@@ -461,6 +462,7 @@ def _token_list(raw: msgspec.Raw) -> bytes | list[int]:
         packed = accel.msgpack_u32s(raw)
         if packed is not None:
             return packed
+        declined("indexer._native", "token_ids")
     try:
         return _token_ids.decode(raw)
     except msgspec.ValidationError as exc:

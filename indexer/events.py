@@ -26,7 +26,7 @@ import msgspec
 
 from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.native import ENABLED as NATIVE
-from indexer.native import accel
+from indexer.native import accel, declined
 
 __all__ = [
     "BlockMmInfo",
@@ -254,6 +254,7 @@ def decode_router_events(payload: bytes | bytearray | memoryview, *, msgpack: bo
         events = accel.router_events_json(payload)
         if events is not None:
             return events
+        declined("indexer._native", "json_event_form")
     decoder = _msgpack_decoder if msgpack else _json_decoder
     try:
         decoded = decoder.decode(payload)
@@ -323,6 +324,8 @@ class StoredEventEncoder:
         rows = None
         if self.native and (parent_hash is None or not parent_hash >> 64) and not event_id >> 64:
             rows = accel.msgpack_rows(block_hashes, tokens_hashes, *self.row)
+            if rows is None:
+                declined("indexer._native", "wide_hash")
         if rows is None:
             blocks = zip(block_hashes, tokens_hashes, strict=True)
             event = stored_event(event_id, blocks, parent_hash=parent_hash, dp_rank=dp_rank)

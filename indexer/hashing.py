@@ -23,7 +23,7 @@ import xxhash
 
 from indexer.events import U32_MAX, U64_MAX
 from indexer.native import ENABLED as NATIVE
-from indexer.native import accel
+from indexer.native import accel, declined
 
 __all__ = [
     "SEED",
@@ -71,6 +71,7 @@ def pack_tokens(tokens: TokenInput) -> memoryview:
         if fast is not None:
             return memoryview(fast)
         # not all u32 ints: the Python code below names the bad id
+        declined("indexer._native", "token_list")
     try:
         packed = array("I", tokens)
     except OverflowError:

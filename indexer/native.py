@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ENABLED", "NATIVE_DISABLED_ENV", "SWITCHED_OFF", "accel"]
+__all__ = ["DECLINES", "ENABLED", "NATIVE_DISABLED_ENV", "SWITCHED_OFF", "accel", "declined"]
 
 NATIVE_DISABLED_ENV = "KV_ROUTER_NO_NATIVE"
 SWITCHED_OFF = os.environ.get(NATIVE_DISABLED_ENV, "") not in ("", "0")
+
+DECLINES: dict[tuple[str, str], int] = {}
+"""(C module, reason) -> how often a C path of this process handed its input to the Python twin, in
+every layer: a silent slow-down shows as a count that grows (api/metrics.py exports it)."""
+
+
+def declined(module: str, reason: str) -> None:
+    """Count one hand-over of ``module``'s C path to the Python code, for ``reason``."""
+    key = (module, reason)
+    DECLINES[key] = DECLINES.get(key, 0) + 1
+
 
 try:
     from indexer import _native as accel

@@ -41,7 +41,7 @@ from indexer.events import (
 )
 from indexer.lower_tier import LowerTierIndex
 from indexer.native import ENABLED as NATIVE
-from indexer.native import accel
+from indexer.native import accel, declined
 from indexer.slots import SlotTable, WorkerRank
 
 __all__ = [
@@ -248,6 +248,9 @@ class RadixTree:
                 return
             # Refused with nothing changed (parent not held, or named by a block): the checks below
             # raise the error.
+            declined("indexer._native", "store_refused")
+        elif self._native:
+            declined("indexer._native", "slots_past_64")
         if parent_hash is None:
             node = self._root
         else:
@@ -307,6 +310,8 @@ class RadixTree:
             self._nodes -= pruned
             self._branch_nodes -= unbranched
             return missing
+        if self._native:
+            declined("indexer._native", "slots_past_64")
         missing = []
         for block_hash in hashes:
             node = lookup.pop(block_hash, None)
@@ -396,6 +401,8 @@ class RadixTree:
             matched: list[_Node] | None = [] if self._has_lower_tiers() else None
             accel.match_prefix(self._root, local_hashes, keys, scores, matched)
             return result if matched is None else self._lower_tier_matches(result, local_hashes, matched)
+        if self._native:
+            declined("indexer._native", "slots_past_64")
         node = _child(self._root, local_hashes[0])
         if node is None or not node.owners:
             return self._lower_tier_matches(result, local_hashes, []) if self._has_lower_tiers() else result

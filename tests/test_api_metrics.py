@@ -181,3 +181,26 @@ def test_decisions_per_rank_kv_usage_and_build_info() -> None:
         assert client.get("/v1/info").json()["native"] == native
         labels = {"version": version, "policy": "least_loaded", "native": ",".join(native) or "none"}
         assert metric(client, "kv_router_build_info", **labels) == 1
+
+
+def test_a_c_path_handing_its_input_to_python_is_counted() -> None:
+    """An i64 block hash is a form the C JSON decoder does not take: msgspec decodes it, and the hand-over
+    shows in ``kv_router_native_declines_total`` (with the accelerator off nothing is handed over)."""
+    series = {"module": "indexer._native", "reason": "json_event_form"}
+    with serve() as client:
+        client.post("/v1/workers", json={"worker_id": 1})
+        before = metric(client, "kv_router_native_declines_total", **series)
+        plain = stored_event(1, prompt(4, 32))
+        assert client.post("/v1/events", json=plain).status_code == 200
+        assert metric(client, "kv_router_native_declines_total", **series) == before
+        wide = {
+            "worker_id": 1,
+            "event": {
+                "event_id": 2,
+                "data": {"stored": {"parent_hash": None, "blocks": [{"block_hash": -5, "tokens_hash": 7}]}},
+            },
+        }
+        assert client.post("/v1/events", json=wide).status_code == 200
+        assert metric(client, "kv_router_events_applied_total", event_type="stored", status="ok") == 2
+        declined = 1 if indexer_native.ENABLED else 0
+        assert metric(client, "kv_router_native_declines_total", **series) == before + declined

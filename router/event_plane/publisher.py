@@ -66,6 +66,7 @@ from indexer.events import (
 from indexer.events_native import ENABLED as EVENTS_NATIVE
 from indexer.events_native import accel as events_accel
 from indexer.held_blocks import HeldBlocks
+from indexer.native import declined
 from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
@@ -291,8 +292,11 @@ class KvEventPublisher:
             *hash_records,
         )
         if taken is None:
+            declined("indexer._events_native", "bridge_batch_form")
             return None
         dp_rank, applied, events, ignored, contradictions, numbered = taken
+        if applied < events:
+            declined("indexer._events_native", "bridge_store_refused")
         if numbered:
             rank = self._ranks[dp_rank]
             rank.last_event_id = numbered[-1][0]
