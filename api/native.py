@@ -7,17 +7,19 @@ A JSON body's tokens array as packed u32 (api/codec.py) and one whole plain POST
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from indexer import events_native
 from indexer import native as indexer_native
-from indexer.native import SWITCHED_OFF
+from indexer.native import SWITCHED_OFF, load_extension
 from router import native as router_native
 
 __all__ = ["ENABLED", "accel", "active_accelerators"]
 
-try:
+if TYPE_CHECKING:  # the extension's types (api/_native.pyi)
     from api import _native as accel
-except ImportError:  # not built: the Python path runs; `accel` is never touched then
-    accel = None  # type: ignore[assignment]
+else:
+    accel = load_extension("api._native")  # None: never touched, ENABLED is false
 
 ENABLED = accel is not None and not SWITCHED_OFF
 

@@ -9,13 +9,16 @@ answers (tests/test_events_native.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from indexer.native import ENABLED as INDEXER_NATIVE
+from indexer.native import load_extension
 
 __all__ = ["ENABLED", "accel"]
 
-try:
+if TYPE_CHECKING:  # the extension's types (indexer/_events_native.pyi)
     from indexer import _events_native as accel
-except ImportError:  # not built: the pure-Python code runs; `accel` is never touched then
-    accel = None  # type: ignore[assignment]
+else:
+    accel = load_extension("indexer._events_native")  # None: never touched, ENABLED is false
 
 ENABLED = INDEXER_NATIVE and accel is not None

@@ -11,9 +11,12 @@ the Python code in every layer, as does a failed build of that layer's extension
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-__all__ = ["DECLINES", "ENABLED", "NATIVE_DISABLED_ENV", "SWITCHED_OFF", "accel", "declined"]
+__all__ = ["DECLINES", "ENABLED", "NATIVE_DISABLED_ENV", "SWITCHED_OFF", "accel", "declined", "load_extension"]
 
 NATIVE_DISABLED_ENV = "KV_ROUTER_NO_NATIVE"
 SWITCHED_OFF = os.environ.get(NATIVE_DISABLED_ENV, "") not in ("", "0")
@@ -29,10 +32,21 @@ def declined(module: str, reason: str) -> None:
     DECLINES[key] = DECLINES.get(key, 0) + 1
 
 
-try:
+def load_extension(name: str) -> ModuleType | None:
+    """A layer's C extension by its full name (``router._native``), or None when it is not built.
+    Imported by name rather than ``from router import _native``, which goes through the package: its
+    ``__init__`` imports the modules that import the extension, a cycle (the extension itself imports
+    no Python module)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # not built: the pure-Python code runs
+        return None
+
+
+if TYPE_CHECKING:  # the extension's types (indexer/_native.pyi)
     from indexer import _native as accel
-except ImportError:  # not built: the pure-Python code runs; `accel` is never touched then
-    accel = None  # type: ignore[assignment]
+else:
+    accel = load_extension("indexer._native")  # None: never touched, ENABLED is false
 
 ENABLED = accel is not None and not SWITCHED_OFF
 

@@ -8,13 +8,15 @@ and keep their Python code beside it; ``KV_ROUTER_NO_NATIVE=1`` switches it off 
 
 from __future__ import annotations
 
-from indexer.native import SWITCHED_OFF
+from typing import TYPE_CHECKING
+
+from indexer.native import SWITCHED_OFF, load_extension
 
 __all__ = ["ENABLED", "accel"]
 
-try:
+if TYPE_CHECKING:  # the extension's types (router/_native.pyi)
     from router import _native as accel
-except ImportError:  # not built: the pure-Python code runs; `accel` is never touched then
-    accel = None  # type: ignore[assignment]
+else:
+    accel = load_extension("router._native")  # None: never touched, ENABLED is false
 
 ENABLED = accel is not None and not SWITCHED_OFF
