@@ -297,9 +297,12 @@ class EventSequencer:
             stream.retry_at = self._clock() + self.retry_interval_s
         return None
 
-    def resync_failed(self, request: ResyncRequest) -> None:
-        """Nobody answered ``request`` (no responder, timeouts, no transport): carry on with what is
-        applied; the stream stays untrusted and is offered a retry later."""
+    def resync_failed(self, request: ResyncRequest, *, no_responders: bool = False) -> None:
+        """Nobody answered ``request`` (``no_responders``: nobody serves the worker's resyncs; or
+        timeouts, no transport): carry on with what is applied; the stream stays untrusted and is
+        offered a retry later."""
+        if no_responders:
+            self.outcomes["resync_no_responders"] += 1
         key = (request.worker_id, request.dp_rank)
         stream = self._streams.get(key)
         if stream is None or stream.resync is not request:
@@ -395,7 +398,28 @@ class EventSequencer:
             return None
         return self._start_resync(key, stream, start=None)
 
-    def restore_stream(self, worker_id: int, dp_rank: int, last_event_id: int | None, trusted: bool) -> None:
+    def restore_snapshot(
+        self, events: Iterable[RouterEvent], positions: Iterable[tuple[int, int, int | None, bool]]
+    ) -> int:
+        """Load an index snapshot into an index that holds nothing of its streams yet: its dump events
+        applied (the index's state, outside any stream's order; a rejected one counted as any event's),
+        then each stream, given as ``(worker_id, dp_rank, last_event_id, trusted)``, resumed where the
+        snapshot left it. Returns the events applied (``snapshot_applied``)."""
+        applied = 0
+        index = self.index
+        for event in events:
+            try:
+                index.apply_router_event(event)
+            except KvIndexError as exc:
+                self._reject(event, exc.label, str(exc))
+                continue
+            applied += 1
+        self.outcomes["snapshot_applied"] += applied
+        for worker_id, dp_rank, last_event_id, trusted in positions:
+            self._restore_stream(worker_id, dp_rank, last_event_id, trusted)
+        return applied
+
+    def _restore_stream(self, worker_id: int, dp_rank: int, last_event_id: int | None, trusted: bool) -> None:
         """Resume a stream where an index snapshot left it (the index holds its state up to there)."""
         key = (worker_id, dp_rank)
         self._streams[key] = _Stream(
@@ -414,6 +438,11 @@ class EventSequencer:
             self._distrust(key, stream)
             requests.append(self._start_resync(key, stream, start=None))
         return requests
+
+    def count_undecodable(self, *, resync_reply: bool = False) -> None:
+        """A payload a transport could not decode: an event (``rejected_undecodable``) or a resync's
+        reply (``rejected_undecodable_resync``); nothing reached the index."""
+        self.outcomes["rejected_undecodable_resync" if resync_reply else "rejected_undecodable"] += 1
 
     # ------------------------------------------------------------------ reads
     def status(self) -> list[StreamStatus]:

@@ -279,3 +279,38 @@ def test_absurdly_large_events_are_rejected_and_the_stream_distrusted() -> None:
     assert (status.last_event_id, status.trusted) == (2, False)
     assert sequencer.receive(store(3, 2, parent=1)) is None  # the stream goes on
     assert tree.find_matches([1, 2]).scores == {(W, 0): 2}
+
+
+def test_a_snapshot_is_restored_through_the_sequencer_and_its_streams_resume_where_it_left_them() -> None:
+    tree = RadixTree()
+    sequencer = EventSequencer(tree)
+    snapshot = [store(0, 1), store(0, 2, parent=1), RouterEvent(7, stored_event(0, [(9, 9)])), store(0, 5, parent=4)]
+    positions = [(W, 0, 12, True), (7, 0, 3, False)]
+    assert sequencer.restore_snapshot(snapshot, positions) == 3
+    assert tree.find_matches([1, 2]).scores == {(W, 0): 2}
+    assert tree.find_matches([9]).scores == {(7, 0): 1}
+    # A block under a parent the snapshot does not hold is refused and counted, not raised.
+    assert sequencer.outcomes["snapshot_applied"] == 3
+    assert sequencer.outcomes["rejected_parent_block_not_found"] == sequencer.rejected == 1
+    assert [(s.worker_id, s.last_event_id, s.trusted) for s in sequencer.status()] == [(7, 3, False), (W, 12, True)]
+    assert sequencer.untrusted == {(7, 0)}
+    # The streams go on from there: 13 applies, 12 is a duplicate.
+    assert sequencer.receive(store(13, 3, parent=2)) is None
+    sequencer.receive(store(12, 8))
+    assert sequencer.outcomes["duplicate"] == 1
+    assert tree.find_matches([1, 2, 3]).scores == {(W, 0): 3}
+
+
+def test_the_transports_count_undecodable_payloads_and_unanswered_resyncs_through_the_sequencer() -> None:
+    sequencer, _ = synced(last=0)
+    sequencer.count_undecodable()
+    sequencer.count_undecodable(resync_reply=True)
+    request = sequencer.receive(store(3, 3))  # a gap: a range resync
+    assert request is not None
+    sequencer.resync_failed(request, no_responders=True)
+    assert (
+        sequencer.outcomes["rejected_undecodable"],
+        sequencer.outcomes["rejected_undecodable_resync"],
+        sequencer.outcomes["resync_no_responders"],
+        sequencer.outcomes["resync_failed"],
+    ) == (1, 1, 1, 1)

@@ -98,7 +98,7 @@ class KvEventSubscriber:
         try:
             events = decode_router_events(message.data, msgpack=None)
         except EventDecodeError as exc:
-            self.sequencer.outcomes["rejected_undecodable"] += 1
+            self.sequencer.count_undecodable()
             self._bad_input.warning("undecodable KV event", f"on {message.subject}: {exc}")
             return
         headers = message.headers
@@ -136,11 +136,10 @@ class KvEventSubscriber:
                 except NoRespondersError:
                     # An answer, not a timeout: nobody serves resyncs for this worker (yet).
                     log.debug("no responder for resyncs of worker %s dp_rank %s", request.worker_id, request.dp_rank)
-                    self.sequencer.outcomes["resync_no_responders"] += 1
-                    self.sequencer.resync_failed(request)
+                    self.sequencer.resync_failed(request, no_responders=True)
                     return
                 except UNDECODABLE as exc:
-                    self.sequencer.outcomes["rejected_undecodable_resync"] += 1
+                    self.sequencer.count_undecodable(resync_reply=True)
                     self._bad_input.warning("undecodable resync reply", f"from worker {request.worker_id}: {exc}")
                     break
                 except (TimeoutError, NatsError) as exc:

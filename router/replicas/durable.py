@@ -337,14 +337,10 @@ class DurableEvents:
         return None
 
     def _apply_snapshot(self, snapshot: IndexSnapshot) -> None:
-        index = self.router.indexer
-        for event in snapshot.events:
-            index.apply_router_event(event)
-        sequencer = self.router.events
-        for position in snapshot.positions:
-            sequencer.restore_stream(position.worker_id, position.dp_rank, position.last_event_id, position.trusted)
+        positions = [(p.worker_id, p.dp_rank, p.last_event_id, p.trusted) for p in snapshot.positions]
+        restored = self.router.events.restore_snapshot(snapshot.events, positions)
         self.applied_seq = self.snapshot_seq = snapshot.stream_seq
-        self._count("restored_events", len(snapshot.events))
+        self._count("restored_events", restored)
 
     def _positions(self) -> list[StreamPosition] | None:
         """The sequencer's stream positions; None while a resync is in flight (its held events
@@ -491,7 +487,7 @@ class DurableEvents:
         try:
             events = decode_router_events(message.data, msgpack=None)
         except EventDecodeError as exc:
-            self.router.events.outcomes["rejected_undecodable"] += 1
+            self.router.events.count_undecodable()
             self._bad_input.warning("undecodable KV event", f"stream sequence {seq}: {exc}")
         else:
             self.router.events.ingest(events)
