@@ -411,3 +411,20 @@ def test_block_hashes_picked_to_collide_cost_what_random_ones_cost() -> None:
     baseline = min(_store_seconds(random_hashes) for _ in range(2))
     flooded = _store_seconds(_flooding_hashes(count))
     assert flooded < 5 * baseline + 0.05, f"{flooded:.3f} s against {baseline:.3f} s for random hashes"
+
+
+class _Int(int):
+    """An int subclass: the C code reads it through the public calls, not the exact int's digits."""
+
+
+def test_int_subclasses_are_read_through_the_public_calls_at_the_u64_edges() -> None:
+    lookup = native.BlockMap()
+    edges = [0, 5, 2**63 - 1, 2**63, 2**64 - 1]
+    for value in edges:
+        lookup[_Int(value)] = value
+    assert [lookup.get(_Int(value)) for value in edges] == edges
+    for outside in (2**64, -1, -(2**70), 2**100):
+        assert lookup.get(_Int(outside)) is None
+    assert native.msgpack_rows([_Int(2**64 - 1)], [_Int(3)], b"", b"", b"") == b"\x91\xcf" + b"\xff" * 8 + b"\x03"
+    assert native.msgpack_rows([_Int(2**64)], [_Int(3)], b"", b"", b"") is None
+    assert native.msgpack_rows([_Int(-1)], [_Int(3)], b"", b"", b"") is None
