@@ -231,6 +231,23 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     enable_eagle: Annotated[
         bool, _doc("EAGLE speculative decoding: each block's hash window spans one extra token (as the engines')")
     ] = False
+    # Disaggregated fleets (workers registered with role prefill or decode); llm-d's prefix-based PD decider
+    # and vllm-router's P/D proposal (PR #130) use a few hundred tokens, 256 in the latter.
+    disagg_local_prefill_below_tokens: Annotated[
+        int,
+        _doc(
+            "disaggregated fleets: a request whose uncached prompt on the chosen decode worker is below this many "
+            "tokens is prefilled there, skipping the remote prefill; 0: always prefill remotely"
+        ),
+        msgspec.Meta(ge=0),
+    ] = 256
+    disagg_decode_overlap_credit: Annotated[
+        bool,
+        _doc(
+            "disaggregated fleets: pick the decode worker pricing the prefill it would do itself, credited with its "
+            "own cache (its connector reuses it); off: by decode load alone"
+        ),
+    ] = True
     # Approximate mode (Dynamo's use_kv_events=false, §3.7): off for every worker, or per worker with
     # WorkerConfig.kv_events, the router records each routed prompt's blocks on the chosen rank for
     # router_ttl_secs, at most the worker's total_kv_blocks per rank (least recently routed out first).

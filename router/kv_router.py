@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -26,7 +26,9 @@ from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
 from router.approximate import PredictedCache
 from router.config import RouterConfig
+from router.disaggregation import choose_path, decode_config, is_disaggregated, leg_workers, prefill_booking_id
 from router.errors import (
+    AllWorkersOverloaded,
     ConfigError,
     DuplicateRequestId,
     InvalidRequest,
@@ -38,11 +40,13 @@ from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps, round_half_aw
 from router.policies import create_policy
 from router.prompt import Prompt, prepare_prompt
 from router.queue import PendingQueue
-from router.scheduler import Scheduler
+from router.scheduler import Choice, Scheduler
 from router.sequences import Booking
 from router.types import (
     DecisionReceipt,
     DecisionTiming,
+    DisaggregatedLeg,
+    DisaggregationReceipt,
     OverlapReport,
     PotentialLoad,
     QueueStats,
@@ -102,6 +106,20 @@ class _Routing:
         self.hashing_s = hashing_s
         self.matching_s = matching_s
 
+    def leg(self, request: RouteRequest, config: RouterConfig, pinned: WorkerRank | None) -> _Routing:
+        """The same prompt and match, routed as one leg of a disaggregated request."""
+        return _Routing(
+            request,
+            config,
+            self.prompt,
+            self.overlaps,
+            pinned,
+            self.among,
+            self.explain,
+            self.hashing_s,
+            self.matching_s,
+        )
+
 
 class _Waiter:
     """A `new` call parked in the queue."""
@@ -156,6 +174,10 @@ class KvRouter:
             self._predict()
         # Replica sync (`router.replicas`) publishes what this router books; None: a lone router.
         self.booking_listener: BookingListener | None = None
+        # Whether any worker is prefill- or decode-only (then every request is routed as two legs), and
+        # the booking of each remote prefill in flight by its request's id.
+        self._disaggregated = False
+        self._prefill_legs: dict[str, str] = {}
 
     # ------------------------------------------------------------------ workers and events
     def _predict(self) -> PredictedCache:
@@ -171,6 +193,7 @@ class KvRouter:
             self._predict()
         previous = self._scheduler.workers.get(worker.worker_id)
         dropped = self._scheduler.register_worker(worker)
+        self._disaggregated = is_disaggregated(self._scheduler.workers)
         if previous is None:
             logger.info(
                 "worker %d joined: dp ranks %d..%d, %s KV blocks per rank",
@@ -215,6 +238,7 @@ class KvRouter:
     def remove_worker(self, worker_id: int) -> None:
         """Forget a worker: its index entries, event streams and active requests. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
+        self._disaggregated = is_disaggregated(self._scheduler.workers)
         self.indexer.remove_worker(worker_id)
         self.events.forget_worker(worker_id)  # a worker registered again starts its streams afresh
         if self.predictions is not None:
@@ -270,6 +294,7 @@ class KvRouter:
         request: RouteRequest,
         *,
         pinned_worker: WorkerRank | None = None,
+        pinned_prefill: WorkerRank | None = None,
         among: AbstractSet[int] | None = None,
         explain: bool = False,
         isl_tokens: int | None = None,
@@ -279,7 +304,9 @@ class KvRouter:
         ``pinned_worker`` routes to that exact rank if it is eligible and not overloaded; ``among``
         limits the candidates to those worker ids (a proxy's workers serving the model);
         ``isl_tokens`` is the prompt length for load when the tokens are not the prompt itself
-        (Dynamo's multimodal routing tokens and their ``expanded_prompt_len``). Raises
+        (Dynamo's multimodal routing tokens and their ``expanded_prompt_len``). On a disaggregated
+        fleet the decision is the decode worker, ``pinned_worker`` pins it and ``pinned_prefill`` the
+        prefill leg (`_route_disaggregated`). Raises
         `InvalidRequest`, `DuplicateRequestId`, `NoEligibleWorker`, `AllWorkersOverloaded` or
         `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated) and, at
         start, until ``router_min_initial_workers`` workers have registered.
@@ -287,7 +314,12 @@ class KvRouter:
         if not self._started:
             await self.wait_for_workers()
         decision = self.decide(
-            request, pinned_worker=pinned_worker, among=among, explain=explain, isl_tokens=isl_tokens
+            request,
+            pinned_worker=pinned_worker,
+            pinned_prefill=pinned_prefill,
+            among=among,
+            explain=explain,
+            isl_tokens=isl_tokens,
         )
         return decision if isinstance(decision, RouteDecision) else await decision
 
@@ -296,6 +328,7 @@ class KvRouter:
         request: RouteRequest,
         *,
         pinned_worker: WorkerRank | None = None,
+        pinned_prefill: WorkerRank | None = None,
         among: AbstractSet[int] | None = None,
         explain: bool = False,
         isl_tokens: int | None = None,
@@ -304,7 +337,14 @@ class KvRouter:
         coroutine made, none run), else the coroutine to await for it (the start-up wait or the
         queue). Raises what `new` raises, before changing anything."""
         if not self._started:
-            return self.new(request, pinned_worker=pinned_worker, among=among, explain=explain, isl_tokens=isl_tokens)
+            return self.new(
+                request,
+                pinned_worker=pinned_worker,
+                pinned_prefill=pinned_prefill,
+                among=among,
+                explain=explain,
+                isl_tokens=isl_tokens,
+            )
         started = time.perf_counter()
         config = self.config if request.router_config_override is None else self._request_config(request)
         prompt = prepare_prompt(
@@ -338,7 +378,12 @@ class KvRouter:
             owner = sequences.owner(request_id)
             if owner is not None:
                 raise DuplicateRequestId(request_id, *owner)
+        if pinned_prefill is not None and not self._disaggregated:
+            raise InvalidRequest("a prefill worker was pinned but no worker is registered with role prefill or decode")
         workers = self._eligible(routing)
+        if self._disaggregated:
+            # Not queued: both legs are placed at once (the queue holds one-leg decisions only).
+            return self._route_disaggregated(routing, workers, pinned_prefill)
         queue = self._queue
         # Once anything waits, newcomers wait behind it (Dynamo's backlog anti-bypass).
         if queue is not None and (len(queue) or self._scheduler.queue_blocked(workers, pinned_worker)):
@@ -358,8 +403,11 @@ class KvRouter:
     def _route(self, routing: _Routing, workers: list[WorkerConfig], *, queued_s: float) -> RouteDecision:
         """Select, book and report; raises the scheduler's errors."""
         started = time.perf_counter()
+        return self._commit(routing, self._select(routing, workers), started, queued_s)
+
+    def _select(self, routing: _Routing, workers: list[WorkerConfig]) -> Choice:
         request = routing.request
-        choice = self._scheduler.select(
+        return self._scheduler.select(
             routing.prompt,
             routing.overlaps,
             workers,
@@ -370,6 +418,10 @@ class KvRouter:
             expected_output_tokens=request.expected_output_tokens,
             cached_blocks=self.indexer.stats().blocks if self._scheduler.uses_cache_fill else None,
         )
+
+    def _commit(self, routing: _Routing, choice: Choice, started: float, queued_s: float) -> RouteDecision:
+        """Book the choice (if the request has an id) and report it."""
+        request = routing.request
         if request.request_id is not None:
             self._scheduler.book(
                 request.request_id,
@@ -418,6 +470,77 @@ class KvRouter:
             explanation=choice.explanation,
             receipt=receipt,
         )
+
+    def _route_disaggregated(
+        self, routing: _Routing, workers: list[WorkerConfig], pinned_prefill: WorkerRank | None
+    ) -> RouteDecision:
+        """Two legs on a disaggregated fleet: the decode worker first (decode load, and with
+        ``disagg_decode_overlap_credit`` the prefill it would do, credited with its cache), then, when
+        its uncached prompt is at least ``disagg_local_prefill_below_tokens``, a prefill worker by the
+        policy as it is. The decode leg is booked under the request's id (without prefill tokens when
+        the prefill is remote), the prefill leg under `prefill_booking_id`, freed by `mark_prefill`
+        or `mark_free` of the request. Raises the scheduler's errors before booking anything."""
+        started = time.perf_counter()
+        request, config = routing.request, routing.config
+        self._check_leg_pin(routing.pinned, "decode")
+        self._check_leg_pin(pinned_prefill, "prefill")
+        decode_workers = leg_workers(workers, "decode")
+        if not decode_workers:
+            raise NoEligibleWorker(request.routing_constraints.required_taints if request.routing_constraints else None)
+        decode_choice = self._select(routing.leg(request, decode_config(config), routing.pinned), decode_workers)
+        uncached = max(routing.prompt.isl_tokens - decode_choice.overlap.cached_tokens, 0)
+        threshold = config.disagg_local_prefill_below_tokens
+        prefill_choice: Choice | None = None
+        prefill_routing: _Routing | None = None
+        if uncached >= threshold:
+            prefill_id = None if request.request_id is None else prefill_booking_id(request.request_id)
+            if prefill_id is not None:
+                owner = self._scheduler.sequences.owner(prefill_id)
+                if owner is not None:
+                    raise DuplicateRequestId(prefill_id, *owner)
+            prefill_request = msgspec.structs.replace(request, request_id=prefill_id, expected_output_tokens=1)
+            prefill_routing = routing.leg(prefill_request, config, pinned_prefill)
+            try:
+                prefill_workers = leg_workers(self._eligible(prefill_routing), "prefill")
+                if prefill_workers:
+                    prefill_choice = self._select(prefill_routing, prefill_workers)
+            except (NoEligibleWorker, AllWorkersOverloaded):
+                if pinned_prefill is not None:
+                    raise
+        path, reason = choose_path(uncached, threshold, prefill_choice is not None, decode_choice.key[0])
+        prefill_leg: DisaggregatedLeg | None = None
+        decode_leg_config = config
+        if prefill_choice is not None and prefill_routing is not None:
+            prefill = self._commit(prefill_routing, prefill_choice, started, 0.0)
+            assert prefill.receipt is not None
+            prefill_leg = DisaggregatedLeg(
+                worker_id=prefill.worker_id,
+                dp_rank=prefill.dp_rank,
+                overlap_blocks=prefill.overlap_blocks,
+                cached_tokens=prefill.cached_tokens,
+                booking_id=prefill.request_id,
+                receipt=prefill.receipt,
+            )
+            if request.request_id is not None and prefill.request_id is not None:
+                self._prefill_legs[request.request_id] = prefill.request_id
+            # The KV arrives prefilled: the decode worker books the prompt's blocks, not its prefill.
+            decode_leg_config = msgspec.structs.replace(config, router_track_prefill_tokens=False)
+        decision = self._commit(routing.leg(request, decode_leg_config, routing.pinned), decode_choice, started, 0.0)
+        receipt = DisaggregationReceipt(
+            path=path,
+            reason=reason,
+            decode_uncached_tokens=uncached,
+            threshold_tokens=threshold,
+            prefill=prefill_leg,
+        )
+        return msgspec.structs.replace(decision, disaggregation=receipt)
+
+    def _check_leg_pin(self, pinned: WorkerRank | None, leg: Literal["prefill", "decode"]) -> None:
+        if pinned is None:
+            return
+        worker = self._scheduler.workers.get(pinned[0])
+        if worker is not None and not worker.serves(leg):
+            raise InvalidRequest(f"worker {pinned[0]} has role {worker.role}: it cannot run the {leg} leg")
 
     async def _wait_in_queue(
         self, queue: PendingQueue[_Waiter], routing: _Routing, workers: list[WorkerConfig]
@@ -492,6 +615,10 @@ class KvRouter:
         """The request's first token is out: its prefill no longer loads its rank. False if unknown.
 
         ``replicated``: a peer router's change, not told to the booking listener."""
+        # A remote prefill's leg ends with the request's first token: its booking goes.
+        leg = self._prefill_legs.pop(request_id, None)
+        if leg is not None:
+            self.mark_free(leg, replicated=replicated)
         marked = self._scheduler.sequences.mark_prefill(request_id)
         if marked:
             if not replicated and self.booking_listener is not None:
@@ -518,6 +645,9 @@ class KvRouter:
         """The request finished or was cancelled: release its load. False if unknown (Dynamo 1.6.1).
 
         ``replicated``: a peer router's change, not told to the booking listener."""
+        leg = self._prefill_legs.pop(request_id, None)
+        if leg is not None:
+            self.mark_free(leg, replicated=replicated)
         freed = self._scheduler.sequences.free(request_id)
         if freed:
             if not replicated and self.booking_listener is not None:
@@ -549,6 +679,8 @@ class KvRouter:
         Runs on every `new`; O(1) when nothing is stale. Call it periodically to also expire while idle.
         """
         expired = self._scheduler.sequences.expire(self._clock() - self.config.request_expiry_secs)
+        for request_id in expired:
+            self._prefill_legs.pop(request_id, None)
         if expired:
             logger.warning("expiring %d stale requests, e.g. %s", len(expired), expired[0])
             if self.booking_listener is not None:

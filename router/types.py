@@ -22,6 +22,9 @@ __all__ = [
     "DecisionExplanation",
     "DecisionReceipt",
     "DecisionTiming",
+    "DisaggregatedLeg",
+    "DisaggregationPath",
+    "DisaggregationReceipt",
     "Finite",
     "LimitKind",
     "OverlapReport",
@@ -37,6 +40,7 @@ __all__ = [
     "Tokens",
     "WorkerConfig",
     "WorkerOverlap",
+    "WorkerRole",
 ]
 
 # A finite float: NaN and the infinities refused (msgpack carries them; a NaN queue priority orders nothing).
@@ -97,6 +101,10 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     router_config_override: RouterConfigOverride | None = None
 
 
+# What a worker does in a disaggregated fleet: only prefill (its KV is handed to a decode worker), only
+# decode (it receives prefilled KV, or prefills short prompts itself), or both (an aggregated worker).
+WorkerRole = Literal["prefill", "decode", "both"]
+
 # Data-parallel ranks one worker may have: far above any engine's (tens), low enough that registering
 # the largest costs milliseconds.
 MAX_DP_SIZE = 1024
@@ -131,6 +139,12 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     # Ours: the publisher's start nonce. A registration (or heartbeat) with another epoch than the
     # router knows means the worker restarted: its index state is dropped and its ids start afresh.
     epoch: str | None = None
+    # Prefill candidates are "prefill" and "both" workers, decode candidates "decode" and "both" ones.
+    role: WorkerRole = "both"
+
+    def serves(self, leg: Literal["prefill", "decode"]) -> bool:
+        """Whether this worker may run that leg of a disaggregated request."""
+        return self.role == "both" or self.role == leg
 
     def keeping(self, known: WorkerConfig | None) -> WorkerConfig:
         """This registration of a worker registered as ``known``, with what it does not say kept from
@@ -231,8 +245,40 @@ class DecisionReceipt(msgspec.Struct, kw_only=True, frozen=True):
     candidates: int
 
 
+DisaggregationPath = Literal["remote_prefill", "local_prefill"]
+
+
+class DisaggregatedLeg(msgspec.Struct, kw_only=True, frozen=True):
+    """The prefill leg of a disaggregated request: where it prefills and what it has cached there. Its
+    booking is ``booking_id``, freed when the leg ends (``mark_prefill`` of the request) or with it."""
+
+    worker_id: int
+    dp_rank: int
+    overlap_blocks: int
+    cached_tokens: int
+    booking_id: str | None
+    receipt: DecisionReceipt
+
+
+class DisaggregationReceipt(msgspec.Struct, kw_only=True, frozen=True):
+    """Ours: how a request was placed on a disaggregated fleet (one with prefill or decode workers).
+
+    The decision's own worker is the decode worker (the one whose stream reaches the client). ``path``
+    is ``remote_prefill`` (``prefill`` names the prefill leg; the KV moves to the decode worker) or
+    ``local_prefill`` (the decode worker prefills the prompt itself: its uncached part,
+    ``decode_uncached_tokens``, is below ``threshold_tokens``, or no prefill worker could take it);
+    ``reason`` says which in a sentence."""
+
+    path: DisaggregationPath
+    reason: str
+    decode_uncached_tokens: int
+    threshold_tokens: int
+    prefill: DisaggregatedLeg | None = None
+
+
 class RouteDecision(msgspec.Struct, kw_only=True, frozen=True):
-    """The chosen (worker, dp_rank); ``overlap_blocks`` is Dynamo's rounded effective overlap."""
+    """The chosen (worker, dp_rank); ``overlap_blocks`` is Dynamo's rounded effective overlap. On a
+    disaggregated fleet it is the decode worker and ``disaggregation`` says how the prompt is prefilled."""
 
     worker_id: int
     dp_rank: int
@@ -242,6 +288,7 @@ class RouteDecision(msgspec.Struct, kw_only=True, frozen=True):
     timing: DecisionTiming
     explanation: DecisionExplanation | None = None
     receipt: DecisionReceipt | None = None
+    disaggregation: DisaggregationReceipt | None = None
 
 
 class PotentialLoad(msgspec.Struct, kw_only=True, frozen=True):

@@ -1,0 +1,76 @@
+"""Disaggregated prefill and decode: which workers serve each leg, how the decode worker is priced and
+when the remote prefill is skipped. Pure functions; `KvRouter` selects and books with them.
+
+The pools need no index or load view of their own: workers are disjoint, the index and the booked
+load are kept per worker, so filtering the candidates by role gives each pool exactly its own view (a
+prefill worker's KV events and bookings are only ever read when prefill workers are scored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import msgspec
+
+from router.config import RouterConfig
+from router.types import DisaggregationPath, WorkerConfig
+
+__all__ = [
+    "PREFILL_BOOKING_SUFFIX",
+    "choose_path",
+    "decode_config",
+    "is_disaggregated",
+    "leg_workers",
+    "prefill_booking_id",
+]
+
+# A remote prefill's booking is the request's id with this suffix (so replicas and listings see it).
+PREFILL_BOOKING_SUFFIX = "#prefill"
+
+Leg = Literal["prefill", "decode"]
+
+
+def is_disaggregated(workers: Iterable[WorkerConfig]) -> bool:
+    """A fleet with any prefill-only or decode-only worker routes every request as two legs."""
+    return any(worker.role != "both" for worker in workers)
+
+
+def leg_workers(workers: Iterable[WorkerConfig], leg: Leg) -> list[WorkerConfig]:
+    """The workers that may run ``leg``, in the order given."""
+    return [worker for worker in workers if worker.serves(leg)]
+
+
+def prefill_booking_id(request_id: str) -> str:
+    return request_id + PREFILL_BOOKING_SUFFIX
+
+
+def decode_config(config: RouterConfig) -> RouterConfig:
+    """The config the decode worker is scored with. With ``disagg_decode_overlap_credit`` the policy is
+    unchanged: it prices the prefill the decode worker would do itself (its uncached prompt), which is
+    what the local path costs and what a remote prefill's KV saves it from re-sending; without it the
+    prefill term and the cache credit are zeroed, leaving the decode load (blocks, active requests)."""
+    if config.disagg_decode_overlap_credit:
+        return config
+    return msgspec.structs.replace(config, prefill_load_scale=0.0, overlap_score_credit=0.0)
+
+
+def choose_path(
+    uncached_tokens: int, threshold_tokens: int, prefill_available: bool, decode_worker: int
+) -> tuple[DisaggregationPath, str]:
+    """Remote or local prefill for a prompt with ``uncached_tokens`` missing on the chosen decode
+    worker, and why (the sentence a receipt carries)."""
+    if uncached_tokens < threshold_tokens:
+        return "local_prefill", (
+            f"{uncached_tokens} uncached tokens on decode worker {decode_worker}, below the "
+            f"{threshold_tokens}-token threshold: prefilled there"
+        )
+    if not prefill_available:
+        return "local_prefill", (
+            f"{uncached_tokens} uncached tokens on decode worker {decode_worker} but no prefill worker can "
+            "take the request: prefilled there"
+        )
+    return "remote_prefill", (
+        f"{uncached_tokens} uncached tokens on decode worker {decode_worker}, at or above the "
+        f"{threshold_tokens}-token threshold: prefilled remotely"
+    )
