@@ -125,6 +125,19 @@ class ApiMetrics:
                 self._decisions_created,
             )
         )
+        # (path,) -> decisions on a disaggregated fleet by how the prompt was prefilled.
+        self._disaggregated: dict[tuple[str], int] = {}
+        self._disaggregated_created: dict[tuple[str], float] = {}
+        registry.register(
+            _TallyCollector(
+                f"{PREFIX}_disaggregated_decisions",
+                "Decisions on a disaggregated fleet by path: remote_prefill (a prefill worker, then the decode "
+                "worker) or local_prefill (the decode worker alone: little uncached, or no prefill worker).",
+                ("path",),
+                self._disaggregated,
+                self._disaggregated_created,
+            )
+        )
 
     def count(self, method: str, outcome: str = "ok", calls: int = 1) -> None:
         key = (method, outcome)
@@ -150,6 +163,11 @@ class ApiMetrics:
             self._decisions_created[rank] = time.time()
             count = 0
         self._decisions[rank] = count + 1
+        if decision.disaggregation is not None:
+            path = (decision.disaggregation.path,)
+            if path not in self._disaggregated:
+                self._disaggregated_created[path] = time.time()
+            self._disaggregated[path] = self._disaggregated.get(path, 0) + 1
         self._overlap.observe(decision.overlap_blocks)
         if prompt_tokens:
             self._hit_ratio.observe(min(1.0, decision.cached_tokens / prompt_tokens))
@@ -289,8 +307,10 @@ class RouterStateCollector(Collector):
         router = self._router
         families = self._families()
         (prefill, decode, active, busy, kv_used, kv_total, indexed, queue_req, queue_isl, workers, nodes, index_bytes,
-         predicted, engine_waiting, engine_running) = families  # fmt: skip
+         predicted, engine_waiting, engine_running, roles) = families  # fmt: skip
         capacity = {worker.worker_id: worker.total_kv_blocks for worker in router.workers()}
+        for worker in router.workers():
+            roles.add_metric([str(worker.worker_id), worker.role], 1.0)
         for load in router.rank_loads():
             labels = [str(load.worker_id), str(load.dp_rank)]
             prefill.add_metric(labels, load.active_prefill_tokens)
@@ -370,6 +390,12 @@ class RouterStateCollector(Collector):
                 f"{PREFIX}_worker_engine_requests_running",
                 "Requests the engine reports running (ranks whose bridge scrapes the engine's metrics).",
                 labels=rank,
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_role",
+                "1 per registered worker, labelled with its role (prefill, decode or both): join on worker_id "
+                "to split the per-rank series by pool.",
+                labels=["worker_id", "role"],
             ),
         ]
 

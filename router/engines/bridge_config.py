@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from router.engines.openai_server import health_url, openai_base
-from router.types import WorkerConfig
+from router.types import WorkerConfig, WorkerRole
 
 __all__ = ["BridgeConfig"]
 
@@ -37,6 +37,10 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     total_kv_blocks: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _doc("KV blocks per rank (capacity)")] = None
     max_num_batched_tokens: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _doc("tokens per engine step")] = None
     taints: Annotated[list[str], _doc("the worker's taints (JSON list)")] = []
+    role: Annotated[
+        WorkerRole,
+        _doc("what the engine does in a disaggregated fleet: prefill, decode, or both (an aggregated engine)"),
+    ] = "both"
     engine_metrics_url: Annotated[
         str | None, _doc("the engine's Prometheus endpoint, scraped for KV usage and published as load")
     ] = None
@@ -119,6 +123,7 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             total_kv_blocks=self.total_kv_blocks,
             max_num_batched_tokens=self.max_num_batched_tokens,
             taints=frozenset(self.taints),
+            role=self.role,
             url=self.openai_base,
             models=frozenset(models),
         )

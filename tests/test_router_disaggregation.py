@@ -1,0 +1,157 @@
+"""Disaggregated prefill and decode in `KvRouter` (issue 27): roles, the two legs, the conditional path,
+booking and freeing of both legs."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, WorkerConfig
+from router.errors import InvalidRequest, NoEligibleWorker
+from router.engines.bridge_config import BridgeConfig
+from tests.dynamo_fleet import prompt_stored_event
+
+BS = 16
+P1, P2, D1, D2 = 1, 2, 3, 4
+PROMPT = list(range(1000, 1000 + 40 * BS))  # 640 tokens, 40 blocks
+
+
+def fleet(**config: object) -> KvRouter:
+    router = KvRouter(RouterConfig(block_size=BS, **config), rng=random.Random(0))  # type: ignore[arg-type]
+    for worker_id in (P1, P2):
+        router.register_worker(WorkerConfig(worker_id=worker_id, role="prefill"))
+    for worker_id in (D1, D2):
+        router.register_worker(WorkerConfig(worker_id=worker_id, role="decode"))
+    return router
+
+
+def route(router: KvRouter, tokens: list[int], request_id: str | None = "r", **kwargs: object) -> RouteDecision:
+    return asyncio.run(router.new(RouteRequest(tokens=tokens, request_id=request_id), **kwargs))  # type: ignore[arg-type]
+
+
+def loads(router: KvRouter) -> dict[int, tuple[int, int, int]]:
+    return {
+        load.worker_id: (load.active_prefill_tokens, load.active_decode_blocks, load.active_requests)
+        for load in router.rank_loads()
+    }
+
+
+def test_role_defaults_to_both_and_is_checked_on_the_wire() -> None:
+    assert WorkerConfig(worker_id=1).role == "both"
+    decoded = msgspec.json.decode(b'{"worker_id": 1, "role": "decode"}', type=WorkerConfig)
+    assert decoded.role == "decode" and decoded.serves("decode") and not decoded.serves("prefill")
+    with pytest.raises(msgspec.ValidationError, match="role"):
+        msgspec.json.decode(b'{"worker_id": 1, "role": "encode"}', type=WorkerConfig)
+    assert BridgeConfig(worker_id=5, zmq_endpoint="tcp://127.0.0.1:5557", role="prefill").registration().role == "prefill"
+
+
+def test_aggregated_fleet_has_no_disaggregation_receipt() -> None:
+    router = KvRouter(RouterConfig(block_size=BS))
+    router.register_worker(WorkerConfig(worker_id=1))
+    decision = route(router, PROMPT)
+    assert decision.disaggregation is None
+    with pytest.raises(InvalidRequest, match="role prefill or decode"):
+        route(router, PROMPT, "s", pinned_prefill=(1, 0))
+
+
+def test_long_uncached_prompt_is_prefilled_remotely_where_its_prefix_is_cached() -> None:
+    router = fleet()
+    router.apply_event(prompt_stored_event(P2, PROMPT, BS, blocks=30))  # the prefill pool's own view
+    decision = route(router, PROMPT)
+    receipt = decision.disaggregation
+    assert receipt is not None and receipt.path == "remote_prefill"
+    assert decision.worker_id in (D1, D2) and receipt.decode_uncached_tokens == len(PROMPT)
+    assert receipt.prefill is not None and receipt.prefill.worker_id == P2
+    assert (receipt.prefill.overlap_blocks, receipt.prefill.cached_tokens) == (30, 30 * BS)
+    assert receipt.prefill.booking_id == "r#prefill" and receipt.threshold_tokens == 256
+    assert "at or above the 256-token threshold" in receipt.reason
+    # The prefill leg books the uncached prefill on P2; the decode leg books blocks, no prefill.
+    booked = loads(router)
+    assert booked[P2] == (len(PROMPT) - 30 * BS, 40, 1)
+    assert booked[decision.worker_id] == (0, 40, 1)
+    assert router.mark_prefill("r")  # the prefill leg ended: its booking goes, the decode one stays
+    booked = loads(router)
+    assert booked[P2] == (0, 0, 0) and booked[decision.worker_id] == (0, 40, 1)
+    assert router.mark_free("r")
+    assert all(load == (0, 0, 0) for load in loads(router).values())
+
+
+def test_mark_free_releases_both_legs() -> None:
+    router = fleet()
+    decision = route(router, PROMPT)
+    assert decision.disaggregation is not None and decision.disaggregation.prefill is not None
+    assert router.mark_free("r")
+    assert all(load == (0, 0, 0) for load in loads(router).values())
+    assert router.booking("r#prefill") is None
+
+
+def test_decode_worker_holding_the_prompt_prefills_it_locally() -> None:
+    router = fleet()
+    router.apply_event(prompt_stored_event(D2, PROMPT, BS, blocks=30))  # 160 tokens left uncached on D2
+    decision = route(router, PROMPT)
+    receipt = decision.disaggregation
+    assert receipt is not None and receipt.path == "local_prefill" and receipt.prefill is None
+    assert decision.worker_id == D2 and receipt.decode_uncached_tokens == 160
+    assert "below the 256-token threshold" in receipt.reason
+    assert loads(router)[D2] == (160, 40, 1)  # the decode worker books the prefill it does
+    assert loads(router)[P1] == loads(router)[P2] == (0, 0, 0)
+
+
+def test_decode_overlap_credit_off_picks_by_decode_load() -> None:
+    router = fleet(disagg_decode_overlap_credit=False)
+    router.apply_event(prompt_stored_event(D2, PROMPT, BS, blocks=30))
+    route(router, list(range(9000, 9000 + 4 * BS)), "busy", pinned_worker=(D2, 0))  # load on D2
+    decision = route(router, PROMPT)
+    assert decision.worker_id == D1  # its cache is not credited: the lighter decode worker wins
+    assert decision.disaggregation is not None and decision.disaggregation.path == "remote_prefill"
+
+
+@settings(max_examples=40, deadline=None)
+@given(cached_blocks=st.integers(0, 40), threshold=st.integers(0, 700))
+def test_local_path_exactly_when_uncached_is_below_threshold(cached_blocks: int, threshold: int) -> None:
+    router = fleet(disagg_local_prefill_below_tokens=threshold)
+    if cached_blocks:
+        router.apply_event(prompt_stored_event(D1, PROMPT, BS, blocks=cached_blocks))
+    decision = route(router, PROMPT)
+    receipt = decision.disaggregation
+    assert receipt is not None
+    uncached = len(PROMPT) - (cached_blocks * BS if decision.worker_id == D1 else 0)
+    assert receipt.decode_uncached_tokens == uncached
+    assert (receipt.path == "local_prefill") == (uncached < threshold)
+    assert (receipt.prefill is None) == (uncached < threshold)
+
+
+def test_no_prefill_worker_falls_back_to_local_prefill() -> None:
+    router = KvRouter(RouterConfig(block_size=BS))
+    router.register_worker(WorkerConfig(worker_id=D1, role="decode"))
+    decision = route(router, PROMPT)
+    assert decision.disaggregation is not None and decision.disaggregation.path == "local_prefill"
+    assert "no prefill worker" in decision.disaggregation.reason
+
+
+def test_both_workers_serve_either_leg_and_pins_are_checked_against_roles() -> None:
+    router = fleet()
+    router.register_worker(WorkerConfig(worker_id=9))  # role both
+    decision = route(router, PROMPT, pinned_worker=(9, 0), pinned_prefill=(9, 0))
+    assert decision.worker_id == 9
+    assert decision.disaggregation is not None and decision.disaggregation.prefill is not None
+    assert decision.disaggregation.prefill.worker_id == 9
+    with pytest.raises(InvalidRequest, match="role prefill: it cannot run the decode leg"):
+        route(router, PROMPT, "x", pinned_worker=(P1, 0))
+    with pytest.raises(InvalidRequest, match="role decode: it cannot run the prefill leg"):
+        route(router, PROMPT, "y", pinned_prefill=(D1, 0))
+    with pytest.raises(NoEligibleWorker):
+        route(router, PROMPT, "z", pinned_prefill=(77, 0))
+    assert router.booking("x") is None and router.booking("y#prefill") is None  # nothing booked
+
+
+def test_decode_pool_without_workers_is_no_eligible_worker() -> None:
+    router = KvRouter(RouterConfig(block_size=BS))
+    router.register_worker(WorkerConfig(worker_id=P1, role="prefill"))
+    with pytest.raises(NoEligibleWorker):
+        route(router, PROMPT)
