@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, WorkerConfig
-from router.errors import InvalidRequest, NoEligibleWorker
 from router.engines.bridge_config import BridgeConfig
+from router.errors import InvalidRequest, NoEligibleWorker
 from tests.dynamo_fleet import prompt_stored_event
 
 BS = 16
@@ -47,7 +47,9 @@ def test_role_defaults_to_both_and_is_checked_on_the_wire() -> None:
     assert decoded.role == "decode" and decoded.serves("decode") and not decoded.serves("prefill")
     with pytest.raises(msgspec.ValidationError, match="role"):
         msgspec.json.decode(b'{"worker_id": 1, "role": "encode"}', type=WorkerConfig)
-    assert BridgeConfig(worker_id=5, zmq_endpoint="tcp://127.0.0.1:5557", role="prefill").registration().role == "prefill"
+    assert (
+        BridgeConfig(worker_id=5, zmq_endpoint="tcp://127.0.0.1:5557", role="prefill").registration().role == "prefill"
+    )
 
 
 def test_aggregated_fleet_has_no_disaggregation_receipt() -> None:
