@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from api.metrics import LATENCY_BUCKETS, METHODS, OVERLAP_BLOCK_BUCKETS, PREFIX, RATIO_BUCKETS, ApiMetrics
 from indexer import native as indexer_native
 from indexer.native import SWITCHED_OFF
-from router.types import DecisionTiming, RouteDecision
+from router.types import DecisionTiming, DisaggregationPath, DisaggregationReceipt, RouteDecision
 from tests.test_api_support import BLOCK_SIZE, metric, prompt, serve, stored_event
 
 
@@ -119,6 +119,8 @@ def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
     hit_ratio = Histogram(name, families[name].documentation, buckets=RATIO_BUCKETS, registry=theirs)
     name = f"{PREFIX}_decisions"
     decisions = Counter(name, families[name].documentation, ["worker_id", "dp_rank"], registry=theirs)
+    name = f"{PREFIX}_disaggregated_decisions"
+    disaggregated = Counter(name, families[name].documentation, ["path"], registry=theirs)
 
     rng = random.Random(1)
     edges = [*LATENCY_BUCKETS, 0.0, 2.0]
@@ -130,8 +132,12 @@ def test_histograms_expose_exactly_what_prometheus_client_would() -> None:
         cached = min(tokens, rng.choice([0, tokens // 10, tokens // 2, tokens, rng.randint(0, tokens)]))
         timing = DecisionTiming(hashing_s=times[0], matching_s=times[1], scheduling_s=times[2], queued_s=queued)
         worker_id, dp_rank = rng.choice([(1, 0), (1, 1), (2**64 - 1, 0)])
+        path: DisaggregationPath = "local_prefill" if i % 3 else "remote_prefill"
+        how = DisaggregationReceipt(path=path, reason="", decode_uncached_tokens=0, threshold_tokens=256)
         routed = RouteDecision(worker_id=worker_id, dp_rank=dp_rank, overlap_blocks=blocks, cached_tokens=cached,
-                               request_id="r", timing=timing)  # fmt: skip
+                               request_id="r", timing=timing, disaggregation=how if i % 5 == 0 else None)  # fmt: skip
+        if i % 5 == 0:
+            disaggregated.labels(path).inc()
         metrics.decision(routed, tokens, times[0] + times[2])
         decisions.labels(str(worker_id), str(dp_rank)).inc()
         for phase, value in zip(("hashing", "matching", "scheduling"), times, strict=False):

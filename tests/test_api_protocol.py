@@ -174,7 +174,9 @@ def _script() -> list[tuple[bytes, bytes]]:
     decision = {"worker_id": 1, "dp_rank": 0, "overlap_blocks": 3, "cached_tokens": 48, "request_id": "a"}
     receipt = {"device_blocks": 3, "host_pinned_blocks": 0, "disk_blocks": 0, "credited_blocks": 3.0,
                "stream_trusted": True, "reason": "lowest_cost", "candidates": 2}  # fmt: skip
-    decision_bytes = json.dumps({**decision, "explanation": None, "receipt": receipt}, separators=(",", ":")).encode()
+    decision_bytes = json.dumps(
+        {**decision, "explanation": None, "receipt": receipt, "disaggregation": None}, separators=(",", ":")
+    ).encode()
     query_answer = {key: value for key, value in decision.items() if key != "request_id"}
     loads = b'{"loads":[{"worker_id":1,"dp_rank":0,"potential_prefill_tokens":32,"potential_decode_blocks":4,'
     loads += b'"active_requests":1},{"worker_id":2,"dp_rank":0,"potential_prefill_tokens":64,'
