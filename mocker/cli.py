@@ -173,6 +173,19 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a RouterConfig setting for our policies, e.g. prefill_load_scale=2 (repeatable)",
     )
+    pd = parser.add_argument_group(
+        "disaggregated fleet (offline): routers aggregated (our policy on N + M workers that prefill and decode), "
+        "disagg-always, disagg-conditional, vllm-router-pd, sglang-pd [all of them by default]"
+    )
+    pd.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers (with --decode-workers)")
+    pd.add_argument("--decode-workers", type=int, default=0, help="decode-only workers (with --prefill-workers)")
+    pd.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=131_072,
+        help="KV bytes per token moved from prefill to decode worker [%(default)s: Llama-3-8B, bf16]",
+    )
+    pd.add_argument("--transfer-gb-per-s", type=float, default=25.0, help="KV transfer bandwidth, GB/s [%(default)s]")
     online = parser.add_argument_group("online replay")
     online.add_argument("--online", action="store_true", help="replay against a running router and mock workers")
     online.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL [%(default)s]")
@@ -200,6 +213,7 @@ def _run_replay(args: argparse.Namespace) -> int:
 
     from mocker.replay import ReplaySetup, replay_offline, replay_online_report, write_outputs
     from mocker.report import render_table, render_worker_table
+    from mocker.simulation import KvTransfer
     from router.event_plane.connection_file import ConnectionFileError
     from router.event_plane.first_connection import FirstConnectionError
 
@@ -210,15 +224,25 @@ def _run_replay(args: argparse.Namespace) -> int:
         print(f"kv-router replay: {exc}", file=sys.stderr)
         return 2
     routers = tuple(name for name in args.routers.split(",") if name and name != "all")
-    setup = ReplaySetup(
-        engine=engine,
-        workers=args.workers,
-        routers=routers,
-        router_config=_router_config(args.router_option, engine),
-        event_delay_ms=args.event_delay_ms,
-        seed=args.seed,
-        window_s=args.window_s,
-    )
+    try:
+        setup = ReplaySetup(
+            engine=engine,
+            workers=args.workers,
+            routers=routers,
+            router_config=_router_config(args.router_option, engine),
+            event_delay_ms=args.event_delay_ms,
+            seed=args.seed,
+            window_s=args.window_s,
+            prefill_workers=args.prefill_workers,
+            decode_workers=args.decode_workers,
+            transfer=KvTransfer(args.kv_bytes_per_token, args.transfer_gb_per_s),
+        )
+    except ValueError as exc:
+        print(f"kv-router replay: {exc}", file=sys.stderr)
+        return 2
+    if setup.disaggregated and args.online:
+        print("kv-router replay: --prefill-workers/--decode-workers replay offline only", file=sys.stderr)
+        return 2
     settings = setup.describe(trace)
     print(
         f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s"

@@ -65,6 +65,7 @@ class Sequence:
         "first_token_ms",
         "hashes",
         "held",
+        "kv_loaded",
         "locals",
         "max_tokens",
         "order",
@@ -108,6 +109,9 @@ class Sequence:
         self.order = 0  # admission order: running order and LIFO preemption
         self.preemptions = 0
         self.queued = False  # a pass left it waiting (no seat, budget or blocks for it)
+        # The prompt's KV came from a prefill worker (disaggregation): only its last token is computed
+        # at admission. A preemption drops the KV, and the recomputation is local.
+        self.kv_loaded = False
         self.cached_tokens = -1  # -1 until first admitted
         self.cached_blocks = 0
         self.first_token_ms = -1.0
@@ -203,8 +207,11 @@ class MockEngine:
             recorded.popitem(last=False)
 
     # ------------------------------------------------------------------ requests
-    def submit(self, request_id: str, tokens: TokenInput, max_tokens: int, arrival_ms: float) -> Sequence:
-        """Queue a request; it is rejected at once if its prompt cannot fit in the pool at all."""
+    def submit(
+        self, request_id: str, tokens: TokenInput, max_tokens: int, arrival_ms: float, *, kv_loaded: bool = False
+    ) -> Sequence:
+        """Queue a request; it is rejected at once if its prompt cannot fit in the pool at all.
+        ``kv_loaded``: its prompt's KV was transferred from a prefill worker (see `Sequence.kv_loaded`)."""
         packed = pack_tokens(tokens)
         prompt_len = len(packed) // 4
         block_size = self.block_size
@@ -225,6 +232,7 @@ class MockEngine:
         if prompt_len == 0 or seq.prompt_blocks > self.pool.num_blocks:
             seq.state = SeqState.REJECTED
             return seq
+        seq.kv_loaded = kv_loaded
         if self.block_tokens is not None:
             stride = block_size * 4
             for i, block_hash in enumerate(seq.hashes):
@@ -260,6 +268,12 @@ class MockEngine:
         return EngineMetrics(
             len(self.waiting), len(self.running), pool.active_blocks, pool.active_blocks / pool.num_blocks, pending
         )
+
+    def cached_prefix_blocks(self, tokens: TokenInput) -> int:
+        """Whole blocks of this prompt the pool holds now (what a KV transfer need not send)."""
+        packed = pack_tokens(tokens)
+        hashes = compute_sequence_hashes(compute_block_hashes(packed, self.block_size))
+        return self.pool.cached_prefix(hashes, len(hashes))[0]
 
     def reset_prefix_cache(self) -> list[KvOp] | None:
         """Drop every cached block, as vLLM's prefix-cache reset does; returns the ops to publish (a
@@ -398,14 +412,16 @@ class MockEngine:
             seq.computed = cached * block_size
             self.running.append(seq)
             self._prefilling += 1
-            before = seq.computed
+            local = before = seq.computed
+            if seq.kv_loaded and seq._gen0 == 0:
+                before = length - 1  # the transferred KV: the last token's logits are still to compute
             if not self._allocate(seq, min(length, before + budget)):
                 continue  # preempted itself: back at the head of the queue
             if seq.cached_tokens < 0:
-                seq.cached_tokens = before
+                seq.cached_tokens = local
                 seq.cached_blocks = cached
                 stats.prompt_tokens += seq.prompt_len
-                stats.cached_tokens += before
+                stats.cached_tokens += local
                 stats.prompt_blocks += seq.prompt_blocks
                 stats.cached_blocks += cached
             fresh.append(seq)
@@ -455,6 +471,7 @@ class MockEngine:
         victim.held = 0
         victim.partial = False
         victim.computed = 0
+        victim.kv_loaded = False
         victim.state = SeqState.WAITING
         victim.preemptions += 1
         self.stats.preemptions += 1

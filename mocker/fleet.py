@@ -16,8 +16,9 @@ from typing import NamedTuple, Protocol, runtime_checkable
 from indexer.events import RouterEvent
 from mocker.config import EngineConfig
 from mocker.engine import EngineMetrics
+from router.types import WorkerRole
 
-__all__ = ["FleetRouter", "RouteResult", "RoutedRequest", "RouterRejected"]
+__all__ = ["DisaggregatedFleetRouter", "FleetRouter", "RouteResult", "RoutedRequest", "RouterRejected"]
 
 
 class RoutedRequest(NamedTuple):
@@ -33,6 +34,9 @@ class RouteResult(NamedTuple):
     predicted_cached_tokens: int
     # Whether the request waited in the router's queue before being routed.
     queued: bool = False
+    # Disaggregated fleets: the prefill worker, whose KV then moves to ``worker_id`` (the decode
+    # worker); None: ``worker_id`` prefills the prompt itself.
+    prefill_worker_id: int | None = None
 
 
 class RouterRejected(Exception):
@@ -58,3 +62,14 @@ class FleetRouter(Protocol):
     def finished(self, request_id: str, now_ms: float) -> None: ...
 
     def scraped(self, metrics: dict[int, EngineMetrics], now_ms: float) -> None: ...
+
+
+@runtime_checkable
+class DisaggregatedFleetRouter(FleetRouter, Protocol):
+    """A router of a disaggregated fleet: told each worker's role, and when a request's prefill leg
+    ended on its prefill worker (the leg's 1-token reply came back; its KV transfer starts). The other
+    calls are about the request as the client sees it, on its decode worker."""
+
+    def add_pool_worker(self, worker_id: int, engine: EngineConfig, role: WorkerRole) -> None: ...
+
+    def prefill_done(self, request_id: str, now_ms: float) -> None: ...

@@ -20,13 +20,16 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from mocker.config import EngineConfig
+from mocker.fleet import FleetRouter
+from mocker.pd_routers import AGGREGATED, PD_ROUTERS, make_pd_router
 from mocker.plots import MATPLOTLIB_MISSING, workload_caption, write_plots
 from mocker.progress import ProgressBar
 from mocker.report import ReplayRecord, RouterReport, renumber_workers, rescale_times, summarize, write_reports
 from mocker.routers import make_router, router_names
-from mocker.simulation import simulate
+from mocker.simulation import KvTransfer, simulate
 from mocker.trace import Trace
 from router.config import RouterConfig
+from router.types import WorkerRole
 
 if TYPE_CHECKING:
     from router.event_plane.connection import NatsOptions
@@ -46,8 +49,28 @@ class ReplaySetup:
     event_delay_ms: float = 0.0
     seed: int = 0
     window_s: float = 60.0
+    # A disaggregated fleet (both > 0): ``workers`` is ignored; `mocker.pd_routers` names the routers,
+    # ``aggregated`` running on prefill_workers + decode_workers workers of role both.
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    transfer: KvTransfer = field(default_factory=KvTransfer)
+
+    def __post_init__(self) -> None:
+        if (self.prefill_workers > 0) != (self.decode_workers > 0) or min(
+            self.prefill_workers, self.decode_workers
+        ) < 0:
+            raise ValueError(
+                f"a disaggregated fleet needs both prefill and decode workers, got {self.prefill_workers} and "
+                f"{self.decode_workers}"
+            )
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_workers > 0
 
     def routers_to_run(self) -> list[str]:
+        if self.disaggregated:
+            return list(self.routers) or [AGGREGATED, *PD_ROUTERS]
         return list(self.routers) or router_names()
 
     def effective_router_config(self) -> RouterConfig:
@@ -70,7 +93,16 @@ class ReplaySetup:
             "event_delay_ms": self.event_delay_ms,
             "seed": self.seed,
             "window_s": self.window_s,
-        }
+        } | (
+            {
+                "prefill_workers": self.prefill_workers,
+                "decode_workers": self.decode_workers,
+                "kv_bytes_per_token": self.transfer.kv_bytes_per_token,
+                "transfer_gb_per_s": self.transfer.bandwidth_gb_per_s,
+            }
+            if self.disaggregated
+            else {}
+        )
 
 
 @dataclass(slots=True)
@@ -83,20 +115,34 @@ async def replay_offline(trace: Trace, setup: ReplaySetup, *, show_progress: boo
     """Simulate ``trace`` once per router of ``setup``; one `ReplayRun` each, in order."""
     runs = []
     config = setup.effective_router_config()
+    total = setup.prefill_workers + setup.decode_workers if setup.disaggregated else setup.workers
+    prefill: list[WorkerRole] = ["prefill"]
+    decode: list[WorkerRole] = ["decode"]
+    roles = prefill * setup.prefill_workers + decode * setup.decode_workers
     for spec in setup.routers_to_run():
-        router = make_router(spec, config, random.Random(setup.seed))
+        rng = random.Random(setup.seed)
+        router: FleetRouter
+        if not setup.disaggregated:
+            router = make_router(spec, config, rng)
+        elif spec == AGGREGATED:  # our router on the same number of workers, each prefilling and decoding
+            router = make_router(config.policy, config, rng)
+            router.name = AGGREGATED
+        else:
+            router = make_pd_router(spec, config, rng)
         bar = ProgressBar(spec, enabled=show_progress)
         result = await simulate(
             trace,
             router,
             setup.engine,
-            setup.workers,
+            total,
             event_delay_ms=setup.event_delay_ms,
             seed=setup.seed,
             progress=bar,
+            roles=roles if setup.disaggregated and spec != AGGREGATED else None,
+            transfer=setup.transfer,
         )
         bar.close()
-        report = summarize(router.name, result.records, setup.workers, wall_s=result.wall_s, window_s=setup.window_s)
+        report = summarize(router.name, result.records, total, wall_s=result.wall_s, window_s=setup.window_s)
         runs.append(ReplayRun(report, result.records))
     return runs
 

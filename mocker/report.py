@@ -65,6 +65,10 @@ class ReplayRecord:
     first_token_ms: float = -1.0
     finished_ms: float = -1.0
     preemptions: int = 0
+    # Disaggregated fleets: the prefill leg's worker (-1: none, prefilled where it decoded) and how long
+    # its KV took to reach the decode worker.
+    prefill_worker_id: int = -1
+    transfer_ms: float = 0.0
     # "completed", "rejected_by_router", "rejected_by_engine" or "unfinished".
     status: str = "unfinished"
 

@@ -28,7 +28,7 @@ from router.config import RouterConfig
 from router.errors import KvRouterError
 from router.kv_router import KvRouter
 from router.policies import policy_names, register_policy
-from router.types import RouteRequest, WorkerConfig
+from router.types import RouteRequest, WorkerConfig, WorkerRole
 
 __all__ = ["KvRouterFleet", "make_router", "router_names"]
 
@@ -45,11 +45,15 @@ class KvRouterFleet:
         self.rejected_events = 0
 
     def add_worker(self, worker_id: int, engine: EngineConfig) -> None:
+        self.add_pool_worker(worker_id, engine, "both")
+
+    def add_pool_worker(self, worker_id: int, engine: EngineConfig, role: WorkerRole) -> None:
         self.router.register_worker(
             WorkerConfig(
                 worker_id=worker_id,
                 total_kv_blocks=engine.num_gpu_blocks,
                 max_num_batched_tokens=engine.max_num_batched_tokens,
+                role=role,
             )
         )
 
@@ -62,6 +66,10 @@ class KvRouterFleet:
             decision = await self.router.new(route_request)
         except KvRouterError as exc:
             raise RouterRejected(str(exc)) from exc
+        how = decision.disaggregation
+        if how is not None and how.prefill is not None:
+            # What the prefill worker holds is what the prompt's computation saves.
+            return RouteResult(decision.worker_id, how.prefill.cached_tokens, False, how.prefill.worker_id)
         return RouteResult(decision.worker_id, decision.cached_tokens, decision.timing.queued_s > 0)
 
     def kv_event(self, event: RouterEvent, now_ms: float) -> None:
@@ -74,6 +82,9 @@ class KvRouterFleet:
     def first_token(self, request_id: str, now_ms: float) -> None:
         self._now_s = now_ms / 1000.0
         self.router.mark_prefill(request_id)
+
+    def prefill_done(self, request_id: str, now_ms: float) -> None:
+        self.first_token(request_id, now_ms)  # frees the prefill leg's booking
 
     def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None:
         self._now_s = now_ms / 1000.0

@@ -11,6 +11,13 @@ The router therefore knows at each decision what a real one would: the events pu
 own bookings and the output progress. At equal times pass ends come before arrivals, and every
 arrival at one instant is routed before any worker starts a pass, as in Dynamo's replay harness.
 
+On a disaggregated fleet (``roles``) a request the router sends to a prefill worker runs there first
+with one output token; when that leg ends the router is told (``prefill_done``) and its KV travels to
+the decode worker for `KvTransfer.ms` of the blocks the decode worker lacks; then the request enters
+the decode worker with its prompt's KV loaded (`MockEngine.submit` ``kv_loaded``), where its first
+token, as the client sees it, comes after one pass. A request sent to a decode worker alone prefills
+there as on an aggregated worker.
+
 The simulation is deterministic for a given trace, router and seed (routers draw only from the
 `random.Random` they are given; generated tokens are seeded per request).
 """
@@ -23,23 +30,48 @@ import math
 import time
 from bisect import bisect_right
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from indexer.events import RouterEvent
 from mocker.block_pool import KvOp, kv_cache_event
 from mocker.config import EngineConfig
 from mocker.engine import CacheStats, MockEngine, PassResult, SeqState, Sequence
-from mocker.fleet import FleetRouter, RoutedRequest, RouteResult, RouterRejected
+from mocker.fleet import DisaggregatedFleetRouter, FleetRouter, RoutedRequest, RouteResult, RouterRejected
 from mocker.report import ReplayRecord, blank_records
 from mocker.trace import Trace, TraceRequest
+from router.types import WorkerRole
 
-__all__ = ["SimulationResult", "simulate"]
+__all__ = ["KvTransfer", "SimulationResult", "simulate"]
 
 ProgressCallback = Callable[[int, int], None]
 
 _PASS_END = 0
 _QUIET_RUN_END = 1
 _DELAYED_EVENTS = 2
+_TRANSFER_DONE = 3
+
+# The engine-side id of a request's prefill leg (its own sequence on the prefill worker).
+_PREFILL_LEG = "#prefill"
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransfer:
+    """How long a prompt's KV takes to move from a prefill worker to a decode worker: its bytes over the
+    link's bandwidth. The defaults are Llama-3-8B's KV in bf16 (32 layers x 8 KV heads x 128 dims x 2
+    tensors x 2 bytes = 128 KiB per token) over a 25 GB/s link (a 200 Gb/s RDMA NIC)."""
+
+    kv_bytes_per_token: int = 131_072
+    bandwidth_gb_per_s: float = 25.0
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 1:
+            raise ValueError(f"KV bytes per token must be >= 1, got {self.kv_bytes_per_token}")
+        if not (math.isfinite(self.bandwidth_gb_per_s) and self.bandwidth_gb_per_s > 0):
+            raise ValueError(f"transfer bandwidth must be > 0 GB/s, got {self.bandwidth_gb_per_s}")
+
+    def ms(self, blocks: int, block_size: int) -> float:
+        return blocks * block_size * self.kv_bytes_per_token / (self.bandwidth_gb_per_s * 1e9) * 1000.0
 
 
 class _QuietRun:
@@ -75,13 +107,25 @@ class _Simulation:
         event_delay_ms: float,
         seed: int,
         progress: ProgressCallback | None,
+        roles: Seq[WorkerRole] | None = None,
+        transfer: KvTransfer | None = None,
     ) -> None:
         self.trace = trace
         self.router = router
         self.engine_config = engine
         self.engines = [MockEngine(engine, seed=seed * 1_000_003 + w) for w in range(workers)]
-        for w in range(workers):
-            router.add_worker(w, engine)
+        if roles is None:
+            for w in range(workers):
+                router.add_worker(w, engine)
+        else:
+            assert isinstance(router, DisaggregatedFleetRouter)
+            for w, role in enumerate(roles):
+                router.add_pool_worker(w, engine, role)
+        self.transfer = transfer or KvTransfer()
+        # Prefill legs running, by their engine-side id: (record, request, prompt, decode worker).
+        self._prefill_legs: dict[str, tuple[ReplayRecord, TraceRequest, bytes, int]] = {}
+        self._prefill_seqs: dict[int, Sequence] = {}  # record index -> its prefill leg
+        self._transfers: dict[int, tuple[ReplayRecord, TraceRequest, bytes, int]] = {}
         self.event_delay_ms = event_delay_ms
         self.progress = progress
         self.records = blank_records(trace.requests)
@@ -108,6 +152,8 @@ class _Simulation:
                 at, counter, kind, key = heapq.heappop(heap)
                 if kind == _DELAYED_EVENTS:
                     self._deliver(self._delayed.pop(key), at)
+                elif kind == _TRANSFER_DONE:
+                    self._transfer_done(key, at)
                 elif counter != self._live_entry[key]:
                     continue  # a quiet run that was cut short
                 elif kind == _PASS_END:
@@ -169,16 +215,63 @@ class _Simulation:
         record.routed_ms = now
         record.queued_in_router = result.queued
         record.predicted_cached_tokens = min(result.predicted_cached_tokens, request.input_length)
-        seq = self.engines[worker].submit(request.request_id, prompt, request.output_length, now)
+        prefill = result.prefill_worker_id
+        if prefill is not None:
+            record.prefill_worker_id = prefill
+            leg_id = request.request_id + _PREFILL_LEG
+            leg = self.engines[prefill].submit(leg_id, prompt, 1, now)
+            if leg.state is SeqState.REJECTED:
+                record.status = "rejected_by_engine"
+                self.router.finished(request.request_id, now)
+                return
+            self._prefill_legs[leg_id] = (record, request, prompt, worker)
+            self._prefill_seqs[record.index] = leg
+            self._wake(prefill, now, touched)
+            return
+        self._submit(record, request, prompt, worker, now, touched, kv_loaded=False)
+
+    def _submit(
+        self,
+        record: ReplayRecord,
+        request: TraceRequest,
+        prompt: bytes,
+        worker: int,
+        now: float,
+        touched: set[int],
+        *,
+        kv_loaded: bool,
+    ) -> None:
+        seq = self.engines[worker].submit(request.request_id, prompt, request.output_length, now, kv_loaded=kv_loaded)
         if seq.state is SeqState.REJECTED:
             record.status = "rejected_by_engine"
             self.router.finished(request.request_id, now)
             return
         self._sequences.append((record, seq))
+        self._wake(worker, now, touched)
+
+    def _wake(self, worker: int, now: float, touched: set[int]) -> None:
         in_flight = self._in_flight[worker]
         if isinstance(in_flight, _QuietRun):
             self._cut_quiet_run(worker, in_flight, now)
         touched.add(worker)
+
+    def _prefill_leg_done(self, leg_id: str, now: float) -> None:
+        """A prefill leg ended: the router hears of it, and the KV the decode worker lacks starts moving."""
+        record, request, prompt, decode_worker = self._prefill_legs.pop(leg_id)
+        assert isinstance(self.router, DisaggregatedFleetRouter)
+        self.router.prefill_done(request.request_id, now)
+        engine = self.engines[decode_worker]
+        missing = -(-request.input_length // engine.block_size) - engine.cached_prefix_blocks(prompt)
+        record.transfer_ms = self.transfer.ms(max(missing, 0), engine.block_size)
+        self._counter += 1
+        self._transfers[self._counter] = (record, request, prompt, decode_worker)
+        heapq.heappush(self._heap, (now + record.transfer_ms, self._counter, _TRANSFER_DONE, self._counter))
+
+    def _transfer_done(self, key: int, now: float) -> None:
+        record, request, prompt, decode_worker = self._transfers.pop(key)
+        touched: set[int] = set()
+        self._submit(record, request, prompt, decode_worker, now, touched, kv_loaded=True)
+        self._start_idle(touched, now)
 
     def _scrape(self, now: float) -> None:
         interval = self.router.scrape_interval_ms
@@ -240,13 +333,19 @@ class _Simulation:
             else:
                 self._deliver(events, now)
         router = self.router
+        legs = self._prefill_legs
         for seq in result.first_tokens:
-            router.first_token(seq.request_id, now)
+            if seq.request_id not in legs:
+                router.first_token(seq.request_id, now)
         engine = self.engines[worker]
         for seq in result.opened_blocks:
-            router.output(seq.request_id, engine.generated(seq), now)
+            if seq.request_id not in legs:
+                router.output(seq.request_id, engine.generated(seq), now)
         for seq in result.finished:
-            router.finished(seq.request_id, now)
+            if seq.request_id in legs:
+                self._prefill_leg_done(seq.request_id, now)
+            else:
+                router.finished(seq.request_id, now)
         if engine.has_work():
             self._start_pass(worker, now)
 
@@ -274,6 +373,12 @@ class _Simulation:
             record.first_token_ms = seq.first_token_ms
             record.finished_ms = seq.finished_ms
             record.preemptions = seq.preemptions
+            leg = self._prefill_seqs.get(record.index)
+            if leg is not None:  # the prompt was computed there: its cache hit is the request's
+                record.cached_tokens = max(leg.cached_tokens, 0)
+                record.cached_blocks = leg.cached_blocks
+                record.queued_in_engine = record.queued_in_engine or leg.queued
+                record.preemptions += leg.preemptions
             if seq.state is SeqState.FINISHED:
                 record.status = "completed"
         duration = max((r.finished_ms for r in self.records), default=0.0)
@@ -299,13 +404,30 @@ async def simulate(
     event_delay_ms: float = 0.0,
     seed: int = 0,
     progress: ProgressCallback | None = None,
+    roles: Seq[WorkerRole] | None = None,
+    transfer: KvTransfer | None = None,
 ) -> SimulationResult:
-    """Replay ``trace`` through ``router`` onto ``workers`` simulated engines; see the module doc."""
+    """Replay ``trace`` through ``router`` onto ``workers`` simulated engines; see the module doc.
+    ``roles`` (one per worker) makes the fleet disaggregated: ``router`` must then be a
+    `DisaggregatedFleetRouter`; ``transfer`` times the KV hand-off (`KvTransfer` defaults)."""
     if workers < 1:
         raise ValueError(f"need at least one worker, got {workers}")
+    if roles is not None:
+        if len(roles) != workers:
+            raise ValueError(f"need one role per worker: {len(roles)} roles for {workers} workers")
+        if not isinstance(router, DisaggregatedFleetRouter):
+            raise ValueError(f"router {router.name} cannot route a disaggregated fleet")
     if event_delay_ms < 0:
         raise ValueError(f"event delay must be >= 0 ms, got {event_delay_ms}")
     simulation = _Simulation(
-        trace, router, engine, workers, event_delay_ms=event_delay_ms, seed=seed, progress=progress
+        trace,
+        router,
+        engine,
+        workers,
+        event_delay_ms=event_delay_ms,
+        seed=seed,
+        progress=progress,
+        roles=roles,
+        transfer=transfer,
     )
     return await simulation.run()
