@@ -1,0 +1,105 @@
+"""The disaggregated replay (issue 27): prefill legs, the KV transfer, the conditional path, the peers'
+PD modes, determinism and the command."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from api.cli import main as kv_router_main
+from mocker.config import EngineConfig
+from mocker.pd_routers import AGGREGATED, PD_ROUTERS, make_pd_router
+from mocker.replay import ReplaySetup, replay_offline
+from mocker.report import ReplayRecord
+from mocker.simulation import KvTransfer, simulate
+from mocker.trace import Row, Trace, TraceOptions, build_trace
+from mocker.workload import shared_prefix_rows
+from router.config import RouterConfig
+from router.types import WorkerRole
+
+ENGINE = EngineConfig(num_gpu_blocks=512)
+BS = ENGINE.block_size
+ROLES: list[WorkerRole] = ["prefill", "prefill", "decode", "decode"]
+
+
+def trace_of(rows: list[Row]) -> Trace:
+    return build_trace(rows, TraceOptions(), "test")
+
+
+def run(
+    trace: Trace, router: str, *, seed: int = 0, transfer: KvTransfer | None = None, **config: Any
+) -> list[ReplayRecord]:
+    made = make_pd_router(router, RouterConfig(block_size=BS, **config), random.Random(seed))
+    return asyncio.run(simulate(trace, made, ENGINE, len(ROLES), seed=seed, roles=ROLES, transfer=transfer)).records
+
+
+@pytest.mark.parametrize("router", sorted(PD_ROUTERS))
+def test_a_disaggregated_replay_is_deterministic_and_completes(router: str) -> None:
+    trace = trace_of(shared_prefix_rows(requests=80, groups=6, rate_per_s=8.0, seed=3))
+    first = run(trace, router, seed=7)
+    assert [dataclasses.astuple(r) for r in first] == [dataclasses.astuple(r) for r in run(trace, router, seed=7)]
+    assert all(r.status == "completed" for r in first)
+    assert all(r.worker_id in (2, 3) for r in first)  # the client's stream is always a decode worker's
+    remote = [r for r in first if r.prefill_worker_id >= 0]
+    assert all(r.prefill_worker_id in (0, 1) and r.transfer_ms > 0 for r in remote)
+    if router != "disagg-conditional":
+        assert len(remote) == len(first)  # the peers and disagg-always never skip the remote prefill
+
+
+def test_transfer_time_is_the_missing_blocks_over_the_bandwidth() -> None:
+    trace = trace_of([(0, 2048, 16, [1, 2, 3, 4])])
+    slow = run(trace, "disagg-always", transfer=KvTransfer(bandwidth_gb_per_s=10.0))[0]
+    fast = run(trace, "disagg-always", transfer=KvTransfer(bandwidth_gb_per_s=20.0))[0]
+    blocks = 2048 // BS
+    assert slow.transfer_ms == pytest.approx(blocks * BS * 131_072 / 10e9 * 1000)
+    assert fast.transfer_ms == pytest.approx(slow.transfer_ms / 2)
+    # Nothing else differs: the first token comes exactly the transfer's difference later.
+    assert slow.ttft_ms - fast.ttft_ms == pytest.approx(slow.transfer_ms - fast.transfer_ms)
+    assert slow.e2e_ms - fast.e2e_ms == pytest.approx(slow.transfer_ms - fast.transfer_ms)
+
+
+# A conversation's second turn: the first turn's 2048 tokens and 100 more, on the decode worker that
+# received the first turn's KV.
+SECOND_TURN = [(0, 2048, 8, [1, 2, 3, 4]), (20_000, 2148, 8, [1, 2, 3, 4, 5])]
+
+
+@pytest.mark.parametrize(("threshold", "local"), [(256, True), (101, True), (100, False), (0, False)])
+def test_the_second_turn_is_prefilled_on_its_decode_worker_exactly_below_the_threshold(
+    threshold: int, local: bool
+) -> None:
+    first, second = run(trace_of(SECOND_TURN), "disagg-conditional", disagg_local_prefill_below_tokens=threshold)
+    assert first.prefill_worker_id >= 0 and first.transfer_ms > 0  # 2048 uncached tokens: remote
+    assert second.worker_id == first.worker_id  # its own cache credited: the decode worker holding the turn
+    if local:
+        assert (second.prefill_worker_id, second.transfer_ms) == (-1, 0.0)
+        assert second.cached_tokens == 2048  # computed on the decode worker, from its cache
+    else:
+        assert second.prefill_worker_id >= 0 and second.transfer_ms > 0
+
+
+def test_replay_compares_aggregated_and_disaggregated_at_equal_workers() -> None:
+    trace = trace_of(shared_prefix_rows(requests=40, groups=4, rate_per_s=8.0, seed=1))
+    setup = ReplaySetup(engine=ENGINE, prefill_workers=1, decode_workers=2)
+    runs = asyncio.run(replay_offline(trace, setup, show_progress=False))
+    assert [run.report.router for run in runs] == [AGGREGATED, *PD_ROUTERS]
+    aggregated = runs[0].records
+    assert {r.worker_id for r in aggregated} <= {0, 1, 2} and all(r.prefill_worker_id == -1 for r in aggregated)
+    assert all(run.report.completed == 40 for run in runs)
+    with pytest.raises(ValueError, match="both prefill and decode workers"):
+        ReplaySetup(prefill_workers=2)
+
+
+def test_replay_command_runs_a_disaggregated_fleet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 2048, "output_length": 8, "hash_ids": [1, 2, 3, 4]}\n')
+    argv = ["replay", str(path), "--prefill-workers", "1", "--decode-workers", "1", "--quiet", "--no-plots"]
+    assert kv_router_main([*argv, "--routers", "disagg-conditional,sglang-pd", "--out", str(tmp_path / "out")]) == 0
+    table = capsys.readouterr().out
+    assert "disagg-conditional" in table and "sglang-pd" in table
+    assert kv_router_main([*argv[:2], "--prefill-workers", "1", "--quiet"]) == 2
+    assert "both prefill and decode workers" in capsys.readouterr().err
