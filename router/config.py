@@ -241,6 +241,14 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         ),
         msgspec.Meta(ge=0),
     ] = 256
+    disagg_prefill_queue_limit_tokens: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)] | None,
+        _doc(
+            "disaggregated fleets: when the chosen prefill worker already has more than this many prefill tokens "
+            "pending and the decode worker fewer, the request is prefilled on the decode worker (the prefill pool "
+            "is saturated); unset: never"
+        ),
+    ] = None
     disagg_decode_overlap_credit: Annotated[
         bool,
         _doc(

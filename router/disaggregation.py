@@ -9,7 +9,7 @@ prefill worker's KV events and bookings are only ever read when prefill workers 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import msgspec
 
@@ -18,6 +18,7 @@ from router.types import DisaggregationPath, WorkerConfig
 
 __all__ = [
     "PREFILL_BOOKING_SUFFIX",
+    "PendingPrefill",
     "choose_path",
     "decode_config",
     "is_disaggregated",
@@ -55,20 +56,39 @@ def decode_config(config: RouterConfig) -> RouterConfig:
     return msgspec.structs.replace(config, prefill_load_scale=0.0, overlap_score_credit=0.0)
 
 
+class PendingPrefill(NamedTuple):
+    """Prefill tokens already pending on the chosen prefill worker and on the chosen decode worker."""
+
+    prefill_worker: int
+    on_prefill_worker: int
+    on_decode_worker: int
+
+
 def choose_path(
-    uncached_tokens: int, threshold_tokens: int, prefill_available: bool, decode_worker: int
+    uncached_tokens: int,
+    config: RouterConfig,
+    decode_worker: int,
+    pending: PendingPrefill | None,
 ) -> tuple[DisaggregationPath, str]:
     """Remote or local prefill for a prompt with ``uncached_tokens`` missing on the chosen decode
-    worker, and why (the sentence a receipt carries)."""
+    worker (``pending``: None when no prefill worker can take it), and why (the sentence a receipt
+    carries)."""
+    threshold_tokens = config.disagg_local_prefill_below_tokens
     if uncached_tokens < threshold_tokens:
         return "local_prefill", (
             f"{uncached_tokens} uncached tokens on decode worker {decode_worker}, below the "
             f"{threshold_tokens}-token threshold: prefilled there"
         )
-    if not prefill_available:
+    if pending is None:
         return "local_prefill", (
             f"{uncached_tokens} uncached tokens on decode worker {decode_worker} but no prefill worker can "
             "take the request: prefilled there"
+        )
+    limit = config.disagg_prefill_queue_limit_tokens
+    if limit is not None and pending.on_prefill_worker > limit and pending.on_decode_worker < pending.on_prefill_worker:
+        return "local_prefill", (
+            f"prefill worker {pending.prefill_worker} has {pending.on_prefill_worker} prefill tokens pending, over the "
+            f"{limit}-token queue limit, decode worker {decode_worker} {pending.on_decode_worker}: prefilled there"
         )
     return "remote_prefill", (
         f"{uncached_tokens} uncached tokens on decode worker {decode_worker}, at or above the "

@@ -26,7 +26,14 @@ from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
 from router.approximate import PredictedCache
 from router.config import RouterConfig
-from router.disaggregation import choose_path, decode_config, is_disaggregated, leg_workers, prefill_booking_id
+from router.disaggregation import (
+    PendingPrefill,
+    choose_path,
+    decode_config,
+    is_disaggregated,
+    leg_workers,
+    prefill_booking_id,
+)
 from router.errors import (
     AllWorkersOverloaded,
     ConfigError,
@@ -507,10 +514,17 @@ class KvRouter:
             except (NoEligibleWorker, AllWorkersOverloaded):
                 if pinned_prefill is not None:
                     raise
-        path, reason = choose_path(uncached, threshold, prefill_choice is not None, decode_choice.key[0])
+        pending = None
+        if prefill_choice is not None:
+            pending = PendingPrefill(
+                prefill_choice.key[0],
+                self._pending_prefill_tokens(prefill_choice.key),
+                self._pending_prefill_tokens(decode_choice.key),
+            )
+        path, reason = choose_path(uncached, config, decode_choice.key[0], pending)
         prefill_leg: DisaggregatedLeg | None = None
         decode_leg_config = config
-        if prefill_choice is not None and prefill_routing is not None:
+        if path == "remote_prefill" and prefill_choice is not None and prefill_routing is not None:
             prefill = self._commit(prefill_routing, prefill_choice, started, 0.0)
             assert prefill.receipt is not None
             prefill_leg = DisaggregatedLeg(
@@ -534,6 +548,10 @@ class KvRouter:
             prefill=prefill_leg,
         )
         return msgspec.structs.replace(decision, disaggregation=receipt)
+
+    def _pending_prefill_tokens(self, key: WorkerRank) -> int:
+        rank = self._scheduler.sequences.rank(key)
+        return 0 if rank is None else rank.prefill_tokens
 
     def _check_leg_pin(self, pinned: WorkerRank | None, leg: Literal["prefill", "decode"]) -> None:
         if pinned is None:

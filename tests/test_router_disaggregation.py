@@ -157,3 +157,21 @@ def test_decode_pool_without_workers_is_no_eligible_worker() -> None:
     router.register_worker(WorkerConfig(worker_id=P1, role="prefill"))
     with pytest.raises(NoEligibleWorker):
         route(router, PROMPT)
+
+
+def test_a_saturated_prefill_pool_sends_prefill_to_the_decode_worker() -> None:
+    router = KvRouter(RouterConfig(block_size=BS, disagg_prefill_queue_limit_tokens=1000), rng=random.Random(0))
+    router.register_worker(WorkerConfig(worker_id=P1, role="prefill"))
+    router.register_worker(WorkerConfig(worker_id=D1, role="decode"))
+    first = route(router, PROMPT, "a")  # 640 tokens pending on P1: under the limit
+    assert first.disaggregation is not None and first.disaggregation.path == "remote_prefill"
+    second = route(router, list(range(20_000, 20_000 + 40 * BS)), "b")  # 1280 pending on P1 now
+    assert second.disaggregation is not None and second.disaggregation.path == "remote_prefill"
+    third = route(router, list(range(40_000, 40_000 + 40 * BS)), "c")
+    receipt = third.disaggregation
+    assert receipt is not None and receipt.path == "local_prefill" and receipt.prefill is None
+    assert "has 1280 prefill tokens pending, over the 1000-token queue limit" in receipt.reason
+    assert loads(router)[D1] == (640, 120, 3)  # c's prefill booked where it runs
+    assert router.mark_prefill("a") and router.mark_prefill("b")  # the prefill legs end: the pool drains
+    fourth = route(router, list(range(60_000, 60_000 + 40 * BS)), "d")
+    assert fourth.disaggregation is not None and fourth.disaggregation.path == "remote_prefill"
