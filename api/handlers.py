@@ -244,6 +244,7 @@ class Handlers:
         decision = self._router.decide(
             routing.request,
             pinned_worker=routing.pinned,
+            pinned_prefill=routing.pinned_prefill,
             among=routing.among,
             explain=call.explain,
             isl_tokens=routing.isl_tokens,
@@ -258,6 +259,7 @@ class Handlers:
             request_id=decision.request_id,
             receipt=decision.receipt,
             explanation=decision.explanation,
+            disaggregation=decision.disaggregation,
             worker_instance_id=decision.worker_id if query else None,
             token_data=_token_list(body.token_ids) if query else None,
             unused_hints=routing.unused_hints,
@@ -417,8 +419,15 @@ def _forwardable(call: Call) -> dict[str, Any]:
 
 
 def _with_routing(request: dict[str, Any], decision: RouteDecision) -> dict[str, Any]:
-    """The request with the decision in ``routing.backend_instance_id`` / ``dp_rank``, ready to forward."""
+    """The request with the decision in ``routing.backend_instance_id`` / ``dp_rank``, ready to forward;
+    on a disaggregated fleet the decode worker there, and the remote prefill leg, if any, in
+    ``prefill_worker_id`` / ``prefill_dp_rank`` and ``decode_worker_id``."""
     request["routing"].update(backend_instance_id=decision.worker_id, dp_rank=decision.dp_rank)
+    how = decision.disaggregation
+    if how is not None:
+        request["routing"]["decode_worker_id"] = decision.worker_id
+        if how.prefill is not None:
+            request["routing"].update(prefill_worker_id=how.prefill.worker_id, prefill_dp_rank=how.prefill.dp_rank)
     return request
 
 

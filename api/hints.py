@@ -10,16 +10,18 @@ request changes nothing, and every refusal names its field:
   without ``backend_instance_id`` is ignored (reported unused), as Dynamo 1.6.1 ignores it;
 - ``allowed_worker_ids`` limits the candidates (ids the router does not know are left out, as
   Dynamo scores only discovered workers); a pinned worker outside it is a 422;
-- ``prefill_worker_id`` / ``prefill_dp_rank`` / ``decode_worker_id`` are checked like a pin and
-  reported back as unused: they target the legs of disaggregated serving, whose worker roles this
-  router does not model yet (the issue on disaggregated serving), so the request is routed as an
-  aggregated one;
+- ``prefill_worker_id`` / ``prefill_dp_rank`` / ``decode_worker_id`` are checked like a pin. On a
+  disaggregated fleet (a worker registered with role ``prefill`` or ``decode``) they pin the prefill
+  leg and the decode worker, and a worker whose role cannot run that leg is a 422; a decode worker
+  pin and a different ``backend_instance_id`` are a 422. On an aggregated fleet there are no legs:
+  they are reported back as unused and the request is routed as an aggregated one;
 - ``priority`` is the engine's scheduling priority, forwarded to it: the router does not read it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
@@ -38,6 +40,7 @@ class RoutingCall:
 
     request: RouteRequest
     pinned: WorkerRank | None = None
+    pinned_prefill: WorkerRank | None = None
     among: frozenset[int] | None = None
     isl_tokens: int | None = None
     unused_hints: list[str] = field(default_factory=list)
@@ -125,15 +128,52 @@ def routing_call(
     elif hints.dp_rank is not None:
         call.unused_hints.append("dp_rank")  # Dynamo 1.6.1 ignores a rank without a worker too
     call.among = among
+    legs = router.disaggregated
     if hints.prefill_worker_id is not None:
-        prefill = _worker(router, hints.prefill_worker_id, field_prefix + "prefill_worker_id")
-        call.unused_hints.append("prefill_worker_id")
+        name = field_prefix + "prefill_worker_id"
+        prefill = _worker(router, hints.prefill_worker_id, name)
         if hints.prefill_dp_rank is not None:
             _rank(prefill, hints.prefill_dp_rank, field_prefix + "prefill_dp_rank")
-            call.unused_hints.append("prefill_dp_rank")
+        if not legs:
+            call.unused_hints.append("prefill_worker_id")
+            if hints.prefill_dp_rank is not None:
+                call.unused_hints.append("prefill_dp_rank")
+        else:
+            _serves(prefill, "prefill", name)
+            call.pinned_prefill = (
+                prefill.worker_id,
+                _one_rank(prefill, hints.prefill_dp_rank, field_prefix + "prefill_dp_rank"),
+            )
     elif hints.prefill_dp_rank is not None:
         raise InvalidBody(f"{field_prefix}prefill_dp_rank: a dp rank needs {field_prefix}prefill_worker_id")
     if hints.decode_worker_id is not None:
-        _worker(router, hints.decode_worker_id, field_prefix + "decode_worker_id")
-        call.unused_hints.append("decode_worker_id")
+        name = field_prefix + "decode_worker_id"
+        decode = _worker(router, hints.decode_worker_id, name)
+        if not legs:
+            call.unused_hints.append("decode_worker_id")
+        else:
+            _serves(decode, "decode", name)
+            if call.pinned is None:
+                call.pinned = (decode.worker_id, _one_rank(decode, None, field_prefix + "dp_rank"))
+            elif call.pinned[0] != decode.worker_id:
+                raise InvalidBody(
+                    f"{name}: worker {decode.worker_id} differs from {field_prefix}backend_instance_id {call.pinned[0]}"
+                )
     return call
+
+
+def _serves(worker: WorkerConfig, leg: Literal["prefill", "decode"], name: str) -> None:
+    if not worker.serves(leg):
+        raise InvalidBody(f"{name}: worker {worker.worker_id} has role {worker.role}: it cannot run the {leg} leg")
+
+
+def _one_rank(worker: WorkerConfig, dp_rank: int | None, name: str) -> int:
+    """The rank named, or the worker's only one (several and none named: the caller must say, as for a pin)."""
+    if dp_rank is not None:
+        return dp_rank
+    if worker.dp_size == 1:
+        return worker.dp_start_rank
+    raise InvalidBody(
+        f"{name}: worker {worker.worker_id} has dp ranks {worker.dp_start_rank}..{worker.dp_ranks[-1]}; "
+        "pinning it needs one of them"
+    )

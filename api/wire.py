@@ -23,6 +23,7 @@ from router.types import (
     BlockMmInfos,
     DecisionExplanation,
     DecisionReceipt,
+    DisaggregationReceipt,
     Finite,
     PotentialLoad,
     QueueRejection,
@@ -282,7 +283,8 @@ class RouteReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     """``POST /v1/route``: the decision. ``request_id`` is the id it is booked under, absent when
     nothing was booked (``query_instance_id``: then ``worker_instance_id`` and ``token_data``, as
     Dynamo's router answers that annotation). ``unused_hints`` names hints accepted and validated
-    but not acted on (prefill / decode worker ids: disaggregated roles are not modelled yet).
+    but not acted on (prefill / decode worker ids on a fleet without prefill or decode workers).
+    ``disaggregation``: on a disaggregated fleet, the path and the prefill leg (`DisaggregationReceipt`).
     ``request``: the request as received with ``routing.backend_instance_id`` / ``dp_rank`` set, when
     ``return_request`` asked for it."""
 
@@ -293,6 +295,7 @@ class RouteReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str | None = None
     receipt: DecisionReceipt | None = None
     explanation: DecisionExplanation | None = None  # with ?explain=true
+    disaggregation: DisaggregationReceipt | None = None
     worker_instance_id: int | None = None
     token_data: list[int] | None = None
     unused_hints: list[str] = []

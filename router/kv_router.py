@@ -258,6 +258,11 @@ class KvRouter:
         )
         self._dispatch_waiting()
 
+    @property
+    def disaggregated(self) -> bool:
+        """Whether any worker is prefill- or decode-only: every decision is then two legs."""
+        return self._disaggregated
+
     def workers(self) -> list[WorkerConfig]:
         return list(self._scheduler.workers)
 
