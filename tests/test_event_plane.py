@@ -195,3 +195,29 @@ async def test_lease_expiry_survives_a_crash_and_still_removes_the_silent_worker
     assert plane._background.restarts["lease-expiry"] == 1
     await publisher.stop()
     await plane.stop()
+
+
+async def test_roles_travel_with_the_registration_and_each_pool_reads_its_own_events(client: Client) -> None:
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK, disagg_local_prefill_below_tokens=3 * BLOCK))
+    prefill, decode = await worker(client, 61, role="prefill"), await worker(client, 62, role="decode")
+    await eventually(
+        lambda: {(w.worker_id, w.role) for w in plane.router.workers()} == {(61, "prefill"), (62, "decode")}
+    )
+    await prefill.stored(prompt_blocks(PROMPT)[:6])  # the prefill pool's cache
+    await eventually(lambda: cached(plane.router, PROMPT).get((61, 0)) == 6)
+    first = await plane.router.new(RouteRequest(tokens=PROMPT, request_id="a"))
+    assert first.worker_id == 62 and first.disaggregation is not None
+    assert first.disaggregation.path == "remote_prefill" and first.disaggregation.decode_uncached_tokens == 8 * BLOCK
+    assert first.disaggregation.prefill is not None
+    assert (first.disaggregation.prefill.worker_id, first.disaggregation.prefill.overlap_blocks) == (61, 6)
+    await decode.stored(prompt_blocks(PROMPT))  # the KV reached the decode worker, which says so
+    await eventually(lambda: cached(plane.router, PROMPT).get((62, 0)) == 8)
+    second = await plane.router.new(RouteRequest(tokens=[*PROMPT, 1, 2], request_id="b"))
+    assert second.disaggregation is not None and second.disaggregation.path == "local_prefill"
+    assert (second.worker_id, second.disaggregation.decode_uncached_tokens) == (62, 2)
+    beats = plane.outcomes["heartbeats"]
+    await eventually(lambda: plane.outcomes["heartbeats"] >= beats + 4)  # heartbeats keep the role
+    assert {w.worker_id: w.role for w in plane.router.workers()} == {61: "prefill", 62: "decode"}
+    for publisher in (prefill, decode):
+        await publisher.stop()
+    await plane.stop()
