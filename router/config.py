@@ -245,8 +245,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         Annotated[int, msgspec.Meta(ge=0)] | None,
         _doc(
             "disaggregated fleets: when the chosen prefill worker already has more than this many prefill tokens "
-            "pending and the decode worker fewer, the request is prefilled on the decode worker (the prefill pool "
-            "is saturated); unset: never"
+            "pending, and more than the decode worker would have with this prompt, the request is prefilled on the "
+            "decode worker (the prefill pool is saturated); unset: never"
         ),
     ] = None
     disagg_decode_overlap_credit: Annotated[

@@ -85,10 +85,12 @@ def choose_path(
             "take the request: prefilled there"
         )
     limit = config.disagg_prefill_queue_limit_tokens
-    if limit is not None and pending.on_prefill_worker > limit and pending.on_decode_worker < pending.on_prefill_worker:
+    local_first = pending.on_decode_worker + uncached_tokens < pending.on_prefill_worker
+    if limit is not None and pending.on_prefill_worker > limit and local_first:
         return "local_prefill", (
             f"prefill worker {pending.prefill_worker} has {pending.on_prefill_worker} prefill tokens pending, over the "
-            f"{limit}-token queue limit, decode worker {decode_worker} {pending.on_decode_worker}: prefilled there"
+            f"{limit}-token queue limit and more than decode worker {decode_worker} would have with this prompt "
+            f"({pending.on_decode_worker + uncached_tokens}): prefilled there"
         )
     return "remote_prefill", (
         f"{uncached_tokens} uncached tokens on decode worker {decode_worker}, at or above the "

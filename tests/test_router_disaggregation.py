@@ -170,7 +170,10 @@ def test_a_saturated_prefill_pool_sends_prefill_to_the_decode_worker() -> None:
     third = route(router, list(range(40_000, 40_000 + 40 * BS)), "c")
     receipt = third.disaggregation
     assert receipt is not None and receipt.path == "local_prefill" and receipt.prefill is None
-    assert "has 1280 prefill tokens pending, over the 1000-token queue limit" in receipt.reason
+    assert (
+        "has 1280 prefill tokens pending, over the 1000-token queue limit and more than decode worker 3 would have "
+        "with this prompt (640)" in receipt.reason
+    )
     assert loads(router)[D1] == (640, 120, 3)  # c's prefill booked where it runs
     assert router.mark_prefill("a") and router.mark_prefill("b")  # the prefill legs end: the pool drains
     fourth = route(router, list(range(60_000, 60_000 + 40 * BS)), "d")
