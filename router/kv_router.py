@@ -181,10 +181,8 @@ class KvRouter:
             self._predict()
         # Replica sync (`router.replicas`) publishes what this router books; None: a lone router.
         self.booking_listener: BookingListener | None = None
-        # Whether any worker is prefill- or decode-only (then every request is routed as two legs), and
-        # the booking of each remote prefill in flight by its request's id.
+        # Whether any worker is prefill- or decode-only (then every request is routed as two legs).
         self._disaggregated = False
-        self._prefill_legs: dict[str, str] = {}
 
     # ------------------------------------------------------------------ workers and events
     def _predict(self) -> PredictedCache:
@@ -540,8 +538,6 @@ class KvRouter:
                 booking_id=prefill.request_id,
                 receipt=prefill.receipt,
             )
-            if request.request_id is not None and prefill.request_id is not None:
-                self._prefill_legs[request.request_id] = prefill.request_id
             # The KV arrives prefilled: the decode worker books the prompt's blocks, not its prefill.
             decode_leg_config = msgspec.structs.replace(config, router_track_prefill_tokens=False)
         decision = self._commit(routing.leg(request, decode_leg_config, routing.pinned), decode_choice, started, 0.0)
@@ -638,10 +634,7 @@ class KvRouter:
         """The request's first token is out: its prefill no longer loads its rank. False if unknown.
 
         ``replicated``: a peer router's change, not told to the booking listener."""
-        # A remote prefill's leg ends with the request's first token: its booking goes.
-        leg = self._prefill_legs.pop(request_id, None)
-        if leg is not None:
-            self.mark_free(leg, replicated=replicated)
+        self._free_prefill_leg(request_id, replicated)  # a remote prefill ends with the first token
         marked = self._scheduler.sequences.mark_prefill(request_id)
         if marked:
             if not replicated and self.booking_listener is not None:
@@ -668,15 +661,22 @@ class KvRouter:
         """The request finished or was cancelled: release its load. False if unknown (Dynamo 1.6.1).
 
         ``replicated``: a peer router's change, not told to the booking listener."""
-        leg = self._prefill_legs.pop(request_id, None)
-        if leg is not None:
-            self.mark_free(leg, replicated=replicated)
+        self._free_prefill_leg(request_id, replicated)
         freed = self._scheduler.sequences.free(request_id)
         if freed:
             if not replicated and self.booking_listener is not None:
                 self.booking_listener.freed(request_id)
             self._dispatch_waiting()
         return freed
+
+    def _free_prefill_leg(self, request_id: str, replicated: bool) -> None:
+        """Free the request's remote prefill booking, if it has one. Found by its id, not remembered: a
+        replica holding the booking (`router.replicas`) may be the one told, and frees it alike. A
+        peer's change is left to the peer, which frees the leg itself and says so."""
+        if self._disaggregated and not replicated:
+            leg = prefill_booking_id(request_id)
+            if self._scheduler.sequences.owner(leg) is not None:
+                self.mark_free(leg)
 
     def book_replicated(self, request_id: str, booking: Booking) -> None:
         """Book what a peer router booked (replica sync); raises `DuplicateRequestId`, `UnknownWorker`."""
@@ -702,8 +702,6 @@ class KvRouter:
         Runs on every `new`; O(1) when nothing is stale. Call it periodically to also expire while idle.
         """
         expired = self._scheduler.sequences.expire(self._clock() - self.config.request_expiry_secs)
-        for request_id in expired:
-            self._prefill_legs.pop(request_id, None)
         if expired:
             logger.warning("expiring %d stale requests, e.g. %s", len(expired), expired[0])
             if self.booking_listener is not None:

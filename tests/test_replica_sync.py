@@ -226,3 +226,22 @@ def test_sync_batches_keep_the_wire_shape_older_peers_decode() -> None:
         OldFreed(request_id="y"),
     ]
     assert sync_decoder().decode(msgspec.msgpack.encode(old)) == new
+
+
+async def test_both_legs_of_a_disaggregated_request_reach_every_replica_and_leave_through_any(
+    nats_server: EmbeddedNats,
+) -> None:
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b:
+        for router in (a.router, b.router):
+            router.register_worker(WorkerConfig(worker_id=10, role="prefill"))
+            router.register_worker(WorkerConfig(worker_id=11, role="decode"))
+        request = RouteRequest(tokens=prompt(99, 512), request_id="pd")  # over the 256-token threshold
+        decision = await a.router.new(request, pinned_worker=(11, 0), pinned_prefill=(10, 0))
+        assert decision.disaggregation is not None and decision.disaggregation.path == "remote_prefill"
+        await eventually(lambda: b.router.booking("pd") is not None and b.router.booking("pd#prefill") is not None)
+        assert b.router.mark_prefill("pd")  # told to the replica that did not book it
+        for router in (a.router, b.router):
+            await eventually(lambda: router.booking("pd#prefill") is None)  # noqa: B023
+        assert a.router.booking("pd") is not None
+        assert b.router.mark_free("pd")
+        await eventually(lambda: not list(a.router.bookings()) and not list(b.router.bookings()))
