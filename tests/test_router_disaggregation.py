@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from api.bridge_command import load_bridge_config
 from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, WorkerConfig
 from router.engines.bridge_config import BridgeConfig
-from router.errors import InvalidRequest, NoEligibleWorker
+from router.errors import ConfigError, InvalidRequest, NoEligibleWorker
 from tests.dynamo_fleet import prompt_stored_event
 
 BS = 16
@@ -178,3 +179,12 @@ def test_a_saturated_prefill_pool_sends_prefill_to_the_decode_worker() -> None:
     assert router.mark_prefill("a") and router.mark_prefill("b")  # the prefill legs end: the pool drains
     fourth = route(router, list(range(60_000, 60_000 + 40 * BS)), "d")
     assert fourth.disaggregation is not None and fourth.disaggregation.path == "remote_prefill"
+
+
+def test_the_bridge_takes_its_role_from_a_flag_or_the_environment() -> None:
+    required = {"worker_id": 4, "zmq_endpoint": "tcp://127.0.0.1:5557"}
+    from_env = load_bridge_config(required, {"KV_ROUTER_BRIDGE_ROLE": "decode"})
+    assert from_env.registration().role == "decode"
+    assert load_bridge_config({**required, "role": "prefill"}, {"KV_ROUTER_BRIDGE_ROLE": "decode"}).role == "prefill"
+    with pytest.raises(ConfigError, match="role"):
+        load_bridge_config({**required, "role": "encode"}, {})
