@@ -311,8 +311,12 @@ class _WorkerId(msgspec.Struct):
     worker_id: int
 
 
+class _WorkerStatus(msgspec.Struct):
+    config: _WorkerId
+
+
 class _Workers(msgspec.Struct):
-    workers: list[_WorkerId]
+    workers: list[_WorkerStatus]
 
 
 def online_evaluator(
@@ -332,6 +336,7 @@ def online_evaluator(
     cache (the router's name is the label of the run)."""
     import httpx
 
+    from mocker.online import wait_for_workers
     from mocker.replay import replay_online_report
     from mocker.wire import reset_subject
     from router.event_plane.connection import connect
@@ -339,13 +344,15 @@ def online_evaluator(
 
     async def settle() -> None:
         async with httpx.AsyncClient(base_url=router_url) as http:
+            await wait_for_workers(http, workers)
             listed = msgspec.json.decode((await http.get("/v1/workers")).content, type=_Workers).workers
             nc = (await nats.connect())[0] if isinstance(nats, LocalToolConnection) else await connect(nats)
             try:
-                for worker in listed:
-                    reply = await nc.request(reset_subject(namespace, worker.worker_id), b"", timeout=5)
+                for status in listed:
+                    worker_id = status.config.worker_id
+                    reply = await nc.request(reset_subject(namespace, worker_id), b"", timeout=5)
                     if reply.data != b"ok":
-                        raise RuntimeError(f"worker {worker.worker_id} refused a prefix-cache reset: {reply.data!r}")
+                        raise RuntimeError(f"worker {worker_id} refused a prefix-cache reset: {reply.data!r}")
             finally:
                 await nc.close()
             deadline = time.monotonic() + settle_timeout_s
