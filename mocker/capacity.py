@@ -177,6 +177,10 @@ class CapacityResult:
     at_capacity: LoadPoint | None
     points: list[LoadPoint] = field(default_factory=list)  # by multiplier
 
+    def curve(self) -> tuple[str, float, list[tuple[float, float, bool]]]:
+        """What ``capacity.png`` draws of it (`mocker.plots.write_capacity_plot`)."""
+        return self.router, self.capacity, [(p.multiplier, p.attainment, p.meets_slo) for p in self.points]
+
     def goodput_at(self, multiplier: float) -> float | None:
         return next((p.goodput_per_s for p in self.points if p.multiplier == multiplier), None)
 

@@ -296,7 +296,7 @@ def _run_capacity(args: argparse.Namespace, trace: Trace, setup: ReplaySetup, se
     print(render_capacity_table(used, results, search.goodput_multipliers))
     paths = write_capacity_report(used, origin, results, search, settings, args.out)
     if not args.no_plots:
-        plot = write_capacity_plot(results, args.out)
+        plot = write_capacity_plot([r.curve() for r in results], args.out)
         if plot is None:
             print(MATPLOTLIB_MISSING, file=sys.stderr)
         else:

@@ -16,12 +16,9 @@ import importlib
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mocker.report import RouterReport
-
-if TYPE_CHECKING:
-    from mocker.capacity import CapacityResult
 
 __all__ = [
     "MATPLOTLIB_MISSING",
@@ -177,7 +174,12 @@ def write_pareto_plot(
     return path
 
 
-def write_capacity_plot(results: Sequence[CapacityResult], out_dir: Path) -> Path | None:
+# One router's capacity search: its name, its capacity, and per multiplier run (multiplier, fraction of
+# the requests meeting the SLO, whether the fleet's p90s met it).
+CapacityCurve = tuple[str, float, Sequence[tuple[float, float, bool]]]
+
+
+def write_capacity_plot(curves: Sequence[CapacityCurve], out_dir: Path) -> Path | None:
     """``capacity.png``: per router, the fraction of requests meeting the SLO at every multiplier run (log
     scale), the points meeting the fleet's p90 SLO filled, the capacity a dotted line. None without
     matplotlib."""
@@ -186,14 +188,13 @@ def write_capacity_plot(results: Sequence[CapacityResult], out_dir: Path) -> Pat
         return None
     out_dir.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(figsize=(8, 5))
-    for result in results:
-        multipliers = [p.multiplier for p in result.points]
-        (line,) = axes.plot(multipliers, [p.attainment for p in result.points], marker="o", markersize=3)
-        line.set_label(f"{result.router} (capacity {result.capacity:.3g}x)")
-        met = [p for p in result.points if p.meets_slo]
-        axes.scatter([p.multiplier for p in met], [p.attainment for p in met], color=line.get_color(), s=30)
-        if result.capacity > 0:
-            axes.axvline(result.capacity, color=line.get_color(), linestyle=":", linewidth=1)
+    for router, capacity, points in curves:
+        (line,) = axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+        line.set_label(f"{router} (capacity {capacity:.3g}x)")
+        met = [p for p in points if p[2]]
+        axes.scatter([p[0] for p in met], [p[1] for p in met], color=line.get_color(), s=30)
+        if capacity > 0:
+            axes.axvline(capacity, color=line.get_color(), linestyle=":", linewidth=1)
     axes.set_xscale("log")
     axes.set_xlabel("arrival-rate multiplier (log scale)")
     axes.set_ylabel("fraction of requests meeting the SLO")
