@@ -49,11 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--held-out-from", type=int, default=3, help="first held-out seed [%(default)s]")
     args = parser.parse_args(argv)
     rows: list[tuple[str, int | None, dict[str, float]]] = []
+    slos: dict[str, str] = {}
     routers: list[str] = []
     for argument in args.reports:
         path, _, rename = argument.partition("#")
         report = msgspec.json.decode(Path(path).read_bytes())
         name, seed = workload_name(report["settings"])
+        slo = report["slo"]
+        slos.setdefault(name, f"{slo['ttft_p90_ms']:.0f} / {slo['itl_p90_ms']:.1f}")
         capacities = {rename or r["router"]: float(r["capacity"]) for r in report["results"]}
         routers += [router for router in capacities if router not in routers]
         row = next((row for row in rows if row[0] == name), None)
@@ -61,8 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append((name, seed, capacities))
         else:
             row[2].update(capacities)
-    print("| workload | " + " | ".join(f"`{r}`" for r in routers) + f" | `{args.ours}` / dynamo | / best peer |")
-    print("|---|" + "---:|" * (len(routers) + 2))
+    print(
+        "| workload | SLO: TTFT / ITL p90 ms | "
+        + " | ".join(f"`{r}`" for r in routers)
+        + f" | `{args.ours}` / dynamo | / best peer |"
+    )
+    print("|---|---:|" + "---:|" * (len(routers) + 2))
     failures = []
     against_dynamo: list[tuple[int | None, float]] = []
     means: dict[str, list[float]] = {router: [] for router in routers}
@@ -74,12 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours = capacities.get(args.ours)
         peers = {p: capacities[p] for p in PEERS if p in capacities}
         if ours is None or not peers:
-            print(f"| {name} | " + " | ".join(cells) + " | - | - |")
+            print(f"| {name} | {slos[name]} | " + " | ".join(cells) + " | - | - |")
             continue
         best = max(peers.values())
         versus_dynamo = ratio(ours, peers.get("dynamo", math.nan))
         against_dynamo.append((seed, versus_dynamo))
-        print(f"| {name} | " + " | ".join(cells) + f" | {versus_dynamo:.2f} | {ratio(ours, best):.2f} |")
+        print(f"| {name} | {slos[name]} | " + " | ".join(cells) + f" | {versus_dynamo:.2f} | {ratio(ours, best):.2f} |")
         best_emulated = max((peers[p] for p in EMULATED if p in peers), default=0.0)
         if ours < best_emulated:
             failures.append(f"{name}: below the best emulated peer ({ours:.3f} < {best_emulated:.3f})")
@@ -88,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 failures.append(f"{name}: below 0.98x {peer} ({ours:.3f} < 0.98 x {capacity:.3f})")
     counted = len(next(iter(means.values()), []))
     print(
-        f"| mean over {counted} | "
+        f"| mean over {counted} | | "
         + " | ".join(f"{sum(values) / len(values):.2f}" if values else "-" for values in means.values())
         + " | | |"
     )
