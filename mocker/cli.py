@@ -23,6 +23,8 @@ from router.config import RouterConfig
 from router.errors import ConfigError
 
 if TYPE_CHECKING:
+    from mocker.capacity import CapacitySearch, Slo
+    from mocker.replay import ReplaySetup
     from router.event_plane.first_connection import LocalToolConnection
 
 __all__ = ["DEMO", "MOCK_WORKER", "REPLAY", "TUNE", "SimulatorCommand", "main"]
@@ -199,6 +201,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
         "--engine-speedup equal to it [%(default)s]",
     )
     online.add_argument("--label", default="online", help="the router's name in the report [%(default)s]")
+    _add_capacity_flags(parser)
     output = parser.add_argument_group("output")
     output.add_argument("--out", type=Path, default=Path("replay-report"), help="report directory [%(default)s]")
     output.add_argument("--window-s", type=float, default=60.0, help="window of the per-window figures [%(default)s]")
@@ -206,6 +209,113 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--per-request", action="store_true", help="also write one JSONL record per request")
     output.add_argument("--per-worker", action="store_true", help="also print every worker's latencies")
     output.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_capacity_flags(parser: argparse.ArgumentParser) -> None:
+    capacity = parser.add_argument_group(
+        "capacity (--capacity)",
+        "Per router, the highest arrival-rate multiplier (times --speedup) at which the fleet meets the SLO, by "
+        "bisection; the SLO is derived from every router's run at --light-load unless --slo-ttft-ms and "
+        "--slo-itl-ms give it. Online: the one router behind --url, with a coarser, shorter search.",
+    )
+    capacity.add_argument("--capacity", action="store_true", help="measure capacity at an SLO instead of one replay")
+    capacity.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT p90 bound [3x the best at light load]")
+    capacity.add_argument("--slo-itl-ms", type=float, default=None, help="ITL p90 bound [1.5x the best at light load]")
+    capacity.add_argument("--slo-e2e-ms", type=float, default=None, help="E2E p90 bound [none]")
+    capacity.add_argument(
+        "--slo-e2e-factor", type=float, default=None, help="derive an E2E p90 bound: this times the best [none]"
+    )
+    capacity.add_argument(
+        "--light-load", type=float, default=0.25, help="multiplier of the SLO-deriving runs [%(default)s]"
+    )
+    capacity.add_argument(
+        "--capacity-tolerance",
+        type=float,
+        default=None,
+        help="stop bisecting when hi/lo <= 1 + this [0.05 offline, 0.25 online]",
+    )
+    capacity.add_argument(
+        "--goodput-at",
+        default=None,
+        help="comma-separated multipliers to report goodput at [0.5,1,2 offline; 1 online]",
+    )
+    capacity.add_argument("--max-runs", type=int, default=None, help="runs per router at most [24 offline, 5 online]")
+
+
+def _capacity_search(args: argparse.Namespace) -> CapacitySearch:
+    from mocker.capacity import CapacitySearch
+
+    online = args.online
+    goodput = args.goodput_at if args.goodput_at is not None else ("1" if online else "0.5,1,2")
+    try:
+        return CapacitySearch(
+            tolerance=args.capacity_tolerance if args.capacity_tolerance is not None else (0.25 if online else 0.05),
+            light_multiplier=args.light_load,
+            goodput_multipliers=tuple(float(m) for m in goodput.split(",") if m),
+            max_points=args.max_runs if args.max_runs is not None else (5 if online else 24),
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kv-router replay: {exc}") from None
+
+
+def _given_slo(args: argparse.Namespace) -> Slo | None:
+    from mocker.capacity import Slo
+
+    if args.slo_ttft_ms is None and args.slo_itl_ms is None:
+        if args.slo_e2e_ms is not None:
+            raise SystemExit("kv-router replay: --slo-e2e-ms needs --slo-ttft-ms and --slo-itl-ms")
+        return None
+    if args.slo_ttft_ms is None or args.slo_itl_ms is None:
+        raise SystemExit("kv-router replay: give both --slo-ttft-ms and --slo-itl-ms, or neither (derived)")
+    try:
+        return Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_e2e_ms)
+    except ValueError as exc:
+        raise SystemExit(f"kv-router replay: {exc}") from None
+
+
+def _run_capacity(args: argparse.Namespace, trace: Trace, setup: ReplaySetup, settings: dict[str, Any]) -> int:
+    import asyncio
+
+    from mocker.capacity import (
+        measure_capacity,
+        offline_evaluator,
+        online_evaluator,
+        render_capacity_table,
+        write_capacity_report,
+    )
+    from mocker.plots import MATPLOTLIB_MISSING, write_capacity_plot
+
+    search = _capacity_search(args)
+    slo = _given_slo(args)
+    if args.online:
+        settings.update(mode="online", url=args.url, time_scale=args.time_scale)
+        evaluate = online_evaluator(
+            trace,
+            router_url=args.url,
+            nats=_nats_connection(args, "kv-router replay", "kv-router-replay"),
+            namespace=args.namespace,
+            workers=args.workers,
+            time_scale=args.time_scale,
+            window_s=args.window_s,
+        )
+        routers = [args.label]
+    else:
+        settings["mode"] = "offline"
+        evaluate = offline_evaluator(trace, setup)
+        routers = setup.routers_to_run()
+    used, results, origin = asyncio.run(
+        measure_capacity(routers, evaluate, search, slo=slo, e2e_factor=args.slo_e2e_factor)
+    )
+    print(render_capacity_table(used, results, search.goodput_multipliers))
+    paths = write_capacity_report(used, origin, results, search, settings, args.out)
+    if not args.no_plots:
+        plot = write_capacity_plot([r.curve() for r in results], args.out)
+        if plot is None:
+            print(MATPLOTLIB_MISSING, file=sys.stderr)
+        else:
+            paths.append(plot)
+    print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
+    return 0
 
 
 def _run_replay(args: argparse.Namespace) -> int:
@@ -250,6 +360,8 @@ def _run_replay(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
+        if args.capacity:
+            return _run_capacity(args, trace, setup, settings)
         if args.online:
             settings.update(mode="online", url=args.url, time_scale=args.time_scale)
             run = asyncio.run(

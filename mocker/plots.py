@@ -2,7 +2,9 @@
 
 - ``ttft_cdf.png``: the TTFT distribution of every router, one curve each;
 - ``hit_rate.png``: the engine-side hit rate per window, one line per router;
-- ``worker_load.png``: per router, each worker's uncached prefill tokens per window.
+- ``worker_load.png``: per router, each worker's uncached prefill tokens per window;
+- ``capacity.png`` (``kv-router replay --capacity``): SLO attainment against the arrival-rate multiplier,
+  one line per router, its capacity marked.
 
 Each plot names the workload it shows (``caption``). Routers whose curves are identical share one
 line labelled ``a = b``: drawn one over the other, the last would hide the others.
@@ -18,7 +20,14 @@ from typing import Any
 
 from mocker.report import RouterReport
 
-__all__ = ["MATPLOTLIB_MISSING", "coinciding", "workload_caption", "write_pareto_plot", "write_plots"]
+__all__ = [
+    "MATPLOTLIB_MISSING",
+    "coinciding",
+    "workload_caption",
+    "write_capacity_plot",
+    "write_pareto_plot",
+    "write_plots",
+]
 
 MATPLOTLIB_MISSING = "matplotlib is not installed: no PNG plots (pip install 'kv-router[replay]' to get them)"
 
@@ -160,6 +169,39 @@ def write_pareto_plot(
     axes.grid(True, alpha=0.3)
     axes.legend()
     path = out_dir / "pareto.png"
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close("all")
+    return path
+
+
+# One router's capacity search: its name, its capacity, and per multiplier run (multiplier, fraction of
+# the requests meeting the SLO, whether the fleet's p90s met it).
+CapacityCurve = tuple[str, float, Sequence[tuple[float, float, bool]]]
+
+
+def write_capacity_plot(curves: Sequence[CapacityCurve], out_dir: Path) -> Path | None:
+    """``capacity.png``: per router, the fraction of requests meeting the SLO at every multiplier run (log
+    scale), the points meeting the fleet's p90 SLO filled, the capacity a dotted line. None without
+    matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for router, capacity, points in curves:
+        (line,) = axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+        line.set_label(f"{router} (capacity {capacity:.3g}x)")
+        met = [p for p in points if p[2]]
+        axes.scatter([p[0] for p in met], [p[1] for p in met], color=line.get_color(), s=30)
+        if capacity > 0:
+            axes.axvline(capacity, color=line.get_color(), linestyle=":", linewidth=1)
+    axes.set_xscale("log")
+    axes.set_xlabel("arrival-rate multiplier (log scale)")
+    axes.set_ylabel("fraction of requests meeting the SLO")
+    axes.set_title("SLO attainment against load (filled: the fleet's p90s meet the SLO)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    path = out_dir / "capacity.png"
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close("all")
     return path

@@ -60,7 +60,7 @@ VERIFICATION_TABLE = [
 def test_verification_table(
     overrides: dict[str, float], pending: bool, cost_x: float, cost_y: float, winner: int | None
 ) -> None:
-    router = table_router(RouterConfig(block_size=BS, **overrides), prefill_pending=pending)
+    router = table_router(RouterConfig(block_size=BS, policy="dynamo", **overrides), prefill_pending=pending)
     picks: Counter[int] = Counter()
     for _ in range(30):
         decision = route(router, QUERY)
@@ -74,14 +74,14 @@ def test_verification_table(
 
 
 def test_decision_reports_the_winners_overlap() -> None:
-    router = table_router(RouterConfig(block_size=BS, overlap_score_credit=3.0), prefill_pending=True)
+    router = table_router(RouterConfig(block_size=BS, policy="dynamo", overlap_score_credit=3.0), prefill_pending=True)
     decision = route(router, QUERY, request_id="q")
     assert (decision.worker_id, decision.overlap_blocks, decision.cached_tokens) == (X, 4, 64)
     assert decision.request_id == "q"
 
 
 def test_ties_are_uniform_over_many_candidates() -> None:
-    router = KvRouter(RouterConfig(block_size=BS), rng=random.Random(7))
+    router = KvRouter(RouterConfig(block_size=BS, policy="dynamo"), rng=random.Random(7))
     for worker_id in range(6):
         router.register_worker(WorkerConfig(worker_id=worker_id))
     picks = Counter(route(router, QUERY).worker_id for _ in range(1200))
@@ -92,7 +92,7 @@ def test_ties_are_uniform_over_many_candidates() -> None:
 
 def test_lower_tier_hits_earn_weighted_credit() -> None:
     """§3.5: device 2, host 1, disk 2 blocks at bs 16 → 3.25 effective blocks, 52 cached tokens."""
-    router = KvRouter(RouterConfig(block_size=BS), rng=random.Random(0))
+    router = KvRouter(RouterConfig(block_size=BS, policy="dynamo"), rng=random.Random(0))
     router.register_worker(WorkerConfig(worker_id=X))
     router.register_worker(WorkerConfig(worker_id=Y))
     tokens = list(range(80))
@@ -116,7 +116,9 @@ def test_lower_tier_hits_earn_weighted_credit() -> None:
 
 def test_credit_decays_with_prefill_backlog_above_the_least_loaded() -> None:
     """decay = 1 / (1 + d * ((A_p - min A_p) / bs) / ceil(isl / bs))."""
-    router = KvRouter(RouterConfig(block_size=BS, overlap_score_credit_decay=1.0), rng=random.Random(0))
+    router = KvRouter(
+        RouterConfig(block_size=BS, policy="dynamo", overlap_score_credit_decay=1.0), rng=random.Random(0)
+    )
     for worker_id in (X, Y):
         router.register_worker(WorkerConfig(worker_id=worker_id))
     router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))
@@ -127,7 +129,7 @@ def test_credit_decays_with_prefill_backlog_above_the_least_loaded() -> None:
 
 
 def test_preferred_taints_scale_the_cost() -> None:
-    router = KvRouter(RouterConfig(block_size=BS), rng=random.Random(0))
+    router = KvRouter(RouterConfig(block_size=BS, policy="dynamo"), rng=random.Random(0))
     router.register_worker(WorkerConfig(worker_id=X, taints=frozenset({"zone=a", "spot"})))
     router.register_worker(WorkerConfig(worker_id=Y, taints=frozenset({"zone=b"})))
     constraints = RoutingConstraints(preferred_taints={"zone=a": 1.0, "spot": -0.5, "zone=b": 0.25})
@@ -138,7 +140,7 @@ def test_preferred_taints_scale_the_cost() -> None:
 
 
 def test_required_taints_filter_hard() -> None:
-    router = KvRouter(RouterConfig(block_size=BS), rng=random.Random(0))
+    router = KvRouter(RouterConfig(block_size=BS, policy="dynamo"), rng=random.Random(0))
     router.register_worker(WorkerConfig(worker_id=X, taints=frozenset({"gpu=h200"})))
     router.register_worker(WorkerConfig(worker_id=Y))
     router.apply_event(prompt_stored_event(Y, QUERY, BS))
@@ -149,7 +151,7 @@ def test_required_taints_filter_hard() -> None:
 
 
 def test_all_ranks_of_a_worker_are_candidates() -> None:
-    router = KvRouter(RouterConfig(block_size=BS), rng=random.Random(0))
+    router = KvRouter(RouterConfig(block_size=BS, policy="dynamo"), rng=random.Random(0))
     router.register_worker(WorkerConfig(worker_id=X, dp_start_rank=2, dp_size=3))
     router.apply_event(prompt_stored_event(X, QUERY, BS, dp_rank=3))
     decision = route(router, QUERY)
@@ -170,7 +172,7 @@ def test_softmax_probabilities_match_the_formula() -> None:
 
 def test_softmax_sampling_frequency() -> None:
     """The §4.3 observation: credit 3 makes X cost 12 and Y 16; at T = 1 X wins 73.1% of picks."""
-    config = RouterConfig(block_size=BS, overlap_score_credit=3.0, router_temperature=1.0)
+    config = RouterConfig(block_size=BS, policy="dynamo", overlap_score_credit=3.0, router_temperature=1.0)
     router = table_router(config, prefill_pending=True, seed=3)
     draws = 2000
     decisions = [route(router, QUERY) for _ in range(draws)]
@@ -183,6 +185,6 @@ def test_softmax_sampling_frequency() -> None:
 
 
 def test_explanation_round_trips_through_json() -> None:
-    router = table_router(RouterConfig(block_size=BS), prefill_pending=True)
+    router = table_router(RouterConfig(block_size=BS, policy="dynamo"), prefill_pending=True)
     decision = route(router, QUERY)
     assert msgspec.json.decode(msgspec.json.encode(decision), type=RouteDecision) == decision

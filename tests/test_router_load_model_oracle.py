@@ -64,7 +64,7 @@ class Fleet:
 
     async def __aenter__(self) -> Fleet:
         ranks = await self.dynamo.start([1], **self.config)
-        self.ours = KvRouter(RouterConfig(block_size=BS, **self.config))
+        self.ours = KvRouter(RouterConfig(block_size=BS, policy="dynamo", **self.config))
         for worker_id in ranks:
             self.ours.register_worker(WorkerConfig(worker_id=worker_id))
         return self
@@ -237,7 +237,7 @@ def test_routing_waits_for_the_minimum_workers_as_dynamos(tmp_path: Path) -> Non
     processes: list[subprocess.Popen[str]] = []
 
     async def scenario() -> None:
-        ours = KvRouter(RouterConfig(block_size=BS, router_min_initial_workers=2))
+        ours = KvRouter(RouterConfig(block_size=BS, policy="dynamo", router_min_initial_workers=2))
         processes.append(_start("worker", tmp_path))
         assert await asyncio.to_thread(_said, processes[0], "worker ready", 60.0)
         ours.register_worker(WorkerConfig(worker_id=1))

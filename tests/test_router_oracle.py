@@ -57,7 +57,7 @@ async def run_scenario(seed: int, config: dict[str, float], steps: int, discover
     fleet = DynamoFleet(str(discovery_dir), BS)
     try:
         ranks = await fleet.start([rng.choice([1, 1, 2]) for _ in range(rng.randint(2, 4))], **config)
-        ours = KvRouter(RouterConfig(block_size=BS, **config), rng=random.Random(seed))  # type: ignore[arg-type]
+        ours = KvRouter(RouterConfig(block_size=BS, policy="dynamo", **config), rng=random.Random(seed))  # type: ignore[arg-type]
         for worker_id, dp_size in ranks.items():
             ours.register_worker(WorkerConfig(worker_id=worker_id, dp_size=dp_size))
         prefixes = [[rng.randrange(1, 50_000) for _ in range(8 * BS)] for _ in range(4)]

@@ -1,0 +1,316 @@
+"""`kv-router replay --capacity`: the bisection, the SLO it derives, determinism, the report, and the
+same search against a live fleet (a real nats-server, the router service, `kv-router mock-worker`
+processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from api.cli import main as kv_router_main
+from mocker.capacity import (
+    CapacitySearch,
+    Slo,
+    derive_slo,
+    measure_capacity,
+    offline_evaluator,
+)
+from mocker.config import EngineConfig
+from mocker.replay import ReplaySetup
+from mocker.report import ReplayRecord, RouterReport, summarize
+from mocker.service import serve_router
+from mocker.trace import Trace, TraceOptions, build_trace, load_trace
+from mocker.workload import shared_prefix_rows
+from router.config import RouterConfig
+from router.event_plane.embedded_server import EmbeddedNats
+from router.policies import Selection, SelectionContext
+
+ENGINE = EngineConfig(num_gpu_blocks=512)
+SETUP = ReplaySetup(engine=ENGINE, workers=4)
+
+
+def tiny_trace(requests: int = 80) -> Trace:
+    rows = shared_prefix_rows(requests=requests, groups=8, rate_per_s=8.0, output_tokens=64, seed=2)
+    return build_trace(rows, TraceOptions(seed=2), "generated")
+
+
+class FirstCandidate:
+    """Every request on the first worker: strictly worse than spreading them."""
+
+    name = "first"
+
+    def __init__(self, config: RouterConfig, rng: object) -> None:
+        pass
+
+    def select(self, context: SelectionContext) -> Selection:
+        return Selection(0, "always the first")
+
+
+def report_with(router: str, ttft_ms: float, itl_ms: float, requests: int = 10) -> RouterReport:
+    """A run whose every request had this TTFT and mean ITL (11 output tokens, arrivals 1 s apart)."""
+    records = [
+        ReplayRecord(
+            i,
+            1000.0 * i,
+            100,
+            11,
+            worker_id=0,
+            routed_ms=1000.0 * i,
+            first_token_ms=1000.0 * i + ttft_ms,
+            finished_ms=1000.0 * i + ttft_ms + 10 * itl_ms,
+            status="completed",
+        )
+        for i in range(requests)
+    ]
+    return summarize(router, records, 1, wall_s=0.0)
+
+
+def threshold_evaluator(capacities: dict[str, float], calls: list[tuple[str, float]]):  # type: ignore[no-untyped-def]
+    """A fleet whose TTFT p90 is 100 ms up to the router's capacity and 1000 ms beyond it."""
+
+    async def evaluate(router: str, multiplier: float) -> tuple[RouterReport, list[ReplayRecord]]:
+        calls.append((router, multiplier))
+        ttft = 100.0 if multiplier <= capacities[router] else 1000.0
+        report = report_with(router, ttft, 5.0)
+        return report, []
+
+    return evaluate
+
+
+# ---------------------------------------------------------------------- the search
+@pytest.mark.parametrize("capacity", [0.05, 0.3, 1.0, 1.7, 9.5])
+def test_bisection_brackets_the_capacity_within_the_tolerance(capacity: float) -> None:
+    calls: list[tuple[str, float]] = []
+    search = CapacitySearch(tolerance=0.05, goodput_multipliers=(1.0,))
+    slo = Slo(ttft_p90_ms=300.0, itl_p90_ms=10.0)
+    _, (result,), origin = asyncio.run(
+        measure_capacity(["r"], threshold_evaluator({"r": capacity}, calls), search, slo=slo)
+    )
+    lo, hi = result.bracket
+    assert lo <= capacity < hi and hi / lo <= 1.05
+    assert result.capacity == lo and origin == {"derived": False}
+    assert result.at_capacity is not None and result.at_capacity.multiplier == lo and result.at_capacity.meets_slo
+    assert len(calls) == len(set(calls)) <= search.max_points  # no multiplier run twice
+    assert [p.multiplier for p in result.points] == sorted(m for _, m in calls)
+
+
+def test_a_router_missing_the_slo_at_any_load_has_no_capacity_and_one_meeting_it_everywhere_is_open() -> None:
+    calls: list[tuple[str, float]] = []
+    slo = Slo(ttft_p90_ms=300.0, itl_p90_ms=10.0)
+    _, (never, always), _ = asyncio.run(
+        measure_capacity(
+            ["never", "always"],
+            threshold_evaluator({"never": 0.0, "always": math.inf}, calls),
+            CapacitySearch(),
+            slo=slo,
+        )
+    )
+    assert never.capacity == 0.0 and never.at_capacity is None and never.bracket[1] == pytest.approx(1 / 64)
+    assert always.capacity == 64.0 and math.isinf(always.bracket[1])
+
+
+def test_a_strictly_better_router_gets_a_strictly_higher_capacity() -> None:
+    """On a real simulation: spreading requests over four workers carries more than piling them on one."""
+    trace = tiny_trace()
+    first = f"{__name__}:FirstCandidate"
+    search = CapacitySearch(goodput_multipliers=(1.0,))
+    _, results, origin = asyncio.run(
+        measure_capacity(["least_loaded", "dynamo", first], offline_evaluator(trace, SETUP), search)
+    )
+    capacity = {r.router: r.capacity for r in results}
+    assert capacity[first] > 0
+    assert capacity["least_loaded"] > 1.5 * capacity[first]
+    assert capacity["dynamo"] > 1.5 * capacity[first]
+    assert origin["derived"] and origin["light_multiplier"] == 0.25
+    for result in results:
+        lo, hi = result.bracket
+        assert hi / lo <= 1.05
+        met = {p.multiplier: p.meets_slo for p in result.points}
+        assert met[lo] and not met[hi]
+
+
+def test_capacity_is_deterministic_for_a_seed() -> None:
+    trace = tiny_trace()
+    search = CapacitySearch(goodput_multipliers=(0.5, 2.0))
+
+    def measure() -> object:
+        slo, results, origin = asyncio.run(
+            measure_capacity(["dynamo", "sglang"], offline_evaluator(trace, SETUP), search)
+        )
+        return msgspec.to_builtins((slo, origin, [(r.router, r.capacity, r.bracket, r.points) for r in results]))
+
+    assert measure() == measure()
+
+
+# ---------------------------------------------------------------------- the SLO
+def test_the_derived_slo_is_three_times_the_best_ttft_p90_and_one_and_a_half_its_best_itl_p90() -> None:
+    light = [report_with("a", 200.0, 8.0), report_with("b", 120.0, 12.0)]
+    slo = derive_slo(light, CapacitySearch())
+    assert (slo.ttft_p90_ms, slo.itl_p90_ms, slo.e2e_p90_ms) == (360.0, 12.0, None)
+    with_e2e = derive_slo(light, CapacitySearch(ttft_factor=2.0, itl_factor=1.25), e2e_factor=2.0)
+    best_e2e = min(r.e2e_ms.p90 for r in light)
+    assert (with_e2e.ttft_p90_ms, with_e2e.itl_p90_ms, with_e2e.e2e_p90_ms) == (240.0, 10.0, 2 * best_e2e)
+
+
+def test_the_slo_is_derived_from_the_light_runs_which_the_search_reuses() -> None:
+    calls: list[tuple[str, float]] = []
+
+    async def evaluate(router: str, multiplier: float) -> tuple[RouterReport, list[ReplayRecord]]:
+        calls.append((router, multiplier))
+        # TTFT grows with load; the better router's is half the other's.
+        scale = 1.0 if router == "good" else 2.0
+        return report_with(router, 100.0 * scale * max(multiplier, 0.25) * 4, 5.0 * scale), []
+
+    slo, results, origin = asyncio.run(measure_capacity(["good", "bad"], evaluate, CapacitySearch()))
+    assert (slo.ttft_p90_ms, slo.itl_p90_ms) == (300.0, 7.5)  # 3 x 100 ms and 1.5 x 5 ms at 0.25x
+    assert origin["best_ttft_router"] == "good"
+    assert calls[:2] == [("good", 0.25), ("bad", 0.25)] and calls.count(("good", 0.25)) == 1
+    good, bad = results
+    assert good.capacity == pytest.approx(0.75, rel=0.05) and good.capacity <= 0.75
+    assert bad.capacity == 0.0  # its ITL p90 (10 ms) misses 7.5 ms even at the lightest load
+
+
+def test_slo_bounds_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="itl_p90_ms must be > 0"):
+        Slo(100.0, 0.0)
+    with pytest.raises(ValueError, match="tolerance"):
+        CapacitySearch(tolerance=0.0)
+
+
+def test_unserved_requests_break_the_slo() -> None:
+    report = report_with("r", 10.0, 1.0)
+    assert Slo(100.0, 5.0).met_by(report)
+    report.completed -= 1
+    assert not Slo(100.0, 5.0).met_by(report)
+
+
+# ---------------------------------------------------------------------- the command
+def write_trace(path: Path, requests: int = 60) -> Path:
+    rows = shared_prefix_rows(requests=requests, groups=6, rate_per_s=8.0, output_tokens=64)
+    path.write_bytes(
+        b"".join(
+            msgspec.json.encode({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids}) + b"\n"
+            for t, n, o, ids in rows
+        )
+    )
+    return path
+
+
+def test_replay_capacity_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "trace.jsonl")
+    out = tmp_path / "out"
+    argv = ["replay", str(trace), "--capacity", "--workers", "2", "--routers", "dynamo,round_robin"]
+    assert kv_router_main([*argv, "--num-gpu-blocks", "512", "--goodput-at", "1,3", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("SLO: TTFT p90 <= ") and "goodput@3x r/s" in printed
+    report = msgspec.json.decode((out / "capacity.json").read_bytes())
+    assert set(report) == {"settings", "slo", "search", "results"}
+    assert report["settings"]["mode"] == "offline" and report["settings"]["workers"] == 2
+    assert set(report["slo"]) == {"ttft_p90_ms", "itl_p90_ms", "e2e_p90_ms", "origin"}
+    assert report["slo"]["origin"]["derived"] is True and report["slo"]["e2e_p90_ms"] is None
+    assert report["search"]["tolerance"] == 0.05 and report["search"]["goodput_multipliers"] == [1.0, 3.0]
+    assert [r["router"] for r in report["results"]] == ["dynamo", "round_robin"]
+    for result in report["results"]:
+        assert set(result) == {"router", "capacity", "bracket", "goodput_per_s", "at_capacity", "points"}
+        assert set(result["goodput_per_s"]) == {"1", "3"}
+        assert result["bracket"][0] == result["capacity"]
+        assert set(result["at_capacity"]) == {
+            "multiplier", "meets_slo", "attainment", "goodput_per_s", "requests_per_s", "hit_rate",
+            "ttft_p90_ms", "itl_p90_ms", "e2e_p90_ms", "completed", "requests",
+        }  # fmt: skip
+        assert result["at_capacity"]["multiplier"] == result["capacity"]
+        multipliers = [p["multiplier"] for p in result["points"]]
+        assert multipliers == sorted(multipliers) and {0.25, 1.0, 3.0} <= set(multipliers)
+    assert (out / "capacity.md").read_text().startswith("# Capacity report")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "capacity.png").stat().st_size > 0
+
+
+def test_replay_capacity_takes_a_given_slo_and_refuses_half_of_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(tmp_path / "trace.jsonl", requests=30)
+    out = tmp_path / "out"
+    argv = ["replay", str(trace), "--capacity", "--workers", "2", "--routers", "dynamo", "--out", str(out), "--quiet"]
+    assert kv_router_main([*argv, "--slo-ttft-ms", "5000", "--slo-itl-ms", "200", "--slo-e2e-ms", "60000"]) == 0
+    report = msgspec.json.decode((out / "capacity.json").read_bytes())
+    assert report["slo"] == {
+        "ttft_p90_ms": 5000.0,
+        "itl_p90_ms": 200.0,
+        "e2e_p90_ms": 60000.0,
+        "origin": {"derived": False},
+    }
+    assert 0.25 not in [p["multiplier"] for p in report["results"][0]["points"]]  # no light run needed
+    with pytest.raises(SystemExit, match="give both --slo-ttft-ms and --slo-itl-ms"):
+        kv_router_main([*argv, "--slo-ttft-ms", "5000"])
+
+
+# ---------------------------------------------------------------------- online
+TIME_SCALE = 8.0
+
+
+def start_worker(nats_url: str, worker_id: int) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable, "-m", "api.cli", "mock-worker",  # `kv-router mock-worker`
+        "--nats-url", nats_url,
+        "--worker-id", str(worker_id),
+        "--num-gpu-blocks", str(ENGINE.num_gpu_blocks),
+        "--engine-speedup", str(TIME_SCALE),
+        "--heartbeat-interval", "0.5",
+        "--log-level", "warning",
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+
+
+@pytest.mark.anyio
+async def test_online_capacity_runs_each_point_on_a_fresh_fleet_and_agrees_with_the_simulation(tmp_path: Path) -> None:
+    trace_path = write_trace(tmp_path / "trace.jsonl")
+    out = tmp_path / "online"
+    workers = 2
+    with EmbeddedNats() as nats:
+        async with serve_router(nats.url, RouterConfig(block_size=ENGINE.block_size)) as url:
+            processes = [start_worker(nats.url, 300 + i) for i in range(workers)]
+            try:
+                argv = [
+                    "replay", str(trace_path), "--online", "--capacity", "--url", url, "--nats-url", nats.url,
+                    "--workers", str(workers), "--time-scale", str(TIME_SCALE), "--label", "dynamo (online)",
+                    "--slo-ttft-ms", "1500", "--slo-itl-ms", "40", "--capacity-tolerance", "0.5",
+                    "--max-runs", "4", "--out", str(out), "--quiet", "--no-plots",
+                ]  # fmt: skip
+                # `kv-router replay` runs its own event loop: in a thread, beside the router's.
+                assert await asyncio.to_thread(kv_router_main, argv) == 0
+            finally:
+                for process in processes:
+                    process.terminate()
+                for process in processes:
+                    assert process.wait(timeout=10) == 0
+    report = msgspec.json.decode((out / "capacity.json").read_bytes())
+    assert report["settings"]["mode"] == "online" and report["search"]["goodput_multipliers"] == [1.0]
+    (online,) = report["results"]
+    assert online["router"] == "dynamo (online)" and "1" in online["goodput_per_s"]
+    points = online["points"]
+    assert 2 <= len(points) <= 4
+    for point in points:
+        assert point["completed"] == point["requests"] == 60
+    # Each point starts from empty caches: the same trace finds about the same hits at every load, where a
+    # warm fleet would serve the second run's every shared prefix from cache.
+    hits = [p["hit_rate"] for p in points]
+    assert max(hits) - min(hits) < 0.1
+    # The simulated fleet finds the same hits at the same multipliers.
+    slo = Slo(ttft_p90_ms=1500.0, itl_p90_ms=40.0)
+    search = CapacitySearch(tolerance=0.5, goodput_multipliers=(1.0,), max_points=4)
+    setup = ReplaySetup(engine=ENGINE, workers=workers)
+    _, (offline,), _ = await measure_capacity(
+        ["dynamo"], offline_evaluator(load_trace(trace_path), setup), search, slo=slo
+    )
+    simulated = {p.multiplier: p for p in offline.points}
+    for point in points:
+        if point["multiplier"] in simulated:
+            assert point["hit_rate"] == pytest.approx(simulated[point["multiplier"]].hit_rate, abs=0.08)
