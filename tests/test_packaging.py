@@ -7,6 +7,7 @@ accelerators are compiled."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import venv
 from pathlib import Path
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("indexer", "router", "api", "mocker")
 # Optional by design: imports matplotlib itself, by name, only when it is installed.
 OPTIONAL = {"mocker.plots"}
+SKIPPED = (".git", ".venv*", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".*_cache", ".hypothesis", "bench")
 
 IMPORT_ALL = """
 import importlib, pkgutil, sys
@@ -46,8 +48,11 @@ def test_every_module_imports_and_the_commands_start_from_the_plain_install(tmp_
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
     env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    # A copy of the sources: a build in the checkout would leave its build/ directory there.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*SKIPPED))
     install = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(ROOT)],
+        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(source)],
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]
