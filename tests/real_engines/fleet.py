@@ -146,6 +146,17 @@ class Run:
         ]
         if miss.cached > miss.predicted and any(other.call.group == miss.call.group for other in same_worker):
             return "in-flight prefix: a request of the same group was still running on the worker when it was routed"
+        just_before = [
+            other
+            for other in self.outcomes
+            if other.worker == miss.worker
+            and other.call.group == miss.call.group
+            and 0 <= miss.started - other.ended < 1.0
+        ]
+        if miss.cached > miss.predicted and just_before:
+            return (
+                "events in flight: a request of the same group had just ended on the worker, its blocks not yet indexed"
+            )
         if miss.cached < miss.predicted and same_worker:
             return "eviction race: the worker evicted blocks for a request in flight after the decision"
         if miss.cached > miss.predicted and same_worker:
