@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
-from tests.real_engines.engines import VllmEngine, make_model, vllm_python
+from tests.real_engines.engines import EngineMirror, VllmEngine, make_model, vllm_python
 
 LANE = (
     "the real-engine lane: .ci/vllm_lane.sh installs vLLM, then `python -m pytest -m real_engines tests/real_engines`"
@@ -75,3 +75,14 @@ def engines(lane_dir: Path) -> Iterator[list[VllmEngine]]:
 def lane_nats() -> Iterator[EmbeddedNats]:
     with EmbeddedNats() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def mirrors(engines: list[VllmEngine]) -> Iterator[list[EngineMirror]]:
+    """A raw subscriber of each engine's events: what its cache holds, independently of kv-router."""
+    watching = [EngineMirror(engine) for engine in engines]
+    try:
+        yield watching
+    finally:
+        for mirror in watching:
+            mirror.close()

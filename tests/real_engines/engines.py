@@ -14,15 +14,19 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import zmq
+from msgspec.msgpack import decode as msgpack_decode
+
 from router.event_plane.embedded_server import free_port
 
-__all__ = ["BLOCK_SIZE", "KV_BLOCKS", "MODEL", "VllmEngine", "make_model", "vllm_python"]
+__all__ = ["BLOCK_SIZE", "KV_BLOCKS", "MODEL", "EngineMirror", "VllmEngine", "make_model", "vllm_python"]
 
 VLLM_VERSION = "0.32.0"
 MODEL = "tiny-llama"
@@ -182,3 +186,77 @@ class VllmEngine:
 
     def post(self, path: str, body: object | None = None) -> tuple[int, Any]:
         return _request(f"{self.url}{path}", body if body is not None else {})
+
+
+class EngineMirror:
+    """What an engine's KV cache holds, from its own events: a raw ZMQ subscriber of its PUB socket (in
+    a thread), decoded here with plain msgpack, independently of kv-router's decoders. The router's
+    index must come to equal it (``/v1/dump``), which is also how a test waits for the router to have
+    heard everything an engine published before the next request (a condition, not a sleep)."""
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self.engine = engine
+        self.blocks: set[int] = set()
+        self.events = 0
+        self.cleared = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(engine.events)
+        self._thread = threading.Thread(target=self._run, name=f"mirror-{engine.worker_id}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = self._socket.recv_multipart()
+            _ts, events, *_rank = msgpack_decode(frames[-1])
+            with self._lock:
+                for event in events:
+                    self.events += 1
+                    kind = event["type"]
+                    if kind == "BlockStored":
+                        self.blocks.update(event["block_hashes"])
+                    elif kind == "BlockRemoved":
+                        self.blocks.difference_update(event["block_hashes"])
+                    elif kind == "AllBlocksCleared":
+                        self.blocks.clear()
+                        self.cleared += 1
+
+    def engine_died(self) -> None:
+        """The engine was killed: its cache went with it (the restarted one publishes from scratch)."""
+        with self._lock:
+            self.blocks.clear()
+
+    def held(self) -> set[int]:
+        with self._lock:
+            return set(self.blocks)
+
+    def reset(self) -> None:
+        """Empty the engine's prefix cache and see its AllBlocksCleared here (vLLM publishes it at its
+        next step: a short request, under one block, makes one). Repeated while this subscriber has not
+        joined yet (ZMQ's slow joiner), bounded."""
+        for _ in range(20):
+            seen = self.cleared
+            status, answer = self.engine.post("/reset_prefix_cache")
+            assert status == 200, answer
+            prompt = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 1}
+            status, answer = self.engine.post("/v1/completions", prompt)
+            assert status == 200, answer
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                if self.cleared > seen:
+                    return
+                time.sleep(0.01)
+        raise AssertionError(f"engine {self.engine.worker_id}: no AllBlocksCleared heard after its reset")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close(linger=0)
+        self._context.term()

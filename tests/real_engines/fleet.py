@@ -10,7 +10,7 @@ import os
 import random
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,16 +219,25 @@ async def send(client: openai.AsyncOpenAI, call: Call) -> Outcome:
     )
 
 
-async def drive(url: str, calls: Sequence[Call], concurrency: int, run: Run | None = None) -> Run:
+async def drive(
+    url: str,
+    calls: Sequence[Call],
+    concurrency: int,
+    run: Run | None = None,
+    before: Callable[[], Awaitable[None]] | None = None,
+) -> Run:
     """The calls in order, ``concurrency`` at a time, through the proxy at ``url``; a call that fails
     is recorded, never retried by the client (``max_retries=0``: the proxy's retries only). ``run``:
-    where the outcomes go as they come (to watch a run in progress)."""
+    where the outcomes go as they come (to watch a run in progress); ``before``: awaited before each
+    call (at concurrency 1: until the router has heard what the engines published)."""
     run = run if run is not None else Run()
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     pending = iter(calls)
 
     async def worker() -> None:
         for call in pending:
+            if before is not None:
+                await before()
             try:
                 run.outcomes.append(await send(client, call))
             except openai.APIError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -18,22 +18,18 @@ from typing import Any
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
-from tests.real_engines.engines import BLOCK_SIZE, MODEL, VllmEngine
-from tests.real_engines.fleet import Bridge, Run, bridge_router, direct_router, drive, workload
+from tests.real_engines.engines import BLOCK_SIZE, EngineMirror, VllmEngine
+from tests.real_engines.fleet import Bridge, Call, Run, bridge_router, direct_router, drive, workload
 from tests.router_processes import RouterProcess
 from tests.waiting import until
 
 pytestmark = [pytest.mark.real_engines, pytest.mark.anyio]
 
 
-def reset(engines: Sequence[VllmEngine]) -> None:
-    """Empty the engines' prefix caches. vLLM publishes AllBlocksCleared at its next step, so a short
-    request (under one block: it stores nothing) is sent to each."""
-    for engine in engines:
-        status, answer = engine.post("/reset_prefix_cache")
-        assert status == 200, answer
-        status, answer = engine.post("/v1/completions", {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 1})
-        assert status == 200, answer
+def reset(mirrors: Sequence[EngineMirror]) -> None:
+    """Empty the engines' prefix caches (each mirror hears its engine's AllBlocksCleared)."""
+    for mirror in mirrors:
+        mirror.reset()
 
 
 def dumped(router: RouterProcess) -> dict[int, set[tuple[int, int]]]:
@@ -49,6 +45,31 @@ def dumped(router: RouterProcess) -> dict[int, set[tuple[int, int]]]:
 
 def block_counts(router: RouterProcess) -> dict[int, int]:
     return {worker: len(blocks) for worker, blocks in dumped(router).items() if blocks}
+
+
+def index_differences(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> dict[int, tuple[int, int]]:
+    """Per engine whose blocks in the router's index are not what its events say it holds: how many
+    the index has that the engine does not, and the reverse."""
+    index = {worker: {block for block, _ in blocks} for worker, blocks in dumped(router).items()}
+    differences = {}
+    for mirror in mirrors:
+        indexed, held = index.get(mirror.engine.worker_id, set()), mirror.held()
+        if indexed != held:
+            differences[mirror.engine.worker_id] = (len(indexed - held), len(held - indexed))
+    return differences
+
+
+def heard_all(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> Callable[[], Awaitable[None]]:
+    """Before each request at concurrency 1: until the router's index is what the engines' events say
+    (bounded), so that no prediction races an event still on its way (the bridge adds a NATS hop)."""
+
+    async def wait() -> None:
+        deadline = time.monotonic() + 10
+        while differences := index_differences(router, mirrors):
+            assert time.monotonic() < deadline, f"the index never caught up: {differences} (extra, missing)"
+            await asyncio.sleep(0.01)
+
+    return wait
 
 
 def metric_total(router: RouterProcess, name: str, **labels: str) -> float:
@@ -88,6 +109,11 @@ def ready(router: RouterProcess, workers: set[int]) -> RouterProcess:
     return router
 
 
+async def in_turn(router: RouterProcess, mirrors: Sequence[EngineMirror], calls: Sequence[Call]) -> Run:
+    """The calls at concurrency 1, each sent once the router has heard what the engines published."""
+    return await drive(f"http://127.0.0.1:{router.port}", calls, 1, before=heard_all(router, mirrors))
+
+
 @contextmanager
 def serving(router: RouterProcess) -> Iterator[str]:
     try:
@@ -112,13 +138,14 @@ def mostly_exact(run: Run, title: str) -> None:
 
 # ---------------------------------------------------------------------------------------- direct mode
 async def test_direct_mode_predicts_the_engines_cached_tokens_exactly_at_concurrency_1(
-    engines: list[VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
-    reset(engines)
+    reset(mirrors)
     router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
-    with serving(router) as url:
-        run = await drive(url, workload(seed=1, requests=128), concurrency=1)
+    with serving(router):
+        run = await in_turn(router, mirrors, workload(seed=1, requests=128))
         exact(run, "direct mode, concurrency 1")
+        await heard_all(router, mirrors)()  # the index is the engines' caches, block for block
         assert evictions(router) > 0  # the engines evicted, and the index followed
         assert set(run.per_worker()) == {1, 2}
         kinds = {(outcome.call.kind, outcome.call.stream) for outcome in run.outcomes if outcome.cached}
@@ -126,9 +153,9 @@ async def test_direct_mode_predicts_the_engines_cached_tokens_exactly_at_concurr
 
 
 async def test_direct_mode_at_concurrency_4_is_at_least_95_percent_exact(
-    engines: list[VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
-    reset(engines)
+    reset(mirrors)
     router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
     with serving(router) as url:
         run = await drive(url, workload(seed=2, requests=128), concurrency=4)
@@ -137,16 +164,16 @@ async def test_direct_mode_at_concurrency_4_is_at_least_95_percent_exact(
 
 
 async def test_the_hit_rate_through_kv_router_is_at_least_1_3_times_round_robins(
-    engines: list[VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
     # 20 groups of ten blocks: more than one engine's cache (160 blocks), less than two.
     calls = workload(seed=3, requests=160, groups=20)
     rates: dict[str, float] = {}
     for policy in ("dynamo", "round_robin"):
-        reset(engines)
+        reset(mirrors)
         router = ready(direct_router(lane_dir, lane_nats.url, engines, policy=policy), {1, 2})
-        with serving(router) as url:
-            run = await drive(url, calls, concurrency=1)
+        with serving(router):
+            run = await in_turn(router, mirrors, calls)
             print(run.report(f"policy {policy}, concurrency 1"))
             assert not run.failures
             rates[policy] = run.hit_rate
@@ -156,50 +183,56 @@ async def test_the_hit_rate_through_kv_router_is_at_least_1_3_times_round_robins
 
 
 async def test_events_published_before_the_router_starts_are_replayed(
-    engines: list[VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
-    reset(engines)
+    reset(mirrors)
     calls = workload(seed=4, requests=48, groups=6)
     first = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
-    with serving(first) as url:
-        exact(await drive(url, calls[:24], concurrency=1), "before the restart")
+    with serving(first):
+        exact(await in_turn(first, mirrors, calls[:24]), "before the restart")
         held = dumped(first)
     assert all(held.get(worker) for worker in (1, 2))
     # A router started after all those events: it asks each engine's replay socket for them.
     second = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
-    with serving(second) as url:
+    with serving(second):
         until(lambda: dumped(second) == held, 30)
-        run = await drive(url, calls[24:], concurrency=1)
+        run = await in_turn(second, mirrors, calls[24:])
         exact(run, "a router started after the events")
         assert run.hit_rate > 0.5  # it routed the groups to where they were cached
 
 
 async def test_reset_prefix_cache_empties_the_engines_rank(
-    engines: list[VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
-    reset(engines)
+    reset(mirrors)
     router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
-    with serving(router) as url:
-        exact(await drive(url, workload(seed=5, requests=24, groups=6), concurrency=1), "filling both")
+    with serving(router):
+        exact(
+            await in_turn(router, mirrors, workload(seed=5, requests=24, groups=6)),
+            "filling both",
+        )
         until(lambda: set(block_counts(router)) == {1, 2}, 10)
-        reset(engines[:1])  # engine 1 only
+        reset(mirrors[:1])  # engine 1 only
         until(lambda: set(block_counts(router)) == {2}, 10)
         # And the router knows: what engine 1 held is predicted nowhere, as the engine reports.
-        exact(await drive(url, workload(seed=5, requests=24, groups=6), concurrency=1), "after the reset")
+        exact(
+            await in_turn(router, mirrors, workload(seed=5, requests=24, groups=6)),
+            "after the reset",
+        )
 
 
 async def test_a_salted_request_is_predicted_only_against_its_own_salt(
-    engines: list[VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
-    reset(engines)
+    reset(mirrors)
     router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
-    with serving(router) as url:
+    with serving(router):
         # One prefix, each call with its own suffix: tenant-a's, the same unsalted, tenant-a again,
         # tenant-b, and unsalted again.
         base = workload(seed=6, requests=5, groups=1, kinds=("ids",), streaming=False)
         salts = ("tenant-a", None, "tenant-a", "tenant-b", None)
         sequence = [replace(call, salt=salt) for call, salt in zip(base, salts, strict=True)]
-        run = await drive(url, sequence, concurrency=1)
+        run = await in_turn(router, mirrors, sequence)
         exact(run, "salted and unsalted")
         first, unsalted, again, other, unsalted_again = run.outcomes
         assert first.cached == 0
@@ -210,14 +243,14 @@ async def test_a_salted_request_is_predicted_only_against_its_own_salt(
 
 
 async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
-    engines: list[VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
-    reset(engines)
+    reset(mirrors)
     victim = engines[1]
     router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
     with serving(router) as url:
         warm = workload(seed=7, requests=48, kinds=("ids",), streaming=False)
-        exact(await drive(url, warm, concurrency=1), "warming both")
+        exact(await in_turn(router, mirrors, warm), "warming both")
         assert block_counts(router).get(victim.worker_id, 0) > 0
         # Under load (whole answers: a stream cut after its first byte cannot be retried elsewhere).
         under_load = Run()
@@ -230,6 +263,7 @@ async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
             await asyncio.sleep(0.05)
         killed_at = time.monotonic()
         victim.kill9()
+        mirrors[1].engine_died()
         gone = None
         while time.monotonic() < killed_at + 10:
             if victim.worker_id not in block_counts(router) and victim.worker_id not in routable(router, warm):
@@ -248,7 +282,7 @@ async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
         # Restarted: routed again, and predicted exactly again.
         victim.start().wait_ready()
         until(lambda: victim.worker_id in routable(router, warm), 30)
-        after = await drive(url, workload(seed=9, requests=64, kinds=("ids",)), concurrency=1)
+        after = await in_turn(router, mirrors, workload(seed=9, requests=64, kinds=("ids",)))
         exact(after, "the engine restarted")
         assert victim.worker_id in after.per_worker()
 
@@ -266,16 +300,19 @@ def routable(router: RouterProcess, calls: Sequence[Any]) -> set[int]:
 
 # ---------------------------------------------------------------------------------------- bridge mode
 async def test_bridge_mode_over_nats_predicts_exactly_at_concurrency_1_and_95_percent_at_4(
-    engines: list[VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
-    reset(engines)
+    reset(mirrors)
     bridges = [Bridge(lane_dir, lane_nats.url, engine) for engine in engines]
     try:
         router = ready(bridge_router(lane_dir, lane_nats.url), {1, 2})
         with serving(router) as url:
-            exact(await drive(url, workload(seed=10, requests=128), concurrency=1), "bridge mode, concurrency 1")
+            exact(
+                await in_turn(router, mirrors, workload(seed=10, requests=128)),
+                "bridge mode, concurrency 1",
+            )
             assert evictions(router) > 0
-            reset(engines)
+            reset(mirrors)
             until(lambda: not block_counts(router), 10)
             mostly_exact(await drive(url, workload(seed=11, requests=128), concurrency=4), "bridge mode, concurrency 4")
     finally:
