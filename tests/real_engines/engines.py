@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -32,6 +33,7 @@ VLLM_VERSION = "0.32.0"
 MODEL = "tiny-llama"
 BLOCK_SIZE = 32  # the CPU attention backend takes multiples of 32 only
 KV_BLOCKS = 160  # per engine: small, so that the workloads evict
+MARKER_TOKEN = 5999  # first token of `EngineMirror.flush` prompts only (the workloads draw from 10..5989)
 HERE = Path(__file__).resolve().parent
 # Start-up is about 60 s on a quiet 2-core machine, 150 s while the other engine is busy; both start at
 # once here, on a machine that may be running other work.
@@ -199,6 +201,7 @@ class EngineMirror:
         self.blocks: set[int] = set()
         self.events = 0
         self.cleared = 0
+        self.markers: set[tuple[int, ...]] = set()  # the first blocks of `flush` prompts heard stored
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._context = zmq.Context()
@@ -222,11 +225,29 @@ class EngineMirror:
                     kind = event["type"]
                     if kind == "BlockStored":
                         self.blocks.update(event["block_hashes"])
+                        tokens = event.get("token_ids") or []
+                        if tokens and tokens[0] == MARKER_TOKEN:
+                            self.markers.add(tuple(tokens[:BLOCK_SIZE]))
                     elif kind == "BlockRemoved":
                         self.blocks.difference_update(event["block_hashes"])
                     elif kind == "AllBlocksCleared":
                         self.blocks.clear()
                         self.cleared += 1
+
+    def flush(self) -> None:
+        """Until every event the engine published before now has been heard here. vLLM publishes a
+        step's events from a thread after the step, so an answer can reach its client before the
+        events of its request are out; a prompt of one new block (its first token one no workload
+        uses) is stored in a later step, and ZMQ keeps the order: once its store is heard, so is all
+        that came before (bounded)."""
+        prompt = [MARKER_TOKEN, *(random.randrange(10, 5990) for _ in range(BLOCK_SIZE))]
+        status, answer = self.engine.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        assert status == 200, answer
+        block = tuple(prompt[:BLOCK_SIZE])
+        deadline = time.monotonic() + 10
+        while block not in self.markers:
+            assert time.monotonic() < deadline, f"engine {self.engine.worker_id}: its marker block was never heard"
+            time.sleep(0.005)
 
     def engine_died(self) -> None:
         """The engine was killed: its cache went with it (the restarted one publishes from scratch)."""

@@ -224,24 +224,26 @@ async def drive(
     calls: Sequence[Call],
     concurrency: int,
     run: Run | None = None,
-    before: Callable[[], Awaitable[None]] | None = None,
+    after: Callable[[Outcome], Awaitable[None]] | None = None,
 ) -> Run:
     """The calls in order, ``concurrency`` at a time, through the proxy at ``url``; a call that fails
     is recorded, never retried by the client (``max_retries=0``: the proxy's retries only). ``run``:
-    where the outcomes go as they come (to watch a run in progress); ``before``: awaited before each
-    call (at concurrency 1: until the router has heard what the engines published)."""
+    where the outcomes go as they come (to watch a run in progress); ``after``: awaited after each
+    answer (at concurrency 1: until the router has heard what the engines published)."""
     run = run if run is not None else Run()
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     pending = iter(calls)
 
     async def worker() -> None:
         for call in pending:
-            if before is not None:
-                await before()
             try:
-                run.outcomes.append(await send(client, call))
+                outcome = await send(client, call)
             except openai.APIError as exc:
                 run.failures.append(f"#{call.index}: {type(exc).__name__}: {exc}")
+                continue
+            run.outcomes.append(outcome)
+            if after is not None:
+                await after(outcome)
 
     try:
         await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), 600)

@@ -19,7 +19,7 @@ import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.real_engines.engines import BLOCK_SIZE, EngineMirror, VllmEngine
-from tests.real_engines.fleet import Bridge, Call, Run, bridge_router, direct_router, drive, workload
+from tests.real_engines.fleet import Bridge, Call, Outcome, Run, bridge_router, direct_router, drive, workload
 from tests.router_processes import RouterProcess
 from tests.waiting import until
 
@@ -59,17 +59,25 @@ def index_differences(router: RouterProcess, mirrors: Sequence[EngineMirror]) ->
     return differences
 
 
-def heard_all(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> Callable[[], Awaitable[None]]:
-    """Before each request at concurrency 1: until the router's index is what the engines' events say
-    (bounded), so that no prediction races an event still on its way (the bridge adds a NATS hop)."""
+def heard_all(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> Callable[[Outcome], Awaitable[None]]:
+    """After each answer at concurrency 1: until the engine that served it has published all of its
+    events, and the router's index is what the engines' events say (bounded), so that the next
+    prediction races no event on its way (from vLLM's publisher thread, through a bridge and NATS)."""
+    by_worker = {mirror.engine.worker_id: mirror for mirror in mirrors}
 
-    async def wait() -> None:
-        deadline = time.monotonic() + 10
-        while differences := index_differences(router, mirrors):
-            assert time.monotonic() < deadline, f"the index never caught up: {differences} (extra, missing)"
-            await asyncio.sleep(0.01)
+    async def wait(outcome: Outcome) -> None:
+        await asyncio.to_thread(by_worker[outcome.worker].flush)
+        await caught_up(router, mirrors)
 
     return wait
+
+
+async def caught_up(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> None:
+    """Until the router's index is, block for block, what the engines' events say they hold."""
+    deadline = time.monotonic() + 10
+    while differences := index_differences(router, mirrors):
+        assert time.monotonic() < deadline, f"the index never caught up: {differences} (extra, missing)"
+        await asyncio.sleep(0.01)
 
 
 def metric_total(router: RouterProcess, name: str, **labels: str) -> float:
@@ -98,20 +106,20 @@ def proxied_workers(router: RouterProcess) -> set[int]:
 def ready(router: RouterProcess, workers: set[int]) -> RouterProcess:
     """Until the router proxies to ``workers`` and has replayed what their engines published."""
 
-    def caught_up() -> bool:
+    def listening() -> bool:
         listed = router.get("/v1/workers")["workers"]
         streams = [stream for worker in listed for stream in worker["event_streams"]]
         return proxied_workers(router) == workers and all(
             stream["trusted"] and not stream["resyncing"] for stream in streams
         )
 
-    until(caught_up, 60)
+    until(listening, 60)
     return router
 
 
 async def in_turn(router: RouterProcess, mirrors: Sequence[EngineMirror], calls: Sequence[Call]) -> Run:
-    """The calls at concurrency 1, each sent once the router has heard what the engines published."""
-    return await drive(f"http://127.0.0.1:{router.port}", calls, 1, before=heard_all(router, mirrors))
+    """The calls at concurrency 1, each sent once the router has heard all the engines published."""
+    return await drive(f"http://127.0.0.1:{router.port}", calls, 1, after=heard_all(router, mirrors))
 
 
 @contextmanager
@@ -145,7 +153,7 @@ async def test_direct_mode_predicts_the_engines_cached_tokens_exactly_at_concurr
     with serving(router):
         run = await in_turn(router, mirrors, workload(seed=1, requests=128))
         exact(run, "direct mode, concurrency 1")
-        await heard_all(router, mirrors)()  # the index is the engines' caches, block for block
+        await caught_up(router, mirrors)  # the index is the engines' caches, block for block
         assert evictions(router) > 0  # the engines evicted, and the index followed
         assert set(run.per_worker()) == {1, 2}
         kinds = {(outcome.call.kind, outcome.call.stream) for outcome in run.outcomes if outcome.cached}
@@ -172,8 +180,8 @@ async def test_the_hit_rate_through_kv_router_is_at_least_1_3_times_round_robins
     for policy in ("dynamo", "round_robin"):
         reset(mirrors)
         router = ready(direct_router(lane_dir, lane_nats.url, engines, policy=policy), {1, 2})
-        with serving(router):
-            run = await in_turn(router, mirrors, calls)
+        with serving(router) as url:
+            run = await drive(url, calls, concurrency=1)  # one at a time, as a client sends them
             print(run.report(f"policy {policy}, concurrency 1"))
             assert not run.failures
             rates[policy] = run.hit_rate
