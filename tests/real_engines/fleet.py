@@ -264,21 +264,6 @@ def direct_router(
     """``kv-router serve --proxy`` hearing each engine's events itself: one ``--engine`` per engine
     (events, replay and OpenAI URL; one given with ``/v1``, one without)."""
     args = ["--proxy", "--block-size", str(BLOCK_SIZE), "--nats-url", nats_url, "--policy", policy]
-    if os.environ.get("LANE_DEV_FALLBACK"):  # TEMPORARY while --engine is not on main
-        for engine in engines:
-            args += ["--engine-zmq", f"{engine.worker_id}={engine.events},replay={engine.replay}"]
-        router = RouterProcess(log_dir, *args, *extra).start()
-        for engine in engines:
-            body = {
-                "worker_id": engine.worker_id,
-                "block_size": BLOCK_SIZE,
-                "url": engine.url,
-                "models": [MODEL],
-                "total_kv_blocks": KV_BLOCKS,
-            }
-            status, answer = router.post("/v1/workers", body)
-            assert status in (200, 201), answer
-        return router
     for position, engine in enumerate(engines):
         args += ["--engine", engine_spec(engine, with_v1=position % 2 == 0)]
     return RouterProcess(log_dir, *args, *extra).start()
