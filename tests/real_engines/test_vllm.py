@@ -267,8 +267,13 @@ async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
-        while len(under_load.outcomes) < 40 and loop.time() < deadline:
+
+        def served_by_victim() -> int:
+            return sum(outcome.worker == victim.worker_id for outcome in under_load.outcomes)
+
+        while (len(under_load.outcomes) < 40 or served_by_victim() < 5) and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        assert served_by_victim() >= 5, "the load never reached the engine to be killed"
         killed_at = time.monotonic()
         victim.kill9()
         mirrors[1].engine_died()
@@ -283,6 +288,7 @@ async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
         failures_after_3s = metric_total(router, "kv_router_proxy_upstream_failures_total")
         run = await load
         print(run.report("under load, one engine killed"))
+        print(f"attempts on the killed engine that failed and were sent to the other: {failures_after_3s:.0f}")
         assert not run.failures
         late = [outcome for outcome in run.outcomes if outcome.started > killed_at + 3]
         assert late and all(outcome.worker != victim.worker_id for outcome in late)
