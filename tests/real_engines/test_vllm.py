@@ -158,6 +158,11 @@ async def test_direct_mode_predicts_the_engines_cached_tokens_exactly_at_concurr
         assert set(run.per_worker()) == {1, 2}
         kinds = {(outcome.call.kind, outcome.call.stream) for outcome in run.outcomes if outcome.cached}
         assert kinds == {(kind, stream) for kind in ("ids", "text", "chat") for stream in (False, True)}
+        # The openai client closes a stream right after data: [DONE]: still ok, and calibrated.
+        assert metric_total(router, "kv_router_proxy_requests_total", outcome="ok") == len(run.outcomes)
+        assert metric_total(router, "kv_router_proxy_requests_total", outcome="client_disconnected") == 0
+        calibrated = metric_total(router, "kv_router_proxy_cached_tokens_error_bucket", le="+Inf")
+        assert calibrated == len(run.outcomes)
 
 
 async def test_direct_mode_at_concurrency_4_is_at_least_95_percent_exact(
