@@ -44,7 +44,7 @@ class SimulatorCommand:
     def run(self, args: argparse.Namespace) -> int:
         try:
             return self.body(args)
-        except ModuleNotFoundError as exc:  # an optional dependency (httpx, matplotlib) is absent
+        except ModuleNotFoundError as exc:  # the optional dependency (matplotlib) is absent
             print(f"kv-router {args.command}: needs {exc.name}: pip install 'kv-router[replay]'", file=sys.stderr)
             return 2
 

@@ -471,6 +471,12 @@ class Proxy:
             if not exchange.begun:
                 raise _WorkerFailed(str(exc)) from None
             problem: str | None = str(exc)
+        except asyncio.CancelledError:
+            # Written in the read callback: what the tail holds has gone to the client.
+            if not _finished_stream(exchange.tail):
+                raise
+            _client_left_at_the_end()
+            problem = None
         else:
             if not begun:
                 raise _WorkerFailed("the stream ended before its first byte")
@@ -494,11 +500,17 @@ class Proxy:
         await reply.start(200, headers)
         await reply.write(first)
         self.metrics.added.observe(before_sent + time.perf_counter() - exchange.read_at)
+        written = first
         try:
             async for piece in exchange.pieces():
                 await reply.write(piece)
+                written = piece
         except UpstreamError as exc:
             return str(exc)
+        except asyncio.CancelledError:
+            if not _finished_stream(written):
+                raise
+            _client_left_at_the_end()
         return None
 
     async def _stream_end(
@@ -508,7 +520,7 @@ class Proxy:
         if problem is None:
             ending = exchange.tail
             # An OpenAI stream ends with [DONE]; a worker killed mid-stream may just close the connection.
-            if ending.rstrip().endswith(b"data: [DONE]"):
+            if _finished_stream(ending):
                 self._calibrate(decision, _usage_in_stream(ending))
             else:
                 problem = "the stream ended before data: [DONE]"
@@ -547,6 +559,21 @@ class _OutputProgress:
         if events >= self.next_at:
             self.next_at = events + self.every
             self.record(self.request_id, events)
+
+
+def _finished_stream(events: bytes) -> bool:
+    """Whether ``events`` end an OpenAI stream (its last event, ``data: [DONE]``)."""
+    return events.rstrip().endswith(b"data: [DONE]")
+
+
+def _client_left_at_the_end() -> None:
+    """The request's task was cancelled because its client left once it had the stream's last event:
+    the official `openai` client closes the connection right after ``data: [DONE]``, often before the
+    worker's end of the HTTP answer. The request is done, not abandoned: it carries on to its end
+    (``ok``, its usage calibrated, its latency observed) as if the client had stayed."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
 
 
 class _Gone(Exception):

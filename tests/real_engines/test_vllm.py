@@ -1,0 +1,339 @@
+"""kv-router in front of two real vLLM engines (issue 24's lane), with the real `openai` client through
+``kv-router serve --proxy`` (a real process): in direct mode (``--engine`` per engine) and fed by one
+``kv-router bridge`` per engine over a real nats-server. Completions (token ids and text) and chat,
+streamed and not. Every test starts from empty engine caches; each run's report (agreement, hit rate,
+each miss and its reason) is printed (``-s`` or the lane's log)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats
+from tests.real_engines.engines import BLOCK_SIZE, EngineMirror, VllmEngine
+from tests.real_engines.fleet import Bridge, Call, Outcome, Run, bridge_router, direct_router, drive, workload
+from tests.router_processes import RouterProcess
+from tests.waiting import until
+
+pytestmark = [pytest.mark.real_engines, pytest.mark.anyio]
+
+
+def reset(mirrors: Sequence[EngineMirror]) -> None:
+    """Empty the engines' prefix caches (each mirror hears its engine's AllBlocksCleared)."""
+    for mirror in mirrors:
+        mirror.reset()
+
+
+def dumped(router: RouterProcess) -> dict[int, set[tuple[int, int]]]:
+    """The router's index from ``/v1/dump``: each worker's (block hash, tokens hash) pairs."""
+    blocks: dict[int, set[tuple[int, int]]] = {}
+    for event in router.get("/v1/dump"):
+        stored = event["event"]["data"].get("stored")
+        if stored:
+            held = blocks.setdefault(event["worker_id"], set())
+            held.update((block["block_hash"], block["tokens_hash"]) for block in stored["blocks"])
+    return blocks
+
+
+def block_counts(router: RouterProcess) -> dict[int, int]:
+    return {worker: len(blocks) for worker, blocks in dumped(router).items() if blocks}
+
+
+def index_differences(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> dict[int, tuple[int, int]]:
+    """Per engine whose blocks in the router's index are not what its events say it holds: how many
+    the index has that the engine does not, and the reverse."""
+    index = {worker: {block for block, _ in blocks} for worker, blocks in dumped(router).items()}
+    differences = {}
+    for mirror in mirrors:
+        indexed, held = index.get(mirror.engine.worker_id, set()), mirror.held()
+        if indexed != held:
+            differences[mirror.engine.worker_id] = (len(indexed - held), len(held - indexed))
+    return differences
+
+
+def heard_all(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> Callable[[Outcome], Awaitable[None]]:
+    """After each answer at concurrency 1: until the engine that served it has published all of its
+    events, and the router's index is what the engines' events say (bounded), so that the next
+    prediction races no event on its way (from vLLM's publisher thread, through a bridge and NATS)."""
+    by_worker = {mirror.engine.worker_id: mirror for mirror in mirrors}
+
+    async def wait(outcome: Outcome) -> None:
+        await asyncio.to_thread(by_worker[outcome.worker].flush)
+        await caught_up(router, mirrors)
+
+    return wait
+
+
+async def caught_up(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> None:
+    """Until the router's index is, block for block, what the engines' events say they hold."""
+    deadline = time.monotonic() + 10
+    while differences := index_differences(router, mirrors):
+        assert time.monotonic() < deadline, f"the index never caught up: {differences} (extra, missing)"
+        await asyncio.sleep(0.01)
+
+
+def metric_total(router: RouterProcess, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{router.port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    pairs = [f'{key}="{value}"' for key, value in labels.items()]
+    total = 0.0
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        base, _, rest = series.partition("{")
+        if base == name and all(pair in rest for pair in pairs):
+            total += float(value)
+    return total
+
+
+def evictions(router: RouterProcess) -> float:
+    return metric_total(router, "kv_router_events_applied_total", event_type="removed", status="ok")
+
+
+def proxied_workers(router: RouterProcess) -> set[int]:
+    """The workers the proxy can send to: registered with an OpenAI URL."""
+    workers = router.get("/v1/workers")["workers"]
+    return {worker["config"]["worker_id"] for worker in workers if worker["config"].get("url")}
+
+
+def ready(router: RouterProcess, workers: set[int]) -> RouterProcess:
+    """Until the router proxies to ``workers`` and has replayed what their engines published."""
+
+    def listening() -> bool:
+        listed = router.get("/v1/workers")["workers"]
+        streams = [stream for worker in listed for stream in worker["event_streams"]]
+        return proxied_workers(router) == workers and all(
+            stream["trusted"] and not stream["resyncing"] for stream in streams
+        )
+
+    until(listening, 60)
+    return router
+
+
+async def in_turn(router: RouterProcess, mirrors: Sequence[EngineMirror], calls: Sequence[Call]) -> Run:
+    """The calls at concurrency 1, each sent once the router has heard all the engines published."""
+    return await drive(f"http://127.0.0.1:{router.port}", calls, 1, after=heard_all(router, mirrors))
+
+
+@contextmanager
+def serving(router: RouterProcess) -> Iterator[str]:
+    try:
+        yield f"http://127.0.0.1:{router.port}"
+    finally:
+        router.stop()
+
+
+def exact(run: Run, title: str) -> None:
+    """Every request's predicted cached tokens are the engine's reported ones; nothing failed."""
+    print(run.report(title))
+    assert not run.failures
+    assert run.agreement == 1.0, run.report(title)
+
+
+def mostly_exact(run: Run, title: str) -> None:
+    """At concurrency, at least 95% exact, each miss printed with its reason; nothing failed."""
+    print(run.report(title))
+    assert not run.failures
+    assert run.agreement >= 0.95, run.report(title)
+
+
+# ---------------------------------------------------------------------------------------- direct mode
+async def test_direct_mode_predicts_the_engines_cached_tokens_exactly_at_concurrency_1(
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
+) -> None:
+    reset(mirrors)
+    router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
+    with serving(router):
+        run = await in_turn(router, mirrors, workload(seed=1, requests=128))
+        exact(run, "direct mode, concurrency 1")
+        await caught_up(router, mirrors)  # the index is the engines' caches, block for block
+        assert evictions(router) > 0  # the engines evicted, and the index followed
+        assert set(run.per_worker()) == {1, 2}
+        kinds = {(outcome.call.kind, outcome.call.stream) for outcome in run.outcomes if outcome.cached}
+        assert kinds == {(kind, stream) for kind in ("ids", "text", "chat") for stream in (False, True)}
+        # The openai client closes a stream right after data: [DONE]: still ok, and calibrated.
+        assert metric_total(router, "kv_router_proxy_requests_total", outcome="ok") == len(run.outcomes)
+        assert metric_total(router, "kv_router_proxy_requests_total", outcome="client_disconnected") == 0
+        calibrated = metric_total(router, "kv_router_proxy_cached_tokens_error_bucket", le="+Inf")
+        assert calibrated == len(run.outcomes)
+
+
+async def test_direct_mode_at_concurrency_4_is_at_least_95_percent_exact(
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
+) -> None:
+    reset(mirrors)
+    router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
+    with serving(router) as url:
+        run = await drive(url, workload(seed=2, requests=128), concurrency=4)
+        mostly_exact(run, "direct mode, concurrency 4")
+        assert evictions(router) > 0
+
+
+async def test_the_hit_rate_through_kv_router_is_at_least_1_3_times_round_robins(
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
+) -> None:
+    # 20 groups of ten blocks: more than one engine's cache (160 blocks), less than two.
+    calls = workload(seed=3, requests=160, groups=20)
+    rates: dict[str, float] = {}
+    for policy in ("dynamo", "round_robin"):
+        reset(mirrors)
+        router = ready(direct_router(lane_dir, lane_nats.url, engines, policy=policy), {1, 2})
+        with serving(router) as url:
+            run = await drive(url, calls, concurrency=1)  # one at a time, as a client sends them
+            print(run.report(f"policy {policy}, concurrency 1"))
+            assert not run.failures
+            rates[policy] = run.hit_rate
+    ratio = rates["dynamo"] / rates["round_robin"]
+    print(f"hit rate: kv-router {rates['dynamo']:.1%}, round robin {rates['round_robin']:.1%}: {ratio:.2f}x")
+    assert ratio >= 1.3
+
+
+async def test_events_published_before_the_router_starts_are_replayed(
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
+) -> None:
+    reset(mirrors)
+    calls = workload(seed=4, requests=48, groups=6)
+    first = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
+    with serving(first):
+        exact(await in_turn(first, mirrors, calls[:24]), "before the restart")
+        held = dumped(first)
+    assert all(held.get(worker) for worker in (1, 2))
+    # A router started after all those events: it asks each engine's replay socket for them.
+    second = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
+    with serving(second):
+        until(lambda: dumped(second) == held, 30)
+        run = await in_turn(second, mirrors, calls[24:])
+        exact(run, "a router started after the events")
+        assert run.hit_rate > 0.5  # it routed the groups to where they were cached
+
+
+async def test_reset_prefix_cache_empties_the_engines_rank(
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
+) -> None:
+    reset(mirrors)
+    router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
+    with serving(router):
+        exact(
+            await in_turn(router, mirrors, workload(seed=5, requests=24, groups=6)),
+            "filling both",
+        )
+        until(lambda: set(block_counts(router)) == {1, 2}, 10)
+        reset(mirrors[:1])  # engine 1 only
+        until(lambda: set(block_counts(router)) == {2}, 10)
+        # And the router knows: what engine 1 held is predicted nowhere, as the engine reports.
+        exact(
+            await in_turn(router, mirrors, workload(seed=5, requests=24, groups=6)),
+            "after the reset",
+        )
+
+
+async def test_a_salted_request_is_predicted_only_against_its_own_salt(
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
+) -> None:
+    reset(mirrors)
+    router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
+    with serving(router):
+        # One prefix, each call with its own suffix: tenant-a's, the same unsalted, tenant-a again,
+        # tenant-b, and unsalted again.
+        base = workload(seed=6, requests=5, groups=1, kinds=("ids",), streaming=False)
+        salts = ("tenant-a", None, "tenant-a", "tenant-b", None)
+        sequence = [replace(call, salt=salt) for call, salt in zip(base, salts, strict=True)]
+        run = await in_turn(router, mirrors, sequence)
+        exact(run, "salted and unsalted")
+        first, unsalted, again, other, unsalted_again = run.outcomes
+        assert first.cached == 0
+        assert unsalted.predicted == 0  # tenant-a's blocks are not the unsalted prompt's
+        assert again.predicted >= 10 * BLOCK_SIZE and again.worker == first.worker
+        assert other.predicted == 0
+        assert unsalted_again.predicted >= 10 * BLOCK_SIZE
+
+
+async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
+) -> None:
+    reset(mirrors)
+    victim = engines[1]
+    router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
+    with serving(router) as url:
+        warm = workload(seed=7, requests=48, kinds=("ids",), streaming=False)
+        exact(await in_turn(router, mirrors, warm), "warming both")
+        assert block_counts(router).get(victim.worker_id, 0) > 0
+        # Under load (whole answers: a stream cut after its first byte cannot be retried elsewhere).
+        under_load = Run()
+        load = asyncio.ensure_future(
+            drive(url, workload(seed=8, requests=600, kinds=("ids",), streaming=False), 4, under_load)
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+
+        def served_by_victim() -> int:
+            return sum(outcome.worker == victim.worker_id for outcome in under_load.outcomes)
+
+        while (len(under_load.outcomes) < 40 or served_by_victim() < 5) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        assert served_by_victim() >= 5, "the load never reached the engine to be killed"
+        killed_at = time.monotonic()
+        victim.kill9()
+        mirrors[1].engine_died()
+        gone = None
+        while time.monotonic() < killed_at + 10:
+            if victim.worker_id not in block_counts(router) and victim.worker_id not in routable(router, warm):
+                gone = time.monotonic() - killed_at
+                break
+            await asyncio.sleep(0.1)
+        print(f"killed engine {victim.worker_id}: out of routing and the index after {gone} s")
+        assert gone is not None and gone <= 3.0
+        failures_after_3s = metric_total(router, "kv_router_proxy_upstream_failures_total")
+        run = await load
+        print(run.report("under load, one engine killed"))
+        print(f"attempts on the killed engine that failed and were sent to the other: {failures_after_3s:.0f}")
+        assert not run.failures
+        late = [outcome for outcome in run.outcomes if outcome.started > killed_at + 3]
+        assert late and all(outcome.worker != victim.worker_id for outcome in late)
+        assert metric_total(router, "kv_router_proxy_upstream_failures_total") == failures_after_3s
+        # Restarted: routed again, and predicted exactly again.
+        victim.start().wait_ready()
+        until(lambda: victim.worker_id in routable(router, warm), 30)
+        after = await in_turn(router, mirrors, workload(seed=9, requests=64, kinds=("ids",)))
+        exact(after, "the engine restarted")
+        assert victim.worker_id in after.per_worker()
+
+
+def routable(router: RouterProcess, calls: Sequence[Any]) -> set[int]:
+    """The workers the decision API would choose among for these prompts (each booked and freed)."""
+    chosen = set()
+    for call in calls[:8]:
+        status, decision = router.post("/v1/new", {"tokens": [*call.prefix, *call.suffix], "request_id": "probe"})
+        if status == 200:
+            chosen.add(decision["worker_id"])
+            router.post("/v1/mark_free", {"request_id": "probe"})
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------- bridge mode
+async def test_bridge_mode_over_nats_predicts_exactly_at_concurrency_1_and_95_percent_at_4(
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
+) -> None:
+    reset(mirrors)
+    bridges = [Bridge(lane_dir, lane_nats.url, engine) for engine in engines]
+    try:
+        router = ready(bridge_router(lane_dir, lane_nats.url), {1, 2})
+        with serving(router) as url:
+            exact(
+                await in_turn(router, mirrors, workload(seed=10, requests=128)),
+                "bridge mode, concurrency 1",
+            )
+            assert evictions(router) > 0
+            reset(mirrors)
+            until(lambda: not block_counts(router), 10)
+            mostly_exact(await drive(url, workload(seed=11, requests=128), concurrency=4), "bridge mode, concurrency 4")
+    finally:
+        for bridge in bridges:
+            bridge.stop()
