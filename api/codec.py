@@ -16,9 +16,9 @@ range, any decoding error) is decoded again the ordinary way, so replies and err
 from __future__ import annotations
 
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 
@@ -34,9 +34,11 @@ __all__ = [
     "BodyDecoder",
     "Call",
     "Reply",
+    "RequestHead",
     "encode",
     "is_msgpack",
     "query_flag",
+    "read_head",
 ]
 
 JSON = "application/json"
@@ -48,12 +50,9 @@ _json_encode = msgspec.json.Encoder().encode
 _msgpack_encode = msgspec.msgpack.Encoder().encode
 
 
-def is_msgpack(media_type: str | bytes | None) -> bool:
+def is_msgpack(media_type: bytes | None) -> bool:
     """True for application/msgpack and its older spellings (x-msgpack, vnd.msgpack)."""
-    if not media_type:
-        return False
-    text = media_type.decode("latin-1") if isinstance(media_type, bytes) else media_type
-    return "msgpack" in text.lower()
+    return media_type is not None and b"msgpack" in media_type.lower()
 
 
 def query_flag(query: bytes, name: bytes) -> bool:
@@ -77,6 +76,48 @@ class Call:
     authorization: bytes | str | None = None  # the Authorization header, checked by `api.auth`
     # Returns once the client has disconnected; watched only while a request waits in the queue.
     wait_disconnect: Callable[[], Awaitable[None]] | None = None
+
+
+class RequestHead(NamedTuple):
+    """The headers a data-plane route reads, from a request's raw header list (`read_head`; the C
+    twin is `api._native.parse_post`'s own scan of a whole request)."""
+
+    content_length: int = -1  # -1: not given (chunked) or not a number
+    content_type: bytes | None = None
+    accept: bytes | None = None
+    request_id: str | None = None  # X-Request-Id
+    authorization: bytes | None = None
+
+    def call(self, body: bytes, query: bytes, wait_disconnect: Callable[[], Awaitable[None]] | None) -> Call:
+        """The `Call` of a request with this head, ``body`` and raw ``query`` string."""
+        return Call(
+            body,
+            msgpack=is_msgpack(self.content_type),
+            reply_msgpack=is_msgpack(self.accept),
+            request_id=self.request_id,
+            explain=query_flag(query, b"explain") if query else False,
+            wait_disconnect=wait_disconnect,
+            authorization=self.authorization,
+        )
+
+
+def read_head(headers: Iterable[tuple[bytes, bytes]]) -> RequestHead:
+    """The `RequestHead` of raw (lower-cased name, value) header pairs, as ASGI and httptools give them."""
+    content_length = -1
+    content_type = accept = authorization = None
+    request_id = None
+    for name, value in headers:
+        if name == b"content-type":
+            content_type = value
+        elif name == b"content-length":
+            content_length = int(value) if value.isdigit() else -1
+        elif name == b"accept":
+            accept = value
+        elif name == b"x-request-id":
+            request_id = value.decode("latin-1")
+        elif name == b"authorization":
+            authorization = value
+    return RequestHead(content_length, content_type, accept, request_id, authorization)
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ __all__ = [
     "PromptTooLong",
     "UnknownRequestId",
     "UnknownRoutingTarget",
+    "check_prompt_length",
     "error_reply",
 ]
 
@@ -72,6 +73,14 @@ class BodyTooLarge(ApiError):
 class PromptTooLong(ApiError):
     status = 413
     type = "prompt_too_long"
+
+
+def check_prompt_length(count: int, limit: int, field: str = "") -> None:
+    """`PromptTooLong` for a prompt of ``count`` tokens over ``limit`` (``max_prompt_tokens``), on
+    every route that takes a prompt, the proxy's included; ``field`` names where it came from."""
+    if count > limit:
+        where = f"{field}: " if field else ""
+        raise PromptTooLong(f"{where}prompt has {count} tokens; the limit is {limit}")
 
 
 class NotFound(ApiError):

@@ -18,16 +18,18 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.codec import Call, Reply, is_msgpack, query_flag
+from api.codec import Call, Reply, read_head
 from api.errors import BodyTooLarge, error_reply
 
 __all__ = [
+    "ClientGone",
     "FastPath",
     "HotHandler",
     "HotOutcome",
     "HotRoutes",
     "answered",
     "read_body",
+    "send_reply",
     "too_large_reply",
     "wait_disconnect",
 ]
@@ -60,11 +62,18 @@ def too_large_reply(limit: int) -> Reply:
     return _error(_too_large(limit))
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request body was read."""
+
+
 async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole request body; `BodyTooLarge` as soon as it grows past ``limit`` bytes."""
+    """The whole request body; `BodyTooLarge` as soon as it grows past ``limit`` bytes, `ClientGone`
+    if the client leaves first."""
     message = await receive()
     body: bytes = message.get("body", b"")
     if not message.get("more_body"):  # the common case: one message holds the whole body
+        if message["type"] == "http.disconnect":
+            raise ClientGone
         if len(body) > limit:
             raise _too_large(limit)
         return body
@@ -72,6 +81,8 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     size = len(body)
     while message.get("more_body"):
         message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -114,22 +125,10 @@ class FastPath:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
-        content_type = accept = request_id = authorization = None
-        content_length = -1
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                content_length = int(value) if value.isdigit() else -1
-            elif name == b"content-type":
-                content_type = value
-            elif name == b"accept":
-                accept = value
-            elif name == b"x-request-id":
-                request_id = value.decode("latin-1")
-            elif name == b"authorization":
-                authorization = value
-        if content_length > self._limit:
+        head = read_head(scope["headers"])
+        if head.content_length > self._limit:
             # Refused before a byte of the body is read.
-            await _send_reply(send, too_large_reply(self._limit))
+            await send_reply(send, too_large_reply(self._limit))
             return
         handler = self._hot.get(scope["path"]) if scope["method"] == "POST" else None
         if handler is None:
@@ -138,18 +137,12 @@ class FastPath:
         try:
             body = await read_body(receive, self._limit)
         except BodyTooLarge as exc:
-            await _send_reply(send, _error(exc))
+            await send_reply(send, _error(exc))
             return
-        call = Call(
-            body,
-            msgpack=is_msgpack(content_type),
-            reply_msgpack=is_msgpack(accept),
-            request_id=request_id,
-            explain=query_flag(scope["query_string"], b"explain"),
-            wait_disconnect=partial(wait_disconnect, receive),
-            authorization=authorization,
-        )
-        await _send_reply(send, await answered(handler(call)))
+        except ClientGone:
+            return
+        call = head.call(body, scope["query_string"], partial(wait_disconnect, receive))
+        await send_reply(send, await answered(handler(call)))
 
 
 def _error(exc: Exception) -> Reply:
@@ -158,7 +151,8 @@ def _error(exc: Exception) -> Reply:
     return Reply(mapped[0], mapped[2])
 
 
-async def _send_reply(send: Send, reply: Reply) -> None:
+async def send_reply(send: Send, reply: Reply) -> None:
+    """``reply`` as ASGI messages."""
     headers: list[Any] = [
         (b"content-type", reply.media_type.encode()),
         (b"content-length", str(len(reply.body)).encode()),

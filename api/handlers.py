@@ -30,8 +30,8 @@ from api.errors import (
     ClientDisconnected,
     InvalidBody,
     MalformedBody,
-    PromptTooLong,
     UnknownRequestId,
+    check_prompt_length,
     error_reply,
 )
 from api.fastpath import HotHandler, HotOutcome
@@ -348,8 +348,7 @@ class Handlers:
             count = len(tokens) // 4
         else:
             count = len(tokens)
-        if count > self._max_prompt_tokens:
-            raise PromptTooLong(f"{field}: prompt has {count} tokens; the limit is {self._max_prompt_tokens}")
+        check_prompt_length(count, self._max_prompt_tokens, field)
         return count
 
     def _reply(self, value: Any, call: Call, request_id: str | None = None) -> Reply:

@@ -39,7 +39,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
-from api.codec import Call, Reply, query_flag
+from api.codec import Reply, RequestHead, read_head
 from api.eager import Suspended, start
 from api.fastpath import HotHandler, HotRoutes, too_large_reply
 from api.http_stream import StreamedRequest, StreamRoute
@@ -96,36 +96,32 @@ class _HotRequest:
     """
 
     __slots__ = (
-        "accept",
-        "authorization",
         "chunks",
         "complete",
-        "content_type",
         "disconnected",
         "expect_continue",
         "handler",
+        "head",
         "http_version",
         "keep_alive",
         "path",
         "query",
         "refused",
-        "request_id",
         "response_complete",
         "size",
         "started",
     )
     message_event = _NoEvent()  # uvicorn's connection_lost sets the current cycle's event
 
-    def __init__(self, handler: HotHandler, path: bytes, query: bytes, http_version: str, keep_alive: bool) -> None:
+    def __init__(
+        self, handler: HotHandler, path: bytes, query: bytes, head: RequestHead, http_version: str, keep_alive: bool
+    ) -> None:
         self.handler = handler
         self.path = path
         self.query = query
+        self.head = head
         self.http_version = http_version
         self.keep_alive = keep_alive
-        self.content_type: bytes | None = None
-        self.accept: bytes | None = None
-        self.authorization: bytes | None = None
-        self.request_id: str | None = None
         self.expect_continue = False
         self.chunks: list[bytes] = []
         self.size = 0
@@ -199,7 +195,9 @@ class FastHttpProtocol(HttpToolsProtocol):
             # The usual request: its handler runs at once and its answer is written, with no request
             # record; one is made only if the handler has to wait (a `new` parked in the queue).
             self._idle_since = -1.0  # busy (`_unset_keepalive_if_required`, without the call)
-            call = self._call(body, query, content_type, accept, request_id, authorization)
+            call = RequestHead(len(body), content_type, accept, request_id, authorization).call(
+                body, query, self._wait_disconnect
+            )
             try:
                 answer = handler(call)
                 outcome = answer if isinstance(answer, Reply) else start(answer)
@@ -226,11 +224,8 @@ class FastHttpProtocol(HttpToolsProtocol):
     @staticmethod
     def _whole_hot_request(handler: HotHandler, parsed: ParsedPost) -> _HotRequest:
         path, query, content_type, accept, request_id, authorization, body = parsed
-        request = _HotRequest(handler, path, query, "1.1", True)
-        request.content_type = content_type
-        request.accept = accept
-        request.request_id = request_id
-        request.authorization = authorization
+        head = RequestHead(len(body), content_type, accept, request_id, authorization)
+        request = _HotRequest(handler, path, query, head, "1.1", True)
         request.chunks.append(body)
         request.size = len(body)
         request.complete = True
@@ -254,21 +249,11 @@ class FastHttpProtocol(HttpToolsProtocol):
             self._asgi_headers_complete()
             return
         http_version = parser.get_http_version()
-        request = _HotRequest(handler, path, query, http_version, http_version != "1.0" and parser.should_keep_alive())
-        content_length = -1
-        for name, value in self.headers:
-            if name == b"content-type":
-                request.content_type = value
-            elif name == b"content-length":
-                content_length = int(value) if value.isdigit() else -1
-            elif name == b"accept":
-                request.accept = value
-            elif name == b"x-request-id":
-                request.request_id = value.decode("latin-1")
-            elif name == b"authorization":
-                request.authorization = value
+        head = read_head(self.headers)
+        keep_alive = http_version != "1.0" and parser.should_keep_alive()
+        request = _HotRequest(handler, path, query, head, http_version, keep_alive)
         request.expect_continue = self.expect_100_continue
-        request.refused = content_length > self.max_body_bytes  # answered before a byte of the body is read
+        request.refused = head.content_length > self.max_body_bytes  # answered before a byte of the body is read
         previous = self.cycle
         self.cycle = cast(RequestResponseCycle, request)
         if previous is None or previous.response_complete:
@@ -401,13 +386,11 @@ class FastHttpProtocol(HttpToolsProtocol):
         request.chunks = []
         stream = self._streams.get(request.path)
         if stream is not None:
-            streamed = StreamedRequest(self, request, body, request.authorization)
+            streamed = StreamedRequest(self, request, body, request.head.authorization)
             self._streamed = (streamed, request)
             streamed.run(stream.handle)
             return
-        call = self._call(
-            body, request.query, request.content_type, request.accept, request.request_id, request.authorization
-        )
+        call = request.head.call(body, request.query, self._wait_disconnect)
         try:
             answer = request.handler(call)
             outcome = answer if isinstance(answer, Reply) else start(answer)
@@ -418,25 +401,6 @@ class FastHttpProtocol(HttpToolsProtocol):
             self._wait_for(request, outcome)
         else:
             self._respond(request, outcome)
-
-    def _call(
-        self,
-        body: bytes,
-        query: bytes,
-        content_type: bytes | None,
-        accept: bytes | None,
-        request_id: str | None,
-        authorization: bytes | None,
-    ) -> Call:
-        return Call(
-            body,
-            msgpack=_is_msgpack(content_type),
-            reply_msgpack=_is_msgpack(accept),
-            request_id=request_id,
-            explain=query_flag(query, b"explain") if query else False,
-            wait_disconnect=self._wait_disconnect,
-            authorization=authorization,
-        )
 
     def _wait_for(self, request: _HotRequest, outcome: Suspended[Reply]) -> None:
         """A `new` waiting in the router's queue: it finishes in a task, answered when it is done."""
@@ -571,7 +535,3 @@ def response_bytes(head: bytes, body: bytes, request_id: str | None, lines: byte
 
 # The response in one C call (None: a request id that is not latin-1, left to `response_bytes`).
 _response: Callable[[bytes, bytes, str | None, bytes], bytes | None] = accel.response if NATIVE else response_bytes
-
-
-def _is_msgpack(media_type: bytes | None) -> bool:
-    return media_type is not None and b"msgpack" in media_type.lower()

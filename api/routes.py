@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from api.auth import Access, ApiAuth
-from api.codec import JSON, MSGPACK, BodyDecoder, Call, encode, is_msgpack, query_flag
+from api.codec import JSON, MSGPACK, BodyDecoder, encode, is_msgpack, read_head
 from api.fastpath import HotHandler, answered, wait_disconnect
 from api.handlers import HOT_PATHS, Handlers
 from api.native import active_accelerators
@@ -97,16 +97,8 @@ _HOT_DOCS: dict[str, tuple[str, Any, Any]] = {
 
 def _hot_endpoint(handler: HotHandler) -> Any:
     async def endpoint(request: Request) -> Response:
-        headers = request.headers
-        call = Call(
-            await request.body(),
-            msgpack=is_msgpack(headers.get("content-type")),
-            reply_msgpack=is_msgpack(headers.get("accept")),
-            request_id=headers.get("x-request-id"),
-            explain=query_flag(request.scope["query_string"], b"explain"),
-            wait_disconnect=partial(wait_disconnect, request.receive),
-            authorization=headers.get("authorization"),
-        )
+        head = read_head(request.scope["headers"])
+        call = head.call(await request.body(), request.scope["query_string"], partial(wait_disconnect, request.receive))
         reply = await answered(handler(call))
         extra = dict(reply.headers)
         if reply.request_id is not None:
@@ -158,7 +150,7 @@ def add_admin_routes(
         return WorkerStatus(config=config, ranks=ranks, event_streams=streams)
 
     def reply(value: Any, request: Request, status: int = 200) -> Response:
-        msgpack = is_msgpack(request.headers.get("accept"))
+        msgpack = is_msgpack(read_head(request.scope["headers"]).accept)
         return Response(encode(value, msgpack), status, media_type=MSGPACK if msgpack else JSON)
 
     @app.get(
@@ -190,7 +182,7 @@ def add_admin_routes(
         ),
     )
     async def register_worker(request: Request) -> Response:
-        call = Call(await request.body(), msgpack=is_msgpack(request.headers.get("content-type")))
+        call = read_head(request.scope["headers"]).call(await request.body(), b"", None)
         # Registered over HTTP means static: no heartbeat lease, with or without an event plane.
         config = msgspec.structs.replace(worker_body.decode(call), leased=False)
         known = kv_router.has_worker(config.worker_id)

@@ -157,6 +157,27 @@ async def test_a_body_over_the_limit_is_an_openai_shaped_413_and_books_nothing(
 
 
 @pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_a_prompt_over_the_token_limit_is_the_same_413_as_the_decision_api_s(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    limit = 64
+    service = {"fast_protocol": fast_protocol, "max_prompt_tokens": limit}
+    async with fleet(nats_server.url, (1,), service=service) as f:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await f.client.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=2)
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            service_reply = await http.post("/v1/new", content=msgspec.json.encode({"tokens": list(range(1, 100))}))
+            text = (await http.get("/metrics")).text
+        assert caught.value.status_code == service_reply.status_code == 413
+        message = f"prompt has 99 tokens; the limit is {limit}"
+        assert caught.value.body == {"message": message, "type": "invalid_request_error", "param": None, "code": 413}
+        assert service_reply.json()["error"]["message"].endswith(message)
+        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="bad_request") == 1
+        assert idle(f.router)
+        assert f.workers[1].engine.stats.prompt_tokens == 0
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
 async def test_a_request_without_the_api_token_is_an_openai_shaped_401_and_books_nothing(
     nats_server: EmbeddedNats, fast_protocol: bool
 ) -> None:

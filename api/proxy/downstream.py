@@ -10,13 +10,13 @@ ASGI reply awaits ``send`` for each (`write`).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Protocol
+from typing import Protocol
 
-__all__ = ["AsgiDownstream", "Downstream", "Headers", "whole_headers"]
+from starlette.types import Send
 
-Headers = list[tuple[bytes, bytes]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+from api.http_stream import Headers
+
+__all__ = ["AsgiDownstream", "Downstream", "whole_headers"]
 
 _JSON = b"application/json"
 

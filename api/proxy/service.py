@@ -30,20 +30,22 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import Access, ApiAuth, unauthorized_reply
-from api.codec import Reply
+from api.codec import Reply, read_head
 from api.config import ProxyConfig, ServiceConfig
-from api.errors import ApiError
+from api.errors import ApiError, BodyTooLarge, check_prompt_length
+from api.fastpath import ClientGone, read_body, send_reply
 from api.hints import routing_call
-from api.http_stream import Sink, StreamedRequest, StreamRoute
+from api.http_stream import Headers, Sink, StreamedRequest, StreamRoute
 from api.openapi import Schemas
-from api.proxy.downstream import AsgiDownstream, Downstream, Headers
+from api.proxy.downstream import AsgiDownstream, Downstream
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
@@ -70,11 +72,6 @@ from router.types import RouteDecision, RouteRequest, WorkerConfig
 __all__ = ["ROUTES", "Proxy"]
 
 logger = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Path -> route label.
 ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
@@ -145,13 +142,13 @@ class Proxy:
                 if route is not None and scope["method"] == "POST":
                     if auth.refuse(Access.DECISION, scope["headers"]) is not None:
                         self.metrics.count(route, "unauthorized")
-                        await _send_reply(send, unauthorized)
+                        await send_reply(send, unauthorized)
                         return
                     await self.serve(route, scope, receive, send)
                     return
                 if path == "/v1/models" and scope["method"] == "GET":
                     if auth.refuse(Access.READ, scope["headers"]) is not None:
-                        await _send_reply(send, unauthorized)
+                        await send_reply(send, unauthorized)
                         return
                     await AsgiDownstream(send).whole(200, [], self.models())
                     return
@@ -248,16 +245,16 @@ class Proxy:
         task = asyncio.current_task()
         assert task is not None
         state = _Watch(task)
+        reply = AsgiDownstream(send)
         try:
-            body = await _read_body(receive, self._max_body_bytes)
-        except _Gone:
+            body = await read_body(receive, self._max_body_bytes)
+        except ClientGone:
             self.metrics.count(route, "client_disconnected")
             return
-        reply = AsgiDownstream(send)
-        if body is None:
+        except BodyTooLarge:
             await self.answer(route, b"", None, reply, lambda: False, too_large=True)
             return
-        authorization = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        authorization = read_head(scope["headers"]).authorization
         # From here on the client leaving cancels this task (uvicorn's send drops writes silently).
         watcher = asyncio.ensure_future(receive())
         watcher.add_done_callback(state.gone)
@@ -335,11 +332,10 @@ class Proxy:
             raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
         if not tokens:
             raise _refused(400, "invalid_request_error", "the prompt has no tokens", "bad_request")
-        if len(tokens) > self._max_prompt_tokens:
-            raise _refused(
-                400, "invalid_request_error",
-                f"prompt has {len(tokens)} tokens; the limit is {self._max_prompt_tokens}", "bad_request",
-            )  # fmt: skip
+        try:
+            check_prompt_length(len(tokens), self._max_prompt_tokens)
+        except ApiError as exc:
+            raise _refused(exc.status, "invalid_request_error", exc.message, "bad_request") from None
         # The ids as packed u32 from here on, the list let go: bytes are not tracked by the cyclic GC,
         # while a list of ints held for the stream's life is walked by every young collection (at 100
         # streams of 256 tokens, 25k visits each, most of its pause).
@@ -576,10 +572,6 @@ def _client_left_at_the_end() -> None:
         task.uncancel()
 
 
-class _Gone(Exception):
-    """The client disconnected before its body was read."""
-
-
 class _Watch:
     """Cancels the request's task when the client disconnects, unless the request has finished."""
 
@@ -595,23 +587,6 @@ class _Watch:
             return
         self.disconnected = True
         self.task.cancel()
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The request body, or None once it grows past ``limit`` bytes."""
-    chunks = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _Gone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _completion_decoder() -> Callable[[bytes], TokenIdsBody | CompletionBody]:
@@ -637,10 +612,6 @@ def _in_openai_shape(reply: Reply) -> Reply:
 
 def _header_bytes(reply: Reply) -> Headers:
     return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in reply.headers]
-
-
-async def _send_reply(send: Send, reply: Reply) -> None:
-    await AsgiDownstream(send).whole(reply.status, _header_bytes(reply), reply.body)
 
 
 def _usage_in_stream(tail: bytes) -> Usage | None:
