@@ -31,7 +31,6 @@ from api.errors import ApiError, InvalidBody, NotFound, error_reply
 from api.fastpath import FastPath, HotRoutes
 from api.ha_metrics import HaCollector
 from api.handlers import Handlers
-from api.http_stream import StreamRoute
 from api.metrics import (
     ApiMetrics,
     DoctorCollector,
@@ -167,31 +166,31 @@ def create_app(
     add_hot_routes(app, handlers, schemas)
     add_admin_routes(app, kv_router, registry, schemas, auth)
     if proxy is not None:
+        proxy.add_models_route(app, auth)
         proxy.document(schemas)
     schemas.install(app)
     add_docs_routes(app, auth)
     _add_error_handlers(app)
-    hot = HotRoutes(handlers.routes() if settings.service.fast_path else {}, settings.service.max_body_bytes)
+    # The OpenAI routes are stream routes, served before everything else whatever fast_path says.
+    streams = proxy.routes(auth) if proxy is not None else {}
+    hot_routes = handlers.routes() if settings.service.fast_path else {}
+    hot = HotRoutes(hot_routes, settings.service.max_body_bytes, streams)
     app.hot = hot
     app.front = FastPath(partial(FastAPI.__call__, app), hot)
-    app.streams = {}
-    if proxy is not None:  # the OpenAI routes, in front of everything else (and in the HTTP protocol)
-        app.front = proxy.front(app.front, auth)
-        app.streams = proxy.stream_routes(auth)
     return app
 
 
 class RouterApp(FastAPI):
-    """A FastAPI app entered through `FastPath`: the hot routes are answered before FastAPI's own
-    per-request layers (telemetry check, error middleware, routing), which cost more than a decision.
+    """A FastAPI app entered through `FastPath`: the hot routes and the stream routes (the proxy's)
+    are answered before FastAPI's own per-request layers (telemetry check, error middleware,
+    routing), which cost more than a decision.
 
-    ``hot`` is what `FastPath` serves (no routes with ``fast_path`` off); a server may answer the same
-    routes even earlier, as ``kv-router serve`` does inside uvicorn's HTTP protocol (`api.http_protocol`).
+    ``hot`` is what `FastPath` serves (no hot routes with ``fast_path`` off); a server may answer the
+    same routes even earlier, as ``kv-router serve`` does in its HTTP protocol (`api.http_protocol`).
     """
 
     front: ASGIApp
     hot: HotRoutes
-    streams: dict[str, StreamRoute]  # the stream routes a server may answer itself (`api.http_stream`)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.front(scope, receive, send)

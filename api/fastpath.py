@@ -1,5 +1,5 @@
-"""The outermost ASGI layer: the body-size limit for every request, and the hot routes served
-straight from bytes.
+"""The outermost ASGI layer: the body-size limit for every request, and the hot routes and stream
+routes (`api.http_stream`: the OpenAI proxy's) served straight from bytes.
 
 FastAPI's per-request work (routing by regex over every route, the Request object, dependency
 solving, the Response object) costs several times more than a routing decision on a short prompt,
@@ -11,17 +11,21 @@ mounted under a prefix, they serve the hot routes with identical results.
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.codec import Call, Reply, read_head
+from api.codec import Call, Reply, RequestHead, read_head
 from api.errors import BodyTooLarge, error_reply
+from api.http_stream import Headers, Sink, StreamRoute, whole_headers
 
 __all__ = [
+    "AsgiStreamedRequest",
     "ClientGone",
     "FastPath",
     "HotHandler",
@@ -47,10 +51,12 @@ async def answered(outcome: HotOutcome) -> Reply:
 
 @dataclass(frozen=True, slots=True)
 class HotRoutes:
-    """What answers the hot routes before FastAPI: ``POST`` path -> handler, and the body limit."""
+    """What answers the data plane before FastAPI: ``POST`` path -> hot handler, the body limit, and
+    ``POST`` path -> stream route (`api.http_stream`)."""
 
     routes: Mapping[str, HotHandler]
     max_body_bytes: int
+    streams: Mapping[str, StreamRoute] = field(default_factory=dict)
 
 
 def _too_large(limit: int) -> BodyTooLarge:
@@ -119,6 +125,7 @@ class FastPath:
     def __init__(self, app: ASGIApp, hot: HotRoutes) -> None:
         self._app = app
         self._hot = dict(hot.routes)
+        self._streams = dict(hot.streams)
         self._limit = hot.max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -126,6 +133,11 @@ class FastPath:
             await self._app(scope, receive, send)
             return
         head = read_head(scope["headers"])
+        if self._streams and scope["method"] == "POST":
+            stream = self._streams.get(scope["path"])
+            if stream is not None:
+                await self._stream(stream, head, receive, send)
+                return
         if head.content_length > self._limit:
             # Refused before a byte of the body is read.
             await send_reply(send, too_large_reply(self._limit))
@@ -143,6 +155,29 @@ class FastPath:
             return
         call = head.call(body, scope["query_string"], partial(wait_disconnect, receive))
         await send_reply(send, await answered(handler(call)))
+
+    async def _stream(self, route: StreamRoute, head: RequestHead, receive: Receive, send: Send) -> None:
+        """A stream route's request: its body read, the client watched while the handler runs (its
+        leaving cancels the handler, as the protocol's connection_lost does)."""
+        try:
+            if head.content_length > self._limit:
+                raise _too_large(self._limit)
+            body = await read_body(receive, self._limit)
+        except BodyTooLarge:
+            await send_reply(send, route.too_large())
+            return
+        except ClientGone:
+            return
+        request = AsgiStreamedRequest(send, body, head.authorization)
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(receive())
+        watcher.add_done_callback(partial(request.watched, task))
+        try:
+            await route.handle(request)
+        finally:
+            request.finished = True
+            watcher.cancel()
 
 
 def _error(exc: Exception) -> Reply:
@@ -163,3 +198,79 @@ async def send_reply(send: Send, reply: Reply) -> None:
         headers.append((name.encode("latin-1"), value.encode("latin-1")))
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     await send({"type": "http.response.body", "body": reply.body})
+
+
+class AsgiStreamedRequest:
+    """A stream route's request answered as ASGI messages (`api.http_stream.StreamCall`; the
+    protocol's twin is `api.http_stream.StreamedRequest`). Pieces handed on from a read callback
+    (`begin`'s sink) are sent in order by one task; the source pauses while it is behind."""
+
+    __slots__ = ("_pending", "_pump", "_resume", "_send", "authorization", "body", "disconnected", "finished")
+
+    # Pieces queued before the source is told to pause.
+    BEHIND = 8
+
+    def __init__(self, send: Send, body: bytes, authorization: bytes | None) -> None:
+        self._send = send
+        self.body = body
+        self.authorization = authorization
+        self.disconnected = False
+        self.finished = False
+        self._pending: deque[Message] = deque()
+        self._pump: asyncio.Future[None] | None = None
+        self._resume: Callable[[], None] | None = None
+
+    def is_disconnected(self) -> bool:
+        return self.disconnected
+
+    def watched(self, task: asyncio.Task[Any], watcher: asyncio.Future[Message]) -> None:
+        """The watcher's ``receive`` returned: the client has gone, so the handler is cancelled
+        (unless it has finished)."""
+        if self.finished or watcher.cancelled():
+            return
+        self.disconnected = True
+        task.cancel()
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        await self._flushed()
+        await self._send({"type": "http.response.start", "status": status, "headers": whole_headers(headers, body)})
+        await self._send({"type": "http.response.body", "body": body})
+
+    def begin(self, status: int, headers: Headers) -> Sink:
+        self._queue({"type": "http.response.start", "status": status, "headers": headers})
+        return self
+
+    def write(self, data: bytes) -> bool:
+        """One piece from a read callback (`Sink.write`); True while the client is behind."""
+        self._queue({"type": "http.response.body", "body": data, "more_body": True})
+        return len(self._pending) >= self.BEHIND
+
+    def when_drained(self, resume: Callable[[], None]) -> None:
+        if self._pending:
+            self._resume = resume
+        else:
+            asyncio.get_running_loop().call_soon(resume)
+
+    async def end(self, last: bytes = b"") -> None:
+        if last:
+            self.write(last)
+        self._queue({"type": "http.response.body", "body": b""})
+        await self._flushed()
+
+    def _queue(self, message: Message) -> None:
+        self._pending.append(message)
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.ensure_future(self._send_pending())
+
+    async def _send_pending(self) -> None:
+        pending = self._pending
+        while pending:
+            await self._send(pending[0])
+            pending.popleft()
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            resume()
+
+    async def _flushed(self) -> None:
+        if self._pump is not None:
+            await self._pump

@@ -67,11 +67,11 @@ ParsedPost = tuple[bytes, bytes, bytes | None, bytes | None, str | None, bytes |
 ParsePost = Callable[[bytes], ParsedPost | int | None]
 
 
-def fast_protocol(hot: HotRoutes, streams: dict[str, StreamRoute] | None = None) -> type[FastHttpProtocol]:
-    """The protocol class to give uvicorn (``Config(http=...)``) for an app's hot routes (and its
-    stream routes, `api.http_stream`)."""
+def fast_protocol(hot: HotRoutes) -> type[FastHttpProtocol]:
+    """The protocol class to give uvicorn (``Config(http=...)``) for an app's hot routes and stream
+    routes (`api.http_stream`)."""
     routes = {path.encode("ascii"): handler for path, handler in hot.routes.items()}
-    streamed = {path.encode("ascii"): handler for path, handler in (streams or {}).items()}
+    streamed = {path.encode("ascii"): handler for path, handler in hot.streams.items()}
 
     class BoundFastHttpProtocol(FastHttpProtocol):
         hot_routes = routes

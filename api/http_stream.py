@@ -1,9 +1,11 @@
-"""Streamed answers written by the HTTP protocol itself: the OpenAI proxy's routes without ASGI.
+"""Stream routes: a handler gets a whole request (`StreamCall`: body, ``Authorization``) and writes
+its answer whole or as a stream; the OpenAI proxy's routes are stream routes.
 
-`api.http_protocol.FastHttpProtocol` answers the hot routes from bytes; a route registered as a
-*stream route* is collected the same way (body limit, ``Expect: 100-continue``, keep-alive and
-pipelining are the protocol's), then its handler gets a `StreamedRequest`: the body and the
-client's ``Authorization``, and the `api.proxy.downstream.Downstream` methods writing the answer
+The contract is `StreamRoute` and `StreamCall`; it has two adapters: the HTTP protocol's
+`StreamedRequest` here, written straight to the client's transport, and `api.fastpath`'s
+`AsgiStreamedRequest` for any ASGI server. `api.http_protocol.FastHttpProtocol` collects a stream
+route's request as it collects a hot one (body limit, ``Expect: 100-continue``, keep-alive and
+pipelining are the protocol's), then its handler gets a `StreamedRequest` writing the answer
 straight to the client's transport. A streamed body goes out as HTTP/1.1 chunks, one per piece
 handed on (the head with the first); the handler's coroutine runs at once on the protocol's
 callback and gets a task only if it has to wait (it does, for the worker). When the client's
@@ -26,10 +28,11 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from api.codec import Reply
 from api.eager import Suspended, start
 
-__all__ = ["Sink", "StreamHandler", "StreamRoute", "StreamedRequest"]
+__all__ = ["Headers", "Sink", "StreamCall", "StreamHandler", "StreamRoute", "StreamedRequest", "whole_headers"]
 
 Headers = list[tuple[bytes, bytes]]
-StreamHandler = Callable[["StreamedRequest"], Coroutine[object, object, None]]
+StreamHandler = Callable[["StreamCall"], Coroutine[object, object, None]]
+_JSON = b"application/json"
 
 
 class StreamRoute(NamedTuple):
@@ -50,6 +53,39 @@ class Sink(Protocol):
         ...
 
     def when_drained(self, resume: Callable[[], None]) -> None: ...
+
+
+class StreamCall(Protocol):
+    """What a stream route's handler gets: the whole request, and its answer to write, whole
+    (`whole`) or streamed (`begin`, then pieces through its `Sink`; `end`)."""
+
+    body: bytes
+    authorization: bytes | None
+
+    def is_disconnected(self) -> bool:
+        """Whether the client has gone (a cancellation of the handler is then the request's end)."""
+        ...
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        """A complete answer; ``headers`` without content-length (added here) nor content-type
+        (``application/json`` unless given)."""
+        ...
+
+    def begin(self, status: int, headers: Headers) -> Sink:
+        """The head of a streamed answer (``headers`` with its content-type), written with the first
+        piece; the sink takes the pieces, from a read callback, without a wait."""
+        ...
+
+    async def end(self, last: bytes = b"") -> None:
+        """The streamed answer's end, after ``last`` (an error event, say)."""
+        ...
+
+
+def whole_headers(headers: Headers, body: bytes) -> Headers:
+    """``headers`` with content-type (JSON unless given) and content-length first."""
+    if not any(name == b"content-type" for name, _ in headers):
+        headers = [(b"content-type", _JSON), *headers]
+    return [*headers, (b"content-length", str(len(body)).encode())]
 
 
 class _Request(Protocol):
@@ -116,23 +152,15 @@ class StreamedRequest:
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
-    # ------------------------------------------------------------------ Downstream
+    # ------------------------------------------------------------------ StreamCall
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
-        head = self._head_lines(status, headers, b"content-length: " + str(len(body)).encode() + b"\r\n")
-        self._write(head + body)
-
-    async def start(self, status: int, headers: Headers) -> None:
-        self._head = self._head_lines(status, headers, b"transfer-encoding: chunked\r\n")
+        self._write(self._head_lines(status, whole_headers(headers, body), b"") + body)
 
     def begin(self, status: int, headers: Headers) -> Sink:
-        """`start` without a wait, for a body handed on from a read callback: the sink it goes to."""
         self._head = self._head_lines(status, headers, b"transfer-encoding: chunked\r\n")
-        return _PieceSink(self)
+        return self
 
-    async def write(self, data: bytes) -> None:
-        self.write_piece(data)
-
-    def write_piece(self, data: bytes) -> bool:
+    def write(self, data: bytes) -> bool:
         """One chunk of the streamed body; True while the client is not keeping up (`Sink.write`)."""
         head = self._head
         if head is None:
@@ -152,7 +180,9 @@ class StreamedRequest:
         self._connection.tasks.add(task)
         task.add_done_callback(self._connection.tasks.discard)
 
-    async def end(self) -> None:
+    async def end(self, last: bytes = b"") -> None:
+        if last:
+            self.write(last)
         head, self._head = self._head, None
         self._write((head or b"") + b"0\r\n\r\n")
 
@@ -196,13 +226,3 @@ class StreamedRequest:
     def _crashed(self, exc: BaseException | None) -> None:
         if not self._request.response_complete:
             self._connection.stream_crashed(exc, started=self._status != 0)
-
-
-class _PieceSink:
-    """`api.proxy.upstream.Sink` over a streamed request."""
-
-    __slots__ = ("when_drained", "write")
-
-    def __init__(self, request: StreamedRequest) -> None:
-        self.write = request.write_piece
-        self.when_drained = request.when_drained

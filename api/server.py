@@ -38,7 +38,7 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
     # fast_protocol off, by the app's ASGI fast path; with fast_path off, by FastAPI's routes.
     http: type[asyncio.Protocol] | Literal["httptools"] = "httptools"
     if service.fast_path and service.fast_protocol:
-        http = fast_protocol(app.hot, app.streams)
+        http = fast_protocol(app.hot)
     return uvicorn.Config(
         app,
         host=service.host,

@@ -31,21 +31,19 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import Access, ApiAuth, unauthorized_reply
-from api.codec import Reply, read_head
+from api.codec import JSON, Reply
 from api.config import ProxyConfig, ServiceConfig
-from api.errors import ApiError, BodyTooLarge, check_prompt_length
-from api.fastpath import ClientGone, read_body, send_reply
+from api.errors import ApiError, check_prompt_length
 from api.hints import routing_call
-from api.http_stream import Headers, Sink, StreamedRequest, StreamRoute
+from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
-from api.proxy.downstream import AsgiDownstream, Downstream
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
@@ -129,50 +127,23 @@ class Proxy:
     async def stop(self) -> None:
         await self.upstream.stop()
 
-    def front(self, inner: ASGIApp, auth: ApiAuth | None = None) -> ASGIApp:
-        """An ASGI app answering the proxy's paths and handing every other request to ``inner``; its
-        routes are decisions and ``/v1/models`` a read for the API token (`api.auth`)."""
-        auth = auth or ApiAuth(None)
-        unauthorized = _in_openai_shape(unauthorized_reply())
-
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] == "http":
-                path = scope["path"]
-                route = ROUTES.get(path)
-                if route is not None and scope["method"] == "POST":
-                    if auth.refuse(Access.DECISION, scope["headers"]) is not None:
-                        self.metrics.count(route, "unauthorized")
-                        await send_reply(send, unauthorized)
-                        return
-                    await self.serve(route, scope, receive, send)
-                    return
-                if path == "/v1/models" and scope["method"] == "GET":
-                    if auth.refuse(Access.READ, scope["headers"]) is not None:
-                        await send_reply(send, unauthorized)
-                        return
-                    await AsgiDownstream(send).whole(200, [], self.models())
-                    return
-            await inner(scope, receive, send)
-
-        return app
-
-    def stream_routes(self, auth: ApiAuth | None = None) -> dict[str, StreamRoute]:
-        """The proxy's routes for the HTTP protocol to answer itself (`api.http_stream`), decisions for
-        the API token like the ASGI front's; a body over the limit is refused in OpenAI's shape (and
-        counted, as on the ASGI path)."""
+    def routes(self, auth: ApiAuth | None = None) -> dict[str, StreamRoute]:
+        """The proxy's ``POST`` routes (`api.http_stream`, answered by the HTTP protocol or by
+        `api.fastpath.FastPath`), decisions for the API token; a body over the limit is refused in
+        OpenAI's shape, and counted."""
         auth = auth or ApiAuth(None)
         unauthorized = _in_openai_shape(unauthorized_reply())
         too_large_reply = Reply(413, self._too_large().body)
 
         def route_for(route: str) -> StreamRoute:
-            async def handle(request: StreamedRequest) -> None:
+            async def handle(request: StreamCall) -> None:
                 authorization = request.authorization
                 presented = [(b"authorization", authorization)] if authorization else []
                 if auth.refuse(Access.DECISION, presented) is not None:
                     self.metrics.count(route, "unauthorized")
                     await request.whole(unauthorized.status, _header_bytes(unauthorized), unauthorized.body)
                     return
-                await self.answer(route, request.body, authorization, request, request.is_disconnected)
+                await self.answer(route, request)
 
             def too_large() -> Reply:
                 self.metrics.count(route, "bad_request")
@@ -181,6 +152,18 @@ class Proxy:
             return StreamRoute(handle, too_large)
 
         return {path: route_for(route) for path, route in ROUTES.items()}
+
+    def add_models_route(self, app: FastAPI, auth: ApiAuth) -> None:
+        """``GET /v1/models`` on the app, a read for the API token, its 401 in OpenAI's shape
+        (documented by `document`, with the routes' schemas)."""
+        unauthorized = _in_openai_shape(unauthorized_reply())
+
+        async def list_models(request: Request) -> Response:
+            if auth.refuse(Access.READ, request.scope["headers"]) is not None:
+                return Response(unauthorized.body, 401, dict(unauthorized.headers), media_type=JSON)
+            return Response(self.models(), media_type=JSON)
+
+        app.add_api_route("/v1/models", list_models, methods=["GET"], include_in_schema=False)
 
     # ------------------------------------------------------------------ workers
     def models(self) -> bytes:
@@ -240,52 +223,18 @@ class Proxy:
         self._cooling[worker_id] = time.monotonic() + cooldown
 
     # ------------------------------------------------------------------ one request
-    async def serve(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
-        """One request as an ASGI layer: the body read, the client watched, the answer as messages."""
-        task = asyncio.current_task()
-        assert task is not None
-        state = _Watch(task)
-        reply = AsgiDownstream(send)
-        try:
-            body = await read_body(receive, self._max_body_bytes)
-        except ClientGone:
-            self.metrics.count(route, "client_disconnected")
-            return
-        except BodyTooLarge:
-            await self.answer(route, b"", None, reply, lambda: False, too_large=True)
-            return
-        authorization = read_head(scope["headers"]).authorization
-        # From here on the client leaving cancels this task (uvicorn's send drops writes silently).
-        watcher = asyncio.ensure_future(receive())
-        watcher.add_done_callback(state.gone)
-        try:
-            await self.answer(route, body, authorization, reply, lambda: state.disconnected)
-        finally:
-            state.finished = True
-            watcher.cancel()
-
-    async def answer(
-        self,
-        route: str,
-        body: bytes,
-        authorization: bytes | None,
-        reply: Downstream,
-        disconnected: Callable[[], bool],
-        too_large: bool = False,
-    ) -> None:
-        """Answer one request whose body is in; a cancellation while ``disconnected()`` says the client
-        has gone is the end of the request, counted as such."""
+    async def answer(self, route: str, request: StreamCall) -> None:
+        """Answer one request whose body is in; a cancellation once the client has gone
+        (``request.is_disconnected()``) is the end of the request, counted as such."""
         outcome = "ok"
         received = time.perf_counter()
         try:
-            if too_large:
-                raise self._too_large()
-            outcome = await self._proxy(route, body, authorization, reply, received)
+            outcome = await self._proxy(route, request.body, request.authorization, request, received)
         except _Refused as refused:
             outcome = refused.outcome
-            await reply.whole(refused.status, refused.headers, refused.body)
+            await request.whole(refused.status, refused.headers, refused.body)
         except asyncio.CancelledError:
-            if not disconnected():
+            if not request.is_disconnected():
                 raise
             task = asyncio.current_task()
             if task is not None:
@@ -298,7 +247,7 @@ class Proxy:
         return _refused(413, "invalid_request_error", message, "bad_request")
 
     async def _proxy(
-        self, route: str, body: bytes, authorization: bytes | None, reply: Downstream, received: float
+        self, route: str, body: bytes, authorization: bytes | None, reply: StreamCall, received: float
     ) -> str:
         try:
             request = self._decoders[route](body)
@@ -395,7 +344,7 @@ class Proxy:
         body: bytes,
         headers: bytes,
         stream: bool,
-        reply: Downstream,
+        reply: StreamCall,
         received: float,
     ) -> str:
         """One attempt on one worker; raises `_WorkerFailed` while the client has received nothing.
@@ -414,8 +363,7 @@ class Proxy:
         if stream:
             if self._track_output:
                 on_events = _OutputProgress(self.router.record_output, request_id, self.router.config.block_size)
-            if isinstance(reply, StreamedRequest):
-                begin = self._beginning(reply, request_id, ours)
+            begin = self._beginning(reply, request_id, ours)
         sending = time.perf_counter()
         try:
             exchange = await self.upstream.open(worker.url, path, body, headers, begin, on_events)
@@ -440,15 +388,12 @@ class Proxy:
                         self.router.record_output(request_id, usage.completion_tokens)
                 await reply.whole(status, with_type, content)
                 return "ok" if status == 200 else "upstream_status"
-            if begin is not None:
-                problem = await self._handed_on(exchange, sending - received)
-            else:
-                problem = await self._stream(exchange, decision, with_type, reply, sending - received)
+            problem = await self._handed_on(exchange, sending - received)
             return await self._stream_end(exchange, decision, reply, problem)
         finally:
             exchange.release()  # back to the pool if read to its end; else closed, so the engine stops
 
-    def _beginning(self, reply: StreamedRequest, request_id: str, headers: Headers) -> Begin:
+    def _beginning(self, reply: StreamCall, request_id: str, headers: Headers) -> Begin:
         """What starts a stream handed on from the worker connection's read callback (`Begin`): the
         booking's prefill is done, the client's head goes out with the first events."""
 
@@ -480,37 +425,8 @@ class Proxy:
         self.metrics.added.observe(before_sent + exchange.first_sent_at - exchange.begun_at)
         return problem
 
-    async def _stream(
-        self, exchange: Exchange, decision: RouteDecision, headers: Headers, reply: Downstream, before_sent: float
-    ) -> str | None:
-        """Hand the stream on by awaiting each write (ASGI); ``before_sent``: the seconds the proxy
-        held the request before sending it. Returns what went wrong after the first byte, if anything."""
-        assert decision.request_id is not None
-        try:
-            first = await exchange.first()
-        except UpstreamError as exc:
-            raise _WorkerFailed(str(exc)) from None
-        if not first:
-            raise _WorkerFailed("the stream ended before its first byte")
-        self.router.mark_prefill(decision.request_id)
-        await reply.start(200, headers)
-        await reply.write(first)
-        self.metrics.added.observe(before_sent + time.perf_counter() - exchange.read_at)
-        written = first
-        try:
-            async for piece in exchange.pieces():
-                await reply.write(piece)
-                written = piece
-        except UpstreamError as exc:
-            return str(exc)
-        except asyncio.CancelledError:
-            if not _finished_stream(written):
-                raise
-            _client_left_at_the_end()
-        return None
-
     async def _stream_end(
-        self, exchange: Exchange, decision: RouteDecision, reply: Downstream, problem: str | None
+        self, exchange: Exchange, decision: RouteDecision, reply: StreamCall, problem: str | None
     ) -> str:
         """A stream's end: its usage compared with the prediction, or the failure told as an SSE event."""
         if problem is None:
@@ -524,8 +440,9 @@ class Proxy:
             # The client has its headers and part of the stream: say what happened as an SSE event.
             message = f"worker {decision.worker_id} failed mid-stream: {problem}"
             self.cool_down(decision.worker_id, message)
-            await reply.write(b"data: " + error_body(502, "upstream_error", message) + b"\n\n")
-        await reply.end()
+            await reply.end(b"data: " + error_body(502, "upstream_error", message) + b"\n\n")
+        else:
+            await reply.end()
         return "ok" if problem is None else "upstream_error"
 
     def _calibrate(self, decision: RouteDecision, usage: Usage | None) -> None:
@@ -570,23 +487,6 @@ def _client_left_at_the_end() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
-
-
-class _Watch:
-    """Cancels the request's task when the client disconnects, unless the request has finished."""
-
-    __slots__ = ("disconnected", "finished", "task")
-
-    def __init__(self, task: asyncio.Task[Any]) -> None:
-        self.task = task
-        self.finished = False
-        self.disconnected = False
-
-    def gone(self, watcher: asyncio.Future[Any]) -> None:
-        if self.finished or watcher.cancelled():
-            return
-        self.disconnected = True
-        self.task.cancel()
 
 
 def _completion_decoder() -> Callable[[bytes], TokenIdsBody | CompletionBody]:
