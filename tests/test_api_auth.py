@@ -323,3 +323,16 @@ def test_the_openai_proxy_honours_protect_decisions() -> None:
             assert client.post(path, json=body, headers=GOOD).status_code in (400, 503)
         _assert_unauthorized(client.get("/v1/models"), openai_shape)
         assert client.get("/v1/models", headers=GOOD).status_code == 200
+
+
+def test_the_openapi_document_lists_the_proxy_s_routes_with_their_schemas() -> None:
+    settings = Settings(router=RouterConfig(block_size=BLOCK_SIZE), proxy=ProxyConfig(proxy=True))
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        document = client.get("/openapi.json").json()
+    paths = document["paths"]
+    assert set(paths["/v1/completions"]) == set(paths["/v1/chat/completions"]) == {"post"}
+    assert set(paths["/v1/models"]) == {"get"}
+    assert {"/v1/new", "/v1/route", "/v1/workers"} <= set(paths)
+    body = paths["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ChatBody"} and "ChatBody" in document["components"]["schemas"]
