@@ -10,7 +10,7 @@ the token; `Access.DECISION` routes (``/v1/new``, ``/v1/router``, ``mark_*``, ``
 `ApiAuth` is the one check, used on every path a request can take: the hot routes' handlers are
 wrapped by `ApiAuth.guard` (so uvicorn's HTTP protocol, the ASGI `FastPath` and FastAPI's routes all
 reach the same check), FastAPI's other routes declare `ApiAuth.dependency`, and code outside both
-(the OpenAI proxy's ASGI front) calls `ApiAuth.refuse` with the request's headers, or `ApiAuth.require`
+(the OpenAI proxy's routes) calls `ApiAuth.refuse` with the request's headers, or `ApiAuth.require`
 with its ``Authorization`` header. The token is
 compared in constant time (`hmac.compare_digest` over SHA-256 digests, so not even its length leaks)
 and never appears in a log line, an error message or a repr.
@@ -118,7 +118,7 @@ class ApiAuth:
             raise Unauthorized(_MESSAGE)
 
     def refuse(self, access: Access, headers: Iterable[tuple[bytes, bytes]]) -> Reply | None:
-        """For an ASGI layer of its own (the OpenAI proxy's front): the 401 to send for a request
+        """For routes answering in their own error shape (the OpenAI proxy's): the 401 to send for a request
         with these ASGI ``headers``, or None if it may pass."""
         if access not in self._guarded:
             return None

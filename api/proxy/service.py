@@ -17,8 +17,8 @@ an SSE error event. The reply carries ``x-kv-router-worker``, ``x-kv-router-dp-r
 ``x-kv-router-cached-tokens`` (the router's prediction); the engine's reported cached tokens, when it
 reports them, are compared with that prediction (`api.proxy.metrics`).
 
-The proxy's routes are answered inside the HTTP protocol (`answer` with the protocol's `Downstream`, see
-`api.http_stream`) or, when the protocol does not serve them, as an ASGI layer (`front`). CPU per
+The proxy's ``POST`` routes are stream routes (`routes`, `api.http_stream`): `answer` gets a
+`StreamCall` from the HTTP protocol or from `api.fastpath.FastPath`, and writes to it alike. CPU per
 request is a body decode, a routing decision and one exchange on a pooled connection
 (`api.proxy.upstream`); per streamed read, one write to the client: the stream is not parsed, only
 its last pieces are searched for the usage report.
