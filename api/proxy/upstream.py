@@ -24,7 +24,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -40,8 +40,6 @@ __all__ = ["IDLE_SECS", "Begin", "Exchange", "Upstream", "UpstreamError"]
 # An idle pooled connection older than this is closed rather than reused.
 IDLE_SECS = 4.0
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
-# Body pieces buffered for a reader that is behind before the worker's connection is paused.
-_MAX_PIECES = 64
 
 # Called in the read callback with the answer's content type when the first whole events of a 200
 # answer are in: starts the client's answer and gives the sink they and the rest of the stream go to.
@@ -243,7 +241,7 @@ class Exchange(asyncio.Protocol):
     """One connection to a worker and the exchange it carries (the parser's callbacks are its methods).
 
     After `Upstream.open`: `status` and `content_type` are known; then either `read` the whole body,
-    or await `first` and take the rest as `pieces`, or (opened with ``begin``) await `handed_on`, the
+    or (opened with ``begin``) await `handed_on`, the
     stream going to the client from the read callback; finally `release` (back to the pool if the
     answer is complete and the worker keeps the connection alive) or `close`.
     """
@@ -264,7 +262,7 @@ class Exchange(asyncio.Protocol):
         self._last = self._before_last = b""
         self._sink: Sink | None = None
         self._begin: Begin | None = None
-        # Told of every piece of the stream handed on (`first`, `pieces`, `handed_on`), in the read callback.
+        # Told of every piece of the stream handed on (`handed_on`), in the read callback.
         self.on_events: Callable[[bytes], None] | None = None
         self._head_in = False
         self.complete = False  # the whole answer is in
@@ -272,7 +270,6 @@ class Exchange(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._closed = False
         self._paused = False  # reading paused: the client is behind
-        self._iterated = False  # the body is being taken by `pieces`
         self._idle_since = 0.0
         self._heard = 0.0  # loop time of the last byte from the worker
         self.read_at = 0.0  # perf_counter time of the last read a waiting coroutine was woken for
@@ -301,8 +298,6 @@ class Exchange(asyncio.Protocol):
             self.read_at = time.perf_counter()
             if self._begin is not None and pieces and self.status == 200:
                 self._start_handing_on()
-            elif self._iterated and len(pieces) > _MAX_PIECES:
-                self._pause_reading()  # the reader of `pieces` is behind: resumed as it takes them
             self._wake()
         elif pieces:  # handed on in this callback; the coroutine waiting is woken only at the end
             self._hand_on(sink, self._take_events())
@@ -388,14 +383,6 @@ class Exchange(asyncio.Protocol):
     # reaches the client (its error event follows the last whole one), and one cut by the network is
     # sent once its end has come.
 
-    async def first(self) -> bytes:
-        """The stream's first events; empty if the answer ended without any."""
-        while True:
-            data = self._take_events()
-            if data or self.complete:
-                return data
-            await self._wait()
-
     async def handed_on(self) -> bool:
         """Opened with ``begin``: returns at the end of the stream handed on from the read callback,
         True if it began (its first events went to the client). Raises the answer's `UpstreamError`
@@ -430,20 +417,6 @@ class Exchange(asyncio.Protocol):
         if data and sink.write(data) and not self.complete:
             self._pause_reading()
             sink.when_drained(self._resume_reading)
-
-    async def pieces(self) -> AsyncIterator[bytes]:
-        """The rest of the stream as it arrives, each read's events joined (for a client that is
-        written to by awaiting, as ASGI's ``send``)."""
-        self._iterated = True
-        while True:
-            data = self._take_events()
-            if data:
-                self._resume_reading()
-                yield data
-            elif self.complete:
-                return
-            else:
-                await self._wait()
 
     def _take_events(self) -> bytes:
         """The body received so far up to its last event boundary (all of it once complete)."""
@@ -492,7 +465,6 @@ class Exchange(asyncio.Protocol):
         self._keep_alive = False
         self._pieces = []
         self._last = self._before_last = b""
-        self._iterated = False
         self._sink = None
         self.first_sent_at = 0.0
         self._head_in = False
