@@ -35,6 +35,7 @@ __all__ = [
     "Call",
     "Reply",
     "RequestHead",
+    "call_of",
     "encode",
     "is_msgpack",
     "query_flag",
@@ -90,15 +91,31 @@ class RequestHead(NamedTuple):
 
     def call(self, body: bytes, query: bytes, wait_disconnect: Callable[[], Awaitable[None]] | None) -> Call:
         """The `Call` of a request with this head, ``body`` and raw ``query`` string."""
-        return Call(
-            body,
-            msgpack=is_msgpack(self.content_type),
-            reply_msgpack=is_msgpack(self.accept),
-            request_id=self.request_id,
-            explain=query_flag(query, b"explain") if query else False,
-            wait_disconnect=wait_disconnect,
-            authorization=self.authorization,
+        return call_of(
+            body, query, self.content_type, self.accept, self.request_id, self.authorization, wait_disconnect
         )
+
+
+def call_of(
+    body: bytes,
+    query: bytes,
+    content_type: bytes | None,
+    accept: bytes | None,
+    request_id: str | None,
+    authorization: bytes | None,
+    wait_disconnect: Callable[[], Awaitable[None]] | None,
+) -> Call:
+    """The `Call` of a request (`RequestHead.call`; the protocol calls it with what `api._native`'s
+    parse_post read, without making a head)."""
+    return Call(
+        body,
+        msgpack=is_msgpack(content_type),
+        reply_msgpack=is_msgpack(accept),
+        request_id=request_id,
+        explain=query_flag(query, b"explain") if query else False,
+        wait_disconnect=wait_disconnect,
+        authorization=authorization,
+    )
 
 
 def read_head(headers: Iterable[tuple[bytes, bytes]]) -> RequestHead:

@@ -33,8 +33,8 @@ __all__ = [
     "PromptTooLong",
     "UnknownRequestId",
     "UnknownRoutingTarget",
-    "check_prompt_length",
     "error_reply",
+    "prompt_too_long",
 ]
 
 
@@ -75,12 +75,12 @@ class PromptTooLong(ApiError):
     type = "prompt_too_long"
 
 
-def check_prompt_length(count: int, limit: int, field: str = "") -> None:
-    """`PromptTooLong` for a prompt of ``count`` tokens over ``limit`` (``max_prompt_tokens``), on
-    every route that takes a prompt, the proxy's included; ``field`` names where it came from."""
-    if count > limit:
-        where = f"{field}: " if field else ""
-        raise PromptTooLong(f"{where}prompt has {count} tokens; the limit is {limit}")
+def prompt_too_long(count: int, limit: int, field: str = "") -> PromptTooLong:
+    """The refusal of a prompt of ``count`` tokens over ``limit`` (``max_prompt_tokens``), on every
+    route that takes a prompt, the proxy's included; ``field`` names where it came from. (The caller
+    compares, so that a prompt within the limit costs no call.)"""
+    where = f"{field}: " if field else ""
+    return PromptTooLong(f"{where}prompt has {count} tokens; the limit is {limit}")
 
 
 class NotFound(ApiError):

@@ -31,8 +31,8 @@ from api.errors import (
     InvalidBody,
     MalformedBody,
     UnknownRequestId,
-    check_prompt_length,
     error_reply,
+    prompt_too_long,
 )
 from api.fastpath import HotHandler, HotOutcome
 from api.hints import routing_call
@@ -348,7 +348,8 @@ class Handlers:
             count = len(tokens) // 4
         else:
             count = len(tokens)
-        check_prompt_length(count, self._max_prompt_tokens, field)
+        if count > self._max_prompt_tokens:
+            raise prompt_too_long(count, self._max_prompt_tokens, field)
         return count
 
     def _reply(self, value: Any, call: Call, request_id: str | None = None) -> Reply:

@@ -39,7 +39,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.server import ServerState
 
-from api.codec import Reply, RequestHead, read_head
+from api.codec import Reply, RequestHead, call_of, read_head
 from api.eager import Suspended, start
 from api.fastpath import HotHandler, HotRoutes, too_large_reply
 from api.http_stream import StreamedRequest, StreamRoute
@@ -195,9 +195,7 @@ class FastHttpProtocol(HttpToolsProtocol):
             # The usual request: its handler runs at once and its answer is written, with no request
             # record; one is made only if the handler has to wait (a `new` parked in the queue).
             self._idle_since = -1.0  # busy (`_unset_keepalive_if_required`, without the call)
-            call = RequestHead(len(body), content_type, accept, request_id, authorization).call(
-                body, query, self._wait_disconnect
-            )
+            call = call_of(body, query, content_type, accept, request_id, authorization, self._wait_disconnect)
             try:
                 answer = handler(call)
                 outcome = answer if isinstance(answer, Reply) else start(answer)

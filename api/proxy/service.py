@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry
 from api.auth import Access, ApiAuth, unauthorized_reply
 from api.codec import JSON, Reply
 from api.config import ProxyConfig, ServiceConfig
-from api.errors import ApiError, check_prompt_length
+from api.errors import ApiError, prompt_too_long
 from api.hints import routing_call
 from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
@@ -281,10 +281,9 @@ class Proxy:
             raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
         if not tokens:
             raise _refused(400, "invalid_request_error", "the prompt has no tokens", "bad_request")
-        try:
-            check_prompt_length(len(tokens), self._max_prompt_tokens)
-        except ApiError as exc:
-            raise _refused(exc.status, "invalid_request_error", exc.message, "bad_request") from None
+        if len(tokens) > self._max_prompt_tokens:
+            refusal = prompt_too_long(len(tokens), self._max_prompt_tokens)
+            raise _refused(refusal.status, "invalid_request_error", refusal.message, "bad_request")
         # The ids as packed u32 from here on, the list let go: bytes are not tracked by the cyclic GC,
         # while a list of ints held for the stream's life is walked by every young collection (at 100
         # streams of 256 tokens, 25k visits each, most of its pause).
