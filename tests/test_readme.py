@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -323,7 +324,7 @@ class Walkthrough:
                 self.start(line.rstrip("&").strip())
                 self.ran.append(command.text)
                 continue
-            if assigned := re.fullmatch(r"(\w+)=.*", line):  # kept for what follows, as a shell does
+            if (assigned := re.match(r"(\w+)=", line)) and len(shlex.split(line)) == 1:  # kept, as a shell does
                 self.env[assigned.group(1)] = self._evaluate(line, assigned.group(1))
                 self.ran.append(command.text)
                 continue
