@@ -394,6 +394,10 @@ def test_skip_markers_need_a_reason_and_cover_only_what_ci_cannot_run() -> None:
     assert skipped and all(block.skip for block in skipped)
     assert {block.heading for block in skipped} <= {"Put kv-router in front of vLLM / SGLang", "Docker"}
     assert any(block.language == "python" and block.skip is None for block in blocks)
+    # The vLLM walkthrough is left to the real-engine lane, and only it.
+    lane = [block for block in blocks if block.real_engines]
+    assert lane and {block.heading for block in lane} == {"Put kv-router in front of vLLM / SGLang"}
+    assert all(block.skip == REAL_ENGINES_LANE for block in lane)
 
 
 def test_quoted_output_matching() -> None:
