@@ -9,12 +9,17 @@ What the test's own installed checkout has already done is left out: creating th
 it, ``pip install`` and running this very suite. Blocks that need what CI's ordinary lane lacks are
 marked in the README's source, ``<!-- readme-test: skip (why) -->`` before a block or
 ``<!-- readme-test: skip section (why) -->`` under a heading; the test prints them with their reasons.
+A section marked ``<!-- readme-test: real-engines -->`` (its walkthrough starts real vLLM engines) is
+left to the real-engine lane, which runs its blocks the same way
+(``tests/real_engines/test_readme_walkthrough.py``); ``skip`` markers inside it still hold.
 
 A quoted output (``#   -> LINE`` and ``#      LINE`` after it) must match lines of the command's
 output in order; in a quoted line ``...`` stands for anything and ``<id>`` for a number, and a line of
 only ``...`` for any number of lines. A server started in the background is waited for as a reader
-would wait for it: the service until ``/readyz`` answers, a mock worker until the service lists it.
-Every process is stopped by its PID.
+would wait for it: the service until ``/readyz`` answers (and lists the workers of its ``--engine``
+flags), a mock worker or a bridge until the service lists it, a vLLM engine until it serves its model.
+A shell variable set by a block (``NAME=VALUE``) holds for the blocks after it, as in one terminal.
+Every process is stopped by its PID (and what it started, by its process group).
 
 The commands quoted in ``docs/`` that take under a minute (``DOCS_RUN``: the online replay walkthrough)
 run the same way, from a temporary directory, with ``$TRACES`` the reference traces; the others are
@@ -23,9 +28,11 @@ listed with why they are not run (``DOCS_SKIP``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -44,6 +51,10 @@ README = ROOT / "README.md"
 pytestmark = pytest.mark.slow
 
 _SKIP = re.compile(r"<!--\s*readme-test:\s*skip(?P<section>\s+section)?\s*\((?P<why>[^)]*)\)\s*-->")
+_REAL_ENGINES = re.compile(r"<!--\s*readme-test:\s*real-engines\s*-->")
+REAL_ENGINES_LANE = (
+    "starts real vLLM engines: run by the real-engine lane (tests/real_engines/test_readme_walkthrough.py)"
+)
 _FENCE = re.compile(r"^```(\w*)\s*$")
 # What the installed checkout running this test has done already (and the suite itself).
 _SETUP = re.compile(r"^(python3? -m venv \S+|\. \S+/bin/activate|pip install .*|python -m pytest.*)$")
@@ -56,6 +67,7 @@ class Block:
     line: int  # 1-based line of the fence in README.md
     heading: str
     skip: str | None = None
+    real_engines: bool = False  # in a section left to the real-engine lane (and not skipped there)
 
 
 @dataclass
@@ -69,14 +81,18 @@ def readme_blocks(text: str) -> list[Block]:
     blocks: list[Block] = []
     lines = text.splitlines()
     heading, section_skip, block_skip = "", None, None
+    section_real_engines = False
     level = 0
     index = 0
     while index < len(lines):
         line = lines[index]
         if line.startswith("#") and not line.startswith("#!"):
             hashes = len(line) - len(line.lstrip("#"))
-            if section_skip is None or hashes <= level:
+            if (section_skip is None and not section_real_engines) or hashes <= level:
                 heading, level, section_skip = line.lstrip("# ").strip(), hashes, None
+                section_real_engines = False
+        elif _REAL_ENGINES.search(line):
+            section_real_engines = True
         elif marker := _SKIP.search(line):
             if marker.group("section"):
                 section_skip = marker.group("why")
@@ -93,8 +109,10 @@ def readme_blocks(text: str) -> list[Block]:
             language = fence.group(1)
             if language in ("bash", "sh", "shell", "python", ""):
                 skip = section_skip or block_skip
+                lane = skip is None and section_real_engines
                 kind = "python" if language == "python" else "bash" if language else "text"
-                blocks.append(Block(kind, "\n".join(body), start + 1, heading, skip))
+                block = Block(kind, "\n".join(body), start + 1, heading, REAL_ENGINES_LANE if lane else skip, lane)
+                blocks.append(block)
             block_skip = None
         index += 1
     return blocks
@@ -172,9 +190,14 @@ def _strip_comment(command: str) -> str:
 class Walkthrough:
     """The processes and substitutions of one run of the README."""
 
-    def __init__(self, tmp_path: Path, cwd: Path = ROOT) -> None:
+    def __init__(
+        self, tmp_path: Path, cwd: Path = ROOT, ports: tuple[int, ...] = (8000, 4222, 9001, 9002),
+        bound_on_all: tuple[int, ...] = (),
+    ) -> None:  # fmt: skip
+        """``ports``: the README's ports, each replaced by a free one; ``bound_on_all``: those of them a
+        server binds on every interface (vLLM's event sockets), free there."""
         self.cwd = cwd
-        self.ports = {port: free_port() for port in (8000, 4222, 9001, 9002)}
+        self.ports = {port: free_port("0.0.0.0" if port in bound_on_all else "127.0.0.1") for port in ports}
         self.tmp = tmp_path
         runtime = tmp_path / "xdg"
         runtime.mkdir(mode=0o700)
@@ -191,7 +214,6 @@ class Walkthrough:
         self.processes: list[tuple[str, subprocess.Popen[bytes], Path]] = []
         self.service: subprocess.Popen[bytes] | None = None
         self.starting: list[tuple[str, subprocess.Popen[bytes], Path]] = []  # not waited for yet
-        self.variables: list[str] = []  # shell assignments made by earlier lines of the block
         self.ran: list[str] = []
         self.skipped: list[str] = []
 
@@ -205,9 +227,11 @@ class Walkthrough:
         log = self.tmp / f"process-{len(self.processes)}.log"
         if command.startswith("kv-router serve") and self.service is not None:
             self.stop(self.service)  # the README: "instead of the plain `kv-router serve` above"
-        with log.open("wb") as out:
-            process = subprocess.Popen(["bash", "-c", "exec " + command], env=self.env, cwd=self.cwd, stdout=out,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+        assignments, program = re.fullmatch(r"((?:\w+=\S*\s+)*)(.*)", command, re.DOTALL).groups()  # type: ignore[union-attr]
+        with log.open("wb") as out:  # its own process group: what it starts is stopped with it
+            process = subprocess.Popen(["bash", "-c", f"{assignments}exec {program}"], env=self.env, cwd=self.cwd,
+                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)  # fmt: skip
         self.processes.append((command, process, log))
         self.starting.append((command, process, log))
         if command.startswith("kv-router serve"):
@@ -217,11 +241,35 @@ class Walkthrough:
         """Wait for what was started in the background, as a reader does before the next command: the
         processes of a pasted block start back to back (a worker's NATS may not be up yet)."""
         for command, process, log in self.starting:
+            if "vllm.entrypoints.openai.api_server" in command:
+                port = int(re.search(r"--port (\d+)", command).group(1))  # type: ignore[union-attr]
+                until(lambda: self._engine_serving(process, log, port), timeout=420)  # noqa: B023 - called at once
+        for command, process, log in self.starting:
             if command.startswith("kv-router serve"):
                 until(lambda: self._ready(process, log), timeout=90)  # noqa: B023 - called at once
+                engines = {int(worker) for worker in re.findall(r"--engine (\d+)=", command)}
+                until(lambda: self._proxied(process, log, engines), timeout=60)  # noqa: B023 - called at once
             elif command.startswith("kv-router mock-worker"):
                 until(lambda: self._worker_listed(process, log), timeout=90)  # noqa: B023 - called at once
+            elif command.startswith("kv-router bridge"):
+                worker = int(re.search(r"--worker-id (\d+)", command).group(1))  # type: ignore[union-attr]
+                until(lambda: self._proxied(process, log, {worker}), timeout=90)  # noqa: B023 - called at once
         self.starting = []
+
+    def _engine_serving(self, process: subprocess.Popen[bytes], log: Path, port: int) -> bool:
+        assert process.poll() is None, f"the engine exited: {log.read_text(errors='replace')[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as reply:
+                return bool(json.loads(reply.read())["data"])
+        except OSError:
+            return False
+
+    def _proxied(self, process: subprocess.Popen[bytes], log: Path, workers: set[int]) -> bool:
+        """The service lists ``workers`` with their OpenAI URL (the proxy can send to them)."""
+        assert process.poll() is None, f"`{process.args}` exited: {log.read_text(errors='replace')[-3000:]}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[8000]}/v1/workers", timeout=5) as reply:
+            listed = json.loads(reply.read())["workers"]
+        return workers <= {worker["config"]["worker_id"] for worker in listed if worker["config"].get("url")}
 
     def _ready(self, process: subprocess.Popen[bytes], log: Path) -> bool:
         assert process.poll() is None, f"the service exited: {log.read_text()[-3000:]}"
@@ -245,10 +293,12 @@ class Walkthrough:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(20)
+                process.wait(30)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(10)
+        with contextlib.suppress(ProcessLookupError):  # what outlived it in its group (an engine's core)
+            os.killpg(process.pid, signal.SIGKILL)
 
     def stop_all(self) -> None:
         for _, process, _ in reversed(self.processes):
@@ -261,7 +311,6 @@ class Walkthrough:
 
     # ------------------------------------------------------------------ blocks
     def run_shell(self, block: Block) -> None:
-        self.variables = []
         for command in shell_commands(block.code):
             text = self.substitute(command.text)
             parts = [part.strip() for part in _strip_comment(text).split("&&")]
@@ -275,11 +324,12 @@ class Walkthrough:
                 self.start(line.rstrip("&").strip())
                 self.ran.append(command.text)
                 continue
-            if re.fullmatch(r"\w+=.*", line):
-                self.variables.append(line)
+            if (assigned := re.match(r"(\w+)=", line)) and len(shlex.split(line)) == 1:  # kept, as a shell does
+                self.env[assigned.group(1)] = self._evaluate(line, assigned.group(1))
+                self.ran.append(command.text)
                 continue
             self.settle()
-            script = "set -o pipefail\n" + "\n".join(self.variables) + "\n" + line
+            script = "set -o pipefail\n" + line
             done = subprocess.run(["bash", "-c", script], env=self.env, cwd=self.cwd, capture_output=True, text=True,
                                   timeout=60)  # fmt: skip
             assert done.returncode == 0, (
@@ -293,6 +343,12 @@ class Walkthrough:
                 )
             self.ran.append(command.text)
         self.settle()
+
+    def _evaluate(self, assignment: str, name: str) -> str:
+        done = subprocess.run(["bash", "-c", f'{assignment}\nprintf %s "${name}"'], env=self.env, cwd=self.cwd,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, f"`{assignment}` exited {done.returncode}:\n{done.stderr}"
+        return done.stdout
 
     def run_python(self, block: Block) -> None:
         done = subprocess.run([sys.executable, "-"], input=self.substitute(block.code), env=self.env, cwd=self.cwd,
@@ -338,6 +394,10 @@ def test_skip_markers_need_a_reason_and_cover_only_what_ci_cannot_run() -> None:
     assert skipped and all(block.skip for block in skipped)
     assert {block.heading for block in skipped} <= {"Put kv-router in front of vLLM / SGLang", "Docker"}
     assert any(block.language == "python" and block.skip is None for block in blocks)
+    # The vLLM walkthrough is left to the real-engine lane, and only it.
+    lane = [block for block in blocks if block.real_engines]
+    assert lane and {block.heading for block in lane} == {"Put kv-router in front of vLLM / SGLang"}
+    assert all(block.skip == REAL_ENGINES_LANE for block in lane)
 
 
 def test_quoted_output_matching() -> None:
