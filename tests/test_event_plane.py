@@ -221,3 +221,18 @@ async def test_roles_travel_with_the_registration_and_each_pool_reads_its_own_ev
     for publisher in (prefill, decode):
         await publisher.stop()
     await plane.stop()
+
+
+async def test_a_worker_that_publishes_at_once_and_leaves_is_indexed(client: Client) -> None:
+    """README's "Workers over NATS" script: start, store, stop. The registry's watch reaches the router
+    a JetStream hop after the put, so without the registration sent ahead on plain NATS the first
+    events could overtake it, be dropped as an unknown worker's, and the resync find nobody."""
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK))
+    blocks = prompt_blocks(PROMPT)
+    for worker_id in range(100, 120):
+        publisher = await worker(client, worker_id)
+        await publisher.stored(blocks[:3])
+        await publisher.stop()
+    expected = {(worker_id, 0): 3 for worker_id in range(100, 120)}
+    await eventually(lambda: cached(plane.router, PROMPT) == expected)
+    assert plane.sequencer.unknown_worker_events == {}

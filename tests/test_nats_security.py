@@ -379,4 +379,4 @@ def test_a_block_size_mismatch_is_said_once_by_the_router_and_loudly_by_the_work
     log = router.log()
     assert log.count("worker 61 uses block size 64, router 16: registration refused") == 1, log
     assert log.count("worker 62 uses block size 32, router 16: registration refused") == 1, log
-    assert "is back" not in log
+    assert "registered from its heartbeat" not in log

@@ -220,7 +220,7 @@ class RouterEventPlane:
             registration = beat.registration
             if not await self._apply_registration(registration):
                 return  # refused again: said once already
-            log.info("worker %d is back: registering it again", beat.worker_id)
+            log.info("worker %d registered from its heartbeat", beat.worker_id)
             if self._registry is not None:
                 await self._registry.put(str(beat.worker_id), msgspec.json.encode(registration))
 

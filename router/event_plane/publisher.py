@@ -141,6 +141,10 @@ class KvEventPublisher:
         self._refused_subscription = await self.nc.subscribe(self.subjects.refused(self.worker_id), cb=self._on_refused)
         await self.register()
         if heartbeat:
+            # The registration also goes out at once as a heartbeat, on plain NATS ahead of this
+            # worker's first events: the registry's watch reaches routers a JetStream hop later, and
+            # events that overtake it would be dropped as an unknown worker's.
+            await self._beat()
             self.start_heartbeat()
 
     async def stop(self, *, deregister: bool = False) -> None:
@@ -174,14 +178,14 @@ class KvEventPublisher:
         if task is not None:
             task.cancel()
 
+    async def _beat(self) -> None:
+        beat = Heartbeat(worker_id=self.worker_id, sent_at_ms=int(time.time() * 1000), registration=self.registration)
+        with contextlib.suppress(Exception):  # a disconnected client buffers or drops; keep beating
+            await self.nc.publish(self.subjects.heartbeat(self.worker_id), msgspec.json.encode(beat))
+
     async def _heartbeat_loop(self) -> None:
-        subject = self.subjects.heartbeat(self.worker_id)
         while True:
-            beat = Heartbeat(
-                worker_id=self.worker_id, sent_at_ms=int(time.time() * 1000), registration=self.registration
-            )
-            with contextlib.suppress(Exception):  # a disconnected client buffers or drops; keep beating
-                await self.nc.publish(subject, msgspec.json.encode(beat))
+            await self._beat()
             await asyncio.sleep(self._heartbeat_interval)
 
     # ------------------------------------------------------------------ events
