@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from router.event_plane.embedded_server import free_port
+from tests.metrics import sample
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).with_name("kv-router")
@@ -104,3 +105,15 @@ class RouterProcess:
 
     def post(self, path: str, body: object) -> tuple[int, Any]:
         return post(self.port, path, body)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
+            return str(reply.read().decode())
+
+    def snapshot_covers_applied(self) -> bool:
+        """With durable events: the newest snapshot covers every stream message applied (and one was
+        written), so a restart restores today's index from it."""
+        text = self.metrics()
+        applied = sample(text, "kv_router_durable_stream_sequence", kind="applied")
+        snapshot = sample(text, "kv_router_durable_stream_sequence", kind="snapshot")
+        return applied is not None and snapshot is not None and 0 < applied <= snapshot
