@@ -179,11 +179,9 @@ def test_creds_the_server_refuses_are_named(operator_nats: OperatorNats, tmp_pat
     assert done.returncode == 2 and "refused the credentials" in stderr and "Traceback" not in stderr
 
     # The service keeps HTTP up, not ready, and says on each retry that the credentials were refused.
+    # Up is /healthz: never ready, it is not waited for on /readyz.
     router = RouterProcess(tmp_path, "--nats-url", operator_nats.url, "--nats-creds-file",
-                           str(operator_nats.foreign_creds))  # fmt: skip
-    with router.log_path.open("wb") as log:
-        router.process = subprocess.Popen([*kv_router_command(), *router.args], cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+                           str(operator_nats.foreign_creds), ready_path="/healthz").start()  # fmt: skip
     try:
         until(lambda: router.log().count("refused the credentials") >= 2, 60, "two refused attempts are logged")
         with urllib.request.urlopen(f"http://127.0.0.1:{router.port}/healthz", timeout=5) as reply:
