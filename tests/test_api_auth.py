@@ -10,7 +10,6 @@ import json
 import random
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +32,7 @@ from router.event_plane.embedded_server import free_port
 from tests.router_processes import RouterProcess, kv_router_command
 from tests.test_api_protocol import Client, post
 from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
+from tests.waiting import until
 
 TOKEN = "s3cret-token_with.chars~"
 GOOD = {"authorization": f"Bearer {TOKEN}"}
@@ -233,10 +233,8 @@ def _uvicorn(fast_protocol: bool, **security: Any) -> Iterator[int]:
     server = uvicorn.Server(uvicorn_config(settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
+    until(lambda: server.started or not thread.is_alive(), 20, "uvicorn starts")
+    assert server.started, "uvicorn did not start"
     try:
         yield port
     finally:

@@ -31,6 +31,7 @@ from tests.router_processes import RouterProcess
 from tests.test_api_errors import CASES
 from tests.test_api_server import _CLEAN_EXIT
 from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
+from tests.waiting import until
 
 JSON = "application/json"
 
@@ -52,10 +53,8 @@ def uvicorn_on_loopback(*, keep_alive_s: float | None = None, **overrides: Any) 
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
+    until(lambda: server.started or not thread.is_alive(), 20, "uvicorn starts")
+    assert server.started, "uvicorn did not start"
     try:
         yield port
     finally:
