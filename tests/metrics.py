@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["sample"]
+__all__ = ["sample", "total"]
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:
@@ -15,3 +15,15 @@ def sample(text: str, name: str, **labels: str) -> float | None:
             if found.name == name and found.labels == labels:
                 return float(found.value)
     return None
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples ``name`` whose labels include ``labels`` (0.0 when none is exported:
+    a sum over no series is zero), e.g. a counter over all its outcomes."""
+    values = [
+        float(found.value)
+        for family in text_string_to_metric_families(text)
+        for found in family.samples
+        if found.name == name and labels.items() <= found.labels.items()
+    ]
+    return float(sum(values))

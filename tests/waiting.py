@@ -19,6 +19,7 @@ async def eventually(
     what: str = "condition",
     *,
     in_thread: bool = False,
+    poll: float = POLL_S,
 ) -> None:
     """On the event loop: yield until ``condition()`` holds (a coroutine function is awaited; with
     ``in_thread`` a blocking one runs off the loop, which keeps serving meanwhile); fail after
@@ -33,13 +34,15 @@ async def eventually(
             return
         if loop.time() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(poll)
 
 
-def until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+def until(
+    condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition", *, poll: float = POLL_S
+) -> None:
     """Blocking: sleep until ``condition()`` holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(POLL_S)
+        time.sleep(poll)
