@@ -18,6 +18,7 @@ from typing import Any
 
 from indexer.events import RouterEvent, StorageTier, stored_event
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from tests.waiting import eventually
 
 __all__ = ["DynamoFleet", "prompt_stored_event"]
 
@@ -101,25 +102,30 @@ class DynamoFleet:
         self._runtimes.append(runtime)
         config = dynamo.KvRouterConfig(use_kv_events=False, **router_config)
         self.router = dynamo.KvRouter(runtime.endpoint(self.ENDPOINT), self._block_size, config)
-        for _ in range(1000):  # discovery is asynchronous
-            loads = await self.router.get_potential_loads([1])
-            if len(loads) == sum(dp_sizes):
-                ranks: dict[int, int] = {}
-                for row in loads:
-                    ranks[row["worker_id"]] = ranks.get(row["worker_id"], 0) + 1
-                return ranks
-            await asyncio.sleep(0.01)
-        raise TimeoutError(f"Dynamo's router discovered {len(loads)} of {sum(dp_sizes)} ranks")
+        router = self.router
+        loads: list[dict[str, Any]] = []
+
+        async def discovered() -> bool:  # discovery is asynchronous
+            nonlocal loads
+            loads = await router.get_potential_loads([1])
+            return len(loads) == sum(dp_sizes)
+
+        await eventually(discovered, 10, f"Dynamo's router discovers {sum(dp_sizes)} ranks")
+        ranks: dict[int, int] = {}
+        for row in loads:
+            ranks[row["worker_id"]] = ranks.get(row["worker_id"], 0) + 1
+        return ranks
 
     async def wait_indexed(self, tokens: Sequence[int], worker: tuple[int, int]) -> None:
         """Wait until Dynamo's approximate index holds every block of ``tokens`` on ``worker``."""
-        for _ in range(1000):
-            report = await self.router.get_overlap_scores(list(tokens))
+        router = self.router
+
+        async def indexed() -> bool:
+            report = await router.get_overlap_scores(list(tokens))
             rows = {(row["worker_id"], row["dp_rank"]): row["device_blocks"] for row in report["workers"]}
-            if rows.get(worker, 0) >= len(tokens) // self._block_size:
-                return
-            await asyncio.sleep(0.001)
-        raise TimeoutError(f"Dynamo never indexed the routed prompt on {worker}")
+            return bool(rows.get(worker, 0) >= len(tokens) // self._block_size)
+
+        await eventually(indexed, 10, f"Dynamo indexes the routed prompt on {worker}")
 
     async def stop(self) -> None:
         for runtime in self._runtimes:

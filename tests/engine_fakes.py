@@ -28,6 +28,7 @@ from mocker.zmq_engine import VllmZmqPublisher
 from router.engines.direct import DirectEngine
 from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
+from tests.waiting import eventually
 
 BLOCK = 4
 T = TypeVar("T")
@@ -251,9 +252,9 @@ class EngineHttp:
         )
         self._server = uvicorn.Server(config)
         self._serving = asyncio.create_task(self._server.serve())
-        while not self._server.started:
-            assert not self._serving.done(), "the engine's HTTP server did not start"
-            await asyncio.sleep(0.01)
+        server, serving = self._server, self._serving
+        await eventually(lambda: server.started or serving.done(), 20, "the engine's HTTP server starts")
+        assert not serving.done(), "the engine's HTTP server did not start"
         return self
 
     async def stop(self) -> None:

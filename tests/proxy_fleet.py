@@ -23,7 +23,7 @@ from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
 from tests.waiting import eventually
 
-__all__ = ["MODEL", "SSE_HEAD", "Fleet", "fleet", "idle", "metric", "raw_worker", "sse_chunk"]
+__all__ = ["MODEL", "SSE_HEAD", "Fleet", "fleet", "idle", "raw_worker", "sse_chunk"]
 
 MODEL = "mock-model"
 # What a misbehaving worker written by hand sends: the head of a chunked SSE answer, then chunks.
@@ -109,17 +109,6 @@ async def fleet(
             await asyncio.gather(*tasks, return_exceptions=True)
             server.should_exit = True
             await serving
-
-
-def metric(text: str, name: str, **labels: str) -> float | None:
-    """One sample's value from a Prometheus text exposition."""
-    pairs = [f'{key}="{value}"' for key, value in labels.items()]
-    for line in text.splitlines():
-        series, _, value = line.rpartition(" ")
-        base, _, rest = series.partition("{")
-        if base == name and all(pair in rest for pair in pairs):
-            return float(value)
-    return None
 
 
 def sse_chunk(text: str) -> bytes:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from router.event_plane.embedded_server import free_port
+from tests.metrics import sample
+from tests.waiting import until
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(sys.executable).with_name("kv-router")
@@ -41,39 +43,55 @@ def post(port: int, path: str, body: object) -> tuple[int, Any]:
 
 
 class RouterProcess:
-    """One ``kv-router serve`` on a loopback port (a free one unless given)."""
+    """One service process on a loopback port (a free one unless given), stopped by its PID: by default
+    ``kv-router serve``; ``argv`` runs another command line that serves there (an image's entrypoint)."""
 
-    def __init__(self, log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        *args: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        argv: list[str] | None = None,
+        ready_path: str = "/readyz",
+    ) -> None:
         self.port = port or free_port()
         self.args = ["serve", "--port", str(self.port), "--block-size", "16", *args]
+        self.argv = argv or [*kv_router_command(), *self.args]
         self.env = {**os.environ, **(env or {})}
+        self.ready_path = ready_path
         self.log_path = log_dir / f"router-{self.port}-{time.monotonic_ns()}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
+    def __enter__(self) -> RouterProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def start(self, timeout: float = 60.0) -> RouterProcess:
-        """Start the process and wait until it is ready: its event plane (and, with durable events, the
-        snapshot and stream replay) has started, not merely its HTTP listener."""
+        """Start the process and wait until it is ready: by default its event plane (and, with durable
+        events, the snapshot and stream replay) has started, not merely its HTTP listener."""
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [*kv_router_command(), *self.args],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=ROOT,
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
             )
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as reply:
-                    if reply.status == 200:
-                        return self
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"router did not start: {self.log()[-3000:]}")
-            time.sleep(0.05)
+        try:
+            until(self._ready, timeout, "the service answers")
+        except AssertionError:
+            self.stop()
+            raise AssertionError(f"service did not start: {self.log()[-3000:]}") from None
+        return self
+
+    def _ready(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError("the service exited")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{self.ready_path}", timeout=2) as reply:
+                return bool(reply.status == 200)
+        except OSError:
+            return False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -104,3 +122,15 @@ class RouterProcess:
 
     def post(self, path: str, body: object) -> tuple[int, Any]:
         return post(self.port, path, body)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
+            return str(reply.read().decode())
+
+    def snapshot_covers_applied(self) -> bool:
+        """With durable events: the newest snapshot covers every stream message applied (and one was
+        written), so a restart restores today's index from it."""
+        text = self.metrics()
+        applied = sample(text, "kv_router_durable_stream_sequence", kind="applied")
+        snapshot = sample(text, "kv_router_durable_stream_sequence", kind="snapshot")
+        return applied is not None and snapshot is not None and 0 < applied <= snapshot

@@ -10,7 +10,6 @@ import json
 import random
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,9 +29,10 @@ from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.errors import ConfigError
 from router.event_plane.embedded_server import free_port
+from tests.router_processes import RouterProcess, kv_router_command
 from tests.test_api_protocol import Client, post
-from tests.test_api_server import _kv_router, running
 from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
+from tests.waiting import until
 
 TOKEN = "s3cret-token_with.chars~"
 GOOD = {"authorization": f"Bearer {TOKEN}"}
@@ -233,10 +233,8 @@ def _uvicorn(fast_protocol: bool, **security: Any) -> Iterator[int]:
     server = uvicorn.Server(uvicorn_config(settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
+    until(lambda: server.started or not thread.is_alive(), 20, "uvicorn starts")
+    assert server.started, "uvicorn did not start"
     try:
         yield port
     finally:
@@ -281,26 +279,28 @@ def test_protocol_path_refuses_like_the_asgi_path_byte_for_byte() -> None:
 def test_token_never_logged_by_a_real_process(tmp_path: Path) -> None:
     """``kv-router serve`` at debug level with access logs: refusals, a good call, a bad setting and
     ``config show`` never print the token."""
-    port = free_port()
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    argv = [*_kv_router(), "serve", "--port", str(port), "--no-embedded-nats", "--log-level", "debug",
-            "--access-log", "--log-format", "json", "--api-token-file", str(token_file)]  # fmt: skip
-    with running(argv, port) as process:
-        client = Client(port)
+    flags = ["--no-embedded-nats", "--log-level", "debug", "--access-log", "--log-format", "json",
+             "--api-token-file", str(token_file)]  # fmt: skip
+    with RouterProcess(tmp_path, *flags, ready_path="/healthz") as service:
+        process = service.process
+        assert process is not None
+        client = Client(service.port)
         for headers in ({"authorization": "Bearer wrong"}, {"authorization": f"Bearer {TOKEN}"}):
             client.ask(post("/v1/events", stored_event(1, prompt(5, 32)), **headers))
             client.ask(post("/v1/workers", {"worker_id": 5}, **headers))
         client.sock.close()
         process.terminate()
-        out, err = process.communicate(timeout=30)
-    assert b'/v1/events HTTP/1.1\\" 401' in err  # the access log saw the refusals
-    assert TOKEN.encode() not in out + err
-    shown = subprocess.run([*_kv_router(), "config", "show", "--api-token", TOKEN, "--nats-password", "pw-secret"],
-                           capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        process.wait(30)
+    output = service.log().encode()  # stdout and stderr
+    assert b'/v1/events HTTP/1.1\\" 401' in output  # the access log saw the refusals
+    assert TOKEN.encode() not in output
+    shown = subprocess.run([*kv_router_command(), "config", "show", "--api-token", TOKEN, "--nats-password",
+                            "pw-secret"], capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
     assert 'api_token = "***"  # flag --api-token' in shown.stdout
     assert TOKEN not in shown.stdout and "pw-secret" not in shown.stdout
-    bad = subprocess.run([*_kv_router(), "serve", "--api-token", TOKEN + " x"],
+    bad = subprocess.run([*kv_router_command(), "serve", "--api-token", TOKEN + " x"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and TOKEN not in bad.stderr and len(bad.stderr.splitlines()) == 1
 

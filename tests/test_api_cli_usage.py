@@ -22,14 +22,15 @@ from api.cli import show_settings
 from api.config import SECTIONS, ProxyConfig, Settings, load_settings, resolve_settings
 from router.event_plane.embedded_server import free_port
 from router.policies.registry import policy_names
-from tests.test_api_server import ROOT, _kv_router
+from tests.router_processes import kv_router_command
+from tests.test_api_server import ROOT
 from tests.test_api_support import serve
 
 EXAMPLE = ROOT / "docs" / "kv-router.example.toml"
 
 
 def _kv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*_kv_router(), *args], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    return subprocess.run([*kv_router_command(), *args], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
 
 
 def test_every_setting_has_a_description_where_it_is_defined() -> None:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,9 +27,11 @@ from api.config import ServiceConfig, Settings
 from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.event_plane.embedded_server import free_port
+from tests.router_processes import RouterProcess
 from tests.test_api_errors import CASES
-from tests.test_api_server import _CLEAN_EXIT, _kv_router, running
+from tests.test_api_server import _CLEAN_EXIT
 from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
+from tests.waiting import until
 
 JSON = "application/json"
 
@@ -50,10 +53,8 @@ def uvicorn_on_loopback(*, keep_alive_s: float | None = None, **overrides: Any) 
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
+    until(lambda: server.started or not thread.is_alive(), 20, "uvicorn starts")
+    assert server.started, "uvicorn did not start"
     try:
         yield port
     finally:
@@ -430,14 +431,15 @@ def test_hot_routes_move_the_metrics() -> None:
     assert "kv_router_overlap_blocks_sum 3.0" in text
 
 
-def test_sigterm_lets_requests_in_flight_finish() -> None:
+def test_sigterm_lets_requests_in_flight_finish(tmp_path: Path) -> None:
     """A queued `new` and the `mark_free` that will let it through are both in flight when SIGTERM
     arrives (the free's body not yet complete): both are answered, with ``connection: close``, and
     the process exits cleanly."""
-    port = free_port()
-    argv = [*_kv_router(), "serve", "--port", str(port), "--block-size", str(BLOCK_SIZE), "--log-level", "warning",
-            "--no-embedded-nats", "--router-queue-threshold", "0.0"]  # fmt: skip
-    with running(argv, port) as process:
+    flags = ["--block-size", str(BLOCK_SIZE), "--log-level", "warning", "--no-embedded-nats",
+             "--router-queue-threshold", "0.0"]  # fmt: skip
+    with RouterProcess(tmp_path, *flags, ready_path="/healthz") as service:
+        port, process = service.port, service.process
+        assert process is not None
         first, second = Client(port), Client(port)
         first.ask(post("/v1/workers", {"worker_id": 1, "max_num_batched_tokens": 16}))
         first.ask(post("/v1/new", {"tokens": prompt(8, 64), "request_id": "first"}))

@@ -19,7 +19,8 @@ from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from mocker.openai_api import write_model_files
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.types import RouteRequest, WorkerConfig
-from tests.proxy_fleet import MODEL, fleet, idle, metric
+from tests.metrics import sample
+from tests.proxy_fleet import MODEL, fleet, idle
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -90,10 +91,10 @@ async def test_same_prefix_lands_on_the_holder_and_calibration_is_recorded(nats_
             assert completion.usage.prompt_tokens_details.cached_tokens == 8 * BLOCK  # what the pool really had
         assert idle(f.router)
         text = await scrape(f.url)
-        assert metric(text, "kv_router_proxy_cache_calibration", worker_id=str(holder)) == 1.0
-        assert metric(text, "kv_router_proxy_cached_tokens_error_bucket", le="0.0") == 5
-        assert metric(text, "kv_router_proxy_cached_tokens_error_bucket", le="-1.0") == 0
-        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="ok") == 5
+        assert sample(text, "kv_router_proxy_cache_calibration", worker_id=str(holder)) == 1.0
+        assert sample(text, "kv_router_proxy_cached_tokens_error_bucket", le="0.0") == 5
+        assert sample(text, "kv_router_proxy_cached_tokens_error_bucket", le="-1.0") == 0
+        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="ok") == 5
 
 
 async def test_a_client_leaving_mid_stream_frees_its_booking_and_cancels_the_engine_request(
@@ -113,7 +114,7 @@ async def test_a_client_leaving_mid_stream_frees_its_booking_and_cancels_the_eng
         await eventually(lambda: f.apis[1].aborted == 1)  # the upstream request was cancelled too
         assert not f.workers[1].engine.has_work()
         text = await scrape(f.url)
-        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected") == 1
+        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected") == 1
 
 
 async def _failing_server(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -163,7 +164,7 @@ async def test_a_failing_worker_sends_the_request_to_the_next_best_and_is_cooled
         raw = await api.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
         assert raw.headers["x-kv-router-worker"] == "1"
         text = await scrape(f.url)
-        assert metric(text, "kv_router_proxy_upstream_failures_total") == 1
+        assert sample(text, "kv_router_proxy_upstream_failures_total") == 1
         assert idle(f.router)
 
 
@@ -213,7 +214,7 @@ async def test_a_malformed_body_is_a_400_and_books_nothing(
         assert idle(f.router)
         assert f.workers[1].engine.stats.prompt_tokens == 0  # nothing reached the worker either
         route = path.removeprefix("/v1/").replace("/", "_")
-        assert metric(await scrape(f.url), "kv_router_proxy_requests_total", outcome="bad_request", route=route) == 1
+        assert sample(await scrape(f.url), "kv_router_proxy_requests_total", outcome="bad_request", route=route) == 1
 
 
 async def test_nvext_pins_a_worker_as_route_does_and_names_what_it_refuses(nats_server: EmbeddedNats) -> None:
@@ -354,7 +355,7 @@ async def test_a_client_leaving_while_queued_leaves_the_queue_and_books_nothing(
         assert idle(f.router)
         assert f.workers[1].engine.stats.prompt_tokens == 0  # it never reached the worker
         text = await scrape(f.url)
-        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected") == 1
+        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected") == 1
 
 
 async def test_a_worker_without_a_url_is_never_proxied_to(nats_server: EmbeddedNats) -> None:

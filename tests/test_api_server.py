@@ -17,24 +17,17 @@ import sys
 import time
 import tomllib
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.router_processes import ROOT, SCRIPT, RouterProcess
 from tests.test_api_support import prompt, stored_event
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(sys.executable).with_name("kv-router")
 # After its graceful shutdown uvicorn re-raises the signal it caught, so the parent sees "terminated
 # by SIGTERM" as for any process that honours it; older uvicorn releases exit 0 instead.
 _CLEAN_EXIT = (0, -signal.SIGTERM)
-
-
-def _kv_router() -> list[str]:
-    return [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "api.cli"]
 
 
 def _get(port: int, path: str) -> tuple[int, bytes]:
@@ -53,38 +46,10 @@ def _post(port: int, path: str, body: object) -> tuple[int, bytes]:
         return reply.status, reply.read()
 
 
-@contextmanager
-def running(argv: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """Start the service, wait until /healthz answers, and make sure it is gone afterwards."""
-    with subprocess.Popen(
-        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=ROOT
-    ) as process:
-        yield from _until_healthy(process, port)
-
-
-def _until_healthy(process: subprocess.Popen[bytes], port: int) -> Iterator[subprocess.Popen[bytes]]:
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if _get(port, "/healthz")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"service did not start: {process.communicate(timeout=5)[1].decode()[-2000:]}")
-            time.sleep(0.05)
-        yield process
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(10)
-
-
-def test_serve_logs_json_and_finishes_in_flight_requests_on_sigterm() -> None:
-    port = free_port()
-    argv = [*_kv_router(), "serve", "--port", str(port), "--log-format", "json", "--block-size", "16", "--access-log"]
-    with running(argv, port) as process:
+def test_serve_logs_json_and_finishes_in_flight_requests_on_sigterm(tmp_path: Path) -> None:
+    with RouterProcess(tmp_path, "--log-format", "json", "--access-log", ready_path="/healthz") as service:
+        port, process = service.port, service.process
+        assert process is not None
         assert _post(port, "/v1/workers", {"worker_id": 1})[0] == 201
         assert _post(port, "/v1/new", {"tokens": prompt(0, 32)})[0] == 200  # answered inside the protocol
         tokens = prompt(0, 64)
@@ -108,8 +73,7 @@ def test_serve_logs_json_and_finishes_in_flight_requests_on_sigterm() -> None:
         assert reply.startswith(b"HTTP/1.1 200"), reply
         assert b'"applied":1' in reply
         assert process.wait(30) in _CLEAN_EXIT
-        stderr = process.stderr.read().decode() if process.stderr else ""
-    records = [json.loads(line) for line in stderr.splitlines() if line.strip()]
+    records = [json.loads(line) for line in service.log().splitlines() if line.strip()]
     assert records, "no log records"
     assert all({"time", "level", "logger", "message"} <= set(record) for record in records)
     messages = [record["message"] for record in records]
@@ -221,7 +185,7 @@ def test_dockerfile_installs_dependencies_before_the_code_and_the_simulator_apar
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="the kv-router console script is not installed in this environment")
-def test_dockerfile_entrypoint_and_healthcheck_work_outside_docker(nats_server: EmbeddedNats) -> None:
+def test_dockerfile_entrypoint_and_healthcheck_work_outside_docker(nats_server: EmbeddedNats, tmp_path: Path) -> None:
     """Without a container engine: the image's entrypoint, run with the image's environment (on
     loopback instead of 0.0.0.0, with the test's NATS for the image's external one), serves, and the
     image's HEALTHCHECK command passes. `.ci/image_test.py` runs the real image in CI."""
@@ -234,7 +198,11 @@ def test_dockerfile_entrypoint_and_healthcheck_work_outside_docker(nats_server: 
     check = json.loads(healthcheck[healthcheck.index("CMD") + 3 :].strip())
     assert check[0] == "/opt/kv-router/bin/python"  # the image's virtualenv; here, this interpreter
     executable = str(SCRIPT.with_name(entrypoint[0]))
-    with running([executable, *entrypoint[1:]], port, env) as process:
+    with RouterProcess(
+        tmp_path, port=port, env=env, argv=[executable, *entrypoint[1:]], ready_path="/healthz"
+    ) as service:
+        process = service.process
+        assert process is not None
         assert subprocess.run([sys.executable, *check[1:]], env=env, timeout=30).returncode == 0
         assert _get(port, "/readyz")[0] == 200
         assert b"kv_router_nats_connected 1.0" in _get(port, "/metrics")[1]

@@ -7,7 +7,6 @@ lifespan included); events are real Dynamo-shaped ``RouterEvent`` JSON built fro
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -20,10 +19,10 @@ from api.app import create_app
 from api.config import ServiceConfig, Settings
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.config import RouterConfig
+from tests.metrics import sample
 
 BLOCK_SIZE = 16
 # One label of an exposition line: name="value" (values may hold commas and escaped quotes).
-LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
 
 
@@ -68,17 +67,9 @@ def stored_event(
     }
 
 
-def metric(client: TestClient, name: str, **labels: str) -> float:
-    """One sample of ``/metrics`` (0.0 when absent, as Prometheus treats a missing series)."""
-    text = client.get("/metrics").text
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        sample, _, label_text = series.partition("{")
-        if sample == name and dict(LABEL.findall(label_text)) == labels:
-            return float(value)
-    return 0.0
+def metric(client: TestClient, name: str, **labels: str) -> float | None:
+    """One sample of the app's ``/metrics`` (None when the series is not exported)."""
+    return sample(client.get("/metrics").text, name, **labels)
 
 
 def state(client: TestClient) -> tuple[Any, Any, Any]:

@@ -26,7 +26,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from router.event_plane.embedded_server import free_port
-from tests.test_api_server import ROOT, _kv_router
+from tests.router_processes import kv_router_command
+from tests.test_api_server import ROOT
 from tests.test_api_support import prompt, stored_event
 
 
@@ -99,7 +100,7 @@ def test_https_serves_every_path_and_refuses_untrusting_clients(tmp_path: Path, 
     cert, key = self_signed(tmp_path)
     port = free_port()
     trusting = ssl.create_default_context(cafile=str(cert))
-    argv = [*_kv_router(), "serve", "--port", str(port), "--no-embedded-nats", "--log-level", "warning",
+    argv = [*kv_router_command(), "serve", "--port", str(port), "--no-embedded-nats", "--log-level", "warning",
             "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--api-token", "tls-token",
             "--fast-protocol" if fast_protocol else "--no-fast-protocol"]  # fmt: skip
     with _serving_tls(argv, port, trusting):
@@ -123,7 +124,7 @@ def test_https_serves_every_path_and_refuses_untrusting_clients(tmp_path: Path, 
 def test_tls_settings_are_checked_before_serving(tmp_path: Path) -> None:
     cert, _ = self_signed(tmp_path)
     for extra in (["--ssl-certfile", str(cert)], ["--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "no")]):
-        done = subprocess.run([*_kv_router(), "serve", "--no-embedded-nats", *extra], capture_output=True,
+        done = subprocess.run([*kv_router_command(), "serve", "--no-embedded-nats", *extra], capture_output=True,
                               text=True, timeout=60)  # fmt: skip
         assert done.returncode == 2, done.stderr
         assert len(done.stderr.splitlines()) == 1 and "ssl_" in done.stderr

@@ -31,6 +31,7 @@ from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
 from tests.test_events_native import BLOCK, engine_event
+from tests.waiting import eventually
 
 # The C path runs whatever KV_ROUTER_NO_NATIVE says: the test switches it on for one of the two runs.
 events_native = pytest.importorskip("indexer._events_native", reason="the bridge's C step is not built")
@@ -97,10 +98,7 @@ async def _run(url: str, payloads: list[bytes], *, native: bool) -> tuple[Any, .
                 await stream.take_live(seq, payload)
         await nc.publish(f"kv.{namespace}.events.{WORKER}", b"end")
         await nc.flush()
-        for _ in range(5000):
-            if received and received[-1] == b"end":
-                break
-            await asyncio.sleep(0.001)
+        await eventually(lambda: bool(received) and received[-1] == b"end", 10, "the end marker arrives")
         assert received.pop() == b"end"
     finally:
         await subscription.unsubscribe()

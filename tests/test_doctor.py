@@ -132,11 +132,14 @@ async def test_an_engine_with_another_block_size_is_reported_over_http(caplog: p
     await direct.start()
     try:
         doctor = ConfigDoctor(router, engines=[direct])
-        for _ in range(200):  # the first batches may go before the SUB socket is joined
+
+        async def mismatch_seen() -> bool:  # the first batches may go before the SUB socket is joined
+            if direct.stream.stats["rejected_block_size_mismatch"]:  # none sent after it is in flight
+                return True
             await engine.step()
-            await asyncio.sleep(0.01)
-            if direct.stream.stats["rejected_block_size_mismatch"]:
-                break
+            return False
+
+        await eventually(mismatch_seen, 5, "a batch of the wrong block size is rejected")
         (problem,) = doctor.check()
         assert (problem.kind, problem.worker_id) == ("block_size_mismatch", 5)
         assert "the engine's block size is 4, the router's 16" in problem.evidence
@@ -173,17 +176,17 @@ async def test_engine_block_hashes_that_contradict_our_hashing_of_their_token_id
     try:
         doctor = ConfigDoctor(router, engines=[direct])
         first = msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0])
-        for _ in range(200):  # the first batches may go before the SUB socket is joined
+
+        async def first_applied() -> bool:  # the first batches may go before the SUB socket is joined
+            if direct.stream.stats["applied"]:  # none sent after it is in flight
+                return True
             await engine.send(first, seq=0)
-            await asyncio.sleep(0.01)
-            if direct.stream.stats["applied"]:
-                break
+            return False
+
+        await eventually(first_applied, 5, "the first batch is applied")
         removal = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
         await engine.send(msgspec.msgpack.encode([0.0, [removal, second], 0]), seq=1)
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if direct.stream.stats["applied"] >= 2:
-                break
+        await eventually(lambda: direct.stream.stats["applied"] >= 2, 5, "the second batch is applied")
         problems = doctor.check()
         if expected is None:
             assert problems == []
@@ -194,10 +197,7 @@ async def test_engine_block_hashes_that_contradict_our_hashing_of_their_token_id
         # The engine restarts (its seq goes back to 0) fixed: the problem goes with its old process.
         restarts = direct.stream.stats["restarts"]
         await engine.send(msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0]), seq=0)
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if direct.stream.stats["restarts"] > restarts:
-                break
+        await eventually(lambda: direct.stream.stats["restarts"] > restarts, 5, "the engine's restart is seen")
         assert doctor.check() == []
     finally:
         await direct.stop()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
 from tests.router_processes import RouterProcess
 from tests.test_ha_durable import canonical
-from tests.test_ha_replicas import within
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +76,7 @@ def secured_nats(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Sec
     with log_path.open("wb") as log:  # a file, not a pipe nobody drains
         server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        within(10, lambda: b"Server is ready" in log_path.read_bytes(), "nats-server is ready")
+        until(lambda: b"Server is ready" in log_path.read_bytes(), 10, "nats-server is ready")
         yield SecuredNats(url, options, ["--nats-url", url, *flags])
     finally:
         server.terminate()
@@ -103,14 +102,15 @@ def test_both_modes_work_with_nats_credentials(secured_nats: SecuredNats, tmp_pa
     b = RouterProcess(tmp_path, *flags, "--router-name", "b").start()
     try:
         assert a.post("/v1/workers", {"worker_id": 5})[0] == 201
-        within(5, lambda: len(b.get("/v1/workers")["workers"]) == 1, "the worker reaches b through the registry")
+        until(lambda: len(b.get("/v1/workers")["workers"]) == 1, 5, "the worker reaches b through the registry")
         asyncio.run(_publish(secured_nats.options))
-        within(5, lambda: len(canonical(b.get("/v1/dump"))) == 4, "b indexes the worker's blocks from the stream")
+        until(lambda: len(canonical(b.get("/v1/dump"))) == 4, 5, "b indexes the worker's blocks from the stream")
         assert a.post("/v1/new", {"tokens": PROMPT, "request_id": "shared"})[0] == 200
-        within(5, lambda: active_requests(b) == [1], "b sees a's booking")
+        until(lambda: active_requests(b) == [1], 5, "b sees a's booking")
         assert b.post("/v1/mark_free", {"request_id": "shared"})[0] == 200
 
-        time.sleep(1.5)  # a snapshot is written
+        until(lambda: canonical(a.get("/v1/dump")) == canonical(b.get("/v1/dump")), 5, "a indexed the blocks too")
+        until(a.snapshot_covers_applied, 10, "a writes a snapshot of the index it has applied")
         a.kill9()
         a = RouterProcess(tmp_path, *a.args[5:], port=a.port).start()
         assert canonical(a.get("/v1/dump")) == canonical(b.get("/v1/dump"))

@@ -21,8 +21,8 @@ from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
 from tests.router_processes import RouterProcess, get
 from tests.test_api_support import prompt
-from tests.test_ha_replicas import within
 from tests.test_never_blind import pairs, tokens
+from tests.waiting import eventually, until
 
 pytestmark = pytest.mark.slow
 
@@ -79,35 +79,27 @@ def test_processes_share_the_port_and_one_load_view(tmp_path: Path) -> None:
     try:
         # Both children listening, not merely started: a child still in its start-up takes no
         # connection, and killing the only listener would refuse the next ones.
-        within(40, lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
-               "two router processes listening")  # fmt: skip
+        until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+              40, "two router processes listening")  # fmt: skip
         assert on_new_connection(router.port, "/v1/workers", {"worker_id": 1, "dp_size": 2})[0] in (200, 201)
-        within(15, lambda: registered_everywhere(router.port, 1), "every process knows the worker")
+        until(lambda: registered_everywhere(router.port, 1), 15, "every process knows the worker")
         for index in range(10):
             status, _ = on_new_connection(router.port, "/v1/new", {"tokens": PROMPT, "request_id": f"r{index}"})
             assert status == 200
-        within(15, lambda: active_everywhere(router.port) == {10}, "every process sees the 10 bookings")
+        until(lambda: active_everywhere(router.port) == {10}, 15, "every process sees the 10 bookings")
         for index in range(0, 10, 2):  # marks land on whichever process takes the connection
             status, _ = on_new_connection(router.port, "/v1/mark_free", {"request_id": f"r{index}"})
             assert status == 200
-        within(15, lambda: active_everywhere(router.port) == {5}, "every process sees the frees")
+        until(lambda: active_everywhere(router.port) == {5}, 15, "every process sees the frees")
 
         victim = children_of(router.pid)[0]
         os.kill(victim, signal.SIGKILL)
-        within(40, lambda: victim not in children_of(router.pid) and listening_sockets(router.port) == 2,
-               "the parent starts the killed process again")  # fmt: skip
-        within(40, lambda: len(active_everywhere(router.port)) == 1, "the processes agree again")
+        until(lambda: victim not in children_of(router.pid) and listening_sockets(router.port) == 2,
+              40, "the parent starts the killed process again")  # fmt: skip
+        until(lambda: len(active_everywhere(router.port)) == 1, 40, "the processes agree again")
     finally:
         router.stop()
     assert router.process is not None and router.process.returncode == 0
-
-
-async def until(seconds: float, check: Any, what: str) -> None:
-    """``check()`` (blocking HTTP) off the event loop, which answers the publisher's resyncs meanwhile."""
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not await asyncio.to_thread(check):
-        assert asyncio.get_running_loop().time() < deadline, f"not within {seconds} s: {what}"
-        await asyncio.sleep(0.05)
 
 
 def cached_everywhere(port: int, worker_id: int, seed: int, blocks: int, connections: int = 16) -> bool:
@@ -129,20 +121,29 @@ async def test_a_process_started_after_the_events_learns_them_from_the_worker(
     await asyncio.to_thread(router.start)
     publisher = KvEventPublisher(client, WorkerConfig(worker_id=5, block_size=16))
     try:
-        await until(40, lambda: listening_sockets(router.port) == 2, "two router processes listening")
+        await eventually(
+            lambda: listening_sockets(router.port) == 2, 40, "two router processes listening", in_thread=True
+        )
         await publisher.start()
-        await until(15, lambda: registered_everywhere(router.port, 5), "every process knows the worker")
+        await eventually(
+            lambda: registered_everywhere(router.port, 5), 15, "every process knows the worker", in_thread=True
+        )
         last_event = await publisher.stored(pairs(3, 6))
-        await until(15, lambda: cached_everywhere(router.port, 5, 3, 6), "every process indexed the blocks")
+        await eventually(
+            lambda: cached_everywhere(router.port, 5, 3, 6), 15, "every process indexed the blocks", in_thread=True
+        )
 
         victim = children_of(router.pid)[0]
         os.kill(victim, signal.SIGKILL)
-        await until(40, lambda: victim not in children_of(router.pid) and listening_sockets(router.port) == 2,
-                    "the parent starts the killed process again")  # fmt: skip
+        await eventually(lambda: victim not in children_of(router.pid) and listening_sockets(router.port) == 2,
+                         40, "the parent starts the killed process again", in_thread=True)  # fmt: skip
         # Nothing was published since: the new process has the blocks from the worker's full dump.
-        await until(15, lambda: cached_everywhere(router.port, 5, 3, 6), "the new process indexed the blocks")
+        await eventually(lambda: cached_everywhere(router.port, 5, 3, 6), 15, "the new process indexed the blocks",
+                         in_thread=True)  # fmt: skip
         assert await publisher.stored(pairs(4, 2)) == last_event + 1
-        await until(15, lambda: cached_everywhere(router.port, 5, 4, 2), "both follow the live stream")
+        await eventually(
+            lambda: cached_everywhere(router.port, 5, 4, 2), 15, "both follow the live stream", in_thread=True
+        )
     finally:
         await publisher.stop()
         await asyncio.to_thread(router.stop)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from router.types import RouteRequest, WorkerConfig
 from tests.nats_proxy import LossyNatsProxy
 from tests.router_processes import RouterProcess
 from tests.test_api_support import prompt
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -64,14 +64,6 @@ def expected_loads(reference: KvRouter) -> list[Any]:
     ]
 
 
-def within(seconds: float, condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {seconds} s")
-        time.sleep(0.02)
-
-
 class Fleet:
     """The replicas, the reference router and the requests still active."""
 
@@ -86,7 +78,7 @@ class Fleet:
         expected = expected_loads(self.reference)
         for replica in [self.replicas[i] for i in replicas] if replicas is not None else self.replicas:
             try:
-                within(seconds, lambda r=replica: loads_of(r) == expected, f"replica on port {replica.port} agrees")
+                until(lambda r=replica: loads_of(r) == expected, seconds, f"replica on port {replica.port} agrees")
             except AssertionError:
                 got = loads_of(replica)
                 print("expected", expected, "\ngot", got, "\nlog", replica.log()[-4000:])
@@ -134,7 +126,7 @@ def fleet(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[Fleet]:
         for worker in WORKERS:
             assert replicas[0].post("/v1/workers", worker)[0] == 201
         for replica in replicas:
-            within(5, lambda r=replica: len(r.get("/v1/workers")["workers"]) == 3, "workers registered everywhere")
+            until(lambda r=replica: len(r.get("/v1/workers")["workers"]) == 3, 5, "workers registered everywhere")
         yield Fleet(replicas)
     finally:
         for replica in replicas:
@@ -153,13 +145,13 @@ def test_replicas_agree_survive_kill_9_and_restart_and_repair_lost_sync(
     fleet.forget_bookings_of(2)
     expected = expected_loads(fleet.reference)
     for survivor in fleet.replicas[:2]:
-        within(LEASE_S + 1, lambda s=survivor: loads_of(s) == expected, "the dead replica's bookings are gone")
+        until(lambda s=survivor: loads_of(s) == expected, LEASE_S + 1, "the dead replica's bookings are gone")
     for _ in range(6):
         fleet.step([0, 1])
 
     restarted = RouterProcess(tmp_path, *victim.args[5:], port=victim.port).start()
     fleet.replicas[2] = restarted
-    within(2, lambda: loads_of(restarted) == expected_loads(fleet.reference), "the restarted replica is consistent")
+    until(lambda: loads_of(restarted) == expected_loads(fleet.reference), 2, "the restarted replica is consistent")
     for _ in range(6):
         fleet.step()
 

@@ -33,6 +33,7 @@ from router.replicas.durable import DurableEvents
 from router.types import RouteRequest, WorkerConfig
 from tests.test_api_support import prompt
 from tests.test_ha_durable import canonical
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -110,10 +111,7 @@ async def publish(nc: Client, events: list[RouterEvent]) -> None:
 
 async def applied_all(events: DurableEvents, nc: Client, timeout: float = 30.0) -> None:
     last = (await nc.jetstream().stream_info(Subjects().events_stream)).state.last_seq
-    deadline = time.monotonic() + timeout
-    while events.applied_seq < last:
-        assert time.monotonic() < deadline, f"applied {events.applied_seq} of {last} stream messages"
-        await asyncio.sleep(0.02)
+    await eventually(lambda: events.applied_seq >= last, timeout, f"{last} stream messages applied")
 
 
 async def test_a_large_snapshot_is_written_in_slices_while_decisions_answer_and_restores_exactly(nc: Client) -> None:

@@ -3,10 +3,9 @@ its engine-side hit rate matches the offline simulation of the same trace."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -24,6 +23,7 @@ from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -90,7 +90,7 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
             for i in range(WORKERS):
                 assert (await nc.request(reset_subject("default", 100 + i), b"", timeout=5)).data == b"ok"
             await nc.close()
-            assert await eventually(lambda: dump_is_empty(http))
+            await eventually(lambda: dump_is_empty(http), 5, "the index is emptied")
     finally:
         for process in workers:
             process.terminate()
@@ -112,19 +112,11 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
         async def no_workers() -> bool:
             return not msgspec.json.decode((await http.get("/v1/workers")).content)["workers"]
 
-        assert await eventually(no_workers)
+        await eventually(no_workers, 5, "no worker is listed")
 
 
 async def dump_is_empty(http: httpx.AsyncClient) -> bool:
     return msgspec.json.decode((await http.get("/v1/dump")).content, type=list[Any]) == []
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> bool:
-    for _ in range(int(timeout_s / 0.1)):
-        if await check():
-            return True
-        await asyncio.sleep(0.1)
-    return await check()
 
 
 async def test_waiting_for_workers_gives_up_with_a_clear_error(router_url: str) -> None:

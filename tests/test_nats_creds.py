@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,8 +26,8 @@ from router.event_plane.embedded_server import find_nats_server, free_port
 from tests.nats_jwt import NatsOperator
 from tests.router_processes import ROOT, RouterProcess, kv_router_command
 from tests.test_ha_durable import canonical
-from tests.test_ha_replicas import within
 from tests.test_nats_security import ToolProcess
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +61,7 @@ def operator_nats(tmp_path: Path) -> Iterator[OperatorNats]:
     with log_path.open("wb") as log:  # a file, not a pipe nobody drains
         server = subprocess.Popen([find_nats_server(), "-c", str(config)], stdout=subprocess.DEVNULL, stderr=log)
     try:
-        within(10, lambda: b"Server is ready" in log_path.read_bytes() or server.poll() is not None, "nats-server")
+        until(lambda: b"Server is ready" in log_path.read_bytes() or server.poll() is not None, 10, "nats-server")
         assert server.poll() is None, log_path.read_text()[-2000:]
         yield OperatorNats(f"nats://127.0.0.1:{port}", router_creds, worker_creds, foreign_creds)
     finally:
@@ -132,20 +131,20 @@ def test_replicas_and_durable_events_with_creds(operator_nats: OperatorNats, tmp
                         str(operator_nats.worker_creds), "--worker-id", "7", "--http-port", str(http_port))  # fmt: skip
     try:
         for router in (a, b):
-            within(30, lambda r=router: [w["config"]["worker_id"] for w in r.get("/v1/workers")["workers"]] == [7],
-                   "the worker registers through the creds-authenticated registry")  # fmt: skip
+            until(lambda r=router: [w["config"]["worker_id"] for w in r.get("/v1/workers")["workers"]] == [7],
+                  30, "the worker registers through the creds-authenticated registry")  # fmt: skip
         _completion(http_port, PROMPT)  # the engine stores the prompt's 4 blocks and publishes them
         for router in (a, b):
-            within(10, lambda r=router: _overlap(r) == 4, "the worker's events reach the router via the stream")
+            until(lambda r=router: _overlap(r) == 4, 10, "the worker's events reach the router via the stream")
         status, decision = a.post("/v1/new", {"tokens": PROMPT, "request_id": "creds-1"})
         assert status == 200 and decision["worker_id"] == 7 and decision["overlap_blocks"] == 4
-        within(5, lambda: _active(b) == [1], "b sees a's booking through replica sync")
+        until(lambda: _active(b) == [1], 5, "b sees a's booking through replica sync")
         assert b.post("/v1/mark_free", {"request_id": "creds-1"})[0] == 200
-        within(5, lambda: _active(a) == [0], "a sees b's mark_free")
+        until(lambda: _active(a) == [0], 5, "a sees b's mark_free")
 
         dump = canonical(b.get("/v1/dump"))
         assert len(dump) == 4
-        time.sleep(1.5)  # a snapshot is written (every 0.5 s)
+        until(a.snapshot_covers_applied, 10, "a writes a snapshot of the index it has applied")
         a.kill9()
         a = RouterProcess(tmp_path, *a.args[5:], port=a.port).start()
         assert canonical(a.get("/v1/dump")) == dump
@@ -180,13 +179,11 @@ def test_creds_the_server_refuses_are_named(operator_nats: OperatorNats, tmp_pat
     assert done.returncode == 2 and "refused the credentials" in stderr and "Traceback" not in stderr
 
     # The service keeps HTTP up, not ready, and says on each retry that the credentials were refused.
+    # Up is /healthz: never ready, it is not waited for on /readyz.
     router = RouterProcess(tmp_path, "--nats-url", operator_nats.url, "--nats-creds-file",
-                           str(operator_nats.foreign_creds))  # fmt: skip
-    with router.log_path.open("wb") as log:
-        router.process = subprocess.Popen([*kv_router_command(), *router.args], cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+                           str(operator_nats.foreign_creds), ready_path="/healthz").start()  # fmt: skip
     try:
-        within(60, lambda: router.log().count("refused the credentials") >= 2, "two refused attempts are logged")
+        until(lambda: router.log().count("refused the credentials") >= 2, 60, "two refused attempts are logged")
         with urllib.request.urlopen(f"http://127.0.0.1:{router.port}/healthz", timeout=5) as reply:
             assert reply.status == 200
         with pytest.raises(urllib.error.HTTPError) as not_ready:

@@ -16,7 +16,8 @@ import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
 from router.types import WorkerConfig
-from tests.proxy_fleet import MODEL, SSE_HEAD, fleet, idle, metric, raw_worker, sse_chunk
+from tests.metrics import sample
+from tests.proxy_fleet import MODEL, SSE_HEAD, fleet, idle, raw_worker, sse_chunk
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -80,7 +81,7 @@ async def test_a_stream_broken_mid_chunk_ends_with_the_sse_error_event_and_frees
         assert 5 in f.app.state.proxy._cooling
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"{f.url}/metrics")).text
-        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="upstream_error") == 1
+        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="upstream_error") == 1
 
 
 def slow_first_token_worker() -> contextlib.AbstractAsyncContextManager[str]:
@@ -151,7 +152,7 @@ async def test_a_body_over_the_limit_is_an_openai_shaped_413_and_books_nothing(
         assert service_reply.status_code == 413 and "param" not in service_reply.json()["error"]
         # Counted as the bad requests they are, whichever path refused them.
         for route in ("completions", "chat_completions"):
-            assert metric(text, "kv_router_proxy_requests_total", route=route, outcome="bad_request") == 1
+            assert sample(text, "kv_router_proxy_requests_total", route=route, outcome="bad_request") == 1
         assert idle(f.router)
         assert f.workers[1].engine.stats.prompt_tokens == 0  # nothing reached the worker
 
@@ -172,7 +173,7 @@ async def test_a_prompt_over_the_token_limit_is_the_same_413_as_the_decision_api
         message = f"prompt has 99 tokens; the limit is {limit}"
         assert caught.value.body == {"message": message, "type": "invalid_request_error", "param": None, "code": 413}
         assert service_reply.json()["error"]["message"].endswith(message)
-        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="bad_request") == 1
+        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="bad_request") == 1
         assert idle(f.router)
         assert f.workers[1].engine.stats.prompt_tokens == 0
 
@@ -215,5 +216,5 @@ async def test_a_request_without_the_api_token_is_an_openai_shaped_401_and_books
         async with httpx.AsyncClient(base_url=f.url, headers={"authorization": f"Bearer {token}"}) as http:
             text = (await http.get("/metrics")).text
         for route in ("completions", "chat_completions"):
-            assert metric(text, "kv_router_proxy_requests_total", route=route, outcome="unauthorized") == 1
-        assert metric(text, "kv_router_proxy_requests_total", route="completions", outcome="ok") == 1
+            assert sample(text, "kv_router_proxy_requests_total", route=route, outcome="unauthorized") == 1
+        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="ok") == 1

@@ -15,7 +15,8 @@ import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
 from router.types import WorkerConfig
-from tests.proxy_fleet import MODEL, SSE_HEAD, fleet, idle, metric, raw_worker, sse_chunk
+from tests.metrics import sample
+from tests.proxy_fleet import MODEL, SSE_HEAD, fleet, idle, raw_worker, sse_chunk
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -54,7 +55,7 @@ async def outcomes(url: str) -> tuple[str, dict[str, float | None]]:
     async with httpx.AsyncClient() as http:
         text = (await http.get(f"{url}/metrics")).text
     found = {
-        outcome: metric(text, "kv_router_proxy_requests_total", route="completions", outcome=outcome)
+        outcome: sample(text, "kv_router_proxy_requests_total", route="completions", outcome=outcome)
         for outcome in ("ok", "client_disconnected")
     }
     return text, found
@@ -95,10 +96,10 @@ async def test_a_stream_read_to_data_done_by_the_openai_client_is_ok_and_calibra
         await eventually(lambda: idle(f.router))
         text, _ = await outcomes(f.url)
         # The engine's 64 cached tokens against the router's prediction (0: nothing was indexed).
-        assert metric(text, "kv_router_proxy_calibration_samples", worker_id="7") == 1
-        assert metric(text, "kv_router_proxy_cached_tokens_error_bucket", le="64.0") == 1
-        assert metric(text, "kv_router_proxy_cached_tokens_error_bucket", le="16.0") == 0
-        assert metric(text, "kv_router_proxy_added_seconds_count") == 1
+        assert sample(text, "kv_router_proxy_calibration_samples", worker_id="7") == 1
+        assert sample(text, "kv_router_proxy_cached_tokens_error_bucket", le="64.0") == 1
+        assert sample(text, "kv_router_proxy_cached_tokens_error_bucket", le="16.0") == 0
+        assert sample(text, "kv_router_proxy_added_seconds_count") == 1
 
 
 @pytest.mark.parametrize("fast_protocol", [True, False])

@@ -10,14 +10,16 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.config import ProxyConfig
-from api.proxy.upstream import Upstream, UpstreamError
+from api.proxy.upstream import Exchange, Upstream, UpstreamError
 from router.event_plane.embedded_server import free_port
+from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -34,6 +36,7 @@ class Peer:
     connections: int = 0
     requests: list[bytes] = field(default_factory=list)
     closed_by_client: int = 0
+    answered: int = 0  # scripts written whole (and drained into the socket)
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes | None:
@@ -69,6 +72,7 @@ async def peer() -> AsyncIterator[Peer]:
                     writer.write(piece)
                     await writer.drain()
                     await asyncio.sleep(0.002)
+                state.answered += 1
         finally:
             writer.close()
 
@@ -256,8 +260,7 @@ async def test_silence_is_a_read_timeout_and_refusal_a_connect_failure() -> None
             await exchange.handed_on()
         assert sink.data == [b"data: 1\n\n"]
         exchange.release()
-        await asyncio.sleep(0.05)
-        assert worker.closed_by_client == 1
+        await eventually(lambda: worker.closed_by_client == 1, 5, "the released connection is closed")
         with pytest.raises(UpstreamError, match="ConnectionRefused"):
             await upstream.open(f"http://127.0.0.1:{free_port()}", b"/x", b"{}")
 
@@ -274,15 +277,12 @@ async def test_a_cancelled_exchange_closes_its_connection_so_the_worker_stops() 
                 exchange.release()
 
         task = asyncio.ensure_future(forward())
-        await asyncio.sleep(0.05)
+        # The worker has written everything and keeps the connection open; the exchange is waiting.
+        await eventually(lambda: worker.answered == 1 and not task.done(), 5, "the exchange waits for more")
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if worker.closed_by_client:
-                break
-            await asyncio.sleep(0.01)
-        assert worker.closed_by_client == 1
+        await eventually(lambda: worker.closed_by_client == 1, 5, "the cancelled exchange's connection is closed")
 
 
 async def test_the_pool_bound_makes_a_request_wait_for_a_released_connection() -> None:
@@ -301,7 +301,17 @@ async def test_the_pool_bound_makes_a_request_wait_for_a_released_connection() -
         assert worker.connections == 1
 
 
-async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_drains() -> None:
+async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_drains(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    connections: list[asyncio.Transport] = []  # the transport of each connection to the worker
+    made = Exchange.connection_made
+
+    def spy(self: Exchange, transport: asyncio.BaseTransport) -> None:
+        connections.append(cast(asyncio.Transport, transport))
+        made(self, transport)
+
+    monkeypatch.setattr(Exchange, "connection_made", spy)
     events = [b"data: %d\n\n" % i for i in range(6)]
     async with peer() as worker, client() as upstream:
         frames = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"]
@@ -309,10 +319,15 @@ async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_dra
         worker.scripts.append(frames)
         sink = Collect(behind=1)
         exchange = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        transport = connections[-1]
         forwarding = asyncio.ensure_future(exchange.handed_on())
-        await asyncio.sleep(0.1)  # the worker has sent everything by now; nothing more is read
-        assert len(sink.data) == 1 and sink.resume is not None and not forwarding.done()
+        await eventually(lambda: worker.answered == 1, 5, "the worker wrote its whole answer")
+        await eventually(lambda: sink.resume is not None, 5, "the sink was told the client is behind")
+        # The pause itself: the socket is not read, so the rest of the answer waits in the kernel.
+        assert not transport.is_reading()
+        assert len(sink.data) == 1 and not forwarding.done()
         sink.resume()
+        assert transport.is_reading()
         assert await forwarding
         assert b"".join(sink.data) == b"".join(events)
         exchange.release()

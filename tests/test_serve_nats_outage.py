@@ -16,8 +16,9 @@ from typing import IO
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.router_processes import kv_router_command
 from tests.test_api_event_plane import Workers
-from tests.test_api_server import ROOT, _get, _kv_router
+from tests.test_api_server import ROOT, _get
 from tests.waiting import until
 
 BLOCK = 16
@@ -40,7 +41,7 @@ class Served:
 @contextmanager
 def serve(*flags: str) -> Iterator[Served]:
     port = free_port()
-    argv = [*_kv_router(), "serve", "--port", str(port), "--block-size", str(BLOCK), *flags]
+    argv = [*kv_router_command(), "serve", "--port", str(port), "--block-size", str(BLOCK), *flags]
     with tempfile.TemporaryFile() as stderr:
         process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
         served = Served(process, port, stderr)
@@ -133,7 +134,7 @@ def test_a_busy_embedded_port_is_named_with_the_port_chosen_and_info_returns_the
 
 def test_mock_worker_says_clearly_when_it_cannot_connect() -> None:
     url = f"nats://127.0.0.1:{free_port()}"
-    argv = [*_kv_router(), "mock-worker", "--nats-url", url, "--nats-wait-secs", "1"]
+    argv = [*kv_router_command(), "mock-worker", "--nats-url", url, "--nats-wait-secs", "1"]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=30)
     assert done.returncode == 2
     message = done.stderr.decode()

@@ -9,7 +9,6 @@ small queue counts what its reader took, dropped and refused.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 
@@ -112,11 +111,14 @@ async def test_a_stream_counts_what_its_reader_took_dropped_and_refused() -> Non
     await stream.start()
     try:
         stats = stream.stats
-        for _ in range(500):  # until the subscription has reached the PUB socket
+
+        def probed() -> bool:  # until the subscription has reached the PUB socket
+            if stats["rejected_bad_frames"]:  # in order: every probe sent before the one seen is in too
+                return True
             engine.send_multipart([b"probe"])
-            await asyncio.sleep(0.01)
-            if stats["rejected_bad_frames"]:
-                break
+            return False
+
+        await eventually(probed, 5, "a probe reaches the reader")
         await eventually(lambda: stats["messages"] == stats["rejected_bad_frames"] > 0)
         probes = stats["messages"]
         empty_batch = msgspec.msgpack.encode([1700000000.5, [], 0])

@@ -1,27 +1,48 @@
-"""Waiting for asynchronous effects in tests: poll a condition until it holds or time runs out."""
+"""The tests' one way to wait for an asynchronous effect: poll a condition until it holds or time runs
+out, then fail saying what was awaited. Never wait a fixed time for something to happen."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 __all__ = ["eventually", "until"]
 
+POLL_S = 0.02
 
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """On the event loop: yield until ``condition()`` holds; fail after ``timeout`` seconds."""
+
+async def eventually(
+    condition: Callable[[], bool | Awaitable[bool]],
+    timeout: float = 10.0,
+    what: str = "condition",
+    *,
+    in_thread: bool = False,
+    poll: float = POLL_S,
+) -> None:
+    """On the event loop: yield until ``condition()`` holds (a coroutine function is awaited; with
+    ``in_thread`` a blocking one runs off the loop, which keeps serving meanwhile); fail after
+    ``timeout`` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not condition():
+    while True:
+        result = await asyncio.to_thread(condition) if in_thread else condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
         if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
+            raise AssertionError(f"{what}: not within {timeout} s")
+        await asyncio.sleep(poll)
 
 
-def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+def until(
+    condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition", *, poll: float = POLL_S
+) -> None:
     """Blocking: sleep until ``condition()`` holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(poll)

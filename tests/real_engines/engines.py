@@ -26,6 +26,7 @@ import zmq
 from msgspec.msgpack import decode as msgpack_decode
 
 from router.event_plane.embedded_server import free_port
+from tests.waiting import until
 
 __all__ = ["BLOCK_SIZE", "KV_BLOCKS", "MODEL", "EngineMirror", "VllmEngine", "make_model", "vllm_python"]
 
@@ -244,10 +245,8 @@ class EngineMirror:
         status, answer = self.engine.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
         assert status == 200, answer
         block = tuple(prompt[:BLOCK_SIZE])
-        deadline = time.monotonic() + 10
-        while block not in self.markers:
-            assert time.monotonic() < deadline, f"engine {self.engine.worker_id}: its marker block was never heard"
-            time.sleep(0.005)
+        until(lambda: block in self.markers, 10, f"engine {self.engine.worker_id}: its marker block is heard",
+              poll=0.005)  # fmt: skip
 
     def engine_died(self) -> None:
         """The engine was killed: its cache went with it (the restarted one publishes from scratch)."""

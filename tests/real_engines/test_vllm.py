@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -18,10 +17,11 @@ from typing import Any
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
+from tests.metrics import total
 from tests.real_engines.engines import BLOCK_SIZE, EngineMirror, VllmEngine
 from tests.real_engines.fleet import Bridge, Call, Outcome, Run, bridge_router, direct_router, drive, workload
 from tests.router_processes import RouterProcess
-from tests.waiting import until
+from tests.waiting import eventually, until
 
 pytestmark = [pytest.mark.real_engines, pytest.mark.anyio]
 
@@ -74,23 +74,21 @@ def heard_all(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> Callabl
 
 async def caught_up(router: RouterProcess, mirrors: Sequence[EngineMirror]) -> None:
     """Until the router's index is, block for block, what the engines' events say they hold."""
-    deadline = time.monotonic() + 10
-    while differences := index_differences(router, mirrors):
-        assert time.monotonic() < deadline, f"the index never caught up: {differences} (extra, missing)"
-        await asyncio.sleep(0.01)
+    differences = index_differences(router, mirrors)
+
+    def same() -> bool:
+        nonlocal differences
+        differences = index_differences(router, mirrors)
+        return not differences
+
+    try:
+        await eventually(same, 10, "the index catches up", poll=0.01)
+    except AssertionError:
+        raise AssertionError(f"the index never caught up: {differences} (extra, missing)") from None
 
 
 def metric_total(router: RouterProcess, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{router.port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    pairs = [f'{key}="{value}"' for key, value in labels.items()]
-    total = 0.0
-    for line in text.splitlines():
-        series, _, value = line.rpartition(" ")
-        base, _, rest = series.partition("{")
-        if base == name and all(pair in rest for pair in pairs):
-            total += float(value)
-    return total
+    return total(router.metrics(), name, **labels)
 
 
 def evictions(router: RouterProcess) -> float:
