@@ -65,22 +65,46 @@ class _InFlight:
             self.counts[worker] -= 1
 
 
-class VllmKvAware:
+class _InFlightPeer:
+    """What both peer policies share: the workers and their requests in flight, ended when the
+    request finishes; no use for first tokens, output progress or scrapes."""
+
+    scrape_interval_ms: float | None = None
+
+    def __init__(self, config: RouterConfig, rng: random.Random) -> None:
+        self._rng = rng
+        self._in_flight = _InFlight()
+
+    def add_worker(self, worker_id: int, engine: EngineConfig) -> None:
+        self._in_flight.add_worker(worker_id)
+
+    def kv_event(self, event: RouterEvent, now_ms: float) -> None:
+        return None
+
+    def first_token(self, request_id: str, now_ms: float) -> None:
+        return None
+
+    def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None:
+        return None
+
+    def finished(self, request_id: str, now_ms: float) -> None:
+        self._in_flight.end(request_id)
+
+    def scraped(self, metrics: dict[int, EngineMetrics], now_ms: float) -> None:
+        return None
+
+
+class VllmKvAware(_InFlightPeer):
     """vllm-router's ``kv_aware``: the longest prefix of complete blocks a worker's KV events say it holds;
     on a tie (a miss included) the worker with the fewest requests in flight, then a random one."""
 
     name = "vllm-kv-aware"
-    scrape_interval_ms: float | None = None
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
+        super().__init__(config, rng)
         self.block_size = config.block_size
-        self._rng = rng
         self._index = RadixTree()
-        self._in_flight = _InFlight()
         self.rejected_events = 0
-
-    def add_worker(self, worker_id: int, engine: EngineConfig) -> None:
-        self._in_flight.add_worker(worker_id)
 
     async def route(self, request: RoutedRequest, now_ms: float) -> RouteResult:
         matched = self._index.find_matches(compute_block_hashes(request.tokens, self.block_size)).scores
@@ -98,31 +122,11 @@ class VllmKvAware:
         except KvIndexError:
             self.rejected_events += 1
 
-    def first_token(self, request_id: str, now_ms: float) -> None:
-        return None
 
-    def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None:
-        return None
-
-    def finished(self, request_id: str, now_ms: float) -> None:
-        self._in_flight.end(request_id)
-
-    def scraped(self, metrics: dict[int, EngineMetrics], now_ms: float) -> None:
-        return None
-
-
-class PowerOfTwo:
+class PowerOfTwo(_InFlightPeer):
     """``power_of_two``: of two distinct random workers, the one with fewer requests in flight."""
 
     name = "power-of-two"
-    scrape_interval_ms: float | None = None
-
-    def __init__(self, config: RouterConfig, rng: random.Random) -> None:
-        self._rng = rng
-        self._in_flight = _InFlight()
-
-    def add_worker(self, worker_id: int, engine: EngineConfig) -> None:
-        self._in_flight.add_worker(worker_id)
 
     async def route(self, request: RoutedRequest, now_ms: float) -> RouteResult:
         workers = self._in_flight.workers
@@ -130,21 +134,6 @@ class PowerOfTwo:
         worker = min(drawn, key=self._in_flight.counts.__getitem__)
         self._in_flight.start(request.request_id, worker)
         return RouteResult(worker, 0)
-
-    def kv_event(self, event: RouterEvent, now_ms: float) -> None:
-        return None
-
-    def first_token(self, request_id: str, now_ms: float) -> None:
-        return None
-
-    def output(self, request_id: str, generated_tokens: int, now_ms: float) -> None:
-        return None
-
-    def finished(self, request_id: str, now_ms: float) -> None:
-        self._in_flight.end(request_id)
-
-    def scraped(self, metrics: dict[int, EngineMetrics], now_ms: float) -> None:
-        return None
 
 
 class PdPair:
