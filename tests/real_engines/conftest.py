@@ -86,3 +86,15 @@ def mirrors(engines: list[VllmEngine]) -> Iterator[list[EngineMirror]]:
     finally:
         for mirror in watching:
             mirror.close()
+
+
+@pytest.fixture(autouse=True)
+def engines_alive(request: pytest.FixtureRequest) -> None:
+    """Before each test that uses the engines, any engine a failed test left dead is started again, so
+    one failure is reported once and not again by every test after it."""
+    if "engines" not in request.fixturenames:
+        return
+    fleet: list[VllmEngine] = request.getfixturevalue("engines")
+    for engine in fleet:
+        if not engine.alive():
+            engine.start().wait_ready()

@@ -10,7 +10,7 @@ import os
 import random
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,7 +221,7 @@ async def send(client: openai.AsyncOpenAI, call: Call) -> Outcome:
 
 async def drive(
     url: str,
-    calls: Sequence[Call],
+    calls: Iterable[Call],
     concurrency: int,
     run: Run | None = None,
     after: Callable[[Outcome], Awaitable[None]] | None = None,

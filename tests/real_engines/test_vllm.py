@@ -263,45 +263,66 @@ async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
         warm = workload(seed=7, requests=48, kinds=("ids",), streaming=False)
         exact(await in_turn(router, mirrors, warm), "warming both")
         assert block_counts(router).get(victim.worker_id, 0) > 0
-        # Under load (whole answers: a stream cut after its first byte cannot be retried elsewhere).
+        # Under load (whole answers: a stream cut after its first byte cannot be retried elsewhere),
+        # lasting until LATE_CALLS calls have started more than 3 s after the kill, however fast the
+        # machine answers (bounded: at most MAX_CALLS calls).
         under_load = Run()
-        load = asyncio.ensure_future(
-            drive(url, workload(seed=8, requests=600, kinds=("ids",), streaming=False), 4, under_load)
-        )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 60
+        killed_at: float | None = None
 
-        def served_by_victim() -> int:
-            return sum(outcome.worker == victim.worker_id for outcome in under_load.outcomes)
+        def late(outcomes: Sequence[Outcome]) -> list[Outcome]:
+            return [o for o in outcomes if killed_at is not None and o.started > killed_at + 3]
 
-        while (len(under_load.outcomes) < 40 or served_by_victim() < 5) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        assert served_by_victim() >= 5, "the load never reached the engine to be killed"
-        killed_at = time.monotonic()
-        victim.kill9()
-        mirrors[1].engine_died()
-        gone = None
-        while time.monotonic() < killed_at + 10:
-            if victim.worker_id not in block_counts(router) and victim.worker_id not in routable(router, warm):
-                gone = time.monotonic() - killed_at
-                break
-            await asyncio.sleep(0.1)
-        print(f"killed engine {victim.worker_id}: out of routing and the index after {gone} s")
-        assert gone is not None and gone <= 3.0
-        failures_after_3s = metric_total(router, "kv_router_proxy_upstream_failures_total")
-        run = await load
-        print(run.report("under load, one engine killed"))
-        print(f"attempts on the killed engine that failed and were sent to the other: {failures_after_3s:.0f}")
-        assert not run.failures
-        late = [outcome for outcome in run.outcomes if outcome.started > killed_at + 3]
-        assert late and all(outcome.worker != victim.worker_id for outcome in late)
-        assert metric_total(router, "kv_router_proxy_upstream_failures_total") == failures_after_3s
+        def until_enough_late_calls() -> Iterator[Call]:
+            for call in workload(seed=8, requests=MAX_CALLS, kinds=("ids",), streaming=False):
+                if len(late(under_load.outcomes)) >= LATE_CALLS:
+                    return
+                yield call
+
+        load = asyncio.ensure_future(drive(url, until_enough_late_calls(), 4, under_load))
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+
+            def served_by_victim() -> int:
+                return sum(outcome.worker == victim.worker_id for outcome in under_load.outcomes)
+
+            while (len(under_load.outcomes) < 40 or served_by_victim() < 5) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            assert served_by_victim() >= 5, "the load never reached the engine to be killed"
+            killed_at = time.monotonic()
+            victim.kill9()
+            mirrors[1].engine_died()
+            gone = None
+            while time.monotonic() < killed_at + 10:
+                if victim.worker_id not in block_counts(router) and victim.worker_id not in routable(router, warm):
+                    gone = time.monotonic() - killed_at
+                    break
+                await asyncio.sleep(0.1)
+            print(f"killed engine {victim.worker_id}: out of routing and the index after {gone} s")
+            assert gone is not None and gone <= 3.0
+            failures_after_3s = metric_total(router, "kv_router_proxy_upstream_failures_total")
+            run = await load
+            print(run.report("under load, one engine killed"))
+            print(f"attempts on the killed engine that failed and were sent to the other: {failures_after_3s:.0f}")
+            assert not run.failures
+            after_3s = late(run.outcomes)
+            assert len(after_3s) >= LATE_CALLS, f"only {len(after_3s)} calls started 3 s after the kill"
+            assert all(outcome.worker != victim.worker_id for outcome in after_3s)
+            assert metric_total(router, "kv_router_proxy_upstream_failures_total") == failures_after_3s
+        finally:
+            load.cancel()
+            # Restarted whatever happened above, so that no later test meets a dead engine.
+            if not victim.alive():
+                victim.start().wait_ready()
         # Restarted: routed again, and predicted exactly again.
-        victim.start().wait_ready()
         until(lambda: victim.worker_id in routable(router, warm), 30)
         after = await in_turn(router, mirrors, workload(seed=9, requests=64, kinds=("ids",)))
         exact(after, "the engine restarted")
         assert victim.worker_id in after.per_worker()
+
+
+LATE_CALLS = 40
+MAX_CALLS = 3000
 
 
 def routable(router: RouterProcess, calls: Sequence[Any]) -> set[int]:
