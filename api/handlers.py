@@ -38,7 +38,6 @@ from api.fastpath import HotHandler, HotOutcome
 from api.hints import routing_call
 from api.metrics import ApiMetrics
 from api.wire import (
-    QUERY_INSTANCE_ID,
     EventsReply,
     MarkReply,
     MarkRequest,
@@ -60,6 +59,7 @@ from api.wire import (
     RouterRequest,
     RouterRoute,
     RouterRouteResponse,
+    queries_instance,
 )
 from indexer.events import decode_router_events
 from router.errors import QueueRejected
@@ -228,7 +228,7 @@ class Handlers:
             raise InvalidBody("token_ids: a request needs at least one token")
         if body.mm_routing_info is not None:
             self._check_prompt(body.mm_routing_info.routing_token_ids, "mm_routing_info.routing_token_ids")
-        query = QUERY_INSTANCE_ID in body.annotations  # answer the choice, book nothing
+        query = queries_instance(body.annotations)  # answer the choice, book nothing
         # Checked before anything is booked: what cannot be handed back is refused first.
         forward = _forwardable(call) if body.return_request else None
         request_id = None if query else body.request_id or call.request_id or uuid.uuid4().hex

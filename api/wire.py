@@ -71,6 +71,7 @@ __all__ = [
     "ServiceInfo",
     "WorkerStatus",
     "WorkersReply",
+    "queries_instance",
 ]
 
 # Request ids travel back in the X-Request-Id header, so they must be valid header text: visible
@@ -88,6 +89,13 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"
 # `annotations` entry with which a caller (Dynamo's Gateway API endpoint picker) asks which worker
 # the router would choose, and the token data, without routing anything there.
 QUERY_INSTANCE_ID = "query_instance_id"
+
+
+def queries_instance(annotations: list[str]) -> bool:
+    """Whether the annotations ask for the decision only: Dynamo 1.6's ``query_instance_id:<phase>``
+    (its `get_annotation_value`; the gateway's first stage sends an empty phase), or the bare
+    ``query_instance_id`` of earlier Dynamo releases."""
+    return any(a == QUERY_INSTANCE_ID or a.startswith(QUERY_INSTANCE_ID + ":") for a in annotations)
 
 
 class BlockMmObjectInfo(msgspec.Struct, kw_only=True):

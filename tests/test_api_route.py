@@ -193,12 +193,14 @@ def test_mm_routing_info_overlaps_on_routing_tokens_and_loads_by_the_expanded_le
 
 def test_query_instance_id_answers_without_booking(client: TestClient) -> None:
     before = state(client)
-    body = {"token_ids": TOKENS, "annotations": ["query_instance_id"], **ENGINE_FIELDS}
-    reply = client.post("/v1/route", json=body)
-    assert _decision(reply)[:2] == (1, 0)
-    answer = reply.json()
-    assert (answer["worker_instance_id"], answer["token_data"]) == (1, TOKENS)
-    assert "request_id" not in answer and "x-request-id" not in reply.headers
+    # Dynamo 1.6's key:value form (its gateway sends an empty value), and the bare one of earlier releases.
+    for annotation in ("query_instance_id:", "query_instance_id"):
+        body = {"token_ids": TOKENS, "annotations": [annotation], **ENGINE_FIELDS}
+        reply = client.post("/v1/route", json=body)
+        assert _decision(reply)[:2] == (1, 0)
+        answer = reply.json()
+        assert (answer["worker_instance_id"], answer["token_data"]) == (1, TOKENS)
+        assert "request_id" not in answer and "x-request-id" not in reply.headers
     packed = msgspec.msgpack.encode({"method": "route", "token_ids": struct.pack(f"<{len(TOKENS)}i", *TOKENS),
                                      "annotations": ["query_instance_id"]})  # fmt: skip
     answer = msgspec.msgpack.decode(client.post("/v1/router", content=packed, headers=MSGPACK).content)
