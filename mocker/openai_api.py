@@ -123,6 +123,7 @@ class MockOpenAI:
         self.model = model
         self.aborted = 0  # requests whose client left before their end
         self.tokenized = 0  # /tokenize calls answered
+        self.generated = 0  # completions and chat completions received
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -151,6 +152,7 @@ class MockOpenAI:
             await _reply(send, 404, _error(404, f"{method} {path}: not found"))
 
     async def _generate(self, chat: bool, request: _Body, tokens: list[int], receive: Receive, send: Send) -> None:
+        self.generated += 1
         if not tokens:
             await _reply(send, 400, _error(400, "the prompt has no tokens"))
             return

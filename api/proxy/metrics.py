@@ -39,7 +39,7 @@ ADDED_BUCKETS = (
 )  # fmt: skip
 OUTCOMES = (
     "ok", "bad_request", "no_worker", "queue_rejected", "upstream_error", "upstream_status",
-    "client_disconnected", "tokenize_failed", "unauthorized",
+    "client_disconnected", "tokenize_failed", "unauthorized", "instance_query",
 )  # fmt: skip
 
 
@@ -70,7 +70,8 @@ class ProxyMetrics(Collector):
             f"{PREFIX}_proxy_requests",
             "Proxied OpenAI requests by route (completions, chat_completions) and outcome (ok, bad_request, "
             "no_worker, queue_rejected, upstream_error: no worker answered or a stream broke, upstream_status: "
-            "the worker's own 4xx, client_disconnected, tokenize_failed, unauthorized: no or a wrong API token).",
+            "the worker's own 4xx, client_disconnected, tokenize_failed, unauthorized: no or a wrong API token, "
+            "instance_query: Dynamo's query_instance_id answered with the decision).",
             ["route", "outcome"],
             registry=registry,
         )

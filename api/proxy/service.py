@@ -41,9 +41,10 @@ from api.auth import Access, ApiAuth, unauthorized_reply
 from api.codec import JSON, Reply
 from api.config import ProxyConfig, ServiceConfig
 from api.errors import ApiError, prompt_too_long
-from api.hints import routing_call
+from api.hints import RoutingCall, routing_call
 from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
+from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
@@ -59,7 +60,7 @@ from api.proxy.wire import (
     prompt_token_ids,
     reported_usage,
 )
-from api.wire import NvExt
+from api.wire import NvExt, queries_instance
 from indexer.errors import UNDECODABLE
 from indexer.hashing import pack_tokens
 from indexer.slots import WorkerRank
@@ -295,16 +296,21 @@ class Proxy:
         # cache_salt as the cache namespace.
         nvext = request.nvext if request.nvext is not None else NvExt()
         hints = nvext.routing_hints(cache_salt=request.cache_namespace)
+        query = queries_instance(nvext.annotations)  # Dynamo's query_instance_id: nothing booked
         try:
-            routing = routing_call(self.router, packed, hints, request_id=request_id, field_prefix="nvext.")
-        except ApiError as exc:
-            raise _refused(exc.status, "invalid_request_error", exc.message, exc.type) from None
+            routing = routing_call(
+                self.router, packed, hints, request_id=None if query else request_id, field_prefix="nvext."
+            )
+        except ApiError as exc:  # counted as a bad request: its type is no outcome of the proxy's
+            raise _refused(exc.status, "invalid_request_error", exc.message, "bad_request") from None
         if routing.pinned is not None and routing.pinned[0] not in by_id:
             message = (
                 f"nvext.backend_instance_id: worker {routing.pinned[0]} does not serve model {model!r} over HTTP "
                 "(or is cooling down after a failure)"
             )
             raise _refused(400, "invalid_request_error", message, "bad_request")
+        if query:
+            return await self._instance_query(route, model, tokens, stream, routing, set(by_id), request_id, reply)
         del request, prompt, tokens
         # What the worker gets of the client's headers besides the content type: its credentials.
         headers = b"authorization: " + authorization + b"\r\n" if authorization is not None else b""
@@ -326,9 +332,37 @@ class Proxy:
                 self.router.mark_free(request_id)
         raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
-    async def _book(self, routed: RouteRequest, among: set[int], pinned: WorkerRank | None) -> RouteDecision:
+    async def _instance_query(
+        self,
+        route: str,
+        model: str,
+        tokens: list[int],
+        stream: bool,
+        routing: RoutingCall,
+        among: set[int],
+        request_id: str,
+        reply: StreamCall,
+    ) -> str:
+        """Dynamo's ``query_instance_id`` (`api.proxy.instance_query`): the decision, with the request
+        booked nowhere (no request id) and sent to no worker."""
+        if routing.among is not None:
+            among &= routing.among
+        decision = await self._book(routing.request, among, routing.pinned, routing.pinned_prefill)
+        content_type, body = instance_reply(route, model, tokens, decision, request_id, stream)
+        headers = [
+            (b"content-type", content_type),
+            (b"x-kv-router-worker", str(decision.worker_id).encode()),
+            (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
+            (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
+        ]
+        await reply.whole(200, headers, body)
+        return "instance_query"
+
+    async def _book(
+        self, routed: RouteRequest, among: set[int], pinned: WorkerRank | None, pinned_prefill: WorkerRank | None = None
+    ) -> RouteDecision:
         try:
-            return await self.router.new(routed, among=among, pinned_worker=pinned)
+            return await self.router.new(routed, among=among, pinned_worker=pinned, pinned_prefill=pinned_prefill)
         except QueueRejected as exc:
             retry_after = str(self.config.proxy_retry_after_secs)
             raise _refused(429, "rate_limit_exceeded", str(exc), "queue_rejected", retry_after=retry_after) from None

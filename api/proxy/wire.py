@@ -23,12 +23,15 @@ __all__ = [
     "ChatBody",
     "CompletionBody",
     "ErrorReply",
+    "InstanceQueryReply",
     "ModelCard",
     "ModelList",
+    "NvExtResponse",
     "OpenAIError",
     "TokenIdsBody",
     "TokenizeReply",
     "Usage",
+    "WorkerIdInfo",
     "error_body",
     "prompt_token_ids",
     "reported_usage",
@@ -192,3 +195,40 @@ def reported_usage(body: bytes) -> Usage | None:
         return _decode_usage(body).usage
     except UNDECODABLE:
         return None
+
+
+# ---------------------------------------------------------------- Dynamo's query_instance_id answer
+class WorkerIdInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Dynamo's `WorkerIdInfo`: who prefills and who decodes, each field skipped when absent."""
+
+    prefill_worker_id: int | None = None
+    prefill_dp_rank: int | None = None
+    decode_worker_id: int | None = None
+    decode_dp_rank: int | None = None
+
+
+class NvExtResponse(msgspec.Struct, kw_only=True):
+    """Dynamo's response ``nvext`` as its frontend fills it for ``query_instance_id``: the workers
+    chosen, and the prompt's token ids for the gateway's second call (``nvext.token_data``)."""
+
+    worker_id: WorkerIdInfo
+    token_ids: list[int]
+
+
+class QueryUsage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+
+
+class InstanceQueryReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A completion, chat completion or one streamed chunk of either, with no text: the answer to
+    ``query_instance_id``, whose content is ``nvext``. ``usage`` only in a whole answer."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: QueryUsage | None = None
+    nvext: NvExtResponse
