@@ -17,6 +17,9 @@ an SSE error event. The reply carries ``x-kv-router-worker``, ``x-kv-router-dp-r
 ``x-kv-router-cached-tokens`` (the router's prediction); the engine's reported cached tokens, when it
 reports them, are compared with that prediction (`api.proxy.metrics`).
 
+A request annotated ``query_instance_id`` (Dynamo's, in ``nvext.annotations``) is checked and routed
+the same way but neither booked nor forwarded: the answer is the decision (`api.proxy.instance_query`).
+
 The proxy's ``POST`` routes are stream routes (`routes`, `api.http_stream`): `answer` gets a
 `StreamCall` from the HTTP protocol or from `api.fastpath.FastPath`, and writes to it alike. CPU per
 request is a body decode, a routing decision and one exchange on a pooled connection
