@@ -48,7 +48,11 @@ from router.errors import UnknownWorker
 from router.kv_router import KvRouter
 from router.types import OverlapReport, RouteDecision, WorkerConfig
 
-__all__ = ["add_admin_routes", "add_hot_routes"]
+__all__ = ["LIVENESS_ALIASES", "READINESS_ALIASES", "add_admin_routes", "add_hot_routes"]
+
+# Other names of /healthz and /readyz.
+LIVENESS_ALIASES = ("/health", "/liveness")
+READINESS_ALIASES = ("/readiness",)
 
 
 _ERROR_SCHEMA: dict[str, Any] = {
@@ -286,6 +290,12 @@ def add_admin_routes(
         body = {"status": "ok", "event_plane": lifecycle.health()}
         return Response(encode(body, False), media_type="application/json")
 
+    # The names Kubernetes probes and the other gateways use, answered alike.
+    for alias in LIVENESS_ALIASES:
+        app.add_api_route(
+            alias, healthz, methods=["GET"], dependencies=[probe], tags=["operations"], summary="Liveness: as /healthz"
+        )
+
     @app.get(
         "/readyz",
         dependencies=[probe],
@@ -314,6 +324,11 @@ def add_admin_routes(
             state["event_plane"] = health
         body = encode(state, False)
         return Response(body, 200 if reason is None else 503, media_type="application/json")
+
+    for alias in READINESS_ALIASES:
+        app.add_api_route(
+            alias, readyz, methods=["GET"], dependencies=[probe], tags=["operations"], summary="Readiness: as /readyz"
+        )
 
     @app.get("/metrics", dependencies=[read], tags=["operations"], summary="Prometheus metrics (kv_router_*)")
     async def metrics() -> Response:

@@ -103,7 +103,7 @@ READ_PATHS = [
     "/v1/workers", "/v1/workers/1", "/v1/dump", "/v1/doctor", "/v1/info", "/metrics", "/docs", "/redoc", "/openapi.json"
 ]  # fmt: skip
 READ_CALLS = [("GET", path, None) for path in READ_PATHS]
-PROBE_CALLS = [("GET", "/healthz", None), ("GET", "/readyz", None)]
+PROBE_CALLS = [("GET", path, None) for path in ("/healthz", "/readyz", "/health", "/liveness", "/readiness")]
 
 
 def _call(client: TestClient, method: str, path: str, body: Any, headers: dict[str, str]) -> Any:

@@ -327,13 +327,19 @@ def test_workers_reconfigure_without_restart(client: TestClient) -> None:
 
 
 def test_health_readiness_and_openapi(client: TestClient) -> None:
-    assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/readyz").json() == {"ready": True, "workers": 0}
+    for path in ("/healthz", "/health", "/liveness"):
+        assert client.get(path).json() == {"status": "ok"}, path
+    for path in ("/readyz", "/readiness"):
+        assert client.get(path).json() == {"ready": True, "workers": 0}, path
     with serve(ready_min_workers=1) as strict:
-        assert strict.get("/readyz").status_code == 503
+        for path in ("/readyz", "/readiness"):
+            not_ready = strict.get(path)
+            assert not_ready.status_code == 503 and "1 required" in not_ready.json()["reason"], path
         strict.post("/v1/workers", json={"worker_id": 5})
         assert strict.get("/readyz").status_code == 200
+        assert strict.get("/readiness").status_code == 200
     document = client.get("/openapi.json").json()
+    assert {"/health", "/liveness", "/readiness"} <= set(document["paths"])
     new = document["paths"]["/v1/new"]["post"]
     assert new["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/NewRequest"}
     assert "application/msgpack" in new["requestBody"]["content"]
