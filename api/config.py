@@ -278,9 +278,30 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ] = False
     proxy_retries: Annotated[
         int,
-        _doc("other workers tried when one refuses the connection or answers 5xx before its first byte"),
+        _doc(
+            "attempts after the first when a worker refuses the connection, answers 5xx before its first byte, or "
+            "is overloaded (429 or 503): on the next best worker, else the same one after the backoff"
+        ),
         msgspec.Meta(ge=0),
     ] = 2
+    proxy_retry_backoff_secs: Annotated[
+        float,
+        _doc("backoff before the first retry, doubling for each next one; jittered: drawn from its upper half"),
+        msgspec.Meta(ge=0),
+    ] = 0.05
+    proxy_retry_backoff_max_secs: Annotated[
+        float,
+        _doc("the longest backoff between two attempts (an engine's Retry-After may ask for more)"),
+        msgspec.Meta(ge=0),
+    ] = 2.0
+    proxy_retry_budget_secs: Annotated[
+        float,
+        _doc(
+            "no retry starts later than this after the request came in; an engine's Retry-After beyond it ends the "
+            "retries and its answer goes to the client"
+        ),
+        msgspec.Meta(ge=0),
+    ] = 10.0
     proxy_cooldown_secs: Annotated[
         float, _doc("a worker that failed is not proxied to for this long"), msgspec.Meta(ge=0)
     ] = 10.0

@@ -70,8 +70,9 @@ class ProxyMetrics(Collector):
             f"{PREFIX}_proxy_requests",
             "Proxied OpenAI requests by route (completions, chat_completions) and outcome (ok, bad_request, "
             "no_worker, queue_rejected, upstream_error: no worker answered or a stream broke, upstream_status: "
-            "the worker's own 4xx, client_disconnected, tokenize_failed, unauthorized: no or a wrong API token, "
-            "instance_query: Dynamo's query_instance_id answered with the decision).",
+            "the worker's own 4xx, or its 429 / 503 once retries ran out, client_disconnected, tokenize_failed, "
+            "unauthorized: no or a wrong API token, instance_query: Dynamo's query_instance_id answered with the "
+            "decision).",
             ["route", "outcome"],
             registry=registry,
         )
@@ -84,6 +85,13 @@ class ProxyMetrics(Collector):
             f"{PREFIX}_proxy_upstream_failures",
             "Workers that refused a connection, timed out or answered 5xx before their first byte (each one then "
             "cooled down and the request sent to the next best worker, within the retry bound).",
+            registry=registry,
+        )
+        self._retried = Counter(
+            f"{PREFIX}_proxy_retries",
+            "Requests tried again after a worker failed them before their first byte, by why: upstream_error "
+            "(refused, reset, timed out, 5xx) or overloaded (the engine's 429 or 503), after the backoff.",
+            ["reason"],
             registry=registry,
         )
         self.error = histogram_series(ERROR_BUCKETS)
@@ -114,6 +122,9 @@ class ProxyMetrics(Collector):
 
     def upstream_failure(self) -> None:
         self._retries.inc()
+
+    def retried(self, reason: str) -> None:
+        self._retried.labels(reason).inc()
 
     def cached_tokens(self, worker_id: int, predicted: int, actual: int) -> None:
         self.error.observe(actual - predicted)

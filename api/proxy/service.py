@@ -11,11 +11,13 @@ streaming), ``mark_free`` when it ends however it ends: done, the worker failing
 and released through `KvRouter`, so replicas and metrics see the proxy's requests like any other.
 
 A worker that refuses the connection, times out or answers 5xx before its first byte is cooled down
-for ``proxy_cooldown_secs`` and the request is booked again on the next best worker, at most
-``proxy_retries`` times; after the first byte has gone to the client, a failure ends the stream with
-an SSE error event. The reply carries ``x-kv-router-worker``, ``x-kv-router-dp-rank`` and
-``x-kv-router-cached-tokens`` (the router's prediction); the engine's reported cached tokens, when it
-reports them, are compared with that prediction (`api.proxy.metrics`).
+for ``proxy_cooldown_secs`` and the request is booked again on the next best worker, and an
+overloaded engine's 429 / 503 is retried alike, after a jittered exponential backoff and the engine's
+Retry-After (`api.proxy.retry`), at most ``proxy_retries`` times within ``proxy_retry_budget_secs``;
+after the first byte has gone to the client, a failure ends the stream with an SSE error event. The
+reply carries ``x-kv-router-worker``, ``x-kv-router-dp-rank`` and ``x-kv-router-cached-tokens``
+(the router's prediction); the engine's reported cached tokens, when it reports them, are compared
+with that prediction (`api.proxy.metrics`).
 
 A request annotated ``query_instance_id`` (Dynamo's, in ``nvext.annotations``) is checked and routed
 the same way but neither booked nor forwarded: the answer is the decision (`api.proxy.instance_query`).
@@ -49,6 +51,7 @@ from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
+from api.proxy.retry import RetryPolicy, retry_after_secs
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
 from api.proxy.wire import (
@@ -100,7 +103,19 @@ def _refused(status: int, kind: str, message: str, outcome: str, **headers: str)
 
 
 class _WorkerFailed(Exception):
-    """The worker failed before its first byte reached the client: try the next one."""
+    """The worker failed before its first byte reached the client: try again. ``answer``: an overloaded
+    engine's own 429 or 503 (status, headers, body), given to the client if no retry follows;
+    ``retry_after``: its Retry-After in seconds."""
+
+    def __init__(
+        self,
+        problem: str,
+        answer: tuple[int, Headers, bytes] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(problem)
+        self.answer = answer
+        self.retry_after = retry_after
 
 
 class Proxy:
@@ -113,6 +128,7 @@ class Proxy:
         self.config = config
         self.metrics = ProxyMetrics(registry, config.proxy_calibration_window)
         self.upstream = Upstream(config)
+        self.retry = RetryPolicy(config)
         self.tokenizer = PromptTokenizer(load_model_files(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
@@ -318,21 +334,43 @@ class Proxy:
         # What the worker gets of the client's headers besides the content type: its credentials.
         headers = b"authorization: " + authorization + b"\r\n" if authorization is not None else b""
         path = _PATHS[route]
-        among = set(by_id) if routing.among is None else set(by_id) & routing.among
+        candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
+        among = set(candidates)
         failures: list[str] = []
-        for _attempt in range(self.config.proxy_retries + 1):
-            decision = await self._book(routing.request, among, routing.pinned)
+        started = time.monotonic()
+        retry = 0
+        while True:
+            try:
+                decision = await self._book(routing.request, among, routing.pinned)
+            except _Refused as refused:
+                if not failures or refused.outcome != "no_worker":
+                    raise
+                break  # the workers that failed are out of routing now: nobody left to try
             worker = by_id[decision.worker_id]
             try:
                 return await self._forward(worker, decision, path, body, headers, stream, reply, received)
-            except _WorkerFailed as failed:
-                failures.append(f"worker {worker.worker_id}: {failed}")
-                self.cool_down(worker.worker_id, str(failed))
-                among.discard(worker.worker_id)
-                if not among or routing.pinned is not None:  # a pinned request has no other worker
-                    break
+            except _WorkerFailed as exc:
+                failed = exc
             finally:
                 self.router.mark_free(request_id)
+            failures.append(f"worker {worker.worker_id}: {failed}")
+            overloaded = failed.answer is not None and failed.answer[0] == 429
+            if not overloaded:  # a 429 is the engine pacing us, not a failure of the worker
+                self.cool_down(worker.worker_id, str(failed))
+            # The next best worker, else (all tried, or pinned) the same ones again after the backoff.
+            among.discard(worker.worker_id)
+            if not among:
+                among = set(candidates)
+            retry += 1
+            delay = self.retry.delay(retry, failed.retry_after, started, time.monotonic())
+            if delay is None:
+                break
+            self.metrics.retried("overloaded" if failed.answer is not None else "upstream_error")
+            await asyncio.sleep(delay)
+        if failed.answer is not None:  # the engine's own 429 / 503 and its Retry-After, as it sent them
+            status, answer_headers, content = failed.answer
+            await reply.whole(status, answer_headers, content)
+            return "upstream_status"
         raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
     async def _instance_query(
@@ -407,6 +445,8 @@ class Proxy:
             raise _WorkerFailed(str(exc)) from None
         try:
             status = exchange.status
+            if status in _OVERLOADED:
+                raise await _overloaded(exchange, decision)
             if status >= 500:
                 raise _WorkerFailed(f"HTTP {status}")
             # A new list: ``begin`` may yet read ``ours`` (it adds the content type itself).
@@ -508,6 +548,26 @@ class _OutputProgress:
         if events >= self.next_at:
             self.next_at = events + self.every
             self.record(self.request_id, events)
+
+
+# An engine's answers meaning "too busy now, try again" (vLLM and SGLang's, with a Retry-After or not).
+_OVERLOADED = frozenset({429, 503})
+
+
+async def _overloaded(exchange: Exchange, decision: RouteDecision) -> _WorkerFailed:
+    """An overloaded engine's answer, read whole, as the failure that makes the proxy try again."""
+    status = exchange.status
+    try:
+        content = await exchange.read()
+    except UpstreamError as exc:
+        return _WorkerFailed(str(exc))
+    headers: Headers = [
+        (b"content-type", exchange.content_type or _JSON),
+        (b"x-kv-router-worker", str(decision.worker_id).encode()),
+    ]
+    if exchange.retry_after is not None:
+        headers.append((b"retry-after", exchange.retry_after))
+    return _WorkerFailed(f"HTTP {status}", (status, headers, content), retry_after_secs(exchange.retry_after))
 
 
 def _finished_stream(events: bytes) -> bool:

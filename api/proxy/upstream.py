@@ -254,6 +254,7 @@ class Exchange(asyncio.Protocol):
         self.used = False  # has carried an exchange before
         self.status = 0
         self.content_type: bytes | None = None
+        self.retry_after: bytes | None = None  # the answer's Retry-After (an overloaded engine's 429 or 503)
         self._delimited = False  # the body's end is marked (content-length or chunked), not the close
         self._keep_alive = False  # the worker keeps the connection open after this answer
         self._pieces: list[bytes] = []  # decoded body not yet taken
@@ -326,6 +327,8 @@ class Exchange(asyncio.Protocol):
         name = name.lower()
         if name == b"content-type":
             self.content_type = value
+        elif name == b"retry-after":
+            self.retry_after = value
         elif name in (b"content-length", b"transfer-encoding"):
             self._delimited = True
 
@@ -461,6 +464,7 @@ class Exchange(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.content_type = None
+        self.retry_after = None
         self._delimited = False
         self._keep_alive = False
         self._pieces = []

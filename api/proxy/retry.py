@@ -1,0 +1,71 @@
+"""When the proxy tries a request again after the workers failed it before its first byte.
+
+A retry follows a connection failure, a 5xx or a stream ending before its first byte, and an
+overloaded engine's 429 or 503. Before retry ``n`` (1, 2, ...) the proxy waits an exponential backoff
+with jitter, ``d = min(proxy_retry_backoff_max_secs, proxy_retry_backoff_secs * 2 ** (n - 1))``, drawn
+uniformly from ``[d / 2, d]`` (half of it fixed, so retries never bunch at zero; half random, so the
+clients a failure hit do not come back in step), and at least the engine's ``Retry-After``. Retries
+are bounded in count (``proxy_retries``) and in time: none starts later than
+``proxy_retry_budget_secs`` after the request's body was in (a ``Retry-After`` beyond that ends the
+retries at once and the engine's answer goes to the client).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import math
+import random
+import time
+from collections.abc import Callable
+
+from api.config import ProxyConfig
+
+__all__ = ["RetryPolicy", "retry_after_secs"]
+
+
+class RetryPolicy:
+    """The backoff and the bounds of the retries of one proxy (`ProxyConfig`)."""
+
+    def __init__(self, config: ProxyConfig, uniform: Callable[[float, float], float] = random.uniform) -> None:
+        self.retries = config.proxy_retries
+        self._base = config.proxy_retry_backoff_secs
+        self._cap = config.proxy_retry_backoff_max_secs
+        self._budget = config.proxy_retry_budget_secs
+        self._uniform = uniform
+
+    def backoff(self, retry: int) -> float:
+        """The jittered wait before retry ``retry`` (1 for the first)."""
+        ceiling = min(self._cap, self._base * 2.0 ** min(retry - 1, 64))
+        return self._uniform(ceiling / 2, ceiling)
+
+    def delay(self, retry: int, retry_after: float | None, started: float, now: float) -> float | None:
+        """The wait before retry ``retry`` (at least the engine's ``retry_after``), or None when there is
+        to be no such retry: past the count, or starting after the time budget (``started``, ``now``:
+        monotonic seconds)."""
+        if retry > self.retries:
+            return None
+        wait = self.backoff(retry)
+        if retry_after is not None:
+            wait = max(wait, retry_after)
+        if now + wait - started > self._budget:
+            return None
+        return wait
+
+
+def retry_after_secs(value: bytes | None, now: float | None = None) -> float | None:
+    """An HTTP ``Retry-After`` in seconds from now: delay-seconds or an HTTP-date; None if absent or
+    unreadable (then the backoff alone applies)."""
+    if not value:
+        return None
+    text = value.decode("latin-1").strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if not math.isfinite(seconds):
+        return None
+    return max(seconds, 0.0)

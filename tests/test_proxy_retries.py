@@ -1,0 +1,201 @@
+"""Retries of the proxy (`api.proxy.retry`): exponential backoff with jitter, an overloaded engine's
+429 / 503 and its Retry-After, a worker refusing connections until it comes up, and the bounds in count
+and time; with the real `openai` client against the proxy and workers served by uvicorn on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+import openai
+import pytest
+import uvicorn
+from hypothesis import given
+from hypothesis import strategies as st
+
+from api.config import ProxyConfig
+from api.proxy.retry import RetryPolicy, retry_after_secs
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.types import WorkerConfig
+from tests.metrics import sample
+from tests.proxy_fleet import MODEL, Fleet, fleet, idle
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+COMPLETION = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "created": 0,
+    "model": MODEL,
+    "choices": [{"index": 0, "text": " fine", "finish_reason": "length", "logprobs": None}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+}
+
+
+@dataclass
+class Gate:
+    """A worker that answers ``status`` (with ``retry_after``, if any) to its first ``refusals`` requests,
+    then a completion; it notes when each request came (monotonic seconds)."""
+
+    refusals: int
+    status: int = 429
+    retry_after: str | None = None
+    arrivals: list[float] = field(default_factory=list)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        while (await receive()).get("more_body"):
+            pass
+        self.arrivals.append(time.monotonic())
+        if len(self.arrivals) <= self.refusals:
+            status, body = self.status, b'{"error": {"message": "engine busy", "type": "overloaded", "code": 0}}'
+            headers = [(b"content-type", b"application/json")]
+            if self.retry_after is not None:
+                headers.append((b"retry-after", self.retry_after.encode()))
+        else:
+            status, body, headers = 200, msgspec.json.encode(COMPLETION), [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.asynccontextmanager
+async def served(app: Gate, port: int | None = None) -> AsyncIterator[str]:
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    await eventually(lambda: server.started or serving.done())
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
+async def register(f: Fleet, worker_id: int, url: str) -> None:
+    worker = WorkerConfig(worker_id=worker_id, block_size=64, url=url, models=frozenset({MODEL}))
+    async with httpx.AsyncClient(base_url=f.url) as http:
+        assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
+
+
+async def retries(f: Fleet, reason: str) -> float | None:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{f.url}/metrics")).text
+    return sample(text, "kv_router_proxy_retries_total", reason=reason)
+
+
+async def test_an_overloaded_engines_retry_after_is_waited_for_then_the_request_goes_through(
+    nats_server: EmbeddedNats,
+) -> None:
+    gate = Gate(refusals=2, status=429, retry_after="1")
+    proxy = {"proxy_retries": 3, "proxy_retry_backoff_secs": 0.01}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, served(gate) as url:
+        await register(f, 7, url)
+        completion = await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+        assert completion.choices[0].text == " fine"
+        assert len(gate.arrivals) == 3
+        gaps = [later - earlier for earlier, later in zip(gate.arrivals, gate.arrivals[1:], strict=False)]
+        assert min(gaps) >= 1.0  # the engine's Retry-After, not the 10 ms backoff
+        assert await retries(f, "overloaded") == 2
+        assert idle(f.router)
+
+
+async def test_retries_are_bounded_in_count_and_the_engines_last_answer_goes_to_the_client(
+    nats_server: EmbeddedNats,
+) -> None:
+    gate = Gate(refusals=100, status=503, retry_after="0")
+    proxy = {"proxy_retries": 2, "proxy_retry_backoff_secs": 0.01}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, served(gate) as url:
+        await register(f, 7, url)
+        with pytest.raises(openai.InternalServerError) as caught:
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+        assert caught.value.status_code == 503
+        assert caught.value.response.json()["error"]["message"] == "engine busy"
+        assert caught.value.response.headers["retry-after"] == "0"
+        assert len(gate.arrivals) == 3  # the first attempt and proxy_retries more
+        assert await retries(f, "overloaded") == 2
+        assert idle(f.router)
+
+
+async def test_a_retry_after_beyond_the_time_budget_ends_the_retries_at_once(nats_server: EmbeddedNats) -> None:
+    gate = Gate(refusals=100, status=429, retry_after="60")
+    proxy = {"proxy_retries": 5, "proxy_retry_budget_secs": 5.0}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, served(gate) as url:
+        await register(f, 7, url)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+        assert caught.value.response.headers["retry-after"] == "60"
+        assert caught.value.response.headers["x-kv-router-worker"] == "7"
+        assert len(gate.arrivals) == 1
+        assert await retries(f, "overloaded") is None
+        assert idle(f.router)
+
+
+async def test_a_worker_refusing_connections_is_retried_after_backoffs_until_it_is_up(
+    nats_server: EmbeddedNats,
+) -> None:
+    port = free_port()
+    proxy = {"proxy_retries": 20, "proxy_retry_backoff_secs": 0.05, "proxy_retry_backoff_max_secs": 0.2}
+    async with fleet(nats_server.url, (), proxy=proxy) as f:
+        await register(f, 7, f"http://127.0.0.1:{port}")  # nothing listens there yet
+        asked = asyncio.ensure_future(f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1))
+        async def retried() -> bool:
+            return (await retries(f, "upstream_error") or 0) >= 1
+
+        await eventually(retried, what="a retry after the refused connection")
+        assert not asked.done()
+        gate = Gate(refusals=0)
+        async with served(gate, port):
+            completion = await asked
+        assert completion.choices[0].text == " fine"
+        assert len(gate.arrivals) == 1
+        assert idle(f.router)
+
+
+@given(
+    base=st.floats(0.001, 1.0),
+    cap=st.floats(0.001, 5.0),
+    retry=st.integers(1, 80),
+    draw=st.floats(0.0, 1.0),
+)
+def test_the_backoff_doubles_up_to_its_cap_and_keeps_its_upper_half(
+    base: float, cap: float, retry: int, draw: float
+) -> None:
+    config = ProxyConfig(
+        proxy_retries=100, proxy_retry_backoff_secs=base, proxy_retry_backoff_max_secs=cap, proxy_retry_budget_secs=1e9
+    )
+    policy = RetryPolicy(config, uniform=lambda low, high: low + draw * (high - low))
+    ceiling = min(cap, base * 2.0 ** (retry - 1))
+    wait = policy.backoff(retry)
+    assert ceiling / 2 - 1e-12 <= wait <= ceiling + 1e-12
+    assert policy.delay(retry, None, 0.0, 0.0) == pytest.approx(wait)
+    assert policy.delay(retry, 1000.0, 0.0, 0.0) == 1000.0  # the engine's Retry-After wins when longer
+
+
+def test_retries_stop_past_their_count_and_their_time_budget() -> None:
+    config = ProxyConfig(
+        proxy_retries=2, proxy_retry_backoff_secs=1.0, proxy_retry_backoff_max_secs=1.0, proxy_retry_budget_secs=3.0
+    )
+    policy = RetryPolicy(config, uniform=lambda low, high: high)
+    assert policy.delay(1, None, started=0.0, now=0.0) == 1.0
+    assert policy.delay(2, None, started=0.0, now=1.5) == 1.0
+    assert policy.delay(3, None, started=0.0, now=0.0) is None  # past proxy_retries
+    assert policy.delay(2, None, started=0.0, now=2.5) is None  # would start after the budget
+    assert policy.delay(1, 5.0, started=0.0, now=0.0) is None  # Retry-After beyond the budget
+
+
+def test_retry_after_is_read_as_seconds_or_an_http_date() -> None:
+    assert retry_after_secs(b"3") == 3.0
+    assert retry_after_secs(b" 0 ") == 0.0
+    assert retry_after_secs(b"-5") == 0.0
+    now = 1_700_000_000.0
+    assert retry_after_secs(email.utils.formatdate(now + 30, usegmt=True).encode(), now=now) == 30.0
+    for unreadable in (None, b"", b"soon", b"nan", b"inf"):
+        assert retry_after_secs(unreadable) is None
