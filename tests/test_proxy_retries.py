@@ -146,6 +146,7 @@ async def test_a_worker_refusing_connections_is_retried_after_backoffs_until_it_
     async with fleet(nats_server.url, (), proxy=proxy) as f:
         await register(f, 7, f"http://127.0.0.1:{port}")  # nothing listens there yet
         asked = asyncio.ensure_future(f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1))
+
         async def retried() -> bool:
             return (await retries(f, "upstream_error") or 0) >= 1
 
