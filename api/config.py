@@ -302,9 +302,6 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         ),
         msgspec.Meta(ge=0),
     ] = 10.0
-    proxy_cooldown_secs: Annotated[
-        float, _doc("a worker that failed is not proxied to for this long"), msgspec.Meta(ge=0)
-    ] = 10.0
     proxy_connect_timeout_secs: Annotated[PositiveSecs, _doc("time to open a connection to a worker")] = 2.0
     proxy_read_timeout_secs: Annotated[
         PositiveSecs, _doc("longest silence of a worker: before its first byte (prefill, its queue) and between chunks")

@@ -20,6 +20,7 @@ from router.errors import (
     NoEligibleWorker,
     QueueRejected,
     UnknownWorker,
+    WorkersUnavailable,
 )
 
 __all__ = [
@@ -114,6 +115,7 @@ class UnknownRoutingTarget(ApiError):
 ROUTER_ERRORS: dict[type[Exception], tuple[int, str]] = {
     DuplicateRequestId: (409, "duplicate_request_id"),
     QueueRejected: (429, "queue_rejected"),
+    WorkersUnavailable: (503, "workers_unavailable"),
     NoEligibleWorker: (503, "no_eligible_worker"),
     AllWorkersOverloaded: (503, "all_workers_overloaded"),
     UnknownWorker: (404, "unknown_worker"),

@@ -41,6 +41,7 @@ from router.doctor import ConfigDoctor
 from router.engines.zmq_stream import ZmqEngineStream
 from router.kv_router import KvRouter
 from router.types import RouteDecision
+from router.worker_health import STATE_VALUES
 
 __all__ = [
     "ApiMetrics",
@@ -307,10 +308,16 @@ class RouterStateCollector(Collector):
         router = self._router
         families = self._families()
         (prefill, decode, active, busy, kv_used, kv_total, indexed, queue_req, queue_isl, workers, nodes, index_bytes,
-         predicted, engine_waiting, engine_running, roles) = families  # fmt: skip
+         predicted, engine_waiting, engine_running, roles, circuit, opened, checked) = families  # fmt: skip
         capacity = {worker.worker_id: worker.total_kv_blocks for worker in router.workers()}
         for worker in router.workers():
-            roles.add_metric([str(worker.worker_id), worker.role], 1.0)
+            worker_label = [str(worker.worker_id)]
+            roles.add_metric([*worker_label, worker.role], 1.0)
+            availability = router.health.availability(worker.worker_id)
+            circuit.add_metric(worker_label, STATE_VALUES[availability.circuit])
+            opened.add_metric(worker_label, availability.circuit_opened)
+            if availability.health_check != "unknown":
+                checked.add_metric(worker_label, 1.0 if availability.health_check == "passing" else 0.0)
         for load in router.rank_loads():
             labels = [str(load.worker_id), str(load.dp_rank)]
             prefill.add_metric(labels, load.active_prefill_tokens)
@@ -341,7 +348,7 @@ class RouterStateCollector(Collector):
         yield from families
 
     @staticmethod
-    def _families() -> list[GaugeMetricFamily]:
+    def _families() -> list[GaugeMetricFamily | CounterMetricFamily]:
         rank = ["worker_id", "dp_rank"]
         return [
             GaugeMetricFamily(
@@ -396,6 +403,23 @@ class RouterStateCollector(Collector):
                 "1 per registered worker, labelled with its role (prefill, decode or both): join on worker_id "
                 "to split the per-rank series by pool.",
                 labels=["worker_id", "role"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_circuit_state",
+                "The worker's circuit breaker: 0 closed (routed to), 1 half-open (probe requests), 2 open (out of "
+                "routing after worker_breaker_failures failures in a row).",
+                labels=["worker_id"],
+            ),
+            CounterMetricFamily(
+                f"{PREFIX}_worker_circuit_opened",
+                "Times the worker's circuit breaker opened (since it registered).",
+                labels=["worker_id"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_health_check_passing",
+                "1 while the worker passes its active /health check, 0 while it fails it (out of routing); absent "
+                "for workers not checked.",
+                labels=["worker_id"],
             ),
         ]
 

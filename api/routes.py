@@ -151,7 +151,8 @@ def add_admin_routes(
     def status_of(config: WorkerConfig, request: Request) -> WorkerStatus:
         ranks = [load for load in kv_router.rank_loads() if load.worker_id == config.worker_id]
         streams = streams_by_worker().get(config.worker_id, [])
-        return WorkerStatus(config=config, ranks=ranks, event_streams=streams)
+        availability = kv_router.health.availability(config.worker_id)
+        return WorkerStatus(config=config, ranks=ranks, event_streams=streams, availability=availability)
 
     def reply(value: Any, request: Request, status: int = 200) -> Response:
         msgpack = is_msgpack(read_head(request.scope["headers"]).accept)
@@ -171,7 +172,12 @@ def add_admin_routes(
             by_worker.setdefault(load.worker_id, []).append(load)
         streams = streams_by_worker()
         statuses = [
-            WorkerStatus(config=c, ranks=by_worker.get(c.worker_id, []), event_streams=streams.get(c.worker_id, []))
+            WorkerStatus(
+                config=c,
+                ranks=by_worker.get(c.worker_id, []),
+                event_streams=streams.get(c.worker_id, []),
+                availability=kv_router.health.availability(c.worker_id),
+            )
             for c in kv_router.workers()
         ]
         return reply(WorkersReply(workers=statuses), request)

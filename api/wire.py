@@ -32,6 +32,7 @@ from router.types import (
     RouteRequest,
     RoutingConstraints,
     Tokens,
+    WorkerAvailability,
     WorkerConfig,
 )
 
@@ -335,6 +336,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
     # Per dp rank, the state of its NATS event stream (empty without an event plane): the last
     # applied event id, and whether it is trusted (no gap since the last sync).
     event_streams: list[StreamStatus] = []
+    # In routing or not: its circuit breaker and its active health check (`router.worker_health`).
+    availability: WorkerAvailability | None = None
 
 
 class WorkersReply(msgspec.Struct, kw_only=True):

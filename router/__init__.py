@@ -13,6 +13,7 @@ from router.errors import (
     NoEligibleWorker,
     QueueRejected,
     UnknownWorker,
+    WorkersUnavailable,
 )
 from router.kv_router import KvRouter
 from router.types import (
@@ -55,4 +56,5 @@ __all__ = [
     "UnknownWorker",
     "WorkerConfig",
     "WorkerOverlap",
+    "WorkersUnavailable",
 ]

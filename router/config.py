@@ -273,6 +273,28 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "total_kv_blocks per rank, least recently routed out first)"
         ),
     ] = 120.0
+    # Ours: the circuit breaker per worker (router/worker_health.py), fed by the proxy's outcomes.
+    worker_breaker_failures: Annotated[
+        int,
+        _doc(
+            "ours: failures in a row (refused, timed out, 5xx, a broken stream) that open a worker's circuit: it is "
+            "left out of routing by every policy for worker_breaker_open_secs; 0: no circuit breaker"
+        ),
+        msgspec.Meta(ge=0),
+    ] = 5
+    worker_breaker_open_secs: Annotated[
+        float,
+        _doc("ours: how long an open circuit leaves its worker out before it goes half-open (probe requests)"),
+        msgspec.Meta(ge=0),
+    ] = 10.0
+    worker_breaker_half_open_probes: Annotated[
+        int,
+        _doc(
+            "ours: requests let through at a time to a half-open worker; this many successes in a row close its "
+            "circuit, one failure opens it again"
+        ),
+        msgspec.Meta(ge=1),
+    ] = 1
 
     def __post_init__(self) -> None:
         if type(self.block_size) is not int or self.block_size < 1:

@@ -17,6 +17,7 @@ __all__ = [
     "NoEligibleWorker",
     "QueueRejected",
     "UnknownWorker",
+    "WorkersUnavailable",
 ]
 
 
@@ -43,6 +44,19 @@ class NoEligibleWorker(KvRouterError):
         self.required_taints = list(required_taints or [])
         detail = f" with taints {sorted(self.required_taints)}" if self.required_taints else ""
         super().__init__(f"no worker available{detail} to route work")
+
+
+class WorkersUnavailable(NoEligibleWorker):
+    """Workers exist for the request, but every one is out of routing: its circuit open after failures,
+    or its health check failing (`router.worker_health`)."""
+
+    def __init__(self, worker_ids: list[int]) -> None:
+        super().__init__()
+        self.worker_ids = worker_ids
+        self.args = (
+            f"no worker available to route work: workers {worker_ids} are out of routing (circuit open "
+            "after failures, or failing their health check)",
+        )
 
 
 class AllWorkersOverloaded(KvRouterError):

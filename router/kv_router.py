@@ -42,6 +42,7 @@ from router.errors import (
     KvRouterError,
     NoEligibleWorker,
     QueueRejected,
+    WorkersUnavailable,
 )
 from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps, round_half_away
 from router.policies import create_policy
@@ -63,6 +64,7 @@ from router.types import (
     WorkerConfig,
     WorkerOverlap,
 )
+from router.worker_health import WorkerHealth
 
 __all__ = ["OVERLAP_REFRESH_AFTER_SECS", "BookingListener", "KvRouter"]
 
@@ -166,6 +168,8 @@ class KvRouter:
         self.predictions: PredictedCache | None = None
         self._rng = rng if rng is not None else random.Random()
         self._scheduler = Scheduler(config, create_policy(config, self._rng))
+        # Circuit breakers and health-check verdicts: who is out of routing, for every policy.
+        self.health = WorkerHealth(config, clock)
         # Until router_min_initial_workers have registered once, `new` waits (Dynamo's startup wait).
         self._started = config.router_min_initial_workers <= len(self._scheduler.workers)
         self._workers_ready: asyncio.Event | None = None
@@ -245,6 +249,7 @@ class KvRouter:
         dropped = self._scheduler.remove_worker(worker_id)
         self._disaggregated = is_disaggregated(self._scheduler.workers)
         self.indexer.remove_worker(worker_id)
+        self.health.forget(worker_id)
         self.events.forget_worker(worker_id)  # a worker registered again starts its streams afresh
         if self.predictions is not None:
             self.predictions.forget_worker(worker_id)
@@ -408,7 +413,10 @@ class KvRouter:
             workers = [worker for worker in workers if worker.worker_id in among]
             if not workers:
                 raise NoEligibleWorker(constraints.required_taints if constraints is not None else None)
-        return workers
+        usable = self.health.usable(workers)
+        if not usable:
+            raise WorkersUnavailable([worker.worker_id for worker in workers])
+        return usable
 
     def _route(self, routing: _Routing, workers: list[WorkerConfig], *, queued_s: float) -> RouteDecision:
         """Select, book and report; raises the scheduler's errors."""
@@ -432,6 +440,7 @@ class KvRouter:
     def _commit(self, routing: _Routing, choice: Choice, started: float, queued_s: float) -> RouteDecision:
         """Book the choice (if the request has an id) and report it."""
         request = routing.request
+        self.health.routed(choice.key[0])
         if request.request_id is not None:
             self._scheduler.book(
                 request.request_id,

@@ -38,6 +38,7 @@ __all__ = [
     "RouterConfigOverride",
     "RoutingConstraints",
     "Tokens",
+    "WorkerAvailability",
     "WorkerConfig",
     "WorkerOverlap",
     "WorkerRole",
@@ -340,6 +341,19 @@ class RankLoad(msgspec.Struct, kw_only=True, frozen=True):
     # What the engine itself reports (kv-router bridge --engine-metrics-url); None: not reported.
     engine_requests_waiting: int | None = None
     engine_requests_running: int | None = None
+
+
+class WorkerAvailability(msgspec.Struct, kw_only=True, frozen=True):
+    """Whether a worker is in routing (`router.worker_health`), for listings: its circuit breaker and
+    its active health check."""
+
+    routable: bool
+    circuit: Literal["closed", "open", "half_open"]
+    consecutive_failures: int
+    circuit_opened: int  # times its circuit opened
+    half_open_in_secs: float | None  # an open circuit: seconds until it lets a probe through
+    last_failure: str | None
+    health_check: Literal["unknown", "passing", "failing"]
 
 
 class QueueStats(msgspec.Struct, kw_only=True, frozen=True):

@@ -64,7 +64,8 @@ async def test_a_worker_killed_mid_run_loses_no_booking_and_the_proxy_keeps_serv
             # The streams on the killed worker end with the SSE error event, the others complete.
             assert outcomes.count("error") == placed.count(11) > 0, (outcomes, placed)
             await eventually(lambda: idle(f.router))
-            # New requests go to the survivor: worker 11 is cooled down, then its lease expires.
+            # New requests go to the survivor: worker 11's failures are told to its circuit breaker (a retry takes its
+            # requests to 12 meanwhile), then its lease expires.
             for i in range(4):
                 raw = await api.completions.with_raw_response.create(model=MODEL, prompt=[i + 1] * 100, max_tokens=2)
                 assert raw.headers["x-kv-router-worker"] == "12"

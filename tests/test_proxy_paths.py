@@ -78,7 +78,7 @@ async def test_a_stream_broken_mid_chunk_ends_with_the_sse_error_event_and_frees
                 texts.append(chunk.choices[0].text)
         assert texts == [" w1"]
         assert idle(f.router)
-        assert 5 in f.app.state.proxy._cooling
+        assert f.router.health.availability(5).consecutive_failures == 1  # told to its circuit breaker
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"{f.url}/metrics")).text
         assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="upstream_error") == 1

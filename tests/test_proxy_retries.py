@@ -5,84 +5,23 @@ and time; with the real `openai` client against the proxy and workers served by 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import email.utils
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
-import msgspec
 import openai
 import pytest
-import uvicorn
 from hypothesis import given
 from hypothesis import strategies as st
 
 from api.config import ProxyConfig
 from api.proxy.retry import RetryPolicy, retry_after_secs
 from router.event_plane.embedded_server import EmbeddedNats, free_port
-from router.types import WorkerConfig
+from tests.gate_worker import Gate, register, served
 from tests.metrics import sample
 from tests.proxy_fleet import MODEL, Fleet, fleet, idle
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
-
-COMPLETION = {
-    "id": "cmpl-1",
-    "object": "text_completion",
-    "created": 0,
-    "model": MODEL,
-    "choices": [{"index": 0, "text": " fine", "finish_reason": "length", "logprobs": None}],
-    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-}
-
-
-@dataclass
-class Gate:
-    """A worker that answers ``status`` (with ``retry_after``, if any) to its first ``refusals`` requests,
-    then a completion; it notes when each request came (monotonic seconds)."""
-
-    refusals: int
-    status: int = 429
-    retry_after: str | None = None
-    arrivals: list[float] = field(default_factory=list)
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        assert scope["type"] == "http"
-        while (await receive()).get("more_body"):
-            pass
-        self.arrivals.append(time.monotonic())
-        if len(self.arrivals) <= self.refusals:
-            status, body = self.status, b'{"error": {"message": "engine busy", "type": "overloaded", "code": 0}}'
-            headers = [(b"content-type", b"application/json")]
-            if self.retry_after is not None:
-                headers.append((b"retry-after", self.retry_after.encode()))
-        else:
-            status, body, headers = 200, msgspec.json.encode(COMPLETION), [(b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-
-@contextlib.asynccontextmanager
-async def served(app: Gate, port: int | None = None) -> AsyncIterator[str]:
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
-    serving = asyncio.create_task(server.serve())
-    await eventually(lambda: server.started or serving.done())
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await serving
-
-
-async def register(f: Fleet, worker_id: int, url: str) -> None:
-    worker = WorkerConfig(worker_id=worker_id, block_size=64, url=url, models=frozenset({MODEL}))
-    async with httpx.AsyncClient(base_url=f.url) as http:
-        assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
 
 
 async def retries(f: Fleet, reason: str) -> float | None:

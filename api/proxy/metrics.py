@@ -84,7 +84,7 @@ class ProxyMetrics(Collector):
         self._retries = Counter(
             f"{PREFIX}_proxy_upstream_failures",
             "Workers that refused a connection, timed out or answered 5xx before their first byte (each one then "
-            "cooled down and the request sent to the next best worker, within the retry bound).",
+            "told to its circuit breaker and the request sent to the next best worker, within the retry bound).",
             registry=registry,
         )
         self._retried = Counter(

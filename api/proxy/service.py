@@ -10,8 +10,9 @@ streaming), ``mark_free`` when it ends however it ends: done, the worker failing
 (which also closes the upstream connection, so the engine stops the request). Every booking is made
 and released through `KvRouter`, so replicas and metrics see the proxy's requests like any other.
 
-A worker that refuses the connection, times out or answers 5xx before its first byte is cooled down
-for ``proxy_cooldown_secs`` and the request is booked again on the next best worker, and an
+A worker that refuses the connection, times out or answers 5xx before its first byte is reported to
+its circuit breaker (`router.worker_health`: enough failures in a row take it out of routing) and the
+request is booked again on the next best worker, and an
 overloaded engine's 429 / 503 is retried alike, after a jittered exponential backoff and the engine's
 Retry-After (`api.proxy.retry`), at most ``proxy_retries`` times within ``proxy_retry_budget_secs``;
 after the first byte has gone to the client, a failure ends the stream with an SSE error event. The
@@ -135,7 +136,6 @@ class Proxy:
         # Output progress changes what routing reads only with output blocks tracked or a policy pricing
         # the context in flight (`KvRouter.tracks_output`).
         self._track_output = router.tracks_output
-        self._cooling: dict[int, float] = {}  # worker id -> monotonic time its cooldown ends
         self._decoders: dict[str, Callable[[bytes], TokenIdsBody | CompletionBody | ChatBody]] = {
             "completions": _completion_decoder(),
             "chat_completions": msgspec.json.Decoder(ChatBody).decode,
@@ -221,26 +221,22 @@ class Proxy:
         schemas.add_path("/v1/models", "get", {"summary": "the models of the proxied workers", "tags": tags, **models})
 
     def workers_for(self, model: str) -> list[WorkerConfig]:
-        """Workers with a URL serving ``model`` (declaring no models: any), those cooling down left out
-        unless every one is cooling (a cooldown is a preference, not a verdict)."""
-        serving = [w for w in self.router.workers() if w.url is not None and (not w.models or model in w.models)]
-        cooling = self._cooling
-        if not cooling:
-            return serving
-        now = time.monotonic()
-        for worker_id, until in list(cooling.items()):
-            if until <= now:
-                del cooling[worker_id]
-        warm = [worker for worker in serving if worker.worker_id not in cooling]
-        return warm or serving
+        """Workers with a URL serving ``model`` (declaring no models: any). Those out of routing (circuit
+        open, health check failing) are left out by the router itself (`router.worker_health`)."""
+        return [w for w in self.router.workers() if w.url is not None and (not w.models or model in w.models)]
 
-    def cool_down(self, worker_id: int, problem: str) -> None:
-        """A worker failed: count it, say why, and leave it out for ``proxy_cooldown_secs``."""
+    def worker_failed(self, worker_id: int, problem: str) -> None:
+        """A worker failed a request: count it, and tell its circuit breaker (one line when it opens)."""
         self.metrics.upstream_failure()
-        cooldown = self.config.proxy_cooldown_secs
-        if worker_id not in self._cooling:  # one line per failing spell, not per request
-            logger.warning("worker %d failed (%s): cooled down for %g s", worker_id, problem, cooldown)
-        self._cooling[worker_id] = time.monotonic() + cooldown
+        if self.router.health.failed(worker_id, problem) == "open":
+            open_secs = self.router.config.worker_breaker_open_secs
+            logger.warning("worker %d failed (%s): its circuit opened, out of routing for %g s", worker_id, problem,
+                           open_secs)  # fmt: skip
+
+    def worker_answered(self, worker_id: int) -> None:
+        """A worker answered a request: its circuit breaker's count of failures starts again."""
+        if self.router.health.succeeded(worker_id) == "closed":
+            logger.warning("worker %d answered its probe: its circuit closed, back in routing", worker_id)
 
     # ------------------------------------------------------------------ one request
     async def answer(self, route: str, request: StreamCall) -> None:
@@ -323,10 +319,7 @@ class Proxy:
         except ApiError as exc:  # counted as a bad request: its type is no outcome of the proxy's
             raise _refused(exc.status, "invalid_request_error", exc.message, "bad_request") from None
         if routing.pinned is not None and routing.pinned[0] not in by_id:
-            message = (
-                f"nvext.backend_instance_id: worker {routing.pinned[0]} does not serve model {model!r} over HTTP "
-                "(or is cooling down after a failure)"
-            )
+            message = f"nvext.backend_instance_id: worker {routing.pinned[0]} does not serve model {model!r} over HTTP"
             raise _refused(400, "invalid_request_error", message, "bad_request")
         if query:
             return await self._instance_query(route, model, tokens, stream, routing, set(by_id), request_id, reply)
@@ -348,7 +341,10 @@ class Proxy:
                 break  # the workers that failed are out of routing now: nobody left to try
             worker = by_id[decision.worker_id]
             try:
-                return await self._forward(worker, decision, path, body, headers, stream, reply, received)
+                outcome = await self._forward(worker, decision, path, body, headers, stream, reply, received)
+                if outcome != "upstream_error":  # a stream broken mid-way told the breaker itself
+                    self.worker_answered(worker.worker_id)
+                return outcome
             except _WorkerFailed as exc:
                 failed = exc
             finally:
@@ -356,7 +352,7 @@ class Proxy:
             failures.append(f"worker {worker.worker_id}: {failed}")
             overloaded = failed.answer is not None and failed.answer[0] == 429
             if not overloaded:  # a 429 is the engine pacing us, not a failure of the worker
-                self.cool_down(worker.worker_id, str(failed))
+                self.worker_failed(worker.worker_id, str(failed))
             # The next best worker, else (all tried, or pinned) the same ones again after the backoff.
             among.discard(worker.worker_id)
             if not among:
@@ -515,7 +511,7 @@ class Proxy:
         if problem is not None:
             # The client has its headers and part of the stream: say what happened as an SSE event.
             message = f"worker {decision.worker_id} failed mid-stream: {problem}"
-            self.cool_down(decision.worker_id, message)
+            self.worker_failed(decision.worker_id, message)
             await reply.end(b"data: " + error_body(502, "upstream_error", message) + b"\n\n")
         else:
             await reply.end()

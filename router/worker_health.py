@@ -1,0 +1,177 @@
+"""Whether a worker may be routed to at all: its circuit breaker and its active health check's verdict.
+
+Every decision's candidates pass through `WorkerHealth.usable` (`KvRouter._eligible`), whatever the
+policy, whoever asks (the proxy, ``/v1/new``, ``/v1/route``), so a worker taken out of routing here is
+out of it for all of them.
+
+The circuit breaker, per worker, fed by the outcomes a caller reports (`failed`, `succeeded`: the
+proxy's exchanges with the worker):
+
+* closed: routed to; ``worker_breaker_failures`` failures in a row open it;
+* open: left out for ``worker_breaker_open_secs``, then half-open;
+* half-open: routed to by at most ``worker_breaker_half_open_probes`` requests at a time (the probes);
+  that many successes in a row close it, one failure opens it again. A probe that reports nothing
+  within ``worker_breaker_open_secs`` (its caller never reports outcomes) gives its place up.
+
+The active health check (`set_health`: the service probes each worker's ``/health``) is a verdict of
+its own: a worker failing it is left out, whatever its circuit, until it passes again.
+
+Costs: `usable` is one dict lookup per candidate when every circuit is closed and every check passes
+(the common case: it returns the list it was given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from router.config import RouterConfig
+from router.types import WorkerAvailability, WorkerConfig
+
+__all__ = ["STATE_VALUES", "CircuitState", "WorkerHealth"]
+
+CircuitState = Literal["closed", "open", "half_open"]
+# Gauge values of the states (`kv_router_worker_circuit_state`).
+STATE_VALUES: dict[CircuitState, float] = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+
+
+class _Breaker:
+    __slots__ = ("failures", "last_problem", "opened_at", "opened_times", "probes", "state", "successes")
+
+    def __init__(self) -> None:
+        self.state: CircuitState = "closed"
+        self.failures = 0  # in a row
+        self.successes = 0  # in a row while half-open
+        self.opened_at = 0.0
+        self.opened_times = 0
+        self.probes: list[float] = []  # when each probe in flight was routed (half-open)
+        self.last_problem = ""
+
+
+class WorkerHealth:
+    """The circuit breakers and health-check verdicts of the registered workers."""
+
+    def __init__(self, config: RouterConfig, clock: Callable[[], float]) -> None:
+        self._threshold = config.worker_breaker_failures
+        self._open_secs = config.worker_breaker_open_secs
+        self._probes = config.worker_breaker_half_open_probes
+        self._clock = clock
+        self._breakers: dict[int, _Breaker] = {}
+        self._failing_checks: set[int] = set()  # workers whose health check fails
+        self._checked: set[int] = set()  # workers a health check has judged
+        self._troubled = 0  # breakers not closed, plus failing checks: 0 is the fast path
+
+    def usable(self, workers: list[WorkerConfig]) -> list[WorkerConfig]:
+        """The workers that may be routed to now, in their order."""
+        if not self._troubled:
+            return workers
+        return [worker for worker in workers if self._admits(worker.worker_id)]
+
+    def _admits(self, worker_id: int) -> bool:
+        if worker_id in self._failing_checks:
+            return False
+        breaker = self._breakers.get(worker_id)
+        if breaker is None or breaker.state == "closed":
+            return True
+        now = self._clock()
+        if breaker.state == "open":
+            if now - breaker.opened_at < self._open_secs:
+                return False
+            breaker.state, breaker.successes, breaker.probes = "half_open", 0, []
+        breaker.probes = [at for at in breaker.probes if now - at < self._open_secs]
+        return len(breaker.probes) < self._probes
+
+    def routed(self, worker_id: int) -> None:
+        """A request was routed to the worker: while half-open it is one of the probes."""
+        if self._troubled:
+            breaker = self._breakers.get(worker_id)
+            if breaker is not None and breaker.state == "half_open":
+                breaker.probes.append(self._clock())
+
+    def failed(self, worker_id: int, problem: str) -> CircuitState | None:
+        """The worker failed a request (refused, timed out, 5xx, a broken stream); returns the state its
+        circuit moved to, or None if it stayed as it was."""
+        if self._threshold == 0:
+            return None
+        breaker = self._breakers.get(worker_id)
+        if breaker is None:
+            breaker = self._breakers[worker_id] = _Breaker()
+        breaker.last_problem = problem
+        breaker.failures += 1
+        if breaker.state == "half_open" or (breaker.state == "closed" and breaker.failures >= self._threshold):
+            if breaker.state == "closed":
+                self._troubled += 1
+            breaker.state, breaker.opened_at, breaker.probes = "open", self._clock(), []
+            breaker.opened_times += 1
+            return "open"
+        return None
+
+    def succeeded(self, worker_id: int) -> CircuitState | None:
+        """The worker answered a request; returns ``"closed"`` if that closed its circuit."""
+        breaker = self._breakers.get(worker_id)
+        if breaker is None:
+            return None
+        breaker.failures = 0
+        if breaker.state == "half_open":
+            if breaker.probes:
+                breaker.probes.pop(0)
+            breaker.successes += 1
+            if breaker.successes >= self._probes:
+                breaker.state = "closed"
+                self._troubled -= 1
+                return "closed"
+        return None
+
+    def set_health(self, worker_id: int, passing: bool) -> bool:
+        """The active health check's verdict on the worker; returns whether it changed."""
+        known = worker_id in self._checked
+        self._checked.add(worker_id)
+        failing = worker_id in self._failing_checks
+        if passing and failing:
+            self._failing_checks.discard(worker_id)
+            self._troubled -= 1
+            return True
+        if not passing and not failing:
+            self._failing_checks.add(worker_id)
+            self._troubled += 1
+            return True
+        return not known
+
+    def forget(self, worker_id: int) -> None:
+        """The worker left: a worker registered again under its id starts afresh."""
+        breaker = self._breakers.pop(worker_id, None)
+        if breaker is not None and breaker.state != "closed":
+            self._troubled -= 1
+        if worker_id in self._failing_checks:
+            self._failing_checks.discard(worker_id)
+            self._troubled -= 1
+        self._checked.discard(worker_id)
+
+    def state(self, worker_id: int) -> CircuitState:
+        """The worker's circuit now (an open one whose time is up reads half-open)."""
+        breaker = self._breakers.get(worker_id)
+        if breaker is None:
+            return "closed"
+        if breaker.state == "open" and self._clock() - breaker.opened_at >= self._open_secs:
+            return "half_open"
+        return breaker.state
+
+    def availability(self, worker_id: int) -> WorkerAvailability:
+        """What ``/v1/workers`` shows of it."""
+        breaker = self._breakers.get(worker_id)
+        state = self.state(worker_id)
+        check: Literal["unknown", "passing", "failing"] = "unknown"
+        if worker_id in self._checked:
+            check = "failing" if worker_id in self._failing_checks else "passing"
+        reopens = None
+        if breaker is not None and state == "open":
+            reopens = max(0.0, breaker.opened_at + self._open_secs - self._clock())
+        return WorkerAvailability(
+            routable=state != "open" and check != "failing",
+            circuit=state,
+            consecutive_failures=breaker.failures if breaker is not None else 0,
+            circuit_opened=breaker.opened_times if breaker is not None else 0,
+            half_open_in_secs=reopens,
+            last_failure=breaker.last_problem if breaker is not None and breaker.last_problem else None,
+            health_check=check,
+        )

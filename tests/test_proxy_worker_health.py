@@ -1,0 +1,78 @@
+"""Workers out of routing and back, through the proxy with the real `openai` client: the circuit breaker
+(failures open it, the decision API avoids the worker too, a half-open probe closes it), as
+``/v1/workers`` and the metrics show it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.gate_worker import Gate, register, served
+from tests.metrics import sample
+from tests.proxy_fleet import MODEL, Fleet, fleet, idle
+from tests.test_api_proxy import stored_event
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+# Prompts only worker 9 holds (worker 1 holds each one it served, so none is used twice).
+PROMPTS = [list(range(start, start + 4 * 64)) for start in range(5000, 9000, 1000)]
+
+
+async def worker_status(f: Fleet, worker_id: int) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=f.url) as http:
+        workers = (await http.get("/v1/workers")).json()["workers"]
+    return next(w for w in workers if w["config"]["worker_id"] == worker_id)
+
+
+async def metric(f: Fleet, name: str, **labels: str) -> float | None:
+    async with httpx.AsyncClient() as http:
+        return sample((await http.get(f"{f.url}/metrics")).text, name, **labels)
+
+
+async def test_failures_open_a_workers_circuit_for_every_caller_and_a_half_open_probe_closes_it(
+    nats_server: EmbeddedNats,
+) -> None:
+    router = {"worker_breaker_failures": 2, "worker_breaker_open_secs": 0.5}
+    port = free_port()
+    async with fleet(nats_server.url, (1,), router=router, proxy={"proxy_retry_backoff_secs": 0.01}) as f:
+        # Worker 9 holds the prompt, so every policy's first choice, but nothing listens at its URL yet.
+        await register(f, 9, f"http://127.0.0.1:{port}")
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            for event_id, prompt in enumerate(PROMPTS, 1):
+                event = stored_event(9, prompt)
+                event["event"]["event_id"] = event_id
+                assert (await http.post("/v1/events", json=event)).json()["applied"] == 1
+        for prompt in PROMPTS[:2]:
+            raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
+            assert raw.headers["x-kv-router-worker"] == "1"  # retried on the next best
+        status = await worker_status(f, 9)
+        assert status["availability"]["circuit"] == "open" and status["availability"]["routable"] is False
+        assert status["availability"]["consecutive_failures"] == 2
+        assert "ConnectionRefusedError" in status["availability"]["last_failure"]
+        assert await metric(f, "kv_router_worker_circuit_state", worker_id="9") == 2.0
+        assert await metric(f, "kv_router_worker_circuit_opened_total", worker_id="9") == 1.0
+        # The decision API leaves it out as well: the breaker is the router's, not the proxy's.
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            decision = (await http.post("/v1/new", json={"tokens": PROMPTS[2]})).json()
+            assert decision["worker_id"] == 1
+            assert (await http.post("/v1/mark_free", json={"request_id": decision["request_id"]})).status_code == 200
+        # The worker comes up; once its circuit is half-open, one request probes it and closes it.
+        gate = Gate(refusals=0)
+        async with served(gate, port):
+
+            async def half_open() -> bool:
+                return (await worker_status(f, 9))["availability"]["circuit"] == "half_open"
+
+            await eventually(half_open, what="worker 9's circuit half-open")
+            raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=PROMPTS[3], max_tokens=2)
+            assert raw.headers["x-kv-router-worker"] == "9"
+            assert len(gate.arrivals) == 1
+            status = await worker_status(f, 9)
+            assert status["availability"]["circuit"] == "closed" and status["availability"]["routable"] is True
+            assert await metric(f, "kv_router_worker_circuit_state", worker_id="9") == 0.0
+        assert await metric(f, "kv_router_worker_circuit_state", worker_id="1") == 0.0
+        assert idle(f.router)
