@@ -312,6 +312,23 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     proxy_retry_after_secs: Annotated[
         int, _doc("Retry-After of a 429 when the router's queue refuses a request"), msgspec.Meta(ge=0)
     ] = 1
+    proxy_health_check_interval_secs: Annotated[
+        float,
+        _doc(
+            "seconds between two GET /health of each worker registered over HTTP with a url (a worker failing them "
+            "leaves routing, and comes back once it passes); 0: no active health checks"
+        ),
+        msgspec.Meta(ge=0),
+    ] = 5.0
+    proxy_health_check_timeout_secs: Annotated[
+        PositiveSecs, _doc("a health check not answered 200 within this long fails")
+    ] = 2.0
+    proxy_health_check_failures: Annotated[
+        int, _doc("failed health checks in a row that take a worker out of routing"), msgspec.Meta(ge=1)
+    ] = 3
+    proxy_health_check_successes: Annotated[
+        int, _doc("passed health checks in a row that bring a worker failing them back"), msgspec.Meta(ge=1)
+    ] = 2
     proxy_calibration_window: Annotated[
         int, _doc("requests per worker in the predicted-vs-actual cached tokens gauge"), msgspec.Meta(ge=1)
     ] = 256

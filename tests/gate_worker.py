@@ -34,17 +34,24 @@ COMPLETION = {
 @dataclass
 class Gate:
     """A worker that answers ``status`` (with ``retry_after``, if any) to its first ``refusals`` requests,
-    then a completion; it notes when each request came (monotonic seconds)."""
+    then a completion; it notes when each request came (monotonic seconds). ``GET /health`` is
+    answered 200 and counted apart (``health_checks``)."""
 
     refusals: int
     status: int = 429
     retry_after: str | None = None
     arrivals: list[float] = field(default_factory=list)
+    health_checks: int = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         assert scope["type"] == "http"
         while (await receive()).get("more_body"):
             pass
+        if scope["method"] == "GET" and scope["path"] == "/health":
+            self.health_checks += 1
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
         self.arrivals.append(time.monotonic())
         if len(self.arrivals) <= self.refusals:
             status, body = self.status, b'{"error": {"message": "engine busy", "type": "overloaded", "code": 0}}'

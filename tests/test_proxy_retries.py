@@ -81,7 +81,12 @@ async def test_a_worker_refusing_connections_is_retried_after_backoffs_until_it_
     nats_server: EmbeddedNats,
 ) -> None:
     port = free_port()
-    proxy = {"proxy_retries": 20, "proxy_retry_backoff_secs": 0.05, "proxy_retry_backoff_max_secs": 0.2}
+    proxy = {
+        "proxy_retries": 20,
+        "proxy_retry_backoff_secs": 0.05,
+        "proxy_retry_backoff_max_secs": 0.2,
+        "proxy_health_check_interval_secs": 0,  # the retries alone bring the request through
+    }
     async with fleet(nats_server.url, (), proxy=proxy) as f:
         await register(f, 7, f"http://127.0.0.1:{port}")  # nothing listens there yet
         asked = asyncio.ensure_future(f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1))

@@ -1,6 +1,7 @@
 """Workers out of routing and back, through the proxy with the real `openai` client: the circuit breaker
-(failures open it, the decision API avoids the worker too, a half-open probe closes it), as
-``/v1/workers`` and the metrics show it."""
+(failures open it, the decision API avoids the worker too, a half-open probe closes it) and the active
+health checks (a worker that stops answering ``/health`` leaves routing and comes back by itself), as
+``/v1/workers`` and the metrics show them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.waiting import eventually
 pytestmark = pytest.mark.anyio
 
 # Prompts only worker 9 holds (worker 1 holds each one it served, so none is used twice).
+NO_CHECKS = {"proxy_retry_backoff_secs": 0.01, "proxy_health_check_interval_secs": 0}
 PROMPTS = [list(range(start, start + 4 * 64)) for start in range(5000, 9000, 1000)]
 
 
@@ -33,19 +35,23 @@ async def metric(f: Fleet, name: str, **labels: str) -> float | None:
         return sample((await http.get(f"{f.url}/metrics")).text, name, **labels)
 
 
+async def hold_prompts(f: Fleet, worker_id: int) -> None:
+    async with httpx.AsyncClient(base_url=f.url) as http:
+        for event_id, prompt in enumerate(PROMPTS, 1):
+            event = stored_event(worker_id, prompt)
+            event["event"]["event_id"] = event_id
+            assert (await http.post("/v1/events", json=event)).json()["applied"] == 1
+
+
 async def test_failures_open_a_workers_circuit_for_every_caller_and_a_half_open_probe_closes_it(
     nats_server: EmbeddedNats,
 ) -> None:
     router = {"worker_breaker_failures": 2, "worker_breaker_open_secs": 0.5}
     port = free_port()
-    async with fleet(nats_server.url, (1,), router=router, proxy={"proxy_retry_backoff_secs": 0.01}) as f:
+    async with fleet(nats_server.url, (1,), router=router, proxy=NO_CHECKS) as f:
         # Worker 9 holds the prompt, so every policy's first choice, but nothing listens at its URL yet.
         await register(f, 9, f"http://127.0.0.1:{port}")
-        async with httpx.AsyncClient(base_url=f.url) as http:
-            for event_id, prompt in enumerate(PROMPTS, 1):
-                event = stored_event(9, prompt)
-                event["event"]["event_id"] = event_id
-                assert (await http.post("/v1/events", json=event)).json()["applied"] == 1
+        await hold_prompts(f, 9)
         for prompt in PROMPTS[:2]:
             raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
             assert raw.headers["x-kv-router-worker"] == "1"  # retried on the next best
@@ -75,4 +81,50 @@ async def test_failures_open_a_workers_circuit_for_every_caller_and_a_half_open_
             assert status["availability"]["circuit"] == "closed" and status["availability"]["routable"] is True
             assert await metric(f, "kv_router_worker_circuit_state", worker_id="9") == 0.0
         assert await metric(f, "kv_router_worker_circuit_state", worker_id="1") == 0.0
+        assert idle(f.router)
+
+
+async def test_a_worker_that_stops_answering_its_health_checks_leaves_routing_and_comes_back_by_itself(
+    nats_server: EmbeddedNats,
+) -> None:
+    checks = {
+        "proxy_health_check_interval_secs": 0.1,
+        "proxy_health_check_timeout_secs": 0.5,
+        "proxy_health_check_failures": 2,
+        "proxy_health_check_successes": 2,
+    }
+    port = free_port()
+    async with fleet(nats_server.url, (1,), proxy=checks) as f:
+
+        async def check_is(verdict: str) -> bool:
+            return (await worker_status(f, 9))["availability"]["health_check"] == verdict
+
+        gate = Gate(refusals=0)
+        async with served(gate, port) as url:
+            await register(f, 9, url)
+            await hold_prompts(f, 9)
+            await eventually(lambda: check_is("passing"), what="worker 9 passing its checks")
+            raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+            assert raw.headers["x-kv-router-worker"] == "9"
+        # Its server is gone: two failed checks later it is out of routing, before any request failed on it.
+        await eventually(lambda: check_is("failing"), what="worker 9 failing its checks")
+        status = await worker_status(f, 9)
+        assert status["availability"]["routable"] is False and status["availability"]["circuit"] == "closed"
+        assert await metric(f, "kv_router_worker_health_check_passing", worker_id="9") == 0.0
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=PROMPTS[1], max_tokens=2)
+        assert raw.headers["x-kv-router-worker"] == "1"
+        assert await metric(f, "kv_router_proxy_upstream_failures_total") == 0.0  # never tried
+        async with httpx.AsyncClient(base_url=f.url) as http:  # out for the decision API too
+            decision = (await http.post("/v1/new", json={"tokens": PROMPTS[2]})).json()
+            assert decision["worker_id"] == 1
+            assert (await http.post("/v1/mark_free", json={"request_id": decision["request_id"]})).status_code == 200
+        # It comes back: two passed checks later it is routed to again, with nobody re-registering it.
+        back = Gate(refusals=0)
+        async with served(back, port):
+            await eventually(lambda: check_is("passing"), what="worker 9 passing its checks again")
+            assert back.health_checks >= 2
+            raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=PROMPTS[3], max_tokens=2)
+            assert raw.headers["x-kv-router-worker"] == "9"
+            assert len(back.arrivals) == 1
+            assert await metric(f, "kv_router_worker_health_check_passing", worker_id="9") == 1.0
         assert idle(f.router)

@@ -50,6 +50,7 @@ from api.errors import ApiError, prompt_too_long
 from api.hints import RoutingCall, routing_call
 from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
+from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.retry import RetryPolicy, retry_after_secs
@@ -130,6 +131,7 @@ class Proxy:
         self.metrics = ProxyMetrics(registry, config.proxy_calibration_window)
         self.upstream = Upstream(config)
         self.retry = RetryPolicy(config)
+        self.health_checks = WorkerHealthChecks(router, config)
         self.tokenizer = PromptTokenizer(load_model_files(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
@@ -143,8 +145,10 @@ class Proxy:
 
     async def start(self) -> None:
         await self.upstream.start()
+        self.health_checks.start()
 
     async def stop(self) -> None:
+        await self.health_checks.stop()
         await self.upstream.stop()
 
     def routes(self, auth: ApiAuth | None = None) -> dict[str, StreamRoute]:

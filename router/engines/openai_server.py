@@ -93,8 +93,9 @@ async def wait_for_models(base: str, *, retry_s: float = 1.0, timeout_s: float =
 
 class HealthProbe:
     """``GET url`` (an engine's ``/health``) every ``interval_s``: ``on_down`` when it stops answering 200 (refused, an
-    error status, or no answer within the timeout), ``on_up`` when it answers again (and at the first
-    answer). Only transitions are told; the probe's own task is supervised."""
+    error status, or no answer within the timeout) ``failures_to_down`` times in a row, ``on_up`` when it
+    answers again ``successes_to_up`` times in a row (and at the first answer). Only transitions are
+    told; the probe's own task is supervised."""
 
     def __init__(
         self,
@@ -104,8 +105,13 @@ class HealthProbe:
         on_down: Callable[[str], Awaitable[None]],
         interval_s: float = 1.0,
         timeout_s: float | None = None,
+        failures_to_down: int = 1,
+        successes_to_up: int = 1,
     ) -> None:
         self.url = url
+        self.failures_to_down = failures_to_down
+        self.successes_to_up = successes_to_up
+        self._passed = self._failed = 0  # probes in a row that passed, that failed
         self.interval_s = interval_s
         self.timeout_s = timeout_s if timeout_s is not None else max(1.0, interval_s)
         self.healthy: bool | None = None  # None: not probed yet
@@ -141,11 +147,13 @@ class HealthProbe:
         except httpx.HTTPError as exc:
             problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if problem is None:
-            if self.healthy is not True:
+            self._passed, self._failed = self._passed + 1, 0
+            if self.healthy is not True and (self.healthy is None or self._passed >= self.successes_to_up):
                 self.healthy = True
                 await self._on_up()
             return
         self.failures += 1
-        if self.healthy is not False:
+        self._passed, self._failed = 0, self._failed + 1
+        if self.healthy is not False and self._failed >= self.failures_to_down:
             self.healthy = False
             await self._on_down(problem)

@@ -1,0 +1,98 @@
+"""Active health checks of the workers the proxy forwards to: ``GET /health`` of each worker registered
+over HTTP with a URL (static: no heartbeat lease tells the router it died), every
+``proxy_health_check_interval_secs``.
+
+A worker failing ``proxy_health_check_failures`` checks in a row leaves routing (its verdict goes to
+`router.worker_health`, which every decision consults); once it passes ``proxy_health_check_successes``
+in a row it is back, by itself. Each worker's checks are a `HealthProbe` (the one direct mode and the
+bridge use for their engines); the set of probes follows the registrations, looked at every interval
+(at most every second). Workers with a heartbeat lease are left to their lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from api.config import ProxyConfig
+from router.engines.openai_server import HealthProbe, health_url, openai_base
+from router.kv_router import KvRouter
+from router.supervision import Supervisor
+from router.types import WorkerConfig
+
+__all__ = ["WorkerHealthChecks"]
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerHealthChecks:
+    """The probes of the static workers with a URL, kept in step with the registrations."""
+
+    def __init__(self, router: KvRouter, config: ProxyConfig) -> None:
+        self._router = router
+        self._config = config
+        self._probes: dict[int, HealthProbe] = {}
+        self._background = Supervisor("worker-health-checks")
+
+    @property
+    def enabled(self) -> bool:
+        return self._config.proxy_health_check_interval_secs > 0
+
+    def start(self) -> None:
+        if self.enabled:
+            self._background.keep_running("registrations", self._follow_registrations)
+
+    async def stop(self) -> None:
+        await self._background.stop()
+        await asyncio.gather(*(probe.stop() for probe in self._probes.values()))
+        self._probes.clear()
+
+    async def _follow_registrations(self) -> None:
+        while True:
+            await self.sync()
+            await asyncio.sleep(min(self._config.proxy_health_check_interval_secs, 1.0))
+
+    async def sync(self) -> None:
+        """A probe for each static worker with a URL, none for the others (gone, or now leased)."""
+        wanted = {worker.worker_id: worker for worker in self._router.workers() if _checked(worker)}
+        for worker_id, probe in list(self._probes.items()):
+            worker = wanted.get(worker_id)
+            if worker is None or probe.url != _probe_url(worker):
+                del self._probes[worker_id]
+                await probe.stop()
+        for worker_id, worker in wanted.items():
+            if worker_id not in self._probes:
+                self._probes[worker_id] = probe = self._probe(worker)
+                probe.start()
+
+    def _probe(self, worker: WorkerConfig) -> HealthProbe:
+        config = self._config
+        worker_id = worker.worker_id
+        health = self._router.health
+
+        async def up() -> None:
+            if self._router.has_worker(worker_id) and health.set_health(worker_id, True):
+                logger.info("worker %d passes its health checks: in routing", worker_id)
+
+        async def down(problem: str) -> None:
+            if self._router.has_worker(worker_id) and health.set_health(worker_id, False):
+                logger.warning("worker %d fails its health checks (%s): out of routing", worker_id, problem)
+
+        return HealthProbe(
+            _probe_url(worker),
+            on_up=up,
+            on_down=down,
+            interval_s=config.proxy_health_check_interval_secs,
+            timeout_s=config.proxy_health_check_timeout_secs,
+            failures_to_down=config.proxy_health_check_failures,
+            successes_to_up=config.proxy_health_check_successes,
+        )
+
+
+def _checked(worker: WorkerConfig) -> bool:
+    return worker.url is not None and not worker.leased
+
+
+def _probe_url(worker: WorkerConfig) -> str:
+    assert worker.url is not None
+    return health_url(openai_base(worker.url))
