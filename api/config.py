@@ -312,6 +312,22 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     proxy_retry_after_secs: Annotated[
         int, _doc("Retry-After of a 429 when the router's queue refuses a request"), msgspec.Meta(ge=0)
     ] = 1
+    proxy_max_concurrent_requests: Annotated[
+        int,
+        _doc(
+            "requests the proxy forwards at a time; the next ones wait for a slot, in the router's queue order "
+            "(router_queue_policy, nvext priorities); 0: no cap"
+        ),
+        msgspec.Meta(ge=0),
+    ] = 0
+    proxy_max_waiting_requests: Annotated[
+        int,
+        _doc("requests waiting for a slot under proxy_max_concurrent_requests; one more is a 429 with Retry-After"),
+        msgspec.Meta(ge=0),
+    ] = 256
+    proxy_queue_timeout_secs: Annotated[
+        PositiveSecs, _doc("longest wait for a slot under proxy_max_concurrent_requests, then a 429 with Retry-After")
+    ] = 30.0
     proxy_health_check_interval_secs: Annotated[
         float,
         _doc(

@@ -42,6 +42,7 @@ class Gate:
     retry_after: str | None = None
     arrivals: list[float] = field(default_factory=list)
     health_checks: int = 0
+    hold: asyncio.Event | None = None  # set: requests are answered only once it is set
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         assert scope["type"] == "http"
@@ -53,6 +54,8 @@ class Gate:
             await send({"type": "http.response.body", "body": b""})
             return
         self.arrivals.append(time.monotonic())
+        if self.hold is not None:
+            await self.hold.wait()
         if len(self.arrivals) <= self.refusals:
             status, body = self.status, b'{"error": {"message": "engine busy", "type": "overloaded", "code": 0}}'
             headers = [(b"content-type", b"application/json")]

@@ -21,9 +21,9 @@ Per request this costs a few additions; the gauges are computed at scrape time.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -114,6 +114,7 @@ class ProxyMetrics(Collector):
             )
         )
         self._window = window
+        self._registry = registry
         self._windows: dict[int, _Window] = {}
         registry.register(self)
 
@@ -122,6 +123,19 @@ class ProxyMetrics(Collector):
 
     def upstream_failure(self) -> None:
         self._retries.inc()
+
+    def watch_admission(self, in_flight: Callable[[], float], waiting: Callable[[], float]) -> None:
+        """The concurrency cap's gauges, read at scrape time."""
+        Gauge(
+            f"{PREFIX}_proxy_requests_in_flight",
+            "Requests holding a slot under proxy_max_concurrent_requests (0 without a cap).",
+            registry=self._registry,
+        ).set_function(in_flight)
+        Gauge(
+            f"{PREFIX}_proxy_requests_waiting",
+            "Requests waiting for a slot under proxy_max_concurrent_requests.",
+            registry=self._registry,
+        ).set_function(waiting)
 
     def retried(self, reason: str) -> None:
         self._retried.labels(reason).inc()

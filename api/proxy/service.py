@@ -50,6 +50,7 @@ from api.errors import ApiError, prompt_too_long
 from api.hints import RoutingCall, routing_call
 from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
+from api.proxy.admission import Admission
 from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
@@ -132,6 +133,8 @@ class Proxy:
         self.upstream = Upstream(config)
         self.retry = RetryPolicy(config)
         self.health_checks = WorkerHealthChecks(router, config)
+        self.admission = Admission(config, router.config.router_queue_policy)
+        self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: len(self.admission.queue))
         self.tokenizer = PromptTokenizer(load_model_files(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
@@ -331,47 +334,51 @@ class Proxy:
         # What the worker gets of the client's headers besides the content type: its credentials.
         headers = b"authorization: " + authorization + b"\r\n" if authorization is not None else b""
         path = _PATHS[route]
-        candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
-        among = set(candidates)
-        failures: list[str] = []
-        started = time.monotonic()
-        retry = 0
-        while True:
-            try:
-                decision = await self._book(routing.request, among, routing.pinned)
-            except _Refused as refused:
-                if not failures or refused.outcome != "no_worker":
-                    raise
-                break  # the workers that failed are out of routing now: nobody left to try
-            worker = by_id[decision.worker_id]
-            try:
-                outcome = await self._forward(worker, decision, path, body, headers, stream, reply, received)
-                if outcome != "upstream_error":  # a stream broken mid-way told the breaker itself
-                    self.worker_answered(worker.worker_id)
-                return outcome
-            except _WorkerFailed as exc:
-                failed = exc
-            finally:
-                self.router.mark_free(request_id)
-            failures.append(f"worker {worker.worker_id}: {failed}")
-            overloaded = failed.answer is not None and failed.answer[0] == 429
-            if not overloaded:  # a 429 is the engine pacing us, not a failure of the worker
-                self.worker_failed(worker.worker_id, str(failed))
-            # The next best worker, else (all tried, or pinned) the same ones again after the backoff.
-            among.discard(worker.worker_id)
-            if not among:
+        try:
+            async with self.admission.slot(routing.request, len(packed) // 4):
+                candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
                 among = set(candidates)
-            retry += 1
-            delay = self.retry.delay(retry, failed.retry_after, started, time.monotonic())
-            if delay is None:
-                break
-            self.metrics.retried("overloaded" if failed.answer is not None else "upstream_error")
-            await asyncio.sleep(delay)
-        if failed.answer is not None:  # the engine's own 429 / 503 and its Retry-After, as it sent them
-            status, answer_headers, content = failed.answer
-            await reply.whole(status, answer_headers, content)
-            return "upstream_status"
-        raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
+                failures: list[str] = []
+                started = time.monotonic()
+                retry = 0
+                while True:
+                    try:
+                        decision = await self._book(routing.request, among, routing.pinned)
+                    except _Refused as refused:
+                        if not failures or refused.outcome != "no_worker":
+                            raise
+                        break  # the workers that failed are out of routing now: nobody left to try
+                    worker = by_id[decision.worker_id]
+                    try:
+                        outcome = await self._forward(worker, decision, path, body, headers, stream, reply, received)
+                        if outcome != "upstream_error":  # a stream broken mid-way told the breaker itself
+                            self.worker_answered(worker.worker_id)
+                        return outcome
+                    except _WorkerFailed as exc:
+                        failed = exc
+                    finally:
+                        self.router.mark_free(request_id)
+                    failures.append(f"worker {worker.worker_id}: {failed}")
+                    overloaded = failed.answer is not None and failed.answer[0] == 429
+                    if not overloaded:  # a 429 is the engine pacing us, not a failure of the worker
+                        self.worker_failed(worker.worker_id, str(failed))
+                    # The next best worker, else (all tried, or pinned) the same ones again after the backoff.
+                    among.discard(worker.worker_id)
+                    if not among:
+                        among = set(candidates)
+                    retry += 1
+                    delay = self.retry.delay(retry, failed.retry_after, started, time.monotonic())
+                    if delay is None:
+                        break
+                    self.metrics.retried("overloaded" if failed.answer is not None else "upstream_error")
+                    await asyncio.sleep(delay)
+                if failed.answer is not None:  # the engine's own 429 / 503 and its Retry-After, as it sent them
+                    status, answer_headers, content = failed.answer
+                    await reply.whole(status, answer_headers, content)
+                    return "upstream_status"
+                raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
+        except QueueRejected as exc:  # no slot under the concurrency cap (api.proxy.admission)
+            raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
 
     async def _instance_query(
         self,
@@ -405,8 +412,7 @@ class Proxy:
         try:
             return await self.router.new(routed, among=among, pinned_worker=pinned, pinned_prefill=pinned_prefill)
         except QueueRejected as exc:
-            retry_after = str(self.config.proxy_retry_after_secs)
-            raise _refused(429, "rate_limit_exceeded", str(exc), "queue_rejected", retry_after=retry_after) from None
+            raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
         except (NoEligibleWorker, AllWorkersOverloaded) as exc:
             raise _refused(503, "service_unavailable", str(exc), "no_worker") from None
 
@@ -548,6 +554,11 @@ class _OutputProgress:
         if events >= self.next_at:
             self.next_at = events + self.every
             self.record(self.request_id, events)
+
+
+def _queue_refusal(rejected: QueueRejected, retry_after: int) -> _Refused:
+    """No room: the router's queue, or the proxy's wait for a slot, full or timed out."""
+    return _refused(429, "rate_limit_exceeded", str(rejected), "queue_rejected", retry_after=str(retry_after))
 
 
 # An engine's answers meaning "too busy now, try again" (vLLM and SGLang's, with a Retry-After or not).

@@ -1,0 +1,108 @@
+"""The proxy's concurrency cap: at most ``proxy_max_concurrent_requests`` requests past it at a time,
+the next ones waiting in a bounded queue, each at most ``proxy_queue_timeout_secs``.
+
+The waiting requests are the router's `PendingQueue` (one queue concept, one place): ordered the way
+the router's own queue orders them (its ``router_queue_policy`` under strict priority, a request's
+``nvext.agent_hints`` priority and tier counted as there), bounded by ``proxy_max_waiting_requests``
+as the router bounds its queue (the request that finds it full is refused). A request refused, or
+still waiting at its timeout, is a 429 with ``Retry-After`` (`QueueRejected`, as the router's queue
+refuses). A slot freed goes to the head of the queue at once. With a cap of 0 (the default) nothing
+is counted and nothing waits: one compare per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from api.config import ProxyConfig
+from router.config import QueuePolicy
+from router.errors import QueueRejected
+from router.queue import POLICY_CLASS, PendingQueue
+from router.types import QueueRejection, RouteRequest
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """The slots of one proxy and the requests waiting for one."""
+
+    def __init__(self, config: ProxyConfig, policy: QueuePolicy) -> None:
+        self.limit = config.proxy_max_concurrent_requests
+        self._timeout = config.proxy_queue_timeout_secs
+        self._waiting_limit = config.proxy_max_waiting_requests
+        self.in_flight = 0
+        self.queue: PendingQueue[asyncio.Future[None]] = PendingQueue(
+            policy, started_at=time.monotonic(), request_limit_per_worker=self._waiting_limit
+        )
+
+    @asynccontextmanager
+    async def slot(self, request: RouteRequest, isl_tokens: int) -> AsyncIterator[None]:
+        """Hold one slot for the block; waits in the queue while none is free. Raises `QueueRejected`
+        when the queue is full or the wait times out."""
+        if self.limit == 0:
+            yield
+            return
+        if self.in_flight >= self.limit or len(self.queue):
+            await self._wait(request, isl_tokens)
+        else:
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _wait(self, request: RouteRequest, isl_tokens: int) -> None:
+        rejection = self.queue.rejection(1)
+        if rejection is not None:
+            raise QueueRejected(rejection)
+        loop = asyncio.get_running_loop()
+        granted: asyncio.Future[None] = loop.create_future()
+        ticket = self.queue.push(
+            granted,
+            strict_priority=request.strict_priority,
+            priority_jump=request.priority_jump,
+            isl_tokens=isl_tokens,
+            cached_tokens=0,
+            now=time.monotonic(),
+        )
+
+        def time_out() -> None:
+            if self.queue.cancel(ticket) and not granted.done():
+                waited = QueueRejection(
+                    policy_class=POLICY_CLASS, limit_kind="requests", current=self.in_flight, limit=self.limit
+                )
+                granted.set_exception(_TimedOut(waited, self._timeout))
+
+        # call_later, not asyncio.timeout: the proxy's request may run eagerly, outside any task.
+        timer = loop.call_later(self._timeout, time_out)
+        try:
+            await granted  # the slot is counted for us by whoever granted it
+        except BaseException:
+            granted_meanwhile = granted.done() and not granted.cancelled() and granted.exception() is None
+            if not self.queue.cancel(ticket) and granted_meanwhile:
+                self._release()  # granted as we were cancelled: hand it on
+            raise
+        finally:
+            timer.cancel()
+
+    def _release(self) -> None:
+        while self.queue.head() is not None:
+            granted = self.queue.pop_head()
+            if not granted.done():
+                granted.set_result(None)  # the slot passes to it: in_flight unchanged
+                return
+        self.in_flight -= 1
+
+
+class _TimedOut(QueueRejected):
+    """Waited ``proxy_queue_timeout_secs`` for a slot."""
+
+    def __init__(self, rejection: QueueRejection, timeout: float) -> None:
+        super().__init__(rejection)
+        self.args = (
+            f"no free slot within {timeout:g} s: {rejection.current} of {rejection.limit} concurrent requests "
+            "in flight (proxy_max_concurrent_requests)",
+        )

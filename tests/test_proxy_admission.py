@@ -1,0 +1,105 @@
+"""The proxy's concurrency cap (`api.proxy.admission`): a bounded wait for a slot, in the router's queue
+order, refused with a 429 and Retry-After when full or timed out; with the real `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from api.config import ProxyConfig
+from api.proxy.admission import Admission
+from router.errors import QueueRejected
+from router.event_plane.embedded_server import EmbeddedNats
+from router.types import RouteRequest
+from tests.gate_worker import Gate, register, served
+from tests.metrics import sample
+from tests.proxy_fleet import MODEL, Fleet, fleet, idle
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+
+async def gauges(f: Fleet) -> tuple[float | None, float | None]:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{f.url}/metrics")).text
+    return sample(text, "kv_router_proxy_requests_in_flight"), sample(text, "kv_router_proxy_requests_waiting")
+
+
+async def test_requests_over_the_cap_wait_then_go_and_a_full_queue_or_a_timed_out_wait_is_a_429(
+    nats_server: EmbeddedNats,
+) -> None:
+    proxy = {
+        "proxy_max_concurrent_requests": 1,
+        "proxy_max_waiting_requests": 1,
+        "proxy_queue_timeout_secs": 0.5,
+        "proxy_retry_after_secs": 2,
+        "proxy_health_check_interval_secs": 0,
+    }
+    gate = Gate(refusals=0, hold=asyncio.Event())
+    async with fleet(nats_server.url, (), proxy=proxy) as f, served(gate) as url:
+        await register(f, 7, url)
+
+        def ask() -> asyncio.Future[object]:
+            return asyncio.ensure_future(f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1))
+
+        first = ask()
+        await eventually(lambda: len(gate.arrivals) == 1, what="the first request at the worker")
+        waiting = ask()
+
+        async def one_waits() -> bool:
+            return await gauges(f) == (1.0, 1.0)
+
+        await eventually(one_waits, what="one in flight, one waiting")
+        # The queue is full: refused at once.
+        with pytest.raises(openai.RateLimitError) as full:
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+        assert full.value.response.headers["retry-after"] == "2"
+        assert full.value.response.json()["error"]["type"] == "rate_limit_exceeded"
+        # The one waiting gives up at its timeout, while the first still holds the slot.
+        with pytest.raises(openai.RateLimitError, match=r"no free slot within 0\.5 s") as timed_out:
+            await waiting
+        assert timed_out.value.response.headers["retry-after"] == "2"
+        assert len(gate.arrivals) == 1
+        # One more waits, and goes as soon as the slot is free.
+        third = ask()
+        await eventually(one_waits, what="one in flight, one waiting")
+        gate.hold.set()  # type: ignore[union-attr]
+        for done in await asyncio.gather(first, third):
+            assert done.choices[0].text == " fine"  # type: ignore[attr-defined]
+        assert len(gate.arrivals) == 2
+        assert await gauges(f) == (0.0, 0.0)
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{f.url}/metrics")).text
+        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="queue_rejected") == 2
+        assert idle(f.router)
+
+
+async def test_a_slot_goes_to_whom_the_router_would_serve_first_and_a_cancelled_wait_frees_its_place() -> None:
+    admission = Admission(
+        ProxyConfig(proxy_max_concurrent_requests=1, proxy_max_waiting_requests=3, proxy_queue_timeout_secs=30),
+        "fcfs",
+    )
+    order: list[str] = []
+
+    async def one(name: str, tier: int = 0) -> None:
+        async with admission.slot(RouteRequest(tokens=[1], strict_priority=tier), 1):
+            order.append(name)
+            await asyncio.sleep(0)
+
+    holder = admission.slot(RouteRequest(tokens=[1]), 1)
+    await holder.__aenter__()
+    low = asyncio.ensure_future(one("low"))
+    gone = asyncio.ensure_future(one("gone"))
+    high = asyncio.ensure_future(one("high", tier=1))
+    await eventually(lambda: len(admission.queue) == 3)
+    with pytest.raises(QueueRejected):
+        await one("over the limit")
+    gone.cancel()
+    await eventually(lambda: len(admission.queue) == 2)
+    await holder.__aexit__(None, None, None)
+    await asyncio.gather(low, high)
+    assert order == ["high", "low"]  # strict priority first, as in the router's queue
+    assert admission.in_flight == 0 and len(admission.queue) == 0
