@@ -1,7 +1,9 @@
 """The OpenAI HTTP API of a mock worker, served from its simulated engine (``mock-worker --http-port``).
 
-``/v1/completions`` and ``/v1/chat/completions`` (streamed as SSE or not), ``/tokenize`` (vLLM's
-shape), ``/v1/models`` and ``/health``. A request is submitted to the worker's `MockEngine`; its
+``/v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (streamed as SSE or not; a
+response's input rendered as a chat, its instructions the system message), ``/v1/embeddings`` and
+``/v1/rerank`` (answered at once, not through the engine), ``/tokenize`` (vLLM's shape),
+``/v1/models`` and ``/health``. A request is submitted to the worker's `MockEngine`; its
 tokens come out when the passes that generate them end (the engine's timing model), and its usage
 reports the cached tokens its block pool really had (``prompt_tokens_details.cached_tokens``).
 A client that disconnects mid-stream aborts its request in the engine, as vLLM does.
@@ -53,6 +55,11 @@ class _Body(msgspec.Struct):
     stream_options: _StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    max_output_tokens: int | None = None  # the Responses API's
+    input: str | list[Any] | None = None  # embeddings' texts or ids; the Responses API's input
+    instructions: str | None = None  # the Responses API's system prompt
+    query: str | None = None  # rerank's
+    documents: list[str] | None = None
 
 
 _decode_body = msgspec.json.Decoder(_Body).decode
@@ -93,9 +100,27 @@ def render_chat(messages: list[_Message]) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
+def responses_messages(instructions: str | None, given: str | list[Any]) -> list[_Message]:
+    """The chat a Responses API request is: its instructions as the system message, then its input
+    (a text: one user message; items: their role and text), as vLLM hands them to the template."""
+    messages = [_Message(role="system", content=instructions)] if instructions else []
+    if isinstance(given, str):
+        return [*messages, _Message(role="user", content=given)]
+    for item in given:
+        content = item.get("content")
+        if isinstance(content, list):
+            content = "".join(str(part.get("text", "")) for part in content)
+        messages.append(_Message(role=item.get("role", "user"), content=content))
+    return messages
+
+
 def _prompt_ids(body: _Body) -> list[int]:
     if body.messages is not None:
         return text_tokens(render_chat(body.messages))
+    if body.query is not None:
+        return text_tokens(body.query + "\n" + "\n".join(body.documents or []))
+    if body.input is not None and body.model is not None and body.prompt is None:
+        body.prompt = body.input  # embeddings: as a completion's prompt
     prompt = body.prompt
     if prompt is None:
         raise ValueError("prompt or messages is required")
@@ -123,7 +148,8 @@ class MockOpenAI:
         self.model = model
         self.aborted = 0  # requests whose client left before their end
         self.tokenized = 0  # /tokenize calls answered
-        self.generated = 0  # completions and chat completions received
+        self.generated = 0  # completions, chat completions and responses received
+        self.pooled = 0  # embeddings and rerank requests answered
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -135,10 +161,13 @@ class MockOpenAI:
             await _reply(send, 200, _encode({"object": "list", "data": [card]}))
         elif method == "GET" and path == "/health":
             await _reply(send, 200, b"{}")
-        elif method == "POST" and path in ("/tokenize", "/v1/completions", "/v1/chat/completions"):
+        elif method == "POST" and path in _POSTS:
             body = await _read(receive)
             try:
                 request = _decode_body(body)
+                if path == "/v1/responses":
+                    request.messages = responses_messages(request.instructions, request.input or "")
+                    request.max_tokens = request.max_output_tokens
                 tokens = _prompt_ids(request)
             except (msgspec.DecodeError, ValueError) as exc:
                 await _reply(send, 400, _error(400, str(exc)))
@@ -146,12 +175,28 @@ class MockOpenAI:
             if path == "/tokenize":
                 self.tokenized += 1
                 await _reply(send, 200, _encode({"tokens": tokens, "count": len(tokens)}))
+            elif path in ("/v1/embeddings", "/v1/rerank"):
+                self.pooled += 1
+                await _reply(send, 200, self._pooled(path, request, tokens))
             else:
-                await self._generate(path == "/v1/chat/completions", request, tokens, receive, send)
+                await self._generate(_KINDS[path], request, tokens, receive, send)
         else:
             await _reply(send, 404, _error(404, f"{method} {path}: not found"))
 
-    async def _generate(self, chat: bool, request: _Body, tokens: list[int], receive: Receive, send: Send) -> None:
+    def _pooled(self, path: str, request: _Body, tokens: list[int]) -> bytes:
+        """An embedding (its prompt's length and the worker's id) or a ranking (documents in order)."""
+        usage = {"prompt_tokens": len(tokens), "total_tokens": len(tokens)}
+        if path == "/v1/embeddings":
+            vector = [float(len(tokens)), float(self.worker.worker_id)]
+            data = [{"object": "embedding", "index": 0, "embedding": vector}]
+            return _encode({"object": "list", "data": data, "model": self.model, "usage": usage})
+        results = [
+            {"index": index, "relevance_score": 1.0 / (1 + index), "document": {"text": text}}
+            for index, text in enumerate(request.documents or [])
+        ]
+        return _encode({"id": "rerank-" + uuid.uuid4().hex, "model": self.model, "results": results, "usage": usage})
+
+    async def _generate(self, kind: str, request: _Body, tokens: list[int], receive: Receive, send: Send) -> None:
         self.generated += 1
         if not tokens:
             await _reply(send, 400, _error(400, "the prompt has no tokens"))
@@ -162,7 +207,7 @@ class MockOpenAI:
         if stream is None:
             await _reply(send, 400, _error(400, f"prompt of {len(tokens)} tokens does not fit the KV pool"))
             return
-        chunks = _Chunks(chat, request_id, self.model)
+        chunks = _Chunks(kind, request_id, self.model)
         left = asyncio.ensure_future(_disconnected(receive))
         try:
             if request.stream:
@@ -200,28 +245,52 @@ class MockOpenAI:
                 sent = count
                 if not started:
                     started = True
+                    events = chunks.start() + events
                     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
                     await send({"type": "http.response.start", "status": 200, "headers": headers})
                 await send({"type": "http.response.body", "body": events, "more_body": True})
             if stream.done:
-                tail = chunks.usage(stream, prompt_tokens) if include_usage else b""
-                await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+                await send({"type": "http.response.body", "body": chunks.end(stream, prompt_tokens, include_usage)})
                 return
 
 
 class _Chunks:
-    """The bytes of one request's answers; token texts are plain ASCII, so templates need no escaping."""
+    """The bytes of one request's answers (``kind``: completion, chat or responses); token texts are
+    plain ASCII, so templates need no escaping."""
 
-    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+    def __init__(self, kind: str, request_id: str, model: str) -> None:
+        chat = kind == "chat"
         self.chat = chat
+        self.responses = kind == "responses"
         self.created = int(time.time())
-        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.id = {"chat": "chatcmpl-", "responses": "resp_"}.get(kind, "cmpl-") + request_id
         self.model = model
         object_ = "chat.completion.chunk" if chat else "text_completion"
         fields = f'"id":"{self.id}","object":"{object_}","created":{self.created},"model":{_encode(model).decode()},'
         self._head = b"data: {" + fields.encode()
 
+    def start(self) -> bytes:
+        """What a stream opens with before its first token (the Responses API's response.created)."""
+        if not self.responses:
+            return b""
+        created = {"id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+                   "status": "in_progress", "output": []}  # fmt: skip
+        return _event("response.created", {"type": "response.created", "response": created, "sequence_number": 0})
+
+    def end(self, stream: TokenStream, prompt_tokens: int, include_usage: bool) -> bytes:
+        """What a stream ends with: the usage (if asked for) and [DONE]; the Responses API's
+        response.completed, carrying the whole response."""
+        if self.responses:
+            whole = msgspec.json.decode(self.whole(stream, prompt_tokens))
+            completed = {"type": "response.completed", "response": whole, "sequence_number": stream.tokens + 1}
+            return _event("response.completed", completed)
+        return (self.usage(stream, prompt_tokens) if include_usage else b"") + b"data: [DONE]\n\n"
+
     def token(self, index: int, last: bool) -> bytes:
+        if self.responses:
+            delta = {"type": "response.output_text.delta", "item_id": "msg_" + self.id, "output_index": 0,
+                     "content_index": 0, "delta": _word(index), "sequence_number": index}  # fmt: skip
+            return _event("response.output_text.delta", delta)
         finish = b'"length"' if last else b"null"
         text = _word(index).encode()
         if self.chat:
@@ -245,6 +314,28 @@ class _Chunks:
 
     def whole(self, stream: TokenStream, prompt_tokens: int) -> bytes:
         text = "".join(_word(index) for index in range(1, stream.tokens + 1))
+        if self.responses:
+            usage = self._usage(stream, prompt_tokens)
+            content = [{"type": "output_text", "text": text, "annotations": []}]
+            message = {"type": "message", "id": "msg_" + self.id, "status": "completed", "role": "assistant",
+                       "content": content}  # fmt: skip
+            return _encode(
+                {
+                    "id": self.id,
+                    "object": "response",
+                    "created_at": self.created,
+                    "model": self.model,
+                    "status": "completed",
+                    "output": [message],
+                    "usage": {
+                        "input_tokens": prompt_tokens,
+                        "input_tokens_details": usage["prompt_tokens_details"],
+                        "output_tokens": usage["completion_tokens"],
+                        "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": usage["total_tokens"],
+                    },
+                }
+            )
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
             object_ = "chat.completion"
@@ -262,6 +353,15 @@ class _Chunks:
                 "usage": self._usage(stream, prompt_tokens),
             }
         )
+
+
+_POSTS = ("/tokenize", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/rerank")
+_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/v1/responses": "responses"}
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    """One named SSE event (the Responses API's shape)."""
+    return b"event: " + name.encode() + b"\ndata: " + _encode(data) + b"\n\n"
 
 
 async def _wait_change(stream: TokenStream, left: asyncio.Future[None]) -> None:

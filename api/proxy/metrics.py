@@ -37,6 +37,8 @@ ERROR_BUCKETS = (
 ADDED_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,
 )  # fmt: skip
+# The proxy's POST routes (`api.proxy.service.ROUTES`).
+ROUTE_LABELS = ("completions", "chat_completions", "embeddings", "rerank", "responses")
 OUTCOMES = (
     "ok", "bad_request", "no_worker", "queue_rejected", "upstream_error", "upstream_status",
     "client_disconnected", "tokenize_failed", "unauthorized", "instance_query",
@@ -68,7 +70,8 @@ class ProxyMetrics(Collector):
     def __init__(self, registry: CollectorRegistry, window: int) -> None:
         self._requests = Counter(
             f"{PREFIX}_proxy_requests",
-            "Proxied OpenAI requests by route (completions, chat_completions) and outcome (ok, bad_request, "
+            "Proxied OpenAI requests by route (completions, chat_completions, embeddings, rerank, responses) and "
+            "outcome (ok, bad_request, "
             "no_worker, queue_rejected, upstream_error: no worker answered or a stream broke, upstream_status: "
             "the worker's own 4xx, or its 429 / 503 once retries ran out, client_disconnected, tokenize_failed, "
             "unauthorized: no or a wrong API token, instance_query: Dynamo's query_instance_id answered with the "
@@ -77,9 +80,7 @@ class ProxyMetrics(Collector):
             registry=registry,
         )
         self._counts = {
-            (route, outcome): self._requests.labels(route, outcome)
-            for route in ("completions", "chat_completions")
-            for outcome in OUTCOMES
+            (route, outcome): self._requests.labels(route, outcome) for route in ROUTE_LABELS for outcome in OUTCOMES
         }
         self._retries = Counter(
             f"{PREFIX}_proxy_upstream_failures",

@@ -37,6 +37,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -60,9 +61,12 @@ from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
 from api.proxy.wire import (
     ChatBody,
     CompletionBody,
+    EmbeddingsBody,
     ErrorReply,
     ModelCard,
     ModelList,
+    RerankBody,
+    ResponsesBody,
     TokenIdsBody,
     Usage,
     error_body,
@@ -75,17 +79,28 @@ from indexer.hashing import pack_tokens
 from indexer.slots import WorkerRank
 from router.errors import AllWorkersOverloaded, NoEligibleWorker, QueueRejected
 from router.kv_router import KvRouter
-from router.types import RouteDecision, RouteRequest, WorkerConfig
+from router.types import RouteDecision, RouterConfigOverride, RouteRequest, WorkerConfig
 
 __all__ = ["ROUTES", "Proxy"]
 
 logger = logging.getLogger(__name__)
 
 # Path -> route label.
-ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+ROUTES = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat_completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/v1/responses": "responses",
+}
+# Routes whose work is a prefill the engine does not reuse (pooling models): routed by load alone,
+# the cache credit zeroed (Dynamo's per-request router_config_override).
+_BY_LOAD = frozenset({"embeddings", "rerank"})
+_NO_CACHE_CREDIT = RouterConfigOverride(overlap_score_credit=0.0)
 _PATHS = {route: path.encode() for path, route in ROUTES.items()}
 
 _JSON = b"application/json"
+Converted = TypeVar("Converted", EmbeddingsBody, RerankBody, ResponsesBody)
 _encode = msgspec.json.Encoder().encode
 
 
@@ -144,6 +159,10 @@ class Proxy:
         self._decoders: dict[str, Callable[[bytes], TokenIdsBody | CompletionBody | ChatBody]] = {
             "completions": _completion_decoder(),
             "chat_completions": msgspec.json.Decoder(ChatBody).decode,
+            # Routed as the completion or chat they amount to; their bodies still go as they came.
+            "embeddings": _converted(EmbeddingsBody, EmbeddingsBody.as_completion),
+            "rerank": _converted(RerankBody, RerankBody.as_completion),
+            "responses": _converted(ResponsesBody, ResponsesBody.as_chat),
         }
 
     async def start(self) -> None:
@@ -216,6 +235,9 @@ class Proxy:
         for path, body, summary in (
             ("/v1/completions", CompletionBody, "a completion, routed to the worker holding most of the prompt"),
             ("/v1/chat/completions", ChatBody, "a chat completion, routed to the worker holding most of the prompt"),
+            ("/v1/responses", ResponsesBody, "a response (Responses API), routed by its prompt rendered as a chat"),
+            ("/v1/embeddings", EmbeddingsBody, "embeddings, routed to the least loaded worker serving the model"),
+            ("/v1/rerank", RerankBody, "a ranking of documents, routed to the least loaded worker serving the model"),
         ):
             operation = schemas.operation(request=body, responses=errors, msgpack=False)
             operation["responses"]["200"] = {
@@ -325,6 +347,8 @@ class Proxy:
             )
         except ApiError as exc:  # counted as a bad request: its type is no outcome of the proxy's
             raise _refused(exc.status, "invalid_request_error", exc.message, "bad_request") from None
+        if route in _BY_LOAD:
+            routing.request.router_config_override = _NO_CACHE_CREDIT
         if routing.pinned is not None and routing.pinned[0] not in by_id:
             message = f"nvext.backend_instance_id: worker {routing.pinned[0]} does not serve model {model!r} over HTTP"
             raise _refused(400, "invalid_request_error", message, "bad_request")
@@ -581,9 +605,18 @@ async def _overloaded(exchange: Exchange, decision: RouteDecision) -> _WorkerFai
     return _WorkerFailed(f"HTTP {status}", (status, headers, content), retry_after_secs(exchange.retry_after))
 
 
+# The Responses API's last events (it sends no [DONE]).
+_RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
+
+
 def _finished_stream(events: bytes) -> bool:
-    """Whether ``events`` end an OpenAI stream (its last event, ``data: [DONE]``)."""
-    return events.rstrip().endswith(b"data: [DONE]")
+    """Whether ``events`` end an OpenAI stream: its last event ``data: [DONE]``, or the Responses
+    API's ``response.completed`` (``incomplete``, ``failed``)."""
+    tail = events.rstrip()
+    if tail.endswith(b"data: [DONE]"):
+        return True
+    boundary = tail.rfind(b"\n\n")
+    return tail[boundary + 2 if boundary >= 0 else 0 :].lstrip().startswith(_RESPONSE_ENDS)
 
 
 def _client_left_at_the_end() -> None:
@@ -594,6 +627,13 @@ def _client_left_at_the_end() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
+
+
+def _converted(
+    body: type[Converted], convert: Callable[[Converted], CompletionBody | ChatBody]
+) -> Callable[[bytes], CompletionBody | ChatBody]:
+    decode = msgspec.json.Decoder(body).decode
+    return lambda raw: convert(decode(raw))
 
 
 def _completion_decoder() -> Callable[[bytes], TokenIdsBody | CompletionBody]:

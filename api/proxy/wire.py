@@ -22,12 +22,15 @@ from indexer.events import U32, U32_MAX
 __all__ = [
     "ChatBody",
     "CompletionBody",
+    "EmbeddingsBody",
     "ErrorReply",
     "InstanceQueryReply",
     "ModelCard",
     "ModelList",
     "NvExtResponse",
     "OpenAIError",
+    "RerankBody",
+    "ResponsesBody",
     "TokenIdsBody",
     "TokenizeReply",
     "Usage",
@@ -93,6 +96,67 @@ class ChatBody(_Body, kw_only=True):
                   "chat_template", "chat_template_kwargs")  # fmt: skip
         given = {name: getattr(self, name) for name in fields}
         return {"model": self.model, **{name: value for name, value in given.items() if value is not None}}
+
+
+class EmbeddingsBody(_Body, kw_only=True):
+    """``POST /v1/embeddings``: routed as a completion of its input (the first of a batch), by load."""
+
+    input: str | list[str | int | list[int]]
+    add_special_tokens: bool = True
+
+    def as_completion(self) -> CompletionBody:
+        return CompletionBody(
+            model=self.model, prompt=self.input, nvext=self.nvext, cache_salt=self.cache_salt,
+            add_special_tokens=self.add_special_tokens,
+        )  # fmt: skip
+
+
+class RerankBody(_Body, kw_only=True):
+    """``POST /v1/rerank`` (vLLM's, Cohere's and Jina's shape): routed by load, as a prompt of its query
+    and documents (their text: what the engine prefills)."""
+
+    query: str
+    documents: list[str | dict[str, Any]]
+
+    def as_completion(self) -> CompletionBody:
+        if not self.documents:
+            raise ValueError("documents is empty")
+        texts = [doc if isinstance(doc, str) else str(doc.get("text", "")) for doc in self.documents]
+        prompt = "\n".join([self.query, *texts])
+        return CompletionBody(model=self.model, prompt=prompt, nvext=self.nvext, cache_salt=self.cache_salt)
+
+
+class ResponsesBody(_Body, kw_only=True):
+    """``POST /v1/responses``: routed by its prompt rendered as a chat, as vLLM renders it: the
+    ``instructions`` as the system message, then the ``input`` (a text: one user message; message
+    items: their role and content, text parts joined)."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def as_chat(self) -> ChatBody:
+        messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        if isinstance(self.input, str):
+            messages.append(ChatMessage(role="user", content=self.input))
+        else:
+            for item in self.input:
+                if item.get("type", "message") != "message":
+                    continue  # tool calls and their outputs: not part of the rendered prefix here
+                content = item.get("content")
+                if isinstance(content, list):
+                    content = "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+                messages.append(ChatMessage(role=str(item.get("role", "user")), content=content))
+        # The Responses API's function tools are flat; a chat template reads Chat Completions' shape.
+        tools = [
+            {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+            for tool in self.tools or []
+            if tool.get("type") == "function"
+        ] or None
+        return ChatBody(
+            model=self.model, messages=messages, tools=tools, stream=self.stream, nvext=self.nvext,
+            cache_salt=self.cache_salt,
+        )  # fmt: skip
 
 
 class OpenAIError(msgspec.Struct, kw_only=True):
@@ -169,14 +233,21 @@ class _Details(msgspec.Struct):
 
 
 class Usage(msgspec.Struct):
-    """An answer's ``usage``: the tokens it generated, and those of its prompt the engine had cached."""
+    """An answer's ``usage``: the tokens it generated, and those of its prompt the engine had cached
+    (Chat Completions' names, or the Responses API's ``output_tokens`` and ``input_tokens_details``)."""
 
     completion_tokens: int | None = None
     prompt_tokens_details: _Details | None = None
+    output_tokens: int | None = None
+    input_tokens_details: _Details | None = None
+
+    def __post_init__(self) -> None:
+        if self.completion_tokens is None:
+            self.completion_tokens = self.output_tokens
 
     @property
     def cached_tokens(self) -> int | None:
-        details = self.prompt_tokens_details
+        details = self.prompt_tokens_details or self.input_tokens_details
         return details.cached_tokens if details is not None else None
 
 
