@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.auth import ApiAuth
 from api.config import Settings
+from api.cors import Cors
 from api.docs import add_docs_routes
 from api.engine_lifecycle import running_dynamo_sources, running_engines
 from api.errors import ApiError, InvalidBody, NotFound, error_reply
@@ -171,6 +172,7 @@ def create_app(
     schemas.install(app)
     add_docs_routes(app, auth)
     _add_error_handlers(app)
+    Cors(settings.service).install(app)
     # The OpenAI routes are stream routes, served before everything else whatever fast_path says.
     streams = proxy.routes(auth) if proxy is not None else {}
     hot_routes = handlers.routes() if settings.service.fast_path else {}

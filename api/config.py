@@ -104,6 +104,25 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     shutdown_timeout_secs: Annotated[
         int, _doc("on SIGTERM, seconds in-flight requests may take to finish"), msgspec.Meta(ge=0)
     ] = 30
+    cors_allow_origins: Annotated[
+        list[str],
+        _doc(
+            "browser origins allowed to call the service (CORS), e.g. https://app.example.com; * for any; "
+            "repeatable; empty: CORS off"
+        ),
+    ] = []
+    cors_allow_methods: Annotated[list[str], _doc("CORS: methods a browser may use (default GET, POST)")] = (
+        msgspec.field(default_factory=lambda: ["GET", "POST"])
+    )
+    cors_allow_headers: Annotated[list[str], _doc("CORS: request headers a browser may send (default *: any)")] = (
+        msgspec.field(default_factory=lambda: ["*"])
+    )
+    cors_allow_credentials: Annotated[
+        bool, _doc("CORS: browsers may send cookies and the Authorization header (the origin is echoed, never *)")
+    ] = False
+    cors_max_age_secs: Annotated[
+        int, _doc("CORS: seconds a browser may cache a preflight answer"), msgspec.Meta(ge=0)
+    ] = 600
 
 
 class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -312,6 +331,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     proxy_retry_after_secs: Annotated[
         int, _doc("Retry-After of a 429 when the router's queue refuses a request"), msgspec.Meta(ge=0)
     ] = 1
+    proxy_request_id_header: Annotated[
+        str,
+        _doc("the request id header: the client's passed to the worker and echoed on the answer, else one made here"),
+    ] = "X-Request-Id"
     proxy_max_concurrent_requests: Annotated[
         int,
         _doc(

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.codec import Call, Reply, RequestHead, read_head
 from api.errors import BodyTooLarge, error_reply
-from api.http_stream import Headers, Sink, StreamRoute, whole_headers
+from api.http_stream import Headers, Sink, StreamRoute, head_of, whole_headers
 
 __all__ = [
     "AsgiStreamedRequest",
@@ -136,7 +136,7 @@ class FastPath:
         if self._streams and scope["method"] == "POST":
             stream = self._streams.get(scope["path"])
             if stream is not None:
-                await self._stream(stream, head, receive, send)
+                await self._stream(stream, head, head_of(scope["headers"]), receive, send)
                 return
         if head.content_length > self._limit:
             # Refused before a byte of the body is read.
@@ -156,7 +156,7 @@ class FastPath:
         call = head.call(body, scope["query_string"], partial(wait_disconnect, receive))
         await send_reply(send, await answered(handler(call)))
 
-    async def _stream(self, route: StreamRoute, head: RequestHead, receive: Receive, send: Send) -> None:
+    async def _stream(self, route: StreamRoute, head: RequestHead, lines: bytes, receive: Receive, send: Send) -> None:
         """A stream route's request: its body read, the client watched while the handler runs (its
         leaving cancels the handler, as the protocol's connection_lost does)."""
         try:
@@ -168,7 +168,7 @@ class FastPath:
             return
         except ClientGone:
             return
-        request = AsgiStreamedRequest(send, body, head.authorization)
+        request = AsgiStreamedRequest(send, body, head.authorization, lines)
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.ensure_future(receive())
@@ -205,15 +205,16 @@ class AsgiStreamedRequest:
     protocol's twin is `api.http_stream.StreamedRequest`). Pieces handed on from a read callback
     (`begin`'s sink) are sent in order by one task; the source pauses while it is behind."""
 
-    __slots__ = ("_pending", "_pump", "_resume", "_send", "authorization", "body", "disconnected", "finished")
+    __slots__ = ("_pending", "_pump", "_resume", "_send", "authorization", "body", "disconnected", "finished", "head")
 
     # Pieces queued before the source is told to pause.
     BEHIND = 8
 
-    def __init__(self, send: Send, body: bytes, authorization: bytes | None) -> None:
+    def __init__(self, send: Send, body: bytes, authorization: bytes | None, head: bytes = b"") -> None:
         self._send = send
         self.body = body
         self.authorization = authorization
+        self.head = head
         self.disconnected = False
         self.finished = False
         self._pending: deque[Message] = deque()

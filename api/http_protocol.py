@@ -42,7 +42,7 @@ from uvicorn.server import ServerState
 from api.codec import Reply, RequestHead, call_of, read_head
 from api.eager import Suspended, start
 from api.fastpath import HotHandler, HotRoutes, too_large_reply
-from api.http_stream import StreamedRequest, StreamRoute
+from api.http_stream import StreamedRequest, StreamRoute, head_of
 from api.native import ENABLED as NATIVE
 from api.native import accel
 
@@ -106,6 +106,7 @@ class _HotRequest:
         "keep_alive",
         "path",
         "query",
+        "raw_head",
         "refused",
         "response_complete",
         "size",
@@ -120,6 +121,7 @@ class _HotRequest:
         self.path = path
         self.query = query
         self.head = head
+        self.raw_head = b""  # a stream route's header lines (`StreamCall.head`)
         self.http_version = http_version
         self.keep_alive = keep_alive
         self.expect_continue = False
@@ -182,11 +184,11 @@ class FastHttpProtocol(HttpToolsProtocol):
                         self._unset_keepalive_if_required()
                         self._head_read = data
                         return
-                elif parsed is not None and self._whole_request(parsed):
+                elif parsed is not None and self._whole_request(parsed, data):
                     return
         super().data_received(data)
 
-    def _whole_request(self, parsed: ParsedPost) -> bool:
+    def _whole_request(self, parsed: ParsedPost, data: bytes) -> bool:
         """Answer one whole hot request parsed in C, as the httptools callbacks would; False for a
         path that is not hot or a body over the limit (httptools then parses it, as any request)."""
         path, query, content_type, accept, request_id, authorization, body = parsed
@@ -215,6 +217,7 @@ class FastHttpProtocol(HttpToolsProtocol):
             return False
         self._unset_keepalive_if_required()
         request = self._whole_hot_request(handler, parsed)
+        request.raw_head = data[data.find(b"\r\n") + 2 : data.find(b"\r\n\r\n") + 2]  # its header lines
         self.cycle = request  # type: ignore[assignment]
         self._begin(request)
         return True
@@ -251,6 +254,8 @@ class FastHttpProtocol(HttpToolsProtocol):
         keep_alive = http_version != "1.0" and parser.should_keep_alive()
         request = _HotRequest(handler, path, query, head, http_version, keep_alive)
         request.expect_continue = self.expect_100_continue
+        if path in self._streams:
+            request.raw_head = head_of(self.headers)
         request.refused = head.content_length > self.max_body_bytes  # answered before a byte of the body is read
         previous = self.cycle
         self.cycle = cast(RequestResponseCycle, request)
@@ -384,7 +389,7 @@ class FastHttpProtocol(HttpToolsProtocol):
         request.chunks = []
         stream = self._streams.get(request.path)
         if stream is not None:
-            streamed = StreamedRequest(self, request, body, request.head.authorization)
+            streamed = StreamedRequest(self, request, body, request.head.authorization, request.raw_head)
             self._streamed = (streamed, request)
             streamed.run(stream.handle)
             return

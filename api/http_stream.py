@@ -28,7 +28,17 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from api.codec import Reply
 from api.eager import Suspended, start
 
-__all__ = ["Headers", "Sink", "StreamCall", "StreamHandler", "StreamRoute", "StreamedRequest", "whole_headers"]
+__all__ = [
+    "Headers",
+    "Sink",
+    "StreamCall",
+    "StreamHandler",
+    "StreamRoute",
+    "StreamedRequest",
+    "head_of",
+    "header_value",
+    "whole_headers",
+]
 
 Headers = list[tuple[bytes, bytes]]
 StreamHandler = Callable[["StreamCall"], Coroutine[object, object, None]]
@@ -61,6 +71,9 @@ class StreamCall(Protocol):
 
     body: bytes
     authorization: bytes | None
+    # The request's header lines as the client sent them (``name: value\r\n`` each), read with
+    # `header_value` for the few a handler needs besides Authorization.
+    head: bytes
 
     def is_disconnected(self) -> bool:
         """Whether the client has gone (a cancellation of the handler is then the request's end)."""
@@ -79,6 +92,24 @@ class StreamCall(Protocol):
     async def end(self, last: bytes = b"") -> None:
         """The streamed answer's end, after ``last`` (an error event, say)."""
         ...
+
+
+def header_value(head: bytes, name: bytes) -> bytes | None:
+    """The value of header ``name`` (lower-case) in a request's header lines, or None. One lower-casing
+    and one search of the head (a few hundred bytes), only for the headers a handler asks for."""
+    if not head:
+        return None
+    at = (b"\n" + head.lower()).find(b"\n" + name + b":")
+    if at < 0:
+        return None
+    start = at + len(name) + 1
+    end = head.find(b"\r\n", start)
+    return head[start : end if end >= 0 else len(head)].strip(b" \t\r\n")
+
+
+def head_of(headers: Headers) -> bytes:
+    """Header lines of (name, value) pairs (uvicorn's and ASGI's), as `StreamCall.head` holds them."""
+    return b"".join(name + b": " + value + b"\r\n" for name, value in headers)
 
 
 def whole_headers(headers: Headers, body: bytes) -> Headers:
@@ -116,13 +147,18 @@ class _Connection(Protocol):
 class StreamedRequest:
     """One request on a stream route and its answer, written to the connection's transport."""
 
-    __slots__ = ("_connection", "_head", "_request", "_status", "_task", "authorization", "body", "disconnected")
+    __slots__ = (
+        "_connection", "_head", "_request", "_status", "_task", "authorization", "body", "disconnected", "head",
+    )  # fmt: skip
 
-    def __init__(self, connection: _Connection, request: _Request, body: bytes, authorization: bytes | None) -> None:
+    def __init__(
+        self, connection: _Connection, request: _Request, body: bytes, authorization: bytes | None, head: bytes = b""
+    ) -> None:
         self._connection = connection
         self._request = request  # the protocol's record of it: keep_alive, response_complete
         self.body = body
         self.authorization = authorization
+        self.head = head
         self.disconnected = False
         self._head: bytes | None = None  # a streamed answer's head, written with its first piece
         self._status = 0

@@ -150,6 +150,7 @@ class MockOpenAI:
         self.tokenized = 0  # /tokenize calls answered
         self.generated = 0  # completions, chat completions and responses received
         self.pooled = 0  # embeddings and rerank requests answered
+        self.last_headers: dict[bytes, bytes] = {}  # of the last POST
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -162,6 +163,7 @@ class MockOpenAI:
         elif method == "GET" and path == "/health":
             await _reply(send, 200, b"{}")
         elif method == "POST" and path in _POSTS:
+            self.last_headers = dict(scope["headers"])
             body = await _read(receive)
             try:
                 request = _decode_body(body)

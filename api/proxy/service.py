@@ -47,11 +47,13 @@ from prometheus_client import CollectorRegistry
 from api.auth import Access, ApiAuth, unauthorized_reply
 from api.codec import JSON, Reply
 from api.config import ProxyConfig, ServiceConfig
+from api.cors import Cors
 from api.errors import ApiError, prompt_too_long
 from api.hints import RoutingCall, routing_call
 from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
 from api.proxy.admission import Admission
+from api.proxy.client_headers import ClientHeaders, WithHeaders
 from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
@@ -149,6 +151,7 @@ class Proxy:
         self.retry = RetryPolicy(config)
         self.health_checks = WorkerHealthChecks(router, config)
         self.admission = Admission(config, router.config.router_queue_policy)
+        self.client_headers = ClientHeaders(config, Cors(service))
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: len(self.admission.queue))
         self.tokenizer = PromptTokenizer(load_model_files(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
@@ -273,8 +276,13 @@ class Proxy:
         (``request.is_disconnected()``) is the end of the request, counted as such."""
         outcome = "ok"
         received = time.perf_counter()
+        booking_id = uuid.uuid4().hex
+        passed = self.client_headers.read(request, booking_id)
+        request = WithHeaders(request, passed.answer)  # the request id (and CORS) on every answer
         try:
-            outcome = await self._proxy(route, request.body, request.authorization, request, received)
+            outcome = await self._proxy(
+                route, request.body, request.authorization, request, received, booking_id, passed.upstream
+            )
         except _Refused as refused:
             outcome = refused.outcome
             await request.whole(refused.status, refused.headers, refused.body)
@@ -292,8 +300,17 @@ class Proxy:
         return _refused(413, "invalid_request_error", message, "bad_request")
 
     async def _proxy(
-        self, route: str, body: bytes, authorization: bytes | None, reply: StreamCall, received: float
+        self,
+        route: str,
+        body: bytes,
+        authorization: bytes | None,
+        reply: StreamCall,
+        received: float,
+        request_id: str,
+        passed: bytes,
     ) -> str:
+        """``request_id``: the booking's; ``passed``: the header lines the worker gets of the client's
+        (request id, trace context)."""
         try:
             request = self._decoders[route](body)
             model = request.model
@@ -334,7 +351,6 @@ class Proxy:
         # streams of 256 tokens, 25k visits each, most of its pause).
         packed = bytes(pack_tokens(tokens))
         stream = request.stream
-        request_id = uuid.uuid4().hex
         by_id = {worker.worker_id: worker for worker in workers}
         # Dynamo's nvext hints, read as /v1/route reads a PreprocessedRequest's routing, and vLLM's
         # cache_salt as the cache namespace.
@@ -355,8 +371,9 @@ class Proxy:
         if query:
             return await self._instance_query(route, model, tokens, stream, routing, set(by_id), request_id, reply)
         del request, prompt, tokens
-        # What the worker gets of the client's headers besides the content type: its credentials.
-        headers = b"authorization: " + authorization + b"\r\n" if authorization is not None else b""
+        # What the worker gets of the client's headers besides the content type: its credentials, its
+        # request id and trace context.
+        headers = passed + (b"authorization: " + authorization + b"\r\n" if authorization is not None else b"")
         path = _PATHS[route]
         try:
             async with self.admission.slot(routing.request, len(packed) // 4):
@@ -461,7 +478,6 @@ class Proxy:
             (b"x-kv-router-worker", str(decision.worker_id).encode()),
             (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
             (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
-            (b"x-request-id", request_id.encode()),
         ]
         begin = on_events = None
         if stream:

@@ -1,0 +1,84 @@
+"""What the proxy reads of a client's headers besides its credentials, and what it adds to the answer.
+
+* Request id: the header ``proxy_request_id_header`` (``X-Request-Id``) as the client sent it (at
+  most 200 visible ASCII characters), else the booking's id; sent to the worker under the same name
+  and echoed on every answer, refusals included. The booking itself always has a fresh id (two
+  clients may send the same one).
+* W3C trace context: ``traceparent`` (and ``tracestate``) passed to the worker as they came, so the
+  engine's spans join the client's trace (the proxy is not a span of its own).
+* CORS (`api.cors`): the answer's headers for the request's ``Origin``.
+
+`WithHeaders` adds the answer's headers to every reply a handler writes. Per request: a lower-casing
+and a search of the head per header read (a few hundred bytes).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from api.config import ProxyConfig
+from api.cors import Cors
+from api.http_stream import Headers, Sink, StreamCall, header_value
+
+__all__ = ["ClientHeaders", "Passed", "WithHeaders"]
+
+_TRACE = (b"traceparent", b"tracestate")
+_MAX_ID = 200
+
+
+class Passed(NamedTuple):
+    """One request's: its id, the header lines for the worker, the headers of its answer."""
+
+    request_id: str
+    upstream: bytes
+    answer: Headers
+
+
+class ClientHeaders:
+    def __init__(self, config: ProxyConfig, cors: Cors | None) -> None:
+        self.name = config.proxy_request_id_header.lower().encode("latin-1")
+        self._cors = cors if cors is not None and cors.enabled else None
+
+    def read(self, call: StreamCall, booking_id: str) -> Passed:
+        head = call.head
+        given = header_value(head, self.name)
+        request_id = given.decode("latin-1") if given and _valid_id(given) else booking_id
+        line = self.name + b": " + request_id.encode("latin-1") + b"\r\n"
+        upstream = [line]
+        for name in _TRACE:
+            value = header_value(head, name)
+            if value:
+                upstream.append(name + b": " + value + b"\r\n")
+        answer = [(self.name, request_id.encode("latin-1"))]
+        if self._cors is not None:
+            answer += self._cors.answer_headers(header_value(head, b"origin"))
+        return Passed(request_id, b"".join(upstream), answer)
+
+
+def _valid_id(value: bytes) -> bool:
+    return len(value) <= _MAX_ID and all(33 <= byte <= 126 for byte in value)
+
+
+class WithHeaders:
+    """A `StreamCall` whose every answer carries ``extra`` headers too."""
+
+    __slots__ = ("_call", "_extra", "authorization", "body", "head")
+
+    def __init__(self, call: StreamCall, extra: Headers) -> None:
+        self._call = call
+        self._extra = extra
+        self.body = call.body
+        self.authorization = call.authorization
+        self.head = call.head
+
+    def is_disconnected(self) -> bool:
+        return self._call.is_disconnected()
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        await self._call.whole(status, [*headers, *self._extra], body)
+
+    def begin(self, status: int, headers: Headers) -> Sink:
+        return self._call.begin(status, [*headers, *self._extra])
+
+    async def end(self, last: bytes = b"") -> None:
+        await self._call.end(last)

@@ -1,0 +1,88 @@
+"""What the proxy passes on of a client's headers and adds to its answers: the request id (configurable
+header, echoed, made when absent), W3C trace context to the worker, and CORS (off by default); with the
+real `openai` client, over the HTTP protocol and over the ASGI fast path alike."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats
+from tests.proxy_fleet import MODEL, fleet, idle
+
+pytestmark = pytest.mark.anyio
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_the_request_id_is_passed_to_the_worker_and_echoed_and_the_trace_context_propagated(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    async with fleet(nats_server.url, (1,), service={"fast_protocol": fast_protocol}) as f:
+        worker = f.apis[1]
+        headers = {"X-Request-Id": "client-id-7", "traceparent": TRACEPARENT, "tracestate": "vendor=x"}
+        raw = await f.client.completions.with_raw_response.create(
+            model=MODEL, prompt=[1, 2, 3], max_tokens=2, extra_headers=headers
+        )
+        assert raw.headers["x-request-id"] == "client-id-7"
+        assert worker.last_headers[b"x-request-id"] == b"client-id-7"
+        assert worker.last_headers[b"traceparent"] == TRACEPARENT.encode()
+        assert worker.last_headers[b"tracestate"] == b"vendor=x"
+        # Streamed, without an id: one is made, the worker gets the same, and no trace context is invented.
+        stream = await f.client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True
+        )
+        made = stream.headers["x-request-id"]
+        assert len(made) == 32 and worker.last_headers[b"x-request-id"] == made.encode()
+        assert b"traceparent" not in worker.last_headers
+        assert [chunk async for chunk in stream.parse()]
+        # A refusal carries it too; an id that is not visible ASCII is replaced.
+        with pytest.raises(openai.BadRequestError) as caught:
+            await f.client.completions.create(model=MODEL, prompt=[], extra_headers={"x-request-id": "mine"})
+        assert caught.value.response.headers["x-request-id"] == "mine"
+        raw = await f.client.completions.with_raw_response.create(
+            model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_headers={"x-request-id": "has space"}
+        )
+        assert raw.headers["x-request-id"] != "has space" and len(raw.headers["x-request-id"]) == 32
+        assert idle(f.router)
+
+
+async def test_the_request_id_header_is_configurable(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url, (1,), proxy={"proxy_request_id_header": "X-Correlation-Id"}) as f:
+        raw = await f.client.completions.with_raw_response.create(
+            model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_headers={"x-correlation-id": "corr-1"}
+        )
+        assert raw.headers["x-correlation-id"] == "corr-1"
+        assert f.apis[1].last_headers[b"x-correlation-id"] == b"corr-1"
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_cors_answers_allowed_origins_only_and_is_off_by_default(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    origin = "https://app.example.com"
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+    service = {"fast_protocol": fast_protocol, "cors_allow_origins": [origin]}
+    async with fleet(nats_server.url, (1,), service=service) as f, httpx.AsyncClient(base_url=f.url) as http:
+        preflight = await http.options(
+            "/v1/chat/completions",
+            headers={"origin": origin, "access-control-request-method": "POST", "access-control-request-headers": "x"},
+        )
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == origin
+        answer = await http.post("/v1/completions", json=body, headers={"origin": origin})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == origin
+        assert "x-kv-router-worker" in answer.headers["access-control-expose-headers"]
+        models = await http.get("/v1/models", headers={"origin": origin})
+        assert models.headers["access-control-allow-origin"] == origin
+        stranger = await http.post("/v1/completions", json=body, headers={"origin": "https://evil.example"})
+        assert stranger.status_code == 200 and "access-control-allow-origin" not in stranger.headers
+        refused = await http.options(
+            "/v1/completions", headers={"origin": "https://evil.example", "access-control-request-method": "POST"}
+        )
+        assert refused.status_code == 400
+    async with fleet(nats_server.url, (1,), service={"fast_protocol": fast_protocol}) as f:
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            answer = await http.post("/v1/completions", json=body, headers={"origin": origin})
+        assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
