@@ -94,12 +94,13 @@ class StreamCall(Protocol):
         ...
 
 
-def header_value(head: bytes, name: bytes) -> bytes | None:
-    """The value of header ``name`` (lower-case) in a request's header lines, or None. One lower-casing
-    and one search of the head (a few hundred bytes), only for the headers a handler asks for."""
+def header_value(head: bytes, name: bytes, lowered: bytes | None = None) -> bytes | None:
+    """The value of header ``name`` (lower-case) in a request's header lines, or None. One search of
+    the head (a few hundred bytes), only for the headers a handler asks for; ``lowered``: the head
+    already lower-cased, with a leading newline (``b"\\n" + head.lower()``), to read several."""
     if not head:
         return None
-    at = (b"\n" + head.lower()).find(b"\n" + name + b":")
+    at = (lowered if lowered is not None else b"\n" + head.lower()).find(b"\n" + name + b":")
     if at < 0:
         return None
     start = at + len(name) + 1

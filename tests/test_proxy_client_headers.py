@@ -7,15 +7,17 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from api.http_stream import head_of, header_value
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.proxy_fleet import MODEL, fleet, idle
-
-pytestmark = pytest.mark.anyio
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
+@pytest.mark.anyio
 @pytest.mark.parametrize("fast_protocol", [True, False])
 async def test_the_request_id_is_passed_to_the_worker_and_echoed_and_the_trace_context_propagated(
     nats_server: EmbeddedNats, fast_protocol: bool
@@ -49,6 +51,7 @@ async def test_the_request_id_is_passed_to_the_worker_and_echoed_and_the_trace_c
         assert idle(f.router)
 
 
+@pytest.mark.anyio
 async def test_the_request_id_header_is_configurable(nats_server: EmbeddedNats) -> None:
     async with fleet(nats_server.url, (1,), proxy={"proxy_request_id_header": "X-Correlation-Id"}) as f:
         raw = await f.client.completions.with_raw_response.create(
@@ -58,6 +61,7 @@ async def test_the_request_id_header_is_configurable(nats_server: EmbeddedNats) 
         assert f.apis[1].last_headers[b"x-correlation-id"] == b"corr-1"
 
 
+@pytest.mark.anyio
 @pytest.mark.parametrize("fast_protocol", [True, False])
 async def test_cors_answers_allowed_origins_only_and_is_off_by_default(
     nats_server: EmbeddedNats, fast_protocol: bool
@@ -86,3 +90,19 @@ async def test_cors_answers_allowed_origins_only_and_is_off_by_default(
         async with httpx.AsyncClient(base_url=f.url) as http:
             answer = await http.post("/v1/completions", json=body, headers={"origin": origin})
         assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+
+NAMES = st.from_regex(r"[A-Za-z][A-Za-z0-9-]{0,12}", fullmatch=True)
+VALUES = st.from_regex(r"[!-~]([ -~]{0,30}[!-~])?", fullmatch=True)
+
+
+@given(st.lists(st.tuples(NAMES, VALUES), max_size=8), NAMES)
+def test_a_header_is_read_by_its_name_whatever_its_case_and_its_neighbours(
+    headers: list[tuple[str, str]], asked: str
+) -> None:
+    head = head_of([(name.encode(), value.encode()) for name, value in headers])
+    for name in [*(n for n, _ in headers), asked]:
+        expected = next((v for n, v in headers if n.lower() == name.lower()), None)
+        read = header_value(head, name.lower().encode())
+        assert read == (expected.encode() if expected is not None else None)
+        assert header_value(head, name.lower().encode(), b"\n" + head.lower()) == read

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 
 from api.config import ProxyConfig
 from router.config import QueuePolicy
@@ -38,13 +38,13 @@ class Admission:
             policy, started_at=time.monotonic(), request_limit_per_worker=self._waiting_limit
         )
 
-    @asynccontextmanager
-    async def slot(self, request: RouteRequest, isl_tokens: int) -> AsyncIterator[None]:
+    def slot(self, request: RouteRequest, isl_tokens: int) -> AbstractAsyncContextManager[None]:
         """Hold one slot for the block; waits in the queue while none is free. Raises `QueueRejected`
-        when the queue is full or the wait times out."""
-        if self.limit == 0:
-            yield
-            return
+        when the queue is full or the wait times out. Without a cap: a shared no-op."""
+        return _NO_CAP if self.limit == 0 else self._slot(request, isl_tokens)
+
+    @asynccontextmanager
+    async def _slot(self, request: RouteRequest, isl_tokens: int) -> AsyncIterator[None]:
         if self.in_flight >= self.limit or len(self.queue):
             await self._wait(request, isl_tokens)
         else:
@@ -95,6 +95,9 @@ class Admission:
                 granted.set_result(None)  # the slot passes to it: in_flight unchanged
                 return
         self.in_flight -= 1
+
+
+_NO_CAP: AbstractAsyncContextManager[None] = nullcontext()
 
 
 class _TimedOut(QueueRejected):

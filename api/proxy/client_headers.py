@@ -41,17 +41,19 @@ class ClientHeaders:
 
     def read(self, call: StreamCall, booking_id: str) -> Passed:
         head = call.head
-        given = header_value(head, self.name)
+        lowered = b"\n" + head.lower()
+        given = header_value(head, self.name, lowered)
         request_id = given.decode("latin-1") if given and _valid_id(given) else booking_id
         line = self.name + b": " + request_id.encode("latin-1") + b"\r\n"
         upstream = [line]
-        for name in _TRACE:
-            value = header_value(head, name)
-            if value:
-                upstream.append(name + b": " + value + b"\r\n")
+        if b"\ntrace" in lowered:
+            for name in _TRACE:
+                value = header_value(head, name, lowered)
+                if value:
+                    upstream.append(name + b": " + value + b"\r\n")
         answer = [(self.name, request_id.encode("latin-1"))]
         if self._cors is not None:
-            answer += self._cors.answer_headers(header_value(head, b"origin"))
+            answer += self._cors.answer_headers(header_value(head, b"origin", lowered))
         return Passed(request_id, b"".join(upstream), answer)
 
 
