@@ -102,7 +102,7 @@ _NO_CACHE_CREDIT = RouterConfigOverride(overlap_score_credit=0.0)
 _PATHS = {route: path.encode() for path, route in ROUTES.items()}
 
 _JSON = b"application/json"
-Converted = TypeVar("Converted", EmbeddingsBody, RerankBody, ResponsesBody)
+_Converted = TypeVar("_Converted", EmbeddingsBody, RerankBody, ResponsesBody)
 _encode = msgspec.json.Encoder().encode
 
 
@@ -646,7 +646,7 @@ def _client_left_at_the_end() -> None:
 
 
 def _converted(
-    body: type[Converted], convert: Callable[[Converted], CompletionBody | ChatBody]
+    body: type[_Converted], convert: Callable[[_Converted], CompletionBody | ChatBody]
 ) -> Callable[[bytes], CompletionBody | ChatBody]:
     decode = msgspec.json.Decoder(body).decode
     return lambda raw: convert(decode(raw))
