@@ -335,6 +335,15 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         str,
         _doc("the request id header: the client's passed to the worker and echoed on the answer, else one made here"),
     ] = "X-Request-Id"
+    proxy_otlp_endpoint: Annotated[
+        str | None,
+        _doc(
+            "export the proxy's spans (request, tokenize, decision, upstream first byte, stream) over OTLP/HTTP "
+            "to this URL, e.g. http://collector:4318/v1/traces; needs the otel extra (pip install "
+            "'kv-router[otel]'); unset: no spans, traceparent passed on as it came"
+        ),
+    ] = None
+    proxy_otlp_service_name: Annotated[str, _doc("service.name of the exported spans")] = "kv-router"
     proxy_max_concurrent_requests: Annotated[
         int,
         _doc(

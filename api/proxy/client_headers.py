@@ -19,6 +19,7 @@ from typing import NamedTuple
 from api.config import ProxyConfig
 from api.cors import Cors
 from api.http_stream import Headers, Sink, StreamCall, header_value
+from api.proxy.tracing import ProxyTracing, RequestSpan, Timeline
 
 __all__ = ["ClientHeaders", "Passed", "WithHeaders"]
 
@@ -27,26 +28,35 @@ _MAX_ID = 200
 
 
 class Passed(NamedTuple):
-    """One request's: its id, the header lines for the worker, the headers of its answer."""
+    """One request's: its id, the header lines for the worker, the headers of its answer, its span."""
 
     request_id: str
     upstream: bytes
     answer: Headers
+    span: RequestSpan | None = None
 
 
 class ClientHeaders:
-    def __init__(self, config: ProxyConfig, cors: Cors | None) -> None:
+    def __init__(self, config: ProxyConfig, cors: Cors | None, tracing: ProxyTracing | None = None) -> None:
         self.name = config.proxy_request_id_header.lower().encode("latin-1")
         self._cors = cors if cors is not None and cors.enabled else None
+        self._tracing = tracing
 
-    def read(self, call: StreamCall, booking_id: str) -> Passed:
+    def read(self, call: StreamCall, booking_id: str, route: str = "") -> Passed:
         head = call.head
         lowered = b"\n" + head.lower()
         given = header_value(head, self.name, lowered)
         request_id = given.decode("latin-1") if given and _valid_id(given) else booking_id
         line = self.name + b": " + request_id.encode("latin-1") + b"\r\n"
         upstream = [line]
-        if b"\ntrace" in lowered:
+        span = None
+        if self._tracing is not None:  # the proxy's span is the worker's parent
+            traceparent, tracestate = (header_value(head, name, lowered) for name in _TRACE)
+            span = self._tracing.begin(route, traceparent, tracestate)
+            upstream.append(b"traceparent: " + span.traceparent + b"\r\n")
+            if tracestate:
+                upstream.append(b"tracestate: " + tracestate + b"\r\n")
+        elif b"\ntrace" in lowered:
             for name in _TRACE:
                 value = header_value(head, name, lowered)
                 if value:
@@ -54,7 +64,7 @@ class ClientHeaders:
         answer = [(self.name, request_id.encode("latin-1"))]
         if self._cors is not None:
             answer += self._cors.answer_headers(header_value(head, b"origin", lowered))
-        return Passed(request_id, b"".join(upstream), answer)
+        return Passed(request_id, b"".join(upstream), answer, span)
 
 
 def _valid_id(value: bytes) -> bool:
@@ -64,11 +74,12 @@ def _valid_id(value: bytes) -> bool:
 class WithHeaders:
     """A `StreamCall` whose every answer carries ``extra`` headers too."""
 
-    __slots__ = ("_call", "_extra", "authorization", "body", "head")
+    __slots__ = ("_call", "_extra", "authorization", "body", "head", "timeline")
 
-    def __init__(self, call: StreamCall, extra: Headers) -> None:
+    def __init__(self, call: StreamCall, extra: Headers, timeline: Timeline | None = None) -> None:
         self._call = call
         self._extra = extra
+        self.timeline = timeline  # the request's steps, for its exported span
         self.body = call.body
         self.authorization = call.authorization
         self.head = call.head

@@ -59,6 +59,7 @@ from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.retry import RetryPolicy, retry_after_secs
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
+from api.proxy.tracing import ProxyTracing
 from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
 from api.proxy.wire import (
     ChatBody,
@@ -151,7 +152,8 @@ class Proxy:
         self.retry = RetryPolicy(config)
         self.health_checks = WorkerHealthChecks(router, config)
         self.admission = Admission(config, router.config.router_queue_policy)
-        self.client_headers = ClientHeaders(config, Cors(service))
+        self.tracing = ProxyTracing(config) if config.proxy_otlp_endpoint else None
+        self.client_headers = ClientHeaders(config, Cors(service), self.tracing)
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: len(self.admission.queue))
         self.tokenizer = PromptTokenizer(load_model_files(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
@@ -175,6 +177,8 @@ class Proxy:
     async def stop(self) -> None:
         await self.health_checks.stop()
         await self.upstream.stop()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the spans left, exported
 
     def routes(self, auth: ApiAuth | None = None) -> dict[str, StreamRoute]:
         """The proxy's ``POST`` routes (`api.http_stream`, answered by the HTTP protocol or by
@@ -277,22 +281,25 @@ class Proxy:
         outcome = "ok"
         received = time.perf_counter()
         booking_id = uuid.uuid4().hex
-        passed = self.client_headers.read(request, booking_id)
-        request = WithHeaders(request, passed.answer)  # the request id (and CORS) on every answer
+        passed = self.client_headers.read(request, booking_id, route)
+        # The request id (and CORS) on every answer; the request's span's timeline, if exported.
+        reply = WithHeaders(request, passed.answer, passed.span.timeline if passed.span is not None else None)
         try:
             outcome = await self._proxy(
-                route, request.body, request.authorization, request, received, booking_id, passed.upstream
+                route, request.body, request.authorization, reply, received, booking_id, passed.upstream
             )
         except _Refused as refused:
             outcome = refused.outcome
-            await request.whole(refused.status, refused.headers, refused.body)
+            await reply.whole(refused.status, refused.headers, refused.body)
         except asyncio.CancelledError:
-            if not request.is_disconnected():
+            if not reply.is_disconnected():
                 raise
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
             outcome = "client_disconnected"
+        if passed.span is not None and self.tracing is not None:
+            self.tracing.end(passed.span, outcome, {"kv_router.request_id": passed.request_id})
         self.metrics.count(route, outcome)
 
     def _too_large(self) -> _Refused:
@@ -304,7 +311,7 @@ class Proxy:
         route: str,
         body: bytes,
         authorization: bytes | None,
-        reply: StreamCall,
+        reply: WithHeaders,
         received: float,
         request_id: str,
         passed: bytes,
@@ -346,6 +353,9 @@ class Proxy:
         if len(tokens) > self._max_prompt_tokens:
             refusal = prompt_too_long(len(tokens), self._max_prompt_tokens)
             raise _refused(refusal.status, "invalid_request_error", refusal.message, "bad_request")
+        timeline = reply.timeline  # None unless spans are exported
+        if timeline is not None:
+            timeline.tokenized = time.time_ns()
         # The ids as packed u32 from here on, the list let go: bytes are not tracked by the cyclic GC,
         # while a list of ints held for the stream's life is walked by every young collection (at 100
         # streams of 256 tokens, 25k visits each, most of its pause).
@@ -384,7 +394,11 @@ class Proxy:
                 retry = 0
                 while True:
                     try:
+                        if timeline is not None:
+                            timeline.deciding = time.time_ns()
                         decision = await self._book(routing.request, among, routing.pinned)
+                        if timeline is not None:
+                            timeline.decided = time.time_ns()
                     except _Refused as refused:
                         if not failures or refused.outcome != "no_worker":
                             raise
@@ -465,7 +479,7 @@ class Proxy:
         body: bytes,
         headers: bytes,
         stream: bool,
-        reply: StreamCall,
+        reply: WithHeaders,
         received: float,
     ) -> str:
         """One attempt on one worker; raises `_WorkerFailed` while the client has received nothing.
@@ -485,10 +499,15 @@ class Proxy:
                 on_events = _OutputProgress(self.router.record_output, request_id, self.router.config.block_size)
             begin = self._beginning(reply, request_id, ours)
         sending = time.perf_counter()
+        timeline = reply.timeline
+        if timeline is not None:
+            timeline.sent = time.time_ns()
         try:
             exchange = await self.upstream.open(worker.url, path, body, headers, begin, on_events)
         except UpstreamError as exc:
             raise _WorkerFailed(str(exc)) from None
+        if timeline is not None:
+            timeline.first_byte = time.time_ns()  # the answer's head; a stream's first events below
         try:
             status = exchange.status
             if status in _OVERLOADED:
@@ -511,6 +530,8 @@ class Proxy:
                 await reply.whole(status, with_type, content)
                 return "ok" if status == 200 else "upstream_status"
             problem = await self._handed_on(exchange, sending - received)
+            if timeline is not None and exchange.begun_at:
+                timeline.first_byte = time.time_ns() - int((time.perf_counter() - exchange.begun_at) * 1e9)
             return await self._stream_end(exchange, decision, reply, problem)
         finally:
             exchange.release()  # back to the pool if read to its end; else closed, so the engine stops

@@ -1,0 +1,109 @@
+"""The proxy's spans, exported over OTLP/HTTP (``proxy_otlp_endpoint``; the ``otel`` extra).
+
+Per request, a span ``kv-router.proxy <route>`` from its body in to its end, a child of the client's
+``traceparent`` when it sent one (else the root of a new trace), and the worker gets the proxy's span as
+its parent (``traceparent``), so the engine's spans hang below it. Its children, made at its end from
+the times noted on the way (`Timeline`): ``tokenize``, ``decision`` (booking included, a queue wait
+too), ``upstream first byte`` (the request written to the worker's first events, or to its answer's
+head when not streamed) and ``answer`` (from there to the end: the stream's end, or the whole body).
+The SDK's batch processor exports them from its own thread; nothing here blocks the event loop.
+Without an endpoint none of this is imported or run.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from api.config import ProxyConfig
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer
+
+__all__ = ["ProxyTracing", "RequestSpan", "Timeline"]
+
+
+class Timeline:
+    """When one request passed each step (`time.time_ns`; 0: not reached)."""
+
+    __slots__ = ("decided", "deciding", "first_byte", "sent", "tokenized")
+
+    def __init__(self) -> None:
+        self.tokenized = self.deciding = self.decided = self.sent = self.first_byte = 0
+
+
+class RequestSpan:
+    """The span of one request, begun as it came in."""
+
+    __slots__ = ("began", "span", "timeline", "traceparent")
+
+    def __init__(self, span: Span, began: int) -> None:
+        self.span = span
+        self.began = began
+        self.timeline = Timeline()
+        context = span.get_span_context()
+        flags = int(context.trace_flags)
+        self.traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags:02x}".encode()
+
+
+class ProxyTracing:
+    """The tracer provider and exporter (made at start-up, shut down, flushing, with the proxy)."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        endpoint = config.proxy_otlp_endpoint
+        assert endpoint is not None
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        except ImportError as exc:
+            raise ValueError(
+                f"proxy_otlp_endpoint: the OpenTelemetry SDK is not installed (pip install 'kv-router[otel]'): {exc}"
+            ) from None
+        self._provider = TracerProvider(resource=Resource.create({"service.name": config.proxy_otlp_service_name}))
+        self._provider.add_span_processor(
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=500)
+        )
+        self._tracer: Tracer = self._provider.get_tracer("kv-router.proxy")
+        self._propagator = TraceContextTextMapPropagator()
+
+    def begin(self, route: str, traceparent: bytes | None, tracestate: bytes | None) -> RequestSpan:
+        carrier = {}
+        if traceparent:
+            carrier["traceparent"] = traceparent.decode("latin-1")
+            if tracestate:
+                carrier["tracestate"] = tracestate.decode("latin-1")
+        parent = self._propagator.extract(carrier) if carrier else None
+        began = time.time_ns()
+        span = self._tracer.start_span(f"kv-router.proxy {route}", context=parent, start_time=began)
+        span.set_attribute("kv_router.route", route)
+        return RequestSpan(span, began)
+
+    def end(self, request: RequestSpan, outcome: str, attributes: dict[str, Any]) -> None:
+        """The request's children from its timeline, then its own end."""
+        from opentelemetry.trace import StatusCode, set_span_in_context
+
+        now = time.time_ns()
+        span, times = request.span, request.timeline
+        parent = set_span_in_context(span)
+        steps = (
+            ("tokenize", request.began, times.tokenized),
+            ("decision", times.deciding, times.decided),
+            ("upstream first byte", times.sent, times.first_byte),
+            ("answer", times.first_byte, now if times.first_byte else 0),
+        )
+        for name, start, end in steps:
+            if start and end:
+                self._tracer.start_span(name, context=parent, start_time=start).end(end_time=end)
+        span.set_attribute("kv_router.outcome", outcome)
+        for key, value in attributes.items():
+            span.set_attribute(key, value)
+        if outcome not in ("ok", "upstream_status"):
+            span.set_status(StatusCode.ERROR, outcome)
+        span.end(end_time=now)
+
+    def shutdown(self) -> None:
+        """Export what is left (blocking: call it off the event loop)."""
+        self._provider.shutdown()
