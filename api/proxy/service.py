@@ -47,6 +47,7 @@ from api.errors import ApiError, prompt_too_long
 from api.hints import RoutingCall, routing_call
 from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
+from api.proxy.handoff import Forward, Handoff, PrefillFailed
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
@@ -113,6 +114,7 @@ class Proxy:
         self.config = config
         self.metrics = ProxyMetrics(registry, config.proxy_calibration_window)
         self.upstream = Upstream(config)
+        self.handoff = Handoff(router, self.upstream, registry)
         self.tokenizer = PromptTokenizer(load_model_files(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
@@ -320,19 +322,30 @@ class Proxy:
         path = _PATHS[route]
         among = set(by_id) if routing.among is None else set(by_id) & routing.among
         failures: list[str] = []
+        # A pinned worker that fails has no replacement: the request ends there.
+        pinned = {pin[0] for pin in (routing.pinned, routing.pinned_prefill) if pin is not None}
         for _attempt in range(self.config.proxy_retries + 1):
-            decision = await self._book(routing.request, among, routing.pinned)
+            decision = await self._book(routing.request, among, routing.pinned, routing.pinned_prefill)
             worker = by_id[decision.worker_id]
             try:
-                return await self._forward(worker, decision, path, body, headers, stream, reply, received)
-            except _WorkerFailed as failed:
-                failures.append(f"worker {worker.worker_id}: {failed}")
-                self.cool_down(worker.worker_id, str(failed))
-                among.discard(worker.worker_id)
-                if not among or routing.pinned is not None:  # a pinned request has no other worker
-                    break
+                legs = self.handoff.legs(decision, by_id)
+                if legs is None:
+                    return await self._forward(worker, decision, path, body, headers, stream, reply, received)
+                # Two legs (`api.proxy.handoff`): both carry the request's id, as vLLM's P/D proxy sends it.
+                both = headers + b"x-request-id: " + request_id.encode() + b"\r\n"
+                forward = self._decode_leg(worker, decision, path, both, stream, received)
+                return await self.handoff.run(legs, path, body, both, reply, forward)
+            except PrefillFailed as failed:  # the request goes again without that prefill worker
+                failed_id, problem = failed.worker_id, str(failed)
+            except _WorkerFailed as failed:  # its booking, and any prefill leg's, freed below
+                failed_id, problem = worker.worker_id, f"worker {worker.worker_id}: {failed}"
             finally:
                 self.router.mark_free(request_id)
+            failures.append(problem)
+            self.cool_down(failed_id, problem)
+            among.discard(failed_id)
+            if not among or failed_id in pinned:
+                break
         raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
     async def _instance_query(
@@ -389,12 +402,17 @@ class Proxy:
         assert request_id is not None and worker.url is not None
         if worker.dp_size > 1:
             headers += b"x-data-parallel-rank: " + str(decision.dp_rank).encode() + b"\r\n"
-        ours = [
+        ours: Headers = [
             (b"x-kv-router-worker", str(decision.worker_id).encode()),
             (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
             (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
             (b"x-request-id", request_id.encode()),
         ]
+        disaggregation = decision.disaggregation
+        if disaggregation is not None:  # the path taken, and the prefill worker of a remote prefill
+            ours.append((b"x-kv-router-disaggregation", disaggregation.path.encode()))
+            if disaggregation.prefill is not None:
+                ours.append((b"x-kv-router-prefill-worker", str(disaggregation.prefill.worker_id).encode()))
         begin = on_events = None
         if stream:
             if self._track_output:
@@ -428,6 +446,16 @@ class Proxy:
             return await self._stream_end(exchange, decision, reply, problem)
         finally:
             exchange.release()  # back to the pool if read to its end; else closed, so the engine stops
+
+    def _decode_leg(
+        self, worker: WorkerConfig, decision: RouteDecision, path: bytes, headers: bytes, stream: bool, received: float
+    ) -> Forward:
+        """The decode leg of a two-leg request: `_forward` of the body the hand-off gives."""
+
+        async def forward(body: bytes, reply: StreamCall) -> str:
+            return await self._forward(worker, decision, path, body, headers, stream, reply, received)
+
+        return forward
 
     def _beginning(self, reply: StreamCall, request_id: str, headers: Headers) -> Begin:
         """What starts a stream handed on from the worker connection's read callback (`Begin`): the

@@ -1,0 +1,243 @@
+"""The hand-off of a disaggregated request: the proxy runs its prefill leg and its decode leg when the
+decision (`router.disaggregation`) says the prompt is prefilled remotely.
+
+Two styles, the prefill worker's ``handoff`` setting (`router.types.HandoffStyle`) deciding:
+
+- ``kv_transfer_params`` (vLLM's NIXL connector and its other v1 connectors, as vLLM's own P/D proxy
+  runs them): first the prefill leg, the body with ``kv_transfer_params {"do_remote_decode": true,
+  "do_remote_prefill": false, ...}``, ``stream: false``, ``max_tokens: 1`` (and
+  ``max_completion_tokens: 1`` when given; ``stream_options`` and ``min_tokens`` dropped); the worker
+  answers with the ``kv_transfer_params`` the decode worker needs to pull the KV. Then the decode leg,
+  the client's body with those params, whose answer goes to the client.
+- ``bootstrap`` (SGLang): ``bootstrap_host`` (the prefill worker's host), ``bootstrap_port`` (its
+  ``bootstrap_port``, else SGLang's default 8998) and a fresh random ``bootstrap_room`` injected
+  into the client's body, sent to both workers at once; the two meet at the prefill worker's
+  bootstrap server; the decode leg's answer goes to the client, the prefill leg's is read and dropped.
+
+Bookings: the prefill leg's (``<id>#prefill``) is freed when that leg's answer is in (its KV has
+been computed), or at the decode leg's first token, or with the request (`KvRouter.mark_free` of the
+request frees both legs, which the proxy does on every path).
+
+Failures (`PrefillFailed`, raised before the client has had anything): a prefill leg refused, timed
+out, answering 5xx, or (``kv_transfer_params``) answering without the params; the proxy cools that
+worker down and books the request again without it, so the prefill goes to another prefill worker
+(or, none left, to the decode worker itself: the decision's ``local_prefill``). In ``bootstrap``
+style a prefill leg failing while the decode leg has not answered cancels the decode leg (its
+connection closed: the engine aborts it); one failing after the decode leg has begun is only
+counted, the KV having arrived. A client leaving cancels the request's task, and with it whichever
+legs are in flight. The bodies of the two legs are re-encoded (fields injected), not forwarded byte
+for byte: only on this path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+
+from api.http_stream import Headers, Sink, StreamCall
+from api.metrics import PREFIX
+from api.proxy.upstream import Upstream, UpstreamError
+from router.kv_router import KvRouter
+from router.types import DisaggregatedLeg, HandoffStyle, RouteDecision, WorkerConfig
+
+__all__ = ["SGLANG_BOOTSTRAP_PORT", "Forward", "Handoff", "Legs", "PrefillFailed"]
+
+# SGLang's --disaggregation-bootstrap-port default, for a bootstrap-style worker registered without one.
+SGLANG_BOOTSTRAP_PORT = 8998
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+# The prefill leg's kv_transfer_params, as vLLM's P/D proxy sends them.
+_REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Forwards a body to the decode worker and answers the client (the reply given) with its answer: the
+# proxy's one-leg path; raises the proxy's own failure while the client has had nothing.
+Forward = Callable[[bytes, StreamCall], Awaitable[str]]
+
+
+class PrefillFailed(Exception):
+    """The prefill leg failed while the client had nothing: the request may go again without ``worker_id``."""
+
+    def __init__(self, worker_id: int, problem: str) -> None:
+        super().__init__(f"prefill worker {worker_id}: {problem}")
+        self.worker_id = worker_id
+
+
+class Legs:
+    """One remote prefill: the two workers, the prefill leg's booking and how they hand the KV over."""
+
+    __slots__ = ("decode", "leg", "prefill", "style")
+
+    def __init__(self, prefill: WorkerConfig, decode: WorkerConfig, leg: DisaggregatedLeg) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.leg = leg
+        self.style: HandoffStyle = prefill.handoff
+
+
+class Handoff:
+    """The proxy's runner of two-leg requests: its router (for the prefill booking), upstream client
+    and counter ``kv_router_proxy_handoffs_total{style,outcome}``."""
+
+    def __init__(self, router: KvRouter, upstream: Upstream, registry: CollectorRegistry) -> None:
+        self.router = router
+        self.upstream = upstream
+        self._counter = Counter(
+            f"{PREFIX}_proxy_handoffs",
+            "Remote prefills the proxy ran, by hand-off style (kv_transfer_params, bootstrap) and outcome (ok: "
+            "the decode leg got the request; prefill_failed: the prefill leg failed and the request went "
+            "again without that worker; prefill_failed_late: in bootstrap style, after the decode leg began).",
+            ["style", "outcome"],
+            registry=registry,
+        )
+
+    def legs(self, decision: RouteDecision, workers: dict[int, WorkerConfig]) -> Legs | None:
+        """The two legs of ``decision`` when its prompt is prefilled remotely, else None (one leg)."""
+        disaggregation = decision.disaggregation
+        if disaggregation is None or disaggregation.prefill is None:
+            return None
+        leg = disaggregation.prefill
+        return Legs(workers[leg.worker_id], workers[decision.worker_id], leg)
+
+    async def run(
+        self, legs: Legs, path: bytes, body: bytes, headers: bytes, reply: StreamCall, forward: Forward
+    ) -> str:
+        """Both legs (``headers``: the raw header lines both get); returns the decode leg's outcome.
+        Raises `PrefillFailed`, or what ``forward`` raises for the decode leg."""
+        if legs.style == "bootstrap":
+            return await self._bootstrap(legs, path, body, headers, reply, forward)
+        decode_body = await self._remote_decode_prefill(legs, path, body, headers)
+        self._count(legs, "ok")
+        return await forward(decode_body, reply)
+
+    # ------------------------------------------------------------------ vLLM: prefill, then decode
+    async def _remote_decode_prefill(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
+        """The prefill leg of the ``kv_transfer_params`` style; returns the decode leg's body."""
+        request = _decode(body)
+        request["kv_transfer_params"] = _REMOTE_DECODE
+        request["stream"] = False
+        request["max_tokens"] = 1
+        if "max_completion_tokens" in request:
+            request["max_completion_tokens"] = 1
+        request.pop("stream_options", None)
+        request.pop("min_tokens", None)
+        content = await self._prefill_leg(legs, path, _encode(request), headers)
+        try:
+            params = _decode(content).get("kv_transfer_params")
+        except (msgspec.DecodeError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            self._count(legs, "prefill_failed")
+            raise PrefillFailed(legs.prefill.worker_id, "its answer has no kv_transfer_params (is it a P/D engine?)")
+        decode_request = _decode(body)
+        decode_request["kv_transfer_params"] = params
+        return _encode(decode_request)
+
+    # ------------------------------------------------------------------ SGLang: both at once
+    async def _bootstrap(
+        self, legs: Legs, path: bytes, body: bytes, headers: bytes, reply: StreamCall, forward: Forward
+    ) -> str:
+        url = legs.prefill.url
+        assert url is not None
+        request: dict[str, Any] = _decode(body)
+        request["bootstrap_host"] = urlsplit(url).hostname
+        request["bootstrap_port"] = legs.prefill.bootstrap_port or SGLANG_BOOTSTRAP_PORT
+        request["bootstrap_room"] = secrets.randbits(63)
+        both = _encode(request)
+        watched = _Watched(reply)
+        prefill = asyncio.ensure_future(self._prefill_leg(legs, path, both, headers))
+        decode = asyncio.ensure_future(forward(both, watched))
+        try:
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and prefill.exception() is not None and not watched.answered:
+                decode.cancel()  # it would wait for KV that is not coming
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await decode
+                prefill.result()  # raises the PrefillFailed
+            outcome = await decode
+            if not prefill.done():
+                await asyncio.wait((prefill,))  # its answer or failure: the decode leg has its KV either way
+            if prefill.exception() is not None:
+                self._count(legs, "prefill_failed_late")
+            else:
+                self._count(legs, "ok")
+            return outcome
+        finally:
+            for leg in (prefill, decode):
+                if not leg.done():
+                    leg.cancel()
+            await asyncio.gather(prefill, decode, return_exceptions=True)
+
+    # ------------------------------------------------------------------ the prefill leg
+    async def _prefill_leg(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
+        """Send the prefill leg and read its whole answer; its booking is freed once it is in. Raises
+        `PrefillFailed`."""
+        worker = legs.prefill
+        assert worker.url is not None
+        if worker.dp_size > 1:
+            headers += b"x-data-parallel-rank: " + str(legs.leg.dp_rank).encode() + b"\r\n"
+        try:
+            exchange = await self.upstream.open(worker.url, path, body, headers)
+        except UpstreamError as exc:
+            raise self._failed(legs, str(exc)) from None
+        try:
+            content = await exchange.read()
+        except UpstreamError as exc:
+            raise self._failed(legs, str(exc)) from None
+        finally:
+            exchange.release()
+        if exchange.status != 200:
+            message = content[:200].decode("utf-8", "replace")
+            raise self._failed(legs, f"HTTP {exchange.status}: {message}")
+        if legs.leg.booking_id is not None:
+            self.router.mark_free(legs.leg.booking_id)  # its prompt is computed: no more prefill load there
+        return content
+
+    def _failed(self, legs: Legs, problem: str) -> PrefillFailed:
+        self._count(legs, "prefill_failed")
+        return PrefillFailed(legs.prefill.worker_id, problem)
+
+    def _count(self, legs: Legs, outcome: str) -> None:
+        self._counter.labels(legs.style, outcome).inc()
+
+
+class _Watched:
+    """The client's answer, noting whether any of it went out (the decode leg may then no longer be
+    given up for a failing prefill leg)."""
+
+    __slots__ = ("answered", "authorization", "body", "reply")
+
+    def __init__(self, reply: StreamCall) -> None:
+        self.reply = reply
+        self.body = reply.body
+        self.authorization = reply.authorization
+        self.answered = False
+
+    def is_disconnected(self) -> bool:
+        return self.reply.is_disconnected()
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        self.answered = True
+        await self.reply.whole(status, headers, body)
+
+    def begin(self, status: int, headers: Headers) -> Sink:
+        self.answered = True
+        return self.reply.begin(status, headers)
+
+    async def end(self, last: bytes = b"") -> None:
+        await self.reply.end(last)
