@@ -344,7 +344,8 @@ class Proxy:
             failures.append(problem)
             self.cool_down(failed_id, problem)
             among.discard(failed_id)
-            if not among or failed_id in pinned:
+            # A request needs a worker that decodes (on an aggregated fleet, any of them).
+            if failed_id in pinned or not any(by_id[left].serves("decode") for left in among):
                 break
         raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
