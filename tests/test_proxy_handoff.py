@@ -44,8 +44,8 @@ async def register(f: Fleet, worker: WorkerConfig) -> None:
 
 
 @contextlib.asynccontextmanager
-async def failing_worker() -> AsyncIterator[tuple[str, list[bytes]]]:
-    """A worker answering every request 500 after reading it; yields its URL and the request lines."""
+async def failing_worker(status: bytes = b"500 Internal Server Error") -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A worker answering every request ``status`` after reading it; yields its URL and the request lines."""
     seen: list[bytes] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -56,7 +56,7 @@ async def failing_worker() -> AsyncIterator[tuple[str, list[bytes]]]:
                 length = next((int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")), 0)
                 await reader.readexactly(length)
                 body = b'{"error": {"message": "engine failure"}}'
-                writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
+                writer.write(b"HTTP/1.1 %b\r\ncontent-type: application/json\r\n" % status +
                              b"content-length: %d\r\n\r\n%b" % (len(body), body))  # fmt: skip
                 await writer.drain()
         writer.close()
@@ -200,6 +200,28 @@ async def test_a_decode_leg_failing_goes_to_another_decode_worker(
         assert text == " w1 w2 w3"
         assert len(seen) == 1 and raw.headers["x-kv-router-worker"] == "2"
         f.router.mark_free("ballast")
+        await eventually(lambda: idle(f.router))
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    async with (
+        fleet(nats_server.url, (2,), roles={2: "decode"}, handoff=style) as f,
+        failing_worker(b"400 Bad Request") as (url, seen),
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        bad = WorkerConfig(
+            worker_id=9, url=url, models=frozenset({MODEL}), role="prefill", handoff=style, leased=False,
+            kv_events=False, block_size=64, bootstrap_port=port if style == "bootstrap" else None,
+        )  # fmt: skip
+        await register(f, bad)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+        assert "engine failure" in str(refused.value)
+        assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
+        assert f.apis[2].pulled_blocks == 0
         await eventually(lambda: idle(f.router))
 
 

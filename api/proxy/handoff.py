@@ -78,6 +78,16 @@ class PrefillFailed(Exception):
         self.worker_id = worker_id
 
 
+class _Refused(Exception):
+    """The prefill worker refused the request (4xx): its answer is the client's, as on one leg."""
+
+    def __init__(self, status: int, content_type: bytes | None, body: bytes) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.content_type = content_type
+        self.body = body
+
+
 class Legs:
     """One remote prefill: the two workers, the prefill leg's booking and how they hand the KV over."""
 
@@ -101,7 +111,8 @@ class Handoff:
             f"{PREFIX}_proxy_handoffs",
             "Remote prefills the proxy ran, by hand-off style (kv_transfer_params, bootstrap) and outcome (ok: "
             "the decode leg got the request; prefill_failed: the prefill leg failed and the request went "
-            "again without that worker; prefill_failed_late: in bootstrap style, after the decode leg began).",
+            "again without that worker; prefill_failed_late: in bootstrap style, after the decode leg began; "
+            "prefill_refused: the prefill worker answered 4xx, passed to the client).",
             ["style", "outcome"],
             registry=registry,
         )
@@ -119,9 +130,15 @@ class Handoff:
     ) -> str:
         """Both legs (``headers``: the raw header lines both get); returns the decode leg's outcome.
         Raises `PrefillFailed`, or what ``forward`` raises for the decode leg."""
-        if legs.style == "bootstrap":
-            return await self._bootstrap(legs, path, body, headers, reply, forward)
-        decode_body = await self._remote_decode_prefill(legs, path, body, headers)
+        try:
+            if legs.style == "bootstrap":
+                return await self._bootstrap(legs, path, body, headers, reply, forward)
+            decode_body = await self._remote_decode_prefill(legs, path, body, headers)
+        except _Refused as refused:
+            await reply.whole(
+                refused.status, [(b"content-type", refused.content_type or b"application/json")], refused.body
+            )
+            return "upstream_status"
         self._count(legs, "ok")
         return await forward(decode_body, reply)
 
@@ -201,6 +218,9 @@ class Handoff:
             raise self._failed(legs, str(exc)) from None
         finally:
             exchange.release()
+        if 400 <= exchange.status < 500:  # the request's fault, not the worker's: the client's answer
+            self._count(legs, "prefill_refused")
+            raise _Refused(exchange.status, exchange.content_type, content)
         if exchange.status != 200:
             message = content[:200].decode("utf-8", "replace")
             raise self._failed(legs, f"HTTP {exchange.status}: {message}")
