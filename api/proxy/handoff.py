@@ -187,12 +187,10 @@ class Handoff:
                     await decode
                 prefill.result()  # raises the PrefillFailed
             outcome = await decode
-            if not prefill.done():
-                await asyncio.wait((prefill,))  # its answer or failure: the decode leg has its KV either way
-            if prefill.exception() is not None:
-                self._count(legs, "prefill_failed_late")
-            else:
-                self._count(legs, "ok")
+            # The decode leg had its KV: a prefill leg still unanswered is not waited for (the request
+            # and its bookings end with the client's answer), its connection closed below.
+            late = prefill.done() and not prefill.cancelled() and prefill.exception() is not None
+            self._count(legs, "prefill_failed_late" if late else "ok")
             return outcome
         finally:
             for leg in (prefill, decode):
