@@ -249,3 +249,17 @@ async def test_a_client_leaving_cancels_both_legs(nats_server: EmbeddedNats, sty
         metrics = await scrape(f.url)
         assert (sample(metrics, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected")
                 == 1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_client_leaving_mid_stream_cancels_the_decode_leg(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, engine=SLOW) as f:
+        stream = await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=200, stream=True)
+        first = await stream.__anext__()
+        assert first.choices[0].text == " w1"
+        await stream.close()
+        await eventually(lambda: f.apis[2].aborted == 1)
+        assert f.apis[1].prefill_legs == 1 and f.apis[1].aborted == 0
+        await eventually(lambda: idle(f.router))
