@@ -76,12 +76,15 @@ def ballast(f: Fleet, request_id: str, **pins: tuple[int, int]) -> Callable[[], 
     return lambda: f.router.new(request, **pins)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("fast_protocol", [True, False])
 @pytest.mark.parametrize("stream", [True, False])
 @pytest.mark.parametrize("style", STYLES)
 async def test_a_long_prompt_is_prefilled_remotely_and_its_stream_comes_from_the_decode_worker(
-    nats_server: EmbeddedNats, style: HandoffStyle, stream: bool
+    nats_server: EmbeddedNats, style: HandoffStyle, stream: bool, fast_protocol: bool
 ) -> None:
-    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style) as f:
+    """Over both adapters of the proxy's routes: the HTTP protocol and FastPath (ASGI)."""
+    service = {"fast_protocol": fast_protocol}
+    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, service=service) as f:
         usage: Any = {"include_usage": True} if stream else None
         raw = await f.client.completions.with_raw_response.create(
             model=MODEL, prompt=LONG, max_tokens=6, stream=stream, stream_options=usage
@@ -100,8 +103,13 @@ async def test_a_long_prompt_is_prefilled_remotely_and_its_stream_comes_from_the
         assert f.apis[2].pulled_blocks == 8
         assert f.apis[1].aborted == f.apis[2].aborted == 0
         await eventually(lambda: idle(f.router))
-        text_metrics = await scrape(f.url)
-        assert sample(text_metrics, "kv_router_proxy_handoffs_total", style=style, outcome="ok") == 1.0
+
+        async def counted() -> bool:
+            metrics = await scrape(f.url)
+            done = sample(metrics, "kv_router_proxy_requests_total", route="completions", outcome="ok")
+            return done == 1.0 and sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="ok") == 1.0
+
+        await eventually(counted)  # counted once the decode leg's task is back, just after the client's end
         # Each role published its own KV events: the same prompt is now cached on the decode worker,
         # so it stays there (conditional disaggregation), and nothing more goes to the prefill worker.
         await eventually(lambda: cached_blocks(f, 1) >= 8 and cached_blocks(f, 2) >= 8)

@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry, Counter
 from api.http_stream import Headers, Sink, StreamCall
 from api.metrics import PREFIX
 from api.proxy.upstream import Upstream, UpstreamError
+from api.proxy.wire import finished_stream
 from router.kv_router import KvRouter
 from router.types import DisaggregatedLeg, HandoffStyle, RouteDecision, WorkerConfig
 
@@ -180,23 +181,34 @@ class Handoff:
         prefill = asyncio.ensure_future(self._prefill_leg(legs, path, both, headers))
         decode = asyncio.ensure_future(forward(both, watched))
         try:
-            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
-            if prefill.done() and prefill.exception() is not None and not watched.answered:
-                decode.cancel()  # it would wait for KV that is not coming
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await decode
-                prefill.result()  # raises the PrefillFailed
-            outcome = await decode
+            try:
+                await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+                if prefill.done() and prefill.exception() is not None and not watched.answered:
+                    decode.cancel()  # it would wait for KV that is not coming
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await decode
+                    prefill.result()  # raises the PrefillFailed
+                outcome = await decode
+            except asyncio.CancelledError:
+                # The client left: abandoned, unless it had its whole answer or the stream's last event
+                # (the official client closes right after it), as the one-leg path reads it.
+                task = asyncio.current_task()
+                if not watched.finished or task is None:
+                    raise
+                task.uncancel()
+                outcome = await decode
             # The decode leg had its KV: a prefill leg still unanswered is not waited for (the request
             # and its bookings end with the client's answer), its connection closed below.
             late = prefill.done() and not prefill.cancelled() and prefill.exception() is not None
             self._count(legs, "prefill_failed_late" if late else "ok")
             return outcome
         finally:
+            # Not awaited: the request's end must not wait on them (nor take a late cancellation from
+            # its client for its own); a leg cancelled closes its connection as it unwinds.
             for leg in (prefill, decode):
                 if not leg.done():
                     leg.cancel()
-            await asyncio.gather(prefill, decode, return_exceptions=True)
+                leg.add_done_callback(_retrieve)
 
     # ------------------------------------------------------------------ the prefill leg
     async def _prefill_leg(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
@@ -234,17 +246,25 @@ class Handoff:
         self._counter.labels(legs.style, outcome).inc()
 
 
+def _retrieve(leg: asyncio.Future[Any]) -> None:
+    """A leg's outcome is read, so that a failure nobody awaited is not logged as lost."""
+    if not leg.cancelled():
+        leg.exception()
+
+
 class _Watched:
     """The client's answer, noting whether any of it went out (the decode leg may then no longer be
     given up for a failing prefill leg)."""
 
-    __slots__ = ("answered", "authorization", "body", "reply")
+    __slots__ = ("answered", "authorization", "body", "reply", "sink", "whole_sent")
 
     def __init__(self, reply: StreamCall) -> None:
         self.reply = reply
+        self.sink: _LastPiece | None = None
         self.body = reply.body
         self.authorization = reply.authorization
         self.answered = False
+        self.whole_sent = False
 
     def is_disconnected(self) -> bool:
         return self.reply.is_disconnected()
@@ -252,10 +272,34 @@ class _Watched:
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         self.answered = True
         await self.reply.whole(status, headers, body)
+        self.whole_sent = True
 
     def begin(self, status: int, headers: Headers) -> Sink:
         self.answered = True
-        return self.reply.begin(status, headers)
+        sink = self.sink = _LastPiece(self.reply.begin(status, headers))
+        return sink
 
     async def end(self, last: bytes = b"") -> None:
         await self.reply.end(last)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the client has had its whole answer, or the stream's last event."""
+        return self.whole_sent or (self.sink is not None and finished_stream(self.sink.last))
+
+
+class _LastPiece:
+    """The client's sink, keeping the last piece written to it."""
+
+    __slots__ = ("last", "sink")
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.last = b""
+
+    def write(self, data: bytes) -> bool:
+        self.last = data
+        return self.sink.write(data)
+
+    def when_drained(self, resume: Callable[[], None]) -> None:
+        self.sink.when_drained(resume)

@@ -61,6 +61,7 @@ from api.proxy.wire import (
     TokenIdsBody,
     Usage,
     error_body,
+    finished_stream,
     prompt_token_ids,
     reported_usage,
 )
@@ -479,7 +480,7 @@ class Proxy:
             problem: str | None = str(exc)
         except asyncio.CancelledError:
             # Written in the read callback: what the tail holds has gone to the client.
-            if not _finished_stream(exchange.tail):
+            if not finished_stream(exchange.tail):
                 raise
             _client_left_at_the_end()
             problem = None
@@ -497,7 +498,7 @@ class Proxy:
         if problem is None:
             ending = exchange.tail
             # An OpenAI stream ends with [DONE]; a worker killed mid-stream may just close the connection.
-            if _finished_stream(ending):
+            if finished_stream(ending):
                 self._calibrate(decision, _usage_in_stream(ending))
             else:
                 problem = "the stream ended before data: [DONE]"
@@ -537,11 +538,6 @@ class _OutputProgress:
         if events >= self.next_at:
             self.next_at = events + self.every
             self.record(self.request_id, events)
-
-
-def _finished_stream(events: bytes) -> bool:
-    """Whether ``events`` end an OpenAI stream (its last event, ``data: [DONE]``)."""
-    return events.rstrip().endswith(b"data: [DONE]")
 
 
 def _client_left_at_the_end() -> None:

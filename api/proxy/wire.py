@@ -33,6 +33,7 @@ __all__ = [
     "Usage",
     "WorkerIdInfo",
     "error_body",
+    "finished_stream",
     "prompt_token_ids",
     "reported_usage",
 ]
@@ -232,3 +233,8 @@ class InstanceQueryReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     choices: list[dict[str, Any]]
     usage: QueryUsage | None = None
     nvext: NvExtResponse
+
+
+def finished_stream(events: bytes) -> bool:
+    """Whether ``events`` end an OpenAI stream (its last event, ``data: [DONE]``)."""
+    return events.rstrip().endswith(b"data: [DONE]")
