@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,6 +92,14 @@ class RouterProcess:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{self.ready_path}", timeout=2) as reply:
                 return bool(reply.status == 200)
         except OSError:
+            return False
+
+    def accepting(self) -> bool:
+        """Whether its listener takes connections (uvicorn closes it first thing on SIGTERM)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2):
+                return True
+        except ConnectionRefusedError:
             return False
 
     def log(self) -> str:
