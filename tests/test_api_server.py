@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.request
 from pathlib import Path
