@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -55,12 +56,14 @@ class RouterProcess:
         env: dict[str, str] | None = None,
         argv: list[str] | None = None,
         ready_path: str = "/readyz",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.port = port or free_port()
         self.args = ["serve", "--port", str(self.port), "--block-size", "16", *args]
         self.argv = argv or [*kv_router_command(), *self.args]
         self.env = {**os.environ, **(env or {})}
         self.ready_path = ready_path
+        self.ssl_context = ssl_context  # serving HTTPS: readiness is asked over TLS with this context
         self.log_path = log_dir / f"router-{self.port}-{time.monotonic_ns()}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -89,7 +92,9 @@ class RouterProcess:
         if self.process.poll() is not None:
             raise AssertionError("the service exited")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{self.ready_path}", timeout=2) as reply:
+            scheme = "https" if self.ssl_context else "http"
+            url = f"{scheme}://127.0.0.1:{self.port}{self.ready_path}"
+            with urllib.request.urlopen(url, timeout=2, context=self.ssl_context) as reply:
                 return bool(reply.status == 200)
         except OSError:
             return False
