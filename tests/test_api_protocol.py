@@ -23,7 +23,7 @@ import msgspec
 import pytest
 import uvicorn
 
-from api.config import ServiceConfig, Settings
+from api.config import SecurityConfig, ServiceConfig, Settings
 from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.event_plane.embedded_server import free_port
@@ -39,13 +39,15 @@ JSON = "application/json"
 @contextmanager
 def uvicorn_on_loopback(*, keep_alive_s: float | None = None, **overrides: Any) -> Iterator[int]:
     """``kv-router serve``'s uvicorn (`uvicorn_config`) in a thread; yields its port. ``overrides`` go
-    to `ServiceConfig` or `RouterConfig` by name."""
+    to `ServiceConfig`, `SecurityConfig` or `RouterConfig` by name."""
     service = {k: v for k, v in overrides.items() if k in ServiceConfig.__struct_fields__}
-    router = {k: v for k, v in overrides.items() if k not in service}
+    security = {k: v for k, v in overrides.items() if k in SecurityConfig.__struct_fields__}
+    router = {k: v for k, v in overrides.items() if k not in service and k not in security}
     port = free_port()
     settings = Settings(
         service=ServiceConfig(port=port, log_level="warning", **service),
         router=RouterConfig(**{"block_size": BLOCK_SIZE, **router}),
+        security=SecurityConfig(**security),
     )
     config = uvicorn_config(settings)
     if keep_alive_s is not None:
