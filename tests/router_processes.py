@@ -54,16 +54,16 @@ def _popen(argv: list[str], env: Mapping[str, str], log_path: Path) -> subproces
         )
 
 
-def _stop(process: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM, then SIGKILL if it has not ended within 15 s."""
+def _stop(process: subprocess.Popen[bytes] | None) -> int | None:
+    """SIGTERM, then SIGKILL if it has not ended within 15 s; its exit status (None if never started)."""
     if process is None or process.poll() is not None:
-        return
+        return None if process is None else process.returncode
     process.send_signal(signal.SIGTERM)
     try:
-        process.wait(15)
+        return process.wait(15)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.wait(10)
+        return process.wait(10)
 
 
 class ToolProcess:
@@ -93,8 +93,9 @@ class ToolProcess:
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait(10)
 
-    def stop(self) -> None:
-        _stop(self.process)
+    def stop(self) -> int | None:
+        """Stopped (SIGTERM) unless it has ended; its exit status."""
+        return _stop(self.process)
 
 
 class RouterProcess:
