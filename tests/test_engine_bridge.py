@@ -102,7 +102,7 @@ class Chain:
     def steps(self, count: int, *, drop_every: int = 0) -> None:
         for i in range(count):
             self.side.call(self.engine.step(publish=not drop_every or i % drop_every != drop_every - 1))
-            time.sleep(0.002)
+            time.sleep(0.002)  # an engine's steps come over time (the bridge's stream shows no applied seq to wait on)
 
     def close(self) -> None:
         self.stop_bridge()
@@ -157,7 +157,7 @@ def test_a_gap_without_replay_leaves_the_rank_untrusted_until_the_engine_clears(
     try:
         chain.start_bridge()
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
-        time.sleep(0.2)  # past the slow-joiner window
+        time.sleep(0.2)  # past the slow-joiner window (a PUB socket shows no subscriber to wait on)
         chain.steps(5)
         _converged(router, chain)
         side.call(chain.engine.step(publish=False))
@@ -257,7 +257,7 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 404, timeout=3)
         assert _dump(router) == []
         chain.steps(5)  # published meanwhile, to no router
-        time.sleep(0.5)  # no heartbeat brings it back
+        time.sleep(0.5)  # the behaviour under test: no heartbeat brings it back
         assert router.get(f"/v1/workers/{WORKER}").status_code == 404
 
         http.healthy = True  # the same engine process: what it holds comes back, from its replay buffer

@@ -174,7 +174,7 @@ def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_
             until(lambda: _worker(router, 1) is None, timeout=10)
             assert time.monotonic() - killed < 3.0
             assert _blocks_of(router, 1) == 0
-            time.sleep(1.0)  # no heartbeat brings it back while its engine is down
+            time.sleep(1.0)  # the behaviour under test: no heartbeat brings it back while its engine is down
             assert _worker(router, 1) is None
 
             engine.start()
@@ -201,7 +201,7 @@ def test_an_http_registration_keeps_its_url_and_models_through_the_bridge_heartb
             status, _ = router.post("/v1/workers", {"worker_id": 2, "url": engine.url + "/v1", "models": [MODEL],
                                                     "total_kv_blocks": 512})  # fmt: skip
             assert status == 200
-            time.sleep(1.5)  # five heartbeats of the bridge, each carrying its registration
+            time.sleep(1.5)  # the behaviour under test: five heartbeats of the bridge, each with its registration
             worker = _worker(router, 2)
             assert worker is not None
             config = worker["config"]
