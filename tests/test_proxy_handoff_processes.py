@@ -6,12 +6,9 @@ No booking is left behind."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +17,7 @@ from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.types import HandoffStyle
 from tests.metrics import sample
 from tests.proxy_fleet import MODEL, Fleet, fleet, idle
+from tests.router_processes import ToolProcess
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -28,24 +26,22 @@ PREFIX = list(range(2000, 2512))  # 8 blocks of 64
 
 
 @contextmanager
-def workers(nats_url: str, roles: dict[int, str], style: HandoffStyle) -> Iterator[dict[int, subprocess.Popen[bytes]]]:
-    processes: dict[int, subprocess.Popen[bytes]] = {}
+def workers(
+    log_dir: Path, nats_url: str, roles: dict[int, str], style: HandoffStyle
+) -> Iterator[dict[int, ToolProcess]]:
+    processes: dict[int, ToolProcess] = {}
     try:
         for worker_id, role in roles.items():
-            command = [
-                sys.executable, "-m", "api.cli", "mock-worker",  # `kv-router mock-worker`
-                "--nats-url", nats_url, "--worker-id", str(worker_id), "--http-port", str(free_port()),
+            processes[worker_id] = ToolProcess(
+                log_dir, None, "--nats-url", nats_url, "--worker-id", str(worker_id), "--http-port", str(free_port()),
                 "--model", MODEL, "--num-gpu-blocks", "512", "--engine-speedup", "10",
                 "--heartbeat-interval", "0.3", "--log-level", "warning", "--role", role, "--handoff", style,
                 "--transfer-gb-per-s", "5",
-            ]  # fmt: skip
-            processes[worker_id] = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+            )  # fmt: skip
         yield processes
     finally:
         for process in processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                process.wait(timeout=10)
+            process.stop()
 
 
 def cached_blocks(f: Fleet, worker_id: int) -> int:
@@ -54,10 +50,10 @@ def cached_blocks(f: Fleet, worker_id: int) -> int:
 
 @pytest.mark.parametrize("style", ["kv_transfer_params", "bootstrap"])
 async def test_processes_hand_off_and_a_killed_prefill_worker_is_replaced(
-    nats_server: EmbeddedNats, style: HandoffStyle
+    nats_server: EmbeddedNats, style: HandoffStyle, tmp_path: Path
 ) -> None:
     async with fleet(nats_server.url, (), lease_secs=10.0) as f:
-        with workers(nats_server.url, {11: "prefill", 12: "prefill", 21: "decode"}, style) as processes:
+        with workers(tmp_path, nats_server.url, {11: "prefill", 12: "prefill", 21: "decode"}, style) as processes:
             await eventually(lambda: len(f.router.workers()) == 3, timeout=30)
             assert {w.worker_id: w.role for w in f.router.workers()} == {11: "prefill", 12: "prefill", 21: "decode"}
             raw = await f.client.completions.with_raw_response.create(
@@ -71,8 +67,7 @@ async def test_processes_hand_off_and_a_killed_prefill_worker_is_replaced(
             other = 23 - first  # 11 <-> 12
             # The prefill worker's and the decode worker's own KV events reach the index.
             await eventually(lambda: cached_blocks(f, first) >= 8 and cached_blocks(f, 21) >= 8, timeout=30)
-            os.kill(processes[first].pid, signal.SIGKILL)
-            processes[first].wait(timeout=10)
+            processes[first].kill9()
             # The same prefix and 512 new tokens: 512 uncached on the decode worker (remote prefill), and
             # the prefill worker with the prefix cached, now dead, comes first; its leg goes to the other.
             longer = PREFIX + list(range(3000, 3512))
