@@ -113,6 +113,18 @@ def _router_config(options: list[str], engine: EngineConfig) -> RouterConfig:
         raise SystemExit(f"invalid router setting: {exc}") from None
 
 
+def _add_transfer_flags(group: argparse._ActionsContainer) -> None:
+    group.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=131_072,
+        help="KV bytes per token moved from prefill to decode worker [%(default)s: Llama-3-8B, bf16]",
+    )
+    group.add_argument(
+        "--transfer-gb-per-s", type=float, default=25.0, help="KV transfer bandwidth, GB/s [%(default)s]"
+    )
+
+
 def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
     """The trace (or generated workload) and the options it is loaded with."""
     parser.add_argument("trace", type=Path, nargs="?", help="Mooncake JSONL trace (or --workload)")
@@ -181,13 +193,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     )
     pd.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers (with --decode-workers)")
     pd.add_argument("--decode-workers", type=int, default=0, help="decode-only workers (with --prefill-workers)")
-    pd.add_argument(
-        "--kv-bytes-per-token",
-        type=int,
-        default=131_072,
-        help="KV bytes per token moved from prefill to decode worker [%(default)s: Llama-3-8B, bf16]",
-    )
-    pd.add_argument("--transfer-gb-per-s", type=float, default=25.0, help="KV transfer bandwidth, GB/s [%(default)s]")
+    _add_transfer_flags(pd)
     online = parser.add_argument_group("online replay")
     online.add_argument("--online", action="store_true", help="replay against a running router and mock workers")
     online.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL [%(default)s]")
@@ -543,6 +549,18 @@ def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--http-host", default="127.0.0.1", help="address of the HTTP API [%(default)s]")
     parser.add_argument("--model", default="mock-model", help="model name the HTTP API serves [%(default)s]")
+    pd = parser.add_argument_group("disaggregated prefill and decode (over the HTTP API)")
+    pd.add_argument(
+        "--role", choices=["prefill", "decode", "both"], default="both", help="the worker's role [%(default)s]"
+    )
+    pd.add_argument(
+        "--handoff",
+        choices=["kv_transfer_params", "bootstrap"],
+        default="kv_transfer_params",
+        help="with --role prefill: the hand-off the proxy runs, vLLM's kv_transfer_params or SGLang's bootstrap "
+        "(the bootstrap server is the HTTP API's port) [%(default)s]",
+    )
+    _add_transfer_flags(pd)
     _add_engine_flags(parser)
 
 
@@ -554,6 +572,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     import signal
 
     from mocker.openai_api import serve_openai
+    from mocker.simulation import KvTransfer
     from mocker.worker import MockWorker
     from mocker.zmq_engine import VllmZmqPublisher
     from router.event_plane.connection_file import ConnectionFileError
@@ -563,6 +582,11 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _engine_config(args)
     worker_id = args.worker_id if args.worker_id is not None else secrets.randbelow(1 << 53)
+    try:
+        transfer = KvTransfer(args.kv_bytes_per_token, args.transfer_gb_per_s)
+    except ValueError as exc:
+        print(f"kv-router mock-worker: {exc}", file=sys.stderr)
+        return 2
 
     port = args.http_port
     if port == 0:
@@ -593,10 +617,15 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             else VllmZmqPublisher(args.zmq_endpoint, replay_endpoint=args.replay_endpoint),
             url=url,
             models=frozenset({args.model}) if url else frozenset(),
+            role=args.role,
+            handoff=args.handoff,
+            # Its bootstrap rooms are served by its HTTP API.
+            bootstrap_port=port if args.handoff == "bootstrap" and args.role == "prefill" else None,
         )
         async with contextlib.AsyncExitStack() as stack:
             if port is not None:
-                await stack.enter_async_context(serve_openai(worker, args.model, args.http_host, port))
+                api = serve_openai(worker, args.model, args.http_host, port, transfer=transfer)
+                await stack.enter_async_context(api)
             task = asyncio.create_task(worker.run())
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -8,6 +8,12 @@ tokens come out when the passes that generate them end (the engine's timing mode
 reports the cached tokens its block pool really had (``prompt_tokens_details.cached_tokens``).
 A client that disconnects mid-stream aborts its request in the engine, as vLLM does.
 
+Disaggregated roles (`mocker.handoff`): a prefill leg (vLLM's ``kv_transfer_params``
+``do_remote_decode``, or a prefill-role worker given a ``bootstrap_room``) computes the prompt and one
+token and answers with the params a decode worker needs, or marks its bootstrap room done (served at
+``GET /bootstrap/{room}``); a decode leg (``do_remote_prefill``, or ``bootstrap_*`` on a worker that
+is not prefill-only) pulls the KV first, for the transfer time of the blocks it lacks.
+
 Text is tokenized one token per UTF-8 byte; chat messages are rendered ``<|role|>\\ncontent\\n`` then
 ``<|assistant|>\\n``. The proxy gets the same ids from ``/tokenize``, or from the files `write_model_files`
 writes (for ASCII text), so routing and the engine's cache agree. Generated tokens read `` w1 w2 ...``.
@@ -27,6 +33,8 @@ import msgspec
 import uvicorn
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
+from mocker.handoff import ROOM_POLL_SECS, BootstrapFailed, Rooms, await_room, remote_params, transfer_secs
+from mocker.simulation import KvTransfer
 from mocker.worker import MockWorker, TokenStream
 
 __all__ = ["MockOpenAI", "render_chat", "serve_openai", "text_tokens", "write_model_files"]
@@ -60,6 +68,11 @@ class _Body(msgspec.Struct):
     instructions: str | None = None  # the Responses API's system prompt
     query: str | None = None  # rerank's
     documents: list[str] | None = None
+    # The hand-off (`mocker.handoff`): vLLM's connector params, SGLang's bootstrap.
+    kv_transfer_params: dict[str, Any] | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 _decode_body = msgspec.json.Decoder(_Body).decode
@@ -143,14 +156,28 @@ def _word(index: int) -> str:
 class MockOpenAI:
     """The ASGI app of one mock worker's HTTP API."""
 
-    def __init__(self, worker: MockWorker, model: str) -> None:
+    def __init__(
+        self,
+        worker: MockWorker,
+        model: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        transfer: KvTransfer | None = None,
+    ) -> None:
         self.worker = worker
         self.model = model
+        self.host = host
+        self.port = port
+        self.transfer = transfer or KvTransfer()
+        self.rooms = Rooms()
         self.aborted = 0  # requests whose client left before their end
         self.tokenized = 0  # /tokenize calls answered
         self.generated = 0  # completions, chat completions and responses received
         self.pooled = 0  # embeddings and rerank requests answered
         self.last_headers: dict[bytes, bytes] = {}  # of the last POST
+        self.prefill_legs = 0  # prefill legs answered (either hand-off style)
+        self.pulled_blocks = 0  # KV blocks received from prefill workers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -162,6 +189,14 @@ class MockOpenAI:
             await _reply(send, 200, _encode({"object": "list", "data": [card]}))
         elif method == "GET" and path == "/health":
             await _reply(send, 200, b"{}")
+        elif method == "GET" and path.startswith("/bootstrap/") and path[11:].isdigit():
+            ended, blocks = await self.rooms.wait(int(path[11:]), ROOM_POLL_SECS)
+            if not ended:
+                await _reply(send, 202, b'{"status": "pending"}')
+            elif blocks is None:
+                await _reply(send, 410, _error(410, "the room's prefill failed"))
+            else:
+                await _reply(send, 200, _encode({"blocks": blocks}))
         elif method == "POST" and path in _POSTS:
             self.last_headers = dict(scope["headers"])
             body = await _read(receive)
@@ -204,26 +239,76 @@ class MockOpenAI:
             await _reply(send, 400, _error(400, "the prompt has no tokens"))
             return
         max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_TOKENS
+        params = request.kv_transfer_params or {}
+        room = request.bootstrap_room
+        # A prefill leg computes the prompt and one token; a decode leg first pulls the prompt's KV.
+        prefill_leg = params.get("do_remote_decode") is True or (room is not None and self.worker.role == "prefill")
+        decode_leg = params.get("do_remote_prefill") is True or (room is not None and not prefill_leg)
+        if prefill_leg:
+            max_tokens = 1
         request_id = uuid.uuid4().hex
-        stream = self.worker.open_stream(request_id, tokens, max_tokens)
-        if stream is None:
-            await _reply(send, 400, _error(400, f"prompt of {len(tokens)} tokens does not fit the KV pool"))
-            return
-        chunks = _Chunks(kind, request_id, self.model)
         left = asyncio.ensure_future(_disconnected(receive))
+        stream: TokenStream | None = None
         try:
+            if decode_leg:
+                pulled = asyncio.ensure_future(self._pull(request, tokens))
+                await asyncio.wait((pulled, left), return_when=asyncio.FIRST_COMPLETED)
+                if left.done():
+                    pulled.cancel()
+                    self.aborted += 1
+                    return
+                try:
+                    pulled.result()
+                except (BootstrapFailed, ValueError) as exc:
+                    status = 503 if isinstance(exc, BootstrapFailed) else 400
+                    await _reply(send, status, _error(status, str(exc)))
+                    return
+            stream = self.worker.open_stream(request_id, tokens, max_tokens, kv_loaded=decode_leg)
+            if stream is None:
+                await _reply(send, 400, _error(400, f"prompt of {len(tokens)} tokens does not fit the KV pool"))
+                return
+            chunks = _Chunks(kind, request_id, self.model)
             if request.stream:
                 include_usage = request.stream_options is not None and request.stream_options.include_usage
                 await self._stream(stream, chunks, len(tokens), include_usage, left, send)
             else:
                 await _wait_done(stream, left)
                 if not left.done():
-                    await _reply(send, 200, chunks.whole(stream, len(tokens)))
+                    extra = None
+                    if params.get("do_remote_decode") is True:
+                        blocks = -(-len(tokens) // self.worker.engine.block_size)
+                        extra = {
+                            "kv_transfer_params": remote_params(self.worker.worker_id, self.host, self.port, blocks)
+                        }
+                    await _reply(send, 200, chunks.whole(stream, len(tokens), extra))
+            if prefill_leg and stream.done:
+                self.prefill_legs += 1
         finally:
-            if left.done() and not stream.done:
+            if stream is not None and left.done() and not stream.done:
                 self.aborted += 1
+            if room is not None and prefill_leg:  # its decode worker learns how the prefill ended
+                ok = stream is not None and stream.done
+                self.rooms.done(room, -(-len(tokens) // self.worker.engine.block_size) if ok else None)
             left.cancel()
             self.worker.close_stream(request_id)
+
+    async def _pull(self, request: _Body, tokens: list[int]) -> None:
+        """A decode leg's KV: the blocks the prefill worker has (from its params, or its bootstrap
+        room once prefilled), less those this worker holds, over the transfer's bandwidth. Raises
+        `BootstrapFailed`, or ValueError for params that name no blocks."""
+        if request.bootstrap_room is not None:
+            if request.bootstrap_host is None or request.bootstrap_port is None:
+                raise ValueError("bootstrap_room needs bootstrap_host and bootstrap_port")
+            blocks = await await_room(request.bootstrap_host, request.bootstrap_port, request.bootstrap_room)
+        else:
+            block_ids = (request.kv_transfer_params or {}).get("remote_block_ids")
+            if not isinstance(block_ids, list):
+                raise ValueError("kv_transfer_params.remote_block_ids must be the list of the prefilled blocks")
+            blocks = len(block_ids)
+        engine = self.worker.engine
+        missing = max(blocks - engine.cached_prefix_blocks(tokens), 0)
+        await asyncio.sleep(transfer_secs(self.transfer, missing, engine.block_size, engine.config.speedup_ratio))
+        self.pulled_blocks += missing
 
     async def _stream(
         self,
@@ -314,7 +399,7 @@ class _Chunks:
     def usage(self, stream: TokenStream, prompt_tokens: int) -> bytes:
         return self._head + b'"choices":[],"usage":' + _encode(self._usage(stream, prompt_tokens)) + b"}\n\n"
 
-    def whole(self, stream: TokenStream, prompt_tokens: int) -> bytes:
+    def whole(self, stream: TokenStream, prompt_tokens: int, extra: dict[str, Any] | None = None) -> bytes:
         text = "".join(_word(index) for index in range(1, stream.tokens + 1))
         if self.responses:
             usage = self._usage(stream, prompt_tokens)
@@ -353,6 +438,7 @@ class _Chunks:
                 "model": self.model,
                 "choices": [choice],
                 "usage": self._usage(stream, prompt_tokens),
+                **(extra or {}),
             }
         )
 
@@ -423,10 +509,17 @@ class _Server(uvicorn.Server):
 
 @contextlib.asynccontextmanager
 async def serve_openai(
-    worker: MockWorker, model: str, host: str, port: int, *, startup_timeout_s: float = 10.0
+    worker: MockWorker,
+    model: str,
+    host: str,
+    port: int,
+    *,
+    startup_timeout_s: float = 10.0,
+    transfer: KvTransfer | None = None,
 ) -> AsyncIterator[MockOpenAI]:
-    """Serve the worker's OpenAI API on ``host:port`` on this loop for the duration of the block."""
-    api = MockOpenAI(worker, model)
+    """Serve the worker's OpenAI API on ``host:port`` on this loop for the duration of the block
+    (``transfer``: what a decode leg's KV pull costs, `mocker.handoff`)."""
+    api = MockOpenAI(worker, model, host=host, port=port, transfer=transfer)
     config = uvicorn.Config(
         api, host=host, port=port, loop="none", http="httptools", lifespan="off", log_level="warning",
         access_log=False, server_header=False, date_header=False,

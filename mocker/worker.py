@@ -35,7 +35,7 @@ from mocker.wire import GenerateRequest, GenerateUpdate, UpdateKind, generate_su
 from mocker.zmq_engine import VllmZmqPublisher, vllm_batch
 from router.event_plane.messages import ActiveLoad
 from router.event_plane.publisher import KvEventPublisher
-from router.types import WorkerConfig
+from router.types import HandoffStyle, WorkerConfig, WorkerRole
 
 __all__ = ["MockWorker", "TokenStream"]
 
@@ -75,6 +75,9 @@ class MockWorker:
         zmq: VllmZmqPublisher | None = None,
         url: str | None = None,
         models: frozenset[str] = frozenset(),
+        role: WorkerRole = "both",
+        handoff: HandoffStyle = "kv_transfer_params",
+        bootstrap_port: int | None = None,
     ) -> None:
         self.nc = nc
         self.worker_id = worker_id
@@ -87,7 +90,11 @@ class MockWorker:
             max_num_batched_tokens=engine.max_num_batched_tokens,
             url=url,
             models=models,
+            role=role,
+            handoff=handoff,
+            bootstrap_port=bootstrap_port,
         )
+        self.role = role
         self.publisher = KvEventPublisher(
             nc, registration, namespace=namespace, heartbeat_interval=heartbeat_interval_s
         )
@@ -162,9 +169,12 @@ class MockWorker:
         self._replies[request.request_id] = request.reply
         self._work.set()
 
-    def open_stream(self, request_id: str, tokens: list[int], max_tokens: int) -> TokenStream | None:
-        """Submit an HTTP request; None if its prompt can never fit the pool."""
-        seq = self.engine.submit(request_id, tokens, max_tokens, self._now_ms())
+    def open_stream(
+        self, request_id: str, tokens: list[int], max_tokens: int, *, kv_loaded: bool = False
+    ) -> TokenStream | None:
+        """Submit an HTTP request; None if its prompt can never fit the pool. ``kv_loaded``: its
+        prompt's KV came from a prefill worker (`MockEngine.submit`)."""
+        seq = self.engine.submit(request_id, tokens, max_tokens, self._now_ms(), kv_loaded=kv_loaded)
         if seq.state is SeqState.REJECTED:
             return None
         stream = self._streams[request_id] = TokenStream(seq)

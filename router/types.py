@@ -26,6 +26,7 @@ __all__ = [
     "DisaggregationPath",
     "DisaggregationReceipt",
     "Finite",
+    "HandoffStyle",
     "LimitKind",
     "OverlapReport",
     "PickReason",
@@ -106,6 +107,12 @@ class RouteRequest(msgspec.Struct, kw_only=True):
 # decode (it receives prefilled KV, or prefills short prompts itself), or both (an aggregated worker).
 WorkerRole = Literal["prefill", "decode", "both"]
 
+# How a disaggregated request's prompt KV goes from its prefill worker to its decode worker, as the
+# engine's connector expects the gateway to run the two legs: ``kv_transfer_params`` (vLLM's NIXL and
+# other v1 connectors: the prefill leg first, its returned params handed to the decode leg) or
+# ``bootstrap`` (SGLang: both legs at once, meeting at the prefill worker's bootstrap server).
+HandoffStyle = Literal["kv_transfer_params", "bootstrap"]
+
 # Data-parallel ranks one worker may have: far above any engine's (tens), low enough that registering
 # the largest costs milliseconds.
 MAX_DP_SIZE = 1024
@@ -142,6 +149,11 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     epoch: str | None = None
     # Prefill candidates are "prefill" and "both" workers, decode candidates "decode" and "both" ones.
     role: WorkerRole = "both"
+    # The hand-off the proxy runs when this worker prefills a request remotely (the prefill worker's
+    # setting decides) and, for ``bootstrap``, the port of its bootstrap server (SGLang's
+    # --disaggregation-bootstrap-port; its host is the one of ``url``).
+    handoff: HandoffStyle = "kv_transfer_params"
+    bootstrap_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
 
     def serves(self, leg: Literal["prefill", "decode"]) -> bool:
         """Whether this worker may run that leg of a disaggregated request."""
@@ -183,6 +195,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http:// or https:// base URL, got {self.url!r}")
+        if self.bootstrap_port is not None and not 1 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"bootstrap_port must be a TCP port, got {self.bootstrap_port}")
 
     @property
     def dp_ranks(self) -> range:

@@ -1,4 +1,13 @@
-"""Shared fixtures: where the team's reference material (../shared) lives."""
+"""Shared fixtures: where the team's reference material (../shared) lives, a real nats-server, a client.
+
+The suite's one way to do each of these (use them, do not write another):
+- wait for an asynchronous effect: `tests.waiting` (``eventually`` on the loop, ``until`` blocking);
+  wait on a condition, never a fixed time (a sleep stays only where time passing is what is tested,
+  with a comment saying so);
+- read ``/metrics``: `tests.metrics` (``sample``, ``total``, ``label_names``), on prometheus_client's parser;
+- start a process: `tests.router_processes` (``RouterProcess`` for the service, ``ToolProcess`` for
+  ``mock-worker`` and ``bridge``), logged to a file, stopped by its PID.
+"""
 
 from __future__ import annotations
 

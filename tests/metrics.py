@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["sample", "total"]
+__all__ = ["label_names", "sample", "total"]
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:
@@ -27,3 +27,12 @@ def total(text: str, name: str, **labels: str) -> float:
         if found.name == name and labels.items() <= found.labels.items()
     ]
     return float(sum(values))
+
+
+def label_names(text: str) -> dict[str, set[str]]:
+    """Every sample name exported, with the label names its series carry (what a query can select)."""
+    names: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            names.setdefault(found.name, set()).update(found.labels)
+    return names

@@ -21,6 +21,7 @@ from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
+from router.types import HandoffStyle, WorkerRole
 from tests.waiting import eventually
 
 __all__ = ["MODEL", "SSE_HEAD", "Fleet", "fleet", "idle", "raw_worker", "sse_chunk"]
@@ -68,7 +69,11 @@ async def fleet(
     service: dict[str, Any] | None = None,
     security: dict[str, Any] | None = None,
     lease_secs: float = 10.0,
+    roles: dict[int, WorkerRole] | None = None,
+    handoff: HandoffStyle = "kv_transfer_params",
 ) -> AsyncIterator[Fleet]:
+    """``roles``: a worker's role (default both); its prefill workers hand off in the ``handoff`` style
+    (bootstrap: their bootstrap server is their HTTP API)."""
     port = free_port()
     settings = Settings(
         router=RouterConfig(block_size=engine.block_size, **(router or {})),
@@ -92,9 +97,11 @@ async def fleet(
                 nc = await connect(NatsOptions(nats_url))
                 stack.push_async_callback(nc.close)
                 http_port = free_port()
+                role = (roles or {}).get(worker_id, "both")
+                bootstrap_port = http_port if role == "prefill" and handoff == "bootstrap" else None
                 worker = MockWorker(
                     nc, worker_id, engine, heartbeat_interval_s=0.3, url=f"http://127.0.0.1:{http_port}",
-                    models=frozenset({MODEL}),
+                    models=frozenset({MODEL}), role=role, handoff=handoff, bootstrap_port=bootstrap_port,
                 )  # fmt: skip
                 result.workers[worker_id] = worker
                 result.apis[worker_id] = await stack.enter_async_context(

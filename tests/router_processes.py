@@ -1,16 +1,21 @@
-"""Real ``kv-router serve`` processes for multi-process tests and benches: started with their logs in
-a file (a long test would fill a pipe), waited for on /healthz, stopped by their PID."""
+"""The tests' one way to start ``kv-router`` processes: `RouterProcess` for the service (``serve``, or
+another command line that serves, such as an image's entrypoint), waited for on its readiness;
+`ToolProcess` for the other commands (``mock-worker``, ``bridge``). Each logs to a file (a long test
+would fill a pipe) and is stopped by its PID."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,57 @@ def post(port: int, path: str, body: object) -> tuple[int, Any]:
         return error.code, json.loads(error.read())
 
 
+def _popen(argv: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
+        )
+
+
+def _stop(process: subprocess.Popen[bytes] | None) -> int | None:
+    """SIGTERM, then SIGKILL if it has not ended within 15 s; its exit status (None if never started)."""
+    if process is None or process.poll() is not None:
+        return None if process is None else process.returncode
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait(10)
+
+
+class ToolProcess:
+    """A ``kv-router`` command other than the service (``mock-worker`` unless told), started at once,
+    its output in a file; ``env`` replaces the environment when given."""
+
+    def __init__(self, log_dir: Path, env: Mapping[str, str] | None, *flags: str, command: str = "mock-worker") -> None:
+        self.log_path = log_dir / f"{command}-{time.monotonic_ns()}.log"
+        self.process = _popen(
+            [*kv_router_command(), command, *flags], os.environ if env is None else env, self.log_path
+        )
+
+    def __enter__(self) -> ToolProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def kill9(self) -> None:
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> int | None:
+        """Stopped (SIGTERM) unless it has ended; its exit status."""
+        return _stop(self.process)
+
+
 class RouterProcess:
     """One service process on a loopback port (a free one unless given), stopped by its PID: by default
     ``kv-router serve``; ``argv`` runs another command line that serves there (an image's entrypoint)."""
@@ -54,12 +110,14 @@ class RouterProcess:
         env: dict[str, str] | None = None,
         argv: list[str] | None = None,
         ready_path: str = "/readyz",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.port = port or free_port()
         self.args = ["serve", "--port", str(self.port), "--block-size", "16", *args]
         self.argv = argv or [*kv_router_command(), *self.args]
         self.env = {**os.environ, **(env or {})}
         self.ready_path = ready_path
+        self.ssl_context = ssl_context  # serving HTTPS: readiness is asked over TLS with this context
         self.log_path = log_dir / f"router-{self.port}-{time.monotonic_ns()}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -72,10 +130,7 @@ class RouterProcess:
     def start(self, timeout: float = 60.0) -> RouterProcess:
         """Start the process and wait until it is ready: by default its event plane (and, with durable
         events, the snapshot and stream replay) has started, not merely its HTTP listener."""
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
-            )
+        self.process = _popen(self.argv, self.env, self.log_path)
         try:
             until(self._ready, timeout, "the service answers")
         except AssertionError:
@@ -88,9 +143,19 @@ class RouterProcess:
         if self.process.poll() is not None:
             raise AssertionError("the service exited")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{self.ready_path}", timeout=2) as reply:
+            scheme = "https" if self.ssl_context else "http"
+            url = f"{scheme}://127.0.0.1:{self.port}{self.ready_path}"
+            with urllib.request.urlopen(url, timeout=2, context=self.ssl_context) as reply:
                 return bool(reply.status == 200)
         except OSError:
+            return False
+
+    def accepting(self) -> bool:
+        """Whether its listener takes connections (uvicorn closes it first thing on SIGTERM)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2):
+                return True
+        except ConnectionRefusedError:
             return False
 
     def log(self) -> str:
@@ -107,15 +172,7 @@ class RouterProcess:
         self.process.wait(10)
 
     def stop(self) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        _stop(self.process)
 
     def get(self, path: str) -> Any:
         return get(self.port, path)

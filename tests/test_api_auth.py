@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
@@ -25,14 +23,11 @@ from api.app import create_app
 from api.auth import Access, ApiAuth, Unauthorized
 from api.config import ProxyConfig, SecurityConfig, ServiceConfig, Settings, load_settings
 from api.handlers import HOT_ACCESS
-from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.errors import ConfigError
-from router.event_plane.embedded_server import free_port
 from tests.router_processes import RouterProcess, kv_router_command
-from tests.test_api_protocol import Client, post
+from tests.test_api_protocol import Client, post, uvicorn_on_loopback
 from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
-from tests.waiting import until
 
 TOKEN = "s3cret-token_with.chars~"
 GOOD = {"authorization": f"Bearer {TOKEN}"}
@@ -222,26 +217,6 @@ def test_token_settings(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- uvicorn's HTTP protocol
 
 
-@contextmanager
-def _uvicorn(fast_protocol: bool, **security: Any) -> Iterator[int]:
-    port = free_port()
-    settings = Settings(
-        service=ServiceConfig(port=port, log_level="warning", fast_protocol=fast_protocol),
-        router=RouterConfig(block_size=BLOCK_SIZE),
-        security=SecurityConfig(**security),
-    )
-    server = uvicorn.Server(uvicorn_config(settings))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    until(lambda: server.started or not thread.is_alive(), 20, "uvicorn starts")
-    assert server.started, "uvicorn did not start"
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(20)
-
-
 def _exchange(port: int, requests: list[bytes]) -> list[bytes]:
     client = Client(port)
     try:
@@ -265,7 +240,7 @@ def test_protocol_path_refuses_like_the_asgi_path_byte_for_byte() -> None:
     ]
     answers = {}
     for fast_protocol in (True, False):
-        with _uvicorn(fast_protocol, api_token=TOKEN, protect_decisions=True) as port:
+        with uvicorn_on_loopback(fast_protocol=fast_protocol, api_token=TOKEN, protect_decisions=True) as port:
             answers[fast_protocol] = _exchange(port, requests)
     assert answers[True] == answers[False]
     statuses = [a.split(b" ", 2)[1] for a in answers[True]]

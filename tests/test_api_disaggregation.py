@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from router.engines.bridge_config import BridgeConfig
 from tests.test_api_support import BLOCK_SIZE, serve, stored_event
 
 PREFILL, DECODE, OTHER_DECODE = 1, 2, 3
@@ -40,6 +41,25 @@ def test_roles_are_listed_and_checked(client: TestClient) -> None:
     assert bad.status_code == 422 and "role" in bad.text
     metrics = client.get("/metrics").text
     assert f'kv_router_worker_role{{role="prefill",worker_id="{PREFILL}"}} 1.0' in metrics
+
+
+def test_a_prefill_workers_handoff_is_registered_listed_and_checked(client: TestClient) -> None:
+    sglang = {"worker_id": 7, "role": "prefill", "handoff": "bootstrap", "bootstrap_port": 8998}
+    assert client.post("/v1/workers", json=sglang).status_code == 201
+    listed = {w["config"]["worker_id"]: w["config"] for w in client.get("/v1/workers").json()["workers"]}
+    assert (listed[7]["handoff"], listed[7]["bootstrap_port"]) == ("bootstrap", 8998)
+    assert (listed[PREFILL]["handoff"], listed[PREFILL]["bootstrap_port"]) == ("kv_transfer_params", None)
+    for bad in ({"handoff": "mooncake"}, {"bootstrap_port": 70000}, {"bootstrap_port": 0}):
+        refused = client.post("/v1/workers", json={"worker_id": 8, "role": "prefill", **bad})
+        assert refused.status_code == 422 and next(iter(bad)) in refused.text
+
+
+def test_the_bridge_registers_its_handoff() -> None:
+    config = BridgeConfig(
+        worker_id=5, zmq_endpoint="tcp://127.0.0.1:5557", role="prefill", handoff="bootstrap", bootstrap_port=9000
+    )
+    registration = config.registration()
+    assert (registration.role, registration.handoff, registration.bootstrap_port) == ("prefill", "bootstrap", 9000)
 
 
 def test_new_names_both_legs_and_mark_free_releases_them(client: TestClient) -> None:

@@ -36,12 +36,13 @@ def test_a_suspended_coroutine_continues_when_its_future_is_done() -> None:
             value = await gate
             steps.append("after")
             await asyncio.sleep(0)  # a bare yield, then another future
-            return value + await asyncio.sleep(0.001, result=1)
+            return value + await asyncio.sleep(0.001, result=1)  # a timer's future: what is tested
 
         outcome = start(waits())
         assert isinstance(outcome, Suspended) and steps == ["before"]
         task = outcome.task(loop)
-        await asyncio.sleep(0.005)
+        for _ in range(5):  # turns of the loop in which it could wrongly finish
+            await asyncio.sleep(0)
         assert not task.done()
         gate.set_result(41)
         assert await task == 42

@@ -5,12 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
-import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -30,12 +26,12 @@ from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.event_plane.publisher import KvEventPublisher, open_registry
 from router.event_plane.subjects import Subjects
 from router.types import WorkerConfig
+from tests.router_processes import RouterProcess
 from tests.test_api_support import metric
 from tests.waiting import until
 
 T = TypeVar("T")
 BLOCK = 16
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def blocks_of(tokens: list[int]) -> list[tuple[int, int]]:
@@ -190,19 +186,13 @@ def _port_open(port: int) -> bool:
 
 
 def test_serve_without_a_nats_url_brings_its_own_server(tmp_path: Path) -> None:
-    http_port, nats_port = free_port(), free_port()
-    command = [sys.executable, "-m", "api.cli", "serve", "--port", str(http_port),
-               "--embedded-nats-port", str(nats_port), "--block-size", str(BLOCK)]  # fmt: skip
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}  # where it leaves the token for local workers
-    with subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
-        stderr = _serve_and_route(process, http_port, nats_port, tmp_path / "kv-router" / f"nats-{nats_port}.json")
-    assert f"nats://127.0.0.1:{nats_port}".encode() in stderr  # the URL workers should use is printed
-    assert not _port_open(nats_port)  # and the private server is gone with the service
-
-
-def _serve_and_route(process: subprocess.Popen[bytes], http_port: int, nats_port: int, connection: Path) -> bytes:
-    try:
-        until(lambda: _port_open(http_port) and _port_open(nats_port) and connection.exists(), timeout=30)
+    nats_port = free_port()
+    connection = tmp_path / "kv-router" / f"nats-{nats_port}.json"
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}  # where it leaves the token for local workers
+    with RouterProcess(
+        tmp_path, "--embedded-nats-port", str(nats_port), "--block-size", str(BLOCK), env=env
+    ) as service:
+        until(lambda: _port_open(nats_port) and connection.exists(), 30, "the embedded NATS and its connection file")
         rng = random.Random(5)
         prompt = [rng.randrange(50_000) for _ in range(4 * BLOCK)]
         pool = Workers(f"nats://127.0.0.1:{nats_port}", json.loads(connection.read_text())["token"])
@@ -210,16 +200,14 @@ def _serve_and_route(process: subprocess.Popen[bytes], http_port: int, nats_port
 
         def routed() -> bool:
             request = json.dumps({"tokens": prompt}).encode()
-            reply = _http(http_port, "/v1/new", request)
+            reply = _http(service.port, "/v1/new", request)
             return reply.get("overlap_blocks") == 4
 
         until(routed, timeout=20)
-        assert _http(http_port, "/v1/new", json.dumps({"tokens": prompt}).encode())["worker_id"] == 31
+        assert _http(service.port, "/v1/new", json.dumps({"tokens": prompt}).encode())["worker_id"] == 31
         pool.close()
-    finally:
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=30)
-    return stderr
+    assert f"nats://127.0.0.1:{nats_port}" in service.log()  # the URL workers should use is printed
+    assert not _port_open(nats_port)  # and the private server is gone with the service
 
 
 def _http(port: int, path: str, body: bytes) -> dict[str, Any]:

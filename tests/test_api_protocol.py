@@ -23,7 +23,7 @@ import msgspec
 import pytest
 import uvicorn
 
-from api.config import ServiceConfig, Settings
+from api.config import SecurityConfig, ServiceConfig, Settings
 from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.event_plane.embedded_server import free_port
@@ -39,13 +39,15 @@ JSON = "application/json"
 @contextmanager
 def uvicorn_on_loopback(*, keep_alive_s: float | None = None, **overrides: Any) -> Iterator[int]:
     """``kv-router serve``'s uvicorn (`uvicorn_config`) in a thread; yields its port. ``overrides`` go
-    to `ServiceConfig` or `RouterConfig` by name."""
+    to `ServiceConfig`, `SecurityConfig` or `RouterConfig` by name."""
     service = {k: v for k, v in overrides.items() if k in ServiceConfig.__struct_fields__}
-    router = {k: v for k, v in overrides.items() if k not in service}
+    security = {k: v for k, v in overrides.items() if k in SecurityConfig.__struct_fields__}
+    router = {k: v for k, v in overrides.items() if k not in service and k not in security}
     port = free_port()
     settings = Settings(
         service=ServiceConfig(port=port, log_level="warning", **service),
         router=RouterConfig(**{"block_size": BLOCK_SIZE, **router}),
+        security=SecurityConfig(**security),
     )
     config = uvicorn_config(settings)
     if keep_alive_s is not None:
@@ -296,7 +298,7 @@ def test_body_split_across_tcp_segments_and_chunked() -> None:
         for start in range(0, len(body), 5):
             chunk = body[start : start + 5]
             client.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            time.sleep(0.01)
+            time.sleep(0.01)  # the behaviour under test: each chunk arrives on its own, later
         client.send(b"0\r\n\r\n")
         assert client.response() == reply("200 OK", b'{"request_id":"s","success":true}', request_id="s")
         client.close()
@@ -389,12 +391,13 @@ def test_queued_new_completes_after_mark_free_on_another_connection() -> None:
         # A client that leaves while queued gives its place back; nothing stays booked under its id.
         leaver = Client(port)
         leaver.send(post("/v1/new", {"tokens": prompt(10, 64), "request_id": "leaver"}))
-        deadline = time.monotonic() + 5
-        while body_of(first.ask(post("/v1/potential_loads", {"tokens": [1]})))["pending_count"] != 1:
-            assert time.monotonic() < deadline
+
+        def pending() -> int:
+            return int(body_of(first.ask(post("/v1/potential_loads", {"tokens": [1]})))["pending_count"])
+
+        until(lambda: pending() == 1, 5, "the leaver is queued")
         leaver.close()
-        while body_of(first.ask(post("/v1/potential_loads", {"tokens": [1]})))["pending_count"] != 0:
-            assert time.monotonic() < deadline
+        until(lambda: pending() == 0, 5, "the leaver's place is given back")
         assert first.ask(post("/v1/mark_free", {"request_id": "second"})).startswith(b"HTTP/1.1 200 ")
         assert first.ask(post("/v1/mark_free", {"request_id": "leaver"})).startswith(b"HTTP/1.1 404 ")
         first.close()
@@ -407,7 +410,7 @@ def test_keep_alive_timeout_closes_only_idle_connections() -> None:
         for client in (busy, idle):
             assert client.ask(post("/v1/mark_free", {"request_id": "x"})).startswith(b"HTTP/1.1 404 ")
         for _ in range(6):  # 0.9 s of traffic, never 0.5 s idle
-            time.sleep(0.15)
+            time.sleep(0.15)  # the behaviour under test: time passes on the keep-alive clock
             assert busy.ask(post("/v1/mark_free", {"request_id": "x"})).startswith(b"HTTP/1.1 404 ")
         assert idle.closed_by_server(0.1)
         assert busy.closed_by_server(2)
@@ -447,9 +450,12 @@ def test_sigterm_lets_requests_in_flight_finish(tmp_path: Path) -> None:
         assert second.nothing_within(0.2)
         free = post("/v1/mark_free", {"request_id": "first"})
         first.send(free[:-5])
-        time.sleep(0.1)
+        # A round trip on another connection: the server's loop has read what was sent before it.
+        barrier = Client(port)
+        assert barrier.ask(post("/v1/mark_free", {"request_id": "x"})).startswith(b"HTTP/1.1 404 ")
+        barrier.close()
         process.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        until(lambda: not service.accepting(), what="the shutdown starts (the listener closes)")
         first.send(free[-5:])
         assert first.response() == reply(
             "200 OK", b'{"request_id":"first","success":true}', request_id="first", close=True

@@ -5,10 +5,7 @@ new requests keep being served by the survivor, and no booking is left behind.""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -17,26 +14,27 @@ import pytest
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.metrics import sample
 from tests.proxy_fleet import MODEL, fleet, idle
+from tests.router_processes import ToolProcess
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
 
 
-def start_worker(nats_url: str, worker_id: int, http_port: int) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-m", "api.cli", "mock-worker",  # `kv-router mock-worker`
-        "--nats-url", nats_url, "--worker-id", str(worker_id), "--http-port", str(http_port),
+def start_worker(log_dir: Path, nats_url: str, worker_id: int, http_port: int) -> ToolProcess:
+    return ToolProcess(
+        log_dir, None, "--nats-url", nats_url, "--worker-id", str(worker_id), "--http-port", str(http_port),
         "--model", MODEL, "--num-gpu-blocks", "512", "--engine-speedup", "2",
         "--heartbeat-interval", "0.3", "--log-level", "warning",
-    ]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    )  # fmt: skip
 
 
 async def test_a_worker_killed_mid_run_loses_no_booking_and_the_proxy_keeps_serving(
-    nats_server: EmbeddedNats,
+    nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
     async with fleet(nats_server.url, (), lease_secs=3.0) as f:
-        processes = {worker_id: start_worker(nats_server.url, worker_id, free_port()) for worker_id in (11, 12)}
+        processes = {
+            worker_id: start_worker(tmp_path, nats_server.url, worker_id, free_port()) for worker_id in (11, 12)
+        }
         try:
             await eventually(lambda: len(f.router.workers()) == 2, timeout=30)
             api = f.client
@@ -57,8 +55,7 @@ async def test_a_worker_killed_mid_run_loses_no_booking_and_the_proxy_keeps_serv
             streams = [asyncio.ensure_future(one(i)) for i in range(12)]
             # Kill worker 11 once some of its streams have started (those not started yet are retried).
             await eventually(lambda: placed.count(11) >= 2, timeout=30)
-            os.kill(processes[11].pid, signal.SIGKILL)
-            processes[11].wait(timeout=10)
+            processes[11].kill9()
             await asyncio.wait_for(asyncio.gather(*streams), 120)
             assert len(outcomes) == 12 and set(outcomes) <= {"ok", "error"}, outcomes
             # The streams on the killed worker end with the SSE error event, the others complete.
@@ -76,6 +73,4 @@ async def test_a_worker_killed_mid_run_loses_no_booking_and_the_proxy_keeps_serv
             assert idle(f.router)
         finally:
             for process in processes.values():
-                if process.poll() is None:
-                    process.send_signal(signal.SIGTERM)
-                    process.wait(timeout=10)
+                process.stop()

@@ -270,14 +270,14 @@ def test_strict_priority_and_priority_jump_order_the_queue() -> None:
                     loads = await client.post("/v1/potential_loads", json={"tokens": [1]})
                     return int(loads.json()["pending_count"])
 
+                async def all_queued() -> bool:
+                    return await queued() == len(waiting)
+
                 waiting = []
                 for request_id, routing in (("plain", {}), ("jumped", {"priority_jump": 100.0}),
                                             ("tier1", {"strict_priority": 1})):  # fmt: skip
                     waiting.append(asyncio.create_task(route(request_id, routing)))
-                    for _ in range(5000):
-                        if await queued() == len(waiting):
-                            break
-                        await asyncio.sleep(0.001)
+                    await eventually(all_queued, what=f"{request_id} is queued")
                 for done, previous in enumerate(("running", "tier1", "jumped"), start=1):
                     await client.post("/v1/mark_free", json={"request_id": previous})
                     await eventually(lambda done=done: len(order) >= done)  # type: ignore[misc]

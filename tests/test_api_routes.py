@@ -25,6 +25,7 @@ from router.config import RouterConfig
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
 from tests.test_api_support import BLOCK_SIZE, MSGPACK, msgpack, prompt, serve, stored_event
+from tests.waiting import eventually
 
 
 @pytest.fixture(params=[True, False], ids=["fast_path", "fastapi_routes"])
@@ -217,8 +218,12 @@ def test_queue_waits_dispatches_and_rejects(fast_path: bool) -> None:
                 waiting = asyncio.create_task(
                     client.post("/v1/new", json={"tokens": prompt(9, 64), "request_id": "second"})
                 )
-                while not (await client.post("/v1/potential_loads", json={"tokens": [1]})).json()["pending_count"]:
-                    await asyncio.sleep(0.001)
+
+                async def queued() -> bool:
+                    loads = await client.post("/v1/potential_loads", json={"tokens": [1]})
+                    return bool(loads.json()["pending_count"])
+
+                await eventually(queued, what="the second request is queued")
                 exported = (await client.get("/metrics")).text
                 assert "kv_router_queue_pending_requests 1.0" in exported
                 assert "kv_router_queue_pending_isl_tokens 64.0" in exported

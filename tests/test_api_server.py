@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.request
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.router_processes import ROOT, SCRIPT, RouterProcess
 from tests.test_api_support import prompt, stored_event
+from tests.waiting import until
 
 # After its graceful shutdown uvicorn re-raises the signal it caught, so the parent sees "terminated
 # by SIGTERM" as for any process that honours it; older uvicorn releases exit 0 instead.
@@ -60,9 +60,10 @@ def test_serve_logs_json_and_finishes_in_flight_requests_on_sigterm(tmp_path: Pa
                 f"Content-Length: {len(body)}\r\n\r\n"
             ).encode()
             conn.sendall(head + body[:20])  # the request is in flight ...
-            time.sleep(0.2)
+            # A round trip on another connection: the server's loop has read what was sent before it.
+            assert _get(port, "/healthz")[0] == 200
             process.send_signal(signal.SIGTERM)  # ... when the shutdown starts
-            time.sleep(0.2)
+            until(lambda: "Shutting down" in service.log(), what="the shutdown starts")
             conn.sendall(body[20:])
             reply = b""
             while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):

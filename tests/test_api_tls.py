@@ -12,11 +12,8 @@ import json
 import socket
 import ssl
 import subprocess
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,9 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from router.event_plane.embedded_server import free_port
-from tests.router_processes import kv_router_command
-from tests.test_api_server import ROOT
+from tests.router_processes import RouterProcess, kv_router_command
 from tests.test_api_support import prompt, stored_event
 
 
@@ -73,37 +68,14 @@ def _https(
         return error.code, error.read()
 
 
-@contextmanager
-def _serving_tls(argv: list[str], port: int, context: ssl.SSLContext) -> Iterator[subprocess.Popen[bytes]]:
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                          cwd=ROOT) as process:  # fmt: skip
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if _https(context, port, "/healthz")[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"no HTTPS service: {process.communicate(timeout=5)[1].decode()[-2000:]}")
-                time.sleep(0.05)
-            yield process
-        finally:
-            if process.poll() is None:
-                process.terminate()
-                process.wait(20)
-
-
 @pytest.mark.parametrize("fast_protocol", [True, False], ids=["protocol", "asgi"])
 def test_https_serves_every_path_and_refuses_untrusting_clients(tmp_path: Path, fast_protocol: bool) -> None:
     cert, key = self_signed(tmp_path)
-    port = free_port()
     trusting = ssl.create_default_context(cafile=str(cert))
-    argv = [*kv_router_command(), "serve", "--port", str(port), "--no-embedded-nats", "--log-level", "warning",
-            "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--api-token", "tls-token",
-            "--fast-protocol" if fast_protocol else "--no-fast-protocol"]  # fmt: skip
-    with _serving_tls(argv, port, trusting):
+    flags = ["--no-embedded-nats", "--log-level", "warning", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+             "--api-token", "tls-token", "--fast-protocol" if fast_protocol else "--no-fast-protocol"]  # fmt: skip
+    with RouterProcess(tmp_path, *flags, ready_path="/healthz", ssl_context=trusting) as service:
+        port = service.port
         auth = {"authorization": "Bearer tls-token"}
         tokens = prompt(7, 64)
         assert _https(trusting, port, "/v1/workers", {"worker_id": 3})[0] == 401

@@ -20,17 +20,17 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
 from api.config import EventPlaneConfig, ServiceConfig, Settings
 from router.config import RouterConfig
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.messages import ActiveLoad
+from tests.metrics import label_names
 from tests.proxy_fleet import MODEL, fleet
 from tests.test_api_event_plane import BLOCK, Workers
 from tests.test_api_support import prompt, stored_event
-from tests.waiting import until
+from tests.waiting import eventually, until
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "kv-router.json"
@@ -104,18 +104,10 @@ def exposition(nats_server: EmbeddedNats) -> Iterator[dict[str, set[str]]]:
             text = client.get("/metrics").text
     finally:
         workers.close()
-    names = _sample_labels(text)
-    for name, labels in _sample_labels(asyncio.run(_proxied_traffic(nats_server.url))).items():
+    names = label_names(text)
+    for name, labels in label_names(asyncio.run(_proxied_traffic(nats_server.url))).items():
         names.setdefault(name, set()).update(labels)
     yield names
-
-
-def _sample_labels(text: str) -> dict[str, set[str]]:
-    names: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            names.setdefault(sample.name, set()).update(sample.labels)
-    return names
 
 
 async def _proxied_traffic(nats_url: str) -> str:
@@ -125,14 +117,17 @@ async def _proxied_traffic(nats_url: str) -> str:
         stream = await proxied.client.completions.create(model=MODEL, prompt=tokens, max_tokens=2, stream=True)
         async for _ in stream:
             pass
-        for _ in range(50):  # the same prompt again, until its blocks' events are in and it is predicted cached
+        metrics = ""
+
+        async def predicted_cached() -> bool:  # the same prompt again, until its blocks' events are in
+            nonlocal metrics
             await proxied.client.completions.create(model=MODEL, prompt=tokens, max_tokens=2)
             async with httpx.AsyncClient() as http:
                 metrics = (await http.get(f"{proxied.url}/metrics")).text
-            if "kv_router_proxy_cache_calibration{" in metrics:
-                return metrics
-            await asyncio.sleep(0.1)
-        raise AssertionError("no request through the proxy was ever predicted cached")
+            return "kv_router_proxy_cache_calibration{" in metrics
+
+        await eventually(predicted_cached, 20, "a request through the proxy is predicted cached", poll=0.1)
+        return metrics
 
 
 def test_every_metric_the_dashboard_and_the_alerts_query_is_exposed(exposition: dict[str, set[str]]) -> None:

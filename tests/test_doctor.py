@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 from collections.abc import Iterator
@@ -240,8 +239,8 @@ async def test_an_engine_that_answers_but_whose_event_socket_never_delivers_name
         doctor = ConfigDoctor(router, engines=[direct], engine_silent_after_s=0.3)
         await eventually(lambda: router.has_worker(5))
         await router.new(RouteRequest(tokens=list(range(16)), request_id="r1"))
-        await asyncio.sleep(0.1)
-        assert [p.kind for p in doctor.check()] == []  # routed only just now
+        await eventually(lambda: direct.up_at is not None, what="the engine's health probe answers")
+        assert [p.kind for p in doctor.check()] == []  # up and routed only just now
         await eventually(lambda: [p.kind for p in doctor.check()] == ["engine_events_silent"])
         (problem,) = doctor.problems
         assert problem.worker_id == 5 and f"tcp://*:{port}" in problem.evidence and http.url in problem.evidence
@@ -249,14 +248,11 @@ async def test_an_engine_that_answers_but_whose_event_socket_never_delivers_name
         # Bound as vLLM binds tcp://*:PORT: the events flow and the problem goes.
         await publisher.start()
 
-        async def delivered() -> bool:
+        async def delivered() -> bool:  # sent again until the subscription has reached the PUB socket
             await publisher.send(msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0]))
-            await asyncio.sleep(0.02)
             return bool(direct.stream.stats["messages"])
 
-        for _ in range(200):
-            if await delivered():
-                break
+        await eventually(delivered, what="the engine's events are delivered", poll=0.05)
         assert doctor.check() == []
     finally:
         await publisher.stop()

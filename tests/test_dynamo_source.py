@@ -165,7 +165,7 @@ def test_dynamos_own_publishers_feed_the_router_as_dynamos_radix_tree_says(
         side.call(listener.close())
         runtime.shutdown()
     finally:
-        time.sleep(0.1)
+        time.sleep(0.1)  # the Rust runtime's shutdown posts onto the side loop and shows no sign of its end
         side.close()
 
 
@@ -242,7 +242,7 @@ def test_a_dynamo_worker_with_two_dp_ranks_is_routed_and_loaded_per_rank_through
         runtime.shutdown()
     finally:
         kept.clear()
-        time.sleep(0.1)
+        time.sleep(0.1)  # the Rust runtime's shutdown posts onto the side loop and shows no sign of its end
         side.close()
 
 

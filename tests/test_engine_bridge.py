@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
-import subprocess
-import sys
 import time
 from array import array
 from collections.abc import Iterator
@@ -36,6 +33,7 @@ from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.engine_fakes import BLOCK, EngineHttp, FakeEngine, SideLoop, canonical, loopback_endpoints
+from tests.router_processes import ToolProcess
 from tests.waiting import until
 
 WORKER = 41
@@ -104,7 +102,7 @@ class Chain:
     def steps(self, count: int, *, drop_every: int = 0) -> None:
         for i in range(count):
             self.side.call(self.engine.step(publish=not drop_every or i % drop_every != drop_every - 1))
-            time.sleep(0.002)
+            time.sleep(0.002)  # an engine's steps come over time (the bridge's stream shows no applied seq to wait on)
 
     def close(self) -> None:
         self.stop_bridge()
@@ -159,7 +157,7 @@ def test_a_gap_without_replay_leaves_the_rank_untrusted_until_the_engine_clears(
     try:
         chain.start_bridge()
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
-        time.sleep(0.2)  # past the slow-joiner window
+        time.sleep(0.2)  # past the slow-joiner window (a PUB socket shows no subscriber to wait on)
         chain.steps(5)
         _converged(router, chain)
         side.call(chain.engine.step(publish=False))
@@ -190,21 +188,18 @@ def test_bridge_settings_come_from_flags_environment_and_file(tmp_path: Path) ->
         load_bridge_config({}, {}, tmp_path / "bad.json")
 
 
-def _kv_router(*args: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "api.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-
-
 @pytest.mark.slow
-def test_mock_engine_to_bridge_to_nats_to_router_as_processes(router: TestClient, nats_server: EmbeddedNats) -> None:
+def test_mock_engine_to_bridge_to_nats_to_router_as_processes(
+    router: TestClient, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
     zmq, replay = loopback_endpoints(replay=True)
     assert replay is not None
-    worker = _kv_router("mock-worker", "--nats-url", nats_server.url, "--worker-id", str(WORKER),
-                        "--zmq-endpoint", zmq, "--replay-endpoint", replay, "--block-size", str(BLOCK),
-                        "--engine-speedup", "100")  # fmt: skip
-    bridge = _kv_router("bridge", "--worker-id", str(WORKER), "--zmq-endpoint", zmq, "--replay-endpoint", replay,
-                        "--block-size", str(BLOCK), "--nats-url", nats_server.url)  # fmt: skip
+    worker = ToolProcess(tmp_path, None, "--nats-url", nats_server.url, "--worker-id", str(WORKER),
+                         "--zmq-endpoint", zmq, "--replay-endpoint", replay, "--block-size", str(BLOCK),
+                         "--engine-speedup", "100")  # fmt: skip
+    bridge = ToolProcess(tmp_path, None, "--worker-id", str(WORKER), "--zmq-endpoint", zmq,
+                         "--replay-endpoint", replay, "--block-size", str(BLOCK), "--nats-url", nats_server.url,
+                         command="bridge")  # fmt: skip
     try:
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200, timeout=30)
         prompt = [random.Random(1).randrange(50_000) for _ in range(12 * BLOCK)]
@@ -242,14 +237,8 @@ def test_mock_engine_to_bridge_to_nats_to_router_as_processes(router: TestClient
         until(prompt_cached, timeout=20)
         assert all(s["trusted"] for s in _streams(router))
     finally:
-        for process in (bridge, worker):
-            process.terminate()
-        for process in (bridge, worker):
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        bridge.stop()
+        worker.stop()
 
 
 def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_and_rebuilds_it_after(
@@ -268,7 +257,7 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 404, timeout=3)
         assert _dump(router) == []
         chain.steps(5)  # published meanwhile, to no router
-        time.sleep(0.5)  # no heartbeat brings it back
+        time.sleep(0.5)  # the behaviour under test: no heartbeat brings it back
         assert router.get(f"/v1/workers/{WORKER}").status_code == 404
 
         http.healthy = True  # the same engine process: what it holds comes back, from its replay buffer

@@ -94,8 +94,10 @@ async def test_gaps_are_repaired_by_replay_in_both_reply_layouts(topic_in_replay
         router, WORKER, replay=True, topic_in_replay=topic_in_replay, array_form=array_form, seed=3
     ) as (engine, direct):
         for i in range(60):
-            await engine.step(publish=i % 7 != 3)  # every 7th batch never reaches the SUB socket
-            await asyncio.sleep(0.005)  # let the router keep up, so each loss is a gap of its own
+            published = i % 7 != 3  # every 7th batch never reaches the SUB socket
+            await engine.step(publish=published)
+            if published:  # the router keeps up, so each loss is a gap of its own
+                await _converged(router, engine, direct)
         await engine.step()
         await _converged(router, engine, direct)
         assert direct.stream.stats["gap"] >= 8 and direct.stream.stats["replayed"] >= 8
@@ -198,7 +200,9 @@ async def test_a_new_process_first_heard_at_the_next_seq_reads_as_the_old_one_go
 async def test_without_replay_a_gap_leaves_the_rank_untrusted_until_it_clears() -> None:
     router = _router()
     async with direct_mode(router, WORKER, replay=False, seed=11) as (engine, direct):
-        await asyncio.sleep(0.2)  # past the slow-joiner window
+        # Past the slow-joiner window (a PUB socket shows no subscriber, and without replay a probe
+        # batch would count): time is the only sign.
+        await asyncio.sleep(0.2)
         for _ in range(5):
             await engine.step()
         await eventually(lambda: direct.stream.stats["applied"] == 5)
@@ -226,7 +230,6 @@ async def test_a_replay_buffer_that_lost_the_gap_leaves_the_rank_untrusted() -> 
 
 def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Path) -> None:
     import random
-    import time
 
     import msgspec
     from fastapi.testclient import TestClient
@@ -262,8 +265,10 @@ def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Pat
                 return canonical(msgspec.json.decode(client.get("/v1/dump").content, type=list[RouterEvent]))
 
             for i in range(30):
-                call(engine.step(publish=i % 5 != 2))
-                time.sleep(0.002)
+                published = i % 5 != 2
+                call(engine.step(publish=published))
+                if published:  # the router keeps up, so each loss is a gap of its own
+                    until(lambda: dump() == engine.dump())
             engine.restart()
             for _ in range(10):
                 call(engine.step())

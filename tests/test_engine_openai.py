@@ -10,7 +10,6 @@ routers are ``kv-router serve`` processes; the OpenAI client is the real one.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import openai
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats, free_port
-from tests.router_processes import ROOT, RouterProcess, kv_router_command
+from tests.router_processes import ROOT, RouterProcess, ToolProcess, kv_router_command
 from tests.waiting import until
 
 MODEL = "tiny-model"
@@ -35,7 +34,7 @@ class EngineProcess:
         self.nats_url = nats_url
         self.worker_id = worker_id
         self.pub, self.replay, self.http = free_port(), free_port(), free_port()
-        self.process: subprocess.Popen[bytes] | None = None
+        self.tool: ToolProcess | None = None
 
     @property
     def zmq_endpoint(self) -> str:
@@ -51,14 +50,12 @@ class EngineProcess:
 
     def start(self) -> EngineProcess:
         # Its own NATS worker id: the routers under test hear this engine over ZMQ only.
-        with (self.log_dir / f"engine-{self.worker_id}-{time.monotonic_ns()}.log").open("wb") as log:
-            self.process = subprocess.Popen(
-                [*kv_router_command(), "mock-worker", "--nats-url", self.nats_url, "--namespace", "engine-side",
-                 "--worker-id", str(900 + self.worker_id), "--zmq-endpoint", f"tcp://*:{self.pub}",
-                 "--replay-endpoint", f"tcp://*:{self.replay}", "--http-port", str(self.http), "--model", MODEL,
-                 "--block-size", "16", "--engine-speedup", "50"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-            )  # fmt: skip
+        self.tool = ToolProcess(
+            self.log_dir, None, "--nats-url", self.nats_url, "--namespace", "engine-side",
+            "--worker-id", str(900 + self.worker_id), "--zmq-endpoint", f"tcp://*:{self.pub}",
+            "--replay-endpoint", f"tcp://*:{self.replay}", "--http-port", str(self.http), "--model", MODEL,
+            "--block-size", "16", "--engine-speedup", "50",
+        )  # fmt: skip
         until(self.healthy, timeout=60)
         return self
 
@@ -72,18 +69,12 @@ class EngineProcess:
             return False
 
     def kill9(self) -> None:
-        assert self.process is not None
-        os.kill(self.process.pid, signal.SIGKILL)
-        self.process.wait(10)
+        assert self.tool is not None
+        self.tool.kill9()
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        if self.tool is not None:
+            self.tool.stop()
 
 
 def _blocks_of(router: RouterProcess, worker_id: int) -> int:
@@ -151,30 +142,13 @@ def test_direct_mode_registers_the_engine_url_and_follows_its_health(tmp_path: P
             engine.stop()
 
 
-class BridgeProcess:
+def bridge_process(log_dir: Path, engine: EngineProcess, nats_url: str, *args: str) -> ToolProcess:
     """``kv-router bridge`` beside one engine."""
-
-    def __init__(self, log_dir: Path, engine: EngineProcess, nats_url: str, *args: str) -> None:
-        self.log_path = log_dir / f"bridge-{engine.worker_id}-{time.monotonic_ns()}.log"
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [*kv_router_command(), "bridge", "--worker-id", str(engine.worker_id),
-                 "--zmq-endpoint", engine.zmq_endpoint, "--replay-endpoint", engine.replay_endpoint,
-                 "--block-size", "16", "--nats-url", nats_url, "--heartbeat-interval-secs", "0.3", *args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-            )  # fmt: skip
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+    return ToolProcess(
+        log_dir, None, "--worker-id", str(engine.worker_id), "--zmq-endpoint", engine.zmq_endpoint,
+        "--replay-endpoint", engine.replay_endpoint, "--block-size", "16", "--nats-url", nats_url,
+        "--heartbeat-interval-secs", "0.3", *args, command="bridge",
+    )  # fmt: skip
 
 
 def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_engine_is_down(
@@ -183,7 +157,7 @@ def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_
     with EmbeddedNats() as nats:
         engine = EngineProcess(tmp_path, nats.url, 1).start()
         router = RouterProcess(tmp_path, "--no-embedded-nats", "--nats-url", nats.url, "--proxy")
-        bridge = BridgeProcess(tmp_path, engine, nats.url, "--openai-url", engine.url + "/v1/",
+        bridge = bridge_process(tmp_path, engine, nats.url, "--openai-url", engine.url + "/v1/",
                                "--engine-health-interval-secs", "0.5")  # fmt: skip
         try:
             router.start()
@@ -200,7 +174,7 @@ def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_
             until(lambda: _worker(router, 1) is None, timeout=10)
             assert time.monotonic() - killed < 3.0
             assert _blocks_of(router, 1) == 0
-            time.sleep(1.0)  # no heartbeat brings it back while its engine is down
+            time.sleep(1.0)  # the behaviour under test: no heartbeat brings it back while its engine is down
             assert _worker(router, 1) is None
 
             engine.start()
@@ -220,14 +194,14 @@ def test_an_http_registration_keeps_its_url_and_models_through_the_bridge_heartb
     with EmbeddedNats() as nats:
         engine = EngineProcess(tmp_path, nats.url, 2).start()
         router = RouterProcess(tmp_path, "--no-embedded-nats", "--nats-url", nats.url, "--proxy")
-        bridge = BridgeProcess(tmp_path, engine, nats.url)  # no --openai-url: the URL comes over HTTP
+        bridge = bridge_process(tmp_path, engine, nats.url)  # no --openai-url: the URL comes over HTTP
         try:
             router.start()
             until(lambda: _worker(router, 2) is not None, timeout=30)
             status, _ = router.post("/v1/workers", {"worker_id": 2, "url": engine.url + "/v1", "models": [MODEL],
                                                     "total_kv_blocks": 512})  # fmt: skip
             assert status == 200
-            time.sleep(1.5)  # five heartbeats of the bridge, each carrying its registration
+            time.sleep(1.5)  # the behaviour under test: five heartbeats of the bridge, each with its registration
             worker = _worker(router, 2)
             assert worker is not None
             config = worker["config"]

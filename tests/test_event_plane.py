@@ -127,7 +127,7 @@ async def test_static_registration_through_the_registry_and_bad_input(client: Cl
     await client.publish("kv.default.events.99", b'{"worker_id":99,"event":{"event_id":1,"data":"cleared"}}')
     await eventually(lambda: plane.outcomes["rejected_bad_load"] == 2 and plane.outcomes["rejected_bad_heartbeat"] == 2)
     await eventually(lambda: plane.sequencer.outcomes["rejected_unknown_worker"] == 1)
-    await asyncio.sleep(0.8)  # static workers have no lease
+    await asyncio.sleep(0.8)  # the behaviour under test: past the 0.5 s lease (static workers have none)
     assert [w.worker_id for w in plane.router.workers()] == [51]
     mismatched = KvEventPublisher(client, WorkerConfig(worker_id=52, block_size=64))
     await mismatched.start(heartbeat=False)
@@ -166,7 +166,7 @@ async def test_nats_restart_keeps_registry_watch_heartbeats_and_events(nats_serv
     await second.stored(prompt_blocks(PROMPT[: 2 * BLOCK]))
     await eventually(lambda: cached(plane.router, PROMPT).get((62, 0)) == 2)
     # ... and heartbeats still keep workers alive past the lease.
-    await asyncio.sleep(3.5)
+    await asyncio.sleep(3.5)  # the behaviour under test: past the 3 s lease
     assert plane.router.has_worker(61) and plane.router.has_worker(62)
     for publisher in (first, second):
         await publisher.stop()

@@ -28,6 +28,7 @@ from router.event_plane.publisher import KvEventPublisher
 from router.event_plane.subjects import Subjects
 from router.types import WorkerConfig
 from tests.router_processes import RouterProcess
+from tests.waiting import eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -88,17 +89,23 @@ class Workload:
     async def run(self, steps: int, pause_s: float = 0.002) -> None:
         for _ in range(steps):
             await self.step()
-            await asyncio.sleep(pause_s)
+            await asyncio.sleep(pause_s)  # a flow over time, as from engines, not one burst
 
 
 async def converged(routers: list[RouterProcess], workload: Workload, timeout: float = 20.0) -> None:
     expected = truth(workload.publishers)
-    deadline = asyncio.get_running_loop().time() + timeout
     for router in routers:
-        while (got := await asyncio.to_thread(dump_of, router)) != expected:
-            if asyncio.get_running_loop().time() > deadline:
-                raise AssertionError(f"port {router.port}: {len(got ^ expected)} blocks differ from the workers'")
-            await asyncio.sleep(0.1)
+        got: set[tuple[Any, ...]] = set()
+
+        def same(router: RouterProcess = router) -> bool:
+            nonlocal got
+            got = dump_of(router)
+            return got == expected
+
+        try:
+            await eventually(same, timeout, f"port {router.port}: the workers' index", in_thread=True, poll=0.1)
+        except AssertionError as error:
+            raise AssertionError(f"{error}: {len(got ^ expected)} blocks differ") from None
 
 
 async def register(router: RouterProcess) -> None:
@@ -139,7 +146,7 @@ async def test_a_router_killed_while_events_flow_comes_back_with_the_same_index(
         workload = Workload(nc)
         await workload.run(150)
         flowing = asyncio.create_task(workload.run(150))
-        await asyncio.sleep(0.2)
+        await eventually(lambda: workload.sent >= 150 + 40, what="events flowing")
         crashing.kill9()  # mid-flow, between snapshots
         await flowing
         await workload.run(30)  # while it is down

@@ -105,7 +105,7 @@ async def publish(nc: Client, events: list[RouterEvent]) -> None:
     subjects = Subjects()
     for event in events:
         await nc.publish(subjects.events(event.worker_id), encode_router_events(event, msgpack=True))
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.001)  # the behaviour under test: events keep arriving while the dump is written
     await nc.flush()
 
 
@@ -151,8 +151,7 @@ async def test_a_large_snapshot_is_written_in_slices_while_decisions_answer_and_
         background = [asyncio.create_task(ticker()), asyncio.create_task(decide())]
         flowing = asyncio.create_task(publish(nc, later))
         try:
-            while decisions < 3:  # ticking and deciding before the write starts
-                await asyncio.sleep(0.001)
+            await eventually(lambda: decisions >= 3, what="ticking and deciding before the write starts")
             assert await live.write_snapshot()
         finally:
             writing = False

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -31,6 +29,7 @@ from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.embedded_server import EmbeddedNats
 from router.policies import Selection, SelectionContext
+from tests.test_mocker_online import TIME_SCALE, start_worker
 
 ENGINE = EngineConfig(num_gpu_blocks=512)
 SETUP = ReplaySetup(engine=ENGINE, workers=4)
@@ -253,22 +252,6 @@ def test_replay_capacity_takes_a_given_slo_and_refuses_half_of_one(
 
 
 # ---------------------------------------------------------------------- online
-TIME_SCALE = 8.0
-
-
-def start_worker(nats_url: str, worker_id: int) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-m", "api.cli", "mock-worker",  # `kv-router mock-worker`
-        "--nats-url", nats_url,
-        "--worker-id", str(worker_id),
-        "--num-gpu-blocks", str(ENGINE.num_gpu_blocks),
-        "--engine-speedup", str(TIME_SCALE),
-        "--heartbeat-interval", "0.5",
-        "--log-level", "warning",
-    ]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
-
-
 @pytest.mark.anyio
 async def test_online_capacity_runs_each_point_on_a_fresh_fleet_and_agrees_with_the_simulation(tmp_path: Path) -> None:
     trace_path = write_trace(tmp_path / "trace.jsonl")
@@ -276,7 +259,7 @@ async def test_online_capacity_runs_each_point_on_a_fresh_fleet_and_agrees_with_
     workers = 2
     with EmbeddedNats() as nats:
         async with serve_router(nats.url, RouterConfig(block_size=ENGINE.block_size)) as url:
-            processes = [start_worker(nats.url, 300 + i) for i in range(workers)]
+            processes = [start_worker(tmp_path, nats.url, 300 + i) for i in range(workers)]
             try:
                 argv = [
                     "replay", str(trace_path), "--online", "--capacity", "--url", url, "--nats-url", nats.url,
@@ -288,9 +271,7 @@ async def test_online_capacity_runs_each_point_on_a_fresh_fleet_and_agrees_with_
                 assert await asyncio.to_thread(kv_router_main, argv) == 0
             finally:
                 for process in processes:
-                    process.terminate()
-                for process in processes:
-                    assert process.wait(timeout=10) == 0
+                    assert process.stop() == 0  # a clean exit on SIGTERM
     report = msgspec.json.decode((out / "capacity.json").read_bytes())
     assert report["settings"]["mode"] == "online" and report["search"]["goodput_multipliers"] == [1.0]
     (online,) = report["results"]

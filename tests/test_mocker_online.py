@@ -3,9 +3,8 @@ its engine-side hit rate matches the offline simulation of the same trace."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +22,7 @@ from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
+from tests.router_processes import ToolProcess
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -44,25 +44,20 @@ async def router_url(nats_server: EmbeddedNats) -> AsyncIterator[str]:
         yield url
 
 
-def start_worker(nats_url: str, worker_id: int) -> subprocess.Popen[bytes]:
-    command = [
-        sys.executable, "-m", "api.cli", "mock-worker",  # `kv-router mock-worker`
-        "--nats-url", nats_url,
-        "--worker-id", str(worker_id),
-        "--num-gpu-blocks", str(ENGINE.num_gpu_blocks),
-        "--engine-speedup", str(TIME_SCALE),
-        "--heartbeat-interval", "0.5",
-        "--log-level", "warning",
-    ]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL)
+def start_worker(log_dir: Path, nats_url: str, worker_id: int) -> ToolProcess:
+    return ToolProcess(
+        log_dir, None, "--nats-url", nats_url, "--worker-id", str(worker_id),
+        "--num-gpu-blocks", str(ENGINE.num_gpu_blocks), "--engine-speedup", str(TIME_SCALE),
+        "--heartbeat-interval", "0.5", "--log-level", "warning",
+    )  # fmt: skip
 
 
 async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predicts(
-    nats_server: EmbeddedNats, router_url: str
+    nats_server: EmbeddedNats, router_url: str, tmp_path: Path
 ) -> None:
     rows = shared_prefix_rows(requests=120, groups=12, rate_per_s=8.0, seed=3)
     trace = build_trace(rows, TraceOptions(seed=3), "generated")
-    workers = [start_worker(nats_server.url, 100 + i) for i in range(WORKERS)]
+    workers = [start_worker(tmp_path, nats_server.url, 100 + i) for i in range(WORKERS)]
     try:
         online = await replay_online_report(
             trace,
@@ -93,9 +88,7 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
             await eventually(lambda: dump_is_empty(http), 5, "the index is emptied")
     finally:
         for process in workers:
-            process.terminate()
-        for process in workers:
-            assert process.wait(timeout=10) == 0
+            assert process.stop() == 0  # a clean exit on SIGTERM
     (offline,) = await replay_offline(
         trace, ReplaySetup(engine=ENGINE, workers=WORKERS, routers=("dynamo",)), show_progress=False
     )

@@ -24,9 +24,8 @@ from nats.errors import Error as NatsError
 from router.event_plane.connection import NatsOptions, connect, is_authorization_error
 from router.event_plane.embedded_server import find_nats_server, free_port
 from tests.nats_jwt import NatsOperator
-from tests.router_processes import ROOT, RouterProcess, kv_router_command
+from tests.router_processes import ROOT, RouterProcess, ToolProcess, kv_router_command
 from tests.test_ha_durable import canonical
-from tests.test_nats_security import ToolProcess
 from tests.waiting import until
 
 pytestmark = pytest.mark.slow

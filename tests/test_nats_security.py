@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import stat
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +34,7 @@ from router.event_plane.connection_file import (
     write_connection_file,
 )
 from router.event_plane.embedded_server import EmbeddedNats, free_port
-from tests.router_processes import ROOT, RouterProcess, kv_router_command
+from tests.router_processes import RouterProcess, ToolProcess
 from tests.waiting import until
 
 pytestmark = pytest.mark.slow
@@ -152,34 +150,6 @@ def test_local_tools_find_the_server_a_url_means(tmp_path: Path, monkeypatch: py
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     monkeypatch.setenv("HOME", "/")
     assert connection_file_path(4222) is None and find_local_server(None) is None
-
-
-class ToolProcess:
-    """A local tool's process (``kv-router mock-worker`` unless told), its output in a file."""
-
-    def __init__(self, log_dir: Path, env: dict[str, str], *flags: str, command: str = "mock-worker") -> None:
-        self.log_path = log_dir / f"{command}-{time.monotonic_ns()}.log"
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [*kv_router_command(), command, *flags],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=ROOT,
-            )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
 
 
 def _command_lines() -> Iterator[tuple[int, bytes]]:

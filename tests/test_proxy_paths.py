@@ -91,7 +91,7 @@ def slow_first_token_worker() -> contextlib.AbstractAsyncContextManager[str]:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(SSE_HEAD)
         await writer.drain()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the behaviour under test: a slow prefill before the first event
         writer.write(sse_chunk(" w1") + sse_chunk(" w2") + b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
         await writer.drain()
         writer.close()

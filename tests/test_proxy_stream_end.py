@@ -62,13 +62,16 @@ async def outcomes(url: str) -> tuple[str, dict[str, float | None]]:
 
 
 async def settled(url: str) -> dict[str, float | None]:
-    """The outcomes once the request has been counted (bounded: 10 s)."""
-    for _ in range(500):
+    """The outcomes once the request has been counted."""
+    found: dict[str, float | None] = {}
+
+    async def counted() -> bool:
+        nonlocal found
         _, found = await outcomes(url)
-        if found["ok"] or found["client_disconnected"]:
-            return found
-        await asyncio.sleep(0.02)
-    raise AssertionError("the request was never counted")
+        return bool(found["ok"] or found["client_disconnected"])
+
+    await eventually(counted, what="the request is counted")
+    return found
 
 
 @pytest.mark.parametrize("fast_protocol", [True, False])

@@ -71,7 +71,7 @@ async def peer() -> AsyncIterator[Peer]:
                 for piece in script:
                     writer.write(piece)
                     await writer.drain()
-                    await asyncio.sleep(0.002)
+                    await asyncio.sleep(0.002)  # the behaviour under test: each piece arrives on its own
                 state.answered += 1
         finally:
             writer.close()
@@ -293,7 +293,7 @@ async def test_the_pool_bound_makes_a_request_wait_for_a_released_connection() -
         ]
         first = await upstream.open(worker.url, b"/x", b"{}")
         second = asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}"))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a negative: time in which an unbounded pool would have sent it
         assert not second.done() and len(worker.requests) == 1
         assert await first.read() == b"a"
         first.release()

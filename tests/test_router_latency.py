@@ -302,7 +302,8 @@ def test_routing_waits_for_the_minimum_workers_then_never_again() -> None:
         router = KvRouter(RouterConfig(block_size=BS, router_min_initial_workers=2))
         router.register_worker(WorkerConfig(worker_id=X))
         waiting = asyncio.ensure_future(router.new(RouteRequest(tokens=QUERY, request_id="early")))
-        await asyncio.sleep(0.01)
+        for _ in range(5):  # turns of the loop in which it could wrongly finish
+            await asyncio.sleep(0)
         assert not waiting.done()
         router.register_worker(WorkerConfig(worker_id=Y))
         decision = await asyncio.wait_for(waiting, 1.0)

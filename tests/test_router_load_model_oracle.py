@@ -28,6 +28,7 @@ import pytest
 from router import KvRouter, RouterConfig, RouteRequest, WorkerConfig
 from router.types import RouterConfigOverride
 from tests.dynamo_fleet import DynamoFleet, prompt_stored_event
+from tests.waiting import eventually
 
 os.environ.setdefault("DYN_LOG", "off")
 pytest.importorskip("dynamo._core")
@@ -123,15 +124,17 @@ class Fleet:
         ours = [msgspec.structs.asdict(load) for load in self.ours.potential_loads(query)]
         expected = [{key: row[key] for key in row if key != "worker_id"} for row in ours]
         theirs: list[dict[str, int]] = []
-        for _ in range(200):
-            theirs = [
-                {key: row[key] for key in row if key != "worker_id"}
-                for row in await self.dynamo.router.get_potential_loads(query)
-            ]
-            if theirs == expected:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"{what}: Dynamo reports {theirs}, we report {expected}")
+
+        async def alike() -> bool:
+            nonlocal theirs
+            loads = await self.dynamo.router.get_potential_loads(query)
+            theirs = [{key: row[key] for key in row if key != "worker_id"} for row in loads]
+            return theirs == expected
+
+        try:
+            await eventually(alike, 5, what)
+        except AssertionError as error:
+            raise AssertionError(f"{error}: Dynamo reports {theirs}, we report {expected}") from None
 
 
 PROMPT = list(range(1000, 1040))  # 40 tokens: 2 full blocks and a partial one

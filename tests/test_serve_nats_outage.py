@@ -4,19 +4,15 @@ a busy embedded-NATS port, and signals while waiting. Every process is stopped b
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import IO
+from pathlib import Path
 
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats, free_port
-from tests.router_processes import kv_router_command
+from tests.router_processes import RouterProcess, kv_router_command
 from tests.test_api_event_plane import Workers
 from tests.test_api_server import ROOT, _get
 from tests.waiting import until
@@ -24,50 +20,17 @@ from tests.waiting import until
 BLOCK = 16
 
 
-class Served:
-    """A running ``kv-router serve``; ``log`` is its stderr, read once it has ended."""
-
-    def __init__(self, process: subprocess.Popen[bytes], port: int, stderr: IO[bytes]) -> None:
-        self.process = process
-        self.port = port
-        self.log = ""
-        self._stderr = stderr
-
-    def log_so_far(self) -> str:
-        """Its stderr while it runs (read at an offset: the process's own writes are not disturbed)."""
-        return os.pread(self._stderr.fileno(), 1 << 24, 0).decode(errors="replace")
+def serve(log_dir: Path, *flags: str) -> RouterProcess:
+    """``kv-router serve``, waited for on /healthz: HTTP answers whether NATS is there or not."""
+    return RouterProcess(log_dir, "--block-size", str(BLOCK), *flags, ready_path="/healthz")
 
 
-@contextmanager
-def serve(*flags: str) -> Iterator[Served]:
-    port = free_port()
-    argv = [*kv_router_command(), "serve", "--port", str(port), "--block-size", str(BLOCK), *flags]
-    with tempfile.TemporaryFile() as stderr:
-        process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
-        served = Served(process, port, stderr)
-        try:
-            yield served
-        finally:
-            if process.poll() is None:
-                process.kill()
-            process.wait(10)
-            stderr.seek(0)
-            served.log = stderr.read().decode()
-
-
-def answering(port: int) -> bool:
-    try:
-        return _get(port, "/healthz")[0] == 200
-    except OSError:
-        return False
-
-
-def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_nats_arrives() -> None:
+def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_nats_arrives(tmp_path: Path) -> None:
     nats_port = free_port()
     url = f"nats://127.0.0.1:{nats_port}"
-    with serve("--nats-url", url) as served:
+    with serve(tmp_path, "--nats-url", url) as served:  # HTTP is up although NATS is not
         process, port = served.process, served.port
-        until(lambda: answering(port), timeout=30)  # HTTP is up although NATS is not
+        assert process is not None
         status, body = _get(port, "/readyz")
         readiness = json.loads(body)
         assert status == 503 and readiness["ready"] is False
@@ -78,7 +41,7 @@ def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_
         metrics = _get(port, "/metrics")[1].decode()
         assert 'kv_router_event_plane_state{state="connecting"} 1.0' in metrics
         # A few retries (four attempts take 3.5 s of back-off), however slowly a loaded machine runs them.
-        until(lambda: served.log_so_far().count("unreachable") >= 4, timeout=30)
+        until(lambda: served.log().count("unreachable") >= 4, timeout=30)
         with EmbeddedNats(port=nats_port) as nats:
             until(lambda: _get(port, "/readyz")[0] == 200, timeout=15)
             assert json.loads(_get(port, "/v1/info")[1])["nats_url"] == url
@@ -95,7 +58,7 @@ def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_
             pool.close()
             process.send_signal(signal.SIGTERM)
             process.wait(10)
-    log = served.log
+    log = served.log()
     retries = [line for line in log.splitlines() if "unreachable" in line]
     assert len(retries) >= 4, log
     assert "Traceback" not in log
@@ -105,27 +68,27 @@ def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_while_waiting_for_nats_ends_the_process(sig: signal.Signals) -> None:
-    with serve("--nats-url", f"nats://127.0.0.1:{free_port()}") as served:
+def test_a_signal_while_waiting_for_nats_ends_the_process(sig: signal.Signals, tmp_path: Path) -> None:
+    with serve(tmp_path, "--nats-url", f"nats://127.0.0.1:{free_port()}") as served:
         process, port = served.process, served.port
-        until(lambda: answering(port), timeout=30)
+        assert process is not None
         until(lambda: _get(port, "/readyz")[0] == 503)
         process.send_signal(sig)
         assert process.wait(10) in (0, -sig)  # within 10 s, or wait() raises
-    assert "Traceback" not in served.log
+    assert "Traceback" not in served.log()
 
 
-def test_a_busy_embedded_port_is_named_with_the_port_chosen_and_info_returns_the_url() -> None:
-    with EmbeddedNats() as squatter, serve("--embedded-nats-port", str(squatter.port)) as served:
+def test_a_busy_embedded_port_is_named_with_the_port_chosen_and_info_returns_the_url(tmp_path: Path) -> None:
+    with EmbeddedNats() as squatter, serve(tmp_path, "--embedded-nats-port", str(squatter.port)) as served:
         process, port = served.process, served.port
-        until(lambda: answering(port), timeout=30)
+        assert process is not None
         until(lambda: _get(port, "/readyz")[0] == 200, timeout=15)
         info = json.loads(_get(port, "/v1/info")[1])
         chosen = info["nats_url"]
         assert chosen.startswith("nats://127.0.0.1:") and chosen != squatter.url
         process.send_signal(signal.SIGTERM)
         process.wait(10)
-    log = served.log
+    log = served.log()
     [warning] = [line for line in log.splitlines() if "is taken" in line]
     assert "WARNING" in warning and f"port {squatter.port}" in warning
     assert f"port {chosen.rsplit(':', 1)[1]}" in warning

@@ -9,7 +9,6 @@ small queue counts what its reader took, dropped and refused.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import msgspec
@@ -23,7 +22,7 @@ from router.engines.direct import SequencerSink
 from router.engines.zmq_stream import ZmqEngineStream
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
-from tests.waiting import eventually
+from tests.waiting import eventually, until
 
 BIG = bytes(range(256)) * 800  # 200 kB: a message libzmq keeps on the heap, not inline
 SCRIPT: list[list[bytes]] = [
@@ -53,13 +52,12 @@ def sockets() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
     subscriber.setsockopt(zmq.RCVHWM, 0)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"kv")
     subscriber.connect("inproc://engine")
-    # The subscription reaches the PUB socket as it sends: probe until the subscriber hears one.
-    deadline = time.monotonic() + 5
-    heard = False
-    while not heard and time.monotonic() < deadline:
+
+    def heard() -> bool:  # the subscription reaches the PUB socket as it sends: probe until one is heard
         publisher.send_multipart([b"kv-probe"])
-        heard = bool(subscriber.poll(10))
-    assert heard, "the subscription never reached the PUB socket"
+        return bool(subscriber.poll(10))
+
+    until(heard, 5, "the subscription reaches the PUB socket")
     while subscriber.poll(0):
         subscriber.recv_multipart()
     try:

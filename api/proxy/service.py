@@ -54,12 +54,13 @@ from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
 from api.proxy.admission import Admission
 from api.proxy.client_headers import ClientHeaders, WithHeaders
+from api.proxy.handoff import Forward, Handoff, PrefillFailed
 from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.retry import RetryPolicy, retry_after_secs
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
-from api.proxy.tracing import ProxyTracing
+from api.proxy.tracing import ProxyTracing, Timeline
 from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
 from api.proxy.wire import (
     ChatBody,
@@ -73,6 +74,7 @@ from api.proxy.wire import (
     TokenIdsBody,
     Usage,
     error_body,
+    finished_stream,
     prompt_token_ids,
     reported_usage,
 )
@@ -155,6 +157,7 @@ class Proxy:
         self.tracing = ProxyTracing(config) if config.proxy_otlp_endpoint else None
         self.client_headers = ClientHeaders(config, Cors(service), self.tracing)
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: len(self.admission.queue))
+        self.handoff = Handoff(router, self.upstream, registry)
         self.tokenizer = PromptTokenizer(load_model_files(config.tokenizer_paths()), self.upstream)
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
@@ -387,53 +390,84 @@ class Proxy:
         path = _PATHS[route]
         try:
             async with self.admission.slot(routing.request, len(packed) // 4):
-                candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
-                among = set(candidates)
-                failures: list[str] = []
-                started = time.monotonic()
-                retry = 0
-                while True:
-                    try:
-                        if timeline is not None:
-                            timeline.deciding = time.time_ns()
-                        decision = await self._book(routing.request, among, routing.pinned)
-                        if timeline is not None:
-                            timeline.decided = time.time_ns()
-                    except _Refused as refused:
-                        if not failures or refused.outcome != "no_worker":
-                            raise
-                        break  # the workers that failed are out of routing now: nobody left to try
-                    worker = by_id[decision.worker_id]
-                    try:
-                        outcome = await self._forward(worker, decision, path, body, headers, stream, reply, received)
-                        if outcome != "upstream_error":  # a stream broken mid-way told the breaker itself
-                            self.worker_answered(worker.worker_id)
-                        return outcome
-                    except _WorkerFailed as exc:
-                        failed = exc
-                    finally:
-                        self.router.mark_free(request_id)
-                    failures.append(f"worker {worker.worker_id}: {failed}")
-                    overloaded = failed.answer is not None and failed.answer[0] == 429
-                    if not overloaded:  # a 429 is the engine pacing us, not a failure of the worker
-                        self.worker_failed(worker.worker_id, str(failed))
-                    # The next best worker, else (all tried, or pinned) the same ones again after the backoff.
-                    among.discard(worker.worker_id)
-                    if not among:
-                        among = set(candidates)
-                    retry += 1
-                    delay = self.retry.delay(retry, failed.retry_after, started, time.monotonic())
-                    if delay is None:
-                        break
-                    self.metrics.retried("overloaded" if failed.answer is not None else "upstream_error")
-                    await asyncio.sleep(delay)
-                if failed.answer is not None:  # the engine's own 429 / 503 and its Retry-After, as it sent them
-                    status, answer_headers, content = failed.answer
-                    await reply.whole(status, answer_headers, content)
-                    return "upstream_status"
-                raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
+                return await self._attempts(routing, by_id, path, body, headers, stream, reply, received, request_id)
         except QueueRejected as exc:  # no slot under the concurrency cap (api.proxy.admission)
             raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
+
+    async def _attempts(
+        self,
+        routing: RoutingCall,
+        by_id: dict[int, WorkerConfig],
+        path: bytes,
+        body: bytes,
+        headers: bytes,
+        stream: bool,
+        reply: WithHeaders,
+        received: float,
+        request_id: str,
+    ) -> str:
+        """Book and forward, again after a failure before the client had a byte (`api.proxy.retry`):
+        on the next best worker, else (all tried, or pinned) the same ones after the backoff."""
+        timeline = reply.timeline
+        candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
+        among = set(candidates)
+        failures: list[str] = []
+        started = time.monotonic()
+        retry = 0
+        while True:
+            try:
+                if timeline is not None:
+                    timeline.deciding = time.time_ns()
+                decision = await self._book(routing.request, among, routing.pinned, routing.pinned_prefill)
+                if timeline is not None:
+                    timeline.decided = time.time_ns()
+            except _Refused as refused:
+                if not failures or refused.outcome != "no_worker":
+                    raise
+                break  # the workers that failed are out of routing now: nobody left to try
+            worker = by_id[decision.worker_id]
+            try:
+                legs = self.handoff.legs(decision, by_id)
+                if legs is None:
+                    outcome = await self._forward(
+                        worker, decision, path, body, headers, stream, reply, received, timeline
+                    )
+                else:
+                    # Two legs (`api.proxy.handoff`): both carry one request id, as vLLM's P/D proxy sends
+                    # it (the client's, passed on in ``headers``, unless its header has another name).
+                    both = headers
+                    if self.client_headers.name != b"x-request-id":
+                        both += b"x-request-id: " + request_id.encode() + b"\r\n"
+                    forward = self._decode_leg(worker, decision, path, both, stream, received)
+                    outcome = await self.handoff.run(legs, path, body, both, reply, forward)
+                if outcome != "upstream_error":  # a stream broken mid-way told the breaker itself
+                    self.worker_answered(worker.worker_id)
+                return outcome
+            except PrefillFailed as exc:  # the request goes again without that prefill worker
+                failed_id, problem, failed = exc.worker_id, str(exc), _WorkerFailed(str(exc))
+            except _WorkerFailed as exc:  # its booking, and any prefill leg's, freed below
+                failed_id, problem, failed = worker.worker_id, f"worker {worker.worker_id}: {exc}", exc
+            finally:
+                self.router.mark_free(request_id)
+            failures.append(problem)
+            if failed.answer is None or failed.answer[0] != 429:  # a 429 is the engine pacing us, no failure
+                self.worker_failed(failed_id, problem)
+            among.discard(failed_id)
+            # A request needs a worker that decodes (on an aggregated fleet, any of them); none left to
+            # try, or pinned: the same ones again.
+            if not any(by_id[left].serves("decode") for left in among):
+                among = set(candidates)
+            retry += 1
+            delay = self.retry.delay(retry, failed.retry_after, started, time.monotonic())
+            if delay is None:
+                break
+            self.metrics.retried("overloaded" if failed.answer is not None else "upstream_error")
+            await asyncio.sleep(delay)
+        if failed.answer is not None:  # the engine's own 429 / 503 and its Retry-After, as it sent them
+            status, answer_headers, content = failed.answer
+            await reply.whole(status, answer_headers, content)
+            return "upstream_status"
+        raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
     async def _instance_query(
         self,
@@ -479,8 +513,9 @@ class Proxy:
         body: bytes,
         headers: bytes,
         stream: bool,
-        reply: WithHeaders,
+        reply: StreamCall,
         received: float,
+        timeline: Timeline | None = None,
     ) -> str:
         """One attempt on one worker; raises `_WorkerFailed` while the client has received nothing.
         ``received``: when the request's body was in (perf_counter), for the proxy's added latency."""
@@ -488,18 +523,22 @@ class Proxy:
         assert request_id is not None and worker.url is not None
         if worker.dp_size > 1:
             headers += b"x-data-parallel-rank: " + str(decision.dp_rank).encode() + b"\r\n"
-        ours = [
+        ours: Headers = [
             (b"x-kv-router-worker", str(decision.worker_id).encode()),
             (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
             (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
         ]
+        disaggregation = decision.disaggregation
+        if disaggregation is not None:  # the path taken, and the prefill worker of a remote prefill
+            ours.append((b"x-kv-router-disaggregation", disaggregation.path.encode()))
+            if disaggregation.prefill is not None:
+                ours.append((b"x-kv-router-prefill-worker", str(disaggregation.prefill.worker_id).encode()))
         begin = on_events = None
         if stream:
             if self._track_output:
                 on_events = _OutputProgress(self.router.record_output, request_id, self.router.config.block_size)
             begin = self._beginning(reply, request_id, ours)
         sending = time.perf_counter()
-        timeline = reply.timeline
         if timeline is not None:
             timeline.sent = time.time_ns()
         try:
@@ -536,6 +575,16 @@ class Proxy:
         finally:
             exchange.release()  # back to the pool if read to its end; else closed, so the engine stops
 
+    def _decode_leg(
+        self, worker: WorkerConfig, decision: RouteDecision, path: bytes, headers: bytes, stream: bool, received: float
+    ) -> Forward:
+        """The decode leg of a two-leg request: `_forward` of the body the hand-off gives."""
+
+        async def forward(body: bytes, reply: StreamCall) -> str:
+            return await self._forward(worker, decision, path, body, headers, stream, reply, received)
+
+        return forward
+
     def _beginning(self, reply: StreamCall, request_id: str, headers: Headers) -> Begin:
         """What starts a stream handed on from the worker connection's read callback (`Begin`): the
         booking's prefill is done, the client's head goes out with the first events."""
@@ -557,7 +606,7 @@ class Proxy:
             problem: str | None = str(exc)
         except asyncio.CancelledError:
             # Written in the read callback: what the tail holds has gone to the client.
-            if not _finished_stream(exchange.tail):
+            if not finished_stream(exchange.tail):
                 raise
             _client_left_at_the_end()
             problem = None
@@ -575,7 +624,7 @@ class Proxy:
         if problem is None:
             ending = exchange.tail
             # An OpenAI stream ends with [DONE]; a worker killed mid-stream may just close the connection.
-            if _finished_stream(ending):
+            if finished_stream(ending):
                 self._calibrate(decision, _usage_in_stream(ending))
             else:
                 problem = "the stream ended before data: [DONE]"
@@ -640,20 +689,6 @@ async def _overloaded(exchange: Exchange, decision: RouteDecision) -> _WorkerFai
     if exchange.retry_after is not None:
         headers.append((b"retry-after", exchange.retry_after))
     return _WorkerFailed(f"HTTP {status}", (status, headers, content), retry_after_secs(exchange.retry_after))
-
-
-# The Responses API's last events (it sends no [DONE]).
-_RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
-
-
-def _finished_stream(events: bytes) -> bool:
-    """Whether ``events`` end an OpenAI stream: its last event ``data: [DONE]``, or the Responses
-    API's ``response.completed`` (``incomplete``, ``failed``)."""
-    tail = events.rstrip()
-    if tail.endswith(b"data: [DONE]"):
-        return True
-    boundary = tail.rfind(b"\n\n")
-    return tail[boundary + 2 if boundary >= 0 else 0 :].lstrip().startswith(_RESPONSE_ENDS)
 
 
 def _client_left_at_the_end() -> None:

@@ -151,13 +151,17 @@ class _Pool:
         connection = await self._acquire()
         reused = connection.used
         try:
-            await connection.send(request, begin, on_events)
-        except _ClosedBeforeAnswer:
-            if not reused:
-                raise UpstreamError("the worker closed the connection before answering") from None
-            # The worker closed an idle connection as this request went out: once more, afresh.
-            connection = await self._acquire(fresh=True)
-            await connection.send(request, begin, on_events)
+            try:
+                await connection.send(request, begin, on_events)
+            except _ClosedBeforeAnswer:
+                if not reused:
+                    raise UpstreamError("the worker closed the connection before answering") from None
+                # The worker closed an idle connection as this request went out: once more, afresh.
+                connection = await self._acquire(fresh=True)
+                await connection.send(request, begin, on_events)
+        except asyncio.CancelledError:
+            connection.close()  # cancelled before the answer's head: the engine must stop the request too
+            raise
         return connection
 
     async def _acquire(self, fresh: bool = False) -> Exchange:

@@ -36,6 +36,7 @@ __all__ = [
     "Usage",
     "WorkerIdInfo",
     "error_body",
+    "finished_stream",
     "prompt_token_ids",
     "reported_usage",
 ]
@@ -303,3 +304,17 @@ class InstanceQueryReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     choices: list[dict[str, Any]]
     usage: QueryUsage | None = None
     nvext: NvExtResponse
+
+
+# The Responses API's last events (it sends no [DONE]).
+_RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
+
+
+def finished_stream(events: bytes) -> bool:
+    """Whether ``events`` end an OpenAI stream: its last event ``data: [DONE]``, or the Responses
+    API's ``response.completed`` (``incomplete``, ``failed``)."""
+    tail = events.rstrip()
+    if tail.endswith(b"data: [DONE]"):
+        return True
+    boundary = tail.rfind(b"\n\n")
+    return tail[boundary + 2 if boundary >= 0 else 0 :].lstrip().startswith(_RESPONSE_ENDS)

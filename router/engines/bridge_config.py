@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from router.engines.openai_server import health_url, openai_base
-from router.types import WorkerConfig, WorkerRole
+from router.types import HandoffStyle, WorkerConfig, WorkerRole
 
 __all__ = ["BridgeConfig"]
 
@@ -41,6 +41,17 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         WorkerRole,
         _doc("what the engine does in a disaggregated fleet: prefill, decode, or both (an aggregated engine)"),
     ] = "both"
+    handoff: Annotated[
+        HandoffStyle,
+        _doc(
+            "with role prefill: how kv-router serve --proxy hands a prefilled request to its decode worker: "
+            "kv_transfer_params (vLLM's NIXL connector) or bootstrap (SGLang, with --bootstrap-port)"
+        ),
+    ] = "kv_transfer_params"
+    bootstrap_port: Annotated[
+        Annotated[int, msgspec.Meta(ge=1, le=65535)] | None,
+        _doc("with --handoff bootstrap: the engine's bootstrap port (SGLang's --disaggregation-bootstrap-port)"),
+    ] = None
     engine_metrics_url: Annotated[
         str | None, _doc("the engine's Prometheus endpoint, scraped for KV usage and published as load")
     ] = None
@@ -124,6 +135,8 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             max_num_batched_tokens=self.max_num_batched_tokens,
             taints=frozenset(self.taints),
             role=self.role,
+            handoff=self.handoff,
+            bootstrap_port=self.bootstrap_port,
             url=self.openai_base,
             models=frozenset(models),
         )

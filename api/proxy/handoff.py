@@ -1,0 +1,306 @@
+"""The hand-off of a disaggregated request: the proxy runs its prefill leg and its decode leg when the
+decision (`router.disaggregation`) says the prompt is prefilled remotely.
+
+Two styles, the prefill worker's ``handoff`` setting (`router.types.HandoffStyle`) deciding:
+
+- ``kv_transfer_params`` (vLLM's NIXL connector and its other v1 connectors, as vLLM's own P/D proxy
+  runs them): first the prefill leg, the body with ``kv_transfer_params {"do_remote_decode": true,
+  "do_remote_prefill": false, ...}``, ``stream: false``, ``max_tokens: 1`` (and
+  ``max_completion_tokens: 1`` when given; ``stream_options`` and ``min_tokens`` dropped); the worker
+  answers with the ``kv_transfer_params`` the decode worker needs to pull the KV. Then the decode leg,
+  the client's body with those params, whose answer goes to the client.
+- ``bootstrap`` (SGLang): ``bootstrap_host`` (the prefill worker's host), ``bootstrap_port`` (its
+  ``bootstrap_port``, else SGLang's default 8998) and a fresh random ``bootstrap_room`` injected
+  into the client's body, sent to both workers at once; the two meet at the prefill worker's
+  bootstrap server; the decode leg's answer goes to the client, the prefill leg's is read and dropped.
+
+Bookings: the prefill leg's (``<id>#prefill``) is freed when that leg's answer is in (its KV has
+been computed), or at the decode leg's first token, or with the request (`KvRouter.mark_free` of the
+request frees both legs, which the proxy does on every path).
+
+Failures (`PrefillFailed`, raised before the client has had anything): a prefill leg refused, timed
+out, answering 5xx, or (``kv_transfer_params``) answering without the params; the proxy tells that
+worker's circuit breaker and books the request again without it, so the prefill goes to another prefill worker
+(or, none left, to the decode worker itself: the decision's ``local_prefill``). In ``bootstrap``
+style a prefill leg failing while the decode leg has not answered cancels the decode leg (its
+connection closed: the engine aborts it); one failing after the decode leg has begun is only
+counted, the KV having arrived. A client leaving cancels the request's task, and with it whichever
+legs are in flight. The bodies of the two legs are re-encoded (fields injected), not forwarded byte
+for byte: only on this path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+
+from api.http_stream import Headers, Sink, StreamCall
+from api.metrics import PREFIX
+from api.proxy.upstream import Upstream, UpstreamError
+from api.proxy.wire import finished_stream
+from router.kv_router import KvRouter
+from router.types import DisaggregatedLeg, HandoffStyle, RouteDecision, WorkerConfig
+
+__all__ = ["SGLANG_BOOTSTRAP_PORT", "Forward", "Handoff", "Legs", "PrefillFailed"]
+
+# SGLang's --disaggregation-bootstrap-port default, for a bootstrap-style worker registered without one.
+SGLANG_BOOTSTRAP_PORT = 8998
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+# The prefill leg's kv_transfer_params, as vLLM's P/D proxy sends them.
+_REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Forwards a body to the decode worker and answers the client (the reply given) with its answer: the
+# proxy's one-leg path; raises the proxy's own failure while the client has had nothing.
+Forward = Callable[[bytes, StreamCall], Awaitable[str]]
+
+
+class PrefillFailed(Exception):
+    """The prefill leg failed while the client had nothing: the request may go again without ``worker_id``."""
+
+    def __init__(self, worker_id: int, problem: str) -> None:
+        super().__init__(f"prefill worker {worker_id}: {problem}")
+        self.worker_id = worker_id
+
+
+class _Refused(Exception):
+    """The prefill worker refused the request (4xx): its answer is the client's, as on one leg."""
+
+    def __init__(self, status: int, content_type: bytes | None, body: bytes) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+        self.content_type = content_type
+        self.body = body
+
+
+class Legs:
+    """One remote prefill: the two workers, the prefill leg's booking and how they hand the KV over."""
+
+    __slots__ = ("decode", "leg", "prefill", "style")
+
+    def __init__(self, prefill: WorkerConfig, decode: WorkerConfig, leg: DisaggregatedLeg) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.leg = leg
+        self.style: HandoffStyle = prefill.handoff
+
+
+class Handoff:
+    """The proxy's runner of two-leg requests: its router (for the prefill booking), upstream client
+    and counter ``kv_router_proxy_handoffs_total{style,outcome}``."""
+
+    def __init__(self, router: KvRouter, upstream: Upstream, registry: CollectorRegistry) -> None:
+        self.router = router
+        self.upstream = upstream
+        self._counter = Counter(
+            f"{PREFIX}_proxy_handoffs",
+            "Remote prefills the proxy ran, by hand-off style (kv_transfer_params, bootstrap) and outcome (ok: "
+            "the decode leg got the request; prefill_failed: the prefill leg failed and the request went "
+            "again without that worker; prefill_failed_late: in bootstrap style, after the decode leg began; "
+            "prefill_refused: the prefill worker answered 4xx, passed to the client).",
+            ["style", "outcome"],
+            registry=registry,
+        )
+
+    def legs(self, decision: RouteDecision, workers: dict[int, WorkerConfig]) -> Legs | None:
+        """The two legs of ``decision`` when its prompt is prefilled remotely, else None (one leg)."""
+        disaggregation = decision.disaggregation
+        if disaggregation is None or disaggregation.prefill is None:
+            return None
+        leg = disaggregation.prefill
+        return Legs(workers[leg.worker_id], workers[decision.worker_id], leg)
+
+    async def run(
+        self, legs: Legs, path: bytes, body: bytes, headers: bytes, reply: StreamCall, forward: Forward
+    ) -> str:
+        """Both legs (``headers``: the raw header lines both get); returns the decode leg's outcome.
+        Raises `PrefillFailed`, or what ``forward`` raises for the decode leg."""
+        try:
+            if legs.style == "bootstrap":
+                return await self._bootstrap(legs, path, body, headers, reply, forward)
+            decode_body = await self._remote_decode_prefill(legs, path, body, headers)
+        except _Refused as refused:
+            await reply.whole(
+                refused.status, [(b"content-type", refused.content_type or b"application/json")], refused.body
+            )
+            return "upstream_status"
+        self._count(legs, "ok")
+        return await forward(decode_body, reply)
+
+    # ------------------------------------------------------------------ vLLM: prefill, then decode
+    async def _remote_decode_prefill(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
+        """The prefill leg of the ``kv_transfer_params`` style; returns the decode leg's body."""
+        request = _decode(body)
+        request["kv_transfer_params"] = _REMOTE_DECODE
+        request["stream"] = False
+        request["max_tokens"] = 1
+        if "max_completion_tokens" in request:
+            request["max_completion_tokens"] = 1
+        request.pop("stream_options", None)
+        request.pop("min_tokens", None)
+        content = await self._prefill_leg(legs, path, _encode(request), headers)
+        try:
+            params = _decode(content).get("kv_transfer_params")
+        except (msgspec.DecodeError, AttributeError):
+            params = None
+        if not isinstance(params, dict):
+            self._count(legs, "prefill_failed")
+            raise PrefillFailed(legs.prefill.worker_id, "its answer has no kv_transfer_params (is it a P/D engine?)")
+        decode_request = _decode(body)
+        decode_request["kv_transfer_params"] = params
+        return _encode(decode_request)
+
+    # ------------------------------------------------------------------ SGLang: both at once
+    async def _bootstrap(
+        self, legs: Legs, path: bytes, body: bytes, headers: bytes, reply: StreamCall, forward: Forward
+    ) -> str:
+        url = legs.prefill.url
+        assert url is not None
+        request: dict[str, Any] = _decode(body)
+        request["bootstrap_host"] = urlsplit(url).hostname
+        request["bootstrap_port"] = legs.prefill.bootstrap_port or SGLANG_BOOTSTRAP_PORT
+        request["bootstrap_room"] = secrets.randbits(63)
+        both = _encode(request)
+        watched = _Watched(reply)
+        prefill = asyncio.ensure_future(self._prefill_leg(legs, path, both, headers))
+        decode = asyncio.ensure_future(forward(both, watched))
+        try:
+            try:
+                await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+                if prefill.done() and prefill.exception() is not None and not watched.answered:
+                    decode.cancel()  # it would wait for KV that is not coming
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await decode
+                    prefill.result()  # raises the PrefillFailed
+                outcome = await decode
+            except asyncio.CancelledError:
+                # The client left: abandoned, unless it had its whole answer or the stream's last event
+                # (the official client closes right after it), as the one-leg path reads it.
+                task = asyncio.current_task()
+                if not watched.finished or task is None:
+                    raise
+                task.uncancel()
+                outcome = await decode
+            # The decode leg had its KV: a prefill leg still unanswered is not waited for (the request
+            # and its bookings end with the client's answer), its connection closed below.
+            late = prefill.done() and not prefill.cancelled() and prefill.exception() is not None
+            self._count(legs, "prefill_failed_late" if late else "ok")
+            return outcome
+        finally:
+            # Not awaited: the request's end must not wait on them (nor take a late cancellation from
+            # its client for its own); a leg cancelled closes its connection as it unwinds.
+            for leg in (prefill, decode):
+                if not leg.done():
+                    leg.cancel()
+                leg.add_done_callback(_retrieve)
+
+    # ------------------------------------------------------------------ the prefill leg
+    async def _prefill_leg(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
+        """Send the prefill leg and read its whole answer; its booking is freed once it is in. Raises
+        `PrefillFailed`."""
+        worker = legs.prefill
+        assert worker.url is not None
+        if worker.dp_size > 1:
+            headers += b"x-data-parallel-rank: " + str(legs.leg.dp_rank).encode() + b"\r\n"
+        try:
+            exchange = await self.upstream.open(worker.url, path, body, headers)
+        except UpstreamError as exc:
+            raise self._failed(legs, str(exc)) from None
+        try:
+            content = await exchange.read()
+        except UpstreamError as exc:
+            raise self._failed(legs, str(exc)) from None
+        finally:
+            exchange.release()
+        if 400 <= exchange.status < 500:  # the request's fault, not the worker's: the client's answer
+            self._count(legs, "prefill_refused")
+            raise _Refused(exchange.status, exchange.content_type, content)
+        if exchange.status != 200:
+            message = content[:200].decode("utf-8", "replace")
+            raise self._failed(legs, f"HTTP {exchange.status}: {message}")
+        if legs.leg.booking_id is not None:
+            self.router.mark_free(legs.leg.booking_id)  # its prompt is computed: no more prefill load there
+        return content
+
+    def _failed(self, legs: Legs, problem: str) -> PrefillFailed:
+        self._count(legs, "prefill_failed")
+        return PrefillFailed(legs.prefill.worker_id, problem)
+
+    def _count(self, legs: Legs, outcome: str) -> None:
+        self._counter.labels(legs.style, outcome).inc()
+
+
+def _retrieve(leg: asyncio.Future[Any]) -> None:
+    """A leg's outcome is read, so that a failure nobody awaited is not logged as lost."""
+    if not leg.cancelled():
+        leg.exception()
+
+
+class _Watched:
+    """The client's answer, noting whether any of it went out (the decode leg may then no longer be
+    given up for a failing prefill leg)."""
+
+    __slots__ = ("answered", "authorization", "body", "head", "reply", "sink", "whole_sent")
+
+    def __init__(self, reply: StreamCall) -> None:
+        self.reply = reply
+        self.sink: _LastPiece | None = None
+        self.body = reply.body
+        self.authorization = reply.authorization
+        self.head = reply.head
+        self.answered = False
+        self.whole_sent = False
+
+    def is_disconnected(self) -> bool:
+        return self.reply.is_disconnected()
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        self.answered = True
+        await self.reply.whole(status, headers, body)
+        self.whole_sent = True
+
+    def begin(self, status: int, headers: Headers) -> Sink:
+        self.answered = True
+        sink = self.sink = _LastPiece(self.reply.begin(status, headers))
+        return sink
+
+    async def end(self, last: bytes = b"") -> None:
+        await self.reply.end(last)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the client has had its whole answer, or the stream's last event."""
+        return self.whole_sent or (self.sink is not None and finished_stream(self.sink.last))
+
+
+class _LastPiece:
+    """The client's sink, keeping the last piece written to it."""
+
+    __slots__ = ("last", "sink")
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.last = b""
+
+    def write(self, data: bytes) -> bool:
+        self.last = data
+        return self.sink.write(data)
+
+    def when_drained(self, resume: Callable[[], None]) -> None:
+        self.sink.when_drained(resume)

@@ -1,0 +1,274 @@
+"""The proxy's hand-off on a disaggregated fleet (`api.proxy.handoff`), in both styles, with the real
+`openai` client, a real nats-server and mock workers serving both roles over their OpenAI API:
+both legs run and the decode worker's stream reaches the client; a short uncached prompt stays on
+the decode worker; a failing prefill leg goes to another prefill worker; a decode leg failing before
+its first token frees the prefill leg's booking; a client leaving cancels both legs. Every booking is
+released in every case."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from mocker.config import EngineConfig
+from router.disaggregation import prefill_booking_id
+from router.event_plane.embedded_server import EmbeddedNats
+from router.types import HandoffStyle, RouteRequest, WorkerConfig
+from tests.metrics import sample
+from tests.proxy_fleet import MODEL, Fleet, fleet, idle, raw_worker
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+STYLES: list[HandoffStyle] = ["kv_transfer_params", "bootstrap"]
+# 512 tokens: 8 blocks of 64, well over the 256-token local-prefill threshold.
+LONG = list(range(1000, 1512))
+
+
+async def scrape(url: str) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{url}/metrics")).text
+
+
+async def register(f: Fleet, worker: WorkerConfig) -> None:
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(f"{f.url}/v1/workers", content=msgspec.json.encode(worker))
+        assert answer.status_code in (200, 201), answer.text
+
+
+@contextlib.asynccontextmanager
+async def failing_worker(status: bytes = b"500 Internal Server Error") -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A worker answering every request ``status`` after reading it; yields its URL and the request lines."""
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                seen.append(head.split(b"\r\n", 1)[0])
+                lines = head.lower().split(b"\r\n")
+                length = next((int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")), 0)
+                await reader.readexactly(length)
+                body = b'{"error": {"message": "engine failure"}}'
+                writer.write(b"HTTP/1.1 %b\r\ncontent-type: application/json\r\n" % status +
+                             b"content-length: %d\r\n\r\n%b" % (len(body), body))  # fmt: skip
+                await writer.drain()
+        writer.close()
+
+    async with raw_worker(serve) as url:
+        yield url, seen
+
+
+def cached_blocks(f: Fleet, worker_id: int) -> int:
+    """The blocks the router's index holds for the worker, from its KV events."""
+    return sum(blocks for (worker, _), blocks in f.router.indexer.stats().blocks.items() if worker == worker_id)
+
+
+def ballast(f: Fleet, request_id: str, **pins: tuple[int, int]) -> Callable[[], Awaitable[object]]:
+    """Book a long prompt's load on a pinned worker, so the router prefers the others."""
+    request = RouteRequest(tokens=list(range(50_000, 50_000 + 4096)), request_id=request_id)
+    return lambda: f.router.new(request, **pins)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_long_prompt_is_prefilled_remotely_and_its_stream_comes_from_the_decode_worker(
+    nats_server: EmbeddedNats, style: HandoffStyle, stream: bool, fast_protocol: bool
+) -> None:
+    """Over both adapters of the proxy's routes: the HTTP protocol and FastPath (ASGI)."""
+    service = {"fast_protocol": fast_protocol}
+    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, service=service) as f:
+        usage: Any = {"include_usage": True} if stream else None
+        raw = await f.client.completions.with_raw_response.create(
+            model=MODEL, prompt=LONG, max_tokens=6, stream=stream, stream_options=usage
+        )
+        if stream:
+            chunks = [chunk async for chunk in raw.parse()]  # type: ignore[union-attr]
+            text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        else:
+            text = raw.parse().choices[0].text  # type: ignore[union-attr]
+        assert text == " w1 w2 w3 w4 w5 w6"
+        assert raw.headers["x-kv-router-worker"] == "2"
+        assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
+        assert raw.headers["x-kv-router-prefill-worker"] == "1"
+        # The prefill worker ran one leg of one token; the decode worker pulled all 8 blocks of KV.
+        assert f.apis[1].prefill_legs == 1
+        assert f.apis[2].pulled_blocks == 8
+        assert f.apis[1].aborted == f.apis[2].aborted == 0
+        await eventually(lambda: idle(f.router))
+
+        async def counted() -> bool:
+            metrics = await scrape(f.url)
+            done = sample(metrics, "kv_router_proxy_requests_total", route="completions", outcome="ok")
+            return done == 1.0 and sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="ok") == 1.0
+
+        await eventually(counted)  # counted once the decode leg's task is back, just after the client's end
+        # Each role published its own KV events: the same prompt is now cached on the decode worker,
+        # so it stays there (conditional disaggregation), and nothing more goes to the prefill worker.
+        await eventually(lambda: cached_blocks(f, 1) >= 8 and cached_blocks(f, 2) >= 8)
+        again = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=2)
+        assert again.headers["x-kv-router-disaggregation"] == "local_prefill"
+        assert "x-kv-router-prefill-worker" not in again.headers
+        assert again.parse().choices[0].text == " w1 w2"
+        assert f.apis[1].prefill_legs == 1
+        assert idle(f.router)
+
+
+async def test_a_short_prompt_runs_on_the_decode_worker_alone(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}) as f:
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG[:100], max_tokens=3)
+        assert raw.parse().choices[0].text == " w1 w2 w3"
+        assert raw.headers["x-kv-router-worker"] == "2"
+        assert raw.headers["x-kv-router-disaggregation"] == "local_prefill"
+        assert f.apis[1].prefill_legs == 0 and f.apis[2].pulled_blocks == 0
+        assert idle(f.router)
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_failing_prefill_leg_is_retried_on_another_prefill_worker(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    async with (
+        fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style) as f,
+        failing_worker() as (url, seen),
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        bad = WorkerConfig(
+            worker_id=9, url=url, models=frozenset({MODEL}), role="prefill", handoff=style, leased=False,
+            kv_events=False, block_size=64, bootstrap_port=port if style == "bootstrap" else None,
+        )  # fmt: skip
+        await register(f, bad)
+        # Prefill load on worker 1, so that the router's first choice is the failing worker 9.
+        await ballast(f, "ballast", pinned_prefill=(1, 0))()
+        assert f.router.booking(prefill_booking_id("ballast")) is not None
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=4, stream=True)
+        text = "".join([chunk.choices[0].text async for chunk in raw.parse()])
+        assert text == " w1 w2 w3 w4"
+        # One prefill leg went to worker 9 (in bootstrap style its decode leg asked it for the room too).
+        assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
+        assert raw.headers["x-kv-router-prefill-worker"] == "1"
+        assert f.apis[1].prefill_legs == 1
+        metrics = await scrape(f.url)
+        assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_failed") == 1.0
+        assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="ok") == 1.0
+        if style == "bootstrap":  # the decode leg sent with the failed one was given up (connection closed)
+            await eventually(lambda: f.apis[2].aborted == 1)
+        f.router.mark_free("ballast")
+        assert idle(f.router)
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_decode_leg_failing_before_its_first_token_frees_the_prefill_booking(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    # One attempt: the lone decode worker is not tried again after the backoff (tests/test_proxy_retries).
+    async with (
+        fleet(nats_server.url, (1,), roles={1: "prefill"}, handoff=style, proxy={"proxy_retries": 0}) as f,
+        failing_worker() as (url, seen),
+    ):
+        bad = WorkerConfig(
+            worker_id=9, url=url, models=frozenset({MODEL}), role="decode", leased=False, kv_events=False, block_size=64
+        )
+        await register(f, bad)
+        with pytest.raises(openai.APIStatusError) as refused:
+            await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=4)
+        assert refused.value.status_code == 502
+        assert "worker 9" in str(refused.value)
+        # Both legs' bookings are gone when the client has its answer.
+        assert idle(f.router)
+        assert [key for key, _ in f.router.bookings()] == []
+        assert len(seen) == 1
+        if style == "kv_transfer_params":
+            assert f.apis[1].prefill_legs == 1  # prefilled, then the decode leg failed
+        else:
+            await eventually(lambda: f.apis[1].prefill_legs + f.apis[1].aborted == 1)
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_decode_leg_failing_goes_to_another_decode_worker(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    async with (
+        fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style) as f,
+        failing_worker() as (url, seen),
+    ):
+        bad = WorkerConfig(
+            worker_id=9, url=url, models=frozenset({MODEL}), role="decode", leased=False, kv_events=False, block_size=64
+        )
+        await register(f, bad)
+        await ballast(f, "ballast", pinned_worker=(2, 0))()  # decode load on worker 2: worker 9 comes first
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=3, stream=True)
+        text = "".join([chunk.choices[0].text async for chunk in raw.parse()])
+        assert text == " w1 w2 w3"
+        assert len(seen) == 1 and raw.headers["x-kv-router-worker"] == "2"
+        f.router.mark_free("ballast")
+        await eventually(lambda: idle(f.router))
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    async with (
+        fleet(nats_server.url, (2,), roles={2: "decode"}, handoff=style) as f,
+        failing_worker(b"400 Bad Request") as (url, seen),
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        bad = WorkerConfig(
+            worker_id=9, url=url, models=frozenset({MODEL}), role="prefill", handoff=style, leased=False,
+            kv_events=False, block_size=64, bootstrap_port=port if style == "bootstrap" else None,
+        )  # fmt: skip
+        await register(f, bad)
+        with pytest.raises(openai.BadRequestError) as refused:
+            await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+        assert "engine failure" in str(refused.value)
+        assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
+        assert f.apis[2].pulled_blocks == 0
+        await eventually(lambda: idle(f.router))
+
+
+SLOW = EngineConfig(num_gpu_blocks=512, speedup_ratio=0.02)  # a 512-token prefill takes about a second
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_client_leaving_cancels_both_legs(nats_server: EmbeddedNats, style: HandoffStyle) -> None:
+    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, engine=SLOW) as f:
+        request = asyncio.ensure_future(
+            f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=50, stream=True)
+        )
+        await eventually(lambda: bool(f.workers[1]._streams))  # the prefill leg is in the prefill engine
+        if style == "bootstrap":  # and the decode leg waits at its bootstrap room
+            await eventually(lambda: len(f.apis[1].rooms) == 1)
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        await eventually(lambda: f.apis[1].aborted == 1)
+        if style == "bootstrap":
+            await eventually(lambda: f.apis[2].aborted == 1)
+        else:  # the decode leg was never sent
+            assert f.apis[2].aborted == 0 and f.apis[2].pulled_blocks == 0
+        await eventually(lambda: idle(f.router))
+        metrics = await scrape(f.url)
+        assert (sample(metrics, "kv_router_proxy_requests_total", route="completions", outcome="client_disconnected")
+                == 1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_client_leaving_mid_stream_cancels_the_decode_leg(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, engine=SLOW) as f:
+        stream = await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=200, stream=True)
+        first = await stream.__anext__()
+        assert first.choices[0].text == " w1"
+        await stream.close()
+        await eventually(lambda: f.apis[2].aborted == 1)
+        assert f.apis[1].prefill_legs == 1 and f.apis[1].aborted == 0
+        await eventually(lambda: idle(f.router))
