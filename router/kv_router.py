@@ -415,7 +415,8 @@ class KvRouter:
                 raise NoEligibleWorker(constraints.required_taints if constraints is not None else None)
         usable = self.health.usable(workers)
         if not usable:
-            raise WorkersUnavailable([worker.worker_id for worker in workers])
+            out = [worker.worker_id for worker in workers]
+            raise WorkersUnavailable(out, self.health.reopens_in(out))
         return usable
 
     def _route(self, routing: _Routing, workers: list[WorkerConfig], *, queued_s: float) -> RouteDecision:

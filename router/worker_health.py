@@ -147,6 +147,19 @@ class WorkerHealth:
             self._troubled -= 1
         self._checked.discard(worker_id)
 
+    def reopens_in(self, worker_ids: list[int]) -> float | None:
+        """Seconds until the first of these workers' open circuits lets a probe through (None: none is
+        open, or one fails its health check: no time can be told)."""
+        if any(worker_id in self._failing_checks for worker_id in worker_ids):
+            return None
+        now = self._clock()
+        waits = [
+            max(0.0, breaker.opened_at + self._open_secs - now)
+            for breaker in (self._breakers.get(worker_id) for worker_id in worker_ids)
+            if breaker is not None and breaker.state == "open"
+        ]
+        return min(waits) if waits else None
+
     def state(self, worker_id: int) -> CircuitState:
         """The worker's circuit now (an open one whose time is up reads half-open)."""
         breaker = self._breakers.get(worker_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats, free_port
@@ -127,4 +128,22 @@ async def test_a_worker_that_stops_answering_its_health_checks_leaves_routing_an
             assert raw.headers["x-kv-router-worker"] == "9"
             assert len(back.arrivals) == 1
             assert await metric(f, "kv_router_worker_health_check_passing", worker_id="9") == 1.0
+        assert idle(f.router)
+
+
+async def test_with_every_worker_out_of_routing_the_answer_is_a_503_saying_when_to_come_back(
+    nats_server: EmbeddedNats,
+) -> None:
+    router = {"worker_breaker_failures": 1, "worker_breaker_open_secs": 30.0}
+    proxy = {**NO_CHECKS, "proxy_retries": 0}
+    async with fleet(nats_server.url, (), router=router, proxy=proxy) as f:
+        await register(f, 9, f"http://127.0.0.1:{free_port()}")  # nothing listens there
+        with pytest.raises(openai.APIStatusError) as failed:
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+        assert failed.value.status_code == 502
+        with pytest.raises(openai.APIStatusError) as out:
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+        assert out.value.status_code == 503
+        assert "out of routing" in out.value.response.json()["error"]["message"]
+        assert 1 <= int(out.value.response.headers["retry-after"]) <= 30
         assert idle(f.router)

@@ -148,3 +148,15 @@ async def test_every_policy_leaves_out_a_worker_whose_circuit_is_open(policy: st
     with pytest.raises(WorkersUnavailable, match=r"workers \[1, 2\] are out of routing") as caught:
         await router.new(RouteRequest(tokens=[1, 2, 3, 4], request_id="none"))
     assert isinstance(caught.value, NoEligibleWorker)
+    assert caught.value.retry_after_secs is not None and 0 < caught.value.retry_after_secs <= 10.0
+
+
+def test_the_wait_until_a_probe_is_the_first_open_circuits_and_unknown_while_a_check_fails() -> None:
+    h, clock = health(failures=1, open_secs=10.0)
+    assert h.reopens_in([1, 2]) is None
+    h.failed(1, "refused")
+    clock.now += 4.0
+    h.failed(2, "refused")
+    assert h.reopens_in([1, 2]) == 6.0 and h.reopens_in([2]) == 10.0
+    h.set_health(2, False)
+    assert h.reopens_in([1, 2]) is None

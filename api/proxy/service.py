@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -82,7 +83,7 @@ from api.wire import NvExt, queries_instance
 from indexer.errors import UNDECODABLE
 from indexer.hashing import pack_tokens
 from indexer.slots import WorkerRank
-from router.errors import AllWorkersOverloaded, NoEligibleWorker, QueueRejected
+from router.errors import AllWorkersOverloaded, NoEligibleWorker, QueueRejected, WorkersUnavailable
 from router.kv_router import KvRouter
 from router.types import RouteDecision, RouterConfigOverride, RouteRequest, WorkerConfig
 
@@ -502,6 +503,10 @@ class Proxy:
             return await self.router.new(routed, among=among, pinned_worker=pinned, pinned_prefill=pinned_prefill)
         except QueueRejected as exc:
             raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
+        except WorkersUnavailable as exc:  # out of routing after failures: back when a circuit half-opens
+            wait = exc.retry_after_secs
+            extra = {} if wait is None else {"retry_after": str(max(1, math.ceil(wait)))}
+            raise _refused(503, "service_unavailable", str(exc), "no_worker", **extra) from None
         except (NoEligibleWorker, AllWorkersOverloaded) as exc:
             raise _refused(503, "service_unavailable", str(exc), "no_worker") from None
 
