@@ -290,7 +290,8 @@ PositiveSecs = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """The OpenAI-compatible front door: /v1/completions, /v1/chat/completions, /v1/models."""
+    """The OpenAI-compatible front door: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings,
+    /v1/rerank, /v1/models; its retries, health checks, concurrency cap, client headers and spans."""
 
     proxy: Annotated[
         bool, _doc("serve the OpenAI API and forward each request to the worker the router picks (workers with a url)")
