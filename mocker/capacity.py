@@ -400,10 +400,12 @@ def _capacity_cell(result: CapacityResult) -> str:
 
 
 def render_capacity_table(slo: Slo, results: Sequence[CapacityResult], goodput: Sequence[float]) -> str:
-    """Plain text: one router per row, its capacity, goodput at the fixed multipliers, the figures at capacity."""
+    """Plain text: one router per row, its capacity and bracket (highest multiplier meeting the SLO, lowest
+    above it missing it: the search's resolution), goodput at the fixed multipliers, the figures at capacity."""
     header = [
         "router",
         "capacity x",
+        "bracket",
         *(f"goodput@{m:g}x r/s" for m in goodput),
         "hit",
         "TTFT p90",
@@ -418,6 +420,7 @@ def render_capacity_table(slo: Slo, results: Sequence[CapacityResult], goodput: 
             [
                 result.router,
                 _capacity_cell(result),
+                _bracket_cell(result),
                 *(_goodput_cell(result.goodput_at(m)) for m in goodput),
                 f"{at.hit_rate:.3f}" if at else "-",
                 f"{at.ttft_p90_ms:.0f}" if at else "-",
@@ -433,6 +436,12 @@ def render_capacity_table(slo: Slo, results: Sequence[CapacityResult], goodput: 
     if slo.e2e_p90_ms is not None:
         bounds += f", E2E p90 <= {slo.e2e_p90_ms:.0f} ms"
     return bounds + " (figures at the capacity point; times in ms)\n" + "\n".join(lines)
+
+
+def _bracket_cell(result: CapacityResult) -> str:
+    # The search's resolution: the capacity meets the SLO, the bracket's top misses it.
+    lo, hi = result.bracket
+    return f"{_multiplier(lo)}-{_multiplier(hi)}" if lo > 0 and not math.isinf(hi) else "-"
 
 
 def _goodput_cell(value: float | None) -> str:

@@ -207,6 +207,15 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         float,
         _doc("latency policy: cost, in prefill tokens, of one output token per token of context in flight on the rank"),
     ] = 0.0004
+    # Ours: the decode weight grows with the fleet's load (requests in flight per candidate rank), so that
+    # near saturation, where the ITL bound binds, the `latency` policy spreads decode work as `dynamo` does.
+    latency_decode_load_weight: Annotated[
+        float,
+        _doc(
+            "latency policy: added to latency_decode_weight per request in flight per candidate rank, "
+            "averaged over the candidates (0: a fixed decode weight)"
+        ),
+    ] = 0.0
     latency_default_output_tokens: Annotated[
         int,
         _doc("latency policy: output length, in tokens, assumed for a request that does not give one"),
@@ -312,6 +321,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "latency_miss_weight",
             "latency_stall_weight",
             "latency_decode_weight",
+            "latency_decode_load_weight",
             "latency_hit_margin",
             "router_ttl_secs",
         ):

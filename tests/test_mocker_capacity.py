@@ -209,6 +209,8 @@ def test_replay_capacity_writes_the_report(tmp_path: Path, capsys: pytest.Captur
     assert kv_router_main([*argv, "--num-gpu-blocks", "512", "--goodput-at", "1,3", "--out", str(out), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("SLO: TTFT p90 <= ") and "goodput@3x r/s" in printed
+    header, _, *rows = printed.splitlines()[1:]
+    assert header.split()[:3] == ["router", "capacity", "x"] and "bracket" in header
     report = msgspec.json.decode((out / "capacity.json").read_bytes())
     assert set(report) == {"settings", "slo", "search", "results"}
     assert report["settings"]["mode"] == "offline" and report["settings"]["workers"] == 2
@@ -216,6 +218,9 @@ def test_replay_capacity_writes_the_report(tmp_path: Path, capsys: pytest.Captur
     assert report["slo"]["origin"]["derived"] is True and report["slo"]["e2e_p90_ms"] is None
     assert report["search"]["tolerance"] == 0.05 and report["search"]["goodput_multipliers"] == [1.0, 3.0]
     assert [r["router"] for r in report["results"]] == ["dynamo", "round_robin"]
+    for row, result in zip(rows, report["results"], strict=True):
+        lo, hi = result["bracket"]
+        assert row.split()[:3] == [result["router"], f"{lo:.3g}", f"{lo:.3g}-{hi:.3g}" if hi else "-"]
     for result in report["results"]:
         assert set(result) == {"router", "capacity", "bracket", "goodput_per_s", "at_capacity", "points"}
         assert set(result["goodput_per_s"]) == {"1", "3"}

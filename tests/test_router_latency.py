@@ -63,6 +63,22 @@ def test_costs_price_the_prefill_its_stall_and_the_decode_side() -> None:
     assert decision.worker_id == X
 
 
+def test_the_decode_weight_grows_with_the_requests_in_flight_per_rank() -> None:
+    router = router_with(**{**KNOBS, "latency_decode_load_weight": 0.002})
+    router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))
+    book_on(router, X, "busy", list(range(5000, 5064)))  # 64 queued prefill tokens, 64 context, 1 request
+    # One request over two ranks: d = 0.01 + 0.002 * 0.5, times 10 output tokens, times X's 64 of context.
+    decision = route(router, QUERY, expected_output_tokens=10)
+    assert costs(decision) == {X: pytest.approx(64 + 2.5 * 64 + 0.11 * 64), Y: 2.0 * 128}
+    book_on(router, Y, "other", list(range(7000, 7032)))  # 32 queued, 32 context, 1 request
+    # Two requests over two ranks: d = 0.01 + 0.002 * 1.0; Y now queues 32 and stalls its request too.
+    decision = route(router, QUERY, expected_output_tokens=10)
+    assert costs(decision) == {
+        X: pytest.approx(64 + 2.5 * 64 + 0.12 * 64),
+        Y: pytest.approx(32 + 2.5 * 128 + 0.12 * 32),
+    }
+
+
 def test_a_miss_costs_its_time_on_an_empty_cache_and_more_as_the_cache_fills() -> None:
     router = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
     router.register_worker(WorkerConfig(worker_id=X, total_kv_blocks=16))
@@ -190,6 +206,7 @@ def test_without_the_decode_side_it_is_cache_affinity_without_its_decode_term(
         "latency_miss_weight",
         "latency_stall_weight",
         "latency_decode_weight",
+        "latency_decode_load_weight",
         "latency_default_output_tokens",
         "latency_hit_margin",
     ],

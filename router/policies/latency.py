@@ -7,6 +7,8 @@ Every term is in prefill tokens, a proxy for time on a homogeneous fleet::
             + s * miss(w) * R(w)               its prefill stalls the R(w) requests decoding on w
             + d * osl * K(w)                   each of its output tokens slowed by w's context in flight
 
+    d       = d0 + d_load * mean R             the fleet's load raises the decode weight (d_load 0: fixed)
+
     m(w)    = 1 + (m - 1) * fill(w)            a miss costs more than its time only when storing it evicts
 
 ``miss(w) = max(isl - cached(w), 0)`` with ``cached(w)`` the effective cached prefix, or what requests
@@ -46,6 +48,9 @@ Near-ties go to the hit rate: a rank within ``latency_hit_margin`` (5 %) of the 
 holds more of the prompt (computed or in flight), since two costs that close are the same latency for
 this request but a copy of the prefix is cache space later requests pay for (SGLang GSP's TTFT and E2E
 p90, RAG's E2E p90 and mooncake_trace_1000's hit rate on the tuning runs).
+With ``latency_decode_load_weight`` (``d_load``) the decode weight grows with the requests in flight per
+candidate rank: at light load the policy keeps the hits, near saturation, where a decode step's length
+(the ITL bound of a capacity SLO) binds first, it spreads context as `dynamo` does. Off by default.
 `cache_affinity` is the first line alone with a small decode term: it piles hot prefixes onto few ranks,
 whose decoding then slows every token of every request there.
 """
@@ -73,6 +78,7 @@ class LatencyPolicy:
         self._miss_weight = config.latency_miss_weight
         self._stall_weight = config.latency_stall_weight
         self._decode_weight = config.latency_decode_weight
+        self._decode_load_weight = config.latency_decode_load_weight
         self._default_output = config.latency_default_output_tokens
         self._hit_margin = config.latency_hit_margin
         self._rng = rng
@@ -90,13 +96,17 @@ class LatencyPolicy:
         miss_weight = self._miss_weight
         stall_weight = self._stall_weight
         expected = context.expected_output_tokens
-        decode_weight = self._decode_weight * (expected if expected is not None else self._default_output)
+        ranks = context.ranks
+        per_token = self._decode_weight
+        if self._decode_load_weight:
+            per_token += self._decode_load_weight * sum(rank.requests for rank in ranks) / len(ranks)
+        decode_weight = per_token * (expected if expected is not None else self._default_output)
         fills = context.cache_fill
         pass_tokens = context.pass_tokens or {}
         extra_miss_weight = miss_weight - 1.0
         costs = []
         held = []
-        for rank in context.ranks:
+        for rank in ranks:
             cached = overlaps.get(rank.key, NO_OVERLAP).cached_tokens
             inflight = depths.get(rank, 0) * block_size
             held.append(max(cached, inflight))
