@@ -5,6 +5,9 @@
   (``disagg_local_prefill_below_tokens=0``);
 - ``disagg-conditional``: our router, prefilled on the decode worker when little of the prompt is
   uncached there (``disagg_local_prefill_below_tokens``, 256 by default);
+- ``disagg-load-aware``: disagg-conditional, and also prefilled on the decode worker when fewer than 3,072
+  prompt tokens are uncached there and its queue, weighted, is the shorter wait
+  (``disagg_local_prefill_sooner_below_tokens``, ``disagg_local_prefill_cost_factor``: 2);
 - ``vllm-router-pd``: vllm-router's PD mode (peers.md §2.5): prefill and decode URL lists, each with its
   own policy, every request disaggregated (the uncached-token bypass is an open proposal, PR #130). The
   prefill pool runs ``kv_aware`` (the longest cached prefix from the engines' KV events, the least
@@ -38,9 +41,19 @@ from mocker.routers import KvRouterFleet
 from router.config import RouterConfig
 from router.types import WorkerRole
 
-__all__ = ["AGGREGATED", "PD_ROUTERS", "PdPair", "PowerOfTwo", "VllmKvAware", "make_pd_router"]
+__all__ = [
+    "AGGREGATED",
+    "LOAD_AWARE_SOONER_BELOW_TOKENS",
+    "PD_ROUTERS",
+    "PdPair",
+    "PowerOfTwo",
+    "VllmKvAware",
+    "make_pd_router",
+]
 
 AGGREGATED = "aggregated"
+# disagg-load-aware's size limit on the local path when it is the shorter wait (docs/disaggregation.md).
+LOAD_AWARE_SOONER_BELOW_TOKENS = 3072
 
 
 class _InFlight:
@@ -191,8 +204,13 @@ def _ours(name: str, **settings: object) -> Callable[[RouterConfig, random.Rando
 
 
 PD_ROUTERS: dict[str, Callable[[RouterConfig, random.Random], DisaggregatedFleetRouter]] = {
-    "disagg-always": _ours("disagg-always", disagg_local_prefill_below_tokens=0),
+    "disagg-always": _ours(
+        "disagg-always", disagg_local_prefill_below_tokens=0, disagg_local_prefill_sooner_below_tokens=None
+    ),
     "disagg-conditional": _ours("disagg-conditional"),
+    "disagg-load-aware": _ours(
+        "disagg-load-aware", disagg_local_prefill_sooner_below_tokens=LOAD_AWARE_SOONER_BELOW_TOKENS
+    ),
     "vllm-router-pd": lambda config, rng: PdPair("vllm-router-pd", VllmKvAware(config, rng), PowerOfTwo(config, rng)),
     "sglang-pd": lambda config, rng: PdPair("sglang-pd", SglangCacheAware(config, rng), SglangCacheAware(config, rng)),
 }

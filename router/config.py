@@ -258,6 +258,24 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "decode worker (the prefill pool is saturated); unset: never"
         ),
     ] = None
+    # Load-aware conditional disaggregation: the local path also when the prefill pool is the longer wait.
+    disagg_local_prefill_sooner_below_tokens: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)] | None,
+        _doc(
+            "disaggregated fleets: a request whose uncached prompt on the chosen decode worker is below this many "
+            "tokens is also prefilled there when that is the shorter wait: when disagg_local_prefill_cost_factor "
+            "times (the decode worker's pending prefill tokens plus this prompt's uncached ones) is below the chosen "
+            "prefill worker's pending prefill tokens; unset: never"
+        ),
+    ] = None
+    disagg_local_prefill_cost_factor: Annotated[
+        float,
+        _doc(
+            "disaggregated fleets: what a prefill token on a decode worker is counted as, in prefill-worker tokens, "
+            "by disagg_local_prefill_sooner_below_tokens (its passes also decode its batch, whose tokens it delays)"
+        ),
+        msgspec.Meta(ge=0),
+    ] = 2.0
     disagg_decode_overlap_credit: Annotated[
         bool,
         _doc(

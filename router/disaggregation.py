@@ -92,6 +92,15 @@ def choose_path(
             f"{limit}-token queue limit and more than decode worker {decode_worker} would have with this prompt "
             f"({pending.on_decode_worker + uncached_tokens}): prefilled there"
         )
+    sooner_below = config.disagg_local_prefill_sooner_below_tokens
+    local_wait = config.disagg_local_prefill_cost_factor * (pending.on_decode_worker + uncached_tokens)
+    if sooner_below is not None and uncached_tokens < sooner_below and local_wait < pending.on_prefill_worker:
+        return "local_prefill", (
+            f"{uncached_tokens} uncached tokens on decode worker {decode_worker}, below the {sooner_below}-token "
+            f"load-aware threshold, and prefilling there is the shorter wait ({local_wait:g} weighted tokens with "
+            f"its {pending.on_decode_worker} pending, against {pending.on_prefill_worker} pending on prefill worker "
+            f"{pending.prefill_worker}): prefilled there"
+        )
     return "remote_prefill", (
         f"{uncached_tokens} uncached tokens on decode worker {decode_worker}, at or above the "
         f"{threshold_tokens}-token threshold: prefilled remotely"

@@ -47,7 +47,7 @@ def test_a_disaggregated_replay_is_deterministic_and_completes(router: str) -> N
     assert all(r.worker_id in (2, 3) for r in first)  # the client's stream is always a decode worker's
     remote = [r for r in first if r.prefill_worker_id >= 0]
     assert all(r.prefill_worker_id in (0, 1) and r.transfer_ms > 0 for r in remote)
-    if router != "disagg-conditional":
+    if router not in ("disagg-conditional", "disagg-load-aware"):
         assert len(remote) == len(first)  # the peers and disagg-always never skip the remote prefill
 
 
@@ -103,3 +103,14 @@ def test_replay_command_runs_a_disaggregated_fleet(tmp_path: Path, capsys: pytes
     assert "disagg-conditional" in table and "sglang-pd" in table
     assert kv_router_main([*argv[:2], "--prefill-workers", "1", "--quiet"]) == 2
     assert "both prefill and decode workers" in capsys.readouterr().err
+
+
+def test_load_aware_prefills_a_short_prompt_on_its_decode_worker_while_the_prefill_pool_is_busy() -> None:
+    # Three 8,192-token prompts queue on the two prefill workers, then a 1,024-token prompt arrives.
+    long_prompts: list[Row] = [(0, 8192, 8, list(range(100 * i, 100 * i + 16))) for i in range(3)]
+    rows = [*long_prompts, (1, 1024, 8, [900, 901])]
+    conditional = run(trace_of(rows), "disagg-conditional")[-1]
+    load_aware = run(trace_of(rows), "disagg-load-aware")[-1]
+    assert conditional.prefill_worker_id >= 0  # 1,024 uncached tokens: over the 256-token threshold
+    assert (load_aware.prefill_worker_id, load_aware.transfer_ms) == (-1, 0.0)  # 2 x 1,024 < 8,192 pending
+    assert load_aware.ttft_ms < conditional.ttft_ms / 2  # no wait behind a long prefill, no transfer

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from api.bridge_command import load_bridge_config
 from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, WorkerConfig
+from router.disaggregation import PendingPrefill, choose_path
 from router.engines.bridge_config import BridgeConfig
 from router.errors import ConfigError, InvalidRequest, NoEligibleWorker
 from tests.dynamo_fleet import prompt_stored_event
@@ -179,6 +180,67 @@ def test_a_saturated_prefill_pool_sends_prefill_to_the_decode_worker() -> None:
     assert router.mark_prefill("a") and router.mark_prefill("b")  # the prefill legs end: the pool drains
     fourth = route(router, list(range(60_000, 60_000 + 40 * BS)), "d")
     assert fourth.disaggregation is not None and fourth.disaggregation.path == "remote_prefill"
+
+
+def test_load_aware_local_prefill_when_the_prefill_worker_is_the_longer_wait() -> None:
+    config = RouterConfig(block_size=BS, disagg_local_prefill_sooner_below_tokens=1000)
+    router = KvRouter(config, rng=random.Random(0))
+    router.register_worker(WorkerConfig(worker_id=P1, role="prefill"))
+    router.register_worker(WorkerConfig(worker_id=D1, role="decode"))
+    prompts = [list(range(start, start + 40 * BS)) for start in range(20_000, 140_000, 20_000)]  # 640 tokens
+    paths = [route(router, tokens, f"r{i}").disaggregation for i, tokens in enumerate(prompts[:4])]
+    # 2 x (0 + 640) weighted tokens on D1 against 0, 640, 1280 (not below), then 1920 pending on P1.
+    assert [receipt.path for receipt in paths if receipt is not None] == ["remote_prefill"] * 3 + ["local_prefill"]
+    local = paths[3]
+    assert local is not None and local.prefill is None
+    assert local.reason == (
+        "640 uncached tokens on decode worker 3, below the 1000-token load-aware threshold, and prefilling there is "
+        "the shorter wait (1280 weighted tokens with its 0 pending, against 1920 pending on prefill worker 1): "
+        "prefilled there"
+    )
+    assert loads(router)[D1][0] == 640 and loads(router)[P1][0] == 1920  # r3's prefill booked where it runs
+    fifth = route(router, prompts[4], "r4")  # 2 x (640 + 640) = 2560 is not below 1920: D1's own queue counts
+    assert fifth.disaggregation is not None and fifth.disaggregation.path == "remote_prefill"
+    assert router.mark_prefill("r3")  # D1's prefill done: 1280 weighted tokens against 2560 on P1
+    sixth = route(router, prompts[5], "r5")
+    assert sixth.disaggregation is not None and sixth.disaggregation.path == "local_prefill"
+
+
+@pytest.mark.parametrize(
+    ("uncached", "on_prefill", "on_decode", "factor", "path"),
+    [
+        (999, 2000, 0, 2.0, "local_prefill"),  # 1998 < 2000
+        (1000, 5000, 0, 2.0, "remote_prefill"),  # not below the 1000-token load-aware threshold
+        (999, 1998, 0, 2.0, "remote_prefill"),  # a tie is not shorter
+        (500, 1200, 100, 2.0, "remote_prefill"),  # 2 x (100 + 500) = 1200
+        (500, 1201, 100, 2.0, "local_prefill"),
+        (500, 601, 100, 1.0, "local_prefill"),
+        (500, 1, 0, 0.0, "local_prefill"),  # factor 0: whenever the prefill worker has anything pending
+        (500, 0, 0, 0.0, "remote_prefill"),
+    ],
+)
+def test_load_aware_local_prefill_decision(
+    uncached: int, on_prefill: int, on_decode: int, factor: float, path: str
+) -> None:
+    config = RouterConfig(
+        disagg_local_prefill_below_tokens=256,
+        disagg_local_prefill_sooner_below_tokens=1000,
+        disagg_local_prefill_cost_factor=factor,
+    )
+    assert choose_path(uncached, config, D1, PendingPrefill(P1, on_prefill, on_decode))[0] == path
+
+
+@given(uncached=st.integers(0, 5000), on_prefill=st.integers(0, 50_000), on_decode=st.integers(0, 50_000))
+def test_load_aware_rule_off_by_default_and_only_ever_adds_local_prefill(
+    uncached: int, on_prefill: int, on_decode: int
+) -> None:
+    pending = PendingPrefill(P1, on_prefill, on_decode)
+    default = choose_path(uncached, RouterConfig(), D1, pending)[0]
+    assert default == ("local_prefill" if uncached < 256 else "remote_prefill")
+    aware = RouterConfig(disagg_local_prefill_sooner_below_tokens=4096)
+    chosen = choose_path(uncached, aware, D1, pending)[0]
+    sooner = uncached < 4096 and 2.0 * (on_decode + uncached) < on_prefill
+    assert chosen == ("local_prefill" if default == "local_prefill" or sooner else "remote_prefill")
 
 
 def test_the_bridge_takes_its_role_from_a_flag_or_the_environment() -> None:
