@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from router import ConfigError, KvRouter, RouterConfig, RouteRequest, WorkerConfig
-from router.policies import Selection, SelectionContext, policy_names, register_policy
+from router.policies import Selection, SelectionContext, policy_names, register_policy, registry
 
 
 def test_defaults_are_dynamos() -> None:
@@ -81,7 +81,10 @@ def test_least_loaded_prefers_fewest_active_requests() -> None:
     assert set(picks("least_loaded", 5, w1=2, w2=1, w3=2)) == {2}
 
 
-def test_a_registered_policy_becomes_selectable() -> None:
+def test_a_registered_policy_becomes_selectable(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Registered into a copy of the registry, so no later test of the session lists it.
+    monkeypatch.setattr(registry, "_POLICIES", dict(registry._POLICIES))
+
     class LastCandidate:
         name = "last_candidate"
 
