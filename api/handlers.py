@@ -42,6 +42,7 @@ from api.wire import (
     MarkReply,
     MarkRequest,
     NewRequest,
+    NvExtResponse,
     OutputProgress,
     PotentialLoadsReply,
     PotentialLoadsRequest,
@@ -59,6 +60,7 @@ from api.wire import (
     RouterRequest,
     RouterRoute,
     RouterRouteResponse,
+    WorkerIdInfo,
     queries_instance,
 )
 from indexer.events import decode_router_events
@@ -260,8 +262,9 @@ class Handlers:
             receipt=decision.receipt,
             explanation=decision.explanation,
             disaggregation=decision.disaggregation,
-            worker_instance_id=decision.worker_id if query else None,
-            token_data=_token_list(body.token_ids) if query else None,
+            nvext=NvExtResponse(worker_id=WorkerIdInfo.of(decision), token_ids=_token_list(body.token_ids))
+            if query
+            else None,
             unused_hints=routing.unused_hints,
             request=_with_routing(forward, decision) if forward is not None else None,
         )

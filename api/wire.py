@@ -28,6 +28,7 @@ from router.types import (
     PotentialLoad,
     QueueRejection,
     RankLoad,
+    RouteDecision,
     RouterConfigOverride,
     RouteRequest,
     RoutingConstraints,
@@ -48,6 +49,7 @@ __all__ = [
     "MmRoutingInfo",
     "NewRequest",
     "NvExt",
+    "NvExtResponse",
     "OutputProgress",
     "PotentialLoadsReply",
     "PotentialLoadsRequest",
@@ -70,6 +72,7 @@ __all__ = [
     "RouterRouteResponse",
     "RoutingHints",
     "ServiceInfo",
+    "WorkerIdInfo",
     "WorkerStatus",
     "WorkersReply",
     "queries_instance",
@@ -288,10 +291,43 @@ class RouterPotentialLoadsResponse(PotentialLoadsReply, tag="potential_loads", t
     pass
 
 
+class WorkerIdInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Dynamo's `WorkerIdInfo`: who prefills and who decodes, each field skipped when absent."""
+
+    prefill_worker_id: int | None = None
+    prefill_dp_rank: int | None = None
+    decode_worker_id: int | None = None
+    decode_dp_rank: int | None = None
+
+    @classmethod
+    def of(cls, decision: RouteDecision) -> WorkerIdInfo:
+        """Who would prefill and who would decode the decided request. On an aggregated fleet one
+        worker runs both phases and is named for both, as Dynamo records an aggregated request; on a
+        disaggregated fleet the prefill leg and the decode worker; when the decode worker prefills the
+        prompt itself (no prefill leg), only the decode fields, so that a gateway's second call pins no
+        prefill worker."""
+        how = decision.disaggregation
+        decode = {"decode_worker_id": decision.worker_id, "decode_dp_rank": decision.dp_rank}
+        if how is None:
+            return cls(prefill_worker_id=decision.worker_id, prefill_dp_rank=decision.dp_rank, **decode)
+        if how.prefill is None:
+            return cls(**decode)
+        return cls(prefill_worker_id=how.prefill.worker_id, prefill_dp_rank=how.prefill.dp_rank, **decode)
+
+
+class NvExtResponse(msgspec.Struct, kw_only=True):
+    """Dynamo's response ``nvext`` as its frontend fills it for ``query_instance_id``: the workers
+    chosen, and the prompt's token ids for the gateway's second call (``nvext.token_data``). The
+    proxy's answer and ``/v1/route``'s carry the same one."""
+
+    worker_id: WorkerIdInfo
+    token_ids: list[int]
+
+
 class RouteReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     """``POST /v1/route``: the decision. ``request_id`` is the id it is booked under, absent when
-    nothing was booked (``query_instance_id``: then ``worker_instance_id`` and ``token_data``, as
-    Dynamo's router answers that annotation). ``unused_hints`` names hints accepted and validated
+    nothing was booked (``query_instance_id``: then ``nvext``, the workers and the prompt's token ids
+    as Dynamo 1.6's frontend answers that annotation). ``unused_hints`` names hints accepted and validated
     but not acted on (prefill / decode worker ids on a fleet without prefill or decode workers).
     ``disaggregation``: on a disaggregated fleet, the path and the prefill leg (`DisaggregationReceipt`).
     ``request``: the request as received with ``routing.backend_instance_id`` / ``dp_rank`` set, when
@@ -305,8 +341,7 @@ class RouteReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     receipt: DecisionReceipt | None = None
     explanation: DecisionExplanation | None = None  # with ?explain=true
     disaggregation: DisaggregationReceipt | None = None
-    worker_instance_id: int | None = None
-    token_data: list[int] | None = None
+    nvext: NvExtResponse | None = None
     unused_hints: list[str] = []
     request: dict[str, Any] | None = None
 

@@ -191,6 +191,10 @@ def test_mm_routing_info_overlaps_on_routing_tokens_and_loads_by_the_expanded_le
     assert _active(client, 1) == {0: (2, 103)}
 
 
+# Dynamo 1.6's WorkerIdInfo for an aggregated fleet: the one worker named for both phases.
+BOTH_PHASES_ON_1 = {"prefill_worker_id": 1, "prefill_dp_rank": 0, "decode_worker_id": 1, "decode_dp_rank": 0}
+
+
 def test_query_instance_id_answers_without_booking(client: TestClient) -> None:
     before = state(client)
     # Dynamo 1.6's key:value form (its gateway sends an empty value), and the bare one of earlier releases.
@@ -199,12 +203,12 @@ def test_query_instance_id_answers_without_booking(client: TestClient) -> None:
         reply = client.post("/v1/route", json=body)
         assert _decision(reply)[:2] == (1, 0)
         answer = reply.json()
-        assert (answer["worker_instance_id"], answer["token_data"]) == (1, TOKENS)
+        assert answer["nvext"] == {"worker_id": BOTH_PHASES_ON_1, "token_ids": TOKENS}
         assert "request_id" not in answer and "x-request-id" not in reply.headers
     packed = msgspec.msgpack.encode({"method": "route", "token_ids": struct.pack(f"<{len(TOKENS)}i", *TOKENS),
                                      "annotations": ["query_instance_id"]})  # fmt: skip
     answer = msgspec.msgpack.decode(client.post("/v1/router", content=packed, headers=MSGPACK).content)
-    assert (answer["method"], answer["worker_instance_id"], answer["token_data"]) == ("route", 1, TOKENS)
+    assert (answer["method"], answer["nvext"]) == ("route", {"worker_id": BOTH_PHASES_ON_1, "token_ids": TOKENS})
     assert state(client) == before
 
 

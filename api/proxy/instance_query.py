@@ -20,25 +20,15 @@ import time
 
 import msgspec
 
-from api.proxy.wire import InstanceQueryReply, NvExtResponse, QueryUsage, WorkerIdInfo
+from api.proxy.wire import InstanceQueryReply, QueryUsage
+from api.wire import NvExtResponse, WorkerIdInfo
 from router.types import RouteDecision
 
-__all__ = ["instance_reply", "worker_ids"]
+__all__ = ["instance_reply"]
 
 _encode = msgspec.json.Encoder().encode
 _EVENT_STREAM = b"text/event-stream"
 _JSON = b"application/json"
-
-
-def worker_ids(decision: RouteDecision) -> WorkerIdInfo:
-    """Who would prefill and who would decode the request, in Dynamo's shape."""
-    how = decision.disaggregation
-    decode = {"decode_worker_id": decision.worker_id, "decode_dp_rank": decision.dp_rank}
-    if how is None:  # aggregated: one worker runs both phases
-        return WorkerIdInfo(prefill_worker_id=decision.worker_id, prefill_dp_rank=decision.dp_rank, **decode)
-    if how.prefill is None:  # the decode worker prefills the prompt itself: no prefill leg to pin
-        return WorkerIdInfo(**decode)
-    return WorkerIdInfo(prefill_worker_id=how.prefill.worker_id, prefill_dp_rank=how.prefill.dp_rank, **decode)
 
 
 def instance_reply(
@@ -60,7 +50,7 @@ def instance_reply(
         model=model,
         choices=[{**choice, "logprobs": None, "finish_reason": None}],
         usage=None if stream else QueryUsage(prompt_tokens=len(tokens), total_tokens=len(tokens)),
-        nvext=NvExtResponse(worker_id=worker_ids(decision), token_ids=tokens),
+        nvext=NvExtResponse(worker_id=WorkerIdInfo.of(decision), token_ids=tokens),
     )
     if stream:
         return _EVENT_STREAM, b"data: " + _encode(reply) + b"\n\ndata: [DONE]\n\n"

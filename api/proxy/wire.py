@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from api.wire import NvExt
+from api.wire import NvExt, NvExtResponse
 from indexer.errors import UNDECODABLE
 from indexer.events import U32, U32_MAX
 
@@ -27,14 +27,12 @@ __all__ = [
     "InstanceQueryReply",
     "ModelCard",
     "ModelList",
-    "NvExtResponse",
     "OpenAIError",
     "RerankBody",
     "ResponsesBody",
     "TokenIdsBody",
     "TokenizeReply",
     "Usage",
-    "WorkerIdInfo",
     "error_body",
     "finished_stream",
     "prompt_token_ids",
@@ -270,23 +268,6 @@ def reported_usage(body: bytes) -> Usage | None:
 
 
 # ---------------------------------------------------------------- Dynamo's query_instance_id answer
-class WorkerIdInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Dynamo's `WorkerIdInfo`: who prefills and who decodes, each field skipped when absent."""
-
-    prefill_worker_id: int | None = None
-    prefill_dp_rank: int | None = None
-    decode_worker_id: int | None = None
-    decode_dp_rank: int | None = None
-
-
-class NvExtResponse(msgspec.Struct, kw_only=True):
-    """Dynamo's response ``nvext`` as its frontend fills it for ``query_instance_id``: the workers
-    chosen, and the prompt's token ids for the gateway's second call (``nvext.token_data``)."""
-
-    worker_id: WorkerIdInfo
-    token_ids: list[int]
-
-
 class QueryUsage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int = 0
