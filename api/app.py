@@ -21,15 +21,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.asgi import BodyLimit, StreamEndpoint
 from api.auth import ApiAuth
 from api.config import Settings
+from api.contract import HotRoutes
 from api.cors import Cors
 from api.docs import add_docs_routes
 from api.engine_lifecycle import running_dynamo_sources, running_engines
 from api.errors import ApiError, InvalidBody, NotFound, error_reply
-from api.fastpath import FastPath, HotRoutes
 from api.ha_metrics import HaCollector
 from api.handlers import Handlers
 from api.metrics import (
@@ -173,22 +175,23 @@ def create_app(
     add_docs_routes(app, auth)
     _add_error_handlers(app)
     Cors(settings.service).install(app)
-    # The OpenAI routes are stream routes, served before everything else whatever fast_path says.
+    limit = settings.service.max_body_bytes
     streams = proxy.routes(auth) if proxy is not None else {}
+    for path, stream in streams.items():
+        # Documented by `Proxy.document`; these answer where the HTTP protocol does not.
+        app.router.routes.append(Route(path, StreamEndpoint(stream, limit), methods=["POST"], include_in_schema=False))
     hot_routes = handlers.routes() if settings.service.fast_path else {}
-    hot = HotRoutes(hot_routes, settings.service.max_body_bytes, streams)
-    app.hot = hot
-    app.front = FastPath(partial(FastAPI.__call__, app), hot)
+    app.hot = HotRoutes(hot_routes, limit, streams)
+    app.front = BodyLimit(partial(FastAPI.__call__, app), limit)
     return app
 
 
 class RouterApp(FastAPI):
-    """A FastAPI app entered through `FastPath`: the hot routes and the stream routes (the proxy's)
-    are answered before FastAPI's own per-request layers (telemetry check, error middleware,
-    routing), which cost more than a decision.
+    """A FastAPI app entered through `BodyLimit` (every request's body held to ``max_body_bytes``).
 
-    ``hot`` is what `FastPath` serves (no hot routes with ``fast_path`` off); a server may answer the
-    same routes even earlier, as ``kv-router serve`` does in its HTTP protocol (`api.http_protocol`).
+    ``hot`` is what kv-router's HTTP protocol (`api.http_protocol`) answers before ASGI: the hot
+    routes (none with ``fast_path`` off) and the stream routes (the proxy's); the app's own routes
+    answer the same paths with the same handlers wherever the protocol does not serve them.
     """
 
     front: ASGIApp

@@ -24,6 +24,7 @@ import msgspec
 from api.auth import Access, ApiAuth
 from api.codec import BodyDecoder, Call, Reply, encode
 from api.config import ServiceConfig
+from api.contract import HotHandler, HotOutcome
 from api.eager import Suspended, start
 from api.errors import (
     ApiError,
@@ -34,7 +35,6 @@ from api.errors import (
     error_reply,
     prompt_too_long,
 )
-from api.fastpath import HotHandler, HotOutcome
 from api.hints import routing_call
 from api.metrics import ApiMetrics
 from api.wire import (

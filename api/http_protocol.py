@@ -1,61 +1,80 @@
-"""The hot routes answered inside uvicorn's HTTP protocol, before ASGI.
+"""kv-router's HTTP/1.1 protocol: the hot routes and the stream routes answered before ASGI, every
+other request run on the ASGI app.
 
-uvicorn's httptools protocol costs about 45 µs of CPU per request on this VM before the app sees it:
-an ASGI scope dict, an `asyncio.Event`, a task per request, and receive / send message dicts. A
-routing decision on a 1k-token prompt costs about as much, and a decision is two requests (``new``,
-then ``mark_free``). So `FastHttpProtocol`, a subclass of that protocol, answers ``POST`` to a hot
-path itself: httptools parses the request as before, the body is collected from the parser's
-callbacks, the route's `Handlers` method runs right there (its reply, with no coroutine, unless it
-has to wait, which only a ``new`` parked in the router's queue does: that coroutine is started
-eagerly, `api.eager`, and finished in a task only once it suspends), and one complete HTTP/1.1 response is
-written to the transport.
+uvicorn's own protocols cost about 45 µs of CPU per request on this VM before the app sees it (an
+ASGI scope dict, an `asyncio.Event`, a task, receive / send message dicts), about what a routing
+decision on a 1k-token prompt costs, and a decision is two requests (``new``, then ``mark_free``).
+So `HttpProtocol`, an `asyncio.Protocol` of our own on httptools' public `HttpRequestParser`,
+answers ``POST`` to a hot path itself: the body is collected from the parser's callbacks, the
+route's `Handlers` method runs right there (its reply, with no coroutine, unless it has to wait,
+which only a ``new`` parked in the router's queue does: that coroutine is started eagerly,
+`api.eager`, and finished in a task only once it suspends), and one complete HTTP/1.1 response is
+written to the transport. With the C accelerator, a read holding exactly one plain hot ``POST`` is
+parsed in one call (`api._native.parse_post`) instead of httptools' callbacks.
 
-Everything else is uvicorn's own code path, unchanged: other methods and paths reach the FastAPI
-app through ASGI; so do the hot paths with ``fast_path`` off, under a ``root_path``, with
-``limit_concurrency``, or on an upgrade request. Both kinds of request share uvicorn's per-connection
-machinery, so keep-alive, pipelining (one request at a time per connection, answers in order),
-reading paused while a pipelined request waits, graceful shutdown (a request in flight finishes, then
-the connection closes) and the 400 for an unparsable request are uvicorn's; the keep-alive timeout
-is too, with one lazily re-armed timer per connection instead of a new one per response. What the
-ASGI fast path (`api.fastpath.FastPath`) does per request is kept: the body limit (a 413 before
-reading a body whose ``Content-Length`` is over it, or as soon as a chunked body grows past it), the
-same replies, headers (``content-type``, ``content-length``, ``x-request-id``) and metrics, and
-``Expect: 100-continue``.
+Every other request (other methods and paths; every path under a ``root_path`` or a concurrency
+limit, and with ``fast_path`` off) is run on the ASGI app (`_AsgiRequest`): scope, ``receive`` and
+``send`` as the ASGI HTTP spec has them, a task per request. Both kinds share the connection's
+machinery here: keep-alive (an idle connection closed after ``timeout_keep_alive``, one lazily
+re-armed timer per connection), pipelining (one request answered at a time, in order; reading
+paused while a request waits its turn), ``Expect: 100-continue``, chunked request bodies, HTTP/1.0,
+``Connection: close``, a 400 for an unparsable request, flow control both ways, and graceful
+shutdown: uvicorn hands each protocol `Config`, its `ServerState` and the lifespan's state
+(``Config(http=HttpProtocol)``, `fast_protocol`); the connection registers in
+``server_state.connections`` and its tasks in ``server_state.tasks``, which uvicorn's shutdown
+drains, calling `shutdown` on each connection. No upgrade (WebSocket, h2c) is served: the service
+has no such route, and such a request is answered as a plain HTTP one, then the connection closes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+from urllib.parse import unquote
 
-from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import (
-    HEADER_VALUE_RE,
-    STATUS_LINE,
-    HttpToolsProtocol,
-    RequestResponseCycle,
-)
-from uvicorn.server import ServerState
+import httptools
 
 from api.codec import Reply, RequestHead, call_of, read_head
+from api.contract import HotHandler, HotRoutes, too_large_reply
 from api.eager import Suspended, start
-from api.fastpath import HotHandler, HotRoutes, too_large_reply
-from api.http_stream import StreamedRequest, StreamRoute, head_of
+from api.http_stream import STATUS_LINE, StreamedRequest, StreamRoute, head_of
 from api.native import ENABLED as NATIVE
 from api.native import accel
 
-__all__ = ["FastHttpProtocol", "fast_protocol", "response_bytes"]
+if TYPE_CHECKING:
+    from uvicorn import Config
+    from uvicorn.server import ServerState
+
+__all__ = ["HttpProtocol", "fast_protocol", "response_bytes"]
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_INTERNAL_ERROR = (
-    STATUS_LINE[500] + b"content-type: text/plain; charset=utf-8\r\ncontent-length: 21\r\n"
-    b"connection: close\r\n\r\nInternal Server Error"
-)
+
+
+def _plain(status: int, text: bytes) -> bytes:
+    """A whole text/plain response that closes the connection."""
+    return STATUS_LINE[
+        status
+    ] + b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
+        len(text),
+        text,
+    )
+
+
+_INTERNAL_ERROR = _plain(500, b"Internal Server Error")
+_BAD_REQUEST = _plain(400, b"Invalid HTTP request received.")
+_UNAVAILABLE = _plain(503, b"Service Unavailable")
 _MEDIA = {False: b"application/json", True: b"application/msgpack"}
 # (status, msgpack) -> a response's bytes up to its content-length value, made once each.
 _HEADS: dict[tuple[int, bool], bytes] = {}
+# A header value must not hold a control character (a response splitting guard).
+_BAD_HEADER_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+# Request body bytes buffered for an ASGI app before reading pauses until it takes them.
+_BODY_HIGH_WATER = 65536
 
 
 def _head(status: int, msgpack: bool) -> bytes:
@@ -67,38 +86,27 @@ ParsedPost = tuple[bytes, bytes, bytes | None, bytes | None, str | None, bytes |
 ParsePost = Callable[[bytes], ParsedPost | int | None]
 
 
-def fast_protocol(hot: HotRoutes) -> type[FastHttpProtocol]:
+def fast_protocol(hot: HotRoutes) -> type[HttpProtocol]:
     """The protocol class to give uvicorn (``Config(http=...)``) for an app's hot routes and stream
     routes (`api.http_stream`)."""
     routes = {path.encode("ascii"): handler for path, handler in hot.routes.items()}
     streamed = {path.encode("ascii"): handler for path, handler in hot.streams.items()}
 
-    class BoundFastHttpProtocol(FastHttpProtocol):
+    class BoundHttpProtocol(HttpProtocol):
         hot_routes = routes
         stream_routes = streamed
         max_body_bytes = hot.max_body_bytes
 
-    return BoundFastHttpProtocol
-
-
-class _NoEvent:
-    __slots__ = ()
-
-    def set(self) -> None:
-        pass
+    return BoundHttpProtocol
 
 
 class _HotRequest:
-    """One hot request on a connection: what its handler reads, its body so far, where it stands.
-
-    It takes the place of uvicorn's `RequestResponseCycle` as the connection's current ``cycle`` and
-    in its pipeline, and has the attributes uvicorn's connection code reads there.
-    """
+    """One hot or stream-route request on a connection: what its handler reads, its body so far,
+    where it stands."""
 
     __slots__ = (
         "chunks",
         "complete",
-        "disconnected",
         "expect_continue",
         "handler",
         "head",
@@ -112,7 +120,6 @@ class _HotRequest:
         "size",
         "started",
     )
-    message_event = _NoEvent()  # uvicorn's connection_lost sets the current cycle's event
 
     def __init__(
         self, handler: HotHandler, path: bytes, query: bytes, head: RequestHead, http_version: str, keep_alive: bool
@@ -131,11 +138,11 @@ class _HotRequest:
         self.complete = False  # the whole body is in
         self.refused = False  # over the body limit
         self.response_complete = False
-        self.disconnected = False
 
 
-class FastHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, answering ``POST`` to ``hot_routes`` without ASGI (see the module)."""
+class HttpProtocol(asyncio.Protocol):
+    """One HTTP/1.1 connection: ``POST`` to ``hot_routes`` / ``stream_routes`` answered here, the
+    rest run on the ASGI app (see the module)."""
 
     hot_routes: ClassVar[dict[bytes, HotHandler]] = {}
     stream_routes: ClassVar[dict[bytes, StreamRoute]] = {}
@@ -152,20 +159,87 @@ class FastHttpProtocol(HttpToolsProtocol):
         app_state: dict[str, Any],
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        super().__init__(config, server_state, app_state, _loop)
-        # Under a root path or a concurrency limit uvicorn's own handling differs per request: leave
-        # every request to it.
+        self.loop = _loop or asyncio.get_event_loop()
+        self.app = config.loaded_app
+        self.app_state = app_state
+        self.server_state = server_state
+        self.tasks: set[asyncio.Task[None]] = server_state.tasks  # uvicorn's shutdown waits for them
+        self.logger = logging.getLogger("uvicorn.error")
+        self.access_logger = logging.getLogger("uvicorn.access")
+        self.access_log = bool(config.access_log) and self.access_logger.hasHandlers()
+        self.root_path = config.root_path
+        self.limit_concurrency = config.limit_concurrency
+        self.timeout_keep_alive = float(config.timeout_keep_alive)
+        self.parser = httptools.HttpRequestParser(self)
+        # Under a root path or a concurrency limit every request goes to the app.
         served = not config.root_path and config.limit_concurrency is None
         self._routes = self.hot_routes if served else {}
         self._streams = self.stream_routes if served else {}
+        self.transport: asyncio.Transport = cast(asyncio.Transport, None)
+        self.client: tuple[str, int] | None = None
+        self.server: tuple[str, int] | None = None
+        self.scheme = "http"
+        # The request being answered (None between requests; a whole hot request answered at once
+        # never becomes one), the one httptools is reading, and those waiting their turn.
+        self._current: _HotRequest | _AsgiRequest | None = None
+        self._parsing: _HotRequest | _AsgiRequest | None = None
+        self._waiting: deque[_HotRequest | _AsgiRequest] = deque()
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._expect_continue = False
         self._streamed: tuple[StreamedRequest, _HotRequest] | None = None  # the stream route being answered
         self._gone = False
         self._lost: asyncio.Future[None] | None = None
         self._wait_disconnect = self._disconnected
-        self._reading_paused_for_writes = False
+        self._read_paused = False
+        self._write_paused = False
+        self._writable: asyncio.Event | None = None
+        self._keep_alive_timer: asyncio.TimerHandle | None = None
         self._idle_since = -1.0  # loop time of the last response while idle; -1 while busy
         self._between_messages = True  # httptools has no partial request
         self._head_read: bytes | None = None  # a plain hot request's head, its body still coming
+        self._upgraded = False
+
+    # ------------------------------------------------------------------ asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.server_state.connections.add(self)  # type: ignore[arg-type]  # uvicorn calls its shutdown()
+        self.client = _address(transport.get_extra_info("peername"))
+        self.server = _address(transport.get_extra_info("sockname"))
+        if transport.get_extra_info("sslcontext") is not None:
+            self.scheme = "https"
+        self._idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server_state.connections.discard(self)
+        self._gone = True
+        if self._keep_alive_timer is not None:
+            self._keep_alive_timer.cancel()
+            self._keep_alive_timer = None
+        for request in (self._current, *self._waiting):
+            if isinstance(request, _AsgiRequest):
+                request.lost()
+        if self._lost is not None and not self._lost.done():
+            self._lost.set_result(None)
+        if self._streamed is not None:
+            self._streamed[0].lost()
+        if self._writable is not None:
+            self._writable.set()  # a send waiting for the client to read returns; the cycle sees it gone
+
+    def eof_received(self) -> None:
+        pass
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        if self._writable is not None:
+            self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._writable is not None:
+            self._writable.set()
+        if self._read_paused and not self._waiting:
+            self._resume_reading()
 
     def data_received(self, data: bytes) -> None:
         waiting = self._head_read
@@ -173,21 +247,59 @@ class FastHttpProtocol(HttpToolsProtocol):
             self._head_read = None
             data = waiting + data
         parse = type(self).parse_whole
-        if parse is not None and self._between_messages and not self.pipeline:
-            cycle: object = self.cycle
-            if cycle is None or cycle.response_complete:  # type: ignore[attr-defined]
-                parsed = parse(data)
-                if isinstance(parsed, int):
-                    # A plain head whose body is still coming (clients often write the two apart):
-                    # keep the bytes and parse them whole with the rest; httptools never saw them.
-                    if parsed <= self.max_body_bytes:
-                        self._unset_keepalive_if_required()
-                        self._head_read = data
-                        return
-                elif parsed is not None and self._whole_request(parsed, data):
+        if parse is not None and self._between_messages and self._current is None and not self._waiting:
+            parsed = parse(data)
+            if isinstance(parsed, int):
+                # A plain head whose body is still coming (clients often write the two apart): keep
+                # the bytes and parse them whole with the rest; httptools never saw them.
+                if parsed <= self.max_body_bytes:
+                    self._idle_since = -1.0
+                    self._head_read = data
                     return
-        super().data_received(data)
+            elif parsed is not None and self._whole_request(parsed, data):
+                return
+        self._feed(data)
 
+    def _feed(self, data: bytes) -> None:
+        if self._upgraded:
+            return  # what follows an upgrade request is not HTTP; the connection closes after its answer
+        self._idle_since = -1.0
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade()
+        except httptools.HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            if not self.transport.is_closing():
+                self.transport.write(_BAD_REQUEST)
+                self.transport.close()
+
+    def _unsupported_upgrade(self) -> None:
+        """An upgrade request, answered as plain HTTP (`on_headers_complete` made it close the
+        connection after its answer)."""
+        self.logger.warning("Unsupported upgrade request.")
+        self._upgraded = True
+        if self._parsing is not None:
+            self.on_message_complete()
+
+    # ------------------------------------------------------------------ uvicorn's server hooks
+    def shutdown(self) -> None:
+        """Graceful shutdown (uvicorn calls it on each connection): an idle connection closes now, a
+        busy one after the answer to its request in flight. A head kept for its body is a request
+        in flight: httptools takes it over (as if it had read it)."""
+        held = self._head_read
+        if held is not None:
+            self._head_read = None
+            self._feed(held)
+        request = self._current or self._parsing
+        if request is None or request.response_complete:
+            if not self.transport.is_closing():
+                self.transport.close()
+        else:
+            request.keep_alive = False
+            self._waiting.clear()
+
+    # ------------------------------------------------------------------ whole hot requests (C parse)
     def _whole_request(self, parsed: ParsedPost, data: bytes) -> bool:
         """Answer one whole hot request parsed in C, as the httptools callbacks would; False for a
         path that is not hot or a body over the limit (httptools then parses it, as any request)."""
@@ -196,7 +308,7 @@ class FastHttpProtocol(HttpToolsProtocol):
         if handler is not None and not self.access_log and len(body) <= self.max_body_bytes:
             # The usual request: its handler runs at once and its answer is written, with no request
             # record; one is made only if the handler has to wait (a `new` parked in the queue).
-            self._idle_since = -1.0  # busy (`_unset_keepalive_if_required`, without the call)
+            self._idle_since = -1.0
             call = call_of(body, query, content_type, accept, request_id, authorization, self._wait_disconnect)
             try:
                 answer = handler(call)
@@ -206,7 +318,7 @@ class FastHttpProtocol(HttpToolsProtocol):
                 return True
             if isinstance(outcome, Suspended):
                 request = self._whole_hot_request(handler, parsed)
-                self.cycle = request  # type: ignore[assignment]
+                self._current = request
                 request.started = True
                 self._wait_for(request, outcome)
             else:
@@ -215,10 +327,10 @@ class FastHttpProtocol(HttpToolsProtocol):
         handler = handler or cast(HotHandler | None, self._streams.get(path))
         if handler is None or len(body) > self.max_body_bytes:
             return False
-        self._unset_keepalive_if_required()
+        self._idle_since = -1.0
         request = self._whole_hot_request(handler, parsed)
         request.raw_head = data[data.find(b"\r\n") + 2 : data.find(b"\r\n\r\n") + 2]  # its header lines
-        self.cycle = request  # type: ignore[assignment]
+        self._current = request
         self._begin(request)
         return True
 
@@ -235,41 +347,54 @@ class FastHttpProtocol(HttpToolsProtocol):
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
         self._between_messages = False
-        # What a hot request needs; the ASGI scope is only built once the request is known not to be hot.
-        self.url = b""
-        self.expect_100_continue = False
-        self.headers = []
+        self._url = b""
+        self._headers = []
+        self._expect_continue = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
+        self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         parser = self.parser
-        handler = None
-        if parser.get_method() == b"POST" and not parser.should_upgrade():
-            path, _, query = self.url.partition(b"?")
-            handler = self._routes.get(path) or cast(HotHandler | None, self._streams.get(path))
-        if handler is None:
-            self._asgi_headers_complete()
-            return
         http_version = parser.get_http_version()
-        head = read_head(self.headers)
-        keep_alive = http_version != "1.0" and parser.should_keep_alive()
-        request = _HotRequest(handler, path, query, head, http_version, keep_alive)
-        request.expect_continue = self.expect_100_continue
-        if path in self._streams:
-            request.raw_head = head_of(self.headers)
-        request.refused = head.content_length > self.max_body_bytes  # answered before a byte of the body is read
-        previous = self.cycle
-        self.cycle = cast(RequestResponseCycle, request)
-        if previous is None or previous.response_complete:
-            self._begin(request)
-        else:  # pipelined behind a request still being answered: its turn comes in on_response_complete
-            self.flow.pause_reading()
-            self.pipeline.appendleft((cast(RequestResponseCycle, request), self.app))
+        # An upgrade is not served: the bytes after the request are not HTTP, so the connection closes.
+        upgrade = parser.should_upgrade()
+        keep_alive = http_version != "1.0" and parser.should_keep_alive() and not upgrade
+        method = parser.get_method()
+        handler = None
+        if method == b"POST" and not upgrade:
+            path, _, query = self._url.partition(b"?")
+            handler = self._routes.get(path) or cast(HotHandler | None, self._streams.get(path))
+        request: _HotRequest | _AsgiRequest
+        if handler is None:
+            request = self._asgi_request(method, http_version, keep_alive)
+        else:
+            head = read_head(self._headers)
+            request = _HotRequest(handler, path, query, head, http_version, keep_alive)
+            if path in self._streams:
+                request.raw_head = head_of(self._headers)
+            request.refused = head.content_length > self.max_body_bytes  # answered before the body is read
+        request.expect_continue = self._expect_continue
+        self._parsing = request
+        if self._current is None:
+            self._current = request
+            self._start(request)
+        else:  # pipelined behind a request still being answered: its turn comes in _response_complete
+            self._pause_reading()
+            self._waiting.append(request)
 
     def on_body(self, body: bytes) -> None:
-        request: object = self.cycle
-        if not isinstance(request, _HotRequest):
-            super().on_body(body)
+        request = self._parsing
+        if type(request) is _AsgiRequest:
+            request.body_received(body)
             return
+        request = cast(_HotRequest, request)
         if request.refused or request.response_complete:
             return  # the parser reads the rest of a refused body; nobody keeps it
         request.size += len(body)
@@ -283,91 +408,75 @@ class FastHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._between_messages = True
-        request: object = self.cycle
-        if not isinstance(request, _HotRequest):
-            super().on_message_complete()
+        request = self._parsing
+        self._parsing = None
+        if type(request) is _AsgiRequest:
+            request.body_complete()
             return
+        request = cast(_HotRequest, request)
         request.complete = True
         if request.started and not request.refused:
             self._run(request)
 
-    # ------------------------------------------------------------------ uvicorn's connection hooks
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        """The next pipelined request's turn (called by uvicorn's on_response_complete)."""
-        request: object = cycle
-        if isinstance(request, _HotRequest):
-            self._begin(request)
+    # ------------------------------------------------------------------ the connection's turns
+    def _start(self, request: _HotRequest | _AsgiRequest) -> None:
+        if type(request) is _AsgiRequest:
+            self._run_asgi(request)
         else:
-            super()._start_asgi_task(cycle, app)
+            self._begin(cast(_HotRequest, request))
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        self._gone = True
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
-        if self._lost is not None and not self._lost.done():
-            self._lost.set_result(None)
-        if self._streamed is not None:
-            self._streamed[0].lost()
-
-    def _unset_keepalive_if_required(self) -> None:
-        # Called on every read: the connection is busy. Rather than cancelling the idle timer here and
-        # arming a new one after every response (2-3 µs a request), one timer per connection checks,
-        # when it fires, whether the connection has really been idle that long.
-        self._idle_since = -1.0
-
-    def on_response_complete(self) -> None:
-        """uvicorn's, with the lazily re-armed keep-alive timer: start the next pipelined request, or
-        close the connection ``timeout_keep_alive`` seconds after this response if nothing comes."""
+    def _response_complete(self) -> None:
+        """The current request is answered: start the next pipelined one, or close the connection
+        ``timeout_keep_alive`` seconds from now if nothing comes."""
         self.server_state.total_requests += 1
+        self._current = None
         if self.transport.is_closing():
             return
-        flow = self.flow
-        if flow.read_paused:  # as its resume_reading checks: no call on a connection never paused
-            flow.resume_reading()
-        if self.pipeline:
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
+        if self._read_paused and not self._write_paused:
+            self._resume_reading()
+        if self._waiting:
+            request = self._current = self._waiting.popleft()
+            self._start(request)
             return
+        self._idle()
+
+    def _idle(self) -> None:
         self._idle_since = self.loop.time()
-        if self.timeout_keep_alive_task is None:
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._check_idle)
+        if self._keep_alive_timer is None:
+            self._keep_alive_timer = self.loop.call_later(self.timeout_keep_alive, self._check_idle)
 
     def _check_idle(self) -> None:
-        self.timeout_keep_alive_task = None
+        # One timer per connection: rather than cancelled on every read and armed again after every
+        # response (2-3 µs a request), it checks when it fires whether the connection has been idle
+        # that long.
+        self._keep_alive_timer = None
         if self._idle_since < 0:
             return  # busy: armed again when its response is complete
         remaining = self._idle_since + self.timeout_keep_alive - self.loop.time()
         if remaining > 0:
-            self.timeout_keep_alive_task = self.loop.call_later(remaining, self._check_idle)
-        else:
-            self.timeout_keep_alive_handler()
+            self._keep_alive_timer = self.loop.call_later(remaining, self._check_idle)
+        elif not self.transport.is_closing():
+            self.transport.close()
 
-    def shutdown(self) -> None:
-        """uvicorn's graceful shutdown; a head kept for its body is a request in flight: httptools
-        takes it over (as if it had read it), so the request is answered before the connection closes."""
-        held = self._head_read
-        if held is not None:
-            self._head_read = None
-            super().data_received(held)
-        super().shutdown()
+    def _pause_reading(self) -> None:
+        if not self._read_paused:
+            self._read_paused = True
+            self.transport.pause_reading()
 
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self._reading_paused_for_writes:
-            self._reading_paused_for_writes = False
-            self.flow.resume_reading()
+    def _resume_reading(self) -> None:
+        if self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()
+
+    async def drain(self) -> None:
+        """Returns once the client reads its answers again (or has gone)."""
+        if not self._write_paused or self._gone:
+            return
+        if self._writable is None:
+            self._writable = asyncio.Event()
+        await self._writable.wait()
 
     # ------------------------------------------------------------------ hot requests
-    def _asgi_headers_complete(self) -> None:
-        """Hand the request to uvicorn's ASGI path, with the scope its on_message_begin would have built."""
-        url, headers, expect = self.url, self.headers, self.expect_100_continue
-        super().on_message_begin()
-        self.url, self.headers, self.expect_100_continue = url, headers, expect
-        self.scope["headers"] = headers
-        super().on_headers_complete()
-
     def _begin(self, request: _HotRequest) -> None:
         """Its turn has come: answer now if its body is in (or refused), else when it is."""
         request.started = True
@@ -444,11 +553,10 @@ class FastHttpProtocol(HttpToolsProtocol):
                 self._log_access(request, reply.status)
             if not keep_alive:
                 transport.close()
-        self.on_response_complete()
-        if self.flow.write_paused and not self._gone:
+        self._response_complete()
+        if self._write_paused and not self._gone:
             # The client is not reading its answers: stop reading its requests until it catches up.
-            self._reading_paused_for_writes = True
-            self.flow.pause_reading()
+            self._pause_reading()
 
     def _header_lines(self, reply: Reply, keep_alive: bool) -> bytes:
         """The header lines after content-length and x-request-id: the reply's own, uvicorn's
@@ -456,21 +564,20 @@ class FastHttpProtocol(HttpToolsProtocol):
         lines = b""
         for extra_name, extra_value in reply.headers:
             lines += b"%s: %s\r\n" % (extra_name.encode("latin-1"), extra_value.encode("latin-1"))
-        for name, value in self.server_state.default_headers:
-            lines += b"%s: %s\r\n" % (name, value)
+        lines += self.default_header_lines()
         if not keep_alive:
             lines += b"connection: close\r\n"
         return lines
 
-    def _crashed(self, request: _HotRequest | None, exc: BaseException | None) -> None:
-        """As uvicorn answers an app that raised: log it, send a 500, close the connection."""
+    def _crashed(self, request: _HotRequest | _AsgiRequest | None, exc: BaseException | None) -> None:
+        """As for an ASGI app that raised: log it, send a 500, close the connection."""
         self.logger.error("Exception in ASGI application\n", exc_info=exc or asyncio.CancelledError())
         if request is not None:
             request.response_complete = True
         if not self.transport.is_closing():
             self.transport.write(_INTERNAL_ERROR)
             self.transport.close()
-        self.on_response_complete()
+        self._response_complete()
 
     # ------------------------------------------------------------------ for stream routes (api.http_stream)
     def stream_complete(self, status: int) -> None:
@@ -483,7 +590,7 @@ class FastHttpProtocol(HttpToolsProtocol):
             self._log_access(request, status)
         if not request.keep_alive and not self.transport.is_closing():
             self.transport.close()
-        self.on_response_complete()
+        self._response_complete()
 
     def stream_crashed(self, exc: BaseException | None, started: bool) -> None:
         """The stream route's handler raised: a 500 if nothing was written yet, else the connection closes."""
@@ -496,23 +603,22 @@ class FastHttpProtocol(HttpToolsProtocol):
         self.logger.error("Exception in a streamed answer\n", exc_info=exc or asyncio.CancelledError())
         request.response_complete = True
         self.transport.close()
-        self.on_response_complete()
+        self._response_complete()
 
     def default_header_lines(self) -> bytes:
         return b"".join(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
 
     def write_paused(self) -> bool:
-        return self.flow.write_paused
-
-    async def drain(self) -> None:
-        await self.flow.drain()
+        return self._write_paused
 
     def _log_access(self, request: _HotRequest, status: int) -> None:
         target = request.path + (b"?" + request.query if request.query else b"")
+        self.access_log_line("POST", target.decode("latin-1"), request.http_version, status)
+
+    def access_log_line(self, method: str, target: str, http_version: str, status: int) -> None:
+        """uvicorn's access line, with its arguments (`api.logs` reads them for JSON records)."""
         client = f"{self.client[0]}:{self.client[1]}" if self.client else ""
-        self.access_logger.info(
-            '%s - "%s %s HTTP/%s" %d', client, "POST", target.decode("latin-1"), request.http_version, status
-        )
+        self.access_logger.info('%s - "%s %s HTTP/%s" %d', client, method, target, http_version, status)
 
     async def _disconnected(self) -> None:
         """Returns once the client has closed the connection (watched by a request in the queue)."""
@@ -522,6 +628,233 @@ class FastHttpProtocol(HttpToolsProtocol):
             self._lost = self.loop.create_future()
         await self._lost
 
+    # ------------------------------------------------------------------ ASGI requests
+    def _asgi_request(self, method: bytes, http_version: str, keep_alive: bool) -> _AsgiRequest:
+        url = httptools.parse_url(self._url)
+        raw_path = url.path or b"/"
+        path = raw_path.decode("ascii", "replace")
+        if "%" in path:
+            path = unquote(path)
+        root_path = self.root_path
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": http_version,
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "method": method.decode("ascii"),
+            "root_path": root_path,
+            "path": root_path + path,
+            "raw_path": root_path.encode("ascii") + raw_path,
+            "query_string": url.query or b"",
+            "headers": self._headers,
+            "state": self.app_state.copy(),
+        }
+        return _AsgiRequest(self, scope, keep_alive)
+
+    def _run_asgi(self, request: _AsgiRequest) -> None:
+        limit = self.limit_concurrency
+        if limit is not None and (len(self.server_state.connections) >= limit or len(self.tasks) >= limit):
+            self.logger.warning("Exceeded concurrency limit.")
+            request.response_complete = True
+            if not self.transport.is_closing():
+                self.transport.write(_UNAVAILABLE)
+                self.transport.close()
+            self._response_complete()
+            return
+        task: asyncio.Task[None] = self.loop.create_task(request.run(self.app))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
+def _address(address: object) -> tuple[str, int] | None:
+    if isinstance(address, (tuple, list)) and len(address) >= 2:
+        return str(address[0]), int(address[1])
+    return None
+
+
+class _AsgiRequest:
+    """One request run on the ASGI app: its scope, the body as it arrives (``receive``), the answer
+    as the app sends it (``send``), written to the connection."""
+
+    __slots__ = (
+        "_body_given",
+        "_chunked",
+        "_event",
+        "_head",
+        "_length_left",
+        "_protocol",
+        "body",
+        "complete",
+        "disconnected",
+        "expect_continue",
+        "keep_alive",
+        "response_complete",
+        "response_started",
+        "scope",
+        "status",
+    )
+
+    def __init__(self, protocol: HttpProtocol, scope: dict[str, Any], keep_alive: bool) -> None:
+        self._protocol = protocol
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.expect_continue = False
+        self.body = bytearray()
+        self.complete = False  # the whole body is in
+        self.disconnected = False
+        self.response_started = False
+        self.response_complete = False
+        self.status = 0
+        self._event = asyncio.Event()  # set when body arrives, the body ends, or the client goes
+        self._body_given = False  # receive has given the body's last bytes
+        self._head = b""  # the response's head, written with its first body bytes
+        self._chunked = False
+        self._length_left: int | None = None  # of the content-length the app declared
+
+    # ------------------------------------------------------------------ from the protocol
+    def body_received(self, data: bytes) -> None:
+        self.body += data
+        self._event.set()
+        if len(self.body) > _BODY_HIGH_WATER:
+            self._protocol._pause_reading()
+
+    def body_complete(self) -> None:
+        self.complete = True
+        self._event.set()
+
+    def lost(self) -> None:
+        self.disconnected = True
+        self._event.set()
+
+    # ------------------------------------------------------------------ the app
+    async def run(self, app: Any) -> None:
+        protocol = self._protocol
+        try:
+            await app(self.scope, self.receive, self.send)
+        except BaseException as exc:  # the app's bug, or a cancellation at the end of a graceful shutdown
+            if not self.response_started:
+                protocol._crashed(self, exc)
+            else:
+                protocol.logger.error("Exception in ASGI application\n", exc_info=exc)
+                self._abort()
+            return
+        if self.response_complete or self.disconnected:
+            return
+        if not self.response_started:
+            protocol.logger.error("ASGI callable returned without starting response.")
+            protocol._crashed(self, RuntimeError("no response"))
+        else:
+            protocol.logger.error("ASGI callable returned without completing response.")
+            self._abort()
+
+    def _abort(self) -> None:
+        self.response_complete = True
+        self._protocol.transport.close()
+        self._protocol._response_complete()
+
+    async def receive(self) -> dict[str, Any]:
+        protocol = self._protocol
+        if self.expect_continue and not self.complete and not protocol.transport.is_closing():
+            protocol.transport.write(_CONTINUE)
+        self.expect_continue = False
+        while not (self.disconnected or self.response_complete):
+            if self.body or (self.complete and not self._body_given):
+                break
+            # Nothing to give yet, or the whole body given: wait for more, the client leaving or the
+            # answer's end.
+            self._event.clear()
+            if not protocol._write_paused:
+                protocol._resume_reading()
+            await self._event.wait()
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        body = bytes(self.body)
+        self.body.clear()
+        self._body_given = self.complete
+        return {"type": "http.request", "body": body, "more_body": not self.complete}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        protocol = self._protocol
+        if protocol._write_paused:
+            await protocol.drain()
+        if self.disconnected:
+            return  # the client has gone: nobody reads it
+        kind = message["type"]
+        if not self.response_started:
+            if kind != "http.response.start":
+                raise RuntimeError(f"Expected ASGI message 'http.response.start', but got '{kind}'.")
+            self.response_started = True
+            self._start_response(message["status"], message.get("headers", ()))
+            return
+        if self.response_complete:
+            raise RuntimeError(f"Unexpected ASGI message '{kind}' sent, after response already completed.")
+        if kind != "http.response.body":
+            raise RuntimeError(f"Expected ASGI message 'http.response.body', but got '{kind}'.")
+        body: bytes = message.get("body", b"")
+        more_body = message.get("more_body", False)
+        if self.scope["method"] == "HEAD":
+            body = b""
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
+            if not more_body:
+                data += b"0\r\n\r\n"
+        else:
+            data = body
+            if self._length_left is not None:
+                self._length_left -= len(body)
+                if self._length_left < 0:
+                    raise RuntimeError("Response content longer than Content-Length")
+        head, self._head = self._head, b""
+        transport = protocol.transport
+        if (head or data) and not transport.is_closing():
+            transport.write(head + data if head else data)
+        if more_body:
+            return
+        if self._length_left and self.scope["method"] != "HEAD":
+            raise RuntimeError("Response content shorter than Content-Length")
+        self.response_complete = True
+        self._event.set()
+        if not self.keep_alive and not transport.is_closing():
+            transport.close()
+        protocol._response_complete()
+
+    def _start_response(self, status: int, headers: Any) -> None:
+        protocol = self._protocol
+        self.status = status
+        method = self.scope["method"]
+        lines = [STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status, protocol.default_header_lines()]
+        framed = False
+        for raw_name, value in headers:
+            name = bytes(raw_name).lower()
+            value = bytes(value)
+            if _BAD_HEADER_VALUE.search(value):
+                raise RuntimeError("Invalid HTTP header value.")
+            if name == b"content-length" and not framed:
+                self._length_left = int(value)
+                framed = True
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                self._chunked = framed = True
+                self._length_left = None
+            elif name == b"connection" and value.lower() == b"close":
+                self.keep_alive = False
+            lines += (bytes(raw_name), b": ", value, b"\r\n")
+        if not framed and method != "HEAD" and status not in (204, 304):
+            lines.append(b"transfer-encoding: chunked\r\n")
+            self._chunked = True
+        if method == "HEAD":
+            self._length_left = None
+        if not self.keep_alive and not any(name.lower() == b"connection" for name, _ in headers):
+            lines.append(b"connection: close\r\n")
+        lines.append(b"\r\n")
+        self._head = b"".join(lines)
+        if protocol.access_log:
+            scope = self.scope
+            query = scope["query_string"]
+            target = scope["raw_path"].decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
+            protocol.access_log_line(method, target, scope["http_version"], status)
+
 
 def response_bytes(head: bytes, body: bytes, request_id: str | None, lines: bytes) -> bytes:
     """One whole response: ``head`` (up to the content-length value), the length, ``x-request-id``,
@@ -529,9 +862,9 @@ def response_bytes(head: bytes, body: bytes, request_id: str | None, lines: byte
     length = b"%d\r\n" % len(body)
     if request_id is not None:
         # The id is schema-checked visible ASCII, a uuid, or X-Request-Id as httptools let it
-        # through (no control characters): this check is uvicorn's, kept as a guard.
+        # through (no control characters): this check is the ASGI path's, kept as a guard.
         value = request_id.encode("latin-1")
-        if not HEADER_VALUE_RE.search(value):
+        if not _BAD_HEADER_VALUE.search(value):
             length += b"x-request-id: %s\r\n" % value
     return b"%s%s%s\r\n%s" % (head, length, lines, body)
 

@@ -2,8 +2,9 @@
 its answer whole or as a stream; the OpenAI proxy's routes are stream routes.
 
 The contract is `StreamRoute` and `StreamCall`; it has two adapters: the HTTP protocol's
-`StreamedRequest` here, written straight to the client's transport, and `api.fastpath`'s
-`AsgiStreamedRequest` for any ASGI server. `api.http_protocol.FastHttpProtocol` collects a stream
+`StreamedRequest` here, written straight to the client's transport, and `api.asgi`'s
+`AsgiStreamedRequest` (a FastAPI route, `api.asgi.StreamEndpoint`) for any ASGI server.
+`api.http_protocol.HttpProtocol` collects a stream
 route's request as it collects a hot one (body limit, ``Expect: 100-continue``, keep-alive and
 pipelining are the protocol's), then its handler gets a `StreamedRequest` writing the answer
 straight to the client's transport. A streamed body goes out as HTTP/1.1 chunks, one per piece
@@ -21,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from http import HTTPStatus
 from typing import NamedTuple, Protocol
-
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from api.codec import Reply
 from api.eager import Suspended, start
 
 __all__ = [
+    "STATUS_LINE",
     "Headers",
     "Sink",
     "StreamCall",
@@ -43,6 +44,17 @@ __all__ = [
 Headers = list[tuple[bytes, bytes]]
 StreamHandler = Callable[["StreamCall"], Coroutine[object, object, None]]
 _JSON = b"application/json"
+
+
+def _phrase(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""  # a status without a standard phrase (499: the client left)
+
+
+# Status -> an HTTP/1.1 status line, made once.
+STATUS_LINE = {status: b"HTTP/1.1 %d %s\r\n" % (status, _phrase(status)) for status in range(100, 600)}
 
 
 class StreamRoute(NamedTuple):
@@ -128,7 +140,7 @@ class _Request(Protocol):
 
 
 class _Connection(Protocol):
-    """What a streamed request uses of the protocol (`api.http_protocol.FastHttpProtocol`)."""
+    """What a streamed request uses of the protocol (`api.http_protocol.HttpProtocol`)."""
 
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop

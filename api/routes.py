@@ -15,9 +15,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from api.asgi import wait_disconnect
 from api.auth import Access, ApiAuth
 from api.codec import JSON, MSGPACK, BodyDecoder, encode, is_msgpack, read_head
-from api.fastpath import HotHandler, answered, wait_disconnect
+from api.contract import HotHandler, answered
 from api.handlers import HOT_PATHS, Handlers
 from api.native import active_accelerators
 from api.openapi import Schemas
@@ -104,17 +105,20 @@ def _hot_endpoint(handler: HotHandler) -> Any:
         head = read_head(request.scope["headers"])
         call = head.call(await request.body(), request.scope["query_string"], partial(wait_disconnect, request.receive))
         reply = await answered(handler(call))
-        extra = dict(reply.headers)
+        # The headers in the protocol's order, so that both adapters answer the same bytes.
+        headers = {"content-type": reply.media_type, "content-length": str(len(reply.body))}
         if reply.request_id is not None:
-            extra["x-request-id"] = reply.request_id
-        return Response(reply.body, reply.status, headers=extra, media_type=reply.media_type)
+            headers["x-request-id"] = reply.request_id
+        headers.update(reply.headers)
+        return Response(reply.body, reply.status, headers=headers)
 
     return endpoint
 
 
 def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
-    """The routes `FastPath` also serves, which these answer when it does not (fast path off, or
-    mounted), and the decision routes only FastAPI serves (``/v1/route``)."""
+    """The hot routes, as the HTTP protocol (`api.http_protocol`) also serves them, answered here
+    wherever it does not (``--no-fast-protocol``, another ASGI server, mounted under a prefix), and
+    the decision routes only FastAPI serves (``/v1/route``)."""
     router = APIRouter(tags=["routing"])
     routes = handlers.routes()
     names = dict(HOT_PATHS)

@@ -1,71 +1,37 @@
-"""The outermost ASGI layer: the body-size limit for every request, and the hot routes and stream
-routes (`api.http_stream`: the OpenAI proxy's) served straight from bytes.
+"""The ASGI side of the data plane: the body limit of every request reaching the app (`BodyLimit`),
+the one body reader and reply writer of the FastAPI adapters (`read_body`, `send_reply`), and the
+stream routes (`api.http_stream`: the OpenAI proxy's) as ASGI endpoints (`StreamEndpoint`, answering
+on an `AsgiStreamedRequest`).
 
-FastAPI's per-request work (routing by regex over every route, the Request object, dependency
-solving, the Response object) costs several times more than a routing decision on a short prompt,
-so ``POST`` to a hot path is answered here: read the body, hand a `Call` to its handler, send the
-`Reply`. Everything else (other methods, other paths, the lifespan) goes on to the FastAPI app,
-whose routes for the same paths call the same handlers: with ``fast_path`` off, or when the app is
-mounted under a prefix, they serve the hot routes with identical results.
+kv-router's HTTP protocol (`api.http_protocol`) answers the hot routes and the stream routes itself;
+these serve them wherever it does not (``--no-fast-protocol``, another ASGI server, the test client),
+through the FastAPI app's routes, with the same handlers.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.codec import Call, Reply, RequestHead, read_head
-from api.errors import BodyTooLarge, error_reply
+from api.codec import Reply, read_head
+from api.contract import body_too_large, too_large_reply
+from api.errors import BodyTooLarge
 from api.http_stream import Headers, Sink, StreamRoute, head_of, whole_headers
 
 __all__ = [
     "AsgiStreamedRequest",
+    "BodyLimit",
     "ClientGone",
-    "FastPath",
-    "HotHandler",
-    "HotOutcome",
-    "HotRoutes",
-    "answered",
+    "StreamEndpoint",
     "read_body",
     "send_reply",
-    "too_large_reply",
     "wait_disconnect",
 ]
-
-# A hot route's answer: the reply itself when it never had to wait (the usual case: no coroutine is
-# made), else a coroutine for it (a `new` waiting in the router's queue).
-HotOutcome = Reply | Coroutine[Any, Any, Reply]
-HotHandler = Callable[[Call], HotOutcome]
-
-
-async def answered(outcome: HotOutcome) -> Reply:
-    """The reply of a hot route's `HotOutcome`, awaited if it has to be."""
-    return outcome if isinstance(outcome, Reply) else await outcome
-
-
-@dataclass(frozen=True, slots=True)
-class HotRoutes:
-    """What answers the data plane before FastAPI: ``POST`` path -> hot handler, the body limit, and
-    ``POST`` path -> stream route (`api.http_stream`)."""
-
-    routes: Mapping[str, HotHandler]
-    max_body_bytes: int
-    streams: Mapping[str, StreamRoute] = field(default_factory=dict)
-
-
-def _too_large(limit: int) -> BodyTooLarge:
-    return BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
-
-
-def too_large_reply(limit: int) -> Reply:
-    """The 413 for a body over ``limit`` bytes."""
-    return _error(_too_large(limit))
 
 
 class ClientGone(Exception):
@@ -81,7 +47,7 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         if message["type"] == "http.disconnect":
             raise ClientGone
         if len(body) > limit:
-            raise _too_large(limit)
+            raise body_too_large(limit)
         return body
     chunks = [body]
     size = len(body)
@@ -92,7 +58,7 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise _too_large(limit)
+            raise body_too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -103,87 +69,68 @@ async def wait_disconnect(receive: Receive) -> None:
         pass
 
 
-def _limited(receive: Receive, limit: int) -> Receive:
-    """A ``receive`` that raises `BodyTooLarge` once more than ``limit`` body bytes went through."""
-    seen = 0
+class BodyLimit:
+    """ASGI middleware: every request's body held to ``limit`` bytes. A ``Content-Length`` over it is
+    refused before a byte of the body is read (the 413 of `api.contract.too_large_reply`); a body
+    that grows past it (chunked) raises `BodyTooLarge` in the app's ``receive``, answered by the
+    app's error handler."""
 
-    async def limited_receive() -> Message:
-        nonlocal seen
-        message = await receive()
-        if message["type"] == "http.request":
-            seen += len(message.get("body", b""))
-            if seen > limit:
-                raise _too_large(limit)
-        return message
-
-    return limited_receive
-
-
-class FastPath:
-    """ASGI middleware: enforces ``max_body_bytes`` for every request and serves the hot routes."""
-
-    def __init__(self, app: ASGIApp, hot: HotRoutes) -> None:
+    def __init__(self, app: ASGIApp, limit: int) -> None:
         self._app = app
-        self._hot = dict(hot.routes)
-        self._streams = dict(hot.streams)
-        self._limit = hot.max_body_bytes
+        self._limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
-        head = read_head(scope["headers"])
-        if self._streams and scope["method"] == "POST":
-            stream = self._streams.get(scope["path"])
-            if stream is not None:
-                await self._stream(stream, head, head_of(scope["headers"]), receive, send)
-                return
-        if head.content_length > self._limit:
-            # Refused before a byte of the body is read.
-            await send_reply(send, too_large_reply(self._limit))
+        limit = self._limit
+        if read_head(scope["headers"]).content_length > limit:
+            await send_reply(send, too_large_reply(limit))
             return
-        handler = self._hot.get(scope["path"]) if scope["method"] == "POST" else None
-        if handler is None:
-            await self._app(scope, _limited(receive, self._limit), send)
-            return
-        try:
-            body = await read_body(receive, self._limit)
-        except BodyTooLarge as exc:
-            await send_reply(send, _error(exc))
-            return
-        except ClientGone:
-            return
-        call = head.call(body, scope["query_string"], partial(wait_disconnect, receive))
-        await send_reply(send, await answered(handler(call)))
+        seen = 0
 
-    async def _stream(self, route: StreamRoute, head: RequestHead, lines: bytes, receive: Receive, send: Send) -> None:
-        """A stream route's request: its body read, the client watched while the handler runs (its
-        leaving cancels the handler, as the protocol's connection_lost does)."""
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise body_too_large(limit)
+            return message
+
+        await self._app(scope, limited_receive, send)
+
+
+class StreamEndpoint:
+    """A stream route as an ASGI endpoint (a FastAPI app's route): its body read, the client watched
+    while the handler runs (its leaving cancels the handler, as the protocol's connection_lost does);
+    a body over the limit gets the route's own 413."""
+
+    def __init__(self, route: StreamRoute, limit: int) -> None:
+        self._route = route
+        self._limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        head = read_head(scope["headers"])
         try:
             if head.content_length > self._limit:
-                raise _too_large(self._limit)
+                raise body_too_large(self._limit)
             body = await read_body(receive, self._limit)
         except BodyTooLarge:
-            await send_reply(send, route.too_large())
+            await send_reply(send, self._route.too_large())
             return
         except ClientGone:
             return
-        request = AsgiStreamedRequest(send, body, head.authorization, lines)
+        request = AsgiStreamedRequest(send, body, head.authorization, head_of(scope["headers"]))
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.ensure_future(receive())
         watcher.add_done_callback(partial(request.watched, task))
         try:
-            await route.handle(request)
+            await self._route.handle(request)
         finally:
             request.finished = True
             watcher.cancel()
-
-
-def _error(exc: Exception) -> Reply:
-    mapped = error_reply(exc)
-    assert mapped is not None
-    return Reply(mapped[0], mapped[2])
 
 
 async def send_reply(send: Send, reply: Reply) -> None:
