@@ -182,7 +182,7 @@ def create_app(
         app.router.routes.append(Route(path, StreamEndpoint(stream, limit), methods=["POST"], include_in_schema=False))
     hot_routes = handlers.routes() if settings.service.fast_path else {}
     app.hot = HotRoutes(hot_routes, limit, streams)
-    app.front = BodyLimit(partial(FastAPI.__call__, app), limit)
+    app.front = BodyLimit(partial(FastAPI.__call__, app), limit, own_413=frozenset(streams))
     return app
 
 

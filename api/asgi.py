@@ -73,14 +73,16 @@ class BodyLimit:
     """ASGI middleware: every request's body held to ``limit`` bytes. A ``Content-Length`` over it is
     refused before a byte of the body is read (the 413 of `api.contract.too_large_reply`); a body
     that grows past it (chunked) raises `BodyTooLarge` in the app's ``receive``, answered by the
-    app's error handler."""
+    app's error handler. The paths in ``own_413`` (stream routes: `StreamEndpoint`) hold their
+    requests to the limit themselves, with a 413 in their own shape."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, own_413: frozenset[str] = frozenset()) -> None:
         self._app = app
         self._limit = limit
+        self._own_413 = own_413
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self._own_413:
             await self._app(scope, receive, send)
             return
         limit = self._limit

@@ -25,6 +25,7 @@ from api.config import ProxyConfig, SecurityConfig, ServiceConfig, Settings, loa
 from api.handlers import HOT_ACCESS
 from router.config import RouterConfig
 from router.errors import ConfigError
+from tests.protocol_asgi import ThroughProtocol
 from tests.router_processes import RouterProcess, kv_router_command
 from tests.test_api_protocol import Client, post, uvicorn_on_loopback
 from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
@@ -50,7 +51,7 @@ def app_client(fast_path: bool, **security: Any) -> Iterator[TestClient]:
         security=SecurityConfig(**security),
     )
     app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
-    with TestClient(app, base_url="http://127.0.0.1") as client:
+    with TestClient(ThroughProtocol(app) if fast_path else app, base_url="http://127.0.0.1") as client:
         yield client
 
 

@@ -269,4 +269,6 @@ def test_packed_tokens_reach_the_hasher_as_bytes(client: TestClient) -> None:
             peak = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
-    assert peak < 16_384 * 32 // 2, peak
+    # A few copies of the 64 KiB body (through the protocol: the read, the body, the decoded bin, about
+    # 200 KiB with the client's) but not the list path's 16k ints and their list (about 600 KiB more).
+    assert peak < 16_384 * 32, peak

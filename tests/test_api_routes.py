@@ -24,6 +24,7 @@ from indexer.events import decode_router_events
 from router.config import RouterConfig
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
+from tests.protocol_asgi import ThroughProtocol
 from tests.test_api_support import BLOCK_SIZE, MSGPACK, msgpack, prompt, serve, stored_event
 from tests.waiting import eventually
 
@@ -210,7 +211,7 @@ def test_queue_waits_dispatches_and_rejects(fast_path: bool) -> None:
 
     async def scenario() -> None:
         async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=app)
+            transport = httpx.ASGITransport(app=ThroughProtocol(app) if fast_path else app)
             async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
                 await client.post("/v1/workers", json={"worker_id": 1, "max_num_batched_tokens": 16})
                 first = await client.post("/v1/new", json={"tokens": prompt(8, 64), "request_id": "first"})

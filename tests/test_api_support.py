@@ -1,7 +1,8 @@
 """Helpers shared by the ``test_api_*`` suites (this module holds no tests).
 
 Apps are real `create_app` instances driven through Starlette's TestClient (the real ASGI stack,
-lifespan included); events are real Dynamo-shaped ``RouterEvent`` JSON built from real block hashes.
+lifespan included; with ``fast_path``, through kv-router's HTTP protocol, `tests/protocol_asgi.py`);
+events are real Dynamo-shaped ``RouterEvent`` JSON built from real block hashes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from api.config import ServiceConfig, Settings
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.config import RouterConfig
 from tests.metrics import sample
+from tests.protocol_asgi import ThroughProtocol
 
 BLOCK_SIZE = 16
 # One label of an exposition line: name="value" (values may hold commas and escaped quotes).
@@ -36,7 +38,8 @@ def serve(fast_path: bool = True, seed: int = 0, **overrides: Any) -> Iterator[T
         router=RouterConfig(**{"block_size": BLOCK_SIZE, **router}),
     )
     app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(seed))
-    with TestClient(app, base_url="http://127.0.0.1") as client:
+    # fast_path: through kv-router's HTTP protocol, as `kv-router serve` answers; else FastAPI's routes.
+    with TestClient(ThroughProtocol(app) if fast_path else app, base_url="http://127.0.0.1") as client:
         yield client
 
 
