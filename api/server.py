@@ -45,6 +45,7 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
         port=service.port,
         loop="uvloop",
         http=http,
+        ws="none",  # no WebSocket route: an upgrade request is answered as plain HTTP
         lifespan="on",
         access_log=service.access_log,
         log_config=log_config(service.log_level, service.log_format),

@@ -521,7 +521,7 @@ async def serve_openai(
     (``transfer``: what a decode leg's KV pull costs, `mocker.handoff`)."""
     api = MockOpenAI(worker, model, host=host, port=port, transfer=transfer)
     config = uvicorn.Config(
-        api, host=host, port=port, loop="none", http="httptools", lifespan="off", log_level="warning",
+        api, host=host, port=port, loop="none", http="httptools", ws="none", lifespan="off", log_level="warning",
         access_log=False, server_header=False, date_header=False,
     )  # fmt: skip
     server = _Server(config)

@@ -36,7 +36,7 @@ class ThroughProtocol:
         self.app = app
         self._protocol = fast_protocol(app.hot)
         self._config = uvicorn.Config(
-            app, http=self._protocol, lifespan="off", log_config=None, access_log=False, proxy_headers=False
+            app, http=self._protocol, ws="none", lifespan="off", log_config=None, access_log=False, proxy_headers=False
         )
         self._config.load()
 
