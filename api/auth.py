@@ -8,8 +8,8 @@ the token; `Access.DECISION` routes (``/v1/new``, ``/v1/router``, ``mark_*``, ``
 (``/healthz``, ``/readyz``) with ``protect_probes``. Without a token nothing is checked.
 
 `ApiAuth` is the one check, used on every path a request can take: the hot routes' handlers are
-wrapped by `ApiAuth.guard` (so uvicorn's HTTP protocol, the ASGI `FastPath` and FastAPI's routes all
-reach the same check), FastAPI's other routes declare `ApiAuth.dependency`, and code outside both
+wrapped by `ApiAuth.guard` (so kv-router's HTTP protocol and FastAPI's routes both reach the same
+check), FastAPI's other routes declare `ApiAuth.dependency`, and code outside both
 (the OpenAI proxy's routes) calls `ApiAuth.refuse` with the request's headers, or `ApiAuth.require`
 with its ``Authorization`` header. The token is
 compared in constant time (`hmac.compare_digest` over SHA-256 digests, so not even its length leaks)

@@ -90,15 +90,15 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     fast_path: Annotated[
         bool,
         _doc(
-            "serve the hot routes from raw bytes, before FastAPI's per-request layers; turn off to pass "
-            "every request through FastAPI (and any middleware added to the app)"
+            "answer the hot routes in kv-router's HTTP protocol, before FastAPI's per-request layers; turn "
+            "off to pass every request through FastAPI (and any middleware added to the app)"
         ),
     ] = True
     fast_protocol: Annotated[
         bool,
         _doc(
-            "with fast_path, answer the hot routes inside uvicorn's HTTP protocol, before ASGI; turn off "
-            "to serve them from the ASGI fast path instead"
+            "serve HTTP with kv-router's own protocol (the hot and proxy routes answered before ASGI, the "
+            "rest run on the app); turn off for uvicorn's stock httptools protocol, every request through FastAPI"
         ),
     ] = True
     shutdown_timeout_secs: Annotated[

@@ -24,10 +24,10 @@ A request annotated ``query_instance_id`` (Dynamo's, in ``nvext.annotations``) i
 the same way but neither booked nor forwarded: the answer is the decision (`api.proxy.instance_query`).
 
 The proxy's ``POST`` routes are stream routes (`routes`, `api.http_stream`): `answer` gets a
-`StreamCall` from the HTTP protocol or from `api.fastpath.FastPath`, and writes to it alike. CPU per
-request is a body decode, a routing decision and one exchange on a pooled connection
-(`api.proxy.upstream`); per streamed read, one write to the client: the stream is not parsed, only
-its last pieces are searched for the usage report.
+`StreamCall` from the HTTP protocol or from their FastAPI route (`api.asgi.StreamEndpoint`), and
+writes to it alike. CPU per request is a body decode, a routing decision and one exchange on a
+pooled connection (`api.proxy.upstream`); per streamed read, one write to the client: the stream is
+not parsed, only its last pieces are searched for the usage report.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class Proxy:
 
     def routes(self, auth: ApiAuth | None = None) -> dict[str, StreamRoute]:
         """The proxy's ``POST`` routes (`api.http_stream`, answered by the HTTP protocol or by
-        `api.fastpath.FastPath`), decisions for the API token; a body over the limit is refused in
+        `api.asgi.StreamEndpoint`), decisions for the API token; a body over the limit is refused in
         OpenAI's shape, and counted."""
         auth = auth or ApiAuth(None)
         unauthorized = _in_openai_shape(unauthorized_reply())
