@@ -471,3 +471,86 @@ def test_sigterm_lets_requests_in_flight_finish(tmp_path: Path) -> None:
         second.close()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1)
+
+
+def _chunked(method: str, path: str, body: bytes, size: int = 7) -> bytes:
+    pieces = [body[start : start + size] for start in range(0, len(body), size)]
+    head = (
+        f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    return head.encode() + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+
+
+# Requests for the rest of the app (FastAPI's routes, run on the ASGI app by either protocol).
+_REST = [
+    request("GET", "/healthz"),
+    request("GET", "/v1/workers/2"),
+    request("GET", "/v1/workers/%32?unused=1"),  # a percent-encoded path and a query string
+    request("GET", "/v1/nope"),
+    request("DELETE", "/v1/new"),
+    _chunked("POST", "/v1/workers", b'{"worker_id": 5, "total_kv_blocks": 64}'),
+    request("POST", "/v1/workers", b'{"worker_id": ', content_type=JSON),
+    request("GET", "/v1/workers/5"),
+    request("DELETE", "/v1/workers/5"),
+    request("GET", "/readyz"),
+]
+
+
+def _head_only(client: Client) -> bytes:
+    while b"\r\n\r\n" not in client.buffer:
+        client._recv()
+    head, _, client.buffer = client.buffer.partition(b"\r\n\r\n")
+    return head
+
+
+def _until_closed(client: Client) -> bytes:
+    while True:
+        chunk = client.sock.recv(65536)
+        if not chunk:
+            return client.buffer
+        client.buffer += chunk
+
+
+def test_the_rest_of_the_app_answers_the_same_bytes_through_either_protocol() -> None:
+    """Every request the protocol does not answer itself is run on the ASGI app: one by one, pipelined,
+    chunked, with ``Expect: 100-continue``, ``HEAD``, HTTP/1.0, an upgrade and an unparsable request,
+    the bytes on the wire are those of uvicorn's own httptools protocol (``fast_protocol`` off)."""
+    answers: dict[bool, list[bytes]] = {}
+    for fast_protocol in (True, False):
+        got: list[bytes] = []
+        with uvicorn_on_loopback(fast_protocol=fast_protocol) as port:
+            client = Client(port)
+            _setup(client, 1)
+            got += [client.ask(sent) for sent in _REST]
+            client.send(b"".join(_REST))
+            got += [client.response() for _ in _REST]
+            # Expect: 100-continue on an app route: the interim answer once the app reads the body.
+            body = b'{"worker_id": 6}'
+            client.send(request("POST", "/v1/workers", body, expect="100-continue")[: -len(body)])
+            got.append(client.sock.recv(100))
+            got.append(client.ask(body))
+            client.send(request("HEAD", "/healthz"))
+            got.append(_head_only(client))
+            got.append(client.ask(request("GET", "/healthz")))  # the connection goes on after a HEAD
+            client.close()
+            old = Client(port)  # HTTP/1.0: answered, then closed
+            old.send(request("GET", "/v1/workers/2").replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+            got.append(_until_closed(old))
+            old.close()
+            upgrade = Client(port)  # no WebSocket: answered as plain HTTP
+            answer = upgrade.ask(request("GET", "/healthz", connection="Upgrade", upgrade="websocket"))
+            if fast_protocol:
+                # Then closed: what follows an upgrade request is not HTTP (uvicorn's own protocol
+                # keeps the connection, its parser stuck in the upgrade: a later request is never answered).
+                assert b"\r\nconnection: close\r\n" in answer and upgrade.closed_by_server()
+            got.append(answer.replace(b"connection: close\r\n", b""))
+            upgrade.close()
+            bad = Client(port)  # unparsable: a 400, then closed
+            bad.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
+            got.append(_until_closed(bad))
+            bad.close()
+        answers[fast_protocol] = got
+    assert answers[True] == answers[False]
+    statuses = [int(answer[9:12]) for answer in answers[True][: len(_REST)]]
+    assert statuses == [200, 404, 404, 404, 405, 201, 400, 200, 200, 200]
+    assert answers[True][2 * len(_REST)] == b"HTTP/1.1 100 Continue\r\n\r\n"
