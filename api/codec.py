@@ -1,7 +1,7 @@
 """Bodies in and out: JSON or msgpack, chosen by ``Content-Type`` and ``Accept``.
 
 A hot route sees a request as a `Call` (raw body plus the few headers it reads) and answers with a
-`Reply` (status and encoded bytes); both the ASGI fast path and the FastAPI routes translate to and
+`Reply` (status and encoded bytes); both the HTTP protocol and the FastAPI routes translate to and
 from these, so a handler never touches a framework object. Decoders are typed and built once per
 body type (`BodyDecoder`), and decoding failures become the API's 400 / 422 errors.
 

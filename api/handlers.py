@@ -1,6 +1,6 @@
 """The hot routes, bytes in and bytes out: decode with msgspec, call `KvRouter`, encode the reply.
 
-One method per route; each takes a `Call` and returns a `Reply`, so the ASGI fast path and the
+One method per route; each takes a `Call` and returns a `Reply`, so the HTTP protocol and the
 FastAPI routes share them. Every reply, error or not, is counted by method and outcome. All input
 checks (schema, token ids in u32, packed length, prompt size, request id) run before the router is
 called, and the router itself validates before it changes anything, so a refused request leaves
@@ -73,7 +73,7 @@ __all__ = ["HOT_ACCESS", "HOT_PATHS", "Handlers"]
 logger = logging.getLogger(__name__)
 P = ParamSpec("P")
 
-# Path -> handler method name; the fast path and the FastAPI routes both serve these.
+# Path -> handler method name; the HTTP protocol and the FastAPI routes both serve these.
 HOT_PATHS = {
     "/v1/router": "router",
     "/v1/new": "new",

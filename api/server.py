@@ -1,5 +1,5 @@
-"""Run the app under uvicorn: uvloop event loop, httptools parser (the hot routes answered inside
-the HTTP protocol, `api.http_protocol`), graceful shutdown on SIGTERM.
+"""Run the app under uvicorn: uvloop event loop, kv-router's HTTP protocol on httptools' parser (the
+hot routes answered before ASGI, `api.http_protocol`), graceful shutdown on SIGTERM.
 
 uvicorn owns the signals: on SIGTERM (or SIGINT) it stops accepting connections, closes idle
 keep-alive connections, lets requests in flight finish for up to ``shutdown_timeout_secs``, then
@@ -34,8 +34,9 @@ __all__ = ["ListenError", "listening_socket", "serve", "serve_child", "uvicorn_c
 def uvicorn_config(settings: Settings) -> uvicorn.Config:
     service = settings.service
     app = create_app(settings)
-    # The hot routes are answered inside the HTTP protocol, before ASGI (`api.http_protocol`); with
-    # fast_protocol off, by the app's ASGI fast path; with fast_path off, by FastAPI's routes.
+    # The hot and proxy routes are answered by our HTTP protocol, before ASGI (`api.http_protocol`,
+    # through uvicorn's public http= setting); with fast_protocol or fast_path off, uvicorn's own
+    # httptools protocol runs every request on the app, FastAPI's routes included.
     http: type[asyncio.Protocol] | Literal["httptools"] = "httptools"
     if service.fast_path and service.fast_protocol:
         http = fast_protocol(app.hot)
@@ -56,7 +57,7 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
         # and date stamp are bytes on every reply that no client of this API reads.
         server_header=False,
         date_header=False,
-        # HTTPS when configured: the TLS layer sits under the protocol, so the fast path serves it too.
+        # HTTPS when configured: the TLS layer sits under the protocol, so it serves HTTPS too.
         ssl_certfile=settings.security.ssl_certfile,
         ssl_keyfile=settings.security.ssl_keyfile,
     )

@@ -1,7 +1,8 @@
-"""The API token (`api.auth`) on every path a request can take: FastAPI's routes and the ASGI fast
-path in-process, and uvicorn's HTTP protocol (`api.http_protocol`) over loopback, byte for byte
-against uvicorn's ASGI path. A refused request answers 401 with the JSON error body and changes
-nothing; the token is compared in constant time and never shows in logs, errors or ``config show``.
+"""The API token (`api.auth`) on every path a request can take: FastAPI's routes and kv-router's HTTP
+protocol in-process (`tests/protocol_asgi.py`), and the protocol (`api.http_protocol`) over loopback,
+byte for byte against uvicorn's own protocol and FastAPI's routes. A refused request answers 401
+with the JSON error body and changes nothing; the token is compared in constant time and never
+shows in logs, errors or ``config show``.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def test_token_settings(tmp_path: Path) -> None:
         assert secret not in repr(settings)
 
 
-# ---------------------------------------------------------------------- uvicorn's HTTP protocol
+# ---------------------------------------------------------------------- kv-router's HTTP protocol
 
 
 def _exchange(port: int, requests: list[bytes]) -> list[bytes]:

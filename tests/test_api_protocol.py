@@ -1,9 +1,10 @@
-"""The hot routes answered inside uvicorn's HTTP protocol (`api.http_protocol`), through a real uvicorn on
-loopback and raw sockets: exact bytes on the wire, keep-alive, pipelining, bodies split across TCP
+"""kv-router's HTTP protocol (`api.http_protocol`) under a real uvicorn on loopback, through raw
+sockets: exact bytes on the wire, keep-alive, pipelining, bodies split across TCP
 segments and chunked, the body limit, malformed bodies, a queued ``new`` finished by a ``mark_free``
 on another connection, a client leaving the queue, the keep-alive timeout, and SIGTERM with requests
-in flight. Where a request is deterministic, the answer must be byte for byte what uvicorn's ASGI
-path gives (``fast_protocol`` off), which the in-process suites test in depth.
+in flight; the rest of the app run on ASGI by the protocol. Where a request is deterministic, the
+answer must be byte for byte what uvicorn's own protocol and FastAPI's routes give (``fast_protocol``
+off), which the in-process suites test in depth.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """End to end through the real app: workers, events, the four routing methods on their own routes and
 through Dynamo's tagged ``/v1/router``, overlap, dump, reconfiguration, OpenAPI.
 
-Every test runs twice: with the ASGI fast path serving the hot routes, and with FastAPI's routes
-serving them; both must answer the same.
+Every test runs twice: with kv-router's HTTP protocol serving the hot routes
+(`tests/protocol_asgi.py`), and with FastAPI's routes serving them; both must answer the same.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The proxy's two ways in, with the real `openai` client: its routes answered inside the HTTP
-protocol (the default) and as an ASGI layer (``fast_protocol`` off), their refusals (413, 401) in
+protocol (the default) and as FastAPI routes (``fast_protocol`` off), their refusals (413, 401) in
 OpenAI's shape and counted alike; and a worker whose stream breaks in the middle of a chunk, whose
 client gets the SSE error event while nothing stays booked."""
 
