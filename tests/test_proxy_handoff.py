@@ -82,7 +82,7 @@ def ballast(f: Fleet, request_id: str, **pins: tuple[int, int]) -> Callable[[], 
 async def test_a_long_prompt_is_prefilled_remotely_and_its_stream_comes_from_the_decode_worker(
     nats_server: EmbeddedNats, style: HandoffStyle, stream: bool, fast_protocol: bool
 ) -> None:
-    """Over both adapters of the proxy's routes: the HTTP protocol and FastPath (ASGI)."""
+    """Over both adapters of the proxy's routes: the HTTP protocol and their FastAPI routes."""
     service = {"fast_protocol": fast_protocol}
     async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, service=service) as f:
         usage: Any = {"include_usage": True} if stream else None
