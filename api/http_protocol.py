@@ -438,7 +438,9 @@ class HttpProtocol(asyncio.Protocol):
             request = self._current = self._waiting.popleft()
             self._start(request)
             return
-        self._idle()
+        self._idle_since = self.loop.time()  # `_idle`, inline: once per response
+        if self._keep_alive_timer is None:
+            self._keep_alive_timer = self.loop.call_later(self.timeout_keep_alive, self._check_idle)
 
     def _idle(self) -> None:
         self._idle_since = self.loop.time()
