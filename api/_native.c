@@ -406,7 +406,7 @@ static PyObject *py_parse_post(PyObject *self, PyObject *data) {
  *
  * response(head, body, request_id, lines) -> bytes: `head` (the status line and headers up to the
  * content-length value), the body's length, an x-request-id line when `request_id` is given and
- * holds no control character (uvicorn's HEADER_VALUE_RE, as the Python path checks it), the
+ * holds no control character (`_BAD_HEADER_VALUE`, as the Python path checks it), the
  * already formatted header `lines`, the blank line and the body: the bytes `_respond` writes, in one
  * allocation. None when `request_id` is not latin-1 (the Python path then raises as it would). */
 static int header_value_ok(const uint8_t *value, Py_ssize_t length) {

@@ -14,7 +14,7 @@ connection is lost, that task is cancelled. A body over the limit never reaches 
 protocol answers what the route's own `StreamRoute.too_large` gives (the proxy's: OpenAI's error
 shape, counted in its metrics).
 
-Per request this saves uvicorn's ASGI cycle (scope, task, receive / send dicts) and a task watching
+Per request this saves an ASGI cycle (scope, task, receive / send dicts) and a task watching
 for the disconnect; per piece, an ASGI message and its checks.
 """
 
