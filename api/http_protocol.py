@@ -13,7 +13,7 @@ written to the transport. With the C accelerator, a read holding exactly one pla
 parsed in one call (`api._native.parse_post`) instead of httptools' callbacks.
 
 Every other request (other methods and paths; every path under a ``root_path`` or a concurrency
-limit, and with ``fast_path`` off) is run on the ASGI app (`_AsgiRequest`): scope, ``receive`` and
+limit, and with ``fast_path`` off) is run on the ASGI app (`api.http_asgi.AsgiRequest`): scope, ``receive`` and
 ``send`` as the ASGI HTTP spec has them, a task per request. Both kinds share the connection's
 machinery here: keep-alive (an idle connection closed after ``timeout_keep_alive``, one lazily
 re-armed timer per connection), pipelining (one request answered at a time, in order; reading
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -42,6 +41,7 @@ import httptools
 from api.codec import Reply, RequestHead, call_of, read_head
 from api.contract import HotHandler, HotRoutes, too_large_reply
 from api.eager import Suspended, start
+from api.http_asgi import BAD_HEADER_VALUE, CONTINUE, Answered, AsgiRequest
 from api.http_stream import STATUS_LINE, StreamedRequest, StreamRoute, head_of
 from api.native import ENABLED as NATIVE
 from api.native import accel
@@ -51,8 +51,6 @@ if TYPE_CHECKING:
     from uvicorn.server import ServerState
 
 __all__ = ["HttpProtocol", "fast_protocol", "response_bytes"]
-
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 def _plain(status: int, text: bytes) -> bytes:
@@ -71,10 +69,6 @@ _UNAVAILABLE = _plain(503, b"Service Unavailable")
 _MEDIA = {False: b"application/json", True: b"application/msgpack"}
 # (status, msgpack) -> a response's bytes up to its content-length value, made once each.
 _HEADS: dict[tuple[int, bool], bytes] = {}
-# A header value must not hold a control character (a response splitting guard).
-_BAD_HEADER_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
-# Request body bytes buffered for an ASGI app before reading pauses until it takes them.
-_BODY_HIGH_WATER = 65536
 
 
 def _head(status: int, msgpack: bool) -> bytes:
@@ -181,9 +175,9 @@ class HttpProtocol(asyncio.Protocol):
         self.scheme = "http"
         # The request being answered (None between requests; a whole hot request answered at once
         # never becomes one), the one httptools is reading, and those waiting their turn.
-        self._current: _HotRequest | _AsgiRequest | None = None
-        self._parsing: _HotRequest | _AsgiRequest | None = None
-        self._waiting: deque[_HotRequest | _AsgiRequest] = deque()
+        self._current: _HotRequest | AsgiRequest | None = None
+        self._parsing: _HotRequest | AsgiRequest | None = None
+        self._waiting: deque[_HotRequest | AsgiRequest] = deque()
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect_continue = False
@@ -217,7 +211,7 @@ class HttpProtocol(asyncio.Protocol):
             self._keep_alive_timer.cancel()
             self._keep_alive_timer = None
         for request in (self._current, *self._waiting):
-            if isinstance(request, _AsgiRequest):
+            if isinstance(request, AsgiRequest):
                 request.lost()
         if self._lost is not None and not self._lost.done():
             self._lost.set_result(None)
@@ -239,7 +233,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._writable is not None:
             self._writable.set()
         if self._read_paused and not self._waiting:
-            self._resume_reading()
+            self.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         waiting = self._head_read
@@ -314,7 +308,7 @@ class HttpProtocol(asyncio.Protocol):
                 answer = handler(call)
                 outcome = answer if isinstance(answer, Reply) else start(answer)
             except Exception as exc:  # a bug: the handlers answer every error they know
-                self._crashed(None, exc)
+                self.crashed(None, exc)
                 return True
             if isinstance(outcome, Suspended):
                 request = self._whole_hot_request(handler, parsed)
@@ -371,7 +365,7 @@ class HttpProtocol(asyncio.Protocol):
         if method == b"POST" and not upgrade:
             path, _, query = self._url.partition(b"?")
             handler = self._routes.get(path) or cast(HotHandler | None, self._streams.get(path))
-        request: _HotRequest | _AsgiRequest
+        request: _HotRequest | AsgiRequest
         if handler is None:
             request = self._asgi_request(method, http_version, keep_alive)
         else:
@@ -386,12 +380,12 @@ class HttpProtocol(asyncio.Protocol):
             self._current = request
             self._start(request)
         else:  # pipelined behind a request still being answered: its turn comes in _response_complete
-            self._pause_reading()
+            self.pause_reading()
             self._waiting.append(request)
 
     def on_body(self, body: bytes) -> None:
         request = self._parsing
-        if type(request) is _AsgiRequest:
+        if type(request) is AsgiRequest:
             request.body_received(body)
             return
         request = cast(_HotRequest, request)
@@ -410,7 +404,7 @@ class HttpProtocol(asyncio.Protocol):
         self._between_messages = True
         request = self._parsing
         self._parsing = None
-        if type(request) is _AsgiRequest:
+        if type(request) is AsgiRequest:
             request.body_complete()
             return
         request = cast(_HotRequest, request)
@@ -419,13 +413,13 @@ class HttpProtocol(asyncio.Protocol):
             self._run(request)
 
     # ------------------------------------------------------------------ the connection's turns
-    def _start(self, request: _HotRequest | _AsgiRequest) -> None:
-        if type(request) is _AsgiRequest:
+    def _start(self, request: _HotRequest | AsgiRequest) -> None:
+        if type(request) is AsgiRequest:
             self._run_asgi(request)
         else:
             self._begin(cast(_HotRequest, request))
 
-    def _response_complete(self) -> None:
+    def request_answered(self) -> None:
         """The current request is answered: start the next pipelined one, or close the connection
         ``timeout_keep_alive`` seconds from now if nothing comes."""
         self.server_state.total_requests += 1
@@ -433,7 +427,7 @@ class HttpProtocol(asyncio.Protocol):
         if self.transport.is_closing():
             return
         if self._read_paused and not self._write_paused:
-            self._resume_reading()
+            self.resume_reading()
         if self._waiting:
             request = self._current = self._waiting.popleft()
             self._start(request)
@@ -460,12 +454,12 @@ class HttpProtocol(asyncio.Protocol):
         elif not self.transport.is_closing():
             self.transport.close()
 
-    def _pause_reading(self) -> None:
+    def pause_reading(self) -> None:
         if not self._read_paused:
             self._read_paused = True
             self.transport.pause_reading()
 
-    def _resume_reading(self) -> None:
+    def resume_reading(self) -> None:
         if self._read_paused:
             self._read_paused = False
             self.transport.resume_reading()
@@ -487,7 +481,7 @@ class HttpProtocol(asyncio.Protocol):
         elif request.complete:
             self._run(request)
         elif request.expect_continue and not self.transport.is_closing():
-            self.transport.write(_CONTINUE)
+            self.transport.write(CONTINUE)
 
     def _too_large(self, request: _HotRequest) -> Reply:
         """The 413 of a body over the limit: a stream route's own, or the service's."""
@@ -509,7 +503,7 @@ class HttpProtocol(asyncio.Protocol):
             answer = request.handler(call)
             outcome = answer if isinstance(answer, Reply) else start(answer)
         except Exception as exc:  # a bug: the handlers answer every error they know
-            self._crashed(request, exc)
+            self.crashed(request, exc)
             return
         if isinstance(outcome, Suspended):
             self._wait_for(request, outcome)
@@ -525,11 +519,11 @@ class HttpProtocol(asyncio.Protocol):
     def _finished(self, request: _HotRequest, task: asyncio.Task[Reply]) -> None:
         self.tasks.discard(cast("asyncio.Task[None]", task))
         if task.cancelled():  # uvicorn cancels what is left when the graceful shutdown times out
-            self._crashed(request, None)
+            self.crashed(request, None)
             return
         exc = task.exception()
         if exc is not None:
-            self._crashed(request, exc)
+            self.crashed(request, exc)
         else:
             self._respond(request, task.result())
 
@@ -555,10 +549,10 @@ class HttpProtocol(asyncio.Protocol):
                 self._log_access(request, reply.status)
             if not keep_alive:
                 transport.close()
-        self._response_complete()
+        self.request_answered()
         if self._write_paused and not self._gone:
             # The client is not reading its answers: stop reading its requests until it catches up.
-            self._pause_reading()
+            self.pause_reading()
 
     def _header_lines(self, reply: Reply, keep_alive: bool) -> bytes:
         """The header lines after content-length and x-request-id: the reply's own, uvicorn's
@@ -571,7 +565,7 @@ class HttpProtocol(asyncio.Protocol):
             lines += b"connection: close\r\n"
         return lines
 
-    def _crashed(self, request: _HotRequest | _AsgiRequest | None, exc: BaseException | None) -> None:
+    def crashed(self, request: Answered | None, exc: BaseException | None) -> None:
         """As for an ASGI app that raised: log it, send a 500, close the connection."""
         self.logger.error("Exception in ASGI application\n", exc_info=exc or asyncio.CancelledError())
         if request is not None:
@@ -579,7 +573,7 @@ class HttpProtocol(asyncio.Protocol):
         if not self.transport.is_closing():
             self.transport.write(_INTERNAL_ERROR)
             self.transport.close()
-        self._response_complete()
+        self.request_answered()
 
     # ------------------------------------------------------------------ for stream routes (api.http_stream)
     def stream_complete(self, status: int) -> None:
@@ -592,7 +586,7 @@ class HttpProtocol(asyncio.Protocol):
             self._log_access(request, status)
         if not request.keep_alive and not self.transport.is_closing():
             self.transport.close()
-        self._response_complete()
+        self.request_answered()
 
     def stream_crashed(self, exc: BaseException | None, started: bool) -> None:
         """The stream route's handler raised: a 500 if nothing was written yet, else the connection closes."""
@@ -600,12 +594,12 @@ class HttpProtocol(asyncio.Protocol):
         request = self._streamed[1]
         self._streamed = None
         if not started:
-            self._crashed(request, exc)
+            self.crashed(request, exc)
             return
         self.logger.error("Exception in a streamed answer\n", exc_info=exc or asyncio.CancelledError())
         request.response_complete = True
         self.transport.close()
-        self._response_complete()
+        self.request_answered()
 
     def default_header_lines(self) -> bytes:
         return b"".join(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
@@ -631,7 +625,7 @@ class HttpProtocol(asyncio.Protocol):
         await self._lost
 
     # ------------------------------------------------------------------ ASGI requests
-    def _asgi_request(self, method: bytes, http_version: str, keep_alive: bool) -> _AsgiRequest:
+    def _asgi_request(self, method: bytes, http_version: str, keep_alive: bool) -> AsgiRequest:
         url = httptools.parse_url(self._url)
         raw_path = url.path or b"/"
         path = raw_path.decode("ascii", "replace")
@@ -653,9 +647,9 @@ class HttpProtocol(asyncio.Protocol):
             "headers": self._headers,
             "state": self.app_state.copy(),
         }
-        return _AsgiRequest(self, scope, keep_alive)
+        return AsgiRequest(self, scope, keep_alive)
 
-    def _run_asgi(self, request: _AsgiRequest) -> None:
+    def _run_asgi(self, request: AsgiRequest) -> None:
         limit = self.limit_concurrency
         if limit is not None and (len(self.server_state.connections) >= limit or len(self.tasks) >= limit):
             self.logger.warning("Exceeded concurrency limit.")
@@ -663,7 +657,7 @@ class HttpProtocol(asyncio.Protocol):
             if not self.transport.is_closing():
                 self.transport.write(_UNAVAILABLE)
                 self.transport.close()
-            self._response_complete()
+            self.request_answered()
             return
         task: asyncio.Task[None] = self.loop.create_task(request.run(self.app))
         self.tasks.add(task)
@@ -676,188 +670,6 @@ def _address(address: object) -> tuple[str, int] | None:
     return None
 
 
-class _AsgiRequest:
-    """One request run on the ASGI app: its scope, the body as it arrives (``receive``), the answer
-    as the app sends it (``send``), written to the connection."""
-
-    __slots__ = (
-        "_body_given",
-        "_chunked",
-        "_event",
-        "_head",
-        "_length_left",
-        "_protocol",
-        "body",
-        "complete",
-        "disconnected",
-        "expect_continue",
-        "keep_alive",
-        "response_complete",
-        "response_started",
-        "scope",
-        "status",
-    )
-
-    def __init__(self, protocol: HttpProtocol, scope: dict[str, Any], keep_alive: bool) -> None:
-        self._protocol = protocol
-        self.scope = scope
-        self.keep_alive = keep_alive
-        self.expect_continue = False
-        self.body = bytearray()
-        self.complete = False  # the whole body is in
-        self.disconnected = False
-        self.response_started = False
-        self.response_complete = False
-        self.status = 0
-        self._event = asyncio.Event()  # set when body arrives, the body ends, or the client goes
-        self._body_given = False  # receive has given the body's last bytes
-        self._head = b""  # the response's head, written with its first body bytes
-        self._chunked = False
-        self._length_left: int | None = None  # of the content-length the app declared
-
-    # ------------------------------------------------------------------ from the protocol
-    def body_received(self, data: bytes) -> None:
-        self.body += data
-        self._event.set()
-        if len(self.body) > _BODY_HIGH_WATER:
-            self._protocol._pause_reading()
-
-    def body_complete(self) -> None:
-        self.complete = True
-        self._event.set()
-
-    def lost(self) -> None:
-        self.disconnected = True
-        self._event.set()
-
-    # ------------------------------------------------------------------ the app
-    async def run(self, app: Any) -> None:
-        protocol = self._protocol
-        try:
-            await app(self.scope, self.receive, self.send)
-        except BaseException as exc:  # the app's bug, or a cancellation at the end of a graceful shutdown
-            if not self.response_started:
-                protocol._crashed(self, exc)
-            else:
-                protocol.logger.error("Exception in ASGI application\n", exc_info=exc)
-                self._abort()
-            return
-        if self.response_complete or self.disconnected:
-            return
-        if not self.response_started:
-            protocol.logger.error("ASGI callable returned without starting response.")
-            protocol._crashed(self, RuntimeError("no response"))
-        else:
-            protocol.logger.error("ASGI callable returned without completing response.")
-            self._abort()
-
-    def _abort(self) -> None:
-        self.response_complete = True
-        self._protocol.transport.close()
-        self._protocol._response_complete()
-
-    async def receive(self) -> dict[str, Any]:
-        protocol = self._protocol
-        if self.expect_continue and not self.complete and not protocol.transport.is_closing():
-            protocol.transport.write(_CONTINUE)
-        self.expect_continue = False
-        while not (self.disconnected or self.response_complete):
-            if self.body or (self.complete and not self._body_given):
-                break
-            # Nothing to give yet, or the whole body given: wait for more, the client leaving or the
-            # answer's end.
-            self._event.clear()
-            if not protocol._write_paused:
-                protocol._resume_reading()
-            await self._event.wait()
-        if self.disconnected or self.response_complete:
-            return {"type": "http.disconnect"}
-        body = bytes(self.body)
-        self.body.clear()
-        self._body_given = self.complete
-        return {"type": "http.request", "body": body, "more_body": not self.complete}
-
-    async def send(self, message: dict[str, Any]) -> None:
-        protocol = self._protocol
-        if protocol._write_paused:
-            await protocol.drain()
-        if self.disconnected:
-            return  # the client has gone: nobody reads it
-        kind = message["type"]
-        if not self.response_started:
-            if kind != "http.response.start":
-                raise RuntimeError(f"Expected ASGI message 'http.response.start', but got '{kind}'.")
-            self.response_started = True
-            self._start_response(message["status"], message.get("headers", ()))
-            return
-        if self.response_complete:
-            raise RuntimeError(f"Unexpected ASGI message '{kind}' sent, after response already completed.")
-        if kind != "http.response.body":
-            raise RuntimeError(f"Expected ASGI message 'http.response.body', but got '{kind}'.")
-        body: bytes = message.get("body", b"")
-        more_body = message.get("more_body", False)
-        if self.scope["method"] == "HEAD":
-            body = b""
-        if self._chunked:
-            data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
-            if not more_body:
-                data += b"0\r\n\r\n"
-        else:
-            data = body
-            if self._length_left is not None:
-                self._length_left -= len(body)
-                if self._length_left < 0:
-                    raise RuntimeError("Response content longer than Content-Length")
-        head, self._head = self._head, b""
-        transport = protocol.transport
-        if (head or data) and not transport.is_closing():
-            transport.write(head + data if head else data)
-        if more_body:
-            return
-        if self._length_left and self.scope["method"] != "HEAD":
-            raise RuntimeError("Response content shorter than Content-Length")
-        self.response_complete = True
-        self._event.set()
-        if not self.keep_alive and not transport.is_closing():
-            transport.close()
-        protocol._response_complete()
-
-    def _start_response(self, status: int, headers: Any) -> None:
-        protocol = self._protocol
-        self.status = status
-        method = self.scope["method"]
-        lines = [STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status, protocol.default_header_lines()]
-        framed = False
-        for raw_name, value in headers:
-            name = bytes(raw_name).lower()
-            value = bytes(value)
-            if _BAD_HEADER_VALUE.search(value):
-                raise RuntimeError("Invalid HTTP header value.")
-            if name == b"content-length" and not framed:
-                self._length_left = int(value)
-                framed = True
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                self._chunked = framed = True
-                self._length_left = None
-            elif name == b"connection" and value.lower() == b"close":
-                self.keep_alive = False
-            lines += (bytes(raw_name), b": ", value, b"\r\n")
-        if not framed and method != "HEAD" and status not in (204, 304):
-            lines.append(b"transfer-encoding: chunked\r\n")
-            self._chunked = True
-        if method == "HEAD":
-            self._length_left = None
-        if not self.keep_alive and not any(name.lower() == b"connection" for name, _ in headers):
-            lines.append(b"connection: close\r\n")
-        lines.append(b"\r\n")
-        self._head = b"".join(lines)
-        if protocol.access_log:
-            scope = self.scope
-            query = scope["query_string"]
-            target = scope["raw_path"].decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
-            protocol.access_log_line(method, target, scope["http_version"], status)
-
-
 def response_bytes(head: bytes, body: bytes, request_id: str | None, lines: bytes) -> bytes:
     """One whole response: ``head`` (up to the content-length value), the length, ``x-request-id``,
     the other header ``lines``, the body (the twin of `api._native.response`)."""
@@ -866,7 +678,7 @@ def response_bytes(head: bytes, body: bytes, request_id: str | None, lines: byte
         # The id is schema-checked visible ASCII, a uuid, or X-Request-Id as httptools let it
         # through (no control characters): this check is the ASGI path's, kept as a guard.
         value = request_id.encode("latin-1")
-        if not _BAD_HEADER_VALUE.search(value):
+        if not BAD_HEADER_VALUE.search(value):
             length += b"x-request-id: %s\r\n" % value
     return b"%s%s%s\r\n%s" % (head, length, lines, body)
 
