@@ -122,7 +122,9 @@ class AsgiRequest:
         try:
             await app(self.scope, self.receive, self.send)
         except BaseException as exc:  # the app's bug, or a cancellation at the end of a graceful shutdown
-            if not self.response_started:
+            if self.response_complete or self.disconnected:
+                protocol.logger.error("Exception in ASGI application\n", exc_info=exc)
+            elif not self.response_started:
                 protocol.crashed(self, exc)
             else:
                 protocol.logger.error("Exception in ASGI application\n", exc_info=exc)
