@@ -109,9 +109,11 @@ WorkerRole = Literal["prefill", "decode", "both"]
 
 # How a disaggregated request's prompt KV goes from its prefill worker to its decode worker, as the
 # engine's connector expects the gateway to run the two legs: ``kv_transfer_params`` (vLLM's NIXL and
-# other v1 connectors: the prefill leg first, its returned params handed to the decode leg) or
-# ``bootstrap`` (SGLang: both legs at once, meeting at the prefill worker's bootstrap server).
-HandoffStyle = Literal["kv_transfer_params", "bootstrap"]
+# other v1 connectors: the prefill leg first, its returned params handed to the decode leg),
+# ``bootstrap`` (SGLang: both legs at once, meeting at the prefill worker's bootstrap server) or
+# ``sequential`` (connectors that hand the KV over through a store keyed by the prompt, such as vLLM's
+# ExampleConnector: the prefill leg first, then the client's body unchanged to the decode worker).
+HandoffStyle = Literal["kv_transfer_params", "bootstrap", "sequential"]
 
 # Data-parallel ranks one worker may have: far above any engine's (tens), low enough that registering
 # the largest costs milliseconds.

@@ -272,3 +272,61 @@ async def test_a_client_leaving_mid_stream_cancels_the_decode_leg(
         await eventually(lambda: f.apis[2].aborted == 1)
         assert f.apis[1].prefill_legs == 1 and f.apis[1].aborted == 0
         await eventually(lambda: idle(f.router))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_sequential_style_sends_the_decode_leg_the_clients_body_once_the_prefill_leg_answered(
+    nats_server: EmbeddedNats, stream: bool
+) -> None:
+    """``sequential`` (a connector sharing KV through a store keyed by the prompt, as vLLM's
+    ExampleConnector): the prefill leg (one token, not streamed, no params) is answered, with no
+    ``kv_transfer_params``, before the decode worker gets anything; then the client's body goes to the
+    decode worker as it came."""
+    prefill_bodies: list[dict[str, Any]] = []
+    decode_busy_at_prefill: list[int] = []
+    async with fleet(nats_server.url, (2,), roles={2: "decode"}) as f:
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                while head := await reader.readuntil(b"\r\n\r\n"):
+                    lines = head.lower().split(b"\r\n")
+                    length = next(int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length"))
+                    prefill_bodies.append(msgspec.json.decode(await reader.readexactly(length)))
+                    decode_busy_at_prefill.append(f.apis[2].generated)
+                    body = msgspec.json.encode(
+                        {"object": "text_completion", "model": MODEL, "kv_transfer_params": None,
+                         "choices": [{"index": 0, "text": " w1", "finish_reason": "length"}]}
+                    )  # fmt: skip
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" +
+                                 b"content-length: %d\r\n\r\n%b" % (len(body), body))  # fmt: skip
+                    await writer.drain()
+            writer.close()
+
+        async with raw_worker(serve) as url:
+            prefill = WorkerConfig(
+                worker_id=9, url=url, models=frozenset({MODEL}), role="prefill", handoff="sequential",
+                leased=False, kv_events=False, block_size=64,
+            )  # fmt: skip
+            await register(f, prefill)
+            usage: Any = {"include_usage": True} if stream else None
+            raw = await f.client.completions.with_raw_response.create(
+                model=MODEL, prompt=LONG, max_tokens=4, stream=stream, stream_options=usage,
+                extra_body={"min_tokens": 2},
+            )  # fmt: skip
+            if stream:
+                chunks = [chunk async for chunk in raw.parse()]  # type: ignore[union-attr]
+                text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+            else:
+                text = raw.parse().choices[0].text  # type: ignore[union-attr]
+            assert text == " w1 w2 w3 w4"  # the decode worker's answer
+            assert raw.headers["x-kv-router-worker"] == "2"
+            assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
+            assert raw.headers["x-kv-router-prefill-worker"] == "9"
+            assert prefill_bodies == [
+                {"model": MODEL, "prompt": LONG, "max_tokens": 1, "stream": False}
+            ]  # no min_tokens, stream_options nor kv_transfer_params
+            assert decode_busy_at_prefill == [0]  # the decode leg went after the prefill leg's answer
+            assert f.apis[2].generated == 1 and f.apis[2].pulled_blocks == 0  # the client's body: no params
+            await eventually(lambda: idle(f.router))
+            metrics = await scrape(f.url)
+            assert sample(metrics, "kv_router_proxy_handoffs_total", style="sequential", outcome="ok") == 1.0

@@ -1,7 +1,7 @@
 """The hand-off of a disaggregated request: the proxy runs its prefill leg and its decode leg when the
 decision (`router.disaggregation`) says the prompt is prefilled remotely.
 
-Two styles, the prefill worker's ``handoff`` setting (`router.types.HandoffStyle`) deciding:
+Three styles, the prefill worker's ``handoff`` setting (`router.types.HandoffStyle`) deciding:
 
 - ``kv_transfer_params`` (vLLM's NIXL connector and its other v1 connectors, as vLLM's own P/D proxy
   runs them): first the prefill leg, the body with ``kv_transfer_params {"do_remote_decode": true,
@@ -13,6 +13,10 @@ Two styles, the prefill worker's ``handoff`` setting (`router.types.HandoffStyle
   ``bootstrap_port``, else SGLang's default 8998) and a fresh random ``bootstrap_room`` injected
   into the client's body, sent to both workers at once; the two meet at the prefill worker's
   bootstrap server; the decode leg's answer goes to the client, the prefill leg's is read and dropped.
+- ``sequential`` (connectors that share KV through a store keyed by the prompt: vLLM's
+  ExampleConnector, which writes each prompt's KV to a shared path and loads it in any engine given
+  the same prompt): the prefill leg as in ``kv_transfer_params`` but without params (the answer has
+  none), read whole; then the decode leg, the client's body unchanged.
 
 Bookings: the prefill leg's (``<id>#prefill``) is freed when that leg's answer is in (its KV has
 been computed), or at the decode leg's first token, or with the request (`KvRouter.mark_free` of the
@@ -110,8 +114,8 @@ class Handoff:
         self.upstream = upstream
         self._counter = Counter(
             f"{PREFIX}_proxy_handoffs",
-            "Remote prefills the proxy ran, by hand-off style (kv_transfer_params, bootstrap) and outcome (ok: "
-            "the decode leg got the request; prefill_failed: the prefill leg failed and the request went "
+            "Remote prefills the proxy ran, by hand-off style (kv_transfer_params, bootstrap, sequential) and "
+            "outcome (ok: the decode leg got the request; prefill_failed: the prefill leg failed and the request went "
             "again without that worker; prefill_failed_late: in bootstrap style, after the decode leg began; "
             "prefill_refused: the prefill worker answered 4xx, passed to the client).",
             ["style", "outcome"],
@@ -134,7 +138,11 @@ class Handoff:
         try:
             if legs.style == "bootstrap":
                 return await self._bootstrap(legs, path, body, headers, reply, forward)
-            decode_body = await self._remote_decode_prefill(legs, path, body, headers)
+            if legs.style == "sequential":
+                await self._prefill_leg(legs, path, _prefill_body(body, None), headers)
+                decode_body = body
+            else:
+                decode_body = await self._remote_decode_prefill(legs, path, body, headers)
         except _Refused as refused:
             await reply.whole(
                 refused.status, [(b"content-type", refused.content_type or b"application/json")], refused.body
@@ -146,15 +154,7 @@ class Handoff:
     # ------------------------------------------------------------------ vLLM: prefill, then decode
     async def _remote_decode_prefill(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
         """The prefill leg of the ``kv_transfer_params`` style; returns the decode leg's body."""
-        request = _decode(body)
-        request["kv_transfer_params"] = _REMOTE_DECODE
-        request["stream"] = False
-        request["max_tokens"] = 1
-        if "max_completion_tokens" in request:
-            request["max_completion_tokens"] = 1
-        request.pop("stream_options", None)
-        request.pop("min_tokens", None)
-        content = await self._prefill_leg(legs, path, _encode(request), headers)
+        content = await self._prefill_leg(legs, path, _prefill_body(body, _REMOTE_DECODE), headers)
         try:
             params = _decode(content).get("kv_transfer_params")
         except (msgspec.DecodeError, AttributeError):
@@ -244,6 +244,20 @@ class Handoff:
 
     def _count(self, legs: Legs, outcome: str) -> None:
         self._counter.labels(legs.style, outcome).inc()
+
+
+def _prefill_body(body: bytes, kv_transfer_params: dict[str, Any] | None) -> bytes:
+    """The client's body as a prefill leg: one token, not streamed (and the params, when given)."""
+    request = _decode(body)
+    if kv_transfer_params is not None:
+        request["kv_transfer_params"] = kv_transfer_params
+    request["stream"] = False
+    request["max_tokens"] = 1
+    if "max_completion_tokens" in request:
+        request["max_completion_tokens"] = 1
+    request.pop("stream_options", None)
+    request.pop("min_tokens", None)
+    return _encode(request)
 
 
 def _retrieve(leg: asyncio.Future[Any]) -> None:

@@ -45,7 +45,8 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         HandoffStyle,
         _doc(
             "with role prefill: how kv-router serve --proxy hands a prefilled request to its decode worker: "
-            "kv_transfer_params (vLLM's NIXL connector) or bootstrap (SGLang, with --bootstrap-port)"
+            "kv_transfer_params (vLLM's NIXL connector), bootstrap (SGLang, with --bootstrap-port) or sequential "
+            "(a connector sharing KV through a store keyed by the prompt, e.g. vLLM's ExampleConnector)"
         ),
     ] = "kv_transfer_params"
     bootstrap_port: Annotated[
