@@ -46,15 +46,34 @@ def lane_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("real-engines")
 
 
+# The session's engines (`engines`), so that a module starting engines of its own can stop these first:
+# one set of engines runs at a time on the lane's machine (`engines_alive` starts them again if needed).
+SHARED: list[VllmEngine] = []
+
+
+def lane_model(lane_dir: Path) -> Path:
+    """The tiny model, made once per lane directory."""
+    python = vllm_python()
+    assert python is not None
+    model = lane_dir / "model"
+    return model if (model / "model.safetensors").exists() else make_model(python, model)
+
+
+def stop_shared_engines() -> None:
+    for engine in SHARED:
+        engine.stop()
+
+
 @pytest.fixture(scope="session")
 def engines(lane_dir: Path) -> Iterator[list[VllmEngine]]:
     """Two vLLM engines serving the tiny model, started in parallel (bounded waits)."""
     python = vllm_python()
     assert python is not None
     began = time.monotonic()
-    model = make_model(python, lane_dir / "model")
+    model = lane_model(lane_dir)
     made = time.monotonic() - began
     fleet = [VllmEngine(python, model, lane_dir, worker_id) for worker_id in (1, 2)]
+    SHARED[:] = fleet
     try:
         for engine in fleet:
             engine.start()
@@ -69,6 +88,7 @@ def engines(lane_dir: Path) -> Iterator[list[VllmEngine]]:
     finally:
         for engine in fleet:
             engine.stop()
+        SHARED.clear()
 
 
 @pytest.fixture(scope="session")

@@ -76,10 +76,13 @@ class VllmEngine:
     """One ``vllm.entrypoints.openai.api_server`` process (and the engine-core processes it starts, in
     its own process group: a signal to the group reaches them all)."""
 
-    def __init__(self, python: Path, model_dir: Path, log_dir: Path, worker_id: int) -> None:
+    def __init__(
+        self, python: Path, model_dir: Path, log_dir: Path, worker_id: int, kv_transfer: dict[str, Any] | None = None
+    ) -> None:
         self.python = python
         self.model_dir = model_dir
         self.worker_id = worker_id
+        self.kv_transfer = kv_transfer  # the engine's --kv-transfer-config (a P/D connector), if any
         self.http_port = free_port()
         self.events_port = free_port("0.0.0.0")
         self.replay_port = free_port()
@@ -113,13 +116,14 @@ class VllmEngine:
             "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}",
             "topic": "kv-events",
         }
+        transfer = ["--kv-transfer-config", json.dumps(self.kv_transfer)] if self.kv_transfer else []
         return [
             str(self.python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir), "--served-model-name", MODEL,
             "--host", "127.0.0.1", "--port", str(self.http_port),
             "--block-size", str(BLOCK_SIZE), "--enable-prefix-caching",
             "--num-gpu-blocks-override", str(KV_BLOCKS), "--max-model-len", "2048",
-            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
+            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events), *transfer,
         ]  # fmt: skip
 
     def start(self) -> VllmEngine:

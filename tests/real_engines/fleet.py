@@ -19,6 +19,7 @@ import openai
 
 from tests.real_engines.engines import BLOCK_SIZE, KV_BLOCKS, MODEL, VllmEngine
 from tests.router_processes import ROOT, RouterProcess, kv_router_command
+from tests.waiting import until
 
 __all__ = [
     "Bridge",
@@ -28,6 +29,7 @@ __all__ = [
     "bridge_router",
     "direct_router",
     "drive",
+    "ready",
     "workload",
 ]
 
@@ -271,9 +273,10 @@ def direct_router(
 
 class Bridge:
     """One ``kv-router bridge`` process next to an engine, publishing its events on NATS and registering
-    its OpenAI URL (the engine's models asked from its ``/v1/models``)."""
+    its OpenAI URL (the engine's models asked from its ``/v1/models``); ``flags``: more of its options
+    (``--role prefill --handoff ...``)."""
 
-    def __init__(self, log_dir: Path, nats_url: str, engine: VllmEngine) -> None:
+    def __init__(self, log_dir: Path, nats_url: str, engine: VllmEngine, *flags: str) -> None:
         self.engine = engine
         self.log_path = log_dir / f"bridge-{engine.worker_id}-{time.monotonic_ns()}.log"
         command = [
@@ -281,7 +284,7 @@ class Bridge:
             "--zmq-endpoint", engine.events, "--replay-endpoint", engine.replay, "--engine", "vllm",
             "--block-size", str(BLOCK_SIZE), "--total-kv-blocks", str(KV_BLOCKS),
             "--engine-metrics-url", f"{engine.url}/metrics", "--openai-url", engine.url,
-            "--nats-url", nats_url,
+            "--nats-url", nats_url, *flags,
         ]  # fmt: skip
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -299,6 +302,26 @@ class Bridge:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+
+
+def proxied_workers(router: RouterProcess) -> set[int]:
+    """The workers the proxy can send to: registered with an OpenAI URL."""
+    workers = router.get("/v1/workers")["workers"]
+    return {worker["config"]["worker_id"] for worker in workers if worker["config"].get("url")}
+
+
+def ready(router: RouterProcess, workers: set[int]) -> RouterProcess:
+    """Until the router proxies to ``workers`` and has replayed what their engines published."""
+
+    def listening() -> bool:
+        listed = router.get("/v1/workers")["workers"]
+        streams = [stream for worker in listed for stream in worker["event_streams"]]
+        return proxied_workers(router) == workers and all(
+            stream["trusted"] and not stream["resyncing"] for stream in streams
+        )
+
+    until(listening, 60)
+    return router
 
 
 def bridge_router(log_dir: Path, nats_url: str, *extra: str) -> RouterProcess:

@@ -19,7 +19,17 @@ import pytest
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.metrics import total
 from tests.real_engines.engines import BLOCK_SIZE, EngineMirror, VllmEngine
-from tests.real_engines.fleet import Bridge, Call, Outcome, Run, bridge_router, direct_router, drive, workload
+from tests.real_engines.fleet import (
+    Bridge,
+    Call,
+    Outcome,
+    Run,
+    bridge_router,
+    direct_router,
+    drive,
+    ready,
+    workload,
+)
 from tests.router_processes import RouterProcess
 from tests.waiting import eventually, until
 
@@ -93,26 +103,6 @@ def metric_total(router: RouterProcess, name: str, **labels: str) -> float:
 
 def evictions(router: RouterProcess) -> float:
     return metric_total(router, "kv_router_events_applied_total", event_type="removed", status="ok")
-
-
-def proxied_workers(router: RouterProcess) -> set[int]:
-    """The workers the proxy can send to: registered with an OpenAI URL."""
-    workers = router.get("/v1/workers")["workers"]
-    return {worker["config"]["worker_id"] for worker in workers if worker["config"].get("url")}
-
-
-def ready(router: RouterProcess, workers: set[int]) -> RouterProcess:
-    """Until the router proxies to ``workers`` and has replayed what their engines published."""
-
-    def listening() -> bool:
-        listed = router.get("/v1/workers")["workers"]
-        streams = [stream for worker in listed for stream in worker["event_streams"]]
-        return proxied_workers(router) == workers and all(
-            stream["trusted"] and not stream["resyncing"] for stream in streams
-        )
-
-    until(listening, 60)
-    return router
 
 
 async def in_turn(router: RouterProcess, mirrors: Sequence[EngineMirror], calls: Sequence[Call]) -> Run:
