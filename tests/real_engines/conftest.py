@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
-from tests.real_engines.engines import EngineMirror, VllmEngine, make_model, vllm_python
+from tests.real_engines.engines import SHARED, EngineMirror, VllmEngine, lane_model, vllm_python
 
 LANE = (
     "the real-engine lane: .ci/vllm_lane.sh installs vLLM, then `python -m pytest -m real_engines tests/real_engines`"
@@ -44,24 +44,6 @@ def lane_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         path.mkdir(parents=True, exist_ok=True)
         return path
     return tmp_path_factory.mktemp("real-engines")
-
-
-# The session's engines (`engines`), so that a module starting engines of its own can stop these first:
-# one set of engines runs at a time on the lane's machine (`engines_alive` starts them again if needed).
-SHARED: list[VllmEngine] = []
-
-
-def lane_model(lane_dir: Path) -> Path:
-    """The tiny model, made once per lane directory."""
-    python = vllm_python()
-    assert python is not None
-    model = lane_dir / "model"
-    return model if (model / "model.safetensors").exists() else make_model(python, model)
-
-
-def stop_shared_engines() -> None:
-    for engine in SHARED:
-        engine.stop()
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,18 @@ from msgspec.msgpack import decode as msgpack_decode
 from router.event_plane.embedded_server import free_port
 from tests.waiting import until
 
-__all__ = ["BLOCK_SIZE", "KV_BLOCKS", "MODEL", "EngineMirror", "VllmEngine", "make_model", "vllm_python"]
+__all__ = [
+    "BLOCK_SIZE",
+    "KV_BLOCKS",
+    "MODEL",
+    "SHARED",
+    "EngineMirror",
+    "VllmEngine",
+    "lane_model",
+    "make_model",
+    "stop_shared_engines",
+    "vllm_python",
+]
 
 VLLM_VERSION = "0.32.0"
 MODEL = "tiny-llama"
@@ -193,6 +204,24 @@ class VllmEngine:
 
     def post(self, path: str, body: object | None = None) -> tuple[int, Any]:
         return _request(f"{self.url}{path}", body if body is not None else {})
+
+
+# The session's engines (`engines`), so that a module starting engines of its own can stop these first:
+# one set of engines runs at a time on the lane's machine (`engines_alive` starts them again if needed).
+SHARED: list[VllmEngine] = []
+
+
+def lane_model(lane_dir: Path) -> Path:
+    """The tiny model, made once per lane directory."""
+    python = vllm_python()
+    assert python is not None
+    model = lane_dir / "model"
+    return model if (model / "model.safetensors").exists() else make_model(python, model)
+
+
+def stop_shared_engines() -> None:
+    for engine in SHARED:
+        engine.stop()
 
 
 class EngineMirror:

@@ -22,8 +22,7 @@ import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.metrics import sample, total
-from tests.real_engines.conftest import lane_model, stop_shared_engines
-from tests.real_engines.engines import BLOCK_SIZE, MODEL, VllmEngine, vllm_python
+from tests.real_engines.engines import BLOCK_SIZE, MODEL, VllmEngine, lane_model, stop_shared_engines, vllm_python
 from tests.real_engines.fleet import Bridge, bridge_router, ready
 from tests.router_processes import RouterProcess
 from tests.waiting import eventually
