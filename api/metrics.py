@@ -333,7 +333,7 @@ class RouterStateCollector(Collector):
             total = capacity.get(load.worker_id)
             if total is not None:
                 kv_total.add_metric(labels, total)
-        stats = router.indexer.stats()
+        stats = router.tree.stats()
         for (worker_id, dp_rank), blocks in stats.blocks.items():
             indexed.add_metric([str(worker_id), str(dp_rank)], blocks)
         queue = router.queue_stats()

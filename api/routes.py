@@ -247,7 +247,7 @@ def add_admin_routes(
         openapi_extra=schemas.operation(responses={200: (list[RouterEvent], "OK")}),
     )
     async def dump(request: Request) -> Response:
-        events: list[RouterEvent] = kv_router.indexer.dump_events()
+        events: list[RouterEvent] = kv_router.tree.dump_events()
         if kv_router.predictions is not None:
             # Approximate mode's blocks, marked: predicted from routing, not reported by the worker.
             events += [

@@ -56,7 +56,7 @@ def block(rng: random.Random) -> tuple[int, int]:
 async def routable(router: KvRouter, worker_id: int, tokens_hash: int, timeout: float = 30.0) -> float:
     """Wait until the index holds ``tokens_hash`` (as a root block) for ``worker_id``; returns when."""
     deadline = time.perf_counter() + timeout
-    while (worker_id, 0) not in router.indexer.find_matches([tokens_hash]).scores:
+    while (worker_id, 0) not in router.tree.find_matches([tokens_hash]).scores:
         if time.perf_counter() > deadline:
             raise TimeoutError(f"worker {worker_id}: block never became routable")
         await asyncio.sleep(POLL_S)

@@ -110,7 +110,7 @@ class Target:
 
     def fingerprint(self) -> Any:
         router = self.router
-        return (tuple(router.workers()), tuple(router.rank_loads()), router.indexer.dump_events().__len__())
+        return (tuple(router.workers()), tuple(router.rank_loads()), router.tree.dump_events().__len__())
 
 
 def run(cases: int, seed: int, seeds: int) -> int:

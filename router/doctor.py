@@ -173,7 +173,7 @@ class ConfigDoctor:
                     f"{count} stored events from {stream.endpoint} contradict our hashing of their token ids; "
                     f"the latest: {stream.last_hash_mismatch}"
                 )
-        indexer = self.router.indexer
+        tree = self.router.tree
         samples = self._samples
         while samples and now - samples[0][0] >= self._sample_delay_s:
             _, rank, first_block = samples.popleft()
@@ -181,12 +181,12 @@ class ConfigDoctor:
             if tally is None:
                 tally = self._tallies[rank[0]] = _Tally(now)
             tally.checked += 1
-            if indexer.find_matches([first_block]).scores.get(rank):
+            if tree.find_matches([first_block]).scores.get(rank):
                 tally.found += 1
         if not any(t.checked >= self._hash_mismatch_after and not t.found for t in self._tallies.values()):
             return
         held: dict[int, int] = {}
-        for (worker_id, _), blocks in indexer.stats().blocks.items():
+        for (worker_id, _), blocks in tree.stats().blocks.items():
             held[worker_id] = held.get(worker_id, 0) + blocks
         for worker_id, tally in self._tallies.items():
             if tally.found:

@@ -144,22 +144,22 @@ class _Waiter:
 class KvRouter:
     """KV-cache-aware routing over registered workers.
 
-    ``indexer`` defaults to a fresh `RadixTree`; ``rng`` (seed it for reproducible ties and sampling)
+    ``tree`` (the index) defaults to a fresh `RadixTree`; ``rng`` (seed it for reproducible ties and sampling)
     drives every random choice; ``clock`` (monotonic seconds) times request expiry and queue order.
     """
 
     def __init__(
         self,
         config: RouterConfig,
-        indexer: RadixTree | None = None,
+        tree: RadixTree | None = None,
         *,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self.indexer = indexer if indexer is not None else RadixTree()
+        self.tree = tree if tree is not None else RadixTree()
         # The one door into the index for live events, whatever carries them.
-        self.events = EventSequencer(self.indexer, accept_worker=self.has_worker)
+        self.events = EventSequencer(self.tree, accept_worker=self.has_worker)
         self._clock = clock
         # Called after each decision with the chosen rank and the prompt's local hashes (the doctor
         # samples them, approximate mode records them).
@@ -219,7 +219,7 @@ class KvRouter:
             if previous != worker:
                 logger.info("worker %d reconfigured", worker.worker_id, extra={"worker_id": worker.worker_id})
             for dp_rank in set(previous.dp_ranks) - set(worker.dp_ranks):
-                self.indexer.remove_worker_dp_rank(worker.worker_id, dp_rank)
+                self.tree.remove_worker_dp_rank(worker.worker_id, dp_rank)
         if dropped:
             logger.warning("worker %d lost dp ranks; dropped %d active requests", worker.worker_id, len(dropped))
         if not self._started and len(self._scheduler.workers) >= self.config.router_min_initial_workers:
@@ -235,7 +235,7 @@ class KvRouter:
         the policy is made afresh for it. Raises `ConfigError` once blocks or requests depend on the old one."""
         if block_size == self.config.block_size:
             return
-        if any(self.indexer.stats().blocks.values()) or len(self._scheduler.sequences):
+        if any(self.tree.stats().blocks.values()) or len(self._scheduler.sequences):
             raise ConfigError("block_size", "cannot change once blocks are indexed or requests are active")
         self.config = msgspec.structs.replace(self.config, block_size=block_size)
         self._scheduler.adopt_config(self.config, create_policy(self.config, self._rng))
@@ -248,7 +248,7 @@ class KvRouter:
         """Forget a worker: its index entries, event streams and active requests. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
         self._disaggregated = is_disaggregated(self._scheduler.workers)
-        self.indexer.remove_worker(worker_id)
+        self.tree.remove_worker(worker_id)
         self.health.forget(worker_id)
         self.events.forget_worker(worker_id)  # a worker registered again starts its streams afresh
         if self.predictions is not None:
@@ -292,7 +292,7 @@ class KvRouter:
 
     def apply_event(self, event: RouterEvent) -> None:
         """Apply one KV event to the index; raises the indexer's `KvIndexError` for a rejected one."""
-        self.indexer.apply_router_event(event)
+        self.tree.apply_router_event(event)
 
     async def wait_for_workers(self) -> None:
         """Return once ``router_min_initial_workers`` workers have registered; at once ever after
@@ -435,7 +435,7 @@ class KvRouter:
             explain=routing.explain,
             config=routing.config,
             expected_output_tokens=request.expected_output_tokens,
-            cached_blocks=self.indexer.stats().blocks if self._scheduler.uses_cache_fill else None,
+            cached_blocks=self.tree.stats().blocks if self._scheduler.uses_cache_fill else None,
         )
 
     def _commit(self, routing: _Routing, choice: Choice, started: float, queued_s: float) -> RouteDecision:
@@ -815,7 +815,7 @@ class KvRouter:
         )
 
     def _match(self, prompt: Prompt) -> dict[WorkerRank, RankOverlap]:
-        matches = self.indexer.find_matches(prompt.local_hashes)
+        matches = self.tree.find_matches(prompt.local_hashes)
         if self.predictions is not None:
             # Per rank the larger of what its events say and what was predicted from routing.
             scores = matches.scores

@@ -48,7 +48,7 @@ def _stream(router: KvRouter, dp_rank: int = 0) -> StreamStatus:
 
 
 async def _converged(router: KvRouter, engine: FakeEngine, direct: DirectEngine) -> None:
-    await eventually(lambda: direct.stream.backlog == 0 and canonical(router.indexer.dump_events()) == engine.dump())
+    await eventually(lambda: direct.stream.backlog == 0 and canonical(router.tree.dump_events()) == engine.dump())
 
 
 def test_engine_specs_parse() -> None:
@@ -189,7 +189,7 @@ async def test_a_new_process_first_heard_at_the_next_seq_reads_as_the_old_one_go
         await eventually(lambda: direct.stream.stats["applied"] == 6 and direct.stream.backlog == 0)
         changed = {key: direct.stream.stats[key] - before.get(key, 0) for key in ("restarts", "gap", "replayed")}
         assert changed == {"restarts": 0, "gap": 0, "replayed": 0} and direct.stream.stats["unverified"] == 0
-        held = canonical(router.indexer.dump_events())
+        held = canonical(router.tree.dump_events())
         assert set(old_process) <= set(held) and held != engine.dump()
         assert _stream(router).trusted
         await engine.send([engine.cleared()])
@@ -297,11 +297,11 @@ async def test_an_engine_whose_health_fails_leaves_routing_and_comes_back_rebuil
         for _ in range(10):
             await engine.step()
         await _converged(router, engine, direct)
-        assert router.indexer.dump_events()
+        assert router.tree.dump_events()
 
         http.healthy = False  # 503: alive but not serving
         await eventually(lambda: not router.has_worker(WORKER))
-        assert router.indexer.dump_events() == []
+        assert router.tree.dump_events() == []
         for _ in range(5):
             await engine.step()  # heard while out of routing: dropped
         await eventually(lambda: direct.sink.dropped_events > 0)

@@ -102,7 +102,7 @@ def test_event_messages_decode_or_are_rejected(payloads: list[bytes]) -> None:
         router.events.ingest(events)  # never raises: bad events are counted rejections
     # The index still answers and dumps what it holds.
     router.overlap(prompt(1, 64), None, None, None)
-    router.indexer.dump_events()
+    router.tree.dump_events()
 
 
 _resync_json = msgspec.json.Decoder(ResyncResponse)

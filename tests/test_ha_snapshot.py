@@ -70,7 +70,7 @@ def new_router() -> KvRouter:
 
 
 def index_of(router: KvRouter) -> set[tuple[Any, ...]]:
-    return canonical(msgspec.to_builtins(router.indexer.dump_events()))
+    return canonical(msgspec.to_builtins(router.tree.dump_events()))
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ async def test_a_large_snapshot_is_written_in_slices_while_decisions_answer_and_
         # What the loop would wait for if the dump were read and encoded in one step, in CPU time
         # (the machine is shared: wall time would count other processes).
         one_step = time.process_time()
-        msgspec.msgpack.encode(router.indexer.dump_events())
+        msgspec.msgpack.encode(router.tree.dump_events())
         one_step = time.process_time() - one_step
 
         writing = True

@@ -113,7 +113,7 @@ async def test_a_gap_with_a_slow_responder_keeps_live_events_routable_and_conver
     await eventually(lambda: plane.sequencer.status()[0].trusted)
     assert cached(plane.router, 11, 3) == {71: 3}
     assert cached(plane.router, 10, 4) == {71: 3}  # the removal still wins over the replay
-    assert same_state(plane.router.indexer, publisher)
+    assert same_state(plane.router.tree, publisher)
     await plane.stop()
 
 
@@ -143,7 +143,7 @@ async def test_kill_9_and_restart_of_nats_keeps_routing_and_converges(
     await publisher.stored(pairs(21, 2))  # published after the restart: routable without waiting for resyncs
     await eventually(lambda: cached(router, 21, 2) == {72: 2})
     await eventually(lambda: all(stream.trusted for stream in router.events.status()))
-    assert same_state(router.indexer, publisher)
+    assert same_state(router.tree, publisher)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "lost the NATS connection" in r.message]
     infos = [r for r in caplog.records if r.levelno == logging.INFO and "reconnected to NATS" in r.message]
     assert (len(warnings), len(infos), lifecycle.disconnects) == (1, 1, 1)

@@ -67,7 +67,7 @@ async def failing_worker(status: bytes = b"500 Internal Server Error") -> AsyncI
 
 def cached_blocks(f: Fleet, worker_id: int) -> int:
     """The blocks the router's index holds for the worker, from its KV events."""
-    return sum(blocks for (worker, _), blocks in f.router.indexer.stats().blocks.items() if worker == worker_id)
+    return sum(blocks for (worker, _), blocks in f.router.tree.stats().blocks.items() if worker == worker_id)
 
 
 def ballast(f: Fleet, request_id: str, **pins: tuple[int, int]) -> Callable[[], Awaitable[object]]:

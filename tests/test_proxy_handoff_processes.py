@@ -45,7 +45,7 @@ def workers(
 
 
 def cached_blocks(f: Fleet, worker_id: int) -> int:
-    return sum(blocks for (worker, _), blocks in f.router.indexer.stats().blocks.items() if worker == worker_id)
+    return sum(blocks for (worker, _), blocks in f.router.tree.stats().blocks.items() if worker == worker_id)
 
 
 @pytest.mark.parametrize("style", ["kv_transfer_params", "bootstrap"])

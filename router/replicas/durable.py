@@ -381,7 +381,7 @@ class DurableEvents:
         # 1M-block snapshot would be freed in one step.
         pieces = [first]
         piece = first
-        index = self.router.indexer
+        index = self.router.tree
         changes = index.changes
         one_step = self._interrupted_in_row >= MAX_INTERRUPTED
         encode_into = _encoder.encode_into
