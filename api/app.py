@@ -78,7 +78,7 @@ def create_app(
     kv_router = KvRouter(settings.router, rng=rng)
     metrics = ApiMetrics(registry)
     registry.register(RouterStateCollector(kv_router))
-    registry.register(EventStreamCollector(kv_router.events))
+    registry.register(EventStreamCollector(kv_router.sequencer))
     registry.register(NativeDeclinesCollector())
     register_build_info(
         registry, version=package_version(), policy=settings.router.policy, native=active_accelerators()

@@ -317,7 +317,7 @@ class Handlers:
 
     def _events(self, call: Call) -> Reply:
         events = decode_router_events(call.body, msgpack=call.msgpack)
-        sequencer = self._router.events
+        sequencer = self._router.sequencer
         outcomes = sequencer.outcomes
         applied, rejected, duplicate = outcomes["applied"], sequencer.rejected, outcomes["duplicate"]
         sequencer.ingest(events)

@@ -122,7 +122,7 @@ class PlaneLifecycle:
         self.ha = ha or HaConfig()
         self._http_port = http_port
         self.url = config.nats_url
-        router.events.retry_interval_s = config.resync_retry_secs
+        router.sequencer.retry_interval_s = config.resync_retry_secs
         self.plane: RouterEventPlane | None = None
         self.state: PlaneState = "connecting"
         self.disconnects = 0

@@ -148,7 +148,7 @@ def add_admin_routes(
     def streams_by_worker() -> dict[int, list[StreamStatus]]:
         # Every door feeds the one sequencer: NATS, HTTP and engines heard directly alike.
         by_worker: dict[int, list[StreamStatus]] = {}
-        for stream in kv_router.events.status():
+        for stream in kv_router.sequencer.status():
             by_worker.setdefault(stream.worker_id, []).append(stream)
         return by_worker
 

@@ -190,9 +190,9 @@ async def lag(seconds: float, rate: float, blocks: int, *, own_sessions: bool = 
         router = KvRouter(RouterConfig(block_size=BLOCK))
         router.register_worker(WorkerConfig(worker_id=WORKER, block_size=BLOCK, leased=False))
         nc = await connect(NatsOptions(server.url))
-        subscriber = KvEventSubscriber(nc, router.events)
+        subscriber = KvEventSubscriber(nc, router.sequencer)
         lags: list[float] = []
-        ingest = router.events.ingest
+        ingest = router.sequencer.ingest
         apply_cpu = [0.0]
 
         def timed(events: list[RouterEvent], *, epoch: str | None = None) -> None:
@@ -205,7 +205,7 @@ async def lag(seconds: float, rate: float, blocks: int, *, own_sessions: bool = 
                 if stored is not None and stored.parent_hash is None:
                     lags.append((now_us - (stored.blocks[0].block_hash >> 8)) / 1000.0)
 
-        router.events.ingest = timed  # type: ignore[method-assign]
+        router.sequencer.ingest = timed  # type: ignore[method-assign]
         await subscriber.start()
         beat = asyncio.Event()
 

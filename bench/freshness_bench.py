@@ -167,7 +167,7 @@ async def run(args: argparse.Namespace) -> None:
         sent = time.perf_counter()
         await publisher.stored([pair])
         results.setdefault("gap, responder", []).append(await routable(router, publisher.worker_id, pair[1]) - sent)
-        verified.append(await until(lambda: (publisher.worker_id, 0) not in router.events.untrusted) - sent)
+        verified.append(await until(lambda: (publisher.worker_id, 0) not in router.sequencer.untrusted) - sent)
     results["gap, responder: verified again"] = verified
     # kill -9 and restart of nats-server.
     after_restart: list[float] = []
@@ -180,7 +180,7 @@ async def run(args: argparse.Namespace) -> None:
         pair = block(rng)
         await publisher.stored([pair])  # buffered by the client until it has reconnected
         after_restart.append(await routable(router, publisher.worker_id, pair[1]) - back)
-        await until(lambda: (publisher.worker_id, 0) not in router.events.untrusted, timeout=30)
+        await until(lambda: (publisher.worker_id, 0) not in router.sequencer.untrusted, timeout=30)
     results["after kill -9"] = after_restart
     stop.set()
     sent = await traffic

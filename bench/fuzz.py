@@ -104,7 +104,7 @@ class Target:
         self.router = KvRouter(RouterConfig(block_size=16), rng=random.Random(0))
         for worker_id in (1, 2):
             self.router.register_worker(WorkerConfig(worker_id=worker_id, total_kv_blocks=100))
-        self.router.events.ingest(decode_router_events(msgspec.json.encode(stored_event(1, prompt(1, 64)))))
+        self.router.sequencer.ingest(decode_router_events(msgspec.json.encode(stored_event(1, prompt(1, 64)))))
         service = ServiceConfig(max_prompt_tokens=4096)
         self.handlers = Handlers(self.router, ApiMetrics(CollectorRegistry()), service).routes()
 
@@ -161,7 +161,7 @@ def _one(target: Target, name: str, payload: bytes, msgpack: bool) -> str | None
             events = decode_router_events(payload, msgpack=None)
         except EventDecodeError:
             return None
-        target.router.events.ingest(events)
+        target.router.sequencer.ingest(events)
         return None
     try:
         _DECODERS[name].decode(payload)

@@ -567,7 +567,7 @@ async def part_stall(server: EmbeddedNats, work: Path, args: argparse.Namespace)
     per_event = 64
     for n in range(args.blocks // per_event):
         pairs = [(rng.getrandbits(63), rng.getrandbits(63)) for _ in range(per_event)]
-        router.events.ingest([RouterEvent(worker_id=1 + n % WORKERS, event=stored_event(1 + n // WORKERS, pairs))])
+        router.sequencer.ingest([RouterEvent(worker_id=1 + n % WORKERS, event=stored_event(1 + n // WORKERS, pairs))])
     if args.gc_freeze:
         gc.collect()
         gc.freeze()

@@ -114,7 +114,7 @@ class ConfigDoctor:
         self._routed += 1
         # Only prompts routed to a rank that already sends events can show whether its hashes match.
         sampled = self._routed % self._sample_every == 1 % self._sample_every
-        if sampled and local_hashes and self.router.events.has_stream(*rank):
+        if sampled and local_hashes and self.router.sequencer.has_stream(*rank):
             self._samples.append((self._clock(), rank, local_hashes[0]))
 
     # ------------------------------------------------------------------ the checks
@@ -126,7 +126,7 @@ class ConfigDoctor:
         self._silent_workers(now, found)
         self._gaps(now, found)
         self._silent_engines(now, found)
-        for worker_id, count in self.router.events.unknown_worker_events.items():
+        for worker_id, count in self.router.sequencer.unknown_worker_events.items():
             if count and not self.router.has_worker(worker_id):
                 found["unregistered_worker", worker_id] = (
                     f"{count} events from worker {worker_id}, which is not registered (POST /v1/workers, the config "
@@ -200,7 +200,7 @@ class ConfigDoctor:
                 )
 
     def _silent_workers(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
-        sequencer = self.router.events
+        sequencer = self.router.sequencer
         for worker_id, first in list(self._first_routed.items()):
             worker = self.router.worker(worker_id)
             if worker is None:
@@ -218,7 +218,7 @@ class ConfigDoctor:
                 )
 
     def _gaps(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
-        counts: dict[WorkerRank, int] = dict(self.router.events.gaps_by_stream)
+        counts: dict[WorkerRank, int] = dict(self.router.sequencer.gaps_by_stream)
         for engine in self.engines:
             worker_id, stream = engine.worker_id, engine.stream
             key = (worker_id, stream.dp_rank)

@@ -159,7 +159,7 @@ class KvRouter:
         self.config = config
         self.tree = tree if tree is not None else RadixTree()
         # The one door into the index for live events, whatever carries them.
-        self.events = EventSequencer(self.tree, accept_worker=self.has_worker)
+        self.sequencer = EventSequencer(self.tree, accept_worker=self.has_worker)
         self._clock = clock
         # Called after each decision with the chosen rank and the prompt's local hashes (the doctor
         # samples them, approximate mode records them).
@@ -192,7 +192,7 @@ class KvRouter:
     def _predict(self) -> PredictedCache:
         if self.predictions is None:
             self.predictions = PredictedCache(
-                self.config.router_ttl_secs, self.events, self._scheduler.workers.get, clock=self._clock
+                self.config.router_ttl_secs, self.sequencer, self._scheduler.workers.get, clock=self._clock
             )
         return self.predictions
 
@@ -214,7 +214,7 @@ class KvRouter:
             )
         if worker.epoch is not None:
             # A new epoch is a restarted publisher: its old index state goes, its ids start afresh.
-            self.events.observe_epoch(worker.worker_id, worker.epoch)
+            self.sequencer.observe_epoch(worker.worker_id, worker.epoch)
         if previous is not None:
             if previous != worker:
                 logger.info("worker %d reconfigured", worker.worker_id, extra={"worker_id": worker.worker_id})
@@ -250,7 +250,7 @@ class KvRouter:
         self._disaggregated = is_disaggregated(self._scheduler.workers)
         self.tree.remove_worker(worker_id)
         self.health.forget(worker_id)
-        self.events.forget_worker(worker_id)  # a worker registered again starts its streams afresh
+        self.sequencer.forget_worker(worker_id)  # a worker registered again starts its streams afresh
         if self.predictions is not None:
             self.predictions.forget_worker(worker_id)
         logger.info(
@@ -463,7 +463,7 @@ class KvRouter:
         for observer in self.routed_observers:
             observer(choice.key, routing.prompt.local_hashes)
         worker_id, dp_rank = choice.key
-        trusted, age = self.events.freshness(choice.key)
+        trusted, age = self.sequencer.freshness(choice.key)
         overlap = choice.overlap
         receipt = DecisionReceipt(
             device_blocks=overlap.device_blocks,
@@ -829,7 +829,7 @@ class KvRouter:
         by ``untrusted_overlap_weight`` (never under the dynamo policy, whose decisions are Dynamo's)."""
         overlaps = self._match(prompt)
         weight = self.config.untrusted_overlap_weight
-        untrusted = self.events.untrusted
+        untrusted = self.sequencer.untrusted
         if weight == 1.0 or not untrusted or self.config.policy == "dynamo":
             return overlaps
         for key in untrusted & overlaps.keys():

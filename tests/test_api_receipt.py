@@ -70,7 +70,7 @@ async def test_pinned_and_threshold_reasons() -> None:
     for worker_id in (1, 2):
         router.register_worker(WorkerConfig(worker_id=worker_id, total_kv_blocks=100))
     local = compute_block_hashes(TOKENS, BLOCK_SIZE)
-    router.events.ingest([RouterEvent(1, stored_event(1, zip(compute_sequence_hashes(local), local, strict=True)))])
+    router.sequencer.ingest([RouterEvent(1, stored_event(1, zip(compute_sequence_hashes(local), local, strict=True)))])
     pinned = await router.new(RouteRequest(tokens=TOKENS), pinned_worker=(2, 0))
     assert pinned.receipt is not None and (pinned.worker_id, pinned.receipt.reason) == (2, "pinned")
     router.update_kv_used_blocks(1, 0, 90)  # worker 1 is busy

@@ -73,7 +73,7 @@ async def test_real_events_replace_the_predictions() -> None:
     router = _router(Clock(), _worker(1))
     await router.new(RouteRequest(tokens=_prompt(1)))
     local = compute_block_hashes(_prompt(2), BLOCK)
-    router.events.ingest([RouterEvent(1, stored_event(1, zip(compute_sequence_hashes(local), local, strict=True)))])
+    router.sequencer.ingest([RouterEvent(1, stored_event(1, zip(compute_sequence_hashes(local), local, strict=True)))])
     await router.new(RouteRequest(tokens=_prompt(3)))  # the first decision after the event sees it
     assert router.predictions is not None and router.predictions.blocks() == {}
     assert router.overlap(_prompt(1)).workers[0].device_blocks == 0

@@ -88,7 +88,7 @@ async def test_a_worker_routed_for_a_minute_without_events_is_not_wired(
     assert len([r for r in caplog.records if "events_not_wired" in r.getMessage()]) == 1  # one WARNING
     assert doctor.problems[0].since == clock.now
     assert doctor.counts()["events_not_wired"] == 1
-    router.events.ingest([_stored(1, 1, _prompts(1)[0])])
+    router.sequencer.ingest([_stored(1, 1, _prompts(1)[0])])
     assert doctor.check() == []
 
 
@@ -101,7 +101,7 @@ async def test_blocks_hashed_with_another_salt_than_the_requests_are_a_hash_mism
     doctor = _doctor(router, clock)
     prompts = _prompts(8)
     salt = {"lora_name": "adapter-the-requests-do-not-name"} if salted else {}
-    router.events.ingest(_stored(1, i + 1, tokens, **salt) for i, tokens in enumerate(prompts))
+    router.sequencer.ingest(_stored(1, i + 1, tokens, **salt) for i, tokens in enumerate(prompts))
     await _route(router, prompts)
     clock.now += 1
     assert _kinds(doctor.check()) == ([("tokens_hash_mismatch", 1)] if salted else [])
@@ -111,10 +111,10 @@ def test_a_stream_that_keeps_gapping_and_events_from_an_unknown_worker(clock: Cl
     router = _router(WorkerConfig(worker_id=1, leased=False))
     doctor = _doctor(router, clock, gap_window_s=600, gap_threshold=3)
     tokens = _prompts(1)[0]
-    router.events.ingest([_stored(1, 1, tokens)])
+    router.sequencer.ingest([_stored(1, 1, tokens)])
     for event_id in (3, 5, 7):  # each skips one id; without a transport the resync fails at once
-        router.events.ingest([_stored(1, event_id, tokens)])
-    router.events.ingest([_stored(99, 1, tokens)])
+        router.sequencer.ingest([_stored(1, event_id, tokens)])
+    router.sequencer.ingest([_stored(99, 1, tokens)])
     assert _kinds(doctor.check()) == [("stream_gapping", 1), ("unregistered_worker", 99)]
     clock.now += 601  # the gaps age out of the window
     router.register_worker(WorkerConfig(worker_id=99, leased=False))

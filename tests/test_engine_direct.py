@@ -43,7 +43,7 @@ def _router() -> KvRouter:
 
 
 def _stream(router: KvRouter, dp_rank: int = 0) -> StreamStatus:
-    (status,) = [s for s in router.events.status() if (s.worker_id, s.dp_rank) == (WORKER, dp_rank)]
+    (status,) = [s for s in router.sequencer.status() if (s.worker_id, s.dp_rank) == (WORKER, dp_rank)]
     return status
 
 

@@ -99,7 +99,7 @@ def test_event_messages_decode_or_are_rejected(payloads: list[bytes]) -> None:
             events = decode_router_events(payload, msgpack=None)
         except EventDecodeError:
             continue
-        router.events.ingest(events)  # never raises: bad events are counted rejections
+        router.sequencer.ingest(events)  # never raises: bad events are counted rejections
     # The index still answers and dumps what it holds.
     router.overlap(prompt(1, 64), None, None, None)
     router.tree.dump_events()
@@ -115,15 +115,15 @@ def test_resync_replies_decode_or_are_rejected(payload: bytes) -> None:
     router = KvRouter(RouterConfig(block_size=16), rng=random.Random(0))
     router.register_worker(WorkerConfig(worker_id=1))
     asked: list[ResyncRequest] = []
-    router.events.resync_transport = asked.append
+    router.sequencer.resync_transport = asked.append
     events = [stored_event(1, prompt(1, 64), event_id=1), stored_event(1, prompt(2, 64), event_id=3)]
-    router.events.ingest(decode_router_events(msgspec.json.encode(events)))  # a gap: a resync goes out
+    router.sequencer.ingest(decode_router_events(msgspec.json.encode(events)))  # a gap: a resync goes out
     assert asked
     try:
         response = (_resync_msgpack if looks_like_msgpack(payload) else _resync_json).decode(payload)
     except msgspec.DecodeError:
         return
-    follow_up = router.events.resync_done(asked[-1], response)
+    follow_up = router.sequencer.resync_done(asked[-1], response)
     assert follow_up is None or follow_up.worker_id == 1
     router.overlap(prompt(1, 64), None, None, None)
 

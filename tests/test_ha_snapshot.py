@@ -117,7 +117,7 @@ async def applied_all(events: DurableEvents, nc: Client, timeout: float = 30.0) 
 async def test_a_large_snapshot_is_written_in_slices_while_decisions_answer_and_restores_exactly(nc: Client) -> None:
     router = new_router()
     workers = Workers()
-    router.events.ingest(workers.events(200_000))
+    router.sequencer.ingest(workers.events(200_000))
     live = await started(router, nc)
     try:
         # What the loop would wait for if the dump were read and encoded in one step, in CPU time
@@ -168,8 +168,8 @@ async def test_a_large_snapshot_is_written_in_slices_while_decisions_answer_and_
         try:
             assert again.outcomes["restored_events"] > 0
             assert index_of(restored) == index_of(router)
-            assert [s.last_event_id for s in restored.events.status()] == [
-                s.last_event_id for s in router.events.status()
+            assert [s.last_event_id for s in restored.sequencer.status()] == [
+                s.last_event_id for s in router.sequencer.status()
             ]
         finally:
             await again.stop()
@@ -183,7 +183,7 @@ async def test_a_change_that_does_not_wait_interrupts_the_dump_and_it_is_taken_a
     monkeypatch.setattr(durable, "SNAPSHOT_SLICE_S", 0.0)  # yield after every dumped event
     router = new_router()
     workers = Workers(seed=8)
-    router.events.ingest(workers.events(4_000))
+    router.sequencer.ingest(workers.events(4_000))
     live = await started(router, nc)
     try:
         for attempt in range(durable.MAX_INTERRUPTED + 1):
@@ -191,14 +191,14 @@ async def test_a_change_that_does_not_wait_interrupts_the_dump_and_it_is_taken_a
             for _ in range(5):
                 await asyncio.sleep(0)
             # As POST /v1/events does: straight to the sequencer, not through the stream.
-            router.events.ingest([workers.event(WORKERS[attempt % len(WORKERS)], 8)])
+            router.sequencer.ingest([workers.event(WORKERS[attempt % len(WORKERS)], 8)])
             written = await writing
             if attempt < durable.MAX_INTERRUPTED:
                 assert not written
                 assert live.outcomes["snapshot_interrupted"] == attempt + 1
             else:
                 assert written, "after MAX_INTERRUPTED in a row the dump is read in one step"
-        router.events.ingest([workers.event(1, 8)])
+        router.sequencer.ingest([workers.event(1, 8)])
         assert await live.write_snapshot(), "with nothing changing meanwhile a sliced dump completes"
         assert live.outcomes["snapshot_interrupted"] == durable.MAX_INTERRUPTED
 

@@ -142,7 +142,7 @@ async def test_kill_9_and_restart_of_nats_keeps_routing_and_converges(
     await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=15)
     await publisher.stored(pairs(21, 2))  # published after the restart: routable without waiting for resyncs
     await eventually(lambda: cached(router, 21, 2) == {72: 2})
-    await eventually(lambda: all(stream.trusted for stream in router.events.status()))
+    await eventually(lambda: all(stream.trusted for stream in router.sequencer.status()))
     assert same_state(router.tree, publisher)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "lost the NATS connection" in r.message]
     infos = [r for r in caplog.records if r.levelno == logging.INFO and "reconnected to NATS" in r.message]

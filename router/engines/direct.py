@@ -1,7 +1,7 @@
 """Direct mode: the router hears an engine's ZMQ events itself, without NATS or a bridge.
 
 `SequencerSink` numbers each rank's events from 1, as a publisher would, and hands them to the
-router's one door (``router.events.ingest``). An engine restart becomes a ``cleared`` barrier per
+router's one door (``router.sequencer.ingest``). An engine restart becomes a ``cleared`` barrier per
 storage tier the rank used; an unrepairable gap marks the stream untrusted in the sequencer (shown
 in ``/v1/workers`` and ``kv_router_worker_stream_trusted``) until the engine clears or restarts.
 
@@ -83,14 +83,14 @@ class SequencerSink:
             tier = event_tier(event)
             tiers.add(tier)
             batch.append(RouterEvent(self.worker_id, to_kv_event(event, self._next_id(dp_rank), dp_rank), tier))
-        self.router.events.ingest(batch)
+        self.router.sequencer.ingest(batch)
 
     async def restarted(self, dp_rank: int) -> None:
         if not self.accepting:
             return
         self._ensure_registered()
         tiers = self._tiers.get(dp_rank) or {StorageTier.DEVICE}
-        self.router.events.ingest(
+        self.router.sequencer.ingest(
             RouterEvent(self.worker_id, cleared_event(self._next_id(dp_rank), dp_rank=dp_rank), tier)
             for tier in sorted(tiers | {StorageTier.DEVICE})
         )
@@ -98,7 +98,7 @@ class SequencerSink:
     def unverified(self, dp_rank: int, reason: str) -> None:
         if not self.accepting:
             return
-        self.router.events.mark_untrusted(self.worker_id, dp_rank)
+        self.router.sequencer.mark_untrusted(self.worker_id, dp_rank)
 
 
 class AdoptedBlockSize:

@@ -11,7 +11,7 @@ to both for one ``NS.COMPONENT.ENDPOINT``:
 - Dynamo runs one publisher per (worker, dp rank): a new ``publisher_id`` on a rank is a restart,
   and the rank is cleared before the new publisher's events apply;
 - events are renumbered per rank from 1 (Dynamo's own ids start at 0) and enter through the router's
-  one door, ``router.events.ingest``;
+  one door, ``router.sequencer.ingest``;
 - a worker that is not registered is learned from its events with a WARNING and default capacity,
   with every dp rank its events or load reports show (`LearnedWorkers`: each rank routable with its
   own load; Dynamo runs one publisher per rank and one metrics publisher for all of them).
@@ -115,7 +115,7 @@ class DynamoNatsSource:
             self.stats["gaps"] += 1
             log.warning("Dynamo publisher %d skipped %d messages", publisher, envelope.sequence - last - 1)
             for worker_id, dp_rank in sorted(self._publisher_ranks.get(publisher, ())):
-                self.router.events.mark_untrusted(worker_id, dp_rank)
+                self.router.sequencer.mark_untrusted(worker_id, dp_rank)
         batch: list[RouterEvent] = []
         for event in events:
             rank = (event.worker_id, event.event.dp_rank)
@@ -136,7 +136,7 @@ class DynamoNatsSource:
             batch.append(RouterEvent(event.worker_id, renumbered, event.storage_tier))
         self.stats["messages"] += 1
         self.stats["events"] += len(events)
-        self.router.events.ingest(batch)
+        self.router.sequencer.ingest(batch)
 
     def _next_id(self, rank: WorkerRank) -> int:
         event_id = self._last_id.get(rank, 0) + 1

@@ -71,7 +71,7 @@ class RouterEventPlane:
         self.subjects = Subjects(namespace)
         self.lease_s = lease_s
         self._clock = clock
-        self.sequencer = router.events
+        self.sequencer = router.sequencer
         self.subscriber = KvEventSubscriber(
             nc, self.sequencer, namespace=namespace, resync_timeout_s=resync_timeout_s, subscribe=subscribe_events
         )

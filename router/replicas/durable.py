@@ -230,8 +230,8 @@ class DurableEvents:
                       "asking every worker for its state", self.subjects.events_stream, info.state.first_seq,
                       self.applied_seq)  # fmt: skip
             self._count("stream_behind_snapshot")
-            for request in self.router.events.resync_all():
-                self.router.events.send_resync(request)
+            for request in self.router.sequencer.resync_all():
+                self.router.sequencer.send_resync(request)
         if self.applied_seq >= self._catch_up_target:
             self._caught_up.set()
         start = self.applied_seq + 1
@@ -338,14 +338,14 @@ class DurableEvents:
 
     def _apply_snapshot(self, snapshot: IndexSnapshot) -> None:
         positions = [(p.worker_id, p.dp_rank, p.last_event_id, p.trusted) for p in snapshot.positions]
-        restored = self.router.events.restore_snapshot(snapshot.events, positions)
+        restored = self.router.sequencer.restore_snapshot(snapshot.events, positions)
         self.applied_seq = self.snapshot_seq = snapshot.stream_seq
         self._count("restored_events", restored)
 
     def _positions(self) -> list[StreamPosition] | None:
         """The sequencer's stream positions; None while a resync is in flight (its held events
         would be in neither the dump nor the stream's rest)."""
-        status = self.router.events.status()
+        status = self.router.sequencer.status()
         if any(stream.resyncing for stream in status):
             return None
         return [
@@ -487,10 +487,10 @@ class DurableEvents:
         try:
             events = decode_router_events(message.data, msgpack=None)
         except EventDecodeError as exc:
-            self.router.events.count_undecodable()
+            self.router.sequencer.count_undecodable()
             self._bad_input.warning("undecodable KV event", f"stream sequence {seq}: {exc}")
         else:
-            self.router.events.ingest(events)
+            self.router.sequencer.ingest(events)
         self.applied_seq = seq
         self._events_since_snapshot += 1
         self._count("stream_messages")
