@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api.config import ProxyConfig
-from api.proxy.upstream import Exchange, Upstream, UpstreamError
+from api.proxy.upstream import Upstream, UpstreamConnection, UpstreamError
 from router.event_plane.embedded_server import free_port
 from tests.waiting import eventually
 
@@ -175,19 +175,19 @@ def test_any_framing_split_anywhere_gives_the_body_back_and_keeps_the_connection
                     worker.scripts.append(script)
                 sink = Collect()
                 begin = sink.begin if taken == "handed on" else None
-                exchange = await upstream.open(worker.url, b"/v1/completions", b'{"model": "m"}', begin=begin)
-                assert exchange.status == 200 and exchange.content_type == b"text/event-stream"
+                connection = await upstream.open(worker.url, b"/v1/completions", b'{"model": "m"}', begin=begin)
+                assert connection.status == 200 and connection.content_type == b"text/event-stream"
                 if taken == "read":  # a whole answer
-                    got = await exchange.read()
+                    got = await connection.read()
                 else:  # a stream handed on from the socket's callback, from its start
-                    assert await exchange.handed_on()
+                    assert await connection.handed_on()
                     assert sink.began == [b"text/event-stream"]
                     got = b"".join(sink.data)
                 if taken != "read":
-                    assert exchange.tail.endswith(events[-1])  # the stream's end is kept for usage
+                    assert connection.tail.endswith(events[-1])  # the stream's end is kept for usage
                 assert got == body
-                exchange.release()
-            # Delimited answers are read to their end: the second exchange reused the connection.
+                connection.release()
+            # Delimited answers are read to their end: the second connection reused the connection.
             assert worker.connections == (2 if framing == "close" else 1)
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
@@ -199,9 +199,9 @@ async def test_the_request_goes_out_as_one_http11_post_with_the_given_headers() 
         status, body = await upstream.post(worker.url + "/base/", b"/tokenize", b'{"a": 1}')
         assert (status, body) == (200, b"{}")
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"])
-        exchange = await upstream.open(worker.url, b"/v1/completions", b"{}", b"authorization: Bearer t\r\n")
-        assert await exchange.read() == b""
-        exchange.release()
+        connection = await upstream.open(worker.url, b"/v1/completions", b"{}", b"authorization: Bearer t\r\n")
+        assert await connection.read() == b""
+        connection.release()
     port = worker.url.rsplit(":", 1)[1]
     assert worker.requests[0] == (
         b"POST /base/tokenize HTTP/1.1\r\nhost: 127.0.0.1:" + port.encode() + b"\r\n"
@@ -219,12 +219,12 @@ async def test_a_worker_closing_mid_chunk_is_an_upstream_error_and_the_connectio
 
         worker.scripts.append(close_mid_chunk)
         sink = Collect()
-        exchange = await upstream.open(worker.url, b"/v1/completions", b"{}", begin=sink.begin)
+        connection = await upstream.open(worker.url, b"/v1/completions", b"{}", begin=sink.begin)
         with pytest.raises(UpstreamError, match="mid-answer"):
-            await exchange.handed_on()
+            await connection.handed_on()
         # The whole event before the close went on; the one cut short did not.
-        assert exchange.begun and b"".join(sink.data) == b'data: {"a":1}\n\n'
-        exchange.release()
+        assert connection.begun and b"".join(sink.data) == b'data: {"a":1}\n\n'
+        connection.release()
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"])
         assert await upstream.post(worker.url, b"/x", b"{}") == (200, b"ok")
         assert worker.connections == 2  # the broken connection was not reused
@@ -255,11 +255,11 @@ async def test_silence_is_a_read_timeout_and_refusal_a_connect_failure() -> None
     async with peer() as worker, client(proxy_read_timeout_secs=0.2) as upstream:
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"])
         sink = Collect()
-        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
         with pytest.raises(UpstreamError, match="read timeout"):
-            await exchange.handed_on()
+            await connection.handed_on()
         assert sink.data == [b"data: 1\n\n"]
-        exchange.release()
+        connection.release()
         await eventually(lambda: worker.closed_by_client == 1, 5, "the released connection is closed")
         with pytest.raises(UpstreamError, match="ConnectionRefused"):
             await upstream.open(f"http://127.0.0.1:{free_port()}", b"/x", b"{}")
@@ -268,21 +268,21 @@ async def test_silence_is_a_read_timeout_and_refusal_a_connect_failure() -> None
 async def test_a_cancelled_exchange_closes_its_connection_so_the_worker_stops() -> None:
     async with peer() as worker, client() as upstream:
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"])
-        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=Collect().begin)
+        connection = await upstream.open(worker.url, b"/x", b"{}", begin=Collect().begin)
 
         async def forward() -> None:
             try:
-                await exchange.handed_on()
+                await connection.handed_on()
             finally:
-                exchange.release()
+                connection.release()
 
         task = asyncio.ensure_future(forward())
-        # The worker has written everything and keeps the connection open; the exchange is waiting.
-        await eventually(lambda: worker.answered == 1 and not task.done(), 5, "the exchange waits for more")
+        # The worker has written everything and keeps the connection open; the connection is waiting.
+        await eventually(lambda: worker.answered == 1 and not task.done(), 5, "the connection waits for more")
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await eventually(lambda: worker.closed_by_client == 1, 5, "the cancelled exchange's connection is closed")
+        await eventually(lambda: worker.closed_by_client == 1, 5, "the cancelled connection's connection is closed")
 
 
 async def test_the_pool_bound_makes_a_request_wait_for_a_released_connection() -> None:
@@ -305,22 +305,22 @@ async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_dra
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     connections: list[asyncio.Transport] = []  # the transport of each connection to the worker
-    made = Exchange.connection_made
+    made = UpstreamConnection.connection_made
 
-    def spy(self: Exchange, transport: asyncio.BaseTransport) -> None:
+    def spy(self: UpstreamConnection, transport: asyncio.BaseTransport) -> None:
         connections.append(cast(asyncio.Transport, transport))
         made(self, transport)
 
-    monkeypatch.setattr(Exchange, "connection_made", spy)
+    monkeypatch.setattr(UpstreamConnection, "connection_made", spy)
     events = [b"data: %d\n\n" % i for i in range(6)]
     async with peer() as worker, client() as upstream:
         frames = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"]
         frames += [b"%x\r\n%b\r\n" % (len(event), event) for event in events] + [b"0\r\n\r\n"]
         worker.scripts.append(frames)
         sink = Collect(behind=1)
-        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
         transport = connections[-1]
-        forwarding = asyncio.ensure_future(exchange.handed_on())
+        forwarding = asyncio.ensure_future(connection.handed_on())
         await eventually(lambda: worker.answered == 1, 5, "the worker wrote its whole answer")
         await eventually(lambda: sink.resume is not None, 5, "the sink was told the client is behind")
         # The pause itself: the socket is not read, so the rest of the answer waits in the kernel.
@@ -330,19 +330,19 @@ async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_dra
         assert transport.is_reading()
         assert await forwarding
         assert b"".join(sink.data) == b"".join(events)
-        exchange.release()
+        connection.release()
 
 
 async def test_a_stream_opened_to_be_handed_on_is_read_whole_when_the_worker_refuses_it() -> None:
     async with peer() as worker, client() as upstream:
         worker.scripts.append([b'HTTP/1.1 400 Bad Request\r\ncontent-length: 13\r\n\r\n{"error": {}}'])
         sink = Collect()
-        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
-        assert exchange.status == 400 and await exchange.read() == b'{"error": {}}'
-        assert sink.began == [] and sink.data == [] and not exchange.begun
-        exchange.release()
+        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        assert connection.status == 400 and await connection.read() == b'{"error": {}}'
+        assert sink.began == [] and sink.data == [] and not connection.begun
+        connection.release()
         # A stream ending without an event never begins: the proxy tries the next worker.
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"])
-        exchange = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
-        assert not await exchange.handed_on() and sink.began == []
-        exchange.release()
+        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        assert not await connection.handed_on() and sink.began == []
+        connection.release()

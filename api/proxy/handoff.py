@@ -219,21 +219,21 @@ class Handoff:
         if worker.dp_size > 1:
             headers += b"x-data-parallel-rank: " + str(legs.leg.dp_rank).encode() + b"\r\n"
         try:
-            exchange = await self.upstream.open(worker.url, path, body, headers)
+            connection = await self.upstream.open(worker.url, path, body, headers)
         except UpstreamError as exc:
             raise self._failed(legs, str(exc)) from None
         try:
-            content = await exchange.read()
+            content = await connection.read()
         except UpstreamError as exc:
             raise self._failed(legs, str(exc)) from None
         finally:
-            exchange.release()
-        if 400 <= exchange.status < 500:  # the request's fault, not the worker's: the client's answer
+            connection.release()
+        if 400 <= connection.status < 500:  # the request's fault, not the worker's: the client's answer
             self._count(legs, "prefill_refused")
-            raise _Refused(exchange.status, exchange.content_type, content)
-        if exchange.status != 200:
+            raise _Refused(connection.status, connection.content_type, content)
+        if connection.status != 200:
             message = content[:200].decode("utf-8", "replace")
-            raise self._failed(legs, f"HTTP {exchange.status}: {message}")
+            raise self._failed(legs, f"HTTP {connection.status}: {message}")
         if legs.leg.booking_id is not None:
             self.router.mark_free(legs.leg.booking_id)  # its prompt is computed: no more prefill load there
         return content

@@ -62,7 +62,7 @@ from api.proxy.metrics import ProxyMetrics
 from api.proxy.retry import RetryPolicy, retry_after_secs
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
-from api.proxy.upstream import Begin, Exchange, Upstream, UpstreamError
+from api.proxy.upstream import Begin, Upstream, UpstreamConnection, UpstreamError
 from api.proxy.wire import (
     ChatBody,
     CompletionBody,
@@ -547,22 +547,22 @@ class Proxy:
         if timeline is not None:
             timeline.sent = time.time_ns()
         try:
-            exchange = await self.upstream.open(worker.url, path, body, headers, begin, on_events)
+            connection = await self.upstream.open(worker.url, path, body, headers, begin, on_events)
         except UpstreamError as exc:
             raise _WorkerFailed(str(exc)) from None
         if timeline is not None:
             timeline.first_byte = time.time_ns()  # the answer's head; a stream's first events below
         try:
-            status = exchange.status
+            status = connection.status
             if status in _OVERLOADED:
-                raise await _overloaded(exchange, decision)
+                raise await _overloaded(connection, decision)
             if status >= 500:
                 raise _WorkerFailed(f"HTTP {status}")
             # A new list: ``begin`` may yet read ``ours`` (it adds the content type itself).
-            with_type = [(b"content-type", exchange.content_type or _JSON), *ours]
+            with_type = [(b"content-type", connection.content_type or _JSON), *ours]
             if not stream or status != 200:
                 try:
-                    content = await exchange.read()
+                    content = await connection.read()
                 except UpstreamError as exc:
                     raise _WorkerFailed(str(exc)) from None
                 self.router.mark_prefill(request_id)
@@ -573,12 +573,12 @@ class Proxy:
                         self.router.record_output(request_id, usage.completion_tokens)
                 await reply.whole(status, with_type, content)
                 return "ok" if status == 200 else "upstream_status"
-            problem = await self._handed_on(exchange, sending - received)
-            if timeline is not None and exchange.begun_at:
-                timeline.first_byte = time.time_ns() - int((time.perf_counter() - exchange.begun_at) * 1e9)
-            return await self._stream_end(exchange, decision, reply, problem)
+            problem = await self._handed_on(connection, sending - received)
+            if timeline is not None and connection.begun_at:
+                timeline.first_byte = time.time_ns() - int((time.perf_counter() - connection.begun_at) * 1e9)
+            return await self._stream_end(connection, decision, reply, problem)
         finally:
-            exchange.release()  # back to the pool if read to its end; else closed, so the engine stops
+            connection.release()  # back to the pool if read to its end; else closed, so the engine stops
 
     def _decode_leg(
         self, worker: WorkerConfig, decision: RouteDecision, path: bytes, headers: bytes, stream: bool, received: float
@@ -600,18 +600,18 @@ class Proxy:
 
         return begin
 
-    async def _handed_on(self, exchange: Exchange, before_sent: float) -> str | None:
+    async def _handed_on(self, connection: UpstreamConnection, before_sent: float) -> str | None:
         """The stream handed on from the read callback: returns at its end, what went wrong after its
         first byte (None: nothing); raises `_WorkerFailed` while the client has had nothing."""
         try:
-            begun = await exchange.handed_on()
+            begun = await connection.handed_on()
         except UpstreamError as exc:
-            if not exchange.begun:
+            if not connection.begun:
                 raise _WorkerFailed(str(exc)) from None
             problem: str | None = str(exc)
         except asyncio.CancelledError:
             # Written in the read callback: what the tail holds has gone to the client.
-            if not finished_stream(exchange.tail):
+            if not finished_stream(connection.tail):
                 raise
             _client_left_at_the_end()
             problem = None
@@ -619,15 +619,15 @@ class Proxy:
             if not begun:
                 raise _WorkerFailed("the stream ended before its first byte")
             problem = None
-        self.metrics.added.observe(before_sent + exchange.first_sent_at - exchange.begun_at)
+        self.metrics.added.observe(before_sent + connection.first_sent_at - connection.begun_at)
         return problem
 
     async def _stream_end(
-        self, exchange: Exchange, decision: RouteDecision, reply: StreamCall, problem: str | None
+        self, connection: UpstreamConnection, decision: RouteDecision, reply: StreamCall, problem: str | None
     ) -> str:
         """A stream's end: its usage compared with the prediction, or the failure told as an SSE event."""
         if problem is None:
-            ending = exchange.tail
+            ending = connection.tail
             # An OpenAI stream ends with [DONE]; a worker killed mid-stream may just close the connection.
             if finished_stream(ending):
                 self._calibrate(decision, _usage_in_stream(ending))
@@ -680,20 +680,20 @@ def _queue_refusal(rejected: QueueRejected, retry_after: int) -> _Refused:
 _OVERLOADED = frozenset({429, 503})
 
 
-async def _overloaded(exchange: Exchange, decision: RouteDecision) -> _WorkerFailed:
+async def _overloaded(connection: UpstreamConnection, decision: RouteDecision) -> _WorkerFailed:
     """An overloaded engine's answer, read whole, as the failure that makes the proxy try again."""
-    status = exchange.status
+    status = connection.status
     try:
-        content = await exchange.read()
+        content = await connection.read()
     except UpstreamError as exc:
         return _WorkerFailed(str(exc))
     headers: Headers = [
-        (b"content-type", exchange.content_type or _JSON),
+        (b"content-type", connection.content_type or _JSON),
         (b"x-kv-router-worker", str(decision.worker_id).encode()),
     ]
-    if exchange.retry_after is not None:
-        headers.append((b"retry-after", exchange.retry_after))
-    return _WorkerFailed(f"HTTP {status}", (status, headers, content), retry_after_secs(exchange.retry_after))
+    if connection.retry_after is not None:
+        headers.append((b"retry-after", connection.retry_after))
+    return _WorkerFailed(f"HTTP {status}", (status, headers, content), retry_after_secs(connection.retry_after))
 
 
 def _client_left_at_the_end() -> None:

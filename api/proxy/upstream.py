@@ -11,8 +11,9 @@ later read goes to the client's `api.http_stream.Sink` the same way. No coroutin
 not even for the first (a wake-up waits behind every callback the loop has ready: under load, most of
 the proxy's share of the time to first token), and the pieces of one read are joined into one write.
 
-A connection carries one exchange at a time (no pipelining). It goes back to its pool when its
-answer was read to its end and the worker keeps it alive; a request cancelled or cut short closes it,
+A connection carries one exchange (a request and its answer) at a time, no pipelining. It goes back
+to its pool when its answer was read to its end and the worker keeps it alive; a request cancelled or
+cut short closes it,
 which tells the engine to stop. An idle connection is dropped after `IDLE_SECS` (below the 5 s
 keep-alive of uvicorn, which vLLM and SGLang serve with), and a reused connection the worker had
 closed before it answered is replaced once by a fresh one, which is not a failure of the worker.
@@ -35,7 +36,7 @@ from api.config import ProxyConfig
 from api.http_stream import Sink
 from router.engines.openai_server import openai_base
 
-__all__ = ["IDLE_SECS", "Begin", "Exchange", "Upstream", "UpstreamError"]
+__all__ = ["IDLE_SECS", "Begin", "Upstream", "UpstreamConnection", "UpstreamError"]
 
 # An idle pooled connection older than this is closed rather than reused.
 IDLE_SECS = 4.0
@@ -94,25 +95,25 @@ class Upstream:
         headers: bytes = b"",
         begin: Begin | None = None,
         on_events: Callable[[bytes], None] | None = None,
-    ) -> Exchange:
+    ) -> UpstreamConnection:
         """Send ``POST path`` with ``body`` (JSON) and the raw header lines ``headers`` to the worker
         at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`.
-        ``begin``: a 200 answer is a stream handed on from the read callback (`Exchange.handed_on`);
+        ``begin``: a 200 answer is a stream handed on from the read callback (`UpstreamConnection.handed_on`);
         ``on_events``: told of every piece of a stream handed on (both set before the answer comes)."""
         pool = self._pools.get(url)
         if pool is None:
             if not self._running:
                 raise RuntimeError("the proxy's upstream client is not started")
             pool = self._pools[url] = _Pool(_endpoint(url), self._config, self._tls_context)
-        return await pool.exchange(path, body, headers, begin, on_events)
+        return await pool.send(path, body, headers, begin, on_events)
 
     async def post(self, url: str, path: bytes, body: bytes) -> tuple[int, bytes]:
         """A whole exchange: the status and body of ``POST path`` (used for ``/tokenize``)."""
-        exchange = await self.open(url, path, body)
+        connection = await self.open(url, path, body)
         try:
-            return exchange.status, await exchange.read()
+            return connection.status, await connection.read()
         finally:
-            exchange.release()
+            connection.release()
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
@@ -129,19 +130,19 @@ class _Pool:
         self._connect_timeout = config.proxy_connect_timeout_secs
         self.read_timeout = config.proxy_read_timeout_secs
         self._tls = tls
-        self.idle: list[Exchange] = []
+        self.idle: list[UpstreamConnection] = []
         self.opened = 0  # connections open or being opened
-        self._waiting: deque[asyncio.Future[Exchange | None]] = deque()
+        self._waiting: deque[asyncio.Future[UpstreamConnection | None]] = deque()
         self.closed = False
 
-    async def exchange(
+    async def send(
         self,
         path: bytes,
         body: bytes,
         headers: bytes,
         begin: Begin | None,
         on_events: Callable[[bytes], None] | None,
-    ) -> Exchange:
+    ) -> UpstreamConnection:
         endpoint = self.endpoint
         request = b"".join(
             (endpoint.prefix, path, b" HTTP/1.1\r\nhost: ", endpoint.host_header,
@@ -164,7 +165,7 @@ class _Pool:
             raise
         return connection
 
-    async def _acquire(self, fresh: bool = False) -> Exchange:
+    async def _acquire(self, fresh: bool = False) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         while True:
             if not fresh:
@@ -176,7 +177,7 @@ class _Pool:
                     connection.close()
             if self._limit == 0 or self.opened < self._limit:
                 return await self._connect(loop)
-            waiter: asyncio.Future[Exchange | None] = loop.create_future()
+            waiter: asyncio.Future[UpstreamConnection | None] = loop.create_future()
             self._waiting.append(waiter)
             try:
                 handed = await waiter
@@ -186,14 +187,17 @@ class _Pool:
             if handed is not None:
                 return handed
 
-    async def _connect(self, loop: asyncio.AbstractEventLoop) -> Exchange:
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> UpstreamConnection:
         endpoint = self.endpoint
         self.opened += 1
         try:
             # wait_for, not asyncio.timeout: the proxy's request may run eagerly, outside any task.
             _, connection = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: Exchange(self), endpoint.host, endpoint.port, ssl=self._tls() if endpoint.tls else None
+                    lambda: UpstreamConnection(self),
+                    endpoint.host,
+                    endpoint.port,
+                    ssl=self._tls() if endpoint.tls else None,
                 ),
                 self._connect_timeout,
             )
@@ -208,7 +212,7 @@ class _Pool:
             raise
         return connection
 
-    def put_back(self, connection: Exchange) -> None:
+    def put_back(self, connection: UpstreamConnection) -> None:
         while self._waiting:
             waiter = self._waiting.popleft()
             if not waiter.done():
@@ -225,7 +229,7 @@ class _Pool:
                 waiter.set_result(None)
                 return
 
-    def forget(self, connection: Exchange) -> None:
+    def forget(self, connection: UpstreamConnection) -> None:
         if connection in self.idle:
             self.idle.remove(connection)
         self._gone()
@@ -241,7 +245,7 @@ class _ClosedBeforeAnswer(UpstreamError):
     """The connection closed before a byte of the answer came back."""
 
 
-class Exchange(asyncio.Protocol):
+class UpstreamConnection(asyncio.Protocol):
     """One connection to a worker and the exchange it carries (the parser's callbacks are its methods).
 
     After `Upstream.open`: `status` and `content_type` are known; then either `read` the whole body,
