@@ -72,8 +72,8 @@ class Scheduler:
         self._policy = policy
         # Fixed for the scheduler's life (the config and policy are): read once, not per decision.
         self._thresholds = busy_thresholds_configured(config)
-        self.uses_cache_fill: bool = bool(getattr(policy, "uses_cache_fill", False))
-        self.uses_context_in_flight: bool = bool(getattr(policy, "uses_context_in_flight", False))
+        self.uses_cache_fill = policy.uses_cache_fill
+        self.uses_context_in_flight = policy.uses_context_in_flight
         self.workers = WorkerRegistry()
         linear = config.router_prefill_load_model == "linear"
         self.sequences = ActiveSequences(config.router_prefill_tokens_per_s if linear else None)

@@ -83,16 +83,15 @@ async def _run(url: str, payloads: list[bytes], *, native: bool) -> tuple[Any, .
         publisher = KvEventPublisher(nc, WorkerConfig(worker_id=WORKER, block_size=BLOCK), namespace=namespace)
         publisher._encoder.native = native  # the templates C writes into are made on the native path
         sink = PublisherSink(publisher)
-        stream = ZmqEngineStream(sink, "tcp://127.0.0.1:1", block_size=BLOCK, dp_rank=0)
-        apply_payload = stream._apply_payload
-        assert apply_payload is not None
+        apply_payload = sink.apply_payload
 
         def counted(*args: Any) -> Any:
-            applied = apply_payload(*args)
+            applied = apply_payload(*args) if native else None  # None: the stream's Python path
             taken.append(applied is not None)
             return applied
 
-        stream._apply_payload = counted if native else None
+        sink.apply_payload = counted  # type: ignore[method-assign]
+        stream = ZmqEngineStream(sink, "tcp://127.0.0.1:1", block_size=BLOCK, dp_rank=0)
         for seq, payload in enumerate(payloads):
             async with sink.batch():
                 await stream.take_live(seq, payload)

@@ -28,7 +28,7 @@ from mocker.trace import Trace, TraceOptions, build_trace, load_trace
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.embedded_server import EmbeddedNats
-from router.policies import Selection, SelectionContext
+from router.policies import Selection, SelectionContext, SelectionPolicy
 from tests.test_mocker_online import TIME_SCALE, start_worker
 
 ENGINE = EngineConfig(num_gpu_blocks=512)
@@ -40,7 +40,7 @@ def tiny_trace(requests: int = 80) -> Trace:
     return build_trace(rows, TraceOptions(seed=2), "generated")
 
 
-class FirstCandidate:
+class FirstCandidate(SelectionPolicy):
     """Every request on the first worker: strictly worse than spreading them."""
 
     name = "first"

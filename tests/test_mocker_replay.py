@@ -29,7 +29,7 @@ from mocker.tokens import BlockTokens
 from mocker.trace import Trace, TraceOptions, build_trace
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
-from router.policies import Selection, SelectionContext
+from router.policies import Selection, SelectionContext, SelectionPolicy
 
 # Small KV pools, so that routing decides what stays cached.
 ENGINE = EngineConfig(num_gpu_blocks=512)
@@ -183,7 +183,7 @@ def test_llmd_weighs_prefix_twice_as_much_as_queue_and_kv_usage() -> None:
 
 
 # ---------------------------------------------------------------------- external routers
-class FirstCandidate:
+class FirstCandidate(SelectionPolicy):
     """A selection policy for `KvRouter`, plugged in by import path."""
 
     name = "first"

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from router import ConfigError, KvRouter, RouterConfig, RouteRequest, WorkerConfig
-from router.policies import Selection, SelectionContext, policy_names, register_policy, registry
+from router.policies import Selection, SelectionContext, SelectionPolicy, policy_names, register_policy, registry
 
 
 def test_defaults_are_dynamos() -> None:
@@ -85,7 +85,7 @@ def test_a_registered_policy_becomes_selectable(monkeypatch: pytest.MonkeyPatch)
     # Registered into a copy of the registry, so no later test of the session lists it.
     monkeypatch.setattr(registry, "_POLICIES", dict(registry._POLICIES))
 
-    class LastCandidate:
+    class LastCandidate(SelectionPolicy):
         name = "last_candidate"
 
         def __init__(self, config: RouterConfig, rng: random.Random) -> None:

@@ -23,8 +23,9 @@ import msgspec
 from indexer.engine_events import EngineEvent, event_tier, to_kv_event
 from indexer.events import RouterEvent, StorageTier, cleared_event
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
+from router.engines.hash_check import TokensHashCheck
 from router.engines.openai_server import HealthProbe, health_url, wait_for_models
-from router.engines.zmq_stream import ZmqEngineStream
+from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.errors import ConfigError, UnknownWorker
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
@@ -99,6 +100,11 @@ class SequencerSink:
         if not self.accepting:
             return
         self.router.sequencer.mark_untrusted(self.worker_id, dp_rank)
+
+    def apply_payload(
+        self, payload: bytes, block_size: int, cache_namespace: str | None, default_rank: int, check: TokensHashCheck
+    ) -> PayloadApplied | None:
+        return None  # the stream decodes each batch and `apply`s its events
 
 
 class AdoptedBlockSize:

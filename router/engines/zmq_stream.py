@@ -88,6 +88,13 @@ class EngineSink(Protocol):
         """Events of ``dp_rank`` were lost for good: its state is not known complete until a clear."""
         ...
 
+    def apply_payload(
+        self, payload: bytes, block_size: int, cache_namespace: str | None, default_rank: int, check: TokensHashCheck
+    ) -> PayloadApplied | None:
+        """Decode, check and apply one engine payload whole (the bridge: one C call), or None when the
+        stream must decode it and `apply` the events itself."""
+        ...
+
 
 class PayloadApplied(msgspec.Struct, gc=False):
     """What a sink that takes a payload whole (the bridge's `PublisherSink.apply_payload`) did with it.
@@ -99,11 +106,6 @@ class PayloadApplied(msgspec.Struct, gc=False):
     ignored: int
     # (known_hash, block_hash, tokens_hash, parent, known_tokens) of each store the hash check contradicts
     contradictions: list[tuple[int, int, int, int | None, int]]
-
-
-# A sink's optional whole-payload step: (payload, block_size, cache_namespace, default rank, hash check)
-# -> what it did, or None when the stream must decode and apply the batch itself.
-ApplyPayload = Callable[[bytes, int, "str | None", int, TokensHashCheck], PayloadApplied | None]
 
 
 class ReplayError(Exception):
@@ -166,7 +168,6 @@ class ZmqEngineStream:
         # ``--block-size auto``: told the engine's block size at its first stored event, it answers the
         # block size in force (the engine's, when it decided; another: the engine's stores are refused).
         self._adopt_block_size = adopt_block_size
-        self._apply_payload: ApplyPayload | None = getattr(sink, "apply_payload", None)
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.block_size = block_size
@@ -451,8 +452,10 @@ class ZmqEngineStream:
             if engine_block_size is not None:
                 self.block_size = self._adopt_block_size(engine_block_size)
                 self._adopt_block_size = None
-        if self._apply_payload is not None and not self.salts:  # `bridge_batch` follows no salt
-            taken = self._apply_payload(payload, self.block_size, self.cache_namespace, self.dp_rank, self.hash_check)
+        if not self.salts:  # `bridge_batch` follows no salt
+            taken = self.sink.apply_payload(
+                payload, self.block_size, self.cache_namespace, self.dp_rank, self.hash_check
+            )
             if taken is not None:
                 self.stats["ignored_events"] += taken.ignored
                 self.stats["applied"] += 1

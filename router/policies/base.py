@@ -175,9 +175,15 @@ class Selection:
 
 
 class SelectionPolicy(Protocol):
-    """Picks one candidate; the context is never empty."""
+    """Picks one candidate; the context is never empty. A policy subclassing this protocol inherits
+    the two ``uses_*`` defaults; one that only has its shape declares them itself."""
 
     name: str
+    # What the policy reads beyond loads and overlaps, gathered for it alone: each rank's cache fill
+    # (a pass over the index's ranks), and each rank's context in flight, which output progress
+    # (`KvRouter.record_output`) grows.
+    uses_cache_fill: bool = False
+    uses_context_in_flight: bool = False
 
     def select(self, context: SelectionContext) -> Selection: ...
 

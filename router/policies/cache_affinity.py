@@ -28,13 +28,13 @@ import random
 
 from router.config import RouterConfig
 from router.overlap import NO_OVERLAP
-from router.policies.base import Selection, SelectionContext
+from router.policies.base import Selection, SelectionContext, SelectionPolicy
 from router.policies.dynamo import lowest_cost_selection, with_taint_multipliers
 
 __all__ = ["CacheAffinityPolicy"]
 
 
-class CacheAffinityPolicy:
+class CacheAffinityPolicy(SelectionPolicy):
     name = "cache_affinity"
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:

@@ -24,7 +24,7 @@ from router.config import RouterConfig
 from router.native import ENABLED as NATIVE
 from router.native import accel
 from router.overlap import NO_OVERLAP
-from router.policies.base import Selection, SelectionContext
+from router.policies.base import Selection, SelectionContext, SelectionPolicy
 from router.sequences import RankState
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 
-class DynamoPolicy:
+class DynamoPolicy(SelectionPolicy):
     name = "dynamo"
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:

@@ -61,17 +61,15 @@ import random
 
 from router.config import RouterConfig
 from router.overlap import NO_OVERLAP
-from router.policies.base import Selection, SelectionContext
+from router.policies.base import Selection, SelectionContext, SelectionPolicy
 from router.policies.dynamo import lowest_cost_selection, with_taint_multipliers
 
 __all__ = ["LatencyPolicy"]
 
 
-class LatencyPolicy:
+class LatencyPolicy(SelectionPolicy):
     name = "latency"
-    # The scheduler hands it each rank's cache fill (it costs a pass over the index's ranks).
     uses_cache_fill = True
-    # It reads each rank's context in flight, which output progress (`KvRouter.record_output`) grows.
     uses_context_in_flight = True
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:

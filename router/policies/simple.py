@@ -9,12 +9,12 @@ from __future__ import annotations
 import random
 
 from router.config import RouterConfig
-from router.policies.base import Selection, SelectionContext
+from router.policies.base import Selection, SelectionContext, SelectionPolicy
 
 __all__ = ["LeastLoadedPolicy", "RandomPolicy", "RoundRobinPolicy"]
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(SelectionPolicy):
     """Each request takes the next candidate in turn (a cursor over the candidate list)."""
 
     name = "round_robin"
@@ -28,7 +28,7 @@ class RoundRobinPolicy:
         return Selection(index, "round robin")
 
 
-class RandomPolicy:
+class RandomPolicy(SelectionPolicy):
     """A uniformly random candidate."""
 
     name = "random"
@@ -40,7 +40,7 @@ class RandomPolicy:
         return Selection(self._rng.randrange(len(context)), "uniformly at random")
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(SelectionPolicy):
     """The fewest active requests, then the fewest pending prefill tokens, then the fewest active
     blocks; remaining ties uniformly at random. The cost reported is the active request count."""
 
