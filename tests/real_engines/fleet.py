@@ -6,9 +6,7 @@ request showed (the router's predicted cached tokens against the engine's report
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +16,7 @@ from typing import Any
 import openai
 
 from tests.real_engines.engines import BLOCK_SIZE, KV_BLOCKS, MODEL, VllmEngine
-from tests.router_processes import ROOT, RouterProcess, kv_router_command
+from tests.router_processes import RouterProcess, ToolProcess
 from tests.waiting import until
 
 __all__ = [
@@ -271,37 +269,22 @@ def direct_router(
     return RouterProcess(log_dir, *args, *extra).start()
 
 
-class Bridge:
+class Bridge(ToolProcess):
     """One ``kv-router bridge`` process next to an engine, publishing its events on NATS and registering
     its OpenAI URL (the engine's models asked from its ``/v1/models``); ``flags``: more of its options
     (``--role prefill --handoff ...``)."""
 
     def __init__(self, log_dir: Path, nats_url: str, engine: VllmEngine, *flags: str) -> None:
         self.engine = engine
-        self.log_path = log_dir / f"bridge-{engine.worker_id}-{time.monotonic_ns()}.log"
-        command = [
-            *kv_router_command(), "bridge", "--worker-id", str(engine.worker_id),
+        super().__init__(
+            log_dir, None,
+            "--worker-id", str(engine.worker_id),
             "--zmq-endpoint", engine.events, "--replay-endpoint", engine.replay, "--engine", "vllm",
             "--block-size", str(BLOCK_SIZE), "--total-kv-blocks", str(KV_BLOCKS),
             "--engine-metrics-url", f"{engine.url}/metrics", "--openai-url", engine.url,
             "--nats-url", nats_url, *flags,
-        ]  # fmt: skip
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env={**os.environ}
-            )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+            command="bridge",
+        )  # fmt: skip
 
 
 def proxied_workers(router: RouterProcess) -> set[int]:
