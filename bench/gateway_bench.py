@@ -194,7 +194,7 @@ class StubProtocol(asyncio.Protocol):
         if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             try:
                 request = self.decoder.decode(body)
-            except msgspec.ValidationError as error:
+            except msgspec.DecodeError as error:  # malformed or of the wrong shape
                 self._send(400, msgspec.json.encode({"error": {"message": str(error)}}))
                 return
             reply, events = self.replies.completion(path.endswith("chat/completions"), max(1, request.max_tokens))
