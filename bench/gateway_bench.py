@@ -323,6 +323,7 @@ class Result:
     router_cpu_s: float = 0.0
     backend_cpu_s: float = 0.0
     refused: str = ""
+    wall_s: float = 0.0
 
     def p50(self) -> float:
         return statistics.median(self.latencies_s)
@@ -381,8 +382,10 @@ async def run_cell(
                     return
 
         before = cpu_of()
+        begun = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(cell.concurrency))), timeout_s)
         after = cpu_of()
+        result.wall_s = time.perf_counter() - begun
     result.router_cpu_s, result.backend_cpu_s = (a - b for a, b in zip(after, before, strict=True))
     return result
 
@@ -527,6 +530,20 @@ def report(results: dict[str, dict[Cell, Result]], cells: list[Cell], args: argp
             for name in peers:
                 ratio = per_request["kv-router"] / per_request[name] if name in per_request else None
                 row += f" {ratio:9.2f}x" if ratio is not None else f" {'-':>10}"
+        lines.append(row)
+    # Who was busy: a gateway near 100% of its CPU set the rate; the shared CPU holds generator and stubs.
+    lines.append("requests/s (gateway's CPU busy over the cell, % of a core; stubs' busy)")
+    for cell in cells:
+        row = f"{cell!s:18}"
+        for name in ("direct", *gateways):
+            result = results[name][cell]
+            if result.refused or not result.wall_s:
+                row += f" {'-':>26}"
+                continue
+            busy = f"{result.router_cpu_s / result.wall_s:4.0%}" if name != "direct" else "   -"
+            stubs = result.backend_cpu_s / result.wall_s
+            text = f"{len(result.latencies_s) / result.wall_s:6.0f}/s ({busy}; {stubs:4.0%})"
+            row += f" {text:>26}"
         lines.append(row)
     return "\n".join(lines)
 
