@@ -370,7 +370,9 @@ async def run_cell(
             if record:
                 result.latencies_s.append(time.perf_counter() - begun)
 
-        await asyncio.gather(*(one(bodies[i % len(bodies)], False) for i in range(cell.concurrency)))
+        # One request per connection, and at least 32 in all (the first of a kind warms code paths up).
+        for start in range(0, max(cell.concurrency, 32), cell.concurrency):
+            await asyncio.gather(*(one(bodies[(start + i) % len(bodies)], False) for i in range(cell.concurrency)))
         if result.refused:
             return result
         queue = iter(bodies)
@@ -415,6 +417,11 @@ def main() -> int:
     parser.add_argument("--router-cpus", default="1", help="taskset CPU list of each gateway ('' = no pinning)")
     parser.add_argument("--shared-cpus", default="0", help="CPUs of this generator and the stubs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--settle", type=float, default=3.0,
+        help="seconds between a gateway's first answer and its first cell: its start-up work (first health "
+        "probes, their lazy imports) stays out of the figures",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per cell")
     args = parser.parse_args()
     gateways = [name for name in args.gateways.split(",") if name]
@@ -467,6 +474,7 @@ def main() -> int:
                     wait_for_port(url, gateway)
                     register_backends(url, backends)
                 wait_answering(url, gateway)
+                time.sleep(args.settle)
                 pid = gateway.pid
 
                 def cpu(pid: int = pid) -> tuple[float, float]:
