@@ -281,7 +281,7 @@ def wait_answering(url: str, process: subprocess.Popen[bytes], timeout_s: float 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"{process.args[0]} exited with {process.returncode} before answering")
+            raise SystemExit(f"process {process.pid} exited with {process.returncode} before answering")
         try:
             if httpx.post(f"{url}/v1/completions", json=body, timeout=5).status_code == 200:
                 return
@@ -494,7 +494,7 @@ def wait_for_port(url: str, process: subprocess.Popen[bytes], timeout_s: float =
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"{process.args} exited with {process.returncode}")
+            raise SystemExit(f"process {process.pid} exited with {process.returncode}")
         try:
             httpx.get(f"{url}/healthz", timeout=2)
             return

@@ -13,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.gateway_bench import MODEL
-from bench.proxy_bench import stop_process, tree_oncpu_s, tree_pids
+from bench.proxy_bench import MODEL, stop_process, tree_oncpu_s, tree_pids
 from router.event_plane.embedded_server import free_port
 from tests.waiting import until
 
