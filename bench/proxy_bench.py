@@ -66,17 +66,51 @@ from router.event_plane.embedded_server import EmbeddedNats, free_port
 MODEL = "bench-model"
 
 
+def tree_pids(pid: int) -> list[int]:
+    """A process and its live descendants, whichever of its threads started them."""
+    pids = [pid]
+    for at in pids:
+        try:
+            for task in os.listdir(f"/proc/{at}/task"):
+                with open(f"/proc/{at}/task/{task}/children") as children:
+                    pids.extend(int(child) for child in children.read().split())
+        except FileNotFoundError:  # ended meanwhile
+            continue
+    return pids
+
+
 def process_cpu_s(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of a process and its children (``serve --processes N``)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
+    """User and system CPU seconds of a process (all its threads) and its live descendants (``serve
+    --processes N``, a launcher's children)."""
     tick = os.sysconf("SC_CLK_TCK")
-    user, system = int(fields[11]) / tick, int(fields[12]) / tick
-    with open(f"/proc/{pid}/task/{pid}/children") as children:
-        for child in children.read().split():
-            child_user, child_system = process_cpu_s(int(child))
-            user, system = user + child_user, system + child_system
+    user = system = 0.0
+    for at in tree_pids(pid):
+        try:
+            with open(f"/proc/{at}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        user, system = user + int(fields[11]) / tick, system + int(fields[12]) / tick
     return user, system
+
+
+def tree_oncpu_s(pid: int) -> float:
+    """Seconds on a CPU of every live thread of a process and its descendants, to the nanosecond
+    (``/proc/PID/task/TID/schedstat``; ``stat``'s clock ticks are 10 ms apart). A thread that has ended
+    takes its time with it."""
+    total = 0
+    for at in tree_pids(pid):
+        try:
+            tasks = os.listdir(f"/proc/{at}/task")
+        except FileNotFoundError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{at}/task/{task}/schedstat") as stat:
+                    total += int(stat.read().split()[0])
+            except FileNotFoundError:
+                continue
+    return total / 1e9
 
 
 def waited_s(pid: int) -> float:
@@ -295,7 +329,7 @@ def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int, int]]:
              "--log-level", "warning"],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        stack.callback(_stop, worker)
+        stack.callback(stop_process, worker)
         pin = ["taskset", "-c", args.proxy_cpus] if args.proxy_cpus else []
         tokenizer = []
         if args.local_tokenizer:
@@ -307,7 +341,7 @@ def fleet(args: argparse.Namespace) -> Iterator[tuple[str, str, int, int]]:
              *(["--router-track-output-blocks"] if args.track_output else []), *tokenizer],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        stack.callback(_stop, proxy)
+        stack.callback(stop_process, proxy)
         proxy_url = f"http://127.0.0.1:{proxy_port}"
         if args.no_events:
             _register(proxy_url, f"http://127.0.0.1:{worker_port}")
@@ -362,7 +396,7 @@ def _register(url: str, worker_url: str, timeout_s: float = 30.0) -> None:
     raise SystemExit("could not register the mock worker with the proxy")
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def stop_process(process: subprocess.Popen[bytes]) -> None:
     process.terminate()
     try:
         process.wait(timeout=10)
