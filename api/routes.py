@@ -119,7 +119,7 @@ def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
     """The hot routes, as the HTTP protocol (`api.http_protocol`) also serves them, answered here
     wherever it does not (``--no-fast-protocol``, another ASGI server, mounted under a prefix), and
     the decision routes only FastAPI serves (``/v1/route``)."""
-    router = APIRouter(tags=["routing"])
+    hot_routes = APIRouter(tags=["routing"])
     routes = handlers.routes()
     names = dict(HOT_PATHS)
     for path, handler in handlers.app_routes().items():
@@ -132,10 +132,10 @@ def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
             "description": "error",
             "content": {"application/json": {"schema": _ERROR_SCHEMA}},
         }
-        router.add_api_route(
+        hot_routes.add_api_route(
             path, _hot_endpoint(handler), methods=["POST"], summary=summary, name=names[path], openapi_extra=extra
         )
-    app.include_router(router)
+    app.include_router(hot_routes)
 
 
 def add_admin_routes(
