@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -108,6 +109,8 @@ _PATHS = {route: path.encode() for path, route in ROUTES.items()}
 _JSON = b"application/json"
 _Converted = TypeVar("_Converted", EmbeddingsBody, RerankBody, ResponsesBody)
 _encode = msgspec.json.Encoder().encode
+# A completion's prompt of token ids, as its raw body shows it (JSON whitespace allowed).
+_IDS_PROMPT = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*[0-9]')
 
 
 class _Refused(Exception):
@@ -714,15 +717,21 @@ def _converted(
 
 
 def _completion_decoder() -> Callable[[bytes], TokenIdsBody | CompletionBody]:
-    """Token ids are checked by msgspec in one pass; any other prompt is decoded again, generally."""
+    """Each body decoded once: a prompt the raw bytes show to be token ids (``"prompt": [`` and a digit)
+    is decoded and range-checked by msgspec in one pass, any other by the general decoder. The look at
+    the bytes only picks the decoder: a body it misjudges is decoded by the other one too, with the
+    same answer (the general decoder's prompt goes through `prompt_token_ids`' same checks)."""
     ids = msgspec.json.Decoder(TokenIdsBody).decode
     general = msgspec.json.Decoder(CompletionBody).decode
 
     def decode(body: bytes) -> TokenIdsBody | CompletionBody:
-        try:
-            return ids(body)
-        except msgspec.ValidationError:
-            return general(body)
+        key = body.find(b'"prompt"')
+        if key >= 0 and _IDS_PROMPT.match(body, key):
+            try:
+                return ids(body)
+            except msgspec.ValidationError:
+                pass  # another field, a batch, an id out of range: the general decoder says what
+        return general(body)
 
     return decode
 
