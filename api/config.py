@@ -381,6 +381,15 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     proxy_calibration_window: Annotated[
         int, _doc("requests per worker in the predicted-vs-actual cached tokens gauge"), msgspec.Meta(ge=1)
     ] = 256
+    proxy_tokenizer_cache_tokens: Annotated[
+        int,
+        _doc(
+            "per model with local tokenizer files, the token ids of recent text pieces (between its added "
+            "tokens: a chat's messages, a shared system prompt) kept so they are not encoded again; counted "
+            "in tokens, each piece 16 more; 0: off"
+        ),
+        msgspec.Meta(ge=0),
+    ] = 1_048_576
     tokenizer: Annotated[
         list[str],
         _doc(

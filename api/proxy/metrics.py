@@ -24,10 +24,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from api.metrics import PREFIX, _HistogramCollector, histogram_series
+from api.proxy.segments import SegmentCache
 
 __all__ = ["ProxyMetrics"]
 
@@ -138,6 +139,11 @@ class ProxyMetrics(Collector):
             registry=self._registry,
         ).set_function(waiting)
 
+    def watch_tokenizer_caches(self, caches: dict[str, SegmentCache]) -> None:
+        """Each model's tokenizer cache (`api.proxy.segments`), read at scrape time."""
+        if caches:
+            self._registry.register(_TokenizerCacheCollector(caches))
+
     def retried(self, reason: str) -> None:
         self._retried.labels(reason).inc()
 
@@ -181,3 +187,29 @@ class ProxyMetrics(Collector):
                 labels=["worker_id"],
             ),
         ]
+
+
+class _TokenizerCacheCollector(Collector):
+    """``kv_router_proxy_tokenizer_cache_{hits,misses}_total{model}`` (text pieces found or encoded) and
+    ``kv_router_proxy_tokenizer_cache_tokens{model}`` (what it holds, each piece counting 16 more)."""
+
+    def __init__(self, caches: dict[str, SegmentCache]) -> None:
+        self._caches = caches
+
+    def collect(self) -> Iterator[Metric]:
+        hits = CounterMetricFamily(
+            f"{PREFIX}_proxy_tokenizer_cache_hits", "Text pieces whose ids the tokenizer cache had.", labels=["model"]
+        )
+        misses = CounterMetricFamily(
+            f"{PREFIX}_proxy_tokenizer_cache_misses", "Text pieces encoded (not in the tokenizer cache).",
+            labels=["model"],
+        )  # fmt: skip
+        held = GaugeMetricFamily(
+            f"{PREFIX}_proxy_tokenizer_cache_tokens", "Tokens the tokenizer cache holds (each piece 16 more).",
+            labels=["model"],
+        )  # fmt: skip
+        for model, cache in self._caches.items():
+            hits.add_metric([model], cache.hits)
+            misses.add_metric([model], cache.misses)
+            held.add_metric([model], cache.tokens)
+        yield from (hits, misses, held)

@@ -162,7 +162,11 @@ class Proxy:
         self.client_headers = ClientHeaders(config, Cors(service), self.tracing)
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: len(self.admission.queue))
         self.handoff = Handoff(router, self.upstream, registry)
-        self.tokenizer = PromptTokenizer(load_model_files(config.tokenizer_paths()), self.upstream)
+        local = load_model_files(config.tokenizer_paths(), config.proxy_tokenizer_cache_tokens)
+        self.tokenizer = PromptTokenizer(local, self.upstream)
+        self.metrics.watch_tokenizer_caches(
+            {model: files.encoder.cache for model, files in local.items() if files.encoder.cache is not None}
+        )
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
         # Output progress changes what routing reads only with output blocks tracked or a policy pricing

@@ -16,6 +16,8 @@ import asyncio
 import functools
 import json
 import logging
+import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ from tokenizers import Tokenizer
 
 from api.config import ANY_MODEL
 from api.proxy.chat_template import ChatTemplate, NotLocal
+from api.proxy.segments import SegmentCache, SegmentPlan
 from api.proxy.upstream import Upstream, UpstreamError
 from api.proxy.wire import ChatBody, TokenizeReply
 from indexer.errors import UNDECODABLE
@@ -47,6 +50,7 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 
 _decode_tokens = msgspec.json.Decoder(TokenizeReply).decode
 _encode = msgspec.json.Encoder().encode
+_ONE_ID = struct.Struct("=I")  # an added token's id, packed as `array("I")` packs
 
 
 class TokenizeFailed(Exception):
@@ -59,15 +63,50 @@ class TemplateRefused(ValueError):
 
 class Encoder:
     """A model's tokenizer; long texts are encoded on a thread, those queued meanwhile together
-    (``encode_batch`` lets go of the GIL and spreads a batch over the cores)."""
+    (``encode_batch`` lets go of the GIL and spreads a batch over the cores). With a cache (`segments`),
+    a text is cut at its added tokens and only the pieces not seen lately are encoded."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, cache_tokens: int = 0, where: str = "every model") -> None:
         self.tokenizer = tokenizer
         self._queued: list[tuple[str, bool, asyncio.Future[list[int]]]] = []
         self._busy = False
+        self.cache: SegmentCache | None = None
+        self._plan: SegmentPlan | None = None
+        if cache_tokens > 0:
+            plan = SegmentPlan.of(tokenizer)
+            if isinstance(plan, str):
+                log.info("%s: tokenizer cache off, texts encoded whole: %s", where, plan)
+            else:
+                self._plan, self.cache = plan, SegmentCache(cache_tokens)
 
     async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        if len(text) <= _INLINE_CHARS:
+        if self._plan is None or self.cache is None or not text:
+            return await self._encode_whole(text, add_special_tokens)
+        pieces = self._plan.split(text)
+        known: dict[str, bytes] = {}  # looked up now: the cache may drop them while new pieces encode
+        missing: list[str] = []
+        for piece in pieces:
+            if isinstance(piece, str) and piece not in known and piece not in missing:
+                found = self.cache.get(piece)
+                if found is None:
+                    missing.append(piece)
+                else:
+                    known[piece] = found
+        if missing:
+            if sum(map(len, missing)) <= _INLINE_CHARS:
+                encoded = [self.tokenizer.encode(piece, add_special_tokens=False).ids for piece in missing]
+            else:
+                encoded = await asyncio.gather(*(self._encode_whole(piece, False, inline=False) for piece in missing))
+            for piece, ids in zip(missing, encoded, strict=True):
+                known[piece] = packed = array("I", ids).tobytes()
+                self.cache.put(piece, packed)
+        parts = [known[piece] if isinstance(piece, str) else _ONE_ID.pack(piece) for piece in pieces]
+        if add_special_tokens:
+            parts = [self._plan.before, *parts, self._plan.after]
+        return array("I", b"".join(parts)).tolist()
+
+    async def _encode_whole(self, text: str, add_special_tokens: bool, inline: bool = True) -> list[int]:
+        if inline and len(text) <= _INLINE_CHARS:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[int]] = loop.create_future()
@@ -120,17 +159,25 @@ class ModelFiles:
     template: ChatTemplate | None
 
 
-def load_model_files(paths: dict[str, Path]) -> dict[str, ModelFiles]:
-    """Each model's files (`ANY_MODEL`: the others'); raises `ConfigError` (setting ``tokenizer``)
-    naming the file that cannot be used, in one line. Loaded once a process: the command's check
-    before it starts serving and the app share them."""
+def load_model_files(paths: dict[str, Path], cache_tokens: int = 0) -> dict[str, ModelFiles]:
+    """Each model's files (`ANY_MODEL`: the others'), its encoder caching up to ``cache_tokens`` of its
+    texts' pieces (0: none); raises `ConfigError` (setting ``tokenizer``) naming the file that cannot
+    be used, in one line. Loaded once a process: the command's check before it starts serving and the
+    app share them."""
     loaded = {model: _load(model, path.resolve()) for model, path in paths.items()}
-    return {model: ModelFiles(Encoder(tokenizer), template) for model, (tokenizer, template) in loaded.items()}
+    return {
+        model: ModelFiles(Encoder(tokenizer, cache_tokens, _where(model)), template)
+        for model, (tokenizer, template) in loaded.items()
+    }
+
+
+def _where(model: str) -> str:
+    return "every model" if model == ANY_MODEL else f"model {model!r}"
 
 
 @functools.lru_cache(maxsize=64)
 def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
-    where = "every model" if model == ANY_MODEL else f"model {model!r}"
+    where = _where(model)
     directory, tokenizer_file = (path, path / "tokenizer.json") if path.is_dir() else (path.parent, path)
     try:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))

@@ -11,6 +11,10 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 VOCAB = 6000
 CHAT_TEMPLATE = (
@@ -26,9 +30,9 @@ def words(seed: int, count: int) -> list[str]:
     return ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(count)]
 
 
-def make_tokenizer(out: Path) -> None:
+def train_tokenizer() -> Tokenizer:
+    """The byte-level BPE (``tokenizers`` alone: the proxy's tests train it too)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -41,6 +45,13 @@ def make_tokenizer(out: Path) -> None:
     tokenizer.train_from_iterator(corpus, trainer)
     bos = tokenizer.token_to_id("<s>")
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    return tokenizer
+
+
+def make_tokenizer(out: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = train_tokenizer()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
