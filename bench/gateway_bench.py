@@ -16,7 +16,9 @@ request costs a backend directly, so it shows they are not the bottleneck, and i
 gateway makes a backend do beyond that.
 
 Cells: concurrency (``--concurrency``, default 1 and 64) x JSON / SSE x text prompts (``--prompt-tokens``
-characters of random words) / token-id prompts (``--prompt-tokens`` ids), ``/v1/completions``. Every
+characters of random words) / token-id prompts (``--prompt-tokens`` ids), ``/v1/completions``, each
+request's prompt its own (or drawn from ``--distinct-prompts`` of them: repeats, what a tokenizer cache
+finds). Every
 cell is run against a backend directly first (the floor), then through each gateway. A gateway that
 refuses a cell (sglang-router answers token-id prompts with 422) is shown as refused.
 
@@ -329,20 +331,26 @@ class Result:
         return statistics.median(self.latencies_s)
 
 
-def request_bodies(cell: Cell, count: int, prompt_tokens: int, max_tokens: int, rng: random.Random) -> list[bytes]:
+def request_bodies(
+    cell: Cell, count: int, prompt_tokens: int, max_tokens: int, rng: random.Random, distinct: int = 0
+) -> list[bytes]:
+    """``distinct`` > 0: the prompts drawn from that many (repeated prompts: what a tokenizer cache finds)."""
+
+    def prompt() -> object:
+        if cell.prompt == "ids":
+            return [rng.randrange(1, 50_000) for _ in range(prompt_tokens)]
+        words: list[str] = []
+        size = 0
+        while size < prompt_tokens:
+            words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randrange(2, 9))))
+            size += len(words[-1]) + 1
+        return " ".join(words)[:prompt_tokens]
+
+    pool = [prompt() for _ in range(distinct)]
     bodies = []
     for _ in range(count):
-        if cell.prompt == "ids":
-            prompt: object = [rng.randrange(1, 50_000) for _ in range(prompt_tokens)]
-        else:
-            words: list[str] = []
-            size = 0
-            while size < prompt_tokens:
-                words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randrange(2, 9))))
-                size += len(words[-1]) + 1
-            prompt = " ".join(words)[:prompt_tokens]
-        fields = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": cell.stream}
-        bodies.append(msgspec.json.encode(fields))
+        fields = {"model": MODEL, "prompt": rng.choice(pool) if pool else prompt(), "max_tokens": max_tokens}
+        bodies.append(msgspec.json.encode({**fields, "stream": cell.stream}))
     return bodies
 
 
@@ -412,6 +420,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400, help="measured requests per cell at concurrency 1")
     parser.add_argument("--requests-concurrent", type=int, default=2000, help="per cell above concurrency 1")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument(
+        "--distinct-prompts", type=int, default=0, help="draw each cell's prompts from this many (0: all distinct)"
+    )
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens of each answer (SSE: one event each)")
     parser.add_argument("--gateway-venv", type=Path, default=DEFAULT_VENV, help="the peers' venv (made if missing)")
     parser.add_argument("--router-cpus", default="1", help="taskset CPU list of each gateway ('' = no pinning)")
@@ -442,7 +453,7 @@ def main() -> int:
     bodies = {
         cell: request_bodies(
             cell, args.requests if cell.concurrency == 1 else args.requests_concurrent, args.prompt_tokens,
-            args.max_tokens, rng,
+            args.max_tokens, rng, args.distinct_prompts,
         )
         for cell in cells
     }  # fmt: skip
@@ -507,7 +518,9 @@ def report(results: dict[str, dict[Cell, Result]], cells: list[Cell], args: argp
     gateways = [name for name in results if name != "direct"]
     lines = [
         f"/v1/completions, prompts of {args.prompt_tokens} tokens (text: as many characters, one token each for"
-        f" kv-router's tokenizer), answers of {args.max_tokens} tokens; {args.requests} requests per c=1 cell,"
+        f" kv-router's tokenizer"
+        f"{f'; drawn from {args.distinct_prompts} distinct prompts' if args.distinct_prompts else ''}),"
+        f" answers of {args.max_tokens} tokens; {args.requests} requests per c=1 cell,"
         f" {args.requests_concurrent} above; two stub backends; gateways on CPU {args.router_cpus or 'any'},"
         f" the rest on {args.shared_cpus}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
         "router CPU us/request (backend CPU us/request) [added p50 latency at c=1, ms]",
