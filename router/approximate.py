@@ -17,7 +17,8 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import repeat
 
 from indexer.errors import KvIndexError
 from indexer.events import RouterEvent, removed_event, stored_event
@@ -55,8 +56,9 @@ class PredictedCache:
         self._replaced: set[WorkerRank] = set()
         self._swept = clock()
 
-    def record(self, rank: WorkerRank, local_hashes: list[int]) -> None:
-        """The prompt with these local hashes was routed to ``rank`` (a worker without events)."""
+    def record(self, rank: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None = None) -> None:
+        """The prompt with these local hashes (and these sequence hashes, when known: computed
+        otherwise) was routed to ``rank`` (a worker without events)."""
         if rank in self._replaced:
             return
         if self._sequencer.has_stream(*rank):
@@ -71,26 +73,46 @@ class PredictedCache:
         now = self._clock()
         held = self._ranks.setdefault(rank, OrderedDict())
         self._expire(rank, held, now)
-        sequence = compute_sequence_hashes(local_hashes)
-        run: list[tuple[int, int]] = []
-        parent: int | None = None
-        for position, (block_hash, local_hash) in enumerate(zip(sequence, local_hashes, strict=True)):
-            if block_hash in held:
-                self._store(rank, parent, run)
-                run = []
-                continue
-            if not run:
-                parent = sequence[position - 1] if position else None
-            run.append((block_hash, local_hash))
-        self._store(rank, parent, run)
+        if sequence is None:
+            sequence = compute_sequence_hashes(local_hashes)
         expiry = now + self._ttl_s
-        for block_hash in reversed(sequence):  # the head most recent: a chain's tail is evicted first
-            held[block_hash] = expiry
-            held.move_to_end(block_hash)
+        if held.keys().isdisjoint(sequence):  # a prompt new to the rank (the common case): one run, in C
+            if sequence:
+                self._store(rank, None, list(zip(sequence, local_hashes, strict=True)))
+            held.update(zip(reversed(sequence), repeat(expiry)))  # the head most recent, as below
+        else:
+            self._record_known(rank, held, local_hashes, sequence, expiry)
         while len(held) > capacity:
             self._remove(rank, held.popitem(last=False)[0])
         if now - self._swept >= SWEEP_EVERY_S:
             self.sweep(now)
+
+    def _record_known(
+        self, rank: WorkerRank, held: OrderedDict[int, float], local_hashes: list[int], sequence: Sequence[int],
+        expiry: float,
+    ) -> None:  # fmt: skip
+        """A prompt some of whose blocks the rank holds: the runs of those it does not, each stored under
+        the block before it; every block's expiry pushed back."""
+        run: list[tuple[int, int]] = []
+        parent: int | None = None
+        previous: int | None = None
+        for block_hash, local_hash in zip(sequence, local_hashes, strict=True):
+            if block_hash in held:
+                if run:
+                    self._store(rank, parent, run)
+                    run = []
+            elif run:
+                run.append((block_hash, local_hash))
+            else:
+                parent = previous
+                run = [(block_hash, local_hash)]
+            previous = block_hash
+        if run:
+            self._store(rank, parent, run)
+        move_to_end = held.move_to_end
+        for block_hash in reversed(sequence):  # the head most recent: a chain's tail is evicted first
+            held[block_hash] = expiry
+            move_to_end(block_hash)
 
     def sweep(self, now: float | None = None) -> None:
         """Drop every expired prediction."""
@@ -125,9 +147,8 @@ class PredictedCache:
             self._remove(rank, block_hash)
 
     def _store(self, rank: WorkerRank, parent: int | None, run: list[tuple[int, int]]) -> None:
-        if run:
-            with contextlib.suppress(KvIndexError):  # a parent evicted meanwhile: the run is left out
-                self.tree.apply_event(rank[0], stored_event(0, run, parent_hash=parent, dp_rank=rank[1]))
+        with contextlib.suppress(KvIndexError):  # a parent evicted meanwhile: the run is left out
+            self.tree.apply_event(rank[0], stored_event(0, run, parent_hash=parent, dp_rank=rank[1]))
 
     def _remove(self, rank: WorkerRank, block_hash: int) -> None:
         with contextlib.suppress(KvIndexError):

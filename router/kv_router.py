@@ -459,7 +459,7 @@ class KvRouter:
         if predictions is not None:
             worker = self._scheduler.workers.get(choice.key[0])
             if worker is not None and not self.expects_events(worker):
-                predictions.record(choice.key, routing.prompt.local_hashes)
+                predictions.record(choice.key, routing.prompt.local_hashes, routing.prompt.shared_hashes)
         for observer in self.routed_observers:
             observer(choice.key, routing.prompt.local_hashes)
         worker_id, dp_rank = choice.key

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from api.app import create_app
 from api.config import EventPlaneConfig, Settings
 from indexer.events import RouterEvent, stored_event
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from indexer.radix_tree import RadixTree
+from indexer.sequencer import EventSequencer
+from indexer.slots import WorkerRank
+from router.approximate import DEFAULT_PREDICTED_BLOCKS, SWEEP_EVERY_S, PredictedCache
 from router.config import RouterConfig
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
@@ -104,3 +112,76 @@ def test_predicted_blocks_are_marked_in_the_dump_and_the_metrics(client: TestCli
     assert event["predicted"] is True and event["worker_id"] == 9
     assert len(event["event"]["data"]["stored"]["blocks"]) == 3
     assert 'kv_router_worker_predicted_blocks{dp_rank="0",worker_id="9"} 3.0' in client.get("/metrics").text
+
+
+class _TwoPassPredictions(PredictedCache):
+    """The recording as it was before its fast path (a loop over every block): the oracle."""
+
+    def record(self, rank: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None = None) -> None:
+        if rank in self._replaced or self._sequencer.has_stream(*rank):
+            raise AssertionError("not exercised here")
+        worker = self._worker(rank[0])
+        capacity = (
+            DEFAULT_PREDICTED_BLOCKS if worker is None or worker.total_kv_blocks is None else worker.total_kv_blocks
+        )
+        now = self._clock()
+        held = self._ranks.setdefault(rank, OrderedDict())
+        self._expire(rank, held, now)
+        sequence = compute_sequence_hashes(local_hashes)
+        run: list[tuple[int, int]] = []
+        parent: int | None = None
+        for position, (block_hash, local_hash) in enumerate(zip(sequence, local_hashes, strict=True)):
+            if block_hash in held:
+                if run:
+                    self._store(rank, parent, run)
+                run = []
+                continue
+            if not run:
+                parent = sequence[position - 1] if position else None
+            run.append((block_hash, local_hash))
+        if run:
+            self._store(rank, parent, run)
+        expiry = now + self._ttl_s
+        for block_hash in reversed(sequence):
+            held[block_hash] = expiry
+            held.move_to_end(block_hash)
+        while len(held) > capacity:
+            self._remove(rank, held.popitem(last=False)[0])
+        if now - self._swept >= SWEEP_EVERY_S:
+            self.sweep(now)
+
+
+_record_steps = st.lists(
+    st.tuples(
+        st.integers(1, 2),  # the worker
+        st.integers(0, 3),  # the shared prefix's blocks
+        st.integers(0, 5),  # the prompt's own blocks
+        st.integers(0, 3),  # which of a few suffixes
+        st.sampled_from([0.0, 0.5, 30.0, 130.0]),  # the clock's step before it
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_record_steps, st.sampled_from([None, 6, 12]))
+def test_recording_keeps_exactly_the_loop_s_predictions(
+    steps: list[tuple[int, int, int, int, float]], kv_blocks: int | None
+) -> None:
+    clock = Clock()
+    workers = {worker_id: _worker(worker_id, total_kv_blocks=kv_blocks) for worker_id in (1, 2)}
+    caches = [
+        kind(120.0, EventSequencer(RadixTree()), workers.get, clock=clock)
+        for kind in (PredictedCache, _TwoPassPredictions)
+    ]
+    shared = list(range(1000, 1004))
+    for worker_id, prefix, own, suffix, step in steps:
+        clock.now += step
+        local_hashes = shared[:prefix] + [suffix * 100 + block for block in range(own)]
+        fast, oracle = caches
+        fast.record((worker_id, 0), local_hashes, compute_sequence_hashes(local_hashes) if own % 2 else None)
+        oracle.record((worker_id, 0), local_hashes)
+        assert {rank: list(held.items()) for rank, held in fast._ranks.items()} == {
+            rank: list(held.items()) for rank, held in oracle._ranks.items()
+        }
+        assert msgspec.json.encode(fast.dump_events()) == msgspec.json.encode(oracle.dump_events())
