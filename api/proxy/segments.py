@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import re
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +48,8 @@ class SegmentPlan:
     added: re.Pattern[str] | None  # the added tokens matched on the raw text, longest first
     later: re.Pattern[str] | None  # those with normalized: true (no normalizer: the same text), matched after
     ids: dict[str, int]
-    before: bytes  # packed u32: the template's ids before the sequence (add_special_tokens)
-    after: bytes
+    before_ids: tuple[int, ...]  # the template's ids before the sequence (add_special_tokens)
+    after_ids: tuple[int, ...]
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> SegmentPlan | str:
@@ -93,7 +92,7 @@ class SegmentPlan:
         before, after = template
         if len(before) + len(after) != tokenizer.num_special_tokens_to_add(is_pair=False):
             return "its post-processor adds other tokens than its template reads"
-        return cls(_alternation(raw), _alternation(normalized), ids, _pack(before), _pack(after))
+        return cls(_alternation(raw), _alternation(normalized), ids, tuple(before), tuple(after))
 
     def split(self, text: str) -> list[str | int]:
         """The text's pieces in order: texts to encode, and added tokens' ids."""
@@ -171,10 +170,6 @@ def _alternation(contents: list[str]) -> re.Pattern[str] | None:
     if not contents:
         return None
     return re.compile("|".join(re.escape(content) for content in sorted(contents, key=len, reverse=True)))
-
-
-def _pack(ids: list[int]) -> bytes:
-    return array("I", ids).tobytes()
 
 
 class SegmentCache:

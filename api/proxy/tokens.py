@@ -16,7 +16,6 @@ import asyncio
 import functools
 import json
 import logging
-import struct
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +49,6 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 
 _decode_tokens = msgspec.json.Decoder(TokenizeReply).decode
 _encode = msgspec.json.Encoder().encode
-_ONE_ID = struct.Struct("=I")  # an added token's id, packed as `array("I")` packs
 
 
 class TokenizeFailed(Exception):
@@ -83,27 +81,35 @@ class Encoder:
         if self._plan is None or self.cache is None or not text:
             return await self._encode_whole(text, add_special_tokens)
         pieces = self._plan.split(text)
-        known: dict[str, bytes] = {}  # looked up now: the cache may drop them while new pieces encode
+        cached: dict[str, bytes] = {}  # looked up now: the cache may drop them while new pieces encode
         missing: list[str] = []
         for piece in pieces:
-            if isinstance(piece, str) and piece not in known and piece not in missing:
+            if isinstance(piece, str) and piece not in cached and piece not in missing:
                 found = self.cache.get(piece)
                 if found is None:
                     missing.append(piece)
                 else:
-                    known[piece] = found
+                    cached[piece] = found
+        encoded: dict[str, list[int]] = {}
         if missing:
             if sum(map(len, missing)) <= _INLINE_CHARS:
-                encoded = [self.tokenizer.encode(piece, add_special_tokens=False).ids for piece in missing]
+                lists = [self.tokenizer.encode(piece, add_special_tokens=False).ids for piece in missing]
             else:
-                encoded = await asyncio.gather(*(self._encode_whole(piece, False, inline=False) for piece in missing))
-            for piece, ids in zip(missing, encoded, strict=True):
-                known[piece] = packed = array("I", ids).tobytes()
-                self.cache.put(piece, packed)
-        parts = [known[piece] if isinstance(piece, str) else _ONE_ID.pack(piece) for piece in pieces]
+                lists = await asyncio.gather(*(self._encode_whole(piece, False, inline=False) for piece in missing))
+            for piece, ids in zip(missing, lists, strict=True):
+                encoded[piece] = ids
+                self.cache.put(piece, array("I", ids).tobytes())
+        tokens: list[int] = list(self._plan.before_ids) if add_special_tokens else []
+        for piece in pieces:
+            if isinstance(piece, int):
+                tokens.append(piece)
+            elif piece in encoded:
+                tokens += encoded[piece]
+            else:
+                tokens += array("I", cached[piece])
         if add_special_tokens:
-            parts = [self._plan.before, *parts, self._plan.after]
-        return array("I", b"".join(parts)).tolist()
+            tokens += self._plan.after_ids
+        return tokens
 
     async def _encode_whole(self, text: str, add_special_tokens: bool, inline: bool = True) -> list[int]:
         if inline and len(text) <= _INLINE_CHARS:
