@@ -184,6 +184,11 @@ class RouterProcess:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
             return str(reply.read().decode())
 
+    def wrote_snapshot(self) -> bool:
+        """With durable events: this router has written at least one index snapshot."""
+        snapshot = sample(self.metrics(), "kv_router_durable_stream_sequence", kind="snapshot")
+        return snapshot is not None and snapshot > 0
+
     def snapshot_covers_applied(self) -> bool:
         """With durable events: the newest snapshot covers every stream message applied (and one was
         written), so a restart restores today's index from it."""

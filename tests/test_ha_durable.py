@@ -147,6 +147,9 @@ async def test_a_router_killed_while_events_flow_comes_back_with_the_same_index(
         await workload.run(150)
         flowing = asyncio.create_task(workload.run(150))
         await eventually(lambda: workload.sent >= 150 + 40, what="events flowing")
+        # A slow machine may not have written the crashing router's first snapshot yet; it would then
+        # come back from its peer's, which is right but not what this test is about.
+        await eventually(crashing.wrote_snapshot, 30, "the crashing router's first snapshot", in_thread=True)
         crashing.kill9()  # mid-flow, between snapshots
         await flowing
         await workload.run(30)  # while it is down
