@@ -180,8 +180,7 @@ def create_app(
     for path, stream in streams.items():
         # Documented by `Proxy.document`; these answer where the HTTP protocol does not.
         app.router.routes.append(Route(path, StreamEndpoint(stream, limit), methods=["POST"], include_in_schema=False))
-    hot_routes = handlers.routes() if settings.service.fast_path else {}
-    app.hot = HotRoutes(hot_routes, limit, streams)
+    app.hot = HotRoutes(handlers.routes(), limit, streams)
     app.front = BodyLimit(partial(FastAPI.__call__, app), limit, own_413=frozenset(streams))
     return app
 
@@ -190,8 +189,8 @@ class RouterApp(FastAPI):
     """A FastAPI app entered through `BodyLimit` (every request's body held to ``max_body_bytes``).
 
     ``hot`` is what kv-router's HTTP protocol (`api.http_protocol`) answers before ASGI: the hot
-    routes (none with ``fast_path`` off) and the stream routes (the proxy's); the app's own routes
-    answer the same paths with the same handlers wherever the protocol does not serve them.
+    routes and the stream routes (the proxy's), where it is in front (``fast_protocol``, `api.server`);
+    the app's own routes answer the same paths with the same handlers wherever it is not.
     """
 
     front: ASGIApp

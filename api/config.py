@@ -46,6 +46,9 @@ __all__ = [
 ENV_PREFIX = "KV_ROUTER_"
 # `ProxyConfig.tokenizer_paths`' key of the files for every model without its own.
 ANY_MODEL = "*"
+# Settings that are gone -> the one to use instead: refused with that hint wherever they are given (in
+# the environment too, where an unknown KV_ROUTER_ name is otherwise another tool's), never ignored.
+RETIRED = {"fast_path": "fast_protocol"}
 
 
 def _doc(text: str) -> msgspec.Meta:
@@ -87,18 +90,12 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     ready_min_workers: Annotated[
         int, _doc("/readyz answers 503 until at least this many workers are registered"), msgspec.Meta(ge=0)
     ] = 0
-    fast_path: Annotated[
-        bool,
-        _doc(
-            "answer the hot routes in kv-router's HTTP protocol, before FastAPI's per-request layers; turn "
-            "off to pass every request through FastAPI (and any middleware added to the app)"
-        ),
-    ] = True
     fast_protocol: Annotated[
         bool,
         _doc(
             "serve HTTP with kv-router's own protocol (the hot and proxy routes answered before ASGI, the "
-            "rest run on the app); turn off for uvicorn's stock httptools protocol, every request through FastAPI"
+            "rest run on the app); turn off for uvicorn's stock httptools protocol: every request through FastAPI "
+            "(and any middleware added to the app)"
         ),
     ] = True
     shutdown_timeout_secs: Annotated[
@@ -538,7 +535,8 @@ def resolve_settings(
             name, value = "block_size_auto", True  # the engines' block size, adopted (EngineSourcesConfig)
         section = owner.get(name)
         if section is None:
-            raise ConfigError(name, f"unknown setting in {where}{did_you_mean(name, owner)}")
+            hint = f"; removed, use {RETIRED[name]!r}" if name in RETIRED else did_you_mean(name, owner)
+            raise ConfigError(name, f"unknown setting in {where}{hint}")
         merged[section][name] = value
         origin[name] = where
 
@@ -548,7 +546,7 @@ def resolve_settings(
     for key, value in (env or {}).items():
         name = key[len(ENV_PREFIX) :].lower()
         # Other tools share the prefix (CI's KV_ROUTER_CI_VENV, say): only known names are settings.
-        if key.startswith(ENV_PREFIX) and name in owner:
+        if key.startswith(ENV_PREFIX) and (name in owner or name in RETIRED):
             put(name, _none_if_null(value), f"environment variable {key}")
     for name, value in (flags or {}).items():
         put(name, value, f"flag --{name.replace('_', '-')}")

@@ -13,7 +13,7 @@ written to the transport. With the C accelerator, a read holding exactly one pla
 parsed in one call (`api._native.parse_post`) instead of httptools' callbacks.
 
 Every other request (other methods and paths; every path under a ``root_path`` or a concurrency
-limit, and with ``fast_path`` off) is run on the ASGI app (`api.http_asgi.AsgiRequest`): scope, ``receive`` and
+limit) is run on the ASGI app (`api.http_asgi.AsgiRequest`): scope, ``receive`` and
 ``send`` as the ASGI HTTP spec has them, a task per request. Both kinds share the connection's
 machinery here: keep-alive (an idle connection closed after ``timeout_keep_alive``, one lazily
 re-armed timer per connection), pipelining (one request answered at a time, in order; reading

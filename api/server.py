@@ -35,10 +35,10 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
     service = settings.service
     app = create_app(settings)
     # The hot and proxy routes are answered by our HTTP protocol, before ASGI (`api.http_protocol`,
-    # through uvicorn's public http= setting); with fast_protocol or fast_path off, uvicorn's own
-    # httptools protocol runs every request on the app, FastAPI's routes included.
+    # through uvicorn's public http= setting); with fast_protocol off, uvicorn's own httptools
+    # protocol runs every request on the app, FastAPI's routes included.
     http: type[asyncio.Protocol] | Literal["httptools"] = "httptools"
-    if service.fast_path and service.fast_protocol:
+    if service.fast_protocol:
         http = fast_protocol(app.hot)
     return uvicorn.Config(
         app,

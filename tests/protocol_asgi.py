@@ -5,7 +5,7 @@ tests).
 request is written as HTTP/1.1 bytes into a fresh connection of the protocol `kv-router serve`
 gives uvicorn (`fast_protocol(app.hot)`), and the bytes it writes back are parsed by httptools into
 the answer. So the in-process suites run every hot-route case through the protocol's own parsing,
-handlers and bytes, and through FastAPI's routes (``fast_path`` off), as `tests/test_api_protocol.py`
+handlers and bytes, and through FastAPI's routes (``fast_protocol`` off), as `tests/test_api_protocol.py`
 does over loopback. The lifespan goes to the app itself.
 """
 

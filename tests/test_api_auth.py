@@ -45,19 +45,19 @@ WRONG = [
 
 
 @contextmanager
-def app_client(fast_path: bool, **security: Any) -> Iterator[TestClient]:
+def app_client(fast_protocol: bool, **security: Any) -> Iterator[TestClient]:
     settings = Settings(
-        service=ServiceConfig(fast_path=fast_path),
+        service=ServiceConfig(fast_protocol=fast_protocol),
         router=RouterConfig(block_size=BLOCK_SIZE),
         security=SecurityConfig(**security),
     )
     app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
-    with TestClient(ThroughProtocol(app) if fast_path else app, base_url="http://127.0.0.1") as client:
+    with TestClient(ThroughProtocol(app) if fast_protocol else app, base_url="http://127.0.0.1") as client:
         yield client
 
 
-@pytest.fixture(params=[True, False], ids=["fast_path", "fastapi_routes"])
-def fast_path(request: pytest.FixtureRequest) -> bool:
+@pytest.fixture(params=[True, False], ids=["protocol", "asgi"])
+def fast_protocol(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
 
 
@@ -116,8 +116,8 @@ def _seed(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize("protect_decisions", [False, True])
-def test_refused_calls_answer_401_and_change_nothing(fast_path: bool, protect_decisions: bool) -> None:
-    with app_client(fast_path, api_token=TOKEN, protect_decisions=protect_decisions) as client:
+def test_refused_calls_answer_401_and_change_nothing(fast_protocol: bool, protect_decisions: bool) -> None:
+    with app_client(fast_protocol, api_token=TOKEN, protect_decisions=protect_decisions) as client:
         _seed(client)
         before = _state(client)
         guarded = ADMIN_CALLS + (DECISION_CALLS if protect_decisions else [])
@@ -134,20 +134,20 @@ def test_refused_calls_answer_401_and_change_nothing(fast_path: bool, protect_de
             assert _call(client, method, path, body, GOOD).status_code != 401, path
 
 
-def test_bearer_scheme_is_case_insensitive_and_whitespace_tolerant(fast_path: bool) -> None:
-    with app_client(fast_path, api_token=TOKEN) as client:
+def test_bearer_scheme_is_case_insensitive_and_whitespace_tolerant(fast_protocol: bool) -> None:
+    with app_client(fast_protocol, api_token=TOKEN) as client:
         for value in (f"bearer {TOKEN}", f"BEARER  {TOKEN} ", f"Bearer {TOKEN}"):
             reply = client.post("/v1/workers", json={"worker_id": 3}, headers={"authorization": value})
             assert reply.status_code in (200, 201), value
 
 
-def test_reads_and_probes_are_guarded_only_when_configured(fast_path: bool) -> None:
-    with app_client(fast_path, api_token=TOKEN, protect_reads=True) as client:
+def test_reads_and_probes_are_guarded_only_when_configured(fast_protocol: bool) -> None:
+    with app_client(fast_protocol, api_token=TOKEN, protect_reads=True) as client:
         for method, path, body in READ_CALLS:
             _assert_unauthorized(_call(client, method, path, body, {}))
         for method, path, body in PROBE_CALLS:
             assert _call(client, method, path, body, {}).status_code == 200
-    with app_client(fast_path, api_token=TOKEN, protect_probes=True) as client:
+    with app_client(fast_protocol, api_token=TOKEN, protect_probes=True) as client:
         for method, path, body in PROBE_CALLS:
             _assert_unauthorized(_call(client, method, path, body, {}))
         assert client.get("/healthz", headers=GOOD).status_code == 200
@@ -176,8 +176,8 @@ def _api_routes(routes: Any) -> Iterator[APIRoute]:
             yield from _api_routes(route.original_router.routes)
 
 
-def test_no_token_checks_nothing(fast_path: bool) -> None:
-    with app_client(fast_path, protect_decisions=True, protect_reads=True) as client:
+def test_no_token_checks_nothing(fast_protocol: bool) -> None:
+    with app_client(fast_protocol, protect_decisions=True, protect_reads=True) as client:
         for method, path, body in ADMIN_CALLS[:2] + DECISION_CALLS + READ_CALLS + PROBE_CALLS:
             assert _call(client, method, path, body, {}).status_code != 401, path
 

@@ -133,6 +133,27 @@ def test_bad_config_files_and_environment(tmp_path: Path) -> None:
         assert len(done.stderr.splitlines()) == 1
 
 
+def test_one_setting_turns_the_http_protocol_off(tmp_path: Path) -> None:
+    """``fast_protocol`` alone says whether kv-router's HTTP protocol is in front; the old second
+    switch (``fast_path``) is refused wherever it is given, with the setting to use instead."""
+    old = tmp_path / "old.toml"
+    old.write_text("fast_path = false\n")
+    done = _kv("serve", "--config", str(old), env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2, done.stderr
+    assert "fast_path: unknown setting in config file" in done.stderr
+    assert "removed, use 'fast_protocol'" in done.stderr
+    done = _kv("serve", "--port", "1", env={"PATH": "/usr/bin:/bin", "KV_ROUTER_FAST_PATH": "0"})
+    assert done.returncode == 2, done.stderr
+    assert "fast_path: unknown setting in environment variable KV_ROUTER_FAST_PATH; removed, use 'fast_protocol'" in (
+        done.stderr
+    )
+    done = _kv("serve", "--no-fast-path", "--port", "1", env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2 and "unrecognized arguments: --no-fast-path" in done.stderr, done.stderr
+    shown = _kv("config", "show", "--no-fast-protocol", env={"PATH": "/usr/bin:/bin"})
+    assert any(line.startswith("fast_protocol = false  # flag") for line in shown.stdout.splitlines()), shown.stdout
+    assert "fast_path" not in shown.stdout
+
+
 def _is_root() -> bool:
     import os
 

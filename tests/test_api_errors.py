@@ -129,9 +129,9 @@ ROUTE_CASES: list[tuple[str, bytes, dict[str, str], int, str, str]] = [
 CASES += [case[:5] for case in ROUTE_CASES]
 
 
-@pytest.fixture(params=[True, False], ids=["fast_path", "fastapi_routes"])
+@pytest.fixture(params=[True, False], ids=["protocol", "asgi"])
 def client(request: pytest.FixtureRequest) -> Iterator[TestClient]:
-    with serve(fast_path=request.param, max_prompt_tokens=100, max_body_bytes=4096) as client:
+    with serve(fast_protocol=request.param, max_prompt_tokens=100, max_body_bytes=4096) as client:
         for worker_id in (1, 2):
             client.post("/v1/workers", json={"worker_id": worker_id})
         client.post("/v1/workers", json={"worker_id": 3, "dp_size": 2})

@@ -29,10 +29,10 @@ from tests.test_api_support import BLOCK_SIZE, MSGPACK, msgpack, prompt, serve, 
 from tests.waiting import eventually
 
 
-@pytest.fixture(params=[True, False], ids=["fast_path", "fastapi_routes"])
+@pytest.fixture(params=[True, False], ids=["protocol", "asgi"])
 def client(request: pytest.FixtureRequest) -> Iterator[TestClient]:
     # Dynamo's policy by name: these routes are checked against its choices and costs, whatever the default.
-    with serve(fast_path=request.param, policy="dynamo") as client:
+    with serve(fast_protocol=request.param, policy="dynamo") as client:
         yield client
 
 
@@ -129,9 +129,9 @@ def test_mark_prefill_and_mark_free_change_the_loads(client: TestClient) -> None
     assert again.json()["error"]["type"] == "unknown_request_id"
 
 
-@pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "fastapi_routes"])
-def test_record_output_counts_output_blocks_on_the_worker(fast_path: bool) -> None:
-    with serve(fast_path=fast_path, router_track_output_blocks=True) as client:
+@pytest.mark.parametrize("fast_protocol", [True, False], ids=["protocol", "asgi"])
+def test_record_output_counts_output_blocks_on_the_worker(fast_protocol: bool) -> None:
+    with serve(fast_protocol=fast_protocol, router_track_output_blocks=True) as client:
         _register(client, 1)
         tokens = prompt(6, 70)  # 4 full blocks and 6 tokens: the 11th generated token opens a block
 
@@ -199,19 +199,19 @@ def test_dynamo_router_protocol_field_for_field(client: TestClient) -> None:
     }
 
 
-@pytest.mark.parametrize("fast_path", [True, False], ids=["fast_path", "fastapi_routes"])
-def test_queue_waits_dispatches_and_rejects(fast_path: bool) -> None:
+@pytest.mark.parametrize("fast_protocol", [True, False], ids=["protocol", "asgi"])
+def test_queue_waits_dispatches_and_rejects(fast_protocol: bool) -> None:
     """A saturated worker parks `new` in the queue; a full queue answers Dynamo's `queue_rejected`
     on /v1/router and 429 on /v1/new; freeing capacity dispatches the waiting request."""
     settings = Settings(
-        service=ServiceConfig(fast_path=fast_path),
+        service=ServiceConfig(fast_protocol=fast_protocol),
         router=RouterConfig(block_size=BLOCK_SIZE, router_queue_threshold=0.0, router_queue_request_limit_per_worker=1),
     )
     app = create_app(settings, registry=CollectorRegistry())
 
     async def scenario() -> None:
         async with app.router.lifespan_context(app):
-            transport = httpx.ASGITransport(app=ThroughProtocol(app) if fast_path else app)
+            transport = httpx.ASGITransport(app=ThroughProtocol(app) if fast_protocol else app)
             async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
                 await client.post("/v1/workers", json={"worker_id": 1, "max_num_batched_tokens": 16})
                 first = await client.post("/v1/new", json={"tokens": prompt(8, 64), "request_id": "first"})

@@ -1,7 +1,7 @@
 """Helpers shared by the ``test_api_*`` suites (this module holds no tests).
 
 Apps are real `create_app` instances driven through Starlette's TestClient (the real ASGI stack,
-lifespan included; with ``fast_path``, through kv-router's HTTP protocol, `tests/protocol_asgi.py`);
+lifespan included; with ``fast_protocol``, through kv-router's HTTP protocol, `tests/protocol_asgi.py`);
 events are real Dynamo-shaped ``RouterEvent`` JSON built from real block hashes.
 """
 
@@ -29,17 +29,17 @@ MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack
 
 
 @contextmanager
-def serve(fast_path: bool = True, seed: int = 0, **overrides: Any) -> Iterator[TestClient]:
+def serve(fast_protocol: bool = True, seed: int = 0, **overrides: Any) -> Iterator[TestClient]:
     """A client of a fresh app; ``overrides`` go to `ServiceConfig` or `RouterConfig` by name."""
     service = {k: v for k, v in overrides.items() if k in ServiceConfig.__struct_fields__}
     router = {k: v for k, v in overrides.items() if k not in service}
     settings = Settings(
-        service=ServiceConfig(fast_path=fast_path, **service),
+        service=ServiceConfig(fast_protocol=fast_protocol, **service),
         router=RouterConfig(**{"block_size": BLOCK_SIZE, **router}),
     )
     app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(seed))
-    # fast_path: through kv-router's HTTP protocol, as `kv-router serve` answers; else FastAPI's routes.
-    with TestClient(ThroughProtocol(app) if fast_path else app, base_url="http://127.0.0.1") as client:
+    # fast_protocol: through kv-router's HTTP protocol, as `kv-router serve` answers; else FastAPI's routes.
+    with TestClient(ThroughProtocol(app) if fast_protocol else app, base_url="http://127.0.0.1") as client:
         yield client
 
 

@@ -44,9 +44,9 @@ FUZZ = settings(
 )
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["fast_path", "fastapi_routes"])
+@pytest.fixture(scope="module", params=[True, False], ids=["protocol", "asgi"])
 def client(request: pytest.FixtureRequest) -> Iterator[TestClient]:
-    with serve(fast_path=request.param, max_body_bytes=64 * 1024, max_prompt_tokens=4096) as client:
+    with serve(fast_protocol=request.param, max_body_bytes=64 * 1024, max_prompt_tokens=4096) as client:
         for worker_id in (1, 2):
             assert client.post("/v1/workers", json={"worker_id": worker_id, "total_kv_blocks": 100}).status_code == 201
         assert client.post("/v1/events", json=stored_event(1, prompt(1, 64))).json()["applied"] == 1
