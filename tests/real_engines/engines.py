@@ -155,21 +155,31 @@ class VllmEngine:
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> VllmEngine:
-        """Until ``/health`` answers and the model is served (bounded); on failure, the log's tail."""
-        deadline = self.started_at + timeout
-        while True:
+        """Until the model is served (bounded, counted from the start); if the engine exits or time runs
+        out, it is stopped and the failure carries its log's tail."""
+        process = self.process
+        assert process is not None
+
+        def serving() -> bool:
             try:
                 status, models = _request(f"{self.url}/v1/models", timeout=5)
-                if status == 200 and [card["id"] for card in models["data"]] == [MODEL]:
-                    self.ready_after = time.monotonic() - self.started_at
-                    return self
-            except OSError:
-                pass
-            assert self.process is not None
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"vLLM engine {self.worker_id} did not start:\n{self.log()[-4000:]}")
-            time.sleep(0.5)
+            except OSError:  # not listening yet
+                return False
+            return status == 200 and [card["id"] for card in models["data"]] == [MODEL]
+
+        what = f"vLLM engine {self.worker_id} serves {MODEL}"
+        left = round(max(self.started_at + timeout - time.monotonic(), 0.0), 1)
+        late: AssertionError | None = None
+        try:
+            until(lambda: serving() or process.poll() is not None, left, what, poll=0.5)
+        except AssertionError as error:
+            late = error
+        if late is not None or process.poll() is not None:
+            self.stop()
+            why = late or f"exited with status {process.returncode}"
+            raise AssertionError(f"vLLM engine {self.worker_id} did not start ({why}):\n{self.log()[-4000:]}")
+        self.ready_after = time.monotonic() - self.started_at
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -295,18 +305,23 @@ class EngineMirror:
         next step: a short request, under one block, makes one). Repeated while this subscriber has not
         joined yet (ZMQ's slow joiner), bounded."""
         for _ in range(20):
-            seen = self.cleared
-            status, answer = self.engine.post("/reset_prefix_cache")
-            assert status == 200, answer
-            prompt = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 1}
-            status, answer = self.engine.post("/v1/completions", prompt)
-            assert status == 200, answer
-            deadline = time.monotonic() + 1.0
-            while time.monotonic() < deadline:
-                if self.cleared > seen:
-                    return
-                time.sleep(0.01)
+            if self._reset_heard_within(1.0):
+                return
         raise AssertionError(f"engine {self.engine.worker_id}: no AllBlocksCleared heard after its reset")
+
+    def _reset_heard_within(self, timeout: float) -> bool:
+        """One reset, and whether its AllBlocksCleared is heard here within ``timeout`` seconds."""
+        seen = self.cleared
+        status, answer = self.engine.post("/reset_prefix_cache")
+        assert status == 200, answer
+        prompt = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 1}
+        status, answer = self.engine.post("/v1/completions", prompt)
+        assert status == 200, answer
+        try:
+            until(lambda: self.cleared > seen, timeout, "AllBlocksCleared heard", poll=0.01)
+        except AssertionError:
+            return False
+        return True
 
     def close(self) -> None:
         self._stop.set()
