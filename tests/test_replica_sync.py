@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -80,7 +81,7 @@ async def sync_lost(target: Replica) -> AsyncIterator[None]:
     target.nc.publish = lose  # type: ignore[method-assign,assignment]
     try:
         yield
-        await asyncio.sleep(0.05)  # what was queued inside is published (and lost) inside
+        await target.sync.drained()  # what was queued inside is published (and lost) inside
     finally:
         target.nc.publish = real  # type: ignore[method-assign]
 
@@ -155,6 +156,34 @@ async def test_a_replica_that_stops_cleanly_takes_its_bookings_at_once(nats_serv
             await eventually(lambda: a.router.booking("x") is not None)
         await eventually(lambda: a.router.booking("x") is None, timeout=2)
         assert a.sync.outcomes["peer_left"] == 1
+
+
+async def test_a_clean_stop_lets_the_batch_being_published_go_out(nats_server: EmbeddedNats) -> None:
+    """A free told to the replica that is stopping, of a request another replica booked, still reaches
+    that replica: the stop waits for the outbox to drain instead of cancelling the batch on its way."""
+    async with replica(nats_server.url) as b:
+        await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="booked-on-b"))
+        async with replica(nats_server.url) as a:
+            await eventually(lambda: a.router.booking("booked-on-b") is not None)
+            real, gate, held = a.nc.publish, asyncio.Event(), []
+
+            async def slow(subject: str, payload: bytes = b"", *args: Any) -> None:
+                if subject == a.sync.subjects.router_sync and msgspec.msgpack.decode(payload)["type"] == "batch":
+                    held.append(payload)
+                    await gate.wait()  # a slow server: the batch is on its way when the stop begins
+                await real(subject, payload, *args)
+
+            a.nc.publish = slow  # type: ignore[method-assign,assignment]
+            assert a.router.mark_free("booked-on-b")
+            await eventually(lambda: len(held) == 1)
+            stopping = asyncio.create_task(a.sync.stop())
+            await eventually(lambda: a.router.booking_listener is None)  # the stop has begun
+            assert not stopping.done()  # ... and waits for the batch
+            gate.set()
+            await stopping
+            a.nc.publish = real  # type: ignore[method-assign]
+            await eventually(lambda: b.router.booking("booked-on-b") is None, 2, "b hears the free a was told")
+            assert a.sync.outcomes["published"] == 1
 
 
 async def test_undecodable_sync_messages_are_counted_and_ignored(nats_server: EmbeddedNats, client: Client) -> None:

@@ -72,6 +72,8 @@ MAX_BATCH_CHANGES = 512
 # goes out in the loop turn it is made, under load one message carries a window's changes (each
 # message costs both ends far more than a change in it). It bounds the lag it adds.
 BATCH_WINDOW_S = 0.002
+# On a clean stop, how long a batch being published may take to go out before it is cancelled.
+STOP_DRAIN_S = 2.0
 # Sync lag samples kept (seconds from publish to apply, by the wall clock of one host or NTP).
 LAG_SAMPLES = 4096
 
@@ -123,6 +125,9 @@ class ReplicaSync:
         # out is dropped from the batch whole (peers would book and free it in one step).
         self._unsent: dict[str, list[int]] = {}
         self._wake = asyncio.Event()
+        # Set while nothing waits to go out: the outbox is empty and no batch is being published.
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._peers: dict[str, _Peer] = {}
         self._origin: dict[str, str] = {}  # active request id -> the replica that booked it
         self._freed: OrderedDict[str, float] = OrderedDict()  # request id -> when it was freed
@@ -161,9 +166,13 @@ class ReplicaSync:
         log.info("replica sync: replica %s on %s", self.replica_id, self.subjects.router_sync)
 
     async def stop(self) -> None:
-        """Flush, tell peers this replica is leaving (they drop its bookings), unsubscribe."""
+        """Let the outbox drain (a batch being published is not cut off: its changes, frees of
+        requests other replicas booked among them, would reach no peer), tell peers this replica is
+        leaving (they drop its bookings), unsubscribe."""
         if self.router.booking_listener is self:
             self.router.booking_listener = None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.drained(), STOP_DRAIN_S)
         await self._background.stop()
         with contextlib.suppress(Exception):
             await self._flush()
@@ -218,7 +227,13 @@ class ReplicaSync:
         outbox = self._outbox
         if not outbox:
             self._wake.set()  # set stays set until the publish loop takes the whole outbox
+            self._idle.clear()
         outbox.append(change)
+
+    async def drained(self) -> None:
+        """Once every change made so far has been handed to NATS (or its batch failed to publish: peers
+        see the gap its number leaves and repair it)."""
+        await self._idle.wait()
 
     async def _publish_loop(self) -> None:
         while True:
@@ -228,10 +243,14 @@ class ReplicaSync:
             await asyncio.sleep(self.batch_window_s)
 
     async def _flush(self) -> None:
-        while self._outbox:
-            taken, self._outbox = self._outbox, []
-            self._unsent.clear()
-            await self._publish([change for change in taken if change is not None])
+        try:
+            while self._outbox:
+                taken, self._outbox = self._outbox, []
+                self._unsent.clear()
+                await self._publish([change for change in taken if change is not None])
+        finally:
+            if not self._outbox:
+                self._idle.set()
 
     async def _publish(self, pending: list[Change]) -> None:
         for start in range(0, len(pending), MAX_BATCH_CHANGES):
