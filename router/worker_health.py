@@ -14,7 +14,9 @@ proxy's exchanges with the worker):
   within ``worker_breaker_open_secs`` (its caller never reports outcomes) gives its place up.
 
 The active health check (`set_health`: the service probes each worker's ``/health``) is a verdict of
-its own: a worker failing it is left out, whatever its circuit, until it passes again.
+its own: a worker failing it is left out, whatever its circuit, until it passes again. A worker whose
+engine is probed by the source that registers it (direct mode, `set_engine_probed`) is not probed by
+the proxy's checks as well: that source removes it when the engine stops answering.
 
 Costs: `usable` is one dict lookup per candidate when every circuit is closed and every check passes
 (the common case: it returns the list it was given).
@@ -59,6 +61,8 @@ class WorkerHealth:
         self._breakers: dict[int, _Breaker] = {}
         self._failing_checks: set[int] = set()  # workers whose health check fails
         self._checked: set[int] = set()  # workers a health check has judged
+        # Workers whose engine the source that registers them probes (kept while they are removed).
+        self._engine_probed: set[int] = set()
         self._troubled = 0  # breakers not closed, plus failing checks: 0 is the fast path
 
     def usable(self, workers: list[WorkerConfig]) -> list[WorkerConfig]:
@@ -136,6 +140,17 @@ class WorkerHealth:
             self._troubled += 1
             return True
         return not known
+
+    def set_engine_probed(self, worker_id: int, probed: bool) -> None:
+        """Whether the source that registers the worker probes its engine's ``/health`` itself (direct
+        mode with a URL), so that no other check probes it too."""
+        if probed:
+            self._engine_probed.add(worker_id)
+        else:
+            self._engine_probed.discard(worker_id)
+
+    def engine_probed(self, worker_id: int) -> bool:
+        return worker_id in self._engine_probed
 
     def forget(self, worker_id: int) -> None:
         """The worker left: a worker registered again under its id starts afresh."""

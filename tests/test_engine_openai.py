@@ -334,3 +334,75 @@ def test_block_size_auto_adopts_the_first_engines_and_refuses_an_engine_that_dif
         router.stop()
         for pub in pubs:
             pub.close()
+
+
+# Engine watchers (direct mode's, the bridge's) probe every ENGINE_PROBE_S; the proxy's active checks
+# of static workers are set ten times as frequent, so that any of them on an engine shows at once.
+ENGINE_PROBE_S = 0.5
+PROXY_CHECK_S = 0.05
+
+
+def _probed_by_one_watcher(http: Any) -> None:
+    """The engine's ``/health`` is asked at one watcher's pace: in any stretch of t seconds one prober
+    (it sleeps its interval between two asks) asks at most t / ENGINE_PROBE_S + 1 times."""
+    start, before = time.monotonic(), http.asked["/health"]
+    until(lambda: http.asked["/health"] >= before + 4, 10, "four more health probes")
+    asked, elapsed = http.asked["/health"] - before, time.monotonic() - start
+    assert asked <= elapsed / ENGINE_PROBE_S + 2, f"{asked} health probes in {elapsed:.2f} s"
+
+
+def _routed_to(router: RouterProcess) -> str:
+    """The worker a completion of token ids (the fake engine has no ``/tokenize``) went to."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", max_retries=0)
+    try:
+        reply = client.completions.with_raw_response.create(model=MODEL, prompt=list(range(64)), max_tokens=1)
+        return reply.headers["x-kv-router-worker"]
+    finally:
+        client.close()
+
+
+def test_a_direct_mode_engine_behind_the_proxy_is_probed_once(tmp_path: Path) -> None:
+    from tests.engine_fakes import EngineHttp, SideLoop
+
+    side = SideLoop()
+    http = side.call(EngineHttp(models=(MODEL,)).start())
+    router = RouterProcess(tmp_path, "--no-embedded-nats", "--proxy",
+                           "--engine", f"1=tcp://127.0.0.1:{free_port()},url={http.url}",
+                           "--engine-health-interval-secs", str(ENGINE_PROBE_S),
+                           "--proxy-health-check-interval-secs", str(PROXY_CHECK_S))  # fmt: skip
+    try:
+        router.start()
+        until(lambda: _worker(router, 1) is not None, 30, "the engine's worker is registered")
+        _probed_by_one_watcher(http)
+        worker = _worker(router, 1)
+        assert worker is not None and worker["availability"]["health_check"] == "passing"
+        assert _routed_to(router) == "1"
+    finally:
+        router.stop()
+        side.call(http.stop())
+        side.close()
+
+
+def test_a_bridge_fed_worker_behind_the_proxy_is_probed_once(tmp_path: Path) -> None:
+    from tests.engine_fakes import EngineHttp, SideLoop
+
+    side = SideLoop()
+    http = side.call(EngineHttp(models=(MODEL,)).start())
+    with EmbeddedNats() as nats:
+        router = RouterProcess(tmp_path, "--no-embedded-nats", "--nats-url", nats.url, "--proxy",
+                               "--proxy-health-check-interval-secs", str(PROXY_CHECK_S))  # fmt: skip
+        bridge = ToolProcess(
+            tmp_path, None, "--worker-id", "1", "--zmq-endpoint", f"tcp://127.0.0.1:{free_port()}",
+            "--block-size", "16", "--nats-url", nats.url, "--heartbeat-interval-secs", "0.3",
+            "--openai-url", http.url, "--engine-health-interval-secs", str(ENGINE_PROBE_S), command="bridge",
+        )  # fmt: skip
+        try:
+            router.start()
+            until(lambda: _worker(router, 1) is not None, 30, "the bridge's worker is registered")
+            _probed_by_one_watcher(http)
+            assert _routed_to(router) == "1"
+        finally:
+            bridge.stop()
+            router.stop()
+            side.call(http.stop())
+            side.close()

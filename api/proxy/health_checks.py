@@ -6,7 +6,9 @@ A worker failing ``proxy_health_check_failures`` checks in a row leaves routing 
 `router.worker_health`, which every decision consults); once it passes ``proxy_health_check_successes``
 in a row it is back, by itself. Each worker's checks are a `HealthProbe` (the one direct mode and the
 bridge use for their engines); the set of probes follows the registrations, looked at every interval
-(at most every second). Workers with a heartbeat lease are left to their lease.
+(at most every second). Workers with a heartbeat lease are left to their lease (a bridge probes its
+engine and withdraws the worker), and a direct-mode engine's to its own probe (`DirectEngine`, marked
+by `WorkerHealth.set_engine_probed`): each engine's ``/health`` is asked by one prober.
 """
 
 from __future__ import annotations
@@ -53,8 +55,14 @@ class WorkerHealthChecks:
             await asyncio.sleep(min(self._config.proxy_health_check_interval_secs, 1.0))
 
     async def sync(self) -> None:
-        """A probe for each static worker with a URL, none for the others (gone, or now leased)."""
-        wanted = {worker.worker_id: worker for worker in self._router.workers() if _checked(worker)}
+        """A probe for each static worker with a URL whose engine no other prober asks, none for the
+        others (gone, now leased, or probed by their direct-mode engine)."""
+        health = self._router.health
+        wanted = {
+            worker.worker_id: worker
+            for worker in self._router.workers()
+            if _checked(worker) and not health.engine_probed(worker.worker_id)
+        }
         for worker_id, probe in list(self._probes.items()):
             worker = wanted.get(worker_id)
             if worker is None or probe.url != _probe_url(worker):

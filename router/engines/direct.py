@@ -187,11 +187,13 @@ class DirectEngine:
     async def start(self) -> None:
         await self.stream.start()
         if self.health is not None:
+            self.router.health.set_engine_probed(self.worker_id, True)  # the proxy's checks leave it alone
             self.health.start()
 
     async def stop(self) -> None:
         if self.health is not None:
             await self.health.stop()
+            self.router.health.set_engine_probed(self.worker_id, False)
         await self.stream.stop()
 
     async def _up(self) -> None:
@@ -207,6 +209,7 @@ class DirectEngine:
         )
         self.sink.reset()
         self.router.register_worker(registration)
+        self.router.health.set_health(self.worker_id, True)  # /v1/workers: its health check passing
         self.sink.accepting = True
         self.up_at = time.time()
         self.messages_at_up = self.stream.stats["messages"]
