@@ -189,7 +189,8 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     )
     pd = parser.add_argument_group(
         "disaggregated fleet (offline): routers aggregated (our policy on N + M workers that prefill and decode), "
-        "disagg-always, disagg-conditional, disagg-load-aware, vllm-router-pd, sglang-pd [all of them by default]"
+        "disagg-always, disagg-conditional, disagg-load-aware, disagg-estimated, vllm-router-pd, sglang-pd "
+        "[all of them by default]"
     )
     pd.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers (with --decode-workers)")
     pd.add_argument("--decode-workers", type=int, default=0, help="decode-only workers (with --prefill-workers)")

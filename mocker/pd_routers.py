@@ -8,6 +8,9 @@
 - ``disagg-load-aware``: disagg-conditional, and also prefilled on the decode worker when fewer than 3,072
   prompt tokens are uncached there and its queue, weighted, is the shorter wait
   (``disagg_local_prefill_sooner_below_tokens``, ``disagg_local_prefill_cost_factor``: 2);
+- ``disagg-estimated``: disagg-conditional, and also prefilled on the decode worker whenever the router's
+  estimate of the first token is sooner there, its prefill charged for the decode batch it stalls
+  (``disagg_local_prefill_stall_weight``: 0.25, ``disagg_transfer_cost_per_token``: 0.35);
 - ``vllm-router-pd``: vllm-router's PD mode (peers.md §2.5): prefill and decode URL lists, each with its
   own policy, every request disaggregated (the uncached-token bypass is an open proposal, PR #130). The
   prefill pool runs ``kv_aware`` (the longest cached prefix from the engines' KV events, the least
@@ -43,6 +46,7 @@ from router.types import WorkerRole
 
 __all__ = [
     "AGGREGATED",
+    "ESTIMATED_STALL_WEIGHT",
     "LOAD_AWARE_SOONER_BELOW_TOKENS",
     "PD_ROUTERS",
     "PdPair",
@@ -54,6 +58,8 @@ __all__ = [
 AGGREGATED = "aggregated"
 # disagg-load-aware's size limit on the local path when it is the shorter wait (docs/disaggregation.md).
 LOAD_AWARE_SOONER_BELOW_TOKENS = 3072
+# disagg-estimated's stall weight (docs/disaggregation.md: swept on mooncake_trace_1000, seeds 0 and 1).
+ESTIMATED_STALL_WEIGHT = 0.25
 
 
 class _InFlight:
@@ -205,12 +211,16 @@ def _ours(name: str, **settings: object) -> Callable[[RouterConfig, random.Rando
 
 PD_ROUTERS: dict[str, Callable[[RouterConfig, random.Random], DisaggregatedFleetRouter]] = {
     "disagg-always": _ours(
-        "disagg-always", disagg_local_prefill_below_tokens=0, disagg_local_prefill_sooner_below_tokens=None
+        "disagg-always",
+        disagg_local_prefill_below_tokens=0,
+        disagg_local_prefill_sooner_below_tokens=None,
+        disagg_local_prefill_stall_weight=None,
     ),
     "disagg-conditional": _ours("disagg-conditional"),
     "disagg-load-aware": _ours(
         "disagg-load-aware", disagg_local_prefill_sooner_below_tokens=LOAD_AWARE_SOONER_BELOW_TOKENS
     ),
+    "disagg-estimated": _ours("disagg-estimated", disagg_local_prefill_stall_weight=ESTIMATED_STALL_WEIGHT),
     "vllm-router-pd": lambda config, rng: PdPair("vllm-router-pd", VllmKvAware(config, rng), PowerOfTwo(config, rng)),
     "sglang-pd": lambda config, rng: PdPair("sglang-pd", SglangCacheAware(config, rng), SglangCacheAware(config, rng)),
 }

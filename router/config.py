@@ -276,6 +276,26 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         ),
         msgspec.Meta(ge=0),
     ] = 2.0
+    # Estimated-TTFT conditional disaggregation (docs/disaggregation.md): both paths' waits in prefill tokens,
+    # with the router's booked load; the local one also charged for the decode batch its prefill stalls.
+    disagg_local_prefill_stall_weight: Annotated[
+        Annotated[float, msgspec.Meta(ge=0)] | None,
+        _doc(
+            "disaggregated fleets: prefill on the chosen decode worker whenever that is the sooner first token by "
+            "the router's estimate, in prefill tokens: local = the decode worker's pending prefill + this prompt's "
+            "uncached tokens there x (1 + this weight x the requests active there, whose decoding the prefill "
+            "stalls), remote = the prefill worker's pending prefill + the prompt's uncached tokens there + "
+            "disagg_transfer_cost_per_token x the tokens the decode worker lacks; unset: never"
+        ),
+    ] = None
+    disagg_transfer_cost_per_token: Annotated[
+        float,
+        _doc(
+            "disaggregated fleets: the KV transfer of one token to the decode worker, in prefill tokens' time, for "
+            "disagg_local_prefill_stall_weight (0.35: 128 KiB per token at 25 GB/s against 15 us of prefill)"
+        ),
+        msgspec.Meta(ge=0),
+    ] = 0.35
     disagg_decode_overlap_credit: Annotated[
         bool,
         _doc(

@@ -57,11 +57,15 @@ def decode_config(config: RouterConfig) -> RouterConfig:
 
 
 class PendingPrefill(NamedTuple):
-    """Prefill tokens already pending on the chosen prefill worker and on the chosen decode worker."""
+    """The load both paths would wait on: prefill tokens already pending on the chosen prefill worker
+    and on the chosen decode worker, the prompt's uncached tokens on that prefill worker, and the
+    requests active on the decode worker (whose decoding a local prefill stalls)."""
 
     prefill_worker: int
     on_prefill_worker: int
     on_decode_worker: int
+    prefill_uncached: int
+    decode_requests: int
 
 
 def choose_path(
@@ -101,7 +105,30 @@ def choose_path(
             f"its {pending.on_decode_worker} pending, against {pending.on_prefill_worker} pending on prefill worker "
             f"{pending.prefill_worker}): prefilled there"
         )
+    stall_weight = config.disagg_local_prefill_stall_weight
+    if stall_weight is not None:
+        return _sooner_path(uncached_tokens, config, stall_weight, decode_worker, pending)
     return "remote_prefill", (
         f"{uncached_tokens} uncached tokens on decode worker {decode_worker}, at or above the "
         f"{threshold_tokens}-token threshold: prefilled remotely"
     )
+
+
+def _sooner_path(
+    uncached_tokens: int, config: RouterConfig, stall_weight: float, decode_worker: int, pending: PendingPrefill
+) -> tuple[DisaggregationPath, str]:
+    """The path with the sooner estimated first token, in prefill tokens (a tie goes remote: the
+    decode batch is not stalled for nothing)."""
+    transfer = config.disagg_transfer_cost_per_token * uncached_tokens
+    remote = pending.on_prefill_worker + pending.prefill_uncached + transfer
+    stall_factor = 1 + stall_weight * pending.decode_requests
+    local = pending.on_decode_worker + uncached_tokens * stall_factor
+    estimate = (
+        f"estimated {local:g} tokens on decode worker {decode_worker} ({pending.on_decode_worker} pending + "
+        f"{uncached_tokens} uncached x {stall_factor:g} for the {pending.decode_requests} requests it stalls) "
+        f"against {remote:g} on prefill worker {pending.prefill_worker} ({pending.on_prefill_worker} pending + "
+        f"{pending.prefill_uncached} uncached + {transfer:g} for the KV transfer)"
+    )
+    if local < remote:
+        return "local_prefill", f"{estimate}: prefilled on the decode worker, the sooner"
+    return "remote_prefill", f"{estimate}: prefilled remotely, the sooner"

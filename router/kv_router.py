@@ -533,6 +533,8 @@ class KvRouter:
                 prefill_choice.key[0],
                 self._pending_prefill_tokens(prefill_choice.key),
                 self._pending_prefill_tokens(decode_choice.key),
+                max(routing.prompt.isl_tokens - prefill_choice.overlap.cached_tokens, 0),
+                self._active_requests(decode_choice.key),
             )
         path, reason = choose_path(uncached, config, decode_choice.key[0], pending)
         prefill_leg: DisaggregatedLeg | None = None
@@ -563,6 +565,10 @@ class KvRouter:
     def _pending_prefill_tokens(self, key: WorkerRank) -> int:
         rank = self._scheduler.sequences.rank(key)
         return 0 if rank is None else rank.prefill_tokens
+
+    def _active_requests(self, key: WorkerRank) -> int:
+        rank = self._scheduler.sequences.rank(key)
+        return 0 if rank is None else rank.requests
 
     def _check_leg_pin(self, pinned: WorkerRank | None, leg: Literal["prefill", "decode"]) -> None:
         if pinned is None:

@@ -47,7 +47,7 @@ def test_a_disaggregated_replay_is_deterministic_and_completes(router: str) -> N
     assert all(r.worker_id in (2, 3) for r in first)  # the client's stream is always a decode worker's
     remote = [r for r in first if r.prefill_worker_id >= 0]
     assert all(r.prefill_worker_id in (0, 1) and r.transfer_ms > 0 for r in remote)
-    if router not in ("disagg-conditional", "disagg-load-aware"):
+    if router not in ("disagg-conditional", "disagg-load-aware", "disagg-estimated"):
         assert len(remote) == len(first)  # the peers and disagg-always never skip the remote prefill
 
 
@@ -114,3 +114,19 @@ def test_load_aware_prefills_a_short_prompt_on_its_decode_worker_while_the_prefi
     assert conditional.prefill_worker_id >= 0  # 1,024 uncached tokens: over the 256-token threshold
     assert (load_aware.prefill_worker_id, load_aware.transfer_ms) == (-1, 0.0)  # 2 x 1,024 < 8,192 pending
     assert load_aware.ttft_ms < conditional.ttft_ms / 2  # no wait behind a long prefill, no transfer
+
+
+def test_estimated_rule_prefills_where_the_first_token_comes_sooner() -> None:
+    # Six 8,192-token prompts at once on two prefill and two decode workers, then a 1,024-token prompt.
+    long_prompts: list[Row] = [(0, 8192, 8, list(range(100 * i, 100 * i + 16))) for i in range(6)]
+    rows = [*long_prompts, (1, 1024, 8, [900, 901])]
+    conditional = run(trace_of(rows), "disagg-conditional")
+    estimated = run(trace_of(rows), "disagg-estimated")
+    assert all(record.prefill_worker_id >= 0 for record in conditional)  # all over the 256-token threshold
+    # Nobody decodes on either decode worker yet: the first two are prefilled there (no transfer); the
+    # next four would stall a decoding request and queue behind a local prefill: remote.
+    local = [record.prefill_worker_id == -1 for record in estimated]
+    assert local == [True, True, False, False, False, False, True]
+    # The short prompt: both prefill workers hold two long prefills, its decode worker only decodes.
+    assert estimated[-1].transfer_ms == 0.0 and estimated[-1].ttft_ms < conditional[-1].ttft_ms / 2
+    assert max(r.ttft_ms for r in estimated) < max(r.ttft_ms for r in conditional)

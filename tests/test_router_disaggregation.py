@@ -227,20 +227,119 @@ def test_load_aware_local_prefill_decision(
         disagg_local_prefill_sooner_below_tokens=1000,
         disagg_local_prefill_cost_factor=factor,
     )
-    assert choose_path(uncached, config, D1, PendingPrefill(P1, on_prefill, on_decode))[0] == path
+    assert choose_path(uncached, config, D1, PendingPrefill(P1, on_prefill, on_decode, uncached, 0))[0] == path
 
 
 @given(uncached=st.integers(0, 5000), on_prefill=st.integers(0, 50_000), on_decode=st.integers(0, 50_000))
 def test_load_aware_rule_off_by_default_and_only_ever_adds_local_prefill(
     uncached: int, on_prefill: int, on_decode: int
 ) -> None:
-    pending = PendingPrefill(P1, on_prefill, on_decode)
+    pending = PendingPrefill(P1, on_prefill, on_decode, uncached, 0)
     default = choose_path(uncached, RouterConfig(), D1, pending)[0]
     assert default == ("local_prefill" if uncached < 256 else "remote_prefill")
     aware = RouterConfig(disagg_local_prefill_sooner_below_tokens=4096)
     chosen = choose_path(uncached, aware, D1, pending)[0]
     sooner = uncached < 4096 and 2.0 * (on_decode + uncached) < on_prefill
     assert chosen == ("local_prefill" if default == "local_prefill" or sooner else "remote_prefill")
+
+
+def estimated_fleet() -> KvRouter:
+    config = RouterConfig(block_size=BS, disagg_local_prefill_stall_weight=0.5, disagg_transfer_cost_per_token=0.25)
+    router = KvRouter(config, rng=random.Random(0))
+    router.register_worker(WorkerConfig(worker_id=P1, role="prefill"))
+    router.register_worker(WorkerConfig(worker_id=D1, role="decode"))
+    return router
+
+
+def test_estimated_rule_takes_the_sooner_path_with_the_routers_load_view() -> None:
+    router = estimated_fleet()
+    prompts = [list(range(start, start + 40 * BS)) for start in range(20_000, 120_000, 20_000)]  # 640 tokens
+    first = route(router, prompts[0], "r0").disaggregation
+    # Nobody decodes on D1 yet: 640 there against 640 + 160 (transfer) on P1.
+    assert first is not None and first.path == "local_prefill" and first.prefill is None
+    assert first.reason == (
+        "estimated 640 tokens on decode worker 3 (0 pending + 640 uncached x 1 for the 0 requests it stalls) "
+        "against 800 on prefill worker 1 (0 pending + 640 uncached + 160 for the KV transfer): prefilled on the "
+        "decode worker, the sooner"
+    )
+    assert loads(router)[D1] == (640, 40, 1) and loads(router)[P1] == (0, 0, 0)
+    second = route(router, prompts[1], "r1").disaggregation  # 640 + 640 x 1.5 = 1600 against 800
+    assert second is not None and second.path == "remote_prefill"
+    assert second.reason == (
+        "estimated 1600 tokens on decode worker 3 (640 pending + 640 uncached x 1.5 for the 1 requests it stalls) "
+        "against 800 on prefill worker 1 (0 pending + 640 uncached + 160 for the KV transfer): prefilled "
+        "remotely, the sooner"
+    )
+    assert second.prefill is not None and second.prefill.booking_id == "r1#prefill"
+    assert loads(router)[P1] == (640, 40, 1) and loads(router)[D1] == (640, 80, 2)  # r1's decode leg: no prefill
+    third = route(router, prompts[2], "r2").disaggregation  # 640 + 640 x 2 = 1920 against 640 + 800 = 1440
+    assert third is not None and third.path == "remote_prefill"
+    assert router.mark_prefill("r0")  # D1's queue drains: 640 x 2.5 = 1600 against 1280 + 800 = 2080
+    fourth = route(router, prompts[3], "r3").disaggregation
+    assert fourth is not None and fourth.path == "local_prefill"
+    assert loads(router)[D1] == (640, 160, 4) and loads(router)[P1] == (1280, 80, 2)
+    for request_id in ("r0", "r1", "r2", "r3"):
+        assert router.mark_free(request_id)
+    assert all(load == (0, 0, 0) for load in loads(router).values())
+
+
+def test_estimated_rule_counts_the_prefix_the_prefill_worker_holds() -> None:
+    router = estimated_fleet()
+    router.apply_event(prompt_stored_event(P1, PROMPT, BS, blocks=36))  # 64 uncached tokens on P1
+    receipt = route(router, PROMPT).disaggregation  # 640 on D1 against 0 + 64 + 160 on P1
+    assert receipt is not None and receipt.path == "remote_prefill"
+    assert receipt.prefill is not None and receipt.prefill.cached_tokens == 36 * BS
+    assert "against 224 on prefill worker 1 (0 pending + 64 uncached + 160 for the KV transfer)" in receipt.reason
+
+
+@pytest.mark.parametrize(
+    ("uncached", "on_prefill", "prefill_uncached", "on_decode", "requests", "stall", "transfer", "path"),
+    [
+        (1000, 0, 1000, 0, 0, 0.25, 0.0, "remote_prefill"),  # 1000 = 1000: a tie goes remote
+        (1000, 1, 1000, 0, 0, 0.25, 0.0, "local_prefill"),  # 1000 < 1001
+        (1000, 0, 1000, 0, 0, 0.25, 0.35, "local_prefill"),  # 1000 < 1350: the transfer tips it
+        (1000, 0, 1000, 0, 4, 0.25, 0.35, "remote_prefill"),  # 1000 x 2 = 2000 > 1350: four decoding
+        (1000, 650, 1000, 0, 4, 0.25, 0.35, "remote_prefill"),  # 2000 = 2000
+        (1000, 651, 1000, 0, 4, 0.25, 0.35, "local_prefill"),
+        (1000, 651, 1000, 1, 4, 0.25, 0.35, "remote_prefill"),  # 2001: the decode worker's own queue counts
+        (1000, 5000, 0, 0, 4, 0.25, 0.35, "local_prefill"),  # 2000 < 5350
+        (1000, 1000, 0, 0, 4, 0.25, 0.35, "remote_prefill"),  # the prefill worker holds it: 1350 < 2000
+        (1000, 10_000, 1000, 0, 100, 0.25, 0.35, "remote_prefill"),  # 26,000: a large batch is not stalled
+        (255, 0, 255, 0, 100, 0.25, 0.35, "local_prefill"),  # below the 256-token threshold first
+    ],
+)
+def test_estimated_rule_decision_at_each_boundary(
+    uncached: int,
+    on_prefill: int,
+    prefill_uncached: int,
+    on_decode: int,
+    requests: int,
+    stall: float,
+    transfer: float,
+    path: str,
+) -> None:
+    config = RouterConfig(disagg_local_prefill_stall_weight=stall, disagg_transfer_cost_per_token=transfer)
+    pending = PendingPrefill(P1, on_prefill, on_decode, prefill_uncached, requests)
+    assert choose_path(uncached, config, D1, pending)[0] == path
+
+
+@given(
+    uncached=st.integers(256, 50_000),
+    on_prefill=st.integers(0, 100_000),
+    prefill_uncached=st.integers(0, 50_000),
+    on_decode=st.integers(0, 100_000),
+    requests=st.integers(0, 300),
+)
+def test_estimated_rule_is_off_by_default_and_local_never_costs_more(
+    uncached: int, on_prefill: int, prefill_uncached: int, on_decode: int, requests: int
+) -> None:
+    pending = PendingPrefill(P1, on_prefill, on_decode, prefill_uncached, requests)
+    assert choose_path(uncached, RouterConfig(), D1, pending)[0] == "remote_prefill"
+    config = RouterConfig(disagg_local_prefill_stall_weight=0.25)
+    local = on_decode + uncached * (1 + 0.25 * requests)
+    remote = on_prefill + prefill_uncached + 0.35 * uncached
+    chosen = choose_path(uncached, config, D1, pending)[0]
+    assert chosen == ("local_prefill" if local < remote else "remote_prefill")
 
 
 def test_the_bridge_takes_its_role_from_a_flag_or_the_environment() -> None:
