@@ -76,7 +76,7 @@ class VllmZmqPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._context = context or zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
-        self._router: zmq.asyncio.Socket | None = None
+        self._replay_socket: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -86,11 +86,13 @@ class VllmZmqPublisher:
         pub.bind(self.endpoint)
         self._pub = pub
         if self.replay_endpoint is not None:
-            router = self._context.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.bind(self.replay_endpoint)
-            self._router = router
-            self._replay_task = asyncio.create_task(self._serve_replay(router), name=f"replay-{self.replay_endpoint}")
+            replay_socket = self._context.socket(zmq.ROUTER)
+            replay_socket.setsockopt(zmq.LINGER, 0)
+            replay_socket.bind(self.replay_endpoint)
+            self._replay_socket = replay_socket
+            self._replay_task = asyncio.create_task(
+                self._serve_replay(replay_socket), name=f"replay-{self.replay_endpoint}"
+            )
 
     async def stop(self) -> None:
         task, self._replay_task = self._replay_task, None
@@ -98,10 +100,10 @@ class VllmZmqPublisher:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        for socket in (self._pub, self._router):
+        for socket in (self._pub, self._replay_socket):
             if socket is not None:
                 socket.close()
-        self._pub = self._router = None
+        self._pub = self._replay_socket = None
 
     async def send(self, payload: bytes, *, seq: int | None = None, publish: bool = True) -> int:
         """Publish one batch (buffered for replay); ``publish=False`` only buffers it, as if the PUB
@@ -121,9 +123,9 @@ class VllmZmqPublisher:
         while self._buffer and self._buffer[0][0] < seq:
             self._buffer.popleft()
 
-    async def _serve_replay(self, router: zmq.asyncio.Socket) -> None:
+    async def _serve_replay(self, replay_socket: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await router.recv_multipart()
+            frames = await replay_socket.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
                 continue  # vLLM rejects any other frame count
             client, empty, start_frame = frames
@@ -131,5 +133,5 @@ class VllmZmqPublisher:
             head = [client, empty, self.topic] if self.topic_in_replay else [client, empty]
             for seq, payload in list(self._buffer):
                 if seq >= start:
-                    await router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
-            await router.send_multipart([*head, END_MARKER, b""])
+                    await replay_socket.send_multipart([*head, seq.to_bytes(8, "big"), payload])
+            await replay_socket.send_multipart([*head, END_MARKER, b""])
