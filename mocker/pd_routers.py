@@ -40,7 +40,7 @@ from mocker.baselines import SglangCacheAware
 from mocker.config import EngineConfig
 from mocker.engine import EngineMetrics
 from mocker.fleet import DisaggregatedFleetRouter, FleetRouter, RoutedRequest, RouteResult
-from mocker.routers import KvRouterFleet
+from mocker.routers import KvFleetRouter
 from router.config import RouterConfig
 from router.types import WorkerRole
 
@@ -204,7 +204,7 @@ class PdPair:
 
 def _ours(name: str, **settings: object) -> Callable[[RouterConfig, random.Random], DisaggregatedFleetRouter]:
     def make(config: RouterConfig, rng: random.Random) -> DisaggregatedFleetRouter:
-        return KvRouterFleet(msgspec.structs.replace(config, **settings), rng, name=name)
+        return KvFleetRouter(msgspec.structs.replace(config, **settings), rng, name=name)
 
     return make
 

@@ -3,7 +3,7 @@
 `make_router` builds one from a name:
 
 - a registered `router.policies` name (``dynamo``, ``round_robin``, ``random``, ``least_loaded``, ...):
-  our `KvRouter` with that selection policy (`KvRouterFleet`);
+  our `KvRouter` with that selection policy (`KvFleetRouter`);
 - ``sglang`` or ``llmd``: the peer emulations of `mocker.baselines`;
 - ``module:factory``: anything importable. The factory is called with ``(RouterConfig, random.Random)``
   like a registry `PolicyFactory`; if it returns a `SelectionPolicy` (it has ``select``), it runs inside
@@ -30,10 +30,10 @@ from router.kv_router import KvRouter
 from router.policies import policy_names, register_policy
 from router.types import RouteRequest, WorkerConfig, WorkerRole
 
-__all__ = ["KvRouterFleet", "make_router", "router_names"]
+__all__ = ["KvFleetRouter", "make_router", "router_names"]
 
 
-class KvRouterFleet:
+class KvFleetRouter:
     """Our `KvRouter` (any registered selection policy) in the replay's `FleetRouter` shape."""
 
     scrape_interval_ms: float | None = None
@@ -117,7 +117,7 @@ def make_router(spec: str, config: RouterConfig, rng: random.Random) -> FleetRou
     if ":" not in spec:
         if spec not in policy_names():
             raise ValueError(f"unknown router {spec!r}; known: {', '.join(router_names())}, or module:factory")
-        return KvRouterFleet(msgspec.structs.replace(config, policy=spec), rng)
+        return KvFleetRouter(msgspec.structs.replace(config, policy=spec), rng)
     module_name, _, attribute = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attribute)
@@ -132,4 +132,4 @@ def make_router(spec: str, config: RouterConfig, rng: random.Random) -> FleetRou
         raise ValueError(f"{spec} returned {type(made).__name__}: neither a SelectionPolicy nor a FleetRouter")
     if spec not in policy_names():
         register_policy(spec, factory)
-    return KvRouterFleet(msgspec.structs.replace(config, policy=spec), rng, name=spec)
+    return KvFleetRouter(msgspec.structs.replace(config, policy=spec), rng, name=spec)

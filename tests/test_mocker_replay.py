@@ -23,7 +23,7 @@ from mocker.engine import EngineMetrics
 from mocker.fleet import FleetRouter, RoutedRequest, RouteResult
 from mocker.replay import ReplaySetup, replay_offline, write_outputs
 from mocker.report import Latency, ReplayRecord, render_table, render_worker_table, summarize
-from mocker.routers import KvRouterFleet, make_router, router_names
+from mocker.routers import KvFleetRouter, make_router, router_names
 from mocker.simulation import simulate
 from mocker.tokens import BlockTokens
 from mocker.trace import Trace, TraceOptions, build_trace
@@ -75,7 +75,7 @@ def test_requests_wait_in_the_router_queue_and_are_rejected_when_it_is_full() ->
     rows = shared_prefix_rows(requests=120, groups=6, rate_per_s=60.0, output_tokens=200)
     trace = build_trace(rows, TraceOptions(), "burst")
     config = RouterConfig(block_size=64, router_queue_threshold=0.2, router_queue_request_limit_per_worker=4)
-    router = KvRouterFleet(config, random.Random(0))
+    router = KvFleetRouter(config, random.Random(0))
     records = asyncio.run(simulate(trace, router, ENGINE, 2)).records
     queued = [r for r in records if r.queued_in_router]
     rejected = [r for r in records if r.status == "rejected_by_router"]
@@ -229,7 +229,7 @@ class AlwaysWorker:
 def test_external_policies_and_routers_plug_in_by_import_path() -> None:
     trace = workload(40)
     policy = make_router(f"{__name__}:FirstCandidate", RouterConfig(block_size=64), random.Random(0))
-    assert isinstance(policy, KvRouterFleet)
+    assert isinstance(policy, KvFleetRouter)
     assert {r.worker_id for r in replay(trace, f"{__name__}:FirstCandidate")} == {0}
     router = make_router(f"{__name__}:AlwaysWorker", RouterConfig(block_size=64), random.Random(0))
     assert isinstance(router, FleetRouter)
@@ -240,7 +240,7 @@ def test_external_policies_and_routers_plug_in_by_import_path() -> None:
         make_router("nonsense", RouterConfig(), random.Random(0))
 
 
-class ProgressRecorder(KvRouterFleet):
+class ProgressRecorder(KvFleetRouter):
     """Our router, with every output progress the replay tells it kept."""
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
