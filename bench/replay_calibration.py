@@ -100,8 +100,8 @@ def run_dynamo(path: Path, workers: int, mode: str, engine: EngineConfig) -> tup
 
 def run_ours(path: Path, workers: int, policy: str, engine: EngineConfig) -> tuple[float, float, float, float]:
     trace = load_trace(path, TraceOptions())
-    router = make_router(policy, RouterConfig(block_size=engine.block_size), random.Random(0))
-    result = asyncio.run(simulate(trace, router, engine, workers))
+    fleet_router = make_router(policy, RouterConfig(block_size=engine.block_size), random.Random(0))
+    result = asyncio.run(simulate(trace, fleet_router, engine, workers))
     report = summarize(policy, result.records, workers, wall_s=result.wall_s)
     return report.hit_rate_tokens, report.ttft_ms.p50, report.ttft_ms.p99, result.wall_s
 

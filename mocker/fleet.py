@@ -6,7 +6,8 @@ first token came out (`first_token`), how many tokens it has generated each time
 new block (`output`, as a gateway streaming the tokens would tell it) and when it finished
 (`finished`). Routers that scrape engine metrics, as llm-d does, also receive them every
 ``scrape_interval_ms`` (`scraped`). Every call carries the simulated time in ms, so a router needs no
-clock of its own.
+clock of its own. A variable holding one is a ``fleet_router``; across the tree a ``router`` is a
+`KvRouter` (ours runs inside `mocker.routers.KvFleetRouter`), and a router's name is a plain string.
 """
 
 from __future__ import annotations

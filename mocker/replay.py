@@ -121,18 +121,18 @@ async def replay_offline(trace: Trace, setup: ReplaySetup, *, show_progress: boo
     roles = prefill * setup.prefill_workers + decode * setup.decode_workers
     for spec in setup.routers_to_run():
         rng = random.Random(setup.seed)
-        router: FleetRouter
+        fleet_router: FleetRouter
         if not setup.disaggregated:
-            router = make_router(spec, config, rng)
+            fleet_router = make_router(spec, config, rng)
         elif spec == AGGREGATED:  # our router on the same number of workers, each prefilling and decoding
-            router = make_router(config.policy, config, rng)
-            router.name = AGGREGATED
+            fleet_router = make_router(config.policy, config, rng)
+            fleet_router.name = AGGREGATED
         else:
-            router = make_pd_router(spec, config, rng)
+            fleet_router = make_pd_router(spec, config, rng)
         bar = ProgressBar(spec, enabled=show_progress)
         result = await simulate(
             trace,
-            router,
+            fleet_router,
             setup.engine,
             total,
             event_delay_ms=setup.event_delay_ms,
@@ -142,7 +142,7 @@ async def replay_offline(trace: Trace, setup: ReplaySetup, *, show_progress: boo
             transfer=setup.transfer,
         )
         bar.close()
-        report = summarize(router.name, result.records, total, wall_s=result.wall_s, window_s=setup.window_s)
+        report = summarize(fleet_router.name, result.records, total, wall_s=result.wall_s, window_s=setup.window_s)
         runs.append(ReplayRun(report, result.records))
     return runs
 

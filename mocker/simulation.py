@@ -100,7 +100,7 @@ class _Simulation:
     def __init__(
         self,
         trace: Trace,
-        router: FleetRouter,
+        fleet_router: FleetRouter,
         engine: EngineConfig,
         workers: int,
         *,
@@ -111,16 +111,16 @@ class _Simulation:
         transfer: KvTransfer | None = None,
     ) -> None:
         self.trace = trace
-        self.router = router
+        self.fleet_router = fleet_router
         self.engine_config = engine
         self.engines = [MockEngine(engine, seed=seed * 1_000_003 + w) for w in range(workers)]
         if roles is None:
             for w in range(workers):
-                router.add_worker(w, engine)
+                fleet_router.add_worker(w, engine)
         else:
-            assert isinstance(router, DisaggregatedFleetRouter)
+            assert isinstance(fleet_router, DisaggregatedFleetRouter)
             for w, role in enumerate(roles):
-                router.add_pool_worker(w, engine, role)
+                fleet_router.add_pool_worker(w, engine, role)
         self.transfer = transfer or KvTransfer()
         # Prefill legs running, by their engine-side id: (record, request, prompt, decode worker).
         self._prefill_legs: dict[str, tuple[ReplayRecord, TraceRequest, bytes, int]] = {}
@@ -179,7 +179,7 @@ class _Simulation:
     async def _route(self, request: TraceRequest, now: float, touched: set[int]) -> None:
         prompt = self.trace.prompt(request)
         routed = RoutedRequest(request.request_id, prompt, request.input_length, request.output_length)
-        task = asyncio.ensure_future(self.router.route(routed, now))
+        task = asyncio.ensure_future(self.fleet_router.route(routed, now))
         await asyncio.sleep(0)  # the routing runs now; it stays pending only if the router queues it
         if task.done():
             self._dispatch(task, request, prompt, now, touched)
@@ -222,7 +222,7 @@ class _Simulation:
             leg = self.engines[prefill].submit(leg_id, prompt, 1, now)
             if leg.state is SeqState.REJECTED:
                 record.status = "rejected_by_engine"
-                self.router.finished(request.request_id, now)
+                self.fleet_router.finished(request.request_id, now)
                 return
             self._prefill_legs[leg_id] = (record, request, prompt, worker)
             self._prefill_seqs[record.index] = leg
@@ -244,7 +244,7 @@ class _Simulation:
         seq = self.engines[worker].submit(request.request_id, prompt, request.output_length, now, kv_loaded=kv_loaded)
         if seq.state is SeqState.REJECTED:
             record.status = "rejected_by_engine"
-            self.router.finished(request.request_id, now)
+            self.fleet_router.finished(request.request_id, now)
             return
         self._sequences.append((record, seq))
         self._wake(worker, now, touched)
@@ -258,8 +258,8 @@ class _Simulation:
     def _prefill_leg_done(self, leg_id: str, now: float) -> None:
         """A prefill leg ended: the router hears of it, and the KV the decode worker lacks starts moving."""
         record, request, prompt, decode_worker = self._prefill_legs.pop(leg_id)
-        assert isinstance(self.router, DisaggregatedFleetRouter)
-        self.router.prefill_done(request.request_id, now)
+        assert isinstance(self.fleet_router, DisaggregatedFleetRouter)
+        self.fleet_router.prefill_done(request.request_id, now)
         engine = self.engines[decode_worker]
         missing = -(-request.input_length // engine.block_size) - engine.cached_prefix_blocks(prompt)
         record.transfer_ms = self.transfer.ms(max(missing, 0), engine.block_size)
@@ -274,10 +274,10 @@ class _Simulation:
         self._start_idle(touched, now)
 
     def _scrape(self, now: float) -> None:
-        interval = self.router.scrape_interval_ms
+        interval = self.fleet_router.scrape_interval_ms
         if interval is None or now < self._next_scrape:
             return
-        self.router.scraped({w: engine.metrics() for w, engine in enumerate(self.engines)}, now)
+        self.fleet_router.scraped({w: engine.metrics() for w, engine in enumerate(self.engines)}, now)
         self._next_scrape = (now // interval + 1) * interval
 
     # ------------------------------------------------------------------ passes
@@ -332,20 +332,20 @@ class _Simulation:
                 heapq.heappush(self._heap, (now + self.event_delay_ms, self._counter, _DELAYED_EVENTS, self._counter))
             else:
                 self._deliver(events, now)
-        router = self.router
+        fleet_router = self.fleet_router
         legs = self._prefill_legs
         for seq in result.first_tokens:
             if seq.request_id not in legs:
-                router.first_token(seq.request_id, now)
+                fleet_router.first_token(seq.request_id, now)
         engine = self.engines[worker]
         for seq in result.opened_blocks:
             if seq.request_id not in legs:
-                router.output(seq.request_id, engine.generated(seq), now)
+                fleet_router.output(seq.request_id, engine.generated(seq), now)
         for seq in result.finished:
             if seq.request_id in legs:
                 self._prefill_leg_done(seq.request_id, now)
             else:
-                router.finished(seq.request_id, now)
+                fleet_router.finished(seq.request_id, now)
         if engine.has_work():
             self._start_pass(worker, now)
 
@@ -359,7 +359,7 @@ class _Simulation:
         return events
 
     def _deliver(self, events: list[RouterEvent], now: float) -> None:
-        kv_event = self.router.kv_event
+        kv_event = self.fleet_router.kv_event
         for event in events:
             kv_event(event, now)
 
@@ -382,9 +382,9 @@ class _Simulation:
             if seq.state is SeqState.FINISHED:
                 record.status = "completed"
         duration = max((r.finished_ms for r in self.records), default=0.0)
-        rejected_events = getattr(self.router, "rejected_events", 0)
+        rejected_events = getattr(self.fleet_router, "rejected_events", 0)
         return SimulationResult(
-            router=self.router.name,
+            router=self.fleet_router.name,
             workers=len(self.engines),
             engine=self.engine_config,
             records=self.records,
@@ -397,7 +397,7 @@ class _Simulation:
 
 async def simulate(
     trace: Trace,
-    router: FleetRouter,
+    fleet_router: FleetRouter,
     engine: EngineConfig,
     workers: int,
     *,
@@ -407,21 +407,21 @@ async def simulate(
     roles: Seq[WorkerRole] | None = None,
     transfer: KvTransfer | None = None,
 ) -> SimulationResult:
-    """Replay ``trace`` through ``router`` onto ``workers`` simulated engines; see the module doc.
-    ``roles`` (one per worker) makes the fleet disaggregated: ``router`` must then be a
+    """Replay ``trace`` through ``fleet_router`` onto ``workers`` simulated engines; see the module doc.
+    ``roles`` (one per worker) makes the fleet disaggregated: ``fleet_router`` must then be a
     `DisaggregatedFleetRouter`; ``transfer`` times the KV hand-off (`KvTransfer` defaults)."""
     if workers < 1:
         raise ValueError(f"need at least one worker, got {workers}")
     if roles is not None:
         if len(roles) != workers:
             raise ValueError(f"need one role per worker: {len(roles)} roles for {workers} workers")
-        if not isinstance(router, DisaggregatedFleetRouter):
-            raise ValueError(f"router {router.name} cannot route a disaggregated fleet")
+        if not isinstance(fleet_router, DisaggregatedFleetRouter):
+            raise ValueError(f"router {fleet_router.name} cannot route a disaggregated fleet")
     if event_delay_ms < 0:
         raise ValueError(f"event delay must be >= 0 ms, got {event_delay_ms}")
     simulation = _Simulation(
         trace,
-        router,
+        fleet_router,
         engine,
         workers,
         event_delay_ms=event_delay_ms,
