@@ -90,15 +90,15 @@ def metric(port: int, name: str, **labels: str) -> float:
     return 0.0
 
 
-def register_workers(router: RouterProcess, *others: RouterProcess, connections: int = 16,
+def register_workers(service: RouterProcess, *others: RouterProcess, connections: int = 16,
                      timeout_s: float = 30.0) -> None:  # fmt: skip
-    """Register the workers on ``router``, then wait until, on every port, ``connections`` fresh
+    """Register the workers on ``service``, then wait until, on every port, ``connections`` fresh
     connections in a row (whichever ``--processes`` child takes each) are ready and know them all:
     registrations reach the other routers through the registry."""
     for worker_id in range(1, WORKERS + 1):
-        router.post("/v1/workers", {"worker_id": worker_id, "total_kv_blocks": 1 << 20})
+        service.post("/v1/workers", {"worker_id": worker_id, "total_kv_blocks": 1 << 20})
     deadline = time.monotonic() + timeout_s
-    for replica in (router, *others):
+    for replica in (service, *others):
         seen = 0
         while seen < connections:
             try:
@@ -272,18 +272,18 @@ async def part_processes(server: EmbeddedNats, work: Path, args: argparse.Namesp
     results: dict[str, list[dict[str, float]]] = {"1": [], "2": []}
     for repeat in range(args.repeat):
         for n in (1, 2) if repeat % 2 == 0 else (2, 1):
-            router = RouterProcess(work, "--nats-url", server.url, "--processes", str(n)).start()
+            service = RouterProcess(work, "--nats-url", server.url, "--processes", str(n)).start()
             try:
                 # Every child listening: the port answers as soon as one is, and until the other
                 # listens the kernel hands it no connection (a readiness check would see one child).
-                wait_listening(router.port, n, timeout_s=60.0)
-                register_workers(router)
+                wait_listening(service.port, n, timeout_s=60.0)
+                register_workers(service)
                 # As many connections as two replicas get in the replica cells, spread by the kernel.
-                cell = await throughput_cell([router, router], server.pid or 0, args, bodies)
+                cell = await throughput_cell([service, service], server.pid or 0, args, bodies)
                 results[str(n)].append(cell)
                 log(cell_line(f"processes: {n}, run {repeat + 1}", cell))
             finally:
-                router.stop()
+                service.stop()
     best = {n: max(cells, key=lambda c: c["decisions_per_s"]) for n, cells in results.items()}
     median = {n: statistics.median(c["decisions_per_s"] for c in cells) for n, cells in results.items()}
     return {"one": best["1"], "two": best["2"], "ratio": best["2"]["decisions_per_s"] / best["1"]["decisions_per_s"],
@@ -430,46 +430,46 @@ async def latency_probe(port: int, bodies: list[bytes], stop: asyncio.Event) -> 
 async def part_restart(server: EmbeddedNats, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     flags = ["--nats-url", server.url, "--durable-events", "--router-name", "bench",
              "--snapshot-every-events", "1000000", "--snapshot-every-secs", "2"]  # fmt: skip
-    router = RouterProcess(work, *flags).start()
+    service = RouterProcess(work, *flags).start()
     try:
-        register_workers(router)
+        register_workers(service)
         started = time.perf_counter()
         next_event = await publish_blocks(server.url, args.blocks, 1)
-        while indexed_blocks(router.port) < args.blocks:
+        while indexed_blocks(service.port) < args.blocks:
             await asyncio.sleep(0.5)
         ingest_s = time.perf_counter() - started
-        await snapshot_caught_up(router.port)
+        await snapshot_caught_up(service.port)
         # A few more blocks, then decisions back to back while the next snapshot of the whole index is
         # written: their latency shows how long the snapshot holds the loop.
-        snapshots = metric(router.port, "kv_router_durable_events_total", outcome="snapshots")
+        snapshots = metric(service.port, "kv_router_durable_events_total", outcome="snapshots")
         stop = asyncio.Event()
-        probe = asyncio.create_task(latency_probe(router.port, prompts(64, args.prompt_tokens, seed=2), stop))
+        probe = asyncio.create_task(latency_probe(service.port, prompts(64, args.prompt_tokens, seed=2), stop))
         next_event = await publish_blocks(server.url, args.blocks // 100, next_event, seed=1)
         await asyncio.sleep(0.5)
-        await snapshot_caught_up(router.port)
+        await snapshot_caught_up(service.port)
         stop.set()
         latencies = sorted(await probe)
-        during = metric(router.port, "kv_router_durable_events_total", outcome="snapshots") - snapshots
-        snapshot_bytes = metric(router.port, "kv_router_durable_events_total", outcome="last_snapshot_bytes")
+        during = metric(service.port, "kv_router_durable_events_total", outcome="snapshots") - snapshots
+        snapshot_bytes = metric(service.port, "kv_router_durable_events_total", outcome="last_snapshot_bytes")
         # More events after the snapshot: replayed from the stream on restart.
         tail = args.blocks // 20
         await publish_blocks(server.url, tail, next_event, seed=3)
         total = args.blocks + args.blocks // 100 + tail
-        while indexed_blocks(router.port) < total:
+        while indexed_blocks(service.port) < total:
             await asyncio.sleep(0.2)
-        os.kill(router.pid, signal.SIGKILL)
-        router.process.wait(10)  # type: ignore[union-attr]
+        os.kill(service.pid, signal.SIGKILL)
+        service.process.wait(10)  # type: ignore[union-attr]
         restart_started = time.perf_counter()
-        router = RouterProcess(work, *flags, port=router.port).start(timeout=300)
+        service = RouterProcess(work, *flags, port=service.port).start(timeout=300)
         ready_s = time.perf_counter() - restart_started
-        restored = indexed_blocks(router.port)
+        restored = indexed_blocks(service.port)
         return {"blocks": total, "ingest_s": ingest_s, "snapshot_mb": snapshot_bytes / 1e6, "ready_s": ready_s,
                 "restored_blocks": restored, "tail_blocks": tail, "snapshots_during_probe": during,
                 "probe_decisions": len(latencies), "probe_p50_ms": latencies[len(latencies) // 2] * 1e3,
                 "probe_p99_ms": latencies[int(len(latencies) * 0.99)] * 1e3,
                 "probe_max_ms": latencies[-1] * 1e3}  # fmt: skip
     finally:
-        router.stop()
+        service.stop()
 
 
 class LoopWatch:
