@@ -33,11 +33,7 @@ class HaCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         changes, peers, lag, durable_outcomes, sequence = families = self._families()
-        plane = self._lifecycle.plane
-        if plane is None:
-            yield from families
-            return
-        replicas = plane.replicas
+        replicas = self._lifecycle.replicas
         if replicas is not None:
             for outcome, count in sorted(replicas.outcomes.items()):
                 changes.add_metric([outcome], count)
@@ -46,7 +42,7 @@ class HaCollector(Collector):
             for quantile in LAG_QUANTILES:
                 value = samples[min(len(samples) - 1, int(quantile * len(samples)))] if samples else 0.0
                 lag.add_metric([str(quantile)], value)
-        durable = plane.durable
+        durable = self._lifecycle.durable
         if durable is not None:
             for outcome, count in sorted(durable.outcomes.items()):
                 durable_outcomes.add_metric([outcome], count)

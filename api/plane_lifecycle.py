@@ -124,6 +124,9 @@ class PlaneLifecycle:
         self.url = config.nats_url
         router.sequencer.retry_interval_s = config.resync_retry_secs
         self.plane: RouterEventPlane | None = None
+        # Run beside the plane when configured (``ha``), started after it and stopped before it.
+        self.replicas: ReplicaSync | None = None
+        self.durable: DurableEvents | None = None
         self.state: PlaneState = "connecting"
         self.disconnects = 0
         self.last_error: str | None = None
@@ -182,16 +185,16 @@ class PlaneLifecycle:
             await plane.start()
             if durable is not None:
                 await durable.start()
-            plane.durable = durable
+            self.durable = durable
             if self.ha.replica_sync:
                 # Its own connection, without echo: every batch would otherwise come back to its
                 # sender, costing a parse, a message and a task switch to be recognised and dropped.
                 options = NatsOptions.from_settings(self.config, name="kv-router-sync")
                 self._sync_nc = await connect(dataclasses.replace(options, no_echo=True))
-                plane.replicas = ReplicaSync(
+                self.replicas = ReplicaSync(
                     self.router, self._sync_nc, namespace=self.config.nats_namespace, lease_s=self.ha.replica_lease_secs
                 )
-                await plane.replicas.start()
+                await self.replicas.start()
             # Workers registered over HTTP meanwhile; more can come while one is written (each write
             # awaits NATS), and they join this loop rather than the plane's.
             while self._unshared:
@@ -262,11 +265,13 @@ class PlaneLifecycle:
     async def stop(self) -> None:
         self._closing = True
         plane, self.plane = self.plane, None
+        replicas, self.replicas = self.replicas, None
+        durable, self.durable = self.durable, None
+        if replicas is not None:
+            await replicas.stop()
+        if durable is not None:
+            await durable.stop()
         if plane is not None:
-            if plane.replicas is not None:
-                await plane.replicas.stop()
-            if plane.durable is not None:
-                await plane.durable.stop()
             await plane.stop()
         for nc in (self._sync_nc, self._nc):
             if nc is not None:

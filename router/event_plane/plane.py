@@ -25,7 +25,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.client import Client
@@ -44,10 +43,6 @@ from router.event_plane.subscriber import KvEventSubscriber
 from router.kv_router import KvRouter
 from router.supervision import Supervisor
 from router.types import WorkerConfig
-
-if TYPE_CHECKING:
-    from router.replicas.durable import DurableEvents
-    from router.replicas.sync import ReplicaSync
 
 __all__ = ["RouterEventPlane"]
 
@@ -84,9 +79,6 @@ class RouterEventPlane:
         self._bad_input = RateLimitedLog(log)
         # Worker -> why its latest registration was refused (for diagnosis).
         self.refused_registrations: dict[int, str] = {}
-        # Run beside the plane by its owner (api.plane_lifecycle) when configured; read for metrics.
-        self.replicas: ReplicaSync | None = None
-        self.durable: DurableEvents | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
