@@ -121,9 +121,7 @@ def create_app(
                 engine_collector = EngineStreamCollector([engine.stream for engine in engines])
                 registry.register(engine_collector)
                 stack.callback(registry.unregister, engine_collector)
-            doctor = ConfigDoctor(kv_router, plane=plane, engines=engines)
-            if lifecycle is not None:
-                lifecycle.when_started(partial(setattr, doctor, "plane"))
+            doctor = ConfigDoctor(kv_router, registrations=lifecycle, engines=engines)
             app.state.doctor = doctor
             doctor_collector = DoctorCollector(doctor)
             registry.register(doctor_collector)

@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
 import msgspec
@@ -137,13 +137,17 @@ class PlaneLifecycle:
         # Registered over HTTP before the plane started: written to the shared registry once it does.
         self._unshared: dict[int, WorkerConfig] = {}
         self._started = asyncio.Event()
-        self._on_started: list[Callable[[RouterEventPlane], None]] = []
         self._async_errors = RateLimitedLog(logger)
 
     # ------------------------------------------------------------------ state
     @property
     def ready(self) -> bool:
         return self.plane is not None
+
+    @property
+    def refused_registrations(self) -> Mapping[int, str]:
+        """The running plane's refused registrations (none before it starts)."""
+        return self.plane.refused_registrations if self.plane is not None else {}
 
     def health(self) -> EventPlaneHealth:
         return EventPlaneHealth(
@@ -205,8 +209,6 @@ class PlaneLifecycle:
             self.plane = plane
             self.last_error = None
             self._enter("connected")
-            for callback in self._on_started:
-                callback(plane)
             self._started.set()
             logger.info(
                 "event plane: NATS at %s (point workers here; GET /v1/info says so too), subjects kv.%s.*, "
@@ -216,13 +218,6 @@ class PlaneLifecycle:
                 len(self.router.workers()),
             )
         await asyncio.Event().wait()
-
-    def when_started(self, callback: Callable[[RouterEventPlane], None]) -> None:
-        """Call ``callback(plane)`` once the plane has started (at once if it has)."""
-        if self.plane is not None:
-            callback(self.plane)
-        else:
-            self._on_started.append(callback)
 
     async def started(self) -> RouterEventPlane:
         """Wait until the plane has started (for parts that cannot run without it)."""

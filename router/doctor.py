@@ -33,16 +33,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import msgspec
 
 from indexer.slots import WorkerRank
 from router.engines.direct import DirectEngine
-from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 
-__all__ = ["KINDS", "ConfigDoctor", "Problem"]
+__all__ = ["KINDS", "ConfigDoctor", "Problem", "RegistrationRefusals"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,15 @@ class Problem(msgspec.Struct, kw_only=True, frozen=True):
     since: float  # unix seconds when first seen
 
 
+class RegistrationRefusals(Protocol):
+    """Where worker registrations are refused (the event plane, through its lifecycle)."""
+
+    @property
+    def refused_registrations(self) -> Mapping[int, str]:
+        """Worker -> why its latest registration was refused."""
+        ...
+
+
 class _Tally:
     __slots__ = ("checked", "first", "found")
 
@@ -77,7 +86,7 @@ class ConfigDoctor:
         self,
         router: KvRouter,
         *,
-        plane: RouterEventPlane | None = None,
+        registrations: RegistrationRefusals | None = None,
         engines: Sequence[DirectEngine] = (),
         clock: Callable[[], float] = time.time,
         routed_for_s: float = 60.0,
@@ -90,7 +99,7 @@ class ConfigDoctor:
         engine_silent_after_s: float = 30.0,
     ) -> None:
         self.router = router
-        self.plane = plane
+        self.registrations = registrations
         self.engines = list(engines)
         self._clock = clock
         self._routed_for_s = routed_for_s
@@ -151,8 +160,8 @@ class ConfigDoctor:
         return counts
 
     def _block_sizes(self, found: dict[tuple[str, int | None], str]) -> None:
-        if self.plane is not None:
-            for worker_id, reason in self.plane.refused_registrations.items():
+        if self.registrations is not None:
+            for worker_id, reason in self.registrations.refused_registrations.items():
                 found["block_size_mismatch", worker_id] = f"registration refused: {reason}"
         for engine in self.engines:
             worker_id, stream = engine.worker_id, engine.stream

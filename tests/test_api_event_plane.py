@@ -168,6 +168,21 @@ def test_http_registration_goes_through_the_shared_registry(
     assert sum(message.startswith("worker 77 joined") for _, message in lines) == 1
 
 
+def test_a_registration_refused_on_the_event_plane_is_a_doctor_problem(client: TestClient, nats_url: str) -> None:
+    async def register_with_another_block_size() -> None:
+        nc = await connect(NatsOptions(nats_url))
+        publisher = KvEventPublisher(nc, WorkerConfig(worker_id=41, block_size=4 * BLOCK))
+        await publisher.start()
+        await asyncio.wait_for(publisher.refused.wait(), timeout=30)
+        await publisher.stop()
+        await nc.close()
+
+    asyncio.run(register_with_another_block_size())
+    [problem] = client.get("/v1/doctor").json()
+    assert (problem["kind"], problem["worker_id"]) == ("block_size_mismatch", 41)
+    assert problem["evidence"] == "registration refused: worker 41 uses block size 64, router 16"
+
+
 def test_garbage_events_are_counted_not_fatal(client: TestClient, nats_url: str) -> None:
     async def garbage() -> None:
         nc = await connect(NatsOptions(nats_url))
