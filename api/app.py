@@ -75,7 +75,7 @@ def create_app(
     ``rng`` seeds the router's random choices (ties, sampling)."""
     settings = settings or Settings()
     registry = registry if registry is not None else CollectorRegistry()
-    kv_router = KvRouter(settings.router, rng=rng)
+    kv_router = KvRouter(settings.router, rng=rng, resync_retry_s=settings.event_plane.resync_retry_secs)
     metrics = ApiMetrics(registry)
     registry.register(RouterStateCollector(kv_router))
     registry.register(EventStreamCollector(kv_router.sequencer))

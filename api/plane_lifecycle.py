@@ -122,7 +122,6 @@ class PlaneLifecycle:
         self.ha = ha or HaConfig()
         self._http_port = http_port
         self.url = config.nats_url
-        router.sequencer.retry_interval_s = config.resync_retry_secs
         self.plane: RouterEventPlane | None = None
         # Run beside the plane when configured (``ha``), started after it and stopped before it.
         self.replicas: ReplicaSync | None = None

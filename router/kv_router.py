@@ -22,7 +22,7 @@ import msgspec
 from indexer.events import RouterEvent
 from indexer.hashing import TokenInput
 from indexer.radix_tree import RadixTree
-from indexer.sequencer import EventSequencer
+from indexer.sequencer import RETRY_INTERVAL_S, EventSequencer
 from indexer.slots import WorkerRank
 from router.approximate import PredictedCache
 from router.config import RouterConfig
@@ -145,7 +145,8 @@ class KvRouter:
     """KV-cache-aware routing over registered workers.
 
     ``tree`` (the index) defaults to a fresh `RadixTree`; ``rng`` (seed it for reproducible ties and sampling)
-    drives every random choice; ``clock`` (monotonic seconds) times request expiry and queue order.
+    drives every random choice; ``clock`` (monotonic seconds) times request expiry and queue order;
+    ``resync_retry_s``: how often the sequencer offers an unverified event stream a full resync again.
     """
 
     def __init__(
@@ -155,11 +156,12 @@ class KvRouter:
         *,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        resync_retry_s: float = RETRY_INTERVAL_S,
     ) -> None:
         self.config = config
         self.tree = tree if tree is not None else RadixTree()
         # The one door into the index for live events, whatever carries them.
-        self.sequencer = EventSequencer(self.tree, accept_worker=self.has_worker)
+        self.sequencer = EventSequencer(self.tree, retry_interval_s=resync_retry_s, accept_worker=self.has_worker)
         self._clock = clock
         # Called after each decision with the chosen rank and the prompt's local hashes (the doctor
         # samples them, approximate mode records them).
