@@ -15,6 +15,7 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,12 +48,15 @@ from api.metrics import (
 from api.native import active_accelerators
 from api.openapi import Schemas
 from api.plane_lifecycle import PlaneLifecycle
-from api.routes import add_admin_routes, add_hot_routes
+from api.routes import ServiceState, add_admin_routes, add_hot_routes
 from api.version import package_version
 from router.doctor import ConfigDoctor
 from router.errors import KvRouterError
 from router.kv_router import KvRouter
 from router.supervision import Supervisor
+
+if TYPE_CHECKING:
+    from api.proxy.service import Proxy
 
 __all__ = ["EXPIRY_SWEEP_SECS", "RouterApp", "create_app"]
 
@@ -105,6 +109,8 @@ def create_app(
         registry.register(EventPlaneCollector(lifecycle))
         registry.register(HaCollector(lifecycle))
 
+    state = ServiceState()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         background = Supervisor("service")
@@ -122,7 +128,7 @@ def create_app(
                 registry.register(engine_collector)
                 stack.callback(registry.unregister, engine_collector)
             doctor = ConfigDoctor(kv_router, registrations=lifecycle, engines=engines)
-            app.state.doctor = doctor
+            state.doctor = doctor
             doctor_collector = DoctorCollector(doctor)
             registry.register(doctor_collector)
             stack.callback(registry.unregister, doctor_collector)
@@ -131,18 +137,26 @@ def create_app(
             if proxy is not None:
                 await proxy.start()
                 stack.push_async_callback(proxy.stop)
-            app.state.serving = True
+            state.serving = True
             try:
                 yield
             finally:
                 # Shutdown, in order: stop answering ready; release requests still queued (their
                 # callers get an error instead of hanging); then the sweep stops with the stack.
-                app.state.serving = False
+                state.serving = False
                 cancelled = kv_router.cancel_waiting()
                 if cancelled:
                     logger.warning("shutdown: cancelled %d queued requests", cancelled)
 
+    limit = settings.service.max_body_bytes
+    streams = proxy.routes(auth) if proxy is not None else {}
     app = RouterApp(
+        kv_router=kv_router,
+        event_plane=lifecycle,
+        proxy=proxy,
+        hot=HotRoutes(handlers.routes(), limit, streams),
+        max_body_bytes=limit,
+        own_413=frozenset(streams),
         title="kv-router",
         version=package_version(),
         description="KV-cache-aware request router for LLM engine fleets, wire-compatible with NVIDIA "
@@ -153,19 +167,9 @@ def create_app(
         redoc_url=None,
         openapi_url=None,
     )
-    app.state.router = kv_router
-    app.state.settings = settings
-    app.state.registry = registry
-    app.state.auth = auth  # the one access check, for routes added elsewhere (the OpenAI proxy)
-    app.state.serving = False
-    app.state.event_plane = lifecycle
-    app.state.doctor = None
-    app.state.proxy = proxy
-    app.state.ready_min_workers = settings.service.ready_min_workers
-
     schemas = Schemas()
     add_hot_routes(app, handlers, schemas)
-    add_admin_routes(app, kv_router, registry, schemas, auth)
+    add_admin_routes(app, kv_router, registry, schemas, auth, settings=settings, lifecycle=lifecycle, state=state)
     if proxy is not None:
         proxy.add_models_route(app, auth)
         proxy.document(schemas)
@@ -173,13 +177,9 @@ def create_app(
     add_docs_routes(app, auth)
     _add_error_handlers(app)
     Cors(settings.service).install(app)
-    limit = settings.service.max_body_bytes
-    streams = proxy.routes(auth) if proxy is not None else {}
     for path, stream in streams.items():
         # Documented by `Proxy.document`; these answer where the HTTP protocol does not.
         app.router.routes.append(Route(path, StreamEndpoint(stream, limit), methods=["POST"], include_in_schema=False))
-    app.hot = HotRoutes(handlers.routes(), limit, streams)
-    app.front = BodyLimit(partial(FastAPI.__call__, app), limit, own_413=frozenset(streams))
     return app
 
 
@@ -189,10 +189,29 @@ class RouterApp(FastAPI):
     ``hot`` is what kv-router's HTTP protocol (`api.http_protocol`) answers before ASGI: the hot
     routes and the stream routes (the proxy's), where it is in front (``fast_protocol``, `api.server`);
     the app's own routes answer the same paths with the same handlers wherever it is not.
+    ``kv_router``, ``event_plane`` (None without NATS) and ``proxy`` (None without ``--proxy``) are
+    the service's parts, for whoever runs it (tests, benchmarks, the demo).
     """
 
-    front: ASGIApp
-    hot: HotRoutes
+    def __init__(
+        self,
+        *,
+        kv_router: KvRouter,
+        event_plane: PlaneLifecycle | None,
+        proxy: Proxy | None,
+        hot: HotRoutes,
+        max_body_bytes: int,
+        own_413: frozenset[str],
+        **fastapi: Any,
+    ) -> None:
+        """``fastapi``: FastAPI's own settings (title, lifespan, ...); ``own_413``: the paths that answer
+        an oversized body themselves (the proxy's, in its error shape)."""
+        super().__init__(**fastapi)
+        self.kv_router = kv_router
+        self.event_plane = event_plane
+        self.proxy = proxy
+        self.hot = hot
+        self.front: ASGIApp = BodyLimit(partial(FastAPI.__call__, self), max_body_bytes, own_413=own_413)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.front(scope, receive, send)

@@ -7,6 +7,7 @@ parameters and the OpenAPI document, whose schemas come from the same msgspec ty
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -18,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from api.asgi import wait_disconnect
 from api.auth import Access, ApiAuth
 from api.codec import JSON, MSGPACK, BodyDecoder, encode, is_msgpack, read_head
+from api.config import Settings
 from api.contract import HotHandler, answered
 from api.handlers import HOT_PATHS, Handlers
 from api.native import active_accelerators
@@ -49,7 +51,7 @@ from router.errors import UnknownWorker
 from router.kv_router import KvRouter
 from router.types import OverlapReport, RouteDecision, WorkerConfig
 
-__all__ = ["LIVENESS_ALIASES", "READINESS_ALIASES", "add_admin_routes", "add_hot_routes"]
+__all__ = ["LIVENESS_ALIASES", "READINESS_ALIASES", "ServiceState", "add_admin_routes", "add_hot_routes"]
 
 # Other names of /healthz and /readyz.
 LIVENESS_ALIASES = ("/health", "/liveness")
@@ -138,10 +140,25 @@ def add_hot_routes(app: FastAPI, handlers: Handlers, schemas: Schemas) -> None:
     app.include_router(hot_routes)
 
 
+@dataclass
+class ServiceState:
+    """What the service's lifespan changes while it runs, read by the admin routes."""
+
+    serving: bool = False  # between startup and shutdown: /readyz can say ready
+    doctor: ConfigDoctor | None = None  # made at startup, once the engines heard directly are known
+
+
 def add_admin_routes(
-    app: FastAPI, kv_router: KvRouter, registry: CollectorRegistry, schemas: Schemas, auth: ApiAuth | None = None
+    app: FastAPI,
+    kv_router: KvRouter,
+    registry: CollectorRegistry,
+    schemas: Schemas,
+    auth: ApiAuth,
+    *,
+    settings: Settings,
+    lifecycle: PlaneLifecycle | None,
+    state: ServiceState,
 ) -> None:
-    auth = auth or ApiAuth(None)
     admin, read, probe = (auth.dependency(access) for access in (Access.ADMIN, Access.READ, Access.PROBE))
     worker_body: BodyDecoder[WorkerConfig] = BodyDecoder(WorkerConfig)
 
@@ -200,7 +217,6 @@ def add_admin_routes(
         # Registered over HTTP means static: no heartbeat lease, with or without an event plane.
         config = msgspec.structs.replace(worker_body.decode(call), leased=False)
         known = kv_router.has_worker(config.worker_id)
-        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
         if lifecycle is not None:
             await lifecycle.register(config)  # into the shared registry, so every router learns it
         else:
@@ -218,7 +234,6 @@ def add_admin_routes(
         config = next((w for w in kv_router.workers() if w.worker_id == worker_id), None)
         if config is None:
             raise UnknownWorker(worker_id)
-        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
         if lifecycle is not None:
             await lifecycle.deregister(worker_id)
         else:
@@ -264,7 +279,7 @@ def add_admin_routes(
         openapi_extra=schemas.operation(responses={200: (list[Problem], "OK")}),
     )
     async def doctor(request: Request) -> Response:
-        checker: ConfigDoctor | None = request.app.state.doctor
+        checker = state.doctor
         return reply(checker.check() if checker is not None else [], request)
 
     @app.get(
@@ -275,8 +290,6 @@ def add_admin_routes(
         openapi_extra=schemas.operation(responses={200: (ServiceInfo, "OK")}),
     )
     async def info(request: Request) -> Response:
-        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
-        settings = request.app.state.settings
         body = ServiceInfo(
             version=package_version(),
             nats_url=lifecycle.url if lifecycle is not None else None,
@@ -294,7 +307,6 @@ def add_admin_routes(
         summary="Liveness: the process answers (the event plane's state in the body)",
     )
     async def healthz(request: Request) -> Response:
-        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
         if lifecycle is None:
             return Response(b'{"status":"ok"}', media_type="application/json")
         body = {"status": "ok", "event_plane": lifecycle.health()}
@@ -316,23 +328,22 @@ def add_admin_routes(
     )
     async def readyz(request: Request) -> Response:
         workers = len(kv_router.workers())
-        lifecycle: PlaneLifecycle | None = request.app.state.event_plane
         health: EventPlaneHealth | None = lifecycle.health() if lifecycle is not None else None
         reason = None
-        if not request.app.state.serving:
+        if not state.serving:
             reason = "not serving (starting or shutting down)"
         elif lifecycle is not None and not lifecycle.ready:
             reason = f"event plane not started: NATS at {lifecycle.url} " + (
                 f"unreachable ({lifecycle.last_error})" if lifecycle.last_error else "not connected yet"
             )
-        elif workers < request.app.state.ready_min_workers:
-            reason = f"{workers} workers registered, {request.app.state.ready_min_workers} required"
-        state: dict[str, Any] = {"ready": reason is None, "workers": workers}
+        elif workers < settings.service.ready_min_workers:
+            reason = f"{workers} workers registered, {settings.service.ready_min_workers} required"
+        readiness: dict[str, Any] = {"ready": reason is None, "workers": workers}
         if reason is not None:
-            state["reason"] = reason
+            readiness["reason"] = reason
         if health is not None:
-            state["event_plane"] = health
-        body = encode(state, False)
+            readiness["event_plane"] = health
+        body = encode(readiness, False)
         return Response(body, 200 if reason is None else 503, media_type="application/json")
 
     for alias in READINESS_ALIASES:

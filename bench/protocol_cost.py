@@ -88,7 +88,7 @@ def run_pairs(args: argparse.Namespace) -> None:
     )
     app = create_app(Settings(), rng=random.Random(0))  # the same ties, so the same bookings, in every run
     for worker in workload.workers:
-        app.state.router.register_worker(WorkerConfig(worker_id=worker))
+        app.kv_router.register_worker(WorkerConfig(worker_id=worker))
     protocol_type = fast_protocol(app.hot)
     config = Config(app, http=protocol_type, lifespan="off", access_log=False, server_header=False, date_header=False)
     config.load()

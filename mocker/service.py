@@ -46,7 +46,8 @@ async def serve_router(
     serving = asyncio.create_task(server.serve(), name="kv-router-http")
     app = served.app
     assert isinstance(app, RouterApp)
-    lifecycle = app.state.event_plane  # the event plane connects in the background: wait for it
+    lifecycle = app.event_plane  # the event plane connects in the background: wait for it
+    assert lifecycle is not None  # settings with a NATS URL
     try:
         async with asyncio.timeout(startup_timeout_s):
             while not (server.started and lifecycle.ready):

@@ -46,8 +46,7 @@ class Fleet:
 
     @property
     def router(self) -> KvRouter:
-        router: KvRouter = self.app.state.router
-        return router
+        return self.app.kv_router
 
 
 def idle(router: KvRouter) -> bool:

@@ -183,6 +183,12 @@ def test_a_registration_refused_on_the_event_plane_is_a_doctor_problem(client: T
     assert problem["evidence"] == "registration refused: worker 41 uses block size 64, router 16"
 
 
+def test_the_resync_retry_setting_reaches_the_sequencer(nats_url: str) -> None:
+    settings = Settings(event_plane=EventPlaneConfig(nats_url=nats_url, resync_retry_secs=7.0))
+    app = create_app(settings, registry=CollectorRegistry())
+    assert app.kv_router.sequencer.retry_interval_s == 7.0
+
+
 def test_garbage_events_are_counted_not_fatal(client: TestClient, nats_url: str) -> None:
     async def garbage() -> None:
         nc = await connect(NatsOptions(nats_url))

@@ -48,7 +48,8 @@ async def test_streams_whole_answers_and_disconnects_on_either_path(
         await eventually(lambda: idle(f.router))
         await eventually(lambda: f.apis[1].aborted == 1)
         # Sequential requests reuse the worker connection the first one opened.
-        pool = next(iter(f.app.state.proxy.upstream._pools.values()))
+        assert f.app.proxy is not None
+        pool = next(iter(f.app.proxy.upstream._pools.values()))
         assert pool.opened <= 2  # the aborted stream's connection was closed, one is kept alive
 
 
