@@ -18,7 +18,7 @@ from __future__ import annotations
 import typing
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
@@ -27,6 +27,7 @@ from api.native import ENABLED as NATIVE
 from api.native import accel
 from indexer.errors import UNDECODABLE
 from indexer.native import declined
+from router.types import Tokens
 
 __all__ = [
     "JSON",
@@ -156,16 +157,24 @@ def encode(value: Any, msgpack: bool) -> bytes:
     return _msgpack_encode(value) if msgpack else _json_encode(value)
 
 
-def _has_tokens_field(body_type: Any) -> bool:
-    """Whether a struct type, or a member of a union of them, has a ``tokens`` field."""
+class _Prompted(Protocol):
+    tokens: Tokens
+
+
+def _prompted_types(body_type: Any) -> tuple[type[msgspec.Struct], ...]:
+    """The struct types among ``body_type`` (one, or a union of them) with a ``tokens`` field."""
     members = typing.get_args(body_type) or (body_type,)
-    return any("tokens" in getattr(member, "__struct_fields__", ()) for member in members)
+    return tuple(
+        member
+        for member in members
+        if isinstance(member, type) and issubclass(member, msgspec.Struct) and "tokens" in member.__struct_fields__
+    )
 
 
 class BodyDecoder(Generic[T]):
     """A JSON and a msgpack decoder for one body type, built once."""
 
-    __slots__ = ("_json", "_msgpack", "_packed_tokens")
+    __slots__ = ("_json", "_msgpack", "_packed_tokens", "_prompted")
 
     def __init__(self, body_type: type[T] | Any, *, packed_tokens: bool = NATIVE) -> None:
         """``packed_tokens``: parse a JSON ``tokens`` array with the C accelerator (see the module)."""
@@ -173,7 +182,8 @@ class BodyDecoder(Generic[T]):
             raise ValueError("the C accelerator api._native is not built")
         self._json: msgspec.json.Decoder[T] = msgspec.json.Decoder(body_type)
         self._msgpack: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(body_type)
-        self._packed_tokens = packed_tokens and _has_tokens_field(body_type)
+        self._prompted = _prompted_types(body_type)
+        self._packed_tokens = packed_tokens and bool(self._prompted)
 
     def decode(self, call: Call) -> T:
         """The typed body; `MalformedBody` (400) if it does not parse, `InvalidBody` (422) if it
@@ -201,7 +211,7 @@ class BodyDecoder(Generic[T]):
             request = self._json.decode(body[:start] + b"[]" + body[end:])
         except UNDECODABLE:
             return None  # the ordinary decoder says what is wrong, in its own words and positions
-        if not hasattr(request, "tokens"):
-            return None  # a body type (or union member) without a prompt: its own error
-        request.tokens = packed
+        if not isinstance(request, self._prompted):
+            return None  # a union member without a prompt: its own error
+        typing.cast(_Prompted, request).tokens = packed
         return request

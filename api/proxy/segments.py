@@ -54,7 +54,7 @@ class SegmentPlan:
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> SegmentPlan | str:
         """The plan, or why encoding by segment would not be exact for this tokenizer."""
-        if getattr(tokenizer, "encode_special_tokens", False):
+        if tokenizer.encode_special_tokens:
             return "it encodes special tokens as text"
         config = json.loads(tokenizer.to_str())
         if config.get("truncation") is not None or config.get("padding") is not None:
