@@ -91,9 +91,10 @@ def check_creds_file(path: str) -> None:
     JWT and a user nkey seed (nats-py would otherwise fail on every connection attempt)."""
     try:
         text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or exc
-        raise ValueError(f"cannot read the NATS credentials file {path}: {reason}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read the NATS credentials file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"cannot read the NATS credentials file {path}: {exc}") from None
     for section in ("NATS USER JWT", "USER NKEY SEED"):
         if f"BEGIN {section}" not in text:
             raise ValueError(f"{path} is not a NATS credentials file: it has no {section} section (nsc writes them)")
