@@ -90,7 +90,18 @@ class BookingListener(Protocol):
 class _Routing:
     """One `new` call between matching and booking: what its scheduling needs, now or once dequeued."""
 
-    __slots__ = ("among", "config", "explain", "hashing_s", "matching_s", "overlaps", "pinned", "prompt", "request")
+    __slots__ = (
+        "among",
+        "config",
+        "explain",
+        "hashing_s",
+        "matching_s",
+        "overlaps",
+        "pinned",
+        "pinned_prefill",
+        "prompt",
+        "request",
+    )
 
     def __init__(
         self,
@@ -103,6 +114,7 @@ class _Routing:
         explain: bool,
         hashing_s: float,
         matching_s: float,
+        pinned_prefill: WorkerRank | None = None,
     ) -> None:
         self.request = request
         # The router's config with the request's override applied.
@@ -110,6 +122,8 @@ class _Routing:
         self.prompt = prompt
         self.overlaps = overlaps
         self.pinned = pinned
+        # The prefill leg's pinned rank, on a disaggregated fleet.
+        self.pinned_prefill = pinned_prefill
         self.among = among
         self.explain = explain
         self.hashing_s = hashing_s
@@ -325,8 +339,9 @@ class KvRouter:
         fleet the decision is the decode worker, ``pinned_worker`` pins it and ``pinned_prefill`` the
         prefill leg (`_route_disaggregated`). Raises
         `InvalidRequest`, `DuplicateRequestId`, `NoEligibleWorker`, `AllWorkersOverloaded` or
-        `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated) and, at
-        start, until ``router_min_initial_workers`` workers have registered.
+        `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated: on a
+        disaggregated fleet, the pools the decision would use) and, at start, until
+        ``router_min_initial_workers`` workers have registered.
         """
         if not self._started:
             await self.wait_for_workers()
@@ -384,6 +399,7 @@ class KvRouter:
             explain,
             hashed - started,
             time.perf_counter() - hashed,
+            pinned_prefill,
         )
         sequences = self._scheduler.sequences
         now = self._clock()
@@ -395,17 +411,39 @@ class KvRouter:
             owner = sequences.owner(request_id)
             if owner is not None:
                 raise DuplicateRequestId(request_id, *owner)
-        if pinned_prefill is not None and not self._disaggregated:
-            raise InvalidRequest("a prefill worker was pinned but no worker is registered with role prefill or decode")
+        self._check_prefill_pin(routing)
         workers = self._eligible(routing)
-        if self._disaggregated:
-            # Not queued: both legs are placed at once (the queue holds one-leg decisions only).
-            return self._route_disaggregated(routing, workers, pinned_prefill)
         queue = self._queue
         # Once anything waits, newcomers wait behind it (Dynamo's backlog anti-bypass).
-        if queue is not None and (len(queue) or self._scheduler.queue_blocked(workers, pinned_worker)):
+        if queue is not None and len(queue):
             return self._wait_in_queue(queue, routing, workers)
-        return self._route(routing, workers, queued_s=0.0)
+        decision = self._route_unless_blocked(routing, workers, queued_s=0.0)
+        if decision is None:
+            assert queue is not None  # only the queue holds a decision back
+            return self._wait_in_queue(queue, routing, workers)
+        return decision
+
+    def _check_prefill_pin(self, routing: _Routing) -> None:
+        if routing.pinned_prefill is not None and not self._disaggregated:
+            raise InvalidRequest("a prefill worker was pinned but no worker is registered with role prefill or decode")
+
+    def _route_unless_blocked(
+        self, routing: _Routing, workers: list[WorkerConfig], *, queued_s: float, rematch: bool = False
+    ) -> RouteDecision | None:
+        """The decision, booked; None (nothing booked) when the queue must hold it: every rank that
+        would take it is queue-busy (§4.7). On a disaggregated fleet that is the decode pool, and on
+        the remote-prefill path also the prefill pool (`_route_disaggregated`). ``rematch``: match
+        the prompt against the index again before scheduling it (a long wait); a disaggregated
+        request's path depends on the match, so it is matched again before its pools are checked."""
+        if self._disaggregated:
+            if rematch:
+                routing.overlaps = self._routing_overlaps(routing.prompt)
+            return self._route_disaggregated(routing, workers, queued_s=queued_s)
+        if self._queue is not None and self._scheduler.queue_blocked(workers, routing.pinned):
+            return None
+        if rematch:
+            routing.overlaps = self._routing_overlaps(routing.prompt)
+        return self._route(routing, workers, queued_s=queued_s)
 
     def _eligible(self, routing: _Routing) -> list[WorkerConfig]:
         constraints = routing.request.routing_constraints
@@ -494,26 +532,41 @@ class KvRouter:
         )
 
     def _route_disaggregated(
-        self, routing: _Routing, workers: list[WorkerConfig], pinned_prefill: WorkerRank | None
-    ) -> RouteDecision:
+        self, routing: _Routing, workers: list[WorkerConfig], *, queued_s: float
+    ) -> RouteDecision | None:
         """Two legs on a disaggregated fleet: the decode worker first (decode load, and with
         ``disagg_decode_overlap_credit`` the prefill it would do, credited with its cache), then, when
         its uncached prompt is at least ``disagg_local_prefill_below_tokens``, a prefill worker by the
         policy as it is. The decode leg is booked under the request's id (without prefill tokens when
         the prefill is remote), the prefill leg under `prefill_booking_id`, freed by `mark_prefill`
-        or `mark_free` of the request. Raises the scheduler's errors before booking anything."""
+        or `mark_free` of the request. Raises the scheduler's errors before booking anything.
+
+        With the queue on, None (nothing booked) when the pools the decision would use are saturated
+        by the queue's busy rule: every eligible decode rank (whichever the path: the decode leg runs
+        there), or, on the remote-prefill path, every eligible prefill rank. A local path needs only
+        the decode pool: the request then goes, whatever the prefill pool's load."""
         started = time.perf_counter()
-        request, config = routing.request, routing.config
+        request, config, pinned_prefill = routing.request, routing.config, routing.pinned_prefill
         self._check_leg_pin(routing.pinned, "decode")
         self._check_leg_pin(pinned_prefill, "prefill")
         decode_workers = leg_workers(workers, "decode")
         if not decode_workers:
             raise NoEligibleWorker(request.routing_constraints.required_taints if request.routing_constraints else None)
+        queued = self._queue is not None
+        if queued and self._scheduler.queue_blocked(decode_workers, routing.pinned):
+            return None
+        if request.request_id is not None:
+            # Checked here too: a request with the same id may have been booked while this one waited,
+            # and the prefill leg is booked before the decode leg.
+            owner = self._scheduler.sequences.owner(request.request_id)
+            if owner is not None:
+                raise DuplicateRequestId(request.request_id, *owner)
         decode_choice = self._select(routing.leg(request, decode_config(config), routing.pinned), decode_workers)
         uncached = max(routing.prompt.isl_tokens - decode_choice.overlap.cached_tokens, 0)
         threshold = config.disagg_local_prefill_below_tokens
         prefill_choice: Choice | None = None
         prefill_routing: _Routing | None = None
+        prefill_workers: list[WorkerConfig] = []
         if uncached >= threshold:
             prefill_id = None if request.request_id is None else prefill_booking_id(request.request_id)
             if prefill_id is not None:
@@ -539,10 +592,13 @@ class KvRouter:
                 self._active_requests(decode_choice.key),
             )
         path, reason = choose_path(uncached, config, decode_choice.key[0], pending)
+        remote = path == "remote_prefill"
+        if remote and queued and self._scheduler.queue_blocked(prefill_workers, pinned_prefill):
+            return None
         prefill_leg: DisaggregatedLeg | None = None
         decode_leg_config = config
-        if path == "remote_prefill" and prefill_choice is not None and prefill_routing is not None:
-            prefill = self._commit(prefill_routing, prefill_choice, started, 0.0)
+        if remote and prefill_choice is not None and prefill_routing is not None:
+            prefill = self._commit(prefill_routing, prefill_choice, started, queued_s)
             assert prefill.receipt is not None
             prefill_leg = DisaggregatedLeg(
                 worker_id=prefill.worker_id,
@@ -554,7 +610,9 @@ class KvRouter:
             )
             # The KV arrives prefilled: the decode worker books the prompt's blocks, not its prefill.
             decode_leg_config = msgspec.structs.replace(config, router_track_prefill_tokens=False)
-        decision = self._commit(routing.leg(request, decode_leg_config, routing.pinned), decode_choice, started, 0.0)
+        decision = self._commit(
+            routing.leg(request, decode_leg_config, routing.pinned), decode_choice, started, queued_s
+        )
         receipt = DisaggregationReceipt(
             path=path,
             reason=reason,
@@ -635,18 +693,20 @@ class KvRouter:
                 queue.pop_head()
                 waiter.future.set_exception(exc)
                 continue
-            if scheduler.queue_blocked(workers, routing.pinned):
+            waited = self._clock() - waiter.enqueued_at
+            try:
+                self._check_prefill_pin(routing)
+                decision = self._route_unless_blocked(
+                    routing, workers, queued_s=waited, rematch=waited >= OVERLAP_REFRESH_AFTER_SECS
+                )
+            except KvRouterError as exc:
+                queue.pop_head()
+                waiter.future.set_exception(exc)
+                continue
+            if decision is None:
                 return
             queue.pop_head()
-            waited = self._clock() - waiter.enqueued_at
-            if waited >= OVERLAP_REFRESH_AFTER_SECS:
-                routing.overlaps = self._routing_overlaps(routing.prompt)
-            try:
-                decision = self._route(routing, workers, queued_s=waited)
-            except KvRouterError as exc:
-                waiter.future.set_exception(exc)
-            else:
-                waiter.future.set_result(decision)
+            waiter.future.set_result(decision)
 
     def mark_prefill(self, request_id: str, *, replicated: bool = False) -> bool:
         """The request's first token is out: its prefill no longer loads its rank. False if unknown.
