@@ -234,6 +234,40 @@ async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
         await eventually(lambda: idle(f.router))
 
 
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_remote_prefill_waits_in_the_queue_while_the_prefill_pool_is_busy(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    """The router's queue holds a disaggregated request while its prefill pool is queue-busy (any
+    pending prefill, at threshold 0); a full queue is a 429; once the prefill worker is free the
+    request runs both legs."""
+    router = {"router_queue_threshold": 0.0, "router_queue_isl_token_limit_per_worker": 256}
+    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, router=router) as f:
+        # Another gateway's remote prefill holds the only prefill worker (its decode leg books no prefill).
+        elsewhere = await ballast(f, "elsewhere")()
+        assert elsewhere.disaggregation is not None and elsewhere.disaggregation.path == "remote_prefill"
+        waiting = asyncio.ensure_future(
+            f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=3, stream=True)
+        )
+        await eventually(lambda: f.router.queue_stats().pending_count == 1)
+        # 256 tokens x 2 workers: the 512 waiting fill the queue, a short prompt behind them is refused.
+        with pytest.raises(openai.RateLimitError) as caught:
+            await f.client.completions.create(model=MODEL, prompt=LONG[:100], max_tokens=2)
+        assert caught.value.response.json()["error"]["type"] == "rate_limit_exceeded"
+        assert f.apis[1].prefill_legs == 0 and f.apis[2].generated == 0
+        assert f.router.booking("elsewhere") is not None and f.router.booking(prefill_booking_id("elsewhere"))
+        assert f.router.mark_prefill("elsewhere")  # its prefill leg answered: the prefill pool is free
+        raw = await waiting
+        text = "".join([chunk.choices[0].text async for chunk in raw.parse()])
+        assert text == " w1 w2 w3"
+        assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
+        assert raw.headers["x-kv-router-prefill-worker"] == "1" and raw.headers["x-kv-router-worker"] == "2"
+        assert f.apis[1].prefill_legs == 1 and f.apis[2].pulled_blocks == 8
+        assert f.router.mark_free("elsewhere")
+        await eventually(lambda: idle(f.router))
+        assert f.router.queue_stats().pending_count == 0
+
+
 SLOW = EngineConfig(num_gpu_blocks=512, speedup_ratio=0.02)  # a 512-token prefill takes about a second
 
 

@@ -2,10 +2,12 @@
 styles, with the real `openai` client: a long prompt is prefilled on a prefill worker and streamed
 by the decode worker; then the prefill worker holding the prompt's cache is killed with SIGKILL (by
 its PID) and the next request with that prefix, routed there first, is prefilled by the survivor.
-No booking is left behind."""
+No booking is left behind. With the router's queue on, a remote prefill waits while the prefill
+worker is held."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router.disaggregation import prefill_booking_id
 from router.event_plane.embedded_server import EmbeddedNats, free_port
-from router.types import HandoffStyle
+from router.types import HandoffStyle, RouteRequest
 from tests.metrics import sample
 from tests.proxy_fleet import MODEL, Fleet, fleet, idle
 from tests.router_processes import ToolProcess
@@ -83,3 +86,31 @@ async def test_processes_hand_off_and_a_killed_prefill_worker_is_replaced(
             assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_failed") == 1.0
             assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="ok") == 2.0
             await eventually(lambda: idle(f.router))
+
+
+async def test_processes_a_remote_prefill_waits_in_the_queue_until_the_prefill_worker_is_free(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """With the router's queue on (threshold 0: any pending prefill makes a rank queue-busy), a client's
+    long prompt waits while the prefill worker is held by another request, and runs both legs on the
+    mock-worker processes once that request's prefill leg is done."""
+    router = {"router_queue_threshold": 0.0}
+    async with fleet(nats_server.url, (), lease_secs=10.0, router=router) as f:
+        with workers(tmp_path, nats_server.url, {11: "prefill", 21: "decode"}, "kv_transfer_params"):
+            await eventually(lambda: len(f.router.workers()) == 2, timeout=30)
+            held = await f.router.new(RouteRequest(tokens=list(range(50_000, 54_096)), request_id="elsewhere"))
+            assert held.disaggregation is not None and held.disaggregation.path == "remote_prefill"
+            waiting = asyncio.ensure_future(
+                f.client.completions.with_raw_response.create(model=MODEL, prompt=PREFIX, max_tokens=3, stream=True)
+            )
+            await eventually(lambda: f.router.queue_stats().pending_count == 1)
+            assert f.router.booking(prefill_booking_id("elsewhere")) is not None
+            assert f.router.mark_prefill("elsewhere")
+            raw = await waiting
+            text = "".join([chunk.choices[0].text async for chunk in raw.parse()])
+            assert text == " w1 w2 w3"
+            assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
+            assert raw.headers["x-kv-router-prefill-worker"] == "11" and raw.headers["x-kv-router-worker"] == "21"
+            assert f.router.mark_free("elsewhere")
+            await eventually(lambda: idle(f.router))
+            assert f.router.queue_stats().pending_count == 0
