@@ -9,6 +9,8 @@ import random
 from collections.abc import Awaitable, Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router import (
     DuplicateRequestId,
@@ -307,3 +309,32 @@ def test_an_id_booked_while_its_twin_waited_is_refused_without_a_stray_prefill_l
         assert loads(router)[P1] == loads(router)[P2] == (0, 0, 0)
 
     run(scenario)
+
+
+@settings(max_examples=60, deadline=None)
+@given(busy=st.frozensets(st.sampled_from([P1, P2, D1, D2])), long_prompt=st.booleans())
+def test_a_request_waits_exactly_when_a_pool_its_path_uses_is_saturated(
+    busy: frozenset[int], long_prompt: bool
+) -> None:
+    router = fleet(TWO_BY_TWO)
+
+    async def book_ballast() -> None:
+        # Prefill workers first: a remote prefill's decode leg needs a decode rank that is not busy.
+        for worker_id in sorted(busy & {P1, P2}):
+            await router.new(request(f"ballast{worker_id}"), pinned_prefill=(worker_id, 0))
+        for worker_id in sorted(busy & {D1, D2}):
+            await router.new(request(f"local{worker_id}", SHORT), pinned_worker=(worker_id, 0))
+
+    run(book_ballast)
+    decision = router.decide(request("r", LONG if long_prompt else 100))
+    decode_saturated = {D1, D2} <= busy
+    prefill_saturated = {P1, P2} <= busy
+    expected_wait = decode_saturated or (long_prompt and prefill_saturated)
+    if isinstance(decision, RouteDecision):
+        assert not expected_wait
+        assert path_of(decision)[0] == ("remote_prefill" if long_prompt else "local_prefill")
+        # (Queue-busy ranks are not excluded, as for an aggregated request: the policy weighs their load.)
+    else:
+        decision.close()  # the wait, not awaited: nothing was booked for it
+        assert expected_wait
+        assert router.booking("r") is None and router.booking("r#prefill") is None
