@@ -48,6 +48,7 @@ class SglangCacheAware:
     """SGLang's ``cache_aware`` routing over an approximate, decision-fed prefix tree."""
 
     name = "sglang"
+    rejected_events = 0  # it reads no KV events
     scrape_interval_ms: float | None = None
 
     def __init__(

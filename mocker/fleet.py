@@ -50,6 +50,11 @@ class FleetRouter(Protocol):
     # When set, `scraped` receives every worker's engine metrics at this period.
     scrape_interval_ms: float | None
 
+    @property
+    def rejected_events(self) -> int:
+        """KV events its index refused (0 for a router that reads none): the report's rejected events."""
+        ...
+
     def add_worker(self, worker_id: int, engine: EngineConfig) -> None: ...
 
     async def route(self, request: RoutedRequest, now_ms: float) -> RouteResult: ...

@@ -89,6 +89,7 @@ class _InFlightPeer:
     request finishes; no use for first tokens, output progress or scrapes."""
 
     scrape_interval_ms: float | None = None
+    rejected_events = 0  # PowerOfTwo reads no KV events; VllmKvAware counts its index's refusals
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
         self._rng = rng
@@ -123,7 +124,6 @@ class VllmKvAware(_InFlightPeer):
         super().__init__(config, rng)
         self.block_size = config.block_size
         self._index = RadixTree()
-        self.rejected_events = 0
 
     async def route(self, request: RoutedRequest, now_ms: float) -> RouteResult:
         matched = self._index.find_matches(compute_block_hashes(request.tokens, self.block_size)).scores
@@ -166,6 +166,10 @@ class PdPair:
         self.prefill = prefill
         self.decode = decode
         self._pool_of: dict[int, FleetRouter] = {}
+
+    @property
+    def rejected_events(self) -> int:
+        return self.prefill.rejected_events + self.decode.rejected_events
 
     def add_worker(self, worker_id: int, engine: EngineConfig) -> None:
         raise ValueError(f"{self.name} routes a disaggregated fleet only: give each worker a role")

@@ -382,7 +382,6 @@ class _Simulation:
             if seq.state is SeqState.FINISHED:
                 record.status = "completed"
         duration = max((r.finished_ms for r in self.records), default=0.0)
-        rejected_events = getattr(self.fleet_router, "rejected_events", 0)
         return SimulationResult(
             router=self.fleet_router.name,
             workers=len(self.engines),
@@ -391,7 +390,7 @@ class _Simulation:
             engine_stats=[engine.stats for engine in self.engines],
             duration_ms=duration,
             wall_s=wall_s,
-            rejected_events=int(rejected_events),
+            rejected_events=self.fleet_router.rejected_events,
         )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from api.cli import main as kv_router_main
+from indexer.events import RouterEvent, stored_event
 from mocker.config import EngineConfig
 from mocker.pd_routers import AGGREGATED, PD_ROUTERS, make_pd_router
 from mocker.replay import ReplaySetup, replay_offline
@@ -130,3 +131,16 @@ def test_estimated_rule_prefills_where_the_first_token_comes_sooner() -> None:
     # The short prompt: both prefill workers hold two long prefills, its decode worker only decodes.
     assert estimated[-1].transfer_ms == 0.0 and estimated[-1].ttft_ms < conditional[-1].ttft_ms / 2
     assert max(r.ttft_ms for r in estimated) < max(r.ttft_ms for r in conditional)
+
+
+def test_a_peer_pd_pair_reports_the_events_either_pool_refused() -> None:
+    """vllm-router-pd's prefill pool indexes KV events: a store whose parent it never heard of is refused
+    and counted in the pair's (the report's) rejected events; the decode pool reads none."""
+    pair = make_pd_router("vllm-router-pd", RouterConfig(block_size=64), random.Random(0))
+    pair.add_pool_worker(1, ENGINE, "prefill")
+    pair.add_pool_worker(2, ENGINE, "decode")
+    pair.kv_event(RouterEvent(1, stored_event(1, [(11, 12)])), 0.0)
+    assert pair.rejected_events == 0
+    pair.kv_event(RouterEvent(1, stored_event(2, [(21, 22)], parent_hash=999)), 0.0)
+    pair.kv_event(RouterEvent(2, stored_event(1, [(31, 32)], parent_hash=999)), 0.0)
+    assert pair.rejected_events == 1

@@ -200,6 +200,7 @@ class AlwaysWorker:
 
     name = "always-1"
     scrape_interval_ms: float | None = None
+    rejected_events = 0
 
     def __init__(self, config: RouterConfig, rng: random.Random) -> None:
         self.events = 0
