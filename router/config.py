@@ -216,6 +216,25 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "averaged over the candidates (0: a fixed decode weight)"
         ),
     ] = 0.0
+    # Ours: this request's context slows each decode step of the requests already on the rank as theirs
+    # slows its own; 1 prices both sides alike, 0 only its own (`latency`'s first form).
+    latency_decode_others_weight: Annotated[
+        float,
+        _doc(
+            "latency policy: weight of the decode slowdown this request's context causes each request on the rank, "
+            "relative to the slowdown their context causes it (0: its own only)"
+        ),
+    ] = 0.0
+    # Ours: a prefill stall of t ms adds t / length to the mean inter-token latency of each request decoding
+    # beside it, so pricing the stall per request by the default output length over its own steers long
+    # prefills away from short answers, which an ITL bound catches first.
+    latency_itl_stall_weight: Annotated[
+        float,
+        _doc(
+            "latency policy: cost of one prefill token to each request on the rank, times "
+            "latency_default_output_tokens over that request's expected output length (0: off)"
+        ),
+    ] = 0.0
     latency_default_output_tokens: Annotated[
         int,
         _doc("latency policy: output length, in tokens, assumed for a request that does not give one"),
@@ -360,6 +379,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "latency_stall_weight",
             "latency_decode_weight",
             "latency_decode_load_weight",
+            "latency_decode_others_weight",
+            "latency_itl_stall_weight",
             "latency_hit_margin",
             "router_ttl_secs",
         ):

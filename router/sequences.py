@@ -55,6 +55,8 @@ class RankState:
         "context_tokens",
         "decayed_blocks",
         "decode_blocks",
+        "decoding_inverse_output",
+        "decoding_untold",
         "dp_rank",
         "key",
         "output_blocks",
@@ -84,6 +86,11 @@ class RankState:
         # The context of the active requests, prompt and tokens generated so far, each counted in full:
         # what every decode step of the rank reads, shared prefixes included (ours; Dynamo has none).
         self.context_tokens = 0
+        # Of the requests decoding here (prefill done): the sum of 1 / output length over those that said
+        # it (`_inter_token_share`), and how many did not. A prefill stall of t ms adds t / length to a
+        # decoding request's mean inter-token latency: short answers are what an ITL bound catches (ours).
+        self.decoding_inverse_output = 0.0
+        self.decoding_untold = 0
         # Which sequence hashes the active requests on this rank hold, and how many each.
         self.booked = new_booked_blocks()
 
@@ -108,6 +115,21 @@ class Booking(NamedTuple):
     hashes: Sequence[int] | None
     private_blocks: int
     prefill_tokens: int
+
+
+def _inter_token_share(expected_output_tokens: int) -> float:
+    """The share of a prefill stall one decoding request's mean inter-token latency pays: 1 / its output
+    length; 0 for a single token (a disaggregated prefill: no gap between tokens)."""
+    return 1.0 / expected_output_tokens if expected_output_tokens > 1 else 0.0
+
+
+def _start_decoding(request: _Request) -> None:
+    rank = request.rank
+    expected = request.expected_output_tokens
+    if expected:
+        rank.decoding_inverse_output += _inter_token_share(expected)
+    else:
+        rank.decoding_untold += 1
 
 
 class _Request:
@@ -232,7 +254,9 @@ class ActiveSequences:
         rank.requests += 1
         request = _Request(rank, hashes, private_blocks, prefill_tokens, context_tokens, expected_output_tokens, now)
         self._requests[request_id] = request
-        if prefill_tokens:
+        if not prefill_tokens:
+            _start_decoding(request)
+        else:
             rank.booked_prefill_tokens += prefill_tokens
             rank.prefill_tokens += prefill_tokens
             if self._prefill_rate is not None:
@@ -261,6 +285,7 @@ class ActiveSequences:
             del rank.prefilling[request]
             self._decay_rank(rank, None)
         request.prefill_tokens = 0
+        _start_decoding(request)
 
     def decay(self, now: float) -> None:
         """Bring every rank's ``prefill_tokens`` to ``now`` under the prefill load model (a no-op
@@ -358,7 +383,14 @@ class ActiveSequences:
                     del self._first_holders[hashes[0]]
         rank.prompt_blocks -= request.private_blocks
         rank.output_blocks -= request.output_blocks
-        self._end_prefill(request)
+        self._end_prefill(request)  # a request released before its first token joins the decoders to leave
+        expected = request.expected_output_tokens
+        if expected:
+            decoders_told = rank.decoding_inverse_output - _inter_token_share(expected)
+            # No float residue once the last request that told its length has left.
+            rank.decoding_inverse_output = decoders_told if rank.requests > 1 else 0.0
+        else:
+            rank.decoding_untold -= 1
         rank.context_tokens -= request.context_tokens + request.generated_tokens
         rank.requests -= 1
         # No float residue on an idle rank.
@@ -383,6 +415,8 @@ class ActiveSequences:
         decayed = dict.fromkeys(self._ranks.values(), 0.0)
         requests = dict.fromkeys(self._ranks.values(), 0)
         context = dict.fromkeys(self._ranks.values(), 0)
+        inverse_output = dict.fromkeys(self._ranks.values(), 0.0)
+        untold = dict.fromkeys(self._ranks.values(), 0)
         previous_start = float("-inf")
         for request in self._requests.values():
             rank = request.rank
@@ -395,6 +429,11 @@ class ActiveSequences:
             context[rank] += request.context_tokens + request.generated_tokens
             output[rank] += request.output_blocks
             decayed[rank] += request.decayed_blocks
+            if not request.prefill_tokens:  # decoding
+                if request.expected_output_tokens:
+                    inverse_output[rank] += _inter_token_share(request.expected_output_tokens)
+                else:
+                    untold[rank] += 1
             refs = expected_refs[rank]
             for block_hash in request.hashes or ():
                 refs[block_hash] = refs.get(block_hash, 0) + 1
@@ -417,6 +456,8 @@ class ActiveSequences:
             assert rank.decode_blocks == round_half_away(weighted), f"{rank}: decode blocks"
             assert rank.requests == requests[rank], f"{rank}: request count {requests[rank]}"
             assert rank.context_tokens == context[rank], f"{rank}: context tokens {context[rank]}"
+            assert abs(rank.decoding_inverse_output - inverse_output[rank]) < 1e-9, f"{rank}: decoding 1 / length"
+            assert rank.decoding_untold == untold[rank], f"{rank}: decoding requests without a length"
         first_holders: dict[int, set[RankState]] = {}
         for request in self._requests.values():
             hashes = request.hashes or ()

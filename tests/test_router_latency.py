@@ -79,6 +79,59 @@ def test_the_decode_weight_grows_with_the_requests_in_flight_per_rank() -> None:
     }
 
 
+def test_its_context_slowing_the_requests_already_there_is_priced_too() -> None:
+    router = router_with(**{**KNOBS, "latency_decode_others_weight": 1.0})
+    book_on(router, X, "busy", list(range(5000, 5064)))  # 64 tokens of context, 1 request, prefill done
+    assert router.mark_prefill("busy")
+    decision = route(router, QUERY, expected_output_tokens=10)
+    # X: (2 + 0.5 * 1 request) * 128 missed + 0.01 * 10 * (64 of context + 1.0 * this prompt's 128 * 1 request).
+    assert costs(decision) == {X: pytest.approx(2.5 * 128 + 0.1 * (64 + 128)), Y: 2.0 * 128}
+    book_on(router, Y, "a", list(range(6000, 6016)))  # Y: 2 requests of 16 tokens each, prefill done
+    book_on(router, Y, "b", list(range(7000, 7016)))
+    assert router.mark_prefill("a") and router.mark_prefill("b")
+    decision = route(router, QUERY, expected_output_tokens=10)
+    # Y has less context (32 against 64) but two requests to slow: the term sends the prompt to X.
+    assert costs(decision) == {
+        X: pytest.approx(2.5 * 128 + 0.1 * (64 + 128)),
+        Y: pytest.approx(3.0 * 128 + 0.1 * (32 + 2 * 128)),
+    }
+    assert decision.worker_id == X
+    without = router_with(**KNOBS)
+    for worker, request_id, start, length in ((X, "busy", 5000, 64), (Y, "a", 6000, 16), (Y, "b", 7000, 16)):
+        book_on(without, worker, request_id, list(range(start, start + length)))
+        assert without.mark_prefill(request_id)
+    assert costs(route(without, QUERY, expected_output_tokens=10)) == {
+        X: pytest.approx(2.5 * 128 + 0.1 * 64),
+        Y: pytest.approx(3.0 * 128 + 0.1 * 32),
+    }
+
+
+def test_a_stall_weighs_on_each_decoding_request_by_how_short_its_answer_is() -> None:
+    router = router_with(**{**KNOBS, "latency_itl_stall_weight": 1.0, "latency_default_output_tokens": 128})
+    book_on(router, X, "short", list(range(5000, 5064)), expected_output_tokens=32)
+    book_on(router, Y, "long", list(range(6000, 6064)), expected_output_tokens=512)
+    # Both still prefilling: nobody decodes yet, so only the stall per request counts.
+    assert costs(route(router, QUERY, expected_output_tokens=10)) == {
+        X: pytest.approx(64 + 2.5 * 128 + 0.1 * 64),
+        Y: pytest.approx(64 + 2.5 * 128 + 0.1 * 64),
+    }
+    assert router.mark_prefill("short") and router.mark_prefill("long")
+    decision = route(router, QUERY, expected_output_tokens=10)
+    # Decoding: X's request counts 128 / 32 = 4, Y's 128 / 512 = 0.25.
+    assert costs(decision) == {X: pytest.approx((2.5 + 4) * 128 + 6.4), Y: pytest.approx((2.5 + 0.25) * 128 + 6.4)}
+    assert decision.worker_id == Y
+    # A request that gave no length counts as one of the default length; a single-token one (a
+    # disaggregated prefill) as none.
+    book_on(router, Y, "untold", list(range(7000, 7064)))
+    book_on(router, Y, "prefill-only", list(range(8000, 8064)), expected_output_tokens=1)
+    assert router.mark_prefill("untold") and router.mark_prefill("prefill-only")
+    assert costs(route(router, QUERY, expected_output_tokens=10))[Y] == pytest.approx(
+        (2 + 0.5 * 3 + 0.25 + 1) * 128 + 0.1 * 192
+    )
+    assert router.mark_free("short")
+    assert costs(route(router, QUERY, expected_output_tokens=10))[X] == 2.0 * 128  # X idle again
+
+
 def test_a_miss_costs_its_time_on_an_empty_cache_and_more_as_the_cache_fills() -> None:
     router = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
     router.register_worker(WorkerConfig(worker_id=X, total_kv_blocks=16))
@@ -207,6 +260,8 @@ def test_without_the_decode_side_it_is_cache_affinity_without_its_decode_term(
         "latency_stall_weight",
         "latency_decode_weight",
         "latency_decode_load_weight",
+        "latency_decode_others_weight",
+        "latency_itl_stall_weight",
         "latency_default_output_tokens",
         "latency_hit_margin",
     ],

@@ -216,14 +216,23 @@ class SequencesMachine(RuleBasedStateMachine):
         prefix_blocks=st.integers(0, 4),
         tail=st.integers(0, 3),
         prefill=st.integers(0, 500),
+        output=st.sampled_from([None, 1, 3, 256]),  # no length, a disaggregated prefill's, two lengths
     )
-    def add(self, rank: int, prefix: int, prefix_blocks: int, tail: int, prefill: int) -> None:
+    def add(self, rank: int, prefix: int, prefix_blocks: int, tail: int, prefill: int, output: int | None) -> None:
         self.counter += 1
         self.now += 1.0
         request_id = f"r{self.counter}"
         hashes = self.prompt_hashes(prefix, prefix_blocks, tail)
         key = self.keys[rank]
-        self.sequences.add(request_id, key, hashes=hashes, private_blocks=0, prefill_tokens=prefill, now=self.now)
+        self.sequences.add(
+            request_id,
+            key,
+            hashes=hashes,
+            private_blocks=0,
+            prefill_tokens=prefill,
+            now=self.now,
+            expected_output_tokens=output,
+        )
         self.booked[request_id] = (key, hashes)
 
     @precondition(lambda self: self.booked)

@@ -5,7 +5,9 @@ Every term is in prefill tokens, a proxy for time on a homogeneous fleet::
 
     cost(w) = A_p(w) + m(w) * miss(w)          its time to first token: queued prefill, then its own
             + s * miss(w) * R(w)               its prefill stalls the R(w) requests decoding on w
-            + d * osl * K(w)                   each of its output tokens slowed by w's context in flight
+            + u * miss(w) * S(w)               ... and the more so those with short answers (u 0: off)
+            + d * osl * (K(w) + e * isl * R(w))  each of its output tokens slowed by w's context in
+                                               flight, and each of theirs by its own (e 0: off)
 
     d       = d0 + d_load * mean R             the fleet's load raises the decode weight (d_load 0: fixed)
 
@@ -48,6 +50,13 @@ Near-ties go to the hit rate: a rank within ``latency_hit_margin`` (5 %) of the 
 holds more of the prompt (computed or in flight), since two costs that close are the same latency for
 this request but a copy of the prefix is cache space later requests pay for (SGLang GSP's TTFT and E2E
 p90, RAG's E2E p90 and mooncake_trace_1000's hit rate on the tuning runs).
+``S(w)`` counts the requests decoding on w (prefill done), each ``latency_default_output_tokens`` over its
+own expected output length (one without a length counts 1, a single-token one 0): a stall of t ms adds
+t / length to a request's mean inter-token latency, so short answers are the ones an ITL bound catches.
+``e`` (``latency_decode_others_weight``) prices the other side of the decode term: this request's context
+``isl`` is read by every decode step of the R(w) requests on w for as long as it runs; 1 prices both sides
+alike, which spreads long contexts over ranks with few requests (the capacity table in
+docs/routing-quality.md).
 With ``latency_decode_load_weight`` (``d_load``) the decode weight grows with the requests in flight per
 candidate rank: at light load the policy keeps the hits, near saturation, where a decode step's length
 (the ITL bound of a capacity SLO) binds first, it spreads context as `dynamo` does. Off by default.
@@ -77,6 +86,8 @@ class LatencyPolicy(SelectionPolicy):
         self._stall_weight = config.latency_stall_weight
         self._decode_weight = config.latency_decode_weight
         self._decode_load_weight = config.latency_decode_load_weight
+        self._decode_others_weight = config.latency_decode_others_weight
+        self._itl_stall_weight = config.latency_itl_stall_weight
         self._default_output = config.latency_default_output_tokens
         self._hit_margin = config.latency_hit_margin
         self._rng = rng
@@ -102,6 +113,9 @@ class LatencyPolicy(SelectionPolicy):
         fills = context.cache_fill
         pass_tokens = context.pass_tokens or {}
         extra_miss_weight = miss_weight - 1.0
+        others_weight = self._decode_others_weight
+        itl_stall_weight = self._itl_stall_weight
+        default_output = self._default_output
         costs = []
         held = []
         for rank in ranks:
@@ -115,10 +129,15 @@ class LatencyPolicy(SelectionPolicy):
                 cached = inflight
             miss = max(isl - cached, 0)
             fill = 1.0 if fills is None else fills.get(rank.key, 0.0)
+            stalled = stall_weight * rank.requests
+            if itl_stall_weight:
+                # Each decoding request counts default / its own output length: a short one's ITL pays more of it.
+                short = default_output * rank.decoding_inverse_output + rank.decoding_untold
+                stalled += itl_stall_weight * short
             costs.append(
                 rank.prefill_tokens
-                + (1.0 + extra_miss_weight * fill + stall_weight * rank.requests) * miss
-                + decode_weight * rank.context_tokens
+                + (1.0 + extra_miss_weight * fill + stalled) * miss
+                + decode_weight * (rank.context_tokens + others_weight * isl * rank.requests)
             )
         return with_taint_multipliers(costs, context), held
 
