@@ -225,6 +225,14 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "relative to the slowdown their context causes it (0: its own only)"
         ),
     ] = 0.0
+    # Ours: the decode side per output token (every request the default length) rather than per response.
+    latency_decode_per_token: Annotated[
+        bool,
+        _doc(
+            "latency policy: price the decode side per output token, every request as long as "
+            "latency_default_output_tokens, not per response (its expected output length)"
+        ),
+    ] = False
     # Ours: a prefill stall of t ms adds t / length to the mean inter-token latency of each request decoding
     # beside it, so pricing the stall per request by the default output length over its own steers long
     # prefills away from short answers, which an ITL bound catches first.

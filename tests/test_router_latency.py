@@ -106,6 +106,26 @@ def test_its_context_slowing_the_requests_already_there_is_priced_too() -> None:
     }
 
 
+def test_per_token_the_decode_side_is_the_same_for_a_short_answer_as_for_a_long_one() -> None:
+    def fleet(**overrides: object) -> KvRouter:
+        router = router_with(**{**KNOBS, **overrides})
+        router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))  # X holds half the prompt
+        book_on(router, X, "busy", list(range(5000, 5064)))  # and 64 tokens of context in flight
+        assert router.mark_prefill("busy")
+        return router
+
+    # Per response, a 10-token answer weighs X's context 0.01 * 10 and stays with the cached half.
+    decision = route(fleet(), QUERY, expected_output_tokens=10)
+    assert costs(decision) == {X: pytest.approx(2.5 * 64 + 0.1 * 64), Y: 2.0 * 128}
+    assert decision.worker_id == X
+    # Per token, every answer weighs it 0.01 * 200 (the default length), a short one as a long one.
+    router = fleet(latency_decode_per_token=True, latency_default_output_tokens=200)
+    for expected in (10, 4000):
+        decision = route(router, QUERY, expected_output_tokens=expected)
+        assert costs(decision) == {X: pytest.approx(2.5 * 64 + 2.0 * 64), Y: 2.0 * 128}
+        assert decision.worker_id == Y
+
+
 def test_a_stall_weighs_on_each_decoding_request_by_how_short_its_answer_is() -> None:
     router = router_with(**{**KNOBS, "latency_itl_stall_weight": 1.0, "latency_default_output_tokens": 128})
     book_on(router, X, "short", list(range(5000, 5064)), expected_output_tokens=32)

@@ -53,6 +53,9 @@ p90, RAG's E2E p90 and mooncake_trace_1000's hit rate on the tuning runs).
 ``S(w)`` counts the requests decoding on w (prefill done), each ``latency_default_output_tokens`` over its
 own expected output length (one without a length counts 1, a single-token one 0): a stall of t ms adds
 t / length to a request's mean inter-token latency, so short answers are the ones an ITL bound catches.
+With ``latency_decode_per_token`` ``osl`` is ``latency_default_output_tokens`` for every request: the
+decode side priced per output token, as an ITL bound sees it, rather than per response (which sends short
+answers, the ones a stall pushes over an ITL bound, to the ranks with the most context).
 ``e`` (``latency_decode_others_weight``) prices the other side of the decode term: this request's context
 ``isl`` is read by every decode step of the R(w) requests on w for as long as it runs; 1 prices both sides
 alike, which spreads long contexts over ranks with few requests (the capacity table in
@@ -87,6 +90,7 @@ class LatencyPolicy(SelectionPolicy):
         self._decode_weight = config.latency_decode_weight
         self._decode_load_weight = config.latency_decode_load_weight
         self._decode_others_weight = config.latency_decode_others_weight
+        self._decode_per_token = config.latency_decode_per_token
         self._itl_stall_weight = config.latency_itl_stall_weight
         self._default_output = config.latency_default_output_tokens
         self._hit_margin = config.latency_hit_margin
@@ -109,7 +113,10 @@ class LatencyPolicy(SelectionPolicy):
         per_token = self._decode_weight
         if self._decode_load_weight:
             per_token += self._decode_load_weight * sum(rank.requests for rank in ranks) / len(ranks)
-        decode_weight = per_token * (expected if expected is not None else self._default_output)
+        # Per response the decode side is this request's whole output; per token, every request counts the
+        # default length: what an ITL bound sees, the same for a short answer as for a long one.
+        output = expected if expected is not None and not self._decode_per_token else self._default_output
+        decode_weight = per_token * output
         fills = context.cache_fill
         pass_tokens = context.pass_tokens or {}
         extra_miss_weight = miss_weight - 1.0
