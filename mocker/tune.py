@@ -51,12 +51,18 @@ __all__ = [
     "write_config",
 ]
 
-# The knobs searched and the values tried for each (RouterConfig fields of the `latency` policy).
-SEARCH_SPACE: dict[str, tuple[float, ...]] = {
+# A knob's value: a weight, or a switch (`latency_decode_per_token`).
+Knob = float | bool
+# The knobs searched and the values tried for each (RouterConfig fields of the `latency` policy); the
+# last two and the 0.0012 decode weight are those of the best capacity setting in
+# docs/routing-quality.md (`latency-p1`).
+SEARCH_SPACE: dict[str, tuple[Knob, ...]] = {
     "latency_miss_weight": (2.0, 3.0, 4.0, 5.0, 6.0, 8.0),
     "latency_stall_weight": (0.0, 0.05, 0.2),
-    "latency_decode_weight": (0.0, 0.0002, 0.0004, 0.0005, 0.001),
+    "latency_decode_weight": (0.0, 0.0002, 0.0004, 0.0005, 0.001, 0.0012),
     "latency_hit_margin": (0.0, 0.05, 0.1),
+    "latency_decode_others_weight": (0.0, 1.0),
+    "latency_decode_per_token": (False, True),
 }
 
 POLICY = "latency"
@@ -80,17 +86,17 @@ class TuneResult:
     """One replayed setting: the router (``latency`` or the reference), its knobs, what it measured."""
 
     router: str
-    knobs: dict[str, float]
+    knobs: dict[str, Knob]
     hit_rate: float
     ttft_p90_ms: float
     e2e_p90_ms: float
     itl_p90_ms: float
 
 
-def candidates(budget: int, seed: int) -> list[dict[str, float]]:
+def candidates(budget: int, seed: int) -> list[dict[str, Knob]]:
     """The defaults, then ``budget`` other grid points drawn without replacement (seeded)."""
     defaults = RouterConfig()
-    default = {name: float(getattr(defaults, name)) for name in SEARCH_SPACE}
+    default: dict[str, Knob] = {name: getattr(defaults, name) for name in SEARCH_SPACE}
     grid = [dict(zip(SEARCH_SPACE, values, strict=True)) for values in itertools.product(*SEARCH_SPACE.values())]
     others = [point for point in grid if point != default]
     random.Random(seed).shuffle(others)
@@ -139,7 +145,7 @@ def _load_in_worker(trace: Trace) -> None:
     _trace = trace
 
 
-def _replay_one(router: str, knobs: dict[str, float], setup: TuneSetup) -> TuneResult:
+def _replay_one(router: str, knobs: dict[str, Knob], setup: TuneSetup) -> TuneResult:
     assert _trace is not None, "the pool initializer loads the trace"
     config = msgspec.structs.replace(RouterConfig(block_size=setup.engine.block_size), **knobs)
     replay = ReplaySetup(
@@ -150,7 +156,7 @@ def _replay_one(router: str, knobs: dict[str, float], setup: TuneSetup) -> TuneR
     return TuneResult(router, knobs, report.hit_rate_tokens, report.ttft_ms.p90, report.e2e_ms.p90, report.itl_ms.p90)
 
 
-def result_key(trace_digest: str, trace: Trace, setup: TuneSetup, router: str, knobs: Mapping[str, float]) -> str:
+def result_key(trace_digest: str, trace: Trace, setup: TuneSetup, router: str, knobs: Mapping[str, Knob]) -> str:
     """Everything that decides a result, hashed: the cache key."""
     identity = {
         "trace": trace_digest,
@@ -188,7 +194,7 @@ def run_tune(
 ) -> tuple[list[TuneResult], TuneResult]:
     """Replay every candidate not already in ``cache`` (in parallel) and append each result to it as
     it comes. Returns the `latency` results and the reference's."""
-    points: list[tuple[str, dict[str, float]]] = [(REFERENCE, {})]
+    points: list[tuple[str, dict[str, Knob]]] = [(REFERENCE, {})]
     points += [(POLICY, knobs) for knobs in candidates(setup.budget, setup.seed)]
     keys = [result_key(trace_digest, trace, setup, router, knobs) for router, knobs in points]
     cached = _read_cache(cache)
@@ -234,7 +240,7 @@ def render_front(front: Sequence[TuneResult], chosen: TuneResult, reference: Tun
     rows = [header]
     for result in [*front, reference]:
         mark = "*" if result is chosen else ("ref" if result is reference else "")
-        knobs = [f"{result.knobs[name]:g}" if name in result.knobs else result.router for name in SEARCH_SPACE]
+        knobs = [_shown(result.knobs[name]) if name in result.knobs else result.router for name in SEARCH_SPACE]
         rows.append(
             [
                 mark,
@@ -255,9 +261,17 @@ def write_config(path: Path, chosen: TuneResult, engine: EngineConfig, note: str
     """The TOML file `kv-router serve --config` reads: the policy, its knobs, the engines' block size."""
     lines = [f"# {line}" for line in note.splitlines()]
     lines += [f'policy = "{POLICY}"', f"block_size = {engine.block_size}"]
-    lines += [f"{name} = {value!r}" for name, value in chosen.knobs.items()]
+    lines += [f"{name} = {_toml(value)}" for name, value in chosen.knobs.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
+
+
+def _shown(value: Knob) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else f"{value:g}"
+
+
+def _toml(value: Knob) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
 def trace_digest(path: Path | None, description: str) -> str:

@@ -12,7 +12,8 @@ import pytest
 
 from api.cli import main as kv_router_main
 from api.config import load_settings
-from mocker.tune import SEARCH_SPACE, TuneResult, candidates, pareto_front, pick
+from mocker.config import EngineConfig
+from mocker.tune import SEARCH_SPACE, TuneResult, candidates, pareto_front, pick, write_config
 from mocker.workload import WORKLOADS, agentic_rows, bursty_rows, rag_rows
 from router.config import RouterConfig
 
@@ -122,12 +123,8 @@ def test_tune_writes_the_front_and_a_config_serve_reads_and_resumes(
     assert settings.router.policy == "latency"
     assert settings.router.block_size == 64
     chosen = [json.loads(line)["result"] for line in lines]
-    assert {
-        "latency_miss_weight": settings.router.latency_miss_weight,
-        "latency_stall_weight": settings.router.latency_stall_weight,
-        "latency_decode_weight": settings.router.latency_decode_weight,
-        "latency_hit_margin": settings.router.latency_hit_margin,
-    } in [entry["knobs"] for entry in chosen]
+    # Every knob, the switch included (TOML's true / false), reads back as the setting chosen.
+    assert {name: getattr(settings.router, name) for name in SEARCH_SPACE} in [entry["knobs"] for entry in chosen]
 
     # Interrupted after three results, with a line cut short: the rerun replays only what is missing.
     cache.write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])
@@ -139,3 +136,14 @@ def test_tune_writes_the_front_and_a_config_serve_reads_and_resumes(
         with contextlib.suppress(ValueError):  # the line cut short stays cut short
             valid.append(json.loads(line)["key"])
     assert sorted(valid) == sorted(json.loads(line)["key"] for line in lines)
+
+
+def test_a_written_config_reads_back_every_knob_switches_included(tmp_path: Path) -> None:
+    """Each grid point's knobs, written as ``kv-router serve --config`` reads them, give that setting
+    back (a switch as TOML's true / false, not Python's True)."""
+    for knobs in ({name: values[-1] for name, values in SEARCH_SPACE.items()}, candidates(0, 0)[0]):
+        path = tmp_path / "kv-router.toml"
+        write_config(path, TuneResult("latency", knobs, 0.5, 100.0, 200.0, 10.0), EngineConfig(), "a note")
+        settings = load_settings(config_file=path)
+        assert {name: getattr(settings.router, name) for name in SEARCH_SPACE} == knobs
+    assert SEARCH_SPACE["latency_decode_per_token"] == (False, True)
