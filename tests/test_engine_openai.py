@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.metrics import sample
 from tests.router_processes import ROOT, RouterProcess, ToolProcess, kv_router_command
 from tests.waiting import until
 
@@ -90,6 +91,10 @@ def _worker(router: RouterProcess, worker_id: int) -> dict[str, Any] | None:
     return next((w for w in workers if w["config"]["worker_id"] == worker_id), None)
 
 
+def _heartbeats_heard(router: RouterProcess) -> float:
+    return sample(router.metrics(), "kv_router_nats_control_messages_total", outcome="heartbeats") or 0.0
+
+
 def _complete(router: RouterProcess, prompt: str) -> tuple[str, int]:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", max_retries=0)
     try:
@@ -154,6 +159,10 @@ def bridge_process(log_dir: Path, engine: EngineProcess, nats_url: str, *args: s
 def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_engine_is_down(
     tmp_path: Path,
 ) -> None:
+    from tests.engine_fakes import EngineHttp, SideLoop
+
+    side = SideLoop()
+    down: EngineHttp | None = None
     with EmbeddedNats() as nats:
         engine = EngineProcess(tmp_path, nats.url, 1).start()
         router = RouterProcess(tmp_path, "--no-embedded-nats", "--nats-url", nats.url, "--proxy")
@@ -174,8 +183,15 @@ def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_
             until(lambda: _worker(router, 1) is None, timeout=10)
             assert time.monotonic() - killed < 3.0
             assert _blocks_of(router, 1) == 0
-            time.sleep(1.0)  # the behaviour under test: no heartbeat brings it back while its engine is down
+            # The behaviour under test: no heartbeat brings it back while its engine is down. The window
+            # is counted, not slept: an engine answering 503 on the dead one's port counts the bridge's
+            # probes; four of them (1.5 s of the bridge's clock) span five of its heartbeat intervals.
+            down = side.call(EngineHttp(models=(MODEL,), port=engine.http).start())
+            down.healthy = False
+            until(lambda: down.asked["/health"] >= 4, 30, "four probes of the engine while it is down")
             assert _worker(router, 1) is None
+            side.call(down.stop())
+            down = None
 
             engine.start()
             until(lambda: _worker(router, 1) is not None, timeout=30)
@@ -188,6 +204,9 @@ def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_
             bridge.stop()
             router.stop()
             engine.stop()
+            if down is not None:
+                side.call(down.stop())
+            side.close()
 
 
 def test_an_http_registration_keeps_its_url_and_models_through_the_bridge_heartbeats(tmp_path: Path) -> None:
@@ -201,7 +220,10 @@ def test_an_http_registration_keeps_its_url_and_models_through_the_bridge_heartb
             status, _ = router.post("/v1/workers", {"worker_id": 2, "url": engine.url + "/v1", "models": [MODEL],
                                                     "total_kv_blocks": 512})  # fmt: skip
             assert status == 200
-            time.sleep(1.5)  # the behaviour under test: five heartbeats of the bridge, each with its registration
+            # The behaviour under test: five heartbeats of the bridge, each with its registration, as the
+            # router counts them (not 1.5 s slept: a loaded machine may send fewer in that time).
+            beats = _heartbeats_heard(router)
+            until(lambda: _heartbeats_heard(router) >= beats + 5, 30, "five more heartbeats heard")
             worker = _worker(router, 2)
             assert worker is not None
             config = worker["config"]
