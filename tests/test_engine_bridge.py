@@ -157,7 +157,17 @@ def test_a_gap_without_replay_leaves_the_rank_untrusted_until_the_engine_clears(
     try:
         chain.start_bridge()
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
-        time.sleep(0.2)  # past the slow-joiner window (a PUB socket shows no subscriber to wait on)
+        # Past the slow-joiner window: a PUB socket shows no subscriber to wait on, so clears (which
+        # change nothing the engine holds) go out until the bridge applies one. One lost before the
+        # bridge joined is a gap with no replay; the clear it then applies makes the rank trusted again.
+        stream = chain.bridge.streams[0] if chain.bridge else None
+        assert stream is not None
+
+        def heard() -> bool:
+            side.call(chain.engine.send([chain.engine.cleared()]))
+            return stream.stats["applied"] > 0
+
+        until(heard, 30, "the bridge hears the engine")
         chain.steps(5)
         _converged(router, chain)
         side.call(chain.engine.step(publish=False))
@@ -254,10 +264,13 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         assert chain.engine.dump()
 
         http.healthy = False  # its metrics endpoint answers 503: the bridge takes the worker out
-        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 404, timeout=3)
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 404, 30, "the worker is withdrawn")
         assert _dump(router) == []
         chain.steps(5)  # published meanwhile, to no router
-        time.sleep(0.5)  # the behaviour under test: no heartbeat brings it back
+        # The behaviour under test: no heartbeat brings it back, over ten more of the bridge's probes
+        # (1 s of its clock, five heartbeat intervals), counted rather than slept.
+        probes = http.asked["/metrics"]
+        until(lambda: http.asked["/metrics"] >= probes + 10, 30, "ten more probes of the engine")
         assert router.get(f"/v1/workers/{WORKER}").status_code == 404
 
         http.healthy = True  # the same engine process: what it holds comes back, from its replay buffer
