@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -27,9 +28,10 @@ from api.config import EventPlaneConfig
 from api.plane_lifecycle import PlaneLifecycle, embedded_nats
 from router.config import RouterConfig
 from router.event_plane.embedded_server import find_nats_server, free_port
+from router.event_plane.publisher import open_registry
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
-from tests.waiting import until
+from tests.waiting import eventually, until
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -113,8 +115,11 @@ async def _plane_round_trip(config: EventPlaneConfig) -> None:
         assert plane.nc.is_connected
         # Let the registry watch take the registration's echo first: stopping the plane while that
         # echo is being delivered can hang (nats-py's watcher under asyncio.wait_for loses the
-        # cancellation; left to the event plane's owners).
-        await asyncio.sleep(0.5)
+        # cancellation; left to the event plane's owners). The watch is ordered: once it has applied
+        # a put made after the registration, it has taken the echo (a slept 0.5 s may not be enough).
+        registry = await open_registry(plane.nc, plane.subjects)
+        await registry.put("42", msgspec.json.encode(WorkerConfig(worker_id=42)))
+        await eventually(lambda: router.has_worker(42), 30, "the registry watch takes a later put")
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
