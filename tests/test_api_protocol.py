@@ -398,9 +398,9 @@ def test_queued_new_completes_after_mark_free_on_another_connection() -> None:
         def pending() -> int:
             return int(body_of(first.ask(post("/v1/potential_loads", {"tokens": [1]})))["pending_count"])
 
-        until(lambda: pending() == 1, 5, "the leaver is queued")
+        until(lambda: pending() == 1, 30, "the leaver is queued")
         leaver.close()
-        until(lambda: pending() == 0, 5, "the leaver's place is given back")
+        until(lambda: pending() == 0, 30, "the leaver's place is given back")
         assert first.ask(post("/v1/mark_free", {"request_id": "second"})).startswith(b"HTTP/1.1 200 ")
         assert first.ask(post("/v1/mark_free", {"request_id": "leaver"})).startswith(b"HTTP/1.1 404 ")
         first.close()

@@ -102,15 +102,15 @@ def test_both_modes_work_with_nats_credentials(secured_nats: SecuredNats, tmp_pa
     b = RouterProcess(tmp_path, *flags, "--router-name", "b").start()
     try:
         assert a.post("/v1/workers", {"worker_id": 5})[0] == 201
-        until(lambda: len(b.get("/v1/workers")["workers"]) == 1, 5, "the worker reaches b through the registry")
+        until(lambda: len(b.get("/v1/workers")["workers"]) == 1, 30, "the worker reaches b through the registry")
         asyncio.run(_publish(secured_nats.options))
-        until(lambda: len(canonical(b.get("/v1/dump"))) == 4, 5, "b indexes the worker's blocks from the stream")
+        until(lambda: len(canonical(b.get("/v1/dump"))) == 4, 30, "b indexes the worker's blocks from the stream")
         assert a.post("/v1/new", {"tokens": PROMPT, "request_id": "shared"})[0] == 200
-        until(lambda: active_requests(b) == [1], 5, "b sees a's booking")
+        until(lambda: active_requests(b) == [1], 30, "b sees a's booking")
         assert b.post("/v1/mark_free", {"request_id": "shared"})[0] == 200
 
-        until(lambda: canonical(a.get("/v1/dump")) == canonical(b.get("/v1/dump")), 5, "a indexed the blocks too")
-        until(a.snapshot_covers_applied, 10, "a writes a snapshot of the index it has applied")
+        until(lambda: canonical(a.get("/v1/dump")) == canonical(b.get("/v1/dump")), 30, "a indexed the blocks too")
+        until(a.snapshot_covers_applied, 30, "a writes a snapshot of the index it has applied")
         a.kill9()
         a = RouterProcess(tmp_path, *a.args[5:], port=a.port).start()
         assert canonical(a.get("/v1/dump")) == canonical(b.get("/v1/dump"))

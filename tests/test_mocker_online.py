@@ -85,7 +85,7 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
             for i in range(WORKERS):
                 assert (await nc.request(reset_subject("default", 100 + i), b"", timeout=5)).data == b"ok"
             await nc.close()
-            await eventually(lambda: dump_is_empty(http), 5, "the index is emptied")
+            await eventually(lambda: dump_is_empty(http), 30, "the index is emptied")
     finally:
         for process in workers:
             assert process.stop() == 0  # a clean exit on SIGTERM
@@ -105,7 +105,7 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
         async def no_workers() -> bool:
             return not msgspec.json.decode((await http.get("/v1/workers")).content)["workers"]
 
-        await eventually(no_workers, 5, "no worker is listed")
+        await eventually(no_workers, 30, "no worker is listed")
 
 
 async def dump_is_empty(http: httpx.AsyncClient) -> bool:

@@ -137,13 +137,13 @@ def test_replicas_and_durable_events_with_creds(operator_nats: OperatorNats, tmp
             until(lambda r=router: _overlap(r) == 4, 10, "the worker's events reach the router via the stream")
         status, decision = a.post("/v1/new", {"tokens": PROMPT, "request_id": "creds-1"})
         assert status == 200 and decision["worker_id"] == 7 and decision["overlap_blocks"] == 4
-        until(lambda: _active(b) == [1], 5, "b sees a's booking through replica sync")
+        until(lambda: _active(b) == [1], 30, "b sees a's booking through replica sync")
         assert b.post("/v1/mark_free", {"request_id": "creds-1"})[0] == 200
-        until(lambda: _active(a) == [0], 5, "a sees b's mark_free")
+        until(lambda: _active(a) == [0], 30, "a sees b's mark_free")
 
         dump = canonical(b.get("/v1/dump"))
         assert len(dump) == 4
-        until(a.snapshot_covers_applied, 10, "a writes a snapshot of the index it has applied")
+        until(a.snapshot_covers_applied, 30, "a writes a snapshot of the index it has applied")
         a.kill9()
         a = RouterProcess(tmp_path, *a.args[5:], port=a.port).start()
         assert canonical(a.get("/v1/dump")) == dump

@@ -132,7 +132,7 @@ class Fleet:
             return theirs == expected
 
         try:
-            await eventually(alike, 5, what)
+            await eventually(alike, 30, what)
         except AssertionError as error:
             raise AssertionError(f"{error}: Dynamo reports {theirs}, we report {expected}") from None
 

@@ -57,7 +57,7 @@ def sockets() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
         publisher.send_multipart([b"kv-probe"])
         return bool(subscriber.poll(10))
 
-    until(heard, 5, "the subscription reaches the PUB socket")
+    until(heard, 30, "the subscription reaches the PUB socket")
     while subscriber.poll(0):
         subscriber.recv_multipart()
     try:
@@ -116,7 +116,7 @@ async def test_a_stream_counts_what_its_reader_took_dropped_and_refused() -> Non
             engine.send_multipart([b"probe"])
             return False
 
-        await eventually(probed, 5, "a probe reaches the reader")
+        await eventually(probed, 30, "a probe reaches the reader")
         await eventually(lambda: stats["messages"] == stats["rejected_bad_frames"] > 0)
         probes = stats["messages"]
         empty_batch = msgspec.msgpack.encode([1700000000.5, [], 0])

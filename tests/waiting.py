@@ -1,5 +1,8 @@
 """The tests' one way to wait for an asynchronous effect: poll a condition until it holds or time runs
-out, then fail saying what was awaited. Never wait a fixed time for something to happen."""
+out, then fail saying what was awaited. Never wait a fixed time for something to happen.
+
+A timeout only bounds a failure (a wait that succeeds ends at once), so it is generous: CI runs on
+fresh, slower machines, where NATS, JetStream and subprocesses take several times longer than here."""
 
 from __future__ import annotations
 
@@ -11,11 +14,12 @@ from collections.abc import Awaitable, Callable
 __all__ = ["eventually", "until"]
 
 POLL_S = 0.02
+DEFAULT_TIMEOUT_S = 30.0
 
 
 async def eventually(
     condition: Callable[[], bool | Awaitable[bool]],
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_TIMEOUT_S,
     what: str = "condition",
     *,
     in_thread: bool = False,
@@ -38,7 +42,7 @@ async def eventually(
 
 
 def until(
-    condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition", *, poll: float = POLL_S
+    condition: Callable[[], bool], timeout: float = DEFAULT_TIMEOUT_S, what: str = "condition", *, poll: float = POLL_S
 ) -> None:
     """Blocking: sleep until ``condition()`` holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
