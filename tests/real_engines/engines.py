@@ -288,7 +288,7 @@ class EngineMirror:
         status, answer = self.engine.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
         assert status == 200, answer
         block = tuple(prompt[:BLOCK_SIZE])
-        until(lambda: block in self.markers, 10, f"engine {self.engine.worker_id}: its marker block is heard",
+        until(lambda: block in self.markers, 30, f"engine {self.engine.worker_id}: its marker block is heard",
               poll=0.005)  # fmt: skip
 
     def engine_died(self) -> None:
