@@ -50,7 +50,8 @@ def same_state(router_tree: RadixTree, publisher: KvEventPublisher) -> bool:
 async def start_router(nc: Client) -> tuple[RadixTree, EventSequencer, KvEventSubscriber]:
     tree = RadixTree()
     sequencer = EventSequencer(tree)
-    subscriber = KvEventSubscriber(nc, sequencer, resync_timeout_s=0.5, resync_backoff_s=0.05)
+    # 5 s bounds an unanswered resync only: at 0.5 s a stalled loop could give up on an answered one.
+    subscriber = KvEventSubscriber(nc, sequencer, resync_timeout_s=5.0, resync_backoff_s=0.05)
     await subscriber.start()
     await nc.flush()
     return tree, sequencer, subscriber
