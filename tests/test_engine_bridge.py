@@ -51,7 +51,7 @@ def side() -> Iterator[SideLoop]:
 def router(nats_server: EmbeddedNats) -> Iterator[TestClient]:
     settings = Settings(
         router=RouterConfig(block_size=BLOCK),
-        event_plane=EventPlaneConfig(nats_url=nats_server.url, worker_lease_secs=30, resync_timeout_secs=0.5),
+        event_plane=EventPlaneConfig(nats_url=nats_server.url, worker_lease_secs=30, resync_timeout_secs=5),
     )
     app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
     with TestClient(app, base_url="http://127.0.0.1") as client:
