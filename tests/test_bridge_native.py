@@ -97,7 +97,7 @@ async def _run(url: str, payloads: list[bytes], *, native: bool) -> tuple[Any, .
                 await stream.take_live(seq, payload)
         await nc.publish(f"kv.{namespace}.events.{WORKER}", b"end")
         await nc.flush()
-        await eventually(lambda: bool(received) and received[-1] == b"end", 10, "the end marker arrives")
+        await eventually(lambda: bool(received) and received[-1] == b"end", 30, "the end marker arrives")
         assert received.pop() == b"end"
     finally:
         await subscription.unsubscribe()

@@ -368,7 +368,7 @@ def _probed_by_one_watcher(http: Any) -> None:
     """The engine's ``/health`` is asked at one watcher's pace: in any stretch of t seconds one prober
     (it sleeps its interval between two asks) asks at most t / ENGINE_PROBE_S + 1 times."""
     start, before = time.monotonic(), http.asked["/health"]
-    until(lambda: http.asked["/health"] >= before + 4, 10, "four more health probes")
+    until(lambda: http.asked["/health"] >= before + 4, 30, "four more health probes")
     asked, elapsed = http.asked["/health"] - before, time.monotonic() - start
     assert asked <= elapsed / ENGINE_PROBE_S + 2, f"{asked} health probes in {elapsed:.2f} s"
 

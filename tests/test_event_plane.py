@@ -155,7 +155,7 @@ async def test_nats_restart_keeps_registry_watch_heartbeats_and_events(nats_serv
     await first.stored(prompt_blocks(PROMPT))
     await eventually(lambda: cached(plane.router, PROMPT).get((61, 0)) == 8)
     nats_server.restart()
-    await eventually(lambda: router_nc.is_connected and worker_nc.is_connected, timeout=15)
+    await eventually(lambda: router_nc.is_connected and worker_nc.is_connected, timeout=30)
     await eventually(lambda: plane.outcomes["reconnects"] == 1)
     # Events lost in the outage are recovered by the full resync after the reconnect ...
     await first.removed([prompt_blocks(PROMPT)[7][0]])
@@ -191,7 +191,7 @@ async def test_lease_expiry_survives_a_crash_and_still_removes_the_silent_worker
 
     plane.deregister = deregister_failing_once  # type: ignore[method-assign]
     publisher.stop_heartbeat()
-    await eventually(lambda: not plane.router.workers(), timeout=15)  # lease, failed pass, backoff, pass
+    await eventually(lambda: not plane.router.workers(), timeout=30)  # lease, failed pass, backoff, pass
     assert plane._background.restarts["lease-expiry"] == 1
     await publisher.stop()
     await plane.stop()

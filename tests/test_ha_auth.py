@@ -76,7 +76,7 @@ def secured_nats(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Sec
     with log_path.open("wb") as log:  # a file, not a pipe nobody drains
         server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log)
     try:
-        until(lambda: b"Server is ready" in log_path.read_bytes(), 10, "nats-server is ready")
+        until(lambda: b"Server is ready" in log_path.read_bytes(), 30, "nats-server is ready")
         yield SecuredNats(url, options, ["--nats-url", url, *flags])
     finally:
         server.terminate()

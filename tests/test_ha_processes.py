@@ -82,15 +82,15 @@ def test_processes_share_the_port_and_one_load_view(tmp_path: Path) -> None:
         until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
               40, "two router processes listening")  # fmt: skip
         assert on_new_connection(router.port, "/v1/workers", {"worker_id": 1, "dp_size": 2})[0] in (200, 201)
-        until(lambda: registered_everywhere(router.port, 1), 15, "every process knows the worker")
+        until(lambda: registered_everywhere(router.port, 1), 30, "every process knows the worker")
         for index in range(10):
             status, _ = on_new_connection(router.port, "/v1/new", {"tokens": PROMPT, "request_id": f"r{index}"})
             assert status == 200
-        until(lambda: active_everywhere(router.port) == {10}, 15, "every process sees the 10 bookings")
+        until(lambda: active_everywhere(router.port) == {10}, 30, "every process sees the 10 bookings")
         for index in range(0, 10, 2):  # marks land on whichever process takes the connection
             status, _ = on_new_connection(router.port, "/v1/mark_free", {"request_id": f"r{index}"})
             assert status == 200
-        until(lambda: active_everywhere(router.port) == {5}, 15, "every process sees the frees")
+        until(lambda: active_everywhere(router.port) == {5}, 30, "every process sees the frees")
 
         victim = children_of(router.pid)[0]
         os.kill(victim, signal.SIGKILL)
@@ -126,11 +126,11 @@ async def test_a_process_started_after_the_events_learns_them_from_the_worker(
         )
         await publisher.start()
         await eventually(
-            lambda: registered_everywhere(router.port, 5), 15, "every process knows the worker", in_thread=True
+            lambda: registered_everywhere(router.port, 5), 30, "every process knows the worker", in_thread=True
         )
         last_event = await publisher.stored(pairs(3, 6))
         await eventually(
-            lambda: cached_everywhere(router.port, 5, 3, 6), 15, "every process indexed the blocks", in_thread=True
+            lambda: cached_everywhere(router.port, 5, 3, 6), 30, "every process indexed the blocks", in_thread=True
         )
 
         victim = children_of(router.pid)[0]
@@ -138,11 +138,11 @@ async def test_a_process_started_after_the_events_learns_them_from_the_worker(
         await eventually(lambda: victim not in children_of(router.pid) and listening_sockets(router.port) == 2,
                          40, "the parent starts the killed process again", in_thread=True)  # fmt: skip
         # Nothing was published since: the new process has the blocks from the worker's full dump.
-        await eventually(lambda: cached_everywhere(router.port, 5, 3, 6), 15, "the new process indexed the blocks",
+        await eventually(lambda: cached_everywhere(router.port, 5, 3, 6), 30, "the new process indexed the blocks",
                          in_thread=True)  # fmt: skip
         assert await publisher.stored(pairs(4, 2)) == last_event + 1
         await eventually(
-            lambda: cached_everywhere(router.port, 5, 4, 2), 15, "both follow the live stream", in_thread=True
+            lambda: cached_everywhere(router.port, 5, 4, 2), 30, "both follow the live stream", in_thread=True
         )
     finally:
         await publisher.stop()

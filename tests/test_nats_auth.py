@@ -85,7 +85,7 @@ def nats_with(directory: Path, auth: str) -> Iterator[str]:
     with subprocess.Popen([find_nats_server(), "-c", str(config)], stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE) as process:  # fmt: skip
         try:
-            until(lambda: _accepting(port) or process.poll() is not None, timeout=10)
+            until(lambda: _accepting(port) or process.poll() is not None, timeout=30)
             assert process.poll() is None, process.communicate(timeout=5)[1].decode()[-1000:]
             yield f"nats://127.0.0.1:{port}"
         finally:

@@ -60,7 +60,7 @@ def operator_nats(tmp_path: Path) -> Iterator[OperatorNats]:
     with log_path.open("wb") as log:  # a file, not a pipe nobody drains
         server = subprocess.Popen([find_nats_server(), "-c", str(config)], stdout=subprocess.DEVNULL, stderr=log)
     try:
-        until(lambda: b"Server is ready" in log_path.read_bytes() or server.poll() is not None, 10, "nats-server")
+        until(lambda: b"Server is ready" in log_path.read_bytes() or server.poll() is not None, 30, "nats-server")
         assert server.poll() is None, log_path.read_text()[-2000:]
         yield OperatorNats(f"nats://127.0.0.1:{port}", router_creds, worker_creds, foreign_creds)
     finally:
@@ -134,7 +134,7 @@ def test_replicas_and_durable_events_with_creds(operator_nats: OperatorNats, tmp
                   30, "the worker registers through the creds-authenticated registry")  # fmt: skip
         _completion(http_port, PROMPT)  # the engine stores the prompt's 4 blocks and publishes them
         for router in (a, b):
-            until(lambda r=router: _overlap(r) == 4, 10, "the worker's events reach the router via the stream")
+            until(lambda r=router: _overlap(r) == 4, 30, "the worker's events reach the router via the stream")
         status, decision = a.post("/v1/new", {"tokens": PROMPT, "request_id": "creds-1"})
         assert status == 200 and decision["worker_id"] == 7 and decision["overlap_blocks"] == 4
         until(lambda: _active(b) == [1], 30, "b sees a's booking through replica sync")

@@ -139,7 +139,7 @@ async def test_kill_9_and_restart_of_nats_keeps_routing_and_converges(
     assert (decision.worker_id, decision.overlap_blocks) == (72, 5)
     assert lifecycle.health().state == "disconnected"
     nats_server.restart()
-    await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=15)
+    await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=30)
     await publisher.stored(pairs(21, 2))  # published after the restart: routable without waiting for resyncs
     await eventually(lambda: cached(router, 21, 2) == {72: 2})
     await eventually(lambda: all(stream.trusted for stream in router.sequencer.status()))

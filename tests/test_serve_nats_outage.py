@@ -43,7 +43,7 @@ def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_
         # A few retries (four attempts take 3.5 s of back-off), however slowly a loaded machine runs them.
         until(lambda: served.log().count("unreachable") >= 4, timeout=30)
         with EmbeddedNats(port=nats_port) as nats:
-            until(lambda: _get(port, "/readyz")[0] == 200, timeout=15)
+            until(lambda: _get(port, "/readyz")[0] == 200, timeout=30)
             assert json.loads(_get(port, "/v1/info")[1])["nats_url"] == url
             pool = Workers(nats.url)
             tokens = list(range(7000, 7000 + 4 * BLOCK))
@@ -54,7 +54,7 @@ def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_
 
                 return _http(port, "/v1/new", json.dumps({"tokens": tokens}).encode()).get("overlap_blocks") == 4
 
-            until(routed, timeout=20)
+            until(routed, timeout=30)
             pool.close()
             process.send_signal(signal.SIGTERM)
             process.wait(10)
@@ -82,7 +82,7 @@ def test_a_busy_embedded_port_is_named_with_the_port_chosen_and_info_returns_the
     with EmbeddedNats() as squatter, serve(tmp_path, "--embedded-nats-port", str(squatter.port)) as served:
         process, port = served.process, served.port
         assert process is not None
-        until(lambda: _get(port, "/readyz")[0] == 200, timeout=15)
+        until(lambda: _get(port, "/readyz")[0] == 200, timeout=30)
         info = json.loads(_get(port, "/v1/info")[1])
         chosen = info["nats_url"]
         assert chosen.startswith("nats://127.0.0.1:") and chosen != squatter.url
