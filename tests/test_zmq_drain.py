@@ -118,14 +118,15 @@ async def test_a_stream_counts_what_its_reader_took_dropped_and_refused() -> Non
 
         await eventually(probed, 30, "a probe reaches the reader")
         await eventually(lambda: stats["messages"] == stats["rejected_bad_frames"] > 0)
+        # A probe sent just before the one seen may still be on its way: counted with the batches below.
         probes = stats["messages"]
         empty_batch = msgspec.msgpack.encode([1700000000.5, [], 0])
         # All queued before the reader runs again: one read takes the queue's 3, drops the other 47.
         for seq in range(50):
             engine.send_multipart([b"kv", seq.to_bytes(8, "big"), empty_batch])
         engine.send_multipart([b"kv", b"seq"])
-        await eventually(lambda: stats["messages"] == probes + 51 and stats["applied"] == 3)
-        assert (stats["dropped_queue_full"], stats["rejected_bad_frames"]) == (47, probes + 1)
+        await eventually(lambda: stats["messages"] - stats["rejected_bad_frames"] == 50 and stats["applied"] == 3)
+        assert stats["dropped_queue_full"] == 47 and stats["rejected_bad_frames"] - probes in (1, 2)
         assert stream.last_rejection["bad_frames"] == "expected [topic, seq(8 bytes), payload], got 2 frames"
         assert stream.backlog == 0
     finally:
