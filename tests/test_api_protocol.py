@@ -408,11 +408,12 @@ def test_queued_new_completes_after_mark_free_on_another_connection() -> None:
 
 
 def test_keep_alive_timeout_closes_only_idle_connections() -> None:
-    with uvicorn_on_loopback(keep_alive_s=0.5) as port:
+    # 1 s: a loaded machine's stall between two of the busy client's asks stays well short of it.
+    with uvicorn_on_loopback(keep_alive_s=1.0) as port:
         busy, idle = Client(port), Client(port)
         for client in (busy, idle):
             assert client.ask(post("/v1/mark_free", {"request_id": "x"})).startswith(b"HTTP/1.1 404 ")
-        for _ in range(6):  # 0.9 s of traffic, never 0.5 s idle
+        for _ in range(10):  # 1.5 s of traffic, never 1 s idle
             time.sleep(0.15)  # the behaviour under test: time passes on the keep-alive clock
             assert busy.ask(post("/v1/mark_free", {"request_id": "x"})).startswith(b"HTTP/1.1 404 ")
         assert idle.closed_by_server(0.1)
