@@ -56,7 +56,9 @@ def dynamo_event(worker_id: int, event_id: int, seed: int, blocks: int) -> bytes
 
 
 async def router_plane(nc: Client) -> RouterEventPlane:
-    plane = RouterEventPlane(KvRouter(RouterConfig(block_size=BLOCK)), nc, resync_timeout_s=0.5)
+    # 5 s bounds an unanswered resync only: the slow responder's test holds one open while it checks
+    # the stream meanwhile, which three attempts of 0.5 s gave a loaded machine 1.5 s to do.
+    plane = RouterEventPlane(KvRouter(RouterConfig(block_size=BLOCK)), nc, resync_timeout_s=5.0)
     await plane.start()
     return plane
 
