@@ -129,12 +129,14 @@ class _Routing:
         self.hashing_s = hashing_s
         self.matching_s = matching_s
 
-    def leg(self, request: RouteRequest, config: RouterConfig, pinned: WorkerRank | None) -> _Routing:
-        """The same prompt and match, routed as one leg of a disaggregated request."""
+    def leg(
+        self, request: RouteRequest, config: RouterConfig, pinned: WorkerRank | None, prompt: Prompt | None = None
+    ) -> _Routing:
+        """The same match (and prompt, unless given), routed as one leg of a disaggregated request."""
         return _Routing(
             request,
             config,
-            self.prompt,
+            self.prompt if prompt is None else prompt,
             self.overlaps,
             pinned,
             self.among,
@@ -574,7 +576,9 @@ class KvRouter:
                 if owner is not None:
                     raise DuplicateRequestId(prefill_id, *owner)
             prefill_request = msgspec.structs.replace(request, request_id=prefill_id, expected_output_tokens=1)
-            prefill_routing = routing.leg(prefill_request, config, pinned_prefill)
+            # Without disagg_prefill_track_active_blocks the leg books no blocks and none are priced.
+            prefill_prompt = None if config.disagg_prefill_track_active_blocks else routing.prompt.unbooked()
+            prefill_routing = routing.leg(prefill_request, config, pinned_prefill, prefill_prompt)
             try:
                 prefill_workers = leg_workers(self._eligible(prefill_routing), "prefill")
                 if prefill_workers:

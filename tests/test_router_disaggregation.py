@@ -74,15 +74,37 @@ def test_long_uncached_prompt_is_prefilled_remotely_where_its_prefix_is_cached()
     assert (receipt.prefill.overlap_blocks, receipt.prefill.cached_tokens) == (30, 30 * BS)
     assert receipt.prefill.booking_id == "r#prefill" and receipt.threshold_tokens == 256
     assert "at or above the 256-token threshold" in receipt.reason
-    # The prefill leg books the uncached prefill on P2; the decode leg books blocks, no prefill.
+    # The prefill leg books the uncached prefill on P2 (no blocks: it decodes nothing); the decode leg
+    # books blocks, no prefill.
     booked = loads(router)
-    assert booked[P2] == (len(PROMPT) - 30 * BS, 40, 1)
+    assert booked[P2] == (len(PROMPT) - 30 * BS, 0, 1)
     assert booked[decision.worker_id] == (0, 40, 1)
     assert router.mark_prefill("r")  # the prefill leg ended: its booking goes, the decode one stays
     booked = loads(router)
     assert booked[P2] == (0, 0, 0) and booked[decision.worker_id] == (0, 40, 1)
     assert router.mark_free("r")
     assert all(load == (0, 0, 0) for load in loads(router).values())
+
+
+def test_prefill_leg_is_priced_by_pending_prefill_not_decode_blocks() -> None:
+    """The hot prefix stays on the prefill worker holding it while a short prefill runs there. P2 holds
+    30 of PROMPT's 40 blocks and is prefilling the last 5 blocks (80 tokens) of another 40-block prompt.
+    Dynamo's cost, prefill-only (the default): P2 (80 + 640) / 16 - 30 = 15 against P1's 640 / 16 = 40.
+    With the leg's blocks priced as decode load (disagg_prefill_track_active_blocks), P2 adds its 40
+    booked blocks and the prompt's own 40 (95) against P1's 40 + 40 (80): the prefix goes to P1."""
+    other = list(range(50_000, 50_000 + 40 * BS))
+    for track, expected, cached, p2_blocks in ((False, P2, 30 * BS, 0), (True, P1, 0, 40)):
+        router = fleet(disagg_prefill_track_active_blocks=track)
+        router.apply_event(prompt_stored_event(P2, PROMPT, BS, blocks=30))
+        router.apply_event(prompt_stored_event(P2, other, BS, event_id=2, blocks=35))
+        busy = route(router, other, "busy", pinned_prefill=(P2, 0))
+        assert busy.disaggregation is not None and busy.disaggregation.path == "remote_prefill"
+        assert loads(router)[P2] == (5 * BS, p2_blocks, 1)
+        receipt = route(router, PROMPT).disaggregation
+        assert receipt is not None and receipt.prefill is not None
+        assert (receipt.prefill.worker_id, receipt.prefill.cached_tokens) == (expected, cached)
+        assert router.mark_prefill("busy") and router.mark_prefill("r")
+        assert loads(router)[P1] == loads(router)[P2] == (0, 0, 0)  # both legs' bookings end with the prefill
 
 
 def test_mark_free_releases_both_legs() -> None:
@@ -271,13 +293,13 @@ def test_estimated_rule_takes_the_sooner_path_with_the_routers_load_view() -> No
         "remotely, the sooner"
     )
     assert second.prefill is not None and second.prefill.booking_id == "r1#prefill"
-    assert loads(router)[P1] == (640, 40, 1) and loads(router)[D1] == (640, 80, 2)  # r1's decode leg: no prefill
+    assert loads(router)[P1] == (640, 0, 1) and loads(router)[D1] == (640, 80, 2)  # r1's decode leg: no prefill
     third = route(router, prompts[2], "r2").disaggregation  # 640 + 640 x 2 = 1920 against 640 + 800 = 1440
     assert third is not None and third.path == "remote_prefill"
     assert router.mark_prefill("r0")  # D1's queue drains: 640 x 2.5 = 1600 against 1280 + 800 = 2080
     fourth = route(router, prompts[3], "r3").disaggregation
     assert fourth is not None and fourth.path == "local_prefill"
-    assert loads(router)[D1] == (640, 160, 4) and loads(router)[P1] == (1280, 80, 2)
+    assert loads(router)[D1] == (640, 160, 4) and loads(router)[P1] == (1280, 0, 2)
     for request_id in ("r0", "r1", "r2", "r3"):
         assert router.mark_free(request_id)
     assert all(load == (0, 0, 0) for load in loads(router).values())
