@@ -336,6 +336,13 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "tokens and cache alone, plus the decode load of any role-both worker's own requests"
         ),
     ] = False
+    disagg_prefill_policy: Annotated[
+        str | None,
+        _doc(
+            "disaggregated fleets: the selection policy, by its name in the policy registry, that places remote "
+            "prefill legs (the decode worker stays with policy); unset: policy for both"
+        ),
+    ] = None
     disagg_decode_overlap_credit: Annotated[
         bool,
         _doc(
@@ -450,6 +457,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             )
         if not self.policy:
             raise ConfigError("policy", "must name a registered selection policy")
+        if self.disagg_prefill_policy == "":
+            raise ConfigError("disagg_prefill_policy", "must name a registered selection policy or be unset")
 
     def with_override(self, override: RouterConfigOverride) -> RouterConfig:
         """This config with a request's override applied (Dynamo's `RouterConfigOverride`); raises

@@ -107,6 +107,33 @@ def test_prefill_leg_is_priced_by_pending_prefill_not_decode_blocks() -> None:
         assert loads(router)[P1] == loads(router)[P2] == (0, 0, 0)  # both legs' bookings end with the prefill
 
 
+def test_prefill_policy_places_the_prefill_legs_and_only_them() -> None:
+    """disagg_prefill_policy round_robin: the prefill legs take P1, P2, P1 in turn, P2's cached prefix
+    notwithstanding (dynamo would pick P2 each time: 640 / 16 - 30 = 10 against 40), while the decode
+    legs stay with the dynamo policy (the same decode workers as without the setting, same seed)."""
+    decode_workers = []
+    for prefill_policy, expected in ((None, [P2, P2, P2]), ("dynamo", [P2, P2, P2]), ("round_robin", [P1, P2, P1])):
+        router = fleet(disagg_prefill_policy=prefill_policy)
+        router.apply_event(prompt_stored_event(P2, PROMPT, BS, blocks=30))
+        legs = []
+        for n in range(3):
+            decision = route(router, PROMPT, f"r{n}", explain=True)
+            receipt = decision.disaggregation
+            assert receipt is not None and receipt.prefill is not None and receipt.path == "remote_prefill"
+            assert decision.explanation is not None and decision.explanation.policy == "dynamo"
+            legs.append((receipt.prefill.worker_id, decision.worker_id))
+        assert [prefill for prefill, _ in legs] == expected, prefill_policy
+        decode_workers.append([decode for _, decode in legs])
+    assert decode_workers[0] == decode_workers[1] == decode_workers[2]
+
+
+def test_prefill_policy_must_be_registered() -> None:
+    with pytest.raises(ConfigError, match="disagg_prefill_policy: unknown policy 'fastest'"):
+        fleet(disagg_prefill_policy="fastest")
+    with pytest.raises(ConfigError, match="disagg_prefill_policy"):
+        RouterConfig(disagg_prefill_policy="")
+
+
 def test_mark_free_releases_both_legs() -> None:
     router = fleet()
     decision = route(router, PROMPT)
