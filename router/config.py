@@ -323,6 +323,26 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         ),
         msgspec.Meta(ge=0),
     ] = 0.35
+    # Dynamo's advice for a prefill-only router is router_track_active_blocks off (§4.2): a prefill worker
+    # decodes nothing, so its cost is its pending prefill. Booked, a prefill leg's prompt blocks count as
+    # decode load on the worker holding the prefix (while its prefill runs) and push that prefix's next
+    # requests to a worker without it.
+    disagg_prefill_track_active_blocks: Annotated[
+        bool,
+        _doc(
+            "disaggregated fleets: book a remote prefill leg's prompt blocks on its prefill worker and price them as "
+            "decode load when placing prefill legs (Dynamo's router_track_active_blocks on a prefill router); off "
+            "(default, Dynamo's advice for prefill-only routers): the prefill pool is priced by its pending prefill "
+            "tokens and cache alone, plus the decode load of any role-both worker's own requests"
+        ),
+    ] = False
+    disagg_prefill_policy: Annotated[
+        str | None,
+        _doc(
+            "disaggregated fleets: the selection policy, by its name in the policy registry, that places remote "
+            "prefill legs (the decode worker stays with policy); unset: policy for both"
+        ),
+    ] = None
     disagg_decode_overlap_credit: Annotated[
         bool,
         _doc(
@@ -437,6 +457,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             )
         if not self.policy:
             raise ConfigError("policy", "must name a registered selection policy")
+        if self.disagg_prefill_policy == "":
+            raise ConfigError("disagg_prefill_policy", "must name a registered selection policy or be unset")
 
     def with_override(self, override: RouterConfigOverride) -> RouterConfig:
         """This config with a request's override applied (Dynamo's `RouterConfigOverride`); raises

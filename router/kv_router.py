@@ -45,7 +45,7 @@ from router.errors import (
     WorkersUnavailable,
 )
 from router.overlap import NO_OVERLAP, RankOverlap, rank_overlaps, round_half_away
-from router.policies import create_policy
+from router.policies import SelectionPolicy, create_policy, policy_names
 from router.prompt import Prompt, prepare_prompt
 from router.queue import PendingQueue
 from router.scheduler import Choice, Scheduler
@@ -129,12 +129,14 @@ class _Routing:
         self.hashing_s = hashing_s
         self.matching_s = matching_s
 
-    def leg(self, request: RouteRequest, config: RouterConfig, pinned: WorkerRank | None) -> _Routing:
-        """The same prompt and match, routed as one leg of a disaggregated request."""
+    def leg(
+        self, request: RouteRequest, config: RouterConfig, pinned: WorkerRank | None, prompt: Prompt | None = None
+    ) -> _Routing:
+        """The same match (and prompt, unless given), routed as one leg of a disaggregated request."""
         return _Routing(
             request,
             config,
-            self.prompt,
+            self.prompt if prompt is None else prompt,
             self.overlaps,
             pinned,
             self.among,
@@ -183,7 +185,7 @@ class KvRouter:
         # Approximate mode: the predicted cache of workers without KV events, made when the first is seen.
         self.predictions: PredictedCache | None = None
         self._rng = rng if rng is not None else random.Random()
-        self._scheduler = Scheduler(config, create_policy(config, self._rng))
+        self._scheduler = Scheduler(config, *self._create_policies(config))
         # Circuit breakers and health-check verdicts: who is out of routing, for every policy.
         self.health = WorkerHealth(config, clock)
         # Until router_min_initial_workers have registered once, `new` waits (Dynamo's startup wait).
@@ -245,6 +247,18 @@ class KvRouter:
                 self._workers_ready.set()
         self._dispatch_waiting()
 
+    def _create_policies(self, config: RouterConfig) -> tuple[SelectionPolicy, SelectionPolicy]:
+        """The policy and the prefill legs' (`disagg_prefill_policy`, else the same one)."""
+        policy = create_policy(config, self._rng)
+        name = config.disagg_prefill_policy
+        if name is None or name == config.policy:
+            return policy, policy
+        if name not in policy_names():
+            raise ConfigError(
+                "disagg_prefill_policy", f"unknown policy {name!r}; registered: {', '.join(policy_names())}"
+            )
+        return policy, create_policy(msgspec.structs.replace(config, policy=name), self._rng)
+
     def adopt_block_size(self, block_size: int) -> None:
         """``--block-size auto``: take the engines' block size, told by the first engine's stored event,
         before any block is indexed. Workers registered meanwhile (with the placeholder) take it too;
@@ -254,7 +268,7 @@ class KvRouter:
         if any(self.tree.stats().blocks.values()) or len(self._scheduler.sequences):
             raise ConfigError("block_size", "cannot change once blocks are indexed or requests are active")
         self.config = msgspec.structs.replace(self.config, block_size=block_size)
-        self._scheduler.adopt_config(self.config, create_policy(self.config, self._rng))
+        self._scheduler.adopt_config(self.config, *self._create_policies(self.config))
         for worker in self.workers():
             if worker.block_size is not None and worker.block_size != block_size:
                 self._scheduler.register_worker(msgspec.structs.replace(worker, block_size=block_size))
@@ -464,7 +478,7 @@ class KvRouter:
         started = time.perf_counter()
         return self._commit(routing, self._select(routing, workers), started, queued_s)
 
-    def _select(self, routing: _Routing, workers: list[WorkerConfig]) -> Choice:
+    def _select(self, routing: _Routing, workers: list[WorkerConfig], *, prefill_leg: bool = False) -> Choice:
         request = routing.request
         return self._scheduler.select(
             routing.prompt,
@@ -476,6 +490,7 @@ class KvRouter:
             config=routing.config,
             expected_output_tokens=request.expected_output_tokens,
             cached_blocks=self.tree.stats().blocks if self._scheduler.uses_cache_fill else None,
+            prefill_leg=prefill_leg,
         )
 
     def _commit(self, routing: _Routing, choice: Choice, started: float, queued_s: float) -> RouteDecision:
@@ -574,11 +589,13 @@ class KvRouter:
                 if owner is not None:
                     raise DuplicateRequestId(prefill_id, *owner)
             prefill_request = msgspec.structs.replace(request, request_id=prefill_id, expected_output_tokens=1)
-            prefill_routing = routing.leg(prefill_request, config, pinned_prefill)
+            # Without disagg_prefill_track_active_blocks the leg books no blocks and none are priced.
+            prefill_prompt = None if config.disagg_prefill_track_active_blocks else routing.prompt.unbooked()
+            prefill_routing = routing.leg(prefill_request, config, pinned_prefill, prefill_prompt)
             try:
                 prefill_workers = leg_workers(self._eligible(prefill_routing), "prefill")
                 if prefill_workers:
-                    prefill_choice = self._select(prefill_routing, prefill_workers)
+                    prefill_choice = self._select(prefill_routing, prefill_workers, prefill_leg=True)
             except (NoEligibleWorker, AllWorkersOverloaded):
                 if pinned_prefill is not None:
                     raise

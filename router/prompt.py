@@ -32,6 +32,10 @@ class Prompt:
         self.shared_hashes = shared_hashes
         self.private_blocks = private_blocks
 
+    def unbooked(self) -> Prompt:
+        """The same prompt booking no blocks (as with `router_track_active_blocks` off)."""
+        return Prompt(self.isl_tokens, self.local_hashes, None, 0)
+
     @property
     def booked_blocks(self) -> int:
         """Blocks this prompt adds to an idle rank's decode load."""

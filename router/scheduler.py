@@ -67,13 +67,15 @@ class Choice:
 class Scheduler:
     """Workers, their booked load and the policy that picks among them."""
 
-    def __init__(self, config: RouterConfig, policy: SelectionPolicy) -> None:
+    def __init__(self, config: RouterConfig, policy: SelectionPolicy, prefill_policy: SelectionPolicy) -> None:
         self._config = config
         self._policy = policy
-        # Fixed for the scheduler's life (the config and policy are): read once, not per decision.
+        # The prefill legs' policy on a disaggregated fleet (`disagg_prefill_policy`; else ``policy``).
+        self._prefill_policy = prefill_policy
+        # Fixed for the scheduler's life (the config and policies are): read once, not per decision.
         self._thresholds = busy_thresholds_configured(config)
-        self.uses_cache_fill = policy.uses_cache_fill
-        self.uses_context_in_flight = policy.uses_context_in_flight
+        self.uses_cache_fill = policy.uses_cache_fill or prefill_policy.uses_cache_fill
+        self.uses_context_in_flight = policy.uses_context_in_flight or prefill_policy.uses_context_in_flight
         self.workers = WorkerRegistry()
         linear = config.router_prefill_load_model == "linear"
         self.sequences = ActiveSequences(config.router_prefill_tokens_per_s if linear else None)
@@ -81,11 +83,12 @@ class Scheduler:
         # Every rank in registration order: the candidate list when no worker is filtered out.
         self._all_ranks: list[RankState] = []
 
-    def adopt_config(self, config: RouterConfig, policy: SelectionPolicy) -> None:
-        """Another config of the same thresholds and policy kind (the block size adopted from the
+    def adopt_config(self, config: RouterConfig, policy: SelectionPolicy, prefill_policy: SelectionPolicy) -> None:
+        """Another config of the same thresholds and policy kinds (the block size adopted from the
         engines, `KvRouter.adopt_block_size`), before any request depends on the old one."""
         self._config = config
         self._policy = policy
+        self._prefill_policy = prefill_policy
 
     # ------------------------------------------------------------------ topology
     def register_worker(self, config: WorkerConfig) -> list[str]:
@@ -157,11 +160,13 @@ class Scheduler:
         config: RouterConfig | None = None,
         expected_output_tokens: int | None = None,
         cached_blocks: Mapping[WorkerRank, int] | None = None,
+        prefill_leg: bool = False,
     ) -> Choice:
         """Pick a rank among ``workers`` (from `eligible_workers`). Books nothing. ``config`` is the
         request's own (the router's with its override applied), the router's by default;
         ``cached_blocks`` the index's blocks per rank, for a policy that `uses_cache_fill` (it is then
-        also given each rank's pass budget).
+        also given each rank's pass budget); ``prefill_leg``: a disaggregated request's prefill leg,
+        placed by the prefill policy.
 
         Raises `AllWorkersOverloaded` when every one of them has all its ranks busy. O(ranks + prompt
         blocks touched by `ActiveSequences.prefix_depths`).
@@ -200,18 +205,19 @@ class Scheduler:
             pass_tokens=pass_tokens,
         )
         # A pinned rank is the caller's choice; it is still reported with its load.
-        selection = self._policy.select(context) if pinned is None else Selection(0, "pinned by the caller")
+        policy = self._prefill_policy if prefill_leg else self._policy
+        selection = policy.select(context) if pinned is None else Selection(0, "pinned by the caller")
         key = ranks[selection.index].key
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s picked worker %d dp_rank %d: %s (%d candidates)",
-                self._policy.name,
+                policy.name,
                 key[0],
                 key[1],
                 selection.reason,
                 len(ranks),
             )
-        explanation = _explain(self._policy.name, context, selection) if explain else None
+        explanation = _explain(policy.name, context, selection) if explain else None
         reason: PickReason
         if pinned is not None:
             reason = "pinned"

@@ -74,15 +74,64 @@ def test_long_uncached_prompt_is_prefilled_remotely_where_its_prefix_is_cached()
     assert (receipt.prefill.overlap_blocks, receipt.prefill.cached_tokens) == (30, 30 * BS)
     assert receipt.prefill.booking_id == "r#prefill" and receipt.threshold_tokens == 256
     assert "at or above the 256-token threshold" in receipt.reason
-    # The prefill leg books the uncached prefill on P2; the decode leg books blocks, no prefill.
+    # The prefill leg books the uncached prefill on P2 (no blocks: it decodes nothing); the decode leg
+    # books blocks, no prefill.
     booked = loads(router)
-    assert booked[P2] == (len(PROMPT) - 30 * BS, 40, 1)
+    assert booked[P2] == (len(PROMPT) - 30 * BS, 0, 1)
     assert booked[decision.worker_id] == (0, 40, 1)
     assert router.mark_prefill("r")  # the prefill leg ended: its booking goes, the decode one stays
     booked = loads(router)
     assert booked[P2] == (0, 0, 0) and booked[decision.worker_id] == (0, 40, 1)
     assert router.mark_free("r")
     assert all(load == (0, 0, 0) for load in loads(router).values())
+
+
+def test_prefill_leg_is_priced_by_pending_prefill_not_decode_blocks() -> None:
+    """The hot prefix stays on the prefill worker holding it while a short prefill runs there. P2 holds
+    30 of PROMPT's 40 blocks and is prefilling the last 5 blocks (80 tokens) of another 40-block prompt.
+    Dynamo's cost, prefill-only (the default): P2 (80 + 640) / 16 - 30 = 15 against P1's 640 / 16 = 40.
+    With the leg's blocks priced as decode load (disagg_prefill_track_active_blocks), P2 adds its 40
+    booked blocks and the prompt's own 40 (95) against P1's 40 + 40 (80): the prefix goes to P1."""
+    other = list(range(50_000, 50_000 + 40 * BS))
+    for track, expected, cached, p2_blocks in ((False, P2, 30 * BS, 0), (True, P1, 0, 40)):
+        router = fleet(disagg_prefill_track_active_blocks=track)
+        router.apply_event(prompt_stored_event(P2, PROMPT, BS, blocks=30))
+        router.apply_event(prompt_stored_event(P2, other, BS, event_id=2, blocks=35))
+        busy = route(router, other, "busy", pinned_prefill=(P2, 0))
+        assert busy.disaggregation is not None and busy.disaggregation.path == "remote_prefill"
+        assert loads(router)[P2] == (5 * BS, p2_blocks, 1)
+        receipt = route(router, PROMPT).disaggregation
+        assert receipt is not None and receipt.prefill is not None
+        assert (receipt.prefill.worker_id, receipt.prefill.cached_tokens) == (expected, cached)
+        assert router.mark_prefill("busy") and router.mark_prefill("r")
+        assert loads(router)[P1] == loads(router)[P2] == (0, 0, 0)  # both legs' bookings end with the prefill
+
+
+def test_prefill_policy_places_the_prefill_legs_and_only_them() -> None:
+    """disagg_prefill_policy round_robin: the prefill legs take P1, P2, P1 in turn, P2's cached prefix
+    notwithstanding (dynamo would pick P2 each time: 640 / 16 - 30 = 10 against 40), while the decode
+    legs stay with the dynamo policy (the same decode workers as without the setting, same seed)."""
+    decode_workers = []
+    for prefill_policy, expected in ((None, [P2, P2, P2]), ("dynamo", [P2, P2, P2]), ("round_robin", [P1, P2, P1])):
+        router = fleet(disagg_prefill_policy=prefill_policy)
+        router.apply_event(prompt_stored_event(P2, PROMPT, BS, blocks=30))
+        legs = []
+        for n in range(3):
+            decision = route(router, PROMPT, f"r{n}", explain=True)
+            receipt = decision.disaggregation
+            assert receipt is not None and receipt.prefill is not None and receipt.path == "remote_prefill"
+            assert decision.explanation is not None and decision.explanation.policy == "dynamo"
+            legs.append((receipt.prefill.worker_id, decision.worker_id))
+        assert [prefill for prefill, _ in legs] == expected, prefill_policy
+        decode_workers.append([decode for _, decode in legs])
+    assert decode_workers[0] == decode_workers[1] == decode_workers[2]
+
+
+def test_prefill_policy_must_be_registered() -> None:
+    with pytest.raises(ConfigError, match="disagg_prefill_policy: unknown policy 'fastest'"):
+        fleet(disagg_prefill_policy="fastest")
+    with pytest.raises(ConfigError, match="disagg_prefill_policy"):
+        RouterConfig(disagg_prefill_policy="")
 
 
 def test_mark_free_releases_both_legs() -> None:
@@ -271,13 +320,13 @@ def test_estimated_rule_takes_the_sooner_path_with_the_routers_load_view() -> No
         "remotely, the sooner"
     )
     assert second.prefill is not None and second.prefill.booking_id == "r1#prefill"
-    assert loads(router)[P1] == (640, 40, 1) and loads(router)[D1] == (640, 80, 2)  # r1's decode leg: no prefill
+    assert loads(router)[P1] == (640, 0, 1) and loads(router)[D1] == (640, 80, 2)  # r1's decode leg: no prefill
     third = route(router, prompts[2], "r2").disaggregation  # 640 + 640 x 2 = 1920 against 640 + 800 = 1440
     assert third is not None and third.path == "remote_prefill"
     assert router.mark_prefill("r0")  # D1's queue drains: 640 x 2.5 = 1600 against 1280 + 800 = 2080
     fourth = route(router, prompts[3], "r3").disaggregation
     assert fourth is not None and fourth.path == "local_prefill"
-    assert loads(router)[D1] == (640, 160, 4) and loads(router)[P1] == (1280, 80, 2)
+    assert loads(router)[D1] == (640, 160, 4) and loads(router)[P1] == (1280, 0, 2)
     for request_id in ("r0", "r1", "r2", "r3"):
         assert router.mark_free(request_id)
     assert all(load == (0, 0, 0) for load in loads(router).values())

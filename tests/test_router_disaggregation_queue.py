@@ -115,7 +115,7 @@ def test_a_remote_prefill_waits_for_the_prefill_pool_and_is_placed_on_both_legs(
         assert booking is not None and booking.key == (P2, 0) and booking.prefill_tokens == LONG
         decode = router.booking("r")
         assert decode is not None and decode.key == (decision.worker_id, 0) and decode.prefill_tokens == 0
-        assert loads(router)[P2] == (LONG, 40, 1)
+        assert loads(router)[P2] == (LONG, 0, 1)  # a prefill leg books no blocks
         assert router.queue_stats() == QueueStats(pending_count=0, pending_isl_tokens=0)
         assert router.mark_free("r")
         assert router.booking("r#prefill") is None
@@ -283,7 +283,7 @@ def test_without_a_queue_both_legs_are_placed_at_once() -> None:
     async def scenario() -> None:
         for name in "abc":
             assert path_of(await router.new(request(name)))[::2] == ("remote_prefill", P1)
-        assert loads(router)[P1] == (3 * LONG, 120, 3)
+        assert loads(router)[P1] == (3 * LONG, 0, 3)
 
     run(scenario)
 
