@@ -56,6 +56,11 @@ class PredictedCache:
         self._replaced: set[WorkerRank] = set()
         self._swept = clock()
 
+    def _capacity(self, worker_id: int) -> int:
+        """How many predicted blocks a rank of the worker keeps: its ``total_kv_blocks``, else the default."""
+        worker = self._worker(worker_id)
+        return DEFAULT_PREDICTED_BLOCKS if worker is None or worker.total_kv_blocks is None else worker.total_kv_blocks
+
     def record(self, rank: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None = None) -> None:
         """The prompt with these local hashes (and these sequence hashes, when known: computed
         otherwise) was routed to ``rank`` (a worker without events)."""
@@ -66,10 +71,7 @@ class PredictedCache:
             self.forget(rank)
             self._replaced.add(rank)
             return
-        worker = self._worker(rank[0])
-        capacity = (
-            DEFAULT_PREDICTED_BLOCKS if worker is None or worker.total_kv_blocks is None else worker.total_kv_blocks
-        )
+        capacity = self._capacity(rank[0])
         now = self._clock()
         held = self._ranks.setdefault(rank, OrderedDict())
         self._expire(rank, held, now)

@@ -20,7 +20,7 @@ from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from indexer.radix_tree import RadixTree
 from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
-from router.approximate import DEFAULT_PREDICTED_BLOCKS, SWEEP_EVERY_S, PredictedCache
+from router.approximate import SWEEP_EVERY_S, PredictedCache
 from router.config import RouterConfig
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
@@ -120,10 +120,7 @@ class _TwoPassPredictions(PredictedCache):
     def record(self, rank: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None = None) -> None:
         if rank in self._replaced or self._sequencer.has_stream(*rank):
             raise AssertionError("not exercised here")
-        worker = self._worker(rank[0])
-        capacity = (
-            DEFAULT_PREDICTED_BLOCKS if worker is None or worker.total_kv_blocks is None else worker.total_kv_blocks
-        )
+        capacity = self._capacity(rank[0])
         now = self._clock()
         held = self._ranks.setdefault(rank, OrderedDict())
         self._expire(rank, held, now)
