@@ -159,6 +159,10 @@ class Run:
             )
         if miss.cached < miss.predicted and same_worker:
             return "eviction race: the worker evicted blocks for a request in flight after the decision"
+        if miss.cached < miss.predicted and any(
+            other.worker == miss.worker and 0 <= miss.started - other.ended < 1.0 for other in self.outcomes
+        ):
+            return "events in flight: a request had just ended on the worker, the blocks it evicted still indexed"
         if miss.cached > miss.predicted and same_worker:
             return "in-flight request: the worker stored blocks the index had not heard of at the decision"
         return "unexplained: nothing else was in flight on the worker"

@@ -7,6 +7,7 @@ each miss and its reason) is printed (``-s`` or the lane's log)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -126,10 +127,14 @@ def exact(run: Run, title: str) -> None:
 
 
 def mostly_exact(run: Run, title: str) -> None:
-    """At concurrency, at least 95% exact, each miss printed with its reason; nothing failed."""
+    """At concurrency: every miss explained by a race the router cannot see (another request in flight
+    on the worker: its blocks stored, or evicted, after the decision), and at least 90% exact (how
+    many races there are depends on the machine's speed: 96-99% here and on CI); nothing failed."""
     print(run.report(title))
     assert not run.failures
-    assert run.agreement >= 0.95, run.report(title)
+    unexplained = [miss for miss, reason in run.misses() if reason.startswith("unexplained")]
+    assert not unexplained, run.report(title)
+    assert run.agreement >= 0.9, run.report(title)
 
 
 # ---------------------------------------------------------------------------------------- direct mode
@@ -153,7 +158,7 @@ async def test_direct_mode_predicts_the_engines_cached_tokens_exactly_at_concurr
         assert calibrated == len(run.outcomes)
 
 
-async def test_direct_mode_at_concurrency_4_is_at_least_95_percent_exact(
+async def test_direct_mode_at_concurrency_4_is_exact_but_for_races_it_cannot_see(
     engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
     reset(mirrors)
@@ -257,15 +262,15 @@ async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
     engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
     reset(mirrors)
-    victim = engines[1]
     router = ready(direct_router(lane_dir, lane_nats.url, engines), {1, 2})
     with serving(router) as url:
         warm = workload(seed=7, requests=48, kinds=("ids",), streaming=False)
         exact(await in_turn(router, mirrors, warm), "warming both")
-        assert block_counts(router).get(victim.worker_id, 0) > 0
+        assert all(block_counts(router).get(engine.worker_id, 0) > 0 for engine in engines)
         # Under load (whole answers: a stream cut after its first byte cannot be retried elsewhere),
-        # lasting until LATE_CALLS calls have started more than 3 s after the kill, however fast the
-        # machine answers (bounded: at most MAX_CALLS calls).
+        # lasting until LATE_CALLS calls have started more than 3 s after the kill, however fast or
+        # slow the machine answers. Bounded: before the kill by the 60 s wait below (the load is then
+        # cancelled), after it by MAX_CALLS_AFTER_KILL.
         under_load = Run()
         killed_at: float | None = None
 
@@ -273,25 +278,27 @@ async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
             return [o for o in outcomes if killed_at is not None and o.started > killed_at + 3]
 
         def until_enough_late_calls() -> Iterator[Call]:
-            for call in workload(seed=8, requests=MAX_CALLS, kinds=("ids",), streaming=False):
-                if len(late(under_load.outcomes)) >= LATE_CALLS:
-                    return
+            calls_after_kill = 0
+            for call in itertools.cycle(workload(seed=8, requests=400, kinds=("ids",), streaming=False)):
+                if killed_at is not None:
+                    calls_after_kill += 1
+                    if calls_after_kill > MAX_CALLS_AFTER_KILL or len(late(under_load.outcomes)) >= LATE_CALLS:
+                        return
                 yield call
 
         load = asyncio.ensure_future(drive(url, until_enough_late_calls(), 4, under_load))
         try:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 60
-
-            def served_by_victim() -> int:
-                return sum(outcome.worker == victim.worker_id for outcome in under_load.outcomes)
-
-            while (len(under_load.outcomes) < 40 or served_by_victim() < 5) and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-            assert served_by_victim() >= 5, "the load never reached the engine to be killed"
+            await eventually(lambda: len(under_load.outcomes) >= 40, 60, "40 calls under load")
+            # The victim: the engine that has served more of the load so far (the router may well keep
+            # to one engine for a while: a vLLM engine meeting its first batch of a new size stalls
+            # for seconds, and the router rightly sends the load to the other one meanwhile).
+            served = [sum(o.worker == engine.worker_id for o in under_load.outcomes) for engine in engines]
+            position = served.index(max(served))
+            victim = engines[position]
+            print(f"killing engine {victim.worker_id} after {len(under_load.outcomes)} calls, {served} per engine")
             killed_at = time.monotonic()
             victim.kill9()
-            mirrors[1].engine_died()
+            mirrors[position].engine_died()
             gone = None
             while time.monotonic() < killed_at + 10:
                 if victim.worker_id not in block_counts(router) and victim.worker_id not in routable(router, warm):
@@ -312,8 +319,9 @@ async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
         finally:
             load.cancel()
             # Restarted whatever happened above, so that no later test meets a dead engine.
-            if not victim.alive():
-                victim.start().wait_ready()
+            for engine in engines:
+                if not engine.alive():
+                    engine.start().wait_ready()
         # Restarted: routed again, and predicted exactly again.
         until(lambda: victim.worker_id in routable(router, warm), 30)
         after = await in_turn(router, mirrors, workload(seed=9, requests=64, kinds=("ids",)))
@@ -322,7 +330,7 @@ async def test_an_engine_killed_under_load_fails_no_request_and_comes_back(
 
 
 LATE_CALLS = 40
-MAX_CALLS = 3000
+MAX_CALLS_AFTER_KILL = 3000
 
 
 def routable(router: RouterProcess, calls: Sequence[Any]) -> set[int]:
@@ -337,7 +345,7 @@ def routable(router: RouterProcess, calls: Sequence[Any]) -> set[int]:
 
 
 # ---------------------------------------------------------------------------------------- bridge mode
-async def test_bridge_mode_over_nats_predicts_exactly_at_concurrency_1_and_95_percent_at_4(
+async def test_bridge_mode_over_nats_predicts_exactly_at_concurrency_1_and_but_for_races_at_4(
     engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
     reset(mirrors)
