@@ -19,6 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +138,20 @@ class VllmEngine:
             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events), *transfer,
         ]  # fmt: skip
 
+    def core(self) -> int:
+        """The CPU this engine computes on: engines take the machine's CPUs in turn by worker id."""
+        cpus = sorted(os.sched_getaffinity(0))
+        return cpus[(self.worker_id - 1) % len(cpus)]
+
     def start(self) -> VllmEngine:
         env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the block override makes the cache smaller still
             "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+            # vLLM's automatic binding pins every engine's compute threads to the same core (core 0 on
+            # a 2-core machine, the other one reserved): two busy engines then took turns on it, one
+            # stalling for seconds. A core of its own each, as engines have a device of their own.
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.core()),
             "HF_HUB_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
@@ -178,8 +188,25 @@ class VllmEngine:
             self.stop()
             why = late or f"exited with status {process.returncode}"
             raise AssertionError(f"vLLM engine {self.worker_id} did not start ({why}):\n{self.log()[-4000:]}")
+        self._warm_batches()
         self.ready_after = time.monotonic() - self.started_at
         return self
+
+    def _warm_batches(self) -> None:
+        """A new engine stalls for seconds on its first batch of each size (2, 3, 4 requests: the CPU
+        build compiles for it); a router rightly sends everything to the other engine meanwhile, and a
+        test at concurrency 4 would then hear one engine. So each size is met here first, with prompts
+        of their own (random ids; tests reset the prefix caches anyway)."""
+        rng = random.Random(self.worker_id)
+        url = f"{self.url}/v1/completions"
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            for size in (2, 3, 4):
+                bodies = [
+                    {"model": MODEL, "prompt": [rng.randrange(10, 5990) for _ in range(48)], "max_tokens": 3}
+                    for _ in range(size)
+                ]
+                answers = list(pool.map(lambda body: _request(url, body, timeout=120), bodies))
+                assert [status for status, _ in answers] == [200] * size, answers
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
