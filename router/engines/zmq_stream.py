@@ -510,9 +510,10 @@ class ZmqEngineStream:
                 return
             self.stats["gap"] += 1
             self.stats["tail_recovered"] += len(batches)
-            if batches[0][0] > start:
+            expected = 0 if last is None else last + 1
+            if batches[0][0] > expected:
                 self.stats["missing_history"] += 1
-                self._unverified(f"the engine's replay buffer starts at seq {batches[0][0]}, not 0")
+                self._unverified(f"the engine's replay buffer goes on at seq {batches[0][0]}, not {expected}")
             for seq, payload in batches:
                 self._deliver_replayed(seq, payload)
 
