@@ -289,6 +289,8 @@ def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Pat
             assert [s["trusted"] for s in worker["event_streams"]] == [True]
             metrics = client.get("/metrics").text
             assert f'kv_router_engine_stream_messages_total{{endpoint="{endpoint}",outcome="restarts"}} 1.0' in metrics
+            tail_checks = f'kv_router_engine_stream_messages_total{{endpoint="{endpoint}",outcome="tail_checks"}}'
+            until(lambda: tail_checks in client.get("/metrics").text)  # the connection's, at least
     finally:
         call(engine.stop())
         side.close()
