@@ -349,6 +349,8 @@ async def test_batches_lost_at_the_tail_are_applied_while_the_engine_stays_quiet
         stats = direct.stream.stats
         await _heard(engine, direct)
         await _converged(router, engine, direct)
+        # The connection's check is past: only a quiet spell's can find what follows.
+        await eventually(lambda: stats["tail_checks"] > 0, 10, "the connection's check")
         recovered, gaps = stats["tail_recovered"], stats["gap"]
         for _ in range(2):
             await engine.step(publish=False)  # into the replay buffer only: the SUB never gets them
@@ -376,6 +378,13 @@ async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_
         await _heard(old, direct)
         await _converged(router, old, direct)
         assert old.dump()
+        # The connection's check, then a quiet spell's, are past: only the reconnection's can see it.
+        stats = direct.stream.stats
+        await eventually(lambda: stats["tail_checks"] > 0, 10, "the connection's check")
+        await old.step()
+        await _converged(router, old, direct)
+        checks = stats["tail_checks"]
+        await eventually(lambda: stats["tail_checks"] > checks, 10, "the quiet spell's check")
         await old.stop()  # the process ends: its PUB and replay sockets close
         await new.start()
         for _ in range(2):
@@ -383,7 +392,6 @@ async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_
         await eventually(
             lambda: canonical(router.tree.dump_events()) == new.dump(), 10, "the new process's blocks, only"
         )
-        stats = direct.stream.stats
         assert (stats["restarts"], stats["unverified"], stats["missing_history"]) == (1, 0, 0)
         assert _stream(router).trusted
         await new.step()  # the new process goes on: heard live, applied after its replayed seqs
