@@ -403,6 +403,41 @@ async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_
         await old.stop()
 
 
+async def test_an_engine_restarted_on_the_same_ports_that_published_nothing_yet_is_cleared_and_trusted() -> None:
+    """A new process that has cached nothing yet: its replay holds nothing, so the old process's blocks
+    go (the rank is cleared, not left unverified), and its first batch is heard as the next one."""
+    router = _router()
+    endpoint, replay = loopback_endpoints(replay=True)
+    old = FakeEngine(WORKER, endpoint, replay, seed=47)
+    await old.start()
+    direct = DirectEngine(router, engine_spec(WORKER, endpoint, replay))
+    await direct.start()
+    new = FakeEngine(WORKER, endpoint, replay, seed=53)
+    try:
+        await _heard(old, direct)
+        await _converged(router, old, direct)
+        await old.stop()
+        await new.start()
+        stats = direct.stream.stats
+        await eventually(
+            lambda: stats["restarts"] == 1 and router.tree.dump_events() == [], 10, "the old process's blocks go"
+        )
+        for _ in range(2):
+            await new.step()  # heard live once the subscription is in place, or replayed by the gap
+        await _converged(router, new, direct)  # so the check that saw the restart is over
+        assert (stats["restarts"], stats["unverified"], stats["missing_history"], stats["replay_failed"]) == (
+            1,
+            0,
+            0,
+            0,
+        )
+        assert _stream(router).trusted
+    finally:
+        await direct.stop()
+        await new.stop()
+        await old.stop()
+
+
 async def test_an_idle_streams_tail_checks_change_nothing_and_come_once_per_quiet_spell() -> None:
     from router.engines.zmq_stream import QUIET_S
 

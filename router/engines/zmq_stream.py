@@ -503,7 +503,7 @@ class ZmqEngineStream:
                     found = "nothing" if held is None else f"seq {held[0]}" if held[0] != last else "other bytes"
                     await self._restarted(f"a tail check found {found} under seq {last}")
                     self._last_live = None  # the old process's: the new one's live seqs start lower
-                    await self._repair(0)
+                    await self._bootstrap()  # a new process may hold nothing yet: no history missing
                     return
                 del batches[0]
             if not batches:
