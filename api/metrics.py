@@ -568,8 +568,8 @@ class EngineStreamCollector(Collector):
             CounterMetricFamily(
                 f"{PREFIX}_engine_stream_messages",
                 "Engine ZMQ batches by outcome: messages, applied, duplicate, dropped_queue_full, gap, replayed, "
-                "replay_failed, missing_history, restarts, rebuilds, unverified, rejected_<reason>; events, "
-                "ignored_events.",
+                "replay_failed, missing_history, restarts, rebuilds, unverified, tail_checks, tail_check_failed, "
+                "tail_recovered, rejected_<reason>; events, ignored_events.",
                 labels=["endpoint", "outcome"],
             ),
             GaugeMetricFamily(

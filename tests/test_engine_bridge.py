@@ -150,6 +150,28 @@ def test_gaps_restarts_clears_and_a_bridge_restart_leave_the_router_holding_what
         chain.close()
 
 
+def test_an_engine_restarted_on_the_same_ports_and_quiet_reaches_the_router_through_the_bridge(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    """The new process's first batches go out before the bridge's SUB socket reconnects (ZMQ drops
+    them) and nothing follows: the bridge's tail check after the reconnection finds the restart in the
+    replay socket, and the router ends up with exactly the new process's blocks."""
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge()
+        chain.steps(10)
+        _converged(router, chain)
+        assert chain.engine.dump()
+        side.call(chain.engine.stop())  # the process ends: its PUB and replay sockets close
+        chain.engine = FakeEngine(WORKER, chain.endpoint, chain.replay, seed=22)
+        side.call(chain.engine.start())
+        chain.steps(2)  # published at once, before the SUB socket reconnected
+        _converged(router, chain)
+        assert chain.bridge is not None and chain.bridge.streams[0].stats["restarts"] == 1
+    finally:
+        chain.close()
+
+
 def test_a_gap_without_replay_leaves_the_rank_untrusted_until_the_engine_clears(
     router: TestClient, side: SideLoop, nats_server: EmbeddedNats
 ) -> None:

@@ -7,6 +7,7 @@ gap leaves the rank untrusted.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 
 from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
-from router.engines.direct import DirectEngine
+from router.engines.direct import DirectEngine, SequencerSink
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
@@ -288,6 +289,8 @@ def test_serve_with_engine_zmq_flags_hears_the_engines_over_http(shared_dir: Pat
             assert [s["trusted"] for s in worker["event_streams"]] == [True]
             metrics = client.get("/metrics").text
             assert f'kv_router_engine_stream_messages_total{{endpoint="{endpoint}",outcome="restarts"}} 1.0' in metrics
+            tail_checks = f'kv_router_engine_stream_messages_total{{endpoint="{endpoint}",outcome="tail_checks"}}'
+            until(lambda: tail_checks in client.get("/metrics").text)  # the connection's, at least
     finally:
         call(engine.stop())
         side.close()
@@ -325,3 +328,193 @@ async def test_an_engine_whose_health_fails_leaves_routing_and_comes_back_rebuil
         await direct.stop()
         await engine.stop()
         await http.stop()
+
+
+# ---------------------------------------------------------------------------------------- tail checks
+async def _heard(engine: FakeEngine, direct: DirectEngine) -> None:
+    """Steps until one is heard live (those before the SUB socket joined come by replay)."""
+
+    async def heard() -> bool:
+        await engine.step()
+        return direct.stream.stats["messages"] > 0
+
+    await eventually(heard, what="the stream hears the engine")
+
+
+async def test_batches_lost_at_the_tail_are_applied_while_the_engine_stays_quiet() -> None:
+    """A gap shows only when a later batch arrives: the last batches before a quiet spell, lost on
+    the way, are asked for by the tail check the quiet spell brings."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=31) as (engine, direct):
+        stats = direct.stream.stats
+        await _heard(engine, direct)
+        await _converged(router, engine, direct)
+        # The connection's check is past: only a quiet spell's can find what follows.
+        await eventually(lambda: stats["tail_checks"] > 0, 10, "the connection's check")
+        recovered, gaps = stats["tail_recovered"], stats["gap"]
+        for _ in range(2):
+            await engine.step(publish=False)  # into the replay buffer only: the SUB never gets them
+        await eventually(lambda: canonical(router.tree.dump_events()) == engine.dump(), 10, "the lost tail is applied")
+        assert stats["applied"] == engine.publisher.next_seq  # every batch once, none live since
+        assert (stats["tail_recovered"] - recovered, stats["gap"] - gaps) == (2, 1)
+        assert (stats["restarts"], stats["unverified"]) == (0, 0)
+        assert _stream(router).trusted
+
+
+async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_replay() -> None:
+    """The new process publishes at once, before the SUB socket has reconnected (ZMQ drops those
+    batches), then goes quiet: the tail check after the reconnection finds no batch of the old process
+    under the last applied seq, so the rank is cleared and rebuilt from the new process's replay."""
+    router = _router()
+    endpoint, replay = loopback_endpoints(replay=True)
+    old = FakeEngine(WORKER, endpoint, replay, seed=37)
+    await old.start()
+    direct = DirectEngine(router, engine_spec(WORKER, endpoint, replay))
+    await direct.start()
+    new = FakeEngine(WORKER, endpoint, replay, seed=41)
+    try:
+        for _ in range(5):
+            await old.step()
+        await _heard(old, direct)
+        await _converged(router, old, direct)
+        assert old.dump()
+        # The connection's check, then a quiet spell's, are past: only the reconnection's can see it.
+        stats = direct.stream.stats
+        await eventually(lambda: stats["tail_checks"] > 0, 10, "the connection's check")
+        await old.step()
+        await _converged(router, old, direct)
+        checks = stats["tail_checks"]
+        await eventually(lambda: stats["tail_checks"] > checks, 10, "the quiet spell's check")
+        await old.stop()  # the process ends: its PUB and replay sockets close
+        await new.start()
+        for _ in range(2):
+            await new.step()  # seqs 0-1, published before the SUB socket reconnected
+        await eventually(
+            lambda: canonical(router.tree.dump_events()) == new.dump(), 10, "the new process's blocks, only"
+        )
+        assert (stats["restarts"], stats["unverified"], stats["missing_history"]) == (1, 0, 0)
+        assert _stream(router).trusted
+        await new.step()  # the new process goes on: heard live, applied after its replayed seqs
+        await _converged(router, new, direct)
+        assert (stats["restarts"], stats["unverified"]) == (1, 0)
+    finally:
+        await direct.stop()
+        await new.stop()
+        await old.stop()
+
+
+async def test_an_engine_restarted_on_the_same_ports_that_published_nothing_yet_is_cleared_and_trusted() -> None:
+    """A new process that has cached nothing yet: its replay holds nothing, so the old process's blocks
+    go (the rank is cleared, not left unverified), and its first batch is heard as the next one."""
+    router = _router()
+    endpoint, replay = loopback_endpoints(replay=True)
+    old = FakeEngine(WORKER, endpoint, replay, seed=47)
+    await old.start()
+    direct = DirectEngine(router, engine_spec(WORKER, endpoint, replay))
+    await direct.start()
+    new = FakeEngine(WORKER, endpoint, replay, seed=53)
+    try:
+        await _heard(old, direct)
+        await _converged(router, old, direct)
+        await old.stop()
+        await new.start()
+        stats = direct.stream.stats
+        await eventually(
+            lambda: stats["restarts"] == 1 and router.tree.dump_events() == [], 10, "the old process's blocks go"
+        )
+        for _ in range(2):
+            await new.step()  # heard live once the subscription is in place, or replayed by the gap
+        await _converged(router, new, direct)  # so the check that saw the restart is over
+        assert (stats["restarts"], stats["unverified"], stats["missing_history"], stats["replay_failed"]) == (
+            1,
+            0,
+            0,
+            0,
+        )
+        assert _stream(router).trusted
+    finally:
+        await direct.stop()
+        await new.stop()
+        await old.stop()
+
+
+async def test_an_idle_streams_tail_checks_change_nothing_and_come_once_per_quiet_spell() -> None:
+    from router.engines.zmq_stream import QUIET_S
+
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=43) as (engine, direct):
+        stats = direct.stream.stats
+        await _heard(engine, direct)
+        # The connection's check (its handshake came before the first message heard) ...
+        await eventually(lambda: stats["tail_checks"] > 0, 10, "the connection's check")
+        for _ in range(3):
+            await engine.step()
+        await _converged(router, engine, direct)
+        before = dict(stats)
+        # ... then the quiet spell's, after the last of these steps.
+        await eventually(lambda: stats["tail_checks"] == before["tail_checks"] + 1, 10, "a quiet spell's check")
+        checks = stats["tail_checks"]
+        await asyncio.sleep(3 * QUIET_S)  # an idle spell: no effect awaited, none may happen
+        assert stats["tail_checks"] == checks  # an idle engine is not polled
+        unchanged = ("gap", "restarts", "unverified", "replayed", "tail_recovered", "missing_history", "applied")
+        assert {key: stats[key] for key in unchanged} == {key: before.get(key, 0) for key in unchanged}
+        assert stats["tail_check_failed"] == 0
+        await engine.step()  # a new quiet spell: one more check
+        await eventually(lambda: stats["tail_checks"] == checks + 1, 10, "the next quiet spell's check")
+        await _converged(router, engine, direct)
+        assert _stream(router).trusted and stats["gap"] == before.get("gap", 0)
+
+
+async def test_a_replay_socket_that_does_not_answer_a_tail_check_leaves_the_stream_trusted_and_working(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    from router.engines.zmq_stream import ZmqEngineStream
+
+    router = _router()
+    endpoint, replay = loopback_endpoints(replay=True)
+    assert replay is not None
+    context = zmq.asyncio.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind(endpoint)
+    mute = context.socket(zmq.ROUTER)  # takes the replay requests, never answers
+    mute.bind(replay)
+    stream = ZmqEngineStream(
+        SequencerSink(router, WORKER), endpoint, block_size=BLOCK, replay_endpoint=replay, replay_timeout_s=0.3,
+        context=context,
+    )  # fmt: skip
+    await stream.start()
+    stats = stream.stats
+
+    async def send(seq: int) -> None:
+        stored = {"type": "BlockStored", "block_hashes": [seq + 1], "parent_block_hash": seq or None,
+                  "token_ids": list(range(seq * BLOCK, (seq + 1) * BLOCK)), "block_size": BLOCK, "lora_id": None,
+                  "medium": "GPU", "lora_name": None}  # fmt: skip
+        await pub.send_multipart([b"kv", seq.to_bytes(8, "big"), msgspec.msgpack.encode([0.0, [stored], 0])])
+
+    try:
+
+        async def subscribed() -> bool:  # probes (counted as bad frames) until the subscription is in place
+            await pub.send_multipart([b"probe"])
+            return stats["rejected_bad_frames"] > 0
+
+        await eventually(subscribed, what="the subscription reaches the PUB socket")
+        for seq in range(2):
+            await send(seq)
+        await eventually(lambda: stats["applied"] == 2 and stats["tail_check_failed"] >= 1, 10, "a failed check")
+        await send(2)
+        await eventually(lambda: stats["applied"] == 3, 10, "a later live message is applied")
+        await eventually(lambda: stats["tail_check_failed"] >= 2, 10, "its quiet spell's check fails too")
+        assert len(canonical(router.tree.dump_events())) == 3  # its three blocks
+        assert (stats["gap"], stats["unverified"], stats["restarts"], stats["replay_failed"]) == (0, 0, 0, 0)
+        assert _stream(router).trusted
+        failed = [r for r in caplog.records if "tail check failed" in r.getMessage()]
+        assert len(failed) == 1  # rate-limited
+    finally:
+        await stream.stop()
+        pub.close(linger=0)
+        mute.close(linger=0)
+        context.term()

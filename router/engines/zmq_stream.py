@@ -20,6 +20,20 @@ the last seq seen *live* on the SUB socket.
   first missing one: if the engine's batch under that seq is not the one applied, a new process has
   published past it unheard, and this is a restart (its whole history is then replayed from 0).
 
+A gap is only seen when a later batch arrives: batches lost at the tail (the first batches of a
+restarted engine, published before the SUB socket's subscription reached its new PUB socket; or the
+last ones before a quiet spell, dropped by a full queue) would stay unseen while the engine is quiet.
+With a replay endpoint, a *tail check* asks the replay socket for what follows the last applied seq
+(from 0 when nothing is applied), through the apply loop (in the stream's order, once the queue is
+empty): after every connection of the SUB socket (its monitor's handshake event), once the
+subscription has had ``tail_check_delay_s`` to reach the PUB socket; and once per quiet spell,
+``quiet_s`` after the last message heard (never while the engine stays idle). The engine's batch
+under the last applied seq equal to the one applied: what follows it is applied (one ``gap``, its
+batches counted in ``replayed`` and ``tail_recovered``), nothing follows: nothing happens. The seq no
+longer held, or other bytes under it: a new process, and a restart (cleared, replayed from 0). A
+tail check whose replay fails is counted (``tail_check_failed``) and logged rate-limited; it leaves
+the stream's trust as it was.
+
 With a ``batch_window_s`` (the bridge's), a stream that has caught up within half a window of its
 last batch lets what arrives until the window ends join the next: a busy engine costs one sink batch
 (one NATS message) per window instead of one per engine step, an engine stepping about once a window
@@ -43,6 +57,7 @@ from typing import Protocol, cast
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from indexer.engine_events import (
     EngineDecodeError,
@@ -67,6 +82,11 @@ YIELD_AFTER_S = 0.0005
 # Messages the SUB reader takes off the socket per wake-up (one `drain_sub` call) before it lets the
 # loop run.
 READ_BURST = 256
+# A SUB socket's subscription reaches the PUB socket a moment after its handshake: what the engine
+# publishes meanwhile is dropped by ZMQ (the slow joiner), so the tail check after a connection waits.
+TAIL_CHECK_DELAY_S = 0.2
+# A stream that heard nothing for this long after its last message checks its tail once.
+QUIET_S = 0.5
 
 
 class EngineSink(Protocol):
@@ -163,6 +183,8 @@ class ZmqEngineStream:
         batch_window_s: float = 0.0,
         context: zmq.asyncio.Context | None = None,
         adopt_block_size: Callable[[int], int] | None = None,
+        tail_check_delay_s: float = TAIL_CHECK_DELAY_S,
+        quiet_s: float = QUIET_S,
     ) -> None:
         self.sink = sink
         # ``--block-size auto``: told the engine's block size at its first stored event, it answers the
@@ -176,6 +198,8 @@ class ZmqEngineStream:
         self.cache_namespace = cache_namespace
         self._replay_timeout_s = replay_timeout_s
         self._batch_window_s = batch_window_s
+        self._tail_check_delay_s = tail_check_delay_s
+        self._quiet_s = quiet_s
         self._context = context or zmq.asyncio.Context.instance()
         # (seq, payload) as read, at most queue_size; `_queued` wakes the apply loop (a deque and an
         # event: an asyncio.Queue cost a future and its bookkeeping per message).
@@ -194,8 +218,8 @@ class ZmqEngineStream:
         self._replayed: deque[tuple[int, int]] = deque()
         self._ranks: set[int] = {dp_rank}
         # messages, applied, duplicate, dropped_queue_full, gap, replayed, replay_failed,
-        # missing_history, restarts, unverified, rebuilds, rejected_<reason>, events, blocks,
-        # ignored_events, tokens_hash_mismatch.
+        # missing_history, restarts, unverified, rebuilds, tail_checks, tail_check_failed,
+        # tail_recovered, rejected_<reason>, events, ignored_events, tokens_hash_mismatch.
         self.stats: Counter[str] = Counter()
         self.last_rejection: dict[str, str] = {}  # reason -> the latest such rejection, for diagnosis
         # The engine's block hashes against our tokens hashes (the doctor's tokens_hash_mismatch).
@@ -206,11 +230,17 @@ class ZmqEngineStream:
         self.salts: dict[int, str] = {}
         self._subscribed = asyncio.Event()
         self._rebuild_waiters: list[asyncio.Event] = []
+        # Set by the reader whenever it took messages (the quiet watcher's clock); a tail check asked
+        # for, which the apply loop runs once its queue is empty.
+        self._heard = asyncio.Event()
+        self._tail_check_due = False
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._background.keep_running("sub", self._read)
         self._background.keep_running("apply", self._apply_loop)
+        if self.replay_endpoint is not None:
+            self._background.keep_running("quiet", self._watch_quiet)
         await self._subscribed.wait()
 
     async def stop(self) -> None:
@@ -258,34 +288,73 @@ class ZmqEngineStream:
         readable = asyncio.Event()
         fd = cast(int, sync.getsockopt(zmq.FD))
         loop.add_reader(fd, readable.set)
+        # Made before the connection, so its first handshake is heard too.
+        monitor = None if self.replay_endpoint is None else socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
             socket.connect(self.endpoint)
             self._subscribed.set()
-            queue, queued, stats = self._queue, self._queued, self.stats
-            read: list[tuple[int, bytes]] = []
-            while True:
-                messages, dropped, misshapen = drain_sub(sync, READ_BURST, self._queue_size - len(queue), read)
-                if messages:
-                    stats["messages"] += messages
-                if read:
-                    queue.extend(read)
-                    read.clear()
-                    if not queued.is_set():
-                        queued.set()
-                if dropped:
-                    stats["dropped_queue_full"] += dropped
-                for frames in misshapen:
-                    self._reject("bad_frames", f"expected [topic, seq(8 bytes), payload], got {frames} frames")
-                if messages == READ_BURST:
-                    await asyncio.sleep(0)  # more is queued: let the loop run first
-                    continue
-                readable.clear()
-                # The descriptor is edge-triggered: look again before waiting for the next edge.
-                if not cast(int, sync.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                    await readable.wait()
+            if monitor is None:
+                await self._take_messages(sync, readable)
+            else:  # the socket's reader and its monitor's live and die together
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(self._take_messages(sync, readable))
+                    group.create_task(self._watch_connections(monitor))
         finally:
             loop.remove_reader(fd)
+            if monitor is not None:
+                socket.disable_monitor()
+                monitor.close()
             socket.close()
+
+    async def _take_messages(self, sync: zmq.Socket[bytes], readable: asyncio.Event) -> None:
+        queue, queued, heard, stats = self._queue, self._queued, self._heard, self.stats
+        read: list[tuple[int, bytes]] = []
+        while True:
+            messages, dropped, misshapen = drain_sub(sync, READ_BURST, self._queue_size - len(queue), read)
+            if messages:
+                stats["messages"] += messages
+                if not heard.is_set():
+                    heard.set()
+            if read:
+                queue.extend(read)
+                read.clear()
+                if not queued.is_set():
+                    queued.set()
+            if dropped:
+                stats["dropped_queue_full"] += dropped
+            for frames in misshapen:
+                self._reject("bad_frames", f"expected [topic, seq(8 bytes), payload], got {frames} frames")
+            if messages == READ_BURST:
+                await asyncio.sleep(0)  # more is queued: let the loop run first
+                continue
+            readable.clear()
+            # The descriptor is edge-triggered: look again before waiting for the next edge.
+            if not cast(int, sync.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                await readable.wait()
+
+    async def _watch_connections(self, monitor: zmq.asyncio.Socket) -> None:
+        """A tail check after each handshake of the SUB socket with a PUB socket (its first, and each
+        reconnection: a restarted engine's new socket), once the subscription has had time to reach
+        the PUB socket: what the engine published before that, ZMQ dropped."""
+        while True:
+            await cast(Awaitable[object], recv_monitor_message(monitor))
+            await asyncio.sleep(self._tail_check_delay_s)
+            self._ask_tail_check()
+
+    async def _watch_quiet(self) -> None:
+        """One tail check per quiet spell, ``quiet_s`` after the last message heard: an idle engine is
+        not asked again until it publishes."""
+        heard = self._heard
+        while True:
+            await heard.wait()
+            while heard.is_set():
+                heard.clear()
+                await asyncio.sleep(self._quiet_s)
+            self._ask_tail_check()
+
+    def _ask_tail_check(self) -> None:
+        self._tail_check_due = True
+        self._queued.set()
 
     async def _apply_loop(self) -> None:
         if self.replay_endpoint is not None and self._last_applied is None:
@@ -294,6 +363,10 @@ class ZmqEngineStream:
         sent_at = 0.0
         while True:
             while not queue and not self._rebuild_waiters:
+                if self._tail_check_due:  # caught up: nothing heard waits to be applied before it
+                    self._tail_check_due = False
+                    await self._check_tail()
+                    continue
                 queued.clear()
                 await queued.wait()
             if self._rebuild_waiters:
@@ -407,6 +480,41 @@ class ZmqEngineStream:
             self._unverified(f"the engine's replay buffer starts at seq {batches[0][0]}, not 0")
         for seq, payload in batches:
             async with self.sink.batch():
+                self._deliver_replayed(seq, payload)
+
+    async def _check_tail(self) -> None:
+        """What follows the last applied seq (from 0 when none is): asked from that seq, as `_repair`
+        asks, so the engine's batch under it tells the same process going on from a new one."""
+        self.stats["tail_checks"] += 1
+        last, applied = self._last_applied, self._last_payload
+        start = 0 if last is None else last
+        try:
+            batches = await replay_batches(
+                self._context, self.replay_endpoint or "", start, timeout_s=self._replay_timeout_s
+            )
+        except ReplayError as exc:  # the engine is down, perhaps: the next message or check will tell
+            self.stats["tail_check_failed"] += 1
+            self._bad_input.warning("tail check failed", f"engine at {self.endpoint}: {exc}")
+            return
+        async with self.sink.batch():
+            if last is not None:
+                held = batches[0] if batches else None
+                if held is None or held[0] != last or held[1] != applied:
+                    found = "nothing" if held is None else f"seq {held[0]}" if held[0] != last else "other bytes"
+                    await self._restarted(f"a tail check found {found} under seq {last}")
+                    self._last_live = None  # the old process's: the new one's live seqs start lower
+                    await self._bootstrap()  # a new process may hold nothing yet: no history missing
+                    return
+                del batches[0]
+            if not batches:
+                return
+            self.stats["gap"] += 1
+            self.stats["tail_recovered"] += len(batches)
+            expected = 0 if last is None else last + 1
+            if batches[0][0] > expected:
+                self.stats["missing_history"] += 1
+                self._unverified(f"the engine's replay buffer goes on at seq {batches[0][0]}, not {expected}")
+            for seq, payload in batches:
                 self._deliver_replayed(seq, payload)
 
     async def _repair(self, start: int) -> None:
