@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from api.config import _none_if_null, _plain, _read_file, did_you_mean
+from api.config import _none_if_null, _plain, _read_file, did_you_mean, flag_origin
 from router.engines.bridge_config import BridgeConfig
 from router.errors import ConfigError
 
@@ -44,7 +44,7 @@ def load_bridge_config(
                 parsed = msgspec.json.decode(parsed) if parsed.lstrip().startswith("[") else parsed.split(",")
             merged[name], origin[name] = parsed, f"environment variable {key}"
     for name, value in flags.items():
-        merged[name], origin[name] = value, f"flag --{name.replace('_', '-')}"
+        merged[name], origin[name] = value, flag_origin(name, value)
     try:
         return msgspec.convert(merged, BridgeConfig, strict=False)
     except msgspec.ValidationError as exc:

@@ -38,6 +38,7 @@ __all__ = [
     "SecurityConfig",
     "ServiceConfig",
     "Settings",
+    "flag_origin",
     "load_settings",
     "masked",
     "resolve_settings",
@@ -549,7 +550,7 @@ def resolve_settings(
         if key.startswith(ENV_PREFIX) and (name in owner or name in RETIRED):
             put(name, _none_if_null(value), f"environment variable {key}")
     for name, value in (flags or {}).items():
-        put(name, value, f"flag --{name.replace('_', '-')}")
+        put(name, value, flag_origin(name, value))
 
     sections: dict[str, msgspec.Struct] = {}
     for section, struct in SECTIONS.items():
@@ -622,6 +623,12 @@ def _check_files(settings: Settings) -> None:
             check_creds_file(settings.event_plane.nats_creds_file)
         except ValueError as exc:
             raise ConfigError("nats_creds_file", str(exc)) from None
+
+
+def flag_origin(name: str, value: object) -> str:
+    """Where a setting given on the command line came from, as the user typed it: a switch turned off
+    was ``--no-<name>``."""
+    return f"flag --{'no-' if value is False else ''}{name.replace('_', '-')}"
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
