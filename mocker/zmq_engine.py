@@ -26,6 +26,10 @@ from mocker.block_pool import KvOp, Removed, Stored
 __all__ = ["END_MARKER", "VllmZmqPublisher", "vllm_batch"]
 
 END_MARKER = (-1).to_bytes(8, "big", signed=True)
+# An engine restarted on the same ports in this process: ZMQ's I/O thread releases the old sockets'
+# ports a moment after `close`, so a bind meanwhile finds them in use. Bounded.
+_REBIND_WAIT_S = 5.0
+_REBIND_POLL_S = 0.02
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -83,16 +87,20 @@ class VllmZmqPublisher:
         pub = self._context.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 0)
-        pub.bind(self.endpoint)
         self._pub = pub
-        if self.replay_endpoint is not None:
-            replay_socket = self._context.socket(zmq.ROUTER)
-            replay_socket.setsockopt(zmq.LINGER, 0)
-            replay_socket.bind(self.replay_endpoint)
-            self._replay_socket = replay_socket
-            self._replay_task = asyncio.create_task(
-                self._serve_replay(replay_socket), name=f"replay-{self.replay_endpoint}"
-            )
+        try:
+            await _bind(pub, self.endpoint)
+            if self.replay_endpoint is not None:
+                replay_socket = self._context.socket(zmq.ROUTER)
+                replay_socket.setsockopt(zmq.LINGER, 0)
+                self._replay_socket = replay_socket
+                await _bind(replay_socket, self.replay_endpoint)
+                self._replay_task = asyncio.create_task(
+                    self._serve_replay(replay_socket), name=f"replay-{self.replay_endpoint}"
+                )
+        except BaseException:
+            await self.stop()  # no socket left open behind a failed start
+            raise
 
     async def stop(self) -> None:
         task, self._replay_task = self._replay_task, None
@@ -135,3 +143,15 @@ class VllmZmqPublisher:
                 if seq >= start:
                     await replay_socket.send_multipart([*head, seq.to_bytes(8, "big"), payload])
             await replay_socket.send_multipart([*head, END_MARKER, b""])
+
+
+async def _bind(socket: zmq.asyncio.Socket, endpoint: str) -> None:
+    deadline = asyncio.get_running_loop().time() + _REBIND_WAIT_S
+    while True:
+        try:
+            socket.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(_REBIND_POLL_S)
