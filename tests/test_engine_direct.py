@@ -18,6 +18,7 @@ from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
 from router.engines.direct import DirectEngine, SequencerSink
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
+from router.engines.zmq_stream import QUIET_S
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 from tests.engine_fakes import (
@@ -158,6 +159,7 @@ async def test_a_restart_heard_first_as_a_gap_is_a_restart() -> None:
         for _ in range(5):
             await engine.step()
         await _converged(router, engine, direct)
+        await _settled(direct.stream.stats)  # no tail check pending: one would find the restart first
         engine.restart()
         for _ in range(8):
             await engine.step(publish=False)  # seqs 0-7 of the new process, never heard live
@@ -181,6 +183,7 @@ async def test_a_new_process_first_heard_at_the_next_seq_reads_as_the_old_one_go
         await _converged(router, engine, direct)
         old_process = engine.dump()
         assert old_process
+        await _settled(direct.stream.stats)  # no tail check pending: one would find the restart
         before = dict(direct.stream.stats)  # the slow joiner's first batches may have come by replay
         engine.restart()
         for _ in range(5):
@@ -232,6 +235,7 @@ async def test_a_replay_buffer_that_lost_the_gap_leaves_the_rank_untrusted() -> 
 
         await eventually(heard, what="the stream hears the engine")
         await _converged(router, engine, direct)
+        await _settled(direct.stream.stats)  # no tail check pending: the next batch's gap finds the loss
         for _ in range(5):
             await engine.step(publish=False)
         engine.publisher.forget_before(engine.publisher.next_seq - 2)
@@ -341,6 +345,22 @@ async def _heard(engine: FakeEngine, direct: DirectEngine) -> None:
     await eventually(heard, what="the stream hears the engine")
 
 
+async def _settled(stats: Any) -> None:
+    """Until the stream's tail checks have stopped: the last quiet spell's check is past (its count
+    still after twice the quiet time), so none is pending (bounded, as `eventually`)."""
+    last = -1
+
+    async def still() -> bool:
+        nonlocal last
+        before, last = last, stats["tail_checks"]
+        if before != last:
+            await asyncio.sleep(2 * QUIET_S)  # a window to see whether another check comes
+            return stats["tail_checks"] == last
+        return True
+
+    await eventually(still, 30, "the stream's tail checks are over")
+
+
 async def test_batches_lost_at_the_tail_are_applied_while_the_engine_stays_quiet() -> None:
     """A gap shows only when a later batch arrives: the last batches before a quiet spell, lost on
     the way, are asked for by the tail check the quiet spell brings."""
@@ -349,9 +369,11 @@ async def test_batches_lost_at_the_tail_are_applied_while_the_engine_stays_quiet
         stats = direct.stream.stats
         await _heard(engine, direct)
         await _converged(router, engine, direct)
-        # The connection's check is past: only a quiet spell's can find what follows.
-        await eventually(lambda: stats["tail_checks"] > 0, 10, "the connection's check")
+        # The connection's check and every quiet spell's are past: only the next spell's can find what
+        # follows, the spell of a batch heard right before two lost ones.
+        await _settled(stats)
         recovered, gaps = stats["tail_recovered"], stats["gap"]
+        await engine.step()
         for _ in range(2):
             await engine.step(publish=False)  # into the replay buffer only: the SUB never gets them
         await eventually(lambda: canonical(router.tree.dump_events()) == engine.dump(), 10, "the lost tail is applied")
@@ -378,13 +400,11 @@ async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_
         await _heard(old, direct)
         await _converged(router, old, direct)
         assert old.dump()
-        # The connection's check, then a quiet spell's, are past: only the reconnection's can see it.
+        # The connection's check, then every quiet spell's, are past: only the reconnection's can see it.
         stats = direct.stream.stats
-        await eventually(lambda: stats["tail_checks"] > 0, 10, "the connection's check")
         await old.step()
         await _converged(router, old, direct)
-        checks = stats["tail_checks"]
-        await eventually(lambda: stats["tail_checks"] > checks, 10, "the quiet spell's check")
+        await _settled(stats)
         await old.stop()  # the process ends: its PUB and replay sockets close
         await new.start()
         for _ in range(2):
@@ -439,30 +459,27 @@ async def test_an_engine_restarted_on_the_same_ports_that_published_nothing_yet_
 
 
 async def test_an_idle_streams_tail_checks_change_nothing_and_come_once_per_quiet_spell() -> None:
-    from router.engines.zmq_stream import QUIET_S
-
     router = _router()
     async with direct_mode(router, WORKER, replay=True, seed=43) as (engine, direct):
         stats = direct.stream.stats
         await _heard(engine, direct)
-        # The connection's check (its handshake came before the first message heard) ...
-        await eventually(lambda: stats["tail_checks"] > 0, 10, "the connection's check")
         for _ in range(3):
             await engine.step()
         await _converged(router, engine, direct)
+        await _settled(stats)  # the connection's check and the quiet spells' are past
+        assert stats["tail_checks"] > 0
         before = dict(stats)
-        # ... then the quiet spell's, after the last of these steps.
-        await eventually(lambda: stats["tail_checks"] == before["tail_checks"] + 1, 10, "a quiet spell's check")
-        checks = stats["tail_checks"]
         await asyncio.sleep(3 * QUIET_S)  # an idle spell: no effect awaited, none may happen
-        assert stats["tail_checks"] == checks  # an idle engine is not polled
-        unchanged = ("gap", "restarts", "unverified", "replayed", "tail_recovered", "missing_history", "applied")
+        assert stats["tail_checks"] == before["tail_checks"]  # an idle engine is not polled
+        await engine.step()  # a new quiet spell: one more check, which finds nothing to do
+        await eventually(lambda: stats["tail_checks"] == before["tail_checks"] + 1, 10, "the quiet spell's check")
+        await _converged(router, engine, direct)
+        await _settled(stats)
+        assert stats["tail_checks"] == before["tail_checks"] + 1 and stats["applied"] == before["applied"] + 1
+        unchanged = ("gap", "restarts", "unverified", "replayed", "tail_recovered", "missing_history")
         assert {key: stats[key] for key in unchanged} == {key: before.get(key, 0) for key in unchanged}
         assert stats["tail_check_failed"] == 0
-        await engine.step()  # a new quiet spell: one more check
-        await eventually(lambda: stats["tail_checks"] == checks + 1, 10, "the next quiet spell's check")
-        await _converged(router, engine, direct)
-        assert _stream(router).trusted and stats["gap"] == before.get("gap", 0)
+        assert _stream(router).trusted
 
 
 async def test_a_replay_socket_that_does_not_answer_a_tail_check_leaves_the_stream_trusted_and_working(
