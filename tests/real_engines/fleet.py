@@ -144,8 +144,18 @@ class Run:
             for other in self.outcomes
             if other is not miss and other.worker == miss.worker and other.started < miss.started < other.ended
         ]
-        if miss.cached > miss.predicted and any(other.call.group == miss.call.group for other in same_worker):
-            return "in-flight prefix: a request of the same group was still running on the worker when it was routed"
+        # Calls started together reach the engine in any order: one started a moment after the miss may
+        # be scheduled first and store the prefix the miss then finds.
+        alongside = [
+            other
+            for other in self.outcomes
+            if other is not miss
+            and other.worker == miss.worker
+            and other.started < miss.ended
+            and miss.started < other.ended
+        ]
+        if miss.cached > miss.predicted and any(other.call.group == miss.call.group for other in alongside):
+            return "in-flight prefix: a request of the same group ran on the worker at the same time"
         just_before = [
             other
             for other in self.outcomes
@@ -165,7 +175,13 @@ class Run:
             return "events in flight: a request had just ended on the worker, the blocks it evicted still indexed"
         if miss.cached > miss.predicted and same_worker:
             return "in-flight request: the worker stored blocks the index had not heard of at the decision"
-        return "unexplained: nothing else was in flight on the worker"
+        on_worker = [other for other in self.outcomes if other.worker == miss.worker and other is not miss]
+        nearby = sorted((o for o in on_worker if abs(o.started - miss.started) < 2), key=lambda o: o.started)
+        seen = ", ".join(
+            f"#{o.call.index} group {o.call.group} {o.started - miss.started:+.3f}..{o.ended - miss.started:+.3f} s"
+            for o in nearby
+        )
+        return f"unexplained: nothing else was in flight on the worker (its calls within 2 s: {seen})"
 
     def report(self, title: str) -> str:
         lines = [
