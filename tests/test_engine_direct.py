@@ -16,9 +16,10 @@ import pytest
 
 from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
+from router.engines import zmq_stream
 from router.engines.direct import DirectEngine, SequencerSink
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
-from router.engines.zmq_stream import QUIET_S
+from router.engines.zmq_stream import QUIET_S, replay_batches
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 from tests.engine_fakes import (
@@ -380,6 +381,39 @@ async def test_batches_lost_at_the_tail_are_applied_while_the_engine_stays_quiet
         assert stats["applied"] == engine.publisher.next_seq  # every batch once, none live since
         assert (stats["tail_recovered"] - recovered, stats["gap"] - gaps) == (2, 1)
         assert (stats["restarts"], stats["unverified"]) == (0, 0)
+        assert _stream(router).trusted
+
+
+async def test_a_batch_heard_live_while_a_tail_check_asks_is_not_counted_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A quiet spell's check and a new batch cross: the replay's answer holds the batch the SUB socket
+    has just queued. It was not lost: no gap, nothing recovered, no duplicate; applied once, live."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=37) as (engine, direct):
+        stats = direct.stream.stats
+        await _heard(engine, direct)
+        await _converged(router, engine, direct)
+        await _settled(stats)
+        before = dict(stats)
+        asked = replay_batches
+        crossed = asyncio.Event()
+
+        async def crossing(*args: Any, **kwargs: Any) -> list[tuple[int, bytes]]:
+            if not crossed.is_set():  # the next check: a batch is published and queued before it asks
+                crossed.set()
+                await engine.step()
+                await eventually(lambda: direct.stream.backlog > 0, 10, "the new batch queued behind the check")
+            return await asked(*args, **kwargs)
+
+        monkeypatch.setattr(zmq_stream, "replay_batches", crossing)
+        await engine.step()  # its quiet spell brings the check
+        await eventually(crossed.is_set, 10, "the quiet spell's check")
+        await _converged(router, engine, direct)
+        await _settled(stats)
+        assert stats["applied"] == before["applied"] + 2 == engine.publisher.next_seq
+        counts = ("gap", "tail_recovered", "duplicate", "replayed", "restarts", "unverified")
+        assert {key: stats[key] for key in counts} == {key: before.get(key, 0) for key in counts}
         assert _stream(router).trusted
 
 

@@ -29,7 +29,8 @@ empty): after every connection of the SUB socket (its monitor's handshake event)
 subscription has had ``tail_check_delay_s`` to reach the PUB socket; and once per quiet spell,
 ``quiet_s`` after the last message heard (never while the engine stays idle). The engine's batch
 under the last applied seq equal to the one applied: what follows it is applied (one ``gap``, its
-batches counted in ``replayed`` and ``tail_recovered``), nothing follows: nothing happens. The seq no
+batches counted in ``replayed`` and ``tail_recovered``; those heard live meanwhile, queued behind the
+check, are left to the queue: not lost), nothing follows: nothing happens. The seq no
 longer held, or other bytes under it: a new process, and a restart (cleared, replayed from 0). A
 tail check whose replay fails is counted (``tail_check_failed``) and logged rate-limited; it leaves
 the stream's trust as it was.
@@ -506,6 +507,11 @@ class ZmqEngineStream:
                     await self._bootstrap()  # a new process may hold nothing yet: no history missing
                     return
                 del batches[0]
+            # What was heard live while the replay was asked waits in the queue, behind this check: it
+            # was not lost, and the loop applies it next.
+            if self._queue:
+                first_live = self._queue[0][0]
+                batches = [batch for batch in batches if batch[0] < first_live]
             if not batches:
                 return
             self.stats["gap"] += 1
