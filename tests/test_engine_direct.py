@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -362,17 +364,24 @@ async def _settled(stats: Any) -> None:
     await eventually(still, 30, "the stream's tail checks are over")
 
 
+@asynccontextmanager
+async def _quiet_stream(seed: int) -> AsyncIterator[tuple[KvRouter, FakeEngine, DirectEngine]]:
+    """A direct-mode stream that has heard its engine and caught up, with no tail check pending."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=seed) as (engine, direct):
+        await _heard(engine, direct)
+        await _converged(router, engine, direct)
+        await _settled(direct.stream.stats)
+        yield router, engine, direct
+
+
 async def test_batches_lost_at_the_tail_are_applied_while_the_engine_stays_quiet() -> None:
     """A gap shows only when a later batch arrives: the last batches before a quiet spell, lost on
     the way, are asked for by the tail check the quiet spell brings."""
-    router = _router()
-    async with direct_mode(router, WORKER, replay=True, seed=31) as (engine, direct):
+    # The connection's check and every quiet spell's are past: only the next spell's can find what
+    # follows, the spell of a batch heard right before two lost ones.
+    async with _quiet_stream(seed=31) as (router, engine, direct):
         stats = direct.stream.stats
-        await _heard(engine, direct)
-        await _converged(router, engine, direct)
-        # The connection's check and every quiet spell's are past: only the next spell's can find what
-        # follows, the spell of a batch heard right before two lost ones.
-        await _settled(stats)
         recovered, gaps = stats["tail_recovered"], stats["gap"]
         await engine.step()
         for _ in range(2):
@@ -389,12 +398,8 @@ async def test_a_batch_heard_live_while_a_tail_check_asks_is_not_counted_lost(
 ) -> None:
     """A quiet spell's check and a new batch cross: the replay's answer holds the batch the SUB socket
     has just queued. It was not lost: no gap, nothing recovered, no duplicate; applied once, live."""
-    router = _router()
-    async with direct_mode(router, WORKER, replay=True, seed=37) as (engine, direct):
+    async with _quiet_stream(seed=37) as (router, engine, direct):
         stats = direct.stream.stats
-        await _heard(engine, direct)
-        await _converged(router, engine, direct)
-        await _settled(stats)
         before = dict(stats)
         asked = replay_batches
         crossed = asyncio.Event()
