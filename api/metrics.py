@@ -569,7 +569,8 @@ class EngineStreamCollector(Collector):
                 f"{PREFIX}_engine_stream_messages",
                 "Engine ZMQ batches by outcome: messages, applied, duplicate, dropped_queue_full, gap, replayed, "
                 "replay_failed, missing_history, restarts, rebuilds, unverified, tail_checks, tail_check_failed, "
-                "tail_recovered, rejected_<reason>; events, ignored_events.",
+                "tail_recovered, rejected_<reason>; events, ignored_events; connections (handshakes with the engine's "
+                "PUB socket: one per engine start).",
                 labels=["endpoint", "outcome"],
             ),
             GaugeMetricFamily(

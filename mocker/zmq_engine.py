@@ -126,6 +126,12 @@ class VllmZmqPublisher:
             await self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
         return seq
 
+    async def send_malformed(self) -> None:
+        """Publish one message that is no batch (a lone frame): a subscriber counts and drops it, which
+        tells a test that its subscription has reached this socket."""
+        assert self._pub is not None, "start() the publisher first"
+        await self._pub.send_multipart([b"not a batch"])
+
     def forget_before(self, seq: int) -> None:
         """Drop buffered batches older than ``seq`` (a replay buffer that has wrapped)."""
         while self._buffer and self._buffer[0][0] < seq:

@@ -21,7 +21,7 @@ from router.config import RouterConfig
 from router.engines import zmq_stream
 from router.engines.direct import DirectEngine, SequencerSink
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
-from router.engines.zmq_stream import QUIET_S, replay_batches
+from router.engines.zmq_stream import QUIET_S, ZmqEngineStream, replay_batches
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 from tests.engine_fakes import (
@@ -174,25 +174,27 @@ async def test_a_restart_heard_first_as_a_gap_is_a_restart() -> None:
 
 
 async def test_a_new_process_first_heard_at_the_next_seq_reads_as_the_old_one_going_on() -> None:
-    """The one restart the seq rules cannot see (router/engines/README.md, "Not covered"): the new
-    process's seqs 0-4 are lost and its seq 5 comes right after the old process's last applied seq 4.
+    """The one restart the seq rules cannot see (router/engines/README.md, "Not covered"), the fake
+    keeping its PUB socket (no reconnection, so no check before the batch is applied): the new
+    process's first seqs are lost and the next comes right after the old process's last applied seq.
     By seq that is the next batch, and vLLM's payload names no process, so it is applied as one: no
     restart, no gap, no replay asked, and the router keeps the old process's blocks beside the new
     ones (the rank stays trusted) until the engine clears."""
     router = _router()
     async with direct_mode(router, WORKER, replay=True, seed=29) as (engine, direct):
-        for _ in range(5):
+        await _heard(engine, direct)  # the batch after the connection is heard (and checked) before this
+        while engine.publisher.next_seq < 5:
             await engine.step()
         await _converged(router, engine, direct)
-        old_process = engine.dump()
+        old_process, old_batches = engine.dump(), engine.publisher.next_seq
         assert old_process
         await _settled(direct.stream.stats)  # no tail check pending: one would find the restart
         before = dict(direct.stream.stats)  # the slow joiner's first batches may have come by replay
         engine.restart()
-        for _ in range(5):
-            await engine.step(publish=False)  # the new process's seqs 0-4, never heard
-        await engine.step()  # its seq 5
-        await eventually(lambda: direct.stream.stats["applied"] == 6 and direct.stream.backlog == 0)
+        while engine.publisher.next_seq < old_batches:
+            await engine.step(publish=False)  # the new process's first seqs, never heard
+        await engine.step()  # the next seq after the old process's last
+        await eventually(lambda: direct.stream.stats["applied"] == old_batches + 1 and direct.stream.backlog == 0)
         changed = {key: direct.stream.stats[key] - before.get(key, 0) for key in ("restarts", "gap", "replayed")}
         assert changed == {"restarts": 0, "gap": 0, "replayed": 0} and direct.stream.stats["unverified"] == 0
         held = canonical(router.tree.dump_events())
@@ -460,6 +462,107 @@ async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_
         await direct.stop()
         await new.stop()
         await old.stop()
+
+
+async def test_a_restart_first_heard_at_the_next_seq_after_a_reconnection_is_seen_before_it_is_applied() -> None:
+    """A restarted engine binds a new PUB socket, and the SUB reconnects. Its seqs 0-5, published before
+    the subscription reached it, are lost; its seq 6 comes right after the old process's last applied
+    seq 5. Checked against the replay before it is applied, it is a restart: the old process's blocks
+    go, the new one's come from its replay. Tail checks are held off, so only that check can see it."""
+    router = _router()
+    endpoint, replay = loopback_endpoints(replay=True)
+    old = FakeEngine(WORKER, endpoint, replay, seed=53)
+    new = FakeEngine(WORKER, endpoint, replay, seed=59)
+    await old.start()
+    stream = ZmqEngineStream(
+        SequencerSink(router, WORKER), endpoint, block_size=BLOCK, replay_endpoint=replay,
+        tail_check_delay_s=600, quiet_s=600,
+    )  # fmt: skip
+    await stream.start()
+    try:
+
+        async def heard() -> bool:  # one heard live (one sent before the SUB joined: the next one's gap)
+            await old.step()
+            return stream.stats["messages"] > 0
+
+        await eventually(heard, what="the stream hears the engine")
+        while old.publisher.next_seq < 6:
+            await old.step()
+        await eventually(lambda: canonical(router.tree.dump_events()) == old.dump() and not stream.backlog)
+        assert stream.stats["connections"] == 1
+        await old.stop()
+        await new.start()
+        while new.publisher.next_seq < old.publisher.next_seq:
+            await new.step(publish=False)  # published before the SUB socket reconnected
+        await eventually(lambda: stream.stats["connections"] == 2, 10, "the SUB socket reconnected")
+        malformed = stream.stats["rejected_bad_frames"]
+
+        async def subscribed() -> bool:
+            await new.publisher.send_malformed()
+            return stream.stats["rejected_bad_frames"] > malformed
+
+        await eventually(subscribed, 10, "the subscription reached the new PUB socket")
+        await new.step()  # the next seq after the old process's last
+        await eventually(lambda: canonical(router.tree.dump_events()) == new.dump(), 10, "the new process only")
+        assert (stream.stats["restarts"], stream.stats["tail_checks"], stream.stats["unverified"]) == (1, 0, 0)
+        assert _stream(router).trusted
+    finally:
+        await stream.stop()
+        await new.stop()
+        await old.stop()
+
+
+async def test_the_router_answers_while_a_long_replay_is_applied() -> None:
+    """A replay buffer holds up to 10,000 batches (vLLM's default): applied in slices, the loop runs
+    between them (the router's decisions share it), so others see the replay part-applied."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=61, history=2000) as (engine, direct):
+        seen: set[int] = set()
+
+        async def watch() -> None:
+            while True:
+                seen.add(direct.stream.stats["applied"])
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await eventually(lambda: direct.stream.stats["applied"] >= 2000, 30, "the replay applied")
+        finally:
+            watcher.cancel()
+        assert any(0 < applied < 2000 for applied in seen)
+        await _converged(router, engine, direct)
+
+
+async def test_a_rebuild_whose_sink_fails_once_is_taken_again_and_returns() -> None:
+    """The sink fails while a rebuild clears the ranks (the bridge's NATS publish in an outage): the
+    supervisor restarts the apply loop, which takes the rebuild again; its caller (an engine's health
+    probe coming back) is answered, not left waiting for ever."""
+
+    class FailingOnce(SequencerSink):
+        failures = 1
+
+        async def restarted(self, dp_rank: int) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise ConnectionError("outbound buffer full")
+            await super().restarted(dp_rank)
+
+    router = _router()
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=67)
+    await engine.start()
+    for _ in range(3):
+        await engine.step(publish=False)  # in the replay buffer: the stream's start brings them
+    stream = ZmqEngineStream(FailingOnce(router, WORKER), endpoint, block_size=BLOCK, replay_endpoint=replay)
+    await stream.start()
+    try:
+        await eventually(lambda: canonical(router.tree.dump_events()) == engine.dump(), 10, "the engine's history")
+        await asyncio.wait_for(stream.rebuild(), 10)
+        assert stream.stats["rebuilds"] == 2  # the failed one, then the one that went through
+        assert canonical(router.tree.dump_events()) == engine.dump()
+    finally:
+        await stream.stop()
+        await engine.stop()
 
 
 async def test_an_engine_restarted_on_the_same_ports_that_published_nothing_yet_is_cleared_and_trusted() -> None:

@@ -23,6 +23,12 @@ the last seq seen *live* on the SUB socket.
 A gap is only seen when a later batch arrives: batches lost at the tail (the first batches of a
 restarted engine, published before the SUB socket's subscription reached its new PUB socket; or the
 last ones before a quiet spell, dropped by a full queue) would stay unseen while the engine is quiet.
+After each handshake of the SUB socket (a restarted engine binds a new PUB socket, and the SUB
+reconnects), the first batch heard is checked against the engine's replay before it is applied, even
+at the next seq: a new process that published as many batches as its predecessor had before its
+subscription arrived would otherwise read as the old one going on. Its batch under the last applied
+seq tells them apart (not the same bytes: a restart).
+
 With a replay endpoint, a *tail check* asks the replay socket for what follows the last applied seq
 (from 0 when nothing is applied), through the apply loop (in the stream's order, once the queue is
 empty): after every connection of the SUB socket (its monitor's handshake event), once the
@@ -51,7 +57,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, cast
 
@@ -131,6 +137,17 @@ class PayloadApplied(msgspec.Struct, gc=False):
 
 class ReplayError(Exception):
     pass
+
+
+async def _paced(batches: list[tuple[int, bytes]]) -> AsyncIterator[tuple[int, bytes]]:
+    """Replayed batches one by one, the loop let run after each slice of ``YIELD_AFTER_S``: a replay
+    buffer holds up to 10,000 batches, which applied at once held decisions up for over 100 ms."""
+    started = time.perf_counter()
+    for batch in batches:
+        yield batch
+        if time.perf_counter() - started > YIELD_AFTER_S:
+            await asyncio.sleep(0)
+            started = time.perf_counter()
 
 
 async def replay_batches(
@@ -220,7 +237,8 @@ class ZmqEngineStream:
         self._ranks: set[int] = {dp_rank}
         # messages, applied, duplicate, dropped_queue_full, gap, replayed, replay_failed,
         # missing_history, restarts, unverified, rebuilds, tail_checks, tail_check_failed,
-        # tail_recovered, rejected_<reason>, events, ignored_events, tokens_hash_mismatch.
+        # tail_recovered, rejected_<reason>, events, ignored_events, tokens_hash_mismatch; connections
+        # (handshakes of the SUB socket with a PUB socket: the first, then one per engine (re)start).
         self.stats: Counter[str] = Counter()
         self.last_rejection: dict[str, str] = {}  # reason -> the latest such rejection, for diagnosis
         # The engine's block hashes against our tokens hashes (the doctor's tokens_hash_mismatch).
@@ -235,6 +253,9 @@ class ZmqEngineStream:
         # for, which the apply loop runs once its queue is empty.
         self._heard = asyncio.Event()
         self._tail_check_due = False
+        # Set at each handshake of the SUB socket: the next live batch, even at the next seq, is checked
+        # against the engine's replay before it is applied (a new process behind a new PUB socket).
+        self._verify_next = False
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -263,16 +284,22 @@ class ZmqEngineStream:
 
     async def _rebuilt(self) -> None:
         waiters, self._rebuild_waiters = self._rebuild_waiters, []
-        self.stats["rebuilds"] += 1
-        for rank in sorted(self._ranks):
-            await self.sink.restarted(rank)
-        self._last_applied = self._last_live = None
-        self._last_payload = None
-        self._replayed.clear()
-        self.hash_check.reset()
-        self.salts.clear()
-        if self.replay_endpoint is not None:
-            await self._bootstrap()
+        try:
+            self.stats["rebuilds"] += 1
+            for rank in sorted(self._ranks):
+                await self.sink.restarted(rank)
+            self._last_applied = self._last_live = None
+            self._last_payload = None
+            self._replayed.clear()
+            self.hash_check.reset()
+            self.salts.clear()
+            if self.replay_endpoint is not None:
+                await self._bootstrap()
+        except BaseException:
+            # The sink failed (the bridge's NATS publish in an outage, say): the supervisor restarts the
+            # loop, which takes the rebuild again; its callers (an engine's health probe) wait for that.
+            self._rebuild_waiters[:0] = waiters
+            raise
         for waiter in waiters:
             waiter.set()
 
@@ -336,11 +363,21 @@ class ZmqEngineStream:
     async def _watch_connections(self, monitor: zmq.asyncio.Socket) -> None:
         """A tail check after each handshake of the SUB socket with a PUB socket (its first, and each
         reconnection: a restarted engine's new socket), once the subscription has had time to reach
-        the PUB socket: what the engine published before that, ZMQ dropped."""
-        while True:
-            await cast(Awaitable[object], recv_monitor_message(monitor))
-            await asyncio.sleep(self._tail_check_delay_s)
-            self._ask_tail_check()
+        the PUB socket: what the engine published before that, ZMQ dropped. The next handshake is
+        heard meanwhile (its first batch is to be verified), and its check replaces the pending one."""
+        loop = asyncio.get_running_loop()
+        check: asyncio.TimerHandle | None = None
+        try:
+            while True:
+                await cast(Awaitable[object], recv_monitor_message(monitor))
+                self.stats["connections"] += 1
+                self._verify_next = True
+                if check is not None:
+                    check.cancel()
+                check = loop.call_later(self._tail_check_delay_s, self._ask_tail_check)
+        finally:
+            if check is not None:
+                check.cancel()
 
     async def _watch_quiet(self) -> None:
         """One tail check per quiet spell, ``quiet_s`` after the last message heard: an idle engine is
@@ -405,7 +442,7 @@ class ZmqEngineStream:
         """`take_live` of the common case, without a coroutine: the batch right after the last one
         applied (so above every live and replayed seq: neither a restart nor a duplicate)."""
         last = self._last_applied
-        if last is None or seq != last + 1:
+        if last is None or seq != last + 1 or self._verify_next:
             return False
         self._last_live = seq
         if self._replayed:
@@ -415,6 +452,9 @@ class ZmqEngineStream:
 
     async def take_live(self, seq: int, payload: bytes) -> None:
         """One message as it came off the SUB socket (public for tests that drive the order)."""
+        if self._verify_next:
+            self._verify_next = False
+            await self._verify_reconnected(seq)
         last_live = self._last_live
         self._last_live = seq
         if last_live is not None and seq <= last_live:
@@ -434,6 +474,25 @@ class ZmqEngineStream:
                 self.stats["duplicate"] += 1  # the replay brought it already
                 return
         self._deliver(seq, payload)
+
+    async def _verify_reconnected(self, seq: int) -> None:
+        """The first batch heard after a handshake, at the next seq: a restarted engine that published as
+        many batches as its predecessor had before the subscription reached its new socket would read as
+        the old process going on. The engine's batch under the last applied seq tells them apart (any
+        other seq goes through the checks that follow)."""
+        last, applied = self._last_applied, self._last_payload
+        if last is None or seq != last + 1 or self.replay_endpoint is None:
+            return
+        try:
+            batches = await replay_batches(self._context, self.replay_endpoint, last, timeout_s=self._replay_timeout_s)
+        except ReplayError as exc:  # no evidence either way: the handshake's tail check asks again
+            self._bad_input.warning("replay after a reconnection failed", f"engine at {self.endpoint}: {exc}")
+            return
+        held = batches[0] if batches else None
+        if held is None or held[0] != last or held[1] != applied:
+            found = "nothing" if held is None else f"seq {held[0]}" if held[0] != last else "other bytes"
+            await self._restarted(f"after a reconnection, its replay holds {found} under seq {last}")
+            self._last_live = None  # the old process's
 
     async def _restarted(self, evidence: str) -> None:
         self.stats["restarts"] += 1
@@ -479,7 +538,7 @@ class ZmqEngineStream:
         if batches and batches[0][0] > 0:
             self.stats["missing_history"] += 1
             self._unverified(f"the engine's replay buffer starts at seq {batches[0][0]}, not 0")
-        for seq, payload in batches:
+        async for seq, payload in _paced(batches):
             async with self.sink.batch():
                 self._deliver_replayed(seq, payload)
 
@@ -520,7 +579,7 @@ class ZmqEngineStream:
             if batches[0][0] > expected:
                 self.stats["missing_history"] += 1
                 self._unverified(f"the engine's replay buffer goes on at seq {batches[0][0]}, not {expected}")
-            for seq, payload in batches:
+            async for seq, payload in _paced(batches):
                 self._deliver_replayed(seq, payload)
 
     async def _repair(self, start: int) -> None:
@@ -547,7 +606,7 @@ class ZmqEngineStream:
             self.stats["missing_history"] += 1
             first = batches[0][0] if batches else None
             self._unverified(f"the engine's replay buffer starts at seq {first}, {start} was needed")
-        for seq, payload in batches:
+        async for seq, payload in _paced(batches):
             last = self._last_applied
             if seq >= start and (last is None or seq > last):
                 self._deliver_replayed(seq, payload)
