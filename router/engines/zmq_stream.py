@@ -24,10 +24,11 @@ A gap is only seen when a later batch arrives: batches lost at the tail (the fir
 restarted engine, published before the SUB socket's subscription reached its new PUB socket; or the
 last ones before a quiet spell, dropped by a full queue) would stay unseen while the engine is quiet.
 After each handshake of the SUB socket (a restarted engine binds a new PUB socket, and the SUB
-reconnects), the first batch heard is checked against the engine's replay before it is applied, even
-at the next seq: a new process that published as many batches as its predecessor had before its
-subscription arrived would otherwise read as the old one going on. Its batch under the last applied
-seq tells them apart (not the same bytes: a restart).
+reconnects), the first batch heard is applied at once, even at the next seq, and a tail check follows
+anchored at the batch applied before it: a new process that published as many batches as its
+predecessor had before its subscription arrived would otherwise read as the old one going on (and
+its own batch would vouch for it). The engine's batch under the anchor's seq tells them apart (not
+the same bytes: a restart, which clears what the new process's batch added too).
 
 With a replay endpoint, a *tail check* asks the replay socket for what follows the last applied seq
 (from 0 when nothing is applied), through the apply loop (in the stream's order, once the queue is
@@ -253,9 +254,11 @@ class ZmqEngineStream:
         # for, which the apply loop runs once its queue is empty.
         self._heard = asyncio.Event()
         self._tail_check_due = False
-        # Set at each handshake of the SUB socket: the next live batch, even at the next seq, is checked
-        # against the engine's replay before it is applied (a new process behind a new PUB socket).
+        # Set at each handshake of the SUB socket: the next live batch, even at the next seq, may be a
+        # new process's (behind a new PUB socket). It is applied at once, and a tail check anchored at
+        # the batch applied before it (seq and bytes, kept here) asks the engine which process it was.
         self._verify_next = False
+        self._reconnect_anchor: tuple[int, bytes | None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -290,6 +293,7 @@ class ZmqEngineStream:
                 await self.sink.restarted(rank)
             self._last_applied = self._last_live = None
             self._last_payload = None
+            self._reconnect_anchor = None
             self._replayed.clear()
             self.hash_check.reset()
             self.salts.clear()
@@ -454,7 +458,9 @@ class ZmqEngineStream:
         """One message as it came off the SUB socket (public for tests that drive the order)."""
         if self._verify_next:
             self._verify_next = False
-            await self._verify_reconnected(seq)
+            if self._last_applied is not None and self._reconnect_anchor is None:
+                self._reconnect_anchor = (self._last_applied, self._last_payload)
+                self._ask_tail_check()  # once the queue is empty: this batch is not held up
         last_live = self._last_live
         self._last_live = seq
         if last_live is not None and seq <= last_live:
@@ -475,25 +481,6 @@ class ZmqEngineStream:
                 return
         self._deliver(seq, payload)
 
-    async def _verify_reconnected(self, seq: int) -> None:
-        """The first batch heard after a handshake, at the next seq: a restarted engine that published as
-        many batches as its predecessor had before the subscription reached its new socket would read as
-        the old process going on. The engine's batch under the last applied seq tells them apart (any
-        other seq goes through the checks that follow)."""
-        last, applied = self._last_applied, self._last_payload
-        if last is None or seq != last + 1 or self.replay_endpoint is None:
-            return
-        try:
-            batches = await replay_batches(self._context, self.replay_endpoint, last, timeout_s=self._replay_timeout_s)
-        except ReplayError as exc:  # no evidence either way: the handshake's tail check asks again
-            self._bad_input.warning("replay after a reconnection failed", f"engine at {self.endpoint}: {exc}")
-            return
-        held = batches[0] if batches else None
-        if held is None or held[0] != last or held[1] != applied:
-            found = "nothing" if held is None else f"seq {held[0]}" if held[0] != last else "other bytes"
-            await self._restarted(f"after a reconnection, its replay holds {found} under seq {last}")
-            self._last_live = None  # the old process's
-
     async def _restarted(self, evidence: str) -> None:
         self.stats["restarts"] += 1
         log.warning("engine at %s restarted (%s): clearing its ranks", self.endpoint, evidence)
@@ -501,6 +488,7 @@ class ZmqEngineStream:
             await self.sink.restarted(rank)
         self._last_applied = None
         self._last_payload = None
+        self._reconnect_anchor = None
         self._replayed.clear()
         # A new process: what its predecessor's hashes contradicted is history (fixed, perhaps).
         self.hash_check.reset()
@@ -544,9 +532,12 @@ class ZmqEngineStream:
 
     async def _check_tail(self) -> None:
         """What follows the last applied seq (from 0 when none is): asked from that seq, as `_repair`
-        asks, so the engine's batch under it tells the same process going on from a new one."""
+        asks, so the engine's batch under it tells the same process going on from a new one. After a
+        reconnection, asked from the batch applied before the first one heard since: that one may be
+        a new process's own, and would vouch for itself."""
         self.stats["tail_checks"] += 1
-        last, applied = self._last_applied, self._last_payload
+        anchor, self._reconnect_anchor = self._reconnect_anchor, None
+        last, applied = anchor if anchor is not None else (self._last_applied, self._last_payload)
         start = 0 if last is None else last
         try:
             batches = await replay_batches(
@@ -555,6 +546,8 @@ class ZmqEngineStream:
         except ReplayError as exc:  # the engine is down, perhaps: the next message or check will tell
             self.stats["tail_check_failed"] += 1
             self._bad_input.warning("tail check failed", f"engine at {self.endpoint}: {exc}")
+            if self._reconnect_anchor is None:
+                self._reconnect_anchor = anchor  # for the next check (the handshake's, a quiet spell's)
             return
         async with self.sink.batch():
             if last is not None:
@@ -566,6 +559,9 @@ class ZmqEngineStream:
                     await self._bootstrap()  # a new process may hold nothing yet: no history missing
                     return
                 del batches[0]
+            current = self._last_applied  # past the anchor: what was heard live since the reconnection
+            if current is not None and current != last:
+                batches = [batch for batch in batches if batch[0] > current]
             # What was heard live while the replay was asked waits in the queue, behind this check: it
             # was not lost, and the loop applies it next.
             if self._queue:
@@ -575,7 +571,7 @@ class ZmqEngineStream:
                 return
             self.stats["gap"] += 1
             self.stats["tail_recovered"] += len(batches)
-            expected = 0 if last is None else last + 1
+            expected = 0 if current is None else current + 1
             if batches[0][0] > expected:
                 self.stats["missing_history"] += 1
                 self._unverified(f"the engine's replay buffer goes on at seq {batches[0][0]}, not {expected}")
