@@ -44,8 +44,11 @@ async def register(f: Fleet, worker: WorkerConfig) -> None:
 
 
 @contextlib.asynccontextmanager
-async def failing_worker(status: bytes = b"500 Internal Server Error") -> AsyncIterator[tuple[str, list[bytes]]]:
-    """A worker answering every request ``status`` after reading it; yields its URL and the request lines."""
+async def failing_worker(
+    status: bytes = b"500 Internal Server Error", headers: bytes = b""
+) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A worker answering every request ``status`` (and header lines ``headers``) after reading it; yields
+    its URL and the request lines."""
     seen: list[bytes] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -56,7 +59,7 @@ async def failing_worker(status: bytes = b"500 Internal Server Error") -> AsyncI
                 length = next((int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")), 0)
                 await reader.readexactly(length)
                 body = b'{"error": {"message": "engine failure"}}'
-                writer.write(b"HTTP/1.1 %b\r\ncontent-type: application/json\r\n" % status +
+                writer.write(b"HTTP/1.1 %b\r\ncontent-type: application/json\r\n%b" % (status, headers) +
                              b"content-length: %d\r\n\r\n%b" % (len(body), body))  # fmt: skip
                 await writer.drain()
         writer.close()
@@ -208,6 +211,36 @@ async def test_a_decode_leg_failing_goes_to_another_decode_worker(
         text = "".join([chunk.choices[0].text async for chunk in raw.parse()])
         assert text == " w1 w2 w3"
         assert len(seen) == 1 and raw.headers["x-kv-router-worker"] == "2"
+        f.router.mark_free("ballast")
+        await eventually(lambda: idle(f.router))
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_an_overloaded_prefill_worker_is_the_engine_pacing_us_and_the_leg_goes_to_another(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    """A prefill worker's 429 (Retry-After 0) is no refusal of the request: the leg goes again, here to
+    the other prefill worker, and the client gets its completion; no failure is told to the breaker."""
+    proxy = {"proxy_retries": 3, "proxy_retry_backoff_secs": 0.01}
+    async with (
+        fleet(nats_server.url, (2, 3), roles={2: "decode", 3: "prefill"}, handoff=style, proxy=proxy) as f,
+        failing_worker(b"429 Too Many Requests", b"retry-after: 0\r\n") as (url, seen),
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        busy = WorkerConfig(
+            worker_id=9, url=url, models=frozenset({MODEL}), role="prefill", handoff=style, leased=False,
+            kv_events=False, block_size=64, bootstrap_port=port if style == "bootstrap" else None,
+        )  # fmt: skip
+        await register(f, busy)
+        await ballast(f, "ballast", pinned_prefill=(3, 0), pinned_worker=(2, 0))()  # worker 9 comes first
+        completion = await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+        assert completion.choices[0].text == " w1 w2"
+        assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
+        assert f.apis[3].prefill_legs == 1
+        text = await scrape(f.url)
+        assert sample(text, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_overloaded") == 1
+        assert sample(text, "kv_router_proxy_retries_total", reason="overloaded") == 1
+        assert sample(text, "kv_router_proxy_upstream_failures_total") == 0  # the engine pacing us, no failure
         f.router.mark_free("ballast")
         await eventually(lambda: idle(f.router))
 

@@ -46,6 +46,26 @@ async def test_an_overloaded_engines_retry_after_is_waited_for_then_the_request_
         assert idle(f.router)
 
 
+async def test_a_pinned_request_is_retried_on_its_worker_while_another_serves_the_model(
+    nats_server: EmbeddedNats,
+) -> None:
+    """Pinned (``nvext.backend_instance_id``), a request that met its engine's 429 goes to that engine
+    again after the backoff, not to the other worker, and not back to the client."""
+    busy, other = Gate(refusals=1, status=429, retry_after="0"), Gate(refusals=0)
+    proxy = {"proxy_retries": 3, "proxy_retry_backoff_secs": 0.01, "proxy_health_check_interval_secs": 0}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, served(busy) as url7, served(other) as url8:
+        await register(f, 7, url7)
+        await register(f, 8, url8)
+        pinned = {"nvext": {"backend_instance_id": 7, "dp_rank": 0}}
+        raw = await f.client.completions.with_raw_response.create(
+            model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_body=pinned
+        )
+        assert raw.parse().choices[0].text == " fine" and raw.headers["x-kv-router-worker"] == "7"
+        assert (len(busy.arrivals), len(other.arrivals)) == (2, 0)
+        assert await retries(f, "overloaded") == 1
+        assert idle(f.router)
+
+
 async def test_retries_are_bounded_in_count_and_the_engines_last_answer_goes_to_the_client(
     nats_server: EmbeddedNats,
 ) -> None:

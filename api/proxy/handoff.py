@@ -47,6 +47,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from api.http_stream import Headers, Sink, StreamCall
 from api.metrics import PREFIX
+from api.proxy.retry import OVERLOADED, retry_after_secs
 from api.proxy.upstream import Upstream, UpstreamError
 from api.proxy.wire import finished_stream
 from router.kv_router import KvRouter
@@ -76,11 +77,21 @@ Forward = Callable[[bytes, StreamCall], Awaitable[str]]
 
 
 class PrefillFailed(Exception):
-    """The prefill leg failed while the client had nothing: the request may go again without ``worker_id``."""
+    """The prefill leg failed while the client had nothing: the request may go again without ``worker_id``.
+    ``answer``: an overloaded engine's own 429 or 503 (status, headers, body), the client's if no retry
+    follows; ``retry_after``: its Retry-After in seconds."""
 
-    def __init__(self, worker_id: int, problem: str) -> None:
+    def __init__(
+        self,
+        worker_id: int,
+        problem: str,
+        answer: tuple[int, Headers, bytes] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(f"prefill worker {worker_id}: {problem}")
         self.worker_id = worker_id
+        self.answer = answer
+        self.retry_after = retry_after
 
 
 class _Refused(Exception):
@@ -117,7 +128,8 @@ class Handoff:
             "Remote prefills the proxy ran, by hand-off style (kv_transfer_params, bootstrap, sequential) and "
             "outcome (ok: the decode leg got the request; prefill_failed: the prefill leg failed and the request went "
             "again without that worker; prefill_failed_late: in bootstrap style, after the decode leg began; "
-            "prefill_refused: the prefill worker answered 4xx, passed to the client).",
+            "prefill_overloaded: it answered 429 or 503 (the engine pacing us), and the request went again; "
+            "prefill_refused: the prefill worker answered another 4xx, passed to the client).",
             ["style", "outcome"],
             registry=registry,
         )
@@ -228,6 +240,17 @@ class Handoff:
             raise self._failed(legs, str(exc)) from None
         finally:
             connection.release()
+        if connection.status in OVERLOADED:  # the engine pacing us: another worker, or later
+            self._count(legs, "prefill_overloaded")
+            answered: Headers = [
+                (b"content-type", connection.content_type or b"application/json"),
+                (b"x-kv-router-worker", str(worker.worker_id).encode()),
+            ]
+            if connection.retry_after is not None:
+                answered.append((b"retry-after", connection.retry_after))
+            answer = (connection.status, answered, content)
+            wait = retry_after_secs(connection.retry_after)
+            raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}", answer, wait)
         if 400 <= connection.status < 500:  # the request's fault, not the worker's: the client's answer
             self._count(legs, "prefill_refused")
             raise _Refused(connection.status, connection.content_type, content)

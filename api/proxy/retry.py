@@ -20,7 +20,10 @@ from collections.abc import Callable
 
 from api.config import ProxyConfig
 
-__all__ = ["RetryPolicy", "retry_after_secs"]
+__all__ = ["OVERLOADED", "RetryPolicy", "retry_after_secs"]
+
+# An engine's answers meaning "too busy now, try again" (vLLM and SGLang's, with a Retry-After or not).
+OVERLOADED = frozenset({429, 503})
 
 
 class RetryPolicy:

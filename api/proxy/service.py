@@ -60,7 +60,7 @@ from api.proxy.handoff import Forward, Handoff, PrefillFailed
 from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
-from api.proxy.retry import RetryPolicy, retry_after_secs
+from api.proxy.retry import OVERLOADED, RetryPolicy, retry_after_secs
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
 from api.proxy.upstream import Begin, Upstream, UpstreamConnection, UpstreamError
@@ -419,6 +419,7 @@ class Proxy:
         timeline = reply.timeline
         candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
         among = set(candidates)
+        pinned = {rank[0] for rank in (routing.pinned, routing.pinned_prefill) if rank is not None}
         failures: list[str] = []
         started = time.monotonic()
         retry = 0
@@ -452,7 +453,8 @@ class Proxy:
                     self.worker_answered(worker.worker_id)
                 return outcome
             except PrefillFailed as exc:  # the request goes again without that prefill worker
-                failed_id, problem, failed = exc.worker_id, str(exc), _WorkerFailed(str(exc))
+                failed_id, problem = exc.worker_id, str(exc)
+                failed = _WorkerFailed(problem, exc.answer, exc.retry_after)
             except _WorkerFailed as exc:  # its booking, and any prefill leg's, freed below
                 failed_id, problem, failed = worker.worker_id, f"worker {worker.worker_id}: {exc}", exc
             finally:
@@ -462,8 +464,8 @@ class Proxy:
                 self.worker_failed(failed_id, problem)
             among.discard(failed_id)
             # A request needs a worker that decodes (on an aggregated fleet, any of them); none left to
-            # try, or pinned: the same ones again.
-            if not any(by_id[left].serves("decode") for left in among):
+            # try, or the one that failed pinned: the same ones again.
+            if failed_id in pinned or not any(by_id[left].serves("decode") for left in among):
                 among = set(candidates)
             retry += 1
             delay = self.retry.delay(retry, failed.retry_after, started, time.monotonic())
@@ -561,7 +563,7 @@ class Proxy:
             timeline.first_byte = time.time_ns()  # the answer's head; a stream's first events below
         try:
             status = connection.status
-            if status in _OVERLOADED:
+            if status in OVERLOADED:
                 raise await _overloaded(connection, decision)
             if status >= 500:
                 raise _WorkerFailed(f"HTTP {status}")
@@ -681,10 +683,6 @@ class _OutputProgress:
 def _queue_refusal(rejected: QueueRejected, retry_after: int) -> _Refused:
     """No room: the router's queue, or the proxy's wait for a slot, full or timed out."""
     return _refused(429, "rate_limit_exceeded", str(rejected), "queue_rejected", retry_after=str(retry_after))
-
-
-# An engine's answers meaning "too busy now, try again" (vLLM and SGLang's, with a Retry-After or not).
-_OVERLOADED = frozenset({429, 503})
 
 
 async def _overloaded(connection: UpstreamConnection, decision: RouteDecision) -> _WorkerFailed:
