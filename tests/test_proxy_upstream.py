@@ -8,20 +8,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, TypeVar, cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from api import eager
 from api.config import ProxyConfig
 from api.proxy.upstream import Upstream, UpstreamConnection, UpstreamError
 from router.event_plane.embedded_server import free_port
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
+T = TypeVar("T")
 
 # One answer: a list of TCP writes (bytes), with a pause after each so that they arrive as separate reads.
 Script = list[bytes]
@@ -331,6 +334,105 @@ async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_dra
         assert await forwarding
         assert b"".join(sink.data) == b"".join(events)
         connection.release()
+
+
+async def test_a_client_behind_for_longer_than_the_read_timeout_is_no_silence_of_the_worker() -> None:
+    """Paused because the client is behind, the connection reads nothing, so it hears nothing: the
+    worker's silence is not counted meanwhile (it was, and a healthy worker was failed for a slow
+    client: a 502 event in the stream and a failure told to its circuit breaker)."""
+    events = [b"data: %d\n\n" % i for i in range(6)]
+    async with peer() as worker, client(proxy_read_timeout_secs=0.2) as upstream:
+        frames = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"]
+        frames += [b"%x\r\n%b\r\n" % (len(event), event) for event in events] + [b"0\r\n\r\n"]
+        worker.scripts.append(frames)
+        sink = Collect(behind=1)
+        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        forwarding = asyncio.ensure_future(connection.handed_on())
+        await eventually(lambda: sink.resume is not None, 5, "the sink was told the client is behind")
+        await asyncio.sleep(0.6)  # the time itself is what is tested: three read timeouts, the client behind
+        assert not forwarding.done()
+        sink.resume()
+        assert await forwarding
+        assert b"".join(sink.data) == b"".join(events)
+        connection.release()
+
+
+async def test_a_waiter_cancelled_as_it_is_handed_a_connection_passes_it_on() -> None:
+    """With one connection a worker, a request waiting for it is cancelled (its client left) in the
+    loop turn it is handed the connection: the next request in line gets it, rather than waiting
+    until the worker closes a connection nobody holds."""
+    async with peer() as worker, client(proxy_connections_per_worker=1) as upstream:
+        worker.scripts += [[b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n%b" % name] for name in (b"a", b"b", b"c")]
+        first = await upstream.open(worker.url, b"/x", b"{}")
+        assert await first.read() == b"a"
+        leaving = asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}"))
+        behind = asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}"))
+        await asyncio.sleep(0.05)  # both wait for the one connection (a negative: nothing may happen)
+        assert not leaving.done() and not behind.done()
+        first.release()  # handed to the first waiter ...
+        leaving.cancel()  # ... whose client leaves in the same loop turn
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert await asyncio.wait_for(behind, 5) == (200, b"b")
+        assert worker.connections == 1
+
+
+def _outside_any_task(coroutine: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+    """``coroutine`` run as the proxy runs a request (`api.eager.start`, on a protocol callback, with
+    no current task) up to its first wait, then to its end; its outcome."""
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[T] = loop.create_future()
+
+    def finish(task: asyncio.Future[T]) -> None:
+        if task.exception() is not None:
+            outcome.set_exception(cast(BaseException, task.exception()))
+        else:
+            outcome.set_result(task.result())
+
+    def run() -> None:
+        assert asyncio.current_task() is None
+        try:
+            started = eager.start(coroutine)
+        except BaseException as exc:  # the outcome, whatever it is
+            outcome.set_exception(exc)
+            return
+        if isinstance(started, eager.Suspended):
+            asyncio.ensure_future(started).add_done_callback(finish)
+        else:
+            outcome.set_result(started)
+
+    loop.call_soon(run)
+    return outcome
+
+
+async def test_a_connection_is_opened_and_timed_out_outside_any_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy opens worker connections from requests that run with no current task. From Python
+    3.12 `asyncio.wait_for` needs one (it is `asyncio.timeout` inside): that behaviour is put in here,
+    so this Python fails as 3.12 would (a 500 for every request needing a new connection)."""
+
+    async def wait_for_as_in_python_312(awaitable: Awaitable[T], timeout: float | None) -> T:
+        async with asyncio.timeout(timeout):
+            return await awaitable
+
+    monkeypatch.setattr(asyncio, "wait_for", wait_for_as_in_python_312)
+    async with peer() as worker, client(proxy_connect_timeout_secs=0.2) as upstream:
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\na"])
+        assert await _outside_any_task(upstream.post(worker.url, b"/x", b"{}")) == (200, b"a")
+        # A listener whose accept queue is full: a new connection's SYN goes unanswered, so it times out.
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(0)
+            fillers = [socket.socket() for _ in range(3)]
+            try:
+                for filler in fillers:
+                    filler.setblocking(False)
+                    filler.connect_ex(listener.getsockname())
+                url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+                with pytest.raises(UpstreamError, match=r"connect timeout after 0\.2 s"):
+                    await _outside_any_task(upstream.post(url, b"/x", b"{}"))
+            finally:
+                for filler in fillers:
+                    filler.close()
 
 
 async def test_a_stream_opened_to_be_handed_on_is_read_whole_when_the_worker_refuses_it() -> None:

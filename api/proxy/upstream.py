@@ -181,6 +181,10 @@ class _Pool:
             self._waiting.append(waiter)
             try:
                 handed = await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():  # handed one as it was cancelled: pass it on
+                    self._hand_on(waiter.result())
+                raise
             finally:
                 if waiter in self._waiting:
                     self._waiting.remove(waiter)
@@ -190,44 +194,59 @@ class _Pool:
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> UpstreamConnection:
         endpoint = self.endpoint
         self.opened += 1
-        try:
-            # wait_for, not asyncio.timeout: the proxy's request may run eagerly, outside any task.
-            _, connection = await asyncio.wait_for(
-                loop.create_connection(
-                    lambda: UpstreamConnection(self),
-                    endpoint.host,
-                    endpoint.port,
-                    ssl=self._tls() if endpoint.tls else None,
-                ),
-                self._connect_timeout,
+        # A timer, not asyncio.timeout or wait_for (which is asyncio.timeout from Python 3.12): the proxy's
+        # request may run eagerly (`api.eager`), outside any task, and both need one.
+        connecting = asyncio.ensure_future(
+            loop.create_connection(
+                lambda: UpstreamConnection(self),
+                endpoint.host,
+                endpoint.port,
+                ssl=self._tls() if endpoint.tls else None,
             )
-        except TimeoutError:
+        )
+        timed_out = False
+
+        def time_out() -> None:
+            nonlocal timed_out
+            timed_out = True
+            connecting.cancel()
+
+        timer = loop.call_later(self._connect_timeout, time_out)
+        try:
+            _, connection = await connecting
+        except asyncio.CancelledError:
             self._gone()
-            raise UpstreamError(f"connect timeout after {self._connect_timeout:g} s") from None
+            if timed_out:
+                raise UpstreamError(f"connect timeout after {self._connect_timeout:g} s") from None
+            raise
         except OSError as exc:
             self._gone()
             raise UpstreamError(_describe(exc)) from None
         except BaseException:
             self._gone()
             raise
+        finally:
+            timer.cancel()
         return connection
 
     def put_back(self, connection: UpstreamConnection) -> None:
+        self._hand_on(connection)
+
+    def _gone(self) -> None:
+        """A connection closed (or never opened): its place may go to a waiting request."""
+        self.opened -= 1
+        self._hand_on(None)
+
+    def _hand_on(self, connection: UpstreamConnection | None) -> None:
+        """A connection, or (None) a free place for one, to the first request still waiting; a
+        connection nobody waits for is kept idle."""
         while self._waiting:
             waiter = self._waiting.popleft()
             if not waiter.done():
                 waiter.set_result(connection)
                 return
-        self.idle.append(connection)
-
-    def _gone(self) -> None:
-        """A connection closed (or never opened): its place may go to a waiting request."""
-        self.opened -= 1
-        while self._waiting:
-            waiter = self._waiting.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+        if connection is not None:
+            self.idle.append(connection)
 
     def forget(self, connection: UpstreamConnection) -> None:
         if connection in self.idle:
@@ -518,6 +537,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _resume_reading(self) -> None:
         if self._paused and self._transport is not None and not self._closed:
             self._paused = False
+            self._heard = self._loop.time()  # the worker's silence counts from here: we were not listening
             self._transport.resume_reading()
 
     def _check_silence(self) -> None:
@@ -525,6 +545,9 @@ class UpstreamConnection(asyncio.Protocol):
         if self.complete or self._closed:
             return
         timeout = self._pool.read_timeout
+        if self._paused:  # the client is behind, not the worker: nothing is read, so nothing is heard
+            self._silence = self._loop.call_later(timeout, self._check_silence)
+            return
         remaining = self._heard + timeout - self._loop.time()
         if remaining > 0:
             self._silence = self._loop.call_later(remaining, self._check_silence)
