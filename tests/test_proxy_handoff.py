@@ -68,6 +68,16 @@ async def failing_worker(
         yield url, seen
 
 
+def prefill_worker_at(url: str, style: HandoffStyle) -> WorkerConfig:
+    """Worker 9, a prefill worker at ``url`` (a `failing_worker`): no KV events, its bootstrap port its
+    HTTP port in bootstrap style."""
+    port = int(url.rsplit(":", 1)[1])
+    return WorkerConfig(
+        worker_id=9, url=url, models=frozenset({MODEL}), role="prefill", handoff=style, leased=False,
+        kv_events=False, block_size=64, bootstrap_port=port if style == "bootstrap" else None,
+    )  # fmt: skip
+
+
 def cached_blocks(f: Fleet, worker_id: int) -> int:
     """The blocks the router's index holds for the worker, from its KV events."""
     return sum(blocks for (worker, _), blocks in f.router.tree.stats().blocks.items() if worker == worker_id)
@@ -142,12 +152,7 @@ async def test_a_failing_prefill_leg_is_retried_on_another_prefill_worker(
         fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style) as f,
         failing_worker() as (url, seen),
     ):
-        port = int(url.rsplit(":", 1)[1])
-        bad = WorkerConfig(
-            worker_id=9, url=url, models=frozenset({MODEL}), role="prefill", handoff=style, leased=False,
-            kv_events=False, block_size=64, bootstrap_port=port if style == "bootstrap" else None,
-        )  # fmt: skip
-        await register(f, bad)
+        await register(f, prefill_worker_at(url, style))
         # Prefill load on worker 1, so that the router's first choice is the failing worker 9.
         await ballast(f, "ballast", pinned_prefill=(1, 0))()
         assert f.router.booking(prefill_booking_id("ballast")) is not None
@@ -226,12 +231,7 @@ async def test_an_overloaded_prefill_worker_is_the_engine_pacing_us_and_the_leg_
         fleet(nats_server.url, (2, 3), roles={2: "decode", 3: "prefill"}, handoff=style, proxy=proxy) as f,
         failing_worker(b"429 Too Many Requests", b"retry-after: 0\r\n") as (url, seen),
     ):
-        port = int(url.rsplit(":", 1)[1])
-        busy = WorkerConfig(
-            worker_id=9, url=url, models=frozenset({MODEL}), role="prefill", handoff=style, leased=False,
-            kv_events=False, block_size=64, bootstrap_port=port if style == "bootstrap" else None,
-        )  # fmt: skip
-        await register(f, busy)
+        await register(f, prefill_worker_at(url, style))
         await ballast(f, "ballast", pinned_prefill=(3, 0), pinned_worker=(2, 0))()  # worker 9 comes first
         completion = await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
         assert completion.choices[0].text == " w1 w2"
@@ -253,12 +253,7 @@ async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
         fleet(nats_server.url, (2,), roles={2: "decode"}, handoff=style) as f,
         failing_worker(b"400 Bad Request") as (url, seen),
     ):
-        port = int(url.rsplit(":", 1)[1])
-        bad = WorkerConfig(
-            worker_id=9, url=url, models=frozenset({MODEL}), role="prefill", handoff=style, leased=False,
-            kv_events=False, block_size=64, bootstrap_port=port if style == "bootstrap" else None,
-        )  # fmt: skip
-        await register(f, bad)
+        await register(f, prefill_worker_at(url, style))
         with pytest.raises(openai.BadRequestError) as refused:
             await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
         assert "engine failure" in str(refused.value)
