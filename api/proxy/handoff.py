@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from api.http_stream import Headers, Sink, StreamCall
 from api.metrics import PREFIX
-from api.proxy.retry import OVERLOADED, retry_after_secs
+from api.proxy.retry import OVERLOADED, Overloaded, overloaded_answer
 from api.proxy.upstream import Upstream, UpstreamError
 from api.proxy.wire import finished_stream
 from router.kv_router import KvRouter
@@ -85,7 +85,7 @@ class PrefillFailed(Exception):
         self,
         worker_id: int,
         problem: str,
-        answer: tuple[int, Headers, bytes] | None = None,
+        answer: Overloaded | None = None,
         retry_after: float | None = None,
     ) -> None:
         super().__init__(f"prefill worker {worker_id}: {problem}")
@@ -242,14 +242,7 @@ class Handoff:
             connection.release()
         if connection.status in OVERLOADED:  # the engine pacing us: another worker, or later
             self._count(legs, "prefill_overloaded")
-            answered: Headers = [
-                (b"content-type", connection.content_type or b"application/json"),
-                (b"x-kv-router-worker", str(worker.worker_id).encode()),
-            ]
-            if connection.retry_after is not None:
-                answered.append((b"retry-after", connection.retry_after))
-            answer = (connection.status, answered, content)
-            wait = retry_after_secs(connection.retry_after)
+            answer, wait = overloaded_answer(connection, worker.worker_id, content)
             raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}", answer, wait)
         if 400 <= connection.status < 500:  # the request's fault, not the worker's: the client's answer
             self._count(legs, "prefill_refused")

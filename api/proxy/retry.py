@@ -19,8 +19,10 @@ import time
 from collections.abc import Callable
 
 from api.config import ProxyConfig
+from api.http_stream import Headers
+from api.proxy.upstream import UpstreamConnection
 
-__all__ = ["OVERLOADED", "RetryPolicy", "retry_after_secs"]
+__all__ = ["OVERLOADED", "Overloaded", "RetryPolicy", "overloaded_answer", "retry_after_secs"]
 
 # An engine's answers meaning "too busy now, try again" (vLLM and SGLang's, with a Retry-After or not).
 OVERLOADED = frozenset({429, 503})
@@ -72,3 +74,21 @@ def retry_after_secs(value: bytes | None, now: float | None = None) -> float | N
     if not math.isfinite(seconds):
         return None
     return max(seconds, 0.0)
+
+
+# An overloaded engine's answer as the client gets it when no retry follows: status, headers, body.
+Overloaded = tuple[int, Headers, bytes]
+
+
+def overloaded_answer(
+    connection: UpstreamConnection, worker_id: int, content: bytes
+) -> tuple[Overloaded, float | None]:
+    """An overloaded engine's answer (read whole: ``content``) as the client gets it if no retry follows,
+    with the worker that gave it and its Retry-After; and that Retry-After in seconds."""
+    headers: Headers = [
+        (b"content-type", connection.content_type or b"application/json"),
+        (b"x-kv-router-worker", str(worker_id).encode()),
+    ]
+    if connection.retry_after is not None:
+        headers.append((b"retry-after", connection.retry_after))
+    return (connection.status, headers, content), retry_after_secs(connection.retry_after)

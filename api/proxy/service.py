@@ -60,7 +60,7 @@ from api.proxy.handoff import Forward, Handoff, PrefillFailed
 from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
-from api.proxy.retry import OVERLOADED, RetryPolicy, retry_after_secs
+from api.proxy.retry import OVERLOADED, Overloaded, RetryPolicy, overloaded_answer
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
 from api.proxy.upstream import Begin, Upstream, UpstreamConnection, UpstreamError
@@ -137,7 +137,7 @@ class _WorkerFailed(Exception):
     def __init__(
         self,
         problem: str,
-        answer: tuple[int, Headers, bytes] | None = None,
+        answer: Overloaded | None = None,
         retry_after: float | None = None,
     ) -> None:
         super().__init__(problem)
@@ -692,13 +692,8 @@ async def _overloaded(connection: UpstreamConnection, decision: RouteDecision) -
         content = await connection.read()
     except UpstreamError as exc:
         return _WorkerFailed(str(exc))
-    headers: Headers = [
-        (b"content-type", connection.content_type or _JSON),
-        (b"x-kv-router-worker", str(decision.worker_id).encode()),
-    ]
-    if connection.retry_after is not None:
-        headers.append((b"retry-after", connection.retry_after))
-    return _WorkerFailed(f"HTTP {status}", (status, headers, content), retry_after_secs(connection.retry_after))
+    answer, retry_after = overloaded_answer(connection, decision.worker_id, content)
+    return _WorkerFailed(f"HTTP {status}", answer, retry_after)
 
 
 def _client_left_at_the_end() -> None:

@@ -214,16 +214,12 @@ class _Pool:
         timer = loop.call_later(self._connect_timeout, time_out)
         try:
             _, connection = await connecting
-        except asyncio.CancelledError:
+        except BaseException as exc:
             self._gone()
             if timed_out:
                 raise UpstreamError(f"connect timeout after {self._connect_timeout:g} s") from None
-            raise
-        except OSError as exc:
-            self._gone()
-            raise UpstreamError(_describe(exc)) from None
-        except BaseException:
-            self._gone()
+            if isinstance(exc, OSError):
+                raise UpstreamError(_describe(exc)) from None
             raise
         finally:
             timer.cancel()

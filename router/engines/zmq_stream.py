@@ -559,8 +559,8 @@ class ZmqEngineStream:
                     await self._bootstrap()  # a new process may hold nothing yet: no history missing
                     return
                 del batches[0]
-            current = self._last_applied  # past the anchor: what was heard live since the reconnection
-            if current is not None and current != last:
+            current = self._last_applied  # past an anchor: what was heard live since the reconnection
+            if current is not None:
                 batches = [batch for batch in batches if batch[0] > current]
             # What was heard live while the replay was asked waits in the queue, behind this check: it
             # was not lost, and the loop applies it next.
