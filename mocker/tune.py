@@ -54,8 +54,7 @@ __all__ = [
 # A knob's value: a weight, or a switch (`latency_decode_per_token`).
 Knob = float | bool
 # The knobs searched and the values tried for each (RouterConfig fields of the `latency` policy); the
-# last two and the 0.0012 decode weight are those of the best capacity setting in
-# docs/routing-quality.md (`latency-p1`).
+# defaults (the best capacity setting in docs/routing-quality.md) are among them.
 SEARCH_SPACE: dict[str, tuple[Knob, ...]] = {
     "latency_miss_weight": (2.0, 3.0, 4.0, 5.0, 6.0, 8.0),
     "latency_stall_weight": (0.0, 0.05, 0.2),

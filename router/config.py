@@ -169,7 +169,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "ours: the selection policy, by its name in the policy registry: dynamo is Dynamo 1.6.1's cost "
             "function; the others are described in the README (Policies)"
         ),
-    ] = "dynamo"
+    ] = "latency"
     # Ours, knobs of the `cache_affinity` policy (router/policies/cache_affinity.py), tuned on the shared
     # traces (docs/routing-quality.md): how many queued prefill tokens one uncached prompt token is
     # worth (> 1 trades some queueing for cache affinity, which also saves the fleet's cache space);
@@ -202,11 +202,11 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     latency_stall_weight: Annotated[
         float,
         _doc("latency policy: cost of one prefill token to each request decoding on the rank"),
-    ] = 0.05
+    ] = 0.2
     latency_decode_weight: Annotated[
         float,
         _doc("latency policy: cost, in prefill tokens, of one output token per token of context in flight on the rank"),
-    ] = 0.0004
+    ] = 0.0012
     # Ours: the decode weight grows with the fleet's load (requests in flight per candidate rank), so that
     # near saturation, where the ITL bound binds, the `latency` policy spreads decode work as `dynamo` does.
     latency_decode_load_weight: Annotated[
@@ -224,7 +224,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "latency policy: weight of the decode slowdown this request's context causes each request on the rank, "
             "relative to the slowdown their context causes it (0: its own only)"
         ),
-    ] = 0.0
+    ] = 1.0
     # Ours: the decode side per output token (every request the default length) rather than per response.
     latency_decode_per_token: Annotated[
         bool,
@@ -232,7 +232,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "latency policy: price the decode side per output token, every request as long as "
             "latency_default_output_tokens, not per response (its expected output length)"
         ),
-    ] = False
+    ] = True
     # Ours: a prefill stall of t ms adds t / length to the mean inter-token latency of each request decoding
     # beside it, so pricing the stall per request by the default output length over its own steers long
     # prefills away from short answers, which an ITL bound catches first.

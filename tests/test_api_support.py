@@ -30,12 +30,13 @@ MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack
 
 @contextmanager
 def serve(fast_protocol: bool = True, seed: int = 0, **overrides: Any) -> Iterator[TestClient]:
-    """A client of a fresh app; ``overrides`` go to `ServiceConfig` or `RouterConfig` by name."""
+    """A client of a fresh app; ``overrides`` go to `ServiceConfig` or `RouterConfig` by name. The HTTP
+    contract is checked against Dynamo's decisions, so the app routes with `dynamo` unless told otherwise."""
     service = {k: v for k, v in overrides.items() if k in ServiceConfig.__struct_fields__}
     router = {k: v for k, v in overrides.items() if k not in service}
     settings = Settings(
         service=ServiceConfig(fast_protocol=fast_protocol, **service),
-        router=RouterConfig(**{"block_size": BLOCK_SIZE, **router}),
+        router=RouterConfig(**{"block_size": BLOCK_SIZE, "policy": "dynamo", **router}),
     )
     app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(seed))
     # fast_protocol: through kv-router's HTTP protocol, as `kv-router serve` answers; else FastAPI's routes.

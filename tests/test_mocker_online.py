@@ -90,7 +90,7 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
         for process in workers:
             assert process.stop() == 0  # a clean exit on SIGTERM
     (offline,) = await replay_offline(
-        trace, ReplaySetup(engine=ENGINE, workers=WORKERS, routers=("dynamo",)), show_progress=False
+        trace, ReplaySetup(engine=ENGINE, workers=WORKERS, routers=(RouterConfig().policy,)), show_progress=False
     )
     report = online.report
     assert report.completed == len(trace)

@@ -13,13 +13,17 @@ from router import ConfigError, KvRouter, RouterConfig, RouteRequest, WorkerConf
 from router.policies import Selection, SelectionContext, SelectionPolicy, policy_names, register_policy, registry
 
 
-def test_defaults_are_dynamos() -> None:
+def test_dynamos_knobs_default_to_dynamos_and_the_policy_to_latency() -> None:
     config = RouterConfig()
     assert (config.overlap_score_credit, config.overlap_score_credit_decay, config.prefill_load_scale) == (1.0, 0, 1.0)
     assert (config.host_cache_hit_weight, config.disk_cache_hit_weight) == (0.75, 0.25)
     assert (config.router_temperature, config.decode_active_request_weight, config.request_expiry_secs) == (0, 0, 300)
     assert config.router_track_active_blocks and config.router_assume_kv_reuse and config.router_track_prefill_tokens
-    assert (config.router_queue_threshold, config.router_queue_policy, config.policy) == (None, "fcfs", "dynamo")
+    assert (config.router_queue_threshold, config.router_queue_policy) == (None, "fcfs")
+    # Ours: the policy that carries the most traffic at a latency SLO (docs/routing-quality.md).
+    assert config.policy == "latency"
+    assert (config.latency_stall_weight, config.latency_decode_weight) == (0.2, 0.0012)
+    assert (config.latency_decode_others_weight, config.latency_decode_per_token) == (1.0, True)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,9 @@ PROMPT = list(range(1000, 1000 + 40 * BS))  # 640 tokens, 40 blocks
 
 
 def fleet(**config: object) -> KvRouter:
-    router = KvRouter(RouterConfig(block_size=BS, **config), rng=random.Random(0))  # type: ignore[arg-type]
+    """Two prefill and two decode workers; the costs in these tests are worked out in `dynamo`'s terms."""
+    settings = {"block_size": BS, "policy": "dynamo", **config}
+    router = KvRouter(RouterConfig(**settings), rng=random.Random(0))  # type: ignore[arg-type]
     for worker_id in (P1, P2):
         router.register_worker(WorkerConfig(worker_id=worker_id, role="prefill"))
     for worker_id in (D1, D2):
@@ -155,8 +157,9 @@ def test_decode_worker_holding_the_prompt_prefills_it_locally() -> None:
     assert loads(router)[P1] == loads(router)[P2] == (0, 0, 0)
 
 
-def test_decode_overlap_credit_off_picks_by_decode_load() -> None:
-    router = fleet(disagg_decode_overlap_credit=False)
+@pytest.mark.parametrize("policy", ["dynamo", "latency"])
+def test_decode_overlap_credit_off_picks_by_decode_load(policy: str) -> None:
+    router = fleet(disagg_decode_overlap_credit=False, policy=policy)
     router.apply_event(prompt_stored_event(D2, PROMPT, BS, blocks=30))
     route(router, list(range(9000, 9000 + 4 * BS)), "busy", pinned_worker=(D2, 0))  # load on D2
     decision = route(router, PROMPT)

@@ -3,15 +3,21 @@ fleet least time, counting what it does to the requests already there.
 
 Every term is in prefill tokens, a proxy for time on a homogeneous fleet::
 
-    cost(w) = A_p(w) + m(w) * miss(w)          its time to first token: queued prefill, then its own
+    cost(w) = p * (A_p(w) + m(w) * miss(w)     its time to first token: queued prefill, then its own
             + s * miss(w) * R(w)               its prefill stalls the R(w) requests decoding on w
-            + u * miss(w) * S(w)               ... and the more so those with short answers (u 0: off)
+            + u * miss(w) * S(w))              ... and the more so those with short answers (u 0: off)
             + d * osl * (K(w) + e * isl * R(w))  each of its output tokens slowed by w's context in
                                                flight, and each of theirs by its own (e 0: off)
 
     d       = d0 + d_load * mean R             the fleet's load raises the decode weight (d_load 0: fixed)
 
     m(w)    = 1 + (m - 1) * fill(w)            a miss costs more than its time only when storing it evicts
+
+Dynamo's two cost knobs mean here what they mean in its cost, so that a request's `RouterConfigOverride`
+and the disaggregated decode pool without overlap credit work under either policy: ``p``
+(``prefill_load_scale``, 1) weighs the prefill lines against the decode line (0: decode load alone),
+``overlap_score_credit`` (1) scales what counts as cached (0: the cache counts for nothing), and without
+``router_track_prefill_tokens`` the queued prefill ``A_p(w)`` is not counted (the bookings carry none).
 
 ``miss(w) = max(isl - cached(w), 0)`` with ``cached(w)`` the effective cached prefix, or what requests
 already booked on w hold of the prompt when that is longer and w has at least a pass
@@ -36,11 +42,12 @@ cache a miss costs ``m`` > 1 times its tokens because storing it evicts blocks a
 would have reused; on a cache with room it costs only its time, so a hot prefix is copied to another
 rank rather than queued behind its holder.
 
-The defaults are m = 6, s = 0.05 and d = 0.0004, s and d well below those physical ratios: the physical weights
-minimize the total latency of the requests in flight now, but a request sent away from its cached
-prefix also stores that prefix a second time and evicts what later requests would have reused, which
-the p90s of a whole run pay for. They were searched on the shared traces and the generated workloads
-(docs/routing-quality.md; `kv-router tune` does the same search on a trace of your own). Counting
+The defaults are m = 6, s = 0.2, d = 0.0012, e = 1 and the decode side per token (below), s and d well
+below those physical ratios: the physical weights minimize the total latency of the requests in flight
+now, but a request sent away from its cached prefix also stores that prefix a second time and evicts
+what later requests would have reused, which the p90s of a whole run pay for. They were chosen by the
+traffic a fleet carries at a TTFT and ITL bound, on the shared traces and the generated workloads
+(docs/routing-quality.md; `kv-router tune` searches on a trace of your own). Counting
 a prefix in flight only behind a pass of queued prefill spreads a burst sharing a short template over
 the fleet in the burst's first pass, while a copy of the template costs no waiting; counted at once,
 the burst's first requests queue behind the template's holder and the copies are made later anyway, as
@@ -117,6 +124,9 @@ class LatencyPolicy(SelectionPolicy):
         # default length: what an ITL bound sees, the same for a short answer as for a long one.
         output = expected if expected is not None and not self._decode_per_token else self._default_output
         decode_weight = per_token * output
+        prefill_scale = context.config.prefill_load_scale
+        credit = context.config.overlap_score_credit
+        track_prefill = context.track_prefill_tokens
         fills = context.cache_fill
         pass_tokens = context.pass_tokens or {}
         extra_miss_weight = miss_weight - 1.0
@@ -128,8 +138,12 @@ class LatencyPolicy(SelectionPolicy):
         for rank in ranks:
             cached = overlaps.get(rank.key, NO_OVERLAP).cached_tokens
             inflight = depths.get(rank, 0) * block_size
+            if credit != 1.0:
+                cached = round(credit * cached)
+                inflight = round(credit * inflight)
             held.append(max(cached, inflight))
-            if inflight > cached and rank.prefill_tokens >= pass_tokens.get(rank.key, 0):
+            queued = rank.prefill_tokens if track_prefill else 0
+            if inflight > cached and queued >= pass_tokens.get(rank.key, 0):
                 # The prefix is booked there but not computed yet. Behind a pass of queued prefill the
                 # request waits anyway and reuses it; with less, a copy elsewhere costs no waiting, and
                 # pricing it as a miss spreads a burst in its first pass (module doc).
@@ -142,8 +156,7 @@ class LatencyPolicy(SelectionPolicy):
                 short = default_output * rank.decoding_inverse_output + rank.decoding_untold
                 stalled += itl_stall_weight * short
             costs.append(
-                rank.prefill_tokens
-                + (1.0 + extra_miss_weight * fill + stalled) * miss
+                prefill_scale * (queued + (1.0 + extra_miss_weight * fill + stalled) * miss)
                 + decode_weight * (rank.context_tokens + others_weight * isl * rank.requests)
             )
         return with_taint_multipliers(costs, context), held
