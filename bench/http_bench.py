@@ -6,8 +6,8 @@ the same run, on the same machine, fed the same workers, KV events and requests.
 What one decision is, on each side (closed loop, ``c`` coroutines back to back, one keep-alive
 connection each):
 
-* kv-router: ``POST /v1/new`` (JSON ``tokens``; with ``--forms json,msgpack`` also msgpack with packed
-  u32 tokens), then ``POST /v1/mark_free``;
+* kv-router (``--policy dynamo``, the cost function Dynamo's service runs): ``POST /v1/new`` (JSON
+  ``tokens``; with ``--forms json,msgpack`` also msgpack with packed u32 tokens), then ``POST /v1/mark_free``;
 * Dynamo: ``POST /select_and_reserve`` (JSON ``token_ids``), then ``DELETE /reservations/{id}``.
 
 Workload (seeded): 8 workers, block size 16, 32 shared documents held in full or in part by some
@@ -306,8 +306,9 @@ class KvRouterService(Service):
             self.peer_pids = (nats.pid,)
 
     def command(self) -> tuple[list[str], dict[str, str]]:
+        # Dynamo's cost function on both sides: the same decisions, so the same work per decision.
         argv = [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
-                "--log-level", "warning"]  # fmt: skip
+                "--policy", "dynamo", "--log-level", "warning"]  # fmt: skip
         if self.cores > 1:
             assert self.nats is not None
             argv += ["--processes", str(self.cores), "--nats-url", self.nats.url, "--nats-namespace", self.namespace]
