@@ -203,6 +203,7 @@ class Scheduler:
             expected_output_tokens=expected_output_tokens,
             cache_fill=fills,
             pass_tokens=pass_tokens,
+            prefill_leg=prefill_leg,
         )
         # A pinned rank is the caller's choice; it is still reported with its load.
         policy = self._prefill_policy if prefill_leg else self._policy
@@ -235,16 +236,25 @@ class Scheduler:
     def _capacities(
         self, ranks: list[RankState], cached_blocks: Mapping[WorkerRank, int]
     ) -> tuple[dict[WorkerRank, float], dict[WorkerRank, int]]:
-        """Per rank, the fraction of its KV blocks its cache holds (1 for a worker of unknown capacity),
-        and its worker's ``max_num_batched_tokens`` (absent when the worker did not say)."""
+        """Per rank, the fraction of its KV blocks its cache holds, and its worker's
+        ``max_num_batched_tokens`` (absent when the worker did not say). A worker of unknown capacity
+        is as full as the candidates that said theirs, on average, so that it is not shunned beside
+        them; as full as can be when none did."""
         fills = {}
         pass_tokens = {}
+        unknown = []
         for rank in ranks:
             worker = self.workers.get(rank.worker_id)
             total = worker.total_kv_blocks if worker is not None else None
-            fills[rank.key] = min(cached_blocks.get(rank.key, 0) / total, 1.0) if total else 1.0
+            if total:
+                fills[rank.key] = min(cached_blocks.get(rank.key, 0) / total, 1.0)
+            else:
+                unknown.append(rank.key)
             if worker is not None and worker.max_num_batched_tokens:
                 pass_tokens[rank.key] = worker.max_num_batched_tokens
+        if unknown:
+            fill = sum(fills.values()) / len(fills) if fills else 1.0
+            fills.update(dict.fromkeys(unknown, fill))
         return fills, pass_tokens
 
     def book(

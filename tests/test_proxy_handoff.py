@@ -22,7 +22,7 @@ from router.disaggregation import prefill_booking_id
 from router.event_plane.embedded_server import EmbeddedNats
 from router.types import HandoffStyle, RouteRequest, WorkerConfig
 from tests.metrics import sample
-from tests.proxy_fleet import ENGINE, MODEL, Fleet, fleet, idle, raw_worker
+from tests.proxy_fleet import MODEL, Fleet, fleet, idle, raw_worker
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -181,10 +181,9 @@ async def test_a_decode_leg_failing_before_its_first_token_frees_the_prefill_boo
         fleet(nats_server.url, (1,), roles={1: "prefill"}, handoff=style, proxy={"proxy_retries": 0}) as f,
         failing_worker() as (url, seen),
     ):
-        bad = WorkerConfig(  # as big a cache as the mock workers: an unknown one counts as full
-            worker_id=9, url=url, models=frozenset({MODEL}), role="decode", leased=False, kv_events=False,
-            block_size=64, total_kv_blocks=ENGINE.num_gpu_blocks,
-        )  # fmt: skip
+        bad = WorkerConfig(
+            worker_id=9, url=url, models=frozenset({MODEL}), role="decode", leased=False, kv_events=False, block_size=64
+        )
         await register(f, bad)
         with pytest.raises(openai.APIStatusError) as refused:
             await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=4)
@@ -208,10 +207,9 @@ async def test_a_decode_leg_failing_goes_to_another_decode_worker(
         fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style) as f,
         failing_worker() as (url, seen),
     ):
-        bad = WorkerConfig(  # as big a cache as the mock workers: an unknown one counts as full
-            worker_id=9, url=url, models=frozenset({MODEL}), role="decode", leased=False, kv_events=False,
-            block_size=64, total_kv_blocks=ENGINE.num_gpu_blocks,
-        )  # fmt: skip
+        bad = WorkerConfig(
+            worker_id=9, url=url, models=frozenset({MODEL}), role="decode", leased=False, kv_events=False, block_size=64
+        )
         await register(f, bad)
         await ballast(f, "ballast", pinned_worker=(2, 0))()  # decode load on worker 2: worker 9 comes first
         raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=3, stream=True)

@@ -88,6 +88,24 @@ def test_long_uncached_prompt_is_prefilled_remotely_where_its_prefix_is_cached()
     assert all(load == (0, 0, 0) for load in loads(router).values())
 
 
+def test_under_latency_a_prefill_leg_is_priced_by_queued_prefill_and_misses_alone() -> None:
+    """A prefill leg decodes nothing where it goes: the decode side and the stall it would cause the
+    requests there are not its cost. P1 holds the whole prompt and runs four legs of 8,192-token
+    prompts with 64 tokens left to prefill each; P2 is idle with nothing cached. P1 costs its queued
+    256 tokens; P2 six times the prompt's 640 (capacity unknown: a full cache). Priced as a request that
+    decodes, P1 would cost 0.0012 x 256 x (4 x 8,192 + 640 x 4) = 10,853 more, and lose."""
+    router = fleet(policy="latency", disagg_local_prefill_below_tokens=0)
+    router.apply_event(prompt_stored_event(P1, PROMPT, BS))
+    for n in range(4):
+        ballast = list(range(100_000 * (n + 1), 100_000 * (n + 1) + 8192))
+        router.apply_event(prompt_stored_event(P1, ballast, BS, event_id=n + 2, blocks=508))
+        route(router, ballast, f"ballast{n}", pinned_prefill=(P1, 0), pinned_worker=(D1, 0))
+    assert loads(router)[P1] == (4 * 64, 0, 4)
+    decision = route(router, PROMPT, "r")
+    assert decision.disaggregation is not None and decision.disaggregation.prefill is not None
+    assert decision.disaggregation.prefill.worker_id == P1
+
+
 def test_prefill_leg_is_priced_by_pending_prefill_not_decode_blocks() -> None:
     """The hot prefix stays on the prefill worker holding it while a short prefill runs there. P2 holds
     30 of PROMPT's 40 blocks and is prefilling the last 5 blocks (80 tokens) of another 40-block prompt.

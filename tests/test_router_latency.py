@@ -171,6 +171,18 @@ def test_a_miss_costs_its_time_on_an_empty_cache_and_more_as_the_cache_fills() -
     assert costs(route(router, QUERY, expected_output_tokens=10)) == {X: (1 + 1.0 * 0.25) * 64, Y: 2.0 * 128}
 
 
+def test_a_worker_of_unknown_capacity_is_as_full_as_those_that_said_theirs() -> None:
+    router = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
+    router.register_worker(WorkerConfig(worker_id=X, total_kv_blocks=16))
+    router.register_worker(WorkerConfig(worker_id=Y))  # did not say
+    router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))  # X's cache is a quarter full
+    # Y is priced a quarter full too: 128 missed at (1 + 1.0 * 0.25), not at a full cache's 2.
+    assert costs(route(router, QUERY, expected_output_tokens=10)) == {X: (1 + 1.0 * 0.25) * 64, Y: 1.25 * 128}
+    lone = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
+    lone.register_worker(WorkerConfig(worker_id=Y))
+    assert costs(route(lone, QUERY, expected_output_tokens=10)) == {Y: 2.0 * 128}  # nobody said: full
+
+
 def fleet_with_pass_budget(tokens: int) -> KvRouter:
     router = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
     for worker in (X, Y):
@@ -313,10 +325,11 @@ def test_dynamos_cache_credit_and_prefill_scale_mean_the_same_in_latency() -> No
 
     # The whole credit: X queued 64 + (2 + 0.5 * 1 request) * 64 missed + 0.01 * 10 * 64; Y 2 * 128 missed.
     assert costs(with_override(overlap_score_credit=1.0)) == {X: pytest.approx(64 + 2.5 * 64 + 6.4), Y: 256.0}
-    # Half: 32 of X's tokens count as cached; none: X misses the whole prompt and Y, idle, wins.
+    # Half: 32 of X's tokens count as cached. None: the cache counts for nothing, neither X's hits nor
+    # the eviction a miss causes on a full cache (the miss weight 1, not 2): by load alone Y, idle, wins.
     assert costs(with_override(overlap_score_credit=0.5)) == {X: pytest.approx(64 + 2.5 * 96 + 6.4), Y: 256.0}
     decision = with_override(overlap_score_credit=0.0)
-    assert costs(decision) == {X: pytest.approx(64 + 2.5 * 128 + 6.4), Y: 256.0}
+    assert costs(decision) == {X: pytest.approx(64 + 1.5 * 128 + 6.4), Y: 128.0}
     assert decision.worker_id == Y
     # The prefill lines at half weight, then none: the decode line alone, which only X pays.
     assert costs(with_override(prefill_load_scale=0.5)) == {X: pytest.approx(0.5 * (64 + 2.5 * 64) + 6.4), Y: 128.0}

@@ -101,6 +101,7 @@ class SelectionContext:
         "isl_tokens",
         "overlaps",
         "pass_tokens",
+        "prefill_leg",
         "ranks",
         "taint_multipliers",
         "track_prefill_tokens",
@@ -119,8 +120,11 @@ class SelectionContext:
         expected_output_tokens: int | None = None,
         cache_fill: Mapping[WorkerRank, float] | None = None,
         pass_tokens: Mapping[WorkerRank, int] | None = None,
+        prefill_leg: bool = False,
     ) -> None:
         self.isl_tokens = isl_tokens
+        # A disaggregated request's prefill leg: it computes the prompt's KV and decodes nothing there.
+        self.prefill_leg = prefill_leg
         # The config in force for this request: the router's, with the request's override applied.
         self.config = config
         self.block_size = config.block_size

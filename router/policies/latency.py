@@ -13,11 +13,15 @@ Every term is in prefill tokens, a proxy for time on a homogeneous fleet::
 
     m(w)    = 1 + (m - 1) * fill(w)            a miss costs more than its time only when storing it evicts
 
-Dynamo's two cost knobs mean here what they mean in its cost, so that a request's `RouterConfigOverride`
-and the disaggregated decode pool without overlap credit work under either policy: ``p``
-(``prefill_load_scale``, 1) weighs the prefill lines against the decode line (0: decode load alone),
-``overlap_score_credit`` (1) scales what counts as cached (0: the cache counts for nothing), and without
-``router_track_prefill_tokens`` the queued prefill ``A_p(w)`` is not counted (the bookings carry none).
+Dynamo's cost knobs weigh the same parts here, so that a request's `RouterConfigOverride`, the proxy's
+pooling requests and the disaggregated decode pool without overlap credit work under either policy:
+``p`` (``prefill_load_scale``, 1) weighs the prefill lines against the decode line (0: decode load
+alone); ``overlap_score_credit`` (1) scales what counts as cached, every tier and prefixes in flight
+(unlike Dynamo, which credits device blocks only), and at 0 the cache counts for nothing, neither its
+hits nor the eviction a miss causes (m(w) = 1); without ``router_track_prefill_tokens`` the queued
+prefill ``A_p(w)`` is not counted (the bookings carry none). A disaggregated request's prefill leg
+decodes nothing where it is placed, so it is priced by the first line alone: queued prefill and its
+misses (the prefill pool as Dynamo prices it with `router_track_active_blocks` off).
 
 ``miss(w) = max(isl - cached(w), 0)`` with ``cached(w)`` the effective cached prefix, or what requests
 already booked on w hold of the prompt when that is longer and w has at least a pass
@@ -28,9 +32,10 @@ burst is spread, see below;
 ``K(w)`` the context of w's active requests, prompt and the tokens generated so far (told by
 `KvRouter.record_output`), each counted in full (a decode step reads every sequence's context);
 ``osl`` the request's expected output tokens, or ``latency_default_output_tokens`` when it carries none;
-``fill(w)`` the fraction of w's KV blocks (``total_kv_blocks``) its cache holds by the index (1 when
-the worker did not say how many it has). Lowest cost wins (a near-tie to the rank holding more of the
-prompt, below), exact ties uniformly at random.
+``fill(w)`` the fraction of w's KV blocks (``total_kv_blocks``) its cache holds by the index (for a
+worker that did not say how many it has, the mean of the candidates that did; 1 when none did).
+Lowest cost wins (a near-tie to the rank holding more of the prompt, below), exact ties uniformly at
+random.
 
 Why these terms: an engine pass runs the scheduled prefill chunks and one decode step for every
 running sequence, so each prefill token placed on w delays each of w's running requests by about one
@@ -79,7 +84,7 @@ from __future__ import annotations
 import random
 
 from router.config import RouterConfig
-from router.overlap import NO_OVERLAP
+from router.overlap import NO_OVERLAP, round_half_away
 from router.policies.base import Selection, SelectionContext, SelectionPolicy
 from router.policies.dynamo import lowest_cost_selection, with_taint_multipliers
 
@@ -127,11 +132,13 @@ class LatencyPolicy(SelectionPolicy):
         prefill_scale = context.config.prefill_load_scale
         credit = context.config.overlap_score_credit
         track_prefill = context.track_prefill_tokens
+        if context.prefill_leg:
+            stall_weight = decode_weight = 0.0
         fills = context.cache_fill
         pass_tokens = context.pass_tokens or {}
-        extra_miss_weight = miss_weight - 1.0
+        extra_miss_weight = miss_weight - 1.0 if credit else 0.0
         others_weight = self._decode_others_weight
-        itl_stall_weight = self._itl_stall_weight
+        itl_stall_weight = 0.0 if context.prefill_leg else self._itl_stall_weight
         default_output = self._default_output
         costs = []
         held = []
@@ -139,8 +146,8 @@ class LatencyPolicy(SelectionPolicy):
             cached = overlaps.get(rank.key, NO_OVERLAP).cached_tokens
             inflight = depths.get(rank, 0) * block_size
             if credit != 1.0:
-                cached = round(credit * cached)
-                inflight = round(credit * inflight)
+                cached = round_half_away(credit * cached)
+                inflight = round_half_away(credit * inflight)
             held.append(max(cached, inflight))
             queued = rank.prefill_tokens if track_prefill else 0
             if inflight > cached and queued >= pass_tokens.get(rank.key, 0):
