@@ -782,6 +782,8 @@ class KvRouter:
             private_blocks=booking.private_blocks,
             prefill_tokens=booking.prefill_tokens,
             now=self._clock(),
+            context_tokens=booking.context_tokens,
+            expected_output_tokens=booking.expected_output_tokens,
         )
 
     def booking(self, request_id: str) -> Booking | None:

@@ -109,12 +109,15 @@ class RankState:
 
 
 class Booking(NamedTuple):
-    """What one active request books, as replicas exchange it (`router.replicas`)."""
+    """What one active request books, as replicas exchange it (`router.replicas`): its blocks, its
+    prefill, and its prompt and expected output length, which the `latency` policy's decode side reads."""
 
     key: WorkerRank
     hashes: Sequence[int] | None
     private_blocks: int
     prefill_tokens: int
+    context_tokens: int = 0
+    expected_output_tokens: int | None = None
 
 
 def _inter_token_share(expected_output_tokens: int) -> float:
@@ -168,6 +171,18 @@ class _Request:
         self.started_at = started_at
 
 
+def _booking_of(request: _Request) -> Booking:
+    # The prompt only: output progress (`record_output`) is this router's own and not exchanged.
+    return Booking(
+        request.rank.key,
+        request.hashes,
+        request.private_blocks,
+        request.prefill_tokens,
+        request.context_tokens,
+        request.expected_output_tokens,
+    )
+
+
 class ActiveSequences:
     """Booked requests and the per-rank load they add up to; ``prefill_tokens_per_s`` turns on the
     prefill load model (see the module doc)."""
@@ -215,12 +230,12 @@ class ActiveSequences:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        return Booking(request.rank.key, request.hashes, request.private_blocks, request.prefill_tokens)
+        return _booking_of(request)
 
     def bookings(self) -> Iterator[tuple[str, Booking]]:
         """Every active request in start order. O(active requests)."""
         for request_id, request in self._requests.items():
-            yield request_id, Booking(request.rank.key, request.hashes, request.private_blocks, request.prefill_tokens)
+            yield request_id, _booking_of(request)
 
     def add(
         self,

@@ -63,9 +63,19 @@ def loads(router: KvRouter) -> list[list[PotentialLoad]]:
     return [router.potential_loads(tokens) for tokens in PROMPTS]
 
 
+def bookings(router: KvRouter) -> dict[str, tuple[object, ...]]:
+    """Per active request what the policies read beside the loads: the prompt and output lengths too."""
+    return {
+        request_id: (booking.key, booking.prefill_tokens, booking.context_tokens, booking.expected_output_tokens)
+        for request_id, booking in router.bookings()
+    }
+
+
 async def agree(replicas: list[Replica], reference: KvRouter) -> None:
-    expected = loads(reference)
-    await eventually(lambda: all(loads(r.router) == expected for r in replicas), 30, "the replicas agree")
+    expected = loads(reference), bookings(reference)
+    await eventually(
+        lambda: all((loads(r.router), bookings(r.router)) == expected for r in replicas), 30, "the replicas agree"
+    )
 
 
 @contextlib.asynccontextmanager
@@ -95,9 +105,10 @@ async def random_steps(replicas: list[Replica], reference: KvRouter, rng: random
         if action < 0.5 or not active:
             request_id = f"r{step}-{rng.randrange(1 << 30)}"
             tokens = rng.choice(PROMPTS)
-            decision = await rng.choice(replicas).router.new(RouteRequest(tokens=tokens, request_id=request_id))
+            request = RouteRequest(tokens=tokens, request_id=request_id, expected_output_tokens=16 + step)
+            decision = await rng.choice(replicas).router.new(request)
             pin = (decision.worker_id, decision.dp_rank)
-            await reference.new(RouteRequest(tokens=tokens, request_id=request_id), pinned_worker=pin)
+            await reference.new(request, pinned_worker=pin)
             active.append(request_id)
         else:
             # Marks go to any replica, not the one that booked (request ids are global).

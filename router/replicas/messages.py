@@ -14,6 +14,7 @@ from __future__ import annotations
 import msgspec
 
 from indexer.events import U32, U64, NonNegative
+from router.sequences import Booking
 
 __all__ = [
     "Booked",
@@ -31,7 +32,8 @@ __all__ = [
 
 
 class Booked(msgspec.Struct, tag="booked", kw_only=True, gc=False):
-    """A request booked on (worker_id, dp_rank): its shared sequence hashes, private blocks, prefill."""
+    """A request booked on (worker_id, dp_rank): its shared sequence hashes, private blocks, prefill,
+    prompt length and expected output length (the last two absent from older peers' messages)."""
 
     request_id: str
     worker_id: U64
@@ -39,6 +41,12 @@ class Booked(msgspec.Struct, tag="booked", kw_only=True, gc=False):
     hashes: tuple[int, ...] | None  # a msgpack array (older peers decode it as a list)
     private_blocks: NonNegative = 0
     prefill_tokens: NonNegative = 0
+    context_tokens: NonNegative = 0
+    expected_output_tokens: NonNegative | None = None
+
+    def booking(self) -> Booking:
+        return Booking((self.worker_id, self.dp_rank), self.hashes, self.private_blocks, self.prefill_tokens,
+                       self.context_tokens, self.expected_output_tokens)  # fmt: skip
 
 
 class PrefillMarked(msgspec.Struct, tag="prefill_marked", kw_only=True, gc=False):
@@ -88,6 +96,12 @@ class BookingEntry(msgspec.Struct, kw_only=True, gc=False):
     hashes: tuple[int, ...] | None  # a msgpack array (older peers decode it as a list)
     private_blocks: NonNegative = 0
     prefill_tokens: NonNegative = 0
+    context_tokens: NonNegative = 0
+    expected_output_tokens: NonNegative | None = None
+
+    def booking(self) -> Booking:
+        return Booking((self.worker_id, self.dp_rank), self.hashes, self.private_blocks, self.prefill_tokens,
+                       self.context_tokens, self.expected_output_tokens)  # fmt: skip
 
 
 class StateReply(msgspec.Struct, kw_only=True):

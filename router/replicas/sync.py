@@ -203,7 +203,9 @@ class ReplicaSync:
         self._unsent[request_id] = [len(self._outbox)]
         hashes = _wire_hashes(booking.hashes)
         self._queue(Booked(request_id=request_id, worker_id=worker_id, dp_rank=dp_rank, hashes=hashes,
-                           private_blocks=booking.private_blocks, prefill_tokens=booking.prefill_tokens))  # fmt: skip
+                           private_blocks=booking.private_blocks, prefill_tokens=booking.prefill_tokens,
+                           context_tokens=booking.context_tokens,
+                           expected_output_tokens=booking.expected_output_tokens))  # fmt: skip
 
     def prefill_marked(self, request_id: str) -> None:
         unsent = self._unsent.get(request_id)
@@ -324,22 +326,13 @@ class ReplicaSync:
             return True
         if kind is Booked:
             assert isinstance(change, Booked)
-            return self._book(change.request_id, origin, (change.worker_id, change.dp_rank), change.hashes,
-                              change.private_blocks, change.prefill_tokens)  # fmt: skip
+            return self._book(change.request_id, origin, change.booking())
         request_id = change.request_id
         if not self.router.mark_prefill(request_id, replicated=True) and request_id not in self._freed:
             self._early_prefill[request_id] = now
         return True
 
-    def _book(
-        self,
-        request_id: str,
-        origin: str,
-        key: tuple[int, int],
-        hashes: tuple[int, ...] | None,
-        private_blocks: int,
-        prefill_tokens: int,
-    ) -> bool:
+    def _book(self, request_id: str, origin: str, booking: Booking) -> bool:
         if request_id in self._freed:
             self.outcomes["booked_after_free"] += 1
             return False
@@ -347,7 +340,7 @@ class ReplicaSync:
             self.outcomes["duplicate_booking"] += 1
             return False
         try:
-            self.router.book_replicated(request_id, Booking(key, hashes, private_blocks, prefill_tokens))
+            self.router.book_replicated(request_id, booking)
         except DuplicateRequestId:
             self.outcomes["duplicate_booking"] += 1
             return False
@@ -427,6 +420,8 @@ class ReplicaSync:
                 hashes=_wire_hashes(booking.hashes),
                 private_blocks=booking.private_blocks,
                 prefill_tokens=booking.prefill_tokens,
+                context_tokens=booking.context_tokens,
+                expected_output_tokens=booking.expected_output_tokens,
             )
             for request_id, booking in self.router.bookings()
         ]
@@ -470,8 +465,7 @@ class ReplicaSync:
                 self._peers[entry.origin] = _Peer(last_seen=now)
             local = self.router.booking(request_id)
             if local is None:
-                booked = self._book(request_id, entry.origin, (entry.worker_id, entry.dp_rank), entry.hashes,
-                                    entry.private_blocks, entry.prefill_tokens)  # fmt: skip
+                booked = self._book(request_id, entry.origin, entry.booking())
                 self.outcomes["applied"] += booked
             elif entry.prefill_tokens == 0 and local.prefill_tokens > 0:
                 self.router.mark_prefill(request_id, replicated=True)
