@@ -1,7 +1,7 @@
 """``kv-router demo``: the router at work, in one command and one process.
 
 It starts an embedded nats-server (only clients with its token may join), the router service (HTTP +
-event plane, `dynamo` policy, its OpenAI proxy on), and ``workers`` mock workers on NATS that also
+event plane, its default policy, its OpenAI proxy on), and ``workers`` mock workers on NATS that also
 serve the OpenAI API, then replays a generated shared-prefix workload online: requests go through
 ``/v1/new``, the workers publish real KV events, the router learns where prefixes live. Then the
 whole chain runs with an HTTP client speaking the OpenAI API to the proxy (`mocker.demo_proxy`).
@@ -58,7 +58,7 @@ async def run_demo(options: DemoOptions) -> tuple[ReplayRun, list[ReplayRun]]:
         f"{options.workers} workers of {engine.num_gpu_blocks} x {engine.block_size}-token KV blocks"
     )
     online = await _online(rows, engine, options)
-    print("\nonline: NATS + router service (dynamo policy) + mock workers, over HTTP")
+    print(f"\nonline: NATS + router service ({RouterConfig().policy} policy) + mock workers, over HTTP")
     print(render_table([online.report]))
     print(
         f"(times scaled back from {options.speedup:g}x speed; the HTTP and NATS round trips are scaled with them, "
@@ -103,7 +103,7 @@ async def _online(rows: list[Row], engine: EngineConfig, options: DemoOptions) -
             try:
                 online = await replay_online_report(
                     trace,
-                    label="dynamo (online)",
+                    label=f"{RouterConfig().policy} (online)",
                     router_url=url,
                     nats=nats.client_options(name="kv-router-replay"),
                     workers=options.workers,

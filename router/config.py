@@ -1,7 +1,9 @@
 """`RouterConfig`: every knob of the scheduler, with Dynamo 1.6.1's names and defaults.
 
-Defaults are Dynamo's (`reference/dynamo-router.md` §4.8, `KvRouterConfig` of the 1.6.1 binding and
-`LoadThresholdConfig` for the busy thresholds of §4.6). Fields Dynamo does not have are marked as ours.
+Dynamo's fields have Dynamo's defaults (`reference/dynamo-router.md` §4.8, `KvRouterConfig` of the 1.6.1
+binding and `LoadThresholdConfig` for the busy thresholds of §4.6). Fields Dynamo does not have are
+marked as ours; one of them, ``policy``, defaults to ours, `latency` (`policy="dynamo"` is Dynamo's
+selector, whose cost the fields marked "dynamo policy" shape).
 A config is validated when built, and a bad value raises `ConfigError` naming the field.
 """
 
@@ -31,7 +33,7 @@ def _doc(text: str) -> msgspec.Meta:
 
 class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """How the router scores workers, tracks their load and queues requests: Dynamo 1.6.1's settings and
-    defaults, and a few of ours; immutable once built."""
+    defaults, and ours (the selection policy among them); immutable once built."""
 
     block_size: Annotated[
         int,
@@ -51,15 +53,16 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     overlap_score_credit_decay: Annotated[
         float,
         _doc(
-            "shrinks the cache credit of ranks with more queued prefill tokens than the least-loaded one "
-            "(credit / (1 + decay x extra queued blocks / prompt blocks)); 0: no decay"
+            "dynamo policy: shrinks the cache credit of ranks with more queued prefill tokens than the least-loaded "
+            "one (credit / (1 + decay x extra queued blocks / prompt blocks)); 0: no decay"
         ),
     ] = 0.0
     prefill_load_scale: Annotated[
         float, _doc("weight of a rank's uncached prefill blocks (queued + this prompt's) against its decode blocks")
     ] = 1.0
     decode_active_request_weight: Annotated[
-        float, _doc("cost, in blocks, added per request already active on the rank; 0: the count is ignored")
+        float,
+        _doc("dynamo policy: cost, in blocks, added per request already active on the rank; 0: the count is ignored"),
     ] = 0.0
     host_cache_hit_weight: Annotated[
         float, _doc("credit per prompt block found in a rank's host (CPU) cache tier, as a fraction of a device hit")
@@ -69,7 +72,10 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     ] = 0.25
     router_temperature: Annotated[
         float,
-        _doc("0: always the cheapest rank; > 0: sample ranks by softmax of -cost / temperature (spreads ties)"),
+        _doc(
+            "dynamo policy: 0, always the cheapest rank; > 0, sample ranks by softmax of -cost / temperature "
+            "(spreads ties)"
+        ),
     ] = 0.0
     # Load tracking (§4.5).
     router_track_active_blocks: Annotated[

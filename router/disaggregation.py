@@ -50,7 +50,8 @@ def decode_config(config: RouterConfig) -> RouterConfig:
     """The config the decode worker is scored with. With ``disagg_decode_overlap_credit`` the policy is
     unchanged: it prices the prefill the decode worker would do itself (its uncached prompt), which is
     what the local path costs and what a remote prefill's KV saves it from re-sending; without it the
-    prefill term and the cache credit are zeroed, leaving the decode load (blocks, active requests)."""
+    prefill term and the cache credit are zeroed, leaving the decode load (`dynamo`: blocks and active
+    requests; `latency`: the context in flight and the requests it slows)."""
     if config.disagg_decode_overlap_credit:
         return config
     return msgspec.structs.replace(config, prefill_load_scale=0.0, overlap_score_credit=0.0)

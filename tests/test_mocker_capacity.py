@@ -268,7 +268,7 @@ async def test_online_capacity_runs_each_point_on_a_fresh_fleet_and_agrees_with_
             try:
                 argv = [
                     "replay", str(trace_path), "--online", "--capacity", "--url", url, "--nats-url", nats.url,
-                    "--workers", str(workers), "--time-scale", str(TIME_SCALE), "--label", "dynamo (online)",
+                    "--workers", str(workers), "--time-scale", str(TIME_SCALE), "--label", "online",
                     "--slo-ttft-ms", "1500", "--slo-itl-ms", "40", "--capacity-tolerance", "0.5",
                     "--max-runs", "4", "--out", str(out), "--quiet", "--no-plots",
                 ]  # fmt: skip
@@ -280,7 +280,7 @@ async def test_online_capacity_runs_each_point_on_a_fresh_fleet_and_agrees_with_
     report = msgspec.json.decode((out / "capacity.json").read_bytes())
     assert report["settings"]["mode"] == "online" and report["search"]["goodput_multipliers"] == [1.0]
     (online,) = report["results"]
-    assert online["router"] == "dynamo (online)" and "1" in online["goodput_per_s"]
+    assert online["router"] == "online" and "1" in online["goodput_per_s"]
     points = online["points"]
     assert 2 <= len(points) <= 4
     for point in points:
@@ -289,12 +289,12 @@ async def test_online_capacity_runs_each_point_on_a_fresh_fleet_and_agrees_with_
     # warm fleet would serve the second run's every shared prefix from cache.
     hits = [p["hit_rate"] for p in points]
     assert max(hits) - min(hits) < 0.1
-    # The simulated fleet finds the same hits at the same multipliers.
+    # The simulated fleet, routed by the service's policy, finds the same hits at the same multipliers.
     slo = Slo(ttft_p90_ms=1500.0, itl_p90_ms=40.0)
     search = CapacitySearch(tolerance=0.5, goodput_multipliers=(1.0,), max_points=4)
     setup = ReplaySetup(engine=ENGINE, workers=workers)
     _, (offline,), _ = await measure_capacity(
-        ["dynamo"], offline_evaluator(load_trace(trace_path), setup), search, slo=slo
+        [RouterConfig().policy], offline_evaluator(load_trace(trace_path), setup), search, slo=slo
     )
     simulated = {p.multiplier: p for p in offline.points}
     for point in points:
