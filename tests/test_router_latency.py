@@ -160,10 +160,16 @@ def test_a_stall_weighs_on_each_decoding_request_by_how_short_its_answer_is() ->
     assert costs(route(router, QUERY, expected_output_tokens=10))[X] == 2.0 * 128  # X idle again
 
 
-def test_a_miss_costs_its_time_on_an_empty_cache_and_more_as_the_cache_fills() -> None:
+def latency_fleet(*workers: WorkerConfig) -> KvRouter:
+    """A `latency` router with the round `KNOBS`, and these workers."""
     router = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
-    router.register_worker(WorkerConfig(worker_id=X, total_kv_blocks=16))
-    router.register_worker(WorkerConfig(worker_id=Y, total_kv_blocks=16))
+    for worker in workers:
+        router.register_worker(worker)
+    return router
+
+
+def test_a_miss_costs_its_time_on_an_empty_cache_and_more_as_the_cache_fills() -> None:
+    router = latency_fleet(WorkerConfig(worker_id=X, total_kv_blocks=16), WorkerConfig(worker_id=Y, total_kv_blocks=16))
     router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))  # X's cache is a quarter full
     decision = route(router, QUERY, expected_output_tokens=10)
     assert costs(decision) == {X: (1 + 1.0 * 0.25) * 64, Y: 1.0 * 128}
@@ -172,22 +178,16 @@ def test_a_miss_costs_its_time_on_an_empty_cache_and_more_as_the_cache_fills() -
 
 
 def test_a_worker_of_unknown_capacity_is_as_full_as_those_that_said_theirs() -> None:
-    router = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
-    router.register_worker(WorkerConfig(worker_id=X, total_kv_blocks=16))
-    router.register_worker(WorkerConfig(worker_id=Y))  # did not say
+    router = latency_fleet(WorkerConfig(worker_id=X, total_kv_blocks=16), WorkerConfig(worker_id=Y))  # Y did not say
     router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=4))  # X's cache is a quarter full
     # Y is priced a quarter full too: 128 missed at (1 + 1.0 * 0.25), not at a full cache's 2.
     assert costs(route(router, QUERY, expected_output_tokens=10)) == {X: (1 + 1.0 * 0.25) * 64, Y: 1.25 * 128}
-    lone = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
-    lone.register_worker(WorkerConfig(worker_id=Y))
+    lone = latency_fleet(WorkerConfig(worker_id=Y))
     assert costs(route(lone, QUERY, expected_output_tokens=10)) == {Y: 2.0 * 128}  # nobody said: full
 
 
 def fleet_with_pass_budget(tokens: int) -> KvRouter:
-    router = KvRouter(RouterConfig(block_size=BS, policy="latency", **KNOBS), rng=random.Random(0))  # type: ignore[arg-type]
-    for worker in (X, Y):
-        router.register_worker(WorkerConfig(worker_id=worker, max_num_batched_tokens=tokens))
-    return router
+    return latency_fleet(*(WorkerConfig(worker_id=worker, max_num_batched_tokens=tokens) for worker in (X, Y)))
 
 
 def test_a_prefix_in_flight_counts_only_behind_a_pass_of_queued_prefill() -> None:

@@ -31,9 +31,10 @@ __all__ = [
 ]
 
 
-class Booked(msgspec.Struct, tag="booked", kw_only=True, gc=False):
-    """A request booked on (worker_id, dp_rank): its shared sequence hashes, private blocks, prefill,
-    prompt length and expected output length (the last two absent from older peers' messages)."""
+class _BookingFields(msgspec.Struct, kw_only=True, gc=False):
+    """What a replica tells of one booking, in a `Booked` change and in a `StateReply`'s entries: its
+    rank, shared sequence hashes, private blocks, prefill, prompt length and expected output length
+    (the last two absent from older peers' messages)."""
 
     request_id: str
     worker_id: U64
@@ -47,6 +48,10 @@ class Booked(msgspec.Struct, tag="booked", kw_only=True, gc=False):
     def booking(self) -> Booking:
         return Booking((self.worker_id, self.dp_rank), self.hashes, self.private_blocks, self.prefill_tokens,
                        self.context_tokens, self.expected_output_tokens)  # fmt: skip
+
+
+class Booked(_BookingFields, tag="booked", kw_only=True, gc=False):
+    """A request booked on (worker_id, dp_rank)."""
 
 
 class PrefillMarked(msgspec.Struct, tag="prefill_marked", kw_only=True, gc=False):
@@ -86,22 +91,10 @@ class StateRequest(msgspec.Struct, kw_only=True):
     replica_id: str
 
 
-class BookingEntry(msgspec.Struct, kw_only=True, gc=False):
+class BookingEntry(_BookingFields, kw_only=True, gc=False):
     """One active booking in a `StateReply`; ``origin`` is the replica that booked it."""
 
-    request_id: str
     origin: str
-    worker_id: U64
-    dp_rank: U32
-    hashes: tuple[int, ...] | None  # a msgpack array (older peers decode it as a list)
-    private_blocks: NonNegative = 0
-    prefill_tokens: NonNegative = 0
-    context_tokens: NonNegative = 0
-    expected_output_tokens: NonNegative | None = None
-
-    def booking(self) -> Booking:
-        return Booking((self.worker_id, self.dp_rank), self.hashes, self.private_blocks, self.prefill_tokens,
-                       self.context_tokens, self.expected_output_tokens)  # fmt: skip
 
 
 class StateReply(msgspec.Struct, kw_only=True):
