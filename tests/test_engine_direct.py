@@ -18,6 +18,7 @@ import pytest
 
 from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
+from router.engines import direct as direct_module
 from router.engines import zmq_stream
 from router.engines.direct import DirectEngine, SequencerSink
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
@@ -336,6 +337,52 @@ async def test_an_engine_whose_health_fails_leaves_routing_and_comes_back_rebuil
     finally:
         await direct.stop()
         await engine.stop()
+        await http.stop()
+
+
+async def test_an_engine_is_routable_only_once_its_event_socket_has_the_routers_subscription() -> None:
+    """An engine routed to before its PUB socket had the router's subscription lost the prompt's events
+    (ZMQ drops what it publishes meanwhile), so the prompt's repeat went anywhere: the README's
+    walkthrough failed so, rarely, in the first second. Here the engine's HTTP answers first and its event
+    sockets bind later; it is routable only after, and what it publishes then is heard live."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    http = await EngineHttp().start()
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=5)
+    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
+    await direct.start()
+    try:
+        await eventually(lambda: http.asked["/v1/models"] > 0)  # it answered: routable until now
+        await asyncio.sleep(0.3)
+        assert not router.has_worker(WORKER)
+        await engine.start()
+        await eventually(lambda: router.has_worker(WORKER))
+        await engine.step()
+        await _converged(router, engine, direct)
+        assert direct.stream.stats["tail_recovered"] == 0 and direct.stream.stats["messages"] == 1
+    finally:
+        await direct.stop()
+        await engine.stop()
+        await http.stop()
+
+
+async def test_an_engine_whose_event_socket_never_connects_is_routable_after_the_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A PUB socket that never answers (vLLM given a host address connects instead of binding) must not
+    keep a serving engine out of routing: it is routable after `JOIN_TIMEOUT_S`, and the doctor says why
+    no event comes (`engine_events_silent`)."""
+    monkeypatch.setattr(direct_module, "JOIN_TIMEOUT_S", 0.3)
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    http = await EngineHttp().start()
+    endpoint, replay = loopback_endpoints(replay=True)
+    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
+    await direct.start()
+    try:
+        await eventually(lambda: router.has_worker(WORKER))
+        assert direct.stream.stats["connections"] == 0
+    finally:
+        await direct.stop()
         await http.stop()
 
 

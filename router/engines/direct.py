@@ -34,6 +34,9 @@ __all__ = ["AdoptedBlockSize", "DirectEngine", "SequencerSink", "ensure_register
 
 log = logging.getLogger(__name__)
 
+# How long an engine that answers waits for its event socket's subscription before it is routable.
+JOIN_TIMEOUT_S = 2.0
+
 
 def ensure_registered(router: KvRouter, worker_id: int, source: str) -> None:
     """Register a worker first heard from its events, with default capacity and a WARNING."""
@@ -202,6 +205,18 @@ class DirectEngine:
         if models is None:
             models = tuple(await wait_for_models(self.url))
         self.models = models
+        # Routable only once the engine's PUB socket has our subscription: until then ZMQ drops what it
+        # publishes, and a prompt routed there would leave no trace its repeat could be matched by.
+        if not await self.stream.joined(JOIN_TIMEOUT_S) and self.spec.replay is not None:
+            # The doctor tells a socket that never delivers (engine_events_silent); the same process
+            # answering again after a stall keeps its connection and brings no new handshake.
+            log.info(
+                "engine of worker %d answers at %s; no new connection of its event socket %s within %g s: routable now",
+                self.worker_id,
+                self.url,
+                self.spec.endpoint,
+                JOIN_TIMEOUT_S,
+            )
         # Settings given over HTTP before the engine went down (capacity, taints) are kept.
         base = self.router.worker(self.worker_id) or self._registration or WorkerConfig(worker_id=self.worker_id)
         registration = msgspec.structs.replace(
@@ -224,6 +239,7 @@ class DirectEngine:
             log.info("engine of worker %d at %s does not answer yet (%s)", self.worker_id, self.url, problem)
             return
         self._registration = known
+        self.stream.expect_reconnection()  # a restarted engine is routable once its new socket has us
         log.warning(
             "engine of worker %d at %s stopped answering (%s): out of routing, its blocks dropped",
             self.worker_id,

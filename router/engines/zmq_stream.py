@@ -249,6 +249,9 @@ class ZmqEngineStream:
         # block only; the blocks stored under it share it): kept by the decoder.
         self.salts: dict[int, str] = {}
         self._subscribed = asyncio.Event()
+        # Set once the subscription has surely reached the engine's PUB socket (a handshake, then the
+        # tail-check delay); cleared by `expect_reconnection`. Only watched with a replay socket.
+        self._joined = asyncio.Event()
         self._rebuild_waiters: list[asyncio.Event] = []
         # Set by the reader whenever it took messages (the quiet watcher's clock); a tail check asked
         # for, which the apply loop runs once its queue is empty.
@@ -378,7 +381,7 @@ class ZmqEngineStream:
                 self._verify_next = True
                 if check is not None:
                     check.cancel()
-                check = loop.call_later(self._tail_check_delay_s, self._ask_tail_check)
+                check = loop.call_later(self._tail_check_delay_s, self._subscription_in_place)
         finally:
             if check is not None:
                 check.cancel()
@@ -393,6 +396,27 @@ class ZmqEngineStream:
                 heard.clear()
                 await asyncio.sleep(self._quiet_s)
             self._ask_tail_check()
+
+    def _subscription_in_place(self) -> None:
+        self._joined.set()
+        self._ask_tail_check()
+
+    def expect_reconnection(self) -> None:
+        """The engine went away: `joined` waits for the next handshake (its new process's socket)."""
+        self._joined.clear()
+
+    async def joined(self, timeout_s: float) -> bool:
+        """Wait until the engine's PUB socket surely has our subscription (a handshake of the SUB socket,
+        then the tail-check delay): from then on ZMQ drops nothing the engine publishes, and a replay
+        covers what it published before. False after ``timeout_s`` without it (an event socket that does
+        not answer), and at once without a replay socket (its handshakes are not watched)."""
+        if self.replay_endpoint is None:
+            return False
+        try:
+            await asyncio.wait_for(self._joined.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def _ask_tail_check(self) -> None:
         self._tail_check_due = True
