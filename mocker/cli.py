@@ -194,6 +194,12 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     )
     pd.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers (with --decode-workers)")
     pd.add_argument("--decode-workers", type=int, default=0, help="decode-only workers (with --prefill-workers)")
+    pd.add_argument(
+        "--both-workers",
+        type=int,
+        default=0,
+        help="workers that serve either leg, beside the prefill and decode ones (our routers only) [%(default)s]",
+    )
     _add_transfer_flags(pd)
     online = parser.add_argument_group("online replay")
     online.add_argument("--online", action="store_true", help="replay against a running router and mock workers")
@@ -352,6 +358,7 @@ def _run_replay(args: argparse.Namespace) -> int:
             window_s=args.window_s,
             prefill_workers=args.prefill_workers,
             decode_workers=args.decode_workers,
+            both_workers=args.both_workers,
             transfer=KvTransfer(args.kv_bytes_per_token, args.transfer_gb_per_s),
         )
     except ValueError as exc:

@@ -49,6 +49,7 @@ __all__ = [
     "ESTIMATED_STALL_WEIGHT",
     "LOAD_AWARE_SOONER_BELOW_TOKENS",
     "PD_ROUTERS",
+    "PEER_PD_ROUTERS",
     "PdPair",
     "PowerOfTwo",
     "VllmKvAware",
@@ -228,6 +229,10 @@ PD_ROUTERS: dict[str, Callable[[RouterConfig, random.Random], DisaggregatedFleet
     "vllm-router-pd": lambda config, rng: PdPair("vllm-router-pd", VllmKvAware(config, rng), PowerOfTwo(config, rng)),
     "sglang-pd": lambda config, rng: PdPair("sglang-pd", SglangCacheAware(config, rng), SglangCacheAware(config, rng)),
 }
+
+
+# The peers' emulated PD modes: separate prefill and decode pools only (no worker of role both).
+PEER_PD_ROUTERS = ("vllm-router-pd", "sglang-pd")
 
 
 def make_pd_router(spec: str, config: RouterConfig, rng: random.Random) -> DisaggregatedFleetRouter:

@@ -21,7 +21,7 @@ import msgspec
 
 from mocker.config import EngineConfig
 from mocker.fleet import FleetRouter
-from mocker.pd_routers import AGGREGATED, PD_ROUTERS, make_pd_router
+from mocker.pd_routers import AGGREGATED, PD_ROUTERS, PEER_PD_ROUTERS, make_pd_router
 from mocker.plots import MATPLOTLIB_MISSING, workload_caption, write_plots
 from mocker.progress import ProgressBar
 from mocker.report import ReplayRecord, RouterReport, renumber_workers, rescale_times, summarize, write_reports
@@ -49,29 +49,52 @@ class ReplaySetup:
     event_delay_ms: float = 0.0
     seed: int = 0
     window_s: float = 60.0
-    # A disaggregated fleet (both > 0): ``workers`` is ignored; `mocker.pd_routers` names the routers,
-    # ``aggregated`` running on prefill_workers + decode_workers workers of role both.
+    # A disaggregated fleet (any prefill or decode worker): ``workers`` is ignored; `mocker.pd_routers`
+    # names the routers, ``aggregated`` running on as many workers, all of role both. ``both_workers``
+    # join the pools of either leg (a mixed fleet: the peers' PD modes take separate pools only).
     prefill_workers: int = 0
     decode_workers: int = 0
+    both_workers: int = 0
     transfer: KvTransfer = field(default_factory=KvTransfer)
 
     def __post_init__(self) -> None:
-        if (self.prefill_workers > 0) != (self.decode_workers > 0) or min(
-            self.prefill_workers, self.decode_workers
-        ) < 0:
+        counts = (self.prefill_workers, self.decode_workers, self.both_workers)
+        if min(counts) < 0:
+            raise ValueError(f"worker counts cannot be negative, got {counts}")
+        if self.both_workers and not self.disaggregated:
+            raise ValueError("--both-workers joins a disaggregated fleet: give prefill or decode workers too")
+        if self.disaggregated and not (
+            self.prefill_workers + self.both_workers and self.decode_workers + self.both_workers
+        ):
             raise ValueError(
-                f"a disaggregated fleet needs both prefill and decode workers, got {self.prefill_workers} and "
-                f"{self.decode_workers}"
+                f"a disaggregated fleet needs both prefill and decode workers (or workers of role both), got "
+                f"{self.prefill_workers} prefill, {self.decode_workers} decode and {self.both_workers} both"
             )
 
     @property
     def disaggregated(self) -> bool:
-        return self.prefill_workers > 0
+        return self.prefill_workers + self.decode_workers > 0
+
+    @property
+    def total_workers(self) -> int:
+        if self.disaggregated:
+            return self.prefill_workers + self.decode_workers + self.both_workers
+        return self.workers
+
+    def roles(self) -> list[WorkerRole]:
+        """One role per worker of a disaggregated fleet: prefill, then decode, then both."""
+        prefill: list[WorkerRole] = ["prefill"]
+        decode: list[WorkerRole] = ["decode"]
+        both: list[WorkerRole] = ["both"]
+        return prefill * self.prefill_workers + decode * self.decode_workers + both * self.both_workers
 
     def routers_to_run(self) -> list[str]:
+        if self.routers:
+            return list(self.routers)
         if self.disaggregated:
-            return list(self.routers) or [AGGREGATED, *PD_ROUTERS]
-        return list(self.routers) or router_names()
+            mixed = self.both_workers > 0
+            return [AGGREGATED, *(name for name in PD_ROUTERS if not (mixed and name in PEER_PD_ROUTERS))]
+        return router_names()
 
     def effective_router_config(self) -> RouterConfig:
         if self.router_config is None:
@@ -97,6 +120,7 @@ class ReplaySetup:
             {
                 "prefill_workers": self.prefill_workers,
                 "decode_workers": self.decode_workers,
+                "both_workers": self.both_workers,
                 "kv_bytes_per_token": self.transfer.kv_bytes_per_token,
                 "transfer_gb_per_s": self.transfer.bandwidth_gb_per_s,
             }
@@ -115,10 +139,8 @@ async def replay_offline(trace: Trace, setup: ReplaySetup, *, show_progress: boo
     """Simulate ``trace`` once per router of ``setup``; one `ReplayRun` each, in order."""
     runs = []
     config = setup.effective_router_config()
-    total = setup.prefill_workers + setup.decode_workers if setup.disaggregated else setup.workers
-    prefill: list[WorkerRole] = ["prefill"]
-    decode: list[WorkerRole] = ["decode"]
-    roles = prefill * setup.prefill_workers + decode * setup.decode_workers
+    total = setup.total_workers
+    roles = setup.roles()
     for spec in setup.routers_to_run():
         rng = random.Random(setup.seed)
         fleet_router: FleetRouter

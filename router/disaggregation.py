@@ -67,6 +67,8 @@ class PendingPrefill(NamedTuple):
     on_decode_worker: int
     prefill_uncached: int
     decode_requests: int
+    # Requests active on the prefill worker when it decodes too (role both): its prefill stalls them.
+    prefill_worker_requests: int = 0
 
 
 def choose_path(
@@ -121,14 +123,20 @@ def _sooner_path(
     """The path with the sooner estimated first token, in prefill tokens (a tie goes remote: the
     decode batch is not stalled for nothing)."""
     transfer = config.disagg_transfer_cost_per_token * uncached_tokens
-    remote = pending.on_prefill_worker + pending.prefill_uncached + transfer
+    remote_stall_factor = 1 + stall_weight * pending.prefill_worker_requests
+    remote_stall = (
+        f" x {remote_stall_factor:g} for the {pending.prefill_worker_requests} requests it stalls"
+        if pending.prefill_worker_requests
+        else ""
+    )
+    remote = pending.on_prefill_worker + pending.prefill_uncached * remote_stall_factor + transfer
     stall_factor = 1 + stall_weight * pending.decode_requests
     local = pending.on_decode_worker + uncached_tokens * stall_factor
     estimate = (
         f"estimated {local:g} tokens on decode worker {decode_worker} ({pending.on_decode_worker} pending + "
         f"{uncached_tokens} uncached x {stall_factor:g} for the {pending.decode_requests} requests it stalls) "
         f"against {remote:g} on prefill worker {pending.prefill_worker} ({pending.on_prefill_worker} pending + "
-        f"{pending.prefill_uncached} uncached + {transfer:g} for the KV transfer)"
+        f"{pending.prefill_uncached} uncached{remote_stall} + {transfer:g} for the KV transfer)"
     )
     if local < remote:
         return "local_prefill", f"{estimate}: prefilled on the decode worker, the sooner"

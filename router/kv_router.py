@@ -593,7 +593,12 @@ class KvRouter:
             prefill_prompt = None if config.disagg_prefill_track_active_blocks else routing.prompt.unbooked()
             prefill_routing = routing.leg(prefill_request, config, pinned_prefill, prefill_prompt)
             try:
-                prefill_workers = leg_workers(self._eligible(prefill_routing), "prefill")
+                # A decode worker of role both prefilling for itself is the local path, not a remote leg.
+                prefill_workers = [
+                    worker
+                    for worker in leg_workers(self._eligible(prefill_routing), "prefill")
+                    if worker.worker_id != decode_choice.key[0]
+                ]
                 if prefill_workers:
                     prefill_choice = self._select(prefill_routing, prefill_workers, prefill_leg=True)
             except (NoEligibleWorker, AllWorkersOverloaded):
@@ -607,6 +612,7 @@ class KvRouter:
                 self._pending_prefill_tokens(decode_choice.key),
                 max(routing.prompt.isl_tokens - prefill_choice.overlap.cached_tokens, 0),
                 self._active_requests(decode_choice.key),
+                self._decoding_requests(prefill_choice.key),
             )
         path, reason = choose_path(uncached, config, decode_choice.key[0], pending)
         remote = path == "remote_prefill"
@@ -646,6 +652,11 @@ class KvRouter:
     def _active_requests(self, key: WorkerRank) -> int:
         rank = self._scheduler.sequences.rank(key)
         return 0 if rank is None else rank.requests
+
+    def _decoding_requests(self, key: WorkerRank) -> int:
+        """Requests a prefill on ``key`` would stall: those active there when it decodes too."""
+        worker = self._scheduler.workers.get(key[0])
+        return self._active_requests(key) if worker is not None and worker.role == "both" else 0
 
     def _check_leg_pin(self, pinned: WorkerRank | None, leg: Literal["prefill", "decode"]) -> None:
         if pinned is None:

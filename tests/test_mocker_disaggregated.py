@@ -14,7 +14,7 @@ import pytest
 from api.cli import main as kv_router_main
 from indexer.events import RouterEvent, stored_event
 from mocker.config import EngineConfig
-from mocker.pd_routers import AGGREGATED, PD_ROUTERS, make_pd_router
+from mocker.pd_routers import AGGREGATED, PD_ROUTERS, PEER_PD_ROUTERS, make_pd_router
 from mocker.replay import ReplaySetup, replay_offline
 from mocker.report import ReplayRecord
 from mocker.simulation import KvTransfer, simulate
@@ -93,6 +93,25 @@ def test_replay_compares_aggregated_and_disaggregated_at_equal_workers() -> None
     assert all(run.report.completed == 40 for run in runs)
     with pytest.raises(ValueError, match="both prefill and decode workers"):
         ReplaySetup(prefill_workers=2)
+
+
+def test_a_mixed_fleet_replays_with_our_routers_and_no_worker_prefills_for_itself() -> None:
+    """One decode worker and two of role both: our routers only (the peers' PD modes take separate
+    pools), every request completes, and a remote prefill leg never runs on its own decode worker."""
+    trace = trace_of(shared_prefix_rows(requests=40, groups=4, rate_per_s=8.0, seed=1))
+    setup = ReplaySetup(engine=ENGINE, decode_workers=1, both_workers=2)
+    assert setup.roles() == ["decode", "both", "both"] and setup.total_workers == 3
+    runs = asyncio.run(replay_offline(trace, setup, show_progress=False))
+    assert [run.report.router for run in runs] == [AGGREGATED, *(n for n in PD_ROUTERS if n not in PEER_PD_ROUTERS)]
+    for run in runs[1:]:
+        assert run.report.completed == 40
+        remote = [r for r in run.records if r.prefill_worker_id >= 0]
+        assert all(r.prefill_worker_id in (1, 2) and r.prefill_worker_id != r.worker_id for r in remote)
+    assert any(r.prefill_worker_id >= 0 for r in runs[1].records)  # disagg-always: every one remote
+    with pytest.raises(ValueError, match="joins a disaggregated fleet"):
+        ReplaySetup(both_workers=2)
+    with pytest.raises(ValueError, match="takes separate prefill and decode workers"):
+        asyncio.run(replay_offline(trace, dataclasses.replace(setup, routers=("sglang-pd",)), show_progress=False))
 
 
 def test_replay_command_runs_a_disaggregated_fleet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -211,10 +211,13 @@ def test_no_prefill_worker_falls_back_to_local_prefill() -> None:
 def test_both_workers_serve_either_leg_and_pins_are_checked_against_roles() -> None:
     router = fleet()
     router.register_worker(WorkerConfig(worker_id=9))  # role both
-    decision = route(router, PROMPT, pinned_worker=(9, 0), pinned_prefill=(9, 0))
+    decision = route(router, PROMPT, pinned_worker=(9, 0), pinned_prefill=(P2, 0))
     assert decision.worker_id == 9
     assert decision.disaggregation is not None and decision.disaggregation.prefill is not None
-    assert decision.disaggregation.prefill.worker_id == 9
+    assert decision.disaggregation.prefill.worker_id == P2
+    decision = route(router, PROMPT, "w", pinned_prefill=(9, 0))  # a both worker runs a prefill leg
+    assert decision.disaggregation is not None and decision.disaggregation.prefill is not None
+    assert decision.disaggregation.prefill.worker_id == 9 and decision.worker_id in (D1, D2)
     with pytest.raises(InvalidRequest, match="role prefill: it cannot run the decode leg"):
         route(router, PROMPT, "x", pinned_worker=(P1, 0))
     with pytest.raises(InvalidRequest, match="role decode: it cannot run the prefill leg"):
@@ -399,17 +402,65 @@ def test_estimated_rule_decision_at_each_boundary(
     prefill_uncached=st.integers(0, 50_000),
     on_decode=st.integers(0, 100_000),
     requests=st.integers(0, 300),
+    prefill_worker_requests=st.integers(0, 300),
 )
 def test_estimated_rule_is_off_by_default_and_local_never_costs_more(
-    uncached: int, on_prefill: int, prefill_uncached: int, on_decode: int, requests: int
+    uncached: int, on_prefill: int, prefill_uncached: int, on_decode: int, requests: int, prefill_worker_requests: int
 ) -> None:
-    pending = PendingPrefill(P1, on_prefill, on_decode, prefill_uncached, requests)
+    pending = PendingPrefill(P1, on_prefill, on_decode, prefill_uncached, requests, prefill_worker_requests)
     assert choose_path(uncached, RouterConfig(), D1, pending)[0] == "remote_prefill"
     config = RouterConfig(disagg_local_prefill_stall_weight=0.25)
     local = on_decode + uncached * (1 + 0.25 * requests)
-    remote = on_prefill + prefill_uncached + 0.35 * uncached
+    # A prefill worker of role both stalls its own decoding requests alike.
+    remote = on_prefill + prefill_uncached * (1 + 0.25 * prefill_worker_requests) + 0.35 * uncached
     chosen = choose_path(uncached, config, D1, pending)[0]
     assert chosen == ("local_prefill" if local < remote else "remote_prefill")
+
+
+def mixed_fleet(**config: object) -> KvRouter:
+    """One prefill worker (P1) and two workers of role both (D1, D2): a mixed fleet."""
+    settings = {"block_size": BS, "policy": "dynamo", **config}
+    router = KvRouter(RouterConfig(**settings), rng=random.Random(0))  # type: ignore[arg-type]
+    router.register_worker(WorkerConfig(worker_id=P1, role="prefill"))
+    for worker_id in (D1, D2):
+        router.register_worker(WorkerConfig(worker_id=worker_id))
+    return router
+
+
+def test_a_decode_worker_of_role_both_is_never_its_own_remote_prefill_worker() -> None:
+    """Its prefix cached on D1 alone, the decode leg goes to D1; the prefill leg, were D1 a candidate,
+    would go there too (a 'remote' prefill and KV transfer to itself). It goes to P1 or D2."""
+    router = mixed_fleet()
+    router.apply_event(prompt_stored_event(D1, PROMPT[: 10 * BS], BS, blocks=10))
+    decision = route(router, PROMPT)
+    receipt = decision.disaggregation
+    assert decision.worker_id == D1 and receipt is not None and receipt.path == "remote_prefill"
+    assert receipt.prefill is not None and receipt.prefill.worker_id in (P1, D2)
+    # Pinned to the decode worker itself, the prefill is the local path.
+    pinned = route(router, PROMPT, "s", pinned_worker=(D1, 0), pinned_prefill=(D1, 0))
+    assert pinned.disaggregation is not None and pinned.disaggregation.path == "local_prefill"
+    assert "no prefill worker can take the request" in pinned.disaggregation.reason
+
+
+def test_the_estimated_rule_charges_a_both_prefill_worker_for_the_requests_it_stalls() -> None:
+    """D1 decodes one request, D2 (role both; P1 is busy) three. Compared by pending
+    prefill alone, a remote prefill on D2 (640 tokens) beats a local one on D1 (640 x 2 for the request it
+    stalls); charged for the three requests it stalls on D2 (640 x 4), it does not."""
+    router = mixed_fleet(disagg_local_prefill_stall_weight=1.0, disagg_transfer_cost_per_token=0.0)
+    # P1 busy prefilling 2,000 tokens for D1's one request: the prefill leg below goes to D2.
+    route(router, list(range(20_000, 22_000)), "busy", pinned_worker=(D1, 0), pinned_prefill=(P1, 0))
+    for index in range(3):  # decoding on D2, their prefill done
+        short = list(range(5000 + index * 100, 5000 + index * 100 + BS))
+        route(router, short, f"d{index}", pinned_worker=(D2, 0))
+        router.mark_prefill(f"d{index}")
+    decision = route(router, PROMPT, "long", pinned_worker=(D1, 0))
+    receipt = decision.disaggregation
+    assert receipt is not None and receipt.path == "local_prefill", receipt
+    assert receipt.reason.startswith(
+        f"estimated 1280 tokens on decode worker {D1} (0 pending + 640 uncached x 2 for the 1 requests it stalls) "
+        f"against 2560 on prefill worker {D2} (0 pending + 640 uncached x 4 for the 3 requests it stalls + 0 for "
+        "the KV transfer)"
+    )
 
 
 def test_the_bridge_takes_its_role_from_a_flag_or_the_environment() -> None:
