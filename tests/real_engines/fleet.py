@@ -279,11 +279,14 @@ def engine_spec(engine: VllmEngine, with_v1: bool) -> str:
 
 
 def direct_router(
-    log_dir: Path, nats_url: str, engines: Sequence[VllmEngine], *extra: str, policy: str = "dynamo"
+    log_dir: Path, nats_url: str, engines: Sequence[VllmEngine], *extra: str, policy: str | None = None
 ) -> RouterProcess:
     """``kv-router serve --proxy`` hearing each engine's events itself: one ``--engine`` per engine
-    (events, replay and OpenAI URL; one given with ``/v1``, one without)."""
-    args = ["--proxy", "--block-size", str(BLOCK_SIZE), "--nats-url", nats_url, "--policy", policy]
+    (events, replay and OpenAI URL; one given with ``/v1``, one without); the default policy unless
+    ``policy`` names another."""
+    args = ["--proxy", "--block-size", str(BLOCK_SIZE), "--nats-url", nats_url]
+    if policy is not None:
+        args += ["--policy", policy]
     for position, engine in enumerate(engines):
         args += ["--engine", engine_spec(engine, with_v1=position % 2 == 0)]
     return RouterProcess(log_dir, *args, *extra).start()

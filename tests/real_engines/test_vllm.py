@@ -171,23 +171,34 @@ async def test_direct_mode_at_concurrency_4_is_exact_but_for_races_it_cannot_see
         assert evictions(router) > 0
 
 
-async def test_the_hit_rate_through_kv_router_is_at_least_1_3_times_round_robins(
+async def test_the_hit_rate_through_kv_router_beats_round_robins_one_at_a_time_and_at_concurrency_4(
     engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> None:
+    """One at a time, as a client sends them, both KV-aware policies hit at least 1.3x as often as
+    round robin. At concurrency 4 the default (`latency`) still hits at least 1.15x as often (66% against
+    49-52% in the runs of 2026-12-04), where `dynamo`, which prices load by booked blocks, came no
+    better than round robin (49-54%)."""
     # 20 groups of ten blocks: more than one engine's cache (160 blocks), less than two.
     calls = workload(seed=3, requests=160, groups=20)
-    rates: dict[str, float] = {}
-    for policy in ("latency", "dynamo", "round_robin"):  # the default, Dynamo's, and blind
-        reset(mirrors)
-        router = ready(direct_router(lane_dir, lane_nats.url, engines, policy=policy), {1, 2})
-        with serving(router) as url:
-            run = await drive(url, calls, concurrency=1)  # one at a time, as a client sends them
-            print(run.report(f"policy {policy}, concurrency 1"))
-            assert not run.failures
-            rates[policy] = run.hit_rate
-    blind = rates["round_robin"]
-    print("hit rate: " + ", ".join(f"{policy} {rate:.1%} ({rate / blind:.2f}x)" for policy, rate in rates.items()))
-    assert rates["latency"] >= 1.3 * blind and rates["dynamo"] >= 1.3 * blind
+    rates: dict[tuple[str, int], float] = {}
+    for concurrency in (1, 4):
+        for policy in ("latency", "dynamo", "round_robin"):  # the default, Dynamo's, and blind
+            reset(mirrors)
+            router = ready(direct_router(lane_dir, lane_nats.url, engines, policy=policy), {1, 2})
+            with serving(router) as url:
+                run = await drive(url, calls, concurrency=concurrency)
+                print(run.report(f"policy {policy}, concurrency {concurrency}"))
+                assert not run.failures
+                rates[policy, concurrency] = run.hit_rate
+        blind = rates["round_robin", concurrency]
+        print(
+            f"hit rate at concurrency {concurrency}: "
+            + ", ".join(
+                f"{policy} {rate:.1%} ({rate / blind:.2f}x)" for (policy, c), rate in rates.items() if c == concurrency
+            )
+        )
+    assert rates["latency", 1] >= 1.3 * rates["round_robin", 1] and rates["dynamo", 1] >= 1.3 * rates["round_robin", 1]
+    assert rates["latency", 4] >= 1.15 * rates["round_robin", 4]
 
 
 async def test_events_published_before_the_router_starts_are_replayed(
