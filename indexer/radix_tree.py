@@ -520,6 +520,11 @@ class RadixTree:
             pending.extend((child, last_hash) for child in owned)
             yield parent_hash, chain
 
+    def blocks_per_rank(self) -> dict[WorkerRank, int]:
+        """The blocks each (worker, dp_rank) holds: `stats().blocks` without the rest of the stats, for
+        every decision of a policy that reads the cache fill. O(ranks)."""
+        return {worker: state.owned for worker, state in self._states.items()}
+
     def stats(self) -> IndexStats:
         blocks = {}
         lookup_entries = 0

@@ -9,6 +9,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 
 /* ------------------------------------------------------------------ booked blocks (booked_blocks.py)
@@ -395,6 +396,7 @@ static PyTypeObject BookedType = {
  * runs instead. */
 static PyObject *str_key, *str_prefill_tokens, *str_decode_blocks, *str_requests;
 static PyObject *str_cached_tokens, *str_device_blocks, *str_host_blocks, *str_disk_blocks;
+static PyObject *str_context_tokens, *str_decoding_inverse_output, *str_decoding_untold;
 
 #define COST_INT_LIMIT (1LL << 50)
 
@@ -589,6 +591,165 @@ fall_back:
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ the latency policy's costs */
+
+/* A float value of a dict by key, or `missing` when absent: 1 read, 0 not an exact float, -1 error. */
+static int dict_float(PyObject *dict, PyObject *key, double missing, double *out) {
+    PyObject *value = PyDict_GetItemWithError(dict, key);
+    if (value == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        *out = missing;
+        return 1;
+    }
+    return exact_float(value, out);
+}
+
+/* An int value of a dict by key, or 0 when absent: 1 read, 0 not a small exact int, -1 error. */
+static int dict_int(PyObject *dict, PyObject *key, long long *out) {
+    PyObject *value = PyDict_GetItemWithError(dict, key);
+    if (value == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        *out = 0;
+        return 1;
+    }
+    return small_int(value, out);
+}
+
+/* router.overlap.round_half_away of `credit * tokens` into *out: 1, or 0 past the bounded ints. */
+static int credit_tokens(double credit, long long tokens, long long *out) {
+    double value = credit * (double)tokens;
+    double whole = floor(value);
+    if (!(whole <= (double)COST_INT_LIMIT && whole >= -(double)COST_INT_LIMIT))
+        return 0;
+    *out = (long long)whole + (value - whole >= 0.5);
+    return 1;
+}
+
+/* One rank's latency cost and the prompt tokens it holds (router/policies/latency.py,
+ * `python_costs_and_held`, is the spec: the same float operations in the same order): 1 done,
+ * 0 fall back, -1 error. */
+static int latency_rank(PyObject *rank, PyObject *overlaps, PyObject *depths, PyObject *fills, PyObject *pass_tokens,
+                        const double *w, long long isl, long long block_size, int track_prefill,
+                        long long default_output, double *cost, long long *held) {
+    int status;
+    long long requests, context, queued = 0, cached = 0, depth = 0, budget = 0;
+    if ((status = int_attr(rank, str_requests, &requests)) != 1 ||
+        (status = int_attr(rank, str_context_tokens, &context)) != 1)
+        return status;
+    if (track_prefill && (status = int_attr(rank, str_prefill_tokens, &queued)) != 1)
+        return status;
+    PyObject *key = PyObject_GetAttr(rank, str_key);
+    if (key == NULL)
+        return -1;
+    double fill = 1.0;
+    PyObject *overlap = PyDict_GetItemWithError(overlaps, key);
+    if (overlap == NULL && PyErr_Occurred())
+        goto error;
+    if (overlap != NULL && (status = int_attr(overlap, str_cached_tokens, &cached)) != 1)
+        goto status;
+    if ((status = dict_int(pass_tokens, key, &budget)) != 1)
+        goto status;
+    if (fills != Py_None && (status = dict_float(fills, key, 0.0, &fill)) != 1)
+        goto status;
+    Py_DECREF(key);
+    PyObject *found = PyDict_GetItemWithError(depths, rank);
+    if (found == NULL && PyErr_Occurred())
+        return -1;
+    if (found != NULL && (status = small_int(found, &depth)) != 1)
+        return status;
+    if (depth > COST_INT_LIMIT / block_size || depth < -COST_INT_LIMIT / block_size)
+        return 0;
+    long long inflight = depth * block_size;
+    double credit = w[0];
+    if (credit != 1.0 && (!credit_tokens(credit, cached, &cached) || !credit_tokens(credit, inflight, &inflight)))
+        return 0;
+    *held = cached > inflight ? cached : inflight;
+    if (inflight > cached && queued >= budget)
+        cached = inflight;
+    long long miss = isl - cached > 0 ? isl - cached : 0;
+    double prefill_scale = w[1], extra_miss_weight = w[2], stall_weight = w[3], itl_stall_weight = w[4];
+    double decode_weight = w[5], others_weight = w[6];
+    double stalled = stall_weight * (double)requests;
+    if (itl_stall_weight != 0.0) {
+        double inverse_output;
+        long long untold;
+        PyObject *value = PyObject_GetAttr(rank, str_decoding_inverse_output);
+        if (value == NULL)
+            return -1;
+        status = exact_float(value, &inverse_output);
+        Py_DECREF(value);
+        if (status != 1)
+            return status;
+        if ((status = int_attr(rank, str_decoding_untold, &untold)) != 1)
+            return status;
+        double shorter = (double)default_output * inverse_output + (double)untold;
+        stalled += itl_stall_weight * shorter;
+    }
+    *cost = prefill_scale * ((double)queued + (1.0 + extra_miss_weight * fill + stalled) * (double)miss) +
+            decode_weight * ((double)context + others_weight * (double)isl * (double)requests);
+    return 1;
+status:
+    Py_DECREF(key);
+    return status;
+error:
+    Py_DECREF(key);
+    return -1;
+}
+
+static PyObject *py_latency_costs(PyObject *self, PyObject *args) {
+    PyObject *ranks, *overlaps, *depths, *fills, *pass_tokens, *weights[7];
+    long long isl, block_size, default_output;
+    int track_prefill;
+    if (!PyArg_ParseTuple(args, "OO!O!OO!LLpLOOOOOOO", &ranks, &PyDict_Type, &overlaps, &PyDict_Type, &depths, &fills,
+                          &PyDict_Type, &pass_tokens, &isl, &block_size, &track_prefill, &default_output, &weights[0],
+                          &weights[1], &weights[2], &weights[3], &weights[4], &weights[5], &weights[6]))
+        return NULL;
+    double w[7];
+    for (int i = 0; i < 7; i++)
+        if (!exact_float(weights[i], &w[i]) || !isfinite(w[i]))
+            Py_RETURN_NONE;
+    if ((fills != Py_None && !PyDict_CheckExact(fills)) || block_size <= 0 || isl > COST_INT_LIMIT ||
+        isl < -COST_INT_LIMIT || default_output > COST_INT_LIMIT || default_output < -COST_INT_LIMIT ||
+        block_size > COST_INT_LIMIT)
+        Py_RETURN_NONE;
+    PyObject *fast = PySequence_Fast(ranks, "ranks must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *costs = PyList_New(n), *held = PyList_New(n), *result = NULL;
+    if (costs == NULL || held == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double cost;
+        long long holds;
+        int status = latency_rank(items[i], overlaps, depths, fills, pass_tokens, w, isl, block_size, track_prefill,
+                                  default_output, &cost, &holds);
+        if (status < 0)
+            goto done;
+        if (status == 0 || holds > COST_INT_LIMIT || holds < -COST_INT_LIMIT) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        PyObject *value = PyFloat_FromDouble(cost);
+        if (value == NULL)
+            goto done;
+        PyList_SET_ITEM(costs, i, value);
+        value = PyLong_FromLongLong(holds);
+        if (value == NULL)
+            goto done;
+        PyList_SET_ITEM(held, i, value);
+    }
+    result = PyTuple_Pack(2, costs, held);
+done:
+    Py_DECREF(fast);
+    Py_XDECREF(costs);
+    Py_XDECREF(held);
+    return result;
+}
+
 /* (index of the first lowest cost, how many share it) as `min` and `==` on floats give them, or None
  * when a cost is not a float or none equals the minimum (NaN): the Python code answers then. */
 static PyObject *py_lowest_cost(PyObject *self, PyObject *costs) {
@@ -623,6 +784,10 @@ static PyMethodDef native_methods[] = {
     {"dynamo_costs", py_dynamo_costs, METH_VARARGS,
      "dynamo_costs(ranks, overlaps, depths, isl, block_size, booked, track_prefill, credit, decay, host_weight, "
      "disk_weight, scale, request_weight, multipliers) -> list[float] | None: the dynamo policy's costs."},
+    {"latency_costs", py_latency_costs, METH_VARARGS,
+     "latency_costs(ranks, overlaps, depths, fills, pass_tokens, isl, block_size, track_prefill, default_output, "
+     "credit, prefill_scale, extra_miss_weight, stall_weight, itl_stall_weight, decode_weight, others_weight) -> "
+     "(costs, held) | None: the latency policy's costs before taint multipliers, and the tokens each rank holds."},
     {"lowest_cost", py_lowest_cost, METH_O,
      "lowest_cost(costs) -> (index, ties) | None: the first lowest cost's index and how many share it."},
     {NULL, NULL, 0, NULL},
@@ -637,9 +802,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&RunType) < 0 || PyType_Ready(&BookedType) < 0)
         return NULL;
     PyObject **names[] = {&str_key, &str_prefill_tokens, &str_decode_blocks, &str_requests,
-                          &str_cached_tokens, &str_device_blocks, &str_host_blocks, &str_disk_blocks};
+                          &str_cached_tokens, &str_device_blocks, &str_host_blocks, &str_disk_blocks,
+                          &str_context_tokens, &str_decoding_inverse_output, &str_decoding_untold};
     const char *spellings[] = {"key", "prefill_tokens", "decode_blocks", "requests",
-                               "cached_tokens", "device_blocks", "host_blocks", "disk_blocks"};
+                               "cached_tokens", "device_blocks", "host_blocks", "disk_blocks",
+                               "context_tokens", "decoding_inverse_output", "decoding_untold"};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i] = PyUnicode_InternFromString(spellings[i]);
         if (*names[i] == NULL)

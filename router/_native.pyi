@@ -30,4 +30,26 @@ def dynamo_costs(
     taint_multipliers: Sequence[float] | None,
     /,
 ) -> list[float] | None: ...
+
+# The latency policy's costs before taint multipliers and the prompt tokens each rank holds
+# (router/policies/latency.py's `python_costs_and_held`); None: run the Python code.
+def latency_costs(
+    ranks: Sequence[Any],
+    overlaps: dict[Any, Any],
+    depths: dict[Any, int],
+    fills: dict[Any, float] | None,
+    pass_tokens: dict[Any, int],
+    isl_tokens: int,
+    block_size: int,
+    track_prefill_tokens: bool,
+    default_output_tokens: int,
+    overlap_score_credit: float,
+    prefill_load_scale: float,
+    extra_miss_weight: float,
+    stall_weight: float,
+    itl_stall_weight: float,
+    decode_weight: float,
+    decode_others_weight: float,
+    /,
+) -> tuple[list[float], list[int]] | None: ...
 def lowest_cost(costs: list[float], /) -> tuple[int, int] | None: ...

@@ -489,7 +489,7 @@ class KvRouter:
             explain=routing.explain,
             config=routing.config,
             expected_output_tokens=request.expected_output_tokens,
-            cached_blocks=self.tree.stats().blocks if self._scheduler.uses_cache_fill else None,
+            cached_blocks=self.tree.blocks_per_rank() if self._scheduler.uses_cache_fill else None,
             prefill_leg=prefill_leg,
         )
 

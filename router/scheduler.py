@@ -82,6 +82,12 @@ class Scheduler:
         self._ranks_of: dict[int, tuple[RankState, ...]] = {}
         # Every rank in registration order: the candidate list when no worker is filtered out.
         self._all_ranks: list[RankState] = []
+        # Per rank its worker's (total_kv_blocks, max_num_batched_tokens), fixed between registrations and
+        # read by every decision of a policy that uses the cache fill; the rows of `_all_ranks`, and their
+        # pass budgets, made once for the decisions that have every rank as a candidate.
+        self._capacity_of: dict[WorkerRank, tuple[int | None, int | None]] = {}
+        self._all_capacities: list[tuple[WorkerRank, int | None, int | None]] = []
+        self._all_pass_tokens: dict[WorkerRank, int] = {}
 
     def adopt_config(self, config: RouterConfig, policy: SelectionPolicy, prefill_policy: SelectionPolicy) -> None:
         """Another config of the same thresholds and policy kinds (the block size adopted from the
@@ -111,6 +117,13 @@ class Scheduler:
 
     def _list_ranks(self) -> None:
         self._all_ranks = [rank for worker in self.workers for rank in self._ranks_of[worker.worker_id]]
+        self._capacity_of = {
+            rank.key: (worker.total_kv_blocks, worker.max_num_batched_tokens)
+            for worker in self.workers
+            for rank in self._ranks_of[worker.worker_id]
+        }
+        self._all_capacities = [(rank.key, *self._capacity_of[rank.key]) for rank in self._all_ranks]
+        self._all_pass_tokens = {key: budget for key, _, budget in self._all_capacities if budget}
 
     # ------------------------------------------------------------------ eligibility
     def eligible_workers(
@@ -240,18 +253,21 @@ class Scheduler:
         ``max_num_batched_tokens`` (absent when the worker did not say). A worker of unknown capacity
         is as full as the candidates that said theirs, on average, so that it is not shunned beside
         them; as full as can be when none did."""
+        if ranks is self._all_ranks:
+            rows = self._all_capacities
+            pass_tokens = self._all_pass_tokens
+        else:
+            capacity_of = self._capacity_of
+            rows = [(rank.key, *capacity_of[rank.key]) for rank in ranks]
+            pass_tokens = {key: budget for key, _, budget in rows if budget}
         fills = {}
-        pass_tokens = {}
         unknown = []
-        for rank in ranks:
-            worker = self.workers.get(rank.worker_id)
-            total = worker.total_kv_blocks if worker is not None else None
+        for key, total, _ in rows:
             if total:
-                fills[rank.key] = min(cached_blocks.get(rank.key, 0) / total, 1.0)
+                fill = cached_blocks.get(key, 0) / total
+                fills[key] = fill if fill <= 1.0 else 1.0
             else:
-                unknown.append(rank.key)
-            if worker is not None and worker.max_num_batched_tokens:
-                pass_tokens[rank.key] = worker.max_num_batched_tokens
+                unknown.append(key)
         if unknown:
             fill = sum(fills.values()) / len(fills) if fills else 1.0
             fills.update(dict.fromkeys(unknown, fill))

@@ -1,7 +1,7 @@
 """The router's C accelerator (`router._native`) gives the pure-Python code's answers bit for bit.
 
 A rank's booked blocks (the C trie against the Python dict: held and shared prefixes, refcounts), the
-dynamo policy's costs and the lowest cost. The C code is called directly whatever ``KV_ROUTER_NO_NATIVE``
+dynamo and latency policies' costs and the lowest cost. The C code is called directly whatever ``KV_ROUTER_NO_NATIVE``
 says.
 """
 
@@ -23,6 +23,7 @@ from router.config import RouterConfig
 from router.overlap import RankOverlap
 from router.policies.base import SelectionContext
 from router.policies.dynamo import DynamoPolicy, python_costs
+from router.policies.latency import CostWeights, LatencyPolicy, python_costs_and_held
 from router.sequences import RankState
 
 native = pytest.importorskip("router._native", reason="the C accelerator is not built")
@@ -188,6 +189,97 @@ def test_the_dynamo_costs_leave_what_they_were_not_written_for_to_python() -> No
     rank.prefill_tokens = 0
     assert native.dynamo_costs([rank], {}, {}, 64, 16, 4, True, 1, 0.0, 0.75, 0.25, 1.0, 0.0, None) is None  # int
     assert native.dynamo_costs([], {}, {}, 64, 16, 4, True, 1.0, 0.5, 0.75, 0.25, 1.0, 0.0, None) is None  # min([])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    ranks=st.integers(1, 12),
+    isl=st.integers(1, 20_000),
+    block_size=st.sampled_from([1, 16, 64]),
+    track_prefill=st.booleans(),
+    credit=weights,
+    weighed=st.tuples(weights, weights, weights, weights, st.floats(0.0, 0.01), weights),
+    default_output=st.integers(1, 2_000),
+    with_fills=st.booleans(),
+)
+def test_the_latency_costs_are_python_s_bit_for_bit(
+    data: st.DataObject,
+    ranks: int,
+    isl: int,
+    block_size: int,
+    track_prefill: bool,
+    credit: float,
+    weighed: tuple[float, float, float, float, float, float],
+    default_output: int,
+    with_fills: bool,
+) -> None:
+    """Costs and held tokens, with and without credit, fills, pass budgets and the ITL stall term; the
+    policy's own `costs` (C when built) equal to them too."""
+    states = []
+    for index in range(ranks):
+        rank = RankState((index, 0))
+        rank.prefill_tokens = data.draw(loads)
+        rank.requests = data.draw(st.integers(0, 300))
+        rank.context_tokens = data.draw(st.integers(0, 2_000_000))
+        rank.decoding_inverse_output = data.draw(st.floats(0.0, 50.0))
+        rank.decoding_untold = data.draw(st.integers(0, 300))
+        states.append(rank)
+    overlaps = {
+        rank.key: RankOverlap(0, 0, 0, 0.0, data.draw(st.integers(0, isl + 40)))
+        for rank in states
+        if data.draw(st.booleans())
+    }
+    depths = {rank: data.draw(st.integers(0, 2_000)) for rank in states if data.draw(st.booleans())}
+    fills = {rank.key: data.draw(st.floats(0.0, 1.0)) for rank in states if data.draw(st.booleans())}
+    pass_tokens = {rank.key: data.draw(st.integers(1, 50_000)) for rank in states if data.draw(st.booleans())}
+    scale, miss, stall, itl_stall, decode, others = weighed
+    config = RouterConfig(
+        block_size=block_size,
+        router_track_prefill_tokens=track_prefill,
+        overlap_score_credit=credit,
+        prefill_load_scale=scale,
+        latency_miss_weight=1.0 + miss,
+        latency_stall_weight=stall,
+        latency_itl_stall_weight=itl_stall,
+        latency_decode_weight=decode,
+        latency_decode_others_weight=others,
+        latency_default_output_tokens=default_output,
+    )
+    context = SelectionContext(
+        isl_tokens=isl,
+        config=config,
+        ranks=states,
+        overlaps=overlaps,
+        depths=depths,
+        booked_blocks=0,
+        taint_multipliers=None,
+        cache_fill=fills if with_fills else None,
+        pass_tokens=pass_tokens,
+    )
+    policy = LatencyPolicy(config, random.Random(0))
+    weights_of_request = policy._weights(context)
+    expected_costs, expected_held = python_costs_and_held(context, weights_of_request, default_output)
+    fast = native.latency_costs(
+        states, overlaps, depths, context.cache_fill, pass_tokens, isl, block_size, track_prefill, default_output,
+        *weights_of_request,
+    )  # fmt: skip
+    assert fast is not None
+    assert _bits(fast[0]) == _bits(expected_costs) and fast[1] == expected_held
+    assert _bits(policy.costs(context)) == _bits(expected_costs)
+
+
+def test_the_latency_costs_leave_what_they_were_not_written_for_to_python() -> None:
+    rank = RankState((1, 0))
+    weights = CostWeights(1.0, 1.0, 5.0, 0.2, 0.0, 0.5, 1.0)
+    args = ({}, {}, None, {}, 64, 16, True, 256)
+    assert native.latency_costs([rank], *args, *weights) == ([0.5 * 0.0 + 64.0 * 6.0 + 0.0], [0])
+    rank.context_tokens = 2**60  # past what a double holds exactly in a sum
+    assert native.latency_costs([rank], *args, *weights) is None
+    rank.context_tokens = 0
+    assert native.latency_costs([rank], *args, *weights._replace(credit=1)) is None  # an int weight
+    assert native.latency_costs([rank], *args, *weights._replace(decode_weight=math.inf)) is None
+    assert native.latency_costs([rank], {}, {}, {rank.key: 1}, {}, 64, 16, True, 256, *weights) is None  # int fill
 
 
 @settings(max_examples=500, deadline=None)

@@ -82,13 +82,70 @@ whose decoding then slows every token of every request there.
 from __future__ import annotations
 
 import random
+from typing import NamedTuple
 
 from router.config import RouterConfig
+from router.native import ENABLED as NATIVE
+from router.native import accel
 from router.overlap import NO_OVERLAP, round_half_away
 from router.policies.base import Selection, SelectionContext, SelectionPolicy
 from router.policies.dynamo import lowest_cost_selection, with_taint_multipliers
 
-__all__ = ["LatencyPolicy"]
+__all__ = ["CostWeights", "LatencyPolicy", "python_costs_and_held"]
+
+
+class CostWeights(NamedTuple):
+    """A request's weights of the cost (module doc); C's `latency_costs` takes them in this order."""
+
+    credit: float  # overlap_score_credit
+    prefill_scale: float  # p
+    extra_miss_weight: float  # m - 1 (0 without credit: the cache counts for nothing)
+    stall_weight: float  # s
+    itl_stall_weight: float  # u
+    decode_weight: float  # d * osl
+    others_weight: float  # e
+
+
+def python_costs_and_held(
+    context: SelectionContext, weights: CostWeights, default_output: int
+) -> tuple[list[float], list[int]]:
+    """The costs before taint multipliers, and per candidate the tokens of the prompt it holds, computed
+    or in flight: the spec of C's `latency_costs` (the same float operations in the same order)."""
+    credit, prefill_scale, extra_miss_weight, stall_weight, itl_stall_weight, decode_weight, others_weight = weights
+    isl = context.isl_tokens
+    block_size = context.block_size
+    overlaps = context.overlaps
+    depths = context.depths
+    track_prefill = context.track_prefill_tokens
+    fills = context.cache_fill
+    pass_tokens = context.pass_tokens or {}
+    costs = []
+    held = []
+    for rank in context.ranks:
+        cached = overlaps.get(rank.key, NO_OVERLAP).cached_tokens
+        inflight = depths.get(rank, 0) * block_size
+        if credit != 1.0:
+            cached = round_half_away(credit * cached)
+            inflight = round_half_away(credit * inflight)
+        held.append(max(cached, inflight))
+        queued = rank.prefill_tokens if track_prefill else 0
+        if inflight > cached and queued >= pass_tokens.get(rank.key, 0):
+            # The prefix is booked there but not computed yet. Behind a pass of queued prefill the
+            # request waits anyway and reuses it; with less, a copy elsewhere costs no waiting, and
+            # pricing it as a miss spreads a burst in its first pass (module doc).
+            cached = inflight
+        miss = max(isl - cached, 0)
+        fill = 1.0 if fills is None else fills.get(rank.key, 0.0)
+        stalled = stall_weight * rank.requests
+        if itl_stall_weight:
+            # Each decoding request counts default / its own output length: a short one's ITL pays more of it.
+            short = default_output * rank.decoding_inverse_output + rank.decoding_untold
+            stalled += itl_stall_weight * short
+        costs.append(
+            prefill_scale * (queued + (1.0 + extra_miss_weight * fill + stalled) * miss)
+            + decode_weight * (rank.context_tokens + others_weight * isl * rank.requests)
+        )
+    return costs, held
 
 
 class LatencyPolicy(SelectionPolicy):
@@ -114,59 +171,54 @@ class LatencyPolicy(SelectionPolicy):
 
     def _costs_and_held(self, context: SelectionContext) -> tuple[list[float], list[int]]:
         """The costs, and per candidate the tokens of the prompt it holds, computed or in flight."""
-        isl = context.isl_tokens
-        block_size = context.block_size
-        overlaps = context.overlaps
-        depths = context.depths
-        miss_weight = self._miss_weight
-        stall_weight = self._stall_weight
+        weights = self._weights(context)
+        overlaps, depths, fills = context.overlaps, context.depths, context.cache_fill
+        pass_tokens = context.pass_tokens or {}
+        computed = None
+        if NATIVE and isinstance(overlaps, dict) and isinstance(depths, dict) and isinstance(pass_tokens, dict):
+            computed = accel.latency_costs(
+                context.ranks,
+                overlaps,
+                depths,
+                fills if fills is None or isinstance(fills, dict) else dict(fills),
+                pass_tokens,
+                context.isl_tokens,
+                context.block_size,
+                context.track_prefill_tokens,
+                self._default_output,
+                *weights,
+            )
+        if computed is None:
+            computed = python_costs_and_held(context, weights, self._default_output)
+        costs, held = computed
+        return with_taint_multipliers(costs, context), held
+
+    def _weights(self, context: SelectionContext) -> CostWeights:
+        """The request's weights: its config's credit and prefill scale, the decode weight for its output
+        and the fleet's load, the prefill leg's decode side off."""
         expected = context.expected_output_tokens
-        ranks = context.ranks
         per_token = self._decode_weight
         if self._decode_load_weight:
+            ranks = context.ranks
             per_token += self._decode_load_weight * sum(rank.requests for rank in ranks) / len(ranks)
         # Per response the decode side is this request's whole output; per token, every request counts the
         # default length: what an ITL bound sees, the same for a short answer as for a long one.
         output = expected if expected is not None and not self._decode_per_token else self._default_output
         decode_weight = per_token * output
-        prefill_scale = context.config.prefill_load_scale
-        credit = context.config.overlap_score_credit
-        track_prefill = context.track_prefill_tokens
+        stall_weight = self._stall_weight
+        itl_stall_weight = self._itl_stall_weight
         if context.prefill_leg:
-            stall_weight = decode_weight = 0.0
-        fills = context.cache_fill
-        pass_tokens = context.pass_tokens or {}
-        extra_miss_weight = miss_weight - 1.0 if credit else 0.0
-        others_weight = self._decode_others_weight
-        itl_stall_weight = 0.0 if context.prefill_leg else self._itl_stall_weight
-        default_output = self._default_output
-        costs = []
-        held = []
-        for rank in ranks:
-            cached = overlaps.get(rank.key, NO_OVERLAP).cached_tokens
-            inflight = depths.get(rank, 0) * block_size
-            if credit != 1.0:
-                cached = round_half_away(credit * cached)
-                inflight = round_half_away(credit * inflight)
-            held.append(max(cached, inflight))
-            queued = rank.prefill_tokens if track_prefill else 0
-            if inflight > cached and queued >= pass_tokens.get(rank.key, 0):
-                # The prefix is booked there but not computed yet. Behind a pass of queued prefill the
-                # request waits anyway and reuses it; with less, a copy elsewhere costs no waiting, and
-                # pricing it as a miss spreads a burst in its first pass (module doc).
-                cached = inflight
-            miss = max(isl - cached, 0)
-            fill = 1.0 if fills is None else fills.get(rank.key, 0.0)
-            stalled = stall_weight * rank.requests
-            if itl_stall_weight:
-                # Each decoding request counts default / its own output length: a short one's ITL pays more of it.
-                short = default_output * rank.decoding_inverse_output + rank.decoding_untold
-                stalled += itl_stall_weight * short
-            costs.append(
-                prefill_scale * (queued + (1.0 + extra_miss_weight * fill + stalled) * miss)
-                + decode_weight * (rank.context_tokens + others_weight * isl * rank.requests)
-            )
-        return with_taint_multipliers(costs, context), held
+            stall_weight = decode_weight = itl_stall_weight = 0.0
+        credit = context.config.overlap_score_credit
+        return CostWeights(
+            credit,
+            context.config.prefill_load_scale,
+            self._miss_weight - 1.0 if credit else 0.0,
+            stall_weight,
+            itl_stall_weight,
+            decode_weight,
+            self._decode_others_weight,
+        )
 
     def select(self, context: SelectionContext) -> Selection:
         costs, held = self._costs_and_held(context)
