@@ -6,8 +6,9 @@ the same run, on the same machine, fed the same workers, KV events and requests.
 What one decision is, on each side (closed loop, ``c`` coroutines back to back, one keep-alive
 connection each):
 
-* kv-router (``--policy dynamo``, the cost function Dynamo's service runs): ``POST /v1/new`` (JSON
-  ``tokens``; with ``--forms json,msgpack`` also msgpack with packed u32 tokens), then ``POST /v1/mark_free``;
+* kv-router (``--policy dynamo``, the cost function Dynamo's service runs, unless ``--policy`` names
+  another): ``POST /v1/new`` (JSON ``tokens``; with ``--forms json,msgpack`` also msgpack with packed u32
+  tokens), then ``POST /v1/mark_free``;
 * Dynamo: ``POST /select_and_reserve`` (JSON ``token_ids``), then ``DELETE /reservations/{id}``.
 
 Workload (seeded): 8 workers, block size 16, 32 shared documents held in full or in part by some
@@ -290,10 +291,13 @@ class Service:
 class KvRouterService(Service):
     name = "kv-router"
 
-    def __init__(self, port: int, form: str, cwd: str | None = None, nats: EmbeddedNats | None = None) -> None:
+    def __init__(
+        self, port: int, form: str, cwd: str | None = None, nats: EmbeddedNats | None = None, policy: str = "dynamo"
+    ) -> None:
         super().__init__(port)
         self.form = form
         self.cwd = cwd
+        self.policy = policy
         # "json" / "msgpack": the request bodies; "-asgi": the hot routes served by the ASGI fast path
         # (`--no-fast-protocol`) instead of inside uvicorn's HTTP protocol; "-pN": `--processes N`,
         # replicas synced over ``nats``; a "base:" prefix: the service of the --baseline tree.
@@ -306,9 +310,9 @@ class KvRouterService(Service):
             self.peer_pids = (nats.pid,)
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        # Dynamo's cost function on both sides: the same decisions, so the same work per decision.
+        # Dynamo's cost function on both sides by default: the same decisions, so the same work per decision.
         argv = [sys.executable, "-m", "api.cli", "serve", "--port", str(self.port), "--block-size", str(BLOCK_SIZE),
-                "--policy", "dynamo", "--log-level", "warning"]  # fmt: skip
+                "--policy", self.policy, "--log-level", "warning"]  # fmt: skip
         if self.cores > 1:
             assert self.nats is not None
             argv += ["--processes", str(self.cores), "--nats-url", self.nats.url, "--nats-namespace", self.namespace]
@@ -755,7 +759,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         # Replicas of a --processes service sync over NATS: one server of this run's own.
         nats = stack.enter_context(EmbeddedNats()) if counts[-1] > 1 else None
         services += [
-            KvRouterService(next(ports), form, args.baseline if form.startswith("base:") else None, nats)
+            KvRouterService(next(ports), form, args.baseline if form.startswith("base:") else None, nats, args.policy)
             for form in args.forms
         ]
         for service in services:
@@ -887,6 +891,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--total-blocks", type=int, default=50_000)
     parser.add_argument("--pool", type=int, default=64, help="distinct prompts per size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--policy",
+        default="dynamo",
+        help="kv-router's policy: dynamo (the cost function Dynamo's service runs) or the default, latency",
+    )
     parser.add_argument("--service-cpus", default="0", help="taskset CPU list for the services ('' = no pinning)")
     parser.add_argument("--client-cpus", default="1", help="CPU list for this load generator ('' = no pinning)")
     parser.add_argument(
