@@ -32,6 +32,21 @@ from tests.waiting import eventually
 
 BLOCK = 4
 T = TypeVar("T")
+# vLLM 0.32.0's (CPU build) cache config on its /metrics, as the real-engine lane's engines serve it
+# (--block-size 32 --num-gpu-blocks-override 160), captured 2026-12-04.
+VLLM_CACHE_CONFIG_INFO = (
+    'vllm:cache_config_info{_block_size_resolved="True",block_size="32",cache_dtype="auto",cache_hit_alig'
+    'nment_tokens="None",effective_attention_block_size="32",enable_mamba_shared_prefix_checkpoint="False'
+    '",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.92",hash_block_size="None",is_at'
+    'tention_free="False",kv_cache_dtype_skip_layers="[]",kv_cache_layout="None",kv_cache_max_concurrency'
+    '="2.5",kv_cache_memory_bytes="1073741824",kv_cache_size_tokens="5120",kv_offloading_backend="native"'
+    ',kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",mamba_cache_dtype'
+    '="auto",mamba_cache_mode="none",mamba_page_size_padded="None",mamba_ssm_cache_dtype="float32",num_cp'
+    'u_blocks="None",num_gpu_blocks="160",num_gpu_blocks_override="160",prefix_cache_retention_interval="'
+    '0",prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",skip_page_si'
+    'ze_padded="None",sliding_window="None",swa_bounded_replay="True",use_kda_recoverssm="False",use_repl'
+    'ayssm="False",user_specified_block_size="True"} 1.0'
+)
 
 encode = msgspec.msgpack.encode
 
@@ -209,12 +224,24 @@ class SideLoop:
 class EngineHttp:
     """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``, ``/metrics``) and the proxy
     uses it (``/v1/completions``: a short answer, whatever the prompt), served by a real uvicorn on a
-    loopback port; ``healthy`` switches its health answer, ``stop`` stops it (refused)."""
+    loopback port; ``healthy`` switches its health answer, ``stop`` stops it (refused). Its ``/metrics`` are
+    vLLM's: ``running`` requests, ``kv_usage`` and, with ``kv_blocks``, the cache config stating them."""
 
-    def __init__(self, models: tuple[str, ...] = ("tiny-model",), port: int | None = None) -> None:
+    def __init__(
+        self,
+        models: tuple[str, ...] = ("tiny-model",),
+        port: int | None = None,
+        *,
+        kv_blocks: int | None = None,
+        kv_usage: float = 0.0,
+        running: int = 0,
+    ) -> None:
         self.models = models
         self.port = port or free_port()
         self.healthy = True
+        self.kv_blocks = kv_blocks
+        self.kv_usage = kv_usage
+        self.running = running
         self.asked: Counter[str] = Counter()
         self._server: uvicorn.Server | None = None
         self._serving: asyncio.Task[None] | None = None
@@ -229,8 +256,10 @@ class EngineHttp:
         path = scope["path"]
         self.asked[path] += 1
         status, body = 404, b"{}"
-        if path in ("/health", "/metrics"):
-            status, body = (200, b"vllm:num_requests_running 0\n") if self.healthy else (503, b"")
+        if path == "/health":
+            status, body = (200, b"") if self.healthy else (503, b"")
+        elif path == "/metrics":
+            status, body = (200, self.metrics().encode()) if self.healthy else (503, b"")
         elif path == "/v1/models":
             status, body = 200, msgspec.json.encode({"object": "list", "data": [{"id": m} for m in self.models]})
         elif path == "/v1/completions":
@@ -245,6 +274,17 @@ class EngineHttp:
         headers = [(b"content-type", b"application/json")]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+    def metrics(self) -> str:
+        """What vLLM 0.32 serves on ``/metrics``, abridged (its cache config line as the lane's engines print it)."""
+        lines = [
+            f'vllm:num_requests_running{{engine="0",model_name="{self.models[0]}"}} {self.running}.0',
+            f'vllm:num_requests_waiting{{engine="0",model_name="{self.models[0]}"}} 0.0',
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="{self.models[0]}"}} {self.kv_usage}',
+        ]
+        if self.kv_blocks is not None:
+            lines.append(VLLM_CACHE_CONFIG_INFO.replace('num_gpu_blocks="160"', f'num_gpu_blocks="{self.kv_blocks}"'))
+        return "\n".join(lines) + "\n"
 
     async def start(self) -> EngineHttp:
         config = uvicorn.Config(

@@ -63,6 +63,11 @@ def _dump(client: TestClient) -> list[Any]:
     return canonical(events)
 
 
+def _worker(client: TestClient) -> dict[str, Any]:
+    reply = client.get(f"/v1/workers/{WORKER}")
+    return reply.json() if reply.status_code == 200 else {"config": {}, "ranks": [{}]}
+
+
 def _streams(client: TestClient) -> list[dict[str, Any]]:
     reply = client.get(f"/v1/workers/{WORKER}")
     return reply.json()["event_streams"] if reply.status_code == 200 else []
@@ -81,8 +86,8 @@ class Chain:
         async def run() -> Bridge:
             nc = await connect(NatsOptions(self.nats_url))
             config = BridgeConfig(worker_id=WORKER, zmq_endpoint=self.endpoint, replay_endpoint=self.replay,
-                                  block_size=BLOCK, total_kv_blocks=1000, heartbeat_interval_secs=0.2,
-                                  **settings)  # fmt: skip
+                                  block_size=BLOCK, heartbeat_interval_secs=0.2,
+                                  **{"total_kv_blocks": 1000, **settings})  # fmt: skip
             bridge = Bridge(config, nc)
             await bridge.start()
             return bridge
@@ -299,6 +304,23 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
         _converged(router, chain)
         assert chain.bridge is not None and chain.bridge.streams[0].stats["rebuilds"] == 1
+    finally:
+        chain.close()
+        side.call(http.stop())
+
+
+def test_a_bridge_without_total_kv_blocks_registers_the_capacity_its_engine_states(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    """No ``--total-kv-blocks``: the bridge registers the KV blocks vLLM states on its /metrics, and
+    publishes its usage in blocks of them."""
+    http = side.call(EngineHttp(kv_blocks=640, kv_usage=0.5).start())
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge(engine_metrics_url=f"{http.url}/metrics", total_kv_blocks=None)
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        until(lambda: _worker(router)["config"].get("total_kv_blocks") == 640, 20, "the stated capacity")
+        until(lambda: _worker(router)["ranks"][0].get("kv_used_blocks") == 320, 20, "its usage in blocks")
     finally:
         chain.close()
         side.call(http.stop())

@@ -386,6 +386,40 @@ async def test_an_engine_whose_event_socket_never_connects_is_routable_after_the
         await http.stop()
 
 
+async def test_an_engine_that_states_its_kv_blocks_gives_them_to_its_registration_and_its_load_to_routing() -> None:
+    """vLLM states its KV blocks on its /metrics: the worker is registered with them (the latency policy's
+    cache fill, the busy thresholds) and its KV usage and requests are applied as it serves. A capacity
+    given over HTTP stands."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    http = await EngineHttp(kv_blocks=512, kv_usage=0.25, running=2).start()
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=6)
+    await engine.start()
+    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
+    await direct.start()
+    try:
+        await eventually(lambda: (router.worker(WORKER) or WorkerConfig(worker_id=0)).total_kv_blocks == 512)
+        await eventually(lambda: [(load.kv_used_blocks, load.engine_requests_running) for load in router.rank_loads()]
+                         == [(128, 2)])  # fmt: skip
+        http.kv_usage, http.running = 0.5, 3
+        await eventually(lambda: [(load.kv_used_blocks, load.engine_requests_running) for load in router.rank_loads()]
+                         == [(256, 3)])  # fmt: skip
+
+        http.healthy = False  # down: out of routing, no more scraping
+        await eventually(lambda: not router.has_worker(WORKER))
+        assert direct.scraper is None
+        router.register_worker(WorkerConfig(worker_id=WORKER, block_size=BLOCK, total_kv_blocks=64, leased=False))
+        http.healthy = True
+        await eventually(lambda: direct.up_at is not None and direct.scraper is not None)
+        await eventually(lambda: direct.scraper is not None and direct.scraper.scrapes >= 2)
+        worker = router.worker(WORKER)
+        assert worker is not None and worker.total_kv_blocks == 64 and worker.url == http.url  # the operator's
+    finally:
+        await direct.stop()
+        await engine.stop()
+        await http.stop()
+
+
 # ---------------------------------------------------------------------------------------- tail checks
 async def _heard(engine: FakeEngine, direct: DirectEngine) -> None:
     """Steps until one is heard live (those before the SUB socket joined come by replay)."""

@@ -14,12 +14,13 @@ from nats.aio.client import Client
 
 from api.metrics import RouterStateCollector
 from router.config import RouterConfig
-from router.engines.engine_metrics import EngineLoad, EngineMetricsScraper, engine_load_by_rank
+from router.engines.engine_metrics import EngineLoad, EngineMetricsScraper, read_engine_metrics
 from router.event_plane.messages import ActiveLoad
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.publisher import KvEventPublisher
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
+from tests.engine_fakes import VLLM_CACHE_CONFIG_INFO
 from tests.waiting import eventually
 
 # What vLLM 0.11 serves on /metrics with two data-parallel ranks (abridged).
@@ -51,12 +52,40 @@ sglang:token_usage{dp_rank="0",model_name="m"} 0.125
 
 
 def test_each_engine_names_its_load_its_own_way() -> None:
-    assert engine_load_by_rank(VLLM, "vllm") == {
+    vllm = {
         0: EngineLoad(kv_usage=0.25, waiting=7, running=3),  # the newer usage metric wins
         1: EngineLoad(kv_usage=0.5, waiting=0, running=1),
     }
-    assert engine_load_by_rank(SGLANG, "sglang") == {0: EngineLoad(kv_usage=0.125, waiting=5, running=2)}
-    assert engine_load_by_rank("trtllm:kv_cache_utilization 0.5\n", "trtllm") == {0: EngineLoad(kv_usage=0.5)}
+    assert read_engine_metrics(VLLM, "vllm") == (vllm, {})
+    assert read_engine_metrics(SGLANG, "sglang").loads == {0: EngineLoad(kv_usage=0.125, waiting=5, running=2)}
+    trtllm = "trtllm:kv_cache_utilization 0.5\n"
+    assert read_engine_metrics(trtllm, "trtllm").loads == {0: EngineLoad(kv_usage=0.5)}
+    # Direct mode does not know the engine's kind: whichever names it serves are read.
+    assert read_engine_metrics(VLLM, "auto").loads == vllm
+    assert read_engine_metrics(SGLANG, "auto").loads == read_engine_metrics(SGLANG, "sglang").loads
+
+
+def test_vllm_states_its_kv_blocks_per_rank_in_its_cache_config() -> None:
+    """vLLM 0.32's own line (the lane's engines: 160 blocks); each data-parallel engine states its own."""
+    assert read_engine_metrics(VLLM_CACHE_CONFIG_INFO + "\n", "vllm").kv_blocks == {0: 160}
+    second = VLLM_CACHE_CONFIG_INFO.replace('engine="0"', 'engine="1"').replace('"160"', '"96"')
+    assert read_engine_metrics(f"{VLLM_CACHE_CONFIG_INFO}\n{second}\n", "auto").kv_blocks == {0: 160, 1: 96}
+    unresolved = VLLM_CACHE_CONFIG_INFO.replace('num_gpu_blocks="160"', 'num_gpu_blocks="None"')
+    assert read_engine_metrics(unresolved + "\n", "vllm").kv_blocks == {}  # before profiling: none stated
+    assert read_engine_metrics(VLLM_CACHE_CONFIG_INFO + "\n", "sglang").kv_blocks == {}
+
+
+class _Published:
+    """The scraper's loads published as the bridge publishes them; a stated capacity is not expected."""
+
+    def __init__(self, publisher: KvEventPublisher) -> None:
+        self.publisher = publisher
+
+    async def publish_load(self, load: ActiveLoad) -> None:
+        await self.publisher.publish_load(load)
+
+    async def capacity_learned(self, kv_blocks: int) -> None:
+        raise AssertionError(f"the capacity was given: {kv_blocks} learned")
 
 
 @pytest.fixture
@@ -90,7 +119,9 @@ async def test_scraped_engine_load_reaches_the_routers_load_view(client: Client,
     registration = WorkerConfig(worker_id=9, block_size=16, dp_size=2, total_kv_blocks=1000)
     publisher = KvEventPublisher(client, registration)
     await publisher.start()
-    scraper = EngineMetricsScraper(engine_metrics, publisher, engine="vllm", total_kv_blocks=1000)
+    scraper = EngineMetricsScraper(
+        engine_metrics, _Published(publisher), worker_id=9, engine="vllm", total_kv_blocks=1000
+    )
     try:
         await eventually(lambda: bool(router.workers()))
         async with httpx.AsyncClient() as http:

@@ -39,6 +39,7 @@ from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.hash_check import TokensHashCheck
 from router.engines.openai_server import HealthProbe, wait_for_models
 from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
+from router.event_plane.messages import ActiveLoad
 from router.event_plane.publisher import KvEventPublisher, open_registry
 
 __all__ = ["Bridge", "PublisherSink", "rank_endpoint"]
@@ -139,7 +140,8 @@ class Bridge:
             if config.engine_metrics_url is None
             else EngineMetricsScraper(
                 config.engine_metrics_url,
-                self.publisher,
+                self,
+                worker_id=config.worker_id,
                 engine=config.engine,
                 total_kv_blocks=config.total_kv_blocks,
                 interval_s=config.engine_metrics_interval_secs,
@@ -180,6 +182,17 @@ class Bridge:
         for stream in self.streams:
             await stream.stop()
         await self.publisher.stop(deregister=deregister)
+
+    # ------------------------------------------------------------------ the scraper's sink
+    async def publish_load(self, load: ActiveLoad) -> None:
+        await self.publisher.publish_load(load)
+
+    async def capacity_learned(self, kv_blocks: int) -> None:
+        """The engine stated its KV blocks (no ``--total-kv-blocks`` was given): registered with them,
+        so that routers know its capacity (the busy thresholds, the latency policy's cache fill)."""
+        self.publisher.registration = msgspec.structs.replace(self.publisher.registration, total_kv_blocks=kv_blocks)
+        if not self.withdrawn:
+            await self.publisher.register()
 
     async def _down(self, problem: str) -> None:
         """The engine stopped answering: no more heartbeats, and the worker's registry entry deleted, so

@@ -34,7 +34,7 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         int, _doc("data-parallel ranks, on consecutive ports from --zmq-endpoint and --replay-endpoint"),
         msgspec.Meta(ge=1),
     ] = 1  # fmt: skip
-    total_kv_blocks: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _doc("KV blocks per rank (capacity)")] = None
+    total_kv_blocks: Annotated[Annotated[int, msgspec.Meta(ge=0)] | None, _doc("KV blocks per rank (or vLLM's)")] = None
     max_num_batched_tokens: Annotated[Annotated[int, msgspec.Meta(ge=1)] | None, _doc("tokens per engine step")] = None
     taints: Annotated[list[str], _doc("the worker's taints (JSON list)")] = []
     role: Annotated[

@@ -8,7 +8,9 @@ in ``/v1/workers`` and ``kv_router_worker_stream_trusted``) until the engine cle
 A worker the router does not know yet is registered with default capacity and a WARNING, so its
 first events are not refused; ``POST /v1/workers`` can then give its real settings (the index is kept).
 An engine given with its OpenAI URL (``url=``) is registered with it instead, for the proxy, and
-follows its engine's health (`DirectEngine`).
+follows its engine's health (`DirectEngine`); while it answers, its ``/metrics`` are scraped for its
+load (KV usage, waiting and running requests) and, from vLLM, its KV blocks per rank, which its
+registration takes when it has no capacity of its own.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import msgspec
 
 from indexer.engine_events import EngineEvent, event_tier, to_kv_event
 from indexer.events import RouterEvent, StorageTier, cleared_event
+from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.engines.hash_check import TokensHashCheck
 from router.engines.openai_server import HealthProbe, health_url, wait_for_models
 from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.errors import ConfigError, UnknownWorker
+from router.event_plane.messages import ActiveLoad
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 
@@ -181,6 +185,9 @@ class DirectEngine:
             else HealthProbe(health_url(self.url), on_up=self._up, on_down=self._down, interval_s=health_interval_s)
         )
         self.models: tuple[str, ...] | None = self.spec.models
+        # The engine's /metrics while it answers: its load, and its KV blocks when it states them.
+        self.scraper: EngineMetricsScraper | None = None
+        self._metrics_interval_s = health_interval_s
         # Unix time of the health answer that made it routable (None: down, or no URL), and how many
         # messages its event socket had delivered then (the doctor's engine_events_silent).
         self.up_at: float | None = None
@@ -197,6 +204,7 @@ class DirectEngine:
         if self.health is not None:
             await self.health.stop()
             self.router.health.set_engine_probed(self.worker_id, False)
+        await self._stop_scraping()
         await self.stream.stop()
 
     async def _up(self) -> None:
@@ -229,11 +237,22 @@ class DirectEngine:
         self.up_at = time.time()
         self.messages_at_up = self.stream.stats["messages"]
         log.info("engine of worker %d answers at %s: routable", self.worker_id, self.url)
+        await self._stop_scraping()
+        self.scraper = EngineMetricsScraper(
+            self.url + "/metrics",
+            self,
+            worker_id=self.worker_id,
+            engine="auto",
+            total_kv_blocks=None,
+            interval_s=self._metrics_interval_s,
+        )
+        self.scraper.start()
         await self.stream.rebuild()  # what the engine holds now, from its replay buffer (or what comes next)
 
     async def _down(self, problem: str) -> None:
         self.sink.accepting = False
         self.up_at = None
+        await self._stop_scraping()
         known = self.router.worker(self.worker_id)
         if known is None:
             log.info("engine of worker %d at %s does not answer yet (%s)", self.worker_id, self.url, problem)
@@ -248,3 +267,29 @@ class DirectEngine:
         )
         with contextlib.suppress(UnknownWorker):
             self.router.remove_worker(self.worker_id)
+
+    # ------------------------------------------------------------------ the scraper's sink
+    async def publish_load(self, load: ActiveLoad) -> None:
+        """The engine's own load on a rank: its KV usage (the busy thresholds) and its request counts."""
+        try:
+            if load.num_requests_waiting is not None or load.num_requests_running is not None:
+                self.router.update_engine_requests(
+                    self.worker_id, load.dp_rank, load.num_requests_waiting, load.num_requests_running
+                )
+            if load.kv_used_blocks is not None:
+                self.router.update_kv_used_blocks(self.worker_id, load.dp_rank, load.kv_used_blocks)
+        except (UnknownWorker, KeyError, ValueError) as exc:  # out of routing meanwhile, or a rank it lacks
+            log.debug("engine load of worker %d not applied: %s", self.worker_id, exc)
+
+    async def capacity_learned(self, kv_blocks: int) -> None:
+        """The engine stated its KV blocks: its registration takes them unless it has a capacity already
+        (given over HTTP, or learned before a restart)."""
+        known = self.router.worker(self.worker_id)
+        if known is None or known.total_kv_blocks is not None:
+            return
+        self.router.register_worker(msgspec.structs.replace(known, total_kv_blocks=kv_blocks))
+
+    async def _stop_scraping(self) -> None:
+        scraper, self.scraper = self.scraper, None
+        if scraper is not None:
+            await scraper.stop()

@@ -19,7 +19,7 @@ import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.metrics import total
-from tests.real_engines.engines import BLOCK_SIZE, MODEL, EngineMirror, VllmEngine
+from tests.real_engines.engines import BLOCK_SIZE, KV_BLOCKS, MODEL, EngineMirror, VllmEngine
 from tests.real_engines.fleet import (
     Bridge,
     Call,
@@ -158,6 +158,8 @@ async def test_direct_mode_predicts_the_engines_cached_tokens_exactly_at_concurr
         assert metric_total(router, "kv_router_proxy_requests_total", outcome="client_disconnected") == 0
         calibrated = metric_total(router, "kv_router_proxy_cached_tokens_error_bucket", le="+Inf")
         assert calibrated == len(run.outcomes)
+        # Each engine's KV blocks, as vLLM states them on its /metrics, in its registration (no flag said them).
+        assert {worker["config"]["total_kv_blocks"] for worker in router.get("/v1/workers")["workers"]} == {KV_BLOCKS}
 
 
 async def test_direct_mode_at_concurrency_4_is_exact_but_for_races_it_cannot_see(
