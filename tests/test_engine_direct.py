@@ -366,6 +366,55 @@ async def test_an_engine_is_routable_only_once_its_event_socket_has_the_routers_
         await http.stop()
 
 
+async def test_a_stalled_engine_is_routable_again_at_once_and_a_restarted_one_once_its_new_socket_has_us(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine whose HTTP stalls keeps its event socket's connection: routable again as soon as it
+    answers. A restarted engine's new PUB socket is joined anew: routable once it has the router's
+    subscription, without waiting out `JOIN_TIMEOUT_S` (30 s here, so that a wait that ran out shows)."""
+    monkeypatch.setattr(direct_module, "JOIN_TIMEOUT_S", 30.0)
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    http = await EngineHttp().start()
+    endpoint, replay = loopback_endpoints(replay=True)
+    old = FakeEngine(WORKER, endpoint, replay, seed=8)
+    new = FakeEngine(WORKER, endpoint, replay, seed=9)
+    await old.start()
+    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
+    await direct.start()
+    loop = asyncio.get_running_loop()
+    try:
+        await eventually(lambda: router.has_worker(WORKER))
+        http.healthy = False  # a stall: the event socket stays connected
+        await eventually(lambda: not router.has_worker(WORKER))
+        began = loop.time()
+        http.healthy = True
+        await eventually(lambda: router.has_worker(WORKER))
+        assert loop.time() - began < 10
+
+        http.healthy = False
+        await eventually(lambda: not router.has_worker(WORKER))
+        await old.stop()  # the process ends: its sockets close, and a new one binds the same ports
+
+        async def gone() -> bool:
+            return not await direct.stream.joined(0.01)
+
+        await eventually(gone, what="the stream sees the engine's socket close")
+        await new.start()
+        began = loop.time()
+        http.healthy = True
+        await eventually(lambda: router.has_worker(WORKER))
+        assert loop.time() - began < 10
+        messages = direct.stream.stats["messages"]
+        await new.step()  # published the moment it is routable: heard live
+        await eventually(lambda: canonical(router.tree.dump_events()) == new.dump())
+        assert direct.stream.stats["messages"] == messages + 1
+    finally:
+        await direct.stop()
+        await new.stop()
+        await old.stop()
+        await http.stop()
+
+
 async def test_an_engine_whose_event_socket_never_connects_is_routable_after_the_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

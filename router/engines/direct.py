@@ -216,10 +216,9 @@ class DirectEngine:
         # Routable only once the engine's PUB socket has our subscription: until then ZMQ drops what it
         # publishes, and a prompt routed there would leave no trace its repeat could be matched by.
         if not await self.stream.joined(JOIN_TIMEOUT_S) and self.spec.replay is not None:
-            # The doctor tells a socket that never delivers (engine_events_silent); the same process
-            # answering again after a stall keeps its connection and brings no new handshake.
+            # The doctor tells a socket that never delivers (engine_events_silent).
             log.info(
-                "engine of worker %d answers at %s; no new connection of its event socket %s within %g s: routable now",
+                "engine of worker %d answers at %s; its event socket %s has not connected within %g s: routable now",
                 self.worker_id,
                 self.url,
                 self.spec.endpoint,
@@ -258,7 +257,6 @@ class DirectEngine:
             log.info("engine of worker %d at %s does not answer yet (%s)", self.worker_id, self.url, problem)
             return
         self._registration = known
-        self.stream.expect_reconnection()  # a restarted engine is routable once its new socket has us
         log.warning(
             "engine of worker %d at %s stopped answering (%s): out of routing, its blocks dropped",
             self.worker_id,

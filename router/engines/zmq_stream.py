@@ -249,8 +249,8 @@ class ZmqEngineStream:
         # block only; the blocks stored under it share it): kept by the decoder.
         self.salts: dict[int, str] = {}
         self._subscribed = asyncio.Event()
-        # Set once the subscription has surely reached the engine's PUB socket (a handshake, then the
-        # tail-check delay); cleared by `expect_reconnection`. Only watched with a replay socket.
+        # Set while the subscription has surely reached the engine's PUB socket (a handshake, then the
+        # tail-check delay), cleared when the connection drops. Only watched with a replay socket.
         self._joined = asyncio.Event()
         self._rebuild_waiters: list[asyncio.Event] = []
         # Set by the reader whenever it took messages (the quiet watcher's clock); a tail check asked
@@ -324,7 +324,8 @@ class ZmqEngineStream:
         fd = cast(int, sync.getsockopt(zmq.FD))
         loop.add_reader(fd, readable.set)
         # Made before the connection, so its first handshake is heard too.
-        monitor = None if self.replay_endpoint is None else socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        monitor = None if self.replay_endpoint is None else socket.get_monitor_socket(events)
         try:
             socket.connect(self.endpoint)
             self._subscribed.set()
@@ -376,7 +377,14 @@ class ZmqEngineStream:
         check: asyncio.TimerHandle | None = None
         try:
             while True:
-                await cast(Awaitable[object], recv_monitor_message(monitor))
+                event = await cast(Awaitable[dict[str, object]], recv_monitor_message(monitor))
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    # The engine went away (a restart's new socket comes with a handshake of its own).
+                    self._joined.clear()
+                    if check is not None:
+                        check.cancel()
+                        check = None
+                    continue
                 self.stats["connections"] += 1
                 self._verify_next = True
                 if check is not None:
@@ -401,15 +409,12 @@ class ZmqEngineStream:
         self._joined.set()
         self._ask_tail_check()
 
-    def expect_reconnection(self) -> None:
-        """The engine went away: `joined` waits for the next handshake (its new process's socket)."""
-        self._joined.clear()
-
     async def joined(self, timeout_s: float) -> bool:
         """Wait until the engine's PUB socket surely has our subscription (a handshake of the SUB socket,
-        then the tail-check delay): from then on ZMQ drops nothing the engine publishes, and a replay
-        covers what it published before. False after ``timeout_s`` without it (an event socket that does
-        not answer), and at once without a replay socket (its handshakes are not watched)."""
+        then the tail-check delay, and no disconnection since): from then on ZMQ drops nothing the engine
+        publishes, and a replay covers what it published before. False after ``timeout_s`` without it (an
+        event socket that does not answer), and at once without a replay socket (its connections are not
+        watched)."""
         if self.replay_endpoint is None:
             return False
         try:
