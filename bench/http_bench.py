@@ -894,7 +894,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--policy",
         default="dynamo",
-        help="kv-router's policy: dynamo (the cost function Dynamo's service runs) or the default, latency",
+        choices=["dynamo", "latency"],
+        help="kv-router's policy: dynamo (the cost function Dynamo's service runs) or latency (the service's own "
+        "default)",
     )
     parser.add_argument("--service-cpus", default="0", help="taskset CPU list for the services ('' = no pinning)")
     parser.add_argument("--client-cpus", default="1", help="CPU list for this load generator ('' = no pinning)")

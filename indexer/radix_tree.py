@@ -521,8 +521,8 @@ class RadixTree:
             yield parent_hash, chain
 
     def blocks_per_rank(self) -> dict[WorkerRank, int]:
-        """The blocks each (worker, dp_rank) holds: `stats().blocks` without the rest of the stats, for
-        every decision of a policy that reads the cache fill. O(ranks)."""
+        """The blocks each (worker, dp_rank) holds: `stats().blocks` without the rest of the stats, cheap
+        enough to read on every query. O(ranks)."""
         return {worker: state.owned for worker, state in self._states.items()}
 
     def stats(self) -> IndexStats:

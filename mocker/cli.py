@@ -192,8 +192,12 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
         "disagg-always, disagg-conditional, disagg-load-aware, disagg-estimated, vllm-router-pd, sglang-pd "
         "[all of them by default]"
     )
-    pd.add_argument("--prefill-workers", type=int, default=0, help="prefill-only workers (with --decode-workers)")
-    pd.add_argument("--decode-workers", type=int, default=0, help="decode-only workers (with --prefill-workers)")
+    pd.add_argument(
+        "--prefill-workers", type=int, default=0, help="prefill-only workers (with --decode-workers or --both-workers)"
+    )
+    pd.add_argument(
+        "--decode-workers", type=int, default=0, help="decode-only workers (with --prefill-workers or --both-workers)"
+    )
     pd.add_argument(
         "--both-workers",
         type=int,

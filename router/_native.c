@@ -2,7 +2,8 @@
  *
  * Each function has a pure-Python twin that gives the same answers bit for bit (tests/test_native_router.py):
  * a rank's booked blocks as a trie of prompts (router/booked_blocks.py), the dynamo policy's costs and
- * the choice of the lowest (router/policies/dynamo.py).
+ * the choice of the lowest (router/policies/dynamo.py), the latency policy's costs and the prompt tokens
+ * each rank holds (router/policies/latency.py).
  *
  * Guardrail: a function that meets input it was not written for returns None (or raises the same
  * exception class as the Python path), so the caller can fall back to Python for the exact error.
@@ -699,20 +700,30 @@ error:
 }
 
 static PyObject *py_latency_costs(PyObject *self, PyObject *args) {
-    PyObject *ranks, *overlaps, *depths, *fills, *pass_tokens, *weights[7];
-    long long isl, block_size, default_output;
+    PyObject *ranks, *overlaps, *depths, *fills, *pass_tokens, *ints[3], *weights[7];
     int track_prefill;
-    if (!PyArg_ParseTuple(args, "OO!O!OO!LLpLOOOOOOO", &ranks, &PyDict_Type, &overlaps, &PyDict_Type, &depths, &fills,
-                          &PyDict_Type, &pass_tokens, &isl, &block_size, &track_prefill, &default_output, &weights[0],
-                          &weights[1], &weights[2], &weights[3], &weights[4], &weights[5], &weights[6]))
+    if (!PyArg_ParseTuple(args, "OOOOOOOpOOOOOOOO", &ranks, &overlaps, &depths, &fills, &pass_tokens, &ints[0],
+                          &ints[1], &track_prefill, &ints[2], &weights[0], &weights[1], &weights[2], &weights[3],
+                          &weights[4], &weights[5], &weights[6]))
         return NULL;
+    /* Exact dicts only (a subclass may answer lookups otherwise), bounded ints, finite floats. */
+    if (!PyDict_CheckExact(overlaps) || !PyDict_CheckExact(depths) || !PyDict_CheckExact(pass_tokens) ||
+        (fills != Py_None && !PyDict_CheckExact(fills)))
+        Py_RETURN_NONE;
+    long long values[3];
+    for (int i = 0; i < 3; i++) {
+        int status = small_int(ints[i], &values[i]);
+        if (status < 0)
+            return NULL;
+        if (status == 0)
+            Py_RETURN_NONE;
+    }
+    long long isl = values[0], block_size = values[1], default_output = values[2];
     double w[7];
     for (int i = 0; i < 7; i++)
         if (!exact_float(weights[i], &w[i]) || !isfinite(w[i]))
             Py_RETURN_NONE;
-    if ((fills != Py_None && !PyDict_CheckExact(fills)) || block_size <= 0 || isl > COST_INT_LIMIT ||
-        isl < -COST_INT_LIMIT || default_output > COST_INT_LIMIT || default_output < -COST_INT_LIMIT ||
-        block_size > COST_INT_LIMIT)
+    if (block_size <= 0)
         Py_RETURN_NONE;
     PyObject *fast = PySequence_Fast(ranks, "ranks must be a sequence");
     if (fast == NULL)

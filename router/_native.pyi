@@ -1,5 +1,5 @@
 # Types of the router's C accelerator built from router/_native.c (see router/native.py).
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 class BookedBlocks:
@@ -35,10 +35,10 @@ def dynamo_costs(
 # (router/policies/latency.py's `python_costs_and_held`); None: run the Python code.
 def latency_costs(
     ranks: Sequence[Any],
-    overlaps: dict[Any, Any],
-    depths: dict[Any, int],
-    fills: dict[Any, float] | None,
-    pass_tokens: dict[Any, int],
+    overlaps: Mapping[Any, Any],
+    depths: Mapping[Any, int],
+    fills: Mapping[Any, float] | None,
+    pass_tokens: Mapping[Any, int],
     isl_tokens: int,
     block_size: int,
     track_prefill_tokens: bool,

@@ -317,7 +317,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "disaggregated fleets: prefill on the chosen decode worker whenever that is the sooner first token by "
             "the router's estimate, in prefill tokens: local = the decode worker's pending prefill + this prompt's "
             "uncached tokens there x (1 + this weight x the requests active there, whose decoding the prefill "
-            "stalls), remote = the prefill worker's pending prefill + the prompt's uncached tokens there + "
+            "stalls), remote = the prefill worker's pending prefill + the prompt's uncached tokens there (x the "
+            "same factor for the requests active there when it is a worker of role both) + "
             "disagg_transfer_cost_per_token x the tokens the decode worker lacks; unset: never"
         ),
     ] = None

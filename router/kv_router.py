@@ -54,6 +54,7 @@ from router.types import (
     DecisionReceipt,
     DecisionTiming,
     DisaggregatedLeg,
+    DisaggregationPath,
     DisaggregationReceipt,
     OverlapReport,
     PotentialLoad,
@@ -614,7 +615,12 @@ class KvRouter:
                 self._active_requests(decode_choice.key),
                 self._decoding_requests(prefill_choice.key),
             )
-        path, reason = choose_path(uncached, config, decode_choice.key[0], pending)
+        path: DisaggregationPath
+        if pinned_prefill is not None and pinned_prefill[0] == decode_choice.key[0]:
+            path = "local_prefill"
+            reason = f"the prefill leg pinned to decode worker {pinned_prefill[0]} itself: prefilled there"
+        else:
+            path, reason = choose_path(uncached, config, decode_choice.key[0], pending)
         remote = path == "remote_prefill"
         if remote and queued and self._scheduler.queue_blocked(prefill_workers, pinned_prefill):
             return None
@@ -654,7 +660,8 @@ class KvRouter:
         return 0 if rank is None else rank.requests
 
     def _decoding_requests(self, key: WorkerRank) -> int:
-        """Requests a prefill on ``key`` would stall: those active there when it decodes too."""
+        """Requests a prefill on ``key`` would stall when it decodes too (role both): those booked there,
+        counted as the local path counts its decode worker's (prefill legs and prefilling requests too)."""
         worker = self._scheduler.workers.get(key[0])
         return self._active_requests(key) if worker is not None and worker.role == "both" else 0
 

@@ -1,7 +1,8 @@
 """The router's optional C accelerator (`router._native`, built from router/_native.c).
 
 The refcount loops of booking and release and their prefix bisections (router/sequences.py), the
-dynamo policy's costs and lowest cost (router/policies/dynamo.py). Callers test ``ENABLED`` first
+dynamo policy's costs and lowest cost (router/policies/dynamo.py), the latency policy's costs
+(router/policies/latency.py). Callers test ``ENABLED`` first
 and keep their Python code beside it; ``KV_ROUTER_NO_NATIVE=1`` switches it off with the others
 (indexer/native.py).
 """

@@ -84,7 +84,8 @@ class Scheduler:
         self._all_ranks: list[RankState] = []
         # Per rank its worker's (total_kv_blocks, max_num_batched_tokens), fixed between registrations and
         # read by every decision of a policy that uses the cache fill; the rows of `_all_ranks`, and their
-        # pass budgets, made once for the decisions that have every rank as a candidate.
+        # pass budgets, made once for the decisions that have every rank as a candidate (shared by every
+        # such decision's SelectionContext: read-only, as policies are pure).
         self._capacity_of: dict[WorkerRank, tuple[int | None, int | None]] = {}
         self._all_capacities: list[tuple[WorkerRank, int | None, int | None]] = []
         self._all_pass_tokens: dict[WorkerRank, int] = {}

@@ -280,6 +280,12 @@ def test_the_latency_costs_leave_what_they_were_not_written_for_to_python() -> N
     assert native.latency_costs([rank], *args, *weights._replace(credit=1)) is None  # an int weight
     assert native.latency_costs([rank], *args, *weights._replace(decode_weight=math.inf)) is None
     assert native.latency_costs([rank], {}, {}, {rank.key: 1}, {}, 64, 16, True, 256, *weights) is None  # int fill
+    assert native.latency_costs([rank], {}, {}, None, {}, 2**64, 16, True, 256, *weights) is None  # Python's ints
+
+    class Overlaps(dict[object, object]):
+        """A mapping whose lookups C's dict calls would not see."""
+
+    assert native.latency_costs([rank], Overlaps(), {}, None, {}, 64, 16, True, 256, *weights) is None
 
 
 @settings(max_examples=500, deadline=None)

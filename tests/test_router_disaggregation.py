@@ -439,7 +439,7 @@ def test_a_decode_worker_of_role_both_is_never_its_own_remote_prefill_worker() -
     # Pinned to the decode worker itself, the prefill is the local path.
     pinned = route(router, PROMPT, "s", pinned_worker=(D1, 0), pinned_prefill=(D1, 0))
     assert pinned.disaggregation is not None and pinned.disaggregation.path == "local_prefill"
-    assert "no prefill worker can take the request" in pinned.disaggregation.reason
+    assert pinned.disaggregation.reason == f"the prefill leg pinned to decode worker {D1} itself: prefilled there"
 
 
 def test_the_estimated_rule_charges_a_both_prefill_worker_for_the_requests_it_stalls() -> None:

@@ -175,12 +175,12 @@ class LatencyPolicy(SelectionPolicy):
         overlaps, depths, fills = context.overlaps, context.depths, context.cache_fill
         pass_tokens = context.pass_tokens or {}
         computed = None
-        if NATIVE and isinstance(overlaps, dict) and isinstance(depths, dict) and isinstance(pass_tokens, dict):
+        if NATIVE:  # None for what C was not written for (a dict subclass, an unbounded int): Python's answer
             computed = accel.latency_costs(
                 context.ranks,
                 overlaps,
                 depths,
-                fills if fills is None or isinstance(fills, dict) else dict(fills),
+                fills,
                 pass_tokens,
                 context.isl_tokens,
                 context.block_size,
