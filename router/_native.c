@@ -594,28 +594,10 @@ fall_back:
 
 /* ------------------------------------------------------------------ the latency policy's costs */
 
-/* A float value of a dict by key, or `missing` when absent: 1 read, 0 not an exact float, -1 error. */
-static int dict_float(PyObject *dict, PyObject *key, double missing, double *out) {
-    PyObject *value = PyDict_GetItemWithError(dict, key);
-    if (value == NULL) {
-        if (PyErr_Occurred())
-            return -1;
-        *out = missing;
-        return 1;
-    }
-    return exact_float(value, out);
-}
-
-/* An int value of a dict by key, or 0 when absent: 1 read, 0 not a small exact int, -1 error. */
-static int dict_int(PyObject *dict, PyObject *key, long long *out) {
-    PyObject *value = PyDict_GetItemWithError(dict, key);
-    if (value == NULL) {
-        if (PyErr_Occurred())
-            return -1;
-        *out = 0;
-        return 1;
-    }
-    return small_int(value, out);
+/* `key`'s value in `dict` (borrowed) into *value, NULL when absent: 0, or -1 with an exception. */
+static int dict_lookup(PyObject *dict, PyObject *key, PyObject **value) {
+    *value = PyDict_GetItemWithError(dict, key);
+    return *value == NULL && PyErr_Occurred() ? -1 : 0;
 }
 
 /* router.overlap.round_half_away of `credit * tokens` into *out: 1, or 0 past the bounded ints. */
@@ -645,18 +627,24 @@ static int latency_rank(PyObject *rank, PyObject *overlaps, PyObject *depths, Py
     if (key == NULL)
         return -1;
     double fill = 1.0;
-    PyObject *overlap = PyDict_GetItemWithError(overlaps, key);
-    if (overlap == NULL && PyErr_Occurred())
+    PyObject *found;
+    if (dict_lookup(overlaps, key, &found) < 0)
         goto error;
-    if (overlap != NULL && (status = int_attr(overlap, str_cached_tokens, &cached)) != 1)
+    if (found != NULL && (status = int_attr(found, str_cached_tokens, &cached)) != 1)
         goto status;
-    if ((status = dict_int(pass_tokens, key, &budget)) != 1)
+    if (dict_lookup(pass_tokens, key, &found) < 0)
+        goto error;
+    if (found != NULL && (status = small_int(found, &budget)) != 1)
         goto status;
-    if (fills != Py_None && (status = dict_float(fills, key, 0.0, &fill)) != 1)
-        goto status;
+    if (fills != Py_None) {
+        if (dict_lookup(fills, key, &found) < 0)
+            goto error;
+        fill = 0.0;
+        if (found != NULL && (status = exact_float(found, &fill)) != 1)
+            goto status;
+    }
     Py_DECREF(key);
-    PyObject *found = PyDict_GetItemWithError(depths, rank);
-    if (found == NULL && PyErr_Occurred())
+    if (dict_lookup(depths, rank, &found) < 0)
         return -1;
     if (found != NULL && (status = small_int(found, &depth)) != 1)
         return status;
