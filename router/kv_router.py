@@ -317,9 +317,16 @@ class KvRouter:
         self._scheduler.workers.set_kv_used_blocks(worker_id, dp_rank, kv_used_blocks)
         self._dispatch_waiting()
 
-    def update_engine_requests(self, worker_id: int, dp_rank: int, waiting: int | None, running: int | None) -> None:
-        """Record the requests a worker's engine reports waiting and running on one rank (the load view)."""
-        self._scheduler.workers.set_engine_requests(worker_id, dp_rank, waiting, running)
+    def update_engine_load(
+        self, worker_id: int, dp_rank: int, kv_used_blocks: int | None, waiting: int | None, running: int | None
+    ) -> None:
+        """Record what a worker's engine reports of one rank (an ``ActiveLoad``, over NATS or scraped in
+        direct mode): its requests waiting and running (the load view) when it names either, its KV blocks
+        in use (the decode busy check, §4.6) when it names them."""
+        if waiting is not None or running is not None:
+            self._scheduler.workers.set_engine_requests(worker_id, dp_rank, waiting, running)
+        if kv_used_blocks is not None:
+            self.update_kv_used_blocks(worker_id, dp_rank, kv_used_blocks)
 
     def apply_event(self, event: RouterEvent) -> None:
         """Apply one KV event to the index; raises the indexer's `KvIndexError` for a rejected one."""

@@ -340,18 +340,34 @@ async def test_an_engine_whose_health_fails_leaves_routing_and_comes_back_rebuil
         await http.stop()
 
 
+@asynccontextmanager
+async def _probed(
+    http: EngineHttp, endpoint: str, replay: str | None, *engines: FakeEngine
+) -> AsyncIterator[tuple[KvRouter, DirectEngine]]:
+    """A router hearing ``endpoint`` in direct mode, ``http`` (started here) its engine's OpenAI server,
+    probed every 0.05 s; the direct engine, ``http`` and ``engines`` stopped on the way out."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    await http.start()
+    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
+    try:
+        await direct.start()
+        yield router, direct
+    finally:
+        await direct.stop()
+        for engine in engines:
+            await engine.stop()
+        await http.stop()
+
+
 async def test_an_engine_is_routable_only_once_its_event_socket_has_the_routers_subscription() -> None:
     """An engine routed to before its PUB socket had the router's subscription lost the prompt's events
     (ZMQ drops what it publishes meanwhile), so the prompt's repeat went anywhere: the README's
     walkthrough failed so, rarely, in the first second. Here the engine's HTTP answers first and its event
     sockets bind later; it is routable only after, and what it publishes then is heard live."""
-    router = KvRouter(RouterConfig(block_size=BLOCK))
-    http = await EngineHttp().start()
+    http = EngineHttp()
     endpoint, replay = loopback_endpoints(replay=True)
     engine = FakeEngine(WORKER, endpoint, replay, seed=5)
-    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
-    await direct.start()
-    try:
+    async with _probed(http, endpoint, replay, engine) as (router, direct):
         await eventually(lambda: http.asked["/v1/models"] > 0)  # it answered: routable until now
         await asyncio.sleep(0.3)
         assert not router.has_worker(WORKER)
@@ -360,10 +376,6 @@ async def test_an_engine_is_routable_only_once_its_event_socket_has_the_routers_
         await engine.step()
         await _converged(router, engine, direct)
         assert direct.stream.stats["tail_recovered"] == 0 and direct.stream.stats["messages"] == 1
-    finally:
-        await direct.stop()
-        await engine.stop()
-        await http.stop()
 
 
 async def test_a_stalled_engine_is_routable_again_at_once_and_a_restarted_one_once_its_new_socket_has_us(
@@ -373,16 +385,13 @@ async def test_a_stalled_engine_is_routable_again_at_once_and_a_restarted_one_on
     answers. A restarted engine's new PUB socket is joined anew: routable once it has the router's
     subscription, without waiting out `JOIN_TIMEOUT_S` (30 s here, so that a wait that ran out shows)."""
     monkeypatch.setattr(direct_module, "JOIN_TIMEOUT_S", 30.0)
-    router = KvRouter(RouterConfig(block_size=BLOCK))
-    http = await EngineHttp().start()
+    http = EngineHttp()
     endpoint, replay = loopback_endpoints(replay=True)
     old = FakeEngine(WORKER, endpoint, replay, seed=8)
     new = FakeEngine(WORKER, endpoint, replay, seed=9)
     await old.start()
-    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
-    await direct.start()
     loop = asyncio.get_running_loop()
-    try:
+    async with _probed(http, endpoint, replay, new, old) as (router, direct):
         await eventually(lambda: router.has_worker(WORKER))
         http.healthy = False  # a stall: the event socket stays connected
         await eventually(lambda: not router.has_worker(WORKER))
@@ -408,11 +417,6 @@ async def test_a_stalled_engine_is_routable_again_at_once_and_a_restarted_one_on
         await new.step()  # published the moment it is routable: heard live
         await eventually(lambda: canonical(router.tree.dump_events()) == new.dump())
         assert direct.stream.stats["messages"] == messages + 1
-    finally:
-        await direct.stop()
-        await new.stop()
-        await old.stop()
-        await http.stop()
 
 
 async def test_an_engine_whose_event_socket_never_connects_is_routable_after_the_wait(
@@ -422,31 +426,21 @@ async def test_an_engine_whose_event_socket_never_connects_is_routable_after_the
     keep a serving engine out of routing: it is routable after `JOIN_TIMEOUT_S`, and the doctor says why
     no event comes (`engine_events_silent`)."""
     monkeypatch.setattr(direct_module, "JOIN_TIMEOUT_S", 0.3)
-    router = KvRouter(RouterConfig(block_size=BLOCK))
-    http = await EngineHttp().start()
     endpoint, replay = loopback_endpoints(replay=True)
-    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
-    await direct.start()
-    try:
+    async with _probed(EngineHttp(), endpoint, replay) as (router, direct):
         await eventually(lambda: router.has_worker(WORKER))
         assert direct.stream.stats["connections"] == 0
-    finally:
-        await direct.stop()
-        await http.stop()
 
 
 async def test_an_engine_that_states_its_kv_blocks_gives_them_to_its_registration_and_its_load_to_routing() -> None:
     """vLLM states its KV blocks on its /metrics: the worker is registered with them (the latency policy's
     cache fill, the busy thresholds) and its KV usage and requests are applied as it serves. A capacity
     given over HTTP stands."""
-    router = KvRouter(RouterConfig(block_size=BLOCK))
-    http = await EngineHttp(kv_blocks=512, kv_usage=0.25, running=2).start()
+    http = EngineHttp(kv_blocks=512, kv_usage=0.25, running=2)
     endpoint, replay = loopback_endpoints(replay=True)
     engine = FakeEngine(WORKER, endpoint, replay, seed=6)
     await engine.start()
-    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
-    await direct.start()
-    try:
+    async with _probed(http, endpoint, replay, engine) as (router, direct):
         await eventually(lambda: (router.worker(WORKER) or WorkerConfig(worker_id=0)).total_kv_blocks == 512)
         await eventually(lambda: [(load.kv_used_blocks, load.engine_requests_running) for load in router.rank_loads()]
                          == [(128, 2)])  # fmt: skip
@@ -463,10 +457,6 @@ async def test_an_engine_that_states_its_kv_blocks_gives_them_to_its_registratio
         await eventually(lambda: direct.scraper is not None and direct.scraper.scrapes >= 2)
         worker = router.worker(WORKER)
         assert worker is not None and worker.total_kv_blocks == 64 and worker.url == http.url  # the operator's
-    finally:
-        await direct.stop()
-        await engine.stop()
-        await http.stop()
 
 
 # ---------------------------------------------------------------------------------------- tail checks

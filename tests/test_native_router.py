@@ -107,6 +107,22 @@ weights = st.floats(0.0, 4.0) | st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0])
 loads = st.integers(0, 50_000)
 
 
+def _rank_states(data: st.DataObject, count: int) -> list[RankState]:
+    """Ranks with every load a policy's cost reads drawn: booked prefill and blocks, requests, the
+    context in flight and the decoding requests' output lengths."""
+    states = []
+    for index in range(count):
+        rank = RankState((index, 0))
+        rank.prefill_tokens = data.draw(loads)
+        rank.decode_blocks = data.draw(loads)
+        rank.requests = data.draw(st.integers(0, 300))
+        rank.context_tokens = data.draw(st.integers(0, 2_000_000))
+        rank.decoding_inverse_output = data.draw(st.floats(0.0, 50.0))
+        rank.decoding_untold = data.draw(st.integers(0, 300))
+        states.append(rank)
+    return states
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
@@ -136,13 +152,7 @@ def test_the_dynamo_costs_are_python_s_bit_for_bit(
     request_weight: float,
     tainted: bool,
 ) -> None:
-    states = []
-    for index in range(ranks):
-        rank = RankState((index, 0))
-        rank.prefill_tokens = data.draw(loads)
-        rank.decode_blocks = data.draw(loads)
-        rank.requests = data.draw(st.integers(0, 300))
-        states.append(rank)
+    states = _rank_states(data, ranks)
     overlaps = {
         rank.key: RankOverlap(device, h, d, float(device), data.draw(st.integers(0, isl + 40)))
         for rank in states
@@ -216,15 +226,7 @@ def test_the_latency_costs_are_python_s_bit_for_bit(
 ) -> None:
     """Costs and held tokens, with and without credit, fills, pass budgets and the ITL stall term; the
     policy's own `costs` (C when built) equal to them too."""
-    states = []
-    for index in range(ranks):
-        rank = RankState((index, 0))
-        rank.prefill_tokens = data.draw(loads)
-        rank.requests = data.draw(st.integers(0, 300))
-        rank.context_tokens = data.draw(st.integers(0, 2_000_000))
-        rank.decoding_inverse_output = data.draw(st.floats(0.0, 50.0))
-        rank.decoding_untold = data.draw(st.integers(0, 300))
-        states.append(rank)
+    states = _rank_states(data, ranks)
     overlaps = {
         rank.key: RankOverlap(0, 0, 0, 0.0, data.draw(st.integers(0, isl + 40)))
         for rank in states

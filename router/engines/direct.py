@@ -270,12 +270,9 @@ class DirectEngine:
     async def publish_load(self, load: ActiveLoad) -> None:
         """The engine's own load on a rank: its KV usage (the busy thresholds) and its request counts."""
         try:
-            if load.num_requests_waiting is not None or load.num_requests_running is not None:
-                self.router.update_engine_requests(
-                    self.worker_id, load.dp_rank, load.num_requests_waiting, load.num_requests_running
-                )
-            if load.kv_used_blocks is not None:
-                self.router.update_kv_used_blocks(self.worker_id, load.dp_rank, load.kv_used_blocks)
+            self.router.update_engine_load(
+                self.worker_id, load.dp_rank, load.kv_used_blocks, load.num_requests_waiting, load.num_requests_running
+            )
         except (UnknownWorker, KeyError, ValueError) as exc:  # out of routing meanwhile, or a rank it lacks
             log.debug("engine load of worker %d not applied: %s", self.worker_id, exc)
 

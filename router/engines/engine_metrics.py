@@ -50,7 +50,8 @@ _METRICS = {
 _METRICS["auto"] = _Names(*(tuple(name for names in _METRICS.values() for name in names[i]) for i in range(3)))
 _RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
 # The sample and its label that state each rank's KV blocks (vLLM's cache config, as an info gauge).
-_CAPACITY = {"vllm": ("vllm:cache_config_info", "num_gpu_blocks"), "auto": ("vllm:cache_config_info", "num_gpu_blocks")}
+_CAPACITY = {"vllm": ("vllm:cache_config_info", "num_gpu_blocks")}
+_CAPACITY["auto"] = _CAPACITY["vllm"]
 
 
 class EngineLoad(NamedTuple):

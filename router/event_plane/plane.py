@@ -232,16 +232,16 @@ class RouterEventPlane:
         except UNDECODABLE as exc:
             self._reject("bad_load", f"on {message.subject}: {exc}")
             return
-        engine_requests = load.num_requests_waiting is not None or load.num_requests_running is not None
-        if load.kv_used_blocks is None and not engine_requests:
+        if load.kv_used_blocks is None and load.num_requests_waiting is None and load.num_requests_running is None:
             return
         try:
-            if engine_requests:
-                self.router.update_engine_requests(
-                    load.worker_id, load.dp_rank, load.num_requests_waiting, load.num_requests_running
-                )
-            if load.kv_used_blocks is not None:
-                self.router.update_kv_used_blocks(load.worker_id, load.dp_rank, load.kv_used_blocks)
+            self.router.update_engine_load(
+                load.worker_id,
+                load.dp_rank,
+                load.kv_used_blocks,
+                load.num_requests_waiting,
+                load.num_requests_running,
+            )
         except (UnknownWorker, KeyError, ValueError) as exc:
             self._reject("load_for_unknown_worker", str(exc))
             return
