@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,10 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mocker.replay import ReplaySetup
-from mocker.report import ReplayRecord, RouterReport, summarize
-from mocker.routers import make_router
-from mocker.simulation import simulate
+from mocker.replay import ReplaySetup, replay_router
+from mocker.report import ReplayRecord, RouterReport
 from mocker.trace import Trace
 
 if TYPE_CHECKING:
@@ -291,22 +288,12 @@ async def measure_capacity(
 
 
 def offline_evaluator(trace: Trace, setup: ReplaySetup) -> Evaluate:
-    """Simulates a router of ``setup`` on ``trace`` with its arrivals ``multiplier`` times denser: a fresh
-    router and fleet per run, seeded by ``setup.seed``, so a run depends on nothing but its arguments."""
-    config = setup.effective_router_config()
+    """Simulates a router of ``setup`` on ``trace`` with its arrivals ``multiplier`` times denser
+    (`mocker.replay.replay_router`: deterministic for a seed; the fleet aggregated or disaggregated)."""
 
     async def evaluate(router: str, multiplier: float) -> tuple[RouterReport, list[ReplayRecord]]:
-        made = make_router(router, config, random.Random(setup.seed))
-        result = await simulate(
-            trace.time_scaled(multiplier),
-            made,
-            setup.engine,
-            setup.workers,
-            event_delay_ms=setup.event_delay_ms,
-            seed=setup.seed,
-        )
-        report = summarize(made.name, result.records, setup.workers, wall_s=result.wall_s, window_s=setup.window_s)
-        return report, result.records
+        run = await replay_router(trace.time_scaled(multiplier), setup, router)
+        return run.report, run.records
 
     return evaluate
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from router.event_plane.connection import NatsOptions
     from router.event_plane.first_connection import LocalToolConnection
 
-__all__ = ["ReplayRun", "ReplaySetup", "replay_offline", "replay_online_report", "write_outputs"]
+__all__ = ["ReplayRun", "ReplaySetup", "replay_offline", "replay_online_report", "replay_router", "write_outputs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,35 +138,43 @@ class ReplayRun:
 async def replay_offline(trace: Trace, setup: ReplaySetup, *, show_progress: bool = True) -> list[ReplayRun]:
     """Simulate ``trace`` once per router of ``setup``; one `ReplayRun` each, in order."""
     runs = []
-    config = setup.effective_router_config()
-    total = setup.total_workers
-    roles = setup.roles()
     for spec in setup.routers_to_run():
-        rng = random.Random(setup.seed)
-        fleet_router: FleetRouter
-        if not setup.disaggregated:
-            fleet_router = make_router(spec, config, rng)
-        elif spec == AGGREGATED:  # our router on the same number of workers, each prefilling and decoding
-            fleet_router = make_router(config.policy, config, rng)
-            fleet_router.name = AGGREGATED
-        else:
-            fleet_router = make_pd_router(spec, config, rng)
         bar = ProgressBar(spec, enabled=show_progress)
-        result = await simulate(
-            trace,
-            fleet_router,
-            setup.engine,
-            total,
-            event_delay_ms=setup.event_delay_ms,
-            seed=setup.seed,
-            progress=bar,
-            roles=roles if setup.disaggregated and spec != AGGREGATED else None,
-            transfer=setup.transfer,
-        )
+        runs.append(await replay_router(trace, setup, spec, progress=bar))
         bar.close()
-        report = summarize(fleet_router.name, result.records, total, wall_s=result.wall_s, window_s=setup.window_s)
-        runs.append(ReplayRun(report, result.records))
     return runs
+
+
+async def replay_router(
+    trace: Trace, setup: ReplaySetup, spec: str, *, progress: ProgressBar | None = None
+) -> ReplayRun:
+    """Simulate ``trace`` through the router ``spec`` names on the fleet of ``setup``: a fresh router and
+    fleet, seeded by ``setup.seed``, so the run depends on nothing but its arguments. On a disaggregated
+    fleet, ``aggregated`` is our policy on as many workers, each prefilling and decoding."""
+    config = setup.effective_router_config()
+    rng = random.Random(setup.seed)
+    fleet_router: FleetRouter
+    if not setup.disaggregated:
+        fleet_router = make_router(spec, config, rng)
+    elif spec == AGGREGATED:
+        fleet_router = make_router(config.policy, config, rng)
+        fleet_router.name = AGGREGATED
+    else:
+        fleet_router = make_pd_router(spec, config, rng)
+    total = setup.total_workers
+    result = await simulate(
+        trace,
+        fleet_router,
+        setup.engine,
+        total,
+        event_delay_ms=setup.event_delay_ms,
+        seed=setup.seed,
+        progress=progress,
+        roles=setup.roles() if setup.disaggregated and spec != AGGREGATED else None,
+        transfer=setup.transfer,
+    )
+    report = summarize(fleet_router.name, result.records, total, wall_s=result.wall_s, window_s=setup.window_s)
+    return ReplayRun(report, result.records)
 
 
 async def replay_online_report(

@@ -9,13 +9,15 @@ import random
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from api.cli import main as kv_router_main
 from indexer.events import RouterEvent, stored_event
+from mocker.capacity import CapacitySearch, measure_capacity, offline_evaluator
 from mocker.config import EngineConfig
 from mocker.pd_routers import AGGREGATED, PD_ROUTERS, PEER_PD_ROUTERS, make_pd_router
-from mocker.replay import ReplaySetup, replay_offline
+from mocker.replay import ReplaySetup, replay_offline, replay_router
 from mocker.report import ReplayRecord
 from mocker.simulation import KvTransfer, simulate
 from mocker.trace import Row, Trace, TraceOptions, build_trace
@@ -123,6 +125,39 @@ def test_replay_command_runs_a_disaggregated_fleet(tmp_path: Path, capsys: pytes
     assert "disagg-conditional" in table and "sglang-pd" in table
     assert kv_router_main([*argv[:2], "--prefill-workers", "1", "--quiet"]) == 2
     assert "both prefill and decode workers" in capsys.readouterr().err
+
+
+def test_capacity_searches_the_disaggregated_fleet_itself(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--capacity` on a disaggregated fleet runs each router on that fleet (aggregated on as many workers
+    of role both): every point the search kept is the replay of that router at that load, to the digit."""
+    trace = trace_of(shared_prefix_rows(requests=60, groups=4, rate_per_s=6.0, output_tokens=32, seed=1))
+    setup = ReplaySetup(engine=ENGINE, prefill_workers=1, decode_workers=2)
+    routers = [AGGREGATED, "disagg-always"]
+    _, results, _ = asyncio.run(
+        measure_capacity(routers, offline_evaluator(trace, setup), CapacitySearch(goodput_multipliers=(1.0,)))
+    )
+    assert [result.router for result in results] == routers
+    for result in results:
+        assert result.capacity > 0 and result.at_capacity is not None
+        replayed = asyncio.run(replay_router(trace.time_scaled(result.capacity), setup, result.router))
+        assert result.at_capacity.ttft_p90_ms == replayed.report.ttft_ms.p90
+        assert result.at_capacity.itl_p90_ms == replayed.report.itl_ms.p90
+        remote = {r.prefill_worker_id for r in replayed.records}
+        assert remote == ({-1} if result.router == AGGREGATED else {0})  # the prefill worker's legs, or none
+
+    path = tmp_path / "trace.jsonl"
+    path.write_text(
+        "".join(
+            f'{{"timestamp": {i * 500}, "input_length": 1024, "output_length": 16, "hash_ids": [1, 2]}}\n'
+            for i in range(8)
+        )
+    )
+    out = tmp_path / "out"
+    argv = ["replay", str(path), "--prefill-workers", "1", "--decode-workers", "1", "--capacity", "--quiet"]
+    assert kv_router_main([*argv, "--routers", ",".join(routers), "--no-plots", "--out", str(out)]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[3:]] == routers
+    report = msgspec.json.decode((out / "capacity.json").read_bytes())
+    assert (report["settings"]["prefill_workers"], report["settings"]["decode_workers"]) == (1, 1)
 
 
 def test_load_aware_prefills_a_short_prompt_on_its_decode_worker_while_the_prefill_pool_is_busy() -> None:
