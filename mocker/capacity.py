@@ -11,7 +11,9 @@ under their bounds, every request served. It is found per router by bisection on
 
 The SLO is given, or derived per trace from a lightly loaded run (every router at ``light_multiplier``,
 a quarter of the trace's load): ``ttft_factor`` (3) times the lowest TTFT p90 and ``itl_factor`` (1.5)
-times the lowest ITL p90 among the routers, each the best router's on that metric. Bounds from p90s, not
+times the lowest ITL p90 among the routers, each the best router's on that metric; or, with
+``slo_from``, both from one router's run (what a fleet it serves meets today: aggregated serving's
+SLO, say, when asking what disaggregating the fleet would carry). Bounds from p90s, not
 p50s, so long-prompt traces keep a feasible load.
 
 Every point evaluated is kept (a router's runs are cached by multiplier, the light run included), so the
@@ -153,6 +155,9 @@ class CapacitySearch:
     goodput_multipliers: tuple[float, ...] = (0.5, 1.0, 2.0)
     start: float = 1.0
     max_points: int = 24  # runs per router, the light run and the goodput points included
+    # The router whose light run alone sets the derived SLO (the SLO a fleet served by it meets today);
+    # None: each bound from the best router on that metric.
+    slo_from: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.tolerance < 1:
@@ -262,15 +267,19 @@ async def measure_capacity(
     E2E bound that many times the best E2E p90)."""
     all_runs = [_Runs(router, evaluate, slo) for router in routers]
     if slo is None:
+        if search.slo_from is not None and search.slo_from not in routers:
+            raise ValueError(f"the SLO is to come from router {search.slo_from!r}, which is not among {list(routers)}")
         light = [(await runs.run(search.light_multiplier))[0] for runs in all_runs]
-        slo = derive_slo(light, search, e2e_factor)
+        basis = [r for router, r in zip(routers, light, strict=True) if search.slo_from in (None, router)]
+        slo = derive_slo(basis, search, e2e_factor)
         origin: dict[str, Any] = {
             "derived": True,
             "light_multiplier": search.light_multiplier,
             "ttft_factor": search.ttft_factor,
             "itl_factor": search.itl_factor,
             "e2e_factor": e2e_factor,
-            "best_ttft_router": min(light, key=lambda r: r.ttft_ms.p90).router,
+            "slo_from": search.slo_from,
+            "best_ttft_router": min(basis, key=lambda r: r.ttft_ms.p90).router,
         }
         for runs in all_runs:
             runs.slo = slo

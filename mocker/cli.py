@@ -246,6 +246,12 @@ def _add_capacity_flags(parser: argparse.ArgumentParser) -> None:
         "--light-load", type=float, default=0.25, help="multiplier of the SLO-deriving runs [%(default)s]"
     )
     capacity.add_argument(
+        "--slo-from",
+        default=None,
+        metavar="ROUTER",
+        help="derive both SLO bounds from this router's light run alone [each from the best router]",
+    )
+    capacity.add_argument(
         "--capacity-tolerance",
         type=float,
         default=None,
@@ -270,6 +276,7 @@ def _capacity_search(args: argparse.Namespace) -> CapacitySearch:
             light_multiplier=args.light_load,
             goodput_multipliers=tuple(float(m) for m in goodput.split(",") if m),
             max_points=args.max_runs if args.max_runs is not None else (5 if online else 24),
+            slo_from=args.slo_from,
         )
     except ValueError as exc:
         raise SystemExit(f"kv-router replay: {exc}") from None
@@ -284,6 +291,8 @@ def _given_slo(args: argparse.Namespace) -> Slo | None:
         return None
     if args.slo_ttft_ms is None or args.slo_itl_ms is None:
         raise SystemExit("kv-router replay: give both --slo-ttft-ms and --slo-itl-ms, or neither (derived)")
+    if args.slo_from is not None:
+        raise SystemExit("kv-router replay: --slo-from derives the SLO that --slo-ttft-ms and --slo-itl-ms give")
     try:
         return Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_e2e_ms)
     except ValueError as exc:

@@ -176,6 +176,23 @@ def test_the_slo_is_derived_from_the_light_runs_which_the_search_reuses() -> Non
     assert bad.capacity == 0.0  # its ITL p90 (10 ms) misses 7.5 ms even at the lightest load
 
 
+def test_the_slo_can_come_from_one_routers_light_run() -> None:
+    """``slo_from``: both bounds from that router's run, however much better another router is."""
+
+    async def evaluate(router: str, multiplier: float) -> tuple[RouterReport, list[ReplayRecord]]:
+        scale = 1.0 if router == "good" else 2.0
+        return report_with(router, 100.0 * scale * max(multiplier, 0.25) * 4, 5.0 * scale), []
+
+    search = CapacitySearch(slo_from="bad")
+    slo, results, origin = asyncio.run(measure_capacity(["good", "bad"], evaluate, search))
+    assert (slo.ttft_p90_ms, slo.itl_p90_ms) == (600.0, 15.0)  # 3 x 200 ms and 1.5 x 10 ms: bad's own
+    assert origin["slo_from"] == "bad" and origin["best_ttft_router"] == "bad"
+    good, bad = results
+    assert bad.capacity == pytest.approx(0.75, rel=0.05) and good.capacity == pytest.approx(1.5, rel=0.05)
+    with pytest.raises(ValueError, match="router 'other', which is not among"):
+        asyncio.run(measure_capacity(["good", "bad"], evaluate, CapacitySearch(slo_from="other")))
+
+
 def test_slo_bounds_must_be_positive() -> None:
     with pytest.raises(ValueError, match="itl_p90_ms must be > 0"):
         Slo(100.0, 0.0)
@@ -254,6 +271,10 @@ def test_replay_capacity_takes_a_given_slo_and_refuses_half_of_one(
     assert 0.25 not in [p["multiplier"] for p in report["results"][0]["points"]]  # no light run needed
     with pytest.raises(SystemExit, match="give both --slo-ttft-ms and --slo-itl-ms"):
         kv_router_main([*argv, "--slo-ttft-ms", "5000"])
+    with pytest.raises(SystemExit, match="--slo-from derives the SLO"):
+        kv_router_main([*argv, "--slo-ttft-ms", "5000", "--slo-itl-ms", "200", "--slo-from", "dynamo"])
+    assert kv_router_main([*argv, "--slo-from", "nobody"]) == 2
+    assert "router 'nobody', which is not among ['dynamo']" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- online
