@@ -62,7 +62,10 @@ class ReplaySetup:
         if min(counts) < 0:
             raise ValueError(f"worker counts cannot be negative, got {counts}")
         if self.both_workers and not self.disaggregated:
-            raise ValueError("--both-workers joins a disaggregated fleet: give prefill or decode workers too")
+            raise ValueError(
+                "--both-workers joins a disaggregated fleet: give prefill or decode workers too, or route it as "
+                "one (--router-option disagg_among_both_workers=true)"
+            )
         if self.disaggregated and not (
             self.prefill_workers + self.both_workers and self.decode_workers + self.both_workers
         ):
@@ -73,7 +76,8 @@ class ReplaySetup:
 
     @property
     def disaggregated(self) -> bool:
-        return self.prefill_workers + self.decode_workers > 0
+        among_both = self.router_config is not None and self.router_config.disagg_among_both_workers
+        return self.prefill_workers + self.decode_workers > 0 or (among_both and self.both_workers > 0)
 
     @property
     def total_workers(self) -> int:
@@ -156,8 +160,8 @@ async def replay_router(
     fleet_router: FleetRouter
     if not setup.disaggregated:
         fleet_router = make_router(spec, config, rng)
-    elif spec == AGGREGATED:
-        fleet_router = make_router(config.policy, config, rng)
+    elif spec == AGGREGATED:  # every request on one worker, however the fleet's other routers split it
+        fleet_router = make_router(config.policy, msgspec.structs.replace(config, disagg_among_both_workers=False), rng)
         fleet_router.name = AGGREGATED
     else:
         fleet_router = make_pd_router(spec, config, rng)

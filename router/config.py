@@ -350,6 +350,16 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "prefill legs (the decode worker stays with policy); unset: policy for both"
         ),
     ] = None
+    disagg_among_both_workers: Annotated[
+        bool,
+        _doc(
+            "route a fleet of workers of role both as a disaggregated one: each request's decode worker, and a "
+            "remote prefill leg on another worker unless the conditional rules keep it local (every engine needs a "
+            "KV connector serving either leg, as vLLM's NixlConnector with kv_role kv_both does, in the "
+            "kv_transfer_params hand-off; pair it with disagg_local_prefill_stall_weight, docs/disaggregation.md); "
+            "off: disaggregated only when some worker is prefill or decode"
+        ),
+    ] = False
     disagg_decode_overlap_credit: Annotated[
         bool,
         _doc(

@@ -32,9 +32,12 @@ PREFILL_BOOKING_SUFFIX = "#prefill"
 Leg = Literal["prefill", "decode"]
 
 
-def is_disaggregated(workers: Iterable[WorkerConfig]) -> bool:
-    """A fleet with any prefill-only or decode-only worker routes every request as two legs."""
-    return any(worker.role != "both" for worker in workers)
+def is_disaggregated(workers: Iterable[WorkerConfig], *, among_both: bool = False) -> bool:
+    """A fleet with any prefill-only or decode-only worker routes every request as two legs; with
+    ``among_both`` (`RouterConfig.disagg_among_both_workers`) so does one of two or more workers of
+    role both, whose engines then hand KV over between themselves."""
+    workers = list(workers)
+    return any(worker.role != "both" for worker in workers) or (among_both and len(workers) >= 2)
 
 
 def leg_workers(workers: Iterable[WorkerConfig], leg: Leg) -> list[WorkerConfig]:

@@ -221,7 +221,9 @@ class KvRouter:
             self._predict()
         previous = self._scheduler.workers.get(worker.worker_id)
         dropped = self._scheduler.register_worker(worker)
-        self._disaggregated = is_disaggregated(self._scheduler.workers)
+        self._disaggregated = is_disaggregated(
+            self._scheduler.workers, among_both=self.config.disagg_among_both_workers
+        )
         if previous is None:
             logger.info(
                 "worker %d joined: dp ranks %d..%d, %s KV blocks per rank",
@@ -278,7 +280,9 @@ class KvRouter:
     def remove_worker(self, worker_id: int) -> None:
         """Forget a worker: its index entries, event streams and active requests. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
-        self._disaggregated = is_disaggregated(self._scheduler.workers)
+        self._disaggregated = is_disaggregated(
+            self._scheduler.workers, among_both=self.config.disagg_among_both_workers
+        )
         self.tree.remove_worker(worker_id)
         self.health.forget(worker_id)
         self.sequencer.forget_worker(worker_id)  # a worker registered again starts its streams afresh

@@ -110,10 +110,25 @@ def test_a_mixed_fleet_replays_with_our_routers_and_no_worker_prefills_for_itsel
         remote = [r for r in run.records if r.prefill_worker_id >= 0]
         assert all(r.prefill_worker_id in (1, 2) and r.prefill_worker_id != r.worker_id for r in remote)
     assert any(r.prefill_worker_id >= 0 for r in runs[1].records)  # disagg-always: every one remote
-    with pytest.raises(ValueError, match="joins a disaggregated fleet"):
+    with pytest.raises(ValueError, match=r"joins a disaggregated fleet.*disagg_among_both_workers=true"):
         ReplaySetup(both_workers=2)
     with pytest.raises(ValueError, match="takes separate prefill and decode workers"):
         asyncio.run(replay_offline(trace, dataclasses.replace(setup, routers=("sglang-pd",)), show_progress=False))
+
+
+def test_a_fleet_of_both_workers_replays_disaggregated_when_routed_as_one() -> None:
+    """``disagg_among_both_workers``: three workers of role both, our routers handing prefill legs
+    between them; aggregated, on the same fleet, never does."""
+    trace = trace_of(shared_prefix_rows(requests=40, groups=4, rate_per_s=8.0, seed=1))
+    config = RouterConfig(block_size=BS, disagg_among_both_workers=True)
+    setup = ReplaySetup(engine=ENGINE, both_workers=3, router_config=config)
+    assert setup.disaggregated and setup.roles() == ["both"] * 3
+    runs = asyncio.run(replay_offline(trace, setup, show_progress=False))
+    assert [run.report.router for run in runs] == [AGGREGATED, *(n for n in PD_ROUTERS if n not in PEER_PD_ROUTERS)]
+    assert all(run.report.completed == 40 for run in runs)
+    assert all(r.prefill_worker_id == -1 for r in runs[0].records)
+    always = runs[1].records  # disagg-always
+    assert all(0 <= r.prefill_worker_id != r.worker_id and r.transfer_ms > 0 for r in always)
 
 
 def test_replay_command_runs_a_disaggregated_fleet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

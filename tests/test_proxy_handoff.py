@@ -144,6 +144,26 @@ async def test_a_short_prompt_runs_on_the_decode_worker_alone(nats_server: Embed
         assert idle(f.router)
 
 
+async def test_workers_of_role_both_hand_a_long_prompt_over_to_each_other(nats_server: EmbeddedNats) -> None:
+    """``disagg_among_both_workers`` on two workers of role both (vLLM's NIXL connector with kv_role
+    kv_both serves either leg): one prefills the long prompt, the other pulls its KV and streams."""
+    router = {"disagg_among_both_workers": True}
+    async with fleet(nats_server.url, (1, 2), router=router) as f:
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=4)
+        assert raw.parse().choices[0].text == " w1 w2 w3 w4"
+        assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
+        decode, prefill = int(raw.headers["x-kv-router-worker"]), int(raw.headers["x-kv-router-prefill-worker"])
+        assert {decode, prefill} == {1, 2}
+        assert (f.apis[prefill].prefill_legs, f.apis[decode].pulled_blocks) == (1, 8)
+        assert f.apis[decode].prefill_legs == 0
+        await eventually(lambda: idle(f.router))
+        # Now cached on the decode worker too: its repeat stays there, prefilled from its own cache.
+        await eventually(lambda: cached_blocks(f, decode) >= 8)
+        again = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=2)
+        assert again.headers["x-kv-router-disaggregation"] == "local_prefill"
+        assert f.apis[prefill].prefill_legs == 1 and idle(f.router)
+
+
 @pytest.mark.parametrize("style", STYLES)
 async def test_a_failing_prefill_leg_is_retried_on_another_prefill_worker(
     nats_server: EmbeddedNats, style: HandoffStyle

@@ -463,6 +463,28 @@ def test_the_estimated_rule_charges_a_both_prefill_worker_for_the_requests_it_st
     )
 
 
+@pytest.mark.parametrize("among_both", [False, True])
+def test_workers_of_role_both_hand_prefill_to_each_other_only_when_asked(among_both: bool) -> None:
+    """Two workers of role both are an aggregated fleet, unless ``disagg_among_both_workers``: then the
+    decode leg goes where the prompt's prefix is cached and its long uncached rest is prefilled on the
+    other worker. One worker left cannot hand over: aggregated again."""
+    router = KvRouter(RouterConfig(block_size=BS, policy="dynamo", disagg_among_both_workers=among_both))
+    for worker_id in (D1, D2):
+        router.register_worker(WorkerConfig(worker_id=worker_id))
+    router.apply_event(prompt_stored_event(D1, PROMPT[: 5 * BS], BS, blocks=5))
+    decision = route(router, PROMPT)
+    assert decision.worker_id == D1 and router.disaggregated is among_both
+    receipt = decision.disaggregation
+    if not among_both:
+        assert receipt is None
+        return
+    assert receipt is not None and receipt.path == "remote_prefill"
+    assert receipt.decode_uncached_tokens == len(PROMPT) - 5 * BS
+    assert receipt.prefill is not None and receipt.prefill.worker_id == D2
+    router.remove_worker(D2)
+    assert not router.disaggregated and route(router, PROMPT, "alone").disaggregation is None
+
+
 def test_the_bridge_takes_its_role_from_a_flag_or_the_environment() -> None:
     required = {"worker_id": 4, "zmq_endpoint": "tcp://127.0.0.1:5557"}
     from_env = load_bridge_config(required, {"KV_ROUTER_BRIDGE_ROLE": "decode"})
