@@ -44,7 +44,8 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     handoff: Annotated[
         HandoffStyle,
         _doc(
-            "with role prefill: how kv-router serve --proxy hands a prefilled request to its decode worker: "
+            "with role prefill (or both, on a fleet routed with --disagg-among-both-workers): how kv-router serve "
+            "--proxy hands a prefilled request to its decode worker: "
             "kv_transfer_params (vLLM's NIXL connector), bootstrap (SGLang, with --bootstrap-port) or sequential "
             "(a connector sharing KV through a store keyed by the prompt, e.g. vLLM's ExampleConnector)"
         ),

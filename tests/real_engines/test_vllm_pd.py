@@ -4,7 +4,9 @@ written to a shared directory by the engine that computes it, loaded by an engin
 prompt), registered by ``kv-router bridge --role prefill --handoff sequential`` and ``--role decode``
 over a real nats-server, with the real `openai` client. A long prompt is prefilled on the prefill
 engine and decoded on the decode engine, which loads its KV; a short one stays on the decode engine
-(conditional disaggregation). Both bookings are freed after each.
+(conditional disaggregation). Then the same engines as two workers of role both, the router
+disaggregating among them (``--disagg-among-both-workers``): a long prompt is prefilled on one and
+its KV loaded by the other. Both bookings are freed after each.
 
 The pair is this module's own (the connector is an engine setting), started in parallel once the
 session's engines are stopped, and stopped by their PIDs."""
@@ -79,6 +81,29 @@ def pd_router(
             workers = router.get("/v1/workers")["workers"]
             roles = {worker["config"]["worker_id"]: worker["config"]["role"] for worker in workers}
             assert roles == {PREFILL: "prefill", DECODE: "decode"}
+            yield router
+        finally:
+            router.stop()
+    finally:
+        for bridge in bridges:
+            bridge.stop()
+
+
+@pytest.fixture
+def among_both_router(
+    pd_pair: tuple[VllmEngine, VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
+) -> Iterator[RouterProcess]:
+    """The same pair as two workers of role both (the ExampleConnector stores and loads on either
+    engine), registered by bridges of their own in a namespace of their own beside ``pd_router``'s, and
+    ``kv-router serve --proxy --disagg-among-both-workers`` routing them."""
+    namespace = ("--namespace", "among-both")
+    bridges = [Bridge(lane_dir, lane_nats.url, engine, "--handoff", "sequential", *namespace) for engine in pd_pair]
+    try:
+        router = bridge_router(lane_dir, lane_nats.url, "--nats-namespace", "among-both", "--disagg-among-both-workers")
+        try:
+            ready(router, {PREFILL, DECODE})
+            workers = router.get("/v1/workers")["workers"]
+            assert {worker["config"]["role"] for worker in workers} == {"both"}
             yield router
         finally:
             router.stop()
@@ -162,3 +187,39 @@ async def test_a_short_prompt_stays_on_the_decode_engine(
     assert decode.log().count(LOADED) == loads_before  # computed there, nothing loaded
     assert finished(prefill) == prefilled_before  # the prefill engine had no part in it
     await eventually(lambda: idle(pd_router), 30, "its booking is freed")
+
+
+async def test_engines_of_role_both_hand_a_long_prompt_over_to_each_other(
+    pd_pair: tuple[VllmEngine, VllmEngine], among_both_router: RouterProcess
+) -> None:
+    """Disaggregation among workers of role both: one engine prefills the long prompt, the other loads
+    its KV and answers what the first would have."""
+    engines = {engine.worker_id: engine for engine in pd_pair}
+    rng = random.Random(2700)
+    prompt = [rng.randrange(10, 5990) for _ in range(13 * BLOCK_SIZE + 10)]  # over the 256-token threshold
+    loads_before = {worker: engine.log().count(LOADED) for worker, engine in engines.items()}
+    finished_before = {worker: finished(engine) for worker, engine in engines.items()}
+    async with client(among_both_router) as openai_client:
+        raw = await openai_client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in raw.parse()]
+    assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
+    decode, prefill = int(raw.headers["x-kv-router-worker"]), int(raw.headers["x-kv-router-prefill-worker"])
+    assert {decode, prefill} == {PREFILL, DECODE}
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 13 * BLOCK_SIZE  # the prefilling engine's KV, loaded
+    assert engines[decode].log().count(LOADED) == loads_before[decode] + 1
+    assert engines[prefill].log().count(LOADED) == loads_before[prefill]
+    assert finished(engines[prefill]) == finished_before[prefill] + 1  # the prefill leg
+    assert finished(engines[decode]) == finished_before[decode] + 1  # the client's answer
+    text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    status, direct = engines[prefill].post(
+        "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    )
+    assert status == 200, direct
+    assert text == direct["choices"][0]["text"]
+    await eventually(lambda: idle(among_both_router), 30, "both bookings are freed")
+    metrics = among_both_router.metrics()
+    assert sample(metrics, "kv_router_proxy_handoffs_total", style="sequential", outcome="ok") == 1.0
