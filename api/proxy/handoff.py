@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from api.http_stream import Headers, Sink, StreamCall
 from api.metrics import PREFIX
-from api.proxy.retry import OVERLOADED, Overloaded, overloaded_answer
+from api.proxy.retry import OVERLOADED, Overloaded, WorkerFailed, overloaded_answer
 from api.proxy.upstream import Upstream, UpstreamError
 from api.proxy.wire import finished_stream
 from router.kv_router import KvRouter
@@ -76,22 +76,14 @@ _REMOTE_DECODE = {
 Forward = Callable[[bytes, StreamCall], Awaitable[str]]
 
 
-class PrefillFailed(Exception):
-    """The prefill leg failed while the client had nothing: the request may go again without ``worker_id``.
-    ``answer``: an overloaded engine's own 429 or 503 (status, headers, body), the client's if no retry
-    follows; ``retry_after``: its Retry-After in seconds."""
+class PrefillFailed(WorkerFailed):
+    """The prefill leg failed while the client had nothing: the request may go again without that
+    prefill worker (`WorkerFailed`)."""
 
     def __init__(
-        self,
-        worker_id: int,
-        problem: str,
-        answer: Overloaded | None = None,
-        retry_after: float | None = None,
+        self, worker_id: int, problem: str, answer: Overloaded | None = None, retry_after: float | None = None
     ) -> None:
-        super().__init__(f"prefill worker {worker_id}: {problem}")
-        self.worker_id = worker_id
-        self.answer = answer
-        self.retry_after = retry_after
+        super().__init__(worker_id, problem, answer, retry_after, role="prefill worker")
 
 
 class _Refused(Exception):

@@ -22,7 +22,7 @@ from api.config import ProxyConfig
 from api.http_stream import Headers
 from api.proxy.upstream import UpstreamConnection
 
-__all__ = ["OVERLOADED", "Overloaded", "RetryPolicy", "overloaded_answer", "retry_after_secs"]
+__all__ = ["OVERLOADED", "Overloaded", "RetryPolicy", "WorkerFailed", "overloaded_answer", "retry_after_secs"]
 
 # An engine's answers meaning "too busy now, try again" (vLLM and SGLang's, with a Retry-After or not).
 OVERLOADED = frozenset({429, 503})
@@ -78,6 +78,27 @@ def retry_after_secs(value: bytes | None, now: float | None = None) -> float | N
 
 # An overloaded engine's answer as the client gets it when no retry follows: status, headers, body.
 Overloaded = tuple[int, Headers, bytes]
+
+
+class WorkerFailed(Exception):
+    """A worker failed the request while its client had received nothing: it may go again without
+    ``worker_id``. ``answer``: an overloaded engine's own 429 or 503 (status, headers, body), the client's
+    if no retry follows; ``retry_after``: its Retry-After in seconds. ``role`` names the worker in the
+    message (``prefill worker`` for a prefill leg)."""
+
+    def __init__(
+        self,
+        worker_id: int,
+        problem: str,
+        answer: Overloaded | None = None,
+        retry_after: float | None = None,
+        *,
+        role: str = "worker",
+    ) -> None:
+        super().__init__(f"{role} {worker_id}: {problem}")
+        self.worker_id = worker_id
+        self.answer = answer
+        self.retry_after = retry_after
 
 
 def overloaded_answer(

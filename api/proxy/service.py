@@ -56,11 +56,11 @@ from api.http_stream import Headers, Sink, StreamCall, StreamRoute
 from api.openapi import Schemas
 from api.proxy.admission import Admission
 from api.proxy.client_headers import ClientHeaders, WithHeaders
-from api.proxy.handoff import Forward, Handoff, PrefillFailed
+from api.proxy.handoff import Forward, Handoff
 from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
-from api.proxy.retry import OVERLOADED, Overloaded, RetryPolicy, overloaded_answer
+from api.proxy.retry import OVERLOADED, RetryPolicy, WorkerFailed, overloaded_answer
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
 from api.proxy.upstream import Begin, Upstream, UpstreamConnection, UpstreamError
@@ -127,22 +127,6 @@ class _Refused(Exception):
 def _refused(status: int, kind: str, message: str, outcome: str, **headers: str) -> _Refused:
     pairs = [(name.replace("_", "-").encode(), value.encode()) for name, value in headers.items()]
     return _Refused(status, kind, message, outcome, pairs)
-
-
-class _WorkerFailed(Exception):
-    """The worker failed before its first byte reached the client: try again. ``answer``: an overloaded
-    engine's own 429 or 503 (status, headers, body), given to the client if no retry follows;
-    ``retry_after``: its Retry-After in seconds."""
-
-    def __init__(
-        self,
-        problem: str,
-        answer: Overloaded | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(problem)
-        self.answer = answer
-        self.retry_after = retry_after
 
 
 class Proxy:
@@ -452,11 +436,8 @@ class Proxy:
                 if outcome != "upstream_error":  # a stream broken mid-way told the breaker itself
                     self.worker_answered(worker.worker_id)
                 return outcome
-            except PrefillFailed as exc:  # the request goes again without that prefill worker
-                failed_id, problem = exc.worker_id, str(exc)
-                failed = _WorkerFailed(problem, exc.answer, exc.retry_after)
-            except _WorkerFailed as exc:  # its booking, and any prefill leg's, freed below
-                failed_id, problem, failed = worker.worker_id, f"worker {worker.worker_id}: {exc}", exc
+            except WorkerFailed as exc:  # again without that worker (or prefill worker); bookings freed below
+                failed_id, problem, failed = exc.worker_id, str(exc), exc
             finally:
                 self.router.mark_free(request_id)
             failures.append(problem)
@@ -531,7 +512,7 @@ class Proxy:
         received: float,
         timeline: Timeline | None = None,
     ) -> str:
-        """One attempt on one worker; raises `_WorkerFailed` while the client has received nothing.
+        """One attempt on one worker; raises `WorkerFailed` while the client has received nothing.
         ``received``: when the request's body was in (perf_counter), for the proxy's added latency."""
         request_id = decision.request_id
         assert request_id is not None and worker.url is not None
@@ -558,7 +539,7 @@ class Proxy:
         try:
             connection = await self.upstream.open(worker.url, path, body, headers, begin, on_events)
         except UpstreamError as exc:
-            raise _WorkerFailed(str(exc)) from None
+            raise WorkerFailed(worker.worker_id, str(exc)) from None
         if timeline is not None:
             timeline.first_byte = time.time_ns()  # the answer's head; a stream's first events below
         try:
@@ -566,14 +547,14 @@ class Proxy:
             if status in OVERLOADED:
                 raise await _overloaded(connection, decision)
             if status >= 500:
-                raise _WorkerFailed(f"HTTP {status}")
+                raise WorkerFailed(worker.worker_id, f"HTTP {status}")
             # A new list: ``begin`` may yet read ``ours`` (it adds the content type itself).
             with_type = [(b"content-type", connection.content_type or _JSON), *ours]
             if not stream or status != 200:
                 try:
                     content = await connection.read()
                 except UpstreamError as exc:
-                    raise _WorkerFailed(str(exc)) from None
+                    raise WorkerFailed(worker.worker_id, str(exc)) from None
                 self.router.mark_prefill(request_id)
                 if status == 200:
                     usage = reported_usage(content)
@@ -582,7 +563,7 @@ class Proxy:
                         self.router.record_output(request_id, usage.completion_tokens)
                 await reply.whole(status, with_type, content)
                 return "ok" if status == 200 else "upstream_status"
-            problem = await self._handed_on(connection, sending - received)
+            problem = await self._handed_on(connection, worker.worker_id, sending - received)
             if timeline is not None and connection.begun_at:
                 timeline.first_byte = time.time_ns() - int((time.perf_counter() - connection.begun_at) * 1e9)
             return await self._stream_end(connection, decision, reply, problem)
@@ -609,14 +590,14 @@ class Proxy:
 
         return begin
 
-    async def _handed_on(self, connection: UpstreamConnection, before_sent: float) -> str | None:
+    async def _handed_on(self, connection: UpstreamConnection, worker_id: int, before_sent: float) -> str | None:
         """The stream handed on from the read callback: returns at its end, what went wrong after its
-        first byte (None: nothing); raises `_WorkerFailed` while the client has had nothing."""
+        first byte (None: nothing); raises `WorkerFailed` while the client has had nothing."""
         try:
             begun = await connection.handed_on()
         except UpstreamError as exc:
             if not connection.begun:
-                raise _WorkerFailed(str(exc)) from None
+                raise WorkerFailed(worker_id, str(exc)) from None
             problem: str | None = str(exc)
         except asyncio.CancelledError:
             # Written in the read callback: what the tail holds has gone to the client.
@@ -626,7 +607,7 @@ class Proxy:
             problem = None
         else:
             if not begun:
-                raise _WorkerFailed("the stream ended before its first byte")
+                raise WorkerFailed(worker_id, "the stream ended before its first byte")
             problem = None
         self.metrics.added.observe(before_sent + connection.first_sent_at - connection.begun_at)
         return problem
@@ -685,15 +666,15 @@ def _queue_refusal(rejected: QueueRejected, retry_after: int) -> _Refused:
     return _refused(429, "rate_limit_exceeded", str(rejected), "queue_rejected", retry_after=str(retry_after))
 
 
-async def _overloaded(connection: UpstreamConnection, decision: RouteDecision) -> _WorkerFailed:
+async def _overloaded(connection: UpstreamConnection, decision: RouteDecision) -> WorkerFailed:
     """An overloaded engine's answer, read whole, as the failure that makes the proxy try again."""
     status = connection.status
     try:
         content = await connection.read()
     except UpstreamError as exc:
-        return _WorkerFailed(str(exc))
+        return WorkerFailed(decision.worker_id, str(exc))
     answer, retry_after = overloaded_answer(connection, decision.worker_id, content)
-    return _WorkerFailed(f"HTTP {status}", answer, retry_after)
+    return WorkerFailed(decision.worker_id, f"HTTP {status}", answer, retry_after)
 
 
 def _client_left_at_the_end() -> None:
