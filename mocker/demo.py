@@ -57,8 +57,9 @@ async def run_demo(options: DemoOptions) -> tuple[ReplayRun, list[ReplayRun]]:
         f"workload: {options.requests} requests, 24 shared 4k-token prefixes (popularity 1/rank), "
         f"{options.workers} workers of {engine.num_gpu_blocks} x {engine.block_size}-token KV blocks"
     )
-    online = await _online(rows, engine, options)
-    print(f"\nonline: NATS + router service ({RouterConfig().policy} policy) + mock workers, over HTTP")
+    config = RouterConfig(block_size=engine.block_size)
+    online = await _online(rows, engine, config, options)
+    print(f"\nonline: NATS + router service ({config.policy} policy) + mock workers, over HTTP")
     print(render_table([online.report]))
     print(
         f"(times scaled back from {options.speedup:g}x speed; the HTTP and NATS round trips are scaled with them, "
@@ -72,15 +73,13 @@ async def run_demo(options: DemoOptions) -> tuple[ReplayRun, list[ReplayRun]]:
     return online, offline
 
 
-async def _online(rows: list[Row], engine: EngineConfig, options: DemoOptions) -> ReplayRun:
+async def _online(rows: list[Row], engine: EngineConfig, config: RouterConfig, options: DemoOptions) -> ReplayRun:
     trace = build_trace(rows, TraceOptions(seed=options.seed), "<generated shared-prefix workload>")
     fast_engine = msgspec.structs.replace(engine, speedup_ratio=options.speedup)
     rng = random.Random(options.seed)
     with EmbeddedNats(require_token=True) as nats:
         async with (
-            serve_router(
-                nats.url, RouterConfig(block_size=engine.block_size), nats_token=nats.token, proxy=True
-            ) as url,
+            serve_router(nats.url, config, nats_token=nats.token, proxy=True) as url,
             contextlib.AsyncExitStack() as stack,
         ):
             print(f"router at {url}, NATS at {nats.url}")
@@ -103,7 +102,7 @@ async def _online(rows: list[Row], engine: EngineConfig, options: DemoOptions) -
             try:
                 online = await replay_online_report(
                     trace,
-                    label=f"{RouterConfig().policy} (online)",
+                    label=f"{config.policy} (online)",
                     router_url=url,
                     nats=nats.client_options(name="kv-router-replay"),
                     workers=options.workers,
