@@ -61,7 +61,7 @@ class TemplateRefused(ValueError):
 
 class Encoder:
     """A model's tokenizer; long texts are encoded on a thread, those queued meanwhile together
-    (``encode_batch`` lets go of the GIL and spreads a batch over the cores). With a cache (`segments`),
+    (``encode_batch_fast`` lets go of the GIL and spreads a batch over the cores). With a cache (`segments`),
     a text is cut at its added tokens and only the pieces not seen lately are encoded."""
 
     def __init__(self, tokenizer: Tokenizer, cache_tokens: int = 0, where: str = "every model") -> None:
@@ -93,7 +93,7 @@ class Encoder:
         encoded: dict[str, list[int]] = {}
         if missing:
             if sum(map(len, missing)) <= _INLINE_CHARS:
-                lists = [self.tokenizer.encode(piece, add_special_tokens=False).ids for piece in missing]
+                lists = self._ids(missing, False)
             else:
                 lists = await asyncio.gather(*(self._encode_whole(piece, False, inline=False) for piece in missing))
             for piece, ids in zip(missing, lists, strict=True):
@@ -113,13 +113,21 @@ class Encoder:
 
     async def _encode_whole(self, text: str, add_special_tokens: bool, inline: bool = True) -> list[int]:
         if inline and len(text) <= _INLINE_CHARS:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+            return self._ids([text], add_special_tokens)[0]
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[int]] = loop.create_future()
         self._queued.append((text, add_special_tokens, future))
         if not self._busy:
             self._next_batch(loop)
         return await future
+
+    def _ids(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """The texts' ids by ``encode_batch_fast``, which tracks no offsets: with a byte-level BPE 20 %
+        less CPU than ``encode`` for one 1,000-character text, 30 % less than ``encode_batch`` for a
+        batch (docs/performance.md)."""
+        return [
+            encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+        ]
 
     def _next_batch(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the loop: hands everything queued to a thread (one batch per special-tokens choice)."""
@@ -137,7 +145,7 @@ class Encoder:
             texts = [text for text, add, _ in queued if add is special]
             if texts:
                 try:
-                    results.extend(list(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=special))
+                    results.extend(self._ids(texts, special))
                 except Exception as exc:
                     results.extend(exc for _ in texts)
         ordered = [future for special in (True, False) for _, add, future in queued if add is special]
