@@ -279,8 +279,9 @@ async def measure_capacity(
             "itl_factor": search.itl_factor,
             "e2e_factor": e2e_factor,
             "slo_from": search.slo_from,
-            "best_ttft_router": min(basis, key=lambda r: r.ttft_ms.p90).router,
         }
+        if search.slo_from is None:
+            origin["best_ttft_router"] = min(light, key=lambda r: r.ttft_ms.p90).router
         for runs in all_runs:
             runs.slo = slo
     else:

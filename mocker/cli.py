@@ -202,7 +202,8 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
         "--both-workers",
         type=int,
         default=0,
-        help="workers that serve either leg, beside the prefill and decode ones (our routers only) [%(default)s]",
+        help="workers that serve either leg, beside the prefill and decode ones, or alone with --router-option "
+        "disagg_among_both_workers=true (our routers only) [%(default)s]",
     )
     _add_transfer_flags(pd)
     online = parser.add_argument_group("online replay")
@@ -378,7 +379,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         print(f"kv-router replay: {exc}", file=sys.stderr)
         return 2
     if setup.disaggregated and args.online:
-        print("kv-router replay: --prefill-workers/--decode-workers replay offline only", file=sys.stderr)
+        print("kv-router replay: a disaggregated fleet replays offline only", file=sys.stderr)
         return 2
     settings = setup.describe(trace)
     print(

@@ -66,7 +66,7 @@ async def run_demo(options: DemoOptions) -> tuple[ReplayRun, list[ReplayRun]]:
         "hence the longer TTFT)"
     )
     trace = build_trace(rows, TraceOptions(seed=options.seed), "<generated shared-prefix workload>")
-    setup = ReplaySetup(engine=engine, workers=options.workers, seed=options.seed)
+    setup = ReplaySetup(engine=engine, workers=options.workers, router_config=config, seed=options.seed)
     offline = await replay_offline(trace, setup, show_progress=options.show_progress)
     print("\noffline: the same workload simulated with every router")
     print(render_table([run.report for run in offline]))

@@ -49,9 +49,10 @@ class ReplaySetup:
     event_delay_ms: float = 0.0
     seed: int = 0
     window_s: float = 60.0
-    # A disaggregated fleet (any prefill or decode worker): ``workers`` is ignored; `mocker.pd_routers`
-    # names the routers, ``aggregated`` running on as many workers, all of role both. ``both_workers``
-    # join the pools of either leg (a mixed fleet: the peers' PD modes take separate pools only).
+    # A disaggregated fleet (any prefill or decode worker, or with the router's disagg_among_both_workers
+    # two or more both workers): ``workers`` is ignored; `mocker.pd_routers` names the routers,
+    # ``aggregated`` running on as many workers, all of role both. ``both_workers`` join the pools of
+    # either leg (a mixed fleet: the peers' PD modes take separate pools only).
     prefill_workers: int = 0
     decode_workers: int = 0
     both_workers: int = 0
@@ -61,6 +62,13 @@ class ReplaySetup:
         counts = (self.prefill_workers, self.decode_workers, self.both_workers)
         if min(counts) < 0:
             raise ValueError(f"worker counts cannot be negative, got {counts}")
+        among_both = self.router_config is not None and self.router_config.disagg_among_both_workers
+        if among_both and self.prefill_workers + self.decode_workers == 0 and self.both_workers < 2:
+            # Else the flag would disaggregate a replay reported as aggregated, or label rows that cannot.
+            raise ValueError(
+                "disagg_among_both_workers disaggregates among --both-workers N (2 or more; --workers is the "
+                f"aggregated fleet), got {self.both_workers}"
+            )
         if self.both_workers and not self.disaggregated:
             raise ValueError(
                 "--both-workers joins a disaggregated fleet: give prefill or decode workers too, or route it as "

@@ -221,9 +221,7 @@ class KvRouter:
             self._predict()
         previous = self._scheduler.workers.get(worker.worker_id)
         dropped = self._scheduler.register_worker(worker)
-        self._disaggregated = is_disaggregated(
-            self._scheduler.workers, among_both=self.config.disagg_among_both_workers
-        )
+        self._refresh_disaggregated()
         if previous is None:
             logger.info(
                 "worker %d joined: dp ranks %d..%d, %s KV blocks per rank",
@@ -280,9 +278,7 @@ class KvRouter:
     def remove_worker(self, worker_id: int) -> None:
         """Forget a worker: its index entries, event streams and active requests. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
-        self._disaggregated = is_disaggregated(
-            self._scheduler.workers, among_both=self.config.disagg_among_both_workers
-        )
+        self._refresh_disaggregated()
         self.tree.remove_worker(worker_id)
         self.health.forget(worker_id)
         self.sequencer.forget_worker(worker_id)  # a worker registered again starts its streams afresh
@@ -295,6 +291,11 @@ class KvRouter:
             extra={"worker_id": worker_id, "dropped_requests": len(dropped)},
         )
         self._dispatch_waiting()
+
+    def _refresh_disaggregated(self) -> None:
+        self._disaggregated = is_disaggregated(
+            self._scheduler.workers, among_both=self.config.disagg_among_both_workers
+        )
 
     @property
     def disaggregated(self) -> bool:

@@ -129,6 +129,11 @@ def test_a_fleet_of_both_workers_replays_disaggregated_when_routed_as_one() -> N
     assert all(r.prefill_worker_id == -1 for r in runs[0].records)
     always = runs[1].records  # disagg-always
     assert all(0 <= r.prefill_worker_id != r.worker_id and r.transfer_ms > 0 for r in always)
+    # The flag on an aggregated fleet (--workers), or on one worker of role both: refused, not a replay
+    # reported as aggregated but routed in two legs, or disaggregated rows that cannot disaggregate.
+    for fleet in ({"workers": 3}, {"both_workers": 1}):
+        with pytest.raises(ValueError, match="disaggregates among --both-workers N"):
+            ReplaySetup(engine=ENGINE, router_config=config, **fleet)  # type: ignore[arg-type]
 
 
 def test_replay_command_runs_a_disaggregated_fleet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

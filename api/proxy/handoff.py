@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from api.http_stream import Headers, Sink, StreamCall
 from api.metrics import PREFIX
-from api.proxy.retry import OVERLOADED, Overloaded, WorkerFailed, overloaded_answer
+from api.proxy.retry import OVERLOADED, WorkerFailed, overloaded_answer
 from api.proxy.upstream import Upstream, UpstreamError
 from api.proxy.wire import finished_stream
 from router.kv_router import KvRouter
@@ -80,10 +80,7 @@ class PrefillFailed(WorkerFailed):
     """The prefill leg failed while the client had nothing: the request may go again without that
     prefill worker (`WorkerFailed`)."""
 
-    def __init__(
-        self, worker_id: int, problem: str, answer: Overloaded | None = None, retry_after: float | None = None
-    ) -> None:
-        super().__init__(worker_id, problem, answer, retry_after, role="prefill worker")
+    role = "prefill worker"
 
 
 class _Refused(Exception):

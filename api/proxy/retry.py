@@ -17,6 +17,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from typing import ClassVar
 
 from api.config import ProxyConfig
 from api.http_stream import Headers
@@ -83,19 +84,14 @@ Overloaded = tuple[int, Headers, bytes]
 class WorkerFailed(Exception):
     """A worker failed the request while its client had received nothing: it may go again without
     ``worker_id``. ``answer``: an overloaded engine's own 429 or 503 (status, headers, body), the client's
-    if no retry follows; ``retry_after``: its Retry-After in seconds. ``role`` names the worker in the
-    message (``prefill worker`` for a prefill leg)."""
+    if no retry follows; ``retry_after``: its Retry-After in seconds."""
+
+    role: ClassVar[str] = "worker"  # how the message names the worker
 
     def __init__(
-        self,
-        worker_id: int,
-        problem: str,
-        answer: Overloaded | None = None,
-        retry_after: float | None = None,
-        *,
-        role: str = "worker",
+        self, worker_id: int, problem: str, answer: Overloaded | None = None, retry_after: float | None = None
     ) -> None:
-        super().__init__(f"{role} {worker_id}: {problem}")
+        super().__init__(f"{self.role} {worker_id}: {problem}")
         self.worker_id = worker_id
         self.answer = answer
         self.retry_after = retry_after

@@ -545,7 +545,7 @@ class Proxy:
         try:
             status = connection.status
             if status in OVERLOADED:
-                raise await _overloaded(connection, decision)
+                raise await _overloaded(connection, worker.worker_id)
             if status >= 500:
                 raise WorkerFailed(worker.worker_id, f"HTTP {status}")
             # A new list: ``begin`` may yet read ``ours`` (it adds the content type itself).
@@ -666,15 +666,15 @@ def _queue_refusal(rejected: QueueRejected, retry_after: int) -> _Refused:
     return _refused(429, "rate_limit_exceeded", str(rejected), "queue_rejected", retry_after=str(retry_after))
 
 
-async def _overloaded(connection: UpstreamConnection, decision: RouteDecision) -> WorkerFailed:
+async def _overloaded(connection: UpstreamConnection, worker_id: int) -> WorkerFailed:
     """An overloaded engine's answer, read whole, as the failure that makes the proxy try again."""
     status = connection.status
     try:
         content = await connection.read()
     except UpstreamError as exc:
-        return WorkerFailed(decision.worker_id, str(exc))
-    answer, retry_after = overloaded_answer(connection, decision.worker_id, content)
-    return WorkerFailed(decision.worker_id, f"HTTP {status}", answer, retry_after)
+        return WorkerFailed(worker_id, str(exc))
+    answer, retry_after = overloaded_answer(connection, worker_id, content)
+    return WorkerFailed(worker_id, f"HTTP {status}", answer, retry_after)
 
 
 def _client_left_at_the_end() -> None:
