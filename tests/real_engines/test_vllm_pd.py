@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import random
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,28 +66,37 @@ def pd_pair(lane_dir: Path) -> Iterator[tuple[VllmEngine, VllmEngine]]:
             engine.stop()
 
 
+@contextmanager
+def bridged_router(
+    lane_dir: Path, nats_url: str, bridges: Sequence[tuple[VllmEngine, tuple[str, ...]]], *flags: str,
+    roles: dict[int, str],
+) -> Iterator[RouterProcess]:  # fmt: skip
+    """A ``kv-router bridge`` beside each engine (with its flags) and ``kv-router serve --proxy`` (with
+    ``flags``) fed by them, ready once it proxies to every worker with these roles; all stopped after."""
+    processes = [Bridge(lane_dir, nats_url, engine, *engine_flags) for engine, engine_flags in bridges]
+    try:
+        router = bridge_router(lane_dir, nats_url, *flags)
+        try:
+            ready(router, set(roles))
+            workers = router.get("/v1/workers")["workers"]
+            assert {worker["config"]["worker_id"]: worker["config"]["role"] for worker in workers} == roles
+            yield router
+        finally:
+            router.stop()
+    finally:
+        for process in processes:
+            process.stop()
+
+
 @pytest.fixture(scope="module")
 def pd_router(
     pd_pair: tuple[VllmEngine, VllmEngine], lane_nats: EmbeddedNats, lane_dir: Path
 ) -> Iterator[RouterProcess]:
     """``kv-router serve --proxy`` with the pair registered by their bridges, each with its role."""
     prefill, decode = pd_pair
-    bridges = [
-        Bridge(lane_dir, lane_nats.url, prefill, "--role", "prefill", "--handoff", "sequential"),
-        Bridge(lane_dir, lane_nats.url, decode, "--role", "decode"),
-    ]
-    try:
-        router = ready(bridge_router(lane_dir, lane_nats.url), {PREFILL, DECODE})
-        try:
-            workers = router.get("/v1/workers")["workers"]
-            roles = {worker["config"]["worker_id"]: worker["config"]["role"] for worker in workers}
-            assert roles == {PREFILL: "prefill", DECODE: "decode"}
-            yield router
-        finally:
-            router.stop()
-    finally:
-        for bridge in bridges:
-            bridge.stop()
+    bridges = [(prefill, ("--role", "prefill", "--handoff", "sequential")), (decode, ("--role", "decode"))]
+    with bridged_router(lane_dir, lane_nats.url, bridges, roles={PREFILL: "prefill", DECODE: "decode"}) as router:
+        yield router
 
 
 @pytest.fixture
@@ -96,20 +106,10 @@ def among_both_router(
     """The same pair as two workers of role both (the ExampleConnector stores and loads on either
     engine), registered by bridges of their own in a namespace of their own beside ``pd_router``'s, and
     ``kv-router serve --proxy --disagg-among-both-workers`` routing them."""
-    namespace = ("--namespace", "among-both")
-    bridges = [Bridge(lane_dir, lane_nats.url, engine, "--handoff", "sequential", *namespace) for engine in pd_pair]
-    try:
-        router = bridge_router(lane_dir, lane_nats.url, "--nats-namespace", "among-both", "--disagg-among-both-workers")
-        try:
-            ready(router, {PREFILL, DECODE})
-            workers = router.get("/v1/workers")["workers"]
-            assert {worker["config"]["role"] for worker in workers} == {"both"}
-            yield router
-        finally:
-            router.stop()
-    finally:
-        for bridge in bridges:
-            bridge.stop()
+    bridges = [(engine, ("--handoff", "sequential", "--namespace", "among-both")) for engine in pd_pair]
+    flags = ("--nats-namespace", "among-both", "--disagg-among-both-workers")
+    with bridged_router(lane_dir, lane_nats.url, bridges, *flags, roles={PREFILL: "both", DECODE: "both"}) as router:
+        yield router
 
 
 def idle(router: RouterProcess) -> bool:
@@ -133,6 +133,32 @@ def client(router: RouterProcess) -> openai.AsyncOpenAI:
     )
 
 
+async def streamed(router: RouterProcess, prompt: list[int]) -> tuple[Mapping[str, str], list[Any]]:
+    """The prompt's greedy completion of 4 tokens through the proxy, streamed with its usage."""
+    async with client(router) as openai_client:
+        raw = await openai_client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in raw.parse()]
+    return raw.headers, chunks
+
+
+def answered_as_by(engine: VllmEngine, prompt: list[int], chunks: list[Any]) -> None:
+    """The streamed text is what ``engine`` answers the prompt from its own KV."""
+    text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    status, direct = engine.post(
+        "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    )
+    assert status == 200, direct
+    assert text == direct["choices"][0]["text"]
+
+
+async def handed_off_once(router: RouterProcess) -> None:
+    """Both legs' bookings freed, one hand-off counted."""
+    await eventually(lambda: idle(router), 30, "both bookings are freed")
+    assert sample(router.metrics(), "kv_router_proxy_handoffs_total", style="sequential", outcome="ok") == 1.0
+
+
 async def test_a_long_prompt_is_prefilled_on_the_prefill_engine_and_its_kv_loaded_by_the_decode_engine(
     pd_pair: tuple[VllmEngine, VllmEngine], pd_router: RouterProcess
 ) -> None:
@@ -141,14 +167,10 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_engine_and_its_kv_loade
     prompt = [rng.randrange(10, 5990) for _ in range(13 * BLOCK_SIZE + 10)]  # 426 tokens: over the 256 threshold
     loads_before = decode.log().count(LOADED)
     prefilled_before = finished(prefill)
-    async with client(pd_router) as openai_client:
-        raw = await openai_client.completions.with_raw_response.create(
-            model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
-        )
-        chunks = [chunk async for chunk in raw.parse()]
-    assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
-    assert raw.headers["x-kv-router-prefill-worker"] == str(PREFILL)
-    assert raw.headers["x-kv-router-worker"] == str(DECODE)
+    headers, chunks = await streamed(pd_router, prompt)
+    assert headers["x-kv-router-disaggregation"] == "remote_prefill"
+    assert headers["x-kv-router-prefill-worker"] == str(PREFILL)
+    assert headers["x-kv-router-worker"] == str(DECODE)
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens == len(prompt)
     # The decode engine never saw this prompt: the 13 full blocks it reports cached (all but the last,
@@ -156,16 +178,9 @@ async def test_a_long_prompt_is_prefilled_on_the_prefill_engine_and_its_kv_loade
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 13 * BLOCK_SIZE
     assert decode.log().count(LOADED) == loads_before + 1
     assert finished(prefill) == prefilled_before + 1  # the prefill leg, one token
-    text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
     # With the loaded KV the decode engine generates what the prefill engine generates from its own.
-    status, direct = prefill.post(
-        "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    )
-    assert status == 200, direct
-    assert text == direct["choices"][0]["text"]
-    await eventually(lambda: idle(pd_router), 30, "both bookings are freed")
-    metrics = pd_router.metrics()
-    assert sample(metrics, "kv_router_proxy_handoffs_total", style="sequential", outcome="ok") == 1.0
+    answered_as_by(prefill, prompt, chunks)
+    await handed_off_once(pd_router)
 
 
 async def test_a_short_prompt_stays_on_the_decode_engine(
@@ -199,13 +214,9 @@ async def test_engines_of_role_both_hand_a_long_prompt_over_to_each_other(
     prompt = [rng.randrange(10, 5990) for _ in range(13 * BLOCK_SIZE + 10)]  # over the 256-token threshold
     loads_before = {worker: engine.log().count(LOADED) for worker, engine in engines.items()}
     finished_before = {worker: finished(engine) for worker, engine in engines.items()}
-    async with client(among_both_router) as openai_client:
-        raw = await openai_client.completions.with_raw_response.create(
-            model=MODEL, prompt=prompt, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}
-        )
-        chunks = [chunk async for chunk in raw.parse()]
-    assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
-    decode, prefill = int(raw.headers["x-kv-router-worker"]), int(raw.headers["x-kv-router-prefill-worker"])
+    headers, chunks = await streamed(among_both_router, prompt)
+    assert headers["x-kv-router-disaggregation"] == "remote_prefill"
+    decode, prefill = int(headers["x-kv-router-worker"]), int(headers["x-kv-router-prefill-worker"])
     assert {decode, prefill} == {PREFILL, DECODE}
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens_details is not None
@@ -214,12 +225,5 @@ async def test_engines_of_role_both_hand_a_long_prompt_over_to_each_other(
     assert engines[prefill].log().count(LOADED) == loads_before[prefill]
     assert finished(engines[prefill]) == finished_before[prefill] + 1  # the prefill leg
     assert finished(engines[decode]) == finished_before[decode] + 1  # the client's answer
-    text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
-    status, direct = engines[prefill].post(
-        "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    )
-    assert status == 200, direct
-    assert text == direct["choices"][0]["text"]
-    await eventually(lambda: idle(among_both_router), 30, "both bookings are freed")
-    metrics = among_both_router.metrics()
-    assert sample(metrics, "kv_router_proxy_handoffs_total", style="sequential", outcome="ok") == 1.0
+    answered_as_by(engines[prefill], prompt, chunks)
+    await handed_off_once(among_both_router)
