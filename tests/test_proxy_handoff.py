@@ -164,6 +164,31 @@ async def test_workers_of_role_both_hand_a_long_prompt_over_to_each_other(nats_s
         assert f.apis[prefill].prefill_legs == 1 and idle(f.router)
 
 
+async def test_among_both_workers_a_failing_prefill_leg_leaves_the_request_to_its_decode_worker(
+    nats_server: EmbeddedNats,
+) -> None:
+    """Worker 9 (role both, answering 500) is the only other worker to prefill on: its leg fails, and
+    the request, booked again without it, is prefilled and answered by its decode worker alone."""
+    async with (
+        fleet(nats_server.url, (1,), router={"disagg_among_both_workers": True}) as f,
+        failing_worker() as (url, seen),
+    ):
+        await register(f, msgspec.structs.replace(prefill_worker_at(url, "kv_transfer_params"), role="both"))
+        # Load on worker 9, so that the decode leg goes to worker 1 and the prefill leg to 9.
+        await ballast(f, "ballast", pinned_worker=(9, 0), pinned_prefill=(9, 0))()
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=4)
+        assert raw.parse().choices[0].text == " w1 w2 w3 w4"
+        assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
+        assert raw.headers["x-kv-router-worker"] == "1"
+        assert raw.headers["x-kv-router-disaggregation"] == "local_prefill"
+        assert f.apis[1].prefill_legs == 0 and f.apis[1].pulled_blocks == 0
+        metrics = await scrape(f.url)
+        style = "kv_transfer_params"
+        assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_failed") == 1.0
+        f.router.mark_free("ballast")
+        assert idle(f.router)
+
+
 @pytest.mark.parametrize("style", STYLES)
 async def test_a_failing_prefill_leg_is_retried_on_another_prefill_worker(
     nats_server: EmbeddedNats, style: HandoffStyle
