@@ -4,10 +4,10 @@
 
     python bench/tokenize_bench.py [--tokenizer tokenizer.json] [--chars 1000] [--batch 4] [--repeat 300]
 
-Without ``--tokenizer`` a byte-level BPE (the lane model's kind: GPT-2 / Llama 3 style pre-tokenizer,
-8,000 merges) is trained on this repository's docs, and the mock engine's one-token-a-character
-tokenizer (what `bench/gateway_bench.py` runs) is measured beside it. Prompts are drawn from the same
-docs. CPU time per call (every thread: a batch is spread over the cores) and its ratio to the old call.
+Without ``--tokenizer`` the real-engine lane model's byte-level BPE (`tests/real_engines/make_model.py`,
+trained in a second) and the mock engine's one-token-a-character tokenizer (what `bench/gateway_bench.py`
+runs) are measured. Prompts are lines of this repository's docs. CPU time per call (every thread: a
+batch is spread over the cores) and its ratio to the old call.
 """
 
 from __future__ import annotations
@@ -22,25 +22,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from mocker.openai_api import write_model_files
+from tests.real_engines.make_model import train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def corpus() -> list[str]:
     return [line for path in sorted((ROOT / "docs").glob("*.md")) for line in path.read_text().splitlines() if line]
-
-
-def byte_level_bpe(lines: list[str]) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=8000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tokenizer.train_from_iterator(lines, trainer)
-    return tokenizer
 
 
 def mock_tokenizer() -> Tokenizer:
@@ -81,7 +72,7 @@ def measure(name: str, tokenizer: Tokenizer, texts: list[str], repeat: int) -> N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokenizer", type=Path, help="a tokenizer.json [a byte-level BPE trained on docs/]")
+    parser.add_argument("--tokenizer", type=Path, help="a tokenizer.json [the lane model's and the mock's]")
     parser.add_argument("--chars", type=int, default=1000, help="characters per prompt [%(default)s]")
     parser.add_argument("--batch", type=int, default=4, help="prompts per batch [%(default)s]")
     parser.add_argument("--repeat", type=int, default=300, help="calls per measurement [%(default)s]")
@@ -92,7 +83,7 @@ def main() -> None:
     if args.tokenizer is not None:
         measure(str(args.tokenizer), Tokenizer.from_file(str(args.tokenizer)), texts, args.repeat)
         return
-    measure("byte-level BPE (trained on docs/)", byte_level_bpe(lines), texts, args.repeat)
+    measure("the lane model's byte-level BPE", train_tokenizer(), texts, args.repeat)
     measure("the mock engine's tokenizer (one token a character)", mock_tokenizer(), texts, args.repeat)
 
 

@@ -39,7 +39,10 @@ def train_tokenizer() -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     specials = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     corpus = [" ".join(words(seed, 200)) for seed in range(300)]
     tokenizer.train_from_iterator(corpus, trainer)
