@@ -22,6 +22,9 @@ the first time is logged once as a WARNING. The kinds:
   has been routed requests for ``engine_silent_after_s`` (30 s), yet its event socket delivered
   nothing: vLLM binds its PUB socket only for ``tcp://*:PORT`` (given a host address it connects, and
   nothing flows, with no error on either side).
+- ``handoff_unservable``: the fleet routes in two legs and a worker of role ``both`` hands KV over with
+  SGLang's ``bootstrap`` (its server runs one disaggregation mode, so it can serve neither leg); it
+  would be sent prefill legs it cannot run or decode legs it cannot receive.
 
 Routed prompts are sampled (one in ``sample_every``, at most ``max_samples`` kept) and looked up
 ``sample_delay_s`` later, once the engine has had time to prefill them; the decision path pays one
@@ -53,6 +56,7 @@ KINDS = (
     "stream_gapping",
     "unregistered_worker",
     "engine_events_silent",
+    "handoff_unservable",
 )
 
 
@@ -135,6 +139,7 @@ class ConfigDoctor:
         self._silent_workers(now, found)
         self._gaps(now, found)
         self._silent_engines(now, found)
+        self._unservable_handoffs(found)
         for worker_id, count in self.router.sequencer.unknown_worker_events.items():
             if count and not self.router.has_worker(worker_id):
                 found["unregistered_worker", worker_id] = (
@@ -259,4 +264,15 @@ class ConfigDoctor:
                     f"socket {engine.stream.endpoint} delivered nothing: vLLM binds its KV-event PUB socket only "
                     f"for an endpoint tcp://*:{port} (given a host address it connects, and nothing flows, with no "
                     f'error): start it with --kv-events-config \'{{"endpoint": "tcp://*:{port}", ...}}\''
+                )
+
+    def _unservable_handoffs(self, found: dict[tuple[str, int | None], str]) -> None:
+        if not self.router.disaggregated:
+            return
+        for worker in self.router.workers():
+            if worker.role == "both" and worker.handoff == "bootstrap":
+                found["handoff_unservable", worker.worker_id] = (
+                    "role both with the bootstrap hand-off in a fleet routed in two legs: an SGLang server runs one "
+                    "disaggregation mode, so it can serve neither leg; register it with role prefill or decode, or "
+                    "with another hand-off"
                 )

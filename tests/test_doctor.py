@@ -261,3 +261,23 @@ async def test_an_engine_that_answers_but_whose_event_socket_never_delivers_name
         await publisher.stop()
         await direct.stop()
         await http.stop()
+
+
+def test_a_both_worker_with_the_bootstrap_handoff_in_a_two_leg_fleet_cannot_serve_either_leg(clock: Clock) -> None:
+    sglang = WorkerConfig(worker_id=3, leased=False, handoff="bootstrap", bootstrap_port=8998)
+    router = KvRouter(RouterConfig(block_size=BLOCK, disagg_among_both_workers=True), rng=random.Random(0))
+    router.register_worker(sglang)
+    doctor = _doctor(router, clock)
+    assert doctor.check() == []  # one worker: routed aggregated
+    router.register_worker(WorkerConfig(worker_id=4, leased=False))
+    (problem,) = doctor.check()
+    assert (problem.kind, problem.worker_id) == ("handoff_unservable", 3)
+    assert "register it with role prefill or decode" in problem.evidence
+    assert doctor.counts()["handoff_unservable"] == 1
+    router.register_worker(msgspec.structs.replace(sglang, role="prefill"))  # its own mode: servable
+    assert doctor.check() == []
+    # Dedicated roles beside it route in two legs too, with or without the option.
+    aggregated = _router(sglang, WorkerConfig(worker_id=5, leased=False))
+    assert _doctor(aggregated, clock).check() == []
+    aggregated.register_worker(WorkerConfig(worker_id=6, leased=False, role="decode"))
+    assert _kinds(_doctor(aggregated, clock).check()) == [("handoff_unservable", 3)]
