@@ -3,7 +3,8 @@ from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
-def split_json_tokens(body: Buffer, /) -> tuple[bytes, int, int] | None: ...
+# A JSON body's array of token ids under the top-level ``member`` as packed u32, and its byte span.
+def split_json_tokens(body: Buffer, member: bytes = ..., /) -> tuple[bytes, int, int] | None: ...
 
 # One whole plain POST request (api/http_protocol.py), or its Content-Length while the body is
 # incomplete; None: httptools parses it.

@@ -133,6 +133,16 @@ def test_packed_tokens_are_little_endian_u32() -> None:
         assert native.split_json_tokens(unsupported) is None
 
 
+def test_the_token_array_is_found_under_the_member_named() -> None:
+    body = b'{"tokens": [9], "prompt": [1, 258]}'
+    assert native.split_json_tokens(body, b"prompt") == (struct.pack("<2I", 1, 258), 26, 34)
+    assert native.split_json_tokens(body) == (struct.pack("<I", 9), 11, 14)
+    assert native.split_json_tokens(b'{"prompt": "hi"}', b"prompt") is None
+    assert native.split_json_tokens(b'{"prompts": [1]}', b"prompt") is None
+    with pytest.raises(TypeError):
+        native.split_json_tokens(body, "prompt")  # type: ignore[arg-type]
+
+
 class _Recorder:
     """httptools' view of a request: what uvicorn's callbacks collect."""
 

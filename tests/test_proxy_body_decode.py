@@ -1,13 +1,18 @@
 """A completion's body is decoded once (`api.proxy.service._completion_decoder`), with the same answer,
-error messages included, as decoding it for token ids first and then, failing that, generally."""
+error messages included, as decoding it for token ids first and then, failing that, generally; with the C
+accelerator a prompt of token ids comes out packed, with the same ids."""
 
 from __future__ import annotations
 
+import struct
+
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.proxy.service import _completion_decoder
+from api.native import ENABLED as NATIVE
+from api.proxy.service import PackedIds, _completion_decoder
 from api.proxy.wire import CompletionBody, TokenIdsBody, prompt_token_ids
 from indexer.errors import UNDECODABLE
 
@@ -28,7 +33,11 @@ def outcome(decode: object, body: bytes) -> tuple[str, object]:
     assert callable(decode)
     try:
         request = decode(body)
-        prompt = request.prompt if isinstance(request, TokenIdsBody) else prompt_token_ids(request.prompt)
+        if isinstance(request, PackedIds):  # the ids the C parser cut out, the body decoded without them
+            assert request.body.prompt == []
+            request, prompt = request.body, list(struct.unpack(f"<{len(request.packed) // 4}I", request.packed))
+        else:
+            prompt = request.prompt if isinstance(request, TokenIdsBody) else prompt_token_ids(request.prompt)
         if not prompt:
             raise ValueError("prompt is empty")
         return "ok", (request.model, list(prompt) if isinstance(prompt, list) else prompt, request.stream,
@@ -72,10 +81,29 @@ def test_one_decode_answers_as_the_two_did(body: bytes) -> None:
     assert outcome(_completion_decoder(), body) == outcome(twice, body)
 
 
+@settings(max_examples=1000, deadline=None)
+@given(bodies())
+def test_without_the_accelerator_too(body: bytes) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("api.proxy.service.NATIVE", False)
+        assert outcome(_completion_decoder(), body) == outcome(twice, body)
+
+
+def _ids_body(model: str, ids: list[int]) -> PackedIds | TokenIdsBody:
+    if NATIVE:
+        return PackedIds(TokenIdsBody(model=model, prompt=[]), struct.pack(f"<{len(ids)}I", *ids))
+    return TokenIdsBody(model=model, prompt=ids)
+
+
 def test_each_prompt_shape_is_decoded_once() -> None:
     decode = _completion_decoder()
-    assert decode(b'{"model": "m", "prompt": [1, 2]}') == TokenIdsBody(model="m", prompt=[1, 2])
-    assert decode(b'{"model": "m", "prompt" :\n[ 7]}') == TokenIdsBody(model="m", prompt=[7])
+    assert decode(b'{"model": "m", "prompt": [1, 2]}') == _ids_body("m", [1, 2])
+    assert decode(b'{"model": "m", "prompt" :\n[ 7]}') == _ids_body("m", [7])
+    assert decode(b'{"model": "m", "prompt": [4294967295, 0]}') == _ids_body("m", [4294967295, 0])
+    # What the C parser declines, msgspec decodes: a repeated key (the last wins), an exponent (its error).
+    assert decode(b'{"model": "m", "prompt": [1], "prompt": [2]}') == TokenIdsBody(model="m", prompt=[2])
+    with pytest.raises(msgspec.ValidationError, match=r"got `float` - at `\$.prompt\[0\]`"):
+        decode(b'{"model": "m", "prompt": [1e0]}')
     assert decode(b'{"model": "m", "prompt": "hi"}') == CompletionBody(model="m", prompt="hi")
     assert decode(b'{"model": "m", "prompt": [[1], [2]]}') == CompletionBody(model="m", prompt=[[1], [2]])
     assert decode(b'{"model": "m", "prompt": ["a", "b"]}') == CompletionBody(model="m", prompt=["a", "b"])

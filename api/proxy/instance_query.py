@@ -16,6 +16,7 @@ response ``nvext`` holding
 
 from __future__ import annotations
 
+import struct
 import time
 
 import msgspec
@@ -32,10 +33,11 @@ _JSON = b"application/json"
 
 
 def instance_reply(
-    route: str, model: str, tokens: list[int], decision: RouteDecision, request_id: str, stream: bool
+    route: str, model: str, packed: bytes, decision: RouteDecision, request_id: str, stream: bool
 ) -> tuple[bytes, bytes]:
     """The content type and body answering a ``query_instance_id`` request on ``route``
-    (``completions`` or ``chat_completions``)."""
+    (``completions`` or ``chat_completions``) whose prompt is ``packed`` (little-endian u32)."""
+    tokens = list(struct.unpack(f"<{len(packed) // 4}I", packed))
     chat = route == "chat_completions"
     if stream:
         choice = {"index": 0, "delta": {"role": "assistant"}} if chat else {"index": 0, "text": ""}
