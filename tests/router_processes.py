@@ -47,11 +47,14 @@ def post(port: int, path: str, body: object) -> tuple[int, Any]:
         return error.code, json.loads(error.read())
 
 
-def _popen(argv: list[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def _popen(argv: list[str], env: Mapping[str, str], log_path: Path, own_group: bool = False) -> subprocess.Popen[bytes]:
+    """``own_group``: the process leads a process group of its own, as a shell's foreground job does
+    (a terminal's Ctrl-C signals the whole group)."""
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
-        )
+            argv, env=dict(env), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+            start_new_session=own_group,
+        )  # fmt: skip
 
 
 def _stop(process: subprocess.Popen[bytes] | None) -> int | None:
@@ -111,6 +114,7 @@ class RouterProcess:
         argv: list[str] | None = None,
         ready_path: str = "/readyz",
         ssl_context: ssl.SSLContext | None = None,
+        own_group: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.args = ["serve", "--port", str(self.port), "--block-size", "16", *args]
@@ -119,6 +123,7 @@ class RouterProcess:
         self.ready_path = ready_path
         self.ssl_context = ssl_context  # serving HTTPS: readiness is asked over TLS with this context
         self.log_path = log_dir / f"router-{self.port}-{time.monotonic_ns()}.log"
+        self.own_group = own_group
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> RouterProcess:
@@ -130,7 +135,7 @@ class RouterProcess:
     def start(self, timeout: float = 60.0) -> RouterProcess:
         """Start the process and wait until it is ready: by default its event plane (and, with durable
         events, the snapshot and stream replay) has started, not merely its HTTP listener."""
-        self.process = _popen(self.argv, self.env, self.log_path)
+        self.process = _popen(self.argv, self.env, self.log_path, self.own_group)
         try:
             until(self._ready, timeout, "the service answers")
         except AssertionError:

@@ -4,8 +4,10 @@ a busy embedded-NATS port, and signals while waiting. Every process is stopped b
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -20,9 +22,11 @@ from tests.waiting import until
 BLOCK = 16
 
 
-def serve(log_dir: Path, *flags: str) -> RouterProcess:
+def serve(log_dir: Path, *flags: str, own_group: bool = False, env: dict[str, str] | None = None) -> RouterProcess:
     """``kv-router serve``, waited for on /healthz: HTTP answers whether NATS is there or not."""
-    return RouterProcess(log_dir, "--block-size", str(BLOCK), *flags, ready_path="/healthz")
+    return RouterProcess(
+        log_dir, "--block-size", str(BLOCK), *flags, ready_path="/healthz", own_group=own_group, env=env
+    )
 
 
 def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_nats_arrives(tmp_path: Path) -> None:
@@ -76,6 +80,31 @@ def test_a_signal_while_waiting_for_nats_ends_the_process(sig: signal.Signals, t
         process.send_signal(sig)
         assert process.wait(10) in (0, -sig)  # within 10 s, or wait() raises
     assert "Traceback" not in served.log()
+
+
+def test_ctrl_c_stops_the_service_before_its_embedded_nats(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C signals the whole foreground process group: the embedded nats-server must not
+    die under the service, which would log a lost NATS connection on a clean shutdown."""
+    nats_port = free_port()
+    flags = ("--embedded-nats-port", str(nats_port))
+    with serve(tmp_path, *flags, own_group=True, env={"XDG_RUNTIME_DIR": str(tmp_path)}) as served:
+        process = served.process
+        assert process is not None
+        until(lambda: _get(served.port, "/readyz")[0] == 200, timeout=30)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(15) in (0, -signal.SIGINT)
+    log = served.log()
+    assert f"embedded nats-server started on port {nats_port}" in log
+    assert "lost the NATS connection" not in log and "Traceback" not in log, log
+    until(lambda: not _listening(nats_port), timeout=15)  # and the service stopped its server itself
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def test_a_busy_embedded_port_is_named_with_the_port_chosen_and_info_returns_the_url(tmp_path: Path) -> None:

@@ -173,8 +173,14 @@ class EmbeddedNats:
             "-sd", self._store_dir,
             "-c", str(config),
         ]  # fmt: skip
+        # A session of its own: a terminal's Ctrl-C signals the service's whole process group, and the
+        # server must outlive the service's shutdown (which stops it) rather than die under it.
         self._process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
         )
         self._log = _ServerLog(self._process)
         if not self._log.ready.wait(timeout):
