@@ -251,6 +251,10 @@ def test_a_mock_worker_refused_by_the_embedded_server_says_why(tmp_path: Path, r
         finally:
             worker.stop()
     log = worker.log()
+    # While waiting: most likely a service still starting (its server listens before its token is written).
+    waiting = f"waiting for NATS at {server.url} (it needs a token and no kv-router serve of this user has written"
+    assert waiting in log, log
+    # At the end: the whole cause.
     assert "Authorization Violation" in log and "no running kv-router serve of this user" in log, log
     assert "--nats-connection-file" in log and "Traceback" not in log
 

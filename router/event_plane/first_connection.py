@@ -71,16 +71,24 @@ class LocalToolConnection:
             if now >= deadline:
                 raise FirstConnectionError(self._explain(options, error))
             if now >= next_progress:
+                reason = self._waiting_reason(options, error)
                 progress(
-                    f"{self.tool}: waiting for NATS at {options.url} ({_reason(error)}); retrying for up to "
-                    f"{self.wait_s:.0f} s"
+                    f"{self.tool}: waiting for NATS at {options.url} ({reason}); retrying for up to {self.wait_s:.0f} s"
                     if next_progress == 0.0
-                    else f"{self.tool}: still waiting for NATS at {options.url} ({_reason(error)}) after "
-                    f"{now - started:.0f} s"
+                    else f"{self.tool}: still waiting for NATS at {options.url} ({reason}) after {now - started:.0f} s"
                 )
                 next_progress = now + _PROGRESS_EVERY_SECS
             await asyncio.sleep(min(backoff, max(0.0, deadline - now)))
             backoff = min(2.0, backoff * 2)
+
+    def _waiting_reason(self, options: NatsOptions, error: BaseException) -> str:
+        """Why this attempt failed, as the progress line says it. A server that wants a token while no
+        connection file has one is, while waiting, most likely a ``kv-router serve`` still starting (its
+        embedded server listens a moment before the file with its token is written)."""
+        given = options.token or options.user or options.creds_file
+        if is_authorization_error(error) and not given:
+            return "it needs a token and no kv-router serve of this user has written its connection file yet"
+        return _reason(error)
 
     def _explain(self, options: NatsOptions, error: BaseException) -> str:
         where = f"cannot connect to NATS at {options.url} after {self.wait_s:.0f} s ({_reason(error)})"
