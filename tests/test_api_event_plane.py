@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import random
-import socket
 import threading
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from router.event_plane.subjects import Subjects
 from router.types import WorkerConfig
 from tests.router_processes import RouterProcess
 from tests.test_api_support import metric
-from tests.waiting import until
+from tests.waiting import accepting, until
 
 T = TypeVar("T")
 BLOCK = 16
@@ -201,11 +200,6 @@ def test_garbage_events_are_counted_not_fatal(client: TestClient, nats_url: str)
     assert client.get("/healthz").status_code == 200
 
 
-def _port_open(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
 def test_serve_without_a_nats_url_brings_its_own_server(tmp_path: Path) -> None:
     nats_port = free_port()
     connection = tmp_path / "kv-router" / f"nats-{nats_port}.json"
@@ -213,7 +207,7 @@ def test_serve_without_a_nats_url_brings_its_own_server(tmp_path: Path) -> None:
     with RouterProcess(
         tmp_path, "--embedded-nats-port", str(nats_port), "--block-size", str(BLOCK), env=env
     ) as service:
-        until(lambda: _port_open(nats_port) and connection.exists(), 30, "the embedded NATS and its connection file")
+        until(lambda: accepting(nats_port) and connection.exists(), 30, "the embedded NATS and its connection file")
         rng = random.Random(5)
         prompt = [rng.randrange(50_000) for _ in range(4 * BLOCK)]
         pool = Workers(f"nats://127.0.0.1:{nats_port}", json.loads(connection.read_text())["token"])
@@ -228,7 +222,7 @@ def test_serve_without_a_nats_url_brings_its_own_server(tmp_path: Path) -> None:
         assert _http(service.port, "/v1/new", json.dumps({"tokens": prompt}).encode())["worker_id"] == 31
         pool.close()
     assert f"nats://127.0.0.1:{nats_port}" in service.log()  # the URL workers should use is printed
-    assert not _port_open(nats_port)  # and the private server is gone with the service
+    assert not accepting(nats_port)  # and the private server is gone with the service
 
 
 def _http(port: int, path: str, body: bytes) -> dict[str, Any]:

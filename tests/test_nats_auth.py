@@ -31,7 +31,7 @@ from router.event_plane.embedded_server import find_nats_server, free_port
 from router.event_plane.publisher import open_registry
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
-from tests.waiting import eventually, until
+from tests.waiting import accepting, eventually, until
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -85,7 +85,7 @@ def nats_with(directory: Path, auth: str) -> Iterator[str]:
     with subprocess.Popen([find_nats_server(), "-c", str(config)], stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE) as process:  # fmt: skip
         try:
-            until(lambda: _accepting(port) or process.poll() is not None, timeout=30)
+            until(lambda: accepting(port) or process.poll() is not None, timeout=30)
             assert process.poll() is None, process.communicate(timeout=5)[1].decode()[-1000:]
             yield f"nats://127.0.0.1:{port}"
         finally:
@@ -93,14 +93,6 @@ def nats_with(directory: Path, auth: str) -> Iterator[str]:
             process.wait(10)
             assert process.stderr is not None
             process.stderr.close()
-
-
-def _accepting(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
 
 
 async def _plane_round_trip(config: EventPlaneConfig) -> None:

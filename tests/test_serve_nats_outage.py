@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.router_processes import RouterProcess, kv_router_command
 from tests.test_api_event_plane import Workers
 from tests.test_api_server import ROOT, _get
-from tests.waiting import until
+from tests.waiting import accepting, until
 
 BLOCK = 16
 
@@ -96,15 +95,7 @@ def test_ctrl_c_stops_the_service_before_its_embedded_nats(tmp_path: Path) -> No
     log = served.log()
     assert f"embedded nats-server started on port {nats_port}" in log
     assert "lost the NATS connection" not in log and "Traceback" not in log, log
-    until(lambda: not _listening(nats_port), timeout=15)  # and the service stopped its server itself
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
-            return True
-    except OSError:
-        return False
+    until(lambda: not accepting(nats_port), timeout=15)  # and the service stopped its server itself
 
 
 def test_a_busy_embedded_port_is_named_with_the_port_chosen_and_info_returns_the_url(tmp_path: Path) -> None:

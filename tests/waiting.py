@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
-__all__ = ["eventually", "until"]
+__all__ = ["accepting", "eventually", "until"]
 
 POLL_S = 0.02
 DEFAULT_TIMEOUT_S = 30.0
@@ -50,3 +51,12 @@ def until(
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(poll)
+
+
+def accepting(port: int) -> bool:
+    """Whether something takes TCP connections on the loopback ``port`` now."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            return True
+    except OSError:
+        return False
