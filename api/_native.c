@@ -1,13 +1,18 @@
 /* api._native: the HTTP front's per-request parsing in C (optional accelerator, api/native.py).
  *
- * Each function has a pure-Python path that gives the same answers (tests/test_native_api.py): the
- * tokens array of a JSON body to packed u32 (api/codec.py) and one whole plain POST request
+ * Each function has a pure-Python path that gives the same answers (tests/test_native_api.py): a
+ * JSON body's array of token ids to packed u32 (the decision API's `tokens`, api/codec.py; a
+ * completion's `prompt`, api/proxy/service.py) and one whole plain POST request
  * (api/http_protocol.py), the bytes of one response (api/http_protocol.py) and a histogram series
  * (api/metrics.py).
  *
  * Guardrail: a function that meets input it was not written for returns None, so the caller's
  * ordinary parser runs and gives the exact error or meaning.
  */
+/* Raised whenever a function's signature or meaning changes: api/native.py runs the Python paths
+ * rather than call a stale in-place build (one made before a `git pull`) with the new signatures. */
+#define NATIVE_INTERFACE 2
+
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -15,15 +20,15 @@
 #include <stdint.h>
 #include <string.h>
 
-/* ------------------------------------------------------------------ JSON token arrays (codec.py)
+/* ------------------------------------------------------------------ JSON token arrays (codec.py, the proxy)
  *
- * split_json_tokens(body, member=b"tokens") -> (packed, start, end) | None: for a JSON object body
+ * split_json_tokens(body, member=b"tokens", /) -> (packed, start, end) | None: for a JSON object body
  * whose top-level member of that name ("tokens" for the decision API, "prompt" for the proxy's
  * completions) is an array of integers in [0, 2^32), the ids as packed little-endian u32 and the
  * byte span of that array in the body. None for anything else (no such member, or a value this
  * parser does not take as it is: another JSON value, a float, an exponent, a leading zero, a value
  * out of range, an escaped key, a repeated key of that name, bad syntax): the caller then decodes the
- * body the ordinary way, which gives the exact error or meaning. Only the tokens array is parsed;
+ * body the ordinary way, which gives the exact error or meaning. Only that array is parsed;
  * the other members are skipped (strings, nesting) for the caller's decoder to check. */
 static inline int json_space(uint8_t c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
@@ -168,7 +173,7 @@ static PyObject *py_split_json_tokens(PyObject *self, PyObject *const *args, Py_
     const char *member = "tokens";
     Py_ssize_t member_len = 6;
     if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "split_json_tokens(body, member=b'tokens')");
+        PyErr_SetString(PyExc_TypeError, "split_json_tokens(body, member=b'tokens', /)");
         return NULL;
     }
     if (nargs == 2) {
@@ -641,7 +646,7 @@ static PyTypeObject HistogramType = {
 
 static PyMethodDef native_methods[] = {
     {"split_json_tokens", (PyCFunction)(void (*)(void))py_split_json_tokens, METH_FASTCALL,
-     "split_json_tokens(body, member=b'tokens') -> (packed, start, end) | None: a JSON body's array of\n"
+     "split_json_tokens(body, member=b'tokens', /) -> (packed, start, end) | None: a JSON body's array of\n"
      "token ids under that top-level member as packed u32."},
     {"parse_post", py_parse_post, METH_O,
      "parse_post(data) -> (path, query, content_type, accept, x_request_id, authorization, body) | int | None: "
@@ -662,7 +667,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(module, "Histogram", (PyObject *)&HistogramType) < 0) {
+    if (PyModule_AddObjectRef(module, "Histogram", (PyObject *)&HistogramType) < 0 ||
+        PyModule_AddIntConstant(module, "INTERFACE", NATIVE_INTERFACE) < 0) {
         Py_DECREF(module);
         return NULL;
     }

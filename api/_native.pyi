@@ -3,6 +3,9 @@ from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
+# The signatures' version (api/native.py runs the Python paths when it is not the one expected).
+INTERFACE: int
+
 # A JSON body's array of token ids under the top-level ``member`` as packed u32, and its byte span.
 def split_json_tokens(body: Buffer, member: bytes = ..., /) -> tuple[bytes, int, int] | None: ...
 

@@ -304,3 +304,18 @@ def test_a_histogram_series_counts_and_sums_as_the_python_one(bounds: tuple[floa
     assert struct.pack("<d", ours.total) == struct.pack("<d", python.total) or (ours.total != ours.total) == (
         python.total != python.total
     )
+
+
+def test_a_build_of_another_interface_is_not_called(caplog: pytest.LogCaptureFixture) -> None:
+    """An in-place build older than the code (a `git pull` without `pip install -e .`) would be called
+    with signatures it does not have: its C paths stay off, and the log says how to rebuild."""
+    from types import ModuleType
+
+    from api.native import INTERFACE, _current
+
+    stale = ModuleType("api._native")
+    assert _current(stale) is None
+    assert "pip install -e ." in caplog.text
+    stale.INTERFACE = INTERFACE  # type: ignore[attr-defined]
+    assert _current(stale) is stale
+    assert native.INTERFACE == INTERFACE  # this tree's build is the current one

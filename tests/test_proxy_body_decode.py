@@ -58,7 +58,7 @@ _prompt = st.one_of(
 _other = st.sampled_from([
     b'"stream": true', b'"stream": "yes"', b'"cache_salt": "s"', b'"max_tokens": 8', b'"model": 5',
     b'"add_special_tokens": false', b'"nvext": {"prompt": [1]}', b'"note": "\\"prompt\\": [1"',
-    b'"nvext": {"annotations": 3}',
+    b'"nvext": {"annotations": 3}', b'"stream": tru', b'"x": [1,]', b'"cache_salt": s',
 ])  # fmt: skip
 
 

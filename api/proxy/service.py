@@ -380,7 +380,7 @@ class Proxy:
             raise _refused(400, "invalid_request_error", message, "bad_request")
         if query:
             return await self._instance_query(route, model, packed, stream, routing, set(by_id), request_id, reply)
-        del request, prompt, tokens
+        del decoded, request, prompt, tokens
         # What the worker gets of the client's headers besides the content type: its credentials, its
         # request id and trace context.
         headers = passed + (b"authorization: " + authorization + b"\r\n" if authorization is not None else b"")
@@ -721,10 +721,13 @@ def _completion_decoder() -> Callable[[bytes], PackedIds | TokenIdsBody | Comple
         key = body.find(b'"prompt"')
         if key >= 0 and _IDS_PROMPT.match(body, key):
             split = accel.split_json_tokens(body, b"prompt") if NATIVE else None
-            try:
-                if split is not None:
-                    packed, start, end = split
+            if split is not None:
+                packed, start, end = split
+                try:
                     return PackedIds(ids(body[:start] + b"[]" + body[end:]), packed)
+                except msgspec.DecodeError:
+                    pass  # the body's own bytes decoded below: errors at their positions in it
+            try:
                 return ids(body)
             except msgspec.ValidationError:
                 pass  # another field, a batch, an id out of range: the general decoder says what
