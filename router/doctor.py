@@ -22,9 +22,9 @@ the first time is logged once as a WARNING. The kinds:
   has been routed requests for ``engine_silent_after_s`` (30 s), yet its event socket delivered
   nothing: vLLM binds its PUB socket only for ``tcp://*:PORT`` (given a host address it connects, and
   nothing flows, with no error on either side).
-- ``handoff_unservable``: the fleet routes in two legs and a worker of role ``both`` hands KV over with
-  SGLang's ``bootstrap`` (its server runs one disaggregation mode, so it can serve neither leg); it
-  would be sent prefill legs it cannot run or decode legs it cannot receive.
+- ``handoff_unservable``: the fleet routes in two legs and a worker of role ``both`` that hands KV over
+  with SGLang's ``bootstrap`` shares a model with another worker: its server runs one disaggregation
+  mode, yet it would be sent prefill legs, decode legs and requests prefilled locally.
 
 Routed prompts are sampled (one in ``sample_every``, at most ``max_samples`` kept) and looked up
 ``sample_delay_s`` later, once the engine has had time to prefill them; the decision path pays one
@@ -44,6 +44,7 @@ import msgspec
 from indexer.slots import WorkerRank
 from router.engines.direct import DirectEngine
 from router.kv_router import KvRouter
+from router.types import WorkerConfig
 
 __all__ = ["KINDS", "ConfigDoctor", "Problem", "RegistrationRefusals"]
 
@@ -269,10 +270,20 @@ class ConfigDoctor:
     def _unservable_handoffs(self, found: dict[tuple[str, int | None], str]) -> None:
         if not self.router.disaggregated:
             return
-        for worker in self.router.workers():
-            if worker.role == "both" and worker.handoff == "bootstrap":
+        workers = self.router.workers()
+        for worker in workers:
+            if worker.role != "both" or worker.handoff != "bootstrap":
+                continue
+            # Alone for its models it is never paired: every request it gets is prefilled there.
+            if any(other is not worker and _share_a_model(worker, other) for other in workers):
                 found["handoff_unservable", worker.worker_id] = (
                     "role both with the bootstrap hand-off in a fleet routed in two legs: an SGLang server runs one "
-                    "disaggregation mode, so it can serve neither leg; register it with role prefill or decode, or "
-                    "with another hand-off"
+                    "disaggregation mode, so it can serve only that mode's leg, yet it would be sent prefill legs, "
+                    "decode legs and requests prefilled locally; register it with role prefill or decode, or with "
+                    "another hand-off"
                 )
+
+
+def _share_a_model(one: WorkerConfig, other: WorkerConfig) -> bool:
+    """Whether a request may go to either (a worker that lists no models serves any)."""
+    return not one.models or not other.models or bool(one.models & other.models)

@@ -263,7 +263,7 @@ async def test_an_engine_that_answers_but_whose_event_socket_never_delivers_name
         await http.stop()
 
 
-def test_a_both_worker_with_the_bootstrap_handoff_in_a_two_leg_fleet_cannot_serve_either_leg(clock: Clock) -> None:
+def test_a_both_worker_with_the_bootstrap_handoff_in_a_two_leg_fleet_is_sent_legs_of_both_modes(clock: Clock) -> None:
     sglang = WorkerConfig(worker_id=3, leased=False, handoff="bootstrap", bootstrap_port=8998)
     router = KvRouter(RouterConfig(block_size=BLOCK, disagg_among_both_workers=True), rng=random.Random(0))
     router.register_worker(sglang)
@@ -281,3 +281,10 @@ def test_a_both_worker_with_the_bootstrap_handoff_in_a_two_leg_fleet_cannot_serv
     assert _doctor(aggregated, clock).check() == []
     aggregated.register_worker(WorkerConfig(worker_id=6, leased=False, role="decode"))
     assert _kinds(_doctor(aggregated, clock).check()) == [("handoff_unservable", 3)]
+    # Alone for its model, it is never paired with another worker: fine.
+    separate = _router(
+        msgspec.structs.replace(sglang, models=frozenset({"small"})),
+        WorkerConfig(worker_id=7, leased=False, role="prefill", models=frozenset({"large"})),
+        WorkerConfig(worker_id=8, leased=False, role="decode", models=frozenset({"large"})),
+    )
+    assert separate.disaggregated and _doctor(separate, clock).check() == []
