@@ -12,6 +12,7 @@ command line, which every user of the host can read.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import secrets
@@ -33,15 +34,18 @@ __all__ = ["EmbeddedNats", "find_nats_server", "free_port"]
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """In the child before exec: on Linux, get SIGTERM when the parent dies, even by SIGKILL, so a
-    crashed router never leaves its private server behind."""
+    crashed router never leaves its private server behind (nor one whose parent died before the
+    request took effect)."""
     if sys.platform == "linux":
         import ctypes
         import signal
 
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def find_nats_server() -> str:
@@ -154,7 +158,15 @@ class EmbeddedNats:
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         """Start the server and wait until it says it is ready (so a port held by another process is
-        an error here, not a silent connection to someone else's server)."""
+        an error here, not a silent connection to someone else's server). Interrupted meanwhile (a
+        signal, an error), it stops what it started: in a session of its own, nothing else would."""
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> EmbeddedNats:
         if self._store_dir is None:
             self._owned_store = tempfile.TemporaryDirectory(prefix="kv-router-nats-")
             self._store_dir = self._owned_store.name
@@ -179,7 +191,7 @@ class EmbeddedNats:
             command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
             start_new_session=True,
         )
         self._log = _ServerLog(self._process)
