@@ -259,6 +259,22 @@ def test_a_mock_worker_refused_by_the_embedded_server_says_why(tmp_path: Path, r
     assert "--nats-connection-file" in log and "Traceback" not in log
 
 
+def test_a_remote_server_refusing_a_tool_is_not_taken_for_a_service_still_starting() -> None:
+    from nats.errors import AuthorizationError
+
+    from router.event_plane.first_connection import LocalToolConnection
+
+    refused = AuthorizationError()
+    remote_url = "nats://nats.example:4222"
+    remote = LocalToolConnection("kv-router mock-worker", remote_url, NatsOptions(url=remote_url))
+    assert remote._waiting_reason(NatsOptions(url=remote_url), refused) == "Authorization Violation"
+    default = NatsOptions(url="nats://127.0.0.1:4222")
+    local = LocalToolConnection("kv-router mock-worker", None, default)
+    assert "no kv-router serve of this user has written" in local._waiting_reason(default, refused)
+    with_token = NatsOptions(url=default.url, token="t")
+    assert local._waiting_reason(with_token, refused) == "Authorization Violation"
+
+
 def test_a_tool_with_nothing_to_connect_to_waits_then_names_the_cause(
     tmp_path: Path, runtime_env: dict[str, str]
 ) -> None:

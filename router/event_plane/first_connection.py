@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
@@ -26,6 +27,8 @@ __all__ = ["DEFAULT_WAIT_SECS", "FirstConnectionError", "LocalToolConnection", "
 
 DEFAULT_WAIT_SECS = 30.0
 _PROGRESS_EVERY_SECS = 10.0
+# Hosts a kv-router serve of this machine's embedded server listens on.
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 class FirstConnectionError(Exception):
@@ -82,11 +85,12 @@ class LocalToolConnection:
             backoff = min(2.0, backoff * 2)
 
     def _waiting_reason(self, options: NatsOptions, error: BaseException) -> str:
-        """Why this attempt failed, as the progress line says it. A server that wants a token while no
-        connection file has one is, while waiting, most likely a ``kv-router serve`` still starting (its
-        embedded server listens a moment before the file with its token is written)."""
+        """Why this attempt failed, as the progress line says it. A local server that wants credentials
+        while no connection file has a token is, while waiting, most likely a ``kv-router serve`` still
+        starting (its embedded server listens a moment before the file with its token is written)."""
         given = options.token or options.user or options.creds_file
-        if is_authorization_error(error) and not given:
+        local = self.url is None or urlsplit(self.url).hostname in _LOOPBACK
+        if is_authorization_error(error) and not given and local:
             return "it needs a token and no kv-router serve of this user has written its connection file yet"
         return _reason(error)
 
