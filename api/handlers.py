@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -64,6 +63,7 @@ from api.wire import (
     queries_instance,
 )
 from indexer.events import decode_router_events
+from indexer.hashing import unpack_tokens
 from router.errors import QueueRejected
 from router.kv_router import KvRouter
 from router.types import RouteDecision, Tokens
@@ -398,7 +398,7 @@ def _request_id(body_id: str | None, call: Call) -> str:
 
 def _token_list(tokens: Tokens) -> list[int]:
     """Token ids as a list; packed ones are little-endian (Dynamo's int32 blob, ids below 2^31)."""
-    return list(struct.unpack(f"<{len(tokens) // 4}I", tokens)) if isinstance(tokens, bytes) else tokens
+    return unpack_tokens(tokens) if isinstance(tokens, bytes) else tokens
 
 
 def _forwardable(call: Call) -> dict[str, Any]:

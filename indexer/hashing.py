@@ -86,6 +86,11 @@ def pack_tokens(tokens: TokenInput) -> memoryview:
     return memoryview(packed).cast("B")
 
 
+def unpack_tokens(packed: bytes) -> list[int]:
+    """The ids of packed little-endian u32 (`pack_tokens`' output) as a list."""
+    return list(struct.unpack(f"<{len(packed) // 4}I", packed))
+
+
 def _mm_suffix(info: Any, block_index: int) -> bytes:
     """The sorted multimodal hashes of one block as little-endian u64 bytes ("" when none)."""
     if info is None:

@@ -23,6 +23,7 @@ from api.proxy.chat_template import NotLocal
 from api.proxy.tokens import ModelFiles, PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.upstream import Upstream
 from api.proxy.wire import ChatBody
+from indexer.hashing import unpack_tokens
 from router.errors import ConfigError
 from tests.chat_vectors.models import CASES, MODELS, VECTORS, assemble
 
@@ -54,12 +55,12 @@ async def test_local_tokens_equal_vllms(case: str, model_dirs: dict[str, Path]) 
     for _ in range(2):  # its pieces encoded, then found in the tokenizer cache
         if "prompt" in body:
             special = body.get("add_special_tokens", True)
-            assert await tokenizer.text(body["model"], body["prompt"], [], special) == expected["tokens"]
+            assert unpack_tokens(await tokenizer.text(body["model"], body["prompt"], [], special)) == expected["tokens"]
         elif "error" in expected:
             with pytest.raises(TemplateRefused, match="Conversation roles must alternate"):
                 await tokenizer.chat(msgspec.convert(body, ChatBody), [])
         else:
-            assert await tokenizer.chat(msgspec.convert(body, ChatBody), []) == expected["tokens"]
+            assert unpack_tokens(await tokenizer.chat(msgspec.convert(body, ChatBody), [])) == expected["tokens"]
 
 
 async def test_a_directory_or_its_tokenizer_json_or_one_for_every_model(model_dirs: dict[str, Path]) -> None:
@@ -67,7 +68,7 @@ async def test_a_directory_or_its_tokenizer_json_or_one_for_every_model(model_di
     expected = EXPECTED["chatml-tools"]["tokens"]
     for paths in ({"chatml-tools": model_dirs["chatml-tools"] / "tokenizer.json"}, {"*": model_dirs["chatml-tools"]}):
         tokenizer = PromptTokenizer(load_model_files(paths), Upstream(ProxyConfig()))
-        assert await tokenizer.chat(body, []) == expected
+        assert unpack_tokens(await tokenizer.chat(body, [])) == expected
     config = ProxyConfig(tokenizer=[str(model_dirs["chatml-tools"]), f"other={model_dirs['llama3-like']}"])
     assert config.tokenizer_paths() == {"*": model_dirs["chatml-tools"], "other": model_dirs["llama3-like"]}
 
@@ -122,7 +123,7 @@ async def test_a_multimodal_models_chat_is_left_to_the_engine(tmp_path: Path, fi
     files = load_model_files({"m": directory})["m"]
     assert files.template is None
     tokenizer = PromptTokenizer({"m": files}, Upstream(ProxyConfig()))
-    assert await tokenizer.text("m", "hello", []) == files.encoder.tokenizer.encode("hello").ids
+    assert unpack_tokens(await tokenizer.text("m", "hello", [])) == files.encoder.tokenizer.encode("hello").ids
     chat = msgspec.convert({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, ChatBody)
     with pytest.raises(TokenizeFailed):
         await tokenizer.chat(chat, [])
@@ -162,6 +163,7 @@ async def test_long_texts_encoded_together_off_the_loop_equal_inline_ones(model_
     await asyncio.sleep(0)
     gone.cancel()  # a request that left while queued: the others still get their ids
     got = await asyncio.gather(*(encoder.encode(t, add_special_tokens=s) for t, s in zip(texts, specials, strict=True)))
-    for text, special, ids in zip(texts, specials, got, strict=True):
+    for text, special, packed in zip(texts, specials, got, strict=True):
+        ids = unpack_tokens(packed)
         assert ids == encoder.tokenizer.encode(text, add_special_tokens=special).ids
         assert (ids[0] == encoder.tokenizer.token_to_id("<|begin_of_text|>")) is special

@@ -20,6 +20,7 @@ from api.config import ProxyConfig
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.segments import ENTRY_TOKENS, SegmentCache, SegmentPlan
 from api.proxy.tokens import Encoder, load_model_files
+from indexer.hashing import unpack_tokens
 from tests.chat_vectors.models import HERE, MODELS, assemble
 from tests.real_engines.make_model import train_tokenizer
 
@@ -100,7 +101,7 @@ def test_cached_ids_equal_plain_encode(
     def check(text: str, special: bool) -> None:
         expected = tokenizer.encode(text, add_special_tokens=special).ids
         for _ in range(2):  # cold, then warm
-            assert loop.run_until_complete(encoder.encode(text, add_special_tokens=special)) == expected
+            assert unpack_tokens(loop.run_until_complete(encoder.encode(text, add_special_tokens=special))) == expected
 
     check()
     assert encoder.cache.hits and encoder.cache.misses
@@ -118,7 +119,7 @@ def test_long_texts_encode_their_new_pieces_on_a_thread_exactly(
         text = "<|begin_of_text|>" + system + "".join(turns[:count])
         misses = encoder.cache.misses if encoder.cache else 0
         assert (
-            loop.run_until_complete(encoder.encode(text, add_special_tokens=False))
+            unpack_tokens(loop.run_until_complete(encoder.encode(text, add_special_tokens=False)))
             == tokenizer.encode(text, add_special_tokens=False).ids
         )
         assert encoder.cache is not None
@@ -170,7 +171,10 @@ def test_a_tokenizer_the_cut_would_get_wrong_is_encoded_whole(
         encoder = Encoder(tokenizer, cache_tokens=1 << 20, where="model 'm'")
     assert encoder.cache is None
     assert f"model 'm': tokenizer cache off, texts encoded whole: {plan}" in caplog.text
-    assert loop.run_until_complete(encoder.encode(text, add_special_tokens=True)) == tokenizer.encode(text).ids
+    assert (
+        unpack_tokens(loop.run_until_complete(encoder.encode(text, add_special_tokens=True)))
+        == tokenizer.encode(text).ids
+    )
     if naive_cut is not None:
         naive = [
             token_id

@@ -16,13 +16,13 @@ response ``nvext`` holding
 
 from __future__ import annotations
 
-import struct
 import time
 
 import msgspec
 
 from api.proxy.wire import InstanceQueryReply, QueryUsage
 from api.wire import NvExtResponse, WorkerIdInfo
+from indexer.hashing import unpack_tokens
 from router.types import RouteDecision
 
 __all__ = ["instance_reply"]
@@ -37,7 +37,7 @@ def instance_reply(
 ) -> tuple[bytes, bytes]:
     """The content type and body answering a ``query_instance_id`` request on ``route``
     (``completions`` or ``chat_completions``) whose prompt is ``packed`` (little-endian u32)."""
-    tokens = list(struct.unpack(f"<{len(packed) // 4}I", packed))
+    tokens = unpack_tokens(packed)
     chat = route == "chat_completions"
     if stream:
         choice = {"index": 0, "delta": {"role": "assistant"}} if chat else {"index": 0, "text": ""}

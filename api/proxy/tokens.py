@@ -16,7 +16,6 @@ import asyncio
 import functools
 import json
 import logging
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from api.proxy.segments import SegmentCache, SegmentPlan
 from api.proxy.upstream import Upstream, UpstreamError
 from api.proxy.wire import ChatBody, TokenizeReply
 from indexer.errors import UNDECODABLE
+from indexer.hashing import pack_tokens
 from router.errors import ConfigError
 from router.types import WorkerConfig
 
@@ -62,7 +62,9 @@ class TemplateRefused(ValueError):
 class Encoder:
     """A model's tokenizer; long texts are encoded on a thread, those queued meanwhile together
     (``encode_batch_fast`` lets go of the GIL and spreads a batch over the cores). With a cache (`segments`),
-    a text is cut at its added tokens and only the pieces not seen lately are encoded."""
+    a text is cut at its added tokens and only the pieces not seen lately are encoded. The ids come out
+    packed (little-endian u32, as routing hashes and books them): a text made of cached pieces is their
+    bytes joined, no list of ints built."""
 
     def __init__(self, tokenizer: Tokenizer, cache_tokens: int = 0, where: str = "every model") -> None:
         self.tokenizer = tokenizer
@@ -70,16 +72,18 @@ class Encoder:
         self._busy = False
         self.cache: SegmentCache | None = None
         self._plan: SegmentPlan | None = None
+        self._before = self._after = b""  # the plan's ids around a sequence, packed
         if cache_tokens > 0:
             plan = SegmentPlan.of(tokenizer)
             if isinstance(plan, str):
                 log.info("%s: tokenizer cache off, texts encoded whole: %s", where, plan)
             else:
                 self._plan, self.cache = plan, SegmentCache(cache_tokens)
+                self._before, self._after = _packed(plan.before_ids), _packed(plan.after_ids)
 
-    async def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, *, add_special_tokens: bool) -> bytes:
         if self._plan is None or self.cache is None or not text:
-            return await self._encode_whole(text, add_special_tokens)
+            return _packed(await self._encode_whole(text, add_special_tokens))
         pieces = self._plan.split(text)
         cached: dict[str, bytes] = {}  # looked up now: the cache may drop them while new pieces encode
         missing: list[str] = []
@@ -90,26 +94,20 @@ class Encoder:
                     missing.append(piece)
                 else:
                     cached[piece] = found
-        encoded: dict[str, list[int]] = {}
         if missing:
             if sum(map(len, missing)) <= _INLINE_CHARS:
                 lists = self._ids(missing, False)
             else:
                 lists = await asyncio.gather(*(self._encode_whole(piece, False, inline=False) for piece in missing))
             for piece, ids in zip(missing, lists, strict=True):
-                encoded[piece] = ids
-                self.cache.put(piece, array("I", ids).tobytes())
-        tokens: list[int] = list(self._plan.before_ids) if add_special_tokens else []
+                cached[piece] = packed = _packed(ids)
+                self.cache.put(piece, packed)
+        parts = [self._before] if add_special_tokens else []
         for piece in pieces:
-            if isinstance(piece, int):
-                tokens.append(piece)
-            elif piece in encoded:
-                tokens += encoded[piece]
-            else:
-                tokens += array("I", cached[piece])
+            parts.append(_packed((piece,)) if isinstance(piece, int) else cached[piece])
         if add_special_tokens:
-            tokens += self._plan.after_ids
-        return tokens
+            parts.append(self._after)
+        return b"".join(parts)
 
     async def _encode_whole(self, text: str, add_special_tokens: bool, inline: bool = True) -> list[int]:
         if inline and len(text) <= _INLINE_CHARS:
@@ -162,6 +160,10 @@ class Encoder:
             else:
                 future.set_result(result)
         self._next_batch(loop)
+
+
+def _packed(ids: Sequence[int]) -> bytes:
+    return bytes(pack_tokens(ids))
 
 
 @dataclass(frozen=True)
@@ -272,15 +274,17 @@ class PromptTokenizer:
 
     async def text(
         self, model: str, text: str, workers: Sequence[WorkerConfig], add_special_tokens: bool = True
-    ) -> list[int]:
+    ) -> bytes:
+        """The text's ids, packed (little-endian u32)."""
         files = self._files(model)
         if files is None:
             body = {"model": model, "prompt": text, "add_special_tokens": add_special_tokens}
             return await self._remote(body, workers)
         return await files.encoder.encode(text, add_special_tokens=add_special_tokens)
 
-    async def chat(self, request: ChatBody, workers: Sequence[WorkerConfig]) -> list[int]:
-        """Raises `TemplateRefused` when the model's template refuses the conversation."""
+    async def chat(self, request: ChatBody, workers: Sequence[WorkerConfig]) -> bytes:
+        """The rendered conversation's ids, packed; raises `TemplateRefused` when the model's template
+        refuses the conversation."""
         files = self._files(request.model)
         if files is not None and files.template is not None:
             try:
@@ -293,7 +297,7 @@ class PromptTokenizer:
                 return await files.encoder.encode(text, add_special_tokens=request.add_special_tokens)
         return await self._remote(request.tokenize_body(), workers)
 
-    async def _remote(self, body: dict[str, Any], workers: Sequence[WorkerConfig]) -> list[int]:
+    async def _remote(self, body: dict[str, Any], workers: Sequence[WorkerConfig]) -> bytes:
         """Ask the workers, starting with the next one's turn, until one answers."""
         payload = _encode(body)
         problems = []
@@ -304,7 +308,7 @@ class PromptTokenizer:
             try:
                 status, content = await self._upstream.post(worker.url, b"/tokenize", payload)
                 if status == 200:
-                    return _decode_tokens(content).tokens
+                    return _packed(_decode_tokens(content).tokens)
                 problems.append(f"worker {worker.worker_id}: HTTP {status}")
             except UpstreamError as exc:
                 problems.append(f"worker {worker.worker_id}: {exc}")
