@@ -31,6 +31,7 @@ __all__ = [
     "LocalServer",
     "connection_file_path",
     "find_local_server",
+    "loopback_port",
     "remove_connection_file",
     "runtime_directory",
     "with_local_credentials",
@@ -123,7 +124,8 @@ def _alive(server: LocalServer) -> bool:
     return True
 
 
-def _loopback_port(url: str) -> int | None:
+def loopback_port(url: str) -> int | None:
+    """The port of a NATS URL on this host's loopback (localhost or a loopback address), else None."""
     try:
         parts = urlsplit(url if "://" in url else f"nats://{url}")
         host, port = parts.hostname, parts.port or _DEFAULT_PORT
@@ -152,13 +154,13 @@ def find_local_server(url: str | None, connection_file: str | None = None) -> Lo
     if directory is None:
         return None
     if url is not None:
-        port = _loopback_port(url)
+        port = loopback_port(url)
         if port is None:
             return None
         server = _read(directory / f"nats-{port}.json")
         return server if server is not None and _alive(server) else None
     running = [server for path in sorted(directory.glob("nats-*.json")) if (server := _read(path)) and _alive(server)]
-    preferred = [server for server in running if _loopback_port(server.url) == _DEFAULT_PORT]
+    preferred = [server for server in running if loopback_port(server.url) == _DEFAULT_PORT]
     if preferred:
         return preferred[0]
     return running[0] if len(running) == 1 else None

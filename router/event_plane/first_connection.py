@@ -15,20 +15,17 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
 from router.event_plane.connection import NatsOptions, connect, is_authorization_error
-from router.event_plane.connection_file import DEFAULT_URL, runtime_directory, with_local_credentials
+from router.event_plane.connection_file import DEFAULT_URL, loopback_port, runtime_directory, with_local_credentials
 
 __all__ = ["DEFAULT_WAIT_SECS", "FirstConnectionError", "LocalToolConnection", "connect_local"]
 
 DEFAULT_WAIT_SECS = 30.0
 _PROGRESS_EVERY_SECS = 10.0
-# Hosts a kv-router serve of this machine's embedded server listens on.
-_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 class FirstConnectionError(Exception):
@@ -89,7 +86,7 @@ class LocalToolConnection:
         while no connection file has a token is, while waiting, most likely a ``kv-router serve`` still
         starting (its embedded server listens a moment before the file with its token is written)."""
         given = options.token or options.user or options.creds_file
-        local = self.url is None or urlsplit(self.url).hostname in _LOOPBACK
+        local = self.url is None or loopback_port(self.url) is not None
         if is_authorization_error(error) and not given and local:
             return "it needs a token and no kv-router serve of this user has written its connection file yet"
         return _reason(error)
