@@ -36,6 +36,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,11 +193,15 @@ class Walkthrough:
 
     def __init__(
         self, tmp_path: Path, cwd: Path = ROOT, ports: tuple[int, ...] = (8000, 4222, 9001, 9002),
-        bound_on_all: tuple[int, ...] = (),
+        bound_on_all: tuple[int, ...] = (), wait_for_events: bool = False,
     ) -> None:  # fmt: skip
         """``ports``: the README's ports, each replaced by a free one; ``bound_on_all``: those of them a
-        server binds on every interface (vLLM's event sockets), free there."""
+        server binds on every interface (vLLM's event sockets), free there. ``wait_for_events``: after a
+        completion, wait for the engine's KV events to reach the index before the next command, as the
+        seconds a reader takes between two pasted lines do (a real engine publishes them after it
+        answered)."""
         self.cwd = cwd
+        self.wait_for_events = wait_for_events
         self.ports = {port: free_port("0.0.0.0" if port in bound_on_all else "127.0.0.1") for port in ports}
         self.tmp = tmp_path
         runtime = tmp_path / "xdg"
@@ -329,6 +334,7 @@ class Walkthrough:
                 self.ran.append(command.text)
                 continue
             self.settle()
+            indexed = self._index_nodes() if self.wait_for_events and "/v1/completions" in line else None
             script = "set -o pipefail\n" + line
             done = subprocess.run(["bash", "-c", script], env=self.env, cwd=self.cwd, capture_output=True, text=True,
                                   timeout=60)  # fmt: skip
@@ -341,8 +347,23 @@ class Walkthrough:
                     f"README.md:{block.line} `{command.text}` printed:\n{done.stdout}\nnot what the README quotes:\n"
                     + "\n".join(command.expected)
                 )
+            if indexed is not None:
+                self._wait_for_index_change(indexed)
             self.ran.append(command.text)
         self.settle()
+
+    def _index_nodes(self) -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[8000]}/metrics", timeout=5) as reply:
+            found = re.search(rb"^kv_router_index_nodes (\S+)$", reply.read(), re.MULTILINE)
+        assert found is not None, "the service's /metrics has no kv_router_index_nodes"
+        return int(float(found.group(1)))
+
+    def _wait_for_index_change(self, before: int, timeout: float = 5.0) -> None:
+        """Until the index's node count moves from ``before``, at most ``timeout`` seconds: a request
+        whose blocks were all cached already stores nothing new, and then the wait runs out quietly."""
+        deadline = time.monotonic() + timeout
+        while self._index_nodes() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _evaluate(self, assignment: str, name: str) -> str:
         done = subprocess.run(["bash", "-c", f'{assignment}\nprintf %s "${name}"'], env=self.env, cwd=self.cwd,

@@ -28,7 +28,7 @@ def test_the_readmes_vllm_walkthrough_works_as_written_on_this_machine(tmp_path:
     assert python is not None
     blocks = [block for block in readme_blocks(README.read_text()) if block.real_engines]
     assert blocks, "no README block is marked for the real-engine lane"
-    walk = Walkthrough(tmp_path, ports=PORTS, bound_on_all=EVENT_PORTS)
+    walk = Walkthrough(tmp_path, ports=PORTS, bound_on_all=EVENT_PORTS, wait_for_events=True)
     walk.env["KV_ROUTER_VLLM_VENV"] = str(python.parent.parent)  # .ci/vllm_lane.sh finds the lane's venv
     began = time.monotonic()
     try:
