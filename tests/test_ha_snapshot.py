@@ -4,7 +4,9 @@ In-process `DurableEvents` on a real nats-server with a file store: while the sn
 is written, decisions keep answering and no single loop stall comes near the cost of reading the
 dump in one step; stream events that arrive meanwhile wait and are applied after; the snapshot and
 the stream restore exactly the index the router has. Changes that do not wait for the dump (an event
-over HTTP) interrupt it, and it is taken again.
+over HTTP) interrupt it, and it is taken again. The stream is never purged past a peer's snapshot, even
+when one listing of the cursors misses it, and a restart whose snapshot was purged while it loaded
+loads a usable one instead.
 """
 
 from __future__ import annotations
@@ -93,9 +95,11 @@ async def nc(nats_on_disk: EmbeddedNats) -> AsyncIterator[Client]:
         await client.close()
 
 
-async def started(router: KvRouter, nc: Client) -> DurableEvents:
+async def started(
+    router: KvRouter, nc: Client, name: str = "r", kind: type[DurableEvents] = DurableEvents
+) -> DurableEvents:
     # Snapshots only when the test writes them.
-    events = DurableEvents(router, nc, router_name="r", snapshot_every_events=10**9, snapshot_every_s=3600.0)
+    events = kind(router, nc, router_name=name, snapshot_every_events=10**9, snapshot_every_s=3600.0)
     await events.restore()
     await events.start()
     return events
@@ -210,6 +214,83 @@ async def test_a_change_that_does_not_wait_interrupts_the_dump_and_it_is_taken_a
             await again.stop()
     finally:
         await live.stop()
+
+
+async def stream_first_seq(nc: Client) -> int:
+    return int((await nc.jetstream().stream_info(Subjects().events_stream)).state.first_seq)
+
+
+async def test_a_peer_cursor_missing_from_one_listing_still_holds_the_purge_floor(nc: Client) -> None:
+    workers = Workers(seed=9)
+    router_a, router_b = new_router(), new_router()
+    a = await started(router_a, nc, "a")
+    b = await started(router_b, nc, "b")
+    try:
+        await publish(nc, list(workers.events(10 * 64)))
+        await applied_all(a, nc)
+        await applied_all(b, nc)
+        assert await b.write_snapshot() and b.snapshot_seq == 10
+        assert await a.write_snapshot()
+        assert await stream_first_seq(nc) == 11, "nothing b's snapshot does not cover is purged"
+
+        await publish(nc, list(workers.events(20 * 64)))
+        await applied_all(a, nc)
+        # b's cursor drops out of a's next listing (as a key being rewritten can, for a moment).
+        await (await nc.jetstream().key_value(Subjects().router_cursor_bucket)).purge("b")
+        assert await a.write_snapshot() and a.snapshot_seq == 30
+        assert await stream_first_seq(nc) == 11, "b's snapshot at 10 still holds the floor"
+
+        # So b, killed now, comes back from its own snapshot and the stream after it.
+        await b.stop()
+        again_router = new_router()
+        again = await started(again_router, nc, "b")
+        try:
+            assert again.outcomes.get("stream_behind_snapshot", 0) == 0
+            assert index_of(again_router) == index_of(router_a)
+        finally:
+            await again.stop()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_snapshot_purged_from_under_a_restart_is_replaced_by_a_usable_one(nc: Client) -> None:
+    workers = Workers(seed=10)
+    router_a, router_b = new_router(), new_router()
+    a = await started(router_a, nc, "a")
+    b = await started(router_b, nc, "b")
+    try:
+        await publish(nc, list(workers.events(10 * 64)))
+        await applied_all(b, nc)
+        assert await b.write_snapshot()
+        await b.stop()
+        await publish(nc, list(workers.events(20 * 64)))
+        await applied_all(a, nc)
+        assert await a.write_snapshot() and a.snapshot_seq == 30
+        await publish(nc, list(workers.events(10 * 64)))
+        await applied_all(a, nc)
+
+        class PurgedWhileLoading(DurableEvents):
+            """A restart during which the peer purges the stream up to its own snapshot, past the
+            one just loaded, before this router's cursor is recorded."""
+
+            async def _load_snapshot(self) -> durable.IndexSnapshot | None:
+                snapshot = await super()._load_snapshot()
+                if snapshot is not None and snapshot.router_name == "b":
+                    await self._js.purge_stream(self.subjects.events_stream, seq=a.snapshot_seq + 1)
+                return snapshot
+
+        again_router = new_router()
+        again = await started(again_router, nc, "b", kind=PurgedWhileLoading)
+        try:
+            assert again.outcomes["snapshot_purged_while_loading"] == 1
+            assert again.outcomes.get("stream_behind_snapshot", 0) == 0, "no worker had to be asked"
+            await applied_all(again, nc)
+            assert index_of(again_router) == index_of(router_a)
+        finally:
+            await again.stop()
+    finally:
+        await a.stop()
 
 
 @given(

@@ -27,7 +27,11 @@
 - Purge: each router records its applied and snapshot sequences in the KV bucket
   ``kv_router_cursors_{ns}`` (entries expire when a router stops refreshing them); after a snapshot,
   stream data below the lowest snapshot sequence of the live routers is purged. A live router never
-  needs anything older than its own snapshot, so nothing a live router needs is ever purged.
+  needs anything older than its own snapshot, so nothing a live router needs is ever purged. A cursor
+  once seen holds the floor until it would have expired, even when a later listing misses it (a key
+  being rewritten can drop out of a listing for a moment: a restarting router rewrites its own just
+  then); a listing that fails purges nothing. A restarting router checks, after recording its cursor,
+  that the stream still reaches back to the snapshot it loaded, and loads again if not.
 """
 
 from __future__ import annotations
@@ -54,7 +58,14 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    NoKeysError,
+    NotFoundError,
+    ObjectNotFoundError,
+)
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -80,6 +91,8 @@ SNAPSHOT_SLICE_S = 0.002
 SNAPSHOT_EVENT_BLOCKS = 256
 # Sliced dumps interrupted in a row by index changes that do not wait for them; the next is one step.
 MAX_INTERRUPTED = 3
+# A restart reloads a snapshot purged from under it at most this many times, then replays what is left.
+MAX_RESTORE_ATTEMPTS = 3
 # msgpack's array header with a 32-bit length (patched once the dump has been counted).
 _ARRAY32 = 0xDD
 
@@ -187,6 +200,9 @@ class DurableEvents:
         self.snapshot_every_events = snapshot_every_events
         self.snapshot_every_s = snapshot_every_s
         self._catch_up_timeout = catch_up_timeout_s
+        self._cursor_ttl = max(60.0, 3 * snapshot_every_s)
+        # Router name -> (snapshot sequence, when last listed): the purge floor's memory.
+        self._cursors_seen: dict[str, tuple[int, float]] = {}
         self._js: JetStreamContext = nc.jetstream()
         self._store: ObjectStore | None = None
         self._cursors: KeyValue | None = None
@@ -212,14 +228,33 @@ class DurableEvents:
         await self._ensure_stream()
         self._store = await self._open_store()
         self._cursors = await self._open_cursors()
-        started = time.perf_counter()
-        snapshot = await self._load_snapshot()
-        loaded = time.perf_counter()
-        if snapshot is not None:
-            self._apply_snapshot(snapshot)
-            log.info("index snapshot: fetched and decoded in %.2f s, applied in %.2f s",
-                     loaded - started, time.perf_counter() - loaded)  # fmt: skip
-        await self._record_cursor()
+        for _ in range(MAX_RESTORE_ATTEMPTS):
+            started = time.perf_counter()
+            snapshot = await self._load_snapshot()
+            loaded = time.perf_counter()
+            if snapshot is not None:
+                self._apply_snapshot(snapshot)
+                log.info("index snapshot: fetched and decoded in %.2f s, applied in %.2f s",
+                         loaded - started, time.perf_counter() - loaded)  # fmt: skip
+            await self._record_cursor()
+            # A peer may have purged past the snapshot before this router's cursor held the floor.
+            if snapshot is None or await self._stream_reaches_back():
+                return
+            log.warning("stream purged past snapshot %s (sequence %d) while it loaded; loading again",
+                        snapshot.router_name, snapshot.stream_seq)  # fmt: skip
+            self._count("snapshot_purged_while_loading")
+            self._discard_restored()
+
+    async def _stream_reaches_back(self) -> bool:
+        info = await self._js.stream_info(self.subjects.events_stream)
+        return info.state.messages == 0 or info.state.first_seq <= self.applied_seq + 1
+
+    def _discard_restored(self) -> None:
+        """Forget a snapshot applied before the event plane started (no worker registered yet)."""
+        for stream in self.router.sequencer.status():
+            self.router.tree.remove_worker(stream.worker_id)
+            self.router.sequencer.forget_worker(stream.worker_id)
+        self.applied_seq = self.snapshot_seq = 0
 
     async def start(self) -> None:
         """After the event plane started (workers registered): replay the stream, then follow it."""
@@ -457,23 +492,46 @@ class DurableEvents:
 
     async def _purge(self) -> None:
         """Drop stream data every live router's snapshot covers."""
-        assert self._cursors is not None
-        floor = self.snapshot_seq
-        try:
-            keys = await self._cursors.keys()
-        except NatsError:  # nats-py raises NoKeysError (a NatsError) for an empty bucket
-            keys = []
-        for key in keys:
-            try:
-                entry = await self._cursors.get(key)
-                cursor = _cursor_decoder.decode(entry.value or b"")
-            except (NatsError, msgspec.DecodeError):
-                continue
-            floor = min(floor, cursor.snapshot_seq)
+        listed = await self._list_cursors()
+        if listed is None:
+            self._count("purge_skipped")
+            return
+        now = time.monotonic()
+        seen = self._cursors_seen
+        for name, snapshot_seq in listed.items():
+            seen[name] = (snapshot_seq, now)
+        for name in [name for name, (_, at) in seen.items() if now - at > self._cursor_ttl]:
+            del seen[name]
+        floor = min([self.snapshot_seq, *(snapshot_seq for snapshot_seq, _ in seen.values())])
         if floor > 0:
             await self._js.purge_stream(self.subjects.events_stream, seq=floor + 1)
             self._count("purges")
             self.outcomes["purged_below"] = floor + 1
+
+    async def _list_cursors(self) -> dict[str, int] | None:
+        """Each listed router's snapshot sequence; None when the bucket could not be read."""
+        assert self._cursors is not None
+        try:
+            keys = await self._cursors.keys()
+        except NoKeysError:
+            return {}
+        except (NatsError, TimeoutError) as exc:
+            log.warning("router cursors unreadable, no purge this time: %s", exc)
+            return None
+        listed = {}
+        for key in keys:
+            try:
+                entry = await self._cursors.get(key)
+            except (KeyNotFoundError, KeyDeletedError):
+                continue  # expired since the listing
+            except (NatsError, TimeoutError) as exc:
+                log.warning("router cursor %s unreadable, no purge this time: %s", key, exc)
+                return None
+            try:
+                listed[key] = _cursor_decoder.decode(entry.value or b"").snapshot_seq
+            except msgspec.DecodeError:
+                self._bad_input.warning("undecodable router cursor", key)
+        return listed
 
     # ------------------------------------------------------------------ events
     async def _on_message(self, message: Msg) -> None:
