@@ -84,8 +84,9 @@ class PredictedCache:
             held.update(zip(reversed(sequence), repeat(expiry)))  # the head most recent, as below
         else:
             self._record_known(rank, held, local_hashes, sequence, expiry)
-        while len(held) > capacity:
-            self._remove(rank, held.popitem(last=False)[0])
+        if len(held) > capacity:  # the least recently routed go, in one removal
+            popitem = held.popitem
+            self._remove(rank, [popitem(last=False)[0] for _ in range(len(held) - capacity)])
         if now - self._swept >= SWEEP_EVERY_S:
             self.sweep(now)
 
@@ -141,17 +142,22 @@ class PredictedCache:
 
     # ------------------------------------------------------------------ internals
     def _expire(self, rank: WorkerRank, held: OrderedDict[int, float], now: float) -> None:
-        while held:
-            block_hash, expiry = next(iter(held.items()))
+        expired = []
+        for block_hash, expiry in held.items():
             if expiry > now:
-                return
+                break
+            expired.append(block_hash)
+        for block_hash in expired:
             del held[block_hash]
-            self._remove(rank, block_hash)
+        self._remove(rank, expired)
 
     def _store(self, rank: WorkerRank, parent: int | None, run: list[tuple[int, int]]) -> None:
         with contextlib.suppress(KvIndexError):  # a parent evicted meanwhile: the run is left out
             self.tree.apply_event(rank[0], stored_event(0, run, parent_hash=parent, dp_rank=rank[1]))
 
-    def _remove(self, rank: WorkerRank, block_hash: int) -> None:
-        with contextlib.suppress(KvIndexError):
-            self.tree.apply_event(rank[0], removed_event(0, [block_hash], dp_rank=rank[1]))
+    def _remove(self, rank: WorkerRank, block_hashes: list[int]) -> None:
+        """One removal event for all of them: the index removes each in turn and reports the missing
+        ones after (an evicted chain's blocks may already be gone), as one event per block would."""
+        if block_hashes:
+            with contextlib.suppress(KvIndexError):
+                self.tree.apply_event(rank[0], removed_event(0, block_hashes, dp_rank=rank[1]))

@@ -115,7 +115,16 @@ def test_predicted_blocks_are_marked_in_the_dump_and_the_metrics(client: TestCli
 
 
 class _TwoPassPredictions(PredictedCache):
-    """The recording as it was before its fast path (a loop over every block): the oracle."""
+    """The recording as it was before its fast path (a loop over every block, a removal per block):
+    the oracle."""
+
+    def _expire(self, rank: WorkerRank, held: OrderedDict[int, float], now: float) -> None:
+        while held:
+            block_hash, expiry = next(iter(held.items()))
+            if expiry > now:
+                return
+            del held[block_hash]
+            self._remove(rank, [block_hash])
 
     def record(self, rank: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None = None) -> None:
         if rank in self._replaced or self._sequencer.has_stream(*rank):
@@ -142,8 +151,8 @@ class _TwoPassPredictions(PredictedCache):
         for block_hash in reversed(sequence):
             held[block_hash] = expiry
             held.move_to_end(block_hash)
-        while len(held) > capacity:
-            self._remove(rank, held.popitem(last=False)[0])
+        while len(held) > capacity:  # one removal a block: the batched one must leave the same index
+            self._remove(rank, [held.popitem(last=False)[0]])
         if now - self._swept >= SWEEP_EVERY_S:
             self.sweep(now)
 
