@@ -175,8 +175,6 @@ class PlaneLifecycle:
             )
             self._nc = nc
             durable = self._durable_events(nc)
-            if durable is not None:
-                await durable.restore()
             plane = RouterEventPlane(
                 self.router,
                 nc,
@@ -185,9 +183,20 @@ class PlaneLifecycle:
                 resync_timeout_s=self.config.resync_timeout_secs,
                 subscribe_events=durable is None,
             )
-            await plane.start()
-            if durable is not None:
-                await durable.start()
+            try:
+                if durable is not None:
+                    await durable.restore()
+                await plane.start()
+                if durable is not None:
+                    await durable.start()
+            except BaseException:
+                # Tried again by the supervisor: from nothing, not on top of this attempt's half.
+                with contextlib.suppress(Exception):  # the connection may be what failed
+                    await plane.stop()
+                if durable is not None:
+                    await durable.stop()
+                    durable.discard()
+                raise
             self.durable = durable
             if self.ha.replica_sync:
                 # Its own connection, without echo: every batch would otherwise come back to its

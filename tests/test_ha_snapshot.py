@@ -6,7 +6,8 @@ dump in one step; stream events that arrive meanwhile wait and are applied after
 the stream restore exactly the index the router has. Changes that do not wait for the dump (an event
 over HTTP) interrupt it, and it is taken again. The stream is never purged past a peer's snapshot, even
 when one listing of the cursors misses it, and a restart whose snapshot was purged while it loaded
-loads a usable one instead.
+loads a usable one instead; so does one whose own snapshot cannot be fetched, or is older than a stream
+purged to its end.
 """
 
 from __future__ import annotations
@@ -287,6 +288,76 @@ async def test_a_snapshot_purged_from_under_a_restart_is_replaced_by_a_usable_on
             assert again.outcomes.get("stream_behind_snapshot", 0) == 0, "no worker had to be asked"
             await applied_all(again, nc)
             assert index_of(again_router) == index_of(router_a)
+        finally:
+            await again.stop()
+    finally:
+        await a.stop()
+
+
+async def test_a_snapshot_whose_fetch_never_ends_is_given_up_for_a_peers(
+    nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    workers = Workers(seed=11)
+    router_a, router_b = new_router(), new_router()
+    a = await started(router_a, nc, "a")
+    b = await started(router_b, nc, "b")
+    try:
+        await publish(nc, list(workers.events(10 * 64)))
+        await applied_all(b, nc)
+        assert await b.write_snapshot()
+        await b.stop()
+        await publish(nc, list(workers.events(20 * 64)))
+        await applied_all(a, nc)
+        assert await a.write_snapshot() and a.snapshot_seq == 30
+        # b's object keeps its description but loses its chunks, as a fetch finds an object its
+        # owner replaced meanwhile: nats-py's fetch then waits forever.
+        bucket = Subjects().snapshot_bucket
+        js = nc.jetstream()
+        info = await (await js.object_store(bucket)).get_info("b")
+        await js.purge_stream(f"OBJ_{bucket}", subject=f"$O.{bucket}.C.{info.nuid}")
+        monkeypatch.setattr(durable, "SNAPSHOT_FETCH_MIN_S", 1.0)
+
+        again_router = new_router()
+        again = await asyncio.wait_for(started(again_router, nc, "b"), 30)
+        try:
+            assert again.outcomes["snapshot_unreadable"] == 1
+            assert again.snapshot_seq == 30, "the peer's snapshot, the next usable one"
+            await applied_all(again, nc)
+            assert index_of(again_router) == index_of(router_a)
+        finally:
+            await again.stop()
+    finally:
+        await a.stop()
+
+
+async def test_on_a_stream_purged_to_its_end_a_stale_snapshot_gives_way_to_a_complete_one(nc: Client) -> None:
+    workers = Workers(seed=12)
+    router_b = new_router()
+    b = await started(router_b, nc, "b")
+    await publish(nc, list(workers.events(10 * 64)))
+    await applied_all(b, nc)
+    assert await b.write_snapshot() and b.snapshot_seq == 10
+    await b.stop()
+    # b stays down past its cursor's TTL; a router that never saw it then purges the whole stream.
+    await (await nc.jetstream().key_value(Subjects().router_cursor_bucket)).purge("b")
+    await publish(nc, list(workers.events(20 * 64)))
+    router_a = new_router()
+    a = await started(router_a, nc, "a")
+    try:
+        await applied_all(a, nc)
+        assert await a.write_snapshot() and a.snapshot_seq == 30
+        state = (await nc.jetstream().stream_info(Subjects().events_stream)).state
+        assert (state.messages, state.first_seq) == (0, 31)
+
+        again_router = new_router()
+        again = await started(again_router, nc, "b")
+        try:
+            assert again.snapshot_seq == 30, "a's snapshot: b's own at 10 misses 11-30"
+            assert again.outcomes.get("stream_behind_snapshot", 0) == 0
+            assert index_of(again_router) == index_of(router_a)
+            # What a failed start leaves is undone before it is tried again.
+            again.discard()
+            assert index_of(again_router) == set() and again_router.sequencer.status() == []
         finally:
             await again.stop()
     finally:

@@ -64,7 +64,6 @@ from nats.js.errors import (
     KeyNotFoundError,
     NoKeysError,
     NotFoundError,
-    ObjectNotFoundError,
 )
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
@@ -91,8 +90,14 @@ SNAPSHOT_SLICE_S = 0.002
 SNAPSHOT_EVENT_BLOCKS = 256
 # Sliced dumps interrupted in a row by index changes that do not wait for them; the next is one step.
 MAX_INTERRUPTED = 3
-# A restart reloads a snapshot purged from under it at most this many times, then replays what is left.
+# A restart reloads a snapshot purged from under it at most this many times, then keeps the last.
 MAX_RESTORE_ATTEMPTS = 3
+# Fetching a snapshot may take this long plus a second per SNAPSHOT_FETCH_BYTES_PER_S of its size: a
+# fetch whose object is replaced meanwhile (its owner wrote a newer one) waits forever in nats-py.
+SNAPSHOT_FETCH_MIN_S = 10.0
+SNAPSHOT_FETCH_BYTES_PER_S = 4 << 20
+# A listing of the snapshot store or of the cursors may take this long (nats-py waits without bound).
+LISTING_TIMEOUT_S = 10.0
 # msgpack's array header with a 32-bit length (patched once the dump has been counted).
 _ARRAY32 = 0xDD
 
@@ -224,11 +229,12 @@ class DurableEvents:
 
     # ------------------------------------------------------------------ lifecycle
     async def restore(self) -> None:
-        """Before the event plane starts: make sure stream and buckets exist, load the snapshot."""
+        """Before the event plane starts: make sure stream and buckets exist, load the snapshot. Raises
+        what NATS raises with nothing applied; once a snapshot is applied, `discard` undoes it."""
         await self._ensure_stream()
         self._store = await self._open_store()
         self._cursors = await self._open_cursors()
-        for _ in range(MAX_RESTORE_ATTEMPTS):
+        for attempt in range(1, MAX_RESTORE_ATTEMPTS + 1):
             started = time.perf_counter()
             snapshot = await self._load_snapshot()
             loaded = time.perf_counter()
@@ -238,29 +244,41 @@ class DurableEvents:
                          loaded - started, time.perf_counter() - loaded)  # fmt: skip
             await self._record_cursor()
             # A peer may have purged past the snapshot before this router's cursor held the floor.
-            if snapshot is None or await self._stream_reaches_back():
-                return
+            if snapshot is None or attempt == MAX_RESTORE_ATTEMPTS or await self._stream_reaches_back():
+                break
             log.warning("stream purged past snapshot %s (sequence %d) while it loaded; loading again",
                         snapshot.router_name, snapshot.stream_seq)  # fmt: skip
             self._count("snapshot_purged_while_loading")
-            self._discard_restored()
+            self.discard()
+        # From now on: a replay of a long stream can outlast the cursor's TTL.
+        self._background.keep_running("cursor", self._cursor_loop)
 
     async def _stream_reaches_back(self) -> bool:
-        info = await self._js.stream_info(self.subjects.events_stream)
-        return info.state.messages == 0 or info.state.first_seq <= self.applied_seq + 1
+        state = (await self._js.stream_info(self.subjects.events_stream)).state
+        return self._covers(self.applied_seq, state.first_seq, state.last_seq)
 
-    def _discard_restored(self) -> None:
-        """Forget a snapshot applied before the event plane started (no worker registered yet)."""
-        for stream in self.router.sequencer.status():
-            self.router.tree.remove_worker(stream.worker_id)
-            self.router.sequencer.forget_worker(stream.worker_id)
+    @staticmethod
+    def _covers(snapshot_seq: int, first_seq: int, last_seq: int) -> bool:
+        """Whether a snapshot at ``snapshot_seq`` and the stream from ``first_seq`` to ``last_seq`` make
+        the whole index: the stream holds what follows the snapshot, and the snapshot is not from a
+        stream that has since been recreated (its sequence past the stream's end)."""
+        return first_seq <= snapshot_seq + 1 <= last_seq + 1
+
+    def discard(self) -> None:
+        """Forget what `restore` applied (and any stream events after it): the index and event
+        streams of every worker it holds, so that a start tried again restores onto nothing."""
+        workers = {stream.worker_id for stream in self.router.sequencer.status()}
+        workers.update(worker_id for worker_id, _ in self.router.tree.workers())
+        for worker_id in workers:
+            self.router.tree.remove_worker(worker_id)
+            self.router.sequencer.forget_worker(worker_id)
         self.applied_seq = self.snapshot_seq = 0
 
     async def start(self) -> None:
         """After the event plane started (workers registered): replay the stream, then follow it."""
         info = await self._js.stream_info(self.subjects.events_stream)
         self._catch_up_target = info.state.last_seq
-        if self.applied_seq and info.state.first_seq > self.applied_seq + 1:
+        if info.state.first_seq > self.applied_seq + 1:
             log.error("stream %s starts at %d but this index covers only up to %d: events are missing; "
                       "asking every worker for its state", self.subjects.events_stream, info.state.first_seq,
                       self.applied_seq)  # fmt: skip
@@ -340,35 +358,40 @@ class DurableEvents:
 
     # ------------------------------------------------------------------ snapshots
     async def _load_snapshot(self) -> IndexSnapshot | None:
-        """This router's snapshot if the stream still reaches back to it, else the newest usable one."""
+        """This router's snapshot if the stream still reaches back to it, else the newest usable one
+        (an unreadable one skipped)."""
         assert self._store is not None
-        info = await self._js.stream_info(self.subjects.events_stream)
-        first_seq = info.state.first_seq
-        candidates: list[tuple[int, str]] = []
+        state = (await self._js.stream_info(self.subjects.events_stream)).state
+        candidates: list[tuple[int, str, int]] = []
         with contextlib.suppress(NotFoundError):
-            for entry in await self._store.list():
+            for entry in await asyncio.wait_for(self._store.list(), LISTING_TIMEOUT_S):
                 if entry.deleted:
                     continue
                 try:
                     seq = int(entry.description or "")
                 except ValueError:
                     continue
-                candidates.append((seq, entry.name))
-        usable = [(seq, name) for seq, name in candidates if seq + 1 >= first_seq or info.state.messages == 0]
-        own = [candidate for candidate in usable if candidate[1] == self.router_name]
-        for seq, name in own or sorted(usable, reverse=True):
+                candidates.append((seq, entry.name, entry.size or 0))
+        usable = sorted(
+            (candidate for candidate in candidates if self._covers(candidate[0], state.first_seq, state.last_seq)),
+            key=lambda candidate: (candidate[1] != self.router_name, -candidate[0]),
+        )
+        for seq, name, size in usable:
             try:
                 # Into a buffer: without one, nats-py concatenates the chunks (quadratic in the size).
                 buffer = io.BytesIO()
-                await self._store.get(name, writeinto=buffer)
+                timeout = SNAPSHOT_FETCH_MIN_S + size / SNAPSHOT_FETCH_BYTES_PER_S
+                await asyncio.wait_for(self._store.get(name, writeinto=buffer), timeout)
                 snapshot = _snapshot_decoder.decode(buffer.getbuffer())
-            except (ObjectNotFoundError, msgspec.DecodeError) as exc:
-                log.warning("snapshot %s (stream sequence %d) unreadable: %s", name, seq, exc)
+            except (NatsError, TimeoutError, msgspec.DecodeError) as exc:
+                log.warning("snapshot %s (stream sequence %d) unreadable: %s", name, seq, exc or type(exc).__name__)
+                self._count("snapshot_unreadable")
                 continue
             log.info("loading index snapshot %s at stream sequence %d (%d events)", name, seq, len(snapshot.events))
             return snapshot
         if candidates:
-            log.warning("no usable index snapshot (stream starts at %d); replaying the stream", first_seq)
+            log.warning("no usable index snapshot (stream from %d to %d); replaying the stream",
+                        state.first_seq, state.last_seq)  # fmt: skip
         return None
 
     def _apply_snapshot(self, snapshot: IndexSnapshot) -> None:
@@ -470,8 +493,6 @@ class DurableEvents:
 
     async def _snapshot_loop(self) -> None:
         last = time.monotonic()
-        refresh_every = max(1.0, min(self.snapshot_every_s, 20.0))
-        last_refresh = last
         while True:
             await asyncio.sleep(min(1.0, self.snapshot_every_s))
             now = time.monotonic()
@@ -479,10 +500,15 @@ class DurableEvents:
                 self._events_since_snapshot > 0 and now - last >= self.snapshot_every_s
             )
             if due and self.applied_seq > self.snapshot_seq and await self.write_snapshot():
-                last = last_refresh = now
-            elif now - last_refresh >= refresh_every:
-                await self._record_cursor()  # stay among the live routers
-                last_refresh = now
+                last = now
+
+    async def _cursor_loop(self) -> None:
+        """Stay among the live routers: the cursor refreshed well within its TTL, from the restore on
+        (a replay or a slow snapshot must not let it expire)."""
+        refresh_every = max(1.0, min(self.snapshot_every_s, 20.0))
+        while True:
+            await asyncio.sleep(refresh_every)
+            await self._record_cursor()
 
     # ------------------------------------------------------------------ purge
     async def _record_cursor(self) -> None:
@@ -512,7 +538,7 @@ class DurableEvents:
         """Each listed router's snapshot sequence; None when the bucket could not be read."""
         assert self._cursors is not None
         try:
-            keys = await self._cursors.keys()
+            keys = await asyncio.wait_for(self._cursors.keys(), LISTING_TIMEOUT_S)
         except NoKeysError:
             return {}
         except (NatsError, TimeoutError) as exc:
