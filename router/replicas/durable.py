@@ -21,9 +21,9 @@
   index during the dump (an event over HTTP, a resync's answer, a worker removed) moves
   `RadixTree.changes`, and that attempt is dropped and tried again (after ``MAX_INTERRUPTED`` in a
   row, the dump is read in one step).
-- Restart: load the router's own snapshot (or, when it has none or the stream no longer reaches back
-  to it, the newest usable one), restore index and positions, replay the stream from the next sequence,
-  and only then serve. No worker needs to answer anything.
+- Restart: load the router's own snapshot (or, when it has none, cannot fetch it, or the stream no
+  longer reaches back to it, the newest usable one), restore index and positions, replay the stream
+  from the next sequence, and only then serve. No worker needs to answer anything.
 - Purge: each router records its applied and snapshot sequences in the KV bucket
   ``kv_router_cursors_{ns}`` (entries expire when a router stops refreshing them); after a snapshot,
   stream data below the lowest snapshot sequence of the live routers is purged. A live router never
