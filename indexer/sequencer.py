@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from indexer.errors import KvIndexError
@@ -399,12 +399,17 @@ class EventSequencer:
         return self._start_resync(key, stream, start=None)
 
     def restore_snapshot(
-        self, events: Iterable[RouterEvent], positions: Iterable[tuple[int, int, int | None, bool]]
+        self,
+        events: Iterable[RouterEvent],
+        positions: Iterable[tuple[int, int, int | None, bool]],
+        epochs: Mapping[int, str] | None = None,
     ) -> int:
         """Load an index snapshot into an index that holds nothing of its streams yet: its dump events
         applied (the index's state, outside any stream's order; a rejected one counted as any event's),
         then each stream, given as ``(worker_id, dp_rank, last_event_id, trusted)``, resumed where the
-        snapshot left it. Returns the events applied (``snapshot_applied``)."""
+        snapshot left it, and each worker's publisher epoch (`epochs`) as it was then (so that a
+        publisher restarted since is told from a replay of old ids). Returns the events applied
+        (``snapshot_applied``)."""
         applied = 0
         index = self.index
         for event in events:
@@ -417,7 +422,13 @@ class EventSequencer:
         self.outcomes["snapshot_applied"] += applied
         for worker_id, dp_rank, last_event_id, trusted in positions:
             self._restore_stream(worker_id, dp_rank, last_event_id, trusted)
+        if epochs:
+            self._epochs.update(epochs)
         return applied
+
+    def epochs(self) -> dict[int, str]:
+        """Each worker's publisher epoch, as far as its events said (a copy)."""
+        return dict(self._epochs)
 
     def _restore_stream(self, worker_id: int, dp_rank: int, last_event_id: int | None, trusted: bool) -> None:
         """Resume a stream where an index snapshot left it (the index holds its state up to there)."""

@@ -7,7 +7,8 @@ the stream restore exactly the index the router has. Changes that do not wait fo
 over HTTP) interrupt it, and it is taken again. The stream is never purged past a peer's snapshot, even
 when one listing of the cursors misses it, and a restart whose snapshot was purged while it loaded
 loads a usable one instead; so does one whose own snapshot cannot be fetched, or is older than a stream
-purged to its end.
+purged to its end. A worker's publisher epoch survives the restart, so a worker restarted meanwhile is
+told from a replay of its old ids.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from indexer.events import RouterEvent, encode_router_events, stored_event
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
-from router.event_plane.subjects import Subjects
+from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.kv_router import KvRouter
 from router.replicas import durable
 from router.replicas.durable import DurableEvents
@@ -358,6 +359,42 @@ async def test_on_a_stream_purged_to_its_end_a_stale_snapshot_gives_way_to_a_com
             # What a failed start leaves is undone before it is tried again.
             again.discard()
             assert index_of(again_router) == set() and again_router.sequencer.status() == []
+        finally:
+            await again.stop()
+    finally:
+        await a.stop()
+
+
+async def publish_as(nc: Client, epoch: str, events: list[RouterEvent]) -> None:
+    """As a worker's publisher does: its epoch in a header beside each message."""
+    subjects = Subjects()
+    for event in events:
+        payload = encode_router_events(event, msgpack=True)
+        await nc.publish(subjects.events(event.worker_id), payload, headers={EPOCH_HEADER: epoch})
+    await nc.flush()
+
+
+async def test_a_worker_restarted_while_the_router_was_down_is_told_by_its_epoch(nc: Client) -> None:
+    before, after = Workers(seed=13), Workers(seed=14)  # the restarted worker numbers from 1 again
+    router_a, router_b = new_router(), new_router()
+    a = await started(router_a, nc, "a")
+    b = await started(router_b, nc, "b")
+    try:
+        await publish_as(nc, "first", [before.event(1, 8) for _ in range(10)])
+        await applied_all(b, nc)
+        assert await b.write_snapshot()
+        await b.stop()
+        await publish_as(nc, "second", [after.event(1, 8) for _ in range(4)])
+        await applied_all(a, nc)
+        assert index_of(router_a) and all(row[0] == 1 for row in index_of(router_a))
+
+        again_router = new_router()
+        again = await started(again_router, nc, "b")
+        try:
+            await applied_all(again, nc)
+            # The second epoch's ids 1-4 are new events, not repeats of the first's 1-10.
+            assert index_of(again_router) == index_of(router_a)
+            assert again_router.sequencer.outcomes["publisher_restarts"] == 1
         finally:
             await again.stop()
     finally:

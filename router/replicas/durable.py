@@ -71,7 +71,7 @@ from nats.js.object_store import ObjectStore
 from indexer.errors import EventDecodeError
 from indexer.events import NonNegative, RouterEvent, decode_router_events
 from router.event_plane.ratelimited_log import RateLimitedLog
-from router.event_plane.subjects import Subjects
+from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.kv_router import KvRouter
 from router.supervision import Supervisor
 
@@ -109,6 +109,8 @@ class StreamPosition(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     dp_rank: NonNegative
     last_event_id: NonNegative | None
     trusted: bool
+    # The worker's publisher epoch then (absent from snapshots written before it was kept).
+    epoch: str | None = None
 
 
 class IndexSnapshot(msgspec.Struct, kw_only=True):
@@ -396,7 +398,8 @@ class DurableEvents:
 
     def _apply_snapshot(self, snapshot: IndexSnapshot) -> None:
         positions = [(p.worker_id, p.dp_rank, p.last_event_id, p.trusted) for p in snapshot.positions]
-        restored = self.router.sequencer.restore_snapshot(snapshot.events, positions)
+        epochs = {p.worker_id: p.epoch for p in snapshot.positions if p.epoch is not None}
+        restored = self.router.sequencer.restore_snapshot(snapshot.events, positions, epochs)
         self.applied_seq = self.snapshot_seq = snapshot.stream_seq
         self._count("restored_events", restored)
 
@@ -406,12 +409,14 @@ class DurableEvents:
         status = self.router.sequencer.status()
         if any(stream.resyncing for stream in status):
             return None
+        epochs = self.router.sequencer.epochs()
         return [
             StreamPosition(
                 worker_id=stream.worker_id,
                 dp_rank=stream.dp_rank,
                 last_event_id=stream.last_event_id,
                 trusted=stream.trusted,
+                epoch=epochs.get(stream.worker_id),
             )
             for stream in status
         ]
@@ -574,7 +579,8 @@ class DurableEvents:
             self.router.sequencer.count_undecodable()
             self._bad_input.warning("undecodable KV event", f"stream sequence {seq}: {exc}")
         else:
-            self.router.sequencer.ingest(events)
+            headers = message.headers  # the publisher's epoch, as on the core subscription
+            self.router.sequencer.ingest(events, epoch=headers.get(EPOCH_HEADER) if headers else None)
         self.applied_seq = seq
         self._events_since_snapshot += 1
         self._count("stream_messages")
