@@ -1,14 +1,16 @@
-"""Writing an index snapshot (``--durable-events``) never holds the event loop for long.
+"""Index snapshots and restarts of ``--durable-events``, in process on a real nats-server with a file store.
 
-In-process `DurableEvents` on a real nats-server with a file store: while the snapshot of a large index
-is written, decisions keep answering and no single loop stall comes near the cost of reading the
-dump in one step; stream events that arrive meanwhile wait and are applied after; the snapshot and
-the stream restore exactly the index the router has. Changes that do not wait for the dump (an event
-over HTTP) interrupt it, and it is taken again. The stream is never purged past a peer's snapshot, even
-when one listing of the cursors misses it, and a restart whose snapshot was purged while it loaded
-loads a usable one instead; so does one whose own snapshot cannot be fetched, or is older than a stream
-purged to its end. A worker's publisher epoch survives the restart, so a worker restarted meanwhile is
-told from a replay of its old ids.
+Writing a snapshot never holds the event loop for long: while the snapshot of a large index is written,
+decisions keep answering and no single loop stall comes near the cost of reading the dump in one step;
+stream events that arrive meanwhile wait and are applied after; the snapshot and the stream restore
+exactly the index the router has. Changes that do not wait for the dump (an event over HTTP) interrupt
+it, and it is taken again.
+
+Restarts: the stream is never purged past a peer's snapshot, even when one listing of the cursors
+misses it; a restart whose snapshot was purged while it loaded, whose own snapshot cannot be fetched,
+or whose own is older than a stream purged to its end loads a usable one instead; a snapshot no
+restart can use any more is deleted; a worker's publisher epoch survives the restart, so a worker
+restarted meanwhile is told from a replay of its old ids.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.client import Client
+from nats.js.api import ObjectMeta
 
 from indexer.events import RouterEvent, encode_router_events, stored_event
 from router.config import RouterConfig
@@ -339,6 +342,8 @@ async def test_on_a_stream_purged_to_its_end_a_stale_snapshot_gives_way_to_a_com
     await applied_all(b, nc)
     assert await b.write_snapshot() and b.snapshot_seq == 10
     await b.stop()
+    store = await nc.jetstream().object_store(Subjects().snapshot_bucket)
+    stale = (await store.get("b")).data
     # b stays down past its cursor's TTL; a router that never saw it then purges the whole stream.
     await (await nc.jetstream().key_value(Subjects().router_cursor_bucket)).purge("b")
     await publish(nc, list(workers.events(20 * 64)))
@@ -349,6 +354,11 @@ async def test_on_a_stream_purged_to_its_end_a_stale_snapshot_gives_way_to_a_com
         assert await a.write_snapshot() and a.snapshot_seq == 30
         state = (await nc.jetstream().stream_info(Subjects().events_stream)).state
         assert (state.messages, state.first_seq) == (0, 31)
+        # b's snapshot is of no use to any restart now: deleted with the purge.
+        assert a.outcomes["stale_snapshots_deleted"] == 1
+        assert [entry.name for entry in await store.list() if not entry.deleted] == ["a"]
+        # Put back, as a router that could not delete it would leave it: a restart must not take it.
+        await store.put("b", stale, meta=ObjectMeta(description="10"))
 
         again_router = new_router()
         again = await started(again_router, nc, "b")

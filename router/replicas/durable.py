@@ -494,6 +494,7 @@ class DurableEvents:
         self.outcomes["last_snapshot_bytes"] = size
         await self._record_cursor()
         await self._purge()
+        await self._delete_stale_snapshots()
         return True
 
     async def _snapshot_loop(self) -> None:
@@ -563,6 +564,28 @@ class DurableEvents:
             except msgspec.DecodeError:
                 self._bad_input.warning("undecodable router cursor", key)
         return listed
+
+    async def _delete_stale_snapshots(self) -> None:
+        """Drop the snapshots no restart can use any more (the stream no longer holds what follows
+        them): a router renamed on every restart, as a Deployment's pods are, leaves one each time."""
+        assert self._store is not None
+        try:
+            state = (await self._js.stream_info(self.subjects.events_stream)).state
+            entries = await asyncio.wait_for(self._store.list(), LISTING_TIMEOUT_S)
+            for entry in entries:
+                try:
+                    seq = int(entry.description or "")
+                except ValueError:
+                    continue
+                if not entry.deleted and not self._covers(seq, state.first_seq, state.last_seq):
+                    await self._store.delete(entry.name)
+                    self._count("stale_snapshots_deleted")
+                    log.info("deleted snapshot %s (stream sequence %d): the stream starts at %d",
+                             entry.name, seq, state.first_seq)  # fmt: skip
+        except NotFoundError:  # nats-py's answer for an empty store
+            return
+        except (NatsError, TimeoutError) as exc:
+            self._bad_input.warning("stale snapshots not deleted", str(exc) or type(exc).__name__)
 
     # ------------------------------------------------------------------ events
     async def _on_message(self, message: Msg) -> None:
