@@ -316,6 +316,8 @@ class PlaneLifecycle:
                     self.url, outage, streams)  # fmt: skip
         if plane is not None:
             await plane.on_reconnected()
+        if self.durable is not None:
+            self.durable.on_reconnected()
 
     async def _async_error(self, error: Exception) -> None:
         self.last_error = f"{type(error).__name__}: {error}"

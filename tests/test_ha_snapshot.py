@@ -375,6 +375,21 @@ async def test_on_a_stream_purged_to_its_end_a_stale_snapshot_gives_way_to_a_com
         await a.stop()
 
 
+async def test_after_a_reconnect_nothing_is_purged_until_every_router_could_record_its_cursor(nc: Client) -> None:
+    # Every cursor may have expired while NATS was out of reach (the plane calls this on a reconnect).
+    workers = Workers(seed=15)
+    a = await started(new_router(), nc, "a")
+    try:
+        await publish(nc, list(workers.events(10 * 64)))
+        await applied_all(a, nc)
+        a.on_reconnected()
+        assert await a.write_snapshot() and a.snapshot_seq == 10
+        assert a.outcomes["purge_deferred"] == 1
+        assert await stream_first_seq(nc) == 1, "nothing purged yet"
+    finally:
+        await a.stop()
+
+
 async def publish_as(nc: Client, epoch: str, events: list[RouterEvent]) -> None:
     """As a worker's publisher does: its epoch in a header beside each message."""
     subjects = Subjects()

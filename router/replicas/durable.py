@@ -208,6 +208,8 @@ class DurableEvents:
         self.snapshot_every_s = snapshot_every_s
         self._catch_up_timeout = catch_up_timeout_s
         self._cursor_ttl = max(60.0, 3 * snapshot_every_s)
+        self._refresh_every = max(1.0, min(snapshot_every_s, 20.0))  # well within the TTL
+        self._purge_not_before = 0.0  # monotonic; after a reconnect, until the routers recorded again
         # Router name -> (snapshot sequence, when last listed): the purge floor's memory.
         self._cursors_seen: dict[str, tuple[int, float]] = {}
         self._js: JetStreamContext = nc.jetstream()
@@ -511,10 +513,16 @@ class DurableEvents:
     async def _cursor_loop(self) -> None:
         """Stay among the live routers: the cursor refreshed well within its TTL, from the restore on
         (a replay or a slow snapshot must not let it expire)."""
-        refresh_every = max(1.0, min(self.snapshot_every_s, 20.0))
         while True:
-            await asyncio.sleep(refresh_every)
+            await asyncio.sleep(self._refresh_every)
             await self._record_cursor()
+
+    def on_reconnected(self) -> None:
+        """NATS was out of reach: every router's cursor may have expired meanwhile (and this one's
+        memory of them aged), so no purge until each live router has had time to record its own again;
+        this one's is recorded at once."""
+        self._purge_not_before = time.monotonic() + 2 * self._refresh_every
+        self._background.spawn("cursor-after-reconnect", self._record_cursor())
 
     # ------------------------------------------------------------------ purge
     async def _record_cursor(self) -> None:
@@ -524,6 +532,9 @@ class DurableEvents:
 
     async def _purge(self) -> None:
         """Drop stream data every live router's snapshot covers."""
+        if time.monotonic() < self._purge_not_before:
+            self._count("purge_deferred")
+            return
         listed = await self._list_cursors()
         if listed is None:
             self._count("purge_skipped")
