@@ -259,19 +259,32 @@ async def test_a_peer_cursor_missing_from_one_listing_still_holds_the_purge_floo
         await b.stop()
 
 
-async def test_a_snapshot_purged_from_under_a_restart_is_replaced_by_a_usable_one(nc: Client) -> None:
-    workers = Workers(seed=10)
+async def a_peer_ahead_of_b(nc: Client, workers: Workers) -> tuple[KvRouter, DurableEvents]:
+    """Router b snapshots at stream sequence 10 and stops; router a, still running (returned), goes on
+    to 30 and snapshots there."""
     router_a, router_b = new_router(), new_router()
     a = await started(router_a, nc, "a")
-    b = await started(router_b, nc, "b")
     try:
-        await publish(nc, list(workers.events(10 * 64)))
-        await applied_all(b, nc)
-        assert await b.write_snapshot()
-        await b.stop()
+        b = await started(router_b, nc, "b")
+        try:
+            await publish(nc, list(workers.events(10 * 64)))
+            await applied_all(b, nc)
+            assert await b.write_snapshot() and b.snapshot_seq == 10
+        finally:
+            await b.stop()
         await publish(nc, list(workers.events(20 * 64)))
         await applied_all(a, nc)
         assert await a.write_snapshot() and a.snapshot_seq == 30
+    except BaseException:
+        await a.stop()
+        raise
+    return router_a, a
+
+
+async def test_a_snapshot_purged_from_under_a_restart_is_replaced_by_a_usable_one(nc: Client) -> None:
+    workers = Workers(seed=10)
+    router_a, a = await a_peer_ahead_of_b(nc, workers)
+    try:
         await publish(nc, list(workers.events(10 * 64)))
         await applied_all(a, nc)
 
@@ -301,18 +314,8 @@ async def test_a_snapshot_purged_from_under_a_restart_is_replaced_by_a_usable_on
 async def test_a_snapshot_whose_fetch_never_ends_is_given_up_for_a_peers(
     nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    workers = Workers(seed=11)
-    router_a, router_b = new_router(), new_router()
-    a = await started(router_a, nc, "a")
-    b = await started(router_b, nc, "b")
+    router_a, a = await a_peer_ahead_of_b(nc, Workers(seed=11))
     try:
-        await publish(nc, list(workers.events(10 * 64)))
-        await applied_all(b, nc)
-        assert await b.write_snapshot()
-        await b.stop()
-        await publish(nc, list(workers.events(20 * 64)))
-        await applied_all(a, nc)
-        assert await a.write_snapshot() and a.snapshot_seq == 30
         # b's object keeps its description but loses its chunks, as a fetch finds an object its
         # owner replaced meanwhile: nats-py's fetch then waits forever.
         bucket = Subjects().snapshot_bucket
