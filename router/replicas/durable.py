@@ -312,7 +312,21 @@ class DurableEvents:
                       self._catch_up_target, self._catch_up_timeout, self.applied_seq)  # fmt: skip
         log.info("durable events: replayed up to stream sequence %d in %.2f s", self.applied_seq,
                  time.monotonic() - started)  # fmt: skip
+        self._drop_unregistered()
         self._background.keep_running("snapshots", self._snapshot_loop)
+
+    def _drop_unregistered(self) -> None:
+        """Workers the snapshot holds that left while this router was down: never routed to again
+        (one that comes back starts afresh, as any registration), so their blocks go rather than
+        being carried from snapshot to snapshot."""
+        router = self.router
+        gone = sorted({worker_id for worker_id, _ in router.tree.workers() if not router.has_worker(worker_id)})
+        for worker_id in gone:
+            router.tree.remove_worker(worker_id)
+            router.sequencer.forget_worker(worker_id)
+        if gone:
+            log.info("snapshot workers no longer registered, their index dropped: %s", gone)
+            self._count("unregistered_workers_dropped", len(gone))
 
     async def stop(self) -> None:
         await self._background.stop()
