@@ -379,7 +379,6 @@ class DurableEvents:
         """This router's snapshot if the stream still reaches back to it, else the newest usable one
         (an unreadable one skipped)."""
         assert self._store is not None
-        state = (await self._js.stream_info(self.subjects.events_stream)).state
         candidates: list[tuple[int, str, int]] = []
         with contextlib.suppress(NotFoundError):
             for entry in await asyncio.wait_for(self._store.list(), LISTING_TIMEOUT_S):
@@ -390,6 +389,8 @@ class DurableEvents:
                 except ValueError:
                     continue
                 candidates.append((seq, entry.name, entry.size or 0))
+        # Read after the listing: a snapshot a peer wrote meanwhile is within the stream's end.
+        state = (await self._js.stream_info(self.subjects.events_stream)).state
         usable = sorted(
             (candidate for candidate in candidates if self._covers(candidate[0], state.first_seq, state.last_seq)),
             key=lambda candidate: (candidate[1] != self.router_name, -candidate[0]),
@@ -595,8 +596,9 @@ class DurableEvents:
         them): a router renamed on every restart, as a Deployment's pods are, leaves one each time."""
         assert self._store is not None
         try:
-            state = (await self._js.stream_info(self.subjects.events_stream)).state
             entries = await asyncio.wait_for(self._store.list(), LISTING_TIMEOUT_S)
+            # Read after the listing: a snapshot a peer wrote meanwhile is within the stream's end.
+            state = (await self._js.stream_info(self.subjects.events_stream)).state
             for entry in entries:
                 try:
                     seq = int(entry.description or "")
