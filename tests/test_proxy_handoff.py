@@ -218,6 +218,42 @@ async def test_a_failing_prefill_leg_is_retried_on_another_prefill_worker(
 
 
 @pytest.mark.parametrize("style", STYLES)
+async def test_a_prefill_leg_that_succeeds_resets_its_workers_circuit_breaker(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    """As a decode worker's answer does: failures far apart never add up to an open circuit, and a
+    half-open one closes on its prefill worker's success."""
+    config = {"worker_breaker_failures": 2, "worker_breaker_open_secs": 0.2}
+    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, router=config) as f:
+        f.router.health.failed(1, "an earlier failure")
+        assert f.router.health.availability(1).consecutive_failures == 1
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=2)
+        assert raw.headers["x-kv-router-prefill-worker"] == "1"
+        assert f.router.health.availability(1).consecutive_failures == 0
+
+        f.router.health.failed(1, "two failures")
+        assert f.router.health.failed(1, "in a row") == "open"
+        await eventually(lambda: f.router.health.state(1) == "half_open")
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG[::-1], max_tokens=2)
+        assert raw.headers["x-kv-router-prefill-worker"] == "1"
+        assert f.router.health.state(1) == "closed"
+        await eventually(lambda: idle(f.router))
+
+
+async def test_a_pin_to_a_prefill_worker_for_the_whole_request_is_refused_as_json(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}) as f:
+        body = {"model": MODEL, "prompt": LONG, "max_tokens": 2, "nvext": {"backend_instance_id": 1}}
+        async with httpx.AsyncClient() as http:
+            answer = await http.post(f"{f.url}/v1/completions", json=body)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error" and "worker 1" in error["message"], error
+        metrics = await scrape(f.url)
+        assert sample(metrics, "kv_router_proxy_requests_total", route="completions", outcome="bad_request") == 1.0
+        assert idle(f.router)
+
+
+@pytest.mark.parametrize("style", STYLES)
 async def test_a_decode_leg_failing_before_its_first_token_frees_the_prefill_booking(
     nats_server: EmbeddedNats, style: HandoffStyle
 ) -> None:

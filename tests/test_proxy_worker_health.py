@@ -5,6 +5,8 @@ health checks (a worker that stops answering ``/health`` leaves routing and come
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -14,7 +16,7 @@ import pytest
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.gate_worker import Gate, register, served
 from tests.metrics import sample
-from tests.proxy_fleet import MODEL, Fleet, fleet, idle
+from tests.proxy_fleet import MODEL, Fleet, fleet, idle, raw_worker
 from tests.test_api_proxy import stored_event
 from tests.waiting import eventually
 
@@ -129,6 +131,59 @@ async def test_a_worker_that_stops_answering_its_health_checks_leaves_routing_an
             assert len(back.arrivals) == 1
             assert await metric(f, "kv_router_worker_health_check_passing", worker_id="9") == 1.0
         assert idle(f.router)
+
+
+async def test_a_worker_failing_its_checks_registered_again_is_out_of_routing_again(nats_server: EmbeddedNats) -> None:
+    """Removing a worker forgets its verdict; registered again (same id, same URL) before the checks'
+    next look at the registrations, it gets a new probe, whose first verdict is reported."""
+    checks = {
+        "proxy_health_check_interval_secs": 0.5,
+        "proxy_health_check_timeout_secs": 0.2,
+        "proxy_health_check_failures": 1,
+        "proxy_health_check_successes": 1,
+    }
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    async with fleet(nats_server.url, (1,), proxy=checks) as f:
+
+        async def check_is(verdict: str) -> bool:
+            return (await worker_status(f, 9))["availability"]["health_check"] == verdict
+
+        await register(f, 9, url)
+        await eventually(lambda: check_is("failing"), what="worker 9 failing its checks")
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.delete("/v1/workers/9")).status_code in (200, 204)
+        await register(f, 9, url)
+        await eventually(lambda: check_is("failing"), what="worker 9 failing its checks again")
+        assert (await worker_status(f, 9))["availability"]["routable"] is False
+
+
+async def test_chats_are_tokenized_by_workers_in_routing_only(nats_server: EmbeddedNats) -> None:
+    """Without local tokenizer files a chat is tokenized by a worker's /tokenize: never by one out of
+    routing (a hung one would hold every other chat for the read timeout)."""
+    checks = {"proxy_health_check_interval_secs": 0.2, "proxy_health_check_timeout_secs": 0.2,
+              "proxy_health_check_failures": 1, "proxy_read_timeout_secs": 5}  # fmt: skip
+    asked: list[bytes] = []
+    done = asyncio.Event()
+
+    async def hung(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                asked.append((await reader.readuntil(b"\r\n")).strip())
+                await done.wait()  # never answers, its health checks included
+        finally:
+            writer.close()
+
+    async with fleet(nats_server.url, (1,), proxy=checks) as f, raw_worker(hung) as url:
+        await register(f, 9, url)
+        await eventually(lambda: f.router.health.availability(9).health_check == "failing", what="worker 9 failing")
+        for turn in range(4):
+            chat = await f.client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"turn {turn}"}], max_tokens=2
+            )
+            assert chat.choices[0].message.content
+        assert [line for line in asked if not line.startswith(b"GET /health")] == []
+        assert idle(f.router)
+        done.set()
 
 
 async def test_with_every_worker_out_of_routing_the_answer_is_a_503_saying_when_to_come_back(

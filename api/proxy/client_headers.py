@@ -74,7 +74,7 @@ def _valid_id(value: bytes) -> bool:
 class WithHeaders:
     """A `StreamCall` whose every answer carries ``extra`` headers too."""
 
-    __slots__ = ("_call", "_extra", "authorization", "body", "head", "timeline")
+    __slots__ = ("_call", "_extra", "answered", "authorization", "body", "head", "timeline")
 
     def __init__(self, call: StreamCall, extra: Headers, timeline: Timeline | None = None) -> None:
         self._call = call
@@ -83,14 +83,17 @@ class WithHeaders:
         self.body = call.body
         self.authorization = call.authorization
         self.head = call.head
+        self.answered = False  # a head went out: the answer can no longer be another
 
     def is_disconnected(self) -> bool:
         return self._call.is_disconnected()
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        self.answered = True
         await self._call.whole(status, [*headers, *self._extra], body)
 
     def begin(self, status: int, headers: Headers) -> Sink:
+        self.answered = True
         return self._call.begin(status, [*headers, *self._extra])
 
     async def end(self, last: bytes = b"") -> None:

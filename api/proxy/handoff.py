@@ -109,9 +109,14 @@ class Handoff:
     """The proxy's runner of two-leg requests: its router (for the prefill booking), upstream client
     and counter ``kv_router_proxy_handoffs_total{style,outcome}``."""
 
-    def __init__(self, router: KvRouter, upstream: Upstream, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, router: KvRouter, upstream: Upstream, registry: CollectorRegistry, answered: Callable[[int], None]
+    ) -> None:
+        """``answered``: told the id of a prefill worker whose leg succeeded (its circuit breaker's count
+        of failures starts again, as a decode worker's does)."""
         self.router = router
         self.upstream = upstream
+        self._answered = answered
         self._counter = Counter(
             f"{PREFIX}_proxy_handoffs",
             "Remote prefills the proxy ran, by hand-off style (kv_transfer_params, bootstrap, sequential) and "
@@ -140,7 +145,7 @@ class Handoff:
             if legs.style == "bootstrap":
                 return await self._bootstrap(legs, path, body, headers, reply, forward)
             if legs.style == "sequential":
-                await self._prefill_leg(legs, path, _prefill_body(body, None), headers)
+                await self._answered_prefill(legs, path, _prefill_body(body, None), headers)
                 decode_body = body
             else:
                 decode_body = await self._remote_decode_prefill(legs, path, body, headers)
@@ -163,6 +168,7 @@ class Handoff:
         if not isinstance(params, dict):
             self._count(legs, "prefill_failed")
             raise PrefillFailed(legs.prefill.worker_id, "its answer has no kv_transfer_params (is it a P/D engine?)")
+        self._answered(legs.prefill.worker_id)
         decode_request = _decode(body)
         decode_request["kv_transfer_params"] = params
         return _encode(decode_request)
@@ -179,13 +185,17 @@ class Handoff:
         request["bootstrap_room"] = secrets.randbits(63)
         both = _encode(request)
         watched = _Watched(reply)
-        prefill = asyncio.ensure_future(self._prefill_leg(legs, path, both, headers))
+        prefill = asyncio.ensure_future(self._answered_prefill(legs, path, both, headers))
         decode = asyncio.ensure_future(forward(both, watched))
         try:
             try:
                 await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
                 if prefill.done() and prefill.exception() is not None and not watched.answered:
-                    decode.cancel()  # it would wait for KV that is not coming
+                    # It would wait for KV that is not coming. Given up first: an answer its connection
+                    # brings before the cancellation lands must not reach the client, who gets the
+                    # request's next attempt instead.
+                    watched.given_up = True
+                    decode.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await decode
                     prefill.result()  # raises the PrefillFailed
@@ -212,6 +222,12 @@ class Handoff:
                 leg.add_done_callback(_retrieve)
 
     # ------------------------------------------------------------------ the prefill leg
+    async def _answered_prefill(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
+        """`_prefill_leg`, its worker told it answered."""
+        content = await self._prefill_leg(legs, path, body, headers)
+        self._answered(legs.prefill.worker_id)
+        return content
+
     async def _prefill_leg(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
         """Send the prefill leg and read its whole answer; its booking is freed once it is in. Raises
         `PrefillFailed`."""
@@ -275,7 +291,7 @@ class _Watched:
     """The client's answer, noting whether any of it went out (the decode leg may then no longer be
     given up for a failing prefill leg)."""
 
-    __slots__ = ("answered", "authorization", "body", "head", "reply", "sink", "whole_sent")
+    __slots__ = ("answered", "authorization", "body", "given_up", "head", "reply", "sink", "whole_sent")
 
     def __init__(self, reply: StreamCall) -> None:
         self.reply = reply
@@ -285,16 +301,21 @@ class _Watched:
         self.head = reply.head
         self.answered = False
         self.whole_sent = False
+        self.given_up = False  # the decode leg is being cancelled: what it still brings is dropped
 
     def is_disconnected(self) -> bool:
         return self.reply.is_disconnected()
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        if self.given_up:
+            return
         self.answered = True
         await self.reply.whole(status, headers, body)
         self.whole_sent = True
 
     def begin(self, status: int, headers: Headers) -> Sink:
+        if self.given_up:
+            return _DROPPED
         self.answered = True
         sink = self.sink = _LastPiece(self.reply.begin(status, headers))
         return sink
@@ -306,6 +327,19 @@ class _Watched:
     def finished(self) -> bool:
         """Whether the client has had its whole answer, or the stream's last event."""
         return self.whole_sent or (self.sink is not None and finished_stream(self.sink.last))
+
+
+class _Dropped:
+    """The sink of a decode leg given up: nothing reaches the client."""
+
+    def write(self, data: bytes) -> bool:
+        return False
+
+    def when_drained(self, resume: Callable[[], None]) -> None:
+        resume()
+
+
+_DROPPED = _Dropped()
 
 
 class _LastPiece:

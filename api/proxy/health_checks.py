@@ -33,7 +33,9 @@ class WorkerHealthChecks:
     def __init__(self, router: KvRouter, config: ProxyConfig) -> None:
         self._router = router
         self._config = config
-        self._probes: dict[int, HealthProbe] = {}
+        # Each probe with the registration it was started for: a worker removed and registered again
+        # (its verdict forgotten by the router) gets a new probe, whose first result is reported.
+        self._probes: dict[int, tuple[HealthProbe, WorkerConfig]] = {}
         self._background = Supervisor("worker-health-checks")
 
     @property
@@ -46,7 +48,7 @@ class WorkerHealthChecks:
 
     async def stop(self) -> None:
         await self._background.stop()
-        await asyncio.gather(*(probe.stop() for probe in self._probes.values()))
+        await asyncio.gather(*(probe.stop() for probe, _ in self._probes.values()))
         self._probes.clear()
 
     async def _follow_registrations(self) -> None:
@@ -63,14 +65,14 @@ class WorkerHealthChecks:
             for worker in self._router.workers()
             if _checked(worker) and not health.engine_probed(worker.worker_id)
         }
-        for worker_id, probe in list(self._probes.items()):
-            worker = wanted.get(worker_id)
-            if worker is None or probe.url != _probe_url(worker):
+        for worker_id, (probe, probed) in list(self._probes.items()):
+            if wanted.get(worker_id) is not probed:  # gone, or registered again (perhaps elsewhere)
                 del self._probes[worker_id]
                 await probe.stop()
         for worker_id, worker in wanted.items():
             if worker_id not in self._probes:
-                self._probes[worker_id] = probe = self._probe(worker)
+                probe = self._probe(worker)
+                self._probes[worker_id] = (probe, worker)
                 probe.start()
 
     def _probe(self, worker: WorkerConfig) -> HealthProbe:

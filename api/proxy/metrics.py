@@ -42,7 +42,7 @@ ADDED_BUCKETS = (
 ROUTE_LABELS = ("completions", "chat_completions", "embeddings", "rerank", "responses")
 OUTCOMES = (
     "ok", "bad_request", "no_worker", "queue_rejected", "upstream_error", "upstream_status",
-    "client_disconnected", "tokenize_failed", "unauthorized", "instance_query",
+    "client_disconnected", "tokenize_failed", "unauthorized", "instance_query", "internal_error",
 )  # fmt: skip
 
 
@@ -76,7 +76,7 @@ class ProxyMetrics(Collector):
             "no_worker, queue_rejected, upstream_error: no worker answered or a stream broke, upstream_status: "
             "the worker's own 4xx, or its 429 / 503 once retries ran out, client_disconnected, tokenize_failed, "
             "unauthorized: no or a wrong API token, instance_query: Dynamo's query_instance_id answered with the "
-            "decision).",
+            "decision, internal_error: a defect of the proxy, logged with its traceback).",
             ["route", "outcome"],
             registry=registry,
         )

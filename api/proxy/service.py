@@ -57,7 +57,7 @@ from api.native import ENABLED as NATIVE
 from api.native import accel
 from api.openapi import Schemas
 from api.proxy.admission import Admission
-from api.proxy.client_headers import ClientHeaders, WithHeaders
+from api.proxy.client_headers import ClientHeaders, Passed, WithHeaders
 from api.proxy.handoff import Forward, Handoff
 from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
@@ -86,7 +86,7 @@ from api.wire import NvExt, queries_instance
 from indexer.errors import UNDECODABLE
 from indexer.hashing import pack_tokens
 from indexer.slots import WorkerRank
-from router.errors import AllWorkersOverloaded, NoEligibleWorker, QueueRejected, WorkersUnavailable
+from router.errors import AllWorkersOverloaded, InvalidRequest, NoEligibleWorker, QueueRejected, WorkersUnavailable
 from router.kv_router import KvRouter
 from router.types import RouteDecision, RouterConfigOverride, RouteRequest, WorkerConfig
 
@@ -147,7 +147,7 @@ class Proxy:
         self.tracing = ProxyTracing(config) if config.proxy_otlp_endpoint else None
         self.client_headers = ClientHeaders(config, Cors(service), self.tracing)
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: len(self.admission.queue))
-        self.handoff = Handoff(router, self.upstream, registry)
+        self.handoff = Handoff(router, self.upstream, registry, self.worker_answered)
         local = load_model_files(config.tokenizer_paths(), config.proxy_tokenizer_cache_tokens)
         self.tokenizer = PromptTokenizer(local, self.upstream)
         self.metrics.watch_tokenizer_caches(
@@ -295,6 +295,19 @@ class Proxy:
             if task is not None:
                 task.uncancel()
             outcome = "client_disconnected"
+        except Exception:
+            # A defect, not a worker's failure or the client's: said as JSON and counted, never a bare
+            # 500 (after the first byte the protocol closes the connection, the stream cut short).
+            logger.exception("proxy: a request on %s failed", route)
+            outcome = "internal_error"
+            if reply.answered:
+                self._ended(route, passed, outcome)
+                raise
+            failed = _refused(500, "internal_error", "the proxy failed on this request (its log says why)", outcome)
+            await reply.whole(failed.status, failed.headers, failed.body)
+        self._ended(route, passed, outcome)
+
+    def _ended(self, route: str, passed: Passed, outcome: str) -> None:
         if passed.span is not None and self.tracing is not None:
             self.tracing.end(passed.span, outcome, {"kv_router.request_id": passed.request_id})
         self.metrics.count(route, outcome)
@@ -340,11 +353,14 @@ class Proxy:
         if not workers:
             raise _refused(503, "service_unavailable", f"no worker serves model {model!r}", "no_worker")
         try:
+            # With no local tokenizer files the workers tokenize: those in routing only (a hung one
+            # would hold the request for its read timeout), unless none is.
+            tokenizing = self.router.health.usable(workers) or workers
             if isinstance(request, ChatBody):
-                packed = await self.tokenizer.chat(request, workers)
+                packed = await self.tokenizer.chat(request, tokenizing)
             elif isinstance(prompt, str):
                 assert isinstance(request, CompletionBody)
-                packed = await self.tokenizer.text(model, prompt, workers, request.add_special_tokens)
+                packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
             else:
                 packed = prompt
         except TokenizeFailed as exc:
@@ -503,6 +519,8 @@ class Proxy:
             raise _refused(503, "service_unavailable", str(exc), "no_worker", **extra) from None
         except (NoEligibleWorker, AllWorkersOverloaded) as exc:
             raise _refused(503, "service_unavailable", str(exc), "no_worker") from None
+        except InvalidRequest as exc:  # a routing hint that does not fit the fleet (a pin to a prefill worker)
+            raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
 
     async def _forward(
         self,

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 # Longer texts are encoded off the event loop: a byte-level BPE costs ~1.3 us a token (1 ms for a
 # 1k-token prompt), more than a hop to a thread (~0.05 ms).
 _INLINE_CHARS = 1024
+# An engine's /tokenize answers in milliseconds: one silent this long gives its turn to the next worker.
+REMOTE_TOKENIZE_TIMEOUT_S = 10.0
 # Hugging Face's named special tokens, handed to the chat template.
 # A multimodal model's processor files: vLLM renders chat with the processor's template, not read here.
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.json")
@@ -306,12 +308,15 @@ class PromptTokenizer:
         for worker in (*workers[start:], *workers[:start]):
             assert worker.url is not None
             try:
-                status, content = await self._upstream.post(worker.url, b"/tokenize", payload)
+                exchange = self._upstream.post(worker.url, b"/tokenize", payload)
+                status, content = await asyncio.wait_for(exchange, REMOTE_TOKENIZE_TIMEOUT_S)
                 if status == 200:
                     return _packed(_decode_tokens(content).tokens)
                 problems.append(f"worker {worker.worker_id}: HTTP {status}")
             except UpstreamError as exc:
                 problems.append(f"worker {worker.worker_id}: {exc}")
+            except TimeoutError:
+                problems.append(f"worker {worker.worker_id}: no answer in {REMOTE_TOKENIZE_TIMEOUT_S:g} s")
             except UNDECODABLE as exc:
                 problems.append(f"worker {worker.worker_id}: {type(exc).__name__}")
         raise TokenizeFailed("no worker could tokenize the prompt (" + "; ".join(problems or ["none serves it"]) + ")")
