@@ -140,6 +140,10 @@ class ReplayError(Exception):
     pass
 
 
+# Rounds of one replay that ask again for batches the engine's ROUTER dropped (`replay_batches`).
+REPLAY_ROUNDS = 4
+
+
 async def _paced(batches: list[tuple[int, bytes]]) -> AsyncIterator[tuple[int, bytes]]:
     """Replayed batches one by one, the loop let run after each slice of ``YIELD_AFTER_S``: a replay
     buffer holds up to 10,000 batches, which applied at once held decisions up for over 100 ms."""
@@ -154,14 +158,46 @@ async def _paced(batches: list[tuple[int, bytes]]) -> AsyncIterator[tuple[int, b
 async def replay_batches(
     context: zmq.asyncio.Context, endpoint: str, start: int, *, timeout_s: float = 2.0
 ) -> list[tuple[int, bytes]]:
-    """Ask an engine's replay ROUTER for every buffered batch from ``start``: ``(seq, payload)`` in order.
+    """Ask an engine's replay ROUTER for every buffered batch from ``start``: ``(seq, payload)`` in order,
+    with no seq missing between the first and the last.
 
     Replies are ``[b"", seq, payload]`` (vLLM < 0.26, SGLang) or ``[b"", topic, seq, payload]``
-    (vLLM >= 0.26, TRT-LLM): the seq is the second-to-last frame either way. Ends at the
-    ``END_SEQ`` marker; raises `ReplayError` on a timeout or a malformed reply.
+    (vLLM >= 0.26, TRT-LLM): the seq is the second-to-last frame either way. A round ends at the
+    ``END_SEQ`` marker. An engine's ROUTER drops replies silently when this end falls behind (ZMQ's
+    high-water mark: a long replay to a busy router loses batches in its middle), so a batch missing
+    between two that came is asked for again, from there, up to ``REPLAY_ROUNDS`` rounds. Raises
+    `ReplayError` on a timeout, a malformed reply or holes left after the last round.
     """
+    received: dict[int, bytes] = {}
+    ask = start
+    for _ in range(REPLAY_ROUNDS):
+        batches, ended = await _replay_round(context, endpoint, ask, timeout_s)
+        for seq, payload in batches:
+            received.setdefault(seq, payload)
+        seqs = sorted(received)
+        hole = _first_hole(seqs)
+        if hole is None and ended:
+            return [(seq, received[seq]) for seq in seqs]
+        # A hole, or the end marker dropped (later batches may have been too): ask again from there.
+        ask = hole if hole is not None else seqs[-1] + 1
+    raise ReplayError(f"batches from seq {ask} still missing from {endpoint}'s replay after {REPLAY_ROUNDS} rounds")
+
+
+def _first_hole(seqs: list[int]) -> int | None:
+    """The first seq missing between the first and the last of ``seqs`` (sorted), if any."""
+    if not seqs or seqs[-1] - seqs[0] + 1 == len(seqs):
+        return None
+    return next(seqs[0] + index for index, seq in enumerate(seqs) if seq != seqs[0] + index)
+
+
+async def _replay_round(
+    context: zmq.asyncio.Context, endpoint: str, start: int, timeout_s: float
+) -> tuple[list[tuple[int, bytes]], bool]:
+    """The batches one request brings, and whether its end marker came (a silence after some batches
+    is taken as a dropped marker; before any, as no answer: `ReplayError`)."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)  # no bound on this side: fewer replies dropped
     try:
         socket.connect(endpoint)
         await socket.send_multipart([b"", start.to_bytes(8, "big")])
@@ -170,13 +206,15 @@ async def replay_batches(
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not await socket.poll(int(remaining * 1000) + 1):
+                if batches:
+                    return batches, False
                 raise ReplayError(f"no end marker from {endpoint} within {timeout_s} s")
             frames = await socket.recv_multipart()
             if len(frames) < 3 or frames[0] != b"" or len(frames[-2]) != 8:
                 raise ReplayError(f"malformed replay reply of {len(frames)} frames from {endpoint}")
             seq = int.from_bytes(frames[-2], "big")
             if seq == END_SEQ:
-                return batches
+                return batches, True
             batches.append((seq, frames[-1]))
             # Each reply extends the deadline: a long replay is slow, not stuck.
             deadline = time.monotonic() + timeout_s
