@@ -340,6 +340,46 @@ async def test_an_engine_whose_health_fails_leaves_routing_and_comes_back_rebuil
         await http.stop()
 
 
+async def test_an_engine_failing_a_health_check_or_two_keeps_its_index_and_one_refusing_leaves_at_once() -> None:
+    """A slow or failing answer now and then is a busy engine, not a gone one: out of routing (its index
+    dropped, rebuilt by replay) only after three in a row; a refused connection is a gone engine."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    http = await EngineHttp().start()
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=4)
+    await engine.start()
+    # Probes 0.3 s apart: time to answer again between the second failure and a third.
+    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.3)
+    await direct.start()
+    try:
+        await eventually(lambda: router.has_worker(WORKER))
+        for _ in range(10):
+            await engine.step()
+        await _converged(router, engine, direct)
+        probe = direct.health
+        assert probe is not None and probe.failures_to_down == 3
+        rebuilds = direct.stream.stats["rebuilds"]
+
+        failed = probe.failures
+        http.healthy = False  # two 503s in a row
+        await eventually(lambda: probe.failures >= failed + 2, timeout=5)
+        http.healthy = True
+        probes = probe.probes
+        await eventually(lambda: probe.probes >= probes + 2, timeout=5)  # passed again
+        assert probe.failures < failed + 3, "three failures in a row would have taken it out"
+        assert router.has_worker(WORKER) and direct.stream.stats["rebuilds"] == rebuilds
+        assert canonical(router.tree.dump_events()) == engine.dump()
+
+        failed = probe.failures
+        await http.stop()  # nothing listens: out of routing at the first refusal
+        await eventually(lambda: not router.has_worker(WORKER), timeout=5)
+        assert probe.failures - failed < 3, "out before three failures"
+    finally:
+        await direct.stop()
+        await engine.stop()
+        await http.stop()
+
+
 @asynccontextmanager
 async def _probed(
     http: EngineHttp, endpoint: str, replay: str | None, *engines: FakeEngine

@@ -37,7 +37,7 @@ from indexer.events import StorageTier
 from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.hash_check import TokensHashCheck
-from router.engines.openai_server import HealthProbe, wait_for_models
+from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN, HealthProbe, wait_for_models
 from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.event_plane.messages import ActiveLoad
 from router.event_plane.publisher import KvEventPublisher, open_registry
@@ -131,7 +131,12 @@ class Bridge:
             None
             if config.health_url is None
             else HealthProbe(
-                config.health_url, on_up=self._up, on_down=self._down, interval_s=config.engine_health_interval_secs
+                config.health_url,
+                on_up=self._up,
+                on_down=self._down,
+                interval_s=config.engine_health_interval_secs,
+                failures_to_down=ENGINE_FAILURES_TO_DOWN,
+                down_when_refused=True,
             )
         )
         self.withdrawn = False  # the engine stopped answering: the worker is out of the routers' registry

@@ -27,7 +27,7 @@ from indexer.events import RouterEvent, StorageTier, cleared_event
 from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.engines.hash_check import TokensHashCheck
-from router.engines.openai_server import HealthProbe, health_url, wait_for_models
+from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN, HealthProbe, health_url, wait_for_models
 from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.errors import ConfigError, UnknownWorker
 from router.event_plane.messages import ActiveLoad
@@ -182,7 +182,14 @@ class DirectEngine:
         self.health = (
             None
             if self.url is None
-            else HealthProbe(health_url(self.url), on_up=self._up, on_down=self._down, interval_s=health_interval_s)
+            else HealthProbe(
+                health_url(self.url),
+                on_up=self._up,
+                on_down=self._down,
+                interval_s=health_interval_s,
+                failures_to_down=ENGINE_FAILURES_TO_DOWN,
+                down_when_refused=True,
+            )
         )
         self.models: tuple[str, ...] | None = self.spec.models
         # The engine's /metrics while it answers: its load, and its KV blocks when it states them.

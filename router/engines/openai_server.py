@@ -26,7 +26,7 @@ from router.supervision import Supervisor
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["HealthProbe", "health_url", "openai_base", "served_models", "wait_for_models"]
+__all__ = ["ENGINE_FAILURES_TO_DOWN", "HealthProbe", "health_url", "openai_base", "served_models", "wait_for_models"]
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +91,18 @@ async def wait_for_models(base: str, *, retry_s: float = 1.0, timeout_s: float =
             return models
 
 
+# An engine's own probe (direct mode, the bridge): this many slow or failed answers in a row take it out
+# of routing (its index is dropped and rebuilt from the replay when it is back); a refused connection
+# at once.
+ENGINE_FAILURES_TO_DOWN = 3
+
+
 class HealthProbe:
     """``GET url`` (an engine's ``/health``) every ``interval_s``: ``on_down`` when it stops answering 200 (refused, an
-    error status, or no answer within the timeout) ``failures_to_down`` times in a row, ``on_up`` when it
-    answers again ``successes_to_up`` times in a row (and at the first answer). Only transitions are
-    told; the probe's own task is supervised."""
+    error status, or no answer within the timeout) ``failures_to_down`` times in a row, or at once when
+    its connection is refused with ``down_when_refused`` (nothing listens: the engine is gone, while a
+    slow answer may be a busy one); ``on_up`` when it answers again ``successes_to_up`` times in a row
+    (and at the first answer). Only transitions are told; the probe's own task is supervised."""
 
     def __init__(
         self,
@@ -107,9 +114,11 @@ class HealthProbe:
         timeout_s: float | None = None,
         failures_to_down: int = 1,
         successes_to_up: int = 1,
+        down_when_refused: bool = False,
     ) -> None:
         self.url = url
         self.failures_to_down = failures_to_down
+        self.down_when_refused = down_when_refused
         self.successes_to_up = successes_to_up
         self._passed = self._failed = 0  # probes in a row that passed, that failed
         self.interval_s = interval_s
@@ -140,12 +149,14 @@ class HealthProbe:
 
         self.probes += 1
         problem = None
+        refused = False
         try:
             reply = await client.get(self.url)
             if reply.status_code != 200:
                 problem = f"HTTP {reply.status_code}"
         except httpx.HTTPError as exc:
             problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            refused = isinstance(exc, httpx.ConnectError)
         if problem is None:
             self._passed, self._failed = self._passed + 1, 0
             if self.healthy is not True and (self.healthy is None or self._passed >= self.successes_to_up):
@@ -154,6 +165,7 @@ class HealthProbe:
             return
         self.failures += 1
         self._passed, self._failed = 0, self._failed + 1
-        if self.healthy is not False and self._failed >= self.failures_to_down:
+        down = self._failed >= self.failures_to_down or (refused and self.down_when_refused)
+        if self.healthy is not False and down:
             self.healthy = False
             await self._on_down(problem)
