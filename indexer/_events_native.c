@@ -685,9 +685,10 @@ static int decode_event(Fields *f, const uint8_t *end, long block_size, PyObject
             PyErr_NoMemory();
         goto done;
     }
-    /* The salt: the store's own (vLLM's extra_keys), else its parent's (a salted request's later
-     * blocks); hashed in that namespace instead of the caller's. */
-    if (f->extra_keys != NULL && extra_keys_salt(f->extra_keys, end, salts != NULL, &salt) < 0)
+    /* The salt: the store's own (vLLM's extra_keys, read on a request's first block only, which has
+     * no parent: under one a lone string is a multimodal identifier), else its parent's (a salted
+     * request's later blocks); hashed in that namespace instead of the caller's. */
+    if (f->extra_keys != NULL && d->parent == NULL && extra_keys_salt(f->extra_keys, end, salts != NULL, &salt) < 0)
         goto done;
     if (salt == NULL && d->parent != NULL && salts != NULL && salts_any(salts)) {
         salt = Py_XNewRef(salts_get(salts, d->parent));

@@ -485,7 +485,9 @@ def _lora_and_salt(event: _StoredMap | _StoredArray) -> tuple[str | None, str | 
             lora_name, salt = None, found if isinstance(found, str) else None
         else:
             lora_name, salt = (slot if isinstance(slot, str) else None), None
-    if salt is None:
+    if salt is None and event.parent_block_hash is None:
+        # vLLM salts a request's first block only, which has no parent: under one, a lone string in
+        # the keys is a multimodal identifier.
         salt = vllm_cache_salt(event.extra_keys, lora_name)
     return lora_name, salt or None  # an empty salt is no salt (vLLM: ``if request.cache_salt``)
 

@@ -361,6 +361,19 @@ def test_real_vllm_captures_run_in_c_and_a_salted_one_is_salted_by_python(shared
     assert salts == {}
 
 
+def test_a_lone_string_in_the_keys_of_a_block_under_a_parent_is_no_salt() -> None:
+    # vLLM salts a request's first block only (no parent); under one, a lone string is a multimodal
+    # identifier (an image in a later block): the block is hashed as its parent's, unsalted here.
+    image = {**_plain_stored([78], parent=500), "extra_keys": [["image-sha256-0f3a"]]}
+    payload = encode([1.5, [image], 0])
+    salts: dict[int, str] = {}
+    assert _check(payload, salts=salts)
+    (stored,) = decode_engine_batch(payload, BLOCK, salts=salts).events
+    assert isinstance(stored, EngineStored)
+    assert stored.tokens_hashes == compute_block_hashes(list(range(BLOCK)), BLOCK)
+    assert salts == {}
+
+
 def _salted(hashes: list[int], parent: int | None = None, salt: str | None = "tenant-X") -> dict[str, Any]:
     keys: list[Any] = [None] * len(hashes)
     if salt is not None:
