@@ -645,7 +645,8 @@ static int decode_event(Fields *f, const uint8_t *end, long block_size, PyObject
         return 1;
     uint64_t group;
     int negative;
-    if (optional_int(f->group_idx, end, &group, &negative) < 0)
+    int has_group = optional_int(f->group_idx, end, &group, &negative);
+    if (has_group < 0)
         return -1;
     d->tier = tier_of(f->medium, end);
     if (d->tier == NULL)
@@ -674,7 +675,9 @@ static int decode_event(Fields *f, const uint8_t *end, long block_size, PyObject
     /* Every field's type is checked before a group is ignored, as msgspec checks them first. */
     int ignored = ignored_group(f->spec_kind, end);
     if (ignored != 0) {
-        verdict = ignored > 0 ? 0 : -1;
+        /* A hybrid model's side group (its `group_idx` named): Python learns the group, whose
+         * removals it then ignores (`decode_engine_batch`'s side_groups). */
+        verdict = ignored > 0 && has_group == 0 ? 0 : -1;
         goto done;
     }
     if (has_size && (negative || engine_block_size != (uint64_t)block_size))

@@ -271,14 +271,20 @@ def decode_engine_batch(
     *,
     cache_namespace: str | None = None,
     salts: dict[int, str] | None = None,
+    side_groups: set[int] | None = None,
 ) -> DecodedBatch:
     """Decode one engine batch for a router of ``block_size``; raises `EngineDecodeError` only for the envelope.
 
     ``cache_namespace`` salts every block's hash the way requests naming that namespace are hashed.
     ``salts``: the cache salt of each salted block the engine holds (block hash -> salt), one dict per
     engine stream, read and kept up to date here (None: salts are not followed past their first block).
+    ``side_groups``: the KV-cache groups of a hybrid model (``group_idx``) whose stores are not main
+    attention (sliding window, mamba, ...), one set per engine stream, learnt here from their stores:
+    their removals are ignored as their stores are (each group evicts its own copy of a block under the
+    same hash; the sliding window's all the time). None: removals are applied whatever their group.
     """
-    if EVENTS_NATIVE:
+    if EVENTS_NATIVE and not side_groups:
+        # (A stream of a hybrid model is decoded below: the C step declines a side group's store.)
         # The plain shapes in one C call, vLLM's salts included (read, followed and kept as below);
         # anything else (and every error) is left to the code below.
         fast = events_accel.decode_batch(payload, block_size, namespace_seed(cache_namespace), salts)
@@ -286,7 +292,9 @@ def decode_engine_batch(
             ts, dp_rank, events, ignored = fast
             return DecodedBatch(ts, dp_rank, events, [], ignored)
         declined("indexer._events_native", "engine_batch_form")
-    return python_decode_engine_batch(payload, block_size, cache_namespace=cache_namespace, salts=salts)
+    return python_decode_engine_batch(
+        payload, block_size, cache_namespace=cache_namespace, salts=salts, side_groups=side_groups
+    )
 
 
 def python_decode_engine_batch(
@@ -295,6 +303,7 @@ def python_decode_engine_batch(
     *,
     cache_namespace: str | None = None,
     salts: dict[int, str] | None = None,
+    side_groups: set[int] | None = None,
 ) -> DecodedBatch:
     """`decode_engine_batch` in msgspec and Python: every shape, every error named (the C step's twin)."""
     data = bytes(payload)
@@ -309,12 +318,14 @@ def python_decode_engine_batch(
         except UNDECODABLE:
             pass
         else:
-            return _converted(typed.ts, typed.data_parallel_rank, typed.events, block_size, cache_namespace, salts)
+            return _converted(
+                typed.ts, typed.data_parallel_rank, typed.events, block_size, cache_namespace, salts, side_groups
+            )
     try:
         batch: _ArrayBatch | _MapBatch = _map_batch.decode(data) if _is_map(head) else _array_batch.decode(data)
     except UNDECODABLE as exc:
         raise EngineDecodeError("bad_envelope", str(exc)) from None
-    return _converted(batch.ts, batch.data_parallel_rank, batch.events, block_size, cache_namespace, salts)
+    return _converted(batch.ts, batch.data_parallel_rank, batch.events, block_size, cache_namespace, salts, side_groups)
 
 
 def _converted(
@@ -324,6 +335,7 @@ def _converted(
     block_size: int,
     cache_namespace: str | None,
     salts: dict[int, str] | None,
+    side_groups: set[int] | None,
 ) -> DecodedBatch:
     events: list[EngineEvent] = []
     errors: list[EngineDecodeError] = []
@@ -331,7 +343,11 @@ def _converted(
     for position, raw in enumerate(raw_events):
         try:
             event = _engine_event(
-                _decode_event(raw) if isinstance(raw, msgspec.Raw) else raw, block_size, cache_namespace, salts
+                _decode_event(raw) if isinstance(raw, msgspec.Raw) else raw,
+                block_size,
+                cache_namespace,
+                salts,
+                side_groups,
             )
         except EngineDecodeError as exc:
             errors.append(EngineDecodeError(exc.reason, f"event {position}: {exc.detail}"))
@@ -375,13 +391,19 @@ def _decode_event(raw: msgspec.Raw) -> Any:
 
 
 def _engine_event(
-    event: Any, block_size: int, cache_namespace: str | None, salts: dict[int, str] | None
+    event: Any,
+    block_size: int,
+    cache_namespace: str | None,
+    salts: dict[int, str] | None,
+    side_groups: set[int] | None,
 ) -> EngineEvent | None:
     if isinstance(event, _CLEARED):
         if salts:
             salts.clear()
         return EngineCleared()
     if isinstance(event, _REMOVED):
+        if side_groups and event.group_idx in side_groups:
+            return None  # a side group's copy evicted: main attention still holds the block
         removed = EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium))
         if salts:
             for block_hash in removed.block_hashes:
@@ -389,6 +411,8 @@ def _engine_event(
         return removed
     kind = event.kv_cache_spec_kind
     if kind is not None and kind not in _MAIN_ATTENTION:
+        if side_groups is not None and event.group_idx is not None:
+            side_groups.add(event.group_idx)
         return None
     return _stored(event, block_size, cache_namespace, salts)
 

@@ -91,6 +91,41 @@ async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(s
         assert _stream(router).trusted and _stream(router, dp_rank=1).trusted  # one vector is dp rank 1
 
 
+@pytest.mark.parametrize("array_form", [False, True], ids=["map", "array"])
+async def test_a_hybrid_models_sliding_window_evictions_leave_its_full_attention_blocks(array_form: bool) -> None:
+    """Each KV-cache group of a hybrid model (gpt-oss, Gemma 3, Qwen3.5) stores and evicts its own copy
+    of a block under the same hash; the sliding window evicts what falls out of its window all the
+    time. Its stores are ignored, so its removals are too, once a store has named its group."""
+    router = _router()
+
+    def stored(hashes: list[int], group: int, kind: str) -> Any:
+        tokens = list(range(len(hashes) * BLOCK))
+        if array_form:
+            return ["BlockStored", hashes, None, tokens, BLOCK, None, "GPU", None, None, group, kind, None]
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
+                "block_size": BLOCK, "medium": "GPU", "group_idx": group, "kv_cache_spec_kind": kind}  # fmt: skip
+
+    def removed(hashes: list[int], group: int) -> Any:
+        if array_form:
+            return ["BlockRemoved", hashes, "GPU", group]
+        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": group}
+
+    def held() -> int:
+        return sum(blocks for (worker, _), blocks in router.tree.stats().blocks.items() if worker == WORKER)
+
+    async with direct_mode(router, WORKER, replay=True) as (engine, direct):
+        await engine.send(
+            [stored([11, 12, 13, 14], 0, "full_attention"), stored([11, 12, 13, 14], 1, "sliding_window")]
+        )
+        await eventually(lambda: held() == 4 and direct.stream.backlog == 0)
+        await engine.send([removed([11, 12], 1)])  # out of the window: the full-attention copies stay
+        await engine.send([removed([14], 0)])
+        await eventually(lambda: held() == 3)
+        assert direct.stream.side_groups == {1}
+        assert direct.stream.stats["ignored_events"] == 2  # the side group's store and its removal
+        assert _stream(router).trusted
+
+
 @pytest.mark.parametrize("topic_in_replay", [True, False], ids=["vllm>=0.26", "vllm<0.26"])
 @pytest.mark.parametrize("array_form", [False, True], ids=["map", "array"])
 async def test_gaps_are_repaired_by_replay_in_both_reply_layouts(topic_in_replay: bool, array_form: bool) -> None:

@@ -286,6 +286,9 @@ class ZmqEngineStream:
         # The cache salt of each salted block the engine holds (vLLM names it on a request's first
         # block only; the blocks stored under it share it): kept by the decoder.
         self.salts: dict[int, str] = {}
+        # A hybrid model's KV-cache groups that are not main attention, learnt from their stores: their
+        # removals are ignored (`decode_engine_batch`); kept across restarts (the model's, not the cache's).
+        self.side_groups: set[int] = set()
         self._subscribed = asyncio.Event()
         # Set while the subscription has surely reached the engine's PUB socket (a handshake, then the
         # tail-check delay), cleared when the connection drops. Only watched with a replay socket.
@@ -688,7 +691,7 @@ class ZmqEngineStream:
             if engine_block_size is not None:
                 self.block_size = self._adopt_block_size(engine_block_size)
                 self._adopt_block_size = None
-        if not self.salts:  # `bridge_batch` follows no salt
+        if not self.salts and not self.side_groups:  # `bridge_batch` follows no salt, no side group
             taken = self.sink.apply_payload(
                 payload, self.block_size, self.cache_namespace, self.dp_rank, self.hash_check
             )
@@ -703,7 +706,11 @@ class ZmqEngineStream:
                 return
         try:
             batch = decode_engine_batch(
-                payload, self.block_size, cache_namespace=self.cache_namespace, salts=self.salts
+                payload,
+                self.block_size,
+                cache_namespace=self.cache_namespace,
+                salts=self.salts,
+                side_groups=self.side_groups,
             )
         except EngineDecodeError as exc:
             self._reject(exc.reason, f"seq {seq}: {exc.detail}")
