@@ -378,15 +378,12 @@ async def test_an_engine_whose_health_fails_leaves_routing_and_comes_back_rebuil
 async def test_an_engine_failing_a_health_check_or_two_keeps_its_index_and_one_refusing_leaves_at_once() -> None:
     """A slow or failing answer now and then is a busy engine, not a gone one: out of routing (its index
     dropped, rebuilt by replay) only after three in a row; a refused connection is a gone engine."""
-    router = KvRouter(RouterConfig(block_size=BLOCK))
-    http = await EngineHttp().start()
+    http = EngineHttp()
     endpoint, replay = loopback_endpoints(replay=True)
     engine = FakeEngine(WORKER, endpoint, replay, seed=4)
     await engine.start()
     # Probes 0.3 s apart: time to answer again between the second failure and a third.
-    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.3)
-    await direct.start()
-    try:
+    async with _probed(http, endpoint, replay, engine, health_interval_s=0.3) as (router, direct):
         await eventually(lambda: router.has_worker(WORKER))
         for _ in range(10):
             await engine.step()
@@ -409,21 +406,18 @@ async def test_an_engine_failing_a_health_check_or_two_keeps_its_index_and_one_r
         await http.stop()  # nothing listens: out of routing at the first refusal
         await eventually(lambda: not router.has_worker(WORKER), timeout=5)
         assert probe.failures - failed < 3, "out before three failures"
-    finally:
-        await direct.stop()
-        await engine.stop()
-        await http.stop()
 
 
 @asynccontextmanager
 async def _probed(
-    http: EngineHttp, endpoint: str, replay: str | None, *engines: FakeEngine
+    http: EngineHttp, endpoint: str, replay: str | None, *engines: FakeEngine, health_interval_s: float = 0.05
 ) -> AsyncIterator[tuple[KvRouter, DirectEngine]]:
     """A router hearing ``endpoint`` in direct mode, ``http`` (started here) its engine's OpenAI server,
-    probed every 0.05 s; the direct engine, ``http`` and ``engines`` stopped on the way out."""
+    probed every ``health_interval_s``; the direct engine, ``http`` and ``engines`` stopped on the way out."""
     router = KvRouter(RouterConfig(block_size=BLOCK))
     await http.start()
-    direct = DirectEngine(router, f"{engine_spec(WORKER, endpoint, replay)},url={http.url}", health_interval_s=0.05)
+    spec = f"{engine_spec(WORKER, endpoint, replay)},url={http.url}"
+    direct = DirectEngine(router, spec, health_interval_s=health_interval_s)
     try:
         await direct.start()
         yield router, direct
