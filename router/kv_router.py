@@ -509,8 +509,10 @@ class KvRouter:
     def _commit(self, routing: _Routing, choice: Choice, started: float, queued_s: float) -> RouteDecision:
         """Book the choice (if the request has an id) and report it."""
         request = routing.request
-        self.health.routed(choice.key[0])
         if request.request_id is not None:
+            # Booked, so sent (its answer tells the breaker); a decision only asked for sends nothing,
+            # and would hold a half-open worker's probe place until it expired.
+            self.health.routed(choice.key[0])
             self._scheduler.book(
                 request.request_id,
                 choice,

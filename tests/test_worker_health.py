@@ -151,6 +151,24 @@ async def test_every_policy_leaves_out_a_worker_whose_circuit_is_open(policy: st
     assert caught.value.retry_after_secs is not None and 0 < caught.value.retry_after_secs <= 10.0
 
 
+@pytest.mark.anyio
+async def test_a_decision_only_asked_for_takes_no_probe_place_of_a_half_open_worker() -> None:
+    # Dynamo's query_instance_id and /v1/route without an id: nothing is sent, no answer will come back.
+    clock = Clock()
+    config = RouterConfig(worker_breaker_failures=1, worker_breaker_open_secs=5.0, block_size=4)
+    router = KvRouter(config, clock=clock)
+    router.register_worker(WorkerConfig(worker_id=1, block_size=4))
+    router.health.failed(1, "refused")
+    clock.now += 5.0
+    assert router.health.state(1) == "half_open"
+    for n in range(3):
+        assert (await router.new(RouteRequest(tokens=list(range(n, n + 8))))).worker_id == 1
+    booked = await router.new(RouteRequest(tokens=[9] * 8, request_id="probe"))
+    assert booked.worker_id == 1  # the one probe place was still free
+    with pytest.raises(WorkersUnavailable):
+        await router.new(RouteRequest(tokens=[8] * 8, request_id="second"))
+
+
 def test_the_wait_until_a_probe_is_the_first_open_circuits_and_unknown_while_a_check_fails() -> None:
     h, clock = health(failures=1, open_secs=10.0)
     assert h.reopens_in([1, 2]) is None
