@@ -244,7 +244,8 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
             "an engine heard directly: WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,url=http://HOST:PORT]"
             "[,models=NAME+NAME]: its KV-event PUB socket, its replay socket, its OpenAI server (with or without "
             "/v1: the worker is then registered for the proxy with the models its /v1/models lists, and leaves "
-            "routing while its /health does not answer) (repeatable; environment: a JSON list)"
+            "routing after three failed /health probes in a row or a refused connection) (repeatable; "
+            "environment: a JSON list)"
         ),
     ] = []
     engine_zmq: Annotated[list[str], _doc("the same as --engine (its older name)")] = []

@@ -56,6 +56,8 @@ RETRY_INTERVAL_S = 15.0
 # Events of a stream whose ids went back to 1, kept until a registration says the worker restarted.
 MAX_REGRESSED_EVENTS = 1024
 
+# Epochs a worker's publisher has left behind, kept to tell a late event of a replaced process.
+RETIRED_EPOCHS_KEPT = 8
 # Reasons of the most recent rejections kept for callers that report them (the HTTP reply).
 RECENT_REJECTIONS = 8
 
@@ -106,6 +108,7 @@ class EventSequencer:
         self._clock = clock
         self._streams: dict[WorkerRank, _Stream] = {}
         self._epochs: dict[int, str] = {}  # worker -> the publisher epoch its streams belong to
+        self._retired_epochs: dict[int, deque[str]] = {}  # worker -> epochs it has left behind
         # Streams not known complete; read on every decision when untrusted overlap is discounted.
         self.untrusted: set[WorkerRank] = set()
         # Outcome -> count: applied, duplicate, gap, reapplied, resync_*, rejected_<reason>, ...
@@ -127,8 +130,10 @@ class EventSequencer:
         """The door every transport uses: sequence each event, sending the resyncs it calls for.
         ``epoch`` is the publisher epoch the transport carried beside the events, if any."""
         for event in events:
-            if epoch is not None and self._epochs.get(event.worker_id) != epoch:
-                self.observe_epoch(event.worker_id, epoch)
+            worker_id = event.worker_id
+            if epoch is not None and self._epochs.get(worker_id) != epoch and not self.observe_epoch(worker_id, epoch):
+                self.outcomes["stale_epoch"] += 1  # a process that has since been replaced
+                continue
             request = self.receive(event)
             if request is not None:
                 self.send_resync(request)
@@ -349,6 +354,7 @@ class EventSequencer:
             del self._streams[key]
             self.untrusted.discard(key)
         self._epochs.pop(worker_id, None)
+        self._retired_epochs.pop(worker_id, None)
 
     def mark_untrusted(self, worker_id: int, dp_rank: int) -> None:
         """A transport lost events of this stream for good (an engine gap nobody can replay): it stays
@@ -365,18 +371,24 @@ class EventSequencer:
         """Whether events of this (worker, dp_rank) ever reached the sequencer."""
         return (worker_id, dp_rank) in self._streams
 
-    def observe_epoch(self, worker_id: int, epoch: str) -> None:
+    def observe_epoch(self, worker_id: int, epoch: str) -> bool:
         """The publisher of ``worker_id`` runs as ``epoch`` (from its registration or an event header).
         A different epoch than before means it restarted: its streams and index state are dropped,
-        its ids start afresh, and events that came back from id 1 meanwhile are replayed."""
+        its ids start afresh, and events that came back from id 1 meanwhile are replayed. An epoch it
+        has already left behind (a replay of the old process's events after the new one registered)
+        changes nothing: returns False, and its events are dropped."""
         if self._accept_worker is not None and not self._accept_worker(worker_id):
-            return
+            return True
         known = self._epochs.get(worker_id)
         if known == epoch:
-            return
+            return True
+        retired = self._retired_epochs.setdefault(worker_id, deque(maxlen=RETIRED_EPOCHS_KEPT))
+        if epoch in retired:
+            return False
         self._epochs[worker_id] = epoch
         if known is None:
-            return
+            return True
+        retired.append(known)
         regressed = [
             event for key, stream in self._streams.items() if key[0] == worker_id for event in stream.regressed
         ]
@@ -386,6 +398,7 @@ class EventSequencer:
         self.index.remove_worker(worker_id)
         self.outcomes["publisher_restarts"] += 1
         self.ingest(regressed)
+        return True
 
     def request_full_resync(self, worker_id: int, dp_rank: int) -> ResyncRequest | None:
         """Start a full resync of one stream now (e.g. when its worker registers), unless one runs."""

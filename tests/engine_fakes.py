@@ -224,7 +224,8 @@ class SideLoop:
 class EngineHttp:
     """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``, ``/metrics``) and the proxy
     uses it (``/v1/completions``: a short answer, whatever the prompt), served by a real uvicorn on a
-    loopback port; ``healthy`` switches its health answer, ``stop`` stops it (refused). Its ``/metrics`` are
+    loopback port; ``healthy`` switches its health answer (``failing_checks``: that many 503s first, then
+    as ``healthy`` says), ``stop`` stops it (refused). Its ``/metrics`` are
     vLLM's: ``running`` requests, ``kv_usage`` and, with ``kv_blocks``, the cache config stating them."""
 
     def __init__(
@@ -239,6 +240,7 @@ class EngineHttp:
         self.models = models
         self.port = port or free_port()
         self.healthy = True
+        self.failing_checks = 0
         self.kv_blocks = kv_blocks
         self.kv_usage = kv_usage
         self.running = running
@@ -257,7 +259,10 @@ class EngineHttp:
         self.asked[path] += 1
         status, body = 404, b"{}"
         if path == "/health":
-            status, body = (200, b"") if self.healthy else (503, b"")
+            failing = self.failing_checks > 0
+            if failing:
+                self.failing_checks -= 1
+            status, body = (200, b"") if self.healthy and not failing else (503, b"")
         elif path == "/metrics":
             status, body = (200, self.metrics().encode()) if self.healthy else (503, b"")
         elif path == "/v1/models":

@@ -1,10 +1,10 @@
-"""An engine's replay that loses batches is asked again from the first one missing.
+"""An engine's replay that loses batches is asked again from the batch before the first one missing.
 
 A vLLM engine answers a replay from a ZMQ ROUTER socket, which drops replies silently once the
 receiver falls behind (its high-water mark; no error on either side): a long replay to a busy router
-loses batches in its middle, and at times its end marker. `replay_batches` returns every batch
-once, in order, with none missing between the first and the last, or raises `ReplayError`. Here a
-replay ROUTER on loopback drops what each test says, as the engine's would.
+loses batches in its middle, and at times its end marker. `replay_batches` returns every batch once,
+in order, with none missing between the first and the last, all from one engine process, or raises
+`ReplayError`. Here a replay ROUTER on loopback drops what each test says, as the engine's would.
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ Drop = Callable[[int, int], bool]
 
 
 @contextlib.asynccontextmanager
-async def lossy_replay(context: zmq.asyncio.Context, drop: Drop) -> AsyncIterator[tuple[str, list[int]]]:
+async def lossy_replay(
+    context: zmq.asyncio.Context, drop: Drop, restarted_after: int | None = None
+) -> AsyncIterator[tuple[str, list[int]]]:
     """A replay ROUTER serving `BATCHES` as vLLM >= 0.26 does (``[identity, b"", topic, seq, payload]``),
-    dropping what ``drop`` says; yields its endpoint and the start of each request it was sent."""
+    dropping what ``drop`` says (after round ``restarted_after``, another process's batches under the
+    same seqs); yields its endpoint and the start of each request it was sent."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -45,6 +48,8 @@ async def lossy_replay(context: zmq.asyncio.Context, drop: Drop) -> AsyncIterato
             for seq in [seq for seq in sorted(BATCHES) if seq >= asked[-1]] + [END_SEQ]:
                 if not drop(round_, seq):
                     payload = BATCHES.get(seq, b"")
+                    if restarted_after is not None and round_ > restarted_after and seq != END_SEQ:
+                        payload = b"restarted " + payload
                     await socket.send_multipart([identity, b"", b"kv@engine", seq.to_bytes(8, "big"), payload])
 
     task = asyncio.create_task(serve())
@@ -66,28 +71,36 @@ def context() -> Iterator[zmq.asyncio.Context]:
 
 async def test_batches_dropped_in_the_middle_are_asked_for_again(context: zmq.asyncio.Context) -> None:
     async with lossy_replay(context, lambda round_, seq: round_ == 0 and seq in (4, 5)) as (endpoint, asked):
-        batches = await replay_batches(context, endpoint, 0, timeout_s=0.5)
+        batches = await replay_batches(context, endpoint, 0, timeout_s=2.0)
     assert batches == sorted(BATCHES.items())
-    assert asked == [0, 4]
+    assert asked == [0, 3]  # from the batch before the hole, which must come back the same
 
 
 async def test_a_dropped_end_marker_and_the_batches_before_it_are_asked_for_again(
     context: zmq.asyncio.Context,
 ) -> None:
     async with lossy_replay(context, lambda round_, seq: round_ == 0 and seq in (8, 9, END_SEQ)) as (endpoint, asked):
-        batches = await replay_batches(context, endpoint, 2, timeout_s=0.3)
+        batches = await replay_batches(context, endpoint, 2, timeout_s=1.0)  # the silence that ends it
     assert batches == [(seq, BATCHES[seq]) for seq in range(2, 10)]
-    assert asked == [2, 8]
+    assert asked == [2, 7]
 
 
 async def test_a_batch_that_never_comes_is_an_error_not_a_hole(context: zmq.asyncio.Context) -> None:
     async with lossy_replay(context, lambda _, seq: seq == 5) as (endpoint, asked):
-        with pytest.raises(ReplayError, match="from seq 5 still missing"):
-            await replay_batches(context, endpoint, 0, timeout_s=0.3)
-    assert asked == [0] + [5] * (REPLAY_ROUNDS - 1)
+        with pytest.raises(ReplayError, match="after seq 4 still missing"):
+            await replay_batches(context, endpoint, 0, timeout_s=2.0)
+    assert asked == [0] + [4] * (REPLAY_ROUNDS - 1)
+
+
+async def test_an_engine_restarted_between_two_rounds_is_an_error_not_a_mix(context: zmq.asyncio.Context) -> None:
+    drop = lambda round_, seq: round_ == 0 and seq == 5  # noqa: E731
+    async with lossy_replay(context, drop, restarted_after=0) as (endpoint, asked):
+        with pytest.raises(ReplayError, match="seq 4 changed between two rounds"):
+            await replay_batches(context, endpoint, 0, timeout_s=2.0)
+    assert asked == [0, 4]
 
 
 async def test_a_replay_of_nothing_buffered_ends_at_once(context: zmq.asyncio.Context) -> None:
     async with lossy_replay(context, lambda _, seq: False) as (endpoint, asked):
-        assert await replay_batches(context, endpoint, 10, timeout_s=0.3) == []
+        assert await replay_batches(context, endpoint, 10, timeout_s=2.0) == []
     assert asked == [10]

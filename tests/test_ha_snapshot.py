@@ -10,7 +10,7 @@ Restarts: the stream is never purged past a peer's snapshot, even when one listi
 misses it; a restart whose snapshot was purged while it loaded, whose own snapshot cannot be fetched,
 or whose own is older than a stream purged to its end loads a usable one instead; a snapshot no
 restart can use any more is deleted; a worker's publisher epoch survives the restart, so a worker
-restarted meanwhile is told from a replay of its old ids, and a worker gone meanwhile leaves the index.
+restarted meanwhile is told from a replay of its old ids.
 """
 
 from __future__ import annotations
@@ -391,28 +391,6 @@ async def test_after_a_reconnect_nothing_is_purged_until_every_router_could_reco
         assert await stream_first_seq(nc) == 1, "nothing purged yet"
     finally:
         await a.stop()
-
-
-async def test_a_worker_that_left_while_the_router_was_down_leaves_its_index_too(nc: Client) -> None:
-    workers = Workers(seed=16)
-    b = await started(new_router(), nc, "b")
-    try:
-        await publish(nc, list(workers.events(8 * 64)))  # two events of each of the four workers
-        await applied_all(b, nc)
-        assert await b.write_snapshot()
-    finally:
-        await b.stop()
-    # Worker 4 is gone from the registry by the time b comes back.
-    router = KvRouter(RouterConfig(block_size=16))
-    for worker_id in WORKERS[:-1]:
-        router.register_worker(WorkerConfig(worker_id=worker_id))
-    again = await started(router, nc, "b")
-    try:
-        assert {row[0] for row in index_of(router)} == {1, 2, 3}
-        assert again.outcomes["unregistered_workers_dropped"] == 1
-        assert [stream.worker_id for stream in router.sequencer.status()] == [1, 2, 3]
-    finally:
-        await again.stop()
 
 
 async def publish_as(nc: Client, epoch: str, events: list[RouterEvent]) -> None:

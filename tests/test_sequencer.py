@@ -168,6 +168,21 @@ def test_a_new_publisher_epoch_clears_the_worker_and_restarts_its_ids() -> None:
     assert sequencer.outcomes["publisher_restarts"] == 1
 
 
+def test_late_events_of_a_replaced_process_change_nothing() -> None:
+    # A durable router's replay after a restart: the snapshot knew the worker as "first", its registration
+    # says "second", and then the stream brings the old process's last events.
+    sequencer, tree = synced(0)
+    sequencer.observe_epoch(W, "first")
+    sequencer.ingest([store(2, 2, parent=1)], epoch="first")
+    assert sequencer.observe_epoch(W, "second")
+    sequencer.ingest([store(3, 7, parent=2), store(4, 8, parent=7)], epoch="first")
+    assert tree.find_matches([1]).scores == {} and tree.find_matches([7]).scores == {}
+    assert sequencer.outcomes["stale_epoch"] == 2 and sequencer.outcomes["publisher_restarts"] == 1
+    assert not sequencer.observe_epoch(W, "first")  # nor does a registration of it
+    sequencer.ingest([store(1, 5)], epoch="second")
+    assert tree.find_matches([5]).scores == {(W, 0): 1}
+
+
 def test_ids_that_went_down_are_replayed_once_the_registration_says_the_worker_restarted() -> None:
     sequencer, tree = synced(0)
     sequencer.observe_epoch(W, "first")

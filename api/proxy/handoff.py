@@ -185,7 +185,7 @@ class Handoff:
         request["bootstrap_room"] = secrets.randbits(63)
         both = _encode(request)
         watched = _Watched(reply)
-        prefill = asyncio.ensure_future(self._answered_prefill(legs, path, both, headers))
+        prefill = asyncio.ensure_future(self._prefill_leg(legs, path, both, headers))
         decode = asyncio.ensure_future(forward(both, watched))
         try:
             try:
@@ -212,6 +212,8 @@ class Handoff:
             # and its bookings end with the client's answer), its connection closed below.
             late = prefill.done() and not prefill.cancelled() and prefill.exception() is not None
             self._count(legs, "prefill_failed_late" if late else "ok")
+            if not late:  # its answer in, or not yet: the decode leg had its KV from it either way
+                self._answered(legs.prefill.worker_id)
             return outcome
         finally:
             # Not awaited: the request's end must not wait on them (nor take a late cancellation from
@@ -321,6 +323,8 @@ class _Watched:
         return sink
 
     async def end(self, last: bytes = b"") -> None:
+        if self.given_up:
+            return
         await self.reply.end(last)
 
     @property

@@ -33,8 +33,9 @@ class WorkerHealthChecks:
     def __init__(self, router: KvRouter, config: ProxyConfig) -> None:
         self._router = router
         self._config = config
-        # Each probe with the registration it was started for: a worker removed and registered again
-        # (its verdict forgotten by the router) gets a new probe, whose first result is reported.
+        # Each probe with the registration it was started for: a worker registered otherwise, or whose
+        # verdict the router forgot (removed and registered again), gets a new probe, whose first
+        # result is reported; the same registration posted again keeps its probe and its count.
         self._probes: dict[int, tuple[HealthProbe, WorkerConfig]] = {}
         self._background = Supervisor("worker-health-checks")
 
@@ -66,7 +67,8 @@ class WorkerHealthChecks:
             if _checked(worker) and not health.engine_probed(worker.worker_id)
         }
         for worker_id, (probe, probed) in list(self._probes.items()):
-            if wanted.get(worker_id) is not probed:  # gone, or registered again (perhaps elsewhere)
+            forgotten = probe.healthy is not None and health.availability(worker_id).health_check == "unknown"
+            if wanted.get(worker_id) != probed or forgotten:
                 del self._probes[worker_id]
                 await probe.stop()
         for worker_id, worker in wanted.items():

@@ -298,11 +298,11 @@ class Proxy:
         except Exception:
             # A defect, not a worker's failure or the client's: said as JSON and counted, never a bare
             # 500 (after the first byte the protocol closes the connection, the stream cut short).
-            logger.exception("proxy: a request on %s failed", route)
             outcome = "internal_error"
-            if reply.answered:
+            if reply.answered:  # the protocol logs it and closes the connection
                 self._ended(route, passed, outcome)
                 raise
+            logger.exception("proxy: a request on %s failed", route)
             failed = _refused(500, "internal_error", "the proxy failed on this request (its log says why)", outcome)
             await reply.whole(failed.status, failed.headers, failed.body)
         self._ended(route, passed, outcome)

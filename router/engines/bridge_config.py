@@ -72,7 +72,7 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         float,
         _doc(
             "seconds between probes of the engine's /health on --openai-url (else of its --engine-metrics-url): "
-            "while it does not answer the worker is withdrawn from the routers"
+            "after three failed probes in a row, or a refused connection, the worker is withdrawn from the routers"
         ),
         msgspec.Meta(gt=0),
     ] = 1.0

@@ -152,7 +152,8 @@ class DirectEngine:
 
     With a ``url`` the engine's OpenAI server is probed (``/health`` every ``health_interval_s``): the
     worker is registered (with its URL and the models its ``/v1/models`` lists) when the server first
-    answers, removed (its blocks, streams and requests) when it stops answering, and registered again,
+    answers, removed (its blocks, streams and requests) when it fails three probes in a row or refuses a
+    connection (`ENGINE_FAILURES_TO_DOWN`), and registered again,
     empty, when it answers again; its events are then taken afresh (replayed from the engine's buffer
     when it has a replay socket). Events heard while the engine is down are dropped and counted.
     """

@@ -97,6 +97,19 @@ async def wait_for_models(base: str, *, retry_s: float = 1.0, timeout_s: float =
 ENGINE_FAILURES_TO_DOWN = 3
 
 
+def _refused(exc: BaseException) -> bool:
+    """Whether the connection was refused (nothing listens), as opposed to a name that did not resolve,
+    a network out of reach or a TLS failure, which httpx reports as the same `ConnectError`."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # httpx's error, httpcore's, the OSError under them
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 class HealthProbe:
     """``GET url`` (an engine's ``/health``) every ``interval_s``: ``on_down`` when it stops answering 200 (refused, an
     error status, or no answer within the timeout) ``failures_to_down`` times in a row, or at once when
@@ -156,7 +169,7 @@ class HealthProbe:
                 problem = f"HTTP {reply.status_code}"
         except httpx.HTTPError as exc:
             problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            refused = isinstance(exc, httpx.ConnectError)
+            refused = _refused(exc)
         if problem is None:
             self._passed, self._failed = self._passed + 1, 0
             if self.healthy is not True and (self.healthy is None or self._passed >= self.successes_to_up):

@@ -165,22 +165,29 @@ async def replay_batches(
     (vLLM >= 0.26, TRT-LLM): the seq is the second-to-last frame either way. A round ends at the
     ``END_SEQ`` marker. An engine's ROUTER drops replies silently when this end falls behind (ZMQ's
     high-water mark: a long replay to a busy router loses batches in its middle), so a batch missing
-    between two that came is asked for again, from there, up to ``REPLAY_ROUNDS`` rounds. Raises
-    `ReplayError` on a timeout, a malformed reply or holes left after the last round.
+    between two that came is asked for again, from the batch before it, up to ``REPLAY_ROUNDS`` rounds;
+    that batch must come back the same (else the engine restarted between two rounds). Raises
+    `ReplayError` on a timeout, a malformed reply, a batch that changed, or holes left after the last
+    round.
     """
     received: dict[int, bytes] = {}
     ask = start
-    for _ in range(REPLAY_ROUNDS):
+    for round_ in range(REPLAY_ROUNDS):
         batches, ended = await _replay_round(context, endpoint, ask, timeout_s)
+        if round_ > 0 and (not batches or batches[0] != (ask, received[ask])):
+            # Asked from a batch already in hand: another answer is another process (a restart).
+            raise ReplayError(f"{endpoint}'s replay of seq {ask} changed between two rounds")
         for seq, payload in batches:
-            received.setdefault(seq, payload)
+            if received.setdefault(seq, payload) != payload:
+                raise ReplayError(f"{endpoint}'s replay of seq {seq} changed between two rounds")
         seqs = sorted(received)
         hole = _first_hole(seqs)
         if hole is None and ended:
             return [(seq, received[seq]) for seq in seqs]
-        # A hole, or the end marker dropped (later batches may have been too): ask again from there.
-        ask = hole if hole is not None else seqs[-1] + 1
-    raise ReplayError(f"batches from seq {ask} still missing from {endpoint}'s replay after {REPLAY_ROUNDS} rounds")
+        # A hole, or the end marker dropped (later batches may have been too): asked again from the
+        # batch before, which must come back the same.
+        ask = hole - 1 if hole is not None else seqs[-1]
+    raise ReplayError(f"batches after seq {ask} still missing from {endpoint}'s replay after {REPLAY_ROUNDS} rounds")
 
 
 def _first_hole(seqs: list[int]) -> int | None:

@@ -59,7 +59,9 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import (
+    BadObjectMetaError,
     BucketNotFoundError,
+    DigestMismatchError,
     KeyDeletedError,
     KeyNotFoundError,
     NoKeysError,
@@ -212,6 +214,7 @@ class DurableEvents:
         self._purge_not_before = 0.0  # monotonic; after a reconnect, until the routers recorded again
         # Router name -> (snapshot sequence, when last listed): the purge floor's memory.
         self._cursors_seen: dict[str, tuple[int, float]] = {}
+        self._restored_workers: set[int] = set()  # the workers the applied snapshot held (`discard`)
         self._js: JetStreamContext = nc.jetstream()
         self._store: ObjectStore | None = None
         self._cursors: KeyValue | None = None
@@ -269,13 +272,12 @@ class DurableEvents:
         return first_seq <= snapshot_seq + 1 <= last_seq + 1
 
     def discard(self) -> None:
-        """Forget what `restore` applied (and any stream events after it): the index and event
-        streams of every worker it holds, so that a start tried again restores onto nothing."""
-        workers = {stream.worker_id for stream in self.router.sequencer.status()}
-        workers.update(worker_id for worker_id, _ in self.router.tree.workers())
-        for worker_id in workers:
+        """Forget what `restore` applied (and stream events after it): the index and event streams of
+        the workers its snapshot held, so that a start tried again restores onto nothing of its own."""
+        for worker_id in sorted(self._restored_workers):
             self.router.tree.remove_worker(worker_id)
             self.router.sequencer.forget_worker(worker_id)
+        self._restored_workers.clear()
         self.applied_seq = self.snapshot_seq = 0
 
     async def start(self) -> None:
@@ -312,21 +314,7 @@ class DurableEvents:
                       self._catch_up_target, self._catch_up_timeout, self.applied_seq)  # fmt: skip
         log.info("durable events: replayed up to stream sequence %d in %.2f s", self.applied_seq,
                  time.monotonic() - started)  # fmt: skip
-        self._drop_unregistered()
         self._background.keep_running("snapshots", self._snapshot_loop)
-
-    def _drop_unregistered(self) -> None:
-        """Workers the snapshot holds that left while this router was down: never routed to again
-        (one that comes back starts afresh, as any registration), so their blocks go rather than
-        being carried from snapshot to snapshot."""
-        router = self.router
-        gone = sorted({worker_id for worker_id, _ in router.tree.workers() if not router.has_worker(worker_id)})
-        for worker_id in gone:
-            router.tree.remove_worker(worker_id)
-            router.sequencer.forget_worker(worker_id)
-        if gone:
-            log.info("snapshot workers no longer registered, their index dropped: %s", gone)
-            self._count("unregistered_workers_dropped", len(gone))
 
     async def stop(self) -> None:
         await self._background.stop()
@@ -402,7 +390,9 @@ class DurableEvents:
                 timeout = SNAPSHOT_FETCH_MIN_S + size / SNAPSHOT_FETCH_BYTES_PER_S
                 await asyncio.wait_for(self._store.get(name, writeinto=buffer), timeout)
                 snapshot = _snapshot_decoder.decode(buffer.getbuffer())
-            except (NatsError, TimeoutError, msgspec.DecodeError) as exc:
+            except (NotFoundError, BadObjectMetaError, DigestMismatchError, TimeoutError, msgspec.DecodeError) as exc:
+                # The object's own trouble: the next one may do. (NATS's trouble raises: the start is
+                # tried again.)
                 log.warning("snapshot %s (stream sequence %d) unreadable: %s", name, seq, exc or type(exc).__name__)
                 self._count("snapshot_unreadable")
                 continue
@@ -416,6 +406,8 @@ class DurableEvents:
     def _apply_snapshot(self, snapshot: IndexSnapshot) -> None:
         positions = [(p.worker_id, p.dp_rank, p.last_event_id, p.trusted) for p in snapshot.positions]
         epochs = {p.worker_id: p.epoch for p in snapshot.positions if p.epoch is not None}
+        self._restored_workers.update(p.worker_id for p in snapshot.positions)
+        self._restored_workers.update(event.worker_id for event in snapshot.events)
         restored = self.router.sequencer.restore_snapshot(snapshot.events, positions, epochs)
         self.applied_seq = self.snapshot_seq = snapshot.stream_seq
         self._count("restored_events", restored)
@@ -604,11 +596,16 @@ class DurableEvents:
                     seq = int(entry.description or "")
                 except ValueError:
                     continue
-                if not entry.deleted and not self._covers(seq, state.first_seq, state.last_seq):
-                    await self._store.delete(entry.name)
-                    self._count("stale_snapshots_deleted")
-                    log.info("deleted snapshot %s (stream sequence %d): the stream starts at %d",
-                             entry.name, seq, state.first_seq)  # fmt: skip
+                # A live router's (its cursor listed lately) is left to it: restarted under its old name,
+                # it may be writing a new one under that name right now.
+                if entry.deleted or entry.name in self._cursors_seen:
+                    continue
+                if not self._covers(seq, state.first_seq, state.last_seq):
+                    with contextlib.suppress(NotFoundError):  # a peer deleted it first
+                        await self._store.delete(entry.name)
+                        self._count("stale_snapshots_deleted")
+                        log.info("deleted snapshot %s (stream sequence %d): the stream starts at %d",
+                                 entry.name, seq, state.first_seq)  # fmt: skip
         except NotFoundError:  # nats-py's answer for an empty store
             return
         except (NatsError, TimeoutError) as exc:
