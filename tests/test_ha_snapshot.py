@@ -16,6 +16,7 @@ restarted meanwhile is told from a replay of its old ids.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -100,6 +101,20 @@ async def nc(nats_on_disk: EmbeddedNats) -> AsyncIterator[Client]:
         await client.close()
 
 
+@contextlib.asynccontextmanager
+async def restarted(
+    nc: Client, name: str = "r", kind: type[DurableEvents] = DurableEvents
+) -> AsyncIterator[tuple[KvRouter, DurableEvents]]:
+    """A router started afresh as ``name`` (its index from the snapshot and the stream), stopped on the
+    way out; a restart that does not come back within a minute fails rather than hangs."""
+    router = new_router()
+    events = await asyncio.wait_for(started(router, nc, name, kind), 60)
+    try:
+        yield router, events
+    finally:
+        await events.stop()
+
+
 async def started(
     router: KvRouter, nc: Client, name: str = "r", kind: type[DurableEvents] = DurableEvents
 ) -> DurableEvents:
@@ -172,16 +187,12 @@ async def test_a_large_snapshot_is_written_in_slices_while_decisions_answer_and_
         await applied_all(live, nc)
         assert live.snapshot_seq < live.applied_seq, "some published events came after the snapshot's sequence"
 
-        restored = new_router()
-        again = await started(restored, nc)
-        try:
+        async with restarted(nc) as (restored, again):
             assert again.outcomes["restored_events"] > 0
             assert index_of(restored) == index_of(router)
             assert [s.last_event_id for s in restored.sequencer.status()] == [
                 s.last_event_id for s in router.sequencer.status()
             ]
-        finally:
-            await again.stop()
     finally:
         await live.stop()
 
@@ -211,12 +222,8 @@ async def test_a_change_that_does_not_wait_interrupts_the_dump_and_it_is_taken_a
         assert await live.write_snapshot(), "with nothing changing meanwhile a sliced dump completes"
         assert live.outcomes["snapshot_interrupted"] == durable.MAX_INTERRUPTED
 
-        restored = new_router()
-        again = await started(restored, nc)
-        try:
+        async with restarted(nc) as (restored, _):
             assert index_of(restored) == index_of(router)
-        finally:
-            await again.stop()
     finally:
         await live.stop()
 
@@ -247,20 +254,17 @@ async def test_a_peer_cursor_missing_from_one_listing_still_holds_the_purge_floo
 
         # So b, killed now, comes back from its own snapshot and the stream after it.
         await b.stop()
-        again_router = new_router()
-        again = await started(again_router, nc, "b")
-        try:
+        async with restarted(nc, "b") as (again_router, again):
             assert again.outcomes.get("stream_behind_snapshot", 0) == 0
             assert index_of(again_router) == index_of(router_a)
-        finally:
-            await again.stop()
     finally:
         await a.stop()
         await b.stop()
 
 
-async def a_peer_ahead_of_b(nc: Client, workers: Workers) -> tuple[KvRouter, DurableEvents]:
-    """Router b snapshots at stream sequence 10 and stops; router a, still running (returned), goes on
+@contextlib.asynccontextmanager
+async def a_peer_ahead_of_b(nc: Client, workers: Workers) -> AsyncIterator[tuple[KvRouter, DurableEvents]]:
+    """Router b snapshots at stream sequence 10 and stops; router a, running until the way out, goes on
     to 30 and snapshots there."""
     router_a, router_b = new_router(), new_router()
     a = await started(router_a, nc, "a")
@@ -275,16 +279,14 @@ async def a_peer_ahead_of_b(nc: Client, workers: Workers) -> tuple[KvRouter, Dur
         await publish(nc, list(workers.events(20 * 64)))
         await applied_all(a, nc)
         assert await a.write_snapshot() and a.snapshot_seq == 30
-    except BaseException:
+        yield router_a, a
+    finally:
         await a.stop()
-        raise
-    return router_a, a
 
 
 async def test_a_snapshot_purged_from_under_a_restart_is_replaced_by_a_usable_one(nc: Client) -> None:
     workers = Workers(seed=10)
-    router_a, a = await a_peer_ahead_of_b(nc, workers)
-    try:
+    async with a_peer_ahead_of_b(nc, workers) as (router_a, a):
         await publish(nc, list(workers.events(10 * 64)))
         await applied_all(a, nc)
 
@@ -298,24 +300,17 @@ async def test_a_snapshot_purged_from_under_a_restart_is_replaced_by_a_usable_on
                     await self._js.purge_stream(self.subjects.events_stream, seq=a.snapshot_seq + 1)
                 return snapshot
 
-        again_router = new_router()
-        again = await started(again_router, nc, "b", kind=PurgedWhileLoading)
-        try:
+        async with restarted(nc, "b", kind=PurgedWhileLoading) as (again_router, again):
             assert again.outcomes["snapshot_purged_while_loading"] == 1
             assert again.outcomes.get("stream_behind_snapshot", 0) == 0, "no worker had to be asked"
             await applied_all(again, nc)
             assert index_of(again_router) == index_of(router_a)
-        finally:
-            await again.stop()
-    finally:
-        await a.stop()
 
 
 async def test_a_snapshot_whose_fetch_never_ends_is_given_up_for_a_peers(
     nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    router_a, a = await a_peer_ahead_of_b(nc, Workers(seed=11))
-    try:
+    async with a_peer_ahead_of_b(nc, Workers(seed=11)) as (router_a, _):
         # b's object keeps its description but loses its chunks, as a fetch finds an object its
         # owner replaced meanwhile: nats-py's fetch then waits forever.
         bucket = Subjects().snapshot_bucket
@@ -324,17 +319,11 @@ async def test_a_snapshot_whose_fetch_never_ends_is_given_up_for_a_peers(
         await js.purge_stream(f"OBJ_{bucket}", subject=f"$O.{bucket}.C.{info.nuid}")
         monkeypatch.setattr(durable, "SNAPSHOT_FETCH_MIN_S", 1.0)
 
-        again_router = new_router()
-        again = await asyncio.wait_for(started(again_router, nc, "b"), 30)
-        try:
+        async with restarted(nc, "b") as (again_router, again):
             assert again.outcomes["snapshot_unreadable"] == 1
             assert again.snapshot_seq == 30, "the peer's snapshot, the next usable one"
             await applied_all(again, nc)
             assert index_of(again_router) == index_of(router_a)
-        finally:
-            await again.stop()
-    finally:
-        await a.stop()
 
 
 async def test_on_a_stream_purged_to_its_end_a_stale_snapshot_gives_way_to_a_complete_one(nc: Client) -> None:
@@ -363,17 +352,13 @@ async def test_on_a_stream_purged_to_its_end_a_stale_snapshot_gives_way_to_a_com
         # Put back, as a router that could not delete it would leave it: a restart must not take it.
         await store.put("b", stale, meta=ObjectMeta(description="10"))
 
-        again_router = new_router()
-        again = await started(again_router, nc, "b")
-        try:
+        async with restarted(nc, "b") as (again_router, again):
             assert again.snapshot_seq == 30, "a's snapshot: b's own at 10 misses 11-30"
             assert again.outcomes.get("stream_behind_snapshot", 0) == 0
             assert index_of(again_router) == index_of(router_a)
             # What a failed start leaves is undone before it is tried again.
             again.discard()
             assert index_of(again_router) == set() and again_router.sequencer.status() == []
-        finally:
-            await again.stop()
     finally:
         await a.stop()
 
@@ -416,15 +401,11 @@ async def test_a_worker_restarted_while_the_router_was_down_is_told_by_its_epoch
         await applied_all(a, nc)
         assert index_of(router_a) and all(row[0] == 1 for row in index_of(router_a))
 
-        again_router = new_router()
-        again = await started(again_router, nc, "b")
-        try:
+        async with restarted(nc, "b") as (again_router, again):
             await applied_all(again, nc)
             # The second epoch's ids 1-4 are new events, not repeats of the first's 1-10.
             assert index_of(again_router) == index_of(router_a)
             assert again_router.sequencer.outcomes["publisher_restarts"] == 1
-        finally:
-            await again.stop()
     finally:
         await a.stop()
 

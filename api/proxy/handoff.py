@@ -145,7 +145,8 @@ class Handoff:
             if legs.style == "bootstrap":
                 return await self._bootstrap(legs, path, body, headers, reply, forward)
             if legs.style == "sequential":
-                await self._answered_prefill(legs, path, _prefill_body(body, None), headers)
+                await self._prefill_leg(legs, path, _prefill_body(body, None), headers)
+                self._answered(legs.prefill.worker_id)
                 decode_body = body
             else:
                 decode_body = await self._remote_decode_prefill(legs, path, body, headers)
@@ -224,12 +225,6 @@ class Handoff:
                 leg.add_done_callback(_retrieve)
 
     # ------------------------------------------------------------------ the prefill leg
-    async def _answered_prefill(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
-        """`_prefill_leg`, its worker told it answered."""
-        content = await self._prefill_leg(legs, path, body, headers)
-        self._answered(legs.prefill.worker_id)
-        return content
-
     async def _prefill_leg(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
         """Send the prefill leg and read its whole answer; its booking is freed once it is in. Raises
         `PrefillFailed`."""
