@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.codec import Reply, read_head
 from api.contract import body_too_large, too_large_reply
 from api.errors import BodyTooLarge
-from api.http_stream import Headers, Sink, StreamRoute, head_of, whole_headers
+from api.http_stream import Headers, Sink, StreamRoute, client_stalled, head_of, whole_headers
 
 __all__ = [
     "AsgiStreamedRequest",
@@ -123,11 +122,14 @@ class StreamEndpoint:
             return
         except ClientGone:
             return
-        request = AsgiStreamedRequest(send, body, head.authorization, head_of(scope["headers"]))
         task = asyncio.current_task()
         assert task is not None
+        request = AsgiStreamedRequest(
+            send, body, head.authorization, head_of(scope["headers"]),
+            handler=task, write_timeout_secs=self._route.write_timeout_secs,
+        )  # fmt: skip
         watcher = asyncio.ensure_future(receive())
-        watcher.add_done_callback(partial(request.watched, task))
+        watcher.add_done_callback(request.watched)
         try:
             await self._route.handle(request)
         finally:
@@ -154,13 +156,27 @@ class AsgiStreamedRequest:
     protocol's twin is `api.http_stream.StreamedRequest`). Pieces handed on from a read callback
     (`begin`'s sink) are sent in order by one task; the source pauses while it is behind."""
 
-    __slots__ = ("_pending", "_pump", "_resume", "_send", "authorization", "body", "disconnected", "finished", "head")
+    __slots__ = (
+        "_handler", "_pending", "_pump", "_resume", "_send", "_write_timeout", "authorization", "body", "disconnected",
+        "finished", "head",
+    )  # fmt: skip
 
     # Pieces queued before the source is told to pause.
     BEHIND = 8
 
-    def __init__(self, send: Send, body: bytes, authorization: bytes | None, head: bytes = b"") -> None:
+    def __init__(
+        self,
+        send: Send,
+        body: bytes,
+        authorization: bytes | None,
+        head: bytes = b"",
+        *,
+        handler: asyncio.Task[Any],
+        write_timeout_secs: float,
+    ) -> None:
         self._send = send
+        self._handler = handler  # cancelled when the client goes or stops reading
+        self._write_timeout = write_timeout_secs
         self.body = body
         self.authorization = authorization
         self.head = head
@@ -173,13 +189,17 @@ class AsgiStreamedRequest:
     def is_disconnected(self) -> bool:
         return self.disconnected
 
-    def watched(self, task: asyncio.Task[Any], watcher: asyncio.Future[Message]) -> None:
+    def watched(self, watcher: asyncio.Future[Message]) -> None:
         """The watcher's ``receive`` returned: the client has gone, so the handler is cancelled
         (unless it has finished)."""
-        if self.finished or watcher.cancelled():
+        if not watcher.cancelled():
+            self._gone()
+
+    def _gone(self) -> None:
+        if self.finished:
             return
         self.disconnected = True
-        task.cancel()
+        self._handler.cancel()
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         await self._flushed()
@@ -214,9 +234,17 @@ class AsgiStreamedRequest:
 
     async def _send_pending(self) -> None:
         pending = self._pending
-        while pending:
-            await self._send(pending[0])
-            pending.popleft()
+        try:
+            while pending:
+                # The server's send waits while the client is behind; one that reads nothing is dropped.
+                async with asyncio.timeout(self._write_timeout):
+                    await self._send(pending[0])
+                pending.popleft()
+        except TimeoutError:
+            client_stalled(self._write_timeout)
+            pending.clear()
+            self._gone()
+            return
         resume, self._resume = self._resume, None
         if resume is not None:
             resume()

@@ -325,6 +325,13 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     proxy_read_timeout_secs: Annotated[
         PositiveSecs, _doc("longest silence of a worker: before its first byte (prefill, its queue) and between chunks")
     ] = 300.0
+    proxy_client_write_timeout_secs: Annotated[
+        PositiveSecs,
+        _doc(
+            "longest a streamed answer waits for a client that reads nothing of it; then its connection is dropped "
+            "and the request ends as a disconnect (its worker's stream closed, its booking freed)"
+        ),
+    ] = 60.0
     proxy_connections_per_worker: Annotated[
         int, _doc("pooled keep-alive connections to one worker (0: no limit)"), msgspec.Meta(ge=0)
     ] = 512

@@ -494,7 +494,10 @@ class HttpProtocol(asyncio.Protocol):
         request.chunks = []
         stream = self._streams.get(request.path)
         if stream is not None:
-            streamed = StreamedRequest(self, request, body, request.head.authorization, request.raw_head)
+            streamed = StreamedRequest(
+                self, request, body, request.head.authorization, request.raw_head,
+                write_timeout_secs=stream.write_timeout_secs,
+            )  # fmt: skip
             self._streamed = (streamed, request)
             streamed.run(stream.handle)
             return

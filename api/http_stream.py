@@ -21,12 +21,15 @@ for the disconnect; per piece, an ASGI message and its checks.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine
 from http import HTTPStatus
 from typing import NamedTuple, Protocol
 
 from api.codec import Reply
 from api.eager import Suspended, start
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "STATUS_LINE",
@@ -36,6 +39,7 @@ __all__ = [
     "StreamHandler",
     "StreamRoute",
     "StreamedRequest",
+    "client_stalled",
     "head_of",
     "header_value",
     "whole_headers",
@@ -58,12 +62,16 @@ STATUS_LINE = {status: b"HTTP/1.1 %d %s\r\n" % (status, _phrase(status)) for sta
 
 
 class StreamRoute(NamedTuple):
-    """A route the protocol answers with a `StreamedRequest`: its handler, and what gives its answer
+    """A route the protocol answers with a `StreamedRequest`: its handler, what gives its answer
     to a body over the limit (a 413 in the route's own error shape, sent by the protocol instead of
-    calling the handler; called once per such request, so that the route may count it)."""
+    calling the handler; called once per such request, so that the route may count it), and how long
+    a streamed answer waits for a client that has stopped reading before dropping its connection (the
+    handler then ends as on a disconnect: a stalled client must not hold a worker's stream, and its
+    booking, for good)."""
 
     handle: StreamHandler
     too_large: Callable[[], Reply]
+    write_timeout_secs: float
 
 
 class Sink(Protocol):
@@ -104,6 +112,15 @@ class StreamCall(Protocol):
     async def end(self, last: bytes = b"") -> None:
         """The streamed answer's end, after ``last`` (an error event, say)."""
         ...
+
+
+def client_stalled(timeout_secs: float) -> None:
+    """Say why a streamed answer's connection is dropped (both ways in: the protocol's and ASGI's)."""
+    logger.warning(
+        "a client read nothing of its streamed answer for %g s: its connection is dropped and the request "
+        "ended as a disconnect (proxy_client_write_timeout_secs)",
+        timeout_secs,
+    )
 
 
 def header_value(head: bytes, name: bytes, lowered: bytes | None = None) -> bytes | None:
@@ -161,17 +178,26 @@ class StreamedRequest:
     """One request on a stream route and its answer, written to the connection's transport."""
 
     __slots__ = (
-        "_connection", "_head", "_request", "_status", "_task", "authorization", "body", "disconnected", "head",
+        "_connection", "_head", "_request", "_status", "_task", "_write_timeout", "authorization", "body",
+        "disconnected", "head",
     )  # fmt: skip
 
     def __init__(
-        self, connection: _Connection, request: _Request, body: bytes, authorization: bytes | None, head: bytes = b""
+        self,
+        connection: _Connection,
+        request: _Request,
+        body: bytes,
+        authorization: bytes | None,
+        head: bytes = b"",
+        *,
+        write_timeout_secs: float,
     ) -> None:
         self._connection = connection
         self._request = request  # the protocol's record of it: keep_alive, response_complete
         self.body = body
         self.authorization = authorization
         self.head = head
+        self._write_timeout = write_timeout_secs
         self.disconnected = False
         self._head: bytes | None = None  # a streamed answer's head, written with its first piece
         self._status = 0
@@ -254,7 +280,13 @@ class StreamedRequest:
             transport.write(data)
 
     async def _drained(self, resume: Callable[[], None]) -> None:
-        await self._connection.drain()
+        try:
+            async with asyncio.timeout(self._write_timeout):
+                await self._connection.drain()
+        except TimeoutError:
+            client_stalled(self._write_timeout)
+            self._connection.transport.abort()  # connection_lost ends the handler as a disconnect
+            return
         resume()
 
     def _finished(self, task: asyncio.Task[None]) -> None:

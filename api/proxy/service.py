@@ -199,7 +199,7 @@ class Proxy:
                 self.metrics.count(route, "bad_request")
                 return too_large_reply
 
-            return StreamRoute(handle, too_large)
+            return StreamRoute(handle, too_large, self.config.proxy_client_write_timeout_secs)
 
         return {path: route_for(route) for path, route in ROUTES.items()}
 

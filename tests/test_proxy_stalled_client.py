@@ -1,0 +1,115 @@
+"""A client that stops reading its stream is dropped after ``proxy_client_write_timeout_secs``: the
+worker's stream is closed (its engine stops generating for nobody), the booking freed, the request
+counted as ``client_disconnected``, and the proxy keeps answering others. Both ways in (the protocol's
+and ASGI's)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import httpx
+import msgspec
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats
+from router.types import WorkerConfig
+from tests.metrics import sample
+from tests.proxy_fleet import MODEL, SSE_HEAD, fleet, idle, raw_worker, sse_chunk
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+# Far more than the kernel's and the transports' buffers hold between the worker and a client that
+# reads nothing (a few MiB on loopback), and still a bounded stream.
+MAX_EVENTS = 40_000
+TEXT = "x" * 512
+
+
+def endless_worker(closed: asyncio.Event, written: list[int]) -> contextlib.AbstractAsyncContextManager[str]:
+    """A worker that streams token events as fast as it may, until its connection is closed or
+    ``MAX_EVENTS``; answers a plain request (no stream) at once."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET"):  # the proxy's health check
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+            writer.close()
+            return
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        body = msgspec.json.decode(await reader.readexactly(length))
+        if not body.get("stream"):
+            answer = b'{"choices": [{"index": 0, "text": " ok"}], "object": "text_completion"}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                         % (len(answer), answer))  # fmt: skip
+            await writer.drain()
+            writer.close()
+            return
+        writer.write(SSE_HEAD)
+        try:
+            for _ in range(MAX_EVENTS):
+                writer.write(sse_chunk(TEXT))
+                written[0] += 1
+                await writer.drain()
+        except ConnectionError:
+            closed.set()
+            return
+        writer.close()
+
+    return raw_worker(serve)
+
+
+async def stalled_stream(port: int) -> socket.socket:
+    """A streamed completion sent on a socket that will never be read (a small receive window)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    body = msgspec.json.encode({"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 10**6, "stream": True})
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (len(body), body)
+    )
+    await asyncio.get_running_loop().sock_sendall(sock, request)
+    return sock
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_a_client_that_stops_reading_is_dropped_and_its_worker_freed(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    closed = asyncio.Event()
+    written = [0]
+    async with (
+        fleet(
+            nats_server.url, (), service={"fast_protocol": fast_protocol},
+            proxy={"proxy_client_write_timeout_secs": 0.5},
+        ) as f,
+        endless_worker(closed, written) as url,
+    ):  # fmt: skip
+        worker = WorkerConfig(worker_id=7, block_size=64, url=url, models=frozenset({MODEL}))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
+        port = int(f.url.rsplit(":", 1)[1])
+        sock = await stalled_stream(port)
+        try:
+            # The worker's stream is closed by the proxy, long before the stream's end.
+            await asyncio.wait_for(closed.wait(), 15)
+            assert written[0] < MAX_EVENTS
+            await eventually(lambda: idle(f.router), what="the stalled request's booking is freed")
+            async with httpx.AsyncClient(base_url=f.url) as http:
+
+                async def counted() -> bool:
+                    text = (await http.get("/metrics")).text
+                    found = sample(text, "kv_router_proxy_requests_total", route="completions",
+                                   outcome="client_disconnected")  # fmt: skip
+                    return found == 1
+
+                await eventually(counted, what="the stalled request counted as a disconnect")
+            # The proxy keeps answering: the same worker, another client.
+            answer = await f.client.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=1)
+            assert answer.choices[0].text == " ok"
+        finally:
+            sock.close()
