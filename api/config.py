@@ -325,6 +325,14 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     proxy_read_timeout_secs: Annotated[
         PositiveSecs, _doc("longest silence of a worker: before its first byte (prefill, its queue) and between chunks")
     ] = 300.0
+    proxy_request_timeout_secs: Annotated[
+        PositiveSecs,
+        _doc(
+            "longest wait for a whole (not streamed) answer while its worker stays in routing (registered, passing "
+            "its health checks): such an answer comes at its end, so its silence past proxy_read_timeout_secs "
+            "blames the worker only once it has left routing"
+        ),
+    ] = 1800.0
     proxy_client_write_timeout_secs: Annotated[
         PositiveSecs,
         _doc(

@@ -141,6 +141,10 @@ class WorkerHealth:
             return True
         return not known
 
+    def failing_checks(self, worker_id: int) -> bool:
+        """Whether the worker's last health-check verdict is failing."""
+        return worker_id in self._failing_checks
+
     def set_engine_probed(self, worker_id: int, probed: bool) -> None:
         """Whether the source that registers the worker probes its engine's ``/health`` itself (direct
         mode with a URL), so that no other check probes it too."""

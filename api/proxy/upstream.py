@@ -95,17 +95,21 @@ class Upstream:
         headers: bytes = b"",
         begin: Begin | None = None,
         on_events: Callable[[bytes], None] | None = None,
+        patient: Callable[[], bool] | None = None,
     ) -> UpstreamConnection:
         """Send ``POST path`` with ``body`` (JSON) and the raw header lines ``headers`` to the worker
         at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`.
         ``begin``: a 200 answer is a stream handed on from the read callback (`UpstreamConnection.handed_on`);
-        ``on_events``: told of every piece of a stream handed on (both set before the answer comes)."""
+        ``on_events``: told of every piece of a stream handed on (both set before the answer comes).
+        ``patient``: asked when the worker has been silent for the read timeout; True (its worker still
+        in routing) waits on, up to ``proxy_request_timeout_secs`` from the request: a whole answer (no
+        stream) comes at its end, so its silence says nothing of the worker."""
         pool = self._pools.get(url)
         if pool is None:
             if not self._running:
                 raise RuntimeError("the proxy's upstream client is not started")
             pool = self._pools[url] = _Pool(_endpoint(url), self._config, self._tls_context)
-        return await pool.send(path, body, headers, begin, on_events)
+        return await pool.send(path, body, headers, begin, on_events, patient)
 
     async def post(self, url: str, path: bytes, body: bytes) -> tuple[int, bytes]:
         """A whole exchange: the status and body of ``POST path`` (used for ``/tokenize``)."""
@@ -129,6 +133,7 @@ class _Pool:
         self._limit = config.proxy_connections_per_worker
         self._connect_timeout = config.proxy_connect_timeout_secs
         self.read_timeout = config.proxy_read_timeout_secs
+        self.request_timeout = config.proxy_request_timeout_secs
         self._tls = tls
         self.idle: list[UpstreamConnection] = []
         self.opened = 0  # connections open or being opened
@@ -142,6 +147,7 @@ class _Pool:
         headers: bytes,
         begin: Begin | None,
         on_events: Callable[[bytes], None] | None,
+        patient: Callable[[], bool] | None,
     ) -> UpstreamConnection:
         endpoint = self.endpoint
         request = b"".join(
@@ -153,13 +159,13 @@ class _Pool:
         reused = connection.used
         try:
             try:
-                await connection.send(request, begin, on_events)
+                await connection.send(request, begin, on_events, patient)
             except _ClosedBeforeAnswer:
                 if not reused:
                     raise UpstreamError("the worker closed the connection before answering") from None
                 # The worker closed an idle connection as this request went out: once more, afresh.
                 connection = await self._acquire(fresh=True)
-                await connection.send(request, begin, on_events)
+                await connection.send(request, begin, on_events, patient)
         except asyncio.CancelledError:
             connection.close()  # cancelled before the answer's head: the engine must stop the request too
             raise
@@ -296,6 +302,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._paused = False  # reading paused: the client is behind
         self._idle_since = 0.0
         self._heard = 0.0  # loop time of the last byte from the worker
+        self._sent_at = 0.0  # loop time the request went out
+        self._patient: Callable[[], bool] | None = None  # see `Upstream.open`
         self.read_at = 0.0  # perf_counter time of the last read a waiting coroutine was woken for
         self.begun_at = 0.0  # with ``begin``: perf_counter time of the read that brought the first events
         self.first_sent_at = 0.0  # and of their write to the client (0: not begun)
@@ -380,18 +388,23 @@ class UpstreamConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ the exchange
     async def send(
-        self, request: bytes, begin: Begin | None = None, on_events: Callable[[bytes], None] | None = None
+        self,
+        request: bytes,
+        begin: Begin | None = None,
+        on_events: Callable[[bytes], None] | None = None,
+        patient: Callable[[], bool] | None = None,
     ) -> None:
         """Write the request; returns once the answer's head is in (see `Upstream.open`)."""
         self.used = True
         self._reset()
         self._begin = begin
         self.on_events = on_events
+        self._patient = patient
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
             raise _ClosedBeforeAnswer("the connection was closed")
         transport.write(request)
-        self._heard = self._loop.time()
+        self._heard = self._sent_at = self._loop.time()
         self._silence = self._loop.call_later(self._pool.read_timeout, self._check_silence)
         while not self._head_in:
             await self._wait()
@@ -544,11 +557,21 @@ class UpstreamConnection(asyncio.Protocol):
         if self._paused:  # the client is behind, not the worker: nothing is read, so nothing is heard
             self._silence = self._loop.call_later(timeout, self._check_silence)
             return
-        remaining = self._heard + timeout - self._loop.time()
+        now = self._loop.time()
+        remaining = self._heard + timeout - now
         if remaining > 0:
             self._silence = self._loop.call_later(remaining, self._check_silence)
-        else:
+            return
+        patient = self._patient
+        if patient is None or not patient():
             self._fail(UpstreamError(f"read timeout: nothing from the worker for {timeout:g} s"))
+            return
+        left = self._sent_at + self._pool.request_timeout - now
+        if left > 0:
+            self._silence = self._loop.call_later(min(timeout, left), self._check_silence)
+        else:
+            limit = self._pool.request_timeout
+            self._fail(UpstreamError(f"no answer within {limit:g} s (proxy_request_timeout_secs)"))
 
     def _cancel_silence(self) -> None:
         if self._silence is not None:

@@ -1,0 +1,136 @@
+"""A whole (not streamed) answer comes at its end: a long generation is silent for all of it. Its
+silence past ``proxy_read_timeout_secs`` blames the worker only once the worker has left routing
+(failing its health checks); while it is in routing the proxy waits, up to
+``proxy_request_timeout_secs``. A stream's silence still fails at the read timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats
+from tests.gate_worker import register
+from tests.metrics import sample
+from tests.proxy_fleet import MODEL, fleet, idle, raw_worker
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+ANSWER = b'{"choices": [{"index": 0, "text": " late"}], "object": "text_completion"}'
+QUICK = {"proxy_read_timeout_secs": 0.2, "proxy_retry_backoff_secs": 0.01, "proxy_health_check_interval_secs": 0.1,
+         "proxy_health_check_timeout_secs": 0.2, "proxy_health_check_failures": 1}  # fmt: skip
+
+
+class SlowWorker:
+    """Answers each completion after ``delay_s`` (a long generation, not streamed); its ``/health``
+    passes until ``sick`` is set. Counts the completions it was sent."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.sick = asyncio.Event()
+        self.completions = 0
+        self._connections: set[asyncio.Task[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def listening(self) -> AsyncIterator[str]:
+        """Its URL; on exit, connections still waiting to answer are ended."""
+        try:
+            async with raw_worker(self.serve) as url:
+                yield url
+        finally:
+            for task in self._connections:
+                task.cancel()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._answer(reader, writer)
+        finally:
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET"):
+                    status = b"503 Service Unavailable" if self.sick.is_set() else b"200 OK"
+                    writer.write(b"HTTP/1.1 %b\r\ncontent-length: 0\r\n\r\n" % status)
+                    await writer.drain()
+                    continue
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                self.completions += 1
+                await asyncio.sleep(self.delay_s)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                             % (len(ANSWER), ANSWER))  # fmt: skip
+                await writer.drain()
+
+
+async def failures(url: str) -> float | None:
+    async with httpx.AsyncClient(base_url=url) as http:
+        return sample((await http.get("/metrics")).text, "kv_router_proxy_upstream_failures_total")
+
+
+async def test_a_silent_whole_answer_is_waited_for_while_its_worker_is_in_routing(nats_server: EmbeddedNats) -> None:
+    worker = SlowWorker(delay_s=1.0)  # five read timeouts of silence
+    async with fleet(nats_server.url, (), proxy=QUICK) as f, worker.listening() as url:
+        await register(f, 9, url)
+        answer = await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1000)
+        assert answer.choices[0].text == " late"
+        assert worker.completions == 1  # not retried
+        assert f.router.health.availability(9).consecutive_failures == 0  # nor blamed
+        assert not await failures(f.url)
+        await eventually(lambda: idle(f.router))
+
+
+async def test_a_whole_answer_is_waited_for_no_longer_than_the_request_timeout(nats_server: EmbeddedNats) -> None:
+    worker = SlowWorker(delay_s=5.0)
+    proxy = {**QUICK, "proxy_request_timeout_secs": 0.6, "proxy_retries": 0}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, worker.listening() as url:
+        await register(f, 9, url)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as failed:
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1000)
+        assert time.monotonic() - started < 4.0
+        assert failed.value.status_code == 502
+        assert "no answer within 0.6 s (proxy_request_timeout_secs)" in str(failed.value.body)
+        await eventually(lambda: idle(f.router))
+
+
+async def test_a_silent_worker_that_leaves_routing_fails_its_whole_answer(nats_server: EmbeddedNats) -> None:
+    worker = SlowWorker(delay_s=8.0)
+    proxy = {**QUICK, "proxy_retries": 0}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, worker.listening() as url:
+        await register(f, 9, url)
+        started = time.monotonic()
+        sent = asyncio.ensure_future(f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1000))
+        await eventually(lambda: worker.completions == 1, what="the completion reached the worker")
+        worker.sick.set()  # its health checks fail from now: it leaves routing
+        with pytest.raises(openai.APIStatusError) as failed:
+            await sent
+        assert time.monotonic() - started < 4.0
+        assert failed.value.status_code == 502
+        assert "read timeout: nothing from the worker for 0.2 s" in str(failed.value.body)
+        await eventually(lambda: idle(f.router))
+
+
+async def test_a_silent_stream_still_fails_at_the_read_timeout(nats_server: EmbeddedNats) -> None:
+    worker = SlowWorker(delay_s=8.0)  # sends no head at all: a stream that never begins
+    proxy = {**QUICK, "proxy_retries": 0}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, worker.listening() as url:
+        await register(f, 9, url)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as failed:
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1000, stream=True)
+        assert time.monotonic() - started < 4.0
+        assert failed.value.status_code == 502
+        assert "read timeout" in str(failed.value.body)
