@@ -124,7 +124,7 @@ def create_app(
             engines = await stack.enter_async_context(running_engines(kv_router, settings.engines))
             await stack.enter_async_context(running_dynamo_sources(kv_router, settings.engines, plane))
             if engines:
-                engine_collector = EngineStreamCollector([engine.stream for engine in engines])
+                engine_collector = EngineStreamCollector([stream for engine in engines for stream in engine.streams])
                 registry.register(engine_collector)
                 stack.callback(registry.unregister, engine_collector)
             doctor = ConfigDoctor(kv_router, registrations=lifecycle, engines=engines)

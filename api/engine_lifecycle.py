@@ -42,7 +42,7 @@ async def running_engines(router: KvRouter, config: EngineSourcesConfig) -> Asyn
             logger.info(
                 "direct mode: worker %d's KV events from %s%s",
                 engine.worker_id,
-                engine.stream.endpoint,
+                ", ".join(stream.endpoint for stream in engine.streams),
                 f", its OpenAI server at {engine.url}" if engine.url else "",
             )
         yield engines

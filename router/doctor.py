@@ -36,13 +36,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
 
 from indexer.slots import WorkerRank
 from router.engines.direct import DirectEngine
+from router.engines.zmq_stream import ZmqEngineStream
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 
@@ -169,8 +170,7 @@ class ConfigDoctor:
         if self.registrations is not None:
             for worker_id, reason in self.registrations.refused_registrations.items():
                 found["block_size_mismatch", worker_id] = f"registration refused: {reason}"
-        for engine in self.engines:
-            worker_id, stream = engine.worker_id, engine.stream
+        for worker_id, stream in self._engine_streams():
             count = stream.stats["rejected_block_size_mismatch"]
             if count:
                 detail = stream.last_rejection.get("block_size_mismatch", "")
@@ -180,8 +180,7 @@ class ConfigDoctor:
                 )
 
     def _hashes(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
-        for engine in self.engines:
-            worker_id, stream = engine.worker_id, engine.stream
+        for worker_id, stream in self._engine_streams():
             count = stream.stats["tokens_hash_mismatch"]
             if count:
                 found["tokens_hash_mismatch", worker_id] = (
@@ -234,8 +233,7 @@ class ConfigDoctor:
 
     def _gaps(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
         counts: dict[WorkerRank, int] = dict(self.router.sequencer.gaps_by_stream)
-        for engine in self.engines:
-            worker_id, stream = engine.worker_id, engine.stream
+        for worker_id, stream in self._engine_streams():
             key = (worker_id, stream.dp_rank)
             counts[key] = counts.get(key, 0) + stream.stats["gap"]
         for key, count in counts.items():
@@ -255,17 +253,24 @@ class ConfigDoctor:
         for engine in self.engines:
             up_at = engine.up_at
             first = self._first_routed.get(engine.worker_id)
-            if up_at is None or first is None or engine.stream.stats["messages"] > engine.messages_at_up:
+            if up_at is None or first is None or engine.messages > engine.messages_at_up:
                 continue
             silent = now - max(up_at, first)
             if silent >= self._engine_silent_after_s:
-                port = engine.stream.endpoint.rpartition(":")[2]
+                endpoint = engine.streams[0].endpoint
+                port = endpoint.rpartition(":")[2]
                 found["engine_events_silent", engine.worker_id] = (
                     f"its engine answers at {engine.url} and was routed requests {silent:.0f} s ago, but its event "
-                    f"socket {engine.stream.endpoint} delivered nothing: vLLM binds its KV-event PUB socket only "
+                    f"socket {endpoint} delivered nothing: vLLM binds its KV-event PUB socket only "
                     f"for an endpoint tcp://*:{port} (given a host address it connects, and nothing flows, with no "
                     f'error): start it with --kv-events-config \'{{"endpoint": "tcp://*:{port}", ...}}\''
                 )
+
+    def _engine_streams(self) -> Iterator[tuple[int, ZmqEngineStream]]:
+        """Every direct-mode engine's event streams, one per dp rank, with its worker id."""
+        for engine in self.engines:
+            for stream in engine.streams:
+                yield engine.worker_id, stream
 
     def _unservable_handoffs(self, found: dict[tuple[str, int | None], str]) -> None:
         if not self.router.disaggregated:

@@ -133,7 +133,7 @@ async def test_an_engine_with_another_block_size_is_reported_over_http(caplog: p
         doctor = ConfigDoctor(router, engines=[direct])
 
         async def mismatch_seen() -> bool:  # the first batches may go before the SUB socket is joined
-            if direct.stream.stats["rejected_block_size_mismatch"]:  # none sent after it is in flight
+            if direct.streams[0].stats["rejected_block_size_mismatch"]:  # none sent after it is in flight
                 return True
             await engine.step()
             return False
@@ -177,7 +177,7 @@ async def test_engine_block_hashes_that_contradict_our_hashing_of_their_token_id
         first = msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0])
 
         async def first_applied() -> bool:  # the first batches may go before the SUB socket is joined
-            if direct.stream.stats["applied"]:  # none sent after it is in flight
+            if direct.streams[0].stats["applied"]:  # none sent after it is in flight
                 return True
             await engine.send(first, seq=0)
             return False
@@ -187,7 +187,7 @@ async def test_engine_block_hashes_that_contradict_our_hashing_of_their_token_id
         await engine.send(msgspec.msgpack.encode([0.0, [removal, second], 0]), seq=1)
         # A copy of the first batch still in flight when it was applied reads as a restart (seq 0 again)
         # and is applied too: the second batch is the one applied beyond those.
-        stats = direct.stream.stats
+        stats = direct.streams[0].stats
         await eventually(lambda: stats["applied"] - stats["restarts"] >= 2, 30, "the second batch is applied")
         problems = doctor.check()
         if expected is None:
@@ -197,9 +197,9 @@ async def test_engine_block_hashes_that_contradict_our_hashing_of_their_token_id
             assert (problem.kind, problem.worker_id) == ("tokens_hash_mismatch", 5)
             assert expected in problem.evidence
         # The engine restarts (its seq goes back to 0) fixed: the problem goes with its old process.
-        restarts = direct.stream.stats["restarts"]
+        restarts = direct.streams[0].stats["restarts"]
         await engine.send(msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0]), seq=0)
-        await eventually(lambda: direct.stream.stats["restarts"] > restarts, 30, "the engine's restart is seen")
+        await eventually(lambda: direct.streams[0].stats["restarts"] > restarts, 30, "the engine's restart is seen")
         assert doctor.check() == []
     finally:
         await direct.stop()
@@ -253,7 +253,7 @@ async def test_an_engine_that_answers_but_whose_event_socket_never_delivers_name
 
         async def delivered() -> bool:  # sent again until the subscription has reached the PUB socket
             await publisher.send(msgspec.msgpack.encode([0.0, [_vllm_stored(1, [1, 2, 3, 4])], 0]))
-            return bool(direct.stream.stats["messages"])
+            return bool(direct.streams[0].stats["messages"])
 
         await eventually(delivered, what="the engine's events are delivered", poll=0.05)
         assert doctor.check() == []

@@ -27,8 +27,9 @@ from api.config import EventPlaneConfig, Settings
 from indexer.events import RouterEvent
 from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject
 from router.config import RouterConfig
-from router.engines.bridge import Bridge, rank_endpoint
+from router.engines.bridge import Bridge
 from router.engines.bridge_config import BridgeConfig
+from router.engines.engine_spec import rank_endpoint
 from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
@@ -220,6 +221,8 @@ def test_bridge_settings_come_from_flags_environment_and_file(tmp_path: Path) ->
     assert rank_endpoint("tcp://127.0.0.1:5557", 1) == "tcp://127.0.0.1:5558"
     with pytest.raises(ConfigError, match="block_size"):
         load_bridge_config({"block_size": 0}, {}, file)
+    with pytest.raises(ConfigError, match="overlap"):  # rank 1's events on the replay port
+        load_bridge_config({"replay_endpoint": "tcp://127.0.0.1:5558"}, {}, file)
     with pytest.raises(ConfigError, match="unknown setting"):
         (tmp_path / "bad.json").write_text('{"worker": 1}')
         load_bridge_config({}, {}, tmp_path / "bad.json")

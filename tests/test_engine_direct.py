@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ from router.engines import zmq_stream
 from router.engines.direct import DirectEngine, SequencerSink
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.engines.zmq_stream import QUIET_S, ZmqEngineStream, replay_batches
+from router.event_plane.embedded_server import free_port
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 from tests.engine_fakes import (
@@ -53,7 +55,7 @@ def _stream(router: KvRouter, dp_rank: int = 0) -> StreamStatus:
 
 
 async def _converged(router: KvRouter, engine: FakeEngine, direct: DirectEngine) -> None:
-    await eventually(lambda: direct.stream.backlog == 0 and canonical(router.tree.dump_events()) == engine.dump())
+    await eventually(lambda: direct.streams[0].backlog == 0 and canonical(router.tree.dump_events()) == engine.dump())
 
 
 def test_engine_specs_parse() -> None:
@@ -85,7 +87,7 @@ async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(s
         for _ in range(20):
             await engine.step()
         await _converged(router, engine, direct)
-        stats = direct.stream.stats
+        stats = direct.streams[0].stats
         assert stats["rejected_bad_envelope"] == 2 and stats["rejected_empty_payload"] == 1
         assert engine.dump()  # the scenario leaves something cached
         assert _stream(router).trusted and _stream(router, dp_rank=1).trusted  # one vector is dp rank 1
@@ -117,12 +119,12 @@ async def test_a_hybrid_models_sliding_window_evictions_leave_its_full_attention
         await engine.send(
             [stored([11, 12, 13, 14], 0, "full_attention"), stored([11, 12, 13, 14], 1, "sliding_window")]
         )
-        await eventually(lambda: held() == 4 and direct.stream.backlog == 0)
+        await eventually(lambda: held() == 4 and direct.streams[0].backlog == 0)
         await engine.send([removed([11, 12], 1)])  # out of the window: the full-attention copies stay
         await engine.send([removed([14], 0)])
         await eventually(lambda: held() == 3)
-        assert direct.stream.side_groups == {1}
-        assert direct.stream.stats["ignored_events"] == 2  # the side group's store and its removal
+        assert direct.streams[0].side_groups == {1}
+        assert direct.streams[0].stats["ignored_events"] == 2  # the side group's store and its removal
         assert _stream(router).trusted
 
 
@@ -140,8 +142,8 @@ async def test_gaps_are_repaired_by_replay_in_both_reply_layouts(topic_in_replay
                 await _converged(router, engine, direct)
         await engine.step()
         await _converged(router, engine, direct)
-        assert direct.stream.stats["gap"] >= 8 and direct.stream.stats["replayed"] >= 8
-        assert direct.stream.stats["unverified"] == 0
+        assert direct.streams[0].stats["gap"] >= 8 and direct.streams[0].stats["replayed"] >= 8
+        assert direct.streams[0].stats["unverified"] == 0
         assert _stream(router).trusted
 
 
@@ -159,7 +161,7 @@ async def test_an_engine_restart_clears_the_rank_and_rebuilds_it() -> None:
         for _ in range(10):
             await engine.step()
         await _converged(router, engine, direct)
-        assert direct.stream.stats["restarts"] == 1
+        assert direct.streams[0].stats["restarts"] == 1
         await engine.send([engine.cleared()])
         for _ in range(5):
             await engine.step()
@@ -180,13 +182,13 @@ async def test_a_restart_is_seen_when_the_old_process_was_heard_only_by_replay()
     # The first 30 batches are published before the router starts: it hears them only by replay.
     async with direct_mode(router, WORKER, replay=True, seed=19, history=30) as (engine, direct):
         await _converged(router, engine, direct)
-        assert direct.stream.stats["messages"] == 0  # nothing live: no live seq to compare with
+        assert direct.streams[0].stats["messages"] == 0  # nothing live: no live seq to compare with
         engine.restart()  # seq 1.. of the new process are seqs the replay applied, other payloads
         await engine.step(publish=False)
         for _ in range(10):
             await engine.step()
         await _converged(router, engine, direct)
-        assert direct.stream.stats["restarts"] == 1
+        assert direct.streams[0].stats["restarts"] == 1
         assert _stream(router).trusted
 
 
@@ -198,13 +200,13 @@ async def test_a_restart_heard_first_as_a_gap_is_a_restart() -> None:
         for _ in range(5):
             await engine.step()
         await _converged(router, engine, direct)
-        await _settled(direct.stream.stats)  # no tail check pending: one would find the restart first
+        await _settled(direct.streams[0].stats)  # no tail check pending: one would find the restart first
         engine.restart()
         for _ in range(8):
             await engine.step(publish=False)  # seqs 0-7 of the new process, never heard live
         await engine.step()  # seq 8: past the last applied seq 4
         await _converged(router, engine, direct)
-        stats = direct.stream.stats
+        stats = direct.streams[0].stats
         assert (stats["restarts"], stats["gap"], stats["unverified"]) == (1, 1, 0)
         assert _stream(router).trusted
 
@@ -224,15 +226,17 @@ async def test_a_new_process_first_heard_at_the_next_seq_reads_as_the_old_one_go
         await _converged(router, engine, direct)
         old_process, old_batches = engine.dump(), engine.publisher.next_seq
         assert old_process
-        await _settled(direct.stream.stats)  # no tail check pending: one would find the restart
-        before = dict(direct.stream.stats)  # the slow joiner's first batches may have come by replay
+        await _settled(direct.streams[0].stats)  # no tail check pending: one would find the restart
+        before = dict(direct.streams[0].stats)  # the slow joiner's first batches may have come by replay
         engine.restart()
         while engine.publisher.next_seq < old_batches:
             await engine.step(publish=False)  # the new process's first seqs, never heard
         await engine.step()  # the next seq after the old process's last
-        await eventually(lambda: direct.stream.stats["applied"] == old_batches + 1 and direct.stream.backlog == 0)
-        changed = {key: direct.stream.stats[key] - before.get(key, 0) for key in ("restarts", "gap", "replayed")}
-        assert changed == {"restarts": 0, "gap": 0, "replayed": 0} and direct.stream.stats["unverified"] == 0
+        await eventually(
+            lambda: direct.streams[0].stats["applied"] == old_batches + 1 and direct.streams[0].backlog == 0
+        )
+        changed = {key: direct.streams[0].stats[key] - before.get(key, 0) for key in ("restarts", "gap", "replayed")}
+        assert changed == {"restarts": 0, "gap": 0, "replayed": 0} and direct.streams[0].stats["unverified"] == 0
         held = canonical(router.tree.dump_events())
         assert set(old_process) <= set(held) and held != engine.dump()
         assert _stream(router).trusted
@@ -250,17 +254,17 @@ async def test_without_replay_a_gap_leaves_the_rank_untrusted_until_it_clears() 
         # before the stream joined is such a gap too, and the clear it then applies makes it trusted.
         async def heard() -> bool:
             await engine.send([engine.cleared()])
-            return direct.stream.stats["applied"] > 0
+            return direct.streams[0].stats["applied"] > 0
 
         await eventually(heard, what="the stream hears the engine")
-        unverified = direct.stream.stats["unverified"]  # 1 if the first clear went out unheard
+        unverified = direct.streams[0].stats["unverified"]  # 1 if the first clear went out unheard
         for _ in range(5):
             await engine.step()
         await _converged(router, engine, direct)  # clears sent while it joined may still arrive: not counted
         assert _stream(router).trusted
         await engine.step(publish=False)
         await engine.step()
-        await eventually(lambda: direct.stream.stats["unverified"] == unverified + 1)
+        await eventually(lambda: direct.streams[0].stats["unverified"] == unverified + 1)
         assert not _stream(router).trusted
         await engine.send([engine.cleared()])
         await eventually(lambda: _stream(router).trusted)
@@ -272,16 +276,16 @@ async def test_a_replay_buffer_that_lost_the_gap_leaves_the_rank_untrusted() -> 
 
         async def heard() -> bool:  # a step sent before the SUB socket joined is lost: the next one's gap replays it
             await engine.step()
-            return direct.stream.stats["applied"] > 0
+            return direct.streams[0].stats["applied"] > 0
 
         await eventually(heard, what="the stream hears the engine")
         await _converged(router, engine, direct)
-        await _settled(direct.stream.stats)  # no tail check pending: the next batch's gap finds the loss
+        await _settled(direct.streams[0].stats)  # no tail check pending: the next batch's gap finds the loss
         for _ in range(5):
             await engine.step(publish=False)
         engine.publisher.forget_before(engine.publisher.next_seq - 2)
         await engine.step()
-        await eventually(lambda: direct.stream.stats["missing_history"] == 1)
+        await eventually(lambda: direct.streams[0].stats["missing_history"] == 1)
         assert not _stream(router).trusted
 
 
@@ -368,7 +372,7 @@ async def test_an_engine_whose_health_fails_leaves_routing_and_comes_back_rebuil
         http.healthy = True  # the same process answers again: what it holds comes back by replay
         await eventually(lambda: router.has_worker(WORKER))
         await _converged(router, engine, direct)
-        assert _stream(router).trusted and direct.stream.stats["rebuilds"] == 2  # at its first answer, and now
+        assert _stream(router).trusted and direct.streams[0].stats["rebuilds"] == 2  # at its first answer, and now
     finally:
         await direct.stop()
         await engine.stop()
@@ -389,14 +393,14 @@ async def test_an_engine_failing_a_health_check_or_two_keeps_its_index_and_one_r
         await _converged(router, engine, direct)
         probe = direct.health
         assert probe is not None and probe.failures_to_down == 3
-        rebuilds = direct.stream.stats["rebuilds"]
+        rebuilds = direct.streams[0].stats["rebuilds"]
 
         failed = probe.failures
         http.failing_checks = 2  # two 503s in a row, then 200s
         await eventually(lambda: probe.failures == failed + 2 and probe.healthy and http.failing_checks == 0)
         probes = probe.probes
         await eventually(lambda: probe.probes >= probes + 2)  # passed again
-        assert router.has_worker(WORKER) and direct.stream.stats["rebuilds"] == rebuilds
+        assert router.has_worker(WORKER) and direct.streams[0].stats["rebuilds"] == rebuilds
         assert canonical(router.tree.dump_events()) == engine.dump()
 
         failed = probe.failures
@@ -441,7 +445,7 @@ async def test_an_engine_is_routable_only_once_its_event_socket_has_the_routers_
         await eventually(lambda: router.has_worker(WORKER))
         await engine.step()
         await _converged(router, engine, direct)
-        assert direct.stream.stats["tail_recovered"] == 0 and direct.stream.stats["messages"] == 1
+        assert direct.streams[0].stats["tail_recovered"] == 0 and direct.streams[0].stats["messages"] == 1
 
 
 async def test_a_stalled_engine_is_routable_again_at_once_and_a_restarted_one_once_its_new_socket_has_us(
@@ -471,7 +475,7 @@ async def test_a_stalled_engine_is_routable_again_at_once_and_a_restarted_one_on
         await old.stop()  # the process ends: its sockets close, and a new one binds the same ports
 
         async def gone() -> bool:
-            return not await direct.stream.joined(0.01)
+            return not await direct.streams[0].joined(0.01)
 
         await eventually(gone, what="the stream sees the engine's socket close")
         await new.start()
@@ -479,10 +483,10 @@ async def test_a_stalled_engine_is_routable_again_at_once_and_a_restarted_one_on
         http.healthy = True
         await eventually(lambda: router.has_worker(WORKER))
         assert loop.time() - began < 10
-        messages = direct.stream.stats["messages"]
+        messages = direct.streams[0].stats["messages"]
         await new.step()  # published the moment it is routable: heard live
         await eventually(lambda: canonical(router.tree.dump_events()) == new.dump())
-        assert direct.stream.stats["messages"] == messages + 1
+        assert direct.streams[0].stats["messages"] == messages + 1
 
 
 async def test_an_engine_whose_event_socket_never_connects_is_routable_after_the_wait(
@@ -495,7 +499,7 @@ async def test_an_engine_whose_event_socket_never_connects_is_routable_after_the
     endpoint, replay = loopback_endpoints(replay=True)
     async with _probed(EngineHttp(), endpoint, replay) as (router, direct):
         await eventually(lambda: router.has_worker(WORKER))
-        assert direct.stream.stats["connections"] == 0
+        assert direct.streams[0].stats["connections"] == 0
 
 
 async def test_an_engine_that_states_its_kv_blocks_gives_them_to_its_registration_and_its_load_to_routing() -> None:
@@ -531,7 +535,7 @@ async def _heard(engine: FakeEngine, direct: DirectEngine) -> None:
 
     async def heard() -> bool:
         await engine.step()
-        return direct.stream.stats["messages"] > 0
+        return direct.streams[0].stats["messages"] > 0
 
     await eventually(heard, what="the stream hears the engine")
 
@@ -559,7 +563,7 @@ async def _quiet_stream(seed: int) -> AsyncIterator[tuple[KvRouter, FakeEngine, 
     async with direct_mode(router, WORKER, replay=True, seed=seed) as (engine, direct):
         await _heard(engine, direct)
         await _converged(router, engine, direct)
-        await _settled(direct.stream.stats)
+        await _settled(direct.streams[0].stats)
         yield router, engine, direct
 
 
@@ -569,7 +573,7 @@ async def test_batches_lost_at_the_tail_are_applied_while_the_engine_stays_quiet
     # The connection's check and every quiet spell's are past: only the next spell's can find what
     # follows, the spell of a batch heard right before two lost ones.
     async with _quiet_stream(seed=31) as (router, engine, direct):
-        stats = direct.stream.stats
+        stats = direct.streams[0].stats
         recovered, gaps = stats["tail_recovered"], stats["gap"]
         await engine.step()
         for _ in range(2):
@@ -587,7 +591,7 @@ async def test_a_batch_heard_live_while_a_tail_check_asks_is_not_counted_lost(
     """A quiet spell's check and a new batch cross: the replay's answer holds the batch the SUB socket
     has just queued. It was not lost: no gap, nothing recovered, no duplicate; applied once, live."""
     async with _quiet_stream(seed=37) as (router, engine, direct):
-        stats = direct.stream.stats
+        stats = direct.streams[0].stats
         before = dict(stats)
         asked = replay_batches
         crossed = asyncio.Event()
@@ -596,7 +600,7 @@ async def test_a_batch_heard_live_while_a_tail_check_asks_is_not_counted_lost(
             if not crossed.is_set():  # the next check: a batch is published and queued before it asks
                 crossed.set()
                 await engine.step()
-                await eventually(lambda: direct.stream.backlog > 0, 10, "the new batch queued behind the check")
+                await eventually(lambda: direct.streams[0].backlog > 0, 10, "the new batch queued behind the check")
             return await asked(*args, **kwargs)
 
         monkeypatch.setattr(zmq_stream, "replay_batches", crossing)
@@ -628,7 +632,7 @@ async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_
         await _converged(router, old, direct)
         assert old.dump()
         # The connection's check, then every quiet spell's, are past: only the reconnection's can see it.
-        stats = direct.stream.stats
+        stats = direct.streams[0].stats
         await old.step()
         await _converged(router, old, direct)
         await _settled(stats)
@@ -711,12 +715,12 @@ async def test_the_router_answers_while_a_long_replay_is_applied() -> None:
 
         async def watch() -> None:
             while True:
-                seen.add(direct.stream.stats["applied"])
+                seen.add(direct.streams[0].stats["applied"])
                 await asyncio.sleep(0)
 
         watcher = asyncio.create_task(watch())
         try:
-            await eventually(lambda: direct.stream.stats["applied"] >= 2000, 30, "the replay applied")
+            await eventually(lambda: direct.streams[0].stats["applied"] >= 2000, 30, "the replay applied")
         finally:
             watcher.cancel()
         assert any(0 < applied < 2000 for applied in seen)
@@ -770,7 +774,7 @@ async def test_an_engine_restarted_on_the_same_ports_that_published_nothing_yet_
         await _converged(router, old, direct)
         await old.stop()
         await new.start()
-        stats = direct.stream.stats
+        stats = direct.streams[0].stats
         await eventually(
             lambda: stats["restarts"] == 1 and router.tree.dump_events() == [], 10, "the old process's blocks go"
         )
@@ -793,7 +797,7 @@ async def test_an_engine_restarted_on_the_same_ports_that_published_nothing_yet_
 async def test_an_idle_streams_tail_checks_change_nothing_and_come_once_per_quiet_spell() -> None:
     router = _router()
     async with direct_mode(router, WORKER, replay=True, seed=43) as (engine, direct):
-        stats = direct.stream.stats
+        stats = direct.streams[0].stats
         await _heard(engine, direct)
         for _ in range(3):
             await engine.step()
@@ -867,3 +871,75 @@ async def test_a_replay_socket_that_does_not_answer_a_tail_check_leaves_the_stre
         pub.close(linger=0)
         mute.close(linger=0)
         context.term()
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports free now (a dp engine's layout)."""
+    while True:
+        first = free_port()
+        probes = [socket.socket() for _ in range(count)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+
+
+def test_dp_engine_specs_parse() -> None:
+    spec = parse_engine_spec("7=tcp://h:5557,replay=tcp://h:6557,dp=4")
+    assert spec.dp_size == 4 and str(spec) == "7=tcp://h:5557,replay=tcp://h:6557,dp=4"
+    assert spec.rank_endpoints()[3] == (3, "tcp://h:5560", "tcp://h:6560")
+    assert parse_engine_spec("7=tcp://h:5557").dp_size == 1
+    for bad, says in (
+        ("7=tcp://h:5557,dp=0", "1 to 256"),
+        ("7=tcp://h:5557,dp=two", "1 to 256"),
+        ("7=tcp://h:5557,replay=tcp://h:5558,dp=2", "overlap"),  # rank 1's events on the replay port
+        ("7=tcp://h:65535,dp=2", "pass 65535"),
+        ("7=ipc:///tmp/e,dp=2", "tcp://HOST:PORT"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            parse_engine_spec(bad)
+
+
+async def test_a_data_parallel_engine_is_heard_on_every_rank() -> None:
+    """``dp=2``: rank r publishes on the event port + r and replays on the replay port + r (vLLM's
+    layout); the worker is registered with both ranks, each rank's blocks indexed under its rank, and a
+    gap on rank 1 is repaired from rank 1's replay socket."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    events, replay = free_port_run(2), free_port_run(2)
+    ranks = [
+        FakeEngine(
+            WORKER, f"tcp://127.0.0.1:{events + rank}", f"tcp://127.0.0.1:{replay + rank}", seed=rank, dp_rank=rank
+        )
+        for rank in range(2)
+    ]
+    for engine in ranks:
+        await engine.start()
+    direct = DirectEngine(router, f"{WORKER}=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay},dp=2")
+    await direct.start()
+    try:
+        assert all([await stream.joined(5.0) for stream in direct.streams])
+        for _ in range(4):
+            for engine in ranks:
+                await engine.step()
+        await ranks[1].step(publish=False)  # lost on the way: rank 1's next batch shows the gap
+        await ranks[1].step()
+        truth = sorted(ranks[0].dump() + ranks[1].dump(), key=repr)
+        await eventually(
+            lambda: (
+                all(stream.backlog == 0 for stream in direct.streams) and canonical(router.tree.dump_events()) == truth
+            )
+        )
+        assert {edge[1] for edge in truth} == {0, 1}
+        worker = router.worker(WORKER)
+        assert worker is not None and list(worker.dp_ranks) == [0, 1]
+        assert direct.streams[1].stats["gap"] >= 1 and direct.streams[1].stats["replayed"] >= 1
+        assert _stream(router, 1).trusted and _stream(router, 0).trusted
+    finally:
+        await direct.stop()
+        for engine in ranks:
+            await engine.stop()

@@ -36,25 +36,16 @@ from indexer.engine_events import EngineEvent, decode_engine_batch, namespace_se
 from indexer.events import StorageTier
 from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineMetricsScraper
+from router.engines.engine_spec import rank_endpoint
 from router.engines.hash_check import TokensHashCheck
 from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN, HealthProbe, wait_for_models
 from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.event_plane.messages import ActiveLoad
 from router.event_plane.publisher import KvEventPublisher, open_registry
 
-__all__ = ["Bridge", "PublisherSink", "rank_endpoint"]
+__all__ = ["Bridge", "PublisherSink"]
 
 log = logging.getLogger(__name__)
-
-
-def rank_endpoint(endpoint: str, dp_rank: int) -> str:
-    """vLLM's layout: rank ``r`` of ``tcp://HOST:PORT`` listens on ``PORT + r``."""
-    if dp_rank == 0:
-        return endpoint
-    head, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{endpoint!r} has no port to offset for dp rank {dp_rank}")
-    return f"{head}:{int(port) + dp_rank}"
 
 
 def _netloc(nc: Client) -> str:

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from router.engines.engine_spec import check_rank_ports
 from router.engines.openai_server import health_url, openai_base
 from router.types import HandoffStyle, WorkerConfig, WorkerRole
 
@@ -114,6 +115,8 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
                 raise ValueError(f"openai_url: {exc}") from None
         if self.served_model and self.openai_url is None:
             raise ValueError("served_model needs openai_url (the models served there)")
+        if self.dp_size > 1:
+            check_rank_ports(self.zmq_endpoint, self.replay_endpoint, self.dp_size)
 
     @property
     def openai_base(self) -> str | None:

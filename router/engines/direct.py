@@ -15,6 +15,7 @@ registration takes when it has no capacity of its own.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 2.0
 
 
-def ensure_registered(router: KvRouter, worker_id: int, source: str) -> None:
+def ensure_registered(router: KvRouter, worker_id: int, source: str, dp_size: int = 1) -> None:
     """Register a worker first heard from its events, with default capacity and a WARNING."""
     if not router.has_worker(worker_id):
         log.warning(
@@ -51,13 +52,16 @@ def ensure_registered(router: KvRouter, worker_id: int, source: str) -> None:
             source,
             worker_id,
         )
-        router.register_worker(WorkerConfig(worker_id=worker_id, block_size=router.config.block_size, leased=False))
+        router.register_worker(
+            WorkerConfig(worker_id=worker_id, block_size=router.config.block_size, dp_size=dp_size, leased=False)
+        )
 
 
 class SequencerSink:
-    def __init__(self, router: KvRouter, worker_id: int, *, accepting: bool = True) -> None:
+    def __init__(self, router: KvRouter, worker_id: int, *, accepting: bool = True, dp_size: int = 1) -> None:
         self.router = router
         self.worker_id = worker_id
+        self.dp_size = dp_size
         # False while the engine is known down (direct mode with a URL): its events are dropped.
         self.accepting = accepting
         self.dropped_events = 0
@@ -70,7 +74,7 @@ class SequencerSink:
         self._tiers.clear()
 
     def _ensure_registered(self) -> None:
-        ensure_registered(self.router, self.worker_id, "engine")
+        ensure_registered(self.router, self.worker_id, "engine", self.dp_size)
 
     def _next_id(self, dp_rank: int) -> int:
         event_id = self._last_id.get(dp_rank, 0) + 1
@@ -171,15 +175,20 @@ class DirectEngine:
         self.router = router
         self.worker_id = self.spec.worker_id
         self.url = self.spec.url
-        self.sink = SequencerSink(router, self.worker_id, accepting=self.url is None)
-        self.stream = ZmqEngineStream(
-            self.sink,
-            self.spec.endpoint,
-            block_size=router.config.block_size,
-            replay_endpoint=self.spec.replay,
-            topic=topic,
-            adopt_block_size=None if block_sizes is None else block_sizes.for_engine(self.spec.endpoint),
-        )
+        self.sink = SequencerSink(router, self.worker_id, accepting=self.url is None, dp_size=self.spec.dp_size)
+        # One stream per dp rank (vLLM: a publisher per rank, on consecutive ports).
+        self.streams = [
+            ZmqEngineStream(
+                self.sink,
+                endpoint,
+                block_size=router.config.block_size,
+                dp_rank=rank,
+                replay_endpoint=replay,
+                topic=topic,
+                adopt_block_size=None if block_sizes is None else block_sizes.for_engine(endpoint),
+            )
+            for rank, endpoint, replay in self.spec.rank_endpoints()
+        ]
         self.health = (
             None
             if self.url is None
@@ -202,8 +211,14 @@ class DirectEngine:
         self.messages_at_up = 0
         self._registration: WorkerConfig | None = None  # the worker's last registration
 
+    @property
+    def messages(self) -> int:
+        """Messages its event sockets have delivered, every rank's."""
+        return sum(stream.stats["messages"] for stream in self.streams)
+
     async def start(self) -> None:
-        await self.stream.start()
+        for stream in self.streams:
+            await stream.start()
         if self.health is not None:
             self.router.health.set_engine_probed(self.worker_id, True)  # the proxy's checks leave it alone
             self.health.start()
@@ -213,7 +228,8 @@ class DirectEngine:
             await self.health.stop()
             self.router.health.set_engine_probed(self.worker_id, False)
         await self._stop_scraping()
-        await self.stream.stop()
+        for stream in self.streams:
+            await stream.stop()
 
     async def _up(self) -> None:
         assert self.url is not None
@@ -223,26 +239,32 @@ class DirectEngine:
         self.models = models
         # Routable only once the engine's PUB socket has our subscription: until then ZMQ drops what it
         # publishes, and a prompt routed there would leave no trace its repeat could be matched by.
-        if not await self.stream.joined(JOIN_TIMEOUT_S) and self.spec.replay is not None:
+        joined = await asyncio.gather(*(stream.joined(JOIN_TIMEOUT_S) for stream in self.streams))
+        if not all(joined) and self.spec.replay is not None:
             # The doctor tells a socket that never delivers (engine_events_silent).
             log.info(
                 "engine of worker %d answers at %s; its event socket %s has not connected within %g s: routable now",
                 self.worker_id,
                 self.url,
-                self.spec.endpoint,
+                ", ".join(stream.endpoint for stream, took in zip(self.streams, joined, strict=True) if not took),
                 JOIN_TIMEOUT_S,
             )
         # Settings given over HTTP before the engine went down (capacity, taints) are kept.
         base = self.router.worker(self.worker_id) or self._registration or WorkerConfig(worker_id=self.worker_id)
         registration = msgspec.structs.replace(
-            base, block_size=self.router.config.block_size, leased=False, url=self.url, models=frozenset(models)
+            base,
+            block_size=self.router.config.block_size,
+            dp_size=self.spec.dp_size,
+            leased=False,
+            url=self.url,
+            models=frozenset(models),
         )
         self.sink.reset()
         self.router.register_worker(registration)
         self.router.health.set_health(self.worker_id, True)  # /v1/workers: its health check passing
         self.sink.accepting = True
         self.up_at = time.time()
-        self.messages_at_up = self.stream.stats["messages"]
+        self.messages_at_up = self.messages
         log.info("engine of worker %d answers at %s: routable", self.worker_id, self.url)
         await self._stop_scraping()
         self.scraper = EngineMetricsScraper(
@@ -254,7 +276,8 @@ class DirectEngine:
             interval_s=self._metrics_interval_s,
         )
         self.scraper.start()
-        await self.stream.rebuild()  # what the engine holds now, from its replay buffer (or what comes next)
+        for stream in self.streams:  # what the engine holds now, from its replay buffer (or what comes next)
+            await stream.rebuild()
 
     async def _down(self, problem: str) -> None:
         self.sink.accepting = False

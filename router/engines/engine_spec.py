@@ -7,27 +7,55 @@ from typing import NamedTuple
 
 from router.engines.openai_server import openai_base
 
-__all__ = ["ENGINE_SPEC_FORM", "EngineSpec", "parse_engine_spec"]
+__all__ = ["ENGINE_SPEC_FORM", "MAX_DP_SIZE", "EngineSpec", "check_rank_ports", "parse_engine_spec", "rank_endpoint"]
+
+# Data-parallel ranks one --engine may name (each one a socket, and a port, of its own).
+MAX_DP_SIZE = 256
 
 
 class EngineSpec(NamedTuple):
     """One ``--engine`` (``--engine-zmq``): ``WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]
-    [,url=http://HOST:PORT[/v1]][,models=NAME+NAME]``."""
+    [,url=http://HOST:PORT[/v1]][,models=NAME+NAME][,dp=N]``. With ``dp=N`` (an engine run with
+    ``--data-parallel-size N``) rank ``r`` publishes on ``PORT + r`` and replays on the replay port plus
+    ``r``, as vLLM lays them out."""
 
     worker_id: int
     endpoint: str
     replay: str | None = None
     url: str | None = None  # the engine's OpenAI server root (`openai_base`)
     models: tuple[str, ...] | None = None  # None: asked from the engine's /v1/models
+    dp_size: int = 1
 
     def __str__(self) -> str:
         options = [f"replay={self.replay}"] if self.replay else []
         options += [f"url={self.url}"] if self.url else []
         options += ["models=" + "+".join(self.models)] if self.models is not None else []
+        options += [f"dp={self.dp_size}"] if self.dp_size != 1 else []
         return ",".join([f"{self.worker_id}={self.endpoint}", *options])
 
+    def rank_endpoints(self) -> list[tuple[int, str, str | None]]:
+        """Each dp rank with its event socket and its replay socket (None: no replay)."""
+        return [
+            (
+                rank,
+                rank_endpoint(self.endpoint, rank),
+                None if self.replay is None else rank_endpoint(self.replay, rank),
+            )
+            for rank in range(self.dp_size)
+        ]
 
-ENGINE_SPEC_FORM = "WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,url=http://HOST:PORT][,models=NAME+NAME]"
+
+ENGINE_SPEC_FORM = "WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,url=http://HOST:PORT][,models=NAME+NAME][,dp=N]"
+
+
+def rank_endpoint(endpoint: str, dp_rank: int) -> str:
+    """vLLM's layout: rank ``r`` of ``tcp://HOST:PORT`` listens on ``PORT + r``."""
+    if dp_rank == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{endpoint!r} has no port to offset for dp rank {dp_rank}")
+    return f"{head}:{int(port) + dp_rank}"
 
 
 def parse_engine_spec(spec: str) -> EngineSpec:
@@ -48,8 +76,8 @@ def parse_engine_spec(spec: str) -> EngineSpec:
     options: dict[str, str] = {}
     for option in parts[1:]:
         key, _, value = option.partition("=")
-        if key not in ("replay", "url", "models") or not value:
-            raise ValueError(f"engine {spec!r}: unknown or empty option {option!r} (replay=, url=, models=)")
+        if key not in ("replay", "url", "models", "dp") or not value:
+            raise ValueError(f"engine {spec!r}: unknown or empty option {option!r} (replay=, url=, models=, dp=)")
         if key in options:
             raise ValueError(f"engine {spec!r}: {key}= given twice")
         options[key] = value
@@ -64,4 +92,46 @@ def parse_engine_spec(spec: str) -> EngineSpec:
         if url is None:
             raise ValueError(f"engine {spec!r}: models= needs url= (the models served there)")
         models = tuple(name for name in options["models"].split("+") if name)
-    return EngineSpec(worker_id, endpoint, options.get("replay"), url, models)
+    dp_size = _dp_size(spec, options.get("dp", "1"))
+    replay = options.get("replay")
+    if dp_size > 1:
+        try:
+            check_rank_ports(endpoint, replay, dp_size)
+        except ValueError as exc:
+            raise ValueError(f"engine {spec!r}: {exc}") from None
+    return EngineSpec(worker_id, endpoint, replay, url, models, dp_size)
+
+
+def _dp_size(spec: str, value: str) -> int:
+    try:
+        dp_size = int(value)
+    except ValueError:
+        dp_size = 0
+    if not 1 <= dp_size <= MAX_DP_SIZE:
+        raise ValueError(
+            f"engine {spec!r}: dp= takes the engine's data-parallel size, 1 to {MAX_DP_SIZE}, got {value!r}"
+        )
+    return dp_size
+
+
+def check_rank_ports(endpoint: str, replay: str | None, dp_size: int) -> None:
+    """Each rank's sockets are a port above the last rank's: both must be TCP ports that leave room, and
+    the event and replay ranges must not meet. Raises ``ValueError`` saying what is wrong."""
+    ranges: list[tuple[str, int]] = []
+    for name, address in (("event", endpoint), ("replay", replay)):
+        if address is None:
+            continue
+        head, sep, port = address.rpartition(":")
+        if not address.startswith("tcp://") or not sep or not port.isdigit():
+            raise ValueError(f"dp={dp_size} needs tcp://HOST:PORT {name} sockets, got {address!r}")
+        if int(port) + dp_size - 1 > 65535:
+            raise ValueError(f"{name} ports {port}+0..{dp_size - 1} pass 65535")
+        ranges.append((head, int(port)))
+    if len(ranges) == 2:
+        (event_host, event_port), (replay_host, replay_port) = ranges
+        if event_host == replay_host and abs(event_port - replay_port) < dp_size:
+            raise ValueError(
+                f"with dp={dp_size} the event ports {event_port}..{event_port + dp_size - 1} and the replay ports "
+                f"{replay_port}..{replay_port + dp_size - 1} overlap (rank r uses port + r for both): start the "
+                "engine's replay endpoint at least dp ports away"
+            )
