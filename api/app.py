@@ -91,7 +91,7 @@ def create_app(
     if settings.proxy.proxy:
         from api.proxy.service import Proxy  # imported only when enabled: tokenizers
 
-        proxy = Proxy(kv_router, settings.proxy, settings.service, registry)
+        proxy = Proxy(kv_router, settings.proxy, settings.service, registry, metrics)
     security = settings.security
     auth = ApiAuth(
         security.token(),

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import httpx
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from api.proxy.metrics import ProxyMetrics
-from tests.metrics import sample
+from router.event_plane.embedded_server import EmbeddedNats
+from tests.metrics import sample, total
+from tests.proxy_fleet import MODEL, fleet
 
 
 def test_the_calibration_gauge_covers_each_workers_last_window_of_reports() -> None:
@@ -31,3 +35,25 @@ def test_the_calibration_gauge_covers_each_workers_last_window_of_reports() -> N
     metrics.cached_tokens(1, predicted=640, actual=320)
     text = generate_latest(registry).decode()
     assert sample(text, "kv_router_proxy_cache_calibration", worker_id="1") == (320 + 320) / (320 + 640)
+
+
+@pytest.mark.anyio
+async def test_a_proxy_only_fleet_counts_its_decisions_in_the_decision_metrics(nats_server: EmbeddedNats) -> None:
+    """The dashboards' decision panels and alerts read ``kv_router_decisions_total``, the phases'
+    histogram, overlap and predicted hits: a fleet that only proxies must move them, one decision per
+    request (streamed or not), without counting a call of the decision API it never had."""
+    async with fleet(nats_server.url) as proxied:
+        tokens = list(range(1, 4 * 64 + 1))
+        for stream in (False, True, False):
+            answer = await proxied.client.completions.create(model=MODEL, prompt=tokens, max_tokens=2, stream=stream)
+            if stream:
+                async for _ in answer:  # type: ignore[union-attr]
+                    pass
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"{proxied.url}/metrics")).text
+    assert total(text, "kv_router_decisions_total") == 3
+    assert sample(text, "kv_router_decision_duration_seconds_count", phase="request") == 3
+    assert sample(text, "kv_router_decision_duration_seconds_count", phase="scheduling") == 3
+    assert sample(text, "kv_router_overlap_blocks_count") == 3
+    assert sample(text, "kv_router_predicted_cache_hit_ratio_count") == 3
+    assert total(text, "kv_router_requests_total", method="new") == 0

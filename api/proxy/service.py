@@ -54,6 +54,7 @@ from api.cors import Cors
 from api.errors import ApiError, prompt_too_long
 from api.hints import RoutingCall, routing_call
 from api.http_stream import Headers, Sink, StreamCall, StreamRoute
+from api.metrics import ApiMetrics
 from api.native import ENABLED as NATIVE
 from api.native import accel
 from api.openapi import Schemas
@@ -89,6 +90,7 @@ from indexer.hashing import pack_tokens
 from indexer.slots import WorkerRank
 from router.errors import AllWorkersOverloaded, InvalidRequest, NoEligibleWorker, QueueRejected, WorkersUnavailable
 from router.kv_router import KvRouter
+from router.prompt import token_count
 from router.types import RouteDecision, RouterConfigOverride, RouteRequest, WorkerConfig
 
 __all__ = ["ROUTES", "Proxy"]
@@ -136,11 +138,19 @@ class Proxy:
     """The proxy of one app: its router, settings, upstream session, tokenizers and metrics."""
 
     def __init__(
-        self, router: KvRouter, config: ProxyConfig, service: ServiceConfig, registry: CollectorRegistry
+        self,
+        router: KvRouter,
+        config: ProxyConfig,
+        service: ServiceConfig,
+        registry: CollectorRegistry,
+        decisions: ApiMetrics,
     ) -> None:
         self.router = router
         self.config = config
         self.metrics = ProxyMetrics(registry, config.proxy_calibration_window)
+        # The decision metrics the decision API keeps (per worker, phases, overlap, hits): the proxy's
+        # decisions are counted there too, so a proxy-only fleet's dashboards and alerts see them.
+        self.decisions = decisions
         self.upstream = Upstream(config)
         self.retry = RetryPolicy(config)
         self.health_checks = WorkerHealthChecks(router, config)
@@ -510,8 +520,9 @@ class Proxy:
     async def _book(
         self, routed: RouteRequest, among: set[int], pinned: WorkerRank | None, pinned_prefill: WorkerRank | None = None
     ) -> RouteDecision:
+        started = time.perf_counter()
         try:
-            return await self.router.new(routed, among=among, pinned_worker=pinned, pinned_prefill=pinned_prefill)
+            decision = await self.router.new(routed, among=among, pinned_worker=pinned, pinned_prefill=pinned_prefill)
         except QueueRejected as exc:
             raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
         except WorkersUnavailable as exc:  # out of routing after failures: back when a circuit half-opens
@@ -522,6 +533,8 @@ class Proxy:
             raise _refused(503, "service_unavailable", str(exc), "no_worker") from None
         except InvalidRequest as exc:  # a routing hint that does not fit the fleet (a pin to a prefill worker)
             raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
+        self.decisions.decision(decision, token_count(routed.tokens), time.perf_counter() - started)
+        return decision
 
     async def _forward(
         self,
