@@ -24,6 +24,7 @@ import msgspec
 from router.config import RouterConfig
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.errors import ConfigError
+from router.event_plane.jetstream import MAX_REPLICAS
 from router.policies.registry import policy_names
 
 __all__ = [
@@ -161,6 +162,15 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
             "the same setting; unset: $XDG_RUNTIME_DIR/kv-router/nats-<port>.json, else ~/.cache/kv-router/"
         ),
     ] = None
+    jetstream_replicas: Annotated[
+        int,
+        _doc(
+            "copies JetStream keeps of the worker registry and, with durable events, of the event stream, "
+            "snapshot store and cursor bucket: 3 on a three-server NATS cluster survives losing any one server "
+            "(1 lives on one server); existing ones are scaled to it at start"
+        ),
+        msgspec.Meta(ge=1, le=MAX_REPLICAS),
+    ] = 1
     worker_lease_secs: Annotated[
         float, _doc("a heartbeating worker silent this long is removed"), msgspec.Meta(gt=0)
     ] = 10.0

@@ -182,6 +182,7 @@ class PlaneLifecycle:
                 lease_s=self.config.worker_lease_secs,
                 resync_timeout_s=self.config.resync_timeout_secs,
                 subscribe_events=durable is None,
+                jetstream_replicas=self.config.jetstream_replicas,
             )
             try:
                 if durable is not None:
@@ -263,6 +264,7 @@ class PlaneLifecycle:
             max_bytes=ha.events_stream_max_bytes,
             snapshot_every_events=ha.snapshot_every_events,
             snapshot_every_s=ha.snapshot_every_secs,
+            replicas=self.config.jetstream_replicas,
         )
 
     async def stop(self) -> None:

@@ -255,6 +255,8 @@ def test_nats_runs_jetstream_and_the_ha_overlay_prepares_replicas() -> None:
     assert name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # each replica its own name
     nats = next(by_kind(ha, "StatefulSet"))
     assert nats["spec"]["replicas"] == 3
+    # As many copies of every stream and bucket as NATS servers: losing one keeps them all.
+    assert env["KV_ROUTER_JETSTREAM_REPLICAS"] == str(nats["spec"]["replicas"])
     config = next(c for c in by_kind(ha, "ConfigMap") if c["metadata"]["name"].startswith("nats-"))["data"]["nats.conf"]
     routes = [f"nats://nats-{i}.{nats['spec']['serviceName']}:6222" for i in range(3)]
     assert all(route in config for route in routes)

@@ -60,10 +60,12 @@ class RouterEventPlane:
         resync_timeout_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         subscribe_events: bool = True,
+        jetstream_replicas: int = 1,
     ) -> None:
         self.router = router
         self.nc = nc
         self.subjects = Subjects(namespace)
+        self._jetstream_replicas = jetstream_replicas  # the registry bucket's copies
         self.lease_s = lease_s
         self._clock = clock
         self.sequencer = router.sequencer
@@ -82,7 +84,7 @@ class RouterEventPlane:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        self._registry = await open_registry(self.nc, self.subjects)
+        self._registry = await open_registry(self.nc, self.subjects, self._jetstream_replicas)
         await self.subscriber.start()
         self._subscriptions = [
             await self.nc.subscribe(self.subjects.all_loads, cb=self._on_load),

@@ -67,6 +67,7 @@ from indexer.events_native import ENABLED as EVENTS_NATIVE
 from indexer.events_native import accel as events_accel
 from indexer.held_blocks import HeldBlocks
 from indexer.native import declined
+from router.event_plane.jetstream import kv_stream, scale_stream
 from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
@@ -79,13 +80,19 @@ log = logging.getLogger(__name__)
 DEFAULT_RING_SIZE = 1024
 
 
-async def open_registry(nc: Client, subjects: Subjects) -> KeyValue:
-    """The worker registry bucket, created on first use."""
+async def open_registry(nc: Client, subjects: Subjects, replicas: int | None = None) -> KeyValue:
+    """The worker registry bucket, created on first use (with ``replicas`` copies, or one). A router
+    passes its ``jetstream_replicas``: an existing bucket is scaled to it (`scale_stream`); a worker
+    passes None and leaves the count to the routers."""
     js = nc.jetstream()
+    bucket = subjects.registry_bucket
     try:
-        return await js.key_value(subjects.registry_bucket)
+        registry = await js.key_value(bucket)
     except Exception:  # nats-py raises BucketNotFoundError or a JetStream API error here
-        return await js.create_key_value(bucket=subjects.registry_bucket, history=1)
+        return await js.create_key_value(bucket=bucket, history=1, replicas=replicas or 1)
+    if replicas is not None:
+        await scale_stream(js, kv_stream(bucket), replicas)
+    return registry
 
 
 class _RankLog:

@@ -72,6 +72,7 @@ from nats.js.object_store import ObjectStore
 
 from indexer.errors import EventDecodeError
 from indexer.events import NonNegative, RouterEvent, decode_router_events
+from router.event_plane.jetstream import kv_stream, object_stream, scale_stream
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.kv_router import KvRouter
@@ -199,8 +200,10 @@ class DurableEvents:
         snapshot_every_events: int = 100_000,
         snapshot_every_s: float = 30.0,
         catch_up_timeout_s: float = 120.0,
+        replicas: int = 1,
     ) -> None:
         self.router = router
+        self._replicas = replicas  # copies of the stream and buckets (`router.event_plane.jetstream`)
         self.nc = nc
         self.subjects = Subjects(namespace)
         self.router_name = router_name
@@ -336,31 +339,42 @@ class DurableEvents:
                     storage=StorageType.FILE,
                     max_age=self._max_age,
                     max_bytes=self._max_bytes,
+                    num_replicas=self._replicas,
                 )
             )
             log.info("created JetStream stream %s over %s", name, self.subjects.all_events)
             return
         config = info.config
-        if config.max_age != self._max_age or config.max_bytes != self._max_bytes:
+        if (config.max_age, config.max_bytes, config.num_replicas) != (self._max_age, self._max_bytes, self._replicas):
             config.max_age = self._max_age
             config.max_bytes = self._max_bytes
+            config.num_replicas = self._replicas
             await self._js.update_stream(config)
-            log.info("stream %s: max age %.0f s, max bytes %d", name, self._max_age, self._max_bytes)
+            log.info(
+                "stream %s: max age %.0f s, max bytes %d, %d replicas",
+                name, self._max_age, self._max_bytes, self._replicas,
+            )  # fmt: skip
 
     async def _open_store(self) -> ObjectStore:
         bucket = self.subjects.snapshot_bucket
         try:
-            return await self._js.object_store(bucket)
+            store = await self._js.object_store(bucket)
         except (BucketNotFoundError, NotFoundError):
-            return await self._js.create_object_store(bucket, ObjectStoreConfig(storage=StorageType.FILE))
+            config = ObjectStoreConfig(storage=StorageType.FILE, replicas=self._replicas)
+            return await self._js.create_object_store(bucket, config)
+        await scale_stream(self._js, object_stream(bucket), self._replicas)
+        return store
 
     async def _open_cursors(self) -> KeyValue:
         bucket = self.subjects.router_cursor_bucket
         try:
-            return await self._js.key_value(bucket)
+            cursors = await self._js.key_value(bucket)
         except (BucketNotFoundError, NotFoundError):
             ttl = max(60.0, 3 * self.snapshot_every_s)
-            return await self._js.create_key_value(KeyValueConfig(bucket=bucket, ttl=ttl, storage=StorageType.FILE))
+            config = KeyValueConfig(bucket=bucket, ttl=ttl, storage=StorageType.FILE, replicas=self._replicas)
+            return await self._js.create_key_value(config)
+        await scale_stream(self._js, kv_stream(bucket), self._replicas)
+        return cursors
 
     # ------------------------------------------------------------------ snapshots
     async def _load_snapshot(self) -> IndexSnapshot | None:

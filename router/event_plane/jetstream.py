@@ -1,0 +1,46 @@
+"""How many copies JetStream keeps of the streams and buckets kv-router uses (``jetstream_replicas``).
+
+One copy (the default) lives on one server of a NATS cluster: when that server is down the stream has
+no leader, and a worker cannot register, a router cannot record its cursor and a restarting router
+never gets ready. Three copies on a three-server cluster survive any one server (the Raft majority).
+A stream or bucket is created with the setting and, when it already exists with another count (made
+by an earlier router, or by a worker that started first), scaled to it at start: JetStream moves the
+copies itself (NATS 2.10+).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the settings import MAX_REPLICAS: no NATS client for that
+    from nats.js import JetStreamContext
+
+__all__ = ["MAX_REPLICAS", "kv_stream", "object_stream", "scale_stream"]
+
+log = logging.getLogger(__name__)
+
+# JetStream's own bound on a stream's replicas.
+MAX_REPLICAS = 5
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream behind a key-value bucket."""
+    return f"KV_{bucket}"
+
+
+def object_stream(bucket: str) -> str:
+    """The stream behind an object store bucket."""
+    return f"OBJ_{bucket}"
+
+
+async def scale_stream(js: JetStreamContext, name: str, replicas: int) -> None:
+    """Give the existing stream ``name`` ``replicas`` copies, if it has another count."""
+    info = await js.stream_info(name)
+    config = info.config
+    if config.num_replicas == replicas:
+        return
+    before = config.num_replicas
+    config.num_replicas = replicas
+    await js.update_stream(config)
+    log.info("JetStream stream %s: %s -> %d replicas", name, before, replicas)
