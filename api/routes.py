@@ -41,6 +41,7 @@ from api.wire import (
     RouterRequest,
     RouterResponse,
     ServiceInfo,
+    WorkerRegistration,
     WorkersReply,
     WorkerStatus,
 )
@@ -160,7 +161,7 @@ def add_admin_routes(
     state: ServiceState,
 ) -> None:
     admin, read, probe = (auth.dependency(access) for access in (Access.ADMIN, Access.READ, Access.PROBE))
-    worker_body: BodyDecoder[WorkerConfig] = BodyDecoder(WorkerConfig)
+    worker_body: BodyDecoder[WorkerRegistration] = BodyDecoder(WorkerRegistration)
 
     def streams_by_worker() -> dict[int, list[StreamStatus]]:
         # Every door feeds the one sequencer: NATS, HTTP and engines heard directly alike.
@@ -215,7 +216,7 @@ def add_admin_routes(
     async def register_worker(request: Request) -> Response:
         call = read_head(request.scope["headers"]).call(await request.body(), b"", None)
         # Registered over HTTP means static: no heartbeat lease, with or without an event plane.
-        config = msgspec.structs.replace(worker_body.decode(call), leased=False)
+        config = WorkerConfig(**{**msgspec.structs.asdict(worker_body.decode(call)), "leased": False})
         known = kv_router.has_worker(config.worker_id)
         if lifecycle is not None:
             await lifecycle.register(config)  # into the shared registry, so every router learns it

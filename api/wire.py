@@ -73,6 +73,7 @@ __all__ = [
     "RoutingHints",
     "ServiceInfo",
     "WorkerIdInfo",
+    "WorkerRegistration",
     "WorkerStatus",
     "WorkersReply",
     "queries_instance",
@@ -207,6 +208,11 @@ class NvExt(msgspec.Struct, kw_only=True):
 
 
 # ---------------------------------------------------------------- requests
+class WorkerRegistration(WorkerConfig, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """``POST /v1/workers``: a `WorkerConfig` in which a misspelt field is an error (422), not a default
+    silently kept (the NATS registry stays lenient: a newer worker may carry fields we lack)."""
+
+
 class NewRequest(RouteRequest, kw_only=True, forbid_unknown_fields=True):
     """``POST /v1/new``: a `RouteRequest`; ``explain`` adds the per-candidate explanation."""
 

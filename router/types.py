@@ -92,14 +92,14 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     block_mm_infos: BlockMmInfos | None = None
     routing_constraints: RoutingConstraints | None = None
     priority_jump: Finite = 0.0
-    strict_priority: int = 0
+    strict_priority: U32 = 0  # u32 in Dynamo
     lora_name: str | None = None
     cache_namespace: str | None = None
     # Not in Dynamo's payload (Dynamo takes it from the request-plane context): the id that
     # mark_prefill / mark_free refer to. None routes without booking any load.
     request_id: str | None = None
     # Dynamo's `agent_hints.osl`: how many tokens the request is expected to generate.
-    expected_output_tokens: int | None = None
+    expected_output_tokens: U32 | None = None
     router_config_override: RouterConfigOverride | None = None
 
 

@@ -27,11 +27,17 @@ CASES: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("/v1/potential_loads", b"\xc1", MSGPACK_IN, 400, "malformed_body"),
     ("/v1/events", b"[{", JSON_HEADERS, 400, "invalid_events"),
     ("/v1/workers", b"{", JSON_HEADERS, 400, "malformed_body"),
+    # A misspelt setting is named, not silently left at its default.
+    ("/v1/workers", b'{"worker_id": 77, "dp_sise": 8}', JSON_HEADERS, 422, "invalid_request"),
     # wrong types and shapes
     ("/v1/new", b'{"tokens": "seven"}', JSON_HEADERS, 422, "invalid_request"),  # not base64 packed tokens
     ("/v1/new", b'{"tokens": [1.5]}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/new", b'{"tokens": [1], "priority": 3}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/new", msgpack({"tokens": [1], "priority_jump": float("nan")}), MSGPACK_IN, 422, "invalid_request"),
+    # Dynamo's u32 fields: a negative or huge value would reach the replicas' sync and the load's decay.
+    ("/v1/new", b'{"tokens": [1], "expected_output_tokens": -1}', JSON_HEADERS, 422, "invalid_request"),
+    ("/v1/new", msgpack({"tokens": [1], "expected_output_tokens": 2**64 - 1}), MSGPACK_IN, 422, "invalid_request"),
+    ("/v1/new", b'{"tokens": [1], "strict_priority": -1}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/new", b'{"tokens": [1], "request_id": "has space"}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/new", b'{"tokens": []}', JSON_HEADERS, 422, "invalid_request"),
     ("/v1/router", b'{"tokens": [1]}', JSON_HEADERS, 422, "invalid_request"),
