@@ -94,14 +94,15 @@ class EventSequencer:
         self,
         index: RadixTree,
         *,
-        accept_worker: Callable[[int], bool] | None = None,
+        worker_ranks: Callable[[int], range | None] | None = None,
         max_held_events: int = MAX_HELD_EVENTS,
         max_event_blocks: int = MAX_EVENT_BLOCKS,
         retry_interval_s: float = RETRY_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
-        self._accept_worker = accept_worker
+        # A registered worker's dp ranks (None: not registered); events of others are refused.
+        self._worker_ranks = worker_ranks
         self._max_held = max_held_events
         self._max_blocks = max_event_blocks
         self.retry_interval_s = retry_interval_s
@@ -146,11 +147,16 @@ class EventSequencer:
 
     def receive(self, event: RouterEvent) -> ResyncRequest | None:
         """Take one live event; returns a resync to start, if this event calls for one."""
-        if self._accept_worker is not None and not self._accept_worker(event.worker_id):
-            self.unknown_worker_events[event.worker_id] += 1
-            self._reject(event, "unknown_worker", "worker not registered")
-            return None
         key = (event.worker_id, event.event.dp_rank)
+        if self._worker_ranks is not None:
+            ranks = self._worker_ranks(event.worker_id)
+            if ranks is None:
+                self.unknown_worker_events[event.worker_id] += 1
+                self._reject(event, "unknown_worker", "worker not registered")
+                return None
+            if key[1] not in ranks:  # a stream of its own, and a slot in every node, for each such rank
+                self._reject(event, "unknown_dp_rank", f"dp rank {key[1]} is not one of its ranks {ranks}")
+                return None
         stream = self._streams.get(key)
         if stream is None:
             stream = self._streams[key] = _Stream()
@@ -249,14 +255,14 @@ class EventSequencer:
         stream.resync = None
         if response.tree_dump is not None:
             self.index.remove_worker_dp_rank(*key)
-            for event in response.tree_dump.events:
+            for event in self._of_stream(key, response.tree_dump.events):
                 self._apply(event, stream, from_dump=True)
             stream.synced_through = response.tree_dump.last_event_id
             stream.verified_base = True
             self.outcomes["resync_dump_applied"] += 1
         elif response.events is not None:
             last = stream.synced_through or 0
-            for event in sorted(response.events.events, key=lambda e: e.event.event_id):
+            for event in sorted(self._of_stream(key, response.events.events), key=lambda e: e.event.event_id):
                 event_id = event.event.event_id
                 if event_id == last + 1:
                     self._apply(event, stream, replayed=True)
@@ -377,7 +383,7 @@ class EventSequencer:
         its ids start afresh, and events that came back from id 1 meanwhile are replayed. An epoch it
         has already left behind (a replay of the old process's events after the new one registered)
         changes nothing: returns False, and its events are dropped."""
-        if self._accept_worker is not None and not self._accept_worker(worker_id):
+        if self._worker_ranks is not None and self._worker_ranks(worker_id) is None:
             return True
         known = self._epochs.get(worker_id)
         if known == epoch:
@@ -536,6 +542,16 @@ class EventSequencer:
             self.outcomes["applied"] += 1
             self.blocks_applied += _block_count(event)
         stream.last_applied_at = self._clock()
+
+    def _of_stream(self, key: WorkerRank, events: list[RouterEvent]) -> list[RouterEvent]:
+        """The events of a resync answer that belong to the stream asked about: another worker's or
+        rank's (a buggy or hostile worker) would rewrite that one's index, so they are refused."""
+        own = [event for event in events if (event.worker_id, event.event.dp_rank) == key]
+        if len(own) < len(events):
+            for event in events:
+                if (event.worker_id, event.event.dp_rank) != key:
+                    self._reject(event, "resync_foreign", f"in the resync answer for worker {key[0]} rank {key[1]}")
+        return own
 
     def _reject(self, event: RouterEvent, label: str, detail: str) -> None:
         self.outcomes[f"rejected_{label}"] += 1

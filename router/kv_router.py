@@ -178,7 +178,7 @@ class KvRouter:
         self.config = config
         self.tree = tree if tree is not None else RadixTree()
         # The one door into the index for live events, whatever carries them.
-        self.sequencer = EventSequencer(self.tree, retry_interval_s=resync_retry_s, accept_worker=self.has_worker)
+        self.sequencer = EventSequencer(self.tree, retry_interval_s=resync_retry_s, worker_ranks=self._worker_ranks)
         self._clock = clock
         # Called after each decision with the chosen rank and the prompt's local hashes (the doctor
         # samples them, approximate mode records them).
@@ -312,6 +312,11 @@ class KvRouter:
     def has_worker(self, worker_id: int) -> bool:
         """Whether the worker is registered (events of unregistered workers may be dropped upstream)."""
         return self._scheduler.workers.get(worker_id) is not None
+
+    def _worker_ranks(self, worker_id: int) -> range | None:
+        """The registered worker's dp ranks, or None (the sequencer's check of each event)."""
+        worker = self._scheduler.workers.get(worker_id)
+        return None if worker is None else worker.dp_ranks
 
     def expects_events(self, worker: WorkerConfig) -> bool:
         """Whether the worker's cache is known from its KV events (not predicted: approximate mode)."""

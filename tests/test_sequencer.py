@@ -249,10 +249,40 @@ def test_ranks_are_independent_streams() -> None:
 
 def test_events_of_unknown_workers_are_counted_and_dropped() -> None:
     tree = RadixTree()
-    sequencer = EventSequencer(tree, accept_worker=lambda worker_id: worker_id != W)
+    sequencer = EventSequencer(tree, worker_ranks=lambda worker_id: None if worker_id == W else range(1))
     assert sequencer.receive(store(1, 1)) is None
     assert sequencer.outcomes["rejected_unknown_worker"] == 1
     assert tree.stats().nodes == 0
+
+
+def test_events_of_ranks_a_worker_lacks_are_counted_and_dropped() -> None:
+    """Each rank is a stream and a slot in the index: a worker of two ranks (2 and 3) naming rank 0 or
+    3000 would make phantom ranks that every decision then scores."""
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, worker_ranks=lambda worker_id: range(2, 4))
+    for rank in (0, 3000, 4):
+        assert sequencer.receive(store(1, 1, rank=rank)) is None
+    assert sequencer.outcomes["rejected_unknown_dp_rank"] == 3
+    assert tree.stats().nodes == 0 and not sequencer.status()
+    assert sequencer.receive(store(1, 1, rank=3)) is None
+    assert tree.find_matches([1]).scores == {(W, 3): 1}
+
+
+def test_a_resync_answer_changes_only_the_stream_it_answers() -> None:
+    """A dump (or a replay) for worker W's rank 0 that carries another worker's or rank's events, a
+    'cleared' among them, leaves those alone: refused and counted."""
+    sequencer, tree = synced(0)
+    other = RouterEvent(W + 1, stored_event(1, [(9, 9)]))
+    assert sequencer.receive(other) is None
+    assert sequencer.receive(store(1, 8, rank=1)) is None
+    request = sequencer.receive(store(5, 5))  # W rank 0 skips ahead: a dump is asked for
+    assert request is not None and (request.worker_id, request.dp_rank) == (W, 0)
+    foreign = [RouterEvent(W + 1, cleared_event(0)), store(0, 1), RouterEvent(W, cleared_event(0, dp_rank=1))]
+    sequencer.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=foreign, last_event_id=4)))
+    assert sequencer.outcomes["rejected_resync_foreign"] == 2
+    assert tree.find_matches([9]).scores == {(W + 1, 0): 1}
+    assert tree.find_matches([8]).scores == {(W, 1): 1}
+    assert tree.find_matches([1]).scores == {(W, 0): 1}
 
 
 def test_index_rejections_are_counted_by_reason() -> None:
