@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 
@@ -12,7 +13,7 @@ from router.config import RouterConfig
 from router.errors import AllWorkersOverloaded
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
-from router.event_plane.messages import ActiveLoad
+from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.publisher import KvEventPublisher
 from router.kv_router import KvRouter
@@ -236,3 +237,27 @@ async def test_a_worker_that_publishes_at_once_and_leaves_is_indexed(client: Cli
     expected = {(worker_id, 0): 3 for worker_id in range(100, 120)}
     await eventually(lambda: cached(plane.router, PROMPT) == expected)
     assert plane.sequencer.unknown_worker_events == {}
+
+
+async def test_a_heartbeat_speaks_only_for_the_worker_its_subject_names(client: Client) -> None:
+    """A beat on worker 62's subject carrying worker 61's registration with a new epoch, or worker 61's
+    beat on 62's subject, would restart worker 61's streams and drop its blocks: refused and counted."""
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK))
+    victim, other = await worker(client, 61), await worker(client, 62)
+    await eventually(lambda: {w.worker_id for w in plane.router.workers()} == {61, 62})
+    await victim.stored(prompt_blocks(PROMPT)[:3])
+    await eventually(lambda: cached(plane.router, PROMPT) == {(61, 0): 3})
+    forged = WorkerConfig(worker_id=61, block_size=BLOCK, epoch="forged")
+    beats = (
+        Heartbeat(worker_id=62, registration=forged),  # on 62's subject, 61's registration
+        Heartbeat(worker_id=61, registration=forged),  # 61's beat on 62's subject
+    )
+    for beat in beats:
+        await client.publish("kv.default.heartbeat.62", msgspec.json.encode(beat))
+    await eventually(lambda: plane.outcomes["rejected_bad_heartbeat"] == 2)
+    await asyncio.sleep(0.3)  # the real heartbeats keep coming meanwhile
+    assert cached(plane.router, PROMPT) == {(61, 0): 3}
+    assert plane.sequencer.outcomes["publisher_restarts"] == 0
+    await victim.stop()
+    await other.stop()
+    await plane.stop()

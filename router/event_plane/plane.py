@@ -199,19 +199,25 @@ class RouterEventPlane:
         except UNDECODABLE as exc:
             self._reject("bad_heartbeat", f"on {message.subject}: {exc}")
             return
+        registration = beat.registration
+        if message.subject != self.subjects.heartbeat(beat.worker_id) or (
+            registration is not None and registration.worker_id != beat.worker_id
+        ):
+            # A beat speaks for the worker its subject names, or it could restart another one's streams.
+            named = None if registration is None else registration.worker_id
+            self._reject("bad_heartbeat", f"on {message.subject}: worker {beat.worker_id}, registration of {named}")
+            return
         self.outcomes["heartbeats"] += 1
         known = self.router.worker(beat.worker_id)
         if known is not None:
             if beat.worker_id in self._leased:
                 self._leased[beat.worker_id] = self._clock()
-            registration = beat.registration
             if registration is not None and registration.epoch is not None and registration.epoch != known.epoch:
                 if known.epoch is not None:
                     log.info("worker %d restarted (publisher epoch %s): starting its streams afresh",
                              beat.worker_id, registration.epoch)  # fmt: skip
                 await self._apply_registration(registration)
-        elif beat.registration is not None and beat.registration.worker_id == beat.worker_id:
-            registration = beat.registration
+        elif registration is not None:
             if not await self._apply_registration(registration):
                 return  # refused again: said once already
             log.info("worker %d registered from its heartbeat", beat.worker_id)
