@@ -126,6 +126,12 @@ class VllmZmqPublisher:
             await self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
         return seq
 
+    async def send_corrupted(self, seq: int, payload: bytes) -> None:
+        """Publish one message under ``seq`` that the engine never meant (corrupted on the wire): not
+        buffered for replay, the numbering unmoved."""
+        assert self._pub is not None, "start() the publisher first"
+        await self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
     async def send_malformed(self) -> None:
         """Publish one message that is no batch (a lone frame): a subscriber counts and drops it, which
         tells a test that its subscription has reached this socket."""

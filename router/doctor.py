@@ -181,7 +181,7 @@ class ConfigDoctor:
 
     def _hashes(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
         for worker_id, stream in self._engine_streams():
-            count = stream.stats["tokens_hash_mismatch"]
+            count = stream.hash_mismatches
             if count:
                 found["tokens_hash_mismatch", worker_id] = (
                     f"{count} stored events from {stream.endpoint} contradict our hashing of their token ids; "

@@ -43,9 +43,9 @@ pytestmark = pytest.mark.anyio
 WORKER = 7
 
 
-def _router() -> KvRouter:
+def _router(dp_size: int = 1) -> KvRouter:
     router = KvRouter(RouterConfig(block_size=BLOCK))
-    router.register_worker(WorkerConfig(worker_id=WORKER, block_size=BLOCK, leased=False))
+    router.register_worker(WorkerConfig(worker_id=WORKER, block_size=BLOCK, dp_size=dp_size, leased=False))
     return router
 
 
@@ -74,7 +74,7 @@ def test_engine_specs_parse() -> None:
 
 
 async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(shared_dir: Path) -> None:
-    router = _router()
+    router = _router(dp_size=2)  # one vector is a batch of dp rank 1
     async with direct_mode(router, WORKER, replay=True) as (engine, direct):
         await engine.step()  # the slow joiner may miss it: replay brings it
         vectors = json.loads((shared_dir / "vectors" / "vllm_kv_events.json").read_text())["vectors"]
@@ -166,6 +166,25 @@ async def test_an_engine_restart_clears_the_rank_and_rebuilds_it() -> None:
         for _ in range(5):
             await engine.step()
         await _converged(router, engine, direct)
+        assert _stream(router).trusted
+
+
+async def test_garbage_under_a_lower_or_a_huge_seq_is_refused_not_taken_for_a_restart() -> None:
+    """An undecodable message under seq 0 (or 2**64 - 1, which would make the next batch look lower)
+    changes nothing: counted as a bad envelope, the engine's blocks kept, its next batches applied."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=6) as (engine, direct):
+        for _ in range(10):
+            await engine.step()
+        await _converged(router, engine, direct)
+        stream = direct.streams[0]
+        for seq in (0, 2**64 - 1):
+            await engine.publisher.send_corrupted(seq, b"\xc1 not msgpack")
+        await eventually(lambda: stream.stats["rejected_bad_envelope"] == 2)
+        for _ in range(3):
+            await engine.step()
+        await _converged(router, engine, direct)
+        assert stream.stats["restarts"] == 0 and stream.stats["gap"] == 0
         assert _stream(router).trusted
 
 

@@ -290,6 +290,8 @@ class ZmqEngineStream:
         # The engine's block hashes against our tokens hashes (the doctor's tokens_hash_mismatch).
         self.hash_check = TokensHashCheck()
         self.last_hash_mismatch: str | None = None
+        # Those since the engine's last restart (the doctor's count; the stats counter never goes down).
+        self.hash_mismatches = 0
         # The cache salt of each salted block the engine holds (vLLM names it on a request's first
         # block only; the blocks stored under it share it): kept by the decoder.
         self.salts: dict[int, str] = {}
@@ -538,6 +540,14 @@ class ZmqEngineStream:
             if self._last_applied is not None and self._reconnect_anchor is None:
                 self._reconnect_anchor = (self._last_applied, self._last_payload)
                 self._ask_tail_check()  # once the queue is empty: this batch is not held up
+        if seq != self._next_live():
+            # Only a batch that decodes may move the live seq: garbage under seq 0 (or 2**64 - 1) would
+            # otherwise read as a restart, now (or at the next batch), and clear the engine's ranks.
+            try:
+                decode_engine_batch(payload, self.block_size)
+            except EngineDecodeError as exc:
+                self._reject(exc.reason, f"seq {seq} (out of order, not taken as a restart): {exc.detail}")
+                return
         last_live = self._last_live
         self._last_live = seq
         if last_live is not None and seq <= last_live:
@@ -558,6 +568,11 @@ class ZmqEngineStream:
                 return
         self._deliver(seq, payload)
 
+    def _next_live(self) -> int | None:
+        """The seq the live stream goes on with (None: nothing heard yet)."""
+        last = self._last_live if self._last_live is not None else self._last_applied
+        return None if last is None else last + 1
+
     async def _restarted(self, evidence: str) -> None:
         self.stats["restarts"] += 1
         log.warning("engine at %s restarted (%s): clearing its ranks", self.endpoint, evidence)
@@ -570,7 +585,7 @@ class ZmqEngineStream:
         # A new process: what its predecessor's hashes contradicted is history (fixed, perhaps).
         self.hash_check.reset()
         self.salts.clear()
-        self.stats["tokens_hash_mismatch"] = 0
+        self.hash_mismatches = 0
         self.last_hash_mismatch = None
 
     def _replayed_otherwise(self, seq: int, payload: bytes) -> bool:
@@ -739,6 +754,7 @@ class ZmqEngineStream:
     def _hash_mismatch(self, seq: int, found: str | None) -> None:
         if found is not None:
             self.stats["tokens_hash_mismatch"] += 1
+            self.hash_mismatches += 1
             self.last_hash_mismatch = found
             self._bad_input.warning("tokens_hash_mismatch", f"from {self.endpoint}, seq {seq}: {found}")
 
