@@ -248,12 +248,12 @@ async def test_nvext_pins_a_worker_as_route_does_and_names_what_it_refuses(nats_
         assert idle(f.router)
 
 
-async def test_an_unknown_model_is_a_503(nats_server: EmbeddedNats) -> None:
+async def test_an_unknown_model_is_a_404_naming_the_models_served(nats_server: EmbeddedNats) -> None:
     async with fleet(nats_server.url, (1,)) as f:
-        with pytest.raises(openai.InternalServerError) as caught:
+        with pytest.raises(openai.NotFoundError) as caught:
             await f.client.completions.create(model="other", prompt="hi", max_tokens=2)
-        assert caught.value.status_code == 503
-        assert "no worker serves model 'other'" in caught.value.response.json()["error"]["message"]
+        message = caught.value.response.json()["error"]["message"]
+        assert message == f"the model 'other' does not exist here: the workers serve {MODEL!r}"
         assert idle(f.router)
 
 

@@ -95,6 +95,9 @@ from router.types import RouteDecision, RouterConfigOverride, RouteRequest, Work
 
 __all__ = ["ROUTES", "Proxy"]
 
+# Models an unknown model's 404 names (a fleet may serve many).
+MODELS_NAMED = 10
+
 logger = logging.getLogger(__name__)
 
 # Path -> route label.
@@ -240,10 +243,11 @@ class Proxy:
             for status, text in (
                 (400, "malformed body"),
                 (401, "the API token is needed (--protect-decisions)"),
+                (404, "no worker serves the model (the fleet serves others)"),
                 (413, "body or prompt too long"),
                 (429, "the router's queue is full (Retry-After)"),
                 (502, "the worker failed"),
-                (503, "no worker serves the model"),
+                (503, "no worker to forward to"),
             )
         }
         tags = ["OpenAI proxy"]
@@ -268,6 +272,17 @@ class Proxy:
         """Workers with a URL serving ``model`` (declaring no models: any). Those out of routing (circuit
         open, health check failing) are left out by the router itself (`router.worker_health`)."""
         return [w for w in self.router.workers() if w.url is not None and (not w.models or model in w.models)]
+
+    def _unserved(self, model: str) -> _Refused:
+        """No worker serves ``model``: a 404 as OpenAI's (and vLLM's) when the fleet serves others, a
+        503 while it has no worker to forward to at all."""
+        served = sorted({name for w in self.router.workers() if w.url is not None for name in w.models})
+        if not served:
+            return _refused(503, "service_unavailable", f"no worker serves model {model!r}", "no_worker")
+        listed = ", ".join(repr(name) for name in served[:MODELS_NAMED])
+        more = f" and {len(served) - MODELS_NAMED} more" if len(served) > MODELS_NAMED else ""
+        message = f"the model {model!r} does not exist here: the workers serve {listed}{more}"
+        return _refused(404, "invalid_request_error", message, "bad_request")
 
     def worker_failed(self, worker_id: int, problem: str) -> None:
         """A worker failed a request: count it, and tell its circuit breaker (one line when it opens)."""
@@ -362,7 +377,7 @@ class Proxy:
             raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
         workers = self.workers_for(model)
         if not workers:
-            raise _refused(503, "service_unavailable", f"no worker serves model {model!r}", "no_worker")
+            raise self._unserved(model)
         try:
             # With no local tokenizer files the workers tokenize: those in routing only (a hung one
             # would hold the request for its read timeout), unless none is.
