@@ -248,6 +248,17 @@ def test_router_pods_serve_until_their_endpoint_is_gone_and_take_no_service_link
 
 
 @needs_kubectl
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_nats_servers_prefer_nodes_of_their_own(overlay: str) -> None:
+    nats = next(by_kind(rendered(overlay), "StatefulSet"))
+    anti_affinity = nats["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    [term] = anti_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    labels = nats["spec"]["template"]["metadata"]["labels"]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+
+
+@needs_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_disruption_budgets_network_policies_and_monitoring_select_the_pods(overlay: str) -> None:
     documents = rendered(overlay)
