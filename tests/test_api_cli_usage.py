@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -101,6 +102,51 @@ def test_a_bad_model_file_stops_serve_in_one_line_naming_it(tmp_path: Path) -> N
     done = _kv("serve", "--proxy", "--tokenizer", str(tmp_path / "model"), "--port", "1")
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert f"chat template {tmp_path / 'model' / 'chat_template.jinja'}: line 1: " in done.stderr
+
+
+# `kv-router` as a host lacking something installed: the OpenTelemetry SDK (the `otel` extra, not in
+# the image) made unimportable, or no nats-server beside Python (PATH lacks one too, below).
+_WITHOUT = """
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.startswith(("opentelemetry.sdk", "opentelemetry.exporter")):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+if sys.argv.pop(1) == "otel":
+    sys.meta_path.insert(0, Missing())
+else:
+    sys.executable = "/nonexistent/bin/python"
+from api.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv", "says"),
+    [
+        (
+            "otel",
+            ["--proxy", "--proxy-otlp-endpoint", "http://127.0.0.1:9/v1/traces", "--nats-url", "none",
+             "--no-embedded-nats"],
+            "proxy_otlp_endpoint: the OpenTelemetry SDK is not installed: pip install 'kv-router[otel]'",
+        ),
+        ("nats-server", [], "nats_url: not set, and the embedded NATS started instead needs a nats-server binary"),
+    ],
+)  # fmt: skip
+def test_what_is_not_installed_stops_serve_in_one_line(
+    missing: str, argv: list[str], says: str, tmp_path: Path
+) -> None:
+    """Before anything starts (rc 2, one line, the fix in it): not a traceback from inside start-up."""
+    wrapper = tmp_path / "kv_router_without.py"
+    wrapper.write_text(_WITHOUT)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, str(wrapper), missing, "serve", "--port", str(free_port()), *argv],
+        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
 
 
 def test_bad_config_files_and_environment(tmp_path: Path) -> None:
