@@ -128,7 +128,10 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
 
     nats_url: Annotated[
         str | None,
-        _doc("NATS server of the workers' event plane; unset: kv-router serve starts an embedded one"),
+        _doc(
+            "NATS server of the workers' event plane (a cluster's: several URLs, comma-separated); unset: "
+            "kv-router serve starts an embedded one"
+        ),
     ] = None
     embedded_nats: Annotated[
         bool, _doc("without --nats-url, start a private nats-server on loopback (off: HTTP events only)")

@@ -62,6 +62,7 @@ BAD = [
     (["serve", "--port", "eighty"], "port: expected an integer, got 'eighty' (from flag --port)"),
     (["serve", "--nats-url", "http://127.0.0.1:8000"], "'http://127.0.0.1:8000' is not a NATS URL: use nats://"),
     (["mock-worker", "--nats-url", "http://127.0.0.1:8000"], "is not a NATS URL"),
+    (["serve", "--nats-url", "nats://127.0.0.1:4222,http://127.0.0.1:8000"], "'http://127.0.0.1:8000' is not a NATS"),
     (["serve", "--port", "70000"], "<= 65535"),
     (["serve", "--block-size", "0"], "block_size: must be a positive integer"),
     (["serve", "--router-temperature", "-1"], "router_temperature: must be a finite number >= 0"),
