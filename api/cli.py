@@ -11,6 +11,8 @@ variables still apply to the others (see `api.config.load_settings` for the prec
 from __future__ import annotations
 
 import argparse
+import logging
+import logging.config
 import os
 import sys
 from collections.abc import Sequence
@@ -20,12 +22,15 @@ from typing import Any, NoReturn, Protocol
 
 import msgspec
 
-from api.config import ENV_PREFIX, SECTIONS, Settings, masked, resolve_settings
+from api.config import ENV_PREFIX, SECTIONS, Settings, masked, resolve_settings, stray_variables
+from api.logs import log_config
 from api.version import package_version
 from router.errors import ConfigError
 from router.policies.registry import policy_names
 
 __all__ = ["COMMAND_ENTRY_POINTS", "Command", "build_parser", "main"]
+
+logger = logging.getLogger(__name__)
 
 # Other packages (the simulator, the engine bridge) add subcommands here, so this one imports none
 # of them: an installation without one simply lacks its commands.
@@ -213,6 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ConfigError as exc:
         parser.error(str(exc))
+    stray = stray_variables(os.environ)
+    if stray:
+        # As the service logs (serve configures the same again); `config show` keeps stdout TOML.
+        logging.config.dictConfig(log_config(settings.service.log_level, settings.service.log_format))
+        for warning in stray:
+            logger.warning("%s", warning)
     if showing:
         print(show_settings(settings, origin, problems), end="")
         return 0
