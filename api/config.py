@@ -43,6 +43,7 @@ __all__ = [
     "load_settings",
     "masked",
     "resolve_settings",
+    "stray_variables",
 ]
 
 ENV_PREFIX = "KV_ROUTER_"
@@ -129,7 +130,10 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
 
     nats_url: Annotated[
         str | None,
-        _doc("NATS server of the workers' event plane; unset: kv-router serve starts an embedded one"),
+        _doc(
+            "NATS server of the workers' event plane (a cluster's: several URLs, comma-separated); unset: "
+            "kv-router serve starts an embedded one"
+        ),
     ] = None
     embedded_nats: Annotated[
         bool, _doc("without --nats-url, start a private nats-server on loopback (off: HTTP events only)")
@@ -659,8 +663,49 @@ def flag_origin(name: str, value: object) -> str:
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` for a misspelt setting name, else nothing."""
+    close = _closest(name, known)
+    return f"; did you mean {close!r}?" if close else ""
+
+
+def _closest(name: str, known: Iterable[str]) -> str | None:
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else None
+
+
+# KV_ROUTER_* variables read by others than the settings: the settings file, `kv-router bridge`
+# (KV_ROUTER_BRIDGE_*), the service's own children (KV_ROUTER__*), the tests, benchmarks and CI.
+_NOT_SETTINGS = frozenset(
+    {"config", "no_native", "shared", "lane_dir", "vllm_python", "vllm_venv", "http_bench_netns"}
+)  # fmt: skip
+_NOT_SETTINGS_PREFIXES = ("bridge_", "_", "bench_", "ci_")
+# What Kubernetes sets in every pod for each Service of its namespace, named after it: for the
+# kv-router Service KV_ROUTER_SERVICE_HOST, KV_ROUTER_SERVICE_PORT(_HTTP), KV_ROUTER_PORT_8000_TCP(_ADDR,
+# _PORT, _PROTO) and KV_ROUTER_PORT=tcp://... (that one the port setting's name); kv-router-x's alike.
+_SERVICE_LINK = re.compile(r"(\w+_)?(service_host|service_port(_\w+)?|port_\d+_(tcp|udp|sctp)(_\w+)?)")
+_SERVICE_LINK_ADDRESS = re.compile(r"(\w+_)?port")
+
+
+def stray_variables(env: Mapping[str, str]) -> list[str]:
+    """A warning for each ``KV_ROUTER_*`` variable that is no setting, naming the setting likely meant:
+    a misspelt one is ignored, and without a word the service would run on the default."""
+    owner = _field_section()
+    warnings = []
+    for key, value in sorted(env.items()):
+        name = key[len(ENV_PREFIX) :].lower()
+        if (
+            not key.startswith(ENV_PREFIX)
+            or name in owner
+            or name in RETIRED
+            or name in _NOT_SETTINGS
+            or name.startswith(_NOT_SETTINGS_PREFIXES)
+            or _SERVICE_LINK.fullmatch(name)
+            or (_SERVICE_LINK_ADDRESS.fullmatch(name) and value.startswith(("tcp://", "udp://", "sctp://")))
+        ):
+            continue
+        close = _closest(name, owner)
+        hint = f"; did you mean {ENV_PREFIX}{close.upper()}?" if close else ""
+        warnings.append(f"environment variable {key} is not a kv-router setting and is ignored{hint}")
+    return warnings
 
 
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "array": "a list"}

@@ -5,9 +5,11 @@ no external host."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -19,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from api.app import create_app
 from api.cli import show_settings
-from api.config import SECTIONS, ProxyConfig, Settings, load_settings, resolve_settings
+from api.config import ENV_PREFIX, SECTIONS, ProxyConfig, Settings, load_settings, resolve_settings, stray_variables
 from router.event_plane.embedded_server import free_port
 from router.policies.registry import policy_names
 from tests.router_processes import kv_router_command
@@ -61,6 +63,7 @@ BAD = [
     (["serve", "--port", "eighty"], "port: expected an integer, got 'eighty' (from flag --port)"),
     (["serve", "--nats-url", "http://127.0.0.1:8000"], "'http://127.0.0.1:8000' is not a NATS URL: use nats://"),
     (["mock-worker", "--nats-url", "http://127.0.0.1:8000"], "is not a NATS URL"),
+    (["serve", "--nats-url", "nats://127.0.0.1:4222,http://127.0.0.1:8000"], "'http://127.0.0.1:8000' is not a NATS"),
     (["serve", "--port", "70000"], "<= 65535"),
     (["serve", "--block-size", "0"], "block_size: must be a positive integer"),
     (["serve", "--router-temperature", "-1"], "router_temperature: must be a finite number >= 0"),
@@ -101,6 +104,86 @@ def test_a_bad_model_file_stops_serve_in_one_line_naming_it(tmp_path: Path) -> N
     done = _kv("serve", "--proxy", "--tokenizer", str(tmp_path / "model"), "--port", "1")
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
     assert f"chat template {tmp_path / 'model' / 'chat_template.jinja'}: line 1: " in done.stderr
+
+
+# `kv-router` as a host lacking something installed: the OpenTelemetry SDK (the `otel` extra, not in
+# the image) made unimportable, or no nats-server beside Python (PATH lacks one too, below).
+_WITHOUT = """
+import importlib.abc, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.startswith(("opentelemetry.sdk", "opentelemetry.exporter")):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+if sys.argv.pop(1) == "otel":
+    sys.meta_path.insert(0, Missing())
+else:
+    sys.executable = "/nonexistent/bin/python"
+from api.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv", "says"),
+    [
+        (
+            "otel",
+            ["--proxy", "--proxy-otlp-endpoint", "http://127.0.0.1:9/v1/traces", "--nats-url", "none",
+             "--no-embedded-nats"],
+            "proxy_otlp_endpoint: the OpenTelemetry SDK is not installed: pip install 'kv-router[otel]'",
+        ),
+        ("nats-server", [], "nats_url: not set, and the embedded NATS started instead needs a nats-server binary"),
+    ],
+)  # fmt: skip
+def test_what_is_not_installed_stops_serve_in_one_line(
+    missing: str, argv: list[str], says: str, tmp_path: Path
+) -> None:
+    """Before anything starts (rc 2, one line, the fix in it): not a traceback from inside start-up."""
+    wrapper = tmp_path / "kv_router_without.py"
+    wrapper.write_text(_WITHOUT)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, str(wrapper), missing, "serve", "--port", str(free_port()), *argv],
+        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
+    assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def test_a_misspelt_variable_is_a_warning_naming_the_setting_meant() -> None:
+    misspelt = ENV_PREFIX + "BLOCKSIZE"  # spelt out, the scan below would take it for a name in use
+    done = _kv("config", "show", env={**os.environ, misspelt: "64"})
+    assert done.returncode == 0, done.stderr
+    assert "\nblock_size = 16  # default\n" in done.stdout  # ignored: settings come from known names only
+    [line] = [line for line in done.stderr.splitlines() if misspelt in line]
+    assert "WARNING" in line and f"{misspelt} is not a kv-router setting" in line
+    assert line.endswith("did you mean KV_ROUTER_BLOCK_SIZE?")
+
+
+def test_variables_in_use_that_are_no_settings_are_no_warning() -> None:
+    """Every KV_ROUTER_* name the repository uses (the bridge's, CI's, the tests' and benchmarks'), and
+    what Kubernetes sets for the kv-router Service (and a kv-router-metrics one) in every pod."""
+    in_use = {
+        name
+        for path in ROOT.rglob("*")
+        if path.suffix in (".py", ".md", ".sh", ".toml", ".yaml", ".yml") or path.name in ("Dockerfile", "run")
+        if not {".git", ".venv"} & set(path.parts) and path.is_file()
+        for name in re.findall(r"\bKV_ROUTER_\w*[A-Z0-9]\b", path.read_text(errors="replace"))
+    }
+    assert {"KV_ROUTER_BRIDGE_WORKER_ID", "KV_ROUTER_NO_NATIVE", "KV_ROUTER_VLLM_PYTHON"} <= in_use
+    service_links = {
+        "KV_ROUTER_SERVICE_HOST": "10.96.0.10",
+        "KV_ROUTER_SERVICE_PORT": "8000",
+        "KV_ROUTER_SERVICE_PORT_HTTP": "8000",
+        "KV_ROUTER_PORT_8000_TCP": "tcp://10.96.0.10:8000",
+        "KV_ROUTER_PORT_8000_TCP_PROTO": "tcp",
+        "KV_ROUTER_PORT_8000_TCP_PORT": "8000",
+        "KV_ROUTER_PORT_8000_TCP_ADDR": "10.96.0.10",
+        "KV_ROUTER_METRICS_SERVICE_HOST": "10.96.0.11",
+        "KV_ROUTER_METRICS_PORT": "tcp://10.96.0.11:9000",
+    }
+    assert stray_variables({**dict.fromkeys(in_use, "1"), **service_links}) == []
 
 
 def test_bad_config_files_and_environment(tmp_path: Path) -> None:

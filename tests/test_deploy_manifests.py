@@ -22,6 +22,7 @@ import yaml
 from api.cli import build_parser
 from api.config import load_settings
 from mocker.config import EngineConfig
+from router.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -102,10 +103,10 @@ def test_compose_observability_profile_provisions_the_dashboard_and_rules() -> N
 # ------------------------------------------------------------------------------------- kubernetes
 @cache
 def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    """What ``kubectl kustomize`` renders of an overlay (or of ``base``)."""
     assert KUBECTL is not None
-    output = subprocess.run(
-        [KUBECTL, "kustomize", str(KUBERNETES / "overlays" / overlay)], check=True, capture_output=True, text=True
-    ).stdout
+    path = KUBERNETES / "base" if overlay == "base" else KUBERNETES / "overlays" / overlay
+    output = subprocess.run([KUBECTL, "kustomize", str(path)], check=True, capture_output=True, text=True).stdout
     return tuple(document for document in yaml.safe_load_all(output) if document)
 
 
@@ -145,7 +146,7 @@ def by_kind(documents: tuple[dict[str, Any], ...], kind: str) -> Iterator[dict[s
 
 
 @needs_kubectl
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
 def test_every_rendered_manifest_matches_the_kubernetes_schemas(overlay: str) -> None:
     documents = rendered(overlay)
     kinds = {document["kind"] for document in documents}
@@ -190,8 +191,7 @@ def test_pods_are_hardened_and_probed(overlay: str) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_router_config_comes_from_a_configmap_the_service_loads(overlay: str, tmp_path: Path) -> None:
     documents = rendered(overlay)
-    router = next(d for d in by_kind(documents, "Deployment") if d["metadata"]["name"] == "kv-router")
-    pod = router["spec"]["template"]["spec"]
+    pod = router_pod(documents)
     container = pod["containers"][0]
     config_path = Path(container["args"][container["args"].index("--config") + 1])
     mount = next(m for m in container["volumeMounts"] if Path(m["mountPath"]) == config_path.parent)
@@ -209,9 +209,53 @@ def test_router_config_comes_from_a_configmap_the_service_loads(overlay: str, tm
     port = next(p for p in container["ports"] if p["name"] == "http")["containerPort"]
     assert port == settings.service.port
     service = next(s for s in by_kind(documents, "Service") if s["metadata"]["name"] == "kv-router")
+    router = next(d for d in by_kind(documents, "Deployment") if d["metadata"]["name"] == "kv-router")
     assert service["spec"]["selector"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
-    # More grace than the service's own shutdown timeout, so in-flight requests finish.
-    assert pod["terminationGracePeriodSeconds"] > settings.service.shutdown_timeout_secs
+    # Proxied LLM streams last minutes: a rollout must not cut them after a few seconds.
+    assert settings.service.shutdown_timeout_secs >= 120
+    # More grace than the preStop sleep and then the service's own shutdown timeout, so in-flight
+    # requests finish before the kubelet's SIGKILL.
+    assert pod["terminationGracePeriodSeconds"] > pre_stop_secs(container) + settings.service.shutdown_timeout_secs
+
+
+def router_pod(documents: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    router = next(d for d in by_kind(documents, "Deployment") if d["metadata"]["name"] == "kv-router")
+    pod: dict[str, Any] = router["spec"]["template"]["spec"]
+    return pod
+
+
+def pre_stop_secs(container: dict[str, Any]) -> int:
+    """How long the container's preStop hook waits (an ``exec`` of sleep, or the ``sleep`` handler)."""
+    pre_stop = container["lifecycle"]["preStop"]
+    if "sleep" in pre_stop:
+        return int(pre_stop["sleep"]["seconds"])
+    program, seconds = pre_stop["exec"]["command"]
+    assert program == "/bin/sleep"  # the image is Debian's (the Dockerfile's BASE_IMAGE)
+    return int(seconds)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_router_pods_serve_until_their_endpoint_is_gone_and_take_no_service_links(overlay: str) -> None:
+    """A rollout refuses no request: SIGTERM closes the listener at once, so the pod waits first
+    (preStop) while Services still send it traffic; and Kubernetes injects no ``KV_ROUTER_PORT=tcp://...``
+    from the kv-router Service, which the service would read as its port setting."""
+    pod = router_pod(rendered(overlay))
+    assert pre_stop_secs(pod["containers"][0]) >= 5
+    assert pod["enableServiceLinks"] is False
+    with pytest.raises(ConfigError, match="port"):
+        load_settings(env={"KV_ROUTER_PORT": "tcp://10.96.0.10:8000"})  # what a service link would say
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_nats_servers_prefer_nodes_of_their_own(overlay: str) -> None:
+    nats = next(by_kind(rendered(overlay), "StatefulSet"))
+    anti_affinity = nats["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    [term] = anti_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    labels = nats["spec"]["template"]["metadata"]["labels"]
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
 
 
 @needs_kubectl

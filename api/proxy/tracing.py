@@ -16,11 +16,25 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from api.config import ProxyConfig
+from router.errors import ConfigError
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
-__all__ = ["ProxyTracing", "RequestSpan", "Timeline"]
+__all__ = ["ProxyTracing", "RequestSpan", "Timeline", "check_sdk"]
+
+
+def check_sdk() -> None:
+    """Raise `ConfigError` unless the OpenTelemetry SDK and its OTLP exporter import (the ``otel``
+    extra, not in the image): ``kv-router serve`` calls it first, so a missing SDK stops start-up in
+    one line instead of a traceback from inside the app."""
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter
+        import opentelemetry.sdk.trace.export  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "proxy_otlp_endpoint", f"the OpenTelemetry SDK is not installed: pip install 'kv-router[otel]' ({exc})"
+        ) from None
 
 
 class Timeline:
@@ -52,16 +66,13 @@ class ProxyTracing:
     def __init__(self, config: ProxyConfig) -> None:
         endpoint = config.proxy_otlp_endpoint
         assert endpoint is not None
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-        except ImportError as exc:
-            raise ValueError(
-                f"proxy_otlp_endpoint: the OpenTelemetry SDK is not installed (pip install 'kv-router[otel]'): {exc}"
-            ) from None
+        check_sdk()
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
         self._provider = TracerProvider(resource=Resource.create({"service.name": config.proxy_otlp_service_name}))
         self._provider.add_span_processor(
             BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=500)

@@ -89,8 +89,9 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     nats_url: Annotated[
         str | None,
         _doc(
-            "NATS server of the routers' event plane (unset: the embedded NATS of a kv-router serve on this host, "
-            "found with its token in its connection file, whatever its port; else nats://127.0.0.1:4222)"
+            "NATS server of the routers' event plane (a cluster's: several URLs, comma-separated; unset: the "
+            "embedded NATS of a kv-router serve on this host, found with its token in its connection file, "
+            "whatever its port; else nats://127.0.0.1:4222)"
         ),
     ] = None
     nats_wait_secs: Annotated[

@@ -23,6 +23,7 @@ __all__ = [
     "connect",
     "connect_when_available",
     "is_authorization_error",
+    "nats_servers",
 ]
 
 
@@ -103,9 +104,24 @@ def check_creds_file(path: str) -> None:
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 
 
+def nats_servers(url: str) -> list[str]:
+    """The servers of ``url``: one URL, or several separated by commas (a NATS cluster's, as its
+    clients write it), which nats-py takes as a list (it cannot parse the joined string)."""
+    return [server.strip() for server in url.split(",") if server.strip()]
+
+
 def check_nats_url(url: str) -> None:
     """Raise `ValueError` naming the problem unless ``url`` is a NATS URL (``nats://``, ``tls://``,
-    ``ws://``, ``wss://``, or a bare ``HOST:PORT``): nats-py would try to resolve ``http`` as a host."""
+    ``ws://``, ``wss://``, or a bare ``HOST:PORT``), or several separated by commas: nats-py would try
+    to resolve ``http`` as a host."""
+    servers = nats_servers(url)
+    if not servers:
+        raise ValueError(f"{url!r} is not a NATS URL: it names no host")
+    for server in servers:
+        _check_one_nats_url(server)
+
+
+def _check_one_nats_url(url: str) -> None:
     scheme, sep, rest = url.partition("://")
     if sep and scheme.lower() not in NATS_SCHEMES:
         hint = (
@@ -143,7 +159,7 @@ async def connect(
             await on_error(exc)
 
     kwargs: dict[str, Any] = {
-        "servers": [options.url],
+        "servers": nats_servers(options.url),
         "name": options.name,
         # Two tries, then the first connection fails; raised to unlimited once connected (below).
         "max_reconnect_attempts": 1,
