@@ -63,6 +63,9 @@ def test_compose_starts_nats_router_and_workers_in_health_order() -> None:
     assert router["depends_on"]["nats"]["condition"] == "service_healthy"
     assert router["build"]["target"] == "runtime"
     assert router["environment"]["KV_ROUTER_NATS_URL"] == "nats://nats:4222"
+    # Proxied LLM streams run for minutes: a rollout lets them finish before the SIGKILL.
+    shutdown_secs = int(router["environment"]["KV_ROUTER_SHUTDOWN_TIMEOUT_SECS"])
+    assert shutdown_secs >= 120 and int(router["stop_grace_period"].removesuffix("s")) > shutdown_secs
     workers = [service for service in services.values() if service.get("entrypoint") == ["kv-router", "mock-worker"]]
     assert len(workers) >= 2
     for worker in workers:
