@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from api.asgi import wait_disconnect
 from api.auth import Access, ApiAuth
-from api.codec import JSON, MSGPACK, BodyDecoder, encode, is_msgpack, read_head
+from api.codec import JSON, MSGPACK, BodyDecoder, Call, encode, is_msgpack, read_head
 from api.config import Settings
 from api.contract import HotHandler, answered
 from api.handlers import HOT_PATHS, Handlers
@@ -57,6 +57,8 @@ __all__ = ["LIVENESS_ALIASES", "READINESS_ALIASES", "ServiceState", "add_admin_r
 # Other names of /healthz and /readyz.
 LIVENESS_ALIASES = ("/health", "/liveness")
 READINESS_ALIASES = ("/readiness",)
+# A registration over HTTP that names neither keeps the ranks the worker has.
+_RANK_FIELDS = frozenset({"dp_start_rank", "dp_size"})
 
 
 _ERROR_SCHEMA: dict[str, Any] = {
@@ -216,8 +218,14 @@ def add_admin_routes(
     async def register_worker(request: Request) -> Response:
         call = read_head(request.scope["headers"]).call(await request.body(), b"", None)
         # Registered over HTTP means static: no heartbeat lease, with or without an event plane.
-        config = WorkerConfig(**{**msgspec.structs.asdict(worker_body.decode(call)), "leased": False})
-        known = kv_router.has_worker(config.worker_id)
+        fields = {**msgspec.structs.asdict(worker_body.decode(call)), "leased": False}
+        existing = kv_router.worker(fields["worker_id"])
+        if existing is not None and not _RANK_FIELDS & _named_fields(call):
+            # A capacity or taint update of a worker whose ranks its source set (direct mode's dp=N, a
+            # bridge's --dp-size) keeps them: the default one rank would drop the others' blocks.
+            fields.update(dp_start_rank=existing.dp_start_rank, dp_size=existing.dp_size)
+        config = WorkerConfig(**fields)
+        known = existing is not None
         if lifecycle is not None:
             await lifecycle.register(config)  # into the shared registry, so every router learns it
         else:
@@ -355,3 +363,9 @@ def add_admin_routes(
     @app.get("/metrics", dependencies=[read], tags=["operations"], summary="Prometheus metrics (kv_router_*)")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _named_fields(call: Call) -> set[str]:
+    """The top-level field names of an already validated body (JSON or msgpack)."""
+    body = (msgspec.msgpack if call.msgpack else msgspec.json).decode(call.body)
+    return set(body) if isinstance(body, dict) else set()

@@ -317,6 +317,16 @@ def test_workers_reconfigure_without_restart(client: TestClient) -> None:
     assert updated.status_code == 200
     assert [r["dp_rank"] for r in updated.json()["ranks"]] == [0, 1]
     assert updated.json()["config"]["leased"] is False  # static: it need not heartbeat
+    # A capacity update that names no ranks keeps them (a source set them: direct mode's dp=N, a bridge's
+    # --dp-size); one that names them sets them.
+    capacity = client.post("/v1/workers", json={"worker_id": 1, "total_kv_blocks": 1000, "taints": ["gpu=h200"]})
+    assert [r["dp_rank"] for r in capacity.json()["ranks"]] == [0, 1]
+    assert capacity.json()["config"]["total_kv_blocks"] == 1000
+    narrowed = client.post("/v1/workers", json={"worker_id": 3, "dp_size": 3})
+    assert [r["dp_rank"] for r in narrowed.json()["ranks"]] == [0, 1, 2]
+    narrowed = client.post("/v1/workers", json={"worker_id": 3, "dp_size": 1})
+    assert [r["dp_rank"] for r in narrowed.json()["ranks"]] == [0]
+    client.delete("/v1/workers/3")
     constrained = {"tokens": tokens, "routing_constraints": {"required_taints": ["gpu=h200"]}}
     assert client.post("/v1/new", json=constrained).json()["worker_id"] == 1
     assert client.post("/v1/new", json={"tokens": tokens}).json()["overlap_blocks"] == 4
