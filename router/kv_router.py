@@ -313,6 +313,10 @@ class KvRouter:
         """Whether the worker is registered (events of unregistered workers may be dropped upstream)."""
         return self._scheduler.workers.get(worker_id) is not None
 
+    def in_routing(self, worker_id: int) -> bool:
+        """Registered and not failing its health checks (a lease, a probe): a silent worker worth waiting for."""
+        return self.has_worker(worker_id) and not self.health.failing_checks(worker_id)
+
     def _worker_ranks(self, worker_id: int) -> range | None:
         """The registered worker's dp ranks, or None (the sequencer's check of each event)."""
         worker = self._scheduler.workers.get(worker_id)

@@ -11,10 +11,12 @@ import time
 from collections.abc import AsyncIterator
 
 import httpx
+import msgspec
 import openai
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
+from router.types import WorkerConfig
 from tests.gate_worker import register
 from tests.metrics import sample
 from tests.proxy_fleet import MODEL, fleet, idle, raw_worker
@@ -134,3 +136,25 @@ async def test_a_silent_stream_still_fails_at_the_read_timeout(nats_server: Embe
         assert time.monotonic() - started < 4.0
         assert failed.value.status_code == 502
         assert "read timeout" in str(failed.value.body)
+
+
+async def test_a_silent_prefill_leg_is_waited_for_while_its_worker_is_in_routing(nats_server: EmbeddedNats) -> None:
+    """A disaggregated prefill leg is a whole answer too (a long prompt's prefill, or its queue): the
+    prefill worker is not blamed nor the request failed while the worker stays in routing."""
+    worker = SlowWorker(delay_s=1.0)
+    async with (
+        fleet(nats_server.url, (2,), roles={2: "decode"}, proxy={**QUICK, "proxy_retries": 0}) as f,
+        worker.listening() as url,
+    ):
+        prefill = WorkerConfig(worker_id=9, url=url, models=frozenset({MODEL}), role="prefill",
+                               handoff="sequential", kv_events=False, block_size=64)  # fmt: skip
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(prefill))).status_code == 201
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=list(range(1000, 1512)),
+                                                                  max_tokens=4)  # fmt: skip
+        assert raw.headers["x-kv-router-prefill-worker"] == "9" and raw.headers["x-kv-router-worker"] == "2"
+        assert raw.parse().choices[0].text
+        assert worker.completions == 1
+        assert f.router.health.availability(9).consecutive_failures == 0
+        assert not await failures(f.url)
+        await eventually(lambda: idle(f.router))

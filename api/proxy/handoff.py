@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -232,8 +233,10 @@ class Handoff:
         assert worker.url is not None
         if worker.dp_size > 1:
             headers += b"x-data-parallel-rank: " + str(legs.leg.dp_rank).encode() + b"\r\n"
+        # A whole answer, silent until its end: waited for while the worker stays in routing.
+        patient = partial(self.router.in_routing, worker.worker_id)
         try:
-            connection = await self.upstream.open(worker.url, path, body, headers)
+            connection = await self.upstream.open(worker.url, path, body, headers, patient=patient)
         except UpstreamError as exc:
             raise self._failed(legs, str(exc)) from None
         try:

@@ -588,7 +588,7 @@ class Proxy:
         if timeline is not None:
             timeline.sent = time.time_ns()
         try:
-            patient = None if stream else partial(self._in_routing, worker.worker_id)
+            patient = None if stream else partial(self.router.in_routing, worker.worker_id)
             connection = await self.upstream.open(worker.url, path, body, headers, begin, on_events, patient)
         except UpstreamError as exc:
             raise WorkerFailed(worker.worker_id, str(exc)) from None
@@ -621,10 +621,6 @@ class Proxy:
             return await self._stream_end(connection, decision, reply, problem)
         finally:
             connection.release()  # back to the pool if read to its end; else closed, so the engine stops
-
-    def _in_routing(self, worker_id: int) -> bool:
-        """Registered and not failing its health checks (a lease, a probe): a silent worker worth waiting for."""
-        return self.router.has_worker(worker_id) and not self.router.health.failing_checks(worker_id)
 
     def _decode_leg(
         self, worker: WorkerConfig, decision: RouteDecision, path: bytes, headers: bytes, stream: bool, received: float
