@@ -203,8 +203,9 @@ class AsgiStreamedRequest:
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         await self._flushed()
-        await self._send({"type": "http.response.start", "status": status, "headers": whole_headers(headers, body)})
-        await self._send({"type": "http.response.body", "body": body})
+        start = {"type": "http.response.start", "status": status, "headers": whole_headers(headers, body)}
+        if await self._sent_in_time(start):
+            await self._sent_in_time({"type": "http.response.body", "body": body})
 
     def begin(self, status: int, headers: Headers) -> Sink:
         self._queue({"type": "http.response.start", "status": status, "headers": headers})
@@ -234,20 +235,26 @@ class AsgiStreamedRequest:
 
     async def _send_pending(self) -> None:
         pending = self._pending
-        try:
-            while pending:
-                # The server's send waits while the client is behind; one that reads nothing is dropped.
-                async with asyncio.timeout(self._write_timeout):
-                    await self._send(pending[0])
-                pending.popleft()
-        except TimeoutError:
-            client_stalled(self._write_timeout)
-            pending.clear()
-            self._gone()
-            return
+        while pending:
+            if not await self._sent_in_time(pending[0]):
+                pending.clear()
+                return
+            pending.popleft()
         resume, self._resume = self._resume, None
         if resume is not None:
             resume()
+
+    async def _sent_in_time(self, message: Message) -> bool:
+        """Send ``message``; False when the client read nothing of it for the write timeout (the
+        server's send waits while the client is behind): the handler is then ended as on a disconnect."""
+        try:
+            async with asyncio.timeout(self._write_timeout):
+                await self._send(message)
+        except TimeoutError:
+            client_stalled(self._write_timeout)
+            self._gone()
+            return False
+        return True
 
     async def _flushed(self) -> None:
         if self._pump is not None:

@@ -178,8 +178,8 @@ class StreamedRequest:
     """One request on a stream route and its answer, written to the connection's transport."""
 
     __slots__ = (
-        "_connection", "_head", "_request", "_status", "_task", "_write_timeout", "authorization", "body",
-        "disconnected", "head",
+        "_connection", "_drain_waiter", "_head", "_request", "_status", "_task", "_write_timeout", "authorization",
+        "body", "disconnected", "head",
     )  # fmt: skip
 
     def __init__(
@@ -198,6 +198,7 @@ class StreamedRequest:
         self.authorization = authorization
         self.head = head
         self._write_timeout = write_timeout_secs
+        self._drain_waiter: asyncio.Task[None] | None = None  # `when_drained`'s, until the client catches up
         self.disconnected = False
         self._head: bytes | None = None  # a streamed answer's head, written with its first piece
         self._status = 0
@@ -251,7 +252,7 @@ class StreamedRequest:
 
     def when_drained(self, resume: Callable[[], None]) -> None:
         """Call ``resume`` once the client has caught up (`Sink.when_drained`)."""
-        task = asyncio.ensure_future(self._drained(resume))
+        task = self._drain_waiter = asyncio.ensure_future(self._drained(resume))
         self._connection.tasks.add(task)
         task.add_done_callback(self._connection.tasks.discard)
 
@@ -291,6 +292,11 @@ class StreamedRequest:
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._connection.tasks.discard(task)
+        # Ended (a worker that failed while the client was behind): no drain to wait for, and no stall
+        # to find later on a connection that may carry the next request by then.
+        waiter, self._drain_waiter = self._drain_waiter, None
+        if waiter is not None:
+            waiter.cancel()
         if not task.cancelled() and task.exception() is not None:
             self._crashed(task.exception())
             return

@@ -41,10 +41,13 @@ def endless_worker(closed: asyncio.Event, written: list[int]) -> contextlib.Abst
         length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
         body = msgspec.json.decode(await reader.readexactly(length))
         if not body.get("stream"):
-            answer = b'{"choices": [{"index": 0, "text": " ok"}], "object": "text_completion"}'
+            # The stalled client's whole answer is far larger than the buffers between us; others are small.
+            text = "x" * (32 << 20) if body["max_tokens"] == 10**6 else " ok"
+            answer = msgspec.json.encode({"choices": [{"index": 0, "text": text}], "object": "text_completion"})
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
                          % (len(answer), answer))  # fmt: skip
             await writer.drain()
+            written[0] += 1
             writer.close()
             return
         writer.write(SSE_HEAD)
@@ -61,13 +64,13 @@ def endless_worker(closed: asyncio.Event, written: list[int]) -> contextlib.Abst
     return raw_worker(serve)
 
 
-async def stalled_stream(port: int) -> socket.socket:
-    """A streamed completion sent on a socket that will never be read (a small receive window)."""
+async def stalled_request(port: int, stream: bool = True) -> socket.socket:
+    """A completion sent on a socket that will never be read (a small receive window)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    body = msgspec.json.encode({"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 10**6, "stream": True})
+    body = msgspec.json.encode({"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 10**6, "stream": stream})
     request = (
         b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n%b" % (len(body), body)
@@ -93,7 +96,7 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_worker_freed(
         async with httpx.AsyncClient(base_url=f.url) as http:
             assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
         port = int(f.url.rsplit(":", 1)[1])
-        sock = await stalled_stream(port)
+        sock = await stalled_request(port)
         try:
             # The worker's stream is closed by the proxy, long before the stream's end.
             await asyncio.wait_for(closed.wait(), 15)
@@ -109,6 +112,35 @@ async def test_a_client_that_stops_reading_is_dropped_and_its_worker_freed(
 
                 await eventually(counted, what="the stalled request counted as a disconnect")
             # The proxy keeps answering: the same worker, another client.
+            answer = await f.client.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=1)
+            assert answer.choices[0].text == " ok"
+        finally:
+            sock.close()
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_a_client_that_reads_nothing_of_a_whole_answer_leaves_no_booking(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    """A whole (not streamed) answer larger than the buffers, to a client that reads none of it: the
+    request is over for the router all the same (ASGI's send waits for the client: dropped at the
+    write timeout)."""
+    closed = asyncio.Event()
+    answered = [0]
+    async with (
+        fleet(
+            nats_server.url, (), service={"fast_protocol": fast_protocol},
+            proxy={"proxy_client_write_timeout_secs": 0.5},
+        ) as f,
+        endless_worker(closed, answered) as url,
+    ):  # fmt: skip
+        worker = WorkerConfig(worker_id=7, block_size=64, url=url, models=frozenset({MODEL}))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
+        sock = await stalled_request(int(f.url.rsplit(":", 1)[1]), stream=False)
+        try:
+            await eventually(lambda: answered[0] == 1, what="the worker answered")
+            await eventually(lambda: idle(f.router), 15, "the unread answer's booking is freed")
             answer = await f.client.completions.create(model=MODEL, prompt=list(range(1, 100)), max_tokens=1)
             assert answer.choices[0].text == " ok"
         finally:
