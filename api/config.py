@@ -187,6 +187,14 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
         msgspec.Meta(gt=0),
     ] = 15.0
 
+    def __post_init__(self) -> None:
+        if self.jetstream_replicas > 1 and self.nats_url is None and self.embedded_nats:
+            raise ConfigError(
+                "jetstream_replicas",
+                f"{self.jetstream_replicas} copies need a NATS cluster; the embedded nats-server is one server "
+                "(set --nats-url to your cluster, or leave jetstream_replicas at 1)",
+            )
+
     __repr__ = _masked_repr  # never the NATS password or token
 
 

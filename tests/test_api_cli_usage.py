@@ -65,6 +65,7 @@ BAD = [
     (["mock-worker", "--nats-url", "http://127.0.0.1:8000"], "is not a NATS URL"),
     (["serve", "--nats-url", "nats://127.0.0.1:4222,http://127.0.0.1:8000"], "'http://127.0.0.1:8000' is not a NATS"),
     (["serve", "--port", "70000"], "<= 65535"),
+    (["serve", "--jetstream-replicas", "3"], "jetstream_replicas: 3 copies need a NATS cluster"),
     (["serve", "--block-size", "0"], "block_size: must be a positive integer"),
     (["serve", "--router-temperature", "-1"], "router_temperature: must be a finite number >= 0"),
     (["serve", "--router-temperature", "nan"], "router_temperature"),

@@ -19,7 +19,7 @@ import nats
 import pytest
 from nats.js import JetStreamContext
 
-from router.event_plane.embedded_server import find_nats_server, free_port
+from router.event_plane.embedded_server import EmbeddedNats, find_nats_server, free_port
 from router.event_plane.jetstream import kv_stream, object_stream
 from router.event_plane.publisher import open_registry
 from router.event_plane.subjects import Subjects
@@ -172,3 +172,15 @@ async def test_three_copies_survive_the_loss_of_the_server_leading_the_registry(
                 assert router.get("/readyz") is not None
         finally:
             await worker_nc.close()
+
+
+async def test_on_a_single_server_more_copies_are_a_warning_and_the_service_runs(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """A NATS that is not clustered refuses more than one copy: the router creates each stream and
+    bucket with one, says so in a WARNING, and gets ready (it restarted its event plane in a loop)."""
+    args = ("--nats-url", nats_server.url, "--durable-events", "--jetstream-replicas", "3")
+    with RouterProcess(tmp_path, *args) as router:
+        assert router.get("/readyz")["ready"] is True
+        assert "the NATS server is not clustered, so it keeps one copy" in router.log()
+        assert "crashed" not in router.log()

@@ -11,17 +11,22 @@ copies itself (NATS 2.10+).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:  # the settings import MAX_REPLICAS: no NATS client for that
     from nats.js import JetStreamContext
 
-__all__ = ["MAX_REPLICAS", "kv_stream", "object_stream", "scale_stream"]
+__all__ = ["MAX_REPLICAS", "kv_stream", "object_stream", "scale_stream", "with_replicas"]
 
 log = logging.getLogger(__name__)
 
 # JetStream's own bound on a stream's replicas.
 MAX_REPLICAS = 5
+# JetStream's error code for more than one copy on a server that is not clustered.
+NOT_CLUSTERED = 10074
+
+T = TypeVar("T")
 
 
 def kv_stream(bucket: str) -> str:
@@ -41,6 +46,26 @@ async def scale_stream(js: JetStreamContext, name: str, replicas: int) -> None:
     if config.num_replicas == replicas:
         return
     before = config.num_replicas
-    config.num_replicas = replicas
-    await js.update_stream(config)
-    log.info("JetStream stream %s: %s -> %d replicas", name, before, replicas)
+
+    async def update(copies: int) -> None:
+        if copies != before:
+            config.num_replicas = copies
+            await js.update_stream(config)
+            log.info("JetStream stream %s: %s -> %d replicas", name, before, copies)
+
+    await with_replicas(update, replicas, f"stream {name}")
+
+
+async def with_replicas(create: Callable[[int], Awaitable[T]], replicas: int, what: str) -> T:
+    """``create(replicas)``; on a NATS server that is not clustered (it refuses more than one copy), a
+    WARNING and ``create(1)``: the service runs, with what it has, rather than restart in a loop."""
+    from nats.js.errors import APIError  # here: the settings import this module for MAX_REPLICAS
+
+    try:
+        return await create(replicas)
+    except APIError as exc:
+        if replicas == 1 or exc.err_code != NOT_CLUSTERED:
+            raise
+    log.warning("JetStream %s: the NATS server is not clustered, so it keeps one copy (jetstream_replicas=%d "
+                "needs a cluster of at least that many servers)", what, replicas)  # fmt: skip
+    return await create(1)

@@ -72,7 +72,7 @@ from nats.js.object_store import ObjectStore
 
 from indexer.errors import EventDecodeError
 from indexer.events import NonNegative, RouterEvent, decode_router_events
-from router.event_plane.jetstream import kv_stream, object_stream, scale_stream
+from router.event_plane.jetstream import kv_stream, object_stream, scale_stream, with_replicas
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.kv_router import KvRouter
@@ -332,36 +332,41 @@ class DurableEvents:
         try:
             info = await self._js.stream_info(name)
         except NotFoundError:
-            await self._js.add_stream(
-                StreamConfig(
-                    name=name,
-                    subjects=[self.subjects.all_events],
-                    storage=StorageType.FILE,
-                    max_age=self._max_age,
-                    max_bytes=self._max_bytes,
-                    num_replicas=self._replicas,
+
+            async def create(copies: int) -> None:
+                await self._js.add_stream(
+                    StreamConfig(
+                        name=name,
+                        subjects=[self.subjects.all_events],
+                        storage=StorageType.FILE,
+                        max_age=self._max_age,
+                        max_bytes=self._max_bytes,
+                        num_replicas=copies,
+                    )
                 )
-            )
+
+            await with_replicas(create, self._replicas, f"stream {name}")
             log.info("created JetStream stream %s over %s", name, self.subjects.all_events)
             return
         config = info.config
-        if (config.max_age, config.max_bytes, config.num_replicas) != (self._max_age, self._max_bytes, self._replicas):
+        if (config.max_age, config.max_bytes) != (self._max_age, self._max_bytes):
             config.max_age = self._max_age
             config.max_bytes = self._max_bytes
-            config.num_replicas = self._replicas
             await self._js.update_stream(config)
-            log.info(
-                "stream %s: max age %.0f s, max bytes %d, %d replicas",
-                name, self._max_age, self._max_bytes, self._replicas,
-            )  # fmt: skip
+            log.info("stream %s: max age %.0f s, max bytes %d", name, self._max_age, self._max_bytes)
+        await scale_stream(self._js, name, self._replicas)
 
     async def _open_store(self) -> ObjectStore:
         bucket = self.subjects.snapshot_bucket
         try:
             store = await self._js.object_store(bucket)
         except (BucketNotFoundError, NotFoundError):
-            config = ObjectStoreConfig(storage=StorageType.FILE, replicas=self._replicas)
-            return await self._js.create_object_store(bucket, config)
+
+            async def create(copies: int) -> ObjectStore:
+                config = ObjectStoreConfig(storage=StorageType.FILE, replicas=copies)
+                return await self._js.create_object_store(bucket, config)
+
+            return await with_replicas(create, self._replicas, f"bucket {bucket}")
         await scale_stream(self._js, object_stream(bucket), self._replicas)
         return store
 
@@ -371,8 +376,12 @@ class DurableEvents:
             cursors = await self._js.key_value(bucket)
         except (BucketNotFoundError, NotFoundError):
             ttl = max(60.0, 3 * self.snapshot_every_s)
-            config = KeyValueConfig(bucket=bucket, ttl=ttl, storage=StorageType.FILE, replicas=self._replicas)
-            return await self._js.create_key_value(config)
+
+            async def create(copies: int) -> KeyValue:
+                config = KeyValueConfig(bucket=bucket, ttl=ttl, storage=StorageType.FILE, replicas=copies)
+                return await self._js.create_key_value(config)
+
+            return await with_replicas(create, self._replicas, f"bucket {bucket}")
         await scale_stream(self._js, kv_stream(bucket), self._replicas)
         return cursors
 
