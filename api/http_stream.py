@@ -115,9 +115,9 @@ class StreamCall(Protocol):
 
 
 def client_stalled(timeout_secs: float) -> None:
-    """Say why a streamed answer's connection is dropped (both ways in: the protocol's and ASGI's)."""
+    """Say why an answer's connection is dropped (both ways in: the protocol's and ASGI's)."""
     logger.warning(
-        "a client read nothing of its streamed answer for %g s: its connection is dropped and the request "
+        "a client read nothing of its answer for %g s: its connection is dropped and the request "
         "ended as a disconnect (proxy_client_write_timeout_secs)",
         timeout_secs,
     )
