@@ -25,8 +25,10 @@ from tests.waiting import eventually
 pytestmark = pytest.mark.anyio
 
 ANSWER = b'{"choices": [{"index": 0, "text": " late"}], "object": "text_completion"}'
+# A sick worker answers its health check at once (503); the generous check timeout keeps a healthy
+# one in routing on a loaded machine (a 0.2 s connect timeout failed one in CI).
 QUICK = {"proxy_read_timeout_secs": 0.2, "proxy_retry_backoff_secs": 0.01, "proxy_health_check_interval_secs": 0.1,
-         "proxy_health_check_timeout_secs": 0.2, "proxy_health_check_failures": 1}  # fmt: skip
+         "proxy_health_check_timeout_secs": 5.0, "proxy_health_check_failures": 1}  # fmt: skip
 
 
 class SlowWorker:
@@ -56,6 +58,8 @@ class SlowWorker:
         self._connections.add(task)
         try:
             await self._answer(reader, writer)
+        except asyncio.CancelledError:
+            pass  # ended by listening(): ending normally keeps asyncio's stream callback from logging it
         finally:
             writer.close()
 
