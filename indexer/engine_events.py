@@ -28,6 +28,7 @@ Bad input never raises out of `decode_engine_batch`: an envelope that does not d
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -118,8 +119,9 @@ Hash = int | bytes
 # an int object per token (they were most of the decoding); otherwise `_token_ids` decodes them.
 TokenIds = msgspec.Raw
 _NO_TOKENS = msgspec.Raw(b"\x90")  # []
-# Flat ids only; EAGLE bigram pairs fail here and are reported as unsupported.
 _token_ids = msgspec.msgpack.Decoder(list[int])
+# SGLang with EAGLE speculative decoding keys its cache by bigrams: token i paired with token i + 1.
+_bigram_ids = msgspec.msgpack.Decoder(list[tuple[int, int]])
 
 
 class _ArrayBatch(msgspec.Struct, array_like=True):
@@ -426,13 +428,13 @@ def _stored(
         raise EngineDecodeError(
             "block_size_mismatch", f"the engine's block size is {engine_block_size}, the router's {block_size}"
         )
-    tokens = _token_list(event.token_ids)
+    tokens, eagle = _token_list(event.token_ids)
     count = len(tokens) // 4 if isinstance(tokens, bytes) else len(tokens)
-    needed = len(hashes) * block_size
+    # An EAGLE block's hash window spans the first token of the next block, as its bigrams do (Dynamo's).
+    needed = len(hashes) * block_size + eagle
     if count < needed:
-        raise EngineDecodeError(
-            "short_token_ids", f"{len(hashes)} blocks of {block_size} tokens need {len(hashes) * block_size} token ids"
-        )
+        text = f"{len(hashes)} blocks of {block_size} tokens need {needed} token ids"
+        raise EngineDecodeError("short_token_ids", text)
     if count > needed:
         tokens = tokens[: needed * 4] if isinstance(tokens, bytes) else tokens[:needed]
     lora_name, salt = _lora_and_salt(event)
@@ -448,6 +450,7 @@ def _stored(
             lora_name=lora_name,
             cache_namespace=namespace,
             block_mm_infos=mm_infos,
+            is_eagle=eagle,
         )
     except ValueError as exc:
         raise EngineDecodeError("bad_token_ids", str(exc)) from None
@@ -480,23 +483,29 @@ def stored_block_size(payload: bytes | memoryview) -> int | None:
     return None
 
 
-def _token_list(raw: msgspec.Raw) -> bytes | list[int]:
-    """An event's token ids: packed u32 bytes (C) or ints; raises `EngineDecodeError` for others."""
+def _token_list(raw: msgspec.Raw) -> tuple[bytes | list[int], bool]:
+    """An event's token ids, packed u32 bytes (C) or ints, and whether they came as EAGLE bigrams;
+    raises `EngineDecodeError` for others. Bigrams ``[(t0, t1), (t1, t2), ... (tn-1, tn)]`` are read as
+    ``t0 .. tn``: the firsts, then the last pair's second (as Dynamo reads them)."""
     if NATIVE:
         packed = accel.msgpack_u32s(raw)
         if packed is not None:
-            return packed
+            return packed, False
         declined("indexer._native", "token_ids")
     try:
-        return _token_ids.decode(raw)
+        return _token_ids.decode(raw), False
     except msgspec.ValidationError as exc:
-        text = f"token_ids: {exc}"
-        if "got `array`" in text:
-            # EAGLE bigram pairs: not hashed here (Dynamo widens the hashing window for them).
-            raise EngineDecodeError("unsupported_token_ids", text) from None
-        raise EngineDecodeError("bad_event", text) from None
+        if "got `array`" not in str(exc):
+            raise EngineDecodeError("bad_event", f"token_ids: {exc}") from None
     except UNDECODABLE as exc:
         raise EngineDecodeError("bad_event", f"token_ids: {exc}") from None
+    try:
+        pairs = _bigram_ids.decode(raw)
+    except (msgspec.ValidationError, *UNDECODABLE) as exc:
+        raise EngineDecodeError("unsupported_token_ids", f"token_ids: neither ids nor bigram pairs: {exc}") from None
+    if any(left[1] != right[0] for left, right in itertools.pairwise(pairs)):
+        raise EngineDecodeError("bad_token_ids", "token_ids: EAGLE bigrams must chain")
+    return [first for first, _ in pairs] + [pairs[-1][1]] if pairs else [], True
 
 
 def _lora_and_salt(event: _StoredMap | _StoredArray) -> tuple[str | None, str | None]:

@@ -271,7 +271,11 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     ] = 0.5
     # Dynamo reads this from the model card: EAGLE hashing windows span one extra token (§1.1).
     enable_eagle: Annotated[
-        bool, _doc("EAGLE speculative decoding: each block's hash window spans one extra token (as the engines')")
+        bool,
+        _doc(
+            "EAGLE speculative decoding (SGLang's bigram-keyed cache): each block's hash window spans one extra "
+            "token, as the engines' stored blocks do"
+        ),
     ] = False
     # Disaggregated fleets (workers registered with role prefill or decode); llm-d's prefix-based PD decider
     # and vllm-router's P/D proposal (PR #130) use a few hundred tokens, 256 in the latter.

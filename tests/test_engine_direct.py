@@ -8,6 +8,7 @@ gap leaves the rank untrusted.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -962,3 +963,23 @@ async def test_a_data_parallel_engine_is_heard_on_every_rank() -> None:
         await direct.stop()
         for engine in ranks:
             await engine.stop()
+
+
+@pytest.mark.parametrize("enable_eagle", [True, False])
+async def test_an_eagle_engines_bigram_stores_match_requests_only_with_enable_eagle(enable_eagle: bool) -> None:
+    """SGLang with EAGLE keys its cache by bigrams and publishes them; the router hashes them with EAGLE
+    windows (Dynamo's reading), which requests hashed with ``enable_eagle`` match block for block.
+    Without it the same prompt matches nothing: the setting must follow the engines'."""
+    router = KvRouter(RouterConfig(block_size=BLOCK, enable_eagle=enable_eagle))
+    router.register_worker(WorkerConfig(worker_id=WORKER, block_size=BLOCK, leased=False))
+    prompt = list(range(100, 100 + 3 * BLOCK + 1))  # three EAGLE blocks: 3 * BLOCK + 1 tokens
+    bigrams = [[first, second] for first, second in itertools.pairwise(prompt)]
+    store = {"type": "BlockStored", "block_hashes": [-5, -6, -7], "parent_block_hash": None,
+             "token_ids": bigrams, "block_size": BLOCK, "medium": "GPU"}  # fmt: skip
+    async with direct_mode(router, WORKER, replay=True) as (engine, direct):
+        await engine.send([store])
+        await eventually(lambda: direct.streams[0].backlog == 0 and router.tree.dump_events())
+        (row,) = router.overlap(prompt).workers
+        assert row.device_blocks == (3 if enable_eagle else 0)
+        assert _stream(router).trusted
+        assert not any(key.startswith("rejected") and value for key, value in direct.streams[0].stats.items())

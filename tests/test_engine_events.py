@@ -4,6 +4,7 @@ bridge's template encoding of the removals it publishes."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -111,6 +112,28 @@ def _stored(**fields: Any) -> dict[str, Any]:
     return event
 
 
+def _bigrams(tokens: list[int]) -> list[list[int]]:
+    """SGLang's EAGLE cache keys: each token paired with the next."""
+    return [[first, second] for first, second in itertools.pairwise(tokens)]
+
+
+def test_eagle_bigram_stores_hash_as_dynamo_hashes_eagle_blocks(shared_dir: Path) -> None:
+    """SGLang with EAGLE speculative decoding sends bigram token ids; each block's hash window then spans
+    the first token of the next block: Dynamo's hashes of the same tokens with ``is_eagle``."""
+    cases = json.loads((shared_dir / "vectors" / "dynamo_hash_vectors.json").read_text())["cases"]
+    eagle = [case for case in cases if case["is_eagle"]]
+    assert len(eagle) >= 4
+    for case in eagle:
+        size, expected = case["kv_block_size"], case["block_hashes"]
+        hashes = [-(index + 1) for index in range(len(expected))]  # SGLang's signed i64 hashes
+        event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "block_size": size,
+                 "token_ids": _bigrams(case["tokens"]), "lora_name": case["lora_name"]}  # fmt: skip
+        (stored,) = decode_engine_batch(encode([0.0, [event], 0]), size).events
+        assert isinstance(stored, EngineStored)
+        assert stored.tokens_hashes == expected, case["name"]
+        assert stored.block_hashes == [hash_ & (2**64 - 1) for hash_ in hashes]
+
+
 def test_sglang_salt_namespace_and_mm_infos_enter_the_tokens_hash() -> None:
     tokens = list(range(8))
     # SGLang 0.5.18: a {"cache_salt"} map in the array's lora_name slot.
@@ -142,7 +165,9 @@ def test_non_attention_groups_are_ignored_and_a_map_envelope_is_accepted() -> No
         (["Mystery", 1], "unknown_event_type"),
         (_stored(block_size=16), "block_size_mismatch"),
         (_stored(token_ids=[1, 2, 3]), "short_token_ids"),
-        (_stored(token_ids=[[1, 2]] * 8), "unsupported_token_ids"),
+        (_stored(token_ids=[[1, 2, 3]] * 8), "unsupported_token_ids"),
+        (_stored(token_ids=[[1, 2]] * 8), "bad_token_ids"),  # bigrams that do not chain
+        (_stored(token_ids=[[t, t + 1] for t in range(7)]), "short_token_ids"),  # EAGLE: 2 blocks need 9 ids
         (_stored(token_ids=[-1] * 8), "bad_token_ids"),
         (_stored(block_hashes=[1, 1]), "repeated_hash"),
         (_stored(parent_block_hash=2), "repeated_hash"),
