@@ -232,6 +232,23 @@ async def test_a_request_freed_before_its_booking_went_out_reaches_no_peer(nats_
         assert b.sync.outcomes["applied"] == 2 and a.sync.outcomes["elided"] == 3
 
 
+async def test_a_change_that_cannot_be_encoded_is_dropped_alone(nats_server: EmbeddedNats) -> None:
+    """Defence in depth: every field is bounded where it enters, but a change that still cannot be
+    encoded is counted and logged, and the rest of its batch reaches the peers."""
+    reference = new_router()
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b:
+        decision = await a.router.new(RouteRequest(tokens=PROMPTS[1], request_id="kept"))
+        await reference.new(RouteRequest(tokens=PROMPTS[1], request_id="kept"),
+                            pinned_worker=(decision.worker_id, decision.dp_rank))  # fmt: skip
+        booking = a.router.booking("kept")
+        assert booking is not None
+        a.sync.booked("huge", booking._replace(expected_output_tokens=2**70))  # same loop turn: one batch
+        await agree([a, b], reference)
+        assert a.sync.outcomes["rejected_unencodable_change"] == 1
+        assert a.sync.outcomes["published"] == 1 and b.sync.outcomes["applied"] == 1
+        assert [request_id for request_id, _ in b.router.bookings()] == ["kept"]
+
+
 # The sync wire types as peers before tuple-typed hashes declared them.
 class OldBooked(msgspec.Struct, tag="booked", kw_only=True):
     request_id: str

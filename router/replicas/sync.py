@@ -259,9 +259,25 @@ class ReplicaSync:
             changes = pending[start : start + MAX_BATCH_CHANGES]
             self._seq += 1
             batch = SyncBatch(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms(), changes=changes)
-            await self.nc.publish(self.subjects.router_sync, _encode(batch))
+            try:
+                payload = _encode(batch)
+            except (msgspec.EncodeError, OverflowError, TypeError):
+                # A change no door should have let in (every field is bounded where it enters): it alone
+                # is dropped, counted and logged; the batch's other changes still reach the peers.
+                changes = [change for change in changes if self._encodable(change)]
+                batch = SyncBatch(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms(), changes=changes)
+                payload = _encode(batch)
+            await self.nc.publish(self.subjects.router_sync, payload)
             self.outcomes["published"] += len(changes)
             self.outcomes["published_batches"] += 1
+
+    def _encodable(self, change: Change) -> bool:
+        try:
+            _encode(change)
+        except (msgspec.EncodeError, OverflowError, TypeError) as exc:
+            self._reject("unencodable_change", f"{type(change).__name__} not sent to the peers: {exc}")
+            return False
+        return True
 
     async def _heartbeat_loop(self) -> None:
         while True:
