@@ -308,11 +308,13 @@ class RouterStateCollector(Collector):
         router = self._router
         families = self._families()
         (prefill, decode, active, busy, kv_used, kv_total, indexed, queue_req, queue_isl, workers, nodes, index_bytes,
-         predicted, engine_waiting, engine_running, roles, circuit, opened, checked) = families  # fmt: skip
+         predicted, engine_waiting, engine_running, roles, circuit, opened, checked, kv_events,
+         removed) = families  # fmt: skip
         capacity = {worker.worker_id: worker.total_kv_blocks for worker in router.workers()}
         for worker in router.workers():
             worker_label = [str(worker.worker_id)]
             roles.add_metric([*worker_label, worker.role], 1.0)
+            kv_events.add_metric(worker_label, 1.0 if router.expects_events(worker) else 0.0)
             availability = router.health.availability(worker.worker_id)
             circuit.add_metric(worker_label, STATE_VALUES[availability.circuit])
             opened.add_metric(worker_label, availability.circuit_opened)
@@ -345,6 +347,8 @@ class RouterStateCollector(Collector):
         if router.predictions is not None:
             for (worker_id, dp_rank), blocks in router.predictions.blocks().items():
                 predicted.add_metric([str(worker_id), str(dp_rank)], blocks)
+        for reason, count in router.removals.items():
+            removed.add_metric([reason], count)
         yield from families
 
     @staticmethod
@@ -420,6 +424,20 @@ class RouterStateCollector(Collector):
                 "1 while the worker passes its active /health check, 0 while it fails it (out of routing); absent "
                 "for workers not checked.",
                 labels=["worker_id"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_kv_events",
+                "1 when the index follows the worker's cache from its KV events, 0 when approximate mode predicts "
+                "it from routing (the worker sends none).",
+                labels=["worker_id"],
+            ),
+            CounterMetricFamily(
+                f"{PREFIX}_workers_removed",
+                "Workers removed from routing, by reason: api (DELETE /v1/workers), deregistered (its registry "
+                "entry deleted: a bridge withdrawing an engine that stopped answering, a publisher stopping), "
+                "lease_expired (silent past its heartbeat lease), engine_unhealthy (a direct-mode engine stopped "
+                "answering).",
+                labels=["reason"],
             ),
         ]
 
@@ -501,6 +519,9 @@ class EventStreamCollector(Collector):
         ]
 
 
+ALERTED_PLANE_OUTCOMES = ("registered", "removed", "expired", "reconnects")
+
+
 class EventPlaneCollector(Collector):
     """The NATS event plane's connection state and control counters, read when ``/metrics`` is scraped."""
 
@@ -515,7 +536,10 @@ class EventPlaneCollector(Collector):
         plane = lifecycle.plane
         control, resyncs, connected, state, disconnects = families = self._families()
         if plane is not None:
-            for outcome, count in sorted(plane.outcomes.items()):
+            # The outcomes alerts read are present from the start, at 0: a series first seen at 1 reads as
+            # no increase to Prometheus, and the first expiry or reconnect after a start would be missed.
+            outcomes = {**dict.fromkeys(ALERTED_PLANE_OUTCOMES, 0), **plane.outcomes}
+            for outcome, count in sorted(outcomes.items()):
                 control.add_metric([outcome], count)
         resyncs.add_metric([], plane.subscriber.resyncs_in_flight if plane is not None else 0)
         connected.add_metric([], 1.0 if lifecycle.state == "connected" else 0.0)

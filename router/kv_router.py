@@ -13,9 +13,10 @@ import asyncio
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import msgspec
 
@@ -67,7 +68,7 @@ from router.types import (
 )
 from router.worker_health import WorkerHealth
 
-__all__ = ["OVERLAP_REFRESH_AFTER_SECS", "BookingListener", "KvRouter"]
+__all__ = ["OVERLAP_REFRESH_AFTER_SECS", "REMOVAL_REASONS", "BookingListener", "KvRouter", "RemovalReason"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,11 @@ logger = logging.getLogger(__name__)
 OVERLAP_REFRESH_AFTER_SECS = 10.0
 
 MmInfos = Sequence[Mapping[str, Any] | None] | None
+# Why a worker left: asked over the API; its registry entry deleted (a bridge withdrawing an engine that
+# stopped answering, a publisher stopping, a DELETE relayed through the registry); silent past its
+# lease; its direct-mode engine stopped answering.
+RemovalReason = Literal["api", "deregistered", "lease_expired", "engine_unhealthy"]
+REMOVAL_REASONS: tuple[RemovalReason, ...] = get_args(RemovalReason)
 
 
 class BookingListener(Protocol):
@@ -206,6 +212,9 @@ class KvRouter:
         self.booking_listener: BookingListener | None = None
         # Whether any worker is prefill- or decode-only (then every request is routed as two legs).
         self._disaggregated = False
+        # Workers removed, by why: every reason present from the start (a counter first seen at 1 reads
+        # as no increase to Prometheus).
+        self.removals: Counter[RemovalReason] = Counter(dict.fromkeys(REMOVAL_REASONS, 0))
 
     # ------------------------------------------------------------------ workers and events
     def _predict(self) -> PredictedCache:
@@ -275,9 +284,11 @@ class KvRouter:
                 self._scheduler.register_worker(msgspec.structs.replace(worker, block_size=block_size))
         logger.info("block size %d adopted from the engines", block_size)
 
-    def remove_worker(self, worker_id: int) -> None:
-        """Forget a worker: its index entries, event streams and active requests. Raises `UnknownWorker`."""
+    def remove_worker(self, worker_id: int, reason: RemovalReason = "api") -> None:
+        """Forget a worker: its index entries, event streams and active requests, counting why in
+        `removals`. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
+        self.removals[reason] += 1
         self._refresh_disaggregated()
         self.tree.remove_worker(worker_id)
         self.health.forget(worker_id)

@@ -22,9 +22,9 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from api.app import create_app
-from api.config import EventPlaneConfig, ServiceConfig, Settings
+from api.config import EventPlaneConfig, HaConfig, ServiceConfig, Settings
 from router.config import RouterConfig
-from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.event_plane.messages import ActiveLoad
 from tests.metrics import label_names
 from tests.proxy_fleet import MODEL, fleet
@@ -83,6 +83,7 @@ def exposition(nats_server: EmbeddedNats) -> Iterator[dict[str, set[str]]]:
         service=ServiceConfig(),
         router=RouterConfig(block_size=BLOCK),
         event_plane=EventPlaneConfig(nats_url=nats_server.url, worker_lease_secs=30),
+        ha=HaConfig(replica_sync=True, durable_events=True),  # the HA overlay's panels
     )
     app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
     workers = Workers(nats_server.url)
@@ -101,6 +102,10 @@ def exposition(nats_server: EmbeddedNats) -> Iterator[dict[str, set[str]]]:
 
             until(load_reported, timeout=30)
             assert client.post("/v1/new", json={"tokens": tokens, "request_id": "a"}).json()["worker_id"] == 2
+            # A worker without KV events, routed to: approximate mode predicts its cache.
+            assert client.post("/v1/workers", json={"worker_id": 3, "kv_events": False}).status_code == 201
+            chosen = client.post("/v1/route", json={"token_ids": tokens, "routing": {"backend_instance_id": 3}})
+            assert chosen.status_code == 200, chosen.text
             text = client.get("/metrics").text
     finally:
         workers.close()
@@ -111,8 +116,12 @@ def exposition(nats_server: EmbeddedNats) -> Iterator[dict[str, set[str]]]:
 
 
 async def _proxied_traffic(nats_url: str) -> str:
-    """``/metrics`` of a proxy after completions, streamed and not, until a prediction was calibrated."""
-    async with fleet(nats_url) as proxied:
+    """``/metrics`` of a proxy after completions, streamed and not, until a prediction was calibrated and
+    a worker's health checked."""
+    async with fleet(nats_url, proxy={"proxy_health_check_interval_secs": 0.2}) as proxied:
+        async with httpx.AsyncClient() as http:  # a static worker, health-checked (nothing listens: failing)
+            static = {"worker_id": 9, "url": f"http://127.0.0.1:{free_port()}"}
+            assert (await http.post(f"{proxied.url}/v1/workers", json=static)).status_code == 201
         tokens = list(range(1, 4 * 64 + 1))
         stream = await proxied.client.completions.create(model=MODEL, prompt=tokens, max_tokens=2, stream=True)
         async for _ in stream:
@@ -124,9 +133,13 @@ async def _proxied_traffic(nats_url: str) -> str:
             await proxied.client.completions.create(model=MODEL, prompt=tokens, max_tokens=2)
             async with httpx.AsyncClient() as http:
                 metrics = (await http.get(f"{proxied.url}/metrics")).text
-            return "kv_router_proxy_cache_calibration{" in metrics
+            return (
+                "kv_router_proxy_cache_calibration{" in metrics and "kv_router_worker_health_check_passing{" in metrics
+            )
 
-        await eventually(predicted_cached, 20, "a request through the proxy is predicted cached", poll=0.1)
+        await eventually(
+            predicted_cached, 20, "a request through the proxy is predicted cached, its worker checked", poll=0.1
+        )
         return metrics
 
 
@@ -159,6 +172,12 @@ def test_every_metric_the_dashboard_and_the_alerts_query_is_exposed(exposition: 
         "kv_router_proxy_upstream_failures_total",
         "kv_router_proxy_cache_calibration",
         "kv_router_config_problems",  # the doctor
+        "kv_router_workers_removed_total",  # workers dropped, by why
+        "kv_router_worker_kv_events",  # which workers the stale-index alert reads
+        "kv_router_worker_health_check_passing",
+        "kv_router_proxy_retries_total",
+        "kv_router_replica_sync_lag_seconds",  # the HA overlay
+        "kv_router_durable_stream_sequence",
     ):
         assert name in used, f"the pack does not show {name}"
 
@@ -178,6 +197,8 @@ def test_alert_rules_have_the_shape_prometheus_loads() -> None:
         assert rule["labels"]["severity"] in {"info", "warning", "critical"}
         assert rule["annotations"]["summary"]
     for expected in (
+        "KvRouterWorkerFailingHealthChecks",
+        "KvRouterConfigProblem",
         "KvRouterStreamUntrusted",
         "KvRouterIndexStale",
         "KvRouterWorkerDropped",

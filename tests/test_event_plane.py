@@ -16,7 +16,7 @@ from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.publisher import KvEventPublisher
-from router.kv_router import KvRouter
+from router.kv_router import KvRouter, RemovalReason
 from router.types import RouteRequest, WorkerConfig
 from tests.waiting import eventually
 
@@ -95,6 +95,7 @@ async def test_silent_worker_is_removed_within_the_lease_and_comes_back(client: 
     decision = await plane.router.new(RouteRequest(tokens=PROMPT))
     assert decision.worker_id == 31
     assert plane.outcomes["expired"] == 1
+    assert plane.router.removals["lease_expired"] == 1 and plane.router.removals["deregistered"] == 0
     await publisher.stop()
     await plane.stop()
 
@@ -183,17 +184,18 @@ async def test_lease_expiry_survives_a_crash_and_still_removes_the_silent_worker
     real_deregister = plane.deregister
     calls = 0
 
-    async def deregister_failing_once(worker_id: int) -> None:
+    async def deregister_failing_once(worker_id: int, reason: RemovalReason = "api") -> None:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("registry bucket unavailable")
-        await real_deregister(worker_id)
+        await real_deregister(worker_id, reason)
 
     plane.deregister = deregister_failing_once  # type: ignore[method-assign]
     publisher.stop_heartbeat()
     await eventually(lambda: not plane.router.workers(), timeout=30)  # lease, failed pass, backoff, pass
     assert plane._background.restarts["lease-expiry"] == 1
+    assert plane.router.removals["lease_expired"] == 1
     await publisher.stop()
     await plane.stop()
 

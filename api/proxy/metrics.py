@@ -96,6 +96,8 @@ class ProxyMetrics(Collector):
             ["reason"],
             registry=registry,
         )
+        for reason in ("upstream_error", "overloaded"):  # present from the start: a first retry is an increase
+            self._retried.labels(reason)
         self.error = histogram_series(ERROR_BUCKETS)
         registry.register(
             _HistogramCollector(

@@ -295,7 +295,7 @@ class DirectEngine:
             problem,
         )
         with contextlib.suppress(UnknownWorker):
-            self.router.remove_worker(self.worker_id)
+            self.router.remove_worker(self.worker_id, "engine_unhealthy")
 
     # ------------------------------------------------------------------ the scraper's sink
     async def publish_load(self, load: ActiveLoad) -> None:

@@ -40,7 +40,7 @@ from router.event_plane.publisher import open_registry
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
 from router.event_plane.subscriber import KvEventSubscriber
-from router.kv_router import KvRouter
+from router.kv_router import KvRouter, RemovalReason
 from router.supervision import Supervisor
 from router.types import WorkerConfig
 
@@ -116,8 +116,8 @@ class RouterEventPlane:
         assert self._registry is not None
         await self._registry.put(str(config.worker_id), msgspec.json.encode(registration))
 
-    async def deregister(self, worker_id: int) -> None:
-        self._remove(worker_id)
+    async def deregister(self, worker_id: int, reason: RemovalReason = "api") -> None:
+        self._remove(worker_id, reason)
         assert self._registry is not None
         await self._registry.delete(str(worker_id))
 
@@ -185,11 +185,11 @@ class RouterEventPlane:
         with contextlib.suppress(Exception):  # the worker hears the next one if this is lost
             await self.nc.publish(self.subjects.refused(config.worker_id), msgspec.json.encode(refusal))
 
-    def _remove(self, worker_id: int) -> None:
+    def _remove(self, worker_id: int, reason: RemovalReason = "deregistered") -> None:
         self._leased.pop(worker_id, None)
         self.sequencer.forget_worker(worker_id)
         with contextlib.suppress(UnknownWorker):
-            self.router.remove_worker(worker_id)
+            self.router.remove_worker(worker_id, reason)
             self.outcomes["removed"] += 1
 
     # ------------------------------------------------------------------ liveness and load
@@ -232,7 +232,7 @@ class RouterEventPlane:
                 if now - seen > self.lease_s:
                     log.warning("worker %d silent for %.1f s: removing it", worker_id, now - seen)
                     self.outcomes["expired"] += 1
-                    await self.deregister(worker_id)
+                    await self.deregister(worker_id, "lease_expired")
 
     async def _on_load(self, message: Msg) -> None:
         try:
