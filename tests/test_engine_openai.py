@@ -134,6 +134,10 @@ def test_direct_mode_registers_the_engine_url_and_follows_its_health(tmp_path: P
             until(lambda: _worker(router, 1) is None, timeout=10)
             assert time.monotonic() - killed < 3.0
             assert _blocks_of(router, 1) == 0
+            # Counted as a failure for the alerts (KvRouterWorkerDropped), not as a deliberate removal.
+            removed = sample(router.metrics(), "kv_router_workers_removed_total", reason="engine_unhealthy")
+            assert removed == 1.0
+            assert sample(router.metrics(), "kv_router_workers_removed_total", reason="api") == 0.0
 
             engine.start()
             until(lambda: _worker(router, 1) is not None, timeout=30)
@@ -185,6 +189,8 @@ def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_
             until(lambda: _worker(router, 1) is None, timeout=10)
             assert time.monotonic() - killed < 3.0
             assert _blocks_of(router, 1) == 0
+            # A bridge's withdrawal deletes the registry entry, as a clean stop does: "deregistered".
+            assert sample(router.metrics(), "kv_router_workers_removed_total", reason="deregistered") == 1.0
             # The behaviour under test: no heartbeat brings it back while its engine is down. The window
             # is counted, not slept: an engine answering 503 on the dead one's port counts the bridge's
             # probes; four of them (1.5 s of the bridge's clock) span five of its heartbeat intervals.
