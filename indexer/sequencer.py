@@ -368,7 +368,9 @@ class EventSequencer:
         key = (worker_id, dp_rank)
         stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[key] = _Stream()
+            # Lost before anything was heard (a router started against a running engine): the first
+            # event that comes is not the stream's start, so it must not trust it as one.
+            stream = self._streams[key] = _Stream(synced_through=0)
         self._distrust(key, stream)
         stream.verified_base = False
         self.outcomes["marked_untrusted"] += 1

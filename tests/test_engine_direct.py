@@ -290,6 +290,30 @@ async def test_without_replay_a_gap_leaves_the_rank_untrusted_until_it_clears() 
         await eventually(lambda: _stream(router).trusted)
 
 
+async def test_a_router_started_against_a_running_engine_without_replay_leaves_the_rank_untrusted() -> None:
+    """The engine stored blocks before the router came, and has no replay socket: the first batch the
+    router hears follows a gap nobody can repair. Its events are applied, but the rank is not trusted
+    as if that batch were the stream's start (the blocks stored before are missing from the index)."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=False, seed=17, history=3) as (engine, direct):
+
+        async def heard() -> bool:
+            await engine.step()
+            return direct.streams[0].stats["applied"] > 0
+
+        await eventually(heard, what="the stream hears the engine")
+        assert direct.streams[0].stats["unverified"] >= 1
+        assert not _stream(router).trusted
+        for _ in range(3):
+            await engine.step()
+        await eventually(lambda: direct.streams[0].backlog == 0)
+        assert not _stream(router).trusted  # later batches in order do not make up for the loss
+        await engine.send([engine.cleared()])
+        await eventually(lambda: _stream(router).trusted)
+        await engine.step()
+        await _converged(router, engine, direct)
+
+
 async def test_a_replay_buffer_that_lost_the_gap_leaves_the_rank_untrusted() -> None:
     router = _router()
     async with direct_mode(router, WORKER, replay=True, seed=13) as (engine, direct):
