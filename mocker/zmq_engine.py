@@ -138,6 +138,11 @@ class VllmZmqPublisher:
         assert self._pub is not None, "start() the publisher first"
         await self._pub.send_multipart([b"not a batch"])
 
+    def lose(self, seq: int) -> None:
+        """Drop one buffered batch: a hole the buffer keeps for good (TensorRT-LLM's publisher takes a
+        batch's seq, then drops the batch on a full queue)."""
+        self._buffer = deque((kept for kept in self._buffer if kept[0] != seq), maxlen=self._buffer.maxlen)
+
     def forget_before(self, seq: int) -> None:
         """Drop buffered batches older than ``seq`` (a replay buffer that has wrapped)."""
         while self._buffer and self._buffer[0][0] < seq:

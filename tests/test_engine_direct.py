@@ -314,6 +314,38 @@ async def test_a_router_started_against_a_running_engine_without_replay_leaves_t
         await _converged(router, engine, direct)
 
 
+async def test_a_replay_buffer_with_a_hole_for_good_is_applied_and_the_rank_left_untrusted() -> None:
+    """TensorRT-LLM numbers a batch, then may drop it on a full queue: its replay buffer answers every
+    round without that seq. A router starting after it applies what the buffer holds (before: nothing,
+    the whole replay refused, the rank trusted and empty) and leaves the rank untrusted until a clear."""
+    router = _router()
+    endpoint, replay_endpoint = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay_endpoint, seed=19)
+    await engine.start()
+    try:
+        for _ in range(2):
+            await engine.step(publish=False)
+        lost = await engine.step(publish=False)
+        engine.publisher.lose(lost)
+        for _ in range(2):
+            await engine.step(publish=False)
+        direct = DirectEngine(router, engine_spec(WORKER, endpoint, replay_endpoint))
+        await direct.start()
+        try:
+            await eventually(lambda: direct.streams[0].stats["replayed"] == 4)
+            assert direct.streams[0].stats["missing_history"] == 1
+            assert router.tree.dump_events()  # the four batches the buffer holds are in the index
+            assert not _stream(router).trusted
+            await engine.send([engine.cleared()])
+            await engine.step()
+            await _converged(router, engine, direct)
+            assert _stream(router).trusted
+        finally:
+            await direct.stop()
+    finally:
+        await engine.stop()
+
+
 async def test_a_replay_buffer_that_lost_the_gap_leaves_the_rank_untrusted() -> None:
     router = _router()
     async with direct_mode(router, WORKER, replay=True, seed=13) as (engine, direct):

@@ -14,6 +14,7 @@ from nats.aio.client import Client
 
 from api.metrics import RouterStateCollector
 from router.config import RouterConfig
+from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineLoad, EngineMetricsScraper, read_engine_metrics
 from router.event_plane.messages import ActiveLoad
 from router.event_plane.plane import RouterEventPlane
@@ -60,9 +61,11 @@ def test_each_engine_names_its_load_its_own_way() -> None:
     assert read_engine_metrics(SGLANG, "sglang").loads == {0: EngineLoad(kv_usage=0.125, waiting=5, running=2)}
     trtllm = "trtllm:kv_cache_utilization 0.5\n"
     assert read_engine_metrics(trtllm, "trtllm").loads == {0: EngineLoad(kv_usage=0.5)}
-    # Direct mode does not know the engine's kind: whichever names it serves are read.
+    # Direct mode does not know the engine's kind, nor a bridge told none: whichever names it serves are
+    # read (a bridge in front of SGLang once read vLLM's names only, and so no load at all).
     assert read_engine_metrics(VLLM, "auto").loads == vllm
     assert read_engine_metrics(SGLANG, "auto").loads == read_engine_metrics(SGLANG, "sglang").loads
+    assert read_engine_metrics(SGLANG, BridgeConfig(worker_id=1, zmq_endpoint="tcp://h:1").engine).loads
 
 
 def test_vllm_states_its_kv_blocks_per_rank_in_its_cache_config() -> None:

@@ -27,9 +27,10 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     replay_endpoint: Annotated[
         str | None, _doc("the engine's replay ROUTER socket, tcp://HOST:PORT (dp rank 0); unset: gaps stay gaps")
     ] = None
-    engine: Annotated[Literal["vllm", "sglang", "trtllm"], _doc("engine kind (names of its Prometheus metrics)")] = (
-        "vllm"
-    )
+    engine: Annotated[
+        Literal["auto", "vllm", "sglang", "trtllm"],
+        _doc("engine kind, for the names of its Prometheus metrics (auto: whichever names the engine exposes)"),
+    ] = "auto"
     block_size: Annotated[int, _doc("the engine's KV block size in tokens"), msgspec.Meta(ge=1)] = 16
     dp_size: Annotated[
         int, _doc("data-parallel ranks, on consecutive ports from --zmq-endpoint and --replay-endpoint"),

@@ -140,6 +140,17 @@ class ReplayError(Exception):
     pass
 
 
+class ReplayHoles(ReplayError):
+    """Seqs the engine's buffer answered without, round after round: batches it numbered and never
+    buffered (TensorRT-LLM drops a batch on a full queue after taking its seq). ``batches`` is what did
+    come, in order: worth applying, with the rank marked unverified for what is missing."""
+
+    def __init__(self, message: str, batches: list[tuple[int, bytes]], missing: list[int]) -> None:
+        super().__init__(message)
+        self.batches = batches
+        self.missing = missing
+
+
 # Rounds of one replay that ask again for batches the engine's ROUTER dropped (`replay_batches`).
 REPLAY_ROUNDS = 4
 
@@ -187,7 +198,11 @@ async def replay_batches(
         # A hole, or the end marker dropped (later batches may have been too): asked again from the
         # batch before, which must come back the same.
         ask = hole - 1 if hole is not None else seqs[-1]
-    raise ReplayError(f"batches after seq {ask} still missing from {endpoint}'s replay after {REPLAY_ROUNDS} rounds")
+    message = f"batches after seq {ask} still missing from {endpoint}'s replay after {REPLAY_ROUNDS} rounds"
+    if ended:  # every round reached the end marker: the holes are the buffer's own
+        missing = sorted(set(range(seqs[0], seqs[-1] + 1)) - set(seqs))
+        raise ReplayHoles(message, [(seq, received[seq]) for seq in seqs], missing)
+    raise ReplayError(message)
 
 
 def _first_hole(seqs: list[int]) -> int | None:
@@ -612,6 +627,8 @@ class ZmqEngineStream:
             batches = await replay_batches(
                 self._context, self.replay_endpoint or "", 0, timeout_s=self._replay_timeout_s
             )
+        except ReplayHoles as exc:
+            batches = self._with_holes(exc)
         except ReplayError as exc:
             log.info("engine at %s did not answer a replay at start (%s); live messages will", self.endpoint, exc)
             return
@@ -635,6 +652,8 @@ class ZmqEngineStream:
             batches = await replay_batches(
                 self._context, self.replay_endpoint or "", start, timeout_s=self._replay_timeout_s
             )
+        except ReplayHoles as exc:
+            batches = self._with_holes(exc)
         except ReplayError as exc:  # the engine is down, perhaps: the next message or check will tell
             self.stats["tail_check_failed"] += 1
             self._bad_input.warning("tail check failed", f"engine at {self.endpoint}: {exc}")
@@ -680,6 +699,8 @@ class ZmqEngineStream:
             batches = await replay_batches(
                 self._context, self.replay_endpoint, ask_from, timeout_s=self._replay_timeout_s
             )
+        except ReplayHoles as exc:
+            batches = self._with_holes(exc)
         except ReplayError as exc:
             self.stats["replay_failed"] += 1
             self._unverified(f"replay from seq {ask_from} failed: {exc}")
@@ -698,6 +719,13 @@ class ZmqEngineStream:
             last = self._last_applied
             if seq >= start and (last is None or seq > last):
                 self._deliver_replayed(seq, payload)
+
+    def _with_holes(self, holes: ReplayHoles) -> list[tuple[int, bytes]]:
+        """What a replay with holes brought, to apply; the loss counted and the ranks unverified."""
+        self.stats["missing_history"] += 1
+        shown = ", ".join(map(str, holes.missing[:5])) + (", ..." if len(holes.missing) > 5 else "")
+        self._unverified(f"the engine's replay buffer lacks seq {shown} for good")
+        return holes.batches
 
     def _unverified(self, reason: str) -> None:
         self.stats["unverified"] += 1
