@@ -97,6 +97,7 @@ class DecodedBatch(NamedTuple):
     events: list[EngineEvent]
     errors: list[EngineDecodeError]  # events skipped, in order
     ignored: int  # events of non-attention KV groups (hybrid models), dropped as Dynamo drops them
+    eagle_stores: int = 0  # stores among ``events`` whose token ids came as EAGLE bigrams
 
 
 def to_kv_event(event: EngineEvent, event_id: int, dp_rank: int) -> KvCacheEvent:
@@ -341,16 +342,11 @@ def _converted(
 ) -> DecodedBatch:
     events: list[EngineEvent] = []
     errors: list[EngineDecodeError] = []
-    ignored = 0
+    ignored = eagle = 0
     for position, raw in enumerate(raw_events):
         try:
-            event = _engine_event(
-                _decode_event(raw) if isinstance(raw, msgspec.Raw) else raw,
-                block_size,
-                cache_namespace,
-                salts,
-                side_groups,
-            )
+            decoded = _decode_event(raw) if isinstance(raw, msgspec.Raw) else raw
+            event = _engine_event(decoded, block_size, cache_namespace, salts, side_groups)
         except EngineDecodeError as exc:
             errors.append(EngineDecodeError(exc.reason, f"event {position}: {exc.detail}"))
             continue
@@ -358,7 +354,18 @@ def _converted(
             ignored += 1
         else:
             events.append(event)
-    return DecodedBatch(ts, dp_rank, events, errors, ignored)
+            eagle += isinstance(event, EngineStored) and _nested(decoded.token_ids)
+    return DecodedBatch(ts, dp_rank, events, errors, ignored, eagle)
+
+
+def _nested(token_ids: msgspec.Raw) -> bool:
+    """Whether a msgpack array's first element is an array (EAGLE's bigrams), from its bytes."""
+    data = memoryview(token_ids)
+    if not data:
+        return False
+    head = data[0]
+    offset = 1 if 0x90 <= head <= 0x9F else 3 if head == 0xDC else 5 if head == 0xDD else None
+    return offset is not None and len(data) > offset and _is_array(data[offset])
 
 
 def _is_map(head: int) -> bool:

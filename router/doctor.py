@@ -22,6 +22,9 @@ the first time is logged once as a WARNING. The kinds:
   has been routed requests for ``engine_silent_after_s`` (30 s), yet its event socket delivered
   nothing: vLLM binds its PUB socket only for ``tcp://*:PORT`` (given a host address it connects, and
   nothing flows, with no error on either side).
+- ``eagle_mismatch``: an engine heard directly stores blocks keyed by EAGLE bigrams (SGLang with
+  speculative decoding) while the router hashes requests without ``--enable-eagle``, or plain ones
+  while it hashes with it: no request can match those blocks.
 - ``handoff_unservable``: the fleet routes in two legs and a worker of role ``both`` that hands KV over
   with SGLang's ``bootstrap`` shares a model with another worker: its server runs one disaggregation
   mode, yet it would be sent prefill legs, decode legs and requests prefilled locally.
@@ -58,6 +61,7 @@ KINDS = (
     "stream_gapping",
     "unregistered_worker",
     "engine_events_silent",
+    "eagle_mismatch",
     "handoff_unservable",
 )
 
@@ -141,6 +145,7 @@ class ConfigDoctor:
         self._silent_workers(now, found)
         self._gaps(now, found)
         self._silent_engines(now, found)
+        self._eagle(found)
         self._unservable_handoffs(found)
         for worker_id, count in self.router.sequencer.unknown_worker_events.items():
             if count and not self.router.has_worker(worker_id):
@@ -210,7 +215,8 @@ class ConfigDoctor:
                     ("tokens_hash_mismatch", worker_id),
                     f"{tally.checked} prompts routed to worker {worker_id}; none of their first blocks appears among "
                     f"the {held[worker_id]} blocks its events stored: the engine hashes tokens with another cache "
-                    "salt, LoRA name or namespace than the requests carry (or another tokenizer)",
+                    "salt, LoRA name or namespace than the requests carry (or another tokenizer, or EAGLE windows "
+                    "on one side only: --enable-eagle)",
                 )
 
     def _silent_workers(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
@@ -264,6 +270,24 @@ class ConfigDoctor:
                     f"socket {endpoint} delivered nothing: vLLM binds its KV-event PUB socket only "
                     f"for an endpoint tcp://*:{port} (given a host address it connects, and nothing flows, with no "
                     f'error): start it with --kv-events-config \'{{"endpoint": "tcp://*:{port}", ...}}\''
+                )
+
+    def _eagle(self, found: dict[tuple[str, int | None], str]) -> None:
+        eagle = self.router.config.enable_eagle
+        for worker_id, stream in self._engine_streams():
+            bigrams = stream.stats["eagle_stores"]
+            plain = stream.stats["stores"] - bigrams
+            if bigrams and not eagle:
+                found["eagle_mismatch", worker_id] = (
+                    f"{bigrams} stored events from {stream.endpoint} came as EAGLE bigram token ids (SGLang with "
+                    "speculative decoding): their blocks span one token more than the router hashes requests; "
+                    "start the router with --enable-eagle"
+                )
+            elif plain and eagle:
+                found["eagle_mismatch", worker_id] = (
+                    f"{plain} stored events from {stream.endpoint} came as plain token ids while the router hashes "
+                    "requests with EAGLE windows (--enable-eagle): no request matches them; turn --enable-eagle "
+                    "off unless every engine keys its cache by bigrams"
                 )
 
     def _engine_streams(self) -> Iterator[tuple[int, ZmqEngineStream]]:

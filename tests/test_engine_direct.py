@@ -20,6 +20,7 @@ import pytest
 
 from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
+from router.doctor import ConfigDoctor
 from router.engines import direct as direct_module
 from router.engines import zmq_stream
 from router.engines.direct import DirectEngine, SequencerSink
@@ -1025,7 +1026,8 @@ async def test_a_data_parallel_engine_is_heard_on_every_rank() -> None:
 async def test_an_eagle_engines_bigram_stores_match_requests_only_with_enable_eagle(enable_eagle: bool) -> None:
     """SGLang with EAGLE keys its cache by bigrams and publishes them; the router hashes them with EAGLE
     windows (Dynamo's reading), which requests hashed with ``enable_eagle`` match block for block.
-    Without it the same prompt matches nothing: the setting must follow the engines'."""
+    Without it the same prompt matches nothing, and the doctor says why at once; with it, an engine
+    storing plain token ids is the mismatch."""
     router = KvRouter(RouterConfig(block_size=BLOCK, enable_eagle=enable_eagle))
     router.register_worker(WorkerConfig(worker_id=WORKER, block_size=BLOCK, leased=False))
     prompt = list(range(100, 100 + 3 * BLOCK + 1))  # three EAGLE blocks: 3 * BLOCK + 1 tokens
@@ -1033,9 +1035,18 @@ async def test_an_eagle_engines_bigram_stores_match_requests_only_with_enable_ea
     store = {"type": "BlockStored", "block_hashes": [-5, -6, -7], "parent_block_hash": None,
              "token_ids": bigrams, "block_size": BLOCK, "medium": "GPU"}  # fmt: skip
     async with direct_mode(router, WORKER, replay=True) as (engine, direct):
+        doctor = ConfigDoctor(router, engines=[direct])
         await engine.send([store])
         await eventually(lambda: direct.streams[0].backlog == 0 and router.tree.dump_events())
         (row,) = router.overlap(prompt).workers
         assert row.device_blocks == (3 if enable_eagle else 0)
         assert _stream(router).trusted
         assert not any(key.startswith("rejected") and value for key, value in direct.streams[0].stats.items())
+        kinds = [problem.kind for problem in doctor.check()]
+        assert kinds == ([] if enable_eagle else ["eagle_mismatch"])
+        if enable_eagle:  # a plain store (vLLM, or SGLang without EAGLE) behind an EAGLE router
+            plain = {**store, "block_hashes": [-8], "token_ids": list(range(BLOCK))}
+            await engine.send([plain])
+            await eventually(lambda: direct.streams[0].stats["stores"] == 2)
+            (problem,) = doctor.check()
+            assert problem.kind == "eagle_mismatch" and "--enable-eagle" in problem.evidence

@@ -776,7 +776,13 @@ class ZmqEngineStream:
         self.stats["events"] += len(batch.events)
         for event in batch.events:
             if isinstance(event, EngineStored):
+                self.stats["stores"] += 1
                 self._hash_mismatch(seq, self.hash_check.observe(event))
+        if batch.eagle_stores:
+            if not self.stats["eagle_stores"]:
+                log.info("engine at %s sends EAGLE bigram token ids: requests match its blocks only when the "
+                         "router hashes them alike (--enable-eagle)", self.endpoint)  # fmt: skip
+            self.stats["eagle_stores"] += batch.eagle_stores
         self.sink.apply(rank, batch.events)
 
     def _hash_mismatch(self, seq: int, found: str | None) -> None:
