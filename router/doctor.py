@@ -269,7 +269,8 @@ class ConfigDoctor:
                     f"its engine answers at {engine.url} and was routed requests {silent:.0f} s ago, but its event "
                     f"socket {endpoint} delivered nothing: vLLM binds its KV-event PUB socket only "
                     f"for an endpoint tcp://*:{port} (given a host address it connects, and nothing flows, with no "
-                    f'error): start it with --kv-events-config \'{{"endpoint": "tcp://*:{port}", ...}}\''
+                    f'error): start it with --kv-events-config \'{{"endpoint": "tcp://*:{port}", ...}}\'; '
+                    f"and check that {endpoint} is the engine's event port, not its replay port"
                 )
 
     def _eagle(self, found: dict[tuple[str, int | None], str]) -> None:
