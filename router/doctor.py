@@ -66,6 +66,11 @@ KINDS = (
 )
 
 
+# Events heard from an engine, none a store of EAGLE bigrams, before a router hashing with EAGLE windows
+# says the engine is plain.
+PLAIN_EVENTS_BEFORE_EAGLE_MISMATCH = 16
+
+
 class Problem(msgspec.Struct, kw_only=True, frozen=True):
     kind: str
     worker_id: int | None
@@ -277,16 +282,18 @@ class ConfigDoctor:
         eagle = self.router.config.enable_eagle
         for worker_id, stream in self._engine_streams():
             bigrams = stream.stats["eagle_stores"]
-            plain = stream.stats["stores"] - bigrams
+            # Stores are not counted apart from removals (the bridge's C step counts events only): an
+            # EAGLE engine's first events include stores, so many events and no bigram store is plain.
+            events = stream.stats["events"]
             if bigrams and not eagle:
                 found["eagle_mismatch", worker_id] = (
                     f"{bigrams} stored events from {stream.endpoint} came as EAGLE bigram token ids (SGLang with "
                     "speculative decoding): their blocks span one token more than the router hashes requests; "
                     "start the router with --enable-eagle"
                 )
-            elif plain and eagle:
+            elif eagle and not bigrams and events >= PLAIN_EVENTS_BEFORE_EAGLE_MISMATCH:
                 found["eagle_mismatch", worker_id] = (
-                    f"{plain} stored events from {stream.endpoint} came as plain token ids while the router hashes "
+                    f"{events} events from {stream.endpoint}, no store with bigram token ids, while the router hashes "
                     "requests with EAGLE windows (--enable-eagle): no request matches them; turn --enable-eagle "
                     "off unless every engine keys its cache by bigrams"
                 )

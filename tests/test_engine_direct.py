@@ -20,7 +20,7 @@ import pytest
 
 from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
-from router.doctor import ConfigDoctor
+from router.doctor import PLAIN_EVENTS_BEFORE_EAGLE_MISMATCH, ConfigDoctor
 from router.engines import direct as direct_module
 from router.engines import zmq_stream
 from router.engines.direct import DirectEngine, SequencerSink
@@ -1044,9 +1044,10 @@ async def test_an_eagle_engines_bigram_stores_match_requests_only_with_enable_ea
         assert not any(key.startswith("rejected") and value for key, value in direct.streams[0].stats.items())
         kinds = [problem.kind for problem in doctor.check()]
         assert kinds == ([] if enable_eagle else ["eagle_mismatch"])
-        if enable_eagle:  # a plain store (vLLM, or SGLang without EAGLE) behind an EAGLE router
-            plain = {**store, "block_hashes": [-8], "token_ids": list(range(BLOCK))}
-            await engine.send([plain])
-            await eventually(lambda: direct.streams[0].stats["stores"] == 2)
+    if enable_eagle:  # plain stores (vLLM, or SGLang without EAGLE) behind an EAGLE router
+        router = KvRouter(RouterConfig(block_size=BLOCK, enable_eagle=True))
+        async with direct_mode(router, WORKER, replay=True, history=PLAIN_EVENTS_BEFORE_EAGLE_MISMATCH) as (_, direct):
+            doctor = ConfigDoctor(router, engines=[direct])
+            await eventually(lambda: direct.streams[0].stats["events"] >= PLAIN_EVENTS_BEFORE_EAGLE_MISMATCH)
             (problem,) = doctor.check()
             assert problem.kind == "eagle_mismatch" and "--enable-eagle" in problem.evidence

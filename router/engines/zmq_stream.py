@@ -776,7 +776,6 @@ class ZmqEngineStream:
         self.stats["events"] += len(batch.events)
         for event in batch.events:
             if isinstance(event, EngineStored):
-                self.stats["stores"] += 1
                 self._hash_mismatch(seq, self.hash_check.observe(event))
         if batch.eagle_stores:
             if not self.stats["eagle_stores"]:
