@@ -32,6 +32,9 @@
   being rewritten can drop out of a listing for a moment: a restarting router rewrites its own just
   then); a listing that fails purges nothing. A restarting router checks, after recording its cursor,
   that the stream still reaches back to the snapshot it loaded, and loads again if not.
+- Tidying the store, after each snapshot: the snapshots no restart can use any more are deleted, and
+  so are the chunks no object names (a put killed before its meta, or after it but before the chunks
+  it replaced were purged) once their newest is ``ORPHAN_CHUNKS_GRACE_S`` old on the server's clock.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     KeyValueConfig,
+    ObjectInfo,
     ObjectMeta,
     ObjectMetaOptions,
     ObjectStoreConfig,
@@ -72,7 +76,7 @@ from nats.js.object_store import ObjectStore
 
 from indexer.errors import EventDecodeError
 from indexer.events import NonNegative, RouterEvent, decode_router_events
-from router.event_plane.jetstream import kv_stream, object_stream, scale_stream, with_replicas
+from router.event_plane.jetstream import kv_stream, object_chunk_subject, object_stream, scale_stream, with_replicas
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.kv_router import KvRouter
@@ -101,6 +105,11 @@ SNAPSHOT_FETCH_MIN_S = 10.0
 SNAPSHOT_FETCH_BYTES_PER_S = 4 << 20
 # A listing of the snapshot store or of the cursors may take this long (nats-py waits without bound).
 LISTING_TIMEOUT_S = 10.0
+# Chunks no object names are purged once their newest is this much older than this router's newest
+# (server timestamps both). A put still under way adds one every few seconds at most: each chunk waits
+# for its acknowledgement (5 s at most in nats-py, then the put fails and purges its own), so only a
+# put whose process is dead, or frozen for ten minutes, is ever this quiet.
+ORPHAN_CHUNKS_GRACE_S = 600.0
 # msgpack's array header with a 32-bit length (patched once the dump has been counted).
 _ARRAY32 = 0xDD
 
@@ -517,7 +526,7 @@ class DurableEvents:
         assert self._store is not None
         meta = ObjectMeta(description=str(stream_seq), options=ObjectMetaOptions(max_chunk_size=SNAPSHOT_CHUNK_BYTES))
         try:
-            await self._store.put(self.router_name, _PiecesReader(pieces), meta=meta)
+            written = await self._store.put(self.router_name, _PiecesReader(pieces), meta=meta)
         finally:
             await _release_last_first(pieces)
         self.snapshot_seq = stream_seq
@@ -526,7 +535,8 @@ class DurableEvents:
         self.outcomes["last_snapshot_bytes"] = size
         await self._record_cursor()
         await self._purge()
-        await self._delete_stale_snapshots()
+        assert written.nuid, "a put names its chunks' subject"
+        await self._tidy_store(written.nuid)
         return True
 
     async def _snapshot_loop(self) -> None:
@@ -606,33 +616,73 @@ class DurableEvents:
                 self._bad_input.warning("undecodable router cursor", key)
         return listed
 
-    async def _delete_stale_snapshots(self) -> None:
+    async def _tidy_store(self, own_nuid: str) -> None:
+        """After a snapshot (``own_nuid``: its put's): drop what the store holds for no one, the stale
+        snapshots and the orphaned chunks, from one listing of the objects."""
+        assert self._store is not None
+        try:
+            try:
+                entries = await asyncio.wait_for(self._store.list(), LISTING_TIMEOUT_S)
+            except NotFoundError:  # nats-py's answer for an empty store
+                entries = []
+            await self._delete_stale_snapshots(entries)
+            await self._purge_orphan_chunks(entries, own_nuid)
+        except (NatsError, TimeoutError) as exc:
+            self._bad_input.warning("snapshot store not tidied", str(exc) or type(exc).__name__)
+
+    async def _delete_stale_snapshots(self, entries: list[ObjectInfo]) -> None:
         """Drop the snapshots no restart can use any more (the stream no longer holds what follows
         them): a router renamed on every restart, as a Deployment's pods are, leaves one each time."""
         assert self._store is not None
-        try:
-            entries = await asyncio.wait_for(self._store.list(), LISTING_TIMEOUT_S)
-            # Read after the listing: a snapshot a peer wrote meanwhile is within the stream's end.
-            state = (await self._js.stream_info(self.subjects.events_stream)).state
-            for entry in entries:
-                try:
-                    seq = int(entry.description or "")
-                except ValueError:
-                    continue
-                # A live router's (its cursor listed lately) is left to it: restarted under its old name,
-                # it may be writing a new one under that name right now.
-                if entry.deleted or entry.name in self._cursors_seen:
-                    continue
-                if not self._covers(seq, state.first_seq, state.last_seq):
-                    with contextlib.suppress(NotFoundError):  # a peer deleted it first
-                        await self._store.delete(entry.name)
-                        self._count("stale_snapshots_deleted")
-                        log.info("deleted snapshot %s (stream sequence %d): the stream starts at %d",
-                                 entry.name, seq, state.first_seq)  # fmt: skip
-        except NotFoundError:  # nats-py's answer for an empty store
+        # Read after the listing: a snapshot a peer wrote meanwhile is within the stream's end.
+        state = (await self._js.stream_info(self.subjects.events_stream)).state
+        for entry in entries:
+            try:
+                seq = int(entry.description or "")
+            except ValueError:
+                continue
+            # A live router's (its cursor listed lately) is left to it: restarted under its old name,
+            # it may be writing a new one under that name right now.
+            if entry.deleted or entry.name in self._cursors_seen:
+                continue
+            if not self._covers(seq, state.first_seq, state.last_seq):
+                with contextlib.suppress(NotFoundError):  # a peer deleted it first
+                    await self._store.delete(entry.name)
+                    self._count("stale_snapshots_deleted")
+                    log.info("deleted snapshot %s (stream sequence %d): the stream starts at %d",
+                             entry.name, seq, state.first_seq)  # fmt: skip
+
+    async def _purge_orphan_chunks(self, entries: list[ObjectInfo], own_nuid: str) -> None:
+        """Purge the chunk subjects no object of ``entries`` names. A put publishes its chunks, then the
+        meta naming them, then purges the chunks it replaced: a process killed in between leaves chunks
+        no meta will ever name, in the bucket's stream for good. A peer's put under way has chunks no
+        meta names yet either; it is told apart by age, on the server's clock alone: a subject is purged
+        only when its newest chunk is ``ORPHAN_CHUNKS_GRACE_S`` older than the newest of the put this
+        router just made (a put that ended after ``entries`` were listed looks unnamed, but its chunks
+        are new)."""
+        bucket = self.subjects.snapshot_bucket
+        stream = object_stream(bucket)
+        named = {entry.nuid for entry in entries if not entry.deleted}
+        listed = (await self._js.stream_info(stream, subjects_filter=object_chunk_subject(bucket, "*"))).state
+        unnamed = {
+            subject: chunks
+            for subject, chunks in (listed.subjects or {}).items()
+            if subject.rpartition(".")[2] not in named
+        }
+        if not unnamed:
             return
-        except (NatsError, TimeoutError) as exc:
-            self._bad_input.warning("stale snapshots not deleted", str(exc) or type(exc).__name__)
+        now = (await self._js.get_last_msg(stream, object_chunk_subject(bucket, own_nuid))).time
+        for subject, chunks in unnamed.items():
+            try:
+                newest = (await self._js.get_last_msg(stream, subject)).time
+            except NotFoundError:  # a peer purged it first
+                continue
+            if now is None or newest is None or (now - newest).total_seconds() < ORPHAN_CHUNKS_GRACE_S:
+                continue
+            await self._js.purge_stream(stream, subject=subject)
+            self._count("orphan_chunks_purged", chunks)
+            log.info("purged %d orphaned snapshot chunks on %s (no object names them; the newest is %.0f s old)",
+                     chunks, subject, (now - newest).total_seconds())  # fmt: skip
 
     # ------------------------------------------------------------------ events
     async def _on_message(self, message: Msg) -> None:
