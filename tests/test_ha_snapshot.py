@@ -7,10 +7,11 @@ exactly the index the router has. Changes that do not wait for the dump (an even
 it, and it is taken again.
 
 Restarts: the stream is never purged past a peer's snapshot, even when one listing of the cursors
-misses it; a restart whose snapshot was purged while it loaded, whose own snapshot cannot be fetched,
-or whose own is older than a stream purged to its end loads a usable one instead; a snapshot no
-restart can use any more is deleted; a worker's publisher epoch survives the restart, so a worker
-restarted meanwhile is told from a replay of its old ids.
+misses it; a restart whose snapshot was purged while it loaded, or after that until its replay read
+past it, whose own snapshot cannot be fetched, or whose own is older than a stream purged to its end
+loads a usable one instead, and no worker is asked for anything; a snapshot no restart can use any
+more is deleted; a worker's publisher epoch survives the restart, so a worker restarted meanwhile is
+told from a replay of its old ids.
 
 The store: the chunks a put killed with SIGKILL leaves, which no object names, are purged once they are
 older than the grace, and the bucket's stream is back to what it held before; a slow put under way for
@@ -312,6 +313,61 @@ async def test_a_snapshot_purged_from_under_a_restart_is_replaced_by_a_usable_on
         async with restarted(nc, "b", kind=PurgedWhileLoading) as (again_router, again):
             assert again.outcomes["snapshot_purged_while_loading"] == 1
             assert again.outcomes.get("stream_behind_snapshot", 0) == 0, "no worker had to be asked"
+            await applied_all(again, nc)
+            assert index_of(again_router) == index_of(router_a)
+
+
+def no_worker_asked(router: KvRouter) -> bool:
+    outcomes = router.sequencer.outcomes
+    return outcomes["resync_full"] == 0 and outcomes["resync_range"] == 0
+
+
+async def test_a_purge_that_lands_after_a_restart_checked_the_stream_is_met_by_loading_again(nc: Client) -> None:
+    workers = Workers(seed=19)
+    async with a_peer_ahead_of_b(nc, workers) as (router_a, a):
+        await publish(nc, list(workers.events(10 * 64)))
+        await applied_all(a, nc)
+        again_router = new_router()
+        again = DurableEvents(again_router, nc, router_name="b", snapshot_every_events=10**9, snapshot_every_s=3600.0)
+        try:
+            await again.restore()
+            assert again.snapshot_seq == 10, "b's own snapshot, which the stream still reached back to"
+            # a purges up to its own snapshot on a listing of the cursors taken before b recorded its own:
+            # the purge lands after b's restore checked the stream.
+            await nc.jetstream().purge_stream(Subjects().events_stream, seq=a.snapshot_seq + 1)
+            await asyncio.wait_for(again.start(), 60)
+            assert again.outcomes["snapshot_purged_while_loading"] == 1
+            assert again.outcomes.get("stream_behind_snapshot", 0) == 0 and no_worker_asked(again_router)
+            assert again.snapshot_seq == 30, "a's snapshot, loaded instead"
+            await applied_all(again, nc)
+            assert index_of(again_router) == index_of(router_a)
+        finally:
+            await again.stop()
+
+
+@pytest.mark.parametrize("events_after_the_peers_snapshot", [0, 10 * 64], ids=["purged-to-the-end", "purged-midway"])
+async def test_a_purge_that_lands_while_a_restart_replays_is_met_by_loading_again(
+    nc: Client, events_after_the_peers_snapshot: int
+) -> None:
+    workers = Workers(seed=20)
+    async with a_peer_ahead_of_b(nc, workers) as (router_a, a):
+        await publish(nc, list(workers.events(events_after_the_peers_snapshot)))
+        await applied_all(a, nc)
+
+        class PurgedBeforeTheReplayReads(DurableEvents):
+            """A restart whose stream a purges up to a's snapshot, on a listing of the cursors taken before
+            b recorded its own, just as b's replay sets out from b's own snapshot: the replay's consumer
+            reads on from what is left. Purged to the stream's end, no later message shows the gap."""
+
+            async def _follow(self, start: int) -> None:
+                if start == 11:
+                    await self._js.purge_stream(self.subjects.events_stream, seq=a.snapshot_seq + 1)
+                await super()._follow(start)
+
+        async with restarted(nc, "b", kind=PurgedBeforeTheReplayReads) as (again_router, again):
+            assert again.outcomes["snapshot_purged_while_loading"] == 1
+            assert again.outcomes.get("stream_behind_snapshot", 0) == 0 and no_worker_asked(again_router)
+            assert again.snapshot_seq == 30, "a's snapshot, loaded instead"
             await applied_all(again, nc)
             assert index_of(again_router) == index_of(router_a)
 
