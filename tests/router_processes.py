@@ -71,12 +71,20 @@ def _stop(process: subprocess.Popen[bytes] | None) -> int | None:
 
 class ToolProcess:
     """A ``kv-router`` command other than the service (``mock-worker`` unless told), started at once,
-    its output in a file; ``env`` replaces the environment when given."""
+    its output in a file; ``env`` replaces the environment when given; ``argv`` runs another command
+    line instead (a helper module of the tests: ``command`` then only names the log)."""
 
-    def __init__(self, log_dir: Path, env: Mapping[str, str] | None, *flags: str, command: str = "mock-worker") -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        env: Mapping[str, str] | None,
+        *flags: str,
+        command: str = "mock-worker",
+        argv: list[str] | None = None,
+    ) -> None:
         self.log_path = log_dir / f"{command}-{time.monotonic_ns()}.log"
         self.process = _popen(
-            [*kv_router_command(), command, *flags], os.environ if env is None else env, self.log_path
+            argv or [*kv_router_command(), command, *flags], os.environ if env is None else env, self.log_path
         )
 
     def __enter__(self) -> ToolProcess:
@@ -95,6 +103,9 @@ class ToolProcess:
     def kill9(self) -> None:
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.wait(10)
+
+    def ended(self) -> bool:
+        return self.process.poll() is not None
 
     def stop(self) -> int | None:
         """Stopped (SIGTERM) unless it has ended; its exit status."""

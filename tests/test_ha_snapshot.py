@@ -7,10 +7,15 @@ exactly the index the router has. Changes that do not wait for the dump (an even
 it, and it is taken again.
 
 Restarts: the stream is never purged past a peer's snapshot, even when one listing of the cursors
-misses it; a restart whose snapshot was purged while it loaded, whose own snapshot cannot be fetched,
-or whose own is older than a stream purged to its end loads a usable one instead; a snapshot no
-restart can use any more is deleted; a worker's publisher epoch survives the restart, so a worker
-restarted meanwhile is told from a replay of its old ids.
+misses it; a restart whose snapshot was purged while it loaded, or after that until its replay read
+past it, whose own snapshot cannot be fetched, or whose own is older than a stream purged to its end
+loads a usable one instead, and no worker is asked for anything; a snapshot no restart can use any
+more is deleted; a worker's publisher epoch survives the restart, so a worker restarted meanwhile is
+told from a replay of its old ids.
+
+The store: the chunks a put killed with SIGKILL leaves, which no object names, are purged once they are
+older than the grace, and the bucket's stream is back to what it held before; a slow put under way for
+longer than the grace loses nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,16 +35,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.client import Client
 from nats.js.api import ObjectMeta
+from nats.js.errors import NotFoundError
 
 from indexer.events import RouterEvent, encode_router_events, stored_event
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.jetstream import object_chunk_subject, object_stream
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.kv_router import KvRouter
 from router.replicas import durable
 from router.replicas.durable import DurableEvents
 from router.types import RouteRequest, WorkerConfig
+from tests.partial_put import content
+from tests.router_processes import ToolProcess
 from tests.test_api_support import prompt
 from tests.test_ha_durable import canonical
 from tests.waiting import eventually
@@ -307,6 +317,61 @@ async def test_a_snapshot_purged_from_under_a_restart_is_replaced_by_a_usable_on
             assert index_of(again_router) == index_of(router_a)
 
 
+def no_worker_asked(router: KvRouter) -> bool:
+    outcomes = router.sequencer.outcomes
+    return outcomes["resync_full"] == 0 and outcomes["resync_range"] == 0
+
+
+async def test_a_purge_that_lands_after_a_restart_checked_the_stream_is_met_by_loading_again(nc: Client) -> None:
+    workers = Workers(seed=19)
+    async with a_peer_ahead_of_b(nc, workers) as (router_a, a):
+        await publish(nc, list(workers.events(10 * 64)))
+        await applied_all(a, nc)
+        again_router = new_router()
+        again = DurableEvents(again_router, nc, router_name="b", snapshot_every_events=10**9, snapshot_every_s=3600.0)
+        try:
+            await again.restore()
+            assert again.snapshot_seq == 10, "b's own snapshot, which the stream still reached back to"
+            # a purges up to its own snapshot on a listing of the cursors taken before b recorded its own:
+            # the purge lands after b's restore checked the stream.
+            await nc.jetstream().purge_stream(Subjects().events_stream, seq=a.snapshot_seq + 1)
+            await asyncio.wait_for(again.start(), 60)
+            assert again.outcomes["snapshot_purged_while_loading"] == 1
+            assert again.outcomes.get("stream_behind_snapshot", 0) == 0 and no_worker_asked(again_router)
+            assert again.snapshot_seq == 30, "a's snapshot, loaded instead"
+            await applied_all(again, nc)
+            assert index_of(again_router) == index_of(router_a)
+        finally:
+            await again.stop()
+
+
+@pytest.mark.parametrize("events_after_the_peers_snapshot", [0, 10 * 64], ids=["purged-to-the-end", "purged-midway"])
+async def test_a_purge_that_lands_while_a_restart_replays_is_met_by_loading_again(
+    nc: Client, events_after_the_peers_snapshot: int
+) -> None:
+    workers = Workers(seed=20)
+    async with a_peer_ahead_of_b(nc, workers) as (router_a, a):
+        await publish(nc, list(workers.events(events_after_the_peers_snapshot)))
+        await applied_all(a, nc)
+
+        class PurgedBeforeTheReplayReads(DurableEvents):
+            """A restart whose stream a purges up to a's snapshot, on a listing of the cursors taken before
+            b recorded its own, just as b's replay sets out from b's own snapshot: the replay's consumer
+            reads on from what is left. Purged to the stream's end, no later message shows the gap."""
+
+            async def _follow(self, start: int) -> None:
+                if start == 11:
+                    await self._js.purge_stream(self.subjects.events_stream, seq=a.snapshot_seq + 1)
+                await super()._follow(start)
+
+        async with restarted(nc, "b", kind=PurgedBeforeTheReplayReads) as (again_router, again):
+            assert again.outcomes["snapshot_purged_while_loading"] == 1
+            assert again.outcomes.get("stream_behind_snapshot", 0) == 0 and no_worker_asked(again_router)
+            assert again.snapshot_seq == 30, "a's snapshot, loaded instead"
+            await applied_all(again, nc)
+            assert index_of(again_router) == index_of(router_a)
+
+
 async def test_a_snapshot_whose_fetch_never_ends_is_given_up_for_a_peers(
     nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -374,6 +439,117 @@ async def test_after_a_reconnect_nothing_is_purged_until_every_router_could_reco
         assert await a.write_snapshot() and a.snapshot_seq == 10
         assert a.outcomes["purge_deferred"] == 1
         assert await stream_first_seq(nc) == 1, "nothing purged yet"
+    finally:
+        await a.stop()
+
+
+# The tests' grace for chunks no object names (the service's is ten minutes) and the chunks they put.
+ORPHAN_GRACE_S = 3.0
+CHUNK_BYTES = 64 * 1024
+
+
+def partial_put(tmp_path: Path, url: str, name: str, *flags: str) -> ToolProcess:
+    """A client process putting ``name`` into the snapshot bucket slowly (`tests.partial_put`)."""
+    argv = [sys.executable, "-m", "tests.partial_put", url, Subjects().snapshot_bucket, name, *flags]
+    return ToolProcess(tmp_path, None, command="partial-put", argv=[*argv, "--chunk-bytes", str(CHUNK_BYTES)])
+
+
+async def unnamed_chunks(nc: Client) -> dict[str, int]:
+    """The snapshot bucket's chunk subjects no object names, with the chunks each holds."""
+    js = nc.jetstream()
+    bucket = Subjects().snapshot_bucket
+    try:
+        named = {entry.nuid for entry in await (await js.object_store(bucket)).list() if not entry.deleted}
+    except NotFoundError:  # an empty store
+        named = set()
+    chunks = object_chunk_subject(bucket, "*")
+    listed = (await js.stream_info(object_stream(bucket), subjects_filter=chunks)).state.subjects or {}
+    return {subject: count for subject, count in listed.items() if subject.rpartition(".")[2] not in named}
+
+
+async def snapshot_stream_state(nc: Client) -> tuple[int, int]:
+    """The snapshot bucket's stream: (messages, bytes)."""
+    state = (await nc.jetstream().stream_info(object_stream(Subjects().snapshot_bucket))).state
+    return state.messages, state.bytes
+
+
+async def test_the_chunks_a_put_killed_midway_leaves_are_purged_once_older_than_the_grace(
+    nc: Client, nats_on_disk: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(durable, "ORPHAN_CHUNKS_GRACE_S", ORPHAN_GRACE_S)
+    workers = Workers(seed=17)
+    router = new_router()
+    a = await started(router, nc, "a")
+    try:
+        await publish(nc, list(workers.events(10 * 64)))
+        await applied_all(a, nc)
+        assert await a.write_snapshot()
+        messages, size = await snapshot_stream_state(nc)
+
+        # A real put, killed with SIGKILL between its chunks and its meta.
+        with partial_put(tmp_path, nats_on_disk.url, "killed", "--chunks", "3", "--hang") as killed:
+
+            async def chunks_written() -> bool:
+                return list((await unnamed_chunks(nc)).values()) == [3]
+
+            await eventually(chunks_written, what="the killed put's 3 chunks in the stream")
+            killed.kill9()
+        (orphan,) = await unnamed_chunks(nc)
+        with_orphan = await snapshot_stream_state(nc)
+        assert with_orphan[0] == messages + 3 and with_orphan[1] > size + 3 * CHUNK_BYTES
+
+        # Younger than the grace, they may be a put still under way: left alone.
+        assert await a.write_snapshot()
+        assert await unnamed_chunks(nc) == {orphan: 3}
+        assert a.outcomes.get("orphan_chunks_purged", 0) == 0
+
+        await asyncio.sleep(ORPHAN_GRACE_S)  # the chunks' age is what this waits for
+        assert await a.write_snapshot()
+        assert await unnamed_chunks(nc) == {}
+        assert a.outcomes["orphan_chunks_purged"] == 3
+        # Back to what the stream held before the put: the same messages, and a's snapshot rewritten
+        # with the same index is within a few bytes of the one it replaced.
+        after = await snapshot_stream_state(nc)
+        assert after[0] == messages and abs(after[1] - size) < CHUNK_BYTES, (messages, size, after)
+    finally:
+        await a.stop()
+
+    async with restarted(nc, "a") as (again_router, again):
+        assert again.outcomes["restored_events"] > 0
+        assert index_of(again_router) == index_of(router)
+
+
+async def test_a_put_under_way_for_longer_than_the_grace_loses_no_chunk_to_the_snapshots_meanwhile(
+    nc: Client, nats_on_disk: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(durable, "ORPHAN_CHUNKS_GRACE_S", ORPHAN_GRACE_S)
+    workers = Workers(seed=18)
+    a = await started(new_router(), nc, "a")
+    chunks = 20
+    every_s = ORPHAN_GRACE_S / 12  # a chunk much more often than the grace, for longer than it in all
+    try:
+        await publish(nc, list(workers.events(4 * 64)))
+        await applied_all(a, nc)
+        with partial_put(tmp_path, nats_on_disk.url, "slow", "--chunks", str(chunks), "--every", str(every_s)) as slow:
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            deadline = began + 60
+            seen: dict[str, int] = {}  # the put's chunk subject -> chunks seen there so far
+            while not slow.ended():
+                assert loop.time() < deadline, "the slow put did not end"
+                assert await a.write_snapshot()
+                for subject, count in (await unnamed_chunks(nc)).items():
+                    assert count >= seen.get(subject, 0), f"{subject}: chunks purged from a put under way"
+                    seen[subject] = count
+                await asyncio.sleep(every_s / 2)  # snapshots at about the put's pace, not flat out
+            assert slow.stop() == 0, slow.log()
+        assert loop.time() - began > ORPHAN_GRACE_S, "the put lasted longer than the grace"
+        assert len(seen) == 1 and 0 < max(seen.values()) < chunks, "snapshots were tidied while it ran"
+        assert a.outcomes.get("orphan_chunks_purged", 0) == 0
+        # nats-py checks the object's digest as it reads it back.
+        store = await nc.jetstream().object_store(Subjects().snapshot_bucket)
+        assert (await store.get("slow")).data == content(chunks, CHUNK_BYTES)
+        assert await unnamed_chunks(nc) == {}
     finally:
         await a.stop()
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:  # the settings import MAX_REPLICAS: no NATS client for that
     from nats.js import JetStreamContext
 
-__all__ = ["MAX_REPLICAS", "kv_stream", "object_stream", "scale_stream", "with_replicas"]
+__all__ = ["MAX_REPLICAS", "kv_stream", "object_chunk_subject", "object_stream", "scale_stream", "with_replicas"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,12 @@ def kv_stream(bucket: str) -> str:
 def object_stream(bucket: str) -> str:
     """The stream behind an object store bucket."""
     return f"OBJ_{bucket}"
+
+
+def object_chunk_subject(bucket: str, nuid: str) -> str:
+    """The subject of one put's chunks in an object store bucket (each put draws a fresh ``nuid``, named
+    in the object's meta once every chunk is in); ``nuid="*"`` matches every put's."""
+    return f"$O.{bucket}.C.{nuid}"
 
 
 async def scale_stream(js: JetStreamContext, name: str, replicas: int) -> None:

@@ -30,8 +30,14 @@
   needs anything older than its own snapshot, so nothing a live router needs is ever purged. A cursor
   once seen holds the floor until it would have expired, even when a later listing misses it (a key
   being rewritten can drop out of a listing for a moment: a restarting router rewrites its own just
-  then); a listing that fails purges nothing. A restarting router checks, after recording its cursor,
-  that the stream still reaches back to the snapshot it loaded, and loads again if not.
+  then); a listing that fails purges nothing. A restarting router's cursor holds the floor only for
+  purges reckoned after it was recorded: one reckoned on an earlier listing can land until the replay
+  has read past the snapshot. So the replay must read on from the snapshot without a gap (the stream
+  first, then each message, then, when nothing comes, the stream again); when it cannot, the newest
+  usable snapshot is loaded again (the purging peer's covers what it purged).
+- Tidying the store, after each snapshot: the snapshots no restart can use any more are deleted, and
+  so are the chunks no object names (a put killed before its meta, or after it but before the chunks
+  it replaced were purged) once their newest is ``ORPHAN_CHUNKS_GRACE_S`` old on the server's clock.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     KeyValueConfig,
+    ObjectInfo,
     ObjectMeta,
     ObjectMetaOptions,
     ObjectStoreConfig,
@@ -72,7 +79,7 @@ from nats.js.object_store import ObjectStore
 
 from indexer.errors import EventDecodeError
 from indexer.events import NonNegative, RouterEvent, decode_router_events
-from router.event_plane.jetstream import kv_stream, object_stream, scale_stream, with_replicas
+from router.event_plane.jetstream import kv_stream, object_chunk_subject, object_stream, scale_stream, with_replicas
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.kv_router import KvRouter
@@ -93,14 +100,23 @@ SNAPSHOT_SLICE_S = 0.002
 SNAPSHOT_EVENT_BLOCKS = 256
 # Sliced dumps interrupted in a row by index changes that do not wait for them; the next is one step.
 MAX_INTERRUPTED = 3
-# A restart reloads a snapshot purged from under it at most this many times, then keeps the last.
+# A restart loads a snapshot at most this many times (again when the stream was purged past the one it
+# loaded before its replay read that far), then keeps the last.
 MAX_RESTORE_ATTEMPTS = 3
+# A replay that applied nothing for this long, with nothing queued, asks whether the stream was purged
+# past it: a purge up to the stream's end leaves no later message to show the gap.
+REPLAY_STALL_CHECK_S = 1.0
 # Fetching a snapshot may take this long plus a second per SNAPSHOT_FETCH_BYTES_PER_S of its size: a
 # fetch whose object is replaced meanwhile (its owner wrote a newer one) waits forever in nats-py.
 SNAPSHOT_FETCH_MIN_S = 10.0
 SNAPSHOT_FETCH_BYTES_PER_S = 4 << 20
 # A listing of the snapshot store or of the cursors may take this long (nats-py waits without bound).
 LISTING_TIMEOUT_S = 10.0
+# Chunks no object names are purged once their newest is this much older than this router's newest
+# (server timestamps both). A put still under way adds one every few seconds at most: each chunk waits
+# for its acknowledgement (5 s at most in nats-py, then the put fails and purges its own), so only a
+# put whose process is dead, or frozen for ten minutes, is ever this quiet.
+ORPHAN_CHUNKS_GRACE_S = 600.0
 # msgpack's array header with a 32-bit length (patched once the dump has been counted).
 _ARRAY32 = 0xDD
 
@@ -217,7 +233,8 @@ class DurableEvents:
         self._purge_not_before = 0.0  # monotonic; after a reconnect, until the routers recorded again
         # Router name -> (snapshot sequence, when last listed): the purge floor's memory.
         self._cursors_seen: dict[str, tuple[int, float]] = {}
-        self._restored_workers: set[int] = set()  # the workers the applied snapshot held (`discard`)
+        # The workers the applied snapshot held and its replay reached (`discard`).
+        self._restored_workers: set[int] = set()
         self._js: JetStreamContext = nc.jetstream()
         self._store: ObjectStore | None = None
         self._cursors: KeyValue | None = None
@@ -225,8 +242,10 @@ class DurableEvents:
         self.applied_seq = 0  # the last stream sequence applied to the index
         self.snapshot_seq = 0  # the stream sequence the newest snapshot of this router covers
         self._events_since_snapshot = 0
-        self._caught_up = asyncio.Event()
+        self._replay_ended = asyncio.Event()  # set once the replay reached its target, or broke at a gap
         self._catch_up_target = 0
+        self._breaks_at_gap = False  # while replaying from a snapshot that can be loaded again
+        self._replay_broken = False
         # Cleared while a snapshot's dump is read in slices: stream events wait for it.
         self._ingest_open = asyncio.Event()
         self._ingest_open.set()
@@ -239,33 +258,27 @@ class DurableEvents:
 
     # ------------------------------------------------------------------ lifecycle
     async def restore(self) -> None:
-        """Before the event plane starts: make sure stream and buckets exist, load the snapshot. Raises
-        what NATS raises with nothing applied; once a snapshot is applied, `discard` undoes it."""
+        """Before the event plane starts: make sure stream and buckets exist, load the snapshot and record
+        this router's cursor at it. Raises what NATS raises with nothing applied; once a snapshot is
+        applied, `discard` undoes it."""
         await self._ensure_stream()
         self._store = await self._open_store()
         self._cursors = await self._open_cursors()
-        for attempt in range(1, MAX_RESTORE_ATTEMPTS + 1):
-            started = time.perf_counter()
-            snapshot = await self._load_snapshot()
-            loaded = time.perf_counter()
-            if snapshot is not None:
-                self._apply_snapshot(snapshot)
-                log.info("index snapshot: fetched and decoded in %.2f s, applied in %.2f s",
-                         loaded - started, time.perf_counter() - loaded)  # fmt: skip
-            await self._record_cursor()
-            # A peer may have purged past the snapshot before this router's cursor held the floor.
-            if snapshot is None or attempt == MAX_RESTORE_ATTEMPTS or await self._stream_reaches_back():
-                break
-            log.warning("stream purged past snapshot %s (sequence %d) while it loaded; loading again",
-                        snapshot.router_name, snapshot.stream_seq)  # fmt: skip
-            self._count("snapshot_purged_while_loading")
-            self.discard()
+        await self._load()
         # From now on: a replay of a long stream can outlast the cursor's TTL.
         self._background.keep_running("cursor", self._cursor_loop)
 
-    async def _stream_reaches_back(self) -> bool:
-        state = (await self._js.stream_info(self.subjects.events_stream)).state
-        return self._covers(self.applied_seq, state.first_seq, state.last_seq)
+    async def _load(self) -> None:
+        """Apply the snapshot `_load_snapshot` picks, if any, and record the cursor at it: a purge reckoned
+        with this cursor keeps all the replay needs."""
+        started = time.perf_counter()
+        snapshot = await self._load_snapshot()
+        loaded = time.perf_counter()
+        if snapshot is not None:
+            self._apply_snapshot(snapshot)
+            log.info("index snapshot: fetched and decoded in %.2f s, applied in %.2f s",
+                     loaded - started, time.perf_counter() - loaded)  # fmt: skip
+        await self._record_cursor()
 
     @staticmethod
     def _covers(snapshot_seq: int, first_seq: int, last_seq: int) -> bool:
@@ -275,8 +288,9 @@ class DurableEvents:
         return first_seq <= snapshot_seq + 1 <= last_seq + 1
 
     def discard(self) -> None:
-        """Forget what `restore` applied (and stream events after it): the index and event streams of
-        the workers its snapshot held, so that a start tried again restores onto nothing of its own."""
+        """Forget what `restore` applied and the replay after it: the index and event streams of the
+        workers its snapshot held and its replay reached, so that a start tried again restores onto
+        nothing of its own."""
         for worker_id in sorted(self._restored_workers):
             self.router.tree.remove_worker(worker_id)
             self.router.sequencer.forget_worker(worker_id)
@@ -284,19 +298,61 @@ class DurableEvents:
         self.applied_seq = self.snapshot_seq = 0
 
     async def start(self) -> None:
-        """After the event plane started (workers registered): replay the stream, then follow it."""
+        """After the event plane started (workers registered): replay the stream from the snapshot on,
+        then follow it. A peer's purge reckoned on a listing of the cursors taken before this router
+        recorded its own can land any time until the replay has read past it: the replay then finds the
+        stream purged past what it had yet to read, and the newest usable snapshot is loaded again (the
+        purging peer's own covers what it purged), rather than every worker asked for its state."""
+        for attempt in range(1, MAX_RESTORE_ATTEMPTS + 1):
+            # Only a replay from a snapshot can fall short of it (a full one reads what the stream holds).
+            reload_if_purged = attempt < MAX_RESTORE_ATTEMPTS and self.snapshot_seq > 0
+            if await self._replay(reload_if_purged):
+                break
+            log.warning("stream purged past the snapshot at sequence %d before its replay read it; loading again",
+                        self.snapshot_seq)  # fmt: skip
+            self._count("snapshot_purged_while_loading")
+            await self._unsubscribe()
+            self.discard()
+            await self._load()
+        self._background.keep_running("snapshots", self._snapshot_loop)
+
+    async def _replay(self, reload_if_purged: bool) -> bool:
+        """Follow the stream from the sequence after `applied_seq` and wait until it has been read up to
+        its last sequence now. False, with ``reload_if_purged``, when the stream turned out purged past
+        what was still to read (nothing more is applied then); without it, a stream that starts too late
+        is logged and every worker asked for its state."""
         info = await self._js.stream_info(self.subjects.events_stream)
         self._catch_up_target = info.state.last_seq
         if info.state.first_seq > self.applied_seq + 1:
+            if reload_if_purged:
+                return False
             log.error("stream %s starts at %d but this index covers only up to %d: events are missing; "
                       "asking every worker for its state", self.subjects.events_stream, info.state.first_seq,
                       self.applied_seq)  # fmt: skip
             self._count("stream_behind_snapshot")
             for request in self.router.sequencer.resync_all():
                 self.router.sequencer.send_resync(request)
+        self._breaks_at_gap = reload_if_purged
+        self._replay_broken = False
+        self._replay_ended.clear()
         if self.applied_seq >= self._catch_up_target:
-            self._caught_up.set()
-        start = self.applied_seq + 1
+            self._replay_ended.set()
+        await self._follow(self.applied_seq + 1)
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self._until_replayed(), self._catch_up_timeout)
+        except TimeoutError:
+            log.error("stream replay did not catch up to %d within %.0f s (at %d); serving anyway",
+                      self._catch_up_target, self._catch_up_timeout, self.applied_seq)  # fmt: skip
+        self._breaks_at_gap = False
+        if self._replay_broken:
+            return False
+        log.info("durable events: replayed up to stream sequence %d in %.2f s", self.applied_seq,
+                 time.monotonic() - started)  # fmt: skip
+        return True
+
+    async def _follow(self, start: int) -> None:
+        """Subscribe the ordered consumer from stream sequence ``start`` on."""
         config = ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start > 1 else DeliverPolicy.ALL,
             opt_start_seq=start if start > 1 else None,
@@ -309,22 +365,38 @@ class DurableEvents:
             config=config,
             pending_msgs_limit=1_000_000,
         )
-        started = time.monotonic()
-        try:
-            await asyncio.wait_for(self._caught_up.wait(), self._catch_up_timeout)
-        except TimeoutError:
-            log.error("stream replay did not catch up to %d within %.0f s (at %d); serving anyway",
-                      self._catch_up_target, self._catch_up_timeout, self.applied_seq)  # fmt: skip
-        log.info("durable events: replayed up to stream sequence %d in %.2f s", self.applied_seq,
-                 time.monotonic() - started)  # fmt: skip
-        self._background.keep_running("snapshots", self._snapshot_loop)
 
-    async def stop(self) -> None:
-        await self._background.stop()
+    async def _until_replayed(self) -> None:
+        """Until the replay reached its target or broke at a gap (`_on_message`). A purge up to the
+        stream's end shows no gap, no later message comes: so a replay that may break and applied
+        nothing for ``REPLAY_STALL_CHECK_S``, with nothing queued, breaks when the stream now starts
+        past what it applied."""
+        applied_before = self.applied_seq
+        while not self._replay_ended.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._replay_ended.wait(), REPLAY_STALL_CHECK_S)
+            subscription = self._subscription
+            stalled = self.applied_seq == applied_before and subscription is not None and not subscription.pending_msgs
+            applied_before = self.applied_seq
+            if self._breaks_at_gap and stalled and not self._replay_ended.is_set():
+                state = (await self._js.stream_info(self.subjects.events_stream)).state
+                if state.first_seq > self.applied_seq + 1:
+                    self._break_replay()
+
+    def _break_replay(self) -> None:
+        """Give the replay up: the stream no longer holds what it had yet to read."""
+        self._replay_broken = True
+        self._replay_ended.set()
+
+    async def _unsubscribe(self) -> None:
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
+
+    async def stop(self) -> None:
+        await self._background.stop()
+        await self._unsubscribe()
 
     # ------------------------------------------------------------------ stream and buckets
     async def _ensure_stream(self) -> None:
@@ -517,7 +589,7 @@ class DurableEvents:
         assert self._store is not None
         meta = ObjectMeta(description=str(stream_seq), options=ObjectMetaOptions(max_chunk_size=SNAPSHOT_CHUNK_BYTES))
         try:
-            await self._store.put(self.router_name, _PiecesReader(pieces), meta=meta)
+            written = await self._store.put(self.router_name, _PiecesReader(pieces), meta=meta)
         finally:
             await _release_last_first(pieces)
         self.snapshot_seq = stream_seq
@@ -526,7 +598,8 @@ class DurableEvents:
         self.outcomes["last_snapshot_bytes"] = size
         await self._record_cursor()
         await self._purge()
-        await self._delete_stale_snapshots()
+        assert written.nuid, "a put names its chunks' subject"
+        await self._tidy_store(written.nuid)
         return True
 
     async def _snapshot_loop(self) -> None:
@@ -606,33 +679,73 @@ class DurableEvents:
                 self._bad_input.warning("undecodable router cursor", key)
         return listed
 
-    async def _delete_stale_snapshots(self) -> None:
+    async def _tidy_store(self, own_nuid: str) -> None:
+        """After a snapshot (``own_nuid``: its put's): drop what the store holds for no one, the stale
+        snapshots and the orphaned chunks, from one listing of the objects."""
+        assert self._store is not None
+        try:
+            try:
+                entries = await asyncio.wait_for(self._store.list(), LISTING_TIMEOUT_S)
+            except NotFoundError:  # nats-py's answer for an empty store
+                entries = []
+            await self._delete_stale_snapshots(entries)
+            await self._purge_orphan_chunks(entries, own_nuid)
+        except (NatsError, TimeoutError) as exc:
+            self._bad_input.warning("snapshot store not tidied", str(exc) or type(exc).__name__)
+
+    async def _delete_stale_snapshots(self, entries: list[ObjectInfo]) -> None:
         """Drop the snapshots no restart can use any more (the stream no longer holds what follows
         them): a router renamed on every restart, as a Deployment's pods are, leaves one each time."""
         assert self._store is not None
-        try:
-            entries = await asyncio.wait_for(self._store.list(), LISTING_TIMEOUT_S)
-            # Read after the listing: a snapshot a peer wrote meanwhile is within the stream's end.
-            state = (await self._js.stream_info(self.subjects.events_stream)).state
-            for entry in entries:
-                try:
-                    seq = int(entry.description or "")
-                except ValueError:
-                    continue
-                # A live router's (its cursor listed lately) is left to it: restarted under its old name,
-                # it may be writing a new one under that name right now.
-                if entry.deleted or entry.name in self._cursors_seen:
-                    continue
-                if not self._covers(seq, state.first_seq, state.last_seq):
-                    with contextlib.suppress(NotFoundError):  # a peer deleted it first
-                        await self._store.delete(entry.name)
-                        self._count("stale_snapshots_deleted")
-                        log.info("deleted snapshot %s (stream sequence %d): the stream starts at %d",
-                                 entry.name, seq, state.first_seq)  # fmt: skip
-        except NotFoundError:  # nats-py's answer for an empty store
+        # Read after the listing: a snapshot a peer wrote meanwhile is within the stream's end.
+        state = (await self._js.stream_info(self.subjects.events_stream)).state
+        for entry in entries:
+            try:
+                seq = int(entry.description or "")
+            except ValueError:
+                continue
+            # A live router's (its cursor listed lately) is left to it: restarted under its old name,
+            # it may be writing a new one under that name right now.
+            if entry.deleted or entry.name in self._cursors_seen:
+                continue
+            if not self._covers(seq, state.first_seq, state.last_seq):
+                with contextlib.suppress(NotFoundError):  # a peer deleted it first
+                    await self._store.delete(entry.name)
+                    self._count("stale_snapshots_deleted")
+                    log.info("deleted snapshot %s (stream sequence %d): the stream starts at %d",
+                             entry.name, seq, state.first_seq)  # fmt: skip
+
+    async def _purge_orphan_chunks(self, entries: list[ObjectInfo], own_nuid: str) -> None:
+        """Purge the chunk subjects no object of ``entries`` names. A put publishes its chunks, then the
+        meta naming them, then purges the chunks it replaced: a process killed in between leaves chunks
+        no meta will ever name, in the bucket's stream for good. A peer's put under way has chunks no
+        meta names yet either; it is told apart by age, on the server's clock alone: a subject is purged
+        only when its newest chunk is ``ORPHAN_CHUNKS_GRACE_S`` older than the newest of the put this
+        router just made (a put that ended after ``entries`` were listed looks unnamed, but its chunks
+        are new)."""
+        bucket = self.subjects.snapshot_bucket
+        stream = object_stream(bucket)
+        named = {entry.nuid for entry in entries if not entry.deleted}
+        listed = (await self._js.stream_info(stream, subjects_filter=object_chunk_subject(bucket, "*"))).state
+        unnamed = {
+            subject: chunks
+            for subject, chunks in (listed.subjects or {}).items()
+            if subject.rpartition(".")[2] not in named
+        }
+        if not unnamed:
             return
-        except (NatsError, TimeoutError) as exc:
-            self._bad_input.warning("stale snapshots not deleted", str(exc) or type(exc).__name__)
+        now = (await self._js.get_last_msg(stream, object_chunk_subject(bucket, own_nuid))).time
+        for subject, chunks in unnamed.items():
+            try:
+                newest = (await self._js.get_last_msg(stream, subject)).time
+            except NotFoundError:  # a peer purged it first
+                continue
+            if now is None or newest is None or (now - newest).total_seconds() < ORPHAN_CHUNKS_GRACE_S:
+                continue
+            await self._js.purge_stream(stream, subject=subject)
+            self._count("orphan_chunks_purged", chunks)
+            log.info("purged %d orphaned snapshot chunks on %s (no object names them; the newest is %.0f s old)",
+                     chunks, subject, (now - newest).total_seconds())  # fmt: skip
 
     # ------------------------------------------------------------------ events
     async def _on_message(self, message: Msg) -> None:
@@ -643,19 +756,27 @@ class DurableEvents:
         if not self._ingest_open.is_set():
             await self._ingest_open.wait()  # a snapshot's dump is being read
         seq = message.metadata.sequence.stream
+        if self._breaks_at_gap:
+            if self._replay_broken:
+                return  # the replay was given up: this message is read again after the reload
+            if seq > self.applied_seq + 1:
+                self._break_replay()  # purged before it was read: applying what follows would leave a hole
+                return
         try:
             events = decode_router_events(message.data, msgpack=None)
         except EventDecodeError as exc:
             self.router.sequencer.count_undecodable()
             self._bad_input.warning("undecodable KV event", f"stream sequence {seq}: {exc}")
         else:
+            if not self._replay_ended.is_set():
+                self._restored_workers.update(event.worker_id for event in events)
             headers = message.headers  # the publisher's epoch, as on the core subscription
             self.router.sequencer.ingest(events, epoch=headers.get(EPOCH_HEADER) if headers else None)
         self.applied_seq = seq
         self._events_since_snapshot += 1
         self._count("stream_messages")
         if seq >= self._catch_up_target:
-            self._caught_up.set()
+            self._replay_ended.set()
 
     def _count(self, outcome: str, by: int = 1) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + by
