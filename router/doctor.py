@@ -66,11 +66,6 @@ KINDS = (
 )
 
 
-# Events heard from an engine, none a store of EAGLE bigrams, before a router hashing with EAGLE windows
-# says the engine is plain.
-PLAIN_EVENTS_BEFORE_EAGLE_MISMATCH = 16
-
-
 class Problem(msgspec.Struct, kw_only=True, frozen=True):
     kind: str
     worker_id: int | None
@@ -280,22 +275,21 @@ class ConfigDoctor:
 
     def _eagle(self, found: dict[tuple[str, int | None], str]) -> None:
         eagle = self.router.config.enable_eagle
-        for worker_id, stream in self._engine_streams():
-            bigrams = stream.stats["eagle_stores"]
-            # Stores are not counted apart from removals (the bridge's C step counts events only): an
-            # EAGLE engine's first events include stores, so many events and no bigram store is plain.
-            events = stream.stats["events"]
+        for engine in self.engines:
+            bigrams = sum(stream.stats["eagle_stores"] for stream in engine.streams)
+            plain = engine.sink.stores - bigrams
+            endpoint = engine.streams[0].endpoint
             if bigrams and not eagle:
-                found["eagle_mismatch", worker_id] = (
-                    f"{bigrams} stored events from {stream.endpoint} came as EAGLE bigram token ids (SGLang with "
-                    "speculative decoding): their blocks span one token more than the router hashes requests; "
-                    "start the router with --enable-eagle"
+                found["eagle_mismatch", engine.worker_id] = (
+                    f"{bigrams} stored events from {endpoint} came as EAGLE bigram token ids (SGLang with speculative "
+                    "decoding): their blocks span one token more than the router hashes requests; start the router "
+                    "with --enable-eagle"
                 )
-            elif eagle and not bigrams and events >= PLAIN_EVENTS_BEFORE_EAGLE_MISMATCH:
-                found["eagle_mismatch", worker_id] = (
-                    f"{events} events from {stream.endpoint}, no store with bigram token ids, while the router hashes "
-                    "requests with EAGLE windows (--enable-eagle): no request matches them; turn --enable-eagle "
-                    "off unless every engine keys its cache by bigrams"
+            elif plain > 0 and eagle:
+                found["eagle_mismatch", engine.worker_id] = (
+                    f"{plain} stored events from {endpoint} came as plain token ids while the router hashes requests "
+                    "with EAGLE windows (--enable-eagle): no request matches them; turn --enable-eagle off unless "
+                    "every engine keys its cache by bigrams"
                 )
 
     def _engine_streams(self) -> Iterator[tuple[int, ZmqEngineStream]]:

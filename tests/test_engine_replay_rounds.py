@@ -4,7 +4,9 @@ A vLLM engine answers a replay from a ZMQ ROUTER socket, which drops replies sil
 receiver falls behind (its high-water mark; no error on either side): a long replay to a busy router
 loses batches in its middle, and at times its end marker. `replay_batches` returns every batch once,
 in order, with none missing between the first and the last, all from one engine process, or raises
-`ReplayError`. Here a replay ROUTER on loopback drops what each test says, as the engine's would.
+`ReplayError`, or `ReplayHoles` for seqs the buffer itself lacks (TensorRT-LLM numbers a batch, then
+may drop it): a seq missing right after the one a round was asked from, where no reply is dropped
+yet. Here a replay ROUTER on loopback drops what each test says, as the engine's would.
 """
 
 from __future__ import annotations
@@ -17,21 +19,27 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.engines.zmq_stream import END_SEQ, REPLAY_ROUNDS, ReplayError, replay_batches
+from router.engines.zmq_stream import END_SEQ, REPLAY_ROUNDS, ReplayError, ReplayHoles, replay_batches
 from router.event_plane.embedded_server import free_port
 
 pytestmark = pytest.mark.anyio
 
 BATCHES = {seq: b"batch %d" % seq for seq in range(10)}
-# (round, seq) -> whether the ROUTER drops that reply; seq END_SEQ is the end marker.
+# (round, seq) -> whether the ROUTER drops that reply; seq END_SEQ is the end marker. With
+# ``positional``: (round, the reply's position in its answer) instead.
 Drop = Callable[[int, int], bool]
 
 
 @contextlib.asynccontextmanager
 async def lossy_replay(
-    context: zmq.asyncio.Context, drop: Drop, restarted_after: int | None = None
+    context: zmq.asyncio.Context,
+    drop: Drop,
+    restarted_after: int | None = None,
+    *,
+    positional: bool = False,
+    buffered: dict[int, bytes] = BATCHES,
 ) -> AsyncIterator[tuple[str, list[int]]]:
-    """A replay ROUTER serving `BATCHES` as vLLM >= 0.26 does (``[identity, b"", topic, seq, payload]``),
+    """A replay ROUTER serving ``buffered`` as vLLM >= 0.26 does (``[identity, b"", topic, seq, payload]``),
     dropping what ``drop`` says (after round ``restarted_after``, another process's batches under the
     same seqs); yields its endpoint and the start of each request it was sent."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -45,9 +53,9 @@ async def lossy_replay(
             identity, _, start = await socket.recv_multipart()
             round_ = len(asked)
             asked.append(int.from_bytes(start, "big"))
-            for seq in [seq for seq in sorted(BATCHES) if seq >= asked[-1]] + [END_SEQ]:
-                if not drop(round_, seq):
-                    payload = BATCHES.get(seq, b"")
+            for position, seq in enumerate([seq for seq in sorted(buffered) if seq >= asked[-1]] + [END_SEQ]):
+                if not drop(round_, position if positional else seq):
+                    payload = buffered.get(seq, b"")
                     if restarted_after is not None and round_ > restarted_after and seq != END_SEQ:
                         payload = b"restarted " + payload
                     await socket.send_multipart([identity, b"", b"kv@engine", seq.to_bytes(8, "big"), payload])
@@ -85,11 +93,35 @@ async def test_a_dropped_end_marker_and_the_batches_before_it_are_asked_for_agai
     assert asked == [2, 7]
 
 
-async def test_a_batch_that_never_comes_is_an_error_not_a_hole(context: zmq.asyncio.Context) -> None:
+async def test_a_batch_missing_right_after_the_one_asked_from_is_the_buffers_own_hole(
+    context: zmq.asyncio.Context,
+) -> None:
     async with lossy_replay(context, lambda _, seq: seq == 5) as (endpoint, asked):
-        with pytest.raises(ReplayError, match="after seq 4 still missing"):
+        with pytest.raises(ReplayHoles) as holes:
             await replay_batches(context, endpoint, 0, timeout_s=2.0)
-    assert asked == [0] + [4] * (REPLAY_ROUNDS - 1)
+    assert holes.value.batches == [(seq, payload) for seq, payload in sorted(BATCHES.items()) if seq != 5]
+    assert holes.value.resumes == [6]
+    assert asked == [0, 4]  # confirmed by the second round: asked from 4, the next reply was 6
+
+
+async def test_replies_dropped_past_the_first_two_of_every_answer_are_an_error_not_a_hole(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A ROUTER's queue that fills in every answer drops replies after its first few: the batches exist,
+    so nothing is taken for a hole of the buffer (which would leave the rank unverified for good)."""
+    async with lossy_replay(context, lambda _, position: 2 <= position <= 7, positional=True) as (endpoint, asked):
+        with pytest.raises(ReplayError, match="still missing") as failed:
+            await replay_batches(context, endpoint, 0, timeout_s=2.0)
+    assert not isinstance(failed.value, ReplayHoles)
+    assert len(asked) == REPLAY_ROUNDS
+
+
+async def test_a_seq_far_past_the_others_is_an_error_not_a_hole(context: zmq.asyncio.Context) -> None:
+    far = {**BATCHES, 2**40: b"garbage numbered far ahead"}
+    async with lossy_replay(context, lambda _, seq: False, buffered=far) as (endpoint, _):
+        with pytest.raises(ReplayError, match="jumps from seq 9") as failed:
+            await replay_batches(context, endpoint, 8, timeout_s=2.0)
+    assert not isinstance(failed.value, ReplayHoles)
 
 
 async def test_an_engine_restarted_between_two_rounds_is_an_error_not_a_mix(context: zmq.asyncio.Context) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from indexer.engine_events import EngineEvent, event_tier, to_kv_event
+from indexer.engine_events import EngineEvent, EngineStored, event_tier, to_kv_event
 from indexer.events import RouterEvent, StorageTier, cleared_event
 from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
@@ -65,6 +65,7 @@ class SequencerSink:
         # False while the engine is known down (direct mode with a URL): its events are dropped.
         self.accepting = accepting
         self.dropped_events = 0
+        self.stores = 0  # stored events applied (the doctor sets them against the streams' EAGLE stores)
         self._last_id: dict[int, int] = {}
         self._tiers: dict[int, set[StorageTier]] = {}
 
@@ -94,6 +95,7 @@ class SequencerSink:
         for event in events:
             tier = event_tier(event)
             tiers.add(tier)
+            self.stores += isinstance(event, EngineStored)
             batch.append(RouterEvent(self.worker_id, to_kv_event(event, self._next_id(dp_rank), dp_rank), tier))
         self.router.sequencer.ingest(batch)
 

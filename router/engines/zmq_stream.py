@@ -55,6 +55,7 @@ payloads are counted by reason and logged rate-limited; nothing stops the stream
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import Counter, deque
@@ -141,14 +142,15 @@ class ReplayError(Exception):
 
 
 class ReplayHoles(ReplayError):
-    """Seqs the engine's buffer answered without, round after round: batches it numbered and never
-    buffered (TensorRT-LLM drops a batch on a full queue after taking its seq). ``batches`` is what did
-    come, in order: worth applying, with the rank marked unverified for what is missing."""
+    """Seqs the engine's buffer does not hold: batches it numbered and never buffered (TensorRT-LLM
+    drops a batch on a full queue after taking its seq). ``batches`` is what the buffer holds, in order,
+    worth applying; ``resumes`` the first seq after each hole, where what the stream holds stops being
+    complete."""
 
-    def __init__(self, message: str, batches: list[tuple[int, bytes]], missing: list[int]) -> None:
+    def __init__(self, message: str, batches: list[tuple[int, bytes]], resumes: list[int]) -> None:
         super().__init__(message)
         self.batches = batches
-        self.missing = missing
+        self.resumes = resumes
 
 
 # Rounds of one replay that ask again for batches the engine's ROUTER dropped (`replay_batches`).
@@ -182,6 +184,8 @@ async def replay_batches(
     round.
     """
     received: dict[int, bytes] = {}
+    # Seqs after which the buffer holds nothing up to the next batch it holds (first after -> that one).
+    confirmed: dict[int, int] = {}
     ask = start
     for round_ in range(REPLAY_ROUNDS):
         batches, ended = await _replay_round(context, endpoint, ask, timeout_s)
@@ -191,25 +195,44 @@ async def replay_batches(
         for seq, payload in batches:
             if received.setdefault(seq, payload) != payload:
                 raise ReplayError(f"{endpoint}'s replay of seq {seq} changed between two rounds")
+        if len(batches) >= 2 and batches[0][0] == ask and batches[1][0] > ask + 1:
+            # The answer's first two replies are never dropped (the ROUTER's queue is empty then): what
+            # lies between them is not in the buffer at all.
+            _confirm_hole(confirmed, ask, batches[1][0], endpoint)
         seqs = sorted(received)
-        hole = _first_hole(seqs)
+        hole = _first_hole(seqs, confirmed)
         if hole is None and ended:
-            return [(seq, received[seq]) for seq in seqs]
+            found = [(seq, received[seq]) for seq in seqs]
+            if confirmed:
+                raise ReplayHoles(f"{endpoint}'s replay buffer lacks seqs after {sorted(confirmed)}", found,
+                                  sorted(confirmed.values()))  # fmt: skip
+            return found
         # A hole, or the end marker dropped (later batches may have been too): asked again from the
         # batch before, which must come back the same.
         ask = hole - 1 if hole is not None else seqs[-1]
-    message = f"batches after seq {ask} still missing from {endpoint}'s replay after {REPLAY_ROUNDS} rounds"
-    if ended:  # every round reached the end marker: the holes are the buffer's own
-        missing = sorted(set(range(seqs[0], seqs[-1] + 1)) - set(seqs))
-        raise ReplayHoles(message, [(seq, received[seq]) for seq in seqs], missing)
-    raise ReplayError(message)
+    raise ReplayError(f"batches after seq {ask} still missing from {endpoint}'s replay after {REPLAY_ROUNDS} rounds")
 
 
-def _first_hole(seqs: list[int]) -> int | None:
-    """The first seq missing between the first and the last of ``seqs`` (sorted), if any."""
+# A hole the buffer keeps is a run of batches the engine dropped, no longer than its queue's worth; a
+# wider one is a seq no engine sent (garbage on the wire), not a loss to apply around.
+MAX_HOLE_SEQS = 100_000
+
+
+def _confirm_hole(confirmed: dict[int, int], before: int, after: int, endpoint: str) -> None:
+    if after - before - 1 > MAX_HOLE_SEQS:
+        raise ReplayError(f"{endpoint}'s replay jumps from seq {before} to {after}")
+    confirmed[before] = after
+
+
+def _first_hole(seqs: list[int], confirmed: dict[int, int] | None = None) -> int | None:
+    """The first seq missing between the first and the last of ``seqs`` (sorted), if any, but for the
+    holes ``confirmed`` (the buffer's own: the seq before them -> the one after)."""
     if not seqs or seqs[-1] - seqs[0] + 1 == len(seqs):
         return None
-    return next(seqs[0] + index for index, seq in enumerate(seqs) if seq != seqs[0] + index)
+    for before, after in itertools.pairwise(seqs):
+        if after != before + 1 and (confirmed is None or confirmed.get(before) != after):
+            return before + 1
+    return None
 
 
 async def _replay_round(
@@ -295,6 +318,7 @@ class ZmqEngineStream:
         # (seq, hash of the payload) of the batches a replay applied, in seq order, above the last live
         # seq: the SUB may still bring them, and only their payloads tell a duplicate from a new process.
         self._replayed: deque[tuple[int, int]] = deque()
+        self._hole_ends: set[int] = set()  # the seq after each hole the last replay found in the buffer
         self._ranks: set[int] = {dp_rank}
         # messages, applied, duplicate, dropped_queue_full, gap, replayed, replay_failed,
         # missing_history, restarts, unverified, rebuilds, tail_checks, tail_check_failed,
@@ -616,6 +640,10 @@ class ZmqEngineStream:
         return replayed.popleft()[1] != hash(payload)
 
     def _deliver_replayed(self, seq: int, payload: bytes) -> None:
+        if seq in self._hole_ends:
+            self._hole_ends.discard(seq)
+            self.stats["missing_history"] += 1
+            self._unverified(f"the engine's replay buffer lacks the batches before seq {seq} for good")
         self.stats["replayed"] += 1
         self._replayed.append((seq, hash(payload)))
         self._deliver(seq, payload)
@@ -624,11 +652,7 @@ class ZmqEngineStream:
         """Before the first live message: replay the engine's buffer, so a router (or bridge) that starts
         after its engine learns what the engine cached before, even if the engine is idle now."""
         try:
-            batches = await replay_batches(
-                self._context, self.replay_endpoint or "", 0, timeout_s=self._replay_timeout_s
-            )
-        except ReplayHoles as exc:
-            batches = self._with_holes(exc)
+            batches = await self._replay_from(0)
         except ReplayError as exc:
             log.info("engine at %s did not answer a replay at start (%s); live messages will", self.endpoint, exc)
             return
@@ -649,11 +673,7 @@ class ZmqEngineStream:
         last, applied = anchor if anchor is not None else (self._last_applied, self._last_payload)
         start = 0 if last is None else last
         try:
-            batches = await replay_batches(
-                self._context, self.replay_endpoint or "", start, timeout_s=self._replay_timeout_s
-            )
-        except ReplayHoles as exc:
-            batches = self._with_holes(exc)
+            batches = await self._replay_from(start)
         except ReplayError as exc:  # the engine is down, perhaps: the next message or check will tell
             self.stats["tail_check_failed"] += 1
             self._bad_input.warning("tail check failed", f"engine at {self.endpoint}: {exc}")
@@ -696,11 +716,7 @@ class ZmqEngineStream:
         applied = self._last_payload
         ask_from = start - 1 if applied is not None and start > 0 else start
         try:
-            batches = await replay_batches(
-                self._context, self.replay_endpoint, ask_from, timeout_s=self._replay_timeout_s
-            )
-        except ReplayHoles as exc:
-            batches = self._with_holes(exc)
+            batches = await self._replay_from(ask_from)
         except ReplayError as exc:
             self.stats["replay_failed"] += 1
             self._unverified(f"replay from seq {ask_from} failed: {exc}")
@@ -720,12 +736,19 @@ class ZmqEngineStream:
             if seq >= start and (last is None or seq > last):
                 self._deliver_replayed(seq, payload)
 
-    def _with_holes(self, holes: ReplayHoles) -> list[tuple[int, bytes]]:
-        """What a replay with holes brought, to apply; the loss counted and the ranks unverified."""
-        self.stats["missing_history"] += 1
-        shown = ", ".join(map(str, holes.missing[:5])) + (", ..." if len(holes.missing) > 5 else "")
-        self._unverified(f"the engine's replay buffer lacks seq {shown} for good")
-        return holes.batches
+    async def _replay_from(self, start: int) -> list[tuple[int, bytes]]:
+        """The engine's buffer from ``start`` (`replay_batches`). With holes it keeps for good, what it
+        holds, each hole's end noted: the ranks are marked unverified as the batch after it is applied,
+        not before (a clear replayed ahead of the hole would trust them again) and not for a hole
+        below what was already heard (no loss)."""
+        self._hole_ends = set()
+        try:
+            return await replay_batches(
+                self._context, self.replay_endpoint or "", start, timeout_s=self._replay_timeout_s
+            )
+        except ReplayHoles as exc:
+            self._hole_ends = set(exc.resumes)
+            return exc.batches
 
     def _unverified(self, reason: str) -> None:
         self.stats["unverified"] += 1
