@@ -599,3 +599,90 @@ def test_the_snapshot_pieces_read_back_in_order_whatever_the_chunk_size(pieces: 
         assert count == read_size or not reader.readinto(bytearray(1)), "only the last chunk is short"
         read += chunk[:count]
     assert read == b"".join(pieces)
+
+
+@pytest.mark.parametrize("purged_as_the_replay_sets_out", [False, True], ids=["plain-replay", "reloaded"])
+async def test_a_worker_restarted_while_the_router_was_down_keeps_nothing_of_its_old_process(
+    nc: Client, purged_as_the_replay_sets_out: bool
+) -> None:
+    """Worker 1's publisher restarted (a new epoch, nothing published yet) while b was down; the event
+    plane registers it between b's restore and its replay. Its old process's blocks must go, whether
+    the replay runs through or a peer's purge makes b load a snapshot again after that registration
+    (which restored the snapshot's old epoch: the old blocks stayed until the worker's next event)."""
+    workers = Workers(seed=13)
+    router_a, router_b = new_router(), new_router()
+    a, b = await started(router_a, nc, "a"), await started(router_b, nc, "b")
+    try:
+        await publish_as(nc, "first", [workers.event(1, 8) for _ in range(10)])
+        await applied_all(b, nc)
+        await applied_all(a, nc)
+        assert await b.write_snapshot()
+        await b.stop()
+        await publish_as(nc, "first", [workers.event(1, 8) for _ in range(5)])
+        await applied_all(a, nc)
+        assert await a.write_snapshot()
+
+        class PurgedAsTheReplaySetsOut(DurableEvents):
+            async def _follow(self, start: int) -> None:
+                if purged_as_the_replay_sets_out and start == 11:
+                    await self._js.purge_stream(self.subjects.events_stream, seq=a.snapshot_seq + 1)
+                await super()._follow(start)
+
+        router = new_router()
+        again = PurgedAsTheReplaySetsOut(router, nc, router_name="b", snapshot_every_events=10**9,
+                                         snapshot_every_s=3600.0)  # fmt: skip
+        await again.restore()
+        router.register_worker(WorkerConfig(worker_id=1, epoch="second"))  # the event plane's start
+        try:
+            await asyncio.wait_for(again.start(), 60)
+            await applied_all(again, nc)
+            assert again.outcomes.get("snapshot_purged_while_loading", 0) == int(purged_as_the_replay_sets_out)
+            assert router.sequencer.epochs().get(1) == "second"
+            assert not [row for row in index_of(router) if row[0] == 1]
+        finally:
+            await again.stop()
+    finally:
+        await a.stop()
+
+
+async def test_nats_out_of_reach_while_a_restart_replays_holds_the_restart_until_the_replay_is_done(
+    nats_on_disk: EmbeddedNats, nc: Client
+) -> None:
+    """NATS goes away just as the replay from the snapshot sets out, for a few seconds: the replay's
+    stall check cannot ask the stream, and waits (before: the failed ask ended the replay at once,
+    the router ready with its index behind and the gap check off)."""
+    workers = Workers(seed=5)
+    router_b = new_router()
+    b = await started(router_b, nc, "b")
+    await publish(nc, list(workers.events(10 * 64)))
+    await applied_all(b, nc)
+    assert await b.write_snapshot()
+    subjects = Subjects()
+    for event in workers.events(1500 * 8, per_event=8):
+        await nc.publish(subjects.events(event.worker_id), encode_router_events(event, msgpack=True))
+    await nc.flush()
+    await applied_all(b, nc)
+    await b.stop()
+    target = (await nc.jetstream().stream_info(subjects.events_stream)).state.last_seq
+
+    class NatsGoneAsTheReplaySetsOut(DurableEvents):
+        async def _follow(self, start: int) -> None:
+            await super()._follow(start)
+            await asyncio.to_thread(nats_on_disk.stop)
+
+    router = new_router()
+    again = NatsGoneAsTheReplaySetsOut(router, nc, router_name="b", snapshot_every_events=10**9,
+                                       snapshot_every_s=3600.0)  # fmt: skip
+    await again.restore()
+    starting = asyncio.ensure_future(again.start())
+    applied_when_ready: list[int] = []
+    starting.add_done_callback(lambda _: applied_when_ready.append(again.applied_seq))
+    try:
+        await asyncio.sleep(8.0)  # past a JetStream request's timeout (5 s), which the stall check's ask meets
+        await asyncio.to_thread(nats_on_disk.start)
+        await asyncio.wait_for(starting, 60)
+        assert applied_when_ready[0] >= target, "the restart said it was ready with its replay unfinished"
+        assert again.outcomes.get("snapshot_purged_while_loading", 0) == 0
+    finally:
+        starting.cancel()
+        await again.stop()

@@ -314,7 +314,16 @@ class DurableEvents:
             await self._unsubscribe()
             self.discard()
             await self._load()
+            self._observe_registered_epochs()
         self._background.keep_running("snapshots", self._snapshot_loop)
+
+    def _observe_registered_epochs(self) -> None:
+        """A snapshot loaded again restores its workers' publisher epochs, after the event plane has
+        registered the workers: one registered with another epoch (its publisher restarted) has the old
+        process's state dropped again, as its registration did after the first load."""
+        for worker in self.router.workers():
+            if worker.epoch is not None:
+                self.router.sequencer.observe_epoch(worker.worker_id, worker.epoch)
 
     async def _replay(self, reload_if_purged: bool) -> bool:
         """Follow the stream from the sequence after `applied_seq` and wait until it has been read up to
@@ -379,7 +388,10 @@ class DurableEvents:
             stalled = self.applied_seq == applied_before and subscription is not None and not subscription.pending_msgs
             applied_before = self.applied_seq
             if self._breaks_at_gap and stalled and not self._replay_ended.is_set():
-                state = (await self._js.stream_info(self.subjects.events_stream)).state
+                try:
+                    state = (await self._js.stream_info(self.subjects.events_stream)).state
+                except (NatsError, TimeoutError, OSError):  # NATS out of reach a moment: the replay goes on after it
+                    continue
                 if state.first_seq > self.applied_seq + 1:
                     self._break_replay()
 
@@ -726,6 +738,8 @@ class DurableEvents:
         bucket = self.subjects.snapshot_bucket
         stream = object_stream(bucket)
         named = {entry.nuid for entry in entries if not entry.deleted}
+        if not named:  # our own snapshot's meta was just written: a listing without it is no listing
+            return
         listed = (await self._js.stream_info(stream, subjects_filter=object_chunk_subject(bucket, "*"))).state
         unnamed = {
             subject: chunks
