@@ -346,7 +346,7 @@ def _converted(
     for position, raw in enumerate(raw_events):
         try:
             decoded = _decode_event(raw) if isinstance(raw, msgspec.Raw) else raw
-            event = _engine_event(decoded, block_size, cache_namespace, salts, side_groups)
+            event, bigrams = _engine_event(decoded, block_size, cache_namespace, salts, side_groups)
         except EngineDecodeError as exc:
             errors.append(EngineDecodeError(exc.reason, f"event {position}: {exc.detail}"))
             continue
@@ -354,18 +354,8 @@ def _converted(
             ignored += 1
         else:
             events.append(event)
-            eagle += isinstance(event, EngineStored) and _nested(decoded.token_ids)
+            eagle += bigrams
     return DecodedBatch(ts, dp_rank, events, errors, ignored, eagle)
-
-
-def _nested(token_ids: msgspec.Raw) -> bool:
-    """Whether a msgpack array's first element is an array (EAGLE's bigrams), from its bytes."""
-    data = memoryview(token_ids)
-    if not data:
-        return False
-    head = data[0]
-    offset = 1 if 0x90 <= head <= 0x9F else 3 if head == 0xDC else 5 if head == 0xDD else None
-    return offset is not None and len(data) > offset and _is_array(data[offset])
 
 
 def _is_map(head: int) -> bool:
@@ -405,30 +395,31 @@ def _engine_event(
     cache_namespace: str | None,
     salts: dict[int, str] | None,
     side_groups: set[int] | None,
-) -> EngineEvent | None:
+) -> tuple[EngineEvent | None, bool]:
+    """The event (None: ignored) and whether it is a store whose token ids came as EAGLE bigrams."""
     if isinstance(event, _CLEARED):
         if salts:
             salts.clear()
-        return EngineCleared()
+        return EngineCleared(), False
     if isinstance(event, _REMOVED):
         if side_groups and event.group_idx in side_groups:
-            return None  # a side group's copy evicted: main attention still holds the block
+            return None, False  # a side group's copy evicted: main attention still holds the block
         removed = EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium))
         if salts:
             for block_hash in removed.block_hashes:
                 salts.pop(block_hash, None)
-        return removed
+        return removed, False
     kind = event.kv_cache_spec_kind
     if kind is not None and kind not in _MAIN_ATTENTION:
         if side_groups is not None and event.group_idx is not None:
             side_groups.add(event.group_idx)
-        return None
+        return None, False
     return _stored(event, block_size, cache_namespace, salts)
 
 
 def _stored(
     event: _StoredMap | _StoredArray, block_size: int, cache_namespace: str | None, salts: dict[int, str] | None
-) -> EngineStored:
+) -> tuple[EngineStored, bool]:
     hashes = _fold_all(event.block_hashes)
     engine_block_size = event.block_size if event.block_size is not None else block_size
     if engine_block_size != block_size:
@@ -465,7 +456,7 @@ def _stored(
         raise EngineDecodeError("repeated_hash", "a store repeats a block hash (or its parent's)")
     if salt is not None and salts is not None:
         salts.update(dict.fromkeys(hashes, salt))
-    return EngineStored(parent, hashes, locals_, storage_tier(event.medium), block_size)
+    return EngineStored(parent, hashes, locals_, storage_tier(event.medium), block_size), eagle
 
 
 def stored_block_size(payload: bytes | memoryview) -> int | None:
