@@ -22,8 +22,6 @@ from api.plane_lifecycle import PlaneLifecycle
 __all__ = ["HaCollector"]
 
 LAG_QUANTILES = (0.5, 0.9, 0.99)
-SYNC_OUTCOMES = ("published", "applied", "gap", "repaired")
-DURABLE_OUTCOMES = ("stream_messages", "snapshots", "restored_events")
 
 
 class HaCollector(Collector):
@@ -37,8 +35,7 @@ class HaCollector(Collector):
         changes, peers, lag, durable_outcomes, sequence = families = self._families()
         replicas = self._lifecycle.replicas
         if replicas is not None:
-            # Present from the start, at 0: a counter first seen at 1 reads as no increase to Prometheus.
-            for outcome, count in sorted({**dict.fromkeys(SYNC_OUTCOMES, 0), **replicas.outcomes}.items()):
+            for outcome, count in sorted(replicas.outcomes.items()):
                 changes.add_metric([outcome], count)
             peers.add_metric([], len(replicas.peers))
             samples = sorted(replicas.lag_s)
@@ -47,7 +44,7 @@ class HaCollector(Collector):
                 lag.add_metric([str(quantile)], value)
         durable = self._lifecycle.durable
         if durable is not None:
-            for outcome, count in sorted({**dict.fromkeys(DURABLE_OUTCOMES, 0), **durable.outcomes}.items()):
+            for outcome, count in sorted(durable.outcomes.items()):
                 durable_outcomes.add_metric([outcome], count)
             sequence.add_metric(["applied"], durable.applied_seq)
             sequence.add_metric(["snapshot"], durable.snapshot_seq)

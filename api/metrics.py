@@ -519,9 +519,6 @@ class EventStreamCollector(Collector):
         ]
 
 
-ALERTED_PLANE_OUTCOMES = ("registered", "removed", "expired", "reconnects")
-
-
 class EventPlaneCollector(Collector):
     """The NATS event plane's connection state and control counters, read when ``/metrics`` is scraped."""
 
@@ -536,10 +533,7 @@ class EventPlaneCollector(Collector):
         plane = lifecycle.plane
         control, resyncs, connected, state, disconnects = families = self._families()
         if plane is not None:
-            # The outcomes alerts read are present from the start, at 0: a series first seen at 1 reads as
-            # no increase to Prometheus, and the first expiry or reconnect after a start would be missed.
-            outcomes = {**dict.fromkeys(ALERTED_PLANE_OUTCOMES, 0), **plane.outcomes}
-            for outcome, count in sorted(outcomes.items()):
+            for outcome, count in sorted(plane.outcomes.items()):
                 control.add_metric([outcome], count)
         resyncs.add_metric([], plane.subscriber.resyncs_in_flight if plane is not None else 0)
         connected.add_metric([], 1.0 if lifecycle.state == "connected" else 0.0)

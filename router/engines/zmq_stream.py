@@ -224,13 +224,13 @@ def _confirm_hole(confirmed: dict[int, int], before: int, after: int, endpoint: 
     confirmed[before] = after
 
 
-def _first_hole(seqs: list[int], confirmed: dict[int, int] | None = None) -> int | None:
+def _first_hole(seqs: list[int], confirmed: dict[int, int]) -> int | None:
     """The first seq missing between the first and the last of ``seqs`` (sorted), if any, but for the
     holes ``confirmed`` (the buffer's own: the seq before them -> the one after)."""
     if not seqs or seqs[-1] - seqs[0] + 1 == len(seqs):
         return None
     for before, after in itertools.pairwise(seqs):
-        if after != before + 1 and (confirmed is None or confirmed.get(before) != after):
+        if after != before + 1 and confirmed.get(before) != after:
             return before + 1
     return None
 

@@ -73,7 +73,9 @@ class RouterEventPlane:
             nc, self.sequencer, namespace=namespace, resync_timeout_s=resync_timeout_s, subscribe=subscribe_events
         )
         # Outcome -> count for load, heartbeat and registry messages (events count in the sequencer).
-        self.outcomes: Counter[str] = Counter()
+        # Present from the start, at 0 (a counter first seen at 1 reads as no increase to Prometheus):
+        # what the alerts read.
+        self.outcomes: Counter[str] = Counter(dict.fromkeys(("registered", "reconnects", "expired"), 0))
         self._leased: dict[int, float] = {}  # heartbeat-leased worker -> last sign of life
         self._registry: KeyValue | None = None
         self._subscriptions: list[Subscription] = []

@@ -254,7 +254,9 @@ class DurableEvents:
         self._background = Supervisor("durable-events")
         self._bad_input = RateLimitedLog(log)
         # Outcome -> count: stream_messages, snapshots, snapshot_bytes, purged, restored_events, ...
-        self.outcomes: dict[str, int] = {}
+        # What alerts and panels read is present from the start, at 0 (a counter first seen at 1 reads as
+        # no increase to Prometheus).
+        self.outcomes: dict[str, int] = dict.fromkeys(("stream_messages", "snapshots", "restored_events"), 0)
 
     # ------------------------------------------------------------------ lifecycle
     async def restore(self) -> None:
@@ -380,6 +382,9 @@ class DurableEvents:
         stream's end shows no gap, no later message comes: so a replay that may break and applied
         nothing for ``REPLAY_STALL_CHECK_S``, with nothing queued, breaks when the stream now starts
         past what it applied."""
+        if not self._breaks_at_gap:
+            await self._replay_ended.wait()
+            return
         applied_before = self.applied_seq
         while not self._replay_ended.is_set():
             with contextlib.suppress(TimeoutError):
@@ -387,7 +392,7 @@ class DurableEvents:
             subscription = self._subscription
             stalled = self.applied_seq == applied_before and subscription is not None and not subscription.pending_msgs
             applied_before = self.applied_seq
-            if self._breaks_at_gap and stalled and not self._replay_ended.is_set():
+            if stalled and not self._replay_ended.is_set():
                 try:
                     state = (await self._js.stream_info(self.subjects.events_stream)).state
                 except (NatsError, TimeoutError, OSError):  # NATS out of reach a moment: the replay goes on after it

@@ -144,7 +144,8 @@ class ReplicaSync:
         self._background = Supervisor("replica-sync")
         self._bad_input = RateLimitedLog(log)
         # Outcome -> count: published, applied, duplicate, gap, repaired, peer_expired, rejected_<reason>, ...
-        self.outcomes: Counter[str] = Counter()
+        # Present from the start, at 0: a counter first seen at 1 reads as no increase to Prometheus.
+        self.outcomes: Counter[str] = Counter(dict.fromkeys(("published", "applied", "gap", "repaired"), 0))
         self.lag_s: deque[float] = deque(maxlen=LAG_SAMPLES)
 
     # ------------------------------------------------------------------ lifecycle
