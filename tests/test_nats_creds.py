@@ -173,9 +173,15 @@ def test_absent_or_malformed_creds_are_one_line_and_exit_code_2(operator_nats: O
 
 
 def test_creds_the_server_refuses_are_named(operator_nats: OperatorNats, tmp_path: Path) -> None:
-    done = _run("mock-worker", "--nats-url", operator_nats.url, "--nats-creds-file", str(operator_nats.foreign_creds))
+    # Refused credentials are not waited out: waiting cannot change the server's answer (a wait longer
+    # than _run's 60 s timeout would fail here).
+    done = _run(
+        "mock-worker", "--nats-url", operator_nats.url, "--nats-creds-file", str(operator_nats.foreign_creds),
+        "--nats-wait-secs", "600",
+    )  # fmt: skip
     stderr = done.stderr.decode()
     assert done.returncode == 2 and "refused the credentials" in stderr and "Traceback" not in stderr
+    assert "after 600 s" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
     # The service keeps HTTP up, not ready, and says on each retry that the credentials were refused.
     # Up is /healthz: never ready, it is not waited for on /readyz.

@@ -68,6 +68,9 @@ class LocalToolConnection:
             except (OSError, TimeoutError, NatsError) as exc:
                 error: BaseException = exc
             now = time.monotonic()
+            if self._given_credentials() and is_authorization_error(error):
+                # The server answered and refused what the user gave: waiting cannot change that.
+                raise FirstConnectionError(self._explain(options, error, waited=False))
             if now >= deadline:
                 raise FirstConnectionError(self._explain(options, error))
             if now >= next_progress:
@@ -91,8 +94,13 @@ class LocalToolConnection:
             return "it needs a token and no kv-router serve of this user has written its connection file yet"
         return _reason(error)
 
-    def _explain(self, options: NatsOptions, error: BaseException) -> str:
-        where = f"cannot connect to NATS at {options.url} after {self.wait_s:.0f} s ({_reason(error)})"
+    def _given_credentials(self) -> bool:
+        """The user gave credentials (not found in a service's connection file)."""
+        return bool(self.options.token or self.options.user or self.options.creds_file)
+
+    def _explain(self, options: NatsOptions, error: BaseException, *, waited: bool = True) -> str:
+        after = f" after {self.wait_s:.0f} s" if waited else ""
+        where = f"cannot connect to NATS at {options.url}{after} ({_reason(error)})"
         found = options.token is not None and self.options.token is None
         directory = runtime_directory()
         files = f"in {directory}" if directory is not None else "(this user has no connection-file directory)"
@@ -102,7 +110,7 @@ class LocalToolConnection:
                     "the server refused the token of the kv-router serve's connection file: that service has "
                     "restarted or stopped; start the tool again"
                 )
-            elif self.options.token or self.options.user or self.options.creds_file:
+            elif self._given_credentials():
                 cause = "the server refused the credentials given"
             else:
                 cause = (
