@@ -28,6 +28,7 @@ def start_worker(log_dir: Path, nats_url: str, worker_id: int, http_port: int) -
     )  # fmt: skip
 
 
+@pytest.mark.slow
 async def test_a_worker_killed_mid_run_loses_no_booking_and_the_proxy_keeps_serving(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:

@@ -107,6 +107,7 @@ def _complete(router: RouterProcess, prompt: str) -> tuple[str, int]:
 PROMPT = "a shared system prompt that is long enough to fill a few blocks of sixteen tokens " * 3
 
 
+@pytest.mark.slow
 def test_direct_mode_registers_the_engine_url_and_follows_its_health(tmp_path: Path) -> None:
     with EmbeddedNats() as nats:
         engine = EngineProcess(tmp_path, nats.url, 1).start()
@@ -162,6 +163,7 @@ def bridge_process(log_dir: Path, engine: EngineProcess, nats_url: str, *args: s
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_engine_is_down(
     tmp_path: Path,
 ) -> None:
@@ -219,6 +221,7 @@ def test_the_bridge_registers_the_engine_url_and_withdraws_the_worker_while_its_
             side.close()
 
 
+@pytest.mark.slow
 def test_an_http_registration_keeps_its_url_and_models_through_the_bridge_heartbeats(tmp_path: Path) -> None:
     with EmbeddedNats() as nats:
         engine = EngineProcess(tmp_path, nats.url, 2).start()
@@ -393,6 +396,7 @@ def _routed_to(router: RouterProcess) -> str:
         client.close()
 
 
+@pytest.mark.slow
 def test_a_direct_mode_engine_behind_the_proxy_is_probed_once(tmp_path: Path) -> None:
     from tests.engine_fakes import EngineHttp, SideLoop
 

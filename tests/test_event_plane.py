@@ -142,6 +142,7 @@ async def test_static_registration_through_the_registry_and_bad_input(client: Cl
     await plane.stop()
 
 
+@pytest.mark.slow
 async def test_nats_restart_keeps_registry_watch_heartbeats_and_events(nats_server: EmbeddedNats) -> None:
     router_nc = await connect(NatsOptions(nats_server.url))
     plane_holder: list[RouterEventPlane] = []

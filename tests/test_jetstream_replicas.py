@@ -104,6 +104,7 @@ async def all_current(js: JetStreamContext, names: list[str]) -> bool:
     return True
 
 
+@pytest.mark.slow
 async def test_three_copies_survive_the_loss_of_the_server_leading_the_registry(tmp_path: Path) -> None:
     subjects = Subjects("default")
     streams = [

@@ -279,6 +279,7 @@ def test_replay_capacity_takes_a_given_slo_and_refuses_half_of_one(
 
 # ---------------------------------------------------------------------- online
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_online_capacity_runs_each_point_on_a_fresh_fleet_and_agrees_with_the_simulation(tmp_path: Path) -> None:
     trace_path = write_trace(tmp_path / "trace.jsonl")
     out = tmp_path / "online"

@@ -52,6 +52,7 @@ def start_worker(log_dir: Path, nats_url: str, worker_id: int) -> ToolProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predicts(
     nats_server: EmbeddedNats, router_url: str, tmp_path: Path
 ) -> None:
@@ -118,6 +119,7 @@ async def test_waiting_for_workers_gives_up_with_a_clear_error(router_url: str) 
             await wait_for_workers(http, 1, timeout_s=0.3)
 
 
+@pytest.mark.slow
 async def test_the_demo_runs_the_whole_fleet_in_one_process(capsys: pytest.CaptureFixture[str]) -> None:
     online, offline = await run_demo(DemoOptions(workers=2, requests=60, show_progress=False))
     printed = capsys.readouterr().out

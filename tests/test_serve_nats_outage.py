@@ -28,6 +28,7 @@ def serve(log_dir: Path, *flags: str, own_group: bool = False, env: dict[str, st
     )
 
 
+@pytest.mark.slow
 def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_nats_arrives(tmp_path: Path) -> None:
     nats_port = free_port()
     url = f"nats://127.0.0.1:{nats_port}"
