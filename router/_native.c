@@ -610,6 +610,12 @@ static int credit_tokens(double credit, long long tokens, long long *out) {
     return 1;
 }
 
+/* Python's -(-a // b) for b > 0: the ceiling of a / b, for negative a too. */
+static long long ceil_div(long long a, long long b) {
+    long long q = a / b;
+    return (a % b != 0 && a > 0) ? q + 1 : q;
+}
+
 /* One rank's latency cost and the prompt tokens it holds (router/policies/latency.py,
  * `python_costs_and_held`, is the spec: the same float operations in the same order): 1 done,
  * 0 fall back, -1 error. */
@@ -659,7 +665,7 @@ static int latency_rank(PyObject *rank, PyObject *overlaps, PyObject *depths, Py
         cached = inflight;
     long long miss = isl - cached > 0 ? isl - cached : 0;
     double prefill_scale = w[1], extra_miss_weight = w[2], stall_weight = w[3], itl_stall_weight = w[4];
-    double decode_weight = w[5], others_weight = w[6];
+    double decode_weight = w[5], others_weight = w[6], pass_base = w[7];
     double stalled = stall_weight * (double)requests;
     if (itl_stall_weight != 0.0) {
         double inverse_output;
@@ -676,7 +682,18 @@ static int latency_rank(PyObject *rank, PyObject *overlaps, PyObject *depths, Py
         double shorter = (double)default_output * inverse_output + (double)untold;
         stalled += itl_stall_weight * shorter;
     }
-    *cost = prefill_scale * ((double)queued + (1.0 + extra_miss_weight * fill + stalled) * (double)miss) +
+    long long waited = 0, added = 0;
+    if (pass_base != 0.0 && budget > 0) {
+        /* The passes until its prefill is done, and those it adds to the rank's queue (a full hit still
+         * computes a token). */
+        long long own = miss > 1 ? miss : 1;
+        if (queued > COST_INT_LIMIT - own)
+            return 0;
+        waited = ceil_div(queued + own, budget);
+        added = waited - ceil_div(queued, budget);
+    }
+    *cost = prefill_scale * ((double)queued + (1.0 + extra_miss_weight * fill + stalled) * (double)miss +
+                             pass_base * ((double)waited + (double)added * stalled)) +
             decode_weight * ((double)context + others_weight * (double)isl * (double)requests);
     return 1;
 status:
@@ -688,11 +705,11 @@ error:
 }
 
 static PyObject *py_latency_costs(PyObject *self, PyObject *args) {
-    PyObject *ranks, *overlaps, *depths, *fills, *pass_tokens, *ints[3], *weights[7];
+    PyObject *ranks, *overlaps, *depths, *fills, *pass_tokens, *ints[3], *weights[8];
     int track_prefill;
-    if (!PyArg_ParseTuple(args, "OOOOOOOpOOOOOOOO", &ranks, &overlaps, &depths, &fills, &pass_tokens, &ints[0],
+    if (!PyArg_ParseTuple(args, "OOOOOOOpOOOOOOOOO", &ranks, &overlaps, &depths, &fills, &pass_tokens, &ints[0],
                           &ints[1], &track_prefill, &ints[2], &weights[0], &weights[1], &weights[2], &weights[3],
-                          &weights[4], &weights[5], &weights[6]))
+                          &weights[4], &weights[5], &weights[6], &weights[7]))
         return NULL;
     /* Exact dicts only (a subclass may answer lookups otherwise), bounded ints, finite floats. */
     if (!PyDict_CheckExact(overlaps) || !PyDict_CheckExact(depths) || !PyDict_CheckExact(pass_tokens) ||
@@ -707,8 +724,8 @@ static PyObject *py_latency_costs(PyObject *self, PyObject *args) {
             Py_RETURN_NONE;
     }
     long long isl = values[0], block_size = values[1], default_output = values[2];
-    double w[7];
-    for (int i = 0; i < 7; i++)
+    double w[8];
+    for (int i = 0; i < 8; i++)
         if (!exact_float(weights[i], &w[i]) || !isfinite(w[i]))
             Py_RETURN_NONE;
     if (block_size <= 0)
@@ -785,7 +802,8 @@ static PyMethodDef native_methods[] = {
      "disk_weight, scale, request_weight, multipliers) -> list[float] | None: the dynamo policy's costs."},
     {"latency_costs", py_latency_costs, METH_VARARGS,
      "latency_costs(ranks, overlaps, depths, fills, pass_tokens, isl, block_size, track_prefill, default_output, "
-     "credit, prefill_scale, extra_miss_weight, stall_weight, itl_stall_weight, decode_weight, others_weight) -> "
+     "credit, prefill_scale, extra_miss_weight, stall_weight, itl_stall_weight, decode_weight, others_weight, "
+     "pass_base) -> "
      "(costs, held) | None: the latency policy's costs before taint multipliers, and the tokens each rank holds."},
     {"lowest_cost", py_lowest_cost, METH_O,
      "lowest_cost(costs) -> (index, ties) | None: the first lowest cost's index and how many share it."},

@@ -50,6 +50,7 @@ def latency_costs(
     itl_stall_weight: float,
     decode_weight: float,
     decode_others_weight: float,
+    pass_base_tokens: float,
     /,
 ) -> tuple[list[float], list[int]] | None: ...
 def lowest_cost(costs: list[float], /) -> tuple[int, int] | None: ...

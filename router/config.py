@@ -249,6 +249,18 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "latency_default_output_tokens over that request's expected output length (0: off)"
         ),
     ] = 0.0
+    # Ours: an engine pass that runs prefill costs a fixed time beside its tokens' (Dynamo's mocker fit:
+    # 16.5 ms, the time of about 1,090 prefill tokens). A request pays it in its TTFT for every pass until
+    # its prefill is done, and each pass it adds to a rank's queue stalls every request decoding there; one
+    # that fits in the passes the rank has queued anyway adds none.
+    latency_pass_base_tokens: Annotated[
+        float,
+        _doc(
+            "latency policy: fixed cost of one engine pass that runs prefill, in prefill tokens: to the request "
+            "for each pass until its prefill is done, to each request decoding on the rank for each pass it adds "
+            "(ranks that give max_num_batched_tokens; 0: off)"
+        ),
+    ] = 2000.0
     latency_default_output_tokens: Annotated[
         int,
         _doc("latency policy: output length, in tokens, assumed for a request that does not give one"),
@@ -430,6 +442,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "latency_decode_load_weight",
             "latency_decode_others_weight",
             "latency_itl_stall_weight",
+            "latency_pass_base_tokens",
             "latency_hit_margin",
             "router_ttl_secs",
         ):

@@ -209,7 +209,7 @@ def test_the_dynamo_costs_leave_what_they_were_not_written_for_to_python() -> No
     block_size=st.sampled_from([1, 16, 64]),
     track_prefill=st.booleans(),
     credit=weights,
-    weighed=st.tuples(weights, weights, weights, weights, st.floats(0.0, 0.01), weights),
+    weighed=st.tuples(weights, weights, weights, weights, st.floats(0.0, 0.01), weights, st.floats(0.0, 5_000.0)),
     default_output=st.integers(1, 2_000),
     with_fills=st.booleans(),
 )
@@ -220,12 +220,12 @@ def test_the_latency_costs_are_python_s_bit_for_bit(
     block_size: int,
     track_prefill: bool,
     credit: float,
-    weighed: tuple[float, float, float, float, float, float],
+    weighed: tuple[float, float, float, float, float, float, float],
     default_output: int,
     with_fills: bool,
 ) -> None:
-    """Costs and held tokens, with and without credit, fills, pass budgets and the ITL stall term; the
-    policy's own `costs` (C when built) equal to them too."""
+    """Costs and held tokens, with and without credit, fills, pass budgets, the passes a prefill adds and
+    the ITL stall term; the policy's own `costs` (C when built) equal to them too."""
     states = _rank_states(data, ranks)
     overlaps = {
         rank.key: RankOverlap(0, 0, 0, 0.0, data.draw(st.integers(0, isl + 40)))
@@ -235,7 +235,7 @@ def test_the_latency_costs_are_python_s_bit_for_bit(
     depths = {rank: data.draw(st.integers(0, 2_000)) for rank in states if data.draw(st.booleans())}
     fills = {rank.key: data.draw(st.floats(0.0, 1.0)) for rank in states if data.draw(st.booleans())}
     pass_tokens = {rank.key: data.draw(st.integers(1, 50_000)) for rank in states if data.draw(st.booleans())}
-    scale, miss, stall, itl_stall, decode, others = weighed
+    scale, miss, stall, itl_stall, decode, others, pass_base = weighed
     config = RouterConfig(
         block_size=block_size,
         router_track_prefill_tokens=track_prefill,
@@ -247,6 +247,7 @@ def test_the_latency_costs_are_python_s_bit_for_bit(
         latency_decode_weight=decode,
         latency_decode_others_weight=others,
         latency_default_output_tokens=default_output,
+        latency_pass_base_tokens=pass_base,
     )
     context = SelectionContext(
         isl_tokens=isl,
@@ -273,7 +274,7 @@ def test_the_latency_costs_are_python_s_bit_for_bit(
 
 def test_the_latency_costs_leave_what_they_were_not_written_for_to_python() -> None:
     rank = RankState((1, 0))
-    weights = CostWeights(1.0, 1.0, 5.0, 0.2, 0.0, 0.5, 1.0)
+    weights = CostWeights(1.0, 1.0, 5.0, 0.2, 0.0, 0.5, 1.0, 0.0)
     args = ({}, {}, None, {}, 64, 16, True, 256)
     assert native.latency_costs([rank], *args, *weights) == ([0.5 * 0.0 + 64.0 * 6.0 + 0.0], [0])
     rank.context_tokens = 2**60  # past what a double holds exactly in a sum

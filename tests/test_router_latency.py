@@ -57,6 +57,7 @@ KNOBS = {
     "latency_decode_weight": 0.01,
     "latency_decode_others_weight": 0.0,
     "latency_decode_per_token": False,
+    "latency_pass_base_tokens": 0.0,  # its own test below
 }
 
 
@@ -213,6 +214,41 @@ def test_a_prefix_in_flight_counts_only_behind_a_pass_of_queued_prefill() -> Non
     assert costs(route(router, QUERY, expected_output_tokens=10))[X] == pytest.approx(64 + 2.5 * 64 + 0.1 * 64)
 
 
+def test_a_prefill_pass_costs_its_fixed_time_to_the_request_and_each_pass_it_adds_to_the_decoders_there() -> None:
+    def fleet(base: float) -> KvRouter:
+        router = KvRouter(
+            RouterConfig(block_size=BS, policy="latency", **{**KNOBS, "latency_pass_base_tokens": base}),  # type: ignore[arg-type]
+            rng=random.Random(0),
+        )
+        for worker in (X, Y):
+            router.register_worker(WorkerConfig(worker_id=worker, max_num_batched_tokens=256))
+        book_on(router, X, "prefilling", list(range(5000, 5064)))  # 64 tokens queued: a pass under way
+        book_on(router, Y, "decoding", list(range(7000, 7064)))
+        assert router.mark_prefill("decoding")  # Y runs decode steps only
+        return router
+
+    # X: QUERY's 128 tokens fit in the pass X runs anyway: one pass waited for, none added.
+    # Y: a pass of its own, waited for by QUERY and stalling Y's decoding request (stall weight 0.5).
+    decision = route(fleet(200.0), QUERY, expected_output_tokens=10)
+    assert costs(decision) == {
+        X: pytest.approx(64 + 2.5 * 128 + 200.0 * 1 + 0.1 * 64),
+        Y: pytest.approx(2.5 * 128 + 200.0 * (1 + 1 * 0.5) + 0.1 * 64),
+    }
+    assert decision.worker_id == X
+    # Without the pass term Y, with nothing queued, is cheaper.
+    assert route(fleet(0.0), QUERY, expected_output_tokens=10).worker_id == Y
+    # A queue that fills its pass: QUERY waits for two passes on X and adds one.
+    router = fleet(200.0)
+    book_on(router, X, "more", list(range(6000, 6192)))
+    assert costs(route(router, QUERY, expected_output_tokens=10))[X] == pytest.approx(
+        256 + (2 + 0.5 * 2) * 128 + 200.0 * (2 + 1 * 0.5 * 2) + 0.1 * 256
+    )
+    # A full hit still computes a token: one pass of its own on Y, which holds the whole prompt.
+    router = fleet(200.0)
+    router.apply_event(prompt_stored_event(Y, QUERY, BS, blocks=8))
+    assert costs(route(router, QUERY, expected_output_tokens=10))[Y] == pytest.approx(200.0 * 1.5 + 0.1 * 64)
+
+
 @pytest.mark.parametrize(("busy_tokens", "margin", "chosen"), [(96, 0.05, X), (96, 0.0, Y), (112, 0.05, Y)])
 def test_a_near_tie_goes_to_the_rank_holding_more_of_the_prompt(busy_tokens: int, margin: float, chosen: int) -> None:
     router = router_with(latency_hit_margin=margin, **KNOBS)
@@ -305,6 +341,7 @@ def test_without_the_decode_side_it_is_cache_affinity_without_its_decode_term(
         "latency_decode_load_weight",
         "latency_decode_others_weight",
         "latency_itl_stall_weight",
+        "latency_pass_base_tokens",
         "latency_default_output_tokens",
         "latency_hit_margin",
     ],

@@ -5,13 +5,20 @@ Every term is in prefill tokens, a proxy for time on a homogeneous fleet::
 
     cost(w) = p * (A_p(w) + m(w) * miss(w)     its time to first token: queued prefill, then its own
             + s * miss(w) * R(w)               its prefill stalls the R(w) requests decoding on w
-            + u * miss(w) * S(w))              ... and the more so those with short answers (u 0: off)
+            + u * miss(w) * S(w)               ... and the more so those with short answers (u 0: off)
+            + b * (N(w) + n(w) * (s * R(w) + u * S(w))))  a pass's fixed time: to it, each pass until
+                                               its prefill is done; to each request decoding on w, each
+                                               pass its prefill adds to w's queue
             + d * osl * (K(w) + e * isl * R(w))  each of its output tokens slowed by w's context in
                                                flight, and each of theirs by its own (e 0: off)
 
     d       = d0 + d_load * mean R             the fleet's load raises the decode weight (d_load 0: fixed)
 
     m(w)    = 1 + (m - 1) * fill(w)            a miss costs more than its time only when storing it evicts
+
+    N(w)    = ceil((A_p(w) + max(miss(w), 1)) / P(w)),   n(w) = N(w) - ceil(A_p(w) / P(w))
+                                               with P(w) w's pass budget (``max_num_batched_tokens``);
+                                               both 0 where w did not say it
 
 Dynamo's cost knobs weigh the same parts here, so that a request's `RouterConfigOverride`, the proxy's
 pooling requests and the disaggregated decode pool without overlap credit work under either policy:
@@ -37,21 +44,27 @@ worker that did not say how many it has, the mean of the candidates that did; 1 
 Lowest cost wins (a near-tie to the rank holding more of the prompt, below), exact ties uniformly at
 random.
 
-Why these terms: an engine pass runs the scheduled prefill chunks and one decode step for every
-running sequence, so each prefill token placed on w delays each of w's running requests by about one
-prefill token's time (``s`` = 1 is that cost); and a decode step's duration grows with the KV it reads,
-so each output token of a request on w costs in proportion to w's context (``d`` = 0.0034 is the ratio
-of the per-context-token decode cost to the per-token prefill cost for an engine whose step grows by
-54 ms over a 1 M-token pool and which prefills a token in 0.015 ms, Dynamo's mocker fit). On a full
-cache a miss costs ``m`` > 1 times its tokens because storing it evicts blocks a repeat of some prompt
-would have reused; on a cache with room it costs only its time, so a hot prefix is copied to another
-rank rather than queued behind its holder.
+Why these terms: an engine pass runs the scheduled prefill chunks and one decode step for every running
+sequence, so each prefill token placed on w delays each of w's running requests by about one prefill
+token's time (``s`` = 1 is that cost); and a decode step's duration grows with the KV it reads, so each
+output token of a request on w costs in proportion to w's context (``d`` = 0.0034 is the ratio of the
+per-context-token decode cost to the per-token prefill cost for an engine whose step grows by 54 ms over
+a 1 M-token pool and which prefills a token in 0.015 ms, Dynamo's mocker fit). A pass that runs prefill
+also costs a fixed time beside its tokens' (``b`` = 1,087 tokens is Dynamo's mocker fit, 16.5 ms at
+0.0152 ms a token): a request waits for it in every pass until its prefill is done, and each pass it
+adds to w's queue stalls every request decoding on w once more, while one whose prefill fits in the
+passes already queued there adds none (a full hit still computes its last token). Pricing it gathers the
+prefills that arrive together, a burst above all, into fewer passes on fewer ranks, where spreading them
+would stall the decoders of every rank once each. On a full cache a miss costs ``m`` > 1 times its
+tokens because storing it evicts blocks a repeat of some prompt would have reused; on a cache with room
+it costs only its time, so a hot prefix is copied to another rank rather than queued behind its holder.
 
-The defaults are m = 6, s = 0.2, d = 0.0012, e = 1 and the decode side per token (below), s and d well
-below those physical ratios: the physical weights minimize the total latency of the requests in flight
-now, but a request sent away from its cached prefix also stores that prefix a second time and evicts
-what later requests would have reused, which the p90s of a whole run pay for. They were chosen by the
-traffic a fleet carries at a TTFT and ITL bound, on the shared traces and the generated workloads
+The defaults are m = 6, s = 0.2, d = 0.0012, e = 1, b = 2,000 (above its fit, chosen as the others were)
+and the decode side per token (below), s and d well below those physical ratios: the physical weights
+minimize the total latency of the requests in flight now, but a request sent away from its cached prefix
+also stores that prefix a second time and evicts what later requests would have reused, which the p90s
+of a whole run pay for. They were chosen by the traffic a fleet carries at a TTFT and ITL bound, on the
+shared traces and the generated workloads
 (docs/routing-quality.md; `kv-router tune` searches on a trace of your own). Counting
 a prefix in flight only behind a pass of queued prefill spreads a burst sharing a short template over
 the fleet in the burst's first pass, while a copy of the template costs no waiting; counted at once,
@@ -104,6 +117,12 @@ class CostWeights(NamedTuple):
     itl_stall_weight: float  # u
     decode_weight: float  # d * osl
     others_weight: float  # e
+    pass_base: float  # b
+
+
+def _passes(tokens: int, budget: int) -> int:
+    """The engine passes ``tokens`` of prefill take at ``budget`` tokens a pass."""
+    return -(-tokens // budget)
 
 
 def python_costs_and_held(
@@ -111,7 +130,16 @@ def python_costs_and_held(
 ) -> tuple[list[float], list[int]]:
     """The costs before taint multipliers, and per candidate the tokens of the prompt it holds, computed
     or in flight: the spec of C's `latency_costs` (the same float operations in the same order)."""
-    credit, prefill_scale, extra_miss_weight, stall_weight, itl_stall_weight, decode_weight, others_weight = weights
+    (
+        credit,
+        prefill_scale,
+        extra_miss_weight,
+        stall_weight,
+        itl_stall_weight,
+        decode_weight,
+        others_weight,
+        pass_base,
+    ) = weights
     isl = context.isl_tokens
     block_size = context.block_size
     overlaps = context.overlaps
@@ -129,7 +157,8 @@ def python_costs_and_held(
             inflight = round_half_away(credit * inflight)
         held.append(max(cached, inflight))
         queued = rank.prefill_tokens if track_prefill else 0
-        if inflight > cached and queued >= pass_tokens.get(rank.key, 0):
+        budget = pass_tokens.get(rank.key, 0)
+        if inflight > cached and queued >= budget:
             # The prefix is booked there but not computed yet. Behind a pass of queued prefill the
             # request waits anyway and reuses it; with less, a copy elsewhere costs no waiting, and
             # pricing it as a miss spreads a burst in its first pass (module doc).
@@ -141,8 +170,15 @@ def python_costs_and_held(
             # Each decoding request counts default / its own output length: a short one's ITL pays more of it.
             short = default_output * rank.decoding_inverse_output + rank.decoding_untold
             stalled += itl_stall_weight * short
+        waited = added = 0
+        if pass_base and budget > 0:
+            # The passes until its prefill is done, and those it adds to w's queue (a full hit still
+            # computes a token).
+            waited = _passes(queued + max(miss, 1), budget)
+            added = waited - _passes(queued, budget)
         costs.append(
-            prefill_scale * (queued + (1.0 + extra_miss_weight * fill + stalled) * miss)
+            prefill_scale
+            * (queued + (1.0 + extra_miss_weight * fill + stalled) * miss + pass_base * (waited + added * stalled))
             + decode_weight * (rank.context_tokens + others_weight * isl * rank.requests)
         )
     return costs, held
@@ -161,6 +197,7 @@ class LatencyPolicy(SelectionPolicy):
         self._decode_others_weight = config.latency_decode_others_weight
         self._decode_per_token = config.latency_decode_per_token
         self._itl_stall_weight = config.latency_itl_stall_weight
+        self._pass_base = config.latency_pass_base_tokens
         self._default_output = config.latency_default_output_tokens
         self._hit_margin = config.latency_hit_margin
         self._rng = rng
@@ -218,6 +255,7 @@ class LatencyPolicy(SelectionPolicy):
             itl_stall_weight,
             decode_weight,
             self._decode_others_weight,
+            self._pass_base,
         )
 
     def select(self, context: SelectionContext) -> Selection:
