@@ -62,6 +62,7 @@ SEARCH_SPACE: dict[str, tuple[Knob, ...]] = {
     "latency_hit_margin": (0.0, 0.05, 0.1),
     "latency_decode_others_weight": (0.0, 1.0),
     "latency_decode_per_token": (False, True),
+    "latency_pass_base_tokens": (0.0, 1000.0, 2000.0, 3000.0),
 }
 
 POLICY = "latency"
