@@ -691,6 +691,10 @@ static int latency_rank(PyObject *rank, PyObject *overlaps, PyObject *depths, Py
             return 0;
         waited = ceil_div(queued + own, budget);
         added = waited - ceil_div(queued, budget);
+    } else if (pass_base != 0.0) {
+        /* No budget said: what is queued there is one pass, which it joins or starts. */
+        waited = 1;
+        added = queued > 0 ? 0 : 1;
     }
     *cost = prefill_scale * ((double)queued + (1.0 + extra_miss_weight * fill + stalled) * (double)miss +
                              pass_base * ((double)waited + (double)added * stalled)) +

@@ -258,7 +258,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         _doc(
             "latency policy: fixed cost of one engine pass that runs prefill, in prefill tokens: to the request "
             "for each pass until its prefill is done, to each request decoding on the rank for each pass it adds "
-            "(ranks that give max_num_batched_tokens; 0: off)"
+            "(a rank without max_num_batched_tokens: one pass; 0: off)"
         ),
     ] = 2000.0
     latency_default_output_tokens: Annotated[

@@ -249,6 +249,20 @@ def test_a_prefill_pass_costs_its_fixed_time_to_the_request_and_each_pass_it_add
     assert costs(route(router, QUERY, expected_output_tokens=10))[Y] == pytest.approx(200.0 * 1.5 + 0.1 * 64)
 
 
+def test_a_worker_that_does_not_say_its_pass_budget_pays_a_pass_too() -> None:
+    """Its queue is taken for one pass, which the request joins or starts: no free ride over the workers
+    that said theirs."""
+    router = KvRouter(
+        RouterConfig(block_size=BS, policy="latency", **{**KNOBS, "latency_pass_base_tokens": 200.0}),  # type: ignore[arg-type]
+        rng=random.Random(0),
+    )
+    router.register_worker(WorkerConfig(worker_id=X, max_num_batched_tokens=256))
+    router.register_worker(WorkerConfig(worker_id=Y))
+    assert costs(route(router, QUERY, expected_output_tokens=10)) == {X: 2.0 * 128 + 200.0, Y: 2.0 * 128 + 200.0}
+    book_on(router, Y, "prefilling", list(range(5000, 5064)))  # Y's queue: one pass, joined
+    assert costs(route(router, QUERY, expected_output_tokens=10))[Y] == pytest.approx(64 + 2.5 * 128 + 200.0 + 0.1 * 64)
+
+
 @pytest.mark.parametrize(("busy_tokens", "margin", "chosen"), [(96, 0.05, X), (96, 0.0, Y), (112, 0.05, Y)])
 def test_a_near_tie_goes_to_the_rank_holding_more_of_the_prompt(busy_tokens: int, margin: float, chosen: int) -> None:
     router = router_with(latency_hit_margin=margin, **KNOBS)
@@ -318,10 +332,12 @@ def test_a_request_without_expected_output_uses_the_default_length() -> None:
     miss=st.sampled_from([1.0, 2.0, 3.0]),
     bookings=st.lists(st.tuples(st.sampled_from([X, Y]), st.integers(1, 12), st.booleans()), max_size=6),
 )
-def test_without_the_decode_side_it_is_cache_affinity_without_its_decode_term(
+def test_without_the_decode_side_and_the_pass_term_it_is_cache_affinity_without_its_decode_term(
     miss: float, bookings: list[tuple[int, int, bool]]
 ) -> None:
-    ours = router_with(latency_miss_weight=miss, latency_stall_weight=0.0, latency_decode_weight=0.0)
+    ours = router_with(
+        latency_miss_weight=miss, latency_stall_weight=0.0, latency_decode_weight=0.0, latency_pass_base_tokens=0.0
+    )
     theirs = router_with("cache_affinity", affinity_miss_weight=miss, affinity_decode_weight=0.0)
     for router in (ours, theirs):
         router.apply_event(prompt_stored_event(X, QUERY, BS, blocks=3))

@@ -18,7 +18,8 @@ Every term is in prefill tokens, a proxy for time on a homogeneous fleet::
 
     N(w)    = ceil((A_p(w) + max(miss(w), 1)) / P(w)),   n(w) = N(w) - ceil(A_p(w) / P(w))
                                                with P(w) w's pass budget (``max_num_batched_tokens``);
-                                               both 0 where w did not say it
+                                               where w did not say it, one pass: N(w) = 1, and
+                                               n(w) = 1 when nothing is queued there (else 0)
 
 Dynamo's cost knobs weigh the same parts here, so that a request's `RouterConfigOverride`, the proxy's
 pooling requests and the disaggregated decode pool without overlap credit work under either policy:
@@ -88,8 +89,8 @@ docs/routing-quality.md).
 With ``latency_decode_load_weight`` (``d_load``) the decode weight grows with the requests in flight per
 candidate rank: at light load the policy keeps the hits, near saturation, where a decode step's length
 (the ITL bound of a capacity SLO) binds first, it spreads context as `dynamo` does. Off by default.
-`cache_affinity` is the first line alone with a small decode term: it piles hot prefixes onto few ranks,
-whose decoding then slows every token of every request there.
+`cache_affinity` is the first line alone (without the pass term) with a small decode term: it piles hot
+prefixes onto few ranks, whose decoding then slows every token of every request there.
 """
 
 from __future__ import annotations
@@ -171,11 +172,16 @@ def python_costs_and_held(
             short = default_output * rank.decoding_inverse_output + rank.decoding_untold
             stalled += itl_stall_weight * short
         waited = added = 0
-        if pass_base and budget > 0:
-            # The passes until its prefill is done, and those it adds to w's queue (a full hit still
-            # computes a token).
-            waited = _passes(queued + max(miss, 1), budget)
-            added = waited - _passes(queued, budget)
+        if pass_base:
+            if budget > 0:
+                # The passes until its prefill is done, and those it adds to w's queue (a full hit still
+                # computes a token).
+                waited = _passes(queued + max(miss, 1), budget)
+                added = waited - _passes(queued, budget)
+            else:
+                # No budget said: what is queued there is one pass, which it joins or starts.
+                waited = 1
+                added = 0 if queued > 0 else 1
         costs.append(
             prefill_scale
             * (queued + (1.0 + extra_miss_weight * fill + stalled) * miss + pass_base * (waited + added * stalled))
