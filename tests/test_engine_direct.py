@@ -36,6 +36,7 @@ from tests.engine_fakes import (
     SideLoop,
     canonical,
     direct_mode,
+    encode,
     engine_spec,
     loopback_endpoints,
 )
@@ -93,6 +94,39 @@ async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(s
         assert stats["rejected_bad_envelope"] == 2 and stats["rejected_empty_payload"] == 1
         assert engine.dump()  # the scenario leaves something cached
         assert _stream(router).trusted and _stream(router, dp_rank=1).trusted  # one vector is dp rank 1
+
+
+async def test_garbage_a_replay_rejected_is_a_duplicate_when_heard_live_after_it() -> None:
+    """The SUB socket joins late (the slow joiner) and first hears garbage the engine published: the
+    replay at start took the whole buffer, that garbage too (rejected), so its live copy, out of order
+    (nothing heard live yet), is a duplicate as a batch that decodes would be, not rejected again."""
+    router = _router()
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=71)
+    await engine.start()
+    garbage = [b"\xc1garbage", b"", b"\x93\xcb" + bytes(8) + b"\x91" * 100_000]
+    batches = [encode([1.5, engine.random_events(), 0]) for _ in range(3)]
+    payloads = [*batches, *garbage, encode([1.5, engine.random_events(), 0])]
+    for payload in payloads:
+        await engine.send_raw(payload, publish=False)  # in the replay buffer: the stream's start brings them
+    stream = ZmqEngineStream(
+        SequencerSink(router, WORKER), endpoint, block_size=BLOCK, replay_endpoint=replay,
+        tail_check_delay_s=600, quiet_s=600,
+    )  # fmt: skip
+    await stream.start()
+    try:
+        await eventually(lambda: stream.stats["replayed"] == len(payloads), 10, "the replay at start")
+        for seq, payload in enumerate(payloads[len(batches) :], len(batches)):  # heard live from the garbage on
+            async with stream.sink.batch():
+                await stream.take_live(seq, payload)
+        stats = stream.stats
+        assert (stats["rejected_bad_envelope"], stats["rejected_empty_payload"], stats["duplicate"]) == (2, 1, 4)
+        assert (stats["restarts"], stats["gap"], stats["unverified"]) == (0, 0, 0)
+        assert canonical(router.tree.dump_events()) == engine.dump()
+        assert _stream(router).trusted
+    finally:
+        await stream.stop()
+        await engine.stop()
 
 
 @pytest.mark.parametrize("array_form", [False, True], ids=["map", "array"])

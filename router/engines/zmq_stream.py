@@ -49,7 +49,8 @@ sends each step at once, and a stream behind never waits.
 
 The SUB reader never blocks the engine: messages go into a bounded queue and those that do not fit
 are dropped and counted (the seq gap they leave is then repaired like any other). Undecodable
-payloads are counted by reason and logged rate-limited; nothing stops the stream.
+payloads are counted by reason and logged rate-limited (once: heard live after a replay took the same
+bytes under the same seq, a duplicate); nothing stops the stream.
 """
 
 from __future__ import annotations
@@ -315,8 +316,9 @@ class ZmqEngineStream:
         # The bytes applied under `_last_applied` (a reference, no copy): a gap's replay starts there,
         # and an engine that replays other bytes under that seq is a new process.
         self._last_payload: bytes | None = None
-        # (seq, hash of the payload) of the batches a replay applied, in seq order, above the last live
-        # seq: the SUB may still bring them, and only their payloads tell a duplicate from a new process.
+        # (seq, hash of the payload) of the batches a replay applied (or rejected), in seq order, above the
+        # last live seq: the SUB may still bring them, and only their payloads tell a duplicate from a new
+        # process.
         self._replayed: deque[tuple[int, int]] = deque()
         self._hole_ends: set[int] = set()  # the seq after each hole the last replay found in the buffer
         self._ranks: set[int] = {dp_rank}
@@ -585,7 +587,11 @@ class ZmqEngineStream:
             try:
                 decode_engine_batch(payload, self.block_size)
             except EngineDecodeError as exc:
-                self._reject(exc.reason, f"seq {seq} (out of order, not taken as a restart): {exc.detail}")
+                if (seq, hash(payload)) in self._replayed:
+                    # The engine's own bytes under this seq, which a replay took (and rejected) already.
+                    self.stats["duplicate"] += 1
+                else:
+                    self._reject(exc.reason, f"seq {seq} (out of order, not taken as a restart): {exc.detail}")
                 return
         last_live = self._last_live
         self._last_live = seq
