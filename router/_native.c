@@ -686,9 +686,7 @@ static int latency_rank(PyObject *rank, PyObject *overlaps, PyObject *depths, Py
     if (pass_base != 0.0 && budget > 0) {
         /* The passes until its prefill is done, and those it adds to the rank's queue (a full hit still
          * computes a token). */
-        long long own = miss > 1 ? miss : 1;
-        if (queued > COST_INT_LIMIT - own)
-            return 0;
+        long long own = miss > 1 ? miss : 1; /* queued and miss are bounded ints: no overflow */
         waited = ceil_div(queued + own, budget);
         added = waited - ceil_div(queued, budget);
     } else if (pass_base != 0.0) {

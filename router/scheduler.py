@@ -124,7 +124,7 @@ class Scheduler:
             for rank in self._ranks_of[worker.worker_id]
         }
         self._all_capacities = [(rank.key, *self._capacity_of[rank.key]) for rank in self._all_ranks]
-        self._all_pass_tokens = {key: budget for key, _, budget in self._all_capacities if budget}
+        self._all_pass_tokens = _pass_budgets(self._all_capacities)
 
     # ------------------------------------------------------------------ eligibility
     def eligible_workers(
@@ -251,16 +251,16 @@ class Scheduler:
         self, ranks: list[RankState], cached_blocks: Mapping[WorkerRank, int]
     ) -> tuple[dict[WorkerRank, float], dict[WorkerRank, int]]:
         """Per rank, the fraction of its KV blocks its cache holds, and its worker's
-        ``max_num_batched_tokens`` (absent when the worker did not say). A worker of unknown capacity
-        is as full as the candidates that said theirs, on average, so that it is not shunned beside
-        them; as full as can be when none did."""
+        ``max_num_batched_tokens``. A worker of unknown capacity is as full as the candidates that said
+        theirs, on average, so that it is not shunned beside them; as full as can be when none did.
+        Likewise its pass budget is their mean (absent when none said one)."""
         if ranks is self._all_ranks:
             rows = self._all_capacities
             pass_tokens = self._all_pass_tokens
         else:
             capacity_of = self._capacity_of
             rows = [(rank.key, *capacity_of[rank.key]) for rank in ranks]
-            pass_tokens = {key: budget for key, _, budget in rows if budget}
+            pass_tokens = _pass_budgets(rows)
         fills = {}
         unknown = []
         for key, total, _ in rows:
@@ -342,6 +342,17 @@ class Scheduler:
                     )
                 )
         return loads
+
+
+def _pass_budgets(rows: list[tuple[WorkerRank, int | None, int | None]]) -> dict[WorkerRank, int]:
+    """Per rank (key, total blocks, pass budget) its pass budget; a rank of unknown budget gets the mean
+    of those that said theirs (none when no rank did), so that the `latency` policy prices its passes
+    alike instead of giving it a discount beside them."""
+    said = {key: budget for key, _, budget in rows if budget}
+    if said and len(said) < len(rows):
+        mean = round(sum(said.values()) / len(said))
+        said.update({key: mean for key, _, budget in rows if not budget})
+    return said
 
 
 def _taint_multiplier(preferred: Mapping[str, float], taints: frozenset[str]) -> float:

@@ -249,18 +249,35 @@ def test_a_prefill_pass_costs_its_fixed_time_to_the_request_and_each_pass_it_add
     assert costs(route(router, QUERY, expected_output_tokens=10))[Y] == pytest.approx(200.0 * 1.5 + 0.1 * 64)
 
 
-def test_a_worker_that_does_not_say_its_pass_budget_pays_a_pass_too() -> None:
-    """Its queue is taken for one pass, which the request joins or starts: no free ride over the workers
-    that said theirs."""
-    router = KvRouter(
-        RouterConfig(block_size=BS, policy="latency", **{**KNOBS, "latency_pass_base_tokens": 200.0}),  # type: ignore[arg-type]
-        rng=random.Random(0),
-    )
-    router.register_worker(WorkerConfig(worker_id=X, max_num_batched_tokens=256))
-    router.register_worker(WorkerConfig(worker_id=Y))
-    assert costs(route(router, QUERY, expected_output_tokens=10)) == {X: 2.0 * 128 + 200.0, Y: 2.0 * 128 + 200.0}
-    book_on(router, Y, "prefilling", list(range(5000, 5064)))  # Y's queue: one pass, joined
-    assert costs(route(router, QUERY, expected_output_tokens=10))[Y] == pytest.approx(64 + 2.5 * 128 + 200.0 + 0.1 * 64)
+def test_a_worker_that_does_not_say_its_pass_budget_is_priced_with_the_others_mean() -> None:
+    """No discount over the workers that said theirs: its passes counted with their mean budget, or,
+    when none said one, its queue taken for one pass, which the request joins or starts."""
+
+    def fleet(*budgets: int | None) -> KvRouter:
+        router = KvRouter(
+            RouterConfig(block_size=BS, policy="latency", **{**KNOBS, "latency_pass_base_tokens": 200.0}),  # type: ignore[arg-type]
+            rng=random.Random(0),
+        )
+        for worker, budget in zip((X, Y), budgets, strict=True):
+            router.register_worker(WorkerConfig(worker_id=worker, max_num_batched_tokens=budget))
+        return router
+
+    # Y did not say: priced with X's 64 tokens a pass, QUERY's 128 take two passes on either.
+    router = fleet(64, None)
+    assert costs(route(router, QUERY, expected_output_tokens=10)) == {X: 2.0 * 128 + 400.0, Y: 2.0 * 128 + 400.0}
+    for worker in (X, Y):
+        book_on(router, worker, f"queued-{worker}", list(range(5000 + worker * 100, 5000 + worker * 100 + 96)))
+    # 96 queued on each (two passes of 64, the second with room for 32): QUERY waits for four passes and
+    # adds two, stalling the queued request on each.
+    queued = costs(route(router, QUERY, expected_output_tokens=10))
+    assert queued == {worker: pytest.approx(96 + 2.5 * 128 + 200.0 * (4 + 2 * 0.5) + 0.1 * 96) for worker in (X, Y)}
+    # Nobody said: one pass each, joined where something is queued.
+    router = fleet(None, None)
+    book_on(router, Y, "prefilling", list(range(5000, 5064)))
+    assert costs(route(router, QUERY, expected_output_tokens=10)) == {
+        X: 2.0 * 128 + 200.0,
+        Y: pytest.approx(64 + 2.5 * 128 + 200.0 + 0.1 * 64),
+    }
 
 
 @pytest.mark.parametrize(("busy_tokens", "margin", "chosen"), [(96, 0.05, X), (96, 0.0, Y), (112, 0.05, Y)])

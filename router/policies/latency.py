@@ -18,7 +18,8 @@ Every term is in prefill tokens, a proxy for time on a homogeneous fleet::
 
     N(w)    = ceil((A_p(w) + max(miss(w), 1)) / P(w)),   n(w) = N(w) - ceil(A_p(w) / P(w))
                                                with P(w) w's pass budget (``max_num_batched_tokens``);
-                                               where w did not say it, one pass: N(w) = 1, and
+                                               where w did not say it, the mean of the candidates'
+                                               that did; where none did, one pass: N(w) = 1, and
                                                n(w) = 1 when nothing is queued there (else 0)
 
 Dynamo's cost knobs weigh the same parts here, so that a request's `RouterConfigOverride`, the proxy's
@@ -28,12 +29,13 @@ alone); ``overlap_score_credit`` (1) scales what counts as cached, every tier an
 (unlike Dynamo, which credits device blocks only), and at 0 the cache counts for nothing, neither its
 hits nor the eviction a miss causes (m(w) = 1); without ``router_track_prefill_tokens`` the queued
 prefill ``A_p(w)`` is not counted (the bookings carry none). A disaggregated request's prefill leg
-decodes nothing where it is placed, so it is priced by the first line alone: queued prefill and its
-misses (the prefill pool as Dynamo prices it with `router_track_active_blocks` off).
+decodes nothing where it is placed, so it is priced by the first line alone: queued prefill, its
+misses and the passes it waits for (the prefill pool as Dynamo prices it with `router_track_active_blocks`
+off, and the passes).
 
 ``miss(w) = max(isl - cached(w), 0)`` with ``cached(w)`` the effective cached prefix, or what requests
 already booked on w hold of the prompt when that is longer and w has at least a pass
-(``max_num_batched_tokens``) of prefill queued (or did not say its pass budget). The engine would reuse
+(``max_num_batched_tokens``) of prefill queued (or no candidate said a pass budget). The engine would reuse
 a prefix in flight even sooner (it shares the blocks a pass allocates with requests admitted in that pass
 or later); pricing it as a miss while its holder has less than a pass queued is a choice of when a
 burst is spread, see below;
@@ -56,7 +58,11 @@ also costs a fixed time beside its tokens' (``b`` = 1,087 tokens is Dynamo's moc
 adds to w's queue stalls every request decoding on w once more, while one whose prefill fits in the
 passes already queued there adds none (a full hit still computes its last token). Pricing it gathers the
 prefills that arrive together, a burst above all, into fewer passes on fewer ranks, where spreading them
-would stall the decoders of every rank once each. On a full cache a miss costs ``m`` > 1 times its
+would stall the decoders of every rank once each. The router cannot tell a pass under way from the
+next one: it counts all queued prefill as joinable, which holds for requests that arrive together (a
+burst routed before the engine starts its pass) and overstates the sharing for one that arrives while a
+pass runs (counting the first pass's worth as under way lost the bursty workload's whole gain: seed 1's
+capacity 1.50 against 1.79, docs/routing-quality.md). On a full cache a miss costs ``m`` > 1 times its
 tokens because storing it evicts blocks a repeat of some prompt would have reused; on a cache with room
 it costs only its time, so a hot prefix is copied to another rank rather than queued behind its holder.
 
@@ -203,7 +209,7 @@ class LatencyPolicy(SelectionPolicy):
         self._decode_others_weight = config.latency_decode_others_weight
         self._decode_per_token = config.latency_decode_per_token
         self._itl_stall_weight = config.latency_itl_stall_weight
-        self._pass_base = config.latency_pass_base_tokens
+        self._pass_base = float(config.latency_pass_base_tokens)  # an int would send C back to Python
         self._default_output = config.latency_default_output_tokens
         self._hit_margin = config.latency_hit_margin
         self._rng = rng
