@@ -57,6 +57,15 @@ def _stream(router: KvRouter, dp_rank: int = 0) -> StreamStatus:
     return status
 
 
+def _stream_without_tail_checks(router: KvRouter, endpoint: str, replay: str | None) -> ZmqEngineStream:
+    """A direct-mode stream whose handshake and quiet-spell tail checks are held off: the test orders
+    the replays it sees."""
+    return ZmqEngineStream(
+        SequencerSink(router, WORKER), endpoint, block_size=BLOCK, replay_endpoint=replay,
+        tail_check_delay_s=600, quiet_s=600,
+    )  # fmt: skip
+
+
 async def _converged(router: KvRouter, engine: FakeEngine, direct: DirectEngine) -> None:
     await eventually(lambda: direct.streams[0].backlog == 0 and canonical(router.tree.dump_events()) == engine.dump())
 
@@ -109,10 +118,7 @@ async def test_garbage_a_replay_rejected_is_a_duplicate_when_heard_live_after_it
     payloads = [*batches, *garbage, encode([1.5, engine.random_events(), 0])]
     for payload in payloads:
         await engine.send_raw(payload, publish=False)  # in the replay buffer: the stream's start brings them
-    stream = ZmqEngineStream(
-        SequencerSink(router, WORKER), endpoint, block_size=BLOCK, replay_endpoint=replay,
-        tail_check_delay_s=600, quiet_s=600,
-    )  # fmt: skip
+    stream = _stream_without_tail_checks(router, endpoint, replay)
     await stream.start()
     try:
         await eventually(lambda: stream.stats["replayed"] == len(payloads), 10, "the replay at start")
@@ -776,10 +782,7 @@ async def test_a_restart_first_heard_at_the_next_seq_after_a_reconnection_is_see
     old = FakeEngine(WORKER, endpoint, replay, seed=53)
     new = FakeEngine(WORKER, endpoint, replay, seed=59)
     await old.start()
-    stream = ZmqEngineStream(
-        SequencerSink(router, WORKER), endpoint, block_size=BLOCK, replay_endpoint=replay,
-        tail_check_delay_s=600, quiet_s=600,
-    )  # fmt: skip
+    stream = _stream_without_tail_checks(router, endpoint, replay)
     await stream.start()
     try:
 
