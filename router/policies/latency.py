@@ -71,12 +71,11 @@ and the decode side per token (below), s and d well below those physical ratios:
 minimize the total latency of the requests in flight now, but a request sent away from its cached prefix
 also stores that prefix a second time and evicts what later requests would have reused, which the p90s
 of a whole run pay for. They were chosen by the traffic a fleet carries at a TTFT and ITL bound, on the
-shared traces and the generated workloads
-(docs/routing-quality.md; `kv-router tune` searches on a trace of your own). Counting
-a prefix in flight only behind a pass of queued prefill spreads a burst sharing a short template over
-the fleet in the burst's first pass, while a copy of the template costs no waiting; counted at once,
-the burst's first requests queue behind the template's holder and the copies are made later anyway, as
-its queue grows. Counting it only behind a pass: the same hit rate and a TTFT p90 15 %, 15 % and 10 %
+shared traces and the generated workloads (docs/routing-quality.md; `kv-router tune` searches on a trace
+of your own). Counting a prefix in flight only behind a pass of queued prefill spreads a burst sharing a
+short template over the fleet in the burst's first pass, while a copy of the template costs no waiting;
+counted at once, the burst's first requests queue behind the template's holder and the copies are made
+later anyway, as its queue grows. Counting it only behind a pass: the same hit rate and a TTFT p90 15 %, 15 % and 10 %
 lower (bursty workload, seeds 0, 1 and 3), an E2E p90 3 % lower on mooncake_trace_1000.
 Near-ties go to the hit rate: a rank within ``latency_hit_margin`` (5 %) of the least cost wins when it
 holds more of the prompt (computed or in flight), since two costs that close are the same latency for
