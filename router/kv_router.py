@@ -240,9 +240,7 @@ class KvRouter:
                 worker.total_kv_blocks if worker.total_kv_blocks is not None else "unknown",
                 extra={"worker_id": worker.worker_id, "dp_size": worker.dp_size},
             )
-        if worker.epoch is not None:
-            # A new epoch is a restarted publisher: its old index state goes, its ids start afresh.
-            self.sequencer.observe_epoch(worker.worker_id, worker.epoch)
+        self._observe_epoch(worker)
         if previous is not None:
             if previous != worker:
                 logger.info("worker %d reconfigured", worker.worker_id, extra={"worker_id": worker.worker_id})
@@ -312,6 +310,17 @@ class KvRouter:
     def disaggregated(self) -> bool:
         """Whether any worker is prefill- or decode-only: every decision is then two legs."""
         return self._disaggregated
+
+    def _observe_epoch(self, worker: WorkerConfig) -> None:
+        if worker.epoch is not None:
+            # A new epoch is a restarted publisher: its old index state goes, its ids start afresh.
+            self.sequencer.observe_epoch(worker.worker_id, worker.epoch)
+
+    def observe_registered_epochs(self) -> None:
+        """Every registered worker's publisher epoch observed again, as its registration did: for index
+        state restored after the registrations (a snapshot loaded again), whose epochs may be older."""
+        for worker in self._scheduler.workers:
+            self._observe_epoch(worker)
 
     def workers(self) -> list[WorkerConfig]:
         return list(self._scheduler.workers)

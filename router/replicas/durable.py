@@ -316,16 +316,10 @@ class DurableEvents:
             await self._unsubscribe()
             self.discard()
             await self._load()
-            self._observe_registered_epochs()
+            # The snapshot restored its workers' old epochs after the event plane registered them: a
+            # worker registered with another epoch (its publisher restarted) has the old state dropped again.
+            self.router.observe_registered_epochs()
         self._background.keep_running("snapshots", self._snapshot_loop)
-
-    def _observe_registered_epochs(self) -> None:
-        """A snapshot loaded again restores its workers' publisher epochs, after the event plane has
-        registered the workers: one registered with another epoch (its publisher restarted) has the old
-        process's state dropped again, as its registration did after the first load."""
-        for worker in self.router.workers():
-            if worker.epoch is not None:
-                self.router.sequencer.observe_epoch(worker.worker_id, worker.epoch)
 
     async def _replay(self, reload_if_purged: bool) -> bool:
         """Follow the stream from the sequence after `applied_seq` and wait until it has been read up to
