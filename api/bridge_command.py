@@ -108,6 +108,7 @@ class BridgeCommand:
         import logging
         import signal
 
+        from api.bridge_metrics import bridge_registry, serve_metrics
         from router.engines.bridge import Bridge
         from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url
         from router.event_plane.connection_file import DEFAULT_URL, ConnectionFileError
@@ -145,13 +146,26 @@ class BridgeCommand:
             except (ConnectionFileError, FirstConnectionError) as exc:
                 print(f"kv-router bridge: {exc}", file=sys.stderr)
                 return 2
-            task = asyncio.create_task(Bridge(config, nc).run_forever())
+            bridge = Bridge(config, nc)
+            metrics = None
+            if config.metrics_port is not None:
+                try:
+                    metrics = await serve_metrics(bridge_registry(bridge), config.metrics_host, config.metrics_port)
+                except OSError as exc:
+                    print(f"kv-router bridge: --metrics-port: {exc}", file=sys.stderr)
+                    await nc.close()
+                    return 2
+                host, port = metrics.sockets[0].getsockname()[:2]
+                print(f"bridge for worker {config.worker_id}: metrics on http://{host}:{port}/metrics", flush=True)
+            task = asyncio.create_task(bridge.run_forever())
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, task.cancel)
             print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {resolved.url}", flush=True)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if metrics is not None:
+                metrics.close()
             await nc.close()
             return 0
 

@@ -77,6 +77,7 @@ BAD = [
     (["serve", "--dynamo-endpoint", "garbage"], "dynamo_endpoint: 'garbage': expected NAMESPACE.COMPONENT.ENDPOINT"),
     (["serve", "--proxy", "--tokenizer", "mock-model=/nope.json"], "model 'mock-model': cannot read /nope.json"),
     (["bridge"], "--worker-id is required (or KV_ROUTER_BRIDGE_WORKER_ID, or worker_id in --config)"),
+    (["bridge", "--worker-id", "1", "--zmq-endpoint", "tcp://127.0.0.1:5557", "--metrics-port", "70000"], "<= 65535"),
 ]
 
 

@@ -10,7 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
+import socket
+import subprocess
 import time
+import urllib.error
+import urllib.request
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +24,11 @@ from typing import Any
 import msgspec
 import pytest
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from api.app import create_app
 from api.bridge_command import load_bridge_config
+from api.bridge_metrics import bridge_registry, serve_metrics
 from api.config import EventPlaneConfig, Settings
 from indexer.events import RouterEvent
 from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject
@@ -30,11 +36,12 @@ from router.config import RouterConfig
 from router.engines.bridge import Bridge
 from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_spec import rank_endpoint
+from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN
 from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.engine_fakes import BLOCK, EngineHttp, FakeEngine, SideLoop, canonical, loopback_endpoints
-from tests.router_processes import ToolProcess
+from tests.router_processes import ToolProcess, kv_router_command
 from tests.waiting import until
 
 WORKER = 41
@@ -81,6 +88,7 @@ class Chain:
         self.endpoint, self.replay = loopback_endpoints(replay)
         self.engine = FakeEngine(WORKER, self.endpoint, self.replay, seed=21)
         self.bridge: Bridge | None = None
+        self.metrics_server: asyncio.Server | None = None
         side.call(self.engine.start())
 
     def start_bridge(self, **settings: Any) -> None:
@@ -94,9 +102,20 @@ class Chain:
             return bridge
 
         self.bridge = self.side.call(run())
+        self.metrics_server = self.side.call(serve_metrics(bridge_registry(self.bridge), "127.0.0.1", 0))
+
+    def metrics(self) -> str:
+        """The bridge's /metrics, scraped over HTTP as Prometheus does."""
+        assert self.metrics_server is not None
+        port = self.metrics_server.sockets[0].getsockname()[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            return str(reply.read().decode())
 
     def stop_bridge(self, *, deregister: bool = True) -> None:
         bridge, self.bridge = self.bridge, None
+        server, self.metrics_server = self.metrics_server, None
+        if server is not None:
+            server.close()
         if bridge is not None:
 
             async def run() -> None:
@@ -113,6 +132,13 @@ class Chain:
     def close(self) -> None:
         self.stop_bridge()
         self.side.call(self.engine.stop())
+
+
+def _sample(metrics: str, series: str) -> float:
+    """The value of one series (its name and labels as exposed) in a /metrics text."""
+    found = re.search(rf"^{re.escape(series)} (\S+)$", metrics, re.MULTILINE)
+    assert found is not None, f"no {series} in:\n{metrics}"
+    return float(found.group(1))
 
 
 def _converged(client: TestClient, chain: Chain) -> None:
@@ -203,9 +229,16 @@ def test_a_gap_without_replay_leaves_the_rank_untrusted_until_the_engine_clears(
         until(lambda: _streams(router) and not _streams(router)[0]["trusted"], timeout=20)
         metrics = router.get("/metrics").text
         assert f'kv_router_worker_stream_trusted{{dp_rank="0",worker_id="{WORKER}"}} 0.0' in metrics
+        # The bridge says so on its own /metrics: the rank it could not verify, the gap it counted.
+        bridge_metrics = chain.metrics()
+        assert 'kv_router_bridge_rank_unverified{dp_rank="0"} 1.0' in bridge_metrics
+        stream_series = f'kv_router_engine_stream_messages_total{{endpoint="{chain.endpoint}",outcome="%s"}}'
+        assert _sample(bridge_metrics, stream_series % "unverified") >= 1
+        assert _sample(bridge_metrics, stream_series % "gap") >= 1
         side.call(chain.engine.send([chain.engine.cleared()]))
         chain.steps(3)
         _converged(router, chain)
+        assert 'kv_router_bridge_rank_unverified{dp_rank="0"} 0.0' in chain.metrics()
     finally:
         chain.close()
 
@@ -239,7 +272,7 @@ def test_mock_engine_to_bridge_to_nats_to_router_as_processes(
                          "--engine-speedup", "100")  # fmt: skip
     bridge = ToolProcess(tmp_path, None, "--worker-id", str(WORKER), "--zmq-endpoint", zmq,
                          "--replay-endpoint", replay, "--block-size", str(BLOCK), "--nats-url", nats_server.url,
-                         command="bridge")  # fmt: skip
+                         "--metrics-port", "0", command="bridge")  # fmt: skip
     try:
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200, timeout=30)
         prompt = [random.Random(1).randrange(50_000) for _ in range(12 * BLOCK)]
@@ -276,9 +309,42 @@ def test_mock_engine_to_bridge_to_nats_to_router_as_processes(
 
         until(prompt_cached, timeout=20)
         assert all(s["trusted"] for s in _streams(router))
+
+        # The bridge's own /metrics (the port it printed): what it published is what the router applied.
+        url = re.search(r"metrics on (http://\S+/metrics)", bridge.log())
+        assert url is not None, bridge.log()
+
+        def scrape(target: str = url.group(1)) -> str:
+            with urllib.request.urlopen(target, timeout=5) as reply:
+                assert reply.headers["content-type"] == CONTENT_TYPE_LATEST
+                return str(reply.read().decode())
+
+        until(lambda: _sample(scrape(), 'kv_router_bridge_last_event_id{dp_rank="0"}') == _streams(router)[0][
+            "last_event_id"], 20, "the router applied every event the bridge published")  # fmt: skip
+        metrics = scrape()
+        assert _sample(metrics, "kv_router_bridge_nats_connected") == 1
+        assert _sample(metrics, "kv_router_bridge_engine_up") == 1
+        assert _sample(metrics, f'kv_router_engine_stream_messages_total{{endpoint="{zmq}",outcome="applied"}}') >= 1
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            scrape(url.group(1).removesuffix("/metrics") + "/v1/workers")
+        assert bridge.stop() == 0, bridge.log()  # SIGTERM: the metrics port closes with the bridge
     finally:
         bridge.stop()
         worker.stop()
+
+
+def test_a_bridge_whose_metrics_port_is_taken_says_so_and_exits_2(nats_server: EmbeddedNats) -> None:
+    zmq, _ = loopback_endpoints(replay=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([*kv_router_command(), "bridge", "--worker-id", str(WORKER), "--zmq-endpoint", zmq,
+                               "--nats-url", nats_server.url, "--metrics-port", str(port)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    said = f"--metrics-port: [Errno 98] error while attempting to bind on address ('127.0.0.1', {port})"
+    assert f"kv-router bridge: {said}" in done.stderr
 
 
 def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_and_rebuilds_it_after(
@@ -293,9 +359,13 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         _converged(router, chain)
         assert chain.engine.dump()
 
+        assert "kv_router_bridge_engine_up 1.0" in chain.metrics()
         http.healthy = False  # its metrics endpoint answers 503: the bridge takes the worker out
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 404, 30, "the worker is withdrawn")
         assert _dump(router) == []
+        withdrawn = chain.metrics()
+        assert _sample(withdrawn, "kv_router_bridge_engine_up") == 0
+        assert _sample(withdrawn, 'kv_router_bridge_engine_probes_total{outcome="failed"}') >= ENGINE_FAILURES_TO_DOWN
         chain.steps(5)  # published meanwhile, to no router
         # The behaviour under test: no heartbeat brings it back, over ten more of the bridge's probes
         # (1 s of its clock, five heartbeat intervals), counted rather than slept.
@@ -307,6 +377,7 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
         _converged(router, chain)
         assert chain.bridge is not None and chain.bridge.streams[0].stats["rebuilds"] == 1
+        assert "kv_router_bridge_engine_up 1.0" in chain.metrics()
     finally:
         chain.close()
         side.call(http.stop())

@@ -100,6 +100,13 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         _doc("how long the first NATS connection is retried (a router started just before is still starting)"),
         msgspec.Meta(ge=0),
     ] = 30.0
+    metrics_port: Annotated[
+        Annotated[int, msgspec.Meta(ge=0, le=65535)] | None,
+        _doc("port of the bridge's own Prometheus /metrics (0: any free port, printed at start; unset: none)"),
+    ] = None
+    metrics_host: Annotated[
+        str, _doc("address the /metrics port listens on (0.0.0.0: scraped from other hosts, as in a pod)")
+    ] = "127.0.0.1"
     namespace: Annotated[str, _doc("deployment namespace: subjects kv.<namespace>.*")] = "default"
     nats_user: Annotated[str | None, _doc("NATS user name")] = None
     nats_password: Annotated[str | None, _doc("NATS password")] = None

@@ -372,6 +372,15 @@ class KvEventPublisher:
             self._unverified.add(dp_rank)
             self._rank_log(dp_rank).last_event_id += 1
 
+    def last_event_ids(self) -> dict[int, int]:
+        """Per rank that has published: the id of its last event (a skipped id counts: see
+        `mark_unverified`), what a router's own count of the worker's stream is compared with."""
+        return {dp_rank: rank.last_event_id for dp_rank, rank in self._ranks.items()}
+
+    def unverified_ranks(self) -> frozenset[int]:
+        """The ranks whose holdings are unknown since a gap nobody could replay, until they clear."""
+        return frozenset(self._unverified)
+
     def held_tiers(self, dp_rank: int) -> set[StorageTier]:
         """The storage tiers this rank has held blocks in since they were last cleared."""
         return self._held.tiers(dp_rank)
