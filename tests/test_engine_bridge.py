@@ -41,6 +41,7 @@ from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.engine_fakes import BLOCK, EngineHttp, FakeEngine, SideLoop, canonical, loopback_endpoints
+from tests.metrics import sample, total
 from tests.router_processes import ToolProcess, kv_router_command
 from tests.waiting import until
 
@@ -134,13 +135,6 @@ class Chain:
         self.side.call(self.engine.stop())
 
 
-def _sample(metrics: str, series: str) -> float:
-    """The value of one series (its name and labels as exposed) in a /metrics text."""
-    found = re.search(rf"^{re.escape(series)} (\S+)$", metrics, re.MULTILINE)
-    assert found is not None, f"no {series} in:\n{metrics}"
-    return float(found.group(1))
-
-
 def _converged(client: TestClient, chain: Chain) -> None:
     until(lambda: _dump(client) == chain.engine.dump() and all(s["trusted"] for s in _streams(client)), timeout=20)
 
@@ -231,14 +225,13 @@ def test_a_gap_without_replay_leaves_the_rank_untrusted_until_the_engine_clears(
         assert f'kv_router_worker_stream_trusted{{dp_rank="0",worker_id="{WORKER}"}} 0.0' in metrics
         # The bridge says so on its own /metrics: the rank it could not verify, the gap it counted.
         bridge_metrics = chain.metrics()
-        assert 'kv_router_bridge_rank_unverified{dp_rank="0"} 1.0' in bridge_metrics
-        stream_series = f'kv_router_engine_stream_messages_total{{endpoint="{chain.endpoint}",outcome="%s"}}'
-        assert _sample(bridge_metrics, stream_series % "unverified") >= 1
-        assert _sample(bridge_metrics, stream_series % "gap") >= 1
+        assert sample(bridge_metrics, "kv_router_bridge_rank_unverified", dp_rank="0") == 1
+        for outcome in ("gap", "unverified"):
+            assert total(bridge_metrics, "kv_router_engine_stream_messages_total", outcome=outcome) >= 1
         side.call(chain.engine.send([chain.engine.cleared()]))
         chain.steps(3)
         _converged(router, chain)
-        assert 'kv_router_bridge_rank_unverified{dp_rank="0"} 0.0' in chain.metrics()
+        assert sample(chain.metrics(), "kv_router_bridge_rank_unverified", dp_rank="0") == 0
     finally:
         chain.close()
 
@@ -319,12 +312,12 @@ def test_mock_engine_to_bridge_to_nats_to_router_as_processes(
                 assert reply.headers["content-type"] == CONTENT_TYPE_LATEST
                 return str(reply.read().decode())
 
-        until(lambda: _sample(scrape(), 'kv_router_bridge_last_event_id{dp_rank="0"}') == _streams(router)[0][
+        until(lambda: sample(scrape(), "kv_router_bridge_last_event_id", dp_rank="0") == _streams(router)[0][
             "last_event_id"], 20, "the router applied every event the bridge published")  # fmt: skip
         metrics = scrape()
-        assert _sample(metrics, "kv_router_bridge_nats_connected") == 1
-        assert _sample(metrics, "kv_router_bridge_engine_up") == 1
-        assert _sample(metrics, f'kv_router_engine_stream_messages_total{{endpoint="{zmq}",outcome="applied"}}') >= 1
+        assert sample(metrics, "kv_router_bridge_nats_connected") == 1
+        assert sample(metrics, "kv_router_bridge_engine_up") == 1
+        assert total(metrics, "kv_router_engine_stream_messages_total", endpoint=zmq, outcome="applied") >= 1
         with pytest.raises(urllib.error.HTTPError, match="404"):
             scrape(url.group(1).removesuffix("/metrics") + "/v1/workers")
         assert bridge.stop() == 0, bridge.log()  # SIGTERM: the metrics port closes with the bridge
@@ -359,13 +352,13 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         _converged(router, chain)
         assert chain.engine.dump()
 
-        assert "kv_router_bridge_engine_up 1.0" in chain.metrics()
+        assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
         http.healthy = False  # its metrics endpoint answers 503: the bridge takes the worker out
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 404, 30, "the worker is withdrawn")
         assert _dump(router) == []
         withdrawn = chain.metrics()
-        assert _sample(withdrawn, "kv_router_bridge_engine_up") == 0
-        assert _sample(withdrawn, 'kv_router_bridge_engine_probes_total{outcome="failed"}') >= ENGINE_FAILURES_TO_DOWN
+        assert sample(withdrawn, "kv_router_bridge_engine_up") == 0
+        assert total(withdrawn, "kv_router_bridge_engine_probes_total", outcome="failed") >= ENGINE_FAILURES_TO_DOWN
         chain.steps(5)  # published meanwhile, to no router
         # The behaviour under test: no heartbeat brings it back, over ten more of the bridge's probes
         # (1 s of its clock, five heartbeat intervals), counted rather than slept.
@@ -377,7 +370,7 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
         _converged(router, chain)
         assert chain.bridge is not None and chain.bridge.streams[0].stats["rebuilds"] == 1
-        assert "kv_router_bridge_engine_up 1.0" in chain.metrics()
+        assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
     finally:
         chain.close()
         side.call(http.stop())
