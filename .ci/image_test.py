@@ -205,6 +205,7 @@ def run_against_external_nats(work: Path) -> None:
             "--runtime", "runc", "run", "--detach", "--name", name, "--network", "host", "--read-only",
             "--env", "KV_ROUTER_HOST=127.0.0.1", "--env", f"KV_ROUTER_PORT={http_port}",
             "--env", f"KV_ROUTER_NATS_URL=nats://127.0.0.1:{nats_port}", "--env", f"KV_ROUTER_BLOCK_SIZE={BLOCK_SIZE}",
+            "--env", "KV_ROUTER_PROXY=true",  # as deploy/compose.yaml runs it
             # podman runs health checks from systemd timers, absent here: the check is run below instead.
             "--no-healthcheck",
             IMAGE,
@@ -226,18 +227,25 @@ def run_against_external_nats(work: Path) -> None:
         metrics = http(http_port, "/metrics")[1].decode()
         assert "kv_router_nats_connected 1.0" in metrics, "the router is not connected to the external NATS"
         assert 'kv_router_decisions_total{dp_rank="0",worker_id="8"} 1.0' in metrics
-        # A simulated engine from the simulator image joins over NATS, as in deploy/compose.yaml.
+        # A simulated engine from the simulator image joins over NATS with its OpenAI API registered
+        # under the URL it is reached at, and the router's proxy sends it a completion, as in
+        # deploy/compose.yaml (which names it by its service; ``localhost`` here, on the host network).
+        worker_port = free_port()
         podman(
             "--runtime", "runc", "run", "--detach", "--name", worker, "--network", "host", "--no-healthcheck",
             "--entrypoint", "kv-router", SIMULATOR_IMAGE,
             "mock-worker", "--nats-url", f"nats://127.0.0.1:{nats_port}", "--worker-id", "5",
-            "--block-size", str(BLOCK_SIZE),
+            "--block-size", str(BLOCK_SIZE), "--http-port", str(worker_port), "--http-host", "127.0.0.1",
+            "--http-url", f"http://localhost:{worker_port}",
             capture=True,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while 5 not in [w["config"]["worker_id"] for w in json.loads(http(http_port, "/v1/workers")[1])["workers"]]:
             assert time.monotonic() < deadline, f"the mock worker did not join: {logs(worker)}"
             time.sleep(0.2)
+        # Workers 7 and 8 have no URL: the proxy's one candidate is the mock worker.
+        status, body = http(http_port, "/v1/completions", {"model": "mock-model", "prompt": tokens, "max_tokens": 2})
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2, (body, logs(worker))
         podman("kill", "--signal", "TERM", worker, capture=True)
         check_http_only()
         podman("kill", "--signal", "TERM", name, capture=True)

@@ -570,6 +570,12 @@ def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
         "--http-port", type=int, default=None, help="also serve the OpenAI HTTP API on this port (0: a free one)"
     )
     parser.add_argument("--http-host", default="127.0.0.1", help="address of the HTTP API [%(default)s]")
+    parser.add_argument(
+        "--http-url",
+        default=None,
+        help="the URL routers reach the HTTP API at, registered for them (with --http-host 0.0.0.0 in a "
+        "container: http://SERVICE:PORT) [http://HTTP_HOST:HTTP_PORT]",
+    )
     parser.add_argument("--model", default="mock-model", help="model name the HTTP API serves [%(default)s]")
     pd = parser.add_argument_group("disaggregated prefill and decode (over the HTTP API)")
     pd.add_argument(
@@ -597,6 +603,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     from mocker.simulation import KvTransfer
     from mocker.worker import MockWorker
     from mocker.zmq_engine import VllmZmqPublisher
+    from router.engines.openai_server import openai_base
     from router.event_plane.connection_file import ConnectionFileError
     from router.event_plane.embedded_server import free_port
     from router.event_plane.first_connection import FirstConnectionError
@@ -614,6 +621,15 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     if port == 0:
         port = free_port()
     url = f"http://{args.http_host}:{port}" if port is not None else None
+    if args.http_url is not None:
+        if port is None:
+            print("kv-router mock-worker: --http-url needs --http-port (where the API listens)", file=sys.stderr)
+            return 2
+        try:
+            url = openai_base(args.http_url)
+        except ValueError as exc:
+            print(f"kv-router mock-worker: --http-url: {exc}", file=sys.stderr)
+            return 2
 
     try:
         connection = _nats_connection(args, "kv-router mock-worker", f"mock-worker-{worker_id}")

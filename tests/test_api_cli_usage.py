@@ -63,6 +63,11 @@ BAD = [
     (["serve", "--port", "eighty"], "port: expected an integer, got 'eighty' (from flag --port)"),
     (["serve", "--nats-url", "http://127.0.0.1:8000"], "'http://127.0.0.1:8000' is not a NATS URL: use nats://"),
     (["mock-worker", "--nats-url", "http://127.0.0.1:8000"], "is not a NATS URL"),
+    (
+        ["mock-worker", "--http-url", "http://mock-worker-1:8100"],
+        "--http-url needs --http-port (where the API listens)",
+    ),
+    (["mock-worker", "--http-port", "0", "--http-url", "mock-worker-1:8100"], "--http-url: not an http(s) URL"),
     (["serve", "--nats-url", "nats://127.0.0.1:4222,http://127.0.0.1:8000"], "'http://127.0.0.1:8000' is not a NATS"),
     (["serve", "--port", "70000"], "<= 65535"),
     (["serve", "--jetstream-replicas", "3"], "jetstream_replicas: 3 copies need a NATS cluster"),

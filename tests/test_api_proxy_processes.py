@@ -75,3 +75,24 @@ async def test_a_worker_killed_mid_run_loses_no_booking_and_the_proxy_keeps_serv
         finally:
             for process in processes.values():
                 process.stop()
+
+
+async def test_a_worker_registers_the_url_it_is_reached_at_and_the_proxy_uses_it(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """``--http-url``: the address routers reach the worker's API at, as in deploy/compose.yaml, where it
+    listens on every interface and is reached by its service's name (here ``localhost``, not the
+    ``127.0.0.1`` it listens on)."""
+    async with fleet(nats_server.url, ()) as f:
+        port = free_port()
+        worker = ToolProcess(
+            tmp_path, None, "--nats-url", nats_server.url, "--worker-id", "21", "--http-port", str(port),
+            "--http-url", f"http://localhost:{port}/v1", "--model", MODEL, "--log-level", "warning",
+        )  # fmt: skip
+        try:
+            await eventually(lambda: [w.url for w in f.router.workers()] == [f"http://localhost:{port}"], timeout=30)
+            raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=[7] * 64, max_tokens=2)
+            assert raw.headers["x-kv-router-worker"] == "21"
+            assert raw.parse().usage.completion_tokens == 2
+        finally:
+            worker.stop()
