@@ -137,10 +137,29 @@ async def started(
 
 async def publish(nc: Client, events: list[RouterEvent]) -> None:
     subjects = Subjects()
-    for event in events:
-        await nc.publish(subjects.events(event.worker_id), encode_router_events(event, msgpack=True))
-        await asyncio.sleep(0.001)  # the behaviour under test: events keep arriving while the dump is written
+    async with stored_in_the_stream(nc, len(events)):
+        for event in events:
+            await nc.publish(subjects.events(event.worker_id), encode_router_events(event, msgpack=True))
+            await asyncio.sleep(0.001)  # the behaviour under test: events keep arriving while the dump is written
+
+
+@contextlib.asynccontextmanager
+async def stored_in_the_stream(nc: Client, count: int) -> AsyncIterator[None]:
+    """Until the events stream holds the ``count`` messages published inside: the server took them at
+    the flush, but the stream stores them a moment later, and a stream_info read before that sees the
+    old last sequence (`applied_all` then waits for too little)."""
+
+    async def last_seq() -> int:
+        return (await nc.jetstream().stream_info(Subjects().events_stream)).state.last_seq
+
+    before = await last_seq()
+    yield
     await nc.flush()
+
+    async def all_stored() -> bool:
+        return await last_seq() >= before + count
+
+    await eventually(all_stored, what=f"{count} messages stored in the stream")
 
 
 async def applied_all(events: DurableEvents, nc: Client, timeout: float = 30.0) -> None:
@@ -557,10 +576,10 @@ async def test_a_put_under_way_for_longer_than_the_grace_loses_no_chunk_to_the_s
 async def publish_as(nc: Client, epoch: str, events: list[RouterEvent]) -> None:
     """As a worker's publisher does: its epoch in a header beside each message."""
     subjects = Subjects()
-    for event in events:
-        payload = encode_router_events(event, msgpack=True)
-        await nc.publish(subjects.events(event.worker_id), payload, headers={EPOCH_HEADER: epoch})
-    await nc.flush()
+    async with stored_in_the_stream(nc, len(events)):
+        for event in events:
+            payload = encode_router_events(event, msgpack=True)
+            await nc.publish(subjects.events(event.worker_id), payload, headers={EPOCH_HEADER: epoch})
 
 
 async def test_a_worker_restarted_while_the_router_was_down_is_told_by_its_epoch(nc: Client) -> None:
