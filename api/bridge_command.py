@@ -167,7 +167,8 @@ class BridgeCommand:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             if metrics is not None:
-                metrics.close()
+                metrics.close()  # a scrape under way ends within its read timeout: waited for, not cut off
+                await metrics.wait_closed()
             await nc.close()
             return 0
 

@@ -53,9 +53,9 @@ class BridgeCollector(Collector):
         for outcome, count in sorted(bridge.sink.stats.items()):
             rejected.add_metric([outcome.removeprefix("rejected_")], count)
         if publisher.refusal is not None:
-            refused.add_metric([publisher.refusal.reason], 1.0)
-        up.add_metric([], float(not bridge.withdrawn))
-        if bridge.health is not None:
+            refused.add_metric([str(publisher.refusal.router_block_size)], 1.0)
+        if bridge.health is not None:  # without a probe the bridge cannot tell: no series, not a false 1
+            up.add_metric([], float(not bridge.withdrawn))
             probes.add_metric(["ok"], bridge.health.probes - bridge.health.failures)
             probes.add_metric(["failed"], bridge.health.failures)
         connected.add_metric([], float(bridge.nc.is_connected))
@@ -83,12 +83,14 @@ class BridgeCollector(Collector):
             ),
             GaugeMetricFamily(
                 f"{BRIDGE}_worker_refused",
-                "1 while a router refuses the worker (its block size), with the router's reason.",
-                labels=["reason"],
+                "1 while a router refuses the worker: its block size differs from the router's "
+                "(router_block_size; the bridge logs the router's words).",
+                labels=["router_block_size"],
             ),
             GaugeMetricFamily(
                 f"{BRIDGE}_engine_up",
-                "1 while the engine answers its health probe and the worker is registered; 0 while withdrawn.",
+                "1 while the engine answers the bridge's health probe; 0 while it does not (the worker is "
+                "withdrawn from the routers meanwhile). Not exported when the bridge probes no health URL.",
             ),
             CounterMetricFamily(
                 f"{BRIDGE}_engine_probes", "Health probes of the engine, by outcome.", labels=["outcome"]

@@ -41,8 +41,9 @@ from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.engine_fakes import BLOCK, EngineHttp, FakeEngine, SideLoop, canonical, loopback_endpoints
-from tests.metrics import sample, total
+from tests.metrics import label_names, sample, total
 from tests.router_processes import ToolProcess, kv_router_command
+from tests.test_deploy_observability import TARGET_LABELS, alert_rules, selectors
 from tests.waiting import until
 
 WORKER = 41
@@ -96,8 +97,8 @@ class Chain:
         async def run() -> Bridge:
             nc = await connect(NatsOptions(self.nats_url))
             config = BridgeConfig(worker_id=WORKER, zmq_endpoint=self.endpoint, replay_endpoint=self.replay,
-                                  block_size=BLOCK, heartbeat_interval_secs=0.2,
-                                  **{"total_kv_blocks": 1000, **settings})  # fmt: skip
+                                  heartbeat_interval_secs=0.2,
+                                  **{"block_size": BLOCK, "total_kv_blocks": 1000, **settings})  # fmt: skip
             bridge = Bridge(config, nc)
             await bridge.start()
             return bridge
@@ -316,7 +317,7 @@ def test_mock_engine_to_bridge_to_nats_to_router_as_processes(
             "last_event_id"], 20, "the router applied every event the bridge published")  # fmt: skip
         metrics = scrape()
         assert sample(metrics, "kv_router_bridge_nats_connected") == 1
-        assert sample(metrics, "kv_router_bridge_engine_up") == 1
+        assert sample(metrics, "kv_router_bridge_engine_up") is None  # no health URL: nothing probed, no 1
         assert total(metrics, "kv_router_engine_stream_messages_total", endpoint=zmq, outcome="applied") >= 1
         with pytest.raises(urllib.error.HTTPError, match="404"):
             scrape(url.group(1).removesuffix("/metrics") + "/v1/workers")
@@ -371,6 +372,43 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         _converged(router, chain)
         assert chain.bridge is not None and chain.bridge.streams[0].stats["rebuilds"] == 1
         assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
+    finally:
+        chain.close()
+        side.call(http.stop())
+
+
+def test_a_refused_worker_and_refused_events_show_on_the_bridges_metrics_as_its_alerts_read_them(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    """A bridge whose block size the routers refuse, and a store under a parent its engine never stored:
+    only the bridge sees either (the router never routes to the worker, never hears the store), so its
+    /metrics says both, under the names and labels deploy/prometheus/alerts.yaml's bridge rules read."""
+    http = side.call(EngineHttp().start())
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge(block_size=2 * BLOCK, engine_metrics_url=f"{http.url}/metrics")
+        assert chain.bridge is not None
+        side.call(asyncio.wait_for(chain.bridge.publisher.refused.wait(), 30))
+        orphan = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": 99, "medium": "GPU",
+                  "token_ids": list(range(2 * BLOCK)), "block_size": 2 * BLOCK, "lora_id": None}  # fmt: skip
+        side.call(chain.engine.send_raw(msgspec.msgpack.encode([1700000000.5, [orphan], 0])))
+
+        def events_refused() -> float:
+            return total(chain.metrics(), "kv_router_bridge_events_refused_total")
+
+        until(lambda: events_refused() == 1, 20, "the orphan store refused")
+        metrics = chain.metrics()
+        assert router.get(f"/v1/workers/{WORKER}").status_code == 404
+        assert sample(metrics, "kv_router_bridge_worker_refused", router_block_size=str(BLOCK)) == 1
+        assert sample(metrics, "kv_router_bridge_engine_up") == 1
+        assert sample(metrics, "kv_router_bridge_nats_connected") == 1
+        exposed = label_names(metrics)
+        bridge_rules = [rule for rule in alert_rules() if rule["alert"].startswith("KvRouterBridge")]
+        assert len(bridge_rules) == 4
+        for rule in bridge_rules:
+            for name, labels in selectors(rule["expr"]):
+                assert name in exposed, f"{name} (in {rule['alert']}) is not in the bridge's /metrics"
+                assert labels - TARGET_LABELS <= exposed[name], rule["expr"]
     finally:
         chain.close()
         side.call(http.stop())
