@@ -493,6 +493,8 @@ def _token_list(raw: msgspec.Raw) -> tuple[bytes | list[int], bool]:
     try:
         return _token_ids.decode(raw), False
     except msgspec.ValidationError as exc:
+        if "got `str`" in str(exc):  # TensorRT-LLM's type is `int | str`: a block that cannot be hashed as ids
+            raise EngineDecodeError("string_token_ids", f"token_ids: a string among the ids: {exc}") from None
         if "got `array`" not in str(exc):
             raise EngineDecodeError("bad_event", f"token_ids: {exc}") from None
     except UNDECODABLE as exc:

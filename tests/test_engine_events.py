@@ -169,6 +169,7 @@ def test_non_attention_groups_are_ignored_and_a_map_envelope_is_accepted() -> No
         (_stored(token_ids=[[1, 2]] * 8), "bad_token_ids"),  # bigrams that do not chain
         (_stored(token_ids=[[t, t + 1] for t in range(7)]), "short_token_ids"),  # EAGLE: 2 blocks need 9 ids
         (_stored(token_ids=[-1] * 8), "bad_token_ids"),
+        (_stored(token_ids=[1, 2, "<image>", 4, 5, 6, 7, 8]), "string_token_ids"),  # TensorRT-LLM's int | str
         (_stored(block_hashes=[1, 1]), "repeated_hash"),
         (_stored(parent_block_hash=2), "repeated_hash"),
         (_stored(block_hashes="nope"), "bad_event"),

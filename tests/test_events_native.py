@@ -268,6 +268,7 @@ def test_the_plain_shapes_run_in_c(events: list[Any]) -> None:
         ([{**_plain_stored([1, 2]), "token_ids": [0, 1, 2]}], "short_token_ids"),
         ([{**_plain_stored([1]), "token_ids": [[1, 2, 3]] * BLOCK}], "unsupported_token_ids"),
         ([{**_plain_stored([1]), "token_ids": [[1, 2]] * BLOCK}], "bad_token_ids"),  # bigrams that do not chain
+        ([{**_plain_stored([1]), "token_ids": ["x"] * BLOCK}], "string_token_ids"),
         ([{**_plain_stored([1]), "block_hashes": [1.5]}], "bad_event"),
         ([{"type": "Nope"}], "unknown_event_type"),
     ],
