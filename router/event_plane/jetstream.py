@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, TypeVar
 if TYPE_CHECKING:  # the settings import MAX_REPLICAS: no NATS client for that
     from nats.js import JetStreamContext
 
-__all__ = ["MAX_REPLICAS", "kv_stream", "object_chunk_subject", "object_stream", "scale_stream", "with_replicas"]
+__all__ = [
+    "MAX_REPLICAS",
+    "kv_stream",
+    "object_chunk_subject",
+    "object_stream",
+    "open_bucket",
+    "scale_stream",
+    "with_replicas",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +83,26 @@ async def with_replicas(create: Callable[[int], Awaitable[T]], replicas: int, wh
     log.warning("JetStream %s: the NATS server is not clustered, so it keeps one copy (jetstream_replicas=%d "
                 "needs a cluster of at least that many servers)", what, replicas)  # fmt: skip
     return await create(1)
+
+
+async def open_bucket(
+    js: JetStreamContext,
+    open_existing: Callable[[], Awaitable[T]],
+    create: Callable[[int], Awaitable[T]],
+    *,
+    stream: str,
+    replicas: int | None,
+    what: str,
+) -> T:
+    """A key-value or object bucket (its stream ``stream``): opened, or when it does not exist created
+    with ``replicas`` copies (one for None; `with_replicas`); one that exists is scaled to ``replicas``
+    (None: its count left to those that pass one, as a worker leaves it to the routers)."""
+    from nats.js.errors import NotFoundError  # here: the settings import this module for MAX_REPLICAS
+
+    try:
+        bucket = await open_existing()
+    except NotFoundError:  # nats-py's BucketNotFoundError is one
+        return await with_replicas(create, replicas or 1, what)
+    if replicas is not None:
+        await scale_stream(js, stream, replicas)
+    return bucket

@@ -67,7 +67,7 @@ from indexer.events_native import ENABLED as EVENTS_NATIVE
 from indexer.events_native import accel as events_accel
 from indexer.held_blocks import HeldBlocks
 from indexer.native import declined
-from router.event_plane.jetstream import kv_stream, scale_stream, with_replicas
+from router.event_plane.jetstream import kv_stream, open_bucket
 from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
@@ -86,17 +86,13 @@ async def open_registry(nc: Client, subjects: Subjects, replicas: int | None = N
     passes None and leaves the count to the routers."""
     js = nc.jetstream()
     bucket = subjects.registry_bucket
-    try:
-        registry = await js.key_value(bucket)
-    except Exception:  # nats-py raises BucketNotFoundError or a JetStream API error here
 
-        async def create(copies: int) -> KeyValue:
-            return await js.create_key_value(bucket=bucket, history=1, replicas=copies)
+    async def create(copies: int) -> KeyValue:
+        return await js.create_key_value(bucket=bucket, history=1, replicas=copies)
 
-        return await with_replicas(create, replicas or 1, f"bucket {bucket}")
-    if replicas is not None:
-        await scale_stream(js, kv_stream(bucket), replicas)
-    return registry
+    return await open_bucket(
+        js, lambda: js.key_value(bucket), create, stream=kv_stream(bucket), replicas=replicas, what=f"bucket {bucket}"
+    )
 
 
 class _RankLog:

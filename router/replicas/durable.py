@@ -67,7 +67,6 @@ from nats.js.api import (
 )
 from nats.js.errors import (
     BadObjectMetaError,
-    BucketNotFoundError,
     DigestMismatchError,
     KeyDeletedError,
     KeyNotFoundError,
@@ -79,7 +78,14 @@ from nats.js.object_store import ObjectStore
 
 from indexer.errors import EventDecodeError
 from indexer.events import NonNegative, RouterEvent, decode_router_events
-from router.event_plane.jetstream import kv_stream, object_chunk_subject, object_stream, scale_stream, with_replicas
+from router.event_plane.jetstream import (
+    kv_stream,
+    object_chunk_subject,
+    object_stream,
+    open_bucket,
+    scale_stream,
+    with_replicas,
+)
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.kv_router import KvRouter
@@ -441,32 +447,36 @@ class DurableEvents:
 
     async def _open_store(self) -> ObjectStore:
         bucket = self.subjects.snapshot_bucket
-        try:
-            store = await self._js.object_store(bucket)
-        except (BucketNotFoundError, NotFoundError):
 
-            async def create(copies: int) -> ObjectStore:
-                config = ObjectStoreConfig(storage=StorageType.FILE, replicas=copies)
-                return await self._js.create_object_store(bucket, config)
+        async def create(copies: int) -> ObjectStore:
+            config = ObjectStoreConfig(storage=StorageType.FILE, replicas=copies)
+            return await self._js.create_object_store(bucket, config)
 
-            return await with_replicas(create, self._replicas, f"bucket {bucket}")
-        await scale_stream(self._js, object_stream(bucket), self._replicas)
-        return store
+        return await open_bucket(
+            self._js,
+            lambda: self._js.object_store(bucket),
+            create,
+            stream=object_stream(bucket),
+            replicas=self._replicas,
+            what=f"bucket {bucket}",
+        )
 
     async def _open_cursors(self) -> KeyValue:
         bucket = self.subjects.router_cursor_bucket
-        try:
-            cursors = await self._js.key_value(bucket)
-        except (BucketNotFoundError, NotFoundError):
+
+        async def create(copies: int) -> KeyValue:
             ttl = max(60.0, 3 * self.snapshot_every_s)
+            config = KeyValueConfig(bucket=bucket, ttl=ttl, storage=StorageType.FILE, replicas=copies)
+            return await self._js.create_key_value(config)
 
-            async def create(copies: int) -> KeyValue:
-                config = KeyValueConfig(bucket=bucket, ttl=ttl, storage=StorageType.FILE, replicas=copies)
-                return await self._js.create_key_value(config)
-
-            return await with_replicas(create, self._replicas, f"bucket {bucket}")
-        await scale_stream(self._js, kv_stream(bucket), self._replicas)
-        return cursors
+        return await open_bucket(
+            self._js,
+            lambda: self._js.key_value(bucket),
+            create,
+            stream=kv_stream(bucket),
+            replicas=self._replicas,
+            what=f"bucket {bucket}",
+        )
 
     # ------------------------------------------------------------------ snapshots
     async def _load_snapshot(self) -> IndexSnapshot | None:
