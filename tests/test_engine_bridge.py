@@ -43,7 +43,7 @@ from router.event_plane.embedded_server import EmbeddedNats
 from tests.engine_fakes import BLOCK, EngineHttp, FakeEngine, SideLoop, canonical, loopback_endpoints
 from tests.metrics import label_names, sample, total
 from tests.router_processes import ToolProcess, kv_router_command
-from tests.test_deploy_observability import TARGET_LABELS, alert_rules, selectors
+from tests.test_deploy_observability import BRIDGE_PREFIX, TARGET_LABELS, alert_rules, dashboard_queries, selectors
 from tests.waiting import until
 
 WORKER = 41
@@ -403,12 +403,16 @@ def test_a_refused_worker_and_refused_events_show_on_the_bridges_metrics_as_its_
         assert sample(metrics, "kv_router_bridge_engine_up") == 1
         assert sample(metrics, "kv_router_bridge_nats_connected") == 1
         exposed = label_names(metrics)
-        bridge_rules = [rule for rule in alert_rules() if rule["alert"].startswith("KvRouterBridge")]
+        bridge_rules = [rule["expr"] for rule in alert_rules() if rule["alert"].startswith("KvRouterBridge")]
         assert len(bridge_rules) == 4
-        for rule in bridge_rules:
-            for name, labels in selectors(rule["expr"]):
-                assert name in exposed, f"{name} (in {rule['alert']}) is not in the bridge's /metrics"
-                assert labels - TARGET_LABELS <= exposed[name], rule["expr"]
+        read = set()
+        for query in bridge_rules + dashboard_queries():
+            for name, labels in selectors(query):
+                if name.startswith(BRIDGE_PREFIX):
+                    read.add(name)
+                    assert name in exposed, f"{name} (in {query!r}) is not in the bridge's /metrics"
+                    assert labels - TARGET_LABELS <= exposed[name], query
+        assert read == {name for name in exposed if name.startswith(BRIDGE_PREFIX)}, "a bridge series nothing reads"
     finally:
         chain.close()
         side.call(http.stop())
