@@ -239,7 +239,7 @@ async def test_an_engine_that_answers_but_whose_event_socket_never_delivers_name
     await direct.start()
     publisher = VllmZmqPublisher(f"tcp://*:{port}")
     try:
-        doctor = ConfigDoctor(router, engines=[direct], engine_silent_after_s=0.3)
+        doctor = ConfigDoctor(router, engines=[direct], engine_silent_after_s=3.0)  # not yet at the first check
         await eventually(lambda: router.has_worker(5))
         await router.new(RouteRequest(tokens=list(range(16)), request_id="r1"))
         await eventually(lambda: direct.up_at is not None, what="the engine's health probe answers")

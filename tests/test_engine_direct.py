@@ -545,11 +545,15 @@ async def _probed(
         await http.stop()
 
 
-async def test_an_engine_is_routable_only_once_its_event_socket_has_the_routers_subscription() -> None:
+async def test_an_engine_is_routable_only_once_its_event_socket_has_the_routers_subscription(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An engine routed to before its PUB socket had the router's subscription lost the prompt's events
     (ZMQ drops what it publishes meanwhile), so the prompt's repeat went anywhere: the README's
     walkthrough failed so, rarely, in the first second. Here the engine's HTTP answers first and its event
-    sockets bind later; it is routable only after, and what it publishes then is heard live."""
+    sockets bind later; it is routable only after, and what it publishes then is heard live. (The join's
+    wait is 30 s here: on a loaded machine the engine may bind after the default's 2 s.)"""
+    monkeypatch.setattr(direct_module, "JOIN_TIMEOUT_S", 30.0)
     http = EngineHttp()
     endpoint, replay = loopback_endpoints(replay=True)
     engine = FakeEngine(WORKER, endpoint, replay, seed=5)

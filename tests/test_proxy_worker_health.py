@@ -49,7 +49,8 @@ async def hold_prompts(f: Fleet, worker_id: int) -> None:
 async def test_failures_open_a_workers_circuit_for_every_caller_and_a_half_open_probe_closes_it(
     nats_server: EmbeddedNats,
 ) -> None:
-    router = {"worker_breaker_failures": 2, "worker_breaker_open_secs": 0.5}
+    # Open long enough for the checks below on a loaded machine (half-open once it is up is waited for).
+    router = {"worker_breaker_failures": 2, "worker_breaker_open_secs": 3.0}
     port = free_port()
     async with fleet(nats_server.url, (1,), router=router, proxy=NO_CHECKS) as f:
         # Worker 9 holds the prompt, so every policy's first choice, but nothing listens at its URL yet.
@@ -138,7 +139,7 @@ async def test_a_worker_failing_its_checks_registered_again_is_out_of_routing_ag
     next look at the registrations, it gets a new probe, whose first verdict is reported."""
     checks = {
         "proxy_health_check_interval_secs": 0.5,
-        "proxy_health_check_timeout_secs": 0.2,
+        "proxy_health_check_timeout_secs": 3.0,  # nothing listens at worker 9's URL: refused at once
         "proxy_health_check_failures": 1,
         "proxy_health_check_successes": 1,
     }
@@ -160,7 +161,8 @@ async def test_a_worker_failing_its_checks_registered_again_is_out_of_routing_ag
 async def test_chats_are_tokenized_by_workers_in_routing_only(nats_server: EmbeddedNats) -> None:
     """Without local tokenizer files a chat is tokenized by a worker's /tokenize: never by one out of
     routing (a hung one would hold every other chat for the read timeout)."""
-    checks = {"proxy_health_check_interval_secs": 0.2, "proxy_health_check_timeout_secs": 0.2,
+    # The hung worker fails its checks at the timeout; the healthy one must not, on a loaded machine.
+    checks = {"proxy_health_check_interval_secs": 0.2, "proxy_health_check_timeout_secs": 3.0,
               "proxy_health_check_failures": 1, "proxy_read_timeout_secs": 5}  # fmt: skip
     asked: list[bytes] = []
     done = asyncio.Event()
