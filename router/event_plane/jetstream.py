@@ -87,22 +87,23 @@ async def with_replicas(create: Callable[[int], Awaitable[T]], replicas: int, wh
 
 async def open_bucket(
     js: JetStreamContext,
-    open_existing: Callable[[], Awaitable[T]],
+    bucket: str,
+    open_existing: Callable[[str], Awaitable[T]],
     create: Callable[[int], Awaitable[T]],
     *,
     stream: str,
     replicas: int | None,
-    what: str,
 ) -> T:
-    """A key-value or object bucket (its stream ``stream``): opened, or when it does not exist created
-    with ``replicas`` copies (one for None; `with_replicas`); one that exists is scaled to ``replicas``
-    (None: its count left to those that pass one, as a worker leaves it to the routers)."""
+    """The key-value or object ``bucket`` (its stream ``stream``): ``open_existing(bucket)``, or when it
+    does not exist ``create`` with ``replicas`` copies (one for None; `with_replicas`); one that exists
+    is scaled to ``replicas`` (None: its count left to those that pass one, as a worker leaves it to
+    the routers)."""
     from nats.js.errors import NotFoundError  # here: the settings import this module for MAX_REPLICAS
 
     try:
-        bucket = await open_existing()
+        opened = await open_existing(bucket)
     except NotFoundError:  # nats-py's BucketNotFoundError is one
-        return await with_replicas(create, replicas or 1, what)
+        return await with_replicas(create, replicas or 1, f"bucket {bucket}")
     if replicas is not None:
         await scale_stream(js, stream, replicas)
-    return bucket
+    return opened

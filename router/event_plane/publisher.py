@@ -90,9 +90,7 @@ async def open_registry(nc: Client, subjects: Subjects, replicas: int | None = N
     async def create(copies: int) -> KeyValue:
         return await js.create_key_value(bucket=bucket, history=1, replicas=copies)
 
-    return await open_bucket(
-        js, lambda: js.key_value(bucket), create, stream=kv_stream(bucket), replicas=replicas, what=f"bucket {bucket}"
-    )
+    return await open_bucket(js, bucket, js.key_value, create, stream=kv_stream(bucket), replicas=replicas)
 
 
 class _RankLog:

@@ -452,30 +452,18 @@ class DurableEvents:
             config = ObjectStoreConfig(storage=StorageType.FILE, replicas=copies)
             return await self._js.create_object_store(bucket, config)
 
-        return await open_bucket(
-            self._js,
-            lambda: self._js.object_store(bucket),
-            create,
-            stream=object_stream(bucket),
-            replicas=self._replicas,
-            what=f"bucket {bucket}",
-        )
+        stream, replicas = object_stream(bucket), self._replicas
+        return await open_bucket(self._js, bucket, self._js.object_store, create, stream=stream, replicas=replicas)
 
     async def _open_cursors(self) -> KeyValue:
         bucket = self.subjects.router_cursor_bucket
 
         async def create(copies: int) -> KeyValue:
-            ttl = max(60.0, 3 * self.snapshot_every_s)
-            config = KeyValueConfig(bucket=bucket, ttl=ttl, storage=StorageType.FILE, replicas=copies)
+            config = KeyValueConfig(bucket=bucket, ttl=self._cursor_ttl, storage=StorageType.FILE, replicas=copies)
             return await self._js.create_key_value(config)
 
         return await open_bucket(
-            self._js,
-            lambda: self._js.key_value(bucket),
-            create,
-            stream=kv_stream(bucket),
-            replicas=self._replicas,
-            what=f"bucket {bucket}",
+            self._js, bucket, self._js.key_value, create, stream=kv_stream(bucket), replicas=self._replicas
         )
 
     # ------------------------------------------------------------------ snapshots
