@@ -116,15 +116,16 @@ class Chain:
     def stop_bridge(self, *, deregister: bool = True) -> None:
         bridge, self.bridge = self.bridge, None
         server, self.metrics_server = self.metrics_server, None
-        if server is not None:
-            server.close()
-        if bridge is not None:
 
-            async def run() -> None:
+        async def run() -> None:  # on the bridge's loop: an asyncio server is not closed from another thread
+            if server is not None:
+                server.close()
+                await server.wait_closed()
+            if bridge is not None:
                 await bridge.stop(deregister=deregister)
                 await bridge.nc.close()
 
-            self.side.call(run())
+        self.side.call(run())
 
     def steps(self, count: int, *, drop_every: int = 0) -> None:
         for i in range(count):
