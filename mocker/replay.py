@@ -109,9 +109,13 @@ class ReplaySetup:
         return router_names()
 
     def effective_router_config(self) -> RouterConfig:
-        if self.router_config is None:
-            return RouterConfig(block_size=self.engine.block_size)
-        return self.router_config
+        config = self.router_config
+        if config is None:
+            config = RouterConfig(block_size=self.engine.block_size)
+        if not self.event_delay_ms:
+            # The simulated engines' events reach the router as they happen: no lag for the credit to bridge.
+            config = msgspec.structs.replace(config, computed_prompt_credit_secs=0.0)
+        return config
 
     def describe(self, trace: Trace) -> dict[str, Any]:
         """The settings a report is reproducible from."""

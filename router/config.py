@@ -400,6 +400,17 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "total_kv_blocks per rank, least recently routed out first)"
         ),
     ] = 120.0
+    # Ours: an engine's KV events trail its answer (vLLM publishes a step's events from a thread, then the
+    # bridge and NATS carry them), so a prompt sent again at once found its blocks unindexed.
+    computed_prompt_credit_secs: Annotated[
+        float,
+        _doc(
+            "ours: seconds a request's computed prompt (its first token out) counts as cached on its rank (a worker "
+            "with KV events) while its engine's events about it may still be on their way; 0: off; the dynamo "
+            "policy ignores it (parity)"
+        ),
+        msgspec.Meta(ge=0),
+    ] = 1.0
     # Ours: the circuit breaker per worker (router/worker_health.py), fed by the proxy's outcomes.
     worker_breaker_failures: Annotated[
         int,

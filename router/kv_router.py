@@ -26,6 +26,7 @@ from indexer.radix_tree import RadixTree
 from indexer.sequencer import RETRY_INTERVAL_S, EventSequencer
 from indexer.slots import WorkerRank
 from router.approximate import PredictedCache
+from router.computed_prompts import ComputedPrompts
 from router.config import RouterConfig
 from router.disaggregation import (
     PendingPrefill,
@@ -208,6 +209,10 @@ class KvRouter:
             )
         if not config.kv_events:
             self._predict()
+        # Prompts computed lately, credited on their rank while their engine's events may be on their way.
+        self.computed_prompts: ComputedPrompts | None = None
+        if config.computed_prompt_credit_secs > 0 and config.policy != "dynamo":
+            self.computed_prompts = ComputedPrompts(config.computed_prompt_credit_secs, clock)
         # Replica sync (`router.replicas`) publishes what this router books; None: a lone router.
         self.booking_listener: BookingListener | None = None
         # Whether any worker is prefill- or decode-only (then every request is routed as two legs).
@@ -293,6 +298,8 @@ class KvRouter:
         self.sequencer.forget_worker(worker_id)  # a worker registered again starts its streams afresh
         if self.predictions is not None:
             self.predictions.forget_worker(worker_id)
+        if self.computed_prompts is not None:
+            self.computed_prompts.forget_worker(worker_id)
         logger.info(
             "worker %d left: %d active requests dropped",
             worker_id,
@@ -790,8 +797,9 @@ class KvRouter:
         """The request's first token is out: its prefill no longer loads its rank. False if unknown.
 
         ``replicated``: a peer router's change, not told to the booking listener."""
-        self._free_prefill_leg(request_id, replicated)  # a remote prefill ends with the first token
+        self._free_prefill_leg(request_id, replicated, computed=True)  # a remote prefill ends with the first token
         marked = self._scheduler.sequences.mark_prefill(request_id)
+        self._credit_computed_prompt(request_id)
         if marked:
             if not replicated and self.booking_listener is not None:
                 self.booking_listener.prefill_marked(request_id)
@@ -825,13 +833,28 @@ class KvRouter:
             self._dispatch_waiting()
         return freed
 
-    def _free_prefill_leg(self, request_id: str, replicated: bool) -> None:
-        """Free the request's remote prefill booking, if it has one. Found by its id, not remembered: a
-        replica holding the booking (`router.replicas`) may be the one told, and frees it alike. A
-        peer's change is left to the peer, which frees the leg itself and says so."""
+    def _credit_computed_prompt(self, request_id: str) -> None:
+        """The request's prompt is computed (its first token is out), so its engine holds the prompt's
+        blocks, but its events about them may still be on their way: its booked blocks count as cached on
+        its rank for ``computed_prompt_credit_secs``. A prompt just computed is the last an LRU cache
+        evicts, so the credit rarely outlives the blocks; a request that ends before its first token (a
+        failed worker, a cancelled request) is credited nothing."""
+        if self.computed_prompts is None:
+            return
+        booking = self._scheduler.sequences.booking(request_id)
+        if booking is not None and booking.hashes:
+            self.computed_prompts.add(booking.key, booking.hashes)
+
+    def _free_prefill_leg(self, request_id: str, replicated: bool, *, computed: bool = False) -> None:
+        """Free the request's remote prefill booking, if it has one (``computed``: its prompt was, the
+        decode leg's first token is out). Found by its id, not remembered: a replica holding the booking
+        (`router.replicas`) may be the one told, and frees it alike. A peer's change is left to the peer,
+        which frees the leg itself and says so."""
         if self._disaggregated and not replicated:
             leg = prefill_booking_id(request_id)
             if self._scheduler.sequences.owner(leg) is not None:
+                if computed:
+                    self._credit_computed_prompt(leg)
                 self.mark_free(leg)
 
     def book_replicated(self, request_id: str, booking: Booking) -> None:
@@ -964,10 +987,15 @@ class KvRouter:
 
     def _match(self, prompt: Prompt) -> dict[WorkerRank, RankOverlap]:
         matches = self.tree.find_matches(prompt.local_hashes)
+        scores = matches.scores
         if self.predictions is not None:
             # Per rank the larger of what its events say and what was predicted from routing.
-            scores = matches.scores
             for rank, blocks in self.predictions.tree.find_matches(prompt.local_hashes).scores.items():
+                if blocks > scores.get(rank, 0):
+                    scores[rank] = blocks
+        if self.computed_prompts is not None and prompt.shared_hashes:
+            # ... and what was computed there lately, its events perhaps still on their way.
+            for rank, blocks in self.computed_prompts.depths(prompt.shared_hashes).items():
                 if blocks > scores.get(rank, 0):
                     scores[rank] = blocks
         return rank_overlaps(matches, self.config)

@@ -173,20 +173,30 @@ def _setup(client: Client, *workers: int) -> None:
     assert applied == reply("200 OK", b'{"received":1,"applied":1,"rejected":0,"duplicate":0,"errors":[]}')
 
 
+def _decision(blocks: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The answer to TOKENS routed to worker 1 with ``blocks`` of them cached there, and its receipt."""
+    decision = {"worker_id": 1, "dp_rank": 0, "overlap_blocks": blocks, "cached_tokens": blocks * BLOCK_SIZE}
+    receipt = {"device_blocks": blocks, "host_pinned_blocks": 0, "disk_blocks": 0, "credited_blocks": float(blocks),
+               "stream_trusted": True, "reason": "lowest_cost", "candidates": 2}  # fmt: skip
+    return decision, receipt
+
+
+def _new_a_answer(blocks: int) -> bytes:
+    decision, receipt = _decision(blocks)
+    body = {**decision, "request_id": "a", "explanation": None, "receipt": receipt, "disaggregation": None}
+    return reply("200 OK", json.dumps(body, separators=(",", ":")).encode(), request_id="a")
+
+
 # One connection's script and the exact answers expected (a `new` without its timing).
 def _script() -> list[tuple[bytes, bytes]]:
-    decision = {"worker_id": 1, "dp_rank": 0, "overlap_blocks": 3, "cached_tokens": 48, "request_id": "a"}
-    receipt = {"device_blocks": 3, "host_pinned_blocks": 0, "disk_blocks": 0, "credited_blocks": 3.0,
-               "stream_trusted": True, "reason": "lowest_cost", "candidates": 2}  # fmt: skip
-    decision_bytes = json.dumps(
-        {**decision, "explanation": None, "receipt": receipt, "disaggregation": None}, separators=(",", ":")
-    ).encode()
-    query_answer = {key: value for key, value in decision.items() if key != "request_id"}
+    # Asked after "a"'s first token: its whole prompt (4 blocks) is computed on worker 1, credited there
+    # while the engine's events about it may be on their way (`computed_prompt_credit_secs`).
+    query_answer, query_receipt = _decision(4)
     loads = b'{"loads":[{"worker_id":1,"dp_rank":0,"potential_prefill_tokens":32,"potential_decode_blocks":4,'
     loads += b'"active_requests":1},{"worker_id":2,"dp_rank":0,"potential_prefill_tokens":64,'
     loads += b'"potential_decode_blocks":4,"active_requests":0}],"pending_count":0,"pending_isl_tokens":0}'
     return [
-        (post("/v1/new", {"tokens": TOKENS, "request_id": "a"}), reply("200 OK", decision_bytes, request_id="a")),
+        (post("/v1/new", {"tokens": TOKENS, "request_id": "a"}), _new_a_answer(3)),
         (post("/v1/potential_loads", {"tokens": TOKENS}), reply("200 OK", loads)),
         (post("/v1/mark_prefill", {"request_id": "a"}),
          reply("200 OK", b'{"request_id":"a","success":true}', request_id="a")),
@@ -194,7 +204,7 @@ def _script() -> list[tuple[bytes, bytes]]:
         # Dynamo's PreprocessedRequest on the tagged route, asked without booking (query_instance_id).
         (post("/v1/router", {"method": "route", "token_ids": TOKENS, "annotations": ["query_instance_id"],
                              "sampling_options": {"temperature": 0.5}}),
-         reply("200 OK", json.dumps({"method": "route", **query_answer, "receipt": {**receipt, "candidates": 2},
+         reply("200 OK", json.dumps({"method": "route", **query_answer, "receipt": query_receipt,
                                      "nvext": {"worker_id": {"prefill_worker_id": 1, "prefill_dp_rank": 0,
                                                              "decode_worker_id": 1, "decode_dp_rank": 0},
                                                "token_ids": TOKENS}},
@@ -262,7 +272,8 @@ def test_a_head_read_before_its_body_is_answered_once_the_body_is_in() -> None:
         client.send(head + b"\r\n\r\n")
         assert client.nothing_within(0.05)
         client.send(body + then[0])
-        assert [without_timing(client.response()) for _ in range(2)] == [first[1], then[1]]
+        # "a" again, its whole prompt credited to worker 1 since its first token a moment ago.
+        assert [without_timing(client.response()) for _ in range(2)] == [_new_a_answer(4), then[1]]
         client.close()
 
 

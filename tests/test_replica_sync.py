@@ -72,10 +72,14 @@ def bookings(router: KvRouter) -> dict[str, tuple[object, ...]]:
 
 
 async def agree(replicas: list[Replica], reference: KvRouter) -> None:
-    expected = loads(reference), bookings(reference)
-    await eventually(
-        lambda: all((loads(r.router), bookings(r.router)) == expected for r in replicas), 30, "the replicas agree"
-    )
+    """Until every replica's loads and bookings are the reference's, both read anew each time: a computed
+    prompt's credit ends a second after its first token, on each router a moment apart."""
+
+    def same() -> bool:
+        expected = loads(reference), bookings(reference)
+        return all((loads(r.router), bookings(r.router)) == expected for r in replicas)
+
+    await eventually(same, 30, "the replicas agree")
 
 
 @contextlib.asynccontextmanager

@@ -78,7 +78,8 @@ def test_miss_weight_one_is_plain_time_to_prefill() -> None:
     ("predict", "winner", "cost_x"), [(True, X, 3.0 * 32 + 0.05 * BS * 6), (False, Y, 3.0 * 128 + 4.8)]
 )
 def test_prefix_booked_in_flight_counts_as_cached(predict: bool, winner: int, cost_x: float) -> None:
-    router = router_with(affinity_predict_inflight=predict)
+    # Without the credit of a computed prompt, which counts the prefix as cached from its first token on.
+    router = router_with(affinity_predict_inflight=predict, computed_prompt_credit_secs=0.0)
     book_on_x(router, "first", QUERY[:96])  # the engine has not reported these 6 blocks stored yet
     assert router.mark_prefill("first")
     decision = route(router, QUERY)

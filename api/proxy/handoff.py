@@ -256,7 +256,10 @@ class Handoff:
             message = content[:200].decode("utf-8", "replace")
             raise self._failed(legs, f"HTTP {connection.status}: {message}")
         if legs.leg.booking_id is not None:
-            self.router.mark_free(legs.leg.booking_id)  # its prompt is computed: no more prefill load there
+            # Its prompt is computed (credited there until the prefill worker's events tell it): no more
+            # prefill load there.
+            self.router.mark_prefill(legs.leg.booking_id)
+            self.router.mark_free(legs.leg.booking_id)
         return content
 
     def _failed(self, legs: Legs, problem: str) -> PrefillFailed:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -15,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
@@ -29,6 +32,7 @@ from tests.real_engines.fleet import (
     direct_router,
     drive,
     ready,
+    send,
     workload,
 )
 from tests.router_processes import RouterProcess
@@ -376,5 +380,48 @@ async def test_bridge_mode_over_nats_predicts_exactly_at_concurrency_1_and_but_f
             until(lambda: not block_counts(router), 30)
             mostly_exact(await drive(url, workload(seed=11, requests=128), concurrency=4), "bridge mode, concurrency 4")
     finally:
+        for bridge in bridges:
+            bridge.stop()
+
+
+async def test_a_prompt_sent_again_before_its_events_arrive_goes_where_it_was_computed(
+    engines: list[VllmEngine], mirrors: list[EngineMirror], lane_nats: EmbeddedNats, lane_dir: Path
+) -> None:
+    """The bridges held stopped (SIGSTOP) while a prompt is sent twice, so no event of its engine can
+    reach a router: one with the computed-prompt credit (the default) sends the second to the worker
+    that computed the first and predicts the engine's cached tokens; one without it
+    (``--computed-prompt-credit-secs 0``) predicts nothing cached. Four requests take about a second,
+    well inside the bridges' 10 s lease."""
+    reset(mirrors)
+    bridges = [Bridge(lane_dir, lane_nats.url, engine) for engine in engines]
+    routers: list[RouterProcess] = []
+    try:
+        for extra in ((), ("--computed-prompt-credit-secs", "0")):
+            routers.append(ready(bridge_router(lane_dir, lane_nats.url, *extra), {1, 2}))
+        calls = workload(seed=12, requests=2, groups=2, kinds=("text",), streaming=False)
+        for bridge in bridges:
+            os.kill(bridge.pid, signal.SIGSTOP)
+        try:
+            seen = []
+            for router, call in zip(routers, calls, strict=True):
+                async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="-") as client:
+                    seen.append((await send(client, call), await send(client, call)))
+        finally:
+            for bridge in bridges:
+                os.kill(bridge.pid, signal.SIGCONT)
+        (first, again), (other_first, other_again) = seen
+        print(
+            f"\nbridges stopped: credited {first.worker} -> {again.worker} predicted {again.predicted} engine "
+            f"{again.cached}; uncredited {other_first.worker} -> {other_again.worker} predicted "
+            f"{other_again.predicted} engine {other_again.cached}"
+        )
+        assert first.predicted == first.cached == 0
+        assert again.worker == first.worker
+        assert again.predicted == again.cached >= 8 * BLOCK_SIZE  # the group's ten-block prefix, or most of it
+        assert other_again.predicted == 0  # the index alone, its events held up
+        await caught_up(routers[0], mirrors)  # the held-up events arrive once the bridges run again
+    finally:
+        for router in routers:
+            router.stop()
         for bridge in bridges:
             bridge.stop()

@@ -1,0 +1,166 @@
+"""A request's computed prompt counts as cached on its worker until the engine's KV events can have told
+it (`computed_prompt_credit_secs`): events trail an engine's answer, and a prompt sent again at once must
+find its blocks where they are."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from indexer.events import RouterEvent, removed_event, stored_event
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from indexer.slots import WorkerRank
+from router.computed_prompts import ComputedPrompts
+from router.config import RouterConfig
+from router.kv_router import KvRouter
+from router.types import RouteRequest, WorkerConfig
+
+pytestmark = pytest.mark.anyio
+BLOCK = 4
+PROMPT = list(range(100, 100 + 3 * BLOCK))  # three whole blocks
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _router(clock: Clock, **config: object) -> KvRouter:
+    router = KvRouter(RouterConfig(block_size=BLOCK, **config), rng=random.Random(0), clock=clock)  # type: ignore[arg-type]
+    for worker_id in (1, 2):
+        router.register_worker(WorkerConfig(worker_id=worker_id, leased=False))
+    return router
+
+
+async def _computed_and_ended(router: KvRouter, request_id: str) -> int:
+    """Routes the prompt, marks its first token and frees it, as the proxy does; the worker it went to."""
+    decision = await router.new(RouteRequest(tokens=PROMPT, request_id=request_id))
+    assert decision.overlap_blocks == 0
+    router.mark_prefill(request_id)
+    router.mark_free(request_id)
+    return decision.worker_id
+
+
+@pytest.mark.parametrize("policy", ["latency", "cache_affinity"])
+async def test_a_prompt_sent_again_before_its_events_arrive_goes_where_it_was_computed(policy: str) -> None:
+    clock = Clock()
+    router = _router(clock, policy=policy)
+    worker = await _computed_and_ended(router, "a")
+    clock.now += 0.05
+    again = await router.new(RouteRequest(tokens=PROMPT, request_id="b"))
+    assert (again.worker_id, again.overlap_blocks, again.cached_tokens) == (worker, 3, 3 * BLOCK)
+    assert [w.device_blocks for w in router.overlap(PROMPT).workers] == [3 if w == worker else 0 for w in (1, 2)]
+
+
+async def test_the_credit_ends_after_its_seconds_and_events_then_tell_the_truth() -> None:
+    clock = Clock()
+    router = _router(clock, computed_prompt_credit_secs=0.5)
+    worker = await _computed_and_ended(router, "a")
+    clock.now += 0.49
+    assert router.overlap(PROMPT).workers[worker - 1].device_blocks == 3
+    clock.now += 0.02  # gone at once, not at the next sweep
+    assert router.overlap(PROMPT).workers[worker - 1].device_blocks == 0
+    # The engine's events, when they come, are the index's as ever: two blocks stored, one evicted.
+    local = compute_block_hashes(PROMPT, BLOCK)
+    sequence = compute_sequence_hashes(local)
+    router.apply_event(RouterEvent(worker_id=worker, event=stored_event(1, zip(sequence[:2], local[:2], strict=True))))
+    router.apply_event(RouterEvent(worker_id=worker, event=removed_event(2, sequence[1:2])))
+    assert router.overlap(PROMPT).workers[worker - 1].device_blocks == 1
+
+
+async def test_a_request_that_ends_before_its_first_token_is_credited_nothing() -> None:
+    """A worker that failed the request, or a client that left, computed nothing to reuse."""
+    clock = Clock()
+    router = _router(clock)
+    await router.new(RouteRequest(tokens=PROMPT, request_id="a"))
+    router.mark_free("a")
+    assert [w.device_blocks for w in router.overlap(PROMPT).workers] == [0, 0]
+
+
+@pytest.mark.parametrize(("policy", "seconds"), [("dynamo", 1.0), ("latency", 0.0)])
+async def test_no_credit_under_the_dynamo_policy_or_when_turned_off(policy: str, seconds: float) -> None:
+    router = _router(Clock(), policy=policy, computed_prompt_credit_secs=seconds)
+    await _computed_and_ended(router, "a")
+    again = await router.new(RouteRequest(tokens=PROMPT, request_id="b"))
+    assert again.overlap_blocks == 0
+    assert [w.device_blocks for w in router.overlap(PROMPT).workers] == [0, 0]
+
+
+async def test_a_worker_that_leaves_takes_its_credit_and_its_booked_prompts_with_it() -> None:
+    clock = Clock()
+    router = _router(clock)
+    worker = await _computed_and_ended(router, "a")
+    await router.new(RouteRequest(tokens=PROMPT, request_id="b"))  # booked there, not yet computed
+    router.remove_worker(worker)
+    router.register_worker(WorkerConfig(worker_id=worker, leased=False))
+    router.mark_prefill("b")  # unknown now: nothing is credited for it
+    assert [w.device_blocks for w in router.overlap(PROMPT).workers] == [0, 0]
+
+
+async def test_a_peers_booking_is_credited_alike_so_replicas_agree() -> None:
+    """Replica sync hands a peer's booking and its first token to every router: each credits it."""
+    clock = Clock()
+    router, peer = _router(clock), _router(clock)
+    worker = await _computed_and_ended(router, "a")
+    decision = await router.new(RouteRequest(tokens=PROMPT, request_id="b"))
+    booking = router.booking("b")
+    assert booking is not None
+    peer.book_replicated("b", booking)
+    router.mark_prefill("b")
+    peer.mark_prefill("b", replicated=True)
+    assert decision.worker_id == worker
+    for each in (router, peer):
+        assert [w.device_blocks for w in each.overlap(PROMPT).workers] == [3 if w == worker else 0 for w in (1, 2)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(1, 3), st.integers(0, 5), st.integers(1, 6)),
+            st.tuples(st.just("wait"), st.floats(0.0, 0.6)),
+            st.tuples(st.just("forget"), st.integers(1, 3)),
+        ),
+        max_size=40,
+    )
+)
+def test_the_credited_depths_are_the_unexpired_prompts_longest_common_prefix(steps: list[tuple[Any, ...]]) -> None:
+    """Against a plain list of credits: per rank, the longest prefix of the query that some unexpired
+    prompt credited there shares (sequence hashes name their whole prefix, so shared blocks are leading)."""
+    clock = Clock()
+    credits = ComputedPrompts(1.0, clock)
+    model: list[tuple[float, WorkerRank, tuple[int, ...]]] = []
+    # Six prompts of six blocks: all share the first, pairs the second, each its own after.
+    prompts = [
+        compute_sequence_hashes(
+            compute_block_hashes([0] * BLOCK + [1 + seed // 2] * BLOCK + [9 + seed] * 4 * BLOCK, BLOCK)
+        )
+        for seed in range(6)
+    ]
+    for step in steps:
+        if step[0] == "add":
+            _, worker, seed, blocks = step
+            hashes = tuple(prompts[seed][:blocks])
+            credits.add((worker, 0), hashes)
+            model.append((clock.now + 1.0, (worker, 0), hashes))
+        elif step[0] == "wait":
+            clock.now += step[1]
+        else:
+            credits.forget_worker(step[1])
+            model = [entry for entry in model if entry[1][0] != step[1]]
+        for query in prompts:
+            expected: dict[WorkerRank, int] = {}
+            for expiry, key, hashes in model:
+                if expiry > clock.now and hashes[0] == query[0]:
+                    shared = next(
+                        (i for i, (a, b) in enumerate(zip(hashes, query, strict=False)) if a != b),
+                        min(len(hashes), len(query)),
+                    )
+                    expected[key] = max(expected.get(key, 0), shared)
+            assert credits.depths(query) == expected
