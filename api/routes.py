@@ -88,8 +88,8 @@ _HOT_DOCS: dict[str, tuple[str, Any, Any]] = {
     ),
     "/v1/potential_loads": ("Every worker's load if the prompt went there; books nothing", PotentialLoadsRequest,
                             PotentialLoadsReply),
-    "/v1/mark_prefill": ("The request's prefill is done: its prefill tokens stop loading its worker", MarkRequest,
-                         MarkReply),
+    "/v1/mark_prefill": ("The request's prefill is done: its prefill tokens stop loading its worker, and its "
+                         "prompt counts as cached there for computed_prompt_credit_secs", MarkRequest, MarkReply),
     "/v1/mark_free": ("The request is finished or cancelled: release its load", MarkRequest, MarkReply),
     "/v1/record_output": ("The request's generated tokens so far: with router_track_output_blocks its output "
                           "blocks count on its worker, decayed by its expected_output_tokens", OutputProgress,

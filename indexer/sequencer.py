@@ -125,6 +125,9 @@ class EventSequencer:
         # Per stream and per worker, for diagnosis: gaps opened, events refused for an unknown worker.
         self.gaps_by_stream: Counter[WorkerRank] = Counter()
         self.unknown_worker_events: Counter[int] = Counter()
+        # Told (worker_id, dp_rank; None: every rank) whenever blocks leave a rank's index: a removal or
+        # a clear applied, a dump replacing the rank, a restarted publisher's worker emptied.
+        self.on_blocks_left: Callable[[int, int | None], None] | None = None
 
     # ------------------------------------------------------------------ live events
     def ingest(self, events: Iterable[RouterEvent], *, epoch: str | None = None) -> None:
@@ -255,6 +258,7 @@ class EventSequencer:
         stream.resync = None
         if response.tree_dump is not None:
             self.index.remove_worker_dp_rank(*key)
+            self._blocks_left(*key)
             for event in self._of_stream(key, response.tree_dump.events):
                 self._apply(event, stream, from_dump=True)
             stream.synced_through = response.tree_dump.last_event_id
@@ -353,6 +357,10 @@ class EventSequencer:
         stream.trusted = False
         self.untrusted.add(key)
 
+    def _blocks_left(self, worker_id: int, dp_rank: int | None) -> None:
+        if self.on_blocks_left is not None:
+            self.on_blocks_left(worker_id, dp_rank)
+
     # ------------------------------------------------------------------ workers
     def forget_worker(self, worker_id: int) -> None:
         """Drop every stream of ``worker_id`` (its index state is the caller's to remove)."""
@@ -404,6 +412,7 @@ class EventSequencer:
             del self._streams[key]
             self.untrusted.discard(key)
         self.index.remove_worker(worker_id)
+        self._blocks_left(worker_id, None)
         self.outcomes["publisher_restarts"] += 1
         self.ingest(regressed)
         return True
@@ -521,6 +530,8 @@ class EventSequencer:
             return
         data = event.event
         kind = "cleared" if data.is_cleared else ("stored" if data.stored is not None else "removed")
+        if kind != "stored":  # blocks leave, even where the index refuses part of the event
+            self._blocks_left(event.worker_id, data.dp_rank)
         try:
             self.index.apply_router_event(event)
         except KvIndexError as exc:

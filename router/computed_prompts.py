@@ -29,6 +29,7 @@ class ComputedPrompts:
         self._clock = clock
         self._ranks: dict[WorkerRank, BookedBlocksLike] = {}
         self._first_holders: dict[int, set[WorkerRank]] = {}
+        self._firsts: dict[WorkerRank, set[int]] = {}  # per rank, the first blocks it is credited with
         # (expiry, rank, hashes, the rank's blocks then: a rank forgotten and credited again is not released)
         self._expiring: deque[tuple[float, WorkerRank, Sequence[int], BookedBlocksLike]] = deque()
 
@@ -41,6 +42,7 @@ class ComputedPrompts:
             blocks = self._ranks[key] = new_booked_blocks()
         if not blocks.book(hashes):
             self._first_holders.setdefault(hashes[0], set()).add(key)
+            self._firsts.setdefault(key, set()).add(hashes[0])
         self._expiring.append((self._clock() + self._ttl_s, key, hashes, blocks))
 
     def depths(self, hashes: Sequence[int]) -> dict[WorkerRank, int]:
@@ -53,13 +55,19 @@ class ComputedPrompts:
         ranks = self._ranks
         return {key: ranks[key].held(hashes) for key in holders}
 
-    def forget_worker(self, worker_id: int) -> None:
-        for key in [key for key in self._ranks if key[0] == worker_id]:
-            del self._ranks[key]
-        for first, holders in list(self._first_holders.items()):
-            holders.difference_update([key for key in holders if key[0] == worker_id])
-            if not holders:
-                del self._first_holders[first]
+    def forget(self, worker_id: int, dp_rank: int | None = None) -> None:
+        """Drop every credit of the rank (None: of every rank of the worker): blocks left its index (an
+        eviction, a cleared cache, a restarted engine), and a prompt credited there may have left with
+        them. At worst a removal that lagged the prompt's own stores leaves it unindexed a moment longer."""
+        keys = [key for key in self._ranks if key[0] == worker_id] if dp_rank is None else [(worker_id, dp_rank)]
+        for key in keys:
+            if self._ranks.pop(key, None) is None:
+                continue
+            for first in self._firsts.pop(key, ()):
+                holders = self._first_holders[first]
+                holders.discard(key)
+                if not holders:
+                    del self._first_holders[first]
 
     def credited_blocks(self) -> int:
         """Distinct blocks credited now, over every rank."""
@@ -77,5 +85,7 @@ class ComputedPrompts:
                 holders.discard(key)
                 if not holders:
                     del self._first_holders[hashes[0]]
+                self._firsts[key].discard(hashes[0])
             if not len(blocks):
                 del self._ranks[key]
+                self._firsts.pop(key, None)

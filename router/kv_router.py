@@ -213,6 +213,7 @@ class KvRouter:
         self.computed_prompts: ComputedPrompts | None = None
         if config.computed_prompt_credit_secs > 0 and config.policy != "dynamo":
             self.computed_prompts = ComputedPrompts(config.computed_prompt_credit_secs, clock)
+            self.sequencer.on_blocks_left = self.computed_prompts.forget
         # Replica sync (`router.replicas`) publishes what this router books; None: a lone router.
         self.booking_listener: BookingListener | None = None
         # Whether any worker is prefill- or decode-only (then every request is routed as two legs).
@@ -251,6 +252,8 @@ class KvRouter:
                 logger.info("worker %d reconfigured", worker.worker_id, extra={"worker_id": worker.worker_id})
             for dp_rank in set(previous.dp_ranks) - set(worker.dp_ranks):
                 self.tree.remove_worker_dp_rank(worker.worker_id, dp_rank)
+                if self.computed_prompts is not None:
+                    self.computed_prompts.forget(worker.worker_id, dp_rank)
         if dropped:
             logger.warning("worker %d lost dp ranks; dropped %d active requests", worker.worker_id, len(dropped))
         if not self._started and len(self._scheduler.workers) >= self.config.router_min_initial_workers:
@@ -299,7 +302,7 @@ class KvRouter:
         if self.predictions is not None:
             self.predictions.forget_worker(worker_id)
         if self.computed_prompts is not None:
-            self.computed_prompts.forget_worker(worker_id)
+            self.computed_prompts.forget(worker_id)
         logger.info(
             "worker %d left: %d active requests dropped",
             worker_id,
@@ -371,6 +374,8 @@ class KvRouter:
 
     def apply_event(self, event: RouterEvent) -> None:
         """Apply one KV event to the index; raises the indexer's `KvIndexError` for a rejected one."""
+        if self.computed_prompts is not None and event.event.stored is None:  # a removal or a clear
+            self.computed_prompts.forget(event.worker_id, event.event.dp_rank)
         self.tree.apply_router_event(event)
 
     async def wait_for_workers(self) -> None:

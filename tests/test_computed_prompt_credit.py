@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer.events import RouterEvent, removed_event, stored_event
+from indexer.events import RouterEvent, cleared_event, removed_event, stored_event
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from indexer.slots import WorkerRank
 from router.computed_prompts import ComputedPrompts
@@ -38,10 +38,11 @@ def _router(clock: Clock, **config: object) -> KvRouter:
     return router
 
 
-async def _computed_and_ended(router: KvRouter, request_id: str) -> int:
+async def _computed_and_ended(router: KvRouter, request_id: str, pinned: int | None = None) -> int:
     """Routes the prompt, marks its first token and frees it, as the proxy does; the worker it went to."""
-    decision = await router.new(RouteRequest(tokens=PROMPT, request_id=request_id))
-    assert decision.overlap_blocks == 0
+    pin = None if pinned is None else (pinned, 0)
+    decision = await router.new(RouteRequest(tokens=PROMPT, request_id=request_id), pinned_worker=pin)
+    assert decision.overlap_blocks == 0 or pinned is not None
     router.mark_prefill(request_id)
     router.mark_free(request_id)
     return decision.worker_id
@@ -72,6 +73,28 @@ async def test_the_credit_ends_after_its_seconds_and_events_then_tell_the_truth(
     router.apply_event(RouterEvent(worker_id=worker, event=stored_event(1, zip(sequence[:2], local[:2], strict=True))))
     router.apply_event(RouterEvent(worker_id=worker, event=removed_event(2, sequence[1:2])))
     assert router.overlap(PROMPT).workers[worker - 1].device_blocks == 1
+
+
+@pytest.mark.parametrize("how", ["cleared", "removed", "removed_directly"])
+async def test_blocks_leaving_the_workers_index_end_its_credit(how: str) -> None:
+    """An engine whose cache was reset (or that evicted, or restarted) may have lost the prompt too: a
+    clear or a removal applied on the rank ends its credits, whichever way the event came."""
+    clock = Clock()
+    router = _router(clock)
+    worker = await _computed_and_ended(router, "a")
+    other = 3 - worker
+    await _computed_and_ended(router, "b", pinned=other)
+    evicted = stored_event(1, [(777, 888)])  # another prompt's block, stored and then evicted
+    if how == "cleared":
+        events = [RouterEvent(worker_id=worker, event=cleared_event(1))]
+    else:
+        events = [RouterEvent(worker_id=worker, event=e) for e in (evicted, removed_event(2, [777]))]
+    if how == "removed_directly":
+        for event in events:
+            router.apply_event(event)
+    else:
+        router.sequencer.ingest(events)
+    assert [w.device_blocks for w in router.overlap(PROMPT).workers] == [0 if w == worker else 3 for w in (1, 2)]
 
 
 async def test_a_request_that_ends_before_its_first_token_is_credited_nothing() -> None:
@@ -123,9 +146,9 @@ async def test_a_peers_booking_is_credited_alike_so_replicas_agree() -> None:
 @given(
     st.lists(
         st.one_of(
-            st.tuples(st.just("add"), st.integers(1, 3), st.integers(0, 5), st.integers(1, 6)),
+            st.tuples(st.just("add"), st.integers(1, 3), st.integers(0, 1), st.integers(0, 5), st.integers(1, 6)),
             st.tuples(st.just("wait"), st.floats(0.0, 0.6)),
-            st.tuples(st.just("forget"), st.integers(1, 3)),
+            st.tuples(st.just("forget"), st.integers(1, 3), st.sampled_from([0, 1, None])),
         ),
         max_size=40,
     )
@@ -145,15 +168,16 @@ def test_the_credited_depths_are_the_unexpired_prompts_longest_common_prefix(ste
     ]
     for step in steps:
         if step[0] == "add":
-            _, worker, seed, blocks = step
+            _, worker, rank, seed, blocks = step
             hashes = tuple(prompts[seed][:blocks])
-            credits.add((worker, 0), hashes)
-            model.append((clock.now + 1.0, (worker, 0), hashes))
+            credits.add((worker, rank), hashes)
+            model.append((clock.now + 1.0, (worker, rank), hashes))
         elif step[0] == "wait":
             clock.now += step[1]
         else:
-            credits.forget_worker(step[1])
-            model = [entry for entry in model if entry[1][0] != step[1]]
+            _, worker, rank = step
+            credits.forget(worker, rank)
+            model = [entry for entry in model if entry[1][0] != worker or rank not in (None, entry[1][1])]
         for query in prompts:
             expected: dict[WorkerRank, int] = {}
             for expiry, key, hashes in model:
