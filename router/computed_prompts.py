@@ -6,7 +6,8 @@ and a bridge and NATS carry them on, so a prompt sent again the moment its first
 find its blocks unindexed. `KvRouter.mark_prefill` adds a booked request's prompt here (its first token
 is out: the prompt is computed and its blocks are in the engine's cache) by the sequence hashes its
 booking carries, so every replica holding the booking credits it alike; each stays ``ttl_s`` seconds.
-A decision's overlap on a rank is the larger of the index's and what is credited here.
+A decision's overlap on a rank is the larger of the index's and what is credited here. Blocks leaving
+a rank's index (an eviction, a cleared cache, a restarted engine) end every credit of the rank.
 
 Kept as bookings are (`router.booked_blocks`: per rank a refcount per sequence hash, a prompt's holdings a
 prefix of it, and the ranks holding each first block), with the credits queued in expiry order.
