@@ -405,9 +405,9 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     computed_prompt_credit_secs: Annotated[
         float,
         _doc(
-            "ours: seconds a request's computed prompt (its first token out) counts as cached on its rank (a worker "
-            "with KV events) while its engine's events about it may still be on their way; 0: off; the dynamo "
-            "policy ignores it (parity)"
+            "ours: seconds a request's computed prompt (its first token out) counts as cached on its rank while "
+            "its engine's events about it may still be on their way (blocks leaving the rank end it); 0: off; the "
+            "dynamo policy ignores it (parity)"
         ),
         msgspec.Meta(ge=0),
     ] = 1.0

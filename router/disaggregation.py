@@ -49,6 +49,11 @@ def prefill_booking_id(request_id: str) -> str:
     return request_id + PREFILL_BOOKING_SUFFIX
 
 
+def request_of_prefill_booking(booking_id: str) -> str | None:
+    """The request a remote prefill leg's booking belongs to; None for any other booking."""
+    return booking_id.removesuffix(PREFILL_BOOKING_SUFFIX) if booking_id.endswith(PREFILL_BOOKING_SUFFIX) else None
+
+
 def decode_config(config: RouterConfig) -> RouterConfig:
     """The config the decode worker is scored with. With ``disagg_decode_overlap_credit`` the policy is
     unchanged: it prices the prefill the decode worker would do itself (its uncached prompt), which is

@@ -35,6 +35,7 @@ from router.disaggregation import (
     is_disaggregated,
     leg_workers,
     prefill_booking_id,
+    request_of_prefill_booking,
 )
 from router.errors import (
     AllWorkersOverloaded,
@@ -841,25 +842,36 @@ class KvRouter:
     def _credit_computed_prompt(self, request_id: str) -> None:
         """The request's prompt is computed (its first token is out), so its engine holds the prompt's
         blocks, but its events about them may still be on their way: its booked blocks count as cached on
-        its rank for ``computed_prompt_credit_secs``. A prompt just computed is the last an LRU cache
-        evicts, so the credit rarely outlives the blocks; a request that ends before its first token (a
-        failed worker, a cancelled request) is credited nothing."""
+        its rank for ``computed_prompt_credit_secs``, unless blocks leave the rank meanwhile (an eviction,
+        a cleared cache: `ComputedPrompts.forget`). A request that ends before its first token (a failed
+        worker, a cancelled request) is credited nothing."""
         if self.computed_prompts is None:
             return
-        booking = self._scheduler.sequences.booking(request_id)
-        if booking is not None and booking.hashes:
-            self.computed_prompts.add(booking.key, booking.hashes)
+        sequences = self._scheduler.sequences
+        booking = sequences.booking(request_id)
+        if booking is None:
+            return
+        hashes = booking.hashes
+        whole_id = request_of_prefill_booking(request_id)
+        if not hashes and whole_id is not None:
+            # A prefill leg books no blocks unless disagg_prefill_track_active_blocks: its request's are the prompt.
+            whole = sequences.booking(whole_id)
+            hashes = whole.hashes if whole is not None else None
+        if hashes:
+            self.computed_prompts.add(booking.key, hashes)
 
     def _free_prefill_leg(self, request_id: str, replicated: bool, *, computed: bool = False) -> None:
         """Free the request's remote prefill booking, if it has one (``computed``: its prompt was, the
         decode leg's first token is out). Found by its id, not remembered: a replica holding the booking
         (`router.replicas`) may be the one told, and frees it alike. A peer's change is left to the peer,
-        which frees the leg itself and says so."""
-        if self._disaggregated and not replicated:
-            leg = prefill_booking_id(request_id)
-            if self._scheduler.sequences.owner(leg) is not None:
-                if computed:
-                    self._credit_computed_prompt(leg)
+        which frees the leg itself and says so; each replica credits the leg's computed prompt itself."""
+        if not self._disaggregated:
+            return
+        leg = prefill_booking_id(request_id)
+        if self._scheduler.sequences.owner(leg) is not None:
+            if computed:  # on every replica the request's mark reaches, while it holds the leg
+                self._credit_computed_prompt(leg)
+            if not replicated:
                 self.mark_free(leg)
 
     def book_replicated(self, request_id: str, booking: Booking) -> None:

@@ -188,3 +188,24 @@ def test_the_credited_depths_are_the_unexpired_prompts_longest_common_prefix(ste
                     )
                     expected[key] = max(expected.get(key, 0), shared)
             assert credits.depths(query) == expected
+
+
+@pytest.mark.parametrize("first_token", [True, False])
+async def test_a_remote_prefill_is_credited_on_its_prefill_worker_once_the_decode_leg_answers(
+    first_token: bool,
+) -> None:
+    """The decode leg's first token means the prefill leg's prompt was computed on the prefill worker;
+    a request that ends before it (the hand-off failed) credits neither worker."""
+    router = KvRouter(RouterConfig(block_size=BLOCK), rng=random.Random(0))
+    router.register_worker(WorkerConfig(worker_id=1, leased=False, role="prefill"))
+    router.register_worker(WorkerConfig(worker_id=2, leased=False, role="decode"))
+    long_prompt = list(range(500, 500 + 100 * BLOCK))  # above the 256 tokens kept on the decode worker
+    decision = await router.new(RouteRequest(tokens=long_prompt, request_id="r"))
+    assert decision.disaggregation is not None and decision.disaggregation.prefill is not None
+    assert router.booking("r#prefill") is not None
+    if first_token:
+        router.mark_prefill("r")
+    router.mark_free("r")
+    assert router.booking("r#prefill") is None
+    credited = [w.device_blocks for w in router.overlap(long_prompt).workers]
+    assert credited == ([100, 100] if first_token else [0, 0])
