@@ -79,7 +79,7 @@ class ComputedPrompts:
         expiring = self._expiring
         while expiring and expiring[0][0] <= now:
             _, key, hashes, blocks = expiring.popleft()
-            if self._ranks.get(key) is not blocks:  # the worker left meanwhile
+            if self._ranks.get(key) is not blocks:  # forgotten meanwhile (blocks left it, or its worker did)
                 continue
             if not blocks.release(hashes):
                 holders = self._first_holders[hashes[0]]

@@ -1004,17 +1004,12 @@ class KvRouter:
 
     def _match(self, prompt: Prompt) -> dict[WorkerRank, RankOverlap]:
         matches = self.tree.find_matches(prompt.local_hashes)
-        scores = matches.scores
+        # Per rank the larger of what its events say, what was predicted from routing, and what was
+        # computed there lately (its events perhaps still on their way).
         if self.predictions is not None:
-            # Per rank the larger of what its events say and what was predicted from routing.
-            for rank, blocks in self.predictions.tree.find_matches(prompt.local_hashes).scores.items():
-                if blocks > scores.get(rank, 0):
-                    scores[rank] = blocks
+            _raise_to(matches.scores, self.predictions.tree.find_matches(prompt.local_hashes).scores)
         if self.computed_prompts is not None and prompt.shared_hashes:
-            # ... and what was computed there lately, its events perhaps still on their way.
-            for rank, blocks in self.computed_prompts.depths(prompt.shared_hashes).items():
-                if blocks > scores.get(rank, 0):
-                    scores[rank] = blocks
+            _raise_to(matches.scores, self.computed_prompts.depths(prompt.shared_hashes))
         return rank_overlaps(matches, self.config)
 
     def _routing_overlaps(self, prompt: Prompt) -> dict[WorkerRank, RankOverlap]:
@@ -1031,3 +1026,10 @@ class KvRouter:
             cached = round_half_away(o.cached_tokens * weight)
             overlaps[key] = RankOverlap(o.device_blocks, o.host_blocks, o.disk_blocks, effective, cached)
         return overlaps
+
+
+def _raise_to(scores: dict[WorkerRank, int], other: Mapping[WorkerRank, int]) -> None:
+    """Each rank's score raised to ``other``'s where that is larger."""
+    for rank, blocks in other.items():
+        if blocks > scores.get(rank, 0):
+            scores[rank] = blocks
