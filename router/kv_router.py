@@ -844,12 +844,16 @@ class KvRouter:
         blocks, but its events about them may still be on their way: its booked blocks count as cached on
         its rank for ``computed_prompt_credit_secs``, unless blocks leave the rank meanwhile (an eviction,
         a cleared cache: `ComputedPrompts.forget`). A request that ends before its first token (a failed
-        worker, a cancelled request) is credited nothing."""
+        worker, a cancelled request) is credited nothing, nor one on a worker without KV events: its
+        prompt's blocks were predicted there when it was routed (`PredictedCache`)."""
         if self.computed_prompts is None:
             return
         sequences = self._scheduler.sequences
         booking = sequences.booking(request_id)
         if booking is None:
+            return
+        worker = self._scheduler.workers.get(booking.key[0])
+        if worker is None or not self.expects_events(worker):
             return
         hashes = booking.hashes
         whole_id = request_of_prefill_booking(request_id)

@@ -115,6 +115,24 @@ async def test_no_credit_under_the_dynamo_policy_or_when_turned_off(policy: str,
     assert [w.device_blocks for w in router.overlap(PROMPT).workers] == [0, 0]
 
 
+@pytest.mark.parametrize("events_off", ["router", "worker"])
+async def test_a_worker_without_kv_events_is_credited_nothing_its_prompts_are_predicted_at_routing(
+    events_off: str,
+) -> None:
+    """Approximate mode records a prompt's blocks on its worker when it is routed, for minutes: a credit
+    would repeat it."""
+    clock = Clock()
+    router = _router(clock, kv_events=events_off != "router")
+    if events_off == "worker":
+        for worker_id in (1, 2):
+            router.register_worker(WorkerConfig(worker_id=worker_id, leased=False, kv_events=False))
+    worker = await _computed_and_ended(router, "a")
+    assert router.computed_prompts is not None and router.computed_prompts.credited_blocks() == 0
+    clock.now += 5.0  # past the credit, well within router_ttl_secs
+    again = await router.new(RouteRequest(tokens=PROMPT, request_id="b"))
+    assert (again.worker_id, again.overlap_blocks) == (worker, 3)
+
+
 async def test_a_worker_that_leaves_takes_its_credit_and_its_booked_prompts_with_it() -> None:
     clock = Clock()
     router = _router(clock)
