@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any, ParamSpec
@@ -66,6 +65,7 @@ from indexer.events import decode_router_events
 from indexer.hashing import unpack_tokens
 from router.errors import QueueRejected
 from router.kv_router import KvRouter
+from router.request_ids import new_request_id
 from router.types import RouteDecision, Tokens
 
 __all__ = ["HOT_ACCESS", "HOT_PATHS", "Handlers"]
@@ -147,7 +147,7 @@ class Handlers:
             tokens = self._check_prompt(request.tokens)
             explain = request.explain or call.explain
             if request.request_id is None:
-                request = msgspec.structs.replace(request, request_id=call.request_id or uuid.uuid4().hex)
+                request = msgspec.structs.replace(request, request_id=call.request_id or new_request_id())
             decision = self._router.decide(request, explain=explain)
         except Exception as exc:
             return self._error("new", exc)
@@ -208,7 +208,7 @@ class Handlers:
         tokens = self._check_prompt(request.tokens)
         # Dynamo takes the id of `new` from the request-plane context; over HTTP that is X-Request-Id.
         if request.request_id is None:
-            request = msgspec.structs.replace(request, request_id=call.request_id or uuid.uuid4().hex)
+            request = msgspec.structs.replace(request, request_id=call.request_id or new_request_id())
         try:
             decision = self._router.decide(request)
             if not isinstance(decision, RouteDecision):
@@ -233,7 +233,7 @@ class Handlers:
         query = queries_instance(body.annotations)  # answer the choice, book nothing
         # Checked before anything is booked: what cannot be handed back is refused first.
         forward = _forwardable(call) if body.return_request else None
-        request_id = None if query else body.request_id or call.request_id or uuid.uuid4().hex
+        request_id = None if query else body.request_id or call.request_id or new_request_id()
         routing = routing_call(
             self._router,
             body.token_ids,

@@ -37,7 +37,6 @@ import logging
 import math
 import re
 import time
-import uuid
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple, TypeVar
@@ -91,6 +90,7 @@ from indexer.slots import WorkerRank
 from router.errors import AllWorkersOverloaded, InvalidRequest, NoEligibleWorker, QueueRejected, WorkersUnavailable
 from router.kv_router import KvRouter
 from router.prompt import token_count
+from router.request_ids import new_request_id
 from router.types import RouteDecision, RouterConfigOverride, RouteRequest, WorkerConfig
 
 __all__ = ["ROUTES", "Proxy"]
@@ -303,7 +303,7 @@ class Proxy:
         (``request.is_disconnected()``) is the end of the request, counted as such."""
         outcome = "ok"
         received = time.perf_counter()
-        booking_id = uuid.uuid4().hex
+        booking_id = new_request_id()
         passed = self.client_headers.read(request, booking_id, route)
         # The request id (and CORS) on every answer; the request's span's timeline, if exported.
         reply = WithHeaders(request, passed.answer, passed.span.timeline if passed.span is not None else None)
