@@ -308,7 +308,7 @@ class RouterStateCollector(Collector):
         router = self._router
         families = self._families()
         (prefill, decode, active, busy, kv_used, kv_total, indexed, queue_req, queue_isl, workers, nodes, index_bytes,
-         predicted, engine_waiting, engine_running, roles, circuit, opened, checked, kv_events,
+         predicted, credited, engine_waiting, engine_running, roles, circuit, opened, checked, kv_events,
          removed) = families  # fmt: skip
         capacity = {worker.worker_id: worker.total_kv_blocks for worker in router.workers()}
         for worker in router.workers():
@@ -347,6 +347,9 @@ class RouterStateCollector(Collector):
         if router.predictions is not None:
             for (worker_id, dp_rank), blocks in router.predictions.blocks().items():
                 predicted.add_metric([str(worker_id), str(dp_rank)], blocks)
+        if router.computed_prompts is not None:
+            for (worker_id, dp_rank), blocks in router.computed_prompts.credited_blocks().items():
+                credited.add_metric([str(worker_id), str(dp_rank)], blocks)
         for reason, count in router.removals.items():
             removed.add_metric([reason], count)
         yield from families
@@ -390,6 +393,12 @@ class RouterStateCollector(Collector):
             GaugeMetricFamily(
                 f"{PREFIX}_worker_predicted_blocks",
                 "Blocks approximate mode predicts on this rank from routing (the worker sends no KV events).",
+                labels=rank,
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_worker_credited_blocks",
+                "Blocks of prompts the rank computed in the last computed_prompt_credit_secs, counted as cached "
+                "there until its engine's KV events tell (the computed-prompt credit); absent while none are.",
                 labels=rank,
             ),
             GaugeMetricFamily(

@@ -70,10 +70,10 @@ class ComputedPrompts:
                 if not holders:
                     del self._first_holders[first]
 
-    def credited_blocks(self) -> int:
-        """Distinct blocks credited now, over every rank."""
+    def credited_blocks(self) -> dict[WorkerRank, int]:
+        """Distinct blocks credited now, per rank credited with any."""
         self._expire(self._clock())
-        return sum(map(len, self._ranks.values()))
+        return {key: len(blocks) for key, blocks in self._ranks.items()}
 
     def _expire(self, now: float) -> None:
         expiring = self._expiring

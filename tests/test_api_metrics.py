@@ -12,6 +12,7 @@ from indexer import native as indexer_native
 from indexer.native import SWITCHED_OFF
 from router.types import DecisionTiming, DisaggregationPath, DisaggregationReceipt, RouteDecision
 from tests.test_api_support import BLOCK_SIZE, metric, prompt, serve, stored_event
+from tests.waiting import until
 
 
 def test_request_and_decision_metrics_move() -> None:
@@ -63,6 +64,18 @@ def test_per_rank_load_gauges_follow_bookings() -> None:
         client.post("/v1/mark_free", json={"request_id": "x"})
         assert metric(client, "kv_router_worker_active_decode_blocks", **rank) == 0
         assert metric(client, "kv_router_worker_active_requests", **rank) == 0
+
+
+def test_the_computed_prompt_credit_is_a_per_rank_gauge_while_it_lasts() -> None:
+    with serve(policy="latency", computed_prompt_credit_secs=1.0) as client:
+        client.post("/v1/workers", json={"worker_id": 4})
+        rank = {"worker_id": "4", "dp_rank": "0"}
+        client.post("/v1/new", json={"tokens": prompt(2, 4 * BLOCK_SIZE), "request_id": "x"})
+        assert metric(client, "kv_router_worker_credited_blocks", **rank) is None  # not computed yet
+        client.post("/v1/mark_prefill", json={"request_id": "x"})
+        client.post("/v1/mark_free", json={"request_id": "x"})
+        assert metric(client, "kv_router_worker_credited_blocks", **rank) == 4
+        until(lambda: metric(client, "kv_router_worker_credited_blocks", **rank) is None, 10, "the credit ends")
 
 
 def test_index_event_and_worker_gauges() -> None:

@@ -127,7 +127,7 @@ async def test_a_worker_without_kv_events_is_credited_nothing_its_prompts_are_pr
         for worker_id in (1, 2):
             router.register_worker(WorkerConfig(worker_id=worker_id, leased=False, kv_events=False))
     worker = await _computed_and_ended(router, "a")
-    assert router.computed_prompts is not None and router.computed_prompts.credited_blocks() == 0
+    assert router.computed_prompts is not None and router.computed_prompts.credited_blocks() == {}
     clock.now += 5.0  # past the credit, well within router_ttl_secs
     again = await router.new(RouteRequest(tokens=PROMPT, request_id="b"))
     assert (again.worker_id, again.overlap_blocks) == (worker, 3)
