@@ -75,11 +75,28 @@ async def agree(replicas: list[Replica], reference: KvRouter) -> None:
     """Until every replica's loads and bookings are the reference's, both read anew each time: a computed
     prompt's credit ends a second after its first token, on each router a moment apart."""
 
-    def same() -> bool:
-        expected = loads(reference), bookings(reference)
-        return all((loads(r.router), bookings(r.router)) == expected for r in replicas)
+    differences: list[str] = []
 
-    await eventually(same, 30, "the replicas agree")
+    def same() -> bool:
+        expected_loads, expected_bookings = loads(reference), bookings(reference)
+        differences.clear()
+        for index, r in enumerate(replicas):
+            held = bookings(r.router)
+            if held != expected_bookings:
+                extra = {k: v for k, v in held.items() if expected_bookings.get(k) != v}
+                missing = {k: v for k, v in expected_bookings.items() if held.get(k) != v}
+                differences.append(f"replica {index} bookings: has {extra}, lacks {missing}")
+            differences.extend(
+                f"replica {index} loads of prompt {at}: {got} against {want}"
+                for at, (got, want) in enumerate(zip(loads(r.router), expected_loads, strict=True))
+                if got != want
+            )
+        return not differences
+
+    try:
+        await eventually(same, 30, "the replicas agree")
+    except AssertionError:
+        raise AssertionError("the replicas never agreed: " + "; ".join(differences[:6])) from None
 
 
 @contextlib.asynccontextmanager
