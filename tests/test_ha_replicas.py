@@ -43,7 +43,7 @@ PROMPTS = [prompt(seed % 3, 32) + prompt(seed, 16 * (1 + seed % 4)) for seed in 
 
 
 def reference_router() -> KvRouter:
-    router = KvRouter(RouterConfig(block_size=16))
+    router = KvRouter(RouterConfig(block_size=16, computed_prompt_credit_secs=0))
     for worker in WORKERS:
         router.register_worker(WorkerConfig(**worker))
     return router
@@ -85,8 +85,7 @@ class Fleet:
         self.turn = 0
 
     def agree(self, seconds: float = 30.0, replicas: list[int] | None = None) -> None:
-        """Until each replica's loads are the reference's, read anew each time: a computed prompt's credit
-        ends a second after its first token, on each router a moment apart."""
+        """Until each replica's loads are the reference's."""
         for replica in [self.replicas[i] for i in replicas] if replicas is not None else self.replicas:
             try:
                 until(
@@ -133,7 +132,11 @@ class Fleet:
 
 @pytest.fixture
 def fleet(nats_server: EmbeddedNats, tmp_path: Path) -> Iterator[Fleet]:
-    args = ("--nats-url", nats_server.url, "--replica-sync", "--replica-lease-secs", str(LEASE_S))
+    # No computed-prompt credit: it lasts a second from each router's own first-token mark, so a decision
+    # near its end could see it where the reference, deciding on its own, does not (its replication is
+    # tests/test_computed_prompt_credit.py's).
+    args = ("--nats-url", nats_server.url, "--replica-sync", "--replica-lease-secs", str(LEASE_S),
+            "--computed-prompt-credit-secs", "0")  # fmt: skip
     replicas = [RouterProcess(tmp_path, *args) for _ in range(3)]
     try:
         for replica in replicas:
@@ -166,10 +169,6 @@ def test_replicas_agree_survive_kill_9_and_restart_and_repair_lost_sync(
     for _ in range(6):
         fleet.step([0, 1])
 
-    # A joiner learns the bookings, not the credits of prompts computed in the last second: let those end.
-    credits = fleet.reference.computed_prompts
-    assert credits is not None
-    until(lambda: not credits.credited_blocks(), 10, "the reference's credits end")
     restarted = RouterProcess(tmp_path, *victim.args[5:], port=victim.port).start()
     fleet.replicas[2] = restarted
     # Consistent within 2 s: it joined from a peer before it was ready (its first answer is right).
