@@ -33,6 +33,8 @@ from router.types import WorkerConfig
 from tests.test_events_native import BLOCK, engine_event
 from tests.waiting import eventually
 
+pytestmark = pytest.mark.both_paths
+
 # The C path runs whatever KV_ROUTER_NO_NATIVE says: the test switches it on for one of the two runs.
 events_native = pytest.importorskip("indexer._events_native", reason="the bridge's C step is not built")
 pytest.importorskip("indexer._native", reason="the bridge's C step needs the indexer's accelerator")

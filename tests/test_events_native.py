@@ -34,6 +34,8 @@ from indexer.errors import KvIndexError
 from indexer.events import StorageTier
 from indexer.hashing import compute_block_hashes, salt_seed
 
+pytestmark = pytest.mark.both_paths
+
 # Both paths run whatever KV_ROUTER_NO_NATIVE says: the C functions are called directly.
 events_native = pytest.importorskip("indexer._events_native", reason="the bridge's C step is not built")
 pytest.importorskip("indexer._native", reason="the bridge's C step needs the indexer's accelerator")

@@ -36,6 +36,8 @@ from indexer.hashing import SEED, python_block_hashes, python_sequence_hashes, s
 from indexer.radix_tree import KvIndexError, RadixTree
 from tests.event_streams import EventOp, QueryOp, WorkerOp, generate
 
+pytestmark = pytest.mark.both_paths
+
 native = pytest.importorskip("indexer._native", reason="the C accelerator is not built")
 
 U64 = st.integers(0, 2**64 - 1)

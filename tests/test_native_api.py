@@ -22,6 +22,8 @@ from api.http_protocol import response_bytes
 from api.metrics import LATENCY_BUCKETS, OVERLAP_BLOCK_BUCKETS, RATIO_BUCKETS, _Histogram
 from api.wire import NewRequest, PotentialLoadsRequest
 
+pytestmark = pytest.mark.both_paths
+
 native = pytest.importorskip("api._native", reason="the C accelerator is not built")
 
 

@@ -30,6 +30,8 @@ from indexer.events import RouterEvent, StorageTier, decode_router_events, remov
 from indexer.radix_tree import KvIndexError, RadixTree
 from tests.test_native import _assert_c_decode_agrees, _msgspec_decode, router_events
 
+pytestmark = pytest.mark.both_paths
+
 native = pytest.importorskip("indexer._native", reason="the C accelerator is not built")
 
 PAGE = mmap.PAGESIZE

@@ -26,6 +26,8 @@ from router.policies.dynamo import DynamoPolicy, python_costs
 from router.policies.latency import CostWeights, LatencyPolicy, python_costs_and_held
 from router.sequences import RankState
 
+pytestmark = pytest.mark.both_paths
+
 native = pytest.importorskip("router._native", reason="the C accelerator is not built")
 
 BS = 4
