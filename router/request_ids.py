@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 
 __all__ = ["new_request_id"]
+
+_prefix: str
+_counter: Iterator[int]
 
 
 def _draw() -> None:
@@ -18,8 +22,6 @@ def _draw() -> None:
     _counter = itertools.count(1)
 
 
-_prefix = ""
-_counter = itertools.count(1)
 _draw()
 os.register_at_fork(after_in_child=_draw)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 from router.request_ids import new_request_id
 
@@ -18,7 +19,9 @@ def test_a_forked_child_draws_ids_of_its_own() -> None:
     """`serve --processes N` and replica sync share bookings between processes: ids must not collide."""
     new_request_id()
     read, write = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python 3.12 warns of forking a process with threads; the child only writes
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # the child: its next ids, to the parent
         try:
             os.write(write, " ".join(new_request_id() for _ in range(3)).encode())
