@@ -219,7 +219,10 @@ def test_a_dynamo_worker_with_two_dp_ranks_is_routed_and_loaded_per_rank_through
         (worker_id,) = learned()
 
         def route(tokens: list[int]) -> tuple[int, int]:
+            """The choice, freed at once: polled until the events are in, bookings would pile up (more
+            the slower the machine) until load outweighs the overlap under test."""
             decision = router.post("/v1/new", json={"tokens": tokens}).json()
+            assert router.post("/v1/mark_free", json={"request_id": decision["request_id"]}).status_code == 200
             return decision["worker_id"], decision["dp_rank"]
 
         def ranks() -> dict[int, int | None]:
