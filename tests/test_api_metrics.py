@@ -67,7 +67,8 @@ def test_per_rank_load_gauges_follow_bookings() -> None:
 
 
 def test_the_computed_prompt_credit_is_a_per_rank_gauge_while_it_lasts() -> None:
-    with serve(policy="latency", computed_prompt_credit_secs=1.0) as client:
+    # Three seconds: room for a slow machine between the mark and the first read, which must see it.
+    with serve(policy="latency", computed_prompt_credit_secs=3.0) as client:
         client.post("/v1/workers", json={"worker_id": 4})
         rank = {"worker_id": "4", "dp_rank": "0"}
         client.post("/v1/new", json={"tokens": prompt(2, 4 * BLOCK_SIZE), "request_id": "x"})
