@@ -141,6 +141,25 @@ def test_published_prefix_routes_the_request_over_http(client: TestClient, worke
     assert "kv_router_nats_connected 1.0" in metrics
 
 
+def test_a_worker_registered_without_kv_events_is_predicted_from_what_is_routed_to_it(
+    client: TestClient, nats_url: str, workers: Workers
+) -> None:
+    async def register() -> None:
+        nc = await connect(NatsOptions(nats_url))
+        publisher = KvEventPublisher(nc, WorkerConfig(worker_id=5, block_size=BLOCK, kv_events=False))
+        await publisher.start()  # registered and leased, and no event ever
+        workers.publishers.append(publisher)
+
+    workers.call(register())
+    until(lambda: len(client.get("/v1/workers").json()["workers"]) == 1)
+    prompt = list(range(4 * BLOCK))
+    assert client.post("/v1/new", json={"tokens": prompt}).json()["overlap_blocks"] == 0
+    again = client.post("/v1/new", json={"tokens": prompt}).json()
+    assert (again["worker_id"], again["overlap_blocks"], again["cached_tokens"]) == (5, 4, 4 * BLOCK)
+    assert client.get("/v1/workers/5").json()["event_streams"] == []  # nothing waits for its events
+    assert 'kv_router_worker_predicted_blocks{dp_rank="0",worker_id="5"} 4.0' in client.get("/metrics").text
+
+
 def test_http_registration_goes_through_the_shared_registry(
     client: TestClient, nats_url: str, workers: Workers, caplog: pytest.LogCaptureFixture
 ) -> None:
