@@ -562,6 +562,13 @@ def _add_mock_worker(parser: argparse.ArgumentParser) -> None:
         "of NATS, for kv-router bridge; requests still come over NATS",
     )
     parser.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        help="publish no KV events, registered as a worker without them (an engine run without "
+        "--kv-events-config): the router predicts its cache, the proxy routes its prompts by their bytes",
+    )
+    parser.add_argument(
         "--replay-endpoint",
         default=None,
         help="with --zmq-endpoint: vLLM's replay ROUTER address (e.g. tcp://127.0.0.1:5558)",
@@ -617,6 +624,9 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
         print(f"kv-router mock-worker: {exc}", file=sys.stderr)
         return 2
 
+    if not args.kv_events and args.zmq_endpoint is not None:
+        print("kv-router mock-worker: --no-kv-events publishes nothing: leave out --zmq-endpoint", file=sys.stderr)
+        return 2
     port = args.http_port
     if port == 0:
         port = free_port()
@@ -659,6 +669,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             handoff=args.handoff,
             # Its bootstrap rooms are served by its HTTP API.
             bootstrap_port=port if args.handoff == "bootstrap" and args.role == "prefill" else None,
+            kv_events=args.kv_events,
         )
         async with contextlib.AsyncExitStack() as stack:
             if port is not None:

@@ -78,7 +78,10 @@ class MockWorker:
         role: WorkerRole = "both",
         handoff: HandoffStyle = "kv_transfer_params",
         bootstrap_port: int | None = None,
+        kv_events: bool = True,
     ) -> None:
+        """``kv_events`` off: registered so, and its engine's KV events are published nowhere (an engine
+        run without them, whose cache the router predicts)."""
         self.nc = nc
         self.worker_id = worker_id
         self.namespace = namespace
@@ -93,8 +96,10 @@ class MockWorker:
             role=role,
             handoff=handoff,
             bootstrap_port=bootstrap_port,
+            kv_events=kv_events,
         )
         self.role = role
+        self.kv_events = kv_events
         self.publisher = KvEventPublisher(
             nc, registration, namespace=namespace, heartbeat_interval=heartbeat_interval_s
         )
@@ -207,6 +212,8 @@ class MockWorker:
             await self.nc.publish(message.reply, b"ok" if ops is not None else b"busy")
 
     async def _publish_ops(self, ops: list[KvOp]) -> None:
+        if not self.kv_events:
+            return
         if self.zmq is not None:
             tokens = self.engine.block_tokens
             assert tokens is not None

@@ -70,9 +70,10 @@ async def fleet(
     lease_secs: float = 10.0,
     roles: dict[int, WorkerRole] | None = None,
     handoff: HandoffStyle = "kv_transfer_params",
+    kv_events: bool = True,
 ) -> AsyncIterator[Fleet]:
     """``roles``: a worker's role (default both); its prefill workers hand off in the ``handoff`` style
-    (bootstrap: their bootstrap server is their HTTP API)."""
+    (bootstrap: their bootstrap server is their HTTP API); ``kv_events`` off: the workers send none."""
     port = free_port()
     settings = Settings(
         router=RouterConfig(block_size=engine.block_size, **(router or {})),
@@ -101,6 +102,7 @@ async def fleet(
                 worker = MockWorker(
                     nc, worker_id, engine, heartbeat_interval_s=0.3, url=f"http://127.0.0.1:{http_port}",
                     models=frozenset({MODEL}), role=role, handoff=handoff, bootstrap_port=bootstrap_port,
+                    kv_events=kv_events,
                 )  # fmt: skip
                 result.workers[worker_id] = worker
                 result.apis[worker_id] = await stack.enter_async_context(
