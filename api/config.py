@@ -426,6 +426,14 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         ),
         msgspec.Meta(ge=0),
     ] = 1_048_576
+    proxy_route_text_by_bytes: Annotated[
+        bool,
+        _doc(
+            "a model none of whose workers sends KV events (their caches predicted from what the router sends "
+            "them) has its text and chat prompts routed by their bytes, four a token: nothing tokenized, no "
+            "/tokenize; off: tokenized as for workers with events"
+        ),
+    ] = True
     tokenizer: Annotated[
         list[str],
         _doc(

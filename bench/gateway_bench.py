@@ -2,8 +2,10 @@
 """kv-router's proxy side by side with the gateways teams would otherwise run (issue 25): router CPU per
 request and the latency each adds, in one run, in front of the same stub backends.
 
-Gateways: ``kv-router serve --proxy`` (this tree; the stubs registered over ``POST /v1/workers``, text
-tokenized locally from the mock engine's ``tokenizer.json``, one token a character), sglang-router and
+Gateways: ``kv-router serve --proxy`` (this tree; the stubs registered over ``POST /v1/workers``, without
+KV events: text routed by its bytes, as the proxy does for such a fleet), ``kv-router-tokenizing`` (the
+same with ``--no-proxy-route-text-by-bytes``: text tokenized locally from the mock engine's
+``tokenizer.json``, one token a character, as for a fleet with KV events), sglang-router and
 vllm-router (Rust, installed from PyPI by this script into a venv of their own, ``--gateway-venv``,
 reused when present), each with its ``cache_aware`` policy. Both Rust gateways try to fetch a tokenizer
 from a model hub: they run with ``HF_HUB_OFFLINE=1`` and an unreachable ``HF_ENDPOINT``.
@@ -62,7 +64,8 @@ from mocker.openai_api import write_model_files
 from router.event_plane.embedded_server import free_port
 
 PEERS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
-GATEWAYS = ("kv-router", *PEERS)
+OURS = {"kv-router": [], "kv-router-tokenizing": ["--no-proxy-route-text-by-bytes"]}
+GATEWAYS = (*OURS, *PEERS)
 DEFAULT_VENV = Path.home() / ".cache" / "kv-router" / "gateways"
 # Where the Rust gateways would fetch a tokenizer from: nothing listens on port 9 (discard) here.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9", "TRANSFORMERS_OFFLINE": "1"}
@@ -252,12 +255,12 @@ def gateway_venv(venv: Path) -> Path:
 
 
 def gateway_command(name: str, port: int, backends: list[str], venv: Path, model_dir: Path) -> list[str]:
-    if name == "kv-router":
+    if name in OURS:
         # No KV events from the stubs: approximate mode (each routed prompt counts as cached on its worker).
         return [
             sys.executable, "-m", "api.cli", "serve", "--proxy", "--no-kv-events", "--no-embedded-nats",
             "--host", "127.0.0.1", "--port", str(port), "--block-size", "64", "--log-level", "warning",
-            "--tokenizer", f"{MODEL}={model_dir}",
+            "--tokenizer", f"{MODEL}={model_dir}", *OURS[name],
         ]  # fmt: skip
     common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *backends, "--policy", "cache_aware"]
     if name == "sglang-router":
@@ -481,7 +484,7 @@ def main() -> int:
             env = OFFLINE_ENV if name in PEERS else {}
             with started(command, args.router_cpus, env) as gateway:
                 url = f"http://127.0.0.1:{port}"
-                if name == "kv-router":
+                if name in OURS:
                     wait_for_port(url, gateway)
                     register_backends(url, backends)
                 wait_answering(url, gateway)
@@ -514,11 +517,15 @@ def wait_for_port(url: str, process: subprocess.Popen[bytes], timeout_s: float =
     raise SystemExit(f"nothing listening at {url} within {timeout_s:.0f} s")
 
 
+def _short(gateway: str) -> str:
+    return "tok" if gateway == "kv-router-tokenizing" else gateway.split("-")[0]
+
+
 def report(results: dict[str, dict[Cell, Result]], cells: list[Cell], args: argparse.Namespace) -> str:
     gateways = [name for name in results if name != "direct"]
     lines = [
         f"/v1/completions, prompts of {args.prompt_tokens} tokens (text: as many characters, one token each for"
-        f" kv-router's tokenizer"
+        f" kv-router-tokenizing's tokenizer, four a token routed by bytes"
         f"{f'; drawn from {args.distinct_prompts} distinct prompts' if args.distinct_prompts else ''}),"
         f" answers of {args.max_tokens} tokens; {args.requests} requests per c=1 cell,"
         f" {args.requests_concurrent} above; two stub backends; gateways on CPU {args.router_cpus or 'any'},"
@@ -526,9 +533,9 @@ def report(results: dict[str, dict[Cell, Result]], cells: list[Cell], args: argp
         "router CPU us/request (backend CPU us/request) [added p50 latency at c=1, ms]",
     ]
     header = f"{'cell':18} {'direct':>24}" + "".join(f" {name:>30}" for name in gateways)
-    peers = [name for name in gateways if name != "kv-router"]
+    peers = [name for name in gateways if name != "kv-router"]  # kv-router-tokenizing among them
     if "kv-router" in gateways:
-        header += "".join(f" {'kv/' + name.split('-')[0]:>10}" for name in peers)
+        header += "".join(f" {'kv/' + _short(name):>10}" for name in peers)
     lines.append(header)
     for cell in cells:
         direct = results["direct"][cell]

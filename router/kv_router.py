@@ -357,6 +357,14 @@ class KvRouter:
         """Whether the worker's cache is known from its KV events (not predicted: approximate mode)."""
         return self.config.kv_events and worker.kv_events
 
+    def predicts_only(self, worker: WorkerConfig) -> bool:
+        """Whether the worker's cache is known only from what was routed to it: no KV events expected and
+        none arrived from any of its ranks (events that do replace the predictions)."""
+        if self.expects_events(worker):
+            return False
+        has_stream = self.sequencer.has_stream
+        return not any(has_stream(worker.worker_id, rank) for rank in worker.dp_ranks)
+
     def update_kv_used_blocks(self, worker_id: int, dp_rank: int, kv_used_blocks: int) -> None:
         """Record the KV blocks a worker reports in use on one rank (the decode busy check, §4.6)."""
         self._scheduler.workers.set_kv_used_blocks(worker_id, dp_rank, kv_used_blocks)

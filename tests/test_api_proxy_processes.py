@@ -98,3 +98,30 @@ async def test_a_worker_registers_the_url_it_is_reached_at_and_the_proxy_uses_it
             assert raw.parse().usage.completion_tokens == 2
         finally:
             worker.stop()
+
+
+async def test_a_worker_run_without_kv_events_is_predicted_and_its_text_routed_by_bytes(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    """``--no-kv-events``: registered without them, it publishes none; the proxy routes its text by its
+    bytes and predicts its cache, so a repeated prefix is credited on it. A model of its own, as above."""
+    async with fleet(nats_server.url, ()) as f:
+        port = free_port()
+        worker = ToolProcess(
+            tmp_path, None, "--nats-url", nats_server.url, "--worker-id", "31", "--http-port", str(port),
+            "--model", "no-events", "--no-kv-events", "--log-level", "warning",
+        )  # fmt: skip
+        try:
+            await eventually(lambda: any(w.worker_id == 31 for w in f.router.workers()), 30)
+            (registered,) = [w for w in f.router.workers() if w.worker_id == 31]
+            assert not registered.kv_events
+            prompt = "a shared document. " * 60  # 1,140 bytes: 285 routing tokens, 4 blocks of 64
+            for cached in ("0", "256"):
+                raw = await f.client.completions.with_raw_response.create(model="no-events", prompt=prompt,
+                                                                          max_tokens=2)  # fmt: skip
+                assert raw.headers["x-kv-router-cached-tokens"] == cached
+            assert f.router.predictions is not None and f.router.predictions.blocks() == {(31, 0): 4}
+            assert not f.router.sequencer.has_stream(31, 0)  # no event came
+            await eventually(lambda: idle(f.router))
+        finally:
+            worker.stop()

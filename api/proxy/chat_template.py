@@ -27,10 +27,11 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
+import msgspec
 
 from api.proxy.wire import ChatBody, ChatMessage
 
-__all__ = ["ChatTemplate", "NotLocal"]
+__all__ = ["ChatTemplate", "NotLocal", "without_billing_header"]
 
 # The request's chat_template_kwargs may not name what the proxy sets itself.
 _RESERVED_KWARGS = frozenset(
@@ -144,12 +145,20 @@ class ChatTemplate:
         )
 
 
+def without_billing_header(message: ChatMessage) -> ChatMessage:
+    """The message without a system message's first line of Claude Code's billing header: it changes on
+    every request, and vLLM drops it."""
+    content = message.content
+    if message.role == "system" and isinstance(content, str) and content.startswith(_BILLING_HEADER):
+        return msgspec.structs.replace(message, content=content.partition("\n")[2])
+    return message
+
+
 def _message(message: ChatMessage) -> dict[str, Any]:
+    message = without_billing_header(message)
     content = message.content
     if isinstance(content, list):
         raise NotLocal("content given as parts")
-    if message.role == "system" and content and content.startswith(_BILLING_HEADER):
-        content = content.partition("\n")[2]  # a line that changes on every request: vLLM drops it
     prepared: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.role == "assistant":
         if message.tool_calls:  # vLLM drops an empty list

@@ -63,6 +63,7 @@ from api.proxy.handoff import Forward, Handoff
 from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
+from api.proxy.prompt_bytes import chat_bytes, text_bytes
 from api.proxy.retry import OVERLOADED, RetryPolicy, WorkerFailed, overloaded_answer
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
@@ -169,6 +170,7 @@ class Proxy:
         )
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens
+        self._by_bytes_without_events = config.proxy_route_text_by_bytes
         # Output progress changes what routing reads only with output blocks tracked or a policy pricing
         # the context in flight (`KvRouter.tracks_output`).
         self._track_output = router.tracks_output
@@ -378,16 +380,27 @@ class Proxy:
         workers = self.workers_for(model)
         if not workers:
             raise self._unserved(model)
+        # Dynamo's nvext hints, read as /v1/route reads a PreprocessedRequest's routing, and vLLM's
+        # cache_salt as the cache namespace.
+        nvext = request.nvext if request.nvext is not None else NvExt()
+        query = queries_instance(nvext.annotations)  # Dynamo's query_instance_id: nothing booked
+        # Workers whose caches are predicted from the routing tokens alone (no KV events): a prompt's bytes
+        # serve (`api.proxy.prompt_bytes`). Not for an instance query, whose answer is the tokens.
+        by_bytes = self._by_bytes_without_events and not query and all(map(self.router.predicts_only, workers))
         try:
             # With no local tokenizer files the workers tokenize: those in routing only (a hung one
             # would hold the request for its read timeout), unless none is.
             tokenizing = self.router.health.usable(workers) or workers
             if isinstance(request, ChatBody):
-                packed = await self.tokenizer.chat(request, tokenizing)
+                packed = chat_bytes(request) if by_bytes else await self.tokenizer.chat(request, tokenizing)
             elif isinstance(prompt, str):
                 assert isinstance(request, CompletionBody)
-                packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
+                if by_bytes:
+                    packed = text_bytes(prompt)
+                else:
+                    packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
             else:
+                by_bytes = False
                 packed = prompt
         except TokenizeFailed as exc:
             raise _refused(503, "service_unavailable", str(exc), "tokenize_failed") from None
@@ -403,11 +416,7 @@ class Proxy:
             timeline.tokenized = time.time_ns()
         stream = request.stream
         by_id = {worker.worker_id: worker for worker in workers}
-        # Dynamo's nvext hints, read as /v1/route reads a PreprocessedRequest's routing, and vLLM's
-        # cache_salt as the cache namespace.
-        nvext = request.nvext if request.nvext is not None else NvExt()
         hints = nvext.routing_hints(cache_salt=request.cache_namespace)
-        query = queries_instance(nvext.annotations)  # Dynamo's query_instance_id: nothing booked
         try:
             routing = routing_call(
                 self.router, packed, hints, request_id=None if query else request_id, field_prefix="nvext."
@@ -428,7 +437,9 @@ class Proxy:
         path = _PATHS[route]
         try:
             async with self.admission.slot(routing.request, len(packed) // 4):
-                return await self._attempts(routing, by_id, path, body, headers, stream, reply, received, request_id)
+                return await self._attempts(
+                    routing, by_id, path, body, headers, stream, reply, received, request_id, by_bytes
+                )
         except QueueRejected as exc:  # no slot under the concurrency cap (api.proxy.admission)
             raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
 
@@ -443,10 +454,13 @@ class Proxy:
         reply: WithHeaders,
         received: float,
         request_id: str,
+        by_bytes: bool,
     ) -> str:
         """Book and forward, again after a failure before the client had a byte (`api.proxy.retry`):
-        on the next best worker, else (all tried, or pinned) the same ones after the backoff."""
+        on the next best worker, else (all tried, or pinned) the same ones after the backoff.
+        ``by_bytes``: the prompt was routed by its bytes (`api.proxy.prompt_bytes`)."""
         timeline = reply.timeline
+        bytes_routed = token_count(routing.request.tokens) if by_bytes else 0
         candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
         among = set(candidates)
         pinned = {rank[0] for rank in (routing.pinned, routing.pinned_prefill) if rank is not None}
@@ -469,7 +483,7 @@ class Proxy:
                 legs = self.handoff.legs(decision, by_id)
                 if legs is None:
                     outcome = await self._forward(
-                        worker, decision, path, body, headers, stream, reply, received, timeline
+                        worker, decision, path, body, headers, stream, reply, received, timeline, bytes_routed
                     )
                 else:
                     # Two legs (`api.proxy.handoff`): both carry one request id, as vLLM's P/D proxy sends
@@ -477,7 +491,7 @@ class Proxy:
                     both = headers
                     if self.client_headers.name != b"x-request-id":
                         both += b"x-request-id: " + request_id.encode() + b"\r\n"
-                    forward = self._decode_leg(worker, decision, path, both, stream, received)
+                    forward = self._decode_leg(worker, decision, path, both, stream, received, bytes_routed)
                     outcome = await self.handoff.run(legs, path, body, both, reply, forward)
                 if outcome != "upstream_error":  # a stream broken mid-way told the breaker itself
                     self.worker_answered(worker.worker_id)
@@ -562,9 +576,11 @@ class Proxy:
         reply: StreamCall,
         received: float,
         timeline: Timeline | None = None,
+        bytes_routed: int = 0,
     ) -> str:
         """One attempt on one worker; raises `WorkerFailed` while the client has received nothing.
-        ``received``: when the request's body was in (perf_counter), for the proxy's added latency."""
+        ``received``: when the request's body was in (perf_counter), for the proxy's added latency;
+        ``bytes_routed``: the routing tokens of a prompt routed by its bytes (else 0), see `_calibrate`."""
         request_id = decision.request_id
         assert request_id is not None and worker.url is not None
         if worker.dp_size > 1:
@@ -610,7 +626,7 @@ class Proxy:
                 self.router.mark_prefill(request_id)
                 if status == 200:
                     usage = reported_usage(content)
-                    self._calibrate(decision, usage)
+                    self._calibrate(decision, usage, bytes_routed)
                     if usage is not None and usage.completion_tokens and self._track_output:
                         self.router.record_output(request_id, usage.completion_tokens)
                 await reply.whole(status, with_type, content)
@@ -618,17 +634,20 @@ class Proxy:
             problem = await self._handed_on(connection, worker.worker_id, sending - received)
             if timeline is not None and connection.begun_at:
                 timeline.first_byte = time.time_ns() - int((time.perf_counter() - connection.begun_at) * 1e9)
-            return await self._stream_end(connection, decision, reply, problem)
+            return await self._stream_end(connection, decision, reply, problem, bytes_routed)
         finally:
             connection.release()  # back to the pool if read to its end; else closed, so the engine stops
 
     def _decode_leg(
-        self, worker: WorkerConfig, decision: RouteDecision, path: bytes, headers: bytes, stream: bool, received: float
-    ) -> Forward:
+        self, worker: WorkerConfig, decision: RouteDecision, path: bytes, headers: bytes, stream: bool, received: float,
+        bytes_routed: int,
+    ) -> Forward:  # fmt: skip
         """The decode leg of a two-leg request: `_forward` of the body the hand-off gives."""
 
         async def forward(body: bytes, reply: StreamCall) -> str:
-            return await self._forward(worker, decision, path, body, headers, stream, reply, received)
+            return await self._forward(
+                worker, decision, path, body, headers, stream, reply, received, bytes_routed=bytes_routed
+            )
 
         return forward
 
@@ -665,14 +684,15 @@ class Proxy:
         return problem
 
     async def _stream_end(
-        self, connection: UpstreamConnection, decision: RouteDecision, reply: StreamCall, problem: str | None
-    ) -> str:
+        self, connection: UpstreamConnection, decision: RouteDecision, reply: StreamCall, problem: str | None,
+        bytes_routed: int,
+    ) -> str:  # fmt: skip
         """A stream's end: its usage compared with the prediction, or the failure told as an SSE event."""
         if problem is None:
             ending = connection.tail
             # An OpenAI stream ends with [DONE]; a worker killed mid-stream may just close the connection.
             if finished_stream(ending):
-                self._calibrate(decision, _usage_in_stream(ending))
+                self._calibrate(decision, _usage_in_stream(ending), bytes_routed)
             else:
                 problem = "the stream ended before data: [DONE]"
         if problem is not None:
@@ -684,10 +704,19 @@ class Proxy:
             await reply.end()
         return "ok" if problem is None else "upstream_error"
 
-    def _calibrate(self, decision: RouteDecision, usage: Usage | None) -> None:
+    def _calibrate(self, decision: RouteDecision, usage: Usage | None, bytes_routed: int) -> None:
+        """The prediction against the engine's count. A prompt routed by its bytes was predicted in routing
+        tokens of four bytes (``bytes_routed`` of them): converted by the prompt's own tokens per routing token."""
         actual = usage.cached_tokens if usage is not None else None
-        if actual is not None:
-            self.metrics.cached_tokens(decision.worker_id, decision.cached_tokens, actual)
+        if actual is None:
+            return
+        assert usage is not None
+        predicted = decision.cached_tokens
+        if bytes_routed:
+            if not usage.prompt_tokens:
+                return
+            predicted = round(predicted * usage.prompt_tokens / bytes_routed)
+        self.metrics.cached_tokens(decision.worker_id, predicted, actual)
 
 
 class _OutputProgress:

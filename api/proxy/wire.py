@@ -232,15 +232,20 @@ class _Details(msgspec.Struct):
 
 
 class Usage(msgspec.Struct):
-    """An answer's ``usage``: the tokens it generated, and those of its prompt the engine had cached
-    (Chat Completions' names, or the Responses API's ``output_tokens`` and ``input_tokens_details``)."""
+    """An answer's ``usage``: the tokens of its prompt and those the engine had cached, the tokens it
+    generated (Chat Completions' names, or the Responses API's ``input_tokens``, ``output_tokens`` and
+    ``input_tokens_details``)."""
 
+    prompt_tokens: int | None = None
     completion_tokens: int | None = None
     prompt_tokens_details: _Details | None = None
+    input_tokens: int | None = None
     output_tokens: int | None = None
     input_tokens_details: _Details | None = None
 
     def __post_init__(self) -> None:
+        if self.prompt_tokens is None:
+            self.prompt_tokens = self.input_tokens
         if self.completion_tokens is None:
             self.completion_tokens = self.output_tokens
 
