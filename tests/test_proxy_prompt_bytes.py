@@ -53,6 +53,16 @@ def test_a_later_turn_extends_the_earlier_ones_bytes_and_the_billing_line_is_lef
     assert chat_bytes(tools) != first  # tools come before the messages in a template: another prefix
 
 
+def test_an_image_is_routed_by_a_digest_of_itself_not_by_its_megabytes() -> None:
+    def chat(image: str) -> bytes:
+        parts = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": image}}]
+        return chat_bytes(ChatBody(model=MODEL, messages=[ChatMessage(role="user", content=parts)]))
+
+    inlined = "data:image/png;base64," + "iVBORw0KGgo" * 400_000  # 4.4 MB
+    assert len(chat(inlined)) < 200 and b"what is this?" in chat(inlined)
+    assert chat(inlined) == chat(inlined) != chat(inlined[:-1] + "A")
+
+
 async def test_without_kv_events_nothing_is_tokenized_and_a_prefix_is_predicted_on_its_holder(
     nats_server: EmbeddedNats,
 ) -> None:

@@ -7,14 +7,19 @@ such tokens, and already packed as routing hashes them: no tokenizer, no ``/toke
 bytes is about one token of English text for today's tokenizers, so loads and cached prefixes come out in
 about the engine's tokens. A chat is its messages encoded in JSON after what comes before them in the
 template (tools, template, its arguments): a later turn of a conversation extends an earlier one's bytes.
+A content part other than text (an image, audio, a file: often inlined as base64) stands in by a digest
+of itself: the same part, the same bytes, and megabytes of image do not read as a million tokens.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+import xxhash
 
 from api.proxy.chat_template import without_billing_header
-from api.proxy.wire import ChatBody
+from api.proxy.wire import ChatBody, ChatMessage
 
 __all__ = ["BYTES_PER_TOKEN", "chat_bytes", "text_bytes"]
 
@@ -30,7 +35,20 @@ def text_bytes(text: str) -> bytes:
 
 def chat_bytes(request: ChatBody) -> bytes:
     before = _encode((request.tools, request.chat_template, request.chat_template_kwargs))
-    return _padded(before + _encode([without_billing_header(message) for message in request.messages]))
+    return _padded(before + _encode([_routable(message) for message in request.messages]))
+
+
+def _routable(message: ChatMessage) -> ChatMessage:
+    message = without_billing_header(message)
+    if isinstance(message.content, list):
+        return msgspec.structs.replace(message, content=[_part(part) for part in message.content])
+    return message
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    if part.get("type") == "text":
+        return part
+    return {"type": part.get("type"), "digest": xxhash.xxh3_64_hexdigest(_encode(part))}
 
 
 def _padded(data: bytes) -> bytes:
