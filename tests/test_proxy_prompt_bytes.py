@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.proxy.prompt_bytes import chat_bytes, text_bytes
+from api.proxy.prompt_bytes import BYTES_PER_TOKEN, chat_bytes, text_bytes
 from api.proxy.wire import ChatBody, ChatMessage
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.metrics import sample
@@ -20,7 +20,7 @@ from tests.test_api_proxy import BLOCK, scrape
 pytestmark = pytest.mark.anyio
 
 # A routing token is four bytes of the prompt, a block BLOCK of them.
-BLOCK_BYTES = 4 * BLOCK
+BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK
 
 
 def _predicted(first: bytes, second: bytes) -> int:

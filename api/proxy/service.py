@@ -400,7 +400,7 @@ class Proxy:
                 else:
                     packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
             else:
-                by_bytes = False
+                by_bytes = False  # token ids as given: the engine's own
                 packed = prompt
         except TokenizeFailed as exc:
             raise _refused(503, "service_unavailable", str(exc), "tokenize_failed") from None
@@ -707,16 +707,14 @@ class Proxy:
     def _calibrate(self, decision: RouteDecision, usage: Usage | None, bytes_routed: int) -> None:
         """The prediction against the engine's count. A prompt routed by its bytes was predicted in routing
         tokens of four bytes (``bytes_routed`` of them): converted by the prompt's own tokens per routing token."""
-        actual = usage.cached_tokens if usage is not None else None
-        if actual is None:
+        if usage is None or usage.cached_tokens is None:
             return
-        assert usage is not None
         predicted = decision.cached_tokens
         if bytes_routed:
             if not usage.prompt_tokens:
                 return
             predicted = round(predicted * usage.prompt_tokens / bytes_routed)
-        self.metrics.cached_tokens(decision.worker_id, predicted, actual)
+        self.metrics.cached_tokens(decision.worker_id, predicted, usage.cached_tokens)
 
 
 class _OutputProgress:
