@@ -311,6 +311,7 @@ async def test_a_model_with_local_files_is_tokenized_by_the_proxy_for_text_and_c
         assert predicted == len(rendered) // BLOCK * BLOCK > 0
         assert reported_cached(again.parse().usage) == predicted
         assert all(api.tokenized == 0 for api in f.apis.values())  # no worker was asked to tokenize
+        assert sample(await scrape(f.url), "kv_router_proxy_prompts_total", source="local") == 4
         assert idle(f.router)
 
 

@@ -98,6 +98,9 @@ async def test_without_kv_events_nothing_is_tokenized_and_a_prefix_is_predicted_
         assert int(two.headers["x-kv-router-cached-tokens"]) == _predicted(*as_sent) > 0
 
         assert all(api.tokenized == 0 for api in f.apis.values())  # no worker was asked to tokenize
+        text = await scrape(f.url)
+        assert sample(text, "kv_router_proxy_prompts_total", source="bytes") == 4
+        assert sample(text, "kv_router_proxy_prompts_total", source="engine") == 0
         assert idle(f.router)
 
 
@@ -108,7 +111,11 @@ async def test_with_the_setting_off_or_kv_events_on_the_workers_tokenize(nats_se
             await f.client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1
             )
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
             assert sum(api.tokenized for api in f.apis.values()) == 2
+            text = await scrape(f.url)
+            counts = {s: sample(text, "kv_router_proxy_prompts_total", source=s) for s in ("ids", "bytes", "engine")}
+            assert counts == {"ids": 1, "bytes": 0, "engine": 2}
             assert idle(f.router)
 
 

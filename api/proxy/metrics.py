@@ -40,6 +40,8 @@ ADDED_BUCKETS = (
 )  # fmt: skip
 # The proxy's POST routes (`api.proxy.service.ROUTES`).
 ROUTE_LABELS = ("completions", "chat_completions", "embeddings", "rerank", "responses")
+# Where a prompt's routing tokens came from (`api.proxy.service`, `api.proxy.tokens`).
+PROMPT_SOURCES = ("ids", "bytes", "local", "engine")
 OUTCOMES = (
     "ok", "bad_request", "no_worker", "queue_rejected", "upstream_error", "upstream_status",
     "client_disconnected", "tokenize_failed", "unauthorized", "instance_query", "internal_error",
@@ -83,6 +85,15 @@ class ProxyMetrics(Collector):
         self._counts = {
             (route, outcome): self._requests.labels(route, outcome) for route in ROUTE_LABELS for outcome in OUTCOMES
         }
+        sources = Counter(
+            f"{PREFIX}_proxy_prompts",
+            "Prompts by where their routing tokens came from: ids (given as token ids), bytes (routed by their "
+            "bytes: no worker of the model sends KV events), local (the model's own tokenizer files), engine (a "
+            "worker's /tokenize: a round trip before routing).",
+            ["source"],
+            registry=registry,
+        )
+        self._sources = {source: sources.labels(source) for source in PROMPT_SOURCES}
         self._retries = Counter(
             f"{PREFIX}_proxy_upstream_failures",
             "Workers that refused a connection, timed out or answered 5xx before their first byte (each one then "
@@ -124,6 +135,10 @@ class ProxyMetrics(Collector):
 
     def count(self, route: str, outcome: str) -> None:
         self._counts[route, outcome].inc()
+
+    def prompt(self, source: str) -> None:
+        """One prompt's routing tokens came from ``source`` (one of `PROMPT_SOURCES`)."""
+        self._sources[source].inc()
 
     def upstream_failure(self) -> None:
         self._retries.inc()

@@ -164,7 +164,7 @@ class Proxy:
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: len(self.admission.queue))
         self.handoff = Handoff(router, self.upstream, registry, self.worker_answered)
         local = load_model_files(config.tokenizer_paths(), config.proxy_tokenizer_cache_tokens)
-        self.tokenizer = PromptTokenizer(local, self.upstream)
+        self.tokenizer = PromptTokenizer(local, self.upstream, self.metrics.prompt)
         self.metrics.watch_tokenizer_caches(
             {model: files.encoder.cache for model, files in local.items() if files.encoder.cache is not None}
         )
@@ -391,17 +391,18 @@ class Proxy:
             # With no local tokenizer files the workers tokenize: those in routing only (a hung one
             # would hold the request for its read timeout), unless none is.
             tokenizing = self.router.health.usable(workers) or workers
-            if isinstance(request, ChatBody):
-                packed = chat_bytes(request) if by_bytes else await self.tokenizer.chat(request, tokenizing)
-            elif isinstance(prompt, str):
-                assert isinstance(request, CompletionBody)
-                if by_bytes:
-                    packed = text_bytes(prompt)
-                else:
-                    packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
-            else:
+            if isinstance(prompt, bytes):
                 by_bytes = False  # token ids as given: the engine's own
                 packed = prompt
+                self.metrics.prompt("ids")
+            elif by_bytes:
+                packed = chat_bytes(request) if isinstance(request, ChatBody) else text_bytes(prompt)
+                self.metrics.prompt("bytes")
+            elif isinstance(request, ChatBody):
+                packed = await self.tokenizer.chat(request, tokenizing)
+            else:
+                assert isinstance(request, CompletionBody)
+                packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
         except TokenizeFailed as exc:
             raise _refused(503, "service_unavailable", str(exc), "tokenize_failed") from None
         except TemplateRefused as exc:

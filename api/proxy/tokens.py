@@ -16,7 +16,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -266,9 +266,13 @@ def _templates(directory: Path, config: dict[str, Any], where: str) -> tuple[dic
 
 
 class PromptTokenizer:
-    def __init__(self, local: dict[str, ModelFiles], upstream: Upstream) -> None:
+    def __init__(
+        self, local: dict[str, ModelFiles], upstream: Upstream, counted: Callable[[str], None] = lambda source: None
+    ) -> None:
+        """``counted``: told where each prompt's tokens came from, ``local`` or ``engine``."""
         self._local = local
         self._upstream = upstream
+        self._counted = counted
         self._turn = 0  # the workers take turns at tokenizing
 
     def _files(self, model: str) -> ModelFiles | None:
@@ -282,6 +286,7 @@ class PromptTokenizer:
         if files is None:
             body = {"model": model, "prompt": text, "add_special_tokens": add_special_tokens}
             return await self._remote(body, workers)
+        self._counted("local")
         return await files.encoder.encode(text, add_special_tokens=add_special_tokens)
 
     async def chat(self, request: ChatBody, workers: Sequence[WorkerConfig]) -> bytes:
@@ -296,11 +301,13 @@ class PromptTokenizer:
             except jinja2.TemplateError as exc:
                 raise TemplateRefused(f"the chat template refused the messages: {exc.message}") from None
             else:
+                self._counted("local")
                 return await files.encoder.encode(text, add_special_tokens=request.add_special_tokens)
         return await self._remote(request.tokenize_body(), workers)
 
     async def _remote(self, body: dict[str, Any], workers: Sequence[WorkerConfig]) -> bytes:
         """Ask the workers, starting with the next one's turn, until one answers."""
+        self._counted("engine")
         payload = _encode(body)
         problems = []
         self._turn += 1
