@@ -384,25 +384,31 @@ class Proxy:
         # cache_salt as the cache namespace.
         nvext = request.nvext if request.nvext is not None else NvExt()
         query = queries_instance(nvext.annotations)  # Dynamo's query_instance_id: nothing booked
-        # Workers whose caches are predicted from the routing tokens alone (no KV events): a prompt's bytes
-        # serve (`api.proxy.prompt_bytes`). Not for an instance query, whose answer is the tokens.
-        by_bytes = self._by_bytes_without_events and not query and all(map(self.router.predicts_only, workers))
+        # A text or chat prompt for workers whose caches are predicted from the routing tokens alone (no KV
+        # events): its bytes serve (`api.proxy.prompt_bytes`). Not for an instance query, whose answer is the
+        # tokens; token ids as given are the engine's own.
+        by_bytes = (
+            isinstance(prompt, str)
+            and self._by_bytes_without_events
+            and not query
+            and all(map(self.router.predicts_only, workers))
+        )
         try:
-            # With no local tokenizer files the workers tokenize: those in routing only (a hung one
-            # would hold the request for its read timeout), unless none is.
-            tokenizing = self.router.health.usable(workers) or workers
             if isinstance(prompt, bytes):
-                by_bytes = False  # token ids as given: the engine's own
                 packed = prompt
                 self.metrics.prompt("ids")
             elif by_bytes:
                 packed = chat_bytes(request) if isinstance(request, ChatBody) else text_bytes(prompt)
                 self.metrics.prompt("bytes")
-            elif isinstance(request, ChatBody):
-                packed = await self.tokenizer.chat(request, tokenizing)
             else:
-                assert isinstance(request, CompletionBody)
-                packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
+                # With no local tokenizer files the workers tokenize: those in routing only (a hung one
+                # would hold the request for its read timeout), unless none is.
+                tokenizing = self.router.health.usable(workers) or workers
+                if isinstance(request, ChatBody):
+                    packed = await self.tokenizer.chat(request, tokenizing)
+                else:
+                    assert isinstance(request, CompletionBody)
+                    packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
         except TokenizeFailed as exc:
             raise _refused(503, "service_unavailable", str(exc), "tokenize_failed") from None
         except TemplateRefused as exc:
@@ -438,8 +444,9 @@ class Proxy:
         path = _PATHS[route]
         try:
             async with self.admission.slot(routing.request, len(packed) // 4):
+                bytes_routed = len(packed) // 4 if by_bytes else 0
                 return await self._attempts(
-                    routing, by_id, path, body, headers, stream, reply, received, request_id, by_bytes
+                    routing, by_id, path, body, headers, stream, reply, received, request_id, bytes_routed
                 )
         except QueueRejected as exc:  # no slot under the concurrency cap (api.proxy.admission)
             raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
@@ -455,13 +462,12 @@ class Proxy:
         reply: WithHeaders,
         received: float,
         request_id: str,
-        by_bytes: bool,
+        bytes_routed: int,
     ) -> str:
         """Book and forward, again after a failure before the client had a byte (`api.proxy.retry`):
         on the next best worker, else (all tried, or pinned) the same ones after the backoff.
-        ``by_bytes``: the prompt was routed by its bytes (`api.proxy.prompt_bytes`)."""
+        ``bytes_routed``: the routing tokens of a prompt routed by its bytes (`api.proxy.prompt_bytes`), else 0."""
         timeline = reply.timeline
-        bytes_routed = token_count(routing.request.tokens) if by_bytes else 0
         candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
         among = set(candidates)
         pinned = {rank[0] for rank in (routing.pinned, routing.pinned_prefill) if rank is not None}
