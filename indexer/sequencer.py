@@ -76,6 +76,10 @@ class _Stream:
     last_applied_at: float | None = None  # clock time of the newest event applied
     retry_at: float | None = None  # when an unverified stream asks for a dump again
     regressed: list[RouterEvent] = field(default_factory=list)  # ids back from 1: a restart not yet announced
+    # Whether the worker ever sent this stream an event (live, replayed or in a dump): a stream is also
+    # opened by a resync asked for at registration, which a worker whose engine sends nothing answers
+    # with an empty dump or not at all.
+    heard: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +266,7 @@ class EventSequencer:
             for event in self._of_stream(key, response.tree_dump.events):
                 self._apply(event, stream, from_dump=True)
             stream.synced_through = response.tree_dump.last_event_id
+            stream.heard = stream.heard or bool(stream.synced_through)  # events once, all evicted since
             stream.verified_base = True
             self.outcomes["resync_dump_applied"] += 1
         elif response.events is not None:
@@ -383,9 +388,11 @@ class EventSequencer:
         stream.verified_base = False
         self.outcomes["marked_untrusted"] += 1
 
-    def has_stream(self, worker_id: int, dp_rank: int) -> bool:
-        """Whether events of this (worker, dp_rank) ever reached the sequencer."""
-        return (worker_id, dp_rank) in self._streams
+    def heard_from(self, worker_id: int, dp_rank: int) -> bool:
+        """Whether this (worker, dp_rank) ever sent an event: live, replayed, or in a dump (one empty
+        since counts by its last event id). A stream opened by a resync alone has heard nothing."""
+        stream = self._streams.get((worker_id, dp_rank))
+        return stream is not None and stream.heard
 
     def observe_epoch(self, worker_id: int, epoch: str) -> bool:
         """The publisher of ``worker_id`` runs as ``epoch`` (from its registration or an event header).
@@ -464,7 +471,11 @@ class EventSequencer:
         """Resume a stream where an index snapshot left it (the index holds its state up to there)."""
         key = (worker_id, dp_rank)
         self._streams[key] = _Stream(
-            synced_through=last_event_id, last_id=last_event_id, trusted=trusted, verified_base=trusted
+            synced_through=last_event_id,
+            last_id=last_event_id,
+            trusted=trusted,
+            verified_base=trusted,
+            heard=last_event_id is not None,
         )
         if trusted:
             self.untrusted.discard(key)
@@ -520,6 +531,7 @@ class EventSequencer:
     ) -> None:
         """Apply one event to the index. ``deferred``: ahead of a hole, so a rejection may be the hole's
         fault and is kept until the stream is reconciled or gives up."""
+        stream.heard = True
         if _block_count(event) > self._max_blocks:
             # Counted and skipped; the worker's stream is no longer known complete.
             self._reject(event, "oversized_event", f"more than {self._max_blocks} blocks")

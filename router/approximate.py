@@ -66,7 +66,7 @@ class PredictedCache:
         otherwise) was routed to ``rank`` (a worker without events)."""
         if rank in self._replaced:
             return
-        if self._sequencer.has_stream(*rank):
+        if self._sequencer.heard_from(*rank):
             log.info("worker %d dp_rank %d sends KV events now: its predicted blocks are dropped", *rank)
             self.forget(rank)
             self._replaced.add(rank)

@@ -133,7 +133,7 @@ class ConfigDoctor:
         self._routed += 1
         # Only prompts routed to a rank that already sends events can show whether its hashes match.
         sampled = self._routed % self._sample_every == 1 % self._sample_every
-        if sampled and local_hashes and self.router.sequencer.has_stream(*rank):
+        if sampled and local_hashes and self.router.sequencer.heard_from(*rank):
             self._samples.append((self._clock(), rank, local_hashes[0]))
 
     # ------------------------------------------------------------------ the checks
@@ -228,7 +228,7 @@ class ConfigDoctor:
                 continue
             if not self.router.expects_events(worker):
                 continue
-            if any(sequencer.has_stream(worker_id, rank) for rank in worker.dp_ranks):
+            if any(sequencer.heard_from(worker_id, rank) for rank in worker.dp_ranks):
                 continue
             if now - first >= self._routed_for_s:
                 found["events_not_wired", worker_id] = (

@@ -362,8 +362,8 @@ class KvRouter:
         none arrived from any of its ranks (events that do replace the predictions)."""
         if self.expects_events(worker):
             return False
-        has_stream = self.sequencer.has_stream
-        return not any(has_stream(worker.worker_id, rank) for rank in worker.dp_ranks)
+        heard_from = self.sequencer.heard_from
+        return not any(heard_from(worker.worker_id, rank) for rank in worker.dp_ranks)
 
     def update_kv_used_blocks(self, worker_id: int, dp_rank: int, kv_used_blocks: int) -> None:
         """Record the KV blocks a worker reports in use on one rank (the decode busy check, §4.6)."""

@@ -121,7 +121,7 @@ async def test_a_worker_run_without_kv_events_is_predicted_and_its_text_routed_b
                                                                           max_tokens=2)  # fmt: skip
                 assert raw.headers["x-kv-router-cached-tokens"] == cached
             assert f.router.predictions is not None and f.router.predictions.blocks() == {(31, 0): 4}
-            assert not f.router.sequencer.has_stream(31, 0)  # no event came
+            assert not f.router.sequencer.heard_from(31, 0)  # no event came
             await eventually(lambda: idle(f.router))
         finally:
             worker.stop()

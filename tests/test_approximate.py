@@ -127,7 +127,7 @@ class _TwoPassPredictions(PredictedCache):
             self._remove(rank, [block_hash])
 
     def record(self, rank: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None = None) -> None:
-        if rank in self._replaced or self._sequencer.has_stream(*rank):
+        if rank in self._replaced or self._sequencer.heard_from(*rank):
             raise AssertionError("not exercised here")
         capacity = self._capacity(rank[0])
         now = self._clock()

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from api.app import create_app
 from api.config import EventPlaneConfig, Settings
-from indexer.events import RouterEvent, stored_event
+from indexer.events import ResyncBatch, ResyncResponse, RouterEvent, stored_event
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from mocker.zmq_engine import VllmZmqPublisher
 from router.config import RouterConfig
@@ -88,6 +88,27 @@ async def test_a_worker_routed_for_a_minute_without_events_is_not_wired(
     assert len([r for r in caplog.records if "events_not_wired" in r.getMessage()]) == 1  # one WARNING
     assert doctor.problems[0].since == clock.now
     assert doctor.counts()["events_not_wired"] == 1
+    router.sequencer.ingest([_stored(1, 1, _prompts(1)[0])])
+    assert doctor.check() == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("answer", ["none", "empty_dump"])
+async def test_a_worker_whose_registration_resync_found_no_events_is_still_not_wired(clock: Clock, answer: str) -> None:
+    # A worker registered over NATS with events expected: the event plane asks it for a full resync at
+    # once, which opens its stream. An engine that sends nothing answers it with an empty dump, or
+    # nobody answers; either way it has sent no event, and the doctor says so.
+    router = _router(WorkerConfig(worker_id=1))
+    doctor = _doctor(router, clock)
+    request = router.sequencer.request_full_resync(1, 0)
+    assert request is not None
+    if answer == "none":
+        router.sequencer.resync_failed(request, no_responders=True)
+    else:
+        router.sequencer.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=0)))
+    await _route(router, _prompts(10))
+    clock.now += 61
+    assert _kinds(doctor.check()) == [("events_not_wired", 1)]
     router.sequencer.ingest([_stored(1, 1, _prompts(1)[0])])
     assert doctor.check() == []
 

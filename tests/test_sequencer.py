@@ -359,3 +359,29 @@ def test_the_transports_count_undecodable_payloads_and_unanswered_resyncs_throug
         sequencer.outcomes["resync_no_responders"],
         sequencer.outcomes["resync_failed"],
     ) == (1, 1, 1, 1)
+
+
+def test_a_stream_opened_by_a_resync_has_heard_from_its_worker_only_once_events_came() -> None:
+    def registered_and_asked() -> tuple[EventSequencer, ResyncRequest]:
+        sequencer = EventSequencer(RadixTree())
+        request = sequencer.request_full_resync(W, 0)  # what a NATS registration asks at once
+        assert request is not None and not sequencer.heard_from(W, 0)
+        return sequencer, request
+
+    unanswered, request = registered_and_asked()
+    unanswered.resync_failed(request, no_responders=True)
+    assert not unanswered.heard_from(W, 0)
+    empty, request = registered_and_asked()
+    empty.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=0)))
+    assert not empty.heard_from(W, 0)  # the engine never sent one: nothing is wired to it
+    evicted, request = registered_and_asked()  # events once, every block evicted since
+    evicted.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=[], last_event_id=7)))
+    assert evicted.heard_from(W, 0)
+    dumped, request = registered_and_asked()
+    dumped.resync_done(request, ResyncResponse(tree_dump=ResyncBatch(events=[store(0, 40)], last_event_id=1)))
+    assert dumped.heard_from(W, 0)
+    unanswered.ingest([store(1, 1)])  # and the first live event
+    assert unanswered.heard_from(W, 0) and not unanswered.heard_from(W, 1)
+    restored = EventSequencer(RadixTree())
+    restored.restore_snapshot([], [(W, 0, 3, True), (W, 1, None, False)])
+    assert restored.heard_from(W, 0) and not restored.heard_from(W, 1)

@@ -167,8 +167,7 @@ class RouterEventPlane:
             self._leased.setdefault(config.worker_id, self._clock())
             if is_new and self.router.expects_events(config):
                 # Its first events may have raced ahead of this registration and been dropped. (A worker
-                # without events has none to resync: a stream opened for it would read as events arriving
-                # and replace its predicted cache with nothing.)
+                # without events has none to resync.)
                 for dp_rank in config.dp_ranks:
                     request = self.sequencer.request_full_resync(config.worker_id, dp_rank)
                     if request is not None:
