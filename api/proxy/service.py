@@ -630,13 +630,10 @@ class Proxy:
                     content = await connection.read()
                 except UpstreamError as exc:
                     raise WorkerFailed(worker.worker_id, str(exc)) from None
-                self.router.mark_prefill(request_id)
-                if status == 200:
-                    usage = reported_usage(content)
-                    self._calibrate(decision, usage, bytes_routed)
-                    if usage is not None and usage.completion_tokens and self._track_output:
-                        self.router.record_output(request_id, usage.completion_tokens)
-                await reply.whole(status, with_type, content)
+                try:
+                    await reply.whole(status, with_type, content)
+                finally:  # after the client has it: off the latency it sees
+                    self._answered_whole(decision, status, content, bytes_routed)
                 return "ok" if status == 200 else "upstream_status"
             problem = await self._handed_on(connection, worker.worker_id, sending - received)
             if timeline is not None and connection.begun_at:
@@ -644,6 +641,19 @@ class Proxy:
             return await self._stream_end(connection, decision, reply, problem, bytes_routed)
         finally:
             connection.release()  # back to the pool if read to its end; else closed, so the engine stops
+
+    def _answered_whole(self, decision: RouteDecision, status: int, content: bytes, bytes_routed: int) -> None:
+        """A whole answer is in: the booking's prefill is done, and the answer's usage is compared with
+        the prediction and counted as the request's output."""
+        request_id = decision.request_id
+        assert request_id is not None
+        self.router.mark_prefill(request_id)
+        if status != 200:
+            return
+        usage = reported_usage(content)
+        self._calibrate(decision, usage, bytes_routed)
+        if usage is not None and usage.completion_tokens and self._track_output:
+            self.router.record_output(request_id, usage.completion_tokens)
 
     def _decode_leg(
         self, worker: WorkerConfig, decision: RouteDecision, path: bytes, headers: bytes, stream: bool, received: float,
