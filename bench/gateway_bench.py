@@ -29,11 +29,17 @@ its process and of its descendants, over the measured requests), the backends' C
 p50 latency (to the last byte) minus the direct p50: the latency the gateway adds. Then kv-router's
 CPU over each peer's, per cell (the target: at most 1.0x sglang-router's everywhere).
 
+Rounds (``--rounds``, 3 by default): the whole set is measured that many times, the gateways' order
+rotated each round, and every figure is the median over the rounds, a ratio the median of the rounds'
+own ratios (each from one round's two measurements) with its range beside it. Two identically
+configured gateways differ by up to half again on one cell of a single round on this 2-core VM; the
+median of three is what the docs quote.
+
 Placement (as ``bench/proxy_bench.py``): each gateway alone on ``--router-cpus`` (``taskset``), this load
 generator and the stubs on ``--shared-cpus``.
 
     python bench/gateway_bench.py                                  # every gateway, every cell
-    python bench/gateway_bench.py --gateways kv-router,sglang-router --concurrency 64 --requests 2000
+    python bench/gateway_bench.py --gateways kv-router,sglang-router --concurrency 64 --rounds 1
 
 Loopback only.
 """
@@ -437,6 +443,10 @@ def main() -> int:
         "probes, their lazy imports) stays out of the figures",
     )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per cell")
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="times the whole set is measured (the gateways' order rotated): figures are medians over them",
+    )  # fmt: skip
     args = parser.parse_args()
     gateways = [name for name in args.gateways.split(",") if name]
     unknown = set(gateways) - set(GATEWAYS)
@@ -460,7 +470,8 @@ def main() -> int:
         )
         for cell in cells
     }  # fmt: skip
-    results: dict[str, dict[Cell, Result]] = {}
+    names = ("direct", *gateways)
+    results: dict[str, dict[Cell, list[Result]]] = {name: {cell: [] for cell in cells} for name in names}
     with ExitStack() as stack:
         model_dir = write_model_files(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stub-model")
         ports = [free_port(), free_port()]
@@ -474,30 +485,31 @@ def main() -> int:
         def backends_cpu() -> float:
             return sum(tree_oncpu_s(stub.pid) for stub in stubs)
 
-        results["direct"] = {
-            cell: asyncio.run(run_cell(backends[0], cell, bodies[cell], lambda: (0.0, backends_cpu()), args.timeout))
-            for cell in cells
-        }
-        for name in gateways:
-            port = free_port()
-            command = gateway_command(name, port, backends, venv, model_dir)
-            env = OFFLINE_ENV if name in PEERS else {}
-            with started(command, args.router_cpus, env) as gateway:
-                url = f"http://127.0.0.1:{port}"
-                if name in OURS:
-                    wait_for_port(url, gateway)
-                    register_backends(url, backends)
-                wait_answering(url, gateway)
-                time.sleep(args.settle)
-                pid = gateway.pid
+        for round_index in range(args.rounds):
+            for cell in cells:
+                results["direct"][cell].append(
+                    asyncio.run(run_cell(backends[0], cell, bodies[cell], lambda: (0.0, backends_cpu()), args.timeout))
+                )
+            turn = round_index % len(gateways) if gateways else 0
+            for name in gateways[turn:] + gateways[:turn]:  # no gateway always first, or last
+                port = free_port()
+                command = gateway_command(name, port, backends, venv, model_dir)
+                env = OFFLINE_ENV if name in PEERS else {}
+                with started(command, args.router_cpus, env) as gateway:
+                    url = f"http://127.0.0.1:{port}"
+                    if name in OURS:
+                        wait_for_port(url, gateway)
+                        register_backends(url, backends)
+                    wait_answering(url, gateway)
+                    time.sleep(args.settle)
+                    pid = gateway.pid
 
-                def cpu(pid: int = pid) -> tuple[float, float]:
-                    return tree_oncpu_s(pid), backends_cpu()
+                    def cpu(pid: int = pid) -> tuple[float, float]:
+                        return tree_oncpu_s(pid), backends_cpu()
 
-                results[name] = {
-                    cell: asyncio.run(run_cell(url, cell, bodies[cell], cpu, args.timeout)) for cell in cells
-                }
-                print(f"{name}: its process tree {tree_pids(pid)}", file=sys.stderr)
+                    for cell in cells:
+                        results[name][cell].append(asyncio.run(run_cell(url, cell, bodies[cell], cpu, args.timeout)))
+                    print(f"round {round_index + 1}: {name}: its process tree {tree_pids(pid)}", file=sys.stderr)
     print(report(results, cells, args))
     return 0
 
@@ -521,57 +533,77 @@ def _short(gateway: str) -> str:
     return "tok" if gateway == "kv-router-tokenizing" else gateway.split("-")[0]
 
 
-def report(results: dict[str, dict[Cell, Result]], cells: list[Cell], args: argparse.Namespace) -> str:
+def _median_and_range(values: list[float], rounds: int, form: str, unit: str) -> str:
+    """The median of ``values`` in ``unit``, then their range when there were several rounds."""
+    text = format(statistics.median(values), form) + unit
+    return text if rounds == 1 else f"{text} ({format(min(values), form)}-{format(max(values), form)})"
+
+
+def report(results: dict[str, dict[Cell, list[Result]]], cells: list[Cell], args: argparse.Namespace) -> str:
+    """Per cell, medians over the rounds: each gateway's CPU per request (and the backends' it caused), the
+    latency it adds at concurrency 1 (against the direct run of the same round), kv-router's ratio to each
+    peer (the median of the rounds' ratios, with their range)."""
     gateways = [name for name in results if name != "direct"]
+    rounds = args.rounds
     lines = [
         f"/v1/completions, prompts of {args.prompt_tokens} tokens (text: as many characters, one token each for"
         f" kv-router-tokenizing's tokenizer, four a token routed by bytes"
         f"{f'; drawn from {args.distinct_prompts} distinct prompts' if args.distinct_prompts else ''}),"
         f" answers of {args.max_tokens} tokens; {args.requests} requests per c=1 cell,"
         f" {args.requests_concurrent} above; two stub backends; gateways on CPU {args.router_cpus or 'any'},"
-        f" the rest on {args.shared_cpus}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
+        f" the rest on {args.shared_cpus}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores;"
+        f" medians of {rounds} round{'s' if rounds > 1 else ''}{', ratios with their range' if rounds > 1 else ''}",
         "router CPU us/request (backend CPU us/request) [added p50 latency at c=1, ms]",
     ]
+    width = 20 if rounds > 1 else 10
     header = f"{'cell':18} {'direct':>24}" + "".join(f" {name:>30}" for name in gateways)
     peers = [name for name in gateways if name != "kv-router"]  # kv-router-tokenizing among them
     if "kv-router" in gateways:
-        header += "".join(f" {'kv/' + _short(name):>10}" for name in peers)
+        header += "".join(f" {'kv/' + _short(name):>{width}}" for name in peers)
     lines.append(header)
     for cell in cells:
         direct = results["direct"][cell]
-        count = len(direct.latencies_s)
-        row = f"{cell!s:18} {'':>5}({direct.backend_cpu_s / count * 1e6:5.0f})"
-        row += f" [p50 {direct.p50() * 1e3:5.2f}]" if cell.concurrency == 1 else " " * 12
-        per_request: dict[str, float] = {}
+        backend = statistics.median(r.backend_cpu_s / len(r.latencies_s) for r in direct)
+        row = f"{cell!s:18} {'':>5}({backend * 1e6:5.0f})"
+        row += f" [p50 {statistics.median(r.p50() for r in direct) * 1e3:5.2f}]" if cell.concurrency == 1 else " " * 12
+        per_round: dict[str, list[float]] = {}  # CPU per request, one per round
         for name in gateways:
-            result = results[name][cell]
-            if result.refused:
-                row += f" {'refused: ' + result.refused.split(' ')[0]:>30}"
+            measured = results[name][cell]
+            refused = next((r.refused for r in measured if r.refused), "")
+            if refused:
+                row += f" {'refused: ' + refused.split(' ')[0]:>30}"
                 continue
-            n = len(result.latencies_s)
-            per_request[name] = result.router_cpu_s / n
-            text = f"{per_request[name] * 1e6:6.0f} ({result.backend_cpu_s / n * 1e6:5.0f})"
+            per_round[name] = [r.router_cpu_s / len(r.latencies_s) for r in measured]
+            caused = statistics.median(r.backend_cpu_s / len(r.latencies_s) for r in measured)
+            text = f"{statistics.median(per_round[name]) * 1e6:6.0f} ({caused * 1e6:5.0f})"
             if cell.concurrency == 1:
-                text += f" [{(result.p50() - direct.p50()) * 1e3:+6.3f}]"
+                added = statistics.median(r.p50() - d.p50() for r, d in zip(measured, direct, strict=True))
+                text += f" [{added * 1e3:+6.3f}]"
             row += f" {text:>30}"
-        if "kv-router" in per_request:
+        if "kv-router" in per_round:
+            ours = per_round["kv-router"]
             for name in peers:
-                ratio = per_request["kv-router"] / per_request[name] if name in per_request else None
-                row += f" {ratio:9.2f}x" if ratio is not None else f" {'-':>10}"
+                if name not in per_round:
+                    row += f" {'-':>{width}}"
+                    continue
+                ratios = [a / b for a, b in zip(ours, per_round[name], strict=True)]
+                row += f" {_median_and_range(ratios, rounds, '.2f', 'x'):>{width}}"
         lines.append(row)
     # Who was busy: a gateway near 100% of its CPU set the rate; the shared CPU holds generator and stubs.
     lines.append("requests/s (gateway's CPU busy over the cell, % of a core; stubs' busy)")
     for cell in cells:
         row = f"{cell!s:18}"
         for name in ("direct", *gateways):
-            result = results[name][cell]
-            if result.refused or not result.wall_s:
+            measured = [r for r in results[name][cell] if not r.refused and r.wall_s]
+            if not measured:
                 row += f" {'-':>26}"
                 continue
-            busy = f"{result.router_cpu_s / result.wall_s:4.0%}" if name != "direct" else "   -"
-            stubs = result.backend_cpu_s / result.wall_s
-            text = f"{len(result.latencies_s) / result.wall_s:6.0f}/s ({busy}; {stubs:4.0%})"
-            row += f" {text:>26}"
+            rate = statistics.median(len(r.latencies_s) / r.wall_s for r in measured)
+            busy = "   -"
+            if name != "direct":
+                busy = f"{statistics.median(r.router_cpu_s / r.wall_s for r in measured):4.0%}"
+            stubs = statistics.median(r.backend_cpu_s / r.wall_s for r in measured)
+            row += f" {f'{rate:6.0f}/s ({busy}; {stubs:4.0%})':>26}"
         lines.append(row)
     return "\n".join(lines)
 

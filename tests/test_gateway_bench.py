@@ -3,6 +3,7 @@ and the CPU of a process tree read from /proc (descendants started by any thread
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -82,3 +83,29 @@ def test_process_tree_cpu_counts_descendants_of_every_thread() -> None:
         for pid in reversed(tree_pids(parent.pid)):
             os.kill(pid, signal.SIGKILL)
         parent.wait()
+
+
+def test_the_report_gives_medians_over_rounds_and_each_ratio_from_one_rounds_pair() -> None:
+    from bench.gateway_bench import Cell, Result, report
+
+    cell = Cell(1, False, "text")
+    n = 100
+
+    def measured(cpu_us: float, p50_ms: float) -> Result:
+        return Result(latencies_s=[p50_ms / 1e3] * n, router_cpu_s=cpu_us * n / 1e6, backend_cpu_s=0.0, wall_s=1.0)
+
+    # Round 2 is slow for both gateways (a noisy neighbour): the per-round ratio sees through it.
+    results = {
+        "direct": {cell: [measured(0, 0.25), measured(0, 0.30), measured(0, 0.25)]},
+        "kv-router": {cell: [measured(300, 0.75), measured(600, 1.00), measured(330, 0.70)]},
+        "sglang-router": {cell: [measured(300, 0.70), measured(600, 0.80), measured(300, 0.75)]},
+    }
+    args = argparse.Namespace(
+        rounds=3, prompt_tokens=1024, distinct_prompts=0, max_tokens=8, requests=n, requests_concurrent=n,
+        router_cpus="1", shared_cpus="0",
+    )  # fmt: skip
+    row = next(line for line in report(results, [cell], args).splitlines() if line.startswith("c=1 JSON text"))
+    # CPU: medians 330 and 300 us; added p50: medians of 0.50, 0.70, 0.45 and 0.45, 0.50, 0.50 ms;
+    # ratios per round 1.00, 1.00, 1.10.
+    assert "330 (    0) [+0.500]" in row and "300 (    0) [+0.500]" in row
+    assert row.rstrip().endswith("1.00x (1.00-1.10)")
