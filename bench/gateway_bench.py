@@ -472,8 +472,48 @@ def main() -> int:
     }  # fmt: skip
     names = ("direct", *gateways)
     results: dict[str, dict[Cell, list[Result]]] = {name: {cell: [] for cell in cells} for name in names}
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = write_model_files(Path(scratch) / "stub-model")
+        for round_index in range(args.rounds):
+            with stub_backends() as (backends, backends_cpu):
+                for cell in cells:
+                    results["direct"][cell].append(
+                        asyncio.run(
+                            run_cell(backends[0], cell, bodies[cell], lambda: (0.0, backends_cpu()), args.timeout)
+                        )
+                    )
+            turn = round_index % len(gateways) if gateways else 0
+            for name in gateways[turn:] + gateways[:turn]:  # no gateway always first, or last
+                # Fresh backends for each gateway: one that leaves them worse off (vllm-router: the next
+                # gateway's CPU per request 10-30 % higher, whichever it was) must not tax the next.
+                with stub_backends() as (backends, backends_cpu):
+                    port = free_port()
+                    command = gateway_command(name, port, backends, venv, model_dir)
+                    env = OFFLINE_ENV if name in PEERS else {}
+                    with started(command, args.router_cpus, env) as gateway:
+                        url = f"http://127.0.0.1:{port}"
+                        if name in OURS:
+                            wait_for_port(url, gateway)
+                            register_backends(url, backends)
+                        wait_answering(url, gateway)
+                        time.sleep(args.settle)
+                        pid = gateway.pid
+
+                        def cpu(pid: int = pid, stubs_cpu: Callable[[], float] = backends_cpu) -> tuple[float, float]:
+                            return tree_oncpu_s(pid), stubs_cpu()
+
+                        for cell in cells:
+                            measured = asyncio.run(run_cell(url, cell, bodies[cell], cpu, args.timeout))
+                            results[name][cell].append(measured)
+                        print(f"round {round_index + 1}: {name}: its process tree {tree_pids(pid)}", file=sys.stderr)
+    print(report(results, cells, args))
+    return 0
+
+
+@contextmanager
+def stub_backends() -> Iterator[tuple[list[str], Callable[[], float]]]:
+    """Two stub backends started for one gateway's turn (or the direct run): their URLs, and their CPU so far."""
     with ExitStack() as stack:
-        model_dir = write_model_files(Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stub-model")
         ports = [free_port(), free_port()]
         stubs = [
             stack.enter_context(started([sys.executable, __file__, "stub", "--port", str(port)], "")) for port in ports
@@ -481,37 +521,7 @@ def main() -> int:
         backends = [f"http://127.0.0.1:{port}" for port in ports]
         for stub_process, backend in zip(stubs, backends, strict=True):
             wait_answering(backend, stub_process)
-
-        def backends_cpu() -> float:
-            return sum(tree_oncpu_s(stub.pid) for stub in stubs)
-
-        for round_index in range(args.rounds):
-            for cell in cells:
-                results["direct"][cell].append(
-                    asyncio.run(run_cell(backends[0], cell, bodies[cell], lambda: (0.0, backends_cpu()), args.timeout))
-                )
-            turn = round_index % len(gateways) if gateways else 0
-            for name in gateways[turn:] + gateways[:turn]:  # no gateway always first, or last
-                port = free_port()
-                command = gateway_command(name, port, backends, venv, model_dir)
-                env = OFFLINE_ENV if name in PEERS else {}
-                with started(command, args.router_cpus, env) as gateway:
-                    url = f"http://127.0.0.1:{port}"
-                    if name in OURS:
-                        wait_for_port(url, gateway)
-                        register_backends(url, backends)
-                    wait_answering(url, gateway)
-                    time.sleep(args.settle)
-                    pid = gateway.pid
-
-                    def cpu(pid: int = pid) -> tuple[float, float]:
-                        return tree_oncpu_s(pid), backends_cpu()
-
-                    for cell in cells:
-                        results[name][cell].append(asyncio.run(run_cell(url, cell, bodies[cell], cpu, args.timeout)))
-                    print(f"round {round_index + 1}: {name}: its process tree {tree_pids(pid)}", file=sys.stderr)
-    print(report(results, cells, args))
-    return 0
+        yield backends, lambda: sum(tree_oncpu_s(stub.pid) for stub in stubs)
 
 
 def wait_for_port(url: str, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
