@@ -17,8 +17,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from itertools import repeat
+from collections.abc import Callable, Iterable, Sequence
 
 from indexer.errors import KvIndexError
 from indexer.events import RouterEvent, removed_event, stored_event
@@ -73,15 +72,18 @@ class PredictedCache:
             return
         capacity = self._capacity(rank[0])
         now = self._clock()
-        held = self._ranks.setdefault(rank, OrderedDict())
+        held = self._ranks.get(rank)
+        if held is None:
+            held = self._ranks[rank] = OrderedDict()
         self._expire(rank, held, now)
         if sequence is None:
             sequence = compute_sequence_hashes(local_hashes)
         expiry = now + self._ttl_s
         if held.keys().isdisjoint(sequence):  # a prompt new to the rank (the common case): one run, in C
             if sequence:
-                self._store(rank, None, list(zip(sequence, local_hashes, strict=True)))
-            held.update(zip(reversed(sequence), repeat(expiry)))  # the head most recent, as below
+                self._store(rank, None, zip(sequence, local_hashes, strict=True))
+            for block_hash in reversed(sequence):  # the head most recent, as below; OrderedDict.update is 2-3x slower
+                held[block_hash] = expiry
         else:
             self._record_known(rank, held, local_hashes, sequence, expiry)
         if len(held) > capacity:  # the least recently routed go, in one removal
@@ -151,7 +153,7 @@ class PredictedCache:
             del held[block_hash]
         self._remove(rank, expired)
 
-    def _store(self, rank: WorkerRank, parent: int | None, run: list[tuple[int, int]]) -> None:
+    def _store(self, rank: WorkerRank, parent: int | None, run: Iterable[tuple[int, int]]) -> None:
         with contextlib.suppress(KvIndexError):  # a parent evicted meanwhile: the run is left out
             self.tree.apply_event(rank[0], stored_event(0, run, parent_hash=parent, dp_rank=rank[1]))
 
