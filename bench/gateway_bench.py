@@ -453,6 +453,8 @@ def main() -> int:
     unknown = set(gateways) - set(GATEWAYS)
     if unknown:
         parser.error(f"unknown gateways: {', '.join(sorted(unknown))}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     cells = [
         Cell(int(c), form == "sse", prompt)
         for c in args.concurrency.split(",")
