@@ -415,8 +415,9 @@ class Proxy:
             raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
         if not packed:
             raise _refused(400, "invalid_request_error", "the prompt has no tokens", "bad_request")
-        if len(packed) // 4 > self._max_prompt_tokens:
-            refusal = prompt_too_long(len(packed) // 4, self._max_prompt_tokens)
+        routing_tokens = token_count(packed)
+        if routing_tokens > self._max_prompt_tokens:
+            refusal = prompt_too_long(routing_tokens, self._max_prompt_tokens)
             raise _refused(refusal.status, "invalid_request_error", refusal.message, "bad_request")
         timeline = reply.timeline  # None unless spans are exported
         if timeline is not None:
@@ -443,8 +444,8 @@ class Proxy:
         headers = passed + (b"authorization: " + authorization + b"\r\n" if authorization is not None else b"")
         path = _PATHS[route]
         try:
-            async with self.admission.slot(routing.request, len(packed) // 4):
-                bytes_routed = len(packed) // 4 if by_bytes else 0
+            async with self.admission.slot(routing.request, routing_tokens):
+                bytes_routed = routing_tokens if by_bytes else 0
                 return await self._attempts(
                     routing, by_id, path, body, headers, stream, reply, received, request_id, bytes_routed
                 )
