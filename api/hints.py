@@ -20,6 +20,7 @@ request changes nothing, and every refusal names its field:
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -41,9 +42,11 @@ class RoutingCall:
     request: RouteRequest
     pinned: WorkerRank | None = None
     pinned_prefill: WorkerRank | None = None
-    among: frozenset[int] | None = None
+    among: AbstractSet[int] | None = None
     isl_tokens: int | None = None
     unused_hints: list[str] = field(default_factory=list)
+    # One leg on a disaggregated fleet too: a request with no KV to hand over (the proxy's pooling routes).
+    one_leg: bool = False
 
 
 def _worker(router: KvRouter, worker_id: int, name: str) -> WorkerConfig:
@@ -74,10 +77,12 @@ def routing_call(
     mm_routing_info: MmRoutingInfo | None = None,
     router_config_override: RouterConfigOverride | None = None,
     field_prefix: str = "routing.",
+    serving: AbstractSet[int] | None = None,
 ) -> RoutingCall:
     """Check the hints and build the call; raises `UnknownRoutingTarget` (404) or `InvalidBody`
     (422) naming the field (``field_prefix`` + its name: ``routing.`` on a `PreprocessedRequest`,
-    ``nvext.`` on the proxy's bodies)."""
+    ``nvext.`` on the proxy's bodies). The request's candidates are the workers serving ``model``, or
+    ``serving`` when the caller has them already (the proxy), within the hints' allowed ids."""
     hints = hints or RoutingHints()
     block_mm_infos = None
     isl_tokens = None
@@ -104,9 +109,10 @@ def routing_call(
         ),
         isl_tokens=isl_tokens,
     )
-    among = hints.allowed_worker_ids
+    among: AbstractSet[int] | None = hints.allowed_worker_ids
     if model:
         serving = frozenset(w.worker_id for w in router.workers() if not w.models or model in w.models)
+    if serving is not None:
         among = serving if among is None else among & serving
     pinned_id = hints.backend_instance_id
     if pinned_id is not None:
@@ -128,7 +134,7 @@ def routing_call(
     elif hints.dp_rank is not None:
         call.unused_hints.append("dp_rank")  # Dynamo 1.6.1 ignores a rank without a worker too
     call.among = among
-    legs = router.disaggregated
+    legs = router.two_legs(among)
     if hints.prefill_worker_id is not None:
         name = field_prefix + "prefill_worker_id"
         prefill = _worker(router, hints.prefill_worker_id, name)

@@ -59,6 +59,7 @@ LIVENESS_ALIASES = ("/health", "/liveness")
 READINESS_ALIASES = ("/readiness",)
 # A registration over HTTP that names neither keeps the ranks the worker has.
 _RANK_FIELDS = frozenset({"dp_start_rank", "dp_size"})
+_HANDOFF_FIELDS = frozenset({"role", "handoff", "bootstrap_port"})
 
 
 _ERROR_SCHEMA: dict[str, Any] = {
@@ -220,10 +221,15 @@ def add_admin_routes(
         # Registered over HTTP means static: no heartbeat lease, with or without an event plane.
         fields = {**msgspec.structs.asdict(worker_body.decode(call)), "leased": False}
         existing = kv_router.worker(fields["worker_id"])
-        if existing is not None and not _RANK_FIELDS & _named_fields(call):
+        named = _named_fields(call) if existing is not None else set()
+        if existing is not None and not _RANK_FIELDS & named:
             # A capacity or taint update of a worker whose ranks its source set (direct mode's dp=N, a
             # bridge's --dp-size) keeps them: the default one rank would drop the others' blocks.
             fields.update(dp_start_rank=existing.dp_start_rank, dp_size=existing.dp_size)
+        if existing is not None and not _HANDOFF_FIELDS & named:
+            # So does its disaggregated role and hand-off (a bridge's --role): the defaults would make a
+            # prefill worker take whole requests.
+            fields.update(role=existing.role, handoff=existing.handoff, bootstrap_port=existing.bootstrap_port)
         config = WorkerConfig(**fields)
         known = existing is not None
         if lifecycle is not None:

@@ -29,6 +29,7 @@ from router.approximate import PredictedCache
 from router.computed_prompts import ComputedPrompts
 from router.config import RouterConfig
 from router.disaggregation import (
+    PREFILL_BOOKING_SUFFIX,
     PendingPrefill,
     choose_path,
     decode_config,
@@ -105,6 +106,7 @@ class _Routing:
         "explain",
         "hashing_s",
         "matching_s",
+        "one_leg",
         "overlaps",
         "pinned",
         "pinned_prefill",
@@ -124,6 +126,7 @@ class _Routing:
         hashing_s: float,
         matching_s: float,
         pinned_prefill: WorkerRank | None = None,
+        one_leg: bool = False,
     ) -> None:
         self.request = request
         # The router's config with the request's override applied.
@@ -137,6 +140,8 @@ class _Routing:
         self.explain = explain
         self.hashing_s = hashing_s
         self.matching_s = matching_s
+        # Routed as one leg on a disaggregated fleet too (`KvRouter.new`).
+        self.one_leg = one_leg
 
     def leg(
         self, request: RouteRequest, config: RouterConfig, pinned: WorkerRank | None, prompt: Prompt | None = None
@@ -319,8 +324,21 @@ class KvRouter:
 
     @property
     def disaggregated(self) -> bool:
-        """Whether any worker is prefill- or decode-only: every decision is then two legs."""
+        """Whether any worker is prefill- or decode-only (or, with ``disagg_among_both_workers``, two
+        workers of role both are registered): decisions among such workers are two legs (`two_legs`)."""
         return self._disaggregated
+
+    def two_legs(self, among: AbstractSet[int] | None = None) -> bool:
+        """Whether a request among these workers (None: any) is routed as two legs: its workers, not
+        the fleet, decide (another model's prefill workers do not split a request for aggregated ones).
+        O(1) on a fleet that is not disaggregated, else O(len(among))."""
+        if not self._disaggregated or among is None:
+            return self._disaggregated
+        known = self._scheduler.workers.get
+        return is_disaggregated(
+            (worker for worker in map(known, among) if worker is not None),
+            among_both=self.config.disagg_among_both_workers,
+        )
 
     def _observe_epoch(self, worker: WorkerConfig) -> None:
         if worker.epoch is not None:
@@ -406,15 +424,17 @@ class KvRouter:
         among: AbstractSet[int] | None = None,
         explain: bool = False,
         isl_tokens: int | None = None,
+        one_leg: bool = False,
     ) -> RouteDecision:
         """Pick a (worker, dp_rank) for the request and, if it has a ``request_id``, book it there.
 
         ``pinned_worker`` routes to that exact rank if it is eligible and not overloaded; ``among``
         limits the candidates to those worker ids (a proxy's workers serving the model);
         ``isl_tokens`` is the prompt length for load when the tokens are not the prompt itself
-        (Dynamo's multimodal routing tokens and their ``expanded_prompt_len``). On a disaggregated
-        fleet the decision is the decode worker, ``pinned_worker`` pins it and ``pinned_prefill`` the
-        prefill leg (`_route_disaggregated`). Raises
+        (Dynamo's multimodal routing tokens and their ``expanded_prompt_len``). When the request's
+        workers are disaggregated (`two_legs`) the decision is the decode worker, ``pinned_worker`` pins
+        it and ``pinned_prefill`` the prefill leg (`_route_disaggregated`); ``one_leg`` routes it as one
+        leg among them all the same (a request with no KV to hand over: a pooling model's). Raises
         `InvalidRequest`, `DuplicateRequestId`, `NoEligibleWorker`, `AllWorkersOverloaded` or
         `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated: on a
         disaggregated fleet, the pools the decision would use) and, at start, until
@@ -429,6 +449,7 @@ class KvRouter:
             among=among,
             explain=explain,
             isl_tokens=isl_tokens,
+            one_leg=one_leg,
         )
         return decision if isinstance(decision, RouteDecision) else await decision
 
@@ -441,6 +462,7 @@ class KvRouter:
         among: AbstractSet[int] | None = None,
         explain: bool = False,
         isl_tokens: int | None = None,
+        one_leg: bool = False,
     ) -> RouteDecision | Coroutine[Any, Any, RouteDecision]:
         """`new` on the caller's stack: the decision itself when it need not wait (the usual case: no
         coroutine made, none run), else the coroutine to await for it (the start-up wait or the
@@ -453,7 +475,12 @@ class KvRouter:
                 among=among,
                 explain=explain,
                 isl_tokens=isl_tokens,
+                one_leg=one_leg,
             )
+        request_id = request.request_id
+        if request_id is not None and request_id.endswith(PREFILL_BOOKING_SUFFIX):
+            # Reserved for a remote prefill's booking: another request's leg would be freed by this one.
+            raise InvalidRequest(f"request_id must not end in {PREFILL_BOOKING_SUFFIX!r}: {request_id!r}")
         started = time.perf_counter()
         config = self.config if request.router_config_override is None else self._request_config(request)
         prompt = prepare_prompt(
@@ -477,13 +504,13 @@ class KvRouter:
             hashed - started,
             time.perf_counter() - hashed,
             pinned_prefill,
+            one_leg,
         )
         sequences = self._scheduler.sequences
         now = self._clock()
         if sequences.started_before(now - self.config.request_expiry_secs):
             self.expire_stale()
         sequences.decay(now)
-        request_id = request.request_id
         if request_id is not None:
             owner = sequences.owner(request_id)
             if owner is not None:
@@ -501,8 +528,9 @@ class KvRouter:
         return decision
 
     def _check_prefill_pin(self, routing: _Routing) -> None:
-        if routing.pinned_prefill is not None and not self._disaggregated:
-            raise InvalidRequest("a prefill worker was pinned but no worker is registered with role prefill or decode")
+        if routing.pinned_prefill is not None and (routing.one_leg or not self.two_legs(routing.among)):
+            why = "it has no KV to hand over" if routing.one_leg else "none of its workers has role prefill or decode"
+            raise InvalidRequest(f"a prefill worker was pinned but the request is routed as one leg: {why}")
 
     def _route_unless_blocked(
         self, routing: _Routing, workers: list[WorkerConfig], *, queued_s: float, rematch: bool = False
@@ -512,7 +540,7 @@ class KvRouter:
         the remote-prefill path also the prefill pool (`_route_disaggregated`). ``rematch``: match
         the prompt against the index again before scheduling it (a long wait); a disaggregated
         request's path depends on the match, so it is matched again before its pools are checked."""
-        if self._disaggregated:
+        if not routing.one_leg and self.two_legs(routing.among):
             if rematch:
                 routing.overlaps = self._routing_overlaps(routing.prompt)
             return self._route_disaggregated(routing, workers, queued_s=queued_s)
@@ -876,9 +904,8 @@ class KvRouter:
         """Free the request's remote prefill booking, if it has one (``computed``: its prompt was, the
         decode leg's first token is out). Found by its id, not remembered: a replica holding the booking
         (`router.replicas`) may be the one told, and frees it alike. A peer's change is left to the peer,
-        which frees the leg itself and says so; each replica credits the leg's computed prompt itself."""
-        if not self._disaggregated:
-            return
+        which frees the leg itself and says so; each replica credits the leg's computed prompt itself.
+        Looked for whether or not the fleet is disaggregated now: a worker leaving may have made it whole."""
         leg = prefill_booking_id(request_id)
         if self._scheduler.sequences.owner(leg) is not None:
             if computed:  # on every replica the request's mark reaches, while it holds the leg

@@ -54,6 +54,33 @@ def test_a_prefill_workers_handoff_is_registered_listed_and_checked(client: Test
         assert refused.status_code == 422 and next(iter(bad)) in refused.text
 
 
+def test_an_update_that_names_no_role_keeps_the_workers_role_and_handoff(client: TestClient) -> None:
+    """A capacity update of an SGLang prefill worker leaves it one: with the defaults it would take whole
+    requests and decode legs, and its prefill legs would be run in the wrong style. Naming a role changes
+    the three together."""
+    sglang = {"worker_id": 7, "role": "prefill", "handoff": "bootstrap", "bootstrap_port": 9000}
+    assert client.post("/v1/workers", json=sglang).status_code == 201
+    assert client.post("/v1/workers", json={"worker_id": 7, "total_kv_blocks": 4096}).status_code == 200
+    listed = {w["config"]["worker_id"]: w["config"] for w in client.get("/v1/workers").json()["workers"]}
+    kept = listed[7]
+    assert (kept["role"], kept["handoff"], kept["bootstrap_port"], kept["total_kv_blocks"]) == (
+        "prefill",
+        "bootstrap",
+        9000,
+        4096,
+    )
+    assert client.post("/v1/workers", json={"worker_id": 7, "role": "both"}).status_code == 200
+    changed = {w["config"]["worker_id"]: w["config"] for w in client.get("/v1/workers").json()["workers"]}[7]
+    assert (changed["role"], changed["handoff"], changed.get("bootstrap_port")) == ("both", "kv_transfer_params", None)
+
+
+def test_a_request_id_ending_in_the_prefill_legs_suffix_is_refused_as_json(client: TestClient) -> None:
+    answer = client.post("/v1/new", json={"tokens": LONG, "request_id": "job#prefill"})
+    assert answer.status_code == 422, answer.text
+    assert "must not end in '#prefill'" in answer.json()["error"]["message"]
+    assert all(load == (0, 0) for load in _loads(client).values())
+
+
 def test_the_bridge_registers_its_handoff() -> None:
     config = BridgeConfig(
         worker_id=5, zmq_endpoint="tcp://127.0.0.1:5557", role="prefill", handoff="bootstrap", bootstrap_port=9000

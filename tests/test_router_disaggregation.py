@@ -485,6 +485,69 @@ def test_workers_of_role_both_hand_prefill_to_each_other_only_when_asked(among_b
     assert not router.disaggregated and route(router, PROMPT, "alone").disaggregation is None
 
 
+@pytest.mark.parametrize("among_both", [False, True])
+def test_a_request_among_workers_of_role_both_is_one_leg_beside_another_models_prefill_and_decode_workers(
+    among_both: bool,
+) -> None:
+    """Workers 5 and 6 (role both) serve one model, P1 and D1 another: a request among 5 and 6 is split
+    only with ``disagg_among_both_workers``, whatever the rest of the fleet; among P1 and D1 it is."""
+    router = KvRouter(RouterConfig(block_size=BS, policy="dynamo", disagg_among_both_workers=among_both))
+    router.register_worker(WorkerConfig(worker_id=P1, role="prefill"))
+    router.register_worker(WorkerConfig(worker_id=D1, role="decode"))
+    for worker_id in (5, 6):
+        router.register_worker(WorkerConfig(worker_id=worker_id))
+    assert router.disaggregated and router.two_legs() and router.two_legs({P1, D1})
+    assert router.two_legs({5, 6}) is among_both and not router.two_legs({5})
+    decision = route(router, PROMPT, "a", among={5, 6})
+    assert decision.worker_id in (5, 6)
+    assert sorted(booking for booking, _ in router.bookings()) == (["a", "a#prefill"] if among_both else ["a"])
+    if among_both:
+        assert decision.disaggregation is not None and decision.disaggregation.path == "remote_prefill"
+    else:
+        assert decision.disaggregation is None
+        with pytest.raises(InvalidRequest, match="routed as one leg: none of its workers has role prefill"):
+            route(router, PROMPT, "pinned", among={5, 6}, pinned_prefill=(5, 0))
+    split = route(router, PROMPT, "b", among={P1, D1})
+    assert split.worker_id == D1 and split.disaggregation is not None and split.disaggregation.prefill is not None
+
+
+def test_a_request_routed_as_one_leg_on_a_disaggregated_fleet_books_one_worker() -> None:
+    """A request with no KV to hand over (the proxy's pooling routes) goes to one worker of either
+    role, booked there alone; a prefill pin then has no leg to pin."""
+    router = fleet()
+    decision = route(router, PROMPT, "embed", one_leg=True)
+    assert decision.disaggregation is None
+    assert [booking for booking, _ in router.bookings()] == ["embed"]
+    with pytest.raises(InvalidRequest, match="routed as one leg: it has no KV to hand over"):
+        route(router, PROMPT, "pinned", one_leg=True, pinned_prefill=(P1, 0))
+    assert router.mark_free("embed") and all(load == (0, 0, 0) for load in loads(router).values())
+
+
+def test_a_remote_prefill_booking_is_freed_after_the_fleet_stopped_being_disaggregated() -> None:
+    """Split between two workers of role both, then the decode worker leaves: the fleet is whole again,
+    and the request's end still frees its prefill leg (it would have held its load until it expired)."""
+    router = KvRouter(RouterConfig(block_size=BS, policy="dynamo", disagg_among_both_workers=True))
+    for worker_id in (D1, D2):
+        router.register_worker(WorkerConfig(worker_id=worker_id))
+    router.apply_event(prompt_stored_event(D1, PROMPT[: 5 * BS], BS, blocks=5))
+    decision = route(router, PROMPT, "a")
+    assert decision.worker_id == D1 and decision.disaggregation is not None
+    assert router.booking("a#prefill") is not None
+    router.remove_worker(D1)
+    assert not router.disaggregated
+    router.mark_free("a")
+    assert router.booking("a#prefill") is None and all(load == (0, 0, 0) for load in loads(router).values())
+
+
+def test_a_request_id_ending_in_the_prefill_legs_suffix_is_refused() -> None:
+    """``<id>#prefill`` is a remote prefill's booking: a caller's request under that id would have its
+    booking freed by another request's prefill mark (and make that request a duplicate)."""
+    router = fleet()
+    with pytest.raises(InvalidRequest, match="request_id must not end in '#prefill'"):
+        route(router, PROMPT, "job#prefill")
+    assert list(router.bookings()) == []
+
+
 def test_the_bridge_takes_its_role_from_a_flag_or_the_environment() -> None:
     required = {"worker_id": 4, "zmq_endpoint": "tcp://127.0.0.1:5557"}
     from_env = load_bridge_config(required, {"KV_ROUTER_BRIDGE_ROLE": "decode"})
