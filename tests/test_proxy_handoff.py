@@ -45,10 +45,10 @@ async def register(f: Fleet, worker: WorkerConfig) -> None:
 
 @contextlib.asynccontextmanager
 async def failing_worker(
-    status: bytes = b"500 Internal Server Error", headers: bytes = b""
+    status: bytes = b"500 Internal Server Error", headers: bytes = b"", bodies: list[bytes] | None = None
 ) -> AsyncIterator[tuple[str, list[bytes]]]:
     """A worker answering every request ``status`` (and header lines ``headers``) after reading it; yields
-    its URL and the request lines."""
+    its URL and the request lines (their bodies into ``bodies``, when given)."""
     seen: list[bytes] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -57,7 +57,9 @@ async def failing_worker(
                 seen.append(head.split(b"\r\n", 1)[0])
                 lines = head.lower().split(b"\r\n")
                 length = next((int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")), 0)
-                await reader.readexactly(length)
+                received = await reader.readexactly(length)
+                if bodies is not None:
+                    bodies.append(received)
                 body = b'{"error": {"message": "engine failure"}}'
                 writer.write(b"HTTP/1.1 %b\r\ncontent-type: application/json\r\n%b" % (status, headers) +
                              b"content-length: %d\r\n\r\n%b" % (len(body), body))  # fmt: skip
@@ -168,7 +170,8 @@ async def test_among_both_workers_a_failing_prefill_leg_leaves_the_request_to_it
     nats_server: EmbeddedNats,
 ) -> None:
     """Worker 9 (role both, answering 500) is the only other worker to prefill on: its leg fails, and
-    the request, booked again without it, is prefilled and answered by its decode worker alone."""
+    the request, booked again without it, is prefilled and answered by its decode worker alone: with one
+    worker left it is routed as one leg (no disaggregation header)."""
     async with (
         fleet(nats_server.url, (1,), router={"disagg_among_both_workers": True}) as f,
         failing_worker() as (url, seen),
@@ -180,7 +183,7 @@ async def test_among_both_workers_a_failing_prefill_leg_leaves_the_request_to_it
         assert raw.parse().choices[0].text == " w1 w2 w3 w4"
         assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
         assert raw.headers["x-kv-router-worker"] == "1"
-        assert raw.headers["x-kv-router-disaggregation"] == "local_prefill"
+        assert "x-kv-router-disaggregation" not in raw.headers
         assert f.apis[1].prefill_legs == 0 and f.apis[1].pulled_blocks == 0
         metrics = await scrape(f.url)
         style = "kv_transfer_params"
@@ -340,6 +343,76 @@ async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
         assert "engine failure" in str(refused.value)
         assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
         assert f.apis[2].pulled_blocks == 0
+        await eventually(lambda: idle(f.router))
+
+
+async def test_a_prefill_leg_is_one_token_of_one_choice_and_a_refusal_tells_no_decode_worker(
+    nats_server: EmbeddedNats,
+) -> None:
+    """The prefill leg an engine gets: ``n`` 1 (an engine prefills n choices as n requests, each holding
+    its blocks, of which the decode leg pulls one), one token, ``max_output_tokens`` 1 on the Responses
+    API (``max_tokens`` is not one of its fields). Its 4xx is the client's answer and the prefill worker
+    answered; the decode worker, never sent the request, keeps the failure it had."""
+    bodies: list[bytes] = []
+    async with (
+        fleet(nats_server.url, (2,), roles={2: "decode"}) as f,
+        failing_worker(b"400 Bad Request", bodies=bodies) as (url, seen),
+    ):
+        await register(f, prefill_worker_at(url, "kv_transfer_params"))
+        f.router.health.failed(2, "an earlier failure")
+        f.router.health.failed(9, "an earlier failure")
+        with pytest.raises(openai.BadRequestError):
+            await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=8, n=2, stream=True)
+        with pytest.raises(openai.BadRequestError):
+            await f.client.responses.create(model=MODEL, input="a long question " * 40, max_output_tokens=64)
+        legs = {line: msgspec.json.decode(body) for line, body in zip(seen, bodies, strict=True)}
+        completion, response = legs[b"POST /v1/completions HTTP/1.1"], legs[b"POST /v1/responses HTTP/1.1"]
+        assert (completion["n"], completion["max_tokens"], completion["stream"]) == (1, 1, False)
+        assert completion["kv_transfer_params"]["do_remote_decode"] is True
+        assert response["max_output_tokens"] == 1 and "max_tokens" not in response
+        assert f.router.health.availability(2).consecutive_failures == 1
+        assert f.router.health.availability(9).consecutive_failures == 0
+        await eventually(lambda: idle(f.router))
+
+
+async def test_a_model_served_by_workers_of_role_both_is_not_split_by_another_models_prefill_worker(
+    nats_server: EmbeddedNats,
+) -> None:
+    """Workers 5 and 6 (role both, no KV connector) serve another model beside a prefill and a decode
+    worker: its long prompts go to one of them whole, with no prefill leg to fail there."""
+    bodies: list[bytes] = []
+    async with (
+        fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}) as f,
+        failing_worker(b"200 OK", bodies=bodies) as (url5, seen5),
+        failing_worker(b"200 OK", bodies=bodies) as (url6, seen6),
+    ):
+        for worker_id, url in ((5, url5), (6, url6)):
+            other = WorkerConfig(
+                worker_id=worker_id, url=url, models=frozenset({"other"}), leased=False, kv_events=False, block_size=64
+            )
+            await register(f, other)
+        async with httpx.AsyncClient() as http:
+            answer = await http.post(
+                f"{f.url}/v1/completions", json={"model": "other", "prompt": LONG, "max_tokens": 4}
+            )
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-kv-router-worker"] in ("5", "6")
+        assert "x-kv-router-disaggregation" not in answer.headers
+        assert len(seen5) + len(seen6) == 1 and "kv_transfer_params" not in msgspec.json.decode(bodies[0])
+        assert f.apis[1].generated == f.apis[2].generated == 0
+        assert f.router.health.availability(5).consecutive_failures == 0
+        await eventually(lambda: idle(f.router))
+
+
+async def test_among_both_workers_embeddings_go_to_one_worker_whole(nats_server: EmbeddedNats) -> None:
+    """A pooling request has no KV to hand over: among workers of role both that hand prefill over to
+    each other, it still runs on one of them alone."""
+    async with fleet(nats_server.url, (1, 2), router={"disagg_among_both_workers": True}) as f:
+        raw = await f.client.embeddings.with_raw_response.create(model=MODEL, input="embed me " * 80)
+        assert raw.parse().data[0].embedding[1] in (1.0, 2.0)
+        assert "x-kv-router-disaggregation" not in raw.headers
+        assert f.apis[1].pooled + f.apis[2].pooled == 1 and f.apis[1].prefill_legs == f.apis[2].prefill_legs == 0
+        assert "kv_router_proxy_handoffs_total{" not in await scrape(f.url)
         await eventually(lambda: idle(f.router))
 
 

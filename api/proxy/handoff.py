@@ -5,8 +5,9 @@ Three styles, the prefill worker's ``handoff`` setting (`router.types.HandoffSty
 
 - ``kv_transfer_params`` (vLLM's NIXL connector and its other v1 connectors, as vLLM's own P/D proxy
   runs them): first the prefill leg, the body with ``kv_transfer_params {"do_remote_decode": true,
-  "do_remote_prefill": false, ...}``, ``stream: false``, ``max_tokens: 1`` (and
-  ``max_completion_tokens: 1`` when given; ``stream_options`` and ``min_tokens`` dropped); the worker
+  "do_remote_prefill": false, ...}``, ``stream: false``, ``max_tokens: 1`` (``max_output_tokens: 1``
+  on the Responses API; ``max_completion_tokens`` and ``n`` 1 when given; ``stream_options``,
+  ``min_tokens`` and ``best_of`` dropped); the worker
   answers with the ``kv_transfer_params`` the decode worker needs to pull the KV. Then the decode leg,
   the client's body with those params, whose answer goes to the client.
 - ``bootstrap`` (SGLang): ``bootstrap_host`` (the prefill worker's host), ``bootstrap_port`` (its
@@ -36,7 +37,6 @@ for byte: only on this path.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -61,6 +61,8 @@ SGLANG_BOOTSTRAP_PORT = 8998
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
+
+_RESPONSES = b"/v1/responses"
 
 # The prefill leg's kv_transfer_params, as vLLM's P/D proxy sends them.
 _REMOTE_DECODE = {
@@ -111,13 +113,20 @@ class Handoff:
     and counter ``kv_router_proxy_handoffs_total{style,outcome}``."""
 
     def __init__(
-        self, router: KvRouter, upstream: Upstream, registry: CollectorRegistry, answered: Callable[[int], None]
+        self,
+        router: KvRouter,
+        upstream: Upstream,
+        registry: CollectorRegistry,
+        answered: Callable[[int], None],
+        failed: Callable[[int, str], None],
     ) -> None:
-        """``answered``: told the id of a prefill worker whose leg succeeded (its circuit breaker's count
-        of failures starts again, as a decode worker's does)."""
+        """``answered``: told the id of a prefill worker whose leg was answered (its circuit breaker's
+        count of failures starts again, as a decode worker's does); ``failed``: told one whose leg failed
+        once nothing could be retried any more (a failure before is the retry's to tell)."""
         self.router = router
         self.upstream = upstream
         self._answered = answered
+        self._failed_late = failed
         self._counter = Counter(
             f"{PREFIX}_proxy_handoffs",
             "Remote prefills the proxy ran, by hand-off style (kv_transfer_params, bootstrap, sequential) and "
@@ -146,7 +155,7 @@ class Handoff:
             if legs.style == "bootstrap":
                 return await self._bootstrap(legs, path, body, headers, reply, forward)
             if legs.style == "sequential":
-                await self._prefill_leg(legs, path, _prefill_body(body, None), headers)
+                await self._prefill_leg(legs, path, _prefill_body(path, body, None), headers)
                 self._answered(legs.prefill.worker_id)
                 decode_body = body
             else:
@@ -162,7 +171,7 @@ class Handoff:
     # ------------------------------------------------------------------ vLLM: prefill, then decode
     async def _remote_decode_prefill(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
         """The prefill leg of the ``kv_transfer_params`` style; returns the decode leg's body."""
-        content = await self._prefill_leg(legs, path, _prefill_body(body, _REMOTE_DECODE), headers)
+        content = await self._prefill_leg(legs, path, _prefill_body(path, body, _REMOTE_DECODE), headers)
         try:
             params = _decode(content).get("kv_transfer_params")
         except (msgspec.DecodeError, AttributeError):
@@ -198,8 +207,9 @@ class Handoff:
                     # request's next attempt instead.
                     watched.given_up = True
                     decode.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await decode
+                    # Its end, not its outcome (read by `_retrieve`); a cancellation of our own, the
+                    # client leaving meanwhile, goes through: no next attempt for a client gone.
+                    await asyncio.wait((decode,))
                     prefill.result()  # raises the PrefillFailed
                 outcome = await decode
             except asyncio.CancelledError:
@@ -212,10 +222,12 @@ class Handoff:
                 outcome = await decode
             # The decode leg had its KV: a prefill leg still unanswered is not waited for (the request
             # and its bookings end with the client's answer), its connection closed below.
-            late = prefill.done() and not prefill.cancelled() and prefill.exception() is not None
-            self._count(legs, "prefill_failed_late" if late else "ok")
-            if not late:  # its answer in, or not yet: the decode leg had its KV from it either way
+            failure = prefill.exception() if prefill.done() and not prefill.cancelled() else None
+            self._count(legs, "ok" if failure is None else "prefill_failed_late")
+            if failure is None:  # its answer in, or not yet: the decode leg had its KV from it either way
                 self._answered(legs.prefill.worker_id)
+            elif isinstance(failure, WorkerFailed) and not failure.paced:  # a 4xx was the request's fault
+                self._failed_late(legs.prefill.worker_id, str(failure))
             return outcome
         finally:
             # Not awaited: the request's end must not wait on them (nor take a late cancellation from
@@ -251,6 +263,7 @@ class Handoff:
             raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}", answer, wait)
         if 400 <= connection.status < 500:  # the request's fault, not the worker's: the client's answer
             self._count(legs, "prefill_refused")
+            self._answered(worker.worker_id)
             raise _Refused(connection.status, connection.content_type, content)
         if connection.status != 200:
             message = content[:200].decode("utf-8", "replace")
@@ -270,15 +283,23 @@ class Handoff:
         self._counter.labels(legs.style, outcome).inc()
 
 
-def _prefill_body(body: bytes, kv_transfer_params: dict[str, Any] | None) -> bytes:
-    """The client's body as a prefill leg: one token, not streamed (and the params, when given)."""
+def _prefill_body(path: bytes, body: bytes, kv_transfer_params: dict[str, Any] | None) -> bytes:
+    """The client's body as a prefill leg: one token of one choice, not streamed (and the params, when
+    given). One choice: an engine prefills ``n`` > 1 as that many requests, each holding its blocks, of
+    which the decode leg would pull one set."""
     request = _decode(body)
     if kv_transfer_params is not None:
         request["kv_transfer_params"] = kv_transfer_params
     request["stream"] = False
-    request["max_tokens"] = 1
+    if path == _RESPONSES:
+        request["max_output_tokens"] = 1  # the Responses API's own bound (it has no max_tokens)
+    else:
+        request["max_tokens"] = 1
     if "max_completion_tokens" in request:
         request["max_completion_tokens"] = 1
+    if "n" in request:
+        request["n"] = 1
+    request.pop("best_of", None)
     request.pop("stream_options", None)
     request.pop("min_tokens", None)
     return _encode(request)

@@ -96,6 +96,11 @@ class WorkerFailed(Exception):
         self.answer = answer
         self.retry_after = retry_after
 
+    @property
+    def paced(self) -> bool:
+        """The engine's 429: it paces us, which is no failure of the worker (its breaker is not told)."""
+        return self.answer is not None and self.answer[0] == 429
+
 
 def overloaded_answer(
     connection: UpstreamConnection, worker_id: int, content: bytes

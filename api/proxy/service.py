@@ -87,12 +87,11 @@ from api.proxy.wire import (
 from api.wire import NvExt, queries_instance
 from indexer.errors import UNDECODABLE
 from indexer.hashing import pack_tokens
-from indexer.slots import WorkerRank
 from router.errors import AllWorkersOverloaded, InvalidRequest, NoEligibleWorker, QueueRejected, WorkersUnavailable
 from router.kv_router import KvRouter
 from router.prompt import token_count
 from router.request_ids import new_request_id
-from router.types import RouteDecision, RouterConfigOverride, RouteRequest, WorkerConfig
+from router.types import RouteDecision, RouterConfigOverride, WorkerConfig
 
 __all__ = ["ROUTES", "Proxy"]
 
@@ -162,7 +161,7 @@ class Proxy:
         self.tracing = ProxyTracing(config) if config.proxy_otlp_endpoint else None
         self.client_headers = ClientHeaders(config, Cors(service), self.tracing)
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: len(self.admission.queue))
-        self.handoff = Handoff(router, self.upstream, registry, self.worker_answered)
+        self.handoff = Handoff(router, self.upstream, registry, self.worker_answered, self.worker_failed)
         local = load_model_files(config.tokenizer_paths(), config.proxy_tokenizer_cache_tokens)
         self.tokenizer = PromptTokenizer(local, self.upstream, self.metrics.prompt)
         self.metrics.watch_tokenizer_caches(
@@ -427,12 +426,18 @@ class Proxy:
         hints = nvext.routing_hints(cache_salt=request.cache_namespace)
         try:
             routing = routing_call(
-                self.router, packed, hints, request_id=None if query else request_id, field_prefix="nvext."
+                self.router,
+                packed,
+                hints,
+                request_id=None if query else request_id,
+                field_prefix="nvext.",
+                serving=by_id.keys(),
             )
         except ApiError as exc:  # counted as a bad request: its type is no outcome of the proxy's
             raise _refused(exc.status, "invalid_request_error", exc.message, "bad_request") from None
         if route in _BY_LOAD:
             routing.request.router_config_override = _NO_CACHE_CREDIT
+            routing.one_leg = True
         if routing.pinned is not None and routing.pinned[0] not in by_id:
             message = f"nvext.backend_instance_id: worker {routing.pinned[0]} does not serve model {model!r} over HTTP"
             raise _refused(400, "invalid_request_error", message, "bad_request")
@@ -479,7 +484,7 @@ class Proxy:
             try:
                 if timeline is not None:
                     timeline.deciding = time.time_ns()
-                decision = await self._book(routing.request, among, routing.pinned, routing.pinned_prefill)
+                decision = await self._book(routing, among)
                 if timeline is not None:
                     timeline.decided = time.time_ns()
             except _Refused as refused:
@@ -493,6 +498,7 @@ class Proxy:
                     outcome = await self._forward(
                         worker, decision, path, body, headers, stream, reply, received, timeline, bytes_routed
                     )
+                    self._answered_by(worker.worker_id, outcome)
                 else:
                     # Two legs (`api.proxy.handoff`): both carry one request id, as vLLM's P/D proxy sends
                     # it (the client's, passed on in ``headers``, unless its header has another name).
@@ -500,16 +506,15 @@ class Proxy:
                     if self.client_headers.name != b"x-request-id":
                         both += b"x-request-id: " + request_id.encode() + b"\r\n"
                     forward = self._decode_leg(worker, decision, path, both, stream, received, bytes_routed)
+                    # The decode leg tells its worker's breaker, if it is sent (a prefill leg refused is not).
                     outcome = await self.handoff.run(legs, path, body, both, reply, forward)
-                if outcome != "upstream_error":  # a stream broken mid-way told the breaker itself
-                    self.worker_answered(worker.worker_id)
                 return outcome
             except WorkerFailed as exc:  # again without that worker (or prefill worker); bookings freed below
                 failed_id, problem, failed = exc.worker_id, str(exc), exc
             finally:
                 self.router.mark_free(request_id)
             failures.append(problem)
-            if failed.answer is None or failed.answer[0] != 429:  # a 429 is the engine pacing us, no failure
+            if not failed.paced:
                 self.worker_failed(failed_id, problem)
             among.discard(failed_id)
             # A request needs a worker that decodes (on an aggregated fleet, any of them); none left to
@@ -543,7 +548,7 @@ class Proxy:
         booked nowhere (no request id) and sent to no worker."""
         if routing.among is not None:
             among &= routing.among
-        decision = await self._book(routing.request, among, routing.pinned, routing.pinned_prefill)
+        decision = await self._book(routing, among)
         content_type, body = instance_reply(route, model, packed, decision, request_id, stream)
         headers = [
             (b"content-type", content_type),
@@ -554,12 +559,17 @@ class Proxy:
         await reply.whole(200, headers, body)
         return "instance_query"
 
-    async def _book(
-        self, routed: RouteRequest, among: set[int], pinned: WorkerRank | None, pinned_prefill: WorkerRank | None = None
-    ) -> RouteDecision:
+    async def _book(self, routing: RoutingCall, among: set[int]) -> RouteDecision:
         started = time.perf_counter()
+        routed = routing.request
         try:
-            decision = await self.router.new(routed, among=among, pinned_worker=pinned, pinned_prefill=pinned_prefill)
+            decision = await self.router.new(
+                routed,
+                among=among,
+                pinned_worker=routing.pinned,
+                pinned_prefill=routing.pinned_prefill,
+                one_leg=routing.one_leg,
+            )
         except QueueRejected as exc:
             raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
         except WorkersUnavailable as exc:  # out of routing after failures: back when a circuit half-opens
@@ -663,11 +673,19 @@ class Proxy:
         """The decode leg of a two-leg request: `_forward` of the body the hand-off gives."""
 
         async def forward(body: bytes, reply: StreamCall) -> str:
-            return await self._forward(
+            outcome = await self._forward(
                 worker, decision, path, body, headers, stream, reply, received, bytes_routed=bytes_routed
             )
+            self._answered_by(worker.worker_id, outcome)
+            return outcome
 
         return forward
+
+    def _answered_by(self, worker_id: int, outcome: str) -> None:
+        """A worker's answer reached the client: its breaker's failures start again (a stream broken
+        mid-way told the breaker itself)."""
+        if outcome != "upstream_error":
+            self.worker_answered(worker_id)
 
     def _beginning(self, reply: StreamCall, request_id: str, headers: Headers) -> Begin:
         """What starts a stream handed on from the worker connection's read callback (`Begin`): the
@@ -727,6 +745,9 @@ class Proxy:
         tokens of four bytes (``bytes_routed`` of them): converted by the prompt's own tokens per routing token."""
         if usage is None or usage.cached_tokens is None:
             return
+        disaggregation = decision.disaggregation
+        if disaggregation is not None and disaggregation.prefill is not None:
+            return  # the decode worker counts the KV handed to it as cached: no measure of the prediction
         predicted = decision.cached_tokens
         if bytes_routed:
             if not usage.prompt_tokens:
