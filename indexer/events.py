@@ -411,17 +411,23 @@ def _split_at_marks(data: bytes, marks: dict[str, bytes]) -> tuple[list[bytes], 
 
 
 class ResyncRequest(msgspec.Struct, kw_only=True, frozen=True):
-    """Ask a worker for events ``start_event_id..end_event_id`` of one rank; no start = full dump."""
+    """Ask a worker for events ``start_event_id..end_event_id`` of one rank; no start = full dump.
+    ``in_parts`` (ours): the asker reads several replies, so one too large for a message may come in
+    parts (`ResyncBatch.more`); an asker that reads one would take the first part for the whole."""
 
     worker_id: U64
     dp_rank: U32 = 0
     start_event_id: U64 | None = None
     end_event_id: U64 | None = None
+    in_parts: bool = False
 
 
-class ResyncBatch(msgspec.Struct, kw_only=True, frozen=True):
+class ResyncBatch(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """``more`` (ours): a part of a reply sent in parts; the next part follows (the last has none)."""
+
     events: list[RouterEvent]
     last_event_id: NonNegative
+    more: bool = False
 
 
 class ResyncTooNew(msgspec.Struct, kw_only=True, frozen=True):

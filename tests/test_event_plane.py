@@ -8,6 +8,7 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
+from indexer.events import ResyncRequest, ResyncResponse
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.config import RouterConfig
 from router.errors import AllWorkersOverloaded
@@ -76,6 +77,36 @@ async def test_router_started_after_the_workers_learns_their_caches(client: Clie
     assert plane.sequencer.outcomes["resync_dump_applied"] == 1
     await holder.stop()
     await plane.stop()
+
+
+async def test_a_cache_larger_than_a_nats_message_reaches_a_router_started_after_it() -> None:
+    """A worker holding more than the server's max_payload (64 KiB here; nats-server's default is 1 MiB,
+    about 20k blocks) answers a late router's full resync in parts: one chain of 6,000 blocks (cut into
+    stores) and 300 short prompts, every block indexed. An asker that reads one reply is refused, as it
+    was before parts."""
+    with EmbeddedNats(max_payload=64 * 1024) as server:
+        nc = await connect(NatsOptions(server.url))
+        try:
+            holder = await worker(nc, 31)
+            chain = [(10_000 + i, 20_000 + i) for i in range(6000)]
+            parent = None
+            for start in range(0, len(chain), 200):  # live, each store within a message
+                await holder.stored(chain[start : start + 200], parent_hash=parent)
+                parent = chain[start + 199][0]
+            for i in range(300):
+                await holder.stored([(100_000 + 2 * i, 200_000 + 2 * i), (100_001 + 2 * i, 200_001 + 2 * i)])
+            plane = await plane_for(nc, RouterConfig(block_size=BLOCK))
+            await eventually(lambda: plane.sequencer.outcomes["resync_dump_applied"] == 1)
+            assert plane.router.tree.blocks_per_rank() == {(31, 0): 6600}
+            assert plane.sequencer.outcomes["resync_refused"] == 0
+            old_asker = msgspec.json.encode(ResyncRequest(worker_id=31))
+            reply = await nc.request(plane.subjects.resync(31), old_asker, timeout=5)
+            refusal = msgspec.msgpack.decode(reply.data, type=ResyncResponse).error
+            assert refusal is not None and "exceeds the server's max_payload of 65536" in refusal
+            await holder.stop()
+            await plane.stop()
+        finally:
+            await nc.close()
 
 
 async def test_silent_worker_is_removed_within_the_lease_and_comes_back(client: Client) -> None:

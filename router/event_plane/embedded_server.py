@@ -134,8 +134,11 @@ class EmbeddedNats:
         port: int | None = None,
         store_dir: str | None = None,
         require_token: bool = False,
+        max_payload: int = MAX_PAYLOAD_BYTES,
     ) -> None:
+        """``max_payload``: the largest message it takes (nats-server's own default is 1 MiB)."""
         self.host = host
+        self.max_payload = max_payload
         self.port = port or free_port(host)
         # One per server, kept across `restart` so that its clients reconnect.
         self.token = secrets.token_urlsafe(32) if require_token else None
@@ -173,7 +176,7 @@ class EmbeddedNats:
         # mkdtemp: a directory only this user can enter; the file in it only this user can read.
         self._config_dir = tempfile.TemporaryDirectory(prefix="kv-router-nats-conf-")
         config = Path(self._config_dir.name) / "nats.conf"
-        text = f"max_payload: {MAX_PAYLOAD_BYTES}\n"
+        text = f"max_payload: {self.max_payload}\n"
         if self.token is not None:
             text += f'authorization {{ token: "{self.token}" }}\n'
         _write_private(config, text)

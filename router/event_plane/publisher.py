@@ -69,6 +69,7 @@ from indexer.held_blocks import HeldBlocks
 from indexer.native import declined
 from router.event_plane.jetstream import kv_stream, open_bucket
 from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
+from router.event_plane.resync_parts import reply_parts
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
 from router.types import WorkerConfig
@@ -460,19 +461,24 @@ class KvEventPublisher:
         self.refused.set()
 
     async def _on_resync(self, message: Msg) -> None:
+        in_parts = False
         try:
             request = msgspec.json.decode(message.data, type=ResyncRequest)
         except UNDECODABLE as exc:
             response = ResyncResponse(error=f"invalid resync request: {exc}")
         else:
             response = self.answer_resync(request)
-        payload = msgspec.msgpack.encode(response)
-        if len(payload) > self.nc.max_payload:
-            payload = msgspec.msgpack.encode(
-                ResyncResponse(error=f"reply of {len(payload)} bytes exceeds the server's max_payload")
-            )
+            in_parts = request.in_parts
+        payloads = [msgspec.msgpack.encode(response)]
+        limit = self.nc.max_payload
+        if len(payloads[0]) > limit:
+            # In parts to an asker that reads them (`resync_parts`); else, or when it cannot be cut, refused.
+            parts = reply_parts(response, limit) if in_parts else None
+            refusal = f"reply of {len(payloads[0])} bytes exceeds the server's max_payload of {limit}"
+            payloads = parts or [msgspec.msgpack.encode(ResyncResponse(error=refusal))]
         if message.reply:
-            await self.nc.publish(message.reply, payload)
+            for payload in payloads:
+                await self.nc.publish(message.reply, payload)
 
     def dump_events(self) -> list[RouterEvent]:
         """What this worker holds on every rank and tier, as the stored events a full dump answers."""

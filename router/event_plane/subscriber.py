@@ -12,6 +12,7 @@ path. Undecodable payloads are counted and logged (rate-limited); nothing stops 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -26,6 +27,7 @@ from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.events import ResyncRequest, ResyncResponse, decode_router_events, looks_like_msgpack
 from indexer.sequencer import EventSequencer
 from router.event_plane.ratelimited_log import RateLimitedLog
+from router.event_plane.resync_parts import PartsReader
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
 
@@ -42,6 +44,9 @@ YIELD_AFTER_S = 0.0005
 
 _json_response = msgspec.json.Decoder(ResyncResponse)
 _msgpack_response = msgspec.msgpack.Decoder(ResyncResponse)
+# A request's reply when nobody serves its subject: the server's status message (what nc.request reads).
+_STATUS_HEADER = "Status"
+_NO_RESPONDERS = "503"
 
 
 class KvEventSubscriber:
@@ -125,14 +130,12 @@ class KvEventSubscriber:
 
     async def _resync(self, request: ResyncRequest) -> None:
         subject = self.subjects.resync(request.worker_id)
-        payload = msgspec.json.encode(request)
+        # Sent asking for parts; the sequencer is answered for its own request (it knows it by identity).
+        payload = msgspec.json.encode(msgspec.structs.replace(request, in_parts=True))
         async with self._resync_slots:
             for attempt in range(self._attempts):
                 try:
-                    reply = await self.nc.request(subject, payload, timeout=self._timeout)
-                    data = reply.data
-                    decoder = _msgpack_response if looks_like_msgpack(data) else _json_response
-                    response = decoder.decode(data)
+                    response = await self._ask(subject, payload)
                 except NoRespondersError:
                     # An answer, not a timeout: nobody serves resyncs for this worker (yet).
                     log.debug("no responder for resyncs of worker %s dp_rank %s", request.worker_id, request.dp_rank)
@@ -158,3 +161,26 @@ class KvEventSubscriber:
             f"a full resync is tried again in {self.sequencer.retry_interval_s:.0f} s",
         )
         self.sequencer.resync_failed(request)
+
+    async def _ask(self, subject: str, payload: bytes) -> ResyncResponse:
+        """The worker's answer, read on an inbox of the request's own: a large one comes in parts
+        (`router.event_plane.resync_parts`), each within ``timeout`` of the one before. Raises
+        `NoRespondersError`, NATS' `TimeoutError` and its other errors, and an undecodable reply's."""
+        inbox = self.nc.new_inbox()
+        subscription = await self.nc.subscribe(inbox)
+        try:
+            await self.nc.publish(subject, payload, reply=inbox)
+            reader = PartsReader()
+            while True:
+                message = await subscription.next_msg(timeout=self._timeout)
+                headers = message.headers
+                if headers and headers.get(_STATUS_HEADER) == _NO_RESPONDERS:
+                    raise NoRespondersError
+                data = message.data
+                decoder = _msgpack_response if looks_like_msgpack(data) else _json_response
+                whole = reader.add(decoder.decode(data))
+                if whole is not None:
+                    return whole
+        finally:
+            with contextlib.suppress(NatsError):  # the connection closed meanwhile: nothing to undo
+                await subscription.unsubscribe()

@@ -1,0 +1,101 @@
+"""A resync reply too large for one NATS message (the server's ``max_payload``: 1 MiB unless configured)
+goes in parts, as several replies to the asker's inbox. A full dump of a real engine's cache is tens of
+bytes a block, so one of 20k blocks no longer fits; sent whole, it was refused, and the router stayed
+blind to what the worker held.
+
+Each part is a whole `ResyncResponse` whose batch holds the next events in order and says ``more``,
+but for the last. Only to an asker that said it reads parts (``ResyncRequest.in_parts``). A dump's store
+larger than a part is cut into stores of consecutive blocks, each under the last block of the one
+before: the same chain. A range's event is never cut (its id numbers it); one alone too large is
+answered as before, with an error.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from indexer.events import KvCacheEventData, ResyncBatch, ResyncResponse, RouterEvent
+
+__all__ = ["PartsReader", "reply_parts"]
+
+_encode = msgspec.msgpack.encode
+
+# Room in a part for what is not its events: the response's and the batch's keys, the list's header,
+# the last event id.
+_ENVELOPE_BYTES = 256
+
+
+def reply_parts(response: ResyncResponse, max_bytes: int) -> list[bytes] | None:
+    """``response`` (msgpack) as parts of at most ``max_bytes`` each; None when it has no batch to split
+    or one of a range's events alone is too large. O(bytes of the reply), and a store cut in halves
+    until its pieces fit is encoded once per halving."""
+    dump = response.tree_dump is not None
+    batch = response.tree_dump if dump else response.events
+    if batch is None:
+        return None
+    room = max_bytes - _ENVELOPE_BYTES
+    parts: list[list[RouterEvent]] = [[]]
+    size = 0
+    for event in batch.events:
+        for piece in _cut(event, room) if dump else (event,):
+            encoded = len(_encode(piece))  # msgpack is concatenative: a list's items encode alone alike
+            if encoded > room:
+                return None
+            if size + encoded > room and parts[-1]:
+                parts.append([])
+                size = 0
+            parts[-1].append(piece)
+            size += encoded
+    last = len(parts) - 1
+    batches = (
+        ResyncBatch(events=events, last_event_id=batch.last_event_id, more=i < last) for i, events in enumerate(parts)
+    )
+    if dump:
+        return [_encode(ResyncResponse(tree_dump=part)) for part in batches]
+    return [_encode(ResyncResponse(events=part)) for part in batches]
+
+
+def _cut(event: RouterEvent, room: int) -> list[RouterEvent]:
+    """A dump's event as stores that each fit ``room`` (itself, when it does or cannot be cut)."""
+    data = event.event.data
+    stored = None if data == "cleared" else data.stored
+    if stored is None or len(stored.blocks) < 2 or len(_encode(event)) <= room:
+        return [event]
+    half = len(stored.blocks) // 2
+    start = stored.start_position
+    head = msgspec.structs.replace(stored, blocks=stored.blocks[:half])
+    tail = msgspec.structs.replace(
+        stored,
+        blocks=stored.blocks[half:],
+        parent_hash=stored.blocks[half - 1].block_hash,
+        start_position=None if start is None else start + half,
+    )
+    pieces = []
+    for piece in (head, tail):
+        cut = msgspec.structs.replace(event.event, data=KvCacheEventData(stored=piece))
+        pieces.extend(_cut(msgspec.structs.replace(event, event=cut), room))
+    return pieces
+
+
+class PartsReader:
+    """The asker's side: `add` each reply in order; it returns the whole response once the last part
+    (or a reply not in parts) is in, else None."""
+
+    __slots__ = ("_events",)
+
+    def __init__(self) -> None:
+        self._events: list[RouterEvent] = []
+
+    def add(self, response: ResyncResponse) -> ResyncResponse | None:
+        dump = response.tree_dump is not None
+        batch = response.tree_dump if dump else response.events
+        if batch is None:
+            return response
+        if batch.more:
+            self._events.extend(batch.events)
+            return None
+        if not self._events:
+            return response
+        whole = ResyncBatch(events=[*self._events, *batch.events], last_event_id=batch.last_event_id)
+        self._events = []
+        return ResyncResponse(tree_dump=whole) if dump else ResyncResponse(events=whole)
