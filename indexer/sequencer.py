@@ -58,6 +58,8 @@ MAX_REGRESSED_EVENTS = 1024
 
 # Epochs a worker's publisher has left behind, kept to tell a late event of a replaced process.
 RETIRED_EPOCHS_KEPT = 8
+# Workers forgotten (removed) whose epochs are remembered: bounds the memory of workers that never return.
+FORGOTTEN_WORKERS_KEPT = 4096
 # Reasons of the most recent rejections kept for callers that report them (the HTTP reply).
 RECENT_REJECTIONS = 8
 
@@ -114,6 +116,9 @@ class EventSequencer:
         self._streams: dict[WorkerRank, _Stream] = {}
         self._epochs: dict[int, str] = {}  # worker -> the publisher epoch its streams belong to
         self._retired_epochs: dict[int, deque[str]] = {}  # worker -> epochs it has left behind
+        # Forgotten workers' last epochs, kept so a late event of that process cannot pass for a
+        # restart once the worker is back under another epoch (oldest dropped first).
+        self._forgotten_epochs: dict[int, str] = {}
         # Streams not known complete; read on every decision when untrusted overlap is discounted.
         self.untrusted: set[WorkerRank] = set()
         # Outcome -> count: applied, duplicate, gap, reapplied, resync_*, rejected_<reason>, ...
@@ -368,12 +373,21 @@ class EventSequencer:
 
     # ------------------------------------------------------------------ workers
     def forget_worker(self, worker_id: int) -> None:
-        """Drop every stream of ``worker_id`` (its index state is the caller's to remove)."""
+        """Drop every stream of ``worker_id`` (its index state is the caller's to remove). Its epoch
+        is remembered: the same process may come back (a lease renewed, a withdrawal ended), but once
+        another epoch is registered, the forgotten one is retired like any replaced epoch."""
         for key in [key for key in self._streams if key[0] == worker_id]:
             del self._streams[key]
             self.untrusted.discard(key)
-        self._epochs.pop(worker_id, None)
-        self._retired_epochs.pop(worker_id, None)
+        epoch = self._epochs.pop(worker_id, None)
+        if epoch is not None:
+            forgotten = self._forgotten_epochs
+            forgotten.pop(worker_id, None)
+            forgotten[worker_id] = epoch
+            if len(forgotten) > FORGOTTEN_WORKERS_KEPT:
+                oldest = next(iter(forgotten))
+                del forgotten[oldest]
+                self._retired_epochs.pop(oldest, None)
 
     def mark_untrusted(self, worker_id: int, dp_rank: int) -> None:
         """A transport lost events of this stream for good (an engine gap nobody can replay): it stays
@@ -410,6 +424,9 @@ class EventSequencer:
             return False
         self._epochs[worker_id] = epoch
         if known is None:
+            forgotten = self._forgotten_epochs.pop(worker_id, None)
+            if forgotten is not None and forgotten != epoch:
+                retired.append(forgotten)  # the worker came back as another process
             return True
         retired.append(known)
         regressed = [

@@ -183,6 +183,39 @@ def test_late_events_of_a_replaced_process_change_nothing() -> None:
     assert tree.find_matches([5]).scores == {(W, 0): 1}
 
 
+def test_a_late_event_of_a_forgotten_process_does_not_replace_the_worker_registered_since() -> None:
+    # A new bridge deletes the registry entry first (the worker is forgotten), then registers as
+    # "second"; one event of the old process, from another subscription, arrives after that.
+    registered: dict[int, range] = {W: range(1)}
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, worker_ranks=registered.get)
+    sequencer.observe_epoch(W, "first")
+    sequencer.ingest([store(1, 1)], epoch="first")
+    sequencer.forget_worker(W)
+    del registered[W]
+    tree.remove_worker(W)
+    registered[W] = range(1)
+    assert sequencer.observe_epoch(W, "second")
+    sequencer.ingest([store(2, 2, parent=1)], epoch="first")
+    sequencer.ingest([store(1, 5), store(2, 6, parent=5)], epoch="second")
+    assert tree.find_matches([5, 6]).scores == {(W, 0): 2}
+    assert tree.find_matches([1]).scores == {}
+    assert sequencer.outcomes["stale_epoch"] == 1 and sequencer.outcomes["publisher_restarts"] == 0
+    assert sequencer.epochs() == {W: "second"} and sequencer.status()[0].trusted
+
+
+def test_a_forgotten_worker_that_comes_back_as_the_same_process_keeps_its_epoch() -> None:
+    # A lease expired (or the publisher withdrew) and the same process heartbeats again.
+    sequencer, tree = synced(0)
+    sequencer.observe_epoch(W, "first")
+    sequencer.forget_worker(W)
+    tree.remove_worker(W)
+    assert sequencer.observe_epoch(W, "first")
+    sequencer.ingest([store(2, 2)], epoch="first")  # its first event since: applied, a dump asked for
+    assert tree.find_matches([2]).scores == {(W, 0): 1}
+    assert sequencer.outcomes["stale_epoch"] == 0 and sequencer.epochs() == {W: "first"}
+
+
 def test_ids_that_went_down_are_replayed_once_the_registration_says_the_worker_restarted() -> None:
     sequencer, tree = synced(0)
     sequencer.observe_epoch(W, "first")
