@@ -18,8 +18,13 @@ live events applied beyond it that still await reconciliation:
 - "no answer" (no responder, timeouts, no transport) gives up at once: what was applied stays, the
   stream is untrusted, and `due_retries` offers it a full resync again every ``retry_interval_s``
   until one succeeds;
-- ``cleared`` is a barrier: it applies at once, cancels any resync in flight (its answer would be
-  stale) and restarts the stream from its id, trusted;
+- ``cleared`` is a barrier when it clears every tier the stream holds blocks in (the tiers of its
+  stored events since its last barrier or dump, less those cleared in order since): it applies at
+  once, cancels any resync in flight (its answer would be stale) and restarts the stream from its id,
+  trusted. A clear of one tier while another holds blocks is an ordinary event: a hole before it may
+  hold the other tier's events, so the gap and its resync stay. (Events lost in a hole are taken to
+  be of the tiers the stream is known to use: an engine's clear, of the device tier, on a stream of
+  device events is a barrier, as it must be for a stream whose engine lost events);
 - a publisher epoch (a start nonce, from an event header or a registration) that differs from the
   one seen before means the publisher restarted: its streams and index state are dropped and its
   ids start afresh (`observe_epoch`). Events whose ids went back to 1 before the registration said
@@ -40,7 +45,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from indexer.errors import KvIndexError
-from indexer.events import ResyncRequest, ResyncResponse, RouterEvent
+from indexer.events import ResyncRequest, ResyncResponse, RouterEvent, StorageTier
 from indexer.radix_tree import RadixTree
 from indexer.slots import WorkerRank
 
@@ -82,6 +87,9 @@ class _Stream:
     # opened by a resync asked for at registration, which a worker whose engine sends nothing answers
     # with an empty dump or not at all.
     heard: bool = False
+    # The storage tiers this stream's stored events reached since its last barrier or dump (less those
+    # cleared in order since): what a clear must cover to be a barrier.
+    tiers: set[StorageTier] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +183,8 @@ class EventSequencer:
             self.untrusted.add(key)
         event_id = event.event.event_id
         last = stream.last_id
-        if event.event.is_cleared and (last is None or event_id > last):
+        cleared = event.event.is_cleared
+        if cleared and (last is None or event_id > last) and stream.tiers <= {event.storage_tier}:
             self._barrier(key, stream, event)
             return None
         if last is not None and event_id <= last:
@@ -186,6 +195,8 @@ class EventSequencer:
             if (synced is not None and event_id == synced + 1) or (synced is None and event_id == 1):
                 self._apply(event, stream)
                 stream.synced_through = stream.last_id = event_id
+                if cleared:  # in order: nothing of that tier can be missing any more
+                    stream.tiers.discard(event.storage_tier)
                 if synced is None:  # a stream's very first event: nothing can precede it
                     stream.verified_base = True
                     self._trust(key, stream)
@@ -231,6 +242,7 @@ class EventSequencer:
         stream.unreconciled.clear()
         stream.deferred.clear()
         self._apply(event, stream)
+        stream.tiers.clear()
         stream.synced_through = stream.last_id = event_id
         stream.verified_base = True
         self._trust(key, stream)
@@ -268,6 +280,7 @@ class EventSequencer:
         if response.tree_dump is not None:
             self.index.remove_worker_dp_rank(*key)
             self._blocks_left(*key)
+            stream.tiers.clear()
             for event in self._of_stream(key, response.tree_dump.events):
                 self._apply(event, stream, from_dump=True)
             stream.synced_through = response.tree_dump.last_event_id
@@ -466,7 +479,10 @@ class EventSequencer:
         (``snapshot_applied``)."""
         applied = 0
         index = self.index
+        tiers: dict[WorkerRank, set[StorageTier]] = {}
         for event in events:
+            if event.event.stored is not None:
+                tiers.setdefault((event.worker_id, event.event.dp_rank), set()).add(event.storage_tier)
             try:
                 index.apply_router_event(event)
             except KvIndexError as exc:
@@ -475,7 +491,7 @@ class EventSequencer:
             applied += 1
         self.outcomes["snapshot_applied"] += applied
         for worker_id, dp_rank, last_event_id, trusted in positions:
-            self._restore_stream(worker_id, dp_rank, last_event_id, trusted)
+            self._restore_stream(worker_id, dp_rank, last_event_id, trusted, tiers.get((worker_id, dp_rank), set()))
         if epochs:
             self._epochs.update(epochs)
         return applied
@@ -484,7 +500,9 @@ class EventSequencer:
         """Each worker's publisher epoch, as far as its events said (a copy)."""
         return dict(self._epochs)
 
-    def _restore_stream(self, worker_id: int, dp_rank: int, last_event_id: int | None, trusted: bool) -> None:
+    def _restore_stream(
+        self, worker_id: int, dp_rank: int, last_event_id: int | None, trusted: bool, tiers: set[StorageTier]
+    ) -> None:
         """Resume a stream where an index snapshot left it (the index holds its state up to there)."""
         key = (worker_id, dp_rank)
         self._streams[key] = _Stream(
@@ -493,6 +511,7 @@ class EventSequencer:
             trusted=trusted,
             verified_base=trusted,
             heard=last_event_id is not None,
+            tiers=tiers,
         )
         if trusted:
             self.untrusted.discard(key)
@@ -549,6 +568,8 @@ class EventSequencer:
         """Apply one event to the index. ``deferred``: ahead of a hole, so a rejection may be the hole's
         fault and is kept until the stream is reconciled or gives up."""
         stream.heard = True
+        if event.event.stored is not None:  # even refused: the worker holds blocks in that tier
+            stream.tiers.add(event.storage_tier)
         if _block_count(event) > self._max_blocks:
             # Counted and skipped; the worker's stream is no longer known complete.
             self._reject(event, "oversized_event", f"more than {self._max_blocks} blocks")

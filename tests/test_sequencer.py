@@ -8,6 +8,7 @@ from indexer.events import (
     ResyncResponse,
     ResyncTooNew,
     RouterEvent,
+    StorageTier,
     cleared_event,
     removed_event,
     stored_event,
@@ -260,6 +261,37 @@ def test_cleared_is_a_barrier_that_cancels_a_resync_in_flight() -> None:
     assert tree.find_matches([1]).scores == {}
     assert tree.find_matches([70]).scores == {(W, 0): 1}
     assert sequencer.status()[0].last_event_id == 7
+
+
+def host(event_id: int, block: int | None = None) -> RouterEvent:
+    """A host-tier store of ``block``, or (None) a host-tier clear."""
+    data = cleared_event(event_id) if block is None else stored_event(event_id, [(block, block)])
+    return RouterEvent(W, data, storage_tier=StorageTier.HOST_PINNED)
+
+
+def test_a_clear_of_one_tier_is_no_barrier_while_another_holds_blocks() -> None:
+    sequencer, tree = synced(0)
+    assert sequencer.receive(host(2, 20)) is None
+    request = sequencer.receive(store(5, 5))  # events 3 and 4 (device blocks) were lost
+    assert request is not None and (request.start_event_id, request.end_event_id) == (3, 4)
+    assert sequencer.receive(host(6)) is None  # the host tier only: the device's hole stays
+    [status] = sequencer.status()
+    assert (status.trusted, status.resyncing) == (False, True)
+    missing = ResyncBatch(events=[store(3, 3, parent=1), store(4, 4, parent=3)], last_event_id=4)
+    assert sequencer.resync_done(request, ResyncResponse(events=missing)) is None
+    assert tree.find_matches([1, 3, 4]).scores == {(W, 0): 3}
+    assert tree.find_matches([20]).tier_hits == {}
+    assert sequencer.status()[0].trusted and sequencer.outcomes["resync_cancelled"] == 0
+
+
+def test_a_clear_is_a_barrier_once_the_other_tiers_were_cleared_in_order() -> None:
+    sequencer, tree = synced(0)
+    sequencer.ingest([host(2, 20), host(3)])  # the host tier held blocks, then cleared them in order
+    request = sequencer.receive(store(5, 5))
+    assert request is not None
+    assert sequencer.receive(RouterEvent(W, cleared_event(6))) is None  # the device tier: all it holds
+    assert sequencer.status()[0].trusted and sequencer.outcomes["resync_cancelled"] == 1
+    assert tree.find_matches([1]).scores == {} and tree.find_matches([5]).scores == {}
 
 
 def test_unanswered_resync_keeps_what_was_applied_best_effort() -> None:
