@@ -96,11 +96,13 @@ async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(s
         await engine.send_raw(b"\xc1garbage")
         await engine.send_raw(b"")
         await engine.send_raw(b"\x93\xcb" + bytes(8) + b"\x91" * 100_000)  # nested past msgspec's depth
+        for rank in (-1, 2**40):  # ranks no stream can have
+            await engine.send_raw(encode([1.5, [{"type": "AllBlocksCleared"}], rank]))
         for _ in range(20):
             await engine.step()
         await _converged(router, engine, direct)
         stats = direct.streams[0].stats
-        assert stats["rejected_bad_envelope"] == 2 and stats["rejected_empty_payload"] == 1
+        assert stats["rejected_bad_envelope"] == 4 and stats["rejected_empty_payload"] == 1
         assert engine.dump()  # the scenario leaves something cached
         assert _stream(router).trusted and _stream(router, dp_rank=1).trusted  # one vector is dp rank 1
 
