@@ -402,6 +402,13 @@ class EventSequencer:
                 del forgotten[oldest]
                 self._retired_epochs.pop(oldest, None)
 
+    def forget_stream(self, worker_id: int, dp_rank: int) -> None:
+        """Drop one rank's stream (its index state is the caller's to remove): a rank added again
+        starts afresh, untrusted until its events say otherwise."""
+        key = (worker_id, dp_rank)
+        self._streams.pop(key, None)
+        self.untrusted.discard(key)
+
     def mark_untrusted(self, worker_id: int, dp_rank: int) -> None:
         """A transport lost events of this stream for good (an engine gap nobody can replay): it stays
         untrusted until a ``cleared`` barrier or a full dump."""
