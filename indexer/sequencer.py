@@ -193,11 +193,11 @@ class EventSequencer:
         if stream.resync is None and not stream.unreconciled:
             synced = stream.synced_through
             if (synced is not None and event_id == synced + 1) or (synced is None and event_id == 1):
-                self._apply(event, stream)
+                applied = self._apply(event, stream)
                 stream.synced_through = stream.last_id = event_id
                 if cleared:  # in order: nothing of that tier can be missing any more
                     stream.tiers.discard(event.storage_tier)
-                if synced is None:  # a stream's very first event: nothing can precede it
+                if synced is None and applied:  # a stream's very first event: nothing can precede it
                     stream.verified_base = True
                     self._trust(key, stream)
                 return None
@@ -281,11 +281,12 @@ class EventSequencer:
             self.index.remove_worker_dp_rank(*key)
             self._blocks_left(*key)
             stream.tiers.clear()
+            whole = True
             for event in self._of_stream(key, response.tree_dump.events):
-                self._apply(event, stream, from_dump=True)
+                whole = self._apply(event, stream, from_dump=True) and whole
             stream.synced_through = response.tree_dump.last_event_id
             stream.heard = stream.heard or bool(stream.synced_through)  # events once, all evicted since
-            stream.verified_base = True
+            stream.verified_base = whole
             self.outcomes["resync_dump_applied"] += 1
         elif response.events is not None:
             last = stream.synced_through or 0
@@ -571,9 +572,10 @@ class EventSequencer:
         from_dump: bool = False,
         replayed: bool = False,
         deferred: bool = False,
-    ) -> None:
+    ) -> bool:
         """Apply one event to the index. ``deferred``: ahead of a hole, so a rejection may be the hole's
-        fault and is kept until the stream is reconciled or gives up."""
+        fault and is kept until the stream is reconciled or gives up. False: refused unapplied (too
+        large), which leaves the stream unverified, so no caller may verify it afterwards."""
         stream.heard = True
         if event.event.stored is not None:  # even refused: the worker holds blocks in that tier
             stream.tiers.add(event.storage_tier)
@@ -584,7 +586,7 @@ class EventSequencer:
             self._distrust(key, stream)
             stream.verified_base = False
             stream.retry_at = self._clock() + self.retry_interval_s
-            return
+            return False
         data = event.event
         kind = "cleared" if data.is_cleared else ("stored" if data.stored is not None else "removed")
         if kind != "stored":  # blocks leave, even where the index refuses part of the event
@@ -594,17 +596,17 @@ class EventSequencer:
         except KvIndexError as exc:
             if replayed:
                 self._reject(event, exc.label, str(exc))
-                return
+                return True
             self.applied[kind, exc.label] += 1
             if deferred:
                 self.outcomes["deferred_rejections"] += 1
                 stream.deferred.append((event, exc.label, str(exc)))
             else:
                 self._reject(event, exc.label, str(exc))
-            return
+            return True
         if replayed:
             self.outcomes["reapplied"] += 1
-            return
+            return True
         self.applied[kind, "ok"] += 1
         if from_dump:
             self.outcomes["dump_applied"] += 1
@@ -612,6 +614,7 @@ class EventSequencer:
             self.outcomes["applied"] += 1
             self.blocks_applied += _block_count(event)
         stream.last_applied_at = self._clock()
+        return True
 
     def _of_stream(self, key: WorkerRank, events: list[RouterEvent]) -> list[RouterEvent]:
         """The events of a resync answer that belong to the stream asked about: another worker's or

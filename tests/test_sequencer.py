@@ -391,6 +391,19 @@ def test_absurdly_large_events_are_rejected_and_the_stream_distrusted() -> None:
     assert tree.find_matches([1, 2]).scores == {(W, 0): 2}
 
 
+def test_an_oversized_first_event_or_dump_event_leaves_the_stream_untrusted() -> None:
+    huge = [(100 + i, 100 + i) for i in range(5)]
+    sequencer = EventSequencer(RadixTree(), max_event_blocks=4)
+    assert sequencer.receive(RouterEvent(W, stored_event(1, huge))) is None  # its first event, refused
+    assert not sequencer.status()[0].trusted and sequencer.outcomes["rejected_oversized_event"] == 1
+    sequencer = EventSequencer(RadixTree(), max_event_blocks=4)
+    request = sequencer.receive(store(5, 5))
+    assert request is not None
+    dump = ResyncBatch(events=[RouterEvent(W, stored_event(0, huge))], last_event_id=4)
+    assert sequencer.resync_done(request, ResyncResponse(tree_dump=dump)) is None
+    assert not sequencer.status()[0].trusted and sequencer.outcomes["rejected_oversized_event"] == 1
+
+
 def test_a_snapshot_is_restored_through_the_sequencer_and_its_streams_resume_where_it_left_them() -> None:
     tree = RadixTree()
     sequencer = EventSequencer(tree)
