@@ -803,10 +803,10 @@ static int read_batch(Reader *r, long block_size, PyObject *seed, Salts *salts, 
         int negative;
         if (is_nil(r))
             b->rank = Py_NewRef(Py_None);
-        else if (read_int(r, &value, &negative) == 0)
-            b->rank = negative ? PyLong_FromLongLong((long long)value) : PyLong_FromUnsignedLongLong(value);
+        else if (read_int(r, &value, &negative) == 0 && !negative && value <= UINT32_MAX)
+            b->rank = PyLong_FromUnsignedLongLong(value);
         else
-            goto unsupported;
+            goto unsupported; /* a rank outside u32 included: Python names it a bad envelope */
     } else
         b->rank = Py_NewRef(Py_None);
     if (b->rank == NULL)

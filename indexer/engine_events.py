@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from indexer.errors import UNDECODABLE, EventDecodeError
-from indexer.events import U64_MAX, KvCacheEvent, StorageTier, cleared_event, removed_event, stored_event
+from indexer.events import U32, U64_MAX, KvCacheEvent, StorageTier, cleared_event, removed_event, stored_event
 from indexer.events_native import ENABLED as EVENTS_NATIVE
 from indexer.events_native import accel as events_accel
 from indexer.hashing import compute_block_hashes, salt_seed
@@ -128,13 +128,13 @@ _bigram_ids = msgspec.msgpack.Decoder(list[tuple[int, int]])
 class _ArrayBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: U32 | None = None  # a rank past u32 would make routers refuse whole messages
 
 
 class _MapBatch(msgspec.Struct):
     ts: float
     events: list[msgspec.Raw]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: U32 | None = None
 
 
 class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type"):
@@ -188,7 +188,7 @@ class _ClearedArray(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
 class _TypedArrayBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[_StoredMap | _RemovedMap | _ClearedMap]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: U32 | None = None
 
 
 _CLEARED = (_ClearedMap, _ClearedArray)

@@ -82,6 +82,11 @@ class LowerTierIndex:
                 return
             else:
                 edge.owners |= bit
+            previous = owned.get(block.block_hash)
+            if previous is not None and previous != key:
+                # The block is stored again under another parent: it left the old edge, which
+                # nothing could remove later (the slot's bit would outlive the slot).
+                self._disown(previous, slot)
             owned[block.block_hash] = key
             parent = block.block_hash
 

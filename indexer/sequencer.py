@@ -18,8 +18,13 @@ live events applied beyond it that still await reconciliation:
 - "no answer" (no responder, timeouts, no transport) gives up at once: what was applied stays, the
   stream is untrusted, and `due_retries` offers it a full resync again every ``retry_interval_s``
   until one succeeds;
-- ``cleared`` is a barrier: it applies at once, cancels any resync in flight (its answer would be
-  stale) and restarts the stream from its id, trusted;
+- ``cleared`` is a barrier when it clears every tier the stream holds blocks in (the tiers of its
+  stored events since its last barrier or dump, less those cleared in order since): it applies at
+  once, cancels any resync in flight (its answer would be stale) and restarts the stream from its id,
+  trusted. A clear of one tier while another holds blocks is an ordinary event: a hole before it may
+  hold the other tier's events, so the gap and its resync stay. (Events lost in a hole are taken to
+  be of the tiers the stream is known to use: an engine's clear, of the device tier, on a stream of
+  device events is a barrier, as it must be for a stream whose engine lost events);
 - a publisher epoch (a start nonce, from an event header or a registration) that differs from the
   one seen before means the publisher restarted: its streams and index state are dropped and its
   ids start afresh (`observe_epoch`). Events whose ids went back to 1 before the registration said
@@ -40,7 +45,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from indexer.errors import KvIndexError
-from indexer.events import ResyncRequest, ResyncResponse, RouterEvent
+from indexer.events import ResyncRequest, ResyncResponse, RouterEvent, StorageTier
 from indexer.radix_tree import RadixTree
 from indexer.slots import WorkerRank
 
@@ -58,6 +63,8 @@ MAX_REGRESSED_EVENTS = 1024
 
 # Epochs a worker's publisher has left behind, kept to tell a late event of a replaced process.
 RETIRED_EPOCHS_KEPT = 8
+# Workers forgotten (removed) whose epochs are remembered: bounds the memory of workers that never return.
+FORGOTTEN_WORKERS_KEPT = 4096
 # Reasons of the most recent rejections kept for callers that report them (the HTTP reply).
 RECENT_REJECTIONS = 8
 
@@ -80,6 +87,9 @@ class _Stream:
     # opened by a resync asked for at registration, which a worker whose engine sends nothing answers
     # with an empty dump or not at all.
     heard: bool = False
+    # The storage tiers this stream's stored events reached since its last barrier or dump (less those
+    # cleared in order since): what a clear must cover to be a barrier.
+    tiers: set[StorageTier] = field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +124,9 @@ class EventSequencer:
         self._streams: dict[WorkerRank, _Stream] = {}
         self._epochs: dict[int, str] = {}  # worker -> the publisher epoch its streams belong to
         self._retired_epochs: dict[int, deque[str]] = {}  # worker -> epochs it has left behind
+        # Forgotten workers' last epochs, kept so a late event of that process cannot pass for a
+        # restart once the worker is back under another epoch (oldest dropped first).
+        self._forgotten_epochs: dict[int, str] = {}
         # Streams not known complete; read on every decision when untrusted overlap is discounted.
         self.untrusted: set[WorkerRank] = set()
         # Outcome -> count: applied, duplicate, gap, reapplied, resync_*, rejected_<reason>, ...
@@ -170,7 +183,8 @@ class EventSequencer:
             self.untrusted.add(key)
         event_id = event.event.event_id
         last = stream.last_id
-        if event.event.is_cleared and (last is None or event_id > last):
+        cleared = event.event.is_cleared
+        if cleared and (last is None or event_id > last) and stream.tiers <= {event.storage_tier}:
             self._barrier(key, stream, event)
             return None
         if last is not None and event_id <= last:
@@ -179,9 +193,11 @@ class EventSequencer:
         if stream.resync is None and not stream.unreconciled:
             synced = stream.synced_through
             if (synced is not None and event_id == synced + 1) or (synced is None and event_id == 1):
-                self._apply(event, stream)
+                applied = self._apply(event, stream)
                 stream.synced_through = stream.last_id = event_id
-                if synced is None:  # a stream's very first event: nothing can precede it
+                if cleared:  # in order: nothing of that tier can be missing any more
+                    stream.tiers.discard(event.storage_tier)
+                if synced is None and applied:  # a stream's very first event: nothing can precede it
                     stream.verified_base = True
                     self._trust(key, stream)
                 return None
@@ -226,6 +242,7 @@ class EventSequencer:
         stream.unreconciled.clear()
         stream.deferred.clear()
         self._apply(event, stream)
+        stream.tiers.clear()
         stream.synced_through = stream.last_id = event_id
         stream.verified_base = True
         self._trust(key, stream)
@@ -263,11 +280,13 @@ class EventSequencer:
         if response.tree_dump is not None:
             self.index.remove_worker_dp_rank(*key)
             self._blocks_left(*key)
+            stream.tiers.clear()
+            whole = True
             for event in self._of_stream(key, response.tree_dump.events):
-                self._apply(event, stream, from_dump=True)
+                whole = self._apply(event, stream, from_dump=True) and whole
             stream.synced_through = response.tree_dump.last_event_id
             stream.heard = stream.heard or bool(stream.synced_through)  # events once, all evicted since
-            stream.verified_base = True
+            stream.verified_base = whole
             self.outcomes["resync_dump_applied"] += 1
         elif response.events is not None:
             last = stream.synced_through or 0
@@ -368,12 +387,28 @@ class EventSequencer:
 
     # ------------------------------------------------------------------ workers
     def forget_worker(self, worker_id: int) -> None:
-        """Drop every stream of ``worker_id`` (its index state is the caller's to remove)."""
+        """Drop every stream of ``worker_id`` (its index state is the caller's to remove). Its epoch
+        is remembered: the same process may come back (a lease renewed, a withdrawal ended), but once
+        another epoch is registered, the forgotten one is retired like any replaced epoch."""
         for key in [key for key in self._streams if key[0] == worker_id]:
             del self._streams[key]
             self.untrusted.discard(key)
-        self._epochs.pop(worker_id, None)
-        self._retired_epochs.pop(worker_id, None)
+        epoch = self._epochs.pop(worker_id, None)
+        if epoch is not None:
+            forgotten = self._forgotten_epochs
+            forgotten.pop(worker_id, None)
+            forgotten[worker_id] = epoch
+            if len(forgotten) > FORGOTTEN_WORKERS_KEPT:
+                oldest = next(iter(forgotten))
+                del forgotten[oldest]
+                self._retired_epochs.pop(oldest, None)
+
+    def forget_stream(self, worker_id: int, dp_rank: int) -> None:
+        """Drop one rank's stream (its index state is the caller's to remove): a rank added again
+        starts afresh, untrusted until its events say otherwise."""
+        key = (worker_id, dp_rank)
+        self._streams.pop(key, None)
+        self.untrusted.discard(key)
 
     def mark_untrusted(self, worker_id: int, dp_rank: int) -> None:
         """A transport lost events of this stream for good (an engine gap nobody can replay): it stays
@@ -410,6 +445,9 @@ class EventSequencer:
             return False
         self._epochs[worker_id] = epoch
         if known is None:
+            forgotten = self._forgotten_epochs.pop(worker_id, None)
+            if forgotten is not None and forgotten != epoch:
+                retired.append(forgotten)  # the worker came back as another process
             return True
         retired.append(known)
         regressed = [
@@ -449,7 +487,10 @@ class EventSequencer:
         (``snapshot_applied``)."""
         applied = 0
         index = self.index
+        tiers: dict[WorkerRank, set[StorageTier]] = {}
         for event in events:
+            if event.event.stored is not None:
+                tiers.setdefault((event.worker_id, event.event.dp_rank), set()).add(event.storage_tier)
             try:
                 index.apply_router_event(event)
             except KvIndexError as exc:
@@ -458,7 +499,7 @@ class EventSequencer:
             applied += 1
         self.outcomes["snapshot_applied"] += applied
         for worker_id, dp_rank, last_event_id, trusted in positions:
-            self._restore_stream(worker_id, dp_rank, last_event_id, trusted)
+            self._restore_stream(worker_id, dp_rank, last_event_id, trusted, tiers.get((worker_id, dp_rank), set()))
         if epochs:
             self._epochs.update(epochs)
         return applied
@@ -467,7 +508,9 @@ class EventSequencer:
         """Each worker's publisher epoch, as far as its events said (a copy)."""
         return dict(self._epochs)
 
-    def _restore_stream(self, worker_id: int, dp_rank: int, last_event_id: int | None, trusted: bool) -> None:
+    def _restore_stream(
+        self, worker_id: int, dp_rank: int, last_event_id: int | None, trusted: bool, tiers: set[StorageTier]
+    ) -> None:
         """Resume a stream where an index snapshot left it (the index holds its state up to there)."""
         key = (worker_id, dp_rank)
         self._streams[key] = _Stream(
@@ -476,6 +519,7 @@ class EventSequencer:
             trusted=trusted,
             verified_base=trusted,
             heard=last_event_id is not None,
+            tiers=tiers,
         )
         if trusted:
             self.untrusted.discard(key)
@@ -528,10 +572,13 @@ class EventSequencer:
         from_dump: bool = False,
         replayed: bool = False,
         deferred: bool = False,
-    ) -> None:
+    ) -> bool:
         """Apply one event to the index. ``deferred``: ahead of a hole, so a rejection may be the hole's
-        fault and is kept until the stream is reconciled or gives up."""
+        fault and is kept until the stream is reconciled or gives up. False: refused unapplied (too
+        large), which leaves the stream unverified, so no caller may verify it afterwards."""
         stream.heard = True
+        if event.event.stored is not None:  # even refused: the worker holds blocks in that tier
+            stream.tiers.add(event.storage_tier)
         if _block_count(event) > self._max_blocks:
             # Counted and skipped; the worker's stream is no longer known complete.
             self._reject(event, "oversized_event", f"more than {self._max_blocks} blocks")
@@ -539,7 +586,7 @@ class EventSequencer:
             self._distrust(key, stream)
             stream.verified_base = False
             stream.retry_at = self._clock() + self.retry_interval_s
-            return
+            return False
         data = event.event
         kind = "cleared" if data.is_cleared else ("stored" if data.stored is not None else "removed")
         if kind != "stored":  # blocks leave, even where the index refuses part of the event
@@ -549,17 +596,17 @@ class EventSequencer:
         except KvIndexError as exc:
             if replayed:
                 self._reject(event, exc.label, str(exc))
-                return
+                return True
             self.applied[kind, exc.label] += 1
             if deferred:
                 self.outcomes["deferred_rejections"] += 1
                 stream.deferred.append((event, exc.label, str(exc)))
             else:
                 self._reject(event, exc.label, str(exc))
-            return
+            return True
         if replayed:
             self.outcomes["reapplied"] += 1
-            return
+            return True
         self.applied[kind, "ok"] += 1
         if from_dump:
             self.outcomes["dump_applied"] += 1
@@ -567,6 +614,7 @@ class EventSequencer:
             self.outcomes["applied"] += 1
             self.blocks_applied += _block_count(event)
         stream.last_applied_at = self._clock()
+        return True
 
     def _of_stream(self, key: WorkerRank, events: list[RouterEvent]) -> list[RouterEvent]:
         """The events of a resync answer that belong to the stream asked about: another worker's or

@@ -258,6 +258,7 @@ class KvRouter:
                 logger.info("worker %d reconfigured", worker.worker_id, extra={"worker_id": worker.worker_id})
             for dp_rank in set(previous.dp_ranks) - set(worker.dp_ranks):
                 self.tree.remove_worker_dp_rank(worker.worker_id, dp_rank)
+                self.sequencer.forget_stream(worker.worker_id, dp_rank)  # a trusted stream over nothing
                 if self.computed_prompts is not None:
                     self.computed_prompts.forget(worker.worker_id, dp_rank)
         if dropped:

@@ -279,3 +279,26 @@ def test_ranks_are_learned_only_for_learned_workers_and_only_as_far_as_a_registr
     assert configured is not None and list(configured.dp_ranks) == [0]
     assert source.stats["rejected_bad_dp_rank"] == 1
     assert {(row.worker_id, row.dp_rank) for row in router.rank_loads()} == {(5, 0), (9, 1), (9, 2), (9, 3)}
+
+
+def test_a_new_publisher_clears_every_storage_tier_of_the_rank() -> None:
+    from typing import cast
+
+    from nats.aio.client import Client
+
+    from indexer.events import RouterEvent, StorageTier, stored_event
+    from router.engines.dynamo_source import DynamoNatsSource, EventEnvelope
+    from router.kv_router import KvRouter
+    from router.types import WorkerConfig
+
+    router = KvRouter(RouterConfig(block_size=BLOCK), rng=random.Random(0))
+    router.register_worker(WorkerConfig(worker_id=5, block_size=BLOCK))
+    source = DynamoNatsSource(cast(Client, None), router, ENDPOINT)  # driven through take(): no NATS read
+    host = StorageTier.HOST_PINNED
+    old = [RouterEvent(5, stored_event(0, [(1, 1)])), RouterEvent(5, stored_event(1, [(2, 2)]), host)]
+    source.take(EventEnvelope(publisher_id=1, sequence=0, payload=b""), old)
+    assert router.tree.find_matches([2]).tier_hits == {host: {(5, 0): 1}}
+    source.take(EventEnvelope(publisher_id=2, sequence=0, payload=b""), [RouterEvent(5, stored_event(0, [(3, 3)]))])
+    assert router.tree.find_matches([2]).tier_hits == {}  # the old process's host blocks are gone
+    assert router.tree.find_matches([1]).scores == {} and router.tree.find_matches([3]).scores == {(5, 0): 1}
+    assert source.stats["restarts"] == 1 and router.sequencer.freshness((5, 0))[0]

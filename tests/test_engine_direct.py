@@ -96,13 +96,51 @@ async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(s
         await engine.send_raw(b"\xc1garbage")
         await engine.send_raw(b"")
         await engine.send_raw(b"\x93\xcb" + bytes(8) + b"\x91" * 100_000)  # nested past msgspec's depth
+        for rank in (-1, 2**40):  # ranks no stream can have
+            await engine.send_raw(encode([1.5, [{"type": "AllBlocksCleared"}], rank]))
         for _ in range(20):
             await engine.step()
         await _converged(router, engine, direct)
         stats = direct.streams[0].stats
-        assert stats["rejected_bad_envelope"] == 2 and stats["rejected_empty_payload"] == 1
+        assert stats["rejected_bad_envelope"] == 4 and stats["rejected_empty_payload"] == 1
         assert engine.dump()  # the scenario leaves something cached
         assert _stream(router).trusted and _stream(router, dp_rank=1).trusted  # one vector is dp rank 1
+
+
+async def test_a_worker_removed_while_its_engine_publishes_comes_back_whole_and_trusted() -> None:
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=5) as (engine, direct):
+        for _ in range(5):
+            await engine.step()
+        await _converged(router, engine, direct)
+        router.remove_worker(WORKER)  # what DELETE /v1/workers/7 does
+        assert router.tree.dump_events() == []
+        for _ in range(3):
+            await engine.step()
+        await _converged(router, engine, direct)  # what it held before the removal too, from its replay
+        await eventually(lambda: _stream(router).trusted)
+        assert router.has_worker(WORKER) and direct.streams[0].stats["rebuilds"] == 1
+
+
+async def test_a_worker_removed_while_its_engine_publishes_without_replay_is_trusted_once_it_clears() -> None:
+    router = _router()
+    async with direct_mode(router, WORKER, replay=False, seed=6) as (engine, direct):
+
+        async def heard() -> bool:  # clears until one is heard past the slow-joiner window
+            await engine.send([engine.cleared()])
+            return direct.streams[0].stats["applied"] > 0
+
+        await eventually(heard, what="the stream hears the engine")
+        await engine.step()
+        await eventually(lambda: _stream(router).trusted and bool(router.tree.dump_events()))
+        router.remove_worker(WORKER)
+        stats = direct.streams[0].stats
+        applied, unverified = stats["applied"], stats["unverified"]
+        await engine.step()  # the engine still holds what it held: the stream is not whole
+        await eventually(lambda: stats["applied"] > applied and router.has_worker(WORKER))
+        assert not _stream(router).trusted and stats["unverified"] == unverified + 1
+        await engine.send([engine.cleared()])
+        await eventually(lambda: _stream(router).trusted)
 
 
 async def test_garbage_a_replay_rejected_is_a_duplicate_when_heard_live_after_it() -> None:

@@ -193,6 +193,17 @@ def test_a_bad_envelope_raises_one_typed_error(payload: bytes, reason: str) -> N
     assert caught.value.reason == reason
 
 
+@pytest.mark.parametrize("rank", [-1, 2**32, 2**40])
+def test_a_dp_rank_outside_u32_is_a_bad_envelope_on_both_paths(rank: int) -> None:
+    # Passed through, it would make routers refuse the whole NATS message it is joined into.
+    payload = encode([0.0, [{"type": "AllBlocksCleared"}], rank])
+    for decode in (decode_engine_batch, python_decode_engine_batch):
+        with pytest.raises(EngineDecodeError) as caught:
+            decode(payload, 4)
+        assert caught.value.reason == "bad_envelope"
+    assert decode_engine_batch(encode([0.0, [], 2**32 - 1]), 4).dp_rank == 2**32 - 1
+
+
 # Nesting past msgspec's depth, where the envelope is read, inside an event and inside its token ids.
 _TS = b"\xcb" + bytes(8)
 _DEEP = b"\x91" * 100_000

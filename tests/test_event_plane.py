@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -208,6 +209,40 @@ async def test_nats_restart_keeps_registry_watch_heartbeats_and_events(nats_serv
     await plane.stop()
     await router_nc.close()
     await worker_nc.close()
+
+
+@pytest.mark.slow
+async def test_a_nats_outage_longer_than_the_lease_keeps_the_workers_and_the_index(tmp_path: Path) -> None:
+    store = tmp_path / "jetstream"
+    store.mkdir()
+    server = EmbeddedNats(store_dir=str(store)).start()  # its own store: the registry outlives a stop
+    try:
+        router_nc = await connect(NatsOptions(server.url))
+        worker_nc = await connect(NatsOptions(server.url))
+        plane = await plane_for(router_nc, RouterConfig(block_size=BLOCK), lease_s=1.0)
+        keeper, leaver = await worker(worker_nc, 71), await worker(worker_nc, 72)
+        await keeper.stored(prompt_blocks(PROMPT))
+        await leaver.stored(prompt_blocks(PROMPT[: 2 * BLOCK]))
+        await eventually(lambda: cached(plane.router, PROMPT) == {(71, 0): 8, (72, 0): 2})
+        server.stop()
+        await eventually(lambda: not router_nc.is_connected)
+        leaver.stop_heartbeat()  # silent from the outage on, and after it
+        await asyncio.sleep(3.0)  # the behaviour under test: three leases without NATS
+        assert cached(plane.router, PROMPT) == {(71, 0): 8, (72, 0): 2}
+        server.start()
+        await eventually(lambda: router_nc.is_connected and worker_nc.is_connected, timeout=30)
+        assert cached(plane.router, PROMPT) == {(71, 0): 8, (72, 0): 2}  # leases restarted, not expired
+        await eventually(lambda: not plane.router.has_worker(72), timeout=30)  # silent past its new lease
+        await asyncio.sleep(1.5)  # past the lease again: heartbeats keep the other one
+        assert cached(plane.router, PROMPT) == {(71, 0): 8}
+        assert plane.router.removals["lease_expired"] == 1 and plane.outcomes["expired"] == 1
+        for publisher in (keeper, leaver):
+            await publisher.stop()
+        await plane.stop()
+        await router_nc.close()
+        await worker_nc.close()
+    finally:
+        server.stop()
 
 
 async def test_lease_expiry_survives_a_crash_and_still_removes_the_silent_worker(client: Client) -> None:

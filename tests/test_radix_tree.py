@@ -132,6 +132,21 @@ def test_lower_tiers_extend_the_device_match() -> None:
     assert tree.find_matches([1, 2, 3]).tier_hits == {StorageTier.HOST_PINNED: {(A, 0): 1}}
 
 
+def test_a_lower_tier_block_stored_again_under_another_parent_leaves_its_old_edge() -> None:
+    host = StorageTier.HOST_PINNED
+    tree = RadixTree()
+    tree.apply_event(A, stored_event(1, [(5, 50)]), host)
+    tree.apply_event(A, stored_event(2, [(5, 51)], parent_hash=9), host)  # the same block, another parent
+    assert tree.find_matches([50]).tier_hits == {}
+    [dumped] = tree.dump_events()  # the one edge it holds
+    assert dumped.event.stored is not None and dumped.event.stored.parent_hash == 9
+    tree.remove_worker(A)
+    tree.apply_event(B, stored_event(1, [(7, 77)]))  # takes the slot A held
+    assert tree.find_matches([50]).tier_hits == {}
+    assert tree.find_matches([51]).tier_hits == {}
+    assert [event.worker_id for event in tree.dump_events()] == [B]
+
+
 def test_worker_known_only_on_a_lower_tier_gets_clean_device_errors() -> None:
     tree = RadixTree()
     tree.apply_router_event(RouterEvent(A, stored_event(1, [(100, 1)]), storage_tier=StorageTier.DISK))

@@ -11,6 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from indexer.events import RouterEvent, stored_event
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router import DuplicateRequestId, InvalidRequest, KvRouter, PotentialLoad, RouterConfig, RouteRequest, WorkerConfig
 from router.sequences import ActiveSequences
@@ -180,6 +181,19 @@ def test_shrinking_dp_ranks_drops_their_requests() -> None:
     assert [(rank.dp_rank, rank.active_requests) for rank in router.rank_loads()] == [(0, 1)]
     assert router.mark_free("r1") is False
     assert router.mark_free("r0") is True
+
+
+def test_a_dp_rank_dropped_and_added_again_starts_a_fresh_untrusted_stream() -> None:
+    router = KvRouter(RouterConfig(block_size=BS), rng=random.Random(0))
+    router.register_worker(WorkerConfig(worker_id=W, dp_size=2))
+    router.sequencer.ingest([RouterEvent(W, stored_event(1, [(11, 11)], dp_rank=1))])
+    assert router.sequencer.freshness((W, 1))[0]
+    router.register_worker(WorkerConfig(worker_id=W, dp_size=1))  # rank 1 and its blocks go
+    router.register_worker(WorkerConfig(worker_id=W, dp_size=2))
+    router.sequencer.ingest([RouterEvent(W, stored_event(2, [(12, 12)], parent_hash=11, dp_rank=1))])
+    [status] = [status for status in router.sequencer.status() if status.dp_rank == 1]
+    assert not status.trusted  # event 1's block is not in the index: not a whole stream
+    assert (W, 1) in router.sequencer.untrusted
 
 
 # ---------------------------------------------------------------------- model-based check

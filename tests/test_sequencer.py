@@ -8,6 +8,7 @@ from indexer.events import (
     ResyncResponse,
     ResyncTooNew,
     RouterEvent,
+    StorageTier,
     cleared_event,
     removed_event,
     stored_event,
@@ -183,6 +184,39 @@ def test_late_events_of_a_replaced_process_change_nothing() -> None:
     assert tree.find_matches([5]).scores == {(W, 0): 1}
 
 
+def test_a_late_event_of_a_forgotten_process_does_not_replace_the_worker_registered_since() -> None:
+    # A new bridge deletes the registry entry first (the worker is forgotten), then registers as
+    # "second"; one event of the old process, from another subscription, arrives after that.
+    registered: dict[int, range] = {W: range(1)}
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, worker_ranks=registered.get)
+    sequencer.observe_epoch(W, "first")
+    sequencer.ingest([store(1, 1)], epoch="first")
+    sequencer.forget_worker(W)
+    del registered[W]
+    tree.remove_worker(W)
+    registered[W] = range(1)
+    assert sequencer.observe_epoch(W, "second")
+    sequencer.ingest([store(2, 2, parent=1)], epoch="first")
+    sequencer.ingest([store(1, 5), store(2, 6, parent=5)], epoch="second")
+    assert tree.find_matches([5, 6]).scores == {(W, 0): 2}
+    assert tree.find_matches([1]).scores == {}
+    assert sequencer.outcomes["stale_epoch"] == 1 and sequencer.outcomes["publisher_restarts"] == 0
+    assert sequencer.epochs() == {W: "second"} and sequencer.status()[0].trusted
+
+
+def test_a_forgotten_worker_that_comes_back_as_the_same_process_keeps_its_epoch() -> None:
+    # A lease expired (or the publisher withdrew) and the same process heartbeats again.
+    sequencer, tree = synced(0)
+    sequencer.observe_epoch(W, "first")
+    sequencer.forget_worker(W)
+    tree.remove_worker(W)
+    assert sequencer.observe_epoch(W, "first")
+    sequencer.ingest([store(2, 2)], epoch="first")  # its first event since: applied, a dump asked for
+    assert tree.find_matches([2]).scores == {(W, 0): 1}
+    assert sequencer.outcomes["stale_epoch"] == 0 and sequencer.epochs() == {W: "first"}
+
+
 def test_ids_that_went_down_are_replayed_once_the_registration_says_the_worker_restarted() -> None:
     sequencer, tree = synced(0)
     sequencer.observe_epoch(W, "first")
@@ -227,6 +261,37 @@ def test_cleared_is_a_barrier_that_cancels_a_resync_in_flight() -> None:
     assert tree.find_matches([1]).scores == {}
     assert tree.find_matches([70]).scores == {(W, 0): 1}
     assert sequencer.status()[0].last_event_id == 7
+
+
+def host(event_id: int, block: int | None = None) -> RouterEvent:
+    """A host-tier store of ``block``, or (None) a host-tier clear."""
+    data = cleared_event(event_id) if block is None else stored_event(event_id, [(block, block)])
+    return RouterEvent(W, data, storage_tier=StorageTier.HOST_PINNED)
+
+
+def test_a_clear_of_one_tier_is_no_barrier_while_another_holds_blocks() -> None:
+    sequencer, tree = synced(0)
+    assert sequencer.receive(host(2, 20)) is None
+    request = sequencer.receive(store(5, 5))  # events 3 and 4 (device blocks) were lost
+    assert request is not None and (request.start_event_id, request.end_event_id) == (3, 4)
+    assert sequencer.receive(host(6)) is None  # the host tier only: the device's hole stays
+    [status] = sequencer.status()
+    assert (status.trusted, status.resyncing) == (False, True)
+    missing = ResyncBatch(events=[store(3, 3, parent=1), store(4, 4, parent=3)], last_event_id=4)
+    assert sequencer.resync_done(request, ResyncResponse(events=missing)) is None
+    assert tree.find_matches([1, 3, 4]).scores == {(W, 0): 3}
+    assert tree.find_matches([20]).tier_hits == {}
+    assert sequencer.status()[0].trusted and sequencer.outcomes["resync_cancelled"] == 0
+
+
+def test_a_clear_is_a_barrier_once_the_other_tiers_were_cleared_in_order() -> None:
+    sequencer, tree = synced(0)
+    sequencer.ingest([host(2, 20), host(3)])  # the host tier held blocks, then cleared them in order
+    request = sequencer.receive(store(5, 5))
+    assert request is not None
+    assert sequencer.receive(RouterEvent(W, cleared_event(6))) is None  # the device tier: all it holds
+    assert sequencer.status()[0].trusted and sequencer.outcomes["resync_cancelled"] == 1
+    assert tree.find_matches([1]).scores == {} and tree.find_matches([5]).scores == {}
 
 
 def test_unanswered_resync_keeps_what_was_applied_best_effort() -> None:
@@ -324,6 +389,19 @@ def test_absurdly_large_events_are_rejected_and_the_stream_distrusted() -> None:
     assert (status.last_event_id, status.trusted) == (2, False)
     assert sequencer.receive(store(3, 2, parent=1)) is None  # the stream goes on
     assert tree.find_matches([1, 2]).scores == {(W, 0): 2}
+
+
+def test_an_oversized_first_event_or_dump_event_leaves_the_stream_untrusted() -> None:
+    huge = [(100 + i, 100 + i) for i in range(5)]
+    sequencer = EventSequencer(RadixTree(), max_event_blocks=4)
+    assert sequencer.receive(RouterEvent(W, stored_event(1, huge))) is None  # its first event, refused
+    assert not sequencer.status()[0].trusted and sequencer.outcomes["rejected_oversized_event"] == 1
+    sequencer = EventSequencer(RadixTree(), max_event_blocks=4)
+    request = sequencer.receive(store(5, 5))
+    assert request is not None
+    dump = ResyncBatch(events=[RouterEvent(W, stored_event(0, huge))], last_event_id=4)
+    assert sequencer.resync_done(request, ResyncResponse(tree_dump=dump)) is None
+    assert not sequencer.status()[0].trusted and sequencer.outcomes["rejected_oversized_event"] == 1
 
 
 def test_a_snapshot_is_restored_through_the_sequencer_and_its_streams_resume_where_it_left_them() -> None:

@@ -7,6 +7,9 @@ in ``/v1/workers`` and ``kv_router_worker_stream_trusted``) until the engine cle
 
 A worker the router does not know yet is registered with default capacity and a WARNING, so its
 first events are not refused; ``POST /v1/workers`` can then give its real settings (the index is kept).
+A worker removed (``DELETE /v1/workers``) while its engine publishes is registered again by its next
+event, its ranks numbered afresh from 1 and rebuilt from the engine's replay buffer when it has one
+(without one, unverified until the engine clears or restarts).
 An engine given with its OpenAI URL (``url=``) is registered with it instead, for the proxy, and
 follows its engine's health (`DirectEngine`); while it answers, its ``/metrics`` are scraped for its
 load (KV usage, waiting and running requests) and, from vLLM, its KV blocks per rank, which its
@@ -68,6 +71,8 @@ class SequencerSink:
         self.stores = 0  # stored events applied (the doctor sets them against the streams' EAGLE stores)
         self._last_id: dict[int, int] = {}
         self._tiers: dict[int, set[StorageTier]] = {}
+        # Told when the worker turns out removed (DELETE /v1/workers) while its engine kept publishing.
+        self.on_removed: Callable[[], None] | None = None
 
     def reset(self) -> None:
         """The worker was removed: its streams start again from id 1."""
@@ -75,6 +80,11 @@ class SequencerSink:
         self._tiers.clear()
 
     def _ensure_registered(self) -> None:
+        if self._last_id and not self.router.has_worker(self.worker_id):
+            # The sequencer forgot its streams with it: numbered on, they would never be trusted again.
+            self.reset()
+            if self.on_removed is not None:
+                self.on_removed()
         ensure_registered(self.router, self.worker_id, "engine", self.dp_size)
 
     def _next_id(self, dp_rank: int) -> int:
@@ -178,6 +188,7 @@ class DirectEngine:
         self.worker_id = self.spec.worker_id
         self.url = self.spec.url
         self.sink = SequencerSink(router, self.worker_id, accepting=self.url is None, dp_size=self.spec.dp_size)
+        self.sink.on_removed = self._removed
         # One stream per dp rank (vLLM: a publisher per rank, on consecutive ports).
         self.streams = [
             ZmqEngineStream(
@@ -280,6 +291,15 @@ class DirectEngine:
         self.scraper.start()
         for stream in self.streams:  # what the engine holds now, from its replay buffer (or what comes next)
             await stream.rebuild()
+
+    def _removed(self) -> None:
+        """Removed while its engine kept publishing: what the engine holds is taken afresh from its
+        replay buffers, as when it comes back up; without one it is unknown until the engine clears."""
+        for stream in self.streams:
+            if stream.replay_endpoint is not None:
+                stream.request_rebuild()
+            else:
+                stream.mark_unverified("its worker was removed while the engine kept its blocks")
 
     async def _down(self, problem: str) -> None:
         self.sink.accepting = False

@@ -9,7 +9,7 @@ to both for one ``NS.COMPONENT.ENDPOINT``:
 - ``sequence`` counts each publisher's messages: a jump is a gap, and the ranks that publisher feeds
   are marked untrusted (Dynamo workers serve no resync on our subjects);
 - Dynamo runs one publisher per (worker, dp rank): a new ``publisher_id`` on a rank is a restart,
-  and the rank is cleared before the new publisher's events apply;
+  and the rank is cleared (every storage tier) before the new publisher's events apply;
 - events are renumbered per rank from 1 (Dynamo's own ids start at 0) and enter through the router's
   one door, ``router.sequencer.ingest``;
 - a worker that is not registered is learned from its events with a WARNING and default capacity,
@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from indexer.errors import UNDECODABLE, EventDecodeError
-from indexer.events import RouterEvent, cleared_event, decode_router_events
+from indexer.events import RouterEvent, StorageTier, cleared_event, decode_router_events
 from indexer.slots import WorkerRank
 from router.engines.learned_workers import LearnedWorkers
 from router.errors import UnknownWorker
@@ -131,7 +131,9 @@ class DynamoNatsSource:
                 if previous is not None:
                     self.stats["restarts"] += 1
                     log.warning("worker %d dp_rank %d has a new publisher: clearing the rank", *rank)
-                    batch.append(RouterEvent(rank[0], cleared_event(self._next_id(rank), dp_rank=rank[1])))
+                    for tier in StorageTier:  # the old process's host, disk and external blocks went too
+                        clear = cleared_event(self._next_id(rank), dp_rank=rank[1])
+                        batch.append(RouterEvent(rank[0], clear, tier))
             renumbered = msgspec.structs.replace(event.event, event_id=self._next_id(rank))
             batch.append(RouterEvent(event.worker_id, renumbered, event.storage_tier))
         self.stats["messages"] += 1

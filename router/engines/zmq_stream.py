@@ -374,10 +374,15 @@ class ZmqEngineStream:
         the sink, then rebuilt from its replay buffer (from seq 0) when it has a replay socket, else from
         what comes next (a gap leaves the ranks unverified). Returns once done, in the stream's order.
         For an engine that was out of routing (down) while the stream heard or missed its events."""
+        await self.request_rebuild().wait()
+
+    def request_rebuild(self) -> asyncio.Event:
+        """`rebuild` without waiting for it (the stream's own sink asks from inside its apply loop);
+        the event returned is set once it is done."""
         done = asyncio.Event()
         self._rebuild_waiters.append(done)
         self._queued.set()
-        await done.wait()
+        return done
 
     async def _rebuilt(self) -> None:
         waiters, self._rebuild_waiters = self._rebuild_waiters, []
@@ -649,7 +654,7 @@ class ZmqEngineStream:
         if seq in self._hole_ends:
             self._hole_ends.discard(seq)
             self.stats["missing_history"] += 1
-            self._unverified(f"the engine's replay buffer lacks the batches before seq {seq} for good")
+            self.mark_unverified(f"the engine's replay buffer lacks the batches before seq {seq} for good")
         self.stats["replayed"] += 1
         self._replayed.append((seq, hash(payload)))
         self._deliver(seq, payload)
@@ -664,7 +669,7 @@ class ZmqEngineStream:
             return
         if batches and batches[0][0] > 0:
             self.stats["missing_history"] += 1
-            self._unverified(f"the engine's replay buffer starts at seq {batches[0][0]}, not 0")
+            self.mark_unverified(f"the engine's replay buffer starts at seq {batches[0][0]}, not 0")
         async for seq, payload in _paced(batches):
             async with self.sink.batch():
                 self._deliver_replayed(seq, payload)
@@ -711,13 +716,13 @@ class ZmqEngineStream:
             expected = 0 if current is None else current + 1
             if batches[0][0] > expected:
                 self.stats["missing_history"] += 1
-                self._unverified(f"the engine's replay buffer goes on at seq {batches[0][0]}, not {expected}")
+                self.mark_unverified(f"the engine's replay buffer goes on at seq {batches[0][0]}, not {expected}")
             async for seq, payload in _paced(batches):
                 self._deliver_replayed(seq, payload)
 
     async def _repair(self, start: int) -> None:
         if self.replay_endpoint is None:
-            self._unverified(f"batches from seq {start} were lost and no replay endpoint is configured")
+            self.mark_unverified(f"batches from seq {start} were lost and no replay endpoint is configured")
             return
         applied = self._last_payload
         ask_from = start - 1 if applied is not None and start > 0 else start
@@ -725,7 +730,7 @@ class ZmqEngineStream:
             batches = await self._replay_from(ask_from)
         except ReplayError as exc:
             self.stats["replay_failed"] += 1
-            self._unverified(f"replay from seq {ask_from} failed: {exc}")
+            self.mark_unverified(f"replay from seq {ask_from} failed: {exc}")
             return
         if batches and batches[0][0] == ask_from < start:
             if batches[0][1] != applied:
@@ -736,7 +741,7 @@ class ZmqEngineStream:
         if not batches or batches[0][0] > start:
             self.stats["missing_history"] += 1
             first = batches[0][0] if batches else None
-            self._unverified(f"the engine's replay buffer starts at seq {first}, {start} was needed")
+            self.mark_unverified(f"the engine's replay buffer starts at seq {first}, {start} was needed")
         async for seq, payload in _paced(batches):
             last = self._last_applied
             if seq >= start and (last is None or seq > last):
@@ -756,7 +761,7 @@ class ZmqEngineStream:
             self._hole_ends = set(exc.resumes)
             return exc.batches
 
-    def _unverified(self, reason: str) -> None:
+    def mark_unverified(self, reason: str) -> None:
         self.stats["unverified"] += 1
         log.warning("engine stream %s: %s; its ranks are unverified", self.endpoint, reason)
         for rank in sorted(self._ranks):

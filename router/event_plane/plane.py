@@ -12,6 +12,8 @@
   it back, and its first event then triggers a full resync.
 - A registration or heartbeat whose publisher epoch differs from the known one is a restarted
   worker: its index state is dropped and its event ids start afresh (`EventSequencer.observe_epoch`).
+- Leases do not run while NATS is disconnected (no heartbeat can arrive): each restarts when it is
+  back, so an outage keeps the workers and the index.
 - After a reconnect every stream is resynced in full, since events may have been lost meanwhile; the
   index is kept and live events keep applying while the dumps come (stale but useful beats empty).
 """
@@ -77,6 +79,7 @@ class RouterEventPlane:
         # what the alerts read.
         self.outcomes: Counter[str] = Counter(dict.fromkeys(("registered", "reconnects", "expired"), 0))
         self._leased: dict[int, float] = {}  # heartbeat-leased worker -> last sign of life
+        self._leases_paused = False  # NATS was seen disconnected: leases restart once it is back
         self._registry: KeyValue | None = None
         self._subscriptions: list[Subscription] = []
         self._background = Supervisor("event-plane")
@@ -230,7 +233,15 @@ class RouterEventPlane:
     async def _expire_silent_workers(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.lease_s / 4))
+            if not self.nc.is_connected:
+                # Heartbeats missed now are the outage's, not the workers': each lease restarts when
+                # NATS is back, so only a worker that stays silent after that expires.
+                self._leases_paused = True
+                continue
             now = self._clock()
+            if self._leases_paused:
+                self._leases_paused = False
+                self._leased = dict.fromkeys(self._leased, now)
             for worker_id, seen in list(self._leased.items()):
                 if now - seen > self.lease_s:
                     log.warning("worker %d silent for %.1f s: removing it", worker_id, now - seen)
