@@ -28,8 +28,9 @@ out, answering 5xx, or (``kv_transfer_params``) answering without the params; th
 worker's circuit breaker and books the request again without it, so the prefill goes to another prefill worker
 (or, none left, to the decode worker itself: the decision's ``local_prefill``). In ``bootstrap``
 style a prefill leg failing while the decode leg has not answered cancels the decode leg (its
-connection closed: the engine aborts it); one failing after the decode leg has begun is only
-counted, the KV having arrived. A client leaving cancels the request's task, and with it whichever
+connection closed: the engine aborts it); one failing after the decode leg has begun is counted and
+told to its breaker, the KV having arrived. A prefill leg refused with a 4xx is the client's answer:
+its worker answered, and the decode worker, never sent the request, is told nothing. A client leaving cancels the request's task, and with it whichever
 legs are in flight. The bodies of the two legs are re-encoded (fields injected), not forwarded byte
 for byte: only on this path.
 """
