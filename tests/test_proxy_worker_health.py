@@ -16,7 +16,7 @@ import pytest
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.gate_worker import Gate, register, served
 from tests.metrics import sample
-from tests.proxy_fleet import MODEL, Fleet, fleet, idle, raw_worker
+from tests.proxy_fleet import MODEL, SSE_HEAD, Fleet, fleet, idle, raw_worker, sse_chunk
 from tests.test_api_proxy import stored_event
 from tests.waiting import eventually
 
@@ -203,4 +203,49 @@ async def test_with_every_worker_out_of_routing_the_answer_is_a_503_saying_when_
         assert out.value.status_code == 503
         assert "out of routing" in out.value.response.json()["error"]["message"]
         assert 1 <= int(out.value.response.headers["retry-after"]) <= 30
+        assert idle(f.router)
+
+
+async def test_failures_of_a_worker_that_left_do_not_keep_it_out_of_routing_when_it_is_back(
+    nats_server: EmbeddedNats,
+) -> None:
+    """Streams still on a worker when it is removed end afterwards, broken: their failures were told to
+    a breaker kept under its id, open once they were enough, and the worker registered again was out
+    of routing for ``worker_breaker_open_secs``. A worker that left has no breaker to tell."""
+    router = {"worker_breaker_failures": 2, "worker_breaker_open_secs": 60.0}
+    die = asyncio.Event()
+
+    async def dying(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(SSE_HEAD + sse_chunk(" a"))  # the stream begins ...
+            await writer.drain()
+            await die.wait()
+        writer.close()  # ... and breaks, without [DONE]
+
+    async with fleet(nats_server.url, (), router=router, proxy=NO_CHECKS) as f, raw_worker(dying) as url:
+        await register(f, 9, url)
+        streams = []
+        for prompt in PROMPTS[:2]:
+            raw = await f.client.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt, max_tokens=4, stream=True
+            )
+            assert raw.headers["x-kv-router-worker"] == "9"
+            streams.append(raw.parse())
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.delete("/v1/workers/9")).status_code in (200, 204)
+        die.set()
+        for stream in streams:
+            with pytest.raises(openai.APIError, match="failed mid-stream"):
+                async for _chunk in stream:
+                    pass
+        assert await metric(f, "kv_router_proxy_upstream_failures_total") == 2.0
+        await register(f, 9, url)
+        availability = (await worker_status(f, 9))["availability"]
+        assert availability["routable"] is True and availability["circuit"] == "closed"
+        assert availability["consecutive_failures"] == 0 and availability["circuit_opened"] == 0
+        async with httpx.AsyncClient(base_url=f.url) as http:  # the decision API routes to it (it was a 503)
+            decision = (await http.post("/v1/new", json={"tokens": PROMPTS[2]})).json()
+            assert decision["worker_id"] == 9
+            assert (await http.post("/v1/mark_free", json={"request_id": decision["request_id"]})).status_code == 200
         assert idle(f.router)

@@ -83,11 +83,11 @@ class WorkerHealthChecks:
         health = self._router.health
 
         async def up() -> None:
-            if self._router.has_worker(worker_id) and health.set_health(worker_id, True):
+            if health.set_health(worker_id, True):  # False too once the worker has left
                 logger.info("worker %d passes its health checks: in routing", worker_id)
 
         async def down(problem: str) -> None:
-            if self._router.has_worker(worker_id) and health.set_health(worker_id, False):
+            if health.set_health(worker_id, False):  # False too once the worker has left
                 logger.warning("worker %d fails its health checks (%s): out of routing", worker_id, problem)
 
         return HealthProbe(
