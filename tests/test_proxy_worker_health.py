@@ -13,7 +13,14 @@ import httpx
 import openai
 import pytest
 
+from api.config import ProxyConfig
+from api.proxy import health_checks
+from api.proxy.health_checks import WorkerHealthChecks
+from router.config import RouterConfig
+from router.engines.openai_server import HealthProbe
 from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.kv_router import KvRouter
+from router.types import WorkerConfig
 from tests.gate_worker import Gate, register, served
 from tests.metrics import sample
 from tests.proxy_fleet import MODEL, SSE_HEAD, Fleet, fleet, idle, raw_worker, sse_chunk
@@ -249,3 +256,73 @@ async def test_failures_of_a_worker_that_left_do_not_keep_it_out_of_routing_when
             assert decision["worker_id"] == 9
             assert (await http.post("/v1/mark_free", json={"request_id": decision["request_id"]})).status_code == 200
         assert idle(f.router)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://127.0.0.1:99999", "its port is not a number in 1-65535"),
+        ("http://:8000", "it has no host"),
+        ("http://127.0.0.1:0", "its port is not a number in 1-65535"),
+        ("http://a..b:8000", "its host is not a valid name"),
+        ("http://127.0.0.1:8000/v1?model=m", "it has a query or fragment"),
+    ],
+)
+async def test_a_worker_url_the_proxy_cannot_connect_to_is_refused_at_registration(
+    nats_server: EmbeddedNats, url: str, problem: str
+) -> None:
+    """Accepted before, such a URL made every request routed to the worker a 500 (no retry, nothing
+    told to its breaker) and its health checks crash."""
+    async with fleet(nats_server.url, (1,), proxy=NO_CHECKS) as f, httpx.AsyncClient(base_url=f.url) as http:
+        refused = await http.post("/v1/workers", json={"worker_id": 9, "url": url, "models": [MODEL]})
+        assert refused.status_code == 422
+        assert "url" in refused.text and problem in refused.text
+        assert [w["config"]["worker_id"] for w in (await http.get("/v1/workers")).json()["workers"]] == [1]
+        completion = await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+        assert completion.choices[0].text
+        assert idle(f.router)
+
+
+async def test_a_probe_that_cannot_even_ask_is_a_failed_check_and_no_worker_stops_the_others_probes(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error of the HTTP client itself (a port past 65535: an ExceptionGroup, not an httpx error) is
+    a failed check, counted, not a crash of the probe; and a worker no probe can be made for is logged
+    once while the next workers get theirs."""
+    failed: list[str] = []
+
+    async def passing() -> None:
+        raise AssertionError("no answer can pass")
+
+    async def failing(problem: str) -> None:
+        failed.append(problem)
+
+    probe = HealthProbe("http://127.0.0.1:99999/health", on_up=passing, on_down=failing)
+    async with httpx.AsyncClient(timeout=2) as client:
+        await probe.probe_once(client)
+    assert probe.failures == 1 and probe.healthy is False
+    assert len(failed) == 1 and failed[0].startswith("ExceptionGroup")
+
+    router = KvRouter(RouterConfig(block_size=64))
+    checks = WorkerHealthChecks(router, ProxyConfig(proxy_health_check_interval_secs=0.1))
+    unprobed = health_checks._probe_url
+
+    def probe_url(worker: WorkerConfig) -> str:
+        if worker.worker_id == 8:
+            raise RuntimeError("no probe for this one")
+        return unprobed(worker)
+
+    monkeypatch.setattr(health_checks, "_probe_url", probe_url)
+    async with served(Gate(refusals=0)) as url:
+        for worker_id in (8, 9):
+            router.register_worker(WorkerConfig(worker_id=worker_id, url=url, leased=False))
+        try:
+            for _ in range(3):
+                await checks.sync()
+            await eventually(lambda: router.health.availability(9).health_check == "passing", what="worker 9 probed")
+        finally:
+            await checks.stop()
+    assert router.health.availability(8).health_check == "unknown"
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        f"worker 8: no health check can be made for {url!r}"
+    ]

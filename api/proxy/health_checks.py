@@ -37,6 +37,8 @@ class WorkerHealthChecks:
         # verdict the router forgot (removed and registered again), gets a new probe, whose first
         # result is reported; the same registration posted again keeps its probe and its count.
         self._probes: dict[int, tuple[HealthProbe, WorkerConfig]] = {}
+        # Registrations no probe could be made for (logged once), not tried again until they change.
+        self._unprobed: dict[int, WorkerConfig] = {}
         self._background = Supervisor("worker-health-checks")
 
     @property
@@ -71,11 +73,20 @@ class WorkerHealthChecks:
             if wanted.get(worker_id) != probed or forgotten:
                 del self._probes[worker_id]
                 await probe.stop()
+        self._unprobed = {
+            worker_id: worker for worker_id, worker in self._unprobed.items() if wanted.get(worker_id) == worker
+        }
         for worker_id, worker in wanted.items():
-            if worker_id not in self._probes:
+            if worker_id in self._probes or worker_id in self._unprobed:
+                continue
+            try:
                 probe = self._probe(worker)
-                self._probes[worker_id] = (probe, worker)
-                probe.start()
+            except Exception:  # one worker's never stops the others' probes
+                logger.exception("worker %d: no health check can be made for %r", worker_id, worker.url)
+                self._unprobed[worker_id] = worker
+                continue
+            self._probes[worker_id] = (probe, worker)
+            probe.start()
 
     def _probe(self, worker: WorkerConfig) -> HealthProbe:
         config = self._config
