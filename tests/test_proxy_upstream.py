@@ -382,6 +382,40 @@ async def test_a_waiter_cancelled_as_it_is_handed_a_connection_passes_it_on() ->
         assert worker.connections == 1
 
 
+async def test_a_connection_opened_as_its_request_is_cancelled_is_closed_and_its_place_given_back_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client leaves in the loop turn the worker's connection completes: that connection was left
+    open for nobody (the worker holding it), and its place in the pool given back twice, once then and
+    once when the worker closed it, so the pool later opened more than its bound."""
+    async with peer() as worker, client(proxy_connections_per_worker=1) as upstream:
+        loop = asyncio.get_running_loop()
+        opens = loop.create_connection
+        leaving: list[asyncio.Future[tuple[int, bytes]]] = []
+
+        async def connected_as_the_client_leaves(*args: Any, **kwargs: Any) -> Any:
+            opened = await opens(*args, **kwargs)
+            loop.call_soon(leaving[0].cancel)
+            return opened
+
+        monkeypatch.setattr(loop, "create_connection", connected_as_the_client_leaves)
+        leaving.append(asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}")))
+        with pytest.raises(asyncio.CancelledError):
+            await leaving[0]
+        monkeypatch.undo()
+        await eventually(lambda: worker.closed_by_client == 1, 5, "the connection opened for nobody is closed")
+        # One place, given back once: two requests go one after the other on one connection.
+        worker.scripts += [[b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n%b" % name] for name in (b"a", b"b")]
+        first = await upstream.open(worker.url, b"/x", b"{}")
+        second = asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}"))
+        await asyncio.sleep(0.05)  # a negative: time in which a pool past its bound would have sent it
+        assert not second.done() and worker.connections == 2
+        assert await first.read() == b"a"
+        first.release()
+        assert await second == (200, b"b")
+        assert worker.connections == 2
+
+
 def _outside_any_task(coroutine: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
     """``coroutine`` run as the proxy runs a request (`api.eager.start`, on a protocol callback, with
     no current task) up to its first wait, then to its end; its outcome."""
