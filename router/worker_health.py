@@ -149,6 +149,14 @@ class WorkerHealth:
             return True
         return not known
 
+    def unchecked(self, worker_id: int) -> None:
+        """No health check judges the worker any more (its registration is no longer probed): its last
+        verdict goes, a failing one with it."""
+        if worker_id in self._failing_checks:
+            self._failing_checks.discard(worker_id)
+            self._troubled -= 1
+        self._checked.discard(worker_id)
+
     def failing_checks(self, worker_id: int) -> bool:
         """Whether the worker's last health-check verdict is failing."""
         return worker_id in self._failing_checks
@@ -169,10 +177,7 @@ class WorkerHealth:
         breaker = self._breakers.pop(worker_id, None)
         if breaker is not None and breaker.state != "closed":
             self._troubled -= 1
-        if worker_id in self._failing_checks:
-            self._failing_checks.discard(worker_id)
-            self._troubled -= 1
-        self._checked.discard(worker_id)
+        self.unchecked(worker_id)
 
     def reopens_in(self, worker_ids: list[int]) -> float | None:
         """Seconds until the first of these workers' open circuits lets a probe through (None: none is

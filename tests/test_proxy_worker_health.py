@@ -18,7 +18,9 @@ from api.proxy import health_checks
 from api.proxy.health_checks import WorkerHealthChecks
 from router.config import RouterConfig
 from router.engines.openai_server import HealthProbe
+from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.publisher import KvEventPublisher
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 from tests.gate_worker import Gate, register, served
@@ -163,6 +165,37 @@ async def test_a_worker_failing_its_checks_registered_again_is_out_of_routing_ag
         await register(f, 9, url)
         await eventually(lambda: check_is("failing"), what="worker 9 failing its checks again")
         assert (await worker_status(f, 9))["availability"]["routable"] is False
+
+
+async def test_a_worker_failing_its_checks_registered_again_with_a_lease_is_back_in_routing(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A static worker failing its checks registers again with a heartbeat lease (a bridge took it
+    over): it is no longer probed, and was kept out of routing by its last failing verdict until
+    removed. A worker the checks no longer probe has no verdict of theirs."""
+    checks = {
+        "proxy_health_check_interval_secs": 0.2,
+        "proxy_health_check_timeout_secs": 3.0,  # nothing listens at worker 9's first URL: refused at once
+        "proxy_health_check_failures": 1,
+    }
+    async with fleet(nats_server.url, (), proxy=checks) as f, served(Gate(refusals=0)) as url:
+        await register(f, 9, f"http://127.0.0.1:{free_port()}")
+        await eventually(lambda: f.router.health.availability(9).health_check == "failing", what="worker 9 failing")
+        nc = await connect(NatsOptions(nats_server.url))
+        bridge = KvEventPublisher(nc, WorkerConfig(worker_id=9, block_size=64, url=url, models=frozenset({MODEL})))
+        try:
+            await bridge.start()
+            await eventually(lambda: f.router.health.availability(9).health_check == "unknown", what="no verdict")
+            availability = (await worker_status(f, 9))["availability"]
+            assert availability["routable"] is True and availability["health_check"] == "unknown"
+            async with httpx.AsyncClient(base_url=f.url) as http:  # routed to again (it was a 503)
+                decision = (await http.post("/v1/new", json={"tokens": PROMPTS[0]})).json()
+                assert decision["worker_id"] == 9
+                freed = await http.post("/v1/mark_free", json={"request_id": decision["request_id"]})
+                assert freed.status_code == 200
+        finally:
+            await bridge.stop(deregister=True)
+            await nc.close()
 
 
 async def test_chats_are_tokenized_by_workers_in_routing_only(nats_server: EmbeddedNats) -> None:

@@ -8,7 +8,8 @@ in a row it is back, by itself. Each worker's checks are a `HealthProbe` (the on
 bridge use for their engines); the set of probes follows the registrations, looked at every interval
 (at most every second). Workers with a heartbeat lease are left to their lease (a bridge probes its
 engine and withdraws the worker), and a direct-mode engine's to its own probe (`DirectEngine`, marked
-by `WorkerHealth.set_engine_probed`): each engine's ``/health`` is asked by one prober.
+by `WorkerHealth.set_engine_probed`): each engine's ``/health`` is asked by one prober. A worker no
+longer probed here (registered again with a lease or without a URL) keeps no verdict of these checks.
 """
 
 from __future__ import annotations
@@ -63,11 +64,14 @@ class WorkerHealthChecks:
         """A probe for each static worker with a URL whose engine no other prober asks, none for the
         others (gone, now leased, or probed by their direct-mode engine)."""
         health = self._router.health
-        wanted = {
-            worker.worker_id: worker
-            for worker in self._router.workers()
-            if _checked(worker) and not health.engine_probed(worker.worker_id)
-        }
+        wanted: dict[int, WorkerConfig] = {}
+        for worker in self._router.workers():
+            if health.engine_probed(worker.worker_id):
+                continue  # its engine's own probe gives the verdict
+            if _checked(worker):
+                wanted[worker.worker_id] = worker
+            else:  # leased or without a URL now: no verdict of ours keeps it out of routing
+                health.unchecked(worker.worker_id)
         for worker_id, (probe, probed) in list(self._probes.items()):
             forgotten = probe.healthy is not None and health.availability(worker_id).health_check == "unknown"
             if wanted.get(worker_id) != probed or forgotten:
