@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import math
+import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -83,14 +86,17 @@ async def test_retries_are_bounded_in_count_and_the_engines_last_answer_goes_to_
         assert idle(f.router)
 
 
-async def test_a_retry_after_beyond_the_time_budget_ends_the_retries_at_once(nats_server: EmbeddedNats) -> None:
-    gate = Gate(refusals=100, status=429, retry_after="60")
+@pytest.mark.parametrize("retry_after", ["60", "1e400"])  # the second no float holds: it was read as absent
+async def test_a_retry_after_beyond_the_time_budget_ends_the_retries_at_once(
+    nats_server: EmbeddedNats, retry_after: str
+) -> None:
+    gate = Gate(refusals=100, status=429, retry_after=retry_after)
     proxy = {"proxy_retries": 5, "proxy_retry_budget_secs": 5.0}
     async with fleet(nats_server.url, (), proxy=proxy) as f, served(gate) as url:
         await register(f, 7, url)
         with pytest.raises(openai.RateLimitError) as caught:
             await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
-        assert caught.value.response.headers["retry-after"] == "60"
+        assert caught.value.response.headers["retry-after"] == retry_after
         assert caught.value.response.headers["x-kv-router-worker"] == "7"
         assert len(gate.arrivals) == 1
         assert await retries(f, "overloaded") == 0.0  # exported from the start, never counted
@@ -156,11 +162,25 @@ def test_retries_stop_past_their_count_and_their_time_budget() -> None:
     assert policy.delay(1, 5.0, started=0.0, now=0.0) is None  # Retry-After beyond the budget
 
 
+@pytest.fixture
+def host_zone_off_utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # UTC+5:30, no daylight saving
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.mark.usefixtures("host_zone_off_utc")
 def test_retry_after_is_read_as_seconds_or_an_http_date() -> None:
     assert retry_after_secs(b"3") == 3.0
     assert retry_after_secs(b" 0 ") == 0.0
     assert retry_after_secs(b"-5") == 0.0
     now = 1_700_000_000.0
     assert retry_after_secs(email.utils.formatdate(now + 30, usegmt=True).encode(), now=now) == 30.0
-    for unreadable in (None, b"", b"soon", b"nan", b"inf"):
+    # asctime's form has no zone: GMT, as every HTTP-date (it was read in the host's zone).
+    assert retry_after_secs(time.asctime(time.gmtime(now + 30)).encode(), now=now) == 30.0
+    # Past what a float holds: past any retry budget (it was read as absent, retried after the backoff).
+    assert retry_after_secs(b"1e400") == retry_after_secs(b"inf") == math.inf
+    for unreadable in (None, b"", b"soon", b"nan"):
         assert retry_after_secs(unreadable) is None
