@@ -103,6 +103,35 @@ async def test_a_retry_after_beyond_the_time_budget_ends_the_retries_at_once(
         assert idle(f.router)
 
 
+async def test_the_retry_budget_runs_from_when_the_body_was_in_not_from_the_first_attempt(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A request that waited 1.5 s for a slot (the concurrency cap) meets an engine's 429 with
+    Retry-After: 1: a retry would start 2.5 s after it came in, past the 2 s budget, so the engine's
+    answer goes to the client at once. The budget ran from the first attempt, and it was retried."""
+    busy, slow = Gate(refusals=100, status=429, retry_after="1"), Gate(refusals=0, hold=asyncio.Event())
+    proxy = {"proxy_retries": 3, "proxy_retry_budget_secs": 2.0, "proxy_max_concurrent_requests": 1}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, served(busy) as url7, served(slow) as url8:
+        await register(f, 7, url7)
+        await register(f, 8, url8)
+
+        def pinned(worker_id: int) -> dict[str, object]:
+            return {"nvext": {"backend_instance_id": worker_id, "dp_rank": 0}}
+
+        holding = asyncio.ensure_future(
+            f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_body=pinned(8))
+        )
+        await eventually(lambda: len(slow.arrivals) == 1, what="the slot held on worker 8")
+        assert slow.hold is not None
+        asyncio.get_running_loop().call_later(1.5, slow.hold.set)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await f.client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=1, extra_body=pinned(7))
+        assert caught.value.response.headers["retry-after"] == "1"
+        assert len(busy.arrivals) == 1
+        assert (await holding).choices[0].text == " fine"
+        assert idle(f.router)
+
+
 async def test_a_worker_refusing_connections_is_retried_after_backoffs_until_it_is_up(
     nats_server: EmbeddedNats,
 ) -> None:
