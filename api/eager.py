@@ -5,6 +5,10 @@ the router's queue awaits. `start` runs the coroutine right away; if it finishes
 result with no task and no trip through the event loop. If it suspends, `start` returns a
 `Suspended`, an awaitable that continues it exactly where it stopped, with asyncio's usual
 semantics: the future it waits on wakes it, and a cancellation is delivered at that ``await``.
+
+Such a coroutine has no current task until it first waits, so it must not use ``asyncio.timeout``
+(nor ``asyncio.wait_for``, which is ``asyncio.timeout`` from Python 3.12): both raise ``RuntimeError``
+there. `within` is the deadline it uses instead.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 from collections.abc import Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Suspended", "start"]
+__all__ = ["Suspended", "start", "within"]
 
 T = TypeVar("T")
 
@@ -29,6 +33,30 @@ def start(coro: Coroutine[Any, Any, T]) -> T | Suspended[T]:
         result: T = done.value
         return result
     return Suspended(coro, waiting_on)
+
+
+async def within(seconds: float, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s outcome, or `TimeoutError` once ``seconds`` have passed (``work`` cancelled and
+    waited for first, as ``asyncio.wait_for`` does); usable with no current task. ``work`` runs as a
+    task of its own, which a timer cancels."""
+    task = asyncio.ensure_future(work)
+    timed_out = False
+
+    def time_out() -> None:
+        nonlocal timed_out
+        timed_out = task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(seconds, time_out)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        caller = asyncio.current_task()  # the task driving us by now: we were resumed
+        # Cancelled as the timer fired: the caller's own cancellation is not turned into a timeout.
+        if timed_out and (caller is None or not caller.cancelling()):
+            raise TimeoutError(f"no outcome within {seconds:g} s") from None
+        raise
+    finally:
+        timer.cancel()
 
 
 class Suspended(Generic[T]):

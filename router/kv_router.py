@@ -201,7 +201,7 @@ class KvRouter:
         self._rng = rng if rng is not None else random.Random()
         self._scheduler = Scheduler(config, *self._create_policies(config))
         # Circuit breakers and health-check verdicts: who is out of routing, for every policy.
-        self.health = WorkerHealth(config, clock)
+        self.health = WorkerHealth(config, clock, self.has_worker)
         # Until router_min_initial_workers have registered once, `new` waits (Dynamo's startup wait).
         self._started = config.router_min_initial_workers <= len(self._scheduler.workers)
         self._workers_ready: asyncio.Event | None = None

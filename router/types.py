@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -43,6 +44,7 @@ __all__ = [
     "WorkerConfig",
     "WorkerOverlap",
     "WorkerRole",
+    "url_problem",
 ]
 
 # A finite float: NaN and the infinities refused (msgpack carries them; a NaN queue priority orders nothing).
@@ -114,6 +116,30 @@ WorkerRole = Literal["prefill", "decode", "both"]
 # ``sequential`` (connectors that hand the KV over through a store keyed by the prompt, such as vLLM's
 # ExampleConnector: the prefill leg first, then the client's body unchanged to the decode worker).
 HandoffStyle = Literal["kv_transfer_params", "bootstrap", "sequential"]
+
+
+def url_problem(url: str) -> str | None:
+    """What keeps ``url`` from being an engine's OpenAI server URL (``http(s)://host[:port][/path]``,
+    which the proxy and the health checks connect to), or None."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        return "its scheme is not http or https"
+    if not parts.hostname:
+        return "it has no host"
+    try:
+        parts.hostname.encode("idna")  # as the proxy's Host header is
+    except UnicodeError:
+        return "its host is not a valid name"
+    try:
+        port = parts.port  # raises for one that is no number or above 65535
+    except ValueError:
+        port = 0
+    if port == 0:
+        return "its port is not a number in 1-65535"
+    if parts.query or parts.fragment:
+        return "it has a query or fragment"
+    return None
+
 
 # Data-parallel ranks one worker may have: far above any engine's (tens), low enough that registering
 # the largest costs milliseconds.
@@ -195,8 +221,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"total_kv_blocks must be >= 0, got {self.total_kv_blocks}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must be an http:// or https:// base URL, got {self.url!r}")
+        if self.url is not None and (problem := url_problem(self.url)) is not None:
+            raise ValueError(f"url must be an engine's http(s) URL, got {self.url!r}: {problem}")
         if self.bootstrap_port is not None and not 1 <= self.bootstrap_port <= 65535:
             raise ValueError(f"bootstrap_port must be a TCP port, got {self.bootstrap_port}")
 

@@ -18,6 +18,10 @@ its own: a worker failing it is left out, whatever its circuit, until it passes 
 engine is probed by the source that registers it (direct mode, `set_engine_probed`) is not probed by
 the proxy's checks as well: that source removes it when the engine stops answering.
 
+Outcomes and verdicts of a worker no longer registered are ignored: requests still on it when it
+was removed end afterwards, and their failures would make a breaker for an id nothing routes to,
+which a worker registered again under that id would find open.
+
 Costs: `usable` is one dict lookup per candidate when every circuit is closed and every check passes
 (the common case: it returns the list it was given).
 """
@@ -53,7 +57,9 @@ class _Breaker:
 class WorkerHealth:
     """The circuit breakers and health-check verdicts of the registered workers."""
 
-    def __init__(self, config: RouterConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, config: RouterConfig, clock: Callable[[], float], registered: Callable[[int], bool]) -> None:
+        """``registered``: whether a worker id is registered now."""
+        self._registered = registered
         self._threshold = config.worker_breaker_failures
         self._open_secs = config.worker_breaker_open_secs
         self._probes = config.worker_breaker_half_open_probes
@@ -95,7 +101,7 @@ class WorkerHealth:
     def failed(self, worker_id: int, problem: str) -> CircuitState | None:
         """The worker failed a request (refused, timed out, 5xx, a broken stream); returns the state its
         circuit moved to, or None if it stayed as it was."""
-        if self._threshold == 0:
+        if self._threshold == 0 or not self._registered(worker_id):
             return None
         breaker = self._breakers.get(worker_id)
         if breaker is None:
@@ -128,6 +134,8 @@ class WorkerHealth:
 
     def set_health(self, worker_id: int, passing: bool) -> bool:
         """The active health check's verdict on the worker; returns whether it changed."""
+        if not self._registered(worker_id):  # a probe's last answer, come after the worker left
+            return False
         known = worker_id in self._checked
         self._checked.add(worker_id)
         failing = worker_id in self._failing_checks
@@ -140,6 +148,14 @@ class WorkerHealth:
             self._troubled += 1
             return True
         return not known
+
+    def unchecked(self, worker_id: int) -> None:
+        """No health check judges the worker any more (its registration is no longer probed): its last
+        verdict goes, a failing one with it."""
+        if worker_id in self._failing_checks:
+            self._failing_checks.discard(worker_id)
+            self._troubled -= 1
+        self._checked.discard(worker_id)
 
     def failing_checks(self, worker_id: int) -> bool:
         """Whether the worker's last health-check verdict is failing."""
@@ -161,10 +177,7 @@ class WorkerHealth:
         breaker = self._breakers.pop(worker_id, None)
         if breaker is not None and breaker.state != "closed":
             self._troubled -= 1
-        if worker_id in self._failing_checks:
-            self._failing_checks.discard(worker_id)
-            self._troubled -= 1
-        self._checked.discard(worker_id)
+        self.unchecked(worker_id)
 
     def reopens_in(self, worker_ids: list[int]) -> float | None:
         """Seconds until the first of these workers' open circuits lets a probe through (None: none is

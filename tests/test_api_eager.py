@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from api.eager import Suspended, start
+from api.eager import Suspended, start, within
 
 
 async def _add(a: int, b: int) -> int:
@@ -109,5 +109,40 @@ def test_cancelling_its_task_delivers_the_cancellation_at_its_await(before_first
         with pytest.raises(asyncio.CancelledError):
             await task
         assert seen == ["cancelled"]
+
+    asyncio.run(scenario())
+
+
+def test_within_is_a_deadline_that_leaves_the_callers_own_cancellation_alone() -> None:
+    """`within`, the deadline of a coroutine `start` runs: its work's result; at the deadline a
+    `TimeoutError`, the work cancelled and finished first; the caller cancelled as the deadline
+    passes, a cancellation (not a timeout, which the caller might take for a slow peer and go on)."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        cleaned: list[str] = []
+        callers: list[asyncio.Task[None]] = []
+
+        async def hangs(cancel_the_caller: bool = False) -> None:
+            try:
+                await loop.create_future()  # never done
+            finally:
+                cleaned.append("work")
+                if cancel_the_caller:
+                    callers[0].cancel()
+
+        assert await within(1, asyncio.sleep(0, result="done")) == "done"
+        timed = start(within(0.05, hangs()))
+        assert isinstance(timed, Suspended)
+        with pytest.raises(TimeoutError):
+            await timed.task(loop)
+        assert cleaned == ["work"]
+
+        cancelled = start(within(0.05, hangs(cancel_the_caller=True)))
+        assert isinstance(cancelled, Suspended)
+        callers.append(cancelled.task(loop))
+        with pytest.raises(asyncio.CancelledError):
+            await callers[0]
+        assert cleaned == ["work", "work"]
 
     asyncio.run(scenario())

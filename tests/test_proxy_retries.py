@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import math
+import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -83,17 +86,49 @@ async def test_retries_are_bounded_in_count_and_the_engines_last_answer_goes_to_
         assert idle(f.router)
 
 
-async def test_a_retry_after_beyond_the_time_budget_ends_the_retries_at_once(nats_server: EmbeddedNats) -> None:
-    gate = Gate(refusals=100, status=429, retry_after="60")
+@pytest.mark.parametrize("retry_after", ["60", "1e400"])  # the second no float holds: it was read as absent
+async def test_a_retry_after_beyond_the_time_budget_ends_the_retries_at_once(
+    nats_server: EmbeddedNats, retry_after: str
+) -> None:
+    gate = Gate(refusals=100, status=429, retry_after=retry_after)
     proxy = {"proxy_retries": 5, "proxy_retry_budget_secs": 5.0}
     async with fleet(nats_server.url, (), proxy=proxy) as f, served(gate) as url:
         await register(f, 7, url)
         with pytest.raises(openai.RateLimitError) as caught:
             await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
-        assert caught.value.response.headers["retry-after"] == "60"
+        assert caught.value.response.headers["retry-after"] == retry_after
         assert caught.value.response.headers["x-kv-router-worker"] == "7"
         assert len(gate.arrivals) == 1
         assert await retries(f, "overloaded") == 0.0  # exported from the start, never counted
+        assert idle(f.router)
+
+
+async def test_the_retry_budget_runs_from_when_the_body_was_in_not_from_the_first_attempt(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A request that waited 1.5 s for a slot (the concurrency cap) meets an engine's 429 with
+    Retry-After: 1: a retry would start 2.5 s after it came in, past the 2 s budget, so the engine's
+    answer goes to the client at once. The budget ran from the first attempt, and it was retried."""
+    busy, slow = Gate(refusals=100, status=429, retry_after="1"), Gate(refusals=0, hold=asyncio.Event())
+    proxy = {"proxy_retries": 3, "proxy_retry_budget_secs": 2.0, "proxy_max_concurrent_requests": 1}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, served(busy) as url7, served(slow) as url8:
+        await register(f, 7, url7)
+        await register(f, 8, url8)
+
+        def pinned(worker_id: int) -> dict[str, object]:
+            return {"nvext": {"backend_instance_id": worker_id, "dp_rank": 0}}
+
+        holding = asyncio.ensure_future(
+            f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_body=pinned(8))
+        )
+        await eventually(lambda: len(slow.arrivals) == 1, what="the slot held on worker 8")
+        assert slow.hold is not None
+        asyncio.get_running_loop().call_later(1.5, slow.hold.set)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await f.client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=1, extra_body=pinned(7))
+        assert caught.value.response.headers["retry-after"] == "1"
+        assert len(busy.arrivals) == 1
+        assert (await holding).choices[0].text == " fine"
         assert idle(f.router)
 
 
@@ -156,11 +191,25 @@ def test_retries_stop_past_their_count_and_their_time_budget() -> None:
     assert policy.delay(1, 5.0, started=0.0, now=0.0) is None  # Retry-After beyond the budget
 
 
+@pytest.fixture
+def host_zone_off_utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # UTC+5:30, no daylight saving
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.mark.usefixtures("host_zone_off_utc")
 def test_retry_after_is_read_as_seconds_or_an_http_date() -> None:
     assert retry_after_secs(b"3") == 3.0
     assert retry_after_secs(b" 0 ") == 0.0
     assert retry_after_secs(b"-5") == 0.0
     now = 1_700_000_000.0
     assert retry_after_secs(email.utils.formatdate(now + 30, usegmt=True).encode(), now=now) == 30.0
-    for unreadable in (None, b"", b"soon", b"nan", b"inf"):
+    # asctime's form has no zone: GMT, as every HTTP-date (it was read in the host's zone).
+    assert retry_after_secs(time.asctime(time.gmtime(now + 30)).encode(), now=now) == 30.0
+    # Past what a float holds: past any retry budget (it was read as absent, retried after the backoff).
+    assert retry_after_secs(b"1e400") == retry_after_secs(b"inf") == math.inf
+    for unreadable in (None, b"", b"soon", b"nan"):
         assert retry_after_secs(unreadable) is None

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -19,8 +20,12 @@ from hypothesis import strategies as st
 
 from api import eager
 from api.config import ProxyConfig
+from api.proxy import tokens
 from api.proxy.upstream import Upstream, UpstreamConnection, UpstreamError
+from indexer.hashing import pack_tokens
 from router.event_plane.embedded_server import free_port
+from router.types import WorkerConfig
+from tests.proxy_fleet import raw_worker
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -377,6 +382,40 @@ async def test_a_waiter_cancelled_as_it_is_handed_a_connection_passes_it_on() ->
         assert worker.connections == 1
 
 
+async def test_a_connection_opened_as_its_request_is_cancelled_is_closed_and_its_place_given_back_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client leaves in the loop turn the worker's connection completes: that connection was left
+    open for nobody (the worker holding it), and its place in the pool given back twice, once then and
+    once when the worker closed it, so the pool later opened more than its bound."""
+    async with peer() as worker, client(proxy_connections_per_worker=1) as upstream:
+        loop = asyncio.get_running_loop()
+        opens = loop.create_connection
+        leaving: list[asyncio.Future[tuple[int, bytes]]] = []
+
+        async def connected_as_the_client_leaves(*args: Any, **kwargs: Any) -> Any:
+            opened = await opens(*args, **kwargs)
+            loop.call_soon(leaving[0].cancel)
+            return opened
+
+        monkeypatch.setattr(loop, "create_connection", connected_as_the_client_leaves)
+        leaving.append(asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}")))
+        with pytest.raises(asyncio.CancelledError):
+            await leaving[0]
+        monkeypatch.undo()
+        await eventually(lambda: worker.closed_by_client == 1, 5, "the connection opened for nobody is closed")
+        # One place, given back once: two requests go one after the other on one connection.
+        worker.scripts += [[b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n%b" % name] for name in (b"a", b"b")]
+        first = await upstream.open(worker.url, b"/x", b"{}")
+        second = asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}"))
+        await asyncio.sleep(0.05)  # a negative: time in which a pool past its bound would have sent it
+        assert not second.done() and worker.connections == 2
+        assert await first.read() == b"a"
+        first.release()
+        assert await second == (200, b"b")
+        assert worker.connections == 2
+
+
 def _outside_any_task(coroutine: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
     """``coroutine`` run as the proxy runs a request (`api.eager.start`, on a protocol callback, with
     no current task) up to its first wait, then to its end; its outcome."""
@@ -405,16 +444,22 @@ def _outside_any_task(coroutine: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
     return outcome
 
 
-async def test_a_connection_is_opened_and_timed_out_outside_any_task(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The proxy opens worker connections from requests that run with no current task. From Python
-    3.12 `asyncio.wait_for` needs one (it is `asyncio.timeout` inside): that behaviour is put in here,
-    so this Python fails as 3.12 would (a 500 for every request needing a new connection)."""
+@pytest.fixture
+def wait_for_as_in_python_312(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From Python 3.12 `asyncio.wait_for` is `asyncio.timeout` inside, which needs a current task:
+    that behaviour is put in here, so this Python fails as 3.12 would."""
 
-    async def wait_for_as_in_python_312(awaitable: Awaitable[T], timeout: float | None) -> T:
+    async def wait_for(awaitable: Awaitable[T], timeout: float | None) -> T:
         async with asyncio.timeout(timeout):
             return await awaitable
 
-    monkeypatch.setattr(asyncio, "wait_for", wait_for_as_in_python_312)
+    monkeypatch.setattr(asyncio, "wait_for", wait_for)
+
+
+@pytest.mark.usefixtures("wait_for_as_in_python_312")
+async def test_a_connection_is_opened_and_timed_out_outside_any_task() -> None:
+    """The proxy opens worker connections from requests that run with no current task (under 3.12's
+    `wait_for`, a 500 for every request needing a new connection)."""
     async with peer() as worker, client(proxy_connect_timeout_secs=0.2) as upstream:
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\na"])
         assert await _outside_any_task(upstream.post(worker.url, b"/x", b"{}")) == (200, b"a")
@@ -433,6 +478,40 @@ async def test_a_connection_is_opened_and_timed_out_outside_any_task(monkeypatch
             finally:
                 for filler in fillers:
                     filler.close()
+
+
+@pytest.mark.usefixtures("wait_for_as_in_python_312")
+async def test_a_prompt_is_tokenized_outside_any_task_and_a_silent_worker_given_up_at_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request without local tokenizer files asks a worker's ``/tokenize``, with no current task
+    (`api.eager`): one that never answers is given up at the timeout and the next one asked. Under
+    3.12's `wait_for` every such request was a 500."""
+    monkeypatch.setattr(tokens, "REMOTE_TOKENIZE_TIMEOUT_S", 0.3)
+    asked: list[bytes] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                asked.append(await reader.readuntil(b"\r\n"))
+                await reader.read()  # never answers; reads until the proxy gives up and closes
+        finally:
+            writer.close()
+
+    async with peer() as worker, raw_worker(silent) as silent_url, client() as upstream:
+        answer = b'{"tokens": [7, 8, 9], "count": 3, "max_model_len": 4096}'
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(answer), answer)])
+        tokenizer = tokens.PromptTokenizer({}, upstream)
+        # The workers take turns: the first prompt asks the second of the list first.
+        fleet = [WorkerConfig(worker_id=1, url=worker.url), WorkerConfig(worker_id=2, url=silent_url)]
+        started = time.monotonic()
+        packed = await _outside_any_task(tokenizer.text("m", "hello", fleet))
+        assert time.monotonic() - started >= 0.3
+        assert asked == [b"POST /tokenize HTTP/1.1\r\n"] and len(worker.requests) == 1
+        assert packed == bytes(pack_tokens([7, 8, 9]))
+
+        with pytest.raises(tokens.TokenizeFailed, match=r"worker 2: no answer in 0\.3 s"):
+            await _outside_any_task(tokenizer.text("m", "hello", fleet[1:]))
 
 
 async def test_a_stream_opened_to_be_handed_on_is_read_whole_when_the_worker_refuses_it() -> None:

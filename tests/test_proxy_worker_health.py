@@ -13,10 +13,19 @@ import httpx
 import openai
 import pytest
 
+from api.config import ProxyConfig
+from api.proxy import health_checks
+from api.proxy.health_checks import WorkerHealthChecks
+from router.config import RouterConfig
+from router.engines.openai_server import HealthProbe
+from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.publisher import KvEventPublisher
+from router.kv_router import KvRouter
+from router.types import WorkerConfig
 from tests.gate_worker import Gate, register, served
 from tests.metrics import sample
-from tests.proxy_fleet import MODEL, Fleet, fleet, idle, raw_worker
+from tests.proxy_fleet import MODEL, SSE_HEAD, Fleet, fleet, idle, raw_worker, sse_chunk
 from tests.test_api_proxy import stored_event
 from tests.waiting import eventually
 
@@ -158,6 +167,37 @@ async def test_a_worker_failing_its_checks_registered_again_is_out_of_routing_ag
         assert (await worker_status(f, 9))["availability"]["routable"] is False
 
 
+async def test_a_worker_failing_its_checks_registered_again_with_a_lease_is_back_in_routing(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A static worker failing its checks registers again with a heartbeat lease (a bridge took it
+    over): it is no longer probed, and was kept out of routing by its last failing verdict until
+    removed. A worker the checks no longer probe has no verdict of theirs."""
+    checks = {
+        "proxy_health_check_interval_secs": 0.2,
+        "proxy_health_check_timeout_secs": 3.0,  # nothing listens at worker 9's first URL: refused at once
+        "proxy_health_check_failures": 1,
+    }
+    async with fleet(nats_server.url, (), proxy=checks) as f, served(Gate(refusals=0)) as url:
+        await register(f, 9, f"http://127.0.0.1:{free_port()}")
+        await eventually(lambda: f.router.health.availability(9).health_check == "failing", what="worker 9 failing")
+        nc = await connect(NatsOptions(nats_server.url))
+        bridge = KvEventPublisher(nc, WorkerConfig(worker_id=9, block_size=64, url=url, models=frozenset({MODEL})))
+        try:
+            await bridge.start()
+            await eventually(lambda: f.router.health.availability(9).health_check == "unknown", what="no verdict")
+            availability = (await worker_status(f, 9))["availability"]
+            assert availability["routable"] is True and availability["health_check"] == "unknown"
+            async with httpx.AsyncClient(base_url=f.url) as http:  # routed to again (it was a 503)
+                decision = (await http.post("/v1/new", json={"tokens": PROMPTS[0]})).json()
+                assert decision["worker_id"] == 9
+                freed = await http.post("/v1/mark_free", json={"request_id": decision["request_id"]})
+                assert freed.status_code == 200
+        finally:
+            await bridge.stop(deregister=True)
+            await nc.close()
+
+
 async def test_chats_are_tokenized_by_workers_in_routing_only(nats_server: EmbeddedNats) -> None:
     """Without local tokenizer files a chat is tokenized by a worker's /tokenize: never by one out of
     routing (a hung one would hold every other chat for the read timeout)."""
@@ -204,3 +244,118 @@ async def test_with_every_worker_out_of_routing_the_answer_is_a_503_saying_when_
         assert "out of routing" in out.value.response.json()["error"]["message"]
         assert 1 <= int(out.value.response.headers["retry-after"]) <= 30
         assert idle(f.router)
+
+
+async def test_failures_of_a_worker_that_left_do_not_keep_it_out_of_routing_when_it_is_back(
+    nats_server: EmbeddedNats,
+) -> None:
+    """Streams still on a worker when it is removed end afterwards, broken: their failures were told to
+    a breaker kept under its id, open once they were enough, and the worker registered again was out
+    of routing for ``worker_breaker_open_secs``. A worker that left has no breaker to tell."""
+    router = {"worker_breaker_failures": 2, "worker_breaker_open_secs": 60.0}
+    die = asyncio.Event()
+
+    async def dying(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(SSE_HEAD + sse_chunk(" a"))  # the stream begins ...
+            await writer.drain()
+            await die.wait()
+        writer.close()  # ... and breaks, without [DONE]
+
+    async with fleet(nats_server.url, (), router=router, proxy=NO_CHECKS) as f, raw_worker(dying) as url:
+        await register(f, 9, url)
+        streams = []
+        for prompt in PROMPTS[:2]:
+            raw = await f.client.completions.with_raw_response.create(
+                model=MODEL, prompt=prompt, max_tokens=4, stream=True
+            )
+            assert raw.headers["x-kv-router-worker"] == "9"
+            streams.append(raw.parse())
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.delete("/v1/workers/9")).status_code in (200, 204)
+        die.set()
+        for stream in streams:
+            with pytest.raises(openai.APIError, match="failed mid-stream"):
+                async for _chunk in stream:
+                    pass
+        assert await metric(f, "kv_router_proxy_upstream_failures_total") == 2.0
+        await register(f, 9, url)
+        availability = (await worker_status(f, 9))["availability"]
+        assert availability["routable"] is True and availability["circuit"] == "closed"
+        assert availability["consecutive_failures"] == 0 and availability["circuit_opened"] == 0
+        async with httpx.AsyncClient(base_url=f.url) as http:  # the decision API routes to it (it was a 503)
+            decision = (await http.post("/v1/new", json={"tokens": PROMPTS[2]})).json()
+            assert decision["worker_id"] == 9
+            assert (await http.post("/v1/mark_free", json={"request_id": decision["request_id"]})).status_code == 200
+        assert idle(f.router)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://127.0.0.1:99999", "its port is not a number in 1-65535"),
+        ("http://:8000", "it has no host"),
+        ("http://127.0.0.1:0", "its port is not a number in 1-65535"),
+        ("http://a..b:8000", "its host is not a valid name"),
+        ("http://127.0.0.1:8000/v1?model=m", "it has a query or fragment"),
+    ],
+)
+async def test_a_worker_url_the_proxy_cannot_connect_to_is_refused_at_registration(
+    nats_server: EmbeddedNats, url: str, problem: str
+) -> None:
+    """Accepted before, such a URL made every request routed to the worker a 500 (no retry, nothing
+    told to its breaker) and its health checks crash."""
+    async with fleet(nats_server.url, (1,), proxy=NO_CHECKS) as f, httpx.AsyncClient(base_url=f.url) as http:
+        refused = await http.post("/v1/workers", json={"worker_id": 9, "url": url, "models": [MODEL]})
+        assert refused.status_code == 422
+        assert "url" in refused.text and problem in refused.text
+        assert [w["config"]["worker_id"] for w in (await http.get("/v1/workers")).json()["workers"]] == [1]
+        completion = await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+        assert completion.choices[0].text
+        assert idle(f.router)
+
+
+async def test_a_probe_that_cannot_even_ask_is_a_failed_check_and_no_worker_stops_the_others_probes(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error of the HTTP client itself (a port past 65535: an ExceptionGroup, not an httpx error) is
+    a failed check, counted, not a crash of the probe; and a worker no probe can be made for is logged
+    once while the next workers get theirs."""
+    failed: list[str] = []
+
+    async def passing() -> None:
+        raise AssertionError("no answer can pass")
+
+    async def failing(problem: str) -> None:
+        failed.append(problem)
+
+    probe = HealthProbe("http://127.0.0.1:99999/health", on_up=passing, on_down=failing)
+    async with httpx.AsyncClient(timeout=2) as client:
+        await probe.probe_once(client)
+    assert probe.failures == 1 and probe.healthy is False
+    assert len(failed) == 1 and failed[0].startswith("ExceptionGroup")
+
+    router = KvRouter(RouterConfig(block_size=64))
+    checks = WorkerHealthChecks(router, ProxyConfig(proxy_health_check_interval_secs=0.1))
+    unprobed = health_checks._probe_url
+
+    def probe_url(worker: WorkerConfig) -> str:
+        if worker.worker_id == 8:
+            raise RuntimeError("no probe for this one")
+        return unprobed(worker)
+
+    monkeypatch.setattr(health_checks, "_probe_url", probe_url)
+    async with served(Gate(refusals=0)) as url:
+        for worker_id in (8, 9):
+            router.register_worker(WorkerConfig(worker_id=worker_id, url=url, leased=False))
+        try:
+            for _ in range(3):
+                await checks.sync()
+            await eventually(lambda: router.health.availability(9).health_check == "passing", what="worker 9 probed")
+        finally:
+            await checks.stop()
+    assert router.health.availability(8).health_check == "unknown"
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        f"worker 8: no health check can be made for {url!r}"
+    ]

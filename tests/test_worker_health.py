@@ -29,7 +29,7 @@ def health(failures: int = 3, open_secs: float = 10.0, probes: int = 1) -> tuple
     config = RouterConfig(
         worker_breaker_failures=failures, worker_breaker_open_secs=open_secs, worker_breaker_half_open_probes=probes
     )
-    return WorkerHealth(config, clock), clock
+    return WorkerHealth(config, clock, lambda worker_id: True), clock
 
 
 WORKERS = [WorkerConfig(worker_id=i) for i in (1, 2, 3)]
@@ -109,6 +109,18 @@ def test_no_breaker_with_zero_failures_and_a_worker_registered_again_starts_afre
     h.forget(1)
     h.forget(2)
     assert h.usable(WORKERS) is WORKERS and h.availability(1).circuit_opened == 0
+
+
+def test_outcomes_and_verdicts_of_a_worker_no_longer_registered_are_ignored() -> None:
+    """Requests and probes still on a worker when it left end afterwards: nothing is kept for its id."""
+    registered = {1, 2}
+    h = WorkerHealth(RouterConfig(worker_breaker_failures=1), Clock(), registered.__contains__)
+    assert h.failed(3, "the worker closed the connection mid-answer") is None
+    assert not h.set_health(3, False)
+    registered.add(3)  # registered again under that id: in routing, nothing held against it
+    assert h.usable(WORKERS) is WORKERS
+    shown = h.availability(3)
+    assert (shown.circuit, shown.circuit_opened, shown.health_check) == ("closed", 0, "unknown")
 
 
 @given(

@@ -8,7 +8,8 @@ in a row it is back, by itself. Each worker's checks are a `HealthProbe` (the on
 bridge use for their engines); the set of probes follows the registrations, looked at every interval
 (at most every second). Workers with a heartbeat lease are left to their lease (a bridge probes its
 engine and withdraws the worker), and a direct-mode engine's to its own probe (`DirectEngine`, marked
-by `WorkerHealth.set_engine_probed`): each engine's ``/health`` is asked by one prober.
+by `WorkerHealth.set_engine_probed`): each engine's ``/health`` is asked by one prober. A worker no
+longer probed here (registered again with a lease or without a URL) keeps no verdict of these checks.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class WorkerHealthChecks:
         # verdict the router forgot (removed and registered again), gets a new probe, whose first
         # result is reported; the same registration posted again keeps its probe and its count.
         self._probes: dict[int, tuple[HealthProbe, WorkerConfig]] = {}
+        # Registrations no probe could be made for (logged once), not tried again until they change.
+        self._unprobed: dict[int, WorkerConfig] = {}
         self._background = Supervisor("worker-health-checks")
 
     @property
@@ -61,21 +64,33 @@ class WorkerHealthChecks:
         """A probe for each static worker with a URL whose engine no other prober asks, none for the
         others (gone, now leased, or probed by their direct-mode engine)."""
         health = self._router.health
-        wanted = {
-            worker.worker_id: worker
-            for worker in self._router.workers()
-            if _checked(worker) and not health.engine_probed(worker.worker_id)
-        }
+        wanted: dict[int, WorkerConfig] = {}
+        for worker in self._router.workers():
+            if health.engine_probed(worker.worker_id):
+                continue  # its engine's own probe gives the verdict
+            if _checked(worker):
+                wanted[worker.worker_id] = worker
+            else:  # leased or without a URL now: no verdict of ours keeps it out of routing
+                health.unchecked(worker.worker_id)
         for worker_id, (probe, probed) in list(self._probes.items()):
             forgotten = probe.healthy is not None and health.availability(worker_id).health_check == "unknown"
             if wanted.get(worker_id) != probed or forgotten:
                 del self._probes[worker_id]
                 await probe.stop()
+        self._unprobed = {
+            worker_id: worker for worker_id, worker in self._unprobed.items() if wanted.get(worker_id) == worker
+        }
         for worker_id, worker in wanted.items():
-            if worker_id not in self._probes:
+            if worker_id in self._probes or worker_id in self._unprobed:
+                continue
+            try:
                 probe = self._probe(worker)
-                self._probes[worker_id] = (probe, worker)
-                probe.start()
+            except Exception:  # one worker's never stops the others' probes
+                logger.exception("worker %d: no health check can be made for %r", worker_id, worker.url)
+                self._unprobed[worker_id] = worker
+                continue
+            self._probes[worker_id] = (probe, worker)
+            probe.start()
 
     def _probe(self, worker: WorkerConfig) -> HealthProbe:
         config = self._config
@@ -83,11 +98,11 @@ class WorkerHealthChecks:
         health = self._router.health
 
         async def up() -> None:
-            if self._router.has_worker(worker_id) and health.set_health(worker_id, True):
+            if health.set_health(worker_id, True):  # False too once the worker has left
                 logger.info("worker %d passes its health checks: in routing", worker_id)
 
         async def down(problem: str) -> None:
-            if self._router.has_worker(worker_id) and health.set_health(worker_id, False):
+            if health.set_health(worker_id, False):  # False too once the worker has left
                 logger.warning("worker %d fails its health checks (%s): out of routing", worker_id, problem)
 
         return HealthProbe(

@@ -12,6 +12,7 @@ retries at once and the engine's answer goes to the client).
 
 from __future__ import annotations
 
+import datetime
 import email.utils
 import math
 import random
@@ -59,8 +60,9 @@ class RetryPolicy:
 
 
 def retry_after_secs(value: bytes | None, now: float | None = None) -> float | None:
-    """An HTTP ``Retry-After`` in seconds from now: delay-seconds or an HTTP-date; None if absent or
-    unreadable (then the backoff alone applies)."""
+    """An HTTP ``Retry-After`` in seconds from now: delay-seconds (one too large for a float is
+    infinite: past any retry budget) or an HTTP-date; None if absent or unreadable (then the backoff
+    alone applies)."""
     if not value:
         return None
     text = value.decode("latin-1").strip()
@@ -71,8 +73,10 @@ def retry_after_secs(value: bytes | None, now: float | None = None) -> float | N
             when = email.utils.parsedate_to_datetime(text)
         except (TypeError, ValueError, IndexError):
             return None
+        if when.tzinfo is None:  # asctime's form, or -0000: HTTP-dates are GMT, never the host's zone
+            when = when.replace(tzinfo=datetime.UTC)
         seconds = when.timestamp() - (time.time() if now is None else now)
-    if not math.isfinite(seconds):
+    if math.isnan(seconds):
         return None
     return max(seconds, 0.0)
 

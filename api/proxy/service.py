@@ -478,7 +478,7 @@ class Proxy:
         among = set(candidates)
         pinned = {rank[0] for rank in (routing.pinned, routing.pinned_prefill) if rank is not None}
         failures: list[str] = []
-        started = time.monotonic()
+        started = time.monotonic() - (time.perf_counter() - received)  # the budget runs from the body in
         retry = 0
         while True:
             try:

@@ -26,6 +26,7 @@ import msgspec
 from tokenizers import Tokenizer
 
 from api.config import ANY_MODEL
+from api.eager import within
 from api.proxy.chat_template import ChatTemplate, NotLocal
 from api.proxy.segments import SegmentCache, SegmentPlan
 from api.proxy.upstream import Upstream, UpstreamError
@@ -316,7 +317,7 @@ class PromptTokenizer:
             assert worker.url is not None
             try:
                 exchange = self._upstream.post(worker.url, b"/tokenize", payload)
-                status, content = await asyncio.wait_for(exchange, REMOTE_TOKENIZE_TIMEOUT_S)
+                status, content = await within(REMOTE_TOKENIZE_TIMEOUT_S, exchange)
                 if status == 200:
                     return _packed(_decode_tokens(content).tokens)
                 problems.append(f"worker {worker.worker_id}: HTTP {status}")

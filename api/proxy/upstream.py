@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from api.config import ProxyConfig
+from api.eager import within
 from api.http_stream import Sink
 from router.engines.openai_server import openai_base
 
@@ -200,35 +201,29 @@ class _Pool:
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> UpstreamConnection:
         endpoint = self.endpoint
         self.opened += 1
-        # A timer, not asyncio.timeout or wait_for (which is asyncio.timeout from Python 3.12): the proxy's
-        # request may run eagerly (`api.eager`), outside any task, and both need one.
-        connecting = asyncio.ensure_future(
-            loop.create_connection(
-                lambda: UpstreamConnection(self),
-                endpoint.host,
-                endpoint.port,
-                ssl=self._tls() if endpoint.tls else None,
-            )
+        made: list[UpstreamConnection] = []  # the connection's protocol, once its socket connected
+
+        def protocol() -> UpstreamConnection:
+            made.append(UpstreamConnection(self))
+            return made[0]
+
+        opening = loop.create_connection(
+            protocol, endpoint.host, endpoint.port, ssl=self._tls() if endpoint.tls else None
         )
-        timed_out = False
-
-        def time_out() -> None:
-            nonlocal timed_out
-            timed_out = True
-            connecting.cancel()
-
-        timer = loop.call_later(self._connect_timeout, time_out)
         try:
-            _, connection = await connecting
+            _, connection = await within(self._connect_timeout, opening)
         except BaseException as exc:
-            self._gone()
-            if timed_out:
+            if made and made[0].connected:
+                # Open all the same (the request cancelled as it connected): closed, and its
+                # connection_lost gives the place back, once.
+                made[0].close()
+            else:
+                self._gone()
+            if isinstance(exc, TimeoutError):
                 raise UpstreamError(f"connect timeout after {self._connect_timeout:g} s") from None
             if isinstance(exc, OSError):
                 raise UpstreamError(_describe(exc)) from None
             raise
-        finally:
-            timer.cancel()
         return connection
 
     def put_back(self, connection: UpstreamConnection) -> None:
@@ -485,6 +480,11 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._idle_since = self._loop.time()
         self._pool.put_back(self)
+
+    @property
+    def connected(self) -> bool:
+        """Its socket connected (and connection_lost will come, once)."""
+        return self._transport is not None
 
     def close(self) -> None:
         self._cancel_silence()

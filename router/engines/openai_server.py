@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from router.supervision import Supervisor
+from router.types import url_problem
 
 if TYPE_CHECKING:
     import httpx
@@ -33,11 +34,10 @@ log = logging.getLogger(__name__)
 
 def openai_base(url: str) -> str:
     """The server root of an engine's OpenAI URL, with or without ``/v1``; raises ``ValueError``."""
+    problem = url_problem(url)
+    if problem is not None:
+        raise ValueError(f"not an http(s) URL of an engine: {url!r}: {problem}")
     parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"an engine URL has no query or fragment: {url!r}")
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
@@ -158,8 +158,6 @@ class HealthProbe:
                 await asyncio.sleep(self.interval_s)
 
     async def probe_once(self, client: httpx.AsyncClient) -> None:
-        import httpx
-
         self.probes += 1
         problem = None
         refused = False
@@ -167,7 +165,7 @@ class HealthProbe:
             reply = await client.get(self.url)
             if reply.status_code != 200:
                 problem = f"HTTP {reply.status_code}"
-        except httpx.HTTPError as exc:
+        except Exception as exc:  # not only httpx's own errors: a probe that cannot ask fails, never crashes
             problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             refused = _refused(exc)
         if problem is None:
