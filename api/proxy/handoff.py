@@ -30,9 +30,9 @@ worker's circuit breaker and books the request again without it, so the prefill 
 style a prefill leg failing while the decode leg has not answered cancels the decode leg (its
 connection closed: the engine aborts it); one failing after the decode leg has begun is counted and
 told to its breaker, the KV having arrived. A prefill leg refused with a 4xx is the client's answer:
-its worker answered, and the decode worker, never sent the request, is told nothing. A client leaving cancels the request's task, and with it whichever
-legs are in flight. The bodies of the two legs are re-encoded (fields injected), not forwarded byte
-for byte: only on this path.
+its worker answered, and the decode worker, never sent the request, is told nothing. A client leaving
+cancels the request's task, and with it whichever legs are in flight. The bodies of the two legs are
+re-encoded (fields injected), not forwarded byte for byte: only on this path.
 """
 
 from __future__ import annotations
