@@ -147,7 +147,7 @@ class Handlers:
             tokens = self._check_prompt(request.tokens)
             explain = request.explain or call.explain
             if request.request_id is None:
-                request = msgspec.structs.replace(request, request_id=call.request_id or new_request_id())
+                request = msgspec.structs.replace(request, request_id=_header_id(call) or new_request_id())
             decision = self._router.decide(request, explain=explain)
         except Exception as exc:
             return self._error("new", exc)
@@ -208,7 +208,7 @@ class Handlers:
         tokens = self._check_prompt(request.tokens)
         # Dynamo takes the id of `new` from the request-plane context; over HTTP that is X-Request-Id.
         if request.request_id is None:
-            request = msgspec.structs.replace(request, request_id=call.request_id or new_request_id())
+            request = msgspec.structs.replace(request, request_id=_header_id(call) or new_request_id())
         try:
             decision = self._router.decide(request)
             if not isinstance(decision, RouteDecision):
@@ -233,7 +233,7 @@ class Handlers:
         query = queries_instance(body.annotations)  # answer the choice, book nothing
         # Checked before anything is booked: what cannot be handed back is refused first.
         forward = _forwardable(call) if body.return_request else None
-        request_id = None if query else body.request_id or call.request_id or new_request_id()
+        request_id = None if query else body.request_id or _header_id(call) or new_request_id()
         routing = routing_call(
             self._router,
             body.token_ids,
@@ -390,10 +390,25 @@ class Handlers:
 
 def _request_id(body_id: str | None, call: Call) -> str:
     """The body's request id if given, else ``X-Request-Id`` (Dynamo: the payload's, else the context's)."""
-    request_id = body_id or call.request_id
+    request_id = body_id or _header_id(call)
     if request_id is None:
         raise InvalidBody("request_id is required (body field or X-Request-Id header)")
     return request_id
+
+
+def _header_id(call: Call) -> str | None:
+    """``X-Request-Id`` as a request id, held to the body field's rule (`api.wire.RequestId`): a request
+    booked under it is echoed in that header and freed by the body field. `InvalidBody` otherwise."""
+    given = call.request_id
+    if given is not None and not (
+        0 < len(given) <= 256 and given.isascii() and given.isprintable() and " " not in given
+    ):
+        raise InvalidBody("X-Request-Id: a request id is 1 to 256 visible ASCII characters, without spaces")
+    return given
+
+
+def _visible_ascii(text: str) -> bool:
+    return 0 < len(text) <= 256 and text.isascii() and text.isprintable() and " " not in text
 
 
 def _token_list(tokens: Tokens) -> list[int]:

@@ -103,6 +103,8 @@ class AsgiRequest:
 
     # ------------------------------------------------------------------ from the protocol
     def body_received(self, data: bytes) -> None:
+        if self.response_complete:
+            return  # answered without it (a 401, 404, 413): the parser reads the rest, nobody keeps it
         self.body += data
         self._event.set()
         if len(self.body) > BODY_HIGH_WATER:

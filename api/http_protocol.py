@@ -165,6 +165,9 @@ class HttpProtocol(asyncio.Protocol):
         self.limit_concurrency = config.limit_concurrency
         self.timeout_keep_alive = float(config.timeout_keep_alive)
         self.parser = httptools.HttpRequestParser(self)
+        # Requests pipelined ahead of one saying `Connection: close` are answered, not refused with it
+        # (uvicorn's setting: llhttp otherwise fails on any byte after such a request).
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         # Under a root path or a concurrency limit every request goes to the app.
         served = not config.root_path and config.limit_concurrency is None
         self._routes = self.hot_routes if served else {}
@@ -350,6 +353,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
+        value = value.rstrip(b" \t")  # llhttp drops a value's leading whitespace, not its trailing
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
         self._headers.append((name, value))
@@ -406,11 +410,15 @@ class HttpProtocol(asyncio.Protocol):
         self._parsing = None
         if type(request) is AsgiRequest:
             request.body_complete()
-            return
-        request = cast(_HotRequest, request)
-        request.complete = True
-        if request.started and not request.refused:
-            self._run(request)
+        else:
+            request = cast(_HotRequest, request)
+            request.complete = True
+            if request.started and not request.refused:
+                self._run(request)
+        if self._current is None:
+            # Its answer went out before its body was in (a 401, 404, 413): reading that body made the
+            # connection busy, and nothing else would make it idle again for its keep-alive timeout.
+            self._idle()
 
     # ------------------------------------------------------------------ the connection's turns
     def _start(self, request: _HotRequest | AsgiRequest) -> None:

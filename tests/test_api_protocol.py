@@ -343,6 +343,60 @@ def test_body_over_the_limit_keeps_the_connection_usable() -> None:
         client.close()
 
 
+def test_a_body_sent_after_its_refusal_leaves_the_connection_usable_and_closable() -> None:
+    """An app route that answers before reading the body (401 on an admin route without the token,
+    404): the body that follows, far more than the read buffer holds (64 KiB), is dropped; the
+    connection answers the next request, and once idle its keep-alive timeout closes it (a connection
+    busy reading an answered body was never closed: its descriptor leaked)."""
+    with uvicorn_on_loopback(keep_alive_s=1.0, api_token="s3cret") as port:
+        client = Client(port)
+        big = b"x" * 1_000_000
+        # Connection: keep-alive makes the C parser decline it: httptools and the app's route read it.
+        head = request("POST", "/v1/workers", big, connection="keep-alive")[: -len(big)]
+        refused = client.ask(head)
+        assert refused.startswith(b"HTTP/1.1 401 "), refused
+        client.send(big)
+        assert client.ask(request("GET", "/healthz")) == HEALTHY
+        assert client.closed_by_server(3)
+        client.close()
+
+
+def test_requests_ahead_of_a_connection_close_are_answered_then_it_closes() -> None:
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        free = post("/v1/mark_free", {"request_id": "x"})
+        closing = post("/v1/mark_free", {"request_id": "y"}, connection="close")
+        client.send(request("GET", "/healthz") + closing + free)
+        assert client.response() == HEALTHY
+        assert client.response().startswith(b"HTTP/1.1 404 ")
+        assert client.closed_by_server()
+        client.close()
+
+
+def test_a_header_request_id_is_trimmed_and_held_to_the_body_fields_rule() -> None:
+    """Trailing whitespace of a header value is not part of it (as through uvicorn's protocol); an
+    X-Request-Id a body's request_id could not name (spaces, non-ASCII, over 256 characters) is refused
+    with a 422, nothing booked."""
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        _setup(client, 1)
+        tokens = {"tokens": list(range(3 * BLOCK_SIZE))}
+        booked = client.ask(request("POST", "/v1/new", json.dumps(tokens).encode(), x_request_id="abc \t"))
+        assert body_of(booked)["request_id"] == "abc"
+        assert body_of(client.ask(post("/v1/mark_free", {"request_id": "abc"}))) == {
+            "request_id": "abc",
+            "success": True,
+        }
+        for bad in ("has space", "\xe9t\xe9", "x" * 257):
+            lines = request("POST", "/v1/new", json.dumps(tokens).encode()).split(b"\r\n\r\n", 1)
+            refused = client.ask(lines[0] + b"\r\nX-Request-Id: " + bad.encode("latin-1") + b"\r\n\r\n" + lines[1])
+            assert refused.startswith(b"HTTP/1.1 422 "), refused
+            assert "X-Request-Id: a request id is 1 to 256 visible ASCII" in body_of(refused)["error"]["message"]
+        loads = body_of(client.ask(post("/v1/potential_loads", tokens)))
+        assert all(load["active_requests"] == 0 for load in loads["loads"]), loads
+        client.close()
+
+
 def test_msgpack_bytes_expect_continue_http10_and_explain() -> None:
     with uvicorn_on_loopback() as port:
         client = Client(port)
