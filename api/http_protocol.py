@@ -63,6 +63,31 @@ def _plain(status: int, text: bytes) -> bytes:
     )
 
 
+def _json_closing(status: int, kind: str, message: str) -> bytes:
+    """A whole JSON error (the service's shape) that closes the connection."""
+    body = b'{"error":{"type":"%s","message":"%s"}}' % (kind.encode(), message.encode())
+    head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    return STATUS_LINE[status] + head + body
+
+
+# A request's target and its header section are bounded (unbounded, a client's 60 MB URL, gathered
+# piece by piece, stalled every connection's loop for seconds and held that much memory).
+MAX_TARGET_BYTES = 65_536
+MAX_HEADER_BYTES = 65_536
+_TARGET_TOO_LONG = _json_closing(414, "uri_too_long", f"the request target exceeds {MAX_TARGET_BYTES} bytes")
+_HEADERS_TOO_LARGE = _json_closing(
+    431, "headers_too_large", f"the request's header fields exceed {MAX_HEADER_BYTES} bytes"
+)
+
+
+class _Refused(Exception):
+    """Raised in a parser callback: the connection is answered ``reply`` and closed."""
+
+    def __init__(self, reply: bytes) -> None:
+        super().__init__()
+        self.reply = reply
+
+
 _INTERNAL_ERROR = _plain(500, b"Internal Server Error")
 _BAD_REQUEST = _plain(400, b"Invalid HTTP request received.")
 _UNAVAILABLE = _plain(503, b"Service Unavailable")
@@ -183,6 +208,7 @@ class HttpProtocol(asyncio.Protocol):
         self._waiting: deque[_HotRequest | AsgiRequest] = deque()
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        self._header_bytes = 0  # of the request being parsed: names and values
         self._expect_continue = False
         self._streamed: tuple[StreamedRequest, _HotRequest] | None = None  # the stream route being answered
         self._gone = False
@@ -265,10 +291,12 @@ class HttpProtocol(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._unsupported_upgrade()
-        except httptools.HttpParserError:
+        except httptools.HttpParserError as exc:
+            refused = exc.__context__  # what a callback raised (httptools chains it so)
+            reply = refused.reply if isinstance(refused, _Refused) else _BAD_REQUEST
             self.logger.warning("Invalid HTTP request received.")
             if not self.transport.is_closing():
-                self.transport.write(_BAD_REQUEST)
+                self.transport.write(reply)
                 self.transport.close()
 
     def _unsupported_upgrade(self) -> None:
@@ -346,12 +374,18 @@ class HttpProtocol(asyncio.Protocol):
         self._between_messages = False
         self._url = b""
         self._headers = []
+        self._header_bytes = 0
         self._expect_continue = False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > MAX_TARGET_BYTES:
+            raise _Refused(_TARGET_TOO_LONG)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise _Refused(_HEADERS_TOO_LARGE)
         name = name.lower()
         value = value.rstrip(b" \t")  # llhttp drops a value's leading whitespace, not its trailing
         if name == b"expect" and value.lower() == b"100-continue":

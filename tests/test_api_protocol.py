@@ -361,6 +361,34 @@ def test_a_body_sent_after_its_refusal_leaves_the_connection_usable_and_closable
         client.close()
 
 
+@pytest.mark.parametrize(
+    ("head", "status", "kind"),
+    [
+        (b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", b"414", "uri_too_long"),
+        (b"GET /healthz HTTP/1.1\r\n" + b"X-Pad: %b\r\n" % (b"p" * 8000) * 9 + b"\r\n", b"431", "headers_too_large"),
+    ],
+    ids=["target", "headers"],
+)
+def test_a_request_target_or_header_section_over_64_kib_is_refused_as_json(
+    head: bytes, status: bytes, kind: str
+) -> None:
+    """Sent in pieces, as a slow client would: refused once past the bound, the connection closed, and
+    the server answers others at once."""
+    with uvicorn_on_loopback() as port:
+        client, other = Client(port), Client(port)
+        for start in range(0, len(head), 4096):
+            try:
+                client.send(head[start : start + 4096])
+            except (BrokenPipeError, ConnectionResetError):
+                break  # refused and closed before the rest was sent
+        refused = client.response()
+        assert refused.startswith(b"HTTP/1.1 " + status + b" "), refused[:100]
+        assert body_of(refused)["error"]["type"] == kind
+        assert other.ask(request("GET", "/healthz")) == HEALTHY
+        client.close()
+        other.close()
+
+
 def test_requests_ahead_of_a_connection_close_are_answered_then_it_closes() -> None:
     with uvicorn_on_loopback() as port:
         client = Client(port)
