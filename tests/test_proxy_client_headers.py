@@ -92,6 +92,24 @@ async def test_cors_answers_allowed_origins_only_and_is_off_by_default(
         assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_a_refusal_for_want_of_the_api_token_carries_the_cors_headers(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    """A browser script of an allowed origin can read why it was refused (without the headers it sees
+    an opaque network error)."""
+    origin = "https://app.example.com"
+    service = {"fast_protocol": fast_protocol, "cors_allow_origins": [origin]}
+    security = {"api_token": "s3cret", "protect_decisions": True}
+    async with fleet(nats_server.url, (1,), service=service, security=security) as f:
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+            refused = await http.post("/v1/completions", json=body, headers={"origin": origin})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == origin
+        assert refused.json()["error"]["type"] == "unauthorized"
+
+
 NAMES = st.from_regex(r"[A-Za-z][A-Za-z0-9-]{0,12}", fullmatch=True)
 VALUES = st.from_regex(r"[!-~]([ -~]{0,30}[!-~])?", fullmatch=True)
 

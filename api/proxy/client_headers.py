@@ -66,6 +66,12 @@ class ClientHeaders:
             answer += self._cors.answer_headers(header_value(head, b"origin", lowered))
         return Passed(request_id, b"".join(upstream), answer, span)
 
+    def cors(self, call: StreamCall) -> Headers:
+        """The CORS headers alone, for an answer given before the request is read (its 401)."""
+        if self._cors is None:
+            return []
+        return self._cors.answer_headers(header_value(call.head, b"origin", b"\n" + call.head.lower()))
+
 
 def _valid_id(value: bytes) -> bool:
     return len(value) <= _MAX_ID and all(33 <= byte <= 126 for byte in value)

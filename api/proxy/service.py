@@ -206,7 +206,9 @@ class Proxy:
                 presented = [(b"authorization", authorization)] if authorization else []
                 if auth.refuse(Access.DECISION, presented) is not None:
                     self.metrics.count(route, "unauthorized")
-                    await request.whole(unauthorized.status, _header_bytes(unauthorized), unauthorized.body)
+                    # With CORS: a browser script of an allowed origin may read why it was refused.
+                    headers = [*_header_bytes(unauthorized), *self.client_headers.cors(request)]
+                    await request.whole(unauthorized.status, headers, unauthorized.body)
                     return
                 await self.answer(route, request)
 
