@@ -7,11 +7,13 @@ connection can be marked through any other's and every child routes on the load 
 
 The parent supervises: a child that dies is started again after a second (it rejoins through replica
 sync; its bookings leave the others after the lease). SIGTERM / SIGINT to the parent is passed on to
-every child, which shuts down gracefully; the parent exits when they have.
+every child, which shuts down gracefully; the parent exits when they have. A parent killed outright
+(SIGKILL) takes its children with it: each gets SIGTERM from the kernel (Linux).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -24,6 +26,7 @@ from types import FrameType
 import msgspec
 
 from api.config import Settings
+from router.event_plane.embedded_server import die_with_parent
 
 __all__ = ["CHILD_SETTINGS_ENV", "child_settings", "run_children"]
 
@@ -54,7 +57,11 @@ def run_children(settings: Settings) -> int:
             CHILD_INDEX_ENV: str(index),
         }
         command = [sys.executable, "-c", "from api.server import serve_child; serve_child()"]
-        children[index] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        # A child outliving the parent (kill -9) would keep its share of the port, ready but cut off
+        # from the plane it can never rejoin, beside the children of a restarted parent.
+        children[index] = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, preexec_fn=functools.partial(die_with_parent, os.getpid())
+        )
         log.info("router process %d started (pid %d)", index, children[index].pid)
 
     def stop(sig: int, frame: FrameType | None) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,33 @@ async def test_a_process_started_after_the_events_learns_them_from_the_worker(
         await publisher.stop()
         await asyncio.to_thread(router.stop)
     assert router.process is not None and router.process.returncode == 0
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie awaiting its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_processes_end_with_a_parent_killed_with_sigkill(tmp_path: Path) -> None:
+    # Orphans would keep answering on the port (ready, their plane gone with the parent's nats-server)
+    # and share it with the children of a restarted parent: the kernel would send them connections.
+    router = RouterProcess(tmp_path, "--processes", "2")
+    router.argv = [sys.executable, "-m", "api.cli", *router.args]  # this tree, not an installed script
+    router.start()
+    started: list[int] = []
+    try:
+        until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+              40, "two router processes listening")  # fmt: skip
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(router.pid)], capture_output=True, text=True)
+        started = [int(pid) for pid in out.stdout.split()]  # the nats-server too
+        router.kill9()
+        until(lambda: not any(running(pid) for pid in started), 5, "the children end with the parent")
+        assert listening_sockets(router.port) == 0
+    finally:
+        router.stop()
+        for pid in started:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
