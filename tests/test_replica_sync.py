@@ -20,8 +20,9 @@ from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.kv_router import KvRouter
-from router.replicas.messages import Booked, Freed, SyncBatch, sync_decoder
+from router.replicas.messages import Booked, Freed, StateReply, SyncBatch, sync_decoder
 from router.replicas.sync import ReplicaSync
+from router.request_ids import new_request_id
 from router.types import PotentialLoad, RouteRequest, WorkerConfig
 from tests.test_api_support import prompt
 from tests.waiting import eventually
@@ -329,3 +330,59 @@ async def test_both_legs_of_a_disaggregated_request_reach_every_replica_and_leav
         assert a.router.booking("pd") is not None
         assert b.router.mark_free("pd")
         await eventually(lambda: not list(a.router.bookings()) and not list(b.router.bookings()))
+
+
+async def book_and_free(target: Replica, count: int) -> None:
+    """``count`` short requests booked and freed through ``target`` in one loop turn each (no batch goes
+    out): ``target`` keeps a tombstone of each for the tombstone window, as under a steady load."""
+    for _ in range(count):
+        request_id = new_request_id()  # the router's own ids, as long as most clients'
+        await target.router.new(RouteRequest(tokens=PROMPTS[1], request_id=request_id))
+        assert target.router.mark_free(request_id)
+
+
+async def test_a_view_larger_than_a_nats_message_reaches_peers_in_parts() -> None:
+    # ~34 bytes per request freed in the tombstone window: at ~1,000 frees/s fleet-wide a view passes a
+    # stock server's 1 MiB; here 3,000 frees pass a 64 KiB one.
+    with EmbeddedNats(max_payload=64 * 1024) as server:
+        async with replica(server.url) as a, replica(server.url) as b:
+            await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="x"))
+            await a.router.new(RouteRequest(tokens=PROMPTS[2], request_id="kept"))
+            await eventually(lambda: a.router.booking("x") is not None and b.router.booking("kept") is not None)
+            await book_and_free(a, 3000)
+            assert len(msgspec.msgpack.encode(a.sync.state())) > 64 * 1024
+            async with sync_lost(a):
+                assert a.router.mark_free("x")  # freed through a; the batch carrying it is lost
+            await eventually(lambda: b.router.booking("x") is None, 30, "b repairs the gap from a's view")
+            assert a.sync.outcomes["state_served_in_parts"] >= 1
+            async with replica(server.url) as late:  # its join is answered by a or b, both views too large
+                assert late.sync.outcomes["joined"] == 1
+                assert late.router.booking("kept") is not None and late.router.booking("x") is None
+
+
+async def test_a_refused_view_leaves_the_gap_pending_until_the_peer_sends_it() -> None:
+    """A peer that cannot send its view (an older one, its view over the server's max_payload) is asked
+    again at its later beats; the free its lost batch carried arrives once it answers."""
+    with EmbeddedNats() as server:
+        async with replica(server.url) as a, replica(server.url) as b:
+            await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="x"))
+            await eventually(lambda: a.router.booking("x") is not None)
+            real, refusing = a.nc.publish, True
+
+            async def refuse(subject: str, payload: bytes = b"", *args: Any) -> None:
+                if refusing and subject.startswith("_INBOX."):  # a reply to a state request
+                    refusal = StateReply(replica_id=a.sync.replica_id, error="state exceeds max_payload")
+                    payload = msgspec.msgpack.encode(refusal)
+                await real(subject, payload, *args)
+
+            a.nc.publish = refuse  # type: ignore[method-assign,assignment]
+            try:
+                async with sync_lost(a):
+                    assert a.router.mark_free("x")  # the batch carrying the free is lost
+                await a.router.new(RouteRequest(tokens=PROMPTS[1], request_id="y"))  # the next shows the gap
+                await eventually(lambda: b.sync.outcomes["rejected_state_refused"] >= 1, 30, "b's ask is refused")
+                assert b.router.booking("x") is not None and b.router.booking("y") is not None
+                refusing = False
+                await eventually(lambda: b.router.booking("x") is None, 30, "b asks again and repairs the gap")
+            finally:
+                a.nc.publish = real  # type: ignore[method-assign]

@@ -13,7 +13,8 @@ its booking is kept for it), so each replica's view is the join of everything it
 another replica's whole view (`StateReply`) can only move it forward.
 
 - Lost messages: batches are numbered; a number skipped, or a heartbeat naming a batch never seen,
-  is a gap and the sender's whole view is requested (``kv.{ns}.router.sync.state.{id}``) and merged.
+  is a gap and the sender's whole view is requested (``kv.{ns}.router.sync.state.{id}``, in parts
+  when larger than a NATS message) and merged; a failed ask leaves the gap pending, asked again.
 - Late joiners: on start a replica asks any peer (queue group) for its view; a peer heard from first
   with a batch number above 1 is asked directly, so it is consistent even if that first ask failed.
 - Dead replicas: one silent for ``lease_s`` (no heartbeat) has the bookings it made dropped; one that
@@ -44,6 +45,7 @@ from nats.errors import NoRespondersError
 
 from indexer.errors import UNDECODABLE
 from router.errors import DuplicateRequestId, UnknownWorker
+from router.event_plane.parts import request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
 from router.kv_router import KvRouter
@@ -53,10 +55,12 @@ from router.replicas.messages import (
     Change,
     Freed,
     PrefillMarked,
+    StateReader,
     StateReply,
     StateRequest,
     SyncBatch,
     SyncBeat,
+    state_parts,
     sync_decoder,
 )
 from router.sequences import Booking
@@ -74,13 +78,16 @@ MAX_BATCH_CHANGES = 512
 BATCH_WINDOW_S = 0.002
 # On a clean stop, how long a batch being published may take to go out before it is cancelled.
 STOP_DRAIN_S = 2.0
+# A failed ask for a peer's view is repeated at its next beat, then after twice as long each time up to
+# this: the gap stays pending (a lost free would leak its booking) without a peer asked every beat for
+# a view it cannot send.
+REPAIR_BACKOFF_MAX_S = 10.0
 # Sync lag samples kept (seconds from publish to apply, by the wall clock of one host or NTP).
 LAG_SAMPLES = 4096
 
 _encode = msgspec.msgpack.Encoder().encode
 # A message's sender field lies within its first bytes: map header, the tag, then replica_id.
 _SENDER_WITHIN = 64
-_state_reply = msgspec.msgpack.Decoder(StateReply)
 _state_request = msgspec.msgpack.Decoder(StateRequest)
 
 
@@ -91,8 +98,10 @@ class _Peer:
     repairing: bool = False
     # Another gap showed while a repair was in flight: its answer may predate it, so ask again.
     repair_again: bool = False
-    # A gap no successful repair has covered yet (the last ask failed): ask at its next beat.
+    # A gap no successful repair has covered yet (the last ask failed): ask at a beat from retry_at.
     unrepaired: bool = False
+    failed_asks: int = 0
+    retry_at: float = 0.0
 
 
 class ReplicaSync:
@@ -186,16 +195,26 @@ class ReplicaSync:
         self._subscriptions = []
 
     async def _join(self) -> None:
-        request = _encode(StateRequest(replica_id=self.replica_id))
         try:
-            reply = await self.nc.request(self.subjects.router_sync_state(), request, timeout=self._state_timeout)
+            reply = await self._ask(self.subjects.router_sync_state())
         except NoRespondersError:
             log.info("replica sync: no peer yet, starting with no bookings")
             return
         except (TimeoutError, NatsError) as exc:
             log.warning("replica sync: no peer answered the join (%r); peers are asked as they are heard", exc)
             return
-        self._merge_reply(reply.data, "joined")
+        if reply is not None:
+            self._merge_reply(reply, "joined")
+
+    async def _ask(self, subject: str) -> StateReply | None:
+        """A peer's view, in parts if it is large; None (rejected, logged) when it cannot be decoded.
+        Raises NATS' errors (`NoRespondersError`, `TimeoutError`, ...)."""
+        request = _encode(StateRequest(replica_id=self.replica_id, in_parts=True))
+        try:
+            return await request_in_parts(self.nc, subject, request, self._state_timeout, StateReader().add)
+        except UNDECODABLE as exc:
+            self._reject("undecodable", f"state reply: {exc}")
+            return None
 
     # ------------------------------------------------------------------ local changes (BookingListener)
     def booked(self, request_id: str, booking: Booking) -> None:
@@ -313,7 +332,7 @@ class ReplicaSync:
         if isinstance(sync, SyncBeat):
             if sync.leaving:
                 self._drop_peer(sender, "left")
-            elif sync.seq > peer.cursor or peer.unrepaired:
+            elif (sync.seq > peer.cursor or peer.unrepaired) and now >= peer.retry_at:
                 self._repair(sender, peer)  # its last batches never arrived, or a repair failed
             return
         if sync.seq <= peer.cursor:
@@ -390,38 +409,56 @@ class ReplicaSync:
         self._background.spawn(f"repair-{sender}", self._ask_state(sender, peer))
 
     async def _ask_state(self, sender: str, peer: _Peer) -> None:
-        request = _encode(StateRequest(replica_id=self.replica_id))
+        subject = self.subjects.router_sync_state(sender)
         try:
             while True:
                 peer.repair_again = False
-                subject = self.subjects.router_sync_state(sender)
-                reply = await self.nc.request(subject, request, timeout=self._state_timeout)
-                self._merge_reply(reply.data, "repaired")
+                reply = await self._ask(subject)
+                if reply is None or not self._merge_reply(reply, "repaired"):
+                    why = "its view was refused or unreadable"
+                    break
                 if not peer.repair_again:
                     peer.unrepaired = False
+                    peer.failed_asks = 0
                     return
         except (TimeoutError, NatsError) as exc:
-            log.warning("replica sync: peer %s did not send its bookings (%r); asking again at its next beat",
-                        sender, exc)  # fmt: skip
-            self.outcomes["repair_failed"] += 1
+            why = repr(exc)
         finally:
             peer.repairing = False
+        # The gap stays pending: asked again at a beat of the peer, later after each failure.
+        backoff = min(self.heartbeat_s * 2**peer.failed_asks, REPAIR_BACKOFF_MAX_S)
+        peer.failed_asks += 1
+        peer.retry_at = self._clock() + backoff
+        log.warning("replica sync: peer %s did not send its bookings (%s); asking again in %.1f s",
+                    sender, why, backoff)  # fmt: skip
+        self.outcomes["repair_failed"] += 1
 
     async def _on_state_request(self, message: Msg) -> None:
         try:
-            _state_request.decode(message.data)
+            request = _state_request.decode(message.data)
         except UNDECODABLE as exc:
             self._reject("undecodable", f"state request: {exc}")
             return
         if not message.reply:
             return
-        payload = _encode(self.state())
-        if len(payload) > self.nc.max_payload:
-            error = f"state of {len(payload)} bytes exceeds the server's max_payload"
-            payload = _encode(StateReply(replica_id=self.replica_id, error=error))
-            log.error("replica sync: %s", error)
-        await self.nc.publish(message.reply, payload)
+        for payload in self._state_payloads(request.in_parts):
+            await self.nc.publish(message.reply, payload)
         self.outcomes["state_served"] += 1
+
+    def _state_payloads(self, in_parts: bool) -> list[bytes]:
+        """This replica's view as one message, else in parts to an asker that reads them, else refused."""
+        state = self.state()
+        payload = _encode(state)
+        limit = self.nc.max_payload
+        if len(payload) <= limit:
+            return [payload]
+        parts = state_parts(state, limit) if in_parts else None
+        if parts is not None:
+            self.outcomes["state_served_in_parts"] += 1
+            return parts
+        error = f"state of {len(payload)} bytes exceeds the server's max_payload of {limit}"
+        log.error("replica sync: %s", error)
+        return [_encode(StateReply(replica_id=self.replica_id, error=error))]
 
     def state(self) -> StateReply:
         """This replica's whole view, as a peer merges it."""
@@ -447,15 +484,11 @@ class ReplicaSync:
         silent = {peer_id: now - peer.last_seen for peer_id, peer in self._peers.items()}
         return StateReply(replica_id=me, bookings=bookings, freed=list(self._freed), cursors=cursors, silent_s=silent)
 
-    def _merge_reply(self, data: bytes, outcome: str) -> None:
-        try:
-            reply = _state_reply.decode(data)
-        except UNDECODABLE as exc:
-            self._reject("undecodable", f"state reply: {exc}")
-            return
+    def _merge_reply(self, reply: StateReply, outcome: str) -> bool:
+        """Merge a peer's view into this one; False (rejected) when the peer refused to send it."""
         if reply.error is not None:
             self._reject("state_refused", f"peer {reply.replica_id}: {reply.error}")
-            return
+            return False
         now = self._clock()
         me = self.replica_id
         # Learn every replica the responder knows, with its silence, so dead ones expire here too.
@@ -488,6 +521,7 @@ class ReplicaSync:
                 self.router.mark_prefill(request_id, replicated=True)
         self.outcomes[outcome] += 1
         log.info("replica sync: %s from %s (%d bookings)", outcome, reply.replica_id, len(reply.bookings))
+        return True
 
     # ------------------------------------------------------------------ liveness
     def _expire_peers(self) -> None:
