@@ -386,3 +386,25 @@ async def test_a_refused_view_leaves_the_gap_pending_until_the_peer_sends_it() -
                 await eventually(lambda: b.router.booking("x") is None, 30, "b asks again and repairs the gap")
             finally:
                 a.nc.publish = real  # type: ignore[method-assign]
+
+
+async def test_bookings_made_before_sync_starts_reach_the_peers(nats_server: EmbeddedNats) -> None:
+    """HTTP serves from the first moment, before the plane (and a durable replay) has started replica
+    sync: what was booked meanwhile reaches the peers, so a free sent to one of them is no 404."""
+    async with replica(nats_server.url) as b:
+        nc = await connect(NatsOptions(nats_server.url))
+        router = new_router()
+        await router.new(RouteRequest(tokens=PROMPTS[0], request_id="early"))
+        assert router.mark_prefill("early")
+        await router.new(RouteRequest(tokens=PROMPTS[1], request_id="early-freed"))
+        assert router.mark_free("early-freed")
+        sync = ReplicaSync(router, nc, heartbeat_s=0.1)
+        await sync.start()
+        try:
+            await eventually(lambda: b.router.booking("early") is not None, 30, "b learns the early booking")
+            assert bookings(b.router) == bookings(router) and b.router.booking("early-freed") is None
+            assert b.router.mark_free("early")
+            await eventually(lambda: router.booking("early") is None, 30, "the free through b reaches a")
+        finally:
+            await sync.stop()
+            await nc.close()

@@ -159,13 +159,18 @@ class ReplicaSync:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Subscribe, learn the current bookings from a peer (if there is one), start publishing."""
+        """Subscribe, publish the router's bookings so far, learn the current bookings from a peer (if
+        there is one), go on publishing."""
         nc = self.nc
         self._subscriptions = [
             await nc.subscribe(self.subjects.router_sync, cb=self._on_sync, pending_msgs_limit=1_000_000),
             await nc.subscribe(self.subjects.router_sync_state(self.replica_id), cb=self._on_state_request),
         ]
         self.router.booking_listener = self
+        # Bookings made before the listener was attached (HTTP serves while the plane starts; a durable
+        # replay can take minutes) go out as if made now: else a free told to a peer would be a 404.
+        for request_id, booking in self.router.bookings():
+            self.booked(request_id, booking)
         self._background.keep_running("publish", self._publish_loop)
         self._background.keep_running("heartbeat", self._heartbeat_loop)
         await self._join()
