@@ -183,7 +183,7 @@ class ReplicaSync:
     async def stop(self) -> None:
         """Let the outbox drain (a batch being published is not cut off: its changes, frees of
         requests other replicas booked among them, would reach no peer), tell peers this replica is
-        leaving (they drop its bookings), unsubscribe."""
+        leaving (they drop its bookings), unsubscribe, drop the peers' bookings."""
         if self.router.booking_listener is self:
             self.router.booking_listener = None
         with contextlib.suppress(TimeoutError):
@@ -198,6 +198,11 @@ class ReplicaSync:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
         self._subscriptions = []
+        # Peers' bookings are kept current no longer (their frees go unheard): dropped, so a sync started
+        # again on this router (a retried start) learns them afresh instead of publishing them as its own.
+        me, now = self.replica_id, self._clock()
+        for request_id in [request_id for request_id, origin in self._origin.items() if origin != me]:
+            self._free(request_id, now, tombstone=False)
 
     async def _join(self) -> None:
         try:
