@@ -408,3 +408,24 @@ async def test_bookings_made_before_sync_starts_reach_the_peers(nats_server: Emb
         finally:
             await sync.stop()
             await nc.close()
+
+
+async def test_a_request_id_booked_again_after_its_free_reaches_every_replica(nats_server: EmbeddedNats) -> None:
+    """A client retrying with the same X-Request-Id after the first attempt was freed: within the
+    tombstone window the retry's booking is newer than the free, so peers book it and a free sent
+    through any of them ends it everywhere."""
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b, replica(nats_server.url) as c:
+        everyone = (a, b, c)
+        await a.router.new(RouteRequest(tokens=PROMPTS[0], request_id="req-42"))
+        await eventually(lambda: all(r.router.booking("req-42") is not None for r in everyone))
+        assert b.router.mark_free("req-42")  # the first attempt ends, freed through b
+        await eventually(lambda: all(r.router.booking("req-42") is None for r in everyone))
+        await a.router.new(RouteRequest(tokens=PROMPTS[0], request_id="req-42"))  # the retry
+        await eventually(lambda: all(r.router.booking("req-42") is not None for r in everyone), 30,
+                         "every replica books the retry")  # fmt: skip
+        async with replica(nats_server.url) as late:  # a joiner learns it from a view holding the tombstone
+            assert late.router.booking("req-42") is not None
+            assert c.router.mark_free("req-42")
+            await eventually(lambda: all(r.router.booking("req-42") is None for r in (*everyone, late)), 30,
+                             "the retry's free through c ends it everywhere")  # fmt: skip
+        assert sum(r.sync.outcomes["booked_after_free"] for r in everyone) == 0

@@ -49,6 +49,9 @@ class _BookingFields(msgspec.Struct, kw_only=True, gc=False):
     prefill_tokens: NonNegative = 0
     context_tokens: NonNegative = 0
     expected_output_tokens: NonNegative | None = None
+    # Which booking of this id: 0, one more each time an id freed within the tombstone window is booked
+    # again (a client's retry reusing its X-Request-Id), so peers holding its tombstone take it.
+    generation: NonNegative = 0
 
     def booking(self) -> Booking:
         return Booking((self.worker_id, self.dp_rank), self.hashes, self.private_blocks, self.prefill_tokens,
@@ -64,10 +67,12 @@ class PrefillMarked(msgspec.Struct, tag="prefill_marked", kw_only=True, gc=False
 
 
 class Freed(msgspec.Struct, tag="freed", kw_only=True, gc=False):
-    """Freed by a caller, or (``expired``) by the sender's stale-request expiry."""
+    """Freed by a caller, or (``expired``) by the sender's stale-request expiry; ``generation``: the
+    booking freed (a late free of an earlier booking of the id leaves a newer one booked)."""
 
     request_id: str
     expired: bool = False
+    generation: NonNegative = 0
 
 
 Change = Booked | PrefillMarked | Freed
@@ -117,6 +122,8 @@ class StateReply(msgspec.Struct, kw_only=True):
     silent_s: dict[str, float] = {}
     error: str | None = None
     more: bool = False
+    # The generation of each freed id whose booking was not the first (few: only reused ids).
+    freed_generations: dict[str, int] = {}
 
 
 # Room in a part for its keys and lists' headers beside what the last part's envelope measures.
@@ -127,7 +134,7 @@ _state_reply = msgspec.msgpack.Decoder(StateReply)
 
 def state_parts(reply: StateReply, max_bytes: int) -> list[bytes] | None:
     """``reply`` (msgpack) as parts of at most ``max_bytes`` each: its bookings and freed ids in order,
-    its cursors and silences in the last part; None when one booking alone is too large. All parts
+    its cursors, silences and freed generations in the last part; None when one booking alone is too large. All parts
     come from one `StateReply`, so the asker merges one moment's view, as from a reply in one piece."""
     last_part = msgspec.structs.replace(reply, bookings=[], freed=[])
     room = max_bytes - len(_encode(last_part)) - _PART_ENVELOPE_BYTES

@@ -140,6 +140,9 @@ class ReplicaSync:
         self._peers: dict[str, _Peer] = {}
         self._origin: dict[str, str] = {}  # active request id -> the replica that booked it
         self._freed: OrderedDict[str, float] = OrderedDict()  # request id -> when it was freed
+        # Request id -> its generation (`Booked.generation`), above 0 only: active, and freed (tombstones).
+        self._generation: dict[str, int] = {}
+        self._freed_generation: dict[str, int] = {}
         self._early_prefill: dict[str, float] = {}  # marked before its booking arrived
         # Replicas dropped here (left or silent) -> when: other views naming them do not bring them
         # back; only their own next message does (they were cut off, not dead).
@@ -202,7 +205,7 @@ class ReplicaSync:
         # again on this router (a retried start) learns them afresh instead of publishing them as its own.
         me, now = self.replica_id, self._clock()
         for request_id in [request_id for request_id, origin in self._origin.items() if origin != me]:
-            self._free(request_id, now, tombstone=False)
+            self._free(request_id, now, None, tombstone=False)
 
     async def _join(self) -> None:
         try:
@@ -229,13 +232,17 @@ class ReplicaSync:
     # ------------------------------------------------------------------ local changes (BookingListener)
     def booked(self, request_id: str, booking: Booking) -> None:
         self._origin[request_id] = self.replica_id
+        generation = 0
+        if request_id in self._freed:  # booked again within the tombstone window: a newer booking
+            generation = self._generation[request_id] = self._freed_generation.get(request_id, 0) + 1
         worker_id, dp_rank = booking.key
         self._unsent[request_id] = [len(self._outbox)]
         hashes = _wire_hashes(booking.hashes)
         self._queue(Booked(request_id=request_id, worker_id=worker_id, dp_rank=dp_rank, hashes=hashes,
                            private_blocks=booking.private_blocks, prefill_tokens=booking.prefill_tokens,
                            context_tokens=booking.context_tokens,
-                           expected_output_tokens=booking.expected_output_tokens))  # fmt: skip
+                           expected_output_tokens=booking.expected_output_tokens,
+                           generation=generation))  # fmt: skip
 
     def prefill_marked(self, request_id: str) -> None:
         unsent = self._unsent.get(request_id)
@@ -245,10 +252,11 @@ class ReplicaSync:
 
     def freed(self, request_id: str) -> None:
         self._origin.pop(request_id, None)
-        self._freed[request_id] = self._clock()
+        generation = self._generation.pop(request_id, 0)
+        self._tombstone(request_id, self._clock(), generation)
         unsent = self._unsent.pop(request_id, None)
         if unsent is None:
-            self._queue(Freed(request_id=request_id))
+            self._queue(Freed(request_id=request_id, generation=generation))
             return
         outbox = self._outbox
         for index in unsent:
@@ -368,23 +376,28 @@ class ReplicaSync:
         """Apply one peer change; whether it was applied (not a duplicate, late or rejected booking)."""
         kind = type(change)
         if kind is Freed:
-            self._free(change.request_id, now)
+            assert isinstance(change, Freed)
+            self._free(change.request_id, now, change.generation)
             return True
         if kind is Booked:
             assert isinstance(change, Booked)
-            return self._book(change.request_id, origin, change.booking())
+            return self._book(change.request_id, origin, change.booking(), change.generation, now)
         request_id = change.request_id
         if not self.router.mark_prefill(request_id, replicated=True) and request_id not in self._freed:
             self._early_prefill[request_id] = now
         return True
 
-    def _book(self, request_id: str, origin: str, booking: Booking) -> bool:
-        if request_id in self._freed:
+    def _book(self, request_id: str, origin: str, booking: Booking, generation: int, now: float) -> bool:
+        if request_id in self._freed and generation <= self._freed_generation.get(request_id, 0):
             self.outcomes["booked_after_free"] += 1
             return False
         if request_id in self._origin:  # booked here already (an active booking raises below)
-            self.outcomes["duplicate_booking"] += 1
-            return False
+            held = self._generation.get(request_id, 0)
+            if generation <= held:
+                self.outcomes["duplicate_booking"] += 1
+                return False
+            # A newer booking of the id: its free, made before it, has not reached this replica yet.
+            self._free(request_id, now, held)
         try:
             self.router.book_replicated(request_id, booking)
         except DuplicateRequestId:
@@ -394,19 +407,32 @@ class ReplicaSync:
             self._reject("booking", str(exc))
             return False
         self._origin[request_id] = origin
+        if generation:
+            self._generation[request_id] = generation
         if self._early_prefill and self._early_prefill.pop(request_id, None) is not None:
             self.router.mark_prefill(request_id, replicated=True)
         return True
 
-    def _free(self, request_id: str, now: float, *, tombstone: bool = True) -> None:
+    def _free(self, request_id: str, now: float, generation: int | None, *, tombstone: bool = True) -> None:
+        """Free the booking of ``generation`` (None: whichever is booked) or an earlier one; a newer
+        booking of the id stays (the free is a late one of a booking the id had before)."""
+        if generation is not None and self._generation.get(request_id, 0) > generation:
+            self._tombstone(request_id, now, generation)
+            return
         self.router.mark_free(request_id, replicated=True)
         self._origin.pop(request_id, None)
+        held = self._generation.pop(request_id, 0)
         if self._early_prefill:
             self._early_prefill.pop(request_id, None)
         if tombstone:
-            freed = self._freed
-            freed[request_id] = now
-            freed.move_to_end(request_id)
+            self._tombstone(request_id, now, held if generation is None else generation)
+
+    def _tombstone(self, request_id: str, now: float, generation: int) -> None:
+        freed = self._freed
+        freed[request_id] = now
+        freed.move_to_end(request_id)
+        if generation > self._freed_generation.get(request_id, 0):
+            self._freed_generation[request_id] = generation
 
     # ------------------------------------------------------------------ repair and joining
     def _repair(self, sender: str, peer: _Peer) -> None:
@@ -474,7 +500,7 @@ class ReplicaSync:
         """This replica's whole view, as a peer merges it."""
         now = self._clock()
         me = self.replica_id
-        origin = self._origin
+        origin, generation = self._origin, self._generation
         bookings = [
             BookingEntry(
                 request_id=request_id,
@@ -486,13 +512,15 @@ class ReplicaSync:
                 prefill_tokens=booking.prefill_tokens,
                 context_tokens=booking.context_tokens,
                 expected_output_tokens=booking.expected_output_tokens,
+                generation=generation.get(request_id, 0),
             )
             for request_id, booking in self.router.bookings()
         ]
         cursors = {peer_id: peer.cursor for peer_id, peer in self._peers.items()}
         cursors[me] = self._seq
         silent = {peer_id: now - peer.last_seen for peer_id, peer in self._peers.items()}
-        return StateReply(replica_id=me, bookings=bookings, freed=list(self._freed), cursors=cursors, silent_s=silent)
+        return StateReply(replica_id=me, bookings=bookings, freed=list(self._freed), cursors=cursors, silent_s=silent,
+                          freed_generations=dict(self._freed_generation))  # fmt: skip
 
     def _merge_reply(self, reply: StateReply, outcome: str) -> bool:
         """Merge a peer's view into this one; False (rejected) when the peer refused to send it."""
@@ -514,9 +542,11 @@ class ReplicaSync:
             peer = self._peers.get(peer_id)
             if peer is not None and cursor > peer.cursor:
                 peer.cursor = cursor
+        freed_generations = reply.freed_generations
         for request_id in reply.freed:
-            if request_id not in self._freed:
-                self._free(request_id, now)
+            generation = freed_generations.get(request_id, 0)
+            if request_id not in self._freed or generation > self._freed_generation.get(request_id, 0):
+                self._free(request_id, now, generation)
         for entry in reply.bookings:
             request_id = entry.request_id
             if entry.origin in gone:
@@ -524,8 +554,8 @@ class ReplicaSync:
             if entry.origin not in self._peers and entry.origin != me:
                 self._peers[entry.origin] = _Peer(last_seen=now)
             local = self.router.booking(request_id)
-            if local is None:
-                booked = self._book(request_id, entry.origin, entry.booking())
+            if local is None or entry.generation > self._generation.get(request_id, 0):
+                booked = self._book(request_id, entry.origin, entry.booking(), entry.generation, now)
                 self.outcomes["applied"] += booked
             elif entry.prefill_tokens == 0 and local.prefill_tokens > 0:
                 self.router.mark_prefill(request_id, replicated=True)
@@ -546,7 +576,7 @@ class ReplicaSync:
         dropped = [request_id for request_id, origin in self._origin.items() if origin == peer_id]
         # No tombstones: if the peer was only cut off, its view brings back what it still has booked.
         for request_id in dropped:
-            self._free(request_id, now, tombstone=False)
+            self._free(request_id, now, None, tombstone=False)
         self.outcomes["peer_expired" if why != "left" else "peer_left"] += 1
         log.warning("replica sync: peer %s %s: dropped its %d bookings", peer_id, why, len(dropped))
 
@@ -558,6 +588,7 @@ class ReplicaSync:
             if at >= cutoff:
                 break
             del freed[request_id]
+            self._freed_generation.pop(request_id, None)
         for request_id, at in list(self._early_prefill.items()):
             if at < cutoff:
                 del self._early_prefill[request_id]
@@ -567,6 +598,7 @@ class ReplicaSync:
         # Requests dropped with a removed worker never pass through a free.
         for request_id in [r for r in self._origin if self.router.booking(r) is None]:
             del self._origin[request_id]
+            self._generation.pop(request_id, None)
 
     # ------------------------------------------------------------------ reads
     @property
