@@ -429,3 +429,31 @@ async def test_a_request_id_booked_again_after_its_free_reaches_every_replica(na
             await eventually(lambda: all(r.router.booking("req-42") is None for r in (*everyone, late)), 30,
                              "the retry's free through c ends it everywhere")  # fmt: skip
         assert sum(r.sync.outcomes["booked_after_free"] for r in everyone) == 0
+
+
+async def test_a_view_with_a_repair_pending_does_not_hide_the_gap_from_a_joiner(nats_server: EmbeddedNats) -> None:
+    """A replica that missed a batch reports its cursor below it until repaired: a joiner copying its
+    view sees the gap at the sender's next beat and asks the sender itself."""
+    async with replica(nats_server.url) as a, replica(nats_server.url) as y:
+        await a.sync._subscriptions[2].unsubscribe()  # the joiner's ask for anyone's view lands on y
+        await a.router.new(RouteRequest(tokens=PROMPTS[0], request_id="r"))
+        await eventually(lambda: y.router.booking("r") is not None)
+        release, real_ask = asyncio.Event(), y.sync._ask_state
+
+        async def slow_ask(sender: str, peer: Any) -> None:  # y's repair takes its time
+            await release.wait()
+            await real_ask(sender, peer)
+
+        y.sync._ask_state = slow_ask  # type: ignore[method-assign]
+        async with sync_lost(a):
+            assert a.router.mark_free("r")  # the batch carrying the free is lost
+        await a.router.new(RouteRequest(tokens=PROMPTS[1], request_id="s"))  # y sees the gap, repairs slowly
+        await eventually(lambda: y.router.booking("s") is not None and y.sync.outcomes["gap"] >= 1)
+        try:
+            async with replica(nats_server.url) as joiner:
+                assert joiner.sync.outcomes["joined"] == 1 and joiner.router.booking("s") is not None
+                await eventually(lambda: joiner.router.booking("r") is None, 30, "the joiner repairs the gap itself")
+                assert y.router.booking("r") is not None  # y's repair is still held
+        finally:
+            release.set()
+        await eventually(lambda: y.router.booking("r") is None, 30, "y repairs once its ask goes out")

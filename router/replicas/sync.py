@@ -94,7 +94,10 @@ _state_request = msgspec.msgpack.Decoder(StateRequest)
 @dataclass(slots=True)
 class _Peer:
     last_seen: float
-    cursor: int = 0  # its last batch applied here
+    # Its batches up to this one are all in this view (applied, or through a view merged): never past a
+    # batch missed, since peers that join copy it and would never see that gap.
+    cursor: int = 0
+    seen: int = 0  # its highest batch number known here (applied, or named by a beat)
     repairing: bool = False
     # Another gap showed while a repair was in flight: its answer may predate it, so ask again.
     repair_again: bool = False
@@ -350,15 +353,18 @@ class ReplicaSync:
         if isinstance(sync, SyncBeat):
             if sync.leaving:
                 self._drop_peer(sender, "left")
-            elif (sync.seq > peer.cursor or peer.unrepaired) and now >= peer.retry_at:
-                self._repair(sender, peer)  # its last batches never arrived, or a repair failed
+            elif sync.seq > peer.seen:
+                peer.seen = sync.seq
+                self._repair(sender, peer)  # its last batches never arrived
+            elif peer.unrepaired and now >= peer.retry_at:
+                self._repair(sender, peer)  # a repair failed
             return
-        if sync.seq <= peer.cursor:
+        if sync.seq <= peer.seen:
             self.outcomes["duplicate"] += 1
             return
-        if sync.seq > peer.cursor + 1:
+        if sync.seq > peer.seen + 1:
             self._repair(sender, peer)
-        peer.cursor = sync.seq
+        peer.seen = sync.seq
         try:
             applied = 0
             for change in sync.changes:
@@ -369,6 +375,8 @@ class ReplicaSync:
             self.outcomes["rejected_apply_error"] += 1
             self._repair(sender, peer)
             return
+        if not peer.unrepaired:
+            peer.cursor = sync.seq
         self.outcomes["applied"] += applied
         self.lag_s.append(max(0.0, time.time() - sync.sent_at_ms / 1000))
 
@@ -454,6 +462,8 @@ class ReplicaSync:
                     why = "its view was refused or unreadable"
                     break
                 if not peer.repair_again:
+                    # Its view covered its batches up to its reply; those since came without a gap.
+                    peer.cursor = peer.seen = max(peer.seen, peer.cursor)
                     peer.unrepaired = False
                     peer.failed_asks = 0
                     return
@@ -538,10 +548,12 @@ class ReplicaSync:
         if reply.replica_id != me:
             responder = self._peers.setdefault(reply.replica_id, _Peer(last_seen=now))
             responder.last_seen = now
+        # The responder's cursors pass no batch it missed: its view covers each peer's batches up to them.
         for peer_id, cursor in reply.cursors.items():
             peer = self._peers.get(peer_id)
             if peer is not None and cursor > peer.cursor:
                 peer.cursor = cursor
+                peer.seen = max(peer.seen, cursor)
         freed_generations = reply.freed_generations
         for request_id in reply.freed:
             generation = freed_generations.get(request_id, 0)
