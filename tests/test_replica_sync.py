@@ -267,7 +267,7 @@ async def test_a_change_that_cannot_be_encoded_is_dropped_alone(nats_server: Emb
                             pinned_worker=(decision.worker_id, decision.dp_rank))  # fmt: skip
         booking = a.router.booking("kept")
         assert booking is not None
-        a.sync.booked("huge", booking._replace(expected_output_tokens=2**70))  # same loop turn: one batch
+        a.sync.booked("huge", booking._replace(expected_output_tokens=2**70), None)  # same loop turn: one batch
         await agree([a, b], reference)
         assert a.sync.outcomes["rejected_unencodable_change"] == 1
         assert a.sync.outcomes["published"] == 1 and b.sync.outcomes["applied"] == 1
@@ -457,3 +457,34 @@ async def test_a_view_with_a_repair_pending_does_not_hide_the_gap_from_a_joiner(
         finally:
             release.set()
         await eventually(lambda: y.router.booking("r") is None, 30, "y repairs once its ask goes out")
+
+
+async def test_a_cache_predicted_on_one_replica_is_predicted_on_every_one(nats_server: EmbeddedNats) -> None:
+    """Workers without KV events: each replica predicts their caches from the prompts routed to them, by
+    whichever replica routed them (``--processes N`` children each route a share of the prompts)."""
+
+    def approximate() -> KvRouter:
+        router = KvRouter(CONFIG, rng=random.Random(0))
+        for worker_id in (1, 2):
+            router.register_worker(WorkerConfig(worker_id=worker_id, kv_events=False))
+        return router
+
+    def predicted(router: KvRouter) -> dict[int, int]:
+        return {w.worker_id: w.device_blocks for w in router.overlap(PROMPTS[3]).workers if w.device_blocks}
+
+    connections = [await connect(NatsOptions(nats_server.url)) for _ in range(2)]
+    a, b = (ReplicaSync(approximate(), nc, heartbeat_s=0.1) for nc in connections)
+    for sync in (a, b):
+        await sync.start()
+    try:
+        decision = await a.router.new(RouteRequest(tokens=PROMPTS[3], request_id="p"))
+        blocks = len(PROMPTS[3]) // 16
+        assert predicted(a.router) == {decision.worker_id: blocks}
+        await eventually(lambda: predicted(b.router) == {decision.worker_id: blocks}, 30, "b predicts it too")
+        again = await b.router.new(RouteRequest(tokens=PROMPTS[3], request_id="q"))
+        assert (again.worker_id, again.overlap_blocks) == (decision.worker_id, blocks)
+    finally:
+        for sync in (a, b):
+            await sync.stop()
+        for nc in connections:
+            await nc.close()

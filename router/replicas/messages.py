@@ -59,7 +59,10 @@ class _BookingFields(msgspec.Struct, kw_only=True, gc=False):
 
 
 class Booked(_BookingFields, tag="booked", kw_only=True, gc=False):
-    """A request booked on (worker_id, dp_rank)."""
+    """A request booked on (worker_id, dp_rank). ``predicted_blocks``: its prompt's block hashes, when
+    the rank's cache is predicted from what is routed to it (a worker without KV events)."""
+
+    predicted_blocks: tuple[int, ...] | None = None
 
 
 class PrefillMarked(msgspec.Struct, tag="prefill_marked", kw_only=True, gc=False):

@@ -176,7 +176,7 @@ class ReplicaSync:
         # Bookings made before the listener was attached (HTTP serves while the plane starts; a durable
         # replay can take minutes) go out as if made now: else a free told to a peer would be a 404.
         for request_id, booking in self.router.bookings():
-            self.booked(request_id, booking)
+            self.booked(request_id, booking, None)
         self._background.keep_running("publish", self._publish_loop)
         self._background.keep_running("heartbeat", self._heartbeat_loop)
         await self._join()
@@ -233,7 +233,7 @@ class ReplicaSync:
             return None
 
     # ------------------------------------------------------------------ local changes (BookingListener)
-    def booked(self, request_id: str, booking: Booking) -> None:
+    def booked(self, request_id: str, booking: Booking, predicted: Sequence[int] | None) -> None:
         self._origin[request_id] = self.replica_id
         generation = 0
         if request_id in self._freed:  # booked again within the tombstone window: a newer booking
@@ -245,7 +245,7 @@ class ReplicaSync:
                            private_blocks=booking.private_blocks, prefill_tokens=booking.prefill_tokens,
                            context_tokens=booking.context_tokens,
                            expected_output_tokens=booking.expected_output_tokens,
-                           generation=generation))  # fmt: skip
+                           generation=generation, predicted_blocks=_wire_hashes(predicted)))  # fmt: skip
 
     def prefill_marked(self, request_id: str) -> None:
         unsent = self._unsent.get(request_id)
@@ -389,13 +389,23 @@ class ReplicaSync:
             return True
         if kind is Booked:
             assert isinstance(change, Booked)
-            return self._book(change.request_id, origin, change.booking(), change.generation, now)
+            return self._book(
+                change.request_id, origin, change.booking(), change.generation, now, change.predicted_blocks
+            )
         request_id = change.request_id
         if not self.router.mark_prefill(request_id, replicated=True) and request_id not in self._freed:
             self._early_prefill[request_id] = now
         return True
 
-    def _book(self, request_id: str, origin: str, booking: Booking, generation: int, now: float) -> bool:
+    def _book(
+        self,
+        request_id: str,
+        origin: str,
+        booking: Booking,
+        generation: int,
+        now: float,
+        predicted: Sequence[int] | None = None,
+    ) -> bool:
         if request_id in self._freed and generation <= self._freed_generation.get(request_id, 0):
             self.outcomes["booked_after_free"] += 1
             return False
@@ -407,7 +417,7 @@ class ReplicaSync:
             # A newer booking of the id: its free, made before it, has not reached this replica yet.
             self._free(request_id, now, held)
         try:
-            self.router.book_replicated(request_id, booking)
+            self.router.book_replicated(request_id, booking, predicted)
         except DuplicateRequestId:
             self.outcomes["duplicate_booking"] += 1
             return False
