@@ -184,37 +184,36 @@ class PlaneLifecycle:
                 subscribe_events=durable is None,
                 jetstream_replicas=self.config.jetstream_replicas,
             )
+            replicas: ReplicaSync | None = None
+            sync_nc: Client | None = None
             try:
                 if durable is not None:
                     await durable.restore()
                 await plane.start()
                 if durable is not None:
                     await durable.start()
+                if self.ha.replica_sync:
+                    # Its own connection, without echo: every batch would otherwise come back to its
+                    # sender, costing a parse, a message and a task switch to be recognised and dropped.
+                    options = NatsOptions.from_settings(self.config, name="kv-router-sync")
+                    sync_nc = await connect(dataclasses.replace(options, no_echo=True))
+                    replicas = ReplicaSync(
+                        self.router, sync_nc, namespace=self.config.nats_namespace, lease_s=self.ha.replica_lease_secs
+                    )
+                    await replicas.start()
+                # Workers registered over HTTP meanwhile; more can come while one is written (each write
+                # awaits NATS), and they join this loop rather than the plane's.
+                while self._unshared:
+                    worker_id, config = next(iter(self._unshared.items()))
+                    await plane.register(config)
+                    if self._unshared.get(worker_id) is config:
+                        del self._unshared[worker_id]
             except BaseException:
-                # Tried again by the supervisor: from nothing, not on top of this attempt's half.
-                with contextlib.suppress(Exception):  # the connection may be what failed
-                    await plane.stop()
-                if durable is not None:
-                    await durable.stop()
-                    durable.discard()
+                # Tried again by the supervisor: from nothing, not on top of this attempt's half (a
+                # plane left running would keep its subscriptions and tasks beside the next one's).
+                await _undo_start(plane, durable, replicas, sync_nc)
                 raise
-            self.durable = durable
-            if self.ha.replica_sync:
-                # Its own connection, without echo: every batch would otherwise come back to its
-                # sender, costing a parse, a message and a task switch to be recognised and dropped.
-                options = NatsOptions.from_settings(self.config, name="kv-router-sync")
-                self._sync_nc = await connect(dataclasses.replace(options, no_echo=True))
-                self.replicas = ReplicaSync(
-                    self.router, self._sync_nc, namespace=self.config.nats_namespace, lease_s=self.ha.replica_lease_secs
-                )
-                await self.replicas.start()
-            # Workers registered over HTTP meanwhile; more can come while one is written (each write
-            # awaits NATS), and they join this loop rather than the plane's.
-            while self._unshared:
-                worker_id, config = next(iter(self._unshared.items()))
-                await plane.register(config)
-                if self._unshared.get(worker_id) is config:
-                    del self._unshared[worker_id]
+            self.durable, self.replicas, self._sync_nc = durable, replicas, sync_nc
             self.plane = plane
             self.last_error = None
             self._enter("connected")
@@ -327,3 +326,20 @@ class PlaneLifecycle:
             self._async_errors.warning("NATS error", self.last_error)
         else:  # the connection's own trouble: the disconnect WARNING and the reconnect INFO say it
             logger.debug("NATS: %s", self.last_error)
+
+
+async def _undo_start(
+    plane: RouterEventPlane, durable: DurableEvents | None, replicas: ReplicaSync | None, sync_nc: Client | None
+) -> None:
+    """Stop what a failed start started, last first; each step may fail (the connection may be what failed)."""
+    if replicas is not None:
+        with contextlib.suppress(Exception):
+            await replicas.stop()
+    if sync_nc is not None:
+        with contextlib.suppress(Exception):
+            await sync_nc.close()
+    with contextlib.suppress(Exception):
+        await plane.stop()
+    if durable is not None:
+        await durable.stop()
+        durable.discard()

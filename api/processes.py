@@ -7,11 +7,14 @@ connection can be marked through any other's and every child routes on the load 
 
 The parent supervises: a child that dies is started again after a second (it rejoins through replica
 sync; its bookings leave the others after the lease). SIGTERM / SIGINT to the parent is passed on to
-every child, which shuts down gracefully; the parent exits when they have.
+every child (once each; those not yet started are not started), which shuts down gracefully; the
+parent exits when they have. A parent killed outright (SIGKILL) takes its children with it: each
+gets SIGTERM from the kernel (Linux).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -24,6 +27,7 @@ from types import FrameType
 import msgspec
 
 from api.config import Settings
+from router.event_plane.embedded_server import die_with_parent
 
 __all__ = ["CHILD_SETTINGS_ENV", "child_settings", "run_children"]
 
@@ -46,6 +50,13 @@ def run_children(settings: Settings) -> int:
     count = settings.ha.processes
     children: dict[int, subprocess.Popen[bytes]] = {}
     stopping = False
+    # Each child is sent SIGTERM once: a second one makes uvicorn give up its graceful shutdown.
+    signalled: set[int] = set()
+
+    def terminate(child: subprocess.Popen[bytes]) -> None:
+        if child.poll() is None and child.pid not in signalled:
+            signalled.add(child.pid)
+            child.send_signal(signal.SIGTERM)
 
     def start(index: int) -> None:
         env = {
@@ -54,19 +65,24 @@ def run_children(settings: Settings) -> int:
             CHILD_INDEX_ENV: str(index),
         }
         command = [sys.executable, "-c", "from api.server import serve_child; serve_child()"]
-        children[index] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        # A child outliving the parent (kill -9) would keep its share of the port, ready but cut off
+        # from the plane it can never rejoin, beside the children of a restarted parent.
+        children[index] = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, preexec_fn=functools.partial(die_with_parent, os.getpid())
+        )
         log.info("router process %d started (pid %d)", index, children[index].pid)
 
     def stop(sig: int, frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
-        for child in children.values():
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+        for child in list(children.values()):
+            terminate(child)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         for index in range(count):
+            if stopping:  # a signal while they start: start no more
+                break
             start(index)
         while not stopping:
             time.sleep(0.2)
@@ -78,6 +94,7 @@ def run_children(settings: Settings) -> int:
                     if not stopping:
                         start(index)
         for child in children.values():
+            terminate(child)  # one whose start the signal interrupted is not in what stop() saw
             child.wait()
     finally:
         for sig, handler in previous.items():

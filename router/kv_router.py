@@ -90,7 +90,9 @@ REMOVAL_REASONS: tuple[RemovalReason, ...] = get_args(RemovalReason)
 class BookingListener(Protocol):
     """Told synchronously of every booking change made through this router (not of replicated ones)."""
 
-    def booked(self, request_id: str, booking: Booking) -> None: ...
+    def booked(self, request_id: str, booking: Booking, predicted: Sequence[int] | None) -> None:
+        """``predicted``: the prompt's block hashes when the rank's cache is predicted from what is routed
+        to it (a worker without KV events): peers predict it from them too."""
 
     def prefill_marked(self, request_id: str) -> None: ...
 
@@ -600,15 +602,12 @@ class KvRouter:
                 routing.config,
                 request.expected_output_tokens,
             )
-            if self.booking_listener is not None:
-                booking = self._scheduler.sequences.booking(request.request_id)
-                assert booking is not None
-                self.booking_listener.booked(request.request_id, booking)
-        predictions = self.predictions
-        if predictions is not None:
-            worker = self._scheduler.workers.get(choice.key[0])
-            if worker is not None and not self.expects_events(worker):
-                predictions.record(choice.key, routing.prompt.local_hashes, routing.prompt.shared_hashes)
+        prompt = routing.prompt
+        predicted = self._record_prediction(choice.key, prompt.local_hashes, prompt.shared_hashes)
+        if request.request_id is not None and self.booking_listener is not None:
+            booking = self._scheduler.sequences.booking(request.request_id)
+            assert booking is not None
+            self.booking_listener.booked(request.request_id, booking, prompt.local_hashes if predicted else None)
         for observer in self.routed_observers:
             observer(choice.key, routing.prompt.local_hashes)
         worker_id, dp_rank = choice.key
@@ -914,8 +913,9 @@ class KvRouter:
             if not replicated:
                 self.mark_free(leg)
 
-    def book_replicated(self, request_id: str, booking: Booking) -> None:
-        """Book what a peer router booked (replica sync); raises `DuplicateRequestId`, `UnknownWorker`."""
+    def book_replicated(self, request_id: str, booking: Booking, predicted: Sequence[int] | None = None) -> None:
+        """Book what a peer router booked (replica sync); raises `DuplicateRequestId`, `UnknownWorker`.
+        ``predicted``: the prompt's block hashes, when the peer predicts the rank's cache from it."""
         self._scheduler.sequences.add(
             request_id,
             booking.key,
@@ -926,6 +926,20 @@ class KvRouter:
             context_tokens=booking.context_tokens,
             expected_output_tokens=booking.expected_output_tokens,
         )
+        if predicted is not None:  # each replica predicts from every prompt routed, not its own alone
+            self._record_prediction(booking.key, list(predicted), None)
+
+    def _record_prediction(self, key: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None) -> bool:
+        """Record that this prompt went to ``key`` if its cache is predicted (a worker without KV events);
+        whether it was."""
+        predictions = self.predictions
+        if predictions is None:
+            return False
+        worker = self._scheduler.workers.get(key[0])
+        if worker is None or self.expects_events(worker):
+            return False
+        predictions.record(key, local_hashes, sequence)
+        return True
 
     def booking(self, request_id: str) -> Booking | None:
         return self._scheduler.sequences.booking(request_id)

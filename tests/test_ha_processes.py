@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from nats.aio.client import Client
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
-from tests.router_processes import RouterProcess, get
+from tests.router_processes import ROOT, RouterProcess, get
 from tests.test_api_support import prompt
 from tests.test_never_blind import pairs, tokens
 from tests.waiting import eventually, until
@@ -148,3 +149,64 @@ async def test_a_process_started_after_the_events_learns_them_from_the_worker(
         await publisher.stop()
         await asyncio.to_thread(router.stop)
     assert router.process is not None and router.process.returncode == 0
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie awaiting its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_processes_end_with_a_parent_killed_with_sigkill(tmp_path: Path) -> None:
+    # Orphans would keep answering on the port (ready, their plane gone with the parent's nats-server)
+    # and share it with the children of a restarted parent: the kernel would send them connections.
+    router = RouterProcess(tmp_path, "--processes", "2")
+    router.argv = [sys.executable, "-m", "api.cli", *router.args]  # this tree, not an installed script
+    router.start()
+    started: list[int] = []
+    try:
+        until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+              40, "two router processes listening")  # fmt: skip
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(router.pid)], capture_output=True, text=True)
+        started = [int(pid) for pid in out.stdout.split()]  # the nats-server too
+        router.kill9()
+        until(lambda: not any(running(pid) for pid in started), 5, "the children end with the parent")
+        assert listening_sockets(router.port) == 0
+    finally:
+        router.stop()
+        for pid in started:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def child_pids(pid: int) -> list[int]:
+    """``pid``'s children now, read in one step (fast enough to catch a start-up under way)."""
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_a_sigterm_while_the_processes_start_stops_every_one(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    # SIGTERM as soon as the first of several children exists: the others are still being started.
+    router = RouterProcess(tmp_path, "--processes", "6", "--nats-url", nats_server.url)
+    argv = [sys.executable, "-m", "api.cli", *router.args]  # this tree, not an installed script
+    with router.log_path.open("wb") as log:
+        parent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+    seen: set[int] = set()
+    try:
+        until(lambda: bool(seen.update(child_pids(parent.pid)) or seen), 60, "a process started", poll=0.0005)
+        parent.send_signal(signal.SIGTERM)
+        try:
+            assert parent.wait(60) == 0, router.log()[-3000:]
+        except subprocess.TimeoutExpired:
+            seen.update(child_pids(parent.pid))
+            raise AssertionError("the parent waits forever for processes never told to stop") from None
+        assert not any(running(pid) for pid in seen)
+    finally:
+        for pid in [*seen, parent.pid]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait(10)

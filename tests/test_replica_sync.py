@@ -20,8 +20,9 @@ from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.kv_router import KvRouter
-from router.replicas.messages import Booked, Freed, SyncBatch, sync_decoder
+from router.replicas.messages import Booked, Freed, StateReply, SyncBatch, sync_decoder
 from router.replicas.sync import ReplicaSync
+from router.request_ids import new_request_id
 from router.types import PotentialLoad, RouteRequest, WorkerConfig
 from tests.test_api_support import prompt
 from tests.waiting import eventually
@@ -266,7 +267,7 @@ async def test_a_change_that_cannot_be_encoded_is_dropped_alone(nats_server: Emb
                             pinned_worker=(decision.worker_id, decision.dp_rank))  # fmt: skip
         booking = a.router.booking("kept")
         assert booking is not None
-        a.sync.booked("huge", booking._replace(expected_output_tokens=2**70))  # same loop turn: one batch
+        a.sync.booked("huge", booking._replace(expected_output_tokens=2**70), None)  # same loop turn: one batch
         await agree([a, b], reference)
         assert a.sync.outcomes["rejected_unencodable_change"] == 1
         assert a.sync.outcomes["published"] == 1 and b.sync.outcomes["applied"] == 1
@@ -329,3 +330,161 @@ async def test_both_legs_of_a_disaggregated_request_reach_every_replica_and_leav
         assert a.router.booking("pd") is not None
         assert b.router.mark_free("pd")
         await eventually(lambda: not list(a.router.bookings()) and not list(b.router.bookings()))
+
+
+async def book_and_free(target: Replica, count: int) -> None:
+    """``count`` short requests booked and freed through ``target`` in one loop turn each (no batch goes
+    out): ``target`` keeps a tombstone of each for the tombstone window, as under a steady load."""
+    for _ in range(count):
+        request_id = new_request_id()  # the router's own ids, as long as most clients'
+        await target.router.new(RouteRequest(tokens=PROMPTS[1], request_id=request_id))
+        assert target.router.mark_free(request_id)
+
+
+async def test_a_view_larger_than_a_nats_message_reaches_peers_in_parts() -> None:
+    # ~34 bytes per request freed in the tombstone window: at ~1,000 frees/s fleet-wide a view passes a
+    # stock server's 1 MiB; here 3,000 frees pass a 64 KiB one.
+    with EmbeddedNats(max_payload=64 * 1024) as server:
+        async with replica(server.url) as a, replica(server.url) as b:
+            await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="x"))
+            await a.router.new(RouteRequest(tokens=PROMPTS[2], request_id="kept"))
+            await eventually(lambda: a.router.booking("x") is not None and b.router.booking("kept") is not None)
+            await book_and_free(a, 3000)
+            assert len(msgspec.msgpack.encode(a.sync.state())) > 64 * 1024
+            async with sync_lost(a):
+                assert a.router.mark_free("x")  # freed through a; the batch carrying it is lost
+            await eventually(lambda: b.router.booking("x") is None, 30, "b repairs the gap from a's view")
+            assert a.sync.outcomes["state_served_in_parts"] >= 1
+            async with replica(server.url) as late:  # its join is answered by a or b, both views too large
+                assert late.sync.outcomes["joined"] == 1
+                assert late.router.booking("kept") is not None and late.router.booking("x") is None
+
+
+async def test_a_refused_view_leaves_the_gap_pending_until_the_peer_sends_it() -> None:
+    """A peer that cannot send its view (an older one, its view over the server's max_payload) is asked
+    again at its later beats; the free its lost batch carried arrives once it answers."""
+    with EmbeddedNats() as server:
+        async with replica(server.url) as a, replica(server.url) as b:
+            await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="x"))
+            await eventually(lambda: a.router.booking("x") is not None)
+            real, refusing = a.nc.publish, True
+
+            async def refuse(subject: str, payload: bytes = b"", *args: Any) -> None:
+                if refusing and subject.startswith("_INBOX."):  # a reply to a state request
+                    refusal = StateReply(replica_id=a.sync.replica_id, error="state exceeds max_payload")
+                    payload = msgspec.msgpack.encode(refusal)
+                await real(subject, payload, *args)
+
+            a.nc.publish = refuse  # type: ignore[method-assign,assignment]
+            try:
+                async with sync_lost(a):
+                    assert a.router.mark_free("x")  # the batch carrying the free is lost
+                await a.router.new(RouteRequest(tokens=PROMPTS[1], request_id="y"))  # the next shows the gap
+                await eventually(lambda: b.sync.outcomes["rejected_state_refused"] >= 1, 30, "b's ask is refused")
+                assert b.router.booking("x") is not None and b.router.booking("y") is not None
+                refusing = False
+                await eventually(lambda: b.router.booking("x") is None, 30, "b asks again and repairs the gap")
+            finally:
+                a.nc.publish = real  # type: ignore[method-assign]
+
+
+async def test_bookings_made_before_sync_starts_reach_the_peers(nats_server: EmbeddedNats) -> None:
+    """HTTP serves from the first moment, before the plane (and a durable replay) has started replica
+    sync: what was booked meanwhile reaches the peers, so a free sent to one of them is no 404."""
+    async with replica(nats_server.url) as b:
+        nc = await connect(NatsOptions(nats_server.url))
+        router = new_router()
+        await router.new(RouteRequest(tokens=PROMPTS[0], request_id="early"))
+        assert router.mark_prefill("early")
+        await router.new(RouteRequest(tokens=PROMPTS[1], request_id="early-freed"))
+        assert router.mark_free("early-freed")
+        sync = ReplicaSync(router, nc, heartbeat_s=0.1)
+        await sync.start()
+        try:
+            await eventually(lambda: b.router.booking("early") is not None, 30, "b learns the early booking")
+            assert bookings(b.router) == bookings(router) and b.router.booking("early-freed") is None
+            assert b.router.mark_free("early")
+            await eventually(lambda: router.booking("early") is None, 30, "the free through b reaches a")
+        finally:
+            await sync.stop()
+            await nc.close()
+
+
+async def test_a_request_id_booked_again_after_its_free_reaches_every_replica(nats_server: EmbeddedNats) -> None:
+    """A client retrying with the same X-Request-Id after the first attempt was freed: within the
+    tombstone window the retry's booking is newer than the free, so peers book it and a free sent
+    through any of them ends it everywhere."""
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b, replica(nats_server.url) as c:
+        everyone = (a, b, c)
+        await a.router.new(RouteRequest(tokens=PROMPTS[0], request_id="req-42"))
+        await eventually(lambda: all(r.router.booking("req-42") is not None for r in everyone))
+        assert b.router.mark_free("req-42")  # the first attempt ends, freed through b
+        await eventually(lambda: all(r.router.booking("req-42") is None for r in everyone))
+        await a.router.new(RouteRequest(tokens=PROMPTS[0], request_id="req-42"))  # the retry
+        await eventually(lambda: all(r.router.booking("req-42") is not None for r in everyone), 30,
+                         "every replica books the retry")  # fmt: skip
+        async with replica(nats_server.url) as late:  # a joiner learns it from a view holding the tombstone
+            assert late.router.booking("req-42") is not None
+            assert c.router.mark_free("req-42")
+            await eventually(lambda: all(r.router.booking("req-42") is None for r in (*everyone, late)), 30,
+                             "the retry's free through c ends it everywhere")  # fmt: skip
+        assert sum(r.sync.outcomes["booked_after_free"] for r in everyone) == 0
+
+
+async def test_a_view_with_a_repair_pending_does_not_hide_the_gap_from_a_joiner(nats_server: EmbeddedNats) -> None:
+    """A replica that missed a batch reports its cursor below it until repaired: a joiner copying its
+    view sees the gap at the sender's next beat and asks the sender itself."""
+    async with replica(nats_server.url) as a, replica(nats_server.url) as y:
+        await a.sync._subscriptions[2].unsubscribe()  # the joiner's ask for anyone's view lands on y
+        await a.router.new(RouteRequest(tokens=PROMPTS[0], request_id="r"))
+        await eventually(lambda: y.router.booking("r") is not None)
+        release, real_ask = asyncio.Event(), y.sync._ask_state
+
+        async def slow_ask(sender: str, peer: Any) -> None:  # y's repair takes its time
+            await release.wait()
+            await real_ask(sender, peer)
+
+        y.sync._ask_state = slow_ask  # type: ignore[method-assign]
+        async with sync_lost(a):
+            assert a.router.mark_free("r")  # the batch carrying the free is lost
+        await a.router.new(RouteRequest(tokens=PROMPTS[1], request_id="s"))  # y sees the gap, repairs slowly
+        await eventually(lambda: y.router.booking("s") is not None and y.sync.outcomes["gap"] >= 1)
+        try:
+            async with replica(nats_server.url) as joiner:
+                assert joiner.sync.outcomes["joined"] == 1 and joiner.router.booking("s") is not None
+                await eventually(lambda: joiner.router.booking("r") is None, 30, "the joiner repairs the gap itself")
+                assert y.router.booking("r") is not None  # y's repair is still held
+        finally:
+            release.set()
+        await eventually(lambda: y.router.booking("r") is None, 30, "y repairs once its ask goes out")
+
+
+async def test_a_cache_predicted_on_one_replica_is_predicted_on_every_one(nats_server: EmbeddedNats) -> None:
+    """Workers without KV events: each replica predicts their caches from the prompts routed to them, by
+    whichever replica routed them (``--processes N`` children each route a share of the prompts)."""
+
+    def approximate() -> KvRouter:
+        router = KvRouter(CONFIG, rng=random.Random(0))
+        for worker_id in (1, 2):
+            router.register_worker(WorkerConfig(worker_id=worker_id, kv_events=False))
+        return router
+
+    def predicted(router: KvRouter) -> dict[int, int]:
+        return {w.worker_id: w.device_blocks for w in router.overlap(PROMPTS[3]).workers if w.device_blocks}
+
+    connections = [await connect(NatsOptions(nats_server.url)) for _ in range(2)]
+    a, b = (ReplicaSync(approximate(), nc, heartbeat_s=0.1) for nc in connections)
+    for sync in (a, b):
+        await sync.start()
+    try:
+        decision = await a.router.new(RouteRequest(tokens=PROMPTS[3], request_id="p"))
+        blocks = len(PROMPTS[3]) // 16
+        assert predicted(a.router) == {decision.worker_id: blocks}
+        await eventually(lambda: predicted(b.router) == {decision.worker_id: blocks}, 30, "b predicts it too")
+        again = await b.router.new(RouteRequest(tokens=PROMPTS[3], request_id="q"))
+        assert (again.worker_id, again.overlap_blocks) == (decision.worker_id, blocks)
+    finally:
+        for sync in (a, b):
+            await sync.stop()
+        for nc in connections:
+            await nc.close()

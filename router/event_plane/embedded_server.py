@@ -28,16 +28,16 @@ from types import TracebackType
 
 from router.event_plane.connection import NatsOptions
 
-__all__ = ["EmbeddedNats", "find_nats_server", "free_port"]
+__all__ = ["EmbeddedNats", "die_with_parent", "find_nats_server", "free_port"]
 
 # Large enough for a worker's full index dump in one resync reply (see router.event_plane.publisher).
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 
-def _die_with_parent(parent: int) -> None:
-    """In the child before exec: on Linux, get SIGTERM when the parent dies, even by SIGKILL, so a
-    crashed router never leaves its private server behind (nor one whose parent died before the
-    request took effect)."""
+def die_with_parent(parent: int) -> None:
+    """In the child before exec (``preexec_fn``): on Linux, get SIGTERM when the parent dies, even by
+    SIGKILL, so a crashed router never leaves its private server or its ``--processes`` children
+    behind (nor one whose parent died before the request took effect)."""
     if sys.platform == "linux":
         import ctypes
         import signal
@@ -194,7 +194,7 @@ class EmbeddedNats:
             command,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
             start_new_session=True,
         )
         self._log = _ServerLog(self._process)

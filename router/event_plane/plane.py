@@ -129,28 +129,34 @@ class RouterEventPlane:
     async def _watch_registry(self, initial_done: asyncio.Event) -> None:
         assert self._registry is not None
         watcher = await self._registry.watchall()
-        while True:
-            try:
-                entry = await watcher.updates(timeout=3600)  # type: ignore[no-untyped-call]
-            except NatsTimeoutError:
-                continue
-            if entry is None:  # the end of the bucket's initial contents
-                initial_done.set()
-                continue
-            try:
-                worker_id = int(entry.key)
-            except ValueError:
-                self._reject("bad_registry_key", f"registry key {entry.key!r} is not a worker id")
-                continue
-            if entry.operation in ("DEL", "PURGE"):
-                self._remove(worker_id)
-                continue
-            try:
-                registration = msgspec.json.decode(entry.value or b"", type=WorkerConfig)
-            except UNDECODABLE as exc:
-                self._reject("bad_registration", f"worker {worker_id}: {exc}")
-                continue
-            await self._apply_registration(registration)
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=3600)  # type: ignore[no-untyped-call]
+                except NatsTimeoutError:
+                    continue
+                if entry is None:  # the end of the bucket's initial contents
+                    initial_done.set()
+                    continue
+                try:
+                    worker_id = int(entry.key)
+                except ValueError:
+                    self._reject("bad_registry_key", f"registry key {entry.key!r} is not a worker id")
+                    continue
+                if entry.operation in ("DEL", "PURGE"):
+                    self._remove(worker_id)
+                    continue
+                try:
+                    registration = msgspec.json.decode(entry.value or b"", type=WorkerConfig)
+                except UNDECODABLE as exc:
+                    self._reject("bad_registration", f"worker {worker_id}: {exc}")
+                    continue
+                await self._apply_registration(registration)
+        finally:
+            # Its subscription would outlive the task (a stopped plane, a retried start) and keep
+            # receiving the registry's updates on the connection.
+            with contextlib.suppress(Exception):  # the connection may be gone
+                await watcher.stop()  # type: ignore[no-untyped-call]
 
     async def _apply_registration(self, config: WorkerConfig) -> bool:
         """Register ``config`` with the router; False when it is refused (its block size differs)."""

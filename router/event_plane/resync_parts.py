@@ -7,7 +7,7 @@ Each part is a whole `ResyncResponse` whose batch holds the next events in order
 but for the last. Only to an asker that said it reads parts (``ResyncRequest.in_parts``). A dump's store
 larger than a part is cut into stores of consecutive blocks, each under the last block of the one
 before: the same chain. A range's event is never cut (its id numbers it); one alone too large is
-answered as before, with an error.
+answered as before, with an error. The parts are cut by `router.event_plane.parts.pack`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from indexer.events import KvCacheEventData, ResyncBatch, ResyncResponse, RouterEvent
+from router.event_plane.parts import pack
 
 __all__ = ["PartsReader", "reply_parts"]
 
@@ -34,18 +35,10 @@ def reply_parts(response: ResyncResponse, max_bytes: int) -> list[bytes] | None:
     if batch is None:
         return None
     room = max_bytes - _ENVELOPE_BYTES
-    parts: list[list[RouterEvent]] = [[]]
-    size = 0
-    for event in batch.events:
-        for piece in _cut(event, room) if dump else (event,):
-            encoded = len(_encode(piece))  # msgpack is concatenative: a list's items encode alone alike
-            if encoded > room:
-                return None
-            if size + encoded > room and parts[-1]:
-                parts.append([])
-                size = 0
-            parts[-1].append(piece)
-            size += encoded
+    pieces = (piece for event in batch.events for piece in (_cut(event, room) if dump else (event,)))
+    parts = pack(pieces, room)
+    if parts is None:
+        return None
     last = len(parts) - 1
     batches = (
         ResyncBatch(events=events, last_event_id=batch.last_event_id, more=i < last) for i, events in enumerate(parts)

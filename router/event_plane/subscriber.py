@@ -12,7 +12,6 @@ path. Undecodable payloads are counted and logged (rate-limited); nothing stops 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -26,6 +25,7 @@ from nats.errors import NoRespondersError
 from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.events import ResyncRequest, ResyncResponse, decode_router_events, looks_like_msgpack
 from indexer.sequencer import EventSequencer
+from router.event_plane.parts import request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.resync_parts import PartsReader
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
@@ -44,9 +44,6 @@ YIELD_AFTER_S = 0.0005
 
 _json_response = msgspec.json.Decoder(ResyncResponse)
 _msgpack_response = msgspec.msgpack.Decoder(ResyncResponse)
-# A request's reply when nobody serves its subject: the server's status message (what nc.request reads).
-_STATUS_HEADER = "Status"
-_NO_RESPONDERS = "503"
 
 
 class KvEventSubscriber:
@@ -163,24 +160,13 @@ class KvEventSubscriber:
         self.sequencer.resync_failed(request)
 
     async def _ask(self, subject: str, payload: bytes) -> ResyncResponse:
-        """The worker's answer, read on an inbox of the request's own: a large one comes in parts
-        (`router.event_plane.resync_parts`), each within ``timeout`` of the one before. Raises
-        `NoRespondersError`, NATS' `TimeoutError` and its other errors, and an undecodable reply's."""
-        inbox = self.nc.new_inbox()
-        subscription = await self.nc.subscribe(inbox)
-        try:
-            await self.nc.publish(subject, payload, reply=inbox)
-            reader = PartsReader()
-            while True:
-                message = await subscription.next_msg(timeout=self._timeout)
-                headers = message.headers
-                if headers and headers.get(_STATUS_HEADER) == _NO_RESPONDERS:
-                    raise NoRespondersError
-                data = message.data
-                decoder = _msgpack_response if looks_like_msgpack(data) else _json_response
-                whole = reader.add(decoder.decode(data))
-                if whole is not None:
-                    return whole
-        finally:
-            with contextlib.suppress(NatsError):  # the connection closed meanwhile: nothing to undo
-                await subscription.unsubscribe()
+        """The worker's answer: a large one comes in parts (`router.event_plane.resync_parts`), each
+        within ``timeout`` of the one before. Raises `NoRespondersError`, NATS' `TimeoutError` and its
+        other errors, and an undecodable reply's."""
+        reader = PartsReader()
+
+        def add(data: bytes) -> ResyncResponse | None:
+            decoder = _msgpack_response if looks_like_msgpack(data) else _json_response
+            return reader.add(decoder.decode(data))
+
+        return await request_in_parts(self.nc, subject, payload, self._timeout, add)

@@ -11,9 +11,12 @@ booking that carries more (output blocks, a policy override) can be added withou
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 
 from indexer.events import U32, U64, NonNegative
+from router.event_plane.parts import pack
 from router.sequences import Booking
 
 __all__ = [
@@ -22,11 +25,13 @@ __all__ = [
     "Change",
     "Freed",
     "PrefillMarked",
+    "StateReader",
     "StateReply",
     "StateRequest",
     "SyncBatch",
     "SyncBeat",
     "SyncMessage",
+    "state_parts",
     "sync_decoder",
 ]
 
@@ -44,6 +49,9 @@ class _BookingFields(msgspec.Struct, kw_only=True, gc=False):
     prefill_tokens: NonNegative = 0
     context_tokens: NonNegative = 0
     expected_output_tokens: NonNegative | None = None
+    # Which booking of this id: 0, one more each time an id freed within the tombstone window is booked
+    # again (a client's retry reusing its X-Request-Id), so peers holding its tombstone take it.
+    generation: NonNegative = 0
 
     def booking(self) -> Booking:
         return Booking((self.worker_id, self.dp_rank), self.hashes, self.private_blocks, self.prefill_tokens,
@@ -51,7 +59,10 @@ class _BookingFields(msgspec.Struct, kw_only=True, gc=False):
 
 
 class Booked(_BookingFields, tag="booked", kw_only=True, gc=False):
-    """A request booked on (worker_id, dp_rank)."""
+    """A request booked on (worker_id, dp_rank). ``predicted_blocks``: its prompt's block hashes, when
+    the rank's cache is predicted from what is routed to it (a worker without KV events)."""
+
+    predicted_blocks: tuple[int, ...] | None = None
 
 
 class PrefillMarked(msgspec.Struct, tag="prefill_marked", kw_only=True, gc=False):
@@ -59,10 +70,12 @@ class PrefillMarked(msgspec.Struct, tag="prefill_marked", kw_only=True, gc=False
 
 
 class Freed(msgspec.Struct, tag="freed", kw_only=True, gc=False):
-    """Freed by a caller, or (``expired``) by the sender's stale-request expiry."""
+    """Freed by a caller, or (``expired``) by the sender's stale-request expiry; ``generation``: the
+    booking freed (a late free of an earlier booking of the id leaves a newer one booked)."""
 
     request_id: str
     expired: bool = False
+    generation: NonNegative = 0
 
 
 Change = Booked | PrefillMarked | Freed
@@ -88,7 +101,10 @@ SyncMessage = SyncBatch | SyncBeat
 
 
 class StateRequest(msgspec.Struct, kw_only=True):
+    """``in_parts``: the asker reads a reply in parts (`state_parts`); an older one gets an error instead."""
+
     replica_id: str
+    in_parts: bool = False
 
 
 class BookingEntry(_BookingFields, kw_only=True, gc=False):
@@ -99,7 +115,8 @@ class BookingEntry(_BookingFields, kw_only=True, gc=False):
 
 class StateReply(msgspec.Struct, kw_only=True):
     """A replica's view: what is booked, what was freed lately, how far it has read each peer
-    (``cursors``, its own last batch included) and how long ago it heard from each (``silent_s``)."""
+    (``cursors``, its own last batch included) and how long ago it heard from each (``silent_s``).
+    ``more``: a part, the next ones to the same inbox carry the rest (`state_parts`)."""
 
     replica_id: str
     bookings: list[BookingEntry] = []
@@ -107,6 +124,60 @@ class StateReply(msgspec.Struct, kw_only=True):
     cursors: dict[str, int] = {}
     silent_s: dict[str, float] = {}
     error: str | None = None
+    more: bool = False
+    # The generation of each freed id whose booking was not the first (few: only reused ids).
+    freed_generations: dict[str, int] = {}
+
+
+# Room in a part for its keys and lists' headers beside what the last part's envelope measures.
+_PART_ENVELOPE_BYTES = 64
+_encode = msgspec.msgpack.encode
+_state_reply = msgspec.msgpack.Decoder(StateReply)
+
+
+def state_parts(reply: StateReply, max_bytes: int) -> list[bytes] | None:
+    """``reply`` (msgpack) as parts of at most ``max_bytes`` each: its bookings and freed ids in order,
+    its cursors, silences and freed generations in the last part; None when one booking alone is too large. All parts
+    come from one `StateReply`, so the asker merges one moment's view, as from a reply in one piece."""
+    last_part = msgspec.structs.replace(reply, bookings=[], freed=[])
+    room = max_bytes - len(_encode(last_part)) - _PART_ENVELOPE_BYTES
+    groups = pack(itertools.chain(reply.bookings, reply.freed), room) if room > 0 else None
+    if groups is None:
+        return None
+    last = len(groups) - 1
+    parts = []
+    for index, group in enumerate(groups):
+        bookings = [item for item in group if isinstance(item, BookingEntry)]
+        freed = [item for item in group if isinstance(item, str)]
+        part = (
+            msgspec.structs.replace(last_part, bookings=bookings, freed=freed)
+            if index == last
+            else StateReply(replica_id=reply.replica_id, bookings=bookings, freed=freed, more=True)
+        )
+        parts.append(_encode(part))
+    return parts
+
+
+class StateReader:
+    """The asker's side: `add` each reply in order; it returns the whole `StateReply` once the last
+    part (or a reply not in parts) is in, else None. Raises what an undecodable reply raises."""
+
+    __slots__ = ("_bookings", "_freed")
+
+    def __init__(self) -> None:
+        self._bookings: list[BookingEntry] = []
+        self._freed: list[str] = []
+
+    def add(self, data: bytes) -> StateReply | None:
+        reply = _state_reply.decode(data)
+        if reply.more:
+            self._bookings.extend(reply.bookings)
+            self._freed.extend(reply.freed)
+            return None
+        if self._bookings or self._freed:
+            reply.bookings = [*self._bookings, *reply.bookings]
+            reply.freed = [*self._freed, *reply.freed]
+        return reply
 
 
 def sync_decoder() -> msgspec.msgpack.Decoder[SyncBatch | SyncBeat]:

@@ -13,7 +13,8 @@ its booking is kept for it), so each replica's view is the join of everything it
 another replica's whole view (`StateReply`) can only move it forward.
 
 - Lost messages: batches are numbered; a number skipped, or a heartbeat naming a batch never seen,
-  is a gap and the sender's whole view is requested (``kv.{ns}.router.sync.state.{id}``) and merged.
+  is a gap and the sender's whole view is requested (``kv.{ns}.router.sync.state.{id}``, in parts
+  when larger than a NATS message) and merged; a failed ask leaves the gap pending, asked again.
 - Late joiners: on start a replica asks any peer (queue group) for its view; a peer heard from first
   with a batch number above 1 is asked directly, so it is consistent even if that first ask failed.
 - Dead replicas: one silent for ``lease_s`` (no heartbeat) has the bookings it made dropped; one that
@@ -44,6 +45,7 @@ from nats.errors import NoRespondersError
 
 from indexer.errors import UNDECODABLE
 from router.errors import DuplicateRequestId, UnknownWorker
+from router.event_plane.parts import request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
 from router.kv_router import KvRouter
@@ -53,10 +55,12 @@ from router.replicas.messages import (
     Change,
     Freed,
     PrefillMarked,
+    StateReader,
     StateReply,
     StateRequest,
     SyncBatch,
     SyncBeat,
+    state_parts,
     sync_decoder,
 )
 from router.sequences import Booking
@@ -74,25 +78,33 @@ MAX_BATCH_CHANGES = 512
 BATCH_WINDOW_S = 0.002
 # On a clean stop, how long a batch being published may take to go out before it is cancelled.
 STOP_DRAIN_S = 2.0
+# A failed ask for a peer's view is repeated at its next beat, then after twice as long each time up to
+# this: the gap stays pending (a lost free would leak its booking) without a peer asked every beat for
+# a view it cannot send.
+REPAIR_BACKOFF_MAX_S = 10.0
 # Sync lag samples kept (seconds from publish to apply, by the wall clock of one host or NTP).
 LAG_SAMPLES = 4096
 
 _encode = msgspec.msgpack.Encoder().encode
 # A message's sender field lies within its first bytes: map header, the tag, then replica_id.
 _SENDER_WITHIN = 64
-_state_reply = msgspec.msgpack.Decoder(StateReply)
 _state_request = msgspec.msgpack.Decoder(StateRequest)
 
 
 @dataclass(slots=True)
 class _Peer:
     last_seen: float
-    cursor: int = 0  # its last batch applied here
+    # Its batches up to this one are all in this view (applied, or through a view merged): never past a
+    # batch missed, since peers that join copy it and would never see that gap.
+    cursor: int = 0
+    seen: int = 0  # its highest batch number known here (applied, or named by a beat)
     repairing: bool = False
     # Another gap showed while a repair was in flight: its answer may predate it, so ask again.
     repair_again: bool = False
-    # A gap no successful repair has covered yet (the last ask failed): ask at its next beat.
+    # A gap no successful repair has covered yet (the last ask failed): ask at a beat from retry_at.
     unrepaired: bool = False
+    failed_asks: int = 0
+    retry_at: float = 0.0
 
 
 class ReplicaSync:
@@ -131,6 +143,9 @@ class ReplicaSync:
         self._peers: dict[str, _Peer] = {}
         self._origin: dict[str, str] = {}  # active request id -> the replica that booked it
         self._freed: OrderedDict[str, float] = OrderedDict()  # request id -> when it was freed
+        # Request id -> its generation (`Booked.generation`), above 0 only: active, and freed (tombstones).
+        self._generation: dict[str, int] = {}
+        self._freed_generation: dict[str, int] = {}
         self._early_prefill: dict[str, float] = {}  # marked before its booking arrived
         # Replicas dropped here (left or silent) -> when: other views naming them do not bring them
         # back; only their own next message does (they were cut off, not dead).
@@ -150,13 +165,18 @@ class ReplicaSync:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Subscribe, learn the current bookings from a peer (if there is one), start publishing."""
+        """Subscribe, publish the router's bookings so far, learn the current bookings from a peer (if
+        there is one), go on publishing."""
         nc = self.nc
         self._subscriptions = [
             await nc.subscribe(self.subjects.router_sync, cb=self._on_sync, pending_msgs_limit=1_000_000),
             await nc.subscribe(self.subjects.router_sync_state(self.replica_id), cb=self._on_state_request),
         ]
         self.router.booking_listener = self
+        # Bookings made before the listener was attached (HTTP serves while the plane starts; a durable
+        # replay can take minutes) go out as if made now: else a free told to a peer would be a 404.
+        for request_id, booking in self.router.bookings():
+            self.booked(request_id, booking, None)
         self._background.keep_running("publish", self._publish_loop)
         self._background.keep_running("heartbeat", self._heartbeat_loop)
         await self._join()
@@ -169,7 +189,7 @@ class ReplicaSync:
     async def stop(self) -> None:
         """Let the outbox drain (a batch being published is not cut off: its changes, frees of
         requests other replicas booked among them, would reach no peer), tell peers this replica is
-        leaving (they drop its bookings), unsubscribe."""
+        leaving (they drop its bookings), unsubscribe, drop the peers' bookings."""
         if self.router.booking_listener is self:
             self.router.booking_listener = None
         with contextlib.suppress(TimeoutError):
@@ -184,29 +204,48 @@ class ReplicaSync:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
         self._subscriptions = []
+        # Peers' bookings are kept current no longer (their frees go unheard): dropped, so a sync started
+        # again on this router (a retried start) learns them afresh instead of publishing them as its own.
+        me, now = self.replica_id, self._clock()
+        for request_id in [request_id for request_id, origin in self._origin.items() if origin != me]:
+            self._free(request_id, now, None, tombstone=False)
 
     async def _join(self) -> None:
-        request = _encode(StateRequest(replica_id=self.replica_id))
         try:
-            reply = await self.nc.request(self.subjects.router_sync_state(), request, timeout=self._state_timeout)
+            reply = await self._ask(self.subjects.router_sync_state())
         except NoRespondersError:
             log.info("replica sync: no peer yet, starting with no bookings")
             return
         except (TimeoutError, NatsError) as exc:
             log.warning("replica sync: no peer answered the join (%r); peers are asked as they are heard", exc)
             return
-        self._merge_reply(reply.data, "joined")
+        if reply is not None:
+            self._merge_reply(reply, "joined")
+
+    async def _ask(self, subject: str) -> StateReply | None:
+        """A peer's view, in parts if it is large; None (rejected, logged) when it cannot be decoded.
+        Raises NATS' errors (`NoRespondersError`, `TimeoutError`, ...)."""
+        request = _encode(StateRequest(replica_id=self.replica_id, in_parts=True))
+        try:
+            return await request_in_parts(self.nc, subject, request, self._state_timeout, StateReader().add)
+        except UNDECODABLE as exc:
+            self._reject("undecodable", f"state reply: {exc}")
+            return None
 
     # ------------------------------------------------------------------ local changes (BookingListener)
-    def booked(self, request_id: str, booking: Booking) -> None:
+    def booked(self, request_id: str, booking: Booking, predicted: Sequence[int] | None) -> None:
         self._origin[request_id] = self.replica_id
+        generation = 0
+        if request_id in self._freed:  # booked again within the tombstone window: a newer booking
+            generation = self._generation[request_id] = self._freed_generation.get(request_id, 0) + 1
         worker_id, dp_rank = booking.key
         self._unsent[request_id] = [len(self._outbox)]
         hashes = _wire_hashes(booking.hashes)
         self._queue(Booked(request_id=request_id, worker_id=worker_id, dp_rank=dp_rank, hashes=hashes,
                            private_blocks=booking.private_blocks, prefill_tokens=booking.prefill_tokens,
                            context_tokens=booking.context_tokens,
-                           expected_output_tokens=booking.expected_output_tokens))  # fmt: skip
+                           expected_output_tokens=booking.expected_output_tokens,
+                           generation=generation, predicted_blocks=_wire_hashes(predicted)))  # fmt: skip
 
     def prefill_marked(self, request_id: str) -> None:
         unsent = self._unsent.get(request_id)
@@ -216,10 +255,11 @@ class ReplicaSync:
 
     def freed(self, request_id: str) -> None:
         self._origin.pop(request_id, None)
-        self._freed[request_id] = self._clock()
+        generation = self._generation.pop(request_id, 0)
+        self._tombstone(request_id, self._clock(), generation)
         unsent = self._unsent.pop(request_id, None)
         if unsent is None:
-            self._queue(Freed(request_id=request_id))
+            self._queue(Freed(request_id=request_id, generation=generation))
             return
         outbox = self._outbox
         for index in unsent:
@@ -313,15 +353,18 @@ class ReplicaSync:
         if isinstance(sync, SyncBeat):
             if sync.leaving:
                 self._drop_peer(sender, "left")
-            elif sync.seq > peer.cursor or peer.unrepaired:
-                self._repair(sender, peer)  # its last batches never arrived, or a repair failed
+            elif sync.seq > peer.seen:
+                peer.seen = sync.seq
+                self._repair(sender, peer)  # its last batches never arrived
+            elif peer.unrepaired and now >= peer.retry_at:
+                self._repair(sender, peer)  # a repair failed
             return
-        if sync.seq <= peer.cursor:
+        if sync.seq <= peer.seen:
             self.outcomes["duplicate"] += 1
             return
-        if sync.seq > peer.cursor + 1:
+        if sync.seq > peer.seen + 1:
             self._repair(sender, peer)
-        peer.cursor = sync.seq
+        peer.seen = sync.seq
         try:
             applied = 0
             for change in sync.changes:
@@ -332,6 +375,8 @@ class ReplicaSync:
             self.outcomes["rejected_apply_error"] += 1
             self._repair(sender, peer)
             return
+        if not peer.unrepaired:
+            peer.cursor = sync.seq
         self.outcomes["applied"] += applied
         self.lag_s.append(max(0.0, time.time() - sync.sent_at_ms / 1000))
 
@@ -339,25 +384,40 @@ class ReplicaSync:
         """Apply one peer change; whether it was applied (not a duplicate, late or rejected booking)."""
         kind = type(change)
         if kind is Freed:
-            self._free(change.request_id, now)
+            assert isinstance(change, Freed)
+            self._free(change.request_id, now, change.generation)
             return True
         if kind is Booked:
             assert isinstance(change, Booked)
-            return self._book(change.request_id, origin, change.booking())
+            return self._book(
+                change.request_id, origin, change.booking(), change.generation, now, change.predicted_blocks
+            )
         request_id = change.request_id
         if not self.router.mark_prefill(request_id, replicated=True) and request_id not in self._freed:
             self._early_prefill[request_id] = now
         return True
 
-    def _book(self, request_id: str, origin: str, booking: Booking) -> bool:
-        if request_id in self._freed:
+    def _book(
+        self,
+        request_id: str,
+        origin: str,
+        booking: Booking,
+        generation: int,
+        now: float,
+        predicted: Sequence[int] | None = None,
+    ) -> bool:
+        if request_id in self._freed and generation <= self._freed_generation.get(request_id, 0):
             self.outcomes["booked_after_free"] += 1
             return False
         if request_id in self._origin:  # booked here already (an active booking raises below)
-            self.outcomes["duplicate_booking"] += 1
-            return False
+            held = self._generation.get(request_id, 0)
+            if generation <= held:
+                self.outcomes["duplicate_booking"] += 1
+                return False
+            # A newer booking of the id: its free, made before it, has not reached this replica yet.
+            self._free(request_id, now, held)
         try:
-            self.router.book_replicated(request_id, booking)
+            self.router.book_replicated(request_id, booking, predicted)
         except DuplicateRequestId:
             self.outcomes["duplicate_booking"] += 1
             return False
@@ -365,19 +425,32 @@ class ReplicaSync:
             self._reject("booking", str(exc))
             return False
         self._origin[request_id] = origin
+        if generation:
+            self._generation[request_id] = generation
         if self._early_prefill and self._early_prefill.pop(request_id, None) is not None:
             self.router.mark_prefill(request_id, replicated=True)
         return True
 
-    def _free(self, request_id: str, now: float, *, tombstone: bool = True) -> None:
+    def _free(self, request_id: str, now: float, generation: int | None, *, tombstone: bool = True) -> None:
+        """Free the booking of ``generation`` (None: whichever is booked) or an earlier one; a newer
+        booking of the id stays (the free is a late one of a booking the id had before)."""
+        if generation is not None and self._generation.get(request_id, 0) > generation:
+            self._tombstone(request_id, now, generation)
+            return
         self.router.mark_free(request_id, replicated=True)
         self._origin.pop(request_id, None)
+        held = self._generation.pop(request_id, 0)
         if self._early_prefill:
             self._early_prefill.pop(request_id, None)
         if tombstone:
-            freed = self._freed
-            freed[request_id] = now
-            freed.move_to_end(request_id)
+            self._tombstone(request_id, now, held if generation is None else generation)
+
+    def _tombstone(self, request_id: str, now: float, generation: int) -> None:
+        freed = self._freed
+        freed[request_id] = now
+        freed.move_to_end(request_id)
+        if generation > self._freed_generation.get(request_id, 0):
+            self._freed_generation[request_id] = generation
 
     # ------------------------------------------------------------------ repair and joining
     def _repair(self, sender: str, peer: _Peer) -> None:
@@ -390,44 +463,64 @@ class ReplicaSync:
         self._background.spawn(f"repair-{sender}", self._ask_state(sender, peer))
 
     async def _ask_state(self, sender: str, peer: _Peer) -> None:
-        request = _encode(StateRequest(replica_id=self.replica_id))
+        subject = self.subjects.router_sync_state(sender)
         try:
             while True:
                 peer.repair_again = False
-                subject = self.subjects.router_sync_state(sender)
-                reply = await self.nc.request(subject, request, timeout=self._state_timeout)
-                self._merge_reply(reply.data, "repaired")
+                reply = await self._ask(subject)
+                if reply is None or not self._merge_reply(reply, "repaired"):
+                    why = "its view was refused or unreadable"
+                    break
                 if not peer.repair_again:
+                    # Its view covered its batches up to its reply; those since came without a gap.
+                    peer.cursor = peer.seen = max(peer.seen, peer.cursor)
                     peer.unrepaired = False
+                    peer.failed_asks = 0
                     return
         except (TimeoutError, NatsError) as exc:
-            log.warning("replica sync: peer %s did not send its bookings (%r); asking again at its next beat",
-                        sender, exc)  # fmt: skip
-            self.outcomes["repair_failed"] += 1
+            why = repr(exc)
         finally:
             peer.repairing = False
+        # The gap stays pending: asked again at a beat of the peer, later after each failure.
+        backoff = min(self.heartbeat_s * 2**peer.failed_asks, REPAIR_BACKOFF_MAX_S)
+        peer.failed_asks += 1
+        peer.retry_at = self._clock() + backoff
+        log.warning("replica sync: peer %s did not send its bookings (%s); asking again in %.1f s",
+                    sender, why, backoff)  # fmt: skip
+        self.outcomes["repair_failed"] += 1
 
     async def _on_state_request(self, message: Msg) -> None:
         try:
-            _state_request.decode(message.data)
+            request = _state_request.decode(message.data)
         except UNDECODABLE as exc:
             self._reject("undecodable", f"state request: {exc}")
             return
         if not message.reply:
             return
-        payload = _encode(self.state())
-        if len(payload) > self.nc.max_payload:
-            error = f"state of {len(payload)} bytes exceeds the server's max_payload"
-            payload = _encode(StateReply(replica_id=self.replica_id, error=error))
-            log.error("replica sync: %s", error)
-        await self.nc.publish(message.reply, payload)
+        for payload in self._state_payloads(request.in_parts):
+            await self.nc.publish(message.reply, payload)
         self.outcomes["state_served"] += 1
+
+    def _state_payloads(self, in_parts: bool) -> list[bytes]:
+        """This replica's view as one message, else in parts to an asker that reads them, else refused."""
+        state = self.state()
+        payload = _encode(state)
+        limit = self.nc.max_payload
+        if len(payload) <= limit:
+            return [payload]
+        parts = state_parts(state, limit) if in_parts else None
+        if parts is not None:
+            self.outcomes["state_served_in_parts"] += 1
+            return parts
+        error = f"state of {len(payload)} bytes exceeds the server's max_payload of {limit}"
+        log.error("replica sync: %s", error)
+        return [_encode(StateReply(replica_id=self.replica_id, error=error))]
 
     def state(self) -> StateReply:
         """This replica's whole view, as a peer merges it."""
         now = self._clock()
         me = self.replica_id
-        origin = self._origin
+        origin, generation = self._origin, self._generation
         bookings = [
             BookingEntry(
                 request_id=request_id,
@@ -439,23 +532,21 @@ class ReplicaSync:
                 prefill_tokens=booking.prefill_tokens,
                 context_tokens=booking.context_tokens,
                 expected_output_tokens=booking.expected_output_tokens,
+                generation=generation.get(request_id, 0),
             )
             for request_id, booking in self.router.bookings()
         ]
         cursors = {peer_id: peer.cursor for peer_id, peer in self._peers.items()}
         cursors[me] = self._seq
         silent = {peer_id: now - peer.last_seen for peer_id, peer in self._peers.items()}
-        return StateReply(replica_id=me, bookings=bookings, freed=list(self._freed), cursors=cursors, silent_s=silent)
+        return StateReply(replica_id=me, bookings=bookings, freed=list(self._freed), cursors=cursors, silent_s=silent,
+                          freed_generations=dict(self._freed_generation))  # fmt: skip
 
-    def _merge_reply(self, data: bytes, outcome: str) -> None:
-        try:
-            reply = _state_reply.decode(data)
-        except UNDECODABLE as exc:
-            self._reject("undecodable", f"state reply: {exc}")
-            return
+    def _merge_reply(self, reply: StateReply, outcome: str) -> bool:
+        """Merge a peer's view into this one; False (rejected) when the peer refused to send it."""
         if reply.error is not None:
             self._reject("state_refused", f"peer {reply.replica_id}: {reply.error}")
-            return
+            return False
         now = self._clock()
         me = self.replica_id
         # Learn every replica the responder knows, with its silence, so dead ones expire here too.
@@ -467,13 +558,17 @@ class ReplicaSync:
         if reply.replica_id != me:
             responder = self._peers.setdefault(reply.replica_id, _Peer(last_seen=now))
             responder.last_seen = now
+        # The responder's cursors pass no batch it missed: its view covers each peer's batches up to them.
         for peer_id, cursor in reply.cursors.items():
             peer = self._peers.get(peer_id)
             if peer is not None and cursor > peer.cursor:
                 peer.cursor = cursor
+                peer.seen = max(peer.seen, cursor)
+        freed_generations = reply.freed_generations
         for request_id in reply.freed:
-            if request_id not in self._freed:
-                self._free(request_id, now)
+            generation = freed_generations.get(request_id, 0)
+            if request_id not in self._freed or generation > self._freed_generation.get(request_id, 0):
+                self._free(request_id, now, generation)
         for entry in reply.bookings:
             request_id = entry.request_id
             if entry.origin in gone:
@@ -481,13 +576,14 @@ class ReplicaSync:
             if entry.origin not in self._peers and entry.origin != me:
                 self._peers[entry.origin] = _Peer(last_seen=now)
             local = self.router.booking(request_id)
-            if local is None:
-                booked = self._book(request_id, entry.origin, entry.booking())
+            if local is None or entry.generation > self._generation.get(request_id, 0):
+                booked = self._book(request_id, entry.origin, entry.booking(), entry.generation, now)
                 self.outcomes["applied"] += booked
             elif entry.prefill_tokens == 0 and local.prefill_tokens > 0:
                 self.router.mark_prefill(request_id, replicated=True)
         self.outcomes[outcome] += 1
         log.info("replica sync: %s from %s (%d bookings)", outcome, reply.replica_id, len(reply.bookings))
+        return True
 
     # ------------------------------------------------------------------ liveness
     def _expire_peers(self) -> None:
@@ -502,7 +598,7 @@ class ReplicaSync:
         dropped = [request_id for request_id, origin in self._origin.items() if origin == peer_id]
         # No tombstones: if the peer was only cut off, its view brings back what it still has booked.
         for request_id in dropped:
-            self._free(request_id, now, tombstone=False)
+            self._free(request_id, now, None, tombstone=False)
         self.outcomes["peer_expired" if why != "left" else "peer_left"] += 1
         log.warning("replica sync: peer %s %s: dropped its %d bookings", peer_id, why, len(dropped))
 
@@ -514,6 +610,7 @@ class ReplicaSync:
             if at >= cutoff:
                 break
             del freed[request_id]
+            self._freed_generation.pop(request_id, None)
         for request_id, at in list(self._early_prefill.items()):
             if at < cutoff:
                 del self._early_prefill[request_id]
@@ -523,6 +620,7 @@ class ReplicaSync:
         # Requests dropped with a removed worker never pass through a free.
         for request_id in [r for r in self._origin if self.router.booking(r) is None]:
             del self._origin[request_id]
+            self._generation.pop(request_id, None)
 
     # ------------------------------------------------------------------ reads
     @property
