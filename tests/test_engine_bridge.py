@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
@@ -372,6 +373,44 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
         _converged(router, chain)
         assert chain.bridge is not None and chain.bridge.streams[0].stats["rebuilds"] == 1
+        assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
+    finally:
+        chain.close()
+        side.call(http.stop())
+
+
+def test_a_bridge_whose_registration_fails_as_its_engine_comes_back_registers_at_the_next_probe(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    """The engine answers again while NATS is having a hiccup: the registration times out. The bridge
+    tries again at its next probe rather than leaving the worker withdrawn until the engine fails
+    once more."""
+    http = side.call(EngineHttp().start())
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge(engine_metrics_url=f"{http.url}/metrics", engine_health_interval_secs=0.1)
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        chain.steps(10)
+        _converged(router, chain)
+        bridge = chain.bridge
+        assert bridge is not None
+
+        http.healthy = False
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 404, 30, "the worker is withdrawn")
+        register = bridge.publisher.register
+        attempts = []
+
+        async def register_in_a_hiccup() -> None:  # what nats-py raises for a put that got no answer
+            attempts.append(time.monotonic())
+            if len(attempts) == 1:
+                raise nats.errors.TimeoutError
+            await register()
+
+        bridge.publisher.register = register_in_a_hiccup  # type: ignore[method-assign]
+        http.healthy = True
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200, 30, "the worker registered again")
+        _converged(router, chain)
+        assert len(attempts) == 2
         assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
     finally:
         chain.close()
