@@ -8,6 +8,7 @@ gap leaves the rank untrusted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import socket
@@ -810,6 +811,92 @@ async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_
         await direct.stop()
         await new.stop()
         await old.stop()
+
+
+class FreezingRelay:
+    """A TCP relay standing for the engine's host at a fixed address: ``freeze`` makes the host vanish
+    without a FIN or RST (its connections stay open and carry nothing: a crashed node, a partition);
+    connections made after that reach ``target``, where a replacement engine listens."""
+
+    def __init__(self, target: int) -> None:
+        self.port = free_port()
+        self.target = target
+        self.connections = 0
+        self._frozen: asyncio.Event = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    def freeze(self, new_target: int) -> None:
+        self._frozen.set()
+        self.target = new_target
+
+    async def stop(self) -> None:
+        for pipe in self._pipes:
+            pipe.cancel()
+        for writer in self._writers:
+            writer.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        frozen = None if self._frozen.is_set() else self._frozen  # only the old host's connections freeze
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self._writers += [writer, up_writer]
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            pipe = asyncio.create_task(self._pipe(source, sink, frozen))
+            self._pipes.add(pipe)
+            pipe.add_done_callback(self._pipes.discard)
+
+    @staticmethod
+    async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, frozen: asyncio.Event | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := await source.read(65536):
+                if frozen is not None and frozen.is_set():
+                    await asyncio.Event().wait()  # nothing moves, nothing closes
+                sink.write(data)
+                await sink.drain()
+
+
+async def test_an_engine_host_gone_without_a_word_is_left_and_its_replacement_at_its_address_heard() -> None:
+    """The engine's host dies silently and a new engine comes up behind the same address: the SUB
+    socket's heartbeats find the dead connection, it reconnects, and the new engine's blocks, and only
+    they, reach the index (a restart: the rank cleared and rebuilt from the new engine's replay)."""
+    router = _router()
+    old_port, replay = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    relay = FreezingRelay(old_port)
+    await relay.start()
+    old = FakeEngine(WORKER, f"tcp://127.0.0.1:{old_port}", replay, seed=43)
+    await old.start()
+    stream = ZmqEngineStream(SequencerSink(router, WORKER), f"tcp://127.0.0.1:{relay.port}", block_size=BLOCK,
+                             replay_endpoint=replay, heartbeat_s=0.2)  # fmt: skip
+    await stream.start()
+    new_port = free_port()
+    new = FakeEngine(WORKER, f"tcp://127.0.0.1:{new_port}", replay, seed=47)
+    try:
+        for _ in range(5):
+            await old.step()
+        await eventually(lambda: canonical(router.tree.dump_events()) == old.dump(), 10, "the old engine's blocks")
+        relay.freeze(new_port)
+        await old.stop()
+        await new.start()
+        await eventually(lambda: stream.stats["connections"] == 2, 10, "a connection to the new engine")
+        assert relay.connections == 2
+        for _ in range(5):
+            await new.step()
+        await eventually(lambda: canonical(router.tree.dump_events()) == new.dump(), 10, "the new engine's blocks")
+        assert stream.stats["restarts"] == 1
+        assert _stream(router).trusted
+    finally:
+        await stream.stop()
+        await new.stop()
+        await old.stop()
+        await relay.stop()
 
 
 async def test_a_restart_first_heard_at_the_next_seq_after_a_reconnection_is_seen() -> None:

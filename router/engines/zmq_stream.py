@@ -97,6 +97,13 @@ READ_BURST = 256
 TAIL_CHECK_DELAY_S = 0.2
 # A stream that heard nothing for this long after its last message checks its tail once.
 QUIET_S = 0.5
+# The SUB socket pings the engine's PUB socket this often (ZMTP heartbeats, which libzmq's PUB answers)
+# and drops the connection after HEARTBEAT_MISSED intervals without a byte from it, then reconnects: a
+# peer gone without a FIN or RST (a crashed host, a partition) is otherwise never noticed, and a
+# replacement engine at the same address never heard. The replay DEALER needs none: each round connects
+# afresh and has its own deadline.
+HEARTBEAT_S = 2.0
+HEARTBEAT_MISSED = 3
 
 
 class EngineSink(Protocol):
@@ -288,6 +295,7 @@ class ZmqEngineStream:
         adopt_block_size: Callable[[int], int] | None = None,
         tail_check_delay_s: float = TAIL_CHECK_DELAY_S,
         quiet_s: float = QUIET_S,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         self.sink = sink
         # ``--block-size auto``: told the engine's block size at its first stored event, it answers the
@@ -303,6 +311,7 @@ class ZmqEngineStream:
         self._batch_window_s = batch_window_s
         self._tail_check_delay_s = tail_check_delay_s
         self._quiet_s = quiet_s
+        self._heartbeat_ms = max(1, round(heartbeat_s * 1000))
         self._context = context or zmq.asyncio.Context.instance()
         # (seq, payload) as read, at most queue_size; `_queued` wakes the apply loop (a deque and an
         # event: an asyncio.Queue cost a future and its bookkeeping per message).
@@ -412,6 +421,8 @@ class ZmqEngineStream:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.SUBSCRIBE, self.topic)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_MISSED * self._heartbeat_ms)
         # Read without futures: the socket's file descriptor wakes the loop, then everything queued is
         # taken with non-blocking reads (pyzmq's awaitable recv cost a future and a poll per message).
         sync: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
