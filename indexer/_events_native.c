@@ -680,6 +680,9 @@ static int decode_event(Fields *f, const uint8_t *end, long block_size, PyObject
         verdict = ignored > 0 && has_group == 0 ? 0 : -1;
         goto done;
     }
+    /* A token-less store in a lower tier (vLLM's OffloadingConnector): an `EngineOffloaded`, from Python. */
+    if (d->tier != device_tier && (f->token_ids == NULL || (f->token_ids_end - f->token_ids == 1 && *f->token_ids == 0x90)))
+        goto done;
     if (has_size && (negative || engine_block_size != (uint64_t)block_size))
         goto done; /* block_size_mismatch: named by Python */
     int repeated = repeats(d->values, n, d->parent != NULL, d->parent_value);

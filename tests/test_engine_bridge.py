@@ -379,6 +379,40 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         side.call(http.stop())
 
 
+def test_host_tier_stores_without_token_ids_reach_the_router_through_the_bridge_on_the_blocks_they_name(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    """vLLM's OffloadingConnector's token-less CPU stores: the bridge publishes the host tier for the
+    device blocks the rank holds, counts the hash it never stored, and refuses nothing else."""
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge()
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        chain.steps(3)
+        tokens = list(range(1, 2 * BLOCK + 1))
+        device = {
+            "type": "BlockStored",
+            "block_hashes": [11, 12],
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        offload = {"type": "BlockStored", "block_hashes": [11, 12, 99], "parent_block_hash": None, "token_ids": [],
+                   "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None}  # fmt: skip
+        side.call(chain.engine.send_raw(msgspec.msgpack.encode([1.0, [device, offload], 0])))
+        _converged(router, chain)
+        host = [edge for edge in _dump(router) if edge[2] == "host_pinned"]
+        assert {(parent, block) for _, _, _, parent, block, _ in host} == {(None, 11), (11, 12)}
+        metrics = chain.metrics()
+        assert total(metrics, "kv_router_bridge_events_refused_total") == 1
+        assert sample(metrics, "kv_router_bridge_events_refused_total", reason="offloaded_unresolved") == 1
+    finally:
+        chain.close()
+
+
 def test_a_bridge_whose_registration_fails_as_its_engine_comes_back_registers_at_the_next_probe(
     router: TestClient, side: SideLoop, nats_server: EmbeddedNats
 ) -> None:

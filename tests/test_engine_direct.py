@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from indexer.events import StorageTier
+from indexer.hashing import compute_block_hashes
 from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
 from router.doctor import ConfigDoctor
@@ -811,6 +813,44 @@ async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_
         await direct.stop()
         await new.stop()
         await old.stop()
+
+
+async def test_host_tier_stores_without_token_ids_add_that_tier_to_the_device_blocks_they_name() -> None:
+    """vLLM's OffloadingConnector publishes what it copies to CPU memory as a store without token ids
+    (block size 0): the blocks the rank stored on the device are found on the host tier too, a hash it
+    never stored is skipped and counted, and nothing is taken for a block size mismatch."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True) as (engine, direct):
+        await _heard(engine, direct)
+        tokens = list(range(1, 3 * BLOCK + 1))
+        device = {
+            "type": "BlockStored",
+            "block_hashes": [11, 12, 13],
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        offload = {"type": "BlockStored", "block_hashes": [11, 12, 99], "parent_block_hash": None, "token_ids": [],
+                   "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None}  # fmt: skip
+        await engine.send_raw(encode([1.0, [device, offload], 0]))
+        await _converged(router, engine, direct)
+        host = [edge for edge in canonical(router.tree.dump_events()) if edge[2] == "host_pinned"]
+        local = compute_block_hashes(tokens, BLOCK)
+        assert host == sorted([(WORKER, 0, "host_pinned", None, 11, local[0]),
+                               (WORKER, 0, "host_pinned", 11, 12, local[1])], key=repr)  # fmt: skip
+        # Evicted from the device, the first two blocks are still found, on the host tier.
+        evicted = {"type": "BlockRemoved", "block_hashes": [13, 12, 11], "medium": "GPU"}
+        await engine.send_raw(encode([1.0, [evicted], 0]))
+        await _converged(router, engine, direct)
+        matches = router.tree.find_matches(local)
+        assert matches.scores == {} and matches.tier_hits[StorageTier.HOST_PINNED] == {(WORKER, 0): 2}
+        assert direct.sink.offloaded_unresolved == 1
+        stats = direct.streams[0].stats
+        assert not [key for key in stats if key.startswith("rejected_")]
+        assert [p.kind for p in ConfigDoctor(router, engines=[direct]).check()] == []
 
 
 class FreezingRelay:

@@ -23,10 +23,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 
-from indexer.engine_events import EngineEvent, EngineStored, event_tier, to_kv_event
+from indexer.engine_events import (
+    EngineCleared,
+    EngineEvent,
+    EngineOffloaded,
+    EngineRemoved,
+    EngineStored,
+    event_tier,
+    resolve_offloaded,
+    to_kv_event,
+)
 from indexer.events import RouterEvent, StorageTier, cleared_event
 from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
@@ -69,6 +79,8 @@ class SequencerSink:
         self.accepting = accepting
         self.dropped_events = 0
         self.stores = 0  # stored events applied (the doctor sets them against the streams' EAGLE stores)
+        # Hashes of token-less lower-tier stores (offloads) naming no device block the rank holds: skipped.
+        self.offloaded_unresolved = 0
         self._last_id: dict[int, int] = {}
         self._tiers: dict[int, set[StorageTier]] = {}
         # Told when the worker turns out removed (DELETE /v1/workers) while its engine kept publishing.
@@ -101,12 +113,24 @@ class SequencerSink:
             return
         self._ensure_registered()
         tiers = self._tiers.setdefault(dp_rank, set())
-        batch = []
+        batch: list[RouterEvent] = []
         for event in events:
             tier = event_tier(event)
             tiers.add(tier)
             self.stores += isinstance(event, EngineStored)
-            batch.append(RouterEvent(self.worker_id, to_kv_event(event, self._next_id(dp_rank), dp_rank), tier))
+            if isinstance(event, EngineOffloaded):
+                # Resolved against the index, which must hold the device stores before it in the batch.
+                if batch:
+                    self.router.sequencer.ingest(batch)
+                    batch = []
+                rank = (self.worker_id, dp_rank)
+                stores, unresolved = resolve_offloaded(event, partial(self.router.tree.device_block, rank))
+                self.offloaded_unresolved += len(unresolved)
+                resolved: list[EngineStored | EngineRemoved | EngineCleared] = list(stores)
+            else:
+                resolved = [event]
+            for one in resolved:
+                batch.append(RouterEvent(self.worker_id, to_kv_event(one, self._next_id(dp_rank), dp_rank), tier))
         self.router.sequencer.ingest(batch)
 
     async def restarted(self, dp_rank: int) -> None:

@@ -36,7 +36,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 import msgspec
 from nats.aio.client import Client
@@ -44,8 +44,15 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from indexer.engine_events import EngineEvent, EngineRemoved, EngineStored
-from indexer.errors import UNDECODABLE, KvIndexError
+from indexer.engine_events import (
+    EngineCleared,
+    EngineEvent,
+    EngineOffloaded,
+    EngineRemoved,
+    EngineStored,
+    resolve_offloaded,
+)
+from indexer.errors import UNDECODABLE, BlockNotFound, KvIndexError
 from indexer.events import (
     U64_MAX,
     RemovedEventEncoder,
@@ -247,16 +254,17 @@ class KvEventPublisher:
 
     def emit_engine_events(
         self, dp_rank: int, events: Iterable[EngineEvent]
-    ) -> list[tuple[EngineStored, KvIndexError]]:
+    ) -> list[tuple[EngineStored | EngineOffloaded, KvIndexError]]:
         """Decoded engine events (their hashes u64 already) into the open `batch` in one pass, the
         bridge's path: what `stored_hashes`, `removed` and `cleared` do, without a coroutine per event.
-        Stores refused by what the rank holds are returned with the reason and never sent."""
+        Stores refused by what the rank holds are returned with the reason and never sent; so are the
+        hashes of an offload that name no device block the rank holds (`BlockNotFound`)."""
         batch = self._batch
         assert batch is not None, "emit_engine_events runs inside batch()"
         rank = self._rank_log(dp_rank)
         keep, send = rank.ring.append, batch.append
-        refused: list[tuple[EngineStored, KvIndexError]] = []
-        for event in events:
+        refused: list[tuple[EngineStored | EngineOffloaded, KvIndexError]] = []
+        for event in self._offloads_resolved(dp_rank, events, refused):
             if type(event) is EngineStored:
                 try:
                     numbered = self._stored(
@@ -272,6 +280,24 @@ class KvEventPublisher:
             keep(numbered)
             send(numbered[1])
         return refused
+
+    def _offloads_resolved(
+        self,
+        dp_rank: int,
+        events: Iterable[EngineEvent],
+        refused: list[tuple[EngineStored | EngineOffloaded, KvIndexError]],
+    ) -> Iterator[EngineStored | EngineRemoved | EngineCleared]:
+        """``events`` with each offload as the stores it resolves to, against the device blocks held when
+        it is reached (lazily: after the stores before it); its unresolved hashes go to ``refused``."""
+        for event in events:
+            if not isinstance(event, EngineOffloaded):
+                yield event
+                continue
+            held = self._held.tables.get((dp_rank, StorageTier.DEVICE), {})
+            stores, unresolved = resolve_offloaded(event, held.get)
+            if unresolved:
+                refused.append((event, BlockNotFound((self.worker_id, dp_rank), unresolved)))
+            yield from stores
 
     def emit_engine_payload(
         self,
