@@ -931,11 +931,11 @@ static PyObject *py_configure(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------------ held blocks */
 
-/* hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3
+/* hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3 | 4
  *
  * `HeldBlocks.store`'s checks and update: 1 a device store under a parent not held, 2 a chain that
- * holds its parent, 3 a chain that repeats a hash (nothing recorded then); 0 recorded, each block
- * under the one before it. ValueError when the two lists differ in length. */
+ * holds its parent, 3 a chain that repeats a hash, 4 a chain with a block already held (nothing
+ * recorded then); 0 recorded, each block under the one before it. ValueError when the two lists differ in length. */
 static int compare_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return (x > y) - (x < y);
@@ -1027,7 +1027,9 @@ static int hold(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *lo
     return record_chain(held, parent, hashes, locals);
 }
 
-/* Each block of the chain held under the one before it (the first under `parent`); -1: an error. */
+/* Each block of the chain held under the one before it (the first under `parent`); -1: an error; 4: a
+ * block already held (another copy: vLLM does not share physical blocks), the chain left unrecorded
+ * for Python to count the copy. One dict operation per block, the test included. */
 static int record_chain(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *locals) {
     Py_ssize_t n = PyList_GET_SIZE(hashes);
     PyObject *previous = parent;
@@ -1040,10 +1042,16 @@ static int record_chain(PyObject *held, PyObject *parent, PyObject *hashes, PyOb
          * untrack them at its first pass, so what a worker holds never weighs on collections. */
         if (PyLong_CheckExact(PyTuple_GET_ITEM(entry, 1)) && (previous == Py_None || PyLong_CheckExact(previous)))
             PyObject_GC_UnTrack(entry);
-        int failed = PyDict_SetItem(held, block, entry);
+        PyObject *kept = PyDict_SetDefault(held, block, entry); /* borrowed */
         Py_DECREF(entry);
-        if (failed < 0)
+        if (kept == NULL)
             return -1;
+        if (kept != entry) { /* held already: the blocks before it were new, and are taken back */
+            for (Py_ssize_t j = 0; j < i; j++)
+                if (PyDict_DelItem(held, PyList_GET_ITEM(hashes, j)) < 0)
+                    return -1;
+            return 4;
+        }
         previous = block;
     }
     return 0;
@@ -1312,8 +1320,11 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
                 if (!found)
                     break; /* refused: Python names it */
             }
-            if (record_chain(held, d->parent != NULL ? d->parent : Py_None, d->hashes, d->locals) < 0)
+            int recorded = record_chain(held, d->parent != NULL ? d->parent : Py_None, d->hashes, d->locals);
+            if (recorded < 0)
                 goto done;
+            if (recorded)
+                break; /* a copy of a held block: Python counts it (`HeldBlocks.store`) */
             encoded = encode_stored(templates[applied], args[8], last + 1, d);
         } else {
             if (held != NULL && PyDict_GET_SIZE(held) > 0 &&
@@ -1360,7 +1371,7 @@ static PyMethodDef methods[] = {
      "decode_batch(payload, block_size, seed, salts=None) -> (ts, dp_rank, events, ignored) | None: a plain engine "
      "batch."},
     {"hold_chain", (PyCFunction)(void (*)(void))py_hold_chain, METH_FASTCALL,
-     "hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3: HeldBlocks.store."},
+     "hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3 | 4: HeldBlocks.store."},
     {"drop_blocks", (PyCFunction)(void (*)(void))py_drop_blocks, METH_FASTCALL,
      "drop_blocks(held, block_hashes) -> None: HeldBlocks.remove (hashes not held are ignored)."},
     {"bridge_batch", (PyCFunction)(void (*)(void))py_bridge_batch, METH_FASTCALL,

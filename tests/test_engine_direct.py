@@ -853,6 +853,46 @@ async def test_host_tier_stores_without_token_ids_add_that_tier_to_the_device_bl
         assert [p.kind for p in ConfigDoctor(router, engines=[direct]).check()] == []
 
 
+async def test_a_block_stored_twice_leaves_the_index_only_with_its_last_copy() -> None:
+    """vLLM shares no physical block: two requests computing one prefix at once store it twice, and
+    each copy is evicted by its own removal. The index keeps the block (and what is stored under it)
+    until the last copy goes."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True) as (engine, direct):
+        await _heard(engine, direct)
+        tokens = list(range(1, 3 * BLOCK + 1))
+        local = compute_block_hashes(tokens, BLOCK)
+        prefix = {
+            "type": "BlockStored",
+            "block_hashes": [21, 22],
+            "parent_block_hash": None,
+            "token_ids": tokens[: 2 * BLOCK],
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+        below = {
+            "type": "BlockStored",
+            "block_hashes": [23],
+            "parent_block_hash": 22,
+            "token_ids": tokens[2 * BLOCK :],
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+        evicted = {"type": "BlockRemoved", "block_hashes": [22], "medium": "GPU"}  # fmt: skip
+        stats = direct.streams[0].stats
+        await _settled(stats)
+        applied = stats["applied"]
+        for events in ([prefix], [prefix, below], [evicted]):
+            await engine.send_raw(encode([1.0, events, 0]))
+        await eventually(lambda: stats["applied"] == applied + 3, 10, "the three batches applied")
+        assert router.tree.find_matches(local).scores == {(WORKER, 0): 3}  # the other copy of 22 is held
+        await engine.send_raw(encode([1.0, [evicted], 0]))
+        await eventually(lambda: router.tree.find_matches(local).scores == {(WORKER, 0): 1}, 10, "22's last copy gone")
+        assert _stream(router).trusted
+
+
 class FreezingRelay:
     """A TCP relay standing for the engine's host at a fixed address: ``freeze`` makes the host vanish
     without a FIN or RST (its connections stay open and carry nothing: a crashed node, a partition);

@@ -37,7 +37,9 @@ from indexer.engine_events import (
     resolve_offloaded,
     to_kv_event,
 )
+from indexer.errors import KvIndexError
 from indexer.events import RouterEvent, StorageTier, cleared_event
+from indexer.held_blocks import HeldBlocks
 from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.engines.hash_check import TokensHashCheck
@@ -83,6 +85,9 @@ class SequencerSink:
         self.offloaded_unresolved = 0
         self._last_id: dict[int, int] = {}
         self._tiers: dict[int, set[StorageTier]] = {}
+        # What the engine holds, for its copies of one block (vLLM stores a hash again for another
+        # request): a removal reaches the index only once the last copy goes, as on the bridge.
+        self._held = HeldBlocks(worker_id)
         # Told when the worker turns out removed (DELETE /v1/workers) while its engine kept publishing.
         self.on_removed: Callable[[], None] | None = None
 
@@ -90,6 +95,7 @@ class SequencerSink:
         """The worker was removed: its streams start again from id 1."""
         self._last_id.clear()
         self._tiers.clear()
+        self._held = HeldBlocks(self.worker_id)
 
     def _ensure_registered(self) -> None:
         if self._last_id and not self.router.has_worker(self.worker_id):
@@ -130,14 +136,36 @@ class SequencerSink:
             else:
                 resolved = [event]
             for one in resolved:
-                batch.append(RouterEvent(self.worker_id, to_kv_event(one, self._next_id(dp_rank), dp_rank), tier))
+                held = self._hold(dp_rank, one)
+                if held is not None:
+                    batch.append(RouterEvent(self.worker_id, to_kv_event(held, self._next_id(dp_rank), dp_rank), tier))
         self.router.sequencer.ingest(batch)
+
+    def _hold(
+        self, dp_rank: int, event: EngineStored | EngineRemoved | EngineCleared
+    ) -> EngineStored | EngineRemoved | EngineCleared | None:
+        """``event`` as the index must hear it, the engine's copies counted: a removal of copies while
+        another is held is dropped (None), or leaves out their hashes."""
+        if type(event) is EngineStored:
+            with contextlib.suppress(KvIndexError):  # the index refuses it alike, and counts it
+                self._held.store(dp_rank, event.tier, event.parent_hash, event.block_hashes, event.tokens_hashes)
+        elif type(event) is EngineRemoved:
+            forwarded = self._held.remove(dp_rank, event.tier, event.block_hashes)
+            if event.block_hashes and not forwarded:
+                return None
+            if forwarded is not event.block_hashes:
+                return EngineRemoved(forwarded, event.tier)
+        else:
+            self._held.clear(dp_rank, StorageTier.DEVICE)
+        return event
 
     async def restarted(self, dp_rank: int) -> None:
         if not self.accepting:
             return
         self._ensure_registered()
         tiers = self._tiers.get(dp_rank) or {StorageTier.DEVICE}
+        for tier in self._held.tiers(dp_rank):
+            self._held.clear(dp_rank, tier)
         self.router.sequencer.ingest(
             RouterEvent(self.worker_id, cleared_event(self._next_id(dp_rank), dp_rank=dp_rank), tier)
             for tier in sorted(tiers | {StorageTier.DEVICE})

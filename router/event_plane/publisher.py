@@ -246,7 +246,8 @@ class KvEventPublisher:
         self, block_hashes: Iterable[int], *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE
     ) -> int:
         rank = self._rank_log(dp_rank)
-        return await self._emit(rank, *self._removed(rank, dp_rank, storage_tier, list(block_hashes)))
+        numbered = self._removed(rank, dp_rank, storage_tier, list(block_hashes))
+        return rank.last_event_id if numbered is None else await self._emit(rank, *numbered)
 
     async def cleared(self, *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE) -> int:
         rank = self._rank_log(dp_rank)
@@ -274,7 +275,10 @@ class KvEventPublisher:
                     refused.append((event, exc))
                     continue
             elif type(event) is EngineRemoved:
-                numbered = self._removed(rank, dp_rank, event.tier, event.block_hashes)
+                removal = self._removed(rank, dp_rank, event.tier, event.block_hashes)
+                if removal is None:
+                    continue
+                numbered = removal
             else:
                 numbered = self._cleared(rank, dp_rank, StorageTier.DEVICE)
             keep(numbered)
@@ -313,7 +317,8 @@ class KvEventPublisher:
         batch's ``events`` decoded events are in the open `batch` (fewer: the next store was refused and
         the rest is the caller's); None, with nothing changed, for what the Python path must do."""
         batch = self._batch
-        if not (EVENTS_NATIVE and self._msgpack and self._encoder.native) or batch is None:
+        # Blocks held in copies take the Python path, which counts them (`HeldBlocks`).
+        if not (EVENTS_NATIVE and self._msgpack and self._encoder.native) or batch is None or self._held.has_copies:
             return None
         taken = events_accel.bridge_batch(
             payload,
@@ -368,11 +373,15 @@ class KvEventPublisher:
 
     def _removed(
         self, rank: _RankLog, dp_rank: int, storage_tier: StorageTier, block_hashes: list[int]
-    ) -> tuple[int, bytes]:
+    ) -> tuple[int, bytes] | None:
+        """None: only copies of blocks still held in another copy were removed, which routers must not hear."""
         if block_hashes and (min(block_hashes) < 0 or max(block_hashes) > U64_MAX):
             block_hashes = [as_u64(value, "block_hash") for value in block_hashes]
         # A removal of unknown hashes still applies the rest; routers report the unknown ones alike.
-        self._held.remove(dp_rank, storage_tier, block_hashes)
+        forwarded = self._held.remove(dp_rank, storage_tier, block_hashes)
+        if block_hashes and not forwarded:
+            return None
+        block_hashes = forwarded
         rank.last_event_id = event_id = rank.last_event_id + 1
         if self._msgpack:
             return event_id, self._removed_encoder.encode(event_id, dp_rank, storage_tier, block_hashes)
