@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from indexer.events import StorageTier
@@ -891,6 +892,39 @@ async def test_a_block_stored_twice_leaves_the_index_only_with_its_last_copy() -
         await engine.send_raw(encode([1.0, [evicted], 0]))
         await eventually(lambda: router.tree.find_matches(local).scores == {(WORKER, 0): 1}, 10, "22's last copy gone")
         assert _stream(router).trusted
+
+
+async def test_an_engine_stamping_another_dp_rank_is_named_by_the_doctor_and_heard_once_registered_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM run with external data parallelism (--data-parallel-rank 1) stamps rank 1 in every batch;
+    heard as a worker of one rank (0), its events are refused. The log says so at the first batch, and
+    the doctor names the stamped rank and the registration's, not "enable the engine's KV events";
+    registered with dp_start_rank 1, as they advise, the worker's index follows the engine."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    clock = [1000.0]
+    async with direct_mode(router, 8, replay=True, dp_rank=1) as (engine, direct):
+        doctor = ConfigDoctor(router, engines=[direct], clock=lambda: clock[0])
+        for _ in range(5):
+            await engine.step()
+        await eventually(lambda: router.sequencer.unknown_dp_rank_events[8, 1] > 0, 10, "rank 1's events refused")
+        said = [r.getMessage() for r in caplog.records if "stamped with dp rank 1" in r.getMessage()]
+        assert len(said) == 1 and "registered with ranks 0..0" in said[0] and "dp_start_rank 1" in said[0]
+        doctor._on_routed((8, 0), [123])
+        clock[0] += 120
+        (problem,) = doctor.check()
+        assert problem.kind == "events_not_wired"
+        assert "stamped with dp rank 1" in problem.evidence and "registered with ranks 0..0" in problem.evidence
+        assert "dp_start_rank 1" in problem.evidence and "--kv-events-config" not in problem.evidence
+
+        worker = router.worker(8)
+        assert worker is not None
+        router.register_worker(msgspec.structs.replace(worker, dp_start_rank=1))
+        direct.streams[0].request_rebuild()
+        for _ in range(5):
+            await engine.step()
+        await _converged(router, engine, direct)
+        assert engine.dump() and doctor.check() == []
 
 
 class FreezingRelay:

@@ -118,7 +118,10 @@ class SequencerSink:
             self.dropped_events += len(events)
             return
         self._ensure_registered()
-        tiers = self._tiers.setdefault(dp_rank, set())
+        tiers = self._tiers.get(dp_rank)
+        if tiers is None:
+            tiers = self._tiers[dp_rank] = set()
+            self._check_rank(dp_rank)
         batch: list[RouterEvent] = []
         for event in events:
             tier = event_tier(event)
@@ -140,6 +143,22 @@ class SequencerSink:
                 if held is not None:
                     batch.append(RouterEvent(self.worker_id, to_kv_event(held, self._next_id(dp_rank), dp_rank), tier))
         self.router.sequencer.ingest(batch)
+
+    def _check_rank(self, dp_rank: int) -> None:
+        """A rank first heard that the worker does not have: every event of it will be refused."""
+        worker = self.router.worker(self.worker_id)
+        if worker is not None and dp_rank not in worker.dp_ranks:
+            log.warning(
+                "engine events of worker %d are stamped with dp rank %d, but it is registered with ranks %d..%d: they "
+                "are refused (unknown_dp_rank). An engine run with external or hybrid data parallelism (vLLM "
+                "--data-parallel-rank) stamps its own rank: register the worker with dp_start_rank %d (POST "
+                "/v1/workers or the config file)",
+                self.worker_id,
+                dp_rank,
+                worker.dp_ranks.start,
+                worker.dp_ranks.stop - 1,
+                dp_rank,
+            )
 
     def _hold(
         self, dp_rank: int, event: EngineStored | EngineRemoved | EngineCleared
