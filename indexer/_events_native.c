@@ -537,10 +537,9 @@ static void decoded_clear(Decoded *d) {
  * batch's changes, applied to it only when the whole batch is taken (a declined batch must leave it as
  * it was, for Python to decide from). `bridge_batch` passes no context: it declines any salted store. */
 typedef struct {
-    PyObject *salts;   /* borrowed: block hash -> salt, or NULL */
-    PyObject *added;   /* a new dict of this batch's stores (hash -> salt), or NULL */
-    PyObject *dropped; /* a new dict of the keys of `salts` this batch removed (to None), or NULL */
-    int cleared;       /* `salts` cleared by this batch (before `added`) */
+    PyObject *salts; /* borrowed: block hash -> salt, or NULL */
+    PyObject *added; /* a new dict of this batch's stores (hash -> salt), or NULL */
+    int cleared;     /* `salts` cleared by this batch (before `added`) */
 } Salts;
 
 /* Whether the salts, as this batch has changed them so far, hold anything (Python's `if salts`). */
@@ -549,7 +548,7 @@ static int salts_any(Salts *s) {
         return 0;
     if (s->added != NULL && PyDict_GET_SIZE(s->added) > 0)
         return 1;
-    return !s->cleared && PyDict_GET_SIZE(s->salts) > (s->dropped != NULL ? PyDict_GET_SIZE(s->dropped) : 0);
+    return !s->cleared && PyDict_GET_SIZE(s->salts) > 0;
 }
 
 /* The salt of `key` as this batch has changed the salts (borrowed), NULL when none (or an error). */
@@ -561,22 +560,7 @@ static PyObject *salts_get(Salts *s, PyObject *key) {
     }
     if (s->cleared)
         return NULL;
-    if (s->dropped != NULL) {
-        int gone = PyDict_Contains(s->dropped, key);
-        if (gone != 0)
-            return NULL;
-    }
     return PyDict_GetItemWithError(s->salts, key);
-}
-
-static int salts_drop(Salts *s, PyObject *key) {
-    if (s->added != NULL && PyDict_Contains(s->added, key) == 1 && PyDict_DelItem(s->added, key) < 0)
-        return -1;
-    if (s->cleared || PyDict_Contains(s->salts, key) != 1)
-        return PyErr_Occurred() ? -1 : 0;
-    if (s->dropped == NULL && (s->dropped = PyDict_New()) == NULL)
-        return -1;
-    return PyDict_SetItem(s->dropped, key, Py_None);
 }
 
 static int salts_add(Salts *s, PyObject *key, PyObject *salt) {
@@ -588,7 +572,6 @@ static int salts_add(Salts *s, PyObject *key, PyObject *salt) {
 static void salts_clear(Salts *s) {
     s->cleared = 1;
     Py_CLEAR(s->added);
-    Py_CLEAR(s->dropped);
 }
 
 /* This batch's changes into the caller's dict (the batch was taken). */
@@ -597,13 +580,6 @@ static int salts_commit(Salts *s) {
         return 0;
     if (s->cleared)
         PyDict_Clear(s->salts);
-    else if (s->dropped != NULL) {
-        Py_ssize_t pos = 0;
-        PyObject *key, *unused;
-        while (PyDict_Next(s->dropped, &pos, &key, &unused))
-            if (PyDict_DelItem(s->salts, key) < 0)
-                return -1;
-    }
     return s->added != NULL ? PyDict_Update(s->salts, s->added) : 0;
 }
 
@@ -786,16 +762,9 @@ static int read_batch(Reader *r, long block_size, PyObject *seed, Salts *salts, 
         int taken = decode_event(&f, r->end, block_size, seed, salts, d);
         if (taken < 0)
             goto unsupported;
-        if (taken > 0 && salts != NULL && d->kind != STORED && salts_any(salts)) {
-            if (d->kind == CLEARED)
-                salts_clear(salts);
-            else
-                for (Py_ssize_t j = 0; j < PyList_GET_SIZE(d->hashes); j++)
-                    if (salts_drop(salts, PyList_GET_ITEM(d->hashes, j)) < 0) {
-                        b->count++; /* cleared with the batch */
-                        goto failed;
-                    }
-        }
+        /* A removal leaves the salts to the caller: the engine may hold another copy of the block. */
+        if (taken > 0 && salts != NULL && d->kind == CLEARED && salts_any(salts))
+            salts_clear(salts);
         if (taken == 0)
             b->ignored++;
         else
@@ -878,7 +847,7 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "decode_batch(payload, block_size, seed, salts=None)");
         return NULL;
     }
-    Salts salts = {NULL, NULL, NULL, 0};
+    Salts salts = {NULL, NULL, 0};
     if (nargs == 4 && args[3] != Py_None) {
         if (!PyDict_CheckExact(args[3])) {
             PyErr_SetString(PyExc_TypeError, "salts must be a dict or None");
@@ -893,7 +862,6 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *args, Py_ssize
         read = -1;
     }
     Py_CLEAR(salts.added);
-    Py_CLEAR(salts.dropped);
     if (read <= 0)
         return read < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *events = PyList_New(b.count), *result = NULL;

@@ -16,7 +16,9 @@ What comes out, per event, is what our ``RouterEvent``s carry:
   ``cache_salt`` is), Dynamo's ``block_mm_infos`` add multimodal hashes. SGLang names the salt in
   every event; vLLM (0.32) only in ``extra_keys`` of a request's first block, so the blocks stored
   later under a salted block are salted alike: the caller passes, per engine stream, a ``salts`` dict
-  (block hash -> salt of the salted blocks the engine holds) that decoding keeps up to date;
+  (block hash -> salt of the salted blocks the engine holds) that decoding adds to and a clear
+  empties; a removal leaves it to the caller (vLLM evicts each copy of a block alone: the salt goes
+  with the last one, which only the caller's count of copies tells);
 - ``medium`` mapped to a `StorageTier` as Dynamo maps it, except that an unknown medium counts as the
   lowest tier rather than as GPU memory;
 - ``AllBlocksCleared`` as `EngineCleared`.
@@ -315,7 +317,8 @@ def decode_engine_batch(
 
     ``cache_namespace`` salts every block's hash the way requests naming that namespace are hashed.
     ``salts``: the cache salt of each salted block the engine holds (block hash -> salt), one dict per
-    engine stream, read and kept up to date here (None: salts are not followed past their first block).
+    engine stream, read and added to here, emptied by a clear, its removed blocks' forgotten by the
+    caller (None: salts are not followed past their first block).
     ``side_groups``: the KV-cache groups of a hybrid model (``group_idx``) whose stores are not main
     attention (sliding window, mamba, ...), one set per engine stream, learnt here from their stores:
     their removals are ignored as their stores are (each group evicts its own copy of a block under the
@@ -439,11 +442,8 @@ def _engine_event(
     if isinstance(event, _REMOVED):
         if side_groups and event.group_idx in side_groups:
             return None, False  # a side group's copy evicted: main attention still holds the block
-        removed = EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium))
-        if salts:
-            for block_hash in removed.block_hashes:
-                salts.pop(block_hash, None)
-        return removed, False
+        # Salts stay: the engine may hold another copy of the block (the caller forgets them).
+        return EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium)), False
     kind = event.kv_cache_spec_kind
     if kind is not None and kind not in _MAIN_ATTENTION:
         if side_groups is not None and event.group_idx is not None:

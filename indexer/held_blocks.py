@@ -156,6 +156,10 @@ class HeldBlocks:
         self._held.pop((dp_rank, tier), None)
         self._copies.pop((dp_rank, tier), None)
 
+    def holds(self, dp_rank: int, block_hash: int) -> bool:
+        """Whether ``dp_rank`` holds a copy of the block, in any tier."""
+        return any(rank == dp_rank and block_hash in held for (rank, _), held in self._held.items())
+
     def tiers(self, dp_rank: int) -> set[StorageTier]:
         """The tiers ``dp_rank`` stored blocks in since each was last cleared."""
         return {tier for rank, tier in self._held if rank == dp_rank}

@@ -894,6 +894,35 @@ async def test_a_block_stored_twice_leaves_the_index_only_with_its_last_copy() -
         assert _stream(router).trusted
 
 
+async def test_a_salted_block_stored_twice_keeps_its_salt_for_what_is_stored_under_its_other_copy() -> None:
+    """Two requests with one salted prompt store its blocks twice; one copy of B is evicted, and the
+    second request goes on under its own copy of B: C is hashed in the salt's namespace, so a request
+    with that salt matches all three blocks. The salt goes with B's last copy."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True) as (engine, direct):
+        await _heard(engine, direct)
+        tokens = list(range(1, 3 * BLOCK + 1))
+        salted = compute_block_hashes(tokens, BLOCK, cache_namespace="tenant-X")
+
+        def stored(hashes: list[int], parent: int | None, ids: list[int], keys: list[Any]) -> dict[str, Any]:
+            return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": ids,
+                    "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": keys,
+                    "group_idx": 0, "kv_cache_spec_kind": "full_attention"}  # fmt: skip
+
+        prefix = stored([31, 32], None, tokens[: 2 * BLOCK], [["tenant-X"], None])
+        evicted = {"type": "BlockRemoved", "block_hashes": [32], "medium": "GPU", "group_idx": 0}
+        stats = direct.streams[0].stats
+        await _settled(stats)
+        applied = stats["applied"]
+        for events in ([prefix], [prefix], [evicted], [stored([33], 32, tokens[2 * BLOCK :], [None])]):
+            await engine.send_raw(encode([1.0, events, 0]))
+        await eventually(lambda: stats["applied"] == applied + 4, 10, "the four batches applied")
+        assert router.tree.find_matches(salted).scores == {(WORKER, 0): 3}
+        await engine.send_raw(encode([1.0, [evicted, {**evicted, "block_hashes": [33]}], 0]))
+        await eventually(lambda: router.tree.find_matches(salted).scores == {(WORKER, 0): 1}, 10, "B's last copy gone")
+        assert direct.streams[0].salts == {31: "tenant-X"}
+
+
 async def test_an_engine_stamping_another_dp_rank_is_named_by_the_doctor_and_heard_once_registered_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

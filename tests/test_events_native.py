@@ -382,7 +382,8 @@ def test_real_vllm_captures_run_in_c_and_a_salted_one_is_salted_by_python(shared
     removal = {"type": "BlockRemoved", "block_hashes": [77, *stored.block_hashes], "medium": "GPU"}
     assert _check(encode([1.5, [removal], 0]), salts=salts)
     decode_engine_batch(encode([1.5, [removal], 0]), BLOCK, salts=salts)
-    assert salts == {}
+    # Kept: the engine may hold another copy; the stream forgets them with the last (test_engine_direct).
+    assert set(salts) == {77, *stored.block_hashes}
 
 
 def test_a_lone_string_in_the_keys_of_a_block_under_a_parent_is_no_salt() -> None:

@@ -90,6 +90,9 @@ class PublisherSink:
             self.apply(dp_rank, rest)
         return PayloadApplied(dp_rank, count, ignored, contradictions)
 
+    def holds(self, dp_rank: int, block_hash: int) -> bool:
+        return self.publisher.holds(dp_rank, block_hash)
+
     async def restarted(self, dp_rank: int) -> None:
         async with self.publisher.batch():
             for tier in sorted(self.publisher.held_tiers(dp_rank) | {StorageTier.DEVICE}):

@@ -200,6 +200,9 @@ class SequencerSink:
     ) -> PayloadApplied | None:
         return None  # the stream decodes each batch and `apply`s its events
 
+    def holds(self, dp_rank: int, block_hash: int) -> bool:
+        return self._held.holds(dp_rank, block_hash)
+
 
 class AdoptedBlockSize:
     """``--block-size auto``: the first engine's stored event decides the router's block size; an

@@ -72,6 +72,7 @@ from zmq.utils.monitor import recv_monitor_message
 from indexer.engine_events import (
     EngineDecodeError,
     EngineEvent,
+    EngineRemoved,
     EngineStored,
     decode_engine_batch,
     stored_block_size,
@@ -130,6 +131,10 @@ class EngineSink(Protocol):
     ) -> PayloadApplied | None:
         """Decode, check and apply one engine payload whole (the bridge: one C call), or None when the
         stream must decode it and `apply` the events itself."""
+        ...
+
+    def holds(self, dp_rank: int, block_hash: int) -> bool:
+        """Whether a copy of the block is held on ``dp_rank``, in any tier (its salt is then kept)."""
         ...
 
 
@@ -828,6 +833,18 @@ class ZmqEngineStream:
                          "router hashes them alike (--enable-eagle)", self.endpoint)  # fmt: skip
             self.stats["eagle_stores"] += batch.eagle_stores
         self.sink.apply(rank, batch.events)
+        if self.salts:
+            self._forget_salts(rank, batch.events)
+
+    def _forget_salts(self, dp_rank: int, events: list[EngineEvent]) -> None:
+        """The salts of the removed blocks of which the sink holds no copy left (vLLM evicts each copy
+        of a block alone: a salted continuation under the other copy must still be salted)."""
+        salts, holds = self.salts, self.sink.holds
+        for event in events:
+            if isinstance(event, EngineRemoved):
+                for block_hash in event.block_hashes:
+                    if block_hash in salts and not holds(dp_rank, block_hash):
+                        del salts[block_hash]
 
     def _hash_mismatch(self, seq: int, found: str | None) -> None:
         if found is not None:

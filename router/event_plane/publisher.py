@@ -411,6 +411,10 @@ class KvEventPublisher:
         """The ranks whose holdings are unknown since a gap nobody could replay, until they clear."""
         return frozenset(self._unverified)
 
+    def holds(self, dp_rank: int, block_hash: int) -> bool:
+        """Whether this rank holds a copy of the block, in any tier (`HeldBlocks.holds`)."""
+        return self._held.holds(dp_rank, block_hash)
+
     def held_tiers(self, dp_rank: int) -> set[StorageTier]:
         """The storage tiers this rank has held blocks in since they were last cleared."""
         return self._held.tiers(dp_rank)
