@@ -413,6 +413,32 @@ def test_host_tier_stores_without_token_ids_reach_the_router_through_the_bridge_
         chain.close()
 
 
+def test_a_bridge_whose_engine_stamps_a_rank_its_worker_lacks_says_so_once(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM run with --data-parallel-rank 1 stamps rank 1; a bridge of one rank registers rank 0, so
+    routers refuse every event: the bridge's log says why at the rank's first batch, once."""
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge()
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        stored = {"type": "BlockStored", "block_hashes": [41], "parent_block_hash": None, "medium": "GPU",
+                  "token_ids": list(range(BLOCK)), "block_size": BLOCK, "lora_id": None}  # fmt: skip
+        for block_hash in (41, 42):
+            side.call(
+                chain.engine.send_raw(msgspec.msgpack.encode([1.0, [{**stored, "block_hashes": [block_hash]}], 1]))
+            )
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "under dp rank 1" in r.getMessage()]
+
+        until(lambda: chain.bridge is not None and chain.bridge.publisher.last_event_ids().get(1) == 2)
+        assert len(said()) == 1 and "registered with ranks 0..0" in said()[0] and "dp_start_rank" in said()[0]
+        assert _dump(router) == []
+    finally:
+        chain.close()
+
+
 def test_a_bridge_whose_registration_fails_as_its_engine_comes_back_registers_at_the_next_probe(
     router: TestClient, side: SideLoop, nats_server: EmbeddedNats
 ) -> None:

@@ -423,6 +423,17 @@ class KvEventPublisher:
         rank = self._ranks.get(dp_rank)
         if rank is None:
             rank = self._ranks[dp_rank] = _RankLog(self._ring_size)
+            ranks = self.registration.dp_ranks
+            if dp_rank not in ranks:  # an engine run with external data parallelism stamps its own rank
+                log.warning(
+                    "events of worker %d under dp rank %d, but it is registered with ranks %d..%d: routers refuse "
+                    "them (unknown_dp_rank); an engine run with external or hybrid data parallelism (vLLM "
+                    "--data-parallel-rank) stamps its own rank, which the registration must hold (dp_start_rank)",
+                    self.worker_id,
+                    dp_rank,
+                    ranks.start,
+                    ranks.stop - 1,
+                )
         return rank
 
     def _encode(self, event: RouterEvent) -> bytes:
