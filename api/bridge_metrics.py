@@ -78,7 +78,8 @@ class BridgeCollector(Collector):
             ),
             CounterMetricFamily(
                 f"{BRIDGE}_events_refused",
-                "Engine events not published, by reason (a store under a parent the engine never stored).",
+                "Engine events not published, by reason (a store under a parent the engine never stored; "
+                "offloaded_unresolved: hashes of a token-less lower-tier store naming no block the rank holds).",
                 labels=["reason"],
             ),
             GaugeMetricFamily(

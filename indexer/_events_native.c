@@ -537,10 +537,9 @@ static void decoded_clear(Decoded *d) {
  * batch's changes, applied to it only when the whole batch is taken (a declined batch must leave it as
  * it was, for Python to decide from). `bridge_batch` passes no context: it declines any salted store. */
 typedef struct {
-    PyObject *salts;   /* borrowed: block hash -> salt, or NULL */
-    PyObject *added;   /* a new dict of this batch's stores (hash -> salt), or NULL */
-    PyObject *dropped; /* a new dict of the keys of `salts` this batch removed (to None), or NULL */
-    int cleared;       /* `salts` cleared by this batch (before `added`) */
+    PyObject *salts; /* borrowed: block hash -> salt, or NULL */
+    PyObject *added; /* a new dict of this batch's stores (hash -> salt), or NULL */
+    int cleared;     /* `salts` cleared by this batch (before `added`) */
 } Salts;
 
 /* Whether the salts, as this batch has changed them so far, hold anything (Python's `if salts`). */
@@ -549,7 +548,7 @@ static int salts_any(Salts *s) {
         return 0;
     if (s->added != NULL && PyDict_GET_SIZE(s->added) > 0)
         return 1;
-    return !s->cleared && PyDict_GET_SIZE(s->salts) > (s->dropped != NULL ? PyDict_GET_SIZE(s->dropped) : 0);
+    return !s->cleared && PyDict_GET_SIZE(s->salts) > 0;
 }
 
 /* The salt of `key` as this batch has changed the salts (borrowed), NULL when none (or an error). */
@@ -561,22 +560,7 @@ static PyObject *salts_get(Salts *s, PyObject *key) {
     }
     if (s->cleared)
         return NULL;
-    if (s->dropped != NULL) {
-        int gone = PyDict_Contains(s->dropped, key);
-        if (gone != 0)
-            return NULL;
-    }
     return PyDict_GetItemWithError(s->salts, key);
-}
-
-static int salts_drop(Salts *s, PyObject *key) {
-    if (s->added != NULL && PyDict_Contains(s->added, key) == 1 && PyDict_DelItem(s->added, key) < 0)
-        return -1;
-    if (s->cleared || PyDict_Contains(s->salts, key) != 1)
-        return PyErr_Occurred() ? -1 : 0;
-    if (s->dropped == NULL && (s->dropped = PyDict_New()) == NULL)
-        return -1;
-    return PyDict_SetItem(s->dropped, key, Py_None);
 }
 
 static int salts_add(Salts *s, PyObject *key, PyObject *salt) {
@@ -588,7 +572,6 @@ static int salts_add(Salts *s, PyObject *key, PyObject *salt) {
 static void salts_clear(Salts *s) {
     s->cleared = 1;
     Py_CLEAR(s->added);
-    Py_CLEAR(s->dropped);
 }
 
 /* This batch's changes into the caller's dict (the batch was taken). */
@@ -597,13 +580,6 @@ static int salts_commit(Salts *s) {
         return 0;
     if (s->cleared)
         PyDict_Clear(s->salts);
-    else if (s->dropped != NULL) {
-        Py_ssize_t pos = 0;
-        PyObject *key, *unused;
-        while (PyDict_Next(s->dropped, &pos, &key, &unused))
-            if (PyDict_DelItem(s->salts, key) < 0)
-                return -1;
-    }
     return s->added != NULL ? PyDict_Update(s->salts, s->added) : 0;
 }
 
@@ -680,6 +656,9 @@ static int decode_event(Fields *f, const uint8_t *end, long block_size, PyObject
         verdict = ignored > 0 && has_group == 0 ? 0 : -1;
         goto done;
     }
+    /* A token-less store in a lower tier (vLLM's OffloadingConnector): an `EngineOffloaded`, from Python. */
+    if (d->tier != device_tier && (f->token_ids == NULL || (f->token_ids_end - f->token_ids == 1 && *f->token_ids == 0x90)))
+        goto done;
     if (has_size && (negative || engine_block_size != (uint64_t)block_size))
         goto done; /* block_size_mismatch: named by Python */
     int repeated = repeats(d->values, n, d->parent != NULL, d->parent_value);
@@ -783,16 +762,9 @@ static int read_batch(Reader *r, long block_size, PyObject *seed, Salts *salts, 
         int taken = decode_event(&f, r->end, block_size, seed, salts, d);
         if (taken < 0)
             goto unsupported;
-        if (taken > 0 && salts != NULL && d->kind != STORED && salts_any(salts)) {
-            if (d->kind == CLEARED)
-                salts_clear(salts);
-            else
-                for (Py_ssize_t j = 0; j < PyList_GET_SIZE(d->hashes); j++)
-                    if (salts_drop(salts, PyList_GET_ITEM(d->hashes, j)) < 0) {
-                        b->count++; /* cleared with the batch */
-                        goto failed;
-                    }
-        }
+        /* A removal leaves the salts to the caller: the engine may hold another copy of the block. */
+        if (taken > 0 && salts != NULL && d->kind == CLEARED && salts_any(salts))
+            salts_clear(salts);
         if (taken == 0)
             b->ignored++;
         else
@@ -875,7 +847,7 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "decode_batch(payload, block_size, seed, salts=None)");
         return NULL;
     }
-    Salts salts = {NULL, NULL, NULL, 0};
+    Salts salts = {NULL, NULL, 0};
     if (nargs == 4 && args[3] != Py_None) {
         if (!PyDict_CheckExact(args[3])) {
             PyErr_SetString(PyExc_TypeError, "salts must be a dict or None");
@@ -890,7 +862,6 @@ static PyObject *py_decode_batch(PyObject *self, PyObject *const *args, Py_ssize
         read = -1;
     }
     Py_CLEAR(salts.added);
-    Py_CLEAR(salts.dropped);
     if (read <= 0)
         return read < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *events = PyList_New(b.count), *result = NULL;
@@ -928,11 +899,11 @@ static PyObject *py_configure(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------------ held blocks */
 
-/* hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3
+/* hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3 | 4
  *
  * `HeldBlocks.store`'s checks and update: 1 a device store under a parent not held, 2 a chain that
- * holds its parent, 3 a chain that repeats a hash (nothing recorded then); 0 recorded, each block
- * under the one before it. ValueError when the two lists differ in length. */
+ * holds its parent, 3 a chain that repeats a hash, 4 a chain with a block already held (nothing
+ * recorded then); 0 recorded, each block under the one before it. ValueError when the two lists differ in length. */
 static int compare_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return (x > y) - (x < y);
@@ -1024,7 +995,9 @@ static int hold(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *lo
     return record_chain(held, parent, hashes, locals);
 }
 
-/* Each block of the chain held under the one before it (the first under `parent`); -1: an error. */
+/* Each block of the chain held under the one before it (the first under `parent`); -1: an error; 4: a
+ * block already held (another copy: vLLM does not share physical blocks), the chain left unrecorded
+ * for Python to count the copy. One dict operation per block, the test included. */
 static int record_chain(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *locals) {
     Py_ssize_t n = PyList_GET_SIZE(hashes);
     PyObject *previous = parent;
@@ -1037,10 +1010,16 @@ static int record_chain(PyObject *held, PyObject *parent, PyObject *hashes, PyOb
          * untrack them at its first pass, so what a worker holds never weighs on collections. */
         if (PyLong_CheckExact(PyTuple_GET_ITEM(entry, 1)) && (previous == Py_None || PyLong_CheckExact(previous)))
             PyObject_GC_UnTrack(entry);
-        int failed = PyDict_SetItem(held, block, entry);
+        PyObject *kept = PyDict_SetDefault(held, block, entry); /* borrowed */
         Py_DECREF(entry);
-        if (failed < 0)
+        if (kept == NULL)
             return -1;
+        if (kept != entry) { /* held already: the blocks before it were new, and are taken back */
+            for (Py_ssize_t j = 0; j < i; j++)
+                if (PyDict_DelItem(held, PyList_GET_ITEM(hashes, j)) < 0)
+                    return -1;
+            return 4;
+        }
         previous = block;
     }
     return 0;
@@ -1309,8 +1288,11 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
                 if (!found)
                     break; /* refused: Python names it */
             }
-            if (record_chain(held, d->parent != NULL ? d->parent : Py_None, d->hashes, d->locals) < 0)
+            int recorded = record_chain(held, d->parent != NULL ? d->parent : Py_None, d->hashes, d->locals);
+            if (recorded < 0)
                 goto done;
+            if (recorded)
+                break; /* a copy of a held block: Python counts it (`HeldBlocks.store`) */
             encoded = encode_stored(templates[applied], args[8], last + 1, d);
         } else {
             if (held != NULL && PyDict_GET_SIZE(held) > 0 &&
@@ -1357,7 +1339,7 @@ static PyMethodDef methods[] = {
      "decode_batch(payload, block_size, seed, salts=None) -> (ts, dp_rank, events, ignored) | None: a plain engine "
      "batch."},
     {"hold_chain", (PyCFunction)(void (*)(void))py_hold_chain, METH_FASTCALL,
-     "hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3: HeldBlocks.store."},
+     "hold_chain(held, parent, block_hashes, tokens_hashes, device) -> 0 | 1 | 2 | 3 | 4: HeldBlocks.store."},
     {"drop_blocks", (PyCFunction)(void (*)(void))py_drop_blocks, METH_FASTCALL,
      "drop_blocks(held, block_hashes) -> None: HeldBlocks.remove (hashes not held are ignored)."},
     {"bridge_batch", (PyCFunction)(void (*)(void))py_bridge_batch, METH_FASTCALL,

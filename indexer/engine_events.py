@@ -16,7 +16,9 @@ What comes out, per event, is what our ``RouterEvent``s carry:
   ``cache_salt`` is), Dynamo's ``block_mm_infos`` add multimodal hashes. SGLang names the salt in
   every event; vLLM (0.32) only in ``extra_keys`` of a request's first block, so the blocks stored
   later under a salted block are salted alike: the caller passes, per engine stream, a ``salts`` dict
-  (block hash -> salt of the salted blocks the engine holds) that decoding keeps up to date;
+  (block hash -> salt of the salted blocks the engine holds) that decoding adds to and a clear
+  empties; a removal leaves it to the caller (vLLM evicts each copy of a block alone: the salt goes
+  with the last one, which only the caller's count of copies tells);
 - ``medium`` mapped to a `StorageTier` as Dynamo maps it, except that an unknown medium counts as the
   lowest tier rather than as GPU memory;
 - ``AllBlocksCleared`` as `EngineCleared`.
@@ -29,7 +31,7 @@ Bad input never raises out of `decode_engine_batch`: an envelope that does not d
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -47,12 +49,14 @@ __all__ = [
     "EngineCleared",
     "EngineDecodeError",
     "EngineEvent",
+    "EngineOffloaded",
     "EngineRemoved",
     "EngineStored",
     "decode_engine_batch",
     "event_tier",
     "fold_hash",
     "python_decode_engine_batch",
+    "resolve_offloaded",
     "storage_tier",
     "stored_block_size",
     "to_kv_event",
@@ -88,7 +92,17 @@ class EngineCleared(NamedTuple):
     pass
 
 
-EngineEvent = EngineStored | EngineRemoved | EngineCleared
+class EngineOffloaded(NamedTuple):
+    """Blocks copied to a lower tier without their token ids (vLLM's OffloadingConnector stores
+    ``token_ids=[]``, ``block_size`` 0): blocks the rank stored with their tokens before, whose tokens
+    hashes the receiver resolves from what the rank holds on the device tier (`resolve_offloaded`)."""
+
+    block_hashes: list[int]
+    tier: StorageTier
+    block_size: int
+
+
+EngineEvent = EngineStored | EngineRemoved | EngineCleared | EngineOffloaded
 
 
 class DecodedBatch(NamedTuple):
@@ -100,8 +114,8 @@ class DecodedBatch(NamedTuple):
     eagle_stores: int = 0  # stores among ``events`` whose token ids came as EAGLE bigrams
 
 
-def to_kv_event(event: EngineEvent, event_id: int, dp_rank: int) -> KvCacheEvent:
-    """The numbered event of one rank's stream that ``event`` becomes."""
+def to_kv_event(event: EngineStored | EngineRemoved | EngineCleared, event_id: int, dp_rank: int) -> KvCacheEvent:
+    """The numbered event of one rank's stream that ``event`` becomes (an offload once resolved)."""
     if isinstance(event, EngineStored):
         blocks = zip(event.block_hashes, event.tokens_hashes, strict=True)
         return stored_event(event_id, blocks, parent_hash=event.parent_hash, dp_rank=dp_rank)
@@ -112,6 +126,29 @@ def to_kv_event(event: EngineEvent, event_id: int, dp_rank: int) -> KvCacheEvent
 
 def event_tier(event: EngineEvent) -> StorageTier:
     return StorageTier.DEVICE if isinstance(event, EngineCleared) else event.tier
+
+
+def resolve_offloaded(
+    event: EngineOffloaded, held: Callable[[int], tuple[int | None, int] | None]
+) -> tuple[list[EngineStored], list[int]]:
+    """The stores in the offload's tier that its hashes become, given ``held``: a device block's
+    ``(parent hash, tokens hash)`` on the rank (None: not held). A lower tier keeps continuation edges
+    from a device parent, so each block goes under its device parent, one store per run that chains;
+    the hashes not held are returned (skipped: no tokens hash to key them by)."""
+    stores: list[EngineStored] = []
+    unresolved: list[int] = []
+    for block_hash in event.block_hashes:
+        found = held(block_hash)
+        if found is None:
+            unresolved.append(block_hash)
+            continue
+        parent, tokens_hash = found
+        if stores and stores[-1].block_hashes[-1] == parent:
+            stores[-1].block_hashes.append(block_hash)
+            stores[-1].tokens_hashes.append(tokens_hash)
+        else:
+            stores.append(EngineStored(parent, [block_hash], [tokens_hash], event.tier, event.block_size))
+    return stores, unresolved
 
 
 # ---------------------------------------------------------------------- wire shapes
@@ -280,7 +317,8 @@ def decode_engine_batch(
 
     ``cache_namespace`` salts every block's hash the way requests naming that namespace are hashed.
     ``salts``: the cache salt of each salted block the engine holds (block hash -> salt), one dict per
-    engine stream, read and kept up to date here (None: salts are not followed past their first block).
+    engine stream, read and added to here, emptied by a clear, its removed blocks' forgotten by the
+    caller (None: salts are not followed past their first block).
     ``side_groups``: the KV-cache groups of a hybrid model (``group_idx``) whose stores are not main
     attention (sliding window, mamba, ...), one set per engine stream, learnt here from their stores:
     their removals are ignored as their stores are (each group evicts its own copy of a block under the
@@ -404,11 +442,8 @@ def _engine_event(
     if isinstance(event, _REMOVED):
         if side_groups and event.group_idx in side_groups:
             return None, False  # a side group's copy evicted: main attention still holds the block
-        removed = EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium))
-        if salts:
-            for block_hash in removed.block_hashes:
-                salts.pop(block_hash, None)
-        return removed, False
+        # Salts stay: the engine may hold another copy of the block (the caller forgets them).
+        return EngineRemoved(_fold_all(event.block_hashes), storage_tier(event.medium)), False
     kind = event.kv_cache_spec_kind
     if kind is not None and kind not in _MAIN_ATTENTION:
         if side_groups is not None and event.group_idx is not None:
@@ -419,8 +454,12 @@ def _engine_event(
 
 def _stored(
     event: _StoredMap | _StoredArray, block_size: int, cache_namespace: str | None, salts: dict[int, str] | None
-) -> tuple[EngineStored, bool]:
+) -> tuple[EngineStored | EngineOffloaded, bool]:
     hashes = _fold_all(event.block_hashes)
+    tier = storage_tier(event.medium)
+    if tier is not StorageTier.DEVICE and event.token_ids == _NO_TOKENS:
+        # Its block size (0, or the connector's) says nothing of the device blocks it names.
+        return EngineOffloaded(hashes, tier, block_size), False
     engine_block_size = event.block_size if event.block_size is not None else block_size
     if engine_block_size != block_size:
         raise EngineDecodeError(
@@ -456,7 +495,7 @@ def _stored(
         raise EngineDecodeError("repeated_hash", "a store repeats a block hash (or its parent's)")
     if salt is not None and salts is not None:
         salts.update(dict.fromkeys(hashes, salt))
-    return EngineStored(parent, hashes, locals_, storage_tier(event.medium), block_size), eagle
+    return EngineStored(parent, hashes, locals_, tier, block_size), eagle
 
 
 def stored_block_size(payload: bytes | memoryview) -> int | None:
@@ -476,7 +515,8 @@ def stored_block_size(payload: bytes | memoryview) -> int | None:
             continue
         if isinstance(event, _StoredMap | _StoredArray) and isinstance(event.block_size, int) and event.block_size > 0:
             kind = event.kv_cache_spec_kind
-            if kind is None or kind in _MAIN_ATTENTION:
+            offload = event.token_ids == _NO_TOKENS and storage_tier(event.medium) is not StorageTier.DEVICE
+            if (kind is None or kind in _MAIN_ATTENTION) and not offload:
                 return event.block_size
     return None
 

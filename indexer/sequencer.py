@@ -67,6 +67,8 @@ RETIRED_EPOCHS_KEPT = 8
 FORGOTTEN_WORKERS_KEPT = 4096
 # Reasons of the most recent rejections kept for callers that report them (the HTTP reply).
 RECENT_REJECTIONS = 8
+# (worker, rank) pairs `unknown_dp_rank_events` counts at most.
+MAX_UNKNOWN_RANKS = 1024
 
 
 @dataclass
@@ -142,6 +144,10 @@ class EventSequencer:
         # Per stream and per worker, for diagnosis: gaps opened, events refused for an unknown worker.
         self.gaps_by_stream: Counter[WorkerRank] = Counter()
         self.unknown_worker_events: Counter[int] = Counter()
+        # Events of a registered worker under a rank outside its ranks, by (worker, rank): an engine run
+        # with external data parallelism stamps its own rank, which the worker's registration must hold.
+        # At most MAX_UNKNOWN_RANKS keys: a sender stamping random ranks must not grow it without bound.
+        self.unknown_dp_rank_events: Counter[WorkerRank] = Counter()
         # Told (worker_id, dp_rank; None: every rank) whenever blocks leave a rank's index: a removal or
         # a clear applied, a dump replacing the rank, a restarted publisher's worker emptied.
         self.on_blocks_left: Callable[[int, int | None], None] | None = None
@@ -175,6 +181,8 @@ class EventSequencer:
                 self._reject(event, "unknown_worker", "worker not registered")
                 return None
             if key[1] not in ranks:  # a stream of its own, and a slot in every node, for each such rank
+                if key in self.unknown_dp_rank_events or len(self.unknown_dp_rank_events) < MAX_UNKNOWN_RANKS:
+                    self.unknown_dp_rank_events[key] += 1
                 self._reject(event, "unknown_dp_rank", f"dp rank {key[1]} is not one of its ranks {ranks}")
                 return None
         stream = self._streams.get(key)

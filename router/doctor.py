@@ -13,8 +13,10 @@ the first time is logged once as a WARNING. The kinds:
   events fill the index, yet none of those prompts' first blocks ever shows up among its blocks (a
   cache salt, LoRA name or namespace the requests do not carry, or another tokenizer).
 - ``events_not_wired``: a worker has been routed requests for ``routed_for_s`` (a minute) and never
-  sent one event (its engine's KV events are not enabled or reach no router); workers in approximate
-  mode send none on purpose and are skipped.
+  sent one event (its engine's KV events are not enabled or reach no router), or only events under dp
+  ranks it is not registered with (an engine run with external data parallelism stamps its own rank:
+  the evidence names it and the registration's ranks); workers in approximate mode send none on
+  purpose and are skipped.
 - ``stream_gapping``: one of a worker's streams lost events ``gap_threshold`` times within
   ``gap_window_s`` (a lossy network, a full queue, a publisher restarting in a loop).
 - ``unregistered_worker``: events arrive from a worker the router does not know (they are dropped).
@@ -230,7 +232,21 @@ class ConfigDoctor:
                 continue
             if any(sequencer.heard_from(worker_id, rank) for rank in worker.dp_ranks):
                 continue
-            if now - first >= self._routed_for_s:
+            if now - first < self._routed_for_s:
+                continue
+            stamped = sorted(
+                (rank, count) for (wid, rank), count in sequencer.unknown_dp_rank_events.items() if wid == worker_id
+            )
+            if stamped:
+                ranks = worker.dp_ranks
+                found["events_not_wired", worker_id] = (
+                    f"routed requests since {now - first:.0f} s ago; its events are stamped with dp rank "
+                    f"{', '.join(str(rank) for rank, _ in stamped[:8])} ({sum(c for _, c in stamped)} refused as "
+                    f"unknown_dp_rank) while it is registered with ranks {ranks.start}..{ranks.stop - 1}: an engine "
+                    "run with external or hybrid data parallelism (vLLM --data-parallel-rank) stamps its own rank; "
+                    f"register the worker with dp_start_rank {stamped[0][0]} (POST /v1/workers or the config file)"
+                )
+            else:
                 found["events_not_wired", worker_id] = (
                     f"routed requests since {now - first:.0f} s ago but never sent a KV event: enable the engine's KV "
                     "events (vLLM --kv-events-config, then kv-router bridge or --engine-zmq), or register it with "

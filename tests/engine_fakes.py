@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import threading
 from collections import Counter
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 import msgspec
 import uvicorn
 
-from indexer.engine_events import decode_engine_batch, event_tier, to_kv_event
+from indexer.engine_events import EngineOffloaded, decode_engine_batch, event_tier, resolve_offloaded, to_kv_event
 from indexer.errors import KvIndexError
 from indexer.events import RouterEvent
 from indexer.radix_tree import RadixTree
@@ -98,12 +99,16 @@ class FakeEngine:
     def _apply_truth(self, payload: bytes) -> None:
         batch = decode_engine_batch(payload, BLOCK)
         rank = self.dp_rank if batch.dp_rank is None else batch.dp_rank
-        for event in batch.events:
-            self._event_id += 1
-            with contextlib.suppress(KvIndexError):  # the router refuses the same event the same way
-                self.truth.apply_router_event(
-                    RouterEvent(self.worker_id, to_kv_event(event, self._event_id, rank), event_tier(event))
-                )
+        for decoded in batch.events:
+            # An offload names blocks held on the device: the router resolves it the same way.
+            held = functools.partial(self.truth.device_block, (self.worker_id, rank))
+            events = resolve_offloaded(decoded, held)[0] if isinstance(decoded, EngineOffloaded) else [decoded]
+            for event in events:
+                self._event_id += 1
+                with contextlib.suppress(KvIndexError):  # the router refuses the same event the same way
+                    self.truth.apply_router_event(
+                        RouterEvent(self.worker_id, to_kv_event(event, self._event_id, rank), event_tier(event))
+                    )
 
     def _hash(self) -> int | bytes:
         if self.rng.random() < 0.2:

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import router.event_plane.publisher as publisher_module
+from indexer.events import StorageTier, decode_router_events
 from router.engines.bridge import PublisherSink
 from router.engines.zmq_stream import ZmqEngineStream
 from router.event_plane.connection import NatsOptions, connect
@@ -112,6 +113,7 @@ async def _run(url: str, payloads: list[bytes], *, native: bool) -> tuple[Any, .
         ranks,
         publisher.dump_events(),
         {key: dict(held) for key, held in publisher._held.tables.items()},
+        {key: dict(copies) for key, copies in publisher._held._copies.items()},
         dict(stream.stats),
         dict(sink.stats),
         dict(check.by_content),
@@ -157,7 +159,7 @@ def test_a_refused_store_mid_batch_and_a_contradicted_hash_come_out_alike(
     block = list(range(BLOCK))
     payloads = [
         encode([1.0, [_stored([1, 2], None, block * 2)], 0]),
-        encode([1.0, [_stored([1, 2], None, block * 2)], 0]),  # repeats the templates' first batch: C's
+        encode([1.0, [_stored([11, 12], None, [5] * 2 * BLOCK)], 0]),  # the templates made: C's
         # a store under a parent never held between two that apply: refused, the rest still sent
         encode([1.0, [_stored([3], 2, block), _stored([5], 99, block), {"type": "BlockRemoved", "block_hashes": [1]}]]),
         # the same engine hash with other tokens, and other hashes for the same tokens under the root
@@ -166,10 +168,33 @@ def test_a_refused_store_mid_batch_and_a_contradicted_hash_come_out_alike(
     # The first batch makes the stored template, the third the removed one (Python); C takes the rest.
     assert _both(server.url, payloads, monkeypatch) == [False, True, False, True]
     fast = asyncio.run(_run(server.url, payloads, native=True))
-    stats, sink_stats, mismatch = fast[4], fast[5], fast[8]
+    stats, sink_stats, mismatch = fast[5], fast[6], fast[9]
     assert sink_stats == {"rejected_parent_block_not_found": 1}
     assert stats["tokens_hash_mismatch"] == 2
     assert mismatch is not None and "under the root apart" in mismatch
+
+
+def test_a_block_stored_twice_is_removed_from_the_routers_with_its_last_copy_on_both_paths(
+    server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM stores one prefix twice for two requests computing it at once, and evicts each copy with
+    its own removal: routers hear the removal of the last copy only, whichever path takes the batch."""
+    block = list(range(BLOCK))
+    removed = {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}
+    payloads = [
+        encode([1.0, [_stored([1, 2], None, block * 2)], 0]),
+        encode([1.0, [_stored([5], None, [9] * BLOCK), _stored([1, 2], None, block * 2)], 0]),  # C, then a copy
+        encode([1.0, [_stored([3], 2, block), removed], 0]),  # a copy of 2 goes: 2 and 3 stay
+        encode([1.0, [removed, {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}], 0]),
+    ]
+    taken = _both(server.url, payloads, monkeypatch)
+    assert taken[1] and not taken[2]  # held in copies: the Python path, which counts them
+    fast = asyncio.run(_run(server.url, payloads, native=True))
+    events = [event for message in fast[0] for event in decode_router_events(message, msgpack=None)]
+    removals = [event.event.data.removed.block_hashes for event in events if event.event.data.removed]
+    assert removals == [[2], [3]]  # the first removal of 2 was a copy's: not heard
+    assert set(fast[3][0, StorageTier.DEVICE]) == {1, 5}
+    assert fast[4] == {(0, StorageTier.DEVICE): {1: 1}}  # block 1's second copy; 2's both gone
 
 
 def test_every_vector_goes_through_both_paths_alike(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
@@ -372,6 +373,104 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
         _converged(router, chain)
         assert chain.bridge is not None and chain.bridge.streams[0].stats["rebuilds"] == 1
+        assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
+    finally:
+        chain.close()
+        side.call(http.stop())
+
+
+def test_host_tier_stores_without_token_ids_reach_the_router_through_the_bridge_on_the_blocks_they_name(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    """vLLM's OffloadingConnector's token-less CPU stores: the bridge publishes the host tier for the
+    device blocks the rank holds, counts the hash it never stored, and refuses nothing else."""
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge()
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        chain.steps(3)
+        tokens = list(range(1, 2 * BLOCK + 1))
+        device = {
+            "type": "BlockStored",
+            "block_hashes": [11, 12],
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        offload = {"type": "BlockStored", "block_hashes": [11, 12, 99], "parent_block_hash": None, "token_ids": [],
+                   "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None}  # fmt: skip
+        side.call(chain.engine.send_raw(msgspec.msgpack.encode([1.0, [device, offload], 0])))
+        _converged(router, chain)
+        host = [edge for edge in _dump(router) if edge[2] == "host_pinned"]
+        assert {(parent, block) for _, _, _, parent, block, _ in host} == {(None, 11), (11, 12)}
+        metrics = chain.metrics()
+        assert total(metrics, "kv_router_bridge_events_refused_total") == 1
+        assert sample(metrics, "kv_router_bridge_events_refused_total", reason="offloaded_unresolved") == 1
+    finally:
+        chain.close()
+
+
+def test_a_bridge_whose_engine_stamps_a_rank_its_worker_lacks_says_so_once(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM run with --data-parallel-rank 1 stamps rank 1; a bridge of one rank registers rank 0, so
+    routers refuse every event: the bridge's log says why at the rank's first batch, once."""
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge()
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        stored = {"type": "BlockStored", "block_hashes": [41], "parent_block_hash": None, "medium": "GPU",
+                  "token_ids": list(range(BLOCK)), "block_size": BLOCK, "lora_id": None}  # fmt: skip
+        for block_hash in (41, 42):
+            side.call(
+                chain.engine.send_raw(msgspec.msgpack.encode([1.0, [{**stored, "block_hashes": [block_hash]}], 1]))
+            )
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "under dp rank 1" in r.getMessage()]
+
+        until(lambda: chain.bridge is not None and chain.bridge.publisher.last_event_ids().get(1) == 2)
+        assert len(said()) == 1 and "registered with ranks 0..0" in said()[0] and "dp_start_rank" in said()[0]
+        assert _dump(router) == []
+    finally:
+        chain.close()
+
+
+def test_a_bridge_whose_registration_fails_as_its_engine_comes_back_registers_at_the_next_probe(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    """The engine answers again while NATS is having a hiccup: the registration times out. The bridge
+    tries again at its next probe rather than leaving the worker withdrawn until the engine fails
+    once more."""
+    http = side.call(EngineHttp().start())
+    chain = Chain(side, nats_server.url)
+    try:
+        chain.start_bridge(engine_metrics_url=f"{http.url}/metrics", engine_health_interval_secs=0.1)
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        chain.steps(10)
+        _converged(router, chain)
+        bridge = chain.bridge
+        assert bridge is not None
+
+        http.healthy = False
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 404, 30, "the worker is withdrawn")
+        register = bridge.publisher.register
+        attempts = []
+
+        async def register_in_a_hiccup() -> None:  # what nats-py raises for a put that got no answer
+            attempts.append(time.monotonic())
+            if len(attempts) == 1:
+                raise nats.errors.TimeoutError
+            await register()
+
+        bridge.publisher.register = register_in_a_hiccup  # type: ignore[method-assign]
+        http.healthy = True
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200, 30, "the worker registered again")
+        _converged(router, chain)
+        assert len(attempts) == 2
         assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
     finally:
         chain.close()

@@ -8,6 +8,7 @@ gap leaves the rank untrusted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import socket
@@ -16,8 +17,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from indexer.events import StorageTier
+from indexer.hashing import compute_block_hashes
 from indexer.sequencer import StreamStatus
 from router.config import RouterConfig
 from router.doctor import ConfigDoctor
@@ -810,6 +814,232 @@ async def test_an_engine_restarted_on_the_same_ports_and_quiet_is_seen_from_its_
         await direct.stop()
         await new.stop()
         await old.stop()
+
+
+async def test_host_tier_stores_without_token_ids_add_that_tier_to_the_device_blocks_they_name() -> None:
+    """vLLM's OffloadingConnector publishes what it copies to CPU memory as a store without token ids
+    (block size 0): the blocks the rank stored on the device are found on the host tier too, a hash it
+    never stored is skipped and counted, and nothing is taken for a block size mismatch."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True) as (engine, direct):
+        await _heard(engine, direct)
+        tokens = list(range(1, 3 * BLOCK + 1))
+        device = {
+            "type": "BlockStored",
+            "block_hashes": [11, 12, 13],
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        offload = {"type": "BlockStored", "block_hashes": [11, 12, 99], "parent_block_hash": None, "token_ids": [],
+                   "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None}  # fmt: skip
+        await engine.send_raw(encode([1.0, [device, offload], 0]))
+        await _converged(router, engine, direct)
+        host = [edge for edge in canonical(router.tree.dump_events()) if edge[2] == "host_pinned"]
+        local = compute_block_hashes(tokens, BLOCK)
+        assert host == sorted([(WORKER, 0, "host_pinned", None, 11, local[0]),
+                               (WORKER, 0, "host_pinned", 11, 12, local[1])], key=repr)  # fmt: skip
+        # Evicted from the device, the first two blocks are still found, on the host tier.
+        evicted = {"type": "BlockRemoved", "block_hashes": [13, 12, 11], "medium": "GPU"}
+        await engine.send_raw(encode([1.0, [evicted], 0]))
+        await _converged(router, engine, direct)
+        matches = router.tree.find_matches(local)
+        assert matches.scores == {} and matches.tier_hits[StorageTier.HOST_PINNED] == {(WORKER, 0): 2}
+        assert direct.sink.offloaded_unresolved == 1
+        stats = direct.streams[0].stats
+        assert not [key for key in stats if key.startswith("rejected_")]
+        assert [p.kind for p in ConfigDoctor(router, engines=[direct]).check()] == []
+
+
+async def test_a_block_stored_twice_leaves_the_index_only_with_its_last_copy() -> None:
+    """vLLM shares no physical block: two requests computing one prefix at once store it twice, and
+    each copy is evicted by its own removal. The index keeps the block (and what is stored under it)
+    until the last copy goes."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True) as (engine, direct):
+        await _heard(engine, direct)
+        tokens = list(range(1, 3 * BLOCK + 1))
+        local = compute_block_hashes(tokens, BLOCK)
+        prefix = {
+            "type": "BlockStored",
+            "block_hashes": [21, 22],
+            "parent_block_hash": None,
+            "token_ids": tokens[: 2 * BLOCK],
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+        below = {
+            "type": "BlockStored",
+            "block_hashes": [23],
+            "parent_block_hash": 22,
+            "token_ids": tokens[2 * BLOCK :],
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+        evicted = {"type": "BlockRemoved", "block_hashes": [22], "medium": "GPU"}  # fmt: skip
+        stats = direct.streams[0].stats
+        await _settled(stats)
+        applied = stats["applied"]
+        for events in ([prefix], [prefix, below], [evicted]):
+            await engine.send_raw(encode([1.0, events, 0]))
+        await eventually(lambda: stats["applied"] == applied + 3, 10, "the three batches applied")
+        assert router.tree.find_matches(local).scores == {(WORKER, 0): 3}  # the other copy of 22 is held
+        await engine.send_raw(encode([1.0, [evicted], 0]))
+        await eventually(lambda: router.tree.find_matches(local).scores == {(WORKER, 0): 1}, 10, "22's last copy gone")
+        assert _stream(router).trusted
+
+
+async def test_a_salted_block_stored_twice_keeps_its_salt_for_what_is_stored_under_its_other_copy() -> None:
+    """Two requests with one salted prompt store its blocks twice; one copy of B is evicted, and the
+    second request goes on under its own copy of B: C is hashed in the salt's namespace, so a request
+    with that salt matches all three blocks. The salt goes with B's last copy."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True) as (engine, direct):
+        await _heard(engine, direct)
+        tokens = list(range(1, 3 * BLOCK + 1))
+        salted = compute_block_hashes(tokens, BLOCK, cache_namespace="tenant-X")
+
+        def stored(hashes: list[int], parent: int | None, ids: list[int], keys: list[Any]) -> dict[str, Any]:
+            return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": ids,
+                    "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": keys,
+                    "group_idx": 0, "kv_cache_spec_kind": "full_attention"}  # fmt: skip
+
+        prefix = stored([31, 32], None, tokens[: 2 * BLOCK], [["tenant-X"], None])
+        evicted = {"type": "BlockRemoved", "block_hashes": [32], "medium": "GPU", "group_idx": 0}
+        stats = direct.streams[0].stats
+        await _settled(stats)
+        applied = stats["applied"]
+        for events in ([prefix], [prefix], [evicted], [stored([33], 32, tokens[2 * BLOCK :], [None])]):
+            await engine.send_raw(encode([1.0, events, 0]))
+        await eventually(lambda: stats["applied"] == applied + 4, 10, "the four batches applied")
+        assert router.tree.find_matches(salted).scores == {(WORKER, 0): 3}
+        await engine.send_raw(encode([1.0, [evicted, {**evicted, "block_hashes": [33]}], 0]))
+        await eventually(lambda: router.tree.find_matches(salted).scores == {(WORKER, 0): 1}, 10, "B's last copy gone")
+        assert direct.streams[0].salts == {31: "tenant-X"}
+
+
+async def test_an_engine_stamping_another_dp_rank_is_named_by_the_doctor_and_heard_once_registered_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM run with external data parallelism (--data-parallel-rank 1) stamps rank 1 in every batch;
+    heard as a worker of one rank (0), its events are refused. The log says so at the first batch, and
+    the doctor names the stamped rank and the registration's, not "enable the engine's KV events";
+    registered with dp_start_rank 1, as they advise, the worker's index follows the engine."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    clock = [1000.0]
+    async with direct_mode(router, 8, replay=True, dp_rank=1) as (engine, direct):
+        doctor = ConfigDoctor(router, engines=[direct], clock=lambda: clock[0])
+        for _ in range(5):
+            await engine.step()
+        await eventually(lambda: router.sequencer.unknown_dp_rank_events[8, 1] > 0, 10, "rank 1's events refused")
+        said = [r.getMessage() for r in caplog.records if "stamped with dp rank 1" in r.getMessage()]
+        assert len(said) == 1 and "registered with ranks 0..0" in said[0] and "dp_start_rank 1" in said[0]
+        doctor._on_routed((8, 0), [123])
+        clock[0] += 120
+        (problem,) = doctor.check()
+        assert problem.kind == "events_not_wired"
+        assert "stamped with dp rank 1" in problem.evidence and "registered with ranks 0..0" in problem.evidence
+        assert "dp_start_rank 1" in problem.evidence and "--kv-events-config" not in problem.evidence
+
+        worker = router.worker(8)
+        assert worker is not None
+        router.register_worker(msgspec.structs.replace(worker, dp_start_rank=1))
+        direct.streams[0].request_rebuild()
+        for _ in range(5):
+            await engine.step()
+        await _converged(router, engine, direct)
+        assert engine.dump() and doctor.check() == []
+
+
+class FreezingRelay:
+    """A TCP relay standing for the engine's host at a fixed address: ``freeze`` makes the host vanish
+    without a FIN or RST (its connections stay open and carry nothing: a crashed node, a partition);
+    connections made after that reach ``target``, where a replacement engine listens."""
+
+    def __init__(self, target: int) -> None:
+        self.port = free_port()
+        self.target = target
+        self.connections = 0
+        self._frozen: asyncio.Event = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    def freeze(self, new_target: int) -> None:
+        self._frozen.set()
+        self.target = new_target
+
+    async def stop(self) -> None:
+        for pipe in self._pipes:
+            pipe.cancel()
+        for writer in self._writers:
+            writer.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        frozen = None if self._frozen.is_set() else self._frozen  # only the old host's connections freeze
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self._writers += [writer, up_writer]
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            pipe = asyncio.create_task(self._pipe(source, sink, frozen))
+            self._pipes.add(pipe)
+            pipe.add_done_callback(self._pipes.discard)
+
+    @staticmethod
+    async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, frozen: asyncio.Event | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := await source.read(65536):
+                if frozen is not None and frozen.is_set():
+                    await asyncio.Event().wait()  # nothing moves, nothing closes
+                sink.write(data)
+                await sink.drain()
+
+
+async def test_an_engine_host_gone_without_a_word_is_left_and_its_replacement_at_its_address_heard() -> None:
+    """The engine's host dies silently and a new engine comes up behind the same address: the SUB
+    socket's heartbeats find the dead connection, it reconnects, and the new engine's blocks, and only
+    they, reach the index (a restart: the rank cleared and rebuilt from the new engine's replay)."""
+    router = _router()
+    old_port, replay = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    relay = FreezingRelay(old_port)
+    await relay.start()
+    old = FakeEngine(WORKER, f"tcp://127.0.0.1:{old_port}", replay, seed=43)
+    await old.start()
+    stream = ZmqEngineStream(SequencerSink(router, WORKER), f"tcp://127.0.0.1:{relay.port}", block_size=BLOCK,
+                             replay_endpoint=replay, heartbeat_s=0.2)  # fmt: skip
+    await stream.start()
+    new_port = free_port()
+    new = FakeEngine(WORKER, f"tcp://127.0.0.1:{new_port}", replay, seed=47)
+    try:
+        for _ in range(5):
+            await old.step()
+        await eventually(lambda: canonical(router.tree.dump_events()) == old.dump(), 10, "the old engine's blocks")
+        relay.freeze(new_port)
+        await old.stop()
+        await new.start()
+        await eventually(lambda: stream.stats["connections"] == 2, 10, "a connection to the new engine")
+        assert relay.connections == 2
+        for _ in range(5):
+            await new.step()
+        await eventually(lambda: canonical(router.tree.dump_events()) == new.dump(), 10, "the new engine's blocks")
+        assert stream.stats["restarts"] == 1
+        assert _stream(router).trusted
+    finally:
+        await stream.stop()
+        await new.stop()
+        await old.stop()
+        await relay.stop()
 
 
 async def test_a_restart_first_heard_at_the_next_seq_after_a_reconnection_is_seen() -> None:

@@ -25,6 +25,7 @@ import indexer.held_blocks as held_blocks
 from indexer.engine_events import (
     DecodedBatch,
     EngineDecodeError,
+    EngineOffloaded,
     EngineStored,
     decode_engine_batch,
     fold_hash,
@@ -105,6 +106,8 @@ def stored_fields(draw: st.DrawFn) -> dict[str, Any]:
     tokens: list[Any] = draw(st.lists(TOKEN, min_size=length, max_size=length))
     if tokens and draw(st.integers(0, 9)) == 0:
         tokens[draw(st.integers(0, len(tokens) - 1))] = draw(ODD_TOKEN)
+    if draw(st.integers(0, 5)) == 0:  # vLLM's OffloadingConnector: no token ids, block size 0
+        tokens, size = [], draw(st.sampled_from([0, size]))
     fields: dict[str, Any] = {
         "block_hashes": hashes,
         "parent_block_hash": draw(st.one_of(st.none(), HASHES, st.sampled_from(hashes) if hashes else st.none())),
@@ -223,6 +226,23 @@ def test_truncated_and_corrupted_batches_decode_alike(payload: bytes, cut: int, 
         index = flip % len(payload)
         _check(payload[:index] + bytes([payload[index] ^ 0xFF]) + payload[index + 1 :])
     _check(payload + b"\x00")
+
+
+@pytest.mark.parametrize("hashes", [[], [5, 6]])
+@pytest.mark.parametrize("block_size", [0, BLOCK])
+def test_a_token_less_lower_tier_store_is_left_by_c_to_python_which_reads_an_offload(
+    hashes: list[int], block_size: int
+) -> None:
+    """vLLM's OffloadingConnector's stores (CPU, ``token_ids=[]``, block size 0): never a block size
+    mismatch, nor an empty store in C (Python's `EngineOffloaded` is resolved by the receiver)."""
+    stored = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": [],
+              "block_size": block_size, "lora_id": None, "medium": "CPU", "lora_name": None}  # fmt: skip
+    array = ["BlockStored", hashes, None, [], block_size, None, "CPU", None]
+    for event in (stored, array):
+        payload = encode([1.0, [event], 0])
+        assert not _check(payload)
+        decoded = python_decode_engine_batch(payload, BLOCK)
+        assert decoded.events == [EngineOffloaded(hashes, StorageTier.HOST_PINNED, BLOCK)] and not decoded.errors
 
 
 def test_every_vector_is_taken_by_c_or_named_by_python(shared_dir: Path) -> None:
@@ -362,7 +382,8 @@ def test_real_vllm_captures_run_in_c_and_a_salted_one_is_salted_by_python(shared
     removal = {"type": "BlockRemoved", "block_hashes": [77, *stored.block_hashes], "medium": "GPU"}
     assert _check(encode([1.5, [removal], 0]), salts=salts)
     decode_engine_batch(encode([1.5, [removal], 0]), BLOCK, salts=salts)
-    assert salts == {}
+    # Kept: the engine may hold another copy; the stream forgets them with the last (test_engine_direct).
+    assert set(salts) == {77, *stored.block_hashes}
 
 
 def test_a_lone_string_in_the_keys_of_a_block_under_a_parent_is_no_salt() -> None:

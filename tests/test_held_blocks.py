@@ -46,6 +46,8 @@ class Engine:
         self.worker_id = worker_id
         self.rng = rng
         self.held: dict[tuple[int, StorageTier], dict[int, int | None]] = {}  # block -> parent
+        # Copies past the first of a block stored again (vLLM shares no physical block): each has its removal.
+        self.copies: dict[tuple[int, StorageTier], dict[int, int]] = {}
         self.event_id = 0
 
     def next_op(self) -> tuple[str, int, StorageTier, int | None, list[int], list[int]]:
@@ -71,17 +73,25 @@ class Engine:
 
     def applied(self, kind: str, rank: int, tier: StorageTier, parent: int | None, hashes: list[int]) -> None:
         held = self.held.setdefault((rank, tier), {})
+        copies = self.copies.setdefault((rank, tier), {})
         if kind == "stored":
             if tier is StorageTier.DEVICE and parent is not None and parent not in held:
                 return
             for block in hashes:
-                held[block] = parent
+                if block in held:
+                    copies[block] = copies.get(block, 0) + 1
+                else:
+                    held[block] = parent
                 parent = block
         elif kind == "removed":
             for block in hashes:
-                held.pop(block, None)
+                if copies.get(block):
+                    copies[block] -= 1
+                else:
+                    held.pop(block, None)
         else:
             held.clear()
+            copies.clear()
 
     def event(self, kind: str, rank: int, tier: StorageTier, parent: int | None, hashes: list[int],
               tokens: list[int]) -> RouterEvent:  # fmt: skip
@@ -130,20 +140,23 @@ def test_a_dump_rebuilds_what_the_live_events_built(seed: int) -> None:
         if kind == "stored":
             paths.append(tokens)
         live_error = held_error = None
-        try:
-            live.apply_router_event(engine.event(kind, rank, tier, parent, hashes, tokens))
-        except KvIndexError as exc:
-            live_error = type(exc)
+        forwarded = hashes
         if engine.worker_id == WORKER:
             try:
                 if kind == "stored":
                     held.store(rank, tier, parent, hashes, tokens)
                 elif kind == "removed":
-                    held.remove(rank, tier, hashes)
+                    forwarded = held.remove(rank, tier, hashes)  # what its publisher sends
                 else:
                     held.clear(rank, tier)
             except KvIndexError as exc:
                 held_error = type(exc)
+        try:
+            if forwarded or not hashes:
+                live.apply_router_event(engine.event(kind, rank, tier, parent, forwarded, tokens))
+        except KvIndexError as exc:
+            live_error = type(exc)
+        if engine.worker_id == WORKER:
             # A removal of unknown hashes is the router's to report; every store is refused alike.
             assert held_error == (None if kind == "removed" else live_error)
         engine.applied(kind, rank, tier, parent, hashes)

@@ -32,7 +32,8 @@ from collections import Counter
 import msgspec
 from nats.aio.client import Client
 
-from indexer.engine_events import EngineEvent, decode_engine_batch, namespace_seed
+from indexer.engine_events import EngineEvent, EngineOffloaded, decode_engine_batch, namespace_seed
+from indexer.errors import BlockNotFound
 from indexer.events import StorageTier
 from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineMetricsScraper
@@ -65,9 +66,13 @@ class PublisherSink:
         return self.publisher.batch()
 
     def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
-        # A store under a parent the engine never stored is refused and never sent.
-        for _, refusal in self.publisher.emit_engine_events(dp_rank, events):
-            self.stats[f"rejected_{refusal.label}"] += 1
+        # A store under a parent the engine never stored is refused and never sent; so is each hash of
+        # an offload naming a block the rank does not hold (counted per hash: a tier not added for it).
+        for event, refusal in self.publisher.emit_engine_events(dp_rank, events):
+            if isinstance(event, EngineOffloaded) and isinstance(refusal, BlockNotFound):
+                self.stats["rejected_offloaded_unresolved"] += len(refusal.missing)
+            else:
+                self.stats[f"rejected_{refusal.label}"] += 1
 
     def apply_payload(
         self, payload: bytes, block_size: int, cache_namespace: str | None, default_rank: int, check: TokensHashCheck
@@ -84,6 +89,9 @@ class PublisherSink:
             rest = decode_engine_batch(payload, block_size, cache_namespace=cache_namespace).events[applied:]
             self.apply(dp_rank, rest)
         return PayloadApplied(dp_rank, count, ignored, contradictions)
+
+    def holds(self, dp_rank: int, block_hash: int) -> bool:
+        return self.publisher.holds(dp_rank, block_hash)
 
     async def restarted(self, dp_rank: int) -> None:
         async with self.publisher.batch():

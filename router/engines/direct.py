@@ -23,11 +23,23 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 
-from indexer.engine_events import EngineEvent, EngineStored, event_tier, to_kv_event
+from indexer.engine_events import (
+    EngineCleared,
+    EngineEvent,
+    EngineOffloaded,
+    EngineRemoved,
+    EngineStored,
+    event_tier,
+    resolve_offloaded,
+    to_kv_event,
+)
+from indexer.errors import KvIndexError
 from indexer.events import RouterEvent, StorageTier, cleared_event
+from indexer.held_blocks import HeldBlocks
 from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.engines.hash_check import TokensHashCheck
@@ -69,8 +81,13 @@ class SequencerSink:
         self.accepting = accepting
         self.dropped_events = 0
         self.stores = 0  # stored events applied (the doctor sets them against the streams' EAGLE stores)
+        # Hashes of token-less lower-tier stores (offloads) naming no device block the rank holds: skipped.
+        self.offloaded_unresolved = 0
         self._last_id: dict[int, int] = {}
         self._tiers: dict[int, set[StorageTier]] = {}
+        # What the engine holds, for its copies of one block (vLLM stores a hash again for another
+        # request): a removal reaches the index only once the last copy goes, as on the bridge.
+        self._held = HeldBlocks(worker_id)
         # Told when the worker turns out removed (DELETE /v1/workers) while its engine kept publishing.
         self.on_removed: Callable[[], None] | None = None
 
@@ -78,6 +95,7 @@ class SequencerSink:
         """The worker was removed: its streams start again from id 1."""
         self._last_id.clear()
         self._tiers.clear()
+        self._held = HeldBlocks(self.worker_id)
 
     def _ensure_registered(self) -> None:
         if self._last_id and not self.router.has_worker(self.worker_id):
@@ -100,20 +118,73 @@ class SequencerSink:
             self.dropped_events += len(events)
             return
         self._ensure_registered()
-        tiers = self._tiers.setdefault(dp_rank, set())
-        batch = []
+        tiers = self._tiers.get(dp_rank)
+        if tiers is None:
+            tiers = self._tiers[dp_rank] = set()
+            self._check_rank(dp_rank)
+        batch: list[RouterEvent] = []
         for event in events:
             tier = event_tier(event)
             tiers.add(tier)
             self.stores += isinstance(event, EngineStored)
-            batch.append(RouterEvent(self.worker_id, to_kv_event(event, self._next_id(dp_rank), dp_rank), tier))
+            if isinstance(event, EngineOffloaded):
+                # Resolved against the index, which must hold the device stores before it in the batch.
+                if batch:
+                    self.router.sequencer.ingest(batch)
+                    batch = []
+                rank = (self.worker_id, dp_rank)
+                stores, unresolved = resolve_offloaded(event, partial(self.router.tree.device_block, rank))
+                self.offloaded_unresolved += len(unresolved)
+                resolved: list[EngineStored | EngineRemoved | EngineCleared] = list(stores)
+            else:
+                resolved = [event]
+            for one in resolved:
+                held = self._hold(dp_rank, one)
+                if held is not None:
+                    batch.append(RouterEvent(self.worker_id, to_kv_event(held, self._next_id(dp_rank), dp_rank), tier))
         self.router.sequencer.ingest(batch)
+
+    def _check_rank(self, dp_rank: int) -> None:
+        """A rank first heard that the worker does not have: every event of it will be refused."""
+        worker = self.router.worker(self.worker_id)
+        if worker is not None and dp_rank not in worker.dp_ranks:
+            log.warning(
+                "engine events of worker %d are stamped with dp rank %d, but it is registered with ranks %d..%d: they "
+                "are refused (unknown_dp_rank). An engine run with external or hybrid data parallelism (vLLM "
+                "--data-parallel-rank) stamps its own rank: register the worker with dp_start_rank %d (POST "
+                "/v1/workers or the config file)",
+                self.worker_id,
+                dp_rank,
+                worker.dp_ranks.start,
+                worker.dp_ranks.stop - 1,
+                dp_rank,
+            )
+
+    def _hold(
+        self, dp_rank: int, event: EngineStored | EngineRemoved | EngineCleared
+    ) -> EngineStored | EngineRemoved | EngineCleared | None:
+        """``event`` as the index must hear it, the engine's copies counted: a removal of copies while
+        another is held is dropped (None), or leaves out their hashes."""
+        if type(event) is EngineStored:
+            with contextlib.suppress(KvIndexError):  # the index refuses it alike, and counts it
+                self._held.store(dp_rank, event.tier, event.parent_hash, event.block_hashes, event.tokens_hashes)
+        elif type(event) is EngineRemoved:
+            forwarded = self._held.remove(dp_rank, event.tier, event.block_hashes)
+            if event.block_hashes and not forwarded:
+                return None
+            if forwarded is not event.block_hashes:
+                return EngineRemoved(forwarded, event.tier)
+        else:
+            self._held.clear(dp_rank, StorageTier.DEVICE)
+        return event
 
     async def restarted(self, dp_rank: int) -> None:
         if not self.accepting:
             return
         self._ensure_registered()
         tiers = self._tiers.get(dp_rank) or {StorageTier.DEVICE}
+        for tier in self._held.tiers(dp_rank):
+            self._held.clear(dp_rank, tier)
         self.router.sequencer.ingest(
             RouterEvent(self.worker_id, cleared_event(self._next_id(dp_rank), dp_rank=dp_rank), tier)
             for tier in sorted(tiers | {StorageTier.DEVICE})
@@ -128,6 +199,9 @@ class SequencerSink:
         self, payload: bytes, block_size: int, cache_namespace: str | None, default_rank: int, check: TokensHashCheck
     ) -> PayloadApplied | None:
         return None  # the stream decodes each batch and `apply`s its events
+
+    def holds(self, dp_rank: int, block_hash: int) -> bool:
+        return self._held.holds(dp_rank, block_hash)
 
 
 class AdoptedBlockSize:

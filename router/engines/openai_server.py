@@ -171,12 +171,21 @@ class HealthProbe:
         if problem is None:
             self._passed, self._failed = self._passed + 1, 0
             if self.healthy is not True and (self.healthy is None or self._passed >= self.successes_to_up):
-                self.healthy = True
-                await self._on_up()
+                await self._transition(True, self._on_up())
             return
         self.failures += 1
         self._passed, self._failed = 0, self._failed + 1
         down = self._failed >= self.failures_to_down or (refused and self.down_when_refused)
         if self.healthy is not False and down:
-            self.healthy = False
-            await self._on_down(problem)
+            await self._transition(False, self._on_down(problem))
+
+    async def _transition(self, healthy: bool, told: Awaitable[None]) -> None:
+        """``healthy`` put back if the callback raises, so the next probe tells the transition again: a
+        bridge whose registration failed in a NATS hiccup must not stay withdrawn until its engine
+        fails once more."""
+        before, self.healthy = self.healthy, healthy
+        try:
+            await told
+        except BaseException:
+            self.healthy = before
+            raise

@@ -72,6 +72,7 @@ from zmq.utils.monitor import recv_monitor_message
 from indexer.engine_events import (
     EngineDecodeError,
     EngineEvent,
+    EngineRemoved,
     EngineStored,
     decode_engine_batch,
     stored_block_size,
@@ -97,6 +98,13 @@ READ_BURST = 256
 TAIL_CHECK_DELAY_S = 0.2
 # A stream that heard nothing for this long after its last message checks its tail once.
 QUIET_S = 0.5
+# The SUB socket pings the engine's PUB socket this often (ZMTP heartbeats, which libzmq's PUB answers)
+# and drops the connection after HEARTBEAT_MISSED intervals without a byte from it, then reconnects: a
+# peer gone without a FIN or RST (a crashed host, a partition) is otherwise never noticed, and a
+# replacement engine at the same address never heard. The replay DEALER needs none: each round connects
+# afresh and has its own deadline.
+HEARTBEAT_S = 2.0
+HEARTBEAT_MISSED = 3
 
 
 class EngineSink(Protocol):
@@ -123,6 +131,10 @@ class EngineSink(Protocol):
     ) -> PayloadApplied | None:
         """Decode, check and apply one engine payload whole (the bridge: one C call), or None when the
         stream must decode it and `apply` the events itself."""
+        ...
+
+    def holds(self, dp_rank: int, block_hash: int) -> bool:
+        """Whether a copy of the block is held on ``dp_rank``, in any tier (its salt is then kept)."""
         ...
 
 
@@ -288,6 +300,7 @@ class ZmqEngineStream:
         adopt_block_size: Callable[[int], int] | None = None,
         tail_check_delay_s: float = TAIL_CHECK_DELAY_S,
         quiet_s: float = QUIET_S,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         self.sink = sink
         # ``--block-size auto``: told the engine's block size at its first stored event, it answers the
@@ -303,6 +316,7 @@ class ZmqEngineStream:
         self._batch_window_s = batch_window_s
         self._tail_check_delay_s = tail_check_delay_s
         self._quiet_s = quiet_s
+        self._heartbeat_ms = max(1, round(heartbeat_s * 1000))
         self._context = context or zmq.asyncio.Context.instance()
         # (seq, payload) as read, at most queue_size; `_queued` wakes the apply loop (a deque and an
         # event: an asyncio.Queue cost a future and its bookkeeping per message).
@@ -412,6 +426,8 @@ class ZmqEngineStream:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.SUBSCRIBE, self.topic)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_MISSED * self._heartbeat_ms)
         # Read without futures: the socket's file descriptor wakes the loop, then everything queued is
         # taken with non-blocking reads (pyzmq's awaitable recv cost a future and a poll per message).
         sync: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
@@ -817,6 +833,18 @@ class ZmqEngineStream:
                          "router hashes them alike (--enable-eagle)", self.endpoint)  # fmt: skip
             self.stats["eagle_stores"] += batch.eagle_stores
         self.sink.apply(rank, batch.events)
+        if self.salts:
+            self._forget_salts(rank, batch.events)
+
+    def _forget_salts(self, dp_rank: int, events: list[EngineEvent]) -> None:
+        """The salts of the removed blocks of which the sink holds no copy left (vLLM evicts each copy
+        of a block alone: a salted continuation under the other copy must still be salted)."""
+        salts, holds = self.salts, self.sink.holds
+        for event in events:
+            if isinstance(event, EngineRemoved):
+                for block_hash in event.block_hashes:
+                    if block_hash in salts and not holds(dp_rank, block_hash):
+                        del salts[block_hash]
 
     def _hash_mismatch(self, seq: int, found: str | None) -> None:
         if found is not None:

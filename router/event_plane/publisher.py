@@ -36,7 +36,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 import msgspec
 from nats.aio.client import Client
@@ -44,8 +44,15 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
-from indexer.engine_events import EngineEvent, EngineRemoved, EngineStored
-from indexer.errors import UNDECODABLE, KvIndexError
+from indexer.engine_events import (
+    EngineCleared,
+    EngineEvent,
+    EngineOffloaded,
+    EngineRemoved,
+    EngineStored,
+    resolve_offloaded,
+)
+from indexer.errors import UNDECODABLE, BlockNotFound, KvIndexError
 from indexer.events import (
     U64_MAX,
     RemovedEventEncoder,
@@ -239,7 +246,8 @@ class KvEventPublisher:
         self, block_hashes: Iterable[int], *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE
     ) -> int:
         rank = self._rank_log(dp_rank)
-        return await self._emit(rank, *self._removed(rank, dp_rank, storage_tier, list(block_hashes)))
+        numbered = self._removed(rank, dp_rank, storage_tier, list(block_hashes))
+        return rank.last_event_id if numbered is None else await self._emit(rank, *numbered)
 
     async def cleared(self, *, dp_rank: int = 0, storage_tier: StorageTier = StorageTier.DEVICE) -> int:
         rank = self._rank_log(dp_rank)
@@ -247,16 +255,17 @@ class KvEventPublisher:
 
     def emit_engine_events(
         self, dp_rank: int, events: Iterable[EngineEvent]
-    ) -> list[tuple[EngineStored, KvIndexError]]:
+    ) -> list[tuple[EngineStored | EngineOffloaded, KvIndexError]]:
         """Decoded engine events (their hashes u64 already) into the open `batch` in one pass, the
         bridge's path: what `stored_hashes`, `removed` and `cleared` do, without a coroutine per event.
-        Stores refused by what the rank holds are returned with the reason and never sent."""
+        Stores refused by what the rank holds are returned with the reason and never sent; so are the
+        hashes of an offload that name no device block the rank holds (`BlockNotFound`)."""
         batch = self._batch
         assert batch is not None, "emit_engine_events runs inside batch()"
         rank = self._rank_log(dp_rank)
         keep, send = rank.ring.append, batch.append
-        refused: list[tuple[EngineStored, KvIndexError]] = []
-        for event in events:
+        refused: list[tuple[EngineStored | EngineOffloaded, KvIndexError]] = []
+        for event in self._offloads_resolved(dp_rank, events, refused):
             if type(event) is EngineStored:
                 try:
                     numbered = self._stored(
@@ -266,12 +275,33 @@ class KvEventPublisher:
                     refused.append((event, exc))
                     continue
             elif type(event) is EngineRemoved:
-                numbered = self._removed(rank, dp_rank, event.tier, event.block_hashes)
+                removal = self._removed(rank, dp_rank, event.tier, event.block_hashes)
+                if removal is None:
+                    continue
+                numbered = removal
             else:
                 numbered = self._cleared(rank, dp_rank, StorageTier.DEVICE)
             keep(numbered)
             send(numbered[1])
         return refused
+
+    def _offloads_resolved(
+        self,
+        dp_rank: int,
+        events: Iterable[EngineEvent],
+        refused: list[tuple[EngineStored | EngineOffloaded, KvIndexError]],
+    ) -> Iterator[EngineStored | EngineRemoved | EngineCleared]:
+        """``events`` with each offload as the stores it resolves to, against the device blocks held when
+        it is reached (lazily: after the stores before it); its unresolved hashes go to ``refused``."""
+        for event in events:
+            if not isinstance(event, EngineOffloaded):
+                yield event
+                continue
+            held = self._held.tables.get((dp_rank, StorageTier.DEVICE), {})
+            stores, unresolved = resolve_offloaded(event, held.get)
+            if unresolved:
+                refused.append((event, BlockNotFound((self.worker_id, dp_rank), unresolved)))
+            yield from stores
 
     def emit_engine_payload(
         self,
@@ -287,7 +317,8 @@ class KvEventPublisher:
         batch's ``events`` decoded events are in the open `batch` (fewer: the next store was refused and
         the rest is the caller's); None, with nothing changed, for what the Python path must do."""
         batch = self._batch
-        if not (EVENTS_NATIVE and self._msgpack and self._encoder.native) or batch is None:
+        # Blocks held in copies take the Python path, which counts them (`HeldBlocks`).
+        if not (EVENTS_NATIVE and self._msgpack and self._encoder.native) or batch is None or self._held.has_copies:
             return None
         taken = events_accel.bridge_batch(
             payload,
@@ -342,11 +373,15 @@ class KvEventPublisher:
 
     def _removed(
         self, rank: _RankLog, dp_rank: int, storage_tier: StorageTier, block_hashes: list[int]
-    ) -> tuple[int, bytes]:
+    ) -> tuple[int, bytes] | None:
+        """None: only copies of blocks still held in another copy were removed, which routers must not hear."""
         if block_hashes and (min(block_hashes) < 0 or max(block_hashes) > U64_MAX):
             block_hashes = [as_u64(value, "block_hash") for value in block_hashes]
         # A removal of unknown hashes still applies the rest; routers report the unknown ones alike.
-        self._held.remove(dp_rank, storage_tier, block_hashes)
+        forwarded = self._held.remove(dp_rank, storage_tier, block_hashes)
+        if block_hashes and not forwarded:
+            return None
+        block_hashes = forwarded
         rank.last_event_id = event_id = rank.last_event_id + 1
         if self._msgpack:
             return event_id, self._removed_encoder.encode(event_id, dp_rank, storage_tier, block_hashes)
@@ -376,6 +411,10 @@ class KvEventPublisher:
         """The ranks whose holdings are unknown since a gap nobody could replay, until they clear."""
         return frozenset(self._unverified)
 
+    def holds(self, dp_rank: int, block_hash: int) -> bool:
+        """Whether this rank holds a copy of the block, in any tier (`HeldBlocks.holds`)."""
+        return self._held.holds(dp_rank, block_hash)
+
     def held_tiers(self, dp_rank: int) -> set[StorageTier]:
         """The storage tiers this rank has held blocks in since they were last cleared."""
         return self._held.tiers(dp_rank)
@@ -384,6 +423,17 @@ class KvEventPublisher:
         rank = self._ranks.get(dp_rank)
         if rank is None:
             rank = self._ranks[dp_rank] = _RankLog(self._ring_size)
+            ranks = self.registration.dp_ranks
+            if dp_rank not in ranks:  # an engine run with external data parallelism stamps its own rank
+                log.warning(
+                    "events of worker %d under dp rank %d, but it is registered with ranks %d..%d: routers refuse "
+                    "them (unknown_dp_rank); an engine run with external or hybrid data parallelism (vLLM "
+                    "--data-parallel-rank) stamps its own rank, which the registration must hold (dp_start_rank)",
+                    self.worker_id,
+                    dp_rank,
+                    ranks.start,
+                    ranks.stop - 1,
+                )
         return rank
 
     def _encode(self, event: RouterEvent) -> bytes:
