@@ -52,6 +52,20 @@ VLLM_CACHE_CONFIG_INFO = (
 encode = msgspec.msgpack.encode
 
 
+def offloaded_batch(device_hashes: list[int], tokens: list[int], offloaded_hashes: list[int]) -> bytes:
+    """One vLLM batch: a device store of ``device_hashes`` over ``tokens``, then the token-less CPU store
+    of ``offloaded_hashes`` its OffloadingConnector publishes (block size 0, no parent)."""
+    device = {
+        "type": "BlockStored", "block_hashes": device_hashes, "parent_block_hash": None, "token_ids": tokens,
+        "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None,
+    }  # fmt: skip
+    offload = {
+        "type": "BlockStored", "block_hashes": offloaded_hashes, "parent_block_hash": None, "token_ids": [],
+        "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None,
+    }  # fmt: skip
+    return encode([1.0, [device, offload], 0])
+
+
 def canonical(events: list[RouterEvent]) -> list[tuple[int, int, str, int | None, int, int]]:
     """Dump events as a sorted list of (worker, dp_rank, tier, parent, block_hash, tokens_hash) edges."""
     edges = []

@@ -41,7 +41,15 @@ from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN
 from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
-from tests.engine_fakes import BLOCK, EngineHttp, FakeEngine, SideLoop, canonical, loopback_endpoints
+from tests.engine_fakes import (
+    BLOCK,
+    EngineHttp,
+    FakeEngine,
+    SideLoop,
+    canonical,
+    loopback_endpoints,
+    offloaded_batch,
+)
 from tests.metrics import label_names, sample, total
 from tests.router_processes import ToolProcess, kv_router_command
 from tests.test_deploy_observability import BRIDGE_PREFIX, TARGET_LABELS, alert_rules, dashboard_queries, selectors
@@ -390,19 +398,7 @@ def test_host_tier_stores_without_token_ids_reach_the_router_through_the_bridge_
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
         chain.steps(3)
         tokens = list(range(1, 2 * BLOCK + 1))
-        device = {
-            "type": "BlockStored",
-            "block_hashes": [11, 12],
-            "parent_block_hash": None,
-            "token_ids": tokens,
-            "block_size": BLOCK,
-            "lora_id": None,
-            "medium": "GPU",
-            "lora_name": None,
-        }
-        offload = {"type": "BlockStored", "block_hashes": [11, 12, 99], "parent_block_hash": None, "token_ids": [],
-                   "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None}  # fmt: skip
-        side.call(chain.engine.send_raw(msgspec.msgpack.encode([1.0, [device, offload], 0])))
+        side.call(chain.engine.send_raw(offloaded_batch([11, 12], tokens, [11, 12, 99])))
         _converged(router, chain)
         host = [edge for edge in _dump(router) if edge[2] == "host_pinned"]
         assert {(parent, block) for _, _, _, parent, block, _ in host} == {(None, 11), (11, 12)}

@@ -43,6 +43,7 @@ from tests.engine_fakes import (
     encode,
     engine_spec,
     loopback_endpoints,
+    offloaded_batch,
 )
 from tests.waiting import eventually
 
@@ -824,19 +825,7 @@ async def test_host_tier_stores_without_token_ids_add_that_tier_to_the_device_bl
     async with direct_mode(router, WORKER, replay=True) as (engine, direct):
         await _heard(engine, direct)
         tokens = list(range(1, 3 * BLOCK + 1))
-        device = {
-            "type": "BlockStored",
-            "block_hashes": [11, 12, 13],
-            "parent_block_hash": None,
-            "token_ids": tokens,
-            "block_size": BLOCK,
-            "lora_id": None,
-            "medium": "GPU",
-            "lora_name": None,
-        }
-        offload = {"type": "BlockStored", "block_hashes": [11, 12, 99], "parent_block_hash": None, "token_ids": [],
-                   "block_size": 0, "lora_id": None, "medium": "CPU", "lora_name": None}  # fmt: skip
-        await engine.send_raw(encode([1.0, [device, offload], 0]))
+        await engine.send_raw(offloaded_batch([11, 12, 13], tokens, [11, 12, 99]))
         await _converged(router, engine, direct)
         host = [edge for edge in canonical(router.tree.dump_events()) if edge[2] == "host_pinned"]
         local = compute_block_hashes(tokens, BLOCK)
