@@ -44,6 +44,7 @@ from api.wire import (
     OutputProgress,
     PotentialLoadsReply,
     PotentialLoadsRequest,
+    RequestId,
     RouteBody,
     RouteReply,
     RouterFreeMarked,
@@ -400,15 +401,14 @@ def _header_id(call: Call) -> str | None:
     """``X-Request-Id`` as a request id, held to the body field's rule (`api.wire.RequestId`): a request
     booked under it is echoed in that header and freed by the body field. `InvalidBody` otherwise."""
     given = call.request_id
-    if given is not None and not (
-        0 < len(given) <= 256 and given.isascii() and given.isprintable() and " " not in given
-    ):
-        raise InvalidBody("X-Request-Id: a request id is 1 to 256 visible ASCII characters, without spaces")
+    if given is not None:
+        try:
+            msgspec.convert(given, RequestId)
+        except msgspec.ValidationError:
+            raise InvalidBody(
+                "X-Request-Id: a request id is 1 to 256 visible ASCII characters, without spaces"
+            ) from None
     return given
-
-
-def _visible_ascii(text: str) -> bool:
-    return 0 < len(text) <= 256 and text.isascii() and text.isprintable() and " " not in text
 
 
 def _token_list(tokens: Tokens) -> list[int]:

@@ -442,6 +442,9 @@ class HttpProtocol(asyncio.Protocol):
         self._between_messages = True
         request = self._parsing
         self._parsing = None
+        # Its answer went out before its body was in (a 401, 404, 413): reading that body made the
+        # connection busy, and nothing else would make it idle again for its keep-alive timeout.
+        answered_early = self._current is None
         if type(request) is AsgiRequest:
             request.body_complete()
         else:
@@ -449,9 +452,7 @@ class HttpProtocol(asyncio.Protocol):
             request.complete = True
             if request.started and not request.refused:
                 self._run(request)
-        if self._current is None:
-            # Its answer went out before its body was in (a 401, 404, 413): reading that body made the
-            # connection busy, and nothing else would make it idle again for its keep-alive timeout.
+        if answered_early:
             self._idle()
 
     # ------------------------------------------------------------------ the connection's turns

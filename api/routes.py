@@ -226,10 +226,10 @@ def add_admin_routes(
             # A capacity or taint update of a worker whose ranks its source set (direct mode's dp=N, a
             # bridge's --dp-size) keeps them: the default one rank would drop the others' blocks.
             fields.update(dp_start_rank=existing.dp_start_rank, dp_size=existing.dp_size)
-        if existing is not None and not _HANDOFF_FIELDS & named:
-            # So does its disaggregated role and hand-off (a bridge's --role): the defaults would make a
-            # prefill worker take whole requests.
-            fields.update(role=existing.role, handoff=existing.handoff, bootstrap_port=existing.bootstrap_port)
+        if existing is not None:
+            # So does each of its disaggregated role and hand-off fields it does not name (a bridge's
+            # --role): the defaults would make a prefill worker take whole requests.
+            fields.update({name: getattr(existing, name) for name in _HANDOFF_FIELDS - named})
         config = WorkerConfig(**fields)
         known = existing is not None
         if lifecycle is not None:

@@ -244,7 +244,13 @@ class ConfigDoctor:
                     f"{', '.join(str(rank) for rank, _ in stamped[:8])} ({sum(c for _, c in stamped)} refused as "
                     f"unknown_dp_rank) while it is registered with ranks {ranks.start}..{ranks.stop - 1}: an engine "
                     "run with external or hybrid data parallelism (vLLM --data-parallel-rank) stamps its own rank; "
-                    f"register the worker with dp_start_rank {stamped[0][0]} (POST /v1/workers or the config file)"
+                    + (
+                        "a bridge registers its ranks from 0 and cannot take them: read this engine in direct mode "
+                        f"(--engine) and register it with dp_start_rank {stamped[0][0]} (POST /v1/workers)"
+                        if worker.leased
+                        else f"register the worker with dp_start_rank {stamped[0][0]} (POST /v1/workers or the "
+                        "config file)"
+                    )
                 )
             else:
                 found["events_not_wired", worker_id] = (

@@ -54,24 +54,23 @@ def test_a_prefill_workers_handoff_is_registered_listed_and_checked(client: Test
         assert refused.status_code == 422 and next(iter(bad)) in refused.text
 
 
-def test_an_update_that_names_no_role_keeps_the_workers_role_and_handoff(client: TestClient) -> None:
+def test_an_update_keeps_the_role_and_handoff_fields_it_does_not_name(client: TestClient) -> None:
     """A capacity update of an SGLang prefill worker leaves it one: with the defaults it would take whole
-    requests and decode legs, and its prefill legs would be run in the wrong style. Naming a role changes
-    the three together."""
+    requests and decode legs, and its prefill legs would be run in the wrong style. A field named is
+    changed alone."""
     sglang = {"worker_id": 7, "role": "prefill", "handoff": "bootstrap", "bootstrap_port": 9000}
     assert client.post("/v1/workers", json=sglang).status_code == 201
+
+    def listed() -> tuple[str, str, int | None, int | None]:
+        config = {w["config"]["worker_id"]: w["config"] for w in client.get("/v1/workers").json()["workers"]}[7]
+        return config["role"], config["handoff"], config.get("bootstrap_port"), config.get("total_kv_blocks")
+
     assert client.post("/v1/workers", json={"worker_id": 7, "total_kv_blocks": 4096}).status_code == 200
-    listed = {w["config"]["worker_id"]: w["config"] for w in client.get("/v1/workers").json()["workers"]}
-    kept = listed[7]
-    assert (kept["role"], kept["handoff"], kept["bootstrap_port"], kept["total_kv_blocks"]) == (
-        "prefill",
-        "bootstrap",
-        9000,
-        4096,
-    )
+    assert listed() == ("prefill", "bootstrap", 9000, 4096)
+    assert client.post("/v1/workers", json={"worker_id": 7, "bootstrap_port": 9001}).status_code == 200
+    assert listed() == ("prefill", "bootstrap", 9001, None)
     assert client.post("/v1/workers", json={"worker_id": 7, "role": "both"}).status_code == 200
-    changed = {w["config"]["worker_id"]: w["config"] for w in client.get("/v1/workers").json()["workers"]}[7]
-    assert (changed["role"], changed["handoff"], changed.get("bootstrap_port")) == ("both", "kv_transfer_params", None)
+    assert listed() == ("both", "bootstrap", 9001, None)
 
 
 def test_a_request_id_ending_in_the_prefill_legs_suffix_is_refused_as_json(client: TestClient) -> None:

@@ -227,7 +227,7 @@ class Handoff:
             self._count(legs, "ok" if failure is None else "prefill_failed_late")
             if failure is None:  # its answer in, or not yet: the decode leg had its KV from it either way
                 self._answered(legs.prefill.worker_id)
-            elif isinstance(failure, WorkerFailed) and not failure.paced:  # a 4xx was the request's fault
+            elif isinstance(failure, WorkerFailed) and not failure.paced:  # a 429 paces us; a 4xx is no failure
                 self._failed_late(legs.prefill.worker_id, str(failure))
             return outcome
         finally:

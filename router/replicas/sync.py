@@ -356,7 +356,7 @@ class ReplicaSync:
             elif sync.seq > peer.seen:
                 peer.seen = sync.seq
                 self._repair(sender, peer)  # its last batches never arrived
-            elif peer.unrepaired and now >= peer.retry_at:
+            elif peer.unrepaired and not peer.repairing and now >= peer.retry_at:
                 self._repair(sender, peer)  # a repair failed
             return
         if sync.seq <= peer.seen:
