@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import msgspec
 
-from indexer.events import KvCacheEventData, ResyncBatch, ResyncResponse, RouterEvent
+from indexer.events import KvCacheEventData, ResyncBatch, ResyncResponse, RouterEvent, looks_like_msgpack
 from router.event_plane.parts import pack
 
-__all__ = ["PartsReader", "reply_parts"]
+__all__ = ["ResyncReader", "reply_parts"]
 
 _encode = msgspec.msgpack.encode
+_json_response = msgspec.json.Decoder(ResyncResponse)
+_msgpack_response = msgspec.msgpack.Decoder(ResyncResponse)
 
 # Room in a part for what is not its events: the response's and the batch's keys, the list's header,
 # the last event id.
@@ -70,16 +72,19 @@ def _cut(event: RouterEvent, room: int) -> list[RouterEvent]:
     return pieces
 
 
-class PartsReader:
-    """The asker's side: `add` each reply in order; it returns the whole response once the last part
-    (or a reply not in parts) is in, else None."""
+class ResyncReader:
+    """The asker's side (as `router.replicas.messages.StateReader` for a replica's view): `add` each
+    reply's bytes in order (msgpack, or JSON from a worker that answers in it); it returns the whole
+    response once the last part (or a reply not in parts) is in, else None. Raises what an undecodable
+    reply raises."""
 
     __slots__ = ("_events",)
 
     def __init__(self) -> None:
         self._events: list[RouterEvent] = []
 
-    def add(self, response: ResyncResponse) -> ResyncResponse | None:
+    def add(self, data: bytes) -> ResyncResponse | None:
+        response = (_msgpack_response if looks_like_msgpack(data) else _json_response).decode(data)
         dump = response.tree_dump is not None
         batch = response.tree_dump if dump else response.events
         if batch is None:

@@ -23,11 +23,11 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
 from indexer.errors import UNDECODABLE, EventDecodeError
-from indexer.events import ResyncRequest, ResyncResponse, decode_router_events, looks_like_msgpack
+from indexer.events import ResyncRequest, ResyncResponse, decode_router_events
 from indexer.sequencer import EventSequencer
 from router.event_plane.parts import request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
-from router.event_plane.resync_parts import PartsReader
+from router.event_plane.resync_parts import ResyncReader
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
 
@@ -41,9 +41,6 @@ log = logging.getLogger(__name__)
 # Applying a backlog of events must not starve routing decisions on the same loop: after this much
 # continuous work the subscriber yields once (nats-py hands queued messages over without yielding).
 YIELD_AFTER_S = 0.0005
-
-_json_response = msgspec.json.Decoder(ResyncResponse)
-_msgpack_response = msgspec.msgpack.Decoder(ResyncResponse)
 
 
 class KvEventSubscriber:
@@ -163,10 +160,4 @@ class KvEventSubscriber:
         """The worker's answer: a large one comes in parts (`router.event_plane.resync_parts`), each
         within ``timeout`` of the one before. Raises `NoRespondersError`, NATS' `TimeoutError` and its
         other errors, and an undecodable reply's."""
-        reader = PartsReader()
-
-        def add(data: bytes) -> ResyncResponse | None:
-            decoder = _msgpack_response if looks_like_msgpack(data) else _json_response
-            return reader.add(decoder.decode(data))
-
-        return await request_in_parts(self.nc, subject, payload, self._timeout, add)
+        return await request_in_parts(self.nc, subject, payload, self._timeout, ResyncReader().add)
