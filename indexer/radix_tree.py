@@ -389,18 +389,6 @@ class RadixTree:
         """Every (worker_id, dp_rank) the index has seen and not removed."""
         return self._slots.keys()
 
-    def device_block(self, worker: WorkerRank, block_hash: int) -> tuple[int | None, int] | None:
-        """``(parent hash, tokens hash)`` of a device block ``worker`` holds under ``block_hash``, its
-        parent named by the worker's own hash of it (None at the root); None when it does not hold it."""
-        state = self._states.get(worker)
-        node = None if state is None else state.lookup.get(block_hash)
-        if state is None or node is None or not node.owners >> state.slot & 1:
-            return None
-        parent = node.parent
-        if parent is None or parent is self._root:
-            return None, node.local_hash
-        return state.aliases.get(parent, parent.block_hash), node.local_hash
-
     # ------------------------------------------------------------------ queries
     def find_matches(self, local_hashes: Sequence[int]) -> OverlapScores:
         """Per (worker, dp_rank), how many leading blocks of ``local_hashes`` it holds."""

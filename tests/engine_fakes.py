@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import random
 import threading
 from collections import Counter
@@ -21,9 +20,19 @@ from typing import Any, TypeVar
 import msgspec
 import uvicorn
 
-from indexer.engine_events import EngineOffloaded, decode_engine_batch, event_tier, resolve_offloaded, to_kv_event
+from indexer.engine_events import (
+    EngineCleared,
+    EngineEvent,
+    EngineOffloaded,
+    EngineRemoved,
+    EngineStored,
+    decode_engine_batch,
+    event_tier,
+    resolve_offloaded,
+    to_kv_event,
+)
 from indexer.errors import KvIndexError
-from indexer.events import RouterEvent
+from indexer.events import RouterEvent, StorageTier
 from indexer.radix_tree import RadixTree
 from mocker.zmq_engine import VllmZmqPublisher
 from router.engines.direct import DirectEngine
@@ -82,6 +91,20 @@ def canonical(events: list[RouterEvent]) -> list[tuple[int, int, str, int | None
     return sorted(edges, key=repr)
 
 
+def _mirror_device(device: dict[int, tuple[int | None, int]], event: EngineEvent) -> None:
+    """Keep ``device`` (block hash -> parent hash, tokens hash) as the engine's device tier after ``event``."""
+    if isinstance(event, EngineCleared):
+        device.clear()
+    elif isinstance(event, EngineStored) and event.tier is StorageTier.DEVICE:
+        parent = event.parent_hash
+        for block_hash, tokens_hash in zip(event.block_hashes, event.tokens_hashes, strict=True):
+            device[block_hash] = (parent, tokens_hash)
+            parent = block_hash
+    elif isinstance(event, EngineRemoved) and event.tier is StorageTier.DEVICE:
+        for block_hash in event.block_hashes:
+            device.pop(block_hash, None)
+
+
 class FakeEngine:
     def __init__(self, worker_id: int, endpoint: str, replay_endpoint: str | None, *, seed: int = 0,
                  dp_rank: int = 0, topic_in_replay: bool = True, array_form: bool = False) -> None:  # fmt: skip
@@ -92,6 +115,8 @@ class FakeEngine:
                                           topic_in_replay=topic_in_replay)  # fmt: skip
         self.rng = random.Random(seed)
         self.truth = RadixTree()
+        # Per rank, the device blocks the engine holds: block hash -> (parent hash, tokens hash).
+        self._truth_device: dict[int, dict[int, tuple[int | None, int]]] = {}
         self._event_id = 0
         self._held: list[int] = []  # block hashes, leaves last
         self._children: dict[int, int] = {}
@@ -105,6 +130,7 @@ class FakeEngine:
     def restart(self) -> None:
         """A new engine process: empty cache; the next batch is seq 0 again."""
         self.truth = RadixTree()
+        self._truth_device.clear()
         self._held.clear()
         self._children.clear()
         self.publisher.next_seq = 0
@@ -115,8 +141,12 @@ class FakeEngine:
         rank = self.dp_rank if batch.dp_rank is None else batch.dp_rank
         for decoded in batch.events:
             # An offload names blocks held on the device: the router resolves it the same way.
-            held = functools.partial(self.truth.device_block, (self.worker_id, rank))
-            events = resolve_offloaded(decoded, held)[0] if isinstance(decoded, EngineOffloaded) else [decoded]
+            device = self._truth_device.setdefault(rank, {})
+            if isinstance(decoded, EngineOffloaded):
+                events = resolve_offloaded(decoded, device.get)[0]
+            else:
+                events = [decoded]
+                _mirror_device(device, decoded)
             for event in events:
                 self._event_id += 1
                 with contextlib.suppress(KvIndexError):  # the router refuses the same event the same way

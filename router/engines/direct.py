@@ -23,7 +23,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 
 import msgspec
 
@@ -128,12 +127,10 @@ class SequencerSink:
             tiers.add(tier)
             self.stores += isinstance(event, EngineStored)
             if isinstance(event, EngineOffloaded):
-                # Resolved against the index, which must hold the device stores before it in the batch.
-                if batch:
-                    self.router.sequencer.ingest(batch)
-                    batch = []
-                rank = (self.worker_id, dp_rank)
-                stores, unresolved = resolve_offloaded(event, partial(self.router.tree.device_block, rank))
+                # Resolved against the blocks this sink holds for the engine (the device stores before
+                # it in the batch included), as the bridge's publisher does.
+                device = self._held.tables.get((dp_rank, StorageTier.DEVICE), {})
+                stores, unresolved = resolve_offloaded(event, device.get)
                 self.offloaded_unresolved += len(unresolved)
                 resolved: list[EngineStored | EngineRemoved | EngineCleared] = list(stores)
             else:
