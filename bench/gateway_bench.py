@@ -8,7 +8,11 @@ same with ``--no-proxy-route-text-by-bytes``: text tokenized locally from the mo
 ``tokenizer.json``, one token a character, as for a fleet with KV events), sglang-router and
 vllm-router (Rust, installed from PyPI by this script into a venv of their own, ``--gateway-venv``,
 reused when present), each with its ``cache_aware`` policy. Both Rust gateways try to fetch a tokenizer
-from a model hub: they run with ``HF_HUB_OFFLINE=1`` and an unreachable ``HF_ENDPOINT``.
+from a model hub: they run with ``HF_HUB_OFFLINE=1`` and an unreachable ``HF_ENDPOINT``. Two references
+(`bench/python_floor.py`), not gateways: ``python-floor``, the least a Python proxy on uvloop and httptools
+does (forward, hand the answer's bytes back), and ``python-floor-routed``, that with kv-router's decision,
+prefill mark and free per request; kv-router's ratio to them splits its CPU into what any Python proxy
+pays, what routing adds, and what its own proxy work costs.
 
 Backends: two stub OpenAI servers (``python bench/gateway_bench.py stub --port N``, a bare asyncio
 HTTP/1.1 server) answering ``/v1/completions`` and ``/v1/chat/completions`` with a fixed completion of
@@ -72,7 +76,10 @@ from router.event_plane.embedded_server import free_port
 
 PEERS = {"sglang-router": "0.3.2", "vllm-router": "0.1.17"}
 OURS = {"kv-router": [], "kv-router-tokenizing": ["--no-proxy-route-text-by-bytes"]}
-GATEWAYS = (*OURS, *PEERS)
+# References, not gateways: the least a Python proxy on uvloop and httptools does (`bench/python_floor.py`),
+# and that with kv-router's decision, prefill mark and free per request.
+FLOORS = {"python-floor": [], "python-floor-routed": ["--route"]}
+GATEWAYS = (*OURS, *PEERS, *FLOORS)
 DEFAULT_VENV = Path.home() / ".cache" / "kv-router" / "gateways"
 # Where the Rust gateways would fetch a tokenizer from: nothing listens on port 9 (discard) here.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9", "TRANSFORMERS_OFFLINE": "1"}
@@ -269,6 +276,9 @@ def gateway_command(name: str, port: int, backends: list[str], venv: Path, model
             "--host", "127.0.0.1", "--port", str(port), "--block-size", "64", "--log-level", "warning",
             "--tokenizer", f"{MODEL}={model_dir}", *OURS[name],
         ]  # fmt: skip
+    if name in FLOORS:
+        floor = Path(__file__).with_name("python_floor.py")
+        return [sys.executable, str(floor), "--port", str(port), *FLOORS[name], *backends]
     common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *backends, "--policy", "cache_aware"]
     if name == "sglang-router":
         return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common, "--log-level", "warn"]
@@ -543,7 +553,9 @@ def wait_for_port(url: str, process: subprocess.Popen[bytes], timeout_s: float =
 
 
 def _short(gateway: str) -> str:
-    return "tok" if gateway == "kv-router-tokenizing" else gateway.split("-")[0]
+    return {"kv-router-tokenizing": "tok", "python-floor": "floor", "python-floor-routed": "routed"}.get(
+        gateway, gateway.split("-")[0]
+    )
 
 
 def _median_and_range(values: list[float], rounds: int, form: str, unit: str) -> str:

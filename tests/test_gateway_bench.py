@@ -109,3 +109,33 @@ def test_the_report_gives_medians_over_rounds_and_each_ratio_from_one_rounds_pai
     # ratios per round 1.00, 1.00, 1.10.
     assert "330 (    0) [+0.500]" in row and "300 (    0) [+0.500]" in row
     assert row.rstrip().endswith("1.00x (1.00-1.10)")
+
+
+@pytest.mark.parametrize("route", [False, True], ids=["python-floor", "python-floor-routed"])
+def test_the_python_floor_hands_back_the_backends_answers_byte_for_byte(stub: str, route: bool) -> None:
+    port = free_port()
+    command = [sys.executable, str(ROOT / "bench" / "python_floor.py"), "--port", str(port), stub, stub]
+    floor = subprocess.Popen(command + (["--route"] if route else []))
+    url = f"http://127.0.0.1:{port}"
+    bodies = [
+        {"model": MODEL, "prompt": "a text prompt " * 40, "max_tokens": 4},
+        {"model": MODEL, "prompt": list(range(300)), "max_tokens": 3},
+        {"model": MODEL, "prompt": "streamed", "max_tokens": 5, "stream": True},
+    ]
+    try:
+
+        def answering() -> bool:
+            try:
+                return httpx.post(f"{url}/v1/completions", json=bodies[0]).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        until(answering, 30, "the floor forwarding")
+        with httpx.Client(base_url=url) as through, httpx.Client(base_url=stub) as direct:
+            for _ in range(3):  # the pooled connections carry the next requests
+                for body in bodies:
+                    theirs, ours = direct.post("/v1/completions", json=body), through.post("/v1/completions", json=body)
+                    assert (ours.status_code, ours.headers["content-type"]) == (200, theirs.headers["content-type"])
+                    assert ours.content == theirs.content
+    finally:
+        stop_process(floor)
