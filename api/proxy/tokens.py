@@ -3,11 +3,11 @@
 A prompt of token ids is used as it is. A model with local files (``--tokenizer``: a model directory
 or a ``tokenizer.json``, per model or for every model; nothing downloaded) is tokenized here: text with
 its ``tokenizer.json`` (special tokens added by its post-processor, as vLLM's completions do), chat
-rendered by its chat template (`api.proxy.chat_template`, from ``chat_template.jinja`` or
-``tokenizer_config.json`` beside it) and encoded without special tokens (vLLM's default for chat: the
-template writes them). Everything else goes to a worker serving the model through its ``/tokenize``
-(vLLM's and SGLang's shape), which applies the engine's own template: routing tokens that differ from
-the engine's are silent cache misses.
+rendered by its chat template (`api.proxy.chat_template`, from ``chat_template.jinja`` and
+``additional_chat_templates/`` or else ``tokenizer_config.json`` beside it) and encoded without special
+tokens (vLLM's default for chat: the template writes them). Everything else goes to a worker serving
+the model through its ``/tokenize`` (vLLM's and SGLang's shape), which applies the engine's own
+template: routing tokens that differ from the engine's are silent cache misses.
 """
 
 from __future__ import annotations
@@ -208,15 +208,22 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
     if processor:  # vLLM then prefers the processor's template (when a request has no tools)
         log.info("%s: %s beside %s; chat is tokenized by the workers", where, processor[0], tokenizer_file)
         return tokenizer, None
-    templates, source = _templates(directory, config, where)
+    templates, sources = _templates(directory, config, where)
     if not templates:
         log.info("%s: no chat template beside %s; chat is tokenized by the workers", where, tokenizer_file)
         return tokenizer, None
     try:
-        template = ChatTemplate(templates, special)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError("tokenizer", f"{where}: chat template {source}: line {exc.lineno}: {exc.message}") from None
-    return tokenizer, template
+        return tokenizer, ChatTemplate(templates, special)
+    except jinja2.TemplateSyntaxError:
+        pass
+    for name, source in templates.items():  # each alone, to name the file of the one that does not compile
+        try:
+            ChatTemplate({name: source}, special)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ConfigError(
+                "tokenizer", f"{where}: chat template {sources[name]}: line {exc.lineno}: {exc.message}"
+            ) from None
+    raise AssertionError("the templates compile one by one but not together")
 
 
 def _one_line(exc: Exception) -> str:
@@ -242,27 +249,38 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _templates(directory: Path, config: dict[str, Any], where: str) -> tuple[dict[str, str], Path]:
-    """The chat templates by name, and the file they come from: ``chat_template.jinja`` wins over
-    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name", "template"}``),
-    as in ``transformers``."""
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.exists():
-        try:
-            return {"default": jinja_file.read_text(encoding="utf-8")}, jinja_file
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError("tokenizer", f"{where}: cannot read {jinja_file}: {_one_line(exc)}") from None
+def _templates(directory: Path, config: dict[str, Any], where: str) -> tuple[dict[str, str], dict[str, Path]]:
+    """The chat templates by name, and the file each comes from, as ``transformers`` 5 loads them: the
+    template files (``chat_template.jinja``, the default, and ``additional_chat_templates/<name>.jinja``,
+    named by their stem) if there are any, all of them and nothing of ``tokenizer_config.json``; else
+    its ``chat_template`` (a string, or a list of ``{"name", "template"}``)."""
+    files = {}
+    if (directory / "chat_template.jinja").is_file():
+        files["default"] = directory / "chat_template.jinja"
+    if (directory / "additional_chat_templates").is_dir():  # after the default, as transformers reads them
+        files.update(
+            (path.name.removesuffix(".jinja"), path)
+            for path in (directory / "additional_chat_templates").glob("*.jinja")
+        )
+    if files:
+        templates = {}
+        for name, path in files.items():
+            try:
+                templates[name] = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError("tokenizer", f"{where}: cannot read {path}: {_one_line(exc)}") from None
+        return templates, files
     config_file = directory / "tokenizer_config.json"
     given = config.get("chat_template")
     if given is None:
-        return {}, config_file
+        return {}, {}
     if isinstance(given, str):
-        return {"default": given}, config_file
+        return {"default": given}, {"default": config_file}
     if isinstance(given, list) and all(
         isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("template"), str)
         for item in given
     ):
-        return {item["name"]: item["template"] for item in given}, config_file
+        return {item["name"]: item["template"] for item in given}, {item["name"]: config_file for item in given}
     raise ConfigError("tokenizer", f"{where}: {config_file}: chat_template is neither a string nor a list of templates")
 
 
