@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from api.config import ProxyConfig
 from api.proxy.chat_template import NotLocal
 from api.proxy.tokens import ModelFiles, load_model_files
 from api.proxy.wire import ChatBody
@@ -48,10 +49,34 @@ def _only_additional(directory: Path) -> Path:
     return directory
 
 
+def _configured(**config: Any) -> Callable[[Path], Path]:
+    """ChatML-like files, ``config`` added to the tokenizer_config.json."""
+
+    def make(directory: Path) -> Path:
+        assemble("chatml-tools", directory)
+        path = directory / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+        return directory
+
+    return make
+
+
+_NEW = {"content": "<new>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+
 # name -> how its directory is made
 DIRECTORIES: dict[str, Callable[[Path], Path]] = {
     "saved-templates": _saved_templates,
     "only-additional": _only_additional,
+    # special tokens named in tokenizer_config.json only, none an added token of tokenizer.json
+    "config-specials": _configured(
+        additional_special_tokens=["<tool>", "<|im_end|>"],
+        bos_token="<|endoftext|>",
+        image_token="<image>",
+        added_tokens_decoder={"400": {**_NEW, "special": False}, "8": {"content": "<|im_end|>", "special": True}},
+    ),
+    "extra-named": _configured(
+        extra_special_tokens={"audio_token": "<audio>"}, eos_token={"__type": "AddedToken", **_NEW, "special": False}
+    ),
 }
 
 # (directory, request) -> the rendered text (transformers 5.19.0), None: transformers finds no template
@@ -64,7 +89,7 @@ RENDERED: list[tuple[str, dict[str, Any], str | None]] = [
 
 
 def _files(tmp_path: Path, name: str) -> ModelFiles:
-    return load_model_files({"m": DIRECTORIES[name](tmp_path / name)})["m"]
+    return load_model_files({"m": DIRECTORIES[name](tmp_path / name)}, ProxyConfig().proxy_tokenizer_cache_tokens)["m"]
 
 
 def _render(files: ModelFiles, request: dict[str, Any]) -> str:
@@ -128,7 +153,15 @@ def test_transformers_agrees(tmp_path: Path) -> None:
 
 
 # (directory, text, add_special_tokens) -> the ids (transformers 5.19.0)
-ENCODED: list[tuple[str, str, bool, list[int]]] = []
+ENCODED: list[tuple[str, str, bool, list[int]]] = [
+    (
+        "config-specials",
+        "a <tool> b<|endoftext|>c<image>d<new>e<|im_end|>",
+        True,
+        [75, 231, 357, 231, 76, 355, 77, 356, 78, 354, 79, 8],
+    ),
+    ("extra-named", "a<audio>b<new>c", False, [75, 355, 76, 354, 77]),
+]
 
 
 @pytest.mark.parametrize(("name", "text", "special", "ids"), ENCODED)
@@ -136,4 +169,7 @@ def test_text_is_encoded_as_transformers_does(
     tmp_path: Path, name: str, text: str, special: bool, ids: list[int]
 ) -> None:
     encoder = _files(tmp_path, name).encoder
-    assert unpack_tokens(asyncio.run(encoder.encode(text, add_special_tokens=special))) == ids
+    assert encoder.cache is not None
+    for _ in range(2):  # its pieces encoded, then found in the tokenizer cache
+        assert unpack_tokens(asyncio.run(encoder.encode(text, add_special_tokens=special))) == ids
+    assert encoder.tokenizer.encode(text, add_special_tokens=special).ids == ids

@@ -2,12 +2,13 @@
 
 A prompt of token ids is used as it is. A model with local files (``--tokenizer``: a model directory
 or a ``tokenizer.json``, per model or for every model; nothing downloaded) is tokenized here: text with
-its ``tokenizer.json`` (special tokens added by its post-processor, as vLLM's completions do), chat
-rendered by its chat template (`api.proxy.chat_template`, from ``chat_template.jinja`` and
-``additional_chat_templates/`` or else ``tokenizer_config.json`` beside it) and encoded without special
-tokens (vLLM's default for chat: the template writes them). Everything else goes to a worker serving
-the model through its ``/tokenize`` (vLLM's and SGLang's shape), which applies the engine's own
-template: routing tokens that differ from the engine's are silent cache misses.
+its ``tokenizer.json`` and the special tokens ``tokenizer_config.json`` adds to it (special tokens
+added by its post-processor, as vLLM's completions do), chat rendered by its chat template
+(`api.proxy.chat_template`, from ``chat_template.jinja`` and ``additional_chat_templates/`` or else
+``tokenizer_config.json`` beside it) and encoded without special tokens (vLLM's default for chat: the
+template writes them). Everything else goes to a worker serving the model through its ``/tokenize``
+(vLLM's and SGLang's shape), which applies the engine's own template: routing tokens that differ from
+the engine's are silent cache misses.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import jinja2
 import msgspec
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from api.config import ANY_MODEL
 from api.eager import within
@@ -204,6 +205,7 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
     config = _json_object(directory / "tokenizer_config.json", where)
     special_map = _json_object(directory / "special_tokens_map.json", where)
     special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name, special_map.get(name))))}
+    _add_config_tokens(tokenizer, config, _named_tokens(config, special_map))
     processor = [name for name in _PROCESSOR_FILES if (directory / name).exists()]
     if processor:  # vLLM then prefers the processor's template (when a request has no tools)
         log.info("%s: %s beside %s; chat is tokenized by the workers", where, processor[0], tokenizer_file)
@@ -224,6 +226,67 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
                 "tokenizer", f"{where}: chat template {sources[name]}: line {exc.lineno}: {exc.message}"
             ) from None
     raise AssertionError("the templates compile one by one but not together")
+
+
+def _named_tokens(config: dict[str, Any], special_map: dict[str, Any]) -> dict[str, str | AddedToken]:
+    """The named special tokens, as ``transformers`` 5.19 names them: ``bos_token`` ... ``mask_token``,
+    then the config's other ``*_token`` keys (those given as added tokens first, then texts) and the
+    names of an ``extra_special_tokens`` object."""
+    named: dict[str, Any] = {name: _added_token(config.get(name, special_map.get(name))) for name in _SPECIAL_TOKENS}
+    others = {key: value for key, value in config.items() if key.endswith("_token") and key not in named}
+    named |= {
+        key: _added_token(value)
+        for key, value in others.items()
+        if isinstance(value, dict) and value.get("__type") == "AddedToken"
+    }
+    named |= {key: value for key, value in others.items() if isinstance(value, str)}
+    extras = _extras(config)
+    if isinstance(extras, dict):
+        named |= {key: _added_token(value) for key, value in extras.items()}
+    return {name: value for name, value in named.items() if value is not None}
+
+
+def _extras(config: dict[str, Any]) -> Any:
+    """``extra_special_tokens``, else the older name ``additional_special_tokens``."""
+    return config.get("extra_special_tokens") or config.get("additional_special_tokens")
+
+
+def _add_config_tokens(tokenizer: Tokenizer, config: dict[str, Any], named: dict[str, str | AddedToken]) -> None:
+    """Adds the tokens ``transformers`` 5.19 adds when it loads a ``tokenizer.json`` as it is (its
+    ``TokenizersBackend``), in its order: ``tokenizer_config.json``'s ``added_tokens_decoder`` (again:
+    its flags win), then the named special tokens and the listed ``extra_special_tokens`` that are no
+    added token yet, a text as a special token (not normalized); a named one is made special."""
+    decoder = config.get("added_tokens_decoder")
+    adding: list[str | AddedToken] = []
+    if isinstance(decoder, dict):
+        entries = sorted((int(key), entry) for key, entry in decoder.items())
+        adding += [token for _, entry in entries if isinstance(token := _added_token(entry), AddedToken)]
+    known = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
+    known |= {str(token) for token in adding}
+    extras = _extras(config)
+    listed = [token for value in extras if (token := _added_token(value))] if isinstance(extras, list) else []
+    for value in (*named.values(), *listed):
+        if str(value) not in known and value not in adding:
+            adding.append(value)
+    named_texts = {str(value) for value in named.values()}
+    tokens = []
+    for value in adding:
+        token = AddedToken(value, special=True) if isinstance(value, str) else value
+        if not token.special and token.content in named_texts:
+            token.special = True
+        tokens.append(token)
+    if tokens:
+        tokenizer.add_tokens(tokens)
+
+
+def _added_token(value: Any) -> str | AddedToken | None:
+    """A token as the files give it: a text, or an added token's fields (``content``, ...)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict) or not isinstance(value.get("content"), str):
+        return None
+    flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+    return AddedToken(value["content"], **{flag: bool(value[flag]) for flag in flags if flag in value})
 
 
 def _one_line(exc: Exception) -> str:
