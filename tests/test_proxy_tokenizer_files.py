@@ -30,6 +30,7 @@ from tests.chat_vectors.models import assemble
 _USER = [{"role": "user", "content": "hi"}]
 _TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
 _LOOP = "{% for m in messages %}|{{ m.content }}{% endfor %}"
+_NAMES = "{{ bos_token }}|{{ eos_token }}|{{ image_token }}" + _LOOP
 
 
 def _saved_templates(directory: Path) -> Path:
@@ -49,13 +50,19 @@ def _only_additional(directory: Path) -> Path:
     return directory
 
 
-def _configured(**config: Any) -> Callable[[Path], Path]:
-    """ChatML-like files, ``config`` added to the tokenizer_config.json."""
+def _configured(special_map: dict[str, Any] | None = None, **config: Any) -> Callable[[Path], Path]:
+    """ChatML-like files, ``config`` added to the tokenizer_config.json (``added_tokens_decoder: True``:
+    tokenizer.json's added tokens, as save_pretrained writes them), and a special_tokens_map.json."""
 
     def make(directory: Path) -> Path:
         assemble("chatml-tools", directory)
+        if config.get("added_tokens_decoder") is True:
+            added = json.loads((directory / "tokenizer.json").read_text())["added_tokens"]
+            config["added_tokens_decoder"] = {str(token.pop("id")): token for token in added}
         path = directory / "tokenizer_config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+        if special_map is not None:
+            (directory / "special_tokens_map.json").write_text(json.dumps(special_map))
         return directory
 
     return make
@@ -74,6 +81,22 @@ DIRECTORIES: dict[str, Callable[[Path], Path]] = {
         image_token="<image>",
         added_tokens_decoder={"400": {**_NEW, "special": False}, "8": {"content": "<|im_end|>", "special": True}},
     ),
+    # an older config (no added_tokens_decoder): special_tokens_map.json's tokens win, even over a null
+    "older-config": _configured(
+        {
+            "bos_token": "<s>",
+            "eos_token": {"content": "</s>", "lstrip": False},
+            "additional_special_tokens": ["<tool>"],
+        },
+        bos_token=None,
+        eos_token="<|im_end|>",
+        image_token="<image>",
+        chat_template=_NAMES,
+    ),
+    # today's config (added_tokens_decoder): special_tokens_map.json is not read
+    "todays-config": _configured(
+        {"bos_token": "<s>", "additional_special_tokens": ["<tool>"]}, added_tokens_decoder=True, chat_template=_NAMES
+    ),
     "extra-named": _configured(
         extra_special_tokens={"audio_token": "<audio>"}, eos_token={"__type": "AddedToken", **_NEW, "special": False}
     ),
@@ -85,6 +108,8 @@ RENDERED: list[tuple[str, dict[str, Any], str | None]] = [
     ("saved-templates", {"messages": _USER, "tools": [_TOOL]}, "TOOLS 1|hi"),
     ("only-additional", {"messages": _USER, "tools": [_TOOL]}, "TOOLS 1|hi"),
     ("only-additional", {"messages": _USER}, None),
+    ("older-config", {"messages": _USER}, "<s>|</s>|<image>|hi"),
+    ("todays-config", {"messages": _USER}, "|<|im_end|>||hi"),
 ]
 
 
@@ -161,6 +186,8 @@ ENCODED: list[tuple[str, str, bool, list[int]]] = [
         [75, 231, 357, 231, 76, 355, 77, 356, 78, 354, 79, 8],
     ),
     ("extra-named", "a<audio>b<new>c", False, [75, 355, 76, 354, 77]),
+    ("older-config", "a<tool>b</s>c", False, [75, 355, 76, 2, 77]),
+    ("todays-config", "a<tool>b", False, [75, 38, 351, 40, 76]),
 ]
 
 

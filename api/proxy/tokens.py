@@ -204,8 +204,9 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
         raise ConfigError("tokenizer", f"{where}: cannot load {tokenizer_file}: {_one_line(exc)}") from None
     config = _json_object(directory / "tokenizer_config.json", where)
     special_map = _json_object(directory / "special_tokens_map.json", where)
-    special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name, special_map.get(name))))}
-    _add_config_tokens(tokenizer, config, _named_tokens(config, special_map))
+    named, listed = _special_tokens(config, special_map)
+    _add_config_tokens(tokenizer, config, named, listed)
+    special = {name: str(token) for name, token in named.items()}  # the template's bos_token, ...
     processor = [name for name in _PROCESSOR_FILES if (directory / name).exists()]
     if processor:  # vLLM then prefers the processor's template (when a request has no tools)
         log.info("%s: %s beside %s; chat is tokenized by the workers", where, processor[0], tokenizer_file)
@@ -228,34 +229,62 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
     raise AssertionError("the templates compile one by one but not together")
 
 
-def _named_tokens(config: dict[str, Any], special_map: dict[str, Any]) -> dict[str, str | AddedToken]:
-    """The named special tokens, as ``transformers`` 5.19 names them: ``bos_token`` ... ``mask_token``,
-    then the config's other ``*_token`` keys (those given as added tokens first, then texts) and the
-    names of an ``extra_special_tokens`` object."""
-    named: dict[str, Any] = {name: _added_token(config.get(name, special_map.get(name))) for name in _SPECIAL_TOKENS}
-    others = {key: value for key, value in config.items() if key.endswith("_token") and key not in named}
-    named |= {
-        key: _added_token(value)
-        for key, value in others.items()
-        if isinstance(value, dict) and value.get("__type") == "AddedToken"
-    }
-    named |= {key: value for key, value in others.items() if isinstance(value, str)}
-    extras = _extras(config)
+def _special_tokens(
+    config: dict[str, Any], special_map: dict[str, Any]
+) -> tuple[dict[str, str | AddedToken], list[str | AddedToken]]:
+    """The named special tokens and the listed extra ones, as ``transformers`` 5.19 reads them. Named:
+    ``bos_token`` ... ``mask_token``, then the other ``*_token`` keys (those given as added tokens
+    first) and the names of an ``extra_special_tokens`` object. Listed: ``extra_special_tokens``, else
+    the older ``additional_special_tokens``. ``special_tokens_map.json`` is read only beside a config
+    without ``added_tokens_decoder`` (an older one): then its values win, even over a ``null``."""
+    values = dict(config)
+    extras = values.pop("extra_special_tokens", None)
+    if not extras and "additional_special_tokens" in values:
+        extras = values.pop("additional_special_tokens")
+    listed = "extra_special_tokens" in config or "additional_special_tokens" in config
+    by_name = {key: value for key, value in values.items() if _other_name(key) and isinstance(value, str)}
+    for key in by_name:
+        del values[key]
     if isinstance(extras, dict):
-        named |= {key: _added_token(value) for key, value in extras.items()}
-    return {name: value for name, value in named.items() if value is not None}
+        by_name |= extras
+        extras, listed = None, False
+    if "added_tokens_decoder" not in config:
+        for key, value in special_map.items():
+            if key == "extra_special_tokens" and isinstance(value, list):
+                known = list(extras) if isinstance(extras, list) else []
+                extras = known + [token for token in value if token not in known]
+                listed = True
+            elif key == "extra_special_tokens" and isinstance(value, dict):
+                by_name |= value
+            elif isinstance(value, dict):
+                values[key] = _added_token({**value, "special": True})
+            else:
+                values[key] = value
+    if not listed:
+        extras = values.get("additional_special_tokens")
+    named = {name: _added_token(values.get(name)) for name in _SPECIAL_TOKENS}
+    named |= {key: _added_token(value) for key, value in values.items() if _other_name(key) and _token_like(value)}
+    named |= {key: _added_token(value) for key, value in by_name.items()}
+    tokens = [token for value in extras if (token := _added_token(value))] if isinstance(extras, list) else []
+    return {name: token for name, token in named.items() if token is not None}, tokens
 
 
-def _extras(config: dict[str, Any]) -> Any:
-    """``extra_special_tokens``, else the older name ``additional_special_tokens``."""
-    return config.get("extra_special_tokens") or config.get("additional_special_tokens")
+def _other_name(key: str) -> bool:
+    return key.endswith("_token") and key not in _SPECIAL_TOKENS
 
 
-def _add_config_tokens(tokenizer: Tokenizer, config: dict[str, Any], named: dict[str, str | AddedToken]) -> None:
+def _token_like(value: Any) -> bool:
+    """A text, or an added token (in a config's own form: with its ``__type``)."""
+    return isinstance(value, (str, AddedToken)) or (isinstance(value, dict) and value.get("__type") == "AddedToken")
+
+
+def _add_config_tokens(
+    tokenizer: Tokenizer, config: dict[str, Any], named: dict[str, str | AddedToken], listed: list[str | AddedToken]
+) -> None:
     """Adds the tokens ``transformers`` 5.19 adds when it loads a ``tokenizer.json`` as it is (its
     ``TokenizersBackend``), in its order: ``tokenizer_config.json``'s ``added_tokens_decoder`` (again:
-    its flags win), then the named special tokens and the listed ``extra_special_tokens`` that are no
-    added token yet, a text as a special token (not normalized); a named one is made special."""
+    its flags win), then the named special tokens and the listed extra ones that are no added token
+    yet, a text as a special token (not normalized); a named one is made special."""
     decoder = config.get("added_tokens_decoder")
     adding: list[str | AddedToken] = []
     if isinstance(decoder, dict):
@@ -263,8 +292,6 @@ def _add_config_tokens(tokenizer: Tokenizer, config: dict[str, Any], named: dict
         adding += [token for _, entry in entries if isinstance(token := _added_token(entry), AddedToken)]
     known = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
     known |= {str(token) for token in adding}
-    extras = _extras(config)
-    listed = [token for value in extras if (token := _added_token(value))] if isinstance(extras, list) else []
     for value in (*named.values(), *listed):
         if str(value) not in known and value not in adding:
             adding.append(value)
@@ -281,7 +308,7 @@ def _add_config_tokens(tokenizer: Tokenizer, config: dict[str, Any], named: dict
 
 def _added_token(value: Any) -> str | AddedToken | None:
     """A token as the files give it: a text, or an added token's fields (``content``, ...)."""
-    if isinstance(value, str):
+    if isinstance(value, (str, AddedToken)):
         return value
     if not isinstance(value, dict) or not isinstance(value.get("content"), str):
         return None
@@ -303,13 +330,6 @@ def _json_object(path: Path, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError("tokenizer", f"{where}: {path}: expected a JSON object")
     return value
-
-
-def _token_text(value: Any) -> str | None:
-    """A special token as the files give it: a string, or an added token's ``{"content": ...}``."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 def _templates(directory: Path, config: dict[str, Any], where: str) -> tuple[dict[str, str], dict[str, Path]]:
