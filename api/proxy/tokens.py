@@ -2,8 +2,9 @@
 
 A prompt of token ids is used as it is. A model with local files (``--tokenizer``: a model directory
 or a ``tokenizer.json``, per model or for every model; nothing downloaded) is tokenized here: text with
-its ``tokenizer.json`` (special tokens added by its post-processor, as vLLM's completions do), chat
-rendered by its chat template (`api.proxy.chat_template`, from ``chat_template.jinja`` or
+its ``tokenizer.json`` and the special tokens ``tokenizer_config.json`` adds to it (special tokens
+added by its post-processor, as vLLM's completions do), chat rendered by its chat template
+(`api.proxy.chat_template`, from ``chat_template.jinja`` and ``additional_chat_templates/`` or else
 ``tokenizer_config.json`` beside it) and encoded without special tokens (vLLM's default for chat: the
 template writes them). Everything else goes to a worker serving the model through its ``/tokenize``
 (vLLM's and SGLang's shape), which applies the engine's own template: routing tokens that differ from
@@ -23,7 +24,7 @@ from typing import Any
 
 import jinja2
 import msgspec
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from api.config import ANY_MODEL
 from api.eager import within
@@ -203,20 +204,116 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
         raise ConfigError("tokenizer", f"{where}: cannot load {tokenizer_file}: {_one_line(exc)}") from None
     config = _json_object(directory / "tokenizer_config.json", where)
     special_map = _json_object(directory / "special_tokens_map.json", where)
-    special = {name: text for name in _SPECIAL_TOKENS if (text := _token_text(config.get(name, special_map.get(name))))}
+    named, listed = _special_tokens(config, special_map)
+    _add_config_tokens(tokenizer, config, named, listed)
+    special = {name: str(token) for name, token in named.items()}  # the template's bos_token, ...
     processor = [name for name in _PROCESSOR_FILES if (directory / name).exists()]
     if processor:  # vLLM then prefers the processor's template (when a request has no tools)
         log.info("%s: %s beside %s; chat is tokenized by the workers", where, processor[0], tokenizer_file)
         return tokenizer, None
-    templates, source = _templates(directory, config, where)
+    templates, sources = _templates(directory, config, where)
     if not templates:
         log.info("%s: no chat template beside %s; chat is tokenized by the workers", where, tokenizer_file)
         return tokenizer, None
     try:
-        template = ChatTemplate(templates, special)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ConfigError("tokenizer", f"{where}: chat template {source}: line {exc.lineno}: {exc.message}") from None
-    return tokenizer, template
+        return tokenizer, ChatTemplate(templates, special)
+    except jinja2.TemplateSyntaxError:
+        pass
+    for name, source in templates.items():  # each alone, to name the file of the one that does not compile
+        try:
+            ChatTemplate({name: source}, special)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ConfigError(
+                "tokenizer", f"{where}: chat template {sources[name]}: line {exc.lineno}: {exc.message}"
+            ) from None
+    raise AssertionError("the templates compile one by one but not together")
+
+
+def _special_tokens(
+    config: dict[str, Any], special_map: dict[str, Any]
+) -> tuple[dict[str, str | AddedToken], list[str | AddedToken]]:
+    """The named special tokens and the listed extra ones, as ``transformers`` 5.19 reads them. Named:
+    ``bos_token`` ... ``mask_token``, then the other ``*_token`` keys (those given as added tokens
+    first) and the names of an ``extra_special_tokens`` object. Listed: ``extra_special_tokens``, else
+    the older ``additional_special_tokens``. ``special_tokens_map.json`` is read only beside a config
+    without ``added_tokens_decoder`` (an older one): then its values win, even over a ``null``."""
+    values = dict(config)
+    extras = values.pop("extra_special_tokens", None)
+    if not extras and "additional_special_tokens" in values:
+        extras = values.pop("additional_special_tokens")
+    listed = "extra_special_tokens" in config or "additional_special_tokens" in config
+    by_name = {key: value for key, value in values.items() if _other_name(key) and isinstance(value, str)}
+    for key in by_name:
+        del values[key]
+    if isinstance(extras, dict):
+        by_name |= extras
+        extras, listed = None, False
+    if "added_tokens_decoder" not in config:
+        for key, value in special_map.items():
+            if key == "extra_special_tokens" and isinstance(value, list):
+                known = list(extras) if isinstance(extras, list) else []
+                extras = known + [token for token in value if token not in known]
+                listed = True
+            elif key == "extra_special_tokens" and isinstance(value, dict):
+                by_name |= value
+            elif isinstance(value, dict):
+                values[key] = _added_token({**value, "special": True})
+            else:
+                values[key] = value
+    if not listed:
+        extras = values.get("additional_special_tokens")
+    named = {name: _added_token(values.get(name)) for name in _SPECIAL_TOKENS}
+    named |= {key: _added_token(value) for key, value in values.items() if _other_name(key) and _token_like(value)}
+    named |= {key: _added_token(value) for key, value in by_name.items()}
+    tokens = [token for value in extras if (token := _added_token(value))] if isinstance(extras, list) else []
+    return {name: token for name, token in named.items() if token is not None}, tokens
+
+
+def _other_name(key: str) -> bool:
+    return key.endswith("_token") and key not in _SPECIAL_TOKENS
+
+
+def _token_like(value: Any) -> bool:
+    """A text, or an added token (in a config's own form: with its ``__type``)."""
+    return isinstance(value, (str, AddedToken)) or (isinstance(value, dict) and value.get("__type") == "AddedToken")
+
+
+def _add_config_tokens(
+    tokenizer: Tokenizer, config: dict[str, Any], named: dict[str, str | AddedToken], listed: list[str | AddedToken]
+) -> None:
+    """Adds the tokens ``transformers`` 5.19 adds when it loads a ``tokenizer.json`` as it is (its
+    ``TokenizersBackend``), in its order: ``tokenizer_config.json``'s ``added_tokens_decoder`` (again:
+    its flags win), then the named special tokens and the listed extra ones that are no added token
+    yet, a text as a special token (not normalized); a named one is made special."""
+    decoder = config.get("added_tokens_decoder")
+    adding: list[str | AddedToken] = []
+    if isinstance(decoder, dict):
+        entries = sorted((int(key), entry) for key, entry in decoder.items())
+        adding += [token for _, entry in entries if isinstance(token := _added_token(entry), AddedToken)]
+    known = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
+    known |= {str(token) for token in adding}
+    for value in (*named.values(), *listed):
+        if str(value) not in known and value not in adding:
+            adding.append(value)
+    named_texts = {str(value) for value in named.values()}
+    tokens = []
+    for value in adding:
+        token = AddedToken(value, special=True) if isinstance(value, str) else value
+        if not token.special and token.content in named_texts:
+            token.special = True
+        tokens.append(token)
+    if tokens:
+        tokenizer.add_tokens(tokens)
+
+
+def _added_token(value: Any) -> str | AddedToken | None:
+    """A token as the files give it: a text, or an added token's fields (``content``, ...)."""
+    if isinstance(value, (str, AddedToken)):
+        return value
+    if not isinstance(value, dict) or not isinstance(value.get("content"), str):
+        return None
+    flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+    return AddedToken(value["content"], **{flag: bool(value[flag]) for flag in flags if flag in value})
 
 
 def _one_line(exc: Exception) -> str:
@@ -235,34 +332,38 @@ def _json_object(path: Path, where: str) -> dict[str, Any]:
     return value
 
 
-def _token_text(value: Any) -> str | None:
-    """A special token as the files give it: a string, or an added token's ``{"content": ...}``."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _templates(directory: Path, config: dict[str, Any], where: str) -> tuple[dict[str, str], Path]:
-    """The chat templates by name, and the file they come from: ``chat_template.jinja`` wins over
-    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name", "template"}``),
-    as in ``transformers``."""
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.exists():
-        try:
-            return {"default": jinja_file.read_text(encoding="utf-8")}, jinja_file
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError("tokenizer", f"{where}: cannot read {jinja_file}: {_one_line(exc)}") from None
+def _templates(directory: Path, config: dict[str, Any], where: str) -> tuple[dict[str, str], dict[str, Path]]:
+    """The chat templates by name, and the file each comes from, as ``transformers`` 5 loads them: the
+    template files (``chat_template.jinja``, the default, and ``additional_chat_templates/<name>.jinja``,
+    named by their stem) if there are any, all of them and nothing of ``tokenizer_config.json``; else
+    its ``chat_template`` (a string, or a list of ``{"name", "template"}``)."""
+    files = {}
+    if (directory / "chat_template.jinja").is_file():
+        files["default"] = directory / "chat_template.jinja"
+    if (directory / "additional_chat_templates").is_dir():  # after the default, as transformers reads them
+        files.update(
+            (path.name.removesuffix(".jinja"), path)
+            for path in (directory / "additional_chat_templates").glob("*.jinja")
+        )
+    if files:
+        templates = {}
+        for name, path in files.items():
+            try:
+                templates[name] = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError("tokenizer", f"{where}: cannot read {path}: {_one_line(exc)}") from None
+        return templates, files
     config_file = directory / "tokenizer_config.json"
     given = config.get("chat_template")
     if given is None:
-        return {}, config_file
+        return {}, {}
     if isinstance(given, str):
-        return {"default": given}, config_file
+        return {"default": given}, {"default": config_file}
     if isinstance(given, list) and all(
         isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("template"), str)
         for item in given
     ):
-        return {item["name"]: item["template"] for item in given}, config_file
+        return {item["name"]: item["template"] for item in given}, {item["name"]: config_file for item in given}
     raise ConfigError("tokenizer", f"{where}: {config_file}: chat_template is neither a string nor a list of templates")
 
 
