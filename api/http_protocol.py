@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 from urllib.parse import unquote
 
 import httptools
+import msgspec
 
 from api.codec import Reply, RequestHead, call_of, read_head
 from api.contract import HotHandler, HotRoutes, too_large_reply
@@ -53,19 +54,9 @@ if TYPE_CHECKING:
 __all__ = ["HttpProtocol", "fast_protocol", "response_bytes"]
 
 
-def _plain(status: int, text: bytes) -> bytes:
-    """A whole text/plain response that closes the connection."""
-    return STATUS_LINE[
-        status
-    ] + b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
-        len(text),
-        text,
-    )
-
-
 def _json_closing(status: int, kind: str, message: str) -> bytes:
     """A whole JSON error (the service's shape) that closes the connection."""
-    body = b'{"error":{"type":"%s","message":"%s"}}' % (kind.encode(), message.encode())
+    body = msgspec.json.encode({"error": {"type": kind, "message": message}})
     head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
     return STATUS_LINE[status] + head + body
 
@@ -80,6 +71,12 @@ _HEADERS_TOO_LARGE = _json_closing(
 )
 
 
+def _malformed(error: httptools.HttpParserError) -> bytes:
+    """The 400 of bytes that are not an HTTP/1.1 request, saying what the parser found."""
+    found = str(error) or type(error).__name__
+    return _json_closing(400, "malformed_request", f"not a valid HTTP/1.1 request: {found}")
+
+
 class _Refused(Exception):
     """Raised in a parser callback: the connection is answered ``reply`` and closed."""
 
@@ -88,9 +85,8 @@ class _Refused(Exception):
         self.reply = reply
 
 
-_INTERNAL_ERROR = _plain(500, b"Internal Server Error")
-_BAD_REQUEST = _plain(400, b"Invalid HTTP request received.")
-_UNAVAILABLE = _plain(503, b"Service Unavailable")
+_INTERNAL_ERROR = _json_closing(500, "internal_error", "the service failed on this request (its log says why)")
+_UNAVAILABLE = _json_closing(503, "service_unavailable", "the server is at its limit of concurrent requests")
 _MEDIA = {False: b"application/json", True: b"application/msgpack"}
 # (status, msgpack) -> a response's bytes up to its content-length value, made once each.
 _HEADS: dict[tuple[int, bool], bytes] = {}
@@ -293,7 +289,7 @@ class HttpProtocol(asyncio.Protocol):
             self._unsupported_upgrade()
         except httptools.HttpParserError as exc:
             refused = exc.__context__  # what a callback raised (httptools chains it so)
-            reply = refused.reply if isinstance(refused, _Refused) else _BAD_REQUEST
+            reply = refused.reply if isinstance(refused, _Refused) else _malformed(exc)
             self.logger.warning("Invalid HTTP request received.")
             if not self.transport.is_closing():
                 self.transport.write(reply)

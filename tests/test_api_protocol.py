@@ -389,6 +389,23 @@ def test_a_request_target_or_header_section_over_64_kib_is_refused_as_json(
         other.close()
 
 
+def test_bytes_that_are_no_http_request_get_a_json_400_saying_what_the_parser_found() -> None:
+    with uvicorn_on_loopback() as port:
+        client, other = Client(port), Client(port)
+        client.send(b"GARBAGE /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        refused = client.response()
+        assert refused.startswith(b"HTTP/1.1 400 "), refused[:100]
+        assert b"content-type: application/json\r\n" in refused
+        assert body_of(refused)["error"] == {
+            "type": "malformed_request",
+            "message": "not a valid HTTP/1.1 request: Invalid method encountered",
+        }
+        assert client.closed_by_server()
+        assert other.ask(request("GET", "/healthz")) == HEALTHY
+        client.close()
+        other.close()
+
+
 def test_requests_ahead_of_a_connection_close_are_answered_then_it_closes() -> None:
     with uvicorn_on_loopback() as port:
         client = Client(port)
@@ -609,7 +626,8 @@ def _until_closed(client: Client) -> bytes:
 def test_the_rest_of_the_app_answers_the_same_bytes_through_either_protocol() -> None:
     """Every request the protocol does not answer itself is run on the ASGI app: one by one, pipelined,
     chunked, with ``Expect: 100-continue``, ``HEAD``, HTTP/1.0, an upgrade and an unparsable request,
-    the bytes on the wire are those of uvicorn's own httptools protocol (``fast_protocol`` off)."""
+    the bytes on the wire are those of uvicorn's own httptools protocol (``fast_protocol`` off), but for
+    the unparsable request's body: ours is JSON."""
     answers: dict[bool, list[bytes]] = {}
     for fast_protocol in (True, False):
         got: list[bytes] = []
@@ -642,7 +660,10 @@ def test_the_rest_of_the_app_answers_the_same_bytes_through_either_protocol() ->
             upgrade.close()
             bad = Client(port)  # unparsable: a 400, then closed
             bad.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
-            got.append(_until_closed(bad))
+            refused = _until_closed(bad)
+            got.append(refused.split(b"\r\n", 1)[0])
+            if fast_protocol:  # ours says why in JSON, as every error of the service (uvicorn: text/plain)
+                assert body_of(refused)["error"]["type"] == "malformed_request", refused
             bad.close()
         answers[fast_protocol] = got
     assert answers[True] == answers[False]
