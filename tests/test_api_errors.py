@@ -178,6 +178,33 @@ def test_a_refused_preprocessed_request_names_its_field(
     assert names in reply.json()["error"]["message"]
 
 
+# Weights msgpack can carry but no cost can use: NaN or infinite taint weights and shared-cache multipliers.
+_NAN_TAINT = {"routing_constraints": {"preferred_taints": {"gpu=h100": float("nan")}}}
+NON_FINITE_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/new", {"tokens": TOKENS, **_NAN_TAINT}, "$.routing_constraints.preferred_taints"),
+    ("/v1/router", {"method": "new", "tokens": TOKENS, **_NAN_TAINT}, "$.routing_constraints.preferred_taints"),
+    ("/v1/route", {"token_ids": TOKENS, "routing": _NAN_TAINT}, "$.routing.routing_constraints.preferred_taints"),
+    ("/v1/route", {"token_ids": TOKENS, "routing": {"routing_constraints": {"preferred_taints": {"a": float("inf")}}}},
+     "$.routing.routing_constraints.preferred_taints"),
+    ("/v1/new", {"tokens": TOKENS, "router_config_override": {"shared_cache_multiplier": float("nan")}},
+     "$.router_config_override.shared_cache_multiplier"),
+    ("/v1/route", {"token_ids": TOKENS, "router_config_override": {"shared_cache_multiplier": float("-inf")}},
+     "$.router_config_override.shared_cache_multiplier"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "body", "names"), NON_FINITE_CASES, ids=[c[0] for c in NON_FINITE_CASES])
+def test_a_non_finite_weight_is_refused_naming_its_field(
+    client: TestClient, route: str, body: dict[str, Any], names: str
+) -> None:
+    client.post("/v1/workers", json={"worker_id": 4, "taints": ["gpu=h100", "a"]})
+    before = state(client)
+    reply = client.post(route, content=msgpack(body), headers=MSGPACK_IN)
+    _assert_error(reply, 422, "invalid_request")
+    assert names in reply.json()["error"]["message"]
+    assert state(client) == before
+
+
 # Unknown members nested past msgspec's depth: it gives up with a RecursionError while skipping them.
 DEEP_JSON = b'{"x": ' + b"[" * 3000
 DEEP_MSGPACK = b"\x81\xa1x" + b"\x91" * 3000
