@@ -243,19 +243,24 @@ class OutputProgress(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     generated_tokens: Annotated[int, msgspec.Meta(ge=0)]
 
 
-class RouterNew(RouteRequest, tag="new", tag_field="method", kw_only=True, forbid_unknown_fields=True):
+# ``/v1/router``'s variants ignore fields they do not name, as Dynamo's `RouterRequest` does (serde,
+# tagged by "method", without deny_unknown_fields): a newer Dynamo client's added fields are not
+# refused. Our own separate routes above stay strict, a misspelt field there being a 422.
+class RouterNew(RouteRequest, tag="new", tag_field="method", kw_only=True):
     request_id: RequestId | None = None
 
 
-class RouterPotentialLoads(PotentialLoadsRequest, tag="potential_loads", tag_field="method"):
+class RouterPotentialLoads(
+    PotentialLoadsRequest, tag="potential_loads", tag_field="method", forbid_unknown_fields=False
+):
     pass
 
 
-class RouterMarkPrefill(MarkRequest, tag="mark_prefill", tag_field="method"):
+class RouterMarkPrefill(MarkRequest, tag="mark_prefill", tag_field="method", forbid_unknown_fields=False):
     pass
 
 
-class RouterMarkFree(MarkRequest, tag="mark_free", tag_field="method"):
+class RouterMarkFree(MarkRequest, tag="mark_free", tag_field="method", forbid_unknown_fields=False):
     pass
 
 

@@ -230,6 +230,32 @@ def test_nesting_past_msgspecs_depth_is_a_client_error(
     assert state(client) == before
 
 
+def test_router_variants_ignore_unknown_fields_as_dynamo_does(client: TestClient) -> None:
+    """Dynamo's `RouterRequest` (serde, tagged by "method", no deny_unknown_fields) ignores fields it
+    does not name, so a newer Dynamo client's additions are not refused on ``/v1/router``; our own
+    separate routes stay strict: a misspelt field there is a 422 naming it."""
+    tokens = prompt(3, 32)
+    loads = client.post("/v1/router", json={"method": "potential_loads", "tokens": tokens}).json()
+    reply = client.post("/v1/router", json={"method": "potential_loads", "tokens": tokens, "newer_field": 1})
+    assert (reply.status_code, reply.json()) == (200, loads)
+    reply = client.post("/v1/router", json={"method": "new", "tokens": tokens, "request_id": "n", "policy_class": "x"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["method"] == "new"
+    for method, answer in (("mark_prefill", "prefill_marked"), ("mark_free", "free_marked")):
+        reply = client.post("/v1/router", json={"method": method, "request_id": "n", "newer_field": [1]})
+        assert (reply.status_code, reply.json()) == (200, {"method": answer, "success": True})
+    before = state(client)
+    for route, body in (
+        ("/v1/new", {"tokens": tokens, "policy_class": "x"}),
+        ("/v1/potential_loads", {"tokens": tokens, "newer_field": 1}),
+        ("/v1/mark_free", {"request_id": "live", "newer_field": 1}),
+    ):
+        reply = client.post(route, json=body)
+        _assert_error(reply, 422, "invalid_request")
+        assert "unknown field" in reply.json()["error"]["message"]
+    assert state(client) == before
+
+
 def test_duplicate_active_request_id_is_a_conflict(client: TestClient) -> None:
     before = state(client)
     for route, body in (
