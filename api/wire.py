@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from indexer.events import U32, U64, RouterEvent
+from indexer.events import U32, U64, U64_MAX, RouterEvent
 from indexer.sequencer import StreamStatus
 from router.types import (
     BlockMmInfos,
@@ -127,6 +127,22 @@ class MmRoutingInfo(msgspec.Struct, kw_only=True):
     expanded_prompt_len: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+# The worker-id hints, u64 in Dynamo: msgspec cannot bound an integer above i64 in the type, so the
+# structs holding them check the ceiling after decoding, and a body Dynamo fails to deserialize is a
+# 422 naming the field (not a 404 for a worker that cannot exist, nor an allowed id silently dropped).
+_WORKER_ID_HINTS = ("backend_instance_id", "prefill_worker_id", "decode_worker_id")
+
+
+def _check_worker_ids(hints: RoutingHints | NvExt) -> None:
+    for name in _WORKER_ID_HINTS:
+        value = getattr(hints, name)
+        if value is not None and value > U64_MAX:
+            raise ValueError(f"{name}: {value} does not fit in u64")
+    allowed = getattr(hints, "allowed_worker_ids", None)
+    if allowed and max(allowed) > U64_MAX:
+        raise ValueError(f"allowed_worker_ids: {max(allowed)} does not fit in u64")
+
+
 class RoutingHints(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Dynamo's `RoutingHints`: every field optional and skipped when absent; ``cache_namespace`` is
     ``cache_salt`` on the wire. ``priority`` is the engine's scheduling priority, forwarded to it and
@@ -145,6 +161,9 @@ class RoutingHints(msgspec.Struct, kw_only=True, omit_defaults=True):
     priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] | None = None
     allowed_worker_ids: frozenset[U64] | None = None
     routing_constraints: RoutingConstraints | None = None
+
+    def __post_init__(self) -> None:
+        _check_worker_ids(self)
 
 
 class PreprocessedRequest(msgspec.Struct, kw_only=True):
@@ -189,6 +208,9 @@ class NvExt(msgspec.Struct, kw_only=True):
     priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] | None = None
     annotations: list[str] = []
     agent_hints: AgentHints | None = None
+
+    def __post_init__(self) -> None:
+        _check_worker_ids(self)
 
     def routing_hints(self, cache_salt: str | None = None) -> RoutingHints:
         """The hints Dynamo's frontend puts on the `PreprocessedRequest` it makes of this request."""

@@ -230,6 +230,36 @@ def test_nesting_past_msgspecs_depth_is_a_client_error(
     assert state(client) == before
 
 
+# Worker ids past u64, which Dynamo's RoutingHints fail to deserialize: 422 naming the hint, not a 404 for a
+# worker that cannot exist nor an allowed id left out.
+U64_OVERFLOW_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/route", {"backend_instance_id": 2**64}, "backend_instance_id"),
+    ("/v1/route", {"prefill_worker_id": 2**64}, "prefill_worker_id"),
+    ("/v1/route", {"decode_worker_id": 2**64}, "decode_worker_id"),
+    ("/v1/route", {"allowed_worker_ids": [2**64]}, "allowed_worker_ids"),
+    ("/v1/route", {"allowed_worker_ids": [1, 2**70]}, "allowed_worker_ids"),
+    ("/v1/router", {"backend_instance_id": 2**64, "dp_rank": 0}, "backend_instance_id"),
+]
+
+
+@pytest.mark.parametrize(("route", "routing", "names"), U64_OVERFLOW_CASES, ids=[c[2] for c in U64_OVERFLOW_CASES])
+def test_a_worker_id_hint_past_u64_is_refused_naming_it(
+    client: TestClient, route: str, routing: dict[str, Any], names: str
+) -> None:
+    before = state(client)
+    method = {"method": "route"} if route == "/v1/router" else {}
+    reply = client.post(route, content=_route(routing=routing, **method), headers=JSON_HEADERS)
+    _assert_error(reply, 422, "invalid_request")
+    message = reply.json()["error"]["message"]
+    assert names in message and "$.routing" in message and "u64" in message
+    assert state(client) == before
+    # The largest u64 is a worker id like any other: not registered, a 404 / no candidate, not a 422.
+    top = {**routing, names: [2**64 - 1] if isinstance(routing[names], list) else 2**64 - 1}
+    reply = client.post(route, content=_route(routing=top, **method), headers=JSON_HEADERS)
+    assert reply.status_code in (404, 503), reply.text
+    assert state(client) == before
+
+
 def test_router_variants_ignore_unknown_fields_as_dynamo_does(client: TestClient) -> None:
     """Dynamo's `RouterRequest` (serde, tagged by "method", no deny_unknown_fields) ignores fields it
     does not name, so a newer Dynamo client's additions are not refused on ``/v1/router``; our own
