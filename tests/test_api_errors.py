@@ -260,6 +260,19 @@ def test_a_worker_id_hint_past_u64_is_refused_naming_it(
     assert state(client) == before
 
 
+@pytest.mark.parametrize("weight", [-1.0, float("nan")])
+def test_a_bad_overlap_score_weight_is_refused_under_its_own_name(client: TestClient, weight: float) -> None:
+    """``overlap_score_weight`` is Dynamo's alias of ``prefill_load_scale``: a bad value is named as sent."""
+    override = {"router_config_override": {"overlap_score_weight": weight}}
+    before = state(client)
+    for route, body in (("/v1/route", {"token_ids": TOKENS, **override}), ("/v1/new", {"tokens": TOKENS, **override})):
+        reply = client.post(route, content=msgpack(body), headers=MSGPACK_IN)
+        _assert_error(reply, 422, "invalid_request")
+        message = reply.json()["error"]["message"]
+        assert "router_config_override: overlap_score_weight" in message and "prefill_load_scale" not in message
+    assert state(client) == before
+
+
 def test_router_variants_ignore_unknown_fields_as_dynamo_does(client: TestClient) -> None:
     """Dynamo's `RouterRequest` (serde, tagged by "method", no deny_unknown_fields) ignores fields it
     does not name, so a newer Dynamo client's additions are not refused on ``/v1/router``; our own
