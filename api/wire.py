@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from indexer.events import U32, U64, U64_MAX, RouterEvent
+from indexer.events import U32, U64, U64_MAX, NonNegative, RouterEvent
 from indexer.sequencer import StreamStatus
 from router.types import (
     BlockMmInfos,
@@ -107,7 +107,7 @@ class BlockMmObjectInfo(msgspec.Struct, kw_only=True):
     """One multimodal object in a block: its hash and its placeholder ranges within the block."""
 
     mm_hash: U64
-    offsets: list[tuple[int, int]]
+    offsets: list[tuple[NonNegative, NonNegative]]  # Dynamo's Vec<(usize, usize)>
 
 
 class BlockExtraInfo(msgspec.Struct, kw_only=True):

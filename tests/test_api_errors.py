@@ -273,6 +273,27 @@ def test_a_bad_overlap_score_weight_is_refused_under_its_own_name(client: TestCl
     assert state(client) == before
 
 
+def test_events_and_mm_objects_dynamo_refuses_are_refused(client: TestClient) -> None:
+    """Event data with a second key (null or unknown) or a multimodal object without offsets or with a
+    negative one: /v1/events refuses the batch (invalid_events) and /v1/route's mm_routing_info the
+    request (422 naming the field); nothing changes."""
+    block = {"block_hash": 1, "tokens_hash": 2}
+    stored = {"stored": {"parent_hash": None, "blocks": [block]}}
+    bad_mm = [{"mm_hash": 3}, {"mm_hash": 3, "offsets": [[-1, 2]]}]
+    before = state(client)
+    datas = [{**stored, "removed": None}, {**stored, "bogus": 1}]
+    datas += [{"stored": {"blocks": [{**block, "mm_extra_info": {"mm_objects": [mm]}}]}} for mm in bad_mm]
+    for data in datas:
+        event = {"worker_id": 1, "event": {"event_id": 99, "dp_rank": 0, "data": data}}
+        _assert_error(client.post("/v1/events", json=event), 400, "invalid_events")
+    for mm in bad_mm:
+        info = {"routing_token_ids": TOKENS, "block_mm_infos": [{"mm_objects": [mm]}]}
+        reply = client.post("/v1/route", content=_route(mm_routing_info=info), headers=JSON_HEADERS)
+        _assert_error(reply, 422, "invalid_request")
+        assert "$.mm_routing_info.block_mm_infos[0].mm_objects[0]" in reply.json()["error"]["message"]
+    assert state(client) == before
+
+
 def test_router_variants_ignore_unknown_fields_as_dynamo_does(client: TestClient) -> None:
     """Dynamo's `RouterRequest` (serde, tagged by "method", no deny_unknown_fields) ignores fields it
     does not name, so a newer Dynamo client's additions are not refused on ``/v1/router``; our own
