@@ -13,11 +13,12 @@ check the 16k ids of a long prompt a second time (about 15% of decoding them).
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any
 
 import msgspec
 
-from indexer.events import U32, U64, RouterEvent
+from indexer.events import U32, U64, U64_MAX, NonNegative, RouterEvent
 from indexer.sequencer import StreamStatus
 from router.types import (
     BlockMmInfos,
@@ -42,6 +43,7 @@ __all__ = [
     "AgentHints",
     "BlockExtraInfo",
     "BlockMmObjectInfo",
+    "BootstrapInfo",
     "EventPlaneHealth",
     "EventsReply",
     "MarkReply",
@@ -53,6 +55,7 @@ __all__ = [
     "OutputProgress",
     "PotentialLoadsReply",
     "PotentialLoadsRequest",
+    "PrefillResult",
     "PreprocessedRequest",
     "RequestId",
     "RouteBody",
@@ -72,6 +75,7 @@ __all__ = [
     "RouterRouteResponse",
     "RoutingHints",
     "ServiceInfo",
+    "TraceLink",
     "WorkerIdInfo",
     "WorkerRegistration",
     "WorkerStatus",
@@ -87,9 +91,18 @@ RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"
 # ---------------------------------------------------------------- Dynamo's PreprocessedRequest
 # dynamo-llm 1.6's request to its router and engines (shared/reference/seeds/
 # dynamo-llm-preprocessed-request.rs.txt), with the seed's names and serde attributes: renames as
-# msgspec field names, skip-if-none as omit_defaults. Only what routing reads is declared: every other
-# field (sampling, stop conditions, bootstrap info, engine-only extras) is ignored, as serde ignores
-# fields a struct does not name, and travels on untouched when the request is handed back.
+# msgspec field names, skip-if-none as omit_defaults. What routing reads is declared with its type;
+# every other field the seed names (sampling, stop conditions, bootstrap info, engine-only extras) is
+# declared too, with the seed's shape (an object, a string, a bool, u16 / u32 / u64 widths, required
+# members) but opaque inside where its content does not matter to routing, so a body Dynamo's serde
+# would fail to deserialize is refused (422 naming the field) rather than booked and handed back.
+# Fields the seed does not name are ignored, as serde ignores them; everything travels on untouched
+# when the request is handed back (the reply copies the body as it came, not these structs).
+
+# A Rust struct the router does not read (StopConditions, SamplingOptions, ...): serde takes an object,
+# or a sequence of its fields in order.
+OpaqueStruct = dict[str, Any] | list[Any]
+U16 = Annotated[int, msgspec.Meta(ge=0, le=2**16 - 1)]
 
 # `annotations` entry with which a caller (Dynamo's Gateway API endpoint picker) asks which worker
 # the router would choose, and the token data, without routing anything there.
@@ -107,7 +120,7 @@ class BlockMmObjectInfo(msgspec.Struct, kw_only=True):
     """One multimodal object in a block: its hash and its placeholder ranges within the block."""
 
     mm_hash: U64
-    offsets: list[tuple[int, int]]
+    offsets: list[tuple[NonNegative, NonNegative]]  # Dynamo's Vec<(usize, usize)>
 
 
 class BlockExtraInfo(msgspec.Struct, kw_only=True):
@@ -125,6 +138,22 @@ class MmRoutingInfo(msgspec.Struct, kw_only=True):
     routing_token_ids: list[U32]
     block_mm_infos: list[BlockExtraInfo | None]
     expanded_prompt_len: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+# The worker-id hints, u64 in Dynamo: msgspec cannot bound an integer above i64 in the type, so the
+# structs holding them check the ceiling after decoding, and a body Dynamo fails to deserialize is a
+# 422 naming the field (not a 404 for a worker that cannot exist, nor an allowed id silently dropped).
+_WORKER_ID_HINTS = ("backend_instance_id", "prefill_worker_id", "decode_worker_id")
+
+
+def _check_worker_ids(hints: RoutingHints | NvExt) -> None:
+    for name in _WORKER_ID_HINTS:
+        value = getattr(hints, name)
+        if value is not None and value > U64_MAX:
+            raise ValueError(f"{name}: {value} does not fit in u64")
+    allowed = getattr(hints, "allowed_worker_ids", None)
+    if allowed and max(allowed) > U64_MAX:
+        raise ValueError(f"allowed_worker_ids: {max(allowed)} does not fit in u64")
 
 
 class RoutingHints(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -146,11 +175,51 @@ class RoutingHints(msgspec.Struct, kw_only=True, omit_defaults=True):
     allowed_worker_ids: frozenset[U64] | None = None
     routing_constraints: RoutingConstraints | None = None
 
+    def __post_init__(self) -> None:
+        _check_worker_ids(self)
+
+
+class BootstrapInfo(msgspec.Struct, kw_only=True):
+    """Dynamo's `BootstrapInfo` (disaggregated serving's KV-transfer rendezvous), checked, not read:
+    ``handoff_id`` is a UUID, text in any form the uuid crate parses or 16 bytes in msgpack, kept as sent."""
+
+    bootstrap_host: str
+    bootstrap_port: U16
+    bootstrap_room: U64
+    handoff_id: Any = None
+
+    def __post_init__(self) -> None:
+        if self.bootstrap_room > U64_MAX:
+            raise ValueError(f"bootstrap_room: {self.bootstrap_room} does not fit in u64")
+        handoff = self.handoff_id
+        if isinstance(handoff, str):
+            try:
+                uuid.UUID(handoff)
+            except ValueError:
+                raise ValueError(f"handoff_id: {handoff!r} is not a UUID") from None
+        elif handoff is not None and not (isinstance(handoff, bytes) and len(handoff) == 16):
+            raise ValueError("handoff_id: expected a UUID, as text or 16 bytes")
+
+
+class TraceLink(msgspec.Struct, kw_only=True):
+    """Dynamo's `TraceLink` (``migration_link``): the predecessor span, both ids required."""
+
+    trace_id: str
+    span_id: str
+
+
+class PrefillResult(msgspec.Struct, kw_only=True):
+    """Dynamo's `PrefillResult`: ``disaggregated_params`` is engine-owned JSON, any value but required."""
+
+    disaggregated_params: Any
+    prompt_tokens_details: OpaqueStruct | None = None
+
 
 class PreprocessedRequest(msgspec.Struct, kw_only=True):
-    """The routing side of Dynamo's `PreprocessedRequest`. ``token_ids`` is a sequence of u32 or, in
-    msgpack, one bin of packed little-endian int32 (``DYN_TOKEN_IDS_AS_BYTES``); ``model`` may be
-    absent (Dynamo's health-check canaries); ``is_probe`` is ``_HEALTH_CHECK`` on the wire."""
+    """Dynamo's `PreprocessedRequest`, routing's fields typed and the others checked for shape (see
+    above). ``token_ids`` is a sequence of u32 or, in msgpack, one bin of packed little-endian int32
+    (``DYN_TOKEN_IDS_AS_BYTES``); ``model`` may be absent (Dynamo's health-check canaries);
+    ``is_probe`` is ``_HEALTH_CHECK`` on the wire."""
 
     model: str = ""
     token_ids: list[U32] | bytes
@@ -159,6 +228,28 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True):
     routing: RoutingHints | None = None
     router_config_override: RouterConfigOverride | None = None
     is_probe: bool = msgspec.field(default=False, name="_HEALTH_CHECK")
+    # Not read by routing: the seed's shapes, checked so that what Dynamo refuses is refused here.
+    prompt_embeds: str | None = None
+    multi_modal_data: dict[str, list[Any]] | None = None
+    multi_modal_uuids: dict[str, list[str | None]] | None = None
+    stop_conditions: OpaqueStruct = {}
+    sampling_options: OpaqueStruct = {}
+    output_options: OpaqueStruct = {}
+    eos_token_ids: list[U32] = []
+    mdc_sum: str | None = None
+    prefill_result: PrefillResult | None = None
+    encoder_result: dict[str, Any] | None = None  # object-only, as the seed's deserialize_optional_object
+    migration_link: TraceLink | None = None
+    bootstrap_info: BootstrapInfo | None = None
+    extra_args: Any = None
+    kv_hint: Any = None
+    require_reasoning: bool = False
+    router: OpaqueStruct | None = None
+    agent_context: OpaqueStruct | None = None
+    image_cache_scope: str | None = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+    request_timestamp_ms: float | None = None
 
 
 class RouteBody(PreprocessedRequest, kw_only=True):
@@ -189,6 +280,9 @@ class NvExt(msgspec.Struct, kw_only=True):
     priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] | None = None
     annotations: list[str] = []
     agent_hints: AgentHints | None = None
+
+    def __post_init__(self) -> None:
+        _check_worker_ids(self)
 
     def routing_hints(self, cache_salt: str | None = None) -> RoutingHints:
         """The hints Dynamo's frontend puts on the `PreprocessedRequest` it makes of this request."""
@@ -243,19 +337,24 @@ class OutputProgress(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     generated_tokens: Annotated[int, msgspec.Meta(ge=0)]
 
 
-class RouterNew(RouteRequest, tag="new", tag_field="method", kw_only=True, forbid_unknown_fields=True):
+# ``/v1/router``'s variants ignore fields they do not name, as Dynamo's `RouterRequest` does (serde,
+# tagged by "method", without deny_unknown_fields): a newer Dynamo client's added fields are not
+# refused. Our own separate routes above stay strict, a misspelt field there being a 422.
+class RouterNew(RouteRequest, tag="new", tag_field="method", kw_only=True):
     request_id: RequestId | None = None
 
 
-class RouterPotentialLoads(PotentialLoadsRequest, tag="potential_loads", tag_field="method"):
+class RouterPotentialLoads(
+    PotentialLoadsRequest, tag="potential_loads", tag_field="method", forbid_unknown_fields=False
+):
     pass
 
 
-class RouterMarkPrefill(MarkRequest, tag="mark_prefill", tag_field="method"):
+class RouterMarkPrefill(MarkRequest, tag="mark_prefill", tag_field="method", forbid_unknown_fields=False):
     pass
 
 
-class RouterMarkFree(MarkRequest, tag="mark_free", tag_field="method"):
+class RouterMarkFree(MarkRequest, tag="mark_free", tag_field="method", forbid_unknown_fields=False):
     pass
 
 

@@ -1693,7 +1693,8 @@ static int json_data(JsonCursor *c, PyObject **out) {
         Py_DECREF(inner);
         return JSON_OTHER;
     }
-    PyObject *values[3] = {stored ? inner : Py_NewRef(Py_None), stored ? Py_NewRef(Py_None) : inner,
+    /* The kind not present is UNSET, as msgspec leaves it (None would be a second key, refused). */
+    PyObject *values[3] = {stored ? inner : Py_NewRef(wire_unset), stored ? Py_NewRef(wire_unset) : inner,
                            Py_NewRef(wire_unset)};
     *out = wire_new(WIRE_DATA, values);
     return *out == NULL ? JSON_ERROR : JSON_OK;

@@ -9,8 +9,9 @@ the worker and the storage tier::
                                    "blocks": [{"block_hash": 11, "tokens_hash": 12}]}}}}
 
 ``data`` is Dynamo's externally tagged enum: ``{"stored": ...}``, ``{"removed": ...}`` or the bare
-string ``"cleared"`` (``{"cleared": null}`` is accepted too). Hashes are u64; engines that send
-signed i64 hashes are reinterpreted bitwise. Unknown fields are ignored.
+string ``"cleared"`` (``{"cleared": null}`` is accepted too); its map holds exactly one key, as serde's
+does (a second one, null included, or an unknown one is refused). Hashes are u64; engines that send
+signed i64 hashes are reinterpreted bitwise. Unknown fields of the structs are ignored.
 
 The structs hold no reference cycles, so they opt out of the cyclic GC (``gc=False``): decoding an
 event allocates one object per block, and untracked objects are markedly cheaper to create.
@@ -91,10 +92,11 @@ LOWER_TIERS: tuple[StorageTier, ...] = (StorageTier.HOST_PINNED, StorageTier.DIS
 
 
 class MmObject(msgspec.Struct, gc=False):
-    """One multimodal object of a block; only ``mm_hash`` enters the block hash."""
+    """One multimodal object of a block; only ``mm_hash`` enters the block hash. ``offsets`` (Dynamo's
+    ``Vec<(usize, usize)>``, required there) are its placeholder ranges within the block."""
 
     mm_hash: U64
-    offsets: list[tuple[int, int]] = []
+    offsets: list[tuple[NonNegative, NonNegative]]
 
     def __post_init__(self) -> None:
         _check_u64(self.mm_hash, "mm_hash")
@@ -141,15 +143,18 @@ class KvRemovedData(msgspec.Struct, gc=False):
             self.block_hashes = [as_u64(h, "block_hash") for h in hashes]
 
 
-class KvCacheEventData(msgspec.Struct, omit_defaults=True, gc=False):
-    """The tagged map form of an event's data: exactly one of the three keys is present."""
+class KvCacheEventData(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, gc=False):
+    """The tagged map form of an event's data: exactly one of the three keys is present, as in Dynamo's
+    externally tagged enum (an absent kind is ``UNSET``: ``"removed": null`` beside ``"stored"`` is a
+    second key, refused; read the kinds through `KvCacheEvent.stored` / ``removed``, None when absent)."""
 
-    stored: KvStoredData | None = None
-    removed: KvRemovedData | None = None
+    stored: KvStoredData | msgspec.UnsetType = msgspec.UNSET
+    removed: KvRemovedData | msgspec.UnsetType = msgspec.UNSET
     cleared: msgspec.UnsetType | None = msgspec.UNSET
 
     def __post_init__(self) -> None:
-        present = (self.stored is not None) + (self.removed is not None) + (self.cleared is not msgspec.UNSET)
+        unset = msgspec.UNSET
+        present = (self.stored is not unset) + (self.removed is not unset) + (self.cleared is not unset)
         if present != 1:
             raise ValueError("event data must hold exactly one of 'stored', 'removed' or 'cleared'")
 
@@ -171,11 +176,13 @@ class KvCacheEvent(msgspec.Struct, gc=False):
 
     @property
     def stored(self) -> KvStoredData | None:
-        return None if isinstance(self.data, str) else self.data.stored
+        data = self.data
+        return None if isinstance(data, str) or data.stored is msgspec.UNSET else data.stored
 
     @property
     def removed(self) -> KvRemovedData | None:
-        return None if isinstance(self.data, str) else self.data.removed
+        data = self.data
+        return None if isinstance(data, str) or data.removed is msgspec.UNSET else data.removed
 
     @property
     def is_cleared(self) -> bool:

@@ -223,11 +223,11 @@ class RadixTree:
             if state is not None:
                 self._clear(state)
             return
-        if data.stored is not None:
+        if data.stored is not msgspec.UNSET:
             if state is None:
                 state = self._states[worker] = _SlotBlocks(self._slots.acquire(worker), self._new_lookup())
             self._store(worker, state, data.stored)
-        elif data.removed is not None:
+        elif data.removed is not msgspec.UNSET:
             hashes = data.removed.block_hashes
             missing = list(hashes) if state is None else self._remove(state, hashes)
             if missing:

@@ -641,9 +641,7 @@ class EventSequencer:
 
 
 def _block_count(event: RouterEvent) -> int:
-    data = event.event.data
-    if isinstance(data, str):
-        return 0
-    if data.stored is not None:
-        return len(data.stored.blocks)
-    return len(data.removed.block_hashes) if data.removed is not None else 0
+    stored, removed = event.event.stored, event.event.removed
+    if stored is not None:
+        return len(stored.blocks)
+    return len(removed.block_hashes) if removed is not None else 0

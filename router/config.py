@@ -510,7 +510,9 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         `ConfigError` naming the field for a bad value."""
         fields: dict[str, object] = {}
         if override.overlap_score_weight is not None:
-            # Deprecated alias, as Dynamo maps it: the scale, and 0 switches the credit off too.
+            # Deprecated alias, as Dynamo maps it: the scale, and 0 switches the credit off too. Checked
+            # here, so that a bad value is refused under the name the caller sent.
+            _require_non_negative("overlap_score_weight", override.overlap_score_weight)
             fields["prefill_load_scale"] = override.overlap_score_weight
             if override.overlap_score_weight == 0.0:
                 fields["overlap_score_credit"] = 0.0

@@ -62,7 +62,7 @@ class RoutingConstraints(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Taint constraints of one request (§4.4): hard filter and soft, weighted preferences."""
 
     required_taints: list[str] = []
-    preferred_taints: dict[str, float] = {}
+    preferred_taints: dict[str, Finite] = {}
 
 
 class RouterConfigOverride(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -80,7 +80,7 @@ class RouterConfigOverride(msgspec.Struct, kw_only=True, frozen=True, omit_defau
     router_temperature: float | None = None
     assume_kv_reuse: bool | None = None
     track_prefill_tokens: bool | None = None
-    shared_cache_multiplier: float | None = None
+    shared_cache_multiplier: Finite | None = None
 
 
 class RouteRequest(msgspec.Struct, kw_only=True):

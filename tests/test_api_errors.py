@@ -178,6 +178,33 @@ def test_a_refused_preprocessed_request_names_its_field(
     assert names in reply.json()["error"]["message"]
 
 
+# Weights msgpack can carry but no cost can use: NaN or infinite taint weights and shared-cache multipliers.
+_NAN_TAINT = {"routing_constraints": {"preferred_taints": {"gpu=h100": float("nan")}}}
+NON_FINITE_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/new", {"tokens": TOKENS, **_NAN_TAINT}, "$.routing_constraints.preferred_taints"),
+    ("/v1/router", {"method": "new", "tokens": TOKENS, **_NAN_TAINT}, "$.routing_constraints.preferred_taints"),
+    ("/v1/route", {"token_ids": TOKENS, "routing": _NAN_TAINT}, "$.routing.routing_constraints.preferred_taints"),
+    ("/v1/route", {"token_ids": TOKENS, "routing": {"routing_constraints": {"preferred_taints": {"a": float("inf")}}}},
+     "$.routing.routing_constraints.preferred_taints"),
+    ("/v1/new", {"tokens": TOKENS, "router_config_override": {"shared_cache_multiplier": float("nan")}},
+     "$.router_config_override.shared_cache_multiplier"),
+    ("/v1/route", {"token_ids": TOKENS, "router_config_override": {"shared_cache_multiplier": float("-inf")}},
+     "$.router_config_override.shared_cache_multiplier"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "body", "names"), NON_FINITE_CASES, ids=[c[0] for c in NON_FINITE_CASES])
+def test_a_non_finite_weight_is_refused_naming_its_field(
+    client: TestClient, route: str, body: dict[str, Any], names: str
+) -> None:
+    client.post("/v1/workers", json={"worker_id": 4, "taints": ["gpu=h100", "a"]})
+    before = state(client)
+    reply = client.post(route, content=msgpack(body), headers=MSGPACK_IN)
+    _assert_error(reply, 422, "invalid_request")
+    assert names in reply.json()["error"]["message"]
+    assert state(client) == before
+
+
 # Unknown members nested past msgspec's depth: it gives up with a RecursionError while skipping them.
 DEEP_JSON = b'{"x": ' + b"[" * 3000
 DEEP_MSGPACK = b"\x81\xa1x" + b"\x91" * 3000
@@ -200,6 +227,96 @@ def test_nesting_past_msgspecs_depth_is_a_client_error(
         assert "recursion" in reply.json()["error"]["message"]
     else:
         _assert_error(reply, 422, "invalid_request")
+    assert state(client) == before
+
+
+# Worker ids past u64, which Dynamo's RoutingHints fail to deserialize: 422 naming the hint, not a 404 for a
+# worker that cannot exist nor an allowed id left out.
+U64_OVERFLOW_CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/route", {"backend_instance_id": 2**64}, "backend_instance_id"),
+    ("/v1/route", {"prefill_worker_id": 2**64}, "prefill_worker_id"),
+    ("/v1/route", {"decode_worker_id": 2**64}, "decode_worker_id"),
+    ("/v1/route", {"allowed_worker_ids": [2**64]}, "allowed_worker_ids"),
+    ("/v1/route", {"allowed_worker_ids": [1, 2**70]}, "allowed_worker_ids"),
+    ("/v1/router", {"backend_instance_id": 2**64, "dp_rank": 0}, "backend_instance_id"),
+]
+
+
+@pytest.mark.parametrize(("route", "routing", "names"), U64_OVERFLOW_CASES, ids=[c[2] for c in U64_OVERFLOW_CASES])
+def test_a_worker_id_hint_past_u64_is_refused_naming_it(
+    client: TestClient, route: str, routing: dict[str, Any], names: str
+) -> None:
+    before = state(client)
+    method = {"method": "route"} if route == "/v1/router" else {}
+    reply = client.post(route, content=_route(routing=routing, **method), headers=JSON_HEADERS)
+    _assert_error(reply, 422, "invalid_request")
+    message = reply.json()["error"]["message"]
+    assert names in message and "$.routing" in message and "u64" in message
+    assert state(client) == before
+    # The largest u64 is a worker id like any other: not registered, a 404 / no candidate, not a 422.
+    top = {**routing, names: [2**64 - 1] if isinstance(routing[names], list) else 2**64 - 1}
+    reply = client.post(route, content=_route(routing=top, **method), headers=JSON_HEADERS)
+    assert reply.status_code in (404, 503), reply.text
+    assert state(client) == before
+
+
+@pytest.mark.parametrize("weight", [-1.0, float("nan")])
+def test_a_bad_overlap_score_weight_is_refused_under_its_own_name(client: TestClient, weight: float) -> None:
+    """``overlap_score_weight`` is Dynamo's alias of ``prefill_load_scale``: a bad value is named as sent."""
+    override = {"router_config_override": {"overlap_score_weight": weight}}
+    before = state(client)
+    for route, body in (("/v1/route", {"token_ids": TOKENS, **override}), ("/v1/new", {"tokens": TOKENS, **override})):
+        reply = client.post(route, content=msgpack(body), headers=MSGPACK_IN)
+        _assert_error(reply, 422, "invalid_request")
+        message = reply.json()["error"]["message"]
+        assert "router_config_override: overlap_score_weight" in message and "prefill_load_scale" not in message
+    assert state(client) == before
+
+
+def test_events_and_mm_objects_dynamo_refuses_are_refused(client: TestClient) -> None:
+    """Event data with a second key (null or unknown) or a multimodal object without offsets or with a
+    negative one: /v1/events refuses the batch (invalid_events) and /v1/route's mm_routing_info the
+    request (422 naming the field); nothing changes."""
+    block = {"block_hash": 1, "tokens_hash": 2}
+    stored = {"stored": {"parent_hash": None, "blocks": [block]}}
+    bad_mm = [{"mm_hash": 3}, {"mm_hash": 3, "offsets": [[-1, 2]]}]
+    before = state(client)
+    datas = [{**stored, "removed": None}, {**stored, "bogus": 1}]
+    datas += [{"stored": {"blocks": [{**block, "mm_extra_info": {"mm_objects": [mm]}}]}} for mm in bad_mm]
+    for data in datas:
+        event = {"worker_id": 1, "event": {"event_id": 99, "dp_rank": 0, "data": data}}
+        _assert_error(client.post("/v1/events", json=event), 400, "invalid_events")
+    for mm in bad_mm:
+        info = {"routing_token_ids": TOKENS, "block_mm_infos": [{"mm_objects": [mm]}]}
+        reply = client.post("/v1/route", content=_route(mm_routing_info=info), headers=JSON_HEADERS)
+        _assert_error(reply, 422, "invalid_request")
+        assert "$.mm_routing_info.block_mm_infos[0].mm_objects[0]" in reply.json()["error"]["message"]
+    assert state(client) == before
+
+
+def test_router_variants_ignore_unknown_fields_as_dynamo_does(client: TestClient) -> None:
+    """Dynamo's `RouterRequest` (serde, tagged by "method", no deny_unknown_fields) ignores fields it
+    does not name, so a newer Dynamo client's additions are not refused on ``/v1/router``; our own
+    separate routes stay strict: a misspelt field there is a 422 naming it."""
+    tokens = prompt(3, 32)
+    loads = client.post("/v1/router", json={"method": "potential_loads", "tokens": tokens}).json()
+    reply = client.post("/v1/router", json={"method": "potential_loads", "tokens": tokens, "newer_field": 1})
+    assert (reply.status_code, reply.json()) == (200, loads)
+    reply = client.post("/v1/router", json={"method": "new", "tokens": tokens, "request_id": "n", "policy_class": "x"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["method"] == "new"
+    for method, answer in (("mark_prefill", "prefill_marked"), ("mark_free", "free_marked")):
+        reply = client.post("/v1/router", json={"method": method, "request_id": "n", "newer_field": [1]})
+        assert (reply.status_code, reply.json()) == (200, {"method": answer, "success": True})
+    before = state(client)
+    for route, body in (
+        ("/v1/new", {"tokens": tokens, "policy_class": "x"}),
+        ("/v1/potential_loads", {"tokens": tokens, "newer_field": 1}),
+        ("/v1/mark_free", {"request_id": "live", "newer_field": 1}),
+    ):
+        reply = client.post(route, json=body)
+        _assert_error(reply, 422, "invalid_request")
+        assert "unknown field" in reply.json()["error"]["message"]
     assert state(client) == before
 
 

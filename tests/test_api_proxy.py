@@ -248,6 +248,21 @@ async def test_nvext_pins_a_worker_as_route_does_and_names_what_it_refuses(nats_
         assert idle(f.router)
 
 
+async def test_an_nvext_worker_id_past_u64_is_refused_naming_it(nats_server: EmbeddedNats) -> None:
+    """Dynamo fails to deserialize a worker id above u64: refused as any bad nvext field, not a 404 for a
+    worker that cannot exist."""
+    async with fleet(nats_server.url) as f:
+        prompt = list(range(5000, 5000 + 4 * BLOCK))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            for name in ("backend_instance_id", "prefill_worker_id", "decode_worker_id"):
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "nvext": {name: 2**64}}
+                refused = await http.post("/v1/completions", json=body)
+                assert refused.status_code == 400, refused.text
+                message = refused.json()["error"]["message"]
+                assert name in message and "$.nvext" in message and "u64" in message
+        assert idle(f.router)
+
+
 async def test_an_unknown_model_is_a_404_naming_the_models_served(nats_server: EmbeddedNats) -> None:
     async with fleet(nats_server.url, (1,)) as f:
         with pytest.raises(openai.NotFoundError) as caught:

@@ -228,6 +228,82 @@ def test_the_request_comes_back_ready_to_forward(client: TestClient) -> None:
     assert in_json.json()["request"]["token_ids"] == TOKENS
 
 
+# The fields of the seed's PreprocessedRequest the router does not read, each in a shape Dynamo's serde
+# takes (Dynamo 1.6.1's `KvRouter.generate_from_request` routes this body): all accepted and handed back
+# as sent. (``kv_hint`` is left out: its struct is not in the seeds; it is kept opaque.)
+SEED_FIELDS: dict[str, Any] = {
+    **{k: v for k, v in ENGINE_FIELDS.items() if k != "a_field_of_a_later_release"},
+    "model": "m",
+    "prompt_embeds": "AAAA",
+    "multi_modal_data": {"image_url": [{"Url": "http://x/a.png"}]},
+    "multi_modal_uuids": {"image_url": [None, "u1"]},
+    "mdc_sum": "abc",
+    "annotations": ["x"],
+    "prefill_result": {"disaggregated_params": None, "prompt_tokens_details": {"cached_tokens": 4}},
+    "encoder_result": {"embeddings": [1, 2]},
+    "migration_link": {"trace_id": "0" * 32, "span_id": "1" * 16},
+    "bootstrap_info": {"bootstrap_host": "h", "bootstrap_port": 65535, "bootstrap_room": 2**64 - 1,
+                       "handoff_id": "67e55044-10b1-426f-9247-bb680e5fe0c8"},
+    "require_reasoning": True,
+    "router": {"ttft_target": 100.0, "itl_target": 10.0},
+    "agent_context": {"session_id": "s"},
+    "image_cache_scope": "s",
+    "mm_processor_kwargs": {"use_audio_in_video": True},
+    "media_io_kwargs": None,
+    "request_timestamp_ms": 1700000000000,
+}  # fmt: skip
+
+
+def test_every_field_the_seed_names_is_accepted_and_handed_back(client: TestClient) -> None:
+    body = {"token_ids": TOKENS, "return_request": True, **SEED_FIELDS}
+    reply = client.post("/v1/route", json=body)
+    assert reply.status_code == 200, reply.text
+    back = reply.json()["request"]
+    assert back == {**SEED_FIELDS, "token_ids": TOKENS, "routing": {"backend_instance_id": 1, "dp_rank": 0}}
+    # msgpack too, a UUID as its 16 bytes.
+    info = {**SEED_FIELDS["bootstrap_info"], "handoff_id": bytes(range(16))}
+    packed = msgspec.msgpack.encode({**body, "bootstrap_info": info})
+    reply = client.post("/v1/route", content=packed, headers=MSGPACK)
+    assert reply.status_code == 200, reply.content
+    assert msgspec.msgpack.decode(reply.content)["request"]["bootstrap_info"] == info
+
+
+# Fields the router does not read, in shapes Dynamo's serde refuses: refused naming the field, not
+# booked and handed back.
+ENGINE_FIELDS_REFUSED: list[tuple[dict[str, Any], str]] = [
+    ({"bootstrap_info": {"bootstrap_host": "h", "bootstrap_port": 70000, "bootstrap_room": 1}},
+     "$.bootstrap_info.bootstrap_port"),
+    ({"bootstrap_info": {"bootstrap_port": 1, "bootstrap_room": 1}}, "bootstrap_host"),
+    ({"bootstrap_info": {"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 2**64}}, "bootstrap_room"),
+    ({"bootstrap_info": {"bootstrap_host": "h", "bootstrap_port": 1, "bootstrap_room": 1, "handoff_id": "x"}},
+     "handoff_id"),
+    ({"encoder_result": [1]}, "$.encoder_result"),
+    ({"eos_token_ids": "x"}, "$.eos_token_ids"),
+    ({"eos_token_ids": [-1]}, "$.eos_token_ids[0]"),
+    ({"stop_conditions": 5}, "$.stop_conditions"),
+    ({"sampling_options": None}, "$.sampling_options"),
+    ({"mdc_sum": 5}, "$.mdc_sum"),
+    ({"require_reasoning": "yes"}, "$.require_reasoning"),
+    ({"prefill_result": {}}, "disaggregated_params"),
+    ({"migration_link": {"trace_id": "a"}}, "span_id"),
+    ({"request_timestamp_ms": "x"}, "$.request_timestamp_ms"),
+    ({"multi_modal_uuids": {"image": [1]}}, "$.multi_modal_uuids"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fields", "names"), ENGINE_FIELDS_REFUSED, ids=[c[1] for c in ENGINE_FIELDS_REFUSED])
+def test_an_engine_field_dynamo_refuses_is_refused_naming_it(
+    client: TestClient, fields: dict[str, Any], names: str
+) -> None:
+    before = state(client)
+    for door, method in (("/v1/route", {}), ("/v1/router", {"method": "route"})):
+        reply = client.post(door, json={"token_ids": TOKENS, "return_request": True, **method, **fields})
+        assert reply.status_code == 422, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request" and names in error["message"]
+    assert state(client) == before
+
+
 def test_prefill_and_decode_worker_ids_are_checked_and_reported_unused(client: TestClient) -> None:
     hints = {"prefill_worker_id": 2, "prefill_dp_rank": 1, "decode_worker_id": 1}
     reply = client.post("/v1/route", json={"token_ids": TOKENS, "routing": hints})

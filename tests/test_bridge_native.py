@@ -191,7 +191,7 @@ def test_a_block_stored_twice_is_removed_from_the_routers_with_its_last_copy_on_
     assert taken[1] and not taken[2]  # held in copies: the Python path, which counts them
     fast = asyncio.run(_run(server.url, payloads, native=True))
     events = [event for message in fast[0] for event in decode_router_events(message, msgpack=None)]
-    removals = [event.event.data.removed.block_hashes for event in events if event.event.data.removed]
+    removals = [event.event.removed.block_hashes for event in events if event.event.removed is not None]
     assert removals == [[2], [3]]  # the first removal of 2 was a copy's: not heard
     assert set(fast[3][0, StorageTier.DEVICE]) == {1, 5}
     assert fast[4] == {(0, StorageTier.DEVICE): {1: 1}}  # block 1's second copy; 2's both gone

@@ -137,6 +137,41 @@ def test_invalid_payloads_raise_one_typed_error_saying_where(payload: bytes, whe
     assert where in str(info.value)
 
 
+def _stored_with(data_extra: dict[str, object] | None = None, mm: object = None) -> dict[str, object]:
+    block: dict[str, object] = {"block_hash": 1, "tokens_hash": 2}
+    if mm is not None:
+        block["mm_extra_info"] = {"mm_objects": [mm]}
+    data = {"stored": {"parent_hash": None, "blocks": [block]}, **(data_extra or {})}
+    return {"worker_id": 1, "event": {"event_id": 1, "dp_rank": 0, "data": data}}
+
+
+# What Dynamo's serde refuses and the struct form let through: its externally tagged data holds exactly
+# one key (a second one, null or unknown, is an error), and a multimodal object's offsets are required
+# pairs of usize.
+DYNAMO_REFUSES = [
+    (_stored_with({"removed": None}), "$.event.data.removed"),
+    (_stored_with({"bogus": 1}), "unknown field `bogus` - at `$.event.data`"),
+    (_stored_with({"cleared": None}), "exactly one of"),
+    (_stored_with(mm={"mm_hash": 3}), "missing required field `offsets`"),
+    (_stored_with(mm={"mm_hash": 3, "offsets": [[-1, 2]]}), "mm_objects[0].offsets"),
+]
+
+
+@pytest.mark.parametrize(("event", "where"), DYNAMO_REFUSES)
+@pytest.mark.parametrize("packed", [False, True], ids=["json", "msgpack"])
+def test_data_with_a_second_key_or_mm_objects_without_offsets_are_refused(
+    event: dict[str, object], where: str, packed: bool
+) -> None:
+    payload = msgspec.msgpack.encode(event) if packed else msgspec.json.encode(event)
+    with pytest.raises(EventDecodeError) as info:
+        decode_router_events(payload, msgpack=packed)
+    assert where in str(info.value)
+    # The well-formed neighbours still decode (the one key; offsets given, non-negative).
+    [ok] = decode_router_events(msgspec.json.encode(_stored_with(mm={"mm_hash": 3, "offsets": [[0, 2]]})))
+    assert ok.event.stored is not None and ok.event.removed is None
+    assert encode_router_events(ok).count(b"removed") == 0  # an absent kind is not written either
+
+
 def test_truncated_json_and_garbage_msgpack_are_decode_errors() -> None:
     with pytest.raises(EventDecodeError, match="invalid RouterEvent JSON"):
         decode_router_events(b'{"worker_id":1,')

@@ -41,7 +41,7 @@ def canonical(events: list[Any]) -> set[tuple[Any, ...]]:
     equal sets answer every query alike, whatever order the dump lists them in."""
     blocks = set()
     for event in msgspec.convert(events, list[RouterEvent]):
-        stored = event.event.data.stored  # type: ignore[union-attr]
+        stored = event.event.stored
         assert stored is not None, "a dump holds only stored events"
         parent = stored.parent_hash
         for block in stored.blocks:

@@ -152,6 +152,25 @@ async def test_garbage_on_the_events_subject_is_counted_and_ignored(client: Clie
     await publisher.stop()
 
 
+async def test_events_dynamo_refuses_are_counted_and_ignored(client: Client) -> None:
+    """A data map with a second key (null or unknown) or a multimodal object without offsets: a counted,
+    logged rejection, as for any undecodable event; the index is untouched."""
+    tree, sequencer, subscriber = await start_router(client)
+    block = {"block_hash": 1, "tokens_hash": 2}
+    stored = {"stored": {"parent_hash": None, "blocks": [block]}}
+    for data in (
+        {**stored, "removed": None},
+        {**stored, "bogus": 1},
+        {"stored": {"blocks": [{**block, "mm_extra_info": {"mm_objects": [{"mm_hash": 3}]}}]}},
+        {"stored": {"blocks": [{**block, "mm_extra_info": {"mm_objects": [{"mm_hash": 3, "offsets": [[-1, 2]]}]}}]}},
+    ):
+        event = {"worker_id": 9, "event": {"event_id": 1, "dp_rank": 0, "data": data}}
+        await client.publish("kv.default.events.9", msgspec.json.encode(event))
+    await eventually(lambda: sequencer.outcomes["rejected_undecodable"] == 4)
+    assert tree.find_matches([2]).scores == {}
+    await subscriber.stop()
+
+
 async def test_router_reconnects_after_a_nats_restart_and_converges(nats_server: EmbeddedNats) -> None:
     router_nc = await connect(NatsOptions(nats_server.url))
     worker_nc = await connect(NatsOptions(nats_server.url))

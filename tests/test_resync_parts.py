@@ -20,9 +20,8 @@ def held_from(response: ResyncResponse) -> HeldBlocks:
     assert response.tree_dump is not None
     held = HeldBlocks(7)
     for event in response.tree_dump.events:
-        data = event.event.data
-        assert data != "cleared" and data.stored is not None
-        stored = data.stored
+        stored = event.event.stored
+        assert stored is not None
         blocks = [block.block_hash for block in stored.blocks]
         tokens = [block.tokens_hash for block in stored.blocks]
         held.store(event.event.dp_rank, event.storage_tier, stored.parent_hash, blocks, tokens)

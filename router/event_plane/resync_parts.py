@@ -52,8 +52,7 @@ def reply_parts(response: ResyncResponse, max_bytes: int) -> list[bytes] | None:
 
 def _cut(event: RouterEvent, room: int) -> list[RouterEvent]:
     """A dump's event as stores that each fit ``room`` (itself, when it does or cannot be cut)."""
-    data = event.event.data
-    stored = None if data == "cleared" else data.stored
+    stored = event.event.stored
     if stored is None or len(stored.blocks) < 2 or len(_encode(event)) <= room:
         return [event]
     half = len(stored.blocks) // 2
