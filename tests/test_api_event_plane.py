@@ -253,3 +253,36 @@ def _http(port: int, path: str, body: bytes) -> dict[str, Any]:
             return dict(msgspec.json.decode(reply.read()))
     except urllib.error.HTTPError as error:
         return dict(msgspec.json.decode(error.read()))
+
+
+def test_http_registration_of_another_block_size_is_refused_before_the_registry(
+    client: TestClient, nats_url: str
+) -> None:
+    """With NATS, a registration naming another block size is a 409, not a 201 then a silent refusal:
+    nothing reaches the shared registry or the router, for a new worker or a registered one."""
+    refused = client.post("/v1/workers", json={"worker_id": 5, "block_size": 2 * BLOCK})
+    assert refused.status_code == 409 and refused.json()["error"]["type"] == "block_size_mismatch"
+    assert refused.json()["error"]["detail"]["router_block_size"] == BLOCK
+    assert registry_keys(nats_url) == set()
+    assert client.get("/v1/workers").json()["workers"] == []
+    assert client.post("/v1/workers", json={"worker_id": 6}).status_code == 201
+    assert client.post("/v1/workers", json={"worker_id": 6, "block_size": 2 * BLOCK}).status_code == 409
+    [worker] = client.get("/v1/workers").json()["workers"]
+    assert worker["config"]["block_size"] == BLOCK
+
+
+def test_http_registration_of_another_block_size_is_refused_while_nats_connects() -> None:
+    """While the event plane is still connecting, a registration is kept for the registry: one of
+    another block size is refused (409) rather than registered with the wrong size."""
+    settings = Settings(
+        service=ServiceConfig(),
+        router=RouterConfig(block_size=BLOCK),
+        event_plane=EventPlaneConfig(nats_url=f"nats://127.0.0.1:{free_port()}"),
+    )
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as test_client:
+        assert test_client.get("/readyz").json()["event_plane"]["state"] == "connecting"
+        refused = test_client.post("/v1/workers", json={"worker_id": 5, "block_size": 2 * BLOCK})
+        assert refused.status_code == 409 and refused.json()["error"]["type"] == "block_size_mismatch"
+        assert test_client.get("/v1/workers").json()["workers"] == []
+        assert test_client.post("/v1/workers", json={"worker_id": 5, "block_size": BLOCK}).status_code == 201

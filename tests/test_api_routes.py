@@ -22,6 +22,7 @@ from api.app import create_app
 from api.config import ServiceConfig, Settings
 from indexer.events import decode_router_events
 from router.config import RouterConfig
+from router.errors import BlockSizeMismatch
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
 from tests.protocol_asgi import ThroughProtocol
@@ -392,3 +393,26 @@ def test_router_config_override_on_new_and_on_the_router_protocol(client: TestCl
     assert bad.status_code == 422
     assert bad.json()["error"]["type"] == "invalid_request"
     assert "router_temperature" in bad.json()["error"]["message"]
+
+
+def test_a_worker_of_another_block_size_is_refused_and_nothing_registered(client: TestClient) -> None:
+    """HTTP only: a registration naming another block size is a 409 naming both sizes, for a new
+    worker and for a registered one (left as it was); the router refuses it itself too."""
+    refused = client.post("/v1/workers", json={"worker_id": 5, "block_size": 2 * BLOCK_SIZE})
+    assert refused.status_code == 409
+    error = refused.json()["error"]
+    assert error["type"] == "block_size_mismatch"
+    assert f"block size {2 * BLOCK_SIZE}" in error["message"] and f"router {BLOCK_SIZE}" in error["message"]
+    assert error["detail"] == {"worker_id": 5, "worker_block_size": 2 * BLOCK_SIZE, "router_block_size": BLOCK_SIZE}
+    assert client.get("/v1/workers").json()["workers"] == []
+    assert client.get("/v1/workers/5").status_code == 404
+    # A registered worker re-registered with another size keeps its configuration.
+    assert client.post("/v1/workers", json={"worker_id": 6, "block_size": BLOCK_SIZE}).status_code == 201
+    again = client.post("/v1/workers", json={"worker_id": 6, "block_size": 2 * BLOCK_SIZE, "total_kv_blocks": 9})
+    assert again.status_code == 409 and again.json()["error"]["type"] == "block_size_mismatch"
+    [worker] = client.get("/v1/workers").json()["workers"]
+    assert worker["config"]["block_size"] == BLOCK_SIZE and worker["config"].get("total_kv_blocks") is None
+    router = KvRouter(RouterConfig(block_size=BLOCK_SIZE))
+    with pytest.raises(BlockSizeMismatch, match=f"worker 7 uses block size {2 * BLOCK_SIZE}, router {BLOCK_SIZE}"):
+        router.register_worker(WorkerConfig(worker_id=7, block_size=2 * BLOCK_SIZE))
+    assert router.workers() == []
