@@ -286,3 +286,24 @@ def test_http_registration_of_another_block_size_is_refused_while_nats_connects(
         assert refused.status_code == 409 and refused.json()["error"]["type"] == "block_size_mismatch"
         assert test_client.get("/v1/workers").json()["workers"] == []
         assert test_client.post("/v1/workers", json={"worker_id": 5, "block_size": BLOCK}).status_code == 201
+
+
+def test_an_event_after_a_gap_refused_for_now_is_counted_held_with_its_reason(client: TestClient) -> None:
+    """With NATS the resync of a gap is asked of the worker: an event after the gap that the index
+    refuses is held (not applied, rejected or duplicate), with a reason, so the counts add up to
+    ``received``; when nobody answers the resync it is counted rejected."""
+    assert client.post("/v1/workers", json={"worker_id": 2}).status_code == 201
+
+    def removal(event_id: int) -> dict[str, Any]:
+        return {"worker_id": 2, "event": {"event_id": event_id, "data": {"removed": {"block_hashes": [1]}}}}
+
+    in_order = client.post("/v1/events", json=removal(1)).json()
+    assert (in_order["received"], in_order["rejected"], in_order["held"]) == (1, 1, 0)
+    rejected = metric(client, "kv_router_stream_events_total", outcome="rejected_block_not_found")
+    after_gap = client.post("/v1/events", json=removal(50)).json()
+    counts = [after_gap[name] for name in ("applied", "rejected", "duplicate", "held")]
+    assert (after_gap["received"], counts) == (1, [0, 0, 0, 1])
+    [reason] = after_gap["errors"]
+    assert reason.startswith("worker 2 event 50: held: ") and "hole" in reason
+    # Nobody serves worker 2's resyncs: the stream gives up on the gap and the held event is rejected.
+    until(lambda: metric(client, "kv_router_stream_events_total", outcome="rejected_block_not_found") == rejected + 1)

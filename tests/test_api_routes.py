@@ -46,7 +46,7 @@ def test_new_picks_the_worker_holding_the_prefix(client: TestClient) -> None:
     _register(client, 1, 2, 3)
     tokens = prompt(1, 160)  # 10 full blocks
     reply = client.post("/v1/events", json=[stored_event(2, tokens, blocks=6), stored_event(3, tokens, blocks=2)])
-    assert reply.json() == {"received": 2, "applied": 2, "rejected": 0, "duplicate": 0, "errors": []}
+    assert reply.json() == {"received": 2, "applied": 2, "rejected": 0, "duplicate": 0, "held": 0, "errors": []}
 
     decision = client.post("/v1/new", json={"tokens": tokens, "request_id": "r1"})
     assert decision.status_code == 200
@@ -286,6 +286,31 @@ def test_rejected_events_are_reported_not_raised(client: TestClient) -> None:
     reply = client.post("/v1/events", json=[orphan, removal, stored_event(1, tokens, event_id=3)]).json()
     assert (reply["received"], reply["applied"], reply["rejected"]) == (3, 1, 2)
     assert len(reply["errors"]) == 2
+
+
+def test_every_received_event_is_in_exactly_one_count(client: TestClient) -> None:
+    """An event after a gap: without NATS its resync fails at once and the index's refusal stands, so
+    it is rejected with its reason, like the same event in order; the counts add up to ``received``."""
+    _register(client, 2)
+
+    def removal(event_id: int) -> dict[str, object]:
+        return {"worker_id": 2, "event": {"event_id": event_id, "data": {"removed": {"block_hashes": [1]}}}}
+
+    for event_id in (1, 50):
+        reply = client.post("/v1/events", json=removal(event_id)).json()
+        assert reply["received"] == reply["applied"] + reply["rejected"] + reply["duplicate"] + reply["held"] == 1
+        assert (reply["rejected"], reply["held"]) == (1, 0)
+        [reason] = reply["errors"]
+        assert reason.startswith(f"worker 2 event {event_id}: ")
+    batch = [removal(50), stored_event(2, prompt(3, 32), event_id=51), removal(60)]
+    reply = client.post("/v1/events", json=batch).json()
+    assert (reply["received"], reply["duplicate"], reply["applied"], reply["rejected"], reply["held"]) == (
+        3,
+        1,
+        1,
+        1,
+        0,
+    )
 
 
 def test_overlap_and_dump(client: TestClient) -> None:
