@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from api.app import create_app
 from api.config import ServiceConfig, Settings
+from api.proxy.wire import ROUTES
 from indexer.events import decode_router_events
 from router.config import RouterConfig
 from router.errors import BlockSizeMismatch
@@ -441,3 +442,17 @@ def test_a_worker_of_another_block_size_is_refused_and_nothing_registered(client
     with pytest.raises(BlockSizeMismatch, match=f"worker 7 uses block size {2 * BLOCK_SIZE}, router {BLOCK_SIZE}"):
         router.register_worker(WorkerConfig(worker_id=7, block_size=2 * BLOCK_SIZE))
     assert router.workers() == []
+
+
+def test_the_openai_routes_without_the_proxy_say_it_is_off(client: TestClient) -> None:
+    """Without ``--proxy``, the proxy's routes answer a 404 in OpenAI's error shape saying how to turn
+    it on, not a bare "Not Found"."""
+    calls = [("POST", path) for path in ROUTES] + [("GET", "/v1/models")]
+    assert {path for _, path in calls} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+    for method, path in calls:
+        reply = client.request(method, path, json={"model": "m", "prompt": "x"})
+        assert reply.status_code == 404 and reply.headers["content-type"] == "application/json"
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == 404
+        assert "proxy is off" in error["message"] and "kv-router serve --proxy" in error["message"]
+        assert f"{method} {path}" in error["message"]
