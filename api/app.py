@@ -48,7 +48,7 @@ from api.metrics import (
 from api.native import active_accelerators
 from api.openapi import Schemas
 from api.plane_lifecycle import PlaneLifecycle
-from api.routes import ServiceState, add_admin_routes, add_hot_routes
+from api.routes import ServiceState, add_admin_routes, add_hot_routes, add_proxy_off_routes
 from api.version import package_version
 from router.doctor import ConfigDoctor
 from router.errors import KvRouterError
@@ -173,6 +173,8 @@ def create_app(
     if proxy is not None:
         proxy.add_models_route(app, auth)
         proxy.document(schemas)
+    else:
+        add_proxy_off_routes(app, auth)
     schemas.install(app)
     add_docs_routes(app, auth)
     _add_error_handlers(app)

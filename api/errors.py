@@ -14,6 +14,7 @@ import msgspec
 from indexer.errors import EventDecodeError
 from router.errors import (
     AllWorkersOverloaded,
+    BlockSizeMismatch,
     DuplicateRequestId,
     InvalidRequest,
     KvRouterError,
@@ -114,6 +115,7 @@ class UnknownRoutingTarget(ApiError):
 # subclass inherits its parent's row until it gets its own.
 ROUTER_ERRORS: dict[type[Exception], tuple[int, str]] = {
     DuplicateRequestId: (409, "duplicate_request_id"),
+    BlockSizeMismatch: (409, "block_size_mismatch"),
     QueueRejected: (429, "queue_rejected"),
     WorkersUnavailable: (503, "workers_unavailable"),
     NoEligibleWorker: (503, "no_eligible_worker"),
@@ -143,6 +145,12 @@ def _detail(exc: Exception) -> dict[str, Any]:
         return exc.detail
     if isinstance(exc, QueueRejected):
         return {"rejection": exc.rejection}
+    if isinstance(exc, BlockSizeMismatch):
+        return {
+            "worker_id": exc.worker_id,
+            "worker_block_size": exc.worker_block_size,
+            "router_block_size": exc.router_block_size,
+        }
     return {}
 
 

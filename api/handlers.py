@@ -318,17 +318,14 @@ class Handlers:
 
     def _events(self, call: Call) -> Reply:
         events = decode_router_events(call.body, msgpack=call.msgpack)
-        sequencer = self._router.sequencer
-        outcomes = sequencer.outcomes
-        applied, rejected, duplicate = outcomes["applied"], sequencer.rejected, outcomes["duplicate"]
-        sequencer.ingest(events)
-        rejected = sequencer.rejected - rejected
+        report = self._router.sequencer.ingest_reported(events)
         reply = EventsReply(
             received=len(events),
-            applied=outcomes["applied"] - applied,
-            rejected=rejected,
-            duplicate=outcomes["duplicate"] - duplicate,
-            errors=list(sequencer.recent_rejections)[-rejected:] if rejected else [],
+            applied=report.applied,
+            rejected=report.rejected,
+            duplicate=report.duplicate,
+            held=report.held,
+            errors=list(report.reasons),
         )
         return self._reply(reply, call)
 

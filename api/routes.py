@@ -25,6 +25,7 @@ from api.handlers import HOT_PATHS, Handlers
 from api.native import active_accelerators
 from api.openapi import Schemas
 from api.plane_lifecycle import PlaneLifecycle
+from api.proxy.wire import ROUTES, error_body
 from api.version import package_version
 from api.wire import (
     EventPlaneHealth,
@@ -52,7 +53,14 @@ from router.errors import UnknownWorker
 from router.kv_router import KvRouter
 from router.types import OverlapReport, RouteDecision, WorkerConfig
 
-__all__ = ["LIVENESS_ALIASES", "READINESS_ALIASES", "ServiceState", "add_admin_routes", "add_hot_routes"]
+__all__ = [
+    "LIVENESS_ALIASES",
+    "READINESS_ALIASES",
+    "ServiceState",
+    "add_admin_routes",
+    "add_hot_routes",
+    "add_proxy_off_routes",
+]
 
 # Other names of /healthz and /readyz.
 LIVENESS_ALIASES = ("/health", "/liveness")
@@ -231,6 +239,8 @@ def add_admin_routes(
             # --role): the defaults would make a prefill worker take whole requests.
             fields.update({name: getattr(existing, name) for name in _HANDOFF_FIELDS - named})
         config = WorkerConfig(**fields)
+        # Refused in every mode before anything is registered (or written to the shared registry).
+        kv_router.check_block_size(config)
         known = existing is not None
         if lifecycle is not None:
             await lifecycle.register(config)  # into the shared registry, so every router learns it
@@ -369,6 +379,43 @@ def add_admin_routes(
     @app.get("/metrics", dependencies=[read], tags=["operations"], summary="Prometheus metrics (kv_router_*)")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+PROXY_OFF = (
+    "the OpenAI proxy is off on this service: start it with `kv-router serve --proxy` to serve {method} {path} "
+    "(it tokenizes, routes and forwards the request to the chosen worker); without it, ask for a decision "
+    "with POST /v1/new or /v1/route and send the request to that worker yourself"
+)
+
+
+def add_proxy_off_routes(app: FastAPI, auth: ApiAuth) -> None:
+    """Without ``--proxy``: the proxy's OpenAI routes (``api.proxy.wire.ROUTES``, ``GET /v1/models``)
+    answer a 404 in OpenAI's error shape saying the proxy is off, rather than a bare "Not Found"."""
+
+    def off(method: str, path: str) -> Any:
+        # OpenAI's type for a URL it does not serve; the message says why.
+        body = error_body(404, "invalid_request_error", PROXY_OFF.format(method=method, path=path))
+
+        async def proxy_off() -> Response:
+            return Response(body, 404, media_type=JSON)
+
+        return proxy_off
+
+    for path in ROUTES:
+        app.add_api_route(
+            path,
+            off("POST", path),
+            methods=["POST"],
+            dependencies=[auth.dependency(Access.DECISION)],
+            include_in_schema=False,
+        )
+    app.add_api_route(
+        "/v1/models",
+        off("GET", "/v1/models"),
+        methods=["GET"],
+        dependencies=[auth.dependency(Access.READ)],
+        include_in_schema=False,
+    )
 
 
 def _named_fields(call: Call) -> set[str]:

@@ -485,17 +485,24 @@ class WorkersReply(msgspec.Struct, kw_only=True):
 
 
 class EventsReply(msgspec.Struct, kw_only=True):
-    """What became of a batch of events: the counts by outcome, and the last rejections' reasons.
+    """What became of a batch of events: each received event in exactly one count
+    (``received = applied + rejected + duplicate + held``), and the reasons of the last rejected and
+    held ones.
 
-    Events pass the same sequencer as those from NATS: ``duplicate`` ones (an id already applied for
-    that worker and dp rank) are dropped; ``applied`` counts every event that reached the index during
-    the call, including events held earlier that this call released.
+    Events pass the same sequencer as those from NATS: ``applied`` ones reached the index;
+    ``duplicate`` ones (an id already seen for that worker and dp rank) are dropped; ``rejected``
+    ones were refused (an unknown worker or rank, a block the index does not know, ...); ``held``
+    ones came after a gap in their stream's event ids (or a first id other than 1) and the index
+    refused them for now, since the missing events may hold what they need (a parent block): the
+    router asks the worker for the missing events, applies them again once it has them, and counts
+    them as rejected (``kv_router_stream_events{outcome="rejected_<reason>"}``) if the gap cannot be filled.
     """
 
     received: int
     applied: int
     rejected: int
     duplicate: int = 0
+    held: int = 0
     errors: list[str] = []
 
 

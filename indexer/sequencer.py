@@ -49,7 +49,7 @@ from indexer.events import ResyncRequest, ResyncResponse, RouterEvent, StorageTi
 from indexer.radix_tree import RadixTree
 from indexer.slots import WorkerRank
 
-__all__ = ["EventSequencer", "StreamStatus"]
+__all__ = ["EventSequencer", "IngestReport", "StreamStatus"]
 
 # Beyond this many unreconciled events a stream drops them and asks for a fresh full dump instead.
 MAX_HELD_EVENTS = 100_000
@@ -92,6 +92,23 @@ class _Stream:
     # The storage tiers this stream's stored events reached since its last barrier or dump (less those
     # cleared in order since): what a clear must cover to be a barrier.
     tiers: set[StorageTier] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class IngestReport:
+    """What became of each event of one `EventSequencer.ingest_reported` call, every event in exactly
+    one count: ``applied`` to the index; a ``duplicate`` (an id already seen) dropped; ``rejected``
+    (refused, or refused by the index and given up on); ``held``: applied ahead of a hole in its
+    stream (a gap in the ids, or ids before the first one heard) and refused by the index for now,
+    since the hole may hold what it needs (its parent block); it counts as a rejection when the stream
+    gives up on the hole (`outcomes`' ``rejected_<reason>``), and is applied again if the hole is
+    filled. ``reasons``: those of the last rejected and held events, oldest first."""
+
+    applied: int = 0
+    duplicate: int = 0
+    rejected: int = 0
+    held: int = 0
+    reasons: deque[str] = field(default_factory=lambda: deque(maxlen=RECENT_REJECTIONS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +181,37 @@ class EventSequencer:
             request = self.receive(event)
             if request is not None:
                 self.send_resync(request)
+
+    def ingest_reported(self, events: Iterable[RouterEvent]) -> IngestReport:
+        """`ingest` (no epoch) for a caller that answers for each event (``POST /v1/events``): what
+        became of it, once any resync it called for has been sent (a resync failing at once, without a
+        transport, rejects an event held for it). Rejections of other events that resync gives up on
+        are among ``reasons`` too."""
+        report = IngestReport()
+        outcomes = self.outcomes
+        for event in events:
+            rejected, duplicate, deferred = self.rejected, outcomes["duplicate"], outcomes["deferred_rejections"]
+            request = self.receive(event)
+            held = None
+            if outcomes["deferred_rejections"] > deferred:
+                stream = self._streams[(event.worker_id, event.event.dp_rank)]
+                held = stream.deferred[-1]
+            if request is not None:
+                self.send_resync(request)
+            if outcomes["duplicate"] > duplicate:
+                report.duplicate += 1
+            elif self.rejected > rejected:
+                report.rejected += 1
+                report.reasons.extend(list(self.recent_rejections)[-min(self.rejected - rejected, RECENT_REJECTIONS) :])
+            elif held is not None:
+                report.held += 1
+                report.reasons.append(
+                    f"worker {event.worker_id} event {event.event.event_id}: held: {held[2]}; applied ahead of a "
+                    "hole in its stream's event ids, which may hold what it needs: rejected if it stays unfilled"
+                )
+            else:
+                report.applied += 1
+        return report
 
     def send_resync(self, request: ResyncRequest) -> None:
         if self.resync_transport is None:

@@ -6,7 +6,11 @@ response's input rendered as a chat, its instructions the system message), ``/v1
 ``/v1/models`` and ``/health``. A request is submitted to the worker's `MockEngine`; its
 tokens come out when the passes that generate them end (the engine's timing model), and its usage
 reports the cached tokens its block pool really had (``prompt_tokens_details.cached_tokens``).
-A client that disconnects mid-stream aborts its request in the engine, as vLLM does.
+A client that disconnects mid-stream aborts its request in the engine, as vLLM does. As vLLM's, a
+completion's batch ``prompt`` (texts or token id lists) and ``n`` give one choice each, indexed prompt
+by prompt (``prompt index * n + sample``), each its own engine request (so its own KV events); the
+usage counts each prompt once. ``max_tokens`` and ``n`` below 1 are refused (400), as vLLM's
+`SamplingParams` refuses them (vLLM takes ``max_tokens: 0`` only with ``echo``, which the mock has not).
 
 Disaggregated roles (`mocker.handoff`): a prefill leg (vLLM's ``kv_transfer_params``
 ``do_remote_decode``, or a prefill-role worker given a ``bootstrap_room``) computes the prompt and one
@@ -44,6 +48,9 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 DEFAULT_MAX_TOKENS = 16
+# vLLM's defaults of VLLM_MAX_N_SEQUENCES and VLLM_MAX_COMPLETION_PROMPTS.
+MAX_N = 16384
+MAX_PROMPTS = 1024
 
 
 class _Message(msgspec.Struct):
@@ -61,6 +68,7 @@ class _Body(msgspec.Struct):
     messages: list[_Message] | None = None
     stream: bool = False
     stream_options: _StreamOptions | None = None
+    n: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     max_output_tokens: int | None = None  # the Responses API's
@@ -149,6 +157,39 @@ def _prompt_ids(body: _Body) -> list[int]:
     return list(first)
 
 
+def _batch(body: _Body, first: list[int]) -> list[list[int]]:
+    """A completion's prompts: a list of texts or of token id lists is a batch, one prompt each (as
+    vLLM takes it, at most `MAX_PROMPTS`); anything else is the one prompt ``first``."""
+    prompt = body.prompt
+    if not isinstance(prompt, list) or isinstance(prompt[0], int):
+        return [first]
+    if len(prompt) > MAX_PROMPTS:
+        raise ValueError(f"prompt list length {len(prompt)} exceeds the maximum allowed count of {MAX_PROMPTS}.")
+    prompts = []
+    for item in prompt:
+        if isinstance(item, int):
+            raise ValueError("prompt: a text, a list of token ids, or a list of texts or of token id lists")
+        prompts.append(text_tokens(item) if isinstance(item, str) else list(item))
+    return prompts
+
+
+def _sampling(body: _Body) -> tuple[int, int]:
+    """``(n, max_tokens)``, checked as vLLM's `SamplingParams` checks them: both at least 1 (a
+    ``max_tokens`` of 0 too: vLLM takes it only with ``echo``, which the mock has not). The chat's
+    ``max_completion_tokens`` wins over ``max_tokens``; neither given: `DEFAULT_MAX_TOKENS`."""
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}.")
+    if n > MAX_N:
+        raise ValueError(f"n must be at most {MAX_N}, got {n}.")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        return n, DEFAULT_MAX_TOKENS
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
+    return n, max_tokens
+
+
 def _word(index: int) -> str:
     return f" w{index}"
 
@@ -205,7 +246,10 @@ class MockOpenAI:
                 if path == "/v1/responses":
                     request.messages = responses_messages(request.instructions, request.input or "")
                     request.max_tokens = request.max_output_tokens
+                    request.n = None  # the Responses API has one output
                 tokens = _prompt_ids(request)
+                prompts = _batch(request, tokens) if path == "/v1/completions" else [tokens]
+                n, max_tokens = _sampling(request) if path in _KINDS else (1, DEFAULT_MAX_TOKENS)
             except (msgspec.DecodeError, ValueError) as exc:
                 await _reply(send, 400, _error(400, str(exc)))
                 return
@@ -216,7 +260,7 @@ class MockOpenAI:
                 self.pooled += 1
                 await _reply(send, 200, self._pooled(path, request, tokens))
             else:
-                await self._generate(_KINDS[path], request, tokens, receive, send)
+                await self._generate(_KINDS[path], request, prompts, n, max_tokens, receive, send)
         else:
             await _reply(send, 404, _error(404, f"{method} {path}: not found"))
 
@@ -233,22 +277,34 @@ class MockOpenAI:
         ]
         return _encode({"id": "rerank-" + uuid.uuid4().hex, "model": self.model, "results": results, "usage": usage})
 
-    async def _generate(self, kind: str, request: _Body, tokens: list[int], receive: Receive, send: Send) -> None:
+    async def _generate(
+        self,
+        kind: str,
+        request: _Body,
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int,
+        receive: Receive,
+        send: Send,
+    ) -> None:
         self.generated += 1
-        if not tokens:
+        if not all(prompts):
             await _reply(send, 400, _error(400, "the prompt has no tokens"))
             return
-        max_tokens = request.max_completion_tokens or request.max_tokens or DEFAULT_MAX_TOKENS
         params = request.kv_transfer_params or {}
         room = request.bootstrap_room
         # A prefill leg computes the prompt and one token; a decode leg first pulls the prompt's KV.
         prefill_leg = params.get("do_remote_decode") is True or (room is not None and self.worker.role == "prefill")
         decode_leg = params.get("do_remote_prefill") is True or (room is not None and not prefill_leg)
+        if (prefill_leg or decode_leg) and (len(prompts) > 1 or n > 1):
+            await _reply(send, 400, _error(400, "a disaggregated request takes one prompt and n = 1"))
+            return
         if prefill_leg:
             max_tokens = 1
+        tokens = prompts[0]
         request_id = uuid.uuid4().hex
         left = asyncio.ensure_future(_disconnected(receive))
-        stream: TokenStream | None = None
+        choices: list[_Choice] = []
         try:
             if decode_leg:
                 pulled = asyncio.ensure_future(self._pull(request, tokens))
@@ -263,16 +319,24 @@ class MockOpenAI:
                     status = 503 if isinstance(exc, BootstrapFailed) else 400
                     await _reply(send, status, _error(status, str(exc)))
                     return
-            stream = self.worker.open_stream(request_id, tokens, max_tokens, kv_loaded=decode_leg)
-            if stream is None:
-                await _reply(send, 400, _error(400, f"prompt of {len(tokens)} tokens does not fit the KV pool"))
-                return
+            # One engine request per prompt and per sample, each choice indexed as vLLM indexes it:
+            # prompt by prompt, its n samples in turn.
+            for prompt_index, prompt in enumerate(prompts):
+                for sample in range(n):
+                    index = prompt_index * n + sample
+                    choice_id = request_id if index == 0 else f"{request_id}-{index}"
+                    stream = self.worker.open_stream(choice_id, prompt, max_tokens, kv_loaded=decode_leg)
+                    if stream is None:
+                        await _reply(send, 400, _error(400, f"prompt of {len(prompt)} tokens does not fit the KV pool"))
+                        return
+                    choices.append(_Choice(index, choice_id, stream, len(prompt), sample == 0))
             chunks = _Chunks(kind, request_id, self.model)
             if request.stream:
                 include_usage = request.stream_options is not None and request.stream_options.include_usage
-                await self._stream(stream, chunks, len(tokens), include_usage, left, send)
+                await self._stream(choices, chunks, include_usage, left, send)
             else:
-                await _wait_done(stream, left)
+                for choice in choices:
+                    await _wait_done(choice.stream, left)
                 if not left.done():
                     extra = None
                     if params.get("do_remote_decode") is True:
@@ -280,17 +344,18 @@ class MockOpenAI:
                         extra = {
                             "kv_transfer_params": remote_params(self.worker.worker_id, self.host, self.port, blocks)
                         }
-                    await _reply(send, 200, chunks.whole(stream, len(tokens), extra))
-            if prefill_leg and stream.done:
+                    await _reply(send, 200, chunks.whole(choices, extra))
+            if prefill_leg and choices[0].stream.done:
                 self.prefill_legs += 1
         finally:
-            if stream is not None and left.done() and not stream.done:
+            if left.done() and any(not choice.stream.done for choice in choices):
                 self.aborted += 1
             if room is not None and prefill_leg:  # its decode worker learns how the prefill ended
-                ok = stream is not None and stream.done
+                ok = bool(choices) and choices[0].stream.done
                 self.rooms.done(room, -(-len(tokens) // self.worker.engine.block_size) if ok else None)
             left.cancel()
-            self.worker.close_stream(request_id)
+            for choice in choices:
+                self.worker.close_stream(choice.request_id)
 
     async def _pull(self, request: _Body, tokens: list[int]) -> None:
         """A decode leg's KV: the blocks the prefill worker has (from its params, or its bootstrap
@@ -312,33 +377,49 @@ class MockOpenAI:
 
     async def _stream(
         self,
-        stream: TokenStream,
+        choices: list[_Choice],
         chunks: _Chunks,
-        prompt_tokens: int,
         include_usage: bool,
         left: asyncio.Future[None],
         send: Send,
     ) -> None:
-        sent = 0
         started = False
-        while True:
-            await _wait_change(stream, left)
+        pending = choices
+        while pending:
+            await _wait_change([choice.stream for choice in pending], left)
             if left.done():
                 return
-            count = stream.tokens
-            if count > sent:
-                events = b"".join(chunks.token(index, index == count and stream.done) for index in
-                                  range(sent + 1, count + 1))  # fmt: skip
-                sent = count
+            pieces = []
+            for choice in pending:
+                stream = choice.stream
+                count = stream.tokens
+                pieces += [chunks.token(choice.index, index, index == count and stream.done) for index in
+                           range(choice.sent + 1, count + 1)]  # fmt: skip
+                choice.sent = max(choice.sent, count)
+            pending = [choice for choice in pending if not choice.stream.done]
+            if pieces or not pending:
+                events = b"".join(pieces)
                 if not started:
                     started = True
                     events = chunks.start() + events
                     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
                     await send({"type": "http.response.start", "status": 200, "headers": headers})
                 await send({"type": "http.response.body", "body": events, "more_body": True})
-            if stream.done:
-                await send({"type": "http.response.body", "body": chunks.end(stream, prompt_tokens, include_usage)})
-                return
+        await send({"type": "http.response.body", "body": chunks.end(choices, include_usage)})
+
+
+class _Choice:
+    """One choice of an answer: its engine request (one per prompt and per sample) and what of it was sent."""
+
+    __slots__ = ("first", "index", "prompt_tokens", "request_id", "sent", "stream")
+
+    def __init__(self, index: int, request_id: str, stream: TokenStream, prompt_tokens: int, first: bool) -> None:
+        self.index = index
+        self.request_id = request_id
+        self.stream = stream
+        self.prompt_tokens = prompt_tokens
+        self.first = first  # its prompt's first sample: the prompt counts once in the usage
+        self.sent = 0  # tokens streamed
 
 
 class _Chunks:
@@ -364,45 +445,55 @@ class _Chunks:
                    "status": "in_progress", "output": []}  # fmt: skip
         return _event("response.created", {"type": "response.created", "response": created, "sequence_number": 0})
 
-    def end(self, stream: TokenStream, prompt_tokens: int, include_usage: bool) -> bytes:
+    def end(self, choices: list[_Choice], include_usage: bool) -> bytes:
         """What a stream ends with: the usage (if asked for) and [DONE]; the Responses API's
-        response.completed, carrying the whole response."""
+        response.completed, carrying the whole response (its one choice)."""
         if self.responses:
-            whole = msgspec.json.decode(self.whole(stream, prompt_tokens))
-            completed = {"type": "response.completed", "response": whole, "sequence_number": stream.tokens + 1}
+            whole = msgspec.json.decode(self.whole(choices))
+            completed = {
+                "type": "response.completed",
+                "response": whole,
+                "sequence_number": choices[0].stream.tokens + 1,
+            }
             return _event("response.completed", completed)
-        return (self.usage(stream, prompt_tokens) if include_usage else b"") + b"data: [DONE]\n\n"
+        return (self.usage(choices) if include_usage else b"") + b"data: [DONE]\n\n"
 
-    def token(self, index: int, last: bool) -> bytes:
+    def token(self, choice: int, index: int, last: bool) -> bytes:
+        """The chunk of token ``index`` (from 1) of choice ``choice``."""
         if self.responses:
             delta = {"type": "response.output_text.delta", "item_id": "msg_" + self.id, "output_index": 0,
                      "content_index": 0, "delta": _word(index), "sequence_number": index}  # fmt: skip
             return _event("response.output_text.delta", delta)
         finish = b'"length"' if last else b"null"
         text = _word(index).encode()
+        head = b'{"index":' + str(choice).encode()
         if self.chat:
             role = b'"role":"assistant",' if index == 1 else b""
-            choice = b'{"index":0,"delta":{' + role + b'"content":"' + text + b'"},"finish_reason":' + finish + b"}"
+            choice_bytes = head + b',"delta":{' + role + b'"content":"' + text + b'"},"finish_reason":' + finish + b"}"
         else:
-            choice = b'{"index":0,"text":"' + text + b'","logprobs":null,"finish_reason":' + finish + b"}"
-        return self._head + b'"choices":[' + choice + b"]}\n\n"
+            choice_bytes = head + b',"text":"' + text + b'","logprobs":null,"finish_reason":' + finish + b"}"
+        return self._head + b'"choices":[' + choice_bytes + b"]}\n\n"
 
-    def _usage(self, stream: TokenStream, prompt_tokens: int) -> dict[str, Any]:
-        completion = stream.tokens
+    def _usage(self, choices: list[_Choice]) -> dict[str, Any]:
+        """As vLLM sums a batch's: each prompt once, every choice's tokens; the cached tokens of each
+        prompt's first request."""
+        prompt = sum(choice.prompt_tokens for choice in choices if choice.first)
+        completion = sum(choice.stream.tokens for choice in choices)
+        cached = sum(max(choice.stream.seq.cached_tokens, 0) for choice in choices if choice.first)
         return {
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": prompt,
             "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": max(stream.seq.cached_tokens, 0)},
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def usage(self, stream: TokenStream, prompt_tokens: int) -> bytes:
-        return self._head + b'"choices":[],"usage":' + _encode(self._usage(stream, prompt_tokens)) + b"}\n\n"
+    def usage(self, choices: list[_Choice]) -> bytes:
+        return self._head + b'"choices":[],"usage":' + _encode(self._usage(choices)) + b"}\n\n"
 
-    def whole(self, stream: TokenStream, prompt_tokens: int, extra: dict[str, Any] | None = None) -> bytes:
-        text = "".join(_word(index) for index in range(1, stream.tokens + 1))
+    def whole(self, choices: list[_Choice], extra: dict[str, Any] | None = None) -> bytes:
+        usage = self._usage(choices)
         if self.responses:
-            usage = self._usage(stream, prompt_tokens)
+            text = _text(choices[0].stream)
             content = [{"type": "output_text", "text": text, "annotations": []}]
             message = {"type": "message", "id": "msg_" + self.id, "status": "completed", "role": "assistant",
                        "content": content}  # fmt: skip
@@ -415,7 +506,7 @@ class _Chunks:
                     "status": "completed",
                     "output": [message],
                     "usage": {
-                        "input_tokens": prompt_tokens,
+                        "input_tokens": usage["prompt_tokens"],
                         "input_tokens_details": usage["prompt_tokens_details"],
                         "output_tokens": usage["completion_tokens"],
                         "output_tokens_details": {"reasoning_tokens": 0},
@@ -423,24 +514,30 @@ class _Chunks:
                     },
                 }
             )
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-            object_ = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-            object_ = "text_completion"
-        choice["finish_reason"] = "length"
+        answers: list[dict[str, Any]] = []
+        for choice in choices:
+            text = _text(choice.stream)
+            if self.chat:
+                answer: dict[str, Any] = {"index": choice.index, "message": {"role": "assistant", "content": text}}
+            else:
+                answer = {"index": choice.index, "text": text, "logprobs": None}
+            answer["finish_reason"] = "length"
+            answers.append(answer)
         return _encode(
             {
                 "id": self.id,
-                "object": object_,
+                "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created,
                 "model": self.model,
-                "choices": [choice],
-                "usage": self._usage(stream, prompt_tokens),
+                "choices": answers,
+                "usage": usage,
                 **(extra or {}),
             }
         )
+
+
+def _text(stream: TokenStream) -> str:
+    return "".join(_word(index) for index in range(1, stream.tokens + 1))
 
 
 _POSTS = ("/tokenize", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/rerank")
@@ -452,18 +549,20 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + _encode(data) + b"\n\n"
 
 
-async def _wait_change(stream: TokenStream, left: asyncio.Future[None]) -> None:
-    changed = stream.changed
-    if not changed.is_set():
-        waiter = asyncio.ensure_future(changed.wait())
-        await asyncio.wait((waiter, left), return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-    changed.clear()
+async def _wait_change(streams: list[TokenStream], left: asyncio.Future[None]) -> None:
+    """Until one of ``streams`` changed (or the client left); their changes are then taken."""
+    if not any(stream.changed.is_set() for stream in streams):
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(stream.changed.wait()) for stream in streams]
+        await asyncio.wait((*waiters, left), return_when=asyncio.FIRST_COMPLETED)
+        for waiter in waiters:
+            waiter.cancel()
+    for stream in streams:
+        stream.changed.clear()
 
 
 async def _wait_done(stream: TokenStream, left: asyncio.Future[None]) -> None:
     while not stream.done and not left.done():
-        await _wait_change(stream, left)
+        await _wait_change([stream], left)
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -10,6 +10,7 @@ from router.types import QueueRejection
 
 __all__ = [
     "AllWorkersOverloaded",
+    "BlockSizeMismatch",
     "ConfigError",
     "DuplicateRequestId",
     "InvalidRequest",
@@ -86,6 +87,20 @@ class QueueRejected(KvRouterError):
         super().__init__(
             f"queue full for class {rejection.policy_class!r}: "
             f"{rejection.limit_kind} at {rejection.current} of limit {rejection.limit}"
+        )
+
+
+class BlockSizeMismatch(KvRouterError):
+    """A worker registration whose block size differs from the router's: its blocks would hash to
+    other keys than the router's, so the router refuses it rather than route to it blind."""
+
+    def __init__(self, worker_id: int, worker_block_size: int, router_block_size: int) -> None:
+        self.worker_id = worker_id
+        self.worker_block_size = worker_block_size
+        self.router_block_size = router_block_size
+        super().__init__(
+            f"worker {worker_id} uses block size {worker_block_size}, router {router_block_size}: "
+            "a worker whose block size differs from the router's is refused"
         )
 
 

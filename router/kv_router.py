@@ -40,6 +40,7 @@ from router.disaggregation import (
 )
 from router.errors import (
     AllWorkersOverloaded,
+    BlockSizeMismatch,
     ConfigError,
     DuplicateRequestId,
     InvalidRequest,
@@ -238,8 +239,17 @@ class KvRouter:
             )
         return self.predictions
 
+    def check_block_size(self, worker: WorkerConfig) -> None:
+        """Raise `BlockSizeMismatch` when ``worker`` names a block size other than the router's (None
+        means the router's)."""
+        if worker.block_size is not None and worker.block_size != self.config.block_size:
+            raise BlockSizeMismatch(worker.worker_id, worker.block_size, self.config.block_size)
+
     def register_worker(self, worker: WorkerConfig) -> None:
-        """Add a worker, or update one (its KV index is kept; ranks it no longer has are dropped)."""
+        """Add a worker, or update one (its KV index is kept; ranks it no longer has are dropped).
+        Raises `BlockSizeMismatch` for a worker whose block size differs from the router's, before
+        anything changes."""
+        self.check_block_size(worker)
         if not self.expects_events(worker):
             self._predict()
         previous = self._scheduler.workers.get(worker.worker_id)

@@ -253,3 +253,57 @@ def _http(port: int, path: str, body: bytes) -> dict[str, Any]:
             return dict(msgspec.json.decode(reply.read()))
     except urllib.error.HTTPError as error:
         return dict(msgspec.json.decode(error.read()))
+
+
+def test_http_registration_of_another_block_size_is_refused_before_the_registry(
+    client: TestClient, nats_url: str
+) -> None:
+    """With NATS, a registration naming another block size is a 409, not a 201 then a silent refusal:
+    nothing reaches the shared registry or the router, for a new worker or a registered one."""
+    refused = client.post("/v1/workers", json={"worker_id": 5, "block_size": 2 * BLOCK})
+    assert refused.status_code == 409 and refused.json()["error"]["type"] == "block_size_mismatch"
+    assert refused.json()["error"]["detail"]["router_block_size"] == BLOCK
+    assert registry_keys(nats_url) == set()
+    assert client.get("/v1/workers").json()["workers"] == []
+    assert client.post("/v1/workers", json={"worker_id": 6}).status_code == 201
+    assert client.post("/v1/workers", json={"worker_id": 6, "block_size": 2 * BLOCK}).status_code == 409
+    [worker] = client.get("/v1/workers").json()["workers"]
+    assert worker["config"]["block_size"] == BLOCK
+
+
+def test_http_registration_of_another_block_size_is_refused_while_nats_connects() -> None:
+    """While the event plane is still connecting, a registration is kept for the registry: one of
+    another block size is refused (409) rather than registered with the wrong size."""
+    settings = Settings(
+        service=ServiceConfig(),
+        router=RouterConfig(block_size=BLOCK),
+        event_plane=EventPlaneConfig(nats_url=f"nats://127.0.0.1:{free_port()}"),
+    )
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as test_client:
+        assert test_client.get("/readyz").json()["event_plane"]["state"] == "connecting"
+        refused = test_client.post("/v1/workers", json={"worker_id": 5, "block_size": 2 * BLOCK})
+        assert refused.status_code == 409 and refused.json()["error"]["type"] == "block_size_mismatch"
+        assert test_client.get("/v1/workers").json()["workers"] == []
+        assert test_client.post("/v1/workers", json={"worker_id": 5, "block_size": BLOCK}).status_code == 201
+
+
+def test_an_event_after_a_gap_refused_for_now_is_counted_held_with_its_reason(client: TestClient) -> None:
+    """With NATS the resync of a gap is asked of the worker: an event after the gap that the index
+    refuses is held (not applied, rejected or duplicate), with a reason, so the counts add up to
+    ``received``; when nobody answers the resync it is counted rejected."""
+    assert client.post("/v1/workers", json={"worker_id": 2}).status_code == 201
+
+    def removal(event_id: int) -> dict[str, Any]:
+        return {"worker_id": 2, "event": {"event_id": event_id, "data": {"removed": {"block_hashes": [1]}}}}
+
+    in_order = client.post("/v1/events", json=removal(1)).json()
+    assert (in_order["received"], in_order["rejected"], in_order["held"]) == (1, 1, 0)
+    rejected = metric(client, "kv_router_stream_events_total", outcome="rejected_block_not_found")
+    after_gap = client.post("/v1/events", json=removal(50)).json()
+    counts = [after_gap[name] for name in ("applied", "rejected", "duplicate", "held")]
+    assert (after_gap["received"], counts) == (1, [0, 0, 0, 1])
+    [reason] = after_gap["errors"]
+    assert reason.startswith("worker 2 event 50: held: ") and "hole" in reason
+    # Nobody serves worker 2's resyncs: the stream gives up on the gap and the held event is rejected.
+    until(lambda: metric(client, "kv_router_stream_events_total", outcome="rejected_block_not_found") == rejected + 1)

@@ -20,8 +20,10 @@ from prometheus_client import CollectorRegistry
 
 from api.app import create_app
 from api.config import ServiceConfig, Settings
+from api.proxy.wire import ROUTES
 from indexer.events import decode_router_events
 from router.config import RouterConfig
+from router.errors import BlockSizeMismatch
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
 from tests.protocol_asgi import ThroughProtocol
@@ -45,7 +47,7 @@ def test_new_picks_the_worker_holding_the_prefix(client: TestClient) -> None:
     _register(client, 1, 2, 3)
     tokens = prompt(1, 160)  # 10 full blocks
     reply = client.post("/v1/events", json=[stored_event(2, tokens, blocks=6), stored_event(3, tokens, blocks=2)])
-    assert reply.json() == {"received": 2, "applied": 2, "rejected": 0, "duplicate": 0, "errors": []}
+    assert reply.json() == {"received": 2, "applied": 2, "rejected": 0, "duplicate": 0, "held": 0, "errors": []}
 
     decision = client.post("/v1/new", json={"tokens": tokens, "request_id": "r1"})
     assert decision.status_code == 200
@@ -287,6 +289,31 @@ def test_rejected_events_are_reported_not_raised(client: TestClient) -> None:
     assert len(reply["errors"]) == 2
 
 
+def test_every_received_event_is_in_exactly_one_count(client: TestClient) -> None:
+    """An event after a gap: without NATS its resync fails at once and the index's refusal stands, so
+    it is rejected with its reason, like the same event in order; the counts add up to ``received``."""
+    _register(client, 2)
+
+    def removal(event_id: int) -> dict[str, object]:
+        return {"worker_id": 2, "event": {"event_id": event_id, "data": {"removed": {"block_hashes": [1]}}}}
+
+    for event_id in (1, 50):
+        reply = client.post("/v1/events", json=removal(event_id)).json()
+        assert reply["received"] == reply["applied"] + reply["rejected"] + reply["duplicate"] + reply["held"] == 1
+        assert (reply["rejected"], reply["held"]) == (1, 0)
+        [reason] = reply["errors"]
+        assert reason.startswith(f"worker 2 event {event_id}: ")
+    batch = [removal(50), stored_event(2, prompt(3, 32), event_id=51), removal(60)]
+    reply = client.post("/v1/events", json=batch).json()
+    assert (reply["received"], reply["duplicate"], reply["applied"], reply["rejected"], reply["held"]) == (
+        3,
+        1,
+        1,
+        1,
+        0,
+    )
+
+
 def test_overlap_and_dump(client: TestClient) -> None:
     _register(client, 1, 2)
     tokens = prompt(13, 80)
@@ -392,3 +419,40 @@ def test_router_config_override_on_new_and_on_the_router_protocol(client: TestCl
     assert bad.status_code == 422
     assert bad.json()["error"]["type"] == "invalid_request"
     assert "router_temperature" in bad.json()["error"]["message"]
+
+
+def test_a_worker_of_another_block_size_is_refused_and_nothing_registered(client: TestClient) -> None:
+    """HTTP only: a registration naming another block size is a 409 naming both sizes, for a new
+    worker and for a registered one (left as it was); the router refuses it itself too."""
+    refused = client.post("/v1/workers", json={"worker_id": 5, "block_size": 2 * BLOCK_SIZE})
+    assert refused.status_code == 409
+    error = refused.json()["error"]
+    assert error["type"] == "block_size_mismatch"
+    assert f"block size {2 * BLOCK_SIZE}" in error["message"] and f"router {BLOCK_SIZE}" in error["message"]
+    assert error["detail"] == {"worker_id": 5, "worker_block_size": 2 * BLOCK_SIZE, "router_block_size": BLOCK_SIZE}
+    assert client.get("/v1/workers").json()["workers"] == []
+    assert client.get("/v1/workers/5").status_code == 404
+    # A registered worker re-registered with another size keeps its configuration.
+    assert client.post("/v1/workers", json={"worker_id": 6, "block_size": BLOCK_SIZE}).status_code == 201
+    again = client.post("/v1/workers", json={"worker_id": 6, "block_size": 2 * BLOCK_SIZE, "total_kv_blocks": 9})
+    assert again.status_code == 409 and again.json()["error"]["type"] == "block_size_mismatch"
+    [worker] = client.get("/v1/workers").json()["workers"]
+    assert worker["config"]["block_size"] == BLOCK_SIZE and worker["config"].get("total_kv_blocks") is None
+    router = KvRouter(RouterConfig(block_size=BLOCK_SIZE))
+    with pytest.raises(BlockSizeMismatch, match=f"worker 7 uses block size {2 * BLOCK_SIZE}, router {BLOCK_SIZE}"):
+        router.register_worker(WorkerConfig(worker_id=7, block_size=2 * BLOCK_SIZE))
+    assert router.workers() == []
+
+
+def test_the_openai_routes_without_the_proxy_say_it_is_off(client: TestClient) -> None:
+    """Without ``--proxy``, the proxy's routes answer a 404 in OpenAI's error shape saying how to turn
+    it on, not a bare "Not Found"."""
+    calls = [("POST", path) for path in ROUTES] + [("GET", "/v1/models")]
+    assert {path for _, path in calls} >= {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
+    for method, path in calls:
+        reply = client.request(method, path, json={"model": "m", "prompt": "x"})
+        assert reply.status_code == 404 and reply.headers["content-type"] == "application/json"
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == 404
+        assert "proxy is off" in error["message"] and "kv-router serve --proxy" in error["message"]
+        assert f"{method} {path}" in error["message"]

@@ -10,6 +10,7 @@ import datetime
 import ipaddress
 import json
 import os
+import re
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -26,9 +27,12 @@ from cryptography.x509.oid import NameOID
 
 from api.config import EventPlaneConfig
 from api.plane_lifecycle import PlaneLifecycle, embedded_nats
+from mocker.wire import generate_subject, reply_prefix, reset_subject
 from router.config import RouterConfig
+from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import find_nats_server, free_port
-from router.event_plane.publisher import open_registry
+from router.event_plane.publisher import KvEventPublisher, open_registry
+from router.event_plane.subjects import Subjects
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 from tests.waiting import accepting, eventually, until
@@ -214,3 +218,83 @@ def test_embedded_nats_listens_on_loopback_only(tmp_path: Path) -> None:
         assert used.nats_url == f"nats://127.0.0.1:{port}"
         addresses = _listening_addresses(_pid_listening_on(port))
     assert addresses == {("127.0.0.1", port)}  # no other interface, no monitoring or cluster port
+
+
+SECURITY_MD = Path(__file__).resolve().parent.parent / "docs" / "security.md"
+
+
+def _documented_worker_permissions() -> tuple[str, dict[str, set[str]], dict[str, set[str]]]:
+    """docs/security.md's ``accounts`` block (its passwords filled in), and its worker's permissions
+    there and in the nsc example (``publish`` / ``subscribe`` -> subjects)."""
+    text = SECURITY_MD.read_text()
+    block = text[text.index("# nats.conf:") :]
+    block = block[: block.index("```")]
+    accounts = block[block.index("accounts {") :]
+    accounts = accounts.replace("$ROUTER_PASSWORD", '"router-pw"').replace("$WORKER_PASSWORD", '"worker-pw"')
+    in_conf = {
+        kind: set(json.loads("[" + re.search(kind + r": \[([^\]]*)\]", accounts, re.S)[1] + "]"))  # type: ignore[index]
+        for kind in ("publish", "subscribe")
+    }
+    nsc = {
+        kind: set(re.search(f"--allow-{flag} '([^']*)'", text)[1].split(","))  # type: ignore[index]
+        for kind, flag in (("publish", "pub"), ("subscribe", "sub"))
+    }
+    return accounts, in_conf, nsc
+
+
+def _allows(patterns: set[str], subject: str) -> bool:
+    """Whether NATS's wildcards (``*`` one token, ``>`` the rest) in ``patterns`` match ``subject``."""
+
+    def matches(pattern: str) -> bool:
+        wanted, tokens = pattern.split("."), subject.split(".")
+        for index, token in enumerate(wanted):
+            if token == ">":
+                return len(tokens) > index
+            if index >= len(tokens) or token not in ("*", tokens[index]):
+                return False
+        return len(tokens) == len(wanted)
+
+    return any(matches(pattern) for pattern in patterns)
+
+
+def test_the_documented_worker_permissions_let_workers_hear_a_refusal_and_serve_mock_requests(tmp_path: Path) -> None:
+    """docs/security.md's worker user: the nsc example grants what the config grants; a mock worker's
+    subjects and a router's refusal are allowed; and, on a real nats-server with that config, a worker
+    whose block size the router refuses hears why (a bridge's alert, a mock worker's exit, rest on it)."""
+    accounts, in_conf, nsc = _documented_worker_permissions()
+    assert nsc == in_conf
+    subjects = Subjects()
+    for subject in (
+        subjects.resync(9),
+        subjects.refused(9),
+        generate_subject("default", 9),
+        reset_subject("default", 9),
+    ):
+        assert _allows(in_conf["subscribe"], subject), subject
+    for subject in (subjects.events(9), subjects.heartbeat(9), reply_prefix("default", "client") + ".1"):
+        assert _allows(in_conf["publish"], subject), subject
+
+    async def refused_worker(url: str) -> None:
+        router = KvRouter(RouterConfig(block_size=16))
+        lifecycle = PlaneLifecycle(
+            router, EventPlaneConfig(nats_url=url, nats_user="router", nats_password="router-pw")
+        )
+        running = asyncio.create_task(lifecycle.run())
+        try:
+            await asyncio.wait_for(lifecycle.started(), 20)
+            nc = await connect(NatsOptions(url, user="worker", password="worker-pw"))
+            publisher = KvEventPublisher(nc, WorkerConfig(worker_id=9, block_size=64))
+            try:
+                await publisher.start()
+                await asyncio.wait_for(publisher.refused.wait(), 20)
+            finally:
+                await publisher.stop()
+                await nc.close()
+            assert not router.has_worker(9)
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await lifecycle.stop()
+
+    with nats_with(tmp_path, accounts) as url:
+        _run(refused_worker(url))

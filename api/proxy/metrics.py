@@ -38,7 +38,7 @@ ERROR_BUCKETS = (
 ADDED_BUCKETS = (
     0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5,
 )  # fmt: skip
-# The proxy's POST routes (`api.proxy.service.ROUTES`).
+# The proxy's POST routes (`api.proxy.wire.ROUTES`).
 ROUTE_LABELS = ("completions", "chat_completions", "embeddings", "rerank", "responses")
 # Where a prompt's routing tokens came from (`api.proxy.service`, `api.proxy.tokens`).
 PROMPT_SOURCES = ("ids", "bytes", "local", "engine")

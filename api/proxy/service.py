@@ -69,6 +69,7 @@ from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, l
 from api.proxy.tracing import ProxyTracing, Timeline
 from api.proxy.upstream import Begin, Upstream, UpstreamConnection, UpstreamError
 from api.proxy.wire import (
+    ROUTES,
     ChatBody,
     CompletionBody,
     EmbeddingsBody,
@@ -100,14 +101,6 @@ MODELS_NAMED = 10
 
 logger = logging.getLogger(__name__)
 
-# Path -> route label.
-ROUTES = {
-    "/v1/completions": "completions",
-    "/v1/chat/completions": "chat_completions",
-    "/v1/embeddings": "embeddings",
-    "/v1/rerank": "rerank",
-    "/v1/responses": "responses",
-}
 # Routes whose work is a prefill the engine does not reuse (pooling models): routed by load alone,
 # the cache credit zeroed (Dynamo's per-request router_config_override).
 _BY_LOAD = frozenset({"embeddings", "rerank"})

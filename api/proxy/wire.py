@@ -20,6 +20,7 @@ from indexer.errors import UNDECODABLE
 from indexer.events import U32, U32_MAX
 
 __all__ = [
+    "ROUTES",
     "ChatBody",
     "CompletionBody",
     "EmbeddingsBody",
@@ -38,6 +39,16 @@ __all__ = [
     "prompt_token_ids",
     "reported_usage",
 ]
+
+# The proxy's POST routes, path -> route label (answered by `api.proxy.service.Proxy`; without
+# ``--proxy``, by `api.routes.add_proxy_off_routes`).
+ROUTES = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat_completions",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/v1/responses": "responses",
+}
 
 
 class _Body(msgspec.Struct, kw_only=True):

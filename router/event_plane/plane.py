@@ -113,7 +113,9 @@ class RouterEventPlane:
 
     # ------------------------------------------------------------------ registry
     async def register(self, config: WorkerConfig, *, leased: bool = False) -> None:
-        """Write a worker into the shared registry; every router watching it registers the worker."""
+        """Write a worker into the shared registry; every router watching it registers the worker.
+        Raises `BlockSizeMismatch`, writing nothing, for a worker whose block size differs from the router's."""
+        self.router.check_block_size(config)
         block_size = config.block_size or self.router.config.block_size
         registration = msgspec.structs.replace(config, block_size=block_size, leased=leased)
         registration = registration.keeping(self.router.worker(config.worker_id))  # the registry holds it whole

@@ -1,0 +1,88 @@
+"""The mock worker's own OpenAI API (``mock-worker --http-port``), called directly as vLLM's would be:
+batch prompts and ``n`` (a choice each, indexed as vLLM indexes them), and vLLM's refusal of
+``max_tokens`` and ``n`` below 1. A real mock worker on a real nats-server, its KV events reaching a
+router."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from mocker.openai_api import MockOpenAI, text_tokens
+from router.event_plane.embedded_server import EmbeddedNats
+from tests.proxy_fleet import MODEL, fleet
+from tests.waiting import eventually
+
+pytestmark = pytest.mark.anyio
+
+# Longer than a block (64 tokens, one per byte) and apart from the first byte on.
+FIRST = "first prompt " * 12
+SECOND = "second prompt " * 12
+
+
+async def test_a_batch_prompt_and_n_answer_a_choice_each_numbered_as_vllm(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url, (1,)) as f:
+        url = _url(f.apis[1])
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        try:
+            batch = await client.completions.create(model=MODEL, prompt=[FIRST, SECOND], max_tokens=2)
+            assert [(c.index, c.text) for c in batch.choices] == [(0, " w1 w2"), (1, " w1 w2")]
+            assert batch.usage is not None
+            assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (len(FIRST) + len(SECOND), 4)
+            # Each prompt was a request of its own to the engine: the router holds both prompts' blocks.
+            for prompt in (FIRST, SECOND):
+                tokens = text_tokens(prompt)
+                await eventually(lambda tokens=tokens: f.router.overlap(tokens).workers[0].device_blocks == 2)
+            ids = await client.completions.create(model=MODEL, prompt=[text_tokens(FIRST), [7, 8, 9]], max_tokens=1)
+            assert [c.index for c in ids.choices] == [0, 1]
+            # n samples per prompt, prompt by prompt: vLLM's index = prompt index * n + sample.
+            both = await client.completions.create(model=MODEL, prompt=[FIRST, SECOND], n=2, max_tokens=3)
+            assert [c.index for c in both.choices] == [0, 1, 2, 3]
+            assert both.usage is not None
+            assert (both.usage.prompt_tokens, both.usage.completion_tokens) == (len(FIRST) + len(SECOND), 12)
+            chat = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_completion_tokens=2
+            )
+            assert [(c.index, c.message.content) for c in chat.choices] == [(0, " w1 w2"), (1, " w1 w2")]
+            stream = await client.completions.create(
+                model=MODEL, prompt=FIRST, n=2, max_tokens=3, stream=True, stream_options={"include_usage": True}
+            )
+            texts: dict[int, str] = {}
+            finished: dict[int, str | None] = {}
+            usage = None
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    texts[choice.index] = texts.get(choice.index, "") + choice.text
+                    finished[choice.index] = choice.finish_reason
+                usage = chunk.usage or usage
+            assert texts == {0: " w1 w2 w3", 1: " w1 w2 w3"} and finished == {0: "length", 1: "length"}
+            assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (len(FIRST), 6)
+        finally:
+            await client.close()
+
+
+REFUSED = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -2}, "max_tokens must be at least 1, got -2."),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n must be at least 1, got 0."),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "got 0."),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "-1."),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_tokens must be at least 1, got 0."),
+]
+
+
+async def test_max_tokens_or_n_below_one_is_a_400_as_vllm_answers(nats_server: EmbeddedNats) -> None:
+    async with fleet(nats_server.url, (1,)) as f, httpx.AsyncClient() as http:
+        for path, fields, says in REFUSED:
+            reply = await http.post(f"{_url(f.apis[1])}{path}", content=json.dumps({"model": MODEL, **fields}))
+            assert reply.status_code == 400, (path, fields, reply.text)
+            error = reply.json()["error"]
+            assert error["code"] == 400 and says in error["message"], (path, fields, error)
+        assert f.apis[1].generated == 0  # refused before any engine request
+
+
+def _url(api: MockOpenAI) -> str:
+    return f"http://{api.host}:{api.port}"
