@@ -112,6 +112,7 @@ class BridgeCommand:
         from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url
         from router.event_plane.connection_file import DEFAULT_URL, ConnectionFileError
         from router.event_plane.first_connection import FirstConnectionError, LocalToolConnection
+        from router.event_plane.urls import redact_nats_url
 
         flags = vars(args).copy()
         flags.pop("command", None)
@@ -163,7 +164,8 @@ class BridgeCommand:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, task.cancel)
-            print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {resolved.url}", flush=True)
+            shown = redact_nats_url(resolved.url)
+            print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {shown}", flush=True)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             if metrics is not None:

@@ -25,6 +25,7 @@ from router.config import RouterConfig
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.errors import ConfigError
 from router.event_plane.jetstream import MAX_REPLICAS
+from router.event_plane.urls import redact_nats_url
 from router.policies.registry import policy_names
 
 __all__ = [
@@ -63,7 +64,10 @@ SECRETS = frozenset({"api_token", "nats_password", "nats_token"})
 
 
 def masked(name: str, value: Any) -> Any:
-    """``value``, or ``"***"`` if setting ``name`` is a secret that is set."""
+    """``value``, or ``"***"`` if setting ``name`` is a secret that is set; a NATS URL without the
+    credentials it may carry (``nats://***@host:port``)."""
+    if name == "nats_url" and isinstance(value, str):
+        return redact_nats_url(value)
     return "***" if name in SECRETS and value is not None else value
 
 
