@@ -53,7 +53,8 @@ def load_bridge_config(
         if missing in fields and missing not in merged:
             flag, env_name = "--" + missing.replace("_", "-"), BRIDGE_ENV_PREFIX + missing.upper()
             raise ConfigError(missing, f"{flag} is required (or {env_name}, or {missing} in --config)") from None
-        field = next((n for n in origin if f"$.{n}`" in message), "bridge")
+        # msgspec names the field of a bad value (``at `$.x```); the config's own check starts with it (``x: ...``).
+        field = next((n for n in origin if f"$.{n}`" in message or message.startswith(f"{n}: ")), "bridge")
         message = _plain(message, merged).removeprefix(f"{field}: ")
         where = origin.get(field)
         raise ConfigError(field, f"{message} (from {where})" if where else message) from None
