@@ -57,7 +57,8 @@ class LocalToolConnection:
 
     async def connect(self, progress: Callable[[str], None] = _stderr) -> tuple[Client, NatsOptions]:
         """Connect, retrying until ``wait_s`` has passed; `FirstConnectionError` after it. Raises
-        `ConnectionFileError` at once when a connection file given explicitly cannot be read."""
+        `ConnectionFileError` at once when a connection file given explicitly cannot be read, or when
+        no URL was given and several services of this user run (`SeveralLocalServers`: which one?)."""
         started = time.monotonic()
         deadline = started + self.wait_s
         backoff = 0.25
@@ -151,7 +152,8 @@ async def connect_local(
 ) -> Client:
     """A client of the routers' NATS found the way ``kv-router mock-worker`` finds it: ``url``, or
     without one the embedded NATS of the ``kv-router serve`` running on this host (its URL and token
-    from its connection file), else ``nats://127.0.0.1:4222``; retried for ``wait_s``."""
+    from its connection file; `SeveralLocalServers` when several run, none on port 4222), else
+    ``nats://127.0.0.1:4222``; retried for ``wait_s``."""
     connection = LocalToolConnection(name, url, NatsOptions(url or DEFAULT_URL, name=name), wait_s=wait_s)
     nc, _ = await connection.connect()
     return nc
