@@ -53,7 +53,8 @@ def load_bridge_config(
         if missing in fields and missing not in merged:
             flag, env_name = "--" + missing.replace("_", "-"), BRIDGE_ENV_PREFIX + missing.upper()
             raise ConfigError(missing, f"{flag} is required (or {env_name}, or {missing} in --config)") from None
-        field = next((n for n in origin if f"$.{n}`" in message), "bridge")
+        # msgspec names the field of a bad value (``at `$.x```); the config's own check starts with it (``x: ...``).
+        field = next((n for n in origin if f"$.{n}`" in message or message.startswith(f"{n}: ")), "bridge")
         message = _plain(message, merged).removeprefix(f"{field}: ")
         where = origin.get(field)
         raise ConfigError(field, f"{message} (from {where})" if where else message) from None
@@ -112,6 +113,7 @@ class BridgeCommand:
         from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url
         from router.event_plane.connection_file import DEFAULT_URL, ConnectionFileError
         from router.event_plane.first_connection import FirstConnectionError, LocalToolConnection
+        from router.event_plane.urls import redact_nats_url
 
         flags = vars(args).copy()
         flags.pop("command", None)
@@ -163,7 +165,8 @@ class BridgeCommand:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, task.cancel)
-            print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {resolved.url}", flush=True)
+            shown = redact_nats_url(resolved.url)
+            print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {shown}", flush=True)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             if metrics is not None:

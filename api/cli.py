@@ -22,7 +22,15 @@ from typing import Any, NoReturn, Protocol
 
 import msgspec
 
-from api.config import ENV_PREFIX, SECTIONS, Settings, masked, resolve_settings, stray_variables
+from api.config import (
+    ENV_PREFIX,
+    LIST_IN_ENVIRONMENT,
+    SECTIONS,
+    Settings,
+    masked,
+    resolve_settings,
+    stray_variables,
+)
 from api.logs import log_config
 from api.version import package_version
 from router.errors import ConfigError
@@ -116,10 +124,15 @@ def _add_field_flag(group: argparse._ArgumentGroup, section: str, field: msgspec
     )
     t = _without_none(t)
     default = field.default if field.default is not msgspec.NODEFAULT else None
+    if field.default_factory is not msgspec.NODEFAULT:  # a list's default: made for each struct
+        default = field.default_factory()
     flag = "--" + field.name.replace("_", "-")
     env = ENV_PREFIX + field.name.upper()
     description = description or f"{section} setting {field.name}"  # tests/test_api_cli.py wants one for each
-    shown = "unset" if default is None else default
+    if isinstance(t, msgspec.inspect.ListType) and LIST_IN_ENVIRONMENT not in description:
+        description += f" ({LIST_IN_ENVIRONMENT})"
+    # As `config show` prints it: a list as ["GET", "POST"].
+    shown = "unset" if default is None else _toml_value(default) if isinstance(default, list) else default
     text = f"{description} [env {env}; default: {shown}]".replace("%", "%%")
     kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": text}
     if isinstance(t, msgspec.inspect.BoolType):

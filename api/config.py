@@ -25,11 +25,13 @@ from router.config import RouterConfig
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.errors import ConfigError
 from router.event_plane.jetstream import MAX_REPLICAS
+from router.event_plane.urls import redact_nats_url
 from router.policies.registry import policy_names
 
 __all__ = [
     "ANY_MODEL",
     "ENV_PREFIX",
+    "LIST_IN_ENVIRONMENT",
     "SECRETS",
     "SECTIONS",
     "EngineSourcesConfig",
@@ -47,6 +49,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KV_ROUTER_"
+# How a list setting is written in its environment variable (every list flag's help says it).
+LIST_IN_ENVIRONMENT = "environment: a JSON list"
 # `ProxyConfig.tokenizer_paths`' key of the files for every model without its own.
 ANY_MODEL = "*"
 # Settings that are gone -> the one to use instead: refused with that hint wherever they are given (in
@@ -63,7 +67,10 @@ SECRETS = frozenset({"api_token", "nats_password", "nats_token"})
 
 
 def masked(name: str, value: Any) -> Any:
-    """``value``, or ``"***"`` if setting ``name`` is a secret that is set."""
+    """``value``, or ``"***"`` if setting ``name`` is a secret that is set; a NATS URL without the
+    credentials it may carry (``nats://***@host:port``)."""
+    if name == "nats_url" and isinstance(value, str):
+        return redact_nats_url(value)
     return "***" if name in SECRETS and value is not None else value
 
 
@@ -603,7 +610,7 @@ def resolve_settings(
         try:
             sections[section] = msgspec.convert(merged[section], struct, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(section, _explain(_plain(str(exc), merged[section]), origin)) from None
+            raise ConfigError(section, _explain(_plain(str(exc), merged[section], origin), origin)) from None
     settings = Settings(**sections)  # type: ignore[arg-type]
     checks = [_check_names, _check_engine_specs, _check_files]
     for check in checks:
@@ -727,14 +734,21 @@ def stray_variables(env: Mapping[str, str]) -> list[str]:
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "array": "a list"}
 
 
-def _plain(message: str, values: Mapping[str, Any]) -> str:
+def _plain(message: str, values: Mapping[str, Any], origin: Mapping[str, str] | None = None) -> str:
     """msgspec's ``Expected `int`, got `str` - at `$.block_size``` as ``block_size: expected an integer,
-    got 'x'``; other messages unchanged."""
+    got 'x'``; other messages unchanged. A list setting given a string in a ``KV_ROUTER_*`` variable
+    (``origin`` says) is shown how to write it there."""
     match = re.fullmatch(r"Expected `(\w+)`, got `\w+` - at `\$\.(\w+)`", message)
     if match is None:
         return message
     kind, name = match.groups()
-    return f"{name}: expected {_KINDS.get(kind, kind)}, got {values.get(name)!r}"
+    value = values.get(name)
+    said = f"{name}: expected {_KINDS.get(kind, kind)}, got {value!r}"
+    if kind == "array" and isinstance(value, str) and (origin or {}).get(name, "").startswith("environment"):
+        # A list from the environment is a string unless it is JSON: say how to write it.
+        example = json.dumps([item.strip() for item in value.split(",") if item.strip()] or ["a", "b"])
+        said += f"; in the environment, a JSON list: {ENV_PREFIX}{name.upper()}='{example}'"
+    return said
 
 
 def _none_if_null(value: str) -> Any:

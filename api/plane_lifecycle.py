@@ -46,6 +46,7 @@ from router.event_plane.connection_file import (
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.ratelimited_log import RateLimitedLog
+from router.event_plane.urls import redact_nats_url
 from router.kv_router import KvRouter
 from router.replicas.durable import DurableEvents
 from router.replicas.sync import ReplicaSync
@@ -121,7 +122,8 @@ class PlaneLifecycle:
         self.config = config
         self.ha = ha or HaConfig()
         self._http_port = http_port
-        self.url = config.nats_url
+        # The URL as logs and HTTP bodies show it: never the credentials it may carry.
+        self.url = redact_nats_url(config.nats_url)
         self.plane: RouterEventPlane | None = None
         # Run beside the plane when configured (``ha``), started after it and stopped before it.
         self.replicas: ReplicaSync | None = None

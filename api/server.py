@@ -4,6 +4,9 @@ hot routes answered before ASGI, `api.http_protocol`), graceful shutdown on SIGT
 uvicorn owns the signals: on SIGTERM (or SIGINT) it stops accepting connections, closes idle
 keep-alive connections, lets requests in flight finish for up to ``shutdown_timeout_secs``, then
 runs the app's lifespan shutdown and exits 0.
+
+Once its socket listens (the app started), each serving process logs one INFO line with the address:
+``serving HTTP on http://HOST:PORT`` (``https://`` with TLS; with ``--processes N`` each child its own).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from api.plane_lifecycle import embedded_nats
 from api.processes import CHILD_SETTINGS_ENV, run_children
 
 __all__ = ["ListenError", "listening_socket", "serve", "serve_child", "uvicorn_config"]
+
+logger = logging.getLogger(__name__)
 
 
 def uvicorn_config(settings: Settings) -> uvicorn.Config:
@@ -93,7 +98,7 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> None:
             else:
                 config = uvicorn_config(settings)
                 _freeze_startup_objects(proxy=settings.proxy.proxy)
-                uvicorn.Server(config).run(sockets=None if sock is None else [sock])
+                _Server(config).run(sockets=None if sock is None else [sock])
     except _Stopped as stopped:
         stopped_by = stopped.signal
     finally:
@@ -106,6 +111,25 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> None:
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying where it listens: uvicorn logs no address for sockets it is handed."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:  # the app failed to start: no address to give
+            return
+        for server in self.servers:
+            for sock in server.sockets:
+                logger.info("serving HTTP on %s", http_address(sock.getsockname(), tls=self.config.ssl is not None))
+
+
+def http_address(sockname: tuple[str, int] | tuple[str, int, int, int], *, tls: bool = False) -> str:
+    """``http(s)://HOST:PORT`` of a bound socket's address (an IPv6 host in brackets)."""
+    host, port = sockname[0], sockname[1]
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}"
 
 
 # The OpenAI proxy holds every stream's objects (coroutines, futures, its exchange) for the stream's

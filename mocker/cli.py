@@ -614,6 +614,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     from router.event_plane.connection_file import ConnectionFileError
     from router.event_plane.embedded_server import free_port
     from router.event_plane.first_connection import FirstConnectionError
+    from router.event_plane.urls import redact_nats_url
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _engine_config(args)
@@ -680,7 +681,8 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, task.cancel)
             http = f", OpenAI API at {url} (model {args.model})" if url else ""
-            print(f"mock worker {worker_id} on {options.url} (namespace {args.namespace}){http}", flush=True)
+            shown = redact_nats_url(options.url)
+            print(f"mock worker {worker_id} on {shown} (namespace {args.namespace}){http}", flush=True)
             # A router that refuses this worker (another block size) says so: serving on would be a lie.
             refused = asyncio.create_task(worker.publisher.refused.wait())
             await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)

@@ -28,6 +28,7 @@ from router.event_plane.connection_file import (
     DEFAULT_URL,
     ConnectionFileError,
     LocalServer,
+    SeveralLocalServers,
     connection_file_path,
     find_local_server,
     with_local_credentials,
@@ -123,8 +124,10 @@ def test_local_tools_find_the_server_a_url_means(tmp_path: Path, monkeypatch: py
     assert find_local_server(None) == moved
     options = with_local_credentials(None, NatsOptions(DEFAULT_URL, name="w"))
     assert (options.url, options.token, options.name) == (moved.url, moved.token, "w")
-    _write(tmp_path, 4302, os.getpid())
-    assert find_local_server(None) is None  # two and neither on 4222: the user must say which
+    other = _write(tmp_path, 4302, os.getpid())
+    with pytest.raises(SeveralLocalServers) as several:  # two and neither on 4222: the user must say which
+        find_local_server(None)
+    assert several.value.servers == [moved, other]
     default = _write(tmp_path, 4222, os.getpid())
     assert find_local_server(None) == default  # the default port wins
     assert find_local_server("nats://localhost:4301") == moved  # a URL means the server on its port
@@ -138,7 +141,9 @@ def test_local_tools_find_the_server_a_url_means(tmp_path: Path, monkeypatch: py
     # A file another user owns could point the tools at that user's server: ignored.
     planted = tmp_path / "kv-router" / "nats-4222.json"
     os.chown(planted, 12345, 12345)
-    assert find_local_server(None) is None
+    with pytest.raises(SeveralLocalServers) as several:  # the planted one is not among them
+        find_local_server(None)
+    assert several.value.servers == [moved, other]
     # An explicit file is read as given, or is an error.
     assert find_local_server(None, str(tmp_path / "kv-router" / "nats-4301.json")) == moved
     with pytest.raises(ConnectionFileError, match="not a readable kv-router connection file"):

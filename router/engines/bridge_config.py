@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from router.engines.engine_spec import check_rank_ports
+from router.engines.engine_spec import check_rank_ports, check_zmq_endpoint
 from router.engines.openai_server import health_url, openai_base
 from router.types import HandoffStyle, WorkerConfig, WorkerRole
 
@@ -117,6 +117,13 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     nats_tls_key_file: Annotated[str | None, _doc("client key for NATS TLS")] = None
 
     def __post_init__(self) -> None:
+        for name, endpoint, what in (("zmq_endpoint", self.zmq_endpoint, "event"),
+                                     ("replay_endpoint", self.replay_endpoint, "replay")):  # fmt: skip
+            if endpoint is not None:
+                try:
+                    check_zmq_endpoint(endpoint, what)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         if self.openai_url is not None:
             try:
                 openai_base(self.openai_url)

@@ -7,7 +7,15 @@ from typing import NamedTuple
 
 from router.engines.openai_server import openai_base
 
-__all__ = ["ENGINE_SPEC_FORM", "MAX_DP_SIZE", "EngineSpec", "check_rank_ports", "parse_engine_spec", "rank_endpoint"]
+__all__ = [
+    "ENGINE_SPEC_FORM",
+    "MAX_DP_SIZE",
+    "EngineSpec",
+    "check_rank_ports",
+    "check_zmq_endpoint",
+    "parse_engine_spec",
+    "rank_endpoint",
+]
 
 # Data-parallel ranks one --engine may name (each one a socket, and a port, of its own).
 MAX_DP_SIZE = 256
@@ -48,6 +56,19 @@ class EngineSpec(NamedTuple):
 ENGINE_SPEC_FORM = "WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,url=http://HOST:PORT][,models=NAME+NAME][,dp=N]"
 
 
+def check_zmq_endpoint(endpoint: str, what: str) -> None:
+    """Raise ``ValueError`` (one line) unless ``endpoint`` is an address an engine's ZMQ socket can be
+    reached at, ``tcp://HOST:PORT`` (or ``ipc://PATH``): ZMQ refuses anything else on every connect, so
+    a stream given one would fail again and again. ``what`` names the socket (event, replay)."""
+    scheme, sep, rest = endpoint.partition("://")
+    _, colon, port = rest.rpartition(":")
+    valid = sep and "=" not in endpoint and (
+        (scheme == "tcp" and colon and port.isdigit()) or (scheme == "ipc" and rest)
+    )  # fmt: skip
+    if not valid:
+        raise ValueError(f"the {what} endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+
+
 def rank_endpoint(endpoint: str, dp_rank: int) -> str:
     """vLLM's layout: rank ``r`` of ``tcp://HOST:PORT`` listens on ``PORT + r``."""
     if dp_rank == 0:
@@ -71,8 +92,10 @@ def parse_engine_spec(spec: str) -> EngineSpec:
     if not sep or not parts[0]:
         raise ValueError(f"engine {spec!r}: no endpoint after {worker!r}=")
     endpoint = parts[0]
-    if not endpoint.startswith(("tcp://", "ipc://")) or "=" in endpoint:
-        raise ValueError(f"engine {spec!r}: the event endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+    try:
+        check_zmq_endpoint(endpoint, "event")
+    except ValueError as exc:
+        raise ValueError(f"engine {spec!r}: {exc}") from None
     options: dict[str, str] = {}
     for option in parts[1:]:
         key, _, value = option.partition("=")
@@ -94,6 +117,11 @@ def parse_engine_spec(spec: str) -> EngineSpec:
         models = tuple(name for name in options["models"].split("+") if name)
     dp_size = _dp_size(spec, options.get("dp", "1"))
     replay = options.get("replay")
+    if replay is not None:
+        try:
+            check_zmq_endpoint(replay, "replay")
+        except ValueError as exc:
+            raise ValueError(f"engine {spec!r}: {exc}") from None
     if dp_size > 1:
         try:
             check_rank_ports(endpoint, replay, dp_size)

@@ -15,6 +15,8 @@ from nats.aio.client import Client
 from nats.errors import AuthorizationError, NoServersError
 from nats.errors import Error as NatsError
 
+from router.event_plane.urls import redact_nats_url
+
 __all__ = [
     "NatsOptions",
     "NatsSettings",
@@ -116,7 +118,7 @@ def check_nats_url(url: str) -> None:
     to resolve ``http`` as a host."""
     servers = nats_servers(url)
     if not servers:
-        raise ValueError(f"{url!r} is not a NATS URL: it names no host")
+        raise ValueError(f"{redact_nats_url(url)!r} is not a NATS URL: it names no host")
     for server in servers:
         _check_one_nats_url(server)
 
@@ -127,9 +129,11 @@ def _check_one_nats_url(url: str) -> None:
         hint = (
             " (http:// is the router's HTTP API; its NATS URL is in GET /v1/info)" if scheme.startswith("http") else ""
         )
-        raise ValueError(f"{url!r} is not a NATS URL: use nats://HOST:PORT (or tls://, ws://, wss://){hint}")
+        raise ValueError(
+            f"{redact_nats_url(url)!r} is not a NATS URL: use nats://HOST:PORT (or tls://, ws://, wss://){hint}"
+        )
     if sep and not rest.strip("/"):
-        raise ValueError(f"{url!r} is not a NATS URL: it names no host")
+        raise ValueError(f"{redact_nats_url(url)!r} is not a NATS URL: it names no host")
 
 
 def is_authorization_error(error: BaseException) -> bool:

@@ -5,9 +5,9 @@ service's PID) in a directory only its user can enter: ``$XDG_RUNTIME_DIR/kv-rou
 the login session owns), else ``~/.cache/kv-router``; ``--nats-connection-file`` (or
 ``KV_ROUTER_NATS_CONNECTION_FILE``) names another file. The file is 0600 and removed when the service
 stops. ``kv-router mock-worker``, ``replay --online`` and ``bridge`` read it when they are given no
-credentials of their own: without a URL they take the server on port 4222 (or the only one running),
-with a loopback URL the one on its port. A file left by a killed service names a dead PID and is
-ignored; a file another user owns is never read.
+credentials of their own: without a URL they take the server on port 4222 (or the only one running;
+several running and none on 4222 is an error listing them), with a loopback URL the one on its port.
+A file left by a killed service names a dead PID and is ignored; a file another user owns is never read.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_URL",
     "ConnectionFileError",
     "LocalServer",
+    "SeveralLocalServers",
     "connection_file_path",
     "find_local_server",
     "loopback_port",
@@ -44,7 +45,20 @@ _DEFAULT_PORT = 4222
 
 
 class ConnectionFileError(Exception):
-    """A connection file that was asked for explicitly cannot be used."""
+    """A connection file that was asked for explicitly cannot be used, or which one is meant is unclear."""
+
+
+class SeveralLocalServers(ConnectionFileError):
+    """No URL was given and several services of this user run an embedded server, none on the default
+    port: which one is meant only the user can say (the message lists them and asks for --nats-url)."""
+
+    def __init__(self, servers: list[LocalServer]) -> None:
+        self.servers = servers
+        listed = ", ".join(f"{server.url} (PID {server.pid})" for server in servers)
+        super().__init__(
+            f"{len(servers)} kv-router serve of this user are running, none on port {_DEFAULT_PORT}: {listed}; "
+            "pass --nats-url with the URL of the one to use (GET /v1/info on that router returns it)"
+        )
 
 
 class LocalServer(msgspec.Struct, frozen=True):
@@ -143,7 +157,8 @@ def find_local_server(url: str | None, connection_file: str | None = None) -> Lo
     """The running embedded server that ``url`` means (None: the default one), if any.
 
     An explicit ``connection_file`` must be readable (`ConnectionFileError` otherwise). Without a
-    URL: the server on port 4222, else the only one running; with a loopback URL: the one on its port.
+    URL: the server on port 4222, else the only one running (`SeveralLocalServers` when more run);
+    with a loopback URL: the one on its port.
     """
     if connection_file:
         server = _read(Path(connection_file))
@@ -163,7 +178,9 @@ def find_local_server(url: str | None, connection_file: str | None = None) -> Lo
     preferred = [server for server in running if loopback_port(server.url) == _DEFAULT_PORT]
     if preferred:
         return preferred[0]
-    return running[0] if len(running) == 1 else None
+    if len(running) > 1:
+        raise SeveralLocalServers(running)
+    return running[0] if running else None
 
 
 def with_local_credentials(url: str | None, options: NatsOptions, connection_file: str | None = None) -> NatsOptions:

@@ -21,6 +21,7 @@ from nats.errors import Error as NatsError
 
 from router.event_plane.connection import NatsOptions, connect, is_authorization_error
 from router.event_plane.connection_file import DEFAULT_URL, loopback_port, runtime_directory, with_local_credentials
+from router.event_plane.urls import redact_nats_url
 
 __all__ = ["DEFAULT_WAIT_SECS", "FirstConnectionError", "LocalToolConnection", "connect_local"]
 
@@ -56,7 +57,8 @@ class LocalToolConnection:
 
     async def connect(self, progress: Callable[[str], None] = _stderr) -> tuple[Client, NatsOptions]:
         """Connect, retrying until ``wait_s`` has passed; `FirstConnectionError` after it. Raises
-        `ConnectionFileError` at once when a connection file given explicitly cannot be read."""
+        `ConnectionFileError` at once when a connection file given explicitly cannot be read, or when
+        no URL was given and several services of this user run (`SeveralLocalServers`: which one?)."""
         started = time.monotonic()
         deadline = started + self.wait_s
         backoff = 0.25
@@ -75,10 +77,11 @@ class LocalToolConnection:
                 raise FirstConnectionError(self._explain(options, error))
             if now >= next_progress:
                 reason = self._waiting_reason(options, error)
+                url = redact_nats_url(options.url)
                 progress(
-                    f"{self.tool}: waiting for NATS at {options.url} ({reason}); retrying for up to {self.wait_s:.0f} s"
+                    f"{self.tool}: waiting for NATS at {url} ({reason}); retrying for up to {self.wait_s:.0f} s"
                     if next_progress == 0.0
-                    else f"{self.tool}: still waiting for NATS at {options.url} ({reason}) after {now - started:.0f} s"
+                    else f"{self.tool}: still waiting for NATS at {url} ({reason}) after {now - started:.0f} s"
                 )
                 next_progress = now + _PROGRESS_EVERY_SECS
             await asyncio.sleep(min(backoff, max(0.0, deadline - now)))
@@ -100,7 +103,7 @@ class LocalToolConnection:
 
     def _explain(self, options: NatsOptions, error: BaseException, *, waited: bool = True) -> str:
         after = f" after {self.wait_s:.0f} s" if waited else ""
-        where = f"cannot connect to NATS at {options.url}{after} ({_reason(error)})"
+        where = f"cannot connect to NATS at {redact_nats_url(options.url)}{after} ({_reason(error)})"
         found = options.token is not None and self.options.token is None
         directory = runtime_directory()
         files = f"in {directory}" if directory is not None else "(this user has no connection-file directory)"
@@ -149,7 +152,8 @@ async def connect_local(
 ) -> Client:
     """A client of the routers' NATS found the way ``kv-router mock-worker`` finds it: ``url``, or
     without one the embedded NATS of the ``kv-router serve`` running on this host (its URL and token
-    from its connection file), else ``nats://127.0.0.1:4222``; retried for ``wait_s``."""
+    from its connection file; `SeveralLocalServers` when several run, none on port 4222), else
+    ``nats://127.0.0.1:4222``; retried for ``wait_s``."""
     connection = LocalToolConnection(name, url, NatsOptions(url or DEFAULT_URL, name=name), wait_s=wait_s)
     nc, _ = await connection.connect()
     return nc
