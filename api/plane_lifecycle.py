@@ -207,7 +207,11 @@ class PlaneLifecycle:
                 # awaits NATS), and they join this loop rather than the plane's.
                 while self._unshared:
                     worker_id, config = next(iter(self._unshared.items()))
-                    await plane.register(config)
+                    # As the router holds it: a block size adopted since (--block-size auto) is its own.
+                    held = self.router.worker(worker_id)
+                    await plane.register(
+                        config if held is None else msgspec.structs.replace(config, block_size=held.block_size)
+                    )
                     if self._unshared.get(worker_id) is config:
                         del self._unshared[worker_id]
             except BaseException:

@@ -490,7 +490,8 @@ class EventsReply(msgspec.Struct, kw_only=True):
     held ones.
 
     Events pass the same sequencer as those from NATS: ``applied`` ones reached the index;
-    ``duplicate`` ones (an id already seen for that worker and dp rank) are dropped; ``rejected``
+    ``duplicate`` ones (an id at or below the last one taken for that worker and dp rank: seen
+    before, or a missing event arriving after those past it, which only the resync fills) are dropped; ``rejected``
     ones were refused (an unknown worker or rank, a block the index does not know, ...); ``held``
     ones came after a gap in their stream's event ids (or a first id other than 1) and the index
     refused them for now, since the missing events may hold what they need (a parent block): the

@@ -307,3 +307,59 @@ def test_an_event_after_a_gap_refused_for_now_is_counted_held_with_its_reason(cl
     assert reason.startswith("worker 2 event 50: held: ") and "hole" in reason
     # Nobody serves worker 2's resyncs: the stream gives up on the gap and the held event is rejected.
     until(lambda: metric(client, "kv_router_stream_events_total", outcome="rejected_block_not_found") == rejected + 1)
+
+
+def test_a_worker_registered_while_nats_connects_reaches_the_registry_at_the_block_size_adopted_since(
+    nats_url: str,
+) -> None:
+    """--block-size auto: a worker registered over HTTP while NATS is unreachable, then the engines'
+    block size adopted: when NATS comes, the plane starts and the registry holds the worker at the
+    adopted size (the registration kept from before used to be refused, and the plane's start with it,
+    again and again)."""
+    from api.plane_lifecycle import PlaneLifecycle
+    from router.engines.direct import AdoptedBlockSize
+    from router.kv_router import KvRouter
+
+    async def scenario() -> tuple[bool, list[tuple[int, int | None]], WorkerConfig]:
+        router = KvRouter(RouterConfig(block_size=BLOCK))
+        adopting = AdoptedBlockSize(router)
+        life = PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_url))
+        await life.register(WorkerConfig(worker_id=2, block_size=BLOCK))
+        adopting.for_engine("tcp://127.0.0.1:5557")(2 * BLOCK)  # the first engine's stored event
+        running = asyncio.ensure_future(life.run())
+        started = asyncio.ensure_future(life.started())
+        try:
+            await asyncio.wait({running, started}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            if running.done():
+                running.result()  # what stopped the plane's start
+            assert started.done(), "the plane did not start within 10 s"
+            nc = await connect(NatsOptions(url=nats_url))
+            registry = await open_registry(nc, Subjects("default"))
+            shared = msgspec.json.decode((await registry.get("2")).value, type=WorkerConfig)
+            await nc.close()
+            ready = life.ready
+        finally:
+            running.cancel()
+            started.cancel()
+            await asyncio.gather(running, started, return_exceptions=True)
+            await life.stop()
+        return ready, [(w.worker_id, w.block_size) for w in router.workers()], shared
+
+    ready, held, shared = asyncio.run(scenario())
+    assert ready and held == [(2, 2 * BLOCK)]
+    assert shared.block_size == 2 * BLOCK
+
+
+def test_under_block_size_auto_a_worker_naming_the_engines_size_is_taken_until_it_is_adopted() -> None:
+    from router.engines.direct import AdoptedBlockSize
+    from router.errors import BlockSizeMismatch
+    from router.kv_router import KvRouter
+
+    router = KvRouter(RouterConfig(block_size=BLOCK))  # the placeholder
+    adopting = AdoptedBlockSize(router)
+    router.register_worker(WorkerConfig(worker_id=1, block_size=2 * BLOCK))  # the engines' real size
+    adopting.for_engine("tcp://127.0.0.1:5557")(2 * BLOCK)
+    assert router.config.block_size == 2 * BLOCK
+    assert [(w.worker_id, w.block_size) for w in router.workers()] == [(1, 2 * BLOCK)]
+    with pytest.raises(BlockSizeMismatch):  # decided: another size is refused from now on
+        router.register_worker(WorkerConfig(worker_id=3, block_size=BLOCK))
