@@ -383,7 +383,8 @@ def add_admin_routes(
 
 PROXY_OFF = (
     "the OpenAI proxy is off on this service: start it with `kv-router serve --proxy` to serve {method} {path} "
-    "(it tokenizes, routes and forwards the request to the chosen worker); without it, ask for a decision "
+    "(it serves the OpenAI API in front of the workers, each request routed to the worker best placed for "
+    "it); without it, ask for a decision "
     "with POST /v1/new or /v1/route and send the request to that worker yourself"
 )
 
