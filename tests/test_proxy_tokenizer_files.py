@@ -1,6 +1,6 @@
 """Which of a model directory's files the proxy reads, and how, against ``transformers`` 5.19 (what vLLM
 0.32 loads a model's tokenizer with): chat templates in files, special tokens named only in the config,
-a Llama-2-style tokenizer.json that ``LlamaTokenizer`` rebuilds.
+the legacy ``added_tokens.json``, a Llama-2-style tokenizer.json that ``LlamaTokenizer`` rebuilds.
 
 The expected strings and ids here are what ``transformers`` 5.19.0 (``tokenizers`` 0.23.3) gave for the
 same files; with ``KV_ROUTER_VLLM_PYTHON`` set (the real-engine lane's venv), ``test_transformers_agrees``
@@ -74,6 +74,14 @@ def _configured(special_map: dict[str, Any] | None = None, **config: Any) -> Cal
         return directory
 
     return make
+
+
+def _legacy_added(directory: Path) -> Path:
+    """An older config (no added_tokens_decoder) beside the legacy ``added_tokens.json``, which
+    transformers 5.19 still reads then: a token new to tokenizer.json, one the config lists as special."""
+    _configured(additional_special_tokens=["<tool>"], eos_token="<|im_end|>")(directory)
+    (directory / "added_tokens.json").write_text(json.dumps({"<extra>": 400, "<tool>": 401}))
+    return directory
 
 
 # A Llama-2-style tokenizer.json (as converted from SentencePiece): a normalizer that prepends "▁" and
@@ -174,6 +182,7 @@ DIRECTORIES: dict[str, Callable[[Path], Path]] = {
     "extra-named": _configured(
         extra_special_tokens={"audio_token": "<audio>"}, eos_token={"__type": "AddedToken", **_NEW, "special": False}
     ),
+    "legacy-added": _legacy_added,
     # LlamaTokenizer rebuilds the pipeline: no normalizer, Metaspace prepending "▁" always (legacy) or to
     # the text's start only (legacy false, the default), never without add_prefix_space
     "llama-legacy": _llama(legacy=True),
@@ -269,6 +278,7 @@ ENCODED: list[tuple[str, str, bool, list[int]]] = [
     ("extra-named", "a<audio>b<new>c", False, [75, 355, 76, 354, 77]),
     ("older-config", "a<tool>b</s>c", False, [75, 355, 76, 2, 77]),
     ("todays-config", "a<tool>b", False, [75, 38, 351, 40, 76]),
+    ("legacy-added", "a<extra>b<tool>c", False, [75, 354, 76, 355, 77]),
     ("llama-legacy", "[INST] Hello [/INST] world", True, [1, 322, 325, 292, 299, 322, 293, 325, 292, 308]),
     ("llama-legacy", "[INST] Hello [/INST] world", False, [322, 325, 292, 299, 322, 293, 325, 292, 308]),
     ("llama-legacy", "  two  spaces ", True, [1, 294, 279, 309, 294, 278, 275, 260, 262, 264, 278, 259]),

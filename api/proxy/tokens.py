@@ -252,7 +252,9 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None] | Non
         raise ConfigError("tokenizer", f"{where}: cannot load {tokenizer_file}: {_one_line(exc)}") from None
     special_map = _json_object(directory / "special_tokens_map.json", where)
     named, listed = _special_tokens(config, special_map)
-    _add_config_tokens(tokenizer, _config_added_tokens(tokenizer_file, config, where), named, listed)
+    _add_config_tokens(
+        tokenizer, _config_added_tokens(directory, tokenizer_file, config, special_map, where), named, listed
+    )
     special = {name: str(token) for name, token in named.items()}  # the template's bos_token, ...
     processor = [name for name in _PROCESSOR_FILES if (directory / name).exists()]
     if processor:  # vLLM then prefers the processor's template (when a request has no tools)
@@ -370,10 +372,13 @@ def _token_like(value: Any) -> bool:
     return isinstance(value, (str, AddedToken)) or (isinstance(value, dict) and value.get("__type") == "AddedToken")
 
 
-def _config_added_tokens(tokenizer_file: Path, config: dict[str, Any], where: str) -> list[AddedToken]:
+def _config_added_tokens(
+    directory: Path, tokenizer_file: Path, config: dict[str, Any], special_map: dict[str, Any], where: str
+) -> list[AddedToken]:
     """The added tokens ``transformers`` 5.19 adds first, by their ids: ``tokenizer_config.json``'s
-    ``added_tokens_decoder``; without one (an older config), ``tokenizer.json``'s own ``added_tokens``
-    (again for a file loaded as it is: a no-op)."""
+    ``added_tokens_decoder``; without one (an older config), the legacy ``added_tokens.json``'s (special
+    when a named or extra special token's text: then not normalized; else normalized), then
+    ``tokenizer.json``'s own ``added_tokens`` (again for a file loaded as it is: a no-op)."""
     decoder = config.get("added_tokens_decoder")
     tokens: dict[int, AddedToken] = {}
     if isinstance(decoder, dict):
@@ -381,6 +386,13 @@ def _config_added_tokens(tokenizer_file: Path, config: dict[str, Any], where: st
             int(key): token for key, entry in decoder.items() if isinstance(token := _added_token(entry), AddedToken)
         }
         return [token for _, token in sorted(tokens.items(), key=lambda item: item[0])]
+    legacy = _json_object(directory / "added_tokens.json", where)
+    if legacy:
+        special = _legacy_special_texts(config, special_map)
+        for text, index in legacy.items():
+            if isinstance(index, int):
+                flags = {"special": text in special, "normalized": text not in special}
+                tokens[index] = AddedToken(text, lstrip=False, rstrip=False, **flags)
     try:
         added = json.loads(tokenizer_file.read_text(encoding="utf-8")).get("added_tokens") or []
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -390,6 +402,25 @@ def _config_added_tokens(tokenizer_file: Path, config: dict[str, Any], where: st
         if isinstance(token, AddedToken) and isinstance(entry.get("id"), int):
             tokens[entry["id"]] = token
     return [token for _, token in sorted(tokens.items(), key=lambda item: item[0])]
+
+
+def _legacy_special_texts(config: dict[str, Any], special_map: dict[str, Any]) -> set[str]:
+    """The texts ``transformers`` 5.19 takes for special ones when it reads ``added_tokens.json``: the
+    named tokens' (``bos_token`` ... ``mask_token``, ``special_tokens_map.json``'s winning) and the
+    listed extra ones', those given as texts (or in the map as objects; a config's object is not one)."""
+    values = {name: config.get(name) for name in _SPECIAL_TOKENS}
+    extras = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+    for key, value in special_map.items():
+        text = value.get("content") if isinstance(value, dict) else value
+        if key in values:
+            values[key] = text
+        elif key == "extra_special_tokens" and isinstance(value, list):
+            known = list(extras) if isinstance(extras, list) else []
+            extras = known + [item.get("content") if isinstance(item, dict) else item for item in value]
+    texts = {value for value in values.values() if isinstance(value, str) and value}
+    if isinstance(extras, list):
+        texts |= {item for item in extras if isinstance(item, str)}
+    return texts
 
 
 def _add_config_tokens(
