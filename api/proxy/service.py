@@ -158,7 +158,11 @@ class Proxy:
         local = load_model_files(config.tokenizer_paths(), config.proxy_tokenizer_cache_tokens)
         self.tokenizer = PromptTokenizer(local, self.upstream, self.metrics.prompt)
         self.metrics.watch_tokenizer_caches(
-            {model: files.encoder.cache for model, files in local.items() if files.encoder.cache is not None}
+            {
+                model: files.encoder.cache
+                for model, files in local.items()
+                if files.encoder is not None and files.encoder.cache is not None
+            }
         )
         self._max_body_bytes = service.max_body_bytes
         self._max_prompt_tokens = service.max_prompt_tokens

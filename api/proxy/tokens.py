@@ -2,8 +2,9 @@
 
 A prompt of token ids is used as it is. A model with local files (``--tokenizer``: a model directory
 or a ``tokenizer.json``, per model or for every model; nothing downloaded) is tokenized here: text with
-its ``tokenizer.json`` and the special tokens ``tokenizer_config.json`` adds to it (special tokens
-added by its post-processor, as vLLM's completions do), chat rendered by its chat template
+its ``tokenizer.json`` (built as ``transformers`` 5.19 builds it for ``LlamaTokenizer``; a
+``CodeLlamaTokenizer`` model is left to the workers) and the special tokens ``tokenizer_config.json``
+adds to it (special tokens added by its post-processor, as vLLM's completions do), chat rendered by its chat template
 (`api.proxy.chat_template`, from ``chat_template.jinja`` and ``additional_chat_templates/`` or else
 ``tokenizer_config.json`` beside it) and encoded without special tokens (vLLM's default for chat: the
 template writes them). Everything else goes to a worker serving the model through its ``/tokenize``
@@ -24,7 +25,8 @@ from typing import Any
 
 import jinja2
 import msgspec
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Tokenizer, pre_tokenizers
+from tokenizers.models import BPE
 
 from api.config import ANY_MODEL
 from api.eager import within
@@ -50,6 +52,37 @@ REMOTE_TOKENIZE_TIMEOUT_S = 10.0
 # A multimodal model's processor files: vLLM renders chat with the processor's template, not read here.
 _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.json")
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+# The tokenizer classes whose own ``__init__`` transformers 5.19 builds the pipeline with, from the
+# tokenizer.json's vocabulary and merges only, instead of loading the file as it is. LlamaTokenizer's
+# build is repeated here (`_llama`); CodeLlamaTokenizer's also cuts a text at its fill token
+# (``<FILL_ME>``, infilling) when it encodes, which is not, so its models are tokenized by the workers.
+# Other such classes (Qwen2Tokenizer, GPT2Tokenizer, ...) are loaded as their file is (see the README).
+_LLAMA_CLASSES = frozenset(("LlamaTokenizer", "LlamaTokenizerFast"))
+_NOT_LOCAL_CLASSES = frozenset(("CodeLlamaTokenizer", "CodeLlamaTokenizerFast"))
+# transformers 5.19's TOKENIZER_MAPPING_NAMES, as far as it decides between those classes and the file
+# as it is: the model types registered with a class that loads tokenizer.json as it is (TokenizersBackend,
+# PreTrainedTokenizerFast, MistralCommonBackend: vLLM asks for no Mistral format), then those registered
+# with a Llama class, then those whose registered class wins over the hub's (MODELS_WITH_INCORRECT_HUB_
+# TOKENIZER_CLASS) with a class of their own. The first has the types vLLM 0.32 itself loads as they
+# are (internlm2, step3_vl, step3p7, unlimited-ocr) too.
+_AS_IS_MODEL_TYPES = frozenset((
+    "EvollaModel", "arctic", "aria", "bigbird_pegasus", "camembertv2-base", "canary", "chameleon", "chatlm",
+    "cohere_asr", "deepseek_ocr", "deepseek_ocr2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4",
+    "deepseek_vl", "deepseek_vl_hybrid", "deepseek_vl_v2", "ernie4_5", "ernie4_5_moe", "flex_olmo", "fuyu", "glm",
+    "glm4", "glm4_moe", "glm4_moe_lite", "glm4v", "glm4v_moe", "glm_image", "glmasr", "got_ocr2", "gpt_bigcode",
+    "granite", "granitemoe", "granitemoehybrid", "granitemoeshared", "h2ovl_chat", "hyperclovax", "hyperclovax_vlm",
+    "internlm2", "jamba", "janus", "kimi_k25", "kimi_linear", "kosmos-2", "llava", "llava_next", "mimo_v2_flash",
+    "minicpm3", "minicpmv", "minicpmv4_6", "minicpmv4_7", "minimax_m2", "ministral", "ministral3", "mistral",
+    "mistral3", "mixtral", "modernbert", "modernbert-decoder", "molmo", "molmo2", "nemotron", "nvfp4",
+    "nystromformer", "olmo2", "olmo3", "olmo_hybrid", "opencua", "openvla", "paddleocr_vl", "pegasus_x", "persimmon",
+    "phi3", "phi3_v", "phimoe", "pix2struct", "pixtral", "smolvlm", "stablelm", "step3_vl", "step3p5", "umt5",
+    "vipllava", "voxtral", "voxtral_realtime", "xlm-roberta-xl", "step3p7", "unlimited-ocr", "unlimited_ocr",
+))  # fmt: skip
+_LLAMA_MODEL_TYPES = {"code_llama": "CodeLlamaTokenizer", "idefics": "LlamaTokenizer", "idefics2": "LlamaTokenizer"}
+_OWN_CLASS_MODEL_TYPES = frozenset(
+    ("hyperclovax_vision_v2", "qwen2", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp")
+)
 
 _decode_tokens = msgspec.json.Decoder(TokenizeReply).decode
 _encode = msgspec.json.Encoder().encode
@@ -172,9 +205,11 @@ def _packed(ids: Sequence[int]) -> bytes:
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """A model's tokenizer and chat template (none: chat goes to the engine), loaded once."""
+    """A model's tokenizer and chat template (none: chat goes to the engine), loaded once. No encoder:
+    the model's files cannot be tokenized here exactly; its prompts go to the workers, even when there
+    are files for every model."""
 
-    encoder: Encoder
+    encoder: Encoder | None
     template: ChatTemplate | None
 
 
@@ -185,8 +220,10 @@ def load_model_files(paths: dict[str, Path], cache_tokens: int = 0) -> dict[str,
     app share them."""
     loaded = {model: _load(model, path.resolve()) for model, path in paths.items()}
     return {
-        model: ModelFiles(Encoder(tokenizer, cache_tokens, _where(model)), template)
-        for model, (tokenizer, template) in loaded.items()
+        model: ModelFiles(None, None)
+        if files is None
+        else ModelFiles(Encoder(files[0], cache_tokens, _where(model)), files[1])
+        for model, files in loaded.items()
     }
 
 
@@ -195,17 +232,29 @@ def _where(model: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
+def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None] | None:
+    """None: the files are not to be tokenized with here (`_NOT_LOCAL_CLASSES`)."""
     where = _where(model)
     directory, tokenizer_file = (path, path / "tokenizer.json") if path.is_dir() else (path.parent, path)
+    config = _json_object(directory / "tokenizer_config.json", where)
+    tokenizer_class = _tokenizer_class(config, _json_object(directory / "config.json", where, strict=False))
+    if tokenizer_class in _NOT_LOCAL_CLASSES:
+        log.warning(
+            "%s: %s (as transformers 5.19 loads it) encodes a text holding its fill token as an infilling "
+            "prompt, which is not repeated here; its prompts are tokenized by the workers", where, tokenizer_class,
+        )  # fmt: skip
+        return None
     try:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        if tokenizer_class in _LLAMA_CLASSES:
+            tokenizer = _llama(tokenizer, tokenizer_file, config)
     except Exception as exc:
         raise ConfigError("tokenizer", f"{where}: cannot load {tokenizer_file}: {_one_line(exc)}") from None
-    config = _json_object(directory / "tokenizer_config.json", where)
     special_map = _json_object(directory / "special_tokens_map.json", where)
     named, listed = _special_tokens(config, special_map)
-    _add_config_tokens(tokenizer, config, named, listed)
+    _add_config_tokens(
+        tokenizer, _config_added_tokens(directory, tokenizer_file, config, special_map, where), named, listed
+    )
     special = {name: str(token) for name, token in named.items()}  # the template's bos_token, ...
     processor = [name for name in _PROCESSOR_FILES if (directory / name).exists()]
     if processor:  # vLLM then prefers the processor's template (when a request has no tools)
@@ -227,6 +276,51 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None]:
                 "tokenizer", f"{where}: chat template {sources[name]}: line {exc.lineno}: {exc.message}"
             ) from None
     raise AssertionError("the templates compile one by one but not together")
+
+
+def _tokenizer_class(config: dict[str, Any], model_config: dict[str, Any]) -> str:
+    """The class transformers 5.19's ``AutoTokenizer`` loads a model's files with, as vLLM 0.32 asks it (no
+    Mistral format), as far as it matters here: ``tokenizer_config.json``'s ``tokenizer_class`` (else
+    ``config.json``'s), unless ``config.json``'s ``model_type`` has a class registered that differs from it
+    and loads the file as it is (or, for some types, its own). A tokenizer with its own code
+    (``auto_map``) is loaded as its file is, as before."""
+    if "auto_map" in config:
+        return "TokenizersBackend"
+    model_type = model_config.get("model_type")
+    named = config.get("tokenizer_class") or model_config.get("tokenizer_class")
+    hub = named.removesuffix("Fast") if isinstance(named, str) else None
+    if not isinstance(model_type, str) or not model_type:
+        return hub or "TokenizersBackend"
+    if model_type in _AS_IS_MODEL_TYPES:  # registered with a class that differs from a Llama one
+        return "TokenizersBackend" if hub is None or hub in _LLAMA_CLASSES | _NOT_LOCAL_CLASSES else hub
+    if model_type in _OWN_CLASS_MODEL_TYPES:
+        return "TokenizersBackend"  # its own class, loaded as the file is here (as before)
+    return hub or _LLAMA_MODEL_TYPES.get(model_type, "TokenizersBackend")
+
+
+def _llama(loaded: Tokenizer, tokenizer_file: Path, config: dict[str, Any]) -> Tokenizer:
+    """The tokenizer transformers 5.19's ``LlamaTokenizer`` builds from a tokenizer.json: its BPE's
+    vocabulary and merges in a byte-fallback BPE of its own flags (no ``unk_token``), no normalizer, a
+    ``Metaspace`` pre-tokenizer prepending ``▁`` as ``add_prefix_space`` (default true) and ``legacy``
+    (default false) ask: ``always`` when legacy, ``first`` when not, ``never`` without a prefix space;
+    the file's post-processor. Neither the file's added tokens (only the config's, added after) nor its
+    truncation and padding (which transformers lifts to encode) are kept."""
+    model = json.loads(tokenizer_file.read_text(encoding="utf-8")).get("model") or {}
+    vocab = model.get("vocab") or {}
+    if isinstance(vocab, list):
+        vocab = {item[0] if isinstance(item, list) else item: index for index, item in enumerate(vocab)}
+    merges = [
+        tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in model.get("merges") or []
+    ]
+    tokenizer = Tokenizer(
+        BPE(vocab=vocab, merges=[(a, b) for a, b in merges], fuse_unk=True, byte_fallback=True, dropout=None)
+    )
+    prefix_space = config.get("add_prefix_space")
+    legacy = bool(config.get("legacy", False))
+    scheme = "never" if prefix_space is not None and not prefix_space else "always" if legacy else "first"
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    tokenizer.post_processor = loaded.post_processor
+    return tokenizer
 
 
 def _special_tokens(
@@ -278,18 +372,65 @@ def _token_like(value: Any) -> bool:
     return isinstance(value, (str, AddedToken)) or (isinstance(value, dict) and value.get("__type") == "AddedToken")
 
 
-def _add_config_tokens(
-    tokenizer: Tokenizer, config: dict[str, Any], named: dict[str, str | AddedToken], listed: list[str | AddedToken]
-) -> None:
-    """Adds the tokens ``transformers`` 5.19 adds when it loads a ``tokenizer.json`` as it is (its
-    ``TokenizersBackend``), in its order: ``tokenizer_config.json``'s ``added_tokens_decoder`` (again:
-    its flags win), then the named special tokens and the listed extra ones that are no added token
-    yet, a text as a special token (not normalized); a named one is made special."""
+def _config_added_tokens(
+    directory: Path, tokenizer_file: Path, config: dict[str, Any], special_map: dict[str, Any], where: str
+) -> list[AddedToken]:
+    """The added tokens ``transformers`` 5.19 adds first, by their ids: ``tokenizer_config.json``'s
+    ``added_tokens_decoder``; without one (an older config), the legacy ``added_tokens.json``'s (special
+    when a named or extra special token's text: then not normalized; else normalized), then
+    ``tokenizer.json``'s own ``added_tokens`` (again for a file loaded as it is: a no-op)."""
     decoder = config.get("added_tokens_decoder")
-    adding: list[str | AddedToken] = []
+    tokens: dict[int, AddedToken] = {}
     if isinstance(decoder, dict):
-        entries = sorted((int(key), entry) for key, entry in decoder.items())
-        adding += [token for _, entry in entries if isinstance(token := _added_token(entry), AddedToken)]
+        tokens = {
+            int(key): token for key, entry in decoder.items() if isinstance(token := _added_token(entry), AddedToken)
+        }
+        return [token for _, token in sorted(tokens.items(), key=lambda item: item[0])]
+    legacy = _json_object(directory / "added_tokens.json", where)
+    if legacy:
+        special = _legacy_special_texts(config, special_map)
+        for text, index in legacy.items():
+            if isinstance(index, int):
+                flags = {"special": text in special, "normalized": text not in special}
+                tokens[index] = AddedToken(text, lstrip=False, rstrip=False, **flags)
+    try:
+        added = json.loads(tokenizer_file.read_text(encoding="utf-8")).get("added_tokens") or []
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("tokenizer", f"{where}: cannot read {tokenizer_file}: {_one_line(exc)}") from None
+    for entry in added:
+        token = _added_token(entry)
+        if isinstance(token, AddedToken) and isinstance(entry.get("id"), int):
+            tokens[entry["id"]] = token
+    return [token for _, token in sorted(tokens.items(), key=lambda item: item[0])]
+
+
+def _legacy_special_texts(config: dict[str, Any], special_map: dict[str, Any]) -> set[str]:
+    """The texts ``transformers`` 5.19 takes for special ones when it reads ``added_tokens.json``: the
+    named tokens' (``bos_token`` ... ``mask_token``, ``special_tokens_map.json``'s winning) and the
+    listed extra ones', those given as texts (or in the map as objects; a config's object is not one)."""
+    values = {name: config.get(name) for name in _SPECIAL_TOKENS}
+    extras = config.get("extra_special_tokens") or config.get("additional_special_tokens")
+    for key, value in special_map.items():
+        text = value.get("content") if isinstance(value, dict) else value
+        if key in values:
+            values[key] = text
+        elif key == "extra_special_tokens" and isinstance(value, list):
+            known = list(extras) if isinstance(extras, list) else []
+            extras = known + [item.get("content") if isinstance(item, dict) else item for item in value]
+    texts = {value for value in values.values() if isinstance(value, str) and value}
+    if isinstance(extras, list):
+        texts |= {item for item in extras if isinstance(item, str)}
+    return texts
+
+
+def _add_config_tokens(
+    tokenizer: Tokenizer, decoder: list[AddedToken], named: dict[str, str | AddedToken], listed: list[str | AddedToken]
+) -> None:
+    """Adds the tokens ``transformers`` 5.19 adds when it loads a ``tokenizer.json`` (its
+    ``TokenizersBackend``), in its order: ``decoder`` (`_config_added_tokens`; again: their flags win),
+    then the named special tokens and the listed extra ones that are no added token yet, a text as a
+    special token (not normalized); a named one is made special."""
+    adding: list[str | AddedToken] = list(decoder)
     known = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
     known |= {str(token) for token in adding}
     for value in (*named.values(), *listed):
@@ -320,14 +461,20 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def _json_object(path: Path, where: str) -> dict[str, Any]:
+def _json_object(path: Path, where: str, strict: bool = True) -> dict[str, Any]:
+    """The file's object ({} without the file); one that cannot be read raises `ConfigError`, or is {}
+    when not ``strict``."""
     if not path.exists():
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        if not strict:
+            return {}
         raise ConfigError("tokenizer", f"{where}: cannot read {path}: {_one_line(exc)}") from None
     if not isinstance(value, dict):
+        if not strict:
+            return {}
         raise ConfigError("tokenizer", f"{where}: {path}: expected a JSON object")
     return value
 
@@ -377,8 +524,13 @@ class PromptTokenizer:
         self._counted = counted
         self._turn = 0  # the workers take turns at tokenizing
 
-    def _files(self, model: str) -> ModelFiles | None:
-        return self._local.get(model) or self._local.get(ANY_MODEL)
+    def _files(self, model: str) -> tuple[Encoder, ChatTemplate | None] | None:
+        """The model's encoder and template (its own files, else those for every model); none: the workers
+        tokenize its prompts (no files, or files not tokenized here)."""
+        files = self._local.get(model) or self._local.get(ANY_MODEL)
+        if files is None or files.encoder is None:
+            return None
+        return files.encoder, files.template
 
     async def text(
         self, model: str, text: str, workers: Sequence[WorkerConfig], add_special_tokens: bool = True
@@ -389,22 +541,22 @@ class PromptTokenizer:
             body = {"model": model, "prompt": text, "add_special_tokens": add_special_tokens}
             return await self._remote(body, workers)
         self._counted("local")
-        return await files.encoder.encode(text, add_special_tokens=add_special_tokens)
+        return await files[0].encode(text, add_special_tokens=add_special_tokens)
 
     async def chat(self, request: ChatBody, workers: Sequence[WorkerConfig]) -> bytes:
         """The rendered conversation's ids, packed; raises `TemplateRefused` when the model's template
         refuses the conversation."""
         files = self._files(request.model)
-        if files is not None and files.template is not None:
+        if files is not None and files[1] is not None:
             try:
-                text = files.template.render(request)
+                text = files[1].render(request)
             except NotLocal:
                 pass
             except jinja2.TemplateError as exc:
                 raise TemplateRefused(f"the chat template refused the messages: {exc.message}") from None
             else:
                 self._counted("local")
-                return await files.encoder.encode(text, add_special_tokens=request.add_special_tokens)
+                return await files[0].encode(text, add_special_tokens=request.add_special_tokens)
         return await self._remote(request.tokenize_body(), workers)
 
     async def _remote(self, body: dict[str, Any], workers: Sequence[WorkerConfig]) -> bytes:
