@@ -174,10 +174,13 @@ class CapacitySearch:
 @dataclass(slots=True)
 class CapacityResult:
     router: str
-    capacity: float  # 0.0: the SLO is missed even at MIN_MULTIPLIER
+    capacity: float  # 0.0: the SLO is missed even at MIN_MULTIPLIER (resolved) or at every multiplier run
     bracket: tuple[float, float]  # (highest multiplier meeting the SLO, lowest above it missing it)
     at_capacity: LoadPoint | None
     points: list[LoadPoint] = field(default_factory=list)  # by multiplier
+    # False: the run budget stopped the search before the bracket was within the tolerance (or at a
+    # bound of the multiplier range): the capacity is in the bracket, at least its lo.
+    resolved: bool = True
 
     def curve(self) -> tuple[str, float, list[tuple[float, float, bool]]]:
         """What ``capacity.png`` draws of it (`mocker.plots.write_capacity_plot`)."""
@@ -210,6 +213,15 @@ class _Runs:
         assert self.slo is not None
         return [load_point(m, *self.runs[m], self.slo) for m in sorted(self.runs)]
 
+    def tighten(self, lo: float, hi: float) -> tuple[float, float]:
+        """The bracket ``(lo, hi)`` narrowed by every run made: lo up to the highest multiplier run that
+        met the SLO below hi, then hi down to the lowest above lo that missed it."""
+        assert self.slo is not None
+        met = {m: self.slo.met_by(report) for m, (report, _) in self.runs.items()}
+        lo = max([m for m, ok in met.items() if ok and m < hi], default=lo)
+        hi = min([m for m, ok in met.items() if not ok and m > lo], default=hi)
+        return lo, hi
+
 
 def derive_slo(light: Sequence[RouterReport], search: CapacitySearch, e2e_factor: float | None = None) -> Slo:
     """The default SLO from every router's lightly loaded run: each bound a factor of the best p90."""
@@ -224,9 +236,14 @@ def derive_slo(light: Sequence[RouterReport], search: CapacitySearch, e2e_factor
     return Slo(search.ttft_factor * ttft, search.itl_factor * itl, e2e)
 
 
-async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, float]:
-    """The bracket (lo meeting the SLO, hi missing it) of ``runs``' router; lo 0 when nothing meets it,
-    hi inf when everything up to MAX_MULTIPLIER does."""
+async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, float, bool]:
+    """The bracket (lo meeting the SLO, hi missing it) of ``runs``' router and whether the search resolved
+    it; lo 0 when nothing run below hi meets it, hi inf when everything run up to MAX_MULTIPLIER does.
+
+    Resolved: within the tolerance, or lo 0 with hi at MIN_MULTIPLIER, or lo at MAX_MULTIPLIER with hi
+    inf. When the run budget stops the search first the bracket is what the runs made so far show: lo the
+    highest multiplier run (the light run, say) that met the SLO below hi, hi the lowest above lo that
+    missed it."""
     budget = search.max_points
     start = min(max(search.start, MIN_MULTIPLIER), MAX_MULTIPLIER)
     lo, hi = 0.0, math.inf
@@ -244,6 +261,7 @@ async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, flo
             if lo > 0 or probe <= MIN_MULTIPLIER:
                 break
             probe = max(probe / 2, MIN_MULTIPLIER)
+    lo, hi = runs.tighten(lo, hi)
     # Fine: bisect in log space until the bracket is within the tolerance.
     while lo > 0 and hi < math.inf and hi / lo > 1 + search.tolerance and len(runs.runs) < budget:
         middle = math.sqrt(lo * hi)
@@ -251,7 +269,13 @@ async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, flo
             lo = middle
         else:
             hi = middle
-    return lo, hi
+    lo, hi = runs.tighten(lo, hi)
+    resolved = (
+        (lo == 0 and hi <= MIN_MULTIPLIER)
+        or (lo >= MAX_MULTIPLIER and math.isinf(hi))
+        or (lo > 0 and hi / lo <= 1 + search.tolerance)
+    )
+    return lo, hi, resolved
 
 
 async def measure_capacity(
@@ -288,12 +312,12 @@ async def measure_capacity(
         origin = {"derived": False}
     results = []
     for runs in all_runs:
-        lo, hi = await find_capacity(runs, search)
+        lo, hi, resolved = await find_capacity(runs, search)
         for multiplier in search.goodput_multipliers:
             await runs.run(multiplier)
         points = runs.points()
         at_capacity = next((p for p in points if p.multiplier == lo), None)
-        results.append(CapacityResult(runs.router, lo, (lo, hi), at_capacity, points))
+        results.append(CapacityResult(runs.router, lo, (lo, hi), at_capacity, points, resolved))
     return slo, results, origin
 
 
@@ -391,6 +415,9 @@ def _multiplier(value: float) -> str:
 
 def _capacity_cell(result: CapacityResult) -> str:
     lo, hi = result.bracket
+    if not result.resolved and lo == 0:
+        # Nothing run below hi met the SLO, but the search stopped above MIN_MULTIPLIER.
+        return "?" if math.isinf(hi) else f"< {_multiplier(hi)}"
     if math.isinf(hi):
         return f">= {_multiplier(lo)}"
     return _multiplier(result.capacity)
@@ -437,7 +464,10 @@ def render_capacity_table(slo: Slo, results: Sequence[CapacityResult], goodput: 
 
 def _bracket_cell(result: CapacityResult) -> str:
     # The search's resolution: the capacity meets the SLO, the bracket's top misses it.
+    # A search the run budget stopped says so, its bracket as far as it got.
     lo, hi = result.bracket
+    if not result.resolved:
+        return f"{'0' if lo == 0 else _multiplier(lo)}-{_multiplier(hi)} (run budget)"
     return f"{_multiplier(lo)}-{_multiplier(hi)}" if lo > 0 and not math.isinf(hi) else "-"
 
 
@@ -486,6 +516,7 @@ def capacity_json(
                 "router": r.router,
                 "capacity": r.capacity,
                 "bracket": [r.bracket[0], None if math.isinf(r.bracket[1]) else r.bracket[1]],
+                "resolved": r.resolved,
                 "goodput_per_s": {f"{m:g}": r.goodput_at(m) for m in search.goodput_multipliers},
                 "at_capacity": None if r.at_capacity is None else msgspec.to_builtins(_point_json(r.at_capacity)),
                 "points": [msgspec.to_builtins(_point_json(p)) for p in r.points],
