@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mocker.config import EngineConfig, TimingConfig
+from mocker.config import EngineConfig
 from mocker.trace import Trace, TraceError, TraceOptions, build_trace, load_trace
 from mocker.workload import WORKLOADS
 from router.config import RouterConfig
@@ -81,18 +81,43 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Each engine setting's flag, for the one line a bad value gets.
+_ENGINE_FLAGS = {
+    "num_gpu_blocks": "--num-gpu-blocks",
+    "block_size": "--block-size",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "speedup_ratio": "--engine-speedup",
+    "timing.prefill_form": "--prefill-form",
+}
+
+
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine the flags describe, validated (its bounds: a positive count of blocks, sequences and
+    tokens, a positive speedup); a bad value exits with one line naming its flag, code 2."""
+    fields: dict[str, Any] = {
+        "num_gpu_blocks": args.num_gpu_blocks,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "speedup_ratio": args.engine_speedup,
+        "timing": {"prefill_form": args.prefill_form},
+    }
     try:
-        return EngineConfig(
-            num_gpu_blocks=args.num_gpu_blocks,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            speedup_ratio=args.engine_speedup,
-            timing=TimingConfig(prefill_form=args.prefill_form),
+        # convert, not the constructor: a Struct's constructor checks no constraint.
+        return msgspec.convert(fields, EngineConfig)
+    except msgspec.ValidationError as exc:
+        reason, _, where = str(exc).partition(" - at `$.")
+        path = where.rstrip("`")
+        value: Any = fields
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        flag = _ENGINE_FLAGS.get(path, path)
+        print(
+            f"kv-router {getattr(args, 'command', 'engine')}: {flag} {value}: {reason[:1].lower()}{reason[1:]}",
+            file=sys.stderr,
         )
-    except (msgspec.ValidationError, TypeError) as exc:
-        raise SystemExit(f"invalid engine setting: {exc}") from None
+        raise SystemExit(2) from None
 
 
 def _router_config(options: list[str], engine: EngineConfig) -> RouterConfig:
@@ -616,8 +641,8 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     from router.event_plane.first_connection import FirstConnectionError
     from router.event_plane.urls import redact_nats_url
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _engine_config(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker_id = args.worker_id if args.worker_id is not None else secrets.randbelow(1 << 53)
     try:
         transfer = KvTransfer(args.kv_bytes_per_token, args.transfer_gb_per_s)

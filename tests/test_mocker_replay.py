@@ -355,6 +355,34 @@ def test_replay_command_writes_the_reports(tmp_path: Path, capsys: pytest.Captur
         assert (out / "ttft_cdf.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [
+        ("replay", "--max-num-seqs", "0"),
+        ("replay", "--engine-speedup", "0"),
+        ("replay", "--engine-speedup", "-1"),
+        ("replay", "--num-gpu-blocks", "0"),
+        ("tune", "--max-num-batched-tokens", "0"),
+        ("mock-worker", "--block-size", "-64"),
+    ],
+)
+def test_a_bad_engine_setting_is_one_line_naming_its_flag(
+    command: str, flag: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine's bounds (positive counts, a positive speedup) hold on the command line: one line, code
+    2, for the three commands that share the engine flags; not a traceback, nor a report of NaNs."""
+    if command == "mock-worker":
+        argv = [command, "--nats-url", "nats://127.0.0.1:1", "--nats-wait-secs", "0"]
+    else:
+        argv = [command, "--workload", "agentic", "--limit", "5", "--out", str(tmp_path / "out"), "--quiet"]
+        argv += ["--budget", "1", "--jobs", "1"] if command == "tune" else ["--routers", "dynamo", "--no-plots"]
+    with pytest.raises(SystemExit) as exited:
+        kv_router_main([*argv, flag, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kv-router {command}: {flag} ") and len(err.splitlines()) == 1, err
+
+
 def test_plots_are_skipped_with_a_message_without_matplotlib(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
