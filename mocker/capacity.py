@@ -360,8 +360,9 @@ def online_evaluator(
     router's index waited on until it holds nothing, so a point does not inherit the previous one's
     cache (the router's name is the label of the run)."""
     import httpx
+    from nats import errors as nats_errors
 
-    from mocker.online import wait_for_workers
+    from mocker.online import OnlineReplayError, wait_for_workers
     from mocker.replay import replay_online_report
     from mocker.wire import reset_subject
     from router.event_plane.connection import connect
@@ -375,15 +376,22 @@ def online_evaluator(
             try:
                 for status in listed:
                     worker_id = status.config.worker_id
-                    reply = await nc.request(reset_subject(namespace, worker_id), b"", timeout=5)
+                    try:
+                        reply = await nc.request(reset_subject(namespace, worker_id), b"", timeout=5)
+                    except nats_errors.Error as exc:  # no responder, a timeout: the worker is gone or stuck
+                        raise OnlineReplayError(
+                            f"worker {worker_id} did not answer a prefix-cache reset: {type(exc).__name__}: {exc}"
+                        ) from exc
                     if reply.data != b"ok":
-                        raise RuntimeError(f"worker {worker_id} refused a prefix-cache reset: {reply.data!r}")
+                        raise OnlineReplayError(f"worker {worker_id} refused a prefix-cache reset: {reply.data!r}")
             finally:
                 await nc.close()
             deadline = time.monotonic() + settle_timeout_s
             while msgspec.json.decode((await http.get("/v1/dump")).content, type=list[Any]):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the router still indexes blocks {settle_timeout_s:.0f} s after the resets")
+                    raise OnlineReplayError(
+                        f"the router still indexes blocks {settle_timeout_s:.0f} s after the resets"
+                    )
                 await asyncio.sleep(0.05)
 
     async def evaluate(router: str, multiplier: float) -> tuple[RouterReport, list[ReplayRecord]]:

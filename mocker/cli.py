@@ -8,6 +8,7 @@ their own. What a command needs is imported when it runs, so that ``kv-router --
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -174,6 +175,17 @@ def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
     trace.add_argument("--seed", type=int, default=0, help="seeds jitter, routers and generated tokens [%(default)s]")
 
 
+def _positive_float(text: str) -> float:
+    """A flag's value that divides or scales times: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _trace_options(args: argparse.Namespace) -> TraceOptions:
     return TraceOptions(
         speedup=args.speedup,
@@ -238,7 +250,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     online.add_argument("--namespace", default="default", help="NATS namespace of the workers [%(default)s]")
     online.add_argument(
         "--time-scale",
-        type=float,
+        type=_positive_float,
         default=1.0,
         help="run this many times faster than the trace and scale times back; start the workers with "
         "--engine-speedup equal to it [%(default)s]",
@@ -373,6 +385,9 @@ def _run_capacity(args: argparse.Namespace, trace: Trace, setup: ReplaySetup, se
 def _run_replay(args: argparse.Namespace) -> int:
     import asyncio
 
+    import httpx
+
+    from mocker.online import OnlineReplayError
     from mocker.replay import ReplaySetup, replay_offline, replay_online_report, write_outputs
     from mocker.report import render_table, render_worker_table
     from mocker.simulation import KvTransfer
@@ -434,8 +449,11 @@ def _run_replay(args: argparse.Namespace) -> int:
         else:
             settings["mode"] = "offline"
             runs = asyncio.run(replay_offline(trace, setup, show_progress=not args.quiet))
-    except (ValueError, ConnectionFileError, FirstConnectionError) as exc:
+    except (ValueError, ConnectionFileError, FirstConnectionError, OnlineReplayError) as exc:
         print(f"kv-router replay: {exc}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:  # the router at --url unreachable, or gone mid-replay
+        print(f"kv-router replay: the router at {args.url}: {exc or type(exc).__name__}", file=sys.stderr)
         return 2
     print(render_table([run.report for run in runs]))
     if args.per_worker:

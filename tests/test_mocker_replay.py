@@ -383,6 +383,18 @@ def test_a_bad_engine_setting_is_one_line_naming_its_flag(
     assert err.startswith(f"kv-router {command}: {flag} ") and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "nan", "inf"])
+def test_a_time_scale_not_above_zero_is_refused_at_parsing(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--time-scale divides the trace's times (0: a ZeroDivisionError); argparse refuses it in one line."""
+    with pytest.raises(SystemExit) as exited:
+        kv_router_main(
+            ["replay", "--workload", "agentic", "--online", "--url", "http://127.0.0.1:1", "--time-scale", value]
+        )
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --time-scale: must be > 0" in err and len(err.splitlines()) == 1, err
+
+
 def test_plots_are_skipped_with_a_message_without_matplotlib(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
