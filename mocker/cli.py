@@ -259,7 +259,9 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     _add_capacity_flags(parser)
     output = parser.add_argument_group("output")
     output.add_argument("--out", type=Path, default=Path("replay-report"), help="report directory [%(default)s]")
-    output.add_argument("--window-s", type=float, default=60.0, help="window of the per-window figures [%(default)s]")
+    output.add_argument(
+        "--window-s", type=_positive_float, default=60.0, help="window of the per-window figures, s [%(default)s]"
+    )
     output.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     output.add_argument("--per-request", action="store_true", help="also write one JSONL record per request")
     output.add_argument("--per-worker", action="store_true", help="also print every worker's latencies")

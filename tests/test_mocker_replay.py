@@ -383,16 +383,28 @@ def test_a_bad_engine_setting_is_one_line_naming_its_flag(
     assert err.startswith(f"kv-router {command}: {flag} ") and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("flag", ["--time-scale", "--window-s"])
 @pytest.mark.parametrize("value", ["0", "-2", "nan", "inf"])
-def test_a_time_scale_not_above_zero_is_refused_at_parsing(value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """--time-scale divides the trace's times (0: a ZeroDivisionError); argparse refuses it in one line."""
+def test_time_scales_and_windows_not_above_zero_are_refused_at_parsing(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--time-scale divides the trace's times, --window-s the run's (0: a ZeroDivisionError; negative:
+    windows of nonsense); argparse refuses them in one line."""
     with pytest.raises(SystemExit) as exited:
-        kv_router_main(
-            ["replay", "--workload", "agentic", "--online", "--url", "http://127.0.0.1:1", "--time-scale", value]
-        )
+        # Online to nowhere, fast: were the value taken, the replay would fail on connecting.
+        online = [
+            "--online",
+            "--url",
+            "http://127.0.0.1:1",
+            "--nats-url",
+            "nats://127.0.0.1:1",
+            "--nats-wait-secs",
+            "0",
+        ]
+        kv_router_main(["replay", "--workload", "agentic", "--limit", "4", *online, flag, value])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --time-scale: must be > 0" in err and len(err.splitlines()) == 1, err
+    assert f"argument {flag}: must be > 0" in err and len(err.splitlines()) == 1, err
 
 
 def test_plots_are_skipped_with_a_message_without_matplotlib(
