@@ -154,7 +154,9 @@ class CapacitySearch:
     itl_factor: float = 1.5
     goodput_multipliers: tuple[float, ...] = (0.5, 1.0, 2.0)
     start: float = 1.0
-    max_points: int = 24  # runs per router, the light run and the goodput points included
+    # Runs per router at most, the light run and the goodput points included: the search stops early
+    # enough to leave room for the goodput points it has not run (see `find_capacity`).
+    max_points: int = 24
     # The router whose light run alone sets the derived SLO (the SLO a fleet served by it meets today);
     # None: each bound from the best router on that metric.
     slo_from: str | None = None
@@ -169,6 +171,11 @@ class CapacitySearch:
             raise ValueError(f"goodput multipliers must be > 0, got {self.goodput_multipliers}")
         if self.max_points < 2:
             raise ValueError(f"max points must be >= 2, got {self.max_points}")
+
+    def fixed_runs(self, *, derive: bool) -> int:
+        """The runs of a router the search does not choose: the goodput points and, for a derived SLO,
+        the light run."""
+        return len({*self.goodput_multipliers, *((self.light_multiplier,) if derive else ())})
 
 
 @dataclass(slots=True)
@@ -244,13 +251,21 @@ async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, flo
     inf. When the run budget stops the search first the bracket is what the runs made so far show: lo the
     highest multiplier run (the light run, say) that met the SLO below hi, hi the lowest above lo that
     missed it."""
-    budget = search.max_points
+    goodput = set(search.goodput_multipliers)
+
+    def affordable(multiplier: float) -> bool:
+        # The budget counts every run, the goodput points still to run after the search reserved. A
+        # multiplier already run (the light run) answers without a run; a goodput point is paid for.
+        if multiplier in runs.runs:
+            return True
+        reserved = len(goodput - runs.runs.keys())
+        return len(runs.runs) + reserved + (multiplier not in goodput) <= search.max_points
+
     start = min(max(search.start, MIN_MULTIPLIER), MAX_MULTIPLIER)
     lo, hi = 0.0, math.inf
     probe = start
-    # Coarse: double up or halve down from the start until the SLO flips. A multiplier already run
-    # (the light run, a goodput point) answers without a run, so it costs nothing of the budget.
-    while len(runs.runs) < budget or probe in runs.runs:
+    # Coarse: double up or halve down from the start until the SLO flips.
+    while affordable(probe):
         if await runs.meets(probe):
             lo = probe
             if hi < math.inf or probe >= MAX_MULTIPLIER:
@@ -263,8 +278,10 @@ async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, flo
             probe = max(probe / 2, MIN_MULTIPLIER)
     lo, hi = runs.tighten(lo, hi)
     # Fine: bisect in log space until the bracket is within the tolerance.
-    while lo > 0 and hi < math.inf and hi / lo > 1 + search.tolerance and len(runs.runs) < budget:
+    while lo > 0 and hi < math.inf and hi / lo > 1 + search.tolerance:
         middle = math.sqrt(lo * hi)
+        if not affordable(middle):
+            break
         if await runs.meets(middle):
             lo = middle
         else:
@@ -289,6 +306,13 @@ async def measure_capacity(
     """Every router's capacity; returns the SLO used, the results in router order, and where the SLO came
     from. Without ``slo`` it is derived from the lightly loaded runs (`derive_slo`; ``e2e_factor`` adds an
     E2E bound that many times the best E2E p90)."""
+    # The run budget covers the light run and the goodput points: the search gets what is left.
+    needed = search.fixed_runs(derive=slo is None)
+    if needed > search.max_points:
+        raise ValueError(
+            f"a budget of {search.max_points} runs per router is less than the {needed} runs the light run and "
+            "the goodput points take: raise the run budget or ask for fewer goodput points"
+        )
     all_runs = [_Runs(router, evaluate, slo) for router in routers]
     if slo is None:
         if search.slo_from is not None and search.slo_from not in routers:

@@ -302,7 +302,13 @@ def _add_capacity_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated multipliers to report goodput at [0.5,1,2 offline; 1 online]",
     )
-    capacity.add_argument("--max-runs", type=int, default=None, help="runs per router at most [24 offline, 5 online]")
+    capacity.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        help="runs per router at most, the light run and the --goodput-at points included: the search stops "
+        "early enough to leave room for them [24 offline, 5 online]",
+    )
 
 
 def _capacity_search(args: argparse.Namespace) -> CapacitySearch:
@@ -353,6 +359,15 @@ def _run_capacity(args: argparse.Namespace, trace: Trace, setup: ReplaySetup, se
 
     search = _capacity_search(args)
     slo = _given_slo(args)
+    needed = search.fixed_runs(derive=slo is None)
+    if needed > search.max_points:
+        light = "the light run and " if slo is None else ""
+        print(
+            f"kv-router replay: --max-runs {search.max_points} is less than the {needed} runs {light}the goodput "
+            "points (--goodput-at) take",
+            file=sys.stderr,
+        )
+        return 2
     if args.online:
         settings.update(mode="online", url=args.url, time_scale=args.time_scale)
         evaluate = online_evaluator(

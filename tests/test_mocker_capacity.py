@@ -138,6 +138,21 @@ def test_a_search_the_run_budget_stops_keeps_the_runs_meeting_the_slo_and_says_i
     assert row.split()[:3] == ["r", "<", "0.5"] and " 0-0.5 (run budget) " in row
 
 
+def test_the_run_budget_caps_every_run_the_goodput_points_included() -> None:
+    """Eight runs: the search stops early enough for the goodput point it did not reach (0.5x), where it
+    used to run all eight and then 0.5x besides; the points it reaches on its way (1x, 2x) cost nothing extra."""
+    calls: list[tuple[str, float]] = []
+    search = CapacitySearch(max_points=8)  # goodput at 0.5x, 1x, 2x
+    slo = Slo(ttft_p90_ms=300.0, itl_p90_ms=10.0)
+    _, (result,), _ = asyncio.run(measure_capacity(["r"], threshold_evaluator({"r": 60.0}, calls), search, slo=slo))
+    assert len(calls) == len(set(calls)) == 8
+    assert all(result.goodput_at(m) is not None for m in search.goodput_multipliers)
+    assert result.bracket == (32.0, 64.0) and not result.resolved
+    # A budget the fixed runs alone exceed is refused, not overrun.
+    with pytest.raises(ValueError, match="budget of 3 runs per router is less than the 4 runs"):
+        asyncio.run(measure_capacity(["r"], threshold_evaluator({"r": 1.0}, []), CapacitySearch(max_points=3)))
+
+
 def test_a_strictly_better_router_gets_a_strictly_higher_capacity() -> None:
     """On a real simulation: spreading requests over four workers carries more than piling them on one."""
     trace = tiny_trace()
@@ -301,6 +316,8 @@ def test_replay_capacity_takes_a_given_slo_and_refuses_half_of_one(
         kv_router_main([*argv, "--slo-ttft-ms", "5000", "--slo-itl-ms", "200", "--slo-from", "dynamo"])
     assert kv_router_main([*argv, "--slo-from", "nobody"]) == 2
     assert "router 'nobody', which is not among ['dynamo']" in capsys.readouterr().err
+    assert kv_router_main([*argv, "--max-runs", "3"]) == 2  # the light run and 0.5x, 1x, 2x: four
+    assert "--max-runs 3 is less than the 4 runs the light run and the goodput points" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- online
