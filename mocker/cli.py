@@ -483,13 +483,21 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 def _load_replay_trace(args: argparse.Namespace, options: TraceOptions) -> Trace:
-    """The trace file, or the generated workload ``--workload`` names (seeded by ``--seed``)."""
-    if (args.trace is None) == (args.workload is None):
+    """The trace file, or the generated workload ``--workload`` names (seeded by ``--seed``); a trace
+    without requests (an empty file, --limit 0, every request dropped) is refused."""
+    if args.trace is not None and args.workload is not None:
         raise ValueError("give a trace file or --workload, not both")
+    if args.trace is None and args.workload is None:
+        raise ValueError("give a trace file or --workload")
     if args.trace is not None:
-        return load_trace(args.trace, options)
-    rows = WORKLOADS[args.workload](seed=args.seed, trace_block_size=options.trace_block_size)
-    return build_trace(rows[: options.limit], options, f"workload:{args.workload}")
+        trace = load_trace(args.trace, options)
+    else:
+        rows = WORKLOADS[args.workload](seed=args.seed, trace_block_size=options.trace_block_size)
+        trace = build_trace(rows[: options.limit], options, f"workload:{args.workload}")
+    if not trace.requests:
+        dropped = f" ({trace.dropped} dropped as longer than --max-input-length)" if trace.dropped else ""
+        raise ValueError(f"{trace.path}: the trace has no requests{dropped}")
+    return trace
 
 
 # ---------------------------------------------------------------------- tune

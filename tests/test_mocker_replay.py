@@ -407,6 +407,20 @@ def test_time_scales_and_windows_not_above_zero_are_refused_at_parsing(
     assert f"argument {flag}: must be > 0" in err and len(err.splitlines()) == 1, err
 
 
+def test_a_trace_without_requests_is_refused_and_so_is_a_missing_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty trace used to replay to a report of NaNs, exit 0; no trace at all was "not both"."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    options = ["--routers", "dynamo", "--out", str(tmp_path / "out"), "--quiet", "--no-plots"]
+    assert kv_router_main(["replay", str(empty), *options]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"kv-router replay: {empty}: the trace has no requests"]
+    assert not (tmp_path / "out").exists()
+    assert kv_router_main(["replay", *options]) == 2
+    assert capsys.readouterr().err.splitlines() == ["kv-router replay: give a trace file or --workload"]
+
+
 def test_plots_are_skipped_with_a_message_without_matplotlib(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
