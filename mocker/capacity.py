@@ -154,7 +154,9 @@ class CapacitySearch:
     itl_factor: float = 1.5
     goodput_multipliers: tuple[float, ...] = (0.5, 1.0, 2.0)
     start: float = 1.0
-    max_points: int = 24  # runs per router, the light run and the goodput points included
+    # Runs per router at most, the light run and the goodput points included: the search stops early
+    # enough to leave room for the goodput points it has not run (see `find_capacity`).
+    max_points: int = 24
     # The router whose light run alone sets the derived SLO (the SLO a fleet served by it meets today);
     # None: each bound from the best router on that metric.
     slo_from: str | None = None
@@ -170,14 +172,22 @@ class CapacitySearch:
         if self.max_points < 2:
             raise ValueError(f"max points must be >= 2, got {self.max_points}")
 
+    def fixed_runs(self, *, derive: bool) -> int:
+        """The runs of a router the search does not choose: the goodput points and, for a derived SLO,
+        the light run."""
+        return len({*self.goodput_multipliers, *((self.light_multiplier,) if derive else ())})
+
 
 @dataclass(slots=True)
 class CapacityResult:
     router: str
-    capacity: float  # 0.0: the SLO is missed even at MIN_MULTIPLIER
+    capacity: float  # 0.0: the SLO is missed even at MIN_MULTIPLIER (resolved) or at every multiplier run
     bracket: tuple[float, float]  # (highest multiplier meeting the SLO, lowest above it missing it)
     at_capacity: LoadPoint | None
     points: list[LoadPoint] = field(default_factory=list)  # by multiplier
+    # False: the run budget stopped the search before the bracket was within the tolerance (or at a
+    # bound of the multiplier range): the capacity is in the bracket, at least its lo.
+    resolved: bool = True
 
     def curve(self) -> tuple[str, float, list[tuple[float, float, bool]]]:
         """What ``capacity.png`` draws of it (`mocker.plots.write_capacity_plot`)."""
@@ -210,6 +220,15 @@ class _Runs:
         assert self.slo is not None
         return [load_point(m, *self.runs[m], self.slo) for m in sorted(self.runs)]
 
+    def tighten(self, lo: float, hi: float) -> tuple[float, float]:
+        """The bracket ``(lo, hi)`` narrowed by every run made: lo up to the highest multiplier run that
+        met the SLO below hi, then hi down to the lowest above lo that missed it."""
+        assert self.slo is not None
+        met = {m: self.slo.met_by(report) for m, (report, _) in self.runs.items()}
+        lo = max([m for m, ok in met.items() if ok and m < hi], default=lo)
+        hi = min([m for m, ok in met.items() if not ok and m > lo], default=hi)
+        return lo, hi
+
 
 def derive_slo(light: Sequence[RouterReport], search: CapacitySearch, e2e_factor: float | None = None) -> Slo:
     """The default SLO from every router's lightly loaded run: each bound a factor of the best p90."""
@@ -224,16 +243,29 @@ def derive_slo(light: Sequence[RouterReport], search: CapacitySearch, e2e_factor
     return Slo(search.ttft_factor * ttft, search.itl_factor * itl, e2e)
 
 
-async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, float]:
-    """The bracket (lo meeting the SLO, hi missing it) of ``runs``' router; lo 0 when nothing meets it,
-    hi inf when everything up to MAX_MULTIPLIER does."""
-    budget = search.max_points
+async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, float, bool]:
+    """The bracket (lo meeting the SLO, hi missing it) of ``runs``' router and whether the search resolved
+    it; lo 0 when nothing run below hi meets it, hi inf when everything run up to MAX_MULTIPLIER does.
+
+    Resolved: within the tolerance, or lo 0 with hi at MIN_MULTIPLIER, or lo at MAX_MULTIPLIER with hi
+    inf. When the run budget stops the search first the bracket is what the runs made so far show: lo the
+    highest multiplier run (the light run, say) that met the SLO below hi, hi the lowest above lo that
+    missed it."""
+    goodput = set(search.goodput_multipliers)
+
+    def affordable(multiplier: float) -> bool:
+        # The budget counts every run, the goodput points still to run after the search reserved. A
+        # multiplier already run (the light run) answers without a run; a goodput point is paid for.
+        if multiplier in runs.runs:
+            return True
+        reserved = len(goodput - runs.runs.keys())
+        return len(runs.runs) + reserved + (multiplier not in goodput) <= search.max_points
+
     start = min(max(search.start, MIN_MULTIPLIER), MAX_MULTIPLIER)
     lo, hi = 0.0, math.inf
     probe = start
-    # Coarse: double up or halve down from the start until the SLO flips. A multiplier already run
-    # (the light run, a goodput point) answers without a run, so it costs nothing of the budget.
-    while len(runs.runs) < budget or probe in runs.runs:
+    # Coarse: double up or halve down from the start until the SLO flips.
+    while affordable(probe):
         if await runs.meets(probe):
             lo = probe
             if hi < math.inf or probe >= MAX_MULTIPLIER:
@@ -244,14 +276,23 @@ async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, flo
             if lo > 0 or probe <= MIN_MULTIPLIER:
                 break
             probe = max(probe / 2, MIN_MULTIPLIER)
+    lo, hi = runs.tighten(lo, hi)
     # Fine: bisect in log space until the bracket is within the tolerance.
-    while lo > 0 and hi < math.inf and hi / lo > 1 + search.tolerance and len(runs.runs) < budget:
+    while lo > 0 and hi < math.inf and hi / lo > 1 + search.tolerance:
         middle = math.sqrt(lo * hi)
+        if not affordable(middle):
+            break
         if await runs.meets(middle):
             lo = middle
         else:
             hi = middle
-    return lo, hi
+    lo, hi = runs.tighten(lo, hi)
+    resolved = (
+        (lo == 0 and hi <= MIN_MULTIPLIER)
+        or (lo >= MAX_MULTIPLIER and math.isinf(hi))
+        or (lo > 0 and hi / lo <= 1 + search.tolerance)
+    )
+    return lo, hi, resolved
 
 
 async def measure_capacity(
@@ -265,6 +306,13 @@ async def measure_capacity(
     """Every router's capacity; returns the SLO used, the results in router order, and where the SLO came
     from. Without ``slo`` it is derived from the lightly loaded runs (`derive_slo`; ``e2e_factor`` adds an
     E2E bound that many times the best E2E p90)."""
+    # The run budget covers the light run and the goodput points: the search gets what is left.
+    needed = search.fixed_runs(derive=slo is None)
+    if needed > search.max_points:
+        raise ValueError(
+            f"a budget of {search.max_points} runs per router is less than the {needed} runs the light run and "
+            "the goodput points take: raise the run budget or ask for fewer goodput points"
+        )
     all_runs = [_Runs(router, evaluate, slo) for router in routers]
     if slo is None:
         if search.slo_from is not None and search.slo_from not in routers:
@@ -288,12 +336,12 @@ async def measure_capacity(
         origin = {"derived": False}
     results = []
     for runs in all_runs:
-        lo, hi = await find_capacity(runs, search)
+        lo, hi, resolved = await find_capacity(runs, search)
         for multiplier in search.goodput_multipliers:
             await runs.run(multiplier)
         points = runs.points()
         at_capacity = next((p for p in points if p.multiplier == lo), None)
-        results.append(CapacityResult(runs.router, lo, (lo, hi), at_capacity, points))
+        results.append(CapacityResult(runs.router, lo, (lo, hi), at_capacity, points, resolved))
     return slo, results, origin
 
 
@@ -336,8 +384,9 @@ def online_evaluator(
     router's index waited on until it holds nothing, so a point does not inherit the previous one's
     cache (the router's name is the label of the run)."""
     import httpx
+    from nats import errors as nats_errors
 
-    from mocker.online import wait_for_workers
+    from mocker.online import OnlineReplayError, wait_for_workers
     from mocker.replay import replay_online_report
     from mocker.wire import reset_subject
     from router.event_plane.connection import connect
@@ -351,15 +400,22 @@ def online_evaluator(
             try:
                 for status in listed:
                     worker_id = status.config.worker_id
-                    reply = await nc.request(reset_subject(namespace, worker_id), b"", timeout=5)
+                    try:
+                        reply = await nc.request(reset_subject(namespace, worker_id), b"", timeout=5)
+                    except nats_errors.Error as exc:  # no responder, a timeout: the worker is gone or stuck
+                        raise OnlineReplayError(
+                            f"worker {worker_id} did not answer a prefix-cache reset: {type(exc).__name__}: {exc}"
+                        ) from exc
                     if reply.data != b"ok":
-                        raise RuntimeError(f"worker {worker_id} refused a prefix-cache reset: {reply.data!r}")
+                        raise OnlineReplayError(f"worker {worker_id} refused a prefix-cache reset: {reply.data!r}")
             finally:
                 await nc.close()
             deadline = time.monotonic() + settle_timeout_s
             while msgspec.json.decode((await http.get("/v1/dump")).content, type=list[Any]):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the router still indexes blocks {settle_timeout_s:.0f} s after the resets")
+                    raise OnlineReplayError(
+                        f"the router still indexes blocks {settle_timeout_s:.0f} s after the resets"
+                    )
                 await asyncio.sleep(0.05)
 
     async def evaluate(router: str, multiplier: float) -> tuple[RouterReport, list[ReplayRecord]]:
@@ -391,6 +447,9 @@ def _multiplier(value: float) -> str:
 
 def _capacity_cell(result: CapacityResult) -> str:
     lo, hi = result.bracket
+    if not result.resolved and lo == 0:
+        # Nothing run below hi met the SLO, but the search stopped above MIN_MULTIPLIER.
+        return "?" if math.isinf(hi) else f"< {_multiplier(hi)}"
     if math.isinf(hi):
         return f">= {_multiplier(lo)}"
     return _multiplier(result.capacity)
@@ -437,7 +496,10 @@ def render_capacity_table(slo: Slo, results: Sequence[CapacityResult], goodput: 
 
 def _bracket_cell(result: CapacityResult) -> str:
     # The search's resolution: the capacity meets the SLO, the bracket's top misses it.
+    # A search the run budget stopped says so, its bracket as far as it got.
     lo, hi = result.bracket
+    if not result.resolved:
+        return f"{'0' if lo == 0 else _multiplier(lo)}-{_multiplier(hi)} (run budget)"
     return f"{_multiplier(lo)}-{_multiplier(hi)}" if lo > 0 and not math.isinf(hi) else "-"
 
 
@@ -486,6 +548,7 @@ def capacity_json(
                 "router": r.router,
                 "capacity": r.capacity,
                 "bracket": [r.bracket[0], None if math.isinf(r.bracket[1]) else r.bracket[1]],
+                "resolved": r.resolved,
                 "goodput_per_s": {f"{m:g}": r.goodput_at(m) for m in search.goodput_multipliers},
                 "at_capacity": None if r.at_capacity is None else msgspec.to_builtins(_point_json(r.at_capacity)),
                 "points": [msgspec.to_builtins(_point_json(p)) for p in r.points],

@@ -8,6 +8,7 @@ their own. What a command needs is imported when it runs, so that ``kv-router --
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from mocker.config import EngineConfig, TimingConfig
+from mocker.config import EngineConfig
 from mocker.trace import Trace, TraceError, TraceOptions, build_trace, load_trace
 from mocker.workload import WORKLOADS
 from router.config import RouterConfig
@@ -81,18 +82,43 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Each engine setting's flag, for the one line a bad value gets.
+_ENGINE_FLAGS = {
+    "num_gpu_blocks": "--num-gpu-blocks",
+    "block_size": "--block-size",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "speedup_ratio": "--engine-speedup",
+    "timing.prefill_form": "--prefill-form",
+}
+
+
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine the flags describe, validated (its bounds: a positive count of blocks, sequences and
+    tokens, a positive speedup); a bad value exits with one line naming its flag, code 2."""
+    fields: dict[str, Any] = {
+        "num_gpu_blocks": args.num_gpu_blocks,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "speedup_ratio": args.engine_speedup,
+        "timing": {"prefill_form": args.prefill_form},
+    }
     try:
-        return EngineConfig(
-            num_gpu_blocks=args.num_gpu_blocks,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            speedup_ratio=args.engine_speedup,
-            timing=TimingConfig(prefill_form=args.prefill_form),
+        # convert, not the constructor: a Struct's constructor checks no constraint.
+        return msgspec.convert(fields, EngineConfig)
+    except msgspec.ValidationError as exc:
+        reason, _, where = str(exc).partition(" - at `$.")
+        path = where.rstrip("`")
+        value: Any = fields
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        flag = _ENGINE_FLAGS.get(path, path)
+        print(
+            f"kv-router {getattr(args, 'command', 'engine')}: {flag} {value}: {reason[:1].lower()}{reason[1:]}",
+            file=sys.stderr,
         )
-    except (msgspec.ValidationError, TypeError) as exc:
-        raise SystemExit(f"invalid engine setting: {exc}") from None
+        raise SystemExit(2) from None
 
 
 def _router_config(options: list[str], engine: EngineConfig) -> RouterConfig:
@@ -147,6 +173,17 @@ def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
     )
     trace.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id [%(default)s]")
     trace.add_argument("--seed", type=int, default=0, help="seeds jitter, routers and generated tokens [%(default)s]")
+
+
+def _positive_float(text: str) -> float:
+    """A flag's value that divides or scales times: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _trace_options(args: argparse.Namespace) -> TraceOptions:
@@ -213,7 +250,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     online.add_argument("--namespace", default="default", help="NATS namespace of the workers [%(default)s]")
     online.add_argument(
         "--time-scale",
-        type=float,
+        type=_positive_float,
         default=1.0,
         help="run this many times faster than the trace and scale times back; start the workers with "
         "--engine-speedup equal to it [%(default)s]",
@@ -222,7 +259,9 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     _add_capacity_flags(parser)
     output = parser.add_argument_group("output")
     output.add_argument("--out", type=Path, default=Path("replay-report"), help="report directory [%(default)s]")
-    output.add_argument("--window-s", type=float, default=60.0, help="window of the per-window figures [%(default)s]")
+    output.add_argument(
+        "--window-s", type=_positive_float, default=60.0, help="window of the per-window figures, s [%(default)s]"
+    )
     output.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     output.add_argument("--per-request", action="store_true", help="also write one JSONL record per request")
     output.add_argument("--per-worker", action="store_true", help="also print every worker's latencies")
@@ -263,7 +302,13 @@ def _add_capacity_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated multipliers to report goodput at [0.5,1,2 offline; 1 online]",
     )
-    capacity.add_argument("--max-runs", type=int, default=None, help="runs per router at most [24 offline, 5 online]")
+    capacity.add_argument(
+        "--max-runs",
+        type=int,
+        default=None,
+        help="runs per router at most, the light run and the --goodput-at points included: the search stops "
+        "early enough to leave room for them [24 offline, 5 online]",
+    )
 
 
 def _capacity_search(args: argparse.Namespace) -> CapacitySearch:
@@ -314,6 +359,15 @@ def _run_capacity(args: argparse.Namespace, trace: Trace, setup: ReplaySetup, se
 
     search = _capacity_search(args)
     slo = _given_slo(args)
+    needed = search.fixed_runs(derive=slo is None)
+    if needed > search.max_points:
+        light = "the light run and " if slo is None else ""
+        print(
+            f"kv-router replay: --max-runs {search.max_points} is less than the {needed} runs {light}the goodput "
+            "points (--goodput-at) take",
+            file=sys.stderr,
+        )
+        return 2
     if args.online:
         settings.update(mode="online", url=args.url, time_scale=args.time_scale)
         evaluate = online_evaluator(
@@ -348,6 +402,9 @@ def _run_capacity(args: argparse.Namespace, trace: Trace, setup: ReplaySetup, se
 def _run_replay(args: argparse.Namespace) -> int:
     import asyncio
 
+    import httpx
+
+    from mocker.online import OnlineReplayError
     from mocker.replay import ReplaySetup, replay_offline, replay_online_report, write_outputs
     from mocker.report import render_table, render_worker_table
     from mocker.simulation import KvTransfer
@@ -409,8 +466,11 @@ def _run_replay(args: argparse.Namespace) -> int:
         else:
             settings["mode"] = "offline"
             runs = asyncio.run(replay_offline(trace, setup, show_progress=not args.quiet))
-    except (ValueError, ConnectionFileError, FirstConnectionError) as exc:
+    except (ValueError, ConnectionFileError, FirstConnectionError, OnlineReplayError) as exc:
         print(f"kv-router replay: {exc}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:  # the router at --url unreachable, or gone mid-replay
+        print(f"kv-router replay: the router at {args.url}: {exc or type(exc).__name__}", file=sys.stderr)
         return 2
     print(render_table([run.report for run in runs]))
     if args.per_worker:
@@ -423,13 +483,21 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 def _load_replay_trace(args: argparse.Namespace, options: TraceOptions) -> Trace:
-    """The trace file, or the generated workload ``--workload`` names (seeded by ``--seed``)."""
-    if (args.trace is None) == (args.workload is None):
+    """The trace file, or the generated workload ``--workload`` names (seeded by ``--seed``); a trace
+    without requests (an empty file, --limit 0, every request dropped) is refused."""
+    if args.trace is not None and args.workload is not None:
         raise ValueError("give a trace file or --workload, not both")
+    if args.trace is None and args.workload is None:
+        raise ValueError("give a trace file or --workload")
     if args.trace is not None:
-        return load_trace(args.trace, options)
-    rows = WORKLOADS[args.workload](seed=args.seed, trace_block_size=options.trace_block_size)
-    return build_trace(rows[: options.limit], options, f"workload:{args.workload}")
+        trace = load_trace(args.trace, options)
+    else:
+        rows = WORKLOADS[args.workload](seed=args.seed, trace_block_size=options.trace_block_size)
+        trace = build_trace(rows[: options.limit], options, f"workload:{args.workload}")
+    if not trace.requests:
+        dropped = f" ({trace.dropped} dropped as longer than --max-input-length)" if trace.dropped else ""
+        raise ValueError(f"{trace.path}: the trace has no requests{dropped}")
+    return trace
 
 
 # ---------------------------------------------------------------------- tune
@@ -616,8 +684,8 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     from router.event_plane.first_connection import FirstConnectionError
     from router.event_plane.urls import redact_nats_url
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _engine_config(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker_id = args.worker_id if args.worker_id is not None else secrets.randbelow(1 << 53)
     try:
         transfer = KvTransfer(args.kv_bytes_per_token, args.transfer_gb_per_s)

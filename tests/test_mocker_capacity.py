@@ -16,9 +16,11 @@ from api.cli import main as kv_router_main
 from mocker.capacity import (
     CapacitySearch,
     Slo,
+    capacity_json,
     derive_slo,
     measure_capacity,
     offline_evaluator,
+    render_capacity_table,
 )
 from mocker.config import EngineConfig
 from mocker.replay import ReplaySetup
@@ -94,7 +96,7 @@ def test_bisection_brackets_the_capacity_within_the_tolerance(capacity: float) -
     )
     lo, hi = result.bracket
     assert lo <= capacity < hi and hi / lo <= 1.05
-    assert result.capacity == lo and origin == {"derived": False}
+    assert result.capacity == lo and origin == {"derived": False} and result.resolved
     assert result.at_capacity is not None and result.at_capacity.multiplier == lo and result.at_capacity.meets_slo
     assert len(calls) == len(set(calls)) <= search.max_points  # no multiplier run twice
     assert [p.multiplier for p in result.points] == sorted(m for _, m in calls)
@@ -113,6 +115,42 @@ def test_a_router_missing_the_slo_at_any_load_has_no_capacity_and_one_meeting_it
     )
     assert never.capacity == 0.0 and never.at_capacity is None and never.bracket[1] == pytest.approx(1 / 64)
     assert always.capacity == 64.0 and math.isinf(always.bracket[1])
+    assert never.resolved and always.resolved
+
+
+def test_a_search_the_run_budget_stops_keeps_the_runs_meeting_the_slo_and_says_it_stopped() -> None:
+    """Two runs: the light run (0.25x, met) and 1x (missed). The budget is spent halving down from 1x, yet
+    the light run met the SLO: the capacity is at least 0.25, not "below the least multiplier"."""
+    calls: list[tuple[str, float]] = []
+    search = CapacitySearch(goodput_multipliers=(1.0,), max_points=2)
+    slo, (result,), _ = asyncio.run(measure_capacity(["r"], threshold_evaluator({"r": 0.3}, calls), search))
+    assert calls == [("r", 0.25), ("r", 1.0)]
+    assert result.capacity == 0.25 and result.bracket == (0.25, 1.0) and not result.resolved
+    assert result.at_capacity is not None and result.at_capacity.multiplier == 0.25
+    row = render_capacity_table(slo, [result], (1.0,)).splitlines()[-1]
+    assert row.split()[:2] == ["r", "0.25"] and " 0.25-1 (run budget) " in row
+    assert capacity_json(slo, {}, [result], search, {})["results"][0]["resolved"] is False
+    # No run met it, but the search stopped at 0.5x, far above 1/64: not "< 1/64", unresolved below 0.5.
+    given = Slo(ttft_p90_ms=300.0, itl_p90_ms=10.0)
+    _, (stopped,), _ = asyncio.run(measure_capacity(["r"], threshold_evaluator({"r": 0.3}, []), search, slo=given))
+    assert stopped.capacity == 0.0 and stopped.bracket == (0.0, 0.5) and not stopped.resolved
+    row = render_capacity_table(given, [stopped], (1.0,)).splitlines()[-1]
+    assert row.split()[:3] == ["r", "<", "0.5"] and " 0-0.5 (run budget) " in row
+
+
+def test_the_run_budget_caps_every_run_the_goodput_points_included() -> None:
+    """Eight runs: the search stops early enough for the goodput point it did not reach (0.5x), where it
+    used to run all eight and then 0.5x besides; the points it reaches on its way (1x, 2x) cost nothing extra."""
+    calls: list[tuple[str, float]] = []
+    search = CapacitySearch(max_points=8)  # goodput at 0.5x, 1x, 2x
+    slo = Slo(ttft_p90_ms=300.0, itl_p90_ms=10.0)
+    _, (result,), _ = asyncio.run(measure_capacity(["r"], threshold_evaluator({"r": 60.0}, calls), search, slo=slo))
+    assert len(calls) == len(set(calls)) == 8
+    assert all(result.goodput_at(m) is not None for m in search.goodput_multipliers)
+    assert result.bracket == (32.0, 64.0) and not result.resolved
+    # A budget the fixed runs alone exceed is refused, not overrun.
+    with pytest.raises(ValueError, match="budget of 3 runs per router is less than the 4 runs"):
+        asyncio.run(measure_capacity(["r"], threshold_evaluator({"r": 1.0}, []), CapacitySearch(max_points=3)))
 
 
 def test_a_strictly_better_router_gets_a_strictly_higher_capacity() -> None:
@@ -239,7 +277,10 @@ def test_replay_capacity_writes_the_report(tmp_path: Path, capsys: pytest.Captur
         lo, hi = result["bracket"]
         assert row.split()[:3] == [result["router"], f"{lo:.3g}", f"{lo:.3g}-{hi:.3g}" if hi else "-"]
     for result in report["results"]:
-        assert set(result) == {"router", "capacity", "bracket", "goodput_per_s", "at_capacity", "points"}
+        assert set(result) == {
+            "router", "capacity", "bracket", "resolved", "goodput_per_s", "at_capacity", "points",
+        }  # fmt: skip
+        assert result["resolved"] is True
         assert set(result["goodput_per_s"]) == {"1", "3"}
         assert result["bracket"][0] == result["capacity"]
         assert set(result["at_capacity"]) == {
@@ -275,6 +316,8 @@ def test_replay_capacity_takes_a_given_slo_and_refuses_half_of_one(
         kv_router_main([*argv, "--slo-ttft-ms", "5000", "--slo-itl-ms", "200", "--slo-from", "dynamo"])
     assert kv_router_main([*argv, "--slo-from", "nobody"]) == 2
     assert "router 'nobody', which is not among ['dynamo']" in capsys.readouterr().err
+    assert kv_router_main([*argv, "--max-runs", "3"]) == 2  # the light run and 0.5x, 1x, 2x: four
+    assert "--max-runs 3 is less than the 4 runs the light run and the goodput points" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- online

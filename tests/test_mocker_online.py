@@ -3,6 +3,7 @@ its engine-side hit rate matches the offline simulation of the same trace."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ import httpx
 import msgspec
 import pytest
 
+from api.cli import main as kv_router_main
+from mocker import online as online_module
 from mocker.config import EngineConfig
 from mocker.demo import DemoOptions, run_demo
 from mocker.online import OnlineReplayError, wait_for_workers
@@ -21,7 +24,7 @@ from mocker.wire import reset_subject
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
-from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.router_processes import ToolProcess
 from tests.waiting import eventually
 
@@ -117,6 +120,46 @@ async def test_waiting_for_workers_gives_up_with_a_clear_error(router_url: str) 
     async with httpx.AsyncClient(base_url=router_url) as http:
         with pytest.raises(OnlineReplayError, match="lists 0 workers"):
             await wait_for_workers(http, 1, timeout_s=0.3)
+
+
+def tiny_trace_file(path: Path) -> Path:
+    rows = shared_prefix_rows(requests=4, groups=2, rate_per_s=8.0, seed=3)
+    path.write_bytes(
+        b"".join(
+            msgspec.json.encode({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids}) + b"\n"
+            for t, n, o, ids in rows
+        )
+    )
+    return path
+
+
+@pytest.mark.parametrize("capacity", [False, True], ids=["replay", "capacity"])
+async def test_online_failures_are_one_line_not_a_traceback(
+    nats_server: EmbeddedNats,
+    router_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capacity: bool,
+) -> None:
+    """No router at --url (httpx's error), a router no worker registered with (OnlineReplayError): each
+    `kv-router replay --online` says so in one line and exits 2, with and without --capacity."""
+    monkeypatch.setattr(online_module.wait_for_workers, "__defaults__", (0.3,))  # not 30 s of waiting
+    argv = [
+        "replay", str(tiny_trace_file(tmp_path / "trace.jsonl")), "--online", "--nats-url", nats_server.url,
+        "--nats-wait-secs", "1", "--slo-ttft-ms", "1000", "--slo-itl-ms", "100", "--max-runs", "2",
+        "--quiet", "--no-plots", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    if capacity:
+        argv.append("--capacity")
+    nobody = f"http://127.0.0.1:{free_port()}"
+    for url, expected in ((nobody, f"the router at {nobody}: "), (router_url, "the router lists 0 workers")):
+        capsys.readouterr()
+        # `kv-router replay` runs its own event loop: in a thread, beside the router's.
+        assert await asyncio.to_thread(kv_router_main, [*argv, "--url", url]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1].startswith("kv-router replay: ") and expected in err[-1], err
+        assert not any("Traceback" in line for line in err)
 
 
 @pytest.mark.slow

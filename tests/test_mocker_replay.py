@@ -355,6 +355,72 @@ def test_replay_command_writes_the_reports(tmp_path: Path, capsys: pytest.Captur
         assert (out / "ttft_cdf.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [
+        ("replay", "--max-num-seqs", "0"),
+        ("replay", "--engine-speedup", "0"),
+        ("replay", "--engine-speedup", "-1"),
+        ("replay", "--num-gpu-blocks", "0"),
+        ("tune", "--max-num-batched-tokens", "0"),
+        ("mock-worker", "--block-size", "-64"),
+    ],
+)
+def test_a_bad_engine_setting_is_one_line_naming_its_flag(
+    command: str, flag: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine's bounds (positive counts, a positive speedup) hold on the command line: one line, code
+    2, for the three commands that share the engine flags; not a traceback, nor a report of NaNs."""
+    if command == "mock-worker":
+        argv = [command, "--nats-url", "nats://127.0.0.1:1", "--nats-wait-secs", "0"]
+    else:
+        argv = [command, "--workload", "agentic", "--limit", "5", "--out", str(tmp_path / "out"), "--quiet"]
+        argv += ["--budget", "1", "--jobs", "1"] if command == "tune" else ["--routers", "dynamo", "--no-plots"]
+    with pytest.raises(SystemExit) as exited:
+        kv_router_main([*argv, flag, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kv-router {command}: {flag} ") and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flag", ["--time-scale", "--window-s"])
+@pytest.mark.parametrize("value", ["0", "-2", "nan", "inf"])
+def test_time_scales_and_windows_not_above_zero_are_refused_at_parsing(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--time-scale divides the trace's times, --window-s the run's (0: a ZeroDivisionError; negative:
+    windows of nonsense); argparse refuses them in one line."""
+    with pytest.raises(SystemExit) as exited:
+        # Online to nowhere, fast: were the value taken, the replay would fail on connecting.
+        online = [
+            "--online",
+            "--url",
+            "http://127.0.0.1:1",
+            "--nats-url",
+            "nats://127.0.0.1:1",
+            "--nats-wait-secs",
+            "0",
+        ]
+        kv_router_main(["replay", "--workload", "agentic", "--limit", "4", *online, flag, value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: must be > 0" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_trace_without_requests_is_refused_and_so_is_a_missing_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty trace used to replay to a report of NaNs, exit 0; no trace at all was "not both"."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    options = ["--routers", "dynamo", "--out", str(tmp_path / "out"), "--quiet", "--no-plots"]
+    assert kv_router_main(["replay", str(empty), *options]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"kv-router replay: {empty}: the trace has no requests"]
+    assert not (tmp_path / "out").exists()
+    assert kv_router_main(["replay", *options]) == 2
+    assert capsys.readouterr().err.splitlines() == ["kv-router replay: give a trace file or --workload"]
+
+
 def test_plots_are_skipped_with_a_message_without_matplotlib(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
