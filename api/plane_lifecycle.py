@@ -191,9 +191,11 @@ class PlaneLifecycle:
             try:
                 if durable is not None:
                     await durable.restore()
-                await plane.start()
+                # A restart's restored streams need no worker's dump: the joins' resyncs wait for the replay.
+                await plane.start(hold_join_resyncs=durable is not None)
                 if durable is not None:
                     await durable.start()
+                    plane.release_join_resyncs()
                 if self.ha.replica_sync:
                     # Its own connection, without echo: every batch would otherwise come back to its
                     # sender, costing a parse, a message and a task switch to be recognised and dropped.
