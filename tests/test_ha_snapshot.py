@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -41,6 +42,7 @@ from nats.js.errors import NotFoundError
 
 from api import plane_lifecycle
 from api.config import EventPlaneConfig, HaConfig
+from api.ha_metrics import HaCollector
 from indexer.events import RouterEvent, encode_router_events, stored_event
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
@@ -778,3 +780,27 @@ async def test_readiness_says_the_stream_is_replaying_while_it_is(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await life.stop()
+
+
+async def test_the_snapshot_size_and_the_purge_floor_are_gauges_not_outcomes_of_the_counter(nc: Client) -> None:
+    """``kv_router_durable_events_total`` is a counter family: only counts belong in it. The newest
+    snapshot's size and the purge floor are gauges of their own (before: outcomes of the counter, which
+    Prometheus' rate() and counter-reset handling read wrong)."""
+    router = new_router()
+    events = await started(router, nc, "g")
+    try:
+        await publish(nc, list(Workers(seed=23).events(10 * 64)))
+        await applied_all(events, nc)
+        assert await events.write_snapshot()
+        lifecycle: Any = SimpleNamespace(replicas=None, durable=events)  # what the collector reads of one
+        families = {family.name: family for family in HaCollector(lifecycle).collect()}
+        counter = families["kv_router_durable_events"]
+        assert counter.type == "counter"
+        outcomes = {sample.labels["outcome"] for sample in counter.samples}
+        assert "snapshots" in outcomes and not outcomes & {"last_snapshot_bytes", "purged_below"}
+        [size] = families["kv_router_durable_last_snapshot_bytes"].samples
+        [floor] = families["kv_router_durable_purged_below_sequence"].samples
+        assert families["kv_router_durable_last_snapshot_bytes"].type == "gauge" and size.value > 1000
+        assert families["kv_router_durable_purged_below_sequence"].type == "gauge" and floor.value == 11
+    finally:
+        await events.stop()

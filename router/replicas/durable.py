@@ -260,7 +260,11 @@ class DurableEvents:
         self._busy_since = 0.0
         self._background = Supervisor("durable-events")
         self._bad_input = RateLimitedLog(log)
-        # Outcome -> count: stream_messages, snapshots, snapshot_bytes, purged, restored_events, ...
+        # Gauges: the size of this router's newest snapshot, and the stream sequence its last purge kept
+        # from (0: none yet).
+        self.last_snapshot_bytes = 0
+        self.purged_below = 0
+        # Outcome -> count (counters only): stream_messages, snapshots, purges, restored_events, ...
         # What alerts and panels read is present from the start, at 0 (a counter first seen at 1 reads as
         # no increase to Prometheus).
         self.outcomes: dict[str, int] = dict.fromkeys(("stream_messages", "snapshots", "restored_events"), 0)
@@ -615,7 +619,7 @@ class DurableEvents:
         self.snapshot_seq = stream_seq
         self._events_since_snapshot -= events_covered
         self._count("snapshots")
-        self.outcomes["last_snapshot_bytes"] = size
+        self.last_snapshot_bytes = size
         await self._record_cursor()
         await self._purge()
         assert written.nuid, "a put names its chunks' subject"
@@ -672,7 +676,7 @@ class DurableEvents:
         if floor > 0:
             await self._js.purge_stream(self.subjects.events_stream, seq=floor + 1)
             self._count("purges")
-            self.outcomes["purged_below"] = floor + 1
+            self.purged_below = floor + 1
 
     async def _list_cursors(self) -> dict[str, int] | None:
         """Each listed router's snapshot sequence; None when the bucket could not be read."""
