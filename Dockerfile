@@ -84,7 +84,8 @@ LABEL org.opencontainers.image.title="kv-router" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${BASE_IMAGE}"
 EXPOSE 8000
-# No curl in the image: probe with the service's own interpreter.
+# No curl in the image: probe with the service's own interpreter. Plain HTTP, no token, KV_ROUTER_PORT:
+# fails with --protect-probes, HTTPS or a port set otherwise; override it there (docs/deploy.md).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
     CMD ["/opt/kv-router/bin/python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('KV_ROUTER_PORT', '8000'), timeout=2)"]
 # SIGTERM lets in-flight requests finish (KV_ROUTER_SHUTDOWN_TIMEOUT_SECS) before the process exits.

@@ -7,6 +7,9 @@
   received (wall clocks of sender and receiver; NTP-synchronised hosts or one host).
 - ``kv_router_durable_events_total{outcome}``, ``kv_router_durable_stream_sequence{kind}`` (applied,
   snapshot): how far this router has read the JetStream stream and what its newest snapshot covers.
+- ``kv_router_durable_last_snapshot_bytes``: the size of this router's newest snapshot (0: none yet).
+- ``kv_router_durable_purged_below_sequence``: the stream sequence this router's last purge kept data
+  from (0: none yet).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class HaCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        changes, peers, lag, durable_outcomes, sequence = families = self._families()
+        changes, peers, lag, durable_outcomes, sequence, snapshot_bytes, purged_below = families = self._families()
         replicas = self._lifecycle.replicas
         if replicas is not None:
             for outcome, count in sorted(replicas.outcomes.items()):
@@ -48,11 +51,13 @@ class HaCollector(Collector):
                 durable_outcomes.add_metric([outcome], count)
             sequence.add_metric(["applied"], durable.applied_seq)
             sequence.add_metric(["snapshot"], durable.snapshot_seq)
+            snapshot_bytes.add_metric([], durable.last_snapshot_bytes)
+            purged_below.add_metric([], durable.purged_below)
         yield from families
 
     @staticmethod
     def _families() -> tuple[CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily,
-                             GaugeMetricFamily]:  # fmt: skip
+                             GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:  # fmt: skip
         return (
             CounterMetricFamily(
                 f"{PREFIX}_replica_sync_changes",
@@ -74,5 +79,12 @@ class HaCollector(Collector):
                 f"{PREFIX}_durable_stream_sequence",
                 "JetStream stream sequence applied / covered by the snapshot.",
                 labels=["kind"],
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_durable_last_snapshot_bytes", "Size of this router's newest index snapshot (0: none yet)."
+            ),
+            GaugeMetricFamily(
+                f"{PREFIX}_durable_purged_below_sequence",
+                "JetStream stream sequence this router's last purge kept data from (0: none yet).",
             ),
         )

@@ -12,7 +12,9 @@ before the plane counts as started; with ``--replica-sync`` the replica joins it
 starts (`router.replicas`).
 
 Readiness (``/readyz``) follows `ready`: not ready until the event plane has started once (the index
-and the worker registry come from it); afterwards a NATS outage does *not* make the replica unready.
+and the worker registry come from it; `not_ready_reason` says what it waits for: NATS, the snapshot's
+restore, the stream's replay and how far it is, the plane's start); afterwards a NATS outage does
+*not* make the replica unready.
 The router keeps routing on the index it has and its own load bookkeeping, which beats taking every
 replica out of a Service because NATS blinked; the outage shows in the ``/readyz`` and ``/healthz``
 bodies (`health`) and in ``kv_router_nats_connected`` / ``kv_router_event_plane_state``.
@@ -134,6 +136,7 @@ class PlaneLifecycle:
         self._since = time.monotonic()
         self._nc: Client | None = None
         self._sync_nc: Client | None = None  # replica sync's own connection
+        self._restoring: DurableEvents | None = None  # while a start restores the snapshot and replays
         self._closing = False
         # Registered over HTTP before the plane started: written to the shared registry once it does.
         self._unshared: dict[int, WorkerConfig] = {}
@@ -149,6 +152,22 @@ class PlaneLifecycle:
     def refused_registrations(self) -> Mapping[int, str]:
         """The running plane's refused registrations (none before it starts)."""
         return self.plane.refused_registrations if self.plane is not None else {}
+
+    def not_ready_reason(self) -> str:
+        """Why the plane has not started yet (``/readyz``'s reason): NATS not reached, or, NATS connected,
+        the plane starting: the durable restart restoring its snapshot or replaying the stream, the
+        registry being read."""
+        restoring = self._restoring
+        if restoring is not None:
+            progress = restoring.replay_progress()
+            if progress is None:
+                return f"restoring the index snapshot from NATS at {self.url}"
+            return "replaying the event stream: at {} of {}".format(*progress)
+        if self._nc is not None and self._nc.is_connected:
+            return f"event plane starting: NATS at {self.url} connected"
+        return f"event plane not started: NATS at {self.url} " + (
+            f"unreachable ({self.last_error})" if self.last_error else "not connected yet"
+        )
 
     def health(self) -> EventPlaneHealth:
         return EventPlaneHealth(
@@ -188,12 +207,16 @@ class PlaneLifecycle:
             )
             replicas: ReplicaSync | None = None
             sync_nc: Client | None = None
+            self._restoring = durable
             try:
                 if durable is not None:
                     await durable.restore()
-                await plane.start()
+                # A restart's restored streams need no worker's dump: the joins' resyncs wait for the replay.
+                await plane.start(hold_join_resyncs=durable is not None)
                 if durable is not None:
                     await durable.start()
+                    self._restoring = None
+                    plane.release_join_resyncs()
                 if self.ha.replica_sync:
                     # Its own connection, without echo: every batch would otherwise come back to its
                     # sender, costing a parse, a message and a task switch to be recognised and dropped.
@@ -219,6 +242,8 @@ class PlaneLifecycle:
                 # plane left running would keep its subscriptions and tasks beside the next one's).
                 await _undo_start(plane, durable, replicas, sync_nc)
                 raise
+            finally:
+                self._restoring = None
             self.durable, self.replicas, self._sync_nc = durable, replicas, sync_nc
             self.plane = plane
             self.last_error = None

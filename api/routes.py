@@ -358,9 +358,7 @@ def add_admin_routes(
         if not state.serving:
             reason = "not serving (starting or shutting down)"
         elif lifecycle is not None and not lifecycle.ready:
-            reason = f"event plane not started: NATS at {lifecycle.url} " + (
-                f"unreachable ({lifecycle.last_error})" if lifecycle.last_error else "not connected yet"
-            )
+            reason = lifecycle.not_ready_reason()
         elif workers < settings.service.ready_min_workers:
             reason = f"{workers} workers registered, {settings.service.ready_min_workers} required"
         readiness: dict[str, Any] = {"ready": reason is None, "workers": workers}

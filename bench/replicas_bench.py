@@ -450,7 +450,7 @@ async def part_restart(server: EmbeddedNats, work: Path, args: argparse.Namespac
         stop.set()
         latencies = sorted(await probe)
         during = metric(service.port, "kv_router_durable_events_total", outcome="snapshots") - snapshots
-        snapshot_bytes = metric(service.port, "kv_router_durable_events_total", outcome="last_snapshot_bytes")
+        snapshot_bytes = metric(service.port, "kv_router_durable_last_snapshot_bytes")
         # More events after the snapshot: replayed from the stream on restart.
         tail = args.blocks // 20
         await publish_blocks(server.url, tail, next_event, seed=3)
@@ -617,7 +617,7 @@ async def part_stall(server: EmbeddedNats, work: Path, args: argparse.Namespace)
                 "longest": watch.longest(),
             }  # fmt: skip
             log(f"stall ({attempt} snapshot): {json.dumps(results[attempt])}")
-        results["snapshot_mb"] = durable.outcomes["last_snapshot_bytes"] / 1e6
+        results["snapshot_mb"] = durable.last_snapshot_bytes / 1e6
     finally:
         await durable.stop()
         await nc.close()

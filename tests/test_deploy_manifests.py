@@ -185,6 +185,9 @@ def test_pods_are_hardened_and_probed(overlay: str) -> None:
         for container in pod["containers"]:
             assert container["imagePullPolicy"] == "IfNotPresent"
             assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container)
+            if workload["metadata"]["name"] == "kv-router":
+                # A large snapshot's decode holds the loop for seconds: no failed liveness check for it.
+                assert container["livenessProbe"].get("timeoutSeconds", 1) >= 5
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
             assert container["securityContext"]["readOnlyRootFilesystem"] is True
             assert container["resources"]["limits"]["memory"]

@@ -11,7 +11,8 @@ misses it; a restart whose snapshot was purged while it loaded, or after that un
 past it, whose own snapshot cannot be fetched, or whose own is older than a stream purged to its end
 loads a usable one instead, and no worker is asked for anything; a snapshot no restart can use any
 more is deleted; a worker's publisher epoch survives the restart, so a worker restarted meanwhile is
-told from a replay of its old ids.
+told from a replay of its old ids. A stream with nothing left to replay ends the replay at once; while
+one runs, readiness says how far it is.
 
 The store: the chunks a put killed with SIGKILL leaves, which no object names, are purged once they are
 older than the grace, and the bucket's stream is back to what it held before; a slow put under way for
@@ -27,6 +28,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -34,9 +36,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.api import ObjectMeta
 from nats.js.errors import NotFoundError
 
+from api import plane_lifecycle
+from api.config import EventPlaneConfig, HaConfig
+from api.ha_metrics import HaCollector
 from indexer.events import RouterEvent, encode_router_events, stored_event
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
@@ -706,3 +712,95 @@ async def test_nats_out_of_reach_while_a_restart_replays_holds_the_restart_until
     finally:
         starting.cancel()
         await again.stop()
+
+
+async def test_an_unreadable_snapshot_over_a_stream_purged_to_its_end_is_done_at_once(nc: Client) -> None:
+    """The snapshot unreadable and the stream holding no message (all purged, first_seq past last_seq):
+    every worker is asked for its state and the replay, with nothing to read, is done at once (before:
+    it waited for the last sequence, which never comes, for the whole catch-up timeout, unready)."""
+    workers = Workers(seed=21)
+    b = await started(new_router(), nc, "b")
+    try:
+        await publish(nc, list(workers.events(10 * 64)))
+        await applied_all(b, nc)
+        assert await b.write_snapshot()
+    finally:
+        await b.stop()
+    subjects = Subjects()
+    js = nc.jetstream()
+    await js.purge_stream(subjects.events_stream)
+    state = (await js.stream_info(subjects.events_stream)).state
+    assert state.first_seq > state.last_seq == 10
+    store = await js.object_store(subjects.snapshot_bucket)
+    await store.put("b", b"\x85\xa5hello" + bytes(1000), meta=ObjectMeta(name="b", description="10"))
+
+    again = DurableEvents(new_router(), nc, router_name="b", snapshot_every_events=10**9, snapshot_every_s=3600.0)
+    try:
+        await again.restore()
+        assert again.outcomes["snapshot_unreadable"] == 1 and again.snapshot_seq == 0
+        begun = time.monotonic()
+        await asyncio.wait_for(again.start(), 30)  # the catch-up timeout is 120 s
+        assert time.monotonic() - begun < 5
+        assert again.outcomes["stream_behind_snapshot"] == 1
+        assert again.replay_progress() is None
+    finally:
+        await again.stop()
+
+
+async def test_readiness_says_the_stream_is_replaying_while_it_is(
+    nats_on_disk: EmbeddedNats, nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a restart replays the stream, NATS connected, /readyz's reason says so and how far it is
+    (before: "event plane not started: NATS at ... not connected yet")."""
+    workers = Workers(seed=22)
+    b = await started(new_router(), nc, "b")
+    try:
+        await publish(nc, list(workers.events(20 * 64)))
+        await applied_all(b, nc)
+    finally:
+        await b.stop()
+    gate = asyncio.Event()
+
+    class Gated(DurableEvents):
+        async def _on_message(self, message: Msg) -> None:
+            await gate.wait()
+            await super()._on_message(message)
+
+    monkeypatch.setattr(plane_lifecycle, "DurableEvents", Gated)
+    ha = HaConfig(durable_events=True, router_name="b", snapshot_every_secs=3600.0)
+    life = plane_lifecycle.PlaneLifecycle(new_router(), EventPlaneConfig(nats_url=nats_on_disk.url), ha)
+    task = asyncio.create_task(life.run())
+    try:
+        await eventually(lambda: life.not_ready_reason() == "replaying the event stream: at 0 of 20", 30)
+        assert not life.ready
+        gate.set()
+        await eventually(lambda: life.ready, 30)
+    finally:
+        gate.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await life.stop()
+
+
+async def test_the_snapshot_size_and_the_purge_floor_are_gauges_not_outcomes_of_the_counter(nc: Client) -> None:
+    """``kv_router_durable_events_total`` is a counter family: only counts belong in it. The newest
+    snapshot's size and the purge floor are gauges of their own (before: outcomes of the counter, which
+    Prometheus' rate() and counter-reset handling read wrong)."""
+    router = new_router()
+    events = await started(router, nc, "g")
+    try:
+        await publish(nc, list(Workers(seed=23).events(10 * 64)))
+        await applied_all(events, nc)
+        assert await events.write_snapshot()
+        lifecycle: Any = SimpleNamespace(replicas=None, durable=events)  # what the collector reads of one
+        families = {family.name: family for family in HaCollector(lifecycle).collect()}
+        counter = families["kv_router_durable_events"]
+        assert counter.type == "counter"
+        outcomes = {sample.labels["outcome"] for sample in counter.samples}
+        assert "snapshots" in outcomes and not outcomes & {"last_snapshot_bytes", "purged_below"}
+        [size] = families["kv_router_durable_last_snapshot_bytes"].samples
+        [floor] = families["kv_router_durable_purged_below_sequence"].samples
+        assert families["kv_router_durable_last_snapshot_bytes"].type == "gauge" and size.value > 1000
+        assert families["kv_router_durable_purged_below_sequence"].type == "gauge" and floor.value == 11
+    finally:
+        await events.stop()

@@ -10,6 +10,11 @@
 - Heartbeats on ``kv.{ns}.heartbeat.*``: a heartbeat-leased worker silent for ``lease_s`` is deleted
   from the bucket, routing and the index; its next heartbeat (which carries its registration) brings
   it back, and its first event then triggers a full resync.
+- A worker that registers is asked for a full dump of each rank (its first events may have raced ahead
+  of its registration and been dropped). During a durable restart (``hold_join_resyncs``) those asks
+  wait until the stream is replayed (`release_join_resyncs`): a rank the snapshot or the replay gave a
+  trusted stream under the same publisher epoch is not asked at all (the stream holds all it sent);
+  a worker registered under a new epoch, or a rank neither knew, is asked as ever.
 - A registration or heartbeat whose publisher epoch differs from the known one is a restarted
   worker: its index state is dropped and its event ids start afresh (`EventSequencer.observe_epoch`).
 - Leases do not run while NATS is disconnected (no heartbeat can arrive): each restarts when it is
@@ -36,6 +41,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
 from indexer.errors import UNDECODABLE
+from indexer.slots import WorkerRank
 from router.errors import UnknownWorker
 from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
 from router.event_plane.publisher import open_registry
@@ -86,9 +92,16 @@ class RouterEventPlane:
         self._bad_input = RateLimitedLog(log)
         # Worker -> why its latest registration was refused (for diagnosis).
         self.refused_registrations: dict[int, str] = {}
+        # While a durable restart replays: the ranks of workers registered meanwhile whose join resync
+        # waits for the replay's end (`release_join_resyncs`); None otherwise.
+        self._held_joins: set[WorkerRank] | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self) -> None:
+    async def start(self, *, hold_join_resyncs: bool = False) -> None:
+        """Subscribe, read the registry and start the background loops. ``hold_join_resyncs`` (a durable
+        restart, its snapshot restored and its replay still to come): the full resyncs that registrations
+        would ask for wait for `release_join_resyncs`."""
+        self._held_joins = set() if hold_join_resyncs else None
         self._registry = await open_registry(self.nc, self.subjects, self._jetstream_replicas)
         await self.subscriber.start()
         self._subscriptions = [
@@ -99,6 +112,25 @@ class RouterEventPlane:
         self._background.keep_running("registry-watch", partial(self._watch_registry, initial_done))
         self._background.keep_running("lease-expiry", self._expire_silent_workers)
         await asyncio.wait_for(initial_done.wait(), timeout=10)
+
+    def release_join_resyncs(self) -> None:
+        """The durable restart's replay is done: ask each rank held since `start` for its full dump unless
+        the snapshot or the replay gave it a trusted stream (under the worker's registered epoch: a new
+        one dropped the old streams), which holds all the worker sent. Joins from now on ask at once."""
+        held, self._held_joins = self._held_joins, None
+        for worker_id, dp_rank in sorted(held or ()):
+            worker = self.router.worker(worker_id)
+            if worker is None or dp_rank not in worker.dp_ranks:
+                continue  # gone meanwhile: a registration that brings it back asks
+            if self.sequencer.heard_from(worker_id, dp_rank) and (worker_id, dp_rank) not in self.sequencer.untrusted:
+                self.outcomes["join_resync_skipped"] += 1
+                continue
+            self._join_resync(worker_id, dp_rank)
+
+    def _join_resync(self, worker_id: int, dp_rank: int) -> None:
+        request = self.sequencer.request_full_resync(worker_id, dp_rank)
+        if request is not None:
+            self.subscriber.launch_resync(request)
 
     async def stop(self) -> None:
         await self._background.stop()
@@ -173,16 +205,22 @@ class RouterEventPlane:
         if previous == config:
             return True  # the watch echoing a registration this router applied already
         is_new = previous is None
+        worker_id = config.worker_id
+        # Ranks a restored snapshot gave a stream: one gone after the registration is a new epoch's.
+        restored = {rank for rank in config.dp_ranks if self.sequencer.heard_from(worker_id, rank)}
         self.router.register_worker(config)
         if config.leased:
-            self._leased.setdefault(config.worker_id, self._clock())
+            self._leased.setdefault(worker_id, self._clock())
             if is_new and self.router.expects_events(config):
                 # Its first events may have raced ahead of this registration and been dropped. (A worker
-                # without events has none to resync.)
+                # without events has none to resync.) During a durable restart, a rank whose stream the
+                # snapshot restored under this epoch, or the replay brings, needs none: held till then.
                 for dp_rank in config.dp_ranks:
-                    request = self.sequencer.request_full_resync(config.worker_id, dp_rank)
-                    if request is not None:
-                        self.subscriber.launch_resync(request)
+                    restarted = dp_rank in restored and not self.sequencer.heard_from(worker_id, dp_rank)
+                    if self._held_joins is not None and not restarted:
+                        self._held_joins.add((worker_id, dp_rank))
+                    else:
+                        self._join_resync(worker_id, dp_rank)
         else:
             self._leased.pop(config.worker_id, None)
         self.outcomes["registered" if is_new else "updated"] += 1

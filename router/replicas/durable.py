@@ -250,6 +250,7 @@ class DurableEvents:
         self._events_since_snapshot = 0
         self._replay_ended = asyncio.Event()  # set once the replay reached its target, or broke at a gap
         self._catch_up_target = 0
+        self._replaying = False  # between a replay's start and its end (`replay_progress`)
         self._breaks_at_gap = False  # while replaying from a snapshot that can be loaded again
         self._replay_broken = False
         # Cleared while a snapshot's dump is read in slices: stream events wait for it.
@@ -259,7 +260,11 @@ class DurableEvents:
         self._busy_since = 0.0
         self._background = Supervisor("durable-events")
         self._bad_input = RateLimitedLog(log)
-        # Outcome -> count: stream_messages, snapshots, snapshot_bytes, purged, restored_events, ...
+        # Gauges: the size of this router's newest snapshot, and the stream sequence its last purge kept
+        # from (0: none yet).
+        self.last_snapshot_bytes = 0
+        self.purged_below = 0
+        # Outcome -> count (counters only): stream_messages, snapshots, purges, restored_events, ...
         # What alerts and panels read is present from the start, at 0 (a counter first seen at 1 reads as
         # no increase to Prometheus).
         self.outcomes: dict[str, int] = dict.fromkeys(("stream_messages", "snapshots", "restored_events"), 0)
@@ -346,21 +351,31 @@ class DurableEvents:
         self._breaks_at_gap = reload_if_purged
         self._replay_broken = False
         self._replay_ended.clear()
-        if self.applied_seq >= self._catch_up_target:
+        # Done at once when the stream holds nothing to replay: read up to its end already, or nothing
+        # left in it up to the target (purged past its last message: none will ever come).
+        if self.applied_seq >= self._catch_up_target or info.state.first_seq > self._catch_up_target:
             self._replay_ended.set()
-        await self._follow(self.applied_seq + 1)
-        started = time.monotonic()
+        self._replaying = True
         try:
-            await asyncio.wait_for(self._until_replayed(), self._catch_up_timeout)
-        except TimeoutError:
-            log.error("stream replay did not catch up to %d within %.0f s (at %d); serving anyway",
-                      self._catch_up_target, self._catch_up_timeout, self.applied_seq)  # fmt: skip
+            await self._follow(self.applied_seq + 1)
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(self._until_replayed(), self._catch_up_timeout)
+            except TimeoutError:
+                log.error("stream replay did not catch up to %d within %.0f s (at %d); serving anyway",
+                          self._catch_up_target, self._catch_up_timeout, self.applied_seq)  # fmt: skip
+        finally:
+            self._replaying = False
         self._breaks_at_gap = False
         if self._replay_broken:
             return False
         log.info("durable events: replayed up to stream sequence %d in %.2f s", self.applied_seq,
                  time.monotonic() - started)  # fmt: skip
         return True
+
+    def replay_progress(self) -> tuple[int, int] | None:
+        """While a restart replays the stream: the sequence applied and the one it replays up to."""
+        return (self.applied_seq, self._catch_up_target) if self._replaying else None
 
     async def _follow(self, start: int) -> None:
         """Subscribe the ordered consumer from stream sequence ``start`` on."""
@@ -604,7 +619,7 @@ class DurableEvents:
         self.snapshot_seq = stream_seq
         self._events_since_snapshot -= events_covered
         self._count("snapshots")
-        self.outcomes["last_snapshot_bytes"] = size
+        self.last_snapshot_bytes = size
         await self._record_cursor()
         await self._purge()
         assert written.nuid, "a put names its chunks' subject"
@@ -661,7 +676,7 @@ class DurableEvents:
         if floor > 0:
             await self._js.purge_stream(self.subjects.events_stream, seq=floor + 1)
             self._count("purges")
-            self.outcomes["purged_below"] = floor + 1
+            self.purged_below = floor + 1
 
     async def _list_cursors(self) -> dict[str, int] | None:
         """Each listed router's snapshot sequence; None when the bucket could not be read."""

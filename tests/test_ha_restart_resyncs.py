@@ -1,0 +1,124 @@
+"""A durable restart (``--durable-events``) asks no worker for anything it restored, on a real nats-server.
+
+The event plane reads the worker registry after the snapshot is restored and before the stream is
+replayed: every registration is new to it. A (worker, rank) whose trusted stream the snapshot restored
+under the same publisher epoch, or that the replay brings from its first event, is not asked for a full
+dump (a worker that would not answer kept its trust; before, every worker was asked, and one that did
+not answer lost it). A worker the index never heard from, or registered under a new epoch (its
+publisher restarted while the router was down), is still asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from api.config import EventPlaneConfig, HaConfig
+from api.plane_lifecycle import PlaneLifecycle
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
+from router.config import RouterConfig
+from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.publisher import KvEventPublisher
+from router.event_plane.subjects import Subjects
+from router.kv_router import KvRouter
+from router.types import WorkerConfig
+from tests.waiting import eventually
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+BLOCK = 16
+
+
+def pairs(seed: int, blocks: int) -> list[tuple[int, int]]:
+    local = compute_block_hashes([seed * 100_000 + i for i in range(BLOCK * blocks)], BLOCK)
+    return list(zip(compute_sequence_hashes(local), local, strict=True))
+
+
+class Lifecycle:
+    """A router's event plane with durable events, run as `kv-router serve` runs it."""
+
+    def __init__(self, url: str) -> None:
+        self.router = KvRouter(RouterConfig(block_size=BLOCK))
+        ha = HaConfig(durable_events=True, router_name="r", snapshot_every_events=10**9, snapshot_every_secs=3600.0)
+        self.life = PlaneLifecycle(self.router, EventPlaneConfig(nats_url=url, resync_timeout_secs=0.5), ha)
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Lifecycle:
+        self.task = asyncio.create_task(self.life.run())
+        await asyncio.wait_for(self.life.started(), 60)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.life.stop()
+
+    def trusted(self, worker_id: int) -> bool:
+        streams = [s for s in self.router.sequencer.status() if s.worker_id == worker_id]
+        return bool(streams) and all(s.trusted for s in streams)
+
+
+@pytest.fixture
+async def asked(client: Client) -> AsyncIterator[Counter[int]]:
+    """Worker -> resync requests sent to it (seen beside the workers' own responders)."""
+    counts: Counter[int] = Counter()
+
+    async def seen(message: Msg) -> None:
+        counts[int(message.subject.rsplit(".", 1)[1])] += 1
+
+    subscription = await client.subscribe(f"kv.{Subjects().namespace}.resync.*", cb=seen)
+    yield counts
+    await subscription.unsubscribe()
+
+
+async def test_a_restart_asks_no_worker_it_restored_and_asks_the_new_and_the_restarted(
+    nats_server: EmbeddedNats, client: Client, asked: Counter[int]
+) -> None:
+    url = nats_server.url
+    in_snapshot = KvEventPublisher(client, WorkerConfig(worker_id=61, block_size=BLOCK))
+    replayed = KvEventPublisher(client, WorkerConfig(worker_id=62, block_size=BLOCK))
+    restarting = KvEventPublisher(client, WorkerConfig(worker_id=63, block_size=BLOCK))
+    async with Lifecycle(url) as first:
+        for publisher in (in_snapshot, restarting):
+            await publisher.start(heartbeat=False)
+        await eventually(lambda: all(first.router.has_worker(w) for w in (61, 63)))
+        await in_snapshot.stored(pairs(1, 4))
+        await restarting.stored(pairs(2, 4))
+        await eventually(lambda: first.trusted(61) and first.trusted(63))
+        durable = first.life.durable
+        assert durable is not None
+        await eventually(lambda: durable.applied_seq >= 2)
+        assert await durable.write_snapshot()
+        # After the snapshot: more of 61's events, and worker 62's first ones, only in the stream.
+        await in_snapshot.stored(pairs(3, 2))
+        await replayed.start(heartbeat=False)
+        await eventually(lambda: first.router.has_worker(62))
+        await replayed.stored(pairs(4, 3))
+        await eventually(lambda: durable.applied_seq >= 4 and first.trusted(62))
+    # While the router is down: worker 63's publisher restarts (a new epoch), worker 64 registers (it
+    # has sent no event yet), and no worker answers a resync any more.
+    for publisher in (in_snapshot, replayed, restarting):
+        await publisher.stop()
+    restarted = KvEventPublisher(client, WorkerConfig(worker_id=63, block_size=BLOCK))
+    await restarted.start(heartbeat=False)
+    await restarted.stop()  # registered under its new epoch, and silent too
+    new = KvEventPublisher(client, WorkerConfig(worker_id=64, block_size=BLOCK))
+    await new.start(heartbeat=False)
+    await new.stop()
+    asked.clear()
+
+    async with Lifecycle(url) as again:
+        await eventually(lambda: {61, 62, 63, 64} <= {w.worker_id for w in again.router.workers()})
+        await asyncio.sleep(1.5)  # past the resync timeout: an unanswered ask has given up by now
+        assert asked[61] == 0 and asked[62] == 0, f"restored workers were asked: {dict(asked)}"
+        assert again.trusted(61) and again.trusted(62)
+        assert again.router.tree.dump_events(), "the index came back"
+        assert asked[63] >= 1, "a worker registered under a new epoch is asked"
+        assert asked[64] >= 1, "a worker new to the index is asked"
+        assert again.life.plane is not None and again.life.plane.outcomes["join_resync_skipped"] == 2
