@@ -141,6 +141,7 @@ class PlaneLifecycle:
         # Registered over HTTP before the plane started: written to the shared registry once it does.
         self._unshared: dict[int, WorkerConfig] = {}
         self._started = asyncio.Event()
+        self._start_error: str | None = None  # why the last attempt to start the plane failed
         self._async_errors = RateLimitedLog(logger)
 
     # ------------------------------------------------------------------ state
@@ -164,7 +165,8 @@ class PlaneLifecycle:
                 return f"restoring the index snapshot from NATS at {self.url}"
             return "replaying the event stream: at {} of {}".format(*progress)
         if self._nc is not None and self._nc.is_connected:
-            return f"event plane starting: NATS at {self.url} connected"
+            failed = f"; the last attempt failed: {self._start_error}" if self._start_error else ""
+            return f"event plane starting: NATS at {self.url} connected{failed}"
         return f"event plane not started: NATS at {self.url} " + (
             f"unreachable ({self.last_error})" if self.last_error else "not connected yet"
         )
@@ -237,16 +239,18 @@ class PlaneLifecycle:
                     )
                     if self._unshared.get(worker_id) is config:
                         del self._unshared[worker_id]
-            except BaseException:
+            except BaseException as exc:
                 # Tried again by the supervisor: from nothing, not on top of this attempt's half (a
                 # plane left running would keep its subscriptions and tasks beside the next one's).
+                if isinstance(exc, Exception):
+                    self._start_error = f"{type(exc).__name__}: {exc}"
                 await _undo_start(plane, durable, replicas, sync_nc)
                 raise
             finally:
                 self._restoring = None
             self.durable, self.replicas, self._sync_nc = durable, replicas, sync_nc
             self.plane = plane
-            self.last_error = None
+            self.last_error = self._start_error = None
             self._enter("connected")
             self._started.set()
             logger.info(

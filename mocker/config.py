@@ -7,6 +7,7 @@ caching and chunked prefill on. The timing constants are explained in `mocker.ti
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Literal
 
 import msgspec
@@ -48,7 +49,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     max_num_seqs: Positive = 256
     max_num_batched_tokens: Positive = 8192
     # Divides every pass duration (Dynamo's ``speedup_ratio``): a faster or slower GPU.
-    speedup_ratio: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    speedup_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=sys.float_info.max)] = 1.0
     timing: TimingConfig = msgspec.field(default_factory=TimingConfig)
 
     @property

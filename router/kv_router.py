@@ -225,8 +225,6 @@ class KvRouter:
             self.sequencer.on_blocks_left = self.computed_prompts.forget
         # Replica sync (`router.replicas`) publishes what this router books; None: a lone router.
         self.booking_listener: BookingListener | None = None
-        # False while --block-size auto waits for the engines' block size (`block_size_to_adopt`).
-        self._block_size_adopted = True
         # Whether any worker is prefill- or decode-only (then every request is routed as two legs).
         self._disaggregated = False
         # Workers removed, by why: every reason present from the start (a counter first seen at 1 reads
@@ -241,16 +239,11 @@ class KvRouter:
             )
         return self.predictions
 
-    def block_size_to_adopt(self) -> None:
-        """``--block-size auto``: the router's block size is a placeholder until `adopt_block_size`;
-        workers naming another one are taken meanwhile (the adoption gives them the engines' size)."""
-        self._block_size_adopted = False
-
     def check_block_size(self, worker: WorkerConfig) -> None:
         """Raise `BlockSizeMismatch` when ``worker`` names a block size other than the router's (None
-        means the router's); any is taken while the block size is still to be adopted."""
-        if not self._block_size_adopted:
-            return
+        means the router's). Under ``--block-size auto`` the router's is its placeholder until the engines'
+        is adopted (the registry's watch refuses by the same rule): workers registered meanwhile name none
+        or that one, and take the adopted one (`adopt_block_size`)."""
         if worker.block_size is not None and worker.block_size != self.config.block_size:
             raise BlockSizeMismatch(worker.worker_id, worker.block_size, self.config.block_size)
 
@@ -307,7 +300,6 @@ class KvRouter:
         """``--block-size auto``: take the engines' block size, told by the first engine's stored event,
         before any block is indexed. Workers registered meanwhile (with the placeholder) take it too;
         the policy is made afresh for it. Raises `ConfigError` once blocks or requests depend on the old one."""
-        self._block_size_adopted = True  # decided, adopted or not: workers naming another are refused from now
         if block_size == self.config.block_size:
             return
         if any(self.tree.stats().blocks.values()) or len(self._scheduler.sequences):

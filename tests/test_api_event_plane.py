@@ -350,16 +350,23 @@ def test_a_worker_registered_while_nats_connects_reaches_the_registry_at_the_blo
     assert shared.block_size == 2 * BLOCK
 
 
-def test_under_block_size_auto_a_worker_naming_the_engines_size_is_taken_until_it_is_adopted() -> None:
+def test_under_block_size_auto_a_worker_takes_the_adopted_size_and_one_naming_another_is_refused() -> None:
+    """Until the engines' block size is adopted the router's is a placeholder, checked as the registry's
+    watch checks it: a worker naming none or that one is registered and takes the adopted size; one
+    naming another is refused before and after (a worker refused over HTTP but written to the registry
+    was lost for good)."""
     from router.engines.direct import AdoptedBlockSize
     from router.errors import BlockSizeMismatch
     from router.kv_router import KvRouter
 
     router = KvRouter(RouterConfig(block_size=BLOCK))  # the placeholder
     adopting = AdoptedBlockSize(router)
-    router.register_worker(WorkerConfig(worker_id=1, block_size=2 * BLOCK))  # the engines' real size
+    router.register_worker(WorkerConfig(worker_id=1, block_size=BLOCK))
+    router.register_worker(WorkerConfig(worker_id=2))
+    with pytest.raises(BlockSizeMismatch):
+        router.register_worker(WorkerConfig(worker_id=3, block_size=2 * BLOCK))
     adopting.for_engine("tcp://127.0.0.1:5557")(2 * BLOCK)
     assert router.config.block_size == 2 * BLOCK
-    assert [(w.worker_id, w.block_size) for w in router.workers()] == [(1, 2 * BLOCK)]
-    with pytest.raises(BlockSizeMismatch):  # decided: another size is refused from now on
+    assert [(w.worker_id, w.block_size) for w in router.workers()] == [(1, 2 * BLOCK), (2, None)]
+    with pytest.raises(BlockSizeMismatch):
         router.register_worker(WorkerConfig(worker_id=3, block_size=BLOCK))

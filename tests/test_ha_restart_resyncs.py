@@ -122,3 +122,78 @@ async def test_a_restart_asks_no_worker_it_restored_and_asks_the_new_and_the_res
         assert asked[63] >= 1, "a worker registered under a new epoch is asked"
         assert asked[64] >= 1, "a worker new to the index is asked"
         assert again.life.plane is not None and again.life.plane.outcomes["join_resync_skipped"] == 2
+
+
+async def test_a_start_tried_again_still_asks_the_worker_new_to_the_index(
+    nats_server: EmbeddedNats, client: Client, asked: Counter[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The durable start fails once (its snapshot's fetch timed out) and the supervisor runs it again:
+    the workers the failed attempt registered are echoes to the next one, and their held joins are
+    held again, so a worker the index never heard from is still asked for its dump."""
+    from router.replicas.durable import DurableEvents
+
+    url = nats_server.url
+    in_snapshot = KvEventPublisher(client, WorkerConfig(worker_id=61, block_size=BLOCK))
+    async with Lifecycle(url) as first:
+        await in_snapshot.start(heartbeat=False)
+        await eventually(lambda: first.router.has_worker(61))
+        await in_snapshot.stored(pairs(1, 4))
+        durable = first.life.durable
+        assert durable is not None
+        await eventually(lambda: durable.applied_seq >= 1 and first.trusted(61))
+        assert await durable.write_snapshot()
+    await in_snapshot.stop()
+    new = KvEventPublisher(client, WorkerConfig(worker_id=64, block_size=BLOCK))
+    await new.start(heartbeat=False)  # registered while the router is down, no event sent yet
+    await new.stop()
+    asked.clear()
+
+    start = DurableEvents.start
+    attempts = 0
+
+    async def failing_once(self: DurableEvents) -> None:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise TimeoutError("the snapshot's fetch timed out")
+        await start(self)
+
+    monkeypatch.setattr(DurableEvents, "start", failing_once)
+    again = Lifecycle(url)
+
+    async def supervised() -> None:  # as the supervisor runs it: again after a failure
+        for _ in range(3):
+            try:
+                await again.life.run()
+            except TimeoutError:
+                continue
+
+    again.task = asyncio.create_task(supervised())
+    try:
+        await asyncio.wait_for(again.life.started(), 60)
+        await eventually(lambda: asked[64] >= 1)
+        assert asked[61] == 0 and attempts == 2
+        assert again.life.plane is not None and again.life.plane.outcomes["join_resync_skipped"] == 1
+    finally:
+        await again.__aexit__()
+
+
+async def test_readiness_says_why_the_last_start_failed_while_nats_is_connected(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router.replicas.durable import DurableEvents
+
+    async def failing(self: DurableEvents) -> None:
+        raise TimeoutError("the snapshot's fetch timed out")
+
+    monkeypatch.setattr(DurableEvents, "start", failing)
+    router = Lifecycle(nats_server.url)
+    with pytest.raises(TimeoutError):
+        await router.life.run()
+    try:
+        assert router.life.not_ready_reason() == (
+            f"event plane starting: NATS at {nats_server.url} connected; "
+            "the last attempt failed: TimeoutError: the snapshot's fetch timed out"
+        )
+    finally:
+        await router.life.stop()

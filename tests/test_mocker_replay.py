@@ -361,6 +361,7 @@ def test_replay_command_writes_the_reports(tmp_path: Path, capsys: pytest.Captur
         ("replay", "--max-num-seqs", "0"),
         ("replay", "--engine-speedup", "0"),
         ("replay", "--engine-speedup", "-1"),
+        ("replay", "--engine-speedup", "inf"),
         ("replay", "--num-gpu-blocks", "0"),
         ("tune", "--max-num-batched-tokens", "0"),
         ("mock-worker", "--block-size", "-64"),

@@ -209,7 +209,6 @@ class AdoptedBlockSize:
     def __init__(self, router: KvRouter) -> None:
         self.router = router
         self.decided_by: str | None = None
-        router.block_size_to_adopt()
 
     def for_engine(self, endpoint: str) -> Callable[[int], int]:
         def adopt(engine_block_size: int) -> int:

@@ -101,7 +101,17 @@ class RouterEventPlane:
         """Subscribe, read the registry and start the background loops. ``hold_join_resyncs`` (a durable
         restart, its snapshot restored and its replay still to come): the full resyncs that registrations
         would ask for wait for `release_join_resyncs`."""
-        self._held_joins = set() if hold_join_resyncs else None
+        self._held_joins = None
+        if hold_join_resyncs:
+            # A start tried again finds the workers its attempt before registered (their registry entries
+            # now echo): their joins are held as theirs were.
+            router = self.router
+            self._held_joins = {
+                (worker.worker_id, rank)
+                for worker in router.workers()
+                if worker.leased and router.expects_events(worker)
+                for rank in worker.dp_ranks
+            }
         self._registry = await open_registry(self.nc, self.subjects, self._jetstream_replicas)
         await self.subscriber.start()
         self._subscriptions = [
