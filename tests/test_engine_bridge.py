@@ -351,16 +351,28 @@ def test_a_bridge_whose_metrics_port_is_taken_says_so_and_exits_2(nats_server: E
     assert f"kv-router bridge: {said}" in done.stderr
 
 
-def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_and_rebuilds_it_after(
-    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
-) -> None:
+@contextlib.contextmanager
+def _probed_bridge(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats, steps: int
+) -> Iterator[tuple[EngineHttp, Chain]]:
+    """A bridge probing its engine's metrics every 0.1 s, registered and converged after ``steps``."""
     http = side.call(EngineHttp().start())
     chain = Chain(side, nats_server.url)
     try:
         chain.start_bridge(engine_metrics_url=f"{http.url}/metrics", engine_health_interval_secs=0.1)
         until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
-        chain.steps(20)
+        chain.steps(steps)
         _converged(router, chain)
+        yield http, chain
+    finally:
+        chain.close()
+        side.call(http.stop())
+
+
+def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_and_rebuilds_it_after(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    with _probed_bridge(router, side, nats_server, 20) as (http, chain):
         assert chain.engine.dump()
 
         assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
@@ -382,9 +394,6 @@ def test_a_bridge_withdraws_its_worker_while_the_engine_metrics_do_not_answer_an
         _converged(router, chain)
         assert chain.bridge is not None and chain.bridge.streams[0].stats["rebuilds"] == 1
         assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
-    finally:
-        chain.close()
-        side.call(http.stop())
 
 
 def test_host_tier_stores_without_token_ids_reach_the_router_through_the_bridge_on_the_blocks_they_name(
@@ -441,13 +450,7 @@ def test_a_bridge_whose_registration_fails_as_its_engine_comes_back_registers_at
     """The engine answers again while NATS is having a hiccup: the registration times out. The bridge
     tries again at its next probe rather than leaving the worker withdrawn until the engine fails
     once more."""
-    http = side.call(EngineHttp().start())
-    chain = Chain(side, nats_server.url)
-    try:
-        chain.start_bridge(engine_metrics_url=f"{http.url}/metrics", engine_health_interval_secs=0.1)
-        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
-        chain.steps(10)
-        _converged(router, chain)
+    with _probed_bridge(router, side, nats_server, 10) as (http, chain):
         bridge = chain.bridge
         assert bridge is not None
 
@@ -468,9 +471,6 @@ def test_a_bridge_whose_registration_fails_as_its_engine_comes_back_registers_at
         _converged(router, chain)
         assert len(attempts) == 2
         assert sample(chain.metrics(), "kv_router_bridge_engine_up") == 1
-    finally:
-        chain.close()
-        side.call(http.stop())
 
 
 def test_a_refused_worker_and_refused_events_show_on_the_bridges_metrics_as_its_alerts_read_them(
