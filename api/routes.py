@@ -239,8 +239,6 @@ def add_admin_routes(
             # --role): the defaults would make a prefill worker take whole requests.
             fields.update({name: getattr(existing, name) for name in _HANDOFF_FIELDS - named})
         config = WorkerConfig(**fields)
-        # Refused in every mode before anything is registered (or written to the shared registry).
-        kv_router.check_block_size(config)
         known = existing is not None
         if lifecycle is not None:
             await lifecycle.register(config)  # into the shared registry, so every router learns it

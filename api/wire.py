@@ -13,6 +13,7 @@ check the 16k ids of a long prompt a second time (about 15% of decoding them).
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Annotated, Any
 
@@ -80,12 +81,16 @@ __all__ = [
     "WorkerRegistration",
     "WorkerStatus",
     "WorkersReply",
+    "is_request_id",
     "queries_instance",
 ]
 
 # Request ids travel back in the X-Request-Id header, so they must be valid header text: visible
 # ASCII, no spaces, bounded length.
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+# The same rule for a text outside a body (X-Request-Id), checked per request: a compiled match, not a
+# msgspec.convert (which looks the annotated type up again on every call).
+is_request_id = re.compile(r"[\x21-\x7e]{1,256}").fullmatch
 
 
 # ---------------------------------------------------------------- Dynamo's PreprocessedRequest

@@ -42,7 +42,7 @@ from nats.js.kv import KeyValue
 
 from indexer.errors import UNDECODABLE
 from indexer.slots import WorkerRank
-from router.errors import UnknownWorker
+from router.errors import BlockSizeMismatch, UnknownWorker
 from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
 from router.event_plane.publisher import open_registry
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -205,9 +205,10 @@ class RouterEventPlane:
     async def _apply_registration(self, config: WorkerConfig) -> bool:
         """Register ``config`` with the router; False when it is refused (its block size differs)."""
         config = config.keeping(self.router.worker(config.worker_id))
-        block_size = self.router.config.block_size
-        if config.block_size is not None and config.block_size != block_size:
-            reason = f"worker {config.worker_id} uses block size {config.block_size}, router {block_size}"
+        try:
+            self.router.check_block_size(config)
+        except BlockSizeMismatch as exc:
+            reason = f"worker {exc.worker_id} uses block size {exc.worker_block_size}, router {exc.router_block_size}"
             await self._refuse(config, reason)
             return False
         self.refused_registrations.pop(config.worker_id, None)
