@@ -56,8 +56,8 @@ class Supervisor:
             task.cancel()
         if not tasks:
             return
-        # A task that swallows its cancellation (nats-py's key-value watcher has been seen to) must not
-        # hang the shutdown: after the timeout it is named in the log and left behind.
+        # A task that swallows its cancellation (Python 3.11's wait_for does when its result lands with
+        # it) must not hang the shutdown: after the timeout it is named in the log and left behind.
         _, stuck = await asyncio.wait(tasks, timeout=self._stop_timeout)
         if stuck:
             names = ", ".join(sorted(task.get_name() for task in stuck))

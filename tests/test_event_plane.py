@@ -331,3 +331,22 @@ async def test_a_heartbeat_speaks_only_for_the_worker_its_subject_names(client: 
     await victim.stop()
     await other.stop()
     await plane.stop()
+
+
+async def test_every_router_started_finds_the_registered_workers_and_stops_cleanly(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sixty routers started and stopped in turn beside three registered workers: each knows all three
+    when its `start` returns (nats-py's end-of-contents marker can come before an entry the server has
+    already sent, so the plane reads the bucket's last revision instead), and each `stop` ends its
+    registry watch (a `wait_for` on Python 3.11 swallows a cancellation that lands as an entry arrives;
+    the supervisor then logs the task it had to leave behind)."""
+    holders = [await worker(client, worker_id) for worker_id in (41, 42, 43)]
+    for _ in range(60):
+        plane = await plane_for(client, RouterConfig(block_size=BLOCK))
+        found = sorted(w.worker_id for w in plane.router.workers())
+        await plane.stop()
+        assert found == [41, 42, 43]
+    assert [r.getMessage() for r in caplog.records if "ignored cancellation" in r.getMessage()] == []
+    for holder in holders:
+        await holder.stop()

@@ -37,7 +37,6 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.kv import KeyValue
 
 from indexer.errors import UNDECODABLE
@@ -172,35 +171,44 @@ class RouterEventPlane:
 
     async def _watch_registry(self, initial_done: asyncio.Event) -> None:
         assert self._registry is not None
+        # The initial contents end at the bucket's last revision when the watch starts. (nats-py's own
+        # end marker can come before an entry the server had already sent: it then asks the consumer,
+        # which counts that entry as delivered, not pending.)
+        state = (await self._registry.status()).stream_info.state
+        initial_end = state.last_seq if state.messages else 0
+        if initial_end == 0:
+            initial_done.set()
         watcher = await self._registry.watchall()
         try:
-            while True:
-                try:
-                    entry = await watcher.updates(timeout=3600)  # type: ignore[no-untyped-call]
-                except NatsTimeoutError:
+            # Iterated, not `updates(timeout)`: on Python 3.11 its wait_for swallows a cancellation that
+            # lands as an entry arrives, and the task would outlive `stop`.
+            async for entry in watcher:
+                if entry is None:  # nats-py's marker, see above
                     continue
-                if entry is None:  # the end of the bucket's initial contents
+                await self._apply_registry_entry(entry)
+                if entry.revision >= initial_end:
                     initial_done.set()
-                    continue
-                try:
-                    worker_id = int(entry.key)
-                except ValueError:
-                    self._reject("bad_registry_key", f"registry key {entry.key!r} is not a worker id")
-                    continue
-                if entry.operation in ("DEL", "PURGE"):
-                    self._remove(worker_id)
-                    continue
-                try:
-                    registration = msgspec.json.decode(entry.value or b"", type=WorkerConfig)
-                except UNDECODABLE as exc:
-                    self._reject("bad_registration", f"worker {worker_id}: {exc}")
-                    continue
-                await self._apply_registration(registration)
         finally:
             # Its subscription would outlive the task (a stopped plane, a retried start) and keep
             # receiving the registry's updates on the connection.
             with contextlib.suppress(Exception):  # the connection may be gone
                 await watcher.stop()  # type: ignore[no-untyped-call]
+
+    async def _apply_registry_entry(self, entry: KeyValue.Entry) -> None:
+        try:
+            worker_id = int(entry.key)
+        except ValueError:
+            self._reject("bad_registry_key", f"registry key {entry.key!r} is not a worker id")
+            return
+        if entry.operation in ("DEL", "PURGE"):
+            self._remove(worker_id)
+            return
+        try:
+            registration = msgspec.json.decode(entry.value or b"", type=WorkerConfig)
+        except UNDECODABLE as exc:
+            self._reject("bad_registration", f"worker {worker_id}: {exc}")
+            return
+        await self._apply_registration(registration)
 
     async def _apply_registration(self, config: WorkerConfig) -> bool:
         """Register ``config`` with the router; False when it is refused (its block size differs)."""
