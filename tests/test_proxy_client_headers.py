@@ -48,6 +48,12 @@ async def test_the_request_id_is_passed_to_the_worker_and_echoed_and_the_trace_c
             model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_headers={"x-request-id": "has space"}
         )
         assert raw.headers["x-request-id"] != "has space" and len(raw.headers["x-request-id"]) == 32
+        # As long as the decision API's request ids, and no longer.
+        for given, kept in (("i" * 256, True), ("i" * 257, False)):
+            raw = await f.client.completions.with_raw_response.create(
+                model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_headers={"x-request-id": given}
+            )
+            assert (raw.headers["x-request-id"] == given) is kept
         assert idle(f.router)
 
 

@@ -1,9 +1,9 @@
 """What the proxy reads of a client's headers besides its credentials, and what it adds to the answer.
 
 * Request id: the header ``proxy_request_id_header`` (``X-Request-Id``) as the client sent it (at
-  most 200 visible ASCII characters), else the booking's id; sent to the worker under the same name
-  and echoed on every answer, refusals included. The booking itself always has a fresh id (two
-  clients may send the same one).
+  most 256 visible ASCII characters, the decision API's `api.wire.RequestId`), else the booking's id;
+  sent to the worker under the same name and echoed on every answer, refusals included. The booking
+  itself always has a fresh id (two clients may send the same one).
 * W3C trace context: ``traceparent`` (and ``tracestate``) passed to the worker as they came, so the
   engine's spans join the client's trace (the proxy is not a span of its own).
 * CORS (`api.cors`): the answer's headers for the request's ``Origin``.
@@ -20,11 +20,11 @@ from api.config import ProxyConfig
 from api.cors import Cors
 from api.http_stream import Headers, Sink, StreamCall, header_value
 from api.proxy.tracing import ProxyTracing, RequestSpan, Timeline
+from api.wire import is_request_id
 
 __all__ = ["ClientHeaders", "Passed", "WithHeaders"]
 
 _TRACE = (b"traceparent", b"tracestate")
-_MAX_ID = 200
 
 
 class Passed(NamedTuple):
@@ -45,8 +45,8 @@ class ClientHeaders:
     def read(self, call: StreamCall, booking_id: str, route: str = "") -> Passed:
         head = call.head
         lowered = b"\n" + head.lower()
-        given = header_value(head, self.name, lowered)
-        request_id = given.decode("latin-1") if given and _valid_id(given) else booking_id
+        given = (header_value(head, self.name, lowered) or b"").decode("latin-1")
+        request_id = given if is_request_id(given) else booking_id
         line = self.name + b": " + request_id.encode("latin-1") + b"\r\n"
         upstream = [line]
         span = None
@@ -71,10 +71,6 @@ class ClientHeaders:
         if self._cors is None:
             return []
         return self._cors.answer_headers(header_value(call.head, b"origin", b"\n" + call.head.lower()))
-
-
-def _valid_id(value: bytes) -> bool:
-    return len(value) <= _MAX_ID and all(33 <= byte <= 126 for byte in value)
 
 
 class WithHeaders:
