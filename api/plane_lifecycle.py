@@ -52,6 +52,7 @@ from router.event_plane.urls import redact_nats_url
 from router.kv_router import KvRouter
 from router.replicas.durable import DurableEvents
 from router.replicas.sync import ReplicaSync
+from router.supervision import raise_if_cancelling
 from router.types import WorkerConfig
 
 __all__ = ["PlaneLifecycle", "PlaneState", "embedded_nats"]
@@ -239,6 +240,7 @@ class PlaneLifecycle:
                     )
                     if self._unshared.get(worker_id) is config:
                         del self._unshared[worker_id]
+                raise_if_cancelling()  # lost on its way during the start: undone, not left running
             except BaseException as exc:
                 # Tried again by the supervisor: from nothing, not on top of this attempt's half (a
                 # plane left running would keep its subscriptions and tasks beside the next one's).

@@ -7,9 +7,13 @@ A `Supervisor` owns the tasks one component runs beside its callers:
   that doubles up to ``max_backoff_s`` (reset once a run lasted longer than the backoff).
 - ``spawn(name, coroutine)``: one-shot work (a resync, a request). If it raises, the exception is
   logged with its traceback and counted in ``failures``; nothing is restarted.
-- ``stop()``: cancels everything and waits for it, at most ``stop_timeout_s``: a task that ignores
-  its cancellation is named in an ERROR log and left behind rather than hanging the shutdown;
-  whatever ended with an exception meanwhile has already been logged.
+- ``stop()``: cancels everything and waits for it, at most ``stop_timeout_s``, cancelling again every
+  half second what still runs: a cancellation can be lost on its way (Python 3.11's ``asyncio.wait_for``
+  returns its result when the two land together, and nats-py's requests, key-value calls and
+  ``next_msg`` are built on it). A task still running at the timeout is named in an ERROR log and
+  left behind rather than hanging the shutdown; whatever ended with an exception meanwhile has
+  already been logged. A loop whose cancellation was lost is not restarted, and `raise_if_cancelling`
+  lets a loop end at once after such an await rather than run another round.
 """
 
 from __future__ import annotations
@@ -21,9 +25,18 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "raise_if_cancelling"]
 
 _log = logging.getLogger(__name__)
+_CANCEL_AGAIN_S = 0.5  # long enough for a cancelled task's own clean-up, which another cancel would cut
+
+
+def raise_if_cancelling() -> None:
+    """Raise `asyncio.CancelledError` in a task whose cancellation was asked for but lost on its way (see
+    the module's docstring): called after an await that may have swallowed it, before the next round."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class Supervisor:
@@ -56,9 +69,12 @@ class Supervisor:
             task.cancel()
         if not tasks:
             return
-        # A task that swallows its cancellation (Python 3.11's wait_for does when its result lands with
-        # it) must not hang the shutdown: after the timeout it is named in the log and left behind.
-        _, stuck = await asyncio.wait(tasks, timeout=self._stop_timeout)
+        deadline = time.monotonic() + self._stop_timeout
+        stuck = set(tasks)
+        while stuck and (left := deadline - time.monotonic()) > 0:
+            _, stuck = await asyncio.wait(stuck, timeout=min(_CANCEL_AGAIN_S, left))
+            for task in stuck:  # its cancellation lost on the way: asked again
+                task.cancel()
         if stuck:
             names = ", ".join(sorted(task.get_name() for task in stuck))
             _log.error(
@@ -88,9 +104,11 @@ class Supervisor:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                raise_if_cancelling()  # it ended because its cancellation was lost: not restarted
                 self.restarts[name] += 1
                 _log.exception("%s: %s crashed; restarting in %.1f s", self.owner, name, backoff)
             else:
+                raise_if_cancelling()
                 self.restarts[name] += 1
                 _log.error("%s: %s returned, though it should run until stopped; restarting", self.owner, name)
             if time.monotonic() - started > backoff:

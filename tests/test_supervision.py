@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.supervision import Supervisor
+from router.supervision import Supervisor, raise_if_cancelling
 
 pytestmark = pytest.mark.anyio
 
@@ -88,3 +89,69 @@ async def test_stop_does_not_hang_on_a_task_that_ignores_cancellation(caplog: py
         if task.get_name() == "test:stubborn":
             task.cancel()
             await asyncio.wait([task], timeout=1)
+
+
+async def _answered_as_stopped(supervisor: Supervisor, answers: asyncio.Queue[asyncio.Future[int]]) -> None:
+    """The loop's pending answer arrives in the same turn of the event loop as `stop`'s cancellation:
+    Python 3.11's ``asyncio.wait_for`` then returns the answer and the cancellation is lost (nats-py's
+    requests, key-value calls and ``next_msg`` are built on it)."""
+    answer = await answers.get()
+    answer.set_result(1)
+    await supervisor.stop()  # cancels before its first await: in this same turn
+
+
+def _asks(
+    answers: asyncio.Queue[asyncio.Future[int]], rounds: list[int], check: bool = False
+) -> Callable[[], Awaitable[None]]:
+    async def loop() -> None:
+        while True:
+            answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            await answers.put(answer)
+            rounds.append(await asyncio.wait_for(answer, timeout=3600))
+            if check:
+                raise_if_cancelling()
+
+    return loop
+
+
+async def test_a_loop_whose_cancellation_wait_for_swallowed_is_cancelled_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    answers: asyncio.Queue[asyncio.Future[int]] = asyncio.Queue()
+    rounds: list[int] = []
+    supervisor = Supervisor("test", stop_timeout_s=3)
+    supervisor.keep_running("asks", _asks(answers, rounds))
+    with caplog.at_level(logging.ERROR, logger="router.supervision"):
+        await _answered_as_stopped(supervisor, answers)
+    assert supervisor.running == 0
+    assert [r.getMessage() for r in caplog.records] == []
+    assert rounds == [1]  # the answer the lost cancellation let through; its next ask was cancelled
+
+
+async def test_raise_if_cancelling_ends_a_loop_at_the_round_its_cancellation_was_lost_in() -> None:
+    answers: asyncio.Queue[asyncio.Future[int]] = asyncio.Queue()
+    rounds: list[int] = []
+    supervisor = Supervisor("test", stop_timeout_s=3)
+    supervisor.keep_running("asks", _asks(answers, rounds, check=True))
+    await _answered_as_stopped(supervisor, answers)
+    assert supervisor.running == 0 and rounds == [1]
+    assert answers.empty()  # no further round was begun
+
+
+async def test_a_loop_that_returns_after_its_cancellation_was_lost_is_not_restarted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    answers: asyncio.Queue[asyncio.Future[int]] = asyncio.Queue()
+    rounds: list[int] = []
+
+    async def one_round() -> None:  # returns once answered; its supervisor would start it again
+        answer: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        await answers.put(answer)
+        rounds.append(await asyncio.wait_for(answer, timeout=3600))
+
+    supervisor = Supervisor("test", first_backoff_s=0.0, stop_timeout_s=3)
+    supervisor.keep_running("one-round", one_round)
+    with caplog.at_level(logging.ERROR, logger="router.supervision"):
+        await _answered_as_stopped(supervisor, answers)
+    assert supervisor.running == 0 and supervisor.restarts["one-round"] == 0
+    assert [r.getMessage() for r in caplog.records] == []

@@ -48,7 +48,7 @@ from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
 from router.event_plane.subscriber import KvEventSubscriber
 from router.kv_router import KvRouter, RemovalReason
-from router.supervision import Supervisor
+from router.supervision import Supervisor, raise_if_cancelling
 from router.types import WorkerConfig
 
 __all__ = ["RouterEventPlane"]
@@ -312,6 +312,7 @@ class RouterEventPlane:
                     log.warning("worker %d silent for %.1f s: removing it", worker_id, now - seen)
                     self.outcomes["expired"] += 1
                     await self.deregister(worker_id, "lease_expired")
+                    raise_if_cancelling()  # a stopped router must not go on deleting from the shared registry
 
     async def _on_load(self, message: Msg) -> None:
         try:

@@ -29,7 +29,7 @@ from router.event_plane.parts import request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.resync_parts import ResyncReader
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
-from router.supervision import Supervisor
+from router.supervision import Supervisor, raise_if_cancelling
 
 __all__ = ["KvEventSubscriber"]
 
@@ -130,6 +130,7 @@ class KvEventSubscriber:
             for attempt in range(self._attempts):
                 try:
                     response = await self._ask(subject, payload)
+                    raise_if_cancelling()  # a stopped plane applies no more dumps
                 except NoRespondersError:
                     # An answer, not a timeout: nobody serves resyncs for this worker (yet).
                     log.debug("no responder for resyncs of worker %s dp_rank %s", request.worker_id, request.dp_rank)

@@ -89,7 +89,7 @@ from router.event_plane.jetstream import (
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.kv_router import KvRouter
-from router.supervision import Supervisor
+from router.supervision import Supervisor, raise_if_cancelling
 
 __all__ = ["DurableEvents", "IndexSnapshot", "StreamPosition"]
 
@@ -636,6 +636,7 @@ class DurableEvents:
             )
             if due and self.applied_seq > self.snapshot_seq and await self.write_snapshot():
                 last = now
+            raise_if_cancelling()  # each NATS call of a snapshot may have swallowed it
 
     async def _cursor_loop(self) -> None:
         """Stay among the live routers: the cursor refreshed well within its TTL, from the restore on
@@ -643,6 +644,7 @@ class DurableEvents:
         while True:
             await asyncio.sleep(self._refresh_every)
             await self._record_cursor()
+            raise_if_cancelling()  # the put may have swallowed it: a stopped router must not stay live
 
     def on_reconnected(self) -> None:
         """NATS was out of reach: every router's cursor may have expired meanwhile (and this one's

@@ -64,7 +64,7 @@ from router.replicas.messages import (
     sync_decoder,
 )
 from router.sequences import Booking
-from router.supervision import Supervisor
+from router.supervision import Supervisor, raise_if_cancelling
 
 __all__ = ["ReplicaSync"]
 
@@ -468,6 +468,7 @@ class ReplicaSync:
             while True:
                 peer.repair_again = False
                 reply = await self._ask(subject)
+                raise_if_cancelling()  # a stopped sync merges no more bookings
                 if reply is None or not self._merge_reply(reply, "repaired"):
                     why = "its view was refused or unreadable"
                     break
