@@ -245,15 +245,19 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None] | Non
         )  # fmt: skip
         return None
     try:
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        text = tokenizer_file.read_text(encoding="utf-8")
+        tokenizer = Tokenizer.from_str(text)
+        # Read whole only by a Llama rebuild and an older config's added tokens, and once (a large
+        # vocabulary's file takes a fraction of a second a parse).
+        contents: Callable[[], dict[str, Any]] = functools.cache(lambda: json.loads(text))
         if tokenizer_class in _LLAMA_CLASSES:
-            tokenizer = _llama(tokenizer, tokenizer_file, config)
+            tokenizer = _llama(tokenizer, contents(), config)
     except Exception as exc:
         raise ConfigError("tokenizer", f"{where}: cannot load {tokenizer_file}: {_one_line(exc)}") from None
     special_map = _json_object(directory / "special_tokens_map.json", where)
     named, listed = _special_tokens(config, special_map)
     _add_config_tokens(
-        tokenizer, _config_added_tokens(directory, tokenizer_file, config, special_map, where), named, listed
+        tokenizer, _config_added_tokens(directory, contents, config, special_map, where), named, listed
     )
     special = {name: str(token) for name, token in named.items()}  # the template's bos_token, ...
     processor = [name for name in _PROCESSOR_FILES if (directory / name).exists()]
@@ -298,14 +302,14 @@ def _tokenizer_class(config: dict[str, Any], model_config: dict[str, Any]) -> st
     return hub or _LLAMA_MODEL_TYPES.get(model_type, "TokenizersBackend")
 
 
-def _llama(loaded: Tokenizer, tokenizer_file: Path, config: dict[str, Any]) -> Tokenizer:
+def _llama(loaded: Tokenizer, contents: dict[str, Any], config: dict[str, Any]) -> Tokenizer:
     """The tokenizer transformers 5.19's ``LlamaTokenizer`` builds from a tokenizer.json: its BPE's
     vocabulary and merges in a byte-fallback BPE of its own flags (no ``unk_token``), no normalizer, a
     ``Metaspace`` pre-tokenizer prepending ``▁`` as ``add_prefix_space`` (default true) and ``legacy``
     (default false) ask: ``always`` when legacy, ``first`` when not, ``never`` without a prefix space;
     the file's post-processor. Neither the file's added tokens (only the config's, added after) nor its
     truncation and padding (which transformers lifts to encode) are kept."""
-    model = json.loads(tokenizer_file.read_text(encoding="utf-8")).get("model") or {}
+    model = contents.get("model") or {}
     vocab = model.get("vocab") or {}
     if isinstance(vocab, list):
         vocab = {item[0] if isinstance(item, list) else item: index for index, item in enumerate(vocab)}
@@ -373,7 +377,11 @@ def _token_like(value: Any) -> bool:
 
 
 def _config_added_tokens(
-    directory: Path, tokenizer_file: Path, config: dict[str, Any], special_map: dict[str, Any], where: str
+    directory: Path,
+    contents: Callable[[], dict[str, Any]],
+    config: dict[str, Any],
+    special_map: dict[str, Any],
+    where: str,
 ) -> list[AddedToken]:
     """The added tokens ``transformers`` 5.19 adds first, by their ids: ``tokenizer_config.json``'s
     ``added_tokens_decoder``; without one (an older config), the legacy ``added_tokens.json``'s (special
@@ -393,11 +401,7 @@ def _config_added_tokens(
             if isinstance(index, int):
                 flags = {"special": text in special, "normalized": text not in special}
                 tokens[index] = AddedToken(text, lstrip=False, rstrip=False, **flags)
-    try:
-        added = json.loads(tokenizer_file.read_text(encoding="utf-8")).get("added_tokens") or []
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError("tokenizer", f"{where}: cannot read {tokenizer_file}: {_one_line(exc)}") from None
-    for entry in added:
+    for entry in contents().get("added_tokens") or []:
         token = _added_token(entry)
         if isinstance(token, AddedToken) and isinstance(entry.get("id"), int):
             tokens[entry["id"]] = token
