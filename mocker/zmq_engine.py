@@ -143,6 +143,12 @@ class VllmZmqPublisher:
         batch's seq, then drops the batch on a full queue)."""
         self._buffer = deque((kept for kept in self._buffer if kept[0] != seq), maxlen=self._buffer.maxlen)
 
+    def corrupt_buffered(self, seq: int, payload: bytes) -> None:
+        """Replay ``payload`` under ``seq`` from now on (a replay socket that answers garbage)."""
+        self._buffer = deque(
+            ((kept, payload if kept == seq else held) for kept, held in self._buffer), maxlen=self._buffer.maxlen
+        )
+
     def forget_before(self, seq: int) -> None:
         """Drop buffered batches older than ``seq`` (a replay buffer that has wrapped)."""
         while self._buffer and self._buffer[0][0] < seq:

@@ -273,6 +273,50 @@ async def test_garbage_under_a_lower_or_a_huge_seq_is_refused_not_taken_for_a_re
         assert _stream(router).trusted
 
 
+def _one_block_stored(block_hash: int) -> list[Any]:
+    return [{"type": "BlockStored", "block_hashes": [block_hash], "parent_block_hash": None,
+             "token_ids": list(range(BLOCK)), "block_size": BLOCK, "lora_id": None, "medium": "GPU",
+             "lora_name": None}]  # fmt: skip
+
+
+async def test_a_replay_answering_garbage_under_the_applied_seq_fails_and_keeps_the_index() -> None:
+    """A gap's replay whose batch under the seq applied last is garbage has failed (counted, the rank
+    unverified): garbage proves no new process, so the engine's blocks are kept, not cleared."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=7) as (engine, direct):
+        for _ in range(10):
+            await engine.step()
+        await _converged(router, engine, direct)
+        stream = direct.streams[0]
+        held = set(canonical(router.tree.dump_events()))
+        engine.publisher.corrupt_buffered(engine.publisher.next_seq - 1, b"\xc1\xc1\xc1")
+        await engine.send(_one_block_stored(10**12 + 1), publish=False)  # lost: the next batch shows a gap
+        await engine.send(_one_block_stored(10**12 + 2))
+        await eventually(lambda: stream.stats["replay_failed"] == 1 and stream.backlog == 0)
+        assert stream.stats["restarts"] == 0
+        assert held <= set(canonical(router.tree.dump_events()))
+        assert not _stream(router).trusted
+
+
+async def test_the_last_batch_heard_twice_is_a_duplicate_not_a_restart() -> None:
+    """The same frames again (same seq, same bytes; a new process's batch carries another time) are
+    dropped as a duplicate: nothing cleared, the rank still trusted."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=False, seed=8) as (engine, direct):
+        for _ in range(5):
+            await engine.step()
+        payload = encode([1700000000.5, _one_block_stored(10**12 + 3), 0])
+        seq = await engine.send_raw(payload)
+        await _converged(router, engine, direct)
+        stream = direct.streams[0]
+        duplicates = stream.stats["duplicate"]
+        await engine.publisher.send_corrupted(seq, payload)  # the same frames, heard again
+        await engine.step()
+        await _converged(router, engine, direct)
+        assert stream.stats["restarts"] == 0 and stream.stats["duplicate"] == duplicates + 1
+        assert _stream(router).trusted
+
+
 async def test_a_router_that_joins_late_replays_the_engine_history() -> None:
     router = _router()
     async with direct_mode(router, WORKER, replay=True, seed=9, history=40) as (engine, direct):
@@ -1189,6 +1233,24 @@ async def test_an_idle_streams_tail_checks_change_nothing_and_come_once_per_quie
         unchanged = ("gap", "restarts", "unverified", "replayed", "tail_recovered", "missing_history")
         assert {key: stats[key] for key in unchanged} == {key: before.get(key, 0) for key in unchanged}
         assert stats["tail_check_failed"] == 0
+        assert _stream(router).trusted
+
+
+async def test_a_tail_check_that_finds_garbage_under_the_applied_seq_fails_and_keeps_the_index() -> None:
+    """A quiet spell's check answered with garbage under the seq applied last is a failed check (counted),
+    not a restart: the engine's blocks are kept and the rank stays trusted."""
+    router = _router()
+    async with direct_mode(router, WORKER, replay=True, seed=44) as (engine, direct):
+        stats = direct.streams[0].stats
+        await _heard(engine, direct)
+        await _converged(router, engine, direct)
+        await _settled(stats)
+        checks = stats["tail_checks"]
+        seq = await engine.step()
+        engine.publisher.corrupt_buffered(seq, b"\xc1\xc1\xc1")  # before the quiet spell's check asks for it
+        await eventually(lambda: stats["tail_check_failed"] == 1, 10, "the quiet spell's check")
+        assert stats["tail_checks"] == checks + 1 and stats["restarts"] == 0
+        await _converged(router, engine, direct)
         assert _stream(router).trusted
 
 

@@ -602,6 +602,11 @@ class ZmqEngineStream:
             if self._last_applied is not None and self._reconnect_anchor is None:
                 self._reconnect_anchor = (self._last_applied, self._last_payload)
                 self._ask_tail_check()  # once the queue is empty: this batch is not held up
+        if seq == self._last_applied and payload == self._last_payload:
+            # The batch applied last, heard again (a new process's batch under this seq would differ: a
+            # batch carries its time): not a restart.
+            self.stats["duplicate"] += 1
+            return
         if seq != self._next_live():
             # Only a batch that decodes may move the live seq: garbage under seq 0 (or 2**64 - 1) would
             # otherwise read as a restart, now (or at the next batch), and clear the engine's ranks.
@@ -710,6 +715,12 @@ class ZmqEngineStream:
         async with self.sink.batch():
             if last is not None:
                 held = batches[0] if batches else None
+                if held is not None and held[0] == last and held[1] != applied and not self._decodes(held[1]):
+                    self.stats["tail_check_failed"] += 1  # no batch: proves nothing of a new process
+                    self._bad_input.warning("tail check failed", f"engine at {self.endpoint}: seq {last} is garbage")
+                    if self._reconnect_anchor is None:
+                        self._reconnect_anchor = anchor  # for the next check, as after a failed one
+                    return
                 if held is None or held[0] != last or held[1] != applied:
                     found = "nothing" if held is None else f"seq {held[0]}" if held[0] != last else "other bytes"
                     await self._restarted(f"a tail check found {found} under seq {last}")
@@ -749,6 +760,11 @@ class ZmqEngineStream:
             self.mark_unverified(f"replay from seq {ask_from} failed: {exc}")
             return
         if batches and batches[0][0] == ask_from < start:
+            if batches[0][1] != applied and not self._decodes(batches[0][1]):
+                # Garbage, not another process's batch: the replay failed, the index is kept.
+                self.stats["replay_failed"] += 1
+                self.mark_unverified(f"replay from seq {ask_from} failed: its batch under seq {ask_from} is garbage")
+                return
             if batches[0][1] != applied:
                 await self._restarted(f"its replay of seq {ask_from} is not the batch applied under it")
                 await self._repair(0)
@@ -776,6 +792,13 @@ class ZmqEngineStream:
         except ReplayHoles as exc:
             self._hole_ends = set(exc.resumes)
             return exc.batches
+
+    def _decodes(self, payload: bytes) -> bool:
+        try:
+            decode_engine_batch(payload, self.block_size)
+        except EngineDecodeError:
+            return False
+        return True
 
     def mark_unverified(self, reason: str) -> None:
         self.stats["unverified"] += 1
