@@ -350,3 +350,19 @@ async def test_every_router_started_finds_the_registered_workers_and_stops_clean
     assert [r.getMessage() for r in caplog.records if "ignored cancellation" in r.getMessage()] == []
     for holder in holders:
         await holder.stop()
+
+
+async def test_a_resync_nobody_serves_yet_is_asked_again_until_the_workers_responder_is_up(client: Client) -> None:
+    """A join (or reconnection) resync answered "no responders" (the worker's publisher or bridge not yet
+    subscribed, as after NATS came back) is asked again within seconds, not at the sequencer's retry
+    15 s later: the dump is applied and the stream trusted once the worker serves resyncs."""
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK))
+    await plane.register(WorkerConfig(worker_id=51, block_size=BLOCK), leased=True)  # nobody serves 51 yet
+    holder = await worker(client, 51)
+    await holder.stored(prompt_blocks(PROMPT))
+    await eventually(lambda: plane.sequencer.outcomes["resync_dump_applied"] == 1, 5)
+    assert plane.sequencer.outcomes["resync_no_responders"] == 0
+    assert [(s.worker_id, s.trusted) for s in plane.router.sequencer.status()] == [(51, True)]
+    await eventually(lambda: cached(plane.router, PROMPT).get((51, 0)) == 8)
+    await holder.stop()
+    await plane.stop()

@@ -91,16 +91,20 @@ async def test_a_gap_with_a_slow_responder_keeps_live_events_routable_and_conver
     await publisher.register()
     await eventually(lambda: plane.router.has_worker(71))
     answer_now = asyncio.Event()
+    hold = False
 
     async def slow_responder(message: Msg) -> None:
-        await answer_now.wait()  # the resync is in flight until the test says so
+        if hold:
+            await answer_now.wait()  # the gap's resync is in flight until the test says so
         request = msgspec.json.decode(message.data, type=ResyncRequest)
         await client.publish(message.reply, msgspec.msgpack.encode(publisher.answer_resync(request)))
 
     await client.subscribe(Subjects().resync(71), cb=slow_responder)
     before = pairs(10, 4)
     await publisher.stored(before)
-    await eventually(lambda: cached(plane.router, 10, 4) == {71: 4})
+    # The join's resync, asked again once this responder is up, answered at once: the stream trusted.
+    await eventually(lambda: cached(plane.router, 10, 4) == {71: 4} and plane.sequencer.status()[0].trusted)
+    hold = True
     lost = pairs(11, 3)
     with messages_lost(publisher):
         await publisher.stored(lost)

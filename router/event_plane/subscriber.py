@@ -35,6 +35,9 @@ __all__ = ["KvEventSubscriber"]
 
 # How often the slow loop looks for unverified streams whose retry time has come.
 RETRY_CHECK_S = 1.0
+# The waits before asking again a worker nobody serves the resyncs of (its bridge or publisher may be
+# subscribing again after NATS came back), before the sequencer's retry (`retry_interval_s` later).
+NO_RESPONDERS_RETRY_S = (0.5, 1.0, 2.0)
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,17 @@ class KvEventSubscriber:
         return self._resyncs.running
 
     async def _resync(self, request: ResyncRequest) -> None:
+        for wait in (*NO_RESPONDERS_RETRY_S, None):
+            if not await self._resync_once(request):
+                return
+            if wait is None:
+                break
+            await asyncio.sleep(wait)
+        log.debug("no responder for resyncs of worker %s dp_rank %s", request.worker_id, request.dp_rank)
+        self.sequencer.resync_failed(request, no_responders=True)
+
+    async def _resync_once(self, request: ResyncRequest) -> bool:
+        """Ask for ``request``'s dump and hand the outcome to the sequencer; True: nobody serves it."""
         subject = self.subjects.resync(request.worker_id)
         # Sent asking for parts; the sequencer is answered for its own request (it knows it by identity).
         payload = msgspec.json.encode(msgspec.structs.replace(request, in_parts=True))
@@ -132,10 +146,7 @@ class KvEventSubscriber:
                     response = await self._ask(subject, payload)
                     raise_if_cancelling()  # a stopped plane applies no more dumps
                 except NoRespondersError:
-                    # An answer, not a timeout: nobody serves resyncs for this worker (yet).
-                    log.debug("no responder for resyncs of worker %s dp_rank %s", request.worker_id, request.dp_rank)
-                    self.sequencer.resync_failed(request, no_responders=True)
-                    return
+                    return True  # an answer, not a timeout
                 except UNDECODABLE as exc:
                     self.sequencer.count_undecodable(resync_reply=True)
                     self._bad_input.warning("undecodable resync reply", f"from worker {request.worker_id}: {exc}")
@@ -149,13 +160,14 @@ class KvEventSubscriber:
                 follow_up = self.sequencer.resync_done(request, response)
                 if follow_up is not None:
                     self.launch_resync(follow_up)
-                return
+                return False
         self._bad_input.warning(
             "unanswered resync",
             f"worker {request.worker_id} dp_rank {request.dp_rank}: routing on its live events, unverified; "
             f"a full resync is tried again in {self.sequencer.retry_interval_s:.0f} s",
         )
         self.sequencer.resync_failed(request)
+        return False
 
     async def _ask(self, subject: str, payload: bytes) -> ResyncResponse:
         """The worker's answer: a large one comes in parts (`router.event_plane.resync_parts`), each
