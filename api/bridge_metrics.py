@@ -43,7 +43,7 @@ class BridgeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         bridge = self._bridge
-        last_ids, unverified, rejected, refused, up, probes, connected, reconnects = families = self._families()
+        last_ids, unverified, rejected, unsent, refused, up, probes, connected, reconnects = families = self._families()
         publisher = bridge.publisher
         unverified_ranks = publisher.unverified_ranks()
         for dp_rank, event_id in sorted(publisher.last_event_ids().items()):
@@ -52,6 +52,7 @@ class BridgeCollector(Collector):
             unverified.add_metric([str(dp_rank)], float(dp_rank in unverified_ranks))
         for outcome, count in sorted(bridge.sink.stats.items()):
             rejected.add_metric([outcome.removeprefix("rejected_")], count)
+        unsent.add_metric([], publisher.unsent_batches)
         if publisher.refusal is not None:
             refused.add_metric([str(publisher.refusal.router_block_size)], 1.0)
         if bridge.health is not None:  # without a probe the bridge cannot tell: no series, not a false 1
@@ -81,6 +82,11 @@ class BridgeCollector(Collector):
                 "Engine events not published, by reason (a store under a parent the engine never stored; "
                 "offloaded_unresolved: hashes of a token-less lower-tier store naming no block the rank holds).",
                 labels=["reason"],
+            ),
+            CounterMetricFamily(
+                f"{BRIDGE}_event_batches_unsent",
+                "Event batches NATS could not take (out of reach long enough to fill the connection's buffer); "
+                "kept in the ranks' rings, and replayed to the routers that see the gap once NATS is back.",
             ),
             GaugeMetricFamily(
                 f"{BRIDGE}_worker_refused",

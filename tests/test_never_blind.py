@@ -160,6 +160,43 @@ async def test_kill_9_and_restart_of_nats_keeps_routing_and_converges(
     await lifecycle.stop()
 
 
+async def test_events_published_while_nats_is_gone_past_the_connections_buffer_reach_the_router(
+    nats_server: EmbeddedNats,
+) -> None:
+    """NATS killed while a worker stores far more than the client's outbound buffer holds (2 MiB): the
+    publisher does not fail (the batches it could not send are counted), and once NATS is back the
+    router has every block, replayed or resynced from the publisher."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_server.url, resync_timeout_secs=2.0))
+    task = asyncio.create_task(lifecycle.run())
+    await eventually(lambda: lifecycle.ready)
+    worker_nc = await connect(NatsOptions(nats_server.url))
+    publisher = KvEventPublisher(worker_nc, WorkerConfig(worker_id=75, block_size=BLOCK), heartbeat_interval=0.2)
+    await publisher.start()
+    await eventually(lambda: router.has_worker(75))
+    await publisher.stored(pairs(80, 5))
+    await eventually(lambda: cached(router, 80, 5) == {75: 5})
+    assert nats_server.pid is not None
+    os.kill(nats_server.pid, signal.SIGKILL)
+    await eventually(lambda: not worker_nc.is_connected)
+    seed = 1000
+    while publisher.unsent_batches < 3 and seed < 3000:  # ~4 KiB a batch: the buffer is full after ~500
+        await publisher.stored(pairs(seed, 200))
+        seed += 1
+    assert publisher.unsent_batches >= 3
+    nats_server.restart()
+    await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=30)
+    await publisher.stored(pairs(seed, 2))  # the next event shows the router its gap
+    await eventually(lambda: cached(router, seed, 2) == {75: 2}, timeout=30)
+    await eventually(lambda: all(stream.trusted for stream in router.sequencer.status()), timeout=30)
+    assert same_state(router.tree, publisher)
+    await publisher.stop()
+    await worker_nc.close()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await lifecycle.stop()
+
+
 async def test_a_restarted_publisher_is_a_new_epoch_and_its_old_blocks_go(client: Client) -> None:
     plane = await router_plane(client)
     first = KvEventPublisher(client, WorkerConfig(worker_id=73, block_size=BLOCK))

@@ -256,9 +256,7 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None] | Non
         raise ConfigError("tokenizer", f"{where}: cannot load {tokenizer_file}: {_one_line(exc)}") from None
     special_map = _json_object(directory / "special_tokens_map.json", where)
     named, listed = _special_tokens(config, special_map)
-    _add_config_tokens(
-        tokenizer, _config_added_tokens(directory, contents, config, special_map, where), named, listed
-    )
+    _add_config_tokens(tokenizer, _config_added_tokens(directory, contents, config, special_map, where), named, listed)
     special = {name: str(token) for name, token in named.items()}  # the template's bos_token, ...
     processor = [name for name in _PROCESSOR_FILES if (directory / name).exists()]
     if processor:  # vLLM then prefers the processor's template (when a request has no tools)

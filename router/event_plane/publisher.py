@@ -42,6 +42,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import OutboundBufferLimitError
 from nats.js.kv import KeyValue
 
 from indexer.engine_events import (
@@ -76,6 +77,7 @@ from indexer.held_blocks import HeldBlocks
 from indexer.native import declined
 from router.event_plane.jetstream import kv_stream, open_bucket
 from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
+from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.resync_parts import reply_parts
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
@@ -146,6 +148,9 @@ class KvEventPublisher:
         self.refusal: Refusal | None = None
         self.refused = asyncio.Event()
         self._refused_subscription: Subscription | None = None
+        # Event batches NATS could not take: out of reach long enough to fill the connection's buffer.
+        self.unsent_batches = 0
+        self._unsent_log = RateLimitedLog(log)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, *, heartbeat: bool = True) -> None:
@@ -469,10 +474,21 @@ class KvEventPublisher:
             await self._send(events[:half])
             await self._send(events[half:])
             return
-        await self.nc.publish(self.subjects.events(self.worker_id), payload, headers=self._headers)
+        try:
+            await self.nc.publish(self.subjects.events(self.worker_id), payload, headers=self._headers)
+        except OutboundBufferLimitError:
+            # Not lost: the events stay in their ranks' rings, and a router sees the gap at the next event
+            # that reaches it and has them replayed (or resyncs the whole rank).
+            self.unsent_batches += 1
+            self._unsent_log.warning(
+                "events unsent",
+                f"worker {self.worker_id}: NATS out of reach and the connection's buffer full; routers "
+                "have them replayed once it is back",
+            )
 
     async def publish_load(self, load: ActiveLoad) -> None:
-        await self.nc.publish(self.subjects.load(self.worker_id), msgspec.json.encode(load))
+        with contextlib.suppress(OutboundBufferLimitError):  # NATS out of reach: the next report supersedes it
+            await self.nc.publish(self.subjects.load(self.worker_id), msgspec.json.encode(load))
 
     # ------------------------------------------------------------------ resync
     def answer_resync(self, request: ResyncRequest) -> ResyncResponse:
