@@ -303,6 +303,7 @@ async def test_the_last_batch_heard_twice_is_a_duplicate_not_a_restart() -> None
     dropped as a duplicate: nothing cleared, the rank still trusted."""
     router = _router()
     async with direct_mode(router, WORKER, replay=False, seed=8) as (engine, direct):
+        await _heard_without_replay(engine, direct)
         for _ in range(5):
             await engine.step()
         payload = encode([1700000000.5, _one_block_stored(10**12 + 3), 0])
@@ -393,18 +394,23 @@ async def test_a_new_process_first_heard_at_the_next_seq_reads_as_the_old_one_go
         await _converged(router, engine, direct)
 
 
+async def _heard_without_replay(engine: FakeEngine, direct: DirectEngine) -> None:
+    """Past the slow-joiner window: a PUB socket shows no subscriber, so clears (which change nothing
+    the engine holds) go out until the stream applies one. A slept 0.2 s was not always enough on a
+    loaded machine: the steps then went out unheard, a gap with no replay. One lost before the stream
+    joined is such a gap too, and the clear it then applies makes it trusted."""
+
+    async def heard() -> bool:
+        await engine.send([engine.cleared()])
+        return direct.streams[0].stats["applied"] > 0
+
+    await eventually(heard, what="the stream hears the engine")
+
+
 async def test_without_replay_a_gap_leaves_the_rank_untrusted_until_it_clears() -> None:
     router = _router()
     async with direct_mode(router, WORKER, replay=False, seed=11) as (engine, direct):
-        # Past the slow-joiner window: a PUB socket shows no subscriber, so clears (which change
-        # nothing the engine holds) go out until the stream applies one. A slept 0.2 s was not always
-        # enough on a loaded machine: the steps then went out unheard, a gap with no replay. One lost
-        # before the stream joined is such a gap too, and the clear it then applies makes it trusted.
-        async def heard() -> bool:
-            await engine.send([engine.cleared()])
-            return direct.streams[0].stats["applied"] > 0
-
-        await eventually(heard, what="the stream hears the engine")
+        await _heard_without_replay(engine, direct)
         unverified = direct.streams[0].stats["unverified"]  # 1 if the first clear went out unheard
         for _ in range(5):
             await engine.step()
