@@ -17,7 +17,8 @@ from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.plane import RouterEventPlane
-from router.event_plane.publisher import KvEventPublisher
+from router.event_plane.publisher import KvEventPublisher, open_registry
+from router.event_plane.subjects import Subjects
 from router.kv_router import KvRouter, RemovalReason
 from router.types import RouteRequest, WorkerConfig
 from tests.waiting import eventually
@@ -366,3 +367,25 @@ async def test_a_resync_nobody_serves_yet_is_asked_again_until_the_workers_respo
     await eventually(lambda: cached(plane.router, PROMPT).get((51, 0)) == 8)
     await holder.stop()
     await plane.stop()
+
+
+async def test_a_router_starts_on_a_registry_whose_last_revision_was_compacted_away() -> None:
+    """The bucket's last revision is gone (a delete marker purged, as `nats kv compact` does): the
+    router still knows when it has read the bucket, starts at once and knows the worker left in it."""
+    with EmbeddedNats() as server:
+        nc = await connect(NatsOptions(server.url))
+        try:
+            registry = await open_registry(nc, Subjects())
+            for worker_id in (1, 2):
+                await registry.put(
+                    str(worker_id), msgspec.json.encode(WorkerConfig(worker_id=worker_id, block_size=BLOCK))
+                )
+            await registry.delete("2")
+            await registry.purge_deletes(olderthan=-1)
+            state = (await registry.status()).stream_info.state
+            assert (state.messages, state.last_seq) == (1, 3)  # revision 3, the delete marker, is no more
+            plane = await plane_for(nc, RouterConfig(block_size=BLOCK))
+            assert [w.worker_id for w in plane.router.workers()] == [1]
+            await plane.stop()
+        finally:
+            await nc.close()

@@ -171,9 +171,10 @@ class RouterEventPlane:
 
     async def _watch_registry(self, initial_done: asyncio.Event) -> None:
         assert self._registry is not None
-        # The initial contents end at the bucket's last revision when the watch starts. (nats-py's own
-        # end marker can come before an entry the server had already sent: it then asks the consumer,
-        # which counts that entry as delivered, not pending.)
+        # The initial contents end at the entry the server sends with nothing pending after it, or at the
+        # bucket's last revision when the watch starts (a later entry shows it passed; that revision may
+        # be gone, purged, and never come). Not at nats-py's own end marker: it can come before an entry
+        # the server had already sent (it then asks the consumer, which counts that one delivered).
         state = (await self._registry.status()).stream_info.state
         initial_end = state.last_seq if state.messages else 0
         if initial_end == 0:
@@ -186,7 +187,7 @@ class RouterEventPlane:
                 if entry is None:  # nats-py's marker, see above
                     continue
                 await self._apply_registry_entry(entry)
-                if entry.revision >= initial_end:
+                if entry.delta == 0 or entry.revision >= initial_end:
                     initial_done.set()
         finally:
             # Its subscription would outlive the task (a stopped plane, a retried start) and keep
