@@ -52,7 +52,7 @@ from router.event_plane.urls import redact_nats_url
 from router.kv_router import KvRouter
 from router.replicas.durable import DurableEvents
 from router.replicas.sync import ReplicaSync
-from router.supervision import raise_if_cancelling
+from router.supervision import raise_if_cancelling, unwind
 from router.types import WorkerConfig
 
 __all__ = ["PlaneLifecycle", "PlaneState", "embedded_nats"]
@@ -246,7 +246,7 @@ class PlaneLifecycle:
                 # plane left running would keep its subscriptions and tasks beside the next one's).
                 if isinstance(exc, Exception):
                     self._start_error = f"{type(exc).__name__}: {exc}"
-                await _undo_start(plane, durable, replicas, sync_nc)
+                await unwind(_undo_start(plane, durable, replicas, sync_nc))
                 raise
             finally:
                 self._restoring = None

@@ -13,7 +13,8 @@ A `Supervisor` owns the tasks one component runs beside its callers:
   ``next_msg`` are built on it). A task still running at the timeout is named in an ERROR log and
   left behind rather than hanging the shutdown; whatever ended with an exception meanwhile has
   already been logged. A loop whose cancellation was lost is not restarted, and `raise_if_cancelling`
-  lets a loop end at once after such an await rather than run another round.
+  lets a loop end at once after such an await rather than run another round; a clean-up that must
+  not be cut by the next ask runs under `unwind`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-__all__ = ["Supervisor", "raise_if_cancelling"]
+__all__ = ["Supervisor", "raise_if_cancelling", "unwind"]
 
 _log = logging.getLogger(__name__)
 _CANCEL_AGAIN_S = 0.5  # long enough for a cancelled task's own clean-up, which another cancel would cut
@@ -36,6 +37,21 @@ def raise_if_cancelling() -> None:
     the module's docstring): called after an await that may have swallowed it, before the next round."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def unwind(cleanup: Coroutine[Any, Any, None]) -> None:
+    """Run ``cleanup`` to its end even while the task is cancelled again (`Supervisor.stop` asks every
+    half second), then deliver the cancellation: a clean-up that awaits NATS must not be cut half way."""
+    work = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            cancelled = cancelled or not work.done()
+    work.result()
+    if cancelled:
         raise asyncio.CancelledError
 
 

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.supervision import Supervisor, raise_if_cancelling
+from router.supervision import Supervisor, raise_if_cancelling, unwind
 
 pytestmark = pytest.mark.anyio
 
@@ -155,3 +155,31 @@ async def test_a_loop_that_returns_after_its_cancellation_was_lost_is_not_restar
         await _answered_as_stopped(supervisor, answers)
     assert supervisor.running == 0 and supervisor.restarts["one-round"] == 0
     assert [r.getMessage() for r in caplog.records] == []
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+async def test_a_clean_up_under_unwind_is_not_cut_by_stops_second_cancellation(guarded: bool) -> None:
+    """A loop cancelled while it starts undoes its half-made start (awaiting the server); `stop` asks
+    again after half a second. Under `unwind` the clean-up finishes; bare, it is cut where it waits."""
+    steps: list[str] = []
+    begun = asyncio.Event()
+
+    async def undo() -> None:
+        for step in ("replicas", "durable", "plane"):
+            await asyncio.sleep(0.3)  # each a NATS round trip on a slow server
+            steps.append(step)
+
+    async def starts() -> None:
+        try:
+            begun.set()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await (unwind(undo()) if guarded else undo())
+            raise
+
+    supervisor = Supervisor("test", stop_timeout_s=3)
+    supervisor.keep_running("starts", starts)
+    await begun.wait()
+    await supervisor.stop()
+    assert supervisor.running == 0
+    assert steps == (["replicas", "durable", "plane"] if guarded else ["replicas"])
