@@ -396,12 +396,12 @@ class EventSequencer:
         """Nobody answered ``request`` (``no_responders``: nobody serves the worker's resyncs; or
         timeouts, no transport): carry on with what is applied; the stream stays untrusted and is
         offered a retry later."""
-        if no_responders:
-            self.outcomes["resync_no_responders"] += 1
         key = (request.worker_id, request.dp_rank)
         stream = self._streams.get(key)
         if stream is None or stream.resync is not request:
             return
+        if no_responders:
+            self.outcomes["resync_no_responders"] += 1
         stream.resync = None
         self.outcomes["resync_failed"] += 1
         self._give_up(key, stream)
@@ -517,6 +517,11 @@ class EventSequencer:
         self.outcomes["publisher_restarts"] += 1
         self.ingest(regressed)
         return True
+
+    def resync_in_flight(self, request: ResyncRequest) -> bool:
+        """True while ``request`` is its stream's resync: not yet answered, failed, or replaced."""
+        stream = self._streams.get((request.worker_id, request.dp_rank))
+        return stream is not None and stream.resync is request
 
     def request_full_resync(self, worker_id: int, dp_rank: int) -> ResyncRequest | None:
         """Start a full resync of one stream now (e.g. when its worker registers), unless one runs."""

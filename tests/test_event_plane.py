@@ -19,6 +19,7 @@ from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.publisher import KvEventPublisher, open_registry
 from router.event_plane.subjects import Subjects
+from router.event_plane.subscriber import NO_RESPONDERS_RETRY_S
 from router.kv_router import KvRouter, RemovalReason
 from router.types import RouteRequest, WorkerConfig
 from tests.waiting import eventually
@@ -386,6 +387,26 @@ async def test_a_router_starts_on_a_registry_whose_last_revision_was_compacted_a
             assert (state.messages, state.last_seq) == (1, 3)  # revision 3, the delete marker, is no more
             plane = await plane_for(nc, RouterConfig(block_size=BLOCK))
             assert [w.worker_id for w in plane.router.workers()] == [1]
+            await plane.stop()
+        finally:
+            await nc.close()
+
+
+async def test_a_resync_replaced_while_it_waits_to_ask_again_is_not_asked_again() -> None:
+    """A registration's ask that nobody served waits to ask again; a reconnection's ask replaces it
+    meanwhile. Once the worker serves resyncs it is asked once: no dump comes back for a stale request."""
+    with EmbeddedNats() as server:
+        nc = await connect(NatsOptions(server.url))
+        try:
+            plane = await plane_for(nc, RouterConfig(block_size=BLOCK))
+            await plane.register(WorkerConfig(worker_id=53, block_size=BLOCK), leased=True)  # nobody serves 53
+            await plane.on_reconnected()  # asks anew, replacing the registration's ask
+            holder = await worker(nc, 53)
+            await eventually(lambda: plane.sequencer.outcomes["resync_dump_applied"] == 1, 5)
+            await asyncio.sleep(sum(NO_RESPONDERS_RETRY_S))  # past every retry the first ask had
+            assert plane.sequencer.outcomes["resync_stale"] == 0
+            assert plane.sequencer.outcomes["resync_dump_applied"] == 1
+            await holder.stop()
             await plane.stop()
         finally:
             await nc.close()

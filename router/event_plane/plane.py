@@ -139,7 +139,7 @@ class RouterEventPlane:
     def _join_resync(self, worker_id: int, dp_rank: int) -> None:
         request = self.sequencer.request_full_resync(worker_id, dp_rank)
         if request is not None:
-            self.subscriber.launch_resync(request)
+            self.subscriber.launch_resync(request, soon_again=True)
 
     async def stop(self) -> None:
         await self._background.stop()

@@ -113,25 +113,32 @@ class KvEventSubscriber:
                 for request in self.sequencer.due_retries():
                     self.launch_resync(request)
 
-    def launch_resync(self, request: ResyncRequest) -> None:
-        self._resyncs.spawn(f"resync-{request.worker_id}-{request.dp_rank}", self._resync(request))
+    def launch_resync(self, request: ResyncRequest, *, soon_again: bool = False) -> None:
+        """Ask for ``request``'s dump. ``soon_again``: "no responders" is asked again after
+        `NO_RESPONDERS_RETRY_S` (a registration's or a reconnection's ask: the worker's bridge or
+        publisher may be subscribing meanwhile), not only by the slow loop's retry."""
+        waits = NO_RESPONDERS_RETRY_S if soon_again else ()
+        self._resyncs.spawn(f"resync-{request.worker_id}-{request.dp_rank}", self._resync(request, waits))
 
     def resync_all(self) -> None:
         """After a reconnect events may have been lost: ask every worker for its full state."""
         for request in self.sequencer.resync_all():
-            self.launch_resync(request)
+            self.launch_resync(request, soon_again=True)
 
     @property
     def resyncs_in_flight(self) -> int:
         return self._resyncs.running
 
-    async def _resync(self, request: ResyncRequest) -> None:
-        for wait in (*NO_RESPONDERS_RETRY_S, None):
+    async def _resync(self, request: ResyncRequest, waits: tuple[float, ...]) -> None:
+        for wait in (*waits, None):
             if not await self._resync_once(request):
                 return
             if wait is None:
                 break
+            raise_if_cancelling()
             await asyncio.sleep(wait)
+            if not self.sequencer.resync_in_flight(request):
+                return  # replaced meanwhile (a reconnection asks anew): not asked twice
         log.debug("no responder for resyncs of worker %s dp_rank %s", request.worker_id, request.dp_rank)
         self.sequencer.resync_failed(request, no_responders=True)
 
