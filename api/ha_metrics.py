@@ -1,7 +1,8 @@
 """Metrics of replica sync and durable events (`router.replicas`), read when ``/metrics`` is scraped.
 
-- ``kv_router_replica_sync_changes_total{outcome}``: published, applied, duplicate, gap, repaired,
-  joined, peer_expired, peer_left, rejected_<reason>, ...
+- ``kv_router_replica_sync_changes_total{outcome}``: published, unpublished (NATS out of reach and the
+  connection's buffer full: the peers repair the gap), applied, duplicate, gap, repaired, joined,
+  peer_expired, peer_left, rejected_<reason>, ...
 - ``kv_router_replica_sync_peers``: replicas heard from within their lease.
 - ``kv_router_replica_sync_lag_seconds{quantile}``: publish-to-applied lag of the last 4,096 batches
   received (wall clocks of sender and receiver; NTP-synchronised hosts or one host).

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import random
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+import nats
 import pytest
 from nats.aio.client import Client
 
@@ -487,4 +491,36 @@ async def test_a_cache_predicted_on_one_replica_is_predicted_on_every_one(nats_s
         for sync in (a, b):
             await sync.stop()
         for nc in connections:
+            await nc.close()
+
+
+async def test_changes_made_while_nats_is_gone_past_the_connections_buffer_reach_the_peers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """NATS killed while one replica books more than its connection buffers (64 KiB here, 2 MiB by
+    default): its publish loop does not crash (the changes it could not publish are counted), and once
+    NATS is back the peer repairs the gap and holds every booking."""
+    with EmbeddedNats() as server:
+        nc = await nats.connect(server.url, pending_size=64 * 1024, reconnect_time_wait=0.2, max_reconnect_attempts=-1)
+        router = new_router()
+        sync = ReplicaSync(router, nc, heartbeat_s=0.1)
+        await sync.start()
+        try:
+            async with replica(server.url) as peer:
+                await eventually(lambda: sync.outcomes["joined"] + peer.sync.outcomes["joined"] >= 1)
+                assert server.pid is not None
+                os.kill(server.pid, signal.SIGKILL)
+                await eventually(lambda: not nc.is_connected)
+                with caplog.at_level(logging.ERROR, logger="router.supervision"):
+                    for _ in range(2000):  # bounded: the buffer is full after a few hundred
+                        await router.new(RouteRequest(tokens=PROMPTS[0], request_id=new_request_id()))
+                        await asyncio.sleep(0)
+                        if sync.outcomes["unpublished"] >= 50:
+                            break
+                    assert sync.outcomes["unpublished"] >= 50
+                    server.restart()
+                    await agree([peer], router)
+                assert [r.getMessage() for r in caplog.records if "publish" in r.getMessage()] == []
+        finally:
+            await sync.stop()
             await nc.close()

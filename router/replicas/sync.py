@@ -41,7 +41,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
-from nats.errors import NoRespondersError
+from nats.errors import NoRespondersError, OutboundBufferLimitError
 
 from indexer.errors import UNDECODABLE
 from router.errors import DuplicateRequestId, UnknownWorker
@@ -308,7 +308,14 @@ class ReplicaSync:
                 changes = [change for change in changes if self._encodable(change)]
                 batch = SyncBatch(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms(), changes=changes)
                 payload = _encode(batch)
-            await self.nc.publish(self.subjects.router_sync, payload)
+            try:
+                await self.nc.publish(self.subjects.router_sync, payload)
+            except OutboundBufferLimitError:
+                # NATS out of reach long enough to fill the connection's buffer: the peers see the gap
+                # this batch's number leaves at the next one that reaches them, and ask for the view.
+                self.outcomes["unpublished"] += len(changes)
+                self._bad_input.warning("sync batch not published", "NATS out of reach, the connection's buffer full")
+                continue
             self.outcomes["published"] += len(changes)
             self.outcomes["published_batches"] += 1
 
