@@ -247,16 +247,20 @@ def _load(model: str, path: Path) -> tuple[Tokenizer, ChatTemplate | None] | Non
     try:
         text = tokenizer_file.read_text(encoding="utf-8")
         tokenizer = Tokenizer.from_str(text)
-        # Read whole only by a Llama rebuild and an older config's added tokens, and once (a large
+        # Read as JSON only for a Llama rebuild or an older config's added tokens, and once (a large
         # vocabulary's file takes a fraction of a second a parse).
-        contents: Callable[[], dict[str, Any]] = functools.cache(lambda: json.loads(text))
+        older_config = not isinstance(config.get("added_tokens_decoder"), dict)
+        contents = json.loads(text) if tokenizer_class in _LLAMA_CLASSES or older_config else {}
         if tokenizer_class in _LLAMA_CLASSES:
-            tokenizer = _llama(tokenizer, contents(), config)
+            tokenizer = _llama(tokenizer, contents, config)
     except Exception as exc:
         raise ConfigError("tokenizer", f"{where}: cannot load {tokenizer_file}: {_one_line(exc)}") from None
     special_map = _json_object(directory / "special_tokens_map.json", where)
     named, listed = _special_tokens(config, special_map)
-    _add_config_tokens(tokenizer, _config_added_tokens(directory, contents, config, special_map, where), named, listed)
+    file_added = contents.get("added_tokens") or []
+    _add_config_tokens(
+        tokenizer, _config_added_tokens(directory, file_added, config, special_map, where), named, listed
+    )
     special = {name: str(token) for name, token in named.items()}  # the template's bos_token, ...
     processor = [name for name in _PROCESSOR_FILES if (directory / name).exists()]
     if processor:  # vLLM then prefers the processor's template (when a request has no tools)
@@ -376,7 +380,7 @@ def _token_like(value: Any) -> bool:
 
 def _config_added_tokens(
     directory: Path,
-    contents: Callable[[], dict[str, Any]],
+    file_added: list[Any],
     config: dict[str, Any],
     special_map: dict[str, Any],
     where: str,
@@ -399,7 +403,7 @@ def _config_added_tokens(
             if isinstance(index, int):
                 flags = {"special": text in special, "normalized": text not in special}
                 tokens[index] = AddedToken(text, lstrip=False, rstrip=False, **flags)
-    for entry in contents().get("added_tokens") or []:
+    for entry in file_added:
         token = _added_token(entry)
         if isinstance(token, AddedToken) and isinstance(entry.get("id"), int):
             tokens[entry["id"]] = token
