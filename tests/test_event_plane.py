@@ -221,7 +221,9 @@ async def test_a_nats_outage_longer_than_the_lease_keeps_the_workers_and_the_ind
     try:
         router_nc = await connect(NatsOptions(server.url))
         worker_nc = await connect(NatsOptions(server.url))
-        plane = await plane_for(router_nc, RouterConfig(block_size=BLOCK), lease_s=1.0)
+        # A lease of 2 s: the worker's client reconnects up to a second after the router's (the reconnect
+        # wait, jittered), and the leases restart with the router's.
+        plane = await plane_for(router_nc, RouterConfig(block_size=BLOCK), lease_s=2.0)
         keeper, leaver = await worker(worker_nc, 71), await worker(worker_nc, 72)
         await keeper.stored(prompt_blocks(PROMPT))
         await leaver.stored(prompt_blocks(PROMPT[: 2 * BLOCK]))
@@ -229,13 +231,13 @@ async def test_a_nats_outage_longer_than_the_lease_keeps_the_workers_and_the_ind
         server.stop()
         await eventually(lambda: not router_nc.is_connected)
         leaver.stop_heartbeat()  # silent from the outage on, and after it
-        await asyncio.sleep(3.0)  # the behaviour under test: three leases without NATS
+        await asyncio.sleep(5.0)  # the behaviour under test: two leases and a half without NATS
         assert cached(plane.router, PROMPT) == {(71, 0): 8, (72, 0): 2}
         server.start()
         await eventually(lambda: router_nc.is_connected and worker_nc.is_connected, timeout=30)
         assert cached(plane.router, PROMPT) == {(71, 0): 8, (72, 0): 2}  # leases restarted, not expired
         await eventually(lambda: not plane.router.has_worker(72), timeout=30)  # silent past its new lease
-        await asyncio.sleep(1.5)  # past the lease again: heartbeats keep the other one
+        await asyncio.sleep(2.5)  # past the lease again: heartbeats keep the other one
         assert cached(plane.router, PROMPT) == {(71, 0): 8}
         assert plane.router.removals["lease_expired"] == 1 and plane.outcomes["expired"] == 1
         for publisher in (keeper, leaver):
