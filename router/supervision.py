@@ -47,12 +47,14 @@ async def unwind(cleanup: Coroutine[Any, Any, None]) -> None:
     cancelled = False
     while not work.done():
         try:
-            await asyncio.shield(work)
+            await asyncio.wait({work})  # which cancels the waiting, never the clean-up
         except asyncio.CancelledError:
-            cancelled = cancelled or not work.done()
-    work.result()
+            cancelled = True  # even as the clean-up ends in the same turn: not lost
     if cancelled:
+        if not work.cancelled() and (failure := work.exception()) is not None:
+            _log.error("a clean-up failed while its task was being cancelled", exc_info=failure)
         raise asyncio.CancelledError
+    work.result()
 
 
 class Supervisor:

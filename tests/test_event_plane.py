@@ -412,3 +412,23 @@ async def test_a_resync_replaced_while_it_waits_to_ask_again_is_not_asked_again(
             await plane.stop()
         finally:
             await nc.close()
+
+
+async def test_with_events_from_jetstream_an_unverified_stream_is_still_asked_again() -> None:
+    """A plane that takes its events from elsewhere (``--durable-events``: the JetStream stream) still
+    retries the full resync of a stream left unverified, once its retry interval has passed."""
+    with EmbeddedNats() as server:
+        nc = await connect(NatsOptions(server.url))
+        try:
+            plane = RouterEventPlane(KvRouter(RouterConfig(block_size=BLOCK)), nc, subscribe_events=False)
+            plane.sequencer.retry_interval_s = 0.2
+            await plane.start()
+            await plane.register(WorkerConfig(worker_id=55, block_size=BLOCK), leased=True)  # nobody serves 55
+            await eventually(lambda: plane.sequencer.outcomes["resync_no_responders"] == 1, 10)
+            holder = await worker(nc, 55)
+            await eventually(lambda: plane.sequencer.outcomes["resync_dump_applied"] == 1, 10)
+            assert [(s.worker_id, s.trusted) for s in plane.router.sequencer.status()] == [(55, True)]
+            await holder.stop()
+            await plane.stop()
+        finally:
+            await nc.close()

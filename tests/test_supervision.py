@@ -183,3 +183,31 @@ async def test_a_clean_up_under_unwind_is_not_cut_by_stops_second_cancellation(g
     await supervisor.stop()
     assert supervisor.running == 0
     assert steps == (["replicas", "durable", "plane"] if guarded else ["replicas"])
+
+
+async def test_unwind_delivers_a_cancellation_that_lands_as_its_clean_up_ends(caplog: pytest.LogCaptureFixture) -> None:
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def clean_up() -> None:
+        await done
+
+    task = asyncio.ensure_future(unwind(clean_up()))
+    for _ in range(3):
+        await asyncio.sleep(0)  # the clean-up is waiting
+    done.set_result(None)
+    task.cancel()  # in the same turn as the clean-up's end
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    async def failing() -> None:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("durable.stop failed")
+
+    task = asyncio.ensure_future(unwind(failing()))
+    await asyncio.sleep(0)
+    task.cancel()
+    with caplog.at_level(logging.ERROR, logger="router.supervision"), pytest.raises(asyncio.CancelledError):
+        await task  # the cancellation still delivered; the clean-up's failure logged, not lost
+    assert [(r.getMessage(), str(r.exc_info[1]) if r.exc_info else "") for r in caplog.records] == [
+        ("a clean-up failed while its task was being cancelled", "durable.stop failed")
+    ]

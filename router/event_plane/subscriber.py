@@ -77,12 +77,12 @@ class KvEventSubscriber:
     async def start(self) -> None:
         # Resyncs that events from any door call for now go out over NATS.
         self.sequencer.resync_transport = self.launch_resync
-        if not self._subscribe:
-            return
-        self._subscription = await self.nc.subscribe(
-            self.subjects.all_events, cb=self._on_message, pending_msgs_limit=1_000_000
-        )
+        # With events from elsewhere too: an unverified stream is asked again every retry interval.
         self._retries.keep_running("resync-retries", self._retry_unverified)
+        if self._subscribe:
+            self._subscription = await self.nc.subscribe(
+                self.subjects.all_events, cb=self._on_message, pending_msgs_limit=1_000_000
+            )
 
     async def stop(self) -> None:
         self.sequencer.resync_transport = None

@@ -160,7 +160,9 @@ class ReplicaSync:
         self._bad_input = RateLimitedLog(log)
         # Outcome -> count: published, applied, duplicate, gap, repaired, peer_expired, rejected_<reason>, ...
         # Present from the start, at 0: a counter first seen at 1 reads as no increase to Prometheus.
-        self.outcomes: Counter[str] = Counter(dict.fromkeys(("published", "applied", "gap", "repaired"), 0))
+        self.outcomes: Counter[str] = Counter(
+            dict.fromkeys(("published", "unpublished", "applied", "gap", "repaired"), 0)
+        )
         self.lag_s: deque[float] = deque(maxlen=LAG_SAMPLES)
 
     # ------------------------------------------------------------------ lifecycle
