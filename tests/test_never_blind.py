@@ -8,9 +8,12 @@ restarted publishers (new epoch in the header or only in the registration).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 import msgspec
 import pytest
@@ -123,41 +126,62 @@ async def test_a_gap_with_a_slow_responder_keeps_live_events_routable_and_conver
     await plane.stop()
 
 
+class _OneWorkerFleet(NamedTuple):
+    router: KvRouter
+    lifecycle: PlaneLifecycle
+    worker_nc: Client
+    publisher: KvEventPublisher
+
+
+@contextlib.asynccontextmanager
+async def one_worker_then_nats_killed(
+    nats_server: EmbeddedNats, worker_id: int, seed: int, resync_timeout_s: float
+) -> AsyncIterator[_OneWorkerFleet]:
+    """A router's event plane and one publishing worker (five blocks of ``seed`` indexed), then the
+    nats-server killed (-9); everything stopped on the way out."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_server.url, resync_timeout_secs=resync_timeout_s))
+    task = asyncio.create_task(lifecycle.run())
+    await eventually(lambda: lifecycle.ready)
+    worker_nc = await connect(NatsOptions(nats_server.url))
+    publisher = KvEventPublisher(worker_nc, WorkerConfig(worker_id=worker_id, block_size=BLOCK), heartbeat_interval=0.2)
+    try:
+        await publisher.start()
+        await eventually(lambda: router.has_worker(worker_id))
+        await publisher.stored(pairs(seed, 5))
+        await eventually(lambda: cached(router, seed, 5) == {worker_id: 5})
+        assert nats_server.pid is not None
+        os.kill(nats_server.pid, signal.SIGKILL)
+        await eventually(lambda: lifecycle.state == "disconnected" and not worker_nc.is_connected)
+        yield _OneWorkerFleet(router, lifecycle, worker_nc, publisher)
+    finally:
+        await publisher.stop()
+        await worker_nc.close()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await lifecycle.stop()
+
+
 async def test_kill_9_and_restart_of_nats_keeps_routing_and_converges(
     nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="api.plane_lifecycle")
-    router = KvRouter(RouterConfig(block_size=BLOCK))
-    lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_server.url, resync_timeout_secs=0.5))
-    task = asyncio.create_task(lifecycle.run())
-    await eventually(lambda: lifecycle.ready)
-    worker_nc = await connect(NatsOptions(nats_server.url))
-    publisher = KvEventPublisher(worker_nc, WorkerConfig(worker_id=72, block_size=BLOCK), heartbeat_interval=0.2)
-    await publisher.start()
-    await eventually(lambda: router.has_worker(72))
-    await publisher.stored(pairs(20, 5))
-    await eventually(lambda: cached(router, 20, 5) == {72: 5})
-    assert nats_server.pid is not None
-    os.kill(nats_server.pid, signal.SIGKILL)
-    await eventually(lambda: lifecycle.state == "disconnected")
-    # NATS is gone: the router still routes on the index it has.
-    decision = await router.new(RouteRequest(tokens=tokens(20, 5)))
-    assert (decision.worker_id, decision.overlap_blocks) == (72, 5)
-    assert lifecycle.health().state == "disconnected"
-    nats_server.restart()
-    await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=30)
-    await publisher.stored(pairs(21, 2))  # published after the restart: routable without waiting for resyncs
-    await eventually(lambda: cached(router, 21, 2) == {72: 2})
-    await eventually(lambda: all(stream.trusted for stream in router.sequencer.status()))
-    assert same_state(router.tree, publisher)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "lost the NATS connection" in r.message]
-    infos = [r for r in caplog.records if r.levelno == logging.INFO and "reconnected to NATS" in r.message]
-    assert (len(warnings), len(infos), lifecycle.disconnects) == (1, 1, 1)
-    await publisher.stop()
-    await worker_nc.close()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await lifecycle.stop()
+    async with one_worker_then_nats_killed(nats_server, 72, 20, 0.5) as (router, lifecycle, worker_nc, publisher):
+        # NATS is gone: the router still routes on the index it has.
+        decision = await router.new(RouteRequest(tokens=tokens(20, 5)))
+        assert (decision.worker_id, decision.overlap_blocks) == (72, 5)
+        assert lifecycle.health().state == "disconnected"
+        nats_server.restart()
+        await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=30)
+        await publisher.stored(pairs(21, 2))  # published after the restart: routable without waiting for resyncs
+        await eventually(lambda: cached(router, 21, 2) == {72: 2})
+        await eventually(lambda: all(stream.trusted for stream in router.sequencer.status()))
+        assert same_state(router.tree, publisher)
+        warnings = [
+            r for r in caplog.records if r.levelno == logging.WARNING and "lost the NATS connection" in r.message
+        ]
+        infos = [r for r in caplog.records if r.levelno == logging.INFO and "reconnected to NATS" in r.message]
+        assert (len(warnings), len(infos), lifecycle.disconnects) == (1, 1, 1)
 
 
 async def test_events_published_while_nats_is_gone_past_the_connections_buffer_reach_the_router(
@@ -166,35 +190,18 @@ async def test_events_published_while_nats_is_gone_past_the_connections_buffer_r
     """NATS killed while a worker stores far more than the client's outbound buffer holds (2 MiB): the
     publisher does not fail (the batches it could not send are counted), and once NATS is back the
     router has every block, replayed or resynced from the publisher."""
-    router = KvRouter(RouterConfig(block_size=BLOCK))
-    lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_server.url, resync_timeout_secs=2.0))
-    task = asyncio.create_task(lifecycle.run())
-    await eventually(lambda: lifecycle.ready)
-    worker_nc = await connect(NatsOptions(nats_server.url))
-    publisher = KvEventPublisher(worker_nc, WorkerConfig(worker_id=75, block_size=BLOCK), heartbeat_interval=0.2)
-    await publisher.start()
-    await eventually(lambda: router.has_worker(75))
-    await publisher.stored(pairs(80, 5))
-    await eventually(lambda: cached(router, 80, 5) == {75: 5})
-    assert nats_server.pid is not None
-    os.kill(nats_server.pid, signal.SIGKILL)
-    await eventually(lambda: not worker_nc.is_connected)
-    seed = 1000
-    while publisher.unsent_batches < 3 and seed < 3000:  # ~4 KiB a batch: the buffer is full after ~500
-        await publisher.stored(pairs(seed, 200))
-        seed += 1
-    assert publisher.unsent_batches >= 3
-    nats_server.restart()
-    await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=30)
-    await publisher.stored(pairs(seed, 2))  # the next event shows the router its gap
-    await eventually(lambda: cached(router, seed, 2) == {75: 2}, timeout=30)
-    await eventually(lambda: all(stream.trusted for stream in router.sequencer.status()), timeout=30)
-    assert same_state(router.tree, publisher)
-    await publisher.stop()
-    await worker_nc.close()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await lifecycle.stop()
+    async with one_worker_then_nats_killed(nats_server, 75, 80, 2.0) as (router, lifecycle, worker_nc, publisher):
+        seed = 1000
+        while publisher.unsent_batches < 3 and seed < 3000:  # ~4 KiB a batch: the buffer is full after ~500
+            await publisher.stored(pairs(seed, 200))
+            seed += 1
+        assert publisher.unsent_batches >= 3
+        nats_server.restart()
+        await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=30)
+        await publisher.stored(pairs(seed, 2))  # the next event shows the router its gap
+        await eventually(lambda: cached(router, seed, 2) == {75: 2}, timeout=30)
+        await eventually(lambda: all(stream.trusted for stream in router.sequencer.status()), timeout=30)
+        assert same_state(router.tree, publisher)
 
 
 async def test_a_restarted_publisher_is_a_new_epoch_and_its_old_blocks_go(client: Client) -> None:
