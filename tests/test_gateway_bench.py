@@ -139,3 +139,14 @@ def test_the_python_floor_hands_back_the_backends_answers_byte_for_byte(stub: st
                     assert ours.content == theirs.content
     finally:
         stop_process(floor)
+
+
+def test_the_proxy_profile_splits_a_cells_cpu_by_layer() -> None:
+    """bench/proxy_profile.py against the real proxy and stubs: every layer's share, summing to the whole."""
+    command = [sys.executable, str(ROOT / "bench" / "proxy_profile.py"), "--requests", "300", "--concurrency", "8"]
+    output = subprocess.run(command, capture_output=True, text=True, timeout=240, check=True).stdout
+    shares = {line.split("%", 1)[1].strip(): float(line.split("%", 1)[0]) for line in output.splitlines()
+              if line.startswith("  ") and "%" in line[:10]}  # fmt: skip
+    assert {"api/proxy", "api (HTTP)", "router"} <= set(shares)
+    assert abs(sum(shares.values()) - 100) < 1
+    assert "kv-router --proxy, c=8 JSON text" in output and "send (api/proxy/upstream.py" in output
