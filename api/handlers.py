@@ -36,6 +36,7 @@ from api.errors import (
 from api.hints import routing_call
 from api.metrics import ApiMetrics
 from api.wire import (
+    MAX_REQUEST_ID,
     EventsReply,
     MarkReply,
     MarkRequest,
@@ -399,7 +400,9 @@ def _header_id(call: Call) -> str | None:
     booked under it is echoed in that header and freed by the body field. `InvalidBody` otherwise."""
     given = call.request_id
     if given is not None and not is_request_id(given):
-        raise InvalidBody("X-Request-Id: a request id is 1 to 256 visible ASCII characters, without spaces")
+        raise InvalidBody(
+            f"X-Request-Id: a request id is 1 to {MAX_REQUEST_ID} visible ASCII characters, without spaces"
+        )
     return given
 
 

@@ -40,6 +40,7 @@ from router.types import (
 )
 
 __all__ = [
+    "MAX_REQUEST_ID",
     "QUERY_INSTANCE_ID",
     "AgentHints",
     "BlockExtraInfo",
@@ -87,10 +88,12 @@ __all__ = [
 
 # Request ids travel back in the X-Request-Id header, so they must be valid header text: visible
 # ASCII, no spaces, bounded length.
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+_ID_CHAR = r"[\x21-\x7e]"
+MAX_REQUEST_ID = 256
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID, pattern=f"^{_ID_CHAR}+$")]
 # The same rule for a text outside a body (X-Request-Id), checked per request: a compiled match, not a
 # msgspec.convert (which looks the annotated type up again on every call).
-is_request_id = re.compile(r"[\x21-\x7e]{1,256}").fullmatch
+is_request_id = re.compile(f"{_ID_CHAR}{{1,{MAX_REQUEST_ID}}}").fullmatch
 
 
 # ---------------------------------------------------------------- Dynamo's PreprocessedRequest
