@@ -118,7 +118,7 @@ class StreamEndpoint:
                 raise body_too_large(self._limit)
             body = await read_body(receive, self._limit)
         except BodyTooLarge:
-            await send_reply(send, self._route.too_large())
+            await send_reply(send, self._route.too_large(head_of(scope["headers"])))
             return
         except ClientGone:
             return

@@ -525,7 +525,7 @@ class HttpProtocol(asyncio.Protocol):
     def _too_large(self, request: _HotRequest) -> Reply:
         """The 413 of a body over the limit: a stream route's own, or the service's."""
         stream = self._streams.get(request.path)
-        return stream.too_large() if stream is not None else too_large_reply(self.max_body_bytes)
+        return stream.too_large(request.raw_head) if stream is not None else too_large_reply(self.max_body_bytes)
 
     def _run(self, request: _HotRequest) -> None:
         chunks = request.chunks

@@ -70,7 +70,7 @@ class StreamRoute(NamedTuple):
     booking, for good)."""
 
     handle: StreamHandler
-    too_large: Callable[[], Reply]
+    too_large: Callable[[bytes], Reply]  # given the request's header lines (`StreamCall.head`)
     write_timeout_secs: float
 
 

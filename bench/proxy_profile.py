@@ -24,6 +24,7 @@ import os
 import pstats
 import random
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +113,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--save", metavar="FILE", help="keep the profile (pstats) there, for callers and callees")
     args = parser.parse_args()
     cell = Cell(concurrency=args.concurrency, stream=args.form == "sse", prompt=args.prompt)
     bodies = request_bodies(cell, args.requests, args.prompt_tokens, 16, random.Random(0))
@@ -142,6 +144,8 @@ def main() -> int:
             requests = len(result.latencies_s) + max(cell.concurrency, 32)  # with run_cell's warm-up round
             print(f"kv-router --proxy, {cell}, {requests} requests profiled")
             print(report(out, requests, args.top))
+            if args.save:
+                shutil.copyfile(out, args.save)
         finally:
             stop_process(process)
     return 0

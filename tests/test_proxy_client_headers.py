@@ -100,20 +100,37 @@ async def test_cors_answers_allowed_origins_only_and_is_off_by_default(
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("fast_protocol", [True, False])
-async def test_a_refusal_for_want_of_the_api_token_carries_the_cors_headers(
+async def test_refusals_before_the_body_is_read_carry_the_request_id_and_the_cors_headers(
     nats_server: EmbeddedNats, fast_protocol: bool
 ) -> None:
-    """A browser script of an allowed origin can read why it was refused (without the headers it sees
-    an opaque network error)."""
+    """The 401 for want of the API token and the 413 of a body over the limit are answered before the
+    proxy reads the request: a browser script of an allowed origin can still read why (without the
+    CORS headers it sees an opaque network error), and the client's request id comes back (a fresh
+    one when it sent none), as on every other answer."""
     origin = "https://app.example.com"
-    service = {"fast_protocol": fast_protocol, "cors_allow_origins": [origin]}
+    service = {"fast_protocol": fast_protocol, "cors_allow_origins": [origin], "max_body_bytes": 4096}
     security = {"api_token": "s3cret", "protect_decisions": True}
-    async with fleet(nats_server.url, (1,), service=service, security=security) as f:
-        async with httpx.AsyncClient(base_url=f.url) as http:
-            body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
-            refused = await http.post("/v1/completions", json=body, headers={"origin": origin})
-        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == origin
-        assert refused.json()["error"]["type"] == "unauthorized"
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+    large = {**body, "prompt": list(range(1, 2000))}
+    token = {"authorization": "Bearer s3cret"}
+    async with (
+        fleet(nats_server.url, (1,), service=service, security=security) as f,
+        httpx.AsyncClient(base_url=f.url) as http,
+    ):
+        unauthorized = await http.post("/v1/completions", json=body, headers={"origin": origin, "x-request-id": "r-1"})
+        too_large = await http.post(
+            "/v1/chat/completions", json=large, headers={"origin": origin, "x-request-id": "r-2", **token}
+        )
+        anonymous = await http.post("/v1/completions", json=large, headers=token)
+        stranger = await http.post("/v1/completions", json=large, headers={"origin": "https://evil.example", **token})
+    assert unauthorized.status_code == 401 and unauthorized.json()["error"]["type"] == "unauthorized"
+    assert too_large.status_code == 413 and too_large.json()["error"]["type"] == "invalid_request_error"
+    for refused, request_id in ((unauthorized, "r-1"), (too_large, "r-2")):
+        assert refused.headers["access-control-allow-origin"] == origin
+        assert refused.headers.get_list("x-request-id") == [request_id]
+    assert anonymous.status_code == 413 and len(anonymous.headers.get_list("x-request-id")[0]) > 8
+    assert "access-control-allow-origin" not in anonymous.headers
+    assert stranger.status_code == 413 and "access-control-allow-origin" not in stranger.headers
 
 
 NAMES = st.from_regex(r"[A-Za-z][A-Za-z0-9-]{0,12}", fullmatch=True)

@@ -21,6 +21,7 @@ from api.cors import Cors
 from api.http_stream import Headers, Sink, StreamCall, header_value
 from api.proxy.tracing import ProxyTracing, RequestSpan, Timeline
 from api.wire import is_request_id
+from router.request_ids import new_request_id
 
 __all__ = ["ClientHeaders", "Passed", "WithHeaders"]
 
@@ -66,11 +67,15 @@ class ClientHeaders:
             answer += self._cors.answer_headers(header_value(head, b"origin", lowered))
         return Passed(request_id, b"".join(upstream), answer, span)
 
-    def cors(self, call: StreamCall) -> Headers:
-        """The CORS headers alone, for an answer given before the request is read (its 401)."""
-        if self._cors is None:
-            return []
-        return self._cors.answer_headers(header_value(call.head, b"origin", b"\n" + call.head.lower()))
+    def unread(self, head: bytes) -> Headers:
+        """The headers of an answer given before the request is read (its 401, its 413), from its
+        header lines: its request id (the client's, else a fresh one: nothing is booked) and CORS."""
+        lowered = b"\n" + head.lower()
+        given = (header_value(head, self.name, lowered) or b"").decode("latin-1")
+        headers = [(self.name, (given if is_request_id(given) else new_request_id()).encode("latin-1"))]
+        if self._cors is not None:
+            headers += self._cors.answer_headers(header_value(head, b"origin", lowered))
+        return headers
 
 
 class WithHeaders:

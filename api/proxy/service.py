@@ -203,15 +203,17 @@ class Proxy:
                 presented = [(b"authorization", authorization)] if authorization else []
                 if auth.refuse(Access.DECISION, presented) is not None:
                     self.metrics.count(route, "unauthorized")
-                    # With CORS: a browser script of an allowed origin may read why it was refused.
-                    headers = [*_header_bytes(unauthorized), *self.client_headers.cors(request)]
+                    # The request id, and CORS: a browser script of an allowed origin may read why.
+                    headers = [*_header_bytes(unauthorized), *self.client_headers.unread(request.head)]
                     await request.whole(unauthorized.status, headers, unauthorized.body)
                     return
                 await self.answer(route, request)
 
-            def too_large() -> Reply:
+            def too_large(head: bytes) -> Reply:
                 self.metrics.count(route, "bad_request")
-                return too_large_reply
+                unread = self.client_headers.unread(head)
+                headers = tuple((name.decode("latin-1"), value.decode("latin-1")) for name, value in unread)
+                return Reply(too_large_reply.status, too_large_reply.body, headers=headers)
 
             return StreamRoute(handle, too_large, self.config.proxy_client_write_timeout_secs)
 
