@@ -157,8 +157,8 @@ class AsgiStreamedRequest:
     (`begin`'s sink) are sent in order by one task; the source pauses while it is behind."""
 
     __slots__ = (
-        "_handler", "_pending", "_pump", "_resume", "_send", "_write_timeout", "authorization", "body", "disconnected",
-        "finished", "head",
+        "_ended", "_handler", "_pending", "_pump", "_resume", "_send", "_write_timeout", "authorization", "body",
+        "disconnected", "finished", "head",
     )  # fmt: skip
 
     # Pieces queued before the source is told to pause.
@@ -182,6 +182,7 @@ class AsgiStreamedRequest:
         self.head = head
         self.disconnected = False
         self.finished = False
+        self._ended = False  # the body's last message is queued (`finish`)
         self._pending: deque[Message] = deque()
         self._pump: asyncio.Future[None] | None = None
         self._resume: Callable[[], None] | None = None
@@ -222,10 +223,16 @@ class AsgiStreamedRequest:
         else:
             asyncio.get_running_loop().call_soon(resume)
 
+    def finish(self, data: bytes) -> None:
+        """The last piece as the body's last message (`Sink.finish`)."""
+        self._ended = True
+        self._queue({"type": "http.response.body", "body": data})
+
     async def end(self, last: bytes = b"") -> None:
-        if last:
-            self.write(last)
-        self._queue({"type": "http.response.body", "body": b""})
+        if not self._ended:
+            if last:
+                self.write(last)
+            self._queue({"type": "http.response.body", "body": b""})
         await self._flushed()
 
     def _queue(self, message: Message) -> None:

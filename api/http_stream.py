@@ -84,6 +84,11 @@ class Sink(Protocol):
 
     def when_drained(self, resume: Callable[[], None]) -> None: ...
 
+    def finish(self, data: bytes) -> None:
+        """Hand on the answer's last piece (possibly empty) with its end, in one write: nothing is
+        written after it, and `StreamCall.end` then adds nothing (it is called all the same)."""
+        ...
+
 
 class StreamCall(Protocol):
     """What a stream route's handler gets: the whole request, and its answer to write, whole
@@ -178,8 +183,8 @@ class StreamedRequest:
     """One request on a stream route and its answer, written to the connection's transport."""
 
     __slots__ = (
-        "_connection", "_drain_waiter", "_head", "_request", "_status", "_task", "_write_timeout", "authorization",
-        "body", "disconnected", "head",
+        "_connection", "_drain_waiter", "_ended", "_head", "_request", "_status", "_task", "_write_timeout",
+        "authorization", "body", "disconnected", "head",
     )  # fmt: skip
 
     def __init__(
@@ -201,6 +206,7 @@ class StreamedRequest:
         self._drain_waiter: asyncio.Task[None] | None = None  # `when_drained`'s, until the client catches up
         self.disconnected = False
         self._head: bytes | None = None  # a streamed answer's head, written with its first piece
+        self._ended = False  # a streamed answer's end has been written (`finish`)
         self._status = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -250,6 +256,17 @@ class StreamedRequest:
             transport.write(chunk)
         return connection.write_paused()
 
+    def finish(self, data: bytes) -> None:
+        """The last chunk and the body's end in one write (`Sink.finish`). The answer is complete:
+        the connection takes the client's next request now (the client may send it as soon as it
+        has this end), while the handler finishes its bookkeeping, and a client leaving from here
+        on no longer cancels it."""
+        head, self._head = self._head, None
+        self._ended = True
+        chunk = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+        self._write((head or b"") + chunk + b"0\r\n\r\n")
+        self._connection.stream_complete(self._status)
+
     def when_drained(self, resume: Callable[[], None]) -> None:
         """Call ``resume`` once the client has caught up (`Sink.when_drained`)."""
         task = self._drain_waiter = asyncio.ensure_future(self._drained(resume))
@@ -257,6 +274,8 @@ class StreamedRequest:
         task.add_done_callback(self._connection.tasks.discard)
 
     async def end(self, last: bytes = b"") -> None:
+        if self._ended:  # written with the last piece
+            return
         if last:
             self.write(last)
         head, self._head = self._head, None
@@ -313,3 +332,5 @@ class StreamedRequest:
     def _crashed(self, exc: BaseException | None) -> None:
         if not self._request.response_complete:
             self._connection.stream_crashed(exc, started=self._status != 0)
+        elif exc is not None:  # after `finish`: the client has its whole answer, the defect is only logged
+            logger.error("Exception after a streamed answer's end", exc_info=exc)

@@ -22,6 +22,7 @@ from api import eager
 from api.config import ProxyConfig
 from api.proxy import tokens
 from api.proxy.upstream import Upstream, UpstreamConnection, UpstreamError
+from api.proxy.wire import finished_stream
 from indexer.hashing import pack_tokens
 from router.event_plane.embedded_server import free_port
 from router.types import WorkerConfig
@@ -127,6 +128,7 @@ class Collect:
         self.behind = behind  # how many writes answer "behind"
         self.resume: Callable[[], None] | None = None
         self.began: list[bytes | None] = []  # the content types `begin` was called with
+        self.finished = False  # `finish` was called: the stream's end went with its last piece
 
     def begin(self, content_type: bytes | None) -> Collect:
         """`api.proxy.upstream.Begin`: the stream starts here."""
@@ -142,6 +144,11 @@ class Collect:
 
     def when_drained(self, resume: Callable[[], None]) -> None:
         self.resume = resume
+
+    def finish(self, data: bytes) -> None:
+        if data:
+            self.data.append(data)
+        self.finished = True
 
 
 events_strategy = st.lists(st.binary(min_size=1, max_size=200).map(lambda b: b"data: " + b.hex().encode() + b"\n\n"),
@@ -199,6 +206,37 @@ def test_any_framing_split_anywhere_gives_the_body_back_and_keeps_the_connection
             assert worker.connections == (2 if framing == "close" else 1)
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length"])
+@pytest.mark.parametrize("arrival", ["one read", "event by event"])
+async def test_a_stream_that_ends_as_it_should_goes_to_the_client_with_its_end(framing: str, arrival: str) -> None:
+    """Once the answer is whole and its last events end the stream (``ends``), they go to the sink
+    with the stream's end (`Sink.finish`: one write to the client, not the events then the end); a
+    stream cut short of its last event is only written, its end left to the caller (who says why)."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    finished, cut_short = [b"data: a\n\n", b"data: b\n\n", b"data: [DONE]\n\n"], [b"data: a\n\n", b"data: b\n\n"]
+    async with peer() as worker, client() as upstream:
+        for events in (finished, cut_short):
+            body = b"".join(events)
+            if framing == "chunked":
+                pieces = [
+                    head + b"transfer-encoding: chunked\r\n\r\n",
+                    *(chunked([e], [])[:-5] for e in events),
+                    b"0\r\n\r\n",
+                ]
+            else:
+                pieces = [head + b"content-length: %d\r\n\r\n" % len(body), *events]
+            worker.scripts.append([b"".join(pieces)] if arrival == "one read" else pieces)
+            sink = Collect()
+            connection = await upstream.open(
+                worker.url, b"/v1/completions", b"{}", begin=sink.begin, ends=finished_stream
+            )
+            assert await connection.handed_on()
+            assert b"".join(sink.data) == body
+            assert sink.finished is connection.ended is (events is finished)
+            connection.release()
+        assert worker.connections == 1
 
 
 async def test_the_request_goes_out_as_one_http11_post_with_the_given_headers() -> None:

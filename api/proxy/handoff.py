@@ -365,6 +365,9 @@ class _Dropped:
     def when_drained(self, resume: Callable[[], None]) -> None:
         resume()
 
+    def finish(self, data: bytes) -> None:
+        return None
+
 
 _DROPPED = _Dropped()
 
@@ -384,3 +387,8 @@ class _LastPiece:
 
     def when_drained(self, resume: Callable[[], None]) -> None:
         self.sink.when_drained(resume)
+
+    def finish(self, data: bytes) -> None:
+        if data:
+            self.last = data
+        self.sink.finish(data)

@@ -624,7 +624,8 @@ class Proxy:
             timeline.sent = time.time_ns()
         try:
             patient = None if stream else partial(self.router.in_routing, worker.worker_id)
-            connection = await self.upstream.open(worker.url, path, body, headers, begin, on_events, patient)
+            ends = finished_stream if stream else None
+            connection = await self.upstream.open(worker.url, path, body, headers, begin, on_events, patient, ends)
         except UpstreamError as exc:
             raise WorkerFailed(worker.worker_id, str(exc)) from None
         if timeline is not None:

@@ -97,11 +97,14 @@ class Upstream:
         begin: Begin | None = None,
         on_events: Callable[[bytes], None] | None = None,
         patient: Callable[[], bool] | None = None,
+        ends: Callable[[bytes], bool] | None = None,
     ) -> UpstreamConnection:
         """Send ``POST path`` with ``body`` (JSON) and the raw header lines ``headers`` to the worker
         at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`.
         ``begin``: a 200 answer is a stream handed on from the read callback (`UpstreamConnection.handed_on`);
-        ``on_events``: told of every piece of a stream handed on (both set before the answer comes).
+        ``on_events``: told of every piece of a stream handed on (both set before the answer comes);
+        ``ends``: given the stream's last two pieces once the answer is whole in a read callback, True
+        when its end may go to the client with them (`Sink.finish`: one write, not two).
         ``patient``: asked when the worker has been silent for the read timeout; True (its worker still
         in routing) waits on, up to ``proxy_request_timeout_secs`` from the request: a whole answer (no
         stream) comes at its end, so its silence says nothing of the worker."""
@@ -110,7 +113,7 @@ class Upstream:
             if not self._running:
                 raise RuntimeError("the proxy's upstream client is not started")
             pool = self._pools[url] = _Pool(_endpoint(url), self._config, self._tls_context)
-        return await pool.send(path, body, headers, begin, on_events, patient)
+        return await pool.send(path, body, headers, begin, on_events, patient, ends)
 
     async def post(self, url: str, path: bytes, body: bytes) -> tuple[int, bytes]:
         """A whole exchange: the status and body of ``POST path`` (used for ``/tokenize``)."""
@@ -149,6 +152,7 @@ class _Pool:
         begin: Begin | None,
         on_events: Callable[[bytes], None] | None,
         patient: Callable[[], bool] | None,
+        ends: Callable[[bytes], bool] | None,
     ) -> UpstreamConnection:
         endpoint = self.endpoint
         request = b"".join(
@@ -160,13 +164,13 @@ class _Pool:
         reused = connection.used
         try:
             try:
-                await connection.send(request, begin, on_events, patient)
+                await connection.send(request, begin, on_events, patient, ends)
             except _ClosedBeforeAnswer:
                 if not reused:
                     raise UpstreamError("the worker closed the connection before answering") from None
                 # The worker closed an idle connection as this request went out: once more, afresh.
                 connection = await self._acquire(fresh=True)
-                await connection.send(request, begin, on_events, patient)
+                await connection.send(request, begin, on_events, patient, ends)
         except asyncio.CancelledError:
             connection.close()  # cancelled before the answer's head: the engine must stop the request too
             raise
@@ -299,6 +303,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._heard = 0.0  # loop time of the last byte from the worker
         self._sent_at = 0.0  # loop time the request went out
         self._patient: Callable[[], bool] | None = None  # see `Upstream.open`
+        self._ends: Callable[[bytes], bool] | None = None  # see `Upstream.open`
+        self.ended = False  # the stream handed on has ended at the client (`Sink.finish`)
         self.read_at = 0.0  # perf_counter time of the last read a waiting coroutine was woken for
         self.begun_at = 0.0  # with ``begin``: perf_counter time of the read that brought the first events
         self.first_sent_at = 0.0  # and of their write to the client (0: not begun)
@@ -388,6 +394,7 @@ class UpstreamConnection(asyncio.Protocol):
         begin: Begin | None = None,
         on_events: Callable[[bytes], None] | None = None,
         patient: Callable[[], bool] | None = None,
+        ends: Callable[[bytes], bool] | None = None,
     ) -> None:
         """Write the request; returns once the answer's head is in (see `Upstream.open`)."""
         self.used = True
@@ -395,6 +402,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._begin = begin
         self.on_events = on_events
         self._patient = patient
+        self._ends = ends
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
             raise _ClosedBeforeAnswer("the connection was closed")
@@ -448,6 +456,13 @@ class UpstreamConnection(asyncio.Protocol):
         self.first_sent_at = time.perf_counter()
 
     def _hand_on(self, sink: Sink, data: bytes) -> None:
+        ends = self._ends
+        if self.complete and ends is not None and ends(self.tail):
+            # The end goes with the last events, in the read callback: one write, not a second later.
+            self._ends = None
+            self.ended = True
+            sink.finish(data)
+            return
         if data and sink.write(data) and not self.complete:
             self._pause_reading()
             sink.when_drained(self._resume_reading)
@@ -506,6 +521,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._pieces = []
         self._last = self._before_last = b""
         self._sink = None
+        self.ended = False
         self.first_sent_at = 0.0
         self._head_in = False
         self.complete = False
