@@ -6,7 +6,12 @@ over them) and runs the whole service with replica sync on, so a request booked 
 connection can be marked through any other's and every child routes on the load of all of them.
 
 The parent supervises: a child that dies is started again after a second (it rejoins through replica
-sync; its bookings leave the others after the lease). SIGTERM / SIGINT to the parent is passed on to
+sync; its bookings leave the others after the lease). While a sibling runs, the child started again
+listens only once its event plane has started (`api.server.serve_child`): its socket would take its
+share of new connections at once, answered from an empty view (no workers, no bookings) while the
+siblings answer from the fleet's. The first children listen as soon as their app starts (``/healthz``
+answers at once, ``/readyz`` says when each is ready), and so does one started again when no sibling
+runs: there is then no one else to answer. SIGTERM / SIGINT to the parent is passed on to
 every child (once each; those not yet started are not started), which shuts down gracefully; the
 parent exits when they have. A parent killed outright (SIGKILL) takes its children with it: each
 gets SIGTERM from the kernel (Linux).
@@ -29,12 +34,14 @@ import msgspec
 from api.config import Settings
 from router.event_plane.embedded_server import die_with_parent
 
-__all__ = ["CHILD_SETTINGS_ENV", "child_settings", "run_children"]
+__all__ = ["CHILD_CATCH_UP_ENV", "CHILD_SETTINGS_ENV", "child_settings", "run_children"]
 
 log = logging.getLogger(__name__)
 
 CHILD_SETTINGS_ENV = "KV_ROUTER__CHILD_SETTINGS"
 CHILD_INDEX_ENV = "KV_ROUTER__CHILD_INDEX"
+# "1": the child listens only once its event plane has started (started again beside a running sibling).
+CHILD_CATCH_UP_ENV = "KV_ROUTER__CHILD_CATCH_UP"
 RESTART_AFTER_S = 1.0
 
 
@@ -58,11 +65,12 @@ def run_children(settings: Settings) -> int:
             signalled.add(child.pid)
             child.send_signal(signal.SIGTERM)
 
-    def start(index: int) -> None:
+    def start(index: int, catch_up: bool = False) -> None:
         env = {
             **os.environ,
             CHILD_SETTINGS_ENV: msgspec.json.encode(child_settings(settings, index)).decode(),
             CHILD_INDEX_ENV: str(index),
+            CHILD_CATCH_UP_ENV: "1" if catch_up else "",
         }
         command = [sys.executable, "-c", "from api.server import serve_child; serve_child()"]
         # A child outliving the parent (kill -9) would keep its share of the port, ready but cut off
@@ -92,7 +100,8 @@ def run_children(settings: Settings) -> int:
                                 index, child.pid, child.returncode, RESTART_AFTER_S)  # fmt: skip
                     time.sleep(RESTART_AFTER_S)
                     if not stopping:
-                        start(index)
+                        siblings = (other for other_index, other in children.items() if other_index != index)
+                        start(index, catch_up=any(other.poll() is None for other in siblings))
         for child in children.values():
             terminate(child)  # one whose start the signal interrupted is not in what stop() saw
             child.wait()

@@ -7,6 +7,8 @@ runs the app's lifespan shutdown and exits 0.
 
 Once its socket listens (the app started), each serving process logs one INFO line with the address:
 ``serving HTTP on http://HOST:PORT`` (``https://`` with TLS; with ``--processes N`` each child its own).
+A ``--processes`` child started again beside a serving sibling listens only once its event plane has
+started (`serve_child`): the kernel would hand it its share of the port's connections at once.
 """
 
 from __future__ import annotations
@@ -18,18 +20,19 @@ import logging.config
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import Literal
 
 import msgspec
 import uvicorn
 
-from api.app import create_app
+from api.app import RouterApp, create_app
 from api.config import Settings
 from api.http_protocol import fast_protocol
 from api.logs import log_config
 from api.plane_lifecycle import embedded_nats
-from api.processes import CHILD_SETTINGS_ENV, run_children
+from api.processes import CHILD_CATCH_UP_ENV, CHILD_SETTINGS_ENV, run_children
 
 __all__ = ["ListenError", "listening_socket", "serve", "serve_child", "uvicorn_config"]
 
@@ -68,8 +71,12 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
     )
 
 
-def serve(settings: Settings, sock: socket.socket | None = None) -> None:
+def serve(settings: Settings, sock: socket.socket | None = None, *, catch_up: bool = False) -> None:
     """Serve until SIGTERM / SIGINT; returns once the last in-flight request has been answered.
+
+    ``catch_up`` (with ``sock``, bound but not yet listening): the socket listens only once the event
+    plane has started (the worker registry read, with replica sync the peers' bookings joined), not as
+    soon as the app has; a signal meanwhile stops the process without it ever listening.
 
     Without ``nats_url`` (and unless ``embedded_nats`` is off) a private nats-server runs beside the
     service for its whole life and stops after it.
@@ -98,7 +105,9 @@ def serve(settings: Settings, sock: socket.socket | None = None) -> None:
             else:
                 config = uvicorn_config(settings)
                 _freeze_startup_objects(proxy=settings.proxy.proxy)
-                _Server(config).run(sockets=None if sock is None else [sock])
+                plane = config.app.event_plane if isinstance(config.app, RouterApp) else None
+                caught_up = plane.started if catch_up and sock is not None and plane is not None else None
+                _Server(config, caught_up).run(sockets=None if sock is None else [sock])
     except _Stopped as stopped:
         stopped_by = stopped.signal
     finally:
@@ -114,15 +123,55 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, saying where it listens: uvicorn logs no address for sockets it is handed."""
+    """uvicorn's server, saying where it listens: uvicorn logs no address for sockets it is handed.
+
+    With ``caught_up``, the sockets it is handed listen only once that has returned (after the app's
+    start), or never if a signal comes first (it then shuts down as after any start)."""
+
+    def __init__(self, config: uvicorn.Config, caught_up: Callable[[], Awaitable[object]] | None = None) -> None:
+        super().__init__(config)
+        self._caught_up = caught_up
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.should_exit or not self.servers:  # the app failed to start: no address to give
+        held = sockets if self._caught_up is not None and sockets else None
+        # With sockets held, uvicorn starts the app and listens on none of them (an empty list).
+        await super().startup([] if held is not None else sockets)
+        if held is not None and await self._until_caught_up():
+            await self._listen(held)
+        if self.should_exit or not self.servers:  # the app failed to start, or stopped before it listened
             return
         for server in self.servers:
             for sock in server.sockets:
                 logger.info("serving HTTP on %s", http_address(sock.getsockname(), tls=self.config.ssl is not None))
+
+    async def _until_caught_up(self) -> bool:
+        """Wait for ``caught_up``; False if a signal (``should_exit``) comes first."""
+        assert self._caught_up is not None
+        logger.info("started again beside serving processes: listening once the event plane has started")
+        waiting = asyncio.ensure_future(self._caught_up())
+        try:
+            while not waiting.done():
+                if self.should_exit:  # uvicorn's signal handler only sets it (checked as its main loop does)
+                    return False
+                await asyncio.wait({waiting}, timeout=0.1)
+            return True
+        finally:
+            waiting.cancel()
+
+    async def _listen(self, sockets: list[socket.socket]) -> None:
+        """Serve on ``sockets`` as uvicorn's own start-up does with sockets handed to it."""
+        config = self.config
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=_loop
+            )
+
+        loop = asyncio.get_running_loop()
+        for sock in sockets:
+            self.servers.append(
+                await loop.create_server(create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog)
+            )
 
 
 def http_address(sockname: tuple[str, int] | tuple[str, int, int, int], *, tls: bool = False) -> str:
@@ -163,9 +212,11 @@ def _stop(sig: int, frame: FrameType | None) -> None:
 
 
 def serve_child() -> None:
-    """One process of ``--processes N``: settings from the parent, its own socket on the shared port."""
+    """One process of ``--processes N``: settings from the parent, its own socket on the shared port. One
+    started again while a sibling serves listens only once it has the fleet's workers and bookings."""
     settings = msgspec.json.decode(os.environ[CHILD_SETTINGS_ENV], type=Settings)
-    serve(settings, sock=_reuse_port_socket(settings.service.host, settings.service.port))
+    catch_up = os.environ.get(CHILD_CATCH_UP_ENV) == "1"
+    serve(settings, sock=_reuse_port_socket(settings.service.host, settings.service.port), catch_up=catch_up)
 
 
 def _reuse_port_socket(host: str, port: int) -> socket.socket:

@@ -2,9 +2,11 @@
 
 Clients connect to ``url``; everything is relayed to the real server, except that every
 ``drop_every``-th message the server delivers on ``drop_subject`` whose payload contains ``marker``
-is silently left out, as a network or a slow consumer would lose it. (Counting only marked messages
-keeps the loss from locking onto one sender when the traffic is periodic.) Runs its own event loop
-in a thread, so blocking tests can use it.
+is silently left out, as a network or a slow consumer would lose it (``drop_every=0``: nothing is).
+(Counting only marked messages keeps the loss from locking onto one sender when the traffic is
+periodic.) While ``refusing`` is set, a new client connection is closed at once: NATS unreachable
+for a process that starts now, while the connections already made go on. Runs its own event loop in
+a thread, so blocking tests can use it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from router.event_plane.embedded_server import free_port
 
 
 class LossyNatsProxy:
-    def __init__(self, upstream_port: int, drop_subject: str, drop_every: int, marker: bytes = b"") -> None:
+    def __init__(self, upstream_port: int, drop_subject: str = "", drop_every: int = 0, marker: bytes = b"") -> None:
         self.upstream_port = upstream_port
         self.drop_subject = drop_subject.encode()
         self.drop_every = drop_every
@@ -26,6 +28,8 @@ class LossyNatsProxy:
         self.port = free_port()
         self.seen = 0
         self.dropped = 0
+        self.refusing = False
+        self.refused = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nats-proxy", daemon=True)
         self._server: asyncio.Server | None = None
@@ -58,6 +62,10 @@ class LossyNatsProxy:
                 task.cancel()
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            self.refused += 1
+            client_writer.close()
+            return
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         upstream = asyncio.create_task(_pipe(client_reader, server_writer))
         try:
@@ -77,7 +85,7 @@ class LossyNatsProxy:
             if keyword in (b"MSG", b"HMSG"):
                 parts = line.split()
                 frame += await reader.readexactly(int(parts[-1]) + 2)
-                if parts[1] == self.drop_subject and self.marker in frame:
+                if self.drop_every and parts[1] == self.drop_subject and self.marker in frame:
                     self.seen += 1
                     if self.seen % self.drop_every == 0:
                         self.dropped += 1

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from nats.aio.client import Client
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
+from tests.nats_proxy import LossyNatsProxy
 from tests.router_processes import ROOT, RouterProcess, get
 from tests.test_api_support import prompt
 from tests.test_never_blind import pairs, tokens
@@ -100,6 +102,88 @@ def test_processes_share_the_port_and_one_load_view(tmp_path: Path) -> None:
         until(lambda: len(active_everywhere(router.port)) == 1, 40, "the processes agree again")
     finally:
         router.stop()
+    assert router.process is not None and router.process.returncode == 0
+
+
+def decided_and_freed(port: int, request_id: str) -> tuple[int, Any]:
+    """``POST /v1/new`` on a fresh connection, its booking freed on the same one (the same process)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("POST", "/v1/new", json.dumps({"tokens": PROMPT, "request_id": request_id}),
+                           {"content-type": "application/json"})  # fmt: skip
+        reply = connection.getresponse()
+        status, answer = reply.status, json.loads(reply.read())
+        if status == 200:
+            connection.request("POST", "/v1/mark_free", json.dumps({"request_id": request_id}),
+                               {"content-type": "application/json"})  # fmt: skip
+            connection.getresponse().read()
+        return status, answer
+    finally:
+        connection.close()
+
+
+def wrong_answers(port: int, workers: set[int], active: int, seconds: float, requests: int = 300) -> list[str]:
+    """Over fresh connections for ``seconds`` (at most ``requests`` rounds): every answer that misses a
+    registered worker or a booking (``GET /v1/workers``), and every decision refused (``POST /v1/new``)."""
+    wrong: list[str] = []
+    deadline = time.monotonic() + seconds
+    for _ in range(requests):
+        if time.monotonic() > deadline:
+            break
+        listed = get(port, "/v1/workers")["workers"]
+        seen = {row["config"]["worker_id"]: sum(rank["active_requests"] for rank in row["ranks"]) for row in listed}
+        # More than `active` is a probe below whose free is still on its way to the other process.
+        if set(seen) != workers or sum(seen.values()) < active:
+            wrong.append(f"GET /v1/workers: active requests by worker {seen}")
+        status, answer = decided_and_freed(port, f"probe-{time.monotonic_ns()}")
+        if status != 200:
+            wrong.append(f"POST /v1/new: {status} {answer}")
+    return wrong
+
+
+def test_a_process_started_again_takes_no_connection_before_it_has_the_fleet(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    # The kernel hands a listening socket its share of new connections whatever the process knows: a
+    # child started again after SIGKILL must not listen before it has read the worker registry and
+    # joined its siblings' bookings, or its share is answered from an empty view. Here it cannot reach
+    # NATS for a while (its connections are refused; its sibling's, made before, go on), which holds
+    # that start-up open long enough to be seen rather than a few milliseconds.
+    with LossyNatsProxy(nats_server.port) as proxy:
+        # A lease longer than the test: the bookings the killed process made stay in the view.
+        router = RouterProcess(tmp_path, "--processes", "2", "--nats-url", proxy.url, "--replica-lease-secs", "60")
+        router.argv = [sys.executable, "-m", "api.cli", *router.args]  # this tree, not an installed script
+        router.start()
+        try:
+            until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+                  40, "two router processes listening")  # fmt: skip
+            for worker_id in (1, 2, 3):
+                assert on_new_connection(router.port, "/v1/workers", {"worker_id": worker_id})[0] in (200, 201)
+            until(lambda: registered_everywhere(router.port, 3), 30, "every process knows the workers")
+            for index in range(4):
+                status, _ = on_new_connection(router.port, "/v1/new", {"tokens": PROMPT, "request_id": f"r{index}"})
+                assert status == 200
+            until(lambda: active_everywhere(router.port) == {4}, 30, "every process sees the 4 bookings")
+            assert wrong_answers(router.port, {1, 2, 3}, 4, seconds=0.5) == []
+
+            proxy.refusing = True
+            victim = children_of(router.pid)[0]
+            os.kill(victim, signal.SIGKILL)
+            # The new process's app has started: its first attempt to reach NATS was refused.
+            until(lambda: proxy.refused > 0, 40, "the parent starts the killed process again")
+            assert victim not in children_of(router.pid)
+            while_cut_off = wrong_answers(router.port, {1, 2, 3}, 4, seconds=2.5)
+            proxy.refusing = False
+            until(lambda: listening_sockets(router.port) == 2, 40, "the new process listens once it caught up")
+            caught_up = wrong_answers(router.port, {1, 2, 3}, 4, seconds=1.5)
+            assert (while_cut_off, caught_up) == ([], [])
+
+            # A SIGTERM while a process started again waits for NATS stops it too (it never listened).
+            proxy.refusing, refused = True, proxy.refused
+            os.kill(children_of(router.pid)[0], signal.SIGKILL)
+            until(lambda: proxy.refused > refused, 40, "the parent starts the killed process again")
+        finally:
+            router.stop()
     assert router.process is not None and router.process.returncode == 0
 
 
