@@ -57,22 +57,27 @@ class LossyNatsProxy:
     async def _stop(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in asyncio.all_tasks(self._loop):
-            if task is not asyncio.current_task():
-                task.cancel()
+        tasks = [task for task in asyncio.all_tasks(self._loop) if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        # Their clean-up runs before the loop closes: a connection left open is a ResourceWarning later.
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        if self.refusing:
-            self.refused += 1
-            client_writer.close()
-            return
-        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        upstream = asyncio.create_task(_pipe(client_reader, server_writer))
+        writers = [client_writer]
         try:
-            await self._deliver(server_reader, client_writer)
+            if self.refusing:
+                self.refused += 1
+                return
+            server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+            writers.append(server_writer)
+            upstream = asyncio.create_task(_pipe(client_reader, server_writer))
+            try:
+                await self._deliver(server_reader, client_writer)
+            finally:
+                upstream.cancel()
         finally:
-            upstream.cancel()
-            for writer in (client_writer, server_writer):
+            for writer in writers:
                 with contextlib.suppress(Exception):
                     writer.close()
 
