@@ -229,7 +229,10 @@ class StreamedRequest:
         return self.disconnected
 
     def lost(self) -> None:
-        """The client's connection is gone: the handler's wait ends in a cancellation."""
+        """The client's connection is gone: the handler's wait ends in a cancellation (unless the
+        client has its whole answer: the handler then ends as it would have)."""
+        if self._ended:
+            return
         self.disconnected = True
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -257,15 +260,16 @@ class StreamedRequest:
         return connection.write_paused()
 
     def finish(self, data: bytes) -> None:
-        """The last chunk and the body's end in one write (`Sink.finish`). The answer is complete:
-        the connection takes the client's next request now (the client may send it as soon as it
-        has this end), while the handler finishes its bookkeeping, and a client leaving from here
-        on no longer cancels it."""
+        """The last chunk and the body's end in one write (`Sink.finish`). The answer is complete: a
+        client leaving from here on no longer cancels the handler, and the connection takes the
+        client's next request once the handler has had its turn (its wake-up is queued already: it
+        frees what the request held first), not when its task's end is reported a loop turn later
+        (the client may send its next request as soon as it has this end)."""
         head, self._head = self._head, None
         self._ended = True
         chunk = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
         self._write((head or b"") + chunk + b"0\r\n\r\n")
-        self._connection.stream_complete(self._status)
+        self._connection.loop.call_soon(self._done)
 
     def when_drained(self, resume: Callable[[], None]) -> None:
         """Call ``resume`` once the client has caught up (`Sink.when_drained`)."""
