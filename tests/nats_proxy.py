@@ -33,6 +33,7 @@ class LossyNatsProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="nats-proxy", daemon=True)
         self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()  # every connection open, closed when it stops
 
     @property
     def url(self) -> str:
@@ -52,7 +53,13 @@ class LossyNatsProxy:
         self._loop.close()
 
     async def _start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._accepted, "127.0.0.1", self.port)
+
+    def _accepted(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        # Called as the connection is made (not as a task's first step): a connection whose relay is
+        # cancelled before it starts is still known, and closed when the proxy stops.
+        self._writers.add(client_writer)
+        self._loop.create_task(self._serve(client_reader, client_writer))
 
     async def _stop(self) -> None:
         if self._server is not None:
@@ -60,8 +67,14 @@ class LossyNatsProxy:
         tasks = [task for task in asyncio.all_tasks(self._loop) if task is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
-        # Their clean-up runs before the loop closes: a connection left open is a ResourceWarning later.
         await asyncio.gather(*tasks, return_exceptions=True)
+        # Every connection closed before the loop is (one left open is a ResourceWarning in a later
+        # test), and a turn of the loop for the sockets to close with their transports.
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         writers = [client_writer]
@@ -71,6 +84,7 @@ class LossyNatsProxy:
                 return
             server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
             writers.append(server_writer)
+            self._writers.add(server_writer)
             upstream = asyncio.create_task(_pipe(client_reader, server_writer))
             try:
                 await self._deliver(server_reader, client_writer)
@@ -78,6 +92,7 @@ class LossyNatsProxy:
                 upstream.cancel()
         finally:
             for writer in writers:
+                self._writers.discard(writer)
                 with contextlib.suppress(Exception):
                     writer.close()
 
