@@ -103,8 +103,9 @@ class Upstream:
         at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`.
         ``begin``: a 200 answer is a stream handed on from the read callback (`UpstreamConnection.handed_on`);
         ``on_events``: told of every piece of a stream handed on (both set before the answer comes);
-        ``ends``: given the stream's last two pieces once the answer is whole in a read callback, True
-        when its end may go to the client with them (`Sink.finish`: one write, not two).
+        ``ends``: given the stream's last two pieces once the answer is whole (in the read callback
+        that completes it, else in `handed_on`), True when its end may go to the client with them
+        (`Sink.finish`: one write, not two).
         ``patient``: asked when the worker has been silent for the read timeout; True (its worker still
         in routing) waits on, up to ``proxy_request_timeout_secs`` from the request: a whole answer (no
         stream) comes at its end, so its silence says nothing of the worker."""
@@ -458,7 +459,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _hand_on(self, sink: Sink, data: bytes) -> None:
         ends = self._ends
         if self.complete and ends is not None and ends(self.tail):
-            # The end goes with the last events, in the read callback: one write, not a second later.
+            # The end goes with the last events: one write, not a second one when the handler next runs.
             self._ends = None
             self.ended = True
             sink.finish(data)
