@@ -223,8 +223,10 @@ class Walkthrough:
         self.skipped: list[str] = []
 
     def substitute(self, text: str) -> str:
-        for port, free in self.ports.items():
-            text = re.sub(rf"(?<![\d.]){port}(?!\d)", str(free), text)
+        # In one pass: one port after another, a free port drawn equal to a README port still to come
+        # (5558 -> 5568, then 5568 -> 27645) sent two engines to one address.
+        ports = re.compile(r"(?<![\d.])(" + "|".join(map(str, self.ports)) + r")(?!\d)")
+        text = ports.sub(lambda found: str(self.ports[int(found.group(1))]), text)
         return re.sub(r"(?<![\w/])/tmp(?=/|\b)", str(self.tmp), text)
 
     # ------------------------------------------------------------------ processes
@@ -419,6 +421,18 @@ def test_skip_markers_need_a_reason_and_cover_only_what_ci_cannot_run() -> None:
     lane = [block for block in blocks if block.real_engines]
     assert lane and {block.heading for block in lane} == {"Put kv-router in front of vLLM / SGLang"}
     assert all(block.skip == REAL_ENGINES_LANE for block in lane)
+
+
+def test_ports_are_substituted_at_once_even_when_a_free_one_is_another_readme_port(tmp_path: Path) -> None:
+    """A free port drawn equal to a README port still to be replaced must stay as drawn: replaced one
+    after the other, 5558 -> 5568 -> 27645 once gave two engines one replay address."""
+    walk = Walkthrough(tmp_path, ports=(8000, 4222, 5557, 5558, 5567, 5568))
+    walk.ports = {8000: 21460, 4222: 4223, 5557: 2034, 5558: 5568, 5567: 8661, 5568: 27645}
+    command = '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://127.0.0.1:5558"; tcp://*:5567 tcp://127.0.0.1:5568'
+    assert walk.substitute(command) == (
+        '"endpoint": "tcp://*:2034", "replay_endpoint": "tcp://127.0.0.1:5568"; tcp://*:8661 tcp://127.0.0.1:27645'
+    )
+    assert walk.substitute("port 15557, v1.5557 and /tmp/x") == f"port 15557, v1.5557 and {tmp_path}/x"
 
 
 def test_quoted_output_matching() -> None:
