@@ -46,8 +46,7 @@ class ClientHeaders:
     def read(self, call: StreamCall, booking_id: str, route: str = "") -> Passed:
         head = call.head
         lowered = b"\n" + head.lower()
-        given = (header_value(head, self.name, lowered) or b"").decode("latin-1")
-        request_id = given if is_request_id(given) else booking_id
+        request_id, answer = self._answer(head, lowered, booking_id)
         line = self.name + b": " + request_id.encode("latin-1") + b"\r\n"
         upstream = [line]
         span = None
@@ -62,20 +61,22 @@ class ClientHeaders:
                 value = header_value(head, name, lowered)
                 if value:
                     upstream.append(name + b": " + value + b"\r\n")
-        answer = [(self.name, request_id.encode("latin-1"))]
-        if self._cors is not None:
-            answer += self._cors.answer_headers(header_value(head, b"origin", lowered))
         return Passed(request_id, b"".join(upstream), answer, span)
 
     def unread(self, head: bytes) -> Headers:
         """The headers of an answer given before the request is read (its 401, its 413), from its
         header lines: its request id (the client's, else a fresh one: nothing is booked) and CORS."""
-        lowered = b"\n" + head.lower()
+        return self._answer(head, b"\n" + head.lower(), new_request_id())[1]
+
+    def _answer(self, head: bytes, lowered: bytes, fallback: str) -> tuple[str, Headers]:
+        """The request id (the client's when it is one, else ``fallback``) and the headers every
+        answer carries: that id, and CORS. ``lowered``: ``b"\\n"`` and the head in lower case."""
         given = (header_value(head, self.name, lowered) or b"").decode("latin-1")
-        headers = [(self.name, (given if is_request_id(given) else new_request_id()).encode("latin-1"))]
+        request_id = given if is_request_id(given) else fallback
+        answer = [(self.name, request_id.encode("latin-1"))]
         if self._cors is not None:
-            headers += self._cors.answer_headers(header_value(head, b"origin", lowered))
-        return headers
+            answer += self._cors.answer_headers(header_value(head, b"origin", lowered))
+        return request_id, answer
 
 
 class WithHeaders:
