@@ -326,7 +326,7 @@ class PlaneLifecycle:
         if is_authorization_error(error):
             problem = "refused the credentials (check --nats-user/--nats-password, --nats-token or --nats-creds-file)"
         logger.warning(
-            "NATS at %s %s (%s); retry %d in %.1f s. HTTP is serving; /readyz answers 503 until the event plane starts",
+            "NATS at %s %s (%s); retry %d in %.1f s; /readyz answers 503 until the event plane starts",
             self.url,
             problem,
             self.last_error,

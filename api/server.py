@@ -76,7 +76,8 @@ def serve(settings: Settings, sock: socket.socket | None = None, *, catch_up: bo
 
     ``catch_up`` (with ``sock``, bound but not yet listening): the socket listens only once the event
     plane has started (the worker registry read, with replica sync the peers' bookings joined), not as
-    soon as the app has; a signal meanwhile stops the process without it ever listening.
+    soon as the app has, or once no other process listens on the port any more; a signal meanwhile
+    stops the process without it ever listening.
 
     Without ``nats_url`` (and unless ``embedded_nats`` is off) a private nats-server runs beside the
     service for its whole life and stops after it.
@@ -136,7 +137,7 @@ class _Server(uvicorn.Server):
         held = sockets if self._caught_up is not None and sockets else None
         # With sockets held, uvicorn starts the app and listens on none of them (an empty list).
         await super().startup([] if held is not None else sockets)
-        if held is not None and await self._until_caught_up():
+        if held is not None and await self._until_caught_up(held[0]):
             await self._listen(held)
         if self.should_exit or not self.servers:  # the app failed to start, or stopped before it listened
             return
@@ -144,15 +145,27 @@ class _Server(uvicorn.Server):
             for sock in server.sockets:
                 logger.info("serving HTTP on %s", http_address(sock.getsockname(), tls=self.config.ssl is not None))
 
-    async def _until_caught_up(self) -> bool:
-        """Wait for ``caught_up``; False if a signal (``should_exit``) comes first."""
+    async def _until_caught_up(self, held: socket.socket) -> bool:
+        """Wait for ``caught_up``; False if a signal (``should_exit``) comes first. The wait ends sooner,
+        the event plane not started, once no sibling listens on the port: the siblings that served when
+        this process started have died since, or wait as it does (with NATS out of reach every process
+        started again would wait, and none would answer)."""
         assert self._caught_up is not None
         logger.info("started again beside serving processes: listening once the event plane has started")
+        loop = asyncio.get_running_loop()
+        address = _probe_address(held)
         waiting = asyncio.ensure_future(self._caught_up())
+        next_probe = loop.time()
         try:
             while not waiting.done():
                 if self.should_exit:  # uvicorn's signal handler only sets it (checked as its main loop does)
                     return False
+                if loop.time() >= next_probe:
+                    if not await _anyone_listening(address):
+                        logger.warning("no other process serves the port: listening before the event plane has "
+                                       "started (no workers nor bookings known until it has)")  # fmt: skip
+                        return True
+                    next_probe = loop.time() + SIBLING_PROBE_INTERVAL_S
                 await asyncio.wait({waiting}, timeout=0.1)
             return True
         finally:
@@ -172,6 +185,34 @@ class _Server(uvicorn.Server):
             self.servers.append(
                 await loop.create_server(create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog)
             )
+
+
+# How often a process started again checks, while it waits for its event plane, that a sibling still
+# serves the port, and how long a check may take (a sibling's full accept queue makes it slow).
+SIBLING_PROBE_INTERVAL_S = 0.5
+SIBLING_PROBE_TIMEOUT_S = 1.0
+
+
+def _probe_address(sock: socket.socket) -> tuple[str, int]:
+    """Where to connect to reach whoever listens on ``sock``'s address (a wildcard: over loopback)."""
+    host, port = sock.getsockname()[:2]
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host), port
+
+
+async def _anyone_listening(address: tuple[str, int]) -> bool:
+    """Whether a process listens on ``address``: a connection refused says none does. A connection
+    made is closed at once (its server sees a client that left without a request); one that cannot be
+    told (timed out: an accept queue full) counts as a listener."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*address), SIBLING_PROBE_TIMEOUT_S)
+    except ConnectionRefusedError:
+        return False
+    except TimeoutError:
+        return True
+    except OSError:  # no way to tell from here: serve, rather than risk nobody serving
+        return False
+    writer.close()
+    return True
 
 
 def http_address(sockname: tuple[str, int] | tuple[str, int, int, int], *, tls: bool = False) -> str:

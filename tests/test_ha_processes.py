@@ -187,6 +187,44 @@ def test_a_process_started_again_takes_no_connection_before_it_has_the_fleet(
     assert router.process is not None and router.process.returncode == 0
 
 
+def test_processes_all_started_again_while_nats_is_out_of_reach_keep_the_port_served(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    # Both processes killed one after the other while NATS is out of reach: the first, started again
+    # beside its sibling, waits for its event plane; when that sibling dies too, nobody would listen
+    # (the second is started again beside the first, still waiting) and every connection would be
+    # refused until NATS came back. The first listens, blind, once no sibling does.
+    with LossyNatsProxy(nats_server.port) as proxy:
+        router = RouterProcess(tmp_path, "--processes", "2", "--nats-url", proxy.url, "--replica-lease-secs", "60")
+        router.argv = [sys.executable, "-m", "api.cli", *router.args]  # this tree, not an installed script
+        router.start()
+        try:
+            until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+                  40, "two router processes listening")  # fmt: skip
+            proxy.refusing = True
+            first, second = children_of(router.pid)
+            os.kill(first, signal.SIGKILL)
+            until(lambda: proxy.refused > 0, 40, "the parent starts the first process again")
+            # It waits beside its serving sibling: one socket listens.
+            time.sleep(1.0)
+            assert listening_sockets(router.port) == 1
+
+            os.kill(second, signal.SIGKILL)
+            until(lambda: second not in children_of(router.pid) and len(children_of(router.pid)) == 2,
+                  40, "the parent starts the second process again")  # fmt: skip
+            until(lambda: listening_sockets(router.port) >= 1, 20, "a process listens while NATS is out of reach")
+            for _ in range(6):  # fresh connections: whichever process the kernel picks answers
+                assert get(router.port, "/healthz")["status"] == "ok"
+            assert listening_sockets(router.port) == 1  # the second waits beside the first, now serving
+
+            proxy.refusing = False
+            until(lambda: listening_sockets(router.port) == 2, 40, "the second listens once it caught up")
+            assert "no other process serves the port" in router.log()
+        finally:
+            router.stop()
+    assert router.process is not None and router.process.returncode == 0
+
+
 def cached_everywhere(port: int, worker_id: int, seed: int, blocks: int, connections: int = 16) -> bool:
     """Whether every one of several fresh connections (either process) sees the worker's blocks."""
     for _ in range(connections):
