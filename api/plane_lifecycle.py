@@ -61,6 +61,10 @@ logger = logging.getLogger(__name__)
 
 PlaneState = Literal["connecting", "connected", "disconnected"]
 
+# The longest `PlaneLifecycle.caught_up` waits for the workers' full dumps once the plane has started: a
+# live worker answers within milliseconds; one that does not holds no process back for longer.
+CATCH_UP_DUMPS_WAIT_S = 5.0
+
 
 @contextlib.contextmanager
 def embedded_nats(config: EventPlaneConfig) -> Iterator[EventPlaneConfig]:
@@ -269,6 +273,17 @@ class PlaneLifecycle:
         await self._started.wait()
         assert self.plane is not None
         return self.plane
+
+    async def caught_up(self) -> None:
+        """Wait until the plane has started and the full dumps it asked the registered workers for on
+        start are in, or `CATCH_UP_DUMPS_WAIT_S` has passed (a worker that does not answer is asked
+        again later, as always): what a process started again beside serving siblings waits for
+        before it listens, so that its first decisions see the workers' caches."""
+        plane = await self.started()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CATCH_UP_DUMPS_WAIT_S
+        while plane.subscriber.resyncs_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
 
     async def register(self, config: WorkerConfig) -> None:
         """Register a worker in the shared registry (every router learns it); before the plane has

@@ -8,7 +8,7 @@ runs the app's lifespan shutdown and exits 0.
 Once its socket listens (the app started), each serving process logs one INFO line with the address:
 ``serving HTTP on http://HOST:PORT`` (``https://`` with TLS; with ``--processes N`` each child its own).
 A ``--processes`` child started again beside a serving sibling listens only once its event plane has
-started (`serve_child`): the kernel would hand it its share of the port's connections at once.
+caught up (`serve_child`): the kernel would hand it its share of the port's connections at once.
 """
 
 from __future__ import annotations
@@ -75,9 +75,10 @@ def serve(settings: Settings, sock: socket.socket | None = None, *, catch_up: bo
     """Serve until SIGTERM / SIGINT; returns once the last in-flight request has been answered.
 
     ``catch_up`` (with ``sock``, bound but not yet listening): the socket listens only once the event
-    plane has started (the worker registry read, with replica sync the peers' bookings joined), not as
-    soon as the app has, or once no other process listens on the port any more; a signal meanwhile
-    stops the process without it ever listening.
+    plane has started (the worker registry read, with replica sync the peers' bookings joined) and the
+    workers' full dumps it asked for are in (`PlaneLifecycle.caught_up`), not as soon as the app has,
+    or once no other process listens on the port any more; a signal meanwhile stops the process
+    without it ever listening.
 
     Without ``nats_url`` (and unless ``embedded_nats`` is off) a private nats-server runs beside the
     service for its whole life and stops after it.
@@ -107,7 +108,7 @@ def serve(settings: Settings, sock: socket.socket | None = None, *, catch_up: bo
                 config = uvicorn_config(settings)
                 _freeze_startup_objects(proxy=settings.proxy.proxy)
                 plane = config.app.event_plane if isinstance(config.app, RouterApp) else None
-                caught_up = plane.started if catch_up and sock is not None and plane is not None else None
+                caught_up = plane.caught_up if catch_up and sock is not None and plane is not None else None
                 _Server(config, caught_up).run(sockets=None if sock is None else [sock])
     except _Stopped as stopped:
         stopped_by = stopped.signal
@@ -151,7 +152,7 @@ class _Server(uvicorn.Server):
         this process started have died since, or wait as it does (with NATS out of reach every process
         started again would wait, and none would answer)."""
         assert self._caught_up is not None
-        logger.info("started again beside serving processes: listening once the event plane has started")
+        logger.info("started again beside serving processes: listening once the event plane has caught up")
         loop = asyncio.get_running_loop()
         address = _probe_address(held)
         waiting = asyncio.ensure_future(self._caught_up())
