@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from api import eager
 from api.config import ProxyConfig
 from api.proxy import tokens
-from api.proxy.upstream import Upstream, UpstreamConnection, UpstreamError
+from api.proxy.upstream import Streaming, Upstream, UpstreamConnection, UpstreamError
 from api.proxy.wire import finished_stream
 from indexer.hashing import pack_tokens
 from router.event_plane.embedded_server import free_port
@@ -189,8 +189,8 @@ def test_any_framing_split_anywhere_gives_the_body_back_and_keeps_the_connection
                 else:
                     worker.scripts.append(script)
                 sink = Collect()
-                begin = sink.begin if taken == "handed on" else None
-                connection = await upstream.open(worker.url, b"/v1/completions", b'{"model": "m"}', begin=begin)
+                streaming = Streaming(sink.begin) if taken == "handed on" else None
+                connection = await upstream.open(worker.url, b"/v1/completions", b'{"model": "m"}', streaming=streaming)
                 assert connection.status == 200 and connection.content_type == b"text/event-stream"
                 if taken == "read":  # a whole answer
                     got = await connection.read()
@@ -230,11 +230,11 @@ async def test_a_stream_that_ends_as_it_should_goes_to_the_client_with_its_end(f
             worker.scripts.append([b"".join(pieces)] if arrival == "one read" else pieces)
             sink = Collect()
             connection = await upstream.open(
-                worker.url, b"/v1/completions", b"{}", begin=sink.begin, ends=finished_stream
+                worker.url, b"/v1/completions", b"{}", streaming=Streaming(sink.begin, ends=finished_stream)
             )
             assert await connection.handed_on()
             assert b"".join(sink.data) == body
-            assert sink.finished is connection.ended is (events is finished)
+            assert sink.finished is (events is finished)
             connection.release()
         assert worker.connections == 1
 
@@ -265,7 +265,7 @@ async def test_a_worker_closing_mid_chunk_is_an_upstream_error_and_the_connectio
 
         worker.scripts.append(close_mid_chunk)
         sink = Collect()
-        connection = await upstream.open(worker.url, b"/v1/completions", b"{}", begin=sink.begin)
+        connection = await upstream.open(worker.url, b"/v1/completions", b"{}", streaming=Streaming(sink.begin))
         with pytest.raises(UpstreamError, match="mid-answer"):
             await connection.handed_on()
         # The whole event before the close went on; the one cut short did not.
@@ -301,7 +301,7 @@ async def test_silence_is_a_read_timeout_and_refusal_a_connect_failure() -> None
     async with peer() as worker, client(proxy_read_timeout_secs=0.2) as upstream:
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n"])
         sink = Collect()
-        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        connection = await upstream.open(worker.url, b"/x", b"{}", streaming=Streaming(sink.begin))
         with pytest.raises(UpstreamError, match="read timeout"):
             await connection.handed_on()
         assert sink.data == [b"data: 1\n\n"]
@@ -314,7 +314,7 @@ async def test_silence_is_a_read_timeout_and_refusal_a_connect_failure() -> None
 async def test_a_cancelled_exchange_closes_its_connection_so_the_worker_stops() -> None:
     async with peer() as worker, client() as upstream:
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"])
-        connection = await upstream.open(worker.url, b"/x", b"{}", begin=Collect().begin)
+        connection = await upstream.open(worker.url, b"/x", b"{}", streaming=Streaming(Collect().begin))
 
         async def forward() -> None:
             try:
@@ -364,7 +364,7 @@ async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_dra
         frames += [b"%x\r\n%b\r\n" % (len(event), event) for event in events] + [b"0\r\n\r\n"]
         worker.scripts.append(frames)
         sink = Collect(behind=1)
-        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        connection = await upstream.open(worker.url, b"/x", b"{}", streaming=Streaming(sink.begin))
         transport = connections[-1]
         forwarding = asyncio.ensure_future(connection.handed_on())
         await eventually(lambda: worker.answered == 1, 5, "the worker wrote its whole answer")
@@ -389,7 +389,7 @@ async def test_a_client_behind_for_longer_than_the_read_timeout_is_no_silence_of
         frames += [b"%x\r\n%b\r\n" % (len(event), event) for event in events] + [b"0\r\n\r\n"]
         worker.scripts.append(frames)
         sink = Collect(behind=1)
-        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        connection = await upstream.open(worker.url, b"/x", b"{}", streaming=Streaming(sink.begin))
         forwarding = asyncio.ensure_future(connection.handed_on())
         await eventually(lambda: sink.resume is not None, 5, "the sink was told the client is behind")
         await asyncio.sleep(0.6)  # the time itself is what is tested: three read timeouts, the client behind
@@ -556,12 +556,12 @@ async def test_a_stream_opened_to_be_handed_on_is_read_whole_when_the_worker_ref
     async with peer() as worker, client() as upstream:
         worker.scripts.append([b'HTTP/1.1 400 Bad Request\r\ncontent-length: 13\r\n\r\n{"error": {}}'])
         sink = Collect()
-        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        connection = await upstream.open(worker.url, b"/x", b"{}", streaming=Streaming(sink.begin))
         assert connection.status == 400 and await connection.read() == b'{"error": {}}'
         assert sink.began == [] and sink.data == [] and not connection.begun
         connection.release()
         # A stream ending without an event never begins: the proxy tries the next worker.
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"])
-        connection = await upstream.open(worker.url, b"/x", b"{}", begin=sink.begin)
+        connection = await upstream.open(worker.url, b"/x", b"{}", streaming=Streaming(sink.begin))
         assert not await connection.handed_on() and sink.began == []
         connection.release()

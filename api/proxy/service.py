@@ -67,7 +67,7 @@ from api.proxy.prompt_bytes import chat_bytes, text_bytes
 from api.proxy.retry import OVERLOADED, RetryPolicy, WorkerFailed, overloaded_answer
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
-from api.proxy.upstream import Begin, Upstream, UpstreamConnection, UpstreamError
+from api.proxy.upstream import Begin, Streaming, Upstream, UpstreamConnection, UpstreamError
 from api.proxy.wire import (
     ROUTES,
     ChatBody,
@@ -614,18 +614,18 @@ class Proxy:
             ours.append((b"x-kv-router-disaggregation", disaggregation.path.encode()))
             if disaggregation.prefill is not None:
                 ours.append((b"x-kv-router-prefill-worker", str(disaggregation.prefill.worker_id).encode()))
-        begin = on_events = None
+        streaming = None
         if stream:
+            on_events = None
             if self._track_output:
                 on_events = _OutputProgress(self.router.record_output, request_id, self.router.config.block_size)
-            begin = self._beginning(reply, request_id, ours)
+            streaming = Streaming(self._beginning(reply, request_id, ours), on_events, finished_stream)
         sending = time.perf_counter()
         if timeline is not None:
             timeline.sent = time.time_ns()
         try:
             patient = None if stream else partial(self.router.in_routing, worker.worker_id)
-            ends = finished_stream if stream else None
-            connection = await self.upstream.open(worker.url, path, body, headers, begin, on_events, patient, ends)
+            connection = await self.upstream.open(worker.url, path, body, headers, streaming, patient)
         except UpstreamError as exc:
             raise WorkerFailed(worker.worker_id, str(exc)) from None
         if timeline is not None:

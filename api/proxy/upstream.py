@@ -6,7 +6,7 @@ a stream reader, header multidicts and a timer, and every chunk it reads wakes t
 forwards it; that was about a third of the proxy's CPU per request (docs/performance.md). Here a
 request is one ``transport.write`` of a head built from the worker's pooled prefix, the response is
 parsed by httptools (C) on the loop's read callback, and a stream is handed on from that callback:
-its first events start the client's answer there (``begin``, given with the request) and every
+its first events start the client's answer there (`Streaming`, given with the request) and every
 later read goes to the client's `api.http_stream.Sink` the same way. No coroutine wakes up per chunk,
 not even for the first (a wake-up waits behind every callback the loop has ready: under load, most of
 the proxy's share of the time to first token), and the pieces of one read are joined into one write.
@@ -37,7 +37,7 @@ from api.eager import within
 from api.http_stream import Sink
 from router.engines.openai_server import openai_base
 
-__all__ = ["IDLE_SECS", "Begin", "Upstream", "UpstreamConnection", "UpstreamError"]
+__all__ = ["IDLE_SECS", "Begin", "Streaming", "Upstream", "UpstreamConnection", "UpstreamError"]
 
 # An idle pooled connection older than this is closed rather than reused.
 IDLE_SECS = 4.0
@@ -46,6 +46,19 @@ _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 # Called in the read callback with the answer's content type when the first whole events of a 200
 # answer are in: starts the client's answer and gives the sink they and the rest of the stream go to.
 Begin = Callable[[bytes | None], Sink]
+
+
+@dataclass(frozen=True, slots=True)
+class Streaming:
+    """How a 200 answer is handed on as a stream, from the read callback (`UpstreamConnection.handed_on`),
+    given with the request: ``begin`` starts the client's answer with the first whole events; ``on_events``
+    is told of every piece handed on; ``ends``, given the stream's last two pieces once the answer is
+    whole (in the read callback that completes it, else in `handed_on`), says whether the stream's end
+    may go to the client with them (`Sink.finish`: one write, not two)."""
+
+    begin: Begin
+    on_events: Callable[[bytes], None] | None = None
+    ends: Callable[[bytes], bool] | None = None
 
 
 class UpstreamError(Exception):
@@ -94,18 +107,12 @@ class Upstream:
         path: bytes,
         body: bytes,
         headers: bytes = b"",
-        begin: Begin | None = None,
-        on_events: Callable[[bytes], None] | None = None,
+        streaming: Streaming | None = None,
         patient: Callable[[], bool] | None = None,
-        ends: Callable[[bytes], bool] | None = None,
     ) -> UpstreamConnection:
         """Send ``POST path`` with ``body`` (JSON) and the raw header lines ``headers`` to the worker
         at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`.
-        ``begin``: a 200 answer is a stream handed on from the read callback (`UpstreamConnection.handed_on`);
-        ``on_events``: told of every piece of a stream handed on (both set before the answer comes);
-        ``ends``: given the stream's last two pieces once the answer is whole (in the read callback
-        that completes it, else in `handed_on`), True when its end may go to the client with them
-        (`Sink.finish`: one write, not two).
+        ``streaming``: a 200 answer is a stream, handed on from the read callback as it says.
         ``patient``: asked when the worker has been silent for the read timeout; True (its worker still
         in routing) waits on, up to ``proxy_request_timeout_secs`` from the request: a whole answer (no
         stream) comes at its end, so its silence says nothing of the worker."""
@@ -114,7 +121,7 @@ class Upstream:
             if not self._running:
                 raise RuntimeError("the proxy's upstream client is not started")
             pool = self._pools[url] = _Pool(_endpoint(url), self._config, self._tls_context)
-        return await pool.send(path, body, headers, begin, on_events, patient, ends)
+        return await pool.send(path, body, headers, streaming, patient)
 
     async def post(self, url: str, path: bytes, body: bytes) -> tuple[int, bytes]:
         """A whole exchange: the status and body of ``POST path`` (used for ``/tokenize``)."""
@@ -150,10 +157,8 @@ class _Pool:
         path: bytes,
         body: bytes,
         headers: bytes,
-        begin: Begin | None,
-        on_events: Callable[[bytes], None] | None,
+        streaming: Streaming | None,
         patient: Callable[[], bool] | None,
-        ends: Callable[[bytes], bool] | None,
     ) -> UpstreamConnection:
         endpoint = self.endpoint
         request = b"".join(
@@ -165,13 +170,13 @@ class _Pool:
         reused = connection.used
         try:
             try:
-                await connection.send(request, begin, on_events, patient, ends)
+                await connection.send(request, streaming, patient)
             except _ClosedBeforeAnswer:
                 if not reused:
                     raise UpstreamError("the worker closed the connection before answering") from None
                 # The worker closed an idle connection as this request went out: once more, afresh.
                 connection = await self._acquire(fresh=True)
-                await connection.send(request, begin, on_events, patient, ends)
+                await connection.send(request, streaming, patient)
         except asyncio.CancelledError:
             connection.close()  # cancelled before the answer's head: the engine must stop the request too
             raise
@@ -291,9 +296,7 @@ class UpstreamConnection(asyncio.Protocol):
         # before [DONE], so it is in one of them.
         self._last = self._before_last = b""
         self._sink: Sink | None = None
-        self._begin: Begin | None = None
-        # Told of every piece of the stream handed on (`handed_on`), in the read callback.
-        self.on_events: Callable[[bytes], None] | None = None
+        self._streaming: Streaming | None = None  # see `Upstream.open`
         self._head_in = False
         self.complete = False  # the whole answer is in
         self._problem: UpstreamError | None = None
@@ -304,10 +307,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._heard = 0.0  # loop time of the last byte from the worker
         self._sent_at = 0.0  # loop time the request went out
         self._patient: Callable[[], bool] | None = None  # see `Upstream.open`
-        self._ends: Callable[[bytes], bool] | None = None  # see `Upstream.open`
-        self.ended = False  # the stream handed on has ended at the client (`Sink.finish`)
+        self._finished = False  # the stream handed on has ended at the client (`Sink.finish`)
         self.read_at = 0.0  # perf_counter time of the last read a waiting coroutine was woken for
-        self.begun_at = 0.0  # with ``begin``: perf_counter time of the read that brought the first events
+        self.begun_at = 0.0  # streaming: perf_counter time of the read that brought the first events
         self.first_sent_at = 0.0  # and of their write to the client (0: not begun)
         self._silence: asyncio.TimerHandle | None = None
 
@@ -330,7 +332,7 @@ class UpstreamConnection(asyncio.Protocol):
         sink = self._sink
         if sink is None:
             self.read_at = time.perf_counter()
-            if self._begin is not None and pieces and self.status == 200:
+            if self._streaming is not None and pieces and self.status == 200:
                 self._start_handing_on()
             self._wake()
         elif pieces:  # handed on in this callback; the coroutine waiting is woken only at the end
@@ -392,18 +394,14 @@ class UpstreamConnection(asyncio.Protocol):
     async def send(
         self,
         request: bytes,
-        begin: Begin | None = None,
-        on_events: Callable[[bytes], None] | None = None,
+        streaming: Streaming | None = None,
         patient: Callable[[], bool] | None = None,
-        ends: Callable[[bytes], bool] | None = None,
     ) -> None:
         """Write the request; returns once the answer's head is in (see `Upstream.open`)."""
         self.used = True
         self._reset()
-        self._begin = begin
-        self.on_events = on_events
+        self._streaming = streaming
         self._patient = patient
-        self._ends = ends
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
             raise _ClosedBeforeAnswer("the connection was closed")
@@ -427,7 +425,7 @@ class UpstreamConnection(asyncio.Protocol):
     # sent once its end has come.
 
     async def handed_on(self) -> bool:
-        """Opened with ``begin``: returns at the end of the stream handed on from the read callback,
+        """Opened with `Streaming`: returns at the end of the stream handed on from the read callback,
         True if it began (its first events went to the client). Raises the answer's `UpstreamError`
         (`begun` tells whether the client has had part of the stream)."""
         while not self.complete:
@@ -447,21 +445,20 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _start_handing_on(self) -> None:
         data = self._take_events()
-        begin = self._begin
-        if not data or begin is None:
+        streaming = self._streaming
+        if not data or streaming is None or self.begun_at:
             return
-        self._begin = None
         self.begun_at = self.read_at
-        sink = self._sink = begin(self.content_type)
+        sink = self._sink = streaming.begin(self.content_type)
         self._hand_on(sink, data)
         self.first_sent_at = time.perf_counter()
 
     def _hand_on(self, sink: Sink, data: bytes) -> None:
-        ends = self._ends
-        if self.complete and ends is not None and ends(self.tail):
+        assert self._streaming is not None  # handing on began
+        ends = self._streaming.ends
+        if self.complete and ends is not None and not self._finished and ends(self.tail):
             # The end goes with the last events: one write, not a second one when the handler next runs.
-            self._ends = None
-            self.ended = True
+            self._finished = True
             sink.finish(data)
             return
         if data and sink.write(data) and not self.complete:
@@ -484,8 +481,9 @@ class UpstreamConnection(asyncio.Protocol):
         if data:
             self._before_last = self._last
             self._last = data
-            if self.on_events is not None:
-                self.on_events(data)
+            streaming = self._streaming
+            if streaming is not None and streaming.on_events is not None:
+                streaming.on_events(data)
         return data
 
     def release(self) -> None:
@@ -522,8 +520,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._pieces = []
         self._last = self._before_last = b""
         self._sink = None
-        self.ended = False
-        self.first_sent_at = 0.0
+        self._finished = False
+        self.begun_at = self.first_sent_at = 0.0
         self._head_in = False
         self.complete = False
         self._problem = None
