@@ -275,10 +275,11 @@ class PlaneLifecycle:
         return self.plane
 
     async def caught_up(self) -> None:
-        """Wait until the plane has started and the full dumps it asked the registered workers for on
-        start are in, or `CATCH_UP_DUMPS_WAIT_S` has passed (a worker that does not answer is asked
-        again later, as always): what a process started again beside serving siblings waits for
-        before it listens, so that its first decisions see the workers' caches."""
+        """Wait until the plane has started and the full dumps it asked for on start (of the workers
+        registered by heartbeat: those registered over HTTP are never asked) are in, or
+        `CATCH_UP_DUMPS_WAIT_S` has passed (a worker that does not answer is asked again later, as
+        always): what a process started again beside serving siblings waits for before it listens, so
+        that its first decisions see those workers' caches."""
         plane = await self.started()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CATCH_UP_DUMPS_WAIT_S

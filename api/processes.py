@@ -7,13 +7,14 @@ connection can be marked through any other's and every child routes on the load 
 
 The parent supervises: a child that dies is started again after a second (it rejoins through replica
 sync; its bookings leave the others after the lease). While a sibling runs, the child started again
-listens only once its event plane has started and the workers' full dumps are in
-(`api.server.serve_child`): its socket would take its share of new connections at once, answered
-from an empty view (no workers, no bookings, no caches) while the siblings answer from the fleet's.
-It listens sooner, blind, once no sibling listens any more (they died meanwhile, or wait as it does
-for a NATS out of reach): the port must not go unserved. The first children listen as soon as their
-app starts (``/healthz`` answers at once, ``/readyz`` says when each is ready), and so does one
-started again when no sibling runs: there is then no one else to answer.
+listens only once its event plane has caught up: started, and the full dumps it asked the workers
+registered by heartbeat for are in (`api.server.serve_child`): its socket would take its share of
+new connections at once, answered from an empty view (no workers, no bookings, no caches) while the
+siblings answer from the fleet's. It listens sooner, blind, once no sibling listens any more (they
+died meanwhile, or wait as it does for a NATS out of reach): the port must not go unserved. The
+first children listen as soon as their app starts (``/healthz`` answers at once, ``/readyz`` says
+when each is ready), and so does one started again when no sibling runs: there is then no one else
+to answer.
 SIGTERM / SIGINT to the parent is passed on to every child (once each; those not yet started are not
 started), which shuts down gracefully; the parent exits when they have. A parent killed outright
 (SIGKILL) takes its children with it: each gets SIGTERM from the kernel (Linux).

@@ -76,7 +76,7 @@ def serve(settings: Settings, sock: socket.socket | None = None, *, catch_up: bo
 
     ``catch_up`` (with ``sock``, bound but not yet listening): the socket listens only once the event
     plane has started (the worker registry read, with replica sync the peers' bookings joined) and the
-    workers' full dumps it asked for are in (`PlaneLifecycle.caught_up`), not as soon as the app has,
+    full dumps it asked the workers for are in (`PlaneLifecycle.caught_up`), not as soon as the app has,
     or once no other process listens on the port any more; a signal meanwhile stops the process
     without it ever listening.
 
@@ -148,13 +148,13 @@ class _Server(uvicorn.Server):
 
     async def _until_caught_up(self, held: socket.socket) -> bool:
         """Wait for ``caught_up``; False if a signal (``should_exit``) comes first. The wait ends sooner,
-        the event plane not started, once no sibling listens on the port: the siblings that served when
+        the event plane not caught up, once no sibling listens on the port: the siblings that served when
         this process started have died since, or wait as it does (with NATS out of reach every process
         started again would wait, and none would answer)."""
         assert self._caught_up is not None
         logger.info("started again beside serving processes: listening once the event plane has caught up")
         loop = asyncio.get_running_loop()
-        address = _probe_address(held)
+        siblings = _SiblingProbe(held)
         waiting = asyncio.ensure_future(self._caught_up())
         next_probe = loop.time()
         try:
@@ -162,13 +162,13 @@ class _Server(uvicorn.Server):
                 if self.should_exit:  # uvicorn's signal handler only sets it (checked as its main loop does)
                     return False
                 if loop.time() >= next_probe:
-                    if not await _anyone_listening(address):
-                        logger.warning("no other process serves the port: listening before the event plane has "
-                                       "started (no workers nor bookings known until it has)")  # fmt: skip
-                        return True
+                    if not await siblings.serving():
+                        return not self.should_exit
                     next_probe = loop.time() + SIBLING_PROBE_INTERVAL_S
                 await asyncio.wait({waiting}, timeout=0.1)
-            return True
+            if not waiting.cancelled() and waiting.exception() is not None:
+                logger.warning("the event plane did not catch up (%r): listening", waiting.exception())
+            return not self.should_exit
         finally:
             waiting.cancel()
 
@@ -189,31 +189,66 @@ class _Server(uvicorn.Server):
 
 
 # How often a process started again checks, while it waits for its event plane, that a sibling still
-# serves the port, and how long a check may take (a sibling's full accept queue makes it slow).
+# serves the port; how long a check may take (a sibling's full accept queue makes it slow); and after
+# how many checks in a row that cannot tell (an error other than a refusal) it listens anyway.
 SIBLING_PROBE_INTERVAL_S = 0.5
 SIBLING_PROBE_TIMEOUT_S = 1.0
+SIBLING_PROBES_UNTOLD = 3
 
 
-def _probe_address(sock: socket.socket) -> tuple[str, int]:
-    """Where to connect to reach whoever listens on ``sock``'s address (a wildcard: over loopback)."""
-    host, port = sock.getsockname()[:2]
-    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host), port
+class _SiblingProbe:
+    """Whether another process listens on the port a held socket is bound to, by connecting to it."""
 
+    def __init__(self, held: socket.socket) -> None:
+        address = held.getsockname()
+        host, port = address[0], address[1]
+        # The address itself (an IPv6 one with its scope); a wildcard's loopback (for ``::``, IPv6's, then
+        # IPv4's: a dual-stack socket serves both, and a host may have IPv6's loopback off).
+        self._addresses: list[tuple[socket.AddressFamily, tuple[object, ...]]] = [(held.family, tuple(address))]
+        ipv4 = (socket.AF_INET, ("127.0.0.1", port))
+        if host == "0.0.0.0":
+            self._addresses = [ipv4]
+        elif host == "::":
+            self._addresses = [(socket.AF_INET6, ("::1", port, 0, 0)), ipv4]
+        self._untold = 0  # probes in a row that could not tell
 
-async def _anyone_listening(address: tuple[str, int]) -> bool:
-    """Whether a process listens on ``address``: a connection refused says none does. A connection
-    made is closed at once (its server sees a client that left without a request); one that cannot be
-    told (timed out: an accept queue full) counts as a listener."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*address), SIBLING_PROBE_TIMEOUT_S)
-    except ConnectionRefusedError:
-        return False
-    except TimeoutError:
-        return True
-    except OSError:  # no way to tell from here: serve, rather than risk nobody serving
-        return False
-    writer.close()
-    return True
+    async def serving(self) -> bool:
+        """False once no sibling listens (a connection refused), or after `SIBLING_PROBES_UNTOLD` probes
+        in a row that could not tell (an error other than a refusal); each is said in the log."""
+        listening = await self._connect()
+        if isinstance(listening, OSError):
+            self._untold += 1
+            given_up = self._untold == SIBLING_PROBES_UNTOLD
+            logger.warning("cannot tell whether another process serves the port (%s)%s", listening,
+                           ": listening" if given_up else "")  # fmt: skip
+            return not given_up
+        self._untold = 0
+        if not listening:
+            logger.warning("no other process serves the port: listening before the event plane has caught up "
+                           "(workers, bookings and caches may be missing until it has)")  # fmt: skip
+        return listening
+
+    async def _connect(self) -> bool | OSError:
+        """False: the connection was refused; True: it was made (and closed at once: the sibling sees a
+        client that left without a request) or timed out (an accept queue full); else the last error
+        of the addresses tried."""
+        loop = asyncio.get_running_loop()
+        error = OSError("no address to probe")
+        for family, address in self._addresses:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+            probe.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(probe, address), SIBLING_PROBE_TIMEOUT_S)
+                return True
+            except TimeoutError:
+                return True
+            except ConnectionRefusedError:
+                return False
+            except OSError as exc:
+                error = exc
+            finally:
+                probe.close()
+        return error
 
 
 def http_address(sockname: tuple[str, int] | tuple[str, int, int, int], *, tls: bool = False) -> str:
@@ -255,7 +290,7 @@ def _stop(sig: int, frame: FrameType | None) -> None:
 
 def serve_child() -> None:
     """One process of ``--processes N``: settings from the parent, its own socket on the shared port. One
-    started again while a sibling serves listens only once it has the fleet's workers and bookings."""
+    started again while a sibling serves listens only once it has the fleet's workers, bookings and caches."""
     settings = msgspec.json.decode(os.environ[CHILD_SETTINGS_ENV], type=Settings)
     catch_up = os.environ.get(CHILD_CATCH_UP_ENV) == "1"
     serve(settings, sock=_reuse_port_socket(settings.service.host, settings.service.port), catch_up=catch_up)

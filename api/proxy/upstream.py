@@ -489,6 +489,7 @@ class UpstreamConnection(asyncio.Protocol):
     def release(self) -> None:
         """Done with the answer: back to the pool if it was read to its end, else closed."""
         self._cancel_silence()
+        self._streaming = self._patient = None  # they hold the request's answer: not kept while idle
         if not self.complete or self._closed or not self._keep_alive or self._pool.closed:
             self.close()
             return
