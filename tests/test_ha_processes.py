@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +144,22 @@ def wrong_answers(port: int, workers: set[int], active: int, seconds: float, req
     return wrong
 
 
+@contextmanager
+def two_processes_behind(proxy: LossyNatsProxy, tmp_path: Path) -> Iterator[RouterProcess]:
+    """``--processes 2`` reaching NATS through ``proxy``, both listening; stopped after, cleanly (exit 0).
+    A lease longer than the tests: the bookings of a process killed stay in the view."""
+    router = RouterProcess(tmp_path, "--processes", "2", "--nats-url", proxy.url, "--replica-lease-secs", "60")
+    router.argv = [sys.executable, "-m", "api.cli", *router.args]  # this tree, not an installed script
+    router.start()
+    try:
+        until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+              40, "two router processes listening")  # fmt: skip
+        yield router
+    finally:
+        router.stop()
+    assert router.process is not None and router.process.returncode == 0
+
+
 def test_a_process_started_again_takes_no_connection_before_it_has_the_fleet(
     nats_server: EmbeddedNats, tmp_path: Path
 ) -> None:
@@ -150,42 +168,32 @@ def test_a_process_started_again_takes_no_connection_before_it_has_the_fleet(
     # joined its siblings' bookings, or its share is answered from an empty view. Here it cannot reach
     # NATS for a while (its connections are refused; its sibling's, made before, go on), which holds
     # that start-up open long enough to be seen rather than a few milliseconds.
-    with LossyNatsProxy(nats_server.port) as proxy:
-        # A lease longer than the test: the bookings the killed process made stay in the view.
-        router = RouterProcess(tmp_path, "--processes", "2", "--nats-url", proxy.url, "--replica-lease-secs", "60")
-        router.argv = [sys.executable, "-m", "api.cli", *router.args]  # this tree, not an installed script
-        router.start()
-        try:
-            until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
-                  40, "two router processes listening")  # fmt: skip
-            for worker_id in (1, 2, 3):
-                assert on_new_connection(router.port, "/v1/workers", {"worker_id": worker_id})[0] in (200, 201)
-            until(lambda: registered_everywhere(router.port, 3), 30, "every process knows the workers")
-            for index in range(4):
-                status, _ = on_new_connection(router.port, "/v1/new", {"tokens": PROMPT, "request_id": f"r{index}"})
-                assert status == 200
-            until(lambda: active_everywhere(router.port) == {4}, 30, "every process sees the 4 bookings")
-            assert wrong_answers(router.port, {1, 2, 3}, 4, seconds=0.5) == []
+    with LossyNatsProxy(nats_server.port) as proxy, two_processes_behind(proxy, tmp_path) as router:
+        for worker_id in (1, 2, 3):
+            assert on_new_connection(router.port, "/v1/workers", {"worker_id": worker_id})[0] in (200, 201)
+        until(lambda: registered_everywhere(router.port, 3), 30, "every process knows the workers")
+        for index in range(4):
+            status, _ = on_new_connection(router.port, "/v1/new", {"tokens": PROMPT, "request_id": f"r{index}"})
+            assert status == 200
+        until(lambda: active_everywhere(router.port) == {4}, 30, "every process sees the 4 bookings")
+        assert wrong_answers(router.port, {1, 2, 3}, 4, seconds=0.5) == []
 
-            proxy.refusing = True
-            victim = children_of(router.pid)[0]
-            os.kill(victim, signal.SIGKILL)
-            # The new process's app has started: its first attempt to reach NATS was refused.
-            until(lambda: proxy.refused > 0, 40, "the parent starts the killed process again")
-            assert victim not in children_of(router.pid)
-            while_cut_off = wrong_answers(router.port, {1, 2, 3}, 4, seconds=2.5)
-            proxy.refusing = False
-            until(lambda: listening_sockets(router.port) == 2, 40, "the new process listens once it caught up")
-            caught_up = wrong_answers(router.port, {1, 2, 3}, 4, seconds=1.5)
-            assert (while_cut_off, caught_up) == ([], [])
+        proxy.refusing = True
+        victim = children_of(router.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        # The new process's app has started: its first attempt to reach NATS was refused.
+        until(lambda: proxy.refused > 0, 40, "the parent starts the killed process again")
+        assert victim not in children_of(router.pid)
+        while_cut_off = wrong_answers(router.port, {1, 2, 3}, 4, seconds=2.5)
+        proxy.refusing = False
+        until(lambda: listening_sockets(router.port) == 2, 40, "the new process listens once it caught up")
+        caught_up = wrong_answers(router.port, {1, 2, 3}, 4, seconds=1.5)
+        assert (while_cut_off, caught_up) == ([], [])
 
-            # A SIGTERM while a process started again waits for NATS stops it too (it never listened).
-            proxy.refusing, refused = True, proxy.refused
-            os.kill(children_of(router.pid)[0], signal.SIGKILL)
-            until(lambda: proxy.refused > refused, 40, "the parent starts the killed process again")
-        finally:
-            router.stop()
-    assert router.process is not None and router.process.returncode == 0
+        # A SIGTERM while a process started again waits for NATS stops it too (it never listened).
+        proxy.refusing, refused = True, proxy.refused
+        os.kill(children_of(router.pid)[0], signal.SIGKILL)
+        until(lambda: proxy.refused > refused, 40, "the parent starts the killed process again")
 
 
 def test_processes_all_started_again_while_nats_is_out_of_reach_keep_the_port_served(
@@ -195,35 +203,26 @@ def test_processes_all_started_again_while_nats_is_out_of_reach_keep_the_port_se
     # beside its sibling, waits for its event plane; when that sibling dies too, nobody would listen
     # (the second is started again beside the first, still waiting) and every connection would be
     # refused until NATS came back. The first listens, blind, once no sibling does.
-    with LossyNatsProxy(nats_server.port) as proxy:
-        router = RouterProcess(tmp_path, "--processes", "2", "--nats-url", proxy.url, "--replica-lease-secs", "60")
-        router.argv = [sys.executable, "-m", "api.cli", *router.args]  # this tree, not an installed script
-        router.start()
-        try:
-            until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
-                  40, "two router processes listening")  # fmt: skip
-            proxy.refusing = True
-            first, second = children_of(router.pid)
-            os.kill(first, signal.SIGKILL)
-            until(lambda: proxy.refused > 0, 40, "the parent starts the first process again")
-            # It waits beside its serving sibling: one socket listens.
-            time.sleep(1.0)
-            assert listening_sockets(router.port) == 1
+    with LossyNatsProxy(nats_server.port) as proxy, two_processes_behind(proxy, tmp_path) as router:
+        proxy.refusing = True
+        first, second = children_of(router.pid)
+        os.kill(first, signal.SIGKILL)
+        until(lambda: proxy.refused > 0, 40, "the parent starts the first process again")
+        # It waits beside its serving sibling: one socket listens.
+        time.sleep(1.0)
+        assert listening_sockets(router.port) == 1
 
-            os.kill(second, signal.SIGKILL)
-            until(lambda: second not in children_of(router.pid) and len(children_of(router.pid)) == 2,
-                  40, "the parent starts the second process again")  # fmt: skip
-            until(lambda: listening_sockets(router.port) >= 1, 20, "a process listens while NATS is out of reach")
-            for _ in range(6):  # fresh connections: whichever process the kernel picks answers
-                assert get(router.port, "/healthz")["status"] == "ok"
-            assert listening_sockets(router.port) == 1  # the second waits beside the first, now serving
+        os.kill(second, signal.SIGKILL)
+        until(lambda: second not in children_of(router.pid) and len(children_of(router.pid)) == 2,
+              40, "the parent starts the second process again")  # fmt: skip
+        until(lambda: listening_sockets(router.port) >= 1, 20, "a process listens while NATS is out of reach")
+        for _ in range(6):  # fresh connections: whichever process the kernel picks answers
+            assert get(router.port, "/healthz")["status"] == "ok"
+        assert listening_sockets(router.port) == 1  # the second waits beside the first, now serving
 
-            proxy.refusing = False
-            until(lambda: listening_sockets(router.port) == 2, 40, "the second listens once it caught up")
-            assert "no other process serves the port" in router.log()
-        finally:
-            router.stop()
-    assert router.process is not None and router.process.returncode == 0
+        proxy.refusing = False
+        until(lambda: listening_sockets(router.port) == 2, 40, "the second listens once it caught up")
+        assert "no other process serves the port" in router.log()
 
 
 class SlowToAnswerResyncs(KvEventPublisher):
