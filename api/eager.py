@@ -38,7 +38,9 @@ def start(coro: Coroutine[Any, Any, T]) -> T | Suspended[T]:
 async def within(seconds: float, work: Coroutine[Any, Any, T]) -> T:
     """``work``'s outcome, or `TimeoutError` once ``seconds`` have passed (``work`` cancelled and
     waited for first, as ``asyncio.wait_for`` does); usable with no current task. ``work`` runs as a
-    task of its own, which a timer cancels."""
+    task of its own, which a timer cancels, and so does any other end of the wait: a cancellation
+    thrown in with no task driving us (`Suspended.task` cancelled before its first step) does not
+    reach ``work`` through the task, and it would finish for nobody (a connection opened, kept)."""
     task = asyncio.ensure_future(work)
     timed_out = False
 
@@ -57,6 +59,8 @@ async def within(seconds: float, work: Coroutine[Any, Any, T]) -> T:
         raise
     finally:
         timer.cancel()
+        if not task.done():
+            task.cancel()
 
 
 class Suspended(Generic[T]):

@@ -146,3 +146,30 @@ def test_within_is_a_deadline_that_leaves_the_callers_own_cancellation_alone() -
         assert cleaned == ["work", "work"]
 
     asyncio.run(scenario())
+
+
+def test_within_cancelled_before_its_task_first_runs_cancels_its_work() -> None:
+    """A request cancelled before its task ever ran has the cancellation thrown in at `within`'s
+    await with no task driving it: the work `within` started (a worker connection being opened)
+    is cancelled too, and its clean-up runs, rather than finishing for nobody."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        cleaned: list[str] = []
+
+        async def hangs() -> None:
+            try:
+                await loop.create_future()  # never done
+            finally:
+                cleaned.append("work")
+
+        outcome = start(within(5, hangs()))
+        assert isinstance(outcome, Suspended)
+        task = outcome.task(loop)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)  # the work's cancellation is delivered at its next step
+        assert cleaned == ["work"]
+
+    asyncio.run(scenario())

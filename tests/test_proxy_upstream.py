@@ -454,6 +454,31 @@ async def test_a_connection_opened_as_its_request_is_cancelled_is_closed_and_its
         assert worker.connections == 2
 
 
+async def test_a_request_cancelled_before_its_task_first_runs_leaves_no_connection_open() -> None:
+    """A request the proxy runs on a protocol callback (`api.eager.start`) waits for a new worker
+    connection, and its client leaves before the request's task ever ran: the connection being opened
+    is abandoned (closed, if the worker saw it), not kept for nobody, and its place in the pool is
+    given back once (twice, the pool would later open more than its bound)."""
+    async with peer() as worker, client(proxy_connections_per_worker=1) as upstream:
+        outcome = eager.start(upstream.post(worker.url, b"/x", b"{}"))
+        assert isinstance(outcome, eager.Suspended)
+        task = outcome.task(asyncio.get_running_loop())
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)  # a negative: time for a connection kept open to show at the worker
+        assert worker.closed_by_client == worker.connections
+        opened = worker.connections
+        worker.scripts += [[b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n%b" % name] for name in (b"a", b"b")]
+        first = await upstream.open(worker.url, b"/x", b"{}")
+        second = asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}"))
+        await asyncio.sleep(0.05)  # a negative: time in which a pool past its bound would have sent it
+        assert not second.done() and worker.connections == opened + 1
+        assert await first.read() == b"a"
+        first.release()
+        assert await second == (200, b"b")
+
+
 def _outside_any_task(coroutine: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
     """``coroutine`` run as the proxy runs a request (`api.eager.start`, on a protocol callback, with
     no current task) up to its first wait, then to its end; its outcome."""
