@@ -208,14 +208,28 @@ def test_any_framing_split_anywhere_gives_the_body_back_and_keeps_the_connection
     asyncio.run(asyncio.wait_for(scenario(), 10))
 
 
+_RESPONSES_STREAM = [b"event: response.output_text.delta\ndata: {}\n\n", b"event: response.completed\ndata: {}\n\n"]
+# A stream's events, its last one ending it: chat and completions, the Responses API, and the same
+# framed as some engines' servers frame SSE (sse-starlette's default separator).
+FINISHED_STREAMS = {
+    "[DONE]": [b"data: a\n\n", b"data: b\n\n", b"data: [DONE]\n\n"],
+    "response.completed": _RESPONSES_STREAM,
+    "response.completed, CRLF": [event.replace(b"\n", b"\r\n") for event in _RESPONSES_STREAM],
+}
+
+
 @pytest.mark.parametrize("framing", ["chunked", "length"])
 @pytest.mark.parametrize("arrival", ["one read", "event by event"])
-async def test_a_stream_that_ends_as_it_should_goes_to_the_client_with_its_end(framing: str, arrival: str) -> None:
+@pytest.mark.parametrize("ending", list(FINISHED_STREAMS))
+async def test_a_stream_that_ends_as_it_should_goes_to_the_client_with_its_end(
+    framing: str, arrival: str, ending: str
+) -> None:
     """Once the answer is whole and its last events end the stream (``ends``), they go to the sink
     with the stream's end (`Sink.finish`: one write to the client, not the events then the end); a
     stream cut short of its last event is only written, its end left to the caller (who says why)."""
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-    finished, cut_short = [b"data: a\n\n", b"data: b\n\n", b"data: [DONE]\n\n"], [b"data: a\n\n", b"data: b\n\n"]
+    finished = FINISHED_STREAMS[ending]
+    cut_short = finished[:-1]
     async with peer() as worker, client() as upstream:
         for events in (finished, cut_short):
             body = b"".join(events)

@@ -35,6 +35,7 @@ import httptools
 from api.config import ProxyConfig
 from api.eager import within
 from api.http_stream import Sink
+from api.proxy.wire import after_last_event
 from router.engines.openai_server import openai_base
 
 __all__ = ["IDLE_SECS", "Begin", "Streaming", "Upstream", "UpstreamConnection", "UpstreamError"]
@@ -473,8 +474,7 @@ class UpstreamConnection(asyncio.Protocol):
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         pieces.clear()
         if not self.complete and not data.endswith(_EVENT_ENDS):
-            lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-            cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+            cut = after_last_event(data)
             if cut < len(data):
                 pieces.append(data[cut:])  # held back until its event is whole
                 data = data[:cut]

@@ -309,9 +309,15 @@ _RESPONSE_ENDS = (b"event: response.completed", b"event: response.incomplete", b
 
 def finished_stream(events: bytes) -> bool:
     """Whether ``events`` end an OpenAI stream: its last event ``data: [DONE]``, or the Responses
-    API's ``response.completed`` (``incomplete``, ``failed``)."""
+    API's ``response.completed`` (``incomplete``, ``failed``); events framed with LF or CRLF."""
     tail = events.rstrip()
     if tail.endswith(b"data: [DONE]"):
         return True
-    boundary = tail.rfind(b"\n\n")
-    return tail[boundary + 2 if boundary >= 0 else 0 :].lstrip().startswith(_RESPONSE_ENDS)
+    return tail[after_last_event(tail) :].lstrip().startswith(_RESPONSE_ENDS)
+
+
+def after_last_event(data: bytes) -> int:
+    """Where what follows the last whole SSE event of ``data`` starts: after its last blank line,
+    ``\n\n`` or ``\r\n\r\n`` (0 when it holds none)."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
