@@ -134,6 +134,32 @@ async def test_a_stream_left_before_its_last_event_is_still_client_disconnected(
         await eventually(lambda: idle(f.router))
 
 
+async def test_a_worker_lost_after_its_last_event_leaves_the_client_a_whole_stream(nats_server: EmbeddedNats) -> None:
+    """A worker that dies (its connection reset) after ``data: [DONE]`` but before its HTTP answer's
+    end: the client has every event, the stream ends cleanly (no error event after its end), the
+    request is ``ok``, and the worker's circuit breaker is not told of a failure."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(SSE_HEAD + sse_chunk(" w1") + sse_chunk(" w2") + chunk(USAGE) + chunk(b"data: [DONE]\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()  # no terminating chunk
+
+    async with fleet(nats_server.url, ()) as f, raw_worker(serve) as url:
+        worker = WorkerConfig(worker_id=7, block_size=64, url=url, models=frozenset({MODEL}))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
+            answer = await http.post("/v1/completions", content=STREAM_BODY)
+        assert answer.status_code == 200
+        assert answer.text.endswith("data: [DONE]\n\n") and "upstream_error" not in answer.text
+        assert (await settled(f.url)) == {"ok": 1.0, "client_disconnected": 0.0}
+        text, _ = await outcomes(f.url)
+        assert sample(text, "kv_router_proxy_upstream_failures_total") == 0
+        assert sample(text, "kv_router_proxy_calibration_samples", worker_id="7") == 1
+        await eventually(lambda: idle(f.router))
+
+
 WHOLE_STREAM = SSE_HEAD + sse_chunk(" w1") + sse_chunk(" w2") + chunk(USAGE) + chunk(b"data: [DONE]\n\n")
 STREAM_BODY = msgspec.json.encode(
     {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 2, "stream": True,

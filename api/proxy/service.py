@@ -707,7 +707,8 @@ class Proxy:
         except UpstreamError as exc:
             if not connection.begun:
                 raise WorkerFailed(worker_id, str(exc)) from None
-            problem: str | None = str(exc)
+            # Lost after its last event (the answer's framing cut short): the client has the whole stream.
+            problem: str | None = None if finished_stream(connection.tail) else str(exc)
         except asyncio.CancelledError:
             # Written in the read callback: what the tail holds has gone to the client.
             if not finished_stream(connection.tail):
