@@ -329,6 +329,54 @@ async def test_an_overloaded_prefill_worker_is_the_engine_pacing_us_and_the_leg_
         await eventually(lambda: idle(f.router))
 
 
+async def test_a_bootstrap_prefill_leg_failing_once_the_decode_leg_streams_is_counted_once_as_late(
+    nats_server: EmbeddedNats,
+) -> None:
+    """SGLang's style sends both legs at once. The prefill worker hands its room over (the decode leg
+    streams), then its leg fails: the client's stream goes on to its end, and the hand-off is counted
+    once, ``prefill_failed_late`` (not also ``prefill_failed``, which says the request went again)."""
+    streaming = asyncio.Event()
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                seen.append(head.split(b"\r\n", 1)[0])
+                lines = head.lower().split(b"\r\n")
+                await reader.readexactly(
+                    next((int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")), 0)
+                )
+                if head.startswith(b"GET /bootstrap/"):  # the room is ready: the decode leg goes on
+                    body, status = b'{"blocks": 0}', b"200 OK"
+                else:  # the prefill leg: it fails once the client has the decode leg's first tokens
+                    await asyncio.wait_for(streaming.wait(), 10)
+                    body, status = b'{"error": {"message": "engine failure"}}', b"500 Internal Server Error"
+                writer.write(b"HTTP/1.1 %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                             % (status, len(body), body))  # fmt: skip
+                await writer.drain()
+        writer.close()
+
+    async with (
+        fleet(nats_server.url, (2,), roles={2: "decode"}, handoff="bootstrap") as f,
+        raw_worker(serve) as url,
+    ):
+        await register(f, prefill_worker_at(url, "bootstrap"))
+        stream = await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=400, stream=True)
+        texts = []
+        async for chunk in stream:
+            texts.append(chunk.choices[0].text)
+            streaming.set()
+        assert "".join(texts) == "".join(f" w{i}" for i in range(1, 401))
+        assert b"POST /v1/completions HTTP/1.1" in seen
+        text = await scrape(f.url)
+        counted = {
+            outcome: sample(text, "kv_router_proxy_handoffs_total", style="bootstrap", outcome=outcome)
+            for outcome in ("ok", "prefill_failed", "prefill_failed_late")
+        }
+        assert counted == {"ok": None, "prefill_failed": None, "prefill_failed_late": 1.0}
+        await eventually(lambda: idle(f.router))
+
+
 @pytest.mark.parametrize("style", STYLES)
 async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
     nats_server: EmbeddedNats, style: HandoffStyle

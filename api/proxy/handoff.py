@@ -155,12 +155,16 @@ class Handoff:
         try:
             if legs.style == "bootstrap":
                 return await self._bootstrap(legs, path, body, headers, reply, forward)
-            if legs.style == "sequential":
-                await self._prefill_leg(legs, path, _prefill_body(path, body, None), headers)
-                self._answered(legs.prefill.worker_id)
-                decode_body = body
-            else:
-                decode_body = await self._remote_decode_prefill(legs, path, body, headers)
+            try:
+                if legs.style == "sequential":
+                    await self._prefill_leg(legs, path, _prefill_body(path, body, None), headers)
+                    self._answered(legs.prefill.worker_id)
+                    decode_body = body
+                else:
+                    decode_body = await self._remote_decode_prefill(legs, path, body, headers)
+            except (PrefillFailed, _Refused) as exc:
+                self._count(legs, _early_outcome(exc))
+                raise
         except _Refused as refused:
             await reply.whole(
                 refused.status, [(b"content-type", refused.content_type or b"application/json")], refused.body
@@ -178,7 +182,6 @@ class Handoff:
         except (msgspec.DecodeError, AttributeError):
             params = None
         if not isinstance(params, dict):
-            self._count(legs, "prefill_failed")
             raise PrefillFailed(legs.prefill.worker_id, "its answer has no kv_transfer_params (is it a P/D engine?)")
         self._answered(legs.prefill.worker_id)
         decode_request = _decode(body)
@@ -211,7 +214,8 @@ class Handoff:
                     # Its end, not its outcome (read by `_retrieve`); a cancellation of our own, the
                     # client leaving meanwhile, goes through: no next attempt for a client gone.
                     await asyncio.wait((decode,))
-                    prefill.result()  # raises the PrefillFailed
+                    self._count(legs, _early_outcome(prefill.exception()))
+                    prefill.result()  # raises the PrefillFailed (or the refusal)
                 outcome = await decode
             except asyncio.CancelledError:
                 # The client left: abandoned, unless it had its whole answer or the stream's last event
@@ -251,24 +255,22 @@ class Handoff:
         try:
             connection = await self.upstream.open(worker.url, path, body, headers, patient=patient)
         except UpstreamError as exc:
-            raise self._failed(legs, str(exc)) from None
+            raise PrefillFailed(worker.worker_id, str(exc)) from None
         try:
             content = await connection.read()
         except UpstreamError as exc:
-            raise self._failed(legs, str(exc)) from None
+            raise PrefillFailed(worker.worker_id, str(exc)) from None
         finally:
             connection.release()
         if connection.status in OVERLOADED:  # the engine pacing us: another worker, or later
-            self._count(legs, "prefill_overloaded")
             answer, wait = overloaded_answer(connection, worker.worker_id, content)
             raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}", answer, wait)
         if 400 <= connection.status < 500:  # the request's fault, not the worker's: the client's answer
-            self._count(legs, "prefill_refused")
             self._answered(worker.worker_id)
             raise _Refused(connection.status, connection.content_type, content)
         if connection.status != 200:
             message = content[:200].decode("utf-8", "replace")
-            raise self._failed(legs, f"HTTP {connection.status}: {message}")
+            raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}: {message}")
         if legs.leg.booking_id is not None:
             # Its prompt is computed (credited there until the prefill worker's events tell it): no more
             # prefill load there.
@@ -276,12 +278,20 @@ class Handoff:
             self.router.mark_free(legs.leg.booking_id)
         return content
 
-    def _failed(self, legs: Legs, problem: str) -> PrefillFailed:
-        self._count(legs, "prefill_failed")
-        return PrefillFailed(legs.prefill.worker_id, problem)
-
     def _count(self, legs: Legs, outcome: str) -> None:
         self._counter.labels(legs.style, outcome).inc()
+
+
+def _early_outcome(failure: BaseException | None) -> str:
+    """How a prefill leg that raised ``failure`` before the client had anything is counted: the
+    request goes again (failed, or overloaded: the engine pacing us), or the refusal is the client's.
+    Counted once, where the leg's fate is known (in bootstrap style, a failure once the decode leg
+    began is ``prefill_failed_late`` alone)."""
+    if isinstance(failure, _Refused):
+        return "prefill_refused"
+    if isinstance(failure, PrefillFailed) and failure.answer is not None:
+        return "prefill_overloaded"
+    return "prefill_failed"
 
 
 def _prefill_body(path: bytes, body: bytes, kv_transfer_params: dict[str, Any] | None) -> bytes:
