@@ -61,6 +61,12 @@ async def within(seconds: float, work: Coroutine[Any, Any, T]) -> T:
         timer.cancel()
         if not task.done():
             task.cancel()
+            task.add_done_callback(_retrieve)  # nobody awaits it now: what it raises is not to be logged
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class Suspended(Generic[T]):

@@ -329,13 +329,15 @@ async def test_an_overloaded_prefill_worker_is_the_engine_pacing_us_and_the_leg_
         await eventually(lambda: idle(f.router))
 
 
+@pytest.mark.parametrize("client", ["reads to the end", "leaves mid-stream"])
 async def test_a_bootstrap_prefill_leg_failing_once_the_decode_leg_streams_is_counted_once_as_late(
-    nats_server: EmbeddedNats,
+    nats_server: EmbeddedNats, client: str
 ) -> None:
     """SGLang's style sends both legs at once. The prefill worker hands its room over (the decode leg
     streams), then its leg fails: the client's stream goes on to its end, and the hand-off is counted
-    once, ``prefill_failed_late`` (not also ``prefill_failed``, which says the request went again)."""
-    streaming = asyncio.Event()
+    once, ``prefill_failed_late`` (not also ``prefill_failed``, which says the request went again);
+    counted all the same when the client leaves after that failure, before the stream's end."""
+    streaming, failed = asyncio.Event(), asyncio.Event()
     seen: list[bytes] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -354,6 +356,7 @@ async def test_a_bootstrap_prefill_leg_failing_once_the_decode_leg_streams_is_co
                 writer.write(b"HTTP/1.1 %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
                              % (status, len(body), body))  # fmt: skip
                 await writer.drain()
+                failed.set()
         writer.close()
 
     async with (
@@ -366,14 +369,28 @@ async def test_a_bootstrap_prefill_leg_failing_once_the_decode_leg_streams_is_co
         async for chunk in stream:
             texts.append(chunk.choices[0].text)
             streaming.set()
-        assert "".join(texts) == "".join(f" w{i}" for i in range(1, 401))
+            if client == "leaves mid-stream" and failed.is_set():
+                await asyncio.sleep(0.1)  # the proxy reads the prefill leg's failure
+                await stream.close()
+                break
+        if client == "reads to the end":
+            assert "".join(texts) == "".join(f" w{i}" for i in range(1, 401))
+        else:
+            assert len(texts) < 400
         assert b"POST /v1/completions HTTP/1.1" in seen
-        text = await scrape(f.url)
-        counted = {
-            outcome: sample(text, "kv_router_proxy_handoffs_total", style="bootstrap", outcome=outcome)
-            for outcome in ("ok", "prefill_failed", "prefill_failed_late")
-        }
-        assert counted == {"ok": None, "prefill_failed": None, "prefill_failed_late": 1.0}
+
+        async def counted() -> dict[str, float | None]:
+            text = await scrape(f.url)
+            return {
+                outcome: sample(text, "kv_router_proxy_handoffs_total", style="bootstrap", outcome=outcome)
+                for outcome in ("ok", "prefill_failed", "prefill_failed_late")
+            }
+
+        async def any_counted() -> bool:
+            return any((await counted()).values())
+
+        await eventually(any_counted, what="the hand-off is counted")
+        assert await counted() == {"ok": None, "prefill_failed": None, "prefill_failed_late": 1.0}
         await eventually(lambda: idle(f.router))
 
 

@@ -222,6 +222,9 @@ class Handoff:
                 # (the official client closes right after it), as the one-leg path reads it.
                 task = asyncio.current_task()
                 if not watched.finished or task is None:
+                    failure = prefill.exception() if prefill.done() and not prefill.cancelled() else None
+                    if failure is not None:  # it failed before the client left: counted all the same
+                        self._count(legs, "prefill_failed_late" if watched.answered else _early_outcome(failure))
                     raise
                 task.uncancel()
                 outcome = await decode

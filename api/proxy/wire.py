@@ -34,6 +34,7 @@ __all__ = [
     "TokenIdsBody",
     "TokenizeReply",
     "Usage",
+    "after_last_event",
     "error_body",
     "finished_stream",
     "prompt_token_ids",
