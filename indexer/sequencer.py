@@ -67,8 +67,9 @@ RETIRED_EPOCHS_KEPT = 8
 FORGOTTEN_WORKERS_KEPT = 4096
 # Reasons of the most recent rejections kept for callers that report them (the HTTP reply).
 RECENT_REJECTIONS = 8
-# (worker, rank) pairs `unknown_dp_rank_events` counts at most.
+# (worker, rank) pairs `unknown_dp_rank_events` counts at most, and workers `unknown_worker_events`.
 MAX_UNKNOWN_RANKS = 1024
+MAX_UNKNOWN_WORKERS = 1024
 
 
 @dataclass
@@ -160,6 +161,7 @@ class EventSequencer:
         self.blocks_applied = 0
         # Per stream and per worker, for diagnosis: gaps opened, events refused for an unknown worker.
         self.gaps_by_stream: Counter[WorkerRank] = Counter()
+        # At most MAX_UNKNOWN_WORKERS keys: a sender stamping random worker ids must not grow it without bound.
         self.unknown_worker_events: Counter[int] = Counter()
         # Events of a registered worker under a rank outside its ranks, by (worker, rank): an engine run
         # with external data parallelism stamps its own rank, which the worker's registration must hold.
@@ -225,7 +227,9 @@ class EventSequencer:
         if self._worker_ranks is not None:
             ranks = self._worker_ranks(event.worker_id)
             if ranks is None:
-                self.unknown_worker_events[event.worker_id] += 1
+                unknown = self.unknown_worker_events
+                if event.worker_id in unknown or len(unknown) < MAX_UNKNOWN_WORKERS:
+                    unknown[event.worker_id] += 1
                 self._reject(event, "unknown_worker", "worker not registered")
                 return None
             if key[1] not in ranks:  # a stream of its own, and a slot in every node, for each such rank
@@ -595,6 +599,12 @@ class EventSequencer:
             self._distrust(key, stream)
             requests.append(self._start_resync(key, stream, start=None))
         return requests
+
+    def refuse(self, events: Iterable[RouterEvent], label: str, detail: str) -> None:
+        """Events a transport refused before sequencing them: each counted (``rejected_<label>``) and
+        its reason kept, none applied."""
+        for event in events:
+            self._reject(event, label, detail)
 
     def count_undecodable(self, *, resync_reply: bool = False) -> None:
         """A payload a transport could not decode: an event (``rejected_undecodable``) or a resync's

@@ -9,7 +9,14 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from indexer.events import ResyncRequest, ResyncResponse
+from indexer.events import (
+    ResyncRequest,
+    ResyncResponse,
+    RouterEvent,
+    encode_router_events,
+    removed_event,
+    stored_event,
+)
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.config import RouterConfig
 from router.errors import AllWorkersOverloaded
@@ -18,7 +25,7 @@ from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.publisher import KvEventPublisher, open_registry
-from router.event_plane.subjects import Subjects
+from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.event_plane.subscriber import NO_RESPONDERS_RETRY_S
 from router.kv_router import KvRouter, RemovalReason
 from router.types import RouteRequest, WorkerConfig
@@ -331,6 +338,30 @@ async def test_a_heartbeat_speaks_only_for_the_worker_its_subject_names(client: 
     await eventually(lambda: plane.outcomes["rejected_bad_heartbeat"] == 2)
     await asyncio.sleep(0.3)  # the real heartbeats keep coming meanwhile
     assert cached(plane.router, PROMPT) == {(61, 0): 3}
+    assert plane.sequencer.outcomes["publisher_restarts"] == 0
+    await victim.stop()
+    await other.stop()
+    await plane.stop()
+
+
+async def test_events_speak_only_for_the_worker_their_subject_names(client: Client) -> None:
+    """On worker 62's subject, under 62's publisher epoch, an event of worker 61 (its blocks removed) would
+    restart 61's streams (its index wiped, its real events then refused as a stale epoch's) or rewrite
+    its blocks: refused, counted and logged; 62's own events in the same message are applied."""
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK))
+    victim, other = await worker(client, 61), await worker(client, 62)
+    await eventually(lambda: {w.worker_id for w in plane.router.workers()} == {61, 62})
+    blocks = prompt_blocks(PROMPT)
+    await victim.stored(blocks[:3])
+    await eventually(lambda: cached(plane.router, PROMPT) == {(61, 0): 3})
+    forged = RouterEvent(61, removed_event(99, [blocks[0][0]]))
+    own = RouterEvent(62, stored_event(1, blocks[:2]))
+    headers = {EPOCH_HEADER: other.registration.epoch or ""}
+    await client.publish(Subjects().events(62), encode_router_events([forged, own]), headers=headers)
+    await eventually(lambda: plane.sequencer.outcomes["rejected_foreign"] == 1)
+    await eventually(lambda: cached(plane.router, PROMPT) == {(61, 0): 3, (62, 0): 2})
+    await victim.stored(blocks[3:5], parent_hash=blocks[2][0])  # 61's own events still count
+    await eventually(lambda: cached(plane.router, PROMPT) == {(61, 0): 5, (62, 0): 2})
     assert plane.sequencer.outcomes["publisher_restarts"] == 0
     await victim.stop()
     await other.stop()

@@ -14,7 +14,7 @@ from indexer.events import (
     stored_event,
 )
 from indexer.radix_tree import RadixTree
-from indexer.sequencer import EventSequencer
+from indexer.sequencer import MAX_UNKNOWN_WORKERS, EventSequencer
 
 W = 42
 
@@ -318,6 +318,19 @@ def test_events_of_unknown_workers_are_counted_and_dropped() -> None:
     assert sequencer.receive(store(1, 1)) is None
     assert sequencer.outcomes["rejected_unknown_worker"] == 1
     assert tree.stats().nodes == 0
+
+
+def test_events_of_many_unknown_workers_are_counted_in_bounded_memory() -> None:
+    """A sender stamping a new worker id on each event: every one is refused and counted, and the
+    per-worker count (which the doctor reports) keeps at most MAX_UNKNOWN_WORKERS of them."""
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, worker_ranks=lambda worker_id: None)
+    for worker_id in range(MAX_UNKNOWN_WORKERS + 500):
+        assert sequencer.receive(RouterEvent(worker_id, stored_event(1, [(1, 1)]))) is None
+    assert sequencer.outcomes["rejected_unknown_worker"] == MAX_UNKNOWN_WORKERS + 500
+    assert len(sequencer.unknown_worker_events) == MAX_UNKNOWN_WORKERS
+    assert sequencer.receive(RouterEvent(0, stored_event(2, [(1, 1)]))) is None  # one counted goes on counting
+    assert sequencer.unknown_worker_events[0] == 2 and tree.stats().nodes == 0
 
 
 def test_events_of_ranks_a_worker_lacks_are_counted_and_dropped() -> None:

@@ -26,6 +26,12 @@ class Subjects:
     def all_events(self) -> str:
         return f"kv.{self.namespace}.events.>"
 
+    def events_sender(self, subject: str) -> int | None:
+        """The worker an events subject (`events`) names; None for a subject that names none."""
+        prefix = f"kv.{self.namespace}.events."
+        token = subject[len(prefix) :] if subject.startswith(prefix) else ""
+        return int(token) if token.isascii() and token.isdigit() else None
+
     def load(self, worker_id: int) -> str:
         return f"kv.{self.namespace}.load.{worker_id}"
 

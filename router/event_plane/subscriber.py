@@ -23,7 +23,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 
 from indexer.errors import UNDECODABLE, EventDecodeError
-from indexer.events import ResyncRequest, ResyncResponse, decode_router_events
+from indexer.events import ResyncRequest, ResyncResponse, RouterEvent, decode_router_events
 from indexer.sequencer import EventSequencer
 from router.event_plane.parts import request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -31,7 +31,7 @@ from router.event_plane.resync_parts import ResyncReader
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor, raise_if_cancelling
 
-__all__ = ["KvEventSubscriber"]
+__all__ = ["KvEventSubscriber", "ingest_published"]
 
 # How often the slow loop looks for unverified streams whose retry time has come.
 RETRY_CHECK_S = 1.0
@@ -44,6 +44,29 @@ log = logging.getLogger(__name__)
 # Applying a backlog of events must not starve routing decisions on the same loop: after this much
 # continuous work the subscriber yields once (nats-py hands queued messages over without yielding).
 YIELD_AFTER_S = 0.0005
+
+
+def ingest_published(
+    sequencer: EventSequencer, subjects: Subjects, message: Msg, events: list[RouterEvent], bad_input: RateLimitedLog
+) -> list[RouterEvent]:
+    """Sequence the decoded ``events`` of one message published on a worker's events subject (live, or
+    replayed from the stream): those of the worker the subject names, with the message's publisher
+    epoch. Another worker's are refused, counted (``rejected_foreign``) and logged: a publisher writes
+    to its own worker's subject only, and an event for another worker, under this epoch, would restart
+    that worker's streams (its index wiped, its own events refused from then on) or rewrite its blocks.
+    Returns the events sequenced."""
+    sender = subjects.events_sender(message.subject)
+    own = [event for event in events if event.worker_id == sender]
+    if len(own) < len(events):
+        foreign = [event for event in events if event.worker_id != sender]
+        sequencer.refuse(foreign, "foreign", f"published on {message.subject}")
+        named = sorted({event.worker_id for event in foreign})
+        bad_input.warning(
+            "KV events of another worker", f"on {message.subject}: {len(foreign)} of worker(s) {named[:4]}"
+        )
+    headers = message.headers
+    sequencer.ingest(own, epoch=headers.get(EPOCH_HEADER) if headers else None)
+    return own
 
 
 class KvEventSubscriber:
@@ -103,8 +126,7 @@ class KvEventSubscriber:
             self.sequencer.count_undecodable()
             self._bad_input.warning("undecodable KV event", f"on {message.subject}: {exc}")
             return
-        headers = message.headers
-        self.sequencer.ingest(events, epoch=headers.get(EPOCH_HEADER) if headers else None)
+        ingest_published(self.sequencer, self.subjects, message, events, self._bad_input)
 
     async def _retry_unverified(self) -> None:
         while True:

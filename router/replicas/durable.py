@@ -87,7 +87,8 @@ from router.event_plane.jetstream import (
     with_replicas,
 )
 from router.event_plane.ratelimited_log import RateLimitedLog
-from router.event_plane.subjects import EPOCH_HEADER, Subjects
+from router.event_plane.subjects import Subjects
+from router.event_plane.subscriber import ingest_published
 from router.kv_router import KvRouter
 from router.supervision import Supervisor, raise_if_cancelling
 
@@ -796,10 +797,10 @@ class DurableEvents:
             self.router.sequencer.count_undecodable()
             self._bad_input.warning("undecodable KV event", f"stream sequence {seq}: {exc}")
         else:
+            # As on the core subscription: the subject's worker's events, under the publisher's epoch.
+            own = ingest_published(self.router.sequencer, self.subjects, message, events, self._bad_input)
             if not self._replay_ended.is_set():
-                self._restored_workers.update(event.worker_id for event in events)
-            headers = message.headers  # the publisher's epoch, as on the core subscription
-            self.router.sequencer.ingest(events, epoch=headers.get(EPOCH_HEADER) if headers else None)
+                self._restored_workers.update(event.worker_id for event in own)
         self.applied_seq = seq
         self._events_since_snapshot += 1
         self._count("stream_messages")
