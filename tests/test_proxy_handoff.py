@@ -43,12 +43,15 @@ async def register(f: Fleet, worker: WorkerConfig) -> None:
         assert answer.status_code in (200, 201), answer.text
 
 
+# What a scripted worker answers a request (its head and body): status, header lines, body.
+Answer = Callable[[bytes, bytes], Awaitable[tuple[bytes, bytes, bytes]]]
+ENGINE_FAILURE = b'{"error": {"message": "engine failure"}}'
+
+
 @contextlib.asynccontextmanager
-async def failing_worker(
-    status: bytes = b"500 Internal Server Error", headers: bytes = b"", bodies: list[bytes] | None = None
-) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """A worker answering every request ``status`` (and header lines ``headers``) after reading it; yields
-    its URL and the request lines (their bodies into ``bodies``, when given)."""
+async def scripted_worker(answer: Answer) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A worker answering each request as ``answer`` says, after reading it; yields its URL and the
+    request lines."""
     seen: list[bytes] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -57,10 +60,7 @@ async def failing_worker(
                 seen.append(head.split(b"\r\n", 1)[0])
                 lines = head.lower().split(b"\r\n")
                 length = next((int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")), 0)
-                received = await reader.readexactly(length)
-                if bodies is not None:
-                    bodies.append(received)
-                body = b'{"error": {"message": "engine failure"}}'
+                status, headers, body = await answer(head, await reader.readexactly(length))
                 writer.write(b"HTTP/1.1 %b\r\ncontent-type: application/json\r\n%b" % (status, headers) +
                              b"content-length: %d\r\n\r\n%b" % (len(body), body))  # fmt: skip
                 await writer.drain()
@@ -68,6 +68,22 @@ async def failing_worker(
 
     async with raw_worker(serve) as url:
         yield url, seen
+
+
+@contextlib.asynccontextmanager
+async def failing_worker(
+    status: bytes = b"500 Internal Server Error", headers: bytes = b"", bodies: list[bytes] | None = None
+) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A worker answering every request ``status`` (and header lines ``headers``); yields its URL and the
+    request lines (their bodies into ``bodies``, when given)."""
+
+    async def answer(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        if bodies is not None:
+            bodies.append(body)
+        return status, headers, ENGINE_FAILURE
+
+    async with scripted_worker(answer) as worker:
+        yield worker
 
 
 def prefill_worker_at(url: str, style: HandoffStyle) -> WorkerConfig:
@@ -338,30 +354,18 @@ async def test_a_bootstrap_prefill_leg_failing_once_the_decode_leg_streams_is_co
     once, ``prefill_failed_late`` (not also ``prefill_failed``, which says the request went again);
     counted all the same when the client leaves after that failure, before the stream's end."""
     streaming, failed = asyncio.Event(), asyncio.Event()
-    seen: list[bytes] = []
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while head := await reader.readuntil(b"\r\n\r\n"):
-                seen.append(head.split(b"\r\n", 1)[0])
-                lines = head.lower().split(b"\r\n")
-                await reader.readexactly(
-                    next((int(line.split(b":")[1]) for line in lines if line.startswith(b"content-length")), 0)
-                )
-                if head.startswith(b"GET /bootstrap/"):  # the room is ready: the decode leg goes on
-                    body, status = b'{"blocks": 0}', b"200 OK"
-                else:  # the prefill leg: it fails once the client has the decode leg's first tokens
-                    await asyncio.wait_for(streaming.wait(), 10)
-                    body, status = b'{"error": {"message": "engine failure"}}', b"500 Internal Server Error"
-                writer.write(b"HTTP/1.1 %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                             % (status, len(body), body))  # fmt: skip
-                await writer.drain()
-                failed.set()
-        writer.close()
+    async def answer(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        if head.startswith(b"GET /bootstrap/"):  # the room is ready: the decode leg goes on
+            return b"200 OK", b"", b'{"blocks": 0}'
+        # The prefill leg: it fails once the client has the decode leg's first tokens.
+        await asyncio.wait_for(streaming.wait(), 10)
+        failed.set()
+        return b"500 Internal Server Error", b"", ENGINE_FAILURE
 
     async with (
         fleet(nats_server.url, (2,), roles={2: "decode"}, handoff="bootstrap") as f,
-        raw_worker(serve) as url,
+        scripted_worker(answer) as (url, seen),
     ):
         await register(f, prefill_worker_at(url, "bootstrap"))
         stream = await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=400, stream=True)
