@@ -18,7 +18,7 @@ import logging
 from collections.abc import Coroutine, Generator
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Suspended", "start", "within"]
+__all__ = ["Suspended", "retrieve", "start", "within"]
 
 T = TypeVar("T")
 
@@ -61,10 +61,12 @@ async def within(seconds: float, work: Coroutine[Any, Any, T]) -> T:
         timer.cancel()
         if not task.done():
             task.cancel()
-            task.add_done_callback(_retrieve)  # nobody awaits it now: what it raises is not to be logged
+            task.add_done_callback(retrieve)  # nobody awaits it now
 
 
-def _retrieve(task: asyncio.Task[Any]) -> None:
+def retrieve(task: asyncio.Future[Any]) -> None:
+    """A done callback for a task nobody awaits: its outcome is read, so that what it raised is not
+    logged as an exception never retrieved."""
     if not task.cancelled():
         task.exception()
 

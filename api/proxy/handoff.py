@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
+from api.eager import retrieve
 from api.http_stream import Headers, Sink, StreamCall
 from api.metrics import PREFIX
 from api.proxy.retry import OVERLOADED, WorkerFailed, overloaded_answer
@@ -202,6 +203,7 @@ class Handoff:
         watched = _Watched(reply)
         prefill = asyncio.ensure_future(self._prefill_leg(legs, path, both, headers))
         decode = asyncio.ensure_future(forward(both, watched))
+        outcome: str | None = None  # the decode leg's, once it has one
         try:
             try:
                 await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -211,10 +213,9 @@ class Handoff:
                     # request's next attempt instead.
                     watched.given_up = True
                     decode.cancel()
-                    # Its end, not its outcome (read by `_retrieve`); a cancellation of our own, the
+                    # Its end, not its outcome (read by `retrieve`); a cancellation of our own, the
                     # client leaving meanwhile, goes through: no next attempt for a client gone.
                     await asyncio.wait((decode,))
-                    self._count(legs, _early_outcome(prefill.exception()))
                     prefill.result()  # raises the PrefillFailed (or the refusal)
                 outcome = await decode
             except asyncio.CancelledError:
@@ -222,28 +223,31 @@ class Handoff:
                 # (the official client closes right after it), as the one-leg path reads it.
                 task = asyncio.current_task()
                 if not watched.finished or task is None:
-                    failure = prefill.exception() if prefill.done() and not prefill.cancelled() else None
-                    if failure is not None:  # it failed before the client left: counted all the same
-                        self._count(legs, "prefill_failed_late" if watched.answered else _early_outcome(failure))
                     raise
                 task.uncancel()
                 outcome = await decode
-            # The decode leg had its KV: a prefill leg still unanswered is not waited for (the request
-            # and its bookings end with the client's answer), its connection closed below.
-            failure = prefill.exception() if prefill.done() and not prefill.cancelled() else None
-            self._count(legs, "ok" if failure is None else "prefill_failed_late")
-            if failure is None:  # its answer in, or not yet: the decode leg had its KV from it either way
-                self._answered(legs.prefill.worker_id)
-            elif isinstance(failure, WorkerFailed) and not failure.paced:  # a 429 paces us; a 4xx is no failure
-                self._failed_late(legs.prefill.worker_id, str(failure))
             return outcome
         finally:
+            # Counted once, however it ended (the client gone too): a prefill leg that failed before the
+            # client had anything is the request's next attempt (`_early_outcome`), after it a late one.
+            failure = _raised(prefill)
+            if failure is not None:
+                self._count(legs, "prefill_failed_late" if watched.answered else _early_outcome(failure))
+            elif outcome is not None:
+                self._count(legs, "ok")
+            if outcome is not None:
+                # The decode leg had its KV: a prefill leg still unanswered is not waited for (the
+                # request and its bookings end with the client's answer), its connection closed below.
+                if failure is None:  # its answer in, or not yet: the decode leg had its KV from it either way
+                    self._answered(legs.prefill.worker_id)
+                elif isinstance(failure, WorkerFailed) and not failure.paced:  # a 429 paces us; a 4xx is no failure
+                    self._failed_late(legs.prefill.worker_id, str(failure))
             # Not awaited: the request's end must not wait on them (nor take a late cancellation from
             # its client for its own); a leg cancelled closes its connection as it unwinds.
             for leg in (prefill, decode):
                 if not leg.done():
                     leg.cancel()
-                leg.add_done_callback(_retrieve)
+                leg.add_done_callback(retrieve)
 
     # ------------------------------------------------------------------ the prefill leg
     async def _prefill_leg(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
@@ -285,6 +289,11 @@ class Handoff:
         self._counter.labels(legs.style, outcome).inc()
 
 
+def _raised(leg: asyncio.Future[Any]) -> BaseException | None:
+    """What a leg's task raised, if it has ended so (a cancellation is no failure of the leg's)."""
+    return leg.exception() if leg.done() and not leg.cancelled() else None
+
+
 def _early_outcome(failure: BaseException | None) -> str:
     """How a prefill leg that raised ``failure`` before the client had anything is counted: the
     request goes again (failed, or overloaded: the engine pacing us), or the refusal is the client's.
@@ -317,12 +326,6 @@ def _prefill_body(path: bytes, body: bytes, kv_transfer_params: dict[str, Any] |
     request.pop("stream_options", None)
     request.pop("min_tokens", None)
     return _encode(request)
-
-
-def _retrieve(leg: asyncio.Future[Any]) -> None:
-    """A leg's outcome is read, so that a failure nobody awaited is not logged as lost."""
-    if not leg.cancelled():
-        leg.exception()
 
 
 class _Watched:

@@ -42,7 +42,6 @@ __all__ = ["IDLE_SECS", "Begin", "Streaming", "Upstream", "UpstreamConnection", 
 
 # An idle pooled connection older than this is closed rather than reused.
 IDLE_SECS = 4.0
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 
 # Called in the read callback with the answer's content type when the first whole events of a 200
 # answer are in: starts the client's answer and gives the sink they and the rest of the stream go to.
@@ -473,7 +472,7 @@ class UpstreamConnection(asyncio.Protocol):
             return b""
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         pieces.clear()
-        if not self.complete and not data.endswith(_EVENT_ENDS):
+        if not self.complete:
             cut = after_last_event(data)
             if cut < len(data):
                 pieces.append(data[cut:])  # held back until its event is whole

@@ -47,14 +47,20 @@ YIELD_AFTER_S = 0.0005
 
 
 def ingest_published(
-    sequencer: EventSequencer, subjects: Subjects, message: Msg, events: list[RouterEvent], bad_input: RateLimitedLog
+    sequencer: EventSequencer, subjects: Subjects, message: Msg, bad_input: RateLimitedLog
 ) -> list[RouterEvent]:
-    """Sequence the decoded ``events`` of one message published on a worker's events subject (live, or
-    replayed from the stream): those of the worker the subject names, with the message's publisher
-    epoch. Another worker's are refused, counted (``rejected_foreign``) and logged: a publisher writes
-    to its own worker's subject only, and an event for another worker, under this epoch, would restart
-    that worker's streams (its index wiped, its own events refused from then on) or rewrite its blocks.
-    Returns the events sequenced."""
+    """The one door of a message published on a worker's events subject (live, or replayed from the
+    stream): decoded (an undecodable one counted and logged), then the events of the worker the subject
+    names sequenced, with the message's publisher epoch. Another worker's are refused, counted
+    (``rejected_foreign``) and logged: a publisher writes to its own worker's subject only, and an event
+    for another worker, under this epoch, would restart that worker's streams (its index wiped, its own
+    events refused from then on) or rewrite its blocks. Returns the events sequenced."""
+    try:
+        events = decode_router_events(message.data, msgpack=None)
+    except EventDecodeError as exc:
+        sequencer.count_undecodable()
+        bad_input.warning("undecodable KV event", f"on {message.subject}: {exc}")
+        return []
     sender = subjects.events_sender(message.subject)
     own = [event for event in events if event.worker_id == sender]
     if len(own) < len(events):
@@ -120,13 +126,7 @@ class KvEventSubscriber:
         if now - self._busy_since > YIELD_AFTER_S:
             await asyncio.sleep(0)
             self._busy_since = time.perf_counter()
-        try:
-            events = decode_router_events(message.data, msgpack=None)
-        except EventDecodeError as exc:
-            self.sequencer.count_undecodable()
-            self._bad_input.warning("undecodable KV event", f"on {message.subject}: {exc}")
-            return
-        ingest_published(self.sequencer, self.subjects, message, events, self._bad_input)
+        ingest_published(self.sequencer, self.subjects, message, self._bad_input)
 
     async def _retry_unverified(self) -> None:
         while True:

@@ -76,8 +76,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from indexer.errors import EventDecodeError
-from indexer.events import NonNegative, RouterEvent, decode_router_events
+from indexer.events import NonNegative, RouterEvent
 from router.event_plane.jetstream import (
     kv_stream,
     object_chunk_subject,
@@ -791,16 +790,10 @@ class DurableEvents:
             if seq > self.applied_seq + 1:
                 self._break_replay()  # purged before it was read: applying what follows would leave a hole
                 return
-        try:
-            events = decode_router_events(message.data, msgpack=None)
-        except EventDecodeError as exc:
-            self.router.sequencer.count_undecodable()
-            self._bad_input.warning("undecodable KV event", f"stream sequence {seq}: {exc}")
-        else:
-            # As on the core subscription: the subject's worker's events, under the publisher's epoch.
-            own = ingest_published(self.router.sequencer, self.subjects, message, events, self._bad_input)
-            if not self._replay_ended.is_set():
-                self._restored_workers.update(event.worker_id for event in own)
+        # As on the core subscription: the subject's worker's events, under the publisher's epoch.
+        own = ingest_published(self.router.sequencer, self.subjects, message, self._bad_input)
+        if not self._replay_ended.is_set():
+            self._restored_workers.update(event.worker_id for event in own)
         self.applied_seq = seq
         self._events_since_snapshot += 1
         self._count("stream_messages")
