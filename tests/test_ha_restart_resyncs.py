@@ -124,14 +124,43 @@ async def test_a_restart_asks_no_worker_it_restored_and_asks_the_new_and_the_res
         assert again.life.plane is not None and again.life.plane.outcomes["join_resync_skipped"] == 2
 
 
+def fail_start_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on the durable start fails once (its snapshot's fetch timed out) after the event plane
+    registered the workers; the list holds the number of attempts made."""
+    from router.replicas.durable import DurableEvents
+
+    start = DurableEvents.start
+    attempts = [0]
+
+    async def failing_once(self: DurableEvents) -> None:
+        attempts[0] += 1
+        if attempts[0] == 1:
+            raise TimeoutError("the snapshot's fetch timed out")
+        await start(self)
+
+    monkeypatch.setattr(DurableEvents, "start", failing_once)
+    return attempts
+
+
+def run_supervised(lifecycle: Lifecycle) -> None:
+    """Run the lifecycle as the supervisor does: again after a failure."""
+
+    async def supervised() -> None:
+        for _ in range(3):
+            try:
+                await lifecycle.life.run()
+            except TimeoutError:
+                continue
+
+    lifecycle.task = asyncio.create_task(supervised())
+
+
 async def test_a_start_tried_again_still_asks_the_worker_new_to_the_index(
     nats_server: EmbeddedNats, client: Client, asked: Counter[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The durable start fails once (its snapshot's fetch timed out) and the supervisor runs it again:
-    the workers the failed attempt registered are echoes to the next one, and their held joins are
-    held again, so a worker the index never heard from is still asked for its dump."""
-    from router.replicas.durable import DurableEvents
-
+    """The supervisor runs a failed start again: the workers the failed attempt registered are echoes to
+    the next one, and their held joins are held again, so a worker the index never heard from is still
+    asked for its dump."""
     url = nats_server.url
     in_snapshot = KvEventPublisher(client, WorkerConfig(worker_id=61, block_size=BLOCK))
     async with Lifecycle(url) as first:
@@ -148,52 +177,55 @@ async def test_a_start_tried_again_still_asks_the_worker_new_to_the_index(
     await new.stop()
     asked.clear()
 
-    start = DurableEvents.start
-    attempts = 0
-
-    async def failing_once(self: DurableEvents) -> None:
-        nonlocal attempts
-        attempts += 1
-        if attempts == 1:
-            raise TimeoutError("the snapshot's fetch timed out")
-        await start(self)
-
-    monkeypatch.setattr(DurableEvents, "start", failing_once)
+    attempts = fail_start_once(monkeypatch)
     again = Lifecycle(url)
-
-    async def supervised() -> None:  # as the supervisor runs it: again after a failure
-        for _ in range(3):
-            try:
-                await again.life.run()
-            except TimeoutError:
-                continue
-
-    again.task = asyncio.create_task(supervised())
+    run_supervised(again)
     try:
         await asyncio.wait_for(again.life.started(), 60)
         await eventually(lambda: asked[64] >= 1)
-        assert asked[61] == 0 and attempts == 2
+        assert asked[61] == 0 and attempts[0] == 2
         assert again.life.plane is not None and again.life.plane.outcomes["join_resync_skipped"] == 1
     finally:
         await again.__aexit__()
 
 
-async def test_readiness_says_why_the_last_start_failed_while_nats_is_connected(
-    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+async def test_a_start_tried_again_keeps_nothing_of_a_worker_that_restarted(
+    nats_server: EmbeddedNats, client: Client, asked: Counter[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from router.replicas.durable import DurableEvents
+    """Worker 63's publisher restarts while the router is down. The first attempt registers it under its
+    new epoch and drops what the snapshot held of it; the attempt then fails, and the retry restores
+    the snapshot again: the new epoch still wins. Before, the retry brought back the old process's
+    blocks and epoch, trusted, replayed its later events, and a prompt of them went to worker 63 for a
+    cache its engine no longer held."""
+    url = nats_server.url
+    old = KvEventPublisher(client, WorkerConfig(worker_id=63, block_size=BLOCK))
+    async with Lifecycle(url) as first:
+        await old.start(heartbeat=False)
+        await eventually(lambda: first.router.has_worker(63))
+        await old.stored(pairs(2, 4))
+        durable = first.life.durable
+        assert durable is not None
+        await eventually(lambda: durable.applied_seq >= 1 and first.trusted(63))
+        assert await durable.write_snapshot()
+        await old.stored(pairs(3, 2))  # the old process's last events: in the stream only
+        await eventually(lambda: durable.applied_seq >= 2)
+    await old.stop()
+    restarted = KvEventPublisher(client, WorkerConfig(worker_id=63, block_size=BLOCK))
+    await restarted.start(heartbeat=False)  # registered under its new epoch, silent
+    await restarted.stop()
+    asked.clear()
 
-    async def failing(self: DurableEvents) -> None:
-        raise TimeoutError("the snapshot's fetch timed out")
-
-    monkeypatch.setattr(DurableEvents, "start", failing)
-    router = Lifecycle(nats_server.url)
-    with pytest.raises(TimeoutError):
-        await router.life.run()
+    attempts = fail_start_once(monkeypatch)
+    again = Lifecycle(url)
+    run_supervised(again)
     try:
-        assert router.life.not_ready_reason() == (
-            f"event plane starting: NATS at {nats_server.url} connected; "
-            "the last attempt failed: TimeoutError: the snapshot's fetch timed out"
-        )
+        await asyncio.wait_for(again.life.started(), 60)
+        assert attempts[0] == 2
+        registered = again.router.worker(63)
+        assert registered is not None
+        assert again.router.sequencer.epochs().get(63) == registered.epoch
+        assert not [e for e in again.router.tree.dump_events() if e.worker_id == 63], "the old process's blocks"
+        await eventually(lambda: asked[63] >= 1, what="the restarted worker asked for its state")
+        assert not again.trusted(63)
     finally:
-        await router.life.stop()
+        await again.__aexit__()

@@ -289,6 +289,12 @@ class DurableEvents:
         loaded = time.perf_counter()
         if snapshot is not None:
             self._apply_snapshot(snapshot)
+            # The snapshot restores its workers' epochs as they were when it was written. A worker that
+            # registered since with another epoch (its publisher restarted while this router was down)
+            # has that old state dropped: here when a failed start is tried again, or a purge made the
+            # snapshot load again after the event plane registered the workers (on a first start none
+            # is registered yet, and each registration observes its epoch itself).
+            self.router.observe_registered_epochs()
             log.info("index snapshot: fetched and decoded in %.2f s, applied in %.2f s",
                      loaded - started, time.perf_counter() - loaded)  # fmt: skip
         await self._record_cursor()
@@ -327,9 +333,6 @@ class DurableEvents:
             await self._unsubscribe()
             self.discard()
             await self._load()
-            # The snapshot restored its workers' old epochs after the event plane registered them: a
-            # worker registered with another epoch (its publisher restarted) has the old state dropped again.
-            self.router.observe_registered_epochs()
         self._background.keep_running("snapshots", self._snapshot_loop)
 
     async def _replay(self, reload_if_purged: bool) -> bool:
