@@ -317,13 +317,8 @@ class KvRouter:
         dropped = self._scheduler.remove_worker(worker_id)
         self.removals[reason] += 1
         self._refresh_disaggregated()
-        self.tree.remove_worker(worker_id)
         self.health.forget(worker_id)
-        self.sequencer.forget_worker(worker_id)  # a worker registered again starts its streams afresh
-        if self.predictions is not None:
-            self.predictions.forget_worker(worker_id)
-        if self.computed_prompts is not None:
-            self.computed_prompts.forget(worker_id)
+        self.forget_cache_of(worker_id)
         logger.info(
             "worker %d left: %d active requests dropped",
             worker_id,
@@ -331,6 +326,17 @@ class KvRouter:
             extra={"worker_id": worker_id, "dropped_requests": len(dropped)},
         )
         self._dispatch_waiting()
+
+    def forget_cache_of(self, worker_id: int) -> None:
+        """Forget what the index, event streams and predictions hold of a worker, registered or not (one a
+        snapshot restored may never register in this router's life). Its streams start afresh if it
+        comes back."""
+        self.tree.remove_worker(worker_id)
+        self.sequencer.forget_worker(worker_id)
+        if self.predictions is not None:
+            self.predictions.forget_worker(worker_id)
+        if self.computed_prompts is not None:
+            self.computed_prompts.forget(worker_id)
 
     def _refresh_disaggregated(self) -> None:
         self._disaggregated = is_disaggregated(

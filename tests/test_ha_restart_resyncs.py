@@ -5,7 +5,8 @@ replayed: every registration is new to it. A (worker, rank) whose trusted stream
 under the same publisher epoch, or that the replay brings from its first event, is not asked for a full
 dump (a worker that would not answer kept its trust; before, every worker was asked, and one that did
 not answer lost it). A worker the index never heard from, or registered under a new epoch (its
-publisher restarted while the router was down), is still asked.
+publisher restarted while the router was down), is still asked, and nothing the snapshot held of it
+stays, even when the start is tried again; nor of a worker that left while the router was down.
 """
 
 from __future__ import annotations
@@ -229,3 +230,36 @@ async def test_a_start_tried_again_keeps_nothing_of_a_worker_that_restarted(
         assert not again.trusted(63)
     finally:
         await again.__aexit__()
+
+
+async def test_a_worker_that_left_while_the_router_was_down_leaves_nothing_in_the_index(
+    nats_server: EmbeddedNats, client: Client
+) -> None:
+    """Worker 65 is in the snapshot and deregisters while the router is down: the restart restores its
+    blocks, then the registry says it left, and they go (before, nothing removed them: every later
+    snapshot carried them again, and a new process of worker 65 inherited them)."""
+    url = nats_server.url
+    staying = KvEventPublisher(client, WorkerConfig(worker_id=61, block_size=BLOCK))
+    leaving = KvEventPublisher(client, WorkerConfig(worker_id=65, block_size=BLOCK))
+    async with Lifecycle(url) as first:
+        for publisher in (staying, leaving):
+            await publisher.start(heartbeat=False)
+        await eventually(lambda: first.router.has_worker(61) and first.router.has_worker(65))
+        await staying.stored(pairs(1, 3))
+        await leaving.stored(pairs(2, 5))
+        durable = first.life.durable
+        assert durable is not None
+        await eventually(lambda: durable.applied_seq >= 2)
+        assert await durable.write_snapshot()
+    await leaving.stop(deregister=True)
+
+    async with Lifecycle(url) as again:
+        await eventually(lambda: again.router.has_worker(61))
+        await eventually(
+            lambda: not [e for e in again.router.tree.dump_events() if e.worker_id == 65],
+            what="worker 65's restored blocks dropped",
+        )
+        assert not again.router.has_worker(65)
+        assert [e for e in again.router.tree.dump_events() if e.worker_id == 61], "the worker that stayed kept"
+        assert not [s for s in again.router.sequencer.status() if s.worker_id == 65]
+    await staying.stop()

@@ -259,10 +259,13 @@ class RouterEventPlane:
 
     def _remove(self, worker_id: int, reason: RemovalReason = "deregistered") -> None:
         self._leased.pop(worker_id, None)
-        self.sequencer.forget_worker(worker_id)
-        with contextlib.suppress(UnknownWorker):
+        if self.router.has_worker(worker_id):
             self.router.remove_worker(worker_id, reason)
             self.outcomes["removed"] += 1
+        else:
+            # Never registered here, but a restored snapshot may hold its blocks: it has left, so they go
+            # too (kept, every later snapshot would carry them, and a new process of it inherit them).
+            self.router.forget_cache_of(worker_id)
 
     # ------------------------------------------------------------------ liveness and load
     async def _on_heartbeat(self, message: Msg) -> None:

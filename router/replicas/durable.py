@@ -311,8 +311,7 @@ class DurableEvents:
         workers its snapshot held and its replay reached, so that a start tried again restores onto
         nothing of its own."""
         for worker_id in sorted(self._restored_workers):
-            self.router.tree.remove_worker(worker_id)
-            self.router.sequencer.forget_worker(worker_id)
+            self.router.forget_cache_of(worker_id)
         self._restored_workers.clear()
         self.applied_seq = self.snapshot_seq = 0
 
