@@ -15,6 +15,15 @@ live events applied beyond it that still await reconciliation:
   comes the stream is reconciled: a dump replaces the rank's state, missing events are applied, and
   then the kept live events newer than the answer are applied again, in order. Re-applying them last
   is what keeps a replayed store from resurrecting a block that a later live event removed;
+- an answer also says how far the publisher has numbered (a dump's last id; a replay's, when it stops
+  short of the end asked for), and the newest id goes back there (or to a kept id above it), so that
+  its next events apply instead of passing for duplicates. A kept event heard before the resync was
+  asked for, yet past a hole above that id, was never numbered (a buggy or hostile publisher's id far
+  ahead): it is refused (``id_ahead_of_publisher``) and a dump rebuilds the rank without what it did.
+  (Kept ids straight after the answer's stay: a dump may lag the events already sent.) So no question
+  is asked twice: a replay fills the range asked for (else a dump is asked for), a dump accounts for
+  every id heard before it was asked for, and a hole still open after reconciling is a new one, asked
+  at once;
 - "no answer" (no responder, timeouts, no transport) gives up at once: what was applied stays, the
   stream is untrusted, and `due_retries` offers it a full resync again every ``retry_interval_s``
   until one succeeds;
@@ -79,6 +88,7 @@ class _Stream:
     unreconciled: dict[int, RouterEvent] = field(default_factory=dict)  # applied beyond synced_through
     deferred: list[tuple[RouterEvent, str, str]] = field(default_factory=list)  # rejections ahead of a hole
     resync: ResyncRequest | None = None  # the request in flight, if any
+    heard_when_asked: int | None = None  # the newest id heard when that request was made: its answer must count it
     trusted: bool = False
     # Whether what synced_through covers came from a verified start (id 1, a dump, a barrier), not
     # from giving up; only a dump can verify a stream again.
@@ -325,6 +335,7 @@ class EventSequencer:
     ) -> ResyncRequest:
         request = ResyncRequest(worker_id=key[0], dp_rank=key[1], start_event_id=start, end_event_id=end)
         stream.resync = request
+        stream.heard_when_asked = stream.last_id
         stream.retry_at = None
         self.outcomes["resync_full" if start is None else "resync_range"] += 1
         return request
@@ -338,6 +349,7 @@ class EventSequencer:
             return None
         stream.resync = None
         if response.tree_dump is not None:
+            self._drop_unnumbered(stream, response.tree_dump.last_event_id)
             self.index.remove_worker_dp_rank(*key)
             self._blocks_left(*key)
             stream.tiers.clear()
@@ -360,6 +372,11 @@ class EventSequencer:
             stream.synced_through = last
             if request.end_event_id is not None and last < request.end_event_id:
                 self.outcomes["resync_incomplete"] += 1
+                newest = response.events.last_event_id
+                if newest < request.end_event_id:  # short of the end asked for: all the publisher numbered
+                    self._drop_unnumbered(stream, newest)
+                    stream.last_id = max(last, newest, max(stream.unreconciled, default=0))
+                # A dump, which also rebuilds the rank without what dropped events did when applied ahead.
                 return self._start_resync(key, stream, start=None)
             self.outcomes["resync_events_applied"] += 1
         else:
@@ -386,15 +403,38 @@ class EventSequencer:
             else:
                 stream.unreconciled[event_id] = event
         stream.synced_through = synced
-        if stream.last_id is None or synced > stream.last_id:
-            stream.last_id = synced
+        # Lower than before when a dump says the publisher numbered no further: its next ids must apply.
+        stream.last_id = max(stream.unreconciled, default=synced)
         if stream.unreconciled:
+            # A new hole, never the same question again (so asking at once cannot loop): a replay
+            # filled the range asked for, and a dump accounts for every id heard before it was asked.
             return self._open_gap(key, stream)
         if stream.verified_base:
             self._trust(key, stream)
         else:
             stream.retry_at = self._clock() + self.retry_interval_s
         return None
+
+    def _drop_unnumbered(self, stream: _Stream, newest: int) -> None:
+        """Refuse the kept events that a resync answer shows were never numbered: heard before the
+        resync was asked for (the answer had to count them), yet past a hole above ``newest``, the id
+        the publisher says it numbered up to. A run straight after ``newest`` stays: a dump may lag the
+        events already sent. What they did when applied ahead goes with the rank's state: the answer
+        is a dump, or asks for one."""
+        heard = stream.heard_when_asked
+        if heard is None:
+            return
+        successor = newest + 1
+        dropped: set[int] = set()
+        for event_id in sorted(stream.unreconciled):
+            if event_id == successor:
+                successor += 1
+            elif successor < event_id <= heard:
+                dropped.add(event_id)
+                detail = f"id ahead of its publisher, which says it numbered events up to {newest}"
+                self._reject(stream.unreconciled.pop(event_id), "id_ahead_of_publisher", detail)
+        if dropped:  # counted once, here: not again when the stream gives up
+            stream.deferred = [entry for entry in stream.deferred if entry[0].event.event_id not in dropped]
 
     def resync_failed(self, request: ResyncRequest, *, no_responders: bool = False) -> None:
         """Nobody answered ``request`` (``no_responders``: nobody serves the worker's resyncs; or

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from indexer.events import (
+    U64_MAX,
     ResyncBatch,
     ResyncRequest,
     ResyncResponse,
@@ -15,6 +16,7 @@ from indexer.events import (
 )
 from indexer.radix_tree import RadixTree
 from indexer.sequencer import MAX_UNKNOWN_WORKERS, EventSequencer
+from tests.test_sequencer_properties import answer
 
 W = 42
 
@@ -476,3 +478,149 @@ def test_a_stream_opened_by_a_resync_has_heard_from_its_worker_only_once_events_
     restored = EventSequencer(RadixTree())
     restored.restore_snapshot([], [(W, 0, 3, True), (W, 1, None, False)])
     assert restored.heard_from(W, 0) and not restored.heard_from(W, 1)
+
+
+# ------------------------------------------------------------------ ids far ahead of the publisher
+FAR = 999  # the block an event far ahead of its publisher's numbering stores
+
+
+def published(n: int) -> list[RouterEvent]:
+    """A publisher's events 1..n: event i stores block i under block i - 1."""
+    return [store(i, i, parent=i - 1 if i > 1 else None) for i in range(1, n + 1)]
+
+
+def test_an_id_far_ahead_is_refused_its_removal_undone_and_the_publishers_next_events_apply() -> None:
+    events = published(8)
+    sequencer, tree = synced(0)
+    sequencer.ingest(events[1:5])
+    far = RouterEvent(W, removed_event(5 + 10**6, [3]))  # a buggy publisher: its last id + 10**6
+    request = sequencer.receive(far)
+    assert request == ResyncRequest(worker_id=W, dp_rank=0, start_event_id=6, end_event_id=5 + 10**6 - 1)
+    assert tree.find_matches([1, 2, 3]).scores == {(W, 0): 2}  # applied ahead, as any gap's event
+    # The replay stops at 5, short of the end asked for: the publisher numbered no further.
+    dump_request = sequencer.resync_done(request, answer(events, request, 5, 64))
+    assert dump_request is not None and dump_request.start_event_id is None
+    assert sequencer.outcomes["rejected_id_ahead_of_publisher"] == sequencer.rejected == 1
+    assert sequencer.recent_rejections[-1].startswith(f"worker {W} event {5 + 10**6}: id ahead of its publisher")
+    assert sequencer.status()[0].last_event_id == 5
+    assert sequencer.receive(events[5]) is None  # its next event applies: no duplicate of the far id
+    assert sequencer.status()[0].last_event_id == 6 and sequencer.outcomes["duplicate"] == 0
+    assert sequencer.resync_done(dump_request, answer(events, dump_request, 5, 64)) is None
+    assert tree.find_matches(list(range(1, 7))).scores == {(W, 0): 6}  # the dump brought block 3 back
+    sequencer.ingest(events[6:])
+    assert tree.find_matches(list(range(1, 9))).scores == {(W, 0): 8}
+    [status] = sequencer.status()
+    assert (status.last_event_id, status.trusted, status.resyncing) == (8, True, False)
+    assert sequencer.outcomes["duplicate"] == 0 and sequencer.rejected == 1
+
+
+def test_a_first_event_far_ahead_is_refused_by_the_dump_a_late_router_asks_for() -> None:
+    events = published(6)
+    tree = RadixTree()
+    sequencer = EventSequencer(tree)
+    request = sequencer.receive(store(U64_MAX, FAR))  # the first event heard: the router joined late
+    assert request is not None and request.start_event_id is None
+    assert sequencer.resync_done(request, answer(events, request, 5, 64)) is None  # no further question
+    assert tree.find_matches([FAR]).scores == {}
+    assert tree.find_matches(list(range(1, 6))).scores == {(W, 0): 5}
+    assert sequencer.outcomes["rejected_id_ahead_of_publisher"] == 1
+    assert sequencer.receive(events[5]) is None
+    assert tree.find_matches(list(range(1, 7))).scores == {(W, 0): 6}
+    [status] = sequencer.status()
+    assert (status.last_event_id, status.trusted) == (6, True)
+
+
+def test_an_id_far_ahead_costs_two_resyncs_not_a_loop() -> None:
+    """Each round the publisher answers what it was asked, then sends its next event: the far id
+    costs a replay (which shows it unnumbered) and the dump that clears it, then nothing more."""
+    now = [0.0]
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, retry_interval_s=15.0, clock=lambda: now[0])
+    asked: list[ResyncRequest] = []
+    sequencer.resync_transport = asked.append
+    events = published(30)
+    sequencer.ingest(events[:5])
+    sequencer.ingest([store(U64_MAX, FAR)])
+    position, answered = 5, 0
+    for _ in range(20):
+        pending, answered = asked[answered:], len(asked)
+        for request in pending:
+            follow_up = sequencer.resync_done(request, answer(events, request, position, 64))
+            if follow_up is not None:
+                sequencer.send_resync(follow_up)
+        sequencer.ingest([events[position]])
+        position += 1
+        now[0] += 1.0
+        asked.extend(sequencer.due_retries())
+    assert [request.start_event_id for request in asked] == [6, None]
+    assert tree.find_matches([FAR]).scores == {}
+    assert tree.find_matches(list(range(1, 26))).scores == {(W, 0): 25}
+    assert sequencer.outcomes["rejected_id_ahead_of_publisher"] == sequencer.rejected == 1
+    now[0] += 1000.0
+    assert sequencer.status()[0].trusted and sequencer.due_retries() == []
+
+
+def test_when_the_dump_that_clears_an_id_far_ahead_goes_unanswered_it_is_asked_again_on_the_slow_schedule() -> None:
+    now = [0.0]
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, retry_interval_s=30.0, clock=lambda: now[0])
+    events = published(7)
+    for event in events[:5]:
+        assert sequencer.receive(event) is None
+    # Far ahead, and under a parent the worker does not hold: held (deferred) by the index for now.
+    request = sequencer.receive(store(U64_MAX, FAR, parent=777))
+    assert request is not None
+    dump_request = sequencer.resync_done(request, answer(events, request, 5, 64))
+    assert dump_request is not None
+    sequencer.resync_failed(dump_request)  # a timeout
+    assert not sequencer.status()[0].trusted
+    assert sequencer.receive(events[5]) is None  # not blind meanwhile: the next real event applies
+    assert tree.find_matches(list(range(1, 7))).scores == {(W, 0): 6}
+    assert sequencer.due_retries() == []  # nothing asked again at once
+    now[0] += 30.0
+    [retry] = sequencer.due_retries()
+    assert retry.start_event_id is None
+    assert sequencer.resync_done(retry, answer(events, retry, 7, 64)) is None
+    assert tree.find_matches(list(range(1, 8))).scores == {(W, 0): 7}
+    assert sequencer.status()[0].trusted
+    # Counted once, as refused for its id: not again as held when the stream gave up.
+    assert sequencer.rejected == sequencer.outcomes["rejected_id_ahead_of_publisher"] == 1
+
+
+def test_an_id_far_ahead_given_up_on_is_undone_by_the_first_dump_that_answers() -> None:
+    """Nobody answered: the far id passes for the stream's newest, and the publisher's next events for
+    duplicates, until the slow schedule's dump says how far the publisher numbered."""
+    now = [0.0]
+    tree = RadixTree()
+    sequencer = EventSequencer(tree, retry_interval_s=30.0, clock=lambda: now[0])
+    events = published(8)
+    for event in events[:5]:
+        assert sequencer.receive(event) is None
+    request = sequencer.receive(store(U64_MAX, FAR))
+    assert request is not None
+    sequencer.resync_failed(request, no_responders=True)
+    now[0] += 30.0
+    [retry] = sequencer.due_retries()
+    assert sequencer.resync_done(retry, answer(events, retry, 6, 64)) is None
+    assert tree.find_matches([FAR]).scores == {}
+    sequencer.ingest(events[6:])
+    assert tree.find_matches(list(range(1, 9))).scores == {(W, 0): 8}
+    [status] = sequencer.status()
+    assert (status.last_event_id, status.trusted) == (8, True)
+
+
+def test_events_heard_after_a_dump_was_asked_for_stay_even_past_a_hole() -> None:
+    """A dump taken before events the router heard since the request: they are newer, not unnumbered;
+    the hole below them (a lost event) is a new question, asked at once."""
+    events = [store(i, i) for i in range(1, 9)]
+    tree = RadixTree()
+    sequencer = EventSequencer(tree)
+    request = sequencer.receive(events[4])  # joined late: event 5 first
+    assert request is not None and request.start_event_id is None
+    assert sequencer.receive(events[5]) is None
+    assert sequencer.receive(events[7]) is None  # event 7 was lost
+    follow_up = sequencer.resync_done(request, answer(events, request, 5, 64))
+    assert follow_up == ResyncRequest(worker_id=W, dp_rank=0, start_event_id=7, end_event_id=7)
+    assert sequencer.resync_done(follow_up, answer(events, follow_up, 8, 64)) is None
+    assert [tree.find_matches([block]).scores for block in range(1, 9)] == [{(W, 0): 1}] * 8
+    assert sequencer.status()[0].trusted and sequencer.rejected == 0
