@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexer.events import ResyncBatch, ResyncRequest, ResyncResponse, RouterEvent
+from indexer.events import U64_MAX, ResyncBatch, ResyncRequest, ResyncResponse, RouterEvent, removed_event, stored_event
 from indexer.radix_tree import RadixTree
 from indexer.sequencer import EventSequencer
 from tests.event_streams import EventOp, generate
@@ -127,3 +127,40 @@ def test_trusted_means_exactly_the_workers_state(seed: int, data: st.DataObject)
     statuses = sequencer.status()
     assert all(status.trusted for status in statuses)
     check() if statuses else None
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), data=st.data())
+def test_an_id_far_ahead_never_keeps_the_publishers_later_events_out(seed: int, data: st.DataObject) -> None:
+    """An event whose id is far ahead of its publisher's numbering, wherever it falls in the stream,
+    storing a block of its own or removing one the worker holds: one round of resync answers (at
+    most a replay and a dump) refuses it and undoes it, every later real event applies on arrival,
+    and the stream ends trusted with exactly the worker's state."""
+    events = engine_stream(seed, data.draw(st.integers(10, 30), label="requests"))
+    n = len(events)
+    position = data.draw(st.integers(1, n - 1), label="events before the far one")
+    far_id = data.draw(st.integers(position + 2, U64_MAX), label="its id")
+    held = [block for _, block, _ in state(truth_at(events, position))]
+    worker_id = events[0].worker_id
+    if held and data.draw(st.booleans(), label="a removal"):
+        far = RouterEvent(worker_id, removed_event(far_id, [data.draw(st.sampled_from(held), label="block")]))
+    else:
+        far = RouterEvent(worker_id, stored_event(far_id, [(U64_MAX, U64_MAX)]))
+    tree = RadixTree()
+    sequencer = EventSequencer(tree)
+    asked: list[ResyncRequest] = []
+    sequencer.resync_transport = asked.append
+    sequencer.ingest([*events[:position], far])
+    answered = 0
+    while answered < min(len(asked), 4):  # answered at once, the publisher still at ``position``; a loop stops
+        follow_up = sequencer.resync_done(asked[answered], answer(events, asked[answered], position, ring=64))
+        answered += 1
+        if follow_up is not None:
+            sequencer.send_resync(follow_up)
+    assert len(asked) <= 2
+    assert sequencer.outcomes["rejected_id_ahead_of_publisher"] == sequencer.rejected == 1
+    sequencer.ingest(events[position:])
+    assert sequencer.outcomes["duplicate"] == 0
+    [status] = sequencer.status()
+    assert (status.trusted, status.last_event_id) == (True, n)
+    assert state(tree) == state(truth_at(events, n))
