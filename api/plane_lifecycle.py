@@ -224,6 +224,9 @@ class PlaneLifecycle:
                     await durable.start()
                     self._restoring = None
                     plane.release_join_resyncs()
+                # Workers registered over HTTP meanwhile are shared before replica sync publishes what
+                # was booked on them (peers book only on workers they know), and again after its start.
+                await self._share_registrations(plane)
                 if self.ha.replica_sync:
                     # Its own connection, without echo: every batch would otherwise come back to its
                     # sender, costing a parse, a message and a task switch to be recognised and dropped.
@@ -233,17 +236,7 @@ class PlaneLifecycle:
                         self.router, sync_nc, namespace=self.config.nats_namespace, lease_s=self.ha.replica_lease_secs
                     )
                     await replicas.start()
-                # Workers registered over HTTP meanwhile; more can come while one is written (each write
-                # awaits NATS), and they join this loop rather than the plane's.
-                while self._unshared:
-                    worker_id, config = next(iter(self._unshared.items()))
-                    # As the router holds it: a block size adopted since (--block-size auto) is its own.
-                    held = self.router.worker(worker_id)
-                    await plane.register(
-                        config if held is None else msgspec.structs.replace(config, block_size=held.block_size)
-                    )
-                    if self._unshared.get(worker_id) is config:
-                        del self._unshared[worker_id]
+                    await self._share_registrations(plane)
                 raise_if_cancelling()  # lost on its way during the start: undone, not left running
             except BaseException as exc:
                 # Tried again by the supervisor: from nothing, not on top of this attempt's half (a
@@ -285,6 +278,19 @@ class PlaneLifecycle:
         deadline = loop.time() + CATCH_UP_DUMPS_WAIT_S
         while plane.subscriber.resyncs_in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
+
+    async def _share_registrations(self, plane: RouterEventPlane) -> None:
+        """Write the workers registered over HTTP before the plane started to the shared registry. More
+        can come while one is written (each write awaits NATS); they join this loop, not the plane's."""
+        while self._unshared:
+            worker_id, config = next(iter(self._unshared.items()))
+            # As the router holds it: a block size adopted since (--block-size auto) is its own.
+            held = self.router.worker(worker_id)
+            await plane.register(
+                config if held is None else msgspec.structs.replace(config, block_size=held.block_size)
+            )
+            if self._unshared.get(worker_id) is config:
+                del self._unshared[worker_id]
 
     async def register(self, config: WorkerConfig) -> None:
         """Register a worker in the shared registry (every router learns it); before the plane has

@@ -414,6 +414,88 @@ async def test_bookings_made_before_sync_starts_reach_the_peers(nats_server: Emb
             await nc.close()
 
 
+async def test_a_booking_on_a_worker_a_peer_learns_later_waits_for_it(nats_server: EmbeddedNats) -> None:
+    """A worker's registration reaches each router through the registry's watch, which can trail the sync
+    message of a booking on it: the peer keeps that booking until the worker is registered there, then
+    books it (before, it refused it, undercounted the worker's load and answered its free with a 404)."""
+    late_worker = WorkerConfig(worker_id=9)
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b:
+        b.router.register_worker(late_worker)  # known to b only, for now
+        await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="on-9"), pinned_worker=(9, 0))
+        await b.router.new(RouteRequest(tokens=PROMPTS[1], request_id="on-9-freed"), pinned_worker=(9, 0))
+        await eventually(lambda: a.sync.outcomes["waiting_for_worker"] == 2, 30, "a holds both bookings")
+        assert a.router.booking("on-9") is None
+        assert b.router.mark_free("on-9-freed")  # freed while a still waits for the worker
+        await eventually(lambda: a.sync.outcomes["applied"] >= 1, 30, "a applies the free")
+        a.router.register_worker(late_worker)
+        await eventually(lambda: a.router.booking("on-9") is not None, 30, "a books it once the worker is known")
+        assert bookings(a.router) == bookings(b.router)
+        assert a.router.booking("on-9-freed") is None
+        assert a.router.mark_free("on-9")  # a free through the peer ends it everywhere
+        await eventually(lambda: b.router.booking("on-9") is None, 30, "the free through a reaches b")
+        assert a.sync.outcomes["rejected_booking"] == 0
+
+
+async def test_a_booking_on_a_worker_never_registered_is_refused_after_its_wait(nats_server: EmbeddedNats) -> None:
+    from router.replicas.sync import UNKNOWN_WORKER_WAIT_S
+
+    now = [0.0]
+    nc = await connect(NatsOptions(nats_server.url))
+    router = new_router()
+    a = ReplicaSync(router, nc, lease_s=3600.0, heartbeat_s=0.05, clock=lambda: now[0])
+    await a.start()
+    try:
+        async with replica(nats_server.url) as b:
+            b.router.register_worker(WorkerConfig(worker_id=9))
+            await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="on-9"), pinned_worker=(9, 0))
+            await eventually(lambda: a.outcomes["waiting_for_worker"] == 1, 30, "a holds the booking")
+            now[0] += UNKNOWN_WORKER_WAIT_S + 1
+            await eventually(lambda: a.outcomes["rejected_booking"] == 1, 30, "refused at a beat after its wait")
+            router.register_worker(WorkerConfig(worker_id=9))
+            await asyncio.sleep(0.3)  # beats: nothing waits any more
+            assert router.booking("on-9") is None
+    finally:
+        await a.stop()
+        await nc.close()
+
+
+async def test_bookings_on_a_worker_registered_before_nats_was_reached_reach_the_peers(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A worker registered over HTTP before the router reached NATS, and requests booked on it: once the
+    plane starts, the worker is in the shared registry before replica sync publishes those bookings, so
+    every peer books them and a free sent through a peer ends them."""
+    from api.config import EventPlaneConfig, HaConfig
+    from api.plane_lifecycle import PlaneLifecycle
+
+    def life() -> tuple[KvRouter, PlaneLifecycle]:
+        router = KvRouter(CONFIG)
+        return router, PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_server.url), HaConfig(replica_sync=True))
+
+    router_a, a = life()
+    router_b, b = life()
+    task_a = asyncio.create_task(a.run())
+    task_b: asyncio.Task[None] | None = None
+    try:
+        await asyncio.wait_for(a.started(), 30)
+        await b.register(WorkerConfig(worker_id=99))  # before b reached NATS
+        for i in range(5):
+            await router_b.new(RouteRequest(tokens=PROMPTS[i], request_id=f"early-{i}"))
+        task_b = asyncio.create_task(b.run())
+        await asyncio.wait_for(b.started(), 30)
+        await eventually(lambda: len(bookings(router_a)) == 5, 30, "a books all five")
+        assert bookings(router_a) == bookings(router_b)
+        assert a.replicas is not None and a.replicas.outcomes["rejected_booking"] == 0
+        assert router_a.mark_free("early-0")
+        await eventually(lambda: router_b.booking("early-0") is None, 30, "the free through a reaches b")
+    finally:
+        for task, lifecycle in ((task_b, b), (task_a, a)):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await lifecycle.stop()
+
+
 async def test_a_request_id_booked_again_after_its_free_reaches_every_replica(nats_server: EmbeddedNats) -> None:
     """A client retrying with the same X-Request-Id after the first attempt was freed: within the
     tombstone window the retry's booking is newer than the free, so peers book it and a free sent

@@ -84,6 +84,11 @@ STOP_DRAIN_S = 2.0
 REPAIR_BACKOFF_MAX_S = 10.0
 # Sync lag samples kept (seconds from publish to apply, by the wall clock of one host or NTP).
 LAG_SAMPLES = 4096
+# A peer's booking on a worker not registered here waits this long for the worker (its registration
+# reaches each router through the registry's watch, which can trail the sync message), then is refused.
+UNKNOWN_WORKER_WAIT_S = 10.0
+# At most this many bookings wait for their worker; beyond, one is refused at once.
+MAX_WAITING_BOOKINGS = 10_000
 
 _encode = msgspec.msgpack.Encoder().encode
 # A message's sender field lies within its first bytes: map header, the tag, then replica_id.
@@ -105,6 +110,17 @@ class _Peer:
     unrepaired: bool = False
     failed_asks: int = 0
     retry_at: float = 0.0
+
+
+@dataclass(slots=True)
+class _WaitingBooking:
+    """A peer's booking on a worker not registered here yet."""
+
+    origin: str
+    booking: Booking
+    generation: int
+    predicted: Sequence[int] | None
+    since: float
 
 
 class ReplicaSync:
@@ -147,6 +163,7 @@ class ReplicaSync:
         self._generation: dict[str, int] = {}
         self._freed_generation: dict[str, int] = {}
         self._early_prefill: dict[str, float] = {}  # marked before its booking arrived
+        self._waiting: dict[str, _WaitingBooking] = {}  # request id -> its booking, its worker unknown here
         # Replicas dropped here (left or silent) -> when: other views naming them do not bring them
         # back; only their own next message does (they were cut off, not dead).
         self._gone: dict[str, float] = {}
@@ -337,6 +354,8 @@ class ReplicaSync:
                 await self.nc.publish(self.subjects.router_sync, _encode(beat))
             self._expire_peers()
             self._prune()
+            if self._waiting:
+                self._place_waiting()
 
     # ------------------------------------------------------------------ peers' changes
     async def _on_sync(self, message: Msg) -> None:
@@ -371,6 +390,8 @@ class ReplicaSync:
         if sync.seq <= peer.seen:
             self.outcomes["duplicate"] += 1
             return
+        if self._waiting:  # before this batch's changes, which may free them
+            self._place_waiting()
         if sync.seq > peer.seen + 1:
             self._repair(sender, peer)
         peer.seen = sync.seq
@@ -431,8 +452,16 @@ class ReplicaSync:
             self.outcomes["duplicate_booking"] += 1
             return False
         except UnknownWorker as exc:
-            self._reject("booking", str(exc))
+            if len(self._waiting) >= MAX_WAITING_BOOKINGS:
+                self._reject("booking", f"{exc}; {MAX_WAITING_BOOKINGS} bookings wait for their worker already")
+            else:
+                self._waiting[request_id] = _WaitingBooking(origin, booking, generation, predicted, now)
+                self.outcomes["waiting_for_worker"] += 1
             return False
+        if self._waiting:
+            waiting = self._waiting.get(request_id)
+            if waiting is not None and waiting.generation <= generation:
+                del self._waiting[request_id]  # an older booking of the id, superseded
         self._origin[request_id] = origin
         if generation:
             self._generation[request_id] = generation
@@ -451,8 +480,29 @@ class ReplicaSync:
         held = self._generation.pop(request_id, 0)
         if self._early_prefill:
             self._early_prefill.pop(request_id, None)
+        if self._waiting:
+            waiting = self._waiting.get(request_id)
+            if waiting is not None and (generation is None or waiting.generation <= generation):
+                del self._waiting[request_id]
         if tombstone:
             self._tombstone(request_id, now, held if generation is None else generation)
+
+    def _place_waiting(self) -> None:
+        """Book the waiting bookings whose worker is registered now; refuse those that waited too long."""
+        now = self._clock()
+        for request_id, waiting in list(self._waiting.items()):
+            worker_id = waiting.booking.key[0]
+            if self.router.has_worker(worker_id):
+                del self._waiting[request_id]
+                booked = self._book(
+                    request_id, waiting.origin, waiting.booking, waiting.generation, now, waiting.predicted
+                )
+                self.outcomes["applied"] += booked
+            elif now - waiting.since > UNKNOWN_WORKER_WAIT_S:
+                del self._waiting[request_id]
+                self._reject(
+                    "booking", f"request {request_id}: worker {worker_id} unknown here for {UNKNOWN_WORKER_WAIT_S:g} s"
+                )
 
     def _tombstone(self, request_id: str, now: float, generation: int) -> None:
         freed = self._freed
@@ -606,6 +656,8 @@ class ReplicaSync:
         self._peers.pop(peer_id, None)
         now = self._gone[peer_id] = self._clock()
         dropped = [request_id for request_id, origin in self._origin.items() if origin == peer_id]
+        for request_id in [r for r, waiting in self._waiting.items() if waiting.origin == peer_id]:
+            del self._waiting[request_id]
         # No tombstones: if the peer was only cut off, its view brings back what it still has booked.
         for request_id in dropped:
             self._free(request_id, now, None, tombstone=False)
