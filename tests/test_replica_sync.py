@@ -19,10 +19,12 @@ import msgspec
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.subjects import Subjects
 from router.kv_router import KvRouter
 from router.replicas.messages import Booked, Freed, StateReply, SyncBatch, sync_decoder
 from router.replicas.sync import ReplicaSync
@@ -494,6 +496,26 @@ async def test_bookings_on_a_worker_registered_before_nats_was_reached_reach_the
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             await lifecycle.stop()
+
+
+async def test_a_view_naming_a_peer_silent_for_nan_seconds_is_refused(
+    nats_server: EmbeddedNats, client: Client
+) -> None:
+    """A joiner's view from a misbehaving peer that says it last heard from a replica NaN seconds ago:
+    refused as undecodable (before, the joiner took that replica on as a peer that never expired, and
+    with it every booking the view said it made)."""
+
+    async def answer(message: Msg) -> None:
+        reply = {"replica_id": "odd", "silent_s": {"ghost": float("nan")}, "bookings": []}
+        await client.publish(message.reply, msgspec.msgpack.encode(reply))
+
+    subscription = await client.subscribe(Subjects().router_sync_state(), queue="state", cb=answer)
+    try:
+        async with replica(nats_server.url) as joiner:
+            assert "ghost" not in joiner.sync.peers
+            assert joiner.sync.outcomes["rejected_undecodable"] == 1
+    finally:
+        await subscription.unsubscribe()
 
 
 async def test_a_request_id_booked_again_after_its_free_reaches_every_replica(nats_server: EmbeddedNats) -> None:

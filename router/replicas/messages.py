@@ -12,6 +12,7 @@ booking that carries more (output blocks, a policy override) can be added withou
 from __future__ import annotations
 
 import itertools
+from typing import Annotated
 
 import msgspec
 
@@ -113,6 +114,10 @@ class BookingEntry(_BookingFields, kw_only=True, gc=False):
     origin: str
 
 
+# How long ago a replica was heard from: never NaN nor negative (a peer learnt with either would never expire).
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+
+
 class StateReply(msgspec.Struct, kw_only=True):
     """A replica's view: what is booked, what was freed lately, how far it has read each peer
     (``cursors``, its own last batch included) and how long ago it heard from each (``silent_s``).
@@ -122,7 +127,7 @@ class StateReply(msgspec.Struct, kw_only=True):
     bookings: list[BookingEntry] = []
     freed: list[str] = []
     cursors: dict[str, int] = {}
-    silent_s: dict[str, float] = {}
+    silent_s: dict[str, Seconds] = {}
     error: str | None = None
     more: bool = False
     # The generation of each freed id whose booking was not the first (few: only reused ids).
