@@ -251,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_installed(settings)
     except ConfigError as exc:
         parser.error(str(exc))
-    from api.server import ListenError, serve  # imported late: --help and --version stay fast
+    from api.listen import ListenError
+    from api.server import serve  # imported late: --help and --version stay fast
 
     try:
         serve(settings)

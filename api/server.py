@@ -14,7 +14,6 @@ caught up (`serve_child`): the kernel would hand it its share of the port's conn
 from __future__ import annotations
 
 import asyncio
-import errno
 import gc
 import logging.config
 import os
@@ -30,11 +29,12 @@ import uvicorn
 from api.app import RouterApp, create_app
 from api.config import Settings
 from api.http_protocol import fast_protocol
+from api.listen import listening_socket
 from api.logs import log_config
 from api.plane_lifecycle import embedded_nats
 from api.processes import CHILD_CATCH_UP_ENV, CHILD_SETTINGS_ENV, run_children
 
-__all__ = ["ListenError", "listening_socket", "serve", "serve_child", "uvicorn_config"]
+__all__ = ["serve", "serve_child", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -298,36 +298,3 @@ def serve_child() -> None:
 
 def _reuse_port_socket(host: str, port: int) -> socket.socket:
     return listening_socket(host, port, reuse_port=True)
-
-
-class ListenError(OSError):
-    """The service cannot listen on its address; the message is one line naming it and why."""
-
-
-_BIND_REASONS = {
-    errno.EADDRINUSE: "the port is in use (another kv-router serve? --port picks another)",
-    errno.EADDRNOTAVAIL: "no interface of this host has that address (--host)",
-    errno.EACCES: "permission denied (ports below 1024 need privileges)",
-}
-
-
-def listening_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (IPv4 preferred for a name), or `ListenError`."""
-    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        candidates = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ListenError(f"cannot listen on {shown}: the host does not resolve ({exc.strerror})") from None
-    family, _, _, _, address = min(candidates, key=lambda c: c[0] != socket.AF_INET)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            # Every process binds its own socket to the address; the kernel spreads connections over them.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        reason = _BIND_REASONS.get(exc.errno or 0, exc.strerror or str(exc))
-        raise ListenError(f"cannot listen on {shown}: {reason}") from None
-    return sock

@@ -674,6 +674,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     import secrets
     import signal
 
+    from api.listen import AddressFlags, ListenError, listening_socket
     from mocker.openai_api import serve_openai
     from mocker.simulation import KvTransfer
     from mocker.worker import MockWorker
@@ -715,6 +716,15 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kv-router mock-worker: {exc}", file=sys.stderr)
         return 2
+    http_socket = None
+    if port is not None:
+        # The address first, as kv-router serve does: a port in use is one line, before NATS or a registration.
+        http_flags = AddressFlags(host="--http-host", port="--http-port", usual_holder="kv-router mock-worker")
+        try:
+            http_socket = listening_socket(args.http_host, port, flags=http_flags)
+        except ListenError as exc:
+            print(f"kv-router mock-worker: {exc}", file=sys.stderr)
+            return 1
 
     async def serve() -> int:
         try:
@@ -742,7 +752,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
         )
         async with contextlib.AsyncExitStack() as stack:
             if port is not None:
-                api = serve_openai(worker, args.model, args.http_host, port, transfer=transfer)
+                api = serve_openai(worker, args.model, args.http_host, port, transfer=transfer, sock=http_socket)
                 await stack.enter_async_context(api)
             task = asyncio.create_task(worker.run())
             loop = asyncio.get_running_loop()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
@@ -615,16 +616,20 @@ async def serve_openai(
     *,
     startup_timeout_s: float = 10.0,
     transfer: KvTransfer | None = None,
+    sock: socket.socket | None = None,
 ) -> AsyncIterator[MockOpenAI]:
     """Serve the worker's OpenAI API on ``host:port`` on this loop for the duration of the block
-    (``transfer``: what a decode leg's KV pull costs, `mocker.handoff`)."""
+    (``transfer``: what a decode leg's KV pull costs, `mocker.handoff`; ``sock``: that address bound
+    beforehand, `api.listen.listening_socket`, so that a port in use was told before anything started)."""
     api = MockOpenAI(worker, model, host=host, port=port, transfer=transfer)
     config = uvicorn.Config(
         api, host=host, port=port, loop="none", http="httptools", ws="none", lifespan="off", log_level="warning",
         access_log=False, server_header=False, date_header=False,
     )  # fmt: skip
     server = _Server(config)
-    serving = asyncio.create_task(server.serve(), name=f"mock-worker-{worker.worker_id}-http")
+    serving = asyncio.create_task(
+        server.serve(sockets=None if sock is None else [sock]), name=f"mock-worker-{worker.worker_id}-http"
+    )
     try:
         async with asyncio.timeout(startup_timeout_s):
             while not server.started:

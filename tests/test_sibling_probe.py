@@ -12,7 +12,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from api.server import SIBLING_PROBES_UNTOLD, _SiblingProbe, listening_socket
+from api.listen import listening_socket
+from api.server import SIBLING_PROBES_UNTOLD, _SiblingProbe
 from router.event_plane.embedded_server import free_port
 
 pytestmark = pytest.mark.anyio

@@ -1,0 +1,47 @@
+"""``kv-router mock-worker`` starts as ``kv-router serve`` does: the address of its HTTP API is bound
+before anything else, and one it cannot bind is one line on stderr naming the address and the flag,
+exit code 1, no start-up line and nothing registered.
+
+Real ``kv-router mock-worker`` processes and a real nats-server with JetStream on free loopback ports,
+the ports in use held by a listening socket of the test; each process ends by its own exit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from router.event_plane.embedded_server import EmbeddedNats
+from tests.router_processes import ROOT, kv_router_command
+from tests.test_api_event_plane import registry_keys
+
+
+@contextmanager
+def port_in_use() -> Iterator[int]:
+    """A loopback port another program listens on."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        yield taken.getsockname()[1]
+
+
+def _mock_worker(nats: EmbeddedNats, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*kv_router_command(), "mock-worker", "--nats-url", nats.url, *flags],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=os.environ.copy(),
+    )  # fmt: skip
+
+
+def test_an_http_port_in_use_is_one_line_exit_1_and_nothing_registered() -> None:
+    with EmbeddedNats() as nats, port_in_use() as port:
+        done = _mock_worker(nats, "--worker-id", "7", "--http-port", str(port))
+        assert done.returncode == 1, done.stderr
+        assert done.stderr == (
+            f"kv-router mock-worker: cannot listen on 127.0.0.1:{port}: the port is in use "
+            "(another kv-router mock-worker? --http-port picks another)\n"
+        )
+        assert done.stdout == ""  # no start-up line
+        assert registry_keys(nats.url) == set()
