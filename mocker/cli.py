@@ -678,7 +678,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     from mocker.openai_api import serve_openai
     from mocker.simulation import KvTransfer
     from mocker.worker import MockWorker
-    from mocker.zmq_engine import VllmZmqPublisher
+    from mocker.zmq_engine import EndpointBindError, VllmZmqPublisher
     from router.engines.openai_server import openai_base
     from router.event_plane.connection_file import ConnectionFileError
     from router.event_plane.embedded_server import free_port
@@ -727,30 +727,41 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             return 1
 
     async def serve() -> int:
-        try:
-            nc, options = await connection.connect()
-        except (ConnectionFileError, FirstConnectionError) as exc:
-            print(f"kv-router mock-worker: {exc}", file=sys.stderr)
-            return 2
-        worker = MockWorker(
-            nc,
-            worker_id,
-            engine,
-            namespace=args.namespace,
-            seed=args.seed,
-            heartbeat_interval_s=args.heartbeat_interval,
-            zmq=None
-            if args.zmq_endpoint is None
-            else VllmZmqPublisher(args.zmq_endpoint, replay_endpoint=args.replay_endpoint),
-            url=url,
-            models=frozenset({args.model}) if url else frozenset(),
-            role=args.role,
-            handoff=args.handoff,
-            # Its bootstrap rooms are served by its HTTP API.
-            bootstrap_port=port if args.handoff == "bootstrap" and args.role == "prefill" else None,
-            kv_events=args.kv_events,
-        )
         async with contextlib.AsyncExitStack() as stack:
+            zmq = None
+            if args.zmq_endpoint is not None:
+                # Bound before NATS and the start-up line: an endpoint in use is one line, nothing started.
+                zmq = VllmZmqPublisher(args.zmq_endpoint, replay_endpoint=args.replay_endpoint)
+                try:
+                    await zmq.start()
+                except EndpointBindError as exc:
+                    flag = "--replay-endpoint" if exc.replay else "--zmq-endpoint"
+                    reason = f"the port is in use ({flag} picks another)" if exc.in_use else exc.reason.lower()
+                    print(f"kv-router mock-worker: cannot bind {flag} {exc.endpoint}: {reason}", file=sys.stderr)
+                    return 1
+                stack.push_async_callback(zmq.stop)
+            try:
+                nc, options = await connection.connect()
+            except (ConnectionFileError, FirstConnectionError) as exc:
+                print(f"kv-router mock-worker: {exc}", file=sys.stderr)
+                return 2
+            stack.push_async_callback(nc.close)
+            worker = MockWorker(
+                nc,
+                worker_id,
+                engine,
+                namespace=args.namespace,
+                seed=args.seed,
+                heartbeat_interval_s=args.heartbeat_interval,
+                zmq=zmq,
+                url=url,
+                models=frozenset({args.model}) if url else frozenset(),
+                role=args.role,
+                handoff=args.handoff,
+                # Its bootstrap rooms are served by its HTTP API.
+                bootstrap_port=port if args.handoff == "bootstrap" and args.role == "prefill" else None,
+                kv_events=args.kv_events,
+            )
             if port is not None:
                 api = serve_openai(worker, args.model, args.http_host, port, transfer=transfer, sock=http_socket)
                 await stack.enter_async_context(api)
@@ -768,7 +779,6 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await nc.close()
         refusal = worker.publisher.refusal
         if refusal is not None:
             print(

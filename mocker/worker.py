@@ -7,8 +7,9 @@ prefix-cache resets (published as a ``cleared`` event) on its reset subject (`mo
 Between passes it sleeps for the pass's simulated duration, so the engine's ``speedup_ratio`` is how
 much faster than real time it runs.
 
-With ``zmq`` (a `VllmZmqPublisher`) the KV events go out over ZMQ in vLLM's format instead, token ids
-included, for ``kv-router bridge`` to carry to NATS: the bridge then registers, heartbeats and answers
+With ``zmq`` (a `VllmZmqPublisher`, started and stopped by its owner: ``kv-router mock-worker`` binds
+its endpoints before anything else starts) the KV events go out over ZMQ in vLLM's format instead, token
+ids included, for ``kv-router bridge`` to carry to NATS: the bridge then registers, heartbeats and answers
 resyncs, and this worker only serves requests.
 Requests may also come over HTTP (`mocker.openai_api`, ``--http-port``): `open_stream` submits one
 and, after every pass, its `TokenStream` receives the tokens the pass generated for it; the worker's
@@ -120,9 +121,7 @@ class MockWorker:
 
     async def run(self) -> None:
         """Serve until cancelled; deregisters on the way out so routers drop this worker at once."""
-        if self.zmq is not None:
-            await self.zmq.start()
-        else:
+        if self.zmq is None:
             await self.publisher.start()
         generate = generate_subject(self.namespace, self.worker_id)
         self._subscriptions = [
@@ -135,9 +134,7 @@ class MockWorker:
         finally:
             for subscription in self._subscriptions:
                 await subscription.unsubscribe()
-            if self.zmq is not None:
-                await self.zmq.stop()
-            else:
+            if self.zmq is None:
                 await self.publisher.stop(deregister=True)
 
     async def _serve(self) -> None:

@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from mocker.block_pool import KvOp, Removed, Stored
 
-__all__ = ["END_MARKER", "VllmZmqPublisher", "vllm_batch"]
+__all__ = ["END_MARKER", "EndpointBindError", "VllmZmqPublisher", "vllm_batch"]
 
 END_MARKER = (-1).to_bytes(8, "big", signed=True)
 # An engine restarted on the same ports in this process: ZMQ's I/O thread releases the old sockets'
@@ -61,6 +61,19 @@ def vllm_batch(ops: list[KvOp], tokens_of: Callable[[int], bytes], block_size: i
     return _encode([time.time(), events, dp_rank])
 
 
+class EndpointBindError(Exception):
+    """`VllmZmqPublisher.start` cannot bind ``endpoint`` (the replay socket's when ``replay``): ``in_use``
+    when another socket holds its port, ``reason`` ZMQ's words."""
+
+    def __init__(self, endpoint: str, *, replay: bool, error: zmq.ZMQError) -> None:
+        self.endpoint = endpoint
+        self.replay = replay
+        self.in_use = error.errno == zmq.EADDRINUSE
+        # The reason alone: pyzmq appends the address to the message of a failed bind.
+        self.reason = error.strerror.removesuffix(f" (addr={endpoint!r})")
+        super().__init__(f"cannot bind {endpoint}: {self.reason}")
+
+
 class VllmZmqPublisher:
     def __init__(
         self,
@@ -89,12 +102,12 @@ class VllmZmqPublisher:
         pub.setsockopt(zmq.SNDHWM, 0)
         self._pub = pub
         try:
-            await _bind(pub, self.endpoint)
+            await _bind(pub, self.endpoint, replay=False)
             if self.replay_endpoint is not None:
                 replay_socket = self._context.socket(zmq.ROUTER)
                 replay_socket.setsockopt(zmq.LINGER, 0)
                 self._replay_socket = replay_socket
-                await _bind(replay_socket, self.replay_endpoint)
+                await _bind(replay_socket, self.replay_endpoint, replay=True)
                 self._replay_task = asyncio.create_task(
                     self._serve_replay(replay_socket), name=f"replay-{self.replay_endpoint}"
                 )
@@ -168,7 +181,8 @@ class VllmZmqPublisher:
             await replay_socket.send_multipart([*head, END_MARKER, b""])
 
 
-async def _bind(socket: zmq.asyncio.Socket, endpoint: str) -> None:
+async def _bind(socket: zmq.asyncio.Socket, endpoint: str, *, replay: bool) -> None:
+    """Bind ``socket`` to ``endpoint``, or raise `EndpointBindError`."""
     deadline = asyncio.get_running_loop().time() + _REBIND_WAIT_S
     while True:
         try:
@@ -176,5 +190,5 @@ async def _bind(socket: zmq.asyncio.Socket, endpoint: str) -> None:
             return
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EADDRINUSE or asyncio.get_running_loop().time() > deadline:
-                raise
+                raise EndpointBindError(endpoint, replay=replay, error=exc) from None
         await asyncio.sleep(_REBIND_POLL_S)

@@ -1,6 +1,6 @@
-"""``kv-router mock-worker`` starts as ``kv-router serve`` does: the address of its HTTP API is bound
-before anything else, and one it cannot bind is one line on stderr naming the address and the flag,
-exit code 1, no start-up line and nothing registered.
+"""``kv-router mock-worker`` starts as ``kv-router serve`` does: each address it listens on (the HTTP
+API's, the ZMQ endpoints') is bound before anything else, and one it cannot bind is one line on stderr
+naming the address and the flag, exit code 1, no start-up line and nothing registered.
 
 Real ``kv-router mock-worker`` processes and a real nats-server with JetStream on free loopback ports,
 the ports in use held by a listening socket of the test; each process ends by its own exit.
@@ -14,7 +14,9 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from router.event_plane.embedded_server import EmbeddedNats
+import pytest
+
+from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.router_processes import ROOT, kv_router_command
 from tests.test_api_event_plane import registry_keys
 
@@ -45,3 +47,19 @@ def test_an_http_port_in_use_is_one_line_exit_1_and_nothing_registered() -> None
         )
         assert done.stdout == ""  # no start-up line
         assert registry_keys(nats.url) == set()
+
+
+@pytest.mark.parametrize("flag", ["--zmq-endpoint", "--replay-endpoint"])
+def test_a_zmq_endpoint_in_use_is_one_line_exit_1_before_the_start_up_line(flag: str) -> None:
+    with EmbeddedNats() as nats, port_in_use() as port:
+        taken = f"tcp://127.0.0.1:{port}"
+        endpoints = {"--zmq-endpoint": f"tcp://127.0.0.1:{free_port()}", "--replay-endpoint": None}
+        endpoints[flag] = taken
+        given = [part for name, endpoint in endpoints.items() if endpoint for part in (name, endpoint)]
+        done = _mock_worker(nats, "--worker-id", "3", "--http-port", str(free_port()), "--block-size", "16", *given)
+        assert done.returncode == 1, done.stderr
+        assert (
+            done.stderr
+            == f"kv-router mock-worker: cannot bind {flag} {taken}: the port is in use ({flag} picks another)\n"
+        )
+        assert done.stdout == ""
