@@ -27,9 +27,11 @@ __all__ = ["END_MARKER", "EndpointBindError", "VllmZmqPublisher", "vllm_batch"]
 
 END_MARKER = (-1).to_bytes(8, "big", signed=True)
 # An engine restarted on the same ports in this process: ZMQ's I/O thread releases the old sockets'
-# ports a moment after `close`, so a bind meanwhile finds them in use. Bounded.
+# ports a moment after `close`, so a bind meanwhile finds them in use. Bounded, and only for an endpoint
+# a publisher of this process has closed: any other in use is taken, and waiting would only delay saying so.
 _REBIND_WAIT_S = 5.0
 _REBIND_POLL_S = 0.02
+_closed_endpoints: set[str] = set()
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -95,6 +97,7 @@ class VllmZmqPublisher:
         self._pub: zmq.asyncio.Socket | None = None
         self._replay_socket: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
+        self._bound: list[str] = []  # the endpoints its sockets hold
 
     async def start(self) -> None:
         pub = self._context.socket(zmq.PUB)
@@ -103,11 +106,13 @@ class VllmZmqPublisher:
         self._pub = pub
         try:
             await _bind(pub, self.endpoint, replay=False)
+            self._bound.append(self.endpoint)
             if self.replay_endpoint is not None:
                 replay_socket = self._context.socket(zmq.ROUTER)
                 replay_socket.setsockopt(zmq.LINGER, 0)
                 self._replay_socket = replay_socket
                 await _bind(replay_socket, self.replay_endpoint, replay=True)
+                self._bound.append(self.replay_endpoint)
                 self._replay_task = asyncio.create_task(
                     self._serve_replay(replay_socket), name=f"replay-{self.replay_endpoint}"
                 )
@@ -124,6 +129,8 @@ class VllmZmqPublisher:
         for socket in (self._pub, self._replay_socket):
             if socket is not None:
                 socket.close()
+        _closed_endpoints.update(self._bound)
+        self._bound.clear()
         self._pub = self._replay_socket = None
 
     async def send(self, payload: bytes, *, seq: int | None = None, publish: bool = True) -> int:
@@ -189,6 +196,7 @@ async def _bind(socket: zmq.asyncio.Socket, endpoint: str, *, replay: bool) -> N
             socket.bind(endpoint)
             return
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or asyncio.get_running_loop().time() > deadline:
+            released_soon = exc.errno == zmq.EADDRINUSE and endpoint in _closed_endpoints
+            if not released_soon or asyncio.get_running_loop().time() > deadline:
                 raise EndpointBindError(endpoint, replay=replay, error=exc) from None
         await asyncio.sleep(_REBIND_POLL_S)

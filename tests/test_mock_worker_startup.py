@@ -8,14 +8,17 @@ the ports in use held by a listening socket of the test; each process ends by it
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
+from mocker import zmq_engine
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.router_processes import ROOT, kv_router_command
 from tests.test_api_event_plane import registry_keys
@@ -63,3 +66,20 @@ def test_a_zmq_endpoint_in_use_is_one_line_exit_1_before_the_start_up_line(flag:
             == f"kv-router mock-worker: cannot bind {flag} {taken}: the port is in use ({flag} picks another)\n"
         )
         assert done.stdout == ""
+
+
+@pytest.mark.anyio
+async def test_an_endpoint_another_program_holds_is_refused_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only a port this process let go of is worth waiting for: another's may be held for good.
+    monkeypatch.setattr(zmq_engine, "_REBIND_WAIT_S", 60.0)
+    with port_in_use() as port:
+        publisher = zmq_engine.VllmZmqPublisher(f"tcp://127.0.0.1:{port}")
+        started = time.monotonic()
+        with pytest.raises(zmq_engine.EndpointBindError) as refused:
+            await asyncio.wait_for(publisher.start(), timeout=20)
+    assert time.monotonic() - started < 20
+    assert (refused.value.endpoint, refused.value.replay, refused.value.in_use) == (
+        f"tcp://127.0.0.1:{port}",
+        False,
+        True,
+    )
