@@ -771,7 +771,9 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, task.cancel)
             http = f", OpenAI API at {url} (model {args.model})" if url else ""
             shown = redact_nats_url(options.url)
-            print(f"mock worker {worker_id} on {shown} (namespace {args.namespace}){http}", flush=True)
+            print(
+                f"mock worker {worker_id} on {shown} (namespace {args.namespace}, role {args.role}){http}", flush=True
+            )
             # A router that refuses this worker (another block size) says so: serving on would be a lie.
             refused = asyncio.create_task(worker.publisher.refused.wait())
             await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)

@@ -1,27 +1,32 @@
 """``kv-router mock-worker`` starts as ``kv-router serve`` does: each address it listens on (the HTTP
 API's, the ZMQ endpoints') is bound before anything else, and one it cannot bind is one line on stderr
-naming the address and the flag, exit code 1, no start-up line and nothing registered.
+naming the address and the flag, exit code 1, no start-up line and nothing registered; once started,
+its start-up line names its role.
 
 Real ``kv-router mock-worker`` processes and a real nats-server with JetStream on free loopback ports,
-the ports in use held by a listening socket of the test; each process ends by its own exit.
+the ports in use held by a listening socket of the test; each process ends by its own exit or is
+stopped by its PID.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from mocker import zmq_engine
 from router.event_plane.embedded_server import EmbeddedNats, free_port
-from tests.router_processes import ROOT, kv_router_command
+from tests.router_processes import ROOT, ToolProcess, kv_router_command
 from tests.test_api_event_plane import registry_keys
+from tests.waiting import until
 
 
 @contextmanager
@@ -66,6 +71,20 @@ def test_a_zmq_endpoint_in_use_is_one_line_exit_1_before_the_start_up_line(flag:
             == f"kv-router mock-worker: cannot bind {flag} {taken}: the port is in use ({flag} picks another)\n"
         )
         assert done.stdout == ""
+
+
+def test_the_start_up_line_names_the_role(tmp_path: Path) -> None:
+    with EmbeddedNats() as nats:
+        http = free_port()
+        flags = ("--nats-url", nats.url, "--worker-id", "5", "--role", "prefill", "--http-port", str(http))
+        with ToolProcess(tmp_path, None, *flags) as worker:
+            until(lambda: "mock worker 5 on" in worker.log() or worker.ended(), 60, "the start-up line")
+            line = re.search(r"^mock worker 5 on .*$", worker.log(), re.MULTILINE)
+            assert line is not None, worker.log()
+            assert line.group(0) == (
+                f"mock worker 5 on {nats.url} (namespace default, role prefill), "
+                f"OpenAI API at http://127.0.0.1:{http} (model mock-model)"
+            )
 
 
 @pytest.mark.anyio
