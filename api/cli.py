@@ -27,6 +27,7 @@ from api.config import (
     LIST_IN_ENVIRONMENT,
     SECTIONS,
     Settings,
+    closest_name,
     masked,
     resolve_settings,
     stray_variables,
@@ -36,7 +37,7 @@ from api.version import package_version
 from router.errors import ConfigError
 from router.policies.registry import policy_names
 
-__all__ = ["COMMAND_ENTRY_POINTS", "Command", "build_parser", "main"]
+__all__ = ["COMMAND_ENTRY_POINTS", "Command", "build_parser", "main", "parse_command_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -213,10 +214,38 @@ def build_parser(plugins: dict[str, Command] | None = None) -> argparse.Argument
     return parser
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, but an argument no flag takes is refused by the (sub)command it was given
+    to, naming the flag a misspelt one likely means: ``kv-router serve: error: unrecognized arguments:
+    --block_size 64; did you mean --block-size? (see kv-router serve --help)``."""
+    namespace, extras = parser.parse_known_args(argv)
+    if extras:
+        command = _chosen_command(parser, namespace)
+        flags = [option for action in command._actions for option in action.option_strings if option.startswith("--")]
+        meant = [
+            close
+            for given in extras
+            if given.startswith("--") and (close := closest_name(given.partition("=")[0], flags)) is not None
+        ]
+        hint = f"; did you mean {', '.join(meant)}?" if meant else ""
+        command.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+    return namespace
+
+
+def _chosen_command(parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser that the command line chose (``parser`` itself if none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(namespace, action.dest))
+            if chosen is not None:
+                return _chosen_command(chosen, namespace)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     plugins = plugin_commands()
     parser = build_parser(plugins)
-    namespace = parser.parse_args(argv)
+    namespace = parse_command_line(parser, argv)
     if namespace.command in plugins:
         return plugins[namespace.command].run(namespace)
     args = vars(namespace)

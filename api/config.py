@@ -41,6 +41,7 @@ __all__ = [
     "SecurityConfig",
     "ServiceConfig",
     "Settings",
+    "closest_name",
     "flag_origin",
     "load_settings",
     "masked",
@@ -686,11 +687,12 @@ def flag_origin(name: str, value: object) -> str:
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """``"; did you mean 'x'?"`` for a misspelt setting name, else nothing."""
-    close = _closest(name, known)
+    close = closest_name(name, known)
     return f"; did you mean {close!r}?" if close else ""
 
 
-def _closest(name: str, known: Iterable[str]) -> str | None:
+def closest_name(name: str, known: Iterable[str]) -> str | None:
+    """The name among ``known`` that ``name`` likely misspells (a setting, a variable, a flag), or None."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
     return close[0] if close else None
 
@@ -725,7 +727,7 @@ def stray_variables(env: Mapping[str, str]) -> list[str]:
             or (_SERVICE_LINK_ADDRESS.fullmatch(name) and value.startswith(("tcp://", "udp://", "sctp://")))
         ):
             continue
-        close = _closest(name, owner)
+        close = closest_name(name, owner)
         hint = f"; did you mean {ENV_PREFIX}{close.upper()}?" if close else ""
         warnings.append(f"environment variable {key} is not a kv-router setting and is ignored{hint}")
     return warnings

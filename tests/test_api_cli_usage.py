@@ -94,6 +94,25 @@ def test_a_bad_value_is_one_line_and_exit_code_2(argv: list[str], says: str) -> 
     assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
 
 
+MISSPELT = [
+    (["serve", "--block_size", "64"], "kv-router serve: error: unrecognized arguments: --block_size 64; "
+     "did you mean --block-size? (see kv-router serve --help)"),
+    (["config", "show", "--polcy=latency"], "kv-router config show: error: unrecognized arguments: "
+     "--polcy=latency; did you mean --policy? (see kv-router config show --help)"),
+    (["mock-worker", "--http_port", "9001"], "kv-router mock-worker: error: unrecognized arguments: --http_port "
+     "9001; did you mean --http-port? (see kv-router mock-worker --help)"),
+    (["serve", "--no-such-flag"], "kv-router serve: error: unrecognized arguments: --no-such-flag "
+     "(see kv-router serve --help)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "says"), MISSPELT, ids=["serve", "config-show", "mock-worker", "nothing-close"])
+def test_a_misspelt_flag_is_told_by_its_command_with_the_flag_meant(argv: list[str], says: str) -> None:
+    done = _kv(*argv)
+    assert done.returncode == 2
+    assert done.stderr == says + "\n"
+
+
 def test_a_bad_model_file_stops_serve_in_one_line_naming_it(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
     (tmp_path / "chat_template.jinja").write_text("{% if add_generation_prompt %}")
