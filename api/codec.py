@@ -15,6 +15,7 @@ range, any decoding error) is decoded again the ordinary way, so replies and err
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -157,6 +158,24 @@ def encode(value: Any, msgpack: bool) -> bytes:
     return _msgpack_encode(value) if msgpack else _json_encode(value)
 
 
+# What the prompt fields (``tokens``, Dynamo's ``token_ids``) take, told when one is refused: msgspec's
+# words for an ill-formed value there ("Invalid base64 encoded string") name neither form.
+_PROMPT_FIELD = re.compile(r" - at `\$\.(?P<field>tokens|token_ids)`$")
+_PACKED_FORM = {
+    False: "or, as a string, base64 of packed little-endian u32",
+    True: "or a bin of packed little-endian u32",
+}
+
+
+def _explained(message: str, msgpack: bool) -> str:
+    """msgspec's ``message`` for a body that does not fit its type, with what a prompt field takes
+    when that is the field refused."""
+    prompt = _PROMPT_FIELD.search(message)
+    if prompt is None:
+        return message
+    return f"{message}; {prompt['field']} is an array of u32 token ids ({_PACKED_FORM[msgpack]})"
+
+
 class _Prompted(Protocol):
     tokens: Tokens
 
@@ -195,7 +214,7 @@ class BodyDecoder(Generic[T]):
         try:
             return (self._msgpack if call.msgpack else self._json).decode(call.body)
         except msgspec.ValidationError as exc:
-            raise InvalidBody(str(exc)) from None
+            raise InvalidBody(_explained(str(exc), call.msgpack)) from None
         except UNDECODABLE as exc:
             kind = "msgpack" if call.msgpack else "JSON"
             raise MalformedBody(f"body is not valid {kind}: {exc}") from None

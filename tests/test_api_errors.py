@@ -178,6 +178,29 @@ def test_a_refused_preprocessed_request_names_its_field(
     assert names in reply.json()["error"]["message"]
 
 
+# A prompt of neither form: what the field takes, after msgspec's words (which name neither form).
+AS_JSON = "is an array of u32 token ids (or, as a string, base64 of packed little-endian u32)"
+AS_MSGPACK = "is an array of u32 token ids (or a bin of packed little-endian u32)"
+PROMPT_FORMS = [
+    ("/v1/new", b'{"tokens": "abc"}', JSON_HEADERS, f"Invalid base64 encoded string - at `$.tokens`; tokens {AS_JSON}"),
+    ("/v1/router", b'{"method": "new", "tokens": 7}', JSON_HEADERS,
+     f"Expected `bytes | array`, got `int` - at `$.tokens`; tokens {AS_JSON}"),
+    ("/v1/route", b'{"token_ids": "seven"}', JSON_HEADERS,
+     f"Invalid base64 encoded string - at `$.token_ids`; token_ids {AS_JSON}"),
+    ("/v1/potential_loads", msgpack({"tokens": "abc"}), MSGPACK_IN,
+     f"Expected `bytes | array`, got `str` - at `$.tokens`; tokens {AS_MSGPACK}"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "body", "headers", "message"), PROMPT_FORMS, ids=[c[0] for c in PROMPT_FORMS])
+def test_a_prompt_of_neither_form_is_told_the_forms_it_takes(
+    client: TestClient, route: str, body: bytes, headers: dict[str, str], message: str
+) -> None:
+    reply = client.post(route, content=body, headers=headers)
+    assert reply.status_code == 422
+    assert reply.json() == {"error": {"type": "invalid_request", "message": message}}
+
+
 # Weights msgpack can carry but no cost can use: NaN or infinite taint weights and shared-cache multipliers.
 _NAN_TAINT = {"routing_constraints": {"preferred_taints": {"gpu=h100": float("nan")}}}
 NON_FINITE_CASES: list[tuple[str, dict[str, Any], str]] = [
