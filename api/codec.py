@@ -165,6 +165,8 @@ _PACKED_FORM = {
     False: "or, as a string, base64 of packed little-endian u32",
     True: "or a bin of packed little-endian u32",
 }
+# Every body is an object, and in msgpack a map never starts with "{" or whitespace (those are small ints).
+_JSON_AS_MSGPACK = f"the body is not msgpack (Content-Type: {MSGPACK}); it looks like JSON: send Content-Type: {JSON}"
 
 
 def _explained(message: str, msgpack: bool) -> str:
@@ -174,6 +176,10 @@ def _explained(message: str, msgpack: bool) -> str:
     if prompt is None:
         return message
     return f"{message}; {prompt['field']} is an array of u32 token ids ({_PACKED_FORM[msgpack]})"
+
+
+def _looks_like_json(body: bytes) -> bool:
+    return body.lstrip()[:1] == b"{"
 
 
 class _Prompted(Protocol):
@@ -214,8 +220,12 @@ class BodyDecoder(Generic[T]):
         try:
             return (self._msgpack if call.msgpack else self._json).decode(call.body)
         except msgspec.ValidationError as exc:
+            if call.msgpack and _looks_like_json(call.body):
+                raise MalformedBody(_JSON_AS_MSGPACK) from None
             raise InvalidBody(_explained(str(exc), call.msgpack)) from None
         except UNDECODABLE as exc:
+            if call.msgpack and _looks_like_json(call.body):
+                raise MalformedBody(_JSON_AS_MSGPACK) from None
             kind = "msgpack" if call.msgpack else "JSON"
             raise MalformedBody(f"body is not valid {kind}: {exc}") from None
 

@@ -201,6 +201,30 @@ def test_a_prompt_of_neither_form_is_told_the_forms_it_takes(
     assert reply.json() == {"error": {"type": "invalid_request", "message": message}}
 
 
+JSON_AS_MSGPACK = (
+    "the body is not msgpack (Content-Type: application/msgpack); it looks like JSON: send Content-Type: "
+    "application/json"
+)
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/new", b'{"tokens": [1, 2]}'),
+        ("/v1/router", b' \n{"method": "new", "tokens": [1, 2]}'),
+        ("/v1/potential_loads", b'{"tokens": [1, 2'),  # not even valid JSON: still JSON's look
+        ("/v1/workers", b'{"worker_id": 9}'),
+    ],
+    ids=["new", "router-after-whitespace", "potential_loads-truncated", "workers"],
+)
+def test_json_sent_as_msgpack_is_told_to_say_json(client: TestClient, route: str, body: bytes) -> None:
+    before = state(client)
+    reply = client.post(route, content=body, headers=MSGPACK_IN)
+    assert reply.status_code == 400
+    assert reply.json() == {"error": {"type": "malformed_body", "message": JSON_AS_MSGPACK}}
+    assert state(client) == before
+
+
 # Weights msgpack can carry but no cost can use: NaN or infinite taint weights and shared-cache multipliers.
 _NAN_TAINT = {"routing_constraints": {"preferred_taints": {"gpu=h100": float("nan")}}}
 NON_FINITE_CASES: list[tuple[str, dict[str, Any], str]] = [
