@@ -123,20 +123,31 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def _router_config(options: list[str], engine: EngineConfig) -> RouterConfig:
     """``KEY=VALUE`` router settings (values parsed as JSON when they are JSON) over the defaults; the
-    block size follows the engines' unless set."""
+    block size follows the engines' unless set. `ValueError` (one line) for an option without ``=``, a
+    key that is no setting (naming the one likely meant, else them all) or a value the setting refuses."""
+    from api.config import _plain, closest_name
+
+    settings = RouterConfig.__struct_fields__
     fields: dict[str, Any] = {"block_size": engine.block_size}
     for option in options:
         key, sep, value = option.partition("=")
+        name = key.strip().replace("-", "_")
         if not sep:
-            raise SystemExit(f"--router-option takes KEY=VALUE, got {option!r}")
+            raise ValueError(f"--router-option takes KEY=VALUE, got {option!r}")
+        if name not in settings:
+            close = closest_name(name, settings)
+            known = f"did you mean {close}?" if close else f"the settings: {', '.join(settings)}"
+            raise ValueError(f"--router-option {option}: {key.strip()!r} is not a router setting; {known}")
         try:
-            fields[key.strip().replace("-", "_")] = msgspec.json.decode(value)
+            fields[name] = msgspec.json.decode(value)
         except msgspec.DecodeError:
-            fields[key.strip().replace("-", "_")] = value
+            fields[name] = value
     try:
         return msgspec.convert(fields, RouterConfig, strict=False)
-    except (msgspec.ValidationError, ConfigError) as exc:
-        raise SystemExit(f"invalid router setting: {exc}") from None
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"--router-option {_plain(str(exc), fields)}") from None
+    except ConfigError as exc:
+        raise ValueError(f"--router-option {exc}") from None
 
 
 def _add_transfer_flags(group: argparse._ActionsContainer) -> None:

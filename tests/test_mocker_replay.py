@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import importlib
 import random
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from mocker.trace import Trace, TraceOptions, build_trace
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.policies import Selection, SelectionContext, SelectionPolicy
+from tests.router_processes import ROOT, kv_router_command
 
 # Small KV pools, so that routing decides what stays cached.
 ENGINE = EngineConfig(num_gpu_blocks=512)
@@ -406,6 +408,30 @@ def test_time_scales_and_windows_not_above_zero_are_refused_at_parsing(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: must be > 0" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        ("prefil_load_scale=2", "--router-option prefil_load_scale=2: 'prefil_load_scale' is not a router setting; "
+         "did you mean prefill_load_scale?"),
+        ("foo=1", f"--router-option foo=1: 'foo' is not a router setting; the settings: "
+         f"{', '.join(RouterConfig.__struct_fields__)}"),
+        ("router_temperature=hot", "--router-option router_temperature: expected a number, got 'hot'"),
+        ("block_size=0", "--router-option block_size: must be a positive integer, got 0"),
+        ("prefill_load_scale", "--router-option takes KEY=VALUE, got 'prefill_load_scale'"),
+    ],
+    ids=["misspelt", "unknown", "bad-type", "bad-value", "no-value"],
+)  # fmt: skip
+def test_a_bad_router_option_is_a_usage_error_naming_it(option: str, says: str, tmp_path: Path) -> None:
+    argv = ["replay", "--workload", "agentic", "--limit", "4", "--routers", "dynamo", "--out", str(tmp_path / "out")]
+    done = subprocess.run(
+        [*kv_router_command(), *argv, "--quiet", "--no-plots", "--router-option", option],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == f"kv-router replay: {says}\n"
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_trace_without_requests_is_refused_and_so_is_a_missing_one(
