@@ -162,8 +162,8 @@ def _add_transfer_flags(group: argparse._ActionsContainer) -> None:
     )
 
 
-def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
-    """The trace (or generated workload) and the options it is loaded with."""
+def _add_trace_flags(parser: argparse.ArgumentParser, workers_help: str) -> None:
+    """The trace (or generated workload), the options it is loaded with, and the fleet's size."""
     parser.add_argument("trace", type=Path, nargs="?", help="Mooncake JSONL trace (or --workload)")
     parser.add_argument(
         "--workload",
@@ -171,7 +171,7 @@ def _add_trace_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="replay a generated workload instead of a trace, seeded by --seed (see mocker/workload.py)",
     )
-    parser.add_argument("--workers", type=int, default=8, help="simulated workers (online: workers to wait for)")
+    parser.add_argument("--workers", type=int, default=8, help=workers_help)
     trace = parser.add_argument_group("trace")
     trace.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this [%(default)s]")
     trace.add_argument("--limit", type=int, default=None, help="only the first N requests")
@@ -216,7 +216,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
         "(default): every router drives its own simulated fleet in simulated time. Online (--online): the trace "
         "goes to a running kv-router over HTTP and to kv-router mock-worker processes over NATS, in real time."
     )
-    _add_trace_flags(parser)
+    _add_trace_flags(parser, "simulated workers (online: workers to wait for) [%(default)s]")
     parser.add_argument(
         "--routers",
         default="all",
@@ -518,7 +518,7 @@ def _add_tune(parser: argparse.ArgumentParser) -> None:
         "cores; print the Pareto front (TTFT p90, E2E p90, hit rate) and write the config file to start "
         "kv-router serve --config with. Results are cached in the output directory: a rerun continues."
     )
-    _add_trace_flags(parser)
+    _add_trace_flags(parser, "simulated workers in each replay of the search [%(default)s]")
     _add_engine_flags(parser)
     search = parser.add_argument_group("search")
     search.add_argument("--budget", type=int, default=24, help="settings tried besides the defaults [%(default)s]")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import msgspec
@@ -16,6 +18,7 @@ from mocker.config import EngineConfig
 from mocker.tune import SEARCH_SPACE, TuneResult, candidates, pareto_front, pick, write_config
 from mocker.workload import WORKLOADS, agentic_rows, bursty_rows, rag_rows
 from router.config import RouterConfig
+from tests.router_processes import ROOT, kv_router_command
 
 
 # ---------------------------------------------------------------------- workloads
@@ -147,3 +150,14 @@ def test_a_written_config_reads_back_every_knob_switches_included(tmp_path: Path
         settings = load_settings(config_file=path)
         assert {name: getattr(settings.router, name) for name in SEARCH_SPACE} == knobs
     assert SEARCH_SPACE["latency_decode_per_token"] == (False, True)
+
+
+def test_tune_help_describes_its_workers_without_replay_s_online_mode() -> None:
+    # tune has no --online: its --workers is the simulated fleet of each replay it runs.
+    done = subprocess.run(
+        [*kv_router_command(), "tune", "--help"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert done.returncode == 0
+    assert "  --workers WORKERS     simulated workers in each replay of the search [8]\n" in done.stdout
+    assert "online" not in done.stdout
