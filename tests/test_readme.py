@@ -15,7 +15,8 @@ left to the real-engine lane, which runs its blocks the same way
 
 A quoted output (``#   -> LINE`` and ``#      LINE`` after it) must match lines of the command's
 output in order; in a quoted line ``...`` stands for anything and ``<id>`` for a number, and a line of
-only ``...`` for any number of lines. A server started in the background is waited for as a reader
+only ``...`` for any number of lines. A Python block's line is quoted as printed: what follows the one
+space after ``->``, leading spaces included. A server started in the background is waited for as a reader
 would wait for it: the service until ``/readyz`` answers (and lists the workers of its ``--engine``
 flags), a mock worker or a bridge until the service lists it, a vLLM engine until it serves its model.
 A shell variable set by a block (``NAME=VALUE``) holds for the blocks after it, as in one terminal.
@@ -149,12 +150,14 @@ def shell_commands(code: str) -> list[Command]:
 
 
 def python_expected(code: str) -> list[str]:
-    """The output a Python block quotes (``#   -> ...`` lines at its end)."""
-    return [m.group(1).strip() for m in re.finditer(r"^#\s*->\s?(.*)$", code, re.MULTILINE)]
+    """The output a Python block quotes (``#   -> ...`` lines at its end), each as printed: what follows
+    the one space after ``->``, leading spaces included."""
+    return [m.group(1).rstrip() for m in re.finditer(r"^#\s*->\s?(.*)$", code, re.MULTILINE)]
 
 
-def output_matches(expected: list[str], output: str) -> bool:
-    """Every quoted line matches an output line, in order (see the module)."""
+def output_matches(expected: list[str], output: str, *, leading_spaces: bool = False) -> bool:
+    """Every quoted line matches an output line, in order (see the module); ``leading_spaces``: a quoted
+    line's leading spaces must be the output line's (a Python block's, quoted as printed)."""
     lines = [line.rstrip("\r") for line in output.splitlines()]
     position = 0
     for pattern in expected:
@@ -167,7 +170,9 @@ def output_matches(expected: list[str], output: str) -> bool:
             ),
             re.IGNORECASE,
         )
-        while position < len(lines) and not regex.fullmatch(lines[position].strip()):
+        while position < len(lines) and not regex.fullmatch(
+            lines[position].rstrip() if leading_spaces else lines[position].strip()
+        ):
             position += 1
         if position == len(lines):
             return False
@@ -379,7 +384,7 @@ class Walkthrough:
         assert done.returncode == 0, f"README.md:{block.line}'s Python exited {done.returncode}:\n{done.stderr}"
         expected = python_expected(block.code)
         if expected:
-            assert output_matches(expected, done.stdout), (
+            assert output_matches(expected, done.stdout, leading_spaces=True), (
                 f"README.md:{block.line}'s Python printed:\n{done.stdout}\nnot:\n" + "\n".join(expected)
             )
         self.ran.append(f"README.md:{block.line} (Python)")
@@ -440,6 +445,10 @@ def test_quoted_output_matching() -> None:
     assert output_matches(["HTTP/1.1 200 OK", "...", "x-kv-router-worker: <id>", '{"a":1,...:" w1"}]}'], output)
     assert not output_matches(["x-kv-router-worker: <id>", "HTTP/1.1 200 OK"], output)  # order counts
     assert not output_matches(['{"a":2,...}'], output)
+    # A Python block's output as printed: a leading space is part of it.
+    assert python_expected('print(" w1 w2")\n#   ->  w1 w2\n') == [" w1 w2"]
+    assert output_matches([" w1 w2"], " w1 w2\n", leading_spaces=True)
+    assert not output_matches(["w1 w2"], " w1 w2\n", leading_spaces=True)
 
 
 # Commands quoted in docs/ that take under a minute here, by the first line of their block; run as the
