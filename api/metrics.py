@@ -557,7 +557,8 @@ class EventPlaneCollector(Collector):
             CounterMetricFamily(
                 f"{PREFIX}_nats_control_messages",
                 "Registry, heartbeat and load messages by outcome (registered, updated, removed, expired, "
-                "reconnects, rejected_<reason>, ...).",
+                "reconnects, rejected_<reason>, ...), and events_dropped: KV events messages NATS dropped because "
+                "this router fell behind (a slow consumer; the worker is resynced).",
                 labels=["outcome"],
             ),
             GaugeMetricFamily(f"{PREFIX}_nats_resyncs_in_flight", "Resync requests awaiting a worker's answer."),

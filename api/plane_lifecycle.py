@@ -381,6 +381,9 @@ class PlaneLifecycle:
 
     async def _async_error(self, error: Exception) -> None:
         self.last_error = f"{type(error).__name__}: {error}"
+        plane = self.plane
+        if isinstance(error, SlowConsumerError) and plane is not None and plane.on_slow_consumer(error.subject):
+            return  # a worker's KV events: counted, logged and resynced by the plane
         if isinstance(error, SlowConsumerError) or "violation" in str(error).lower():
             self._async_errors.warning("NATS error", self.last_error)
         else:  # the connection's own trouble: the disconnect WARNING and the reconnect INFO say it

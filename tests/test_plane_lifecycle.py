@@ -1,19 +1,29 @@
-"""`PlaneLifecycle` starting on a real nats-server: a start that fails part way leaves nothing of itself
-running, so the supervisor's next attempt starts from nothing."""
+"""`PlaneLifecycle` on a real nats-server: a start that fails part way leaves nothing of itself running,
+so the supervisor's next attempt starts from nothing; KV events NATS drops for a router that fell behind
+(a slow consumer, provoked for real: a flood into a subscription that holds one message) get the
+worker resynced."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 import api.plane_lifecycle
 from api.config import EventPlaneConfig, HaConfig
 from api.plane_lifecycle import PlaneLifecycle
+from indexer.events import ResyncRequest
 from router.config import RouterConfig
+from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.plane import RouterEventPlane
+from router.event_plane.publisher import KvEventPublisher
 from router.kv_router import KvRouter
 from router.types import WorkerConfig
 from tests.waiting import eventually
@@ -22,6 +32,9 @@ pytestmark = pytest.mark.anyio
 
 # Task names of the parts a start runs (`Supervisor` names its tasks "{owner}:{what}").
 PARTS = ("event-plane:", "event-subscriber:", "replica-sync:", "durable-events:")
+BLOCK = 16
+# Events one worker publishes at once, one message each: what overflows a router that reads one at a time.
+FLOOD = 200
 
 
 def running_parts() -> list[str]:
@@ -67,3 +80,115 @@ async def test_a_failed_start_stops_what_it_started(
         await asyncio.gather(task, return_exceptions=True)
         await lifecycle.stop()
     assert running_parts() == []
+
+
+@contextlib.asynccontextmanager
+async def slow_router(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RouterEventPlane]:
+    """A router's running event plane whose events subscription holds one message for it to read: a
+    burst of events overflows it, and NATS drops the rest (a slow consumer)."""
+    monkeypatch.setattr(
+        api.plane_lifecycle, "RouterEventPlane", functools.partial(RouterEventPlane, events_pending_limit=1)
+    )
+    lifecycle = PlaneLifecycle(KvRouter(RouterConfig(block_size=BLOCK)), EventPlaneConfig(nats_url=nats_url))
+    task = asyncio.create_task(lifecycle.run())
+    try:
+        yield await asyncio.wait_for(lifecycle.started(), 30)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await lifecycle.stop()
+
+
+async def flood(publisher: KvEventPublisher) -> None:
+    """`FLOOD` one-block stores (each block a root), each its own message, then flushed to NATS."""
+    for i in range(FLOOD):
+        await publisher.stored([(i + 1, 10_000 + i)])
+    await publisher.nc.flush()
+
+
+def synced(plane: RouterEventPlane, worker_id: int) -> bool:
+    """Whether the router's index holds the worker's `FLOOD` blocks and its stream is trusted."""
+    status = [(s.worker_id, s.trusted) for s in plane.sequencer.status()]
+    return plane.router.tree.blocks_per_rank() == {(worker_id, 0): FLOOD} and status == [(worker_id, True)]
+
+
+async def test_events_nats_drops_for_a_slow_router_are_resynced_though_the_worker_goes_quiet(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker floods a router that falls behind: NATS drops most of the burst, its end too, and the
+    worker then goes quiet, so no later event shows a gap. The drops untrust the worker's stream and a
+    full dump is asked for: the index ends with the worker's real state, trusted again."""
+    async with slow_router(nats_server.url, monkeypatch) as plane:
+        worker_nc = await connect(NatsOptions(nats_server.url))
+        try:
+            publisher = KvEventPublisher(worker_nc, WorkerConfig(worker_id=7, block_size=BLOCK))
+            await publisher.start()
+            await eventually(lambda: plane.sequencer.outcomes["resync_dump_applied"] == 1, 30, "the join dump")
+            await flood(publisher)
+            await eventually(lambda: synced(plane, 7), 10, "the worker's blocks, trusted")
+            assert plane.outcomes["events_dropped"] > 0
+            assert plane.sequencer.outcomes["resync_dump_applied"] >= 2
+            await publisher.stop()
+        finally:
+            await worker_nc.close()
+
+
+async def test_events_dropped_while_a_dump_is_in_flight_are_asked_for_again(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's dump in flight when NATS drops its events may predate them (here: taken before the
+    flood, sent after it): once it is applied, another is asked for, and that one holds them."""
+    async with slow_router(nats_server.url, monkeypatch) as plane:
+        worker_nc = await connect(NatsOptions(nats_server.url))
+        try:
+            publisher = KvEventPublisher(worker_nc, WorkerConfig(worker_id=8, block_size=BLOCK))
+            asked, flooded = asyncio.Event(), asyncio.Event()
+
+            async def answer_late_once(message: Msg) -> None:
+                """The worker's own answer, the first one held till after the flood (a slow worker's)."""
+                response = publisher.answer_resync(msgspec.json.decode(message.data, type=ResyncRequest))
+                if not asked.is_set():
+                    asked.set()
+                    await flooded.wait()
+                await worker_nc.publish(message.reply, msgspec.msgpack.encode(response))
+
+            await worker_nc.subscribe(plane.subjects.resync(8), cb=answer_late_once)
+            await publisher.register()
+            publisher.start_heartbeat()
+            await eventually(asked.is_set, 30, "the join resync")
+            await flood(publisher)
+            await eventually(lambda: plane.outcomes["events_dropped"] > 0, 10, "a drop")
+            flooded.set()
+            await eventually(lambda: synced(plane, 8), 10, "the worker's blocks, trusted")
+            assert plane.sequencer.outcomes["resync_dump_applied"] >= 2
+            await publisher.stop()
+        finally:
+            await worker_nc.close()
+
+
+async def test_events_dropped_for_an_unregistered_worker_are_counted_and_logged_only(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Events of a worker no router knows are refused when read; dropped unread, there is nothing to resync."""
+    async with slow_router(nats_server.url, monkeypatch) as plane:
+        sender = await connect(NatsOptions(nats_server.url))
+        try:
+            for _ in range(FLOOD):
+                await sender.publish(
+                    plane.subjects.events(99), b'{"worker_id":99,"event":{"event_id":1,"data":"cleared"}}'
+                )
+            await sender.flush()
+            sequencer = plane.sequencer
+            await eventually(
+                lambda: sequencer.outcomes["rejected_unknown_worker"] + plane.outcomes["events_dropped"] == FLOOD,
+                10,
+                "each message read or dropped",
+            )
+            assert plane.outcomes["events_dropped"] > 0
+            assert (sequencer.status(), sequencer.outcomes["resync_full"]) == ([], 0)
+            assert (
+                "kv.default.events.99: this router fell behind (slow consumer); worker 99 is not registered"
+                in caplog.text
+            )
+        finally:
+            await sender.close()

@@ -21,6 +21,9 @@
   back, so an outage keeps the workers and the index.
 - After a reconnect every stream is resynced in full, since events may have been lost meanwhile; the
   index is kept and live events keep applying while the dumps come (stale but useful beats empty).
+- An events message NATS dropped because this router fell behind (a slow consumer, `on_slow_consumer`)
+  untrusts its worker's streams and asks for their full dumps at once: a worker that goes quiet after
+  the loss would otherwise stay trusted but stale.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
 from router.event_plane.publisher import open_registry
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
-from router.event_plane.subscriber import KvEventSubscriber
+from router.event_plane.subscriber import EVENTS_PENDING_LIMIT, KvEventSubscriber
 from router.kv_router import KvRouter, RemovalReason
 from router.supervision import Supervisor, raise_if_cancelling
 from router.types import WorkerConfig
@@ -68,6 +71,7 @@ class RouterEventPlane:
         clock: Callable[[], float] = time.monotonic,
         subscribe_events: bool = True,
         jetstream_replicas: int = 1,
+        events_pending_limit: int = EVENTS_PENDING_LIMIT,
     ) -> None:
         self.router = router
         self.nc = nc
@@ -77,12 +81,19 @@ class RouterEventPlane:
         self._clock = clock
         self.sequencer = router.sequencer
         self.subscriber = KvEventSubscriber(
-            nc, self.sequencer, namespace=namespace, resync_timeout_s=resync_timeout_s, subscribe=subscribe_events
+            nc,
+            self.sequencer,
+            namespace=namespace,
+            resync_timeout_s=resync_timeout_s,
+            subscribe=subscribe_events,
+            pending_limit=events_pending_limit,
         )
         # Outcome -> count for load, heartbeat and registry messages (events count in the sequencer).
         # Present from the start, at 0 (a counter first seen at 1 reads as no increase to Prometheus):
         # what the alerts read.
-        self.outcomes: Counter[str] = Counter(dict.fromkeys(("registered", "reconnects", "expired"), 0))
+        self.outcomes: Counter[str] = Counter(
+            dict.fromkeys(("registered", "reconnects", "expired", "events_dropped"), 0)
+        )
         self._leased: dict[int, float] = {}  # heartbeat-leased worker -> last sign of life
         self._leases_paused = False  # NATS was seen disconnected: leases restart once it is back
         self._registry: KeyValue | None = None
@@ -151,6 +162,28 @@ class RouterEventPlane:
     async def on_reconnected(self) -> None:
         self.outcomes["reconnects"] += 1
         self.subscriber.resync_all()
+
+    def on_slow_consumer(self, subject: str) -> bool:
+        """NATS dropped a message on ``subject`` before this router read it (the subscription's pending
+        buffer was full: a slow consumer). On a worker's events subject it is counted (``events_dropped``)
+        and logged, and the worker's ranks are untrusted and asked for a full dump: otherwise, should the
+        worker go quiet, no gap would ever show the loss. False for any other subject (not handled here)."""
+        worker_id = self.subjects.events_sender(subject)
+        if worker_id is None:
+            return False
+        self.outcomes["events_dropped"] += 1
+        worker = self.router.worker(worker_id)
+        outcome = (
+            f"worker {worker_id} is not registered: nothing to resync"
+            if worker is None
+            else f"worker {worker_id}'s streams are untrusted until the full resync asked for now"
+        )
+        self._bad_input.warning(
+            "KV events dropped", f"on {subject}: this router fell behind (slow consumer); {outcome}"
+        )
+        if worker is not None:
+            self.subscriber.resync_lost(worker_id, worker.dp_ranks)
+        return True
 
     # ------------------------------------------------------------------ registry
     async def register(self, config: WorkerConfig, *, leased: bool = False) -> None:
@@ -259,6 +292,7 @@ class RouterEventPlane:
 
     def _remove(self, worker_id: int, reason: RemovalReason = "deregistered") -> None:
         self._leased.pop(worker_id, None)
+        self.subscriber.forget_worker(worker_id)
         if self.router.has_worker(worker_id):
             self.router.remove_worker(worker_id, reason)
             self.outcomes["removed"] += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 import msgspec
 from nats.aio.client import Client
@@ -25,6 +26,7 @@ from nats.errors import NoRespondersError
 from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.events import ResyncRequest, ResyncResponse, RouterEvent, decode_router_events
 from indexer.sequencer import EventSequencer
+from indexer.slots import WorkerRank
 from router.event_plane.parts import request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.resync_parts import ResyncReader
@@ -33,6 +35,9 @@ from router.supervision import Supervisor, raise_if_cancelling
 
 __all__ = ["KvEventSubscriber", "ingest_published"]
 
+# Messages an events subscription holds for this router to read; beyond it NATS drops them (a slow
+# consumer: the plane then untrusts the worker's streams and asks for their full dumps).
+EVENTS_PENDING_LIMIT = 1_000_000
 # How often the slow loop looks for unverified streams whose retry time has come.
 RETRY_CHECK_S = 1.0
 # The waits before asking again a worker nobody serves the resyncs of (its bridge or publisher may be
@@ -87,6 +92,7 @@ class KvEventSubscriber:
         resync_backoff_s: float = 0.2,
         max_concurrent_resyncs: int = 16,
         subscribe: bool = True,
+        pending_limit: int = EVENTS_PENDING_LIMIT,
     ) -> None:
         self.nc = nc
         self.sequencer = sequencer
@@ -102,6 +108,10 @@ class KvEventSubscriber:
         self._busy_since = 0.0
         # False: events come from elsewhere (the JetStream stream); resyncs still go out from here.
         self._subscribe = subscribe
+        self._pending_limit = pending_limit
+        # Ranks that lost events (`resync_lost`) no full dump was asked for since: an answer applied to
+        # anything else (sent before the loss, or a range) leaves them untrusted and asks for one.
+        self._lost: set[WorkerRank] = set()
 
     async def start(self) -> None:
         # Resyncs that events from any door call for now go out over NATS.
@@ -110,7 +120,7 @@ class KvEventSubscriber:
         self._retries.keep_running("resync-retries", self._retry_unverified)
         if self._subscribe:
             self._subscription = await self.nc.subscribe(
-                self.subjects.all_events, cb=self._on_message, pending_msgs_limit=1_000_000
+                self.subjects.all_events, cb=self._on_message, pending_msgs_limit=self._pending_limit
             )
 
     async def stop(self) -> None:
@@ -147,6 +157,23 @@ class KvEventSubscriber:
         for request in self.sequencer.resync_all():
             self.launch_resync(request, soon_again=True)
 
+    def resync_lost(self, worker_id: int, dp_ranks: Iterable[int]) -> None:
+        """Events of ``worker_id`` were lost on their way here, of ranks unknown (NATS dropped a message:
+        a slow consumer). No gap shows it if the worker then goes quiet, so each rank is untrusted and
+        asked for a full dump: now, or, while a resync of it is in flight, after it. A full dump asked
+        from now on holds the lost events (the worker published them before this router missed them);
+        an answer to anything else is followed by one."""
+        for dp_rank in dp_ranks:
+            self._lost.add((worker_id, dp_rank))
+            self.sequencer.mark_untrusted(worker_id, dp_rank)
+            request = self.sequencer.request_full_resync(worker_id, dp_rank)
+            if request is not None:
+                self.launch_resync(request, soon_again=True)
+
+    def forget_worker(self, worker_id: int) -> None:
+        """A removed worker's losses need no dump (a worker registered again is asked for one anyway)."""
+        self._lost = {key for key in self._lost if key[0] != worker_id}
+
     @property
     def resyncs_in_flight(self) -> int:
         return self._resyncs.running
@@ -166,13 +193,10 @@ class KvEventSubscriber:
 
     async def _resync_once(self, request: ResyncRequest) -> bool:
         """Ask for ``request``'s dump and hand the outcome to the sequencer; True: nobody serves it."""
-        subject = self.subjects.resync(request.worker_id)
-        # Sent asking for parts; the sequencer is answered for its own request (it knows it by identity).
-        payload = msgspec.json.encode(msgspec.structs.replace(request, in_parts=True))
         async with self._resync_slots:
             for attempt in range(self._attempts):
                 try:
-                    response = await self._ask(subject, payload)
+                    response = await self._ask(request)
                     raise_if_cancelling()  # a stopped plane applies no more dumps
                 except NoRespondersError:
                     return True  # an answer, not a timeout
@@ -186,9 +210,12 @@ class KvEventSubscriber:
                     continue
                 if response.error is not None:
                     log.warning("worker %s refused a resync: %s", request.worker_id, response.error)
+                applied = self.sequencer.resync_in_flight(request)  # not replaced or forgotten meanwhile
                 follow_up = self.sequencer.resync_done(request, response)
                 if follow_up is not None:
                     self.launch_resync(follow_up)
+                elif applied and (request.worker_id, request.dp_rank) in self._lost:
+                    self.resync_lost(request.worker_id, (request.dp_rank,))
                 return False
         self._bad_input.warning(
             "unanswered resync",
@@ -198,8 +225,13 @@ class KvEventSubscriber:
         self.sequencer.resync_failed(request)
         return False
 
-    async def _ask(self, subject: str, payload: bytes) -> ResyncResponse:
-        """The worker's answer: a large one comes in parts (`router.event_plane.resync_parts`), each
-        within ``timeout`` of the one before. Raises `NoRespondersError`, NATS' `TimeoutError` and its
+    async def _ask(self, request: ResyncRequest) -> ResyncResponse:
+        """The worker's answer to ``request``: a large one comes in parts (`router.event_plane.resync_parts`),
+        each within ``timeout`` of the one before. Raises `NoRespondersError`, NATS' `TimeoutError` and its
         other errors, and an undecodable reply's."""
+        if request.start_event_id is None and self.sequencer.resync_in_flight(request):
+            self._lost.discard((request.worker_id, request.dp_rank))  # this dump holds every event lost before
+        # Sent asking for parts; the sequencer is answered for its own request (it knows it by identity).
+        payload = msgspec.json.encode(msgspec.structs.replace(request, in_parts=True))
+        subject = self.subjects.resync(request.worker_id)
         return await request_in_parts(self.nc, subject, payload, self._timeout, ResyncReader().add)

@@ -87,7 +87,7 @@ from router.event_plane.jetstream import (
 )
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
-from router.event_plane.subscriber import ingest_published
+from router.event_plane.subscriber import EVENTS_PENDING_LIMIT, ingest_published
 from router.kv_router import KvRouter
 from router.supervision import Supervisor, raise_if_cancelling
 
@@ -391,7 +391,7 @@ class DurableEvents:
             cb=self._on_message,
             ordered_consumer=True,
             config=config,
-            pending_msgs_limit=1_000_000,
+            pending_msgs_limit=EVENTS_PENDING_LIMIT,
         )
 
     async def _until_replayed(self) -> None:
