@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 
 import msgspec
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from indexer.events import (
+    ResyncBatch,
     ResyncRequest,
     ResyncResponse,
     RouterEvent,
@@ -25,6 +28,7 @@ from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.messages import ActiveLoad, Heartbeat
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.publisher import KvEventPublisher, open_registry
+from router.event_plane.resync_parts import MAX_RESYNC_BYTES
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.event_plane.subscriber import NO_RESPONDERS_RETRY_S
 from router.kv_router import KvRouter, RemovalReason
@@ -463,3 +467,58 @@ async def test_with_events_from_jetstream_an_unverified_stream_is_still_asked_ag
             await plane.stop()
         finally:
             await nc.close()
+
+
+async def test_a_resync_answer_that_goes_on_past_its_bound_is_abandoned_and_asked_again(
+    nats_server: EmbeddedNats, client: Client
+) -> None:
+    """A worker whose first answer says ``more`` part after part, past `MAX_RESYNC_BYTES` (its parts padded
+    to 8 MiB: decoding that many real events would cost the test what the bound spares the router), has
+    that answer abandoned as an unanswered resync: counted (``rejected_oversized_resync``), the stream
+    untrusted, and asked again at the sequencer's retry. Answered well then, the dump lands, trusted."""
+    plane = await plane_for(client, RouterConfig(block_size=BLOCK))
+    plane.sequencer.retry_interval_s = 0.2
+    worker_nc = await connect(NatsOptions(nats_server.url))
+    holder = KvEventPublisher(worker_nc, WorkerConfig(worker_id=57, block_size=BLOCK), heartbeat_interval=0.1)
+    endless = msgspec.msgpack.encode(
+        ResyncResponse(events=ResyncBatch(events=[], last_event_id=0, more=True), error="x" * (8 << 20))
+    )
+    answers = 0
+    refused = plane.sequencer.outcomes
+
+    def read_past(read: int) -> bool:
+        """Whether the router's connection has read a part more than ``read`` bytes, or refused the answer."""
+        return client.stats["in_bytes"] >= read + len(endless) or refused["rejected_oversized_resync"] > 0
+
+    async def answer(message: Msg) -> None:
+        """The first answer never ends (as many parts as go past the bound); the next, the worker's own."""
+        nonlocal answers
+        answers += 1
+        if answers > 1:
+            response = holder.answer_resync(msgspec.json.decode(message.data, type=ResyncRequest))
+            await worker_nc.publish(message.reply, msgspec.msgpack.encode(response))
+            return
+        # Each part once the router's connection has read the one before (64 MiB at once would pass what
+        # nats-server holds for one client: a slow consumer of its own), until the router refuses them.
+        for _ in range(MAX_RESYNC_BYTES // len(endless) + 2):
+            read = client.stats["in_bytes"]
+            await worker_nc.publish(message.reply, endless)
+            await eventually(functools.partial(read_past, read))
+            if refused["rejected_oversized_resync"]:
+                return
+
+    try:
+        await worker_nc.subscribe(plane.subjects.resync(57), cb=answer)
+        await holder.stored(prompt_blocks(PROMPT))  # before it registers: its dump alone brings them
+        await holder.register()
+        holder.start_heartbeat()
+        await eventually(lambda: plane.sequencer.outcomes["rejected_oversized_resync"] == 1, 30, "the refused answer")
+        assert [(s.worker_id, s.trusted) for s in plane.sequencer.status()] == [(57, False)]
+        assert plane.sequencer.outcomes["resync_failed"] == 1
+        await eventually(lambda: plane.sequencer.outcomes["resync_dump_applied"] == 1, 30, "the dump asked again")
+        assert [(s.worker_id, s.trusted) for s in plane.sequencer.status()] == [(57, True)]
+        assert cached(plane.router, PROMPT) == {(57, 0): 8} and answers == 2
+        await holder.stop()
+        await plane.stop()
+    finally:
+        await worker_nc.close()

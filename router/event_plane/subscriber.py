@@ -29,7 +29,7 @@ from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
 from router.event_plane.parts import request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
-from router.event_plane.resync_parts import ResyncReader
+from router.event_plane.resync_parts import ResyncReader, ResyncTooLarge
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor, raise_if_cancelling
 
@@ -204,6 +204,11 @@ class KvEventSubscriber:
                     self.sequencer.count_undecodable(resync_reply=True)
                     self._bad_input.warning("undecodable resync reply", f"from worker {request.worker_id}: {exc}")
                     break
+                except ResyncTooLarge as exc:
+                    # The sequencer's count of refused resync answers, beside rejected_undecodable_resync.
+                    self.sequencer.outcomes["rejected_oversized_resync"] += 1
+                    self._bad_input.warning("oversized resync reply", f"from worker {request.worker_id}: {exc}")
+                    break
                 except (TimeoutError, NatsError) as exc:
                     log.debug("resync of worker %s attempt %d failed: %r", request.worker_id, attempt + 1, exc)
                     await asyncio.sleep(self._backoff * 2**attempt)
@@ -228,7 +233,7 @@ class KvEventSubscriber:
     async def _ask(self, request: ResyncRequest) -> ResyncResponse:
         """The worker's answer to ``request``: a large one comes in parts (`router.event_plane.resync_parts`),
         each within ``timeout`` of the one before. Raises `NoRespondersError`, NATS' `TimeoutError` and its
-        other errors, and an undecodable reply's."""
+        other errors, an undecodable reply's, and `ResyncTooLarge`."""
         if request.start_event_id is None and self.sequencer.resync_in_flight(request):
             self._lost.discard((request.worker_id, request.dp_rank))  # this dump holds every event lost before
         # Sent asking for parts; the sequencer is answered for its own request (it knows it by identity).
