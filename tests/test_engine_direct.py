@@ -62,12 +62,12 @@ def _stream(router: KvRouter, dp_rank: int = 0) -> StreamStatus:
     return status
 
 
-def _stream_without_tail_checks(router: KvRouter, endpoint: str, replay: str | None) -> ZmqEngineStream:
+def _stream_without_tail_checks(router: KvRouter, endpoint: str, replay: str | None, **options: Any) -> ZmqEngineStream:
     """A direct-mode stream whose handshake and quiet-spell tail checks are held off: the test orders
-    the replays it sees."""
+    the replays it sees. ``options``: more of `ZmqEngineStream`'s."""
     return ZmqEngineStream(
         SequencerSink(router, WORKER), endpoint, block_size=BLOCK, replay_endpoint=replay,
-        tail_check_delay_s=600, quiet_s=600,
+        tail_check_delay_s=600, quiet_s=600, **options,
     )  # fmt: skip
 
 
@@ -277,6 +277,50 @@ def _one_block_stored(block_hash: int) -> list[Any]:
     return [{"type": "BlockStored", "block_hashes": [block_hash], "parent_block_hash": None,
              "token_ids": list(range(BLOCK)), "block_size": BLOCK, "lora_id": None, "medium": "GPU",
              "lora_name": None}]  # fmt: skip
+
+
+async def test_a_replay_past_the_streams_bound_fails_as_a_rejection_and_the_stream_goes_on() -> None:
+    """A gap whose replay brings more batches than the stream takes (a runaway replay socket; here the
+    engine's own buffer against a bound of 20) is abandoned unread: counted as a rejection
+    (``rejected_oversized_replay``) and a failed replay, the rank unverified. The stream goes on: the
+    live batch after the gap is applied, a gap whose replay fits is repaired, and the engine's next
+    clear trusts the rank again, its index the engine's."""
+    router = _router()
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=83)
+    await engine.start()
+    stream = _stream_without_tail_checks(router, endpoint, replay, max_replay_batches=20)
+    await stream.start()
+    stats = stream.stats
+    try:
+
+        async def heard() -> bool:  # clears until one is heard past the slow-joiner window
+            await engine.send([engine.cleared()])
+            return stats["applied"] > 0
+
+        await eventually(heard, what="the stream hears the engine")
+        await engine.step()
+        await eventually(lambda: stream.backlog == 0 and canonical(router.tree.dump_events()) == engine.dump())
+        assert _stream(router).trusted and stats["rejected_oversized_replay"] == 0
+        for _ in range(25):
+            await engine.step(publish=False)  # buffered for replay only: a gap of 25
+        applied = stats["applied"]
+        await engine.step()
+        await eventually(lambda: stats["replay_failed"] == 1 and stream.backlog == 0, 10, "the refused replay")
+        assert (stats["rejected_oversized_replay"], stats["unverified"], stats["applied"]) == (1, 1, applied + 1)
+        assert "oversized_replay" in stream.last_rejection and not _stream(router).trusted
+        replayed = stats["replayed"]
+        await engine.step(publish=False)
+        await engine.step()
+        await eventually(lambda: stats["replayed"] > replayed and stream.backlog == 0, 10, "a replay that fits")
+        assert stats["replay_failed"] == 1
+        await engine.send([engine.cleared()])
+        await engine.step()
+        await eventually(lambda: stream.backlog == 0 and canonical(router.tree.dump_events()) == engine.dump())
+        assert _stream(router).trusted and stats["rejected_oversized_replay"] == 1
+    finally:
+        await stream.stop()
+        await engine.stop()
 
 
 async def test_a_replay_answering_garbage_under_the_applied_seq_fails_and_keeps_the_index() -> None:

@@ -19,7 +19,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from router.engines.zmq_stream import END_SEQ, REPLAY_ROUNDS, ReplayError, ReplayHoles, replay_batches
+from router.engines.zmq_stream import (
+    END_SEQ,
+    REPLAY_ROUNDS,
+    ReplayError,
+    ReplayHoles,
+    ReplayTooLarge,
+    replay_batches,
+)
 from router.event_plane.embedded_server import free_port
 
 pytestmark = pytest.mark.anyio
@@ -136,3 +143,18 @@ async def test_a_replay_of_nothing_buffered_ends_at_once(context: zmq.asyncio.Co
     async with lossy_replay(context, lambda _, seq: False) as (endpoint, asked):
         assert await replay_batches(context, endpoint, 10, timeout_s=2.0) == []
     assert asked == [10]
+
+
+async def test_a_round_past_its_bounds_is_refused_at_the_first_batch_past_them(context: zmq.asyncio.Context) -> None:
+    """A replay socket answering more batches, or more bytes, than a round takes (a runaway peer: here a
+    buffer of 50 batches of 9 bytes against a bound one short of it) raises `ReplayTooLarge`, a
+    `ReplayError`: a failed replay, the rest unread. Within the bounds the same buffer replays whole."""
+    buffered = {seq: b"batch %03d" % seq for seq in range(50)}
+    async with lossy_replay(context, lambda round_, seq: False, buffered=buffered) as (endpoint, asked):
+        with pytest.raises(ReplayTooLarge, match="past 49 batches"):
+            await replay_batches(context, endpoint, 0, max_batches=49)
+        with pytest.raises(ReplayTooLarge, match="or 449 bytes"):
+            await replay_batches(context, endpoint, 0, max_bytes=50 * 9 - 1)
+        assert issubclass(ReplayTooLarge, ReplayError)
+        whole = await replay_batches(context, endpoint, 0, max_batches=50, max_bytes=50 * 9)
+        assert whole == sorted(buffered.items()) and asked == [0, 0, 0]  # each refusal one round: not asked again

@@ -48,7 +48,9 @@ last batch lets what arrives until the window ends join the next: a busy engine 
 sends each step at once, and a stream behind never waits.
 
 The SUB reader never blocks the engine: messages go into a bounded queue and those that do not fit
-are dropped and counted (the seq gap they leave is then repaired like any other). Undecodable
+are dropped and counted (the seq gap they leave is then repaired like any other). A replay round is
+bounded too (`MAX_REPLAY_BATCHES`, `MAX_REPLAY_BYTES`): past either it is abandoned unread, a
+rejection (``rejected_oversized_replay``) and a failed replay. Undecodable
 payloads are counted by reason and logged rate-limited (once: heard live after a replay took the same
 bytes under the same seq, a duplicate); nothing stops the stream.
 """
@@ -154,6 +156,11 @@ class ReplayError(Exception):
     pass
 
 
+class ReplayTooLarge(ReplayError):
+    """A replay round that brought more than `MAX_REPLAY_BATCHES` batches or `MAX_REPLAY_BYTES` bytes:
+    no engine's buffer, but a runaway peer; abandoned as a failed replay."""
+
+
 class ReplayHoles(ReplayError):
     """Seqs the engine's buffer does not hold: batches it numbered and never buffered (TensorRT-LLM
     drops a batch on a full queue after taking its seq). ``batches`` is what the buffer holds, in order,
@@ -168,6 +175,10 @@ class ReplayHoles(ReplayError):
 
 # Rounds of one replay that ask again for batches the engine's ROUTER dropped (`replay_batches`).
 REPLAY_ROUNDS = 4
+# What one replay round may bring, at most: ten times vLLM's default replay buffer (10,000 steps), of
+# busy steps (10 KiB of events each). More would grow the router's memory at a peer's will.
+MAX_REPLAY_BATCHES = 100_000
+MAX_REPLAY_BYTES = MAX_REPLAY_BATCHES * 10 * 1024
 
 
 async def _paced(batches: list[tuple[int, bytes]]) -> AsyncIterator[tuple[int, bytes]]:
@@ -182,7 +193,13 @@ async def _paced(batches: list[tuple[int, bytes]]) -> AsyncIterator[tuple[int, b
 
 
 async def replay_batches(
-    context: zmq.asyncio.Context, endpoint: str, start: int, *, timeout_s: float = 2.0
+    context: zmq.asyncio.Context,
+    endpoint: str,
+    start: int,
+    *,
+    timeout_s: float = 2.0,
+    max_batches: int = MAX_REPLAY_BATCHES,
+    max_bytes: int = MAX_REPLAY_BYTES,
 ) -> list[tuple[int, bytes]]:
     """Ask an engine's replay ROUTER for every buffered batch from ``start``: ``(seq, payload)`` in order,
     with no seq missing between the first and the last.
@@ -194,14 +211,15 @@ async def replay_batches(
     between two that came is asked for again, from the batch before it, up to ``REPLAY_ROUNDS`` rounds;
     that batch must come back the same (else the engine restarted between two rounds). Raises
     `ReplayError` on a timeout, a malformed reply, a batch that changed, or holes left after the last
-    round.
+    round; `ReplayTooLarge` on a round of more than ``max_batches`` batches or ``max_bytes`` bytes of
+    payloads (each round is bounded so: a replay holds at most `REPLAY_ROUNDS` times as much).
     """
     received: dict[int, bytes] = {}
     # Seqs after which the buffer holds nothing up to the next batch it holds (first after -> that one).
     confirmed: dict[int, int] = {}
     ask = start
     for round_ in range(REPLAY_ROUNDS):
-        batches, ended = await _replay_round(context, endpoint, ask, timeout_s)
+        batches, ended = await _replay_round(context, endpoint, ask, timeout_s, max_batches, max_bytes)
         if round_ > 0 and (not batches or batches[0] != (ask, received[ask])):
             # Asked from a batch already in hand: another answer is another process (a restart).
             raise ReplayError(f"{endpoint}'s replay of seq {ask} changed between two rounds")
@@ -249,10 +267,11 @@ def _first_hole(seqs: list[int], confirmed: dict[int, int]) -> int | None:
 
 
 async def _replay_round(
-    context: zmq.asyncio.Context, endpoint: str, start: int, timeout_s: float
+    context: zmq.asyncio.Context, endpoint: str, start: int, timeout_s: float, max_batches: int, max_bytes: int
 ) -> tuple[list[tuple[int, bytes]], bool]:
     """The batches one request brings, and whether its end marker came (a silence after some batches
-    is taken as a dropped marker; before any, as no answer: `ReplayError`)."""
+    is taken as a dropped marker; before any, as no answer: `ReplayError`). More than ``max_batches``
+    batches or ``max_bytes`` bytes of payloads: `ReplayTooLarge`, the rest left unread."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVHWM, 0)  # no bound on this side: fewer replies dropped
@@ -260,6 +279,7 @@ async def _replay_round(
         socket.connect(endpoint)
         await socket.send_multipart([b"", start.to_bytes(8, "big")])
         batches: list[tuple[int, bytes]] = []
+        payload_bytes = 0
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -273,6 +293,11 @@ async def _replay_round(
             seq = int.from_bytes(frames[-2], "big")
             if seq == END_SEQ:
                 return batches, True
+            payload_bytes += len(frames[-1])
+            if len(batches) == max_batches or payload_bytes > max_bytes:
+                raise ReplayTooLarge(
+                    f"{endpoint}'s replay from seq {start} goes past {max_batches} batches or {max_bytes} bytes"
+                )
             batches.append((seq, frames[-1]))
             # Each reply extends the deadline: a long replay is slow, not stuck.
             deadline = time.monotonic() + timeout_s
@@ -295,6 +320,8 @@ class ZmqEngineStream:
         cache_namespace: str | None = None,
         queue_size: int = DEFAULT_QUEUE_SIZE,
         replay_timeout_s: float = 2.0,
+        max_replay_batches: int = MAX_REPLAY_BATCHES,
+        max_replay_bytes: int = MAX_REPLAY_BYTES,
         batch_window_s: float = 0.0,
         context: zmq.asyncio.Context | None = None,
         adopt_block_size: Callable[[int], int] | None = None,
@@ -313,6 +340,8 @@ class ZmqEngineStream:
         self.topic = topic.encode()
         self.cache_namespace = cache_namespace
         self._replay_timeout_s = replay_timeout_s
+        self._max_replay_batches = max_replay_batches
+        self._max_replay_bytes = max_replay_bytes
         self._batch_window_s = batch_window_s
         self._tail_check_delay_s = tail_check_delay_s
         self._quiet_s = quiet_s
@@ -783,15 +812,24 @@ class ZmqEngineStream:
         """The engine's buffer from ``start`` (`replay_batches`). With holes it keeps for good, what it
         holds, each hole's end noted: the ranks are marked unverified as the batch after it is applied,
         not before (a clear replayed ahead of the hole would trust them again) and not for a hole
-        below what was already heard (no loss)."""
+        below what was already heard (no loss). A replay too large is a rejection too (counted and
+        logged as one) before it fails as any replay does."""
         self._hole_ends = set()
         try:
             return await replay_batches(
-                self._context, self.replay_endpoint or "", start, timeout_s=self._replay_timeout_s
+                self._context,
+                self.replay_endpoint or "",
+                start,
+                timeout_s=self._replay_timeout_s,
+                max_batches=self._max_replay_batches,
+                max_bytes=self._max_replay_bytes,
             )
         except ReplayHoles as exc:
             self._hole_ends = set(exc.resumes)
             return exc.batches
+        except ReplayTooLarge as exc:
+            self._reject("oversized_replay", str(exc))
+            raise
 
     def _decodes(self, payload: bytes) -> bool:
         try:
