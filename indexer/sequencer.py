@@ -651,6 +651,10 @@ class EventSequencer:
         reply (``rejected_undecodable_resync``); nothing reached the index."""
         self.outcomes["rejected_undecodable_resync" if resync_reply else "rejected_undecodable"] += 1
 
+    def count_oversized_resync(self) -> None:
+        """A resync's reply a transport refused for its size, before decoding it; nothing reached the index."""
+        self.outcomes["rejected_oversized_resync"] += 1
+
     # ------------------------------------------------------------------ reads
     def status(self) -> list[StreamStatus]:
         now = self._clock()

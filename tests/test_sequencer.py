@@ -443,15 +443,17 @@ def test_the_transports_count_undecodable_payloads_and_unanswered_resyncs_throug
     sequencer, _ = synced(last=0)
     sequencer.count_undecodable()
     sequencer.count_undecodable(resync_reply=True)
+    sequencer.count_oversized_resync()
     request = sequencer.receive(store(3, 3))  # a gap: a range resync
     assert request is not None
     sequencer.resync_failed(request, no_responders=True)
     assert (
         sequencer.outcomes["rejected_undecodable"],
         sequencer.outcomes["rejected_undecodable_resync"],
+        sequencer.outcomes["rejected_oversized_resync"],
         sequencer.outcomes["resync_no_responders"],
         sequencer.outcomes["resync_failed"],
-    ) == (1, 1, 1, 1)
+    ) == (1, 1, 1, 1, 1)
 
 
 def test_a_stream_opened_by_a_resync_has_heard_from_its_worker_only_once_events_came() -> None:

@@ -205,8 +205,7 @@ class KvEventSubscriber:
                     self._bad_input.warning("undecodable resync reply", f"from worker {request.worker_id}: {exc}")
                     break
                 except ResyncTooLarge as exc:
-                    # The sequencer's count of refused resync answers, beside rejected_undecodable_resync.
-                    self.sequencer.outcomes["rejected_oversized_resync"] += 1
+                    self.sequencer.count_oversized_resync()
                     self._bad_input.warning("oversized resync reply", f"from worker {request.worker_id}: {exc}")
                     break
                 except (TimeoutError, NatsError) as exc:
