@@ -210,9 +210,18 @@ class RouterEventPlane:
         # the server had already sent (it then asks the consumer, which counts that one delivered).
         state = (await self._registry.status()).stream_info.state
         initial_end = state.last_seq if state.messages else 0
+        # Made under a shield: a cancellation landing while nats-py subscribes (a start that fails just
+        # after this one signalled its initial contents) would leave the subscription with no watcher
+        # to stop it, receiving the registry's updates on the connection from then on.
+        making = asyncio.ensure_future(self._registry.watchall())
+        try:
+            watcher = await asyncio.shield(making)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):  # the connection may be gone
+                await (await making).stop()  # type: ignore[no-untyped-call]
+            raise
         if initial_end == 0:
             initial_done.set()
-        watcher = await self._registry.watchall()
         try:
             # Iterated, not `updates(timeout)`: on Python 3.11 its wait_for swallows a cancellation that
             # lands as an entry arrives, and the task would outlive `stop`.
