@@ -511,6 +511,11 @@ class Proxy:
                     outcome = await self.handoff.run(legs, path, body, both, reply, forward)
                 return outcome
             except WorkerFailed as exc:  # again without that worker (or prefill worker); bookings freed below
+                if reply.answered:
+                    # The client has this answer's head: neither a retry nor a 502 may follow it (a
+                    # failure after the first byte is the stream's error event, `_stream_end`). A defect
+                    # if reached: the protocol logs it and closes the connection.
+                    raise
                 failed_id, problem, failed = exc.worker_id, str(exc), exc
             finally:
                 self.router.mark_free(request_id)

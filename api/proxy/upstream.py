@@ -326,8 +326,12 @@ class UpstreamConnection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamError("the worker switched protocols"))
+            return
         except httptools.HttpParserError as exc:
+            # Nothing of a read that broke the answer is handed on: the client has only whole events
+            # of an answer that was sound when they went (and nothing at all if none had gone).
             self._fail(UpstreamError(f"malformed answer: {exc}"))
+            return
         pieces = self._pieces
         sink = self._sink
         if sink is None:
@@ -527,6 +531,10 @@ class UpstreamConnection(asyncio.Protocol):
         self._problem = None
 
     async def _wait(self) -> None:
+        """Wait for the next read (or the answer's failure); raises the answer's problem only before
+        a wait, so that a caller's loop returns on what it waited for (the head, say) even when the
+        same read brought a failure: the stream may have begun from that read, and its failure is
+        then the client's error event (`handed_on`), not a retry of an unanswered request."""
         if self._problem is not None:
             raise self._problem
         waiter = self._waiter = self._loop.create_future()
@@ -534,8 +542,6 @@ class UpstreamConnection(asyncio.Protocol):
             await waiter
         finally:
             self._waiter = None
-        if self._problem is not None:
-            raise self._problem
 
     def _wake(self) -> None:
         waiter = self._waiter
