@@ -290,6 +290,19 @@ async def test_a_worker_closing_mid_chunk_is_an_upstream_error_and_the_connectio
         assert worker.connections == 2  # the broken connection was not reused
 
 
+async def test_a_read_that_breaks_the_answer_hands_none_of_it_on() -> None:
+    """The first events and a malformed chunk in one read: the client's stream is not begun (the
+    request may go again), and the failure is the answer's, not the head's (the head was in)."""
+    async with peer() as worker, client() as upstream:
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\nzz\r\n"])
+        sink = Collect()
+        connection = await upstream.open(worker.url, b"/x", b"{}", streaming=Streaming(sink.begin))
+        with pytest.raises(UpstreamError, match="malformed answer"):
+            await connection.handed_on()
+        assert sink.began == [] and sink.data == [] and not connection.begun
+        connection.release()
+
+
 async def test_an_idle_connection_the_worker_closed_is_replaced_without_a_failure() -> None:
     async with peer() as worker, client() as upstream:
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"])
