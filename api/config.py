@@ -370,6 +370,15 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             "and the request ends as a disconnect (its worker's stream closed, its booking freed)"
         ),
     ] = 60.0
+    proxy_max_answer_bytes: Annotated[
+        int,
+        _doc(
+            "largest worker's answer the proxy holds, in bytes: a whole (not streamed) answer past it is a 502 "
+            "(not retried: another worker would send as much), a stream's event left unended past it ends the "
+            "stream with its error event; a stream handed on as it comes is not bounded in all"
+        ),
+        msgspec.Meta(ge=1),
+    ] = 64 * 1024 * 1024
     proxy_connections_per_worker: Annotated[
         int, _doc("pooled keep-alive connections to one worker (0: no limit)"), msgspec.Meta(ge=0)
     ] = 512

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from api import eager
 from api.config import ProxyConfig
 from api.proxy import tokens
+from api.proxy import upstream as upstream_module
 from api.proxy.upstream import Streaming, Upstream, UpstreamConnection, UpstreamError
 from api.proxy.wire import finished_stream
 from indexer.hashing import pack_tokens
@@ -301,6 +302,31 @@ async def test_a_read_that_breaks_the_answer_hands_none_of_it_on() -> None:
             await connection.handed_on()
         assert sink.began == [] and sink.data == [] and not connection.begun
         connection.release()
+
+
+async def test_an_event_held_back_over_many_reads_is_searched_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An event whose end comes many reads later is searched for its end once per byte, not once per
+    read (which was seconds of the loop for an event of a few MiB), and reaches the client whole."""
+    searched: list[int] = []
+    search = upstream_module.after_last_event
+
+    def counting(data: bytes) -> int:
+        searched.append(len(data))
+        return search(data)
+
+    monkeypatch.setattr(upstream_module, "after_last_event", counting)
+    event = b"data: " + b"y" * (1 << 20) + b"\n\n"
+    pieces = [event[start : start + 16384] for start in range(0, len(event), 16384)]
+    async with peer() as worker, client() as upstream:
+        head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % (len(event) + 9)
+        worker.scripts.append([head, *pieces, b"data: 2\n\n"])
+        sink = Collect()
+        connection = await upstream.open(worker.url, b"/x", b"{}", streaming=Streaming(sink.begin))
+        assert await connection.handed_on()
+        assert b"".join(sink.data) == event + b"data: 2\n\n"
+        connection.release()
+    assert len(searched) > 10  # the event came in many reads
+    assert sum(searched) < 2 * len(event)
 
 
 async def test_an_idle_connection_the_worker_closed_is_replaced_without_a_failure() -> None:

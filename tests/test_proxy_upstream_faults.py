@@ -17,6 +17,7 @@ import httptools
 import msgspec
 import pytest
 
+from api.proxy.wire import error_body
 from router.event_plane.embedded_server import EmbeddedNats
 from tests.gate_worker import register
 from tests.proxy_fleet import MODEL, SSE_HEAD, Fleet, fleet, idle, raw_worker, sse_chunk
@@ -162,5 +163,72 @@ async def test_without_retries_that_failure_is_one_502_in_json(nats_server: Embe
         assert answer.status == 502 and answer.headers[b"content-type"] == b"application/json"
         error = msgspec.json.decode(answer.body)["error"]
         assert error["type"] == "upstream_error" and "malformed answer" in error["message"]
+        assert worker.requests == 1
+        await next_request_goes_through(f)
+
+
+LIMIT = 16 * 1024  # proxy_max_answer_bytes in these tests: more than that fits in one read
+MORE_THAN_THE_LIMIT = [b"%x\r\n%b\r\n" % (4096, b"y" * 4096)] * 64  # 256 KiB as chunks, no event's end
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_a_whole_answer_over_the_limit_is_one_502_at_once(nats_server: EmbeddedNats, fast_protocol: bool) -> None:
+    """Past ``proxy_max_answer_bytes`` a whole answer is given up: the client gets a 502 in JSON naming
+    the setting, the request is not tried again (another worker would send as much) nor the worker
+    blamed. Before, the proxy held all of it, however long (hundreds of MiB a second)."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    too_large = [head, chunk(b'{"text": "'), *MORE_THAN_THE_LIMIT, chunk(b'"}'), b"0\r\n\r\n"]
+
+    def script(n: int) -> tuple[list[bytes], bool]:
+        return (too_large, True) if n == 1 else ([WHOLE_STREAM], False)
+
+    proxy = {"proxy_max_answer_bytes": LIMIT}
+    async with (
+        fleet(nats_server.url, (), service={"fast_protocol": fast_protocol}, proxy=proxy) as f,
+        worker_scripted(script) as worker,
+    ):
+        await register(f, 7, worker.url)
+        answer = await exchange(f, body(stream=False))
+        assert answer.status == 502 and answer.headers[b"content-type"] == b"application/json"
+        error = msgspec.json.decode(answer.body)["error"]
+        assert error == {"message": f"worker 7: its answer exceeds proxy_max_answer_bytes ({LIMIT} bytes)",
+                         "type": "upstream_error", "param": None, "code": 502}  # fmt: skip
+        assert worker.requests == 1
+        assert f.router.health.availability(7).consecutive_failures == 0
+        await next_request_goes_through(f)
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+@pytest.mark.parametrize("arrival", ["after the first events", "in the read of the first events"])
+async def test_a_stream_event_never_ended_past_the_limit_ends_the_stream_with_its_error_event(
+    nats_server: EmbeddedNats, fast_protocol: bool, arrival: str
+) -> None:
+    """An event whose end does not come is held back (only whole events go to the client) up to
+    ``proxy_max_answer_bytes``; past it the stream ends with the proxy's error event, also when the
+    limit is passed in the very read that began the client's stream (one head all the same)."""
+    first = SSE_HEAD + sse_chunk(" w1")
+    unended = chunk(b"data: " + b"y" * (LIMIT + 16))
+    writes = [first] if arrival == "after the first events" else [first + unended]
+
+    def script(n: int) -> tuple[list[bytes], bool]:
+        return ([*writes, *MORE_THAN_THE_LIMIT, DONE], True) if n == 1 else ([WHOLE_STREAM], False)
+
+    proxy = {"proxy_max_answer_bytes": LIMIT}
+    async with (
+        fleet(nats_server.url, (), service={"fast_protocol": fast_protocol}, proxy=proxy) as f,
+        worker_scripted(script) as worker,
+    ):
+        await register(f, 7, worker.url)
+        answer = await exchange(f, body(stream=True))
+        assert answer.status == 200
+        w1, error = answer.body.split(b"\n\n", 1)
+        assert w1 == b'data: {"choices": [{"index": 0, "text": " w1"}], "object": "text_completion"}'
+        message = f"worker 7 failed mid-stream: an event of its stream exceeds proxy_max_answer_bytes ({LIMIT} bytes)"
+        assert error == b"data: " + error_body(502, "upstream_error", message) + b"\n\n"
         assert worker.requests == 1
         await next_request_goes_through(f)

@@ -67,7 +67,7 @@ from api.proxy.prompt_bytes import chat_bytes, text_bytes
 from api.proxy.retry import OVERLOADED, RetryPolicy, WorkerFailed, overloaded_answer
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
-from api.proxy.upstream import Begin, Streaming, Upstream, UpstreamConnection, UpstreamError
+from api.proxy.upstream import AnswerTooLarge, Begin, Streaming, Upstream, UpstreamConnection, UpstreamError
 from api.proxy.wire import (
     ROUTES,
     ChatBody,
@@ -602,7 +602,7 @@ class Proxy:
         timeline: Timeline | None = None,
         bytes_routed: int = 0,
     ) -> str:
-        """One attempt on one worker; raises `WorkerFailed` while the client has received nothing.
+        """One attempt on one worker; raises `WorkerFailed` while the client has received nothing (`_unanswered`).
         ``received``: when the request's body was in (perf_counter), for the proxy's added latency;
         ``bytes_routed``: the routing tokens of a prompt routed by its bytes (else 0), see `_calibrate`."""
         request_id = decision.request_id
@@ -647,7 +647,7 @@ class Proxy:
                 try:
                     content = await connection.read()
                 except UpstreamError as exc:
-                    raise WorkerFailed(worker.worker_id, str(exc)) from None
+                    raise _unanswered(worker.worker_id, exc) from None
                 try:
                     await reply.whole(status, with_type, content)
                 finally:  # after the client has it: off the latency it sees
@@ -706,12 +706,12 @@ class Proxy:
 
     async def _handed_on(self, connection: UpstreamConnection, worker_id: int, before_sent: float) -> str | None:
         """The stream handed on from the read callback: returns at its end, what went wrong after its
-        first byte (None: nothing); raises `WorkerFailed` while the client has had nothing."""
+        first byte (None: nothing); raises `WorkerFailed` while the client has had nothing (`_unanswered`)."""
         try:
             begun = await connection.handed_on()
         except UpstreamError as exc:
             if not connection.begun:
-                raise WorkerFailed(worker_id, str(exc)) from None
+                raise _unanswered(worker_id, exc) from None
             # Lost after its last event (the answer's framing cut short): the client has the whole stream.
             problem: str | None = None if finished_stream(connection.tail) else str(exc)
         except asyncio.CancelledError:
@@ -801,6 +801,15 @@ async def _overloaded(connection: UpstreamConnection, worker_id: int) -> WorkerF
         return WorkerFailed(worker_id, str(exc))
     answer, retry_after = overloaded_answer(connection, worker_id, content)
     return WorkerFailed(worker_id, f"HTTP {status}", answer, retry_after)
+
+
+def _unanswered(worker_id: int, exc: UpstreamError) -> WorkerFailed | _Refused:
+    """What a failure of the worker's answer before the client had a byte of it raises: the worker's
+    (`WorkerFailed`: tried again), but for an answer over ``proxy_max_answer_bytes``, at once the client's
+    502 (another worker would send as much, and the worker is not to blame)."""
+    if isinstance(exc, AnswerTooLarge):
+        return _refused(502, "upstream_error", f"worker {worker_id}: {exc}", "upstream_error")
+    return WorkerFailed(worker_id, str(exc))
 
 
 def _client_left_at_the_end() -> None:

@@ -38,7 +38,7 @@ from api.http_stream import Sink
 from api.proxy.wire import after_last_event
 from router.engines.openai_server import openai_base
 
-__all__ = ["IDLE_SECS", "Begin", "Streaming", "Upstream", "UpstreamConnection", "UpstreamError"]
+__all__ = ["IDLE_SECS", "AnswerTooLarge", "Begin", "Streaming", "Upstream", "UpstreamConnection", "UpstreamError"]
 
 # An idle pooled connection older than this is closed rather than reused.
 IDLE_SECS = 4.0
@@ -63,6 +63,10 @@ class Streaming:
 
 class UpstreamError(Exception):
     """A failure of the worker or of the way to it: refused, reset, timed out, a malformed answer."""
+
+
+class AnswerTooLarge(UpstreamError):
+    """The answer (a whole one, or a stream's event not yet ended) grew past ``proxy_max_answer_bytes``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +150,7 @@ class _Pool:
         self._connect_timeout = config.proxy_connect_timeout_secs
         self.read_timeout = config.proxy_read_timeout_secs
         self.request_timeout = config.proxy_request_timeout_secs
+        self.max_answer_bytes = config.proxy_max_answer_bytes
         self._tls = tls
         self.idle: list[UpstreamConnection] = []
         self.opened = 0  # connections open or being opened
@@ -292,6 +297,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._delimited = False  # the body's end is marked (content-length or chunked), not the close
         self._keep_alive = False  # the worker keeps the connection open after this answer
         self._pieces: list[bytes] = []  # decoded body not yet taken
+        # A stream's event not yet ended, held back until it is (its pieces, and its last 3 bytes: a
+        # blank line may straddle two reads).
+        self._unended: list[bytes] = []
+        self._unended_tail = b""
+        self._held = 0  # bytes received and not yet taken: at most the pool's max_answer_bytes
         # The last two pieces handed on: pieces hold whole events, and the usage report is the event
         # before [DONE], so it is in one of them.
         self._last = self._before_last = b""
@@ -341,6 +351,10 @@ class UpstreamConnection(asyncio.Protocol):
             self._wake()
         elif pieces:  # handed on in this callback; the coroutine waiting is woken only at the end
             self._hand_on(sink, self._take_events())
+        if self._held > self._pool.max_answer_bytes:
+            what = "an event of its stream" if self.begun else "its answer"
+            limit = self._pool.max_answer_bytes
+            self._fail(AnswerTooLarge(f"{what} exceeds proxy_max_answer_bytes ({limit} bytes)"))
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -385,6 +399,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._pieces.append(body)
+        self._held += len(body)
 
     def on_message_complete(self) -> None:
         if not self._head_in:
@@ -472,21 +487,52 @@ class UpstreamConnection(asyncio.Protocol):
     def _take_events(self) -> bytes:
         """The body received so far up to its last event boundary (all of it once complete)."""
         pieces = self._pieces
-        if not pieces:
+        if self._unended and (pieces or self.complete):
+            data = self._after_unended()
+        elif not pieces:
             return b""
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        pieces.clear()
-        if not self.complete:
-            cut = after_last_event(data)
-            if cut < len(data):
-                pieces.append(data[cut:])  # held back until its event is whole
-                data = data[:cut]
+        else:
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            pieces.clear()
+            if not self.complete:
+                cut = after_last_event(data)
+                if cut < len(data):
+                    self._hold_back(data[cut:])
+                    data = data[:cut]
         if data:
+            self._held -= len(data)
             self._before_last = self._last
             self._last = data
             streaming = self._streaming
             if streaming is not None and streaming.on_events is not None:
                 streaming.on_events(data)
+        return data
+
+    def _hold_back(self, unended: bytes) -> None:
+        self._unended.append(unended)
+        self._unended_tail = unended[-3:]
+
+    def _after_unended(self) -> bytes:
+        """`_take_events` while an event is held back: only the bytes that came since (and the three
+        before them) are searched for its end, so that an event many reads long is joined and searched
+        once, not once a read (which took seconds of the loop for an event of a few MiB)."""
+        pieces, unended = self._pieces, self._unended
+        fresh = b"".join(pieces)
+        pieces.clear()
+        if self.complete:
+            data = b"".join(unended) + fresh
+            unended.clear()
+            return data
+        probe = self._unended_tail + fresh
+        cut = after_last_event(probe) - len(self._unended_tail)  # in fresh; none: at most 0
+        if cut <= 0:
+            unended.append(fresh)
+            self._unended_tail = probe[-3:]
+            return b""
+        data = b"".join(unended) + fresh[:cut]
+        unended.clear()
+        if cut < len(fresh):
+            self._hold_back(fresh[cut:])
         return data
 
     def release(self) -> None:
@@ -522,6 +568,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._delimited = False
         self._keep_alive = False
         self._pieces = []
+        self._unended = []
+        self._unended_tail = b""
+        self._held = 0
         self._last = self._before_last = b""
         self._sink = None
         self._finished = False
@@ -551,6 +600,8 @@ class UpstreamConnection(asyncio.Protocol):
     def _fail(self, problem: UpstreamError) -> None:
         if self._problem is None and not self.complete:
             self._problem = problem
+            self._pieces.clear()  # never handed on nor read now: not held until the connection goes
+            self._unended.clear()
         self.close()
         self._wake()
 
