@@ -232,3 +232,53 @@ async def test_a_stream_event_never_ended_past_the_limit_ends_the_stream_with_it
         assert error == b"data: " + error_body(502, "upstream_error", message) + b"\n\n"
         assert worker.requests == 1
         await next_request_goes_through(f)
+
+
+OK_JSON = b'{"choices": [{"index": 0, "text": " ok"}], "object": "text_completion"}'
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_a_second_answer_glued_to_the_first_is_not_read_into_it_and_the_connection_is_dropped(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    """Bytes after a whole answer in the same read answer nothing the proxy asked: the client gets the
+    first answer alone, and the connection is not used again. Before, the second was parsed into the
+    same exchange: the client got its status and content type, and both bodies."""
+    evil = b'{"evil": true}'
+    glued = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (
+        len(OK_JSON),
+        OK_JSON,
+    ) + b"HTTP/1.1 201 Created\r\ncontent-type: text/evil\r\ncontent-length: %d\r\n\r\n%b" % (len(evil), evil)
+    async with (
+        fleet(nats_server.url, (), service={"fast_protocol": fast_protocol}) as f,
+        worker_scripted(then_whole_streams(glued, close=False)) as worker,
+    ):
+        await register(f, 7, worker.url)
+        answer = await exchange(f, body(stream=False))
+        assert (answer.status, answer.headers[b"content-type"], answer.body) == (200, b"application/json", OK_JSON)
+        await next_request_goes_through(f)
+        assert worker.connections == 2  # the next request on a new one
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False])
+@pytest.mark.parametrize("status", [b"200 OK", b"429 Too Many Requests"])
+async def test_an_interim_answers_headers_are_not_the_answers(
+    nats_server: EmbeddedNats, fast_protocol: bool, status: bytes
+) -> None:
+    """A 103 Early Hints before the answer: its content type and Retry-After are not the answer's. Before,
+    an answer without a content type went out as the hints', and an engine's 429 with the hints'
+    Retry-After (waited for before a retry, or past the budget, given to the client)."""
+    hints = b"HTTP/1.1 103 Early Hints\r\nlink: </style.css>\r\ncontent-type: text/x-hints\r\nretry-after: 3600\r\n\r\n"
+    final = b"HTTP/1.1 %b\r\ncontent-length: %d\r\n\r\n%b" % (status, len(OK_JSON), OK_JSON)
+    proxy = {"proxy_retries": 0}
+    async with (
+        fleet(nats_server.url, (), service={"fast_protocol": fast_protocol}, proxy=proxy) as f,
+        worker_scripted(then_whole_streams(hints + final, close=False)) as worker,
+    ):
+        await register(f, 7, worker.url)
+        answer = await exchange(f, body(stream=False))
+        assert answer.status == int(status[:3]) and answer.body == OK_JSON
+        assert b"retry-after" not in answer.headers
+        assert answer.headers[b"content-type"] == b"application/json"
+        await next_request_goes_through(f)
+        assert worker.connections == 1

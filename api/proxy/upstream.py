@@ -276,6 +276,10 @@ class _ClosedBeforeAnswer(UpstreamError):
     """The connection closed before a byte of the answer came back."""
 
 
+class _AfterTheAnswer(Exception):
+    """Raised in the parser's callback: more bytes came after the whole answer."""
+
+
 class UpstreamConnection(asyncio.Protocol):
     """One connection to a worker and the exchange it carries (the parser's callbacks are its methods).
 
@@ -376,6 +380,13 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail(UpstreamError("the worker closed the connection mid-answer" + why))
 
     # ------------------------------------------------------------------ httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # Bytes after the whole answer, in the same read: an answer to nothing we asked (a second
+            # one glued to the first, say). Raised, it stops the parser before it reads them into
+            # this exchange; the connection is closed (`data_received`), never reused.
+            raise _AfterTheAnswer
+
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         if name == b"content-type":
@@ -389,9 +400,10 @@ class UpstreamConnection(asyncio.Protocol):
         parser = self._parser
         self.status = parser.get_status_code()
         self._keep_alive = parser.should_keep_alive()  # read here: the parser forgets it at the message's end
-        if self.status < 200:  # an interim answer (100 Continue): the real one follows
+        if self.status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
             self.status = 0
             self._delimited = False
+            self.content_type = self.retry_after = None  # its headers are not the answer's
             return
         if self.status in (204, 304):
             self._delimited = True
