@@ -358,9 +358,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     proxy_request_timeout_secs: Annotated[
         PositiveSecs,
         _doc(
-            "longest wait for a whole (not streamed) answer while its worker stays in routing (registered, passing "
-            "its health checks): such an answer comes at its end, so its silence past proxy_read_timeout_secs "
-            "blames the worker only once it has left routing"
+            "longest wait from a request to its whole (not streamed) answer's end, or to a stream's first events, "
+            "however the worker sends them (silent or trickling); a whole answer comes at its end, so its silence "
+            "past proxy_read_timeout_secs blames the worker only once it has left routing (registered, passing "
+            "its health checks)"
         ),
     ] = 1800.0
     proxy_client_write_timeout_secs: Annotated[

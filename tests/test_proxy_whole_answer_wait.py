@@ -1,7 +1,8 @@
 """A whole (not streamed) answer comes at its end: a long generation is silent for all of it. Its
 silence past ``proxy_read_timeout_secs`` blames the worker only once the worker has left routing
 (failing its health checks); while it is in routing the proxy waits, up to
-``proxy_request_timeout_secs``. A stream's silence still fails at the read timeout."""
+``proxy_request_timeout_secs``, which bounds the wait for a whole answer (or a stream's first
+events) trickling in too. A stream's silence still fails at the read timeout."""
 
 from __future__ import annotations
 
@@ -75,10 +76,13 @@ class SlowWorker:
                 length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
                 await reader.readexactly(length)
                 self.completions += 1
-                await asyncio.sleep(self.delay_s)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-                             % (len(ANSWER), ANSWER))  # fmt: skip
-                await writer.drain()
+                await self._complete(writer)
+
+    async def _complete(self, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(self.delay_s)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+                     % (len(ANSWER), ANSWER))  # fmt: skip
+        await writer.drain()
 
 
 async def failures(url: str) -> float | None:
@@ -161,4 +165,48 @@ async def test_a_silent_prefill_leg_is_waited_for_while_its_worker_is_in_routing
         assert worker.completions == 1
         assert f.router.health.availability(9).consecutive_failures == 0
         assert not await failures(f.url)
+        await eventually(lambda: idle(f.router))
+
+
+class TricklingWorker(SlowWorker):
+    """Answers each completion's head at once, then a byte every ``delay_s`` for 50 of them (never
+    silent for a read timeout), then the rest: a whole answer's leading spaces, or a stream's first
+    event a byte at a time."""
+
+    def __init__(self, stream: bool) -> None:
+        super().__init__(delay_s=0.1)
+        self.stream = stream
+
+    async def _complete(self, writer: asyncio.StreamWriter) -> None:
+        content_type, trickled, rest = (
+            (b"text/event-stream", b"data: " + b"x" * 44, b"\n\n") if self.stream
+            else (b"application/json", b" " * 50, ANSWER)
+        )  # fmt: skip
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %b\r\ntransfer-encoding: chunked\r\n\r\n" % content_type)
+        for byte in trickled:
+            writer.write(b"1\r\n%c\r\n" % byte)
+            await writer.drain()
+            await asyncio.sleep(self.delay_s)
+        writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(rest), rest))
+        await writer.drain()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_trickling_in_is_waited_for_no_longer_than_the_request_timeout(
+    nats_server: EmbeddedNats, stream: bool
+) -> None:
+    """The request timeout bounds the wait for a whole answer's end (a stream's first events) however
+    the worker sends it: never silent for a read timeout, a worker sending a byte at a time was
+    waited for as long as it liked, holding the request and its booking."""
+    proxy = {**QUICK, "proxy_request_timeout_secs": 0.8, "proxy_retries": 0}
+    worker = TricklingWorker(stream)
+    async with fleet(nats_server.url, (), proxy=proxy) as f, worker.listening() as url:
+        await register(f, 9, url)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as failed:
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1000, stream=stream)
+        assert time.monotonic() - started < 3.0
+        assert failed.value.status_code == 502
+        assert "no answer within 0.8 s (proxy_request_timeout_secs)" in str(failed.value.body)
+        assert worker.completions == 1
         await eventually(lambda: idle(f.router))

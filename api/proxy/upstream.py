@@ -22,6 +22,7 @@ closed before it answered is replaced once by a fresh one, which is not a failur
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 import time
 from collections import deque
@@ -118,8 +119,9 @@ class Upstream:
         at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`.
         ``streaming``: a 200 answer is a stream, handed on from the read callback as it says.
         ``patient``: asked when the worker has been silent for the read timeout; True (its worker still
-        in routing) waits on, up to ``proxy_request_timeout_secs`` from the request: a whole answer (no
-        stream) comes at its end, so its silence says nothing of the worker."""
+        in routing) waits on: a whole answer (no stream) comes at its end, so its silence says nothing
+        of the worker. Whatever the worker sends, a whole answer's end (a stream's first events) comes
+        within ``proxy_request_timeout_secs`` of the request, or the answer fails."""
         pool = self._pools.get(url)
         if pool is None:
             if not self._running:
@@ -150,6 +152,7 @@ class _Pool:
         self._connect_timeout = config.proxy_connect_timeout_secs
         self.read_timeout = config.proxy_read_timeout_secs
         self.request_timeout = config.proxy_request_timeout_secs
+        self.first_check = min(self.read_timeout, self.request_timeout)  # of an exchange's timeouts
         self.max_answer_bytes = config.proxy_max_answer_bytes
         self._tls = tls
         self.idle: list[UpstreamConnection] = []
@@ -438,7 +441,7 @@ class UpstreamConnection(asyncio.Protocol):
             raise _ClosedBeforeAnswer("the connection was closed")
         transport.write(request)
         self._heard = self._sent_at = self._loop.time()
-        self._silence = self._loop.call_later(self._pool.read_timeout, self._check_silence)
+        self._silence = self._loop.call_later(self._pool.first_check, self._check_silence)
         while not self._head_in:
             await self._wait()
 
@@ -634,28 +637,32 @@ class UpstreamConnection(asyncio.Protocol):
             self._transport.resume_reading()
 
     def _check_silence(self) -> None:
+        """The exchange's timeouts: a worker silent for the read timeout has failed (unless ``patient``
+        says to wait on), and until the client has a byte of the answer (a whole answer's end, a
+        stream's first events) the request timeout bounds the wait in all, silent or not: a worker
+        trickling its answer is heard, yet holds the request and its booking."""
         self._silence = None
         if self.complete or self._closed:
             return
-        timeout = self._pool.read_timeout
+        pool = self._pool
+        now = self._loop.time()
+        left = math.inf if self.begun else self._sent_at + pool.request_timeout - now
+        if left <= 0:
+            self._fail(UpstreamError(f"no answer within {pool.request_timeout:g} s (proxy_request_timeout_secs)"))
+            return
+        timeout = pool.read_timeout
         if self._paused:  # the client is behind, not the worker: nothing is read, so nothing is heard
             self._silence = self._loop.call_later(timeout, self._check_silence)
             return
-        now = self._loop.time()
         remaining = self._heard + timeout - now
         if remaining > 0:
-            self._silence = self._loop.call_later(remaining, self._check_silence)
+            self._silence = self._loop.call_later(min(remaining, left), self._check_silence)
             return
         patient = self._patient
         if patient is None or not patient():
             self._fail(UpstreamError(f"read timeout: nothing from the worker for {timeout:g} s"))
             return
-        left = self._sent_at + self._pool.request_timeout - now
-        if left > 0:
-            self._silence = self._loop.call_later(min(timeout, left), self._check_silence)
-        else:
-            limit = self._pool.request_timeout
-            self._fail(UpstreamError(f"no answer within {limit:g} s (proxy_request_timeout_secs)"))
+        self._silence = self._loop.call_later(min(timeout, left), self._check_silence)
 
     def _cancel_silence(self) -> None:
         if self._silence is not None:
