@@ -169,7 +169,7 @@ class _Pool:
         self._connect_timeout = config.proxy_connect_timeout_secs
         self.read_timeout = config.proxy_read_timeout_secs
         self.request_timeout = config.proxy_request_timeout_secs
-        self.first_check = min(self.read_timeout, self.request_timeout)  # of an exchange's timeouts
+        self.first_check = min(self.read_timeout, self.request_timeout)  # the first of an exchange's timeouts
         self.max_answer_bytes = config.proxy_max_answer_bytes
         self._tls = tls
         self.idle: list[UpstreamConnection] = []
