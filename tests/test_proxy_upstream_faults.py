@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -39,7 +39,7 @@ def body(stream: bool) -> bytes:
 
 # A worker's answer to its n-th request (from 1): its writes (each one drained before the next), then
 # whether it closes the connection.
-Script = Callable[[int], Awaitable[tuple[list[bytes], bool]]]
+Script = Callable[[int], tuple[list[bytes], bool]]
 
 
 @dataclass
@@ -62,7 +62,7 @@ async def worker_scripted(script: Script) -> AsyncIterator[Worker]:
                 length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
                 await reader.readexactly(length)
                 state.requests += 1
-                writes, close = await script(state.requests)
+                writes, close = script(state.requests)
                 for data in writes:
                     writer.write(data)
                     await writer.drain()  # raises once the proxy has closed the connection
@@ -125,7 +125,7 @@ async def next_request_goes_through(f: Fleet) -> None:
 def then_whole_streams(first: bytes, close: bool = True) -> Script:
     """A worker answering its first request ``first``, and every later one the whole stream."""
 
-    async def script(n: int) -> tuple[list[bytes], bool]:
+    def script(n: int) -> tuple[list[bytes], bool]:
         return ([first], close) if n == 1 else ([WHOLE_STREAM], False)
 
     return script
@@ -184,7 +184,7 @@ async def test_a_whole_answer_over_the_limit_is_one_502_at_once(nats_server: Emb
 
     too_large = [head, chunk(b'{"text": "'), *MORE_THAN_THE_LIMIT, chunk(b'"}'), b"0\r\n\r\n"]
 
-    async def script(n: int) -> tuple[list[bytes], bool]:
+    def script(n: int) -> tuple[list[bytes], bool]:
         return (too_large, True) if n == 1 else ([WHOLE_STREAM], False)
 
     proxy = {"proxy_max_answer_bytes": LIMIT}
@@ -215,7 +215,7 @@ async def test_a_stream_event_never_ended_past_the_limit_ends_the_stream_with_it
     unended = chunk(b"data: " + b"y" * (LIMIT + 16))
     writes = [first] if arrival == "after the first events" else [first + unended]
 
-    async def script(n: int) -> tuple[list[bytes], bool]:
+    def script(n: int) -> tuple[list[bytes], bool]:
         return ([*writes, *MORE_THAN_THE_LIMIT, DONE], True) if n == 1 else ([WHOLE_STREAM], False)
 
     proxy = {"proxy_max_answer_bytes": LIMIT}
@@ -282,33 +282,3 @@ async def test_an_interim_answers_headers_are_not_the_answers(
         assert answer.headers[b"content-type"] == b"application/json"
         await next_request_goes_through(f)
         assert worker.connections == 1
-
-
-@pytest.mark.parametrize("fast_protocol", [True, False])
-async def test_a_reused_connection_closed_well_after_the_request_is_a_failure_not_resent_without_retries(
-    nats_server: EmbeddedNats, fast_protocol: bool
-) -> None:
-    """A worker that closes a reused connection unanswered 0.3 s into the request had the request (it
-    crashed mid-prefill, say): with ``proxy_retries`` 0 the client gets the 502 and the worker the
-    request once. Before, any unanswered close of a reused connection was taken for the worker's
-    keep-alive running out, and the request went again on a fresh connection."""
-
-    async def script(n: int) -> tuple[list[bytes], bool]:
-        if n == 2:
-            await asyncio.sleep(0.3)
-            return [], True
-        return [WHOLE_STREAM], False
-
-    proxy = {"proxy_retries": 0}
-    async with (
-        fleet(nats_server.url, (), service={"fast_protocol": fast_protocol}, proxy=proxy) as f,
-        worker_scripted(script) as worker,
-    ):
-        await register(f, 7, worker.url)
-        assert (await exchange(f, body(stream=True))).body == WHOLE_STREAM_EVENTS  # its connection kept alive
-        answer = await exchange(f, body(stream=True))
-        assert answer.status == 502
-        message = msgspec.json.decode(answer.body)["error"]["message"]
-        assert "closed the connection" in message and "unanswered" in message
-        assert (worker.requests, worker.connections) == (2, 1)
-        await next_request_goes_through(f)

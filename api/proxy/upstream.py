@@ -15,9 +15,8 @@ A connection carries one exchange (a request and its answer) at a time, no pipel
 to its pool when its answer was read to its end and the worker keeps it alive; a request cancelled or
 cut short closes it,
 which tells the engine to stop. An idle connection is dropped after `IDLE_SECS` (below the 5 s
-keep-alive of uvicorn, which vLLM and SGLang serve with), and a reused connection the worker closed
-as the request went out (within `IDLE_CLOSE_RACE_SECS`) is replaced once by a fresh one, which is not
-a failure of the worker.
+keep-alive of uvicorn, which vLLM and SGLang serve with), and a reused connection the worker had
+closed before it answered is replaced once by a fresh one, which is not a failure of the worker.
 """
 
 from __future__ import annotations
@@ -40,26 +39,10 @@ from api.http_stream import Sink
 from api.proxy.wire import after_last_event
 from router.engines.openai_server import openai_base
 
-__all__ = [
-    "IDLE_CLOSE_RACE_SECS",
-    "IDLE_SECS",
-    "AnswerTooLarge",
-    "Begin",
-    "Streaming",
-    "Upstream",
-    "UpstreamConnection",
-    "UpstreamError",
-]
+__all__ = ["IDLE_SECS", "AnswerTooLarge", "Begin", "Streaming", "Upstream", "UpstreamConnection", "UpstreamError"]
 
 # An idle pooled connection older than this is closed rather than reused.
 IDLE_SECS = 4.0
-# A reused connection closed unanswered within this of the request going out crossed it on the wire:
-# the worker closed it idle (its keep-alive ran out) before the request reached it, so the request goes
-# once more, afresh. A round trip on a LAN or within a zone is well under a millisecond; the rest is
-# slack for a busy loop (2-7 ms seen on loopback with both ends on one loop). Closed later, the worker
-# had the request (it may have crashed on it): a failure of the worker, tried again only within the
-# retry budget (resent regardless, a request ran twice with proxy_retries 0).
-IDLE_CLOSE_RACE_SECS = 0.02
 
 # Called in the read callback with the answer's content type when the first whole events of a 200
 # answer are in: starts the client's answer and gives the sink they and the rest of the stream go to.
@@ -196,10 +179,10 @@ class _Pool:
         try:
             try:
                 await connection.send(request, streaming, patient)
-            except _ClosedBeforeAnswer as closed:
-                if not reused or closed.after_secs > IDLE_CLOSE_RACE_SECS:
-                    why = f"the worker closed the connection {closed.after_secs:.3g} s into the request, unanswered"
-                    raise UpstreamError(why) from None
+            except _ClosedBeforeAnswer:
+                if not reused:
+                    raise UpstreamError("the worker closed the connection before answering") from None
+                # The worker closed an idle connection as this request went out: once more, afresh.
                 connection = await self._acquire(fresh=True)
                 await connection.send(request, streaming, patient)
         except asyncio.CancelledError:
@@ -293,12 +276,7 @@ class _Pool:
 
 
 class _ClosedBeforeAnswer(UpstreamError):
-    """The connection closed before a byte of the answer came back, ``after_secs`` after the request
-    went out."""
-
-    def __init__(self, why: str, after_secs: float) -> None:
-        super().__init__(why)
-        self.after_secs = after_secs
+    """The connection closed before a byte of the answer came back."""
 
 
 class _AfterTheAnswer(Exception):
@@ -399,8 +377,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.on_message_complete()  # an answer whose end is the connection's
             return
         if not self._head_in and not self._pieces and self.status == 0:
-            why = _describe(exc) if exc else "the worker closed the connection"
-            self._fail(_ClosedBeforeAnswer(why, self._loop.time() - self._sent_at))
+            self._fail(_ClosedBeforeAnswer(_describe(exc) if exc else "the worker closed the connection"))
         else:
             why = f" ({_describe(exc)})" if exc else ""
             self._fail(UpstreamError("the worker closed the connection mid-answer" + why))
@@ -461,7 +438,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._patient = patient
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
-            raise _ClosedBeforeAnswer("the connection was closed", 0.0)
+            raise _ClosedBeforeAnswer("the connection was closed")
         transport.write(request)
         self._heard = self._sent_at = self._loop.time()
         self._silence = self._loop.call_later(self._pool.first_check, self._check_silence)
