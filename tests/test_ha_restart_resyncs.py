@@ -232,6 +232,27 @@ async def test_a_start_tried_again_keeps_nothing_of_a_worker_that_restarted(
         await again.__aexit__()
 
 
+async def test_readiness_says_why_the_last_start_failed_while_nats_is_connected(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router.replicas.durable import DurableEvents
+
+    async def failing(self: DurableEvents) -> None:
+        raise TimeoutError("the snapshot's fetch timed out")
+
+    monkeypatch.setattr(DurableEvents, "start", failing)
+    router = Lifecycle(nats_server.url)
+    with pytest.raises(TimeoutError):
+        await router.life.run()
+    try:
+        assert router.life.not_ready_reason() == (
+            f"event plane starting: NATS at {nats_server.url} connected; "
+            "the last attempt failed: TimeoutError: the snapshot's fetch timed out"
+        )
+    finally:
+        await router.life.stop()
+
+
 async def test_a_worker_that_left_while_the_router_was_down_leaves_nothing_in_the_index(
     nats_server: EmbeddedNats, client: Client
 ) -> None:
