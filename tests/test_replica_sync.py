@@ -438,22 +438,29 @@ async def test_a_booking_on_a_worker_a_peer_learns_later_waits_for_it(nats_serve
         assert a.sync.outcomes["rejected_booking"] == 0
 
 
-async def test_a_booking_on_a_worker_never_registered_is_refused_after_its_wait(nats_server: EmbeddedNats) -> None:
+@pytest.mark.parametrize("known_here", ["nothing of the worker", "the worker, not the rank"])
+async def test_a_booking_on_a_rank_never_registered_is_refused_after_its_wait(
+    nats_server: EmbeddedNats, known_here: str
+) -> None:
     from router.replicas.sync import UNKNOWN_WORKER_WAIT_S
 
     now = [0.0]
     nc = await connect(NatsOptions(nats_server.url))
     router = new_router()
+    if known_here == "the worker, not the rank":
+        router.register_worker(WorkerConfig(worker_id=9))  # rank 0 only
     a = ReplicaSync(router, nc, lease_s=3600.0, heartbeat_s=0.05, clock=lambda: now[0])
     await a.start()
     try:
         async with replica(nats_server.url) as b:
-            b.router.register_worker(WorkerConfig(worker_id=9))
-            await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="on-9"), pinned_worker=(9, 0))
+            b.router.register_worker(WorkerConfig(worker_id=9, dp_size=2))
+            await b.router.new(RouteRequest(tokens=PROMPTS[0], request_id="on-9"), pinned_worker=(9, 1))
             await eventually(lambda: a.outcomes["waiting_for_worker"] == 1, 30, "a holds the booking")
+            await asyncio.sleep(0.3)  # beats: it waits still, counted once
+            assert a.outcomes["waiting_for_worker"] == 1 and a.outcomes["rejected_booking"] == 0
             now[0] += UNKNOWN_WORKER_WAIT_S + 1
             await eventually(lambda: a.outcomes["rejected_booking"] == 1, 30, "refused at a beat after its wait")
-            router.register_worker(WorkerConfig(worker_id=9))
+            router.register_worker(WorkerConfig(worker_id=9, dp_size=2))
             await asyncio.sleep(0.3)  # beats: nothing waits any more
             assert router.booking("on-9") is None
     finally:

@@ -390,8 +390,6 @@ class ReplicaSync:
         if sync.seq <= peer.seen:
             self.outcomes["duplicate"] += 1
             return
-        if self._waiting:  # before this batch's changes, which may free them
-            self._place_waiting()
         if sync.seq > peer.seen + 1:
             self._repair(sender, peer)
         peer.seen = sync.seq
@@ -488,11 +486,13 @@ class ReplicaSync:
             self._tombstone(request_id, now, held if generation is None else generation)
 
     def _place_waiting(self) -> None:
-        """Book the waiting bookings whose worker is registered now; refuse those that waited too long."""
+        """At a beat (not per batch: the walk is O(waiting)), book the waiting bookings whose rank is
+        registered now; refuse those that waited too long. Each keeps the time it began to wait."""
         now = self._clock()
         for request_id, waiting in list(self._waiting.items()):
-            worker_id = waiting.booking.key[0]
-            if self.router.has_worker(worker_id):
+            worker_id, dp_rank = waiting.booking.key
+            worker = self.router.worker(worker_id)
+            if worker is not None and dp_rank in worker.dp_ranks:
                 del self._waiting[request_id]
                 booked = self._book(
                     request_id, waiting.origin, waiting.booking, waiting.generation, now, waiting.predicted
@@ -501,7 +501,9 @@ class ReplicaSync:
             elif now - waiting.since > UNKNOWN_WORKER_WAIT_S:
                 del self._waiting[request_id]
                 self._reject(
-                    "booking", f"request {request_id}: worker {worker_id} unknown here for {UNKNOWN_WORKER_WAIT_S:g} s"
+                    "booking",
+                    f"request {request_id}: rank {dp_rank} of worker {worker_id} unknown here for "
+                    f"{UNKNOWN_WORKER_WAIT_S:g} s",
                 )
 
     def _tombstone(self, request_id: str, now: float, generation: int) -> None:
