@@ -415,6 +415,42 @@ async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
         await eventually(lambda: idle(f.router))
 
 
+@pytest.mark.parametrize("style", STYLES)
+async def test_a_prefill_answer_over_the_bound_is_the_clients_502_and_goes_to_no_other_worker(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    """A prefill leg whose answer outgrows proxy_max_answer_bytes: another prefill worker would send as
+    much, so the client gets a 502 at once (as on one leg), no other worker is tried and no failure is
+    told to the breaker."""
+
+    async def too_large(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        return b"200 OK", b"", b'{"pad": "' + b"x" * 4096 + b'"}'
+
+    async with (
+        fleet(
+            nats_server.url,
+            (2, 3),
+            roles={2: "decode", 3: "prefill"},
+            handoff=style,
+            proxy={"proxy_max_answer_bytes": 1024, "proxy_retries": 2},
+        ) as f,  # fmt: skip
+        scripted_worker(too_large) as (url, seen),
+    ):
+        await register(f, prefill_worker_at(url, style))
+        await ballast(f, "ballast", pinned_prefill=(3, 0), pinned_worker=(2, 0))()  # worker 9 comes first
+        with pytest.raises(openai.APIStatusError) as refused:
+            await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+        assert refused.value.status_code == 502
+        assert "prefill worker 9" in str(refused.value) and "proxy_max_answer_bytes" in str(refused.value)
+        assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
+        assert f.apis[3].prefill_legs == 0
+        text = await scrape(f.url)
+        assert sample(text, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_refused") == 1
+        assert sample(text, "kv_router_proxy_upstream_failures_total") == 0
+        f.router.mark_free("ballast")
+        await eventually(lambda: idle(f.router))
+
+
 async def test_a_prefill_leg_is_one_token_of_one_choice_and_a_refusal_tells_no_decode_worker(
     nats_server: EmbeddedNats,
 ) -> None:

@@ -51,8 +51,8 @@ from api.eager import retrieve
 from api.http_stream import Headers, Sink, StreamCall
 from api.metrics import PREFIX
 from api.proxy.retry import OVERLOADED, WorkerFailed, overloaded_answer
-from api.proxy.upstream import Upstream, UpstreamError
-from api.proxy.wire import finished_stream
+from api.proxy.upstream import AnswerTooLarge, Upstream, UpstreamError
+from api.proxy.wire import error_body, finished_stream
 from router.kv_router import KvRouter
 from router.types import DisaggregatedLeg, HandoffStyle, RouteDecision, WorkerConfig
 
@@ -135,7 +135,8 @@ class Handoff:
             "outcome (ok: the decode leg got the request; prefill_failed: the prefill leg failed and the request went "
             "again without that worker; prefill_failed_late: in bootstrap style, after the decode leg began; "
             "prefill_overloaded: it answered 429 or 503 (the engine pacing us), and the request went again; "
-            "prefill_refused: the prefill worker answered another 4xx, passed to the client).",
+            "prefill_refused: the prefill worker answered another 4xx, passed to the client, or an answer over "
+            "proxy_max_answer_bytes, a 502).",
             ["style", "outcome"],
             registry=registry,
         )
@@ -265,6 +266,9 @@ class Handoff:
             raise PrefillFailed(worker.worker_id, str(exc)) from None
         try:
             content = await connection.read()
+        except AnswerTooLarge as exc:  # another worker would send as much: the client's 502, as on one leg
+            message = f"prefill worker {worker.worker_id}: {exc}"
+            raise _Refused(502, b"application/json", error_body(502, "upstream_error", message)) from None
         except UpstreamError as exc:
             raise PrefillFailed(worker.worker_id, str(exc)) from None
         finally:

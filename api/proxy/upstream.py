@@ -419,6 +419,8 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if not self._head_in:
             return  # the end of an interim answer
+        if self._held > self._pool.max_answer_bytes:
+            return  # left incomplete: `data_received` fails it as too large, in one read as over several
         self.complete = True
         self._cancel_silence()
         self._resume_reading()
