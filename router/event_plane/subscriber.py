@@ -35,8 +35,9 @@ from router.supervision import Supervisor, raise_if_cancelling
 
 __all__ = ["KvEventSubscriber", "ingest_published"]
 
-# Messages an events subscription holds for this router to read; beyond it NATS drops them (a slow
-# consumer: the plane then untrusts the worker's streams and asks for their full dumps).
+# Messages an events subscription holds for this router to read; beyond it, or beyond nats-py's 128 MiB
+# of them (its default bytes limit, which a flood of large batches reaches first), NATS drops them (a
+# slow consumer: the plane then untrusts the worker's streams and asks for their full dumps).
 EVENTS_PENDING_LIMIT = 1_000_000
 # How often the slow loop looks for unverified streams whose retry time has come.
 RETRY_CHECK_S = 1.0
@@ -164,11 +165,17 @@ class KvEventSubscriber:
         from now on holds the lost events (the worker published them before this router missed them);
         an answer to anything else is followed by one."""
         for dp_rank in dp_ranks:
-            self._lost.add((worker_id, dp_rank))
-            self.sequencer.mark_untrusted(worker_id, dp_rank)
-            request = self.sequencer.request_full_resync(worker_id, dp_rank)
-            if request is not None:
-                self.launch_resync(request, soon_again=True)
+            key = (worker_id, dp_rank)
+            if key in self._lost:
+                continue  # an earlier loss waits for a full dump already, which holds this one's events too
+            self._lost.add(key)
+            self._ask_dump_for_loss(worker_id, dp_rank)
+
+    def _ask_dump_for_loss(self, worker_id: int, dp_rank: int) -> None:
+        self.sequencer.mark_untrusted(worker_id, dp_rank)
+        request = self.sequencer.request_full_resync(worker_id, dp_rank)
+        if request is not None:
+            self.launch_resync(request, soon_again=True)
 
     def forget_worker(self, worker_id: int) -> None:
         """A removed worker's losses need no dump (a worker registered again is asked for one anyway)."""
@@ -219,7 +226,7 @@ class KvEventSubscriber:
                 if follow_up is not None:
                     self.launch_resync(follow_up)
                 elif applied and (request.worker_id, request.dp_rank) in self._lost:
-                    self.resync_lost(request.worker_id, (request.dp_rank,))
+                    self._ask_dump_for_loss(request.worker_id, request.dp_rank)
                 return False
         self._bad_input.warning(
             "unanswered resync",
