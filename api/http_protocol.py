@@ -216,7 +216,10 @@ class HttpProtocol(asyncio.Protocol):
         self._keep_alive_timer: asyncio.TimerHandle | None = None
         self._idle_since = -1.0  # loop time of the last response while idle; -1 while busy
         self._between_messages = True  # httptools has no partial request
-        self._head_read: bytes | None = None  # a plain hot request's head, its body still coming
+        # A plain hot request's head and its body so far (parsed whole in C once the body is in), and the
+        # bytes of its body still to come.
+        self._held_post: list[bytes] | None = None
+        self._held_missing = 0
         self._upgraded = False
 
     # ------------------------------------------------------------------ asyncio.Protocol
@@ -261,10 +264,16 @@ class HttpProtocol(asyncio.Protocol):
             self.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        waiting = self._head_read
-        if waiting is not None:
-            self._head_read = None
-            data = waiting + data
+        held = self._held_post
+        if held is not None:
+            # Joined once, when the whole body is in: joined and parsed again on every read, a body sent
+            # in small pieces cost time quadratic in its size.
+            held.append(data)
+            self._held_missing -= len(data)
+            if self._held_missing > 0:
+                return
+            self._held_post = None
+            data = b"".join(held)
         parse = type(self).parse_whole
         if parse is not None and self._between_messages and self._current is None and not self._waiting:
             parsed = parse(data)
@@ -273,7 +282,8 @@ class HttpProtocol(asyncio.Protocol):
                 # the bytes and parse them whole with the rest; httptools never saw them.
                 if parsed <= self.max_body_bytes:
                     self._idle_since = -1.0
-                    self._head_read = data
+                    self._held_post = [data]
+                    self._held_missing = data.index(b"\r\n\r\n") + 4 + parsed - len(data)
                     return
             elif parsed is not None and self._whole_request(parsed, data):
                 return
@@ -308,10 +318,10 @@ class HttpProtocol(asyncio.Protocol):
         """Graceful shutdown (uvicorn calls it on each connection): an idle connection closes now, a
         busy one after the answer to its request in flight. A head kept for its body is a request
         in flight: httptools takes it over (as if it had read it)."""
-        held = self._head_read
+        held = self._held_post
         if held is not None:
-            self._head_read = None
-            self._feed(held)
+            self._held_post = None
+            self._feed(b"".join(held))
         request = self._current or self._parsing
         if request is None or request.response_complete:
             if not self.transport.is_closing():
