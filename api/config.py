@@ -75,6 +75,9 @@ def masked(name: str, value: Any) -> Any:
     return "***" if name in SECRETS and value is not None else value
 
 
+PositiveSecs = Annotated[float, msgspec.Meta(gt=0)]
+
+
 def _masked_repr(self: msgspec.Struct) -> str:
     shown = ", ".join(f"{name}={masked(name, getattr(self, name))!r}" for name in self.__struct_fields__)
     return f"{type(self).__name__}({shown})"
@@ -112,6 +115,21 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
     shutdown_timeout_secs: Annotated[
         int, _doc("on SIGTERM, seconds in-flight requests may take to finish"), msgspec.Meta(ge=0)
     ] = 30
+    request_head_timeout_secs: Annotated[
+        PositiveSecs,
+        _doc(
+            "longest a request's head (request line and headers) may take to arrive from its first byte; then a "
+            "408 and the connection closes (kv-router's protocol: a client must not hold a connection open with a "
+            "request it never finishes)"
+        ),
+    ] = 10.0
+    request_body_timeout_secs: Annotated[
+        PositiveSecs,
+        _doc(
+            "longest a request's body may go without a byte arriving while the service reads it; then a 408 and "
+            "the connection closes (kv-router's protocol)"
+        ),
+    ] = 30.0
     cors_allow_origins: Annotated[
         list[str],
         _doc(
@@ -313,9 +331,6 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
                     raise ConfigError(field, f"{text!r}: worker {spec.worker_id} is given twice")
                 specs[spec.worker_id] = spec
         return list(specs.values())
-
-
-PositiveSecs = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

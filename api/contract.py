@@ -32,11 +32,14 @@ async def answered(outcome: HotOutcome) -> Reply:
 @dataclass(frozen=True, slots=True)
 class HotRoutes:
     """What the HTTP protocol answers before ASGI: ``POST`` path -> hot handler, ``POST`` path ->
-    stream route, and the body limit of every request."""
+    stream route; and the limits every request is held to: its body's size, the time its head may
+    take from its first byte, the time its body may go without a byte."""
 
     routes: Mapping[str, HotHandler]
     max_body_bytes: int
     streams: Mapping[str, StreamRoute] = field(default_factory=dict)
+    head_timeout_secs: float = field(kw_only=True)
+    body_timeout_secs: float = field(kw_only=True)
 
 
 def body_too_large(limit: int) -> BodyTooLarge:

@@ -15,10 +15,12 @@ parsed in one call (`api._native.parse_post`) instead of httptools' callbacks.
 Every other request (other methods and paths; every path under a ``root_path`` or a concurrency
 limit) is run on the ASGI app (`api.http_asgi.AsgiRequest`): scope, ``receive`` and
 ``send`` as the ASGI HTTP spec has them, a task per request. Both kinds share the connection's
-machinery here: keep-alive (an idle connection closed after ``timeout_keep_alive``, one lazily
-re-armed timer per connection), pipelining (one request answered at a time, in order; reading
-paused while a request waits its turn), ``Expect: 100-continue``, chunked request bodies, HTTP/1.0,
-``Connection: close``, a 400 for an unparsable request, flow control both ways, and graceful
+machinery here: keep-alive (an idle connection closed after ``timeout_keep_alive``), a request's
+head and body held to their timeouts (a 408, then the connection closes: a client must not hold a
+connection with a request it never finishes), all on one lazily re-armed timer per connection;
+pipelining (one request answered at a time, in order; reading paused while a request waits its
+turn), ``Expect: 100-continue``, chunked request bodies, HTTP/1.0, ``Connection: close``, a 400 for
+an unparsable request, flow control both ways, and graceful
 shutdown: uvicorn hands each protocol `Config`, its `ServerState` and the lifespan's state
 (``Config(http=HttpProtocol)``, `fast_protocol`); the connection registers in
 ``server_state.connections`` and its tasks in ``server_state.tasks``, which uvicorn's shutdown
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -69,6 +72,11 @@ _TARGET_TOO_LONG = _json_closing(414, "uri_too_long", f"the request target excee
 _HEADERS_TOO_LARGE = _json_closing(
     431, "headers_too_large", f"the request's header fields exceed {MAX_HEADER_BYTES} bytes"
 )
+
+
+def _timed_out(message: str) -> bytes:
+    """The 408 of a request that did not arrive in time."""
+    return _json_closing(408, "request_timeout", message)
 
 
 def _malformed(error: httptools.HttpParserError) -> bytes:
@@ -111,6 +119,8 @@ def fast_protocol(hot: HotRoutes) -> type[HttpProtocol]:
         hot_routes = routes
         stream_routes = streamed
         max_body_bytes = hot.max_body_bytes
+        head_timeout_secs = hot.head_timeout_secs
+        body_timeout_secs = hot.body_timeout_secs
 
     return BoundHttpProtocol
 
@@ -162,6 +172,8 @@ class HttpProtocol(asyncio.Protocol):
     hot_routes: ClassVar[dict[bytes, HotHandler]] = {}
     stream_routes: ClassVar[dict[bytes, StreamRoute]] = {}
     max_body_bytes: ClassVar[int] = 0
+    head_timeout_secs: ClassVar[float]  # from a request's first byte to its head's end
+    body_timeout_secs: ClassVar[float]  # the longest a body being read may go without a byte
     # A read holding exactly one plain hot POST (its head possibly read before its body) is parsed in
     # one C call instead of httptools' six or more callbacks (`api._native.parse_post`; None:
     # httptools parses every request).
@@ -213,8 +225,13 @@ class HttpProtocol(asyncio.Protocol):
         self._read_paused = False
         self._write_paused = False
         self._writable: asyncio.Event | None = None
-        self._keep_alive_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the connection's one timer (`_check_clocks`)
+        self._timer_due = math.inf  # the loop time it fires at
         self._idle_since = -1.0  # loop time of the last response while idle; -1 while busy
+        # A request being read: the loop time its head began, or its body last brought bytes; -1 while
+        # none is. Its clock stands still while reading is paused here (it waits its turn).
+        self._reading_since = -1.0
+        self._reading_head = False  # its head is not all in yet (the head timeout), else its body
         self._between_messages = True  # httptools has no partial request
         # A plain hot request's head and its body so far (parsed whole in C once the body is in), and the
         # bytes of its body still to come.
@@ -235,9 +252,9 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
         self._gone = True
-        if self._keep_alive_timer is not None:
-            self._keep_alive_timer.cancel()
-            self._keep_alive_timer = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for request in (self._current, *self._waiting):
             if isinstance(request, AsgiRequest):
                 request.lost()
@@ -271,8 +288,10 @@ class HttpProtocol(asyncio.Protocol):
             held.append(data)
             self._held_missing -= len(data)
             if self._held_missing > 0:
+                self._reading_since = self.loop.time()
                 return
             self._held_post = None
+            self._reading_since = -1.0
             data = b"".join(held)
         parse = type(self).parse_whole
         if parse is not None and self._between_messages and self._current is None and not self._waiting:
@@ -284,6 +303,9 @@ class HttpProtocol(asyncio.Protocol):
                     self._idle_since = -1.0
                     self._held_post = [data]
                     self._held_missing = data.index(b"\r\n\r\n") + 4 + parsed - len(data)
+                    self._reading_head = False
+                    now = self._reading_since = self.loop.time()
+                    self._arm(now + self.body_timeout_secs)
                     return
             elif parsed is not None and self._whole_request(parsed, data):
                 return
@@ -292,7 +314,6 @@ class HttpProtocol(asyncio.Protocol):
     def _feed(self, data: bytes) -> None:
         if self._upgraded:
             return  # what follows an upgrade request is not HTTP; the connection closes after its answer
-        self._idle_since = -1.0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -304,6 +325,9 @@ class HttpProtocol(asyncio.Protocol):
             if not self.transport.is_closing():
                 self.transport.write(reply)
                 self.transport.close()
+            return
+        if not (self._between_messages or self._reading_head):
+            self._reading_since = self.loop.time()  # a body still coming brought bytes
 
     def _unsupported_upgrade(self) -> None:
         """An upgrade request, answered as plain HTTP (`on_headers_complete` made it close the
@@ -378,6 +402,10 @@ class HttpProtocol(asyncio.Protocol):
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
         self._between_messages = False
+        self._idle_since = -1.0
+        self._reading_head = True
+        now = self._reading_since = self.loop.time()
+        self._arm(now + self.head_timeout_secs)
         self._url = b""
         self._headers = []
         self._header_bytes = 0
@@ -420,6 +448,7 @@ class HttpProtocol(asyncio.Protocol):
             request.refused = head.content_length > self.max_body_bytes  # answered before the body is read
         request.expect_continue = self._expect_continue
         self._parsing = request
+        self._reading_head = False
         if self._current is None:
             self._current = request
             self._start(request)
@@ -446,6 +475,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._between_messages = True
+        self._reading_since = -1.0
         request = self._parsing
         self._parsing = None
         # Its answer went out before its body was in (a 401, 404, 413): reading that body made the
@@ -481,27 +511,69 @@ class HttpProtocol(asyncio.Protocol):
             request = self._current = self._waiting.popleft()
             self._start(request)
             return
-        self._idle_since = self.loop.time()  # `_idle`, inline: once per response
-        if self._keep_alive_timer is None:
-            self._keep_alive_timer = self.loop.call_later(self.timeout_keep_alive, self._check_idle)
+        if self._between_messages:
+            now = self._idle_since = self.loop.time()  # `_idle`, inline: once per response
+            if now + self.timeout_keep_alive < self._timer_due:
+                self._arm(now + self.timeout_keep_alive)
+        elif not self._read_paused:
+            self._arm(self._read_deadline())  # the next request is being read: its clock runs
 
     def _idle(self) -> None:
         self._idle_since = self.loop.time()
-        if self._keep_alive_timer is None:
-            self._keep_alive_timer = self.loop.call_later(self.timeout_keep_alive, self._check_idle)
+        self._arm(self._idle_since + self.timeout_keep_alive)
 
-    def _check_idle(self) -> None:
-        # One timer per connection: rather than cancelled on every read and armed again after every
-        # response (2-3 µs a request), it checks when it fires whether the connection has been idle
-        # that long.
-        self._keep_alive_timer = None
-        if self._idle_since < 0:
-            return  # busy: armed again when its response is complete
-        remaining = self._idle_since + self.timeout_keep_alive - self.loop.time()
-        if remaining > 0:
-            self._keep_alive_timer = self.loop.call_later(remaining, self._check_idle)
-        elif not self.transport.is_closing():
-            self.transport.close()
+    def _arm(self, deadline: float) -> None:
+        """Have the connection's timer fire by loop time ``deadline``."""
+        if deadline < self._timer_due:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(deadline, self._check_clocks)
+            self._timer_due = deadline
+
+    def _read_deadline(self) -> float:
+        """When the request being read runs out of time: its head's, or its body's."""
+        limit = self.head_timeout_secs if self._reading_head else self.body_timeout_secs
+        return self._reading_since + limit
+
+    def _check_clocks(self) -> None:
+        """The connection's one timer: rather than cancelled on every read and armed again after every
+        response (2-3 µs a request), it checks when it fires which clock has run out (the idle
+        keep-alive, the request being read, once its turn has come) and is armed again for the next
+        deadline."""
+        self._timer = None
+        self._timer_due = math.inf
+        now = self.loop.time()
+        due = math.inf
+        if self._idle_since >= 0:
+            idle_until = self._idle_since + self.timeout_keep_alive
+            if idle_until > now:
+                due = min(due, idle_until)
+            elif not self.transport.is_closing():
+                self.transport.close()
+        elif self._reading_since >= 0 and not self._read_paused and self._current in (None, self._parsing):
+            read_until = self._read_deadline()
+            if read_until > now:
+                due = min(due, read_until)
+            elif not self.transport.is_closing():
+                self._read_timed_out()
+        if due < math.inf:
+            self._arm(due)
+
+    def _read_timed_out(self) -> None:
+        """The request being read did not come in time: a 408, unless it was answered already (a
+        refusal before its body), and the connection closes."""
+        if self._reading_head:
+            message = f"the request's head did not arrive within {self.head_timeout_secs:g} s"
+        else:
+            message = f"the request's body brought nothing for {self.body_timeout_secs:g} s"
+        self.logger.warning("%s: answered 408 and its connection closed", message)
+        request = self._parsing
+        answered = request is not None and (
+            request.response_complete or (type(request) is AsgiRequest and request.response_started)
+        )
+        if not answered:
+            self.transport.write(_timed_out(message))
+        self.transport.close()
 
     def pause_reading(self) -> None:
         if not self._read_paused:
@@ -512,6 +584,10 @@ class HttpProtocol(asyncio.Protocol):
         if self._read_paused:
             self._read_paused = False
             self.transport.resume_reading()
+            if self._reading_since >= 0:
+                # Its clock stood still while the service did not read: it runs again from now.
+                self._reading_since = self.loop.time()
+                self._arm(self._read_deadline())
 
     async def drain(self) -> None:
         """Returns once the client reads its answers again (or has gone)."""

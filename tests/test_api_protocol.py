@@ -1,10 +1,10 @@
 """kv-router's HTTP protocol (`api.http_protocol`) under a real uvicorn on loopback, through raw
 sockets: exact bytes on the wire, keep-alive, pipelining, bodies split across TCP
 segments and chunked, the body limit, malformed bodies, a queued ``new`` finished by a ``mark_free``
-on another connection, a client leaving the queue, the keep-alive timeout, and SIGTERM with requests
-in flight; the rest of the app run on ASGI by the protocol. Where a request is deterministic, the
-answer must be byte for byte what uvicorn's own protocol and FastAPI's routes give (``fast_protocol``
-off), which the in-process suites test in depth.
+on another connection, a client leaving the queue, the keep-alive timeout, a request's head and body
+timeouts, and SIGTERM with requests in flight; the rest of the app run on ASGI by the protocol. Where
+a request is deterministic, the answer must be byte for byte what uvicorn's own protocol and FastAPI's
+routes give (``fast_protocol`` off), which the in-process suites test in depth.
 """
 
 from __future__ import annotations
@@ -670,3 +670,76 @@ def test_the_rest_of_the_app_answers_the_same_bytes_through_either_protocol() ->
     statuses = [int(answer[9:12]) for answer in answers[True][: len(_REST)]]
     assert statuses == [200, 404, 404, 404, 405, 201, 400, 200, 200, 200]
     assert answers[True][2 * len(_REST)] == b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def _answer_then_closed(client: Client, within: float) -> bytes:
+    """What the server sends until it closes the connection; fails if that takes more than ``within`` s."""
+    client.sock.settimeout(within)
+    try:
+        return _until_closed(client)
+    except TimeoutError:
+        raise AssertionError(f"the connection is still open after {within} s; read: {client.buffer!r}") from None
+
+
+def _timed_out(answer: bytes, part: str) -> None:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"), answer
+    assert b"\r\nconnection: close" in head
+    assert json.loads(body)["error"] == {"type": "request_timeout", "message": part}
+
+
+def test_a_request_that_does_not_arrive_in_time_gets_a_408_and_its_connection_closes() -> None:
+    """A head not all in within ``request_head_timeout_secs`` of its first byte (trickling in, too),
+    or a body that brings nothing for ``request_body_timeout_secs`` (a plain head kept for its body, a
+    chunked body, an app route's body): a JSON 408, then the connection closes (a client held every
+    such connection open for good). A body still coming in, however slowly, is read to its end, and an
+    idle keep-alive connection is closed by its own timeout, without a 408."""
+    timeouts = {"request_head_timeout_secs": 0.5, "request_body_timeout_secs": 0.5}
+    head_late = "the request's head did not arrive within 0.5 s"
+    body_late = "the request's body brought nothing for 0.5 s"
+    stalled = {
+        b"POST /v1/mark_free HTTP/1.1\r\nHost: x\r\n": head_late,
+        b"GET /healthz HTTP/1.1\r\n": head_late,
+        b"POST /v1/mark_free HTTP/1.1\r\nHost: x\r\nContent-Length: 18\r\n\r\n": body_late,  # kept for the C parser
+        b"POST /v1/mark_free HTTP/1.1\r\nHost: x\r\nContent-Length: 18\r\n\r\n" + b'{"requ': body_late,
+        b'POST /v1/mark_free HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{"r\r\n': body_late,
+        b"POST /v1/workers HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\nContent-Length: 9\r\n\r\n{": body_late,
+    }
+    with uvicorn_on_loopback(keep_alive_s=1.0, **timeouts) as port:
+        clients = {sent: Client(port) for sent in stalled}
+        started = time.monotonic()
+        for sent, client in clients.items():
+            client.send(sent)
+        for sent, client in clients.items():
+            _timed_out(_answer_then_closed(client, 10), stalled[sent])
+            client.close()
+        assert time.monotonic() - started >= 0.5
+
+        trickle = Client(port)
+        trickled = b"POST /v1/mark_free HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+        first_byte = time.monotonic()
+        for byte in range(len(trickled)):  # a byte every 0.1 s: bytes keep coming, the head never ends
+            try:
+                trickle.send(trickled[byte : byte + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if not trickle.nothing_within(0.1):
+                break
+        _timed_out(_answer_then_closed(trickle, 10), head_late)
+        assert time.monotonic() - first_byte < 5
+        trickle.close()
+
+        slow, idle = Client(port), Client(port)
+        plain = post("/v1/mark_free", {"request_id": "x"})  # its head kept for the C parser
+        # Connection: keep-alive makes the C parser decline it: httptools and the app's route read it.
+        app = post("/v1/workers", {"worker_id": "x"}, connection="keep-alive")
+        for sent, status in ((plain, b"404"), (app, b"422")):
+            head, _, body = sent.partition(b"\r\n\r\n")
+            slow.send(head + b"\r\n\r\n")
+            for start in range(0, len(body), 3):  # a piece every 0.3 s: more than 0.5 s for the whole body
+                assert slow.nothing_within(0.3)
+                slow.send(body[start : start + 3])
+            assert slow.response()[9:12] == status
+        assert idle.closed_by_server(5) and idle.buffer == b""
+        slow.close()
+        idle.close()

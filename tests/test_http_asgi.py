@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
+from api.config import ServiceConfig
 from api.contract import HotRoutes
 from api.http_protocol import HttpProtocol, fast_protocol
 
@@ -50,7 +51,14 @@ async def connect(app: App) -> tuple[HttpProtocol, Transport, ServerState]:
     config = uvicorn.Config(app, ws="none", lifespan="off", log_config=None, proxy_headers=False)
     config.load()
     state = ServerState()
-    protocol = fast_protocol(HotRoutes({}, 1 << 20))(config, state, {}, asyncio.get_running_loop())
+    service = ServiceConfig()
+    hot = HotRoutes(
+        {},
+        1 << 20,
+        head_timeout_secs=service.request_head_timeout_secs,
+        body_timeout_secs=service.request_body_timeout_secs,
+    )
+    protocol = fast_protocol(hot)(config, state, {}, asyncio.get_running_loop())
     transport = Transport()
     protocol.connection_made(transport)
     return protocol, transport, state
