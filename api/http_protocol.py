@@ -18,9 +18,10 @@ limit) is run on the ASGI app (`api.http_asgi.AsgiRequest`): scope, ``receive`` 
 machinery here: keep-alive (an idle connection closed after ``timeout_keep_alive``), a request's
 head and body held to their timeouts (a 408, then the connection closes: a client must not hold a
 connection with a request it never finishes), all on one lazily re-armed timer per connection;
-pipelining (one request answered at a time, in order; reading paused while a request waits its
-turn), ``Expect: 100-continue``, chunked request bodies, HTTP/1.0, ``Connection: close``, a 400 for
-an unparsable request, flow control both ways, and graceful
+pipelining (one request answered at a time, in order; reading paused while a request waits its turn,
+and the next one started only while the client reads its answers), ``Expect: 100-continue``,
+chunked request bodies, HTTP/1.0, ``Connection: close``, a 400 for an unparsable request, flow
+control both ways, and graceful
 shutdown: uvicorn hands each protocol `Config`, its `ServerState` and the lifespan's state
 (``Config(http=HttpProtocol)``, `fast_protocol`); the connection registers in
 ``server_state.connections`` and its tasks in ``server_state.tasks``, which uvicorn's shutdown
@@ -232,6 +233,12 @@ class HttpProtocol(asyncio.Protocol):
         # none is. Its clock stands still while reading is paused here (it waits its turn).
         self._reading_since = -1.0
         self._reading_head = False  # its head is not all in yet (the head timeout), else its body
+        # A stream route's answer is complete but not all read: the loop time by which the client must
+        # have read some of it, else its connection is dropped (-1: none); that route's write timeout;
+        # the bytes waiting for it then.
+        self._write_deadline = -1.0
+        self._write_timeout_secs = 0.0
+        self._write_buffered = 0
         self._between_messages = True  # httptools has no partial request
         # A plain hot request's head and its body so far (parsed whole in C once the body is in), and the
         # bytes of its body still to come.
@@ -275,9 +282,12 @@ class HttpProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._write_deadline = -1.0
         if self._writable is not None:
             self._writable.set()
-        if self._read_paused and not self._waiting:
+        if self._current is None and self._waiting and not self.transport.is_closing():
+            self._start_waiting()  # held back while the client did not read its answers (`request_answered`)
+        elif self._read_paused and not self._waiting:
             self.resume_reading()
 
     def data_received(self, data: bytes) -> None:
@@ -449,10 +459,12 @@ class HttpProtocol(asyncio.Protocol):
         request.expect_continue = self._expect_continue
         self._parsing = request
         self._reading_head = False
-        if self._current is None:
+        if self._current is None and not self._write_paused:
             self._current = request
             self._start(request)
-        else:  # pipelined behind a request still being answered: its turn comes in _response_complete
+        else:
+            # Pipelined behind a request still being answered, or behind answers the client has not
+            # read: its turn comes in `request_answered` or `resume_writing`.
             self.pause_reading()
             self._waiting.append(request)
 
@@ -476,11 +488,11 @@ class HttpProtocol(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._between_messages = True
         self._reading_since = -1.0
-        request = self._parsing
+        request = cast(_HotRequest | AsgiRequest, self._parsing)
         self._parsing = None
         # Its answer went out before its body was in (a 401, 404, 413): reading that body made the
         # connection busy, and nothing else would make it idle again for its keep-alive timeout.
-        answered_early = self._current is None
+        answered_early = request.response_complete
         if type(request) is AsgiRequest:
             request.body_complete()
         else:
@@ -500,23 +512,35 @@ class HttpProtocol(asyncio.Protocol):
 
     def request_answered(self) -> None:
         """The current request is answered: start the next pipelined one, or close the connection
-        ``timeout_keep_alive`` seconds from now if nothing comes."""
+        ``timeout_keep_alive`` seconds from now if nothing comes. While the client is not reading its
+        answers, none of its requests is read or started (`resume_writing` starts the next one): they
+        would pile up answers nobody reads."""
         self.server_state.total_requests += 1
         self._current = None
         if self.transport.is_closing():
             return
-        if self._read_paused and not self._write_paused:
-            self.resume_reading()
-        if self._waiting:
-            request = self._current = self._waiting.popleft()
-            self._start(request)
+        if self._write_paused:
+            self.pause_reading()
+            if self._waiting:
+                return
+        elif self._waiting:
+            self._start_waiting()
             return
+        elif self._read_paused:
+            self.resume_reading()
         if self._between_messages:
             now = self._idle_since = self.loop.time()  # `_idle`, inline: once per response
             if now + self.timeout_keep_alive < self._timer_due:
                 self._arm(now + self.timeout_keep_alive)
         elif not self._read_paused:
             self._arm(self._read_deadline())  # the next request is being read: its clock runs
+
+    def _start_waiting(self) -> None:
+        """The next pipelined request's turn (reading resumes: its body may still be coming)."""
+        if self._read_paused:
+            self.resume_reading()
+        request = self._current = self._waiting.popleft()
+        self._start(request)
 
     def _idle(self) -> None:
         self._idle_since = self.loop.time()
@@ -537,13 +561,25 @@ class HttpProtocol(asyncio.Protocol):
 
     def _check_clocks(self) -> None:
         """The connection's one timer: rather than cancelled on every read and armed again after every
-        response (2-3 µs a request), it checks when it fires which clock has run out (the idle
-        keep-alive, the request being read, once its turn has come) and is armed again for the next
-        deadline."""
+        response (2-3 µs a request), it checks when it fires which clock has run out (a client not
+        reading a stream route's complete answer, the idle keep-alive, the request being read, once its
+        turn has come) and is armed again for the next deadline."""
         self._timer = None
         self._timer_due = math.inf
         now = self.loop.time()
-        due = math.inf
+        if 0 <= self._write_deadline <= now:
+            buffered = self.transport.get_write_buffer_size()
+            if buffered >= self._write_buffered:
+                self.logger.warning(
+                    "a client read nothing of its complete answer for %g s: its connection is dropped "
+                    "(proxy_client_write_timeout_secs)",
+                    self._write_timeout_secs,
+                )
+                self.transport.abort()
+                return
+            self._write_buffered = buffered  # it reads, slowly: as long again for the rest
+            self._write_deadline = now + self._write_timeout_secs
+        due = self._write_deadline if self._write_deadline >= 0 else math.inf
         if self._idle_since >= 0:
             idle_until = self._idle_since + self.timeout_keep_alive
             if idle_until > now:
@@ -678,9 +714,6 @@ class HttpProtocol(asyncio.Protocol):
             if not keep_alive:
                 transport.close()
         self.request_answered()
-        if self._write_paused and not self._gone:
-            # The client is not reading its answers: stop reading its requests until it catches up.
-            self.pause_reading()
 
     def _header_lines(self, reply: Reply, keep_alive: bool) -> bytes:
         """The header lines after content-length and x-request-id: the reply's own, uvicorn's
@@ -712,6 +745,14 @@ class HttpProtocol(asyncio.Protocol):
         request.response_complete = True
         if self.access_log:
             self._log_access(request, status)
+        if self._write_paused and not self.transport.is_closing():
+            # The client has not read all of this answer yet: it must read some within the route's write
+            # timeout, as between two pieces of a stream, else its connection is dropped (a client that
+            # never reads would hold it, and what was written to it, for good).
+            self._write_timeout_secs = self._streams[request.path].write_timeout_secs
+            self._write_deadline = self.loop.time() + self._write_timeout_secs
+            self._write_buffered = self.transport.get_write_buffer_size()
+            self._arm(self._write_deadline)
         if not request.keep_alive and not self.transport.is_closing():
             self.transport.close()
         self.request_answered()

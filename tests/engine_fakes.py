@@ -272,10 +272,11 @@ class SideLoop:
 
 class EngineHttp:
     """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``, ``/metrics``) and the proxy
-    uses it (``/v1/completions``: a short answer, whatever the prompt), served by a real uvicorn on a
+    uses it (``/v1/completions``: ``completion_text``, whatever the prompt), served by a real uvicorn on a
     loopback port; ``healthy`` switches its health answer (``failing_checks``: that many 503s first, then
-    as ``healthy`` says), ``stop`` stops it (refused). Its ``/metrics`` are
-    vLLM's: ``running`` requests, ``kv_usage`` and, with ``kv_blocks``, the cache config stating them."""
+    as ``healthy`` says), ``stop`` stops it (refused); ``asked`` counts the requests by path. Its
+    ``/metrics`` are vLLM's: ``running`` requests, ``kv_usage`` and, with ``kv_blocks``, the cache config
+    stating them."""
 
     def __init__(
         self,
@@ -293,6 +294,7 @@ class EngineHttp:
         self.kv_blocks = kv_blocks
         self.kv_usage = kv_usage
         self.running = running
+        self.completion_text = " w1"
         self.asked: Counter[str] = Counter()
         self._server: uvicorn.Server | None = None
         self._serving: asyncio.Task[None] | None = None
@@ -319,7 +321,7 @@ class EngineHttp:
         elif path == "/v1/completions":
             while (await receive()).get("more_body"):
                 pass
-            choice = {"index": 0, "text": " w1", "finish_reason": "length", "logprobs": None}
+            choice = {"index": 0, "text": self.completion_text, "finish_reason": "length", "logprobs": None}
             usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
             status, body = 200, msgspec.json.encode(
                 {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": self.models[0],

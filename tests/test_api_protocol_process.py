@@ -1,13 +1,25 @@
 """kv-router's HTTP protocol in a ``kv-router serve`` process, through raw sockets on loopback: what
-a body sent in small pieces costs the service (its CPU time, read from /proc)."""
+a body sent in small pieces costs the service (its CPU time, read from /proc), and, with the proxy in
+front of an engine's HTTP server (`EngineHttp`), a client that pipelines completions and reads none
+of their answers."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from tests.engine_fakes import EngineHttp, SideLoop
 from tests.router_processes import RouterProcess
-from tests.test_api_protocol import Client
+from tests.test_api_protocol import Client, request
+from tests.waiting import until
+
+MODEL = "tiny-model"
+WRITE_TIMEOUT_S = 1.0
 
 
 def _cpu_ns(pid: int) -> int:
@@ -41,3 +53,61 @@ def test_a_body_sent_in_small_pieces_costs_time_linear_in_its_size(tmp_path: Pat
         upload(65536)  # warm
         small, large = upload(1024), upload(65536)
     assert small < 12 * large, (small, large)
+
+
+@pytest.fixture(scope="module")
+def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, EngineHttp]]:
+    """A ``kv-router serve --proxy`` process (a client that reads nothing is dropped after 1 s) in front of
+    one engine's HTTP server, registered over HTTP."""
+    side = SideLoop()
+    engine = side.call(EngineHttp(models=(MODEL,)).start())
+    flags = ["--no-embedded-nats", "--log-level", "warning", "--proxy",
+             "--proxy-client-write-timeout-secs", str(WRITE_TIMEOUT_S)]  # fmt: skip
+    try:
+        with RouterProcess(tmp_path_factory.mktemp("proxied"), *flags, ready_path="/healthz") as router:
+            status, _ = router.post("/v1/workers", {"worker_id": 1, "url": engine.url, "models": [MODEL]})
+            assert status == 201
+            yield router, engine
+    finally:
+        side.call(engine.stop())
+        side.close()
+
+
+def _completion(stream: bool) -> bytes:
+    body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1, "stream": stream}).encode()
+    return request("POST", "/v1/completions", body)
+
+
+def _closed_by_the_service(service_port: int, client: socket.socket) -> bool:
+    """Whether the service has closed its end of ``client``'s connection, seen without reading: its
+    socket is no longer ESTABLISHED (/proc/net/tcp; a close leaves what the client did not read with
+    the kernel, a FIN behind it)."""
+    client_port = client.getsockname()[1]
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if int(local.split(":")[1], 16) == service_port and int(remote.split(":")[1], 16) == client_port:
+            return state != "01"
+    return True
+
+
+def test_a_client_that_reads_none_of_its_answers_gets_no_more_requests_forwarded(
+    proxied: tuple[RouterProcess, EngineHttp],
+) -> None:
+    """Completions pipelined by a client that reads nothing, each answer 4 MiB: once the buffers
+    between the service and the client are full, no further request of it is started (each one was
+    forwarded to the engine, its answer held for nobody: the service's memory grew by every answer),
+    and its connection is closed after the write timeout."""
+    router, engine = proxied
+    engine.completion_text = "x" * (4 << 20)
+    pipelined = 20
+    before = engine.asked["/v1/completions"]
+    client = Client(router.port)
+    try:
+        client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.send(_completion(stream=False) * pipelined)
+        until(lambda: _closed_by_the_service(router.port, client.sock), 10 + WRITE_TIMEOUT_S, "the connection closed")
+        forwarded = engine.asked["/v1/completions"] - before
+        assert 0 < forwarded < pipelined // 2, forwarded
+    finally:
+        client.close()
+        engine.completion_text = " w1"
