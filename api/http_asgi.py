@@ -232,7 +232,9 @@ class AsgiRequest:
             elif name == b"connection" and value.lower() == b"close":
                 self.keep_alive = False
             lines += (bytes(raw_name), b": ", value, b"\r\n")
-        if not framed and method != "HEAD" and status not in (204, 304):
+        # HTTP/1.0 has no chunks: there an answer of unknown length ends with the connection (an HTTP/1.0
+        # connection is never kept alive).
+        if not framed and method != "HEAD" and status not in (204, 304) and self.scope["http_version"] != "1.0":
             lines.append(b"transfer-encoding: chunked\r\n")
             self._chunked = True
         if method == "HEAD":

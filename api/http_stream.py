@@ -8,7 +8,8 @@ The contract is `StreamRoute` and `StreamCall`; it has two adapters: the HTTP pr
 route's request as it collects a hot one (body limit, ``Expect: 100-continue``, keep-alive and
 pipelining are the protocol's), then its handler gets a `StreamedRequest` writing the answer
 straight to the client's transport. A streamed body goes out as HTTP/1.1 chunks, one per piece
-handed on (the head with the first); the handler's coroutine runs at once on the protocol's
+handed on (the head with the first; to an HTTP/1.0 client, which knows no chunks, as they come, the
+connection's end ending the body); the handler's coroutine runs at once on the protocol's
 callback and gets a task only if it has to wait (it does, for the worker). When the client's
 connection is lost, that task is cancelled. A body over the limit never reaches the handler: the
 protocol answers what the route's own `StreamRoute.too_large` gives (the proxy's: OpenAI's error
@@ -157,6 +158,7 @@ def whole_headers(headers: Headers, body: bytes) -> Headers:
 class _Request(Protocol):
     """The protocol's record of the request (`api.http_protocol`'s hot request)."""
 
+    http_version: str
     keep_alive: bool
     response_complete: bool
 
@@ -183,8 +185,8 @@ class StreamedRequest:
     """One request on a stream route and its answer, written to the connection's transport."""
 
     __slots__ = (
-        "_connection", "_drain_waiter", "_ended", "_head", "_request", "_status", "_task", "_write_timeout",
-        "authorization", "body", "disconnected", "head",
+        "_chunked", "_connection", "_drain_waiter", "_ended", "_head", "_request", "_status", "_task",
+        "_write_timeout", "authorization", "body", "disconnected", "head",
     )  # fmt: skip
 
     def __init__(
@@ -207,6 +209,8 @@ class StreamedRequest:
         self.disconnected = False
         self._head: bytes | None = None  # a streamed answer's head, written with its first piece
         self._ended = False  # a streamed answer's end has been written (`finish`)
+        # A streamed answer in chunks; to an HTTP/1.0 client (never kept alive) its body ends with the connection.
+        self._chunked = request.http_version != "1.0"
         self._status = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -242,17 +246,16 @@ class StreamedRequest:
         self._write(self._head_lines(status, whole_headers(headers, body), b"") + body)
 
     def begin(self, status: int, headers: Headers) -> Sink:
-        self._head = self._head_lines(status, headers, b"transfer-encoding: chunked\r\n")
+        self._head = self._head_lines(status, headers, b"transfer-encoding: chunked\r\n" if self._chunked else b"")
         return self
 
     def write(self, data: bytes) -> bool:
         """One chunk of the streamed body; True while the client is not keeping up (`Sink.write`)."""
         head = self._head
-        if head is None:
-            chunk = b"%x\r\n%b\r\n" % (len(data), data)
-        else:
+        chunk = b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
+        if head is not None:
             self._head = None
-            chunk = b"%b%x\r\n%b\r\n" % (head, len(data), data)
+            chunk = head + chunk
         connection = self._connection
         transport = connection.transport
         if not transport.is_closing():
@@ -267,8 +270,9 @@ class StreamedRequest:
         (the client may send its next request as soon as it has this end)."""
         head, self._head = self._head, None
         self._ended = True
-        chunk = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
-        self._write((head or b"") + chunk + b"0\r\n\r\n")
+        if self._chunked:
+            data = (b"%x\r\n%b\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n"
+        self._write((head or b"") + data)
         self._connection.loop.call_soon(self._done)
 
     def when_drained(self, resume: Callable[[], None]) -> None:
@@ -283,7 +287,7 @@ class StreamedRequest:
         if last:
             self.write(last)
         head, self._head = self._head, None
-        self._write((head or b"") + b"0\r\n\r\n")
+        self._write((head or b"") + (b"0\r\n\r\n" if self._chunked else b""))
 
     # ------------------------------------------------------------------ internals
     def _head_lines(self, status: int, headers: Headers, framing: bytes) -> bytes:

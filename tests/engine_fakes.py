@@ -272,11 +272,11 @@ class SideLoop:
 
 class EngineHttp:
     """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``, ``/metrics``) and the proxy
-    uses it (``/v1/completions``: ``completion_text``, whatever the prompt), served by a real uvicorn on a
-    loopback port; ``healthy`` switches its health answer (``failing_checks``: that many 503s first, then
-    as ``healthy`` says), ``stop`` stops it (refused); ``asked`` counts the requests by path. Its
-    ``/metrics`` are vLLM's: ``running`` requests, ``kv_usage`` and, with ``kv_blocks``, the cache config
-    stating them."""
+    uses it (``/v1/completions``: ``completion_text``, whatever the prompt, whole or, asked for a stream, as
+    one event), served by a real uvicorn on a loopback port; ``healthy`` switches its health answer
+    (``failing_checks``: that many 503s first, then as ``healthy`` says), ``stop`` stops it (refused);
+    ``asked`` counts the requests by path. Its ``/metrics`` are vLLM's: ``running`` requests, ``kv_usage``
+    and, with ``kv_blocks``, the cache config stating them."""
 
     def __init__(
         self,
@@ -319,14 +319,25 @@ class EngineHttp:
         elif path == "/v1/models":
             status, body = 200, msgspec.json.encode({"object": "list", "data": [{"id": m} for m in self.models]})
         elif path == "/v1/completions":
-            while (await receive()).get("more_body"):
-                pass
+            request = b""
+            while True:
+                message = await receive()
+                request += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
             choice = {"index": 0, "text": self.completion_text, "finish_reason": "length", "logprobs": None}
             usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-            status, body = 200, msgspec.json.encode(
+            body = msgspec.json.encode(
                 {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": self.models[0],
                  "choices": [choice], "usage": usage}
             )  # fmt: skip
+            if msgspec.json.decode(request).get("stream"):
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+                await send({"type": "http.response.body", "body": b"data: %b\n\n" % body, "more_body": True})
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+                return
+            status = 200
         headers = [(b"content-type", b"application/json")]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -1,7 +1,7 @@
 """kv-router's HTTP protocol in a ``kv-router serve`` process, through raw sockets on loopback: what
 a body sent in small pieces costs the service (its CPU time, read from /proc), and, with the proxy in
 front of an engine's HTTP server (`EngineHttp`), a client that pipelines completions and reads none
-of their answers."""
+of their answers, and an HTTP/1.0 client's streamed answer."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from tests.engine_fakes import EngineHttp, SideLoop
 from tests.router_processes import RouterProcess
-from tests.test_api_protocol import Client, request
+from tests.test_api_protocol import Client, _answer_then_closed, request
 from tests.waiting import until
 
 MODEL = "tiny-model"
@@ -73,9 +73,10 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterPr
         side.close()
 
 
-def _completion(stream: bool) -> bytes:
+def _completion(stream: bool, version: bytes = b"1.1") -> bytes:
     body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1, "stream": stream}).encode()
-    return request("POST", "/v1/completions", body)
+    sent = request("POST", "/v1/completions", body)
+    return sent.replace(b"HTTP/1.1", b"HTTP/" + version, 1)
 
 
 def _closed_by_the_service(service_port: int, client: socket.socket) -> bool:
@@ -111,3 +112,26 @@ def test_a_client_that_reads_none_of_its_answers_gets_no_more_requests_forwarded
     finally:
         client.close()
         engine.completion_text = " w1"
+
+
+def test_an_http10_client_gets_its_stream_without_chunks_ended_by_the_close(
+    proxied: tuple[RouterProcess, EngineHttp],
+) -> None:
+    """HTTP/1.0 has no chunked framing: a streamed answer comes as the events themselves, with
+    ``connection: close``, its end the connection's; a whole answer keeps its content-length."""
+    router, _ = proxied
+    client = Client(router.port)
+    client.send(_completion(stream=True, version=b"1.0"))
+    head, _, events = _answer_then_closed(client, 10).partition(b"\r\n\r\n")
+    client.close()
+    assert head.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"), head
+    assert b"transfer-encoding" not in head.lower() and b"\r\nconnection: close" in head
+    first, done = events.split(b"\n\n")[:2]
+    assert json.loads(first.removeprefix(b"data: "))["choices"][0]["text"] == " w1"
+    assert done == b"data: [DONE]" and events.endswith(b"data: [DONE]\n\n"), events
+    whole = Client(router.port)
+    whole.send(_completion(stream=False, version=b"1.0"))
+    answer = _answer_then_closed(whole, 10)
+    whole.close()
+    length = int(answer.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    assert len(answer.partition(b"\r\n\r\n")[2]) == length

@@ -124,7 +124,7 @@ def test_an_app_returning_without_an_answer_gets_a_500() -> None:
     run(scenario)
 
 
-def test_an_answer_without_content_length_is_chunked_and_head_gets_none() -> None:
+def test_an_answer_without_content_length_is_chunked_and_head_gets_none_http10_its_bytes() -> None:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         for piece in (b"abc", b"", b"de"):
@@ -143,6 +143,11 @@ def test_an_answer_without_content_length_is_chunked_and_head_gets_none() -> Non
         protocol.data_received(b"HEAD /x HTTP/1.1\r\nhost: t\r\n\r\n")
         await settle()
         assert bytes(transport.written) == b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n"
+        transport.written.clear()
+        protocol.data_received(b"GET /x HTTP/1.0\r\n\r\n")  # no chunks in HTTP/1.0: the close ends the body
+        await settle()
+        closing = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n\r\n"
+        assert bytes(transport.written) == closing + b"abcde" and transport.closed
 
     run(scenario)
 

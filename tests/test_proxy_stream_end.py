@@ -203,10 +203,13 @@ def content_length(head: bytes) -> int:
 
 
 async def read_answer(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """One HTTP answer off the connection: its head and its body (chunked or by length)."""
+    """One HTTP answer off the connection: its head and its body (chunked, by length, or up to the close:
+    an HTTP/1.0 client's stream on kv-router's protocol)."""
     head = await reader.readuntil(b"\r\n\r\n")
-    if b"transfer-encoding: chunked" not in head.lower():
+    if b"content-length:" in head.lower():
         return head, await reader.readexactly(content_length(head))
+    if b"transfer-encoding: chunked" not in head.lower():
+        return head, await reader.read()
     body = b""
     while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
         body += (await reader.readexactly(size + 2))[:-2]
