@@ -216,6 +216,10 @@ class AsgiRequest:
         protocol = self._protocol
         self.status = status
         method = self.scope["method"]
+        if self.expect_continue and not self.complete:
+            # Answered before its body was asked for (a 401, 404): what the client sends next, the body
+            # anyway or its next request, cannot be told apart, so the connection ends with the answer.
+            self.keep_alive = False
         lines = [STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status, protocol.default_header_lines()]
         framed = False
         for raw_name, value in headers:

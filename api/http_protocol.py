@@ -19,9 +19,9 @@ machinery here: keep-alive (an idle connection closed after ``timeout_keep_alive
 head and body held to their timeouts (a 408, then the connection closes: a client must not hold a
 connection with a request it never finishes), all on one lazily re-armed timer per connection;
 pipelining (one request answered at a time, in order; reading paused while a request waits its turn,
-and the next one started only while the client reads its answers), ``Expect: 100-continue``,
-chunked request bodies, HTTP/1.0, ``Connection: close``, a 400 for an unparsable request, flow
-control both ways, and graceful
+and the next one started only while the client reads its answers), ``Expect: 100-continue`` (a
+refusal before the body closes the connection), chunked request bodies, HTTP/1.0, ``Connection:
+close``, a 400 for an unparsable request, flow control both ways, and graceful
 shutdown: uvicorn hands each protocol `Config`, its `ServerState` and the lifespan's state
 (``Config(http=HttpProtocol)``, `fast_protocol`); the connection registers in
 ``server_state.connections`` and its tasks in ``server_state.tasks``, which uvicorn's shutdown
@@ -638,6 +638,10 @@ class HttpProtocol(asyncio.Protocol):
         """Its turn has come: answer now if its body is in (or refused), else when it is."""
         request.started = True
         if request.refused:
+            if request.expect_continue and not request.complete:
+                # Refused before its body, which the client then sends anyway (or its next request in
+                # its place): the two cannot be told apart, so the connection ends with the refusal.
+                request.keep_alive = False
             self._respond(request, self._too_large(request))
         elif request.complete:
             self._run(request)

@@ -743,3 +743,31 @@ def test_a_request_that_does_not_arrive_in_time_gets_a_408_and_its_connection_cl
         assert idle.closed_by_server(5) and idle.buffer == b""
         slow.close()
         idle.close()
+
+
+def test_a_refusal_before_an_expected_body_closes_the_connection() -> None:
+    """``Expect: 100-continue`` refused before the body is asked for (a 413 on its Content-Length, the
+    app's 401 or 404): the answer says ``connection: close`` and the connection closes, so what the
+    client sends next (here a request, where the body was expected) is never read as either. A body
+    the service asks for (100 Continue) keeps the connection."""
+    with uvicorn_on_loopback(max_body_bytes=1000, api_token="s3cret") as port:
+        smuggled = request("GET", "/healthz")
+        for path, length, status in (("/v1/mark_free", 5000, b"413"), ("/v1/workers", 20, b"401"),
+                                     ("/v1/nothere", 20, b"404")):  # fmt: skip
+            client = Client(port)
+            client.send(request("POST", path, b"x" * length, expect="100-continue")[:-length])
+            refused = client.response()
+            assert refused[9:12] == status and b"\r\nconnection: close\r\n" in refused, refused
+            try:
+                client.send(smuggled)
+                assert client.closed_by_server(), client.buffer
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed before these bytes came: the kernel refused them
+            client.close()
+        client = Client(port)
+        body = b'{"request_id":"m"}'
+        client.send(request("POST", "/v1/mark_free", body, expect="100-continue")[: -len(body)])
+        assert client.sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        assert client.ask(body)[9:12] == b"404"
+        assert client.ask(smuggled) == HEALTHY
+        client.close()
