@@ -372,6 +372,11 @@ def add_admin_routes(
             alias, readyz, methods=["GET"], dependencies=[probe], tags=["operations"], summary="Readiness: as /readyz"
         )
 
+    # Load balancers probe with HEAD: the GET's status and headers, without its body (the server drops it).
+    for paths, answer in ((("/healthz", *LIVENESS_ALIASES), healthz), (("/readyz", *READINESS_ALIASES), readyz)):
+        for path in paths:
+            app.add_api_route(path, answer, methods=["HEAD"], dependencies=[probe], include_in_schema=False)
+
     @app.get("/metrics", dependencies=[read], tags=["operations"], summary="Prometheus metrics (kv_router_*)")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

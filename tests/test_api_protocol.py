@@ -771,3 +771,17 @@ def test_a_refusal_before_an_expected_body_closes_the_connection() -> None:
         assert client.ask(body)[9:12] == b"404"
         assert client.ask(smuggled) == HEALTHY
         client.close()
+
+
+@pytest.mark.parametrize("fast_protocol", [True, False], ids=["protocol", "asgi"])
+def test_head_on_the_probes_is_answered_as_get_without_a_body(fast_protocol: bool) -> None:
+    """Load balancers probe with ``HEAD``: each probe (and alias) answers its GET's status and headers,
+    no body, and the connection goes on."""
+    with uvicorn_on_loopback(fast_protocol=fast_protocol) as port:
+        client = Client(port)
+        for path in ("/healthz", "/health", "/liveness", "/readyz", "/readiness"):
+            got = client.ask(request("GET", path))
+            client.send(request("HEAD", path))
+            assert _head_only(client) == got.partition(b"\r\n\r\n")[0]
+        assert client.ask(request("GET", "/healthz")) == HEALTHY
+        client.close()
