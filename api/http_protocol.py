@@ -215,6 +215,9 @@ class HttpProtocol(asyncio.Protocol):
         self._current: _HotRequest | AsgiRequest | None = None
         self._parsing: _HotRequest | AsgiRequest | None = None
         self._waiting: deque[_HotRequest | AsgiRequest] = deque()
+        # `_start_waiting` is running, and a request it started asked for the next meanwhile.
+        self._starting_waiting = False
+        self._start_next = False
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._header_bytes = 0  # of the request being parsed: names and values
@@ -536,11 +539,24 @@ class HttpProtocol(asyncio.Protocol):
             self._arm(self._read_deadline())  # the next request is being read: its clock runs
 
     def _start_waiting(self) -> None:
-        """The next pipelined request's turn (reading resumes: its body may still be coming)."""
-        if self._read_paused:
-            self.resume_reading()
-        request = self._current = self._waiting.popleft()
-        self._start(request)
+        """The next pipelined request's turn (reading resumes: its body may still be coming). In a loop,
+        not a recursion: a request answered at once asks for the next one from within `_start`
+        (`request_answered`), and hundreds pipelined would overflow the stack (the connection then hung
+        with its requests unanswered)."""
+        if self._starting_waiting:
+            self._start_next = True  # the loop below starts it once the answered request unwinds
+            return
+        self._starting_waiting = True
+        try:
+            self._start_next = True
+            while self._start_next and self._waiting and self._current is None:
+                self._start_next = False
+                if self._read_paused:
+                    self.resume_reading()
+                request = self._current = self._waiting.popleft()
+                self._start(request)
+        finally:
+            self._starting_waiting = False
 
     def _idle(self) -> None:
         self._idle_since = self.loop.time()

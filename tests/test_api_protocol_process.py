@@ -5,6 +5,7 @@ of their answers, and an HTTP/1.0 client's streamed answer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -53,6 +54,46 @@ def test_a_body_sent_in_small_pieces_costs_time_linear_in_its_size(tmp_path: Pat
         upload(65536)  # warm
         small, large = upload(1024), upload(65536)
     assert small < 12 * large, (small, large)
+
+
+def test_thousands_of_pipelined_requests_held_while_the_client_did_not_read_are_all_answered(
+    tmp_path: Path,
+) -> None:
+    """A client pipelines small POSTs into a small receive buffer and reads nothing until the service
+    stops taking them (its answers fill the socket's buffers, and it stops reading): it holds the
+    requests while it cannot write, then answers every whole one, once the client reads. Started one
+    from another's answer, the held requests overflowed the stack after about 165: the rest were never
+    answered and the connection hung."""
+    one = (
+        b"POST /v1/potential_loads HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 18\r\n\r\n{"tokens":[1,2,3]}'
+    )
+    burst = one * 500
+    with RouterProcess(tmp_path, "--no-embedded-nats", "--log-level", "warning", ready_path="/healthz") as service:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", service.port))
+        client.settimeout(2)
+        sent = 0
+        with contextlib.suppress(TimeoutError):
+            for _ in range(200):  # at most 100,000 requests; the service stops taking them far sooner
+                view = memoryview(burst)
+                while view:
+                    taken = client.send(view)
+                    sent += taken
+                    view = view[taken:]
+        whole = sent // len(one)
+        assert whole < 100_000, "the service never stopped taking requests: its writes never paused"
+        answers = bytearray()
+        client.settimeout(10)
+        with contextlib.suppress(TimeoutError):
+            while answers.count(b"HTTP/1.1 ") < whole:
+                piece = client.recv(1 << 20)
+                if not piece:
+                    break
+                answers += piece
+        client.close()
+    assert answers.count(b"HTTP/1.1 200 OK") == whole, (answers.count(b"HTTP/1.1 "), whole)
 
 
 @pytest.fixture(scope="module")

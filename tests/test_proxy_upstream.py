@@ -254,6 +254,24 @@ async def test_a_stream_that_ends_as_it_should_goes_to_the_client_with_its_end(
         assert worker.connections == 1
 
 
+async def test_a_stream_of_whole_events_larger_than_the_bound_in_one_read_ends_at_once() -> None:
+    """proxy_max_answer_bytes bounds what is held of a stream (an event not yet ended), not a stream's
+    whole events: 10 kB of them arriving with the stream's end in one read, past a 4 KiB bound, go to
+    the client with the end at once (held incomplete, the stream waited for a read timeout)."""
+    events = [b'data: {"i": %d, "pad": "%s"}\n\n' % (i, b"x" * 100) for i in range(80)] + [b"data: [DONE]\n\n"]
+    body = b"".join(events)
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    async with peer() as worker, client(proxy_max_answer_bytes=4096, proxy_read_timeout_secs=30.0) as upstream:
+        worker.scripts.append([head + b"content-length: %d\r\n\r\n" % len(body) + body])
+        sink = Collect()
+        connection = await upstream.open(
+            worker.url, b"/v1/completions", b"{}", streaming=Streaming(sink.begin, ends=finished_stream)
+        )
+        assert await asyncio.wait_for(connection.handed_on(), 5)
+        assert b"".join(sink.data) == body and sink.finished
+        connection.release()
+
+
 async def test_the_request_goes_out_as_one_http11_post_with_the_given_headers() -> None:
     async with peer() as worker, client() as upstream:
         worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"])

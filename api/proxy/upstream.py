@@ -419,8 +419,10 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if not self._head_in:
             return  # the end of an interim answer
-        if self._held > self._pool.max_answer_bytes:
-            return  # left incomplete: `data_received` fails it as too large, in one read as over several
+        if self._held > self._pool.max_answer_bytes and (self._streaming is None or self.status != 200):
+            # A whole answer left incomplete: `data_received` fails it as too large, in one read as over
+            # several. (A stream's whole events are handed on first; what stays held is checked then.)
+            return
         self.complete = True
         self._cancel_silence()
         self._resume_reading()
