@@ -125,6 +125,25 @@ async def test_a_restart_asks_no_worker_it_restored_and_asks_the_new_and_the_res
         assert again.life.plane is not None and again.life.plane.outcomes["join_resync_skipped"] == 2
 
 
+async def first_life_with_a_snapshot(
+    url: str, publisher: KvEventPublisher, seed: int, *, then_in_the_stream_only: list[tuple[int, int]] | None = None
+) -> None:
+    """A router's first life: ``publisher``'s worker stores 4 blocks (``pairs(seed, 4)``) and a snapshot
+    is written; then ``then_in_the_stream_only`` is stored, after the snapshot."""
+    worker_id = publisher.worker_id
+    async with Lifecycle(url) as first:
+        await publisher.start(heartbeat=False)
+        await eventually(lambda: first.router.has_worker(worker_id))
+        await publisher.stored(pairs(seed, 4))
+        durable = first.life.durable
+        assert durable is not None
+        await eventually(lambda: durable.applied_seq >= 1 and first.trusted(worker_id))
+        assert await durable.write_snapshot()
+        if then_in_the_stream_only is not None:
+            await publisher.stored(then_in_the_stream_only)
+            await eventually(lambda: durable.applied_seq >= 2)
+
+
 def fail_start_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From now on the durable start fails once (its snapshot's fetch timed out) after the event plane
     registered the workers; the list holds the number of attempts made."""
@@ -164,14 +183,7 @@ async def test_a_start_tried_again_still_asks_the_worker_new_to_the_index(
     asked for its dump."""
     url = nats_server.url
     in_snapshot = KvEventPublisher(client, WorkerConfig(worker_id=61, block_size=BLOCK))
-    async with Lifecycle(url) as first:
-        await in_snapshot.start(heartbeat=False)
-        await eventually(lambda: first.router.has_worker(61))
-        await in_snapshot.stored(pairs(1, 4))
-        durable = first.life.durable
-        assert durable is not None
-        await eventually(lambda: durable.applied_seq >= 1 and first.trusted(61))
-        assert await durable.write_snapshot()
+    await first_life_with_a_snapshot(url, in_snapshot, 1)
     await in_snapshot.stop()
     new = KvEventPublisher(client, WorkerConfig(worker_id=64, block_size=BLOCK))
     await new.start(heartbeat=False)  # registered while the router is down, no event sent yet
@@ -200,16 +212,7 @@ async def test_a_start_tried_again_keeps_nothing_of_a_worker_that_restarted(
     cache its engine no longer held."""
     url = nats_server.url
     old = KvEventPublisher(client, WorkerConfig(worker_id=63, block_size=BLOCK))
-    async with Lifecycle(url) as first:
-        await old.start(heartbeat=False)
-        await eventually(lambda: first.router.has_worker(63))
-        await old.stored(pairs(2, 4))
-        durable = first.life.durable
-        assert durable is not None
-        await eventually(lambda: durable.applied_seq >= 1 and first.trusted(63))
-        assert await durable.write_snapshot()
-        await old.stored(pairs(3, 2))  # the old process's last events: in the stream only
-        await eventually(lambda: durable.applied_seq >= 2)
+    await first_life_with_a_snapshot(url, old, 2, then_in_the_stream_only=pairs(3, 2))
     await old.stop()
     restarted = KvEventPublisher(client, WorkerConfig(worker_id=63, block_size=BLOCK))
     await restarted.start(heartbeat=False)  # registered under its new epoch, silent
