@@ -162,8 +162,18 @@ def fail_start_once(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return attempts
 
 
-def run_supervised(lifecycle: Lifecycle) -> None:
-    """Run the lifecycle as the supervisor does: again after a failure."""
+async def registered_while_down(client: Client, worker_id: int) -> None:
+    """A publisher of the worker (a new process: a new epoch) registers it and stops, silent."""
+    publisher = KvEventPublisher(client, WorkerConfig(worker_id=worker_id, block_size=BLOCK))
+    await publisher.start(heartbeat=False)
+    await publisher.stop()
+
+
+async def started_after_one_failure(url: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Lifecycle, list[int]]:
+    """A router whose durable start fails once, run as the supervisor runs it (again after a failure),
+    once started; and the list holding its number of attempts."""
+    attempts = fail_start_once(monkeypatch)
+    lifecycle = Lifecycle(url)
 
     async def supervised() -> None:
         for _ in range(3):
@@ -173,6 +183,8 @@ def run_supervised(lifecycle: Lifecycle) -> None:
                 continue
 
     lifecycle.task = asyncio.create_task(supervised())
+    await asyncio.wait_for(lifecycle.life.started(), 60)
+    return lifecycle, attempts
 
 
 async def test_a_start_tried_again_still_asks_the_worker_new_to_the_index(
@@ -185,16 +197,11 @@ async def test_a_start_tried_again_still_asks_the_worker_new_to_the_index(
     in_snapshot = KvEventPublisher(client, WorkerConfig(worker_id=61, block_size=BLOCK))
     await first_life_with_a_snapshot(url, in_snapshot, 1)
     await in_snapshot.stop()
-    new = KvEventPublisher(client, WorkerConfig(worker_id=64, block_size=BLOCK))
-    await new.start(heartbeat=False)  # registered while the router is down, no event sent yet
-    await new.stop()
+    await registered_while_down(client, 64)  # no event sent yet
     asked.clear()
 
-    attempts = fail_start_once(monkeypatch)
-    again = Lifecycle(url)
-    run_supervised(again)
+    again, attempts = await started_after_one_failure(url, monkeypatch)
     try:
-        await asyncio.wait_for(again.life.started(), 60)
         await eventually(lambda: asked[64] >= 1)
         assert asked[61] == 0 and attempts[0] == 2
         assert again.life.plane is not None and again.life.plane.outcomes["join_resync_skipped"] == 1
@@ -214,16 +221,11 @@ async def test_a_start_tried_again_keeps_nothing_of_a_worker_that_restarted(
     old = KvEventPublisher(client, WorkerConfig(worker_id=63, block_size=BLOCK))
     await first_life_with_a_snapshot(url, old, 2, then_in_the_stream_only=pairs(3, 2))
     await old.stop()
-    restarted = KvEventPublisher(client, WorkerConfig(worker_id=63, block_size=BLOCK))
-    await restarted.start(heartbeat=False)  # registered under its new epoch, silent
-    await restarted.stop()
+    await registered_while_down(client, 63)  # under its new epoch, silent
     asked.clear()
 
-    attempts = fail_start_once(monkeypatch)
-    again = Lifecycle(url)
-    run_supervised(again)
+    again, attempts = await started_after_one_failure(url, monkeypatch)
     try:
-        await asyncio.wait_for(again.life.started(), 60)
         assert attempts[0] == 2
         registered = again.router.worker(63)
         assert registered is not None
