@@ -222,7 +222,8 @@ def test_processes_all_started_again_while_nats_is_out_of_reach_keep_the_port_se
 
         proxy.refusing = False
         until(lambda: listening_sockets(router.port) == 2, 40, "the second listens once it caught up")
-        assert "no other process serves the port" in router.log()
+        log = router.log()
+        assert "no other process serves the port" in log, log
 
 
 class SlowToAnswerResyncs(KvEventPublisher):
