@@ -26,9 +26,9 @@ from router.errors import AllWorkersOverloaded
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.messages import ActiveLoad, Heartbeat
+from router.event_plane.parts import MAX_PARTS_BYTES
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.publisher import KvEventPublisher, open_registry
-from router.event_plane.resync_parts import MAX_RESYNC_BYTES
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.event_plane.subscriber import NO_RESPONDERS_RETRY_S
 from router.kv_router import KvRouter, RemovalReason
@@ -472,7 +472,7 @@ async def test_with_events_from_jetstream_an_unverified_stream_is_still_asked_ag
 async def test_a_resync_answer_that_goes_on_past_its_bound_is_abandoned_and_asked_again(
     nats_server: EmbeddedNats, client: Client
 ) -> None:
-    """A worker whose first answer says ``more`` part after part, past `MAX_RESYNC_BYTES` (its parts padded
+    """A worker whose first answer says ``more`` part after part, past `MAX_PARTS_BYTES` (its parts padded
     to 8 MiB: decoding that many real events would cost the test what the bound spares the router), has
     that answer abandoned as an unanswered resync: counted (``rejected_oversized_resync``), the stream
     untrusted, and asked again at the sequencer's retry. Answered well then, the dump lands, trusted."""
@@ -500,7 +500,7 @@ async def test_a_resync_answer_that_goes_on_past_its_bound_is_abandoned_and_aske
             return
         # Each part once the router's connection has read the one before (64 MiB at once would pass what
         # nats-server holds for one client: a slow consumer of its own), until the router refuses them.
-        for _ in range(MAX_RESYNC_BYTES // len(endless) + 2):
+        for _ in range(MAX_PARTS_BYTES // len(endless) + 2):
             read = client.stats["in_bytes"]
             await worker_nc.publish(message.reply, endless)
             await eventually(functools.partial(read_past, read))

@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from router.config import RouterConfig
+from router.event_plane import parts
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.subjects import Subjects
@@ -523,6 +524,38 @@ async def test_a_view_naming_a_peer_silent_for_nan_seconds_is_refused(
             assert joiner.sync.outcomes["rejected_undecodable"] == 1
     finally:
         await subscription.unsubscribe()
+
+
+async def test_a_view_whose_parts_go_on_past_the_bound_is_abandoned_unread(
+    nats_server: EmbeddedNats, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A misbehaving peer whose view says ``more`` part after part: the joiner reads at most
+    `MAX_PARTS_BYTES` of it (1 MiB here, 64 MiB in service), refuses the answer as oversized (counted,
+    logged) and starts with no bookings, as when no peer answers; it books and syncs as usual after.
+    Before, the parts were joined without a bound: the joiner's memory grew as long as the peer sent."""
+    monkeypatch.setattr(parts, "MAX_PARTS_BYTES", 1 << 20)
+    part = msgspec.msgpack.encode(StateReply(replica_id="endless", error="x" * (100 << 10), more=True))
+    sent = 0
+
+    async def answer(message: Msg) -> None:
+        nonlocal sent
+        for _ in range(40):  # four times the bound; the joiner stops reading after the eleventh
+            await client.publish(message.reply, part)
+            sent += 1
+        await client.flush()
+
+    subscription = await client.subscribe(Subjects().router_sync_state(), queue="state", cb=answer)
+    try:
+        async with replica(nats_server.url) as joiner:
+            assert sent == 40 and joiner.sync.outcomes["rejected_oversized"] == 1
+            assert "endless" not in joiner.sync.peers and list(joiner.router.bookings()) == []
+            await subscription.unsubscribe()
+            async with replica(nats_server.url) as peer:
+                await joiner.router.new(RouteRequest(tokens=PROMPTS[0], request_id="after"))
+                await eventually(lambda: peer.router.booking("after") is not None, 5, "the booking synced")
+    finally:
+        with contextlib.suppress(nats.errors.BadSubscriptionError):
+            await subscription.unsubscribe()
 
 
 async def test_a_request_id_booked_again_after_its_free_reaches_every_replica(nats_server: EmbeddedNats) -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from indexer.events import ResyncBatch, ResyncResponse, StorageTier
 from indexer.held_blocks import HeldBlocks
-from router.event_plane.resync_parts import MAX_RESYNC_BYTES, ResyncReader, ResyncTooLarge, reply_parts
+from router.event_plane.resync_parts import ResyncReader, reply_parts
 
 LIMIT = 1024
 
@@ -84,17 +84,3 @@ def test_a_range_in_parts_keeps_its_events_and_an_event_too_large_alone_is_not_c
 def test_a_reply_not_in_parts_reads_as_itself(response: ResyncResponse) -> None:
     assert ResyncReader().add(msgspec.msgpack.encode(response)) == response
     assert ResyncReader().add(msgspec.json.encode(response)) == response
-
-
-def test_parts_past_the_bound_are_refused_before_they_are_read() -> None:
-    """An answer whose parts go on saying ``more``: the one that takes it past `MAX_RESYNC_BYTES` raises
-    `ResyncTooLarge`, undecoded; every part up to the bound is taken. (Each part here is one block
-    padded to 1 MiB: the bound counts every byte, and a test holding a million blocks would be slow.)"""
-    held = HeldBlocks(7)
-    held.store(0, StorageTier.DEVICE, None, [1], [0])
-    batch = ResyncBatch(events=held.dump_events(0), last_event_id=1, more=True)
-    part = msgspec.msgpack.encode(ResyncResponse(tree_dump=batch, error="x" * (1 << 20)))
-    reader = ResyncReader()
-    assert all(reader.add(part) is None for _ in range(MAX_RESYNC_BYTES // len(part)))
-    with pytest.raises(ResyncTooLarge, match=f"more than {MAX_RESYNC_BYTES} bytes"):
-        reader.add(part)

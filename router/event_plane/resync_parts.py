@@ -7,11 +7,8 @@ Each part is a whole `ResyncResponse` whose batch holds the next events in order
 but for the last. Only to an asker that said it reads parts (``ResyncRequest.in_parts``). A dump's store
 larger than a part is cut into stores of consecutive blocks, each under the last block of the one
 before: the same chain. A range's event is never cut (its id numbers it); one alone too large is
-answered as before, with an error. The parts are cut by `router.event_plane.parts.pack`.
-
-The asker reads at most `MAX_RESYNC_BYTES` of parts for one answer: a worker that goes on saying
-``more`` (hostile or buggy) would otherwise grow the router's memory without end. Past it the answer
-is abandoned (`ResyncTooLarge`), as one never answered.
+answered as before, with an error. The parts are cut by `router.event_plane.parts.pack`, and read
+within `router.event_plane.parts.MAX_PARTS_BYTES`.
 """
 
 from __future__ import annotations
@@ -19,10 +16,9 @@ from __future__ import annotations
 import msgspec
 
 from indexer.events import KvCacheEventData, ResyncBatch, ResyncResponse, RouterEvent, looks_like_msgpack
-from router.event_plane.embedded_server import MAX_PAYLOAD_BYTES
 from router.event_plane.parts import pack
 
-__all__ = ["MAX_RESYNC_BYTES", "ResyncReader", "ResyncTooLarge", "reply_parts"]
+__all__ = ["ResyncReader", "reply_parts"]
 
 _encode = msgspec.msgpack.encode
 _json_response = msgspec.json.Decoder(ResyncResponse)
@@ -31,14 +27,6 @@ _msgpack_response = msgspec.msgpack.Decoder(ResyncResponse)
 # Room in a part for what is not its events: the response's and the batch's keys, the list's header,
 # the last event id.
 _ENVELOPE_BYTES = 256
-# The bytes one answer's parts may bring together: as much as one reply may hold on a server with
-# NATS' largest max_payload (the embedded server's, sized for a worker's whole dump): about 1.3M
-# blocks of a dump at tens of bytes a block, ten times the largest event the sequencer takes.
-MAX_RESYNC_BYTES = MAX_PAYLOAD_BYTES
-
-
-class ResyncTooLarge(Exception):
-    """A resync answer whose parts brought more than `MAX_RESYNC_BYTES`: abandoned unread."""
 
 
 def reply_parts(response: ResyncResponse, max_bytes: int) -> list[bytes] | None:
@@ -88,18 +76,14 @@ class ResyncReader:
     """The asker's side (as `router.replicas.messages.StateReader` for a replica's view): `add` each
     reply's bytes in order (msgpack, or JSON from a worker that answers in it); it returns the whole
     response once the last part (or a reply not in parts) is in, else None. Raises what an undecodable
-    reply raises, and `ResyncTooLarge` once the parts brought more than `MAX_RESYNC_BYTES`."""
+    reply raises."""
 
-    __slots__ = ("_events", "_read_bytes")
+    __slots__ = ("_events",)
 
     def __init__(self) -> None:
         self._events: list[RouterEvent] = []
-        self._read_bytes = 0
 
     def add(self, data: bytes) -> ResyncResponse | None:
-        self._read_bytes += len(data)
-        if self._read_bytes > MAX_RESYNC_BYTES:
-            raise ResyncTooLarge(f"its parts brought more than {MAX_RESYNC_BYTES} bytes")
         response = (_msgpack_response if looks_like_msgpack(data) else _json_response).decode(data)
         dump = response.tree_dump is not None
         batch = response.tree_dump if dump else response.events

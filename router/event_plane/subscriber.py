@@ -27,9 +27,9 @@ from indexer.errors import UNDECODABLE, EventDecodeError
 from indexer.events import ResyncRequest, ResyncResponse, RouterEvent, decode_router_events
 from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
-from router.event_plane.parts import request_in_parts
+from router.event_plane.parts import PartsTooLarge, request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
-from router.event_plane.resync_parts import ResyncReader, ResyncTooLarge
+from router.event_plane.resync_parts import ResyncReader
 from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor, raise_if_cancelling
 
@@ -211,7 +211,7 @@ class KvEventSubscriber:
                     self.sequencer.count_undecodable(resync_reply=True)
                     self._bad_input.warning("undecodable resync reply", f"from worker {request.worker_id}: {exc}")
                     break
-                except ResyncTooLarge as exc:
+                except PartsTooLarge as exc:
                     self.sequencer.count_oversized_resync()
                     self._bad_input.warning("oversized resync reply", f"from worker {request.worker_id}: {exc}")
                     break
@@ -239,7 +239,7 @@ class KvEventSubscriber:
     async def _ask(self, request: ResyncRequest) -> ResyncResponse:
         """The worker's answer to ``request``: a large one comes in parts (`router.event_plane.resync_parts`),
         each within ``timeout`` of the one before. Raises `NoRespondersError`, NATS' `TimeoutError` and its
-        other errors, an undecodable reply's, and `ResyncTooLarge`."""
+        other errors, an undecodable reply's, and `PartsTooLarge`."""
         if request.start_event_id is None and self.sequencer.resync_in_flight(request):
             self._lost.discard((request.worker_id, request.dp_rank))  # this dump holds every event lost before
         # Sent asking for parts; the sequencer is answered for its own request (it knows it by identity).

@@ -45,7 +45,7 @@ from nats.errors import NoRespondersError, OutboundBufferLimitError
 
 from indexer.errors import UNDECODABLE
 from router.errors import DuplicateRequestId, UnknownWorker
-from router.event_plane.parts import request_in_parts
+from router.event_plane.parts import PartsTooLarge, request_in_parts
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.subjects import Subjects
 from router.kv_router import KvRouter
@@ -242,13 +242,17 @@ class ReplicaSync:
             self._merge_reply(reply, "joined")
 
     async def _ask(self, subject: str) -> StateReply | None:
-        """A peer's view, in parts if it is large; None (rejected, logged) when it cannot be decoded.
-        Raises NATS' errors (`NoRespondersError`, `TimeoutError`, ...)."""
+        """A peer's view, in parts if it is large; None (rejected, logged) when it cannot be decoded or
+        its parts go past `MAX_PARTS_BYTES`. Raises NATS' errors (`NoRespondersError`, `TimeoutError`,
+        ...)."""
         request = _encode(StateRequest(replica_id=self.replica_id, in_parts=True))
         try:
             return await request_in_parts(self.nc, subject, request, self._state_timeout, StateReader().add)
         except UNDECODABLE as exc:
             self._reject("undecodable", f"state reply: {exc}")
+            return None
+        except PartsTooLarge as exc:
+            self._reject("oversized", f"state reply: {exc}")
             return None
 
     # ------------------------------------------------------------------ local changes (BookingListener)
