@@ -160,6 +160,7 @@ def create_app(
             streams,
             head_timeout_secs=settings.service.request_head_timeout_secs,
             body_timeout_secs=settings.service.request_body_timeout_secs,
+            write_timeout_secs=settings.service.response_write_timeout_secs,
         ),
         max_body_bytes=limit,
         own_413=frozenset(streams),

@@ -130,6 +130,14 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
             "the connection closes (kv-router's protocol)"
         ),
     ] = 30.0
+    response_write_timeout_secs: Annotated[
+        PositiveSecs,
+        _doc(
+            "longest a client may read nothing of an answer the service has written (its own routes'; the "
+            "proxy's streams have proxy_client_write_timeout_secs); then the connection is dropped (kv-router's "
+            "protocol: a client that never reads would hold it, and what was written to it, for good)"
+        ),
+    ] = 60.0
     cors_allow_origins: Annotated[
         list[str],
         _doc(

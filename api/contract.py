@@ -33,13 +33,15 @@ async def answered(outcome: HotOutcome) -> Reply:
 class HotRoutes:
     """What the HTTP protocol answers before ASGI: ``POST`` path -> hot handler, ``POST`` path ->
     stream route; and the limits every request is held to: its body's size, the time its head may
-    take from its first byte, the time its body may go without a byte."""
+    take from its first byte, the time its body may go without a byte, the time its client may read
+    nothing of its answer (a stream route's own: `api.http_stream.StreamRoute.write_timeout_secs`)."""
 
     routes: Mapping[str, HotHandler]
     max_body_bytes: int
     streams: Mapping[str, StreamRoute] = field(default_factory=dict)
     head_timeout_secs: float = field(kw_only=True)
     body_timeout_secs: float = field(kw_only=True)
+    write_timeout_secs: float = field(kw_only=True)
 
 
 def body_too_large(limit: int) -> BodyTooLarge:

@@ -122,6 +122,7 @@ def fast_protocol(hot: HotRoutes) -> type[HttpProtocol]:
         max_body_bytes = hot.max_body_bytes
         head_timeout_secs = hot.head_timeout_secs
         body_timeout_secs = hot.body_timeout_secs
+        write_timeout_secs = hot.write_timeout_secs
 
     return BoundHttpProtocol
 
@@ -175,6 +176,7 @@ class HttpProtocol(asyncio.Protocol):
     max_body_bytes: ClassVar[int] = 0
     head_timeout_secs: ClassVar[float]  # from a request's first byte to its head's end
     body_timeout_secs: ClassVar[float]  # the longest a body being read may go without a byte
+    write_timeout_secs: ClassVar[float]  # the longest a client may read nothing of a written answer
     # A read holding exactly one plain hot POST (its head possibly read before its body) is parsed in
     # one C call instead of httptools' six or more callbacks (`api._native.parse_post`; None:
     # httptools parses every request).
@@ -282,6 +284,10 @@ class HttpProtocol(asyncio.Protocol):
         self._write_paused = True
         if self._writable is not None:
             self._writable.clear()
+        if self._streamed is None and self._write_deadline < 0 and not self.transport.is_closing():
+            # An answer of the service's own routes (a stream route's clock is its own while it runs,
+            # then `stream_complete` arms it).
+            self._expect_reading(self.write_timeout_secs)
 
     def resume_writing(self) -> None:
         self._write_paused = False
@@ -558,6 +564,15 @@ class HttpProtocol(asyncio.Protocol):
         finally:
             self._starting_waiting = False
 
+    def _expect_reading(self, timeout_secs: float) -> None:
+        """The client must read some of what was written to it within ``timeout_secs``, and as long
+        again for each further piece, else its connection is dropped (`_check_clocks`): a client that
+        never reads would hold it, and what was written to it, for good."""
+        self._write_timeout_secs = timeout_secs
+        self._write_deadline = self.loop.time() + timeout_secs
+        self._write_buffered = self.transport.get_write_buffer_size()
+        self._arm(self._write_deadline)
+
     def _idle(self) -> None:
         self._idle_since = self.loop.time()
         self._arm(self._idle_since + self.timeout_keep_alive)
@@ -588,7 +603,7 @@ class HttpProtocol(asyncio.Protocol):
             if buffered >= self._write_buffered:
                 self.logger.warning(
                     "a client read nothing of its complete answer for %g s: its connection is dropped "
-                    "(proxy_client_write_timeout_secs)",
+                    "(proxy_client_write_timeout_secs for the proxy's streams, else response_write_timeout_secs)",
                     self._write_timeout_secs,
                 )
                 self.transport.abort()
@@ -766,13 +781,9 @@ class HttpProtocol(asyncio.Protocol):
         if self.access_log:
             self._log_access(request, status)
         if self._write_paused and not self.transport.is_closing():
-            # The client has not read all of this answer yet: it must read some within the route's write
-            # timeout, as between two pieces of a stream, else its connection is dropped (a client that
-            # never reads would hold it, and what was written to it, for good).
-            self._write_timeout_secs = self._streams[request.path].write_timeout_secs
-            self._write_deadline = self.loop.time() + self._write_timeout_secs
-            self._write_buffered = self.transport.get_write_buffer_size()
-            self._arm(self._write_deadline)
+            # The client has not read all of this answer yet: within the route's write timeout, as
+            # between two pieces of a stream.
+            self._expect_reading(self._streams[request.path].write_timeout_secs)
         if not request.keep_alive and not self.transport.is_closing():
             self.transport.close()
         self.request_answered()

@@ -10,6 +10,7 @@ routes give (``fast_protocol`` off), which the in-process suites test in depth.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import socket
@@ -743,6 +744,46 @@ def test_a_request_that_does_not_arrive_in_time_gets_a_408_and_its_connection_cl
         assert idle.closed_by_server(5) and idle.buffer == b""
         slow.close()
         idle.close()
+
+
+def test_a_client_that_reads_nothing_of_its_answers_is_dropped_after_the_write_timeout() -> None:
+    """A client that pipelines requests for the service's own routes and reads none of the answers
+    (more than the buffers between us hold): once it has read nothing for ``response_write_timeout_secs``
+    its connection is dropped, what was written to it with it. Before, only the proxy's streams had
+    such a clock: the connection, and the answers held for it, stayed for as long as the client lived,
+    its keep-alive close waiting for a flush that never came. A client that keeps reading, pausing
+    less than the timeout, reads every answer."""
+    dropped = "a client read nothing of its complete answer for 1 s"
+    warnings: list[str] = []
+    with uvicorn_on_loopback(keep_alive_s=1.0, response_write_timeout_secs=1.0) as port:
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("uvicorn.error").addHandler(handler)
+        asked = request("GET", "/openapi.json")
+        probe = Client(port)
+        answer_bytes = len(probe.ask(asked))
+        probe.close()
+        pipelined = 200  # several MiB of answers: more than the kernel's buffers hold
+
+        stalled = Client(port)
+        stalled.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the kernel holds less for it
+        stalled.sock.sendall(asked * pipelined)
+        until(lambda: any(dropped in line for line in warnings), 10, "the stalled client dropped")
+        stalled.close()
+
+        slow = Client(port)
+        slow.sock.sendall(asked * pipelined)
+        slow.sock.settimeout(5)
+        read = 0
+        while read < answer_bytes * pipelined:  # bounded: it ends with the last answer or fails
+            got = slow.sock.recv(1 << 16)
+            assert got, f"closed after {read} bytes while its client kept reading"
+            if read // (1 << 20) != (read + len(got)) // (1 << 20):
+                time.sleep(0.2)  # a pause after each MiB, well within the timeout
+            read += len(got)
+        assert sum(dropped in line for line in warnings) == 1
+        slow.close()
+        logging.getLogger("uvicorn.error").removeHandler(handler)
 
 
 def test_a_refusal_before_an_expected_body_closes_the_connection() -> None:

@@ -57,6 +57,7 @@ async def connect(app: App) -> tuple[HttpProtocol, Transport, ServerState]:
         1 << 20,
         head_timeout_secs=service.request_head_timeout_secs,
         body_timeout_secs=service.request_body_timeout_secs,
+        write_timeout_secs=service.response_write_timeout_secs,
     )
     protocol = fast_protocol(hot)(config, state, {}, asyncio.get_running_loop())
     transport = Transport()
