@@ -353,7 +353,7 @@ class UpstreamConnection(asyncio.Protocol):
         sink = self._sink
         if sink is None:
             self.read_at = time.perf_counter()
-            if self._streaming is not None and pieces and self.status == 200:
+            if pieces and self._handed_on_as_it_comes:
                 self._start_handing_on()
             self._wake()
         elif pieces:  # handed on in this callback; the coroutine waiting is woken only at the end
@@ -419,7 +419,7 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if not self._head_in:
             return  # the end of an interim answer
-        if self._held > self._pool.max_answer_bytes and (self._streaming is None or self.status != 200):
+        if self._held > self._pool.max_answer_bytes and not self._handed_on_as_it_comes:
             # A whole answer left incomplete: `data_received` fails it as too large, in one read as over
             # several. (A stream's whole events are handed on first; what stays held is checked then.)
             return
@@ -472,7 +472,7 @@ class UpstreamConnection(asyncio.Protocol):
         sink = self._sink
         if sink is not None:
             self._hand_on(sink, self._take_events())
-        elif self.status == 200:
+        elif self._handed_on_as_it_comes:
             self._start_handing_on()
         self._sink = None
         return self.begun
@@ -480,6 +480,12 @@ class UpstreamConnection(asyncio.Protocol):
     @property
     def begun(self) -> bool:
         return self.first_sent_at != 0.0
+
+    @property
+    def _handed_on_as_it_comes(self) -> bool:
+        """A stream's events go to the client from the read callback: opened with `Streaming`, and
+        answered 200 (any other answer is read whole: an error to pass on, or to try again)."""
+        return self._streaming is not None and self.status == 200
 
     def _start_handing_on(self) -> None:
         data = self._take_events()
