@@ -108,6 +108,7 @@ class _Routing:
         "config",
         "explain",
         "hashing_s",
+        "local_prefill_reason",
         "matching_s",
         "one_leg",
         "overlaps",
@@ -130,6 +131,7 @@ class _Routing:
         matching_s: float,
         pinned_prefill: WorkerRank | None = None,
         one_leg: bool = False,
+        local_prefill_reason: str | None = None,
     ) -> None:
         self.request = request
         # The router's config with the request's override applied.
@@ -145,6 +147,8 @@ class _Routing:
         self.matching_s = matching_s
         # Routed as one leg on a disaggregated fleet too (`KvRouter.new`).
         self.one_leg = one_leg
+        # Why the prefill stays on the decode worker whatever the rules say (`KvRouter.new`).
+        self.local_prefill_reason = local_prefill_reason
 
     def leg(
         self, request: RouteRequest, config: RouterConfig, pinned: WorkerRank | None, prompt: Prompt | None = None
@@ -446,6 +450,7 @@ class KvRouter:
         explain: bool = False,
         isl_tokens: int | None = None,
         one_leg: bool = False,
+        local_prefill_reason: str | None = None,
     ) -> RouteDecision:
         """Pick a (worker, dp_rank) for the request and, if it has a ``request_id``, book it there.
 
@@ -455,7 +460,9 @@ class KvRouter:
         (Dynamo's multimodal routing tokens and their ``expanded_prompt_len``). When the request's
         workers are disaggregated (`two_legs`) the decision is the decode worker, ``pinned_worker`` pins
         it and ``pinned_prefill`` the prefill leg (`_route_disaggregated`); ``one_leg`` routes it as one
-        leg among them all the same (a request with no KV to hand over: a pooling model's). Raises
+        leg among them all the same (a request with no KV to hand over: a pooling model's);
+        ``local_prefill_reason`` keeps a two-leg request's prefill on its decode worker, the receipt's
+        reason saying why (the proxy's last attempt once its prefill legs failed). Raises
         `InvalidRequest`, `DuplicateRequestId`, `NoEligibleWorker`, `AllWorkersOverloaded` or
         `QueueRejected`. Awaits only while queued (when the queue is enabled and saturated: on a
         disaggregated fleet, the pools the decision would use) and, at start, until
@@ -471,6 +478,7 @@ class KvRouter:
             explain=explain,
             isl_tokens=isl_tokens,
             one_leg=one_leg,
+            local_prefill_reason=local_prefill_reason,
         )
         return decision if isinstance(decision, RouteDecision) else await decision
 
@@ -484,6 +492,7 @@ class KvRouter:
         explain: bool = False,
         isl_tokens: int | None = None,
         one_leg: bool = False,
+        local_prefill_reason: str | None = None,
     ) -> RouteDecision | Coroutine[Any, Any, RouteDecision]:
         """`new` on the caller's stack: the decision itself when it need not wait (the usual case: no
         coroutine made, none run), else the coroutine to await for it (the start-up wait or the
@@ -497,6 +506,7 @@ class KvRouter:
                 explain=explain,
                 isl_tokens=isl_tokens,
                 one_leg=one_leg,
+                local_prefill_reason=local_prefill_reason,
             )
         request_id = request.request_id
         if request_id is not None and request_id.endswith(PREFILL_BOOKING_SUFFIX):
@@ -526,6 +536,7 @@ class KvRouter:
             time.perf_counter() - hashed,
             pinned_prefill,
             one_leg,
+            local_prefill_reason,
         )
         sequences = self._scheduler.sequences
         now = self._clock()
@@ -693,7 +704,7 @@ class KvRouter:
         prefill_choice: Choice | None = None
         prefill_routing: _Routing | None = None
         prefill_workers: list[WorkerConfig] = []
-        if uncached >= threshold:
+        if uncached >= threshold and routing.local_prefill_reason is None:
             prefill_id = None if request.request_id is None else prefill_booking_id(request.request_id)
             if prefill_id is not None:
                 owner = self._scheduler.sequences.owner(prefill_id)
@@ -729,6 +740,9 @@ class KvRouter:
         if pinned_prefill is not None and pinned_prefill[0] == decode_choice.key[0]:
             path = "local_prefill"
             reason = f"the prefill leg pinned to decode worker {pinned_prefill[0]} itself: prefilled there"
+        elif routing.local_prefill_reason is not None:
+            path = "local_prefill"
+            reason = f"{routing.local_prefill_reason}: prefilled on decode worker {decode_choice.key[0]}"
         else:
             path, reason = choose_path(uncached, config, decode_choice.key[0], pending)
         remote = path == "remote_prefill"

@@ -237,6 +237,38 @@ async def test_a_failing_prefill_leg_is_retried_on_another_prefill_worker(
 
 
 @pytest.mark.parametrize("style", STYLES)
+async def test_prefill_workers_all_failing_beyond_the_retries_leave_the_request_to_its_decode_worker(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    """Three prefill workers answering 500, two retries: each prefill leg fails once, then, no retry
+    left, the request goes once more to its healthy decode worker alone, as a decision with no prefill
+    worker left would send it, instead of a 502."""
+    proxy = {"proxy_retries": 2, "proxy_retry_backoff_secs": 0.01}
+    async with contextlib.AsyncExitStack() as stack:
+        f = await stack.enter_async_context(
+            fleet(nats_server.url, (2,), roles={2: "decode"}, handoff=style, proxy=proxy)
+        )
+        seen_by_worker = {}
+        for worker_id in (7, 8, 9):
+            url, seen = await stack.enter_async_context(failing_worker())
+            await register(f, msgspec.structs.replace(prefill_worker_at(url, style), worker_id=worker_id))
+            seen_by_worker[worker_id] = seen
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=3, stream=True)
+        text = "".join([chunk.choices[0].text async for chunk in raw.parse()])
+        assert text == " w1 w2 w3"
+        assert raw.headers["x-kv-router-worker"] == "2"
+        assert raw.headers["x-kv-router-disaggregation"] == "local_prefill"
+        assert "x-kv-router-prefill-worker" not in raw.headers
+        for seen in seen_by_worker.values():
+            assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
+        assert f.apis[2].pulled_blocks == 0  # prefilled there, no KV handed over
+        metrics = await scrape(f.url)
+        assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_failed") == 3.0
+        assert sample(metrics, "kv_router_proxy_requests_total", route="completions", outcome="ok") == 1.0
+        await eventually(lambda: idle(f.router))
+
+
+@pytest.mark.parametrize("style", STYLES)
 async def test_a_prefill_leg_that_succeeds_resets_its_workers_circuit_breaker(
     nats_server: EmbeddedNats, style: HandoffStyle
 ) -> None:

@@ -208,6 +208,17 @@ def test_no_prefill_worker_falls_back_to_local_prefill() -> None:
     assert "no prefill worker" in decision.disaggregation.reason
 
 
+def test_a_reason_to_prefill_locally_keeps_the_prefill_on_the_decode_worker() -> None:
+    """The proxy's last attempt once its prefill legs failed: no prefill leg booked, the reason in the receipt."""
+    router = fleet()
+    decision = route(router, PROMPT, local_prefill_reason="its prefill legs failed")
+    receipt = decision.disaggregation
+    assert receipt is not None and receipt.path == "local_prefill" and receipt.prefill is None
+    assert receipt.reason == f"its prefill legs failed: prefilled on decode worker {decision.worker_id}"
+    assert loads(router)[P1] == loads(router)[P2] == (0, 0, 0)
+    assert loads(router)[decision.worker_id][0] == len(PROMPT)  # the decode worker books the prefill itself
+
+
 def test_both_workers_serve_either_leg_and_pins_are_checked_against_roles() -> None:
     router = fleet()
     router.register_worker(WorkerConfig(worker_id=9))  # role both

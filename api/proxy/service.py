@@ -59,7 +59,7 @@ from api.native import accel
 from api.openapi import Schemas
 from api.proxy.admission import Admission
 from api.proxy.client_headers import ClientHeaders, Passed, WithHeaders
-from api.proxy.handoff import Forward, Handoff
+from api.proxy.handoff import Forward, Handoff, PrefillFailed
 from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
@@ -472,7 +472,8 @@ class Proxy:
         bytes_routed: int,
     ) -> str:
         """Book and forward, again after a failure before the client had a byte (`api.proxy.retry`):
-        on the next best worker, else (all tried, or pinned) the same ones after the backoff.
+        on the next best worker, else (all tried, or pinned) the same ones after the backoff; the retries
+        spent on failing prefill legs, once more on the decode worker alone (`_decode_worker_may_prefill`).
         ``bytes_routed``: the routing tokens of a prompt routed by its bytes (`api.proxy.prompt_bytes`), else 0."""
         timeline = reply.timeline
         candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
@@ -481,11 +482,12 @@ class Proxy:
         failures: list[str] = []
         started = time.monotonic() - (time.perf_counter() - received)  # the budget runs from the body in
         retry = 0
+        local_prefill_reason: str | None = None  # the last attempt's, once the prefill legs failed
         while True:
             try:
                 if timeline is not None:
                     timeline.deciding = time.time_ns()
-                decision = await self._book(routing, among)
+                decision = await self._book(routing, among, local_prefill_reason)
                 if timeline is not None:
                     timeline.decided = time.time_ns()
             except _Refused as refused:
@@ -530,6 +532,10 @@ class Proxy:
             retry += 1
             delay = self.retry.delay(retry, failed.retry_after, started, time.monotonic())
             if delay is None:
+                if local_prefill_reason is None and _decode_worker_may_prefill(failed, routing):
+                    # As a decision with no prefill worker left would: the decode worker alone, at once.
+                    local_prefill_reason = "its prefill legs failed and no retry was left (" + "; ".join(failures) + ")"
+                    continue
                 break
             self.metrics.retried("overloaded" if failed.answer is not None else "upstream_error")
             await asyncio.sleep(delay)
@@ -565,7 +571,9 @@ class Proxy:
         await reply.whole(200, headers, body)
         return "instance_query"
 
-    async def _book(self, routing: RoutingCall, among: set[int]) -> RouteDecision:
+    async def _book(
+        self, routing: RoutingCall, among: set[int], local_prefill_reason: str | None = None
+    ) -> RouteDecision:
         started = time.perf_counter()
         routed = routing.request
         try:
@@ -575,6 +583,7 @@ class Proxy:
                 pinned_worker=routing.pinned,
                 pinned_prefill=routing.pinned_prefill,
                 one_leg=routing.one_leg,
+                local_prefill_reason=local_prefill_reason,
             )
         except QueueRejected as exc:
             raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
@@ -785,6 +794,12 @@ class _OutputProgress:
         if events >= self.next_at:
             self.next_at = events + self.every
             self.record(self.request_id, events)
+
+
+def _decode_worker_may_prefill(failed: WorkerFailed, routing: RoutingCall) -> bool:
+    """Whether a request whose retries are spent goes once more, to its decode worker alone: its last
+    prefill leg failed (an overloaded engine's answer is the client's, a pinned prefill leg not moved)."""
+    return isinstance(failed, PrefillFailed) and failed.answer is None and routing.pinned_prefill is None
 
 
 def _queue_refusal(rejected: QueueRejected, retry_after: int) -> _Refused:
