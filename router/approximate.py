@@ -8,7 +8,8 @@ kept ``router_ttl_secs`` after the last prompt that used them, and at most the w
 The router's overlap is the larger of the real index's and this one's, rank by rank.
 
 Predictions are replaced by the real thing: once events of a rank reach the sequencer, its predicted
-blocks are dropped and no more are recorded for it.
+blocks are dropped and no more are recorded for it. A prompt its worker never computed (the worker
+failed the request before its first token) is withdrawn: the blocks it added go (`withdraw`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from indexer.errors import KvIndexError
 from indexer.events import RouterEvent, removed_event, stored_event
@@ -27,7 +29,7 @@ from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
 from router.types import WorkerConfig
 
-__all__ = ["DEFAULT_PREDICTED_BLOCKS", "PredictedCache"]
+__all__ = ["DEFAULT_PREDICTED_BLOCKS", "PredictedCache", "Recorded"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,15 @@ log = logging.getLogger(__name__)
 DEFAULT_PREDICTED_BLOCKS = 1 << 16
 # Expired predictions of ranks nobody routes to are swept at most this often.
 SWEEP_EVERY_S = 1.0
+
+
+class Recorded(NamedTuple):
+    """What recording one prompt added to its rank's prediction: the blocks new there (sequence hashes,
+    head first) and the expiry it gave them."""
+
+    rank: WorkerRank
+    added: list[int]
+    expiry: float
 
 
 class PredictedCache:
@@ -60,16 +71,19 @@ class PredictedCache:
         worker = self._worker(worker_id)
         return DEFAULT_PREDICTED_BLOCKS if worker is None or worker.total_kv_blocks is None else worker.total_kv_blocks
 
-    def record(self, rank: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None = None) -> None:
+    def record(
+        self, rank: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None = None
+    ) -> Recorded | None:
         """The prompt with these local hashes (and these sequence hashes, when known: computed
-        otherwise) was routed to ``rank`` (a worker without events)."""
+        otherwise) was routed to ``rank`` (a worker without events); what it added (None: the rank's
+        events replace its predictions)."""
         if rank in self._replaced:
-            return
+            return None
         if self._sequencer.heard_from(*rank):
             log.info("worker %d dp_rank %d sends KV events now: its predicted blocks are dropped", *rank)
             self.forget(rank)
             self._replaced.add(rank)
-            return
+            return None
         capacity = self._capacity(rank[0])
         now = self._clock()
         held = self._ranks.get(rank)
@@ -80,17 +94,31 @@ class PredictedCache:
             sequence = compute_sequence_hashes(local_hashes)
         expiry = now + self._ttl_s
         if held.keys().isdisjoint(sequence):  # a prompt new to the rank (the common case): one run, in C
+            added = list(sequence)
             if sequence:
                 self._store(rank, None, zip(sequence, local_hashes, strict=True))
             for block_hash in reversed(sequence):  # the head most recent, as below; OrderedDict.update is 2-3x slower
                 held[block_hash] = expiry
         else:
+            added = [block_hash for block_hash in sequence if block_hash not in held]
             self._record_known(rank, held, local_hashes, sequence, expiry)
         if len(held) > capacity:  # the least recently routed go, in one removal
             popitem = held.popitem
             self._remove(rank, [popitem(last=False)[0] for _ in range(len(held) - capacity)])
         if now - self._swept >= SWEEP_EVERY_S:
             self.sweep(now)
+        return Recorded(rank, added, expiry)
+
+    def withdraw(self, recorded: Recorded) -> None:
+        """The prompt `record` recorded was never computed on its rank: the blocks it added go, tail
+        first, but those a prompt routed there since has refreshed (another expiry: that one may be)."""
+        held = self._ranks.get(recorded.rank)
+        if held is None:
+            return
+        gone = [block_hash for block_hash in reversed(recorded.added) if held.get(block_hash) == recorded.expiry]
+        for block_hash in gone:
+            del held[block_hash]
+        self._remove(recorded.rank, gone)
 
     def _record_known(
         self, rank: WorkerRank, held: OrderedDict[int, float], local_hashes: list[int], sequence: Sequence[int],

@@ -25,7 +25,7 @@ from indexer.hashing import TokenInput
 from indexer.radix_tree import RadixTree
 from indexer.sequencer import RETRY_INTERVAL_S, EventSequencer
 from indexer.slots import WorkerRank
-from router.approximate import PredictedCache
+from router.approximate import PredictedCache, Recorded
 from router.computed_prompts import ComputedPrompts
 from router.config import RouterConfig
 from router.disaggregation import (
@@ -205,6 +205,8 @@ class KvRouter:
         self.routed_observers: list[Callable[[WorkerRank, list[int]], None]] = []
         # Approximate mode: the predicted cache of workers without KV events, made when the first is seen.
         self.predictions: PredictedCache | None = None
+        # What a booking's prediction added, by booking id, until its prompt is computed or it ends.
+        self._uncomputed_predictions: dict[str, Recorded] = {}
         self._rng = rng if rng is not None else random.Random()
         self._scheduler = Scheduler(config, *self._create_policies(config))
         # Circuit breakers and health-check verdicts: who is out of routing, for every policy.
@@ -260,6 +262,7 @@ class KvRouter:
             self._predict()
         previous = self._scheduler.workers.get(worker.worker_id)
         dropped = self._scheduler.register_worker(worker)
+        self._ended(dropped)
         self._refresh_disaggregated()
         if previous is None:
             logger.info(
@@ -319,6 +322,7 @@ class KvRouter:
         """Forget a worker: its index entries, event streams and active requests, counting why in
         `removals`. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
+        self._ended(dropped)
         self.removals[reason] += 1
         self._refresh_disaggregated()
         self.health.forget(worker_id)
@@ -330,6 +334,11 @@ class KvRouter:
             extra={"worker_id": worker_id, "dropped_requests": len(dropped)},
         )
         self._dispatch_waiting()
+
+    def _ended(self, request_ids: list[str]) -> None:
+        """Bookings gone without `mark_free` (expired, or dropped with their ranks)."""
+        for request_id in request_ids:
+            self._uncomputed_predictions.pop(request_id, None)
 
     def forget_cache_of(self, worker_id: int) -> None:
         """Forget what the index, event streams and predictions hold of a worker, registered or not (one a
@@ -632,7 +641,9 @@ class KvRouter:
                 request.expected_output_tokens,
             )
         prompt = routing.prompt
-        predicted = self._record_prediction(choice.key, prompt.local_hashes, prompt.shared_hashes)
+        predicted = self._record_prediction(
+            choice.key, prompt.local_hashes, prompt.shared_hashes, booking_id=request.request_id
+        )
         if request.request_id is not None and self.booking_listener is not None:
             booking = self._scheduler.sequences.booking(request.request_id)
             assert booking is not None
@@ -872,6 +883,7 @@ class KvRouter:
 
         ``replicated``: a peer router's change, not told to the booking listener."""
         self._free_prefill_leg(request_id, replicated, computed=True)  # a remote prefill ends with the first token
+        self._uncomputed_predictions.pop(request_id, None)  # its prompt is computed: the prediction stands
         marked = self._scheduler.sequences.mark_prefill(request_id)
         self._credit_computed_prompt(request_id)
         if marked:
@@ -900,6 +912,7 @@ class KvRouter:
 
         ``replicated``: a peer router's change, not told to the booking listener."""
         self._free_prefill_leg(request_id, replicated)
+        self._uncomputed_predictions.pop(request_id, None)
         freed = self._scheduler.sequences.free(request_id)
         if freed:
             if not replicated and self.booking_listener is not None:
@@ -961,17 +974,34 @@ class KvRouter:
         if predicted is not None:  # each replica predicts from every prompt routed, not its own alone
             self._record_prediction(booking.key, list(predicted), None)
 
-    def _record_prediction(self, key: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None) -> bool:
+    def _record_prediction(
+        self, key: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None, booking_id: str | None = None
+    ) -> bool:
         """Record that this prompt went to ``key`` if its cache is predicted (a worker without KV events);
-        whether it was."""
+        whether it was. What it added is kept under ``booking_id`` until the booking's prompt is computed
+        or the booking ends (`forget_uncomputed_predictions`)."""
         predictions = self.predictions
         if predictions is None:
             return False
         worker = self._scheduler.workers.get(key[0])
         if worker is None or self.expects_events(worker):
             return False
-        predictions.record(key, local_hashes, sequence)
+        recorded = predictions.record(key, local_hashes, sequence)
+        if booking_id is not None and recorded is not None and recorded.added:
+            self._uncomputed_predictions[booking_id] = recorded
         return True
+
+    def forget_uncomputed_predictions(self, request_id: str) -> None:
+        """The request's worker failed it before its prompt was computed (the proxy books it again
+        elsewhere): the blocks its booking, and its remote prefill leg's while still booked, added to
+        their ranks' predicted caches go, as nothing computed them there. Call it before `mark_free`. A
+        peer router (`router.replicas`) keeps what it predicted from the booking."""
+        if self.predictions is None:
+            return
+        for booking_id in (request_id, prefill_booking_id(request_id)):
+            recorded = self._uncomputed_predictions.pop(booking_id, None)
+            if recorded is not None:
+                self.predictions.withdraw(recorded)
 
     def booking(self, request_id: str) -> Booking | None:
         return self._scheduler.sequences.booking(request_id)
@@ -986,6 +1016,7 @@ class KvRouter:
         Runs on every `new`; O(1) when nothing is stale. Call it periodically to also expire while idle.
         """
         expired = self._scheduler.sequences.expire(self._clock() - self.config.request_expiry_secs)
+        self._ended(expired)
         if expired:
             logger.warning("expiring %d stale requests, e.g. %s", len(expired), expired[0])
             if self.booking_listener is not None:

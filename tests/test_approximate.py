@@ -97,6 +97,25 @@ async def test_workers_with_events_are_not_predicted_unless_the_router_has_kv_ev
     assert everyone.predictions is not None and everyone.predictions.blocks() == {(1, 0): 3}
 
 
+async def test_a_prompt_its_worker_failed_is_forgotten_there_but_what_it_found_cached_stays() -> None:
+    """`forget_uncomputed_predictions` (the proxy's, on a worker failing the request before its first
+    token): the blocks the booking added go; those an earlier prompt predicted, or a computed one, stay."""
+    clock = Clock()
+    router = _router(clock, _worker(1))
+    head, tail = _prompt(1), _prompt(2)
+    await router.new(RouteRequest(tokens=head, request_id="a"))
+    router.mark_prefill("a")  # computed: its prediction stands whatever happens to "a" now
+    router.forget_uncomputed_predictions("a")
+    router.mark_free("a")
+    clock.now += 1
+    await router.new(RouteRequest(tokens=head + tail, request_id="b"))
+    assert router.overlap(head + tail).workers[0].device_blocks == 6
+    router.forget_uncomputed_predictions("b")
+    router.mark_free("b")
+    assert router.overlap(head + tail).workers[0].device_blocks == 3  # the head, predicted before "b"
+    assert router.predictions is not None and router.predictions.blocks() == {(1, 0): 3}
+
+
 @pytest.fixture
 def client() -> Iterator[TestClient]:
     settings = Settings(router=RouterConfig(block_size=BLOCK), event_plane=EventPlaneConfig(embedded_nats=False))

@@ -268,6 +268,37 @@ async def test_prefill_workers_all_failing_beyond_the_retries_leave_the_request_
         await eventually(lambda: idle(f.router))
 
 
+async def cached_tokens(f: Fleet, tokens: list[int]) -> dict[int, int]:
+    """What the router believes each worker holds of ``tokens`` (``POST /v1/overlap``)."""
+    async with httpx.AsyncClient() as http:
+        answer = await http.post(f"{f.url}/v1/overlap", json={"tokens": tokens})
+    return {worker["worker_id"]: worker["cached_tokens"] for worker in answer.json()["workers"]}
+
+
+@pytest.mark.parametrize("style", STYLES)
+async def test_without_kv_events_a_failed_prefill_leg_predicts_nothing_and_the_retry_prefills_remotely(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    """Approximate mode (no worker sends KV events): the prompt is predicted cached where it is routed.
+    A prefill leg failing computed it on neither worker, so the retry sees the decode worker still
+    uncached and prefills on the healthy prefill worker, and the failed worker is credited nothing."""
+    async with (
+        fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, kv_events=False) as f,
+        failing_worker() as (url, seen),
+    ):
+        await register(f, prefill_worker_at(url, style))
+        await ballast(f, "ballast", pinned_prefill=(1, 0))()  # prefill load on worker 1: worker 9 comes first
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=3)
+        assert raw.parse().choices[0].text == " w1 w2 w3"
+        assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
+        assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
+        assert raw.headers["x-kv-router-prefill-worker"] == "1" and raw.headers["x-kv-router-worker"] == "2"
+        assert f.apis[1].prefill_legs == 1 and f.apis[2].pulled_blocks == 8
+        assert await cached_tokens(f, LONG) == {1: len(LONG), 2: len(LONG), 9: 0}
+        f.router.mark_free("ballast")
+        await eventually(lambda: idle(f.router))
+
+
 @pytest.mark.parametrize("style", STYLES)
 async def test_a_prefill_leg_that_succeeds_resets_its_workers_circuit_breaker(
     nats_server: EmbeddedNats, style: HandoffStyle

@@ -519,6 +519,8 @@ class Proxy:
                     # if reached: the protocol logs it and closes the connection.
                     raise
                 failed_id, problem, failed = exc.worker_id, str(exc), exc
+                # Its prompt computed on neither leg that failed: not predicted cached there for the next attempt.
+                self.router.forget_uncomputed_predictions(request_id)
             finally:
                 self.router.mark_free(request_id)
             failures.append(problem)
