@@ -268,6 +268,43 @@ async def test_prefill_workers_all_failing_beyond_the_retries_leave_the_request_
         await eventually(lambda: idle(f.router))
 
 
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"do_remote_prefill": True, "remote_engine_id": "stub"}, {"do_remote_prefill": True, "remote_block_ids": [0]}],
+    ids=["empty", "no block ids", "no engine host port"],
+)
+async def test_a_prefill_leg_answering_params_no_decode_leg_can_pull_with_is_retried_elsewhere_and_blamed(
+    nats_server: EmbeddedNats, params: dict[str, Any]
+) -> None:
+    """vLLM's NixlConnector on the decode side needs the blocks and where they are: given less, it
+    prefills the prompt itself unannounced (the client told remote_prefill) or refuses the request. Such
+    a prefill leg failed: its worker is told, and the leg goes to the other prefill worker."""
+
+    async def unusable(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        answer = {"object": "text_completion", "choices": [{"index": 0, "text": " p"}], "kv_transfer_params": params}
+        return b"200 OK", b"", msgspec.json.encode(answer)
+
+    async with (
+        fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}) as f,
+        scripted_worker(unusable) as (url, seen),
+    ):
+        await register(f, prefill_worker_at(url, "kv_transfer_params"))
+        await ballast(f, "ballast", pinned_prefill=(1, 0))()  # prefill load on worker 1: worker 9 comes first
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=3)
+        assert raw.parse().choices[0].text == " w1 w2 w3"
+        assert seen == [b"POST /v1/completions HTTP/1.1"]
+        assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
+        assert raw.headers["x-kv-router-prefill-worker"] == "1"
+        assert f.apis[1].prefill_legs == 1 and f.apis[2].pulled_blocks == 8 and f.apis[2].generated == 1
+        assert f.router.health.availability(9).consecutive_failures == 1
+        metrics = await scrape(f.url)
+        style = "kv_transfer_params"
+        assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_failed") == 1.0
+        assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="ok") == 1.0
+        f.router.mark_free("ballast")
+        await eventually(lambda: idle(f.router))
+
+
 async def cached_tokens(f: Fleet, tokens: list[int]) -> dict[int, int]:
     """What the router believes each worker holds of ``tokens`` (``POST /v1/overlap``)."""
     async with httpx.AsyncClient() as http:

@@ -24,7 +24,8 @@ been computed), or at the decode leg's first token, or with the request (`KvRout
 request frees both legs, which the proxy does on every path).
 
 Failures (`PrefillFailed`, raised before the client has had anything): a prefill leg refused, timed
-out, answering 5xx, or (``kv_transfer_params``) answering without the params; the proxy tells that
+out, answering 5xx, or (``kv_transfer_params``) answering without params a NIXL decode leg can pull
+the KV with (`_unusable`); the proxy tells that
 worker's circuit breaker and books the request again without it, so the prefill goes to another prefill worker
 (or, none left, to the decode worker itself: the decision's ``local_prefill``). In ``bootstrap``
 style a prefill leg failing while the decode leg has not answered cancels the decode leg (its
@@ -75,6 +76,9 @@ _REMOTE_DECODE = {
     "remote_host": None,
     "remote_port": None,
 }
+
+# Where a decode leg's engine pulls the KV from, beside the block ids (`_unusable`).
+_REMOTE_PREFILL_SOURCE = ("remote_engine_id", "remote_host", "remote_port")
 
 # Forwards a body to the decode worker and answers the client (the reply given) with its answer: the
 # proxy's one-leg path; raises the proxy's own failure while the client has had nothing.
@@ -183,8 +187,9 @@ class Handoff:
             params = _decode(content).get("kv_transfer_params")
         except (msgspec.DecodeError, AttributeError):
             params = None
-        if not isinstance(params, dict):
-            raise PrefillFailed(legs.prefill.worker_id, "its answer has no kv_transfer_params (is it a P/D engine?)")
+        problem = _unusable(params)
+        if problem is not None:
+            raise PrefillFailed(legs.prefill.worker_id, problem)
         self._answered(legs.prefill.worker_id)
         decode_request = _decode(body)
         decode_request["kv_transfer_params"] = params
@@ -291,6 +296,25 @@ class Handoff:
 
     def _count(self, legs: Legs, outcome: str) -> None:
         self._counter.labels(legs.style, outcome).inc()
+
+
+def _unusable(params: Any) -> str | None:
+    """Why a prefill leg's ``kv_transfer_params`` cannot take the decode leg's engine to its KV, or None.
+    vLLM's NixlConnector (and MooncakeConnector) pulls the KV of a request with ``do_remote_prefill``
+    from ``remote_block_ids`` on ``remote_engine_id`` at ``remote_host``:``remote_port``; without the
+    ids it prefills the prompt itself unannounced (or, with tokens to pull and none named, fails it),
+    without the rest it refuses it."""
+    if not isinstance(params, dict):
+        return "its answer has no kv_transfer_params (is it a P/D engine?)"
+    if params.get("do_remote_prefill") is not True:
+        return "its kv_transfer_params do not say do_remote_prefill"
+    block_ids = params.get("remote_block_ids")
+    if not isinstance(block_ids, list) or not block_ids:
+        return "its kv_transfer_params name no remote_block_ids"
+    missing = [name for name in _REMOTE_PREFILL_SOURCE if params.get(name) is None]
+    if missing:
+        return "its kv_transfer_params lack " + ", ".join(missing)
+    return None
 
 
 def _raised(leg: asyncio.Future[Any]) -> BaseException | None:
