@@ -393,6 +393,8 @@ async def test_a_decode_leg_failing_before_its_first_token_frees_the_prefill_boo
         assert idle(f.router)
         assert [key for key, _ in f.router.bookings()] == []
         assert len(seen) == 1
+        # No hand-off ok: the decode leg never answered (in either style).
+        assert sample(await scrape(f.url), "kv_router_proxy_handoffs_total", style=style, outcome="ok") is None
         if style == "kv_transfer_params":
             assert f.apis[1].prefill_legs == 1  # prefilled, then the decode leg failed
         else:
@@ -416,6 +418,8 @@ async def test_a_decode_leg_failing_goes_to_another_decode_worker(
         text = "".join([chunk.choices[0].text async for chunk in raw.parse()])
         assert text == " w1 w2 w3"
         assert len(seen) == 1 and raw.headers["x-kv-router-worker"] == "2"
+        # One hand-off ok, the one whose decode leg answered (in either style).
+        assert sample(await scrape(f.url), "kv_router_proxy_handoffs_total", style=style, outcome="ok") == 1.0
         f.router.mark_free("ballast")
         await eventually(lambda: idle(f.router))
 

@@ -136,7 +136,7 @@ class Handoff:
         self._counter = Counter(
             f"{PREFIX}_proxy_handoffs",
             "Remote prefills the proxy ran, by hand-off style (kv_transfer_params, bootstrap, sequential) and "
-            "outcome (ok: the decode leg got the request; prefill_failed: the prefill leg failed and the request went "
+            "outcome (ok: the decode leg answered; prefill_failed: the prefill leg failed and the request went "
             "again without that worker; prefill_failed_late: in bootstrap style, after the decode leg began; "
             "prefill_overloaded: it answered 429 or 503 (the engine pacing us), and the request went again; "
             "prefill_refused: the prefill worker answered another 4xx, passed to the client, or an answer over "
@@ -176,8 +176,9 @@ class Handoff:
                 refused.status, [(b"content-type", refused.content_type or b"application/json")], refused.body
             )
             return "upstream_status"
-        self._count(legs, "ok")
-        return await forward(decode_body, reply)
+        outcome = await forward(decode_body, reply)
+        self._count(legs, "ok")  # as in bootstrap style: once the decode leg has an outcome
+        return outcome
 
     # ------------------------------------------------------------------ vLLM: prefill, then decode
     async def _remote_decode_prefill(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
