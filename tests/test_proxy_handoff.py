@@ -359,16 +359,29 @@ async def test_a_prefill_leg_that_succeeds_resets_its_workers_circuit_breaker(
         await eventually(lambda: idle(f.router))
 
 
-async def test_a_pin_to_a_prefill_worker_for_the_whole_request_is_refused_as_json(nats_server: EmbeddedNats) -> None:
+@pytest.mark.parametrize(
+    ("pin", "worker"),
+    [
+        ({"backend_instance_id": 1}, "worker 1"),
+        ({"decode_worker_id": 1}, "worker 1"),
+        ({"prefill_worker_id": 2}, "worker 2"),
+    ],
+    ids=["whole request to a prefill worker", "decode leg to a prefill worker", "prefill leg to a decode worker"],
+)
+async def test_a_pin_to_a_worker_whose_role_cannot_run_the_leg_is_refused_as_json(
+    nats_server: EmbeddedNats, pin: dict[str, int], worker: str
+) -> None:
+    """One status for every leg pinned where its role cannot run it: the 422 of a hint the fleet cannot serve."""
     async with fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}) as f:
-        body = {"model": MODEL, "prompt": LONG, "max_tokens": 2, "nvext": {"backend_instance_id": 1}}
+        body = {"model": MODEL, "prompt": LONG, "max_tokens": 2, "nvext": pin}
         async with httpx.AsyncClient() as http:
             answer = await http.post(f"{f.url}/v1/completions", json=body)
-        assert answer.status_code == 400, answer.text
+        assert answer.status_code == 422, answer.text
         error = answer.json()["error"]
-        assert error["type"] == "invalid_request_error" and "worker 1" in error["message"], error
+        assert error["type"] == "invalid_request_error" and worker in error["message"], error
         metrics = await scrape(f.url)
         assert sample(metrics, "kv_router_proxy_requests_total", route="completions", outcome="bad_request") == 1.0
+        assert f.apis[1].generated == f.apis[2].generated == 0
         assert idle(f.router)
 
 

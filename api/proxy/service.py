@@ -596,7 +596,7 @@ class Proxy:
         except (NoEligibleWorker, AllWorkersOverloaded) as exc:
             raise _refused(503, "service_unavailable", str(exc), "no_worker") from None
         except InvalidRequest as exc:  # a routing hint that does not fit the fleet (a pin to a prefill worker)
-            raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
+            raise _refused(422, "invalid_request_error", str(exc), "bad_request") from None  # as api.hints refuses one
         self.decisions.decision(decision, token_count(routed.tokens), time.perf_counter() - started)
         return decision
 
