@@ -180,7 +180,11 @@ def _add_trace_flags(parser: argparse.ArgumentParser, workers_help: str) -> None
         "--length-policy", choices=["clip", "drop"], default="clip", help="longer prompts: clip or drop [%(default)s]"
     )
     trace.add_argument(
-        "--jitter-ms", type=float, default=0.0, help="spread arrivals uniformly over this many ms [%(default)s]"
+        "--jitter-ms",
+        type=float,
+        default=None,
+        help="spread arrivals uniformly over this many ms [default: the trace's timestamp quantum when its timestamps "
+        "are quantised (some shared, none closer than 100 ms: the real Mooncake traces', ~3 s), else 0]",
     )
     trace.add_argument("--trace-block-size", type=int, default=512, help="tokens per hash id [%(default)s]")
     trace.add_argument("--seed", type=int, default=0, help="seeds jitter, routers and generated tokens [%(default)s]")
@@ -452,7 +456,8 @@ def _run_replay(args: argparse.Namespace) -> int:
     settings = setup.describe(trace)
     print(
         f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s"
-        + (f" ({trace.clipped} clipped, {trace.dropped} dropped)" if trace.clipped or trace.dropped else ""),
+        + (f" ({trace.clipped} clipped, {trace.dropped} dropped)" if trace.clipped or trace.dropped else "")
+        + (f"; arrivals spread over {trace.jitter_ms:g} ms each" if trace.jitter_ms else ""),
         file=sys.stderr,
     )
     try:

@@ -126,6 +126,7 @@ class ReplaySetup:
             "clipped": trace.clipped,
             "dropped": trace.dropped,
             "trace_options": msgspec.to_builtins(options),
+            "jitter_ms": trace.jitter_ms,
             "workers": self.workers,
             "engine": msgspec.to_builtins(self.engine),
             "router_config": msgspec.to_builtins(self.effective_router_config()),

@@ -3,14 +3,19 @@
 
 Loading applies the replay options: only the first ``limit`` lines; prompts longer than
 ``max_input_length`` clipped or dropped; arrivals shifted so the first is at 0, jittered uniformly within
-``jitter_ms`` (the real traces' timestamps are quantised to about 3 s, so up to 28 requests share one),
-then divided by ``speedup``. Block ids are renumbered densely in order of first appearance (see
+``jitter_ms``, then divided by ``speedup``. Without ``jitter_ms`` a trace whose timestamps are quantised
+(the real Mooncake traces': about 3 s apart, up to 28 requests sharing one) is jittered within its
+quantum (`timestamp_quantum`): replayed as written, those requests arrive at one instant at any
+``speedup``, and a replay at a quarter of the load (or at 1/64) measures a 28-request burst, not load.
+Block ids are renumbered densely in order of first appearance (see
 `mocker.tokens`); a prompt longer than its ids cover gets fresh blocks of its own for the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -21,9 +26,24 @@ import msgspec
 
 from mocker.tokens import BlockTokens
 
-__all__ = ["Row", "Trace", "TraceError", "TraceOptions", "TraceRequest", "build_trace", "load_trace", "read_rows"]
+__all__ = [
+    "COARSE_QUANTUM_MS",
+    "Row",
+    "Trace",
+    "TraceError",
+    "TraceOptions",
+    "TraceRequest",
+    "build_trace",
+    "load_trace",
+    "read_rows",
+    "timestamp_quantum",
+]
 
 LengthPolicy = Literal["clip", "drop"]
+# Timestamps never closer than this, some shared by several requests, are quantised: the quantum is
+# the information lost, not arrivals at one instant. (The synthetic and generated traces have 1 ms
+# resolution and keep their arrivals as written.)
+COARSE_QUANTUM_MS = 100.0
 
 
 class TraceError(ValueError):
@@ -43,7 +63,7 @@ class TraceOptions:
     limit: int | None = None
     max_input_length: int | None = None
     length_policy: LengthPolicy = "clip"
-    jitter_ms: float = 0.0
+    jitter_ms: float | None = None  # None: the trace's quantum when its timestamps are quantised, else 0
     seed: int = 0
     trace_block_size: int = 512
 
@@ -54,8 +74,8 @@ class TraceOptions:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.max_input_length is not None and self.max_input_length < 1:
             raise ValueError(f"max input length must be >= 1, got {self.max_input_length}")
-        if self.jitter_ms < 0:
-            raise ValueError(f"jitter must be >= 0 ms, got {self.jitter_ms}")
+        if self.jitter_ms is not None and not (self.jitter_ms >= 0 and math.isfinite(self.jitter_ms)):
+            raise ValueError(f"jitter must be a finite number of ms >= 0, got {self.jitter_ms}")
         if self.trace_block_size < 1:
             raise ValueError(f"trace block size must be >= 1, got {self.trace_block_size}")
 
@@ -82,6 +102,7 @@ class Trace:
     requests: list[TraceRequest]
     clipped: int = 0
     dropped: int = 0
+    jitter_ms: float = 0.0  # the jitter applied: the options', or the trace's quantum
     tokens: BlockTokens = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,7 +121,9 @@ class Trace:
     def time_scaled(self, factor: float) -> Trace:
         """The same requests arriving ``factor`` times sooner (to run a replay faster than real time)."""
         requests = [dataclasses.replace(r, arrival_ms=r.arrival_ms / factor) for r in self.requests]
-        return Trace(self.path, self.options, requests, clipped=self.clipped, dropped=self.dropped)
+        return Trace(
+            self.path, self.options, requests, clipped=self.clipped, dropped=self.dropped, jitter_ms=self.jitter_ms
+        )
 
     @property
     def span_ms(self) -> float:
@@ -161,11 +184,22 @@ def build_trace(rows: Iterable[Row], options: TraceOptions, path: str) -> Trace:
             ids.append(fresh)
             fresh += 1
     rng = random.Random(options.seed)
-    start = min((timestamp for timestamp, *_ in lines), default=0.0)
-    arrivals = [
-        (timestamp - start + (rng.uniform(0.0, options.jitter_ms) if options.jitter_ms else 0.0)) / options.speedup
-        for timestamp, *_ in lines
-    ]
+    timestamps = [timestamp for timestamp, *_ in lines]
+    start = min(timestamps, default=0.0)
+    jitter = options.jitter_ms if options.jitter_ms is not None else timestamp_quantum(timestamps)
+    speedup = options.speedup
+    arrivals = [(stamp - start + (rng.uniform(0.0, jitter) if jitter else 0.0)) / speedup for stamp in timestamps]
     order = sorted(range(len(lines)), key=lambda i: (arrivals[i], i))
     requests = [TraceRequest(i, arrivals[i], lines[i][1], lines[i][2], tuple(lines[i][3])) for i in order]
-    return Trace(path, options, requests, clipped=clipped, dropped=dropped)
+    return Trace(path, options, requests, clipped=clipped, dropped=dropped, jitter_ms=jitter)
+
+
+def timestamp_quantum(timestamps: list[float]) -> float:
+    """The quantum of quantised timestamps: the least gap between two distinct ones, when it is at least
+    `COARSE_QUANTUM_MS` and some timestamp is shared by several requests; else 0 (arrivals as written).
+    O(n log n)."""
+    distinct = sorted(set(timestamps))
+    if len(distinct) < 2 or len(distinct) == len(timestamps):
+        return 0.0
+    least_gap = min(later - earlier for earlier, later in itertools.pairwise(distinct))
+    return least_gap if least_gap >= COARSE_QUANTUM_MS else 0.0

@@ -67,8 +67,11 @@ ROWS = [
 ]
 
 
+AS_WRITTEN = TraceOptions(jitter_ms=0.0)  # ROWS' timestamps are quantised: without it they are jittered
+
+
 def test_loading_renumbers_ids_densely_in_order_of_first_appearance(tmp_path: Path) -> None:
-    trace = load_trace(write_trace(tmp_path / "t.jsonl", ROWS))
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", ROWS), AS_WRITTEN)
     assert [r.index for r in trace] == [1, 0, 2, 3]  # sorted by arrival, stable
     assert [r.arrival_ms for r in trace] == [0.0, 3000.0, 3000.0, 6000.0]
     by_index = {r.index: r for r in trace}
@@ -84,7 +87,7 @@ def test_loading_renumbers_ids_densely_in_order_of_first_appearance(tmp_path: Pa
 def test_limit_speedup_and_length_policies(tmp_path: Path) -> None:
     path = write_trace(tmp_path / "t.jsonl", ROWS)
     assert len(load_trace(path, TraceOptions(limit=2))) == 2
-    fast = load_trace(path, TraceOptions(speedup=3.0))
+    fast = load_trace(path, TraceOptions(speedup=3.0, jitter_ms=0.0))
     assert [r.arrival_ms for r in fast] == [0.0, 1000.0, 1000.0, 2000.0]
     clipped = load_trace(path, TraceOptions(max_input_length=1024))
     assert clipped.clipped == 2
@@ -104,6 +107,26 @@ def test_jitter_spreads_arrivals_within_the_quantum_reproducibly(tmp_path: Path)
     base = {0: 3000.0, 1: 0.0, 2: 3000.0, 3: 6000.0}
     assert all(base[r.index] <= r.arrival_ms < base[r.index] + 3000.0 for r in one)
     assert [r.arrival_ms for r in one] == sorted(r.arrival_ms for r in one)
+
+
+def test_quantised_timestamps_are_spread_within_their_quantum_unless_told(tmp_path: Path) -> None:
+    """ROWS share timestamps 3 s apart, as the real Mooncake traces do: by default each arrival is
+    spread within the 3 s quantum (seeded), so that a slower replay does not keep them at one instant.
+    Timestamps at 1 ms resolution (the synthetic and generated traces), or not shared, are kept as
+    written; ``jitter_ms=0`` keeps quantised ones too."""
+    path = write_trace(tmp_path / "t.jsonl", ROWS)
+    spread = load_trace(path, TraceOptions(seed=1))
+    assert spread.jitter_ms == 3000.0
+    assert [(r.index, r.arrival_ms) for r in spread] == [
+        (r.index, r.arrival_ms) for r in load_trace(path, TraceOptions(jitter_ms=3000.0, seed=1))
+    ]
+    slower = load_trace(path, TraceOptions(seed=1, speedup=0.25))
+    assert [r.arrival_ms for r in slower] == [r.arrival_ms * 4 for r in spread]  # spread, then scaled
+    fine = [dict(row, timestamp=stamp) for row, stamp in zip(ROWS, (5, 0, 5, 9), strict=True)]
+    assert load_trace(write_trace(tmp_path / "fine.jsonl", fine)).jitter_ms == 0.0
+    distinct = [dict(row, timestamp=stamp) for row, stamp in zip(ROWS, (3000, 0, 6000, 9000), strict=True)]
+    assert load_trace(write_trace(tmp_path / "distinct.jsonl", distinct)).jitter_ms == 0.0
+    assert load_trace(path, AS_WRITTEN).jitter_ms == 0.0
 
 
 def test_bad_lines_and_options_are_reported(tmp_path: Path) -> None:
