@@ -50,7 +50,7 @@ class BridgeCollector(Collector):
             last_ids.add_metric([str(dp_rank)], event_id)
         for dp_rank in range(bridge.config.dp_size):
             unverified.add_metric([str(dp_rank)], float(dp_rank in unverified_ranks))
-        for outcome, count in sorted(bridge.sink.stats.items()):
+        for outcome, count in sorted(bridge.refused_events().items()):
             rejected.add_metric([outcome.removeprefix("rejected_")], count)
         unsent.add_metric([], publisher.unsent_batches)
         if publisher.refusal is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
@@ -224,6 +225,22 @@ def loopback_endpoints(replay: bool) -> tuple[str, str | None]:
     """A PUB endpoint and, with ``replay``, a replay endpoint, on free loopback ports."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     return endpoint, (f"tcp://127.0.0.1:{free_port()}" if replay else None)
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports free now (a dp engine's layout)."""
+    while True:
+        first = free_port()
+        probes = [socket.socket() for _ in range(count)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
 
 
 def engine_spec(worker_id: int, endpoint: str, replay: str | None) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import nats.errors
 import pytest
+import zmq
 from fastapi.testclient import TestClient
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
@@ -47,6 +48,7 @@ from tests.engine_fakes import (
     FakeEngine,
     SideLoop,
     canonical,
+    free_port_run,
     loopback_endpoints,
     offloaded_batch,
 )
@@ -529,3 +531,98 @@ def test_a_bridge_without_total_kv_blocks_registers_the_capacity_its_engine_stat
     finally:
         chain.close()
         side.call(http.stop())
+
+
+@contextlib.contextmanager
+def _dp_bridge(
+    router: TestClient, side: SideLoop, nats_url: str, *, silent_replay_rank: int | None = None
+) -> Iterator[tuple[list[FakeEngine], Bridge]]:
+    """An engine of two dp ranks (rank r on the event port + r and the replay port + r, as vLLM lays
+    them out) and one bridge hearing both; ``silent_replay_rank``'s replay socket takes requests and
+    never answers. Registered and joined on both ranks."""
+    events, replay = free_port_run(2), free_port_run(2)
+    engines = [
+        FakeEngine(WORKER, f"tcp://127.0.0.1:{events + rank}",
+                   None if rank == silent_replay_rank else f"tcp://127.0.0.1:{replay + rank}", seed=rank, dp_rank=rank)
+        for rank in range(2)
+    ]  # fmt: skip
+    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    if silent_replay_rank is not None:
+        silent.bind(f"tcp://127.0.0.1:{replay + silent_replay_rank}")
+    bridge = None
+    try:
+        for engine in engines:
+            side.call(engine.start())
+
+        async def start() -> Bridge:
+            nc = await connect(NatsOptions(nats_url))
+            config = BridgeConfig(worker_id=WORKER, zmq_endpoint=f"tcp://127.0.0.1:{events}",
+                                  replay_endpoint=f"tcp://127.0.0.1:{replay}", dp_size=2, block_size=BLOCK,
+                                  heartbeat_interval_secs=0.2)  # fmt: skip
+            started = Bridge(config, nc)
+            await started.start()
+            return started
+
+        bridge = side.call(start())
+        until(lambda: router.get(f"/v1/workers/{WORKER}").status_code == 200)
+        assert all(side.call(stream.joined(10.0)) for stream in bridge.streams)
+        yield engines, bridge
+    finally:
+        if bridge is not None:
+            side.call(bridge.stop())
+            side.call(bridge.nc.close())
+        for engine in engines:
+            side.call(engine.stop())
+        silent.close()
+
+
+def test_both_dp_ranks_repairing_gaps_at_once_leave_the_router_holding_what_each_rank_holds(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    """Both ranks lose the same step's batch (a bridge behind both PUB sockets at once): both streams
+    replay at the same time. Each rank's events are batched on their own, so neither stream's batch is
+    closed under the other (the old shared batch crashed one rank's loop, its events never sent, and
+    routers trusted a rank missing blocks)."""
+    with _dp_bridge(router, side, nats_server.url) as (engines, bridge):
+
+        async def both_ranks_lose_a_batch() -> None:
+            for publish in (True, False, True):  # the third batch shows the gap on both ranks
+                for engine in engines:
+                    await engine.step(publish=publish)
+
+        for _ in range(5):
+            side.call(both_ranks_lose_a_batch())
+            until(lambda: all(stream.backlog == 0 for stream in bridge.streams))
+        truth = sorted(engines[0].dump() + engines[1].dump(), key=repr)
+        assert {edge[1] for edge in truth} == {0, 1}
+
+        def holds_what_both_ranks_hold() -> bool:
+            streams = _streams(router)
+            return (
+                _dump(router) == truth
+                and len(streams) == 2
+                and all(s["trusted"] for s in streams)
+                and {s["dp_rank"]: s["last_event_id"] for s in streams} == bridge.publisher.last_event_ids()
+            )
+
+        until(holds_what_both_ranks_hold, 20, "the router holds both ranks' blocks, trusted")
+        # Every lost batch came by replay (one replay may bring the next round's too).
+        assert all(stream.stats["replayed"] >= 5 and stream.stats["replay_failed"] == 0 for stream in bridge.streams)
+
+
+def test_a_rank_waiting_on_its_replay_holds_back_no_other_ranks_events(
+    router: TestClient, side: SideLoop, nats_server: EmbeddedNats
+) -> None:
+    """Rank 1 has a gap and its replay socket does not answer (the stream waits out its 2 s timeout):
+    rank 0's batches reach the router meanwhile, not once rank 1 gives up."""
+    with _dp_bridge(router, side, nats_server.url, silent_replay_rank=1) as (engines, bridge):
+        waiting = bridge.streams[1]
+        side.call(engines[1].step(publish=False))
+        side.call(engines[1].step())  # seq 1 heard, seq 0 missing: a gap whose replay gets no answer
+        until(lambda: waiting.stats["gap"] >= 1, 20, "rank 1's gap")
+        for _ in range(5):
+            side.call(engines[0].step())
+        rank_0 = engines[0].dump()
+        until(lambda: [edge for edge in _dump(router) if edge[1] == 0] == rank_0, 20, "rank 0's blocks")
+        assert waiting.stats["replay_failed"] == 0, "rank 0's events waited for rank 1's replay to fail"

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -42,6 +41,7 @@ from tests.engine_fakes import (
     direct_mode,
     encode,
     engine_spec,
+    free_port_run,
     loopback_endpoints,
     offloaded_batch,
 )
@@ -1357,22 +1357,6 @@ async def test_a_replay_socket_that_does_not_answer_a_tail_check_leaves_the_stre
         pub.close(linger=0)
         mute.close(linger=0)
         context.term()
-
-
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive loopback ports free now (a dp engine's layout)."""
-    while True:
-        first = free_port()
-        probes = [socket.socket() for _ in range(count)]
-        try:
-            for offset, probe in enumerate(probes):
-                probe.bind(("127.0.0.1", first + offset))
-            return first
-        except OSError:
-            continue
-        finally:
-            for probe in probes:
-                probe.close()
 
 
 def test_dp_engine_specs_parse() -> None:

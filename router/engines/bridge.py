@@ -1,8 +1,8 @@
 """`kv-router bridge`: a sidecar that hears one engine over ZMQ and speaks our NATS event plane.
 
 Per dp rank one `ZmqEngineStream` (vLLM lays ranks out on consecutive ports: PUB ``port + rank``,
-replay ``port + rank``) decodes the engine's batches; `PublisherSink` publishes them through one
-`KvEventPublisher`, which numbers each rank's events, registers the worker, heartbeats and answers
+replay ``port + rank``) decodes the engine's batches; its own `PublisherSink` publishes them through
+the one `KvEventPublisher`, which numbers each rank's events, registers the worker, heartbeats and answers
 the routers' resyncs from what it holds. One NATS message per engine batch, or per run of batches
 that were already queued when the stream got to them.
 
@@ -28,6 +28,7 @@ import contextlib
 import gc
 import logging
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import msgspec
 from nats.aio.client import Client
@@ -56,19 +57,36 @@ def _netloc(nc: Client) -> str:
 
 
 class PublisherSink:
-    """Engine events of one worker into its `KvEventPublisher`, one NATS message per stream batch."""
+    """Engine events of one stream (one dp rank's socket) into its worker's `KvEventPublisher`, one NATS
+    message per stream batch. Each stream has a sink of its own: its batch is its own
+    (`KvEventPublisher.engine_batch`), so one rank's batch never holds back, nor takes in, another's."""
 
     def __init__(self, publisher: KvEventPublisher) -> None:
         self.publisher = publisher
         self.stats: Counter[str] = Counter()
+        self._open: list[bytes] | None = None  # the open batch's events, None outside `batch`
 
-    def batch(self) -> contextlib.AbstractAsyncContextManager[None]:
-        return self.publisher.batch()
+    @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[None]:
+        if self._open is not None:  # within the stream's own open batch (a restart inside a tail check)
+            yield
+            return
+        async with self.publisher.engine_batch() as events:
+            self._open = events
+            try:
+                yield
+            finally:
+                self._open = None
+
+    def _events(self) -> list[bytes]:
+        events = self._open
+        assert events is not None, "the stream applies inside its batch()"
+        return events
 
     def apply(self, dp_rank: int, events: list[EngineEvent]) -> None:
         # A store under a parent the engine never stored is refused and never sent; so is each hash of
         # an offload naming a block the rank does not hold (counted per hash: a tier not added for it).
-        for event, refusal in self.publisher.emit_engine_events(dp_rank, events):
+        for event, refusal in self.publisher.emit_engine_events(dp_rank, events, self._events()):
             if isinstance(event, EngineOffloaded) and isinstance(refusal, BlockNotFound):
                 self.stats["rejected_offloaded_unresolved"] += len(refusal.missing)
             else:
@@ -81,7 +99,7 @@ class PublisherSink:
         takes the batch (None: the stream runs its Python path)."""
         records = (check.by_content, check.by_hash, check.max_recorded)
         seed = namespace_seed(cache_namespace)
-        taken = self.publisher.emit_engine_payload(payload, block_size, seed, default_rank, records)
+        taken = self.publisher.emit_engine_payload(payload, block_size, seed, default_rank, records, self._events())
         if taken is None:
             return None
         dp_rank, applied, count, ignored, contradictions = taken
@@ -94,9 +112,9 @@ class PublisherSink:
         return self.publisher.holds(dp_rank, block_hash)
 
     async def restarted(self, dp_rank: int) -> None:
-        async with self.publisher.batch():
-            for tier in sorted(self.publisher.held_tiers(dp_rank) | {StorageTier.DEVICE}):
-                await self.publisher.cleared(dp_rank=dp_rank, storage_tier=tier)
+        async with self.batch():
+            tiers = sorted(self.publisher.held_tiers(dp_rank) | {StorageTier.DEVICE})
+            self.publisher.emit_cleared(dp_rank, tiers, self._events())
 
     def unverified(self, dp_rank: int, reason: str) -> None:
         self.publisher.mark_unverified(dp_rank)
@@ -112,10 +130,10 @@ class Bridge:
             namespace=config.namespace,
             heartbeat_interval=config.heartbeat_interval_secs,
         )
-        self.sink = PublisherSink(self.publisher)
+        self.sinks = [PublisherSink(self.publisher) for _ in range(config.dp_size)]
         self.streams = [
             ZmqEngineStream(
-                self.sink,
+                self.sinks[rank],
                 rank_endpoint(config.zmq_endpoint, rank),
                 block_size=config.block_size,
                 dp_rank=rank,
@@ -151,6 +169,10 @@ class Bridge:
                 interval_s=config.engine_metrics_interval_secs,
             )
         )
+
+    def refused_events(self) -> Counter[str]:
+        """Engine events the publisher refused, by reason (``rejected_<reason>``), over every rank's sink."""
+        return sum((sink.stats for sink in self.sinks), Counter())
 
     async def start(self) -> None:
         base = self.config.openai_base

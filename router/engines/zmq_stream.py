@@ -117,7 +117,8 @@ class EngineSink(Protocol):
         ...
 
     def batch(self) -> AbstractAsyncContextManager[object]:
-        """Everything applied inside goes out together (the bridge: one NATS message)."""
+        """Everything applied inside goes out together (the bridge: one NATS message, of this stream's
+        events only). The stream never holds one open across a replay's wait."""
         ...
 
     def restarted(self, dp_rank: int) -> Awaitable[None]:
@@ -584,39 +585,46 @@ class ZmqEngineStream:
             if self._rebuild_waiters:
                 await self._rebuilt()
                 continue
-            seq, payload = queue.popleft()
-            started = time.perf_counter()
-            # What is queued already goes out together, within the loop's fairness budget.
-            async with self.sink.batch():
-                if not self._take_next(seq, payload):
-                    await self.take_live(seq, payload)
-                await self._drain(started)
-                # Caught up, but the last message went out less than half a window ago: what arrives
-                # until the window ends goes out with this one (one message per window when busy;
-                # never a wait while a backlog is queued, nor after a quiet spell). A batch later in
-                # the window would wait for little company: an engine stepping about once a window
-                # would pay a timer's wake-up and its delay on every batch and batch nothing.
-                hold = sent_at + self._batch_window_s - time.perf_counter()
-                if hold > self._batch_window_s / 2 and not queue:
-                    await asyncio.sleep(hold)
-                    await self._drain(time.perf_counter())
+            if not self._is_next(queue[0][0]):
+                # Anything but the next batch (a gap, a restart, the first after a connection): taken
+                # outside a batch, which it opens itself where it applies, so a replay's wait never
+                # holds back what was applied before it.
+                await self.take_live(*queue.popleft())
+            else:
+                started = time.perf_counter()
+                # What is queued already goes out together, within the loop's fairness budget.
+                async with self.sink.batch():
+                    self._drain(started)
+                    # Caught up, but the last message went out less than half a window ago: what arrives
+                    # until the window ends goes out with this one (one message per window when busy;
+                    # never a wait while a backlog is queued, nor after a quiet spell). A batch later in
+                    # the window would wait for little company: an engine stepping about once a window
+                    # would pay a timer's wake-up and its delay on every batch and batch nothing.
+                    hold = sent_at + self._batch_window_s - time.perf_counter()
+                    if hold > self._batch_window_s / 2 and not queue:
+                        await asyncio.sleep(hold)
+                        self._drain(time.perf_counter())
             sent_at = time.perf_counter()
             if queue:
                 await asyncio.sleep(0)
 
-    async def _drain(self, started: float) -> None:
+    def _drain(self, started: float) -> None:
+        """The queued batches that each follow the last applied one, within the loop's fairness budget;
+        the first that does not is left at the head of the queue for `take_live`."""
         queue = self._queue
-        while queue and time.perf_counter() - started < YIELD_AFTER_S:
-            seq, payload = queue.popleft()
-            if not self._take_next(seq, payload):
-                await self.take_live(seq, payload)
+        while queue and time.perf_counter() - started < YIELD_AFTER_S and self._take_next(*queue[0]):
+            queue.popleft()
 
     # ------------------------------------------------------------------ ordering
-    def _take_next(self, seq: int, payload: bytes) -> bool:
-        """`take_live` of the common case, without a coroutine: the batch right after the last one
-        applied (so above every live and replayed seq: neither a restart nor a duplicate)."""
+    def _is_next(self, seq: int) -> bool:
+        """Whether ``seq`` is the batch right after the last one applied, on the same connection (so
+        above every live and replayed seq: neither a restart nor a duplicate)."""
         last = self._last_applied
-        if last is None or seq != last + 1 or self._verify_next:
+        return last is not None and seq == last + 1 and not self._verify_next
+
+    def _take_next(self, seq: int, payload: bytes) -> bool:
+        """`take_live` of the common case (`_is_next`), without a coroutine."""
+        if not self._is_next(seq):
             return False
         self._last_live = seq
         if self._replayed:
@@ -666,7 +674,8 @@ class ZmqEngineStream:
             if last is not None and seq <= last:
                 self.stats["duplicate"] += 1  # the replay brought it already
                 return
-        self._deliver(seq, payload)
+        async with self.sink.batch():
+            self._deliver(seq, payload)
 
     def _next_live(self) -> int | None:
         """The seq the live stream goes on with (None: nothing heard yet)."""
@@ -741,38 +750,38 @@ class ZmqEngineStream:
             if self._reconnect_anchor is None:
                 self._reconnect_anchor = anchor  # for the next check (the handshake's, a quiet spell's)
             return
-        async with self.sink.batch():
-            if last is not None:
-                held = batches[0] if batches else None
-                if held is not None and held[0] == last and held[1] != applied and not self._decodes(held[1]):
-                    self.stats["tail_check_failed"] += 1  # no batch: proves nothing of a new process
-                    self._bad_input.warning("tail check failed", f"engine at {self.endpoint}: seq {last} is garbage")
-                    if self._reconnect_anchor is None:
-                        self._reconnect_anchor = anchor  # for the next check, as after a failed one
-                    return
-                if held is None or held[0] != last or held[1] != applied:
-                    found = "nothing" if held is None else f"seq {held[0]}" if held[0] != last else "other bytes"
-                    await self._restarted(f"a tail check found {found} under seq {last}")
-                    self._last_live = None  # the old process's: the new one's live seqs start lower
-                    await self._bootstrap()  # a new process may hold nothing yet: no history missing
-                    return
-                del batches[0]
-            current = self._last_applied  # past an anchor: what was heard live since the reconnection
-            if current is not None:
-                batches = [batch for batch in batches if batch[0] > current]
-            # What was heard live while the replay was asked waits in the queue, behind this check: it
-            # was not lost, and the loop applies it next.
-            if self._queue:
-                first_live = self._queue[0][0]
-                batches = [batch for batch in batches if batch[0] < first_live]
-            if not batches:
+        if last is not None:
+            held = batches[0] if batches else None
+            if held is not None and held[0] == last and held[1] != applied and not self._decodes(held[1]):
+                self.stats["tail_check_failed"] += 1  # no batch: proves nothing of a new process
+                self._bad_input.warning("tail check failed", f"engine at {self.endpoint}: seq {last} is garbage")
+                if self._reconnect_anchor is None:
+                    self._reconnect_anchor = anchor  # for the next check, as after a failed one
                 return
-            self.stats["gap"] += 1
-            self.stats["tail_recovered"] += len(batches)
-            expected = 0 if current is None else current + 1
-            if batches[0][0] > expected:
-                self.stats["missing_history"] += 1
-                self.mark_unverified(f"the engine's replay buffer goes on at seq {batches[0][0]}, not {expected}")
+            if held is None or held[0] != last or held[1] != applied:
+                found = "nothing" if held is None else f"seq {held[0]}" if held[0] != last else "other bytes"
+                await self._restarted(f"a tail check found {found} under seq {last}")
+                self._last_live = None  # the old process's: the new one's live seqs start lower
+                await self._bootstrap()  # a new process may hold nothing yet: no history missing
+                return
+            del batches[0]
+        current = self._last_applied  # past an anchor: what was heard live since the reconnection
+        if current is not None:
+            batches = [batch for batch in batches if batch[0] > current]
+        # What was heard live while the replay was asked waits in the queue, behind this check: it
+        # was not lost, and the loop applies it next.
+        if self._queue:
+            first_live = self._queue[0][0]
+            batches = [batch for batch in batches if batch[0] < first_live]
+        if not batches:
+            return
+        self.stats["gap"] += 1
+        self.stats["tail_recovered"] += len(batches)
+        expected = 0 if current is None else current + 1
+        if batches[0][0] > expected:
+            self.stats["missing_history"] += 1
+            self.mark_unverified(f"the engine's replay buffer goes on at seq {batches[0][0]}, not {expected}")
+        async with self.sink.batch():
             async for seq, payload in _paced(batches):
                 self._deliver_replayed(seq, payload)
 
@@ -803,10 +812,11 @@ class ZmqEngineStream:
             self.stats["missing_history"] += 1
             first = batches[0][0] if batches else None
             self.mark_unverified(f"the engine's replay buffer starts at seq {first}, {start} was needed")
-        async for seq, payload in _paced(batches):
-            last = self._last_applied
-            if seq >= start and (last is None or seq > last):
-                self._deliver_replayed(seq, payload)
+        async with self.sink.batch():
+            async for seq, payload in _paced(batches):
+                last = self._last_applied
+                if seq >= start and (last is None or seq > last):
+                    self._deliver_replayed(seq, payload)
 
     async def _replay_from(self, start: int) -> list[tuple[int, bytes]]:
         """The engine's buffer from ``start`` (`replay_batches`). With holes it keeps for good, what it

@@ -259,16 +259,14 @@ class KvEventPublisher:
         return await self._emit(rank, *self._cleared(rank, dp_rank, storage_tier))
 
     def emit_engine_events(
-        self, dp_rank: int, events: Iterable[EngineEvent]
+        self, dp_rank: int, events: Iterable[EngineEvent], into: list[bytes]
     ) -> list[tuple[EngineStored | EngineOffloaded, KvIndexError]]:
-        """Decoded engine events (their hashes u64 already) into the open `batch` in one pass, the
-        bridge's path: what `stored_hashes`, `removed` and `cleared` do, without a coroutine per event.
+        """Decoded engine events (their hashes u64 already) into ``into``, an `engine_batch`, in one pass,
+        the bridge's path: what `stored_hashes`, `removed` and `cleared` do, without a coroutine per event.
         Stores refused by what the rank holds are returned with the reason and never sent; so are the
         hashes of an offload that name no device block the rank holds (`BlockNotFound`)."""
-        batch = self._batch
-        assert batch is not None, "emit_engine_events runs inside batch()"
         rank = self._rank_log(dp_rank)
-        keep, send = rank.ring.append, batch.append
+        keep, send = rank.ring.append, into.append
         refused: list[tuple[EngineStored | EngineOffloaded, KvIndexError]] = []
         for event in self._offloads_resolved(dp_rank, events, refused):
             if type(event) is EngineStored:
@@ -315,15 +313,15 @@ class KvEventPublisher:
         seed: int,
         default_rank: int,
         hash_records: tuple[dict[tuple[int | None, int], int], dict[int, int], int],
+        into: list[bytes],
     ) -> tuple[int, int, int, int, list[tuple[int, int, int, int | None, int]]] | None:
         """`decode_engine_batch` and `emit_engine_events` of one engine payload in one C call (and the
         first-block hash check whose records are ``hash_records``: by content, by hash, the bound).
         Returns ``(dp_rank, applied, events, ignored, contradictions)``: the first ``applied`` of the
-        batch's ``events`` decoded events are in the open `batch` (fewer: the next store was refused and
-        the rest is the caller's); None, with nothing changed, for what the Python path must do."""
-        batch = self._batch
+        batch's ``events`` decoded events are in ``into``, an `engine_batch` (fewer: the next store was
+        refused and the rest is the caller's); None, with nothing changed, for what the Python path must do."""
         # Blocks held in copies take the Python path, which counts them (`HeldBlocks`).
-        if not (EVENTS_NATIVE and self._msgpack and self._encoder.native) or batch is None or self._held.has_copies:
+        if not (EVENTS_NATIVE and self._msgpack and self._encoder.native) or self._held.has_copies:
             return None
         taken = events_accel.bridge_batch(
             payload,
@@ -347,8 +345,16 @@ class KvEventPublisher:
             rank = self._ranks[dp_rank]
             rank.last_event_id = numbered[-1][0]
             rank.ring.extend(numbered)
-            batch.extend([encoded for _, encoded in numbered])
+            into.extend([encoded for _, encoded in numbered])
         return dp_rank, applied, events, ignored, contradictions
+
+    def emit_cleared(self, dp_rank: int, tiers: Iterable[StorageTier], into: list[bytes]) -> None:
+        """A clear of each of ``tiers`` of the rank into ``into``, an `engine_batch` (an engine restarted)."""
+        rank = self._rank_log(dp_rank)
+        for tier in tiers:
+            numbered = self._cleared(rank, dp_rank, tier)
+            rank.ring.append(numbered)
+            into.append(numbered[1])
 
     def next_event_id(self, dp_rank: int) -> int | None:
         """The id the rank's next event takes, for the C step to number a batch with (it hands the
@@ -463,6 +469,18 @@ class KvEventPublisher:
             yield
         finally:
             events, self._batch = self._batch, None
+            if events:
+                await self._send(events)
+
+    @contextlib.asynccontextmanager
+    async def engine_batch(self) -> AsyncIterator[list[bytes]]:
+        """A batch of its own, apart from `batch`'s: the list the `emit_engine_*` calls inside append to,
+        sent as one message on exit. One per engine stream (a bridge's dp ranks): a stream whose batch is
+        open never holds back, nor joins, another's."""
+        events: list[bytes] = []
+        try:
+            yield events
+        finally:
             if events:
                 await self._send(events)
 
