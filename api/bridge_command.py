@@ -105,11 +105,11 @@ class BridgeCommand:
 
     def run(self, args: argparse.Namespace) -> int:
         import asyncio
-        import contextlib
         import logging
         import signal
 
         from router.engines.bridge import Bridge
+        from router.engines.engine_spec import EndpointRefused
         from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url
         from router.event_plane.connection_file import DEFAULT_URL, ConnectionFileError
         from router.event_plane.first_connection import FirstConnectionError, LocalToolConnection
@@ -167,13 +167,19 @@ class BridgeCommand:
                 loop.add_signal_handler(sig, task.cancel)
             shown = redact_nats_url(resolved.url)
             print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {shown}", flush=True)
-            with contextlib.suppress(asyncio.CancelledError):
+            exit_code = 0
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except EndpointRefused as exc:
+                print(f"kv-router bridge: {exc}", file=sys.stderr)
+                exit_code = 2
             if metrics is not None:
                 metrics.close()  # a scrape under way ends within its read timeout: waited for, not cut off
                 await metrics.wait_closed()
             await nc.close()
-            return 0
+            return exit_code
 
         return asyncio.run(serve())
 

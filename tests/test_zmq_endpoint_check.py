@@ -1,7 +1,9 @@
 """Every ZMQ endpoint a user gives (``serve --engine``'s event and ``replay=`` sockets, ``bridge
 --zmq-endpoint`` and ``--replay-endpoint``) is checked at start-up by one rule: without ``tcp://`` (or
-``ipc://``) the command says so in one line on stderr and exits 2, never retrying a socket ZMQ refuses
-(a ZMQError traceback every few seconds, forever).
+``ipc://``), or with the engine's bind address (``tcp://*:PORT``, vLLM's documented value, or no host),
+or a port outside 1-65535, the command says so in one line on stderr and exits 2, never retrying a
+socket ZMQ refuses (a ZMQError traceback every few seconds, forever) nor one it connects nowhere.
+A stream or replay given such an endpoint anyway fails at once: its start, or the replay.
 
 Real ``kv-router serve`` and ``bridge`` processes (the bridge with a real nats-server to reach), each
 ended by its own exit or, should it hang, killed by its PID when ``subprocess.run`` times out.
@@ -9,15 +11,21 @@ ended by its own exit or, should it hang, killed by its PID when ``subprocess.ru
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+import zmq.asyncio
 
-from router.engines.engine_spec import check_zmq_endpoint, parse_engine_spec
+from router.config import RouterConfig
+from router.engines.direct import SequencerSink
+from router.engines.engine_spec import EndpointRefused, check_zmq_endpoint, parse_engine_spec
+from router.engines.zmq_stream import ReplayError, ZmqEngineStream, replay_batches
 from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.kv_router import KvRouter
 from tests.router_processes import ROOT, kv_router_command
 
 TIMEOUT_S = 40  # the old code never exited: the run would time out
@@ -32,6 +40,36 @@ def test_an_endpoint_without_tcp_scheme_and_port_is_refused(endpoint: str) -> No
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5557", "tcp://[::1]:5557", "tcp://host.example:1", "ipc:///x"])
 def test_tcp_and_ipc_endpoints_pass(endpoint: str) -> None:
     check_zmq_endpoint(endpoint, "event")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "said"),
+    [
+        ("tcp://*:5558", "the replay endpoint 'tcp://*:5558' is a bind address (* binds every interface): give "
+         "the engine's address to connect to, not the address it binds, e.g. tcp://127.0.0.1:5558"),
+        ("tcp://:5558", "the replay endpoint 'tcp://:5558' has no host: give the engine's address"),
+        ("tcp://127.0.0.1:99999",
+         "the replay endpoint 'tcp://127.0.0.1:99999' has port 99999: a TCP port is 1 to 65535"),
+        ("tcp://127.0.0.1:0", "the replay endpoint 'tcp://127.0.0.1:0' has port 0: a TCP port is 1 to 65535"),
+    ],
+)  # fmt: skip
+def test_a_bind_address_or_a_port_out_of_range_is_refused_saying_what_to_give(endpoint: str, said: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(said)):
+        check_zmq_endpoint(endpoint, "replay")
+
+
+@pytest.mark.anyio
+async def test_a_stream_whose_endpoint_zmq_refuses_fails_its_start_and_a_replay_fails_as_a_replay() -> None:
+    """Past the check (a stream made in code): the start raises at once, leaving nothing running, where it
+    waited forever on a reader that crashed and restarted; a replay fails as any replay, where its
+    ZMQError crashed the stream's apply loop again and again."""
+    router = KvRouter(RouterConfig(block_size=4))
+    stream = ZmqEngineStream(SequencerSink(router, 1), "tcp://*:5557", block_size=4)
+    with pytest.raises(EndpointRefused, match=re.escape("ZMQ refuses the event endpoint 'tcp://*:5557'")):
+        await asyncio.wait_for(stream.start(), 10)
+    await stream.stop()
+    with pytest.raises(ReplayError, match=re.escape("ZMQ refuses the replay endpoint 'tcp://*:5558'")):
+        await replay_batches(zmq.asyncio.Context.instance(), "tcp://*:5558", 0)
 
 
 def test_an_engine_spec_checks_its_replay_endpoint_as_its_event_endpoint() -> None:
@@ -56,12 +94,20 @@ def _one_line(done: subprocess.CompletedProcess[str]) -> str:
 
 
 @pytest.mark.slow
-def test_serve_refuses_a_replay_endpoint_without_tcp(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        ("1=tcp://127.0.0.1:5557,replay=127.0.0.1:5558",
+         "the replay endpoint must be tcp://HOST:PORT, got '127.0.0.1:5558' (from flag --engine)"),
+        # The engine's bind address copied: the service neither served nor stopped on SIGTERM.
+        ("1=tcp://*:5557", "the event endpoint 'tcp://*:5557' is a bind address"),
+        ("1=tcp://127.0.0.1:5557,replay=tcp://*:5558", "the replay endpoint 'tcp://*:5558' is a bind address"),
+    ],
+)  # fmt: skip
+def test_serve_refuses_an_engine_endpoint_it_cannot_connect_to(tmp_path: Path, spec: str, said: str) -> None:
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    done = _run("serve", "--port", str(free_port()), "--no-embedded-nats",
-                "--engine", "1=tcp://127.0.0.1:5557,replay=127.0.0.1:5558", env=env)  # fmt: skip
-    line = _one_line(done)
-    assert "the replay endpoint must be tcp://HOST:PORT, got '127.0.0.1:5558' (from flag --engine)" in line
+    done = _run("serve", "--port", str(free_port()), "--no-embedded-nats", "--engine", spec, env=env)
+    assert said in _one_line(done)
 
 
 @pytest.mark.slow
@@ -77,6 +123,17 @@ def test_serve_refuses_a_replay_endpoint_without_tcp(tmp_path: Path) -> None:
             ["--zmq-endpoint", "tcp://127.0.0.1:{port}", "--replay-endpoint", "127.0.0.1:5558"],
             "kv-router bridge: replay_endpoint: the replay endpoint must be tcp://HOST:PORT, got '127.0.0.1:5558' "
             "(from flag --replay-endpoint)",
+        ),
+        (  # vLLM's documented bind value, copied: the bridge's apply loop crashed forever and it exited 0
+            ["--zmq-endpoint", "tcp://127.0.0.1:{port}", "--replay-endpoint", "tcp://*:5558"],
+            "kv-router bridge: replay_endpoint: the replay endpoint 'tcp://*:5558' is a bind address (* binds every "
+            "interface): give the engine's address to connect to, not the address it binds, e.g. "
+            "tcp://127.0.0.1:5558 for an engine on this host (from flag --replay-endpoint)",
+        ),
+        (
+            ["--zmq-endpoint", "tcp://127.0.0.1:99999"],
+            "kv-router bridge: zmq_endpoint: the event endpoint 'tcp://127.0.0.1:99999' has port 99999: a TCP port "
+            "is 1 to 65535 (from flag --zmq-endpoint)",
         ),
     ],
 )

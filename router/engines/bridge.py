@@ -38,7 +38,7 @@ from indexer.errors import BlockNotFound
 from indexer.events import StorageTier
 from router.engines.bridge_config import BridgeConfig
 from router.engines.engine_metrics import EngineMetricsScraper
-from router.engines.engine_spec import rank_endpoint
+from router.engines.engine_spec import EndpointRefused, rank_endpoint
 from router.engines.hash_check import TokensHashCheck
 from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN, HealthProbe, wait_for_models
 from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
@@ -186,8 +186,12 @@ class Bridge:
         with contextlib.suppress(Exception):  # nothing to delete on a first start
             await registry.delete(str(self.config.worker_id))
         await self.publisher.start()
-        for stream in self.streams:
-            await stream.start()
+        try:
+            for stream in self.streams:
+                await stream.start()
+        except EndpointRefused:
+            await self.stop()  # the worker deregistered: it would never publish
+            raise
         if self.scraper is not None:
             self.scraper.start()
         if self.health is not None:

@@ -10,6 +10,7 @@ from router.engines.openai_server import openai_base
 __all__ = [
     "ENGINE_SPEC_FORM",
     "MAX_DP_SIZE",
+    "EndpointRefused",
     "EngineSpec",
     "check_rank_ports",
     "check_zmq_endpoint",
@@ -19,6 +20,11 @@ __all__ = [
 
 # Data-parallel ranks one --engine may name (each one a socket, and a port, of its own).
 MAX_DP_SIZE = 256
+
+
+class EndpointRefused(ValueError):
+    """ZMQ refused an engine's endpoint on connect (`check_zmq_endpoint` lets none such through): a
+    stream's start fails with it, in one line, rather than retrying what would fail alike."""
 
 
 class EngineSpec(NamedTuple):
@@ -59,14 +65,28 @@ ENGINE_SPEC_FORM = "WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,url=http
 def check_zmq_endpoint(endpoint: str, what: str) -> None:
     """Raise ``ValueError`` (one line) unless ``endpoint`` is an address an engine's ZMQ socket can be
     reached at, ``tcp://HOST:PORT`` (or ``ipc://PATH``): ZMQ refuses anything else on every connect, so
-    a stream given one would fail again and again. ``what`` names the socket (event, replay)."""
+    a stream given one would fail again and again. ``what`` names the socket (event, replay).
+
+    The engine's bind address is refused too (``tcp://*:5557``, vLLM's documented value, copied; or no
+    host): ZMQ refuses ``*`` on a connect, and connects an empty host nowhere. So is a port outside
+    1-65535, which ZMQ takes and never reaches."""
     scheme, sep, rest = endpoint.partition("://")
-    _, colon, port = rest.rpartition(":")
+    host, colon, port = rest.rpartition(":")
     valid = sep and "=" not in endpoint and (
         (scheme == "tcp" and colon and port.isdigit()) or (scheme == "ipc" and rest)
     )  # fmt: skip
     if not valid:
         raise ValueError(f"the {what} endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+    if scheme != "tcp":
+        return
+    if host in ("", "*"):
+        problem = "has no host" if not host else "is a bind address (* binds every interface)"
+        raise ValueError(
+            f"the {what} endpoint {endpoint!r} {problem}: give the engine's address to connect to, not the "
+            f"address it binds, e.g. tcp://127.0.0.1:{port} for an engine on this host"
+        )
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"the {what} endpoint {endpoint!r} has port {port}: a TCP port is 1 to 65535")
 
 
 def rank_endpoint(endpoint: str, dp_rank: int) -> str:

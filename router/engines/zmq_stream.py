@@ -79,6 +79,7 @@ from indexer.engine_events import (
     decode_engine_batch,
     stored_block_size,
 )
+from router.engines.engine_spec import EndpointRefused
 from router.engines.hash_check import TokensHashCheck, evidence
 from router.engines.zmq_drain import drain_sub
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -277,7 +278,10 @@ async def _replay_round(
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVHWM, 0)  # no bound on this side: fewer replies dropped
     try:
-        socket.connect(endpoint)
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError as exc:  # an endpoint ZMQ refuses: a failed replay, as an engine that is down
+            raise ReplayError(f"ZMQ refuses the replay endpoint {endpoint!r}: {exc}") from None
         await socket.send_multipart([b"", start.to_bytes(8, "big")])
         batches: list[tuple[int, bytes]] = []
         payload_bytes = 0
@@ -304,6 +308,13 @@ async def _replay_round(
             deadline = time.monotonic() + timeout_s
     finally:
         socket.close()
+
+
+def _close_sub(socket: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket | None) -> None:
+    if monitor is not None:
+        socket.disable_monitor()
+        monitor.close()
+    socket.close()
 
 
 class ZmqEngineStream:
@@ -383,7 +394,7 @@ class ZmqEngineStream:
         # A hybrid model's KV-cache groups that are not main attention, learnt from their stores: their
         # removals are ignored (`decode_engine_batch`); kept across restarts (the model's, not the cache's).
         self.side_groups: set[int] = set()
-        self._subscribed = asyncio.Event()
+        self._connected: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket | None] | None = None  # by `start`
         # Set while the subscription has surely reached the engine's PUB socket (a handshake, then the
         # tail-check delay), cleared when the connection drops. Only watched with a replay socket.
         self._joined = asyncio.Event()
@@ -400,11 +411,13 @@ class ZmqEngineStream:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        """Connect the SUB socket, then hear the engine in the background. An event endpoint ZMQ refuses
+        raises `EndpointRefused` with nothing left running: every retry would fail alike."""
+        self._connected = self._connect_sub()
         self._background.keep_running("sub", self._read)
         self._background.keep_running("apply", self._apply_loop)
         if self.replay_endpoint is not None:
             self._background.keep_running("quiet", self._watch_quiet)
-        await self._subscribed.wait()
 
     async def stop(self) -> None:
         await self._background.stop()
@@ -451,13 +464,29 @@ class ZmqEngineStream:
             waiter.set()
 
     # ------------------------------------------------------------------ reading
-    async def _read(self) -> None:
+    def _connect_sub(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket | None]:
+        """The SUB socket, connected to the engine, and its monitor (with a replay endpoint). Raises
+        `EndpointRefused`, nothing left open, when ZMQ refuses the endpoint."""
         socket = self._context.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.SUBSCRIBE, self.topic)
         socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_MISSED * self._heartbeat_ms)
+        # Made before the connection, so its first handshake is heard too.
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        monitor = None if self.replay_endpoint is None else socket.get_monitor_socket(events)
+        try:
+            socket.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            _close_sub(socket, monitor)
+            raise EndpointRefused(f"ZMQ refuses the event endpoint {self.endpoint!r}: {exc}") from None
+        return socket, monitor
+
+    async def _read(self) -> None:
+        # The socket `start` connected; a reader restarted after a crash connects a new one.
+        connected, self._connected = self._connected, None
+        socket, monitor = connected or self._connect_sub()
         # Read without futures: the socket's file descriptor wakes the loop, then everything queued is
         # taken with non-blocking reads (pyzmq's awaitable recv cost a future and a poll per message).
         sync: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
@@ -465,12 +494,7 @@ class ZmqEngineStream:
         readable = asyncio.Event()
         fd = cast(int, sync.getsockopt(zmq.FD))
         loop.add_reader(fd, readable.set)
-        # Made before the connection, so its first handshake is heard too.
-        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-        monitor = None if self.replay_endpoint is None else socket.get_monitor_socket(events)
         try:
-            socket.connect(self.endpoint)
-            self._subscribed.set()
             if monitor is None:
                 await self._take_messages(sync, readable)
             else:  # the socket's reader and its monitor's live and die together
@@ -479,10 +503,7 @@ class ZmqEngineStream:
                     group.create_task(self._watch_connections(monitor))
         finally:
             loop.remove_reader(fd)
-            if monitor is not None:
-                socket.disable_monitor()
-                monitor.close()
-            socket.close()
+            _close_sub(socket, monitor)
 
     async def _take_messages(self, sync: zmq.Socket[bytes], readable: asyncio.Event) -> None:
         queue, queued, heard, stats = self._queue, self._queued, self._heard, self.stats
