@@ -41,7 +41,7 @@ from router.engines.engine_spec import rank_endpoint
 from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN
 from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
-from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.engine_fakes import (
     BLOCK,
     EngineHttp,
@@ -626,3 +626,54 @@ def test_a_rank_waiting_on_its_replay_holds_back_no_other_ranks_events(
         rank_0 = engines[0].dump()
         until(lambda: [edge for edge in _dump(router) if edge[1] == 0] == rank_0, 20, "rank 0's blocks")
         assert waiting.stats["replay_failed"] == 0, "rank 0's events waited for rank 1's replay to fail"
+
+
+def _peak_rss_mib(pid: int) -> int:
+    """The process's peak resident memory (``VmHWM``), in MiB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) // 1024
+
+
+@pytest.mark.slow
+def test_engine_frames_past_the_bound_never_reach_the_bridges_memory(nats_server: EmbeddedNats, tmp_path: Path) -> None:
+    """A peer on the engine's PUB port sending 64 MiB frames (garbage, or hostile): libzmq drops the
+    connection at each frame's header (`MAX_ENGINE_FRAME_BYTES`), so the bridge's peak memory stays
+    where it was; before, it read all twelve into its queue, 884 MiB. The engine's batches after them
+    are heard as ever."""
+    port = free_port()
+    context = zmq.Context()
+    engine = context.socket(zmq.XPUB)  # an XPUB: it hears the bridge's subscription arrive
+    engine.setsockopt(zmq.LINGER, 0)
+    engine.setsockopt(zmq.SNDHWM, 0)
+    engine.bind(f"tcp://127.0.0.1:{port}")
+    bridge = ToolProcess(tmp_path, None, "--worker-id", str(WORKER), "--zmq-endpoint", f"tcp://127.0.0.1:{port}",
+                         "--block-size", str(BLOCK), "--nats-url", nats_server.url, "--metrics-port", "0",
+                         command="bridge")  # fmt: skip
+    try:
+        assert engine.poll(30_000), bridge.log()  # the bridge's subscription
+        engine.recv()
+        url = None
+        until(lambda: re.search(r"metrics on (http://\S+/metrics)", bridge.log()) is not None, 30, "the metrics URL")
+        url = re.search(r"metrics on (http://\S+/metrics)", bridge.log())
+        assert url is not None
+        started_at = _peak_rss_mib(bridge.pid)
+        garbage = b"\xc1" * (64 << 20)  # 0xc1 is never msgpack
+        for seq in range(12):
+            engine.send_multipart([b"", seq.to_bytes(8, "big"), garbage], copy=False)
+        stored = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "medium": "GPU",
+                  "token_ids": list(range(BLOCK)), "block_size": BLOCK, "lora_id": None}  # fmt: skip
+        batch = msgspec.msgpack.encode([1.0, [stored], 0])
+
+        def heard_after_the_garbage() -> bool:  # sent until heard: each dropped connection loses what follows it
+            engine.send_multipart([b"", (12).to_bytes(8, "big"), batch])
+            with urllib.request.urlopen(url.group(1), timeout=5) as reply:
+                metrics = reply.read().decode()
+            return total(metrics, "kv_router_engine_stream_messages_total", outcome="applied") >= 1
+
+        until(heard_after_the_garbage, 60, "the engine's batch after the garbage")
+        assert _peak_rss_mib(bridge.pid) < started_at + 100, bridge.log()[-2000:]
+        assert bridge.stop() == 0
+    finally:
+        bridge.stop()
+        engine.close()
+        context.term()

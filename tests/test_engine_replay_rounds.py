@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from router.engines.zmq_stream import (
     END_SEQ,
+    MAX_ENGINE_FRAME_BYTES,
     REPLAY_ROUNDS,
     ReplayError,
     ReplayHoles,
@@ -150,11 +151,42 @@ async def test_a_round_past_its_bounds_is_refused_at_the_first_batch_past_them(c
     buffer of 50 batches of 9 bytes against a bound one short of it) raises `ReplayTooLarge`, a
     `ReplayError`: a failed replay, the rest unread. Within the bounds the same buffer replays whole."""
     buffered = {seq: b"batch %03d" % seq for seq in range(50)}
+    reply = len(b"kv@engine") + 8 + 9  # every frame counts: the topic, the seq, the payload
     async with lossy_replay(context, lambda round_, seq: False, buffered=buffered) as (endpoint, asked):
         with pytest.raises(ReplayTooLarge, match="past 49 batches"):
             await replay_batches(context, endpoint, 0, max_batches=49)
-        with pytest.raises(ReplayTooLarge, match="or 449 bytes"):
-            await replay_batches(context, endpoint, 0, max_bytes=50 * 9 - 1)
+        with pytest.raises(ReplayTooLarge, match=f"or {50 * reply - 1} bytes"):
+            await replay_batches(context, endpoint, 0, max_bytes=50 * reply - 1)
         assert issubclass(ReplayTooLarge, ReplayError)
-        whole = await replay_batches(context, endpoint, 0, max_batches=50, max_bytes=50 * 9)
+        whole = await replay_batches(context, endpoint, 0, max_batches=50, max_bytes=50 * reply)
         assert whole == sorted(buffered.items()) and asked == [0, 0, 0]  # each refusal one round: not asked again
+
+
+async def test_a_reply_is_bounded_by_all_its_frames_and_none_past_the_frame_bound_is_read(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A replay socket's topic frame is memory as its payload is: a reply whose topic alone passes the
+    round's bytes is refused (only payloads counted, it was taken). And a frame past
+    `MAX_ENGINE_FRAME_BYTES` is never read (libzmq drops the connection at its header): the replay gets
+    no answer, where it read the frame whole into memory."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+
+    async def answer(topic: bytes, payload: bytes) -> None:
+        identity, _, _ = await router.recv_multipart()
+        await router.send_multipart([identity, b"", topic, (0).to_bytes(8, "big"), payload])
+        await router.send_multipart([identity, b"", topic, END_SEQ.to_bytes(8, "big"), b""])
+
+    try:
+        answering = asyncio.create_task(answer(b"t" * 4096, b"batch"))
+        with pytest.raises(ReplayTooLarge):
+            await replay_batches(context, endpoint, 0, timeout_s=2.0, max_bytes=1024)
+        await answering
+        answering = asyncio.create_task(answer(b"kv@engine", bytes(MAX_ENGINE_FRAME_BYTES + 1)))
+        with pytest.raises(ReplayError, match="no end marker"):
+            await replay_batches(context, endpoint, 0, timeout_s=1.0)
+        await answering
+    finally:
+        router.close()

@@ -58,6 +58,7 @@ bytes under the same seq, a duplicate); nothing stops the stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -108,6 +109,11 @@ QUIET_S = 0.5
 # afresh and has its own deadline.
 HEARTBEAT_S = 2.0
 HEARTBEAT_MISSED = 3
+# The largest frame an engine's socket may send us (libzmq drops the connection past it, before reading
+# the frame): without it a peer's frame of any size is read whole into memory. Real batches measure
+# 35 B to 4.3 KiB (shared/vectors/real-engines: vLLM 0.32, SGLang); a step that stores a 1M-token
+# prompt at once, the longest context an engine takes, is ~5 MiB of msgpack token ids (5 B each).
+MAX_ENGINE_FRAME_BYTES = 16 << 20
 
 
 class EngineSink(Protocol):
@@ -273,10 +279,11 @@ async def _replay_round(
 ) -> tuple[list[tuple[int, bytes]], bool]:
     """The batches one request brings, and whether its end marker came (a silence after some batches
     is taken as a dropped marker; before any, as no answer: `ReplayError`). More than ``max_batches``
-    batches or ``max_bytes`` bytes of payloads: `ReplayTooLarge`, the rest left unread."""
+    batches or ``max_bytes`` bytes of replies (every frame): `ReplayTooLarge`, the rest left unread."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RCVHWM, 0)  # no bound on this side: fewer replies dropped
+    socket.setsockopt(zmq.RCVHWM, 0)  # no bound on the count on this side: fewer replies dropped
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_FRAME_BYTES)
     try:
         try:
             socket.connect(endpoint)
@@ -284,7 +291,7 @@ async def _replay_round(
             raise ReplayError(f"ZMQ refuses the replay endpoint {endpoint!r}: {exc}") from None
         await socket.send_multipart([b"", start.to_bytes(8, "big")])
         batches: list[tuple[int, bytes]] = []
-        payload_bytes = 0
+        received_bytes = 0
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -298,8 +305,8 @@ async def _replay_round(
             seq = int.from_bytes(frames[-2], "big")
             if seq == END_SEQ:
                 return batches, True
-            payload_bytes += len(frames[-1])
-            if len(batches) == max_batches or payload_bytes > max_bytes:
+            received_bytes += sum(len(frame) for frame in frames)  # a topic frame is memory too
+            if len(batches) == max_batches or received_bytes > max_bytes:
                 raise ReplayTooLarge(
                     f"{endpoint}'s replay from seq {start} goes past {max_batches} batches or {max_bytes} bytes"
                 )
@@ -310,10 +317,9 @@ async def _replay_round(
         socket.close()
 
 
-def _close_sub(socket: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket | None) -> None:
-    if monitor is not None:
-        socket.disable_monitor()
-        monitor.close()
+def _close_sub(socket: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+    socket.disable_monitor()
+    monitor.close()
     socket.close()
 
 
@@ -394,7 +400,7 @@ class ZmqEngineStream:
         # A hybrid model's KV-cache groups that are not main attention, learnt from their stores: their
         # removals are ignored (`decode_engine_batch`); kept across restarts (the model's, not the cache's).
         self.side_groups: set[int] = set()
-        self._connected: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket | None] | None = None  # by `start`
+        self._connected: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None  # by `start`
         # Set while the subscription has surely reached the engine's PUB socket (a handshake, then the
         # tail-check delay), cleared when the connection drops. Only watched with a replay socket.
         self._joined = asyncio.Event()
@@ -464,18 +470,19 @@ class ZmqEngineStream:
             waiter.set()
 
     # ------------------------------------------------------------------ reading
-    def _connect_sub(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket | None]:
-        """The SUB socket, connected to the engine, and its monitor (with a replay endpoint). Raises
-        `EndpointRefused`, nothing left open, when ZMQ refuses the endpoint."""
+    def _connect_sub(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """The SUB socket, connected to the engine, and its monitor. Raises `EndpointRefused`, nothing
+        left open, when ZMQ refuses the endpoint."""
         socket = self._context.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_FRAME_BYTES)
         socket.setsockopt(zmq.SUBSCRIBE, self.topic)
         socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_MISSED * self._heartbeat_ms)
         # Made before the connection, so its first handshake is heard too.
         events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-        monitor = None if self.replay_endpoint is None else socket.get_monitor_socket(events)
+        monitor = socket.get_monitor_socket(events)
         try:
             socket.connect(self.endpoint)
         except zmq.ZMQError as exc:
@@ -495,12 +502,9 @@ class ZmqEngineStream:
         fd = cast(int, sync.getsockopt(zmq.FD))
         loop.add_reader(fd, readable.set)
         try:
-            if monitor is None:
-                await self._take_messages(sync, readable)
-            else:  # the socket's reader and its monitor's live and die together
-                async with asyncio.TaskGroup() as group:
-                    group.create_task(self._take_messages(sync, readable))
-                    group.create_task(self._watch_connections(monitor))
+            async with asyncio.TaskGroup() as group:  # the socket's reader and its monitor's live and die together
+                group.create_task(self._take_messages(sync, readable))
+                group.create_task(self._watch_connections(socket, monitor))
         finally:
             loop.remove_reader(fd)
             _close_sub(socket, monitor)
@@ -531,11 +535,12 @@ class ZmqEngineStream:
             if not cast(int, sync.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 await readable.wait()
 
-    async def _watch_connections(self, monitor: zmq.asyncio.Socket) -> None:
-        """A tail check after each handshake of the SUB socket with a PUB socket (its first, and each
-        reconnection: a restarted engine's new socket), once the subscription has had time to reach
-        the PUB socket: what the engine published before that, ZMQ dropped. The next handshake is
-        heard meanwhile (its first batch is to be verified), and its check replaces the pending one."""
+    async def _watch_connections(self, socket: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """Each connection of the SUB socket made again once it ends, and, with a replay endpoint, a tail
+        check after each handshake with a PUB socket (its first, and each reconnection: a restarted
+        engine's new socket), once the subscription has had time to reach the PUB socket: what the
+        engine published before that, ZMQ dropped. The next handshake is heard meanwhile (its first
+        batch is to be verified), and its check replaces the pending one."""
         loop = asyncio.get_running_loop()
         check: asyncio.TimerHandle | None = None
         try:
@@ -547,8 +552,15 @@ class ZmqEngineStream:
                     if check is not None:
                         check.cancel()
                         check = None
+                    # libzmq reconnects after a lost connection, never after a protocol error (a frame
+                    # past MAXMSGSIZE): connected afresh here either way.
+                    with contextlib.suppress(zmq.ZMQError):
+                        socket.disconnect(self.endpoint)
+                    socket.connect(self.endpoint)
                     continue
                 self.stats["connections"] += 1
+                if self.replay_endpoint is None:  # nothing to check a connection's first batch against
+                    continue
                 self._verify_next = True
                 if check is not None:
                     check.cancel()
