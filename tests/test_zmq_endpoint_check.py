@@ -14,19 +14,22 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq.asyncio
 
 from router.config import RouterConfig
 from router.engines.direct import SequencerSink
 from router.engines.engine_spec import EndpointRefused, check_zmq_endpoint, parse_engine_spec
-from router.engines.zmq_stream import ReplayError, ZmqEngineStream, replay_batches
+from router.engines.zmq_stream import END_SEQ, ReplayError, ZmqEngineStream, replay_batches
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.kv_router import KvRouter
 from tests.router_processes import ROOT, kv_router_command
+from tests.waiting import eventually
 
 TIMEOUT_S = 40  # the old code never exited: the run would time out
 
@@ -144,3 +147,49 @@ def test_bridge_refuses_endpoints_without_tcp(tmp_path: Path, flags: list[str], 
         done = _run("bridge", "--worker-id", "3", "--nats-url", nats.url,
                     *[flag.format(port=port) for flag in flags], env=env)  # fmt: skip
     assert _one_line(done) == said
+
+
+def _ipv6_loopback_port() -> int:
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.anyio
+async def test_an_engine_at_an_ipv6_address_is_heard_and_replayed() -> None:
+    """``tcp://[::1]:PORT`` (the form an IPv6 pod's address takes) passes the check; the stream's SUB
+    socket and its replay DEALER connect to it (libzmq connects to no IPv6 address without ZMQ_IPV6:
+    they waited forever, heard nothing, and every replay timed out)."""
+    context = zmq.asyncio.Context.instance()
+    pub, replay = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    for bound in (pub, replay):
+        bound.setsockopt(zmq.LINGER, 0)
+        bound.setsockopt(zmq.IPV6, 1)
+    events, replay_endpoint = f"tcp://[::1]:{_ipv6_loopback_port()}", f"tcp://[::1]:{_ipv6_loopback_port()}"
+    pub.bind(events)
+    replay.bind(replay_endpoint)
+    stored = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "medium": "GPU",
+              "token_ids": [1, 2, 3, 4], "block_size": 4, "lora_id": None}  # fmt: skip
+    batch = msgspec.msgpack.encode([1.0, [stored], 0])
+
+    async def answer_one_replay() -> None:
+        identity, _, _ = await replay.recv_multipart()
+        await replay.send_multipart([identity, b"", b"", (0).to_bytes(8, "big"), batch])
+        await replay.send_multipart([identity, b"", b"", END_SEQ.to_bytes(8, "big"), b""])
+
+    stream = ZmqEngineStream(SequencerSink(KvRouter(RouterConfig(block_size=4)), 1), events, block_size=4)
+    await stream.start()
+    try:
+        answering = asyncio.create_task(answer_one_replay())
+        assert await replay_batches(context, replay_endpoint, 0, timeout_s=5.0) == [(0, batch)]
+        await answering
+
+        async def heard() -> bool:  # published until heard: a PUB drops what precedes the subscription
+            await pub.send_multipart([b"", (0).to_bytes(8, "big"), batch])
+            return stream.stats["applied"] >= 1
+
+        await eventually(heard, 10, "the engine's batch over IPv6")
+    finally:
+        await stream.stop()
+        pub.close()
+        replay.close()

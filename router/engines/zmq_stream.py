@@ -284,6 +284,7 @@ async def _replay_round(
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVHWM, 0)  # no bound on the count on this side: fewer replies dropped
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_FRAME_BYTES)
+    socket.setsockopt(zmq.IPV6, 1)  # else libzmq never connects to tcp://[::1]:PORT (an IPv6 pod address)
     try:
         try:
             socket.connect(endpoint)
@@ -477,6 +478,7 @@ class ZmqEngineStream:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_FRAME_BYTES)
+        socket.setsockopt(zmq.IPV6, 1)  # else libzmq never connects to tcp://[::1]:PORT (an IPv6 pod address)
         socket.setsockopt(zmq.SUBSCRIBE, self.topic)
         socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_MISSED * self._heartbeat_ms)
