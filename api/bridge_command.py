@@ -108,6 +108,8 @@ class BridgeCommand:
         import logging
         import signal
 
+        from nats.js.errors import ServiceUnavailableError
+
         from router.engines.bridge import Bridge
         from router.engines.engine_spec import EndpointRefused
         from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url
@@ -174,6 +176,10 @@ class BridgeCommand:
                 pass
             except EndpointRefused as exc:
                 print(f"kv-router bridge: {exc}", file=sys.stderr)
+                exit_code = 2
+            except ServiceUnavailableError:  # JetStream's API unanswered: the registry bucket cannot be opened
+                print(f"kv-router bridge: the NATS server at {shown} has no JetStream, which the worker registry "
+                      "needs: start nats-server with -js (or jetstream {} in its config)", file=sys.stderr)  # fmt: skip
                 exit_code = 2
             if metrics is not None:
                 metrics.close()  # a scrape under way ends within its read timeout: waited for, not cut off

@@ -41,7 +41,7 @@ from router.engines.engine_spec import rank_endpoint
 from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN
 from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
-from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.embedded_server import EmbeddedNats, find_nats_server, free_port
 from tests.engine_fakes import (
     BLOCK,
     EngineHttp,
@@ -55,7 +55,7 @@ from tests.engine_fakes import (
 from tests.metrics import label_names, sample, total
 from tests.router_processes import ToolProcess, kv_router_command
 from tests.test_deploy_observability import BRIDGE_PREFIX, TARGET_LABELS, alert_rules, dashboard_queries, selectors
-from tests.waiting import until
+from tests.waiting import accepting, until
 
 WORKER = 41
 ROOT = Path(__file__).resolve().parents[1]
@@ -677,3 +677,27 @@ def test_engine_frames_past_the_bound_never_reach_the_bridges_memory(nats_server
         bridge.stop()
         engine.close()
         context.term()
+
+
+@pytest.mark.slow
+def test_a_bridge_against_nats_without_jetstream_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    """An operator's plain NATS (no ``-js``): the worker registry is a JetStream bucket, so the bridge
+    cannot run; it says which server and what to do, where it printed a traceback and exited 1."""
+    port = free_port()
+    server = subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        until(lambda: accepting(port), 20, "nats-server listens")
+        done = subprocess.run([*kv_router_command(), "bridge", "--worker-id", str(WORKER), "--zmq-endpoint",
+                               f"tcp://127.0.0.1:{free_port()}", "--nats-url", f"nats://127.0.0.1:{port}"],
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("kv-router bridge:")]
+    assert said == [
+        f"kv-router bridge: the NATS server at nats://127.0.0.1:{port} has no JetStream, which the worker registry "
+        "needs: start nats-server with -js (or jetstream {} in its config)"
+    ], done.stderr[-2000:]
