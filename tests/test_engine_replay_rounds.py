@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
@@ -189,4 +191,32 @@ async def test_a_reply_is_bounded_by_all_its_frames_and_none_past_the_frame_boun
             await replay_batches(context, endpoint, 0, timeout_s=1.0)
         await answering
     finally:
+        router.close()
+
+
+async def test_a_replay_dripping_replies_fails_at_its_rounds_limit(context: zmq.asyncio.Context) -> None:
+    """A ROUTER answering a batch every 0.2 s and never the end marker: each reply extends the wait by
+    the timeout, so the round once lasted as long as the peer went on (up to `MAX_REPLAY_BATCHES` of
+    them, the apply loop held all along); it fails at its limit."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+
+    async def drip() -> None:
+        identity, _, _ = await router.recv_multipart()
+        for seq in itertools.count():
+            await router.send_multipart([identity, b"", b"kv@engine", seq.to_bytes(8, "big"), b"batch"])
+            await asyncio.sleep(0.2)  # the dripping is what is tested
+
+    dripping = asyncio.create_task(drip())
+    started = time.monotonic()
+    try:
+        with pytest.raises(ReplayError, match=r"still answering after 1\.0 s"):
+            await replay_batches(context, endpoint, 0, timeout_s=1.0, round_limit_s=1.0)
+        assert time.monotonic() - started < 5
+    finally:
+        dripping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await dripping
         router.close()

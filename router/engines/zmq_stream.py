@@ -187,6 +187,10 @@ REPLAY_ROUNDS = 4
 # busy steps (10 KiB of events each). More would grow the router's memory at a peer's will.
 MAX_REPLAY_BATCHES = 100_000
 MAX_REPLAY_BYTES = MAX_REPLAY_BATCHES * 10 * 1024
+# What one replay round may take, at most, however often replies come (each extends its wait by the
+# timeout): a peer dripping a reply a second would hold the apply loop for days. A whole vLLM buffer
+# (10,000 batches) replays over loopback in well under a second.
+REPLAY_ROUND_LIMIT_S = 30.0
 
 
 async def _paced(batches: list[tuple[int, bytes]]) -> AsyncIterator[tuple[int, bytes]]:
@@ -208,6 +212,7 @@ async def replay_batches(
     timeout_s: float = 2.0,
     max_batches: int = MAX_REPLAY_BATCHES,
     max_bytes: int = MAX_REPLAY_BYTES,
+    round_limit_s: float = REPLAY_ROUND_LIMIT_S,
 ) -> list[tuple[int, bytes]]:
     """Ask an engine's replay ROUTER for every buffered batch from ``start``: ``(seq, payload)`` in order,
     with no seq missing between the first and the last.
@@ -218,16 +223,17 @@ async def replay_batches(
     high-water mark: a long replay to a busy router loses batches in its middle), so a batch missing
     between two that came is asked for again, from the batch before it, up to ``REPLAY_ROUNDS`` rounds;
     that batch must come back the same (else the engine restarted between two rounds). Raises
-    `ReplayError` on a timeout, a malformed reply, a batch that changed, or holes left after the last
-    round; `ReplayTooLarge` on a round of more than ``max_batches`` batches or ``max_bytes`` bytes of
-    payloads (each round is bounded so: a replay holds at most `REPLAY_ROUNDS` times as much).
+    `ReplayError` on a timeout, a round still answering after ``round_limit_s``, a malformed reply, a
+    batch that changed, or holes left after the last round; `ReplayTooLarge` on a round of more than
+    ``max_batches`` batches or ``max_bytes`` bytes of replies (each round is bounded so: a replay holds
+    at most `REPLAY_ROUNDS` times as much).
     """
     received: dict[int, bytes] = {}
     # Seqs after which the buffer holds nothing up to the next batch it holds (first after -> that one).
     confirmed: dict[int, int] = {}
     ask = start
     for round_ in range(REPLAY_ROUNDS):
-        batches, ended = await _replay_round(context, endpoint, ask, timeout_s, max_batches, max_bytes)
+        batches, ended = await _replay_round(context, endpoint, ask, timeout_s, max_batches, max_bytes, round_limit_s)
         if round_ > 0 and (not batches or batches[0] != (ask, received[ask])):
             # Asked from a batch already in hand: another answer is another process (a restart).
             raise ReplayError(f"{endpoint}'s replay of seq {ask} changed between two rounds")
@@ -275,10 +281,17 @@ def _first_hole(seqs: list[int], confirmed: dict[int, int]) -> int | None:
 
 
 async def _replay_round(
-    context: zmq.asyncio.Context, endpoint: str, start: int, timeout_s: float, max_batches: int, max_bytes: int
+    context: zmq.asyncio.Context,
+    endpoint: str,
+    start: int,
+    timeout_s: float,
+    max_batches: int,
+    max_bytes: int,
+    round_limit_s: float,
 ) -> tuple[list[tuple[int, bytes]], bool]:
     """The batches one request brings, and whether its end marker came (a silence after some batches
-    is taken as a dropped marker; before any, as no answer: `ReplayError`). More than ``max_batches``
+    is taken as a dropped marker; before any, as no answer: `ReplayError`; so is a round still answering
+    after ``round_limit_s``). More than ``max_batches``
     batches or ``max_bytes`` bytes of replies (every frame): `ReplayTooLarge`, the rest left unread."""
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -294,9 +307,12 @@ async def _replay_round(
         batches: list[tuple[int, bytes]] = []
         received_bytes = 0
         deadline = time.monotonic() + timeout_s
+        round_deadline = time.monotonic() + round_limit_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not await socket.poll(int(remaining * 1000) + 1):
+                if batches and time.monotonic() >= round_deadline:
+                    raise ReplayError(f"{endpoint}'s replay from seq {start} still answering after {round_limit_s} s")
                 if batches:
                     return batches, False
                 raise ReplayError(f"no end marker from {endpoint} within {timeout_s} s")
@@ -312,8 +328,8 @@ async def _replay_round(
                     f"{endpoint}'s replay from seq {start} goes past {max_batches} batches or {max_bytes} bytes"
                 )
             batches.append((seq, frames[-1]))
-            # Each reply extends the deadline: a long replay is slow, not stuck.
-            deadline = time.monotonic() + timeout_s
+            # Each reply extends the deadline (a long replay is slow, not stuck), never past the round's.
+            deadline = min(time.monotonic() + timeout_s, round_deadline)
     finally:
         socket.close()
 
