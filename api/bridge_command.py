@@ -112,7 +112,7 @@ class BridgeCommand:
 
         from router.engines.bridge import Bridge
         from router.engines.engine_spec import EndpointRefused
-        from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url
+        from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url, close_connection
         from router.event_plane.connection_file import DEFAULT_URL, ConnectionFileError
         from router.event_plane.first_connection import FirstConnectionError, LocalToolConnection
         from router.event_plane.urls import redact_nats_url
@@ -184,7 +184,7 @@ class BridgeCommand:
             if metrics is not None:
                 metrics.close()  # a scrape under way ends within its read timeout: waited for, not cut off
                 await metrics.wait_closed()
-            await nc.close()
+            await close_connection(nc)
             return exit_code
 
         return asyncio.run(serve())

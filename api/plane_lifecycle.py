@@ -38,7 +38,13 @@ from nats.errors import SlowConsumerError
 
 from api.config import EventPlaneConfig, HaConfig
 from api.wire import EventPlaneHealth
-from router.event_plane.connection import NatsOptions, connect, connect_when_available, is_authorization_error
+from router.event_plane.connection import (
+    NatsOptions,
+    close_connection,
+    connect,
+    connect_when_available,
+    is_authorization_error,
+)
 from router.event_plane.connection_file import (
     LocalServer,
     connection_file_path,
@@ -338,7 +344,7 @@ class PlaneLifecycle:
             await plane.stop()
         for nc in (self._sync_nc, self._nc):
             if nc is not None:
-                await nc.close()
+                await close_connection(nc)
         self._sync_nc = self._nc = None
 
     # ------------------------------------------------------------------ connection events

@@ -701,3 +701,31 @@ def test_a_bridge_against_nats_without_jetstream_says_so_in_one_line_and_exits_2
         f"kv-router bridge: the NATS server at nats://127.0.0.1:{port} has no JetStream, which the worker registry "
         "needs: start nats-server with -js (or jetstream {} in its config)"
     ], done.stderr[-2000:]
+
+
+def test_a_bridge_says_when_it_loses_nats_and_reaches_it_again_and_stops_without_it(tmp_path: Path) -> None:
+    """NATS going away under a running bridge is a WARNING in its log, its return an INFO (before, the
+    log said nothing: an operator could not tell its events had waited); SIGTERM while NATS is out of
+    reach stops it at once, exit 0, saying the worker was not deregistered (before: five seconds, a
+    traceback and exit 1)."""
+    zmq_endpoint, _ = loopback_endpoints(replay=False)
+    with EmbeddedNats() as server:
+        bridge = ToolProcess(tmp_path, None, "--worker-id", str(WORKER), "--zmq-endpoint", zmq_endpoint,
+                             "--block-size", str(BLOCK), "--nats-url", server.url, command="bridge")  # fmt: skip
+        try:
+            until(lambda: f"bridge for worker {WORKER}:" in bridge.log(), 30, "the bridge started")
+            server.stop()
+            until(lambda: "lost NATS at" in bridge.log(), 15, "the loss said")
+            server.start()  # the same port, a fresh store
+            until(lambda: "reached NATS at" in bridge.log(), 30, "the return said")
+            server.stop()
+            until(lambda: bridge.log().count("lost NATS at") == 2, 15, "the second loss said")
+            time.sleep(1.0)  # an outage, not the moment after a reconnection
+            started = time.monotonic()
+            assert bridge.stop() == 0, bridge.log()
+            assert time.monotonic() - started < 10
+            log = bridge.log()
+            assert f"worker {WORKER} stopping without NATS" in log and "routers drop it" in log, log
+            assert "Traceback" not in log, log
+        finally:
+            bridge.stop()

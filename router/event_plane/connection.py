@@ -4,6 +4,7 @@ connection, reconnect forever after it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = [
     "NatsSettings",
     "check_creds_file",
     "check_nats_url",
+    "close_connection",
     "connect",
     "connect_when_available",
     "is_authorization_error",
@@ -222,3 +224,10 @@ async def connect_when_available(
             on_attempt_failed(attempt, backoff, exc)
         await asyncio.sleep(backoff)
         backoff = min(max_backoff_s, backoff * 2)
+
+
+async def close_connection(nc: Client) -> None:
+    """Close ``nc``; a connection NATS dropped meanwhile (nats-py raises the lost transport's error
+    while flushing what it buffered) is closed all the same: nothing could have taken those bytes."""
+    with contextlib.suppress(OSError, NatsError):
+        await nc.close()

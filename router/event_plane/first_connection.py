@@ -5,12 +5,14 @@ Tools are often started right after ``kv-router serve`` (``serve ... & mock-work
 its embedded nats-server is up and before it has written its connection file: each attempt reads the
 connection file again (`with_local_credentials`), so the tool finds the server, its port and its
 token as soon as the service has written them. Once connected the client reconnects forever
-(`connect`); only the first connection has a deadline.
+(`connect`); only the first connection has a deadline. Losing NATS later, and reaching it again, is
+said in the tool's log (a WARNING, then an INFO): nothing else would show that its events waited.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +26,8 @@ from router.event_plane.connection_file import DEFAULT_URL, loopback_port, runti
 from router.event_plane.urls import redact_nats_url
 
 __all__ = ["DEFAULT_WAIT_SECS", "FirstConnectionError", "LocalToolConnection", "connect_local"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_WAIT_SECS = 30.0
 _PROGRESS_EVERY_SECS = 10.0
@@ -66,7 +70,7 @@ class LocalToolConnection:
         while True:
             options = self.resolved()
             try:
-                return await connect(options), options
+                return await self._connect_telling_outages(options), options
             except (OSError, TimeoutError, NatsError) as exc:
                 error: BaseException = exc
             now = time.monotonic()
@@ -86,6 +90,21 @@ class LocalToolConnection:
                 next_progress = now + _PROGRESS_EVERY_SECS
             await asyncio.sleep(min(backoff, max(0.0, deadline - now)))
             backoff = min(2.0, backoff * 2)
+
+    async def _connect_telling_outages(self, options: NatsOptions) -> Client:
+        """`connect`, the connection's later losses and returns logged (not its own close)."""
+        url = redact_nats_url(options.url)
+        client: Client | None = None
+
+        async def lost() -> None:
+            if client is not None and not client.is_closed:  # nats-py says so on close too
+                log.warning("%s: lost NATS at %s; reconnecting (what it publishes meanwhile waits)", self.tool, url)
+
+        async def back() -> None:
+            log.info("%s: reached NATS at %s again", self.tool, url)
+
+        client = await connect(options, on_disconnect=lost, on_reconnect=back)
+        return client
 
     def _waiting_reason(self, options: NatsOptions, error: BaseException) -> str:
         """Why this attempt failed, as the progress line says it. A local server that wants credentials

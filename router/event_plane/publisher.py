@@ -42,6 +42,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 from nats.errors import OutboundBufferLimitError
 from nats.js.kv import KeyValue
 
@@ -88,6 +89,9 @@ __all__ = ["KvEventPublisher", "open_registry"]
 log = logging.getLogger(__name__)
 
 DEFAULT_RING_SIZE = 1024
+# The longest a stop waits for NATS to take the worker's deregistration and what is buffered: a worker
+# stopped while NATS is out of reach stops all the same (routers drop it once its lease runs out).
+STOP_NATS_WAIT_S = 2.0
 
 
 async def open_registry(nc: Client, subjects: Subjects, replicas: int | None = None) -> KeyValue:
@@ -171,10 +175,19 @@ class KvEventPublisher:
             if subscription is not None:
                 await subscription.unsubscribe()
         self._resync_subscription = self._refused_subscription = None
-        if deregister:
-            registry = await open_registry(self.nc, self.subjects)
-            await registry.delete(str(self.worker_id))
-        await self.nc.flush()
+        try:
+            async with asyncio.timeout(STOP_NATS_WAIT_S):
+                if deregister:
+                    registry = await open_registry(self.nc, self.subjects)
+                    await registry.delete(str(self.worker_id))
+                await self.nc.flush()
+        except (TimeoutError, NatsError) as exc:
+            log.warning(
+                "worker %d stopping without NATS (%r): %s",
+                self.worker_id,
+                exc,
+                "routers drop it once its lease runs out" if deregister else "its last events may not have gone",
+            )
 
     async def register(self) -> None:
         registry = await open_registry(self.nc, self.subjects)
