@@ -17,7 +17,12 @@ import msgspec
 from router.errors import ConfigError
 from router.types import RouterConfigOverride
 
-__all__ = ["PrefillLoadModel", "QueuePolicy", "RouterConfig"]
+__all__ = ["MAX_WEIGHT", "PrefillLoadModel", "QueuePolicy", "RouterConfig"]
+
+# The largest cost weight, credit or threshold multiple taken, there or in a request's override: far past
+# any tuning, yet its products with token and block counts stay finite floats that round to ints (1e308,
+# finite and >= 0, made every decision on a cached prompt an OverflowError, a 500). Dynamo bounds none.
+MAX_WEIGHT = 1e6
 
 QueuePolicy = Literal["fcfs", "wspt", "lcfs"]
 # "none": a booked prefill counts in full until marked done; "linear": the oldest pending prefill of a
@@ -455,9 +460,9 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             "latency_itl_stall_weight",
             "latency_pass_base_tokens",
             "latency_hit_margin",
-            "router_ttl_secs",
         ):
-            _require_non_negative(name, getattr(self, name))
+            _require_weight(name, getattr(self, name))
+        _require_non_negative("router_ttl_secs", self.router_ttl_secs)
         if not 0.0 <= self.untrusted_overlap_weight <= 1.0:
             raise ConfigError(
                 "untrusted_overlap_weight", f"must be between 0.0 and 1.0, got {self.untrusted_overlap_weight}"
@@ -474,7 +479,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         for name in ("active_prefill_tokens_threshold_frac", "router_queue_threshold"):
             value = getattr(self, name)
             if value is not None:
-                _require_non_negative(name, value)
+                _require_weight(name, value)
         for name in ("router_queue_request_limit_per_worker", "router_queue_isl_token_limit_per_worker"):
             limit = getattr(self, name)
             if limit is None:
@@ -512,7 +517,7 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         if override.overlap_score_weight is not None:
             # Deprecated alias, as Dynamo maps it: the scale, and 0 switches the credit off too. Checked
             # here, so that a bad value is refused under the name the caller sent.
-            _require_non_negative("overlap_score_weight", override.overlap_score_weight)
+            _require_weight("overlap_score_weight", override.overlap_score_weight)
             fields["prefill_load_scale"] = override.overlap_score_weight
             if override.overlap_score_weight == 0.0:
                 fields["overlap_score_credit"] = 0.0
@@ -532,3 +537,8 @@ class RouterConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
 def _require_non_negative(name: str, value: float) -> None:
     if not (math.isfinite(value) and value >= 0.0):
         raise ConfigError(name, f"must be a finite number >= 0, got {value}")
+
+
+def _require_weight(name: str, value: float) -> None:
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_WEIGHT):
+        raise ConfigError(name, f"must be a number from 0 to {MAX_WEIGHT:g}, got {value}")

@@ -72,8 +72,15 @@ BAD = [
     (["serve", "--port", "70000"], "<= 65535"),
     (["serve", "--jetstream-replicas", "3"], "jetstream_replicas: 3 copies need a NATS cluster"),
     (["serve", "--block-size", "0"], "block_size: must be a positive integer"),
-    (["serve", "--router-temperature", "-1"], "router_temperature: must be a finite number >= 0"),
+    (["serve", "--router-temperature", "-1"], "router_temperature: must be a number from 0 to 1e+06"),
     (["serve", "--router-temperature", "nan"], "router_temperature"),
+    # Accepted before, then every decision a 500 (an int or a rounding overflowing); config show
+    # checks as serve does, without serving on a tree that lets them in.
+    (["config", "show", "--overlap-score-credit", "1e308"], "overlap_score_credit: must be a number from 0 to 1e+06"),
+    (
+        ["config", "show", "--active-prefill-tokens-threshold-frac", "1e305"],
+        "active_prefill_tokens_threshold_frac: must be a number from 0 to 1e+06",
+    ),
     (["serve", "--config", "/nonexistent/kv-router.toml"], "cannot read config file"),
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["config", "show", "--max-body-bytes", "1.5"], "max_body_bytes"),
