@@ -63,7 +63,9 @@ __all__ = ["EXPIRY_SWEEP_SECS", "RouterApp", "create_app"]
 logger = logging.getLogger(__name__)
 
 # Dynamo sweeps stale requests globally every 60 s besides the check on each `new` (§4.5); the sweep
-# is what frees the load of requests nobody marked free while no new request arrives.
+# is what frees the load of requests nobody marked free while no new request arrives. It also re-checks
+# the queue (`KvRouter.expire_stale`): a backstop for a head that became dispatchable with no call to
+# dispatch it.
 EXPIRY_SWEEP_SECS = 60.0
 # How often the configuration doctor looks (its checks read state; each costs well under a millisecond).
 DOCTOR_INTERVAL_SECS = 5.0

@@ -44,7 +44,6 @@ from router.errors import (
     ConfigError,
     DuplicateRequestId,
     InvalidRequest,
-    KvRouterError,
     NoEligibleWorker,
     QueueRejected,
     WorkersUnavailable,
@@ -831,9 +830,12 @@ class KvRouter:
         except asyncio.CancelledError:
             # Cancelled while waiting: leave the queue. Cancelled after being scheduled but before
             # resuming: undo the booking, as Dynamo frees a cancelled queued request.
-            scheduled = not queue.cancel(ticket) and future.done() and not future.cancelled()
-            if scheduled and future.exception() is None and request.request_id is not None:
-                self.mark_free(request.request_id)
+            if queue.cancel(ticket):
+                # Those behind it may go now (it may have been the head): dispatched once this
+                # cancellation has unwound, not from inside it.
+                asyncio.get_running_loop().call_soon(self._dispatch_waiting)
+            elif future.done() and not future.cancelled() and future.exception() is None and request.request_id:
+                self.mark_free(request.request_id)  # scheduled, then cancelled before it resumed
             raise
 
     def _best_cached_tokens(
@@ -857,19 +859,17 @@ class KvRouter:
                 queue.pop_head()
                 continue
             routing = waiter.routing
-            try:
-                workers = self._eligible(routing)
-            except NoEligibleWorker as exc:
-                queue.pop_head()
-                waiter.future.set_exception(exc)
-                continue
             waited = self._clock() - waiter.enqueued_at
             try:
+                workers = self._eligible(routing)
                 self._check_prefill_pin(routing)
                 decision = self._route_unless_blocked(
                     routing, workers, queued_s=waited, rematch=waited >= OVERLAP_REFRESH_AFTER_SECS
                 )
-            except KvRouterError as exc:
+            except Exception as exc:
+                # The waiter fails alone, its caller raising it (a defect is logged there): never the mark or
+                # decision that dispatched it, nor the waiters behind (a head raising at every dispatch
+                # wedged the queue and made every mark a 500).
                 queue.pop_head()
                 waiter.future.set_exception(exc)
                 continue
@@ -1011,9 +1011,12 @@ class KvRouter:
         return self._scheduler.sequences.bookings()
 
     def expire_stale(self) -> list[str]:
-        """Free requests active longer than ``request_expiry_secs`` (§4.5); returns their ids.
+        """Free requests active longer than ``request_expiry_secs`` (§4.5), then dispatch the queue's
+        head if it can go; returns the ids expired.
 
-        Runs on every `new`; O(1) when nothing is stale. Call it periodically to also expire while idle.
+        Runs on every `new`; O(1) when nothing is stale. Call it periodically to also expire while idle
+        and to re-check the queue: a head can become dispatchable with no call freeing anything (the
+        prefill load model's decay) or be missed by one (a defect).
         """
         expired = self._scheduler.sequences.expire(self._clock() - self.config.request_expiry_secs)
         self._ended(expired)
@@ -1022,7 +1025,7 @@ class KvRouter:
             if self.booking_listener is not None:
                 for request_id in expired:
                     self.booking_listener.freed(request_id)
-            self._dispatch_waiting()
+        self._dispatch_waiting()
         return expired
 
     def cancel_waiting(self) -> int:

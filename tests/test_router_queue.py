@@ -22,6 +22,8 @@ from router import (
     RoutingConstraints,
     WorkerConfig,
 )
+from router.policies import Selection, SelectionContext, SelectionPolicy, register_policy, registry
+from router.types import RouterConfigOverride
 from tests.dynamo_fleet import prompt_stored_event
 
 BS = 16
@@ -325,3 +327,93 @@ def test_an_overloaded_pinned_rank_is_refused() -> None:
     with pytest.raises(AllWorkersOverloaded):
         route(router, tokens(16, 500), pinned_worker=(W, 0))
     assert route(router, tokens(16, 500)).worker_id == W + 1
+
+
+def test_the_head_leaving_dispatches_those_behind_it() -> None:
+    """The head waits for a busy worker; the request behind it could go to an idle one but waits behind
+    it (anti-bypass). When the head's client leaves, the one behind goes at once, with no other event."""
+    router = KvRouter(RouterConfig(block_size=BS, router_queue_threshold=0.0), rng=random.Random(0))
+    router.register_worker(WorkerConfig(worker_id=W, taints=frozenset({"a"})))
+    router.register_worker(WorkerConfig(worker_id=W + 1))
+    only_a = RoutingConstraints(required_taints=["a"])
+
+    async def scenario() -> None:
+        await router.new(RouteRequest(tokens=tokens(40), request_id="a", routing_constraints=only_a))
+        head = asyncio.ensure_future(
+            router.new(RouteRequest(tokens=tokens(40, 100), request_id="b", routing_constraints=only_a))
+        )
+        await settle()
+        behind = asyncio.ensure_future(router.new(RouteRequest(tokens=tokens(40, 200), request_id="c")))
+        await settle()
+        assert router.queue_stats().pending_count == 2
+        head.cancel()
+        await settle()
+        assert behind.done() and behind.result().worker_id == W + 1
+        assert router.queue_stats().pending_count == 0
+
+    run(scenario)
+
+
+def test_the_periodic_sweep_dispatches_a_head_the_load_model_freed() -> None:
+    """With the linear prefill load model a rank's pending prefill decays with time alone, no call
+    freeing anything: the sweep (`expire_stale`, nothing expired) dispatches the head then."""
+    clock = Clock()
+    router = queued_router(clock, router_prefill_load_model="linear", router_prefill_tokens_per_s=1000.0)
+
+    async def scenario() -> None:
+        await router.new(RouteRequest(tokens=tokens(101, 90_000), request_id="saturate"))
+        waiting = asyncio.ensure_future(router.new(queued("a")))
+        await settle()
+        assert not waiting.done()
+        clock.now += 1.0  # the 101 tokens took 0.1 s: nothing pending any more
+        assert router.expire_stale() == []
+        await settle()
+        assert waiting.result().request_id == "a"
+
+    run(scenario)
+
+
+def test_a_waiter_whose_scheduling_raises_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A defect in one queued request's scheduling is raised to its own caller: the mark that
+    dispatched it succeeds, and the request behind it is dispatched (it used to raise out of every mark
+    and decision, 500s all round, leaving newcomers queued with nobody to free them once booked)."""
+    monkeypatch.setattr(registry, "_POLICIES", dict(registry._POLICIES))  # no later test lists it
+
+    class Defective(SelectionPolicy):
+        """Picks the first candidate, but overflows for a request crediting its cache 7 times."""
+
+        name = "defective"
+
+        def __init__(self, config: RouterConfig, rng: random.Random) -> None:
+            pass
+
+        def select(self, context: SelectionContext) -> Selection:
+            if context.config.overlap_score_credit == 7.0:
+                raise OverflowError("cannot convert float infinity to integer")
+            return Selection(0, "the first")
+
+    register_policy("defective", Defective)
+    router = queued_router(policy="defective")
+    poisoned = RouteRequest(
+        tokens=tokens(101, 5000),
+        request_id="poisoned",
+        router_config_override=RouterConfigOverride(overlap_score_credit=7.0),
+    )
+
+    async def scenario() -> None:
+        await router.new(RouteRequest(tokens=tokens(101, 90_000), request_id="saturate"))
+        head = asyncio.ensure_future(router.new(poisoned))
+        await settle()
+        behind = asyncio.ensure_future(router.new(queued("b")))
+        await settle()
+        assert router.queue_stats().pending_count == 2
+        assert router.mark_free("saturate")
+        await settle()
+        with pytest.raises(OverflowError):
+            head.result()
+        assert behind.result().request_id == "b"
+        assert router.queue_stats().pending_count == 0
+        assert [load.active_requests for load in router.rank_loads()] == [1]
+        assert router.booking("poisoned") is None
+
+    run(scenario)
