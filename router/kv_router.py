@@ -305,11 +305,16 @@ class KvRouter:
     def adopt_block_size(self, block_size: int) -> None:
         """``--block-size auto``: take the engines' block size, told by the first engine's stored event,
         before any block is indexed. Workers registered meanwhile (with the placeholder) take it too;
-        the policy is made afresh for it. Raises `ConfigError` once blocks or requests depend on the old one."""
+        the policy is made afresh for it. Raises `ConfigError` once blocks are indexed at the old one.
+
+        Requests booked meanwhile are the usual case (the first request routed to an engine makes its
+        first stores) and stay as booked: each holds its own sequence hashes and releases exactly those,
+        so the accounting stays whole; until they end their blocks count at the old size and share no
+        prefix with bookings at the new one."""
         if block_size == self.config.block_size:
             return
-        if any(self.tree.stats().blocks.values()) or len(self._scheduler.sequences):
-            raise ConfigError("block_size", "cannot change once blocks are indexed or requests are active")
+        if any(self.tree.stats().blocks.values()):
+            raise ConfigError("block_size", "cannot change once blocks are indexed")
         self.config = msgspec.structs.replace(self.config, block_size=block_size)
         self._scheduler.adopt_config(self.config, *self._create_policies(self.config))
         for worker in self.workers():

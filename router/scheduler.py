@@ -92,7 +92,7 @@ class Scheduler:
 
     def adopt_config(self, config: RouterConfig, policy: SelectionPolicy, prefill_policy: SelectionPolicy) -> None:
         """Another config of the same thresholds and policy kinds (the block size adopted from the
-        engines, `KvRouter.adopt_block_size`), before any request depends on the old one."""
+        engines, `KvRouter.adopt_block_size`); bookings made under the old one keep their own hashes."""
         self._config = config
         self._policy = policy
         self._prefill_policy = prefill_policy

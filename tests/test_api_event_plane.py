@@ -350,6 +350,30 @@ def test_a_worker_registered_while_nats_connects_reaches_the_registry_at_the_blo
     assert shared.block_size == 2 * BLOCK
 
 
+def test_under_block_size_auto_an_adoption_refused_is_tried_again_by_the_next_engine() -> None:
+    """Blocks indexed at the placeholder (events posted over HTTP) refuse the first engine's size; once
+    they are gone the next engine's first store decides (the refused engine used to be recorded as the
+    deciding one, so the router stayed on the placeholder for good). Requests booked meanwhile do not
+    refuse it: they free whole after."""
+    from router.engines.direct import AdoptedBlockSize
+    from router.kv_router import KvRouter
+    from router.types import RouteRequest
+    from tests.dynamo_fleet import prompt_stored_event
+
+    router = KvRouter(RouterConfig(block_size=BLOCK))  # the placeholder
+    adopting = AdoptedBlockSize(router)
+    router.register_worker(WorkerConfig(worker_id=1))
+    router.register_worker(WorkerConfig(worker_id=2))
+    router.apply_event(prompt_stored_event(1, list(range(64)), BLOCK))
+    asyncio.run(router.new(RouteRequest(tokens=list(range(100, 200)), request_id="booked"), among={2}))
+    assert adopting.for_engine("tcp://127.0.0.1:5557")(2 * BLOCK) == BLOCK  # blocks indexed at 16
+    router.remove_worker(1)
+    assert adopting.for_engine("tcp://127.0.0.1:5567")(2 * BLOCK) == 2 * BLOCK
+    assert (router.config.block_size, adopting.decided_by) == (2 * BLOCK, "tcp://127.0.0.1:5567")
+    assert router.mark_free("booked")
+    assert [load.active_requests for load in router.rank_loads()] == [0]
+
+
 def test_under_block_size_auto_a_worker_takes_the_adopted_size_and_one_naming_another_is_refused() -> None:
     """Until the engines' block size is adopted the router's is a placeholder, checked as the registry's
     watch checks it: a worker naming none or that one is registered and takes the adopted size; one

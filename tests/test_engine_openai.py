@@ -371,6 +371,45 @@ def test_block_size_auto_adopts_the_first_engines_and_refuses_an_engine_that_dif
             pub.close()
 
 
+def test_block_size_auto_adopts_with_a_request_booked_before_the_first_store(tmp_path: Path, shared_dir: Path) -> None:
+    """The usual order: the first request routed to an engine is booked before the engine has stored
+    anything (serving it makes the first stores). The engine's size is adopted all the same and its
+    blocks indexed; the request booked at the placeholder frees whole (the router stayed on 16 and
+    refused every store of the 32-token engine until a restart)."""
+    import json
+
+    import zmq
+
+    capture = json.loads((shared_dir / "vectors" / "real-engines" / "5557_BlockStored.json").read_text())
+    topic, _, payload = (bytes.fromhex(frame) for frame in capture["frames_hex"])
+    port = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    router = RouterProcess(
+        tmp_path, "--no-embedded-nats", "--block-size", "auto", "--engine", f"1=tcp://127.0.0.1:{port}"
+    )
+    try:
+        router.start()
+        assert router.post("/v1/workers", {"worker_id": 1})[0] in (200, 201)
+        status, decision = router.post("/v1/new", {"tokens": list(range(1, 200)), "request_id": "first"})
+        assert (status, decision["worker_id"]) == (200, 1)
+
+        def stored() -> bool:
+            pub.send_multipart([topic, (0).to_bytes(8, "big"), payload])  # the slow joiner may miss it
+            return _blocks_of(router, 1) == 4
+
+        until(stored)
+        assert router.get("/v1/info")["block_size"] == 32
+        assert router.post("/v1/mark_free", {"request_id": "first"})[0] == 200
+        loads = router.post("/v1/potential_loads", {"tokens": list(range(1, 200))})[1]["loads"]
+        # Nothing left booked: the prompt's own 6 full blocks of 32 are all the decode load it would see.
+        assert [(load["active_requests"], load["potential_decode_blocks"]) for load in loads] == [(0, 6)]
+    finally:
+        router.stop()
+        pub.close()
+
+
 # Engine watchers (direct mode's, the bridge's) probe every ENGINE_PROBE_S; the proxy's active checks
 # of static workers are set ten times as frequent, so that any of them on an engine shows at once.
 ENGINE_PROBE_S = 0.5

@@ -213,12 +213,12 @@ class AdoptedBlockSize:
     def for_engine(self, endpoint: str) -> Callable[[int], int]:
         def adopt(engine_block_size: int) -> int:
             if self.decided_by is None:
-                self.decided_by = endpoint
                 try:
                     self.router.adopt_block_size(engine_block_size)
-                except ConfigError as exc:
+                except ConfigError as exc:  # undecided: the next engine's first store tries again
                     log.error("--block-size auto: the engine at %s uses %d: %s", endpoint, engine_block_size, exc)
                 else:
+                    self.decided_by = endpoint
                     log.info("--block-size auto: the engine at %s decided %d", endpoint, engine_block_size)
             elif engine_block_size != self.router.config.block_size:
                 log.error(
