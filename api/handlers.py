@@ -189,10 +189,10 @@ class Handlers:
         return self._guarded("potential_loads", self._potential_loads, call)
 
     def mark_prefill(self, call: Call) -> Reply:
-        return self._guarded("mark_prefill", self._mark, call, self._router.mark_prefill)
+        return self._guarded("mark_prefill", self._mark, call, free=False)
 
     def mark_free(self, call: Call) -> Reply:
-        return self._guarded("mark_free", self._mark, call, self._router.mark_free)
+        return self._guarded("mark_free", self._mark, call, free=True)
 
     def record_output(self, call: Call) -> Reply:
         """``POST /v1/record_output``: the request's generated tokens so far (``router_track_output_blocks``)."""
@@ -298,11 +298,16 @@ class Handlers:
         queue = self._router.queue_stats()
         return reply_type(loads=loads, pending_count=queue.pending_count, pending_isl_tokens=queue.pending_isl_tokens)
 
-    def _mark(self, call: Call, mark: Callable[[str], bool]) -> Reply:
+    def _mark(self, call: Call, *, free: bool) -> Reply:
         request_id = _request_id(self._mark_body.decode(call).request_id, call)
-        if not mark(request_id):
-            raise UnknownRequestId(f"request {request_id!r} is not active")
-        return self._reply(MarkReply(request_id=request_id, success=True), call, request_id)
+        router = self._router
+        if (router.mark_free if free else router.mark_prefill)(request_id):
+            return self._reply(MarkReply(request_id=request_id, success=True), call, request_id)
+        # Not booked here: with replica sync a peer may hold it (its booking on its way), so not a 404.
+        if router.pass_mark_to_replicas(request_id, free=free):
+            reply = MarkReply(request_id=request_id, success=True, passed_to_replicas=True)
+            return Reply(202, encode(reply, call.reply_msgpack), call.reply_msgpack, request_id)
+        raise UnknownRequestId(f"request {request_id!r} is not active")
 
     def _record_output(self, call: Call) -> Reply:
         progress = self._output_body.decode(call)
@@ -313,9 +318,13 @@ class Handlers:
 
     def _router_mark(self, request: RouterMarkPrefill | RouterMarkFree, call: Call) -> Reply:
         request_id = _request_id(request.request_id, call)
+        router = self._router
+        # Passed to the replicas (an id a peer may hold, its booking not here yet) counts as a success.
         if isinstance(request, RouterMarkPrefill):
-            return self._reply(RouterPrefillMarked(success=self._router.mark_prefill(request_id)), call, request_id)
-        return self._reply(RouterFreeMarked(success=self._router.mark_free(request_id)), call, request_id)
+            marked = router.mark_prefill(request_id) or router.pass_mark_to_replicas(request_id, free=False)
+            return self._reply(RouterPrefillMarked(success=marked), call, request_id)
+        freed = router.mark_free(request_id) or router.pass_mark_to_replicas(request_id, free=True)
+        return self._reply(RouterFreeMarked(success=freed), call, request_id)
 
     def _events(self, call: Call) -> Reply:
         events = decode_router_events(call.body, msgpack=call.msgpack)

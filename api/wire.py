@@ -473,9 +473,12 @@ RouterResponse = (
 )
 
 
-class MarkReply(msgspec.Struct, kw_only=True):
+class MarkReply(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str
     success: bool
+    # Not booked here, passed to the replicas (a 202): a peer may hold it, its booking not here yet;
+    # the mark applies wherever the booking is or arrives (router/replicas/README.md).
+    passed_to_replicas: bool = False
 
 
 class WorkerStatus(msgspec.Struct, kw_only=True):

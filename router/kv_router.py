@@ -98,6 +98,11 @@ class BookingListener(Protocol):
 
     def freed(self, request_id: str) -> None: ...
 
+    def marked_unknown(self, request_id: str, *, free: bool) -> bool:
+        """A mark (``free``, else the prefill's) for an id not booked here, whose booking may be on its way
+        from a peer: kept for it and passed on; whether it was (False: an id freed here lately)."""
+        ...
+
 
 class _Routing:
     """One `new` call between matching and booking: what its scheduling needs, now or once dequeued."""
@@ -924,6 +929,18 @@ class KvRouter:
                 self.booking_listener.freed(request_id)
             self._dispatch_waiting()
         return freed
+
+    def pass_mark_to_replicas(self, request_id: str, *, free: bool) -> bool:
+        """A mark (``free``: `mark_free`, else `mark_prefill`) for an id not booked here. With replica sync a
+        peer may hold it, its booking not here yet (~1-3 ms): the mark is kept for the booking should it
+        arrive and passed to the peers, the one holding it applying it, with a free of its remote prefill
+        leg (the replica holding a request frees the leg only when told of the request itself). True when
+        passed; False without replica sync or for an id freed here lately (a repeated mark)."""
+        listener = self.booking_listener
+        if listener is None or not listener.marked_unknown(request_id, free=free):
+            return False
+        listener.marked_unknown(prefill_booking_id(request_id), free=True)
+        return True
 
     def _credit_computed_prompt(self, request_id: str) -> None:
         """The request's prompt is computed (its first token is out), so its engine holds the prompt's

@@ -108,6 +108,31 @@ def test_processes_share_the_port_and_one_load_view(tmp_path: Path) -> None:
     assert router.process is not None and router.process.returncode == 0
 
 
+def test_a_free_reaching_the_other_process_before_its_booking_frees_it(tmp_path: Path) -> None:
+    """Each request booked, then freed at once on another fresh connection: the free often reaches the
+    process that did not book it before the booking does. It is passed on (202, ``passed_to_replicas``)
+    instead of a 404, and no booking is left on either process (each one leaked for 300 s)."""
+    router = RouterProcess(tmp_path, "--processes", "2", "--replica-lease-secs", "5")
+    router.start()
+    try:
+        until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+              40, "two router processes listening")  # fmt: skip
+        assert on_new_connection(router.port, "/v1/workers", {"worker_id": 1})[0] in (200, 201)
+        until(lambda: registered_everywhere(router.port, 1), 30, "every process knows the worker")
+        for index in range(60):
+            assert on_new_connection(router.port, "/v1/new", {"tokens": PROMPT, "request_id": f"r{index}"})[0] == 200
+            status, body = on_new_connection(router.port, "/v1/mark_free", {"request_id": f"r{index}"})
+            assert status in (200, 202), body
+            assert body == {
+                "request_id": f"r{index}",
+                "success": True,
+                **({"passed_to_replicas": True} if status == 202 else {}),
+            }
+        until(lambda: active_everywhere(router.port) == {0}, 30, "no booking left on any process")
+    finally:
+        router.stop()
+
+
 def decided_and_freed(port: int, request_id: str) -> tuple[int, Any]:
     """``POST /v1/new`` on a fresh connection, its booking freed on the same one (the same process)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)

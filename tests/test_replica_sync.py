@@ -339,6 +339,34 @@ async def test_both_legs_of_a_disaggregated_request_reach_every_replica_and_leav
         await eventually(lambda: not list(a.router.bookings()) and not list(b.router.bookings()))
 
 
+async def test_a_mark_ahead_of_its_booking_applies_everywhere_once_it_arrives(nats_server: EmbeddedNats) -> None:
+    """A mark told to a replica the booking has not reached yet (each booked on a and marked on b in one
+    loop turn, before a's batch went out) is kept there and passed on: the free frees the booking on a
+    and b refuses it when it arrives, the prefill mark applies on both; a remote prefill leg goes with
+    its request's free. A repeated free of an id freed lately is unknown, as on a lone router."""
+    reference = new_router()
+    async with replica(nats_server.url) as a, replica(nats_server.url) as b:
+        for router in (a.router, b.router, reference):
+            router.register_worker(WorkerConfig(worker_id=10, role="prefill", dp_size=2))
+            router.register_worker(WorkerConfig(worker_id=11, role="decode", dp_size=2))
+        for router in (a.router, reference):
+            await router.new(RouteRequest(tokens=PROMPTS[0], request_id="freed"), pinned_worker=(1, 0))
+            await router.new(RouteRequest(tokens=PROMPTS[1], request_id="prefilled"), pinned_worker=(2, 1))
+        await a.router.new(RouteRequest(tokens=prompt(99, 512), request_id="pd"), pinned_worker=(11, 0))
+        assert a.router.booking("pd#prefill") is not None
+        assert not b.router.mark_free("freed") and b.router.pass_mark_to_replicas("freed", free=True)
+        assert not b.router.mark_prefill("prefilled") and b.router.pass_mark_to_replicas("prefilled", free=False)
+        assert b.router.pass_mark_to_replicas("pd", free=True)
+        reference.mark_free("freed")
+        reference.mark_prefill("prefilled")
+        await agree([a, b], reference)
+        assert b.sync.outcomes["booked_after_free"] >= 1
+        assert not b.router.pass_mark_to_replicas("freed", free=True)  # freed here lately: a repeated free
+        assert b.router.mark_free("prefilled")
+        reference.mark_free("prefilled")
+        await agree([a, b], reference)
+
+
 async def book_and_free(target: Replica, count: int) -> None:
     """``count`` short requests booked and freed through ``target`` in one loop turn each (no batch goes
     out): ``target`` keeps a tombstone of each for the tombstone window, as under a steady load."""

@@ -289,6 +289,23 @@ class ReplicaSync:
             outbox[index] = None
         self.outcomes["elided"] += len(unsent) + 1
 
+    def marked_unknown(self, request_id: str, *, free: bool) -> bool:
+        """A mark told to this replica for an id it has not booked: the booking may be on its way from the
+        peer that made it. Kept for it (a tombstone, so the booking is refused when it arrives, or an early
+        prefill mark) and published, so the peer holding it, and every other, applies it too. False for an
+        id freed here lately: a repeated mark, not one ahead of its booking."""
+        if request_id in self._freed:
+            return False
+        now = self._clock()
+        if free:
+            self._tombstone(request_id, now, 0)
+            self._queue(Freed(request_id=request_id, generation=0))
+        else:
+            self._early_prefill[request_id] = now
+            self._queue(PrefillMarked(request_id=request_id))
+        self.outcomes["passed_marks"] += 1
+        return True
+
     def _queue(self, change: Change) -> None:
         outbox = self._outbox
         if not outbox:
