@@ -230,8 +230,15 @@ class Handlers:
         tokens = self._check_prompt(body.token_ids, "token_ids")
         if not tokens:
             raise InvalidBody("token_ids: a request needs at least one token")
-        if body.mm_routing_info is not None:
-            self._check_prompt(body.mm_routing_info.routing_token_ids, "mm_routing_info.routing_token_ids")
+        mm_routing_info = body.mm_routing_info
+        if mm_routing_info is not None:
+            self._check_prompt(mm_routing_info.routing_token_ids, "mm_routing_info.routing_token_ids")
+            # The prompt's length for load when given: bounded as the prompt is (unbounded, it booked
+            # any load, past u64 once summed).
+            if mm_routing_info.expanded_prompt_len > self._max_prompt_tokens:
+                raise prompt_too_long(
+                    mm_routing_info.expanded_prompt_len, self._max_prompt_tokens, "mm_routing_info.expanded_prompt_len"
+                )
         query = queries_instance(body.annotations)  # answer the choice, book nothing
         # Checked before anything is booked: what cannot be handed back is refused first.
         forward = _forwardable(call) if body.return_request else None

@@ -138,6 +138,8 @@ ROUTE_CASES: list[tuple[str, bytes, dict[str, str], int, str, str]] = [
      "mm_hash": -1, "offsets": [[0, 1]]}]}]}), JSON_HEADERS, 422, "invalid_request", "mm_hash"),
     ("/v1/route", _route(mm_routing_info={"routing_token_ids": [1] * 101, "block_mm_infos": []}), JSON_HEADERS, 413,
      "prompt_too_long", "mm_routing_info.routing_token_ids"),
+    ("/v1/route", _route(mm_routing_info={"routing_token_ids": [1], "block_mm_infos": [None],
+     "expanded_prompt_len": 2**64 - 1}), JSON_HEADERS, 413, "prompt_too_long", "mm_routing_info.expanded_prompt_len"),
 ]  # fmt: skip
 CASES += [case[:5] for case in ROUTE_CASES]
 
