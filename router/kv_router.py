@@ -345,9 +345,12 @@ class KvRouter:
         self._dispatch_waiting()
 
     def _ended(self, request_ids: list[str]) -> None:
-        """Bookings gone without `mark_free` (expired, or dropped with their ranks)."""
+        """Bookings gone without `mark_free` (expired, or dropped with their ranks): their remote prefill
+        legs go with them (the request's `mark_free` finds nothing to free any more, and left the leg
+        booked until its expiry)."""
         for request_id in request_ids:
             self._uncomputed_predictions.pop(request_id, None)
+            self._free_prefill_leg(request_id, replicated=False)
 
     def forget_cache_of(self, worker_id: int) -> None:
         """Forget what the index, event streams and predictions hold of a worker, registered or not (one a

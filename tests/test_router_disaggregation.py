@@ -163,6 +163,19 @@ def test_mark_free_releases_both_legs() -> None:
     assert router.booking("r#prefill") is None
 
 
+def test_the_decode_worker_removed_takes_the_prefill_leg_with_its_booking() -> None:
+    """Its decode booking dropped with the worker, the request's remote prefill leg goes too: nothing is
+    left booked on the prefill worker, and the request's free finds nothing (the leg stayed booked until
+    that free, which freed it and still answered 404)."""
+    router = fleet()
+    decision = route(router, PROMPT)
+    assert decision.disaggregation is not None and decision.disaggregation.prefill is not None
+    router.remove_worker(decision.worker_id)
+    assert all(load == (0, 0, 0) for load in loads(router).values())
+    assert router.booking("r#prefill") is None
+    assert not router.mark_free("r")
+
+
 def test_decode_worker_holding_the_prompt_prefills_it_locally() -> None:
     router = fleet()
     router.apply_event(prompt_stored_event(D2, PROMPT, BS, blocks=30))  # 160 tokens left uncached on D2
