@@ -29,6 +29,7 @@ import msgspec
 from api.errors import InvalidBody, UnknownRoutingTarget
 from api.wire import MmRoutingInfo, RoutingHints
 from indexer.slots import WorkerRank
+from router.errors import NoEligibleWorker
 from router.kv_router import KvRouter
 from router.types import RouterConfigOverride, RouteRequest, Tokens, WorkerConfig
 
@@ -111,7 +112,10 @@ def routing_call(
     )
     among: AbstractSet[int] | None = hints.allowed_worker_ids
     if model:
-        serving = frozenset(w.worker_id for w in router.workers() if not w.models or model in w.models)
+        workers = router.workers()
+        serving = frozenset(w.worker_id for w in workers if not w.models or model in w.models)
+        if workers and not serving:  # the error names the model (with no worker yet, routing waits for one)
+            raise NoEligibleWorker(model=model)
     if serving is not None:
         among = serving if among is None else among & serving
     pinned_id = hints.backend_instance_id

@@ -41,9 +41,11 @@ class InvalidRequest(KvRouterError, ValueError):
 class NoEligibleWorker(KvRouterError):
     """No registered worker satisfies the request's required taints (Dynamo's `NoEndpoints`)."""
 
-    def __init__(self, required_taints: list[str] | None = None) -> None:
+    def __init__(self, required_taints: list[str] | None = None, *, model: str | None = None) -> None:
         self.required_taints = list(required_taints or [])
         detail = f" with taints {sorted(self.required_taints)}" if self.required_taints else ""
+        if model is not None:
+            detail += f" serving model {model!r}"
         super().__init__(f"no worker available{detail} to route work")
 
 

@@ -320,6 +320,17 @@ def test_model_picks_the_workers_serving_it() -> None:
         assert _decision(client.post("/v1/route", json={"token_ids": TOKENS}))[0] == 1
 
 
+def test_a_model_no_worker_serves_is_named_in_the_error() -> None:
+    with serve() as client:
+        _register(client, {"worker_id": 1, "models": ["a"]}, {"worker_id": 2, "models": ["b"]})
+        before = state(client)
+        unserved = client.post("/v1/route", json={"token_ids": TOKENS, "model": "c"})
+        assert unserved.status_code == 503
+        error = unserved.json()["error"]
+        assert error["type"] == "no_eligible_worker" and "serving model 'c'" in error["message"]
+        assert state(client) == before
+
+
 def test_strict_priority_and_priority_jump_order_the_queue() -> None:
     """One saturated worker: requests wait; freeing capacity lets the strict tier go first, then the
     one whose priority jump puts it ahead of an earlier arrival."""
