@@ -97,6 +97,27 @@ async def test_failures_open_a_workers_circuit_for_every_caller_and_a_half_open_
         assert idle(f.router)
 
 
+@pytest.mark.parametrize(("retry_after", "circuit"), [("0", "closed"), (None, "open")])
+async def test_an_engines_503_saying_when_to_come_back_is_no_failure_and_a_bare_503_is(
+    nats_server: EmbeddedNats, retry_after: str | None, circuit: str
+) -> None:
+    """An engine answering 503 with Retry-After is overloaded, not broken: like its 429, its circuit is
+    not told (it was, and opened). A 503 without one is still a failure."""
+    router = {"worker_breaker_failures": 2, "worker_breaker_open_secs": 30.0}
+    gate = Gate(refusals=100, status=503, retry_after=retry_after)
+    async with fleet(nats_server.url, (), router=router, proxy={**NO_CHECKS, "proxy_retries": 0}) as f:
+        async with served(gate) as url:
+            await register(f, 9, url)
+            for _ in range(3):
+                with pytest.raises(openai.InternalServerError) as caught:
+                    await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+                assert caught.value.status_code == 503
+            availability = (await worker_status(f, 9))["availability"]
+            assert availability["circuit"] == circuit
+            assert len(gate.arrivals) == (3 if circuit == "closed" else 2)  # open: the third never reached it
+        assert idle(f.router)
+
+
 async def test_a_worker_that_stops_answering_its_health_checks_leaves_routing_and_comes_back_by_itself(
     nats_server: EmbeddedNats,
 ) -> None:

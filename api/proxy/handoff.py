@@ -247,7 +247,7 @@ class Handoff:
                 # request and its bookings end with the client's answer), its connection closed below.
                 if failure is None:  # its answer in, or not yet: the decode leg had its KV from it either way
                     self._answered(legs.prefill.worker_id)
-                elif isinstance(failure, WorkerFailed) and not failure.paced:  # a 429 paces us; a 4xx is no failure
+                elif isinstance(failure, WorkerFailed) and not failure.paced:  # the engine pacing us, a 4xx: no failure
                     self._failed_late(legs.prefill.worker_id, str(failure))
             # Not awaited: the request's end must not wait on them (nor take a late cancellation from
             # its client for its own); a leg cancelled closes its connection as it unwinds.

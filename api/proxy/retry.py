@@ -102,8 +102,11 @@ class WorkerFailed(Exception):
 
     @property
     def paced(self) -> bool:
-        """The engine's 429: it paces us, which is no failure of the worker (its breaker is not told)."""
-        return self.answer is not None and self.answer[0] == 429
+        """The engine paces us, which is no failure of the worker (its breaker is not told): its 429, or a
+        503 saying when to come back (an engine overloaded, not broken). A bare 503 is a failure."""
+        if self.answer is None:
+            return False
+        return self.answer[0] == 429 or (self.answer[0] == 503 and self.retry_after is not None)
 
 
 def overloaded_answer(
