@@ -50,16 +50,17 @@ class NoEligibleWorker(KvRouterError):
 
 
 class WorkersUnavailable(NoEligibleWorker):
-    """Workers exist for the request, but every one is out of routing: its circuit open after failures,
-    or its health check failing (`router.worker_health`)."""
+    """Workers exist for the request, but every one is out of routing: its circuit open after failures
+    (or half-open, its probe places taken), its health check failing, or its engine pacing us
+    (`router.worker_health`)."""
 
     def __init__(self, worker_ids: list[int], retry_after_secs: float | None = None) -> None:
         super().__init__()
         self.worker_ids = worker_ids
-        self.retry_after_secs = retry_after_secs  # until the first open circuit lets a probe through
+        self.retry_after_secs = retry_after_secs  # until the first of them may be routed to again
         self.args = (
             f"no worker available to route work: workers {worker_ids} are out of routing (circuit open "
-            "after failures, or failing their health check)",
+            "after failures, failing their health check, or paced by their engine's Retry-After)",
         )
 
 

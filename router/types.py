@@ -386,8 +386,8 @@ class RankLoad(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class WorkerAvailability(msgspec.Struct, kw_only=True, frozen=True):
-    """Whether a worker is in routing (`router.worker_health`), for listings: its circuit breaker and
-    its active health check."""
+    """Whether a worker is in routing (`router.worker_health`), for listings: its circuit breaker, its
+    active health check, and its engine's own pacing."""
 
     routable: bool
     circuit: Literal["closed", "open", "half_open"]
@@ -396,6 +396,7 @@ class WorkerAvailability(msgspec.Struct, kw_only=True, frozen=True):
     half_open_in_secs: float | None  # an open circuit: seconds until it lets a probe through
     last_failure: str | None
     health_check: Literal["unknown", "passing", "failing"]
+    paced_for_secs: float | None = None  # seconds left of its engine's Retry-After (a 429 or 503): out of routing
 
 
 class QueueStats(msgspec.Struct, kw_only=True, frozen=True):

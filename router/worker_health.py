@@ -11,7 +11,12 @@ proxy's exchanges with the worker):
 * open: left out for ``worker_breaker_open_secs``, then half-open;
 * half-open: routed to by at most ``worker_breaker_half_open_probes`` requests at a time (the probes);
   that many successes in a row close it, one failure opens it again. A probe that reports nothing
-  within ``worker_breaker_open_secs`` (its caller never reports outcomes) gives its place up.
+  within ``worker_breaker_open_secs`` (its caller never reports outcomes) gives its place up. An open
+  circuit whose time is up is half-open whether or not a decision has looked at it since.
+
+An engine pacing its callers (a 429, or a 503, saying ``Retry-After``: `paced`) is no failure: its
+breaker is not told, but it is left out of routing for the time it asked, at most
+``worker_breaker_open_secs`` (the longest a failing worker is left out; no breaker, no pacing either).
 
 The active health check (`set_health`: the service probes each worker's ``/health``) is a verdict of
 its own: a worker failing it is left out, whatever its circuit, until it passes again. A worker whose
@@ -69,7 +74,9 @@ class WorkerHealth:
         self._checked: set[int] = set()  # workers a health check has judged
         # Workers whose engine the source that registers them probes (kept while they are removed).
         self._engine_probed: set[int] = set()
-        self._troubled = 0  # breakers not closed, plus failing checks: 0 is the fast path
+        # Workers whose engine asked to be left alone (its Retry-After): until when (clock seconds).
+        self._paced_until: dict[int, float] = {}
+        self._troubled = 0  # breakers not closed, failing checks, paced workers: 0 is the fast path
 
     def usable(self, workers: list[WorkerConfig]) -> list[WorkerConfig]:
         """The workers that may be routed to now, in their order."""
@@ -78,18 +85,34 @@ class WorkerHealth:
         return [worker for worker in workers if self._admits(worker.worker_id)]
 
     def _admits(self, worker_id: int) -> bool:
-        if worker_id in self._failing_checks:
+        if worker_id in self._failing_checks or self._still_paced(worker_id):
             return False
         breaker = self._breakers.get(worker_id)
         if breaker is None or breaker.state == "closed":
             return True
         now = self._clock()
-        if breaker.state == "open":
-            if now - breaker.opened_at < self._open_secs:
-                return False
-            breaker.state, breaker.successes, breaker.probes = "half_open", 0, []
+        if breaker.state == "open" and not self._half_open_at(breaker, now):
+            return False
         breaker.probes = [at for at in breaker.probes if now - at < self._open_secs]
         return len(breaker.probes) < self._probes
+
+    def _half_open_at(self, breaker: _Breaker, now: float) -> bool:
+        """An open circuit whose time is up goes half-open (no probe yet); returns whether it did."""
+        if now - breaker.opened_at < self._open_secs:
+            return False
+        breaker.state, breaker.successes, breaker.probes = "half_open", 0, []
+        return True
+
+    def _still_paced(self, worker_id: int) -> bool:
+        """Whether the worker's engine asked to be left alone until later than now (its pacing ended: forgotten)."""
+        until = self._paced_until.get(worker_id)
+        if until is None:
+            return False
+        if self._clock() < until:
+            return True
+        del self._paced_until[worker_id]
+        self._troubled -= 1
+        return False
 
     def routed(self, worker_id: int) -> None:
         """A request was routed to the worker: while half-open it is one of the probes."""
@@ -108,6 +131,9 @@ class WorkerHealth:
             breaker = self._breakers[worker_id] = _Breaker()
         breaker.last_problem = problem
         breaker.failures += 1
+        if breaker.state == "open":
+            # Its time up, no decision has looked at it since: half-open, so this failure opens it again.
+            self._half_open_at(breaker, self._clock())
         if breaker.state == "half_open" or (breaker.state == "closed" and breaker.failures >= self._threshold):
             if breaker.state == "closed":
                 self._troubled += 1
@@ -131,6 +157,20 @@ class WorkerHealth:
                 self._troubled -= 1
                 return "closed"
         return None
+
+    def paced(self, worker_id: int, secs: float) -> None:
+        """The worker's engine asked to be left alone for ``secs`` (a 429 or 503 with ``Retry-After``): out of
+        routing that long, at most ``worker_breaker_open_secs`` (its last word counts)."""
+        if self._threshold == 0 or not self._registered(worker_id) or min(secs, self._open_secs) <= 0:
+            return
+        if worker_id not in self._paced_until:
+            self._troubled += 1
+        self._paced_until[worker_id] = self._clock() + min(secs, self._open_secs)
+
+    def _paced_for(self, worker_id: int, now: float) -> float | None:
+        """Seconds the worker's engine is still to be left alone (None: it is not paced)."""
+        until = self._paced_until.get(worker_id)
+        return until - now if until is not None and until > now else None
 
     def set_health(self, worker_id: int, passing: bool) -> bool:
         """The active health check's verdict on the worker; returns whether it changed."""
@@ -177,19 +217,28 @@ class WorkerHealth:
         breaker = self._breakers.pop(worker_id, None)
         if breaker is not None and breaker.state != "closed":
             self._troubled -= 1
+        if self._paced_until.pop(worker_id, None) is not None:
+            self._troubled -= 1
         self.unchecked(worker_id)
 
     def reopens_in(self, worker_ids: list[int]) -> float | None:
-        """Seconds until the first of these workers' open circuits lets a probe through (None: none is
-        open, or one fails its health check: no time can be told)."""
+        """Seconds until the first of these workers may be routed to again: an open circuit's time left,
+        a paced engine's, 0 for a half-open circuit whose probe places are taken (a probe's answer may
+        free one any moment). None: none is out for a time that can be told (one fails its health check)."""
         if any(worker_id in self._failing_checks for worker_id in worker_ids):
             return None
         now = self._clock()
-        waits = [
-            max(0.0, breaker.opened_at + self._open_secs - now)
-            for breaker in (self._breakers.get(worker_id) for worker_id in worker_ids)
-            if breaker is not None and breaker.state == "open"
-        ]
+        waits = []
+        for worker_id in worker_ids:
+            breaker = self._breakers.get(worker_id)
+            circuit = None
+            if breaker is not None and breaker.state == "open":
+                circuit = max(0.0, breaker.opened_at + self._open_secs - now)
+            elif breaker is not None and breaker.state == "half_open":
+                circuit = 0.0
+            paced = self._paced_for(worker_id, now)
+            if circuit is not None or paced is not None:
+                waits.append(max(circuit or 0.0, paced or 0.0))
         return min(waits) if waits else None
 
     def state(self, worker_id: int) -> CircuitState:
@@ -208,15 +257,18 @@ class WorkerHealth:
         check: Literal["unknown", "passing", "failing"] = "unknown"
         if worker_id in self._checked:
             check = "failing" if worker_id in self._failing_checks else "passing"
+        now = self._clock()
         reopens = None
         if breaker is not None and state == "open":
-            reopens = max(0.0, breaker.opened_at + self._open_secs - self._clock())
+            reopens = max(0.0, breaker.opened_at + self._open_secs - now)
+        paced_for = self._paced_for(worker_id, now)
         return WorkerAvailability(
-            routable=state != "open" and check != "failing",
+            routable=state != "open" and check != "failing" and paced_for is None,
             circuit=state,
             consecutive_failures=breaker.failures if breaker is not None else 0,
             circuit_opened=breaker.opened_times if breaker is not None else 0,
             half_open_in_secs=reopens,
             last_failure=breaker.last_problem if breaker is not None and breaker.last_problem else None,
             health_check=check,
+            paced_for_secs=paced_for,
         )

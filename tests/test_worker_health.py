@@ -88,6 +88,61 @@ def test_a_failed_probe_opens_the_circuit_again_and_a_lost_probe_gives_its_place
     assert ids(h.usable(WORKERS)) == [1, 2, 3]
 
 
+def test_a_failure_once_an_open_circuits_time_is_up_opens_it_again_though_no_decision_half_opened_it() -> None:
+    """A request routed before the circuit opened fails after its open time: the circuit is half-open
+    (no decision looked at it since, to move it); the failure opens it for another open time. Before,
+    it only counted the failure, and the worker was let through again at once."""
+    h, clock = health(failures=1, open_secs=5.0)
+    h.failed(1, "refused")
+    clock.now += 6.0
+    assert h.failed(1, "the stream broke") == "open"
+    assert ids(h.usable(WORKERS)) == [2, 3]
+    shown = h.availability(1)
+    assert (shown.circuit, shown.circuit_opened, shown.half_open_in_secs) == ("open", 2, 5.0)
+    clock.now += 2.0
+    assert h.failed(1, "refused") is None  # still within its open time: counted only
+    assert h.availability(1).half_open_in_secs == 3.0
+
+
+def test_an_engine_pacing_us_keeps_its_worker_out_for_its_retry_after_at_most_the_open_time() -> None:
+    h, clock = health(failures=1, open_secs=10.0)
+    h.paced(2, 3.0)
+    assert ids(h.usable(WORKERS)) == [1, 3] and h.state(2) == "closed"
+    shown = h.availability(2)
+    assert (shown.routable, shown.paced_for_secs, shown.consecutive_failures) == (False, 3.0, 0)
+    assert h.reopens_in([2]) == 3.0
+    clock.now += 3.0
+    assert ids(h.usable(WORKERS)) == [1, 2, 3]
+    assert h.usable(WORKERS) is WORKERS  # its pacing over and forgotten: the fast path again
+    assert h.availability(2).routable and h.availability(2).paced_for_secs is None
+    h.paced(2, 3600.0)  # an engine asking for an hour is left out no longer than a failing one
+    assert h.availability(2).paced_for_secs == 10.0
+    h.paced(2, 1.0)  # its last word counts
+    assert h.reopens_in([2]) == 1.0
+    h.forget(2)
+    assert h.usable(WORKERS) is WORKERS
+    h.paced(3, 0.0)
+    assert h.usable(WORKERS) is WORKERS
+    off, _ = health(failures=0)  # no breaker: nothing moves routing but the health checks
+    off.paced(1, 5.0)
+    assert off.usable(WORKERS) is WORKERS
+
+
+def test_a_half_open_circuit_whose_probe_places_are_taken_may_be_asked_again_at_once() -> None:
+    """Its probe's answer may free the place any moment: the wait is 0 (the proxy's 503 says
+    Retry-After: 1), not unknown (it said none)."""
+    h, clock = health(failures=1, open_secs=5.0)
+    h.failed(1, "refused")
+    h.failed(2, "refused")
+    clock.now += 5.0
+    assert ids(h.usable(WORKERS)) == [1, 2, 3]
+    h.routed(1)
+    h.routed(2)
+    assert h.reopens_in([1, 2]) == 0.0
+    h.paced(1, 2.0)
+    assert h.reopens_in([1]) == 2.0
+
+
 def test_a_failing_health_check_takes_a_worker_out_whatever_its_circuit_and_passing_brings_it_back() -> None:
     h, _ = health()
     assert h.availability(3).health_check == "unknown"
@@ -124,7 +179,9 @@ def test_outcomes_and_verdicts_of_a_worker_no_longer_registered_are_ignored() ->
 
 
 @given(
-    st.lists(st.tuples(st.sampled_from(["fail", "ok", "route", "tick", "check_ok", "check_bad"]), st.integers(1, 3)))
+    st.lists(
+        st.tuples(st.sampled_from(["fail", "ok", "route", "tick", "check_ok", "check_bad", "pace"]), st.integers(1, 3))
+    )
 )
 def test_usable_is_exactly_the_workers_whose_availability_says_routable(steps: list[tuple[str, int]]) -> None:
     h, clock = health(failures=2, open_secs=3.0)
@@ -139,6 +196,8 @@ def test_usable_is_exactly_the_workers_whose_availability_says_routable(steps: l
             clock.now += 1.0
         elif action.startswith("check"):
             h.set_health(worker_id, action == "check_ok")
+        elif action == "pace":
+            h.paced(worker_id, 1.5)
         usable = set(ids(h.usable(WORKERS)))
         for worker in WORKERS:
             availability = h.availability(worker.worker_id)
