@@ -11,8 +11,9 @@ proxy's exchanges with the worker):
 * open: left out for ``worker_breaker_open_secs``, then half-open;
 * half-open: routed to by at most ``worker_breaker_half_open_probes`` requests at a time (the probes);
   that many successes in a row close it, one failure opens it again. A probe that reports nothing
-  within ``worker_breaker_open_secs`` (its caller never reports outcomes) gives its place up. An open
-  circuit whose time is up is half-open whether or not a decision has looked at it since.
+  within ``worker_breaker_open_secs`` (its caller never reports outcomes) gives its place up (the
+  proxy reports a stream's success once it has begun, not at its end). An open circuit whose time is
+  up is half-open whether or not a decision has looked at it since.
 
 An engine pacing its callers (a 429, or a 503, saying ``Retry-After``: `paced`) is no failure: its
 breaker is not told, but it is left out of routing for the time it asked, at most

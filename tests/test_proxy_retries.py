@@ -22,6 +22,7 @@ from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.gate_worker import Gate, register, served
 from tests.metrics import sample
 from tests.proxy_fleet import MODEL, Fleet, fleet, idle
+from tests.test_proxy_worker_health import PROMPTS, hold_prompts, worker_status
 from tests.waiting import eventually
 
 pytestmark = pytest.mark.anyio
@@ -65,6 +66,35 @@ async def test_a_pinned_request_is_retried_on_its_worker_while_another_serves_th
         )
         assert raw.parse().choices[0].text == " fine" and raw.headers["x-kv-router-worker"] == "7"
         assert (len(busy.arrivals), len(other.arrivals)) == (2, 0)
+        assert await retries(f, "overloaded") == 1
+        assert idle(f.router)
+
+
+@pytest.mark.parametrize(("status", "retry_after"), [(429, "30"), (503, "8")])
+async def test_an_engines_retry_after_neither_ends_nor_delays_the_retry_on_another_worker(
+    nats_server: EmbeddedNats, status: int, retry_after: str
+) -> None:
+    """Worker 9, every policy's first choice (it holds the prompts), answers 429 with a Retry-After past
+    the 10 s budget, or 503 with Retry-After: 8, while worker 8 is idle: the request goes to worker 8
+    after the ordinary backoff. Before, the client got the 429, or waited the 8 s. Worker 9 is then left
+    out of routing for its Retry-After (its circuit closed: it paced us, it did not fail), so the next
+    request goes to worker 8 at once."""
+    busy, free = Gate(refusals=100, status=status, retry_after=retry_after), Gate(refusals=0)
+    proxy = {"proxy_health_check_interval_secs": 0}
+    async with fleet(nats_server.url, (), proxy=proxy) as f, served(busy) as url9, served(free) as url8:
+        await register(f, 9, url9)
+        await register(f, 8, url8)
+        await hold_prompts(f, 9)
+        started = time.monotonic()
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1)
+        assert raw.headers["x-kv-router-worker"] == "8"
+        assert time.monotonic() - started < 4.0  # the backoff, not worker 9's Retry-After
+        assert len(busy.arrivals) == 1
+        availability = (await worker_status(f, 9))["availability"]
+        assert availability["routable"] is False and availability["circuit"] == "closed"
+        assert 0 < availability["paced_for_secs"] <= 10.0  # worker_breaker_open_secs at most
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=PROMPTS[1], max_tokens=1)
+        assert raw.headers["x-kv-router-worker"] == "8" and len(busy.arrivals) == 1
         assert await retries(f, "overloaded") == 1
         assert idle(f.router)
 

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.anyio
 # Prompts only worker 9 holds (worker 1 holds each one it served, so none is used twice).
 NO_CHECKS = {"proxy_retry_backoff_secs": 0.01, "proxy_health_check_interval_secs": 0}
 PROMPTS = [list(range(start, start + 4 * 64)) for start in range(5000, 9000, 1000)]
+DONE = b"data: [DONE]\n\n"
 
 
 async def worker_status(f: Fleet, worker_id: int) -> dict[str, Any]:
@@ -115,6 +116,67 @@ async def test_an_engines_503_saying_when_to_come_back_is_no_failure_and_a_bare_
             availability = (await worker_status(f, 9))["availability"]
             assert availability["circuit"] == circuit
             assert len(gate.arrivals) == (3 if circuit == "closed" else 2)  # open: the third never reached it
+        assert idle(f.router)
+
+
+async def test_a_half_open_circuit_closes_at_its_streaming_probes_first_events_not_at_the_streams_end(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A half-open worker's probe is a stream: once its first events are handed on, the circuit closes,
+    and other requests reach the worker while it streams on. Before, the circuit stayed half-open for
+    the probe stream's whole life (minutes, for a long generation), every other request a 503. While
+    the probe has no answer yet, the 503 says Retry-After (it said none)."""
+    router = {"worker_breaker_failures": 1, "worker_breaker_open_secs": 3.0}
+    answer_probe, end_streams = asyncio.Event(), asyncio.Event()
+    arrived = 0
+
+    async def recovering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal arrived
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            await reader.readuntil(b"\r\n\r\n")
+            arrived += 1
+            if arrived == 1:  # fails: its circuit opens
+                writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            else:
+                if arrived == 2:  # the probe: its answer comes when the test says
+                    await asyncio.wait_for(answer_probe.wait(), 20)
+                writer.write(SSE_HEAD + sse_chunk(" a"))
+                await writer.drain()
+                await asyncio.wait_for(end_streams.wait(), 20)
+                writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(DONE), DONE))
+            await writer.drain()
+        writer.close()
+
+    async with fleet(nats_server.url, (), router=router, proxy={**NO_CHECKS, "proxy_retries": 0}) as f:
+        async with raw_worker(recovering) as url, httpx.AsyncClient(base_url=f.url) as http:
+            await register(f, 9, url)
+            with pytest.raises(openai.APIStatusError) as failed:
+                await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+            assert failed.value.status_code == 502
+
+            async def circuit_is(state: str) -> bool:
+                return (await worker_status(f, 9))["availability"]["circuit"] == state
+
+            await eventually(lambda: circuit_is("half_open"), what="worker 9's circuit half-open")
+            probe = asyncio.ensure_future(
+                f.client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=4, stream=True)
+            )
+            await eventually(lambda: arrived == 2, what="the probe at worker 9")
+            body = {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 1}
+            refused = await http.post("/v1/completions", json=body)  # the probe's place is taken
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            answer_probe.set()
+            probing = await probe
+            assert (await probing.__anext__()).choices[0].text == " a"
+            assert await circuit_is("closed")  # the probe still streaming
+            other = await f.client.completions.with_raw_response.create(
+                model=MODEL, prompt=[10, 11, 12], max_tokens=4, stream=True
+            )
+            assert other.headers["x-kv-router-worker"] == "9"
+            end_streams.set()
+            for stream in (probing, other.parse()):
+                async for _chunk in stream:
+                    pass
         assert idle(f.router)
 
 

@@ -13,8 +13,9 @@ and released through `KvRouter`, so replicas and metrics see the proxy's request
 A worker that refuses the connection, times out or answers 5xx before its first byte is reported to
 its circuit breaker (`router.worker_health`: enough failures in a row take it out of routing) and the
 request is booked again on the next best worker, and an
-overloaded engine's 429 / 503 is retried alike, after a jittered exponential backoff and the engine's
-Retry-After (`api.proxy.retry`), at most ``proxy_retries`` times within ``proxy_retry_budget_secs``;
+overloaded engine's 429 / 503 is retried alike, after a jittered exponential backoff (and the engine's
+Retry-After when the retry may go to it again: `api.proxy.retry`), at most ``proxy_retries`` times
+within ``proxy_retry_budget_secs``;
 after the first byte has gone to the client, a failure ends the stream with an SSE error event. The
 reply carries ``x-kv-router-worker``, ``x-kv-router-dp-rank`` and ``x-kv-router-cached-tokens``
 (the router's prediction); the engine's reported cached tokens, when it reports them, are compared
@@ -67,7 +68,7 @@ from api.proxy.prompt_bytes import chat_bytes, text_bytes
 from api.proxy.retry import OVERLOADED, RetryPolicy, WorkerFailed, overloaded_answer
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
-from api.proxy.upstream import AnswerTooLarge, Begin, Streaming, Upstream, UpstreamConnection, UpstreamError
+from api.proxy.upstream import AnswerTooLarge, Streaming, Upstream, UpstreamConnection, UpstreamError
 from api.proxy.wire import (
     ROUTES,
     ChatBody,
@@ -294,6 +295,14 @@ class Proxy:
             logger.warning("worker %d failed (%s): its circuit opened, out of routing for %g s", worker_id, problem,
                            open_secs)  # fmt: skip
 
+    def _attempt_failed(self, failed: WorkerFailed) -> None:
+        """A failed attempt told to the router: the worker's failure, or its engine pacing us (then left
+        out of routing for its Retry-After, `router.worker_health`)."""
+        if not failed.paced:
+            self.worker_failed(failed.worker_id, str(failed))
+        elif failed.retry_after is not None:
+            self.router.health.paced(failed.worker_id, failed.retry_after)
+
     def worker_answered(self, worker_id: int) -> None:
         """A worker answered a request: its circuit breaker's count of failures starts again."""
         if self.router.health.succeeded(worker_id) == "closed":
@@ -501,7 +510,6 @@ class Proxy:
                     outcome = await self._forward(
                         worker, decision, path, body, headers, stream, reply, received, timeline, bytes_routed
                     )
-                    self._answered_by(worker.worker_id, outcome)
                 else:
                     # Two legs (`api.proxy.handoff`): both carry one request id, as vLLM's P/D proxy sends
                     # it (the client's, passed on in ``headers``, unless its header has another name).
@@ -524,15 +532,16 @@ class Proxy:
             finally:
                 self.router.mark_free(request_id)
             failures.append(problem)
-            if not failed.paced:
-                self.worker_failed(failed_id, problem)
+            self._attempt_failed(failed)
             among.discard(failed_id)
             # A request needs a worker that decodes (on an aggregated fleet, any of them); none left to
             # try, or the one that failed pinned: the same ones again.
             if failed_id in pinned or not any(by_id[left].serves("decode") for left in among):
                 among = set(candidates)
             retry += 1
-            delay = self.retry.delay(retry, failed.retry_after, started, time.monotonic())
+            # An engine's Retry-After is its own: waited for only when the retry may go to it again.
+            retry_after = failed.retry_after if failed_id in among else None
+            delay = self.retry.delay(retry, retry_after, started, time.monotonic())
             if delay is None:
                 if local_prefill_reason is None and _decode_worker_may_prefill(failed, routing):
                     # As a decision with no prefill worker left would: the decode worker alone, at once.
@@ -614,6 +623,7 @@ class Proxy:
         bytes_routed: int = 0,
     ) -> str:
         """One attempt on one worker; raises `WorkerFailed` while the client has received nothing (`_unanswered`).
+        An answer is told to the worker's breaker (a stream broken mid-way told it its failure).
         ``received``: when the request's body was in (perf_counter), for the proxy's added latency;
         ``bytes_routed``: the routing tokens of a prompt routed by its bytes (else 0), see `_calibrate`."""
         request_id = decision.request_id
@@ -630,12 +640,13 @@ class Proxy:
             ours.append((b"x-kv-router-disaggregation", disaggregation.path.encode()))
             if disaggregation.prefill is not None:
                 ours.append((b"x-kv-router-prefill-worker", str(disaggregation.prefill.worker_id).encode()))
-        streaming = None
+        streaming = start = None
         if stream:
             on_events = None
             if self._track_output:
                 on_events = _OutputProgress(self.router.record_output, request_id, self.router.config.block_size)
-            streaming = Streaming(self._beginning(reply, request_id, ours), on_events, finished_stream)
+            start = _StreamStart(self, reply, request_id, worker.worker_id, ours)
+            streaming = Streaming(start, on_events, finished_stream)
         sending = time.perf_counter()
         if timeline is not None:
             timeline.sent = time.time_ns()
@@ -663,11 +674,16 @@ class Proxy:
                     await reply.whole(status, with_type, content)
                 finally:  # after the client has it: off the latency it sees
                     self._answered_whole(decision, status, content, bytes_routed)
+                self.worker_answered(worker.worker_id)
                 return "ok" if status == 200 else "upstream_status"
             problem = await self._handed_on(connection, worker.worker_id, sending - received)
             if timeline is not None and connection.begun_at:
                 timeline.first_byte = time.time_ns() - int((time.perf_counter() - connection.begun_at) * 1e9)
-            return await self._stream_end(connection, decision, reply, problem, bytes_routed)
+            outcome = await self._stream_end(connection, decision, reply, problem, bytes_routed)
+            assert start is not None  # a stream
+            if outcome == "ok" and not start.probe_answered:
+                self.worker_answered(worker.worker_id)
+            return outcome
         finally:
             connection.release()  # back to the pool if read to its end; else closed, so the engine stops
 
@@ -691,29 +707,11 @@ class Proxy:
         """The decode leg of a two-leg request: `_forward` of the body the hand-off gives."""
 
         async def forward(body: bytes, reply: StreamCall) -> str:
-            outcome = await self._forward(
+            return await self._forward(
                 worker, decision, path, body, headers, stream, reply, received, bytes_routed=bytes_routed
             )
-            self._answered_by(worker.worker_id, outcome)
-            return outcome
 
         return forward
-
-    def _answered_by(self, worker_id: int, outcome: str) -> None:
-        """A worker's answer reached the client: its breaker's failures start again (a stream broken
-        mid-way told the breaker itself)."""
-        if outcome != "upstream_error":
-            self.worker_answered(worker_id)
-
-    def _beginning(self, reply: StreamCall, request_id: str, headers: Headers) -> Begin:
-        """What starts a stream handed on from the worker connection's read callback (`Begin`): the
-        booking's prefill is done, the client's head goes out with the first events."""
-
-        def begin(content_type: bytes | None) -> Sink:
-            self.router.mark_prefill(request_id)
-            return reply.begin(200, [(b"content-type", content_type or _JSON), *headers])
-
-        return begin
 
     async def _handed_on(self, connection: UpstreamConnection, worker_id: int, before_sent: float) -> str | None:
         """The stream handed on from the read callback: returns at its end, what went wrong after its
@@ -773,6 +771,32 @@ class Proxy:
                 return
             predicted = round(predicted * usage.prompt_tokens / bytes_routed)
         self.metrics.cached_tokens(decision.worker_id, predicted, usage.cached_tokens)
+
+
+class _StreamStart:
+    """What starts a stream handed on from the worker connection's read callback (`Begin`): the booking's
+    prefill is done, the client's head goes out with the first events, and a half-open circuit has its
+    probe's answer now (``probe_answered``: its end is not told again), not at the stream's end: other
+    requests may not probe the worker meanwhile, and a stream may last minutes. A closed circuit is told
+    at the end, so that streams broken mid-way stay failures in a row."""
+
+    __slots__ = ("headers", "probe_answered", "proxy", "reply", "request_id", "worker_id")
+
+    def __init__(self, proxy: Proxy, reply: StreamCall, request_id: str, worker_id: int, headers: Headers) -> None:
+        self.proxy = proxy
+        self.reply = reply
+        self.request_id = request_id
+        self.worker_id = worker_id
+        self.headers = headers
+        self.probe_answered = False
+
+    def __call__(self, content_type: bytes | None) -> Sink:
+        proxy = self.proxy
+        proxy.router.mark_prefill(self.request_id)
+        if proxy.router.health.state(self.worker_id) == "half_open":
+            proxy.worker_answered(self.worker_id)
+            self.probe_answered = True
+        return self.reply.begin(200, [(b"content-type", content_type or _JSON), *self.headers])
 
 
 class _OutputProgress:
