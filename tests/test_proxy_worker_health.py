@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import httpx
@@ -178,6 +179,46 @@ async def test_a_half_open_circuit_closes_at_its_streaming_probes_first_events_n
                 async for _chunk in stream:
                     pass
         assert idle(f.router)
+
+
+async def test_a_health_check_answered_with_a_head_then_a_trickling_body_fails_at_its_timeout() -> None:
+    """httpx's timeout is per read: a ``/health`` answering its head, then its body a byte at a time, was
+    waited for to its end and passed. The whole exchange is bounded now."""
+    gone, closed = asyncio.Event(), asyncio.Event()
+
+    async def trickling(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 40\r\n\r\n")
+                for _ in range(40):  # 10 s in all, each byte well within the timeout
+                    if gone.is_set():
+                        break
+                    writer.write(b".")
+                    await writer.drain()
+                    await asyncio.sleep(0.25)
+        finally:
+            writer.close()
+            closed.set()
+
+    failed: list[str] = []
+
+    async def passing() -> None:
+        pass
+
+    async def failing(problem: str) -> None:
+        failed.append(problem)
+
+    async with raw_worker(trickling) as url:
+        probe = HealthProbe(f"{url}/health", on_up=passing, on_down=failing, timeout_s=1.0)
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=probe.timeout_s) as client:  # as its own loop makes it
+            await probe.probe_once(client)
+        elapsed = time.monotonic() - started
+        gone.set()
+        await asyncio.wait_for(closed.wait(), 10)
+    assert probe.healthy is False and failed == ["no whole answer within 1 s"]
+    assert elapsed < 5.0
 
 
 async def test_a_worker_that_stops_answering_its_health_checks_leaves_routing_and_comes_back_by_itself(

@@ -162,9 +162,14 @@ class HealthProbe:
         problem = None
         refused = False
         try:
-            reply = await client.get(self.url)
+            # The whole exchange bounded, not each read (httpx's timeout): a head, then a body trickling a
+            # byte at a time, would never time out.
+            async with asyncio.timeout(self.timeout_s):
+                reply = await client.get(self.url)
             if reply.status_code != 200:
                 problem = f"HTTP {reply.status_code}"
+        except TimeoutError:
+            problem = f"no whole answer within {self.timeout_s:g} s"
         except Exception as exc:  # not only httpx's own errors: a probe that cannot ask fails, never crashes
             problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             refused = _refused(exc)
