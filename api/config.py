@@ -411,7 +411,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     ] = 1
     proxy_request_id_header: Annotated[
         str,
-        _doc("the request id header: the client's passed to the worker and echoed on the answer, else one made here"),
+        _doc(
+            "the request id header: the client's passed to the worker and echoed on the answer, else one made "
+            "here; an HTTP header name (RFC 9110 token)"
+        ),
     ] = "X-Request-Id"
     proxy_otlp_endpoint: Annotated[
         str | None,
@@ -488,6 +491,13 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     def __post_init__(self) -> None:
         self.tokenizer_paths()  # a malformed value fails at start-up, naming the setting
+        # Written into every request to the workers and every answer: a name that is none breaks them all.
+        if not _HEADER_NAME.fullmatch(self.proxy_request_id_header):
+            raise ConfigError(
+                "proxy_request_id_header",
+                f"{self.proxy_request_id_header!r} is not an HTTP header name (RFC 9110: one or more of letters, "
+                "digits and !#$%&'*+-.^_`|~)",
+            )
 
     def tokenizer_paths(self) -> dict[str, Path]:
         """Model name (`ANY_MODEL`: every model without its own) -> its directory or tokenizer.json."""
@@ -498,6 +508,10 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
                 raise ValueError(f"tokenizer: expected MODEL=PATH or PATH, got {item!r}")
             paths[model.strip()] = Path(path.strip())
         return paths
+
+
+# An HTTP field name: RFC 9110's token.
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class HaConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

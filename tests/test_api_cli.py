@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,24 @@ def test_cli_rejects_bad_settings_with_usage_error(capsys: pytest.CaptureFixture
         main(["serve", "--block-size", "-3"])
     assert exited.value.code == 2
     assert "block_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["", "X Request Id", "x-req:id", "x-req\u00e9"])
+def test_a_request_id_header_that_is_no_header_name_is_refused(name: str) -> None:
+    """Accepted before, it was written into every request to the workers and every answer, breaking them."""
+    with pytest.raises(ConfigError, match=f"proxy_request_id_header: {re.escape(repr(name))} is not an HTTP header"):
+        load_settings(flags={"proxy_request_id_header": name})
+    assert load_settings(flags={"proxy_request_id_header": "X-Correlation_Id.2"}).proxy.proxy_request_id_header
+
+
+def test_the_service_refuses_to_start_with_a_request_id_header_that_is_no_header_name() -> None:
+    script = Path(sys.executable).with_name("kv-router")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
+    serve = [*command, "serve", "--proxy", "--no-embedded-nats", "--port", "0", "--proxy-request-id-header", "x-req:id"]
+    # Bounded: the service that took it served on (and a test waiting for its exit would wait for good).
+    done = subprocess.run(serve, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "proxy_request_id_header: 'x-req:id' is not an HTTP header name" in done.stderr
 
 
 def test_version_from_the_console_script() -> None:
