@@ -14,7 +14,7 @@ from tests.proxy_fleet import MODEL, fleet
 
 def test_the_calibration_gauge_covers_each_workers_last_window_of_reports() -> None:
     registry = CollectorRegistry()
-    metrics = ProxyMetrics(registry, window=2)
+    metrics = ProxyMetrics(registry, window=2, registered=lambda worker_id: True)
     metrics.cached_tokens(1, predicted=640, actual=0)  # the index promised what the engine had lost
     metrics.cached_tokens(1, predicted=640, actual=640)
     metrics.cached_tokens(1, predicted=320, actual=320)  # the first report leaves the window
@@ -35,6 +35,28 @@ def test_the_calibration_gauge_covers_each_workers_last_window_of_reports() -> N
     metrics.cached_tokens(1, predicted=640, actual=320)
     text = generate_latest(registry).decode()
     assert sample(text, "kv_router_proxy_cache_calibration", worker_id="1") == (320 + 320) / (320 + 640)
+
+
+def test_a_worker_that_left_takes_its_calibration_series_with_it() -> None:
+    """Before, a removed worker's calibration and samples were exported for the process's life, and a
+    late report of one made its window anew."""
+    registry = CollectorRegistry()
+    registered = {1, 2}
+    metrics = ProxyMetrics(registry, window=4, registered=registered.__contains__)
+    metrics.cached_tokens(1, predicted=64, actual=64)
+    metrics.cached_tokens(2, predicted=64, actual=0)
+    text = generate_latest(registry).decode()
+    assert sample(text, "kv_router_proxy_calibration_samples", worker_id="2") == 1
+    registered.discard(2)
+    text = generate_latest(registry).decode()
+    assert sample(text, "kv_router_proxy_cache_calibration", worker_id="2") is None
+    assert sample(text, "kv_router_proxy_calibration_samples", worker_id="2") is None
+    assert sample(text, "kv_router_proxy_cache_calibration", worker_id="1") == 1.0
+    metrics.cached_tokens(2, predicted=64, actual=64)  # a request still on it when it left, answered since
+    registered.add(2)  # back under its id: it starts afresh
+    text = generate_latest(registry).decode()
+    assert sample(text, "kv_router_proxy_calibration_samples", worker_id="2") is None
+    assert sample(text, "kv_router_proxy_cached_tokens_error_bucket", le="+Inf") == 3  # every report still counted
 
 
 @pytest.mark.anyio

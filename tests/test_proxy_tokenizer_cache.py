@@ -207,7 +207,7 @@ def test_the_setting_sizes_each_model_s_cache_and_metrics_count_it(
     assert files.encoder.cache is not None and files.encoder.cache.max_tokens == 1_048_576
     assert load_model_files({"m": directory}, 0)["m"].encoder.cache is None
     registry = CollectorRegistry()
-    ProxyMetrics(registry, 8).watch_tokenizer_caches({"m": files.encoder.cache})
+    ProxyMetrics(registry, 8, lambda worker_id: True).watch_tokenizer_caches({"m": files.encoder.cache})
     for _ in range(2):
         loop.run_until_complete(files.encoder.encode("hi<|eot_id|>there", add_special_tokens=True))
     assert registry.get_sample_value("kv_router_proxy_tokenizer_cache_misses_total", {"model": "m"}) == 2

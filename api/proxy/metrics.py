@@ -70,7 +70,8 @@ class _Window:
 
 
 class ProxyMetrics(Collector):
-    def __init__(self, registry: CollectorRegistry, window: int) -> None:
+    def __init__(self, registry: CollectorRegistry, window: int, registered: Callable[[int], bool]) -> None:
+        """``registered``: whether a worker id is registered now (only those have a calibration window)."""
         self._requests = Counter(
             f"{PREFIX}_proxy_requests",
             "Proxied OpenAI requests by route (completions, chat_completions, embeddings, rerank, responses) and "
@@ -129,6 +130,7 @@ class ProxyMetrics(Collector):
             )
         )
         self._window = window
+        self._registered = registered
         self._registry = registry
         self._windows: dict[int, _Window] = {}
         registry.register(self)
@@ -168,6 +170,8 @@ class ProxyMetrics(Collector):
         self.error.observe(actual - predicted)
         window = self._windows.get(worker_id)
         if window is None:
+            if not self._registered(worker_id):  # an answer come after its worker left
+                return
             window = self._windows[worker_id] = _Window(self._window)
         window.add(predicted, actual)
 
@@ -183,6 +187,9 @@ class ProxyMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         calibration, samples = families = self._families()
+        # A worker that left takes its window with it: its series end, as its circuit's do.
+        for worker_id in [worker_id for worker_id in self._windows if not self._registered(worker_id)]:
+            del self._windows[worker_id]
         for worker_id, window in sorted(self._windows.items()):
             ratio = self.calibration(worker_id)
             if ratio is not None:

@@ -144,7 +144,7 @@ class Proxy:
     ) -> None:
         self.router = router
         self.config = config
-        self.metrics = ProxyMetrics(registry, config.proxy_calibration_window)
+        self.metrics = ProxyMetrics(registry, config.proxy_calibration_window, router.has_worker)
         # The decision metrics the decision API keeps (per worker, phases, overlap, hits): the proxy's
         # decisions are counted there too, so a proxy-only fleet's dashboards and alerts see them.
         self.decisions = decisions
