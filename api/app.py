@@ -187,7 +187,7 @@ def create_app(
     schemas.install(app)
     add_docs_routes(app, auth)
     _add_error_handlers(app)
-    Cors(settings.service).install(app)
+    Cors(settings.service, settings.proxy.proxy_request_id_header).install(app)
     for path, stream in streams.items():
         # Documented by `Proxy.document`; these answer where the HTTP protocol does not.
         app.router.routes.append(Route(path, StreamEndpoint(stream, limit), methods=["POST"], include_in_schema=False))

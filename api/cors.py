@@ -16,21 +16,22 @@ from api.http_stream import Headers
 
 __all__ = ["EXPOSED_HEADERS", "Cors"]
 
-# What a browser script may read of the proxy's answers.
+# What a browser script may read of the proxy's answers, besides the request id (its header is a setting).
 EXPOSED_HEADERS = ("x-kv-router-worker", "x-kv-router-dp-rank", "x-kv-router-cached-tokens", "retry-after")
 
 
 class Cors:
-    """The service's CORS settings (`ServiceConfig.cors_*`)."""
+    """The service's CORS settings (`ServiceConfig.cors_*`); ``request_id_header``: the proxy's
+    (`ProxyConfig.proxy_request_id_header`), which every answer carries, exposed too."""
 
-    def __init__(self, config: ServiceConfig, exposed: tuple[str, ...] = EXPOSED_HEADERS) -> None:
+    def __init__(self, config: ServiceConfig, request_id_header: str) -> None:
         self.origins = list(config.cors_allow_origins)
         self._any = "*" in self.origins
         self._allowed = frozenset(origin.encode("latin-1") for origin in self.origins)
         self._credentials = config.cors_allow_credentials
         self._config = config
-        self._exposed = exposed
-        self._expose_line = ", ".join(exposed).encode()
+        self._exposed = (*EXPOSED_HEADERS, request_id_header.lower())
+        self._expose_line = ", ".join(self._exposed).encode()
 
     @property
     def enabled(self) -> bool:

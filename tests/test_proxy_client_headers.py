@@ -58,13 +58,25 @@ async def test_the_request_id_is_passed_to_the_worker_and_echoed_and_the_trace_c
 
 
 @pytest.mark.anyio
-async def test_the_request_id_header_is_configurable(nats_server: EmbeddedNats) -> None:
-    async with fleet(nats_server.url, (1,), proxy={"proxy_request_id_header": "X-Correlation-Id"}) as f:
+@pytest.mark.parametrize("fast_protocol", [True, False])
+async def test_the_request_id_header_is_configurable_and_a_browser_script_may_read_it(
+    nats_server: EmbeddedNats, fast_protocol: bool
+) -> None:
+    """Every answer carries the request id; with CORS, it is exposed to the page's script as the
+    ``x-kv-router-*`` headers are (it was not: the browser hid it)."""
+    origin = "https://app.example.com"
+    service = {"fast_protocol": fast_protocol, "cors_allow_origins": [origin]}
+    proxy = {"proxy_request_id_header": "X-Correlation-Id"}
+    async with fleet(nats_server.url, (1,), service=service, proxy=proxy) as f:
         raw = await f.client.completions.with_raw_response.create(
-            model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_headers={"x-correlation-id": "corr-1"}
+            model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_headers={"x-correlation-id": "corr-1", "origin": origin}
         )
         assert raw.headers["x-correlation-id"] == "corr-1"
         assert f.apis[1].last_headers[b"x-correlation-id"] == b"corr-1"
+        assert "x-correlation-id" in raw.headers["access-control-expose-headers"].split(", ")
+        async with httpx.AsyncClient(base_url=f.url) as http:  # FastAPI's routes, through the middleware
+            models = await http.get("/v1/models", headers={"origin": origin})
+        assert "x-correlation-id" in models.headers["access-control-expose-headers"].split(", ")
 
 
 @pytest.mark.anyio

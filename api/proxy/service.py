@@ -153,7 +153,7 @@ class Proxy:
         self.health_checks = WorkerHealthChecks(router, config)
         self.admission = Admission(config, router.config.router_queue_policy)
         self.tracing = ProxyTracing(config) if config.proxy_otlp_endpoint else None
-        self.client_headers = ClientHeaders(config, Cors(service), self.tracing)
+        self.client_headers = ClientHeaders(config, Cors(service, config.proxy_request_id_header), self.tracing)
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: len(self.admission.queue))
         self.handoff = Handoff(router, self.upstream, registry, self.worker_answered, self.worker_failed)
         local = load_model_files(config.tokenizer_paths(), config.proxy_tokenizer_cache_tokens)
