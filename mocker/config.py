@@ -55,3 +55,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     @property
     def capacity_tokens(self) -> int:
         return self.num_gpu_blocks * self.block_size
+
+    def request_blocks(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The most KV blocks a request holds: its prompt and every output token but the last, whose KV
+        is never computed (at least one output token, as the engine generates)."""
+        return -(-(prompt_tokens + max(1, max_tokens) - 1) // self.block_size)
+
+    def fits(self, prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether one worker's pool can hold the request at all, whatever the load (vLLM's
+        ``max_model_len`` check at admission): a request that cannot is rejected when submitted."""
+        return prompt_tokens > 0 and self.request_blocks(prompt_tokens, max_tokens) <= self.num_gpu_blocks

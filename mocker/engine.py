@@ -210,7 +210,8 @@ class MockEngine:
     def submit(
         self, request_id: str, tokens: TokenInput, max_tokens: int, arrival_ms: float, *, kv_loaded: bool = False
     ) -> Sequence:
-        """Queue a request; it is rejected at once if its prompt cannot fit in the pool at all.
+        """Queue a request; it is rejected at once if its prompt and output cannot fit in the pool at all
+        (`EngineConfig.fits`: admitted, it would preempt itself for ever once its output outgrew the pool).
         ``kv_loaded``: its prompt's KV was transferred from a prefill worker (see `Sequence.kv_loaded`)."""
         packed = pack_tokens(tokens)
         prompt_len = len(packed) // 4
@@ -229,7 +230,7 @@ class MockEngine:
             rng,
             block_size,
         )
-        if prompt_len == 0 or seq.prompt_blocks > self.pool.num_blocks:
+        if not self.config.fits(prompt_len, max_tokens):
             seq.state = SeqState.REJECTED
             return seq
         seq.kv_loaded = kv_loaded

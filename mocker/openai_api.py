@@ -328,7 +328,8 @@ class MockOpenAI:
                     choice_id = request_id if index == 0 else f"{request_id}-{index}"
                     stream = self.worker.open_stream(choice_id, prompt, max_tokens, kv_loaded=decode_leg)
                     if stream is None:
-                        await _reply(send, 400, _error(400, f"prompt of {len(prompt)} tokens does not fit the KV pool"))
+                        refusal = f"prompt of {len(prompt)} tokens and max_tokens {max_tokens} do not fit the KV pool"
+                        await _reply(send, 400, _error(400, refusal))
                         return
                     choices.append(_Choice(index, choice_id, stream, len(prompt), sample == 0))
             chunks = _Chunks(kind, request_id, self.model)

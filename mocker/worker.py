@@ -174,7 +174,7 @@ class MockWorker:
     def open_stream(
         self, request_id: str, tokens: list[int], max_tokens: int, *, kv_loaded: bool = False
     ) -> TokenStream | None:
-        """Submit an HTTP request; None if its prompt can never fit the pool. ``kv_loaded``: its
+        """Submit an HTTP request; None if its prompt and output can never fit the pool. ``kv_loaded``: its
         prompt's KV came from a prefill worker (`MockEngine.submit`)."""
         seq = self.engine.submit(request_id, tokens, max_tokens, self._now_ms(), kv_loaded=kv_loaded)
         if seq.state is SeqState.REJECTED:

@@ -147,6 +147,24 @@ def test_a_prompt_larger_than_the_pool_is_rejected() -> None:
     assert not engine.has_work()
 
 
+@pytest.mark.parametrize(("max_tokens", "state"), [(17, SeqState.FINISHED), (18, SeqState.REJECTED)])
+def test_a_request_whose_output_would_outgrow_the_pool_is_rejected_and_one_just_fitting_completes(
+    max_tokens: int, state: SeqState
+) -> None:
+    """Four blocks of 16: a prompt of 48 tokens fits, and 17 output tokens still do (the last one's KV is
+    never computed: 64 tokens held); 18 do not, and the request used to preempt itself for ever (the
+    offline replay's "made no progress"), whatever else ran."""
+    engine = MockEngine(EngineConfig(num_gpu_blocks=4, block_size=16))
+    seq = engine.submit("r", prompt(0, 1, 2, block=16), max_tokens, 0.0)
+    now = 0.0
+    for _ in range(2 * max_tokens):  # bounded: a request preempting itself would never finish
+        if not engine.has_work():
+            break
+        now = engine.step(now).end_ms
+    assert seq.state is state and not engine.has_work()
+    assert engine.config.fits(48, max_tokens) is (state is SeqState.FINISHED)
+
+
 def random_workload(seed: int, count: int, *, gap_ms: float = 15.0, output: int = 90) -> list[tuple[float, bytes, int]]:
     """Prompts from six families of shared prefixes, Poisson arrivals ``gap_ms`` apart on average."""
     rng = random.Random(seed)
