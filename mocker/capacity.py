@@ -2,7 +2,9 @@
 
 A router's **capacity** on a trace is the highest arrival-rate multiplier (the trace's arrivals divided by
 it, as ``--speedup`` does) at which the fleet still meets the SLO: TTFT p90, ITL p90 and optionally E2E p90
-under their bounds, every request served. It is found per router by bisection on the multiplier:
+under their bounds, every request served that a worker can hold at all (one no worker's KV pool can hold,
+its prompt and output together, is rejected by the engines whatever the load: counted as rejected, left out
+of the SLO, so that capacity measures load). It is found per router by bisection on the multiplier:
 
 - coarse: from 1x, doubling while the SLO holds (halving while it does not) until a bracket
   ``[lo, hi]`` has lo meeting it and hi not, within ``[MIN_MULTIPLIER, MAX_MULTIPLIER]``;
@@ -84,8 +86,9 @@ class Slo:
                 raise ValueError(f"SLO bound {name} must be > 0 ms, got {value}")
 
     def met_by(self, report: RouterReport) -> bool:
-        """The fleet meets it: every request served, each p90 within its bound."""
-        if report.completed < report.requests:
+        """The fleet meets it: every request served but those the engines reject whatever the load (see
+        the module doc), each p90 within its bound."""
+        if report.completed < report.requests - report.rejected_by_engine:
             return False
         if not (report.ttft_ms.p90 <= self.ttft_p90_ms and _within(report.itl_ms.p90, self.itl_p90_ms)):
             return False
@@ -121,14 +124,16 @@ class LoadPoint:
     e2e_p90_ms: float
     completed: int
     requests: int
+    rejected: int  # by the engines whatever the load (no worker's pool holds them): not in the attainment
 
 
 def load_point(multiplier: float, report: RouterReport, records: Sequence[ReplayRecord], slo: Slo) -> LoadPoint:
     good = sum(slo.met_by_request(r) for r in records)
+    servable = len(records) - report.rejected_by_engine
     return LoadPoint(
         multiplier=multiplier,
         meets_slo=slo.met_by(report),
-        attainment=good / len(records) if records else 0.0,
+        attainment=good / servable if servable > 0 else 0.0,
         goodput_per_s=good / report.duration_s,
         requests_per_s=report.requests_per_s,
         hit_rate=report.hit_rate_tokens,
@@ -137,6 +142,7 @@ def load_point(multiplier: float, report: RouterReport, records: Sequence[Replay
         e2e_p90_ms=report.e2e_ms.p90,
         completed=report.completed,
         requests=report.requests,
+        rejected=report.rejected_by_engine,
     )
 
 
@@ -491,7 +497,14 @@ def render_capacity_table(slo: Slo, results: Sequence[CapacityResult], goodput: 
     bounds = f"SLO: TTFT p90 <= {slo.ttft_p90_ms:.0f} ms, ITL p90 <= {slo.itl_p90_ms:.1f} ms"
     if slo.e2e_p90_ms is not None:
         bounds += f", E2E p90 <= {slo.e2e_p90_ms:.0f} ms"
-    return bounds + " (figures at the capacity point; times in ms)\n" + "\n".join(lines)
+    bounds += " (figures at the capacity point; times in ms)"
+    rejected = max((p.rejected for result in results for p in result.points), default=0)
+    if rejected:
+        bounds += (
+            f"\n{rejected} request{'s' if rejected > 1 else ''} rejected by the engines at every load (larger than a "
+            "worker's KV pool): left out of the SLO"
+        )
+    return bounds + "\n" + "\n".join(lines)
 
 
 def _bracket_cell(result: CapacityResult) -> str:

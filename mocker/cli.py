@@ -460,6 +460,8 @@ def _run_replay(args: argparse.Namespace) -> int:
         + (f"; arrivals spread over {trace.jitter_ms:g} ms each" if trace.jitter_ms else ""),
         file=sys.stderr,
     )
+    if not args.online:  # online, the workers' own pools decide
+        _warn_unservable("replay", trace, engine)
     try:
         if args.capacity:
             return _run_capacity(args, trace, setup, settings)
@@ -496,6 +498,24 @@ def _run_replay(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
     return 0
+
+
+def _warn_unservable(command: str, trace: Trace, engine: EngineConfig) -> None:
+    """Say up front which requests no simulated worker can hold: the engines reject them at any load."""
+    from mocker.replay import unservable_requests
+
+    unservable = unservable_requests(trace, engine)
+    if not unservable:
+        return
+    largest = max(unservable, key=lambda r: r.input_length + r.output_length)
+    count, them = (f"{len(unservable)} requests", "them") if len(unservable) > 1 else ("1 request", "it")
+    print(
+        f"kv-router {command}: warning: {count} larger than a worker's KV pool ({engine.num_gpu_blocks} blocks of "
+        f"{engine.block_size} tokens; the largest: {largest.input_length} prompt + {largest.output_length} output "
+        f"tokens): every engine rejects {them} whatever the load (counted as rejected; a capacity search leaves "
+        f"{them} out of its SLO)",
+        file=sys.stderr,
+    )
 
 
 def _load_replay_trace(args: argparse.Namespace, options: TraceOptions) -> Trace:

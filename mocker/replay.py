@@ -27,7 +27,7 @@ from mocker.progress import ProgressBar
 from mocker.report import ReplayRecord, RouterReport, renumber_workers, rescale_times, summarize, write_reports
 from mocker.routers import make_router, router_names
 from mocker.simulation import KvTransfer, simulate
-from mocker.trace import Trace
+from mocker.trace import Trace, TraceRequest
 from router.config import RouterConfig
 from router.types import WorkerRole
 
@@ -35,7 +35,15 @@ if TYPE_CHECKING:
     from router.event_plane.connection import NatsOptions
     from router.event_plane.first_connection import LocalToolConnection
 
-__all__ = ["ReplayRun", "ReplaySetup", "replay_offline", "replay_online_report", "replay_router", "write_outputs"]
+__all__ = [
+    "ReplayRun",
+    "ReplaySetup",
+    "replay_offline",
+    "replay_online_report",
+    "replay_router",
+    "unservable_requests",
+    "write_outputs",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +152,12 @@ class ReplaySetup:
             if self.disaggregated
             else {}
         )
+
+
+def unservable_requests(trace: Trace, engine: EngineConfig) -> list[TraceRequest]:
+    """The requests no worker's KV pool can hold (prompt and output, `EngineConfig.fits`): every engine
+    rejects them, whatever the load and the router."""
+    return [r for r in trace if not engine.fits(r.input_length, r.output_length)]
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ import pytest
 
 from api.cli import main as kv_router_main
 from mocker.capacity import (
+    CapacityResult,
     CapacitySearch,
     Slo,
     capacity_json,
@@ -26,7 +27,7 @@ from mocker.config import EngineConfig
 from mocker.replay import ReplaySetup
 from mocker.report import ReplayRecord, RouterReport, summarize
 from mocker.service import serve_router
-from mocker.trace import Trace, TraceOptions, build_trace, load_trace
+from mocker.trace import Row, Trace, TraceOptions, build_trace, load_trace
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.embedded_server import EmbeddedNats
@@ -238,11 +239,33 @@ def test_slo_bounds_must_be_positive() -> None:
         CapacitySearch(tolerance=0.0)
 
 
-def test_unserved_requests_break_the_slo() -> None:
+def test_unserved_requests_break_the_slo_but_those_no_worker_can_hold_do_not() -> None:
     report = report_with("r", 10.0, 1.0)
     assert Slo(100.0, 5.0).met_by(report)
     report.completed -= 1
     assert not Slo(100.0, 5.0).met_by(report)
+    # Rejected by the engines (larger than a worker's KV pool): so at any load, not the fleet's shortfall.
+    report.rejected_by_engine = 1
+    assert Slo(100.0, 5.0).met_by(report)
+
+
+def test_a_request_larger_than_a_workers_pool_leaves_the_capacity_what_the_load_makes_it() -> None:
+    """One request of 40,000 tokens on pools of 512 blocks of 64 (32,768 tokens): every engine rejects it
+    at every multiplier. It used to fail every run's SLO, the capacity "< 1/64" while goodput looked
+    healthy; now it is counted as rejected and the capacity is the trace's without it."""
+    rows = shared_prefix_rows(requests=80, groups=8, rate_per_s=8.0, output_tokens=64, seed=2)
+    huge = (rows[40][0], 40_000, 8, [])
+    search = CapacitySearch(goodput_multipliers=(1.0,))
+
+    def capacity(trace_rows: list[Row]) -> CapacityResult:
+        trace = build_trace(sorted(trace_rows, key=lambda row: row[0]), TraceOptions(seed=2), "generated")
+        _, (result,), _ = asyncio.run(measure_capacity(["dynamo"], offline_evaluator(trace, SETUP), search))
+        return result
+
+    with_huge, without = capacity([*rows, huge]), capacity(rows)
+    assert with_huge.capacity == without.capacity > 0.25
+    assert all(p.rejected == 1 and p.requests == 81 for p in with_huge.points)
+    assert all(p.attainment == 1.0 for p in with_huge.points if p.multiplier <= 0.25)
 
 
 # ---------------------------------------------------------------------- the command
@@ -285,7 +308,7 @@ def test_replay_capacity_writes_the_report(tmp_path: Path, capsys: pytest.Captur
         assert result["bracket"][0] == result["capacity"]
         assert set(result["at_capacity"]) == {
             "multiplier", "meets_slo", "attainment", "goodput_per_s", "requests_per_s", "hit_rate",
-            "ttft_p90_ms", "itl_p90_ms", "e2e_p90_ms", "completed", "requests",
+            "ttft_p90_ms", "itl_p90_ms", "e2e_p90_ms", "completed", "requests", "rejected",
         }  # fmt: skip
         assert result["at_capacity"]["multiplier"] == result["capacity"]
         multipliers = [p["multiplier"] for p in result["points"]]

@@ -434,6 +434,34 @@ def test_a_bad_router_option_is_a_usage_error_naming_it(option: str, says: str, 
     assert not (tmp_path / "out").exists()
 
 
+def test_requests_no_worker_can_hold_are_warned_of_rejected_and_the_rest_replayed(tmp_path: Path) -> None:
+    """Pools of 100 blocks of 64 (6,400 tokens): a prompt of 6,300 tokens fits but not with its 500 output
+    tokens (the run used to end in "worker 0 made no progress"), nor does a prompt of 7,000; both are
+    named up front and rejected by the engine, the other requests served."""
+    trace = tmp_path / "trace.jsonl"
+    lines = [(0, 6300, 500, list(range(13))), (450, 7000, 10, [])]
+    lines += [(100 * i, 600, 10, [0, i]) for i in range(1, 5)]
+    trace.write_bytes(
+        b"".join(
+            msgspec.json.encode({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": ids}) + b"\n"
+            for t, n, o, ids in lines
+        )
+    )
+    out = tmp_path / "out"
+    argv = [str(trace), "--workers", "1", "--num-gpu-blocks", "100", "--routers", "dynamo", "--out", str(out)]
+    done = subprocess.run(
+        [*kv_router_command(), "replay", *argv, "--quiet", "--no-plots"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (
+        "kv-router replay: warning: 2 requests larger than a worker's KV pool (100 blocks of 64 tokens; the largest: "
+        "7000 prompt + 10 output tokens): every engine rejects them whatever the load" in done.stderr
+    )
+    [result] = msgspec.json.decode((out / "report.json").read_bytes())["results"]
+    assert (result["requests"], result["completed"], result["rejected_by_engine"]) == (6, 4, 2)
+
+
 def test_a_trace_without_requests_is_refused_and_so_is_a_missing_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
