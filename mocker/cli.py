@@ -171,9 +171,11 @@ def _add_trace_flags(parser: argparse.ArgumentParser, workers_help: str) -> None
         default=None,
         help="replay a generated workload instead of a trace, seeded by --seed (see mocker/workload.py)",
     )
-    parser.add_argument("--workers", type=int, default=8, help=workers_help)
+    parser.add_argument("--workers", type=_int_at_least(1), default=8, help=workers_help)
     trace = parser.add_argument_group("trace")
-    trace.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this [%(default)s]")
+    trace.add_argument(
+        "--speedup", type=_positive_float, default=1.0, help="divide arrival times by this [%(default)s]"
+    )
     trace.add_argument("--limit", type=int, default=None, help="only the first N requests")
     trace.add_argument("--max-input-length", type=int, default=None, help="longest prompt replayed")
     trace.add_argument(
@@ -181,7 +183,7 @@ def _add_trace_flags(parser: argparse.ArgumentParser, workers_help: str) -> None
     )
     trace.add_argument(
         "--jitter-ms",
-        type=float,
+        type=_non_negative_float,
         default=None,
         help="spread arrivals uniformly over this many ms [default: the trace's timestamp quantum when its timestamps "
         "are quantised (some shared, none closer than 100 ms: the real Mooncake traces', ~3 s), else 0]",
@@ -190,15 +192,45 @@ def _add_trace_flags(parser: argparse.ArgumentParser, workers_help: str) -> None
     trace.add_argument("--seed", type=int, default=0, help="seeds jitter, routers and generated tokens [%(default)s]")
 
 
-def _positive_float(text: str) -> float:
-    """A flag's value that divides or scales times: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _finite_float(bound: str, accepts: Callable[[float], bool]) -> Callable[[str], float]:
+    """An argparse type: a finite number within ``bound`` (NaN or infinity in a time or a multiplier
+    hangs a replay or fills its report with NaNs), else argparse's one-line usage error, code 2."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (math.isfinite(value) and accepts(value)):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
+_positive_float = _finite_float("> 0", lambda value: value > 0)
+_non_negative_float = _finite_float(">= 0", lambda value: value >= 0)
+_fraction = _finite_float("in (0, 1)", lambda value: 0 < value < 1)
+
+
+def _int_at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least``, else argparse's one-line usage error, code 2."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {text}")
+        return value
+
+    return parse
+
+
+def _multipliers(text: str) -> tuple[float, ...]:
+    """Comma-separated multipliers, each a finite number > 0."""
+    return tuple(_positive_float(m) for m in text.split(",") if m)
 
 
 def _trace_options(args: argparse.Namespace) -> TraceOptions:
@@ -230,7 +262,10 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     _add_engine_flags(parser)
     sim = parser.add_argument_group("offline simulation and routers")
     sim.add_argument(
-        "--event-delay-ms", type=float, default=0.0, help="KV events reach the router this late [%(default)s]"
+        "--event-delay-ms",
+        type=_non_negative_float,
+        default=0.0,
+        help="KV events reach the router this late [%(default)s]",
     )
     sim.add_argument(
         "--router-option",
@@ -291,14 +326,21 @@ def _add_capacity_flags(parser: argparse.ArgumentParser) -> None:
         "--slo-itl-ms give it. Online: the one router behind --url, with a coarser, shorter search.",
     )
     capacity.add_argument("--capacity", action="store_true", help="measure capacity at an SLO instead of one replay")
-    capacity.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT p90 bound [3x the best at light load]")
-    capacity.add_argument("--slo-itl-ms", type=float, default=None, help="ITL p90 bound [1.5x the best at light load]")
-    capacity.add_argument("--slo-e2e-ms", type=float, default=None, help="E2E p90 bound [none]")
     capacity.add_argument(
-        "--slo-e2e-factor", type=float, default=None, help="derive an E2E p90 bound: this times the best [none]"
+        "--slo-ttft-ms", type=_positive_float, default=None, help="TTFT p90 bound [3x the best at light load]"
     )
     capacity.add_argument(
-        "--light-load", type=float, default=0.25, help="multiplier of the SLO-deriving runs [%(default)s]"
+        "--slo-itl-ms", type=_positive_float, default=None, help="ITL p90 bound [1.5x the best at light load]"
+    )
+    capacity.add_argument("--slo-e2e-ms", type=_positive_float, default=None, help="E2E p90 bound [none]")
+    capacity.add_argument(
+        "--slo-e2e-factor",
+        type=_positive_float,
+        default=None,
+        help="derive an E2E p90 bound: this times the best [none]",
+    )
+    capacity.add_argument(
+        "--light-load", type=_positive_float, default=0.25, help="multiplier of the SLO-deriving runs [%(default)s]"
     )
     capacity.add_argument(
         "--slo-from",
@@ -308,59 +350,67 @@ def _add_capacity_flags(parser: argparse.ArgumentParser) -> None:
     )
     capacity.add_argument(
         "--capacity-tolerance",
-        type=float,
+        type=_fraction,
         default=None,
         help="stop bisecting when hi/lo <= 1 + this [0.05 offline, 0.25 online]",
     )
     capacity.add_argument(
         "--goodput-at",
+        type=_multipliers,
         default=None,
         help="comma-separated multipliers to report goodput at [0.5,1,2 offline; 1 online]",
     )
     capacity.add_argument(
         "--max-runs",
-        type=int,
+        type=_int_at_least(2),
         default=None,
         help="runs per router at most, the light run and the --goodput-at points included: the search stops "
         "early enough to leave room for them [24 offline, 5 online]",
     )
 
 
-def _capacity_search(args: argparse.Namespace) -> CapacitySearch:
-    from mocker.capacity import CapacitySearch
+def _capacity_plan(args: argparse.Namespace) -> tuple[CapacitySearch, Slo | None]:
+    """The search and the SLO given (None: derived) the capacity flags describe; `ValueError` (one line)
+    for flags that contradict one another, so that they are refused before the trace loads. Each flag's
+    own bounds are its argparse type's."""
+    from mocker.capacity import CapacitySearch, Slo
 
     online = args.online
-    goodput = args.goodput_at if args.goodput_at is not None else ("1" if online else "0.5,1,2")
-    try:
-        return CapacitySearch(
-            tolerance=args.capacity_tolerance if args.capacity_tolerance is not None else (0.25 if online else 0.05),
-            light_multiplier=args.light_load,
-            goodput_multipliers=tuple(float(m) for m in goodput.split(",") if m),
-            max_points=args.max_runs if args.max_runs is not None else (5 if online else 24),
-            slo_from=args.slo_from,
-        )
-    except ValueError as exc:
-        raise SystemExit(f"kv-router replay: {exc}") from None
-
-
-def _given_slo(args: argparse.Namespace) -> Slo | None:
-    from mocker.capacity import Slo
-
+    default_goodput = (1.0,) if online else (0.5, 1.0, 2.0)
+    search = CapacitySearch(
+        tolerance=args.capacity_tolerance if args.capacity_tolerance is not None else (0.25 if online else 0.05),
+        light_multiplier=args.light_load,
+        goodput_multipliers=args.goodput_at if args.goodput_at is not None else default_goodput,
+        max_points=args.max_runs if args.max_runs is not None else (5 if online else 24),
+        slo_from=args.slo_from,
+    )
+    slo = None
     if args.slo_ttft_ms is None and args.slo_itl_ms is None:
         if args.slo_e2e_ms is not None:
-            raise SystemExit("kv-router replay: --slo-e2e-ms needs --slo-ttft-ms and --slo-itl-ms")
-        return None
-    if args.slo_ttft_ms is None or args.slo_itl_ms is None:
-        raise SystemExit("kv-router replay: give both --slo-ttft-ms and --slo-itl-ms, or neither (derived)")
-    if args.slo_from is not None:
-        raise SystemExit("kv-router replay: --slo-from derives the SLO that --slo-ttft-ms and --slo-itl-ms give")
-    try:
-        return Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_e2e_ms)
-    except ValueError as exc:
-        raise SystemExit(f"kv-router replay: {exc}") from None
+            raise ValueError("--slo-e2e-ms needs --slo-ttft-ms and --slo-itl-ms")
+    elif args.slo_ttft_ms is None or args.slo_itl_ms is None:
+        raise ValueError("give both --slo-ttft-ms and --slo-itl-ms, or neither (derived)")
+    elif args.slo_from is not None:
+        raise ValueError("--slo-from derives the SLO that --slo-ttft-ms and --slo-itl-ms give")
+    else:
+        slo = Slo(args.slo_ttft_ms, args.slo_itl_ms, args.slo_e2e_ms)
+    needed = search.fixed_runs(derive=slo is None)
+    if needed > search.max_points:
+        light = "the light run and " if slo is None else ""
+        raise ValueError(
+            f"--max-runs {search.max_points} is less than the {needed} runs {light}the goodput points (--goodput-at) "
+            "take"
+        )
+    return search, slo
 
 
-def _run_capacity(args: argparse.Namespace, trace: Trace, setup: ReplaySetup, settings: dict[str, Any]) -> int:
+def _run_capacity(
+    args: argparse.Namespace,
+    trace: Trace,
+    setup: ReplaySetup,
+    settings: dict[str, Any],
+    plan: tuple[CapacitySearch, Slo | None],
+) -> int:
     import asyncio
 
     from mocker.capacity import (
@@ -372,17 +422,7 @@ def _run_capacity(args: argparse.Namespace, trace: Trace, setup: ReplaySetup, se
     )
     from mocker.plots import MATPLOTLIB_MISSING, write_capacity_plot
 
-    search = _capacity_search(args)
-    slo = _given_slo(args)
-    needed = search.fixed_runs(derive=slo is None)
-    if needed > search.max_points:
-        light = "the light run and " if slo is None else ""
-        print(
-            f"kv-router replay: --max-runs {search.max_points} is less than the {needed} runs {light}the goodput "
-            "points (--goodput-at) take",
-            file=sys.stderr,
-        )
-        return 2
+    search, slo = plan
     if args.online:
         settings.update(mode="online", url=args.url, time_scale=args.time_scale)
         evaluate = online_evaluator(
@@ -428,6 +468,7 @@ def _run_replay(args: argparse.Namespace) -> int:
 
     engine = _engine_config(args)
     try:
+        capacity_plan = _capacity_plan(args) if args.capacity else None
         trace = _load_replay_trace(args, _trace_options(args))
     except (OSError, TraceError, ValueError) as exc:
         print(f"kv-router replay: {exc}", file=sys.stderr)
@@ -463,8 +504,8 @@ def _run_replay(args: argparse.Namespace) -> int:
     if not args.online:  # online, the workers' own pools decide
         _warn_unservable("replay", trace, engine)
     try:
-        if args.capacity:
-            return _run_capacity(args, trace, setup, settings)
+        if capacity_plan is not None:
+            return _run_capacity(args, trace, setup, settings, capacity_plan)
         if args.online:
             settings.update(mode="online", url=args.url, time_scale=args.time_scale)
             run = asyncio.run(
@@ -546,8 +587,10 @@ def _add_tune(parser: argparse.ArgumentParser) -> None:
     _add_trace_flags(parser, "simulated workers in each replay of the search [%(default)s]")
     _add_engine_flags(parser)
     search = parser.add_argument_group("search")
-    search.add_argument("--budget", type=int, default=24, help="settings tried besides the defaults [%(default)s]")
-    search.add_argument("--jobs", type=int, default=0, help="parallel replays [one per core]")
+    search.add_argument(
+        "--budget", type=_int_at_least(0), default=24, help="settings tried besides the defaults [%(default)s]"
+    )
+    search.add_argument("--jobs", type=_int_at_least(0), default=0, help="parallel replays [0: one per core]")
     search.add_argument(
         "--objective",
         choices=["balanced", "ttft", "e2e", "hit"],

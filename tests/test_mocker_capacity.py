@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import math
+import subprocess
 from pathlib import Path
 
 import msgspec
@@ -32,6 +33,7 @@ from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.embedded_server import EmbeddedNats
 from router.policies import Selection, SelectionContext, SelectionPolicy
+from tests.router_processes import ROOT, kv_router_command
 from tests.test_mocker_online import TIME_SCALE, start_worker
 
 ENGINE = EngineConfig(num_gpu_blocks=512)
@@ -333,14 +335,38 @@ def test_replay_capacity_takes_a_given_slo_and_refuses_half_of_one(
         "origin": {"derived": False},
     }
     assert 0.25 not in [p["multiplier"] for p in report["results"][0]["points"]]  # no light run needed
-    with pytest.raises(SystemExit, match="give both --slo-ttft-ms and --slo-itl-ms"):
-        kv_router_main([*argv, "--slo-ttft-ms", "5000"])
-    with pytest.raises(SystemExit, match="--slo-from derives the SLO"):
-        kv_router_main([*argv, "--slo-ttft-ms", "5000", "--slo-itl-ms", "200", "--slo-from", "dynamo"])
+    assert kv_router_main([*argv, "--slo-ttft-ms", "5000"]) == 2
+    assert "give both --slo-ttft-ms and --slo-itl-ms" in capsys.readouterr().err
+    assert kv_router_main([*argv, "--slo-ttft-ms", "5000", "--slo-itl-ms", "200", "--slo-from", "dynamo"]) == 2
+    assert "--slo-from derives the SLO" in capsys.readouterr().err
     assert kv_router_main([*argv, "--slo-from", "nobody"]) == 2
     assert "router 'nobody', which is not among ['dynamo']" in capsys.readouterr().err
     assert kv_router_main([*argv, "--max-runs", "3"]) == 2  # the light run and 0.5x, 1x, 2x: four
     assert "--max-runs 3 is less than the 4 runs the light run and the goodput points" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--light-load", "0"], "error: argument --light-load: must be > 0, got 0"),
+        (["--goodput-at", "1,x"], "error: argument --goodput-at: not a number: 'x'"),
+        (["--goodput-at", "1,inf"], "error: argument --goodput-at: must be > 0, got inf"),
+        (["--max-runs", "1"], "error: argument --max-runs: must be >= 2, got 1"),
+        (["--capacity-tolerance", "2"], "error: argument --capacity-tolerance: must be in (0, 1), got 2"),
+        (["--slo-ttft-ms", "nan", "--slo-itl-ms", "100"], "error: argument --slo-ttft-ms: must be > 0, got nan"),
+        (["--slo-ttft-ms", "100"], "give both --slo-ttft-ms and --slo-itl-ms, or neither (derived)"),
+        (["--max-runs", "3"], "--max-runs 3 is less than the 4 runs the light run and the goodput points"),
+    ],
+)
+def test_capacity_flags_are_refused_in_one_line_before_the_trace_loads(
+    flags: list[str], says: str, tmp_path: Path
+) -> None:
+    """They used to exit 1 (a SystemExit of the message), and only once the trace had loaded: here a
+    trace that does not exist would have been the error."""
+    argv = ["replay", str(tmp_path / "missing.jsonl"), "--capacity", "--quiet", *flags]
+    done = subprocess.run([*kv_router_command(), *argv], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------------- online

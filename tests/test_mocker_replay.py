@@ -411,6 +411,32 @@ def test_time_scales_and_windows_not_above_zero_are_refused_at_parsing(
 
 
 @pytest.mark.parametrize(
+    ("command", "flag", "value", "says"),
+    [
+        ("replay", "--jitter-ms", "nan", "must be >= 0, got nan"),  # hung for ever
+        ("replay", "--jitter-ms", "inf", "must be >= 0, got inf"),  # a report of NaNs, exit 0
+        ("replay", "--event-delay-ms", "nan", "must be >= 0, got nan"),
+        ("replay", "--speedup", "inf", "must be > 0, got inf"),
+        ("replay", "--workers", "0", "must be >= 1, got 0"),
+        ("tune", "--budget", "-1", "must be >= 0, got -1"),  # every grid point but one: 5,183 replays
+        ("tune", "--jobs", "-1", "must be >= 0, got -1"),
+        ("tune", "--workers", "0", "must be >= 1, got 0"),
+        ("tune", "--workers", "two", "not an integer: 'two'"),
+    ],
+)
+def test_times_counts_and_budgets_out_of_bounds_are_refused_at_parsing(
+    command: str, flag: str, value: str, says: str, tmp_path: Path
+) -> None:
+    argv = [command, "--workload", "agentic", "--limit", "4", "--out", str(tmp_path / "out"), "--quiet", "--no-plots"]
+    done = subprocess.run(
+        [*kv_router_command(), *argv, flag, value], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"kv-router {command}: error: argument {flag}: {says}"), done.stderr
+    assert len(done.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
     ("option", "says"),
     [
         ("prefil_load_scale=2", "--router-option prefil_load_scale=2: 'prefil_load_scale' is not a router setting; "
