@@ -121,14 +121,16 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit(2) from None
 
 
-def _router_config(options: list[str], engine: EngineConfig) -> RouterConfig:
-    """``KEY=VALUE`` router settings (values parsed as JSON when they are JSON) over the defaults; the
-    block size follows the engines' unless set. `ValueError` (one line) for an option without ``=``, a
-    key that is no setting (naming the one likely meant, else them all) or a value the setting refuses."""
+def _router_config(options: list[str], engine: EngineConfig) -> tuple[RouterConfig, frozenset[str]]:
+    """``KEY=VALUE`` router settings (values parsed as JSON when they are JSON) over the defaults, and the
+    names of the settings given; the block size follows the engines' unless set. `ValueError` (one line)
+    for an option without ``=``, a key that is no setting (naming the one likely meant, else them all) or a
+    value the setting refuses."""
     from api.config import _plain, closest_name
 
     settings = RouterConfig.__struct_fields__
     fields: dict[str, Any] = {"block_size": engine.block_size}
+    given: set[str] = set()
     for option in options:
         key, sep, value = option.partition("=")
         name = key.strip().replace("-", "_")
@@ -142,8 +144,9 @@ def _router_config(options: list[str], engine: EngineConfig) -> RouterConfig:
             fields[name] = msgspec.json.decode(value)
         except msgspec.DecodeError:
             fields[name] = value
+        given.add(name)
     try:
-        return msgspec.convert(fields, RouterConfig, strict=False)
+        return msgspec.convert(fields, RouterConfig, strict=False), frozenset(given)
     except msgspec.ValidationError as exc:
         raise ValueError(f"--router-option {_plain(str(exc), fields)}") from None
     except ConfigError as exc:
@@ -475,11 +478,13 @@ def _run_replay(args: argparse.Namespace) -> int:
         return 2
     routers = tuple(name for name in args.routers.split(",") if name and name != "all")
     try:
+        router_config, router_settings_given = _router_config(args.router_option, engine)
         setup = ReplaySetup(
             engine=engine,
             workers=args.workers,
             routers=routers,
-            router_config=_router_config(args.router_option, engine),
+            router_config=router_config,
+            router_settings_given=router_settings_given,
             event_delay_ms=args.event_delay_ms,
             seed=args.seed,
             window_s=args.window_s,

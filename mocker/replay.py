@@ -54,6 +54,9 @@ class ReplaySetup:
     workers: int = 8
     routers: tuple[str, ...] = ()  # empty: every router `router_names` lists
     router_config: RouterConfig | None = None  # block size defaults to the engine's
+    # The settings of ``router_config`` its author gave (`--router-option`): kept as given where the replay
+    # would adapt the default to the simulation (`effective_router_config`).
+    router_settings_given: frozenset[str] = frozenset()
     event_delay_ms: float = 0.0
     seed: int = 0
     window_s: float = 60.0
@@ -120,7 +123,7 @@ class ReplaySetup:
         config = self.router_config
         if config is None:
             config = RouterConfig(block_size=self.engine.block_size)
-        if not self.event_delay_ms:
+        if not self.event_delay_ms and "computed_prompt_credit_secs" not in self.router_settings_given:
             # The simulated engines' events reach the router as they happen: no lag for the credit to bridge.
             config = msgspec.structs.replace(config, computed_prompt_credit_secs=0.0)
         return config

@@ -116,6 +116,23 @@ def test_late_kv_events_reach_the_router_after_the_decisions_that_needed_them() 
     assert late.predicted_hit_rate < prompt_now.predicted_hit_rate
 
 
+def test_the_computed_prompt_credit_is_off_with_events_on_time_unless_an_option_sets_it(tmp_path: Path) -> None:
+    """Without --event-delay-ms the replay turns the credit off (no lag for it to bridge); a value the user
+    set used to be turned off too, silently."""
+    argv = ["replay", "--workload", "agentic", "--limit", "4", "--routers", "dynamo", "--quiet", "--no-plots"]
+
+    def credit(*options: str) -> float:
+        out = tmp_path / str(len(options))
+        assert kv_router_main([*argv, "--out", str(out), *options]) == 0
+        settings = msgspec.json.decode((out / "report.json").read_bytes())["settings"]
+        credit_secs: float = settings["router_config"]["computed_prompt_credit_secs"]
+        return credit_secs
+
+    assert credit() == 0.0
+    assert credit("--router-option", "computed_prompt_credit_secs=3") == 3.0
+    assert credit("--event-delay-ms", "200") == RouterConfig().computed_prompt_credit_secs > 0
+
+
 # ---------------------------------------------------------------------- baselines
 def routed(tokens: BlockTokens, blocks: list[int], length: int, request_id: str = "r") -> RoutedRequest:
     return RoutedRequest(request_id, tokens.prompt(blocks, length), length, 10)
