@@ -3,7 +3,8 @@
 Every candidate setting (a seeded sample of `SEARCH_SPACE`, the defaults always among them) replays the
 trace offline exactly as `kv-router replay` does, one candidate per process over the cores. Each
 result is appended to a JSONL cache as soon as it is known, keyed by everything that decides it (the
-trace's bytes, the trace options, the engine, the fleet, the seed, the knobs), so an interrupted or
+package's version, the trace's bytes, the trace options, the engine, the fleet, the seed, the router's
+whole effective config, the knobs and the defaults of every other setting), so an interrupted or
 repeated run continues where it stopped and a wider search reuses what was measured. ``dynamo`` is
 replayed too, as the yardstick.
 
@@ -30,6 +31,7 @@ from typing import Literal
 
 import msgspec
 
+from api.version import package_version
 from mocker.config import EngineConfig
 from mocker.replay import ReplaySetup, replay_offline
 from mocker.trace import Trace
@@ -145,20 +147,27 @@ def _load_in_worker(trace: Trace) -> None:
     _trace = trace
 
 
-def _replay_one(router: str, knobs: dict[str, Knob], setup: TuneSetup) -> TuneResult:
-    assert _trace is not None, "the pool initializer loads the trace"
+def _replay_setup(setup: TuneSetup, router: str, knobs: Mapping[str, Knob]) -> ReplaySetup:
+    """The replay of one candidate: ``router`` with ``knobs`` over the defaults."""
     config = msgspec.structs.replace(RouterConfig(block_size=setup.engine.block_size), **knobs)
-    replay = ReplaySetup(
+    return ReplaySetup(
         engine=setup.engine, workers=setup.workers, routers=(router,), router_config=config, seed=setup.seed
     )
-    [run] = asyncio.run(replay_offline(_trace, replay, show_progress=False))
+
+
+def _replay_one(router: str, knobs: dict[str, Knob], setup: TuneSetup) -> TuneResult:
+    assert _trace is not None, "the pool initializer loads the trace"
+    [run] = asyncio.run(replay_offline(_trace, _replay_setup(setup, router, knobs), show_progress=False))
     report = run.report
     return TuneResult(router, knobs, report.hit_rate_tokens, report.ttft_ms.p90, report.e2e_ms.p90, report.itl_ms.p90)
 
 
 def result_key(trace_digest: str, trace: Trace, setup: TuneSetup, router: str, knobs: Mapping[str, Knob]) -> str:
-    """Everything that decides a result, hashed: the cache key."""
+    """Everything that decides a result, hashed: the cache key. The package's version and the router's
+    whole effective config, so that an upgrade (new code, new defaults) replays rather than reuses."""
     identity = {
+        "version": package_version(),
+        "router_config": msgspec.to_builtins(_replay_setup(setup, router, knobs).effective_router_config()),
         "trace": trace_digest,
         "options": msgspec.to_builtins(trace.options),
         "requests": len(trace),

@@ -14,8 +14,10 @@ import pytest
 
 from api.cli import main as kv_router_main
 from api.config import load_settings
+from mocker import tune
 from mocker.config import EngineConfig
-from mocker.tune import SEARCH_SPACE, TuneResult, candidates, pareto_front, pick, write_config
+from mocker.trace import TraceOptions, build_trace
+from mocker.tune import SEARCH_SPACE, TuneResult, TuneSetup, candidates, pareto_front, pick, result_key, write_config
 from mocker.workload import WORKLOADS, agentic_rows, bursty_rows, rag_rows
 from router.config import RouterConfig
 from tests.router_processes import ROOT, kv_router_command
@@ -139,6 +141,26 @@ def test_tune_writes_the_front_and_a_config_serve_reads_and_resumes(
         with contextlib.suppress(ValueError):  # the line cut short stays cut short
             valid.append(json.loads(line)["key"])
     assert sorted(valid) == sorted(json.loads(line)["key"] for line in lines)
+
+
+def test_a_cached_result_is_replayed_after_an_upgrade_of_the_code_or_of_a_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The key used to hold the searched knobs alone: a new version, or a new default of a setting not
+    searched, reused the results measured before it, silently."""
+    trace = build_trace(agentic_rows(seed=0)[:4], TraceOptions(), "workload:agentic")
+    knobs = candidates(0, 0)[0]
+
+    def key() -> str:
+        return result_key("digest", trace, TuneSetup(), "latency", knobs)
+
+    before = key()
+    assert key() == before
+    monkeypatch.setattr(tune, "package_version", lambda: "99.0")
+    upgraded = key()
+    assert upgraded != before
+    monkeypatch.setattr(tune, "RouterConfig", lambda **settings: RouterConfig(**settings, latency_itl_stall_weight=0.5))
+    assert key() not in {before, upgraded}
 
 
 def test_a_written_config_reads_back_every_knob_switches_included(tmp_path: Path) -> None:
