@@ -598,7 +598,8 @@ class EngineStreamCollector(Collector):
                 "Engine ZMQ batches by outcome: messages, applied, duplicate, dropped_queue_full, gap, replayed, "
                 "replay_failed, missing_history, restarts, rebuilds, unverified, tail_checks, tail_check_failed, "
                 "tail_recovered, rejected_<reason>; events, ignored_events; connections (handshakes with the engine's "
-                "PUB socket: one per engine start).",
+                "PUB socket: one per engine start); reconnects (connections made afresh after one ended without "
+                "libzmq connecting again).",
                 labels=["endpoint", "outcome"],
             ),
             GaugeMetricFamily(

@@ -25,7 +25,7 @@ import zmq.asyncio
 from router.config import RouterConfig
 from router.engines.direct import SequencerSink
 from router.engines.engine_spec import EndpointRefused, check_zmq_endpoint, parse_engine_spec
-from router.engines.zmq_stream import END_SEQ, ReplayError, ZmqEngineStream, replay_batches
+from router.engines.zmq_stream import END_SEQ, ReplayError, ZmqEngineStream, is_ipv6_literal, replay_batches
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.kv_router import KvRouter
 from tests.router_processes import ROOT, kv_router_command
@@ -193,3 +193,79 @@ async def test_an_engine_at_an_ipv6_address_is_heard_and_replayed() -> None:
         await stream.stop()
         pub.close()
         replay.close()
+
+
+def test_only_an_ipv6_literal_turns_ipv6_on() -> None:
+    """ZMQ_IPV6 makes libzmq look a host name up as IPv6 alone: ``tcp://localhost:PORT`` would go to
+    ``[::1]`` (the usual /etc/hosts) where an engine bound to ``tcp://*:PORT`` listens on IPv4 only,
+    heard from never. Only a bracketed address turns it on."""
+    assert is_ipv6_literal("tcp://[::1]:5557") and is_ipv6_literal("tcp://[fd00::12]:5557")
+    assert not any(map(is_ipv6_literal, ("tcp://localhost:5557", "tcp://127.0.0.1:5557", "ipc:///tmp/kv")))
+
+
+class _AcceptAndClose:
+    """A TCP listener that accepts each connection and closes it at once (a port-forward or proxy with
+    no engine behind it, or an endpoint that is not a ZMQ PUB socket); counts them."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            connection, _ = await loop.sock_accept(self._listener)
+            self.accepted += 1
+            connection.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.mark.anyio
+async def test_a_peer_that_drops_every_connection_is_asked_no_faster_than_libzmq_retries() -> None:
+    """A connection that ends is left to libzmq to make again (every 100 ms), and made afresh here only
+    when no handshake followed, after a wait that doubles: before, each one ended was made again at
+    once, thousands a second at a full core against a peer that accepts and drops them."""
+    peer = _AcceptAndClose()
+    serving = asyncio.create_task(peer.serve())
+    stream = ZmqEngineStream(SequencerSink(KvRouter(RouterConfig(block_size=4)), 1), peer.endpoint, block_size=4)
+    await stream.start()
+    try:
+        await asyncio.sleep(2.0)
+        assert 5 <= peer.accepted <= 60, peer.accepted  # libzmq's own retries: about 20 in 2 s
+        assert 1 <= stream.stats["reconnects"] <= 3
+    finally:
+        await stream.stop()
+        serving.cancel()
+        peer.close()
+
+
+@pytest.mark.anyio
+async def test_batches_received_before_the_engine_goes_away_are_all_read() -> None:
+    """An engine that publishes a burst and stops (its socket closed with the batches on their way):
+    every batch that reached this host is read. Before, the connection's end was answered by
+    disconnecting the socket at once, which dropped what libzmq held for it unread (768 of 20,000)."""
+    context = zmq.asyncio.Context.instance()
+    pub = context.socket(zmq.XPUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.setsockopt(zmq.LINGER, 5000)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub.bind(endpoint)
+    stream = ZmqEngineStream(SequencerSink(KvRouter(RouterConfig(block_size=4)), 1), endpoint, block_size=4)
+    await stream.start()
+    try:
+        await asyncio.wait_for(pub.recv(), 10)  # the subscription: what is sent from now on is delivered
+        removed = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}], 0])
+        sent = 8_000  # within the stream's queue: none dropped for want of room
+        for seq in range(sent):
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"), removed])
+        pub.close()
+        await eventually(lambda: stream.stats["messages"] == sent, 10, "every batch sent read")
+    finally:
+        await stream.stop()
+        pub.close()

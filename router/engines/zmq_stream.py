@@ -114,6 +114,13 @@ HEARTBEAT_MISSED = 3
 # 35 B to 4.3 KiB (shared/vectors/real-engines: vLLM 0.32, SGLang); a step that stores a 1M-token
 # prompt at once, the longest context an engine takes, is ~5 MiB of msgpack token ids (5 B each).
 MAX_ENGINE_FRAME_BYTES = 16 << 20
+# After a connection of the SUB socket ends, how long libzmq is given to connect again by itself (it
+# retries every 100 ms after a lost connection) before the socket is connected afresh here (it never
+# does after a protocol error: a frame past MAXMSGSIZE); doubled after each forced reconnection without
+# a handshake since, so that a peer that accepts and drops connections costs no more than libzmq's own
+# retries, and reset by a handshake.
+RECONNECT_CHECK_S = 0.5
+RECONNECT_CHECK_MAX_S = 5.0
 
 
 class EngineSink(Protocol):
@@ -297,7 +304,8 @@ async def _replay_round(
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.RCVHWM, 0)  # no bound on the count on this side: fewer replies dropped
     socket.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_FRAME_BYTES)
-    socket.setsockopt(zmq.IPV6, 1)  # else libzmq never connects to tcp://[::1]:PORT (an IPv6 pod address)
+    if is_ipv6_literal(endpoint):  # else libzmq never connects to tcp://[::1]:PORT (an IPv6 pod address)
+        socket.setsockopt(zmq.IPV6, 1)
     try:
         try:
             socket.connect(endpoint)
@@ -494,7 +502,8 @@ class ZmqEngineStream:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_ENGINE_FRAME_BYTES)
-        socket.setsockopt(zmq.IPV6, 1)  # else libzmq never connects to tcp://[::1]:PORT (an IPv6 pod address)
+        if is_ipv6_literal(self.endpoint):  # else libzmq never connects to tcp://[::1]:PORT (an IPv6 pod address)
+            socket.setsockopt(zmq.IPV6, 1)
         socket.setsockopt(zmq.SUBSCRIBE, self.topic)
         socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_MISSED * self._heartbeat_ms)
@@ -561,6 +570,18 @@ class ZmqEngineStream:
         batch is to be verified), and its check replaces the pending one."""
         loop = asyncio.get_running_loop()
         check: asyncio.TimerHandle | None = None
+        reconnect: asyncio.TimerHandle | None = None
+        wait_s = RECONNECT_CHECK_S
+
+        def connect_afresh() -> None:
+            nonlocal reconnect, wait_s
+            reconnect = None
+            wait_s = min(wait_s * 2, RECONNECT_CHECK_MAX_S)
+            self.stats["reconnects"] += 1
+            with contextlib.suppress(zmq.ZMQError):
+                socket.disconnect(self.endpoint)
+            socket.connect(self.endpoint)
+
         try:
             while True:
                 event = await cast(Awaitable[dict[str, object]], recv_monitor_message(monitor))
@@ -570,12 +591,17 @@ class ZmqEngineStream:
                     if check is not None:
                         check.cancel()
                         check = None
-                    # libzmq reconnects after a lost connection, never after a protocol error (a frame
-                    # past MAXMSGSIZE): connected afresh here either way.
-                    with contextlib.suppress(zmq.ZMQError):
-                        socket.disconnect(self.endpoint)
-                    socket.connect(self.endpoint)
+                    # libzmq connects again by itself after a lost connection, never after a protocol
+                    # error (a frame past MAXMSGSIZE): without a handshake by then, connected afresh here.
+                    # Not at once: disconnecting drops what the connection delivered and was not yet read,
+                    # and a peer that accepts and drops connections would be asked again without pause.
+                    if reconnect is None:
+                        reconnect = loop.call_later(wait_s, connect_afresh)
                     continue
+                if reconnect is not None:
+                    reconnect.cancel()
+                    reconnect = None
+                wait_s = RECONNECT_CHECK_S
                 self.stats["connections"] += 1
                 if self.replay_endpoint is None:  # nothing to check a connection's first batch against
                     continue
@@ -584,8 +610,9 @@ class ZmqEngineStream:
                     check.cancel()
                 check = loop.call_later(self._tail_check_delay_s, self._subscription_in_place)
         finally:
-            if check is not None:
-                check.cancel()
+            for timer in (check, reconnect):
+                if timer is not None:
+                    timer.cancel()
 
     async def _watch_quiet(self) -> None:
         """One tail check per quiet spell, ``quiet_s`` after the last message heard: an idle engine is
@@ -979,3 +1006,10 @@ class ZmqEngineStream:
         self.stats[f"rejected_{reason}"] += 1
         self.last_rejection[reason] = message
         self._bad_input.warning(f"engine event {reason}", f"from {self.endpoint}, {message}")
+
+
+def is_ipv6_literal(endpoint: str) -> bool:
+    """``tcp://[ADDRESS]:PORT``: libzmq connects to it only with ``zmq.IPV6``, which for a host name
+    (``localhost``) would take the name's IPv6 address alone, where an engine bound to ``tcp://*:PORT``
+    does not listen."""
+    return endpoint.partition("://")[2].startswith("[")
