@@ -305,6 +305,37 @@ async def test_a_prefill_leg_answering_params_no_decode_leg_can_pull_with_is_ret
         await eventually(lambda: idle(f.router))
 
 
+async def test_a_prefill_leg_naming_no_blocks_for_a_prompt_shorter_than_one_is_handed_on(
+    nats_server: EmbeddedNats,
+) -> None:
+    """vLLM's connectors before "send every block" answer a prompt shorter than a block with
+    ``remote_block_ids: []`` (the decode side computes those tokens): a hand-off, not a failure of the
+    prefill worker (it was, so five short prompts opened every prefill worker's circuit)."""
+    params = {"do_remote_prefill": True, "remote_block_ids": [], "remote_engine_id": "stub",
+              "remote_host": "127.0.0.1", "remote_port": 5600}  # fmt: skip
+
+    async def short(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        answer = {"object": "text_completion", "choices": [{"index": 0, "text": " p"}], "kv_transfer_params": params}
+        return b"200 OK", b"", msgspec.json.encode(answer)
+
+    async with (
+        fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}) as f,
+        scripted_worker(short) as (url, seen),
+    ):
+        await register(f, prefill_worker_at(url, "kv_transfer_params"))
+        await ballast(f, "ballast", pinned_prefill=(1, 0))()  # prefill load on worker 1: worker 9 comes first
+        raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=3)
+        assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
+        assert raw.headers["x-kv-router-prefill-worker"] == "9"
+        assert seen == [b"POST /v1/completions HTTP/1.1"] and f.apis[1].prefill_legs == 0
+        assert f.router.health.availability(9).consecutive_failures == 0
+        metrics = await scrape(f.url)
+        failed = sample(metrics, "kv_router_proxy_handoffs_total", style="kv_transfer_params", outcome="prefill_failed")
+        assert failed is None
+        f.router.mark_free("ballast")
+        await eventually(lambda: idle(f.router))
+
+
 async def cached_tokens(f: Fleet, tokens: list[int]) -> dict[int, int]:
     """What the router believes each worker holds of ``tokens`` (``POST /v1/overlap``)."""
     async with httpx.AsyncClient() as http:

@@ -304,13 +304,14 @@ def _unusable(params: Any) -> str | None:
     vLLM's NixlConnector (and MooncakeConnector) pulls the KV of a request with ``do_remote_prefill``
     from ``remote_block_ids`` on ``remote_engine_id`` at ``remote_host``:``remote_port``; without the
     ids it prefills the prompt itself unannounced (or, with tokens to pull and none named, fails it),
-    without the rest it refuses it."""
+    without the rest it refuses it. An empty list is an answer: vLLM's connectors before "send every
+    block" name none for a prompt shorter than a block (the decode side computes those few tokens)."""
     if not isinstance(params, dict):
         return "its answer has no kv_transfer_params (is it a P/D engine?)"
     if params.get("do_remote_prefill") is not True:
         return "its kv_transfer_params do not say do_remote_prefill"
     block_ids = params.get("remote_block_ids")
-    if not isinstance(block_ids, list) or not block_ids:
+    if not isinstance(block_ids, list):
         return "its kv_transfer_params name no remote_block_ids"
     missing = [name for name in _REMOTE_PREFILL_SOURCE if params.get(name) is None]
     if missing:

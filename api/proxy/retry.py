@@ -103,10 +103,13 @@ class WorkerFailed(Exception):
     @property
     def paced(self) -> bool:
         """The engine paces us, which is no failure of the worker (its breaker is not told): its 429, or a
-        503 saying when to come back (an engine overloaded, not broken). A bare 503 is a failure."""
+        503 saying when to come back, later than now (an engine overloaded, not broken). A bare 503, or
+        one saying "now" (``Retry-After: 0``, a past date: a broken pod behind an ingress), is a failure:
+        it would neither trip the breaker nor leave routing for any time."""
         if self.answer is None:
             return False
-        return self.answer[0] == 429 or (self.answer[0] == 503 and self.retry_after is not None)
+        status, retry_after = self.answer[0], self.retry_after
+        return status == 429 or (status == 503 and retry_after is not None and retry_after > 0)
 
 
 def overloaded_answer(
