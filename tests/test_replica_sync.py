@@ -586,6 +586,18 @@ async def test_a_view_whose_parts_go_on_past_the_bound_is_abandoned_unread(
             await subscription.unsubscribe()
 
 
+async def test_a_lone_replica_passes_no_mark_for_an_id_nobody_booked(nats_server: EmbeddedNats) -> None:
+    """With replica sync on and no peer heard from, a mark for an id not booked here cannot be ahead of
+    a peer's booking: it is not passed on (the client's 404, as on a lone router), and nothing is kept or
+    published for it. With a peer, it is passed (a 202 in the API)."""
+    async with replica(nats_server.url) as lone:
+        assert not lone.router.pass_mark_to_replicas("typo", free=True)
+        assert lone.sync.outcomes["passed_marks"] == 0
+        async with replica(nats_server.url) as peer:
+            await eventually(lambda: peer.sync.replica_id in lone.sync.peers, 5, "the peer heard")
+            assert lone.router.pass_mark_to_replicas("ahead", free=True)
+
+
 async def test_a_request_id_booked_again_after_its_free_reaches_every_replica(nats_server: EmbeddedNats) -> None:
     """A client retrying with the same X-Request-Id after the first attempt was freed: within the
     tombstone window the retry's booking is newer than the free, so peers book it and a free sent

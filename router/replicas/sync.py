@@ -293,8 +293,9 @@ class ReplicaSync:
         """A mark told to this replica for an id it has not booked: the booking may be on its way from the
         peer that made it. Kept for it (a tombstone, so the booking is refused when it arrives, or an early
         prefill mark) and published, so the peer holding it, and every other, applies it too. False for an
-        id freed here lately: a repeated mark, not one ahead of its booking."""
-        if request_id in self._freed:
+        id freed here lately (a repeated mark, not one ahead of its booking), and with no peer heard from:
+        nobody else can hold it (a wrong id stays a 404, as on a lone router)."""
+        if request_id in self._freed or not self._peers:
             return False
         now = self._clock()
         if free:
