@@ -266,7 +266,6 @@ class KvRouter:
             self._predict()
         previous = self._scheduler.workers.get(worker.worker_id)
         dropped = self._scheduler.register_worker(worker)
-        self._ended(dropped)
         self._refresh_disaggregated()
         if previous is None:
             logger.info(
@@ -287,6 +286,8 @@ class KvRouter:
                 if self.computed_prompts is not None:
                     self.computed_prompts.forget(worker.worker_id, dp_rank)
         if dropped:
+            # Once the fleet is as it now is: freeing their prefill legs dispatches the queue.
+            self._ended(dropped)
             logger.warning("worker %d lost dp ranks; dropped %d active requests", worker.worker_id, len(dropped))
         if not self._started and len(self._scheduler.workers) >= self.config.router_min_initial_workers:
             self._started = True
@@ -331,11 +332,11 @@ class KvRouter:
         """Forget a worker: its index entries, event streams and active requests, counting why in
         `removals`. Raises `UnknownWorker`."""
         dropped = self._scheduler.remove_worker(worker_id)
-        self._ended(dropped)
         self.removals[reason] += 1
         self._refresh_disaggregated()
         self.health.forget(worker_id)
         self.forget_cache_of(worker_id)
+        self._ended(dropped)  # once the fleet is as it now is: freeing their prefill legs dispatches the queue
         logger.info(
             "worker %d left: %d active requests dropped",
             worker_id,
