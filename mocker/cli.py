@@ -503,7 +503,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     print(
         f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s"
         + (f" ({trace.clipped} clipped, {trace.dropped} dropped)" if trace.clipped or trace.dropped else "")
-        + (f"; arrivals spread over {trace.jitter_ms:g} ms each" if trace.jitter_ms else ""),
+        + (f"; arrivals spread over {trace.jitter_ms / trace.options.speedup:g} ms each" if trace.jitter_ms else ""),
         file=sys.stderr,
     )
     if not args.online:  # online, the workers' own pools decide

@@ -197,7 +197,8 @@ def build_trace(rows: Iterable[Row], options: TraceOptions, path: str) -> Trace:
 def timestamp_quantum(timestamps: list[float]) -> float:
     """The quantum of quantised timestamps: the least gap between two distinct ones, when it is at least
     `COARSE_QUANTUM_MS` and some timestamp is shared by several requests; else 0 (arrivals as written).
-    O(n log n)."""
+    Read from the lines replayed: a ``--limit`` within the first timestamp's requests (fewer than 28 of
+    a Mooncake trace) shows no quantum, and they stay at one instant (give ``--jitter-ms``). O(n log n)."""
     distinct = sorted(set(timestamps))
     if len(distinct) < 2 or len(distinct) == len(timestamps):
         return 0.0
