@@ -178,8 +178,9 @@ class BridgeCommand:
                 print(f"kv-router bridge: {exc}", file=sys.stderr)
                 exit_code = 2
             except ServiceUnavailableError:  # JetStream's API unanswered: the registry bucket cannot be opened
-                print(f"kv-router bridge: the NATS server at {shown} has no JetStream, which the worker registry "
-                      "needs: start nats-server with -js (or jetstream {} in its config)", file=sys.stderr)  # fmt: skip
+                print(f"kv-router bridge: JetStream at {shown} did not answer (not enabled, or a cluster without "
+                      "a leader yet), and the worker registry needs it: start nats-server with -js (or jetstream {} "
+                      "in its config)", file=sys.stderr)  # fmt: skip
                 exit_code = 2
             if metrics is not None:
                 metrics.close()  # a scrape under way ends within its read timeout: waited for, not cut off

@@ -698,8 +698,8 @@ def test_a_bridge_against_nats_without_jetstream_says_so_in_one_line_and_exits_2
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if line.startswith("kv-router bridge:")]
     assert said == [
-        f"kv-router bridge: the NATS server at nats://127.0.0.1:{port} has no JetStream, which the worker registry "
-        "needs: start nats-server with -js (or jetstream {} in its config)"
+        f"kv-router bridge: JetStream at nats://127.0.0.1:{port} did not answer (not enabled, or a cluster without "
+        "a leader yet), and the worker registry needs it: start nats-server with -js (or jetstream {} in its config)"
     ], done.stderr[-2000:]
 
 
