@@ -9,6 +9,7 @@ routes give (``fast_protocol`` off), which the in-process suites test in depth.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -726,7 +727,10 @@ def test_a_request_that_does_not_arrive_in_time_gets_a_408_and_its_connection_cl
                 break
             if not trickle.nothing_within(0.1):
                 break
-        _timed_out(_answer_then_closed(trickle, 10), head_late)
+        # A byte sent as the server closed: the kernel closes a socket with unread input by a reset, which
+        # discards the 408 still unsent. The connection ended all the same, in time.
+        with contextlib.suppress(ConnectionResetError):
+            _timed_out(_answer_then_closed(trickle, 10), head_late)
         assert time.monotonic() - first_byte < 5
         trickle.close()
 
