@@ -268,6 +268,27 @@ async def test_prefill_workers_all_failing_beyond_the_retries_leave_the_request_
         await eventually(lambda: idle(f.router))
 
 
+@contextlib.asynccontextmanager
+async def behind_a_prefill_worker_answering(
+    nats_url: str, params: dict[str, Any]
+) -> AsyncIterator[tuple[Fleet, list[bytes]]]:
+    """A prefill worker (9) whose answers carry ``params`` as their ``kv_transfer_params``, tried first
+    (worker 1, the other prefill worker, holds a ballast's prefill), beside decode worker 2; and the
+    request lines worker 9 saw."""
+
+    async def answer(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        answer = {"object": "text_completion", "choices": [{"index": 0, "text": " p"}], "kv_transfer_params": params}
+        return b"200 OK", b"", msgspec.json.encode(answer)
+
+    async with (
+        fleet(nats_url, (1, 2), roles={1: "prefill", 2: "decode"}) as f,
+        scripted_worker(answer) as (url, seen),
+    ):
+        await register(f, prefill_worker_at(url, "kv_transfer_params"))
+        await ballast(f, "ballast", pinned_prefill=(1, 0))()
+        yield f, seen
+
+
 @pytest.mark.parametrize(
     "params",
     [{}, {"do_remote_prefill": True, "remote_engine_id": "stub"}, {"do_remote_prefill": True, "remote_block_ids": [0]}],
@@ -279,17 +300,7 @@ async def test_a_prefill_leg_answering_params_no_decode_leg_can_pull_with_is_ret
     """vLLM's NixlConnector on the decode side needs the blocks and where they are: given less, it
     prefills the prompt itself unannounced (the client told remote_prefill) or refuses the request. Such
     a prefill leg failed: its worker is told, and the leg goes to the other prefill worker."""
-
-    async def unusable(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
-        answer = {"object": "text_completion", "choices": [{"index": 0, "text": " p"}], "kv_transfer_params": params}
-        return b"200 OK", b"", msgspec.json.encode(answer)
-
-    async with (
-        fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}) as f,
-        scripted_worker(unusable) as (url, seen),
-    ):
-        await register(f, prefill_worker_at(url, "kv_transfer_params"))
-        await ballast(f, "ballast", pinned_prefill=(1, 0))()  # prefill load on worker 1: worker 9 comes first
+    async with behind_a_prefill_worker_answering(nats_server.url, params) as (f, seen):
         raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=3)
         assert raw.parse().choices[0].text == " w1 w2 w3"
         assert seen == [b"POST /v1/completions HTTP/1.1"]
@@ -313,17 +324,7 @@ async def test_a_prefill_leg_naming_no_blocks_for_a_prompt_shorter_than_one_is_h
     prefill worker (it was, so five short prompts opened every prefill worker's circuit)."""
     params = {"do_remote_prefill": True, "remote_block_ids": [], "remote_engine_id": "stub",
               "remote_host": "127.0.0.1", "remote_port": 5600}  # fmt: skip
-
-    async def short(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
-        answer = {"object": "text_completion", "choices": [{"index": 0, "text": " p"}], "kv_transfer_params": params}
-        return b"200 OK", b"", msgspec.json.encode(answer)
-
-    async with (
-        fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}) as f,
-        scripted_worker(short) as (url, seen),
-    ):
-        await register(f, prefill_worker_at(url, "kv_transfer_params"))
-        await ballast(f, "ballast", pinned_prefill=(1, 0))()  # prefill load on worker 1: worker 9 comes first
+    async with behind_a_prefill_worker_answering(nats_server.url, params) as (f, seen):
         raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=3)
         assert raw.headers["x-kv-router-disaggregation"] == "remote_prefill"
         assert raw.headers["x-kv-router-prefill-worker"] == "9"
