@@ -24,8 +24,8 @@ import zmq.asyncio
 
 from router.config import RouterConfig
 from router.engines.direct import SequencerSink
-from router.engines.engine_spec import EndpointRefused, check_zmq_endpoint, parse_engine_spec
-from router.engines.zmq_stream import END_SEQ, ReplayError, ZmqEngineStream, is_ipv6_literal, replay_batches
+from router.engines.engine_spec import EndpointRefused, check_zmq_endpoint, is_ipv6_literal, parse_engine_spec
+from router.engines.zmq_stream import END_SEQ, ReplayError, ZmqEngineStream, replay_batches
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.kv_router import KvRouter
 from tests.router_processes import ROOT, kv_router_command

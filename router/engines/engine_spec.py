@@ -14,6 +14,7 @@ __all__ = [
     "EngineSpec",
     "check_rank_ports",
     "check_zmq_endpoint",
+    "is_ipv6_literal",
     "parse_engine_spec",
     "rank_endpoint",
 ]
@@ -87,6 +88,13 @@ def check_zmq_endpoint(endpoint: str, what: str) -> None:
         )
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"the {what} endpoint {endpoint!r} has port {port}: a TCP port is 1 to 65535")
+
+
+def is_ipv6_literal(endpoint: str) -> bool:
+    """``tcp://[ADDRESS]:PORT``: libzmq connects to it only with ``zmq.IPV6``, which for a host name
+    (``localhost``) would take the name's IPv6 address alone, where an engine bound to ``tcp://*:PORT``
+    does not listen."""
+    return endpoint.partition("://")[2].startswith("[")
 
 
 def rank_endpoint(endpoint: str, dp_rank: int) -> str:

@@ -80,7 +80,7 @@ from indexer.engine_events import (
     decode_engine_batch,
     stored_block_size,
 )
-from router.engines.engine_spec import EndpointRefused
+from router.engines.engine_spec import EndpointRefused, is_ipv6_literal
 from router.engines.hash_check import TokensHashCheck, evidence
 from router.engines.zmq_drain import drain_sub
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -1006,10 +1006,3 @@ class ZmqEngineStream:
         self.stats[f"rejected_{reason}"] += 1
         self.last_rejection[reason] = message
         self._bad_input.warning(f"engine event {reason}", f"from {self.endpoint}, {message}")
-
-
-def is_ipv6_literal(endpoint: str) -> bool:
-    """``tcp://[ADDRESS]:PORT``: libzmq connects to it only with ``zmq.IPV6``, which for a host name
-    (``localhost``) would take the name's IPv6 address alone, where an engine bound to ``tcp://*:PORT``
-    does not listen."""
-    return endpoint.partition("://")[2].startswith("[")
