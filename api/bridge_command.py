@@ -142,51 +142,80 @@ class BridgeCommand:
             name=f"kv-router-bridge-{config.worker_id}",
         )
         connection = LocalToolConnection("kv-router bridge", config.nats_url, options, wait_s=config.nats_wait_secs)
+        nats_wait = (
+            f"NATS at {redact_nats_url(options.url)}" if config.nats_url else "the NATS of a local kv-router serve"
+        )
 
         async def serve() -> int:
-            try:
-                nc, resolved = await connection.connect()
-            except (ConnectionFileError, FirstConnectionError) as exc:
-                print(f"kv-router bridge: {exc}", file=sys.stderr)
-                return 2
-            bridge = Bridge(config, nc)
-            metrics = None
-            if config.metrics_port is not None:
-                # Here, not above: the service's metrics modules are 25 more modules, ~50 ms of every start.
-                from api.bridge_metrics import bridge_registry, serve_metrics
+            stopping = asyncio.Event()
+            signalled: list[signal.Signals] = []
+            bridge: Bridge | None = None
 
+            async def run_bridge() -> int:
+                nonlocal bridge
                 try:
-                    metrics = await serve_metrics(bridge_registry(bridge), config.metrics_host, config.metrics_port)
-                except OSError as exc:
-                    print(f"kv-router bridge: --metrics-port: {exc}", file=sys.stderr)
-                    await nc.close()
+                    nc, resolved = await connection.connect()
+                except (ConnectionFileError, FirstConnectionError) as exc:
+                    print(f"kv-router bridge: {exc}", file=sys.stderr)
                     return 2
-                host, port = metrics.sockets[0].getsockname()[:2]
-                print(f"bridge for worker {config.worker_id}: metrics on http://{host}:{port}/metrics", flush=True)
-            task = asyncio.create_task(bridge.run_forever())
+                bridge = Bridge(config, nc)
+                shown = redact_nats_url(resolved.url)
+                metrics = None
+                try:
+                    if config.metrics_port is not None:
+                        # Here, not above: the service's metrics modules are 25 more modules, ~50 ms of every start.
+                        from api.bridge_metrics import bridge_registry, serve_metrics
+
+                        try:
+                            metrics = await serve_metrics(
+                                bridge_registry(bridge), config.metrics_host, config.metrics_port
+                            )
+                        except OSError as exc:
+                            print(f"kv-router bridge: --metrics-port: {exc}", file=sys.stderr)
+                            return 2
+                        host, port = metrics.sockets[0].getsockname()[:2]
+                        print(
+                            f"bridge for worker {config.worker_id}: metrics on http://{host}:{port}/metrics", flush=True
+                        )
+                    print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {shown}", flush=True)
+                    try:
+                        await bridge.run_until(stopping)
+                    except EndpointRefused as exc:
+                        print(f"kv-router bridge: {exc}", file=sys.stderr)
+                        return 2
+                    except ServiceUnavailableError:  # JetStream's API unanswered: the registry bucket cannot be opened
+                        print(f"kv-router bridge: JetStream at {shown} did not answer (not enabled, or a cluster "
+                              "without a leader yet), and the worker registry needs it: start nats-server with -js (or "
+                              "jetstream {} in its config)", file=sys.stderr)  # fmt: skip
+                        return 2
+                    return 0
+                finally:
+                    if metrics is not None:
+                        metrics.close()  # a scrape under way ends within its read timeout: waited for, not cut off
+                        await metrics.wait_closed()
+                    await close_connection(nc)
+
+            run = asyncio.create_task(run_bridge())
+
+            def on_signal(sig: signal.Signals) -> None:
+                if signalled:  # the first only: a second must not cut short the stop under way
+                    return
+                signalled.append(sig)
+                stopping.set()
+                if bridge is None or bridge.waiting_for is not None:
+                    run.cancel()  # a start may wait without end (NATS out of reach): cut short
+
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, task.cancel)
-            shown = redact_nats_url(resolved.url)
-            print(f"bridge for worker {config.worker_id}: {config.zmq_endpoint} -> {shown}", flush=True)
-            exit_code = 0
+                loop.add_signal_handler(sig, on_signal, sig)
             try:
-                await task
+                return await run
             except asyncio.CancelledError:
-                pass
-            except EndpointRefused as exc:
-                print(f"kv-router bridge: {exc}", file=sys.stderr)
-                exit_code = 2
-            except ServiceUnavailableError:  # JetStream's API unanswered: the registry bucket cannot be opened
-                print(f"kv-router bridge: JetStream at {shown} did not answer (not enabled, or a cluster without "
-                      "a leader yet), and the worker registry needs it: start nats-server with -js (or jetstream {} "
-                      "in its config)", file=sys.stderr)  # fmt: skip
-                exit_code = 2
-            if metrics is not None:
-                metrics.close()  # a scrape under way ends within its read timeout: waited for, not cut off
-                await metrics.wait_closed()
-            await close_connection(nc)
-            return exit_code
+                # Said, and not a success: a bridge stopped before its start completed never relayed.
+                waiting_for = nats_wait if bridge is None else bridge.waiting_for
+                print(f"kv-router bridge: stopped by {signalled[0].name} before its start completed (still waiting "
+                      f"for {waiting_for})", file=sys.stderr)  # fmt: skip
+                return 2
 
         return asyncio.run(serve())
 

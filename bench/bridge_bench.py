@@ -120,7 +120,7 @@ async def throughput(batches: int, blocks: int) -> None:
         config = BridgeConfig(worker_id=WORKER, zmq_endpoint=endpoint, block_size=BLOCK, queue_size=batches + 1)
         bridge = Bridge(config, nc)
         # Started as `kv-router bridge` starts it (gc.freeze() after start); a peer tree from before
-        # `start_service` froze at the same point in its `run_forever`. Before the engine: a start
+        # `start_service` froze at the same point in its `run_until`. Before the engine: a start
         # slower than the engine's 1.5 s wait (under valgrind) would miss its batches.
         start_service = getattr(bridge, "start_service", None)
         if start_service is None:

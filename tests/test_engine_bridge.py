@@ -730,3 +730,35 @@ def test_a_bridge_says_when_it_loses_nats_and_reaches_it_again_and_stops_without
             assert "Traceback" not in log, log
         finally:
             bridge.stop()
+
+
+@pytest.mark.parametrize("stuck_on", ["nats", "engine_models"])
+def test_a_bridge_stopped_before_its_start_completed_says_what_it_waited_for_and_exits_2(
+    tmp_path: Path, stuck_on: str
+) -> None:
+    """SIGTERM while the start waits (no NATS listens at its URL; or NATS does, and the engine's OpenAI
+    server does not answer yet) stops the bridge at once, exit 2, with one line saying so and what it
+    waited for (before: killed by the signal without a word, or exit 0 as if it had run)."""
+    zmq_endpoint, _ = loopback_endpoints(replay=False)
+    with contextlib.ExitStack() as stack:
+        if stuck_on == "nats":
+            nats_url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+            waiting, waited_for = "waiting for NATS at", f"NATS at {nats_url}"
+            flags: tuple[str, ...] = ()
+        else:
+            nats_url = stack.enter_context(EmbeddedNats()).url
+            engine = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+            waiting, waited_for = "does not list its models yet", f"the engine's models at {engine}/v1/models"
+            flags = ("--openai-url", engine)
+        bridge = ToolProcess(tmp_path, None, "--worker-id", str(WORKER), "--zmq-endpoint", zmq_endpoint,
+                             "--nats-url", nats_url, *flags, command="bridge")  # fmt: skip
+        stack.callback(bridge.stop)
+        until(lambda: waiting in bridge.log(), 30, "the start waiting")
+        started = time.monotonic()
+        assert bridge.stop() == 2, bridge.log()
+        assert time.monotonic() - started < 5
+        said = [line for line in bridge.log().splitlines() if "before its start completed" in line]
+        assert said == [
+            f"kv-router bridge: stopped by SIGTERM before its start completed (still waiting for {waited_for})"
+        ], bridge.log()
+        assert "Traceback" not in bridge.log()

@@ -156,6 +156,9 @@ class Bridge:
                 down_when_refused=True,
             )
         )
+        # What `start` waits on (the engine's models, the worker registry), None once it completed: said
+        # when a signal stops the bridge before.
+        self.waiting_for: str | None = "its start"
         self.withdrawn = False  # the engine stopped answering: the worker is out of the routers' registry
         self.scraper = (
             None
@@ -177,10 +180,12 @@ class Bridge:
     async def start(self) -> None:
         base = self.config.openai_base
         if base is not None:
+            self.waiting_for = f"the engine's models at {base}/v1/models"
             models = self.config.served_model or await wait_for_models(base)
             self.publisher.registration = msgspec.structs.replace(
                 self.publisher.registration, url=base, models=frozenset(models)
             )
+        self.waiting_for = f"the worker registry on NATS {_netloc(self.nc)}"
         # Routers forget what an earlier bridge of this worker numbered; they resync from this one.
         registry = await open_registry(self.nc, self.publisher.subjects)
         with contextlib.suppress(Exception):  # nothing to delete on a first start
@@ -196,6 +201,7 @@ class Bridge:
             self.scraper.start()
         if self.health is not None:
             self.health.start()
+        self.waiting_for = None
         log.info(
             "bridge for worker %d: %s -> NATS %s (namespace %s)",
             self.config.worker_id,
@@ -251,7 +257,7 @@ class Bridge:
         log.info("engine of worker %d answers again: registered", self.config.worker_id)
 
     async def start_service(self) -> None:
-        """`start` as the bridge's process runs it (`run_forever`, and the throughput bench, which
+        """`start` as the bridge's process runs it (`run_until`, and the throughput bench, which
         measures what the service runs)."""
         await self.start()
         # What the process holds once started (its modules, the clients) lives as long as it does:
@@ -259,10 +265,10 @@ class Bridge:
         # 45-55 ms every few seconds at 100k blocks/s, the lag's tail (docs/performance.md).
         gc.freeze()
 
-    async def run_forever(self) -> None:
-        """The bridge as its process's one job (`kv-router bridge`)."""
+    async def run_until(self, stopping: asyncio.Event) -> None:
+        """The bridge as its process's one job (`kv-router bridge`), until ``stopping`` is set."""
         await self.start_service()
         try:
-            await asyncio.Event().wait()
+            await stopping.wait()
         finally:
             await self.stop()
