@@ -140,6 +140,7 @@ class Bridge:
                 topic=config.zmq_topic,
                 replay_endpoint=None if config.replay_endpoint is None else rank_endpoint(config.replay_endpoint, rank),
                 queue_size=config.queue_size,
+                queue_bytes=config.queue_bytes,
                 batch_window_s=config.batch_window_secs,
             )
             for rank in range(config.dp_size)

@@ -80,6 +80,11 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     ] = 1.0
     heartbeat_interval_secs: Annotated[float, _doc("seconds between heartbeats"), msgspec.Meta(gt=0)] = 1.0
     queue_size: Annotated[int, _doc("engine batches buffered per rank before drops"), msgspec.Meta(ge=1)] = 10_000
+    queue_bytes: Annotated[
+        int,
+        _doc("bytes of engine batches buffered per rank before drops (a batch larger than this is always dropped)"),
+        msgspec.Meta(ge=1),
+    ] = 256 << 20
     batch_window_secs: Annotated[
         float,
         _doc(

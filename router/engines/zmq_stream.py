@@ -47,8 +47,9 @@ last batch lets what arrives until the window ends join the next: a busy engine 
 (one NATS message) per window instead of one per engine step, an engine stepping about once a window
 sends each step at once, and a stream behind never waits.
 
-The SUB reader never blocks the engine: messages go into a bounded queue and those that do not fit
-are dropped and counted (the seq gap they leave is then repaired like any other). A replay round is
+The SUB reader never blocks the engine: messages go into a queue bounded by count and by bytes (its
+payloads) and those that do not fit are dropped and counted (the seq gap they leave is then repaired
+like any other). A replay round is
 bounded too (`MAX_REPLAY_BATCHES`, `MAX_REPLAY_BYTES`): past either it is abandoned unread, a
 rejection (``rejected_oversized_replay``) and a failed replay. Undecodable
 payloads are counted by reason and logged rate-limited (once: heard live after a replay took the same
@@ -92,6 +93,9 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (1 << 64) - 1  # the replay end marker: -1 as a signed 8-byte big-endian integer
 DEFAULT_QUEUE_SIZE = 10_000
+# The count alone let a queue of frames up to MAX_ENGINE_FRAME_BYTES reach 160 GiB; real batches are a
+# few KiB, so this holds the whole count of busy ones.
+DEFAULT_QUEUE_BYTES = 256 << 20
 # Applying a backlog must not starve the loop it shares (the router's decisions in direct mode).
 YIELD_AFTER_S = 0.0005
 # Messages the SUB reader takes off the socket per wake-up (one `drain_sub` call) before it lets the
@@ -362,6 +366,7 @@ class ZmqEngineStream:
         replay_endpoint: str | None = None,
         cache_namespace: str | None = None,
         queue_size: int = DEFAULT_QUEUE_SIZE,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
         replay_timeout_s: float = 2.0,
         max_replay_batches: int = MAX_REPLAY_BATCHES,
         max_replay_bytes: int = MAX_REPLAY_BYTES,
@@ -390,10 +395,13 @@ class ZmqEngineStream:
         self._quiet_s = quiet_s
         self._heartbeat_ms = max(1, round(heartbeat_s * 1000))
         self._context = context or zmq.asyncio.Context.instance()
-        # (seq, payload) as read, at most queue_size; `_queued` wakes the apply loop (a deque and an
-        # event: an asyncio.Queue cost a future and its bookkeeping per message).
+        # (seq, payload) as read, at most queue_size of them and queue_bytes of payloads (`_queued_bytes`);
+        # `_queued` wakes the apply loop (a deque and an event: an asyncio.Queue cost a future and its
+        # bookkeeping per message).
         self._queue: deque[tuple[int, bytes]] = deque()
         self._queue_size = queue_size
+        self._queue_bytes = queue_bytes
+        self._queued_bytes = 0
         self._queued = asyncio.Event()
         self._background = Supervisor(f"zmq-{endpoint}")
         self._bad_input = RateLimitedLog(log)
@@ -540,13 +548,16 @@ class ZmqEngineStream:
         queue, queued, heard, stats = self._queue, self._queued, self._heard, self.stats
         read: list[tuple[int, bytes]] = []
         while True:
-            messages, dropped, misshapen = drain_sub(sync, READ_BURST, self._queue_size - len(queue), read)
+            messages, dropped, misshapen = drain_sub(
+                sync, READ_BURST, self._queue_size - len(queue), self._queue_bytes - self._queued_bytes, read
+            )
             if messages:
                 stats["messages"] += messages
                 if not heard.is_set():
                     heard.set()
             if read:
                 queue.extend(read)
+                self._queued_bytes += sum(len(payload) for _, payload in read)
                 read.clear()
                 if not queued.is_set():
                     queued.set()
@@ -667,7 +678,9 @@ class ZmqEngineStream:
                 # Anything but the next batch (a gap, a restart, the first after a connection): taken
                 # outside a batch, which it opens itself where it applies, so a replay's wait never
                 # holds back what was applied before it.
-                await self.take_live(*queue.popleft())
+                seq, payload = queue.popleft()
+                self._queued_bytes -= len(payload)
+                await self.take_live(seq, payload)
             else:
                 started = time.perf_counter()
                 # What is queued already goes out together, within the loop's fairness budget.
@@ -691,7 +704,7 @@ class ZmqEngineStream:
         the first that does not is left at the head of the queue for `take_live`."""
         queue = self._queue
         while queue and time.perf_counter() - started < YIELD_AFTER_S and self._take_next(*queue[0]):
-            queue.popleft()
+            self._queued_bytes -= len(queue.popleft()[1])
 
     # ------------------------------------------------------------------ ordering
     def _is_next(self, seq: int) -> bool:
