@@ -395,7 +395,7 @@ def online_evaluator(
     from mocker.online import OnlineReplayError, wait_for_workers
     from mocker.replay import replay_online_report
     from mocker.wire import reset_subject
-    from router.event_plane.connection import connect
+    from router.event_plane.connection import close_connection, connect
     from router.event_plane.first_connection import LocalToolConnection
 
     async def settle() -> None:
@@ -415,7 +415,7 @@ def online_evaluator(
                     if reply.data != b"ok":
                         raise OnlineReplayError(f"worker {worker_id} refused a prefix-cache reset: {reply.data!r}")
             finally:
-                await nc.close()
+                await close_connection(nc)
             deadline = time.monotonic() + settle_timeout_s
             while msgspec.json.decode((await http.get("/v1/dump")).content, type=list[Any]):
                 if time.monotonic() > deadline:

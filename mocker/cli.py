@@ -764,6 +764,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     from mocker.worker import MockWorker
     from mocker.zmq_engine import EndpointBindError, VllmZmqPublisher
     from router.engines.openai_server import openai_base
+    from router.event_plane.connection import close_connection
     from router.event_plane.connection_file import ConnectionFileError
     from router.event_plane.embedded_server import free_port
     from router.event_plane.first_connection import FirstConnectionError
@@ -829,7 +830,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             except (ConnectionFileError, FirstConnectionError) as exc:
                 print(f"kv-router mock-worker: {exc}", file=sys.stderr)
                 return 2
-            stack.push_async_callback(nc.close)
+            stack.push_async_callback(close_connection, nc)
             worker = MockWorker(
                 nc,
                 worker_id,

@@ -31,7 +31,7 @@ from mocker.trace import Row, TraceOptions, build_trace
 from mocker.worker import MockWorker
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
-from router.event_plane.connection import connect
+from router.event_plane.connection import close_connection, connect
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 
 __all__ = ["DemoOptions", "run_demo"]
@@ -122,4 +122,4 @@ async def _online(rows: list[Row], engine: EngineConfig, config: RouterConfig, o
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
                 for nc in connections:
-                    await nc.close()
+                    await close_connection(nc)

@@ -230,7 +230,7 @@ async def replay_online_report(
     (``speedup_ratio``), so the whole system is time-compressed rather than overloaded.
     """
     from mocker.online import replay_online
-    from router.event_plane.connection import connect
+    from router.event_plane.connection import close_connection, connect
     from router.event_plane.first_connection import LocalToolConnection
 
     # A local tool's connection waits for a router started just before; plain options connect now.
@@ -243,7 +243,7 @@ async def replay_online_report(
         )
     finally:
         bar.close()
-        await nc.close()
+        await close_connection(nc)
     wall_s = time.perf_counter() - started
     rescale_times(records, time_scale)
     seen = renumber_workers(records)

@@ -25,6 +25,7 @@ from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats, free_port
+from tests.metrics import total
 from tests.router_processes import ToolProcess
 from tests.waiting import eventually
 
@@ -178,3 +179,30 @@ async def test_the_demo_runs_the_whole_fleet_in_one_process(capsys: pytest.Captu
     simulated = [run.report.hit_rate_tokens for run in offline]
     assert min(simulated) - 0.05 <= online.report.hit_rate_tokens <= max(simulated) + 0.05
     assert {run.report.router for run in offline} >= {"dynamo", "round_robin", "sglang", "llmd"}
+
+
+async def test_an_online_replay_whose_nats_dies_under_it_still_reports(
+    nats_server: EmbeddedNats, router_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NATS killed while the replay waits on its workers' answers: its requests end unfinished and the
+    replay reports them (before: closing its connection raised the lost transport's error, and the
+    replay ended in a traceback with no report)."""
+    monkeypatch.setitem(online_module.replay_online.__kwdefaults__, "timeout_s", 2.0)  # not 300 s per request
+    rows = shared_prefix_rows(requests=4, groups=2, rate_per_s=8.0, seed=3)
+    trace = build_trace(rows, TraceOptions(seed=3), "generated")
+    async with httpx.AsyncClient(base_url=router_url) as http:
+        # Registered over HTTP: listed, routed to, and never answering (no engine behind it).
+        assert (await http.post("/v1/workers", json={"worker_id": 100})).status_code == 201
+        replay = asyncio.create_task(
+            replay_online_report(
+                trace, label="online", router_url=router_url, nats=NatsOptions(nats_server.url), show_progress=False
+            )
+        )
+
+        async def routed() -> bool:  # the replay has subscribed to its answers and sent its first request
+            return total((await http.get("/metrics")).text, "kv_router_requests_total", method="new") > 0
+
+        await eventually(routed, 30, "the replay's first request routed")
+        nats_server.stop()
+        run = await asyncio.wait_for(replay, 60)
+    assert run.report.completed == 0 and [record.status for record in run.records] == ["unfinished"] * len(trace)
