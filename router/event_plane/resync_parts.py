@@ -16,7 +16,7 @@ from __future__ import annotations
 import msgspec
 
 from indexer.events import KvCacheEventData, ResyncBatch, ResyncResponse, RouterEvent, looks_like_msgpack
-from router.event_plane.parts import pack
+from router.event_plane.parts import PartsJoiner, pack
 
 __all__ = ["ResyncReader", "reply_parts"]
 
@@ -34,7 +34,7 @@ def reply_parts(response: ResyncResponse, max_bytes: int) -> list[bytes] | None:
     or one of a range's events alone is too large. O(bytes of the reply), and a store cut in halves
     until its pieces fit is encoded once per halving."""
     dump = response.tree_dump is not None
-    batch = response.tree_dump if dump else response.events
+    batch = _batch(response)
     if batch is None:
         return None
     room = max_bytes - _ENVELOPE_BYTES
@@ -72,28 +72,35 @@ def _cut(event: RouterEvent, room: int) -> list[RouterEvent]:
     return pieces
 
 
-class ResyncReader:
-    """The asker's side (as `router.replicas.messages.StateReader` for a replica's view): `add` each
-    reply's bytes in order (msgpack, or JSON from a worker that answers in it); it returns the whole
-    response once the last part (or a reply not in parts) is in, else None. Raises what an undecodable
-    reply raises."""
+class ResyncReader(PartsJoiner[ResyncResponse]):
+    """The asker's side (as `router.replicas.messages.StateReader` for a replica's view): a
+    `PartsJoiner` of `ResyncResponse`s, msgpack or JSON (from a worker that answers in it), whose
+    parts' events are joined in order under the last part's ``last_event_id``."""
 
-    __slots__ = ("_events",)
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._events: list[RouterEvent] = []
+    def decode(self, data: bytes) -> ResyncResponse:
+        return (_msgpack_response if looks_like_msgpack(data) else _json_response).decode(data)
 
-    def add(self, data: bytes) -> ResyncResponse | None:
-        response = (_msgpack_response if looks_like_msgpack(data) else _json_response).decode(data)
-        dump = response.tree_dump is not None
-        batch = response.tree_dump if dump else response.events
-        if batch is None:
-            return response
-        if batch.more:
-            self._events.extend(batch.events)
-            return None
-        if not self._events:
-            return response
-        whole = ResyncBatch(events=[*self._events, *batch.events], last_event_id=batch.last_event_id)
-        self._events = []
-        return ResyncResponse(tree_dump=whole) if dump else ResyncResponse(events=whole)
+    def more(self, reply: ResyncResponse) -> bool:
+        batch = _batch(reply)
+        return batch is not None and batch.more
+
+    def join(self, parts: list[ResyncResponse], last: ResyncResponse) -> ResyncResponse:
+        batch = _batch(last)
+        events = [event for part in parts for event in _events(part)]
+        if batch is None or not events:
+            return last
+        whole = ResyncBatch(events=[*events, *batch.events], last_event_id=batch.last_event_id)
+        return ResyncResponse(tree_dump=whole) if last.tree_dump is not None else ResyncResponse(events=whole)
+
+
+def _batch(response: ResyncResponse) -> ResyncBatch | None:
+    """The dump or the range a response carries, if any."""
+    return response.tree_dump if response.tree_dump is not None else response.events
+
+
+def _events(part: ResyncResponse) -> list[RouterEvent]:
+    batch = _batch(part)
+    assert batch is not None, "a part with more to come has a batch"
+    return batch.events

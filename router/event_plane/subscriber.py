@@ -245,4 +245,4 @@ class KvEventSubscriber:
         # Sent asking for parts; the sequencer is answered for its own request (it knows it by identity).
         payload = msgspec.json.encode(msgspec.structs.replace(request, in_parts=True))
         subject = self.subjects.resync(request.worker_id)
-        return await request_in_parts(self.nc, subject, payload, self._timeout, ResyncReader().add)
+        return await request_in_parts(self.nc, subject, payload, self._timeout, ResyncReader())

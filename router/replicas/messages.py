@@ -17,7 +17,7 @@ from typing import Annotated
 import msgspec
 
 from indexer.events import U32, U64, NonNegative
-from router.event_plane.parts import pack
+from router.event_plane.parts import PartsJoiner, pack
 from router.sequences import Booking
 
 __all__ = [
@@ -163,26 +163,25 @@ def state_parts(reply: StateReply, max_bytes: int) -> list[bytes] | None:
     return parts
 
 
-class StateReader:
-    """The asker's side: `add` each reply in order; it returns the whole `StateReply` once the last
-    part (or a reply not in parts) is in, else None. Raises what an undecodable reply raises."""
+class StateReader(PartsJoiner[StateReply]):
+    """The asker's side: a `PartsJoiner` of `StateReply`s whose parts' bookings and freed ids are joined
+    in order, the last part's cursors, silences and freed generations kept."""
 
-    __slots__ = ("_bookings", "_freed")
+    __slots__ = ()
 
-    def __init__(self) -> None:
-        self._bookings: list[BookingEntry] = []
-        self._freed: list[str] = []
+    def decode(self, data: bytes) -> StateReply:
+        return _state_reply.decode(data)
 
-    def add(self, data: bytes) -> StateReply | None:
-        reply = _state_reply.decode(data)
-        if reply.more:
-            self._bookings.extend(reply.bookings)
-            self._freed.extend(reply.freed)
-            return None
-        if self._bookings or self._freed:
-            reply.bookings = [*self._bookings, *reply.bookings]
-            reply.freed = [*self._freed, *reply.freed]
-        return reply
+    def more(self, reply: StateReply) -> bool:
+        return reply.more
+
+    def join(self, parts: list[StateReply], last: StateReply) -> StateReply:
+        bookings = [booking for part in parts for booking in part.bookings]
+        freed = [request_id for part in parts for request_id in part.freed]
+        if bookings or freed:
+            last.bookings = [*bookings, *last.bookings]
+            last.freed = [*freed, *last.freed]
+        return last
 
 
 def sync_decoder() -> msgspec.msgpack.Decoder[SyncBatch | SyncBeat]:

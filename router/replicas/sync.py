@@ -247,7 +247,7 @@ class ReplicaSync:
         ...)."""
         request = _encode(StateRequest(replica_id=self.replica_id, in_parts=True))
         try:
-            return await request_in_parts(self.nc, subject, request, self._state_timeout, StateReader().add)
+            return await request_in_parts(self.nc, subject, request, self._state_timeout, StateReader())
         except UNDECODABLE as exc:
             self._reject("undecodable", f"state reply: {exc}")
             return None
