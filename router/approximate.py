@@ -9,7 +9,9 @@ The router's overlap is the larger of the real index's and this one's, rank by r
 
 Predictions are replaced by the real thing: once events of a rank reach the sequencer, its predicted
 blocks are dropped and no more are recorded for it. A prompt its worker never computed (the worker
-failed the request before its first token) is withdrawn: the blocks it added go (`withdraw`).
+failed the request before its first token) is withdrawn: the blocks it added go (`withdraw`). What a
+booked prompt added is kept by its booking id until the prompt is computed or the booking ends
+(`computed`), so at most one entry per booking in flight.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from indexer.sequencer import EventSequencer
 from indexer.slots import WorkerRank
 from router.types import WorkerConfig
 
-__all__ = ["DEFAULT_PREDICTED_BLOCKS", "PredictedCache", "Recorded"]
+__all__ = ["DEFAULT_PREDICTED_BLOCKS", "PredictedCache"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class Recorded(NamedTuple):
     head first) and the expiry it gave them."""
 
     rank: WorkerRank
-    added: list[int]
+    added: Sequence[int]
     expiry: float
 
 
@@ -65,6 +67,8 @@ class PredictedCache:
         self._ranks: dict[WorkerRank, OrderedDict[int, float]] = {}  # seq hash -> expiry, least recent first
         self._replaced: set[WorkerRank] = set()
         self._swept = clock()
+        # What a booking's prompt added, by booking id, until it is computed or the booking ends.
+        self._uncomputed: dict[str, Recorded] = {}
 
     def _capacity(self, worker_id: int) -> int:
         """How many predicted blocks a rank of the worker keeps: its ``total_kv_blocks``, else the default."""
@@ -72,18 +76,23 @@ class PredictedCache:
         return DEFAULT_PREDICTED_BLOCKS if worker is None or worker.total_kv_blocks is None else worker.total_kv_blocks
 
     def record(
-        self, rank: WorkerRank, local_hashes: list[int], sequence: Sequence[int] | None = None
-    ) -> Recorded | None:
+        self,
+        rank: WorkerRank,
+        local_hashes: list[int],
+        sequence: Sequence[int] | None = None,
+        booking_id: str | None = None,
+    ) -> None:
         """The prompt with these local hashes (and these sequence hashes, when known: computed
-        otherwise) was routed to ``rank`` (a worker without events); what it added (None: the rank's
-        events replace its predictions)."""
+        otherwise) was routed to ``rank`` (a worker without events; nothing once the rank's events
+        replace its predictions). With ``booking_id``, what it added is kept until `computed` or
+        `withdraw` names the booking."""
         if rank in self._replaced:
-            return None
+            return
         if self._sequencer.heard_from(*rank):
             log.info("worker %d dp_rank %d sends KV events now: its predicted blocks are dropped", *rank)
             self.forget(rank)
             self._replaced.add(rank)
-            return None
+            return
         capacity = self._capacity(rank[0])
         now = self._clock()
         held = self._ranks.get(rank)
@@ -93,8 +102,9 @@ class PredictedCache:
         if sequence is None:
             sequence = compute_sequence_hashes(local_hashes)
         expiry = now + self._ttl_s
+        added: Sequence[int]
         if held.keys().isdisjoint(sequence):  # a prompt new to the rank (the common case): one run, in C
-            added = list(sequence)
+            added = sequence  # the router's tuple (or the list computed here): kept, not copied
             if sequence:
                 self._store(rank, None, zip(sequence, local_hashes, strict=True))
             for block_hash in reversed(sequence):  # the head most recent, as below; OrderedDict.update is 2-3x slower
@@ -107,11 +117,19 @@ class PredictedCache:
             self._remove(rank, [popitem(last=False)[0] for _ in range(len(held) - capacity)])
         if now - self._swept >= SWEEP_EVERY_S:
             self.sweep(now)
-        return Recorded(rank, added, expiry)
+        if booking_id is not None and added:
+            self._uncomputed[booking_id] = Recorded(rank, added, expiry)
 
-    def withdraw(self, recorded: Recorded) -> None:
-        """The prompt `record` recorded was never computed on its rank: the blocks it added go, tail
+    def computed(self, booking_id: str) -> None:
+        """The booking's prompt was computed, or the booking ended: what it predicted stands."""
+        self._uncomputed.pop(booking_id, None)
+
+    def withdraw(self, booking_id: str) -> None:
+        """The booking's prompt was never computed on its rank: the blocks its `record` added go, tail
         first, but those a prompt routed there since has refreshed (another expiry: that one may be)."""
+        recorded = self._uncomputed.pop(booking_id, None)
+        if recorded is None:
+            return
         held = self._ranks.get(recorded.rank)
         if held is None:
             return

@@ -25,7 +25,7 @@ from indexer.hashing import TokenInput
 from indexer.radix_tree import RadixTree
 from indexer.sequencer import RETRY_INTERVAL_S, EventSequencer
 from indexer.slots import WorkerRank
-from router.approximate import PredictedCache, Recorded
+from router.approximate import PredictedCache
 from router.computed_prompts import ComputedPrompts
 from router.config import RouterConfig
 from router.disaggregation import (
@@ -209,8 +209,6 @@ class KvRouter:
         self.routed_observers: list[Callable[[WorkerRank, list[int]], None]] = []
         # Approximate mode: the predicted cache of workers without KV events, made when the first is seen.
         self.predictions: PredictedCache | None = None
-        # What a booking's prediction added, by booking id, until its prompt is computed or it ends.
-        self._uncomputed_predictions: dict[str, Recorded] = {}
         self._rng = rng if rng is not None else random.Random()
         self._scheduler = Scheduler(config, *self._create_policies(config))
         # Circuit breakers and health-check verdicts: who is out of routing, for every policy.
@@ -350,7 +348,7 @@ class KvRouter:
         legs go with them (the request's `mark_free` finds nothing to free any more, and left the leg
         booked until its expiry)."""
         for request_id in request_ids:
-            self._uncomputed_predictions.pop(request_id, None)
+            self._prediction_stands(request_id)
             self._free_prefill_leg(request_id, replicated=False)
 
     def forget_cache_of(self, worker_id: int) -> None:
@@ -897,7 +895,7 @@ class KvRouter:
 
         ``replicated``: a peer router's change, not told to the booking listener."""
         self._free_prefill_leg(request_id, replicated, computed=True)  # a remote prefill ends with the first token
-        self._uncomputed_predictions.pop(request_id, None)  # its prompt is computed: the prediction stands
+        self._prediction_stands(request_id)  # its prompt is computed
         marked = self._scheduler.sequences.mark_prefill(request_id)
         self._credit_computed_prompt(request_id)
         if marked:
@@ -926,7 +924,7 @@ class KvRouter:
 
         ``replicated``: a peer router's change, not told to the booking listener."""
         self._free_prefill_leg(request_id, replicated)
-        self._uncomputed_predictions.pop(request_id, None)
+        self._prediction_stands(request_id)
         freed = self._scheduler.sequences.free(request_id)
         if freed:
             if not replicated and self.booking_listener is not None:
@@ -1012,10 +1010,13 @@ class KvRouter:
         worker = self._scheduler.workers.get(key[0])
         if worker is None or self.expects_events(worker):
             return False
-        recorded = predictions.record(key, local_hashes, sequence)
-        if booking_id is not None and recorded is not None and recorded.added:
-            self._uncomputed_predictions[booking_id] = recorded
+        predictions.record(key, local_hashes, sequence, booking_id)
         return True
+
+    def _prediction_stands(self, booking_id: str) -> None:
+        """The booking's prompt was computed, or the booking ended: nothing of its prediction is withdrawn."""
+        if self.predictions is not None:
+            self.predictions.computed(booking_id)
 
     def forget_uncomputed_predictions(self, request_id: str) -> None:
         """The request's worker failed it before its prompt was computed (the proxy books it again
@@ -1025,9 +1026,7 @@ class KvRouter:
         if self.predictions is None:
             return
         for booking_id in (request_id, prefill_booking_id(request_id)):
-            recorded = self._uncomputed_predictions.pop(booking_id, None)
-            if recorded is not None:
-                self.predictions.withdraw(recorded)
+            self.predictions.withdraw(booking_id)
 
     def booking(self, request_id: str) -> Booking | None:
         return self._scheduler.sequences.booking(request_id)
