@@ -211,6 +211,8 @@ class BridgeCommand:
             try:
                 return await run
             except asyncio.CancelledError:
+                if not signalled:
+                    raise  # not our stop: the run itself is being cancelled
                 # Said, and not a success: a bridge stopped before its start completed never relayed.
                 waiting_for = nats_wait if bridge is None else bridge.waiting_for
                 print(f"kv-router bridge: stopped by {signalled[0].name} before its start completed (still waiting "
