@@ -265,6 +265,35 @@ async def test_prefill_workers_all_failing_beyond_the_retries_leave_the_request_
         metrics = await scrape(f.url)
         assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_failed") == 3.0
         assert sample(metrics, "kv_router_proxy_requests_total", route="completions", outcome="ok") == 1.0
+        # The two retries and the last attempt on the decode worker alone: a retry too.
+        assert sample(metrics, "kv_router_proxy_retries_total", reason="upstream_error") == 3.0
+        await eventually(lambda: idle(f.router))
+
+
+async def test_prefill_legs_failing_past_the_retry_budget_leave_no_last_attempt_to_the_decode_worker(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A prefill leg failing after proxy_retry_budget_secs: the request does not go once more to its decode
+    worker alone (a retry, which may not start past the budget): the client has the 502 of its failure."""
+
+    async def failing_late(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        await asyncio.sleep(0.5)
+        return b"500 Internal Server Error", b"", ENGINE_FAILURE
+
+    proxy = {"proxy_retries": 0, "proxy_retry_budget_secs": 0.2}
+    async with (
+        fleet(nats_server.url, (2,), roles={2: "decode"}, proxy=proxy) as f,
+        scripted_worker(failing_late) as (url, seen),
+    ):
+        await register(f, prefill_worker_at(url, "kv_transfer_params"))
+        with pytest.raises(openai.APIStatusError) as refused:
+            await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+        assert refused.value.status_code == 502 and "prefill worker 9: HTTP 500" in str(refused.value)
+        assert seen == [b"POST /v1/completions HTTP/1.1"]
+        assert f.apis[2].generated == 0  # nothing sent to the decode worker
+        metrics = await scrape(f.url)
+        assert sample(metrics, "kv_router_proxy_retries_total", reason="upstream_error") == 0
+        assert sample(metrics, "kv_router_proxy_requests_total", route="completions", outcome="upstream_error") == 1
         await eventually(lambda: idle(f.router))
 
 

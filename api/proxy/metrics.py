@@ -104,7 +104,9 @@ class ProxyMetrics(Collector):
         self._retried = Counter(
             f"{PREFIX}_proxy_retries",
             "Requests tried again after a worker failed them before their first byte, by why: upstream_error "
-            "(refused, reset, timed out, 5xx) or overloaded (the engine's 429 or 503), after the backoff.",
+            "(refused, reset, timed out, 5xx) or overloaded (the engine's 429 or 503), after the backoff; a "
+            "disaggregated request's last attempt on its decode worker alone, its prefill legs failed, is an "
+            "upstream_error one.",
             ["reason"],
             registry=registry,
         )

@@ -7,7 +7,9 @@ uniformly from ``[d / 2, d]`` (half of it fixed, so retries never bunch at zero;
 clients a failure hit do not come back in step), and at least the engine's ``Retry-After``. Retries
 are bounded in count (``proxy_retries``) and in time: none starts later than
 ``proxy_retry_budget_secs`` after the request's body was in (a ``Retry-After`` beyond that ends the
-retries at once and the engine's answer goes to the client).
+retries at once and the engine's answer goes to the client). A disaggregated request whose prefill legs
+failed beyond the count goes once more, at once, to its decode worker alone: a retry as well, counted
+and bounded by the same budget.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ class RetryPolicy:
         if now + wait - started > self._budget:
             return None
         return wait
+
+    def within_budget(self, started: float, now: float) -> bool:
+        """Whether an attempt with no backoff may start now: the last one past the count (the decode worker
+        alone, its prefill legs failed) is a retry too, and none starts after the time budget."""
+        return now - started <= self._budget
 
 
 def retry_after_secs(value: bytes | None, now: float | None = None) -> float | None:

@@ -482,7 +482,8 @@ class Proxy:
     ) -> str:
         """Book and forward, again after a failure before the client had a byte (`api.proxy.retry`):
         on the next best worker, else (all tried, or pinned) the same ones after the backoff; the retries
-        spent on failing prefill legs, once more on the decode worker alone (`_decode_worker_may_prefill`).
+        spent on failing prefill legs, once more on the decode worker alone (`_decode_worker_may_prefill`),
+        a retry too: counted, and not after ``proxy_retry_budget_secs``.
         ``bytes_routed``: the routing tokens of a prompt routed by its bytes (`api.proxy.prompt_bytes`), else 0."""
         timeline = reply.timeline
         candidates = set(by_id) if routing.among is None else set(by_id) & routing.among
@@ -543,9 +544,14 @@ class Proxy:
             retry_after = failed.retry_after if failed_id in among else None
             delay = self.retry.delay(retry, retry_after, started, time.monotonic())
             if delay is None:
-                if local_prefill_reason is None and _decode_worker_may_prefill(failed, routing):
+                if (
+                    local_prefill_reason is None
+                    and _decode_worker_may_prefill(failed, routing)
+                    and self.retry.within_budget(started, time.monotonic())
+                ):
                     # As a decision with no prefill worker left would: the decode worker alone, at once.
                     local_prefill_reason = "its prefill legs failed and no retry was left (" + "; ".join(failures) + ")"
+                    self.metrics.retried("upstream_error")
                     continue
                 break
             self.metrics.retried("overloaded" if failed.answer is not None else "upstream_error")
