@@ -13,7 +13,8 @@ proxy's exchanges with the worker):
   that many successes in a row close it, one failure opens it again. A probe that reports nothing
   within ``worker_breaker_open_secs`` (its caller never reports outcomes) gives its place up (the
   proxy reports a stream's success once it has begun, not at its end). An open circuit whose time is
-  up is half-open whether or not a decision has looked at it since.
+  up is half-open whether or not a decision has looked at it since: a failure then opens it again, a
+  success is a probe's (one of ``worker_breaker_half_open_probes`` to close it).
 
 An engine pacing its callers (a 429, or a 503, saying ``Retry-After``: `paced`) is no failure: its
 breaker is not told, but it is left out of routing for the time it asked, at most
@@ -149,6 +150,10 @@ class WorkerHealth:
         if breaker is None:
             return None
         breaker.failures = 0
+        if breaker.state == "open":
+            # Its time up, no decision has looked at it since: half-open, so this success is a probe's, as
+            # `failed` reads a failure then (a success while its time runs leaves it open).
+            self._half_open_at(breaker, self._clock())
         if breaker.state == "half_open":
             if breaker.probes:
                 breaker.probes.pop(0)

@@ -185,6 +185,53 @@ async def test_a_half_open_circuit_closes_at_its_streaming_probes_first_events_n
         assert idle(f.router)
 
 
+async def test_an_answer_once_an_open_circuits_time_is_up_closes_it_though_no_decision_half_opened_it(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A stream sent before worker 9's circuit opened has its first events once the open time is up, no
+    decision having looked at the worker since: that answer is a half-open probe's and closes the
+    circuit, as a failure then opens it again. Before, it only reset the count of failures: the worker
+    stayed half-open after answering, its next requests probes one at a time."""
+    router = {"worker_breaker_failures": 1, "worker_breaker_open_secs": 1.0}
+    answer_first, arrived = asyncio.Event(), 0
+
+    async def slow_then_failing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal arrived
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            await reader.readuntil(b"\r\n\r\n")
+            arrived += 1
+            if arrived == 1:  # answered when the test says
+                await asyncio.wait_for(answer_first.wait(), 20)
+                writer.write(SSE_HEAD + sse_chunk(" a") + b"%x\r\n%b\r\n0\r\n\r\n" % (len(DONE), DONE))
+            else:  # fails: the circuit opens
+                writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    async with fleet(nats_server.url, (), router=router, proxy={**NO_CHECKS, "proxy_retries": 0}) as f:
+        async with raw_worker(slow_then_failing) as url:
+            await register(f, 9, url)
+            first = asyncio.ensure_future(
+                f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1, stream=True)
+            )
+            await eventually(lambda: arrived == 1, what="the first request at worker 9")
+            with pytest.raises(openai.APIStatusError) as failed:
+                await f.client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=1)
+            assert failed.value.status_code == 502
+            assert (await worker_status(f, 9))["availability"]["circuit"] == "open"
+
+            async def circuit_is(state: str) -> bool:
+                return (await worker_status(f, 9))["availability"]["circuit"] == state
+
+            await eventually(lambda: circuit_is("half_open"), what="worker 9's open time up")
+            answer_first.set()
+            assert [chunk.choices[0].text async for chunk in await first] == [" a"]
+            availability = (await worker_status(f, 9))["availability"]
+            assert (availability["circuit"], availability["routable"]) == ("closed", True)
+            assert await metric(f, "kv_router_worker_circuit_state", worker_id="9") == 0.0
+        assert idle(f.router)
+
+
 async def test_a_health_check_answered_with_a_head_then_a_trickling_body_fails_at_its_timeout() -> None:
     """httpx's timeout is per read: a ``/health`` answering its head, then its body a byte at a time, was
     waited for to its end and passed. The whole exchange is bounded now."""
