@@ -59,6 +59,25 @@ def test_a_worker_that_left_takes_its_calibration_series_with_it() -> None:
     assert sample(text, "kv_router_proxy_cached_tokens_error_bucket", le="+Inf") == 3  # every report still counted
 
 
+def test_workers_coming_and_going_with_no_scrape_leave_a_bounded_number_of_calibration_windows() -> None:
+    """Windows of workers that left were dropped at scrape time only: with no scrape, each worker that
+    came, was answered and left kept its window for the process's life. A report now looks for them
+    once the windows held have doubled: those of the workers that stay are kept."""
+    registry = CollectorRegistry()
+    staying = {1, 2, 3}
+    registered = set(staying)
+    metrics = ProxyMetrics(registry, window=4, registered=registered.__contains__)
+    passing = range(100, 5100)
+    for worker_id in passing:
+        registered.add(worker_id)
+        metrics.cached_tokens(worker_id, predicted=64, actual=32)
+        registered.discard(worker_id)
+        metrics.cached_tokens(1 + worker_id % 3, predicted=64, actual=64)
+    held = [worker_id for worker_id in passing if metrics.calibration(worker_id) is not None]
+    assert len(held) <= 64
+    assert [metrics.calibration(worker_id) for worker_id in sorted(staying)] == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.anyio
 async def test_a_proxy_only_fleet_counts_its_decisions_in_the_decision_metrics(nats_server: EmbeddedNats) -> None:
     """The dashboards' decision panels and alerts read ``kv_router_decisions_total``, the phases'

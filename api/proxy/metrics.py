@@ -15,7 +15,9 @@ token: from its body in to its request written to the worker (body decode, token
 pooled connection), plus from the read of the worker's first events to their write to the client.
 What it leaves out is the network hop and the wait for the loop before a read is handled.
 
-Per request this costs a few additions; the gauges are computed at scrape time.
+Per request this costs a few additions; the gauges are computed at scrape time. The windows of workers
+that left are dropped at a scrape, and at a report once the windows held have doubled since the last
+look (bounded with no scrape too, however workers come and go).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ ADDED_BUCKETS = (
 ROUTE_LABELS = ("completions", "chat_completions", "embeddings", "rerank", "responses")
 # Where a prompt's routing tokens came from (`api.proxy.service`, `api.proxy.tokens`).
 PROMPT_SOURCES = ("ids", "bytes", "local", "engine")
+# Windows held before a report looks for those of workers that left (then at twice as many as it kept): a
+# sweep per as many new windows as it kept, so that with no scrape, however workers come and go, the
+# windows held stay bounded and a report costs O(1) amortised.
+_SWEEP_AT_LEAST = 64
 OUTCOMES = (
     "ok", "bad_request", "no_worker", "queue_rejected", "upstream_error", "upstream_status",
     "client_disconnected", "tokenize_failed", "unauthorized", "instance_query", "internal_error",
@@ -135,6 +141,7 @@ class ProxyMetrics(Collector):
         self._registered = registered
         self._registry = registry
         self._windows: dict[int, _Window] = {}
+        self._sweep_at = _SWEEP_AT_LEAST
         registry.register(self)
 
     def count(self, route: str, outcome: str) -> None:
@@ -174,6 +181,8 @@ class ProxyMetrics(Collector):
         if window is None:
             if not self._registered(worker_id):  # an answer come after its worker left
                 return
+            if len(self._windows) >= self._sweep_at:
+                self._drop_departed()
             window = self._windows[worker_id] = _Window(self._window)
         window.add(predicted, actual)
 
@@ -189,15 +198,19 @@ class ProxyMetrics(Collector):
 
     def collect(self) -> Iterator[Metric]:
         calibration, samples = families = self._families()
-        # A worker that left takes its window with it: its series end, as its circuit's do.
-        for worker_id in [worker_id for worker_id in self._windows if not self._registered(worker_id)]:
-            del self._windows[worker_id]
+        self._drop_departed()
         for worker_id, window in sorted(self._windows.items()):
             ratio = self.calibration(worker_id)
             if ratio is not None:
                 calibration.add_metric([str(worker_id)], ratio)
             samples.add_metric([str(worker_id)], len(window.pairs))
         yield from families
+
+    def _drop_departed(self) -> None:
+        """A worker that left takes its window with it: its series end, as its circuit's do."""
+        for worker_id in [worker_id for worker_id in self._windows if not self._registered(worker_id)]:
+            del self._windows[worker_id]
+        self._sweep_at = max(_SWEEP_AT_LEAST, 2 * len(self._windows))
 
     def _families(self) -> list[GaugeMetricFamily]:
         return [
