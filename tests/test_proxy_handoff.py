@@ -625,6 +625,8 @@ async def test_a_prefill_answer_over_the_bound_is_the_clients_502_and_goes_to_no
         text = await scrape(f.url)
         assert sample(text, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_refused") == 1
         assert sample(text, "kv_router_proxy_upstream_failures_total") == 0
+        # The request counted as a one-leg answer over the bound is.
+        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="upstream_error") == 1
         f.router.mark_free("ballast")
         await eventually(lambda: idle(f.router))
 

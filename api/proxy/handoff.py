@@ -51,9 +51,9 @@ from prometheus_client import CollectorRegistry, Counter
 from api.eager import retrieve
 from api.http_stream import Headers, Sink, StreamCall
 from api.metrics import PREFIX
-from api.proxy.retry import OVERLOADED, WorkerFailed, overloaded_answer
-from api.proxy.upstream import AnswerTooLarge, Upstream, UpstreamError
-from api.proxy.wire import error_body, finished_stream
+from api.proxy.retry import OVERLOADED, Refused, WorkerFailed, overloaded_answer, unanswered
+from api.proxy.upstream import Upstream, UpstreamError
+from api.proxy.wire import finished_stream
 from router.kv_router import KvRouter
 from router.types import DisaggregatedLeg, HandoffStyle, RouteDecision, WorkerConfig
 
@@ -90,16 +90,6 @@ class PrefillFailed(WorkerFailed):
     prefill worker (`WorkerFailed`)."""
 
     role = "prefill worker"
-
-
-class _Refused(Exception):
-    """The prefill worker refused the request (4xx): its answer is the client's, as on one leg."""
-
-    def __init__(self, status: int, content_type: bytes | None, body: bytes) -> None:
-        super().__init__(f"HTTP {status}")
-        self.status = status
-        self.content_type = content_type
-        self.body = body
 
 
 class Legs:
@@ -157,25 +147,20 @@ class Handoff:
         self, legs: Legs, path: bytes, body: bytes, headers: bytes, reply: StreamCall, forward: Forward
     ) -> str:
         """Both legs (``headers``: the raw header lines both get); returns the decode leg's outcome.
-        Raises `PrefillFailed`, or what ``forward`` raises for the decode leg."""
+        Raises `PrefillFailed`, `Refused` (the prefill leg's answer the client's), or what ``forward``
+        raises for the decode leg."""
+        if legs.style == "bootstrap":
+            return await self._bootstrap(legs, path, body, headers, reply, forward)
         try:
-            if legs.style == "bootstrap":
-                return await self._bootstrap(legs, path, body, headers, reply, forward)
-            try:
-                if legs.style == "sequential":
-                    await self._prefill_leg(legs, path, _prefill_body(path, body, None), headers)
-                    self._answered(legs.prefill.worker_id)
-                    decode_body = body
-                else:
-                    decode_body = await self._remote_decode_prefill(legs, path, body, headers)
-            except (PrefillFailed, _Refused) as exc:
-                self._count(legs, _early_outcome(exc))
-                raise
-        except _Refused as refused:
-            await reply.whole(
-                refused.status, [(b"content-type", refused.content_type or b"application/json")], refused.body
-            )
-            return "upstream_status"
+            if legs.style == "sequential":
+                await self._prefill_leg(legs, path, _prefill_body(path, body, None), headers)
+                self._answered(legs.prefill.worker_id)
+                decode_body = body
+            else:
+                decode_body = await self._remote_decode_prefill(legs, path, body, headers)
+        except (PrefillFailed, Refused) as exc:
+            self._count(legs, _early_outcome(exc))
+            raise
         outcome = await forward(decode_body, reply)
         self._count(legs, "ok")  # as in bootstrap style: once the decode leg has an outcome
         return outcome
@@ -272,11 +257,8 @@ class Handoff:
             raise PrefillFailed(worker.worker_id, str(exc)) from None
         try:
             content = await connection.read()
-        except AnswerTooLarge as exc:  # another worker would send as much: the client's 502, as on one leg
-            message = f"prefill worker {worker.worker_id}: {exc}"
-            raise _Refused(502, b"application/json", error_body(502, "upstream_error", message)) from None
         except UpstreamError as exc:
-            raise PrefillFailed(worker.worker_id, str(exc)) from None
+            raise unanswered(PrefillFailed, worker.worker_id, exc) from None
         finally:
             connection.release()
         if connection.status in OVERLOADED:  # the engine pacing us: another worker, or later
@@ -284,7 +266,8 @@ class Handoff:
             raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}", answer, wait)
         if 400 <= connection.status < 500:  # the request's fault, not the worker's: the client's answer
             self._answered(worker.worker_id)
-            raise _Refused(connection.status, connection.content_type, content)
+            content_type = connection.content_type or b"application/json"
+            raise Refused(connection.status, content, "upstream_status", [(b"content-type", content_type)])
         if connection.status != 200:
             message = content[:200].decode("utf-8", "replace")
             raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}: {message}")
@@ -329,7 +312,7 @@ def _early_outcome(failure: BaseException | None) -> str:
     request goes again (failed, or overloaded: the engine pacing us), or the refusal is the client's.
     Counted once, where the leg's fate is known (in bootstrap style, a failure once the decode leg
     began is ``prefill_failed_late`` alone)."""
-    if isinstance(failure, _Refused):
+    if isinstance(failure, Refused):
         return "prefill_refused"
     if isinstance(failure, PrefillFailed) and failure.answer is not None:
         return "prefill_overloaded"

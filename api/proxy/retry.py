@@ -24,9 +24,19 @@ from typing import ClassVar
 
 from api.config import ProxyConfig
 from api.http_stream import Headers
-from api.proxy.upstream import UpstreamConnection
+from api.proxy.upstream import AnswerTooLarge, UpstreamConnection, UpstreamError
+from api.proxy.wire import error_body
 
-__all__ = ["OVERLOADED", "Overloaded", "RetryPolicy", "WorkerFailed", "overloaded_answer", "retry_after_secs"]
+__all__ = [
+    "OVERLOADED",
+    "Overloaded",
+    "Refused",
+    "RetryPolicy",
+    "WorkerFailed",
+    "overloaded_answer",
+    "retry_after_secs",
+    "unanswered",
+]
 
 # An engine's answers meaning "too busy now, try again" (vLLM and SGLang's, with a Retry-After or not).
 OVERLOADED = frozenset({429, 503})
@@ -117,6 +127,36 @@ class WorkerFailed(Exception):
             return False
         status, retry_after = self.answer[0], self.retry_after
         return status == 429 or (status == 503 and retry_after is not None and retry_after > 0)
+
+
+class Refused(Exception):
+    """An answer that is the client's at once, never retried, while it has had nothing: the proxy's own
+    refusal (`error`) or a worker's 4xx passed on. ``outcome``: how the request is counted;
+    ``headers``: without content-length (JSON unless they give a content type)."""
+
+    def __init__(self, status: int, body: bytes, outcome: str, headers: Headers) -> None:
+        super().__init__(f"HTTP {status} ({outcome})")
+        self.status = status
+        self.body = body
+        self.outcome = outcome
+        self.headers = headers
+
+    @classmethod
+    def error(cls, status: int, kind: str, message: str, outcome: str, **headers: str) -> Refused:
+        """The proxy's own refusal, its body an OpenAI error; ``headers`` by name, ``_`` for ``-``."""
+        pairs = [(name.replace("_", "-").encode(), value.encode()) for name, value in headers.items()]
+        return cls(status, error_body(status, kind, message), outcome, pairs)
+
+
+def unanswered(failure: type[WorkerFailed], worker_id: int, exc: UpstreamError) -> WorkerFailed | Refused:
+    """What a failure of a worker's answer before the client had a byte of it raises: the worker's
+    (``failure``, `WorkerFailed` or a kind of it: tried again), but for an answer over
+    ``proxy_max_answer_bytes``, at once the client's 502 (another worker would send as much, and the
+    worker is not to blame)."""
+    message = f"{failure.role} {worker_id}: {exc}"
+    if isinstance(exc, AnswerTooLarge):
+        return Refused.error(502, "upstream_error", message, "upstream_error")
+    return failure(worker_id, str(exc))
 
 
 def overloaded_answer(

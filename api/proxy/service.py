@@ -65,10 +65,10 @@ from api.proxy.health_checks import WorkerHealthChecks
 from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.prompt_bytes import chat_bytes, text_bytes
-from api.proxy.retry import OVERLOADED, RetryPolicy, WorkerFailed, overloaded_answer
+from api.proxy.retry import OVERLOADED, Refused, RetryPolicy, WorkerFailed, overloaded_answer, unanswered
 from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
-from api.proxy.upstream import AnswerTooLarge, Streaming, Upstream, UpstreamConnection, UpstreamError
+from api.proxy.upstream import Streaming, Upstream, UpstreamConnection, UpstreamError
 from api.proxy.wire import (
     ROUTES,
     ChatBody,
@@ -113,22 +113,6 @@ _Converted = TypeVar("_Converted", EmbeddingsBody, RerankBody, ResponsesBody)
 _encode = msgspec.json.Encoder().encode
 # A completion's prompt of token ids, as its raw body shows it (JSON whitespace allowed).
 _IDS_PROMPT = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*[0-9]')
-
-
-class _Refused(Exception):
-    """A reply the proxy gives itself, before anything reached the client: status, OpenAI error body."""
-
-    def __init__(self, status: int, kind: str, message: str, outcome: str, headers: list[tuple[bytes, bytes]]) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = error_body(status, kind, message)
-        self.outcome = outcome
-        self.headers = headers
-
-
-def _refused(status: int, kind: str, message: str, outcome: str, **headers: str) -> _Refused:
-    pairs = [(name.replace("_", "-").encode(), value.encode()) for name, value in headers.items()]
-    return _Refused(status, kind, message, outcome, pairs)
 
 
 class Proxy:
@@ -276,16 +260,16 @@ class Proxy:
         open, health check failing) are left out by the router itself (`router.worker_health`)."""
         return [w for w in self.router.workers() if w.url is not None and (not w.models or model in w.models)]
 
-    def _unserved(self, model: str) -> _Refused:
+    def _unserved(self, model: str) -> Refused:
         """No worker serves ``model``: a 404 as OpenAI's (and vLLM's) when the fleet serves others, a
         503 while it has no worker to forward to at all."""
         served = sorted({name for w in self.router.workers() if w.url is not None for name in w.models})
         if not served:
-            return _refused(503, "service_unavailable", f"no worker serves model {model!r}", "no_worker")
+            return Refused.error(503, "service_unavailable", f"no worker serves model {model!r}", "no_worker")
         listed = ", ".join(repr(name) for name in served[:MODELS_NAMED])
         more = f" and {len(served) - MODELS_NAMED} more" if len(served) > MODELS_NAMED else ""
         message = f"the model {model!r} does not exist here: the workers serve {listed}{more}"
-        return _refused(404, "invalid_request_error", message, "bad_request")
+        return Refused.error(404, "invalid_request_error", message, "bad_request")
 
     def worker_failed(self, worker_id: int, problem: str) -> None:
         """A worker failed a request: count it, and tell its circuit breaker (one line when it opens)."""
@@ -322,7 +306,7 @@ class Proxy:
             outcome = await self._proxy(
                 route, request.body, request.authorization, reply, received, booking_id, passed.upstream
             )
-        except _Refused as refused:
+        except Refused as refused:
             outcome = refused.outcome
             await reply.whole(refused.status, refused.headers, refused.body)
         except asyncio.CancelledError:
@@ -340,7 +324,8 @@ class Proxy:
                 self._ended(route, passed, outcome)
                 raise
             logger.exception("proxy: a request on %s failed", route)
-            failed = _refused(500, "internal_error", "the proxy failed on this request (its log says why)", outcome)
+            message = "the proxy failed on this request (its log says why)"
+            failed = Refused.error(500, "internal_error", message, outcome)
             await reply.whole(failed.status, failed.headers, failed.body)
         self._ended(route, passed, outcome)
 
@@ -349,9 +334,9 @@ class Proxy:
             self.tracing.end(passed.span, outcome, {"kv_router.request_id": passed.request_id})
         self.metrics.count(route, outcome)
 
-    def _too_large(self) -> _Refused:
+    def _too_large(self) -> Refused:
         message = f"request body exceeds the limit of {self._max_body_bytes} bytes"
-        return _refused(413, "invalid_request_error", message, "bad_request")
+        return Refused.error(413, "invalid_request_error", message, "bad_request")
 
     async def _proxy(
         self,
@@ -385,7 +370,7 @@ class Proxy:
             else:
                 prompt = ""
         except (*UNDECODABLE, ValueError) as exc:
-            raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
+            raise Refused.error(400, "invalid_request_error", str(exc), "bad_request") from None
         workers = self.workers_for(model)
         if not workers:
             raise self._unserved(model)
@@ -419,15 +404,15 @@ class Proxy:
                     assert isinstance(request, CompletionBody)
                     packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
         except TokenizeFailed as exc:
-            raise _refused(503, "service_unavailable", str(exc), "tokenize_failed") from None
+            raise Refused.error(503, "service_unavailable", str(exc), "tokenize_failed") from None
         except TemplateRefused as exc:
-            raise _refused(400, "invalid_request_error", str(exc), "bad_request") from None
+            raise Refused.error(400, "invalid_request_error", str(exc), "bad_request") from None
         if not packed:
-            raise _refused(400, "invalid_request_error", "the prompt has no tokens", "bad_request")
+            raise Refused.error(400, "invalid_request_error", "the prompt has no tokens", "bad_request")
         routing_tokens = token_count(packed)
         if routing_tokens > self._max_prompt_tokens:
             refusal = prompt_too_long(routing_tokens, self._max_prompt_tokens)
-            raise _refused(refusal.status, "invalid_request_error", refusal.message, "bad_request")
+            raise Refused.error(refusal.status, "invalid_request_error", refusal.message, "bad_request")
         timeline = reply.timeline  # None unless spans are exported
         if timeline is not None:
             timeline.tokenized = time.time_ns()
@@ -444,13 +429,13 @@ class Proxy:
                 serving=by_id.keys(),
             )
         except ApiError as exc:  # counted as a bad request: its type is no outcome of the proxy's
-            raise _refused(exc.status, "invalid_request_error", exc.message, "bad_request") from None
+            raise Refused.error(exc.status, "invalid_request_error", exc.message, "bad_request") from None
         if route in _BY_LOAD:
             routing.request.router_config_override = _NO_CACHE_CREDIT
             routing.one_leg = True
         if routing.pinned is not None and routing.pinned[0] not in by_id:
             message = f"nvext.backend_instance_id: worker {routing.pinned[0]} does not serve model {model!r} over HTTP"
-            raise _refused(400, "invalid_request_error", message, "bad_request")
+            raise Refused.error(400, "invalid_request_error", message, "bad_request")
         if query:
             return await self._instance_query(route, model, packed, stream, routing, set(by_id), request_id, reply)
         del decoded, request, prompt
@@ -500,7 +485,7 @@ class Proxy:
                 decision = await self._book(routing, among, local_prefill_reason)
                 if timeline is not None:
                     timeline.decided = time.time_ns()
-            except _Refused as refused:
+            except Refused as refused:
                 if not failures or refused.outcome != "no_worker":
                     raise
                 break  # the workers that failed are out of routing now: nobody left to try
@@ -560,7 +545,7 @@ class Proxy:
             status, answer_headers, content = failed.answer
             await reply.whole(status, answer_headers, content)
             return "upstream_status"
-        raise _refused(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
+        raise Refused.error(502, "upstream_error", "no worker answered: " + "; ".join(failures), "upstream_error")
 
     async def _instance_query(
         self,
@@ -607,11 +592,12 @@ class Proxy:
         except WorkersUnavailable as exc:  # out of routing after failures: back when a circuit half-opens
             wait = exc.retry_after_secs
             extra = {} if wait is None else {"retry_after": str(max(1, math.ceil(wait)))}
-            raise _refused(503, "service_unavailable", str(exc), "no_worker", **extra) from None
+            raise Refused.error(503, "service_unavailable", str(exc), "no_worker", **extra) from None
         except (NoEligibleWorker, AllWorkersOverloaded) as exc:
-            raise _refused(503, "service_unavailable", str(exc), "no_worker") from None
+            raise Refused.error(503, "service_unavailable", str(exc), "no_worker") from None
         except InvalidRequest as exc:  # a routing hint that does not fit the fleet (a pin to a prefill worker)
-            raise _refused(422, "invalid_request_error", str(exc), "bad_request") from None  # as api.hints refuses one
+            # As api.hints refuses one.
+            raise Refused.error(422, "invalid_request_error", str(exc), "bad_request") from None
         self.decisions.decision(decision, token_count(routed.tokens), time.perf_counter() - started)
         return decision
 
@@ -628,7 +614,7 @@ class Proxy:
         timeline: Timeline | None = None,
         bytes_routed: int = 0,
     ) -> str:
-        """One attempt on one worker; raises `WorkerFailed` while the client has received nothing (`_unanswered`).
+        """One attempt on one worker; raises `WorkerFailed` while the client has received nothing (`unanswered`).
         An answer is told to the worker's breaker (a stream broken mid-way told it its failure).
         ``received``: when the request's body was in (perf_counter), for the proxy's added latency;
         ``bytes_routed``: the routing tokens of a prompt routed by its bytes (else 0), see `_calibrate`."""
@@ -675,7 +661,7 @@ class Proxy:
                 try:
                     content = await connection.read()
                 except UpstreamError as exc:
-                    raise _unanswered(worker.worker_id, exc) from None
+                    raise unanswered(WorkerFailed, worker.worker_id, exc) from None
                 try:
                     await reply.whole(status, with_type, content)
                 finally:  # after the client has it: off the latency it sees
@@ -721,12 +707,12 @@ class Proxy:
 
     async def _handed_on(self, connection: UpstreamConnection, worker_id: int, before_sent: float) -> str | None:
         """The stream handed on from the read callback: returns at its end, what went wrong after its
-        first byte (None: nothing); raises `WorkerFailed` while the client has had nothing (`_unanswered`)."""
+        first byte (None: nothing); raises `WorkerFailed` while the client has had nothing (`unanswered`)."""
         try:
             begun = await connection.handed_on()
         except UpstreamError as exc:
             if not connection.begun:
-                raise _unanswered(worker_id, exc) from None
+                raise unanswered(WorkerFailed, worker_id, exc) from None
             # Lost after its last event (the answer's framing cut short): the client has the whole stream.
             problem: str | None = None if finished_stream(connection.tail) else str(exc)
         except asyncio.CancelledError:
@@ -834,9 +820,9 @@ def _decode_worker_may_prefill(failed: WorkerFailed, routing: RoutingCall) -> bo
     return isinstance(failed, PrefillFailed) and failed.answer is None and routing.pinned_prefill is None
 
 
-def _queue_refusal(rejected: QueueRejected, retry_after: int) -> _Refused:
+def _queue_refusal(rejected: QueueRejected, retry_after: int) -> Refused:
     """No room: the router's queue, or the proxy's wait for a slot, full or timed out."""
-    return _refused(429, "rate_limit_exceeded", str(rejected), "queue_rejected", retry_after=str(retry_after))
+    return Refused.error(429, "rate_limit_exceeded", str(rejected), "queue_rejected", retry_after=str(retry_after))
 
 
 async def _overloaded(connection: UpstreamConnection, worker_id: int) -> WorkerFailed:
@@ -848,15 +834,6 @@ async def _overloaded(connection: UpstreamConnection, worker_id: int) -> WorkerF
         return WorkerFailed(worker_id, str(exc))
     answer, retry_after = overloaded_answer(connection, worker_id, content)
     return WorkerFailed(worker_id, f"HTTP {status}", answer, retry_after)
-
-
-def _unanswered(worker_id: int, exc: UpstreamError) -> WorkerFailed | _Refused:
-    """What a failure of the worker's answer before the client had a byte of it raises: the worker's
-    (`WorkerFailed`: tried again), but for an answer over ``proxy_max_answer_bytes``, at once the client's
-    502 (another worker would send as much, and the worker is not to blame)."""
-    if isinstance(exc, AnswerTooLarge):
-        return _refused(502, "upstream_error", f"worker {worker_id}: {exc}", "upstream_error")
-    return WorkerFailed(worker_id, str(exc))
 
 
 def _client_left_at_the_end() -> None:
