@@ -17,7 +17,8 @@ limit) is run on the ASGI app (`api.http_asgi.AsgiRequest`): scope, ``receive`` 
 ``send`` as the ASGI HTTP spec has them, a task per request. Both kinds share the connection's
 machinery here: keep-alive (an idle connection closed after ``timeout_keep_alive``), a request's
 head and body held to their timeouts (a 408, then the connection closes: a client must not hold a
-connection with a request it never finishes), all on one lazily re-armed timer per connection;
+connection with a request it never finishes; a lingering close, so that a client still sending gets
+its 408 rather than a reset), all on one lazily re-armed timer per connection;
 pipelining (one request answered at a time, in order; reading paused while a request waits its turn,
 and the next one started only while the client reads its answers), ``Expect: 100-continue`` (a
 refusal before the body closes the connection), chunked request bodies, HTTP/1.0, ``Connection:
@@ -84,6 +85,47 @@ def _malformed(error: httptools.HttpParserError) -> bytes:
     """The 400 of bytes that are not an HTTP/1.1 request, saying what the parser found."""
     found = str(error) or type(error).__name__
     return _json_closing(400, "malformed_request", f"not a valid HTTP/1.1 request: {found}")
+
+
+# A connection closed while its client may still be sending (a 408, a refusal before the body, bytes that
+# are not HTTP) lingers: its write side shut (the client sees the answer end), its input read and dropped
+# for at most this long or this many bytes, then closed. Closed with unread input, or sent bytes once
+# closed, the kernel resets the connection, and the client may lose the answer (or fail its send first).
+LINGER_SECS = 2.0
+LINGER_BYTES = 1 << 20
+
+
+class _Lingering(asyncio.Transport):
+    """A connection's transport in its lingering close, as the requests see it: closing, so that nothing
+    more is written to it (its write side is shut); reading it and closing it go on."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__()
+        self._transport = transport
+
+    def is_closing(self) -> bool:
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        return None
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._transport.abort()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
 
 
 class _Refused(Exception):
@@ -250,6 +292,8 @@ class HttpProtocol(asyncio.Protocol):
         self._held_post: list[bytes] | None = None
         self._held_missing = 0
         self._upgraded = False
+        self._linger_until = -1.0  # the loop time a lingering close ends at (`_close_lingering`); -1: none
+        self._linger_bytes_left = 0
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -263,10 +307,14 @@ class HttpProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
-        self._gone = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._client_gone()
+
+    def _client_gone(self) -> None:
+        """The requests in flight see the client gone (its connection lost, or lingering)."""
+        self._gone = True
         for request in (self._current, *self._waiting):
             if isinstance(request, AsgiRequest):
                 request.lost()
@@ -300,6 +348,11 @@ class HttpProtocol(asyncio.Protocol):
             self.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_until >= 0:
+            self._linger_bytes_left -= len(data)
+            if self._linger_bytes_left <= 0:
+                self.transport.close()
+            return
         held = self._held_post
         if held is not None:
             # Joined once, when the whole body is in: joined and parsed again on every read, a body sent
@@ -343,7 +396,7 @@ class HttpProtocol(asyncio.Protocol):
             self.logger.warning("Invalid HTTP request received.")
             if not self.transport.is_closing():
                 self.transport.write(reply)
-                self.transport.close()
+                self._close_lingering()
             return
         if not (self._between_messages or self._reading_head):
             self._reading_since = self.loop.time()  # a body still coming brought bytes
@@ -360,7 +413,10 @@ class HttpProtocol(asyncio.Protocol):
     def shutdown(self) -> None:
         """Graceful shutdown (uvicorn calls it on each connection): an idle connection closes now, a
         busy one after the answer to its request in flight. A head kept for its body is a request
-        in flight: httptools takes it over (as if it had read it)."""
+        in flight: httptools takes it over (as if it had read it). A lingering close ends now."""
+        if self._linger_until >= 0:
+            self.transport.close()
+            return
         held = self._held_post
         if held is not None:
             self._held_post = None
@@ -611,7 +667,12 @@ class HttpProtocol(asyncio.Protocol):
             self._write_buffered = buffered  # it reads, slowly: as long again for the rest
             self._write_deadline = now + self._write_timeout_secs
         due = self._write_deadline if self._write_deadline >= 0 else math.inf
-        if self._idle_since >= 0:
+        if self._linger_until >= 0:
+            if self._linger_until <= now:
+                self.transport.close()
+                return
+            due = min(due, self._linger_until)
+        elif self._idle_since >= 0:
             idle_until = self._idle_since + self.timeout_keep_alive
             if idle_until > now:
                 due = min(due, idle_until)
@@ -640,7 +701,27 @@ class HttpProtocol(asyncio.Protocol):
         )
         if not answered:
             self.transport.write(_timed_out(message))
-        self.transport.close()
+        self._close_lingering()
+
+    def _close_lingering(self) -> None:
+        """Close the connection after an answer written while its client may still be sending (see
+        `LINGER_SECS`); the client's own close ends it sooner (`eof_received`). For the requests it is
+        closed at once: they see their client gone and write nothing more (`_Lingering`)."""
+        transport = self.transport
+        if transport.is_closing():
+            return
+        if transport.can_write_eof():  # not under TLS: the client then has the answer's length alone
+            transport.write_eof()
+        self.transport = _Lingering(transport)
+        self._client_gone()
+        self._waiting.clear()
+        self._held_post = None
+        self._reading_since = self._idle_since = -1.0
+        self._linger_bytes_left = LINGER_BYTES
+        self._linger_until = self.loop.time() + LINGER_SECS
+        if self._read_paused:
+            self.resume_reading()
+        self._arm(self._linger_until)
 
     def pause_reading(self) -> None:
         if not self._read_paused:
@@ -746,8 +827,10 @@ class HttpProtocol(asyncio.Protocol):
             )
             if request is not None and self.access_log:
                 self._log_access(request, reply.status)
-            if not keep_alive:
+            if not keep_alive and self._between_messages:
                 transport.close()
+            elif not keep_alive:  # refused before its body, which may still be coming
+                self._close_lingering()
         self.request_answered()
 
     def _header_lines(self, reply: Reply, keep_alive: bool) -> bytes:

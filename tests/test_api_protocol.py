@@ -9,7 +9,6 @@ routes give (``fast_protocol`` off), which the in-process suites test in depth.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import re
@@ -27,6 +26,7 @@ import pytest
 import uvicorn
 
 from api.config import SecurityConfig, ServiceConfig, Settings
+from api.http_protocol import LINGER_SECS
 from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.event_plane.embedded_server import free_port
@@ -674,6 +674,29 @@ def test_the_rest_of_the_app_answers_the_same_bytes_through_either_protocol() ->
     assert answers[True][2 * len(_REST)] == b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
+def test_a_client_still_sending_after_its_400_reads_it_and_is_closed_within_the_linger_bound() -> None:
+    """Bytes that are not HTTP, the client sending on: it reads its 400 and the answer's end (the server
+    shut its side and reads on, dropping what comes; before, it closed with the client's bytes unread,
+    and the kernel's reset failed the client's next send and could take the 400 with it), and the
+    connection closes ``LINGER_SECS`` later at most though the client never stops."""
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        client.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n")
+        answered = time.monotonic()
+        for _ in range(10):  # still sending for 0.5 s, the 400 not read yet
+            client.send(b"x" * 1000)
+            time.sleep(0.05)
+        refused = _answer_then_closed(client, 10)
+        assert refused.startswith(b"HTTP/1.1 400 Bad Request\r\n"), refused
+        assert body_of(refused)["error"]["type"] == "malformed_request", refused
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):  # sending until it fails
+            while time.monotonic() - answered < LINGER_SECS + 5:
+                client.send(b"x" * 1000)
+                time.sleep(0.05)
+        assert time.monotonic() - answered < LINGER_SECS + 2
+        client.close()
+
+
 def _answer_then_closed(client: Client, within: float) -> bytes:
     """What the server sends until it closes the connection; fails if that takes more than ``within`` s."""
     client.sock.settimeout(within)
@@ -720,17 +743,14 @@ def test_a_request_that_does_not_arrive_in_time_gets_a_408_and_its_connection_cl
         trickle = Client(port)
         trickled = b"POST /v1/mark_free HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
         first_byte = time.monotonic()
-        for byte in range(len(trickled)):  # a byte every 0.1 s: bytes keep coming, the head never ends
-            try:
-                trickle.send(trickled[byte : byte + 1])
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            if not trickle.nothing_within(0.1):
-                break
-        # A byte sent as the server closed: the kernel closes a socket with unread input by a reset, which
-        # discards the 408 still unsent. The connection ended all the same, in time.
-        with contextlib.suppress(ConnectionResetError):
-            _timed_out(_answer_then_closed(trickle, 10), head_late)
+        # A byte every 0.1 s for 1.5 s: bytes keep coming, the head never ends, and the client still sends
+        # after its 408 (not read yet). The server lingers, reading and dropping them: closed with unread
+        # input, or given a byte once closed, the kernel would reset the connection, and the client could
+        # lose its 408.
+        for byte in range(15):
+            trickle.send(trickled[byte : byte + 1])
+            time.sleep(0.1)
+        _timed_out(_answer_then_closed(trickle, 10), head_late)
         assert time.monotonic() - first_byte < 5
         trickle.close()
 
