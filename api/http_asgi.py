@@ -51,6 +51,9 @@ class Connection(Protocol):
 
     def default_header_lines(self) -> bytes: ...
 
+    def close_lingering(self) -> None:
+        """Close after an answer written while the client may still be sending its body."""
+
     def access_log_line(self, method: str, target: str, http_version: str, status: int) -> None: ...
 
     def crashed(self, request: Answered | None, exc: BaseException | None) -> None:
@@ -209,7 +212,10 @@ class AsgiRequest:
         self.response_complete = True
         self._event.set()
         if not self.keep_alive and not transport.is_closing():
-            transport.close()
+            if self.complete:
+                transport.close()
+            else:  # refused before its body (a 401, 404, 413), which may still be coming
+                protocol.close_lingering()
         protocol.request_answered()
 
     def _start_response(self, status: int, headers: Any) -> None:

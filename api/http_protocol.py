@@ -127,6 +127,27 @@ class _Lingering(asyncio.Transport):
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self._transport.get_extra_info(name, default)
 
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def can_write_eof(self) -> bool:
+        return False  # shut already
+
+    def write_eof(self) -> None:
+        return None
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
 
 class _Refused(Exception):
     """Raised in a parser callback: the connection is answered ``reply`` and closed."""
@@ -292,7 +313,7 @@ class HttpProtocol(asyncio.Protocol):
         self._held_post: list[bytes] | None = None
         self._held_missing = 0
         self._upgraded = False
-        self._linger_until = -1.0  # the loop time a lingering close ends at (`_close_lingering`); -1: none
+        self._linger_until = -1.0  # the loop time a lingering close ends at (`close_lingering`); -1: none
         self._linger_bytes_left = 0
 
     # ------------------------------------------------------------------ asyncio.Protocol
@@ -396,7 +417,7 @@ class HttpProtocol(asyncio.Protocol):
             self.logger.warning("Invalid HTTP request received.")
             if not self.transport.is_closing():
                 self.transport.write(reply)
-                self._close_lingering()
+                self.close_lingering()
             return
         if not (self._between_messages or self._reading_head):
             self._reading_since = self.loop.time()  # a body still coming brought bytes
@@ -701,9 +722,9 @@ class HttpProtocol(asyncio.Protocol):
         )
         if not answered:
             self.transport.write(_timed_out(message))
-        self._close_lingering()
+        self.close_lingering()
 
-    def _close_lingering(self) -> None:
+    def close_lingering(self) -> None:
         """Close the connection after an answer written while its client may still be sending (see
         `LINGER_SECS`); the client's own close ends it sooner (`eof_received`). For the requests it is
         closed at once: they see their client gone and write nothing more (`_Lingering`)."""
@@ -830,7 +851,7 @@ class HttpProtocol(asyncio.Protocol):
             if not keep_alive and self._between_messages:
                 transport.close()
             elif not keep_alive:  # refused before its body, which may still be coming
-                self._close_lingering()
+                self.close_lingering()
         self.request_answered()
 
     def _header_lines(self, reply: Reply, keep_alive: bool) -> bytes:
@@ -939,7 +960,7 @@ class HttpProtocol(asyncio.Protocol):
             request.response_complete = True
             if not self.transport.is_closing():
                 self.transport.write(_UNAVAILABLE)
-                self.transport.close()
+                self.close_lingering()  # its body may still be coming
             self.request_answered()
             return
         task: asyncio.Task[None] = self.loop.create_task(request.run(self.app))

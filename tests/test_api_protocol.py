@@ -697,6 +697,28 @@ def test_a_client_still_sending_after_its_400_reads_it_and_is_closed_within_the_
         client.close()
 
 
+@pytest.mark.parametrize(("path", "status"), [("/nope", b"404 Not Found"), ("/v1/models", b"405 Method Not Allowed")])
+def test_a_client_sending_the_body_an_app_route_refused_before_it_reads_the_refusal(path: str, status: bytes) -> None:
+    """An app route's refusal of a request before its body (``Expect: 100-continue``, answered at once):
+    the client that sends its body all the same sends it whole and reads the refusal and the answer's
+    end (before, the connection closed with the body coming in, and the kernel's reset broke the
+    client's send)."""
+    piece, pieces = b"x" * 1000, 10
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        client.send(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(piece) * pieces}\r\nExpect: 100-continue\r\n\r\n".encode()
+        )
+        for _ in range(pieces):  # the body sent for 0.5 s, the refusal not read yet
+            client.send(piece)
+            time.sleep(0.05)
+        refused = _answer_then_closed(client, 10)
+        assert refused.startswith(b"HTTP/1.1 " + status + b"\r\n"), refused
+        assert b"\r\nconnection: close" in refused.partition(b"\r\n\r\n")[0].lower()
+        client.close()
+
+
 def _answer_then_closed(client: Client, within: float) -> bytes:
     """What the server sends until it closes the connection; fails if that takes more than ``within`` s."""
     client.sock.settimeout(within)
