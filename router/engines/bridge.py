@@ -157,8 +157,9 @@ class Bridge:
                 down_when_refused=True,
             )
         )
-        # What `start` waits on (the engine's models, the worker registry), None once it completed: said
-        # when a signal stops the bridge before.
+        # What `start` waits on without end (the engine's models, the worker registry), None once the
+        # registry is reached: a signal before cuts the start short and says it; after, the start
+        # completes (each step bounded) and the stop deregisters.
         self.waiting_for: str | None = "its start"
         self.withdrawn = False  # the engine stopped answering: the worker is out of the routers' registry
         self.scraper = (
@@ -189,6 +190,9 @@ class Bridge:
         self.waiting_for = f"the worker registry on NATS {_netloc(self.nc)}"
         # Routers forget what an earlier bridge of this worker numbered; they resync from this one.
         registry = await open_registry(self.nc, self.publisher.subjects)
+        # Reached: from here a stop waits for the start's end, then deregisters (cut short while the
+        # worker's entry is being put, it stayed in the registry until its lease ran out).
+        self.waiting_for = None
         with contextlib.suppress(Exception):  # nothing to delete on a first start
             await registry.delete(str(self.config.worker_id))
         await self.publisher.start()
@@ -202,7 +206,6 @@ class Bridge:
             self.scraper.start()
         if self.health is not None:
             self.health.start()
-        self.waiting_for = None
         log.info(
             "bridge for worker %d: %s -> NATS %s (namespace %s)",
             self.config.worker_id,
