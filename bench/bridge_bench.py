@@ -117,7 +117,9 @@ async def throughput(batches: int, blocks: int) -> None:
     with EmbeddedNats() as server:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         nc = await connect(NatsOptions(server.url))
-        config = BridgeConfig(worker_id=WORKER, zmq_endpoint=endpoint, block_size=BLOCK, queue_size=batches + 1)
+        # Room for every batch (a peer tree from before the byte bound takes the count alone).
+        room = {"queue_bytes": 1 << 40} if "queue_bytes" in BridgeConfig.__struct_fields__ else {}
+        config = BridgeConfig(worker_id=WORKER, zmq_endpoint=endpoint, block_size=BLOCK, queue_size=batches + 1, **room)
         bridge = Bridge(config, nc)
         # Started as `kv-router bridge` starts it (gc.freeze() after start); a peer tree from before
         # `start_service` froze at the same point in its `run_until`. Before the engine: a start

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from router.engines.engine_spec import check_rank_ports, check_zmq_endpoint
+from router.engines.engine_spec import MAX_ENGINE_FRAME_BYTES, check_rank_ports, check_zmq_endpoint
 from router.engines.openai_server import health_url, openai_base
 from router.types import HandoffStyle, WorkerConfig, WorkerRole
 
@@ -82,8 +82,8 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     queue_size: Annotated[int, _doc("engine batches buffered per rank before drops"), msgspec.Meta(ge=1)] = 10_000
     queue_bytes: Annotated[
         int,
-        _doc("bytes of engine batches buffered per rank before drops (a batch larger than this is always dropped)"),
-        msgspec.Meta(ge=1),
+        _doc("bytes of engine batches buffered per rank before drops (at least the largest frame an engine may send)"),
+        msgspec.Meta(ge=MAX_ENGINE_FRAME_BYTES),
     ] = 256 << 20
     batch_window_secs: Annotated[
         float,

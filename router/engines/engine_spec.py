@@ -10,6 +10,7 @@ from router.engines.openai_server import openai_base
 __all__ = [
     "ENGINE_SPEC_FORM",
     "MAX_DP_SIZE",
+    "MAX_ENGINE_FRAME_BYTES",
     "EndpointRefused",
     "EngineSpec",
     "check_rank_ports",
@@ -18,6 +19,12 @@ __all__ = [
     "parse_engine_spec",
     "rank_endpoint",
 ]
+
+# The largest frame an engine's socket may send us (libzmq drops the connection past it, before reading
+# the frame): without it a peer's frame of any size is read whole into memory. Real batches measure
+# 35 B to 4.3 KiB (shared/vectors/real-engines: vLLM 0.32, SGLang); a step that stores a 1M-token
+# prompt at once, the longest context an engine takes, is ~5 MiB of msgpack token ids (5 B each).
+MAX_ENGINE_FRAME_BYTES = 16 << 20
 
 # Data-parallel ranks one --engine may name (each one a socket, and a port, of its own).
 MAX_DP_SIZE = 256

@@ -81,7 +81,7 @@ from indexer.engine_events import (
     decode_engine_batch,
     stored_block_size,
 )
-from router.engines.engine_spec import EndpointRefused, is_ipv6_literal
+from router.engines.engine_spec import MAX_ENGINE_FRAME_BYTES, EndpointRefused, is_ipv6_literal
 from router.engines.hash_check import TokensHashCheck, evidence
 from router.engines.zmq_drain import drain_sub
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -113,11 +113,6 @@ QUIET_S = 0.5
 # afresh and has its own deadline.
 HEARTBEAT_S = 2.0
 HEARTBEAT_MISSED = 3
-# The largest frame an engine's socket may send us (libzmq drops the connection past it, before reading
-# the frame): without it a peer's frame of any size is read whole into memory. Real batches measure
-# 35 B to 4.3 KiB (shared/vectors/real-engines: vLLM 0.32, SGLang); a step that stores a 1M-token
-# prompt at once, the longest context an engine takes, is ~5 MiB of msgpack token ids (5 B each).
-MAX_ENGINE_FRAME_BYTES = 16 << 20
 # After a connection of the SUB socket ends, how long libzmq is given to connect again by itself (it
 # retries every 100 ms after a lost connection) before the socket is connected afresh here (it never
 # does after a protocol error: a frame past MAXMSGSIZE); doubled after each forced reconnection without
