@@ -1003,7 +1003,7 @@ class KvRouter:
     ) -> bool:
         """Record that this prompt went to ``key`` if its cache is predicted (a worker without KV events);
         whether it was. What it added is kept under ``booking_id`` until the booking's prompt is computed
-        or the booking ends (`forget_uncomputed_predictions`)."""
+        or the booking ends (`_prediction_stands`), or withdrawn (`forget_uncomputed_predictions`)."""
         predictions = self.predictions
         if predictions is None:
             return False

@@ -244,7 +244,7 @@ class Handoff:
     # ------------------------------------------------------------------ the prefill leg
     async def _prefill_leg(self, legs: Legs, path: bytes, body: bytes, headers: bytes) -> bytes:
         """Send the prefill leg and read its whole answer; its booking is freed once it is in. Raises
-        `PrefillFailed`."""
+        `PrefillFailed`, or `Refused` (a 4xx, or an answer over ``proxy_max_answer_bytes``: the client's)."""
         worker = legs.prefill
         assert worker.url is not None
         if worker.dp_size > 1:

@@ -65,8 +65,8 @@ class PartsJoiner(abc.ABC, Generic[A]):
     """One answer's parts, joined in the order they come: `add` each reply's bytes; it returns the whole
     answer once the last part (or a reply not in parts) is in, else None. A kind of answer says how its
     replies decode (`decode`), which are parts with more to come (`more`) and how its parts make the
-    whole (`join`). At most `MAX_PARTS_BYTES` are read for one answer: past it `PartsTooLarge`, the part
-    left undecoded. Raises what an undecodable reply raises."""
+    whole (`join`). One joiner reads one answer. At most `MAX_PARTS_BYTES` are read for it: past it
+    `PartsTooLarge`, the part left undecoded. Raises what an undecodable reply raises."""
 
     __slots__ = ("_parts", "_read_bytes")
 
