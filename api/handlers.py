@@ -241,7 +241,7 @@ class Handlers:
                 )
         query = queries_instance(body.annotations)  # answer the choice, book nothing
         # Checked before anything is booked: what cannot be handed back is refused first.
-        forward = _forwardable(call) if body.return_request else None
+        forward = _forwardable(call, body.token_ids) if body.return_request else None
         request_id = None if query else body.request_id or _header_id(call) or new_request_id()
         routing = routing_call(
             self._router,
@@ -427,17 +427,17 @@ def _token_list(tokens: Tokens) -> list[int]:
     return unpack_tokens(tokens) if isinstance(tokens, bytes) else tokens
 
 
-def _forwardable(call: Call) -> dict[str, Any]:
+def _forwardable(call: Call, token_ids: Tokens) -> dict[str, Any]:
     """The request as it came, every field kept (engine-only ones too), our own fields dropped, to be
-    handed back; packed token ids stay packed in msgpack and become a sequence in JSON, as Dynamo
-    writes them. `InvalidBody` if it cannot be written back in the reply's encoding (a msgpack
-    extension type in JSON)."""
+    handed back; packed token ids (``token_ids``, as decoded) stay packed in msgpack and become a
+    sequence in JSON, as Dynamo writes them. `InvalidBody` if it cannot be written back in the reply's
+    encoding (a msgpack extension type in JSON)."""
     raw: dict[str, Any] = msgspec.msgpack.decode(call.body) if call.msgpack else msgspec.json.decode(call.body)
     for ours in ("method", "request_id", "return_request"):
         raw.pop(ours, None)
-    token_ids = raw.get("token_ids")
-    if isinstance(token_ids, bytes) and not call.reply_msgpack:
-        raw["token_ids"] = _token_list(token_ids)
+    if isinstance(token_ids, bytes):
+        # Also when they came as JSON's base64 text, which Dynamo's reader refuses (a sequence or bytes only).
+        raw["token_ids"] = token_ids if call.reply_msgpack else _token_list(token_ids)
     if not isinstance(raw.get("routing"), dict):
         raw["routing"] = {}
     try:

@@ -228,6 +228,18 @@ def test_the_request_comes_back_ready_to_forward(client: TestClient) -> None:
     assert in_json.json()["request"]["token_ids"] == TOKENS
 
 
+@pytest.mark.parametrize("door", ["/v1/route", "/v1/router"])
+def test_packed_token_ids_sent_as_base64_come_back_in_dynamos_forms(client: TestClient, door: str) -> None:
+    """JSON's packed form (base64 text, which Dynamo's reader refuses: it takes a sequence or bytes) is
+    handed back as Dynamo writes the prompt: a sequence in JSON, one bin of packed ids in msgpack."""
+    packed = struct.pack(f"<{len(TOKENS)}I", *TOKENS)
+    method = {"method": "route"} if door == "/v1/router" else {}
+    body = msgspec.json.encode({**method, "token_ids": packed, "return_request": True})  # bytes: base64 text
+    assert client.post(door, content=body).json()["request"]["token_ids"] == TOKENS
+    reply = client.post(door, content=body, headers={"accept": MSGPACK["accept"]})
+    assert msgspec.msgpack.decode(reply.content)["request"]["token_ids"] == packed
+
+
 # The fields of the seed's PreprocessedRequest the router does not read, each in a shape Dynamo's serde
 # takes (Dynamo 1.6.1's `KvRouter.generate_from_request` routes this body): all accepted and handed back
 # as sent. (``kv_hint`` is left out: its struct is not in the seeds; it is kept opaque.)
