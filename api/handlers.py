@@ -129,7 +129,7 @@ class Handlers:
         except Exception as exc:
             return self._error("router", exc)
         if isinstance(request, RouterNew):
-            return await self._guard("new", self._router_new(request, call))
+            return await self._router_new(request, call)
         if isinstance(request, RouterRoute):
             return await self._guard("route", self._route(request, call, RouterRouteResponse))
         if isinstance(request, RouterPotentialLoads):
@@ -206,23 +206,29 @@ class Handlers:
 
     # ------------------------------------------------------------------ implementations
     async def _router_new(self, request: RouterNew, call: Call) -> Reply:
+        """``new`` on ``/v1/router``; counts its own outcome (not `_guard`): a queue rejection is
+        Dynamo's answer, a 200, but counted as ``queue_rejected`` only, as ``/v1/new``'s 429 is."""
         started = time.perf_counter()
-        tokens = self._check_prompt(request.tokens)
-        # Dynamo takes the id of `new` from the request-plane context; over HTTP that is X-Request-Id.
-        if request.request_id is None:
-            request = msgspec.structs.replace(request, request_id=_header_id(call) or new_request_id())
         try:
-            decision = self._router.decide(request)
-            if not isinstance(decision, RouteDecision):
-                decision = await self._queued(decision, call)
-        except QueueRejected as exc:
-            self._metrics.count("new", "queue_rejected")
-            return self._reply(RouterQueueRejected(rejection=exc.rejection), call, request.request_id)
-        response = RouterNewResponse(
-            worker_id=decision.worker_id, dp_rank=decision.dp_rank, overlap_blocks=decision.overlap_blocks
-        )
-        reply = self._reply(response, call, decision.request_id)
+            tokens = self._check_prompt(request.tokens)
+            # Dynamo takes the id of `new` from the request-plane context; over HTTP that is X-Request-Id.
+            if request.request_id is None:
+                request = msgspec.structs.replace(request, request_id=_header_id(call) or new_request_id())
+            try:
+                decision = self._router.decide(request)
+                if not isinstance(decision, RouteDecision):
+                    decision = await self._queued(decision, call)
+            except QueueRejected as exc:
+                self._metrics.count("new", "queue_rejected")
+                return self._reply(RouterQueueRejected(rejection=exc.rejection), call, request.request_id)
+            response = RouterNewResponse(
+                worker_id=decision.worker_id, dp_rank=decision.dp_rank, overlap_blocks=decision.overlap_blocks
+            )
+            reply = self._reply(response, call, decision.request_id)
+        except Exception as exc:
+            return self._error("new", exc)
         self._metrics.decision(decision, tokens, time.perf_counter() - started)
+        self._metrics.count("new")
         return reply
 
     async def _route(self, body: RouteBody, call: Call, reply_type: type[RouteReply]) -> Reply:

@@ -26,6 +26,7 @@ from router.config import RouterConfig
 from router.errors import BlockSizeMismatch
 from router.kv_router import KvRouter
 from router.types import RouteRequest, WorkerConfig
+from tests.metrics import sample
 from tests.protocol_asgi import ThroughProtocol
 from tests.test_api_support import BLOCK_SIZE, MSGPACK, msgpack, prompt, serve, stored_event
 from tests.waiting import eventually
@@ -238,6 +239,10 @@ def test_queue_waits_dispatches_and_rejects(fast_protocol: bool) -> None:
                 too_many = await client.post("/v1/new", json={"tokens": prompt(10, 32)})
                 assert too_many.status_code == 429
                 assert too_many.json()["error"]["detail"]["rejection"]["limit_kind"] == "requests"
+                # Each rejection counted once, as queue_rejected: the only new counted ok is the first.
+                exported = (await client.get("/metrics")).text
+                assert sample(exported, "kv_router_requests_total", method="new", outcome="queue_rejected") == 2
+                assert sample(exported, "kv_router_requests_total", method="new", outcome="ok") == 1
                 assert not waiting.done()
                 await client.post("/v1/mark_free", json={"request_id": "first"})
                 second = await waiting
