@@ -237,7 +237,8 @@ class Handlers:
         if not tokens:
             raise InvalidBody("token_ids: a request needs at least one token")
         mm_routing_info = body.mm_routing_info
-        if mm_routing_info is not None:
+        # Without routing tokens Dynamo reads none of it (the request's own tokens are routed), nor does routing_call.
+        if mm_routing_info is not None and mm_routing_info.routing_token_ids:
             self._check_prompt(mm_routing_info.routing_token_ids, "mm_routing_info.routing_token_ids")
             # The prompt's length for load when given: bounded as the prompt is (unbounded, it booked
             # any load, past u64 once summed).

@@ -189,6 +189,12 @@ def test_mm_routing_info_overlaps_on_routing_tokens_and_loads_by_the_expanded_le
     no_length = {**info, "expanded_prompt_len": 0}
     client.post("/v1/route", json={"token_ids": [1, 2, 3], "mm_routing_info": no_length, "routing": on_worker_1})
     assert _active(client, 1) == {0: (2, 103)}
+    # No routing tokens: Dynamo routes the request's own tokens and reads none of the rest, so an
+    # expanded length above max_prompt_tokens is no prompt too long.
+    unread = {"routing_token_ids": [], "block_mm_infos": mm, "expanded_prompt_len": 2**64 - 1}
+    reply = client.post("/v1/route", json={"token_ids": [1, 2, 3], "mm_routing_info": unread, "routing": on_worker_1})
+    assert _decision(reply) == (1, 0, 0, 0)
+    assert _active(client, 1) == {0: (3, 106)}
 
 
 # Dynamo 1.6's WorkerIdInfo for an aggregated fleet: the one worker named for both phases.
