@@ -59,10 +59,10 @@ class Replica:
 
 
 @contextlib.asynccontextmanager
-async def replica(url: str, *, lease_s: float = 10.0) -> AsyncIterator[Replica]:
+async def replica(url: str, *, lease_s: float = 10.0, heartbeat_s: float = 0.1) -> AsyncIterator[Replica]:
     nc = await connect(NatsOptions(url))
     router = new_router()
-    sync = ReplicaSync(router, nc, lease_s=lease_s, heartbeat_s=0.1)
+    sync = ReplicaSync(router, nc, lease_s=lease_s, heartbeat_s=heartbeat_s)
     await sync.start()
     try:
         yield Replica(router, nc, sync)
@@ -393,6 +393,26 @@ async def test_a_view_larger_than_a_nats_message_reaches_peers_in_parts() -> Non
             async with replica(server.url) as late:  # its join is answered by a or b, both views too large
                 assert late.sync.outcomes["joined"] == 1
                 assert late.router.booking("kept") is not None and late.router.booking("x") is None
+
+
+async def test_a_batch_larger_than_a_nats_message_reaches_peers_as_several() -> None:
+    """Long prompts' block hashes (~9 bytes a block) pass the server's max_payload long before
+    MAX_BATCH_CHANGES changes: a loop turn's bookings (or a durable replay's, queued as sync starts) go
+    out as several numbered batches, not lost with the publish loop's crash until a beat shows the gap."""
+    with EmbeddedNats(max_payload=64 * 1024) as server:
+        # Beats far apart: what reaches b within the test came in batches, not through a repair.
+        async with (
+            replica(server.url, lease_s=300, heartbeat_s=60) as a,
+            replica(server.url, lease_s=300, heartbeat_s=60) as b,
+        ):
+            request_ids = [f"long-{n}" for n in range(100)]
+            for n, request_id in enumerate(request_ids):  # 256 blocks each: ~2.3 KiB a booking, in one batch
+                await a.router.new(RouteRequest(tokens=prompt(n, 16 * 256), request_id=request_id))
+            # One booking alone past max_payload (its peers' views could not carry it either): dropped alone.
+            await a.router.new(RouteRequest(tokens=prompt(0, 16 * 8000), request_id="huge"))
+            await eventually(lambda: all(b.router.booking(r) is not None for r in request_ids), 10, "b books all")
+            assert b.sync.outcomes["gap"] == 0 and a.sync.outcomes["published_batches"] > 1
+            assert a.sync.outcomes["rejected_oversized_change"] == 1 and b.router.booking("huge") is None
 
 
 async def test_a_refused_view_leaves_the_gap_pending_until_the_peer_sends_it() -> None:

@@ -338,27 +338,45 @@ class ReplicaSync:
 
     async def _publish(self, pending: list[Change]) -> None:
         for start in range(0, len(pending), MAX_BATCH_CHANGES):
-            changes = pending[start : start + MAX_BATCH_CHANGES]
-            self._seq += 1
-            batch = SyncBatch(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms(), changes=changes)
-            try:
-                payload = _encode(batch)
-            except (msgspec.EncodeError, OverflowError, TypeError):
-                # A change no door should have let in (every field is bounded where it enters): it alone
-                # is dropped, counted and logged; the batch's other changes still reach the peers.
-                changes = [change for change in changes if self._encodable(change)]
-                batch = SyncBatch(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms(), changes=changes)
-                payload = _encode(batch)
-            try:
-                await self.nc.publish(self.subjects.router_sync, payload)
-            except OutboundBufferLimitError:
-                # NATS out of reach long enough to fill the connection's buffer: the peers see the gap
-                # this batch's number leaves at the next one that reaches them, and ask for the view.
-                self.outcomes["unpublished"] += len(changes)
-                self._bad_input.warning("sync batch not published", "NATS out of reach, the connection's buffer full")
-                continue
-            self.outcomes["published"] += len(changes)
-            self.outcomes["published_batches"] += 1
+            await self._publish_batch(pending[start : start + MAX_BATCH_CHANGES])
+
+    def _batch_payload(self, changes: list[Change]) -> tuple[list[Change], bytes]:
+        """The next batch of ``changes`` as msgpack, with the changes it carries."""
+        batch = SyncBatch(replica_id=self.replica_id, seq=self._seq + 1, sent_at_ms=_now_ms(), changes=changes)
+        try:
+            return changes, _encode(batch)
+        except (msgspec.EncodeError, OverflowError, TypeError):
+            # A change no door should have let in (every field is bounded where it enters): it alone
+            # is dropped, counted and logged; the batch's other changes still reach the peers.
+            batch.changes = changes = [change for change in changes if self._encodable(change)]
+            return changes, _encode(batch)
+
+    async def _publish_batch(self, changes: list[Change]) -> None:
+        changes, payload = self._batch_payload(changes)
+        limit = self.nc.max_payload
+        if len(payload) > limit:
+            # Long prompts' block hashes (~9 bytes a block) pass the server's max_payload (1 MiB on a
+            # stock server) long before MAX_BATCH_CHANGES changes: NATS would refuse the batch whole
+            # (the publish loop crashed, the peers repaired from full views). Halved until each fits.
+            if len(changes) > 1:
+                half = len(changes) // 2
+                await self._publish_batch(changes[:half])
+                await self._publish_batch(changes[half:])
+            else:  # a booking no view could carry either
+                self._reject("oversized_change", f"{type(changes[0]).__name__} of {len(payload)} bytes not sent "
+                             f"to the peers: the server's max_payload is {limit}")  # fmt: skip
+            return
+        self._seq += 1
+        try:
+            await self.nc.publish(self.subjects.router_sync, payload)
+        except OutboundBufferLimitError:
+            # NATS out of reach long enough to fill the connection's buffer: the peers see the gap
+            # this batch's number leaves at the next one that reaches them, and ask for the view.
+            self.outcomes["unpublished"] += len(changes)
+            self._bad_input.warning("sync batch not published", "NATS out of reach, the connection's buffer full")
+            return
+        self.outcomes["published"] += len(changes)
+        self.outcomes["published_batches"] += 1
 
     def _encodable(self, change: Change) -> bool:
         try:
