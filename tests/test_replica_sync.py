@@ -59,10 +59,12 @@ class Replica:
 
 
 @contextlib.asynccontextmanager
-async def replica(url: str, *, lease_s: float = 10.0, heartbeat_s: float = 0.1) -> AsyncIterator[Replica]:
+async def replica(
+    url: str, *, lease_s: float = 10.0, heartbeat_s: float = 0.1, state_timeout_s: float = 2.0
+) -> AsyncIterator[Replica]:
     nc = await connect(NatsOptions(url))
     router = new_router()
-    sync = ReplicaSync(router, nc, lease_s=lease_s, heartbeat_s=heartbeat_s)
+    sync = ReplicaSync(router, nc, lease_s=lease_s, heartbeat_s=heartbeat_s, state_timeout_s=state_timeout_s)
     await sync.start()
     try:
         yield Replica(router, nc, sync)
@@ -202,6 +204,44 @@ async def test_a_replica_that_stops_cleanly_takes_its_bookings_at_once(nats_serv
         # Within the 10 s lease; the outcome tells a leave from an expiry, however slow the machine.
         await eventually(lambda: a.router.booking("x") is None, 30, "a drops the leaving b's booking")
         assert a.sync.outcomes["peer_left"] == 1 and a.sync.outcomes["peer_expired"] == 0
+
+
+async def test_a_view_answered_by_a_peer_as_it_leaves_does_not_bring_its_bookings_back(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A peer asked for its view (a gap repair) answers and stops: its leaving beat can be read before its
+    answer (another subscription; a request it took before unsubscribing is answered after the beat).
+    The answer, older than the leave, brings back neither the peer nor its bookings."""
+    async with replica(nats_server.url, state_timeout_s=60) as a:  # a's ask waits for the held answer
+        nc = await connect(NatsOptions(nats_server.url))
+        router = new_router()
+        p = Replica(router, nc, ReplicaSync(router, nc, heartbeat_s=0.1))
+        await p.sync.start()
+        try:
+            await p.router.new(RouteRequest(tokens=PROMPTS[0], request_id="x"))
+            await eventually(lambda: a.router.booking("x") is not None)
+            real, held = nc.publish, []
+
+            async def hold_replies(subject: str, payload: bytes = b"", *args: Any) -> None:
+                if subject.startswith("_INBOX."):  # p's answer to a's ask, on its way
+                    held.append((subject, payload))
+                    return
+                await real(subject, payload, *args)
+
+            nc.publish = hold_replies  # type: ignore[method-assign,assignment]
+            async with sync_lost(p):
+                await p.router.new(RouteRequest(tokens=PROMPTS[1], request_id="y"))  # lost: a gap
+            await p.router.new(RouteRequest(tokens=PROMPTS[2], request_id="z"))  # a sees the gap, asks p
+            await eventually(lambda: len(held) == 1, 30, "p answers a's ask")
+            await p.sync.stop()  # leaving: a drops p's bookings
+            await eventually(lambda: a.sync.outcomes["peer_left"] == 1 and not bookings(a.router), 30, "a drops p")
+            for subject, payload in held:  # the answer arrives after the leave
+                await real(subject, payload)
+            await eventually(lambda: a.sync.outcomes["repaired"] == 1, 30, "a merges the answer")
+            assert bookings(a.router) == {} and a.sync.peers == []
+        finally:
+            await p.sync.stop()  # again when the test failed before it: its leaving beat is sent again
+            await nc.close()
 
 
 async def test_a_clean_stop_lets_the_batch_being_published_go_out(nats_server: EmbeddedNats) -> None:

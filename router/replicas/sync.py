@@ -230,6 +230,7 @@ class ReplicaSync:
             self._free(request_id, now, None, tombstone=False)
 
     async def _join(self) -> None:
+        asked_at = self._clock()
         try:
             reply = await self._ask(self.subjects.router_sync_state())
         except NoRespondersError:
@@ -239,7 +240,7 @@ class ReplicaSync:
             log.warning("replica sync: no peer answered the join (%r); peers are asked as they are heard", exc)
             return
         if reply is not None:
-            self._merge_reply(reply, "joined")
+            self._merge_reply(reply, "joined", asked_at)
 
     async def _ask(self, subject: str) -> StateReply | None:
         """A peer's view, in parts if it is large; None (rejected, logged) when it cannot be decoded or
@@ -568,9 +569,10 @@ class ReplicaSync:
         try:
             while True:
                 peer.repair_again = False
+                asked_at = self._clock()
                 reply = await self._ask(subject)
                 raise_if_cancelling()  # a stopped sync merges no more bookings
-                if reply is None or not self._merge_reply(reply, "repaired"):
+                if reply is None or not self._merge_reply(reply, "repaired", asked_at):
                     why = "its view was refused or unreadable"
                     break
                 if not peer.repair_again:
@@ -644,20 +646,25 @@ class ReplicaSync:
         return StateReply(replica_id=me, bookings=bookings, freed=list(self._freed), cursors=cursors, silent_s=silent,
                           freed_generations=dict(self._freed_generation))  # fmt: skip
 
-    def _merge_reply(self, reply: StateReply, outcome: str) -> bool:
-        """Merge a peer's view into this one; False (rejected) when the peer refused to send it."""
+    def _merge_reply(self, reply: StateReply, outcome: str, asked_at: float) -> bool:
+        """Merge a peer's view, asked for at ``asked_at``, into this one; False (rejected) when the peer
+        refused to send it."""
         if reply.error is not None:
             self._reject("state_refused", f"peer {reply.replica_id}: {reply.error}")
             return False
         now = self._clock()
         me = self.replica_id
-        # Learn every replica the responder knows, with its silence, so dead ones expire here too.
-        self._gone.pop(reply.replica_id, None)  # it answered: alive
         gone = self._gone
+        dropped_at = gone.get(reply.replica_id)
+        if dropped_at is not None and dropped_at < asked_at:
+            del gone[reply.replica_id]  # dropped before it was asked, and it answered: alive
+        # Else dropped while the ask was on its way (it left: a request it took before unsubscribing is
+        # answered after its leaving beat): its view is older than that, its bookings stay dropped.
+        # Learn every replica the responder knows, with its silence, so dead ones expire here too.
         for peer_id, silent_s in reply.silent_s.items():
             if peer_id != me and peer_id not in self._peers and peer_id not in gone:
                 self._peers[peer_id] = _Peer(last_seen=now - silent_s)
-        if reply.replica_id != me:
+        if reply.replica_id != me and reply.replica_id not in gone:
             responder = self._peers.setdefault(reply.replica_id, _Peer(last_seen=now))
             responder.last_seen = now
         # The responder's cursors pass no batch it missed: its view covers each peer's batches up to them.
