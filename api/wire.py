@@ -342,7 +342,9 @@ class OutputProgress(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     increment); the id may come as ``X-Request-Id`` instead."""
 
     request_id: RequestId | None = None
-    generated_tokens: Annotated[int, msgspec.Meta(ge=0)]
+    # Bounded as expected_output_tokens is: unbounded, one call made its rank's load past any other's
+    # (and past u64 in the replicas' sync) until the request was freed.
+    generated_tokens: U32
 
 
 # ``/v1/router``'s variants ignore fields they do not name, as Dynamo's `RouterRequest` does (serde,

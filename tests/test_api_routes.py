@@ -155,6 +155,7 @@ def test_record_output_counts_output_blocks_on_the_worker(fast_protocol: bool) -
         for body, status, kind in (
             ({"request_id": "zz", "generated_tokens": 1}, 404, "unknown_request_id"),
             ({"request_id": "a", "generated_tokens": -1}, 422, "invalid_request"),
+            ({"request_id": "a", "generated_tokens": 2**32}, 422, "invalid_request"),
             ({"generated_tokens": 1}, 422, "invalid_request"),
         ):
             refused = client.post("/v1/record_output", json=body)
