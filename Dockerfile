@@ -65,6 +65,8 @@ RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.tom
 
 # --- base: what both images share (user, environment, health check, entrypoint) -------------------
 FROM ${BASE_IMAGE} AS base
+# These KV_ROUTER_* variables override a --config file's values for the same settings: set them as
+# variables too (deploy/kubernetes/base/router.yaml's env), not in the file.
 ENV PATH=/opt/kv-router/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

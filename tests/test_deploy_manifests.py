@@ -6,8 +6,10 @@ properties issue 15 asks of them; the router's config file in the ConfigMap is o
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -20,7 +22,7 @@ import pytest
 import yaml
 
 from api.cli import build_parser
-from api.config import load_settings
+from api.config import load_settings, resolve_settings
 from mocker.config import EngineConfig
 from router.errors import ConfigError
 
@@ -206,9 +208,7 @@ def test_router_config_comes_from_a_configmap_the_service_loads(overlay: str, tm
         c for c in by_kind(documents, "ConfigMap") if c["metadata"]["name"] == volume["configMap"]["name"]
     )
     (tmp_path / config_path.name).write_text(config_map["data"][config_path.name])
-    # Variables from the pod's own fields (the router's name) are filled in as Kubernetes would.
-    env = {variable["name"]: variable.get("value", "kv-router-0") for variable in container["env"]}
-    settings = load_settings(env=env, config_file=tmp_path / config_path.name)
+    settings = load_settings(env=pod_environment(container), config_file=tmp_path / config_path.name)
     assert Path(build_parser().parse_args(["serve", *container["args"]]).config) == config_path
     assert settings.event_plane.nats_url == "nats://nats:4222"
     assert (settings.service.host, settings.service.port) == ("0.0.0.0", 8000)
@@ -222,6 +222,51 @@ def test_router_config_comes_from_a_configmap_the_service_loads(overlay: str, tm
     # More grace than the preStop sleep and then the service's own shutdown timeout, so in-flight
     # requests finish before the kubelet's SIGKILL.
     assert pod["terminationGracePeriodSeconds"] > pre_stop_secs(container) + settings.service.shutdown_timeout_secs
+
+
+def image_environment(target: str = "runtime") -> dict[str, str]:
+    """The variables the Dockerfile's ``target`` stage sets (``ENV`` in it and the stages it is built
+    FROM), as a container of the image starts with them."""
+    stages: dict[str, tuple[str, dict[str, str]]] = {}  # stage -> (the stage it is FROM, its ENV)
+    stage = ""
+    for line in (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines():
+        instruction = line.split(maxsplit=1)[0] if line.strip() else ""
+        if instruction == "FROM":
+            words = line.split()
+            stage = words[3] if len(words) >= 4 and words[2].upper() == "AS" else words[1]
+            stages[stage] = (words[1], {})
+        elif instruction == "ENV":
+            stages[stage][1].update(word.split("=", 1) for word in shlex.split(line)[1:])
+    environment: dict[str, str] = {}
+    while target in stages:
+        target, variables = stages[target]
+        environment = variables | environment  # a later stage's value wins
+    return environment
+
+
+def pod_environment(container: dict[str, Any]) -> dict[str, str]:
+    """The router container's variables: the image's, then the pod's (which override them); those
+    from the pod's own fields (the router's name) filled in as Kubernetes would."""
+    pod = {variable["name"]: variable.get("value", "kv-router-0") for variable in container["env"]}
+    return image_environment() | pod
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_setting_of_the_config_file_takes_effect(overlay: str, tmp_path: Path) -> None:
+    """No key of the ConfigMap's settings file is overridden by a variable of the container: the
+    image's ``ENV`` (host, port, log format, NATS URL) or the pod's own would win over the file, and an
+    edit of the file (the NATS URL pointed at your server) would silently change nothing."""
+    documents = rendered(overlay)
+    container = router_pod(documents)["containers"][0]
+    config_map = next(c for c in by_kind(documents, "ConfigMap") if c["metadata"]["name"].startswith("kv-router-"))
+    text = config_map["data"]["config.toml"]
+    (tmp_path / "config.toml").write_text(text)
+    environment = pod_environment(container)
+    assert {"KV_ROUTER_HOST", "KV_ROUTER_NATS_URL"} <= set(image_environment())
+    _, origin = resolve_settings(env=environment, config_file=tmp_path / "config.toml")
+    overridden = {key: origin[key] for key in tomllib.loads(text) if not origin[key].startswith("config file")}
+    assert not overridden, f"set in config.toml but taken from elsewhere: {overridden}"
 
 
 def router_pod(documents: tuple[dict[str, Any], ...]) -> dict[str, Any]:
