@@ -6,6 +6,7 @@ properties issue 15 asks of them; the router's config file in the ConfigMap is o
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -296,6 +297,40 @@ def test_router_pods_serve_until_their_endpoint_is_gone_and_take_no_service_link
     assert pod["enableServiceLinks"] is False
     with pytest.raises(ConfigError, match="port"):
         load_settings(env={"KV_ROUTER_PORT": "tcp://10.96.0.10:8000"})  # what a service link would say
+
+
+# nats-server's lame duck mode when its config sets none: 2 min in all, the first 10 s a grace period.
+NATS_LAME_DUCK_DEFAULTS = {"lame_duck_duration": 120.0, "lame_duck_grace_period": 10.0}
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "": 1.0}
+
+
+def nats_setting_secs(config: str, name: str) -> float:
+    """A duration of a nats-server config file ("30s", "2m"; a bare number is seconds), in seconds."""
+    found = re.search(rf'^\s*{name}\s*[:=]?\s*"?(\d+(?:\.\d+)?)(ms|s|m|h|)"?\s*$', config, re.MULTILINE)
+    if found is None:
+        return NATS_LAME_DUCK_DEFAULTS[name]
+    return float(found[1]) * _DURATION_UNITS[found[2]]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_nats_lame_duck_mode_ends_before_the_kubelet_kills_the_server(overlay: str) -> None:
+    """The NATS pod's preStop hook puts nats-server in lame duck mode: it takes no new client, then
+    closes its clients one at a time (so that they reconnect elsewhere spread out, not all at once) for
+    up to ``lame_duck_duration`` (2 min by default: about one client a second), ignoring the SIGTERM
+    that follows. All of it must fit in the pod's grace period, or a server with many clients (a GPU
+    fleet's engines) is SIGKILLed with the rest of them still connected."""
+    documents = rendered(overlay)
+    nats = next(by_kind(documents, "StatefulSet"))
+    pod = nats["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert any(word.startswith("ldm=") for word in container["lifecycle"]["preStop"]["exec"]["command"])
+    config = next(c for c in by_kind(documents, "ConfigMap") if c["metadata"]["name"].startswith("nats-"))
+    text = config["data"]["nats.conf"]
+    duration = nats_setting_secs(text, "lame_duck_duration")
+    assert nats_setting_secs(text, "lame_duck_grace_period") < duration
+    # With time to spare for the server's own shutdown after it.
+    assert duration + 10 <= pod["terminationGracePeriodSeconds"], (duration, pod["terminationGracePeriodSeconds"])
 
 
 @needs_kubectl
