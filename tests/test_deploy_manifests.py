@@ -333,6 +333,30 @@ def test_nats_lame_duck_mode_ends_before_the_kubelet_kills_the_server(overlay: s
     assert duration + 10 <= pod["terminationGracePeriodSeconds"], (duration, pod["terminationGracePeriodSeconds"])
 
 
+_BINARY_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def binary_bytes(quantity: str) -> int:
+    """A memory size as Kubernetes ("1Gi") or Go's GOMEMLIMIT ("900MiB") writes it, in bytes."""
+    found = re.fullmatch(r"(\d+)(Ki|Mi|Gi|KiB|MiB|GiB)?", quantity)
+    assert found is not None, quantity
+    return int(found[1]) * _BINARY_UNITS.get(found[2] or "", 1)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
+def test_nats_collects_its_heap_before_the_kubelet_kills_it(overlay: str) -> None:
+    """nats-server is a Go program: with a memory limit on its container and no GOMEMLIMIT, its heap
+    grows to twice what is live before the runtime collects, past the limit under load (an OOM kill
+    of the event plane). Its soft limit is set, below the container's."""
+    nats = next(by_kind(rendered(overlay), "StatefulSet"))
+    [container] = nats["spec"]["template"]["spec"]["containers"]
+    env = {variable["name"]: variable.get("value") for variable in container["env"]}
+    limit = binary_bytes(container["resources"]["limits"]["memory"])
+    assert "GOMEMLIMIT" in env, env
+    assert binary_bytes(env["GOMEMLIMIT"]) < limit
+
+
 @needs_kubectl
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
 def test_nats_servers_prefer_nodes_of_their_own(overlay: str) -> None:
