@@ -196,6 +196,17 @@ async def test_a_silent_replica_loses_its_bookings_after_its_lease(nats_server: 
         assert sum(load.active_requests for load in a.router.potential_loads(PROMPTS[0])) == 1
 
 
+async def test_a_replica_is_heard_of_as_it_starts_and_marks_of_its_bookings_are_passed_on_at_once(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A replica beats as it starts, not a heartbeat later: until a replica has heard of a peer, a mark
+    for an id it does not hold is the client's 404 (as on a lone router), and a booking the new replica
+    made, freed on the old one before its batch arrived, leaked for 300 s."""
+    async with replica(nats_server.url, heartbeat_s=60) as old, replica(nats_server.url, heartbeat_s=60) as new:
+        await eventually(lambda: old.sync.peers == [new.sync.replica_id], 10, "the old replica hears of it")
+        assert old.router.pass_mark_to_replicas("booked-on-new", free=True)
+
+
 async def test_a_replica_that_stops_cleanly_takes_its_bookings_at_once(nats_server: EmbeddedNats) -> None:
     async with replica(nats_server.url) as a:
         async with replica(nats_server.url) as b:

@@ -192,6 +192,9 @@ class ReplicaSync:
             await nc.subscribe(self.subjects.router_sync_state(self.replica_id), cb=self._on_state_request),
         ]
         self.router.booking_listener = self
+        # Heard at once, not a heartbeat later: a peer that has heard of no other answers a mark for an id
+        # it does not hold 404, as a lone router does, and the booking made here would then leak.
+        await self._beat()
         # Bookings made before the listener was attached (HTTP serves while the plane starts; a durable
         # replay can take minutes) go out as if made now: else a free told to a peer would be a 404.
         for request_id, booking in self.router.bookings():
@@ -387,12 +390,15 @@ class ReplicaSync:
             return False
         return True
 
+    async def _beat(self) -> None:
+        beat = SyncBeat(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms())
+        with contextlib.suppress(Exception):  # a disconnected client buffers or drops; keep beating
+            await self.nc.publish(self.subjects.router_sync, _encode(beat))
+
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            beat = SyncBeat(replica_id=self.replica_id, seq=self._seq, sent_at_ms=_now_ms())
-            with contextlib.suppress(Exception):  # a disconnected client buffers or drops; keep beating
-                await self.nc.publish(self.subjects.router_sync, _encode(beat))
+            await self._beat()
             self._expire_peers()
             self._prune()
             if self._waiting:
