@@ -520,32 +520,42 @@ static int histogram_init(Histogram *self, PyObject *args, PyObject *kwargs) {
     PyObject *seq = PySequence_Fast(given, "Histogram(bounds): bounds must be a sequence of numbers");
     if (seq == NULL)
         return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject *bounds = PyTuple_New(n);
+    /* `tuple(float(bound) for bound in bounds)`, as the twin: a bound's `__float__` may change a list
+     * of bounds, so its length is read again at each step and the item held while converted. */
+    PyObject *floats = PyList_New(0);
+    if (floats == NULL) {
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *value = PyNumber_Float(item);
+        Py_DECREF(item);
+        if (value == NULL || PyList_Append(floats, value) < 0) {
+            Py_XDECREF(value);
+            Py_DECREF(floats);
+            Py_DECREF(seq);
+            return -1;
+        }
+        Py_DECREF(value);
+    }
+    Py_DECREF(seq);
+    PyObject *bounds = PyList_AsTuple(floats);
+    Py_DECREF(floats);
+    if (bounds == NULL)
+        return -1;
+    Py_ssize_t n = PyTuple_GET_SIZE(bounds);
     double *limits = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(double));
     unsigned long long *counts = PyMem_Calloc((size_t)n + 1, sizeof(unsigned long long));
-    if (bounds == NULL || limits == NULL || counts == NULL) {
-        Py_DECREF(seq);
-        Py_XDECREF(bounds);
+    if (limits == NULL || counts == NULL) {
+        Py_DECREF(bounds);
         PyMem_Free(limits);
         PyMem_Free(counts);
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        double limit = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
-        PyObject *value = limit == -1.0 && PyErr_Occurred() ? NULL : PyFloat_FromDouble(limit);
-        if (value == NULL) {
-            Py_DECREF(seq);
-            Py_DECREF(bounds);
-            PyMem_Free(limits);
-            PyMem_Free(counts);
-            return -1;
-        }
-        limits[i] = limit;
-        PyTuple_SET_ITEM(bounds, i, value);
-    }
-    Py_DECREF(seq);
+    for (Py_ssize_t i = 0; i < n; i++)
+        limits[i] = PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(bounds, i));
     Py_XSETREF(self->bounds, bounds);
     PyMem_Free(self->limits);
     PyMem_Free(self->counts);
@@ -562,14 +572,19 @@ static PyObject *histogram_observe(Histogram *self, PyObject *arg) {
         return NULL;
     }
     double value;
-    int exact = 0; /* compare as Python does: an int beyond 2^53 is not its float */
+    int exact = 0, too_large = 0; /* compare as Python does: an int beyond 2^53 is not its float */
     if (PyFloat_CheckExact(arg)) {
         value = PyFloat_AS_DOUBLE(arg);
     } else if (PyLong_CheckExact(arg)) {
         value = PyLong_AsDouble(arg);
-        if (value == -1.0 && PyErr_Occurred())
-            return NULL;
-        exact = fabs(value) >= 9007199254740992.0;
+        if (value == -1.0 && PyErr_Occurred()) {
+            /* Beyond any float: counted, then refused by the sum, as the twin counts it before `total +=` raises. */
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                return NULL;
+            PyErr_Clear();
+            too_large = 1;
+        }
+        exact = too_large || fabs(value) >= 9007199254740992.0;
     } else {
         PyErr_SetString(PyExc_TypeError, "Histogram.observe(value): value must be a float or an int");
         return NULL;
@@ -587,6 +602,10 @@ static PyObject *histogram_observe(Histogram *self, PyObject *arg) {
             high = mid;
     }
     self->counts[low]++;
+    if (too_large) {
+        PyLong_AsDouble(arg); /* the twin's error: "int too large to convert to float" */
+        return NULL;
+    }
     self->total += value;
     Py_RETURN_NONE;
 }

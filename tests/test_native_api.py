@@ -296,7 +296,7 @@ def test_a_histogram_series_counts_and_sums_as_the_python_one(bounds: tuple[floa
     for value in values:
         try:
             python.observe(value)
-        except OverflowError:  # an int too large for a float: refused alike, nothing counted
+        except OverflowError:  # an int too large for a float: counted, then refused by the sum, alike
             with pytest.raises(OverflowError):
                 ours.observe(value)
             continue
@@ -306,6 +306,37 @@ def test_a_histogram_series_counts_and_sums_as_the_python_one(bounds: tuple[floa
     assert struct.pack("<d", ours.total) == struct.pack("<d", python.total) or (ours.total != ours.total) == (
         python.total != python.total
     )
+
+
+def test_a_histogram_series_counts_an_int_beyond_any_float_before_refusing_it_as_the_python_one() -> None:
+    ours, python = native.Histogram(RATIO_BUCKETS), _Histogram(RATIO_BUCKETS)
+    for series in (ours, python):
+        with pytest.raises(OverflowError, match="int too large to convert to float"):
+            series.observe(10**400)
+        with pytest.raises(OverflowError):
+            series.observe(-(10**400))
+        series.observe(0.5)
+    assert ours.counts == python.counts and ours.counts[-1] == 1 and ours.counts[0] == 1
+    assert ours.total == python.total == 0.5
+
+
+def test_histogram_bounds_are_read_as_the_python_one_reads_them_even_as_they_change() -> None:
+    """A bound's `__float__` that empties the list of bounds (which the C code read past: a crash) ends
+    the bounds there, as the twin's generator ends; a string bound is `float()`ed as there."""
+
+    def bounds_emptied_by_their_first() -> list[Any]:
+        class Emptying:
+            def __float__(self) -> float:
+                bounds.clear()
+                return 1.0
+
+        bounds: list[Any] = [Emptying(), 2.0, *map(float, range(3, 200))]
+        return bounds
+
+    python = _Histogram(bounds_emptied_by_their_first())
+    assert native.Histogram(bounds_emptied_by_their_first()).bounds == python.bounds == (1.0,)
+    assert native.Histogram(bounds_emptied_by_their_first()).counts == [0, 0]
+    assert native.Histogram(["0.5", 1, True]).bounds == _Histogram(["0.5", 1, True]).bounds == (0.5, 1.0, 1.0)
 
 
 def test_a_build_of_another_interface_is_not_called(caplog: pytest.LogCaptureFixture) -> None:
