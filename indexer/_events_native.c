@@ -925,7 +925,7 @@ static int chain_conflict_u64(PyObject *parent, PyObject *hashes, Py_ssize_t n) 
             verdict = -1;
     }
     for (Py_ssize_t i = 0; i < n && verdict == 0; i++) {
-        PyObject *item = PyList_GET_ITEM(hashes, i);
+        PyObject *item = PySequence_Fast_GET_ITEM(hashes, i);
         uint64_t value = PyLong_CheckExact(item) ? PyLong_AsUnsignedLongLong(item) : (uint64_t)-1;
         if (value == (uint64_t)-1 && (!PyLong_CheckExact(item) || PyErr_Occurred()))
             verdict = -1;
@@ -961,7 +961,7 @@ static int record_chain(PyObject *held, PyObject *parent, PyObject *hashes, PyOb
 
 /* `hold_chain` on its checked arguments: the code it returns, or -1 with an exception set. */
 static int hold(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *locals, int device) {
-    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     if (parent != Py_None && device) {
         int found = PyDict_Contains(held, parent);
         if (found <= 0)
@@ -986,8 +986,8 @@ static int hold(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *lo
     }
     if (conflict == 2)
         return 2;
-    if (PyList_GET_SIZE(locals) != n) {
-        PyErr_Format(PyExc_ValueError, "%zd block hashes but %zd tokens hashes", n, PyList_GET_SIZE(locals));
+    if (PySequence_Fast_GET_SIZE(locals) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd block hashes but %zd tokens hashes", n, PySequence_Fast_GET_SIZE(locals));
         return -1;
     }
     if (conflict == 3)
@@ -999,11 +999,11 @@ static int hold(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *lo
  * block already held (another copy: vLLM does not share physical blocks), the chain left unrecorded
  * for Python to count the copy. One dict operation per block, the test included. */
 static int record_chain(PyObject *held, PyObject *parent, PyObject *hashes, PyObject *locals) {
-    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     PyObject *previous = parent;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *block = PyList_GET_ITEM(hashes, i);
-        PyObject *entry = PyTuple_Pack(2, previous, PyList_GET_ITEM(locals, i));
+        PyObject *block = PySequence_Fast_GET_ITEM(hashes, i);
+        PyObject *entry = PyTuple_Pack(2, previous, PySequence_Fast_GET_ITEM(locals, i));
         if (entry == NULL)
             return -1;
         /* Two ints (or None and an int) can hold no cycle: untracked now, as the collector would
@@ -1016,7 +1016,7 @@ static int record_chain(PyObject *held, PyObject *parent, PyObject *hashes, PyOb
             return -1;
         if (kept != entry) { /* held already: the blocks before it were new, and are taken back */
             for (Py_ssize_t j = 0; j < i; j++)
-                if (PyDict_DelItem(held, PyList_GET_ITEM(hashes, j)) < 0)
+                if (PyDict_DelItem(held, PySequence_Fast_GET_ITEM(hashes, j)) < 0)
                     return -1;
             return 4;
         }
@@ -1033,14 +1033,26 @@ static PyObject *py_hold_chain(PyObject *self, PyObject *const *args, Py_ssize_t
     int device = PyObject_IsTrue(args[4]);
     if (device < 0)
         return NULL;
-    int code = hold(args[0], args[1], args[2], args[3], device);
+    /* The checks and the dict calls may run a key's `__eq__` or `__hash__`, which may change the lists:
+     * they are read from a copy taken now, which also keeps each block alive while it is the next one's
+     * parent. */
+    PyObject *hashes = PyList_AsTuple(args[2]), *locals = PyList_AsTuple(args[3]);
+    int code = hashes == NULL || locals == NULL ? -1 : hold(args[0], args[1], hashes, locals, device);
+    Py_XDECREF(hashes);
+    Py_XDECREF(locals);
     return code < 0 ? NULL : PyLong_FromLong(code);
 }
 
-/* `drop_blocks` on a list: hashes not held are ignored. */
-static int drop(PyObject *held, PyObject *const *items, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (PyDict_DelItem(held, items[i]) < 0) {
+/* `drop_blocks` on a list or tuple: hashes not held are ignored. A key's `__eq__` (or a value's
+ * finaliser) may change the list: as the twin's `map(held.pop, hashes, repeat(None, n))`, the first
+ * `n` hashes at most, its length read again at each step, each held while it is popped. */
+static int drop(PyObject *held, PyObject *hashes) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    for (Py_ssize_t i = 0; i < n && i < PySequence_Fast_GET_SIZE(hashes); i++) {
+        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(hashes, i));
+        int failed = PyDict_DelItem(held, item) < 0;
+        Py_DECREF(item);
+        if (failed) {
             if (!PyErr_ExceptionMatches(PyExc_KeyError))
                 return -1;
             PyErr_Clear();
@@ -1058,7 +1070,7 @@ static PyObject *py_drop_blocks(PyObject *self, PyObject *const *args, Py_ssize_
     PyObject *hashes = PySequence_Fast(args[1], "block_hashes must be a sequence");
     if (hashes == NULL)
         return NULL;
-    int failed = drop(args[0], PySequence_Fast_ITEMS(hashes), PySequence_Fast_GET_SIZE(hashes));
+    int failed = drop(args[0], hashes);
     Py_DECREF(hashes);
     if (failed < 0)
         return NULL;
@@ -1296,7 +1308,7 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
             encoded = encode_stored(templates[applied], args[8], last + 1, d);
         } else {
             if (held != NULL && PyDict_GET_SIZE(held) > 0 &&
-                drop(held, &PyList_GET_ITEM(d->hashes, 0), PyList_GET_SIZE(d->hashes)) < 0)
+                drop(held, d->hashes) < 0)
                 goto done;
             encoded = encode_removed(templates[applied], last + 1, d);
         }

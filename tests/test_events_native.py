@@ -11,10 +11,13 @@ token ids short, long, wide or absent, media, LoRA names, salts, groups, unknown
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
+from collections import deque
+from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import pytest
@@ -349,6 +352,64 @@ def test_hold_chain_refuses_mismatched_columns_as_python_does() -> None:
         held_blocks.HeldBlocks(1).store(0, StorageTier.DEVICE, None, [1, 2], [3])
     stored = decode_engine_batch(encode([1.5, [_plain_stored([9])], 0]), BLOCK).events[0]
     assert isinstance(stored, EngineStored) and stored.tier is StorageTier.DEVICE
+
+
+class _Key:
+    """A block hash of a chosen hash, equal only to itself."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return self.value
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+class _Emptying(_Key):
+    """A held key whose comparison (on a hash collision) empties the lists of the call under way."""
+
+    lists: ClassVar[list[list[Any]]] = []
+
+    __hash__ = _Key.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        for emptied in self.lists:
+            emptied.clear()
+        gc.collect()
+        return False
+
+
+def test_drop_blocks_reads_hashes_that_a_key_empties_as_python_pops_them() -> None:
+    """The C loop read the list's items after a key's `__eq__` freed them (a crash, or pops of freed
+    objects); now it stops where the list ends, as Python's `map(held.pop, ...)` does."""
+
+    def case() -> tuple[dict[Any, Any], list[Any]]:
+        hashes = [_Key(1000 + i) for i in range(40)]
+        trap = _Emptying(1005)
+        _Emptying.lists = [hashes]
+        held: dict[Any, Any] = {trap: (None, 0), **{key: (None, 1) for key in hashes[:3]}, hashes[20]: (None, 2)}
+        return held, hashes
+
+    held, hashes = case()
+    events_native.drop_blocks(held, hashes)
+    python_held, python_hashes = case()
+    deque(map(python_held.pop, python_hashes, repeat(None, len(python_hashes))), maxlen=0)
+    assert len(held) == len(python_held) == 2 and hashes == python_hashes == []
+
+
+def test_hold_chain_keeps_the_chain_it_was_given_when_a_key_empties_its_lists() -> None:
+    """A held key's `__eq__` emptying the lists while the chain is recorded: the C code read past the
+    emptied lists (a crash); it now records the chain as it was given."""
+    hashes = [_Key(1000 + i) for i in range(40)]
+    tokens = list(range(40))
+    given = list(hashes)
+    held: dict[Any, Any] = {_Emptying(1005): (None, 0)}
+    _Emptying.lists = [hashes, tokens]
+    assert events_native.hold_chain(held, None, hashes, tokens, False) == 0
+    assert hashes == tokens == []
+    assert [held[key] for key in given] == [(None if i == 0 else given[i - 1], i) for i in range(40)]
 
 
 def _capture(shared_dir: Path, name: str) -> bytes:
