@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,6 +126,60 @@ def test_long_texts_encode_their_new_pieces_on_a_thread_exactly(
         assert encoder.cache is not None
         if count > 1:  # the system prompt and the earlier turns were found; only the new turn's text encoded
             assert encoder.cache.misses - misses == 1
+
+
+def test_a_text_of_many_pieces_holds_the_event_loop_briefly_and_encodes_exactly(
+    tokenizers: dict[str, Tokenizer], loop: asyncio.AbstractEventLoop
+) -> None:
+    """A client's text of 30,000 distinct pieces between added tokens (300 kB, well under the body limit):
+    its pieces were looked up in a list, quadratic, seconds of the event loop held; now a few tens of ms."""
+    tokenizer = tokenizers["chatml-tools"]
+    encoder = Encoder(tokenizer, cache_tokens=1 << 20)
+    many = "".join(f"piece {n}<|im_end|>" for n in range(30_000))
+    other = "<|im_start|>user\n" + "a few words " * 100  # another request's, queued for the thread beside it
+
+    async def longest_hold() -> tuple[float, list[bytes]]:
+        held, ticking = 0.0, True
+
+        async def tick() -> None:
+            nonlocal held
+            last = time.perf_counter()
+            while ticking:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                held, last = max(held, now - last), now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.01)
+        encoded = await asyncio.gather(
+            encoder.encode(many, add_special_tokens=False), encoder.encode(other, add_special_tokens=True)
+        )
+        ticking = False
+        await ticker
+        return held, encoded
+
+    held, (ids, other_ids) = loop.run_until_complete(longest_hold())
+    assert unpack_tokens(ids) == tokenizer.encode(many, add_special_tokens=False).ids
+    assert unpack_tokens(other_ids) == tokenizer.encode(other, add_special_tokens=True).ids
+    assert held < 1.0
+
+
+def test_long_texts_queued_together_get_their_own_ids(
+    tokenizers: dict[str, Tokenizer], loop: asyncio.AbstractEventLoop
+) -> None:
+    """Without a cache, long texts queued meanwhile go to the thread in one batch per special-tokens
+    choice; each request gets its own text's ids."""
+    tokenizer = tokenizers["llama3-like"]
+    encoder = Encoder(tokenizer)
+    requests = [(f"text {n} <|eot_id|> " * 200, n % 2 == 0) for n in range(5)]
+
+    async def all_at_once() -> list[bytes]:
+        return await asyncio.gather(*(encoder.encode(text, add_special_tokens=special) for text, special in requests))
+
+    encoded = loop.run_until_complete(all_at_once())
+    assert [unpack_tokens(ids) for ids in encoded] == [
+        tokenizer.encode(text, add_special_tokens=special).ids for text, special in requests
+    ]
 
 
 def unsafe_cases() -> dict[str, tuple[Tokenizer, str, str, list[str | int] | None]]:

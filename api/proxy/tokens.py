@@ -96,6 +96,10 @@ class TemplateRefused(ValueError):
     """The chat template refused the conversation (``raise_exception``), as the engine would."""
 
 
+# Texts waiting for the thread: their special-tokens choice, and the future of their ids.
+_Queued = tuple[list[str], bool, "asyncio.Future[list[list[int]]]"]
+
+
 class Encoder:
     """A model's tokenizer; long texts are encoded on a thread, those queued meanwhile together
     (``encode_batch_fast`` lets go of the GIL and spreads a batch over the cores). With a cache (`segments`),
@@ -105,7 +109,7 @@ class Encoder:
 
     def __init__(self, tokenizer: Tokenizer, cache_tokens: int = 0, where: str = "every model") -> None:
         self.tokenizer = tokenizer
-        self._queued: list[tuple[str, bool, asyncio.Future[list[int]]]] = []
+        self._queued: list[_Queued] = []
         self._busy = False
         self.cache: SegmentCache | None = None
         self._plan: SegmentPlan | None = None
@@ -123,19 +127,21 @@ class Encoder:
             return _packed(await self._encode_whole(text, add_special_tokens))
         pieces = self._plan.split(text)
         cached: dict[str, bytes] = {}  # looked up now: the cache may drop them while new pieces encode
-        missing: list[str] = []
+        # A dict, not a list: a text may hold ~10^5 pieces, and a list's membership test made this loop
+        # quadratic, seconds on the event loop for a client's text of many added tokens.
+        missing: dict[str, None] = {}
         for piece in pieces:
             if isinstance(piece, str) and piece not in cached and piece not in missing:
                 found = self.cache.get(piece)
                 if found is None:
-                    missing.append(piece)
+                    missing[piece] = None
                 else:
                     cached[piece] = found
         if missing:
             if sum(map(len, missing)) <= _INLINE_CHARS:
-                lists = self._ids(missing, False)
+                lists = self._ids(list(missing), False)
             else:
-                lists = await asyncio.gather(*(self._encode_whole(piece, False, inline=False) for piece in missing))
+                lists = await self._on_thread(list(missing), False)
             for piece, ids in zip(missing, lists, strict=True):
                 cached[piece] = packed = _packed(ids)
                 self.cache.put(piece, packed)
@@ -146,12 +152,17 @@ class Encoder:
             parts.append(self._after)
         return b"".join(parts)
 
-    async def _encode_whole(self, text: str, add_special_tokens: bool, inline: bool = True) -> list[int]:
-        if inline and len(text) <= _INLINE_CHARS:
+    async def _encode_whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) <= _INLINE_CHARS:
             return self._ids([text], add_special_tokens)[0]
+        return (await self._on_thread([text], add_special_tokens))[0]
+
+    async def _on_thread(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """The texts' ids, encoded on the thread with whatever else is queued (one future for them all:
+        a future each cost more on the loop than the encoding of a short piece)."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[int]] = loop.create_future()
-        self._queued.append((text, add_special_tokens, future))
+        future: asyncio.Future[list[list[int]]] = loop.create_future()
+        self._queued.append((texts, add_special_tokens, future))
         if not self._busy:
             self._next_batch(loop)
         return await future
@@ -170,26 +181,26 @@ class Encoder:
         if queued:
             loop.run_in_executor(None, self._encode_batch, loop, queued)
 
-    def _encode_batch(
-        self, loop: asyncio.AbstractEventLoop, queued: list[tuple[str, bool, asyncio.Future[list[int]]]]
-    ) -> None:
+    def _encode_batch(self, loop: asyncio.AbstractEventLoop, queued: list[_Queued]) -> None:
         """On the thread."""
-        results: list[list[int] | BaseException] = []
+        results: list[tuple[asyncio.Future[list[list[int]]], list[list[int]] | BaseException]] = []
         for special in (True, False):
-            texts = [text for text, add, _ in queued if add is special]
-            if texts:
-                try:
-                    results.extend(self._ids(texts, special))
-                except Exception as exc:
-                    results.extend(exc for _ in texts)
-        ordered = [future for special in (True, False) for _, add, future in queued if add is special]
-        loop.call_soon_threadsafe(self._done, loop, ordered, results)
+            group = [(texts, future) for texts, add, future in queued if add is special]
+            if not group:
+                continue
+            try:
+                ids = iter(self._ids([text for texts, _ in group for text in texts], special))
+            except Exception as exc:
+                results.extend((future, exc) for _, future in group)
+            else:  # each request's share of the batch, in order
+                results.extend((future, [next(ids) for _ in texts]) for texts, future in group)
+        loop.call_soon_threadsafe(self._done, loop, results)
 
     def _done(
-        self, loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future[list[int]]],
-        results: list[list[int] | BaseException],
+        self, loop: asyncio.AbstractEventLoop,
+        results: list[tuple[asyncio.Future[list[list[int]]], list[list[int]] | BaseException]],
     ) -> None:  # fmt: skip
-        for future, result in zip(futures, results, strict=True):
+        for future, result in results:
             if future.done():  # its request is gone
                 continue
             if isinstance(result, BaseException):
