@@ -10,7 +10,9 @@ A client that disconnects mid-stream aborts its request in the engine, as vLLM d
 completion's batch ``prompt`` (texts or token id lists) and ``n`` give one choice each, indexed prompt
 by prompt (``prompt index * n + sample``), each its own engine request (so its own KV events); the
 usage counts each prompt once. ``max_tokens`` and ``n`` below 1 are refused (400), as vLLM's
-`SamplingParams` refuses them (vLLM takes ``max_tokens: 0`` only with ``echo``, which the mock has not).
+`SamplingParams` refuses them (vLLM takes ``max_tokens: 0`` only with ``echo``, which the mock has not),
+and a chat asking both ``continue_final_message`` and ``add_generation_prompt`` (its default) is refused
+(400) on ``/tokenize`` and ``/v1/chat/completions`` alike, as vLLM's request validation refuses it.
 
 Disaggregated roles (`mocker.handoff`): a prefill leg (vLLM's ``kv_transfer_params``
 ``do_remote_decode``, or a prefill-role worker given a ``bootstrap_room``) computes the prompt and one
@@ -67,6 +69,8 @@ class _Body(msgspec.Struct):
     model: str | None = None
     prompt: str | list[str | int | list[int]] | None = None
     messages: list[_Message] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     stream: bool = False
     stream_options: _StreamOptions | None = None
     n: int | None = None
@@ -138,6 +142,8 @@ def responses_messages(instructions: str | None, given: str | list[Any]) -> list
 
 def _prompt_ids(body: _Body) -> list[int]:
     if body.messages is not None:
+        if body.continue_final_message and body.add_generation_prompt:  # vLLM's message
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         return text_tokens(render_chat(body.messages))
     if body.query is not None:
         return text_tokens(body.query + "\n" + "\n".join(body.documents or []))
@@ -214,7 +220,7 @@ class MockOpenAI:
         self.transfer = transfer or KvTransfer()
         self.rooms = Rooms()
         self.aborted = 0  # requests whose client left before their end
-        self.tokenized = 0  # /tokenize calls answered
+        self.tokenized = 0  # /tokenize calls answered (refusals too)
         self.generated = 0  # completions, chat completions and responses received
         self.pooled = 0  # embeddings and rerank requests answered
         self.last_headers: dict[bytes, bytes] = {}  # of the last POST
@@ -242,6 +248,7 @@ class MockOpenAI:
         elif method == "POST" and path in _POSTS:
             self.last_headers = dict(scope["headers"])
             body = await _read(receive)
+            self.tokenized += path == "/tokenize"
             try:
                 request = _decode_body(body)
                 if path == "/v1/responses":
@@ -255,7 +262,6 @@ class MockOpenAI:
                 await _reply(send, 400, _error(400, str(exc)))
                 return
             if path == "/tokenize":
-                self.tokenized += 1
                 await _reply(send, 200, _encode({"tokens": tokens, "count": len(tokens)}))
             elif path in ("/v1/embeddings", "/v1/rerank"):
                 self.pooled += 1

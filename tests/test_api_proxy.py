@@ -355,6 +355,25 @@ async def test_without_local_files_text_and_chat_are_tokenized_by_a_worker(nats_
         assert idle(f.router)
 
 
+async def test_a_chat_the_engines_tokenize_refuses_is_its_400_at_once(nats_server: EmbeddedNats) -> None:
+    """Without local files, a chat the engine's ``/tokenize`` refuses (vLLM: its template's
+    ``raise_exception``, its request validation) is the client's 400 with the engine's reason, as the
+    engine's own chat endpoint would answer; not a 503 after asking every worker (each would refuse it)."""
+    async with fleet(nats_server.url) as f:
+        messages: Any = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+        with pytest.raises(openai.BadRequestError) as refused:
+            await f.client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=1, extra_body={"continue_final_message": True}
+            )
+        error: Any = refused.value.body
+        assert error["type"] == "invalid_request_error"
+        assert "Cannot set both `continue_final_message` and `add_generation_prompt`" in error["message"]
+        assert sum(api.tokenized for api in f.apis.values()) == 1
+        assert all(worker.engine.stats.prompt_tokens == 0 for worker in f.workers.values()) and idle(f.router)
+        text = await scrape(f.url)
+        assert sample(text, "kv_router_proxy_requests_total", route="chat_completions", outcome="bad_request") == 1
+
+
 async def test_a_client_leaving_while_queued_leaves_the_queue_and_books_nothing(nats_server: EmbeddedNats) -> None:
     router = {"router_queue_threshold": 0.0, "router_queue_request_limit_per_worker": 4}
     async with fleet(nats_server.url, (1,), router=router) as f:

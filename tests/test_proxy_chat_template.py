@@ -20,7 +20,7 @@ import pytest
 
 from api.config import ProxyConfig
 from api.proxy.chat_template import NotLocal
-from api.proxy.tokens import ModelFiles, PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
+from api.proxy.tokens import ModelFiles, PromptRefused, PromptTokenizer, TokenizeFailed, load_model_files
 from api.proxy.upstream import Upstream
 from api.proxy.wire import ChatBody
 from indexer.hashing import unpack_tokens
@@ -57,7 +57,7 @@ async def test_local_tokens_equal_vllms(case: str, model_dirs: dict[str, Path]) 
             special = body.get("add_special_tokens", True)
             assert unpack_tokens(await tokenizer.text(body["model"], body["prompt"], [], special)) == expected["tokens"]
         elif "error" in expected:
-            with pytest.raises(TemplateRefused, match="Conversation roles must alternate"):
+            with pytest.raises(PromptRefused, match="Conversation roles must alternate"):
                 await tokenizer.chat(msgspec.convert(body, ChatBody), [])
         else:
             assert unpack_tokens(await tokenizer.chat(msgspec.convert(body, ChatBody), [])) == expected["tokens"]

@@ -66,7 +66,7 @@ from api.proxy.instance_query import instance_reply
 from api.proxy.metrics import ProxyMetrics
 from api.proxy.prompt_bytes import chat_bytes, text_bytes
 from api.proxy.retry import OVERLOADED, Refused, RetryPolicy, WorkerFailed, overloaded_answer, unanswered
-from api.proxy.tokens import PromptTokenizer, TemplateRefused, TokenizeFailed, load_model_files
+from api.proxy.tokens import PromptRefused, PromptTokenizer, TokenizeFailed, load_model_files
 from api.proxy.tracing import ProxyTracing, Timeline
 from api.proxy.upstream import Streaming, Upstream, UpstreamConnection, UpstreamError
 from api.proxy.wire import (
@@ -405,7 +405,7 @@ class Proxy:
                     packed = await self.tokenizer.text(model, prompt, tokenizing, request.add_special_tokens)
         except TokenizeFailed as exc:
             raise Refused.error(503, "service_unavailable", str(exc), "tokenize_failed") from None
-        except TemplateRefused as exc:
+        except PromptRefused as exc:
             raise Refused.error(400, "invalid_request_error", str(exc), "bad_request") from None
         if not packed:
             raise Refused.error(400, "invalid_request_error", "the prompt has no tokens", "bad_request")

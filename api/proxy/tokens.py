@@ -39,7 +39,7 @@ from indexer.hashing import pack_tokens
 from router.errors import ConfigError
 from router.types import WorkerConfig
 
-__all__ = ["Encoder", "ModelFiles", "PromptTokenizer", "TemplateRefused", "TokenizeFailed", "load_model_files"]
+__all__ = ["Encoder", "ModelFiles", "PromptRefused", "PromptTokenizer", "TokenizeFailed", "load_model_files"]
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,9 @@ class TokenizeFailed(Exception):
     """No worker could tokenize the prompt."""
 
 
-class TemplateRefused(ValueError):
-    """The chat template refused the conversation (``raise_exception``), as the engine would."""
+class PromptRefused(ValueError):
+    """The prompt refused as the engine refuses it: by the chat template here (``raise_exception``), or
+    by a worker's ``/tokenize`` (a 400: every worker would refuse it, and so would the engine's route)."""
 
 
 # Texts waiting for the thread: their special-tokens choice, and the future of their ids.
@@ -561,8 +562,8 @@ class PromptTokenizer:
         return await files[0].encode(text, add_special_tokens=add_special_tokens)
 
     async def chat(self, request: ChatBody, workers: Sequence[WorkerConfig]) -> bytes:
-        """The rendered conversation's ids, packed; raises `TemplateRefused` when the model's template
-        refuses the conversation."""
+        """The rendered conversation's ids, packed; raises `PromptRefused` when the model's template (or
+        the engine's) refuses the conversation."""
         files = self._files(request.model)
         if files is not None and files[1] is not None:
             try:
@@ -570,7 +571,7 @@ class PromptTokenizer:
             except NotLocal:
                 pass
             except jinja2.TemplateError as exc:
-                raise TemplateRefused(f"the chat template refused the messages: {exc.message}") from None
+                raise PromptRefused(f"the chat template refused the messages: {exc.message}") from None
             else:
                 self._counted("local")
                 return await files[0].encode(text, add_special_tokens=request.add_special_tokens)
@@ -590,6 +591,8 @@ class PromptTokenizer:
                 status, content = await within(REMOTE_TOKENIZE_TIMEOUT_S, exchange)
                 if status == 200:
                     return _packed(_decode_tokens(content).tokens)
+                if status == 400:  # vLLM's answer to a request it refuses (its template's exception, a bad field)
+                    raise PromptRefused(f"worker {worker.worker_id} refused the prompt: {_error_message(content)}")
                 problems.append(f"worker {worker.worker_id}: HTTP {status}")
             except UpstreamError as exc:
                 problems.append(f"worker {worker.worker_id}: {exc}")
@@ -598,3 +601,29 @@ class PromptTokenizer:
             except UNDECODABLE as exc:
                 problems.append(f"worker {worker.worker_id}: {type(exc).__name__}")
         raise TokenizeFailed("no worker could tokenize the prompt (" + "; ".join(problems or ["none serves it"]) + ")")
+
+
+class _EngineError(msgspec.Struct):
+    message: str
+
+
+class _EngineRefusal(msgspec.Struct):
+    """An engine's error answer: OpenAI's ``{"error": {"message"}}``, or older vLLM's ``{"message"}``."""
+
+    error: _EngineError | None = None
+    message: str | None = None
+
+
+_decode_refusal = msgspec.json.Decoder(_EngineRefusal).decode
+# The most of an engine's refusal that is not JSON said back to the client.
+_RAW_REFUSAL_CHARS = 500
+
+
+def _error_message(content: bytes) -> str:
+    """The message of an engine's error answer (its text, shortened, if it has none)."""
+    try:
+        refusal = _decode_refusal(content)
+    except UNDECODABLE:
+        refusal = _EngineRefusal()
+    message = refusal.error.message if refusal.error is not None else refusal.message
+    return message if message is not None else content[:_RAW_REFUSAL_CHARS].decode("utf-8", "replace")
