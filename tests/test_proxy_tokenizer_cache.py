@@ -164,24 +164,6 @@ def test_a_text_of_many_pieces_holds_the_event_loop_briefly_and_encodes_exactly(
     assert held < 1.0
 
 
-def test_long_texts_queued_together_get_their_own_ids(
-    tokenizers: dict[str, Tokenizer], loop: asyncio.AbstractEventLoop
-) -> None:
-    """Without a cache, long texts queued meanwhile go to the thread in one batch per special-tokens
-    choice; each request gets its own text's ids."""
-    tokenizer = tokenizers["llama3-like"]
-    encoder = Encoder(tokenizer)
-    requests = [(f"text {n} <|eot_id|> " * 200, n % 2 == 0) for n in range(5)]
-
-    async def all_at_once() -> list[bytes]:
-        return await asyncio.gather(*(encoder.encode(text, add_special_tokens=special) for text, special in requests))
-
-    encoded = loop.run_until_complete(all_at_once())
-    assert [unpack_tokens(ids) for ids in encoded] == [
-        tokenizer.encode(text, add_special_tokens=special).ids for text, special in requests
-    ]
-
-
 def unsafe_cases() -> dict[str, tuple[Tokenizer, str, str, list[str | int] | None]]:
     """Tokenizers whose split would not be exact: why, a text, and the naive cut of that text (each
     piece encoded on its own, the added tokens' ids between) that encodes differently from the whole."""
