@@ -73,6 +73,24 @@ async def test_a_directory_or_its_tokenizer_json_or_one_for_every_model(model_di
     assert config.tokenizer_paths() == {"*": model_dirs["chatml-tools"], "other": model_dirs["llama3-like"]}
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"chat_template_kwargs": {"date_string": 5}},  # the template adds it to a text: a TypeError
+        {"chat_template_kwargs": {"date_string": None}},
+    ],
+)
+async def test_a_template_failing_on_the_requests_arguments_refuses_it(
+    model_dirs: dict[str, Path], change: dict[str, Any]
+) -> None:
+    """vLLM answers a template's TypeError or ValueError as it answers its ``raise_exception``: a 400 (was
+    a 500 here)."""
+    given = {"model": "llama3-like", "messages": [{"role": "user", "content": "hi"}], **change}
+    tokenizer = local_only(model_dirs, "llama3-like")
+    with pytest.raises(PromptRefused, match="the chat template refused the messages: can only concatenate str"):
+        await tokenizer.chat(msgspec.convert(given, ChatBody), [])
+
+
 def render(files: ModelFiles, body: dict[str, Any]) -> str:
     assert files.template is not None
     return files.template.render(msgspec.convert(body, ChatBody))

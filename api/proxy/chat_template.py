@@ -117,7 +117,7 @@ class ChatTemplate:
 
     def render(self, request: ChatBody) -> str:
         """The prompt text; raises `NotLocal`, or ``jinja2.TemplateError`` (the template refused the
-        conversation, as the engine would: a 400)."""
+        conversation, or failed on it, as the engine would: a 400)."""
         tools = _tools(request.tools) if request.tools is not None else None
         name = "tool_use" if tools is not None and "tool_use" in self._compiled else "default"
         template = self._compiled.get(name)
@@ -133,16 +133,21 @@ class ChatTemplate:
         messages = [_message(message) for message in request.messages]
         if not self._knows_developer[name] and any(m["role"] == "developer" for m in messages):
             raise NotLocal("a developer message for a template without that role")
-        return template.render(
-            {
-                **self._special_tokens,
-                **extra,
-                "messages": messages,
-                "tools": tools,
-                "documents": None,
-                "add_generation_prompt": request.add_generation_prompt,
-            }
-        )
+        try:
+            return template.render(
+                {
+                    **self._special_tokens,
+                    **extra,
+                    "messages": messages,
+                    "tools": tools,
+                    "documents": None,
+                    "add_generation_prompt": request.add_generation_prompt,
+                }
+            )
+        except (TypeError, ValueError, RuntimeError) as exc:
+            # The template failing on these arguments (a number in chat_template_kwargs added to a text):
+            # vLLM answers these as it answers raise_exception, a 400.
+            raise jinja2.TemplateError(str(exc)) from exc
 
 
 def without_billing_header(message: ChatMessage) -> ChatMessage:
