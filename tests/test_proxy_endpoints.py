@@ -82,3 +82,25 @@ async def test_a_response_is_routed_by_its_rendered_chat_streamed_or_not(nats_se
         async with httpx.AsyncClient(base_url=f.url) as http:
             text = (await http.get("/metrics")).text
         assert sample(text, "kv_router_proxy_requests_total", route="responses", outcome="ok") == 2
+
+
+@pytest.mark.parametrize(
+    ("item", "field"),
+    [
+        ({"role": "user", "content": 5}, "input[1].content"),
+        ({"role": "user", "content": {"text": "hi"}}, "input[1].content"),
+        ({"role": None, "content": "hi"}, "input[1].role"),
+    ],
+)
+async def test_a_response_input_item_of_the_wrong_shape_is_a_400_naming_it(
+    nats_server: EmbeddedNats, item: dict[str, object], field: str
+) -> None:
+    """Refused as the engine refuses it, before anything is tokenized or booked (a number was handed
+    to the chat template as a message's content, a null role routed as the role "None")."""
+    async with fleet(nats_server.url, (1,)) as f, httpx.AsyncClient(base_url=f.url) as http:
+        given = [{"role": "user", "content": "first"}, item]
+        refused = await http.post("/v1/responses", json={"model": MODEL, "input": given})
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request_error" and field in error["message"]
+        assert f.apis[1].tokenized == 0 and f.workers[1].engine.stats.prompt_tokens == 0 and idle(f.router)

@@ -147,17 +147,23 @@ class ResponsesBody(_Body, kw_only=True):
     tools: list[dict[str, Any]] | None = None
 
     def as_chat(self) -> ChatBody:
+        """Raises ``ValueError`` naming a message item's field of the wrong type (the engine refuses it;
+        a struct built here is not checked, and the chat template would get it as it is)."""
         messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         if isinstance(self.input, str):
             messages.append(ChatMessage(role="user", content=self.input))
         else:
-            for item in self.input:
+            for index, item in enumerate(self.input):
                 if item.get("type", "message") != "message":
                     continue  # tool calls and their outputs: not part of the rendered prefix here
-                content = item.get("content")
+                role, content = item.get("role", "user"), item.get("content")
+                if not isinstance(role, str):
+                    raise ValueError(f"input[{index}].role must be a string")
                 if isinstance(content, list):
                     content = "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
-                messages.append(ChatMessage(role=str(item.get("role", "user")), content=content))
+                elif content is not None and not isinstance(content, str):
+                    raise ValueError(f"input[{index}].content must be a string or a list of content parts")
+                messages.append(ChatMessage(role=role, content=content))
         # The Responses API's function tools are flat; a chat template reads Chat Completions' shape.
         tools = [
             {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
