@@ -639,9 +639,18 @@ async def test_a_prefill_leg_is_one_token_of_one_choice_and_a_refusal_tells_no_d
     API (``max_tokens`` is not one of its fields). Its 4xx is the client's answer and the prefill worker
     answered; the decode worker, never sent the request, keeps the failure it had."""
     bodies: list[bytes] = []
+
+    async def refusing_legs(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        """As an engine refusing these legs: it tokenizes the Responses API's chat (a /tokenize 400 would
+        be the prompt's refusal, the client's at once, before any leg)."""
+        bodies.append(body)
+        if head.startswith(b"POST /tokenize "):
+            return b"200 OK", b"", msgspec.json.encode({"tokens": list(range(1, 641)), "count": 640})
+        return b"400 Bad Request", b"", ENGINE_FAILURE
+
     async with (
         fleet(nats_server.url, (2,), roles={2: "decode"}) as f,
-        failing_worker(b"400 Bad Request", bodies=bodies) as (url, seen),
+        scripted_worker(refusing_legs) as (url, seen),
     ):
         await register(f, prefill_worker_at(url, "kv_transfer_params"))
         f.router.health.failed(2, "an earlier failure")
