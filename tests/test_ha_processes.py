@@ -179,6 +179,11 @@ def two_processes_behind(proxy: LossyNatsProxy, tmp_path: Path) -> Iterator[Rout
     try:
         until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
               40, "two router processes listening")  # fmt: skip
+        # Listening is not connected: a process serves HTTP while its event plane starts. The tests cut
+        # NATS off from connections made after this point only (a process still connecting then was
+        # refused too: the first kill's test read its refusals as the restarted process's and killed the
+        # second before the first was started again).
+        until(lambda: router.log().count("event plane: NATS at") == 2, 40, "both processes on the event plane")
         yield router
     finally:
         router.stop()
