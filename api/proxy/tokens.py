@@ -33,7 +33,7 @@ from api.eager import within
 from api.proxy.chat_template import ChatTemplate, NotLocal
 from api.proxy.segments import SegmentCache, SegmentPlan
 from api.proxy.upstream import Upstream, UpstreamError
-from api.proxy.wire import ChatBody, TokenizeReply
+from api.proxy.wire import ChatBody, ErrorReply, TokenizeReply
 from indexer.errors import UNDECODABLE
 from indexer.hashing import pack_tokens
 from router.errors import ConfigError
@@ -603,27 +603,14 @@ class PromptTokenizer:
         raise TokenizeFailed("no worker could tokenize the prompt (" + "; ".join(problems or ["none serves it"]) + ")")
 
 
-class _EngineError(msgspec.Struct):
-    message: str
-
-
-class _EngineRefusal(msgspec.Struct):
-    """An engine's error answer: OpenAI's ``{"error": {"message"}}``, or older vLLM's ``{"message"}``."""
-
-    error: _EngineError | None = None
-    message: str | None = None
-
-
-_decode_refusal = msgspec.json.Decoder(_EngineRefusal).decode
-# The most of an engine's refusal that is not JSON said back to the client.
+_decode_refusal = msgspec.json.Decoder(ErrorReply).decode
+# The most of an engine's refusal not in OpenAI's error shape said back to the client.
 _RAW_REFUSAL_CHARS = 500
 
 
 def _error_message(content: bytes) -> str:
-    """The message of an engine's error answer (its text, shortened, if it has none)."""
+    """The message of an engine's error answer (OpenAI's shape), else its text, shortened."""
     try:
-        refusal = _decode_refusal(content)
+        return _decode_refusal(content).error.message
     except UNDECODABLE:
-        refusal = _EngineRefusal()
-    message = refusal.error.message if refusal.error is not None else refusal.message
-    return message if message is not None else content[:_RAW_REFUSAL_CHARS].decode("utf-8", "replace")
+        return content[:_RAW_REFUSAL_CHARS].decode("utf-8", "replace")
