@@ -41,7 +41,7 @@ DEFAULT_PREDICTED_BLOCKS = 1 << 16
 SWEEP_EVERY_S = 1.0
 
 
-class Recorded(NamedTuple):
+class _Recorded(NamedTuple):
     """What recording one prompt added to its rank's prediction: the blocks new there (sequence hashes,
     head first) and the expiry it gave them."""
 
@@ -68,7 +68,7 @@ class PredictedCache:
         self._replaced: set[WorkerRank] = set()
         self._swept = clock()
         # What a booking's prompt added, by booking id, until it is computed or the booking ends.
-        self._uncomputed: dict[str, Recorded] = {}
+        self._uncomputed: dict[str, _Recorded] = {}
 
     def _capacity(self, worker_id: int) -> int:
         """How many predicted blocks a rank of the worker keeps: its ``total_kv_blocks``, else the default."""
@@ -118,7 +118,7 @@ class PredictedCache:
         if now - self._swept >= SWEEP_EVERY_S:
             self.sweep(now)
         if booking_id is not None and added:
-            self._uncomputed[booking_id] = Recorded(rank, added, expiry)
+            self._uncomputed[booking_id] = _Recorded(rank, added, expiry)
 
     def computed(self, booking_id: str) -> None:
         """The booking's prompt was computed, or the booking ended: what it predicted stands."""

@@ -82,8 +82,7 @@ class PartsJoiner(abc.ABC, Generic[A]):
         if self.more(reply):
             self._parts.append(reply)
             return None
-        parts, self._parts, self._read_bytes = self._parts, [], 0
-        return self.join(parts, reply) if parts else reply
+        return self.join(self._parts, reply) if self._parts else reply
 
     @abc.abstractmethod
     def decode(self, data: bytes) -> A:
