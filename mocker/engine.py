@@ -462,7 +462,10 @@ class MockEngine:
                 self._finish(victim, self._pass.end_ms, self._pass)
                 return victim
             if victim.partial and len(victim.hashes) < (victim.prompt_len + victim._gen0 - 1) // self.block_size:
-                self._promote_tail(victim)  # a block it filled in this pass, not yet promoted
+                # It filled its block in this pass, and its token opening the next is out, though not
+                # yet counted: promote the one, report the other (recomputation holds the new block).
+                self._promote_tail(victim)
+                self._pass.opened_blocks.append(victim)
             self._decoding -= 1
             self._decode_tokens -= victim.prompt_len + victim._gen0
         else:
@@ -504,11 +507,13 @@ class MockEngine:
             if seq.partial:
                 self._promote_tail(seq)
             if not done:
+                # The token is out whatever follows: a gateway streaming it sees the block open even
+                # when holding it preempts this very sequence (its recomputation holds it then).
+                result.opened_blocks.append(seq)
                 while not self.pool.acquire_partial():
                     if self._preempt_last() is seq:
                         return
                 seq.partial = True
-                result.opened_blocks.append(seq)
         if done:
             self._finish(seq, end_ms, result)
 

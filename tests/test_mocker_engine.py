@@ -12,6 +12,8 @@ from array import array
 
 import msgspec
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from indexer.radix_tree import RadixTree
 from mocker.block_pool import Cleared
@@ -138,6 +140,36 @@ def test_admission_waits_for_blocks_and_preemption_recomputes() -> None:
     assert engine.pool.active_blocks == 0
     tree = index_of([op for p in passes for op in p.ops])
     assert indexed_blocks(tree) == engine.pool.full_blocks()
+    # Each output block opened is reported once, as a gateway streaming the tokens would see it, even
+    # when the sequence was preempted in the very pass it opened the block in.
+    for seq in seqs:
+        reported = sum(p.opened_blocks.count(seq) for p in passes)
+        assert reported == sum(1 for g in range(1, 60) if (64 + g) % 16 == 1)
+
+
+@settings(max_examples=150, deadline=None)
+@example(blocks=8, block_size=16, requests=[(0.0, 32, 50)] * 3)  # the third preempts itself opening a block
+@given(
+    blocks=st.integers(10, 40),
+    block_size=st.sampled_from([4, 16]),
+    requests=st.lists(st.tuples(st.floats(0.0, 50.0), st.integers(1, 64), st.integers(1, 60)), min_size=2, max_size=6),
+)
+def test_every_output_block_opened_is_reported_once_whatever_preemption_does(
+    blocks: int, block_size: int, requests: list[tuple[float, int, int]]
+) -> None:
+    """A gateway streaming the tokens sees each block the output opens once; the engine reports the
+    same, also when opening it preempts its own sequence, or a sequence is preempted in the very pass
+    its token opened one."""
+    engine = MockEngine(EngineConfig(num_gpu_blocks=blocks, block_size=block_size, max_num_batched_tokens=64))
+    arrivals = [(at, prompt(4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3, block=16, length=length), out)
+                for i, (at, length, out) in enumerate(requests)]  # fmt: skip
+    seqs, passes = run(engine, arrivals)
+    for seq in seqs:
+        if seq.state is SeqState.REJECTED:
+            continue
+        assert seq.state is SeqState.FINISHED
+        opened = sum(1 for g in range(1, seq.max_tokens) if (seq.prompt_len + g) % block_size == 1)
+        assert sum(p.opened_blocks.count(seq) for p in passes) == opened
 
 
 def test_a_prompt_larger_than_the_pool_is_rejected() -> None:
