@@ -83,7 +83,11 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
                 for r in trace.requests
             )
             assert opened >= len(trace)
-            assert f'kv_router_requests_total{{method="record_output",outcome="ok"}} {opened}.0' in metrics
+            recorded = [line for line in metrics.splitlines() if 'method="record_output"' in line]
+            assert f'kv_router_requests_total{{method="record_output",outcome="ok"}} {opened}.0' in recorded, (
+                recorded,
+                online.report,
+            )
             assert 'method="record_output",outcome="unknown' not in metrics
             # A prefix-cache reset reaches the router as a `cleared` event: it forgets those blocks.
             nc = await connect(NatsOptions(nats_server.url))
