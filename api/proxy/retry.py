@@ -66,9 +66,7 @@ class RetryPolicy:
         wait = self.backoff(retry)
         if retry_after is not None:
             wait = max(wait, retry_after)
-        if now + wait - started > self._budget:
-            return None
-        return wait
+        return wait if self.within_budget(started, now + wait) else None
 
     def within_budget(self, started: float, now: float) -> bool:
         """Whether an attempt with no backoff may start now: the last one past the count (the decode worker
