@@ -108,13 +108,12 @@ class BridgeCommand:
         import logging
         import signal
 
-        from nats.js.errors import ServiceUnavailableError
-
         from router.engines.bridge import Bridge
         from router.engines.engine_spec import EndpointRefused
         from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url, close_connection
         from router.event_plane.connection_file import DEFAULT_URL, ConnectionFileError
         from router.event_plane.first_connection import FirstConnectionError, LocalToolConnection
+        from router.event_plane.jetstream import JetStreamUnavailable
         from router.event_plane.urls import redact_nats_url
 
         flags = vars(args).copy()
@@ -183,10 +182,8 @@ class BridgeCommand:
                     except EndpointRefused as exc:
                         print(f"kv-router bridge: {exc}", file=sys.stderr)
                         return 2
-                    except ServiceUnavailableError:  # JetStream's API unanswered: the registry bucket cannot be opened
-                        print(f"kv-router bridge: JetStream at {shown} did not answer (not enabled, or a cluster "
-                              "without a leader yet), and the worker registry needs it: start nats-server with -js (or "
-                              "jetstream {} in its config)", file=sys.stderr)  # fmt: skip
+                    except JetStreamUnavailable as exc:
+                        print(f"kv-router bridge: NATS at {shown}: {exc}", file=sys.stderr)
                         return 2
                     return 0
                 finally:

@@ -768,6 +768,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     from router.event_plane.connection_file import ConnectionFileError
     from router.event_plane.embedded_server import free_port
     from router.event_plane.first_connection import FirstConnectionError
+    from router.event_plane.jetstream import JetStreamUnavailable
     from router.event_plane.urls import redact_nats_url
 
     engine = _engine_config(args)
@@ -864,8 +865,13 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
             await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)
             refused.cancel()
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except JetStreamUnavailable as exc:
+                print(f"kv-router mock-worker: NATS at {shown}: {exc}", file=sys.stderr)
+                return 2
         refusal = worker.publisher.refusal
         if refusal is not None:
             print(

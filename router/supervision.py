@@ -3,8 +3,9 @@
 A `Supervisor` owns the tasks one component runs beside its callers:
 
 - ``keep_running(name, loop)``: a loop meant to run until stopped. If it raises, the exception is
-  logged with its traceback, counted in ``restarts``, and the loop is started again after a backoff
-  that doubles up to ``max_backoff_s`` (reset once a run lasted longer than the backoff).
+  logged with its traceback (a `ServiceFault`, whose message says all, in one line), counted in
+  ``restarts``, and the loop is started again after a backoff that doubles up to ``max_backoff_s``
+  (reset once a run lasted longer than the backoff).
 - ``spawn(name, coroutine)``: one-shot work (a resync, a request). If it raises, the exception is
   logged with its traceback and counted in ``failures``; nothing is restarted.
 - ``stop()``: cancels everything and waits for it, at most ``stop_timeout_s``, cancelling again every
@@ -26,10 +27,15 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-__all__ = ["Supervisor", "raise_if_cancelling", "unwind"]
+__all__ = ["ServiceFault", "Supervisor", "raise_if_cancelling", "unwind"]
 
 _log = logging.getLogger(__name__)
 _CANCEL_AGAIN_S = 0.5  # long enough for a cancelled task's own clean-up, which another cancel would cut
+
+
+class ServiceFault(Exception):
+    """A failure of the service's surroundings whose message says what is wrong and what to do (a NATS
+    server without JetStream): logged in one line, its traceback would only bury that."""
 
 
 def raise_if_cancelling() -> None:
@@ -121,6 +127,10 @@ class Supervisor:
                 await loop()
             except asyncio.CancelledError:
                 raise
+            except ServiceFault as fault:
+                raise_if_cancelling()
+                self.restarts[name] += 1
+                _log.error("%s: %s failed: %s; retrying in %.1f s", self.owner, name, fault, backoff)
             except Exception:
                 raise_if_cancelling()  # it ended because its cancellation was lost: not restarted
                 self.restarts[name] += 1

@@ -12,6 +12,7 @@ The suite's one way to do each of these (use them, do not write another):
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -22,7 +23,8 @@ import api.native
 import indexer.native
 import router.native
 from router.event_plane.connection import NatsOptions, connect
-from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.embedded_server import EmbeddedNats, find_nats_server, free_port
+from tests.waiting import accepting, until
 
 SHARED_DIR = Path(os.environ.get("KV_ROUTER_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
@@ -52,6 +54,20 @@ def nats_server() -> Iterator[EmbeddedNats]:
     """A real nats-server with JetStream on a free loopback port, stopped after the test."""
     with EmbeddedNats() as server:
         yield server
+
+
+@pytest.fixture
+def plain_nats_url() -> Iterator[str]:
+    """An operator's plain nats-server, without JetStream, on a free loopback port: its URL."""
+    port = free_port()
+    server = subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        until(lambda: accepting(port), 20, "nats-server listens")
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 @pytest.fixture

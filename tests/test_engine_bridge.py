@@ -41,7 +41,8 @@ from router.engines.engine_spec import rank_endpoint
 from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN
 from router.errors import ConfigError
 from router.event_plane.connection import NatsOptions, connect
-from router.event_plane.embedded_server import EmbeddedNats, find_nats_server, free_port
+from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.jetstream import JetStreamUnavailable
 from tests.engine_fakes import (
     BLOCK,
     EngineHttp,
@@ -55,7 +56,7 @@ from tests.engine_fakes import (
 from tests.metrics import label_names, sample, total
 from tests.router_processes import ToolProcess, kv_router_command
 from tests.test_deploy_observability import BRIDGE_PREFIX, TARGET_LABELS, alert_rules, dashboard_queries, selectors
-from tests.waiting import accepting, until
+from tests.waiting import until
 
 WORKER = 41
 ROOT = Path(__file__).resolve().parents[1]
@@ -680,27 +681,18 @@ def test_engine_frames_past_the_bound_never_reach_the_bridges_memory(nats_server
 
 
 @pytest.mark.slow
-def test_a_bridge_against_nats_without_jetstream_says_so_in_one_line_and_exits_2(tmp_path: Path) -> None:
+def test_a_bridge_against_nats_without_jetstream_says_so_in_one_line_and_exits_2(plain_nats_url: str) -> None:
     """An operator's plain NATS (no ``-js``): the worker registry is a JetStream bucket, so the bridge
     cannot run; it says which server and what to do, where it printed a traceback and exited 1."""
-    port = free_port()
-    server = subprocess.Popen([find_nats_server(), "-a", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        until(lambda: accepting(port), 20, "nats-server listens")
-        done = subprocess.run([*kv_router_command(), "bridge", "--worker-id", str(WORKER), "--zmq-endpoint",
-                               f"tcp://127.0.0.1:{free_port()}", "--nats-url", f"nats://127.0.0.1:{port}"],
-                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
-    finally:
-        server.terminate()
-        server.wait(10)
+    done = subprocess.run([*kv_router_command(), "bridge", "--worker-id", str(WORKER), "--zmq-endpoint",
+                           f"tcp://127.0.0.1:{free_port()}", "--nats-url", plain_nats_url],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if line.startswith("kv-router bridge:")]
-    assert said == [
-        f"kv-router bridge: JetStream at nats://127.0.0.1:{port} did not answer (not enabled, or a cluster without "
-        "a leader yet), and the worker registry needs it: start nats-server with -js (or jetstream {} in its config)"
-    ], done.stderr[-2000:]
+    unavailable = JetStreamUnavailable("bucket kv_router_workers_default")
+    assert said == [f"kv-router bridge: NATS at {plain_nats_url}: {unavailable}"]
+    assert "start nats-server with -js" in said[0]
 
 
 def test_a_bridge_says_when_it_loses_nats_and_reaches_it_again_and_stops_without_it(tmp_path: Path) -> None:

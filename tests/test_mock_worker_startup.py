@@ -38,16 +38,16 @@ def port_in_use() -> Iterator[int]:
         yield taken.getsockname()[1]
 
 
-def _mock_worker(nats: EmbeddedNats, *flags: str) -> subprocess.CompletedProcess[str]:
+def _mock_worker(nats_url: str, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*kv_router_command(), "mock-worker", "--nats-url", nats.url, *flags],
+        [*kv_router_command(), "mock-worker", "--nats-url", nats_url, *flags],
         capture_output=True, text=True, timeout=60, cwd=ROOT, env=os.environ.copy(),
     )  # fmt: skip
 
 
 def test_an_http_port_in_use_is_one_line_exit_1_and_nothing_registered() -> None:
     with EmbeddedNats() as nats, port_in_use() as port:
-        done = _mock_worker(nats, "--worker-id", "7", "--http-port", str(port))
+        done = _mock_worker(nats.url, "--worker-id", "7", "--http-port", str(port))
         assert done.returncode == 1, done.stderr
         assert done.stderr == (
             f"kv-router mock-worker: cannot listen on 127.0.0.1:{port}: the port is in use "
@@ -64,13 +64,25 @@ def test_a_zmq_endpoint_in_use_is_one_line_exit_1_before_the_start_up_line(flag:
         endpoints = {"--zmq-endpoint": f"tcp://127.0.0.1:{free_port()}", "--replay-endpoint": None}
         endpoints[flag] = taken
         given = [part for name, endpoint in endpoints.items() if endpoint for part in (name, endpoint)]
-        done = _mock_worker(nats, "--worker-id", "3", "--http-port", str(free_port()), "--block-size", "16", *given)
+        done = _mock_worker(nats.url, "--worker-id", "3", "--http-port", str(free_port()), "--block-size", "16", *given)
         assert done.returncode == 1, done.stderr
         assert (
             done.stderr
             == f"kv-router mock-worker: cannot bind {flag} {taken}: the port is in use ({flag} picks another)\n"
         )
         assert done.stdout == ""
+
+
+def test_nats_without_jetstream_is_one_line_exit_2(plain_nats_url: str) -> None:
+    """The worker registry is a JetStream bucket: on an operator's plain NATS (no ``-js``) the worker
+    says so and what to do, where it died with nats-py's bare ServiceUnavailableError's traceback."""
+    done = _mock_worker(plain_nats_url, "--worker-id", "4")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"kv-router mock-worker: NATS at {plain_nats_url}: JetStream did not answer for bucket "
+        "kv_router_workers_default (not enabled on the NATS server, or a cluster without a leader yet), and "
+        "kv-router keeps its worker registry there: start nats-server with -js (or `jetstream {}` in its config)\n"
+    )
 
 
 def test_the_start_up_line_names_the_role(tmp_path: Path) -> None:

@@ -71,6 +71,28 @@ def test_startup_without_nats_serves_http_reports_why_and_starts_the_plane_when_
     assert log.count(url) >= 1
 
 
+def test_nats_without_jetstream_is_said_in_readiness_and_one_log_line_a_retry(
+    tmp_path: Path, plain_nats_url: str
+) -> None:
+    """An operator's plain NATS (no ``-js``): HTTP serves, /readyz says what is missing and what to do,
+    and each retry logs one line, where it logged nats-py's bare ServiceUnavailableError with two
+    chained tracebacks every five seconds."""
+    with serve(tmp_path, "--nats-url", plain_nats_url) as served:
+        told = "JetStream did not answer for bucket kv_router_workers_default"
+
+        def retried_twice() -> bool:
+            return served.log().count(f"service: event-plane failed: {told}") >= 2
+
+        until(retried_twice, 30, "two attempts logged")
+        status, body = _get(served.port, "/readyz")
+        reason = json.loads(body)["reason"]
+        assert status == 503
+        assert reason.startswith(f"event plane starting: NATS at {plain_nats_url} connected; the last attempt failed: "
+                                 f"JetStreamUnavailable: {told}")  # fmt: skip
+        assert "start nats-server with -js" in reason
+        assert "Traceback" not in served.log()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_waiting_for_nats_ends_the_process(sig: signal.Signals, tmp_path: Path) -> None:
     with serve(tmp_path, "--nats-url", f"nats://127.0.0.1:{free_port()}") as served:

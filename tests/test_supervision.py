@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.supervision import Supervisor, raise_if_cancelling, unwind
+from router.supervision import ServiceFault, Supervisor, raise_if_cancelling, unwind
 
 pytestmark = pytest.mark.anyio
 
@@ -35,6 +35,32 @@ async def test_a_crashing_loop_is_logged_and_restarted(caplog: pytest.LogCapture
     assert supervisor.running == 1
     await supervisor.stop()
     assert supervisor.running == 0
+
+
+async def test_a_service_fault_is_one_log_line_a_retry_without_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """A fault of the surroundings whose message says what to do (no JetStream on the NATS server) is
+    retried as any crash, each attempt one line: a traceback every few seconds would bury it."""
+    runs = 0
+    healthy = asyncio.Event()
+
+    async def waits_for_jetstream() -> None:
+        nonlocal runs
+        runs += 1
+        if runs < 3:
+            raise ServiceFault("JetStream did not answer: start nats-server with -js")
+        healthy.set()
+        await asyncio.Event().wait()
+
+    supervisor = Supervisor("test", first_backoff_s=0.01)
+    with caplog.at_level(logging.ERROR, logger="router.supervision"):
+        supervisor.keep_running("plane", waits_for_jetstream)
+        await asyncio.wait_for(healthy.wait(), timeout=5)
+    assert supervisor.restarts["plane"] == 2
+    said = [r.getMessage() for r in caplog.records]
+    line = "test: plane failed: JetStream did not answer: start nats-server with -js; retrying in 0.0 s"
+    assert said == [line, line]
+    assert not any(r.exc_info for r in caplog.records)
+    await supervisor.stop()
 
 
 async def test_a_failed_one_shot_task_is_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:

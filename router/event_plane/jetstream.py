@@ -11,14 +11,19 @@ copies itself (NATS 2.10+).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeVar
+
+from router.supervision import ServiceFault
 
 if TYPE_CHECKING:  # the settings import MAX_REPLICAS: no NATS client for that
     from nats.js import JetStreamContext
 
 __all__ = [
     "MAX_REPLICAS",
+    "JetStreamUnavailable",
+    "jetstream_answering",
     "kv_stream",
     "object_chunk_subject",
     "object_stream",
@@ -35,6 +40,29 @@ MAX_REPLICAS = 5
 NOT_CLUSTERED = 10074
 
 T = TypeVar("T")
+
+
+class JetStreamUnavailable(ServiceFault):
+    """JetStream's API went unanswered: the server runs without it, or a cluster has no leader yet."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"JetStream did not answer for {what} (not enabled on the NATS server, or a cluster without a "
+            "leader yet), and kv-router keeps its worker registry there: start nats-server with -js (or "
+            "`jetstream {}` in its config)"
+        )
+
+
+@contextmanager
+def jetstream_answering(what: str) -> Iterator[None]:
+    """Turn nats-py's bare ``ServiceUnavailableError`` (no responder on JetStream's API) met in the
+    block into `JetStreamUnavailable`, which says what to do."""
+    from nats.js.errors import ServiceUnavailableError  # here: the settings import this module
+
+    try:
+        yield
+    except ServiceUnavailableError as exc:
+        raise JetStreamUnavailable(what) from exc
 
 
 def kv_stream(bucket: str) -> str:
@@ -101,7 +129,8 @@ async def open_bucket(
     from nats.js.errors import NotFoundError  # here: the settings import this module for MAX_REPLICAS
 
     try:
-        opened = await open_existing(bucket)
+        with jetstream_answering(f"bucket {bucket}"):
+            opened = await open_existing(bucket)
     except NotFoundError:  # nats-py's BucketNotFoundError is one
         return await with_replicas(create, replicas or 1, f"bucket {bucket}")
     if replicas is not None:

@@ -78,6 +78,7 @@ from nats.js.object_store import ObjectStore
 
 from indexer.events import NonNegative, RouterEvent
 from router.event_plane.jetstream import (
+    jetstream_answering,
     kv_stream,
     object_chunk_subject,
     object_stream,
@@ -436,7 +437,8 @@ class DurableEvents:
     async def _ensure_stream(self) -> None:
         name = self.subjects.events_stream
         try:
-            info = await self._js.stream_info(name)
+            with jetstream_answering(f"stream {name}"):
+                info = await self._js.stream_info(name)
         except NotFoundError:
 
             async def create(copies: int) -> None:
