@@ -763,6 +763,7 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     from mocker.simulation import KvTransfer
     from mocker.worker import MockWorker
     from mocker.zmq_engine import EndpointBindError, VllmZmqPublisher
+    from router.engines.engine_spec import check_zmq_endpoint
     from router.engines.openai_server import openai_base
     from router.event_plane.connection import close_connection
     from router.event_plane.connection_file import ConnectionFileError
@@ -783,6 +784,14 @@ def _run_mock_worker(args: argparse.Namespace) -> int:
     if not args.kv_events and args.zmq_endpoint is not None:
         print("kv-router mock-worker: --no-kv-events publishes nothing: leave out --zmq-endpoint", file=sys.stderr)
         return 2
+    for flag, endpoint, what in (("--zmq-endpoint", args.zmq_endpoint, "event"),
+                                 ("--replay-endpoint", args.replay_endpoint, "replay")):  # fmt: skip
+        try:
+            if endpoint is not None:
+                check_zmq_endpoint(endpoint, what, bind=True)
+        except ValueError as exc:
+            print(f"kv-router mock-worker: {flag}: {exc}", file=sys.stderr)
+            return 2
     port = args.http_port
     if port == 0:
         port = free_port()

@@ -85,6 +85,24 @@ def test_nats_without_jetstream_is_one_line_exit_2(plain_nats_url: str) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("flag", "endpoint", "said"),
+    [
+        ("--zmq-endpoint", "tcp://127.0.0.1:99999", "the event endpoint 'tcp://127.0.0.1:99999' has port 99999: a TCP "
+         "port is 1 to 65535"),  # ZMQ binds it, as port 34463: subscribers told 99999 would never hear it
+        ("--zmq-endpoint", "tcp://nohost", "the event endpoint must be tcp://HOST:PORT, got 'tcp://nohost'"),
+        ("--replay-endpoint", "foo", "the replay endpoint must be tcp://HOST:PORT, got 'foo'"),
+    ],
+)  # fmt: skip
+def test_a_malformed_endpoint_is_one_line_exit_2_before_anything_starts(flag: str, endpoint: str, said: str) -> None:
+    """A usage error (exit 2, as the bridge's), said before NATS is asked: it exited 1 with ZMQ's
+    "invalid argument", or bound a port out of range as its remainder."""
+    endpoints = {"--zmq-endpoint": f"tcp://127.0.0.1:{free_port()}", flag: endpoint}
+    given = [part for name, value in endpoints.items() for part in (name, value)]
+    done = _mock_worker("nats://127.0.0.1:1", "--worker-id", "3", "--block-size", "16", *given)
+    assert (done.returncode, done.stderr, done.stdout) == (2, f"kv-router mock-worker: {flag}: {said}\n", "")
+
+
 def test_the_start_up_line_names_the_role(tmp_path: Path) -> None:
     with EmbeddedNats() as nats:
         http = free_port()

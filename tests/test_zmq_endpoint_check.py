@@ -45,6 +45,17 @@ def test_tcp_and_ipc_endpoints_pass(endpoint: str) -> None:
     check_zmq_endpoint(endpoint, "event")
 
 
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://127.0.0.1:5557", "tcp://[::1]:5557", "ipc:///x"])
+def test_an_address_to_bind_may_name_every_interface(endpoint: str) -> None:
+    check_zmq_endpoint(endpoint, "event", bind=True)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://:5557", "tcp://*:0", "tcp://*:65536", "tcp://*:x", "tcp://nohost"])
+def test_an_address_to_bind_without_host_or_a_port_in_range_is_refused(endpoint: str) -> None:
+    with pytest.raises(ValueError, match=r"the event endpoint"):
+        check_zmq_endpoint(endpoint, "event", bind=True)
+
+
 @pytest.mark.parametrize(
     ("endpoint", "said"),
     [

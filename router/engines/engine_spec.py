@@ -70,14 +70,15 @@ class EngineSpec(NamedTuple):
 ENGINE_SPEC_FORM = "WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,url=http://HOST:PORT][,models=NAME+NAME][,dp=N]"
 
 
-def check_zmq_endpoint(endpoint: str, what: str) -> None:
+def check_zmq_endpoint(endpoint: str, what: str, *, bind: bool = False) -> None:
     """Raise ``ValueError`` (one line) unless ``endpoint`` is an address an engine's ZMQ socket can be
     reached at, ``tcp://HOST:PORT`` (or ``ipc://PATH``): ZMQ refuses anything else on every connect, so
     a stream given one would fail again and again. ``what`` names the socket (event, replay).
 
     The engine's bind address is refused too (``tcp://*:5557``, vLLM's documented value, copied; or no
     host): ZMQ refuses ``*`` on a connect, and connects an empty host nowhere. So is a port outside
-    1-65535, which ZMQ takes and never reaches."""
+    1-65535, which ZMQ takes and never reaches (it binds one past 65535 as its remainder). With
+    ``bind`` the address is one to bind, as an engine's is: ``*`` is every interface there."""
     scheme, sep, rest = endpoint.partition("://")
     host, colon, port = rest.rpartition(":")
     valid = sep and "=" not in endpoint and (
@@ -87,7 +88,7 @@ def check_zmq_endpoint(endpoint: str, what: str) -> None:
         raise ValueError(f"the {what} endpoint must be tcp://HOST:PORT, got {endpoint!r}")
     if scheme != "tcp":
         return
-    if host in ("", "*"):
+    if host == "" or (host == "*" and not bind):
         problem = "has no host" if not host else "is a bind address (* binds every interface)"
         raise ValueError(
             f"the {what} endpoint {endpoint!r} {problem}: give the engine's address to connect to, not the "
