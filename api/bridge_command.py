@@ -110,7 +110,13 @@ class BridgeCommand:
 
         from router.engines.bridge import Bridge
         from router.engines.engine_spec import EndpointRefused
-        from router.event_plane.connection import NatsOptions, check_creds_file, check_nats_url, close_connection
+        from router.event_plane.connection import (
+            NatsOptions,
+            check_certificate,
+            check_creds_file,
+            check_nats_url,
+            close_connection,
+        )
         from router.event_plane.connection_file import DEFAULT_URL, ConnectionFileError
         from router.event_plane.first_connection import FirstConnectionError, LocalToolConnection
         from router.event_plane.jetstream import JetStreamUnavailable
@@ -127,6 +133,11 @@ class BridgeCommand:
                 check_nats_url(config.nats_url)
             if config.nats_creds_file is not None:
                 check_creds_file(config.nats_creds_file)
+            if config.nats_tls_cert_file is not None:
+                try:
+                    check_certificate(config.nats_tls_cert_file, config.nats_tls_key_file)
+                except ValueError as exc:
+                    raise ValueError(f"nats_tls_cert_file: {exc}") from None
         except (ConfigError, ValueError) as exc:
             print(f"kv-router bridge: {exc}", file=sys.stderr)
             return 2

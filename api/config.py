@@ -158,6 +158,12 @@ class ServiceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fi
         int, _doc("CORS: seconds a browser may cache a preflight answer"), msgspec.Meta(ge=0)
     ] = 600
 
+    def __post_init__(self) -> None:
+        if self.cors_allow_credentials and "*" in self.cors_allow_origins:
+            # The origin is echoed with credentials: every site a user visits could call with theirs.
+            raise ConfigError("cors_allow_credentials", "with cors_allow_origins * any site could call with a "
+                              "user's credentials: list the origins allowed")  # fmt: skip
+
 
 class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Where worker KV events, load, heartbeats and registrations come from (NATS)."""
@@ -228,6 +234,9 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
                 f"{self.jetstream_replicas} copies need a NATS cluster; the embedded nats-server is one server "
                 "(set --nats-url to your cluster, or leave jetstream_replicas at 1)",
             )
+        if self.nats_tls_key_file is not None and self.nats_tls_cert_file is None:
+            # Without its certificate the key was never read: the connection went out without TLS.
+            raise ConfigError("nats_tls_key_file", "is the key of a client certificate: give nats_tls_cert_file too")
 
     __repr__ = _masked_repr  # never the NATS password or token
 
@@ -269,6 +278,12 @@ class SecurityConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             _check_token("api_token", self.api_token)
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ConfigError("ssl_certfile", "HTTPS needs both ssl_certfile and ssl_keyfile")
+        if self.api_token is None and self.api_token_file is None:
+            # Asked for protection and given no token (a secret not mounted, say): it would run open.
+            for name in ("protect_decisions", "protect_reads", "protect_probes"):
+                if getattr(self, name):
+                    raise ConfigError(name, "needs an API token (api_token_file or api_token): without one it "
+                                      "protects nothing")  # fmt: skip
 
     __repr__ = _masked_repr
 
@@ -644,6 +659,10 @@ def resolve_settings(
 
     if config_file is not None:
         for name, value in _read_file(config_file).items():
+            if isinstance(value, dict) and name in SECTIONS:
+                # `config show` heads each section's keys with its name: taken for a TOML table, it is not one.
+                raise ConfigError(name, f"config file {config_file}: [{name}] is a table, but the settings are "
+                                  "keys of the top level: leave out the table headers")  # fmt: skip
             put(name, value, f"config file {config_file}")
     for key, value in (env or {}).items():
         name = key[len(ENV_PREFIX) :].lower()
@@ -717,6 +736,17 @@ def _check_files(settings: Settings) -> None:
         path = getattr(settings.event_plane, name)
         if path is not None and not os.access(path, os.R_OK):
             raise ConfigError(name, f"cannot read {path}")
+    from router.event_plane.connection import check_certificate  # ssl: only when it is needed
+
+    security, plane = settings.security, settings.event_plane
+    pairs = [("ssl_certfile", security.ssl_certfile, security.ssl_keyfile),
+             ("nats_tls_cert_file", plane.nats_tls_cert_file, plane.nats_tls_key_file)]  # fmt: skip
+    for name, cert_file, key_file in pairs:
+        if cert_file is not None:
+            try:
+                check_certificate(cert_file, key_file)
+            except ValueError as exc:
+                raise ConfigError(name, str(exc)) from None
     if settings.event_plane.nats_creds_file is not None:
         from router.event_plane.connection import check_creds_file  # nats-py: only when it is needed
 

@@ -181,7 +181,7 @@ def _api_routes(routes: Any) -> Iterator[APIRoute]:
 
 
 def test_no_token_checks_nothing(fast_protocol: bool) -> None:
-    with app_client(fast_protocol, protect_decisions=True, protect_reads=True) as client:
+    with app_client(fast_protocol) as client:
         for method, path, body in ADMIN_CALLS[:2] + DECISION_CALLS + READ_CALLS + PROBE_CALLS:
             assert _call(client, method, path, body, {}).status_code != 401, path
 
@@ -211,6 +211,10 @@ def test_token_settings(tmp_path: Path) -> None:
         ({"api_token": "two words"}, "visible ASCII"),
         ({"api_token_file": str(tmp_path / "missing")}, "cannot read"),
         ({"ssl_certfile": str(file)}, "needs both"),
+        # Asked for protection without a token (a secret not mounted): it ran open, without a word.
+        ({"protect_decisions": True}, "protect_decisions: needs an API token"),
+        ({"protect_reads": True}, "protect_reads: needs an API token"),
+        ({"protect_probes": True}, "protect_probes: needs an API token"),
     ]:
         with pytest.raises(ConfigError, match=says) as caught:
             load_settings(flags=flags)

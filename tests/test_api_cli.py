@@ -85,6 +85,21 @@ def test_unrelated_prefixed_environment_is_ignored() -> None:
         ),
         ({}, {}, '{"blok_size": 3}', "blok_size: unknown setting in config file"),
         ({}, {}, "[1, 2]", "must hold one table of settings"),
+        # `config show` heads each section's keys with its name; taken for a table, the key was "unknown".
+        ({}, {}, '{"proxy": {"proxy_retries": 3}}', "proxy: config file "),
+        (
+            {},
+            {},
+            '{"security": {"protect_reads": true}}',
+            "[security] is a table, but the settings are keys of the top",
+        ),
+        # Every site a user visits could call with the user's credentials.
+        (
+            {"cors_allow_origins": ["*"], "cors_allow_credentials": True},
+            {},
+            None,
+            "cors_allow_credentials: with cors_allow_origins * any site could call",
+        ),
         ({}, {}, "{", "is not valid JSON"),
         ({"router_queue_request_limit_per_worker": "2"}, {}, None, "needs router_queue_threshold"),
     ],

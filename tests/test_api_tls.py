@@ -100,3 +100,46 @@ def test_tls_settings_are_checked_before_serving(tmp_path: Path) -> None:
                               text=True, timeout=60)  # fmt: skip
         assert done.returncode == 2, done.stderr
         assert len(done.stderr.splitlines()) == 1 and "ssl_" in done.stderr
+
+
+def test_a_certificate_and_key_that_are_not_a_pair_are_refused_at_start_naming_the_setting(tmp_path: Path) -> None:
+    """Each was a traceback once serving started (uvicorn's SSLError, "PEM lib" or KEY_VALUES_MISMATCH,
+    naming no setting) and, for NATS, an SSLError at every connection attempt, retried for ever; a key
+    without its certificate was never read, and NATS went out without TLS."""
+    cert, key = self_signed(tmp_path, "one")
+    _, other_key = self_signed(tmp_path, "two")
+    encrypted = tmp_path / "encrypted.key"
+    loaded = serialization.load_pem_private_key(key.read_bytes(), None)
+    encrypted.write_bytes(loaded.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                               serialization.BestAvailableEncryption(b"secret")))  # fmt: skip
+    nats = ["--nats-url", "nats://127.0.0.1:1"]
+    cases = [
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key)],
+         f"ssl_certfile: {cert} and {other_key} are not a PEM certificate and its private key (KEY_VALUES_MISMATCH)"),
+        (["--ssl-certfile", str(key), "--ssl-keyfile", str(cert)], f"ssl_certfile: {key} and {cert} are not a PEM"),
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(encrypted)],
+         f"ssl_certfile: the private key in {encrypted} is encrypted: give an unencrypted one"),
+        ([*nats, "--nats-tls-cert-file", str(cert)],
+         f"nats_tls_cert_file: {cert} and its private key are not a PEM certificate and its private key"),
+        ([*nats, "--nats-tls-key-file", str(key)],
+         "nats_tls_key_file: is the key of a client certificate: give nats_tls_cert_file too"),
+    ]  # fmt: skip
+    for extra, says in cases:
+        done = subprocess.run([*kv_router_command(), "serve", "--no-embedded-nats", *extra], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
+    for extra, says in [
+        (["--nats-tls-cert-file", str(cert)], f"kv-router bridge: nats_tls_cert_file: {cert} and its private key are"),
+        (["--nats-tls-key-file", str(key)], "nats_tls_key_file is the key of a client certificate"),
+    ]:
+        bridge = [*kv_router_command(), "bridge", "--worker-id", "1", "--zmq-endpoint", "tcp://127.0.0.1:5557"]
+        done = subprocess.run([*bridge, *nats, *extra], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
+    # A pair that is one still serves (here the certificate's file holds the key too).
+    both = tmp_path / "both.pem"
+    both.write_bytes(cert.read_bytes() + key.read_bytes())
+    with RouterProcess(tmp_path, "--no-embedded-nats", "--ssl-certfile", str(both), "--ssl-keyfile", str(key),
+                       ready_path="/healthz", ssl_context=ssl.create_default_context(cafile=str(cert))):  # fmt: skip
+        pass

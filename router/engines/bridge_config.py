@@ -138,6 +138,9 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             raise ValueError("served_model needs openai_url (the models served there)")
         if self.dp_size > 1:
             check_rank_ports(self.zmq_endpoint, self.replay_endpoint, self.dp_size)
+        if self.nats_tls_key_file is not None and self.nats_tls_cert_file is None:
+            # Without its certificate the key was never read: the connection went out without TLS.
+            raise ValueError("nats_tls_key_file is the key of a client certificate: give nats_tls_cert_file too")
 
     @property
     def openai_base(self) -> str | None:

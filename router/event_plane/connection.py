@@ -91,6 +91,25 @@ class NatsOptions:
         return context
 
 
+def check_certificate(cert_file: str, key_file: str | None) -> None:
+    """Raise `ValueError` naming the problem unless the PEM certificate ``cert_file`` and its private key
+    ``key_file`` (None: in the certificate's file) load as a pair: read at start-up, not met as a
+    traceback once serving (HTTPS) or at every connection attempt (NATS)."""
+
+    def encrypted() -> str:
+        raise ValueError(f"the private key in {key_file or cert_file} is encrypted: give an unencrypted one")
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file, password=encrypted)
+    except ssl.SSLError as exc:
+        key = "its private key" if key_file is None else key_file
+        raise ValueError(
+            f"{cert_file} and {key} are not a PEM certificate and its private key ({exc.reason or exc})"
+        ) from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {cert_file} or {key_file}: {exc.strerror or exc}") from None
+
+
 def check_creds_file(path: str) -> None:
     """Raise `ValueError` naming the problem unless ``path`` is a readable ``.creds`` file with a user
     JWT and a user nkey seed (nats-py would otherwise fail on every connection attempt)."""
