@@ -234,6 +234,13 @@ class EventPlaneConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
                 f"{self.jetstream_replicas} copies need a NATS cluster; the embedded nats-server is one server "
                 "(set --nats-url to your cluster, or leave jetstream_replicas at 1)",
             )
+        if self.nats_url is None:
+            # The embedded server makes its own token, and without it no NATS is used: said, not dropped.
+            for name in ("nats_user", "nats_password", "nats_token", "nats_creds_file", "nats_tls_ca_file",
+                         "nats_tls_cert_file", "nats_tls_key_file"):  # fmt: skip
+                if getattr(self, name) is not None:
+                    raise ConfigError(name, "is for a NATS server given with nats_url (the embedded one makes "
+                                      "its own token)")  # fmt: skip
         if self.nats_tls_key_file is not None and self.nats_tls_cert_file is None:
             # Without its certificate the key was never read: the connection went out without TLS.
             raise ConfigError("nats_tls_key_file", "is the key of a client certificate: give nats_tls_cert_file too")

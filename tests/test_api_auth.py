@@ -219,7 +219,8 @@ def test_token_settings(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=says) as caught:
             load_settings(flags=flags)
         assert TOKEN not in str(caught.value) and "two words" not in str(caught.value)
-    settings = load_settings(flags={"api_token": TOKEN, "nats_password": "pw-secret", "nats_token": "nt-secret"})
+    flags = {"api_token": TOKEN, "nats_url": "nats://h:4222", "nats_password": "pw-secret", "nats_token": "nt-secret"}
+    settings = load_settings(flags=flags)
     for secret in (TOKEN, "pw-secret", "nt-secret"):
         assert secret not in repr(settings)
 
@@ -281,8 +282,9 @@ def test_token_never_logged_by_a_real_process(tmp_path: Path) -> None:
     output = service.log().encode()  # stdout and stderr
     assert b'/v1/events HTTP/1.1\\" 401' in output  # the access log saw the refusals
     assert TOKEN.encode() not in output
-    shown = subprocess.run([*kv_router_command(), "config", "show", "--api-token", TOKEN, "--nats-password",
-                            "pw-secret"], capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    secrets = ["--api-token", TOKEN, "--nats-url", "nats://h:1", "--nats-password", "pw-secret"]
+    shown = subprocess.run([*kv_router_command(), "config", "show", *secrets], capture_output=True, text=True,
+                           timeout=60, check=True)  # fmt: skip
     assert 'api_token = "***"  # flag --api-token' in shown.stdout
     assert TOKEN not in shown.stdout and "pw-secret" not in shown.stdout
     bad = subprocess.run([*kv_router_command(), "serve", "--api-token", TOKEN + " x"],

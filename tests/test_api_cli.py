@@ -93,6 +93,9 @@ def test_unrelated_prefixed_environment_is_ignored() -> None:
             '{"security": {"protect_reads": true}}',
             "[security] is a table, but the settings are keys of the top",
         ),
+        # Dropped for the embedded server's own token: the user thought them in use.
+        ({"nats_token": "t"}, {}, None, "nats_token: is for a NATS server given with nats_url"),
+        ({}, {"KV_ROUTER_NATS_USER": "u"}, None, "nats_user: is for a NATS server given with nats_url"),
         # Every site a user visits could call with the user's credentials.
         (
             {"cors_allow_origins": ["*"], "cors_allow_credentials": True},

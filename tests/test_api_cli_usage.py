@@ -27,6 +27,7 @@ from router.policies.registry import policy_names
 from tests.router_processes import kv_router_command
 from tests.test_api_server import ROOT
 from tests.test_api_support import serve
+from tests.test_api_tls import self_signed
 
 EXAMPLE = ROOT / "docs" / "kv-router.example.toml"
 
@@ -279,7 +280,8 @@ def _is_root() -> bool:
 def test_config_show_prints_values_and_their_sources(tmp_path: Path) -> None:
     config = tmp_path / "kv.toml"
     config.write_text('block_size = 64\npolicy = "round_robin"\nport = 9001\n')
-    env = {"PATH": "/usr/bin:/bin", "KV_ROUTER_PORT": "9002", "KV_ROUTER_NATS_TOKEN": "nats-secret"}
+    env = {"PATH": "/usr/bin:/bin", "KV_ROUTER_PORT": "9002", "KV_ROUTER_NATS_TOKEN": "nats-secret",
+           "KV_ROUTER_NATS_URL": "nats://nats.example:4222"}  # fmt: skip
     done = _kv("config", "show", "--config", str(config), "--block-size", "32", env=env)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -287,7 +289,7 @@ def test_config_show_prints_values_and_their_sources(tmp_path: Path) -> None:
     assert f'policy = "round_robin"  # config file {config}' in lines
     assert "port = 9002  # environment variable KV_ROUTER_PORT" in lines
     assert "router_temperature = 0.0  # default" in lines
-    assert "# nats_url = (unset)  # default" in lines
+    assert 'nats_url = "nats://nats.example:4222"  # environment variable KV_ROUTER_NATS_URL' in lines
     assert 'nats_token = "***"  # environment variable KV_ROUTER_NATS_TOKEN' in lines
     assert "nats-secret" not in done.stdout
 
@@ -307,6 +309,9 @@ def test_the_example_config_file_loads(tmp_path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.suffix == ".creds":  # checked to hold a user JWT and seed
             path.write_text("-----BEGIN NATS USER JWT-----\neyJ\n-----BEGIN USER NKEY SEED-----\nSU\n")
+        elif path.suffix in (".crt", ".key"):  # loaded as a pair
+            cert, key = self_signed(path.parent, path.stem)
+            assert {cert, key} >= {path}
         else:
             path.write_text("example-token\n")
     example = tmp_path / "example.toml"
