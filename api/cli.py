@@ -28,6 +28,7 @@ from api.config import (
     SECTIONS,
     Settings,
     closest_name,
+    idle_settings,
     masked,
     resolve_settings,
     stray_variables,
@@ -260,11 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ConfigError as exc:
         parser.error(str(exc))
-    stray = stray_variables(os.environ)
-    if stray:
+    warnings = stray_variables(os.environ) + idle_settings(settings, origin)
+    if warnings:
         # As the service logs (serve configures the same again); `config show` keeps stdout TOML.
         logging.config.dictConfig(log_config(settings.service.log_level, settings.service.log_format))
-        for warning in stray:
+        for warning in warnings:
             logger.warning("%s", warning)
     if showing:
         print(show_settings(settings, origin, problems), end="")

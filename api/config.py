@@ -43,6 +43,7 @@ __all__ = [
     "Settings",
     "closest_name",
     "flag_origin",
+    "idle_settings",
     "load_settings",
     "masked",
     "resolve_settings",
@@ -792,6 +793,18 @@ _NOT_SETTINGS_PREFIXES = ("bridge_", "_", "bench_", "ci_")
 # _PORT, _PROTO) and KV_ROUTER_PORT=tcp://... (that one the port setting's name); kv-router-x's alike.
 _SERVICE_LINK = re.compile(r"(\w+_)?(service_host|service_port(_\w+)?|port_\d+_(tcp|udp|sctp)(_\w+)?)")
 _SERVICE_LINK_ADDRESS = re.compile(r"(\w+_)?port")
+
+
+def idle_settings(settings: Settings, origin: Mapping[str, str]) -> list[str]:
+    """A warning for each setting given that this configuration never reads (the proxy's without
+    ``--proxy``): set by mistake or for a switch left off, it would change nothing without a word."""
+    if settings.proxy.proxy:
+        return []
+    return [
+        f"{name} ({origin[name]}) has no effect without --proxy"
+        for name in ProxyConfig.__struct_fields__
+        if name != "proxy" and name in origin
+    ]
 
 
 def stray_variables(env: Mapping[str, str]) -> list[str]:

@@ -195,6 +195,20 @@ def test_a_misspelt_variable_is_a_warning_naming_the_setting_meant() -> None:
     assert line.endswith("did you mean KV_ROUTER_BLOCK_SIZE?")
 
 
+def test_proxy_settings_without_the_proxy_are_a_warning_each() -> None:
+    """Read only by the proxy: given with --proxy off (a switch left off, say), they changed nothing
+    without a word."""
+    env = {**os.environ, ENV_PREFIX + "PROXY_RETRIES": "4"}
+    done = _kv("config", "show", "--proxy-connect-timeout-secs", "3", env=env)
+    assert done.returncode == 0, done.stderr
+    said = [line.split("WARNING api.cli: ")[-1] for line in done.stderr.splitlines() if "WARNING" in line]
+    assert said == [
+        "proxy_retries (environment variable KV_ROUTER_PROXY_RETRIES) has no effect without --proxy",
+        "proxy_connect_timeout_secs (flag --proxy-connect-timeout-secs) has no effect without --proxy",
+    ]
+    assert "WARNING" not in _kv("config", "show", "--proxy", "--proxy-retries", "4").stderr
+
+
 def test_variables_in_use_that_are_no_settings_are_no_warning() -> None:
     """Every KV_ROUTER_* name the repository uses (the bridge's, CI's, the tests' and benchmarks'), and
     what Kubernetes sets for the kv-router Service (and a kv-router-metrics one) in every pod."""
