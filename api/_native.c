@@ -566,6 +566,38 @@ static int histogram_init(Histogram *self, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
+/* Any other value (a bool, a float's or an int's subclass, a Decimal, a string), as the twin takes it:
+ * `bisect_left` with Python's comparisons (a subclass's reflected one first, a TypeError for what does
+ * not compare), counted, then `total += value` (its error raised after the count, as there) kept as
+ * the float of the sum. */
+static PyObject *histogram_observe_any(Histogram *self, PyObject *arg) {
+    Py_ssize_t low = 0, high = self->buckets - 1;
+    while (low < high) {
+        Py_ssize_t mid = (low + high) / 2;
+        int below = PyObject_RichCompareBool(PyTuple_GET_ITEM(self->bounds, mid), arg, Py_LT);
+        if (below < 0)
+            return NULL;
+        if (below)
+            low = mid + 1;
+        else
+            high = mid;
+    }
+    self->counts[low]++;
+    PyObject *total = PyFloat_FromDouble(self->total);
+    if (total == NULL)
+        return NULL;
+    PyObject *sum = PyNumber_Add(total, arg);
+    Py_DECREF(total);
+    if (sum == NULL)
+        return NULL;
+    double value = PyFloat_AsDouble(sum);
+    Py_DECREF(sum);
+    if (value == -1.0 && PyErr_Occurred())
+        return NULL;
+    self->total = value;
+    Py_RETURN_NONE;
+}
+
 static PyObject *histogram_observe(Histogram *self, PyObject *arg) {
     if (self->counts == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Histogram not initialised");
@@ -586,8 +618,7 @@ static PyObject *histogram_observe(Histogram *self, PyObject *arg) {
         }
         exact = too_large || fabs(value) >= 9007199254740992.0;
     } else {
-        PyErr_SetString(PyExc_TypeError, "Histogram.observe(value): value must be a float or an int");
-        return NULL;
+        return histogram_observe_any(self, arg);
     }
     Py_ssize_t low = 0, high = self->buckets - 1; /* bisect_left over the bounds */
     while (low < high) {

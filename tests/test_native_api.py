@@ -308,6 +308,31 @@ def test_a_histogram_series_counts_and_sums_as_the_python_one(bounds: tuple[floa
     )
 
 
+def test_a_histogram_series_takes_other_numbers_as_the_python_one_and_refuses_what_it_refuses() -> None:
+    """A bool, an int's or a float's subclass, a Decimal or a Fraction are counted and summed as the
+    twin does (the C code refused them all); a string is refused by the comparison, as there."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    class Ratio(float):
+        pass
+
+    class Count(int):
+        pass
+
+    ours, python = native.Histogram(RATIO_BUCKETS), _Histogram(RATIO_BUCKETS)
+    for value in (True, False, Ratio(0.3), Count(2), Fraction(1, 3), 0.25):
+        ours.observe(value)
+        python.observe(value)
+    assert ours.counts == python.counts and ours.total == python.total
+    for series in (ours, python):
+        with pytest.raises(TypeError):
+            series.observe("0.5")
+        with pytest.raises(TypeError):  # compares (Decimal with float), then the float sum refuses it
+            series.observe(Decimal("0.5"))
+    assert ours.counts == python.counts and ours.total == python.total
+
+
 def test_a_histogram_series_counts_an_int_beyond_any_float_before_refusing_it_as_the_python_one() -> None:
     ours, python = native.Histogram(RATIO_BUCKETS), _Histogram(RATIO_BUCKETS)
     for series in (ours, python):
