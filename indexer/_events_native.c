@@ -1149,6 +1149,21 @@ static PyObject *encode_removed(PyObject *template, uint64_t event_id, Decoded *
     return scratch_bytes(start, out);
 }
 
+/* Whether a stored template's three slots (items 4-6) each name what `encode_stored` writes there:
+ * 0 the event id, 1 the parent, 2 the blocks. */
+static int stored_slots(PyObject *template) {
+    for (Py_ssize_t i = 4; i < 7; i++) {
+        PyObject *slot = PyTuple_GET_ITEM(template, i);
+        if (!PyLong_CheckExact(slot))
+            return 0;
+        int overflow;
+        long which = PyLong_AsLongAndOverflow(slot, &overflow);
+        if (overflow || which < 0 || which > 2)
+            return 0;
+    }
+    return 1;
+}
+
 /* Whether the first `count` items of a tuple or list are bytes. */
 static int bytes_items(PyObject *sequence, Py_ssize_t count) {
     for (Py_ssize_t i = 0; i < count; i++)
@@ -1257,7 +1272,7 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
         }
         /* A stored template: a tuple of four literals and three slots; a removed one: three literals. */
         int shaped = d->kind == STORED ? PyTuple_Check(template) && PyTuple_GET_SIZE(template) == 7 &&
-                                             bytes_items(template, 4)
+                                             bytes_items(template, 4) && stored_slots(template)
                                        : (PyTuple_Check(template) || PyList_Check(template)) &&
                                              PySequence_Fast_GET_SIZE(template) == 3 && bytes_items(template, 3);
         if (!shaped) {
@@ -1265,6 +1280,13 @@ static PyObject *py_bridge_batch(PyObject *self, PyObject *const *args, Py_ssize
             goto done;
         }
         templates[i] = Py_NewRef(template);
+        /* What a rank and tier hold is a dict (`HeldBlocks`'): read with the dict macros below. */
+        PyObject *held = PyDict_GetItemWithError(args[5], keys[i]); /* borrowed */
+        if (held == NULL ? PyErr_Occurred() != NULL : !PyDict_Check(held)) {
+            if (held != NULL)
+                PyErr_SetString(PyExc_TypeError, "held: what a rank and tier hold is not a dict");
+            goto done;
+        }
     }
     if ((next_obj = PyObject_CallOneArg(args[4], rank)) == NULL)
         goto done;

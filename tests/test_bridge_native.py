@@ -216,3 +216,33 @@ def test_every_vector_goes_through_both_paths_alike(
     # The LoRA vector's salt is Python's; the others run in C once the first round made the templates.
     in_c = [vector["name"] != "vllm_current_map_events_bytes_hashes" for vector in vectors]
     assert taken == [False] * len(payloads) + in_c
+
+
+def test_state_not_of_the_shape_the_publisher_keeps_is_a_type_error_and_changes_nothing() -> None:
+    """What a rank and tier hold not a dict (read with the dict macros: undefined), or a stored
+    template whose slots are no 0-2 (an unchecked conversion: a SystemError) is a TypeError, raised
+    before anything is held."""
+    key = (0, StorageTier.DEVICE)
+    event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [0] * BLOCK,
+             "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None}  # fmt: skip
+    payload = encode([1.5, [event], 0])
+    removed = {key: (b"a", b"b", b"c")}
+
+    def bridge(held: dict[Any, Any], slots: tuple[Any, ...]) -> Any:
+        stored = {key: (b"a", b"b", b"c", b"d", *slots)}
+        row = (b"x", b"y", b"z")
+        return events_native.bridge_batch(
+            payload, BLOCK, 1337, 0, lambda rank: 5, held, stored, removed, row, {}, {}, 9
+        )
+
+    with pytest.raises(TypeError, match="what a rank and tier hold is not a dict"):
+        bridge({key: ["not", "a dict"]}, (0, 1, 2))
+    for slots in [(0, 1, None), (0, 1, 3), (0, -1, 2), (0, 1, 2**70), (0, 1, True)]:
+        held: dict[Any, Any] = {}
+        with pytest.raises(TypeError, match="an encoder template is not its literals and slots"):
+            bridge(held, slots)
+        assert held == {}
+    held = {}
+    rank, applied, events, ignored, _, numbered = bridge(held, (0, 1, 2))
+    assert (rank, applied, events, ignored, [number for number, _ in numbered]) == (0, 1, 1, 0, [5])
+    assert list(held) == [key]
