@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats, free_port
-from tests.router_processes import RouterProcess, kv_router_command
+from tests.router_processes import RouterProcess, ToolProcess, kv_router_command
 from tests.test_api_event_plane import Workers
 from tests.test_api_server import ROOT, _get
 from tests.waiting import accepting, until
@@ -147,3 +147,39 @@ def test_mock_worker_says_clearly_when_it_cannot_connect() -> None:
     assert message.startswith(f"kv-router mock-worker: waiting for NATS at {url} (connection refused)")
     assert f"cannot connect to NATS at {url} after 1 s (connection refused)" in message and "--nats-url" in message
     assert "Traceback" not in message
+
+
+@pytest.mark.slow
+def test_a_local_tool_follows_a_restarted_service_to_its_embedded_servers_new_token(tmp_path: Path) -> None:
+    """A mock worker and a bridge found the service through its connection file; the service restarts
+    (its embedded nats-server with a new token) and both are back in its registry, where they were
+    refused for ever with the old token (no log line said so)."""
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
+    env.pop("KV_ROUTER_NATS_CONNECTION_FILE", None)
+    port, nats_port = free_port(), free_port()
+
+    def service() -> RouterProcess:
+        return RouterProcess(
+            tmp_path, "--embedded-nats-port", str(nats_port), port=port, ready_path="/healthz", env=env
+        )
+
+    with service() as first:
+        worker = ToolProcess(tmp_path, env, "--worker-id", "5", "--block-size", str(BLOCK), "--heartbeat-interval",
+                             "0.5", "--log-level", "info")  # fmt: skip
+        bridge = ToolProcess(tmp_path, env, "--worker-id", "6", "--block-size", str(BLOCK), "--zmq-endpoint",
+                             f"tcp://127.0.0.1:{free_port()}", command="bridge")  # fmt: skip
+        with worker, bridge:
+
+            def registered() -> bool:
+                workers = json.loads(_get(port, "/v1/workers")[1])["workers"]
+                return sorted(w["config"]["worker_id"] for w in workers) == [5, 6]
+
+            until(registered, 30, "both register")
+            first.stop()
+            with service():
+                until(registered, 30, "both register again with the restarted service")
+            for tool in (worker, bridge):
+                assert "the service's connection file has a new NATS token: reconnecting with it" in tool.log()
+                assert tool.stop() == 0

@@ -170,10 +170,13 @@ async def connect(
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     on_error: Callable[[Exception], Awaitable[None]] | None = None,
+    token_source: Callable[[], str] | None = None,
 ) -> Client:
     """Connect now or raise (``OSError``, ``TimeoutError`` or a nats error naming why); once connected,
     the client reconnects without limit. ``on_error`` receives the client's asynchronous errors (failed
-    reconnection attempts among them) instead of nats-py's default, which logs each with a traceback."""
+    reconnection attempts among them) instead of nats-py's default, which logs each with a traceback.
+    ``token_source``, when given, is asked for the token at every connection and reconnection (in place
+    of ``options.token``): a restarted embedded server has a new one."""
     failures: list[Exception] = []
 
     async def error_cb(exc: Exception) -> None:
@@ -197,7 +200,9 @@ async def connect(
     if options.user is not None:
         kwargs["user"] = options.user
         kwargs["password"] = options.password
-    if options.token is not None:
+    if token_source is not None:
+        kwargs["token"] = token_source
+    elif options.token is not None:
         kwargs["token"] = options.token
     if options.creds_file is not None:
         kwargs["user_credentials"] = options.creds_file

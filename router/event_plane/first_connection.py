@@ -5,7 +5,8 @@ Tools are often started right after ``kv-router serve`` (``serve ... & mock-work
 its embedded nats-server is up and before it has written its connection file: each attempt reads the
 connection file again (`with_local_credentials`), so the tool finds the server, its port and its
 token as soon as the service has written them. Once connected the client reconnects forever
-(`connect`); only the first connection has a deadline. Losing NATS later, and reaching it again, is
+(`connect`), with the token the file holds at each attempt (a restarted service's embedded server has
+a new one); only the first connection has a deadline. Losing NATS later, and reaching it again, is
 said in the tool's log (a WARNING, then an INFO): nothing else would show that its events waited.
 """
 
@@ -22,7 +23,13 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
 from router.event_plane.connection import NatsOptions, connect, is_authorization_error
-from router.event_plane.connection_file import DEFAULT_URL, loopback_port, runtime_directory, with_local_credentials
+from router.event_plane.connection_file import (
+    DEFAULT_URL,
+    ConnectionFileError,
+    loopback_port,
+    runtime_directory,
+    with_local_credentials,
+)
 from router.event_plane.urls import redact_nats_url
 
 __all__ = ["DEFAULT_WAIT_SECS", "FirstConnectionError", "LocalToolConnection", "connect_local"]
@@ -103,8 +110,29 @@ class LocalToolConnection:
         async def back() -> None:
             log.info("%s: reached NATS at %s again", self.tool, url)
 
-        client = await connect(options, on_disconnect=lost, on_reconnect=back)
+        client = await connect(options, on_disconnect=lost, on_reconnect=back, token_source=self._token_source(options))
         return client
+
+    def _token_source(self, options: NatsOptions) -> Callable[[], str] | None:
+        """For a token found in a service's connection file: the file read again at each reconnection.
+        A restarted ``kv-router serve`` starts its embedded server with a new token, and the tool, still
+        holding the old one, was refused for ever without a word."""
+        if self._given_credentials() or options.token is None:
+            return None
+        last = options.token
+
+        def current() -> str:
+            nonlocal last
+            try:
+                found = self.resolved().token
+            except ConnectionFileError:
+                found = None  # unreadable for now (being rewritten): the last one known
+            if found is not None and found != last:
+                log.info("%s: the service's connection file has a new NATS token: reconnecting with it", self.tool)
+                last = found
+            return last
+
+        return current
 
     def _waiting_reason(self, options: NatsOptions, error: BaseException) -> str:
         """Why this attempt failed, as the progress line says it. A local server that wants credentials
