@@ -4,11 +4,13 @@ prompt rendered as a chat (the engine's cached tokens are the router's predictio
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
 from router.event_plane.embedded_server import EmbeddedNats
-from router.types import RouteRequest
+from router.types import RouteDecision, RouteRequest
 from tests.metrics import sample
 from tests.proxy_fleet import MODEL, Fleet, fleet, idle
 from tests.waiting import eventually
@@ -45,6 +47,32 @@ async def test_embeddings_and_rerank_go_to_the_least_loaded_worker(nats_server: 
         assert sample(text, "kv_router_proxy_requests_total", route="embeddings", outcome="ok") == 2
         assert sample(text, "kv_router_proxy_requests_total", route="rerank", outcome="ok") == 2
         assert sample(text, "kv_router_proxy_requests_total", route="rerank", outcome="bad_request") == 1
+
+
+async def test_a_batch_is_routed_by_its_first_prompt_and_booked_with_them_all(nats_server: EmbeddedNats) -> None:
+    """A batch of embeddings inputs or completion prompts loads its worker with every prompt's prefill:
+    booked with its first alone, 256 inputs weighed as one. Rows of token ids count exactly; texts
+    after the first at its tokens per byte."""
+    async with fleet(nats_server.url) as f:
+        booked: list[int] = []
+        new = f.router.new
+
+        async def watched(*args: Any, **kwargs: Any) -> RouteDecision:
+            await eventually(lambda: idle(f.router))  # the request before freed: its load is not counted
+            decision = await new(*args, **kwargs)
+            booked.append(sum(load.active_prefill_tokens for load in f.router.rank_loads()))
+            return decision
+
+        f.router.new = watched  # type: ignore[method-assign]
+        rows = [list(range(1, 101)), list(range(7, 207)), list(range(3, 53))]
+        await f.client.embeddings.create(model=MODEL, input=rows)
+        fresh = [[token + 1000 for token in row] for row in rows]  # nothing of it cached (completions get the credit)
+        await f.client.completions.create(model=MODEL, prompt=fresh, max_tokens=2)
+        single = await f.client.embeddings.create(model=MODEL, input="embed me " * 20)
+        # As long, and none of it cached anywhere: its prefill is all it books.
+        await f.client.embeddings.create(model=MODEL, input=["embed us " * 20] * 3)
+        assert booked == [350, 350, single.usage.prompt_tokens, 3 * single.usage.prompt_tokens]
+        assert idle(f.router)
 
 
 async def test_a_response_is_routed_by_its_rendered_chat_streamed_or_not(nats_server: EmbeddedNats) -> None:

@@ -81,6 +81,7 @@ from api.proxy.wire import (
     ResponsesBody,
     TokenIdsBody,
     Usage,
+    batch_rest,
     error_body,
     finished_stream,
     prompt_token_ids,
@@ -358,6 +359,7 @@ class Proxy:
             # while a list of ints held for the stream's life is walked by every young collection (at 100
             # streams of 256 tokens, 25k visits each, most of its pause).
             prompt: str | bytes
+            rest_ids = rest_bytes = 0  # a batch's other prompts (`batch_rest`)
             if isinstance(request, TokenIdsBody):
                 prompt = decoded.packed if isinstance(decoded, PackedIds) else bytes(pack_tokens(request.prompt))
                 if not prompt:
@@ -365,6 +367,7 @@ class Proxy:
             elif isinstance(request, CompletionBody):
                 given = prompt_token_ids(request.prompt)
                 prompt = given if isinstance(given, str) else bytes(pack_tokens(given))
+                rest_ids, rest_bytes = batch_rest(request.prompt)
             elif not request.messages:
                 raise ValueError("messages is empty")
             else:
@@ -430,6 +433,12 @@ class Proxy:
             )
         except ApiError as exc:  # counted as a bad request: its type is no outcome of the proxy's
             raise Refused.error(exc.status, "invalid_request_error", exc.message, "bad_request") from None
+        if rest_ids or rest_bytes:
+            # Booked with the whole batch: routed by its first prompt alone it loaded the worker as one
+            # request. Texts not tokenized are counted at the first's tokens per byte.
+            per_byte = routing_tokens / max(len(prompt.encode()), 1) if isinstance(prompt, str) else 1.0
+            routing_tokens += rest_ids + math.ceil(rest_bytes * per_byte)
+            routing.isl_tokens = routing_tokens
         if route in _BY_LOAD:
             routing.request.router_config_override = _NO_CACHE_CREDIT
             routing.one_leg = True
@@ -584,6 +593,7 @@ class Proxy:
                 among=among,
                 pinned_worker=routing.pinned,
                 pinned_prefill=routing.pinned_prefill,
+                isl_tokens=routing.isl_tokens,
                 one_leg=routing.one_leg,
                 local_prefill_reason=local_prefill_reason,
             )

@@ -110,7 +110,8 @@ class ChatBody(_Body, kw_only=True):
 
 
 class EmbeddingsBody(_Body, kw_only=True):
-    """``POST /v1/embeddings``: routed as a completion of its input (the first of a batch), by load."""
+    """``POST /v1/embeddings``: routed as a completion of its input (by the first of a batch, booked with
+    them all), by load."""
 
     input: str | list[str | int | list[int]]
     add_special_tokens: bool = True
@@ -214,10 +215,22 @@ class TokenizeReply(msgspec.Struct):
     tokens: list[U32]
 
 
+def batch_rest(prompt: str | list[str | int | list[int]]) -> tuple[int, int]:
+    """A batch's prompts after the first, which it is not routed by but which load the worker as much:
+    (the token ids of the rows of ids, the UTF-8 bytes of the texts). (0, 0) for one prompt. Read
+    after `prompt_token_ids` took the prompt (the shapes are checked there)."""
+    if isinstance(prompt, str) or len(prompt) < 2 or isinstance(prompt[0], int):
+        return 0, 0
+    if isinstance(prompt[0], str):
+        return 0, sum(len(text.encode()) for text in prompt[1:] if isinstance(text, str))
+    return sum(len(row) for row in prompt[1:] if isinstance(row, list)), 0
+
+
 def prompt_token_ids(prompt: str | list[str | int | list[int]]) -> list[int] | str:
     """The ids of the prompt the request is routed by, or its text to tokenize.
 
-    A batch is routed as one request, by its first prompt. Raises ``ValueError`` with what is wrong.
+    A batch is routed as one request, by its first prompt (its others weigh in its load: `batch_rest`).
+    Raises ``ValueError`` with what is wrong.
     """
     if isinstance(prompt, str):
         if not prompt:
