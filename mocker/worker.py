@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import msgspec
 from nats.aio.client import Client
@@ -46,6 +47,21 @@ log = logging.getLogger(__name__)
 _MAX_CATCH_UP_MS = 50.0
 
 _decode_request = msgspec.msgpack.Decoder(GenerateRequest).decode
+
+
+def _request_problem(request: GenerateRequest, in_flight: Mapping[str, str]) -> str | None:
+    """Why a decoded generate request cannot be served, or None."""
+    reply = request.reply
+    # A subject to publish to: dot-separated tokens, none empty, no whitespace, no wildcards.
+    if not reply or any(c.isspace() for c in reply) or "" in reply.split(".") or "*" in reply or ">" in reply:
+        return f"reply {reply!r} is not a subject to publish to"
+    if len(request.tokens) % 4:
+        return f"tokens are {len(request.tokens)} bytes, not packed u32"
+    if request.request_id in in_flight:
+        return "a request of that id is in flight"
+    return None
+
+
 _encode = msgspec.msgpack.Encoder().encode
 
 
@@ -163,6 +179,12 @@ class MockWorker:
             request = _decode_request(message.data)
         except msgspec.DecodeError as exc:
             log.warning("undecodable generate request on %s: %s", message.subject, exc)
+            return
+        problem = _request_problem(request, self._replies)
+        if problem is not None:
+            # Refused on arrival: a reply subject NATS refuses would have been met in the engine loop,
+            # raising there and ending the worker.
+            log.warning("generate request %r on %s refused: %s", request.request_id, message.subject, problem)
             return
         seq = self.engine.submit(request.request_id, request.tokens, request.max_tokens, self._now_ms())
         if seq.state is SeqState.REJECTED:

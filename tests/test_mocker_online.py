@@ -20,7 +20,7 @@ from mocker.online import OnlineReplayError, wait_for_workers
 from mocker.replay import ReplaySetup, replay_offline, replay_online_report
 from mocker.service import serve_router
 from mocker.trace import TraceOptions, build_trace
-from mocker.wire import reset_subject
+from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject, reset_subject
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
@@ -210,3 +210,50 @@ async def test_an_online_replay_whose_nats_dies_under_it_still_reports(
         nats_server.stop()
         run = await asyncio.wait_for(replay, 60)
     assert run.report.completed == 0 and [record.status for record in run.records] == ["unfinished"] * len(trace)
+
+
+async def test_a_worker_refuses_generate_requests_it_cannot_answer_and_serves_on(
+    nats_server: EmbeddedNats, router_url: str, tmp_path: Path
+) -> None:
+    """Garbage on a worker's generate subject: a reply subject NATS refuses (the engine loop raised on
+    its first update and the worker died), tokens that are not packed u32 (a ValueError, no reply), an
+    id already in flight (its replies went to the newer request). Each is a WARNING, and the worker
+    answers the next request."""
+    worker = start_worker(tmp_path, nats_server.url, 300)
+    nc = await connect(NatsOptions(nats_server.url))
+    try:
+        async with httpx.AsyncClient(base_url=router_url) as http:
+            await wait_for_workers(http, 1)
+        subject = generate_subject("default", 300)
+        inbox = nc.new_inbox()
+        updates = await nc.subscribe(inbox)
+        prompt = bytes(range(64))
+        long_one = GenerateRequest(request_id="long", tokens=prompt, max_tokens=400, reply=inbox)
+        await nc.publish(subject, msgspec.msgpack.encode(long_one))
+        for request in (
+            GenerateRequest(request_id="empty-reply", tokens=prompt, max_tokens=2, reply=""),
+            GenerateRequest(request_id="spaced-reply", tokens=prompt, max_tokens=2, reply="a b"),
+            GenerateRequest(request_id="wildcard-reply", tokens=prompt, max_tokens=2, reply="a.*"),
+            GenerateRequest(request_id="odd-tokens", tokens=b"12345", max_tokens=2, reply=inbox),
+            GenerateRequest(request_id="long", tokens=prompt, max_tokens=2, reply=inbox + ".other"),
+        ):
+            await nc.publish(subject, msgspec.msgpack.encode(request))
+        good = GenerateRequest(request_id="good", tokens=prompt, max_tokens=2, reply=inbox)
+        await nc.publish(subject, msgspec.msgpack.encode(good))
+        done: set[str] = set()
+        while done != {"good", "long"}:
+            update = msgspec.msgpack.decode((await updates.next_msg(timeout=30)).data, type=GenerateUpdate)
+            if update.kind == "done":
+                done.add(update.request_id)
+        assert not worker.ended()
+        refusals = [line for line in worker.log().splitlines() if "refused:" in line]
+        assert [line.split("generate request ")[1] for line in refusals] == [
+            f"'empty-reply' on {subject} refused: reply '' is not a subject to publish to",
+            f"'spaced-reply' on {subject} refused: reply 'a b' is not a subject to publish to",
+            f"'wildcard-reply' on {subject} refused: reply 'a.*' is not a subject to publish to",
+            f"'odd-tokens' on {subject} refused: tokens are 5 bytes, not packed u32",
+            f"'long' on {subject} refused: a request of that id is in flight",
+        ]
+    finally:
+        await nc.close()
+        assert worker.stop() == 0
