@@ -42,7 +42,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from mocker.handoff import ROOM_POLL_SECS, BootstrapFailed, Rooms, await_room, remote_params, transfer_secs
 from mocker.simulation import KvTransfer
-from mocker.worker import MockWorker, TokenStream
+from mocker.worker import MockWorker, TokenStream, WorkerStopped
 
 __all__ = ["MockOpenAI", "render_chat", "serve_openai", "text_tokens", "write_model_files"]
 
@@ -332,7 +332,11 @@ class MockOpenAI:
                 for sample in range(n):
                     index = prompt_index * n + sample
                     choice_id = request_id if index == 0 else f"{request_id}-{index}"
-                    stream = self.worker.open_stream(choice_id, prompt, max_tokens, kv_loaded=decode_leg)
+                    try:
+                        stream = self.worker.open_stream(choice_id, prompt, max_tokens, kv_loaded=decode_leg)
+                    except WorkerStopped as exc:
+                        await _reply(send, 503, _error(503, str(exc)))
+                        return
                     if stream is None:
                         refusal = f"prompt of {len(prompt)} tokens and max_tokens {max_tokens} do not fit the KV pool"
                         await _reply(send, 400, _error(400, refusal))
@@ -345,7 +349,9 @@ class MockOpenAI:
             else:
                 for choice in choices:
                     await _wait_done(choice.stream, left)
-                if not left.done():
+                if any(choice.stream.stopped for choice in choices):
+                    await _reply(send, 503, _error(503, f"mock worker {self.worker.worker_id} stopped"))
+                elif not left.done():
                     extra = None
                     if params.get("do_remote_decode") is True:
                         blocks = -(-len(tokens) // self.worker.engine.block_size)
@@ -396,6 +402,15 @@ class MockOpenAI:
         while pending:
             await _wait_change([choice.stream for choice in pending], left)
             if left.done():
+                return
+            if any(choice.stream.stopped for choice in pending):
+                # Cut short as a stopping engine cuts its streams: the client sees them end in an error.
+                message = f"mock worker {self.worker.worker_id} stopped"
+                if not started:
+                    await _reply(send, 503, _error(503, message))
+                    return
+                error = b"data: " + _error(503, message) + b"\n\n"
+                await send({"type": "http.response.body", "body": error})
                 return
             pieces = []
             for choice in pending:
@@ -569,7 +584,7 @@ async def _wait_change(streams: list[TokenStream], left: asyncio.Future[None]) -
 
 
 async def _wait_done(stream: TokenStream, left: asyncio.Future[None]) -> None:
-    while not stream.done and not left.done():
+    while not stream.done and not stream.stopped and not left.done():
         await _wait_change([stream], left)
 
 

@@ -65,16 +65,21 @@ def _request_problem(request: GenerateRequest, in_flight: Mapping[str, str]) -> 
 _encode = msgspec.msgpack.Encoder().encode
 
 
+class WorkerStopped(Exception):
+    """The worker's engine loop has ended: it takes no more requests."""
+
+
 class TokenStream:
     """One HTTP request inside the engine: how many tokens it has, and a wake-up when that changes."""
 
-    __slots__ = ("changed", "done", "seq", "tokens")
+    __slots__ = ("changed", "done", "seq", "stopped", "tokens")
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
         # As of the last pass whose end has come: the engine runs a pass ahead of the wall clock.
         self.tokens = 0
         self.done = False
+        self.stopped = False  # the worker stopped before the request was done: no token will come
         self.changed = asyncio.Event()
 
 
@@ -123,6 +128,7 @@ class MockWorker:
         self._load_interval_s = load_interval_s
         self._replies: dict[str, str] = {}
         self._streams: dict[str, TokenStream] = {}
+        self.stopped = False  # its engine loop has ended (`run` returned or was cancelled)
         self._work = asyncio.Event()
         self._subscriptions: list[Subscription] = []
         self._started = time.monotonic()
@@ -148,6 +154,12 @@ class MockWorker:
         try:
             await self._serve()
         finally:
+            # The engine runs no more: HTTP requests waiting on it end now (their clients told so)
+            # rather than hold the worker's shutdown for ever; new ones are refused (`open_stream`).
+            self.stopped = True
+            for stream in self._streams.values():
+                stream.stopped = True
+                stream.changed.set()
             for subscription in self._subscriptions:
                 await subscription.unsubscribe()
             if self.zmq is None:
@@ -197,7 +209,10 @@ class MockWorker:
         self, request_id: str, tokens: list[int], max_tokens: int, *, kv_loaded: bool = False
     ) -> TokenStream | None:
         """Submit an HTTP request; None if its prompt and output can never fit the pool. ``kv_loaded``: its
-        prompt's KV came from a prefill worker (`MockEngine.submit`)."""
+        prompt's KV came from a prefill worker (`MockEngine.submit`). Raises `WorkerStopped` once the
+        engine loop has ended."""
+        if self.stopped:
+            raise WorkerStopped(f"mock worker {self.worker_id} is stopping")
         seq = self.engine.submit(request_id, tokens, max_tokens, self._now_ms(), kv_loaded=kv_loaded)
         if seq.state is SeqState.REJECTED:
             return None

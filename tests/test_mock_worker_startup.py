@@ -132,3 +132,38 @@ async def test_an_endpoint_another_program_holds_is_refused_at_once(monkeypatch:
         False,
         True,
     )
+
+
+def test_sigterm_ends_the_requests_in_flight_with_an_error_and_the_worker_exits(tmp_path: Path) -> None:
+    """A stream and a whole answer in flight when the worker is told to stop: each ends in an error
+    (the stream's last event, the answer a 503) and the worker exits 0, where the stream froze and the
+    worker waited for its client to give up (30 s here, for ever without a client timeout)."""
+    import openai
+
+    with EmbeddedNats() as nats:
+        http = free_port()
+        flags = ("--nats-url", nats.url, "--worker-id", "8", "--http-port", str(http))
+        with ToolProcess(tmp_path, None, *flags) as worker:
+            until(lambda: "mock worker 8 on" in worker.log() or worker.ended(), 60, "the start-up line")
+
+            async def in_flight() -> tuple[BaseException | None, BaseException | None]:
+                client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="-", max_retries=0)
+                whole = asyncio.create_task(client.completions.create(model="mock-model", prompt="hi", max_tokens=4000))
+                stream = await client.completions.create(model="mock-model", prompt="hi", max_tokens=4000, stream=True)
+                streamed: BaseException | None = None
+                try:
+                    async for chunk in stream:
+                        if chunk.choices[0].text and worker.process.poll() is None:
+                            worker.process.terminate()  # SIGTERM, once tokens flow
+                except openai.APIError as exc:
+                    streamed = exc
+                answered = (await asyncio.gather(whole, return_exceptions=True))[0]
+                await client.close()
+                return streamed, answered if isinstance(answered, BaseException) else None
+
+            started = time.monotonic()
+            streamed, answered = asyncio.run(asyncio.wait_for(in_flight(), 20))
+            assert worker.process.wait(10) == 0
+            assert time.monotonic() - started < 15
+            assert isinstance(streamed, openai.APIError) and "mock worker 8 stopped" in str(streamed)
+            assert isinstance(answered, openai.InternalServerError) and answered.status_code == 503
