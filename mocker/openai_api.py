@@ -119,11 +119,18 @@ def write_model_files(directory: Path) -> Path:
 def render_chat(messages: list[_Message]) -> str:
     parts = []
     for message in messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(str(part.get("text", "")) for part in content)
+        content = _content_text(message.content)
         parts.append(f"<|{message.role}|>\n{content or ''}\n")
     return "".join(parts) + "<|assistant|>\n"
+
+
+def _content_text(content: Any) -> Any:
+    """A message's content as text: its parts' texts joined (`ValueError` for a part that is no object)."""
+    if not isinstance(content, list):
+        return content
+    if not all(isinstance(part, dict) for part in content):
+        raise ValueError("content: a text, or a list of parts, each an object with its text")
+    return "".join(str(part.get("text", "")) for part in content)
 
 
 def responses_messages(instructions: str | None, given: str | list[Any]) -> list[_Message]:
@@ -133,11 +140,18 @@ def responses_messages(instructions: str | None, given: str | list[Any]) -> list
     if isinstance(given, str):
         return [*messages, _Message(role="user", content=given)]
     for item in given:
-        content = item.get("content")
-        if isinstance(content, list):
-            content = "".join(str(part.get("text", "")) for part in content)
-        messages.append(_Message(role=item.get("role", "user"), content=content))
+        if not isinstance(item, dict):
+            raise ValueError(f"input: an item is an object with a role and content, got {item!r}")
+        messages.append(_Message(role=item.get("role", "user"), content=_content_text(item.get("content"))))
     return messages
+
+
+def _token_ids(values: list[Any]) -> list[int]:
+    """A list of token ids as given, each an int in 0 .. 2^32 - 1 (`ValueError` naming what is not)."""
+    for value in values:
+        if type(value) is not int or not 0 <= value < 1 << 32:
+            raise ValueError(f"prompt: token ids are ints in 0 .. 2^32 - 1, got {value!r}")
+    return list(values)
 
 
 def _prompt_ids(body: _Body) -> list[int]:
@@ -158,10 +172,10 @@ def _prompt_ids(body: _Body) -> list[int]:
         raise ValueError("prompt is empty")
     first = prompt[0]
     if isinstance(first, int):
-        return [int(token) for token in prompt]  # type: ignore[arg-type]
+        return _token_ids(prompt)
     if isinstance(first, str):
         return text_tokens(first)
-    return list(first)
+    return _token_ids(first)
 
 
 def _batch(body: _Body, first: list[int]) -> list[list[int]]:
@@ -174,9 +188,9 @@ def _batch(body: _Body, first: list[int]) -> list[list[int]]:
         raise ValueError(f"prompt list length {len(prompt)} exceeds the maximum allowed count of {MAX_PROMPTS}.")
     prompts = []
     for item in prompt:
-        if isinstance(item, int):
+        if isinstance(item, int) or isinstance(item, str) != isinstance(prompt[0], str):
             raise ValueError("prompt: a text, a list of token ids, or a list of texts or of token id lists")
-        prompts.append(text_tokens(item) if isinstance(item, str) else list(item))
+        prompts.append(text_tokens(item) if isinstance(item, str) else _token_ids(item))
     return prompts
 
 
@@ -385,6 +399,8 @@ class MockOpenAI:
                 raise ValueError("kv_transfer_params.remote_block_ids must be the list of the prefilled blocks")
             blocks = len(block_ids)
         engine = self.worker.engine
+        # No more than the prompt's blocks come over, whatever the params claim (a million: 84 s asleep).
+        blocks = min(blocks, -(-len(tokens) // engine.block_size))
         missing = max(blocks - engine.cached_prefix_blocks(tokens), 0)
         await asyncio.sleep(transfer_secs(self.transfer, missing, engine.block_size, engine.config.speedup_ratio))
         self.pulled_blocks += missing

@@ -71,10 +71,24 @@ REFUSED = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "got 0."),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "-1."),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 0}, "max_tokens must be at least 1, got 0."),
+    # Each was a plain-text 500 (a TypeError, a ValueError raised past the check, an AttributeError) or,
+    # on /tokenize, a 200 echoing ids no engine has.
+    ("/v1/completions", {"prompt": [1, [2]]}, "token ids are ints in 0 .. 2^32 - 1, got [2]"),
+    ("/tokenize", {"prompt": [1, [2]]}, "token ids are ints in 0 .. 2^32 - 1, got [2]"),
+    ("/v1/completions", {"prompt": [-1, 5]}, "token ids are ints in 0 .. 2^32 - 1, got -1"),
+    ("/tokenize", {"prompt": [-1]}, "token ids are ints in 0 .. 2^32 - 1, got -1"),
+    ("/v1/completions", {"prompt": [2**33]}, "got 8589934592"),
+    ("/v1/completions", {"prompt": [[2**33]]}, "got 8589934592"),
+    ("/v1/completions", {"prompt": [[1], [2, True]]}, "got `bool`"),
+    ("/v1/completions", {"prompt": [[1], "text"]}, "a list of texts or of token id lists"),
+    ("/v1/responses", {"input": [1, 2]}, "input: an item is an object with a role and content, got 1"),
+    ("/v1/responses", {"input": [{"role": "user", "content": ["hi"]}]}, "content: a text, or a list of parts"),
 ]
 
 
-async def test_max_tokens_or_n_below_one_is_a_400_as_vllm_answers(nats_server: EmbeddedNats) -> None:
+async def test_max_tokens_or_n_below_one_or_malformed_prompts_are_a_400_as_vllm_answers(
+    nats_server: EmbeddedNats,
+) -> None:
     async with fleet(nats_server.url, (1,)) as f, httpx.AsyncClient() as http:
         for path, fields, says in REFUSED:
             reply = await http.post(f"{_url(f.apis[1])}{path}", content=json.dumps({"model": MODEL, **fields}))
@@ -86,3 +100,17 @@ async def test_max_tokens_or_n_below_one_is_a_400_as_vllm_answers(nats_server: E
 
 def _url(api: MockOpenAI) -> str:
     return f"http://{api.host}:{api.port}"
+
+
+async def test_a_decode_leg_pulls_no_more_than_its_prompts_blocks_whatever_its_params_claim(
+    nats_server: EmbeddedNats,
+) -> None:
+    """Params naming a million remote blocks for a two-block prompt slept through the transfer of all
+    of them (84 s); the pull is the prompt's blocks less those cached here."""
+    async with fleet(nats_server.url, (1,)) as f, httpx.AsyncClient(timeout=30) as http:
+        params = {"do_remote_prefill": True, "remote_block_ids": [1] * 1_000_000}
+        prompt = list(range(1, 2 * f.workers[1].engine.block_size + 1))
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}
+        reply = await http.post(f"{_url(f.apis[1])}/v1/completions", content=json.dumps(body))
+        assert reply.status_code == 200, reply.text
+        assert f.apis[1].pulled_blocks == 2
