@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 _MAX_CATCH_UP_MS = 50.0
 
 _decode_request = msgspec.msgpack.Decoder(GenerateRequest).decode
+_encode = msgspec.msgpack.Encoder().encode
 
 
 def _request_problem(request: GenerateRequest, in_flight: Mapping[str, str]) -> str | None:
@@ -60,9 +61,6 @@ def _request_problem(request: GenerateRequest, in_flight: Mapping[str, str]) -> 
     if request.request_id in in_flight:
         return "a request of that id is in flight"
     return None
-
-
-_encode = msgspec.msgpack.Encoder().encode
 
 
 class WorkerStopped(Exception):
