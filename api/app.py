@@ -101,12 +101,13 @@ def create_app(
         protect_reads=security.protect_reads,
         protect_probes=security.protect_probes,
     )
-    handlers = Handlers(kv_router, metrics, settings.service, auth)
     lifecycle = (
         PlaneLifecycle(kv_router, settings.event_plane, settings.ha, http_port=settings.service.port)
         if settings.event_plane.nats_url
         else None
     )
+    relay = lifecycle.relay_events if lifecycle is not None and settings.ha.replica_sync else None
+    handlers = Handlers(kv_router, metrics, settings.service, auth, relay)
     if lifecycle is not None:
         registry.register(EventPlaneCollector(lifecycle))
         registry.register(HaCollector(lifecycle))

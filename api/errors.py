@@ -72,6 +72,13 @@ class BodyTooLarge(ApiError):
     type = "body_too_large"
 
 
+class EventTooLarge(ApiError):
+    """An event posted over HTTP too large for the NATS server to relay to the other replicas."""
+
+    status = 413
+    type = "event_too_large"
+
+
 class PromptTooLong(ApiError):
     status = 413
     type = "prompt_too_long"

@@ -63,7 +63,7 @@ from api.wire import (
     is_request_id,
     queries_instance,
 )
-from indexer.events import decode_router_events
+from indexer.events import RouterEvent, decode_router_events
 from indexer.hashing import unpack_tokens
 from router.errors import QueueRejected
 from router.kv_router import KvRouter
@@ -94,9 +94,17 @@ class Handlers:
     """The hot routes of one app, bound to its router, metrics and limits."""
 
     def __init__(
-        self, router: KvRouter, metrics: ApiMetrics, service: ServiceConfig, auth: ApiAuth | None = None
+        self,
+        router: KvRouter,
+        metrics: ApiMetrics,
+        service: ServiceConfig,
+        auth: ApiAuth | None = None,
+        relay_events: Callable[[list[RouterEvent]], Awaitable[int]] | None = None,
     ) -> None:
+        """``relay_events``: where the events posted here go instead of this router's sequencer, when
+        replicas keep an index each (`PlaneLifecycle.relay_events`: it says how many it relayed)."""
         self._router = router
+        self._relay_events = relay_events
         self._auth = auth or ApiAuth(None)
         self._metrics = metrics
         self._max_prompt_tokens = service.max_prompt_tokens
@@ -198,8 +206,10 @@ class Handlers:
         """``POST /v1/record_output``: the request's generated tokens so far (``router_track_output_blocks``)."""
         return self._guarded("record_output", self._record_output, call)
 
-    def events(self, call: Call) -> Reply:
-        return self._guarded("events", self._events, call)
+    def events(self, call: Call) -> HotOutcome:
+        if self._relay_events is None:
+            return self._guarded("events", self._events, call)
+        return self._guard("events", self._relayed_events(call, self._relay_events))
 
     def overlap(self, call: Call) -> Reply:
         return self._guarded("overlap", self._overlap, call)
@@ -342,6 +352,16 @@ class Handlers:
 
     def _events(self, call: Call) -> Reply:
         events = decode_router_events(call.body, msgpack=call.msgpack)
+        return self._apply_events(events, call)
+
+    async def _relayed_events(self, call: Call, relay: Callable[[list[RouterEvent]], Awaitable[int]]) -> Reply:
+        events = decode_router_events(call.body, msgpack=call.msgpack)
+        relayed = await relay(events)
+        if not relayed:  # the event plane has not started: here alone, as without replicas
+            return self._apply_events(events, call)
+        return self._reply(EventsReply(received=len(events), applied=0, rejected=0, relayed=relayed), call)
+
+    def _apply_events(self, events: list[RouterEvent], call: Call) -> Reply:
         report = self._router.sequencer.ingest_reported(events)
         reply = EventsReply(
             received=len(events),

@@ -37,7 +37,9 @@ from nats.aio.client import Client
 from nats.errors import SlowConsumerError
 
 from api.config import EventPlaneConfig, HaConfig
+from api.errors import EventTooLarge
 from api.wire import EventPlaneHealth
+from indexer.events import RouterEvent, encode_router_events
 from router.event_plane.connection import (
     NatsOptions,
     close_connection,
@@ -307,6 +309,28 @@ class PlaneLifecycle:
         self.router.register_worker(config)
         self._unshared[config.worker_id] = config
 
+    async def relay_events(self, events: list[RouterEvent]) -> int:
+        """Events posted over HTTP, published on their workers' events subjects (with replica sync: every
+        replica, this one too, applies them from there, in the order the NATS server took them; applied
+        here first, a sibling could meet a later event posted to it before this one reached it, and
+        call it a gap). Returns how many went out once the server has them (flushed), so that an event
+        posted after the answer is behind them everywhere; 0 before the plane has started (then the
+        caller applies them here alone). An event larger than the server's max_payload is refused."""
+        nc = self._nc
+        if self.plane is None or nc is None:
+            return 0
+        by_worker: dict[int, list[RouterEvent]] = {}
+        for event in events:
+            by_worker.setdefault(event.worker_id, []).append(event)
+        subjects = self.plane.subjects
+        # Every part encoded first: an event past max_payload refuses the batch before any of it goes out.
+        parts = [(subjects.events(worker_id), payload) for worker_id, own in by_worker.items()
+                 for payload in _parts_within(own, nc.max_payload)]  # fmt: skip
+        for subject, payload in parts:
+            await nc.publish(subject, payload)
+        await nc.flush()
+        return len(events)
+
     async def deregister(self, worker_id: int) -> None:
         """Raises `UnknownWorker` for a worker this router does not know."""
         if self.plane is not None:
@@ -411,3 +435,17 @@ async def _undo_start(
     if durable is not None:
         await durable.stop()
         durable.discard()
+
+
+def _parts_within(events: list[RouterEvent], limit: int) -> Iterator[bytes]:
+    """``events`` encoded in consecutive parts of at most ``limit`` bytes each (halved until they fit);
+    raises `EventTooLarge` for one event past it."""
+    payload = encode_router_events(events)
+    if len(payload) <= limit:
+        yield payload
+    elif len(events) == 1:
+        raise EventTooLarge(f"an event of {len(payload)} bytes is past the NATS server's max_payload of {limit}")
+    else:
+        half = len(events) // 2
+        yield from _parts_within(events[:half], limit)
+        yield from _parts_within(events[half:], limit)

@@ -499,8 +499,12 @@ class WorkersReply(msgspec.Struct, kw_only=True):
 
 class EventsReply(msgspec.Struct, kw_only=True):
     """What became of a batch of events: each received event in exactly one count
-    (``received = applied + rejected + duplicate + held``), and the reasons of the last rejected and
-    held ones.
+    (``received = applied + rejected + duplicate + held + relayed``), and the reasons of the last
+    rejected and held ones.
+
+    With replica sync (``--processes N``, replicas) events are ``relayed``: published on their workers'
+    events subjects, where every replica, this one too, takes them in the order the NATS server did
+    (what became of each is then in ``kv_router_stream_events`` of each replica).
 
     Events pass the same sequencer as those from NATS: ``applied`` ones reached the index;
     ``duplicate`` ones (an id at or below the last one taken for that worker and dp rank: seen
@@ -517,6 +521,7 @@ class EventsReply(msgspec.Struct, kw_only=True):
     rejected: int
     duplicate: int = 0
     held: int = 0
+    relayed: int = 0
     errors: list[str] = []
 
 

@@ -21,12 +21,13 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
 from tests.nats_proxy import LossyNatsProxy
 from tests.router_processes import ROOT, RouterProcess, get
-from tests.test_api_support import prompt
+from tests.test_api_support import prompt, stored_event
 from tests.test_never_blind import pairs, tokens
 from tests.waiting import eventually, until
 
@@ -266,6 +267,15 @@ class SlowToAnswerResyncs(KvEventPublisher):
         await super()._on_resync(message)
 
 
+def blocks_seen(port: int, worker_id: int, seed: int, blocks: int, connections: int = 16) -> set[int]:
+    """The worker's cached blocks of a prompt as several fresh connections (either process) score them."""
+    seen = set()
+    for _ in range(connections):
+        workers = on_new_connection(port, "/v1/overlap", {"tokens": tokens(seed, blocks)})[1]["workers"]
+        seen.add({row["worker_id"]: row["device_blocks"] for row in workers}.get(worker_id, 0))
+    return seen
+
+
 def cached_everywhere(port: int, worker_id: int, seed: int, blocks: int, connections: int = 16) -> bool:
     """Whether every one of several fresh connections (either process) sees the worker's blocks."""
     for _ in range(connections):
@@ -273,6 +283,33 @@ def cached_everywhere(port: int, worker_id: int, seed: int, blocks: int, connect
         if {row["worker_id"]: row["device_blocks"] for row in workers}.get(worker_id) != blocks:
             return False
     return True
+
+
+def test_events_posted_over_http_reach_every_process(tmp_path: Path) -> None:
+    """Events posted to whichever process a connection lands on are relayed on the worker's events
+    subject, where every process takes them in one order: every process scores them. Each process kept
+    its own, so half the connections saw the blocks and the other half routed as if the worker held
+    nothing (and applied here first, then relayed, a later event posted to the other process could
+    reach it first: a gap, the stream untrusted)."""
+    with RouterProcess(tmp_path, "--processes", "2") as router:
+        until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+              40, "two router processes listening")  # fmt: skip
+        assert on_new_connection(router.port, "/v1/workers", {"worker_id": 7})[0] in (200, 201)
+        until(lambda: registered_everywhere(router.port, 7), 30, "every process knows the worker")
+        for event_id, seed in enumerate((11, 12, 13), 1):
+            status, reply = on_new_connection(
+                router.port, "/v1/events", [stored_event(7, tokens(seed, 4), event_id=event_id)]
+            )
+            assert (status, reply["received"], reply["relayed"]) == (200, 1, 1)
+        for seed in (11, 12, 13):
+            until(lambda: cached_everywhere(router.port, 7, seed, 4), 30, f"every process has chain {seed}")  # noqa: B023
+        # A removal is relayed as well: gone everywhere.
+        local = compute_block_hashes(tokens(12, 4), 16)
+        removed = {"worker_id": 7, "event": {"event_id": 4, "dp_rank": 0, "data": {"removed": {
+            "block_hashes": compute_sequence_hashes(local)}}}}  # fmt: skip
+        assert on_new_connection(router.port, "/v1/events", [removed])[1]["relayed"] == 1
+        until(lambda: blocks_seen(router.port, 7, 12, 4) == {0}, 30, "the removal reaches every process")
+        assert cached_everywhere(router.port, 7, 11, 4) and cached_everywhere(router.port, 7, 13, 4)
 
 
 @pytest.mark.anyio

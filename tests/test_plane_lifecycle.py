@@ -17,8 +17,9 @@ from nats.aio.msg import Msg
 
 import api.plane_lifecycle
 from api.config import EventPlaneConfig, HaConfig
+from api.errors import EventTooLarge
 from api.plane_lifecycle import PlaneLifecycle
-from indexer.events import ResyncRequest
+from indexer.events import ResyncRequest, RouterEvent, encode_router_events
 from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
@@ -194,3 +195,34 @@ async def test_events_dropped_for_an_unregistered_worker_are_counted_and_logged_
             )
         finally:
             await sender.close()
+
+
+async def test_events_relayed_to_the_replicas_are_split_under_max_payload_and_one_too_large_is_refused() -> None:
+    """A batch posted over HTTP larger than the server's max_payload goes out in parts that each fit
+    (every event applied); one event past it alone is refused (`EventTooLarge`, a 413) before any of
+    its batch goes out."""
+    with EmbeddedNats(max_payload=4096) as server:
+        router = KvRouter(RouterConfig(block_size=BLOCK))
+        lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=server.url), HaConfig(replica_sync=True))
+        await lifecycle.register(WorkerConfig(worker_id=1))
+        task = asyncio.create_task(lifecycle.run())
+        try:
+            await eventually(lambda: lifecycle.ready, 30, "the plane starts")
+
+            def stored(event_id: int, hashes: range) -> RouterEvent:
+                blocks = [{"block_hash": h, "tokens_hash": h} for h in hashes]
+                body = {"worker_id": 1, "event": {"event_id": event_id, "data": {"stored": {"blocks": blocks}}}}
+                return msgspec.convert(body, RouterEvent)
+
+            batch = [stored(i, range(1000 * i, 1000 * i + 10)) for i in range(1, 101)]
+            assert len(encode_router_events(batch)) > 4096
+            assert await lifecycle.relay_events(batch) == 100
+            await eventually(lambda: router.sequencer.outcomes["applied"] == 100, 30, "every part applied")
+            with pytest.raises(EventTooLarge, match="max_payload of 4096"):
+                await lifecycle.relay_events([stored(101, range(500_000, 500_004)), stored(102, range(1, 400))])
+            await asyncio.sleep(0.2)  # nothing of that batch arrives (a wait for an absence)
+            assert router.sequencer.outcomes["applied"] == 100
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await lifecycle.stop()
