@@ -20,7 +20,7 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -50,10 +50,17 @@ class TraceError(ValueError):
     """A trace line that cannot be replayed; the message names the file and line."""
 
 
+# Past any context a model serves (and a request's prompt and block ids are built in memory: 10^11
+# tokens took all of it); and past three centuries of milliseconds, where a pass's time no longer
+# moves the clock (the simulation stalls: "made no progress").
+MAX_REQUEST_TOKENS = 10_000_000
+MAX_TIMESTAMP_MS = 1e13
+
+
 class _Line(msgspec.Struct):
-    timestamp: float
-    input_length: int
-    output_length: int
+    timestamp: Annotated[float, msgspec.Meta(ge=-MAX_TIMESTAMP_MS, le=MAX_TIMESTAMP_MS)]
+    input_length: Annotated[int, msgspec.Meta(le=MAX_REQUEST_TOKENS)]
+    output_length: Annotated[int, msgspec.Meta(le=MAX_REQUEST_TOKENS)]
     hash_ids: list[int]
 
 

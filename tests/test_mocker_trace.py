@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from array import array
 from pathlib import Path
 
@@ -137,6 +138,23 @@ def test_bad_lines_and_options_are_reported(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="speedup"):
         TraceOptions(speedup=0)
     assert len(build_trace([], TraceOptions(), "empty")) == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("input_length", 10**11, "Expected `int` <= 10000000 - at `$.input_length`"),  # took all memory
+        ("output_length", 10**11, "Expected `int` <= 10000000 - at `$.output_length`"),
+        ("timestamp", 1e308, "Expected `float` <= 10000000000000.0 - at `$.timestamp`"),  # a stalled simulation
+    ],
+)
+def test_lengths_and_timestamps_past_any_real_request_are_refused_naming_the_line(
+    tmp_path: Path, field: str, value: float, says: str
+) -> None:
+    row = {"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}
+    path = write_trace(tmp_path / "far.jsonl", [row, dict(row, **{field: value})])
+    with pytest.raises(TraceError, match=re.escape(f"far.jsonl:2: not a Mooncake trace line: {says}")):
+        load_trace(path)
 
 
 def test_the_shared_traces_load_whole(shared_dir: Path) -> None:
