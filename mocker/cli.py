@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -232,8 +233,31 @@ def _int_at_least(least: int) -> Callable[[str], int]:
 
 
 def _multipliers(text: str) -> tuple[float, ...]:
-    """Comma-separated multipliers, each a finite number > 0."""
-    return tuple(_positive_float(m) for m in text.split(",") if m)
+    """Comma-separated multipliers, each a finite number > 0; at least one."""
+    given = tuple(_positive_float(m) for m in text.split(",") if m)
+    if not given:
+        raise argparse.ArgumentTypeError(f"no multiplier given: {text!r}")
+    return given
+
+
+def _router_names(text: str) -> str:
+    """``--routers``: comma-separated names, at least one (``all`` is one)."""
+    if not any(name.strip() for name in text.split(",")):
+        raise argparse.ArgumentTypeError(f"no router named: {text!r}")
+    return text
+
+
+def _output_directory(path: Path, flag: str = "--out") -> None:
+    """Make the report directory now, or say why not (`ValueError`): found unusable only at the end,
+    the whole run's figures were lost in a traceback."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path}: not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot make the directory: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write there")
 
 
 def _trace_options(args: argparse.Namespace) -> TraceOptions:
@@ -258,6 +282,7 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
     _add_trace_flags(parser, "simulated workers (online: workers to wait for) [%(default)s]")
     parser.add_argument(
         "--routers",
+        type=_router_names,
         default="all",
         help="comma-separated routers: our registered policies (dynamo, round_robin, random, least_loaded, ...), "
         "the peer emulations sglang and llmd, or module:factory [all: every registered policy, sglang and llmd]",
@@ -499,6 +524,11 @@ def _run_replay(args: argparse.Namespace) -> int:
     if setup.disaggregated and args.online:
         print("kv-router replay: a disaggregated fleet replays offline only", file=sys.stderr)
         return 2
+    try:  # the last check, so that a refused command leaves no directory behind
+        _output_directory(args.out)
+    except ValueError as exc:
+        print(f"kv-router replay: {exc}", file=sys.stderr)
+        return 2
     settings = setup.describe(trace)
     print(
         f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s"
@@ -618,6 +648,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         trace = _load_replay_trace(args, _trace_options(args))
         setup = TuneSetup(engine=engine, workers=args.workers, seed=args.seed, budget=args.budget, jobs=args.jobs)
         digest = trace_digest(args.trace, trace.path)
+        _output_directory(args.out)  # the last check, so that a refused command leaves no directory behind
     except (OSError, TraceError, ValueError) as exc:
         print(f"kv-router tune: {exc}", file=sys.stderr)
         return 2
@@ -900,10 +931,14 @@ def _add_demo(parser: argparse.ArgumentParser) -> None:
         "Start an embedded NATS, the router and mock workers in this process, replay a generated shared-prefix "
         "workload through them over HTTP, then simulate the same workload with every router; print both tables."
     )
-    parser.add_argument("--workers", type=int, default=4, help="mock workers [%(default)s]")
-    parser.add_argument("--requests", type=int, default=300, help="requests in the workload [%(default)s]")
-    parser.add_argument("--speedup", type=float, default=10.0, help="run this much faster than real [%(default)s]")
-    parser.add_argument("--num-gpu-blocks", type=int, default=1024, help="KV blocks per worker [%(default)s]")
+    parser.add_argument("--workers", type=_int_at_least(1), default=4, help="mock workers [%(default)s]")
+    parser.add_argument("--requests", type=_int_at_least(1), default=300, help="requests in the workload [%(default)s]")
+    parser.add_argument(
+        "--speedup", type=_positive_float, default=10.0, help="run this much faster than real [%(default)s]"
+    )
+    parser.add_argument(
+        "--num-gpu-blocks", type=_int_at_least(1), default=1024, help="KV blocks per worker [%(default)s]"
+    )
     parser.add_argument("--seed", type=int, default=0, help="[%(default)s]")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 

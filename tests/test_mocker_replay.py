@@ -439,18 +439,39 @@ def test_time_scales_and_windows_not_above_zero_are_refused_at_parsing(
         ("tune", "--jobs", "-1", "must be >= 0, got -1"),
         ("tune", "--workers", "0", "must be >= 1, got 0"),
         ("tune", "--workers", "two", "not an integer: 'two'"),
+        ("replay", "--routers", ",", "no router named: ','"),  # ran every router
+        ("replay", "--goodput-at", ",,", "no multiplier given: ',,'"),  # no goodput point, exit 0
+        ("demo", "--speedup", "0", "must be > 0, got 0"),  # a ZeroDivisionError
+        ("demo", "--workers", "0", "must be >= 1, got 0"),  # an HTTP 503's traceback
+        ("demo", "--requests", "0", "must be >= 1, got 0"),  # tables of NaN, exit 0
+        ("demo", "--num-gpu-blocks", "0", "must be >= 1, got 0"),
     ],
 )
 def test_times_counts_and_budgets_out_of_bounds_are_refused_at_parsing(
     command: str, flag: str, value: str, says: str, tmp_path: Path
 ) -> None:
     argv = [command, "--workload", "agentic", "--limit", "4", "--out", str(tmp_path / "out"), "--quiet", "--no-plots"]
+    if command == "demo":
+        argv = [command, "--quiet"]
     done = subprocess.run(
         [*kv_router_command(), *argv, flag, value], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
     assert done.returncode == 2
     assert done.stderr.startswith(f"kv-router {command}: error: argument {flag}: {says}"), done.stderr
     assert len(done.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["replay", "tune"])
+def test_an_out_that_cannot_be_a_directory_is_refused_before_the_run(command: str, tmp_path: Path) -> None:
+    """Found at the end, it lost the whole run's figures in a traceback (FileExistsError,
+    NotADirectoryError)."""
+    taken = tmp_path / "a-file"
+    taken.write_text("x")
+    for out, says in ((taken, "not a directory"), (taken / "sub", "cannot make the directory: Not a directory")):
+        argv = [command, "--workload", "agentic", "--limit", "4", "--out", str(out), "--quiet", "--no-plots"]
+        done = subprocess.run([*kv_router_command(), *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines()[-1] == f"kv-router {command}: --out {out}: {says}", done.stderr
 
 
 @pytest.mark.parametrize(
