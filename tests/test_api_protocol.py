@@ -172,7 +172,9 @@ def _setup(client: Client, *workers: int) -> None:
     for worker_id in workers:
         assert client.ask(post("/v1/workers", {"worker_id": worker_id})).startswith(b"HTTP/1.1 201 ")
     applied = client.ask(post("/v1/events", [stored_event(workers[0], TOKENS, blocks=3)]))
-    assert applied == reply("200 OK", b'{"received":1,"applied":1,"rejected":0,"duplicate":0,"held":0,"errors":[]}')
+    assert applied == reply(
+        "200 OK", b'{"received":1,"applied":1,"rejected":0,"duplicate":0,"held":0,"relayed":0,"errors":[]}'
+    )
 
 
 def _decision(blocks: int) -> tuple[dict[str, Any], dict[str, Any]]:

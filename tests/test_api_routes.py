@@ -48,7 +48,15 @@ def test_new_picks_the_worker_holding_the_prefix(client: TestClient) -> None:
     _register(client, 1, 2, 3)
     tokens = prompt(1, 160)  # 10 full blocks
     reply = client.post("/v1/events", json=[stored_event(2, tokens, blocks=6), stored_event(3, tokens, blocks=2)])
-    assert reply.json() == {"received": 2, "applied": 2, "rejected": 0, "duplicate": 0, "held": 0, "errors": []}
+    assert reply.json() == {
+        "received": 2,
+        "applied": 2,
+        "rejected": 0,
+        "duplicate": 0,
+        "held": 0,
+        "relayed": 0,
+        "errors": [],
+    }
 
     decision = client.post("/v1/new", json={"tokens": tokens, "request_id": "r1"})
     assert decision.status_code == 200
