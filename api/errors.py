@@ -79,6 +79,13 @@ class EventTooLarge(ApiError):
     type = "event_too_large"
 
 
+class EventPlaneUnavailable(ApiError):
+    """Events posted over HTTP could not be relayed to the other replicas: NATS is out of reach."""
+
+    status = 503
+    type = "event_plane_unavailable"
+
+
 class PromptTooLong(ApiError):
     status = 413
     type = "prompt_too_long"

@@ -34,10 +34,11 @@ from typing import Literal
 
 import msgspec
 from nats.aio.client import Client
+from nats.errors import Error as NatsError
 from nats.errors import SlowConsumerError
 
 from api.config import EventPlaneConfig, HaConfig
-from api.errors import EventTooLarge
+from api.errors import EventPlaneUnavailable, EventTooLarge
 from api.wire import EventPlaneHealth
 from indexer.events import RouterEvent, encode_router_events
 from router.event_plane.connection import (
@@ -72,6 +73,8 @@ PlaneState = Literal["connecting", "connected", "disconnected"]
 # The longest `PlaneLifecycle.caught_up` waits for the workers' full dumps once the plane has started: a
 # live worker answers within milliseconds; one that does not holds no process back for longer.
 CATCH_UP_DUMPS_WAIT_S = 5.0
+# How long events posted over HTTP wait for NATS to take them before the client is told to send again.
+RELAY_FLUSH_SECS = 5
 
 
 @contextlib.contextmanager
@@ -319,6 +322,10 @@ class PlaneLifecycle:
         nc = self._nc
         if self.plane is None or nc is None:
             return 0
+        if not nc.is_connected:
+            # Buffered, they would go out at a reconnection the client cannot see; refused, the client
+            # sends them again (a repeated event is a duplicate everywhere).
+            raise EventPlaneUnavailable(f"NATS at {self.url} is out of reach: the events cannot reach the replicas")
         by_worker: dict[int, list[RouterEvent]] = {}
         for event in events:
             by_worker.setdefault(event.worker_id, []).append(event)
@@ -328,7 +335,13 @@ class PlaneLifecycle:
                  for payload in _parts_within(own, nc.max_payload)]  # fmt: skip
         for subject, payload in parts:
             await nc.publish(subject, payload)
-        await nc.flush()
+        try:
+            await nc.flush(timeout=RELAY_FLUSH_SECS)
+        except NatsError as exc:  # its TimeoutError among them
+            raise EventPlaneUnavailable(
+                f"NATS at {self.url} did not take the events within {RELAY_FLUSH_SECS:g} s ({type(exc).__name__}); "
+                "send them again (a repeated event is a duplicate everywhere)"
+            ) from None
         return len(events)
 
     async def deregister(self, worker_id: int) -> None:

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 
 import api.plane_lifecycle
 from api.config import EventPlaneConfig, HaConfig
-from api.errors import EventTooLarge
+from api.errors import EventPlaneUnavailable, EventTooLarge
 from api.plane_lifecycle import PlaneLifecycle
 from indexer.events import ResyncRequest, RouterEvent, encode_router_events
 from router.config import RouterConfig
@@ -226,3 +226,31 @@ async def test_events_relayed_to_the_replicas_are_split_under_max_payload_and_on
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await lifecycle.stop()
+
+
+async def test_events_posted_while_nats_is_out_of_reach_are_refused_to_be_sent_again() -> None:
+    """NATS gone under a replica: events posted over HTTP cannot reach the others, and are refused (a
+    503 the client retries; a repeated event is a duplicate everywhere), not buffered for a reconnection
+    the client cannot see nor applied here alone."""
+    server = EmbeddedNats().start()
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=server.url), HaConfig(replica_sync=True))
+    await lifecycle.register(WorkerConfig(worker_id=1))
+    task = asyncio.create_task(lifecycle.run())
+    try:
+        await eventually(lambda: lifecycle.ready, 30, "the plane starts")
+        body = {"worker_id": 1, "event": {"event_id": 1, "data": {"stored": {"blocks": [
+            {"block_hash": 5, "tokens_hash": 5}]}}}}  # fmt: skip
+        event = msgspec.convert(body, RouterEvent)
+        server.stop()
+        nc = lifecycle._nc
+        assert nc is not None
+        await eventually(lambda: not nc.is_connected, 30, "the client sees NATS gone")
+        with pytest.raises(EventPlaneUnavailable, match="is out of reach"):
+            await lifecycle.relay_events([event])
+        assert router.sequencer.outcomes["applied"] == 0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await lifecycle.stop()
+        server.stop()
