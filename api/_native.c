@@ -570,19 +570,29 @@ static int histogram_init(Histogram *self, PyObject *args, PyObject *kwargs) {
  * `bisect_left` with Python's comparisons (a subclass's reflected one first, a TypeError for what does
  * not compare), counted, then `total += value` (its error raised after the count, as there) kept as
  * the float of the sum. */
-static PyObject *histogram_observe_any(Histogram *self, PyObject *arg) {
+/* `bisect_left` over the bounds, as Python compares (`exact`: the bound objects with `arg`) or as
+ * doubles (`value`); -1 with the comparison's error set. */
+static Py_ssize_t histogram_bucket(Histogram *self, PyObject *arg, double value, int exact) {
     Py_ssize_t low = 0, high = self->buckets - 1;
     while (low < high) {
         Py_ssize_t mid = (low + high) / 2;
-        int below = PyObject_RichCompareBool(PyTuple_GET_ITEM(self->bounds, mid), arg, Py_LT);
+        int below = exact ? PyObject_RichCompareBool(PyTuple_GET_ITEM(self->bounds, mid), arg, Py_LT)
+                          : self->limits[mid] < value;
         if (below < 0)
-            return NULL;
+            return -1;
         if (below)
             low = mid + 1;
         else
             high = mid;
     }
-    self->counts[low]++;
+    return low;
+}
+
+static PyObject *histogram_observe_any(Histogram *self, PyObject *arg) {
+    Py_ssize_t bucket = histogram_bucket(self, arg, 0.0, 1);
+    if (bucket < 0)
+        return NULL;
+    self->counts[bucket]++;
     PyObject *total = PyFloat_FromDouble(self->total);
     if (total == NULL)
         return NULL;
@@ -620,19 +630,10 @@ static PyObject *histogram_observe(Histogram *self, PyObject *arg) {
     } else {
         return histogram_observe_any(self, arg);
     }
-    Py_ssize_t low = 0, high = self->buckets - 1; /* bisect_left over the bounds */
-    while (low < high) {
-        Py_ssize_t mid = (low + high) / 2;
-        int below = exact ? PyObject_RichCompareBool(PyTuple_GET_ITEM(self->bounds, mid), arg, Py_LT)
-                          : self->limits[mid] < value;
-        if (below < 0)
-            return NULL;
-        if (below)
-            low = mid + 1;
-        else
-            high = mid;
-    }
-    self->counts[low]++;
+    Py_ssize_t bucket = histogram_bucket(self, arg, value, exact);
+    if (bucket < 0)
+        return NULL;
+    self->counts[bucket]++;
     if (too_large) {
         PyLong_AsDouble(arg); /* the twin's error: "int too large to convert to float" */
         return NULL;

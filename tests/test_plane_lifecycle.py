@@ -197,23 +197,35 @@ async def test_events_dropped_for_an_unregistered_worker_are_counted_and_logged_
             await sender.close()
 
 
+@contextlib.asynccontextmanager
+async def relaying(server: EmbeddedNats) -> AsyncIterator[tuple[KvRouter, PlaneLifecycle]]:
+    """A router with replica sync on ``server``, worker 1 registered over HTTP, its plane started."""
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=server.url), HaConfig(replica_sync=True))
+    await lifecycle.register(WorkerConfig(worker_id=1))
+    task = asyncio.create_task(lifecycle.run())
+    try:
+        await eventually(lambda: lifecycle.ready, 30, "the plane starts")
+        yield router, lifecycle
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await lifecycle.stop()
+
+
+def stored(event_id: int, hashes: range) -> RouterEvent:
+    """Worker 1's store of ``hashes`` (each its own tokens hash), from the root."""
+    blocks = [{"block_hash": h, "tokens_hash": h} for h in hashes]
+    return msgspec.convert({"worker_id": 1, "event": {"event_id": event_id, "data": {"stored": {"blocks": blocks}}}},
+                           RouterEvent)  # fmt: skip
+
+
 async def test_events_relayed_to_the_replicas_are_split_under_max_payload_and_one_too_large_is_refused() -> None:
     """A batch posted over HTTP larger than the server's max_payload goes out in parts that each fit
     (every event applied); one event past it alone is refused (`EventTooLarge`, a 413) before any of
     its batch goes out."""
     with EmbeddedNats(max_payload=4096) as server:
-        router = KvRouter(RouterConfig(block_size=BLOCK))
-        lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=server.url), HaConfig(replica_sync=True))
-        await lifecycle.register(WorkerConfig(worker_id=1))
-        task = asyncio.create_task(lifecycle.run())
-        try:
-            await eventually(lambda: lifecycle.ready, 30, "the plane starts")
-
-            def stored(event_id: int, hashes: range) -> RouterEvent:
-                blocks = [{"block_hash": h, "tokens_hash": h} for h in hashes]
-                body = {"worker_id": 1, "event": {"event_id": event_id, "data": {"stored": {"blocks": blocks}}}}
-                return msgspec.convert(body, RouterEvent)
-
+        async with relaying(server) as (router, lifecycle):
             batch = [stored(i, range(1000 * i, 1000 * i + 10)) for i in range(1, 101)]
             assert len(encode_router_events(batch)) > 4096
             assert await lifecycle.relay_events(batch) == 100
@@ -222,10 +234,6 @@ async def test_events_relayed_to_the_replicas_are_split_under_max_payload_and_on
                 await lifecycle.relay_events([stored(101, range(500_000, 500_004)), stored(102, range(1, 400))])
             await asyncio.sleep(0.2)  # nothing of that batch arrives (a wait for an absence)
             assert router.sequencer.outcomes["applied"] == 100
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await lifecycle.stop()
 
 
 async def test_events_posted_while_nats_is_out_of_reach_are_refused_to_be_sent_again() -> None:
@@ -233,24 +241,14 @@ async def test_events_posted_while_nats_is_out_of_reach_are_refused_to_be_sent_a
     503 the client retries; a repeated event is a duplicate everywhere), not buffered for a reconnection
     the client cannot see nor applied here alone."""
     server = EmbeddedNats().start()
-    router = KvRouter(RouterConfig(block_size=BLOCK))
-    lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=server.url), HaConfig(replica_sync=True))
-    await lifecycle.register(WorkerConfig(worker_id=1))
-    task = asyncio.create_task(lifecycle.run())
     try:
-        await eventually(lambda: lifecycle.ready, 30, "the plane starts")
-        body = {"worker_id": 1, "event": {"event_id": 1, "data": {"stored": {"blocks": [
-            {"block_hash": 5, "tokens_hash": 5}]}}}}  # fmt: skip
-        event = msgspec.convert(body, RouterEvent)
-        server.stop()
-        nc = lifecycle._nc
-        assert nc is not None
-        await eventually(lambda: not nc.is_connected, 30, "the client sees NATS gone")
-        with pytest.raises(EventPlaneUnavailable, match="is out of reach"):
-            await lifecycle.relay_events([event])
-        assert router.sequencer.outcomes["applied"] == 0
+        async with relaying(server) as (router, lifecycle):
+            server.stop()
+            nc = lifecycle._nc
+            assert nc is not None
+            await eventually(lambda: not nc.is_connected, 30, "the client sees NATS gone")
+            with pytest.raises(EventPlaneUnavailable, match="is out of reach"):
+                await lifecycle.relay_events([stored(1, range(5, 6))])
+            assert router.sequencer.outcomes["applied"] == 0
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await lifecycle.stop()
         server.stop()
