@@ -566,10 +566,6 @@ static int histogram_init(Histogram *self, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
-/* Any other value (a bool, a float's or an int's subclass, a Decimal, a string), as the twin takes it:
- * `bisect_left` with Python's comparisons (a subclass's reflected one first, a TypeError for what does
- * not compare), counted, then `total += value` (its error raised after the count, as there) kept as
- * the float of the sum. */
 /* `bisect_left` over the bounds, as Python compares (`exact`: the bound objects with `arg`) or as
  * doubles (`value`); -1 with the comparison's error set. */
 static Py_ssize_t histogram_bucket(Histogram *self, PyObject *arg, double value, int exact) {
@@ -588,6 +584,10 @@ static Py_ssize_t histogram_bucket(Histogram *self, PyObject *arg, double value,
     return low;
 }
 
+/* Any other value (a bool, a float's or an int's subclass, a Decimal, a string), as the twin takes it:
+ * `bisect_left` with Python's comparisons (a subclass's reflected one first, a TypeError for what does
+ * not compare), counted, then `total += value` (its error raised after the count, as there) kept as
+ * the float of the sum. */
 static PyObject *histogram_observe_any(Histogram *self, PyObject *arg) {
     Py_ssize_t bucket = histogram_bucket(self, arg, 0.0, 1);
     if (bucket < 0)

@@ -56,6 +56,7 @@ from router.event_plane.connection_file import (
 )
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from router.event_plane.plane import RouterEventPlane
+from router.event_plane.publisher import event_payloads
 from router.event_plane.ratelimited_log import RateLimitedLog
 from router.event_plane.urls import redact_nats_url
 from router.kv_router import KvRouter
@@ -326,13 +327,17 @@ class PlaneLifecycle:
             # Buffered, they would go out at a reconnection the client cannot see; refused, the client
             # sends them again (a repeated event is a duplicate everywhere).
             raise EventPlaneUnavailable(f"NATS at {self.url} is out of reach: the events cannot reach the replicas")
-        by_worker: dict[int, list[RouterEvent]] = {}
+        by_worker: dict[int, list[bytes]] = {}
         for event in events:
-            by_worker.setdefault(event.worker_id, []).append(event)
+            by_worker.setdefault(event.worker_id, []).append(encode_router_events(event))
         subjects = self.plane.subjects
-        # Every part encoded first: an event past max_payload refuses the batch before any of it goes out.
-        parts = [(subjects.events(worker_id), payload) for worker_id, own in by_worker.items()
-                 for payload in _parts_within(own, nc.max_payload)]  # fmt: skip
+        # Every part made first: an event past max_payload refuses the batch before any of it goes out.
+        parts = [(subjects.events(worker_id), payload) for worker_id, encoded in by_worker.items()
+                 for payload in event_payloads(encoded, nc.max_payload)]  # fmt: skip
+        if (largest := max((len(payload) for _, payload in parts), default=0)) > nc.max_payload:
+            raise EventTooLarge(
+                f"an event of {largest} bytes is past the NATS server's max_payload of {nc.max_payload}"
+            )
         for subject, payload in parts:
             await nc.publish(subject, payload)
         try:
@@ -448,17 +453,3 @@ async def _undo_start(
     if durable is not None:
         await durable.stop()
         durable.discard()
-
-
-def _parts_within(events: list[RouterEvent], limit: int) -> Iterator[bytes]:
-    """``events`` encoded in consecutive parts of at most ``limit`` bytes each (halved until they fit);
-    raises `EventTooLarge` for one event past it."""
-    payload = encode_router_events(events)
-    if len(payload) <= limit:
-        yield payload
-    elif len(events) == 1:
-        raise EventTooLarge(f"an event of {len(payload)} bytes is past the NATS server's max_payload of {limit}")
-    else:
-        half = len(events) // 2
-        yield from _parts_within(events[:half], limit)
-        yield from _parts_within(events[half:], limit)

@@ -362,8 +362,8 @@ class MockOpenAI:
                 await self._stream(choices, chunks, include_usage, left, send)
             else:
                 for choice in choices:
-                    await _wait_done(choice.stream, left)
-                if any(choice.stream.stopped for choice in choices):
+                    await _wait_done(choice.stream, left, self.worker)
+                if self.worker.stopped and not all(choice.stream.done for choice in choices):
                     await _reply(send, 503, _error(503, f"mock worker {self.worker.worker_id} stopped"))
                 elif not left.done():
                     extra = None
@@ -419,7 +419,7 @@ class MockOpenAI:
             await _wait_change([choice.stream for choice in pending], left)
             if left.done():
                 return
-            if any(choice.stream.stopped for choice in pending):
+            if self.worker.stopped:  # no token will come
                 # Cut short as a stopping engine cuts its streams: the client sees them end in an error.
                 message = f"mock worker {self.worker.worker_id} stopped"
                 if not started:
@@ -599,8 +599,8 @@ async def _wait_change(streams: list[TokenStream], left: asyncio.Future[None]) -
         stream.changed.clear()
 
 
-async def _wait_done(stream: TokenStream, left: asyncio.Future[None]) -> None:
-    while not stream.done and not stream.stopped and not left.done():
+async def _wait_done(stream: TokenStream, left: asyncio.Future[None], worker: MockWorker) -> None:
+    while not stream.done and not worker.stopped and not left.done():
         await _wait_change([stream], left)
 
 

@@ -70,14 +70,13 @@ class WorkerStopped(Exception):
 class TokenStream:
     """One HTTP request inside the engine: how many tokens it has, and a wake-up when that changes."""
 
-    __slots__ = ("changed", "done", "seq", "stopped", "tokens")
+    __slots__ = ("changed", "done", "seq", "tokens")
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
         # As of the last pass whose end has come: the engine runs a pass ahead of the wall clock.
         self.tokens = 0
         self.done = False
-        self.stopped = False  # the worker stopped before the request was done: no token will come
         self.changed = asyncio.Event()
 
 
@@ -156,7 +155,6 @@ class MockWorker:
             # rather than hold the worker's shutdown for ever; new ones are refused (`open_stream`).
             self.stopped = True
             for stream in self._streams.values():
-                stream.stopped = True
                 stream.changed.set()
             for subscription in self._subscriptions:
                 await subscription.unsubscribe()

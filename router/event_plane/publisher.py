@@ -84,7 +84,7 @@ from router.event_plane.subjects import EPOCH_HEADER, Subjects
 from router.supervision import Supervisor
 from router.types import WorkerConfig
 
-__all__ = ["KvEventPublisher", "open_registry"]
+__all__ = ["KvEventPublisher", "event_payloads", "open_registry"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,19 @@ DEFAULT_RING_SIZE = 1024
 # The longest a stop waits for NATS to take the worker's deregistration and what is buffered: a worker
 # stopped while NATS is out of reach stops all the same (routers drop it once its lease runs out).
 STOP_NATS_WAIT_S = 2.0
+
+
+def event_payloads(encoded: list[bytes], limit: int, *, msgpack: bool = False) -> Iterator[bytes]:
+    """Events encoded one by one, joined into payloads of at most ``limit`` bytes (the server's
+    max_payload), in order: halved until each fits; an event past it alone is its own payload (the
+    caller's to refuse or send)."""
+    payload = join_encoded_events(encoded, msgpack=msgpack)
+    if len(payload) <= limit or len(encoded) == 1:
+        yield payload
+        return
+    half = len(encoded) // 2
+    yield from event_payloads(encoded[:half], limit, msgpack=msgpack)
+    yield from event_payloads(encoded[half:], limit, msgpack=msgpack)
 
 
 async def open_registry(nc: Client, subjects: Subjects, replicas: int | None = None) -> KeyValue:
@@ -498,13 +511,11 @@ class KvEventPublisher:
                 await self._send(events)
 
     async def _send(self, events: list[bytes]) -> None:
-        payload = join_encoded_events(events, msgpack=self._msgpack)
-        if len(payload) > self.nc.max_payload and len(events) > 1:
-            # A batch that outgrew the server's limit goes out in halves, still in order.
-            half = len(events) // 2
-            await self._send(events[:half])
-            await self._send(events[half:])
-            return
+        # A batch that outgrew the server's limit goes out in parts, still in order.
+        for payload in event_payloads(events, self.nc.max_payload, msgpack=self._msgpack):
+            await self._publish_events(payload)
+
+    async def _publish_events(self, payload: bytes) -> None:
         try:
             await self.nc.publish(self.subjects.events(self.worker_id), payload, headers=self._headers)
         except OutboundBufferLimitError:
