@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -48,6 +48,7 @@ from api.metrics import (
 from api.native import active_accelerators
 from api.openapi import Schemas
 from api.plane_lifecycle import PlaneLifecycle
+from api.process_metrics import ProcessGroup
 from api.routes import ServiceState, add_admin_routes, add_hot_routes, add_proxy_off_routes
 from api.version import package_version
 from router.doctor import ConfigDoctor
@@ -76,9 +77,11 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     rng: random.Random | None = None,
+    process_group: ProcessGroup | None = None,
 ) -> RouterApp:
     """The service for ``settings``; ``registry`` receives its metrics (a fresh one by default),
-    ``rng`` seeds the router's random choices (ties, sampling)."""
+    ``rng`` seeds the router's random choices (ties, sampling); ``process_group``: this is one process
+    of ``--processes N``, whose ``/metrics`` answers for all of them (`api.process_metrics`)."""
     settings = settings or Settings()
     registry = registry if registry is not None else CollectorRegistry()
     kv_router = KvRouter(settings.router, rng=rng, resync_retry_s=settings.event_plane.resync_retry_secs)
@@ -140,6 +143,8 @@ def create_app(
             if proxy is not None:
                 await proxy.start()
                 stack.push_async_callback(proxy.stop)
+            if process_group is not None:
+                await stack.enter_async_context(process_group.serving(partial(generate_latest, registry)))
             state.serving = True
             try:
                 yield
@@ -179,7 +184,17 @@ def create_app(
     )
     schemas = Schemas()
     add_hot_routes(app, handlers, schemas)
-    add_admin_routes(app, kv_router, registry, schemas, auth, settings=settings, lifecycle=lifecycle, state=state)
+    add_admin_routes(
+        app,
+        kv_router,
+        registry,
+        schemas,
+        auth,
+        settings=settings,
+        lifecycle=lifecycle,
+        state=state,
+        process_group=process_group,
+    )
     if proxy is not None:
         proxy.add_models_route(app, auth)
         proxy.document(schemas)

@@ -25,16 +25,20 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import FrameType
 
 import msgspec
 
 from api.config import Settings
+from api.process_metrics import ProcessGroup
 from router.event_plane.embedded_server import die_with_parent
 
 __all__ = ["CHILD_CATCH_UP_ENV", "CHILD_SETTINGS_ENV", "child_settings", "run_children"]
@@ -42,7 +46,6 @@ __all__ = ["CHILD_CATCH_UP_ENV", "CHILD_SETTINGS_ENV", "child_settings", "run_ch
 log = logging.getLogger(__name__)
 
 CHILD_SETTINGS_ENV = "KV_ROUTER__CHILD_SETTINGS"
-CHILD_INDEX_ENV = "KV_ROUTER__CHILD_INDEX"
 # "1": the child listens only once its event plane has caught up (started again beside a running sibling).
 CHILD_CATCH_UP_ENV = "KV_ROUTER__CHILD_CATCH_UP"
 RESTART_AFTER_S = 1.0
@@ -58,6 +61,8 @@ def child_settings(settings: Settings, index: int) -> Settings:
 def run_children(settings: Settings) -> int:
     """Start and supervise ``settings.ha.processes`` children until SIGTERM / SIGINT; returns 0."""
     count = settings.ha.processes
+    # The children's metrics sockets (`api.process_metrics`): private to this user, gone with the parent.
+    group_directory = Path(tempfile.mkdtemp(prefix="kv-router-processes-"))
     children: dict[int, subprocess.Popen[bytes]] = {}
     stopping = False
     # Each child is sent SIGTERM once: a second one makes uvicorn give up its graceful shutdown.
@@ -72,7 +77,7 @@ def run_children(settings: Settings) -> int:
         env = {
             **os.environ,
             CHILD_SETTINGS_ENV: msgspec.json.encode(child_settings(settings, index)).decode(),
-            CHILD_INDEX_ENV: str(index),
+            **ProcessGroup(group_directory, index, count).environment(),
             CHILD_CATCH_UP_ENV: "1" if catch_up else "",
         }
         command = [sys.executable, "-c", "from api.server import serve_child; serve_child()"]
@@ -111,4 +116,5 @@ def run_children(settings: Settings) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        shutil.rmtree(group_directory, ignore_errors=True)
     return 0

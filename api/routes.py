@@ -25,6 +25,7 @@ from api.handlers import HOT_PATHS, Handlers
 from api.native import active_accelerators
 from api.openapi import Schemas
 from api.plane_lifecycle import PlaneLifecycle
+from api.process_metrics import ProcessGroup
 from api.proxy.wire import ROUTES, error_body
 from api.version import package_version
 from api.wire import (
@@ -170,6 +171,7 @@ def add_admin_routes(
     settings: Settings,
     lifecycle: PlaneLifecycle | None,
     state: ServiceState,
+    process_group: ProcessGroup | None = None,
 ) -> None:
     admin, read, probe = (auth.dependency(access) for access in (Access.ADMIN, Access.READ, Access.PROBE))
     worker_body: BodyDecoder[WorkerRegistration] = BodyDecoder(WorkerRegistration)
@@ -379,7 +381,10 @@ def add_admin_routes(
 
     @app.get("/metrics", dependencies=[read], tags=["operations"], summary="Prometheus metrics (kv_router_*)")
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        exposition = generate_latest(registry)
+        if process_group is not None:
+            exposition = await process_group.exposition(exposition)
+        return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
 
 PROXY_OFF = (

@@ -32,6 +32,7 @@ from api.http_protocol import fast_protocol
 from api.listen import listening_socket
 from api.logs import log_config
 from api.plane_lifecycle import embedded_nats
+from api.process_metrics import ProcessGroup
 from api.processes import CHILD_CATCH_UP_ENV, CHILD_SETTINGS_ENV, run_children
 
 __all__ = ["serve", "serve_child", "uvicorn_config"]
@@ -39,9 +40,10 @@ __all__ = ["serve", "serve_child", "uvicorn_config"]
 logger = logging.getLogger(__name__)
 
 
-def uvicorn_config(settings: Settings) -> uvicorn.Config:
+def uvicorn_config(settings: Settings, process_group: ProcessGroup | None = None) -> uvicorn.Config:
+    """uvicorn's configuration for ``settings``; ``process_group``: one process of ``--processes N``."""
     service = settings.service
-    app = create_app(settings)
+    app = create_app(settings, process_group=process_group)
     # The hot and proxy routes are answered by our HTTP protocol, before ASGI (`api.http_protocol`,
     # through uvicorn's public http= setting); with fast_protocol off, uvicorn's own httptools
     # protocol runs every request on the app, FastAPI's routes included.
@@ -71,7 +73,13 @@ def uvicorn_config(settings: Settings) -> uvicorn.Config:
     )
 
 
-def serve(settings: Settings, sock: socket.socket | None = None, *, catch_up: bool = False) -> None:
+def serve(
+    settings: Settings,
+    sock: socket.socket | None = None,
+    *,
+    catch_up: bool = False,
+    process_group: ProcessGroup | None = None,
+) -> None:
     """Serve until SIGTERM / SIGINT; returns once the last in-flight request has been answered.
 
     ``catch_up`` (with ``sock``, bound but not yet listening): the socket listens only once the event
@@ -105,7 +113,7 @@ def serve(settings: Settings, sock: socket.socket | None = None, *, catch_up: bo
             if settings.ha.processes > 1:
                 run_children(settings)  # each child comes back here with one process and its socket
             else:
-                config = uvicorn_config(settings)
+                config = uvicorn_config(settings, process_group)
                 _freeze_startup_objects(proxy=settings.proxy.proxy)
                 plane = config.app.event_plane if isinstance(config.app, RouterApp) else None
                 caught_up = plane.caught_up if catch_up and sock is not None and plane is not None else None
@@ -293,7 +301,8 @@ def serve_child() -> None:
     started again while a sibling serves listens only once it has the fleet's workers, bookings and caches."""
     settings = msgspec.json.decode(os.environ[CHILD_SETTINGS_ENV], type=Settings)
     catch_up = os.environ.get(CHILD_CATCH_UP_ENV) == "1"
-    serve(settings, sock=_reuse_port_socket(settings.service.host, settings.service.port), catch_up=catch_up)
+    sock = _reuse_port_socket(settings.service.host, settings.service.port)
+    serve(settings, sock=sock, catch_up=catch_up, process_group=ProcessGroup.from_environment())
 
 
 def _reuse_port_socket(host: str, port: int) -> socket.socket:

@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
+from tests.metrics import sample
 from tests.nats_proxy import LossyNatsProxy
 from tests.router_processes import ROOT, RouterProcess, get
 from tests.test_api_support import prompt, stored_event
@@ -310,6 +312,51 @@ def test_events_posted_over_http_reach_every_process(tmp_path: Path) -> None:
         assert on_new_connection(router.port, "/v1/events", [removed])[1]["relayed"] == 1
         until(lambda: blocks_seen(router.port, 7, 12, 4) == {0}, 30, "the removal reaches every process")
         assert cached_everywhere(router.port, 7, 11, 4) and cached_everywhere(router.port, 7, 13, 4)
+
+
+def scraped(port: int) -> str:
+    """``/metrics`` on a fresh connection; one the kernel queued on a process just killed is reset
+    (SO_REUSEPORT), and asked again, as Prometheus's next scrape would."""
+    for _ in range(5):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            connection.request("GET", "/metrics")
+            return connection.getresponse().read().decode()
+        except ConnectionError:
+            continue
+        finally:
+            connection.close()
+    raise AssertionError("five scrapes in a row were reset")
+
+
+def test_one_scrape_answers_for_every_process_and_says_which_is_down(tmp_path: Path) -> None:
+    """Whichever process a scrape reaches, it reports every process's counters, each labelled with
+    its process: a process answering alone showed the other's counters every other scrape (to
+    Prometheus, a counter reset each time). A process killed outright is reported down until it is
+    back, counting from zero; the group's directory goes with the parent."""
+    with RouterProcess(tmp_path, "--processes", "2") as router:
+        until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+              40, "two router processes listening")  # fmt: skip
+        for _ in range(20):
+            assert on_new_connection(router.port, "/v1/potential_loads", {"tokens": PROMPT})[0] == 200
+        for _ in range(8):
+            text = scraped(router.port)
+            per_process = [sample(text, "kv_router_requests_total", process=index, method="potential_loads",
+                                  outcome="ok") or 0.0 for index in ("0", "1")]  # fmt: skip
+            assert sum(per_process) == 20
+            assert [sample(text, "kv_router_process_up", process=index) for index in ("0", "1")] == [1.0, 1.0]
+        started = dict(re.findall(r"router process (\d) started \(pid (\d+)\)", router.log()))
+        os.kill(int(started["1"]), signal.SIGKILL)
+        until(lambda: sample(scraped(router.port), "kv_router_process_up", process="1") == 0.0, 20, "process 1 down")
+        text = scraped(router.port)
+        assert sample(text, "kv_router_requests_total", process="1", method="potential_loads", outcome="ok") is None
+        kept = sample(text, "kv_router_requests_total", process="0", method="potential_loads", outcome="ok")
+        assert kept == per_process[0]
+        until(lambda: sample(scraped(router.port), "kv_router_process_up", process="1") == 1.0, 40, "process 1 back")
+        group = re.search(r"KV_ROUTER__PROCESS_DIR=(\S+)", Path(f"/proc/{started['0']}/environ").read_bytes()
+                          .replace(b"\0", b" ").decode())  # fmt: skip
+        assert group is not None and Path(group[1]).is_dir()
+    assert not Path(group[1]).exists()
 
 
 @pytest.mark.anyio
