@@ -26,6 +26,8 @@ T = TypeVar("T")
 
 # Dynamo's name for the one policy class a config without `router_policy_config` has.
 POLICY_CLASS = "default"
+# Cancelled tickets the heap may hold beyond twice the waiting ones before it is compacted.
+_CANCELLED_SLACK = 64
 
 
 class QueueTicket(Generic[T]):
@@ -121,10 +123,16 @@ class PendingQueue(Generic[T]):
         return ticket.item
 
     def cancel(self, ticket: QueueTicket[T]) -> bool:
-        """Give up a place; False if it was already dispatched or cancelled. O(1)."""
+        """Give up a place; False if it was already dispatched or cancelled. O(1) amortised."""
         if not ticket.waiting:
             return False
         self._forget(ticket)
+        heap = self._heap
+        if len(heap) > 2 * self._pending_count + _CANCELLED_SLACK:
+            # Cancelled tickets surface only when the queue moves; under a stuck head (every slot held by
+            # long streams) timed-out waiters, and whatever their items hold, would pile up without bound.
+            self._heap = [entry for entry in heap if entry[3].waiting]
+            heapq.heapify(self._heap)
         return True
 
     def _forget(self, ticket: QueueTicket[T]) -> None:

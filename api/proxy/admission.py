@@ -34,7 +34,7 @@ class Admission:
         self._timeout = config.proxy_queue_timeout_secs
         self._waiting_limit = config.proxy_max_waiting_requests
         self.in_flight = 0
-        self.queue: PendingQueue[asyncio.Future[None]] = PendingQueue(
+        self.queue: PendingQueue[asyncio.Future[bool]] = PendingQueue(
             policy, started_at=time.monotonic(), request_limit_per_worker=self._waiting_limit
         )
 
@@ -59,7 +59,10 @@ class Admission:
         if rejection is not None:
             raise QueueRejected(rejection)
         loop = asyncio.get_running_loop()
-        granted: asyncio.Future[None] = loop.create_future()
+        # True: the slot is ours; False: timed out. A result, not an exception: an exception raised from
+        # the future would keep its traceback, and through it this request's frames, body included, for
+        # as long as the queue holds the future.
+        granted: asyncio.Future[bool] = loop.create_future()
         ticket = self.queue.push(
             granted,
             strict_priority=request.strict_priority,
@@ -71,17 +74,18 @@ class Admission:
 
         def time_out() -> None:
             if self.queue.cancel(ticket) and not granted.done():
-                waited = QueueRejection(
-                    policy_class=POLICY_CLASS, limit_kind="requests", current=self.in_flight, limit=self.limit
-                )
-                granted.set_exception(_TimedOut(waited, self._timeout))
+                granted.set_result(False)
 
         # call_later, not asyncio.timeout: the proxy's request may run eagerly, outside any task.
         timer = loop.call_later(self._timeout, time_out)
         try:
-            await granted  # the slot is counted for us by whoever granted it
+            if not await granted:  # granted: the slot is counted for us by whoever granted it
+                waited = QueueRejection(
+                    policy_class=POLICY_CLASS, limit_kind="requests", current=self.in_flight, limit=self.limit
+                )
+                raise _TimedOut(waited, self._timeout)
         except BaseException:
-            granted_meanwhile = granted.done() and not granted.cancelled() and granted.exception() is None
+            granted_meanwhile = granted.done() and not granted.cancelled() and granted.result()
             if not self.queue.cancel(ticket) and granted_meanwhile:
                 self._release()  # granted as we were cancelled: hand it on
             raise
@@ -92,7 +96,7 @@ class Admission:
         while self.queue.head() is not None:
             granted = self.queue.pop_head()
             if not granted.done():
-                granted.set_result(None)  # the slot passes to it: in_flight unchanged
+                granted.set_result(True)  # the slot passes to it: in_flight unchanged
                 return
         self.in_flight -= 1
 
