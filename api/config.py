@@ -27,6 +27,7 @@ from router.errors import ConfigError
 from router.event_plane.jetstream import MAX_REPLICAS
 from router.event_plane.urls import redact_nats_url
 from router.policies.registry import policy_names
+from router.types import url_problem
 
 __all__ = [
     "ANY_MODEL",
@@ -514,6 +515,11 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     def __post_init__(self) -> None:
         self.tokenizer_paths()  # a malformed value fails at start-up, naming the setting
+        otlp = self.proxy_otlp_endpoint
+        problem = None if otlp is None else url_problem(otlp)
+        if problem is not None:
+            # Else every span batch is lost, said only once a request has been served.
+            raise ConfigError("proxy_otlp_endpoint", f"{otlp!r} is not an http(s) URL of a collector: {problem}")
         # Written into every request to the workers and every answer: a name that is none breaks them all.
         if not _HEADER_NAME.fullmatch(self.proxy_request_id_header):
             raise ConfigError(

@@ -89,6 +89,10 @@ BAD = [
     (["serve", "--engine-zmq", "garbage"], "engine_zmq: 'garbage': expected WORKER_ID=tcp://HOST:PORT"),
     (["serve", "--dynamo-endpoint", "garbage"], "dynamo_endpoint: 'garbage': expected NAMESPACE.COMPONENT.ENDPOINT"),
     (["serve", "--proxy", "--tokenizer", "mock-model=/nope.json"], "model 'mock-model': cannot read /nope.json"),
+    (
+        ["serve", "--proxy", "--proxy-otlp-endpoint", "collector:4318"],
+        "proxy_otlp_endpoint: 'collector:4318' is not an http(s) URL of a collector: its scheme is not http or https",
+    ),
     (["bridge"], "--worker-id is required (or KV_ROUTER_BRIDGE_WORKER_ID, or worker_id in --config)"),
     (["bridge", "--worker-id", "1", "--zmq-endpoint", "tcp://127.0.0.1:5557", "--metrics-port", "70000"], "<= 65535"),
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,8 @@ import uvicorn
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from api.config import ProxyConfig
+from api.proxy.tracing import SHUTDOWN_BUDGET_S, ProxyTracing
 from router.event_plane.embedded_server import EmbeddedNats, free_port
 from tests.proxy_fleet import MODEL, fleet, idle
 from tests.waiting import eventually
@@ -117,3 +120,31 @@ async def test_without_a_traceparent_the_request_starts_a_trace_the_worker_joins
         "upstream first byte",
         "answer",
     }
+
+
+async def test_a_collector_that_never_answers_holds_the_shutdown_at_most_its_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A collector that takes the connection and never answers: the proxy's shutdown gives up on the
+    last spans within its budget, saying so. With the SDK's defaults it took 30 s (three exports of
+    10 s), past what a pod's grace period leaves once the requests in flight have drained."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    port = free_port()
+    server = await asyncio.start_server(hold, "127.0.0.1", port)
+    try:
+        tracing = ProxyTracing(ProxyConfig(proxy_otlp_endpoint=f"http://127.0.0.1:{port}/v1/traces"))
+        tracing.end(tracing.begin("completions", None, None), "ok", {})
+        started = time.monotonic()
+        await asyncio.wait_for(tracing.shutdown(), SHUTDOWN_BUDGET_S + 10)
+        took = time.monotonic() - started
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+    assert took < SHUTDOWN_BUDGET_S + 1
+    # Said by the SDK (its export timed out) or by us (the budget ran out first).
+    assert "Failed to export spans" in caplog.text or "the OTLP collector did not take the last spans" in caplog.text

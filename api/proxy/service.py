@@ -173,7 +173,7 @@ class Proxy:
         await self.health_checks.stop()
         await self.upstream.stop()
         if self.tracing is not None:
-            await asyncio.to_thread(self.tracing.shutdown)  # the spans left, exported
+            await self.tracing.shutdown()  # the spans left, exported
 
     def routes(self, auth: ApiAuth | None = None) -> dict[str, StreamRoute]:
         """The proxy's ``POST`` routes (`api.http_stream`, answered by the HTTP protocol or by

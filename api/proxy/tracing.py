@@ -7,11 +7,18 @@ the times noted on the way (`Timeline`): ``tokenize``, ``decision`` (booking inc
 too), ``upstream first byte`` (the request written to the worker's first events, or to its answer's
 head when not streamed) and ``answer`` (from there to the end: the stream's end, or the whole body).
 The SDK's batch processor exports them from its own thread; nothing here blocks the event loop.
-Without an endpoint none of this is imported or run.
+A collector that does not answer costs an export at most `EXPORT_TIMEOUT_S` (its spans dropped, as
+the SDK drops spans past its queue) and the service's shutdown at most `SHUTDOWN_BUDGET_S`: the
+SDK's defaults (10 s an export, three tries at shutdown) let a dead collector add 30 s to every
+shutdown, past a pod's grace period. Without an endpoint none of this is imported or run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +28,12 @@ from router.errors import ConfigError
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
-__all__ = ["ProxyTracing", "RequestSpan", "Timeline", "check_sdk"]
+__all__ = ["EXPORT_TIMEOUT_S", "SHUTDOWN_BUDGET_S", "ProxyTracing", "RequestSpan", "Timeline", "check_sdk"]
+
+log = logging.getLogger(__name__)
+
+EXPORT_TIMEOUT_S = 3.0
+SHUTDOWN_BUDGET_S = 5.0
 
 
 def check_sdk() -> None:
@@ -74,8 +86,9 @@ class ProxyTracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._provider = TracerProvider(resource=Resource.create({"service.name": config.proxy_otlp_service_name}))
+        exporter = OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S)
         self._provider.add_span_processor(
-            BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=500)
+            BatchSpanProcessor(exporter, schedule_delay_millis=500, export_timeout_millis=EXPORT_TIMEOUT_S * 1000)
         )
         self._tracer: Tracer = self._provider.get_tracer("kv-router.proxy")
         self._propagator = TraceContextTextMapPropagator()
@@ -115,6 +128,28 @@ class ProxyTracing:
             span.set_status(StatusCode.ERROR, outcome)
         span.end(end_time=now)
 
-    def shutdown(self) -> None:
-        """Export what is left (blocking: call it off the event loop)."""
-        self._provider.shutdown()
+    async def shutdown(self) -> None:
+        """Export what is left, for at most `SHUTDOWN_BUDGET_S`. The SDK's shutdown blocks, so it runs
+        in a daemon thread: one the collector holds past the budget is left behind (a default executor
+        thread would hold the process's exit until it returned)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def resolve() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def flush() -> None:
+            try:
+                self._provider.shutdown()
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop closed past the budget: nobody waits
+                    loop.call_soon_threadsafe(resolve)
+
+        threading.Thread(target=flush, name="otlp-shutdown", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.shield(done), SHUTDOWN_BUDGET_S)
+        except TimeoutError:
+            log.warning(
+                "the OTLP collector did not take the last spans within %.0f s: they are dropped", SHUTDOWN_BUDGET_S
+            )
