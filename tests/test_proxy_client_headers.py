@@ -57,6 +57,37 @@ async def test_the_request_id_is_passed_to_the_worker_and_echoed_and_the_trace_c
         assert idle(f.router)
 
 
+MALFORMED_TRACEPARENTS = [
+    "garbage",
+    "00-00000000000000000000000000000000-b7ad6b7169203331-01",  # all-zero trace id
+    "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",  # all-zero parent id
+    "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",  # version ff
+    "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",  # upper case
+    TRACEPARENT + "-extra",  # version 00 with a field after its four
+    "00-" + "a" * 5000,
+]
+
+
+@pytest.mark.anyio
+async def test_a_malformed_traceparent_is_not_passed_on_nor_its_tracestate(nats_server: EmbeddedNats) -> None:
+    """W3C Trace Context: a malformed ``traceparent`` is ignored, and the ``tracestate`` beside it with
+    it. Both went to the engine as they came (garbage, all-zero ids, 5,000 bytes), the vendor state
+    then belonging to no trace."""
+    async with fleet(nats_server.url, (1,)) as f:
+        worker = f.apis[1]
+        for malformed in MALFORMED_TRACEPARENTS:
+            headers = {"traceparent": malformed, "tracestate": "vendor=x"}
+            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_headers=headers)
+            assert b"traceparent" not in worker.last_headers, malformed
+            assert b"tracestate" not in worker.last_headers, malformed
+        later_version = "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-future"
+        await f.client.completions.create(
+            model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_headers={"traceparent": later_version}
+        )
+        assert worker.last_headers[b"traceparent"] == later_version.encode()  # a later version's fields kept
+        assert idle(f.router)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("fast_protocol", [True, False])
 async def test_the_request_id_header_is_configurable_and_a_browser_script_may_read_it(

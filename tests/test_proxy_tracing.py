@@ -122,6 +122,22 @@ async def test_without_a_traceparent_the_request_starts_a_trace_the_worker_joins
     }
 
 
+async def test_a_malformed_traceparent_starts_a_trace_of_its_own_without_the_clients_tracestate(
+    nats_server: EmbeddedNats,
+) -> None:
+    """The client's ``tracestate`` beside a malformed ``traceparent`` belongs to no trace the proxy
+    joins: it went to the engine with the proxy's new trace."""
+    async with (
+        collector() as (_, endpoint),
+        fleet(nats_server.url, (1,), proxy={"proxy_otlp_endpoint": endpoint}) as f,
+    ):
+        headers = {"traceparent": "garbage", "tracestate": "vendor=x"}
+        await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1, extra_headers=headers)
+        sent = f.apis[1].last_headers
+        assert sent[b"traceparent"].startswith(b"00-") and len(sent[b"traceparent"]) == 55
+        assert b"tracestate" not in sent
+
+
 async def test_a_collector_that_never_answers_holds_the_shutdown_at_most_its_budget(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -5,7 +5,9 @@
   sent to the worker under the same name and echoed on every answer, refusals included. The booking
   itself always has a fresh id (two clients may send the same one).
 * W3C trace context: ``traceparent`` (and ``tracestate``) passed to the worker as they came, so the
-  engine's spans join the client's trace (the proxy is not a span of its own).
+  engine's spans join the client's trace (the proxy is not a span of its own unless it exports spans),
+  when the ``traceparent`` is one (`valid_traceparent`); else neither is passed, as W3C Trace Context
+  asks of a malformed one (a vendor's state without its trace, or garbage, in the engine's spans).
 * CORS (`api.cors`): the answer's headers for the request's ``Origin``.
 
 `WithHeaders` adds the answer's headers to every reply a handler writes. Per request: a lower-casing
@@ -14,6 +16,7 @@ and a search of the head per header read (a few hundred bytes).
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 from api.config import ProxyConfig
@@ -23,9 +26,23 @@ from api.proxy.tracing import ProxyTracing, RequestSpan, Timeline
 from api.wire import is_request_id
 from router.request_ids import new_request_id
 
-__all__ = ["ClientHeaders", "Passed", "WithHeaders"]
+__all__ = ["ClientHeaders", "Passed", "WithHeaders", "valid_traceparent"]
 
 _TRACE = (b"traceparent", b"tracestate")
+# version-traceid-parentid-flags in lower-case hex; a later version may append fields after a dash.
+_TRACEPARENT = re.compile(rb"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?", re.DOTALL)
+
+
+def valid_traceparent(value: bytes) -> bool:
+    """W3C Trace Context's rules: the four fields, version ff refused, version 00 with nothing after
+    them, trace and parent ids not all zeros."""
+    match = _TRACEPARENT.fullmatch(value)
+    if match is None:
+        return False
+    version, trace_id, parent_id, rest = match.groups()
+    if version == b"ff" or (version == b"00" and rest is not None):
+        return False
+    return trace_id.strip(b"0") != b"" and parent_id.strip(b"0") != b""
 
 
 class Passed(NamedTuple):
@@ -50,17 +67,18 @@ class ClientHeaders:
         line = self.name + b": " + request_id.encode("latin-1") + b"\r\n"
         upstream = [line]
         span = None
-        if self._tracing is not None:  # the proxy's span is the worker's parent
+        traceparent = tracestate = None
+        if b"\ntraceparent" in lowered:
             traceparent, tracestate = (header_value(head, name, lowered) for name in _TRACE)
+            if traceparent is not None and not valid_traceparent(traceparent):
+                traceparent = tracestate = None
+        if self._tracing is not None:  # the proxy's span is the worker's parent
             span = self._tracing.begin(route, traceparent, tracestate)
             upstream.append(b"traceparent: " + span.traceparent + b"\r\n")
-            if tracestate:
-                upstream.append(b"tracestate: " + tracestate + b"\r\n")
-        elif b"\ntrace" in lowered:
-            for name in _TRACE:
-                value = header_value(head, name, lowered)
-                if value:
-                    upstream.append(name + b": " + value + b"\r\n")
+        elif traceparent:
+            upstream.append(b"traceparent: " + traceparent + b"\r\n")
+        if tracestate:
+            upstream.append(b"tracestate: " + tracestate + b"\r\n")
         return Passed(request_id, b"".join(upstream), answer, span)
 
     def unread(self, head: bytes) -> Headers:
