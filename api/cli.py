@@ -30,6 +30,7 @@ from api.config import (
     closest_name,
     idle_settings,
     masked,
+    per_process_caps,
     resolve_settings,
     stray_variables,
 )
@@ -261,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ConfigError as exc:
         parser.error(str(exc))
-    warnings = stray_variables(os.environ) + idle_settings(settings, origin)
+    warnings = stray_variables(os.environ) + idle_settings(settings, origin) + per_process_caps(settings)
     if warnings:
         # As the service logs (serve configures the same again); `config show` keeps stdout TOML.
         logging.config.dictConfig(log_config(settings.service.log_level, settings.service.log_format))

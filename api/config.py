@@ -47,6 +47,7 @@ __all__ = [
     "idle_settings",
     "load_settings",
     "masked",
+    "per_process_caps",
     "resolve_settings",
     "stray_variables",
 ]
@@ -452,8 +453,9 @@ class ProxyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     proxy_max_concurrent_requests: Annotated[
         int,
         _doc(
-            "requests the proxy forwards at a time; the next ones wait for a slot, in the router's queue order "
-            "(router_queue_policy, nvext priorities); 0: no cap"
+            "requests the proxy forwards at a time, per process (--processes N: N times as many reach the "
+            "workers); the next ones wait for a slot, in the router's queue order (router_queue_policy, nvext "
+            "priorities); 0: no cap"
         ),
         msgspec.Meta(ge=0),
     ] = 0
@@ -810,6 +812,18 @@ def idle_settings(settings: Settings, origin: Mapping[str, str]) -> list[str]:
         f"{name} ({origin[name]}) has no effect without --proxy"
         for name in ProxyConfig.__struct_fields__
         if name != "proxy" and name in origin
+    ]
+
+
+def per_process_caps(settings: Settings) -> list[str]:
+    """A warning when a cap sized for the workers holds per process: under ``--processes N`` each
+    process admits its own ``proxy_max_concurrent_requests``, so N times as many reach the workers."""
+    processes, cap = settings.ha.processes, settings.proxy.proxy_max_concurrent_requests
+    if processes < 2 or not settings.proxy.proxy or cap == 0:
+        return []
+    return [
+        f"proxy_max_concurrent_requests {cap} holds per process: the {processes} processes forward up to "
+        f"{processes * cap} requests at a time (give each process its share of what the workers take)"
     ]
 
 

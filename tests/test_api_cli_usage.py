@@ -213,6 +213,19 @@ def test_proxy_settings_without_the_proxy_are_a_warning_each() -> None:
     assert "WARNING" not in _kv("config", "show", "--proxy", "--proxy-retries", "4").stderr
 
 
+def test_a_proxy_cap_under_several_processes_is_a_warning_saying_how_many_reach_the_workers() -> None:
+    """Each of --processes N admits its own proxy_max_concurrent_requests: a cap sized for the workers
+    let N times as many reach them, without a word."""
+    done = _kv("config", "show", "--proxy", "--processes", "3", "--proxy-max-concurrent-requests", "8")
+    assert done.returncode == 0, done.stderr
+    said = [line.split("WARNING api.cli: ")[-1] for line in done.stderr.splitlines() if "WARNING" in line]
+    assert said == [
+        "proxy_max_concurrent_requests 8 holds per process: the 3 processes forward up to 24 requests at a time "
+        "(give each process its share of what the workers take)"
+    ]
+    assert "WARNING" not in _kv("config", "show", "--proxy", "--proxy-max-concurrent-requests", "8").stderr
+
+
 def test_variables_in_use_that_are_no_settings_are_no_warning() -> None:
     """Every KV_ROUTER_* name the repository uses (the bridge's, CI's, the tests' and benchmarks'), and
     what Kubernetes sets for the kv-router Service (and a kv-router-metrics one) in every pod."""

@@ -60,6 +60,13 @@ async def test_requests_over_the_cap_wait_then_go_and_a_full_queue_or_a_timed_ou
             await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
         assert full.value.response.headers["retry-after"] == "2"
         assert full.value.response.json()["error"]["type"] == "rate_limit_exceeded"
+        assert "(proxy_max_waiting_requests)" in full.value.response.json()["error"]["message"]
+        # A text prompt, which the worker would tokenize: refused before that call, which the cap does not
+        # hold back (twenty at once made twenty /tokenize calls, then were refused).
+        arrived = len(gate.arrivals)
+        with pytest.raises(openai.RateLimitError):
+            await asyncio.wait_for(f.client.completions.create(model=MODEL, prompt="some text", max_tokens=1), 10)
+        assert len(gate.arrivals) == arrived
         # The one waiting gives up at its timeout, while the first still holds the slot.
         with pytest.raises(openai.RateLimitError, match=r"no free slot within 3 s") as timed_out:
             await waiting
@@ -75,7 +82,7 @@ async def test_requests_over_the_cap_wait_then_go_and_a_full_queue_or_a_timed_ou
         assert await gauges(f) == (0.0, 0.0)
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"{f.url}/metrics")).text
-        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="queue_rejected") == 2
+        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="queue_rejected") == 3
         assert idle(f.router)
 
 
@@ -141,3 +148,28 @@ async def test_waits_that_time_out_behind_a_held_slot_keep_nothing_of_their_requ
     assert len(admission.queue) == 0 and admission.in_flight == 1
     await holder.__aexit__(None, None, None)
     assert admission.in_flight == 0
+
+
+async def test_every_worker_over_its_busy_threshold_is_a_503_saying_when_to_come_back(
+    nats_server: EmbeddedNats,
+) -> None:
+    """The router's busy thresholds refuse a request while every worker is over them, which passes as
+    their load does: the 503 carries a Retry-After, as the other transient refusals do."""
+    gate = Gate(refusals=0, hold=asyncio.Event())
+    proxy = {"proxy_retry_after_secs": 3, "proxy_health_check_interval_secs": 0}
+    async with (
+        fleet(nats_server.url, (), router={"active_prefill_tokens_threshold": 1}, proxy=proxy) as f,
+        served(gate) as url,
+    ):
+        await register(f, 7, url)
+        first = asyncio.ensure_future(f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1))
+        try:
+            await eventually(lambda: len(gate.arrivals) == 1, what="the first request at the worker")
+            with pytest.raises(openai.InternalServerError) as busy:
+                client = f.client.with_options(max_retries=0)
+                await asyncio.wait_for(client.completions.create(model=MODEL, prompt=[4, 5, 6], max_tokens=1), 10)
+        finally:
+            gate.hold.set()  # type: ignore[union-attr]
+            await first
+        assert busy.value.response.status_code == 503
+        assert busy.value.response.headers.get("retry-after") == "3"

@@ -54,10 +54,19 @@ class Admission:
         finally:
             self._release()
 
-    async def _wait(self, request: RouteRequest, isl_tokens: int) -> None:
+    def refusal(self) -> QueueRejected | None:
+        """Why a request arriving now would be refused (every slot held and the queue full), or None.
+        Asked before anything costs a worker a call (a prompt sent to its ``/tokenize``): a request
+        that cannot wait is refused at once, not after a round trip the cap does not cover."""
+        if self.limit == 0 or self.in_flight < self.limit:
+            return None
         rejection = self.queue.rejection(1)
-        if rejection is not None:
-            raise QueueRejected(rejection)
+        return None if rejection is None else _QueueFull(rejection, self.in_flight)
+
+    async def _wait(self, request: RouteRequest, isl_tokens: int) -> None:
+        refused = self.refusal()
+        if refused is not None:
+            raise refused
         loop = asyncio.get_running_loop()
         # True: the slot is ours; False: timed out. A result, not an exception: an exception raised from
         # the future would keep its traceback, and through it this request's frames, body included, for
@@ -102,6 +111,17 @@ class Admission:
 
 
 _NO_CAP: AbstractAsyncContextManager[None] = nullcontext()
+
+
+class _QueueFull(QueueRejected):
+    """Every slot held and ``proxy_max_waiting_requests`` waiting."""
+
+    def __init__(self, rejection: QueueRejection, in_flight: int) -> None:
+        super().__init__(rejection)
+        self.args = (
+            f"{in_flight} requests in flight (proxy_max_concurrent_requests) and {rejection.current} waiting for a "
+            f"slot, the most that may (proxy_max_waiting_requests)",
+        )
 
 
 class _TimedOut(QueueRejected):

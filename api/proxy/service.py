@@ -390,6 +390,9 @@ class Proxy:
             and not query
             and all(map(self.router.predicts_only, workers))
         )
+        full = self.admission.refusal()
+        if full is not None:  # before a worker's /tokenize, which the cap does not hold back
+            raise _queue_refusal(full, self.config.proxy_retry_after_secs)
         try:
             if isinstance(prompt, bytes):
                 packed = prompt
@@ -603,7 +606,10 @@ class Proxy:
             wait = exc.retry_after_secs
             extra = {} if wait is None else {"retry_after": str(max(1, math.ceil(wait)))}
             raise Refused.error(503, "service_unavailable", str(exc), "no_worker", **extra) from None
-        except (NoEligibleWorker, AllWorkersOverloaded) as exc:
+        except AllWorkersOverloaded as exc:  # busy thresholds: passes as the workers' load does
+            retry_after = str(self.config.proxy_retry_after_secs)
+            raise Refused.error(503, "service_unavailable", str(exc), "no_worker", retry_after=retry_after) from None
+        except NoEligibleWorker as exc:  # no worker with the taints asked for: waiting does not bring one
             raise Refused.error(503, "service_unavailable", str(exc), "no_worker") from None
         except InvalidRequest as exc:  # a routing hint that does not fit the fleet (a pin to a prefill worker)
             # As api.hints refuses one.
