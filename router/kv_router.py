@@ -211,8 +211,13 @@ class KvRouter:
         self.predictions: PredictedCache | None = None
         self._rng = rng if rng is not None else random.Random()
         self._scheduler = Scheduler(config, *self._create_policies(config))
+        # Told synchronously of each worker that leaves routing as gone or unreachable, with why
+        # (`_left_routing`): the proxy fails the exchanges still open with it.
+        self.left_routing_observers: list[Callable[[int, str], None]] = []
         # Circuit breakers and health-check verdicts: who is out of routing, for every policy.
-        self.health = WorkerHealth(config, clock, self.has_worker)
+        self.health = WorkerHealth(
+            config, clock, self.has_worker, lambda worker_id: self._left_routing(worker_id, "its health checks fail")
+        )
         # Until router_min_initial_workers have registered once, `new` waits (Dynamo's startup wait).
         self._started = config.router_min_initial_workers <= len(self._scheduler.workers)
         self._workers_ready: asyncio.Event | None = None
@@ -341,7 +346,19 @@ class KvRouter:
             len(dropped),
             extra={"worker_id": worker_id, "dropped_requests": len(dropped)},
         )
+        self._left_routing(worker_id, f"removed ({reason})")
         self._dispatch_waiting()
+
+    def _left_routing(self, worker_id: int, why: str) -> None:
+        """The worker is out of routing as gone or unreachable (`in_routing` turned False): removed, for
+        whatever reason (its requests' bookings are dropped with it: nothing accounts for them any
+        more; an engine that stopped answering, a lease expired, a registry entry deleted or an
+        operator's DELETE say it is no longer in the fleet), or failing its health check (its engine
+        does not answer it). Not a circuit breaker opening nor an engine pacing: those keep new requests
+        away from a worker that still answers (some failures, a 429), and its open requests may well
+        end fine."""
+        for observer in self.left_routing_observers:
+            observer(worker_id, why)
 
     def _ended(self, request_ids: list[str]) -> None:
         """Bookings gone without `mark_free` (expired, or dropped with their ranks): their remote prefill

@@ -64,9 +64,17 @@ class _Breaker:
 class WorkerHealth:
     """The circuit breakers and health-check verdicts of the registered workers."""
 
-    def __init__(self, config: RouterConfig, clock: Callable[[], float], registered: Callable[[int], bool]) -> None:
-        """``registered``: whether a worker id is registered now."""
+    def __init__(
+        self,
+        config: RouterConfig,
+        clock: Callable[[], float],
+        registered: Callable[[int], bool],
+        check_failing: Callable[[int], None] = lambda worker_id: None,
+    ) -> None:
+        """``registered``: whether a worker id is registered now; ``check_failing``: told of a worker whose
+        health check turns failing (it leaves routing, `set_health`)."""
         self._registered = registered
+        self._check_failing = check_failing
         self._threshold = config.worker_breaker_failures
         self._open_secs = config.worker_breaker_open_secs
         self._probes = config.worker_breaker_half_open_probes
@@ -192,6 +200,7 @@ class WorkerHealth:
         if not passing and not failing:
             self._failing_checks.add(worker_id)
             self._troubled += 1
+            self._check_failing(worker_id)
             return True
         return not known
 

@@ -252,7 +252,9 @@ class Handoff:
         # A whole answer, silent until its end: waited for while the worker stays in routing.
         patient = partial(self.router.in_routing, worker.worker_id)
         try:
-            connection = await self.upstream.open(worker.url, path, body, headers, patient=patient)
+            connection = await self.upstream.open(
+                worker.url, path, body, headers, patient=patient, worker_id=worker.worker_id
+            )
         except UpstreamError as exc:
             raise PrefillFailed(worker.worker_id, str(exc)) from None
         try:

@@ -167,10 +167,13 @@ class Proxy:
 
     async def start(self) -> None:
         await self.upstream.start()
+        self.router.left_routing_observers.append(self._worker_left)
         self.health_checks.start()
 
     async def stop(self) -> None:
         await self.health_checks.stop()
+        if self._worker_left in self.router.left_routing_observers:
+            self.router.left_routing_observers.remove(self._worker_left)
         await self.upstream.stop()
         if self.tracing is not None:
             await self.tracing.shutdown()  # the spans left, exported
@@ -287,6 +290,13 @@ class Proxy:
             self.worker_failed(failed.worker_id, str(failed))
         elif failed.retry_after is not None:
             self.router.health.paced(failed.worker_id, failed.retry_after)
+
+    def _worker_left(self, worker_id: int, why: str) -> None:
+        """A worker left routing as gone or unreachable: what it was still answering fails now rather than
+        at the read timeout, and goes to another worker if the client has had nothing of it yet."""
+        failed = self.upstream.abandon(worker_id, why)
+        if failed:
+            logger.warning("worker %d left routing (%s): its %d open exchanges failed", worker_id, why, failed)
 
     def worker_answered(self, worker_id: int) -> None:
         """A worker answered a request: its circuit breaker's count of failures starts again."""
@@ -660,7 +670,9 @@ class Proxy:
             timeline.sent = time.time_ns()
         try:
             patient = None if stream else partial(self.router.in_routing, worker.worker_id)
-            connection = await self.upstream.open(worker.url, path, body, headers, streaming, patient)
+            connection = await self.upstream.open(
+                worker.url, path, body, headers, streaming, patient, worker_id=worker.worker_id
+            )
         except UpstreamError as exc:
             raise WorkerFailed(worker.worker_id, str(exc)) from None
         if timeline is not None:

@@ -587,7 +587,7 @@ class PromptTokenizer:
         for worker in (*workers[start:], *workers[:start]):
             assert worker.url is not None
             try:
-                exchange = self._upstream.post(worker.url, b"/tokenize", payload)
+                exchange = self._upstream.post(worker.url, b"/tokenize", payload, worker.worker_id)
                 status, content = await within(REMOTE_TOKENIZE_TIMEOUT_S, exchange)
                 if status == 200:
                     return _packed(_decode_tokens(content).tokens)

@@ -17,6 +17,12 @@ cut short closes it,
 which tells the engine to stop. An idle connection is dropped after `IDLE_SECS` (below the 5 s
 keep-alive of uvicorn, which vLLM and SGLang serve with), and a reused connection the worker had
 closed before it answered is replaced once by a fresh one, which is not a failure of the worker.
+
+A worker that leaves routing as gone or unreachable (`abandon`: removed, or failing its health check)
+has its exchanges still open failed at once, as if their connections broke, rather than each waiting
+out its read timeout (minutes) on a worker the router has dropped; so are requests for it that were
+waiting for a connection (`_Departures`). Nothing is registered per request for this: an exchange
+carries its worker's id, and the pools' open connections are looked through only when a worker leaves.
 """
 
 from __future__ import annotations
@@ -88,12 +94,38 @@ def _endpoint(url: str) -> _Endpoint:
     return _Endpoint(parts.hostname, port, tls, b"POST " + base.encode("latin-1"), parts.netloc.encode("idna"))
 
 
+class _Departures:
+    """The workers that left routing (`Upstream.abandon`) while requests waited for a connection (being
+    made, or freed by another request): such a request, booked before its worker left, is failed once it
+    has one, as the exchanges open then were. Who left is kept only while some request waits."""
+
+    __slots__ = ("_left", "count", "waiting")
+
+    def __init__(self) -> None:
+        self.count = 0  # departures so far
+        self.waiting = 0  # requests waiting for a connection now
+        self._left: dict[int, tuple[int, str]] = {}  # worker id: its last departure's number, and why
+
+    def left(self, worker_id: int, why: str) -> None:
+        self.count += 1
+        if self.waiting:
+            self._left[worker_id] = (self.count, why)
+        else:
+            self._left.clear()  # no request waits that began before these departures
+
+    def since(self, worker_id: int | None, seen: int) -> str | None:
+        """Why the worker left after departure number ``seen`` (None: it did not)."""
+        left = self._left.get(worker_id) if worker_id is not None and self.count != seen else None
+        return left[1] if left is not None and left[0] > seen else None
+
+
 class Upstream:
     """The pools, one per worker URL; created on the running loop (`start`), closed with the app."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self._config = config
         self._pools: dict[str, _Pool] = {}
+        self._departures = _Departures()
         self._tls: ssl.SSLContext | None = None
         self._running = False
 
@@ -114,9 +146,11 @@ class Upstream:
         headers: bytes = b"",
         streaming: Streaming | None = None,
         patient: Callable[[], bool] | None = None,
+        worker_id: int | None = None,
     ) -> UpstreamConnection:
         """Send ``POST path`` with ``body`` (JSON) and the raw header lines ``headers`` to the worker
         at ``url``; returns once the answer's status and headers are in. Raises `UpstreamError`.
+        ``worker_id``: the worker the exchange is with, failed at once if it leaves routing (`abandon`).
         ``streaming``: a 200 answer is a stream, handed on from the read callback as it says.
         ``patient``: asked when the worker has been silent for the read timeout; True (its worker still
         in routing) waits on: a whole answer (no stream) comes at its end, so its silence says nothing
@@ -126,16 +160,32 @@ class Upstream:
         if pool is None:
             if not self._running:
                 raise RuntimeError("the proxy's upstream client is not started")
-            pool = self._pools[url] = _Pool(_endpoint(url), self._config, self._tls_context)
-        return await pool.send(path, body, headers, streaming, patient)
+            pool = self._pools[url] = _Pool(_endpoint(url), self._config, self._tls_context, self._departures)
+        return await pool.send(path, body, headers, streaming, patient, worker_id)
 
-    async def post(self, url: str, path: bytes, body: bytes) -> tuple[int, bytes]:
+    async def post(self, url: str, path: bytes, body: bytes, worker_id: int | None = None) -> tuple[int, bytes]:
         """A whole exchange: the status and body of ``POST path`` (used for ``/tokenize``)."""
-        connection = await self.open(url, path, body)
+        connection = await self.open(url, path, body, worker_id=worker_id)
         try:
             return connection.status, await connection.read()
         finally:
             connection.release()
+
+    def abandon(self, worker_id: int, why: str) -> int:
+        """The worker left routing as gone or unreachable (``why``): each of its exchanges whose answer is
+        not yet whole fails now, as a broken connection fails it (before the client has a byte, the
+        request goes to another worker; mid-stream, the stream ends with an error event), and so does each
+        request for it still waiting for a connection. Returns how many exchanges failed."""
+        self._departures.left(worker_id, why)
+        abandoned = [
+            connection
+            for pool in self._pools.values()
+            for connection in pool.connections
+            if connection.worker_id == worker_id and connection.answering
+        ]
+        for connection in abandoned:
+            connection._fail(UpstreamError(f"left routing: {why}"))
+        return len(abandoned)
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
@@ -146,8 +196,11 @@ class Upstream:
 class _Pool:
     """The connections to one worker: idle ones (most recently used last) and a bound on how many."""
 
-    def __init__(self, endpoint: _Endpoint, config: ProxyConfig, tls: Callable[[], ssl.SSLContext]) -> None:
+    def __init__(
+        self, endpoint: _Endpoint, config: ProxyConfig, tls: Callable[[], ssl.SSLContext], departures: _Departures
+    ) -> None:
         self.endpoint = endpoint
+        self._departures = departures
         self._limit = config.proxy_connections_per_worker
         self._connect_timeout = config.proxy_connect_timeout_secs
         self.read_timeout = config.proxy_read_timeout_secs
@@ -156,6 +209,7 @@ class _Pool:
         self.max_answer_bytes = config.proxy_max_answer_bytes
         self._tls = tls
         self.idle: list[UpstreamConnection] = []
+        self.connections: set[UpstreamConnection] = set()  # connected and not yet lost: idle or carrying an exchange
         self.opened = 0  # connections open or being opened
         self._waiting: deque[asyncio.Future[UpstreamConnection | None]] = deque()
         self.closed = False
@@ -167,6 +221,7 @@ class _Pool:
         headers: bytes,
         streaming: Streaming | None,
         patient: Callable[[], bool] | None,
+        worker_id: int | None,
     ) -> UpstreamConnection:
         endpoint = self.endpoint
         request = b"".join(
@@ -174,32 +229,55 @@ class _Pool:
              b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode(), b"\r\n",
              headers, b"\r\n", body)
         )  # fmt: skip
-        connection = await self._acquire()
+        connection = await self._acquire(worker_id)
         reused = connection.used
         try:
             try:
-                await connection.send(request, streaming, patient)
+                await connection.send(request, streaming, patient, worker_id)
             except _ClosedBeforeAnswer:
                 if not reused:
                     raise UpstreamError("the worker closed the connection before answering") from None
                 # The worker closed an idle connection as this request went out: once more, afresh.
-                connection = await self._acquire(fresh=True)
-                await connection.send(request, streaming, patient)
+                connection = await self._acquire(worker_id, fresh=True)
+                await connection.send(request, streaming, patient, worker_id)
         except asyncio.CancelledError:
             connection.close()  # cancelled before the answer's head: the engine must stop the request too
             raise
         return connection
 
-    async def _acquire(self, fresh: bool = False) -> UpstreamConnection:
+    async def _acquire(self, worker_id: int | None, fresh: bool = False) -> UpstreamConnection:
+        """An idle connection (unless ``fresh``), else a new one once there is room for it. Raises
+        `UpstreamError` if ``worker_id`` left routing while the request waited (`_Departures`)."""
         loop = asyncio.get_running_loop()
+        if not fresh:
+            idle = self._idle_connection(loop)
+            if idle is not None:
+                return idle
+        departures = self._departures
+        seen = departures.count
+        departures.waiting += 1
+        try:
+            connection = await self._new_or_freed(loop, fresh)
+        finally:
+            departures.waiting -= 1
+        why = departures.since(worker_id, seen)
+        if why is not None:
+            connection.close()
+            raise UpstreamError(f"left routing: {why}")
+        return connection
+
+    def _idle_connection(self, loop: asyncio.AbstractEventLoop) -> UpstreamConnection | None:
+        now = loop.time()
+        while self.idle:
+            connection = self.idle.pop()
+            if connection.reusable(now):
+                return connection
+            connection.close()
+        return None
+
+    async def _new_or_freed(self, loop: asyncio.AbstractEventLoop, fresh: bool) -> UpstreamConnection:
+        """A new connection once there is room for it, or one another request freed."""
         while True:
-            if not fresh:
-                now = loop.time()
-                while self.idle:
-                    connection = self.idle.pop()
-                    if connection.reusable(now):
-                        return connection
-                    connection.close()
             if self._limit == 0 or self.opened < self._limit:
                 return await self._connect(loop)
             waiter: asyncio.Future[UpstreamConnection | None] = loop.create_future()
@@ -215,6 +293,10 @@ class _Pool:
                     self._waiting.remove(waiter)
             if handed is not None:
                 return handed
+            if not fresh:
+                idle = self._idle_connection(loop)
+                if idle is not None:
+                    return idle
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> UpstreamConnection:
         endpoint = self.endpoint
@@ -242,6 +324,7 @@ class _Pool:
             if isinstance(exc, OSError):
                 raise UpstreamError(_describe(exc)) from None
             raise
+        self.connections.add(connection)
         return connection
 
     def put_back(self, connection: UpstreamConnection) -> None:
@@ -266,6 +349,7 @@ class _Pool:
     def forget(self, connection: UpstreamConnection) -> None:
         if connection in self.idle:
             self.idle.remove(connection)
+        self.connections.discard(connection)
         self._gone()
 
     def close(self) -> None:
@@ -324,6 +408,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._heard = 0.0  # loop time of the last byte from the worker
         self._sent_at = 0.0  # loop time the request went out
         self._patient: Callable[[], bool] | None = None  # see `Upstream.open`
+        self.worker_id: int | None = None  # the worker of the exchange it carries (`Upstream.abandon`)
         self._finished = False  # the stream handed on has ended at the client (`Sink.finish`)
         self.read_at = 0.0  # perf_counter time of the last read a waiting coroutine was woken for
         self.begun_at = 0.0  # streaming: perf_counter time of the read that brought the first events
@@ -434,12 +519,14 @@ class UpstreamConnection(asyncio.Protocol):
         request: bytes,
         streaming: Streaming | None = None,
         patient: Callable[[], bool] | None = None,
+        worker_id: int | None = None,
     ) -> None:
         """Write the request; returns once the answer's head is in (see `Upstream.open`)."""
         self.used = True
         self._reset()
         self._streaming = streaming
         self._patient = patient
+        self.worker_id = worker_id
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
             raise _ClosedBeforeAnswer("the connection was closed")
@@ -569,6 +656,11 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._idle_since = self._loop.time()
         self._pool.put_back(self)
+
+    @property
+    def answering(self) -> bool:
+        """Carrying an exchange whose answer is not yet whole."""
+        return self.used and not self.complete and not self._closed
 
     @property
     def connected(self) -> bool:
