@@ -85,7 +85,9 @@ def test_engine_specs_parse() -> None:
     spec = parse_engine_spec("7=tcp://h:1,url=http://h:8000/v1,models=a+b")
     assert spec.models == ("a", "b") and str(spec) == "7=tcp://h:1,url=http://h:8000,models=a+b"
     for bad in ("x=tcp://h:1", "7", "7=", "7=tcp://h:1,other=1", "7=http://h:1", "7=tcp://h:1,url=ftp://h",
-                "7=tcp://h:1,models=a", "7=tcp://h:1,replay=tcp://h:2,replay=tcp://h:3", "-1=tcp://h:1"):  # fmt: skip
+                "7=tcp://h:1,models=a", "7=tcp://h:1,replay=tcp://h:2,replay=tcp://h:3", "-1=tcp://h:1",
+                "7=tcp://h:\u0661", "7=tcp://h:1,replay=tcp://h:1", "7=tcp://[::1:1", "7=tcp://h]:1",
+                "7=tcp://h:1,url=http://h:8000/v1/completions", "7=tcp://h:1,url=http://h:8000/health"):  # fmt: skip
         with pytest.raises(ValueError):
             parse_engine_spec(bad)
 
