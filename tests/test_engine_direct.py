@@ -664,6 +664,36 @@ async def test_an_engine_failing_a_health_check_or_two_keeps_its_index_and_one_r
         assert probe.failures - failed < 3, "out before three failures"
 
 
+async def test_a_worker_removed_while_its_engine_answers_comes_back_with_its_url_and_models(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DELETE /v1/workers of an engine given with url=: its next event registered it bare (no URL, no
+    models), routable by the decision API yet never sent a proxied request, and its health probe, passing
+    all along, never registered it again. It comes back as its engine's answer registers it: URL, models,
+    the KV blocks its /metrics state, its health check passing, what it holds replayed."""
+    http = EngineHttp(models=("m1", "m2"), kv_blocks=512)
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=12)
+    await engine.start()
+    async with _probed(http, endpoint, replay, engine) as (router, direct):
+        await eventually(lambda: (router.worker(WORKER) or WorkerConfig(worker_id=0)).total_kv_blocks == 512)
+        for _ in range(5):
+            await engine.step()
+        await _converged(router, engine, direct)
+
+        router.remove_worker(WORKER)  # what DELETE /v1/workers/7 does
+        await engine.step()
+        await eventually(lambda: router.has_worker(WORKER))
+        worker = router.worker(WORKER)
+        assert worker is not None
+        assert (worker.url, worker.models, worker.total_kv_blocks) == (http.url, frozenset({"m1", "m2"}), 512)
+        assert router.health.availability(WORKER).health_check == "passing"
+        await _converged(router, engine, direct)
+        await eventually(lambda: _stream(router).trusted)
+        assert "registering it with default capacity" not in caplog.text
+        assert f"worker {WORKER} was removed while its engine at {http.url} answers" in caplog.text
+
+
 @asynccontextmanager
 async def _probed(
     http: EngineHttp, endpoint: str, replay: str | None, *engines: FakeEngine, health_interval_s: float = 0.05

@@ -10,10 +10,11 @@ first events are not refused; ``POST /v1/workers`` can then give its real settin
 A worker removed (``DELETE /v1/workers``) while its engine publishes is registered again by its next
 event, its ranks numbered afresh from 1 and rebuilt from the engine's replay buffer when it has one
 (without one, unverified until the engine clears or restarts).
-An engine given with its OpenAI URL (``url=``) is registered with it instead, for the proxy, and
-follows its engine's health (`DirectEngine`); while it answers, its ``/metrics`` are scraped for its
-load (KV usage, waiting and running requests) and, from vLLM, its KV blocks per rank, which its
-registration takes when it has no capacity of its own.
+An engine given with its OpenAI URL (``url=``) is registered with it instead, for the proxy, with its
+models (after a removal too: its next event registers it so), and follows its engine's health
+(`DirectEngine`); while it answers, its ``/metrics`` are scraped for its load (KV usage, waiting and
+running requests) and, from vLLM, its KV blocks per rank, which its registration takes when it has no
+capacity of its own.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class SequencerSink:
         self._held = HeldBlocks(worker_id)
         # Told when the worker turns out removed (DELETE /v1/workers) while its engine kept publishing.
         self.on_removed: Callable[[], None] | None = None
+        # Registers the worker when its events come while it is not (None: `ensure_registered`'s default).
+        self.register: Callable[[], None] | None = None
 
     def reset(self) -> None:
         """The worker was removed: its streams start again from id 1."""
@@ -97,12 +100,17 @@ class SequencerSink:
         self._held = HeldBlocks(self.worker_id)
 
     def _ensure_registered(self) -> None:
-        if self._last_id and not self.router.has_worker(self.worker_id):
+        if self.router.has_worker(self.worker_id):
+            return
+        if self._last_id:
             # The sequencer forgot its streams with it: numbered on, they would never be trusted again.
             self.reset()
             if self.on_removed is not None:
                 self.on_removed()
-        ensure_registered(self.router, self.worker_id, "engine", self.dp_size)
+        if self.register is None:
+            ensure_registered(self.router, self.worker_id, "engine", self.dp_size)
+        else:
+            self.register()
 
     def _next_id(self, dp_rank: int) -> int:
         event_id = self._last_id.get(dp_rank, 0) + 1
@@ -260,6 +268,12 @@ class DirectEngine:
         self.url = self.spec.url
         self.sink = SequencerSink(router, self.worker_id, accepting=self.url is None, dp_size=self.spec.dp_size)
         self.sink.on_removed = self._removed
+        if self.url is not None:
+            # Removed (DELETE /v1/workers) while its engine answers: the engine is still given with --engine
+            # and passes its probe, which tells only transitions, so nothing else would register it again.
+            # Registered bare (no URL, no models) it would be routable by the decision API yet never sent a
+            # proxied request; kept out, it would wait for its engine to fail. It comes back whole.
+            self.sink.register = self._registered_again
         # One stream per dp rank (vLLM: a publisher per rank, on consecutive ports).
         self.streams = [
             ZmqEngineStream(
@@ -335,17 +349,8 @@ class DirectEngine:
             )
         # Settings given over HTTP before the engine went down (capacity, taints) are kept.
         base = self.router.worker(self.worker_id) or self._registration or WorkerConfig(worker_id=self.worker_id)
-        registration = msgspec.structs.replace(
-            base,
-            block_size=self.router.config.block_size,
-            dp_size=self.spec.dp_size,
-            leased=False,
-            url=self.url,
-            models=frozenset(models),
-        )
         self.sink.reset()
-        self.router.register_worker(registration)
-        self.router.health.set_health(self.worker_id, True)  # /v1/workers: its health check passing
+        self._register(base)
         self.sink.accepting = True
         self.up_at = time.time()
         self.messages_at_up = self.messages
@@ -362,6 +367,34 @@ class DirectEngine:
         self.scraper.start()
         for stream in self.streams:  # what the engine holds now, from its replay buffer (or what comes next)
             await stream.rebuild()
+
+    def _register(self, base: WorkerConfig) -> None:
+        """The worker as its answering engine is registered: ``base``'s settings with the engine's URL and
+        models, and the KV blocks its ``/metrics`` stated when ``base`` gives no capacity."""
+        assert self.url is not None and self.models is not None
+        stated = self.scraper.total_kv_blocks if self.scraper is not None else None
+        registration = msgspec.structs.replace(
+            base,
+            block_size=self.router.config.block_size,
+            dp_size=self.spec.dp_size,
+            leased=False,
+            url=self.url,
+            models=frozenset(self.models),
+            total_kv_blocks=base.total_kv_blocks if base.total_kv_blocks is not None else stated,
+        )
+        self.router.register_worker(registration)
+        self.router.health.set_health(self.worker_id, True)  # /v1/workers: its health check passing
+
+    def _registered_again(self) -> None:
+        """Its events came while it is not registered, its engine answering: it was removed over HTTP, and
+        what was given there went with it."""
+        log.warning(
+            "worker %d was removed while its engine at %s answers and publishes: registered again, with its URL "
+            "and models (to keep it out of routing, stop hearing the engine: drop its --engine)",
+            self.worker_id,
+            self.url,
+        )
+        self._register(WorkerConfig(worker_id=self.worker_id))
 
     def _removed(self) -> None:
         """Removed while its engine kept publishing: what the engine holds is taken afresh from its
