@@ -1474,3 +1474,60 @@ async def test_an_eagle_engines_bigram_stores_match_requests_only_with_enable_ea
             await eventually(lambda: direct.sink.stores == 2)
             (problem,) = doctor.check()
             assert problem.kind == "eagle_mismatch" and "1 stored events" in problem.evidence
+
+
+async def test_a_frame_past_the_size_limit_is_counted_and_logged_as_a_rejection_and_a_restart_is_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """libzmq drops the connection that brings a frame past MAXMSGSIZE and never makes it again: only the
+    reconnect counter moved, with no word of why. It is a rejection (``rejected_oversized``, logged), the
+    stream goes on on a new connection, and an engine that restarts is not taken for one."""
+    import zmq
+    import zmq.asyncio
+    from prometheus_client.core import Metric
+
+    from api.metrics import EngineStreamCollector
+    from router.engines.engine_spec import MAX_ENGINE_FRAME_BYTES
+
+    context = zmq.asyncio.Context.instance()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+
+    def engine_socket() -> zmq.asyncio.Socket:
+        pub = context.socket(zmq.XPUB)  # an XPUB hears the subscription: what it sends then is delivered
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(endpoint)
+        return pub
+
+    async def subscribed(pub: zmq.asyncio.Socket) -> None:
+        while (await asyncio.wait_for(pub.recv(), 10))[:1] != b"\x01":  # an unsubscription: the connection's end
+            pass
+
+    def outcome(name: str) -> float:
+        metrics: list[Metric] = list(EngineStreamCollector([stream]).collect())
+        samples = [s for m in metrics for s in m.samples if s.labels.get("outcome") == name]
+        return samples[0].value if samples else 0.0
+
+    router = _router()
+    stream = ZmqEngineStream(SequencerSink(router, WORKER), endpoint, block_size=BLOCK)
+    pub = engine_socket()
+    await stream.start()
+    try:
+        await subscribed(pub)
+        await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), encode([1.0, _one_block_stored(1), 0])])
+        await eventually(lambda: stream.stats["applied"] == 1)
+        await pub.send_multipart([b"kv", (1).to_bytes(8, "big"), bytes(MAX_ENGINE_FRAME_BYTES + 1)])
+        await subscribed(pub)  # again: the stream connected afresh
+        await pub.send_multipart([b"kv", (2).to_bytes(8, "big"), encode([1.0, _one_block_stored(2), 0])])
+        await eventually(lambda: stream.stats["applied"] == 2, 5, str(stream.stats))
+        assert outcome("rejected_oversized") == 1
+        assert f"engine event oversized: from {endpoint}, a frame past {MAX_ENGINE_FRAME_BYTES} bytes" in caplog.text
+
+        pub.close()  # the engine restarts: its connection ends, and libzmq makes it again
+        await eventually(lambda: stream.stats["connections"] == 2)
+        pub = engine_socket()
+        await subscribed(pub)
+        await eventually(lambda: stream.stats["connections"] == 3)
+        assert outcome("rejected_oversized") == 1
+    finally:
+        await stream.stop()
+        pub.close()
