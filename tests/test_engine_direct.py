@@ -1531,3 +1531,126 @@ async def test_a_frame_past_the_size_limit_is_counted_and_logged_as_a_rejection_
     finally:
         await stream.stop()
         pub.close()
+
+
+# ------------------------------------------------------------------------------- an engine that is down
+def _engine_up(direct: DirectEngine) -> float:
+    """``kv_router_engine_up`` of the engine, as /metrics shows it."""
+    from api.metrics import EngineStreamCollector
+
+    (family,) = [m for m in EngineStreamCollector(direct.streams, [direct]).collect() if m.name.endswith("engine_up")]
+    (sample,) = family.samples
+    assert sample.labels == {"worker_id": str(WORKER)}
+    return sample.value
+
+
+@pytest.mark.parametrize("fault", ["refused", "not_found"])
+async def test_an_engine_that_does_not_answer_is_told_every_while_by_warnings_the_doctor_and_its_gauge(
+    fault: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine whose server never answered (nothing listens; or its /health is a 404: a wrong url=)
+    was one INFO line, then silence: no worker, no problem, no metric. It is a WARNING naming its URL and
+    the error every `DOWN_WARNING_EVERY_S` (0.2 s here) while it lasts, the doctor's engine_down and
+    ``kv_router_engine_up`` 0, until it answers."""
+    monkeypatch.setattr(direct_module, "DOWN_WARNING_EVERY_S", 0.2, raising=False)
+    http = EngineHttp()
+    endpoint, replay = loopback_endpoints(replay=True)
+    url, error = {
+        "refused": (http.url, "does not answer /health: ConnectError"),
+        "not_found": (f"{http.url}/v1/completions",
+                      "does not answer /health: HTTP 404 (nothing at /health: is url= the engine's OpenAI server?)"),
+    }[fault]  # fmt: skip
+    if fault == "not_found":
+        await http.start()
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    direct = DirectEngine(router, EngineSpec(WORKER, endpoint, replay, url), health_interval_s=0.05)
+    await direct.start()
+    try:
+        said = f"engine of worker {WORKER} down for "
+        await eventually(lambda: caplog.text.count(said) >= 2, 10, "a WARNING, told again")
+        assert f"its OpenAI server at {url} {error}" in caplog.text
+        doctor = ConfigDoctor(router, engines=[direct], engine_down_after_s=0.2)
+        (problem,) = doctor.check()
+        assert (problem.kind, problem.worker_id) == ("engine_down", WORKER) and f"at {url} {error}" in problem.evidence
+        assert doctor.counts()["engine_down"] == 1 and _engine_up(direct) == 0
+        if fault == "refused":
+            await http.start()  # it answers at last: routable, and nothing is wrong any more
+            await eventually(lambda: router.has_worker(WORKER))
+            assert doctor.check() == [] and _engine_up(direct) == 1
+    finally:
+        await direct.stop()
+        await http.stop()
+
+
+async def test_an_engine_without_a_url_whose_socket_has_no_connection_or_no_event_is_told(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without url= and a replay socket, an event endpoint where nothing listens said nothing at all. It is
+    the doctor's engine_down and a WARNING every while; once connected, an engine that sends no event is
+    a WARNING, once."""
+    import zmq
+    import zmq.asyncio
+
+    monkeypatch.setattr(direct_module, "DOWN_WARNING_EVERY_S", 0.2, raising=False)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    direct = DirectEngine(router, f"{WORKER}={endpoint}")
+    pub = zmq.asyncio.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    await direct.start()
+    try:
+        await eventually(lambda: caplog.text.count(f"engine of worker {WORKER} down for ") >= 2, 10, "WARNINGs")
+        assert f"its event socket {endpoint} has no connection: nothing listens there" in caplog.text
+        doctor = ConfigDoctor(router, engines=[direct], engine_down_after_s=0.2)
+        (problem,) = doctor.check()
+        assert (problem.kind, problem.worker_id) == ("engine_down", WORKER) and endpoint in problem.evidence
+        assert _engine_up(direct) == 0
+
+        pub.bind(endpoint)  # an engine that publishes nothing (its KV events off)
+        await eventually(lambda: direct.streams[0].stats["connections"] == 1)
+        assert doctor.check() == [] and _engine_up(direct) == 1
+        silent = f"no KV event heard from the engine of worker {WORKER} at {endpoint}"
+        await eventually(lambda: silent in caplog.text)
+        await asyncio.sleep(0.6)  # three more periods: told once
+        assert caplog.text.count(silent) == 1
+    finally:
+        await direct.stop()
+        pub.close()
+
+
+def test_serve_with_an_engine_that_never_answers_shows_it_in_the_doctor_and_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The service with an --engine whose server never answers: /readyz ready, /v1/workers empty, and
+    nothing said anywhere. /v1/doctor names it (engine_down, its URL and the error) and /metrics counts
+    it (``kv_router_config_problems{kind="engine_down"}``, ``kv_router_engine_up`` 0). The doctor's grace
+    (a minute) is left out here."""
+    import functools
+    import random
+
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from api import app as app_module
+    from api.app import create_app
+    from api.config import load_settings
+    from tests.waiting import until
+
+    monkeypatch.setattr(app_module, "ConfigDoctor", functools.partial(ConfigDoctor, engine_down_after_s=0))
+    url = f"http://127.0.0.1:{free_port()}"
+    spec = f"{WORKER}=tcp://127.0.0.1:{free_port()},url={url}"
+    settings = load_settings(flags={"engine": [spec], "block_size": BLOCK, "embedded_nats": False}, env={})
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+
+        def told() -> bool:
+            problems = client.get("/v1/doctor").json()
+            return [(p["kind"], p["worker_id"]) for p in problems] == [("engine_down", WORKER)] and (
+                f"its OpenAI server at {url} does not answer /health: ConnectError" in problems[0]["evidence"]
+            )
+
+        until(told, 10, "the doctor names the engine")
+        metrics = client.get("/metrics").text
+        assert 'kv_router_config_problems{kind="engine_down"} 1.0' in metrics
+        assert f'kv_router_engine_up{{worker_id="{WORKER}"}} 0.0' in metrics
+        assert client.get("/v1/workers").json() == {"workers": []}

@@ -15,6 +15,11 @@ models (after a removal too: its next event registers it so), and follows its en
 (`DirectEngine`); while it answers, its ``/metrics`` are scraped for its load (KV usage, waiting and
 running requests) and, from vLLM, its KV blocks per rank, which its registration takes when it has no
 capacity of its own.
+
+A configured engine that is down is never silent (`DirectEngine.trouble`): with a URL, while its server
+does not answer (or has not been routable yet); without one, while an event socket has no connection.
+It is a WARNING every `DOWN_WARNING_EVERY_S` while it lasts, the doctor's ``engine_down`` and
+``kv_router_engine_up`` 0; an engine without a URL that has sent no event by then is a WARNING, once.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.errors import ConfigError, UnknownWorker
 from router.event_plane.messages import ActiveLoad
 from router.kv_router import KvRouter
+from router.supervision import Supervisor
 from router.types import WorkerConfig
 
 __all__ = ["AdoptedBlockSize", "DirectEngine", "SequencerSink", "ensure_registered"]
@@ -56,6 +62,9 @@ log = logging.getLogger(__name__)
 
 # How long an engine that answers waits for its event socket's subscription before it is routable.
 JOIN_TIMEOUT_S = 2.0
+# A configured engine that stays down is told in a WARNING this often while it does: once is lost in a
+# start-up's log, one per probe would flood it. One without a URL that sent nothing by then, once.
+DOWN_WARNING_EVERY_S = 60.0
 
 
 def ensure_registered(router: KvRouter, worker_id: int, source: str, dp_size: int = 1) -> None:
@@ -307,7 +316,11 @@ class DirectEngine:
         # messages its event socket had delivered then (the doctor's engine_events_silent).
         self.up_at: float | None = None
         self.messages_at_up = 0
+        # Unix time since which its engine has not been routable (with a URL: from `start`, and from
+        # each fall); None while it is.
+        self._down_since: float | None = None
         self._registration: WorkerConfig | None = None  # the worker's last registration
+        self._background = Supervisor(f"engine-{self.worker_id}")
 
     @property
     def messages(self) -> int:
@@ -318,10 +331,13 @@ class DirectEngine:
         for stream in self.streams:
             await stream.start()
         if self.health is not None:
+            self._down_since = time.time()
             self.router.health.set_engine_probed(self.worker_id, True)  # the proxy's checks leave it alone
             self.health.start()
+        self._background.keep_running("watch", self._watch)
 
     async def stop(self) -> None:
+        await self._background.stop()
         if self.health is not None:
             await self.health.stop()
             self.router.health.set_engine_probed(self.worker_id, False)
@@ -353,6 +369,7 @@ class DirectEngine:
         self._register(base)
         self.sink.accepting = True
         self.up_at = time.time()
+        self._down_since = None
         self.messages_at_up = self.messages
         log.info("engine of worker %d answers at %s: routable", self.worker_id, self.url)
         await self._stop_scraping()
@@ -407,6 +424,8 @@ class DirectEngine:
 
     async def _down(self, problem: str) -> None:
         self.sink.accepting = False
+        if self.up_at is not None:
+            self._down_since = time.time()
         self.up_at = None
         await self._stop_scraping()
         known = self.router.worker(self.worker_id)
@@ -422,6 +441,51 @@ class DirectEngine:
         )
         with contextlib.suppress(UnknownWorker):
             self.router.remove_worker(self.worker_id, "engine_unhealthy")
+
+    def trouble(self) -> tuple[float, str] | None:
+        """Since when (Unix time) and why its engine is down now, or None: with a URL, not routable
+        (its server does not answer, or has not listed its models yet); without one, an event socket
+        with no connection (nothing listens there)."""
+        if self.health is not None:
+            if self._down_since is None:
+                return None
+            problem = self.health.last_problem
+            if problem is None:
+                answer = "has not been probed yet" if self.health.healthy is None else "answers, yet lists no models"
+                return self._down_since, f"its OpenAI server at {self.url} {answer}"
+            hint = " (nothing at /health: is url= the engine's OpenAI server?)" if problem == "HTTP 404" else ""
+            return self._down_since, f"its OpenAI server at {self.url} does not answer /health: {problem}{hint}"
+        unconnected = [(s.unconnected_since, s.endpoint) for s in self.streams if s.unconnected_since is not None]
+        if not unconnected:
+            return None
+        since = min(since for since, _ in unconnected)
+        endpoints = ", ".join(endpoint for _, endpoint in unconnected)
+        return since, (
+            f"its event socket {endpoints} has no connection: nothing listens there (is the engine running, "
+            "its KV events on, bound to that port: vLLM --kv-events-config endpoint tcp://*:PORT?)"
+        )
+
+    async def _watch(self) -> None:
+        """A WARNING every `DOWN_WARNING_EVERY_S` while the engine is down; without a URL, one if it has
+        sent nothing by then (a socket that connects yet hears nothing: KV events off, another topic)."""
+        told_silent = self.url is not None  # with a URL, the doctor's engine_events_silent tells it
+        while True:
+            await asyncio.sleep(DOWN_WARNING_EVERY_S)
+            trouble = self.trouble()
+            if trouble is not None:
+                since, why = trouble
+                if time.time() - since >= DOWN_WARNING_EVERY_S:
+                    log.warning("engine of worker %d down for %.0f s: %s", self.worker_id, time.time() - since, why)
+            elif not told_silent and self.messages == 0:
+                told_silent = True
+                log.warning(
+                    "no KV event heard from the engine of worker %d at %s in %g s, though its socket is connected: "
+                    "an idle engine sends none, but one without KV events (vLLM --kv-events-config) or publishing "
+                    "under another topic (--engine-zmq-topic) never will",
+                    self.worker_id,
+                    ", ".join(stream.endpoint for stream in self.streams),
+                    DOWN_WARNING_EVERY_S,
+                )
 
     # ------------------------------------------------------------------ the scraper's sink
     async def publish_load(self, load: ActiveLoad) -> None:

@@ -431,6 +431,9 @@ class ZmqEngineStream:
         # removals are ignored (`decode_engine_batch`); kept across restarts (the model's, not the cache's).
         self.side_groups: set[int] = set()
         self._connected: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None  # by `start`
+        # Unix time since which the SUB socket has had no connection with the engine's PUB socket (None:
+        # it has one): from `start` until the first handshake, and from each disconnection to the next.
+        self.unconnected_since: float | None = None
         # Set while the subscription has surely reached the engine's PUB socket (a handshake, then the
         # tail-check delay), cleared when the connection drops. Only watched with a replay socket.
         self._joined = asyncio.Event()
@@ -450,6 +453,7 @@ class ZmqEngineStream:
         """Connect the SUB socket, then hear the engine in the background. An event endpoint ZMQ refuses
         raises `EndpointRefused` with nothing left running: every retry would fail alike."""
         self._connected = self._connect_sub()
+        self.unconnected_since = time.time()
         self._background.keep_running("sub", self._read)
         self._background.keep_running("apply", self._apply_loop)
         if self.replay_endpoint is not None:
@@ -607,6 +611,8 @@ class ZmqEngineStream:
                     continue
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     lost_unretried, handshaken = handshaken, False
+                    if self.unconnected_since is None:
+                        self.unconnected_since = time.time()
                     # The engine went away (a restart's new socket comes with a handshake of its own).
                     self._joined.clear()
                     if check is not None:
@@ -631,6 +637,7 @@ class ZmqEngineStream:
                         "its batch: connected afresh)",
                     )
                 handshaken, lost_unretried = True, False
+                self.unconnected_since = None
                 if self.replay_endpoint is None:  # nothing to check a connection's first batch against
                     continue
                 self._verify_next = True
