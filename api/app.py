@@ -130,7 +130,9 @@ def create_app(
             engines = await stack.enter_async_context(running_engines(kv_router, settings.engines))
             await stack.enter_async_context(running_dynamo_sources(kv_router, settings.engines, plane))
             if engines:
-                engine_collector = EngineStreamCollector([stream for engine in engines for stream in engine.streams])
+                engine_collector = EngineStreamCollector(
+                    [stream for engine in engines for stream in engine.streams], engines
+                )
                 registry.register(engine_collector)
                 stack.callback(registry.unregister, engine_collector)
             doctor = ConfigDoctor(kv_router, registrations=lifecycle, engines=engines)

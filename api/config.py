@@ -354,6 +354,8 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
         """Every ``--engine`` and ``--engine-zmq``, parsed; raises `ConfigError` naming the setting of a
         bad or repeated one."""
         specs: dict[int, EngineSpec] = {}
+        # Each socket and URL, and whose: two engines given one would hear one engine twice, as two workers.
+        claimed: dict[str, tuple[int, str]] = {}
         for field, texts in (("engine", self.engine), ("engine_zmq", self.engine_zmq)):
             for text in texts:
                 try:
@@ -362,6 +364,11 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
                     raise ConfigError(field, str(exc).removeprefix("engine ")) from None
                 if spec.worker_id in specs:
                     raise ConfigError(field, f"{text!r}: worker {spec.worker_id} is given twice")
+                for what, address in spec.addresses():
+                    owner, owners_what = claimed.setdefault(address, (spec.worker_id, what))
+                    if owner != spec.worker_id:
+                        raise ConfigError(field, f"{text!r}: its {what} {address} is worker {owner}'s {owners_what} "
+                                          "too (each engine has sockets and a URL of its own)")  # fmt: skip
                 specs[spec.worker_id] = spec
         return list(specs.values())
 

@@ -38,6 +38,7 @@ from api.plane_lifecycle import PlaneLifecycle
 from indexer.native import DECLINES
 from indexer.sequencer import EventSequencer
 from router.doctor import ConfigDoctor
+from router.engines.direct import DirectEngine
 from router.engines.zmq_stream import ZmqEngineStream
 from router.kv_router import KvRouter
 from router.types import RouteDecision
@@ -574,25 +575,28 @@ class EventPlaneCollector(Collector):
 
 
 class EngineStreamCollector(Collector):
-    """Engine ZMQ streams heard directly (``--engine``): messages by outcome, backlog."""
+    """Engine ZMQ streams heard directly (``--engine``): messages by outcome, backlog; and, given the
+    engines, whether each is up."""
 
-    def __init__(self, streams: Sequence[ZmqEngineStream]) -> None:
+    def __init__(self, streams: Sequence[ZmqEngineStream], engines: Sequence[DirectEngine] = ()) -> None:
         self._streams = streams
+        self._engines = engines
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        outcomes, backlog = families = self._families()
+        outcomes, backlog, *up = families = self._families()
         for stream in self._streams:
             for outcome, count in sorted(stream.stats.items()):
                 outcomes.add_metric([stream.endpoint, outcome], count)
             backlog.add_metric([stream.endpoint], stream.backlog)
+        for engine in self._engines:
+            up[0].add_metric([str(engine.worker_id)], float(engine.trouble() is None))
         yield from families
 
-    @staticmethod
-    def _families() -> list[CounterMetricFamily | GaugeMetricFamily]:
-        return [
+    def _families(self) -> list[CounterMetricFamily | GaugeMetricFamily]:
+        families: list[CounterMetricFamily | GaugeMetricFamily] = [
             CounterMetricFamily(
                 f"{PREFIX}_engine_stream_messages",
                 "Engine ZMQ batches by outcome: messages, applied, duplicate, dropped_queue_full, gap, replayed, "
@@ -606,6 +610,17 @@ class EngineStreamCollector(Collector):
                 f"{PREFIX}_engine_stream_backlog", "Engine batches waiting to be applied.", labels=["endpoint"]
             ),
         ]
+        if self._engines:  # the bridge's streams come without theirs
+            families.append(
+                GaugeMetricFamily(
+                    f"{PREFIX}_engine_up",
+                    "Engines heard directly (--engine): 1 while up, 0 while down (with url=: its server not "
+                    "answering or not yet routable; without: an event socket with no connection; GET /v1/doctor "
+                    "says why).",
+                    labels=["worker_id"],
+                )
+            )
+        return families
 
 
 class DoctorCollector(Collector):

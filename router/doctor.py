@@ -24,6 +24,10 @@ the first time is logged once as a WARNING. The kinds:
   has been routed requests for ``engine_silent_after_s`` (30 s), yet its event socket delivered
   nothing: vLLM binds its PUB socket only for ``tcp://*:PORT`` (given a host address it connects, and
   nothing flows, with no error on either side).
+- ``engine_down``: an engine heard directly (``--engine``) has been down for ``engine_down_after_s``
+  (a minute): with a URL, its server does not answer ``/health`` (the evidence names the URL and the
+  last probe's error) or has listed no models; without one, an event socket has no connection. Seen
+  nowhere else: a worker never registered is in no list.
 - ``eagle_mismatch``: an engine heard directly stores blocks keyed by EAGLE bigrams (SGLang with
   speculative decoding) while the router hashes requests without ``--enable-eagle``, or plain ones
   while it hashes with it: no request can match those blocks.
@@ -63,6 +67,7 @@ KINDS = (
     "stream_gapping",
     "unregistered_worker",
     "engine_events_silent",
+    "engine_down",
     "eagle_mismatch",
     "handoff_unservable",
 )
@@ -109,6 +114,7 @@ class ConfigDoctor:
         sample_delay_s: float = 30.0,
         hash_mismatch_after: int = 20,
         engine_silent_after_s: float = 30.0,
+        engine_down_after_s: float = 60.0,
     ) -> None:
         self.router = router
         self.registrations = registrations
@@ -121,6 +127,7 @@ class ConfigDoctor:
         self._sample_delay_s = sample_delay_s
         self._hash_mismatch_after = hash_mismatch_after
         self._engine_silent_after_s = engine_silent_after_s
+        self._engine_down_after_s = engine_down_after_s
         self._routed = 0
         self._samples: deque[tuple[float, WorkerRank, int]] = deque(maxlen=max_samples)
         self._first_routed: dict[int, float] = {}
@@ -147,6 +154,7 @@ class ConfigDoctor:
         self._silent_workers(now, found)
         self._gaps(now, found)
         self._silent_engines(now, found)
+        self._down_engines(now, found)
         self._eagle(found)
         self._unservable_handoffs(found)
         for worker_id, count in self.router.sequencer.unknown_worker_events.items():
@@ -294,6 +302,13 @@ class ConfigDoctor:
                     f'error): start it with --kv-events-config \'{{"endpoint": "tcp://*:{port}", ...}}\'; '
                     f"and check that {endpoint} is the engine's event port, not its replay port"
                 )
+
+    def _down_engines(self, now: float, found: dict[tuple[str, int | None], str]) -> None:
+        for engine in self.engines:
+            trouble = engine.trouble()
+            if trouble is not None and now - trouble[0] >= self._engine_down_after_s:
+                since, why = trouble
+                found["engine_down", engine.worker_id] = f"down for {now - since:.0f} s: {why}"
 
     def _eagle(self, found: dict[tuple[str, int | None], str]) -> None:
         eagle = self.router.config.enable_eagle

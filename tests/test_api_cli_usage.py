@@ -87,6 +87,23 @@ BAD = [
     (["config", "show", "--max-body-bytes", "1.5"], "max_body_bytes"),
     (["nope"], "invalid choice: 'nope'"),
     (["serve", "--engine-zmq", "garbage"], "engine_zmq: 'garbage': expected WORKER_ID=tcp://HOST:PORT"),
+    # Each of these was taken, then served nothing: a traceback, or a worker that never came.
+    (["serve", "--engine", "1=tcp://127.0.0.1:\u0665\u0665\u0665\u0667"],
+     "the event endpoint must be tcp://HOST:PORT, got 'tcp://127.0.0.1:\u0665\u0665\u0665\u0667'"),
+    (["serve", "--engine", "1=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5557"],
+     "the replay endpoint is the event endpoint tcp://127.0.0.1:5557: the engine's replay socket listens"),
+    (["serve", "--engine", "1=tcp://[::1:5557"],
+     "the event endpoint 'tcp://[::1:5557' has a malformed IPv6 host '[::1': write tcp://[ADDRESS]:PORT"),
+    (["serve", "--engine", "1=tcp://127.0.0.1:5557,url=http://127.0.0.1:8000/v1/completions"],
+     "url= is the engine's OpenAI server root, http://HOST:PORT or http://HOST:PORT/v1, got the path "
+     "'/v1/completions' (from flag --engine)"),
+    (["serve", "--engine", "1=tcp://127.0.0.1:5557", "--engine", "2=tcp://127.0.0.1:5557"],
+     "'2=tcp://127.0.0.1:5557': its event endpoint tcp://127.0.0.1:5557 is worker 1's event endpoint too"),
+    (["serve", "--engine", "1=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558", "--engine-zmq",
+      "2=tcp://127.0.0.1:5558"], "its event endpoint tcp://127.0.0.1:5558 is worker 1's replay endpoint too"),
+    (["serve", "--engine", "1=tcp://127.0.0.1:5557,url=http://127.0.0.1:8000", "--engine",
+      "2=tcp://127.0.0.1:5559,url=http://127.0.0.1:8000/v1"],
+     "its url http://127.0.0.1:8000 is worker 1's url too (each engine has sockets and a URL of its own)"),
     (["serve", "--dynamo-endpoint", "garbage"], "dynamo_endpoint: 'garbage': expected NAMESPACE.COMPONENT.ENDPOINT"),
     (["serve", "--proxy", "--tokenizer", "mock-model=/nope.json"], "model 'mock-model': cannot read /nope.json"),
     (
@@ -95,7 +112,7 @@ BAD = [
     ),
     (["bridge"], "--worker-id is required (or KV_ROUTER_BRIDGE_WORKER_ID, or worker_id in --config)"),
     (["bridge", "--worker-id", "1", "--zmq-endpoint", "tcp://127.0.0.1:5557", "--metrics-port", "70000"], "<= 65535"),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("argv", "says"), BAD, ids=[" ".join(a) for a, _ in BAD])

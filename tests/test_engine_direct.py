@@ -85,7 +85,9 @@ def test_engine_specs_parse() -> None:
     spec = parse_engine_spec("7=tcp://h:1,url=http://h:8000/v1,models=a+b")
     assert spec.models == ("a", "b") and str(spec) == "7=tcp://h:1,url=http://h:8000,models=a+b"
     for bad in ("x=tcp://h:1", "7", "7=", "7=tcp://h:1,other=1", "7=http://h:1", "7=tcp://h:1,url=ftp://h",
-                "7=tcp://h:1,models=a", "7=tcp://h:1,replay=tcp://h:2,replay=tcp://h:3", "-1=tcp://h:1"):  # fmt: skip
+                "7=tcp://h:1,models=a", "7=tcp://h:1,replay=tcp://h:2,replay=tcp://h:3", "-1=tcp://h:1",
+                "7=tcp://h:\u0661", "7=tcp://h:1,replay=tcp://h:1", "7=tcp://[::1:1", "7=tcp://h]:1",
+                "7=tcp://h:1,url=http://h:8000/v1/completions", "7=tcp://h:1,url=http://h:8000/health"):  # fmt: skip
         with pytest.raises(ValueError):
             parse_engine_spec(bad)
 
@@ -660,6 +662,36 @@ async def test_an_engine_failing_a_health_check_or_two_keeps_its_index_and_one_r
         await http.stop()  # nothing listens: out of routing at the first refusal
         await eventually(lambda: not router.has_worker(WORKER), timeout=5)
         assert probe.failures - failed < 3, "out before three failures"
+
+
+async def test_a_worker_removed_while_its_engine_answers_comes_back_with_its_url_and_models(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DELETE /v1/workers of an engine given with url=: its next event registered it bare (no URL, no
+    models), routable by the decision API yet never sent a proxied request, and its health probe, passing
+    all along, never registered it again. It comes back as its engine's answer registers it: URL, models,
+    the KV blocks its /metrics state, its health check passing, what it holds replayed."""
+    http = EngineHttp(models=("m1", "m2"), kv_blocks=512)
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=12)
+    await engine.start()
+    async with _probed(http, endpoint, replay, engine) as (router, direct):
+        await eventually(lambda: (router.worker(WORKER) or WorkerConfig(worker_id=0)).total_kv_blocks == 512)
+        for _ in range(5):
+            await engine.step()
+        await _converged(router, engine, direct)
+
+        router.remove_worker(WORKER)  # what DELETE /v1/workers/7 does
+        await engine.step()
+        await eventually(lambda: router.has_worker(WORKER))
+        worker = router.worker(WORKER)
+        assert worker is not None
+        assert (worker.url, worker.models, worker.total_kv_blocks) == (http.url, frozenset({"m1", "m2"}), 512)
+        assert router.health.availability(WORKER).health_check == "passing"
+        await _converged(router, engine, direct)
+        await eventually(lambda: _stream(router).trusted)
+        assert "registering it with default capacity" not in caplog.text
+        assert f"worker {WORKER} was removed while its engine at {http.url} answers" in caplog.text
 
 
 @asynccontextmanager
@@ -1442,3 +1474,183 @@ async def test_an_eagle_engines_bigram_stores_match_requests_only_with_enable_ea
             await eventually(lambda: direct.sink.stores == 2)
             (problem,) = doctor.check()
             assert problem.kind == "eagle_mismatch" and "1 stored events" in problem.evidence
+
+
+async def test_a_frame_past_the_size_limit_is_counted_and_logged_as_a_rejection_and_a_restart_is_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """libzmq drops the connection that brings a frame past MAXMSGSIZE and never makes it again: only the
+    reconnect counter moved, with no word of why. It is a rejection (``rejected_oversized``, logged), the
+    stream goes on on a new connection, and an engine that restarts is not taken for one."""
+    import zmq
+    import zmq.asyncio
+    from prometheus_client.core import Metric
+
+    from api.metrics import EngineStreamCollector
+    from router.engines.engine_spec import MAX_ENGINE_FRAME_BYTES
+
+    context = zmq.asyncio.Context.instance()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+
+    def engine_socket() -> zmq.asyncio.Socket:
+        pub = context.socket(zmq.XPUB)  # an XPUB hears the subscription: what it sends then is delivered
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(endpoint)
+        return pub
+
+    async def subscribed(pub: zmq.asyncio.Socket) -> None:
+        while (await asyncio.wait_for(pub.recv(), 10))[:1] != b"\x01":  # an unsubscription: the connection's end
+            pass
+
+    def outcome(name: str) -> float:
+        metrics: list[Metric] = list(EngineStreamCollector([stream]).collect())
+        samples = [s for m in metrics for s in m.samples if s.labels.get("outcome") == name]
+        return samples[0].value if samples else 0.0
+
+    router = _router()
+    stream = ZmqEngineStream(SequencerSink(router, WORKER), endpoint, block_size=BLOCK)
+    pub = engine_socket()
+    await stream.start()
+    try:
+        await subscribed(pub)
+        await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), encode([1.0, _one_block_stored(1), 0])])
+        await eventually(lambda: stream.stats["applied"] == 1)
+        await pub.send_multipart([b"kv", (1).to_bytes(8, "big"), bytes(MAX_ENGINE_FRAME_BYTES + 1)])
+        await subscribed(pub)  # again: the stream connected afresh
+        await pub.send_multipart([b"kv", (2).to_bytes(8, "big"), encode([1.0, _one_block_stored(2), 0])])
+        await eventually(lambda: stream.stats["applied"] == 2, 5, str(stream.stats))
+        assert outcome("rejected_oversized") == 1
+        assert f"engine event oversized: from {endpoint}, a frame past {MAX_ENGINE_FRAME_BYTES} bytes" in caplog.text
+
+        pub.close()  # the engine restarts: its connection ends, and libzmq makes it again
+        await eventually(lambda: stream.stats["connections"] == 2)
+        pub = engine_socket()
+        await subscribed(pub)
+        await eventually(lambda: stream.stats["connections"] == 3)
+        assert outcome("rejected_oversized") == 1
+    finally:
+        await stream.stop()
+        pub.close()
+
+
+# ------------------------------------------------------------------------------- an engine that is down
+def _engine_up(direct: DirectEngine) -> float:
+    """``kv_router_engine_up`` of the engine, as /metrics shows it."""
+    from api.metrics import EngineStreamCollector
+
+    (family,) = [m for m in EngineStreamCollector(direct.streams, [direct]).collect() if m.name.endswith("engine_up")]
+    (sample,) = family.samples
+    assert sample.labels == {"worker_id": str(WORKER)}
+    return sample.value
+
+
+@pytest.mark.parametrize("fault", ["refused", "not_found"])
+async def test_an_engine_that_does_not_answer_is_told_every_while_by_warnings_the_doctor_and_its_gauge(
+    fault: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine whose server never answered (nothing listens; or its /health is a 404: a wrong url=)
+    was one INFO line, then silence: no worker, no problem, no metric. It is a WARNING naming its URL and
+    the error every `DOWN_WARNING_EVERY_S` (0.2 s here) while it lasts, the doctor's engine_down and
+    ``kv_router_engine_up`` 0, until it answers."""
+    monkeypatch.setattr(direct_module, "DOWN_WARNING_EVERY_S", 0.2, raising=False)
+    http = EngineHttp()
+    endpoint, replay = loopback_endpoints(replay=True)
+    url, error = {
+        "refused": (http.url, "does not answer /health: ConnectError"),
+        "not_found": (f"{http.url}/v1/completions",
+                      "does not answer /health: HTTP 404 (nothing at /health: is url= the engine's OpenAI server?)"),
+    }[fault]  # fmt: skip
+    if fault == "not_found":
+        await http.start()
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    direct = DirectEngine(router, EngineSpec(WORKER, endpoint, replay, url), health_interval_s=0.05)
+    await direct.start()
+    try:
+        said = f"engine of worker {WORKER} down for "
+        await eventually(lambda: caplog.text.count(said) >= 2, 10, "a WARNING, told again")
+        assert f"its OpenAI server at {url} {error}" in caplog.text
+        doctor = ConfigDoctor(router, engines=[direct], engine_down_after_s=0.2)
+        (problem,) = doctor.check()
+        assert (problem.kind, problem.worker_id) == ("engine_down", WORKER) and f"at {url} {error}" in problem.evidence
+        assert doctor.counts()["engine_down"] == 1 and _engine_up(direct) == 0
+        if fault == "refused":
+            await http.start()  # it answers at last: routable, and nothing is wrong any more
+            await eventually(lambda: router.has_worker(WORKER))
+            assert doctor.check() == [] and _engine_up(direct) == 1
+    finally:
+        await direct.stop()
+        await http.stop()
+
+
+async def test_an_engine_without_a_url_whose_socket_has_no_connection_or_no_event_is_told(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without url= and a replay socket, an event endpoint where nothing listens said nothing at all. It is
+    the doctor's engine_down and a WARNING every while; once connected, an engine that sends no event is
+    a WARNING, once."""
+    import zmq
+    import zmq.asyncio
+
+    monkeypatch.setattr(direct_module, "DOWN_WARNING_EVERY_S", 0.2, raising=False)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    router = KvRouter(RouterConfig(block_size=BLOCK))
+    direct = DirectEngine(router, f"{WORKER}={endpoint}")
+    pub = zmq.asyncio.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    await direct.start()
+    try:
+        await eventually(lambda: caplog.text.count(f"engine of worker {WORKER} down for ") >= 2, 10, "WARNINGs")
+        assert f"its event socket {endpoint} has no connection: nothing listens there" in caplog.text
+        doctor = ConfigDoctor(router, engines=[direct], engine_down_after_s=0.2)
+        (problem,) = doctor.check()
+        assert (problem.kind, problem.worker_id) == ("engine_down", WORKER) and endpoint in problem.evidence
+        assert _engine_up(direct) == 0
+
+        pub.bind(endpoint)  # an engine that publishes nothing (its KV events off)
+        await eventually(lambda: direct.streams[0].stats["connections"] == 1)
+        assert doctor.check() == [] and _engine_up(direct) == 1
+        silent = f"no KV event heard from the engine of worker {WORKER} at {endpoint}"
+        await eventually(lambda: silent in caplog.text)
+        await asyncio.sleep(0.6)  # three more periods: told once
+        assert caplog.text.count(silent) == 1
+    finally:
+        await direct.stop()
+        pub.close()
+
+
+def test_serve_with_an_engine_that_never_answers_shows_it_in_the_doctor_and_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The service with an --engine whose server never answers: /readyz ready, /v1/workers empty, and
+    nothing said anywhere. /v1/doctor names it (engine_down, its URL and the error) and /metrics counts
+    it (``kv_router_config_problems{kind="engine_down"}``, ``kv_router_engine_up`` 0). The doctor's grace
+    (a minute) is left out here."""
+    import functools
+    import random
+
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from api import app as app_module
+    from api.app import create_app
+    from api.config import load_settings
+    from tests.waiting import until
+
+    monkeypatch.setattr(app_module, "ConfigDoctor", functools.partial(ConfigDoctor, engine_down_after_s=0))
+    url = f"http://127.0.0.1:{free_port()}"
+    spec = f"{WORKER}=tcp://127.0.0.1:{free_port()},url={url}"
+    settings = load_settings(flags={"engine": [spec], "block_size": BLOCK, "embedded_nats": False}, env={})
+    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+
+        def told() -> bool:
+            problems = client.get("/v1/doctor").json()
+            return [(p["kind"], p["worker_id"]) for p in problems] == [("engine_down", WORKER)] and (
+                f"its OpenAI server at {url} does not answer /health: ConnectError" in problems[0]["evidence"]
+            )
+
+        until(told, 10, "the doctor names the engine")
+        metrics = client.get("/metrics").text
+        assert 'kv_router_config_problems{kind="engine_down"} 1.0' in metrics
+        assert f'kv_router_engine_up{{worker_id="{WORKER}"}} 0.0' in metrics
+        assert client.get("/v1/workers").json() == {"workers": []}

@@ -10,10 +10,16 @@ first events are not refused; ``POST /v1/workers`` can then give its real settin
 A worker removed (``DELETE /v1/workers``) while its engine publishes is registered again by its next
 event, its ranks numbered afresh from 1 and rebuilt from the engine's replay buffer when it has one
 (without one, unverified until the engine clears or restarts).
-An engine given with its OpenAI URL (``url=``) is registered with it instead, for the proxy, and
-follows its engine's health (`DirectEngine`); while it answers, its ``/metrics`` are scraped for its
-load (KV usage, waiting and running requests) and, from vLLM, its KV blocks per rank, which its
-registration takes when it has no capacity of its own.
+An engine given with its OpenAI URL (``url=``) is registered with it instead, for the proxy, with its
+models (after a removal too: its next event registers it so), and follows its engine's health
+(`DirectEngine`); while it answers, its ``/metrics`` are scraped for its load (KV usage, waiting and
+running requests) and, from vLLM, its KV blocks per rank, which its registration takes when it has no
+capacity of its own.
+
+A configured engine that is down is never silent (`DirectEngine.trouble`): with a URL, while its server
+does not answer (or has not been routable yet); without one, while an event socket has no connection.
+It is a WARNING every `DOWN_WARNING_EVERY_S` while it lasts, the doctor's ``engine_down`` and
+``kv_router_engine_up`` 0; an engine without a URL that has sent no event by then is a WARNING, once.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.errors import ConfigError, UnknownWorker
 from router.event_plane.messages import ActiveLoad
 from router.kv_router import KvRouter
+from router.supervision import Supervisor
 from router.types import WorkerConfig
 
 __all__ = ["AdoptedBlockSize", "DirectEngine", "SequencerSink", "ensure_registered"]
@@ -55,6 +62,9 @@ log = logging.getLogger(__name__)
 
 # How long an engine that answers waits for its event socket's subscription before it is routable.
 JOIN_TIMEOUT_S = 2.0
+# A configured engine that stays down is told in a WARNING this often while it does: once is lost in a
+# start-up's log, one per probe would flood it. One without a URL that sent nothing by then, once.
+DOWN_WARNING_EVERY_S = 60.0
 
 
 def ensure_registered(router: KvRouter, worker_id: int, source: str, dp_size: int = 1) -> None:
@@ -89,6 +99,8 @@ class SequencerSink:
         self._held = HeldBlocks(worker_id)
         # Told when the worker turns out removed (DELETE /v1/workers) while its engine kept publishing.
         self.on_removed: Callable[[], None] | None = None
+        # Registers the worker when its events come while it is not (None: `ensure_registered`'s default).
+        self.register: Callable[[], None] | None = None
 
     def reset(self) -> None:
         """The worker was removed: its streams start again from id 1."""
@@ -97,12 +109,17 @@ class SequencerSink:
         self._held = HeldBlocks(self.worker_id)
 
     def _ensure_registered(self) -> None:
-        if self._last_id and not self.router.has_worker(self.worker_id):
+        if self.router.has_worker(self.worker_id):
+            return
+        if self._last_id:
             # The sequencer forgot its streams with it: numbered on, they would never be trusted again.
             self.reset()
             if self.on_removed is not None:
                 self.on_removed()
-        ensure_registered(self.router, self.worker_id, "engine", self.dp_size)
+        if self.register is None:
+            ensure_registered(self.router, self.worker_id, "engine", self.dp_size)
+        else:
+            self.register()
 
     def _next_id(self, dp_rank: int) -> int:
         event_id = self._last_id.get(dp_rank, 0) + 1
@@ -260,6 +277,12 @@ class DirectEngine:
         self.url = self.spec.url
         self.sink = SequencerSink(router, self.worker_id, accepting=self.url is None, dp_size=self.spec.dp_size)
         self.sink.on_removed = self._removed
+        if self.url is not None:
+            # Removed (DELETE /v1/workers) while its engine answers: the engine is still given with --engine
+            # and passes its probe, which tells only transitions, so nothing else would register it again.
+            # Registered bare (no URL, no models) it would be routable by the decision API yet never sent a
+            # proxied request; kept out, it would wait for its engine to fail. It comes back whole.
+            self.sink.register = self._registered_again
         # One stream per dp rank (vLLM: a publisher per rank, on consecutive ports).
         self.streams = [
             ZmqEngineStream(
@@ -293,7 +316,11 @@ class DirectEngine:
         # messages its event socket had delivered then (the doctor's engine_events_silent).
         self.up_at: float | None = None
         self.messages_at_up = 0
+        # Unix time since which its engine has not been routable (with a URL: from `start`, and from
+        # each fall); None while it is.
+        self._down_since: float | None = None
         self._registration: WorkerConfig | None = None  # the worker's last registration
+        self._background = Supervisor(f"engine-{self.worker_id}")
 
     @property
     def messages(self) -> int:
@@ -304,10 +331,13 @@ class DirectEngine:
         for stream in self.streams:
             await stream.start()
         if self.health is not None:
+            self._down_since = time.time()
             self.router.health.set_engine_probed(self.worker_id, True)  # the proxy's checks leave it alone
             self.health.start()
+        self._background.keep_running("watch", self._watch)
 
     async def stop(self) -> None:
+        await self._background.stop()
         if self.health is not None:
             await self.health.stop()
             self.router.health.set_engine_probed(self.worker_id, False)
@@ -335,19 +365,11 @@ class DirectEngine:
             )
         # Settings given over HTTP before the engine went down (capacity, taints) are kept.
         base = self.router.worker(self.worker_id) or self._registration or WorkerConfig(worker_id=self.worker_id)
-        registration = msgspec.structs.replace(
-            base,
-            block_size=self.router.config.block_size,
-            dp_size=self.spec.dp_size,
-            leased=False,
-            url=self.url,
-            models=frozenset(models),
-        )
         self.sink.reset()
-        self.router.register_worker(registration)
-        self.router.health.set_health(self.worker_id, True)  # /v1/workers: its health check passing
+        self._register(base)
         self.sink.accepting = True
         self.up_at = time.time()
+        self._down_since = None
         self.messages_at_up = self.messages
         log.info("engine of worker %d answers at %s: routable", self.worker_id, self.url)
         await self._stop_scraping()
@@ -363,6 +385,34 @@ class DirectEngine:
         for stream in self.streams:  # what the engine holds now, from its replay buffer (or what comes next)
             await stream.rebuild()
 
+    def _register(self, base: WorkerConfig) -> None:
+        """The worker as its answering engine is registered: ``base``'s settings with the engine's URL and
+        models, and the KV blocks its ``/metrics`` stated when ``base`` gives no capacity."""
+        assert self.url is not None and self.models is not None
+        stated = self.scraper.total_kv_blocks if self.scraper is not None else None
+        registration = msgspec.structs.replace(
+            base,
+            block_size=self.router.config.block_size,
+            dp_size=self.spec.dp_size,
+            leased=False,
+            url=self.url,
+            models=frozenset(self.models),
+            total_kv_blocks=base.total_kv_blocks if base.total_kv_blocks is not None else stated,
+        )
+        self.router.register_worker(registration)
+        self.router.health.set_health(self.worker_id, True)  # /v1/workers: its health check passing
+
+    def _registered_again(self) -> None:
+        """Its events came while it is not registered, its engine answering: it was removed over HTTP, and
+        what was given there went with it."""
+        log.warning(
+            "worker %d was removed while its engine at %s answers and publishes: registered again, with its URL "
+            "and models (to keep it out of routing, stop hearing the engine: drop its --engine)",
+            self.worker_id,
+            self.url,
+        )
+        self._register(WorkerConfig(worker_id=self.worker_id))
+
     def _removed(self) -> None:
         """Removed while its engine kept publishing: what the engine holds is taken afresh from its
         replay buffers, as when it comes back up; without one it is unknown until the engine clears."""
@@ -374,6 +424,8 @@ class DirectEngine:
 
     async def _down(self, problem: str) -> None:
         self.sink.accepting = False
+        if self.up_at is not None:
+            self._down_since = time.time()
         self.up_at = None
         await self._stop_scraping()
         known = self.router.worker(self.worker_id)
@@ -389,6 +441,51 @@ class DirectEngine:
         )
         with contextlib.suppress(UnknownWorker):
             self.router.remove_worker(self.worker_id, "engine_unhealthy")
+
+    def trouble(self) -> tuple[float, str] | None:
+        """Since when (Unix time) and why its engine is down now, or None: with a URL, not routable
+        (its server does not answer, or has not listed its models yet); without one, an event socket
+        with no connection (nothing listens there)."""
+        if self.health is not None:
+            if self._down_since is None:
+                return None
+            problem = self.health.last_problem
+            if problem is None:
+                answer = "has not been probed yet" if self.health.healthy is None else "answers, yet lists no models"
+                return self._down_since, f"its OpenAI server at {self.url} {answer}"
+            hint = " (nothing at /health: is url= the engine's OpenAI server?)" if problem == "HTTP 404" else ""
+            return self._down_since, f"its OpenAI server at {self.url} does not answer /health: {problem}{hint}"
+        unconnected = [(s.unconnected_since, s.endpoint) for s in self.streams if s.unconnected_since is not None]
+        if not unconnected:
+            return None
+        since = min(since for since, _ in unconnected)
+        endpoints = ", ".join(endpoint for _, endpoint in unconnected)
+        return since, (
+            f"its event socket {endpoints} has no connection: nothing listens there (is the engine running, "
+            "its KV events on, bound to that port: vLLM --kv-events-config endpoint tcp://*:PORT?)"
+        )
+
+    async def _watch(self) -> None:
+        """A WARNING every `DOWN_WARNING_EVERY_S` while the engine is down; without a URL, one if it has
+        sent nothing by then (a socket that connects yet hears nothing: KV events off, another topic)."""
+        told_silent = self.url is not None  # with a URL, the doctor's engine_events_silent tells it
+        while True:
+            await asyncio.sleep(DOWN_WARNING_EVERY_S)
+            trouble = self.trouble()
+            if trouble is not None:
+                since, why = trouble
+                if time.time() - since >= DOWN_WARNING_EVERY_S:
+                    log.warning("engine of worker %d down for %.0f s: %s", self.worker_id, time.time() - since, why)
+            elif not told_silent and self.messages == 0:
+                told_silent = True
+                log.warning(
+                    "no KV event heard from the engine of worker %d at %s in %g s, though its socket is connected: "
+                    "an idle engine sends none, but one without KV events (vLLM --kv-events-config) or publishing "
+                    "under another topic (--engine-zmq-topic) never will",
+                    self.worker_id,
+                    ", ".join(stream.endpoint for stream in self.streams),
+                    DOWN_WARNING_EVERY_S,
+                )
 
     # ------------------------------------------------------------------ the scraper's sink
     async def publish_load(self, load: ActiveLoad) -> None:

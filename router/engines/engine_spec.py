@@ -4,6 +4,7 @@ CLI checks specs before anything starts)."""
 from __future__ import annotations
 
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
 from router.engines.openai_server import openai_base
 
@@ -55,6 +56,14 @@ class EngineSpec(NamedTuple):
         options += [f"dp={self.dp_size}"] if self.dp_size != 1 else []
         return ",".join([f"{self.worker_id}={self.endpoint}", *options])
 
+    def addresses(self) -> list[tuple[str, str]]:
+        """Where this engine is heard, each address named: every rank's event and replay socket, and its
+        URL. Two engines never share one (`api.config` refuses it)."""
+        named = [("url", self.url)] if self.url else []
+        for _, event, replay in self.rank_endpoints():
+            named += [("event endpoint", event)] + ([("replay endpoint", replay)] if replay else [])
+        return named
+
     def rank_endpoints(self) -> list[tuple[int, str, str | None]]:
         """Each dp rank with its event socket and its replay socket (None: no replay)."""
         return [
@@ -70,6 +79,12 @@ class EngineSpec(NamedTuple):
 ENGINE_SPEC_FORM = "WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,url=http://HOST:PORT][,models=NAME+NAME][,dp=N]"
 
 
+def _is_port_number(port: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` takes other scripts' digits (Arabic-Indic U+0660..U+0669), which
+    ``int`` reads and ZMQ refuses on connect."""
+    return port.isascii() and port.isdigit()
+
+
 def check_zmq_endpoint(endpoint: str, what: str, *, bind: bool = False) -> None:
     """Raise ``ValueError`` (one line) unless ``endpoint`` is an address an engine's ZMQ socket can be
     reached at, ``tcp://HOST:PORT`` (or ``ipc://PATH``): ZMQ refuses anything else on every connect, so
@@ -82,12 +97,17 @@ def check_zmq_endpoint(endpoint: str, what: str, *, bind: bool = False) -> None:
     scheme, sep, rest = endpoint.partition("://")
     host, colon, port = rest.rpartition(":")
     valid = sep and "=" not in endpoint and (
-        (scheme == "tcp" and colon and port.isdigit()) or (scheme == "ipc" and rest)
+        (scheme == "tcp" and colon and _is_port_number(port)) or (scheme == "ipc" and rest)
     )  # fmt: skip
     if not valid:
         raise ValueError(f"the {what} endpoint must be tcp://HOST:PORT, got {endpoint!r}")
     if scheme != "tcp":
         return
+    bracketed = host.startswith("[") and host.endswith("]") and host.count("[") == host.count("]") == 1
+    if ("[" in host or "]" in host) and not (bracketed and len(host) > 2):
+        raise ValueError(
+            f"the {what} endpoint {endpoint!r} has a malformed IPv6 host {host!r}: write tcp://[ADDRESS]:PORT"
+        )
     if host == "" or (host == "*" and not bind):
         problem = "has no host" if not host else "is a bind address (* binds every interface)"
         raise ValueError(
@@ -110,7 +130,7 @@ def rank_endpoint(endpoint: str, dp_rank: int) -> str:
     if dp_rank == 0:
         return endpoint
     head, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not _is_port_number(port):
         raise ValueError(f"{endpoint!r} has no port to offset for dp rank {dp_rank}")
     return f"{head}:{int(port) + dp_rank}"
 
@@ -146,6 +166,14 @@ def parse_engine_spec(spec: str) -> EngineSpec:
             url = openai_base(options["url"])
         except ValueError as exc:
             raise ValueError(f"engine {spec!r}: url: {exc}") from None
+        # The root, with or without /v1, is all `openai_base` takes back: another path (an endpoint's,
+        # /v1/completions) would be probed at /v1/completions/health, and its 404s would keep it out.
+        path = urlsplit(options["url"].strip()).path.rstrip("/")
+        if path not in ("", "/v1"):
+            raise ValueError(
+                f"engine {spec!r}: url= is the engine's OpenAI server root, http://HOST:PORT or http://HOST:PORT/v1, "
+                f"got the path {path!r}"
+            )
     models = None
     if "models" in options:
         if url is None:
@@ -158,6 +186,11 @@ def parse_engine_spec(spec: str) -> EngineSpec:
             check_zmq_endpoint(replay, "replay")
         except ValueError as exc:
             raise ValueError(f"engine {spec!r}: {exc}") from None
+        if replay == endpoint:
+            raise ValueError(
+                f"engine {spec!r}: the replay endpoint is the event endpoint {endpoint}: the engine's replay socket "
+                "listens on a port of its own (vLLM's replay_endpoint)"
+            )
     if dp_size > 1:
         try:
             check_rank_ports(endpoint, replay, dp_size)
@@ -186,7 +219,7 @@ def check_rank_ports(endpoint: str, replay: str | None, dp_size: int) -> None:
         if address is None:
             continue
         head, sep, port = address.rpartition(":")
-        if not address.startswith("tcp://") or not sep or not port.isdigit():
+        if not address.startswith("tcp://") or not sep or not _is_port_number(port):
             raise ValueError(f"dp={dp_size} needs tcp://HOST:PORT {name} sockets, got {address!r}")
         if int(port) + dp_size - 1 > 65535:
             raise ValueError(f"{name} ports {port}+0..{dp_size - 1} pass 65535")

@@ -139,6 +139,7 @@ class HealthProbe:
         self.healthy: bool | None = None  # None: not probed yet
         self.probes = 0
         self.failures = 0
+        self.last_problem: str | None = None  # why the last probe failed (None: it passed, or none yet)
         self._on_up = on_up
         self._on_down = on_down
         self._background = Supervisor(f"health-{url}")
@@ -173,6 +174,7 @@ class HealthProbe:
         except Exception as exc:  # not only httpx's own errors: a probe that cannot ask fails, never crashes
             problem = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             refused = _refused(exc)
+        self.last_problem = problem
         if problem is None:
             self._passed, self._failed = self._passed + 1, 0
             if self.healthy is not True and (self.healthy is None or self._passed >= self.successes_to_up):

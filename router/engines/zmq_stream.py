@@ -51,7 +51,9 @@ The SUB reader never blocks the engine: messages go into a queue bounded by coun
 payloads) and those that do not fit are dropped and counted (the seq gap they leave is then repaired
 like any other). A replay round is
 bounded too (`MAX_REPLAY_BATCHES`, `MAX_REPLAY_BYTES`): past either it is abandoned unread, a
-rejection (``rejected_oversized_replay``) and a failed replay. Undecodable
+rejection (``rejected_oversized_replay``) and a failed replay. A live frame past
+`MAX_ENGINE_FRAME_BYTES` costs its connection (libzmq drops it unread): a rejection
+(``rejected_oversized``), and the SUB socket connected afresh. Undecodable
 payloads are counted by reason and logged rate-limited (once: heard live after a replay took the same
 bytes under the same seq, a duplicate); nothing stops the stream.
 """
@@ -429,6 +431,9 @@ class ZmqEngineStream:
         # removals are ignored (`decode_engine_batch`); kept across restarts (the model's, not the cache's).
         self.side_groups: set[int] = set()
         self._connected: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None  # by `start`
+        # Unix time since which the SUB socket has had no connection with the engine's PUB socket (None:
+        # it has one): from `start` until the first handshake, and from each disconnection to the next.
+        self.unconnected_since: float | None = None
         # Set while the subscription has surely reached the engine's PUB socket (a handshake, then the
         # tail-check delay), cleared when the connection drops. Only watched with a replay socket.
         self._joined = asyncio.Event()
@@ -448,6 +453,7 @@ class ZmqEngineStream:
         """Connect the SUB socket, then hear the engine in the background. An event endpoint ZMQ refuses
         raises `EndpointRefused` with nothing left running: every retry would fail alike."""
         self._connected = self._connect_sub()
+        self.unconnected_since = time.time()
         self._background.keep_running("sub", self._read)
         self._background.keep_running("apply", self._apply_loop)
         if self.replay_endpoint is not None:
@@ -511,7 +517,7 @@ class ZmqEngineStream:
         socket.setsockopt(zmq.HEARTBEAT_IVL, self._heartbeat_ms)
         socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_MISSED * self._heartbeat_ms)
         # Made before the connection, so its first handshake is heard too.
-        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
         monitor = socket.get_monitor_socket(events)
         try:
             socket.connect(self.endpoint)
@@ -573,11 +579,20 @@ class ZmqEngineStream:
         check after each handshake with a PUB socket (its first, and each reconnection: a restarted
         engine's new socket), once the subscription has had time to reach the PUB socket: what the
         engine published before that, ZMQ dropped. The next handshake is heard meanwhile (its first
-        batch is to be verified), and its check replaces the pending one."""
+        batch is to be verified), and its check replaces the pending one.
+
+        A frame past MAXMSGSIZE ends the connection as a protocol error, which the monitor reports as
+        any disconnection (pyzmq has no event of its own for it). What tells it apart: libzmq schedules
+        a reconnection (``EVENT_CONNECT_RETRIED``, right after the disconnection) for every other end,
+        never for a protocol error. A handshaken connection that ended without one, then, is counted
+        as a rejection (``rejected_oversized``: the only protocol error a PUB socket's data causes after
+        the handshake) once the next handshake shows the connection made here instead."""
         loop = asyncio.get_running_loop()
         check: asyncio.TimerHandle | None = None
         reconnect: asyncio.TimerHandle | None = None
         wait_s = RECONNECT_CHECK_S
+        handshaken = False  # the current connection's handshake succeeded
+        lost_unretried = False  # a handshaken connection ended and libzmq has not scheduled its retry
 
         def connect_afresh() -> None:
             nonlocal reconnect, wait_s
@@ -591,7 +606,13 @@ class ZmqEngineStream:
         try:
             while True:
                 event = await cast(Awaitable[dict[str, object]], recv_monitor_message(monitor))
+                if event["event"] == zmq.EVENT_CONNECT_RETRIED:
+                    lost_unretried = False
+                    continue
                 if event["event"] == zmq.EVENT_DISCONNECTED:
+                    lost_unretried, handshaken = handshaken, False
+                    if self.unconnected_since is None:
+                        self.unconnected_since = time.time()
                     # The engine went away (a restart's new socket comes with a handshake of its own).
                     self._joined.clear()
                     if check is not None:
@@ -609,6 +630,14 @@ class ZmqEngineStream:
                     reconnect = None
                 wait_s = RECONNECT_CHECK_S
                 self.stats["connections"] += 1
+                if lost_unretried:
+                    self._reject(
+                        "oversized",
+                        f"a frame past {MAX_ENGINE_FRAME_BYTES} bytes (libzmq dropped the connection with it and "
+                        "its batch: connected afresh)",
+                    )
+                handshaken, lost_unretried = True, False
+                self.unconnected_since = None
                 if self.replay_endpoint is None:  # nothing to check a connection's first batch against
                     continue
                 self._verify_next = True
