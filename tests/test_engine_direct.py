@@ -1492,11 +1492,21 @@ async def test_a_frame_past_the_size_limit_is_counted_and_logged_as_a_rejection_
     context = zmq.asyncio.Context.instance()
     endpoint = f"tcp://127.0.0.1:{free_port()}"
 
-    def engine_socket() -> zmq.asyncio.Socket:
-        pub = context.socket(zmq.XPUB)  # an XPUB hears the subscription: what it sends then is delivered
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(endpoint)
-        return pub
+    async def engine_socket() -> zmq.asyncio.Socket:
+        # libzmq lets the port go in its own thread once the old socket is closed: bound again, it may
+        # still be in use for a moment.
+        for _ in range(100):
+            pub = context.socket(zmq.XPUB)  # an XPUB hears the subscription: what it sends then is delivered
+            pub.setsockopt(zmq.LINGER, 0)
+            try:
+                pub.bind(endpoint)
+                return pub
+            except zmq.ZMQError as exc:
+                pub.close()
+                if exc.errno != zmq.EADDRINUSE:
+                    raise
+                await asyncio.sleep(0.05)
+        raise AssertionError(f"{endpoint} stayed in use")
 
     async def subscribed(pub: zmq.asyncio.Socket) -> None:
         while (await asyncio.wait_for(pub.recv(), 10))[:1] != b"\x01":  # an unsubscription: the connection's end
@@ -1509,7 +1519,7 @@ async def test_a_frame_past_the_size_limit_is_counted_and_logged_as_a_rejection_
 
     router = _router()
     stream = ZmqEngineStream(SequencerSink(router, WORKER), endpoint, block_size=BLOCK)
-    pub = engine_socket()
+    pub = await engine_socket()
     await stream.start()
     try:
         await subscribed(pub)
@@ -1524,7 +1534,7 @@ async def test_a_frame_past_the_size_limit_is_counted_and_logged_as_a_rejection_
 
         pub.close()  # the engine restarts: its connection ends, and libzmq makes it again
         await eventually(lambda: stream.stats["connections"] == 2)
-        pub = engine_socket()
+        pub = await engine_socket()
         await subscribed(pub)
         await eventually(lambda: stream.stats["connections"] == 3)
         assert outcome("rejected_oversized") == 1
