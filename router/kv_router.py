@@ -1052,6 +1052,15 @@ class KvRouter:
         """Every active request and what it books, in start order."""
         return self._scheduler.sequences.bookings()
 
+    def hold(self, request_id: str) -> bool:
+        """Its caller frees the booking on every path (the OpenAI proxy, which holds its requests from
+        the decision to the answer's end): it is never expired as stale. `request_expiry_secs` is for
+        callers of the decision API that may never free theirs; a generation may outlast it (a
+        reasoning model's tens of thousands of tokens), and freed then it would leave its worker's load
+        while still decoding there. False when the id is not booked. Replicas are not told: theirs
+        expire as before."""
+        return self._scheduler.sequences.hold(request_id)
+
     def expire_stale(self) -> list[str]:
         """Free requests active longer than ``request_expiry_secs`` (§4.5), then dispatch the queue's
         head if it can go; returns the ids expired.

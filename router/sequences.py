@@ -192,8 +192,10 @@ class ActiveSequences:
         self._ranks: dict[WorkerRank, RankState] = {}
         # A prompt's first sequence hash -> the ranks holding it.
         self._first_holders: dict[int, set[RankState]] = {}
-        # Insertion order is start order (the clock is monotonic), so expiry pops from the front.
+        # Insertion order is start order (the clock is monotonic).
         self._requests: OrderedDict[str, _Request] = OrderedDict()
+        # Those of them that expire (all but the held ones, `hold`), in start order: expiry pops from the front.
+        self._expiring: OrderedDict[str, None] = OrderedDict()
 
     # ------------------------------------------------------------------ topology
     def add_rank(self, key: WorkerRank) -> None:
@@ -208,6 +210,7 @@ class ActiveSequences:
         dropped = [request_id for request_id, request in self._requests.items() if request.rank is rank]
         for request_id in dropped:
             self._release(self._requests.pop(request_id))
+            self._expiring.pop(request_id, None)
         return dropped
 
     def rank(self, key: WorkerRank) -> RankState | None:
@@ -218,9 +221,16 @@ class ActiveSequences:
         return len(self._requests)
 
     def started_before(self, cutoff: float) -> bool:
-        """Whether the oldest active request started before ``cutoff`` (`expire` would free it). O(1)."""
-        requests = self._requests
-        return bool(requests) and next(iter(requests.values())).started_at < cutoff
+        """Whether the oldest request that may expire started before ``cutoff`` (`expire` would free it). O(1)."""
+        expiring = self._expiring
+        return bool(expiring) and self._requests[next(iter(expiring))].started_at < cutoff
+
+    def hold(self, request_id: str) -> bool:
+        """Its booker frees the request on every path: `expire` leaves it. False when it is not active. O(1)."""
+        if request_id not in self._requests:
+            return False
+        self._expiring.pop(request_id, None)
+        return True
 
     def owner(self, request_id: str) -> WorkerRank | None:
         request = self._requests.get(request_id)
@@ -269,6 +279,7 @@ class ActiveSequences:
         rank.requests += 1
         request = _Request(rank, hashes, private_blocks, prefill_tokens, context_tokens, expected_output_tokens, now)
         self._requests[request_id] = request
+        self._expiring[request_id] = None
         if not prefill_tokens:
             _start_decoding(request)
         else:
@@ -369,18 +380,20 @@ class ActiveSequences:
         request = self._requests.pop(request_id, None)
         if request is None:
             return False
+        self._expiring.pop(request_id, None)
         self._release(request)
         return True
 
     def expire(self, cutoff: float) -> list[str]:
-        """Free every request started before ``cutoff``; returns their ids. O(expired)."""
+        """Free every request started before ``cutoff`` but the held ones; returns their ids. O(expired)."""
         expired = []
-        requests = self._requests
-        while requests:
-            request_id, request = next(iter(requests.items()))
+        requests, expiring = self._requests, self._expiring
+        while expiring:
+            request_id = next(iter(expiring))
+            request = requests[request_id]
             if request.started_at >= cutoff:
                 break
-            del requests[request_id]
+            del expiring[request_id], requests[request_id]
             self._release(request)
             expired.append(request_id)
         return expired
@@ -473,6 +486,9 @@ class ActiveSequences:
             assert rank.context_tokens == context[rank], f"{rank}: context tokens {context[rank]}"
             assert abs(rank.decoding_inverse_output - inverse_output[rank]) < 1e-9, f"{rank}: decoding 1 / length"
             assert rank.decoding_untold == untold[rank], f"{rank}: decoding requests without a length"
+        assert self._expiring.keys() <= self._requests.keys(), "a request that may expire is not active"
+        starts = [self._requests[request_id].started_at for request_id in self._expiring]
+        assert starts == sorted(starts), "the requests that may expire are not in start order"
         first_holders: dict[int, set[RankState]] = {}
         for request in self._requests.values():
             hashes = request.hashes or ()

@@ -409,3 +409,27 @@ async def test_a_worker_without_a_url_is_never_proxied_to(nats_server: EmbeddedN
         assert raw.headers["x-kv-router-worker"] == "1"
         assert [model.id for model in (await f.client.models.list()).data] == [MODEL]
         assert idle(f.router)
+
+
+@pytest.mark.anyio
+async def test_a_stream_outlasting_the_request_expiry_keeps_its_booking_to_its_end(
+    nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """request_expiry_secs frees bookings their callers forgot; the proxy frees its own on every path.
+    A generation longer than it (300 s by default: a reasoning model's long answer) was expired while it
+    still decoded, its worker looking idle to every decision meanwhile."""
+    from mocker.config import EngineConfig
+
+    slow = EngineConfig(num_gpu_blocks=512, speedup_ratio=2.0)  # about 3 ms a token
+    async with fleet(nats_server.url, (1,), engine=slow, router={"request_expiry_secs": 0.3}) as f:
+        stream = await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=600, stream=True)
+        pieces = 0
+        async for _ in stream:
+            pieces += 1
+            if pieces in (200, 400):  # past the expiry: a decision (which expires stale bookings first)
+                assert f.router.expire_stale() == []
+                await f.client.completions.create(model=MODEL, prompt=[9, 9, 9], max_tokens=1)
+                assert sum(load.active_requests for load in f.router.rank_loads()) == 1  # the stream's own
+        assert pieces > 400
+        assert "expiring" not in caplog.text
+        await eventually(lambda: idle(f.router))

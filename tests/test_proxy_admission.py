@@ -8,6 +8,7 @@ import gc
 import weakref
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -15,7 +16,7 @@ from api.config import ProxyConfig
 from api.proxy.admission import Admission
 from router.errors import QueueRejected
 from router.event_plane.embedded_server import EmbeddedNats
-from router.types import RouteRequest
+from router.types import RouteRequest, WorkerConfig
 from tests.gate_worker import Gate, register, served
 from tests.metrics import sample
 from tests.proxy_fleet import MODEL, Fleet, fleet, idle
@@ -173,3 +174,23 @@ async def test_every_worker_over_its_busy_threshold_is_a_503_saying_when_to_come
             await first
         assert busy.value.response.status_code == 503
         assert busy.value.response.headers.get("retry-after") == "3"
+
+
+@pytest.mark.parametrize("kv_events", [True, False])
+async def test_a_prompt_an_engine_refused_is_not_taken_for_cached_there(
+    nats_server: EmbeddedNats, kv_events: bool
+) -> None:
+    """A 4xx from the engine: it never computed the prompt. The proxy credited it as computed there (with
+    KV events, until they came) or kept the prediction made at routing (without), so the same prompt
+    next was said cached on a worker holding none of it (x-kv-router-cached-tokens 192 of 200)."""
+    gate = Gate(refusals=1, status=400)
+    prompt = list(range(1000, 1200))
+    async with fleet(nats_server.url, (), proxy={"proxy_health_check_interval_secs": 0}) as f, served(gate) as url:
+        worker = WorkerConfig(worker_id=7, block_size=64, url=url, models=frozenset({MODEL}), kv_events=kv_events)
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
+        with pytest.raises(openai.BadRequestError):
+            await f.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        again = await f.client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert again.headers["x-kv-router-cached-tokens"] == "0"
+        await eventually(lambda: idle(f.router))

@@ -148,6 +148,20 @@ def test_stale_requests_expire() -> None:
     assert router.mark_free("young") is True
 
 
+def test_a_held_booking_is_never_expired_and_does_not_stop_the_others_expiring() -> None:
+    """A booking its caller frees on every path (the proxy's) outlives request_expiry_secs: a generation
+    longer than that (300 s by default) was freed while still decoding, its worker looking idle."""
+    clock = Clock()
+    router = one_worker_router(clock, request_expiry_secs=300.0)
+    book(router, PROMPT, "streaming")
+    assert router.hold("streaming") and not router.hold("unknown")
+    book(router, list(range(3000, 3032)), "forgotten")
+    clock.now += 1000
+    assert router.expire_stale() == ["forgotten"]
+    book(router, [5], "trigger")
+    assert router.mark_free("streaming") is True
+
+
 def test_empty_and_malformed_prompts_are_invalid_requests() -> None:
     router = one_worker_router()
     with pytest.raises(InvalidRequest):
@@ -217,6 +231,8 @@ class SequencesMachine(RuleBasedStateMachine):
         for key in self.keys:
             self.sequences.add_rank(key)
         self.booked: dict[str, tuple[tuple[int, int], list[int]]] = {}
+        self.started: dict[str, float] = {}
+        self.held: set[str] = set()
         self.counter = 0
         self.now = 0.0
 
@@ -248,6 +264,7 @@ class SequencesMachine(RuleBasedStateMachine):
             expected_output_tokens=output,
         )
         self.booked[request_id] = (key, hashes)
+        self.started[request_id] = self.now
 
     @precondition(lambda self: self.booked)
     @rule(data=st.data())
@@ -255,6 +272,14 @@ class SequencesMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(sorted(self.booked)))
         assert self.sequences.free(request_id)
         del self.booked[request_id]
+        self.held.discard(request_id)
+
+    @precondition(lambda self: self.booked)
+    @rule(data=st.data())
+    def hold(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.booked)))
+        assert self.sequences.hold(request_id)
+        self.held.add(request_id)
 
     @precondition(lambda self: self.booked)
     @rule(data=st.data())
@@ -263,7 +288,11 @@ class SequencesMachine(RuleBasedStateMachine):
 
     @rule(age=st.floats(0, 10))
     def expire(self, age: float) -> None:
-        for request_id in self.sequences.expire(self.now - age):
+        cutoff = self.now - age
+        stale = {r for r in self.booked if self.started[r] < cutoff and r not in self.held}
+        assert self.sequences.started_before(cutoff) == bool(stale)
+        assert set(self.sequences.expire(cutoff)) == stale  # every stale one, and no held one
+        for request_id in stale:
             del self.booked[request_id]
 
     @rule(prefix=st.integers(0, 2), prefix_blocks=st.integers(0, 4), tail=st.integers(0, 3))

@@ -610,6 +610,8 @@ class Proxy:
                 one_leg=routing.one_leg,
                 local_prefill_reason=local_prefill_reason,
             )
+            if routed.request_id is not None:
+                self.router.hold(routed.request_id)  # freed by `_attempts` on every path, however long it runs
         except QueueRejected as exc:
             raise _queue_refusal(exc, self.config.proxy_retry_after_secs) from None
         except WorkersUnavailable as exc:  # out of routing after failures: back when a circuit half-opens
@@ -709,12 +711,15 @@ class Proxy:
 
     def _answered_whole(self, decision: RouteDecision, status: int, content: bytes, bytes_routed: int) -> None:
         """A whole answer is in: the booking's prefill is done, and the answer's usage is compared with
-        the prediction and counted as the request's output."""
+        the prediction and counted as the request's output. An engine that refused the request (a 4xx)
+        never computed its prompt: nothing is credited or predicted cached there (the next request
+        sharing the prefix was steered to a worker holding none of it)."""
         request_id = decision.request_id
         assert request_id is not None
-        self.router.mark_prefill(request_id)
         if status != 200:
+            self.router.forget_uncomputed_predictions(request_id)
             return
+        self.router.mark_prefill(request_id)
         usage = reported_usage(content)
         self._calibrate(decision, usage, bytes_routed)
         if usage is not None and usage.completion_tokens and self._track_output:
