@@ -160,6 +160,40 @@ async def test_a_worker_lost_after_its_last_event_leaves_the_client_a_whole_stre
         await eventually(lambda: idle(f.router))
 
 
+async def test_bytes_after_the_last_whole_event_of_a_stream_cut_short_never_reach_the_client(
+    nats_server: EmbeddedNats,
+) -> None:
+    """A worker whose stream ends its answer cleanly in the middle of an event (no blank line, no
+    [DONE]): the client gets the whole events, then the error event, itself whole. The fragment went
+    on first and the error event ran into it: an SSE parser read them as one line of garbage, and the
+    client never learnt that the stream had failed."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(SSE_HEAD + sse_chunk(" w1") + chunk(b"this is not sse at all" * 10) + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async with fleet(nats_server.url, ()) as f, raw_worker(serve) as url:
+        worker = WorkerConfig(worker_id=7, block_size=64, url=url, models=frozenset({MODEL}))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
+            answer = await http.post("/v1/completions", content=STREAM_BODY)
+        assert answer.status_code == 200
+        assert "this is not sse" not in answer.text
+        events = answer.text.split("\n\n")
+        assert events[-1] == "" and events[-2].startswith('data: {"error"')
+        assert "the stream ended before data: [DONE]" in events[-2]
+
+        async def failed() -> bool:
+            text, _ = await outcomes(f.url)
+            counted = sample(text, "kv_router_proxy_requests_total", route="completions", outcome="upstream_error")
+            return counted == 1
+
+        await eventually(failed, what="the request counted as upstream_error")
+        await eventually(lambda: idle(f.router))
+
+
 WHOLE_STREAM = SSE_HEAD + sse_chunk(" w1") + sse_chunk(" w2") + chunk(USAGE) + chunk(b"data: [DONE]\n\n")
 STREAM_BODY = msgspec.json.encode(
     {"model": MODEL, "prompt": list(range(1, 100)), "max_tokens": 2, "stream": True,

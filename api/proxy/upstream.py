@@ -42,7 +42,7 @@ import httptools
 from api.config import ProxyConfig
 from api.eager import within
 from api.http_stream import Sink
-from api.proxy.wire import after_last_event
+from api.proxy.wire import after_last_event, finished_stream
 from router.engines.openai_server import openai_base
 
 __all__ = ["IDLE_SECS", "AnswerTooLarge", "Begin", "Streaming", "Upstream", "UpstreamConnection", "UpstreamError"]
@@ -92,6 +92,16 @@ def _endpoint(url: str) -> _Endpoint:
     port = parts.port or (443 if tls else 80)
     base = parts.path.rstrip("/")
     return _Endpoint(parts.hostname, port, tls, b"POST " + base.encode("latin-1"), parts.netloc.encode("idna"))
+
+
+def _whole_events(data: bytes) -> bytes:
+    """The last bytes of a stream whose answer is whole, without an event it ended in the middle of (a
+    partial event never reaches the client: it would run into the error event that follows it), unless
+    that is the stream's end (``data: [DONE]`` without its blank line)."""
+    cut = after_last_event(data)
+    if cut < len(data) and data[cut:].strip() and not finished_stream(data[cut:]):
+        return data[:cut]
+    return data
 
 
 class _Departures:
@@ -613,6 +623,9 @@ class UpstreamConnection(asyncio.Protocol):
                     data = data[:cut]
         if data:
             self._held -= len(data)
+            if self.complete:
+                data = _whole_events(data)
+        if data:
             self._before_last = self._last
             self._last = data
             streaming = self._streaming
