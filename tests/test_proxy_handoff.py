@@ -238,6 +238,44 @@ async def test_a_failing_prefill_leg_is_retried_on_another_prefill_worker(
         assert idle(f.router)
 
 
+@pytest.mark.parametrize("style", [*STYLES, "sequential"])
+async def test_a_prefill_worker_that_never_answers_is_left_for_another_within_the_read_timeout(
+    nats_server: EmbeddedNats, style: HandoffStyle
+) -> None:
+    """A prefill engine stuck behind an HTTP server that still takes requests: its leg is silent past the
+    read timeout, and the request goes to another prefill worker, the stuck one blamed. Its leg was
+    waited for up to proxy_request_timeout_secs (30 min); in bootstrap style the decode leg, waiting for
+    the KV, was blamed instead, each attempt went back to the stuck worker, and the decode workers'
+    circuits opened one by one."""
+    stuck = asyncio.Event()
+
+    async def answer(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        await stuck.wait()
+        return b"500 Internal Server Error", b"", ENGINE_FAILURE
+
+    proxy = {"proxy_read_timeout_secs": 1.0, "proxy_health_check_interval_secs": 0}
+    async with (
+        fleet(nats_server.url, (1, 2), roles={1: "prefill", 2: "decode"}, handoff=style, proxy=proxy) as f,
+        scripted_worker(answer) as (url, _),
+    ):
+        await register(f, prefill_worker_at(url, style))
+        await ballast(f, "ballast", pinned_prefill=(1, 0))()  # the router's first choice: the stuck worker 9
+        try:
+            create = f.client.completions.with_raw_response.create(model=MODEL, prompt=LONG, max_tokens=4, stream=True)
+            raw = await asyncio.wait_for(create, 20)
+            text = "".join([chunk.choices[0].text async for chunk in raw.parse()])
+        finally:
+            stuck.set()
+        assert text == " w1 w2 w3 w4"
+        assert raw.headers["x-kv-router-prefill-worker"] == "1"
+        metrics = await scrape(f.url)
+        assert sample(metrics, "kv_router_proxy_handoffs_total", style=style, outcome="prefill_failed") == 1.0
+        assert f.router.health.availability(9).consecutive_failures == 1
+        assert f.router.health.availability(2).consecutive_failures == 0  # waiting on KV is no fault of its own
+        f.router.mark_free("ballast")
+        await eventually(lambda: idle(f.router))
+
+
 @pytest.mark.parametrize("style", STYLES)
 async def test_prefill_workers_all_failing_beyond_the_retries_leave_the_request_to_its_decode_worker(
     nats_server: EmbeddedNats, style: HandoffStyle

@@ -2,7 +2,8 @@
 silence past ``proxy_read_timeout_secs`` blames the worker only once the worker has left routing
 (failing its health checks); while it is in routing the proxy waits, up to
 ``proxy_request_timeout_secs``, which bounds the wait for a whole answer (or a stream's first
-events) trickling in too. A stream's silence still fails at the read timeout."""
+events) trickling in too. A stream's silence still fails at the read timeout, and so does a
+disaggregated prefill leg's (its answer comes once its prompt is computed)."""
 
 from __future__ import annotations
 
@@ -147,9 +148,12 @@ async def test_a_silent_stream_still_fails_at_the_read_timeout(nats_server: Embe
         assert "read timeout" in str(failed.value.body)
 
 
-async def test_a_silent_prefill_leg_is_waited_for_while_its_worker_is_in_routing(nats_server: EmbeddedNats) -> None:
-    """A disaggregated prefill leg is a whole answer too (a long prompt's prefill, or its queue): the
-    prefill worker is not blamed nor the request failed while the worker stays in routing."""
+async def test_a_prefill_leg_silent_past_the_read_timeout_is_a_failure_of_its_worker(nats_server: EmbeddedNats) -> None:
+    """Unlike a whole answer to the client, a disaggregated prefill leg answers once its prompt is
+    computed: silent past the read timeout, its engine is stuck (its HTTP server still passing the
+    health checks), and the request is prefilled elsewhere, here on its decode worker (no retry left).
+    Waited for while the worker stayed in routing, a stuck engine held requests for
+    proxy_request_timeout_secs (30 min)."""
     worker = SlowWorker(delay_s=1.0)
     async with (
         fleet(nats_server.url, (2,), roles={2: "decode"}, proxy={**QUICK, "proxy_retries": 0}) as f,
@@ -159,13 +163,14 @@ async def test_a_silent_prefill_leg_is_waited_for_while_its_worker_is_in_routing
                                handoff="sequential", kv_events=False, block_size=64)  # fmt: skip
         async with httpx.AsyncClient(base_url=f.url) as http:
             assert (await http.post("/v1/workers", content=msgspec.json.encode(prefill))).status_code == 201
+        started = time.monotonic()
         raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=list(range(1000, 1512)),
                                                                   max_tokens=4)  # fmt: skip
-        assert raw.headers["x-kv-router-prefill-worker"] == "9" and raw.headers["x-kv-router-worker"] == "2"
+        assert time.monotonic() - started < 1.0  # not the prefill leg's 1 s
+        assert raw.headers["x-kv-router-worker"] == "2"
+        assert raw.headers["x-kv-router-disaggregation"] == "local_prefill"
         assert raw.parse().choices[0].text
-        assert worker.completions == 1
-        assert f.router.health.availability(9).consecutive_failures == 0
-        assert not await failures(f.url)
+        assert f.router.health.availability(9).consecutive_failures == 1
         await eventually(lambda: idle(f.router))
 
 

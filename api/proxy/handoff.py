@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -196,6 +195,7 @@ class Handoff:
         prefill = asyncio.ensure_future(self._prefill_leg(legs, path, both, headers))
         decode = asyncio.ensure_future(forward(both, watched))
         outcome: str | None = None  # the decode leg's, once it has one
+        blamed: PrefillFailed | None = None  # the prefill leg, held to blame for the decode leg's silence
         try:
             try:
                 await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -209,7 +209,20 @@ class Handoff:
                     # client leaving meanwhile, goes through: no next attempt for a client gone.
                     await asyncio.wait((decode,))
                     prefill.result()  # raises the PrefillFailed (or the refusal)
-                outcome = await decode
+                try:
+                    outcome = await decode
+                except WorkerFailed as failed:
+                    if not (failed.silent and not prefill.done() and not watched.answered):
+                        raise
+                    # The decode engine waits for the KV of a prefill leg that has not answered either:
+                    # the prefill worker's fault, as far as can be told. Blamed on the decode worker, every
+                    # attempt went back to the same stuck prefill worker while the decode workers' circuits
+                    # opened one by one.
+                    blamed = PrefillFailed(
+                        legs.prefill.worker_id,
+                        f"its KV did not reach decode worker {failed.worker_id}, silent for the read timeout",
+                    )
+                    raise blamed from None
             except asyncio.CancelledError:
                 # The client left: abandoned, unless it had its whole answer or the stream's last event
                 # (the official client closes right after it), as the one-leg path reads it.
@@ -222,7 +235,7 @@ class Handoff:
         finally:
             # Counted once, however it ended (the client gone too): a prefill leg that failed before the
             # client had anything is the request's next attempt (`_early_outcome`), after it a late one.
-            failure = _raised(prefill)
+            failure = _raised(prefill) or blamed
             if failure is not None:
                 self._count(legs, "prefill_failed_late" if watched.answered else _early_outcome(failure))
             elif outcome is not None:
@@ -230,7 +243,10 @@ class Handoff:
             if outcome is not None:
                 # The decode leg had its KV: a prefill leg still unanswered is not waited for (the
                 # request and its bookings end with the client's answer), its connection closed below.
-                if failure is None:  # its answer in, or not yet: the decode leg had its KV from it either way
+                if failure is None and (outcome == "ok" or prefill.done()):
+                    # Its answer in, or the decode leg's whole answer out, which needed its KV. Not a decode
+                    # leg's refusal (a 4xx of the same body): that says nothing of the prefill worker,
+                    # whose half-open circuit it closed.
                     self._answered(legs.prefill.worker_id)
                 elif isinstance(failure, WorkerFailed) and not failure.paced:  # the engine pacing us, a 4xx: no failure
                     self._failed_late(legs.prefill.worker_id, str(failure))
@@ -249,12 +265,12 @@ class Handoff:
         assert worker.url is not None
         if worker.dp_size > 1:
             headers += b"x-data-parallel-rank: " + str(legs.leg.dp_rank).encode() + b"\r\n"
-        # A whole answer, silent until its end: waited for while the worker stays in routing.
-        patient = partial(self.router.in_routing, worker.worker_id)
+        # Not patient, as a whole answer to the client is: its answer comes once the prompt is computed,
+        # so silence past the read timeout is a stuck engine (the request then goes to another prefill
+        # worker, or is prefilled locally), not a long generation. Patient, it held requests for
+        # proxy_request_timeout_secs (30 min) behind an engine whose HTTP server still answered /health.
         try:
-            connection = await self.upstream.open(
-                worker.url, path, body, headers, patient=patient, worker_id=worker.worker_id
-            )
+            connection = await self.upstream.open(worker.url, path, body, headers, worker_id=worker.worker_id)
         except UpstreamError as exc:
             raise PrefillFailed(worker.worker_id, str(exc)) from None
         try:

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from api.config import ProxyConfig
 from api.http_stream import Headers
-from api.proxy.upstream import AnswerTooLarge, UpstreamConnection, UpstreamError
+from api.proxy.upstream import AnswerTooLarge, UpstreamConnection, UpstreamError, WorkerSilent
 from api.proxy.wire import error_body
 
 __all__ = [
@@ -108,12 +108,20 @@ class WorkerFailed(Exception):
     role: ClassVar[str] = "worker"  # how the message names the worker
 
     def __init__(
-        self, worker_id: int, problem: str, answer: Overloaded | None = None, retry_after: float | None = None
+        self,
+        worker_id: int,
+        problem: str,
+        answer: Overloaded | None = None,
+        retry_after: float | None = None,
+        *,
+        silent: bool = False,
     ) -> None:
+        """``silent``: nothing came from the worker for the read timeout (`WorkerSilent`)."""
         super().__init__(f"{self.role} {worker_id}: {problem}")
         self.worker_id = worker_id
         self.answer = answer
         self.retry_after = retry_after
+        self.silent = silent
 
     @property
     def paced(self) -> bool:
@@ -154,7 +162,7 @@ def unanswered(failure: type[WorkerFailed], worker_id: int, exc: UpstreamError) 
     message = f"{failure.role} {worker_id}: {exc}"
     if isinstance(exc, AnswerTooLarge):
         return Refused.error(502, "upstream_error", message, "upstream_error")
-    return failure(worker_id, str(exc))
+    return failure(worker_id, str(exc), silent=isinstance(exc, WorkerSilent))
 
 
 def overloaded_answer(

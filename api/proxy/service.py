@@ -676,7 +676,7 @@ class Proxy:
                 worker.url, path, body, headers, streaming, patient, worker_id=worker.worker_id
             )
         except UpstreamError as exc:
-            raise WorkerFailed(worker.worker_id, str(exc)) from None
+            raise unanswered(WorkerFailed, worker.worker_id, exc) from None
         if timeline is not None:
             timeline.first_byte = time.time_ns()  # the answer's head; a stream's first events below
         try:

@@ -72,6 +72,11 @@ class UpstreamError(Exception):
     """A failure of the worker or of the way to it: refused, reset, timed out, a malformed answer."""
 
 
+class WorkerSilent(UpstreamError):
+    """Nothing from the worker for the read timeout (it may be waiting on something else: a decode leg
+    on KV its prefill worker never sends)."""
+
+
 class AnswerTooLarge(UpstreamError):
     """The answer (a whole one, or a stream's event not yet ended) grew past ``proxy_max_answer_bytes``."""
 
@@ -775,7 +780,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         patient = self._patient
         if patient is None or not patient():
-            self._fail(UpstreamError(f"read timeout: nothing from the worker for {timeout:g} s"))
+            self._fail(WorkerSilent(f"read timeout: nothing from the worker for {timeout:g} s"))
             return
         self._silence = self._loop.call_later(min(timeout, left), self._check_silence)
 
