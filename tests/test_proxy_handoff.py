@@ -276,6 +276,40 @@ async def test_a_prefill_worker_that_never_answers_is_left_for_another_within_th
         await eventually(lambda: idle(f.router))
 
 
+async def test_a_decode_leg_refusing_the_request_says_nothing_of_its_bootstrap_prefill_worker(
+    nats_server: EmbeddedNats,
+) -> None:
+    """Both legs at once: the decode worker refuses the body (a 4xx) before the prefill leg answers. The
+    prefill worker did nothing to be credited for: it was told it answered, which reset its count of
+    failures (and would close a half-open circuit on a leg that never answered)."""
+    stuck = asyncio.Event()
+
+    async def prefill(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        await stuck.wait()
+        return b"500 Internal Server Error", b"", ENGINE_FAILURE
+
+    async def decode(head: bytes, body: bytes) -> tuple[bytes, bytes, bytes]:
+        return b"400 Bad Request", b"", b'{"error": {"message": "refused"}}'
+
+    async with (
+        fleet(nats_server.url, (), handoff="bootstrap") as f,
+        scripted_worker(prefill) as (prefill_url, _),
+        scripted_worker(decode) as (decode_url, _),
+    ):
+        await register(f, prefill_worker_at(prefill_url, "bootstrap"))
+        decoder = WorkerConfig(worker_id=2, url=decode_url, models=frozenset({MODEL}), role="decode",
+                               handoff="bootstrap", leased=False, kv_events=False, block_size=64)  # fmt: skip
+        await register(f, decoder)
+        f.router.health.failed(9, "an earlier failure")
+        try:
+            with pytest.raises(openai.BadRequestError):
+                await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+        finally:
+            stuck.set()
+        assert f.router.health.availability(9).consecutive_failures == 1
+        await eventually(lambda: idle(f.router))
+
+
 @pytest.mark.parametrize("style", STYLES)
 async def test_prefill_workers_all_failing_beyond_the_retries_leave_the_request_to_its_decode_worker(
     nats_server: EmbeddedNats, style: HandoffStyle
