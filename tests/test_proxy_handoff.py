@@ -662,6 +662,9 @@ async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
         with pytest.raises(openai.BadRequestError) as refused:
             await f.client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
         assert "engine failure" in str(refused.value)
+        headers = refused.value.response.headers
+        assert (headers["x-kv-router-prefill-worker"], headers["x-kv-router-worker"]) == ("9", "2")
+        assert headers["x-kv-router-disaggregation"] == "remote_prefill"
         assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
         assert f.apis[2].pulled_blocks == 0
         await eventually(lambda: idle(f.router))

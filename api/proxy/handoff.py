@@ -284,8 +284,14 @@ class Handoff:
             raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}", answer, wait)
         if 400 <= connection.status < 500:  # the request's fault, not the worker's: the client's answer
             self._answered(worker.worker_id)
-            content_type = connection.content_type or b"application/json"
-            raise Refused(connection.status, content, "upstream_status", [(b"content-type", content_type)])
+            headers_out = [
+                (b"content-type", connection.content_type or b"application/json"),
+                # Which workers, as the decode leg's answer says: the client can tell who refused it.
+                (b"x-kv-router-worker", str(legs.decode.worker_id).encode()),
+                (b"x-kv-router-disaggregation", b"remote_prefill"),
+                (b"x-kv-router-prefill-worker", str(worker.worker_id).encode()),
+            ]
+            raise Refused(connection.status, content, "upstream_status", headers_out)
         if connection.status != 200:
             message = content[:200].decode("utf-8", "replace")
             raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}: {message}")
