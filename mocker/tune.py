@@ -3,7 +3,7 @@
 Every candidate setting (a seeded sample of `SEARCH_SPACE`, the defaults always among them) replays the
 trace offline exactly as `kv-router replay` does, one candidate per process over the cores. Each
 result is appended to a JSONL cache as soon as it is known, keyed by everything that decides it (the
-package's version, the trace's bytes, the trace options, the engine, the fleet, the seed, the router's
+package's version, the trace's requests as loaded, the trace options, the engine, the fleet, the seed, the router's
 whole effective config, the knobs and the defaults of every other setting), so an interrupted or
 repeated run continues where it stopped and a wider search reuses what was measured. ``dynamo`` is
 replayed too, as the yardstick.
@@ -195,7 +195,6 @@ def _read_cache(path: Path) -> dict[str, TuneResult]:
 
 def run_tune(
     trace: Trace,
-    trace_digest: str,
     setup: TuneSetup,
     cache: Path,
     *,
@@ -203,9 +202,10 @@ def run_tune(
 ) -> tuple[list[TuneResult], TuneResult]:
     """Replay every candidate not already in ``cache`` (in parallel) and append each result to it as
     it comes. Returns the `latency` results and the reference's."""
+    digest = trace_digest(trace)
     points: list[tuple[str, dict[str, Knob]]] = [(REFERENCE, {})]
     points += [(POLICY, knobs) for knobs in candidates(setup.budget, setup.seed)]
-    keys = [result_key(trace_digest, trace, setup, router, knobs) for router, knobs in points]
+    keys = [result_key(digest, trace, setup, router, knobs) for router, knobs in points]
     cached = _read_cache(cache)
     todo = [(key, router, knobs) for key, (router, knobs) in zip(keys, points, strict=True) if key not in cached]
     done = len(points) - len(todo)
@@ -283,12 +283,7 @@ def _toml(value: Knob) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
-def trace_digest(path: Path | None, description: str) -> str:
-    """The trace's identity for the cache: its bytes' hash, or the generated workload's description."""
-    if path is None:
-        return hashlib.sha256(description.encode()).hexdigest()
-    digest = hashlib.sha256()
-    with path.open("rb") as source:
-        for chunk in iter(lambda: source.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def trace_digest(trace: Trace) -> str:
+    """The trace's identity for the cache: its requests as loaded, what every replay sees. Never the
+    file read again: a pipe (``<(cat trace.jsonl)``) is empty the second time."""
+    return hashlib.sha256(msgspec.msgpack.encode(trace.requests)).hexdigest()

@@ -183,3 +183,28 @@ def test_tune_help_describes_its_workers_without_replay_s_online_mode() -> None:
     assert done.returncode == 0
     assert "  --workers WORKERS     simulated workers in each replay of the search [8]\n" in done.stdout
     assert "online" not in done.stdout
+
+
+# ---------------------------------------------------------------------- what tune refuses, and how it stops
+def write_trace(path: Path, rows: list[tuple[float, int, int, list[int]]]) -> bytes:
+    lines = [json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": h}) for t, i, o, h in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path.read_bytes()
+
+
+def test_a_trace_read_from_a_pipe_is_not_taken_for_another_read_from_a_pipe(tmp_path: Path) -> None:
+    """The cache key hashed the trace file read again: a pipe (``<(cat trace.jsonl)``) is empty the
+    second time, so every piped trace of a length had one key, and the second reused the first's results."""
+    out = tmp_path / "out"
+    tables = []
+    for name, rows in (("agentic", agentic_rows(seed=0)[:20]), ("rag", rag_rows(seed=0)[:20])):
+        piped = write_trace(tmp_path / f"{name}.jsonl", rows)
+        done = subprocess.run(
+            [*kv_router_command(), "tune", "/dev/stdin", "--workers", "2", "--budget", "0", "--jobs", "1",
+             "--out", str(out), "--quiet", "--no-plots"],
+            input=piped, capture_output=True, timeout=120, cwd=ROOT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr.decode()
+        tables.append(done.stdout)
+    assert tables[0] != tables[1]
+    assert len((out / "tune-results.jsonl").read_text().splitlines()) == 4  # dynamo and the defaults, twice
