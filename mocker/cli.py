@@ -641,21 +641,31 @@ def _add_tune(parser: argparse.ArgumentParser) -> None:
 def _run_tune(args: argparse.Namespace) -> int:
     from mocker.plots import MATPLOTLIB_MISSING, write_pareto_plot
     from mocker.progress import ProgressBar
+    from mocker.replay import unservable_requests
     from mocker.tune import TuneSetup, axes, pareto_front, pick, render_front, run_tune, write_config
 
     engine = _engine_config(args)
     try:
         trace = _load_replay_trace(args, _trace_options(args))
         setup = TuneSetup(engine=engine, workers=args.workers, seed=args.seed, budget=args.budget, jobs=args.jobs)
+        if len(unservable_requests(trace, engine)) == len(trace):
+            raise ValueError(
+                f"every request is larger than a worker's KV pool ({engine.num_gpu_blocks} blocks of "
+                f"{engine.block_size} tokens): no replay would complete one (--num-gpu-blocks)"
+            )
         _output_directory(args.out)  # the last check, so that a refused command leaves no directory behind
     except (OSError, TraceError, ValueError) as exc:
         print(f"kv-router tune: {exc}", file=sys.stderr)
         return 2
     print(f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s", file=sys.stderr)
+    _warn_unservable("tune", trace, engine)
     bar = ProgressBar("tune", enabled=not args.quiet)
     results, reference = run_tune(trace, setup, args.out / "tune-results.jsonl", progress=bar)
     bar.close()
     front = pareto_front(results)
+    if not front:
+        print("kv-router tune: no setting completed a request: no config written", file=sys.stderr)
+        return 2
     chosen = pick(front, args.objective)
     print(render_front(front, chosen, reference))
     config_path = args.out / "kv-router.toml"

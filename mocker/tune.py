@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import itertools
 import json
+import math
 import os
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -107,8 +108,9 @@ def candidates(budget: int, seed: int) -> list[dict[str, Knob]]:
 
 def pareto_front(results: Iterable[TuneResult]) -> list[TuneResult]:
     """The results no other one beats on every axis (TTFT p90 and E2E p90 lower, hit rate higher),
-    by E2E p90."""
-    pool = list(results)
+    by E2E p90. A result without latencies (no request completed: NaN) measured nothing and is left out
+    (NaN compares false, so nothing would beat it)."""
+    pool = [r for r in results if not (math.isnan(r.ttft_p90_ms) or math.isnan(r.e2e_p90_ms))]
 
     def dominated(a: TuneResult) -> bool:
         return any(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -99,6 +100,11 @@ def test_the_front_keeps_what_nothing_beats_on_every_axis() -> None:
     assert pareto_front([a, b]) == [a, b]
     assert pick([a, b], "ttft") is b and pick([a, b], "e2e") is a
     assert pick([result(100, 1000, 0.5), result(101, 1001, 0.9)], "hit").hit_rate == 0.9
+    # A setting no request completed under (NaN latencies) measured nothing: NaN compares false, so
+    # nothing beat it and it stood on the front.
+    unmeasured = result(math.nan, math.nan, 0.0)
+    assert pareto_front([a, unmeasured]) == [a]
+    assert pareto_front([unmeasured]) == []
 
 
 def test_candidates_are_seeded_and_start_with_the_defaults() -> None:
@@ -186,6 +192,9 @@ def test_tune_help_describes_its_workers_without_replay_s_online_mode() -> None:
 
 
 # ---------------------------------------------------------------------- what tune refuses, and how it stops
+TUNE = ["tune", "--workload", "agentic", "--workers", "2", "--quiet", "--no-plots"]
+
+
 def write_trace(path: Path, rows: list[tuple[float, int, int, list[int]]]) -> bytes:
     lines = [json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": h}) for t, i, o, h in rows]
     path.write_text("\n".join(lines) + "\n")
@@ -208,3 +217,24 @@ def test_a_trace_read_from_a_pipe_is_not_taken_for_another_read_from_a_pipe(tmp_
         tables.append(done.stdout)
     assert tables[0] != tables[1]
     assert len((out / "tune-results.jsonl").read_text().splitlines()) == 4  # dynamo and the defaults, twice
+
+
+def test_tune_refuses_a_trace_no_worker_can_hold_and_warns_of_the_requests_none_can(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No request fitting a worker's KV pool, every setting measured NaN, each one stood on the front, and
+    a config was written for one picked among them, exit 0."""
+    out = tmp_path / "out"
+    argv = [*TUNE, "--limit", "20", "--budget", "1", "--jobs", "1", "--out", str(out)]
+    assert kv_router_main([*argv, "--num-gpu-blocks", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kv-router tune: every request is larger than a worker's KV pool (10 blocks of 64 tokens): no replay would "
+        "complete one (--num-gpu-blocks)\n"
+    )
+    assert not out.exists()
+    # One request too large (19,024 + 234 tokens, 301 blocks): said, as replay says it; the others tuned on.
+    assert kv_router_main([*argv, "--num-gpu-blocks", "300"]) == 0
+    err = capsys.readouterr().err
+    assert "kv-router tune: warning: 1 request larger than a worker's KV pool (300 blocks of 64 tokens" in err
+    assert (out / "kv-router.toml").exists()
