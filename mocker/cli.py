@@ -639,12 +639,26 @@ def _add_tune(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
+    import signal
+
     from mocker.plots import MATPLOTLIB_MISSING, write_pareto_plot
     from mocker.progress import ProgressBar
     from mocker.replay import unservable_requests
-    from mocker.tune import TuneSetup, axes, pareto_front, pick, render_front, run_tune, write_config
+    from mocker.tune import (
+        ReplayFailed,
+        SearchInterrupted,
+        TuneSetup,
+        axes,
+        pareto_front,
+        pick,
+        render_front,
+        run_tune,
+        write_config,
+    )
 
     engine = _engine_config(args)
+    cache = args.out / "tune-results.jsonl"
+    config_path = args.out / "kv-router.toml"
     try:
         trace = _load_replay_trace(args, _trace_options(args))
         setup = TuneSetup(engine=engine, workers=args.workers, seed=args.seed, budget=args.budget, jobs=args.jobs)
@@ -659,16 +673,37 @@ def _run_tune(args: argparse.Namespace) -> int:
         return 2
     print(f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s", file=sys.stderr)
     _warn_unservable("tune", trace, engine)
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if not stopped_by:  # a second signal would break off the stopping itself
+            stopped_by.append(signum)
+            raise KeyboardInterrupt
+
+    # SIGTERM ends the search as Ctrl-C does: the pool stopped, the results so far kept.
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     bar = ProgressBar("tune", enabled=not args.quiet)
-    results, reference = run_tune(trace, setup, args.out / "tune-results.jsonl", progress=bar)
-    bar.close()
+    try:
+        results, reference = run_tune(trace, setup, cache, progress=bar)
+    except ReplayFailed as exc:
+        print(f"kv-router tune: {exc}", file=sys.stderr)
+        return 2
+    except SearchInterrupted as exc:
+        print(
+            f"kv-router tune: interrupted: {exc.done}/{exc.total} results cached in {args.out}; rerun to continue",
+            file=sys.stderr,
+        )
+        return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
+    finally:
+        bar.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     front = pareto_front(results)
     if not front:
         print("kv-router tune: no setting completed a request: no config written", file=sys.stderr)
         return 2
     chosen = pick(front, args.objective)
     print(render_front(front, chosen, reference))
-    config_path = args.out / "kv-router.toml"
     note = (
         f"kv-router serve --config {config_path}\n"
         f"tuned by kv-router tune on {trace.path} ({len(trace)} requests, {args.workers} workers, "

@@ -6,7 +6,8 @@ result is appended to a JSONL cache as soon as it is known, keyed by everything 
 package's version, the trace's requests as loaded, the trace options, the engine, the fleet, the seed, the router's
 whole effective config, the knobs and the defaults of every other setting), so an interrupted or
 repeated run continues where it stopped and a wider search reuses what was measured. ``dynamo`` is
-replayed too, as the yardstick.
+replayed too, as the yardstick. A replay that fails, or Ctrl-C, stops the search at once (what has not
+started is cancelled, the replays running are ended); the pool's processes die with the search's.
 
 What it reports: the Pareto front over (TTFT p90, E2E p90, engine hit rate), lower latencies and
 higher hit rate being better, and one point of the front, the one a config is written for (`pick`):
@@ -22,8 +23,11 @@ import hashlib
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import random
+import signal
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -37,10 +41,13 @@ from mocker.config import EngineConfig
 from mocker.replay import ReplaySetup, replay_offline
 from mocker.trace import Trace
 from router.config import RouterConfig
+from router.event_plane.embedded_server import die_with_parent
 
 __all__ = [
     "SEARCH_SPACE",
     "Objective",
+    "ReplayFailed",
+    "SearchInterrupted",
     "TuneResult",
     "TuneSetup",
     "axes",
@@ -141,12 +148,35 @@ def pick(front: Sequence[TuneResult], objective: Objective = "balanced") -> Tune
 
 
 # ---------------------------------------------------------------------- running
+class ReplayFailed(Exception):
+    """One candidate's replay raised: the search stopped there (the results before it are cached)."""
+
+    def __init__(self, router: str, knobs: Mapping[str, Knob], error: BaseException) -> None:
+        shown = ", ".join(f"{name}={_toml(value)}" for name, value in knobs.items()) or "its defaults"
+        super().__init__(f"the replay of {router} ({shown}) failed: {type(error).__name__}: {error}")
+
+
+class SearchInterrupted(Exception):
+    """Ctrl-C during the search: ``done`` of the ``total`` results are in the cache."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__(f"{done}/{total} results cached")
+        self.done = done
+        self.total = total
+
+
 _trace: Trace | None = None
 
 
-def _load_in_worker(trace: Trace) -> None:
+def _start_worker(trace: Trace, search_pid: int) -> None:
+    """A pool process's start: it keeps the trace, dies with the search's process (even one killed,
+    which never shuts the pool down: blocked on its pipe, the process would live on), leaves Ctrl-C
+    to the search (which ends it) and dies at SIGTERM rather than run a handler it inherited."""
     global _trace
     _trace = trace
+    die_with_parent(search_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _replay_setup(setup: TuneSetup, router: str, knobs: Mapping[str, Knob]) -> ReplaySetup:
@@ -203,39 +233,69 @@ def run_tune(
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[TuneResult], TuneResult]:
     """Replay every candidate not already in ``cache`` (in parallel) and append each result to it as
-    it comes. Returns the `latency` results and the reference's."""
+    it comes. Returns the `latency` results and the reference's.
+    A replay that raises stops the search (`ReplayFailed`), so does Ctrl-C (`SearchInterrupted`)."""
     digest = trace_digest(trace)
     points: list[tuple[str, dict[str, Knob]]] = [(REFERENCE, {})]
     points += [(POLICY, knobs) for knobs in candidates(setup.budget, setup.seed)]
     keys = [result_key(digest, trace, setup, router, knobs) for router, knobs in points]
-    cached = _read_cache(cache)
-    todo = [(key, router, knobs) for key, (router, knobs) in zip(keys, points, strict=True) if key not in cached]
+    found = _read_cache(cache)
+    todo = [(key, router, knobs) for key, (router, knobs) in zip(keys, points, strict=True) if key not in found]
     done = len(points) - len(todo)
     if progress is not None:
         progress(done, len(points))
     if todo:
         cache.parent.mkdir(parents=True, exist_ok=True)
         jobs = min(setup.jobs or os.cpu_count() or 1, len(todo))
-        with (
-            cache.open("a+") as sink,
-            ProcessPoolExecutor(jobs, initializer=_load_in_worker, initargs=(trace,)) as pool,
-        ):
-            sink.seek(0, os.SEEK_END)
-            if sink.tell():
-                sink.seek(sink.tell() - 1)
-                if sink.read(1) != "\n":
-                    sink.write("\n")  # after a line an interrupted run cut short
-            futures = {pool.submit(_replay_one, router, knobs, setup): key for key, router, knobs in todo}
-            for future in as_completed(futures):
-                result = future.result()
-                cached[futures[future]] = result
-                sink.write(json.dumps({"key": futures[future], "result": msgspec.to_builtins(result)}) + "\n")
-                sink.flush()
-                done += 1
-                if progress is not None:
-                    progress(done, len(points))
-    results = [cached[key] for key in keys]
+        pool = ProcessPoolExecutor(
+            jobs, mp_context=_pool_context(), initializer=_start_worker, initargs=(trace, os.getpid())
+        )
+        try:
+            with cache.open("a+") as sink:
+                sink.seek(0, os.SEEK_END)
+                if sink.tell():
+                    sink.seek(sink.tell() - 1)
+                    if sink.read(1) != "\n":
+                        sink.write("\n")  # after a line an interrupted run cut short
+                futures = {
+                    pool.submit(_replay_one, router, knobs, setup): (key, router, knobs) for key, router, knobs in todo
+                }
+                for future in as_completed(futures):
+                    key, router, knobs = futures[future]
+                    try:
+                        result = future.result()
+                    except Exception as exc:
+                        raise ReplayFailed(router, knobs, exc) from exc
+                    found[key] = result
+                    sink.write(json.dumps({"key": key, "result": msgspec.to_builtins(result)}) + "\n")
+                    sink.flush()
+                    done += 1
+                    if progress is not None:
+                        progress(done, len(points))
+        except BaseException as stop:
+            _abandon(pool)
+            if isinstance(stop, KeyboardInterrupt):
+                raise SearchInterrupted(done, len(points)) from None
+            raise
+        pool.shutdown()
+    results = [found[key] for key in keys]
     return results[1:], results[0]
+
+
+def _pool_context() -> multiprocessing.context.BaseContext | None:
+    """On Linux, fork, so that a pool process's parent is the search's process (`die_with_parent` checks
+    it; a forkserver's would be another); elsewhere, the platform's default."""
+    return multiprocessing.get_context("fork") if sys.platform == "linux" else None
+
+
+def _abandon(pool: ProcessPoolExecutor) -> None:
+    """Cancel the replays not started and end those running: `shutdown` alone waits for them all."""
+    processes = list(pool._processes.values())  # no public handle on them before Python 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=5)
 
 
 # ---------------------------------------------------------------------- output

@@ -7,8 +7,10 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -17,11 +19,13 @@ from api.cli import main as kv_router_main
 from api.config import load_settings
 from mocker import tune
 from mocker.config import EngineConfig
-from mocker.trace import TraceOptions, build_trace
+from mocker.replay import ReplaySetup
+from mocker.trace import Trace, TraceOptions, build_trace
 from mocker.tune import SEARCH_SPACE, TuneResult, TuneSetup, candidates, pareto_front, pick, result_key, write_config
 from mocker.workload import WORKLOADS, agentic_rows, bursty_rows, rag_rows
 from router.config import RouterConfig
-from tests.router_processes import ROOT, kv_router_command
+from tests.router_processes import ROOT, kv_router_command, running
+from tests.waiting import until
 
 
 # ---------------------------------------------------------------------- workloads
@@ -238,3 +242,94 @@ def test_tune_refuses_a_trace_no_worker_can_hold_and_warns_of_the_requests_none_
     err = capsys.readouterr().err
     assert "kv-router tune: warning: 1 request larger than a worker's KV pool (300 blocks of 64 tokens" in err
     assert (out / "kv-router.toml").exists()
+
+
+def pool_processes(pid: int) -> list[int]:
+    """The processes ``pid`` started (tune's: its pool)."""
+    listed = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, timeout=10)
+    return [int(child) for child in listed.stdout.split()]
+
+
+def start_search(out: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """A search of 22 replays over two processes, once its first result is cached: it and its pool."""
+    argv = [*kv_router_command(), *TUNE, "--limit", "2000", "--budget", "20", "--jobs", "2", "--out", str(out)]
+    with (out.parent / "tune.err").open("wb") as err:
+        search = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT)
+    cache = out / "tune-results.jsonl"
+    until(lambda: (cache.exists() and cache.stat().st_size > 0) or search.poll() is not None, 60, "a first result")
+    assert search.poll() is None, "the search ended before its first result was seen"
+    pool = pool_processes(search.pid)
+    assert len(pool) == 2
+    return search, pool
+
+
+def end_all(search: subprocess.Popen[bytes], pool: list[int]) -> None:
+    """After a failed test, nothing left behind (the old tune leaked its pool)."""
+    if search.poll() is None:
+        search.kill()
+        search.wait(10)
+    for pid in pool:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_the_search_at_once_keeping_the_results_and_ending_the_pool(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """SIGTERM killed tune and left its pool processes running forever (re-parented, blocked on their
+    pipe, each holding the trace); Ctrl-C waited for the whole queue, then ended in a traceback."""
+    out = tmp_path / "out"
+    search, pool = start_search(out)
+    try:
+        search.send_signal(signum)
+        assert search.wait(30) == 128 + signum
+        until(lambda: not any(running(pid) for pid in pool), 10, "the pool's end")
+        cached = len((out / "tune-results.jsonl").read_text().splitlines())
+        assert 1 <= cached < 22
+        err = (tmp_path / "tune.err").read_text()
+        assert err.splitlines()[-1] == (
+            f"kv-router tune: interrupted: {cached}/22 results cached in {out}; rerun to continue"
+        )
+        assert "Traceback" not in err
+    finally:
+        end_all(search, pool)
+
+
+def test_the_pool_dies_with_a_search_killed(tmp_path: Path) -> None:
+    search, pool = start_search(tmp_path / "out")
+    try:
+        search.kill()
+        search.wait(10)
+        until(lambda: not any(running(pid) for pid in pool), 10, "the pool's end")
+    finally:
+        end_all(search, pool)
+
+
+def test_a_failing_replay_stops_the_search_in_one_line_keeping_what_finished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One candidate raising ran the whole queue left, then discarded those results in a traceback."""
+    failing = candidates(4, seed=0)[1]
+    replay = tune.replay_offline
+
+    async def replay_or_fail(trace: Trace, setup: ReplaySetup, **options: Any) -> Any:
+        config = setup.router_config
+        if setup.routers == ("latency",) and all(getattr(config, name) == v for name, v in failing.items()):
+            raise RuntimeError("simulated engine crash")
+        return await replay(trace, setup, **options)
+
+    monkeypatch.setattr(tune, "replay_offline", replay_or_fail)  # the pool's processes fork after it
+    out = tmp_path / "out"
+    argv = [*TUNE, "--limit", "200", "--budget", "4", "--jobs", "1", "--out", str(out)]
+    assert kv_router_main(argv) == 2
+    [line] = capsys.readouterr().err.splitlines()[1:]  # after the trace's line
+    assert line.startswith("kv-router tune: the replay of latency (latency_miss_weight=")
+    assert line.endswith("failed: RuntimeError: simulated engine crash")
+    # One process, the points in order: dynamo and the defaults were done; the three after, never run.
+    cache = out / "tune-results.jsonl"
+    assert [json.loads(entry)["result"]["router"] for entry in cache.read_text().splitlines()] == ["dynamo", "latency"]
+    assert not (out / "kv-router.toml").exists()
+    monkeypatch.setattr(tune, "replay_offline", replay)
+    assert kv_router_main(argv) == 0
+    assert len(cache.read_text().splitlines()) == 6
