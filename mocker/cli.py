@@ -260,6 +260,14 @@ def _output_directory(path: Path, flag: str = "--out") -> None:
         raise ValueError(f"{flag} {path}: cannot write there")
 
 
+def _output_file(path: Path) -> None:
+    """Say now (`ValueError`) why a file of the report could not be written at the end."""
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory is in the way of the file written there")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{path}: cannot write there")
+
+
 def _trace_options(args: argparse.Namespace) -> TraceOptions:
     return TraceOptions(
         speedup=args.speedup,
@@ -651,6 +659,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         axes,
         pareto_front,
         pick,
+        read_cache,
         render_front,
         run_tune,
         write_config,
@@ -667,12 +676,20 @@ def _run_tune(args: argparse.Namespace) -> int:
                 f"every request is larger than a worker's KV pool ({engine.num_gpu_blocks} blocks of "
                 f"{engine.block_size} tokens): no replay would complete one (--num-gpu-blocks)"
             )
-        _output_directory(args.out)  # the last check, so that a refused command leaves no directory behind
+        # After it only what fails in a directory already there, so that a refused command leaves none behind.
+        _output_directory(args.out)
+        # Found unwritable at the end, the whole search's output was lost in a traceback.
+        for target in [cache, config_path] + ([] if args.no_plots else [args.out / "pareto.png"]):
+            _output_file(target)
+        cached = read_cache(cache)
     except (OSError, TraceError, ValueError) as exc:
         print(f"kv-router tune: {exc}", file=sys.stderr)
         return 2
     print(f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s", file=sys.stderr)
     _warn_unservable("tune", trace, engine)
+    if cached.skipped:
+        lines = f"{cached.skipped} lines" if cached.skipped > 1 else "1 line"
+        print(f"kv-router tune: warning: {cache}: {lines} not a tune result, skipped", file=sys.stderr)
     stopped_by: list[int] = []
 
     def stop(signum: int, frame: object) -> None:
@@ -684,7 +701,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     bar = ProgressBar("tune", enabled=not args.quiet)
     try:
-        results, reference = run_tune(trace, setup, cache, progress=bar)
+        results, reference = run_tune(trace, setup, cache, cached.results, progress=bar)
     except ReplayFailed as exc:
         print(f"kv-router tune: {exc}", file=sys.stderr)
         return 2

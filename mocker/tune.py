@@ -45,6 +45,7 @@ from router.event_plane.embedded_server import die_with_parent
 
 __all__ = [
     "SEARCH_SPACE",
+    "CachedResults",
     "Objective",
     "ReplayFailed",
     "SearchInterrupted",
@@ -54,6 +55,7 @@ __all__ = [
     "candidates",
     "pareto_front",
     "pick",
+    "read_cache",
     "render_front",
     "result_key",
     "run_tune",
@@ -165,6 +167,15 @@ class SearchInterrupted(Exception):
         self.total = total
 
 
+@dataclass(frozen=True, slots=True)
+class CachedResults:
+    """What a results cache holds: the results by key, and how many lines were not results (cut short
+    by a killed run, or not written by tune): those are skipped, their points replayed."""
+
+    results: dict[str, TuneResult]
+    skipped: int
+
+
 _trace: Trace | None = None
 
 
@@ -212,34 +223,44 @@ def result_key(trace_digest: str, trace: Trace, setup: TuneSetup, router: str, k
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-def _read_cache(path: Path) -> dict[str, TuneResult]:
-    cached: dict[str, TuneResult] = {}
-    if not path.exists():
-        return cached
-    for line in path.read_text().splitlines():
+def read_cache(path: Path) -> CachedResults:
+    """The results cached at ``path`` (none when there is no file yet); `ValueError` (one line) when the
+    file cannot be read."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return CachedResults({}, 0)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the results cache: {exc.strerror or exc}") from None
+    results: dict[str, TuneResult] = {}
+    skipped = 0
+    for line in data.splitlines():
+        if not line.strip():
+            continue
         try:
-            entry = json.loads(line)
-            cached[entry["key"]] = msgspec.convert(entry["result"], TuneResult)
-        except (ValueError, KeyError, msgspec.ValidationError):
-            continue  # a line cut short by an interrupted run: that point is replayed again
-    return cached
+            entry = json.loads(line)  # bytes that are not UTF-8: UnicodeDecodeError, a ValueError
+            results[entry["key"]] = msgspec.convert(entry["result"], TuneResult)
+        except (ValueError, KeyError, TypeError, msgspec.ValidationError):
+            skipped += 1
+    return CachedResults(results, skipped)
 
 
 def run_tune(
     trace: Trace,
     setup: TuneSetup,
     cache: Path,
+    cached: Mapping[str, TuneResult],
     *,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[TuneResult], TuneResult]:
-    """Replay every candidate not already in ``cache`` (in parallel) and append each result to it as
-    it comes. Returns the `latency` results and the reference's.
+    """Replay every candidate not among ``cached`` (read from ``cache``: `read_cache`) in parallel and
+    append each result to ``cache`` as it comes. Returns the `latency` results and the reference's.
     A replay that raises stops the search (`ReplayFailed`), so does Ctrl-C (`SearchInterrupted`)."""
     digest = trace_digest(trace)
     points: list[tuple[str, dict[str, Knob]]] = [(REFERENCE, {})]
     points += [(POLICY, knobs) for knobs in candidates(setup.budget, setup.seed)]
     keys = [result_key(digest, trace, setup, router, knobs) for router, knobs in points]
-    found = _read_cache(cache)
+    found = dict(cached)
     todo = [(key, router, knobs) for key, (router, knobs) in zip(keys, points, strict=True) if key not in found]
     done = len(points) - len(todo)
     if progress is not None:

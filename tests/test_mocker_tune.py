@@ -333,3 +333,33 @@ def test_a_failing_replay_stops_the_search_in_one_line_keeping_what_finished(
     monkeypatch.setattr(tune, "replay_offline", replay)
     assert kv_router_main(argv) == 0
     assert len(cache.read_text().splitlines()) == 6
+
+
+def test_lines_of_the_cache_that_are_not_results_are_skipped_and_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JSON that is not an object, or bytes that are not UTF-8, ended tune in a traceback."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cache = out / "tune-results.jsonl"
+    cache.write_bytes(b'5\n[1,2]\n"str"\n\xff\xfe\n\n')
+    assert kv_router_main([*TUNE, "--limit", "20", "--budget", "0", "--jobs", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"kv-router tune: warning: {cache}: 4 lines not a tune result, skipped\n" in err
+    assert len(cache.read_bytes().splitlines()) == 5 + 2
+
+
+@pytest.mark.parametrize("name", ["tune-results.jsonl", "kv-router.toml", "pareto.png"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_search(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A directory in the place of the config (or the plot) was found after the whole search, in a
+    traceback; in the place of the cache, in a traceback before it."""
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    argv = ["tune", "--workload", "agentic", "--workers", "2", "--quiet", "--limit", "20", "--budget", "0"]
+    assert kv_router_main([*argv, "--jobs", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"kv-router tune: {out / name}: a directory is in the way of the file written there\n"
+    )
+    assert sorted(path.name for path in out.iterdir()) == [name]  # nothing replayed
