@@ -633,7 +633,9 @@ def _add_tune(parser: argparse.ArgumentParser) -> None:
     search.add_argument(
         "--budget", type=_int_at_least(0), default=24, help="settings tried besides the defaults [%(default)s]"
     )
-    search.add_argument("--jobs", type=_int_at_least(0), default=0, help="parallel replays [0: one per core]")
+    search.add_argument(
+        "--jobs", type=_int_at_least(0), default=0, help="parallel replays [0: one per core this process may use]"
+    )
     search.add_argument(
         "--objective",
         choices=["balanced", "ttft", "e2e", "hit"],

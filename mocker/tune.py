@@ -60,6 +60,7 @@ __all__ = [
     "result_key",
     "run_tune",
     "trace_digest",
+    "usable_cores",
     "write_config",
 ]
 
@@ -90,7 +91,7 @@ class TuneSetup:
     workers: int = 8
     seed: int = 0
     budget: int = 24  # candidate settings besides the defaults
-    jobs: int = 0  # processes; 0: one per core
+    jobs: int = 0  # processes; 0: one per core this process may run on (`usable_cores`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +246,13 @@ def read_cache(path: Path) -> CachedResults:
     return CachedResults(results, skipped)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def run_tune(
     trace: Trace,
     setup: TuneSetup,
@@ -267,7 +275,7 @@ def run_tune(
         progress(done, len(points))
     if todo:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        jobs = min(setup.jobs or os.cpu_count() or 1, len(todo))
+        jobs = min(setup.jobs or usable_cores(), len(todo))
         pool = ProcessPoolExecutor(
             jobs, mp_context=_pool_context(), initializer=_start_worker, initargs=(trace, os.getpid())
         )

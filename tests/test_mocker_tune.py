@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import subprocess
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -363,3 +364,23 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_search(
         f"kv-router tune: {out / name}: a directory is in the way of the file written there\n"
     )
     assert sorted(path.name for path in out.iterdir()) == [name]  # nothing replayed
+
+
+def test_one_job_per_core_counts_the_cores_this_process_may_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--jobs 0 started one process per core of the machine, not of the process's CPU affinity (a
+    container's cpuset, taskset)."""
+    sizes: list[int] = []
+
+    class RecordingPool(ProcessPoolExecutor):
+        def __init__(self, max_workers: int, *args: Any, **kwargs: Any) -> None:
+            sizes.append(max_workers)
+            super().__init__(max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(tune, "ProcessPoolExecutor", RecordingPool)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    argv = [*TUNE, "--limit", "20", "--budget", "2", "--jobs", "0", "--out", str(tmp_path / "out")]
+    assert kv_router_main(argv) == 0
+    assert sizes == [1]
