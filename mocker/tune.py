@@ -303,8 +303,9 @@ def run_tune(
                         progress(done, len(points))
         except BaseException as stop:
             _abandon(pool)
-            if isinstance(stop, KeyboardInterrupt):
-                raise SearchInterrupted(done, len(points)) from None
+            if isinstance(stop, KeyboardInterrupt):  # counted in the file: it may have come mid-line
+                kept = read_cache(cache).results
+                raise SearchInterrupted(sum(key in kept for key in keys), len(points)) from None
             raise
         pool.shutdown()
     results = [found[key] for key in keys]
