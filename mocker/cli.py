@@ -260,6 +260,14 @@ def _output_directory(path: Path, flag: str = "--out") -> None:
         raise ValueError(f"{flag} {path}: cannot write there")
 
 
+def _output_file(path: Path) -> None:
+    """Say now (`ValueError`) why a file of the report could not be written at the end."""
+    if path.is_dir():
+        raise ValueError(f"{path}: a directory is in the way of the file written there")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{path}: cannot write there")
+
+
 def _trace_options(args: argparse.Namespace) -> TraceOptions:
     return TraceOptions(
         speedup=args.speedup,
@@ -625,7 +633,9 @@ def _add_tune(parser: argparse.ArgumentParser) -> None:
     search.add_argument(
         "--budget", type=_int_at_least(0), default=24, help="settings tried besides the defaults [%(default)s]"
     )
-    search.add_argument("--jobs", type=_int_at_least(0), default=0, help="parallel replays [0: one per core]")
+    search.add_argument(
+        "--jobs", type=_int_at_least(0), default=0, help="parallel replays [0: one per core this process may use]"
+    )
     search.add_argument(
         "--objective",
         choices=["balanced", "ttft", "e2e", "hit"],
@@ -639,27 +649,80 @@ def _add_tune(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_tune(args: argparse.Namespace) -> int:
+    import signal
+
     from mocker.plots import MATPLOTLIB_MISSING, write_pareto_plot
     from mocker.progress import ProgressBar
-    from mocker.tune import TuneSetup, axes, pareto_front, pick, render_front, run_tune, trace_digest, write_config
+    from mocker.replay import unservable_requests
+    from mocker.tune import (
+        ReplayFailed,
+        SearchInterrupted,
+        TuneSetup,
+        axes,
+        pareto_front,
+        pick,
+        read_cache,
+        render_front,
+        run_tune,
+        write_config,
+    )
 
     engine = _engine_config(args)
+    cache = args.out / "tune-results.jsonl"
+    config_path = args.out / "kv-router.toml"
     try:
         trace = _load_replay_trace(args, _trace_options(args))
         setup = TuneSetup(engine=engine, workers=args.workers, seed=args.seed, budget=args.budget, jobs=args.jobs)
-        digest = trace_digest(args.trace, trace.path)
-        _output_directory(args.out)  # the last check, so that a refused command leaves no directory behind
+        if len(unservable_requests(trace, engine)) == len(trace):
+            raise ValueError(
+                f"every request is larger than a worker's KV pool ({engine.num_gpu_blocks} blocks of "
+                f"{engine.block_size} tokens): no replay would complete one (--num-gpu-blocks)"
+            )
+        # After it only what fails in a directory already there, so that a refused command leaves none behind.
+        _output_directory(args.out)
+        # Found unwritable at the end, the whole search's output was lost in a traceback.
+        for target in [cache, config_path] + ([] if args.no_plots else [args.out / "pareto.png"]):
+            _output_file(target)
+        cached = read_cache(cache)
     except (OSError, TraceError, ValueError) as exc:
         print(f"kv-router tune: {exc}", file=sys.stderr)
         return 2
     print(f"{trace.path}: {len(trace)} requests over {trace.span_ms / 1000:.0f} s", file=sys.stderr)
+    _warn_unservable("tune", trace, engine)
+    if cached.skipped:
+        lines = f"{cached.skipped} lines" if cached.skipped > 1 else "1 line"
+        print(f"kv-router tune: warning: {cache}: {lines} not a tune result, skipped", file=sys.stderr)
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if not stopped_by:  # a second signal would break off the stopping itself
+            stopped_by.append(signum)
+            raise KeyboardInterrupt
+
+    # SIGTERM ends the search as Ctrl-C does: the pool stopped, the results so far kept.
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     bar = ProgressBar("tune", enabled=not args.quiet)
-    results, reference = run_tune(trace, digest, setup, args.out / "tune-results.jsonl", progress=bar)
-    bar.close()
+    try:
+        results, reference = run_tune(trace, setup, cache, cached.results, progress=bar)
+    except ReplayFailed as exc:
+        print(f"kv-router tune: {exc}", file=sys.stderr)
+        return 2
+    except SearchInterrupted as exc:
+        print(
+            f"kv-router tune: interrupted: {exc.done}/{exc.total} results cached in {args.out}; rerun to continue",
+            file=sys.stderr,
+        )
+        return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
+    finally:
+        bar.close()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     front = pareto_front(results)
+    if not front:
+        print("kv-router tune: no setting completed a request: no config written", file=sys.stderr)
+        return 2
     chosen = pick(front, args.objective)
     print(render_front(front, chosen, reference))
-    config_path = args.out / "kv-router.toml"
     note = (
         f"kv-router serve --config {config_path}\n"
         f"tuned by kv-router tune on {trace.path} ({len(trace)} requests, {args.workers} workers, "

@@ -3,10 +3,11 @@
 Every candidate setting (a seeded sample of `SEARCH_SPACE`, the defaults always among them) replays the
 trace offline exactly as `kv-router replay` does, one candidate per process over the cores. Each
 result is appended to a JSONL cache as soon as it is known, keyed by everything that decides it (the
-package's version, the trace's bytes, the trace options, the engine, the fleet, the seed, the router's
+package's version, the trace's requests as loaded, the trace options, the engine, the fleet, the seed, the router's
 whole effective config, the knobs and the defaults of every other setting), so an interrupted or
 repeated run continues where it stopped and a wider search reuses what was measured. ``dynamo`` is
-replayed too, as the yardstick.
+replayed too, as the yardstick. A replay that fails, or Ctrl-C, stops the search at once (what has not
+started is cancelled, the replays running are ended); the pool's processes die with the search's.
 
 What it reports: the Pareto front over (TTFT p90, E2E p90, engine hit rate), lower latencies and
 higher hit rate being better, and one point of the front, the one a config is written for (`pick`):
@@ -21,8 +22,12 @@ import asyncio
 import hashlib
 import itertools
 import json
+import math
+import multiprocessing
 import os
 import random
+import signal
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -36,20 +41,26 @@ from mocker.config import EngineConfig
 from mocker.replay import ReplaySetup, replay_offline
 from mocker.trace import Trace
 from router.config import RouterConfig
+from router.event_plane.embedded_server import die_with_parent
 
 __all__ = [
     "SEARCH_SPACE",
+    "CachedResults",
     "Objective",
+    "ReplayFailed",
+    "SearchInterrupted",
     "TuneResult",
     "TuneSetup",
     "axes",
     "candidates",
     "pareto_front",
     "pick",
+    "read_cache",
     "render_front",
     "result_key",
     "run_tune",
     "trace_digest",
+    "usable_cores",
     "write_config",
 ]
 
@@ -80,7 +91,7 @@ class TuneSetup:
     workers: int = 8
     seed: int = 0
     budget: int = 24  # candidate settings besides the defaults
-    jobs: int = 0  # processes; 0: one per core
+    jobs: int = 0  # processes; 0: one per core this process may run on (`usable_cores`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +118,9 @@ def candidates(budget: int, seed: int) -> list[dict[str, Knob]]:
 
 def pareto_front(results: Iterable[TuneResult]) -> list[TuneResult]:
     """The results no other one beats on every axis (TTFT p90 and E2E p90 lower, hit rate higher),
-    by E2E p90."""
-    pool = list(results)
+    by E2E p90. A result without latencies (no request completed: NaN) measured nothing and is left out
+    (NaN compares false, so nothing would beat it)."""
+    pool = [r for r in results if not (math.isnan(r.ttft_p90_ms) or math.isnan(r.e2e_p90_ms))]
 
     def dominated(a: TuneResult) -> bool:
         return any(
@@ -139,12 +151,44 @@ def pick(front: Sequence[TuneResult], objective: Objective = "balanced") -> Tune
 
 
 # ---------------------------------------------------------------------- running
+class ReplayFailed(Exception):
+    """One candidate's replay raised: the search stopped there (the results before it are cached)."""
+
+    def __init__(self, router: str, knobs: Mapping[str, Knob], error: BaseException) -> None:
+        shown = ", ".join(f"{name}={_toml(value)}" for name, value in knobs.items()) or "its defaults"
+        super().__init__(f"the replay of {router} ({shown}) failed: {type(error).__name__}: {error}")
+
+
+class SearchInterrupted(Exception):
+    """Ctrl-C during the search: ``done`` of the ``total`` results are in the cache."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__(f"{done}/{total} results cached")
+        self.done = done
+        self.total = total
+
+
+@dataclass(frozen=True, slots=True)
+class CachedResults:
+    """What a results cache holds: the results by key, and how many lines were not results (cut short
+    by a killed run, or not written by tune): those are skipped, their points replayed."""
+
+    results: dict[str, TuneResult]
+    skipped: int
+
+
 _trace: Trace | None = None
 
 
-def _load_in_worker(trace: Trace) -> None:
+def _start_worker(trace: Trace, search_pid: int) -> None:
+    """A pool process's start: it keeps the trace, dies with the search's process (even one killed,
+    which never shuts the pool down: blocked on its pipe, the process would live on), leaves Ctrl-C
+    to the search (which ends it) and dies at SIGTERM rather than run a handler it inherited."""
     global _trace
     _trace = trace
+    die_with_parent(search_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _replay_setup(setup: TuneSetup, router: str, knobs: Mapping[str, Knob]) -> ReplaySetup:
@@ -180,60 +224,108 @@ def result_key(trace_digest: str, trace: Trace, setup: TuneSetup, router: str, k
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-def _read_cache(path: Path) -> dict[str, TuneResult]:
-    cached: dict[str, TuneResult] = {}
-    if not path.exists():
-        return cached
-    for line in path.read_text().splitlines():
+def read_cache(path: Path) -> CachedResults:
+    """The results cached at ``path`` (none when there is no file yet); `ValueError` (one line) when the
+    file cannot be read."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return CachedResults({}, 0)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the results cache: {exc.strerror or exc}") from None
+    results: dict[str, TuneResult] = {}
+    skipped = 0
+    for line in data.splitlines():
+        if not line.strip():
+            continue
         try:
-            entry = json.loads(line)
-            cached[entry["key"]] = msgspec.convert(entry["result"], TuneResult)
-        except (ValueError, KeyError, msgspec.ValidationError):
-            continue  # a line cut short by an interrupted run: that point is replayed again
-    return cached
+            entry = json.loads(line)  # bytes that are not UTF-8: UnicodeDecodeError, a ValueError
+            results[entry["key"]] = msgspec.convert(entry["result"], TuneResult)
+        except (ValueError, KeyError, TypeError, msgspec.ValidationError):
+            skipped += 1
+    return CachedResults(results, skipped)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or taskset's), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def run_tune(
     trace: Trace,
-    trace_digest: str,
     setup: TuneSetup,
     cache: Path,
+    cached: Mapping[str, TuneResult],
     *,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[list[TuneResult], TuneResult]:
-    """Replay every candidate not already in ``cache`` (in parallel) and append each result to it as
-    it comes. Returns the `latency` results and the reference's."""
+    """Replay every candidate not among ``cached`` (read from ``cache``: `read_cache`) in parallel and
+    append each result to ``cache`` as it comes. Returns the `latency` results and the reference's.
+    A replay that raises stops the search (`ReplayFailed`), so does Ctrl-C (`SearchInterrupted`)."""
+    digest = trace_digest(trace)
     points: list[tuple[str, dict[str, Knob]]] = [(REFERENCE, {})]
     points += [(POLICY, knobs) for knobs in candidates(setup.budget, setup.seed)]
-    keys = [result_key(trace_digest, trace, setup, router, knobs) for router, knobs in points]
-    cached = _read_cache(cache)
-    todo = [(key, router, knobs) for key, (router, knobs) in zip(keys, points, strict=True) if key not in cached]
+    keys = [result_key(digest, trace, setup, router, knobs) for router, knobs in points]
+    found = dict(cached)
+    todo = [(key, router, knobs) for key, (router, knobs) in zip(keys, points, strict=True) if key not in found]
     done = len(points) - len(todo)
     if progress is not None:
         progress(done, len(points))
     if todo:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        jobs = min(setup.jobs or os.cpu_count() or 1, len(todo))
-        with (
-            cache.open("a+") as sink,
-            ProcessPoolExecutor(jobs, initializer=_load_in_worker, initargs=(trace,)) as pool,
-        ):
-            sink.seek(0, os.SEEK_END)
-            if sink.tell():
-                sink.seek(sink.tell() - 1)
-                if sink.read(1) != "\n":
-                    sink.write("\n")  # after a line an interrupted run cut short
-            futures = {pool.submit(_replay_one, router, knobs, setup): key for key, router, knobs in todo}
-            for future in as_completed(futures):
-                result = future.result()
-                cached[futures[future]] = result
-                sink.write(json.dumps({"key": futures[future], "result": msgspec.to_builtins(result)}) + "\n")
-                sink.flush()
-                done += 1
-                if progress is not None:
-                    progress(done, len(points))
-    results = [cached[key] for key in keys]
+        jobs = min(setup.jobs or usable_cores(), len(todo))
+        pool = ProcessPoolExecutor(
+            jobs, mp_context=_pool_context(), initializer=_start_worker, initargs=(trace, os.getpid())
+        )
+        try:
+            with cache.open("a+") as sink:
+                sink.seek(0, os.SEEK_END)
+                if sink.tell():
+                    sink.seek(sink.tell() - 1)
+                    if sink.read(1) != "\n":
+                        sink.write("\n")  # after a line an interrupted run cut short
+                futures = {
+                    pool.submit(_replay_one, router, knobs, setup): (key, router, knobs) for key, router, knobs in todo
+                }
+                for future in as_completed(futures):
+                    key, router, knobs = futures[future]
+                    try:
+                        result = future.result()
+                    except Exception as exc:
+                        raise ReplayFailed(router, knobs, exc) from exc
+                    found[key] = result
+                    sink.write(json.dumps({"key": key, "result": msgspec.to_builtins(result)}) + "\n")
+                    sink.flush()
+                    done += 1
+                    if progress is not None:
+                        progress(done, len(points))
+        except BaseException as stop:
+            _abandon(pool)
+            if isinstance(stop, KeyboardInterrupt):  # counted in the file: it may have come mid-line
+                kept = read_cache(cache).results
+                raise SearchInterrupted(sum(key in kept for key in keys), len(points)) from None
+            raise
+        pool.shutdown()
+    results = [found[key] for key in keys]
     return results[1:], results[0]
+
+
+def _pool_context() -> multiprocessing.context.BaseContext | None:
+    """On Linux, fork, so that a pool process's parent is the search's process (`die_with_parent` checks
+    it; a forkserver's would be another); elsewhere, the platform's default."""
+    return multiprocessing.get_context("fork") if sys.platform == "linux" else None
+
+
+def _abandon(pool: ProcessPoolExecutor) -> None:
+    """Cancel the replays not started and end those running: `shutdown` alone waits for them all."""
+    processes = list(pool._processes.values())  # no public handle on them before Python 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=5)
 
 
 # ---------------------------------------------------------------------- output
@@ -283,12 +375,7 @@ def _toml(value: Knob) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
-def trace_digest(path: Path | None, description: str) -> str:
-    """The trace's identity for the cache: its bytes' hash, or the generated workload's description."""
-    if path is None:
-        return hashlib.sha256(description.encode()).hexdigest()
-    digest = hashlib.sha256()
-    with path.open("rb") as source:
-        for chunk in iter(lambda: source.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def trace_digest(trace: Trace) -> str:
+    """The trace's identity for the cache: its requests as loaded, what every replay sees. Never the
+    file read again: a pipe (``<(cat trace.jsonl)``) is empty the second time."""
+    return hashlib.sha256(msgspec.msgpack.encode(trace.requests)).hexdigest()

@@ -69,6 +69,14 @@ def _stop(process: subprocess.Popen[bytes] | None) -> int | None:
         return process.wait(10)
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie awaiting its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 class ToolProcess:
     """A ``kv-router`` command other than the service (``mock-worker`` unless told), started at once,
     its output in a file; ``env`` replaces the environment when given; ``argv`` runs another command

@@ -28,7 +28,7 @@ from router.event_plane.publisher import KvEventPublisher
 from router.types import WorkerConfig
 from tests.metrics import sample
 from tests.nats_proxy import LossyNatsProxy
-from tests.router_processes import ROOT, RouterProcess, get
+from tests.router_processes import ROOT, RouterProcess, get, running
 from tests.test_api_support import prompt, stored_event
 from tests.test_never_blind import pairs, tokens
 from tests.waiting import eventually, until
@@ -397,14 +397,6 @@ async def test_a_process_started_after_the_events_learns_them_from_the_worker(
         await publisher.stop()
         await asyncio.to_thread(router.stop)
     assert router.process is not None and router.process.returncode == 0
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie awaiting its reaper is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def test_the_processes_end_with_a_parent_killed_with_sigkill(tmp_path: Path) -> None:

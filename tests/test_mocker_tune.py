@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
+import signal
 import subprocess
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -16,11 +20,13 @@ from api.cli import main as kv_router_main
 from api.config import load_settings
 from mocker import tune
 from mocker.config import EngineConfig
-from mocker.trace import TraceOptions, build_trace
+from mocker.replay import ReplaySetup
+from mocker.trace import Trace, TraceOptions, build_trace
 from mocker.tune import SEARCH_SPACE, TuneResult, TuneSetup, candidates, pareto_front, pick, result_key, write_config
 from mocker.workload import WORKLOADS, agentic_rows, bursty_rows, rag_rows
 from router.config import RouterConfig
-from tests.router_processes import ROOT, kv_router_command
+from tests.router_processes import ROOT, kv_router_command, running
+from tests.waiting import until
 
 
 # ---------------------------------------------------------------------- workloads
@@ -99,6 +105,11 @@ def test_the_front_keeps_what_nothing_beats_on_every_axis() -> None:
     assert pareto_front([a, b]) == [a, b]
     assert pick([a, b], "ttft") is b and pick([a, b], "e2e") is a
     assert pick([result(100, 1000, 0.5), result(101, 1001, 0.9)], "hit").hit_rate == 0.9
+    # A setting no request completed under (NaN latencies) measured nothing: NaN compares false, so
+    # nothing beat it and it stood on the front.
+    unmeasured = result(math.nan, math.nan, 0.0)
+    assert pareto_front([a, unmeasured]) == [a]
+    assert pareto_front([unmeasured]) == []
 
 
 def test_candidates_are_seeded_and_start_with_the_defaults() -> None:
@@ -183,3 +194,193 @@ def test_tune_help_describes_its_workers_without_replay_s_online_mode() -> None:
     assert done.returncode == 0
     assert "  --workers WORKERS     simulated workers in each replay of the search [8]\n" in done.stdout
     assert "online" not in done.stdout
+
+
+# ---------------------------------------------------------------------- what tune refuses, and how it stops
+TUNE = ["tune", "--workload", "agentic", "--workers", "2", "--quiet", "--no-plots"]
+
+
+def write_trace(path: Path, rows: list[tuple[float, int, int, list[int]]]) -> bytes:
+    lines = [json.dumps({"timestamp": t, "input_length": i, "output_length": o, "hash_ids": h}) for t, i, o, h in rows]
+    path.write_text("\n".join(lines) + "\n")
+    return path.read_bytes()
+
+
+def test_a_trace_read_from_a_pipe_is_not_taken_for_another_read_from_a_pipe(tmp_path: Path) -> None:
+    """The cache key hashed the trace file read again: a pipe (``<(cat trace.jsonl)``) is empty the
+    second time, so every piped trace of a length had one key, and the second reused the first's results."""
+    out = tmp_path / "out"
+    tables = []
+    for name, rows in (("agentic", agentic_rows(seed=0)[:20]), ("rag", rag_rows(seed=0)[:20])):
+        piped = write_trace(tmp_path / f"{name}.jsonl", rows)
+        done = subprocess.run(
+            [*kv_router_command(), "tune", "/dev/stdin", "--workers", "2", "--budget", "0", "--jobs", "1",
+             "--out", str(out), "--quiet", "--no-plots"],
+            input=piped, capture_output=True, timeout=120, cwd=ROOT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr.decode()
+        tables.append(done.stdout)
+    assert tables[0] != tables[1]
+    assert len((out / "tune-results.jsonl").read_text().splitlines()) == 4  # dynamo and the defaults, twice
+
+
+def test_tune_refuses_a_trace_no_worker_can_hold_and_warns_of_the_requests_none_can(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No request fitting a worker's KV pool, every setting measured NaN, each one stood on the front, and
+    a config was written for one picked among them, exit 0."""
+    out = tmp_path / "out"
+    argv = [*TUNE, "--limit", "20", "--budget", "1", "--jobs", "1", "--out", str(out)]
+    assert kv_router_main([*argv, "--num-gpu-blocks", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kv-router tune: every request is larger than a worker's KV pool (10 blocks of 64 tokens): no replay would "
+        "complete one (--num-gpu-blocks)\n"
+    )
+    assert not out.exists()
+    # One request too large (19,024 + 234 tokens, 301 blocks): said, as replay says it; the others tuned on.
+    assert kv_router_main([*argv, "--num-gpu-blocks", "300"]) == 0
+    err = capsys.readouterr().err
+    assert "kv-router tune: warning: 1 request larger than a worker's KV pool (300 blocks of 64 tokens" in err
+    assert (out / "kv-router.toml").exists()
+
+
+def pool_processes(pid: int) -> list[int]:
+    """The processes ``pid`` started (tune's: its pool)."""
+    listed = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, timeout=10)
+    return [int(child) for child in listed.stdout.split()]
+
+
+def start_search(out: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """A search of 22 replays over two processes, once its first result is cached: it and its pool."""
+    argv = [*kv_router_command(), *TUNE, "--limit", "2000", "--budget", "20", "--jobs", "2", "--out", str(out)]
+    with (out.parent / "tune.err").open("wb") as err:
+        search = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT)
+    cache = out / "tune-results.jsonl"
+    until(lambda: (cache.exists() and cache.stat().st_size > 0) or search.poll() is not None, 60, "a first result")
+    assert search.poll() is None, "the search ended before its first result was seen"
+    pool = pool_processes(search.pid)
+    assert len(pool) == 2
+    return search, pool
+
+
+def end_all(search: subprocess.Popen[bytes], pool: list[int]) -> None:
+    """After a failed test, nothing left behind (the old tune leaked its pool)."""
+    if search.poll() is None:
+        search.kill()
+        search.wait(10)
+    for pid in pool:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_the_search_at_once_keeping_the_results_and_ending_the_pool(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """SIGTERM killed tune and left its pool processes running forever (re-parented, blocked on their
+    pipe, each holding the trace); Ctrl-C waited for the whole queue, then ended in a traceback."""
+    out = tmp_path / "out"
+    search, pool = start_search(out)
+    try:
+        search.send_signal(signum)
+        assert search.wait(30) == 128 + signum
+        until(lambda: not any(running(pid) for pid in pool), 10, "the pool's end")
+        cached = len((out / "tune-results.jsonl").read_text().splitlines())
+        assert 1 <= cached < 22
+        err = (tmp_path / "tune.err").read_text()
+        assert err.splitlines()[-1] == (
+            f"kv-router tune: interrupted: {cached}/22 results cached in {out}; rerun to continue"
+        )
+        assert "Traceback" not in err
+    finally:
+        end_all(search, pool)
+
+
+def test_the_pool_dies_with_a_search_killed(tmp_path: Path) -> None:
+    search, pool = start_search(tmp_path / "out")
+    try:
+        search.kill()
+        search.wait(10)
+        until(lambda: not any(running(pid) for pid in pool), 10, "the pool's end")
+    finally:
+        end_all(search, pool)
+
+
+def test_a_failing_replay_stops_the_search_in_one_line_keeping_what_finished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One candidate raising ran the whole queue left, then discarded those results in a traceback."""
+    failing = candidates(4, seed=0)[1]
+    replay = tune.replay_offline
+
+    async def replay_or_fail(trace: Trace, setup: ReplaySetup, **options: Any) -> Any:
+        config = setup.router_config
+        if setup.routers == ("latency",) and all(getattr(config, name) == v for name, v in failing.items()):
+            raise RuntimeError("simulated engine crash")
+        return await replay(trace, setup, **options)
+
+    monkeypatch.setattr(tune, "replay_offline", replay_or_fail)  # the pool's processes fork after it
+    out = tmp_path / "out"
+    argv = [*TUNE, "--limit", "200", "--budget", "4", "--jobs", "1", "--out", str(out)]
+    assert kv_router_main(argv) == 2
+    [line] = capsys.readouterr().err.splitlines()[1:]  # after the trace's line
+    assert line.startswith("kv-router tune: the replay of latency (latency_miss_weight=")
+    assert line.endswith("failed: RuntimeError: simulated engine crash")
+    # One process, the points in order: dynamo and the defaults were done; the three after, never run.
+    cache = out / "tune-results.jsonl"
+    assert [json.loads(entry)["result"]["router"] for entry in cache.read_text().splitlines()] == ["dynamo", "latency"]
+    assert not (out / "kv-router.toml").exists()
+    monkeypatch.setattr(tune, "replay_offline", replay)
+    assert kv_router_main(argv) == 0
+    assert len(cache.read_text().splitlines()) == 6
+
+
+def test_lines_of_the_cache_that_are_not_results_are_skipped_and_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """JSON that is not an object, or bytes that are not UTF-8, ended tune in a traceback."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cache = out / "tune-results.jsonl"
+    cache.write_bytes(b'5\n[1,2]\n"str"\n\xff\xfe\n\n')
+    assert kv_router_main([*TUNE, "--limit", "20", "--budget", "0", "--jobs", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"kv-router tune: warning: {cache}: 4 lines not a tune result, skipped\n" in err
+    assert len(cache.read_bytes().splitlines()) == 5 + 2
+
+
+@pytest.mark.parametrize("name", ["tune-results.jsonl", "kv-router.toml", "pareto.png"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_search(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A directory in the place of the config (or the plot) was found after the whole search, in a
+    traceback; in the place of the cache, in a traceback before it."""
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    argv = ["tune", "--workload", "agentic", "--workers", "2", "--quiet", "--limit", "20", "--budget", "0"]
+    assert kv_router_main([*argv, "--jobs", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"kv-router tune: {out / name}: a directory is in the way of the file written there\n"
+    )
+    assert sorted(path.name for path in out.iterdir()) == [name]  # nothing replayed
+
+
+def test_one_job_per_core_counts_the_cores_this_process_may_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--jobs 0 started one process per core of the machine, not of the process's CPU affinity (a
+    container's cpuset, taskset)."""
+    sizes: list[int] = []
+
+    class RecordingPool(ProcessPoolExecutor):
+        def __init__(self, max_workers: int, *args: Any, **kwargs: Any) -> None:
+            sizes.append(max_workers)
+            super().__init__(max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(tune, "ProcessPoolExecutor", RecordingPool)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    argv = [*TUNE, "--limit", "20", "--budget", "2", "--jobs", "0", "--out", str(tmp_path / "out")]
+    assert kv_router_main(argv) == 0
+    assert sizes == [1]
