@@ -326,6 +326,9 @@ def _abandon(pool: ProcessPoolExecutor) -> None:
         process.terminate()
     for process in processes:
         process.join(timeout=5)
+    # Its manager thread, which sees the pool broken, ended before the interpreter's exit: woken at exit
+    # while it closed its pipe, it printed an OSError traceback after the search's last line.
+    pool.shutdown(wait=True)
 
 
 # ---------------------------------------------------------------------- output
