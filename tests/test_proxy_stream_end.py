@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import msgspec
@@ -134,6 +135,19 @@ async def test_a_stream_left_before_its_last_event_is_still_client_disconnected(
         await eventually(lambda: idle(f.router))
 
 
+@contextlib.asynccontextmanager
+async def streamed_from(
+    nats_url: str, serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+) -> AsyncIterator[tuple[Fleet, httpx.Response]]:
+    """A fleet whose one worker (7) is ``serve``, and the answer to a streamed completion through it."""
+    async with fleet(nats_url, ()) as f, raw_worker(serve) as url:
+        worker = WorkerConfig(worker_id=7, block_size=64, url=url, models=frozenset({MODEL}))
+        async with httpx.AsyncClient(base_url=f.url) as http:
+            assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
+            answer = await http.post("/v1/completions", content=STREAM_BODY)
+        yield f, answer
+
+
 async def test_a_worker_lost_after_its_last_event_leaves_the_client_a_whole_stream(nats_server: EmbeddedNats) -> None:
     """A worker that dies (its connection reset) after ``data: [DONE]`` but before its HTTP answer's
     end: the client has every event, the stream ends cleanly (no error event after its end), the
@@ -146,11 +160,7 @@ async def test_a_worker_lost_after_its_last_event_leaves_the_client_a_whole_stre
         await asyncio.sleep(0.05)
         writer.transport.abort()  # no terminating chunk
 
-    async with fleet(nats_server.url, ()) as f, raw_worker(serve) as url:
-        worker = WorkerConfig(worker_id=7, block_size=64, url=url, models=frozenset({MODEL}))
-        async with httpx.AsyncClient(base_url=f.url) as http:
-            assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
-            answer = await http.post("/v1/completions", content=STREAM_BODY)
+    async with streamed_from(nats_server.url, serve) as (f, answer):
         assert answer.status_code == 200
         assert answer.text.endswith("data: [DONE]\n\n") and "upstream_error" not in answer.text
         assert (await settled(f.url)) == {"ok": 1.0, "client_disconnected": 0.0}
@@ -174,11 +184,7 @@ async def test_bytes_after_the_last_whole_event_of_a_stream_cut_short_never_reac
         await writer.drain()
         writer.close()
 
-    async with fleet(nats_server.url, ()) as f, raw_worker(serve) as url:
-        worker = WorkerConfig(worker_id=7, block_size=64, url=url, models=frozenset({MODEL}))
-        async with httpx.AsyncClient(base_url=f.url) as http:
-            assert (await http.post("/v1/workers", content=msgspec.json.encode(worker))).status_code == 201
-            answer = await http.post("/v1/completions", content=STREAM_BODY)
+    async with streamed_from(nats_server.url, serve) as (f, answer):
         assert answer.status_code == 200
         assert "this is not sse" not in answer.text
         events = answer.text.split("\n\n")
