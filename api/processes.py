@@ -62,7 +62,11 @@ def run_children(settings: Settings) -> int:
     """Start and supervise ``settings.ha.processes`` children until SIGTERM / SIGINT; returns 0."""
     count = settings.ha.processes
     # The children's metrics sockets (`api.process_metrics`): private to this user, gone with the parent.
-    group_directory = Path(tempfile.mkdtemp(prefix="kv-router-processes-"))
+    try:
+        group_directory: Path | None = Path(tempfile.mkdtemp(prefix="kv-router-processes-"))
+    except OSError as exc:  # no writable temporary directory: each process's /metrics answers for itself
+        log.warning("/metrics will answer for the process a scrape reaches only: %s", exc)
+        group_directory = None
     children: dict[int, subprocess.Popen[bytes]] = {}
     stopping = False
     # Each child is sent SIGTERM once: a second one makes uvicorn give up its graceful shutdown.
@@ -77,7 +81,7 @@ def run_children(settings: Settings) -> int:
         env = {
             **os.environ,
             CHILD_SETTINGS_ENV: msgspec.json.encode(child_settings(settings, index)).decode(),
-            **ProcessGroup(group_directory, index, count).environment(),
+            **(ProcessGroup(group_directory, index, count).environment() if group_directory is not None else {}),
             CHILD_CATCH_UP_ENV: "1" if catch_up else "",
         }
         command = [sys.executable, "-c", "from api.server import serve_child; serve_child()"]
@@ -116,5 +120,6 @@ def run_children(settings: Settings) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        shutil.rmtree(group_directory, ignore_errors=True)
+        if group_directory is not None:
+            shutil.rmtree(group_directory, ignore_errors=True)
     return 0

@@ -123,3 +123,15 @@ async def test_a_sibling_that_accepts_and_never_answers_is_reported_down_in_time
         server.close()
     assert parsed(merged)[("kv_router_process_up", (("process", "1"),))] == 0.0
     assert parsed(merged)[("g", (("process", "0"),))] == 1.0
+
+
+@pytest.mark.anyio
+async def test_a_socket_that_cannot_be_made_leaves_the_process_serving_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A socket path past the kernel's limit (a deep TMPDIR) or a directory gone: the process still
+    starts (it stopped at start, and its parent started it again for ever), its siblings report it down."""
+    deep = ProcessGroup(tmp_path / ("d" * 120), 1, 2)
+    async with deep.serving(lambda: b""):
+        pass
+    assert "process 1: its metrics are not shared with its siblings' scrapes" in caplog.text
