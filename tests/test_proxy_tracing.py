@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -144,13 +145,12 @@ async def test_a_collector_that_never_answers_holds_the_shutdown_at_most_its_bud
     """A collector that takes the connection and never answers: the proxy's shutdown gives up on the
     last spans within its budget, saying so. With the SDK's defaults it took 30 s (three exports of
     10 s), past what a pod's grace period leaves once the requests in flight have drained."""
-    held: list[asyncio.StreamWriter] = []
-
-    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        held.append(writer)
-
-    port = free_port()
-    server = await asyncio.start_server(hold, "127.0.0.1", port)
+    # Listening, never accepting: the kernel completes each connection and nothing ever answers it
+    # (nor holds it open on this side once the socket is closed: no accepted socket left to collect).
+    collector_socket = socket.socket()
+    collector_socket.bind(("127.0.0.1", 0))
+    collector_socket.listen(64)
+    port = collector_socket.getsockname()[1]
     try:
         tracing = ProxyTracing(ProxyConfig(proxy_otlp_endpoint=f"http://127.0.0.1:{port}/v1/traces"))
         tracing.end(tracing.begin("completions", None, None), "ok", {})
@@ -158,9 +158,7 @@ async def test_a_collector_that_never_answers_holds_the_shutdown_at_most_its_bud
         await asyncio.wait_for(tracing.shutdown(), SHUTDOWN_BUDGET_S + 10)
         took = time.monotonic() - started
     finally:
-        for writer in held:
-            writer.close()
-        server.close()
+        collector_socket.close()
     assert took < SHUTDOWN_BUDGET_S + 1
     # Said by the SDK (its export timed out) or by us (the budget ran out first).
     assert "Failed to export spans" in caplog.text or "the OTLP collector did not take the last spans" in caplog.text
