@@ -321,14 +321,12 @@ def _pool_context() -> multiprocessing.context.BaseContext | None:
 def _abandon(pool: ProcessPoolExecutor) -> None:
     """Cancel the replays not started and end those running: `shutdown` alone waits for them all."""
     processes = list(pool._processes.values())  # no public handle on them before Python 3.14
-    pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.terminate()
-    for process in processes:
-        process.join(timeout=5)
-    # Its manager thread, which sees the pool broken, ended before the interpreter's exit: woken at exit
-    # while it closed its pipe, it printed an OSError traceback after the search's last line.
-    pool.shutdown(wait=True)
+    # Waited for: its manager thread finds the pool broken and ends now. Left running (a shutdown without
+    # waiting), it was woken at the interpreter's exit as it closed its pipe, and an OSError traceback
+    # followed the search's last line.
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---------------------------------------------------------------------- output
