@@ -154,7 +154,7 @@ async def test_a_prefill_leg_silent_past_the_read_timeout_is_a_failure_of_its_wo
     health checks), and the request is prefilled elsewhere, here on its decode worker (no retry left).
     Waited for while the worker stayed in routing, a stuck engine held requests for
     proxy_request_timeout_secs (30 min)."""
-    worker = SlowWorker(delay_s=1.0)
+    worker = SlowWorker(delay_s=10.0)
     async with (
         fleet(nats_server.url, (2,), roles={2: "decode"}, proxy={**QUICK, "proxy_retries": 0}) as f,
         worker.listening() as url,
@@ -166,7 +166,7 @@ async def test_a_prefill_leg_silent_past_the_read_timeout_is_a_failure_of_its_wo
         started = time.monotonic()
         raw = await f.client.completions.with_raw_response.create(model=MODEL, prompt=list(range(1000, 1512)),
                                                                   max_tokens=4)  # fmt: skip
-        assert time.monotonic() - started < 1.0  # not the prefill leg's 1 s
+        assert time.monotonic() - started < 5.0  # not the prefill leg's 10 s
         assert raw.headers["x-kv-router-worker"] == "2"
         assert raw.headers["x-kv-router-disaggregation"] == "local_prefill"
         assert raw.parse().choices[0].text
