@@ -23,6 +23,7 @@ import msgspec
 
 from router.config import RouterConfig
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
+from router.engines.openai_server import ENGINE_HEALTH_TIMEOUT_SECS
 from router.errors import ConfigError
 from router.event_plane.jetstream import MAX_REPLICAS
 from router.event_plane.urls import redact_nats_url
@@ -342,6 +343,14 @@ class EngineSourcesConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
         float, _doc("seconds between probes of a directly heard engine's /health (engines given a url)"),
         msgspec.Meta(gt=0),
     ] = 1.0  # fmt: skip
+    engine_health_timeout_secs: Annotated[
+        float,
+        _doc(
+            "a probe of an engine's /health not answered 200 within this long fails (three in a row take it out of "
+            "routing; a refused connection at once)"
+        ),
+        msgspec.Meta(gt=0),
+    ] = ENGINE_HEALTH_TIMEOUT_SECS
     dynamo_endpoint: Annotated[
         list[str],
         _doc(

@@ -27,6 +27,7 @@ async def running_engines(router: KvRouter, config: EngineSourcesConfig) -> Asyn
             spec,
             topic=config.engine_zmq_topic,
             health_interval_s=config.engine_health_interval_secs,
+            health_timeout_s=config.engine_health_timeout_secs,
             block_sizes=block_sizes,
         )
         for spec in config.engine_specs()

@@ -291,7 +291,8 @@ class EngineHttp:
     """An engine's OpenAI server as the router probes it (``/health``, ``/v1/models``, ``/metrics``) and the proxy
     uses it (``/v1/completions``: ``completion_text``, whatever the prompt, whole or, asked for a stream, as
     one event), served by a real uvicorn on a loopback port; ``healthy`` switches its health answer
-    (``failing_checks``: that many 503s first, then as ``healthy`` says), ``stop`` stops it (refused);
+    (``failing_checks``: that many 503s first, then as ``healthy`` says; ``health_delay_s``: each answered
+    that late, a loaded engine's server), ``stop`` stops it (refused);
     ``asked`` counts the requests by path. Its ``/metrics`` are vLLM's: ``running`` requests, ``kv_usage``
     and, with ``kv_blocks``, the cache config stating them."""
 
@@ -308,6 +309,7 @@ class EngineHttp:
         self.port = port or free_port()
         self.healthy = True
         self.failing_checks = 0
+        self.health_delay_s = 0.0
         self.kv_blocks = kv_blocks
         self.kv_usage = kv_usage
         self.running = running
@@ -327,6 +329,7 @@ class EngineHttp:
         self.asked[path] += 1
         status, body = 404, b"{}"
         if path == "/health":
+            await asyncio.sleep(self.health_delay_s)
             failing = self.failing_checks > 0
             if failing:
                 self.failing_checks -= 1

@@ -664,6 +664,32 @@ async def test_an_engine_failing_a_health_check_or_two_keeps_its_index_and_one_r
         assert probe.failures - failed < 3, "out before three failures"
 
 
+async def test_an_engine_answering_its_health_checks_late_stays_in_routing_with_its_index() -> None:
+    """A loaded engine's server answers its /health late (its event loop busy with the streams it
+    serves): within engine_health_timeout_secs (5 s) that is a pass. The probe's bound was its interval
+    or 1 s: every answer past a second failed, and three took the worker out of routing with its index."""
+    http = EngineHttp()
+    http.health_delay_s = 1.2
+    endpoint, replay = loopback_endpoints(replay=True)
+    engine = FakeEngine(WORKER, endpoint, replay, seed=5)
+    await engine.start()
+    async with _probed(http, endpoint, replay, engine) as (router, direct):
+        await eventually(lambda: router.has_worker(WORKER), timeout=10)
+        for _ in range(5):
+            await engine.step()
+        await _converged(router, engine, direct)
+        probe = direct.health
+        assert probe is not None
+        probes = probe.probes
+        await eventually(lambda: probe.probes >= probes + 3, timeout=15)
+        assert probe.failures == 0 and probe.healthy
+        assert router.has_worker(WORKER) and canonical(router.tree.dump_events()) == engine.dump()
+
+        probe.timeout_s = 0.3  # engine_health_timeout_secs below the engine's delay: three misses, out
+        await eventually(lambda: not router.has_worker(WORKER), timeout=15)
+        assert probe.failures >= 3 and probe.last_problem == "no whole answer within 0.3 s"
+
+
 async def test_a_worker_removed_while_its_engine_answers_comes_back_with_its_url_and_models(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -153,6 +153,7 @@ class Bridge:
                 on_up=self._up,
                 on_down=self._down,
                 interval_s=config.engine_health_interval_secs,
+                timeout_s=config.engine_health_timeout_secs,
                 failures_to_down=ENGINE_FAILURES_TO_DOWN,
                 down_when_refused=True,
             )

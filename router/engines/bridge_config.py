@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from router.engines.engine_spec import MAX_ENGINE_FRAME_BYTES, check_rank_ports, check_zmq_endpoint
-from router.engines.openai_server import health_url, openai_base
+from router.engines.openai_server import ENGINE_HEALTH_TIMEOUT_SECS, health_url, openai_base
 from router.types import HandoffStyle, WorkerConfig, WorkerRole
 
 __all__ = ["BridgeConfig"]
@@ -78,6 +78,11 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         ),
         msgspec.Meta(gt=0),
     ] = 1.0
+    engine_health_timeout_secs: Annotated[
+        float,
+        _doc("a probe of the engine's /health (or metrics URL) not answered 200 within this long fails"),
+        msgspec.Meta(gt=0),
+    ] = ENGINE_HEALTH_TIMEOUT_SECS
     heartbeat_interval_secs: Annotated[float, _doc("seconds between heartbeats"), msgspec.Meta(gt=0)] = 1.0
     queue_size: Annotated[int, _doc("engine batches buffered per rank before drops"), msgspec.Meta(ge=1)] = 10_000
     queue_bytes: Annotated[

@@ -48,7 +48,13 @@ from indexer.held_blocks import HeldBlocks
 from router.engines.engine_metrics import EngineMetricsScraper
 from router.engines.engine_spec import EngineSpec, parse_engine_spec
 from router.engines.hash_check import TokensHashCheck
-from router.engines.openai_server import ENGINE_FAILURES_TO_DOWN, HealthProbe, health_url, wait_for_models
+from router.engines.openai_server import (
+    ENGINE_FAILURES_TO_DOWN,
+    ENGINE_HEALTH_TIMEOUT_SECS,
+    HealthProbe,
+    health_url,
+    wait_for_models,
+)
 from router.engines.zmq_stream import PayloadApplied, ZmqEngineStream
 from router.errors import ConfigError, UnknownWorker
 from router.event_plane.messages import ActiveLoad
@@ -254,7 +260,8 @@ class AdoptedBlockSize:
 class DirectEngine:
     """One ``--engine`` source feeding the router's sequencer.
 
-    With a ``url`` the engine's OpenAI server is probed (``/health`` every ``health_interval_s``): the
+    With a ``url`` the engine's OpenAI server is probed (``/health`` every ``health_interval_s``, each
+    answer within ``health_timeout_s``): the
     worker is registered (with its URL and the models its ``/v1/models`` lists) when the server first
     answers, removed (its blocks, streams and requests) when it fails three probes in a row or refuses a
     connection (`ENGINE_FAILURES_TO_DOWN`), and registered again,
@@ -269,6 +276,7 @@ class DirectEngine:
         *,
         topic: str = "",
         health_interval_s: float = 1.0,
+        health_timeout_s: float = ENGINE_HEALTH_TIMEOUT_SECS,
         block_sizes: AdoptedBlockSize | None = None,
     ) -> None:
         self.spec = parse_engine_spec(spec) if isinstance(spec, str) else spec
@@ -304,6 +312,7 @@ class DirectEngine:
                 on_up=self._up,
                 on_down=self._down,
                 interval_s=health_interval_s,
+                timeout_s=health_timeout_s,
                 failures_to_down=ENGINE_FAILURES_TO_DOWN,
                 down_when_refused=True,
             )

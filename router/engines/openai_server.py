@@ -95,6 +95,10 @@ async def wait_for_models(base: str, *, retry_s: float = 1.0, timeout_s: float =
 # of routing (its index is dropped and rebuilt from the replay when it is back); a refused connection
 # at once.
 ENGINE_FAILURES_TO_DOWN = 3
+# Its whole answer's bound. A loaded engine's HTTP server shares its event loop with the streams it
+# serves and may answer late; a gone one is caught at once by the refused connection, and a wedged one
+# within three probes of this.
+ENGINE_HEALTH_TIMEOUT_SECS = 5.0
 
 
 def _refused(exc: BaseException) -> bool:
