@@ -1001,8 +1001,12 @@ class KvRouter:
 
     def book_replicated(self, request_id: str, booking: Booking, predicted: Sequence[int] | None = None) -> None:
         """Book what a peer router booked (replica sync); raises `DuplicateRequestId`, `UnknownWorker`.
-        ``predicted``: the prompt's block hashes, when the peer predicts the rank's cache from it."""
-        self._scheduler.sequences.add(
+        ``predicted``: the prompt's block hashes, when the peer predicts the rank's cache from it. It never
+        expires here: the peer frees or expires it (and publishes that), or its bookings go with it when it
+        leaves or falls silent; expired here, the expiry would be published and free the peer's booking,
+        one it may hold (`hold`) for a stream outlasting ``request_expiry_secs``."""
+        sequences = self._scheduler.sequences
+        sequences.add(
             request_id,
             booking.key,
             hashes=booking.hashes,
@@ -1012,6 +1016,7 @@ class KvRouter:
             context_tokens=booking.context_tokens,
             expected_output_tokens=booking.expected_output_tokens,
         )
+        sequences.hold(request_id)
         if predicted is not None:  # each replica predicts from every prompt routed, not its own alone
             self._record_prediction(booking.key, list(predicted), None)
 
@@ -1057,8 +1062,8 @@ class KvRouter:
         the decision to the answer's end): it is never expired as stale. `request_expiry_secs` is for
         callers of the decision API that may never free theirs; a generation may outlast it (a
         reasoning model's tens of thousands of tokens), and freed then it would leave its worker's load
-        while still decoding there. False when the id is not booked. Replicas are not told: theirs
-        expire as before."""
+        while still decoding there. False when the id is not booked. Replicas need not be told: a
+        booking expires only where it was booked (`book_replicated`)."""
         return self._scheduler.sequences.hold(request_id)
 
     def expire_stale(self) -> list[str]:

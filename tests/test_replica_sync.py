@@ -568,6 +568,42 @@ async def test_a_booking_on_a_rank_never_registered_is_refused_after_its_wait(
         await nc.close()
 
 
+async def test_a_held_booking_outlasting_the_expiry_stays_booked_on_every_replica(nats_server: EmbeddedNats) -> None:
+    """The proxy holds its bookings to the answer's end (a reasoning model's stream may outlast
+    request_expiry_secs). A peer expired its copy by its own clock and published the expiry, which freed
+    the booking on the replica that held it: the stream left its worker's load everywhere. A booking
+    expires where it was booked, and its peers follow that replica's free or expiry."""
+    now = [0.0]
+
+    @contextlib.asynccontextmanager
+    async def clocked() -> AsyncIterator[Replica]:
+        nc = await connect(NatsOptions(nats_server.url))
+        router = KvRouter(CONFIG, rng=random.Random(0), clock=lambda: now[0])
+        for worker in WORKERS:
+            router.register_worker(worker)
+        sync = ReplicaSync(router, nc, heartbeat_s=0.1)
+        await sync.start()
+        try:
+            yield Replica(router, nc, sync)
+        finally:
+            await sync.stop()
+            await nc.close()
+
+    async with clocked() as a, clocked() as b:
+        await a.router.new(RouteRequest(tokens=PROMPTS[0], request_id="streaming"))
+        assert a.router.hold("streaming")
+        await a.router.new(RouteRequest(tokens=PROMPTS[1], request_id="abandoned"))  # a decision API caller's
+        await eventually(lambda: bookings(b.router) == bookings(a.router), 30, "b books both")
+        now[0] += CONFIG.request_expiry_secs + 1
+        assert b.router.expire_stale() == []  # a's to expire
+        assert a.router.expire_stale() == ["abandoned"]
+        await eventually(lambda: b.router.booking("abandoned") is None, 30, "a's expiry reaches b")
+        await asyncio.sleep(0.3)  # beats: nothing else moves
+        assert set(bookings(a.router)) == set(bookings(b.router)) == {"streaming"}
+        assert a.router.mark_free("streaming")  # the stream's end
+        await eventually(lambda: not bookings(b.router), 30, "its free reaches b")
+
+
 async def test_bookings_on_a_worker_registered_before_nats_was_reached_reach_the_peers(
     nats_server: EmbeddedNats,
 ) -> None:

@@ -21,8 +21,10 @@ another replica's whole view (`StateReply`) can only move it forward.
   stops cleanly says so (``leaving``) and its bookings go at once. Its queued requests were never booked.
 - Request ids are global: a request booked on one replica can be marked on any.
 
-Remote bookings start their expiry clock when received (as Dynamo does); the booking replica's own
-expiry is published too, so a request expires everywhere when it expires where it was booked.
+A booking expires only where it was booked, and that expiry is published like a free, so a request
+expires everywhere when it expires there. (Dynamo starts a remote booking's expiry clock when it is
+received; a peer's own expiry, published, would free the booking where the proxy holds it for a stream
+longer than ``request_expiry_secs``.)
 """
 
 from __future__ import annotations
