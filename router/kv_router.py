@@ -1062,9 +1062,12 @@ class KvRouter:
         the decision to the answer's end): it is never expired as stale. `request_expiry_secs` is for
         callers of the decision API that may never free theirs; a generation may outlast it (a
         reasoning model's tens of thousands of tokens), and freed then it would leave its worker's load
-        while still decoding there. False when the id is not booked. Replicas need not be told: a
+        while still decoding there. Its remote prefill leg, if booked, is held too (a prefill may
+        outlast it behind a long queue). False when the id is not booked. Replicas need not be told: a
         booking expires only where it was booked (`book_replicated`)."""
-        return self._scheduler.sequences.hold(request_id)
+        sequences = self._scheduler.sequences
+        sequences.hold(prefill_booking_id(request_id))
+        return sequences.hold(request_id)
 
     def expire_stale(self) -> list[str]:
         """Free requests active longer than ``request_expiry_secs`` (§4.5), then dispatch the queue's

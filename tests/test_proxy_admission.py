@@ -48,43 +48,54 @@ async def test_requests_over_the_cap_wait_then_go_and_a_full_queue_or_a_timed_ou
         def ask() -> asyncio.Future[object]:
             return asyncio.ensure_future(f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1))
 
-        first = ask()
-        await eventually(lambda: len(gate.arrivals) == 1, what="the first request at the worker")
-        waiting = ask()
+        try:
+            first = ask()
+            await eventually(lambda: len(gate.arrivals) == 1, what="the first request at the worker")
+            waiting = ask()
 
-        async def one_waits() -> bool:
-            return await gauges(f) == (1.0, 1.0)
+            async def one_waits() -> bool:
+                return await gauges(f) == (1.0, 1.0)
 
-        await eventually(one_waits, what="one in flight, one waiting")
-        # The queue is full: refused at once.
-        with pytest.raises(openai.RateLimitError) as full:
-            await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
-        assert full.value.response.headers["retry-after"] == "2"
-        assert full.value.response.json()["error"]["type"] == "rate_limit_exceeded"
-        assert "(proxy_max_waiting_requests)" in full.value.response.json()["error"]["message"]
-        # A text prompt, which the worker would tokenize: refused before that call, which the cap does not
-        # hold back (twenty at once made twenty /tokenize calls, then were refused).
-        arrived = len(gate.arrivals)
-        with pytest.raises(openai.RateLimitError):
-            await asyncio.wait_for(f.client.completions.create(model=MODEL, prompt="some text", max_tokens=1), 10)
-        assert len(gate.arrivals) == arrived
-        # The one waiting gives up at its timeout, while the first still holds the slot.
-        with pytest.raises(openai.RateLimitError, match=r"no free slot within 3 s") as timed_out:
-            await waiting
-        assert timed_out.value.response.headers["retry-after"] == "2"
-        assert len(gate.arrivals) == 1
-        # One more waits, and goes as soon as the slot is free.
-        third = ask()
-        await eventually(one_waits, what="one in flight, one waiting")
-        gate.hold.set()  # type: ignore[union-attr]
-        for done in await asyncio.gather(first, third):
-            assert done.choices[0].text == " fine"  # type: ignore[attr-defined]
-        assert len(gate.arrivals) == 2
-        assert await gauges(f) == (0.0, 0.0)
-        async with httpx.AsyncClient() as http:
-            text = (await http.get(f"{f.url}/metrics")).text
-        assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="queue_rejected") == 3
-        assert idle(f.router)
+            await eventually(one_waits, what="one in flight, one waiting")
+            # The queue is full: refused at once.
+            with pytest.raises(openai.RateLimitError) as full:
+                await f.client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+            assert full.value.response.headers["retry-after"] == "2"
+            assert full.value.response.json()["error"]["type"] == "rate_limit_exceeded"
+            assert "(proxy_max_waiting_requests)" in full.value.response.json()["error"]["message"]
+            # A text prompt, which the worker would tokenize: refused before that call, which the cap does not
+            # hold back (twenty at once made twenty /tokenize calls, then were refused).
+            arrived = len(gate.arrivals)
+            with pytest.raises(openai.RateLimitError):
+                await asyncio.wait_for(f.client.completions.create(model=MODEL, prompt="some text", max_tokens=1), 10)
+            assert len(gate.arrivals) == arrived
+            # Dynamo's instance query takes no slot (it is booked nowhere and sent to no worker): answered.
+            query = await f.client.completions.create(
+                model=MODEL,
+                prompt=[1, 2, 3],
+                max_tokens=1,
+                extra_body={"nvext": {"annotations": ["query_instance_id:"]}},
+            )
+            assert query.model_extra is not None and query.model_extra["nvext"]["worker_id"]["decode_worker_id"] == 7
+            # The one waiting gives up at its timeout, while the first still holds the slot.
+            with pytest.raises(openai.RateLimitError, match=r"no free slot within 3 s") as timed_out:
+                await waiting
+            assert timed_out.value.response.headers["retry-after"] == "2"
+            assert len(gate.arrivals) == 1
+            # One more waits, and goes as soon as the slot is free.
+            third = ask()
+            await eventually(one_waits, what="one in flight, one waiting")
+            gate.hold.set()  # type: ignore[union-attr]
+            for done in await asyncio.gather(first, third):
+                assert done.choices[0].text == " fine"  # type: ignore[attr-defined]
+            assert len(gate.arrivals) == 2
+            assert await gauges(f) == (0.0, 0.0)
+            async with httpx.AsyncClient() as http:
+                text = (await http.get(f"{f.url}/metrics")).text
+            assert sample(text, "kv_router_proxy_requests_total", route="completions", outcome="queue_rejected") == 3
+            assert idle(f.router)
+        finally:
+            gate.hold.set()  # type: ignore[union-attr]  # a failed check leaves no request held
 
 
 async def test_a_slot_goes_to_whom_the_router_would_serve_first_and_a_cancelled_wait_frees_its_place() -> None:

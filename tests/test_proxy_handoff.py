@@ -650,12 +650,15 @@ async def test_a_bootstrap_prefill_leg_failing_once_the_decode_leg_streams_is_co
         await eventually(lambda: idle(f.router))
 
 
+@pytest.mark.parametrize("kv_events", [True, False])
 @pytest.mark.parametrize("style", STYLES)
 async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
-    nats_server: EmbeddedNats, style: HandoffStyle
+    nats_server: EmbeddedNats, style: HandoffStyle, kv_events: bool
 ) -> None:
+    """Without KV events the router predicts a prompt cached where it routes it: refused, the prompt was
+    computed on neither leg, and is predicted on neither (it was kept on both)."""
     async with (
-        fleet(nats_server.url, (2,), roles={2: "decode"}, handoff=style) as f,
+        fleet(nats_server.url, (2,), roles={2: "decode"}, handoff=style, kv_events=kv_events) as f,
         failing_worker(b"400 Bad Request") as (url, seen),
     ):
         await register(f, prefill_worker_at(url, style))
@@ -667,6 +670,7 @@ async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
         assert headers["x-kv-router-disaggregation"] == "remote_prefill"
         assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
         assert f.apis[2].pulled_blocks == 0
+        assert await cached_tokens(f, LONG) == {2: 0, 9: 0}
         await eventually(lambda: idle(f.router))
 
 

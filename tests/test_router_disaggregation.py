@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from api.bridge_command import load_bridge_config
 from router import KvRouter, RouteDecision, RouterConfig, RouteRequest, WorkerConfig
-from router.disaggregation import PendingPrefill, choose_path
+from router.disaggregation import PendingPrefill, choose_path, prefill_booking_id
 from router.engines.bridge_config import BridgeConfig
 from router.errors import ConfigError, InvalidRequest, NoEligibleWorker
 from tests.dynamo_fleet import prompt_stored_event
@@ -54,6 +54,24 @@ def test_role_defaults_to_both_and_is_checked_on_the_wire() -> None:
     assert (
         BridgeConfig(worker_id=5, zmq_endpoint="tcp://127.0.0.1:5557", role="prefill").registration().role == "prefill"
     )
+
+
+def test_a_held_request_keeps_its_remote_prefill_leg_past_the_expiry() -> None:
+    """The proxy holds its requests to the answer's end (`KvRouter.hold`): a remote prefill behind a long
+    queue may outlast request_expiry_secs, and its leg, expired then, left its prefill worker's load while
+    it computed."""
+    now = [0.0]
+    router = KvRouter(RouterConfig(block_size=BS, policy="dynamo"), rng=random.Random(0), clock=lambda: now[0])
+    for worker_id, role in ((P1, "prefill"), (P2, "prefill"), (D1, "decode")):
+        router.register_worker(WorkerConfig(worker_id=worker_id, role=role))  # type: ignore[arg-type]
+    decision = route(router, PROMPT)
+    assert decision.disaggregation is not None and decision.disaggregation.path == "remote_prefill"
+    route(router, PROMPT[::-1], "forgotten")  # a decision API caller's, never freed
+    assert router.hold("r")
+    now[0] += router.config.request_expiry_secs + 1
+    assert router.expire_stale() == ["forgotten#prefill", "forgotten"]
+    assert router.booking("r") is not None and router.booking(prefill_booking_id("r")) is not None
+    assert router.mark_prefill("r") and router.mark_free("r")
 
 
 def test_aggregated_fleet_has_no_disaggregation_receipt() -> None:

@@ -400,8 +400,9 @@ class Proxy:
             and not query
             and all(map(self.router.predicts_only, workers))
         )
-        full = self.admission.refusal()
-        if full is not None:  # before a worker's /tokenize, which the cap does not hold back
+        # Before a worker's /tokenize, which the cap does not hold back; an instance query takes no slot.
+        full = None if query else self.admission.refusal()
+        if full is not None:
             raise _queue_refusal(full, self.config.proxy_retry_after_secs)
         try:
             if isinstance(prompt, bytes):
@@ -527,7 +528,11 @@ class Proxy:
                     forward = self._decode_leg(worker, decision, path, both, stream, received, bytes_routed)
                     # The decode leg tells its worker's breaker, if it is sent (a prefill leg refused is not).
                     outcome = await self.handoff.run(legs, path, body, both, reply, forward)
+                self._refused_by_engine(outcome, request_id)
                 return outcome
+            except Refused as refused:  # a prefill leg's 4xx, the client's answer
+                self._refused_by_engine(refused.outcome, request_id)
+                raise
             except WorkerFailed as exc:  # again without that worker (or prefill worker); bookings freed below
                 if reply.answered:
                     # The client has this answer's head: neither a retry nor a 502 may follow it (a
@@ -709,15 +714,20 @@ class Proxy:
         finally:
             connection.release()  # back to the pool if read to its end; else closed, so the engine stops
 
+    def _refused_by_engine(self, outcome: str, request_id: str) -> None:
+        """An engine that refused the request (a 4xx, on either leg) never computed its prompt: it is
+        predicted cached on no leg (the next request sharing the prefix was steered to a worker holding
+        none of it). Before `mark_free`."""
+        if outcome == "upstream_status":
+            self.router.forget_uncomputed_predictions(request_id)
+
     def _answered_whole(self, decision: RouteDecision, status: int, content: bytes, bytes_routed: int) -> None:
         """A whole answer is in: the booking's prefill is done, and the answer's usage is compared with
-        the prediction and counted as the request's output. An engine that refused the request (a 4xx)
-        never computed its prompt: nothing is credited or predicted cached there (the next request
-        sharing the prefix was steered to a worker holding none of it)."""
+        the prediction and counted as the request's output; an engine's refusal (not 200) is neither
+        (`_refused_by_engine`)."""
         request_id = decision.request_id
         assert request_id is not None
         if status != 200:
-            self.router.forget_uncomputed_predictions(request_id)
             return
         self.router.mark_prefill(request_id)
         usage = reported_usage(content)
