@@ -1,13 +1,13 @@
 """`kv-router tune TRACE`: search the `latency` policy's knobs on a user's own trace, in simulated time.
 
 Every candidate setting (a seeded sample of `SEARCH_SPACE`, the defaults always among them) replays the
-trace offline exactly as `kv-router replay` does, one candidate per process over the cores. Each
+trace offline exactly as `kv-router replay` does, one candidate at a time per process over the cores. Each
 result is appended to a JSONL cache as soon as it is known, keyed by everything that decides it (the
 package's version, the trace's requests as loaded, the trace options, the engine, the fleet, the seed, the router's
 whole effective config, the knobs and the defaults of every other setting), so an interrupted or
 repeated run continues where it stopped and a wider search reuses what was measured. ``dynamo`` is
-replayed too, as the yardstick. A replay that fails, or Ctrl-C, stops the search at once (what has not
-started is cancelled, the replays running are ended); the pool's processes die with the search's.
+replayed too, as the yardstick. A replay that fails (or its process dies), or Ctrl-C, stops the search at
+once (what has not started is never sent, the replays running are ended); the processes die with the search's.
 
 What it reports: the Pareto front over (TTFT p90, E2E p90, engine hit rate), lower latencies and
 higher hit rate being better, and one point of the front, the one a config is written for (`pick`):
@@ -19,20 +19,23 @@ front; ``ttft``, ``e2e`` and ``hit`` take the front's best on that axis. The con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
 import math
 import multiprocessing
 import os
+import pickle
 import random
 import signal
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -152,7 +155,8 @@ def pick(front: Sequence[TuneResult], objective: Objective = "balanced") -> Tune
 
 # ---------------------------------------------------------------------- running
 class ReplayFailed(Exception):
-    """One candidate's replay raised: the search stopped there (the results before it are cached)."""
+    """One candidate's replay raised, or its process died: the search stopped there (the results before it
+    are cached)."""
 
     def __init__(self, router: str, knobs: Mapping[str, Knob], error: BaseException) -> None:
         shown = ", ".join(f"{name}={_toml(value)}" for name, value in knobs.items()) or "its defaults"
@@ -181,8 +185,8 @@ _trace: Trace | None = None
 
 
 def _start_worker(trace: Trace, search_pid: int) -> None:
-    """A pool process's start: it keeps the trace, dies with the search's process (even one killed,
-    which never shuts the pool down: blocked on its pipe, the process would live on), leaves Ctrl-C
+    """A replay process's start: it keeps the trace, dies with the search's process (even one killed,
+    which never ends its processes: blocked on its pipe, the process would live on), leaves Ctrl-C
     to the search (which ends it) and dies at SIGTERM rather than run a handler it inherited."""
     global _trace
     _trace = trace
@@ -200,7 +204,7 @@ def _replay_setup(setup: TuneSetup, router: str, knobs: Mapping[str, Knob]) -> R
 
 
 def _replay_one(router: str, knobs: dict[str, Knob], setup: TuneSetup) -> TuneResult:
-    assert _trace is not None, "the pool initializer loads the trace"
+    assert _trace is not None, "_start_worker keeps the trace"
     [run] = asyncio.run(replay_offline(_trace, _replay_setup(setup, router, knobs), show_progress=False))
     report = run.report
     return TuneResult(router, knobs, report.hit_rate_tokens, report.ttft_ms.p90, report.e2e_ms.p90, report.itl_ms.p90)
@@ -263,7 +267,8 @@ def run_tune(
 ) -> tuple[list[TuneResult], TuneResult]:
     """Replay every candidate not among ``cached`` (read from ``cache``: `read_cache`) in parallel and
     append each result to ``cache`` as it comes. Returns the `latency` results and the reference's.
-    A replay that raises stops the search (`ReplayFailed`), so does Ctrl-C (`SearchInterrupted`)."""
+    A replay that raises, or whose process dies, stops the search (`ReplayFailed`), so does Ctrl-C
+    (`SearchInterrupted`)."""
     digest = trace_digest(trace)
     points: list[tuple[str, dict[str, Knob]]] = [(REFERENCE, {})]
     points += [(POLICY, knobs) for knobs in candidates(setup.budget, setup.seed)]
@@ -276,57 +281,114 @@ def run_tune(
     if todo:
         cache.parent.mkdir(parents=True, exist_ok=True)
         jobs = min(setup.jobs or usable_cores(), len(todo))
-        pool = ProcessPoolExecutor(
-            jobs, mp_context=_pool_context(), initializer=_start_worker, initargs=(trace, os.getpid())
-        )
         try:
-            with cache.open("a+") as sink:
+            # Closed, the generator ends its processes even when this loop's body raises (Ctrl-C mid-write).
+            with cache.open("a+") as sink, contextlib.closing(_replayed(trace, setup, todo, jobs)) as replayed:
                 sink.seek(0, os.SEEK_END)
                 if sink.tell():
                     sink.seek(sink.tell() - 1)
                     if sink.read(1) != "\n":
                         sink.write("\n")  # after a line an interrupted run cut short
-                futures = {
-                    pool.submit(_replay_one, router, knobs, setup): (key, router, knobs) for key, router, knobs in todo
-                }
-                for future in as_completed(futures):
-                    key, router, knobs = futures[future]
-                    try:
-                        result = future.result()
-                    except Exception as exc:
-                        raise ReplayFailed(router, knobs, exc) from exc
+                for key, result in replayed:
                     found[key] = result
                     sink.write(json.dumps({"key": key, "result": msgspec.to_builtins(result)}) + "\n")
                     sink.flush()
                     done += 1
                     if progress is not None:
                         progress(done, len(points))
-        except BaseException as stop:
-            _abandon(pool)
-            if isinstance(stop, KeyboardInterrupt):  # counted in the file: it may have come mid-line
-                kept = read_cache(cache).results
-                raise SearchInterrupted(sum(key in kept for key in keys), len(points)) from None
-            raise
-        pool.shutdown()
+        except KeyboardInterrupt:  # counted in the file: it may have come mid-line
+            kept = read_cache(cache).results
+            raise SearchInterrupted(sum(key in kept for key in keys), len(points)) from None
     results = [found[key] for key in keys]
     return results[1:], results[0]
 
 
-def _pool_context() -> multiprocessing.context.BaseContext | None:
-    """On Linux, fork, so that a pool process's parent is the search's process (`die_with_parent` checks
+def _pool_context() -> multiprocessing.context.DefaultContext | multiprocessing.context.ForkContext:
+    """On Linux, fork, so that a replay process's parent is the search's process (`die_with_parent` checks
     it; a forkserver's would be another); elsewhere, the platform's default."""
-    return multiprocessing.get_context("fork") if sys.platform == "linux" else None
+    return multiprocessing.get_context("fork") if sys.platform == "linux" else multiprocessing.get_context()
 
 
-def _abandon(pool: ProcessPoolExecutor) -> None:
-    """Cancel the replays not started and end those running: `shutdown` alone waits for them all."""
-    processes = list(pool._processes.values())  # no public handle on them before Python 3.14
-    for process in processes:
-        process.terminate()
-    # Waited for: its manager thread finds the pool broken and ends now. Left running (a shutdown without
-    # waiting), it was woken at the interpreter's exit as it closed its pipe, and an OSError traceback
-    # followed the search's last line.
-    pool.shutdown(wait=True, cancel_futures=True)
+def _replayed(
+    trace: Trace, setup: TuneSetup, todo: Sequence[tuple[str, str, dict[str, Knob]]], jobs: int
+) -> Generator[tuple[str, TuneResult], None, None]:
+    """Replay each (key, router, knobs) of ``todo`` over ``jobs`` processes, yielding each key and result as
+    it comes; a replay that raises, or a process that dies (killed, out of memory), raises `ReplayFailed`
+    for the candidate it was running. The processes are this generator's own, not a `ProcessPoolExecutor`'s,
+    whose running replays a stopped search could end only through its private state (no public handle
+    before Python 3.14). Each is sent one candidate at a time over a pipe of its own (`_serve`); a
+    busy process whose pipe closes or whose sentinel is ready died. However it ends (done, an exception,
+    Ctrl-C, closed), every process is killed (a running replay is not waited for) and reaped."""
+    context = _pool_context()
+    tasks = iter(todo)
+    started: list[tuple[BaseProcess, Connection[Any, Any]]] = []
+    running: dict[Connection[Any, Any], tuple[BaseProcess, str, str, dict[str, Knob]]] = {}
+
+    def send_next(process: BaseProcess, conn: Connection[Any, Any]) -> None:
+        task = next(tasks, None)
+        if task is not None:
+            running[conn] = (process, *task)
+        # A process dead already (EPIPE): with a task, its sentinel tells next; with None, it was done.
+        with contextlib.suppress(OSError):
+            conn.send(None if task is None else (task[1], task[2], setup))
+
+    try:
+        for _ in range(jobs):
+            ours, theirs = context.Pipe()
+            process: BaseProcess = context.Process(target=_serve, args=(theirs, trace, os.getpid()))
+            process.start()
+            started.append((process, ours))
+            theirs.close()  # the process's end is its alone: its death closes the pipe
+            send_next(process, ours)
+        while running:
+            ready = wait([*running, *(process.sentinel for process, *_ in running.values())])
+            for conn, (process, key, router, knobs) in list(running.items()):
+                if conn in ready or process.sentinel in ready:
+                    del running[conn]
+                    outcome = _outcome(process, conn)
+                    if isinstance(outcome, Exception):
+                        raise ReplayFailed(router, knobs, outcome) from outcome
+                    yield key, outcome
+                    send_next(process, conn)
+    finally:
+        for process, _ in started:
+            process.kill()  # not terminate: one just forked still has the search's SIGTERM handler
+        for process, conn in started:
+            process.join()
+            process.close()
+            conn.close()
+
+
+def _serve(conn: Connection[Any, Any], trace: Trace, search_pid: int) -> None:
+    """A replay process: `_start_worker`, then each (router, knobs, setup) received replayed and its result,
+    or the exception it raised, sent back, until None. An exception that would not come through pickling
+    both ways (an attribute that does not pickle, an ``__init__`` its args do not fit) goes back as a
+    RuntimeError with its repr."""
+    _start_worker(trace, search_pid)
+    while (task := conn.recv()) is not None:
+        outcome: TuneResult | Exception
+        try:
+            outcome = _replay_one(*task)
+        except Exception as exc:
+            outcome = exc
+            try:
+                pickle.loads(pickle.dumps(exc))
+            except Exception:
+                outcome = RuntimeError(repr(exc))
+        conn.send(outcome)
+
+
+def _outcome(process: BaseProcess, conn: Connection[Any, Any]) -> TuneResult | Exception:
+    """What a busy process sent back, or, when it died with nothing sent, its death as an exception."""
+    try:
+        sent: TuneResult | Exception = conn.recv()  # at once: the process sent, or died and closed its end
+        return sent
+    except (EOFError, OSError):  # OSError: ECONNRESET, a task it never read in its pipe
+        process.join()
+    code = process.exitcode
+    if code is not None and code < 0:
+        return RuntimeError(f"its process was killed by signal {-code} ({signal.strsignal(-code)})")
+    return RuntimeError(f"its process died (exit code {code})")
 
 
 # ---------------------------------------------------------------------- output

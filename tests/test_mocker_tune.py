@@ -6,10 +6,12 @@ import contextlib
 import importlib.util
 import json
 import math
+import multiprocessing
 import os
 import signal
 import subprocess
-from concurrent.futures import ProcessPoolExecutor
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,18 @@ from mocker import tune
 from mocker.config import EngineConfig
 from mocker.replay import ReplaySetup
 from mocker.trace import Trace, TraceOptions, build_trace
-from mocker.tune import SEARCH_SPACE, TuneResult, TuneSetup, candidates, pareto_front, pick, result_key, write_config
+from mocker.tune import (
+    SEARCH_SPACE,
+    ReplayFailed,
+    SearchInterrupted,
+    TuneResult,
+    TuneSetup,
+    candidates,
+    pareto_front,
+    pick,
+    result_key,
+    write_config,
+)
 from mocker.workload import WORKLOADS, agentic_rows, bursty_rows, rag_rows
 from router.config import RouterConfig
 from tests.router_processes import ROOT, kv_router_command, running
@@ -366,21 +379,118 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_search(
     assert sorted(path.name for path in out.iterdir()) == [name]  # nothing replayed
 
 
+# ---------------------------------------------------------------------- the search's own processes
+def small_trace() -> Trace:
+    return build_trace(agentic_rows(seed=0)[:20], TraceOptions(), "workload:agentic")
+
+
+def fail_for(monkeypatch: pytest.MonkeyPatch, knobs: dict[str, Any], failure: Callable[[], object]) -> None:
+    """The replay of the `latency` candidate ``knobs`` calls ``failure`` (in the process replaying it:
+    forked after this patch) instead of replaying."""
+    replay = tune.replay_offline
+
+    async def replay_or_fail(trace: Trace, setup: ReplaySetup, **options: Any) -> Any:
+        config = setup.router_config
+        if setup.routers == ("latency",) and all(getattr(config, name) == v for name, v in knobs.items()):
+            failure()
+        return await replay(trace, setup, **options)
+
+    monkeypatch.setattr(tune, "replay_offline", replay_or_fail)
+
+
 def test_one_job_per_core_counts_the_cores_this_process_may_use(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--jobs 0 started one process per core of the machine, not of the process's CPU affinity (a
     container's cpuset, taskset)."""
-    sizes: list[int] = []
-
-    class RecordingPool(ProcessPoolExecutor):
-        def __init__(self, max_workers: int, *args: Any, **kwargs: Any) -> None:
-            sizes.append(max_workers)
-            super().__init__(max_workers, *args, **kwargs)
-
-    monkeypatch.setattr(tune, "ProcessPoolExecutor", RecordingPool)
+    alive: list[int] = []
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    argv = [*TUNE, "--limit", "20", "--budget", "2", "--jobs", "0", "--out", str(tmp_path / "out")]
-    assert kv_router_main(argv) == 0
-    assert sizes == [1]
+    setup = TuneSetup(workers=2, budget=2, jobs=0)
+    # Four replays to do: one process per core of the machine would be four, all running at the first result.
+    tune.run_tune(
+        small_trace(),
+        setup,
+        tmp_path / "cache.jsonl",
+        {},
+        progress=lambda done, total: alive.append(len(multiprocessing.active_children())),
+    )
+    assert alive[1:] == [1, 1, 1, 1]
+
+
+def test_a_replay_process_that_dies_stops_the_search_naming_its_candidate_leaving_no_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process of the pool dying (killed, out of memory, os._exit) broke the whole `ProcessPoolExecutor`:
+    every pending replay failed with BrokenProcessPool, and the candidate named was any of them."""
+    dying = candidates(3, seed=0)[2]
+    fail_for(monkeypatch, dying, lambda: os._exit(3))
+    seen: set[int] = set()
+
+    def progress(done: int, total: int) -> None:
+        seen.update(child.pid for child in multiprocessing.active_children() if child.pid is not None)
+
+    started = time.monotonic()
+    with pytest.raises(ReplayFailed) as failed:
+        tune.run_tune(
+            small_trace(), TuneSetup(workers=2, budget=3, jobs=2), tmp_path / "cache.jsonl", {}, progress=progress
+        )
+    assert time.monotonic() - started < 60
+    assert str(failed.value) == str(ReplayFailed("latency", dying, RuntimeError("its process died (exit code 3)")))
+    # Both processes were seen at a result, and both are gone: the one dead, the other ended mid-replay.
+    assert len(seen) == 2
+    assert multiprocessing.active_children() == []
+    assert not any(running(pid) for pid in seen)
+    # Dynamo and the defaults, replayed before the candidate that died, are kept.
+    assert len((tmp_path / "cache.jsonl").read_text().splitlines()) >= 2
+
+
+class TwoArguments(Exception):
+    """Pickled with its message alone (its args), which its ``__init__`` does not take: it does not unpickle."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+
+
+def local_error() -> Exception:
+    class Local(Exception):  # pickled by its name, which does not find it
+        pass
+
+    return Local("simulated engine crash")
+
+
+@pytest.mark.parametrize(
+    ("error", "shown"),
+    [
+        (local_error(), "Local('simulated engine crash')"),
+        (TwoArguments("engine", "crashed"), "TwoArguments('engine: crashed')"),
+    ],
+)
+def test_an_exception_that_does_not_come_through_pickling_comes_back_as_its_repr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception, shown: str
+) -> None:
+    """One that does not pickle, or does not unpickle: the search still stops in `ReplayFailed`, naming it."""
+
+    def fail() -> None:
+        raise error
+
+    fail_for(monkeypatch, candidates(0, seed=0)[0], fail)
+    with pytest.raises(ReplayFailed) as failed:
+        tune.run_tune(small_trace(), TuneSetup(workers=2, budget=0, jobs=1), tmp_path / "cache.jsonl", {})
+    assert str(failed.value).endswith(f"failed: RuntimeError: {shown}")
+    assert multiprocessing.active_children() == []
+
+
+def test_ctrl_c_as_a_result_is_written_ends_every_process(tmp_path: Path) -> None:
+    """Ctrl-C in the search's loop, not in the replays' generator: that is closed, and ends its processes."""
+
+    def progress(done: int, total: int) -> None:
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(SearchInterrupted) as interrupted:
+        tune.run_tune(
+            small_trace(), TuneSetup(workers=2, budget=3, jobs=2), tmp_path / "cache.jsonl", {}, progress=progress
+        )
+    assert (interrupted.value.done, interrupted.value.total) == (1, 5)
+    assert multiprocessing.active_children() == []
