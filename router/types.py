@@ -44,6 +44,7 @@ __all__ = [
     "WorkerConfig",
     "WorkerOverlap",
     "WorkerRole",
+    "engine_url_problem",
     "url_problem",
 ]
 
@@ -141,6 +142,27 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def engine_url_problem(url: str) -> str | None:
+    """What keeps ``url`` from being an engine's OpenAI server root, given with or without ``/v1``
+    (``http(s)://host[:port][/prefix][/v1]``), or None: `url_problem`, or a path that goes on past a
+    ``/v1`` segment, an endpoint's (``/v1/completions``), to which the proxy would add its own paths.
+
+    Every engine URL is checked here: a worker's (`WorkerConfig.url`: ``POST /v1/workers``, the NATS
+    registry) and, through `router.engines.openai_server.openai_base`, ``--engine``'s ``url=`` and the
+    bridge's ``--openai-url``. Not `url_problem` itself: other URLs take it too (an OTLP collector's
+    ``/v1/traces``)."""
+    problem = url_problem(url)
+    if problem is not None:
+        return problem
+    path = urlsplit(url.strip()).path.rstrip("/")
+    if "v1" in path.split("/")[:-1]:
+        return (
+            f"its path {path!r} goes on past /v1 (an endpoint's path): give the engine's OpenAI server root, "
+            "http(s)://HOST[:PORT][/PREFIX], with or without /v1"
+        )
+    return None
+
+
 # Data-parallel ranks one worker may have: far above any engine's (tens), low enough that registering
 # the largest costs milliseconds.
 MAX_DP_SIZE = 1024
@@ -152,9 +174,9 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
     The same struct is the worker's entry in the NATS registry bucket and the body of
     ``POST /v1/workers``. ``block_size`` is the engine's (a router refuses a worker whose block
     size differs from its own); ``leased`` workers must heartbeat to stay routable, static ones
-    (registered over HTTP or in the config file) need not. ``url`` is the base URL of the worker's
-    OpenAI-compatible HTTP API (the proxy forwards only to workers that have one) and ``models`` the
-    model names it serves there (none: any model).
+    (registered over HTTP or in the config file) need not. ``url`` is the server root of the worker's
+    OpenAI-compatible HTTP API, with or without ``/v1`` (`engine_url_problem`; the proxy forwards only
+    to workers that have one) and ``models`` the model names it serves there (none: any model).
     """
 
     worker_id: U64
@@ -221,7 +243,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"total_kv_blocks must be >= 0, got {self.total_kv_blocks}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.url is not None and (problem := url_problem(self.url)) is not None:
+        if self.url is not None and (problem := engine_url_problem(self.url)) is not None:
             raise ValueError(f"url must be an engine's http(s) URL, got {self.url!r}: {problem}")
         if self.bootstrap_port is not None and not 1 <= self.bootstrap_port <= 65535:
             raise ValueError(f"bootstrap_port must be a TCP port, got {self.bootstrap_port}")

@@ -95,8 +95,9 @@ BAD = [
     (["serve", "--engine", "1=tcp://[::1:5557"],
      "the event endpoint 'tcp://[::1:5557' has a malformed IPv6 host '[::1': write tcp://[ADDRESS]:PORT"),
     (["serve", "--engine", "1=tcp://127.0.0.1:5557,url=http://127.0.0.1:8000/v1/completions"],
-     "url= is the engine's OpenAI server root, http://HOST:PORT or http://HOST:PORT/v1, got the path "
-     "'/v1/completions' (from flag --engine)"),
+     "url: not an http(s) URL of an engine: 'http://127.0.0.1:8000/v1/completions': its path '/v1/completions' "
+     "goes on past /v1 (an endpoint's path): give the engine's OpenAI server root, http(s)://HOST[:PORT][/PREFIX], "
+     "with or without /v1 (from flag --engine)"),
     (["serve", "--engine", "1=tcp://127.0.0.1:5557", "--engine", "2=tcp://127.0.0.1:5557"],
      "'2=tcp://127.0.0.1:5557': its event endpoint tcp://127.0.0.1:5557 is worker 1's event endpoint too"),
     (["serve", "--engine", "1=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558", "--engine-zmq",

@@ -435,6 +435,24 @@ def test_router_config_override_on_new_and_on_the_router_protocol(client: TestCl
     assert "router_temperature" in bad.json()["error"]["message"]
 
 
+def test_a_worker_url_is_its_engine_server_root_behind_a_prefix_or_not_never_an_endpoint(client: TestClient) -> None:
+    """A ``url`` is the engine's OpenAI server root, with or without /v1 and behind an ingress's path
+    prefix or not; one going on past /v1 (an endpoint's) is a 422 naming ``url``: accepted before, the
+    proxy posted to /v1/completions/v1/completions and probed /v1/completions/health."""
+    for worker_id, url in enumerate(("http://gw/engine-a/v1", "http://gw/engine-b", "http://h:8000/v1/"), 1):
+        registered = client.post("/v1/workers", json={"worker_id": worker_id, "url": url})
+        assert registered.status_code == 201, registered.text
+        assert registered.json()["config"]["url"] == url
+    for url in ("http://h:8000/v1/completions", "http://h:8000/v1/chat/completions", "http://gw/engine-a/v1/models"):
+        refused = client.post("/v1/workers", json={"worker_id": 9, "url": url})
+        assert refused.status_code == 422
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request"
+        assert "url must be an engine's http(s) URL" in error["message"] and "goes on past /v1" in error["message"]
+        assert "give the engine's OpenAI server root" in error["message"] and "with or without /v1" in error["message"]
+    assert [w["config"]["worker_id"] for w in client.get("/v1/workers").json()["workers"]] == [1, 2, 3]
+
+
 def test_a_worker_of_another_block_size_is_refused_and_nothing_registered(client: TestClient) -> None:
     """HTTP only: a registration naming another block size is a 409 naming both sizes, for a new
     worker and for a registered one (left as it was); the router refuses it itself too."""

@@ -268,6 +268,27 @@ def test_bridge_settings_come_from_flags_environment_and_file(tmp_path: Path) ->
         load_bridge_config({}, {}, tmp_path / "bad.json")
 
 
+def test_the_bridge_openai_url_is_the_engine_server_root_behind_a_prefix_or_not_never_an_endpoint() -> None:
+    """``--openai-url`` is the engine's server root, with or without /v1, behind an ingress's path prefix
+    or not; an endpoint's URL is refused naming the option (it was taken, and registered as the worker's
+    URL: the proxy posted to /v1/completions/v1/completions)."""
+    base = {"worker_id": 3, "zmq_endpoint": "tcp://127.0.0.1:5557"}
+    for url in ("http://gw/engine-a/v1", "http://gw/engine-a", "http://gw/engine-a/v1/"):
+        config = load_bridge_config({**base, "openai_url": url}, {})
+        assert config.openai_base == config.registration().url == "http://gw/engine-a"
+        assert config.health_url == "http://gw/engine-a/health"
+    for url in ("http://127.0.0.1:8000/v1/completions", "http://gw/engine-a/v1/chat/completions"):
+        with pytest.raises(ConfigError) as refused:
+            load_bridge_config({**base, "openai_url": url}, {})
+        assert refused.value.field == "openai_url"
+        message = str(refused.value)
+        assert message.startswith("openai_url: ") and message.endswith("(from flag --openai-url)")
+        assert "goes on past /v1" in message and "give the engine's OpenAI server root" in message
+        assert "with or without /v1" in message
+    with pytest.raises(ConfigError, match=r"openai_url: .*goes on past /v1 .*\(from environment variable "):
+        load_bridge_config(base, {"KV_ROUTER_BRIDGE_OPENAI_URL": "http://h:8000/v1/models"})
+
+
 @pytest.mark.slow
 def test_mock_engine_to_bridge_to_nats_to_router_as_processes(
     router: TestClient, nats_server: EmbeddedNats, tmp_path: Path

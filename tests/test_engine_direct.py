@@ -84,12 +84,20 @@ def test_engine_specs_parse() -> None:
         assert spec == EngineSpec(7, "tcp://h:1", "tcp://h:2", "http://h:8000")
     spec = parse_engine_spec("7=tcp://h:1,url=http://h:8000/v1,models=a+b")
     assert spec.models == ("a", "b") and str(spec) == "7=tcp://h:1,url=http://h:8000,models=a+b"
+    # An engine behind an ingress path prefix: its root is the prefix (refused before as a path not /v1).
+    for url in ("http://gw/engine-a", "http://gw/engine-a/", "http://gw/engine-a/v1", "http://gw/engine-a/v1/"):
+        assert parse_engine_spec(f"7=tcp://h:1,url={url}").url == "http://gw/engine-a"
     for bad in ("x=tcp://h:1", "7", "7=", "7=tcp://h:1,other=1", "7=http://h:1", "7=tcp://h:1,url=ftp://h",
                 "7=tcp://h:1,models=a", "7=tcp://h:1,replay=tcp://h:2,replay=tcp://h:3", "-1=tcp://h:1",
-                "7=tcp://h:\u0661", "7=tcp://h:1,replay=tcp://h:1", "7=tcp://[::1:1", "7=tcp://h]:1",
-                "7=tcp://h:1,url=http://h:8000/v1/completions", "7=tcp://h:1,url=http://h:8000/health"):  # fmt: skip
+                "7=tcp://h:\u0661", "7=tcp://h:1,replay=tcp://h:1", "7=tcp://[::1:1", "7=tcp://h]:1"):  # fmt: skip
         with pytest.raises(ValueError):
             parse_engine_spec(bad)
+    # An endpoint's path, under the root or under a prefix, is no root: the proxy would post to
+    # /v1/completions/v1/completions and probe /v1/completions/health.
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models/", "/x/v1/models"):
+        with pytest.raises(ValueError, match=rf"url: .*'{path.rstrip('/')}' goes on past /v1 .*give the engine's "
+                           r"OpenAI server root, .* with or without /v1"):  # fmt: skip
+            parse_engine_spec(f"7=tcp://h:1,url=http://h:8000{path}")
 
 
 async def test_vector_payloads_and_garbage_reach_the_index_as_the_engine_meant(shared_dir: Path) -> None:

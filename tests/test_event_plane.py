@@ -175,8 +175,13 @@ async def test_static_registration_through_the_registry_and_bad_input(client: Cl
     await client.publish("kv.default.events.99", b'{"worker_id":99,"event":{"event_id":1,"data":"cleared"}}')
     await eventually(lambda: plane.outcomes["rejected_bad_load"] == 2 and plane.outcomes["rejected_bad_heartbeat"] == 2)
     await eventually(lambda: plane.sequencer.outcomes["rejected_unknown_worker"] == 1)
+    # A registration whose url is an endpoint's, not the engine's server root, is refused as HTTP's is.
+    registry = await open_registry(client, Subjects())
+    await registry.put("53", b'{"worker_id": 53, "url": "http://h:8000/v1/completions"}')
+    await eventually(lambda: plane.outcomes["rejected_bad_registration"] == 1)
     await asyncio.sleep(0.8)  # the behaviour under test: past the 0.5 s lease (static workers have none)
     assert [w.worker_id for w in plane.router.workers()] == [51]
+    await registry.delete("53")
     mismatched = KvEventPublisher(client, WorkerConfig(worker_id=52, block_size=64))
     await mismatched.start(heartbeat=False)
     await eventually(lambda: plane.outcomes["rejected_block_size_mismatch"] == 1)

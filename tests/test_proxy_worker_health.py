@@ -474,6 +474,7 @@ async def test_failures_of_a_worker_that_left_do_not_keep_it_out_of_routing_when
         ("http://127.0.0.1:0", "its port is not a number in 1-65535"),
         ("http://a..b:8000", "its host is not a valid name"),
         ("http://127.0.0.1:8000/v1?model=m", "it has a query or fragment"),
+        ("http://127.0.0.1:8000/v1/completions", "its path '/v1/completions' goes on past /v1"),
     ],
 )
 async def test_a_worker_url_the_proxy_cannot_connect_to_is_refused_at_registration(

@@ -63,8 +63,9 @@ class BridgeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     openai_url: Annotated[
         str | None,
         _doc(
-            "the engine's OpenAI server, http://HOST:PORT with or without /v1: registered as the worker's URL "
-            "for kv-router serve --proxy, with the models it lists on /v1/models (unless --served-model)"
+            "the engine's OpenAI server root, http://HOST:PORT[/PREFIX] with or without /v1 (no endpoint's path, "
+            "/v1/completions): registered as the worker's URL for kv-router serve --proxy, with the models it "
+            "lists on /v1/models (unless --served-model)"
         ),
     ] = None
     served_model: Annotated[

@@ -4,7 +4,6 @@ CLI checks specs before anything starts)."""
 from __future__ import annotations
 
 from typing import NamedTuple
-from urllib.parse import urlsplit
 
 from router.engines.openai_server import openai_base
 
@@ -38,7 +37,7 @@ class EndpointRefused(ValueError):
 
 class EngineSpec(NamedTuple):
     """One ``--engine`` (``--engine-zmq``): ``WORKER_ID=tcp://HOST:PORT[,replay=tcp://HOST:PORT]
-    [,url=http://HOST:PORT[/v1]][,models=NAME+NAME][,dp=N]``. With ``dp=N`` (an engine run with
+    [,url=http://HOST:PORT[/PREFIX][/v1]][,models=NAME+NAME][,dp=N]``. With ``dp=N`` (an engine run with
     ``--data-parallel-size N``) rank ``r`` publishes on ``PORT + r`` and replays on the replay port plus
     ``r``, as vLLM lays them out."""
 
@@ -166,14 +165,6 @@ def parse_engine_spec(spec: str) -> EngineSpec:
             url = openai_base(options["url"])
         except ValueError as exc:
             raise ValueError(f"engine {spec!r}: url: {exc}") from None
-        # The root, with or without /v1, is all `openai_base` takes back: another path (an endpoint's,
-        # /v1/completions) would be probed at /v1/completions/health, and its 404s would keep it out.
-        path = urlsplit(options["url"].strip()).path.rstrip("/")
-        if path not in ("", "/v1"):
-            raise ValueError(
-                f"engine {spec!r}: url= is the engine's OpenAI server root, http://HOST:PORT or http://HOST:PORT/v1, "
-                f"got the path {path!r}"
-            )
     models = None
     if "models" in options:
         if url is None:

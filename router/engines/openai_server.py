@@ -3,7 +3,9 @@
 vLLM and SGLang serve ``/v1/completions``, ``/v1/models`` and ``/v1/chat/completions`` under ``/v1``
 and ``/health`` and ``/tokenize`` at the root. Users give either form of the URL; `openai_base` takes
 it back to the root once (``http://h:8000/v1/`` -> ``http://h:8000``), and every path is added to the
-root from there (the proxy's ``/v1/completions`` and ``/tokenize``, the probes below).
+root from there (the proxy's ``/v1/completions`` and ``/tokenize``, the probes below). The root may
+have a path, an ingress's prefix (``http://gw/engine-a``); a path going on past ``/v1`` (an endpoint's,
+``/v1/completions``) is refused.
 
 Used by direct mode (`router.engines.direct`) and by the bridge (`router.engines.bridge`) alike:
 `served_models` asks ``GET /v1/models`` (`wait_for_models` until the engine answers: it may take a
@@ -22,7 +24,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from router.supervision import Supervisor
-from router.types import url_problem
+from router.types import engine_url_problem
 
 if TYPE_CHECKING:
     import httpx
@@ -33,8 +35,10 @@ log = logging.getLogger(__name__)
 
 
 def openai_base(url: str) -> str:
-    """The server root of an engine's OpenAI URL, with or without ``/v1``; raises ``ValueError``."""
-    problem = url_problem(url)
+    """The server root of an engine's OpenAI URL, with or without ``/v1`` (behind a path prefix or not:
+    ``http://gw/engine-a/v1`` -> ``http://gw/engine-a``); raises ``ValueError`` for one that is no
+    such URL (`router.types.engine_url_problem`: an endpoint's path, ``/v1/completions``, included)."""
+    problem = engine_url_problem(url)
     if problem is not None:
         raise ValueError(f"not an http(s) URL of an engine: {url!r}: {problem}")
     parts = urlsplit(url.strip())
