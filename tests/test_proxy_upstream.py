@@ -418,6 +418,25 @@ async def test_the_pool_bound_makes_a_request_wait_for_a_released_connection() -
         assert worker.connections == 1
 
 
+async def test_a_request_waiting_for_a_connection_to_a_worker_that_left_fails_without_connecting_to_it() -> None:
+    """The worker's connection, closed as it left routing, gave its place in the pool to the request
+    waiting for one, which connected to the departed worker before failing (against an unreachable
+    host, after the connect timeout)."""
+    async with peer() as worker, client(proxy_connections_per_worker=1) as upstream:
+        worker.scripts.append([b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n"])  # its body never comes
+        first = await upstream.open(worker.url, b"/x", b"{}", worker_id=5)
+        second = asyncio.ensure_future(upstream.post(worker.url, b"/x", b"{}", worker_id=5))
+        await asyncio.sleep(0.05)  # waiting for the pool's one connection
+        assert upstream.abandon(5, "removed (api)") == 1
+        with pytest.raises(UpstreamError, match=r"left routing: removed \(api\)"):
+            await first.read()
+        first.release()
+        with pytest.raises(UpstreamError, match=r"left routing: removed \(api\)"):
+            await second
+        await asyncio.sleep(0.05)  # a negative: time for a connection to be accepted
+        assert worker.connections == 1
+
+
 async def test_a_client_that_is_behind_pauses_the_worker_connection_until_it_drains(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

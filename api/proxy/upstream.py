@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -272,11 +273,11 @@ class _Pool:
         seen = departures.count
         departures.waiting += 1
         try:
-            connection = await self._new_or_freed(loop, fresh)
+            connection = await self._new_or_freed(loop, fresh, partial(departures.since, worker_id, seen))
         finally:
             departures.waiting -= 1
         why = departures.since(worker_id, seen)
-        if why is not None:
+        if why is not None:  # it left while the connection was being made
             connection.close()
             raise UpstreamError(f"left routing: {why}")
         return connection
@@ -290,9 +291,16 @@ class _Pool:
             connection.close()
         return None
 
-    async def _new_or_freed(self, loop: asyncio.AbstractEventLoop, fresh: bool) -> UpstreamConnection:
-        """A new connection once there is room for it, or one another request freed."""
+    async def _new_or_freed(
+        self, loop: asyncio.AbstractEventLoop, fresh: bool, departed: Callable[[], str | None]
+    ) -> UpstreamConnection:
+        """A new connection once there is room for it, or one another request freed; raises `UpstreamError`
+        once ``departed`` says why the worker left routing, before connecting to it again (its connections
+        closed as it left made room for one)."""
         while True:
+            why = departed()
+            if why is not None:
+                raise UpstreamError(f"left routing: {why}")
             if self._limit == 0 or self.opened < self._limit:
                 return await self._connect(loop)
             waiter: asyncio.Future[UpstreamConnection | None] = loop.create_future()
