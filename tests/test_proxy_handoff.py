@@ -668,6 +668,7 @@ async def test_a_prefill_leg_refused_with_4xx_is_the_clients_answer(
         headers = refused.value.response.headers
         assert (headers["x-kv-router-prefill-worker"], headers["x-kv-router-worker"]) == ("9", "2")
         assert headers["x-kv-router-disaggregation"] == "remote_prefill"
+        assert (headers["x-kv-router-dp-rank"], headers["x-kv-router-cached-tokens"]) == ("0", "0")  # the receipt whole
         assert [line for line in seen if line.startswith(b"POST")] == [b"POST /v1/completions HTTP/1.1"]
         assert f.apis[2].pulled_blocks == 0
         assert await cached_tokens(f, LONG) == {2: 0, 9: 0}

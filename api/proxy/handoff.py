@@ -52,7 +52,7 @@ from api.http_stream import Headers, Sink, StreamCall
 from api.metrics import PREFIX
 from api.proxy.retry import OVERLOADED, Refused, WorkerFailed, overloaded_answer, unanswered
 from api.proxy.upstream import Upstream, UpstreamError
-from api.proxy.wire import finished_stream
+from api.proxy.wire import finished_stream, receipt_headers
 from router.kv_router import KvRouter
 from router.types import DisaggregatedLeg, HandoffStyle, RouteDecision, WorkerConfig
 
@@ -92,11 +92,15 @@ class PrefillFailed(WorkerFailed):
 
 
 class Legs:
-    """One remote prefill: the two workers, the prefill leg's booking and how they hand the KV over."""
+    """One remote prefill: its decision, the two workers, the prefill leg's booking and how they hand the
+    KV over."""
 
-    __slots__ = ("decode", "leg", "prefill", "style")
+    __slots__ = ("decision", "decode", "leg", "prefill", "style")
 
-    def __init__(self, prefill: WorkerConfig, decode: WorkerConfig, leg: DisaggregatedLeg) -> None:
+    def __init__(
+        self, decision: RouteDecision, prefill: WorkerConfig, decode: WorkerConfig, leg: DisaggregatedLeg
+    ) -> None:
+        self.decision = decision
         self.prefill = prefill
         self.decode = decode
         self.leg = leg
@@ -140,7 +144,7 @@ class Handoff:
         if disaggregation is None or disaggregation.prefill is None:
             return None
         leg = disaggregation.prefill
-        return Legs(workers[leg.worker_id], workers[decision.worker_id], leg)
+        return Legs(decision, workers[leg.worker_id], workers[decision.worker_id], leg)
 
     async def run(
         self, legs: Legs, path: bytes, body: bytes, headers: bytes, reply: StreamCall, forward: Forward
@@ -284,13 +288,9 @@ class Handoff:
             raise PrefillFailed(worker.worker_id, f"HTTP {connection.status}", answer, wait)
         if 400 <= connection.status < 500:  # the request's fault, not the worker's: the client's answer
             self._answered(worker.worker_id)
-            headers_out = [
-                (b"content-type", connection.content_type or b"application/json"),
-                # Which workers, as the decode leg's answer says: the client can tell who refused it.
-                (b"x-kv-router-worker", str(legs.decode.worker_id).encode()),
-                (b"x-kv-router-disaggregation", b"remote_prefill"),
-                (b"x-kv-router-prefill-worker", str(worker.worker_id).encode()),
-            ]
+            # The decision's receipt, as the decode leg's answer carries it: the client can tell who refused it.
+            headers_out = [(b"content-type", connection.content_type or b"application/json")]
+            headers_out += receipt_headers(legs.decision)
             raise Refused(connection.status, content, "upstream_status", headers_out)
         if connection.status != 200:
             message = content[:200].decode("utf-8", "replace")

@@ -85,6 +85,7 @@ from api.proxy.wire import (
     error_body,
     finished_stream,
     prompt_token_ids,
+    receipt_headers,
     reported_usage,
 )
 from api.wire import NvExt, queries_instance
@@ -655,16 +656,7 @@ class Proxy:
         assert request_id is not None and worker.url is not None
         if worker.dp_size > 1:
             headers += b"x-data-parallel-rank: " + str(decision.dp_rank).encode() + b"\r\n"
-        ours: Headers = [
-            (b"x-kv-router-worker", str(decision.worker_id).encode()),
-            (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
-            (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
-        ]
-        disaggregation = decision.disaggregation
-        if disaggregation is not None:  # the path taken, and the prefill worker of a remote prefill
-            ours.append((b"x-kv-router-disaggregation", disaggregation.path.encode()))
-            if disaggregation.prefill is not None:
-                ours.append((b"x-kv-router-prefill-worker", str(disaggregation.prefill.worker_id).encode()))
+        ours = receipt_headers(decision)
         streaming = start = None
         if stream:
             on_events = None

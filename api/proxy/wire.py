@@ -18,6 +18,7 @@ import msgspec
 from api.wire import NvExt, NvExtResponse
 from indexer.errors import UNDECODABLE
 from indexer.events import U32, U32_MAX
+from router.types import RouteDecision
 
 __all__ = [
     "ROUTES",
@@ -341,3 +342,20 @@ def after_last_event(data: bytes) -> int:
     ``\n\n`` or ``\r\n\r\n`` (0 when it holds none)."""
     lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def receipt_headers(decision: RouteDecision) -> list[tuple[bytes, bytes]]:
+    """The decision as the client's answer tells it: its worker, rank and predicted cached tokens, and on a
+    disaggregated fleet the path taken and the prefill worker of a remote prefill. A new list each time:
+    the answer adds its own headers to it."""
+    headers = [
+        (b"x-kv-router-worker", str(decision.worker_id).encode()),
+        (b"x-kv-router-dp-rank", str(decision.dp_rank).encode()),
+        (b"x-kv-router-cached-tokens", str(decision.cached_tokens).encode()),
+    ]
+    disaggregation = decision.disaggregation
+    if disaggregation is not None:
+        headers.append((b"x-kv-router-disaggregation", disaggregation.path.encode()))
+        if disaggregation.prefill is not None:
+            headers.append((b"x-kv-router-prefill-worker", str(disaggregation.prefill.worker_id).encode()))
+    return headers
