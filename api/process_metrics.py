@@ -3,7 +3,7 @@
 The kernel hands each connection to one of the N processes sharing the port, so a scrape answered
 by that process alone shows another process's counters each time: to Prometheus a counter reset at
 every other scrape, and rates that mean nothing. Each process therefore also serves its own exposition
-on a Unix socket in a directory private to the parent (mode 0700, removed when the parent exits);
+on a Unix socket in a directory private to the parent (mode 0700, removed when the parent stops);
 the process a scrape reaches asks every sibling at once (each within `SIBLING_TIMEOUT_S`), labels
 each sample with ``process="i"`` and merges the families. ``kv_router_process_up{process}`` says which
 answered: a process being started again is 0 and its series are absent until it is back, its counters

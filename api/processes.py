@@ -61,7 +61,8 @@ def child_settings(settings: Settings, index: int) -> Settings:
 def run_children(settings: Settings) -> int:
     """Start and supervise ``settings.ha.processes`` children until SIGTERM / SIGINT; returns 0."""
     count = settings.ha.processes
-    # The children's metrics sockets (`api.process_metrics`): private to this user, gone with the parent.
+    # The children's metrics sockets (`api.process_metrics`): private to this user, removed when the parent
+    # stops (a parent killed outright leaves the directory, emptied as its children exit).
     try:
         group_directory: Path | None = Path(tempfile.mkdtemp(prefix="kv-router-processes-"))
     except OSError as exc:  # no writable temporary directory: each process's /metrics answers for itself

@@ -16,7 +16,6 @@ shutdown, past a pod's grace period. Without an endpoint none of this is importe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -130,26 +129,13 @@ class ProxyTracing:
 
     async def shutdown(self) -> None:
         """Export what is left, for at most `SHUTDOWN_BUDGET_S`. The SDK's shutdown blocks, so it runs
-        in a daemon thread: one the collector holds past the budget is left behind (a default executor
-        thread would hold the process's exit until it returned)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        def resolve() -> None:
-            if not done.done():
-                done.set_result(None)
-
-        def flush() -> None:
-            try:
-                self._provider.shutdown()
-            finally:
-                with contextlib.suppress(RuntimeError):  # the loop closed past the budget: nobody waits
-                    loop.call_soon_threadsafe(resolve)
-
-        threading.Thread(target=flush, name="otlp-shutdown", daemon=True).start()
-        try:
-            await asyncio.wait_for(asyncio.shield(done), SHUTDOWN_BUDGET_S)
-        except TimeoutError:
+        in a daemon thread: one the collector holds past the budget is left behind (a thread of the
+        default executor would hold the process's exit until it returned); the wait for it is one of the
+        executor's, which returns within the budget."""
+        flushing = threading.Thread(target=self._provider.shutdown, name="otlp-shutdown", daemon=True)
+        flushing.start()
+        await asyncio.to_thread(flushing.join, SHUTDOWN_BUDGET_S)
+        if flushing.is_alive():
             log.warning(
                 "the OTLP collector did not take the last spans within %.0f s: they are dropped", SHUTDOWN_BUDGET_S
             )
