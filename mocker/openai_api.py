@@ -419,8 +419,9 @@ class MockOpenAI:
             await _wait_change([choice.stream for choice in pending], left)
             if left.done():
                 return
-            if self.worker.stopped:  # no token will come
-                # Cut short as a stopping engine cuts its streams: the client sees them end in an error.
+            if self.worker.stopped and not all(choice.stream.done for choice in pending):  # no token will come
+                # Cut short as a stopping engine cuts its streams: the client sees them end in an error (a
+                # stream its last pass completed, as the worker stopped, is whole: it goes out).
                 message = f"mock worker {self.worker.worker_id} stopped"
                 if not started:
                     await _reply(send, 503, _error(503, message))

@@ -114,3 +114,34 @@ async def test_a_decode_leg_pulls_no_more_than_its_prompts_blocks_whatever_its_p
         reply = await http.post(f"{_url(f.apis[1])}/v1/completions", content=json.dumps(body))
         assert reply.status_code == 200, reply.text
         assert f.apis[1].pulled_blocks == 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_answer_completed_by_the_last_pass_before_the_worker_stops_goes_out_whole(
+    nats_server: EmbeddedNats, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """The engine's last pass completes a request and its loop ends in the same turn: the answer is
+    whole and goes out (a stream's end was taken for a stopped worker's, a 503 or an error event)."""
+    async with fleet(nats_server.url, (1,)) as f:
+        worker = f.workers[1]
+        feed = worker._feed_streams
+
+        def feed_then_stop() -> None:  # as if `run` ended right after the pass that completed it
+            streams = list(worker._streams.values())
+            feed()
+            if any(s.done for s in streams):
+                worker.stopped = True
+
+        monkeypatch.setattr(worker, "_feed_streams", feed_then_stop)
+        client = openai.AsyncOpenAI(base_url=f"{_url(f.apis[1])}/v1", api_key="unused", max_retries=0)
+        try:
+            if stream:
+                chunks = await client.completions.create(model=MODEL, prompt=FIRST, max_tokens=3, stream=True)
+                texts = [chunk.choices[0].text async for chunk in chunks]
+                assert "".join(texts) == " w1 w2 w3"
+            else:
+                whole = await client.completions.create(model=MODEL, prompt=FIRST, max_tokens=3)
+                assert whole.choices[0].text == " w1 w2 w3"
+            assert worker.stopped
+        finally:
+            await client.close()
