@@ -707,11 +707,9 @@ def _run_tune(args: argparse.Namespace) -> int:
     except ReplayFailed as exc:
         print(f"kv-router tune: {exc}", file=sys.stderr)
         return 2
-    except SearchInterrupted as exc:
-        print(
-            f"kv-router tune: interrupted: {exc.done}/{exc.total} results cached in {args.out}; rerun to continue",
-            file=sys.stderr,
-        )
+    except (SearchInterrupted, KeyboardInterrupt) as exc:  # the latter before the replays began
+        so_far = f"{exc.done}/{exc.total} results" if isinstance(exc, SearchInterrupted) else "no new result"
+        print(f"kv-router tune: interrupted: {so_far} cached in {args.out}; rerun to continue", file=sys.stderr)
         return 128 + (stopped_by[0] if stopped_by else signal.SIGINT)
     finally:
         bar.close()

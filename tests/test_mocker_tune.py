@@ -310,6 +310,26 @@ def test_a_signal_ends_the_search_at_once_keeping_the_results_and_ending_the_poo
         end_all(search, pool)
 
 
+def test_a_signal_before_the_replays_begin_ends_the_search_in_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM while the trace's digest was taken (the search's first step, longer with the trace) ended
+    in a KeyboardInterrupt traceback and exit code 130, not the line and 143."""
+    digest = tune.trace_digest
+
+    def signalled(trace: Trace) -> str:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler tune installed raises at the next bytecode
+        return digest(trace)
+
+    monkeypatch.setattr(tune, "trace_digest", signalled)
+    out = tmp_path / "out"
+    assert kv_router_main([*TUNE, "--limit", "80", "--budget", "2", "--out", str(out)]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"kv-router tune: interrupted: no new result cached in {out}; rerun to continue"
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handed back
+
+
 def test_the_pool_dies_with_a_search_killed(tmp_path: Path) -> None:
     search, pool = start_search(tmp_path / "out")
     try:
