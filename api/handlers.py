@@ -304,7 +304,7 @@ class Handlers:
         if not isinstance(decision, Suspended):
             return decision
         if call.wait_disconnect is not None:
-            return await _unless_disconnected(decision, call.wait_disconnect)
+            return await _unless_disconnected(decision, call.wait_disconnect, self._router.mark_free)
         return await decision
 
     def _potential_loads(self, call: Call) -> Reply:
@@ -493,19 +493,26 @@ class _Internal(ApiError):
 
 
 async def _unless_disconnected(
-    decision: Suspended[RouteDecision], disconnected: Callable[[], Awaitable[None]]
+    decision: Suspended[RouteDecision], disconnected: Callable[[], Awaitable[None]], free: Callable[[str], bool]
 ) -> RouteDecision:
     """Await a decision waiting in the queue, but give up (and free its place) if the client goes
-    away first: a request nobody will mark free must not be booked."""
+    away first: a request nobody will mark free must not be booked. ``free``: the router's `mark_free`,
+    for a decision made in the same turn as the client left (the queue freed as it went)."""
     task = decision.task(asyncio.get_running_loop())
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
+        left = watcher.done() and not watcher.cancelled() and watcher.exception() is None
         watcher.cancel()
     if not task.done():
         task.cancel()  # the router leaves the queue, or undoes a booking made in the meantime
         with contextlib.suppress(asyncio.CancelledError):
             await task
         raise ClientDisconnected("client disconnected while the request waited in the queue")
+    if left:  # decided as the client left: booked for nobody, so given back
+        booked = task.result().request_id if task.exception() is None else None
+        if booked is not None:
+            free(booked)
+        raise ClientDisconnected("client disconnected as the request left the queue")
     return task.result()
