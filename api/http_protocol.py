@@ -21,8 +21,9 @@ connection with a request it never finishes; a lingering close, so that a client
 its 408 rather than a reset), all on one lazily re-armed timer per connection;
 pipelining (one request answered at a time, in order; reading paused while a request waits its turn,
 and the next one started only while the client reads its answers), ``Expect: 100-continue`` (a
-refusal before the body closes the connection), chunked request bodies, HTTP/1.0, ``Connection:
-close``, a 400 for an unparsable request, flow control both ways, and graceful
+refusal before the body closes the connection), chunked request bodies, HTTP/1.0 (kept alive on
+``Connection: keep-alive``), ``Connection: close`` (no request read after the one a connection
+closes with is run), a 400 for an unparsable request, flow control both ways, and graceful
 shutdown: uvicorn hands each protocol `Config`, its `ServerState` and the lifespan's state
 (``Config(http=HttpProtocol)``, `fast_protocol`); the connection registers in
 ``server_state.connections`` and its tasks in ``server_state.tasks``, which uvicorn's shutdown
@@ -37,6 +38,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 from urllib.parse import unquote
@@ -155,6 +157,11 @@ class _Refused(Exception):
     def __init__(self, reply: bytes) -> None:
         super().__init__()
         self.reply = reply
+
+
+class _Closed(Exception):
+    """Raised in a parser callback: a request began after the connection began to close (its answer
+    said so, or an error ended it); it is never run (RFC 9112 §9.6), and what follows is dropped."""
 
 
 _INTERNAL_ERROR = _json_closing(500, "internal_error", "the service failed on this request (its log says why)")
@@ -313,6 +320,8 @@ class HttpProtocol(asyncio.Protocol):
         self._held_post: list[bytes] | None = None
         self._held_missing = 0
         self._upgraded = False
+        # The connection is closing: no further request is read, let alone run (`on_message_begin`).
+        self._closing = False
         self._linger_until = -1.0  # the loop time a lingering close ends at (`close_lingering`); -1: none
         self._linger_bytes_left = 0
 
@@ -412,6 +421,8 @@ class HttpProtocol(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._unsupported_upgrade()
         except httptools.HttpParserError as exc:
+            if self._closing:
+                return  # a request after the connection began to close (`_Closed`), and what follows
             refused = exc.__context__  # what a callback raised (httptools chains it so)
             reply = refused.reply if isinstance(refused, _Refused) else _malformed(exc)
             self.logger.warning("Invalid HTTP request received.")
@@ -497,6 +508,8 @@ class HttpProtocol(asyncio.Protocol):
 
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
+        if self._closing:
+            raise _Closed
         self._between_messages = False
         self._idle_since = -1.0
         self._reading_head = True
@@ -526,8 +539,10 @@ class HttpProtocol(asyncio.Protocol):
         parser = self.parser
         http_version = parser.get_http_version()
         # An upgrade is not served: the bytes after the request are not HTTP, so the connection closes.
+        # Otherwise kept alive as llhttp reads on (HTTP/1.0 with `Connection: keep-alive` too): a
+        # connection closed after an answer while llhttp went on had its next request run unanswered.
         upgrade = parser.should_upgrade()
-        keep_alive = http_version != "1.0" and parser.should_keep_alive() and not upgrade
+        keep_alive = parser.should_keep_alive() and not upgrade
         method = parser.get_method()
         handler = None
         if method == b"POST" and not upgrade:
@@ -604,6 +619,7 @@ class HttpProtocol(asyncio.Protocol):
         self.server_state.total_requests += 1
         self._current = None
         if self.transport.is_closing():
+            self._closing = True  # a request read after this one is never run
             return
         if self._write_paused:
             self.pause_reading()
@@ -835,6 +851,8 @@ class HttpProtocol(asyncio.Protocol):
         if request is not None:
             request.response_complete = True
             keep_alive = request.keep_alive
+            if keep_alive and request.http_version == "1.0":  # an HTTP/1.0 client closes unless told
+                reply = replace(reply, headers=(*reply.headers, ("connection", "keep-alive")))
         transport = self.transport
         if not transport.is_closing():
             key = (reply.status, reply.msgpack)
