@@ -28,7 +28,8 @@ shutdown: uvicorn hands each protocol `Config`, its `ServerState` and the lifesp
 (``Config(http=HttpProtocol)``, `fast_protocol`); the connection registers in
 ``server_state.connections`` and its tasks in ``server_state.tasks``, which uvicorn's shutdown
 drains, calling `shutdown` on each connection. No upgrade (WebSocket, h2c) is served: the service
-has no such route, and such a request is answered as a plain HTTP one, then the connection closes.
+has no such route, and such a request is answered as a plain HTTP one (its Content-Length body read
+after the head, where httptools stops; a chunked one refused with a 400), then the connection closes.
 """
 
 from __future__ import annotations
@@ -76,6 +77,27 @@ _TARGET_TOO_LONG = _json_closing(414, "uri_too_long", f"the request target excee
 _HEADERS_TOO_LARGE = _json_closing(
     431, "headers_too_large", f"the request's header fields exceed {MAX_HEADER_BYTES} bytes"
 )
+
+
+# An upgrade is not served, so its request is plain HTTP/1.1, its body read after the head where httptools
+# stops (`HttpProtocol._unsupported_upgrade`): a Content-Length one; a chunked one is refused.
+_CHUNKED_UPGRADE = _json_closing(
+    400,
+    "malformed_request",
+    "a chunked request body with an Upgrade header is not read (no upgrade is served): "
+    "send it with a Content-Length, or without Upgrade",
+)
+
+
+def _upgrade_body_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The Content-Length of an upgrade request's body (0: none); a chunked one is refused."""
+    length = 0
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            raise _Refused(_CHUNKED_UPGRADE)
+        if name == b"content-length":
+            length = int(value)
+    return length
 
 
 def _timed_out(message: str) -> bytes:
@@ -320,6 +342,10 @@ class HttpProtocol(asyncio.Protocol):
         self._held_post: list[bytes] | None = None
         self._held_missing = 0
         self._upgraded = False
+        # An upgrade request whose body follows its head (started once httptools has stopped at the head),
+        # and the bytes of that body still to come.
+        self._upgrade_request: _HotRequest | AsgiRequest | None = None
+        self._upgrade_left = 0
         # The connection is closing: no further request is read, let alone run (`on_message_begin`).
         self._closing = False
         self._linger_until = -1.0  # the loop time a lingering close ends at (`close_lingering`); -1: none
@@ -415,11 +441,13 @@ class HttpProtocol(asyncio.Protocol):
 
     def _feed(self, data: bytes) -> None:
         if self._upgraded:
-            return  # what follows an upgrade request is not HTTP; the connection closes after its answer
+            # The rest of its body, then what is not HTTP: the connection closes after its answer.
+            self._upgrade_body(data)
+            return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._unsupported_upgrade()
+        except httptools.HttpParserUpgrade as upgrade:
+            self._unsupported_upgrade(data, upgrade.args[0])
         except httptools.HttpParserError as exc:
             if self._closing:
                 return  # a request after the connection began to close (`_Closed`), and what follows
@@ -433,12 +461,43 @@ class HttpProtocol(asyncio.Protocol):
         if not (self._between_messages or self._reading_head):
             self._reading_since = self.loop.time()  # a body still coming brought bytes
 
-    def _unsupported_upgrade(self) -> None:
+    def _unsupported_upgrade(self, data: bytes, offset: int) -> None:
         """An upgrade request, answered as plain HTTP (`on_headers_complete` made it close the
-        connection after its answer)."""
+        connection after its answer). httptools stops at its head (``offset`` in ``data``): a body
+        (RFC 9110 §7.8: ignoring the upgrade, it is part of the request) is read here, from the bytes
+        after it, before the request is complete."""
         self.logger.warning("Unsupported upgrade request.")
         self._upgraded = True
-        if self._parsing is not None:
+        request = self._upgrade_request
+        if request is None:
+            if self._parsing is not None:
+                self.on_message_complete()
+            return
+        self._upgrade_request = None
+        request.complete = False  # httptools completed it at its head
+        self._parsing = request
+        self._between_messages = False
+        if self._current is None and not self._write_paused:
+            self._current = request
+            self._start(request)
+        else:  # behind a request still being answered, as in `on_headers_complete`
+            self.pause_reading()
+            self._waiting.append(request)
+        self._upgrade_body(data[offset:])
+
+    def _upgrade_body(self, data: bytes) -> None:
+        """Bytes after an upgrade request's head: its body's, up to its Content-Length; the rest dropped."""
+        left = self._upgrade_left
+        if left <= 0:
+            return
+        body = data[:left]
+        self._upgrade_left = left = left - len(body)
+        if body:
+            self.on_body(body)
+        if left > 0:
+            now = self._reading_since = self.loop.time()  # the body's clock, as `_feed` keeps it
+            self._arm(now + self.body_timeout_secs)
+        elif self._parsing is not None:
             self.on_message_complete()
 
     # ------------------------------------------------------------------ uvicorn's server hooks
@@ -544,6 +603,8 @@ class HttpProtocol(asyncio.Protocol):
         upgrade = parser.should_upgrade()
         keep_alive = parser.should_keep_alive() and not upgrade
         method = parser.get_method()
+        if upgrade and method != b"CONNECT":
+            self._upgrade_left = _upgrade_body_length(self._headers)
         handler = None
         if method == b"POST" and not upgrade:
             path, _, query = self._url.partition(b"?")
@@ -560,6 +621,9 @@ class HttpProtocol(asyncio.Protocol):
         request.expect_continue = self._expect_continue
         self._parsing = request
         self._reading_head = False
+        if upgrade and self._upgrade_left:
+            self._upgrade_request = request  # its body comes after httptools stops (`_unsupported_upgrade`)
+            return
         if self._current is None and not self._write_paused:
             self._current = request
             self._start(request)

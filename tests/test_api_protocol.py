@@ -469,6 +469,42 @@ def test_no_request_after_the_one_its_connection_closes_with_is_run() -> None:
         setup.close()
 
 
+def test_an_upgrade_request_with_a_body_is_run_whole_as_plain_http() -> None:
+    """No upgrade is served, so a request asking for one is plain HTTP/1.1, its body included (RFC 9110
+    §7.8), whether it comes in the head's read or after (curl's ``--http2`` on a POST: ``Upgrade: h2c``):
+    answered as without the upgrade, then the connection closes. A chunked body with Upgrade is
+    refused with a 400 saying so, never run without its body."""
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        _setup(client, 1)
+        body = b'{"method":"potential_loads","tokens":[1,2,3]}'
+        plain = client.ask(request("POST", "/v1/router", body))
+        assert plain.startswith(b"HTTP/1.1 200 "), plain
+        client.close()
+        h2c = {"connection": "Upgrade, HTTP2-Settings", "upgrade": "h2c", "http2_settings": "AAMAAABkAAQAoAAAAAIAAAAA"}
+        upgrade = request("POST", "/v1/router", body, **h2c)
+        for split in (0, 10, len(body)):  # the body in the head's read, part of it, none of it
+            client = Client(port)
+            at = len(upgrade) - split
+            client.send(upgrade[:at])
+            if split:
+                time.sleep(0.05)
+                client.send(upgrade[at:])
+            answer = client.response()
+            assert answer == plain.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n", 1), (split, answer)
+            assert client.closed_by_server(), split
+            client.close()
+        client = Client(port)
+        client.send(
+            _chunked("POST", "/v1/router", body).replace(b"\r\n", b"\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n", 1)
+        )
+        refused = _until_closed(client)
+        assert refused.startswith(b"HTTP/1.1 400 ") and b"\r\nconnection: close\r\n" in refused, refused
+        assert body_of(refused)["error"]["type"] == "malformed_request"
+        assert "Upgrade" in body_of(refused)["error"]["message"]
+        client.close()
+
+
 def test_a_header_request_id_is_trimmed_and_held_to_the_body_fields_rule() -> None:
     """Trailing whitespace of a header value is not part of it (as through uvicorn's protocol); an
     X-Request-Id a body's request_id could not name (spaces, non-ASCII, over 256 characters) is refused
