@@ -242,15 +242,20 @@ class AsgiRequest:
             elif name == b"connection" and value.lower() == b"close":
                 self.keep_alive = False
             lines += (bytes(raw_name), b": ", value, b"\r\n")
-        # HTTP/1.0 has no chunks: there an answer of unknown length ends with the connection (an HTTP/1.0
-        # connection is never kept alive).
-        if not framed and method != "HEAD" and status not in (204, 304) and self.scope["http_version"] != "1.0":
-            lines.append(b"transfer-encoding: chunked\r\n")
-            self._chunked = True
+        http_1_0 = self.scope["http_version"] == "1.0"
+        if not framed and method != "HEAD" and status not in (204, 304):
+            if http_1_0:  # no chunks in HTTP/1.0: an answer of unknown length ends with the connection
+                self.keep_alive = False
+            else:
+                lines.append(b"transfer-encoding: chunked\r\n")
+                self._chunked = True
         if method == "HEAD":
             self._length_left = None
-        if not self.keep_alive and not any(name.lower() == b"connection" for name, _ in headers):
-            lines.append(b"connection: close\r\n")
+        if not any(name.lower() == b"connection" for name, _ in headers):
+            if not self.keep_alive:
+                lines.append(b"connection: close\r\n")
+            elif http_1_0:  # an HTTP/1.0 client asked to keep it (`Connection: keep-alive`): told it is kept
+                lines.append(b"connection: keep-alive\r\n")
         lines.append(b"\r\n")
         self._head = b"".join(lines)
         if protocol.access_log:

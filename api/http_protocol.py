@@ -21,13 +21,15 @@ connection with a request it never finishes; a lingering close, so that a client
 its 408 rather than a reset), all on one lazily re-armed timer per connection;
 pipelining (one request answered at a time, in order; reading paused while a request waits its turn,
 and the next one started only while the client reads its answers), ``Expect: 100-continue`` (a
-refusal before the body closes the connection), chunked request bodies, HTTP/1.0, ``Connection:
-close``, a 400 for an unparsable request, flow control both ways, and graceful
+refusal before the body closes the connection), chunked request bodies, HTTP/1.0 (kept alive on
+``Connection: keep-alive``), ``Connection: close`` (no request read after the one a connection
+closes with is run), a 400 for an unparsable request, flow control both ways, and graceful
 shutdown: uvicorn hands each protocol `Config`, its `ServerState` and the lifespan's state
 (``Config(http=HttpProtocol)``, `fast_protocol`); the connection registers in
 ``server_state.connections`` and its tasks in ``server_state.tasks``, which uvicorn's shutdown
 drains, calling `shutdown` on each connection. No upgrade (WebSocket, h2c) is served: the service
-has no such route, and such a request is answered as a plain HTTP one, then the connection closes.
+has no such route, and such a request is answered as a plain HTTP one (its Content-Length body read
+after the head, where httptools stops; a chunked one refused with a 400), then the connection closes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 from urllib.parse import unquote
@@ -74,6 +77,27 @@ _TARGET_TOO_LONG = _json_closing(414, "uri_too_long", f"the request target excee
 _HEADERS_TOO_LARGE = _json_closing(
     431, "headers_too_large", f"the request's header fields exceed {MAX_HEADER_BYTES} bytes"
 )
+
+
+# An upgrade is not served, so its request is plain HTTP/1.1, its body read after the head where httptools
+# stops (`HttpProtocol._unsupported_upgrade`): a Content-Length one; a chunked one is refused.
+_CHUNKED_UPGRADE = _json_closing(
+    400,
+    "malformed_request",
+    "a chunked request body with an Upgrade header is not read (no upgrade is served): "
+    "send it with a Content-Length, or without Upgrade",
+)
+
+
+def _upgrade_body_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The Content-Length of an upgrade request's body (0: none); a chunked one is refused."""
+    length = 0
+    for name, value in headers:
+        if name == b"transfer-encoding":
+            raise _Refused(_CHUNKED_UPGRADE)
+        if name == b"content-length":
+            length = int(value)
+    return length
 
 
 def _timed_out(message: str) -> bytes:
@@ -155,6 +179,11 @@ class _Refused(Exception):
     def __init__(self, reply: bytes) -> None:
         super().__init__()
         self.reply = reply
+
+
+class _Closed(Exception):
+    """Raised in a parser callback: a request began after the connection began to close (its answer
+    said so, or an error ended it); it is never run (RFC 9112 §9.6), and what follows is dropped."""
 
 
 _INTERNAL_ERROR = _json_closing(500, "internal_error", "the service failed on this request (its log says why)")
@@ -313,6 +342,12 @@ class HttpProtocol(asyncio.Protocol):
         self._held_post: list[bytes] | None = None
         self._held_missing = 0
         self._upgraded = False
+        # An upgrade request whose body follows its head (started once httptools has stopped at the head),
+        # and the bytes of that body still to come.
+        self._upgrade_request: _HotRequest | AsgiRequest | None = None
+        self._upgrade_left = 0
+        # The connection is closing: no further request is read, let alone run (`on_message_begin`).
+        self._closing = False
         self._linger_until = -1.0  # the loop time a lingering close ends at (`close_lingering`); -1: none
         self._linger_bytes_left = 0
 
@@ -406,12 +441,16 @@ class HttpProtocol(asyncio.Protocol):
 
     def _feed(self, data: bytes) -> None:
         if self._upgraded:
-            return  # what follows an upgrade request is not HTTP; the connection closes after its answer
+            # The rest of its body, then what is not HTTP: the connection closes after its answer.
+            self._upgrade_body(data)
+            return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._unsupported_upgrade()
+        except httptools.HttpParserUpgrade as upgrade:
+            self._unsupported_upgrade(data, upgrade.args[0])
         except httptools.HttpParserError as exc:
+            if self._closing:
+                return  # a request after the connection began to close (`_Closed`), and what follows
             refused = exc.__context__  # what a callback raised (httptools chains it so)
             reply = refused.reply if isinstance(refused, _Refused) else _malformed(exc)
             self.logger.warning("Invalid HTTP request received.")
@@ -422,12 +461,43 @@ class HttpProtocol(asyncio.Protocol):
         if not (self._between_messages or self._reading_head):
             self._reading_since = self.loop.time()  # a body still coming brought bytes
 
-    def _unsupported_upgrade(self) -> None:
+    def _unsupported_upgrade(self, data: bytes, offset: int) -> None:
         """An upgrade request, answered as plain HTTP (`on_headers_complete` made it close the
-        connection after its answer)."""
+        connection after its answer). httptools stops at its head (``offset`` in ``data``): a body
+        (RFC 9110 §7.8: ignoring the upgrade, it is part of the request) is read here, from the bytes
+        after it, before the request is complete."""
         self.logger.warning("Unsupported upgrade request.")
         self._upgraded = True
-        if self._parsing is not None:
+        request = self._upgrade_request
+        if request is None:
+            if self._parsing is not None:
+                self.on_message_complete()
+            return
+        self._upgrade_request = None
+        request.complete = False  # httptools completed it at its head
+        self._parsing = request
+        self._between_messages = False
+        if self._current is None and not self._write_paused:
+            self._current = request
+            self._start(request)
+        else:  # behind a request still being answered, as in `on_headers_complete`
+            self.pause_reading()
+            self._waiting.append(request)
+        self._upgrade_body(data[offset:])
+
+    def _upgrade_body(self, data: bytes) -> None:
+        """Bytes after an upgrade request's head: its body's, up to its Content-Length; the rest dropped."""
+        left = self._upgrade_left
+        if left <= 0:
+            return
+        body = data[:left]
+        self._upgrade_left = left = left - len(body)
+        if body:
+            self.on_body(body)
+        if left > 0:
+            now = self._reading_since = self.loop.time()  # the body's clock, as `_feed` keeps it
+            self._arm(now + self.body_timeout_secs)
+        elif self._parsing is not None:
             self.on_message_complete()
 
     # ------------------------------------------------------------------ uvicorn's server hooks
@@ -497,6 +567,8 @@ class HttpProtocol(asyncio.Protocol):
 
     # ------------------------------------------------------------------ httptools callbacks
     def on_message_begin(self) -> None:
+        if self._closing:
+            raise _Closed
         self._between_messages = False
         self._idle_since = -1.0
         self._reading_head = True
@@ -526,9 +598,13 @@ class HttpProtocol(asyncio.Protocol):
         parser = self.parser
         http_version = parser.get_http_version()
         # An upgrade is not served: the bytes after the request are not HTTP, so the connection closes.
+        # Otherwise kept alive as llhttp reads on (HTTP/1.0 with `Connection: keep-alive` too): a
+        # connection closed after an answer while llhttp went on had its next request run unanswered.
         upgrade = parser.should_upgrade()
-        keep_alive = http_version != "1.0" and parser.should_keep_alive() and not upgrade
+        keep_alive = parser.should_keep_alive() and not upgrade
         method = parser.get_method()
+        if upgrade and method != b"CONNECT":
+            self._upgrade_left = _upgrade_body_length(self._headers)
         handler = None
         if method == b"POST" and not upgrade:
             path, _, query = self._url.partition(b"?")
@@ -545,6 +621,9 @@ class HttpProtocol(asyncio.Protocol):
         request.expect_continue = self._expect_continue
         self._parsing = request
         self._reading_head = False
+        if upgrade and self._upgrade_left:
+            self._upgrade_request = request  # its body comes after httptools stops (`_unsupported_upgrade`)
+            return
         if self._current is None and not self._write_paused:
             self._current = request
             self._start(request)
@@ -604,6 +683,7 @@ class HttpProtocol(asyncio.Protocol):
         self.server_state.total_requests += 1
         self._current = None
         if self.transport.is_closing():
+            self._closing = True  # a request read after this one is never run
             return
         if self._write_paused:
             self.pause_reading()
@@ -835,6 +915,8 @@ class HttpProtocol(asyncio.Protocol):
         if request is not None:
             request.response_complete = True
             keep_alive = request.keep_alive
+            if keep_alive and request.http_version == "1.0":  # an HTTP/1.0 client closes unless told
+                reply = replace(reply, headers=(*reply.headers, ("connection", "keep-alive")))
         transport = self.transport
         if not transport.is_closing():
             key = (reply.status, reply.msgpack)

@@ -209,7 +209,7 @@ class StreamedRequest:
         self.disconnected = False
         self._head: bytes | None = None  # a streamed answer's head, written with its first piece
         self._ended = False  # a streamed answer's end has been written (`finish`)
-        # A streamed answer in chunks; to an HTTP/1.0 client (never kept alive) its body ends with the connection.
+        # A streamed answer in chunks; to an HTTP/1.0 client (which knows none) its body ends with the connection.
         self._chunked = request.http_version != "1.0"
         self._status = 0
         self._task: asyncio.Task[None] | None = None
@@ -246,6 +246,8 @@ class StreamedRequest:
         self._write(self._head_lines(status, whole_headers(headers, body), b"") + body)
 
     def begin(self, status: int, headers: Headers) -> Sink:
+        if not self._chunked:  # to an HTTP/1.0 client the streamed body ends with the connection
+            self._request.keep_alive = False
         self._head = self._head_lines(status, headers, b"transfer-encoding: chunked\r\n" if self._chunked else b"")
         return self
 
@@ -299,6 +301,8 @@ class StreamedRequest:
         lines.append(self._connection.default_header_lines())
         if not self._request.keep_alive:
             lines.append(b"connection: close\r\n")
+        elif not self._chunked:  # an HTTP/1.0 client asked to keep it (`Connection: keep-alive`)
+            lines.append(b"connection: keep-alive\r\n")
         lines.append(b"\r\n")
         return b"".join(lines)
 

@@ -422,6 +422,89 @@ def test_requests_ahead_of_a_connection_close_are_answered_then_it_closes() -> N
         client.close()
 
 
+def test_no_request_after_the_one_its_connection_closes_with_is_run() -> None:
+    """A connection closed after an answer runs no request read after it (RFC 9112 §9.6): one pipelined
+    in the same write behind HTTP/1.0, ``Connection: close`` or a refusal before an expected body is never
+    booked (a ``new`` run unanswered held its load until its expiry). HTTP/1.0 with ``Connection:
+    keep-alive`` is kept alive, as llhttp reads on: told so, and the next request answered."""
+    with uvicorn_on_loopback(max_body_bytes=1000) as port:
+        setup = Client(port)
+        _setup(setup, 1)
+
+        def new(request_id: str) -> bytes:
+            return post("/v1/new", {"tokens": TOKENS, "request_id": request_id})
+
+        def booked(request_id: str) -> bool:
+            answer = setup.ask(post("/v1/mark_free", {"request_id": request_id}))
+            assert answer[9:12] in (b"200", b"404"), answer
+            return answer[9:12] == b"200"
+
+        loads = post("/v1/router", {"method": "potential_loads", "tokens": [1, 2, 3]})
+        old_kept = Client(port)
+        old_kept.send(post("/v1/router", {"method": "potential_loads", "tokens": [1, 2, 3]}, connection="keep-alive")
+                      .replace(b"HTTP/1.1", b"HTTP/1.0", 1) + new("after-kept"))  # fmt: skip
+        first = old_kept.response()
+        assert first.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: keep-alive\r\n" in first, first
+        assert body_of(old_kept.response())["worker_id"] == 1
+        assert old_kept.ask(loads).startswith(b"HTTP/1.1 200 ")  # still open
+        health = old_kept.ask(request("GET", "/healthz", connection="keep-alive").replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+        assert health.startswith(b"HTTP/1.1 200 ") and b"\r\nconnection: keep-alive\r\n" in health, health  # ASGI
+        assert old_kept.ask(loads).startswith(b"HTTP/1.1 200 ")
+        assert booked("after-kept")
+        old_kept.close()
+
+        refused = request("POST", "/v1/mark_free", b"x" * 5000, expect="100-continue")
+        for name, closing in (
+            ("http-1.0", loads.replace(b"HTTP/1.1", b"HTTP/1.0", 1)),
+            ("close", post("/v1/router", {"method": "potential_loads", "tokens": [1]}, connection="close")),
+            ("refused", refused),
+        ):
+            client = Client(port)
+            client.send(closing + new(f"after-{name}"))
+            answer = client.response()
+            assert b"\r\nconnection: close\r\n" in answer, (name, answer)
+            assert client.closed_by_server(), (name, client.buffer)
+            client.close()
+            assert not booked(f"after-{name}"), name
+        setup.close()
+
+
+def test_an_upgrade_request_with_a_body_is_run_whole_as_plain_http() -> None:
+    """No upgrade is served, so a request asking for one is plain HTTP/1.1, its body included (RFC 9110
+    §7.8), whether it comes in the head's read or after (curl's ``--http2`` on a POST: ``Upgrade: h2c``):
+    answered as without the upgrade, then the connection closes. A chunked body with Upgrade is
+    refused with a 400 saying so, never run without its body."""
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        _setup(client, 1)
+        body = b'{"method":"potential_loads","tokens":[1,2,3]}'
+        plain = client.ask(request("POST", "/v1/router", body))
+        assert plain.startswith(b"HTTP/1.1 200 "), plain
+        client.close()
+        h2c = {"connection": "Upgrade, HTTP2-Settings", "upgrade": "h2c", "http2_settings": "AAMAAABkAAQAoAAAAAIAAAAA"}
+        upgrade = request("POST", "/v1/router", body, **h2c)
+        for split in (0, 10, len(body)):  # the body in the head's read, part of it, none of it
+            client = Client(port)
+            at = len(upgrade) - split
+            client.send(upgrade[:at])
+            if split:
+                time.sleep(0.05)
+                client.send(upgrade[at:])
+            answer = client.response()
+            assert answer == plain.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n", 1), (split, answer)
+            assert client.closed_by_server(), split
+            client.close()
+        client = Client(port)
+        client.send(
+            _chunked("POST", "/v1/router", body).replace(b"\r\n", b"\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n", 1)
+        )
+        refused = _until_closed(client)
+        assert refused.startswith(b"HTTP/1.1 400 ") and b"\r\nconnection: close\r\n" in refused, refused
+        assert body_of(refused)["error"]["type"] == "malformed_request"
+        assert "Upgrade" in body_of(refused)["error"]["message"]
+        client.close()
+
+
 def test_a_header_request_id_is_trimmed_and_held_to_the_body_fields_rule() -> None:
     """Trailing whitespace of a header value is not part of it (as through uvicorn's protocol); an
     X-Request-Id a body's request_id could not name (spaces, non-ASCII, over 256 characters) is refused
