@@ -87,8 +87,8 @@ def _malformed(error: httptools.HttpParserError) -> bytes:
     return _json_closing(400, "malformed_request", f"not a valid HTTP/1.1 request: {found}")
 
 
-# A connection closed while its client may still be sending (a 408, a refusal before the body, bytes that
-# are not HTTP) lingers: its write side shut (the client sees the answer end), its input read and dropped
+# A connection closed while its client may still be sending (a 408, a 413, a refusal before the body, bytes
+# that are not HTTP) lingers: its write side shut (the client sees the answer end), its input read and dropped
 # for at most this long or this many bytes, then closed. Closed with unread input, or sent bytes once
 # closed, the kernel resets the connection, and the client may lose the answer (or fail its send first).
 LINGER_SECS = 2.0
@@ -561,10 +561,11 @@ class HttpProtocol(asyncio.Protocol):
             return
         request = cast(_HotRequest, request)
         if request.refused or request.response_complete:
-            return  # the parser reads the rest of a refused body; nobody keeps it
+            return  # the rest of the read that brought its refusal; the lingering close drops what follows
         request.size += len(body)
         if request.size > self.max_body_bytes:
             request.refused = True
+            request.keep_alive = False  # its connection ends with the 413 (see `_begin`)
             request.chunks = []
             if request.started:
                 self._respond(request, self._too_large(request))
@@ -771,10 +772,11 @@ class HttpProtocol(asyncio.Protocol):
         """Its turn has come: answer now if its body is in (or refused), else when it is."""
         request.started = True
         if request.refused:
-            if request.expect_continue and not request.complete:
-                # Refused before its body, which the client then sends anyway (or its next request in
-                # its place): the two cannot be told apart, so the connection ends with the refusal.
-                request.keep_alive = False
+            # The connection ends with the refusal (a lingering close, bounded: `LINGER_SECS`,
+            # `LINGER_BYTES`): kept, it read and dropped what the client sent on for as long as it sent
+            # (a chunked body never ended kept the loop busy for every client). With ``Expect``, too:
+            # the body the client sends anyway and its next request cannot be told apart.
+            request.keep_alive = False
             self._respond(request, self._too_large(request))
         elif request.complete:
             self._run(request)

@@ -322,29 +322,48 @@ def test_body_split_across_tcp_segments_and_chunked() -> None:
         client.close()
 
 
-def test_body_over_the_limit_keeps_the_connection_usable() -> None:
-    too_large = error("413 Request Entity Too Large", "body_too_large", "request body exceeds the limit of 1000 bytes")
+def test_a_body_over_the_limit_is_refused_and_its_connection_closed() -> None:
+    """A body over ``max_body_bytes``, refused on its Content-Length or once a chunked body grows past
+    it: a 413 saying ``connection: close``, then the connection ends (its lingering close). A client
+    that sends on regardless, a chunked body of 1-byte chunks without end, is closed ``LINGER_SECS``
+    later at most, and the others are served meanwhile (before, the connection read and dropped what
+    it sent for as long as it sent: hundreds of MB, every client's requests waiting on the loop)."""
+    too_large = reply(
+        "413 Request Entity Too Large",
+        b'{"error":{"type":"body_too_large","message":"request body exceeds the limit of 1000 bytes"}}',
+        close=True,
+    )
     with uvicorn_on_loopback(max_body_bytes=1000) as port:
-        client = Client(port)
-        _setup(client, 1)
+        client, other = Client(port), Client(port)
+        _setup(other, 1)
         big = json.dumps({"tokens": list(range(400))}).encode()
         head = request("POST", "/v1/new", big)[: -len(big)]
-        # Refused on its Content-Length, before a byte of the body is sent ...
+        # Refused on its Content-Length, before a byte of the body is sent.
         assert client.ask(head) == too_large
-        # ... and the body that follows is read and dropped: the connection goes on.
-        client.send(big)
-        assert client.ask(post("/v1/mark_free", {"request_id": "x"})) == error(
-            "404 Not Found", "unknown_request_id", "request 'x' is not active"
-        )
+        assert client.closed_by_server()
+        client.close()
+
         # Chunked: refused as soon as it grows past the limit.
+        client = Client(port)
         client.send(b"POST /v1/potential_loads HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         client.send(b"%x\r\n%s\r\n" % (600, big[:600]))
         assert client.nothing_within(0.1)
         client.send(b"%x\r\n%s\r\n" % (600, big[600:1200]))
-        assert client.response() == too_large
-        client.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(big) - 1200, big[1200:]))
-        assert client.ask(request("GET", "/healthz")) == HEALTHY
+        assert _answer_then_closed(client, 10) == too_large
         client.close()
+
+        flood = Client(port)
+        flood.send(b"POST /v1/router HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * 1001)  # fmt: skip
+        refused_at = time.monotonic()
+        assert _answer_then_closed(flood, 10) == too_large  # the answer, then its end (the write side shut)
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):  # 1-byte chunks until sending fails
+            while time.monotonic() - refused_at < LINGER_SECS + 5:
+                flood.send(b"1\r\nx\r\n" * 1000)
+                assert other.ask(post("/v1/mark_free", {"request_id": "x"}))[9:12] == b"404"
+        assert time.monotonic() - refused_at < LINGER_SECS + 2
+        flood.close()
+        other.close()
 
 
 def test_a_body_sent_after_its_refusal_leaves_the_connection_usable_and_closable() -> None:
