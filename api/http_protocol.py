@@ -195,7 +195,7 @@ class _HotRequest:
     where it stands."""
 
     __slots__ = (
-        "chunks",
+        "body",
         "complete",
         "expect_continue",
         "handler",
@@ -222,7 +222,9 @@ class _HotRequest:
         self.http_version = http_version
         self.keep_alive = keep_alive
         self.expect_continue = False
-        self.chunks: list[bytes] = []
+        # Its body so far: the first piece as it came; from a second on, one buffer holding them all (each
+        # piece kept as its own bytes object, a body of tiny chunks cost ~28x its size).
+        self.body: bytes | bytearray = b""
         self.size = 0
         self.started = False  # its turn on the connection has come
         self.complete = False  # the whole body is in
@@ -332,6 +334,17 @@ class HttpProtocol(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         self._client_gone()
+        # What it held of the requests being read is freed now, by reference counting: this protocol is
+        # in reference cycles (its parser and it refer to each other), and a full GC pass, which would
+        # free them, can be long in coming (`api.server` freezes start-up's objects).
+        parsing = self._parsing
+        if type(parsing) is _HotRequest and not parsing.complete:
+            parsing.body = b""  # its rest will not come: it is never run
+        self._parsing = None
+        self._waiting.clear()
+        self._held_post = None
+        self._headers = []
+        self._url = b""
 
     def _client_gone(self) -> None:
         """The requests in flight see the client gone (its connection lost, or lingering)."""
@@ -490,7 +503,7 @@ class HttpProtocol(asyncio.Protocol):
         path, query, content_type, accept, request_id, authorization, body = parsed
         head = RequestHead(len(body), content_type, accept, request_id, authorization)
         request = _HotRequest(handler, path, query, head, "1.1", True)
-        request.chunks.append(body)
+        request.body = body
         request.size = len(body)
         request.complete = True
         return request
@@ -566,11 +579,18 @@ class HttpProtocol(asyncio.Protocol):
         if request.size > self.max_body_bytes:
             request.refused = True
             request.keep_alive = False  # its connection ends with the 413 (see `_begin`)
-            request.chunks = []
+            request.body = b""
             if request.started:
                 self._respond(request, self._too_large(request))
             return
-        request.chunks.append(body)
+        held = request.body
+        if isinstance(held, bytearray):
+            held += body
+        elif held:
+            buffer = request.body = bytearray(held)
+            buffer += body
+        else:
+            request.body = body
 
     def on_message_complete(self) -> None:
         self._between_messages = True
@@ -789,9 +809,9 @@ class HttpProtocol(asyncio.Protocol):
         return stream.too_large(request.raw_head) if stream is not None else too_large_reply(self.max_body_bytes)
 
     def _run(self, request: _HotRequest) -> None:
-        chunks = request.chunks
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        request.chunks = []
+        held = request.body
+        body = held if type(held) is bytes else bytes(held)
+        request.body = b""
         stream = self._streams.get(request.path)
         if stream is not None:
             streamed = StreamedRequest(

@@ -9,6 +9,8 @@ routes give (``fast_protocol`` off), which the in-process suites test in depth.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
 import logging
 import re
@@ -16,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +28,11 @@ import msgspec
 import pytest
 import uvicorn
 
+from api.codec import Call, Reply
 from api.config import SecurityConfig, ServiceConfig, Settings
+from api.contract import HotRoutes
 from api.http_protocol import LINGER_SECS
+from api.http_protocol import fast_protocol as protocol_for
 from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.event_plane.embedded_server import free_port
@@ -34,6 +40,7 @@ from tests.router_processes import RouterProcess
 from tests.test_api_errors import CASES
 from tests.test_api_server import _CLEAN_EXIT
 from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
+from tests.test_http_asgi import Transport
 from tests.waiting import until
 
 JSON = "application/json"
@@ -364,6 +371,52 @@ def test_a_body_over_the_limit_is_refused_and_its_connection_closed() -> None:
         assert time.monotonic() - refused_at < LINGER_SECS + 2
         flood.close()
         other.close()
+
+
+def test_a_body_of_tiny_chunks_is_held_at_about_its_size_and_freed_with_its_connection() -> None:
+    """A chunked body of 2-byte chunks (7 bytes on the wire each), held unfinished: what the protocol
+    keeps of it is about its size (each piece kept as its own bytes object cost ~28x: 8 MiB of body,
+    225 MB), and it is freed when the client leaves, by reference counting, without a GC pass (the
+    protocol and its parser refer to each other: it stayed until a full collection)."""
+    size = 1 << 18
+
+    def unused(call: Call) -> Reply:
+        raise AssertionError("the body never ends: nothing is run")
+
+    async def scenario() -> tuple[int, int]:
+        service = ServiceConfig()
+        hot = HotRoutes(
+            {"/v1/h": unused},
+            1 << 23,
+            head_timeout_secs=service.request_head_timeout_secs,
+            body_timeout_secs=service.request_body_timeout_secs,
+            write_timeout_secs=service.response_write_timeout_secs,
+        )
+        config = uvicorn.Config(unused, ws="none", lifespan="off", log_config=None, proxy_headers=False)
+        config.load()
+        protocol = protocol_for(hot)(config, uvicorn.server.ServerState(), {}, asyncio.get_running_loop())
+        transport = Transport()
+        protocol.connection_made(transport)
+        protocol.data_received(b"POST /v1/h HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        read = b"2\r\nxy\r\n" * 9362  # 64 KiB reads, as a socket's
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(size // 2 // 9362 + 1):
+            protocol.data_received(read)
+        held = tracemalloc.get_traced_memory()[0] - before
+        protocol.connection_lost(None)
+        left = tracemalloc.get_traced_memory()[0] - before
+        assert transport.written == b""
+        return held, left
+
+    gc.disable()
+    tracemalloc.start()
+    try:
+        held, left = asyncio.run(scenario())
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert size < held < 2 * size, held
+    assert left < size // 8, left
 
 
 def test_a_body_sent_after_its_refusal_leaves_the_connection_usable_and_closable() -> None:
