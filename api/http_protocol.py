@@ -67,13 +67,18 @@ def _json_closing(status: int, kind: str, message: str) -> bytes:
 
 
 # A request's target and its header section are bounded (unbounded, a client's 60 MB URL, gathered
-# piece by piece, stalled every connection's loop for seconds and held that much memory).
+# piece by piece, stalled every connection's loop for seconds and held that much memory). The section's
+# bytes are counted as on the wire (a line's ": " and CRLF included), and its fields are at most
+# MAX_HEADERS (Apache's default; a client's, a proxy's forwarding and tracing headers are a few dozen):
+# counted by name and value alone, 65,000 empty fields passed (~100 bytes each kept: 200 such heads, 1.5 GB).
 MAX_TARGET_BYTES = 65_536
 MAX_HEADER_BYTES = 65_536
+MAX_HEADERS = 100
 _TARGET_TOO_LONG = _json_closing(414, "uri_too_long", f"the request target exceeds {MAX_TARGET_BYTES} bytes")
 _HEADERS_TOO_LARGE = _json_closing(
     431, "headers_too_large", f"the request's header fields exceed {MAX_HEADER_BYTES} bytes"
 )
+_TOO_MANY_HEADERS = _json_closing(431, "headers_too_large", f"the request has more than {MAX_HEADERS} header fields")
 
 
 def _timed_out(message: str) -> bytes:
@@ -287,7 +292,7 @@ class HttpProtocol(asyncio.Protocol):
         self._start_next = False
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
-        self._header_bytes = 0  # of the request being parsed: names and values
+        self._header_bytes = 0  # of the request being parsed: its header lines, as on the wire
         self._expect_continue = False
         self._streamed: tuple[StreamedRequest, _HotRequest] | None = None  # the stream route being answered
         self._gone = False
@@ -526,9 +531,11 @@ class HttpProtocol(asyncio.Protocol):
             raise _Refused(_TARGET_TOO_LONG)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_bytes += len(name) + len(value)
+        self._header_bytes += len(name) + len(value) + 4  # its line: name, ": ", value, CRLF
         if self._header_bytes > MAX_HEADER_BYTES:
             raise _Refused(_HEADERS_TOO_LARGE)
+        if len(self._headers) >= MAX_HEADERS:
+            raise _Refused(_TOO_MANY_HEADERS)
         name = name.lower()
         value = value.rstrip(b" \t")  # llhttp drops a value's leading whitespace, not its trailing
         if name == b"expect" and value.lower() == b"100-continue":

@@ -10,6 +10,7 @@ routes give (``fast_protocol`` off), which the in-process suites test in depth.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
@@ -463,6 +464,34 @@ def test_a_request_target_or_header_section_over_64_kib_is_refused_as_json(
         assert other.ask(request("GET", "/healthz")) == HEALTHY
         client.close()
         other.close()
+
+
+def test_a_header_section_is_counted_as_on_the_wire_and_held_to_100_fields() -> None:
+    """A header section's bytes are counted with each line's ": " and CRLF (by name and value alone,
+    65,000 empty fields passed the 64 KiB bound, ~100 bytes each kept: 200 connections, 1.5 GB), and
+    more than ``MAX_HEADERS`` fields are refused: a JSON 431, then the connection closes."""
+    too_many = "the request has more than 100 header fields"
+    too_large = "the request's header fields exceed 65536 bytes"
+    fields = request("GET", "/healthz")[:-2]  # Host: one field
+    cases = {
+        fields + b"a:\r\n" * 99 + b"\r\n": None,  # 100 fields: served
+        fields + b"a:\r\n" * 100 + b"\r\n": too_many,
+        fields + b"a:\r\n" * 65_000: too_many,  # never finished
+        # 90 lines of 728 bytes of name and value: 65,520, under the bound; 65,880 on the wire.
+        b"GET /healthz HTTP/1.1\r\n" + b"x: %b\r\n" % (b"v" * 727) * 90 + b"\r\n": too_large,
+    }
+    with uvicorn_on_loopback() as port:
+        for sent, refusal in cases.items():
+            client = Client(port)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused before the rest was sent
+                client.send(sent)
+            if refusal is None:
+                assert client.response() == HEALTHY
+            else:
+                refused = _answer_then_closed(client, 10)
+                assert refused.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), refused[:100]
+                assert body_of(refused)["error"] == {"type": "headers_too_large", "message": refusal}
+            client.close()
 
 
 def test_bytes_that_are_no_http_request_get_a_json_400_saying_what_the_parser_found() -> None:
