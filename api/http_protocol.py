@@ -70,13 +70,18 @@ def _json_closing(status: int, kind: str, message: str) -> bytes:
 
 
 # A request's target and its header section are bounded (unbounded, a client's 60 MB URL, gathered
-# piece by piece, stalled every connection's loop for seconds and held that much memory).
+# piece by piece, stalled every connection's loop for seconds and held that much memory). The section's
+# bytes are counted as on the wire (a line's ": " and CRLF included), and its fields are at most
+# MAX_HEADERS (Apache's default; a client's, a proxy's forwarding and tracing headers are a few dozen):
+# counted by name and value alone, 65,000 empty fields passed (~100 bytes each kept: 200 such heads, 1.5 GB).
 MAX_TARGET_BYTES = 65_536
 MAX_HEADER_BYTES = 65_536
+MAX_HEADERS = 100
 _TARGET_TOO_LONG = _json_closing(414, "uri_too_long", f"the request target exceeds {MAX_TARGET_BYTES} bytes")
 _HEADERS_TOO_LARGE = _json_closing(
     431, "headers_too_large", f"the request's header fields exceed {MAX_HEADER_BYTES} bytes"
 )
+_TOO_MANY_HEADERS = _json_closing(431, "headers_too_large", f"the request has more than {MAX_HEADERS} header fields")
 
 
 # An upgrade is not served, so its request is plain HTTP/1.1, its body read after the head where httptools
@@ -111,8 +116,8 @@ def _malformed(error: httptools.HttpParserError) -> bytes:
     return _json_closing(400, "malformed_request", f"not a valid HTTP/1.1 request: {found}")
 
 
-# A connection closed while its client may still be sending (a 408, a refusal before the body, bytes that
-# are not HTTP) lingers: its write side shut (the client sees the answer end), its input read and dropped
+# A connection closed while its client may still be sending (a 408, a 413, a refusal before the body, bytes
+# that are not HTTP) lingers: its write side shut (the client sees the answer end), its input read and dropped
 # for at most this long or this many bytes, then closed. Closed with unread input, or sent bytes once
 # closed, the kernel resets the connection, and the client may lose the answer (or fail its send first).
 LINGER_SECS = 2.0
@@ -224,7 +229,7 @@ class _HotRequest:
     where it stands."""
 
     __slots__ = (
-        "chunks",
+        "body",
         "complete",
         "expect_continue",
         "handler",
@@ -251,7 +256,9 @@ class _HotRequest:
         self.http_version = http_version
         self.keep_alive = keep_alive
         self.expect_continue = False
-        self.chunks: list[bytes] = []
+        # Its body so far: the first piece as it came; from a second on, one buffer holding them all (each
+        # piece kept as its own bytes object, a body of tiny chunks cost ~28x its size).
+        self.body: bytes | bytearray = b""
         self.size = 0
         self.started = False  # its turn on the connection has come
         self.complete = False  # the whole body is in
@@ -314,7 +321,7 @@ class HttpProtocol(asyncio.Protocol):
         self._start_next = False
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
-        self._header_bytes = 0  # of the request being parsed: names and values
+        self._header_bytes = 0  # of the request being parsed: its header lines, as on the wire
         self._expect_continue = False
         self._streamed: tuple[StreamedRequest, _HotRequest] | None = None  # the stream route being answered
         self._gone = False
@@ -367,6 +374,17 @@ class HttpProtocol(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         self._client_gone()
+        # What it held of the requests being read is freed now, by reference counting: this protocol is
+        # in reference cycles (its parser and it refer to each other), and a full GC pass, which would
+        # free them, can be long in coming (`api.server` freezes start-up's objects).
+        parsing = self._parsing
+        if type(parsing) is _HotRequest and not parsing.complete:
+            parsing.body = b""  # its rest will not come: it is never run
+        self._parsing = None
+        self._waiting.clear()
+        self._held_post = None
+        self._headers = []
+        self._url = b""
 
     def _client_gone(self) -> None:
         """The requests in flight see the client gone (its connection lost, or lingering)."""
@@ -560,7 +578,7 @@ class HttpProtocol(asyncio.Protocol):
         path, query, content_type, accept, request_id, authorization, body = parsed
         head = RequestHead(len(body), content_type, accept, request_id, authorization)
         request = _HotRequest(handler, path, query, head, "1.1", True)
-        request.chunks.append(body)
+        request.body = body
         request.size = len(body)
         request.complete = True
         return request
@@ -585,9 +603,11 @@ class HttpProtocol(asyncio.Protocol):
             raise _Refused(_TARGET_TOO_LONG)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_bytes += len(name) + len(value)
+        self._header_bytes += len(name) + len(value) + 4  # its line: name, ": ", value, CRLF
         if self._header_bytes > MAX_HEADER_BYTES:
             raise _Refused(_HEADERS_TOO_LARGE)
+        if len(self._headers) >= MAX_HEADERS:
+            raise _Refused(_TOO_MANY_HEADERS)
         name = name.lower()
         value = value.rstrip(b" \t")  # llhttp drops a value's leading whitespace, not its trailing
         if name == b"expect" and value.lower() == b"100-continue":
@@ -640,15 +660,23 @@ class HttpProtocol(asyncio.Protocol):
             return
         request = cast(_HotRequest, request)
         if request.refused or request.response_complete:
-            return  # the parser reads the rest of a refused body; nobody keeps it
+            return  # the rest of the read that brought its refusal; the lingering close drops what follows
         request.size += len(body)
         if request.size > self.max_body_bytes:
             request.refused = True
-            request.chunks = []
+            request.keep_alive = False  # its connection ends with the 413 (see `_begin`)
+            request.body = b""
             if request.started:
                 self._respond(request, self._too_large(request))
             return
-        request.chunks.append(body)
+        held = request.body
+        if isinstance(held, bytearray):
+            held += body
+        elif held:
+            buffer = request.body = bytearray(held)
+            buffer += body
+        else:
+            request.body = body
 
     def on_message_complete(self) -> None:
         self._between_messages = True
@@ -851,10 +879,11 @@ class HttpProtocol(asyncio.Protocol):
         """Its turn has come: answer now if its body is in (or refused), else when it is."""
         request.started = True
         if request.refused:
-            if request.expect_continue and not request.complete:
-                # Refused before its body, which the client then sends anyway (or its next request in
-                # its place): the two cannot be told apart, so the connection ends with the refusal.
-                request.keep_alive = False
+            # The connection ends with the refusal (a lingering close, bounded: `LINGER_SECS`,
+            # `LINGER_BYTES`): kept, it read and dropped what the client sent on for as long as it sent
+            # (a chunked body never ended kept the loop busy for every client). With ``Expect``, too:
+            # the body the client sends anyway and its next request cannot be told apart.
+            request.keep_alive = False
             self._respond(request, self._too_large(request))
         elif request.complete:
             self._run(request)
@@ -867,9 +896,9 @@ class HttpProtocol(asyncio.Protocol):
         return stream.too_large(request.raw_head) if stream is not None else too_large_reply(self.max_body_bytes)
 
     def _run(self, request: _HotRequest) -> None:
-        chunks = request.chunks
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        request.chunks = []
+        held = request.body
+        body = held if type(held) is bytes else bytes(held)
+        request.body = b""
         stream = self._streams.get(request.path)
         if stream is not None:
             streamed = StreamedRequest(

@@ -119,6 +119,9 @@ class _Connection(asyncio.Transport):
     def is_closing(self) -> bool:
         return self._closing
 
+    def can_write_eof(self) -> bool:
+        return False  # a lingering close (a refusal before the body's end) then just closes in the end
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": ("127.0.0.1", 50000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
 

@@ -9,6 +9,9 @@ routes give (``fast_protocol`` off), which the in-process suites test in depth.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import gc
 import json
 import logging
 import re
@@ -16,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +29,11 @@ import msgspec
 import pytest
 import uvicorn
 
+from api.codec import Call, Reply
 from api.config import SecurityConfig, ServiceConfig, Settings
+from api.contract import HotRoutes
 from api.http_protocol import LINGER_SECS
+from api.http_protocol import fast_protocol as protocol_for
 from api.server import uvicorn_config
 from router.config import RouterConfig
 from router.event_plane.embedded_server import free_port
@@ -34,6 +41,7 @@ from tests.router_processes import RouterProcess
 from tests.test_api_errors import CASES
 from tests.test_api_server import _CLEAN_EXIT
 from tests.test_api_support import BLOCK_SIZE, prompt, stored_event
+from tests.test_http_asgi import Transport
 from tests.waiting import until
 
 JSON = "application/json"
@@ -322,29 +330,94 @@ def test_body_split_across_tcp_segments_and_chunked() -> None:
         client.close()
 
 
-def test_body_over_the_limit_keeps_the_connection_usable() -> None:
-    too_large = error("413 Request Entity Too Large", "body_too_large", "request body exceeds the limit of 1000 bytes")
+def test_a_body_over_the_limit_is_refused_and_its_connection_closed() -> None:
+    """A body over ``max_body_bytes``, refused on its Content-Length or once a chunked body grows past
+    it: a 413 saying ``connection: close``, then the connection ends (its lingering close). A client
+    that sends on regardless, a chunked body of 1-byte chunks without end, is closed ``LINGER_SECS``
+    later at most, and the others are served meanwhile (before, the connection read and dropped what
+    it sent for as long as it sent: hundreds of MB, every client's requests waiting on the loop)."""
+    too_large = reply(
+        "413 Request Entity Too Large",
+        b'{"error":{"type":"body_too_large","message":"request body exceeds the limit of 1000 bytes"}}',
+        close=True,
+    )
     with uvicorn_on_loopback(max_body_bytes=1000) as port:
-        client = Client(port)
-        _setup(client, 1)
+        client, other = Client(port), Client(port)
+        _setup(other, 1)
         big = json.dumps({"tokens": list(range(400))}).encode()
         head = request("POST", "/v1/new", big)[: -len(big)]
-        # Refused on its Content-Length, before a byte of the body is sent ...
+        # Refused on its Content-Length, before a byte of the body is sent.
         assert client.ask(head) == too_large
-        # ... and the body that follows is read and dropped: the connection goes on.
-        client.send(big)
-        assert client.ask(post("/v1/mark_free", {"request_id": "x"})) == error(
-            "404 Not Found", "unknown_request_id", "request 'x' is not active"
-        )
+        assert client.closed_by_server()
+        client.close()
+
         # Chunked: refused as soon as it grows past the limit.
+        client = Client(port)
         client.send(b"POST /v1/potential_loads HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         client.send(b"%x\r\n%s\r\n" % (600, big[:600]))
         assert client.nothing_within(0.1)
         client.send(b"%x\r\n%s\r\n" % (600, big[600:1200]))
-        assert client.response() == too_large
-        client.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(big) - 1200, big[1200:]))
-        assert client.ask(request("GET", "/healthz")) == HEALTHY
+        assert _answer_then_closed(client, 10) == too_large
         client.close()
+
+        flood = Client(port)
+        flood.send(b"POST /v1/router HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * 1001)  # fmt: skip
+        refused_at = time.monotonic()
+        assert _answer_then_closed(flood, 10) == too_large  # the answer, then its end (the write side shut)
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):  # 1-byte chunks until sending fails
+            while time.monotonic() - refused_at < LINGER_SECS + 5:
+                flood.send(b"1\r\nx\r\n" * 1000)
+                assert other.ask(post("/v1/mark_free", {"request_id": "x"}))[9:12] == b"404"
+        assert time.monotonic() - refused_at < LINGER_SECS + 2
+        flood.close()
+        other.close()
+
+
+def test_a_body_of_tiny_chunks_is_held_at_about_its_size_and_freed_with_its_connection() -> None:
+    """A chunked body of 2-byte chunks (7 bytes on the wire each), held unfinished: what the protocol
+    keeps of it is about its size (each piece kept as its own bytes object cost ~28x: 8 MiB of body,
+    225 MB), and it is freed when the client leaves, by reference counting, without a GC pass (the
+    protocol and its parser refer to each other: it stayed until a full collection)."""
+    size = 1 << 18
+
+    def unused(call: Call) -> Reply:
+        raise AssertionError("the body never ends: nothing is run")
+
+    async def scenario() -> tuple[int, int]:
+        service = ServiceConfig()
+        hot = HotRoutes(
+            {"/v1/h": unused},
+            1 << 23,
+            head_timeout_secs=service.request_head_timeout_secs,
+            body_timeout_secs=service.request_body_timeout_secs,
+            write_timeout_secs=service.response_write_timeout_secs,
+        )
+        config = uvicorn.Config(unused, ws="none", lifespan="off", log_config=None, proxy_headers=False)
+        config.load()
+        protocol = protocol_for(hot)(config, uvicorn.server.ServerState(), {}, asyncio.get_running_loop())
+        transport = Transport()
+        protocol.connection_made(transport)
+        protocol.data_received(b"POST /v1/h HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        read = b"2\r\nxy\r\n" * 9362  # 64 KiB reads, as a socket's
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(size // 2 // 9362 + 1):
+            protocol.data_received(read)
+        held = tracemalloc.get_traced_memory()[0] - before
+        protocol.connection_lost(None)
+        left = tracemalloc.get_traced_memory()[0] - before
+        assert transport.written == b""
+        return held, left
+
+    gc.disable()
+    tracemalloc.start()
+    try:
+        held, left = asyncio.run(scenario())
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert size < held < 2 * size, held
+    assert left < size // 8, left
 
 
 def test_a_body_sent_after_its_refusal_leaves_the_connection_usable_and_closable() -> None:
@@ -391,6 +464,34 @@ def test_a_request_target_or_header_section_over_64_kib_is_refused_as_json(
         assert other.ask(request("GET", "/healthz")) == HEALTHY
         client.close()
         other.close()
+
+
+def test_a_header_section_is_counted_as_on_the_wire_and_held_to_100_fields() -> None:
+    """A header section's bytes are counted with each line's ": " and CRLF (by name and value alone,
+    65,000 empty fields passed the 64 KiB bound, ~100 bytes each kept: 200 connections, 1.5 GB), and
+    more than ``MAX_HEADERS`` fields are refused: a JSON 431, then the connection closes."""
+    too_many = "the request has more than 100 header fields"
+    too_large = "the request's header fields exceed 65536 bytes"
+    fields = request("GET", "/healthz")[:-2]  # Host: one field
+    cases = {
+        fields + b"a:\r\n" * 99 + b"\r\n": None,  # 100 fields: served
+        fields + b"a:\r\n" * 100 + b"\r\n": too_many,
+        fields + b"a:\r\n" * 65_000: too_many,  # never finished
+        # 90 lines of 728 bytes of name and value: 65,520, under the bound; 65,880 on the wire.
+        b"GET /healthz HTTP/1.1\r\n" + b"x: %b\r\n" % (b"v" * 727) * 90 + b"\r\n": too_large,
+    }
+    with uvicorn_on_loopback() as port:
+        for sent, refusal in cases.items():
+            client = Client(port)
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused before the rest was sent
+                client.send(sent)
+            if refusal is None:
+                assert client.response() == HEALTHY
+            else:
+                refused = _answer_then_closed(client, 10)
+                assert refused.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"), refused[:100]
+                assert body_of(refused)["error"] == {"type": "headers_too_large", "message": refusal}
+            client.close()
 
 
 def test_bytes_that_are_no_http_request_get_a_json_400_saying_what_the_parser_found() -> None:
