@@ -12,7 +12,8 @@ import logging
 import os
 import random
 import signal
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -46,8 +47,8 @@ WORKERS = [WorkerConfig(worker_id=w, dp_size=2) for w in (1, 2, 3)]
 PROMPTS = [prompt(seed % 4, 32) + prompt(seed, 16 * (1 + seed % 5)) for seed in range(12)]
 
 
-def new_router() -> KvRouter:
-    router = KvRouter(CONFIG, rng=random.Random(0))
+def new_router(clock: Callable[[], float] = time.monotonic) -> KvRouter:
+    router = KvRouter(CONFIG, rng=random.Random(0), clock=clock)
     for worker in WORKERS:
         router.register_worker(worker)
     return router
@@ -60,10 +61,16 @@ class Replica:
 
 @contextlib.asynccontextmanager
 async def replica(
-    url: str, *, lease_s: float = 10.0, heartbeat_s: float = 0.1, state_timeout_s: float = 2.0
+    url: str,
+    *,
+    lease_s: float = 10.0,
+    heartbeat_s: float = 0.1,
+    state_timeout_s: float = 2.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[Replica]:
+    """A router (its bookings expiring by ``clock``) and its replica sync on its own NATS connection."""
     nc = await connect(NatsOptions(url))
-    router = new_router()
+    router = new_router(clock)
     sync = ReplicaSync(router, nc, lease_s=lease_s, heartbeat_s=heartbeat_s, state_timeout_s=state_timeout_s)
     await sync.start()
     try:
@@ -574,22 +581,10 @@ async def test_a_held_booking_outlasting_the_expiry_stays_booked_on_every_replic
     the booking on the replica that held it: the stream left its worker's load everywhere. A booking
     expires where it was booked, and its peers follow that replica's free or expiry."""
     now = [0.0]
-
-    @contextlib.asynccontextmanager
-    async def clocked() -> AsyncIterator[Replica]:
-        nc = await connect(NatsOptions(nats_server.url))
-        router = KvRouter(CONFIG, rng=random.Random(0), clock=lambda: now[0])
-        for worker in WORKERS:
-            router.register_worker(worker)
-        sync = ReplicaSync(router, nc, heartbeat_s=0.1)
-        await sync.start()
-        try:
-            yield Replica(router, nc, sync)
-        finally:
-            await sync.stop()
-            await nc.close()
-
-    async with clocked() as a, clocked() as b:
+    async with (
+        replica(nats_server.url, clock=lambda: now[0]) as a,
+        replica(nats_server.url, clock=lambda: now[0]) as b,
+    ):
         await a.router.new(RouteRequest(tokens=PROMPTS[0], request_id="streaming"))
         assert a.router.hold("streaming")
         await a.router.new(RouteRequest(tokens=PROMPTS[1], request_id="abandoned"))  # a decision API caller's
