@@ -1005,8 +1005,7 @@ class KvRouter:
         expires here: the peer frees or expires it (and publishes that), or its bookings go with it when it
         leaves or falls silent; expired here, the expiry would be published and free the peer's booking,
         one it may hold (`hold`) for a stream outlasting ``request_expiry_secs``."""
-        sequences = self._scheduler.sequences
-        sequences.add(
+        self._scheduler.sequences.add(
             request_id,
             booking.key,
             hashes=booking.hashes,
@@ -1015,8 +1014,8 @@ class KvRouter:
             now=self._clock(),
             context_tokens=booking.context_tokens,
             expected_output_tokens=booking.expected_output_tokens,
+            expires=False,
         )
-        sequences.hold(request_id)
         if predicted is not None:  # each replica predicts from every prompt routed, not its own alone
             self._record_prediction(booking.key, list(predicted), None)
 

@@ -258,10 +258,11 @@ class ActiveSequences:
         now: float,
         context_tokens: int = 0,
         expected_output_tokens: int | None = None,
+        expires: bool = True,
     ) -> None:
         """Book a request: ``hashes`` are shared prompt blocks, ``private_blocks`` blocks nobody
-        shares, ``prefill_tokens`` the prefill still to do, ``context_tokens`` its prompt length.
-        O(len(hashes))."""
+        shares, ``prefill_tokens`` the prefill still to do, ``context_tokens`` its prompt length;
+        without ``expires``, held from the start (`hold`). O(len(hashes))."""
         existing = self._requests.get(request_id)
         if existing is not None:
             raise DuplicateRequestId(request_id, *existing.rank.key)
@@ -279,7 +280,8 @@ class ActiveSequences:
         rank.requests += 1
         request = _Request(rank, hashes, private_blocks, prefill_tokens, context_tokens, expected_output_tokens, now)
         self._requests[request_id] = request
-        self._expiring[request_id] = None
+        if expires:
+            self._expiring[request_id] = None
         if not prefill_tokens:
             _start_decoding(request)
         else:
