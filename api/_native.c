@@ -268,7 +268,9 @@ unsupported:
  * inner spaces (not empty, no leading or trailing whitespace: nothing for a parser to trim or reject), one
  * Content-Length of digits with exactly that many body bytes after the head, and none of the headers
  * that change how a request is framed or answered (Connection, Transfer-Encoding, Upgrade, Expect,
- * Keep-Alive, Proxy-Connection) nor a repeated one of those it reads. Returns (path, query,
+ * Keep-Alive, Proxy-Connection) nor a repeated one of those it reads, and within the bounds the Python path
+ * refuses past (MAX_TARGET_BYTES, MAX_HEADER_BYTES counted as on the wire, MAX_HEADERS): one past them is
+ * declined, for httptools' path to refuse it. Returns (path, query,
  * content_type, accept, x_request_id, authorization, body), absent headers as None; or, when such a
  * head is complete but not all of its body is in `data` yet, the Content-Length. */
 static inline int url_char(uint8_t c) {
@@ -310,6 +312,7 @@ static int name_is(const uint8_t *name, size_t length, const char *lower) {
 }
 
 enum { H_CONTENT_TYPE, H_ACCEPT, H_REQUEST_ID, H_AUTHORIZATION, H_READ };
+enum { MAX_TARGET_BYTES = 65536, MAX_HEADER_BYTES = 65536, MAX_HEADERS = 100 }; /* api/http_protocol.py's */
 
 static PyObject *py_parse_post(PyObject *self, PyObject *data) {
     if (!PyBytes_CheckExact(data))
@@ -328,12 +331,16 @@ static PyObject *py_parse_post(PyObject *self, PyObject *data) {
         p++;
     }
     const uint8_t *target_end = p;
+    if (target_end - target > MAX_TARGET_BYTES)
+        Py_RETURN_NONE;
     if (end - p < 11 || memcmp(p, " HTTP/1.1\r\n", 11) != 0)
         Py_RETURN_NONE;
     p += 11;
     const uint8_t *values[H_READ] = {NULL, NULL, NULL, NULL};
     size_t lengths[H_READ] = {0, 0, 0, 0};
     long long content_length = -1;
+    size_t header_bytes = 0;
+    int fields = 0;
     for (;;) {
         if (end - p < 2)
             Py_RETURN_NONE;
@@ -341,6 +348,8 @@ static PyObject *py_parse_post(PyObject *self, PyObject *data) {
             p += 2;
             break;
         }
+        if (++fields > MAX_HEADERS)
+            Py_RETURN_NONE;
         const uint8_t *name = p;
         while (p < end && token_char(*p))
             p++;
@@ -358,6 +367,9 @@ static PyObject *py_parse_post(PyObject *self, PyObject *data) {
             Py_RETURN_NONE;
         p += 2;
         if (value_length == 0 || value[0] == ' ' || value[value_length - 1] == ' ')
+            Py_RETURN_NONE;
+        header_bytes += name_length + value_length + 4; /* its line: name, ": ", value, CRLF */
+        if (header_bytes > MAX_HEADER_BYTES)
             Py_RETURN_NONE;
         int slot = -1;
         if (name_is(name, name_length, "content-length")) {

@@ -494,6 +494,32 @@ def test_a_header_section_is_counted_as_on_the_wire_and_held_to_100_fields() -> 
             client.close()
 
 
+@pytest.mark.parametrize(
+    ("target", "fields", "status", "message"),
+    [
+        ("/v1/new?" + "a" * 70_000, b"", b"414", "the request target exceeds 65536 bytes"),
+        ("/v1/new", b"a: b\r\n" * 100, b"431", "the request has more than 100 header fields"),
+        ("/v1/new", b"x: %b\r\n" % (b"v" * 727) * 90, b"431", "the request's header fields exceed 65536 bytes"),
+    ],
+    ids=["target", "fields", "bytes"],
+)
+def test_a_plain_post_sent_whole_is_held_to_the_same_head_bounds(
+    target: str, fields: bytes, status: bytes, message: str
+) -> None:
+    """A POST of the plainest form, sent in one write, is parsed whole in C (`api._native.parse_post`):
+    its target, field count and header bytes are bounded as httptools' path bounds them."""
+    body = b'{"tokens": [1, 2, 3]}'
+    head = request("POST", target, body)[: -len(body) - 2]  # before the blank line: fields follow
+    with uvicorn_on_loopback() as port:
+        client = Client(port)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            client.send(head + fields + b"\r\n" + body)
+        refused = _answer_then_closed(client, 10)
+        assert refused.startswith(b"HTTP/1.1 " + status + b" "), refused[:100]
+        assert body_of(refused)["error"]["message"] == message
+        client.close()
+
+
 def test_bytes_that_are_no_http_request_get_a_json_400_saying_what_the_parser_found() -> None:
     with uvicorn_on_loopback() as port:
         client, other = Client(port), Client(port)

@@ -259,6 +259,24 @@ def test_the_whole_request_parser_reads_a_plain_post() -> None:
         assert native.parse_post(refused) is None
 
 
+def test_the_whole_request_parser_declines_a_head_past_the_python_paths_bounds() -> None:
+    """At the bounds (a 65,536-byte target; 100 fields; 65,536 header bytes counted as on the wire) a
+    POST is parsed; one past them is declined, for httptools' path to refuse it (414, 431)."""
+
+    def post(target: bytes, fields: list[bytes]) -> bytes:
+        return b"POST %b HTTP/1.1\r\n%bContent-Length: 2\r\n\r\n{}" % (target, b"".join(fields))
+
+    # Content-Length's line is one field of 19 bytes: "Content-Length" + ": " + "2" + CRLF.
+    target = b"/v1/new?" + b"a" * (65_536 - 8)
+    assert isinstance(native.parse_post(post(target, [])), tuple)
+    assert native.parse_post(post(target + b"a", [])) is None
+    assert isinstance(native.parse_post(post(b"/v1/new", [b"a: b\r\n"] * 99)), tuple)
+    assert native.parse_post(post(b"/v1/new", [b"a: b\r\n"] * 100)) is None
+    filler = [b"x: %b\r\n" % (b"v" * 1_000)] * 64  # 64 x 1,005 = 64,320 bytes; + 19 + 1,197 = 65,536
+    assert isinstance(native.parse_post(post(b"/v1/new", [*filler, b"y: %b\r\n" % (b"v" * 1_192)])), tuple)
+    assert native.parse_post(post(b"/v1/new", [*filler, b"y: %b\r\n" % (b"v" * 1_193)])) is None
+
+
 # ------------------------------------------------------------------ the bridge's wire paths
 
 
