@@ -18,9 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import promql_parser
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client.parser import text_string_to_metric_families
 
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.event_plane.embedded_server import EmbeddedNats
@@ -357,6 +359,61 @@ def test_one_scrape_answers_for_every_process_and_says_which_is_down(tmp_path: P
                           .replace(b"\0", b" ").decode())  # fmt: skip
         assert group is not None and Path(group[1]).is_dir()
     assert not Path(group[1]).exists()
+
+
+def dashboard_panel(expression_of: str) -> promql_parser.AggregateExpr:
+    """The aggregation of the Grafana dashboard's query over ``expression_of`` (one per panel)."""
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "kv-router.json").read_text())
+    (query,) = [
+        target["expr"]
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        if f"({expression_of}{{" in target["expr"]
+    ]
+    parsed = promql_parser.parse(query)
+    assert isinstance(parsed, promql_parser.AggregateExpr) and isinstance(parsed.expr, promql_parser.VectorSelector)
+    return parsed
+
+
+def evaluated(panel: promql_parser.AggregateExpr, text: str) -> dict[tuple[str, ...], float]:
+    """The panel's aggregation over one scrape (Prometheus adds only target labels, which it matches)."""
+    grouping = panel.modifier.labels if panel.modifier is not None else []
+    groups: dict[tuple[str, ...], list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for found in family.samples:
+            if found.name == panel.expr.name:
+                groups.setdefault(tuple(found.labels[label] for label in grouping), []).append(found.value)
+    aggregate = {"sum": sum, "max": max, "min": min, "avg": lambda values: sum(values) / len(values)}[str(panel.op)]
+    return {group: float(aggregate(values)) for group, values in groups.items()}
+
+
+def test_the_dashboards_per_rank_booking_panels_count_each_booking_once(tmp_path: Path) -> None:
+    """Every process of ``--processes N`` (as every replica in sync) holds every booking: a panel that
+    summed the processes showed each rank N times as loaded as it was."""
+    with RouterProcess(tmp_path, "--processes", "2") as router:
+        until(lambda: len(children_of(router.pid)) == 2 and listening_sockets(router.port) == 2,
+              40, "two router processes listening")  # fmt: skip
+        assert on_new_connection(router.port, "/v1/workers", {"worker_id": 1})[0] in (200, 201)
+        until(lambda: registered_everywhere(router.port, 1), 30, "every process knows the worker")
+        for index in range(3):
+            status, _ = on_new_connection(router.port, "/v1/new", {"tokens": PROMPT, "request_id": f"r{index}"})
+            assert status == 200
+        until(lambda: active_everywhere(router.port) == {3}, 30, "every process sees the 3 bookings")
+        text = scraped(router.port)
+        shown = {
+            name: evaluated(dashboard_panel(name), text)
+            for name in (
+                "kv_router_worker_active_requests",
+                "kv_router_worker_active_prefill_tokens",
+                "kv_router_worker_active_decode_blocks",
+            )
+        }
+    blocks = len(PROMPT) // 16  # RouterProcess serves with --block-size 16
+    assert shown == {
+        "kv_router_worker_active_requests": {("1", "0"): 3.0},
+        "kv_router_worker_active_prefill_tokens": {("1", "0"): 3.0 * len(PROMPT)},
+        "kv_router_worker_active_decode_blocks": {("1", "0"): float(blocks)},
+    }
 
 
 @pytest.mark.anyio
