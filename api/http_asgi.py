@@ -226,6 +226,10 @@ class AsgiRequest:
             # Answered before its body was asked for (a 401, 404): what the client sends next, the body
             # anyway or its next request, cannot be told apart, so the connection ends with the answer.
             self.keep_alive = False
+        if status == 413 and not self.complete:
+            # A body over the limit is not read to its end to keep the connection (the hot path's 413
+            # ends it too): the connection ends with the answer.
+            self.keep_alive = False
         lines = [STATUS_LINE.get(status) or b"HTTP/1.1 %d \r\n" % status, protocol.default_header_lines()]
         framed = False
         for raw_name, value in headers:

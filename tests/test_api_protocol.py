@@ -438,6 +438,31 @@ def test_a_body_sent_after_its_refusal_leaves_the_connection_usable_and_closable
         client.close()
 
 
+def test_an_app_routes_413_before_its_body_ends_the_connection() -> None:
+    """A body over the limit, declared so before it is sent, is refused with its head, as the hot
+    path refuses one: the connection closes with the 413 rather than read the whole body it will not
+    use (50 MB here, read to the end before)."""
+    declared = 50_000_000
+    with uvicorn_on_loopback(keep_alive_s=30.0) as port:
+        client = Client(port)
+        # Connection: keep-alive makes the C parser decline it: httptools and the app's route read it.
+        head = request("POST", "/v1/workers", b"x", connection="keep-alive").replace(
+            b"content-length: 1", b"content-length: %d" % declared
+        )[:-1]
+        client.send(head)
+        sent = 0
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            while sent < 10 * 8_388_608:  # bounded: far past the 8 MiB limit, far short of the declared
+                client.send(b"x" * 65_536)
+                sent += 65_536
+        refused = _answer_then_closed(client, 10)
+        assert refused.startswith(b"HTTP/1.1 413 "), refused[:100]
+        assert b"\r\nconnection: close" in refused.partition(b"\r\n\r\n")[0]
+        assert body_of(refused)["error"]["type"] == "body_too_large"
+        assert sent < 10 * 8_388_608  # refused and closed long before
+        client.close()
+
+
 @pytest.mark.parametrize(
     ("head", "status", "kind"),
     [
