@@ -409,15 +409,18 @@ class PlaneLifecycle:
             return
         self.disconnects += 1
         self._enter("disconnected")
+        self.router.forget_engine_load()
         logger.warning(
-            "lost the NATS connection to %s: routing continues on the current index; live events resume and "
-            "every stream is resynced when it is back",
+            "lost the NATS connection to %s: routing continues on the current index and the router's own "
+            "bookings (the engines' load reports resume with it); live events resume and every stream is "
+            "resynced when it is back",
             self.url,
         )
 
     async def _reconnected(self) -> None:
         outage = time.monotonic() - self._since
         self._enter("connected")
+        self.last_error = None  # the outage's: an error while connected is said anew
         plane = self.plane
         streams = len(plane.sequencer.status()) if plane is not None else 0
         logger.info("reconnected to NATS at %s after %.1f s: resyncing %d streams in the background",

@@ -461,6 +461,14 @@ class KvRouter:
         if kv_used_blocks is not None:
             self.update_kv_used_blocks(worker_id, dp_rank, kv_used_blocks)
 
+    def forget_engine_load(self) -> None:
+        """The engines' reports can no longer arrive (the event plane lost NATS): the last ones are not
+        taken as current, or an engine busy when they stopped would stay busy, and refused, for the whole
+        outage. Load is the router's own bookings until the engines report again; the queue is
+        dispatched on that view."""
+        self._scheduler.workers.forget_engine_reports()
+        self._dispatch_waiting()
+
     def apply_event(self, event: RouterEvent) -> None:
         """Apply one KV event to the index; raises the indexer's `KvIndexError` for a rejected one."""
         if self.computed_prompts is not None and event.event.stored is None:  # a removal or a clear

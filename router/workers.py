@@ -55,6 +55,11 @@ class WorkerRegistry:
             self._forget_reports(key)
         return ranks
 
+    def forget_engine_reports(self) -> None:
+        """Drop every rank's engine-reported KV usage and request counts (until each reports again)."""
+        self._kv_used_blocks.clear()
+        self._engine_requests.clear()
+
     def _forget_reports(self, key: WorkerRank) -> None:
         self._kv_used_blocks.pop(key, None)
         self._engine_requests.pop(key, None)

@@ -25,8 +25,10 @@ from api.plane_lifecycle import PlaneLifecycle
 from indexer.events import ResyncRequest, RouterEvent, encode_router_events, stored_event
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.config import RouterConfig
+from router.errors import AllWorkersOverloaded
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
+from router.event_plane.messages import ActiveLoad
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.publisher import KvEventPublisher, open_registry
 from router.event_plane.subjects import Subjects
@@ -51,6 +53,12 @@ def pairs(seed: int, blocks: int) -> list[tuple[int, int]]:
 
 def cached(router: KvRouter, seed: int, blocks: int) -> dict[int, int]:
     return {w.worker_id: w.device_blocks for w in router.overlap(tokens(seed, blocks)).workers if w.device_blocks}
+
+
+def reported_kv_used(router: KvRouter) -> int | None:
+    """The KV blocks in use the one worker's engine last reported (None: no report taken as current)."""
+    (load,) = router.rank_loads()
+    return load.kv_used_blocks
 
 
 def dynamo_event(worker_id: int, event_id: int, seed: int, blocks: int) -> bytes:
@@ -135,21 +143,31 @@ class _OneWorkerFleet(NamedTuple):
 
 @contextlib.asynccontextmanager
 async def one_worker_then_nats_killed(
-    nats_server: EmbeddedNats, worker_id: int, seed: int, resync_timeout_s: float
+    nats_server: EmbeddedNats,
+    worker_id: int,
+    seed: int,
+    resync_timeout_s: float,
+    config: RouterConfig | None = None,
+    kv_used_blocks: int | None = None,
 ) -> AsyncIterator[_OneWorkerFleet]:
-    """A router's event plane and one publishing worker (five blocks of ``seed`` indexed), then the
-    nats-server killed (-9); everything stopped on the way out."""
-    router = KvRouter(RouterConfig(block_size=BLOCK))
+    """A router's event plane and one publishing worker of 100 KV blocks (five blocks of ``seed``
+    indexed; its engine's ``kv_used_blocks`` reported and seen, if given), then the nats-server killed
+    (-9); everything stopped on the way out."""
+    router = KvRouter(config or RouterConfig(block_size=BLOCK))
     lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_server.url, resync_timeout_secs=resync_timeout_s))
     task = asyncio.create_task(lifecycle.run())
     await eventually(lambda: lifecycle.ready)
     worker_nc = await connect(NatsOptions(nats_server.url))
-    publisher = KvEventPublisher(worker_nc, WorkerConfig(worker_id=worker_id, block_size=BLOCK), heartbeat_interval=0.2)
+    worker = WorkerConfig(worker_id=worker_id, block_size=BLOCK, total_kv_blocks=100)
+    publisher = KvEventPublisher(worker_nc, worker, heartbeat_interval=0.2)
     try:
         await publisher.start()
         await eventually(lambda: router.has_worker(worker_id))
         await publisher.stored(pairs(seed, 5))
         await eventually(lambda: cached(router, seed, 5) == {worker_id: 5})
+        if kv_used_blocks is not None:
+            await publisher.publish_load(ActiveLoad(worker_id=worker_id, kv_used_blocks=kv_used_blocks))
+            await eventually(lambda: reported_kv_used(router) == kv_used_blocks)
         assert nats_server.pid is not None
         os.kill(nats_server.pid, signal.SIGKILL)
         await eventually(lambda: lifecycle.state == "disconnected" and not worker_nc.is_connected)
@@ -182,6 +200,30 @@ async def test_kill_9_and_restart_of_nats_keeps_routing_and_converges(
         ]
         infos = [r for r in caplog.records if r.levelno == logging.INFO and "reconnected to NATS" in r.message]
         assert (len(warnings), len(infos), lifecycle.disconnects) == (1, 1, 1)
+
+
+async def test_engine_load_reported_before_an_outage_is_not_taken_as_current_through_it(
+    nats_server: EmbeddedNats,
+) -> None:
+    """An engine's last report before NATS went away (its KV 90 % used: over the busy threshold) is
+    dropped with the connection: through the outage the router routes by its own bookings, where the
+    stale report had every worker overloaded and every request refused (503) until NATS was back. Once
+    back, the engine's reports count again; and the connection's last error goes with the outage."""
+    config = RouterConfig(block_size=BLOCK, active_decode_blocks_threshold=0.5)
+    request = RouteRequest(tokens=tokens(22, 5), request_id="through-the-outage")
+    async with one_worker_then_nats_killed(nats_server, 77, 22, 0.5, config, kv_used_blocks=90) as fleet:
+        router, lifecycle, worker_nc, publisher = fleet
+        assert reported_kv_used(router) is None
+        decision = await router.new(request)
+        assert (decision.worker_id, decision.overlap_blocks) == (77, 5)
+        assert router.mark_free(decision.request_id)
+        nats_server.restart()
+        await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=30)
+        assert lifecycle.last_error is None
+        await publisher.publish_load(ActiveLoad(worker_id=77, kv_used_blocks=90))
+        await eventually(lambda: reported_kv_used(router) == 90)
+        with pytest.raises(AllWorkersOverloaded):
+            await router.new(request)
 
 
 async def test_events_published_while_nats_is_gone_past_the_connections_buffer_reach_the_router(
