@@ -250,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     namespace = parse_command_line(parser, argv)
     if namespace.command in plugins:
         return plugins[namespace.command].run(namespace)
+    command_parser = _chosen_command(parser, namespace)  # a setting's problem names `serve` or `config show`
     args = vars(namespace)
     command = args.pop("command")
     config_command = args.pop("config_command", None)
@@ -261,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flags=args, env=os.environ, config_file=config_file, problems=problems if showing else None
         )
     except ConfigError as exc:
-        parser.error(str(exc))
+        command_parser.error(str(exc))
     warnings = stray_variables(os.environ) + idle_settings(settings, origin) + per_process_caps(settings)
     if warnings:
         # As the service logs (serve configures the same again); `config show` keeps stdout TOML.
@@ -277,11 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             load_model_files(settings.proxy.tokenizer_paths())
         except ConfigError as exc:
-            parser.error(str(exc))
+            command_parser.error(str(exc))
     try:
         _check_installed(settings)
     except ConfigError as exc:
-        parser.error(str(exc))
+        command_parser.error(str(exc))
     from api.listen import ListenError
     from api.server import serve  # imported late: --help and --version stay fast
 

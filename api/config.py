@@ -15,7 +15,8 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -711,16 +712,25 @@ def resolve_settings(
         except msgspec.ValidationError as exc:
             raise ConfigError(section, _explain(_plain(str(exc), merged[section], origin), origin)) from None
     settings = Settings(**sections)  # type: ignore[arg-type]
-    checks = [_check_names, _check_engine_specs, _check_files]
-    for check in checks:
-        try:
-            check(settings)
-        except ConfigError as exc:
-            explained = ConfigError(exc.field, _explain(str(exc), origin).removeprefix(f"{exc.field}: "))
-            if problems is None or check is _check_names:
-                raise explained from None
-            problems.append(explained)
+    try:
+        _check_names(settings)
+    except ConfigError as exc:
+        raise _explained(exc, origin) from None
+    found = _file_problems(settings)
+    try:
+        _check_engine_specs(settings)
+    except ConfigError as exc:
+        found.insert(0, exc)
+    for problem in found:
+        if problems is None:
+            raise _explained(problem, origin) from None
+        problems.append(_explained(problem, origin))
     return settings, origin
+
+
+def _explained(problem: ConfigError, origin: Mapping[str, str]) -> ConfigError:
+    """The problem naming where its setting came from."""
+    return ConfigError(problem.field, _explain(str(problem), origin).removeprefix(f"{problem.field}: "))
 
 
 def _check_names(settings: Settings) -> None:
@@ -752,40 +762,53 @@ def _check_engine_specs(settings: Settings) -> None:
                 raise ConfigError("dynamo_endpoint", str(exc).removeprefix("dynamo_endpoint ")) from None
 
 
-def _check_files(settings: Settings) -> None:
-    """Files that must be readable on this host."""
-    settings.security.token()
+def _file_problems(settings: Settings) -> list[ConfigError]:
+    """Files that must be readable on this host: a problem for each setting whose file is not (all of
+    them, so that fixing one does not merely show the next)."""
+    found: list[ConfigError] = []
+
+    def check(name: str, test: Callable[[], object]) -> None:
+        try:
+            test()
+        except ConfigError as exc:
+            found.append(exc)
+        except ValueError as exc:
+            found.append(ConfigError(name, str(exc)))
+
+    def readable(path: Path) -> None:
+        if not os.access(path, os.R_OK):
+            raise ValueError(f"cannot read {path}")
+
+    check("api_token_file", settings.security.token)
     for model, path in settings.proxy.tokenizer_paths().items():
         file = path / "tokenizer.json" if path.is_dir() else path
         if not os.access(file, os.R_OK) or not file.is_file():
             whose = "every model" if model == ANY_MODEL else f"model {model!r}"
-            raise ConfigError("tokenizer", f"{whose}: cannot read {file}")
-    for name in ("ssl_certfile", "ssl_keyfile"):
-        path = getattr(settings.security, name)
-        if path is not None and not os.access(path, os.R_OK):
-            raise ConfigError(name, f"cannot read {path}")
-    for name in ("nats_tls_ca_file", "nats_tls_cert_file", "nats_tls_key_file"):
-        path = getattr(settings.event_plane, name)
-        if path is not None and not os.access(path, os.R_OK):
-            raise ConfigError(name, f"cannot read {path}")
+            found.append(ConfigError("tokenizer", f"{whose}: cannot read {file}"))
+    security, plane = settings.security, settings.event_plane
+    files = {
+        "ssl_certfile": security.ssl_certfile,
+        "ssl_keyfile": security.ssl_keyfile,
+        "nats_tls_ca_file": plane.nats_tls_ca_file,
+        "nats_tls_cert_file": plane.nats_tls_cert_file,
+        "nats_tls_key_file": plane.nats_tls_key_file,
+    }
+    for name, given in files.items():
+        if given is not None:
+            check(name, partial(readable, Path(given)))
     from router.event_plane.connection import check_certificate  # ssl: only when it is needed
 
-    security, plane = settings.security, settings.event_plane
-    pairs = [("ssl_certfile", security.ssl_certfile, security.ssl_keyfile),
-             ("nats_tls_cert_file", plane.nats_tls_cert_file, plane.nats_tls_key_file)]  # fmt: skip
-    for name, cert_file, key_file in pairs:
-        if cert_file is not None:
-            try:
-                check_certificate(cert_file, key_file)
-            except ValueError as exc:
-                raise ConfigError(name, str(exc)) from None
-    if settings.event_plane.nats_creds_file is not None:
+    unreadable = {problem.field for problem in found}
+    pairs = [("ssl_certfile", "ssl_keyfile"), ("nats_tls_cert_file", "nats_tls_key_file")]
+    for cert, key in pairs:
+        cert_file = files[cert]
+        if cert_file is not None and not {cert, key} & unreadable:
+            check(cert, partial(check_certificate, cert_file, files[key]))
+    if plane.nats_creds_file is not None:
         from router.event_plane.connection import check_creds_file  # nats-py: only when it is needed
 
-        try:
-            check_creds_file(settings.event_plane.nats_creds_file)
-        except ValueError as exc:
-            raise ConfigError("nats_creds_file", str(exc)) from None
+        check("nats_creds_file", partial(check_creds_file, plane.nats_creds_file))
+    return found
 
 
 def flag_origin(name: str, value: object) -> str:

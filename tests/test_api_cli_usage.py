@@ -122,6 +122,9 @@ def test_a_bad_value_is_one_line_and_exit_code_2(argv: list[str], says: str) -> 
     assert done.returncode == 2, done.stderr
     assert says in done.stderr
     assert len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+    if argv[0] in ("serve", "config"):  # a setting's problem names the command whose --help lists it
+        command = "kv-router " + " ".join(argv[:2] if argv[0] == "config" else argv[:1])
+        assert done.stderr.startswith(f"{command}: error: ") and done.stderr.endswith(f" (see {command} --help)\n")
 
 
 MISSPELT = [
@@ -381,6 +384,15 @@ def test_config_show_reads_the_example_on_any_machine() -> None:
     assert done.returncode == 0, done.stderr
     assert "block_size = 64  # config file docs/kv-router.example.toml" in done.stdout
     assert "# kv-router serve would refuse these settings on this host:" in done.stdout
+    refused = done.stdout.partition("# kv-router serve would refuse these settings on this host:\n")[2]
+    # Every file the host lacks, each once: not only the first, for the next to show once it is fixed.
+    assert [line.partition(":")[0] for line in refused.splitlines()] == [
+        "#   api_token_file",
+        "#   ssl_certfile",
+        "#   ssl_keyfile",
+        "#   nats_tls_ca_file",
+        "#   nats_creds_file",
+    ], refused
     assert "#   api_token_file: cannot read /etc/kv-router/api-token" in done.stdout
     comment = next(line for line in EXAMPLE.read_text().splitlines() if line.startswith("policy ="))
     assert all(name in comment for name in policy_names()), comment
