@@ -1,10 +1,11 @@
 """How local tools find the embedded nats-server of a ``kv-router serve`` on this host, and its token.
 
 The service writes one small JSON file per embedded server (``nats-<port>.json``: URL, token, the
-service's PID) in a directory only its user can enter: ``$XDG_RUNTIME_DIR/kv-router`` (a tmpfs that
-the login session owns), else ``~/.cache/kv-router``; ``--nats-connection-file`` (or
-``KV_ROUTER_NATS_CONNECTION_FILE``) names another file. The file is 0600 and removed when the service
-stops. ``kv-router mock-worker``, ``replay --online`` and ``bridge`` read it when they are given no
+service's PID) in this user's ``$XDG_RUNTIME_DIR/kv-router`` (a tmpfs that the login session owns),
+else ``~/.cache/kv-router`` (made 0700 when the service makes it; one already there keeps its mode);
+``--nats-connection-file`` (or ``KV_ROUTER_NATS_CONNECTION_FILE``) names another file. The file is
+0600 (no other user reads it, whatever the directory's mode) and removed when the service stops.
+``kv-router mock-worker``, ``replay --online`` and ``bridge`` read it when they are given no
 credentials of their own: without a URL they take the server on port 4222 (or the only one running;
 several running and none on 4222 is an error listing them), with a loopback URL the one on its port.
 A file left by a killed service names a dead PID and is ignored; a file another user owns is never read.
