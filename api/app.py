@@ -38,6 +38,7 @@ from api.handlers import Handlers
 from api.metrics import (
     ApiMetrics,
     DoctorCollector,
+    EmbeddedNatsCollector,
     EngineStreamCollector,
     EventPlaneCollector,
     EventStreamCollector,
@@ -53,6 +54,7 @@ from api.routes import ServiceState, add_admin_routes, add_hot_routes, add_proxy
 from api.version import package_version
 from router.doctor import ConfigDoctor
 from router.errors import KvRouterError
+from router.event_plane.embedded_server import ServerKeeper
 from router.kv_router import KvRouter
 from router.supervision import Supervisor
 
@@ -78,10 +80,13 @@ def create_app(
     registry: CollectorRegistry | None = None,
     rng: random.Random | None = None,
     process_group: ProcessGroup | None = None,
+    embedded: ServerKeeper | None = None,
 ) -> RouterApp:
     """The service for ``settings``; ``registry`` receives its metrics (a fresh one by default),
     ``rng`` seeds the router's random choices (ties, sampling); ``process_group``: this is one process
-    of ``--processes N``, whose ``/metrics`` answers for all of them (`api.process_metrics`)."""
+    of ``--processes N``, whose ``/metrics`` answers for all of them (`api.process_metrics`);
+    ``embedded``: the keeper of the embedded nats-server ``settings`` name (its restarts are counted,
+    and the app is not ready once it is given up)."""
     settings = settings or Settings()
     registry = registry if registry is not None else CollectorRegistry()
     kv_router = KvRouter(settings.router, rng=rng, resync_retry_s=settings.event_plane.resync_retry_secs)
@@ -105,7 +110,7 @@ def create_app(
         protect_probes=security.protect_probes,
     )
     lifecycle = (
-        PlaneLifecycle(kv_router, settings.event_plane, settings.ha, http_port=settings.service.port)
+        PlaneLifecycle(kv_router, settings.event_plane, settings.ha, http_port=settings.service.port, embedded=embedded)
         if settings.event_plane.nats_url
         else None
     )
@@ -114,6 +119,8 @@ def create_app(
     if lifecycle is not None:
         registry.register(EventPlaneCollector(lifecycle))
         registry.register(HaCollector(lifecycle))
+    if embedded is not None:
+        registry.register(EmbeddedNatsCollector(embedded))
 
     state = ServiceState()
 

@@ -11,7 +11,8 @@ Two kinds, by cost:
 * State and counts kept elsewhere, read when ``/metrics`` is scraped, so keeping them costs the
   request path nothing: per-(worker, dp_rank) load, KV usage, indexed blocks, queue, workers, index
   size (`RouterStateCollector`); the event door's counts and stream states (`EventStreamCollector`);
-  the NATS plane's control messages and connection (`EventPlaneCollector`); how often each C path
+  the NATS plane's control messages and connection (`EventPlaneCollector`); the embedded
+  nats-server's restarts (`EmbeddedNatsCollector`); how often each C path
   handed its input to the Python twin (`NativeDeclinesCollector`).
 * ``kv_router_build_info{version,policy,native}``: constant 1, for joining version and policy onto panels;
   ``native`` lists the C accelerators running (``indexer,events,router,api``, or ``none``).
@@ -40,12 +41,14 @@ from indexer.sequencer import EventSequencer
 from router.doctor import ConfigDoctor
 from router.engines.direct import DirectEngine
 from router.engines.zmq_stream import ZmqEngineStream
+from router.event_plane.embedded_server import ServerKeeper
 from router.kv_router import KvRouter
 from router.types import RouteDecision
 from router.worker_health import STATE_VALUES
 
 __all__ = [
     "ApiMetrics",
+    "EmbeddedNatsCollector",
     "EventPlaneCollector",
     "EventStreamCollector",
     "NativeDeclinesCollector",
@@ -572,6 +575,28 @@ class EventPlaneCollector(Collector):
             ),
             CounterMetricFamily(f"{PREFIX}_nats_disconnects", "Times the NATS connection was lost after it started."),
         ]
+
+
+class EmbeddedNatsCollector(Collector):
+    """The embedded nats-server's restarts (`ServerKeeper`), read when ``/metrics`` is scraped."""
+
+    def __init__(self, keeper: ServerKeeper) -> None:
+        self._keeper = keeper
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        family.add_metric([], self._keeper.restarts)
+        yield family
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            f"{PREFIX}_embedded_nats_restarts",
+            "Times the embedded nats-server exited unexpectedly and was started again on its port.",
+        )
 
 
 class EngineStreamCollector(Collector):

@@ -2,7 +2,9 @@
 
 `embedded_nats` starts the private nats-server that ``kv-router serve`` uses when no URL is given
 (on another port, with a WARNING, when the configured one is taken), with a token made for it and
-handed to local tools in a connection file (`router.event_plane.connection_file`). `PlaneLifecycle`
+handed to local tools in a connection file (`router.event_plane.connection_file`), and keeps it running
+(`ServerKeeper`: a server that dies is started again on its port, with its token and JetStream store;
+one that keeps dying is given up, and the app it serves is then not ready). `PlaneLifecycle`
 connects the app's router to NATS in the background: HTTP serves from the first moment, each failed
 attempt is one log line (backoff doubling to 5 s, no traceback), and the `RouterEventPlane` starts
 once NATS answers. It then tracks the connection: one WARNING when it is lost, one INFO when it is back.
@@ -14,7 +16,7 @@ starts (`router.replicas`).
 Readiness (``/readyz``) follows `ready`: not ready until the event plane has started once (the index
 and the worker registry come from it; `not_ready_reason` says what it waits for: NATS, the snapshot's
 restore, the stream's replay and how far it is, the plane's start); afterwards a NATS outage does
-*not* make the replica unready.
+*not* make the replica unready, unless it is the embedded server's and that was given up.
 The router keeps routing on the index it has and its own load bookkeeping, which beats taking every
 replica out of a Service because NATS blinked; the outage shows in the ``/readyz`` and ``/healthz``
 bodies (`health`) and in ``kv_router_nats_connected`` / ``kv_router_event_plane_state``.
@@ -54,7 +56,7 @@ from router.event_plane.connection_file import (
     remove_connection_file,
     write_connection_file,
 )
-from router.event_plane.embedded_server import EmbeddedNats, free_port
+from router.event_plane.embedded_server import EmbeddedNats, ServerKeeper, free_port
 from router.event_plane.plane import RouterEventPlane
 from router.event_plane.publisher import event_payloads
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -79,12 +81,13 @@ RELAY_FLUSH_SECS = 5
 
 
 @contextlib.contextmanager
-def embedded_nats(config: EventPlaneConfig) -> Iterator[EventPlaneConfig]:
-    """The event plane settings to use: ``config`` itself when it names a NATS URL (or has no
-    embedded server), else the URL and token of an embedded server started here, which only clients
-    with that token may join; the token is written to a connection file (0600) for local tools."""
+def embedded_nats(config: EventPlaneConfig) -> Iterator[tuple[EventPlaneConfig, ServerKeeper | None]]:
+    """The event plane settings to use, and the keeper of the embedded server: ``config`` itself and
+    None when it names a NATS URL (or has no embedded server), else the URL and token of an embedded
+    server started here, which only clients with that token may join, kept running until the end; the
+    token is written to a connection file (0600) for local tools."""
     if config.nats_url is not None or not config.embedded_nats:
-        yield config
+        yield config, None
         return
     wanted = config.embedded_nats_port
     try:
@@ -114,32 +117,44 @@ def embedded_nats(config: EventPlaneConfig) -> Iterator[EventPlaneConfig]:
         server.port,
         where,
     )
+    keeper = ServerKeeper(server).start()
     try:
         # The server's token replaces any credentials configured for an external NATS.
-        yield msgspec.structs.replace(
-            config,
-            nats_url=server.url,
-            nats_token=server.token,
-            nats_user=None,
-            nats_password=None,
-            nats_creds_file=None,
+        yield (
+            msgspec.structs.replace(
+                config,
+                nats_url=server.url,
+                nats_token=server.token,
+                nats_user=None,
+                nats_password=None,
+                nats_creds_file=None,
+            ),
+            keeper,
         )
     finally:
         if path is not None:
             remove_connection_file(path, local)
-        server.stop()
+        keeper.stop()
 
 
 class PlaneLifecycle:
     """Connect, start and watch the event plane of one app; `run` is its supervised background loop."""
 
     def __init__(
-        self, router: KvRouter, config: EventPlaneConfig, ha: HaConfig | None = None, *, http_port: int = 0
+        self,
+        router: KvRouter,
+        config: EventPlaneConfig,
+        ha: HaConfig | None = None,
+        *,
+        http_port: int = 0,
+        embedded: ServerKeeper | None = None,
     ) -> None:
+        """``embedded``: the keeper of the embedded nats-server ``config`` names, run by this process."""
         assert config.nats_url is not None
         self.router = router
         self.config = config
         self.ha = ha or HaConfig()
+        self.embedded = embedded
         self._http_port = http_port
         # The URL as logs and HTTP bodies show it: never the credentials it may carry.
         self.url = redact_nats_url(config.nats_url)
@@ -164,7 +179,7 @@ class PlaneLifecycle:
     # ------------------------------------------------------------------ state
     @property
     def ready(self) -> bool:
-        return self.plane is not None
+        return self.plane is not None and (self.embedded is None or self.embedded.failure is None)
 
     @property
     def refused_registrations(self) -> Mapping[int, str]:
@@ -174,7 +189,9 @@ class PlaneLifecycle:
     def not_ready_reason(self) -> str:
         """Why the plane has not started yet (``/readyz``'s reason): NATS not reached, or, NATS connected,
         the plane starting: the durable restart restoring its snapshot or replaying the stream, the
-        registry being read."""
+        registry being read; or the embedded nats-server given up."""
+        if self.embedded is not None and self.embedded.failure is not None:
+            return self.embedded.failure
         restoring = self._restoring
         if restoring is not None:
             progress = restoring.replay_progress()

@@ -1,6 +1,7 @@
 """``kv-router serve --processes N``: N router processes on one host sharing one port, each a replica.
 
-The parent starts the embedded nats-server when no URL is given, then N children. Each child binds
+The parent starts the embedded nats-server when no URL is given (and starts it again if it dies:
+`api.plane_lifecycle.embedded_nats`), then N children. Each child binds
 its own listening socket to the same address with ``SO_REUSEPORT`` (the kernel spreads connections
 over them) and runs the whole service with replica sync on, so a request booked through one child's
 connection can be marked through any other's and every child routes on the load of all of them.

@@ -34,16 +34,20 @@ from api.logs import log_config
 from api.plane_lifecycle import embedded_nats
 from api.process_metrics import ProcessGroup
 from api.processes import CHILD_CATCH_UP_ENV, CHILD_SETTINGS_ENV, run_children
+from router.event_plane.embedded_server import ServerKeeper
 
 __all__ = ["serve", "serve_child", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 
 
-def uvicorn_config(settings: Settings, process_group: ProcessGroup | None = None) -> uvicorn.Config:
-    """uvicorn's configuration for ``settings``; ``process_group``: one process of ``--processes N``."""
+def uvicorn_config(
+    settings: Settings, process_group: ProcessGroup | None = None, embedded: ServerKeeper | None = None
+) -> uvicorn.Config:
+    """uvicorn's configuration for ``settings``; ``process_group``: one process of ``--processes N``;
+    ``embedded``: the keeper of the embedded nats-server this process runs."""
     service = settings.service
-    app = create_app(settings, process_group=process_group)
+    app = create_app(settings, process_group=process_group, embedded=embedded)
     # The hot and proxy routes are answered by our HTTP protocol, before ASGI (`api.http_protocol`,
     # through uvicorn's public http= setting); with fast_protocol off, uvicorn's own httptools
     # protocol runs every request on the app, FastAPI's routes included.
@@ -89,7 +93,7 @@ def serve(
     without it ever listening.
 
     Without ``nats_url`` (and unless ``embedded_nats`` is off) a private nats-server runs beside the
-    service for its whole life and stops after it.
+    service for its whole life, started again if it dies (`ServerKeeper`), and stops after it.
 
     After its graceful shutdown uvicorn raises the signal it caught again, with the handlers it found
     in place, so that the process ends as one killed by that signal. Those handlers are `_stop`'s: the
@@ -108,12 +112,12 @@ def serve(
     previous = {sig: signal.signal(sig, _stop) for sig in _SIGNALS}
     stopped_by: int | None = None
     try:
-        with embedded_nats(settings.event_plane) as event_plane:
+        with embedded_nats(settings.event_plane) as (event_plane, keeper):
             settings = msgspec.structs.replace(settings, event_plane=event_plane)
             if settings.ha.processes > 1:
                 run_children(settings)  # each child comes back here with one process and its socket
             else:
-                config = uvicorn_config(settings, process_group)
+                config = uvicorn_config(settings, process_group, keeper)
                 _freeze_startup_objects(proxy=settings.proxy.proxy)
                 plane = config.app.event_plane if isinstance(config.app, RouterApp) else None
                 caught_up = plane.caught_up if catch_up and sock is not None and plane is not None else None

@@ -214,7 +214,7 @@ def _pid_listening_on(port: int) -> int:
 def test_embedded_nats_listens_on_loopback_only(tmp_path: Path) -> None:
     port = free_port()
     config = EventPlaneConfig(embedded_nats_port=port, nats_connection_file=str(tmp_path / "nats.json"))
-    with embedded_nats(config) as used:
+    with embedded_nats(config) as (used, _):
         assert used.nats_url == f"nats://127.0.0.1:{port}"
         addresses = _listening_addresses(_pid_listening_on(port))
     assert addresses == {("127.0.0.1", port)}  # no other interface, no monitoring or cluster port

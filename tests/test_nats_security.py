@@ -88,7 +88,7 @@ def test_the_embedded_server_refuses_clients_without_its_token() -> None:
 def test_serve_writes_a_private_connection_file_and_removes_it(tmp_path: Path) -> None:
     connection_file = tmp_path / "runtime" / "kv-router" / "nats.json"
     config = EventPlaneConfig(embedded_nats_port=free_port(), nats_connection_file=str(connection_file))
-    with embedded_nats(config) as used:
+    with embedded_nats(config) as (used, _):
         assert used.nats_url == f"nats://127.0.0.1:{config.embedded_nats_port}" and used.nats_token is not None
         assert stat.S_IMODE(connection_file.stat().st_mode) == 0o600
         assert stat.S_IMODE(connection_file.parent.stat().st_mode) == 0o700

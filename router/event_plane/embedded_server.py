@@ -8,27 +8,38 @@ With ``require_token`` the server admits only clients that send a random token m
 (``kv-router serve`` and the demo: another user's process on the host cannot join). The token goes
 to the server in a config file readable by this user alone, in a private directory: never on its
 command line, which every user of the host can read.
+
+`ServerKeeper` keeps one running for a service: a server that exits other than by the keeper's `stop`
+(killed, out of memory, crashed) is started again at once on the same port, with the same token and
+JetStream store, so its clients reconnect by themselves and find the worker registry and the durable
+streams; one that keeps exiting, or cannot start again (its port taken meanwhile), is retried after a
+doubling backoff and given up after `RESTARTS_PER_WINDOW` starts within `RESTART_WINDOW_S`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from pathlib import Path
 from types import TracebackType
 
 from router.event_plane.connection import NatsOptions
 
-__all__ = ["EmbeddedNats", "die_with_parent", "find_nats_server", "free_port"]
+__all__ = ["EmbeddedNats", "ServerKeeper", "die_with_parent", "find_nats_server", "free_port"]
+
+logger = logging.getLogger(__name__)
 
 # Large enough for a worker's full index dump in one resync reply (see router.event_plane.publisher).
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
@@ -40,7 +51,6 @@ def die_with_parent(parent: int) -> None:
     behind (nor one whose parent died before the request took effect)."""
     if sys.platform == "linux":
         import ctypes
-        import signal
 
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
@@ -198,15 +208,13 @@ class EmbeddedNats:
             start_new_session=True,
         )
         self._log = _ServerLog(self._process)
+        # Failing, it raises: `start` and `restart` stop what it started.
         if not self._log.ready.wait(timeout):
-            self.stop()
             raise TimeoutError(f"nats-server did not become ready on {self.url} within {timeout} s")
         # Its log ending without "ready" means it exited, even if it is not reaped yet (poll() would
         # still say running, and a taken port would pass for a started server).
         if not self._log.serving or self._process.poll() is not None:
-            message = self._log.tail()
-            self.stop()
-            raise RuntimeError(f"nats-server could not start on {self.url}: {message}")
+            raise RuntimeError(f"nats-server could not start on {self.url}: {self._log.tail()}")
         self._remove_config()  # read at start-up: the token need not stay on disk
         return self
 
@@ -215,7 +223,22 @@ class EmbeddedNats:
             self._config_dir.cleanup()
             self._config_dir = None
 
+    def wait(self) -> int | None:
+        """Block until the server's process exits; its exit status (None if it is not running). From a
+        thread of its own: never on an event loop."""
+        process = self._process
+        return None if process is None else process.wait()
+
     def stop(self) -> None:
+        """Stop the server and remove its JetStream store if it made one."""
+        self._halt()
+        if self._owned_store is not None:
+            self._owned_store.cleanup()
+            self._owned_store = None
+            self._store_dir = None
+
+    def _halt(self) -> None:
+        """Stop the process (if it still runs), keeping the store for a restart."""
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
             process.terminate()
@@ -228,17 +251,17 @@ class EmbeddedNats:
             self._log.thread.join(timeout=5)
             self._log = None
         self._remove_config()
-        if self._owned_store is not None:
-            self._owned_store.cleanup()
-            self._owned_store = None
-            self._store_dir = None
 
     def restart(self, timeout: float = 10.0) -> None:
-        """Stop and start again on the same port, keeping JetStream state (for fault tests)."""
-        owned, self._owned_store = self._owned_store, None
-        self.stop()
-        self._owned_store = owned
-        self.start(timeout)
+        """Stop (if it still runs) and start again on the same port with the same token and JetStream
+        store, so that its clients reconnect and find their streams and buckets. A start that fails
+        raises and leaves it stopped, its store kept for the next `restart`."""
+        self._halt()
+        try:
+            self._start(timeout)
+        except BaseException:
+            self._halt()
+            raise
 
     def __enter__(self) -> EmbeddedNats:
         return self.start()
@@ -247,3 +270,119 @@ class EmbeddedNats:
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.stop()
+
+
+# A server that exits unexpectedly is started again at once; the next start within the window waits
+# `RESTART_FIRST_BACKOFF_S`, doubling to `RESTART_MAX_BACKOFF_S`; past `RESTARTS_PER_WINDOW` starts in
+# `RESTART_WINDOW_S` (each tried, successful or not) it is given up.
+RESTARTS_PER_WINDOW = 5
+RESTART_WINDOW_S = 60.0
+RESTART_FIRST_BACKOFF_S = 1.0
+RESTART_MAX_BACKOFF_S = 8.0
+
+
+def exit_status(status: int) -> str:
+    """``-9`` as ``killed by SIGKILL``, ``1`` as ``exit status 1``."""
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"
+
+
+class ServerKeeper:
+    """Keeps a started `EmbeddedNats` running until `stop` (see the module's docstring): a thread of its
+    own waits for the server's process and starts it again (`EmbeddedNats.restart`). ``restarts``
+    counts the servers started again; ``failure``, set once and for good, says why it was given up.
+
+    The thread that starts a server must outlive it (`die_with_parent` ties the server to the thread
+    that forked it): the keeper's thread ends only once its server is stopped or given up."""
+
+    def __init__(
+        self,
+        server: EmbeddedNats,
+        *,
+        restarts_per_window: int = RESTARTS_PER_WINDOW,
+        window_s: float = RESTART_WINDOW_S,
+        first_backoff_s: float = RESTART_FIRST_BACKOFF_S,
+        max_backoff_s: float = RESTART_MAX_BACKOFF_S,
+    ) -> None:
+        self.server = server
+        self.restarts = 0
+        self.failure: str | None = None
+        self._restarts_per_window = restarts_per_window
+        self._window_s = window_s
+        self._first_backoff_s = first_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._starts: deque[float] = deque()  # when each start was tried, within the window
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # a start and `stop` never overlap
+        self._thread = threading.Thread(target=self._keep, name="nats-server-keeper", daemon=True)
+
+    def start(self) -> ServerKeeper:
+        """Start watching the (started) server."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the server for good: nothing is started again after this; a start under way is waited
+        for, then stopped."""
+        self._stopping.set()
+        with self._lock:
+            self.server.stop()
+        self._thread.join(timeout=10)
+
+    def _keep(self) -> None:
+        while True:
+            pid = self.server.pid
+            status = self.server.wait()
+            if self._stopping.is_set() or status is None:
+                return
+            logger.warning(
+                "the embedded nats-server (pid %s, port %d) exited unexpectedly (%s): starting it again on the "
+                "same port; NATS clients reconnect by themselves",
+                pid,
+                self.server.port,
+                exit_status(status),
+            )
+            if not self._start_again(exit_status(status)):
+                return
+
+    def _start_again(self, exited: str) -> bool:
+        """Start the server again, retrying after a backoff; False if given up (or stopped)."""
+        last_error = exited
+        while True:
+            now = time.monotonic()
+            while self._starts and now - self._starts[0] > self._window_s:
+                self._starts.popleft()
+            tried = len(self._starts)
+            if tried >= self._restarts_per_window:
+                self.failure = (
+                    f"the embedded nats-server on port {self.server.port} was started again {tried} times within "
+                    f"{self._window_s:.0f} s and is not running (last: {last_error}); not started again: restart "
+                    "kv-router serve"
+                )
+                logger.error("%s", self.failure)
+                return False
+            backoff = min(self._first_backoff_s * 2 ** (tried - 1), self._max_backoff_s) if tried else 0.0
+            if self._stopping.wait(backoff):
+                return False
+            with self._lock:
+                if self._stopping.is_set():
+                    return False
+                self._starts.append(time.monotonic())
+                try:
+                    self.server.restart()
+                except Exception as exc:  # whatever stops a start (its port taken, the binary gone): retried
+                    last_error = str(exc)
+                    logger.warning("the embedded nats-server could not be started again: %s", last_error)
+                    continue
+            self.restarts += 1
+            logger.info(
+                "the embedded nats-server started again on port %d (pid %s; restart %d)",
+                self.server.port,
+                self.server.pid,
+                self.restarts,
+            )
+            return True
