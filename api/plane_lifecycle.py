@@ -323,7 +323,9 @@ class PlaneLifecycle:
 
     async def register(self, config: WorkerConfig) -> None:
         """Register a worker in the shared registry (every router learns it); before the plane has
-        started, in this router now and in the registry once it starts."""
+        started, in this router now and in the registry once it starts; while NATS is out of reach, in
+        this router now and in the registry once NATS is back (`RouterEventPlane.register`: never a
+        NATS error)."""
         if self.plane is not None:
             await self.plane.register(config)
             return
@@ -367,7 +369,8 @@ class PlaneLifecycle:
         return len(events)
 
     async def deregister(self, worker_id: int) -> None:
-        """Raises `UnknownWorker` for a worker this router does not know."""
+        """Remove a worker here and from the shared registry (while NATS is out of reach, from the
+        registry once it is back). Raises `UnknownWorker` for a worker this router does not know."""
         if self.plane is not None:
             await self.plane.deregister(worker_id)
             return

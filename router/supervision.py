@@ -16,6 +16,8 @@ A `Supervisor` owns the tasks one component runs beside its callers:
   already been logged. A loop whose cancellation was lost is not restarted, and `raise_if_cancelling`
   lets a loop end at once after such an await rather than run another round; a clean-up that must
   not be cut by the next ask runs under `unwind`.
+- ``cancel(task)``: one of its tasks cancelled and waited for as by ``stop()`` (a loop to be started
+  afresh).
 """
 
 from __future__ import annotations
@@ -88,7 +90,14 @@ class Supervisor:
         return len(self._tasks)
 
     async def stop(self) -> None:
-        tasks = list(self._tasks)
+        await self._cancel(list(self._tasks))
+
+    async def cancel(self, task: asyncio.Task[None]) -> None:
+        """Cancel one of its tasks and wait for it as `stop` does (a loop to be started afresh)."""
+        await self._cancel([task])
+
+    # ------------------------------------------------------------------ internals
+    async def _cancel(self, tasks: list[asyncio.Task[None]]) -> None:
         for task in tasks:
             task.cancel()
         if not tasks:
@@ -105,7 +114,6 @@ class Supervisor:
                 "%s: %d task(s) ignored cancellation for %.0f s: %s", self.owner, len(stuck), self._stop_timeout, names
             )
 
-    # ------------------------------------------------------------------ internals
     def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

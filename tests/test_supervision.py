@@ -63,6 +63,20 @@ async def test_a_service_fault_is_one_log_line_a_retry_without_its_traceback(cap
     await supervisor.stop()
 
 
+async def test_cancel_ends_one_loop_for_good_and_leaves_the_others_running() -> None:
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    supervisor = Supervisor("test")
+    one = supervisor.keep_running("one", forever)
+    supervisor.keep_running("other", forever)
+    await asyncio.sleep(0)
+    await supervisor.cancel(one)
+    assert one.cancelled() and supervisor.running == 1 and not supervisor.restarts
+    await supervisor.stop()
+    assert supervisor.running == 0
+
+
 async def test_a_failed_one_shot_task_is_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
     async def fails() -> None:
         raise ValueError("bad answer")

@@ -7,6 +7,13 @@
   and the engine's waiting / running requests (the load view: ``/v1/workers``, metrics).
 - The registry bucket ``kv_router_workers_{ns}`` is watched: a put registers or updates a worker, a
   delete removes it. HTTP registration writes into the same bucket (`register` / `deregister`).
+- Registry writes (HTTP registrations and removals, a lease's expiry, a registration from a heartbeat)
+  apply here at once and are owed to the bucket, in order (a later write of a worker replaces one
+  still owed): written at once while NATS is there, else by the registry keeper once it is back,
+  retried every second while NATS or JetStream fails them. NATS back, the keeper first checks the
+  bucket: one gone (a server restarted with an empty store) is recreated, and one that is not the
+  bucket the watch read (recreated meanwhile: its revisions start again) is read afresh from its
+  start, and the registrations this router made over HTTP are put back.
 - Heartbeats on ``kv.{ns}.heartbeat.*``: a heartbeat-leased worker silent for ``lease_s`` is deleted
   from the bucket, routing and the index; its next heartbeat (which carries its registration) brings
   it back, and its first event then triggers a full resync.
@@ -34,17 +41,20 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from datetime import datetime
 from functools import partial
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
 from nats.js.kv import KeyValue
 
 from indexer.errors import UNDECODABLE
 from indexer.slots import WorkerRank
 from router.errors import BlockSizeMismatch, UnknownWorker
+from router.event_plane.jetstream import JetStreamUnavailable
 from router.event_plane.messages import ActiveLoad, Heartbeat, Refusal
 from router.event_plane.publisher import open_registry
 from router.event_plane.ratelimited_log import RateLimitedLog
@@ -57,6 +67,11 @@ from router.types import WorkerConfig
 __all__ = ["RouterEventPlane"]
 
 log = logging.getLogger(__name__)
+
+# What a registry write meets while NATS or JetStream is out of reach or the bucket is gone: it stays owed.
+REGISTRY_UNREACHABLE = (NatsError, JetStreamUnavailable)
+# How long the registry keeper waits before it tries a failed write again.
+REGISTRY_RETRY_S = 1.0
 
 
 class RouterEventPlane:
@@ -97,6 +112,15 @@ class RouterEventPlane:
         self._leased: dict[int, float] = {}  # heartbeat-leased worker -> last sign of life
         self._leases_paused = False  # NATS was seen disconnected: leases restart once it is back
         self._registry: KeyValue | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._watched_bucket: datetime | None = None  # the creation of the bucket the watch reads
+        # Registry writes owed, oldest first: worker -> its registration, or None for its deletion.
+        self._owed: dict[int, WorkerConfig | None] = {}
+        self._owned: set[int] = set()  # registered here over HTTP: put back into a bucket that lost them
+        self._registry_due = asyncio.Event()  # wakes the registry keeper
+        self._check_bucket = False  # NATS came back, or a write failed: the bucket may be gone or recreated
+        self._writing = asyncio.Lock()  # one writer at a time, so the writes land in order
+        self._registry_trouble = RateLimitedLog(log)
         self._subscriptions: list[Subscription] = []
         self._background = Supervisor("event-plane")
         self._bad_input = RateLimitedLog(log)
@@ -129,8 +153,9 @@ class RouterEventPlane:
             await self.nc.subscribe(self.subjects.all_heartbeats, cb=self._on_heartbeat),
         ]
         initial_done = asyncio.Event()
-        self._background.keep_running("registry-watch", partial(self._watch_registry, initial_done))
+        self._watch = self._background.keep_running("registry-watch", partial(self._watch_registry, initial_done))
         self._background.keep_running("lease-expiry", self._expire_silent_workers)
+        self._background.keep_running("registry-keeper", self._keep_registry)
         await asyncio.wait_for(initial_done.wait(), timeout=10)
 
     def release_join_resyncs(self) -> None:
@@ -162,6 +187,8 @@ class RouterEventPlane:
     async def on_reconnected(self) -> None:
         self.outcomes["reconnects"] += 1
         self.subscriber.resync_all()
+        self._check_bucket = True  # a server restarted with an empty store has lost it
+        self._registry_due.set()
 
     def on_slow_consumer(self, subject: str) -> bool:
         """NATS dropped a message on ``subject`` before this router read it (the subscription's pending
@@ -187,20 +214,109 @@ class RouterEventPlane:
 
     # ------------------------------------------------------------------ registry
     async def register(self, config: WorkerConfig, *, leased: bool = False) -> None:
-        """Write a worker into the shared registry; every router watching it registers the worker.
-        Raises `BlockSizeMismatch`, writing nothing, for a worker whose block size differs from the router's."""
+        """Register a worker here and write it into the shared registry; every router watching it
+        registers the worker. Raises `BlockSizeMismatch`, changing nothing, for a worker whose block
+        size differs from the router's; never a NATS error (`_write_registry`)."""
         self.router.check_block_size(config)
         block_size = config.block_size or self.router.config.block_size
         registration = msgspec.structs.replace(config, block_size=block_size, leased=leased)
         registration = registration.keeping(self.router.worker(config.worker_id))  # the registry holds it whole
         await self._apply_registration(registration)  # at once here; the watch's echo is then a no-op
-        assert self._registry is not None
-        await self._registry.put(str(config.worker_id), msgspec.json.encode(registration))
+        self._owned.add(config.worker_id)
+        await self._write_registry(config.worker_id, registration)
 
     async def deregister(self, worker_id: int, reason: RemovalReason = "api") -> None:
+        """Remove a worker here and from the shared registry; never a NATS error (`_write_registry`)."""
         self._remove(worker_id, reason)
-        assert self._registry is not None
-        await self._registry.delete(str(worker_id))
+        await self._write_registry(worker_id, None)
+
+    def _owe(self, worker_id: int, registration: WorkerConfig | None) -> None:
+        """Owe the registry a write of ``registration`` (None: the worker's deletion), after those owed
+        before; it replaces one of the same worker still owed. The registry keeper is woken for it."""
+        self._owed.pop(worker_id, None)
+        self._owed[worker_id] = registration
+        self._registry_due.set()
+
+    async def _write_registry(self, worker_id: int, registration: WorkerConfig | None) -> None:
+        """Owe the write, and make it now while NATS is there: the caller answers once every router can
+        learn it. NATS out of reach (its client would send the write at a reconnection nobody awaits),
+        the bucket to be checked first, or the write failed: the registry keeper writes it."""
+        self._owe(worker_id, registration)
+        if not self.nc.is_connected:
+            return
+        try:
+            await self._pay_owed(check_bucket=False)
+        except REGISTRY_UNREACHABLE:
+            self._check_bucket = True
+            self._registry_due.set()
+
+    async def _keep_registry(self) -> None:
+        """Write what the registry is owed whenever there is some and NATS is there, the bucket checked
+        first when NATS came back or a write failed (`_check_registry_bucket`); a failure is logged
+        (rate-limited) and tried again every `REGISTRY_RETRY_S`."""
+        while True:
+            await self._registry_due.wait()
+            self._registry_due.clear()
+            if not self.nc.is_connected:
+                continue  # woken again when it is back (`on_reconnected`)
+            try:
+                await self._pay_owed(check_bucket=True)
+            except REGISTRY_UNREACHABLE as exc:
+                self._check_bucket = True
+                self._registry_trouble.warning(
+                    "registry unreachable",
+                    f"{type(exc).__name__}: {exc}; {len(self._owed)} worker registry writes owed, applied "
+                    f"here already, tried again in {REGISTRY_RETRY_S:g} s",
+                )
+                await asyncio.sleep(REGISTRY_RETRY_S)
+                self._registry_due.set()
+
+    async def _pay_owed(self, *, check_bucket: bool) -> None:
+        """Write what is owed, oldest first, each forgotten once written unless owed again meanwhile.
+        With the bucket to be checked: that first if ``check_bucket`` (the keeper), else nothing (the
+        keeper is on it). Raises what NATS raises, the rest still owed."""
+        async with self._writing:
+            if self._check_bucket:
+                if not check_bucket:
+                    return
+                await self._check_registry_bucket()
+                self._check_bucket = False
+            registry = self._registry
+            assert registry is not None
+            while self._owed:
+                worker_id, registration = next(iter(self._owed.items()))
+                if registration is None:
+                    await registry.delete(str(worker_id))
+                else:
+                    await registry.put(str(worker_id), msgspec.json.encode(registration))
+                if worker_id in self._owed and self._owed[worker_id] is registration:
+                    del self._owed[worker_id]
+
+    async def _check_registry_bucket(self) -> None:
+        """The bucket as NATS has it now, opened as at start (one gone, as with a server restarted on an
+        empty store, is created again). Unless it is the bucket the watch reads, it is read afresh from
+        its start (nats-py's watch would go on at the revision after the last it saw, and miss every
+        entry of the new bucket below it), and the registrations made here over HTTP are owed to it."""
+        registry = await open_registry(self.nc, self.subjects, self._jetstream_replicas)
+        created = (await registry.status()).stream_info.created
+        if created == self._watched_bucket:
+            return
+        log.warning(
+            "the worker registry bucket %s is not the one this router read (NATS lost its JetStream state, or "
+            "the bucket was made again): reading it afresh, and putting back the %d workers registered here",
+            self.subjects.registry_bucket,
+            len(self._owned),
+        )
+        self._registry, self._watched_bucket = registry, created
+        if self._watch is not None:
+            await self._background.cancel(self._watch)
+        self._watch = self._background.keep_running("registry-watch", partial(self._watch_registry, asyncio.Event()))
+        for worker_id in sorted(self._owned - self._owed.keys()):
+            held = self.router.worker(worker_id)
+            if held is None or held.leased:  # its publisher's now, which registers it itself
+                self._owned.discard(worker_id)
+            else:
+                self._owe(worker_id, held)
 
     async def _watch_registry(self, initial_done: asyncio.Event) -> None:
         assert self._registry is not None
@@ -208,7 +324,9 @@ class RouterEventPlane:
         # bucket's last revision when the watch starts (a later entry shows it passed; that revision may
         # be gone, purged, and never come). Not at nats-py's own end marker: it can come before an entry
         # the server had already sent (it then asks the consumer, which counts that one delivered).
-        state = (await self._registry.status()).stream_info.state
+        info = (await self._registry.status()).stream_info
+        self._watched_bucket = info.created
+        state = info.state
         initial_end = state.last_seq if state.messages else 0
         # Made under a shield: a cancellation landing while nats-py subscribes (a start that fails just
         # after this one signalled its initial contents) would leave the subscription with no watcher
@@ -301,6 +419,7 @@ class RouterEventPlane:
 
     def _remove(self, worker_id: int, reason: RemovalReason = "deregistered") -> None:
         self._leased.pop(worker_id, None)
+        self._owned.discard(worker_id)
         self.subscriber.forget_worker(worker_id)
         if self.router.has_worker(worker_id):
             self.router.remove_worker(worker_id, reason)
@@ -339,8 +458,7 @@ class RouterEventPlane:
             if not await self._apply_registration(registration):
                 return  # refused again: said once already
             log.info("worker %d registered from its heartbeat", beat.worker_id)
-            if self._registry is not None:
-                await self._registry.put(str(beat.worker_id), msgspec.json.encode(registration))
+            self._owe(beat.worker_id, registration)  # written by the keeper: this callback never waits on NATS
 
     async def _expire_silent_workers(self) -> None:
         while True:
