@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 from pathlib import Path
 
 import pytest
@@ -119,46 +118,54 @@ def test_the_keeper_stops_its_server_for_good_and_keeps_its_store_across_restart
     assert server.pid is None and not accepting(server.port) and keeper.restarts == 1 and keeper.failure is None
 
 
+def squat(squatters: list[EmbeddedNats], port: int) -> bool:
+    """Another program takes ``port``: a nats-server of its own, with a token the router does not have
+    (its client is refused, as by any server there but its own), kept in ``squatters``; False while
+    the kernel still refuses the port."""
+    try:
+        squatters.append(EmbeddedNats(port=port, require_token=True).start())
+    except (RuntimeError, TimeoutError):
+        return False
+    return True
+
+
 def test_a_server_that_cannot_be_started_again_is_given_up_and_the_service_is_not_ready(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Killed twice, its port then taken by another program: each start fails naming the taken port,
-    and past the starts a window allows it is given up: an ERROR, and /readyz 503 saying so. Nothing
-    else is bound instead."""
+    and past the starts a window allows it is given up: an ERROR, and the service it serves answers
+    /readyz 503 saying so. Nothing else is bound instead."""
     server = EmbeddedNats(require_token=True).start()
     # A backoff long enough for the port to be taken before the start after the second kill, however
     # loaded the machine (2 s was not, once: that start came first and succeeded).
     keeper = ServerKeeper(server, restarts_per_window=2, first_backoff_s=6.0).start()
+    squatters: list[EmbeddedNats] = []
+    try:
+        first = server.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        until(lambda: keeper.restarts == 1, 20, "the first start again")
+        second = server.pid
+        assert second is not None
+        os.kill(second, signal.SIGKILL)
+        until(lambda: not running(second), 10, "the second server gone")
+        # Within the backoff before the next start (as nats-server does: its clients' closed
+        # connections may hold the port in TIME_WAIT, which a listen may still meet for a moment).
+        until(lambda: squat(squatters, server.port), 4, "the port taken within the backoff")
+        until(lambda: keeper.failure is not None, 20, "given up")
+    finally:
+        for squatter in squatters:
+            squatter.stop()
+        keeper.stop()
+    # The service of that server (its client refused at the port now free: no server answers there).
     settings = Settings(
         router=RouterConfig(block_size=BLOCK),
         event_plane=EventPlaneConfig(nats_url=server.url, nats_token=server.token, embedded_nats=False),
     )
-    app = create_app(settings, registry=CollectorRegistry(), embedded=keeper)
-    squatter = socket.socket()
-    try:
-        with TestClient(app, base_url="http://127.0.0.1") as client:
-            until(lambda: client.get("/readyz").status_code == 200, 20, "ready")
-            first = server.pid
-            assert first is not None
-            os.kill(first, signal.SIGKILL)
-            until(lambda: keeper.restarts == 1, 20, "the first start again")
-            second = server.pid
-            assert second is not None
-            os.kill(second, signal.SIGKILL)
-            until(lambda: not running(second), 10, "the second server gone")
-            # Within the backoff before the next start (as nats-server does: its clients' closed
-            # connections may hold the port in TIME_WAIT).
-            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            squatter.bind(("127.0.0.1", server.port))
-            squatter.listen()
-            until(lambda: keeper.failure is not None, 20, "given up")
-            readiness = client.get("/readyz")
-            assert readiness.status_code == 503 and readiness.json()["reason"] == keeper.failure
-            text = client.get("/metrics").text
-            assert sample(text, "kv_router_embedded_nats_restarts_total") == 1.0
-    finally:
-        squatter.close()
-        keeper.stop()
+    with TestClient(create_app(settings, registry=CollectorRegistry(), embedded=keeper)) as client:
+        readiness = client.get("/readyz")
+        assert readiness.status_code == 503 and readiness.json()["reason"] == keeper.failure
+        assert sample(client.get("/metrics").text, "kv_router_embedded_nats_restarts_total") == 1.0
     assert keeper.failure is not None
     assert f"port {server.port} was started again 2 times within 60 s" in keeper.failure
     assert "address already in use" in keeper.failure and "restart kv-router serve" in keeper.failure
