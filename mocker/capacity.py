@@ -291,12 +291,15 @@ async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, flo
         else:
             hi = middle
     lo, hi = runs.tighten(lo, hi)
-    resolved = (
+    return lo, hi, _resolved(lo, hi, search)
+
+
+def _resolved(lo: float, hi: float, search: CapacitySearch) -> bool:
+    return (
         (lo == 0 and hi <= MIN_MULTIPLIER)
         or (lo >= MAX_MULTIPLIER and math.isinf(hi))
         or (lo > 0 and hi / lo <= 1 + search.tolerance)
     )
-    return lo, hi, resolved
 
 
 async def measure_capacity(
@@ -340,9 +343,12 @@ async def measure_capacity(
         origin = {"derived": False}
     results = []
     for runs in all_runs:
-        lo, hi, resolved = await find_capacity(runs, search)
+        lo, hi, _ = await find_capacity(runs, search)
         for multiplier in search.goodput_multipliers:
             await runs.run(multiplier)
+        # A goodput point inside the bracket narrows it as a bisection step would.
+        lo, hi = runs.tighten(lo, hi)
+        resolved = _resolved(lo, hi, search)
         points = runs.points()
         at_capacity = next((p for p in points if p.multiplier == lo), None)
         results.append(CapacityResult(runs.router, lo, (lo, hi), at_capacity, points, resolved))
