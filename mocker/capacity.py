@@ -31,9 +31,7 @@ found is still a multiplier meeting the SLO next to one missing it.
 
 from __future__ import annotations
 
-import asyncio
 import math
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -293,12 +291,15 @@ async def find_capacity(runs: _Runs, search: CapacitySearch) -> tuple[float, flo
         else:
             hi = middle
     lo, hi = runs.tighten(lo, hi)
-    resolved = (
+    return lo, hi, _resolved(lo, hi, search)
+
+
+def _resolved(lo: float, hi: float, search: CapacitySearch) -> bool:
+    return (
         (lo == 0 and hi <= MIN_MULTIPLIER)
         or (lo >= MAX_MULTIPLIER and math.isinf(hi))
         or (lo > 0 and hi / lo <= 1 + search.tolerance)
     )
-    return lo, hi, resolved
 
 
 async def measure_capacity(
@@ -342,9 +343,12 @@ async def measure_capacity(
         origin = {"derived": False}
     results = []
     for runs in all_runs:
-        lo, hi, resolved = await find_capacity(runs, search)
+        lo, hi, _ = await find_capacity(runs, search)
         for multiplier in search.goodput_multipliers:
             await runs.run(multiplier)
+        # A goodput point inside the bracket narrows it as a bisection step would.
+        lo, hi = runs.tighten(lo, hi)
+        resolved = _resolved(lo, hi, search)
         points = runs.points()
         at_capacity = next((p for p in points if p.multiplier == lo), None)
         results.append(CapacityResult(runs.router, lo, (lo, hi), at_capacity, points, resolved))
@@ -362,18 +366,6 @@ def offline_evaluator(trace: Trace, setup: ReplaySetup) -> Evaluate:
     return evaluate
 
 
-class _WorkerId(msgspec.Struct):
-    worker_id: int
-
-
-class _WorkerStatus(msgspec.Struct):
-    config: _WorkerId
-
-
-class _Workers(msgspec.Struct):
-    workers: list[_WorkerStatus]
-
-
 def online_evaluator(
     trace: Trace,
     *,
@@ -383,49 +375,15 @@ def online_evaluator(
     workers: int = 1,
     time_scale: float = 1.0,
     window_s: float = 60.0,
-    settle_timeout_s: float = 10.0,
+    timeout_s: float = 300.0,
 ) -> Evaluate:
     """Replays ``trace`` against a running router and its mock workers (`replay_online_report`) with its
-    arrivals ``multiplier`` times denser. Before each run every worker's prefix cache is reset and the
-    router's index waited on until it holds nothing, so a point does not inherit the previous one's
-    cache (the router's name is the label of the run)."""
-    import httpx
-    from nats import errors as nats_errors
-
-    from mocker.online import OnlineReplayError, wait_for_workers
+    arrivals ``multiplier`` times denser. Each run starts, as every online replay does, with every worker's
+    prefix cache reset and the router's index empty (`mocker.online.reset_fleet`), so a point does not
+    inherit the previous one's cache (the router's name is the label of the run)."""
     from mocker.replay import replay_online_report
-    from mocker.wire import reset_subject
-    from router.event_plane.connection import close_connection, connect
-    from router.event_plane.first_connection import LocalToolConnection
-
-    async def settle() -> None:
-        async with httpx.AsyncClient(base_url=router_url) as http:
-            await wait_for_workers(http, workers)
-            listed = msgspec.json.decode((await http.get("/v1/workers")).content, type=_Workers).workers
-            nc = (await nats.connect())[0] if isinstance(nats, LocalToolConnection) else await connect(nats)
-            try:
-                for status in listed:
-                    worker_id = status.config.worker_id
-                    try:
-                        reply = await nc.request(reset_subject(namespace, worker_id), b"", timeout=5)
-                    except nats_errors.Error as exc:  # no responder, a timeout: the worker is gone or stuck
-                        raise OnlineReplayError(
-                            f"worker {worker_id} did not answer a prefix-cache reset: {type(exc).__name__}: {exc}"
-                        ) from exc
-                    if reply.data != b"ok":
-                        raise OnlineReplayError(f"worker {worker_id} refused a prefix-cache reset: {reply.data!r}")
-            finally:
-                await close_connection(nc)
-            deadline = time.monotonic() + settle_timeout_s
-            while msgspec.json.decode((await http.get("/v1/dump")).content, type=list[Any]):
-                if time.monotonic() > deadline:
-                    raise OnlineReplayError(
-                        f"the router still indexes blocks {settle_timeout_s:.0f} s after the resets"
-                    )
-                await asyncio.sleep(0.05)
 
     async def evaluate(router: str, multiplier: float) -> tuple[RouterReport, list[ReplayRecord]]:
-        await settle()
         run = await replay_online_report(
             trace.time_scaled(multiplier),
             label=router,
@@ -435,6 +393,7 @@ def online_evaluator(
             workers=workers,
             time_scale=time_scale,
             window_s=window_s,
+            timeout_s=timeout_s,
             show_progress=False,
         )
         return run.report, run.records

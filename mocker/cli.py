@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 __all__ = ["DEMO", "MOCK_WORKER", "REPLAY", "TUNE", "SimulatorCommand", "main"]
 
 _ENGINE_DEFAULTS = EngineConfig()
+# `kv-router replay --online`: the run completed and reported, but some requests never finished.
+EXIT_UNFINISHED = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +343,12 @@ def _add_replay(parser: argparse.ArgumentParser) -> None:
         help="run this many times faster than the trace and scale times back; start the workers with "
         "--engine-speedup equal to it [%(default)s]",
     )
+    online.add_argument(
+        "--request-timeout-secs",
+        type=_positive_float,
+        default=300.0,
+        help="a request whose worker sends nothing this long (wall clock) ends unfinished [%(default)s]",
+    )
     online.add_argument("--label", default="online", help="the router's name in the report [%(default)s]")
     _add_capacity_flags(parser)
     output = parser.add_argument_group("output")
@@ -469,6 +477,7 @@ def _run_capacity(
             workers=args.workers,
             time_scale=args.time_scale,
             window_s=args.window_s,
+            timeout_s=args.request_timeout_secs,
         )
         routers = [args.label]
     else:
@@ -492,6 +501,7 @@ def _run_capacity(
 
 def _run_replay(args: argparse.Namespace) -> int:
     import asyncio
+    import signal
 
     import httpx
 
@@ -561,6 +571,7 @@ def _run_replay(args: argparse.Namespace) -> int:
                     workers=args.workers,
                     time_scale=args.time_scale,
                     window_s=args.window_s,
+                    timeout_s=args.request_timeout_secs,
                     show_progress=not args.quiet,
                 )
             )
@@ -574,6 +585,9 @@ def _run_replay(args: argparse.Namespace) -> int:
     except httpx.HTTPError as exc:  # the router at --url unreachable, or gone mid-replay
         print(f"kv-router replay: the router at {args.url}: {exc or type(exc).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # an online run has marked free what the router still booked for it
+        print("kv-router replay: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     print(render_table([run.report for run in runs]))
     if args.per_worker:
         print(render_worker_table([run.report for run in runs]))
@@ -581,6 +595,15 @@ def _run_replay(args: argparse.Namespace) -> int:
     if note:
         print(note, file=sys.stderr)
     print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
+    unfinished = sum(run.report.unfinished for run in runs)
+    if unfinished:
+        requests = sum(run.report.requests for run in runs)
+        print(
+            f"kv-router replay: WARNING: {unfinished} of {requests} requests unfinished (their worker left the "
+            f"router, or sent nothing for --request-timeout-secs): exit {EXIT_UNFINISHED}",
+            file=sys.stderr,
+        )
+        return EXIT_UNFINISHED
     return 0
 
 

@@ -10,45 +10,100 @@ speedup); to run a trace faster than real time, compress arrivals with the speed
 with the same engine ``speedup_ratio``: the replay then behaves like the original at that many times the
 speed, and its latencies are that many times shorter. Records come out in the same shape as the offline
 simulation's.
+
+Every replay starts from the state each point of a capacity search starts from (`reset_fleet`): every
+worker's prefix cache reset and the router's index empty, so a replay never measures the previous one's
+warm caches. A request ends unfinished when its worker sends nothing for ``timeout_s`` or leaves the
+router's worker list (its bookings dropped with it: the list is polled every `WORKER_POLL_S`). A
+refusal by the router's queue or of a fleet all overloaded (429 ``queue_rejected``, 503
+``all_workers_overloaded``) is a rejection; any other error (no worker left to route to, the router
+gone) ends the run at once with `OnlineReplayError` or httpx's error, the requests still running
+cancelled and, as when the run is cancelled (Ctrl-C), those the router still books marked free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import msgspec
+from nats import errors as nats_errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from mocker.report import ReplayRecord, blank_records
 from mocker.trace import Trace, TraceRequest
-from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject, reply_prefix
+from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject, reply_prefix, reset_subject
 
-__all__ = ["OnlineReplayError", "replay_online", "wait_for_workers"]
+__all__ = ["WORKER_POLL_S", "OnlineReplayError", "listed_workers", "replay_online", "reset_fleet", "wait_for_workers"]
 
 _MSGPACK = "application/msgpack"
 _encode = msgspec.msgpack.Encoder().encode
 _decode_update = msgspec.msgpack.Decoder(GenerateUpdate).decode
 
+# How often the replay asks the router which workers it lists (a worker gone ends its requests).
+WORKER_POLL_S = 0.5
+# How long an ended run (an error, Ctrl-C) spends marking free the requests the router still books.
+FREE_DEADLINE_S = 5.0
+# /v1/new may park in the router's queue: its calls get a pool of their own, the marks that unpark them another.
+_POOL = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+# The router's answers that refuse one request, not the run: its queue full, every worker overloaded.
+_REJECTIONS = frozenset({"queue_rejected", "all_workers_overloaded"})
+# ... and those that say it has no fleet to route to.
+_NO_WORKERS = frozenset({"workers_unavailable", "no_eligible_worker"})
+
+
+class _Timing(msgspec.Struct):
+    queued_s: float = 0.0
+
 
 class _Decision(msgspec.Struct):
     worker_id: int
     cached_tokens: int = 0
+    timing: _Timing = msgspec.field(default_factory=_Timing)
 
 
-class _WorkersReply(msgspec.Struct):
-    workers: list[msgspec.Raw]
+class _ErrorBody(msgspec.Struct):
+    type: str
+    message: str = ""
+
+
+class _ErrorReply(msgspec.Struct):
+    error: _ErrorBody
+
+
+class _WorkerId(msgspec.Struct):
+    worker_id: int
+
+
+class _WorkerStatus(msgspec.Struct):
+    config: _WorkerId
+
+
+class _Workers(msgspec.Struct):
+    workers: list[_WorkerStatus]
 
 
 _decode_decision = msgspec.msgpack.Decoder(_Decision).decode
+_decode_error = msgspec.json.Decoder(_ErrorReply).decode
+_decode_workers = msgspec.json.Decoder(_Workers).decode
 
 
 class OnlineReplayError(RuntimeError):
     """The router or the workers failed in a way the replay cannot count as a rejection."""
+
+
+async def listed_workers(http: httpx.AsyncClient) -> list[int]:
+    """The ids of the workers the router lists (``GET /v1/workers``)."""
+    reply = await http.get("/v1/workers")
+    if reply.status_code != 200:
+        raise OnlineReplayError(f"GET /v1/workers answered {reply.status_code}: {reply.text[:200]}")
+    return [status.config.worker_id for status in _decode_workers(reply.content).workers]
 
 
 async def wait_for_workers(http: httpx.AsyncClient, count: int, timeout_s: float = 30.0) -> None:
@@ -58,24 +113,75 @@ async def wait_for_workers(http: httpx.AsyncClient, count: int, timeout_s: float
     while time.monotonic() < deadline:
         reply = await http.get("/v1/workers")
         if reply.status_code == 200:
-            seen = len(msgspec.json.decode(reply.content, type=_WorkersReply).workers)
+            seen = len(_decode_workers(reply.content).workers)
             if seen >= count:
                 return
         await asyncio.sleep(0.1)
     raise OnlineReplayError(f"the router lists {seen} workers after {timeout_s:.0f} s; expected {count}")
 
 
+async def reset_fleet(
+    http: httpx.AsyncClient,
+    nc: Client,
+    namespace: str,
+    *,
+    settle_timeout_s: float = 10.0,
+    busy_timeout_s: float = 30.0,
+) -> None:
+    """Reset the prefix cache of every worker the router lists and wait until the router's index holds
+    nothing: the clean state each replay starts from. A worker still running requests (a previous run's,
+    interrupted) answers ``busy``: it is asked again until ``busy_timeout_s`` has passed."""
+    for worker_id in await listed_workers(http):
+        deadline = time.monotonic() + busy_timeout_s
+        while True:
+            try:
+                reply = await nc.request(reset_subject(namespace, worker_id), b"", timeout=5)
+            except nats_errors.Error as exc:  # no responder, a timeout: the worker is gone or stuck
+                raise OnlineReplayError(
+                    f"worker {worker_id} did not answer a prefix-cache reset: {type(exc).__name__}: {exc}"
+                ) from exc
+            if reply.data == b"ok":
+                break
+            if reply.data != b"busy" or time.monotonic() > deadline:
+                raise OnlineReplayError(
+                    f"worker {worker_id} refused a prefix-cache reset: {reply.data!r}"
+                    + (f" for {busy_timeout_s:.0f} s" if reply.data == b"busy" else "")
+                )
+            await asyncio.sleep(0.2)
+    deadline = time.monotonic() + settle_timeout_s
+    while msgspec.json.decode((await http.get("/v1/dump")).content, type=list[Any]):
+        if time.monotonic() > deadline:
+            raise OnlineReplayError(f"the router still indexes blocks {settle_timeout_s:.0f} s after the resets")
+        await asyncio.sleep(0.05)
+
+
+_UNROUTED = -1  # a booked request's worker while its /v1/new is unanswered
+
+# An update with when it arrived; None: the request's worker has left the router.
+_Update = tuple[GenerateUpdate, float] | None
+
+
 class _Replayer:
-    def __init__(self, trace: Trace, http: httpx.AsyncClient, nc: Client, namespace: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        http: httpx.AsyncClient,
+        control: httpx.AsyncClient,
+        nc: Client,
+        namespace: str,
+        timeout_s: float,
+    ) -> None:
         self.trace = trace
-        self.http = http
+        self.http = http  # /v1/new
+        self.control = control  # the marks and the worker list: never queued behind a parked /v1/new
         self.nc = nc
         self.namespace = namespace
         self.timeout_s = timeout_s
         self.records = blank_records(trace.requests)
         self.prefix = reply_prefix(namespace, uuid.uuid4().hex[:12])
         # Each update with when it arrived: the router calls made for earlier ones must not delay its time.
-        self._updates: dict[str, asyncio.Queue[tuple[GenerateUpdate, float]]] = {}
+        self._updates: dict[str, asyncio.Queue[_Update]] = {}
+        self._booked: dict[str, int] = {}  # request id -> its worker, until marked free
         self._started = 0.0
 
     def now_ms(self) -> float:
@@ -90,26 +196,61 @@ class _Replayer:
     async def run(self, progress: Callable[[int, int], None] | None) -> list[ReplayRecord]:
         subscription = await self.nc.subscribe(f"{self.prefix}.*", cb=self._on_update)
         try:
-            self._started = time.monotonic()
-            tasks = []
-            total = len(self.trace.requests)
+            await self._play(progress)
+        except BaseExceptionGroup as failed:
+            # The first failure says what ended the run; the others are its echoes (the router gone
+            # fails every call in flight).
+            raise _first(failed) from None
+        finally:
+            if self._booked:  # an error or a cancellation ended the run
+                await self._free_booked()
+            await subscription.unsubscribe()
+        return self.records
+
+    async def _play(self, progress: Callable[[int, int], None] | None) -> None:
+        """Every request at its arrival, as a task of one group: the first to fail cancels the others."""
+        total = len(self.trace.requests)
+        done = 0
+
+        def finished(task: asyncio.Task[None]) -> None:
+            nonlocal done
+            if progress is not None and not task.cancelled() and task.exception() is None:
+                done += 1
+                progress(done, total)
+
+        self._started = time.monotonic()
+        async with asyncio.TaskGroup() as group:
+            watcher = group.create_task(self._watch_workers())
+            requests = []
             for request in self.trace:
                 delay = request.arrival_ms / 1000.0 - (time.monotonic() - self._started)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(self._one(request)))
-            for done, task in enumerate(asyncio.as_completed(tasks), 1):
-                await task
-                if progress is not None:
-                    progress(done, total)
-        finally:
-            await subscription.unsubscribe()
-        return self.records
+                task = group.create_task(self._one(request))
+                task.add_done_callback(finished)
+                requests.append(task)
+            if requests:
+                await asyncio.wait(requests)
+            watcher.cancel()
+
+    async def _watch_workers(self) -> None:
+        """End the requests whose worker the router no longer lists: it dropped their bookings, and no
+        answer will come."""
+        while True:
+            await asyncio.sleep(WORKER_POLL_S)
+            # Those routed before asking: a worker registered since is not taken for gone.
+            routed = {request_id: worker for request_id, worker in self._booked.items() if worker != _UNROUTED}
+            listed = set(await listed_workers(self.control))
+            for request_id, worker_id in routed.items():
+                queue = self._updates.get(request_id)
+                if worker_id not in listed and queue is not None:
+                    queue.put_nowait(None)
 
     async def _one(self, request: TraceRequest) -> None:
         record = self.records[request.index]
         request_id = f"{self.prefix.rsplit('.', 1)[-1]}-{request.request_id}"
         prompt = self.trace.prompt(request)
+        self._booked[request_id] = _UNROUTED  # freed at an interruption even if the answer never arrives
         reply = await self.http.post(
             "/v1/new",
             content=_encode(
@@ -117,16 +258,19 @@ class _Replayer:
             ),
             headers={"content-type": _MSGPACK, "accept": _MSGPACK},
         )
-        if reply.status_code in (429, 503):
-            record.status = "rejected_by_router"
-            return
         if reply.status_code != 200:
-            raise OnlineReplayError(f"POST /v1/new answered {reply.status_code}: {reply.text[:200]}")
+            del self._booked[request_id]
+            if _refused(reply):
+                record.status = "rejected_by_router"
+                return
+            raise _error(reply)
         decision = _decode_decision(reply.content)
+        self._booked[request_id] = decision.worker_id
         record.worker_id = decision.worker_id
         record.routed_ms = self.now_ms()
+        record.queued_in_router = decision.timing.queued_s > 0
         record.predicted_cached_tokens = min(decision.cached_tokens, request.input_length)
-        updates: asyncio.Queue[tuple[GenerateUpdate, float]] = asyncio.Queue()
+        updates: asyncio.Queue[_Update] = asyncio.Queue()
         self._updates[request_id] = updates
         subject = generate_subject(self.namespace, decision.worker_id)
         message = GenerateRequest(
@@ -138,7 +282,13 @@ class _Replayer:
         try:
             await self.nc.publish(subject, _encode(message))
             while True:
-                update, received_ms = await asyncio.wait_for(updates.get(), self.timeout_s)
+                try:
+                    received = await asyncio.wait_for(updates.get(), self.timeout_s)
+                except TimeoutError:
+                    received = None
+                if received is None:  # no answer in time, or the worker left: unfinished
+                    break
+                update, received_ms = received
                 if update.kind == "first_token":
                     record.first_token_ms = received_ms
                     await self._mark("/v1/mark_prefill", request_id)
@@ -156,17 +306,46 @@ class _Replayer:
                 else:
                     record.finished_ms = received_ms
                     record.status = "completed"
-                await self._mark("/v1/mark_free", request_id)
-                return
-        except TimeoutError:
-            record.status = "unfinished"
+                break
             await self._mark("/v1/mark_free", request_id)
+            del self._booked[request_id]
         finally:
             del self._updates[request_id]
 
     async def _mark(self, path: str, request_id: str, **fields: int) -> None:
         body = {"request_id": request_id, **fields}
-        await self.http.post(path, content=_encode(body), headers={"content-type": _MSGPACK})
+        await self.control.post(path, content=_encode(body), headers={"content-type": _MSGPACK})
+
+    async def _free_booked(self) -> None:
+        """Mark free every request the router still books for this run, within `FREE_DEADLINE_S` (the
+        router may be the reason the run ended)."""
+        with contextlib.suppress(TimeoutError, httpx.HTTPError):
+            async with asyncio.timeout(FREE_DEADLINE_S):
+                await asyncio.gather(*(self._mark("/v1/mark_free", request_id) for request_id in self._booked))
+        self._booked.clear()
+
+
+def _refused(reply: httpx.Response) -> bool:
+    return _error_type(reply) in _REJECTIONS
+
+
+def _error_type(reply: httpx.Response) -> str | None:
+    try:
+        return _decode_error(reply.content).error.type
+    except msgspec.DecodeError:
+        return None
+
+
+def _error(reply: httpx.Response) -> OnlineReplayError:
+    kind = _error_type(reply)
+    if kind in _NO_WORKERS:
+        return OnlineReplayError(f"the router has no worker left to route to (POST /v1/new answered {kind})")
+    return OnlineReplayError(f"POST /v1/new answered {reply.status_code}: {reply.text[:200]}")
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first = group.exceptions[0]
+    return _first(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 async def replay_online(
@@ -181,10 +360,14 @@ async def replay_online(
 ) -> list[ReplayRecord]:
     """Replay ``trace`` against the router at ``router_url`` and the mock workers on ``nc``.
 
-    Waits first until the router lists ``expect_workers`` workers; a request with no answer from its
-    worker for ``timeout_s`` is recorded as unfinished.
+    Waits first until the router lists ``expect_workers`` workers and resets the fleet (`reset_fleet`); a
+    request with no answer from its worker for ``timeout_s``, or whose worker leaves the router, is
+    recorded as unfinished.
     """
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=router_url, timeout=timeout_s, limits=limits) as http:
-        await wait_for_workers(http, expect_workers)
-        return await _Replayer(trace, http, nc, namespace, timeout_s).run(progress)
+    async with (
+        httpx.AsyncClient(base_url=router_url, timeout=timeout_s, limits=_POOL) as http,
+        httpx.AsyncClient(base_url=router_url, timeout=timeout_s, limits=_POOL) as control,
+    ):
+        await wait_for_workers(control, expect_workers)
+        await reset_fleet(control, nc, namespace)
+        return await _Replayer(trace, http, control, nc, namespace, timeout_s).run(progress)

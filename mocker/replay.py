@@ -221,9 +221,11 @@ async def replay_online_report(
     workers: int = 1,
     time_scale: float = 1.0,
     window_s: float = 60.0,
+    timeout_s: float = 300.0,
     show_progress: bool = True,
 ) -> ReplayRun:
-    """Replay ``trace`` against a running router and ``workers`` mock workers (`mocker.online`).
+    """Replay ``trace`` against a running router and ``workers`` mock workers (`mocker.online`), their
+    caches reset first; a request whose worker sends nothing for ``timeout_s`` (wall clock) ends unfinished.
 
     ``time_scale`` runs the replay that many times faster than the trace: arrivals come sooner and the
     measured times are scaled back. The workers must run their engines that much faster too
@@ -239,7 +241,13 @@ async def replay_online_report(
     started = time.perf_counter()
     try:
         records = await replay_online(
-            trace.time_scaled(time_scale), router_url, nc, namespace=namespace, expect_workers=workers, progress=bar
+            trace.time_scaled(time_scale),
+            router_url,
+            nc,
+            namespace=namespace,
+            expect_workers=workers,
+            timeout_s=timeout_s,
+            progress=bar,
         )
     finally:
         bar.close()

@@ -294,6 +294,7 @@ _COLUMNS = (
     ("imbal 60s", "same per window: work-weighted mean / worst"),
     ("queued r/e", "requests queued in the router / in an engine"),
     ("rej", "requests rejected"),
+    ("unfin", "requests unfinished: their worker sent nothing in time, or left"),
 )
 
 
@@ -312,6 +313,7 @@ def _row(report: RouterReport) -> list[str]:
         f"{report.imbalance_window_mean:.2f}/{report.imbalance_window_worst:.2f}",
         f"{report.queued_in_router}/{report.queued_in_engine}",
         f"{report.rejected_by_router + report.rejected_by_engine}",
+        f"{report.unfinished}",
     ]
 
 

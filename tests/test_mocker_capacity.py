@@ -156,6 +156,27 @@ def test_the_run_budget_caps_every_run_the_goodput_points_included() -> None:
         asyncio.run(measure_capacity(["r"], threshold_evaluator({"r": 1.0}, []), CapacitySearch(max_points=3)))
 
 
+@pytest.mark.parametrize(
+    ("capacity", "bracket", "resolved"),
+    # 2.2: runs 1, 2, 4 and 1.5, below the bracket: it stays (2-4), the budget spent before 2.83.
+    [(1.7, (1.5, 2.0), False), (1.45, (1.414, 1.5), True), (2.2, (2.0, 4.0), False)],
+)
+def test_goodput_points_inside_the_bracket_tighten_it(
+    capacity: float, bracket: tuple[float, float], resolved: bool
+) -> None:
+    """`--online --capacity --goodput-at 1.5,2 --max-runs 4`: runs 1, 2, 1.414 and 1.5. A goodput point
+    meeting the SLO inside the bracket raises its lo, one missing it lowers its hi (before: the capacity
+    and bracket came from the search alone, 1.41 (1.41-2) however 1.5 did)."""
+    calls: list[tuple[str, float]] = []
+    search = CapacitySearch(tolerance=0.25, goodput_multipliers=(1.5, 2.0), max_points=4)
+    slo = Slo(ttft_p90_ms=300.0, itl_p90_ms=10.0)
+    _, (result,), _ = asyncio.run(measure_capacity(["r"], threshold_evaluator({"r": capacity}, calls), search, slo=slo))
+    assert len(calls) <= 4
+    assert tuple(round(m, 3) for m in result.bracket) == bracket and result.resolved is resolved
+    assert result.capacity == result.bracket[0]
+    assert result.at_capacity is not None and result.at_capacity.multiplier == result.capacity
+
+
 def test_a_strictly_better_router_gets_a_strictly_higher_capacity() -> None:
     """On a real simulation: spreading requests over four workers carries more than piling them on one."""
     trace = tiny_trace()

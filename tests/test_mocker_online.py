@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 from api.cli import main as kv_router_main
 from mocker import online as online_module
@@ -186,20 +187,27 @@ async def test_the_demo_runs_the_whole_fleet_in_one_process(capsys: pytest.Captu
 
 
 async def test_an_online_replay_whose_nats_dies_under_it_still_reports(
-    nats_server: EmbeddedNats, router_url: str, monkeypatch: pytest.MonkeyPatch
+    nats_server: EmbeddedNats, router_url: str
 ) -> None:
     """NATS killed while the replay waits on its workers' answers: its requests end unfinished and the
     replay reports them (before: closing its connection raised the lost transport's error, and the
     replay ended in a traceback with no report)."""
-    monkeypatch.setitem(online_module.replay_online.__kwdefaults__, "timeout_s", 2.0)  # not 300 s per request
     rows = shared_prefix_rows(requests=4, groups=2, rate_per_s=8.0, seed=3)
     trace = build_trace(rows, TraceOptions(seed=3), "generated")
+    nc = await connect(NatsOptions(nats_server.url))
     async with httpx.AsyncClient(base_url=router_url) as http:
-        # Registered over HTTP: listed, routed to, and never answering (no engine behind it).
+        # Registered over HTTP: listed, routed to, and never answering (no engine behind it) but the
+        # prefix-cache reset the replay starts with.
         assert (await http.post("/v1/workers", json={"worker_id": 100})).status_code == 201
+        await nc.subscribe(reset_subject("default", 100), cb=reset_ok)
         replay = asyncio.create_task(
             replay_online_report(
-                trace, label="online", router_url=router_url, nats=NatsOptions(nats_server.url), show_progress=False
+                trace,
+                label="online",
+                router_url=router_url,
+                nats=NatsOptions(nats_server.url),
+                timeout_s=2.0,  # not 300 s per request
+                show_progress=False,
             )
         )
 
@@ -209,7 +217,12 @@ async def test_an_online_replay_whose_nats_dies_under_it_still_reports(
         await eventually(routed, 30, "the replay's first request routed")
         nats_server.stop()
         run = await asyncio.wait_for(replay, 60)
+    await nc.close()
     assert run.report.completed == 0 and [record.status for record in run.records] == ["unfinished"] * len(trace)
+
+
+async def reset_ok(message: Msg) -> None:
+    await message.respond(b"ok")
 
 
 async def test_a_worker_refuses_generate_requests_it_cannot_answer_and_serves_on(
@@ -257,3 +270,65 @@ async def test_a_worker_refuses_generate_requests_it_cannot_answer_and_serves_on
     finally:
         await nc.close()
         assert worker.stop() == 0
+
+
+@pytest.mark.slow
+async def test_a_repeated_online_replay_starts_from_cold_caches(
+    nats_server: EmbeddedNats, router_url: str, tmp_path: Path
+) -> None:
+    """Before: the second replay on the same fleet found the first one's prefixes still cached (hit
+    rate 0.16, then 1.0). Now every replay resets the fleet first, as each capacity point does."""
+    rows = shared_prefix_rows(requests=24, groups=4, rate_per_s=8.0, seed=4)
+    trace = build_trace(rows, TraceOptions(seed=4), "generated")
+    workers = [start_worker(tmp_path, nats_server.url, 400 + i) for i in range(WORKERS)]
+    try:
+        hits = [
+            (
+                await replay_online_report(
+                    trace,
+                    label="online",
+                    router_url=router_url,
+                    nats=NatsOptions(nats_server.url),
+                    workers=WORKERS,
+                    time_scale=TIME_SCALE,
+                    show_progress=False,
+                )
+            ).report.hit_rate_tokens
+            for _ in range(2)
+        ]
+    finally:
+        for process in workers:
+            assert process.stop() == 0
+    assert hits[0] < 0.9 and hits[1] == pytest.approx(hits[0], abs=0.1)
+
+
+async def test_parked_requests_never_hold_the_connections_their_marks_need(
+    nats_server: EmbeddedNats, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router's queue on: requests park in /v1/new until marks free room. Before, one pool of
+    connections served both, and parked calls filling it left no connection for the marks that would
+    unpark them (a deadlock; here with a pool of 4 rather than 256 requests). Each request the router
+    queued is counted (its answer's timing.queued_s; before, always 0)."""
+    monkeypatch.setattr(online_module, "_POOL", httpx.Limits(max_connections=4, max_keepalive_connections=4))
+    rows = shared_prefix_rows(requests=16, groups=2, rate_per_s=1000.0, output_tokens=32, seed=3)
+    trace = build_trace(rows, TraceOptions(seed=3, jitter_ms=0), "generated")
+    config = RouterConfig(block_size=ENGINE.block_size, router_queue_threshold=0.01)
+    async with serve_router(nats_server.url, config) as url:
+        worker = start_worker(tmp_path, nats_server.url, 600)
+        try:
+            run = await asyncio.wait_for(
+                replay_online_report(
+                    trace,
+                    label="online",
+                    router_url=url,
+                    nats=NatsOptions(nats_server.url),
+                    time_scale=TIME_SCALE,
+                    timeout_s=60.0,
+                    show_progress=False,
+                ),
+                60,
+            )
+        finally:
+            assert worker.stop() == 0
+    assert run.report.completed == len(trace)
+    assert run.report.queued_in_router > 0
