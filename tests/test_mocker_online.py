@@ -49,11 +49,11 @@ async def router_url(nats_server: EmbeddedNats) -> AsyncIterator[str]:
         yield url
 
 
-def start_worker(log_dir: Path, nats_url: str, worker_id: int) -> ToolProcess:
+def start_worker(log_dir: Path, nats_url: str, worker_id: int, *flags: str) -> ToolProcess:
     return ToolProcess(
         log_dir, None, "--nats-url", nats_url, "--worker-id", str(worker_id),
         "--num-gpu-blocks", str(ENGINE.num_gpu_blocks), "--engine-speedup", str(TIME_SCALE),
-        "--heartbeat-interval", "0.5", "--log-level", "warning",
+        "--heartbeat-interval", "0.5", "--log-level", "warning", *flags,
     )  # fmt: skip
 
 
@@ -300,6 +300,32 @@ async def test_a_repeated_online_replay_starts_from_cold_caches(
         for process in workers:
             assert process.stop() == 0
     assert hits[0] < 0.9 and hits[1] == pytest.approx(hits[0], abs=0.1)
+
+
+async def test_a_repeated_online_replay_runs_on_workers_without_kv_events(
+    nats_server: EmbeddedNats, router_url: str, tmp_path: Path
+) -> None:
+    """Workers that publish no KV events: the router predicts their caches from what it routed, and
+    no reset of theirs can clear those predictions. The replay's fleet reset waits for the indexed
+    blocks alone (it waited for the predicted ones too, and failed every run after the first)."""
+    rows = shared_prefix_rows(requests=12, groups=3, rate_per_s=8.0, seed=5)
+    trace = build_trace(rows, TraceOptions(seed=5), "generated")
+    workers = [start_worker(tmp_path, nats_server.url, 410 + i, "--no-kv-events") for i in range(WORKERS)]
+    try:
+        for _ in range(2):
+            done = await replay_online_report(
+                trace,
+                label="online",
+                router_url=router_url,
+                nats=NatsOptions(nats_server.url),
+                workers=WORKERS,
+                time_scale=TIME_SCALE,
+                show_progress=False,
+            )
+            assert [record.status for record in done.records] == ["completed"] * len(trace.requests)
+    finally:
+        for process in workers:
+            assert process.stop() == 0
 
 
 async def test_parked_requests_never_hold_the_connections_their_marks_need(
