@@ -544,10 +544,11 @@ class EventPlaneCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         lifecycle = self._lifecycle
         plane = lifecycle.plane
-        control, resyncs, connected, state, disconnects = families = self._families()
+        control, resyncs, connected, state, disconnects, owed = families = self._families()
         if plane is not None:
             for outcome, count in sorted(plane.outcomes.items()):
                 control.add_metric([outcome], count)
+        owed.add_metric([], plane.registry_writes_owed if plane is not None else 0)
         resyncs.add_metric([], plane.subscriber.resyncs_in_flight if plane is not None else 0)
         connected.add_metric([], 1.0 if lifecycle.state == "connected" else 0.0)
         for name in ("connecting", "connected", "disconnected"):
@@ -574,6 +575,11 @@ class EventPlaneCollector(Collector):
                 labels=["state"],
             ),
             CounterMetricFamily(f"{PREFIX}_nats_disconnects", "Times the NATS connection was lost after it started."),
+            GaugeMetricFamily(
+                f"{PREFIX}_registry_writes_owed",
+                "Workers whose registration or removal is applied here and not yet written to the shared "
+                "registry (NATS or JetStream out of reach; retried every second).",
+            ),
         ]
 
 

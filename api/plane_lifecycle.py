@@ -212,6 +212,7 @@ class PlaneLifecycle:
             state_for_s=round(time.monotonic() - self._since, 3),
             disconnects=self.disconnects,
             last_error=self.last_error,
+            registry_writes_owed=self.plane.registry_writes_owed if self.plane is not None else 0,
         )
 
     def _enter(self, state: PlaneState) -> None:

@@ -545,6 +545,9 @@ class EventPlaneHealth(msgspec.Struct, kw_only=True, frozen=True):
     state_for_s: float
     disconnects: int
     last_error: str | None = None
+    # Workers whose registration or removal is applied here and waits for NATS (or JetStream) to reach
+    # the shared registry.
+    registry_writes_owed: int = 0
 
 
 class ServiceInfo(msgspec.Struct, kw_only=True, frozen=True):

@@ -26,6 +26,7 @@ from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.publisher import open_registry
 from router.event_plane.subjects import Subjects
 from router.types import WorkerConfig
+from tests.metrics import sample
 from tests.nats_proxy import LossyNatsProxy
 from tests.waiting import until
 
@@ -128,10 +129,15 @@ def test_workers_registered_and_removed_while_nats_is_down_answer_at_once_and_re
             assert [status for status, _ in answers] == [201, 200, 200]
             assert max(took for _, took in answers) < PROMPT_S, answers
             assert known(client) == {2: None, 3: "http://w3"}  # routing goes on with them meanwhile
+            # What waits for NATS is said: two workers' writes (3's second replaced its first).
+            assert client.get("/readyz").json()["event_plane"]["registry_writes_owed"] == 2
+            assert sample(client.get("/metrics").text, "kv_router_registry_writes_owed") == 2.0
 
             server.start()
             until(lambda: registry(server.url) == {2: None, 3: "http://w3"}, 10, "the registry has the writes")
             assert plane_state(client) == "connected"
+            until(lambda: client.get("/readyz").json()["event_plane"]["registry_writes_owed"] == 0, 10, "none owed")
+            assert sample(client.get("/metrics").text, "kv_router_registry_writes_owed") == 0.0
             assert known(client) == {2: None, 3: "http://w3"}
     finally:
         server.stop()

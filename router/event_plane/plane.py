@@ -230,6 +230,11 @@ class RouterEventPlane:
         self._remove(worker_id, reason)
         await self._write_registry(worker_id, None)
 
+    @property
+    def registry_writes_owed(self) -> int:
+        """Workers whose registry write (a registration or a removal) is applied here and still owed."""
+        return len(self._owed)
+
     def _owe(self, worker_id: int, registration: WorkerConfig | None) -> None:
         """Owe the registry a write of ``registration`` (None: the worker's deletion), after those owed
         before; it replaces one of the same worker still owed. The registry keeper is woken for it."""
