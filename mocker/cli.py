@@ -26,7 +26,7 @@ from router.errors import ConfigError
 
 if TYPE_CHECKING:
     from mocker.capacity import CapacitySearch, Slo
-    from mocker.replay import ReplaySetup
+    from mocker.replay import ReplayRun, ReplaySetup
     from router.event_plane.first_connection import LocalToolConnection
 
 __all__ = ["DEMO", "MOCK_WORKER", "REPLAY", "TUNE", "SimulatorCommand", "main"]
@@ -595,6 +595,8 @@ def _run_replay(args: argparse.Namespace) -> int:
     if note:
         print(note, file=sys.stderr)
     print("wrote " + ", ".join(str(path) for path in paths), file=sys.stderr)
+    if args.online:
+        _warn_late(runs[0])
     unfinished = sum(run.report.unfinished for run in runs)
     if unfinished:
         requests = sum(run.report.requests for run in runs)
@@ -605,6 +607,22 @@ def _run_replay(args: argparse.Namespace) -> int:
         )
         return EXIT_UNFINISHED
     return 0
+
+
+def _warn_late(run: ReplayRun) -> None:
+    """The replayer could not send every request at its arrival (this host too slow for the trace at
+    this --time-scale, say): its lateness is inside the TTFT measured, and a tenth of the TTFT p90 or
+    more is said."""
+    from mocker.report import send_lateness
+
+    late, ttft = send_lateness(run.records), run.report.ttft_ms
+    if late.p90 > 0.1 * ttft.p90:
+        print(
+            f"kv-router replay: WARNING: requests were sent late: p90 {late.p90:.0f} ms, p99 {late.p99:.0f} ms "
+            f"after their arrivals (trace time), inside the TTFT p90 of {ttft.p90:.0f} ms; a lower --time-scale (with "
+            "the workers' --engine-speedup) or a quieter host measures the fleet rather than the replayer",
+            file=sys.stderr,
+        )
 
 
 def _warn_unservable(command: str, trace: Trace, engine: EngineConfig) -> None:

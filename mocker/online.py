@@ -257,6 +257,7 @@ class _Replayer:
         request_id = f"{self.prefix.rsplit('.', 1)[-1]}-{request.request_id}"
         prompt = self.trace.prompt(request)
         self._booked[request_id] = _UNROUTED  # freed at an interruption even if the answer never arrives
+        record.sent_ms = self.now_ms()
         reply = await self.http.post(
             "/v1/new",
             content=_encode(

@@ -55,6 +55,9 @@ class ReplayRecord:
     input_length: int
     output_length: int
     worker_id: int = -1
+    # When the online replay sent it to the router (its lateness, sent_ms - arrival_ms, is the
+    # replayer's and is inside its TTFT); -1 offline, where requests leave at their arrival.
+    sent_ms: float = -1.0
     routed_ms: float = -1.0
     queued_in_router: bool = False
     predicted_cached_tokens: int = 0
@@ -174,12 +177,19 @@ def rescale_times(records: Sequence[ReplayRecord], factor: float) -> None:
     """Multiply every time by ``factor``: a replay run ``factor`` times faster, brought back to scale."""
     for r in records:
         r.arrival_ms *= factor
+        if r.sent_ms >= 0:
+            r.sent_ms *= factor
         if r.routed_ms >= 0:
             r.routed_ms *= factor
         if r.first_token_ms >= 0:
             r.first_token_ms *= factor
         if r.finished_ms >= 0:
             r.finished_ms *= factor
+
+
+def send_lateness(records: Sequence[ReplayRecord]) -> Latency:
+    """How late the online replay sent its requests after their arrivals (ms; NaN offline)."""
+    return Latency.of([r.sent_ms - r.arrival_ms for r in records if r.sent_ms >= 0])
 
 
 def summarize(

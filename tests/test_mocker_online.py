@@ -323,6 +323,8 @@ async def test_a_repeated_online_replay_runs_on_workers_without_kv_events(
                 show_progress=False,
             )
             assert [record.status for record in done.records] == ["completed"] * len(trace.requests)
+            # When each was sent, for the replayer's own lateness (`mocker.report.send_lateness`).
+            assert all(0 <= record.sent_ms - record.arrival_ms < record.ttft_ms for record in done.records)
     finally:
         for process in workers:
             assert process.stop() == 0

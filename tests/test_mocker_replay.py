@@ -568,3 +568,33 @@ def test_plots_name_the_workload_and_show_routers_with_identical_curves() -> Non
     # Identical curves (a policy that made the same choices) would hide one another: one line, both names.
     merged = plots.coinciding([("dynamo", [1.0, 2.0]), ("latency", [1.0, 3.0]), ("cache_affinity", [1.0, 2.0])])
     assert merged == [("dynamo = cache_affinity", [1.0, 2.0]), ("latency", [1.0, 3.0])]
+
+
+def test_an_online_replay_that_sent_its_requests_late_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """The replayer's own lateness (a request sent after its arrival) is inside the TTFT it measures:
+    a p90 of a tenth of the TTFT p90 or more is a WARNING naming it; less is not. Times rescale with
+    the rest (a run at --time-scale 4 sent 10 ms late was 40 ms late in trace time)."""
+    from mocker.cli import _warn_late
+    from mocker.replay import ReplayRun
+    from mocker.report import rescale_times, send_lateness
+
+    def run(late_ms: float) -> ReplayRun:
+        records = [
+            ReplayRecord(index=i, arrival_ms=100.0 * i, input_length=64, output_length=4, status="completed")
+            for i in range(20)
+        ]
+        for record in records:
+            record.sent_ms = record.arrival_ms + late_ms
+            record.first_token_ms = record.sent_ms + 50.0  # the fleet's own TTFT: 50 ms
+            record.finished_ms = record.first_token_ms + 30.0
+        rescale_times(records, 4.0)
+        return ReplayRun(summarize("online", records, 1, wall_s=1.0), records)
+
+    late = run(10.0)
+    assert send_lateness(late.records).p90 == pytest.approx(40.0)
+    _warn_late(late)
+    warned = capsys.readouterr().err
+    assert "WARNING: requests were sent late: p90 40 ms, p99 40 ms after their arrivals (trace time)" in warned
+    assert "inside the TTFT p90 of 240 ms" in warned
+    _warn_late(run(2.0))  # 8 ms of a 208 ms TTFT p90
+    assert capsys.readouterr().err == ""
