@@ -113,7 +113,9 @@ class RouterEventPlane:
         self._leases_paused = False  # NATS was seen disconnected: leases restart once it is back
         self._registry: KeyValue | None = None
         self._watch: asyncio.Task[None] | None = None
-        self._watched_bucket: datetime | None = None  # the creation of the bucket the watch reads
+        # The creation of the bucket the keeper last checked (`_check_registry_bucket`): the one whose
+        # entries the watch reads and this router's registrations were put in.
+        self._checked_bucket: datetime | None = None
         # Registry writes owed, oldest first: worker -> its registration, or None for its deletion.
         self._owed: dict[int, WorkerConfig | None] = {}
         self._owned: set[int] = set()  # registered here over HTTP: put back into a bucket that lost them
@@ -147,6 +149,7 @@ class RouterEventPlane:
                 for rank in worker.dp_ranks
             }
         self._registry = await open_registry(self.nc, self.subjects, self._jetstream_replicas)
+        self._checked_bucket = (await self._registry.status()).stream_info.created
         await self.subscriber.start()
         self._subscriptions = [
             await self.nc.subscribe(self.subjects.all_loads, cb=self._on_load),
@@ -247,8 +250,8 @@ class RouterEventPlane:
         learn it. NATS out of reach (its client would send the write at a reconnection nobody awaits),
         the bucket to be checked first, or the write failed: the registry keeper writes it."""
         self._owe(worker_id, registration)
-        if not self.nc.is_connected:
-            return
+        if not self.nc.is_connected or self._check_bucket or self._writing.locked():
+            return  # the keeper (or the write under way, which pays until nothing is owed) writes it
         try:
             await self._pay_owed(check_bucket=False)
         except REGISTRY_UNREACHABLE:
@@ -259,6 +262,8 @@ class RouterEventPlane:
         """Write what the registry is owed whenever there is some and NATS is there, the bucket checked
         first when NATS came back or a write failed (`_check_registry_bucket`); a failure is logged
         (rate-limited) and tried again every `REGISTRY_RETRY_S`."""
+        if self._owed or self._check_bucket:
+            self._registry_due.set()  # owed before this loop started again (after a crash)
         while True:
             await self._registry_due.wait()
             self._registry_due.clear()
@@ -304,7 +309,7 @@ class RouterEventPlane:
         entry of the new bucket below it), and the registrations made here over HTTP are owed to it."""
         registry = await open_registry(self.nc, self.subjects, self._jetstream_replicas)
         created = (await registry.status()).stream_info.created
-        if created == self._watched_bucket:
+        if created == self._checked_bucket:
             return
         log.warning(
             "the worker registry bucket %s is not the one this router read (NATS lost its JetStream state, or "
@@ -312,7 +317,7 @@ class RouterEventPlane:
             self.subjects.registry_bucket,
             len(self._owned),
         )
-        self._registry, self._watched_bucket = registry, created
+        self._registry = registry
         if self._watch is not None:
             await self._background.cancel(self._watch)
         self._watch = self._background.keep_running("registry-watch", partial(self._watch_registry, asyncio.Event()))
@@ -322,6 +327,7 @@ class RouterEventPlane:
                 self._owned.discard(worker_id)
             else:
                 self._owe(worker_id, held)
+        self._checked_bucket = created  # last: a check cut short is made again
 
     async def _watch_registry(self, initial_done: asyncio.Event) -> None:
         assert self._registry is not None
@@ -330,7 +336,11 @@ class RouterEventPlane:
         # be gone, purged, and never come). Not at nats-py's own end marker: it can come before an entry
         # the server had already sent (it then asks the consumer, which counts that one delivered).
         info = (await self._registry.status()).stream_info
-        self._watched_bucket = info.created
+        if info.created != self._checked_bucket:
+            # Not the bucket the keeper checked (this watch started again, by its supervisor, after NATS
+            # lost the bucket and another process made it): the keeper puts this router's back.
+            self._check_bucket = True
+            self._registry_due.set()
         state = info.state
         initial_end = state.last_seq if state.messages else 0
         # Made under a shield: a cancellation landing while nats-py subscribes (a start that fails just
