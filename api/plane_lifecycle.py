@@ -430,7 +430,8 @@ class PlaneLifecycle:
             return
         self.disconnects += 1
         self._enter("disconnected")
-        self.router.forget_engine_load()
+        if self.plane is not None:
+            self.plane.on_disconnected()
         logger.warning(
             "lost the NATS connection to %s: routing continues on the current index and the router's own "
             "bookings (the engines' load reports resume with it); live events resume and every stream is "

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, Literal, Protocol, get_args
 
@@ -461,12 +461,12 @@ class KvRouter:
         if kv_used_blocks is not None:
             self.update_kv_used_blocks(worker_id, dp_rank, kv_used_blocks)
 
-    def forget_engine_load(self) -> None:
-        """The engines' reports can no longer arrive (the event plane lost NATS): the last ones are not
-        taken as current, or an engine busy when they stopped would stay busy, and refused, for the whole
-        outage. Load is the router's own bookings until the engines report again; the queue is
-        dispatched on that view."""
-        self._scheduler.workers.forget_engine_reports()
+    def forget_engine_load(self, ranks: Iterable[WorkerRank]) -> None:
+        """These ranks' engine reports can no longer arrive (the event plane lost NATS): the last ones
+        are not taken as current, or an engine busy when they stopped would stay busy, and refused, for
+        the whole outage. Their load is the router's own bookings until their engines report again; the
+        queue is dispatched on that view."""
+        self._scheduler.workers.forget_engine_reports(ranks)
         self._dispatch_waiting()
 
     def apply_event(self, event: RouterEvent) -> None:

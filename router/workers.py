@@ -55,10 +55,10 @@ class WorkerRegistry:
             self._forget_reports(key)
         return ranks
 
-    def forget_engine_reports(self) -> None:
-        """Drop every rank's engine-reported KV usage and request counts (until each reports again)."""
-        self._kv_used_blocks.clear()
-        self._engine_requests.clear()
+    def forget_engine_reports(self, ranks: Iterable[WorkerRank]) -> None:
+        """Drop these ranks' engine-reported KV usage and request counts (until each reports again)."""
+        for key in ranks:
+            self._forget_reports(key)
 
     def _forget_reports(self, key: WorkerRank) -> None:
         self._kv_used_blocks.pop(key, None)

@@ -25,7 +25,6 @@ from api.plane_lifecycle import PlaneLifecycle
 from indexer.events import ResyncRequest, RouterEvent, encode_router_events, stored_event
 from indexer.hashing import compute_block_hashes, compute_sequence_hashes
 from router.config import RouterConfig
-from router.errors import AllWorkersOverloaded
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.messages import ActiveLoad
@@ -55,9 +54,9 @@ def cached(router: KvRouter, seed: int, blocks: int) -> dict[int, int]:
     return {w.worker_id: w.device_blocks for w in router.overlap(tokens(seed, blocks)).workers if w.device_blocks}
 
 
-def reported_kv_used(router: KvRouter) -> int | None:
-    """The KV blocks in use the one worker's engine last reported (None: no report taken as current)."""
-    (load,) = router.rank_loads()
+def reported_kv_used(router: KvRouter, worker_id: int) -> int | None:
+    """The KV blocks in use the worker's engine last reported (None: no report taken as current)."""
+    (load,) = [load for load in router.rank_loads() if load.worker_id == worker_id]
     return load.kv_used_blocks
 
 
@@ -151,7 +150,8 @@ async def one_worker_then_nats_killed(
     kv_used_blocks: int | None = None,
 ) -> AsyncIterator[_OneWorkerFleet]:
     """A router's event plane and one publishing worker of 100 KV blocks (five blocks of ``seed``
-    indexed; its engine's ``kv_used_blocks`` reported and seen, if given), then the nats-server killed
+    indexed; its engine's ``kv_used_blocks`` reported and seen, if given, beside worker id + 1 heard as
+    an engine directly, 7 blocks in use), then the nats-server killed
     (-9); everything stopped on the way out."""
     router = KvRouter(config or RouterConfig(block_size=BLOCK))
     lifecycle = PlaneLifecycle(router, EventPlaneConfig(nats_url=nats_server.url, resync_timeout_secs=resync_timeout_s))
@@ -167,7 +167,10 @@ async def one_worker_then_nats_killed(
         await eventually(lambda: cached(router, seed, 5) == {worker_id: 5})
         if kv_used_blocks is not None:
             await publisher.publish_load(ActiveLoad(worker_id=worker_id, kv_used_blocks=kv_used_blocks))
-            await eventually(lambda: reported_kv_used(router) == kv_used_blocks)
+            await eventually(lambda: reported_kv_used(router, worker_id) == kv_used_blocks)
+            # And an engine heard directly (`router.engines.direct`), not over NATS: worker id + 1.
+            router.register_worker(WorkerConfig(worker_id=worker_id + 1, block_size=BLOCK, total_kv_blocks=100))
+            router.update_engine_load(worker_id + 1, 0, 7, None, None)
         assert nats_server.pid is not None
         os.kill(nats_server.pid, signal.SIGKILL)
         await eventually(lambda: lifecycle.state == "disconnected" and not worker_nc.is_connected)
@@ -208,12 +211,14 @@ async def test_engine_load_reported_before_an_outage_is_not_taken_as_current_thr
     """An engine's last report before NATS went away (its KV 90 % used: over the busy threshold) is
     dropped with the connection: through the outage the router routes by its own bookings, where the
     stale report had every worker overloaded and every request refused (503) until NATS was back. Once
-    back, the engine's reports count again; and the connection's last error goes with the outage."""
+    back, the engine's reports count again; and the connection's last error goes with the outage.
+    What reaches the router otherwise (an engine heard directly, here worker 78) is kept."""
     config = RouterConfig(block_size=BLOCK, active_decode_blocks_threshold=0.5)
     request = RouteRequest(tokens=tokens(22, 5), request_id="through-the-outage")
     async with one_worker_then_nats_killed(nats_server, 77, 22, 0.5, config, kv_used_blocks=90) as fleet:
         router, lifecycle, worker_nc, publisher = fleet
-        assert reported_kv_used(router) is None
+        assert reported_kv_used(router, 77) is None
+        assert reported_kv_used(router, 78) == 7
         decision = await router.new(request)
         assert (decision.worker_id, decision.overlap_blocks) == (77, 5)
         assert router.mark_free(decision.request_id)
@@ -221,9 +226,9 @@ async def test_engine_load_reported_before_an_outage_is_not_taken_as_current_thr
         await eventually(lambda: lifecycle.state == "connected" and worker_nc.is_connected, timeout=30)
         assert lifecycle.last_error is None
         await publisher.publish_load(ActiveLoad(worker_id=77, kv_used_blocks=90))
-        await eventually(lambda: reported_kv_used(router) == 90)
-        with pytest.raises(AllWorkersOverloaded):
-            await router.new(request)
+        await eventually(lambda: reported_kv_used(router, 77) == 90)
+        # 77 busy again by its report: the prompt cached there goes to the other worker.
+        assert (await router.new(request)).worker_id == 78
 
 
 async def test_events_published_while_nats_is_gone_past_the_connections_buffer_reach_the_router(

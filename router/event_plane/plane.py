@@ -110,6 +110,7 @@ class RouterEventPlane:
             dict.fromkeys(("registered", "reconnects", "expired", "events_dropped"), 0)
         )
         self._leased: dict[int, float] = {}  # heartbeat-leased worker -> last sign of life
+        self._load_reported: set[WorkerRank] = set()  # ranks whose engine load came over NATS
         self._leases_paused = False  # NATS was seen disconnected: leases restart once it is back
         self._registry: KeyValue | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -186,6 +187,12 @@ class RouterEventPlane:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
         await self.subscriber.stop()
+
+    def on_disconnected(self) -> None:
+        """NATS lost: the engine load reports it brought stop coming, and the last ones are forgotten
+        (`KvRouter.forget_engine_load`); one still queued in the client is not taken (`_on_load`)."""
+        reported, self._load_reported = self._load_reported, set()
+        self.router.forget_engine_load(reported)
 
     async def on_reconnected(self) -> None:
         self.outcomes["reconnects"] += 1
@@ -502,6 +509,8 @@ class RouterEventPlane:
             return
         if load.kv_used_blocks is None and load.num_requests_waiting is None and load.num_requests_running is None:
             return
+        if not self.nc.is_connected:
+            return  # read before the disconnect, handled after it (`on_disconnected`): stale already
         try:
             self.router.update_engine_load(
                 load.worker_id,
@@ -513,6 +522,7 @@ class RouterEventPlane:
         except (UnknownWorker, KeyError, ValueError) as exc:
             self._reject("load_for_unknown_worker", str(exc))
             return
+        self._load_reported.add((load.worker_id, load.dp_rank))
         self.outcomes["loads"] += 1
 
     def _reject(self, reason: str, message: str) -> None:
