@@ -34,6 +34,8 @@ __all__ = ["DEMO", "MOCK_WORKER", "REPLAY", "TUNE", "SimulatorCommand", "main"]
 _ENGINE_DEFAULTS = EngineConfig()
 # `kv-router replay --online`: the run completed and reported, but some requests never finished.
 EXIT_UNFINISHED = 3
+# The online replay's send lateness (trace time) it warns of, at the least (`_warn_late`).
+LATE_WARNING_MS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -611,12 +613,12 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 def _warn_late(run: ReplayRun) -> None:
     """The replayer could not send every request at its arrival (this host too slow for the trace at
-    this --time-scale, say): its lateness is inside the TTFT measured, and a tenth of the TTFT p90 or
-    more is said."""
+    this --time-scale, say): its lateness is inside the TTFT measured, and a p90 of a tenth of the TTFT
+    p90 or more, and of `LATE_WARNING_MS` or more, is said (a millisecond or two is the event loop's)."""
     from mocker.report import send_lateness
 
     late, ttft = send_lateness(run.records), run.report.ttft_ms
-    if late.p90 > 0.1 * ttft.p90:
+    if late.p90 >= max(0.1 * ttft.p90, LATE_WARNING_MS):
         print(
             f"kv-router replay: WARNING: requests were sent late: p90 {late.p90:.0f} ms, p99 {late.p99:.0f} ms "
             f"after their arrivals (trace time), inside the TTFT p90 of {ttft.p90:.0f} ms; a lower --time-scale (with "

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 import msgspec
@@ -102,12 +102,19 @@ class OnlineReplayError(RuntimeError):
     """The router or the workers failed in a way the replay cannot count as a rejection."""
 
 
+async def _ok(answer: Awaitable[httpx.Response]) -> httpx.Response:
+    """The router's answer if it is a 200; any other (a 401 from a router guarding its reads) is an error."""
+    reply = await answer
+    if reply.status_code != 200:
+        raise OnlineReplayError(
+            f"{reply.request.method} {reply.request.url.path} answered {reply.status_code}: {reply.text[:200]}"
+        )
+    return reply
+
+
 async def listed_workers(http: httpx.AsyncClient) -> list[int]:
     """The ids of the workers the router lists (``GET /v1/workers``)."""
-    reply = await http.get("/v1/workers")
-    if reply.status_code != 200:
-        raise OnlineReplayError(f"GET /v1/workers answered {reply.status_code}: {reply.text[:200]}")
-    return [status.config.worker_id for status in _decode_workers(reply.content).workers]
+    return [status.config.worker_id for status in _decode_workers((await _ok(http.get("/v1/workers"))).content).workers]
 
 
 async def wait_for_workers(http: httpx.AsyncClient, count: int, timeout_s: float = 30.0) -> None:
@@ -155,7 +162,7 @@ async def reset_fleet(
                 )
             await asyncio.sleep(0.2)
     deadline = time.monotonic() + settle_timeout_s
-    while any(not entry.predicted for entry in _decode_dump((await http.get("/v1/dump")).content)):
+    while any(not entry.predicted for entry in _decode_dump((await _ok(http.get("/v1/dump"))).content)):
         if time.monotonic() > deadline:
             raise OnlineReplayError(f"the router still indexes blocks {settle_timeout_s:.0f} s after the resets")
         await asyncio.sleep(0.05)
@@ -328,7 +335,10 @@ class _Replayer:
         router may be the reason the run ended)."""
         with contextlib.suppress(TimeoutError, httpx.HTTPError):
             async with asyncio.timeout(FREE_DEADLINE_S):
-                await asyncio.gather(*(self._mark("/v1/mark_free", request_id) for request_id in self._booked))
+                # Each tried whatever the others meet (one connection refused must not abandon the rest).
+                await asyncio.gather(
+                    *(self._mark("/v1/mark_free", request_id) for request_id in self._booked), return_exceptions=True
+                )
         self._booked.clear()
 
 

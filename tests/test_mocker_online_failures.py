@@ -41,10 +41,11 @@ def write_trace(path: Path, *, requests: int, rate_per_s: float, output_tokens: 
 
 @contextmanager
 def live_fleet(tmp_path: Path) -> Iterator[tuple[EmbeddedNats, RouterProcess, list[ToolProcess]]]:
-    """A nats-server, `kv-router serve` on it (workers 1 s silent are dropped) and two mock workers."""
+    """A nats-server, `kv-router serve` on it (workers 3 s silent are dropped: six heartbeats missed, never
+    a busy machine's late one) and two mock workers."""
     with EmbeddedNats() as nats:
         router = RouterProcess(
-            tmp_path, "--block-size", "64", "--nats-url", nats.url, "--worker-lease-secs", "1", "--log-level", "warning"
+            tmp_path, "--block-size", "64", "--nats-url", nats.url, "--worker-lease-secs", "3", "--log-level", "warning"
         ).start()
         workers = [start_worker(tmp_path, nats.url, 500 + i) for i in range(WORKERS)]
         try:
@@ -139,7 +140,7 @@ def test_the_router_killed_mid_run_ends_the_replay_at_once_in_one_line(tmp_path:
         replay = start_replay(tmp_path, trace, nats, router)
         until(lambda: routed(router, 2) or replay.ended(), 60, "the replay routed its first requests")
         router.kill9()
-        code = ended_within(replay, 8)
+        code = ended_within(replay, 20)  # its schedule: 12 s
     output = replay.log()
     no_traceback(output)
     assert code == 2, output

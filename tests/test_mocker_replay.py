@@ -572,7 +572,7 @@ def test_plots_name_the_workload_and_show_routers_with_identical_curves() -> Non
 
 def test_an_online_replay_that_sent_its_requests_late_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     """The replayer's own lateness (a request sent after its arrival) is inside the TTFT it measures:
-    a p90 of a tenth of the TTFT p90 or more is a WARNING naming it; less is not. Times rescale with
+    a p90 of a tenth of the TTFT p90 or more (and 10 ms or more) is a WARNING naming it; less is not. Times rescale with
     the rest (a run at --time-scale 4 sent 10 ms late was 40 ms late in trace time)."""
     from mocker.cli import _warn_late
     from mocker.replay import ReplayRun
@@ -597,4 +597,9 @@ def test_an_online_replay_that_sent_its_requests_late_says_so(capsys: pytest.Cap
     assert "WARNING: requests were sent late: p90 40 ms, p99 40 ms after their arrivals (trace time)" in warned
     assert "inside the TTFT p90 of 240 ms" in warned
     _warn_late(run(2.0))  # 8 ms of a 208 ms TTFT p90
+    assert capsys.readouterr().err == ""
+    fast = run(0.5)  # 2 ms of a 202 ms TTFT p90, the fleet's TTFT made 5 ms: a tenth of it, yet only 2 ms
+    for record in fast.records:
+        record.first_token_ms = record.sent_ms + 3.0
+    _warn_late(ReplayRun(summarize("online", fast.records, 1, wall_s=1.0), fast.records))
     assert capsys.readouterr().err == ""
