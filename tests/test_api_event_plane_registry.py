@@ -169,8 +169,11 @@ def test_a_nats_server_back_with_an_empty_store_gets_the_registry_again_and_ever
         until(lambda: plane_state(client) == "disconnected", 10, "the router sees NATS gone")
         server.start()
         put_elsewhere(server.url, 60)  # revision 1
+        put_elsewhere(server.url, 2)  # worker 2 registered anew elsewhere: newer than this router's copy
         proxy.refusing = False
         until(lambda: 60 in known(client), 10, "the router learns a registration made before it was back")
-        until(lambda: registry(server.url) == {60: "http://elsewhere/60", 1: None, 2: None, 3: None}, 10,
-              "the router's registrations are put back")  # fmt: skip
+        expected = {60: "http://elsewhere/60", 2: "http://elsewhere/2", 1: None, 3: None}
+        until(lambda: registry(server.url) == expected, 10, "the router's registrations are put back")
+        # Put back only where the bucket had none: the newer registration of worker 2 stands, here too.
+        until(lambda: known(client).get(2) == "http://elsewhere/2", 10, "the router learns the newer worker 2")
         assert set(known(client)) == {1, 2, 3, 7, 8, 51, 60}

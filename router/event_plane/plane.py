@@ -49,6 +49,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from indexer.errors import UNDECODABLE
@@ -120,6 +121,7 @@ class RouterEventPlane:
         # Registry writes owed, oldest first: worker -> its registration, or None for its deletion.
         self._owed: dict[int, WorkerConfig | None] = {}
         self._owned: set[int] = set()  # registered here over HTTP: put back into a bucket that lost them
+        self._put_back: set[int] = set()  # owed writes that are such put-backs: made only where the key is absent
         self._registry_due = asyncio.Event()  # wakes the registry keeper
         self._check_bucket = False  # NATS came back, or a write failed: the bucket may be gone or recreated
         self._writing = asyncio.Lock()  # one writer at a time, so the writes land in order
@@ -245,11 +247,16 @@ class RouterEventPlane:
         """Workers whose registry write (a registration or a removal) is applied here and still owed."""
         return len(self._owed)
 
-    def _owe(self, worker_id: int, registration: WorkerConfig | None) -> None:
+    def _owe(self, worker_id: int, registration: WorkerConfig | None, *, if_absent: bool = False) -> None:
         """Owe the registry a write of ``registration`` (None: the worker's deletion), after those owed
-        before; it replaces one of the same worker still owed. The registry keeper is woken for it."""
+        before; it replaces one of the same worker still owed. ``if_absent``: a put-back into a new
+        bucket, made only where nobody has registered the worker since. The registry keeper is woken."""
         self._owed.pop(worker_id, None)
         self._owed[worker_id] = registration
+        if if_absent:
+            self._put_back.add(worker_id)
+        else:
+            self._put_back.discard(worker_id)
         self._registry_due.set()
 
     async def _write_registry(self, worker_id: int, registration: WorkerConfig | None) -> None:
@@ -304,10 +311,15 @@ class RouterEventPlane:
                 worker_id, registration = next(iter(self._owed.items()))
                 if registration is None:
                     await registry.delete(str(worker_id))
+                elif worker_id in self._put_back:
+                    # Registered anew elsewhere meanwhile: that one is newer, and the watch brings it here.
+                    with contextlib.suppress(KeyWrongLastSequenceError):
+                        await registry.create(str(worker_id), msgspec.json.encode(registration))
                 else:
                     await registry.put(str(worker_id), msgspec.json.encode(registration))
                 if worker_id in self._owed and self._owed[worker_id] is registration:
                     del self._owed[worker_id]
+                    self._put_back.discard(worker_id)
 
     async def _check_registry_bucket(self) -> None:
         """The bucket as NATS has it now, opened as at start (one gone, as with a server restarted on an
@@ -333,7 +345,7 @@ class RouterEventPlane:
             if held is None or held.leased:  # its publisher's now, which registers it itself
                 self._owned.discard(worker_id)
             else:
-                self._owe(worker_id, held)
+                self._owe(worker_id, held, if_absent=True)
         self._checked_bucket = created  # last: a check cut short is made again
 
     async def _watch_registry(self, initial_done: asyncio.Event) -> None:
