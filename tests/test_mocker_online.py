@@ -18,9 +18,9 @@ from mocker import online as online_module
 from mocker.config import EngineConfig
 from mocker.demo import DemoOptions, run_demo
 from mocker.online import OnlineReplayError, wait_for_workers
-from mocker.replay import ReplaySetup, replay_offline, replay_online_report
+from mocker.replay import ReplayRun, ReplaySetup, replay_offline, replay_online_report
 from mocker.service import serve_router
-from mocker.trace import TraceOptions, build_trace
+from mocker.trace import Trace, TraceOptions, build_trace
 from mocker.wire import GenerateRequest, GenerateUpdate, generate_subject, reset_subject
 from mocker.workload import shared_prefix_rows
 from router.config import RouterConfig
@@ -57,6 +57,19 @@ def start_worker(log_dir: Path, nats_url: str, worker_id: int, *flags: str) -> T
     )  # fmt: skip
 
 
+async def replayed(trace: Trace, router_url: str, nats_server: EmbeddedNats) -> ReplayRun:
+    """``trace`` replayed online against the router at ``router_url`` and its `WORKERS` mock workers."""
+    return await replay_online_report(
+        trace,
+        label="online",
+        router_url=router_url,
+        nats=NatsOptions(nats_server.url),
+        workers=WORKERS,
+        time_scale=TIME_SCALE,
+        show_progress=False,
+    )
+
+
 @pytest.mark.slow
 async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predicts(
     nats_server: EmbeddedNats, router_url: str, tmp_path: Path
@@ -65,15 +78,7 @@ async def test_online_replay_finds_the_cache_hits_the_offline_simulation_predict
     trace = build_trace(rows, TraceOptions(seed=3), "generated")
     workers = [start_worker(tmp_path, nats_server.url, 100 + i) for i in range(WORKERS)]
     try:
-        online = await replay_online_report(
-            trace,
-            label="online",
-            router_url=router_url,
-            nats=NatsOptions(nats_server.url),
-            workers=WORKERS,
-            time_scale=TIME_SCALE,
-            show_progress=False,
-        )
+        online = await replayed(trace, router_url, nats_server)
         async with httpx.AsyncClient(base_url=router_url) as http:
             assert msgspec.json.decode((await http.get("/v1/dump")).content)  # the router indexed their blocks
             # The replayer told the router every output block opened, as the proxy would, each for an
@@ -282,20 +287,7 @@ async def test_a_repeated_online_replay_starts_from_cold_caches(
     trace = build_trace(rows, TraceOptions(seed=4), "generated")
     workers = [start_worker(tmp_path, nats_server.url, 400 + i) for i in range(WORKERS)]
     try:
-        hits = [
-            (
-                await replay_online_report(
-                    trace,
-                    label="online",
-                    router_url=router_url,
-                    nats=NatsOptions(nats_server.url),
-                    workers=WORKERS,
-                    time_scale=TIME_SCALE,
-                    show_progress=False,
-                )
-            ).report.hit_rate_tokens
-            for _ in range(2)
-        ]
+        hits = [(await replayed(trace, router_url, nats_server)).report.hit_rate_tokens for _ in range(2)]
     finally:
         for process in workers:
             assert process.stop() == 0
@@ -313,15 +305,7 @@ async def test_a_repeated_online_replay_runs_on_workers_without_kv_events(
     workers = [start_worker(tmp_path, nats_server.url, 410 + i, "--no-kv-events") for i in range(WORKERS)]
     try:
         for _ in range(2):
-            done = await replay_online_report(
-                trace,
-                label="online",
-                router_url=router_url,
-                nats=NatsOptions(nats_server.url),
-                workers=WORKERS,
-                time_scale=TIME_SCALE,
-                show_progress=False,
-            )
+            done = await replayed(trace, router_url, nats_server)
             assert [record.status for record in done.records] == ["completed"] * len(trace.requests)
             # When each was sent, for the replayer's own lateness (`mocker.report.send_lateness`).
             assert all(0 <= record.sent_ms - record.arrival_ms < record.ttft_ms for record in done.records)
