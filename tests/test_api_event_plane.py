@@ -8,6 +8,7 @@ import logging
 import random
 import threading
 from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -102,8 +103,9 @@ def nats_url(nats_server: EmbeddedNats) -> str:
     return nats_server.url
 
 
-@pytest.fixture
-def client(nats_url: str) -> Iterator[TestClient]:
+@contextmanager
+def service(nats_url: str) -> Iterator[TestClient]:
+    """The HTTP service on ``nats_url``, once its event plane (connecting in the background) has started."""
     settings = Settings(
         service=ServiceConfig(),
         router=RouterConfig(block_size=BLOCK),
@@ -111,7 +113,13 @@ def client(nats_url: str) -> Iterator[TestClient]:
     )
     app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
     with TestClient(app, base_url="http://127.0.0.1") as test_client:
-        until(lambda: test_client.get("/readyz").status_code == 200)  # the event plane connects in the background
+        until(lambda: test_client.get("/readyz").status_code == 200, 20, "the event plane starts")
+        yield test_client
+
+
+@pytest.fixture
+def client(nats_url: str) -> Iterator[TestClient]:
+    with service(nats_url) as test_client:
         yield test_client
 
 

@@ -6,21 +6,15 @@ learns every entry of the new bucket, whatever its revision."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import msgspec
 from fastapi.testclient import TestClient
 from nats.js.errors import BucketNotFoundError, NoKeysError
-from prometheus_client import CollectorRegistry
 
-from api.app import create_app
-from api.config import EventPlaneConfig, ServiceConfig, Settings
-from router.config import RouterConfig
 from router.event_plane.connection import NatsOptions, connect
 from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.publisher import open_registry
@@ -28,25 +22,12 @@ from router.event_plane.subjects import Subjects
 from router.types import WorkerConfig
 from tests.metrics import sample
 from tests.nats_proxy import LossyNatsProxy
+from tests.test_api_event_plane import service
 from tests.waiting import until
 
 BLOCK = 16
 # Well under the 5 s a JetStream request waits before it times out.
 PROMPT_S = 2.0
-
-
-@contextmanager
-def service(nats_url: str) -> Iterator[TestClient]:
-    """The HTTP service on ``nats_url``, once its event plane has started."""
-    settings = Settings(
-        service=ServiceConfig(),
-        router=RouterConfig(block_size=BLOCK),
-        event_plane=EventPlaneConfig(nats_url=nats_url, worker_lease_secs=30),
-    )
-    app = create_app(settings, registry=CollectorRegistry(), rng=random.Random(0))
-    with TestClient(app, base_url="http://127.0.0.1") as client:
-        until(lambda: client.get("/readyz").status_code == 200, 20, "the event plane starts")
-        yield client
 
 
 def plane_state(client: TestClient) -> str:
