@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
@@ -30,6 +30,8 @@ from nats.aio.msg import Msg
 from indexer.errors import EventDecodeError
 from indexer.events import ResyncRequest, ResyncResponse, decode_router_events, looks_like_msgpack
 from router.config import RouterConfig
+from router.event_plane.connection import NatsOptions, connect
+from router.event_plane.embedded_server import EmbeddedNats
 from router.event_plane.plane import RouterEventPlane
 from router.kv_router import KvRouter
 from router.types import MAX_DP_SIZE, WorkerConfig
@@ -136,8 +138,12 @@ def plane(client_nc: Client) -> RouterEventPlane:
 
 
 @pytest.fixture
-async def client_nc(client: Client) -> Client:  # the NATS client of tests/conftest.py
-    return client
+async def client_nc(nats_server: EmbeddedNats) -> AsyncIterator[Client]:
+    """A connected NATS client of its own: this module's ``client`` is the HTTP service's, which shadows
+    tests/conftest.py's NATS one (the plane was handed a TestClient, which answered nothing it asked)."""
+    nc = await connect(NatsOptions(nats_server.url))
+    yield nc
+    await nc.close()
 
 
 @pytest.mark.anyio
