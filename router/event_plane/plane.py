@@ -260,9 +260,11 @@ class RouterEventPlane:
         self._registry_due.set()
 
     async def _write_registry(self, worker_id: int, registration: WorkerConfig | None) -> None:
-        """Owe the write, and make it now while NATS is there: the caller answers once every router can
-        learn it. NATS out of reach (its client would send the write at a reconnection nobody awaits),
-        the bucket to be checked first, or the write failed: the registry keeper writes it."""
+        """Owe the write, and make it now while NATS is there and no other write is under way: the caller
+        then answers once every router can learn it. NATS out of reach (its client would send the write at
+        a reconnection nobody awaits), the bucket to be checked first, or the write failed: the registry
+        keeper writes it; another write under way (the keeper's, which may wait on JetStream for seconds,
+        or another caller's) pays it with its own, as it pays until nothing is owed."""
         self._owe(worker_id, registration)
         if not self.nc.is_connected or self._check_bucket or self._writing.locked():
             return  # the keeper (or the write under way, which pays until nothing is owed) writes it
